@@ -1,0 +1,72 @@
+"""A cheap digest of model and optimizer state, recorded at save and checked after every load.
+
+Per-tensor L2 norms of parameters and AdamW moments, accumulated in float64 over each rank's local
+shard and summed with one all-reduce. At the same world size the shards, and so the norms, are
+bit-identical; at another world size only the grouping of a float64 sum changes, so a relative
+tolerance of 1e-9 is far above rounding and far below any real loss of state (a dropped or
+misplaced optimizer shard changes a norm by whole percents).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from schemas import Fingerprint
+
+CROSS_WORLD_RTOL = 1e-9
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def sum_squares(named: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Global per-tensor sum of squares. With ``group`` the local shards' sums are all-reduced."""
+    names: list[str] = []
+    parts: list[torch.Tensor] = []
+    for name, t in named:
+        names.append(name)
+        loc = _local(t).detach()
+        parts.append(loc.to("cpu", torch.float64).pow(2).sum() if loc.numel() else torch.zeros((), dtype=torch.float64))
+    if not parts:
+        return {}
+    vec = torch.stack(parts)
+    if group is not None:
+        dist.all_reduce(vec, group=group)
+    return dict(zip(names, vec.tolist()))
+
+
+def make_fingerprint(
+    model_sq: Mapping[str, float], optim_sq: Mapping[str, float], optim_step: float
+) -> Fingerprint:
+    return Fingerprint(
+        model={k: math.sqrt(v) for k, v in model_sq.items()},
+        optim={k: math.sqrt(v) for k, v in optim_sq.items()},
+        optim_step=float(optim_step),
+        cross_world_rtol=CROSS_WORLD_RTOL,
+    )
+
+
+def compare(saved: Fingerprint, now: Fingerprint, *, exact: bool) -> list[str]:
+    """Differences between two fingerprints, worst first; empty when they agree."""
+    problems: list[tuple[float, str]] = []
+    if saved.optim_step != now.optim_step:
+        problems.append((math.inf, f"optimizer step {now.optim_step:g} != saved {saved.optim_step:g}"))
+    for section, a, b in (("model", saved.model, now.model), ("optimizer", saved.optim, now.optim)):
+        missing = sorted(set(a) ^ set(b))
+        if missing:
+            problems.append((math.inf, f"{section} tensors differ in name: {', '.join(missing[:3])}"))
+        for k in sorted(set(a) & set(b)):
+            x, y = a[k], b[k]
+            if x == y:
+                continue
+            rel = abs(x - y) / max(abs(x), abs(y), 1e-30)
+            if exact or rel > saved.cross_world_rtol:
+                problems.append((rel, f"{section} {k}: norm {y:.9g} != saved {x:.9g} (rel {rel:.2e})"))
+    problems.sort(key=lambda p: -p[0])
+    return [p[1] for p in problems]

@@ -1,0 +1,86 @@
+"""The run directory and checkpoint naming: the on-disk contract.
+
+    RUN_DIR/
+      run.yaml                    the RunSpec (written by the first segment)
+      checkpoints/step-00000100/  manifest.json + backend files   (committed)
+      checkpoints/step-00000110.partial/                          (being written, or abandoned)
+      metrics.jsonl  segments.jsonl  lineage.jsonl  .lock
+      exports/step-00000100/
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from schemas import MANIFEST_NAME
+
+STEP_RE = re.compile(r"^step-(\d{8})$")
+PARTIAL_SUFFIX = ".partial"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @classmethod
+    def at(cls, path: str | Path) -> RunDir:
+        return cls(Path(path).resolve())
+
+    @property
+    def spec_path(self) -> Path:
+        return self.root / "run.yaml"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def exports(self) -> Path:
+        return self.root / "exports"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def segments(self) -> Path:
+        return self.root / "segments.jsonl"
+
+    @property
+    def lineage(self) -> Path:
+        return self.root / "lineage.jsonl"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.root / ".lock"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / step_dir_name(step)
+
+    def partial(self, step: int) -> Path:
+        return self.checkpoints / (step_dir_name(step) + PARTIAL_SUFFIX)
+
+    def committed(self) -> list[Path]:
+        """Step directories that carry a manifest, oldest first (validity is checked by ckpt.validate)."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = [
+            p for p in self.checkpoints.iterdir() if p.is_dir() and parse_step(p.name) is not None and (p / MANIFEST_NAME).is_file()
+        ]
+        return sorted(found, key=lambda p: parse_step(p.name) or 0)
+
+    def partials(self) -> list[Path]:
+        if not self.checkpoints.is_dir():
+            return []
+        return sorted(p for p in self.checkpoints.iterdir() if p.name.endswith(PARTIAL_SUFFIX))

@@ -1,0 +1,81 @@
+"""CheckpointManifest and ValidationReport: what makes a step directory a checkpoint."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.run import ClusterTopology, RunSpec
+
+MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class FileEntry(_Frozen):
+    path: str = Field(description="path relative to the checkpoint directory")
+    size: int = Field(ge=0, description="size in bytes")
+    xxh3_128: str = Field(description="hex xxh3-128 digest of the whole file")
+    rank: int | None = Field(None, description="rank that wrote (and hashed) the file; None for rank-0 metadata")
+
+
+class TensorEntry(_Frozen):
+    name: str = Field(description="fully qualified key in the checkpoint (model.*, optim.state.*)")
+    shape: list[int] = Field(description="global (unsharded) shape")
+    dtype: str = Field(description="torch dtype name, e.g. float32")
+
+
+class Fingerprint(_Frozen):
+    method: Literal["l2-per-tensor-f64"] = Field(
+        "l2-per-tensor-f64", description="per-tensor L2 norms accumulated in float64 over all shards"
+    )
+    model: dict[str, float] = Field(description="L2 norm of each model parameter")
+    optim: dict[str, float] = Field(description="L2 norm of each optimizer moment (exp_avg, exp_avg_sq) by key")
+    optim_step: float = Field(description="AdamW step counter (the same for every parameter)")
+    cross_world_rtol: float = Field(
+        1e-9, description="relative tolerance when compared at a different world size (reduction order differs)"
+    )
+
+
+class DtypePolicy(_Frozen):
+    master: Literal["float32"] = Field("float32", description="dtype of weights and optimizer state in the checkpoint")
+    compute: Literal["float32", "bfloat16"] = Field(description="dtype used for forward/backward")
+    reduce: Literal["float32", "bfloat16"] = Field(description="dtype used for gradient reduction")
+
+
+class CheckpointManifest(_Frozen):
+    schema_version: int = Field(MANIFEST_SCHEMA_VERSION, description="manifest format version")
+    format: Literal["dcp", "deepspeed"] = Field(description="on-disk layout of the tensors")
+    run_name: str = Field(description="RunSpec.name of the run that wrote it")
+    step: int = Field(ge=0, description="optimizer steps completed")
+    tokens: int = Field(ge=0, description="training tokens consumed")
+    samples: int = Field(ge=0, description="training samples consumed (the data loader position)")
+    segment: int = Field(ge=0, description="index of the training segment that wrote it")
+    reason: Literal["interval", "preempted", "end", "converted"] = Field(description="why it was written")
+    created_at: str = Field(description="UTC ISO-8601 time of the commit")
+    files: list[FileEntry] = Field(description="every file of the checkpoint, with size and checksum")
+    tensors: list[TensorEntry] = Field(description="inventory of the tensors saved")
+    model_signature: str = Field(description="sha256 of model type, config and parameter shapes: the architecture")
+    topology: ClusterTopology = Field(description="where it was written")
+    dtype_policy: DtypePolicy = Field(description="dtypes at save")
+    parent: str | None = Field(None, description="name of the checkpoint this run resumed from before writing it")
+    code_version: str = Field(description="shardkeeper version (and git commit when known)")
+    fingerprint: Fingerprint = Field(description="cheap digest of model and optimizer state, checked after every load")
+    run_spec: RunSpec = Field(description="the RunSpec that produced it")
+    save_seconds: float = Field(0.0, ge=0, description="wall time from the start of the save to the commit")
+    async_save: bool = Field(False, description="written in the background")
+
+
+class ValidationReport(_Frozen):
+    path: str = Field(description="checkpoint directory checked")
+    valid: bool = Field(description="true when every check passed")
+    deep: bool = Field(description="checksums of every byte and the fingerprint were verified")
+    step: int | None = Field(None, description="step of the checkpoint, when the manifest could be read")
+    errors: list[str] = Field(default_factory=list, description="one line per problem, naming the file and the cause")
+    files_checked: int = Field(0, description="files whose size (and with deep, checksum) was verified")
+    bytes_checked: int = Field(0, description="bytes hashed (deep only)")
+    seconds: float = Field(0.0, description="time the validation took")

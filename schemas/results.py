@@ -1,0 +1,71 @@
+"""Results that stages hand to each other: segments, reshards, exports, publishes, lineage events."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.run import ClusterTopology
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+SegmentStatus = Literal["completed", "preempted", "failed"]
+
+
+class SegmentResult(_Frozen):
+    run_dir: str = Field(description="run directory")
+    status: SegmentStatus = Field(description="how the segment ended")
+    exit_code: int = Field(description="exit code of the launcher (0 completed, 75 preempted, other failed)")
+    segment: int = Field(ge=0, description="segment index within the run")
+    start_step: int = Field(ge=0, description="step the segment resumed from")
+    end_step: int = Field(ge=0, description="step of the last committed checkpoint")
+    checkpoint: str | None = Field(None, description="path of the newest valid checkpoint after the segment")
+    topology: ClusterTopology = Field(description="where it ran")
+    seconds: float = Field(0.0, description="wall time")
+    failure: str | None = Field(None, description="failing rank's last lines when status is 'failed'")
+
+
+class ReshardResult(_Frozen):
+    source: str = Field(description="checkpoint resharded")
+    target: str = Field(description="checkpoint to load at the new world size (the source itself for DCP)")
+    from_world_size: int = Field(ge=1, description="world size at save")
+    to_world_size: int = Field(ge=1, description="world size of the next segment")
+    method: Literal["dcp-load-time", "deepspeed-universal", "none"] = Field(description="how it is resharded")
+    seconds: float = Field(0.0, description="time spent converting")
+
+
+class ExportResult(_Frozen):
+    checkpoint: str = Field(description="source checkpoint")
+    out_dir: str = Field(description="export folder")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(description="published dtype of floating tensors")
+    files: dict[str, str] = Field(description="file name -> sha256 of every file written")
+    num_shards: int = Field(ge=1, description="number of safetensors files")
+    total_bytes: int = Field(ge=0, description="bytes of tensor data written")
+    num_tensors: int = Field(ge=0, description="tensors exported")
+    seconds: float = Field(0.0, description="wall time")
+    peak_rss_bytes: int = Field(0, description="peak resident memory of the exporting process")
+
+
+class PublishResult(_Frozen):
+    target: str = Field(description="repo id on the Hub, or an fsspec URL")
+    revision: str | None = Field(None, description="branch or tag published to")
+    commit: str | None = Field(None, description="commit id on the Hub, when one was created")
+    url: str | None = Field(None, description="where to see it")
+    skipped: bool = Field(False, description="true when the same bytes were already published (idempotent no-op)")
+    files: int = Field(0, description="files uploaded")
+
+
+class LineageEvent(_Frozen):
+    id: str = Field(description="unique event id, e.g. 'checkpoint:step-00000100'")
+    kind: Literal["segment", "checkpoint", "resume", "reshard", "export", "publish", "validate"] = Field(
+        description="what happened"
+    )
+    parent: str | None = Field(None, description="id of the event this one derives from")
+    time: str = Field(description="UTC ISO-8601")
+    step: int | None = Field(None, description="training step it concerns")
+    uri: str | None = Field(None, description="where the artifact lives (file://, s3://, hf://)")
+    data: dict[str, Any] = Field(default_factory=dict, description="kind-specific details (world size, loss, dtype, ...)")

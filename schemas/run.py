@@ -1,0 +1,132 @@
+"""RunSpec: everything that determines a training run, and ClusterTopology: where a segment runs.
+
+These are the contracts between stages; they import neither torch nor prefect.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSpec(_Frozen):
+    model_type: str = Field(
+        "llama", description="transformers model type, as in AutoConfig.for_model (llama, qwen2, mistral, ...)"
+    )
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments of the transformers config (hidden_size, num_hidden_layers, vocab_size, ...)",
+    )
+
+
+class DataSpec(_Frozen):
+    source: Literal["synthetic", "tokens"] = Field(
+        "synthetic",
+        description="'synthetic': a deterministic generated corpus; 'tokens': a flat token file (.bin uint16/uint32 or .npy)",
+    )
+    path: str | None = Field(None, description="token file for source='tokens' (.bin or .npy, memory-mapped)")
+    dtype: Literal["uint16", "uint32", "int32", "int64"] = Field(
+        "uint16", description="element type of a raw .bin token file (ignored for .npy)"
+    )
+    seq_len: int = Field(64, gt=1, description="tokens per training sample (inputs; one more is read for labels)")
+    synthetic_tokens: int = Field(
+        1 << 20, gt=1024, description="length of the generated corpus for source='synthetic'"
+    )
+
+    @model_validator(mode="after")
+    def _path_for_tokens(self) -> DataSpec:
+        if self.source == "tokens" and not self.path:
+            raise ValueError("data.path is required when data.source is 'tokens'; set it to a .bin or .npy token file")
+        return self
+
+
+class OptimSpec(_Frozen):
+    name: Literal["adamw"] = Field("adamw", description="optimizer; AdamW is the one the checkpoint contract covers")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay")
+    grad_clip: float | None = Field(1.0, description="max global L2 norm of gradients; null disables clipping")
+
+
+class ScheduleSpec(_Frozen):
+    warmup_steps: int = Field(10, ge=0, description="linear warm-up steps from 0 to the peak LR")
+    total_steps: int = Field(1000, gt=0, description="steps over which the cosine decays to min_lr_ratio * lr")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final LR as a fraction of the peak LR")
+
+
+class PrecisionSpec(_Frozen):
+    compute: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype of forward/backward; master weights and optimizer state stay fp32 either way"
+    )
+    reduce: Literal["fp32", "bf16"] = Field("fp32", description="dtype of gradient reduction")
+
+
+class CheckpointPolicy(_Frozen):
+    interval: int = Field(50, gt=0, description="commit a checkpoint every this many optimizer steps")
+    async_save: bool = Field(False, description="write checkpoints in the background (at most one in flight)")
+    keep_last: int = Field(3, ge=1, description="keep the newest k valid checkpoints")
+    keep_every: int | None = Field(
+        None, gt=0, description="also keep every checkpoint whose step is a multiple of this (milestones)"
+    )
+    io_threads: int = Field(2, ge=1, le=16, description="writer threads per rank")
+
+
+class DeepSpeedSpec(_Frozen):
+    zero_stage: Literal[1, 2, 3] = Field(2, description="ZeRO stage for backend='deepspeed'")
+
+
+class RunSpec(_Frozen):
+    name: str = Field("run", min_length=1, description="human name of the run (shown in lineage and model cards)")
+    backend: Literal["fsdp2", "deepspeed"] = Field("fsdp2", description="sharding backend")
+    seed: int = Field(1234, description="seed of initialisation and of the global sample order")
+    global_batch_size: int = Field(8, gt=0, description="samples per optimizer step, over all ranks")
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="samples per rank per forward pass (gradient accumulation); null = all of the rank's share"
+    )
+    model: ModelSpec = Field(default_factory=ModelSpec, description="the model")
+    data: DataSpec = Field(default_factory=DataSpec, description="the data")
+    optim: OptimSpec = Field(default_factory=OptimSpec, description="the optimizer")
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="the LR schedule")
+    precision: PrecisionSpec = Field(default_factory=PrecisionSpec, description="compute/reduce dtypes")
+    checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy, description="checkpoint policy")
+    deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec, description="DeepSpeed options")
+
+    def per_rank_batch(self, world_size: int) -> int:
+        """Samples each rank processes per optimizer step; raises ValueError if it does not divide."""
+        if world_size < 1:
+            raise ValueError("world size must be at least 1")
+        if self.global_batch_size % world_size:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not divisible by {world_size} ranks; "
+                f"choose --nproc among {divisors(self.global_batch_size)} or change global_batch_size"
+            )
+        local = self.global_batch_size // world_size
+        micro = self.micro_batch_size or local
+        if local % micro:
+            raise ValueError(
+                f"micro_batch_size {micro} does not divide the per-rank batch {local} at {world_size} ranks; "
+                "set micro_batch_size to a divisor of it or null"
+            )
+        return local
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class ClusterTopology(_Frozen):
+    nodes: int = Field(1, ge=1, description="number of nodes")
+    procs_per_node: int = Field(1, ge=1, description="ranks per node")
+    device_type: Literal["cpu", "cuda"] = Field("cpu", description="device each rank computes on")
+    backend: Literal["gloo", "nccl"] = Field("gloo", description="collective backend")
+    launcher: Literal["local", "slurm", "kubernetes"] = Field("local", description="how the ranks are started")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node

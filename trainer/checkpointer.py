@@ -1,0 +1,271 @@
+"""The Checkpointer: save / load_latest / wait / close over DCP, with the commit protocol.
+
+Commit protocol (a directory without a valid manifest is never loaded):
+  1. every rank writes its shards into ``step-XXXXXXXX.partial/`` (DCP, fsync per file);
+  2. each rank hashes the files it wrote (xxh3-128), in parallel across ranks;
+  3. rank 0 gathers sizes and digests, writes ``manifest.json`` (fsync), renames the directory to
+     ``step-XXXXXXXX`` and fsyncs the parent; then every rank learns the commit happened.
+
+Async save: training blocks only for one copy of the state into reusable CPU buffers; fingerprint,
+DCP planning and writing, hashing and the commit run on a background thread over a dedicated gloo
+group, so they never interleave with the training collectives. At most one save is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from ckpt import __version__, fingerprint as fp, lineage
+from ckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner
+from ckpt.errors import CheckpointError, FingerprintMismatch
+from ckpt.fsutil import fsync_dir
+from ckpt.hashing import hash_files
+from ckpt.layout import RunDir, step_dir_name
+from ckpt.manifest import write_manifest
+from ckpt.retention import apply_retention
+from ckpt.validate import MOMENTS, latest_valid
+from schemas import CheckpointManifest, DtypePolicy, FileEntry, RunSpec, TensorEntry
+
+from trainer.dist import DistEnv
+
+log = logging.getLogger("shardkeeper.checkpoint")
+
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+@dataclass
+class TrainState:
+    """Counters that, with the model/optimizer/RNG state, determine the continuation."""
+
+    step: int = 0
+    tokens: int = 0
+    samples: int = 0
+
+
+def code_version() -> str:
+    sha = os.environ.get("SHARDKEEPER_GIT_SHA")
+    return f"shardkeeper {__version__}" + (f" ({sha})" if sha else "")
+
+
+class Checkpointer:
+    """One per training segment. The trainer calls ``load_latest()`` once, ``save()`` at intervals
+    and on preemption, and ``close()`` at the end."""
+
+    def __init__(self, run_dir: RunDir, spec: RunSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 env: DistEnv, *, segment: int, signature: str):
+        self.run_dir = run_dir
+        self.spec = spec
+        self.model = model
+        self.optimizer = optimizer
+        self.env = env
+        self.segment = segment
+        self.signature = signature
+        self.parent: str | None = None
+        self.last_committed_step: int | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
+        self._inflight: Future | None = None
+        self._staged: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+        self.stats: list[dict[str, float]] = []
+
+    # ----------------------------------------------------------------- state dict
+    def _state_dict(self, ts: TrainState, *, with_rng: bool = True) -> dict[str, Any]:
+        msd, osd = get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=False))
+        sd: dict[str, Any] = {
+            "model": msd,
+            "optim": osd,
+            "trainer": {
+                "step": torch.tensor(ts.step, dtype=torch.int64),
+                "tokens": torch.tensor(ts.tokens, dtype=torch.int64),
+                "samples": torch.tensor(ts.samples, dtype=torch.int64),
+            },
+        }
+        if with_rng:
+            rng = {"cpu": torch.get_rng_state()}
+            if self.env.device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state(self.env.device)
+            sd["rng"] = {f"rank{self.env.rank}": rng}
+        return sd
+
+    @staticmethod
+    def _fingerprint_of(sd: dict[str, Any], group: dist.ProcessGroup | None):
+        model_sq = fp.sum_squares(sorted(sd["model"].items()), group)
+        moments = []
+        step = 0.0
+        for name, st in sorted(sd["optim"]["state"].items()):
+            moments += [(f"{name}.{m}", st[m]) for m in MOMENTS if m in st]
+            if "step" in st:
+                step = float(st["step"])
+        return fp.make_fingerprint(model_sq, fp.sum_squares(moments, group), step)
+
+    def _inventory(self, sd: dict[str, Any]) -> list[TensorEntry]:
+        out = [TensorEntry(name=f"model.{k}", shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
+               for k, v in sorted(sd["model"].items())]
+        for name, st in sorted(sd["optim"]["state"].items()):
+            for m in MOMENTS:
+                if m in st:
+                    v = st[m]
+                    out.append(TensorEntry(name=f"optim.state.{name}.{m}", shape=list(v.shape),
+                                           dtype=str(v.dtype).removeprefix("torch.")))
+        return out
+
+    # ----------------------------------------------------------------- save
+    def save(self, ts: TrainState, *, reason: str, blocking: bool | None = None) -> None:
+        """Checkpoint the current state at ``ts.step``. Async unless ``blocking`` or the policy says sync."""
+        self.wait()
+        if self.last_committed_step == ts.step:
+            return
+        blocking = (not self.spec.checkpoint.async_save) if blocking is None else blocking
+        t0 = time.perf_counter()
+        self._prepare_partial(ts.step)
+        sd = self._state_dict(ts)
+        if blocking:
+            self._write_and_commit(sd, ts, reason, t0, async_save=False)
+            self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 0.0})
+            return
+        staged = self._stage(sd)
+        blocked = time.perf_counter() - t0
+        self.stats.append({"step": ts.step, "blocked_s": blocked, "async": 1.0})
+        self._inflight = self._pool.submit(self._write_and_commit, staged, ts, reason, t0, True)
+
+    def _prepare_partial(self, step: int) -> None:
+        partial = self.run_dir.partial(step)
+        if self.env.is_rank0:
+            if partial.exists():  # an abandoned attempt at the same step
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
+        dist.barrier(group=self.env.ctrl_group)
+
+    def _stage(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """Copy the state into CPU buffers that are allocated once and reused by later saves."""
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        if self._staged is None:
+            self._staged = _create_cpu_state_dict(sd, pin_memory=self.env.device.type == "cuda")
+        staged = _copy_state_dict(sd, self._staged, non_blocking=self.env.device.type == "cuda")
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+        return staged
+
+    def _write_and_commit(self, sd: dict[str, Any], ts: TrainState, reason: str, t0: float, async_save: bool) -> None:
+        group = self.env.ckpt_group
+        partial = self.run_dir.partial(ts.step)
+        fingerprint = self._fingerprint_of(sd, group)
+        writer = dcp.FileSystemWriter(partial, sync_files=True, thread_count=self.spec.checkpoint.io_threads,
+                                      overwrite=False)
+        dcp.save(sd, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
+        # Each rank hashes what it wrote; rank 0 also hashes the DCP metadata.
+        mine = sorted(partial.glob(f"__{self.env.rank}_*"))
+        if self.env.is_rank0:
+            mine.append(partial / ".metadata")
+        hashed = hash_files(mine, threads=self.spec.checkpoint.io_threads)
+        entries = [FileEntry(path=p.name, size=s, xxh3_128=h, rank=self.env.rank) for p, (s, h) in hashed.items()]
+        gathered: list[list[FileEntry]] | None = [[] for _ in range(self.env.world_size)] if self.env.is_rank0 else None
+        dist.gather_object(entries, gathered, dst=0, group=group)
+        if self.env.is_rank0:
+            files = sorted((e for part in gathered or [] for e in part), key=lambda e: e.path)
+            manifest = CheckpointManifest(
+                format="dcp", run_name=self.spec.name, step=ts.step, tokens=ts.tokens, samples=ts.samples,
+                segment=self.segment, reason=reason,  # type: ignore[arg-type]
+                created_at=lineage.now_iso(), files=files, tensors=self._inventory(sd),
+                model_signature=self.signature, topology=self.env.topology,
+                dtype_policy=DtypePolicy(compute=_DTYPE_NAMES[self.spec.precision.compute],  # type: ignore[arg-type]
+                                         reduce=_DTYPE_NAMES[self.spec.precision.reduce]),  # type: ignore[arg-type]
+                parent=self.parent, code_version=code_version(), fingerprint=fingerprint, run_spec=self.spec,
+                save_seconds=time.perf_counter() - t0, async_save=async_save,
+            )
+            write_manifest(partial, manifest)
+            final = self.run_dir.checkpoint(ts.step)
+            os.rename(partial, final)
+            fsync_dir(final.parent)
+            lineage.record(self.run_dir, "checkpoint", lineage.checkpoint_event_id(ts.step),
+                           parent=lineage.checkpoint_event_id(int(self.parent[5:])) if self.parent else None,
+                           step=ts.step, uri=final.as_uri(), reason=reason, world_size=self.env.world_size,
+                           segment=self.segment, save_seconds=round(manifest.save_seconds, 3),
+                           bytes=sum(f.size for f in files), async_save=async_save)
+            log.info("committed %s (%s, %.2f s, %.1f MB)", final.name, reason, manifest.save_seconds,
+                     sum(f.size for f in files) / 1e6)
+            pol = self.spec.checkpoint
+            apply_retention(self.run_dir, keep_last=pol.keep_last, keep_every=pol.keep_every)
+        dist.barrier(group=group)
+        self.last_committed_step = ts.step
+        self.parent = step_dir_name(ts.step)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; re-raise its failure."""
+        if self._inflight is not None:
+            fut, self._inflight = self._inflight, None
+            fut.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
+        self._staged = None
+
+    # ----------------------------------------------------------------- load
+    def load_latest(self) -> TrainState | None:
+        """Load the newest valid checkpoint of the run (resharding through DCP), verify the fingerprint."""
+        found = latest_valid(self.run_dir) if self.env.is_rank0 else None
+        box = [str(found[0]) if found else None]
+        dist.broadcast_object_list(box, src=0, group=self.env.ctrl_group)
+        if box[0] is None:
+            return None
+        return self.load(Path(box[0]))
+
+    def load(self, path: Path) -> TrainState:
+        from ckpt.manifest import read_manifest
+
+        t0 = time.perf_counter()
+        manifest = read_manifest(path)
+        if manifest.format != "dcp":
+            raise CheckpointError(f"{path}: a {manifest.format} checkpoint cannot be loaded by the fsdp2 backend; "
+                                  "convert it first (shardkeeper reshard)")
+        if manifest.model_signature != self.signature:
+            raise CheckpointError(f"{path}: written by another architecture (model signature differs from "
+                                  f"{self.spec.model.model_type} {self.spec.model.config}); use a new --run-dir")
+        same_world = manifest.topology.world_size == self.env.world_size
+        ts = TrainState()
+        sd = self._state_dict(ts, with_rng=same_world)
+        dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=self.env.ckpt_group)
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        if same_world:
+            rng = sd["rng"][f"rank{self.env.rank}"]
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and self.env.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], self.env.device)
+        else:
+            torch.manual_seed(self.spec.seed + 7919 * manifest.step + self.env.rank)
+        ts = TrainState(step=int(sd["trainer"]["step"]), tokens=int(sd["trainer"]["tokens"]),
+                        samples=int(sd["trainer"]["samples"]))
+        self._verify(path, manifest, same_world)
+        self.parent = path.name
+        self.last_committed_step = ts.step
+        if self.env.is_rank0:
+            log.info("resumed from %s at step %d (saved at world size %d, now %d) in %.2f s", path.name, ts.step,
+                     manifest.topology.world_size, self.env.world_size, time.perf_counter() - t0)
+        return ts
+
+    def _verify(self, path: Path, manifest: CheckpointManifest, same_world: bool) -> None:
+        """Recompute the fingerprint of the live state and refuse to train on a mismatch."""
+        sd = self._state_dict(TrainState(), with_rng=False)
+        now = self._fingerprint_of(sd, self.env.ctrl_group)
+        diffs = fp.compare(manifest.fingerprint, now, exact=same_world)
+        if diffs:
+            raise FingerprintMismatch(
+                f"{path}: state after load differs from the saved fingerprint ({diffs[0]}; {len(diffs)} tensors differ); "
+                "refusing to train on it, as the next step would spike; validate --deep the checkpoint or resume from an earlier one"
+            )

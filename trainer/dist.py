@@ -1,0 +1,70 @@
+"""Process-group set-up on the rank side: CUDA+NCCL when GPUs are there, CPU+gloo otherwise."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from schemas import ClusterTopology
+
+log = logging.getLogger("shardkeeper.trainer")
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    ckpt_group: dist.ProcessGroup  # gloo: checkpoint planning/commit, usable from a background thread
+    ctrl_group: dist.ProcessGroup  # gloo: small control messages (preemption agreement, fingerprints)
+    topology: ClusterTopology
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def choose_device(local_rank: int, want: str = "auto") -> torch.device:
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' requested but CUDA is not available on this node")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistEnv:
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    dev = choose_device(local_rank, os.environ.get("SHARDKEEPER_DEVICE", device))
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s),
+                                device_id=dev if dev.type == "cuda" else None)
+    mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
+    ckpt_group = dist.new_group(backend="gloo")
+    ctrl_group = dist.new_group(backend="gloo")
+    topo = ClusterTopology(
+        nodes=max(1, world // max(1, local_world)),
+        procs_per_node=local_world,
+        device_type=dev.type,  # type: ignore[arg-type]
+        backend=backend,  # type: ignore[arg-type]
+        launcher=os.environ.get("SHARDKEEPER_LAUNCHER", "local"),  # type: ignore[arg-type]
+    )
+    return DistEnv(rank, world, local_rank, dev, mesh, ckpt_group, ctrl_group, topo)
+
+
+def log0(env: DistEnv | None, msg: str, *args: object) -> None:
+    """Log on rank 0 only (lazy formatting)."""
+    if env is None or env.is_rank0:
+        log.info(msg, *args)

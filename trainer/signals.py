@@ -1,0 +1,41 @@
+"""Preemption: a signal on any rank becomes an agreement of all ranks at the next step boundary."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a scheduler's requeue means
+
+
+class PreemptionWatcher:
+    """Install handlers that only set a flag; ``should_stop()`` is a collective (MAX over ranks)."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self._flag = threading.Event()
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> PreemptionWatcher:
+        for sig in PREEMPT_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.signum = signum
+        self._flag.set()
+
+    def uninstall(self) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)  # type: ignore[arg-type]
+
+    def should_stop(self) -> bool:
+        flag = torch.tensor([1 if self._flag.is_set() else 0], dtype=torch.int32)
+        if self.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
