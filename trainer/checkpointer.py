@@ -37,7 +37,7 @@ from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, step_dir_name
 from ckpt.manifest import write_manifest
 from ckpt.retention import apply_retention
-from ckpt.validate import MOMENTS, latest_valid
+from ckpt.validate import MOMENTS
 from schemas import CheckpointManifest, DtypePolicy, FileEntry, RunSpec, TensorEntry
 
 from trainer.dist import DistEnv
@@ -218,13 +218,41 @@ class Checkpointer:
 
     # ----------------------------------------------------------------- load
     def load_latest(self) -> TrainState | None:
-        """Load the newest valid checkpoint of the run (resharding through DCP), verify the fingerprint."""
-        found = latest_valid(self.run_dir) if self.env.is_rank0 else None
-        box = [str(found[0]) if found else None]
+        """Load the newest checkpoint whose files all match their checksums (resharding through DCP);
+        a corrupted one is reported and skipped, never loaded. Verifies the fingerprint after load."""
+        candidates = [str(p) for p in reversed(self.run_dir.committed())] if self.env.is_rank0 else None
+        box = [candidates]
         dist.broadcast_object_list(box, src=0, group=self.env.ctrl_group)
-        if box[0] is None:
-            return None
-        return self.load(Path(box[0]))
+        for cand in box[0] or []:
+            problem = self._verify_files(Path(cand))
+            if problem is None:
+                return self.load(Path(cand))
+            if self.env.is_rank0:
+                log.warning("not loading %s: %s", Path(cand).name, problem)
+        return None
+
+    def _verify_files(self, path: Path) -> str | None:
+        """Quick validation on rank 0, then every rank hashes a share of the files; None if all match."""
+        from ckpt.validate import validate
+
+        problem = None
+        if self.env.is_rank0:
+            report = validate(path)
+            problem = None if report.valid else report.errors[0]
+        box = [problem]
+        dist.broadcast_object_list(box, src=0, group=self.env.ctrl_group)
+        if box[0] is not None:
+            return box[0]
+        from ckpt.manifest import read_manifest
+
+        files = read_manifest(path).files[self.env.rank :: self.env.world_size]
+        hashed = hash_files([path / f.path for f in files], threads=self.spec.checkpoint.io_threads)
+        bad = [f"{path / f.path}: checksum mismatch; the file is corrupted"
+               for f in files if hashed[path / f.path][1] != f.xxh3_128]
+        found: list[list[str] | None] = [None] * self.env.world_size
+        dist.all_gather_object(found, bad, group=self.env.ctrl_group)
+        errors = [e for part in found for e in (part or [])]
+        return errors[0] if errors else None
 
     def load(self, path: Path) -> TrainState:
         from ckpt.manifest import read_manifest
@@ -255,8 +283,13 @@ class Checkpointer:
         self.parent = path.name
         self.last_committed_step = ts.step
         if self.env.is_rank0:
+            seconds = time.perf_counter() - t0
             log.info("resumed from %s at step %d (saved at world size %d, now %d) in %.2f s", path.name, ts.step,
-                     manifest.topology.world_size, self.env.world_size, time.perf_counter() - t0)
+                     manifest.topology.world_size, self.env.world_size, seconds)
+            lineage.record(self.run_dir, "resume", f"resume:segment-{self.segment}",
+                           parent=lineage.checkpoint_event_id(ts.step), step=ts.step, segment=self.segment,
+                           from_world_size=manifest.topology.world_size, to_world_size=self.env.world_size,
+                           load_seconds=round(seconds, 3))
         return ts
 
     def _verify(self, path: Path, manifest: CheckpointManifest, same_world: bool) -> None:

@@ -31,7 +31,7 @@ def build_model(spec: RunSpec) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(spec.seed)
-    model = AutoModelForCausalLM.from_config(hf_config(spec.model), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config(spec.model), dtype=torch.float32)
     model.train()
     return model
 
@@ -59,6 +59,7 @@ def shard_model(model: nn.Module, mesh, spec: RunSpec) -> dict[str, Any]:
     """fully_shard each block, then the root. Returns the diagnostics of what was done."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[spec.precision.compute], reduce_dtype=DTYPES[spec.precision.reduce])
     blocks = block_modules(model)
+    block_class = type(blocks[0]).__name__
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -68,7 +69,7 @@ def shard_model(model: nn.Module, mesh, spec: RunSpec) -> dict[str, Any]:
     return {
         "fsdp_units": len(blocks),
         "fsdp_instances": len(blocks) + 1,
-        "block_class": type(blocks[0]).__name__,
+        "block_class": block_class,
         "total_params": total,
         "local_param_MiB": round(local_bytes / 2**20, 3),
         "param_dtype": str(mp.param_dtype).removeprefix("torch."),

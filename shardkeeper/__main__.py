@@ -1,0 +1,5 @@
+import sys
+
+from shardkeeper.cli import main
+
+sys.exit(main())

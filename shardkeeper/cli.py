@@ -1,0 +1,189 @@
+"""``shardkeeper``: every stage of the pipeline from the command line, without Prefect.
+
+    shardkeeper train --config configs/tiny.yaml --run-dir runs/demo --nproc 2 --until-step 20
+    shardkeeper validate runs/demo/checkpoints/step-00000020 --deep
+    shardkeeper reshard runs/demo/checkpoints/step-00000020 --world-size 3
+    shardkeeper export runs/demo/checkpoints/step-00000020 runs/demo/exports/step-00000020 --dtype bfloat16
+    shardkeeper publish runs/demo/exports/step-00000020 --repo-id ORG/NAME
+    shardkeeper lineage runs/demo [--json]
+
+A user mistake prints one line ("error: FILE: what is wrong; the fix") and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from ckpt.errors import ShardkeeperError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Resumable, verified, elastic sharded checkpoints for PyTorch LM training.")
+console = Console(stderr=True)
+out = Console()
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s",
+                        handlers=[RichHandler(console=console, show_path=False, markup=False)])
+
+
+@app.callback()
+def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False) -> None:
+    _setup_logging(verbose)
+
+
+@app.command()
+def train(
+    config: Annotated[Path, typer.Option(help="RunSpec YAML, e.g. configs/tiny.yaml")],
+    run_dir: Annotated[Path, typer.Option(help="run directory (created; resumed if it holds checkpoints)")],
+    nproc: Annotated[int, typer.Option(help="ranks on this machine")] = 1,
+    until_step: Annotated[int, typer.Option(help="train until this many optimizer steps are done")] = 20,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set optim.lr=1e-3")] = None,
+    timeout: Annotated[Optional[float], typer.Option(help="stop (with a checkpoint) after this many seconds")] = None,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+) -> None:
+    """Train one segment with torchrun; resumes from the latest valid checkpoint; always commits one at the end.
+
+    Exit code: 0 completed, 75 preempted (checkpoint committed; run the same command to resume), 1 failed."""
+    from shardkeeper.config import load_run_spec
+    from shardkeeper.stages import plan_topology, train_segment
+
+    if until_step < 1:
+        raise ShardkeeperError(f"--until-step {until_step}: must be at least 1")
+    spec = load_run_spec(config, set_)
+    topo = plan_topology(spec, nproc, device=device)
+    res = train_segment(spec, run_dir, topo, until_step, timeout_s=timeout, sink=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
+    msg = f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} on {topo.world_size} ranks in {res.seconds:.1f} s"
+    if res.status == "failed":
+        console.print(f"[red]error:[/red] {msg}; last lines:\n{res.failure}")
+    else:
+        console.print(f"[green]{msg}[/green]; checkpoint {res.checkpoint}")
+    raise typer.Exit(res.exit_code)
+
+
+@app.command()
+def validate(
+    ckpt_dir: Annotated[Path, typer.Argument(help="a step-XXXXXXXX checkpoint directory")],
+    deep: Annotated[bool, typer.Option(help="verify the checksum of every byte and the fingerprint")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the ValidationReport as JSON")] = False,
+) -> None:
+    """Exit 0 if the checkpoint is valid; otherwise one line naming the file and the cause, exit 4."""
+    from shardkeeper.stages import validate_checkpoint
+
+    report = validate_checkpoint(ckpt_dir, deep=deep)
+    if as_json:
+        out.print_json(report.model_dump_json())
+    if not report.valid:
+        console.print(f"error: {report.errors[0]}", markup=False, highlight=False)
+        raise typer.Exit(4)
+    if not as_json:
+        kind = "deep" if deep else "quick"
+        out.print(f"valid ({kind}): {ckpt_dir} step {report.step}, {report.files_checked} files"
+                  + (f", {report.bytes_checked / 1e6:.1f} MB hashed" if deep else "") + f", {report.seconds:.2f} s")
+
+
+@app.command()
+def reshard(
+    ckpt_dir: Annotated[Path, typer.Argument(help="checkpoint to make loadable at a new world size")],
+    world_size: Annotated[int, typer.Option(help="world size of the next segment")],
+) -> None:
+    """Prepare a checkpoint for another world size (a recorded no-op for DCP, which reshards at load)."""
+    from shardkeeper.stages import reshard as do_reshard
+
+    res = do_reshard(ckpt_dir, world_size)
+    out.print(f"{res.method}: {res.source} (world size {res.from_world_size}) -> {res.to_world_size}; load {res.target}")
+
+
+@app.command()
+def export(
+    ckpt_dir: Annotated[Path, typer.Argument(help="checkpoint to export")],
+    out_dir: Annotated[Path, typer.Argument(help="folder to create (transformers from_pretrained layout)")],
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
+    max_shard_size: Annotated[str, typer.Option(help="largest safetensors file, e.g. 5GB, 500MB")] = "5GB",
+    overwrite: Annotated[bool, typer.Option(help="replace an existing out_dir")] = False,
+) -> None:
+    """Stream a checkpoint into safetensors (+ index, config.json) with bounded memory."""
+    from shardkeeper.stages import export_checkpoint
+
+    res = export_checkpoint(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+                            progress=sys.stderr.isatty())
+    out.print(f"exported {res.num_tensors} tensors ({res.total_bytes / 1e6:.1f} MB, {res.dtype}) in {res.num_shards} "
+              f"shard(s) to {res.out_dir} in {res.seconds:.2f} s")
+
+
+@app.command()
+def publish(
+    export_dir: Annotated[Path, typer.Argument(help="an export folder")],
+    repo_id: Annotated[Optional[str], typer.Option(help="Hub repo ORG/NAME")] = None,
+    target: Annotated[Optional[str], typer.Option(help="or an fsspec URL: s3://bucket/prefix, file:///path")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="branch to publish to (default: main)")] = None,
+) -> None:
+    """Upload an export to the Hub (token from HF_TOKEN or `hf auth login`) or to a bucket; idempotent."""
+    from shardkeeper.stages import publish_export
+
+    if bool(repo_id) == bool(target):
+        raise ShardkeeperError("publish: give exactly one of --repo-id ORG/NAME or --target URL")
+    res = publish_export(export_dir, repo_id or target or "", revision=revision)
+    verb = "already published (same checksums), nothing uploaded" if res.skipped else f"published {res.files} files"
+    out.print(f"{verb}: {res.url or res.target}" + (f" @ {res.revision}" if res.revision else ""))
+
+
+@app.command("lineage")
+def lineage_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="run directory")],
+    as_json: Annotated[bool, typer.Option("--json", help="print events as JSON lines")] = False,
+) -> None:
+    """Show every checkpoint, resume, reshard, export and publish of a run, with its parent."""
+    from ckpt.lineage import read_events
+
+    if not (run_dir / "run.yaml").exists() and not (run_dir / "lineage.jsonl").exists():
+        raise ShardkeeperError(f"{run_dir}: not a run directory (no run.yaml); pass the --run-dir used for training")
+    events = read_events(run_dir)
+    if as_json:
+        for e in events:
+            out.print(e.model_dump_json(), markup=False, highlight=False, soft_wrap=True)
+        return
+    table = Table(title=f"lineage of {run_dir}")
+    for col in ("time", "kind", "id", "parent", "step", "details"):
+        table.add_column(col)
+    for e in events:
+        details = ", ".join(f"{k}={v}" for k, v in e.data.items() if k in ("world_size", "reason", "status", "from_world_size",
+                                                                           "to_world_size", "dtype", "method", "target"))
+        table.add_row(e.time, e.kind, e.id, e.parent or "", "" if e.step is None else str(e.step), details)
+    out.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        app(args=argv, standalone_mode=False)
+    except ShardkeeperError as e:
+        console.print(f"error: {e}", markup=False, highlight=False)
+        return e.exit_code
+    except typer.Exit as e:
+        return e.exit_code
+    except SystemExit as e:
+        return int(e.code or 0)
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        return 130
+    except Exception as e:  # click usage errors
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            return e.exit_code
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The pipeline's stages as plain functions: schemas in, schemas out.
+
+The CLI calls them directly; tasks/ wraps each in a Prefect task. Nothing here imports prefect,
+and torch is imported only inside the stages that need it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ckpt import lineage
+from ckpt.errors import ConfigError, RunDirError
+from ckpt.fsutil import append_jsonl, read_jsonl
+from ckpt.layout import RunDir
+from ckpt.lock import RunLock
+from ckpt.manifest import read_manifest
+from ckpt.validate import latest_valid, validate
+from infra.launchers import LaunchRequest, get_launcher
+from schemas import ClusterTopology, ReshardResult, RunSpec, SegmentResult, ValidationReport
+from shardkeeper.config import dump_run_spec, spec_from_dict
+
+log = logging.getLogger("shardkeeper")
+
+EXIT_PREEMPTED = 75
+STATUS_FILE = ".segment-status.json"
+# Fields of a run's RunSpec that may change between segments without breaking exact resume.
+MUTABLE_SECTIONS = ("checkpoint",)
+
+
+def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = "local",
+                  device: str = "auto") -> ClusterTopology:
+    """Check that ``nodes x nproc`` ranks make sense for the run and the launcher; return the topology."""
+    if nproc < 1 or nodes < 1:
+        raise ConfigError(f"--nproc {nproc}: must be at least 1")
+    world = nodes * nproc
+    try:
+        spec.per_rank_batch(world)
+    except ValueError as e:
+        raise ConfigError(f"--nproc {nproc}: {e}") from None
+    limit = get_launcher(launcher).max_world_size()
+    if limit is not None and nproc > limit:
+        raise ConfigError(f"--nproc {nproc}: more ranks than this machine can run ({limit}); use --nproc <= {limit}")
+    cuda = device == "cuda" or (device == "auto" and _cuda_available())
+    return ClusterTopology(nodes=nodes, procs_per_node=nproc, device_type="cuda" if cuda else "cpu",
+                           backend="nccl" if cuda else "gloo", launcher=launcher)  # type: ignore[arg-type]
+
+
+def _cuda_available() -> bool:
+    if os.environ.get("SHARDKEEPER_DEVICE") == "cpu":
+        return False
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def prepare_run_dir(run_dir: RunDir, spec: RunSpec) -> RunSpec:
+    """First segment: write run.yaml. Later ones: the run keeps its spec; only MUTABLE_SECTIONS may change."""
+    run_dir.root.mkdir(parents=True, exist_ok=True)
+    if not run_dir.spec_path.exists():
+        found = latest_valid(run_dir)
+        if found:  # checkpoints without run.yaml: take the spec they were written with
+            _check_same_model(run_dir, found[1].run_spec, spec)
+        run_dir.spec_path.write_text(dump_run_spec(spec))
+        return spec
+    import yaml
+
+    old = spec_from_dict(yaml.safe_load(run_dir.spec_path.read_text()) or {}, str(run_dir.spec_path))
+    _check_same_model(run_dir, old, spec)
+    old_d, new_d = old.model_dump(mode="json"), spec.model_dump(mode="json")
+    changed = sorted(k for k in new_d if new_d[k] != old_d[k] and k not in MUTABLE_SECTIONS)
+    if changed:
+        k = changed[0]
+        raise RunDirError(f"{run_dir.spec_path}: the run was started with a different {k} ({old_d[k]!r} vs {new_d[k]!r}); "
+                          "resume with the run's own config, or start a new --run-dir")
+    if old_d != new_d:
+        run_dir.spec_path.write_text(dump_run_spec(spec))
+    return spec
+
+
+def _check_same_model(run_dir: RunDir, old: RunSpec, new: RunSpec) -> None:
+    if old.model != new.model or old.backend != new.backend:
+        what = "backend" if old.backend != new.backend else "model"
+        o = getattr(old, what)
+        n = getattr(new, what)
+        raise RunDirError(f"{run_dir.root}: holds another {what} ({o!r} there, {n!r} in the config); "
+                          "use a new --run-dir for a different model")
+
+
+def next_segment_index(run_dir: RunDir) -> int:
+    starts = [r for r in read_jsonl(run_dir.segments) if r.get("event") == "start"]
+    return len(starts)
+
+
+def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology, until_step: int, *,
+                  timeout_s: float | None = None, sink: Callable[[str], None] | None = None) -> SegmentResult:
+    """Run one segment under the run lock: resume from the latest valid checkpoint, train, commit."""
+    rd = RunDir.at(run_dir)
+    rd.root.mkdir(parents=True, exist_ok=True)
+    with RunLock(rd.root):
+        prepare_run_dir(rd, spec)
+        seg = next_segment_index(rd)
+        status_path = rd.root / STATUS_FILE
+        status_path.unlink(missing_ok=True)
+        before = latest_valid(rd)
+        start_step = before[1].step if before else 0
+        append_jsonl(rd.segments, {"event": "start", "segment": seg, "until_step": until_step, "start_step": start_step,
+                                   "world_size": topology.world_size, "time": lineage.now_iso()})
+        launcher = get_launcher(topology.launcher)
+        req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s)
+        outcome = launcher.launch(req, sink or (lambda line: log.info("%s", line)))
+        result = _segment_result(rd, seg, start_step, topology, outcome)
+        append_jsonl(rd.segments, {"event": "end", **result.model_dump(mode="json", exclude={"topology"})})
+        lineage.record(rd, "segment", f"segment:{seg}", parent=(f"checkpoint:step-{start_step:08d}" if before else None),
+                       step=result.end_step, status=result.status, world_size=topology.world_size,
+                       seconds=round(result.seconds, 2), until_step=until_step)
+    return result
+
+
+def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopology, outcome) -> SegmentResult:
+    status_path = rd.root / STATUS_FILE
+    reported = json.loads(status_path.read_text()) if status_path.exists() else None
+    if reported and reported.get("segment") != seg:
+        reported = None
+    after = latest_valid(rd)
+    if reported and reported["status"] in ("completed", "preempted"):
+        status = reported["status"]
+    elif outcome.timed_out and after and after[1].step > start_step:
+        status = "preempted"  # stopped at its timeout, but the emergency checkpoint committed
+    else:
+        status = "failed"
+    from infra.launchers import failing_rank_lines
+
+    return SegmentResult(
+        run_dir=str(rd.root), status=status,  # type: ignore[arg-type]
+        exit_code={"completed": 0, "preempted": EXIT_PREEMPTED}.get(status, outcome.exit_code or 1),
+        segment=seg, start_step=start_step, end_step=after[1].step if after else 0,
+        checkpoint=str(after[0]) if after else None, topology=topology, seconds=outcome.seconds,
+        failure=None if status != "failed" else (("timed out; " if outcome.timed_out else "") + failing_rank_lines(outcome.tail)),
+    )
+
+
+def validate_checkpoint(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:
+    report = validate(ckpt_dir, deep=deep)
+    run_root = Path(ckpt_dir).resolve().parent.parent
+    if (run_root / "lineage.jsonl").exists() and deep:
+        lineage.record(run_root, "validate", f"validate:{Path(ckpt_dir).name}:{int(time.time())}",
+                       parent=f"checkpoint:{Path(ckpt_dir).name}", step=report.step, valid=report.valid,
+                       errors=report.errors[:3])
+    return report
+
+
+def reshard(ckpt_dir: str | Path, world_size: int) -> ReshardResult:
+    """Make a checkpoint loadable at ``world_size``. DCP reshards at load time: a recorded no-op."""
+    ckpt_dir = Path(ckpt_dir)
+    manifest = read_manifest(ckpt_dir)
+    if manifest.format != "dcp":
+        raise RunDirError(f"{ckpt_dir}: {manifest.format} checkpoints need a conversion that this build does not do yet")
+    result = ReshardResult(source=str(ckpt_dir), target=str(ckpt_dir), from_world_size=manifest.topology.world_size,
+                           to_world_size=world_size,
+                           method="none" if manifest.topology.world_size == world_size else "dcp-load-time")
+    run_root = ckpt_dir.resolve().parent.parent
+    if result.method != "none" and (run_root / "run.yaml").exists():
+        lineage.record(run_root, "reshard", f"reshard:{ckpt_dir.name}:{world_size}", parent=f"checkpoint:{ckpt_dir.name}",
+                       step=manifest.step, method=result.method, from_world_size=result.from_world_size,
+                       to_world_size=world_size)
+    return result
+
+
+def _run_root_of_checkpoint(ckpt_dir: Path) -> Path | None:
+    root = ckpt_dir.resolve().parent.parent
+    return root if (root / "run.yaml").exists() else None
+
+
+def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str = "float32",
+                      max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False):
+    """Checkpoint -> safetensors folder (ckpt.export), recorded in the run's lineage."""
+    from ckpt.export import export_checkpoint as _export
+
+    ckpt_dir = Path(ckpt_dir)
+    res = _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
+    root = _run_root_of_checkpoint(ckpt_dir)
+    if root is not None:
+        lineage.record(root, "export", f"export:{Path(res.out_dir).name}:{res.dtype}", parent=f"checkpoint:{ckpt_dir.name}",
+                       step=read_manifest(ckpt_dir).step, uri=Path(res.out_dir).as_uri(), dtype=res.dtype,
+                       num_shards=res.num_shards, bytes=res.total_bytes, seconds=round(res.seconds, 2))
+    return res
+
+
+def publish_export(export_dir: str | Path, target: str, *, revision: str | None = None, run_dir: str | Path | None = None):
+    """Export folder -> Hub repo or fsspec URL (ckpt.publish), recorded in the run's lineage."""
+    from ckpt.publish import publish as _publish
+
+    export_dir = Path(export_dir)
+    root = Path(run_dir) if run_dir else export_dir.resolve().parent.parent
+    events = lineage.read_events(root) if (root / "lineage.jsonl").exists() else None
+    res = _publish(export_dir, target, revision=revision, lineage=events)
+    if events is not None:
+        parents = [e.id for e in events if e.kind == "export" and e.uri == export_dir.resolve().as_uri()]
+        lineage.record(root, "publish", f"publish:{res.target}@{res.revision or 'main'}:{export_dir.name}",
+                       parent=parents[-1] if parents else None, uri=res.url, target=res.target,
+                       revision=res.revision, skipped=res.skipped, commit=res.commit)
+    return res
