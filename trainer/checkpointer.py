@@ -190,6 +190,10 @@ class Checkpointer:
             )
             write_manifest(partial, manifest)
             final = self.run_dir.checkpoint(ts.step)
+            if final.exists():  # an invalid checkpoint at this step that resume skipped: keep it as evidence
+                aside = final.with_name(f"{final.name}.invalid-{int(time.time())}")
+                os.rename(final, aside)
+                log.warning("moved the invalid %s aside to %s before committing a new one", final.name, aside.name)
             os.rename(partial, final)
             fsync_dir(final.parent)
             lineage.record(self.run_dir, "checkpoint", lineage.checkpoint_event_id(ts.step),

@@ -1,0 +1,188 @@
+"""Exact and elastic resume on real multi-process gloo groups (FSDP2 on CPU).
+
+One uninterrupted 2-rank reference run to step 25 is shared by the module; each resumed run is
+compared with it step by step: bitwise at the same world size, within 1e-6 relative across sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt.layout import RunDir
+from ckpt.manifest import read_manifest
+from ckpt.validate import validate
+from schemas import RunSpec
+from shardkeeper.config import load_run_spec
+from shardkeeper.stages import prepare_run_dir
+from tests.harness import spawn
+from trainer.segment import run_segment
+
+ROOT = Path(__file__).resolve().parent.parent
+END = 25
+CUT = 5
+
+
+def tiny_spec(**overrides: object) -> RunSpec:
+    sets = [f"{k}={v}" for k, v in overrides.items()]
+    return load_run_spec(ROOT / "configs" / "tiny.yaml", ["checkpoint.keep_last=100", *sets])
+
+
+def new_run(path: Path, spec: RunSpec) -> Path:
+    prepare_run_dir(RunDir.at(path), spec)
+    return path
+
+
+def metrics(run: Path) -> dict[int, dict]:
+    """Last-written metrics per step (a resumed segment's values win)."""
+    out: dict[int, dict] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec
+    return out
+
+
+def copy_run_until(src: Path, dst: Path, step: int) -> Path:
+    """A copy of a run as it was right after ``step``: later checkpoints and metrics removed."""
+    shutil.copytree(src, dst)
+    for ck in (dst / "checkpoints").iterdir():
+        if int(ck.name[5:13]) > step:
+            shutil.rmtree(ck)
+    lines = [ln for ln in (dst / "metrics.jsonl").read_text().splitlines() if json.loads(ln)["step"] <= step]
+    (dst / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = new_run(tmp_path_factory.mktemp("ref") / "run", tiny_spec())
+    assert spawn(run_segment, 2, str(run), END, 0) == [0, 0]
+    return run
+
+
+@pytest.fixture(scope="module")
+def base4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = new_run(tmp_path_factory.mktemp("base4") / "run", tiny_spec())
+    assert spawn(run_segment, 4, str(run), CUT, 0) == [0] * 4
+    return run
+
+
+def assert_bitwise(ref: dict[int, dict], got: dict[int, dict], steps: range) -> None:
+    for s in steps:
+        assert got[s]["loss"] == ref[s]["loss"], f"step {s}: loss {got[s]['loss']!r} != {ref[s]['loss']!r}"
+        assert got[s]["grad_norm"] == ref[s]["grad_norm"], f"step {s}: grad_norm differs"
+
+
+def max_rel(ref: dict[int, dict], got: dict[int, dict], steps: range, key: str = "loss") -> float:
+    return max(abs(got[s][key] - ref[s][key]) / abs(ref[s][key]) for s in steps)
+
+
+def test_same_world_size_resume_is_bitwise(reference: Path, tmp_path: Path) -> None:
+    run = copy_run_until(reference, tmp_path / "run", CUT)
+    assert spawn(run_segment, 2, str(run), END, 1) == [0, 0]
+    got, ref = metrics(run), metrics(reference)
+    assert [got[s]["segment"] for s in range(CUT + 1, END + 1)] == [1] * (END - CUT)
+    assert_bitwise(ref, got, range(CUT + 1, END + 1))
+    events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
+    resume = [e for e in events if e["kind"] == "resume"][-1]
+    assert resume["parent"] == f"checkpoint:step-{CUT:08d}" and resume["data"]["to_world_size"] == 2
+
+
+@pytest.mark.parametrize(("start", "to"), [(4, 2), (4, 3), (2, 4)])
+def test_world_size_change_resume_within_1e6(reference: Path, base4: Path, tmp_path: Path, start: int, to: int) -> None:
+    src = base4 if start == 4 else reference
+    run = copy_run_until(src, tmp_path / "run", CUT)
+    assert spawn(run_segment, to, str(run), END, 1) == [0] * to
+    got, ref = metrics(run), metrics(reference)
+    assert all(got[s]["world_size"] == to for s in range(CUT + 1, END + 1))
+    rel = max_rel(ref, got, range(CUT + 1, END + 1))
+    assert rel <= 1e-6, f"{start}->{to}: max relative loss difference {rel:.3e}"
+    assert read_manifest(run / "checkpoints" / f"step-{END:08d}").topology.world_size == to
+
+
+def test_async_save_commits_and_resumes_exactly(reference: Path, tmp_path: Path) -> None:
+    spec = tiny_spec(**{"checkpoint.async_save": "true"})
+    run = new_run(tmp_path / "async", spec)
+    assert spawn(run_segment, 2, str(run), 15, 0) == [0, 0]
+    ref = metrics(reference)
+    assert_bitwise(ref, metrics(run), range(1, 16))  # background saves do not perturb training
+    for step in (5, 10, 15):
+        man = read_manifest(run / "checkpoints" / f"step-{step:08d}")
+        assert man.async_save == (step != 15) and validate(run / "checkpoints" / f"step-{step:08d}", deep=True).valid
+    shutil.rmtree(run / "checkpoints" / "step-00000015")
+    shutil.rmtree(run / "checkpoints" / "step-00000010")
+    assert spawn(run_segment, 2, str(run), 20, 1) == [0, 0]
+    assert_bitwise(ref, metrics(run), range(6, 21))
+
+
+def _kill_rank_after(run: Path, step: int, rank: int):
+    def on_start(procs: list) -> None:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            m = run / "metrics.jsonl"
+            if m.exists() and sum(1 for _ in m.open()) >= step:
+                os.kill(procs[rank].pid, signal.SIGTERM)
+                return
+            time.sleep(0.02)
+        raise AssertionError("training never reached the step to preempt at")
+
+    return on_start
+
+
+def test_sigterm_on_one_rank_commits_then_resumes_exactly(reference: Path, tmp_path: Path) -> None:
+    run = new_run(tmp_path / "run", tiny_spec(**{"checkpoint.keep_last": 2, "checkpoint.interval": 4}))
+    codes = spawn(run_segment, 2, str(run), 400, 0, on_start=_kill_rank_after(run, 7, rank=1))
+    assert codes == [75, 75]
+    status = json.loads((run / ".segment-status.json").read_text())
+    stop = status["end_step"]
+    assert status["status"] == "preempted" and 7 <= stop < 400
+    man = read_manifest(run / "checkpoints" / f"step-{stop:08d}")
+    assert man.reason == "preempted" and validate(run / "checkpoints" / f"step-{stop:08d}", deep=True).valid
+    assert spawn(run_segment, 2, str(run), END, 1) == [0, 0]
+    assert_bitwise(metrics(reference), metrics(run), range(stop + 1, END + 1))
+    # retention: keep_last=2 over steps 4, 8, ..., stop, END -> only the two newest remain
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert len(kept) == 2 and kept[-1] == f"step-{END:08d}"
+
+
+def test_partial_and_corrupted_checkpoints_are_never_loaded(reference: Path, tmp_path: Path) -> None:
+    run = copy_run_until(reference, tmp_path / "run", 20)
+    # an abandoned save that never committed, newer than everything else
+    partial = run / "checkpoints" / "step-00000099.partial"
+    shutil.copytree(run / "checkpoints" / "step-00000020", partial)
+    # step 20: flip one byte in a shard (same size, so only the checksum can tell)
+    shard = sorted((run / "checkpoints" / "step-00000020").glob("__1_*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert validate(run / "checkpoints" / "step-00000020").valid  # sizes still match
+    deep = validate(run / "checkpoints" / "step-00000020", deep=True)
+    assert not deep.valid and shard.name in deep.errors[0] and "checksum" in deep.errors[0]
+    # step 15: truncated shard
+    shard15 = sorted((run / "checkpoints" / "step-00000015").glob("__0_*.distcp"))[0]
+    shard15.write_bytes(shard15.read_bytes()[:-10])
+    assert not validate(run / "checkpoints" / "step-00000015").valid
+    lines = [ln for ln in (run / "metrics.jsonl").read_text().splitlines() if json.loads(ln)["step"] <= 10]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert spawn(run_segment, 2, str(run), END, 1) == [0, 0]
+    events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
+    assert [e for e in events if e["kind"] == "resume"][-1]["parent"] == "checkpoint:step-00000010"
+    assert_bitwise(metrics(reference), metrics(run), range(11, END + 1))
+
+
+def test_fingerprint_mismatch_is_refused(reference: Path, tmp_path: Path) -> None:
+    run = copy_run_until(reference, tmp_path / "run", 10)
+    mpath = run / "checkpoints" / "step-00000010" / "manifest.json"
+    raw = json.loads(mpath.read_text())
+    key = sorted(raw["fingerprint"]["optim"])[0]
+    raw["fingerprint"]["optim"][key] *= 1.001  # what a dropped/misplaced optimizer shard looks like
+    mpath.write_text(json.dumps(raw))
+    with pytest.raises(RuntimeError, match="FingerprintMismatch.*refusing to train"):
+        spawn(run_segment, 2, str(run), 12, 1)
+    assert max(metrics(run)) == 10  # not a single step was trained on the bad state
