@@ -62,3 +62,25 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # a torn last line from a crash
     return out
+
+
+def _yaml_loader():
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """SafeLoader that reads 1e-5 as a float (YAML 1.2), not as the string PyYAML's 1.1 rules give."""
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
+    return Loader
+
+
+def load_yaml(text: str) -> Any:
+    import yaml
+
+    return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass

@@ -27,8 +27,8 @@ from ckpt.errors import ShardkeeperError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Resumable, verified, elastic sharded checkpoints for PyTorch LM training.")
-console = Console(stderr=True)
-out = Console()
+console = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -164,7 +164,8 @@ def lineage_cmd(
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        app(args=argv, standalone_mode=False)
+        rc = app(args=argv, standalone_mode=False)
+        return rc if isinstance(rc, int) else 0
     except ShardkeeperError as e:
         console.print(f"error: {e}", markup=False, highlight=False)
         return e.exit_code
@@ -182,7 +183,6 @@ def main(argv: list[str] | None = None) -> int:
             e.show()
             return e.exit_code
         raise
-    return 0
 
 
 if __name__ == "__main__":

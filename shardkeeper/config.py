@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from ckpt.errors import ConfigError
+from ckpt.fsutil import load_yaml
 from schemas import RunSpec
 
 
@@ -55,14 +56,14 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. --set optim.lr=1e-3")
-        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        out[key.strip()] = load_yaml(raw) if raw.strip() else None
     return out
 
 
 def load_run_spec(path: str | Path, overrides: list[str] | None = None) -> RunSpec:
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = load_yaml(path.read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file; pass --config with a YAML RunSpec such as configs/tiny.yaml") from None
     except yaml.YAMLError as e:

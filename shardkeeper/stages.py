@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ckpt import lineage
 from ckpt.errors import ConfigError, RunDirError
-from ckpt.fsutil import append_jsonl, read_jsonl
+from ckpt.fsutil import append_jsonl, load_yaml, read_jsonl
 from ckpt.layout import RunDir
 from ckpt.lock import RunLock
 from ckpt.manifest import read_manifest
@@ -70,9 +70,7 @@ def prepare_run_dir(run_dir: RunDir, spec: RunSpec) -> RunSpec:
             _check_same_model(run_dir, found[1].run_spec, spec)
         run_dir.spec_path.write_text(dump_run_spec(spec))
         return spec
-    import yaml
-
-    old = spec_from_dict(yaml.safe_load(run_dir.spec_path.read_text()) or {}, str(run_dir.spec_path))
+    old = spec_from_dict(load_yaml(run_dir.spec_path.read_text()) or {}, str(run_dir.spec_path))
     _check_same_model(run_dir, old, spec)
     old_d, new_d = old.model_dump(mode="json"), spec.model_dump(mode="json")
     changed = sorted(k for k in new_d if new_d[k] != old_d[k] and k not in MUTABLE_SECTIONS)

@@ -186,3 +186,14 @@ def test_fingerprint_mismatch_is_refused(reference: Path, tmp_path: Path) -> Non
     with pytest.raises(RuntimeError, match="FingerprintMismatch.*refusing to train"):
         spawn(run_segment, 2, str(run), 12, 1)
     assert max(metrics(run)) == 10  # not a single step was trained on the bad state
+
+
+def test_rank_side_refuses_checkpoint_of_another_architecture(reference: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / "step-00000010", run / "checkpoints" / "step-00000010")
+    other = tiny_spec(**{"model.config.intermediate_size": 96})
+    (run / "run.yaml").write_text(json.dumps(other.model_dump(mode="json")))  # bypasses the CLI's own check
+    with pytest.raises(RuntimeError, match="CheckpointError.*another architecture"):
+        spawn(run_segment, 2, str(run), 12, 0)
+    assert not (run / "metrics.jsonl").exists()

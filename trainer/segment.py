@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ckpt.errors import ShardkeeperError
-from ckpt.fsutil import append_jsonl, atomic_write_json
+from ckpt.fsutil import append_jsonl, atomic_write_json, load_yaml
 from ckpt.layout import RunDir
 from schemas import RunSpec
 
@@ -40,9 +40,7 @@ STATUS_FILE = ".segment-status.json"
 
 
 def load_spec(run_dir: RunDir) -> RunSpec:
-    import yaml
-
-    return RunSpec.model_validate(yaml.safe_load(run_dir.spec_path.read_text()))
+    return RunSpec.model_validate(load_yaml(run_dir.spec_path.read_text()))
 
 
 def _peak_mib(env: DistEnv) -> float | None:

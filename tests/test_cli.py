@@ -1,0 +1,125 @@
+"""The CLI end to end (real torchrun launches) and its one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt.lock import RunLock
+from shardkeeper.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def one_error_line(capsys: pytest.CaptureFixture, argv: list[str], code: int) -> str:
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two segments through `shardkeeper train`: 2 ranks to step 6, then 3 ranks to step 12."""
+    run = tmp_path_factory.mktemp("cli") / "run"
+    first = cli("train", "--config", TINY, "--run-dir", str(run), "--nproc", "2", "--until-step", "6")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "[FSDPDiagnostics] fsdp_units=2" in first.stderr
+    second = cli("train", "--config", TINY, "--run-dir", str(run), "--nproc", "3", "--until-step", "12")
+    assert second.returncode == 0, second.stderr[-3000:]
+    return run
+
+
+def test_train_two_segments_at_different_world_sizes(cli_run: Path) -> None:
+    rows = [json.loads(x) for x in (cli_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert {r["world_size"] for r in rows if r["step"] <= 6} == {2}
+    assert {r["world_size"] for r in rows if r["step"] > 6} == {3}
+    for r in rows:
+        assert set(r) >= {"step", "loss", "grad_norm", "lr", "world_size", "tokens"}
+    segs = [json.loads(x) for x in (cli_run / "segments.jsonl").read_text().splitlines()]
+    ends = [s for s in segs if s["event"] == "end"]
+    assert [(s["status"], s["start_step"], s["end_step"]) for s in ends] == [("completed", 0, 6), ("completed", 6, 12)]
+    assert (cli_run / "checkpoints" / "step-00000012" / "manifest.json").exists()
+
+
+def test_validate_deep_and_lineage(cli_run: Path) -> None:
+    ok = cli("validate", str(cli_run / "checkpoints" / "step-00000012"), "--deep")
+    assert ok.returncode == 0 and "valid (deep)" in ok.stdout
+    lin = cli("lineage", str(cli_run), "--json")
+    events = [json.loads(x) for x in lin.stdout.splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("segment") == 2 and "resume" in kinds
+    resume = next(e for e in events if e["kind"] == "resume")
+    assert (resume["data"]["from_world_size"], resume["data"]["to_world_size"]) == (2, 3)
+
+
+def test_validate_reports_partial_and_missing_file(cli_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import shutil
+
+    ck = tmp_path / "step-00000012"
+    shutil.copytree(cli_run / "checkpoints" / "step-00000012", ck)
+    victim = sorted(ck.glob("__2_*.distcp"))[0]
+    victim.unlink()
+    line = one_error_line(capsys, ["validate", str(ck)], 4)
+    assert victim.name in line and "missing" in line
+    partial = tmp_path / "step-00000013.partial"
+    partial.mkdir()
+    assert ".partial" in one_error_line(capsys, ["validate", str(partial)], 4)
+
+
+def test_bad_config_inputs_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = str(tmp_path / "run")
+    base = ["train", "--config", TINY, "--run-dir", run]
+    line = one_error_line(capsys, [*base, "--set", "optim.lrr=1"], 2)
+    assert "unknown key optim.lrr" in line and "lr" in line
+    line = one_error_line(capsys, [*base, "--nproc", "5"], 2)
+    assert "global_batch_size 12 is not divisible by 5" in line and "--nproc" in line
+    line = one_error_line(capsys, [*base, "--nproc", "1000"], 2)
+    assert "--nproc 1000" in line
+    line = one_error_line(capsys, [*base, "--set", "optim.lr=fast"], 2)
+    assert "optim.lr" in line
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    assert "not valid YAML" in one_error_line(capsys, ["train", "--config", str(bad), "--run-dir", run], 2)
+    line = one_error_line(capsys, ["train", "--config", str(tmp_path / "nope.yaml"), "--run-dir", run], 2)
+    assert "no such config file" in line
+    assert not (tmp_path / "run").exists()  # nothing was created for a bad request
+
+
+def test_run_dir_of_another_model_and_locked_run_dir(cli_run: Path, capsys: pytest.CaptureFixture) -> None:
+    before = (cli_run / "run.yaml").read_text()
+    base = ["train", "--config", TINY, "--run-dir", str(cli_run), "--nproc", "2", "--until-step", "14"]
+    line = one_error_line(capsys, [*base, "--set", "model.config.hidden_size=32"], 2)
+    assert "holds another model" in line and "new --run-dir" in line
+    line = one_error_line(capsys, [*base, "--set", "optim.lr=0.1"], 2)
+    assert "different optim" in line
+    assert (cli_run / "run.yaml").read_text() == before  # nothing overwritten
+    with RunLock(cli_run):
+        line = one_error_line(capsys, base, 3)
+    assert "locked by pid" in line
+
+
+def test_checkpoint_of_another_architecture_is_refused(cli_run: Path, tmp_path: Path) -> None:
+    """A checkpoint copied into a run of a different model: the ranks refuse it by signature."""
+    import shutil
+
+    run = tmp_path / "other"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(cli_run / "checkpoints" / "step-00000012", run / "checkpoints" / "step-00000012")
+    res = cli("train", "--config", TINY, "--run-dir", str(run), "--nproc", "2", "--until-step", "14",
+              "--set", "model.config.intermediate_size=96")
+    assert res.returncode != 0
+    assert "holds another model" in res.stderr

@@ -1,0 +1,113 @@
+"""Fast unit tests: data order, retention policy, fingerprints, config loading, layering."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt import fingerprint as fp
+from ckpt.errors import ConfigError
+from ckpt.retention import plan_retention
+from shardkeeper.config import load_run_spec
+from trainer.data import GlobalOrderLoader, synthetic_corpus
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_global_sample_order_does_not_depend_on_world_size(world: int) -> None:
+    tokens = synthetic_corpus(7, 5000, 100)
+    loader = GlobalOrderLoader(tokens, seq_len=16, seed=7, global_batch=12)
+    ref = GlobalOrderLoader(tokens, seq_len=16, seed=7, global_batch=12)
+    for step in (0, 1, 25, 26, 400):  # 400 crosses several epochs
+        whole = ref.samples(step, 0, 12)
+        parts = [torch.cat([x for x, _ in loader.rank_batches(step, r, world, None)]) for r in range(world)]
+        assert torch.equal(torch.cat(parts), whole[:, :-1])
+
+
+def test_epochs_are_permutations_and_differ() -> None:
+    tokens = np.arange(16 * 10 + 1)
+    loader = GlobalOrderLoader(tokens, seq_len=16, seed=3, global_batch=5)
+    e0 = [loader._window(g) for g in range(10)]
+    e1 = [loader._window(g) for g in range(10, 20)]
+    assert sorted(e0) == sorted(e1) == list(range(10)) and e0 != e1
+
+
+def test_retention_keeps_last_k_milestones_and_newest_valid() -> None:
+    steps = [5, 10, 15, 20, 25, 30]
+    assert plan_retention(steps, set(steps), keep_last=2, keep_every=None) == {5, 10, 15, 20}
+    assert plan_retention(steps, set(steps), keep_last=2, keep_every=10) == {5, 15}
+    # the newest is invalid: the newest *valid* one (25) is kept, the invalid newer one is left for inspection
+    assert plan_retention(steps, set(steps) - {30}, keep_last=1, keep_every=None) == {5, 10, 15, 20}
+    with pytest.raises(ValueError):
+        plan_retention(steps, set(steps), keep_last=0, keep_every=None)
+
+
+def test_fingerprint_compare_exact_and_tolerant() -> None:
+    a = fp.make_fingerprint({"w": 4.0}, {"w.exp_avg": 1.0}, 3)
+    b = fp.make_fingerprint({"w": 4.0 * (1 + 1e-12)}, {"w.exp_avg": 1.0}, 3)
+    assert fp.compare(a, a, exact=True) == []
+    assert fp.compare(a, b, exact=False) == [] and fp.compare(a, b, exact=True)
+    c = fp.make_fingerprint({"w": 4.0}, {"w.exp_avg": 0.0}, 3)  # optimizer state lost
+    assert "w.exp_avg" in fp.compare(a, c, exact=False)[0]
+    d = fp.make_fingerprint({"w": 4.0}, {"w.exp_avg": 1.0}, 1)
+    assert "step" in fp.compare(a, d, exact=False)[0]
+
+
+def test_sum_squares_of_shards_equals_whole() -> None:
+    t = torch.randn(10, 3)
+    whole = fp.sum_squares([("t", t)])["t"]
+    parts = fp.sum_squares([("a", t[:4]), ("b", t[4:])])
+    assert abs(parts["a"] + parts["b"] - whole) <= 1e-12 * whole
+
+
+def test_config_overrides_and_errors(tmp_path: Path) -> None:
+    spec = load_run_spec(ROOT / "configs" / "tiny.yaml", ["optim.lr=1e-3", "checkpoint.async_save=true"])
+    assert spec.optim.lr == 1e-3 and spec.checkpoint.async_save
+    for bad, expect in [
+        (["global_batch_size=0"], "global_batch_size"),
+        (["data.source=tokens"], "data.path is required"),
+        (["nonsense"], "expected key.path=value"),
+        (["model.config=3"], "model.config"),
+    ]:
+        with pytest.raises(ConfigError, match=expect) as err:
+            load_run_spec(ROOT / "configs" / "tiny.yaml", bad)
+        assert "\n" not in str(err.value)
+
+
+def test_tiny_config_divides_over_1_to_4_ranks() -> None:
+    spec = load_run_spec(ROOT / "configs" / "tiny.yaml")
+    assert [spec.per_rank_batch(w) for w in (1, 2, 3, 4)] == [12, 6, 4, 3]
+
+
+def test_layers_schemas_import_no_torch_and_rank_side_no_prefect() -> None:
+    code = ("import sys, schemas, shardkeeper.config; assert 'torch' not in sys.modules and 'prefect' not in sys.modules;"
+            "import trainer.segment, ckpt.validate, ckpt.dcp_io; assert 'prefect' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_token_file_source(tmp_path: Path) -> None:
+    from schemas import DataSpec
+    from trainer.data import open_tokens
+
+    arr = (np.arange(5000) % 251).astype(np.uint16)
+    arr.tofile(tmp_path / "t.bin")
+    np.save(tmp_path / "t.npy", arr.astype(np.int32))
+    a = open_tokens(DataSpec(source="tokens", path=str(tmp_path / "t.bin")), 0, 256)
+    b = open_tokens(DataSpec(source="tokens", path=str(tmp_path / "t.npy")), 0, 256)
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(FileNotFoundError, match="data.path"):
+        open_tokens(DataSpec(source="tokens", path=str(tmp_path / "none.bin")), 0, 256)
+
+
+def test_yaml_exponent_floats_stay_floats(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text((ROOT / "configs" / "tiny.yaml").read_text().replace("rms_norm_eps: 1.0e-5", "rms_norm_eps: 1e-5"))
+    spec = load_run_spec(cfg, ["optim.lr=3e-4"])
+    assert spec.model.config["rms_norm_eps"] == 1e-5 and isinstance(spec.model.config["rms_norm_eps"], float)
+    assert spec.optim.lr == 3e-4
