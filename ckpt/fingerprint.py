@@ -25,20 +25,32 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
-def sum_squares(named: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """Global per-tensor sum of squares. With ``group`` the local shards' sums are all-reduced."""
+def local_sum_squares(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
+    """Per-tensor sum of squares of the local shards (float64 accumulation, no float64 copy)."""
     names: list[str] = []
     parts: list[torch.Tensor] = []
     for name, t in named:
         names.append(name)
         loc = _local(t).detach()
-        parts.append(loc.to("cpu", torch.float64).pow(2).sum() if loc.numel() else torch.zeros((), dtype=torch.float64))
-    if not parts:
-        return {}
-    vec = torch.stack(parts)
-    if group is not None:
+        if loc.numel() == 0:
+            parts.append(torch.zeros((), dtype=torch.float64))
+            continue
+        if loc.device.type != "cpu":
+            loc = loc.cpu()
+        parts.append(torch.linalg.vector_norm(loc, dtype=torch.float64).square())
+    return names, (torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64))
+
+
+def reduce_sum_squares(names: list[str], vec: torch.Tensor, group: dist.ProcessGroup | None) -> dict[str, float]:
+    """Sum the local parts over the ranks of ``group`` (one all-reduce)."""
+    if group is not None and len(names):
         dist.all_reduce(vec, group=group)
     return dict(zip(names, vec.tolist()))
+
+
+def sum_squares(named: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Global per-tensor sum of squares. With ``group`` the local shards' sums are all-reduced."""
+    return reduce_sum_squares(*local_sum_squares(named), group)
 
 
 def make_fingerprint(

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from ckpt import __version__, fingerprint as fp, lineage
 from ckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner
+from ckpt.direct_io import HashingDirectWriter
 from ckpt.errors import CheckpointError, FingerprintMismatch
 from ckpt.fsutil import fsync_dir
 from ckpt.hashing import hash_files
@@ -77,10 +78,12 @@ class Checkpointer:
         self.parent: str | None = None
         self.last_committed_step: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
+        self._fp_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fingerprint")
         self._inflight: Future | None = None
         self._staged: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self.stats: list[dict[str, float]] = []
+        self.last_phases: dict[str, float] = {}
 
     # ----------------------------------------------------------------- state dict
     def _state_dict(self, ts: TrainState, *, with_rng: bool = True) -> dict[str, Any]:
@@ -102,15 +105,28 @@ class Checkpointer:
         return sd
 
     @staticmethod
-    def _fingerprint_of(sd: dict[str, Any], group: dist.ProcessGroup | None):
-        model_sq = fp.sum_squares(sorted(sd["model"].items()), group)
+    def _fingerprint_parts(sd: dict[str, Any]) -> tuple[list[str], torch.Tensor, int, float]:
+        """Local part of the fingerprint: names and sums of squares (model first), and the optimizer step."""
+        model = sorted(sd["model"].items())
         moments = []
         step = 0.0
         for name, st in sorted(sd["optim"]["state"].items()):
             moments += [(f"{name}.{m}", st[m]) for m in MOMENTS if m in st]
             if "step" in st:
                 step = float(st["step"])
-        return fp.make_fingerprint(model_sq, fp.sum_squares(moments, group), step)
+        names, vec = fp.local_sum_squares(model + moments)
+        return names, vec, len(model), step
+
+    @staticmethod
+    def _finish_fingerprint(parts: tuple[list[str], torch.Tensor, int, float], group: dist.ProcessGroup | None):
+        names, vec, n_model, step = parts
+        sq = fp.reduce_sum_squares(names, vec, group)
+        model_sq = {k: sq[k] for k in names[:n_model]}
+        optim_sq = {k: sq[k] for k in names[n_model:]}
+        return fp.make_fingerprint(model_sq, optim_sq, step)
+
+    def _fingerprint_of(self, sd: dict[str, Any], group: dist.ProcessGroup | None):
+        return self._finish_fingerprint(self._fingerprint_parts(sd), group)
 
     def _inventory(self, sd: dict[str, Any]) -> list[TensorEntry]:
         out = [TensorEntry(name=f"model.{k}", shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
@@ -150,6 +166,17 @@ class Checkpointer:
             partial.mkdir(parents=True)
         dist.barrier(group=self.env.ctrl_group)
 
+    def warm_up(self, ts: TrainState) -> None:
+        """Allocate the staging buffers of async saves now, before training, not at the first save."""
+        # Not before the first optimizer step: get_state_dict would initialise AdamW's state (step=1)
+        # with a dummy step, and the run would no longer match an uninterrupted one.
+        if self.spec.checkpoint.async_save and self._staged is None and self.optimizer.state:
+            from torch.distributed._state_dict_utils import _create_cpu_state_dict
+
+            sd = self._state_dict(ts)
+            self._staged = _create_cpu_state_dict(sd, pin_memory=self.env.device.type == "cuda")
+            self._stage(sd)  # touch every page once, so the first save does not pay the page faults
+
     def _stage(self, sd: dict[str, Any]) -> dict[str, Any]:
         """Copy the state into CPU buffers that are allocated once and reused by later saves."""
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
@@ -164,16 +191,27 @@ class Checkpointer:
     def _write_and_commit(self, sd: dict[str, Any], ts: TrainState, reason: str, t0: float, async_save: bool) -> None:
         group = self.env.ckpt_group
         partial = self.run_dir.partial(ts.step)
-        fingerprint = self._fingerprint_of(sd, group)
-        writer = dcp.FileSystemWriter(partial, sync_files=True, thread_count=self.spec.checkpoint.io_threads,
-                                      overwrite=False)
+        phases: dict[str, float] = {}
+        t = time.perf_counter()
+        # The fingerprint's local sums are computed while DCP writes (the write mostly waits on the
+        # device); its all-reduce runs after dcp.save, as both use the checkpoint group.
+        fp_job = self._fp_pool.submit(self._fingerprint_parts, sd)
+        writer = HashingDirectWriter(partial, sync_files=True, thread_count=self.spec.checkpoint.io_threads,
+                                     overwrite=False)
         dcp.save(sd, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
-        # Each rank hashes what it wrote; rank 0 also hashes the DCP metadata.
-        mine = sorted(partial.glob(f"__{self.env.rank}_*"))
-        if self.env.is_rank0:
-            mine.append(partial / ".metadata")
-        hashed = hash_files(mine, threads=self.spec.checkpoint.io_threads)
-        entries = [FileEntry(path=p.name, size=s, xxh3_128=h, rank=self.env.rank) for p, (s, h) in hashed.items()]
+        phases["write_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        fingerprint = self._finish_fingerprint(fp_job.result(), group)
+        phases["fingerprint_wait_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        # Checksums were computed while writing; the metadata was written as .metadata.tmp and renamed.
+        entries = [FileEntry(path=".metadata" if name == ".metadata.tmp" else name, size=size, xxh3_128=digest,
+                             rank=self.env.rank)
+                   for name, (size, digest) in sorted(writer.digests.items())
+                   if name.startswith(f"__{self.env.rank}_") or (self.env.is_rank0 and name == ".metadata.tmp")]
+        if self.env.is_rank0 and not any(e.path == ".metadata" for e in entries):
+            size, digest = hash_files([partial / ".metadata"])[partial / ".metadata"]
+            entries.append(FileEntry(path=".metadata", size=size, xxh3_128=digest, rank=0))
         gathered: list[list[FileEntry]] | None = [[] for _ in range(self.env.world_size)] if self.env.is_rank0 else None
         dist.gather_object(entries, gathered, dst=0, group=group)
         if self.env.is_rank0:
@@ -206,6 +244,9 @@ class Checkpointer:
             pol = self.spec.checkpoint
             apply_retention(self.run_dir, keep_last=pol.keep_last, keep_every=pol.keep_every)
         dist.barrier(group=group)
+        phases["commit_s"] = time.perf_counter() - t
+        phases["total_s"] = time.perf_counter() - t0
+        self.last_phases = phases
         self.last_committed_step = ts.step
         self.parent = step_dir_name(ts.step)
 
@@ -218,6 +259,7 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown(wait=True)
+        self._fp_pool.shutdown(wait=True)
         self._staged = None
 
     # ----------------------------------------------------------------- load

@@ -112,6 +112,7 @@ class Segment:
         env = self.env
         self.log_diagnostics()
         ts = self.ckpt.load_latest() or TrainState()
+        self.ckpt.warm_up(ts)
         start = ts.step
         if start >= self.until_step:
             log0(env, "nothing to do: the run is at step %d, --until-step is %d", start, self.until_step)

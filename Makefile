@@ -1,0 +1,40 @@
+# shardkeeper: the two commands are `make demo` (set up + run the pipeline end to end) and
+# `make test` (set up + run the test suite). Both create .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A CPU wheel of torch is the default; on GPU nodes set e.g. TORCH_SPEC="torch==2.13.0" with the CUDA
+# index of your cluster. Installing torch first keeps pip from resolving a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install system-deps test demo bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+# Headless Chromium for the browser test of the Prefect UI (Debian packages; skipped when not root).
+system-deps:
+	@if ! command -v chromium >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null) \
+	      || echo "chromium could not be installed: the browser test will be skipped"; \
+	  else echo "chromium not found and not root: the browser test will be skipped"; fi; \
+	fi
+
+test: install system-deps
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest $(PYTEST_ARGS)
+
+demo: install
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m infra.demo
+
+bench: install
+	$(PY) bench/checkpoint_bench.py
+	$(PY) bench/export_bench.py
+
+clean:
+	rm -rf $(VENV) .prefect runs bench/out
