@@ -16,10 +16,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any, device: str) -> None:
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SHARDKEEPER_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SHARDKEEPER_DEVICE": device, "OMP_NUM_THREADS": "1",
     })
     import torch
 
@@ -31,12 +31,12 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300,
-          on_start: Callable[[list[mp.Process]], None] | None = None) -> list[Any]:
+          on_start: Callable[[list[mp.Process]], None] | None = None, device: str = "cpu") -> list[Any]:
     """Run ``fn(*args)`` on ``world`` ranks; return the per-rank results, or raise with the first error."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue, device), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     if on_start:

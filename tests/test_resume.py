@@ -197,3 +197,15 @@ def test_rank_side_refuses_checkpoint_of_another_architecture(reference: Path, t
     with pytest.raises(RuntimeError, match="CheckpointError.*another architecture"):
         spawn(run_segment, 2, str(run), 12, 0)
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_bf16_compute_same_world_size_resume_is_bitwise(tmp_path: Path) -> None:
+    spec = tiny_spec(**{"precision.compute": "bf16"})
+    ref = new_run(tmp_path / "ref", spec)
+    assert spawn(run_segment, 2, str(ref), 12, 0) == [0, 0]
+    run = copy_run_until(ref, tmp_path / "run", CUT)
+    assert spawn(run_segment, 2, str(run), 12, 1) == [0, 0]
+    assert_bitwise(metrics(ref), metrics(run), range(CUT + 1, 13))
+    man = read_manifest(run / "checkpoints" / "step-00000012")
+    assert (man.dtype_policy.master, man.dtype_policy.compute) == ("float32", "bfloat16")
+    assert all(t.dtype == "float32" for t in man.tensors)  # master weights and moments stay fp32

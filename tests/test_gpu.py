@@ -1,0 +1,40 @@
+"""CUDA + NCCL: the same resume guarantees on GPUs. Skipped without CUDA; run them on a GPU node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import spawn
+from tests.test_resume import copy_run_until, metrics, new_run, tiny_spec
+from trainer.segment import run_segment
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and NCCL")]
+
+
+def _world() -> int:
+    return min(2, torch.cuda.device_count())
+
+
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
+def test_cuda_same_world_size_resume_is_bitwise(tmp_path: Path, compute: str) -> None:
+    world = _world()
+    spec = tiny_spec(**{"precision.compute": compute})
+    ref = new_run(tmp_path / "ref", spec)
+    assert spawn(run_segment, world, str(ref), 15, 0, device="cuda") == [0] * world
+    run = copy_run_until(ref, tmp_path / "run", 5)
+    assert spawn(run_segment, world, str(run), 15, 1, device="cuda") == [0] * world
+    a, b = metrics(ref), metrics(run)
+    for s in range(6, 16):
+        assert a[s]["loss"] == b[s]["loss"] and a[s]["grad_norm"] == b[s]["grad_norm"], f"step {s}"
+
+
+def test_cuda_async_save_commits(tmp_path: Path) -> None:
+    world = _world()
+    run = new_run(tmp_path / "run", tiny_spec(**{"checkpoint.async_save": "true"}))
+    assert spawn(run_segment, world, str(run), 12, 0, device="cuda") == [0] * world
+    from ckpt.validate import validate
+
+    assert validate(run / "checkpoints" / "step-00000010", deep=True).valid
