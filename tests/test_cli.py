@@ -123,3 +123,30 @@ def test_checkpoint_of_another_architecture_is_refused(cli_run: Path, tmp_path: 
               "--set", "model.config.intermediate_size=96")
     assert res.returncode != 0
     assert "holds another model" in res.stderr
+
+
+def test_sigterm_to_train_commits_and_exits_75_then_same_command_resumes(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "shardkeeper", "train", "--config", TINY, "--run-dir", str(run), "--nproc", "2",
+            "--until-step", "100000"]
+    env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu"}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    deadline = time.time() + 180
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 7):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out[-2000:]
+    status = json.loads((run / ".segment-status.json").read_text())
+    stop = status["end_step"]
+    assert status["status"] == "preempted" and stop >= 7
+    from ckpt.manifest import read_manifest
+
+    assert read_manifest(run / "checkpoints" / f"step-{stop:08d}").reason == "preempted"
+    again = cli("train", "--config", TINY, "--run-dir", str(run), "--nproc", "2", "--until-step", str(stop + 2))
+    assert again.returncode == 0, again.stderr[-2000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == stop + 2 and rows[-1]["segment"] == 1
