@@ -1,0 +1,93 @@
+"""The ``resume`` flow, meant for a schedule: find runs whose last segment was preempted, failed or
+interrupted before its until_step, and train each to that step at ``nproc`` ranks.
+
+Idempotent: a run that is complete is left alone, and a run whose lock is held (a segment is
+training now) is skipped, so overlapping schedules never start a second writer.
+
+    from flows.resume import resume
+    from schemas.requests import ResumeRequest
+    resume(ResumeRequest(root="runs", nproc=2))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from ckpt.errors import RunLockedError, ShardkeeperError
+from flows.common import PipelineError, run_segment
+from schemas.requests import ResumeItem, ResumeRequest, ResumeSummary, RunState, SegmentPlan
+from tasks.lineage import mirror_lineage
+from tasks.stages import load_spec, run_state
+
+RESUMABLE = ("preempted", "failed", "interrupted")
+
+
+class ResumeFailed(PipelineError):
+    """At least one run could not be resumed; the message lists each with its reason."""
+
+
+def run_dirs_under(root: Path) -> list[Path]:
+    if not root.is_dir():
+        raise ShardkeeperError(f"resume root {root}: no such folder; pass the folder that holds the run directories")
+    return sorted(p for p in root.iterdir() if p.is_dir() and ((p / "run.yaml").exists() or (p / "checkpoints").is_dir()))
+
+
+@task(name="scan-runs", cache_policy=NO_CACHE)
+def scan_runs(root: str | None, run_dirs: list[str]) -> list[RunState]:
+    """The state of every run directory under ``root`` and in ``run_dirs`` (each once)."""
+    found = run_dirs_under(Path(root)) if root else []
+    seen: dict[Path, None] = {}
+    for p in [*found, *(Path(d) for d in run_dirs)]:
+        seen.setdefault(p.resolve(), None)
+    return [run_state(p) for p in seen]
+
+
+def triage(state: RunState) -> ResumeItem | None:
+    """Why a run is not resumed, or None when it should be."""
+    if not state.exists:
+        return ResumeItem(run_dir=state.run_dir, action="skipped-not-a-run", reason="no run.yaml or checkpoints")
+    if state.locked:
+        return ResumeItem(run_dir=state.run_dir, action="skipped-locked", reason="its lock is held: a segment is training")
+    if state.last_status not in RESUMABLE or state.last_until_step is None:
+        return ResumeItem(run_dir=state.run_dir, action="skipped-done",
+                          reason=f"last segment {state.last_status or 'none'}; nothing to resume")
+    if state.step >= state.last_until_step:
+        return ResumeItem(run_dir=state.run_dir, action="skipped-done",
+                          reason=f"at step {state.step}, its until_step {state.last_until_step} is reached")
+    return None
+
+
+def _resume_one(state: RunState, request: ResumeRequest) -> ResumeItem:
+    until = state.last_until_step or 0  # triage() made sure it is set
+    plan = SegmentPlan(nproc=request.nproc, until_step=until, timeout_s=request.timeout_s)
+    spec = load_spec(str(Path(state.run_dir) / "run.yaml"))
+    try:
+        outcome = run_segment(spec, state.run_dir, plan, max_preemption_retries=request.max_preemption_retries,
+                              backoff_s=request.backoff_s)
+        item = ResumeItem(run_dir=state.run_dir, action="resumed", outcome=outcome,
+                          reason=f"step {state.step} -> {until} on {plan.nproc} ranks (was {state.last_status})")
+    except RunLockedError as e:  # someone started a segment since the scan
+        return ResumeItem(run_dir=state.run_dir, action="skipped-locked", reason=str(e))
+    except (PipelineError, ShardkeeperError) as e:
+        item = ResumeItem(run_dir=state.run_dir, action="failed", reason=str(e).splitlines()[0])
+    mirror_lineage(state.run_dir, spec.name)
+    return item
+
+
+@flow(name="resume", validate_parameters=True)
+def resume(request: ResumeRequest) -> ResumeSummary:
+    """Scan -> for each resumable run: (reshard) -> train to its recorded until_step -> lineage artifacts."""
+    logger = get_run_logger()
+    items: list[ResumeItem] = []
+    for state in scan_runs(request.root, request.run_dirs):
+        item = triage(state) or _resume_one(state, request)
+        logger.info("%s: %s (%s)", item.run_dir, item.action, item.reason)
+        items.append(item)
+    failed = [i for i in items if i.action == "failed"]
+    if failed:
+        raise ResumeFailed(f"{len(failed)} of {len(items)} runs could not be resumed: "
+                           + "; ".join(f"{i.run_dir}: {i.reason}" for i in failed))
+    return ResumeSummary(items=items)

@@ -1,0 +1,88 @@
+"""The ``train-and-export`` flow: train in segments (each at its own world size, resumed after
+preemptions), validate the final checkpoint deeply, export it to safetensors, publish it, and mirror
+the run's lineage into Prefect artifacts.
+
+    from flows.train_and_export import train_and_export
+    from schemas.requests import TrainExportRequest
+    train_and_export(TrainExportRequest(config="configs/tiny.yaml", run_dir="runs/demo",
+                     segments=[{"nproc": 2, "until_step": 10}, {"nproc": 3, "until_step": 20}],
+                     publish_target="file:///tmp/published"))
+
+As a deployment: ``python -m infra.serve`` then ``prefect deployment run 'train-and-export/demo' --watch``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from flows.common import PipelineError, run_segment
+from schemas import ExportResult, PublishResult, RunSpec
+from schemas.requests import SegmentOutcome, TrainExportRequest, TrainExportSummary
+from tasks.lineage import mirror_lineage
+from tasks.stages import export, inspect_run, load_spec, materializing, path_asset, publish, target_asset, validate
+
+
+def _final_checkpoint(run_dir: str, outcomes: list[SegmentOutcome]) -> str:
+    """The checkpoint the last segment ended on (or the newest valid one if it had nothing to do)."""
+    for outcome in reversed(outcomes):
+        if outcome.attempts and outcome.attempts[-1].checkpoint:
+            return outcome.attempts[-1].checkpoint
+    state = inspect_run(run_dir)
+    if state.checkpoint is None:
+        raise PipelineError(f"{run_dir}: no valid checkpoint to export; train at least one segment first")
+    return state.checkpoint
+
+
+def _export_and_publish(request: TrainExportRequest, ckpt: str) -> tuple[int, ExportResult, PublishResult | None]:
+    ckpt_asset = path_asset(ckpt)
+    report = materializing(validate, [ckpt_asset])(ckpt, deep=request.deep_validate)
+    step = report.step or 0
+    out_dir = request.export_dir or str(Path(request.run_dir) / "exports" / Path(ckpt).name)
+    export_asset = path_asset(out_dir)
+    exported = materializing(export, [export_asset], [ckpt_asset])(
+        ckpt, out_dir, dtype=request.export_dtype, max_shard_size=request.max_shard_size,
+        overwrite=request.overwrite_export)
+    if request.publish_target is None:
+        return step, exported, None
+    published = materializing(publish, [target_asset(request.publish_target, Path(exported.out_dir).name)], [export_asset])(
+        exported.out_dir, request.publish_target, revision=request.publish_revision, run_dir=request.run_dir)
+    return step, exported, published
+
+
+@flow(name="train-and-export", validate_parameters=True)
+def train_and_export(request: TrainExportRequest) -> TrainExportSummary:
+    """Segments -> (reshard) -> train, resumed after preemptions -> validate (deep) -> export -> publish -> lineage."""
+    logger = get_run_logger()
+    spec: RunSpec = load_spec(request.config, request.spec, request.overrides)
+    outcomes: list[SegmentOutcome] = []
+    try:
+        for plan in request.segments:
+            outcomes.append(run_segment(spec, request.run_dir, plan, max_preemption_retries=request.max_preemption_retries,
+                                        backoff_s=request.backoff_s))
+        ckpt = _final_checkpoint(request.run_dir, outcomes)
+        step, exported, published = _export_and_publish(request, ckpt)
+    except BaseException:
+        _mirror_best_effort(request.run_dir, spec.name)
+        raise
+    artifacts = mirror_lineage(request.run_dir, spec.name)
+    summary = TrainExportSummary(
+        run_dir=str(Path(request.run_dir).resolve()), run_name=spec.name, status="completed", final_checkpoint=ckpt,
+        final_step=step, segments=outcomes, export=exported, publish=published,
+        artifacts=artifacts,
+    )
+    logger.info("%s: trained to step %d, exported to %s%s; artifacts %s, %s", request.run_dir, summary.final_step,
+                exported.out_dir, f", published to {published.url or published.target}" if published else "",
+                artifacts.table_key, artifacts.graph_key)
+    return summary
+
+
+def _mirror_best_effort(run_dir: str, run_name: str) -> None:
+    """On failure, still show the lineage up to the failure; never mask the original error."""
+    if not (Path(run_dir) / "lineage.jsonl").exists():
+        return
+    try:
+        mirror_lineage(run_dir, run_name)
+    except Exception as e:  # noqa: BLE001 - the stage's error is the one to report
+        get_run_logger().warning("could not mirror the lineage of %s: %s", run_dir, e)

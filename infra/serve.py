@@ -1,0 +1,102 @@
+"""Serve the flows as deployments on the local Prefect server (runs execute in this process's children).
+
+    python -m infra.server start          # once: the server on 127.0.0.1:4200, PREFECT_HOME=.prefect/
+    python -m infra.serve                 # deployments train-and-export/demo and resume/resume
+    prefect deployment run 'train-and-export/demo' --watch    # with PREFECT_API_URL=http://127.0.0.1:4200/api
+
+``train-and-export/demo`` runs the tiny model (configs/tiny.yaml) on 2 ranks to step 10, then on 3
+ranks to step 20 (global batch 12 divides both), exports bfloat16 to RUN_DIR/exports/step-00000020 and
+publishes to file://RUN_DIR/published; RUN_DIR is runs/demo. ``resume/resume`` resumes every
+preempted run under runs/ at 2 ranks; its interval schedule is off unless ``--resume-every SECONDS``.
+At most one flow run executes at a time (``--limit``): the ranks need the CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from infra.server import DEFAULT_HOME, DEFAULT_HOST, DEFAULT_PORT, SERVE_PID, prefect_env, setup_logging
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+RUNS = REPO / "runs"
+DEMO_RUN_DIR = RUNS / "demo"
+DEMO_DEPLOYMENT = "train-and-export/demo"
+RESUME_DEPLOYMENT = "resume/resume"
+
+
+def demo_request(run_dir: Path = DEMO_RUN_DIR) -> dict[str, Any]:
+    """Parameters of the demo deployment: two segments at world sizes 2 and 3, export, file:// publish."""
+    from schemas.requests import SegmentPlan, TrainExportRequest
+
+    req = TrainExportRequest(
+        config=str(REPO / "configs" / "tiny.yaml"), run_dir=str(run_dir),
+        segments=[SegmentPlan(nproc=2, until_step=10), SegmentPlan(nproc=3, until_step=20)],
+        export_dtype="bfloat16", max_shard_size="5GB", publish_target=(run_dir / "published").as_uri(), backoff_s=2.0,
+    )
+    return {"request": req.model_dump(mode="json")}
+
+
+def resume_request(root: Path = RUNS, nproc: int = 2) -> dict[str, Any]:
+    from schemas.requests import ResumeRequest
+
+    return {"request": ResumeRequest(root=str(root), nproc=nproc, backoff_s=2.0).model_dump(mode="json")}
+
+
+def deployments(resume_every_s: float | None) -> list[Any]:
+    from flows.resume import resume
+    from flows.train_and_export import train_and_export
+
+    return [
+        train_and_export.to_deployment(name="demo", parameters=demo_request(), tags=["shardkeeper", "demo"],
+                                       description="Tiny model: 2 ranks to step 10, 3 ranks to step 20, export, publish"),
+        resume.to_deployment(name="resume", parameters=resume_request(), tags=["shardkeeper"],
+                             interval=resume_every_s or None,
+                             description="Resume preempted runs under runs/ (schedule with --resume-every)"),
+    ]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m infra.serve", description="Serve the shardkeeper flows as deployments.")
+    p.add_argument("--port", type=int, default=int(os.environ.get("SHARDKEEPER_PREFECT_PORT", DEFAULT_PORT)),
+                   help="port of the local server (ignored when PREFECT_API_URL is set)")
+    p.add_argument("--home", type=Path, default=DEFAULT_HOME, help="PREFECT_HOME (default .prefect/)")
+    p.add_argument("--resume-every", type=float, default=0.0, metavar="SECONDS",
+                   help="run the resume deployment on this interval (default 0: no schedule)")
+    p.add_argument("--limit", type=int, default=1, help="flow runs executed at once")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    setup_logging()
+    home = Path(os.environ.get("PREFECT_HOME", args.home)).resolve()
+    # Settings come from the environment: fix them before prefect is imported.
+    api_url = os.environ.get("PREFECT_API_URL") or f"http://{DEFAULT_HOST}:{args.port}/api"
+    os.environ.update(prefect_env(home, api_url))
+    home.mkdir(parents=True, exist_ok=True)
+    os.chdir(REPO)
+    from infra.server import is_healthy
+
+    if not is_healthy(api_url):
+        print(f"error: no Prefect server answers at {api_url}; start one with: python -m infra.server start",
+              file=sys.stderr)
+        return 2
+    (home / SERVE_PID).write_text(f"{os.getpid()}\n")
+    try:
+        from prefect import serve
+
+        serve(*deployments(args.resume_every), limit=args.limit, print_starting_message=True)
+    finally:
+        (home / SERVE_PID).unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

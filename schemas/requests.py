@@ -1,0 +1,139 @@
+"""What the Prefect flows take and return: requests (flow parameters) and summaries.
+
+Pydantic only (no torch, no prefect): a bad request fails validation before anything runs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas.results import ExportResult, PublishResult, ReshardResult, SegmentResult, SegmentStatus
+from schemas.run import RunSpec
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SegmentPlan(_Frozen):
+    nproc: int = Field(ge=1, description="ranks (world size on one node) the segment trains on")
+    until_step: int = Field(ge=1, description="train until this many optimizer steps are done in total")
+    timeout_s: float | None = Field(
+        None, gt=0, description="stop the segment (with a checkpoint: it ends 'preempted') after this many seconds"
+    )
+
+
+class TrainExportRequest(_Frozen):
+    """Parameters of the ``train-and-export`` flow."""
+
+    config: str | None = Field(None, description="path of a RunSpec YAML, e.g. configs/tiny.yaml (or give spec)")
+    spec: RunSpec | None = Field(None, description="an inline RunSpec instead of a config path")
+    overrides: list[str] = Field(default_factory=list, description="key.path=value overrides, as the CLI's --set")
+    run_dir: str = Field(min_length=1, description="run directory (created; resumed if it holds checkpoints)")
+    segments: list[SegmentPlan] = Field(
+        min_length=1, description="segments in order; until_step strictly increasing, each at its own world size"
+    )
+    max_preemption_retries: int = Field(3, ge=0, description="times a preempted segment is resumed before giving up")
+    backoff_s: float = Field(5.0, ge=0, description="wait before a resume; doubles after each preemption of a segment")
+    deep_validate: bool = Field(True, description="verify every checksum and the fingerprint of the final checkpoint")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="published dtype of floating tensors"
+    )
+    max_shard_size: str = Field("5GB", min_length=1, description="largest safetensors file, e.g. 5GB, 500MB")
+    export_dir: str | None = Field(
+        None, description="export folder; default RUN_DIR/exports/step-XXXXXXXX of the final checkpoint"
+    )
+    overwrite_export: bool = Field(
+        True, description="replace an existing export folder (exports are byte-reproducible, so re-runs are safe)"
+    )
+    publish_target: str | None = Field(
+        None, description="ORG/NAME or hf://ORG/NAME for the Hub, or an fsspec URL (file:///..., s3://...); none: no publish"
+    )
+    publish_revision: str | None = Field(None, description="branch to publish to (default: main)")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainExportRequest:
+        if (self.config is None) == (self.spec is None):
+            raise ValueError("give exactly one of config (a RunSpec YAML path) or spec (an inline RunSpec)")
+        if self.overrides and self.spec is not None:
+            raise ValueError("overrides apply to a config file; put the values in the inline spec instead")
+        steps = [s.until_step for s in self.segments]
+        for i in range(1, len(steps)):
+            if steps[i] <= steps[i - 1]:
+                raise ValueError(f"segments[{i}].until_step {steps[i]} must be greater than segments[{i - 1}].until_step "
+                                 f"{steps[i - 1]}; list segments in training order with strictly increasing until_step")
+        return self
+
+
+class ResumeRequest(_Frozen):
+    """Parameters of the ``resume`` flow (meant for a schedule)."""
+
+    root: str | None = Field(None, description="folder whose immediate subfolders are run directories to scan")
+    run_dirs: list[str] = Field(default_factory=list, description="run directories to scan (in addition to root)")
+    nproc: int = Field(ge=1, description="ranks to resume each run on (the run is resharded if this differs)")
+    max_preemption_retries: int = Field(3, ge=0, description="times a preempted segment is resumed before giving up")
+    backoff_s: float = Field(5.0, ge=0, description="wait before a resume; doubles after each preemption")
+    timeout_s: float | None = Field(None, gt=0, description="stop each resumed segment after this many seconds")
+
+    @model_validator(mode="after")
+    def _check(self) -> ResumeRequest:
+        if self.root is None and not self.run_dirs:
+            raise ValueError("give root (a folder of run directories) or run_dirs (a list); both are empty")
+        return self
+
+
+class RunState(_Frozen):
+    """Where a run directory stands: its newest valid checkpoint and its last segment."""
+
+    run_dir: str = Field(description="run directory")
+    exists: bool = Field(description="the run directory holds a run (run.yaml or checkpoints)")
+    checkpoint: str | None = Field(None, description="newest valid checkpoint")
+    step: int = Field(0, ge=0, description="step of that checkpoint (0 when there is none)")
+    world_size: int | None = Field(None, description="world size that checkpoint was written at")
+    last_status: SegmentStatus | Literal["running", "interrupted"] | None = Field(
+        None, description="how the last segment ended; 'running' if its lock is held, 'interrupted' if it never ended"
+    )
+    last_until_step: int | None = Field(None, description="until_step the last segment was started with")
+    locked: bool = Field(False, description="another process holds the run lock now")
+
+
+class SegmentOutcome(_Frozen):
+    plan: SegmentPlan = Field(description="the segment as requested")
+    reshard: ReshardResult | None = Field(None, description="reshard before the segment, when the world size changed")
+    attempts: list[SegmentResult] = Field(default_factory=list, description="each launch: preempted ones, then the last")
+    skipped: bool = Field(False, description="the run was already at until_step: nothing launched")
+
+
+class LineageArtifacts(_Frozen):
+    table_key: str = Field(description="key of the table artifact of lineage events")
+    graph_key: str = Field(description="key of the markdown artifact with the mermaid graph")
+    loss_key: str | None = Field(None, description="key of the markdown artifact with the loss curve, if any metrics")
+    loss_png: str | None = Field(None, description="the loss curve PNG written into the run directory")
+    events: int = Field(ge=0, description="lineage events mirrored")
+
+
+class TrainExportSummary(_Frozen):
+    run_dir: str = Field(description="run directory")
+    run_name: str = Field(description="RunSpec.name")
+    status: Literal["completed"] = Field(description="the flow raises instead of returning anything else")
+    final_checkpoint: str = Field(description="checkpoint that was validated and exported")
+    final_step: int = Field(ge=0, description="its step")
+    segments: list[SegmentOutcome] = Field(description="what each requested segment did")
+    export: ExportResult = Field(description="the export")
+    publish: PublishResult | None = Field(None, description="the publish, when a target was given")
+    artifacts: LineageArtifacts = Field(description="Prefect artifacts that mirror the lineage")
+
+
+class ResumeItem(_Frozen):
+    run_dir: str = Field(description="run directory")
+    action: Literal["resumed", "skipped-locked", "skipped-done", "skipped-not-a-run", "failed"] = Field(
+        description="what the flow did with it"
+    )
+    reason: str = Field("", description="one line: why")
+    outcome: SegmentOutcome | None = Field(None, description="the resumed segment, when one ran")
+
+
+class ResumeSummary(_Frozen):
+    items: list[ResumeItem] = Field(description="one per run directory scanned")

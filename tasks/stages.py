@@ -1,0 +1,201 @@
+"""One Prefect task per pipeline stage, thin and typed, over ``shardkeeper.stages``.
+
+Schemas in, schemas out. torch is imported only when a stage runs (``shardkeeper.stages`` pulls
+it in), so importing tasks/ and flows/ stays light. Caching is off: a stage re-run with the same
+inputs (a resume after a preemption) must really run again. Only ``publish`` retries, because only
+it talks to the network; a user mistake (bad target, no token) is never retried.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import TaskRun
+from prefect.states import State
+from prefect.tasks import MaterializingTask, Task
+
+from ckpt.errors import CheckpointError, ShardkeeperError
+from ckpt.fsutil import read_jsonl
+from ckpt.layout import RunDir
+from ckpt.lock import RunLock
+from schemas import ClusterTopology, ExportResult, PublishResult, ReshardResult, RunSpec, SegmentResult, ValidationReport
+from schemas.requests import RunState
+
+log = logging.getLogger(__name__)
+
+PUBLISH_RETRIES = 3
+PUBLISH_RETRY_DELAYS_S = [5, 20, 60]
+
+
+class CheckpointInvalid(CheckpointError):
+    """Deep validation found a problem: the flow stops before exporting anything."""
+
+
+@task(name="load-run-spec", cache_policy=NO_CACHE)
+def load_spec(config: str | None = None, spec: RunSpec | None = None, overrides: list[str] | None = None) -> RunSpec:
+    """The RunSpec from a YAML file (plus ``key=value`` overrides) or as given inline."""
+    from shardkeeper.config import load_run_spec
+
+    if spec is not None:
+        return spec
+    if config is None:
+        raise ShardkeeperError("load-run-spec: give a config path or an inline spec")
+    return load_run_spec(config, overrides)
+
+
+@task(name="inspect-run", cache_policy=NO_CACHE)
+def inspect_run(run_dir: str) -> RunState:
+    return run_state(run_dir)
+
+
+def run_state(run_dir: str | Path) -> RunState:
+    """Newest valid checkpoint and how the last segment ended (plain function: the resume scan uses it)."""
+    from ckpt.manifest import read_manifest
+    from ckpt.validate import latest_valid
+
+    rd = RunDir.at(run_dir)
+    exists = rd.spec_path.exists() or bool(rd.committed())
+    if not exists:
+        return RunState(run_dir=str(rd.root), exists=False)
+    found = latest_valid(rd)
+    records = read_jsonl(rd.segments)
+    starts = [r for r in records if r.get("event") == "start"]
+    locked = RunLock(rd.root).is_locked()
+    last_status = None
+    if records:
+        last = records[-1]
+        last_status = last.get("status") if last.get("event") == "end" else ("running" if locked else "interrupted")
+    return RunState(
+        run_dir=str(rd.root), exists=True, checkpoint=str(found[0]) if found else None,
+        step=found[1].step if found else 0,
+        world_size=read_manifest(found[0]).topology.world_size if found else None,
+        last_status=last_status, last_until_step=starts[-1].get("until_step") if starts else None, locked=locked,
+    )
+
+
+@task(name="plan-topology", cache_policy=NO_CACHE)
+def plan_topology(spec: RunSpec, nproc: int, launcher: str = "local") -> ClusterTopology:
+    from shardkeeper import stages
+
+    return stages.plan_topology(spec, nproc, launcher=launcher)
+
+
+@task(name="train-segment", cache_policy=NO_CACHE,
+      task_run_name="train-to-step-{until_step}-on-{topology.procs_per_node}-ranks")
+def train_segment(spec: RunSpec, run_dir: str, topology: ClusterTopology, until_step: int,
+                  timeout_s: float | None = None) -> SegmentResult:
+    """Launch one segment; every line of the ranks' output goes to this task's log.
+
+    ``timeout_s`` is handled by the launcher, not by Prefect: at the timeout the ranks get SIGTERM,
+    commit a checkpoint and the segment ends 'preempted' (a hard kill would lose the step)."""
+    from shardkeeper import stages
+
+    logger = get_run_logger()
+    result = stages.train_segment(spec, run_dir, topology, until_step, timeout_s=timeout_s,
+                                  sink=lambda line: logger.info("%s", line))
+    summary = (f"segment {result.segment} {result.status}: steps {result.start_step} -> {result.end_step} "
+               f"on {topology.world_size} ranks in {result.seconds:.1f} s")
+    if result.status == "failed":
+        logger.error("%s; last lines:\n%s", summary, result.failure)
+    elif result.status == "preempted":
+        logger.warning("%s; checkpoint %s", summary, result.checkpoint)
+    else:
+        logger.info("%s; checkpoint %s", summary, result.checkpoint)
+    return result
+
+
+@task(name="validate-checkpoint", cache_policy=NO_CACHE)
+def validate(ckpt_dir: str, deep: bool = True) -> ValidationReport:
+    """Validate a checkpoint; raise CheckpointInvalid (one line per problem) if it is not whole."""
+    from shardkeeper import stages
+
+    report = stages.validate_checkpoint(ckpt_dir, deep=deep)
+    if not report.valid:
+        more = f" (and {len(report.errors) - 1} more)" if len(report.errors) > 1 else ""
+        raise CheckpointInvalid(f"{report.errors[0]}{more}; nothing was exported")
+    get_run_logger().info("valid (%s): %s step %s, %d files, %.1f MB hashed, %.2f s", "deep" if deep else "quick",
+                          ckpt_dir, report.step, report.files_checked, report.bytes_checked / 1e6, report.seconds)
+    return report
+
+
+@task(name="reshard", cache_policy=NO_CACHE)
+def reshard(ckpt_dir: str, world_size: int) -> ReshardResult:
+    from shardkeeper import stages
+
+    result = stages.reshard(ckpt_dir, world_size)
+    get_run_logger().info("%s: %s (world size %d) -> %d", result.method, Path(ckpt_dir).name,
+                          result.from_world_size, result.to_world_size)
+    return result
+
+
+@task(name="export", cache_policy=NO_CACHE)
+def export(ckpt_dir: str, out_dir: str, dtype: str = "bfloat16", max_shard_size: str = "5GB",
+           overwrite: bool = True) -> ExportResult:
+    from shardkeeper import stages
+
+    result = stages.export_checkpoint(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size,
+                                      overwrite=overwrite, progress=False)
+    get_run_logger().info("exported %d tensors (%.1f MB, %s) in %d shard(s) to %s in %.2f s", result.num_tensors,
+                          result.total_bytes / 1e6, result.dtype, result.num_shards, result.out_dir, result.seconds)
+    return result
+
+
+def _retry_unless_user_error(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
+    """Retry network trouble; a ShardkeeperError is a user mistake that a retry cannot fix."""
+    exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+    return not isinstance(exc, ShardkeeperError)
+
+
+@task(name="publish", cache_policy=NO_CACHE, retries=PUBLISH_RETRIES, retry_delay_seconds=PUBLISH_RETRY_DELAYS_S,
+      retry_condition_fn=_retry_unless_user_error)
+def publish(export_dir: str, target: str, revision: str | None = None, run_dir: str | None = None) -> PublishResult:
+    from shardkeeper import stages
+
+    result = stages.publish_export(export_dir, target, revision=revision, run_dir=run_dir)
+    verb = "already published (same checksums)" if result.skipped else f"published {result.files} files"
+    get_run_logger().info("%s: %s%s", verb, result.url or result.target, f" @ {result.revision}" if result.revision else "")
+    return result
+
+
+# ----------------------------------------------------------------------------- assets
+def path_asset(path: str | Path) -> str | None:
+    """Asset key (file:// URI) of a local checkpoint or export folder."""
+    return _valid_key(Path(path).resolve().as_uri())
+
+
+def target_asset(target: str, export_name: str) -> str | None:
+    """Asset key of a publish: hf://ORG/NAME for the Hub, URL/<export folder name> for fsspec URLs
+    (where ckpt.publish puts the folder)."""
+    if "://" not in target:
+        return _valid_key(f"hf://{target}")
+    if target.startswith("hf://"):
+        return _valid_key(target)
+    return _valid_key(f"{target.rstrip('/')}/{export_name}")
+
+
+def _valid_key(key: str) -> str | None:
+    """None when Prefect would refuse the key (e.g. a path with spaces): assets are a bonus view of
+    the lineage, never a reason to fail a run."""
+    from prefect.types.names import validate_valid_asset_key
+
+    try:
+        return validate_valid_asset_key(key)
+    except ValueError:
+        log.debug("no Prefect asset for %s: not a valid asset key", key)
+        return None
+
+
+def materializing(base: Task[..., Any], assets: list[str | None], deps: list[str | None] | None = None) -> Task[..., Any]:
+    """``base`` as a task that materializes ``assets`` from ``deps`` (Prefect assets); unchanged without keys."""
+    keys = [a for a in assets if a]
+    if not keys:
+        return base
+    return MaterializingTask(
+        fn=base.fn, assets=keys, materialized_by="shardkeeper", name=base.name, task_run_name=base.task_run_name,
+        cache_policy=NO_CACHE, retries=base.retries, retry_delay_seconds=base.retry_delay_seconds,
+        retry_condition_fn=base.retry_condition_fn, asset_deps=[d for d in deps or [] if d] or None,
+    )

@@ -1,0 +1,108 @@
+"""Session fixtures shared by the test modules.
+
+``prefect_server``: ONE real ``prefect server start`` (SQLite, temporary PREFECT_HOME, free port,
+UI included) for the whole session; this process's Prefect settings point at it, so flows called
+in tests run against it and the browser test can open its UI. It replaces ``prefect_test_harness``
+(whose server has no UI) and costs ~10-25 s once.
+
+``tiny_run``: the tiny model trained 5 steps on 2 ranks through ``shardkeeper.stages`` (one torchrun
+launch, ~10 s), shared read-only: copy it before changing anything.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
+TINY_RUN_STEPS = 5
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A real local Prefect server with UI; yields infra.server.PrefectServer (``.url``, ``.api_url``)."""
+    from infra.server import PrefectServer
+    from tests.harness import free_port
+
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    home = tmp_path_factory.mktemp("prefect-home")
+    server = PrefectServer(home, port=free_port()).start()
+    try:
+        import prefect.context
+        import prefect.settings as ps
+
+        updates = {ps.PREFECT_API_URL: server.api_url, ps.PREFECT_HOME: str(home)}
+        with ps.temporary_settings(updates=updates), \
+                prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()):
+            yield server
+            _drain_prefect_workers()
+    finally:
+        server.stop()
+
+
+def _drain_prefect_workers() -> None:
+    """Flush buffered logs and events before the server goes (as prefect_test_harness does)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def drain() -> None:
+        try:
+            result = APILogWorker.instance().drain()
+            if inspect.isawaitable(result):
+                await result
+        except RuntimeError:
+            pass  # never started
+        result = EventsWorker.drain_all()
+        if inspect.isawaitable(result):
+            await result
+
+    run_coro_as_sync(drain())
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real run directory: tiny model, 2 ranks, steps 0 -> 5, one completed segment. Read-only."""
+    from shardkeeper.config import load_run_spec
+    from shardkeeper.stages import plan_topology, train_segment
+
+    run = tmp_path_factory.mktemp("tiny") / "tiny-run"
+    spec = load_run_spec(TINY_CONFIG)
+    result = train_segment(spec, run, plan_topology(spec, 2, device="cpu"), TINY_RUN_STEPS)
+    assert result.status == "completed", result.failure
+    return run
+
+
+
+@pytest.fixture
+def lineage_run(tmp_path: Path) -> Path:
+    """A run directory with hand-written lineage and metrics (no torch): 2 ranks to step 6, then a
+    failed segment at 2 ranks that repeated steps 6-7, then 3 ranks from step 6 to 10, exported."""
+    from ckpt import lineage
+    from ckpt.fsutil import append_jsonl
+
+    run = tmp_path / "lineage-run"
+    ck = lineage.checkpoint_event_id
+    for step in (3, 6):
+        lineage.record(run, "checkpoint", ck(step), parent=ck(step - 3) if step > 3 else None, step=step,
+                       reason="interval" if step == 3 else "end", world_size=2, uri=f"file://{run}/checkpoints/{step}")
+    lineage.record(run, "segment", "segment:0", step=6, status="completed", world_size=2)
+    lineage.record(run, "resume", "resume:segment-1", parent=ck(6), step=6, from_world_size=2, to_world_size=2)
+    lineage.record(run, "segment", "segment:1", parent=ck(6), step=6, status="failed", world_size=2)
+    lineage.record(run, "reshard", "reshard:step-00000006:3", parent=ck(6), step=6, method="dcp-load-time",
+                   from_world_size=2, to_world_size=3)
+    lineage.record(run, "resume", "resume:segment-2", parent=ck(6), step=6, from_world_size=2, to_world_size=3)
+    for step, parent in ((9, 6), (10, 9)):
+        lineage.record(run, "checkpoint", ck(step), parent=ck(parent), step=step,
+                       reason="interval" if step == 9 else "end", world_size=3)
+    lineage.record(run, "export", "export:step-00000010:bfloat16", parent=ck(10), step=10, dtype="bfloat16")
+    rows = [(s, 0, 2) for s in range(1, 7)] + [(7, 1, 2), (8, 1, 2)] + [(s, 2, 3) for s in range(7, 11)]
+    for step, segment, world in rows:
+        append_jsonl(run / "metrics.jsonl", {"step": step, "loss": 5.0 - 0.1 * step + (0.5 if segment == 1 else 0.0),
+                                             "segment": segment, "world_size": world})
+    return run

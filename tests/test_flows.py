@@ -1,0 +1,327 @@
+"""The Prefect flows end to end against a real local Prefect server, with real torchrun launches.
+
+One train-and-export run (2 ranks to step 4, then 3 ranks to step 8, export, file:// publish) is
+shared by the module; a preemption run, a failing run and the resume flow have their own. About
+8 torchrun launches in all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from pydantic import ValidationError
+
+from ckpt.lineage import read_events
+from ckpt.lock import RunLock
+from schemas.requests import ResumeRequest, RunState, SegmentPlan, TrainExportRequest, TrainExportSummary
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+pytestmark = pytest.mark.slow
+
+
+def copy_run(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns(".lock"))
+    return dest
+
+
+def read_artifacts(flow_run_id: Any) -> dict[str, Any]:
+    """Artifacts of one flow run, read back through the Prefect client, by key."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async def go() -> list[Any]:
+        async with get_client() as client:
+            return await client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+    return {a.key: a for a in asyncio.run(go())}
+
+
+def run_flow(request: TrainExportRequest) -> tuple[TrainExportSummary, Any]:
+    from flows.train_and_export import train_and_export
+
+    state = train_and_export(request, return_state=True)
+    return state.result(), state.state_details.flow_run_id
+
+
+# ------------------------------------------------------------------------------------------ e2e
+@pytest.fixture(scope="module")
+def e2e(prefect_server: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainExportSummary, Any, Path]:
+    run = tmp_path_factory.mktemp("flows") / "e2e"
+    request = TrainExportRequest(
+        config=TINY, overrides=["checkpoint.keep_last=10"], run_dir=str(run),
+        segments=[SegmentPlan(nproc=2, until_step=4), SegmentPlan(nproc=3, until_step=8)],
+        export_dtype="bfloat16", max_shard_size="100KB", publish_target=(run / "published").as_uri(), backoff_s=0,
+    )
+    summary, flow_run_id = run_flow(request)
+    return summary, flow_run_id, run
+
+
+def test_train_and_export_completes(e2e: tuple[TrainExportSummary, Any, Path]) -> None:
+    summary, _, run = e2e
+    assert summary.status == "completed" and summary.final_step == 8
+    assert summary.final_checkpoint == str(run.resolve() / "checkpoints" / "step-00000008")
+    first, second = summary.segments
+    assert first.reshard is None and [a.status for a in first.attempts] == ["completed"]
+    assert second.reshard is not None and (second.reshard.from_world_size, second.reshard.to_world_size) == (2, 3)
+    assert [(a.status, a.start_step, a.end_step, a.topology.world_size) for a in second.attempts] == [("completed", 4, 8, 3)]
+    assert summary.export.dtype == "bfloat16" and summary.export.num_shards > 1  # 100KB shards
+
+
+def test_export_loads_with_transformers(e2e: tuple[TrainExportSummary, Any, Path]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    summary, _, _ = e2e
+    model = AutoModelForCausalLM.from_pretrained(summary.export.out_dir)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    out = model(torch.tensor([[1, 2, 3]]))
+    assert out.logits.shape == (1, 3, 256) and torch.isfinite(out.logits.float()).all()
+
+
+def test_publish_marker_exists(e2e: tuple[TrainExportSummary, Any, Path]) -> None:
+    summary, _, run = e2e
+    assert summary.publish is not None and not summary.publish.skipped
+    marker = run / "published" / "step-00000008" / "shardkeeper.json"
+    assert marker.is_file()
+    listed = json.loads(marker.read_text())["files"]
+    assert set(summary.export.files) - {"export.json"} <= set(listed) | {"README.md"}
+
+
+def test_lineage_events_and_parents(e2e: tuple[TrainExportSummary, Any, Path]) -> None:
+    summary, _, run = e2e
+    events = {e.id: e for e in read_events(run)}
+    kinds = {e.kind for e in events.values()}
+    assert {"checkpoint", "segment", "resume", "reshard", "validate", "export", "publish"} <= kinds
+    resume = events["resume:segment-1"]
+    assert resume.parent == "checkpoint:step-00000004"
+    assert (resume.data["from_world_size"], resume.data["to_world_size"]) == (2, 3)
+    reshard = next(e for e in events.values() if e.kind == "reshard")
+    assert reshard.parent == "checkpoint:step-00000004" and reshard.data["method"] == "dcp-load-time"
+    assert events["checkpoint:step-00000008"].data["world_size"] == 3
+    export = next(e for e in events.values() if e.kind == "export")
+    assert export.parent == "checkpoint:step-00000008" and export.data["dtype"] == "bfloat16"
+    publish = next(e for e in events.values() if e.kind == "publish")
+    assert publish.parent == export.id
+    for e in events.values():  # every parent is a recorded event
+        assert e.parent is None or e.parent in events, e
+
+
+def test_lineage_artifacts_in_prefect(e2e: tuple[TrainExportSummary, Any, Path]) -> None:
+    summary, flow_run_id, _ = e2e
+    arts = read_artifacts(flow_run_id)
+    keys = summary.artifacts
+    assert keys.table_key == "tiny-llama-e2e-lineage"
+    assert {keys.table_key, keys.graph_key, keys.loss_key} <= set(arts)
+    table = json.loads(arts[keys.table_key].data)
+    assert {row["id"] for row in table} >= {"resume:segment-1", "checkpoint:step-00000008"}
+    assert arts[keys.table_key].type == "table"
+    graph = arts[keys.graph_key].data
+    assert "```mermaid\nflowchart LR" in graph and "world size 2 → 3" in graph
+    loss = arts[keys.loss_key].data
+    assert "data:image/png;base64," in loss and "| 4 | reshard | 2 → 3 |" in loss
+    assert summary.artifacts.loss_png and Path(summary.artifacts.loss_png).is_file()
+
+
+def test_assets_are_declared(e2e: tuple[TrainExportSummary, Any, Path], prefect_server: Any) -> None:
+    """Export and publish emit Prefect asset materialization events (the OSS UI shows them as events)."""
+    import httpx
+
+    summary, _, run = e2e
+    body = {"filter": {"event": {"prefix": ["prefect.asset.materialization."]}}, "limit": 50}
+    keys: set[str] = set()
+    for _ in range(40):  # events are persisted asynchronously by the server
+        resp = httpx.post(f"{prefect_server.api_url}/events/filter", json=body, timeout=10)
+        resp.raise_for_status()
+        keys = {e["resource"]["prefect.resource.id"] for e in resp.json()["events"]}
+        if Path(summary.export.out_dir).resolve().as_uri() in keys:
+            break
+        time.sleep(0.25)
+    assert Path(summary.export.out_dir).resolve().as_uri() in keys
+    assert (run.resolve() / "published" / "step-00000008").as_uri() in keys
+
+
+# ----------------------------------------------------------------------------------- preemption
+def preempt_once_training(run: Path, done: threading.Event) -> threading.Thread:
+    """SIGTERM the torchrun process group (as a scheduler would) once the first step is logged."""
+
+    def watch() -> None:
+        metrics = run / "metrics.jsonl"
+        while not done.is_set():
+            if metrics.exists() and metrics.stat().st_size > 0:
+                for child in psutil.Process().children():
+                    if "torch.distributed.run" in " ".join(child.cmdline()):
+                        os.killpg(child.pid, signal.SIGTERM)
+                        return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_preempted_segment_is_resumed(prefect_server: Any, tmp_path: Path) -> None:
+    run = tmp_path / "preempt"
+    request = TrainExportRequest(config=TINY, run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=60)],
+                                 export_dtype="float32", backoff_s=0.1)
+    done = threading.Event()
+    watcher = preempt_once_training(run, done)
+    try:
+        summary, _ = run_flow(request)
+    finally:
+        done.set()
+        watcher.join(5)
+    attempts = summary.segments[0].attempts
+    assert [a.status for a in attempts] == ["preempted", "completed"]
+    stopped = attempts[0].end_step
+    assert 1 <= stopped < 60 and attempts[1].start_step == stopped and summary.final_step == 60
+    events = {e.id: e for e in read_events(run)}
+    assert events[f"checkpoint:step-{stopped:08d}"].data["reason"] == "preempted"
+    resume = events["resume:segment-1"]
+    assert resume.parent == f"checkpoint:step-{stopped:08d}" and resume.data["to_world_size"] == 2
+    assert events["segment:0"].data["status"] == "preempted"
+
+
+def test_failed_segment_stops_with_the_rank_error(prefect_server: Any, tmp_path: Path) -> None:
+    from flows.common import SegmentFailed
+    from flows.train_and_export import train_and_export
+    from shardkeeper.config import load_run_spec
+
+    spec = load_run_spec(TINY, ["model.model_type=not-a-model"])
+    run = tmp_path / "failing"
+    request = TrainExportRequest(spec=spec, run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=4)], backoff_s=0)
+    with pytest.raises(SegmentFailed, match="failing rank's last lines") as err:
+        train_and_export(request)
+    end = [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines()][-1]
+    assert end["status"] == "failed" and end["failure"] and end["failure"] in str(err.value)
+    assert not (run / "exports").exists()
+
+
+def test_corrupt_final_checkpoint_stops_before_export(prefect_server: Any, tiny_run: Path, tmp_path: Path) -> None:
+    """Deep validation fails (a flipped byte, same size): the flow raises and exports nothing."""
+    from flows.train_and_export import train_and_export
+    from tasks.stages import CheckpointInvalid
+
+    run = copy_run(tiny_run, tmp_path / "corrupt")
+    shard = sorted((run / "checkpoints" / "step-00000005").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    request = TrainExportRequest(config=TINY, run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=5)],
+                                 publish_target=(tmp_path / "pub").as_uri())
+    with pytest.raises(CheckpointInvalid, match="checksum .* the file is corrupted; nothing was exported"):
+        train_and_export(request)
+    assert not (run / "exports").exists() and not (tmp_path / "pub").exists()
+
+
+# ---------------------------------------------------------------------------------- bad requests
+@pytest.mark.parametrize(("segments", "fragment"), [
+    ([{"nproc": 2, "until_step": 8}, {"nproc": 3, "until_step": 8}], "segments[1].until_step 8 must be greater"),
+    ([{"nproc": 2, "until_step": 8}, {"nproc": 3, "until_step": 4}], "strictly increasing until_step"),
+    ([{"nproc": 0, "until_step": 8}], "greater than or equal to 1"),
+    ([], "at least 1 item"),
+])
+def test_inconsistent_segments_fail_validation(segments: list[dict], fragment: str, tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        TrainExportRequest.model_validate({"config": TINY, "run_dir": str(tmp_path / "r"), "segments": segments})
+
+
+def test_bad_request_fails_the_flow_before_anything_runs(prefect_server: Any, tmp_path: Path) -> None:
+    from prefect.exceptions import ParameterTypeError
+
+    from flows.train_and_export import train_and_export
+
+    run = tmp_path / "never"
+    bad = {"config": TINY, "run_dir": str(run), "segments": [{"nproc": 2, "until_step": 8}, {"nproc": 3, "until_step": 2}]}
+    with pytest.raises(ParameterTypeError, match="strictly increasing"):
+        train_and_export(request=bad)
+    assert not run.exists()
+
+
+def test_request_needs_exactly_one_spec_source(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="exactly one of config"):
+        TrainExportRequest.model_validate({"run_dir": str(tmp_path), "segments": [{"nproc": 1, "until_step": 1}]})
+
+
+# ---------------------------------------------------------------------------------------- resume
+def mark_preempted(run: Path, until_step: int) -> None:
+    """Make a run look like its last segment was preempted before ``until_step`` (what the stage writes)."""
+    last = [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines()][-1]
+    seg, step = last["segment"] + 1, last["end_step"]
+    with open(run / "segments.jsonl", "a") as f:
+        f.write(json.dumps({"event": "start", "segment": seg, "until_step": until_step, "start_step": step,
+                            "world_size": 2, "time": "2026-01-01T00:00:00Z"}) + "\n")
+        f.write(json.dumps({"event": "end", "segment": seg, "status": "preempted", "exit_code": 75, "start_step": step,
+                            "end_step": step, "run_dir": str(run), "checkpoint": None, "seconds": 1.0,
+                            "failure": None}) + "\n")
+
+
+def test_resume_flow_resumes_preempted_and_skips_locked_and_done(prefect_server: Any, tiny_run: Path,
+                                                                 tmp_path: Path) -> None:
+    from flows.resume import resume
+
+    root = tmp_path / "runs"
+    preempted = copy_run(tiny_run, root / "a-preempted")
+    mark_preempted(preempted, 8)
+    locked = copy_run(tiny_run, root / "b-locked")
+    mark_preempted(locked, 8)
+    done = copy_run(tiny_run, root / "c-done")
+    (root / "not-a-run").mkdir()
+    with RunLock(locked):
+        summary = resume(ResumeRequest(root=str(root), nproc=3, backoff_s=0))
+    actions = {Path(i.run_dir).name: i.action for i in summary.items}
+    assert actions == {"a-preempted": "resumed", "b-locked": "skipped-locked", "c-done": "skipped-done"}
+    item = next(i for i in summary.items if i.action == "resumed")
+    assert item.outcome is not None and item.outcome.reshard is not None
+    assert [(a.status, a.start_step, a.end_step) for a in item.outcome.attempts] == [("completed", 5, 8)]
+    events = read_events(preempted)
+    resumes = [e for e in events if e.kind == "resume"]
+    assert resumes and (resumes[-1].data["from_world_size"], resumes[-1].data["to_world_size"]) == (2, 3)
+    assert not (locked / "checkpoints" / "step-00000008").exists() and not (done / "checkpoints" / "step-00000008").exists()
+    again = resume(ResumeRequest(run_dirs=[str(preempted)], nproc=3, backoff_s=0))  # idempotent
+    assert [i.action for i in again.items] == ["skipped-done"]
+
+
+def test_triage_rules() -> None:
+    from flows.resume import triage
+
+    base = {"run_dir": "/r", "exists": True, "step": 5, "last_until_step": 8}
+    assert triage(RunState(**base, last_status="preempted")) is None
+    assert triage(RunState(**base, last_status="failed")) is None
+    assert triage(RunState(**base, last_status="interrupted")) is None
+    assert triage(RunState(**base, last_status="completed")).action == "skipped-done"
+    assert triage(RunState(**base, last_status="preempted", locked=True)).action == "skipped-locked"
+    assert triage(RunState(**{**base, "step": 8}, last_status="preempted")).action == "skipped-done"
+    assert triage(RunState(run_dir="/r", exists=False)).action == "skipped-not-a-run"
+
+
+def test_flows_do_not_import_torch() -> None:
+    code = "import sys, flows.train_and_export, flows.resume, infra.serve; assert 'torch' not in sys.modules, 'torch'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_only_publish_retries_and_never_on_user_errors() -> None:
+    from prefect.states import Failed
+
+    from ckpt.errors import PublishError
+    from tasks import stages as t
+
+    assert t.publish.retries == t.PUBLISH_RETRIES > 0
+    for other in (t.load_spec, t.inspect_run, t.plan_topology, t.train_segment, t.validate, t.reshard, t.export):
+        assert not other.retries, other.name
+    assert t._retry_unless_user_error(t.publish, None, Failed(data=ConnectionError("reset"))) is True
+    assert t._retry_unless_user_error(t.publish, None, Failed(data=PublishError("not a repo id"))) is False
