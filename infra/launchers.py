@@ -158,8 +158,23 @@ def get_launcher(name: str) -> Launcher:
         raise ValueError(f"launcher {name!r} is not available here; choose one of {sorted(LAUNCHERS)}") from None
 
 
+_TORCHRUN_SUMMARY = ("ChildFailedError", "torch.distributed.elastic", "Root Cause", "Failures:", "====")
+_ERROR_RE = re.compile(r"(^|\s)(error:|\w*(Error|Exception|Mismatch)\b)|Traceback")
+
+
 def failing_rank_lines(tail: list[str], limit: int = 8) -> str:
-    """The last lines that carry an error, preferring the rank that failed first."""
-    errs = [ln for ln in tail if "error" in ln.lower() or "Error" in ln or "Traceback" in ln]
-    pick = errs[-limit:] if errs else tail[-limit:]
-    return "\n".join(pick)
+    """The failing rank's own error lines: torchrun's closing summary (which only says a child failed)
+    is cut off first, so it cannot push the real exception out of the window."""
+    cut = len(tail)
+    for i, line in enumerate(tail):
+        if any(marker in line for marker in _TORCHRUN_SUMMARY):
+            cut = i
+            break
+    for j in range(cut - 1, -1, -1):  # torchrun's own traceback that leads to its summary
+        if tail[j].startswith("Traceback"):
+            if any("distributed/run.py" in ln or "elastic" in ln for ln in tail[j:cut]):
+                cut = j
+            break
+    body = tail[:cut] or tail
+    errs = [ln for ln in body if _ERROR_RE.search(ln)]
+    return "\n".join((errs or body)[-limit:])
