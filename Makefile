@@ -7,13 +7,23 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps test demo bench clean
+.PHONY: install lock system-deps test demo bench clean
 
-$(VENV)/.installed: pyproject.toml
+# DeepSpeed compiles from source against the installed torch: DS_BUILD_OPS=0 defers its ops to JIT
+# at first use, and --no-build-isolation keeps pip from fetching another torch to build it with.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q "$(TORCH_SPEC)" "setuptools>=68" wheel
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation -c constraints.txt -e ".[dev,deepspeed]"
 	touch $@
+
+# Re-resolve the newest allowed versions and record them (then run the tests before committing).
+lock:
+	rm -rf .lockenv && python3 -m venv .lockenv
+	.lockenv/bin/pip install -q "$(TORCH_SPEC)" "setuptools>=68" wheel
+	DS_BUILD_OPS=0 .lockenv/bin/pip install -q --no-build-isolation -e ".[dev,deepspeed]"
+	{ sed -n '1,3p' constraints.txt; .lockenv/bin/pip freeze --exclude-editable | grep -v -e '^torch==' -e '^-e' -e '^shardkeeper'; } > constraints.new
+	mv constraints.new constraints.txt && rm -rf .lockenv
 
 install: $(VENV)/.installed
 
