@@ -1,0 +1,972 @@
+"""Export a committed DCP checkpoint to a folder ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+
+    from ckpt.export import export_checkpoint
+    export_checkpoint("runs/demo/checkpoints/step-00000020", "runs/demo/exports/step-00000020", dtype="bfloat16")
+
+(or ``shardkeeper export CKPT OUT --dtype bfloat16``). The folder holds ``config.json``,
+``generation_config.json``, ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` and
+``model.safetensors.index.json``) and a short ``README.md``.
+
+How it works, and why:
+
+* Checked before anything is written: the options, the output folder, the checkpoint (quick
+  validation: manifest, every file present at its size), every model chunk's record inside the
+  ``.distcp`` files, the tensor names/shapes/dtypes against the manifest's inventory (recorded from
+  the transformers model at save), and the CRC-32 of every model byte against its zip record.
+* Streaming with bounded memory: DCP's default writer stores each chunk as a ``torch.save`` zip whose
+  ``data/<key>`` entry is the raw storage, stored uncompressed. The exporter parses the zip and the
+  tiny pickle (with an allow-list; nothing is executed) to find those bytes and streams them in
+  16 MiB pieces (``preadv`` into reused buffers; cast pieces are cast with torch's ``copy_``)
+  straight into the safetensors file. (mmap views were tried: no faster, and their page faults
+  contend with the import thread for the process's memory-map lock.)
+  Chunks that split a tensor by rows (FSDP2) stream without ever assembling the tensor; other
+  layouts (2-D sharding, strided records) assemble one tensor at a time. Peak memory is a few pieces,
+  plus one tensor in the assembled case: far below one output shard + 0.5 GB.
+* Speed: writing and SHA-256 hashing run in two threads that release the GIL. Importing transformers
+  (needed for config.json; seconds) runs in a background thread from the start. When the RunSpec
+  declares ``tie_word_embeddings: false`` nothing can be a tied copy, so the copy does not wait for it;
+  the names and shapes are then checked against the transformers model before the commit (they were
+  already checked against the manifest before writing). Otherwise the check comes first.
+* Bit-exactness: the bytes are the storage bytes ``torch.load`` would give; casts round to nearest
+  even, as ``tensor.to(dtype)`` does.
+* Byte reproducibility: tensors keep the checkpoint's order (the model's state_dict order), headers
+  are compact JSON with sorted names and a fixed ``__metadata__``, and no file carries a time or path.
+* Atomicity: everything is written into a hidden sibling folder, every file and the folder are
+  fsynced, then the folder is renamed to ``out_dir`` and the parent fsynced. On any failure the
+  sibling is removed, so a folder named ``out_dir`` is always complete.
+* A tensor larger than ``max_shard_size`` is written alone in its own shard (with a warning), as
+  ``save_pretrained`` does, rather than refused: a model must remain exportable whatever the limit.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import pickle
+import queue
+import re
+import resource
+import shutil
+import struct
+import threading
+import time
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+from ckpt import __version__
+from ckpt.dcp_io import read_metadata
+from ckpt.errors import CheckpointError, ExportError
+from ckpt.fsutil import fsync_dir
+from ckpt.manifest import read_manifest
+from ckpt.validate import validate
+from schemas import CheckpointManifest, ExportResult
+
+log = logging.getLogger(__name__)
+
+EXPORT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+# Names torch.save gives the storages of these dtypes in its pickle (torch.storage._dtype_to_storage_type_map).
+_STORAGE_TYPES: dict[str, torch.dtype] = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+}
+# Module wrappers whose names appear inside parameter names: torch.compile, activation checkpointing, FSDP1.
+_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+_MODEL_PREFIX = "model."  # the top-level DCP key the trainer saves the model under
+
+PIECE_BYTES = 16 << 20  # unit of streaming: read, cast, write and hash
+POOL_PIECES = 4  # pieces in flight between the reader and the writer/hasher threads
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header (30 bytes)
+
+
+# ------------------------------------------------------------------------------------------ options
+def export_dtype(name: str) -> tuple[str, torch.dtype]:
+    """Canonical name and torch dtype of an export dtype; one-line ExportError for anything else."""
+    canonical = _DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
+    if canonical not in EXPORT_DTYPES:
+        raise ExportError(f"dtype {name!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
+    return canonical, EXPORT_DTYPES[canonical]
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or a string like '5GB' (10**9), '500MB', '2GiB' (2**30)."""
+    if isinstance(size, bool):
+        raise ExportError(f"max_shard_size {size!r} is not a size; give bytes as an int or a string like '5GB'")
+    if isinstance(size, int):
+        value = size
+    else:
+        m = _SIZE_RE.match(str(size))
+        if not m:
+            raise ExportError(f"max_shard_size {size!r} is not a size; give bytes as an int or a string like '5GB' or '500MB'")
+        value = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()])
+    if value < 1:
+        raise ExportError(f"max_shard_size {size!r} must be at least 1 byte; use e.g. '5GB'")
+    return value
+
+
+def _check_out_dir(ckpt_dir: Path, out_dir: Path, overwrite: bool) -> None:
+    src, dst = ckpt_dir.resolve(), out_dir.resolve()
+    if dst == src or src in dst.parents:
+        raise ExportError(f"{out_dir}: is inside the checkpoint {ckpt_dir}; export to a folder outside it, e.g. RUN_DIR/exports/")
+    if out_dir.exists() or out_dir.is_symlink():
+        if not out_dir.is_dir():
+            raise ExportError(f"{out_dir}: exists and is not a folder; remove it or choose another output folder")
+        if not overwrite:
+            raise ExportError(f"{out_dir}: already exists; pass overwrite=True (--overwrite) to replace it or choose another folder")
+
+
+def _check_checkpoint(ckpt_dir: Path, deep: bool) -> CheckpointManifest:
+    report = validate(ckpt_dir, deep=deep)
+    if not report.valid:
+        more = f" (and {len(report.errors) - 1} more problems)" if len(report.errors) > 1 else ""
+        raise CheckpointError(f"{report.errors[0]}{more}")
+    manifest = read_manifest(ckpt_dir)
+    if manifest.format != "dcp":
+        raise ExportError(f"{ckpt_dir}: is a {manifest.format} checkpoint; export reads DCP checkpoints, "
+                          "convert it first (shardkeeper reshard)")
+    return manifest
+
+
+# ------------------------------------------------------------------------- chunk records in .distcp
+@dataclass(frozen=True)
+class _StorageRef:
+    dtype: torch.dtype
+    key: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class _StoredTensor:
+    storage: _StorageRef
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _rebuild_tensor_record(storage: Any, storage_offset: Any, size: Any, stride: Any, *_: Any) -> _StoredTensor:
+    if not isinstance(storage, _StorageRef):
+        raise pickle.UnpicklingError("tensor record without a storage")
+    return _StoredTensor(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride))
+
+
+class _TensorRecordUnpickler(pickle.Unpickler):
+    """Reads the ``data.pkl`` of a one-tensor ``torch.save`` zip into a description; builds no tensor
+    and admits no global beyond the tensor rebuild function and storage type names."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_tensor_record
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name in _STORAGE_TYPES:
+            return _STORAGE_TYPES[name]
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a tensor record")
+
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], torch.dtype)):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        return _StorageRef(pid[1], str(pid[2]), int(pid[4]))
+
+
+class _Window(io.RawIOBase):
+    """Read-only file object over bytes [start, start + length) of ``fd``: one chunk's zip record."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        data = os.pread(self.fd, n, self.start + self.pos)
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One DCP chunk of a tensor and where its raw storage bytes lie in the ``.distcp`` file."""
+
+    path: Path
+    fd: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    data_offset: int  # absolute file offset of the storage bytes
+    storage_bytes: int
+    crc32: int
+    storage_offset: int  # elements
+    strides: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def is_dense(self, itemsize: int) -> bool:
+        """Stored row-major with nothing around it: the storage bytes are exactly the chunk."""
+        return (self.storage_offset == 0 and self.storage_bytes == self.numel * itemsize
+                and (self.numel <= 1 or self.strides == _contiguous_strides(self.sizes)))
+
+
+def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+class _BadRecord(Exception):
+    """A chunk's torch.save record is not what DCP writes (turned into a CheckpointError naming the file)."""
+
+
+def _entry_offset(fd: int, start: int, length: int, entry: zipfile.ZipInfo) -> int:
+    """Absolute file offset of a stored zip entry's bytes (torch pads the local header's extra field)."""
+    if entry.compress_type != zipfile.ZIP_STORED or entry.compress_size != entry.file_size:
+        raise _BadRecord(f"entry {entry.filename} is compressed")
+    head = os.pread(fd, _LOCAL_HEADER.size, start + entry.header_offset)
+    if len(head) != _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
+        raise _BadRecord(f"damaged local header of {entry.filename}")
+    *_, name_len, extra_len = _LOCAL_HEADER.unpack(head)
+    offset = start + entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if offset + entry.file_size > start + length:
+        raise _BadRecord(f"entry {entry.filename} runs past the record")
+    return offset
+
+
+def _entry_bytes(fd: int, start: int, length: int, entry: zipfile.ZipInfo) -> bytes:
+    data = os.pread(fd, entry.file_size, _entry_offset(fd, start, length, entry))
+    # CRC 0: torch.save ran with torch.serialization.set_crc32_options(False), which records none.
+    if len(data) != entry.file_size or (entry.CRC and zlib.crc32(data) != entry.CRC):
+        raise _BadRecord(f"CRC-32 mismatch in {entry.filename}")
+    return data
+
+
+def _read_record(fd: int, start: int, length: int) -> tuple[_StoredTensor, zipfile.ZipInfo, int]:
+    """The tensor description of one chunk record, its storage entry and where the storage bytes start.
+    zipfile only parses the central directory here; entries are read through their local headers."""
+    with zipfile.ZipFile(_Window(fd, start, length)) as zf:
+        entries = {i.filename: i for i in zf.infolist()}
+    pkl = next((i for name, i in entries.items() if name.endswith("/data.pkl") or name == "data.pkl"), None)
+    if pkl is None:
+        raise _BadRecord("no data.pkl")
+    prefix = pkl.filename[: -len("data.pkl")]
+    record = _TensorRecordUnpickler(io.BytesIO(_entry_bytes(fd, start, length, pkl))).load()
+    if not isinstance(record, _StoredTensor):
+        raise _BadRecord(f"holds a {type(record).__name__}, not one tensor")
+    order = entries.get(prefix + "byteorder")
+    if order is not None and _entry_bytes(fd, start, length, order).strip() != b"little":
+        raise _BadRecord("big-endian record")
+    storage = entries.get(f"{prefix}data/{record.storage.key}")
+    if storage is None:
+        raise _BadRecord(f"no storage entry data/{record.storage.key}")
+    return record, storage, _entry_offset(fd, start, length, storage)
+
+
+def _parse_chunk(path: Path, fd: int, file_size: int, key: str, info: Any, chunk_md: Any,
+                 dtype: torch.dtype) -> _Chunk:
+    """Locate a chunk's raw bytes inside its torch.save record; raise CheckpointError if it is not sound."""
+    where = f"{path}: chunk of {key} at byte {info.offset}"
+    if getattr(info, "transform_descriptors", None):
+        raise ExportError(f"{where} uses DCP stream transforms, which export does not read; save without them")
+    if info.offset + info.length > file_size:
+        raise CheckpointError(f"{where} runs past the end of the file; the checkpoint is truncated, pick another step")
+    try:
+        record, entry, data_offset = _read_record(fd, info.offset, info.length)
+    except (_BadRecord, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{where} is not a readable tensor record ({e}); the checkpoint is corrupted, "
+                              "pick another step") from None
+    problem = None
+    if record.storage.dtype != dtype or record.size != tuple(chunk_md.sizes):
+        problem = f"{record.storage.dtype} {list(record.size)}, metadata says {dtype} {list(chunk_md.sizes)}"
+    elif entry.file_size != record.storage.numel * dtype.itemsize:
+        problem = f"storage of {entry.file_size} bytes for {record.storage.numel} elements"
+    elif record.size and math.prod(record.size) and record.offset + sum(
+            (s - 1) * st for s, st in zip(record.size, record.stride)) >= record.storage.numel:
+        problem = "view reaches past its storage"
+    if problem:
+        raise CheckpointError(f"{where}: {problem}; the checkpoint is corrupted or not written by DCP, pick another step")
+    return _Chunk(path, fd, tuple(chunk_md.offsets), tuple(chunk_md.sizes), data_offset, entry.file_size,
+                  entry.CRC, record.offset, record.stride)
+
+
+# ------------------------------------------------------------------------------------ model tensors
+@dataclass
+class _Tensor:
+    key: str  # DCP key
+    name: str  # name in the export (transformers state_dict name)
+    dtype: torch.dtype  # as stored
+    out_dtype: torch.dtype  # as exported
+    shape: tuple[int, ...]
+    chunks: list[_Chunk] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def out_nbytes(self) -> int:
+        return self.numel * self.out_dtype.itemsize
+
+    def rowwise(self) -> bool:
+        """True when the chunks, in order, are consecutive row blocks stored densely: the tensor's
+        bytes are then the chunks' bytes one after the other, and it streams without assembly."""
+        if not self.shape:
+            return len(self.chunks) == 1 and self.chunks[0].is_dense(self.dtype.itemsize)
+        row = 0
+        for c in self.chunks:
+            if (c.offsets[0] != row or any(c.offsets[1:]) or c.sizes[1:] != self.shape[1:]
+                    or not c.is_dense(self.dtype.itemsize)):
+                return False
+            row += c.sizes[0]
+        return row == self.shape[0]
+
+
+def hf_name(dcp_key: str) -> str:
+    """Name of a model tensor in the export: the DCP ``model.`` key without wrapper segments."""
+    name = dcp_key.removeprefix(_MODEL_PREFIX)
+    return ".".join(s for s in name.split(".") if s not in _WRAPPER_SEGMENTS)
+
+
+class _OpenFiles:
+    """The checkpoint's .distcp files, opened once, read with pread, closed at the end."""
+
+    def __init__(self, ckpt_dir: Path):
+        self.dir = ckpt_dir
+        self._fds: dict[str, tuple[int, int]] = {}
+
+    def get(self, relative: str) -> tuple[Path, int, int]:
+        path = self.dir / relative
+        if relative not in self._fds:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CheckpointError(f"{path}: missing; the checkpoint is incomplete, pick another step") from None
+            self._fds[relative] = (fd, os.fstat(fd).st_size)
+        fd, size = self._fds[relative]
+        return path, fd, size
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> _OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _collect_tensors(ckpt_dir: Path, md: Metadata, files: _OpenFiles, out_dtype: torch.dtype) -> list[_Tensor]:
+    """Every ``model.*`` tensor of the checkpoint with its located chunks (optimizer state is skipped)."""
+    tensors = []
+    for key, tmd in md.state_dict_metadata.items():
+        if not key.startswith(_MODEL_PREFIX) or not isinstance(tmd, TensorStorageMetadata):
+            continue
+        dtype = tmd.properties.dtype
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ExportError(f"{ckpt_dir}: tensor {key} has dtype {dtype}, which safetensors export does not support")
+        t = _Tensor(key, hf_name(key), dtype, out_dtype if dtype.is_floating_point else dtype, tuple(tmd.size))
+        for chunk_md in sorted(tmd.chunks, key=lambda c: (tuple(c.offsets), tuple(c.sizes))):
+            info = md.storage_data.get(MetadataIndex(key, chunk_md.offsets)) if md.storage_data else None
+            if info is None:
+                raise CheckpointError(f"{ckpt_dir / '.metadata'}: no storage entry for a chunk of {key}; "
+                                      "the checkpoint is corrupted, pick another step")
+            path, fd, size = files.get(info.relative_path)
+            t.chunks.append(_parse_chunk(path, fd, size, key, info, chunk_md, dtype))
+        if sum(c.numel for c in t.chunks) != t.numel:
+            raise CheckpointError(f"{ckpt_dir / '.metadata'}: chunks of {key} do not cover its shape {list(t.shape)}; "
+                                  "the checkpoint is corrupted, pick another step")
+        tensors.append(t)
+    if not tensors:
+        raise CheckpointError(f"{ckpt_dir / '.metadata'}: holds no model.* tensors; export needs a checkpoint "
+                              "written by the shardkeeper trainer")
+    return tensors
+
+
+# ------------------------------------------------------------------------------- transformers side
+@dataclass(frozen=True)
+class _ModelSpecView:
+    config: Any  # transformers PretrainedConfig, with dtype and architectures set for the export
+    shapes: dict[str, tuple[int, ...]]  # state_dict name -> shape, in the model's state_dict order
+    tied: dict[str, str]  # tied name -> the name it is tied to (e.g. lm_head.weight -> model.embed_tokens.weight)
+
+
+def _describe_model(ckpt_dir: Path, manifest: CheckpointManifest, dtype: str) -> _ModelSpecView:
+    """Build the model the RunSpec describes on the meta device: names, shapes and ties, no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = manifest.run_spec.model
+    where = f"{ckpt_dir / 'manifest.json'}: run_spec.model"
+    try:
+        config = AutoConfig.for_model(spec.model_type, **spec.config)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ExportError(f"{where} ({spec.model_type}) is not a transformers causal LM ({e}); "
+                          "export supports model types that AutoModelForCausalLM builds") from None
+    config.architectures = [type(model).__name__]
+    config.dtype = dtype
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = getattr(model, "all_tied_weights_keys", None)  # transformers 5: {tied name: source}, empty when untied
+    if tied is None:  # older transformers: a list of names tied to the input embeddings
+        tied = getattr(model, "_tied_weights_keys", None) or []
+        emb = model.get_input_embeddings()
+        source = next((f"{n}.weight" for n, m in model.named_modules() if m is emb), "")
+        tied = {t: source for t in tied} if getattr(config, "tie_word_embeddings", False) else {}
+    return _ModelSpecView(config, shapes, {str(k): str(v) for k, v in tied.items()})
+
+
+def _name_tensors(ckpt_dir: Path, tensors: list[_Tensor]) -> dict[str, _Tensor]:
+    """Export name -> tensor, in the checkpoint's order (DCP keeps the model's state_dict order)."""
+    if tensors and all(t.name.startswith("module.") for t in tensors):  # a DDP-wrapped model
+        for t in tensors:
+            t.name = t.name.removeprefix("module.")
+    by_name: dict[str, _Tensor] = {}
+    for t in tensors:
+        if t.name in by_name:
+            raise ExportError(f"{ckpt_dir}: {by_name[t.name].key} and {t.key} both export as {t.name}; "
+                              "the checkpoint's model keys are ambiguous")
+        by_name[t.name] = t
+    return by_name
+
+
+def _check_inventory(ckpt_dir: Path, tensors: list[_Tensor], manifest: CheckpointManifest) -> None:
+    """The DCP metadata must hold exactly the model tensors the manifest recorded at save."""
+    recorded = {e.name: (tuple(e.shape), e.dtype) for e in manifest.tensors if e.name.startswith(_MODEL_PREFIX)}
+    stored = {t.key: (t.shape, str(t.dtype).removeprefix("torch.")) for t in tensors}
+    if recorded and recorded != stored:
+        diff = sorted(k for k in recorded.keys() | stored.keys() if recorded.get(k) != stored.get(k))
+        raise CheckpointError(f"{ckpt_dir / 'manifest.json'}: its tensor inventory and .metadata disagree on "
+                              f"{', '.join(diff[:3])}; the checkpoint is inconsistent, pick another step")
+
+
+def _drop_tied(ckpt_dir: Path, by_name: dict[str, _Tensor], tied: dict[str, str], pool: _BufferPool) -> None:
+    for target, source in tied.items():
+        if target in by_name and source in by_name:
+            _check_tied(ckpt_dir, by_name[target], by_name[source], pool)
+            log.info("%s is tied to %s and equal to it: not written (as save_pretrained does)", target, source)
+            del by_name[target]
+
+
+def _check_against_model(ckpt_dir: Path, by_name: dict[str, _Tensor], model: _ModelSpecView) -> None:
+    """Names and shapes must be those of the model that run_spec.model builds (tied copies aside)."""
+    expected = model.shapes
+    where = f"{ckpt_dir}: the checkpoint does not match run_spec.model in its manifest"
+    unexpected = [n for n in by_name if n not in expected]
+    if unexpected:
+        raise ExportError(f"{where}: unexpected tensors {', '.join(unexpected[:3])}; export the run's own checkpoints")
+    missing = [n for n in expected if n not in by_name and not (n in model.tied and model.tied[n] in by_name)]
+    if missing:
+        raise ExportError(f"{where}: missing tensors {', '.join(missing[:3])}; export the run's own checkpoints")
+    for name, t in by_name.items():
+        if t.shape != expected[name]:
+            raise ExportError(f"{where}: {name} has shape {list(t.shape)}, the model expects {list(expected[name])}")
+
+
+def _check_tied(ckpt_dir: Path, target: _Tensor, source: _Tensor, pool: _BufferPool) -> None:
+    digests = []
+    for t in (target, source):
+        h = hashlib.sha256()
+        _produce(t, t.dtype, pool, lambda view, release: (h.update(view), release and release()))
+        digests.append(h.digest())
+    if target.shape != source.shape or target.dtype != source.dtype or digests[0] != digests[1]:
+        raise ExportError(f"{ckpt_dir}: {target.name} differs from {source.name} although the config ties them "
+                          "(tie_word_embeddings); the checkpoint does not match its run_spec.model")
+
+
+# ------------------------------------------------------------------------------------- streaming
+class _BufferPool:
+    """A fixed set of piece buffers: the pieces in flight, and so the memory, stay bounded whatever the
+    model size."""
+
+    def __init__(self, count: int, nbytes: int):
+        self.nbytes = nbytes
+        self._free: queue.Queue[bytearray] = queue.Queue()
+        for _ in range(count):
+            self._free.put(bytearray(nbytes))
+        self.scratch = bytearray(nbytes)  # source bytes of a piece that is cast into a pool buffer
+
+    def get(self) -> bytearray:
+        return self._free.get()
+
+    def releaser(self, buf: bytearray) -> Callable[[], None]:
+        return lambda: self._free.put(buf)
+
+
+Emit = Callable[[memoryview, "Callable[[], None] | None"], Any]
+
+
+def _pread_into(chunk: _Chunk, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(chunk.fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointError(f"{chunk.path}: ends early; the checkpoint is truncated, pick another step")
+        done += n
+
+
+def _verify_chunks(tensors: list[_Tensor], pool: _BufferPool) -> None:
+    """CRC-32 of every model chunk's storage against its zip record, before anything is written.
+    (torch.load does not check these; a flipped bit would otherwise be published silently.)"""
+    unchecked = 0
+    buf = memoryview(pool.scratch)
+    for t in tensors:
+        for chunk in t.chunks:
+            if not chunk.crc32:  # torch.save with CRCs disabled (or an empty chunk) records none
+                unchecked += chunk.storage_bytes
+                continue
+            crc = 0
+            for start in range(0, chunk.storage_bytes, len(buf)):
+                piece = buf[: min(len(buf), chunk.storage_bytes - start)]
+                _pread_into(chunk, piece, chunk.data_offset + start)
+                crc = zlib.crc32(piece, crc)
+            if crc != chunk.crc32:
+                raise CheckpointError(f"{chunk.path}: CRC-32 mismatch in {t.key} at offsets {list(chunk.offsets)}; "
+                                      "the file is corrupted, run `shardkeeper validate --deep` and pick another step")
+    if unchecked:
+        log.warning("%d bytes of model chunks carry no CRC-32 (saved with CRCs disabled); "
+                    "`shardkeeper validate --deep` checks them against the manifest", unchecked)
+
+
+def _produce(t: _Tensor, out_dtype: torch.dtype, pool: _BufferPool, emit: Emit) -> None:
+    """Emit the bytes of ``t`` in ``out_dtype``, in order, as pieces (each with its release callback)."""
+    if t.rowwise():
+        _produce_rows(t, out_dtype, pool, emit)
+    else:
+        _produce_assembled(t, out_dtype, pool, emit)
+
+
+def _produce_rows(t: _Tensor, out_dtype: torch.dtype, pool: _BufferPool, emit: Emit) -> None:
+    """Row-block chunks: the tensor's bytes are the chunks' storage bytes one after the other."""
+    src_size, dst_size = t.dtype.itemsize, out_dtype.itemsize
+    per_piece = pool.nbytes // max(src_size, dst_size)
+    for chunk in t.chunks:
+        for done in range(0, chunk.numel, per_piece):
+            n = min(per_piece, chunk.numel - done)
+            buf = pool.get()
+            offset = chunk.data_offset + done * src_size
+            if t.dtype == out_dtype:
+                _pread_into(chunk, memoryview(buf)[: n * src_size], offset)
+                emit(memoryview(buf)[: n * src_size], pool.releaser(buf))
+                continue
+            _pread_into(chunk, memoryview(pool.scratch)[: n * src_size], offset)
+            out = torch.frombuffer(buf, dtype=out_dtype, count=n)
+            out.copy_(torch.frombuffer(pool.scratch, dtype=t.dtype, count=n))  # what tensor.to(out_dtype) does
+            emit(memoryview(buf)[: n * dst_size], pool.releaser(buf))
+
+
+def _produce_assembled(t: _Tensor, out_dtype: torch.dtype, pool: _BufferPool, emit: Emit) -> None:
+    """Chunks that are not row blocks (2-D sharding, strided records): assemble one tensor, then emit it."""
+    out = torch.empty(t.shape, dtype=out_dtype)
+    for chunk in t.chunks:
+        if not chunk.numel:
+            continue
+        raw = bytearray(chunk.storage_bytes)
+        _pread_into(chunk, memoryview(raw), chunk.data_offset)
+        src = torch.frombuffer(raw, dtype=t.dtype).as_strided(chunk.sizes, chunk.strides, chunk.storage_offset)
+        dst = out
+        for dim, (off, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+            dst = dst.narrow(dim, off, length)
+        dst.copy_(src)
+    flat = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    for start in range(0, len(flat), pool.nbytes):
+        emit(flat[start : start + pool.nbytes], None)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while len(view):
+        view = view[os.write(fd, view) :]
+
+
+class _FileSink:
+    """Writes pieces to a new file in order (one thread) while hashing them in order (another)."""
+
+    def __init__(self, path: Path, on_written: Callable[[int], None] | None = None):
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.sha = hashlib.sha256()
+        self.error: BaseException | None = None
+        self._on_written = on_written
+        self._lock = threading.Lock()
+        self._queues: list[queue.Queue[list[Any] | None]] = [queue.Queue(), queue.Queue()]
+        self._threads = [
+            threading.Thread(target=self._loop, args=(self._queues[0], self._write), name="export-write", daemon=True),
+            threading.Thread(target=self._loop, args=(self._queues[1], self.sha.update), name="export-hash", daemon=True),
+        ]
+        for th in self._threads:
+            th.start()
+
+    def put(self, view: memoryview, release: Callable[[], None] | None = None) -> None:
+        if self.error is not None:
+            raise self.error
+        item = [view, release, len(self._queues)]
+        for q in self._queues:
+            q.put(item)
+
+    def _write(self, view: memoryview) -> None:
+        _write_all(self.fd, view)
+        if self._on_written:
+            self._on_written(len(view))
+
+    def _loop(self, q: queue.Queue[list[Any] | None], work: Callable[[memoryview], Any]) -> None:
+        while (item := q.get()) is not None:
+            try:
+                if self.error is None:
+                    work(item[0])
+            except BaseException as e:  # noqa: BLE001 - handed to the producer by put()/finish()
+                self.error = self.error or e
+            finally:
+                with self._lock:
+                    item[2] -= 1
+                    last = item[2] == 0
+                if last:
+                    item[0] = None  # drop the view before the buffer is reused
+                    if item[1] is not None:
+                        item[1]()
+
+    def _stop(self) -> None:
+        for q in self._queues:
+            q.put(None)
+        for th in self._threads:
+            th.join()
+
+    def finish(self) -> str:
+        """Wait for the pieces, fsync and close; return the file's sha256."""
+        self._stop()
+        try:
+            if self.error is not None:
+                raise self.error
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+        return self.sha.hexdigest()
+
+    def abort(self) -> None:
+        self._stop()
+        os.close(self.fd)
+
+
+def _write_small(path: Path, data: bytes) -> str:
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+# --------------------------------------------------------------------------------- safetensors files
+def plan_shards(sizes: list[tuple[str, int]], limit: int) -> list[list[str]]:
+    """Greedy packing in order: a new shard when the next tensor would pass ``limit``; a tensor larger
+    than ``limit`` gets a shard of its own (logged), as huggingface_hub's splitter does."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, nbytes in sizes:
+        if nbytes > limit:
+            log.warning("%s is %d bytes, more than max_shard_size %d: it is written alone in its own shard",
+                        name, nbytes, limit)
+            if current:
+                shards.append(current)
+            shards.append([name])
+            current, used = [], 0
+            continue
+        if current and used + nbytes > limit:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def shard_file_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _data_order(tensors: list[_Tensor]) -> list[_Tensor]:
+    # Widest dtypes first keeps every tensor aligned to its element size (safetensors' own order).
+    return sorted(tensors, key=lambda t: -t.out_dtype.itemsize)
+
+
+def safetensors_header(tensors: list[_Tensor]) -> bytes:
+    """8-byte little-endian length + compact JSON (fixed __metadata__, sorted names), space-padded to 8."""
+    entries: dict[str, Any] = {}
+    offset = 0
+    for t in _data_order(tensors):
+        entries[t.name] = {"dtype": _SAFETENSORS_DTYPES[t.out_dtype], "shape": list(t.shape),
+                           "data_offsets": [offset, offset + t.out_nbytes]}
+        offset += t.out_nbytes
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header.update(sorted(entries.items()))
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_shard(path: Path, tensors: list[_Tensor], pool: _BufferPool,
+                 on_written: Callable[[int], None] | None) -> str:
+    sink = _FileSink(path, on_written)
+    try:
+        sink.put(memoryview(safetensors_header(tensors)))
+        for t in _data_order(tensors):
+            _produce(t, t.out_dtype, pool, sink.put)
+    except BaseException:
+        sink.abort()
+        raise
+    return sink.finish()
+
+
+def _index_json(shards: list[list[_Tensor]], names: list[str]) -> bytes:
+    weight_map = {t.name: fname for fname, shard in zip(names, shards) for t in shard}
+    index = {
+        "metadata": {"total_size": sum(t.out_nbytes for s in shards for t in s),
+                     "total_parameters": sum(t.numel for s in shards for t in s)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def _readme(ckpt_dir: Path, manifest: CheckpointManifest, model: _ModelSpecView, dtype: str,
+            num_params: int, num_shards: int) -> bytes:
+    arch = model.config.architectures[0]
+    lines = [
+        "---", "library_name: transformers", "tags:", "- shardkeeper", "---", "",
+        f"# {manifest.run_name} at step {manifest.step}", "",
+        f"Exported by shardkeeper {__version__} from checkpoint `{ckpt_dir.name}` of run `{manifest.run_name}` "
+        "(master weights float32).", "",
+        "| | |", "|---|---|",
+        f"| architecture | {arch} ({manifest.run_spec.model.model_type}) |",
+        f"| parameters | {num_params:,} |",
+        f"| dtype | {dtype} |",
+        f"| training step | {manifest.step} |",
+        f"| tokens seen | {manifest.tokens:,} |",
+        f"| safetensors files | {num_shards} |", "",
+        "```python", "from transformers import AutoModelForCausalLM",
+        'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")', "```", "",
+    ]
+    return "\n".join(lines).encode("utf-8")
+
+
+# ------------------------------------------------------------------------------------------- commit
+def _temp_dir(out_dir: Path) -> Path:
+    tmp = out_dir.with_name(f".{out_dir.name}.export-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    return tmp
+
+
+def _commit(tmp: Path, out_dir: Path) -> None:
+    """fsync the folder, rename it to ``out_dir`` (moving an old one aside first), fsync the parent."""
+    fsync_dir(tmp)
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    fsync_dir(out_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def _progress_bar(enabled: bool, total: int, label: str) -> Iterator[Callable[[int], None] | None]:
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn()) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def _check_free_space(out_dir: Path, needed: int) -> None:
+    parent = next((p for p in [out_dir.parent, *out_dir.parents] if p.exists()), Path("/"))
+    free = shutil.disk_usage(parent).free
+    if free < needed + (64 << 20):
+        raise ExportError(f"{parent}: {free / 1e9:.2f} GB free, the export needs {needed / 1e9:.2f} GB; "
+                          "free space or export elsewhere")
+
+
+def _write_shards(tmp: Path, ckpt_dir: Path, dtype: str, shards: list[list[_Tensor]], pool: _BufferPool,
+                  progress: bool) -> dict[str, str]:
+    """Write the safetensors files (and the index when there are several); return name -> sha256."""
+    names = shard_file_names(len(shards))
+    hashes: dict[str, str] = {}
+    total = sum(len(safetensors_header(s)) + sum(t.out_nbytes for t in s) for s in shards)
+    with _progress_bar(progress, total, f"export {ckpt_dir.name} ({dtype})") as advance:
+        for fname, shard in zip(names, shards):
+            hashes[fname] = _write_shard(tmp / fname, shard, pool, advance)
+            log.info("wrote %s: %d tensors, %.1f MB", fname, len(shard), sum(t.out_nbytes for t in shard) / 1e6)
+    if len(shards) > 1:
+        hashes[INDEX_FILE] = _write_small(tmp / INDEX_FILE, _index_json(shards, names))
+    return hashes
+
+
+def _write_model_files(tmp: Path, ckpt_dir: Path, manifest: CheckpointManifest, model: _ModelSpecView, dtype: str,
+                       shards: list[list[_Tensor]]) -> dict[str, str]:
+    """config.json, generation_config.json and README.md; return name -> sha256."""
+    from transformers import GenerationConfig
+
+    config_json = model.config.to_json_string(use_diff=True)
+    gen_json = GenerationConfig.from_model_config(model.config).to_json_string(use_diff=True)
+    num_params = sum(t.numel for s in shards for t in s)
+    readme = _readme(ckpt_dir, manifest, model, dtype, num_params, len(shards))
+    return {
+        "config.json": _write_small(tmp / "config.json", config_json.encode("utf-8")),
+        "generation_config.json": _write_small(tmp / "generation_config.json", gen_json.encode("utf-8")),
+        "README.md": _write_small(tmp / "README.md", readme),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- API
+class _Background:
+    """Run a function in a thread; ``result()`` joins it and re-raises its error. Used for importing
+    transformers (Python, holding the GIL) while the checks in the main thread run mostly in C."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any):
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="export-describe", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            self._error = e
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """Casts run on the calling thread: torch's OpenMP workers would spin against the writer and hasher."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _plan(tensors: list[_Tensor], limit: int) -> list[list[_Tensor]]:
+    by_name = {t.name: t for t in tensors}
+    return [[by_name[n] for n in names] for names in plan_shards([(t.name, t.out_nbytes) for t in tensors], limit)]
+
+
+def _declared_untied(manifest: CheckpointManifest) -> bool:
+    """run_spec.model.config says ``tie_word_embeddings: false``: nothing is dropped as a tied copy, so
+    the copy need not wait for transformers (seconds to import) to describe the model."""
+    return manifest.run_spec.model.config.get("tie_word_embeddings") is False
+
+
+def _described(describing: _Background, ckpt_dir: Path, by_name: dict[str, _Tensor],
+               pool: _BufferPool) -> _ModelSpecView:
+    model: _ModelSpecView = describing.result()
+    _drop_tied(ckpt_dir, by_name, model.tied, pool)
+    _check_against_model(ckpt_dir, by_name, model)
+    return model
+
+
+def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, dtype: str = "float32",
+                      max_shard_size: int | str = "5GB", overwrite: bool = False, progress: bool = False,
+                      deep: bool = False) -> ExportResult:
+    """Export a committed DCP checkpoint to ``out_dir`` in the ``from_pretrained`` layout.
+
+    ``dtype`` is the published dtype of floating tensors (integer/bool tensors keep theirs);
+    ``max_shard_size`` bounds each safetensors file (bytes, or '5GB' / '500MB' / '2GiB'); a tensor
+    larger than that is written alone in its own file; ``overwrite`` replaces an existing ``out_dir``
+    (atomically, once the new export is complete); ``progress`` shows a rich progress bar; ``deep``
+    also checks every checksum in the manifest and the fingerprint first (the model bytes are always
+    CRC-checked before anything is written). Raises ExportError (options, output folder, model
+    mismatch) or CheckpointError (the checkpoint), each with a one-line message naming the fix.
+    """
+    t0 = time.perf_counter()
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    dtype_name, out_dtype = export_dtype(dtype)
+    limit = parse_size(max_shard_size)
+    _check_out_dir(ckpt_dir, out_dir, overwrite)
+    manifest = _check_checkpoint(ckpt_dir, deep)
+    describing = _Background(_describe_model, ckpt_dir, manifest, dtype_name)  # transformers imports meanwhile
+    pool = _BufferPool(POOL_PIECES, PIECE_BYTES)
+    with _OpenFiles(ckpt_dir) as files, _torch_threads(1):
+        found = _collect_tensors(ckpt_dir, read_metadata(ckpt_dir), files, out_dtype)
+        _check_inventory(ckpt_dir, found, manifest)
+        _verify_chunks(found, pool)
+        by_name = _name_tensors(ckpt_dir, found)
+        model = None if _declared_untied(manifest) else _described(describing, ckpt_dir, by_name, pool)
+        tensors = list(by_name.values())
+        shards = _plan(tensors, limit)
+        total = sum(t.out_nbytes for t in tensors)
+        _check_free_space(out_dir, total)
+        tmp = _temp_dir(out_dir)
+        try:
+            hashes = _write_shards(tmp, ckpt_dir, dtype_name, shards, pool, progress)
+            if model is None:  # the names were checked against the manifest; now also against transformers
+                model = _described(describing, ckpt_dir, by_name, pool)
+            hashes.update(_write_model_files(tmp, ckpt_dir, manifest, model, dtype_name, shards))
+            _commit(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    hashes = dict(sorted(hashes.items()))
+    seconds = time.perf_counter() - t0
+    log.info("exported %s to %s: %d tensors, %.1f MB %s in %d file(s), %.2f s", ckpt_dir.name, out_dir,
+             len(tensors), total / 1e6, dtype_name, len(shards), seconds)
+    return ExportResult(
+        checkpoint=str(ckpt_dir), out_dir=str(out_dir), dtype=dtype_name,  # type: ignore[arg-type]
+        files=hashes, num_shards=len(shards), total_bytes=total, num_tensors=len(tensors), seconds=seconds,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
+
+
+__all__ = ["EXPORT_DTYPES", "export_checkpoint", "export_dtype", "hf_name", "parse_size", "plan_shards",
+           "safetensors_header", "shard_file_names"]

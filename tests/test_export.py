@@ -1,0 +1,299 @@
+"""Export stage: a real 2-rank checkpoint (trained once per module) -> from_pretrained folder.
+
+Run: /work/venv/bin/pytest tests/test_export.py -q
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+
+from ckpt import export as ex
+from ckpt.dcp_io import DCPTensorReader, read_metadata
+from ckpt.errors import CheckpointError, ExportError
+from ckpt.export import export_checkpoint
+from ckpt.hashing import hash_file
+from ckpt.manifest import read_manifest, write_manifest
+from schemas import FileEntry, RunSpec, TensorEntry
+from tests.harness import spawn
+from trainer.segment import run_segment
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_DIR = "step-00000010"
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+# --------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model trained 10 steps on 2 gloo ranks; its final committed checkpoint."""
+    run_dir = tmp_path_factory.mktemp("run")
+    spec = RunSpec.model_validate(yaml.safe_load((ROOT / "configs/tiny.yaml").read_text()))
+    (run_dir / "run.yaml").write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    assert spawn(run_segment, 2, str(run_dir), 10, 0) == [0, 0]
+    path = run_dir / "checkpoints" / STEP_DIR
+    assert (path / "manifest.json").is_file()
+    return path
+
+
+@pytest.fixture(scope="module")
+def fp32_export(ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("exports") / "fp32"
+    return out, export_checkpoint(ckpt, out)
+
+
+def copy_ckpt(ckpt: Path, dest: Path) -> Path:
+    shutil.copytree(ckpt, dest)
+    return dest
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out
+
+
+def reference_model(ckpt: Path) -> torch.nn.Module:
+    """A fresh transformers model of the run's config with the checkpoint's weights read through DCP."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = read_manifest(ckpt).run_spec.model
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(spec.model_type, **spec.config))
+    with DCPTensorReader(ckpt) as reader:
+        sd = {k.removeprefix("model."): reader.read(k) for k in reader.tensor_keys() if k.startswith("model.")}
+    model.load_state_dict(sd, strict=True)
+    return model.eval()
+
+
+def assert_nothing_left(out: Path) -> None:
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")], "temporary folder left behind"
+
+
+# ----------------------------------------------------------------------------------------- round trip
+def test_round_trip_logits(ckpt: Path, fp32_export) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out, res = fp32_export
+    assert res.num_shards == 1 and sorted(res.files) == ["README.md", "config.json", "generation_config.json",
+                                                         "model.safetensors"]
+    assert {name: sha256(out / name) for name in res.files} == res.files
+    names = set(tensors_of(out))
+    assert not any("exp_avg" in n or n.startswith(("optim", "model.model.")) for n in names)
+    assert res.num_tensors == len(names) and res.total_bytes == sum(t.nbytes for t in tensors_of(out).values())
+
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ref = reference_model(ckpt)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, ref(input_ids=ids).logits)
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "float32" and config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_multi_shard_index(ckpt: Path, fp32_export, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from transformers import AutoModelForCausalLM
+
+    single, _ = fp32_export
+    out = tmp_path / "sharded"
+    limit = 50_000  # the 256x64 fp32 embeddings (65,536 bytes) are larger: each goes alone in its own shard
+    with caplog.at_level(logging.WARNING, logger="ckpt.export"):
+        res = export_checkpoint(ckpt, out, max_shard_size=limit)
+    assert "model.embed_tokens.weight is 65536 bytes" in caplog.text
+    index = json.loads((out / ex.INDEX_FILE).read_text())
+    shard_names = ex.shard_file_names(res.num_shards)
+    assert res.num_shards > 3 and sorted(set(index["weight_map"].values())) == shard_names
+    expected = tensors_of(single)
+    assert sorted(index["weight_map"]) == sorted(expected)
+    assert index["metadata"]["total_size"] == res.total_bytes == sum(t.nbytes for t in expected.values())
+    for name in shard_names:
+        with safe_open(str(out / name), framework="pt") as st:
+            keys = list(st.keys())
+            assert all(index["weight_map"][k] == name for k in keys)
+            data = sum(st.get_tensor(k).nbytes for k in keys)
+        assert data <= limit or len(keys) == 1
+    assert set(res.files) == set(shard_names) | {ex.INDEX_FILE, "config.json", "generation_config.json", "README.md"}
+    got = tensors_of(out)
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(out).parameters()) > 0
+
+
+def test_bf16_export(ckpt: Path, fp32_export, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    single, _ = fp32_export
+    res = export_checkpoint(ckpt, tmp_path / "bf16", dtype="bf16")
+    assert res.dtype == "bfloat16"
+    got, ref = tensors_of(tmp_path / "bf16"), tensors_of(single)
+    assert got.keys() == ref.keys()
+    for k, v in ref.items():
+        assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], v.to(torch.bfloat16)), k
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+
+
+def test_byte_reproducible(ckpt: Path, fp32_export, tmp_path: Path) -> None:
+    first, res1 = fp32_export
+    res2 = export_checkpoint(ckpt, tmp_path / "again", progress=True)  # the bar changes no byte
+    assert res1.files == res2.files
+    assert {p.name: sha256(p) for p in first.iterdir()} == {p.name: sha256(p) for p in (tmp_path / "again").iterdir()}
+    a = export_checkpoint(ckpt, tmp_path / "a", dtype="bfloat16", max_shard_size="100KB")
+    b = export_checkpoint(ckpt, tmp_path / "b", dtype="bfloat16", max_shard_size=100_000)
+    assert a.files == b.files and a.num_shards > 1
+
+
+def test_assembled_path_matches_streamed(ckpt: Path, fp32_export, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk layouts that are not row blocks are assembled per tensor: the bytes must be the same."""
+    _, res = fp32_export
+    monkeypatch.setattr(ex._Tensor, "rowwise", lambda self: False)
+    assert export_checkpoint(ckpt, tmp_path / "assembled").files == res.files
+
+
+# ------------------------------------------------------------------------------ tied, prefixed, strided
+def synthetic_checkpoint(base: Path, dest: Path, *, tie: bool, lm_head_equal: bool = True,
+                         extra: bool = False, inventory_ok: bool = True) -> tuple[Path, dict]:
+    """A single-process DCP checkpoint of a tied-embedding model whose keys carry torch.compile / DDP
+    prefixes and one weight stored column-major, with a manifest adapted from ``base``."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    manifest = read_manifest(base)
+    config = {**manifest.run_spec.model.config, "tie_word_embeddings": tie}
+    torch.manual_seed(0)
+    sd = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config)).state_dict()
+    sd = {k: v.clone() for k, v in sd.items()}
+    if not lm_head_equal:
+        sd["lm_head.weight"] = sd["lm_head.weight"] + 1
+    w = sd["model.layers.0.mlp.up_proj.weight"]
+    sd["model.layers.0.mlp.up_proj.weight"] = w.t().contiguous().t()  # same values, column-major storage
+    if extra:  # a tensor the transformers model does not have
+        sd["model.extra_scale"] = torch.ones(3)
+    # DDP's "module." in front of everything, torch.compile's "_orig_mod." inside each block
+    keyed = {"module." + re.sub(r"(layers\.\d+\.)", r"\1_orig_mod.", k): v for k, v in sd.items()}
+    dcp.save({"model": keyed, "trainer": {"step": torch.tensor(1)}}, checkpoint_id=dest)
+    files = [FileEntry(path=p.name, size=hash_file(p)[0], xxh3_128=hash_file(p)[1]) for p in sorted(dest.iterdir())
+             if p.is_file()]
+    inventory = [TensorEntry(name=f"model.{k}", shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
+                 for k, v in sorted(keyed.items())][: None if inventory_ok else -1]
+    spec = manifest.run_spec.model_copy(update={"model": manifest.run_spec.model.model_copy(update={"config": config})})
+    write_manifest(dest, manifest.model_copy(update={"files": files, "run_spec": spec, "tensors": inventory}))
+    return dest, sd
+
+
+def test_tied_and_prefixed_keys(ckpt: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    src, sd = synthetic_checkpoint(ckpt, tmp_path / "step-00000001", tie=True)
+    out = tmp_path / "export"
+    export_checkpoint(src, out)
+    got = tensors_of(out)
+    assert "lm_head.weight" not in got and set(got) == set(sd) - {"lm_head.weight"}
+    assert all(torch.equal(got[k], sd[k]) for k in got)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(model.lm_head.weight, sd["model.embed_tokens.weight"])
+
+
+def test_tied_but_different_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    src, _ = synthetic_checkpoint(ckpt, tmp_path / "step-00000001", tie=True, lm_head_equal=False)
+    with pytest.raises(ExportError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        export_checkpoint(src, tmp_path / "export")
+    assert_nothing_left(tmp_path / "export")
+
+
+def test_tensor_unknown_to_the_model_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    """Declared untied, the copy starts before transformers has described the model; the check against
+    the model still runs before the commit, and a refusal leaves nothing behind."""
+    src, _ = synthetic_checkpoint(ckpt, tmp_path / "step-00000001", tie=False, extra=True)
+    with pytest.raises(ExportError, match="unexpected tensors model.extra_scale"):
+        export_checkpoint(src, tmp_path / "export")
+    assert_nothing_left(tmp_path / "export")
+
+
+def test_inventory_mismatch_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    src, _ = synthetic_checkpoint(ckpt, tmp_path / "step-00000001", tie=False, inventory_ok=False)
+    with pytest.raises(CheckpointError, match="tensor inventory and .metadata disagree"):
+        export_checkpoint(src, tmp_path / "export")
+    assert_nothing_left(tmp_path / "export")
+
+
+# ------------------------------------------------------------------------------------------- refusals
+def test_refuses_partial_dir(ckpt: Path, tmp_path: Path) -> None:
+    src = copy_ckpt(ckpt, tmp_path / f"{STEP_DIR}.partial")
+    with pytest.raises(CheckpointError, match=r"\.partial directory"):
+        export_checkpoint(src, tmp_path / "out")
+    assert_nothing_left(tmp_path / "out")
+
+
+def test_refuses_missing_shard(ckpt: Path, tmp_path: Path) -> None:
+    src = copy_ckpt(ckpt, tmp_path / STEP_DIR)
+    (src / "__1_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp: listed in the manifest but missing"):
+        export_checkpoint(src, tmp_path / "out")
+    assert_nothing_left(tmp_path / "out")
+
+
+def _model_chunk(src: Path) -> tuple[Path, int, int]:
+    md = read_metadata(src)
+    idx, info = next((i, v) for i, v in md.storage_data.items() if i.fqn == "model.model.embed_tokens.weight")
+    return src / info.relative_path, info.offset, info.length
+
+
+@pytest.mark.parametrize("where, message", [("data", "CRC-32 mismatch"), ("record", "not a readable tensor record")])
+def test_refuses_corrupted_shard(ckpt: Path, tmp_path: Path, where: str, message: str) -> None:
+    src = copy_ckpt(ckpt, tmp_path / STEP_DIR)
+    path, offset, length = _model_chunk(src)
+    pos = offset + length // 2 if where == "data" else offset  # the middle of the storage bytes / the zip signature
+    raw = bytearray(path.read_bytes())
+    raw[pos] ^= 0xFF
+    path.write_bytes(raw)  # same size: quick validation passes, the copy must notice
+    with pytest.raises(CheckpointError, match=message) as err:
+        export_checkpoint(src, tmp_path / "out")
+    assert path.name in str(err.value) and "\n" not in str(err.value)
+    assert_nothing_left(tmp_path / "out")
+
+
+def test_refuses_existing_out_dir_unless_overwrite(ckpt: Path, fp32_export, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    with pytest.raises(ExportError, match="already exists; pass overwrite=True"):
+        export_checkpoint(ckpt, out)
+    assert (out / "stale.txt").exists()
+    res = export_checkpoint(ckpt, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == sorted(res.files) and res.files == fp32_export[1].files
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_refuses_bad_options(ckpt: Path, tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match="dtype 'int8' is not supported; use one of float32, bfloat16, float16"):
+        export_checkpoint(ckpt, tmp_path / "out", dtype="int8")
+    with pytest.raises(ExportError, match="max_shard_size '5 parsecs' is not a size"):
+        export_checkpoint(ckpt, tmp_path / "out", max_shard_size="5 parsecs")
+    with pytest.raises(ExportError, match="inside the checkpoint"):
+        export_checkpoint(ckpt, ckpt / "export")
+    assert_nothing_left(tmp_path / "out")
+    assert not (ckpt / "export").exists()
+
+
+def test_parse_size_and_plan() -> None:
+    assert ex.parse_size("5GB") == 5 * 10**9 and ex.parse_size("2GiB") == 2 << 30 and ex.parse_size(123) == 123
+    assert ex.plan_shards([("a", 4), ("b", 4), ("c", 9), ("d", 2)], 8) == [["a", "b"], ["c"], ["d"]]
+    assert ex.shard_file_names(2) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
