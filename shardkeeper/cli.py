@@ -3,6 +3,7 @@
     shardkeeper train --config configs/tiny.yaml --run-dir runs/demo --nproc 2 --until-step 20
     shardkeeper validate runs/demo/checkpoints/step-00000020 --deep
     shardkeeper reshard runs/demo/checkpoints/step-00000020 --world-size 3
+    shardkeeper convert runs/ds/checkpoints/step-00000020 --to dcp runs/fsdp
     shardkeeper export runs/demo/checkpoints/step-00000020 runs/demo/exports/step-00000020 --dtype bfloat16
     shardkeeper publish runs/demo/exports/step-00000020 --repo-id ORG/NAME
     shardkeeper lineage runs/demo [--json]
@@ -101,6 +102,24 @@ def reshard(
 
     res = do_reshard(ckpt_dir, world_size)
     out.print(f"{res.method}: {res.source} (world size {res.from_world_size}) -> {res.to_world_size}; load {res.target}")
+
+
+@app.command()
+def convert(
+    ckpt_dir: Annotated[Path, typer.Argument(help="checkpoint to convert (step-XXXXXXXX)")],
+    target: Annotated[Path, typer.Argument(metavar="OUT_OR_RUN_DIR",
+                                           help="a new run directory, or a step-XXXXXXXX directory to create")],
+    to: Annotated[str, typer.Option("--to", help="dcp (fsdp2) | deepspeed")],
+    zero_stage: Annotated[Optional[int], typer.Option(help="ZeRO stage of the new run (--to deepspeed)")] = None,
+) -> None:
+    """Convert a checkpoint between backends (DeepSpeed ZeRO <-> DCP/FSDP2), streaming one parameter at a time."""
+    from shardkeeper.stages import convert_checkpoint
+
+    done = convert_checkpoint(ckpt_dir, to, target, zero_stage=zero_stage)
+    backend = "fsdp2" if to == "dcp" else "deepspeed"
+    out.print(f"converted {ckpt_dir} -> {done} ({to}); continue with --set backend={backend}"
+              + (f" --set deepspeed.zero_stage={zero_stage}" if zero_stage else "")
+              + (f" --run-dir {target}" if done != target else ""))
 
 
 @app.command()

@@ -6,9 +6,11 @@ and torch is imported only inside the stages that need it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,12 +18,12 @@ from pathlib import Path
 from ckpt import lineage
 from ckpt.errors import ConfigError, RunDirError
 from ckpt.fsutil import append_jsonl, load_yaml, read_jsonl
-from ckpt.layout import RunDir
+from ckpt.layout import RunDir, parse_step
 from ckpt.lock import RunLock
 from ckpt.manifest import read_manifest
 from ckpt.validate import latest_valid, validate
 from infra.launchers import LaunchRequest, get_launcher
-from schemas import ClusterTopology, ReshardResult, RunSpec, SegmentResult, ValidationReport
+from schemas import CheckpointManifest, ClusterTopology, ReshardResult, RunSpec, SegmentResult, ValidationReport
 from shardkeeper.config import dump_run_spec, spec_from_dict
 
 log = logging.getLogger("shardkeeper")
@@ -156,11 +158,12 @@ def validate_checkpoint(ckpt_dir: str | Path, *, deep: bool = False) -> Validati
 
 
 def reshard(ckpt_dir: str | Path, world_size: int) -> ReshardResult:
-    """Make a checkpoint loadable at ``world_size``. DCP reshards at load time: a recorded no-op."""
+    """Make a checkpoint loadable at ``world_size``. DCP reshards at load time: a recorded no-op.
+    DeepSpeed: converted once to ``<ckpt>/universal/`` (cached, recorded in lineage)."""
     ckpt_dir = Path(ckpt_dir)
     manifest = read_manifest(ckpt_dir)
-    if manifest.format != "dcp":
-        raise RunDirError(f"{ckpt_dir}: {manifest.format} checkpoints need a conversion that this build does not do yet")
+    if manifest.format == "deepspeed":
+        return _reshard_deepspeed(ckpt_dir, manifest, world_size)
     result = ReshardResult(source=str(ckpt_dir), target=str(ckpt_dir), from_world_size=manifest.topology.world_size,
                            to_world_size=world_size,
                            method="none" if manifest.topology.world_size == world_size else "dcp-load-time")
@@ -170,6 +173,73 @@ def reshard(ckpt_dir: str | Path, world_size: int) -> ReshardResult:
                        step=manifest.step, method=result.method, from_world_size=result.from_world_size,
                        to_world_size=world_size)
     return result
+
+
+def _reshard_deepspeed(ckpt_dir: Path, manifest: CheckpointManifest, world_size: int) -> ReshardResult:
+    from ckpt.deepspeed_convert import ensure_universal
+    from ckpt.deepspeed_io import read_state
+
+    try:
+        manifest.run_spec.per_rank_batch(world_size)
+    except ValueError as e:
+        raise ConfigError(f"--world-size {world_size}: {e}") from None
+    base = {"source": str(ckpt_dir), "from_world_size": manifest.topology.world_size, "to_world_size": world_size}
+    if manifest.topology.world_size == world_size and read_state(ckpt_dir)["layout"] == "zero":
+        return ReshardResult(**base, target=str(ckpt_dir), method="none")
+    res = ensure_universal(ckpt_dir, to_world_size=world_size)
+    return ReshardResult(**base, target=str(res.path), method="deepspeed-universal", seconds=res.seconds)
+
+
+def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_stage: int | None = None) -> Path:
+    """Convert a checkpoint to the other backend's format (``to``: "dcp" or "deepspeed").
+
+    ``out`` is a ``step-XXXXXXXX`` directory to create, or a run directory: then the checkpoint becomes
+    ``out/checkpoints/step-XXXXXXXX`` beside a run.yaml for the new backend, ready for ``shardkeeper train``.
+    Returns the committed checkpoint directory."""
+    from ckpt.deepspeed_convert import from_dcp, to_dcp
+
+    ckpt_dir, out = Path(ckpt_dir), Path(out)
+    if to not in ("dcp", "deepspeed"):
+        raise ConfigError(f"--to {to!r}: choose dcp (fsdp2) or deepspeed")
+    manifest = read_manifest(ckpt_dir)
+    if manifest.format == to:
+        raise ConfigError(f"{ckpt_dir}: already a {to} checkpoint; nothing to convert")
+    if zero_stage is not None and to != "deepspeed":
+        raise ConfigError("--zero-stage applies to --to deepspeed only")
+    run_root = None if parse_step(out.name) is not None else RunDir.at(out)
+    target = run_root.checkpoint(manifest.step) if run_root else out
+    with RunLock(run_root.root) if run_root else contextlib.nullcontext():
+        spec = _converted_spec(run_root, manifest, to, zero_stage) if run_root else None
+        if to == "dcp":
+            done = to_dcp(ckpt_dir, target)
+        else:
+            done = from_dcp(ckpt_dir, target, zero_stage=zero_stage)
+        if run_root and spec and not run_root.spec_path.exists():  # written last: no run.yaml without its checkpoint
+            run_root.spec_path.write_text(dump_run_spec(spec))
+        _record_conversion(ckpt_dir, manifest, done, to, run_root)
+    return done
+
+
+def _converted_spec(run_root: RunDir, manifest: CheckpointManifest, to: str, zero_stage: int | None) -> RunSpec:
+    """The RunSpec of the converted run; refuses a run directory that holds another model or backend."""
+    spec = manifest.run_spec.model_copy(update={"backend": "fsdp2" if to == "dcp" else "deepspeed"})
+    if zero_stage is not None:
+        spec = spec.model_copy(update={"deepspeed": spec.deepspeed.model_copy(update={"zero_stage": zero_stage})})
+    if run_root.spec_path.exists():
+        old = spec_from_dict(load_yaml(run_root.spec_path.read_text()) or {}, str(run_root.spec_path))
+        _check_same_model(run_root, old, spec)
+    return spec
+
+
+def _record_conversion(src: Path, manifest: CheckpointManifest, done: Path, to: str, run_root: RunDir | None) -> None:
+    step_id = lineage.checkpoint_event_id(manifest.step)
+    if run_root is not None:
+        lineage.record(run_root, "checkpoint", step_id, step=manifest.step, uri=done.resolve().as_uri(),
+                       reason="converted", format=to, source=src.resolve().as_uri(), world_size=1)
+    src_root = _run_root_of_checkpoint(src)
+    if src_root is not None:
+        lineage.record(src_root, "reshard", f"convert:{src.name}:{to}:{int(time.time())}", parent=step_id,
+                       step=manifest.step, uri=done.resolve().as_uri(), method=f"convert-to-{to}")
 
 
 def _run_root_of_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -183,13 +253,35 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str =
     from ckpt.export import export_checkpoint as _export
 
     ckpt_dir = Path(ckpt_dir)
-    res = _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
+    if read_manifest(ckpt_dir).format == "deepspeed":
+        res = _export_deepspeed(ckpt_dir, Path(out_dir), dtype=dtype, max_shard_size=max_shard_size,
+                                overwrite=overwrite, progress=progress)
+    else:
+        res = _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+                      progress=progress)
     root = _run_root_of_checkpoint(ckpt_dir)
     if root is not None:
         lineage.record(root, "export", f"export:{Path(res.out_dir).name}:{res.dtype}", parent=f"checkpoint:{ckpt_dir.name}",
                        step=read_manifest(ckpt_dir).step, uri=Path(res.out_dir).as_uri(), dtype=res.dtype,
                        num_shards=res.num_shards, bytes=res.total_bytes, seconds=round(res.seconds, 2))
     return res
+
+
+def _export_deepspeed(ckpt_dir: Path, out_dir: Path, **options):
+    """A ZeRO checkpoint exports through the same writer: its fp32 model is streamed one parameter at a
+    time into a model-only DCP beside the output (not fsynced, removed after), which is then exported."""
+    from ckpt.deepspeed_convert import to_dcp
+    from ckpt.export import _check_out_dir, export_checkpoint as _export
+
+    _check_out_dir(ckpt_dir, out_dir, bool(options.get("overwrite")))  # before the conversion, not after
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    scratch = out_dir.parent / f".{out_dir.name}.from-deepspeed-{os.getpid()}"
+    try:
+        model_dcp = to_dcp(ckpt_dir, scratch / ckpt_dir.name, model_only=True, durable=False)
+        res = _export(model_dcp, out_dir, **options)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return res.model_copy(update={"checkpoint": str(ckpt_dir)})
 
 
 def publish_export(export_dir: str | Path, target: str, *, revision: str | None = None, run_dir: str | Path | None = None):

@@ -160,11 +160,20 @@ class Segment:
             })
 
 
+def build_segment(run_dir: RunDir, until_step: int, segment: int, env: DistEnv) -> Segment:
+    """The segment of the run's backend: FSDP2 here, DeepSpeed ZeRO in trainer.ds_backend (same loop)."""
+    if load_spec(run_dir).backend == "deepspeed":
+        from trainer.ds_backend import DeepSpeedSegment
+
+        return DeepSpeedSegment(run_dir, until_step, segment, env)
+    return Segment(run_dir, until_step, segment, env)
+
+
 def run_segment(run_dir: str | Path, until_step: int, segment: int = 0) -> int:
     """Entry for one rank (torchrun or a spawn harness sets RANK/WORLD_SIZE/MASTER_*). Returns the exit code."""
     env = init_distributed()
     try:
-        seg = Segment(RunDir.at(run_dir), until_step, segment, env)
+        seg = build_segment(RunDir.at(run_dir), until_step, segment, env)
         return seg.run()
     finally:
         if dist.is_initialized():

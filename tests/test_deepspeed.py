@@ -1,0 +1,328 @@
+"""The DeepSpeed ZeRO backend on real gloo groups (CPU): exact and elastic resume, cross-backend
+continuation, export, and one-line refusals of bad input.
+
+Reference runs (2 ranks, steps 1..8, a checkpoint every 4) are shared by the module; resumed runs are
+compared with them step by step. The first DeepSpeed launch on a machine JIT-compiles
+deepspeed_shm_comm_op (~2 min) into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions): keep
+that directory between CI runs and the whole module takes about 3 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+from ckpt.hashing import hash_file
+from ckpt.layout import RunDir
+from ckpt.manifest import read_manifest
+from ckpt.validate import validate
+from schemas import RunSpec
+from shardkeeper.cli import main
+from shardkeeper.stages import convert_checkpoint, prepare_run_dir
+from tests.harness import spawn
+from tests.test_resume import assert_bitwise, copy_run_until, max_rel, metrics, tiny_spec
+from trainer.segment import run_segment
+
+pytestmark = [
+    pytest.mark.skipif(find_spec("deepspeed") is None, reason="deepspeed is not installed (pip install -e '.[deepspeed]')"),
+    pytest.mark.slow,
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+END = 8
+CUT = 4
+TIMEOUT = 900  # the first launch may JIT-compile DeepSpeed's shm op
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _deepspeed_env():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")))
+    mp.setenv("DS_ACCELERATOR", "cpu")
+    yield
+    mp.undo()
+
+
+def ds_spec(stage: int = 2, **overrides: object) -> RunSpec:
+    return tiny_spec(**{"backend": "deepspeed", "deepspeed.zero_stage": stage, "checkpoint.interval": CUT, **overrides})
+
+
+def train(run: Path, world: int, until: int, segment: int = 0, spec: RunSpec | None = None) -> None:
+    if spec is not None:
+        prepare_run_dir(RunDir.at(run), spec)
+    assert spawn(run_segment, world, str(run), until, segment, timeout=TIMEOUT) == [0] * world
+
+
+def ckpt(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step-{step:08d}"
+
+
+def events(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
+
+
+def error_line(capsys: pytest.CaptureFixture, argv: list[str], code: int) -> str:
+    assert main(argv) == code
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.startswith("error: ")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def rehash(ckpt_dir: Path) -> None:
+    """Refresh sizes and checksums in the manifest after a test edited the files on purpose."""
+    mpath = ckpt_dir / "manifest.json"
+    raw = json.loads(mpath.read_text())
+    for entry in raw["files"]:
+        entry["size"], entry["xxh3_128"] = hash_file(ckpt_dir / entry["path"])
+    mpath.write_text(json.dumps(raw))
+
+
+@pytest.fixture(scope="module")
+def z2_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("z2") / "run"
+    train(run, 2, END, spec=ds_spec(2))
+    return run
+
+
+@pytest.fixture(scope="module")
+def z3_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("z3") / "run"
+    train(run, 2, END, spec=ds_spec(3))
+    return run
+
+
+@pytest.fixture(scope="module")
+def fsdp_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("fsdp") / "run"
+    train(run, 2, END, spec=tiny_spec(**{"checkpoint.interval": CUT}))
+    return run
+
+
+# ----------------------------------------------------------------------------------------- resume
+def test_zero2_same_world_size_resume_is_bitwise(z2_ref: Path, tmp_path: Path) -> None:
+    man = read_manifest(ckpt(z2_ref, CUT))
+    assert (man.format, man.run_spec.deepspeed.zero_stage, man.topology.world_size) == ("deepspeed", 2, 2)
+    assert {f.path for f in man.files} >= {"mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                                           "rng_rank_00001.pt", "shardkeeper_state.json"}
+    assert all(t.dtype == "float32" for t in man.tensors) and validate(ckpt(z2_ref, CUT), deep=True).valid
+    assert not list((z2_ref / "checkpoints").glob("*.py"))  # no stray DeepSpeed scripts beside the checkpoints
+    run = copy_run_until(z2_ref, tmp_path / "run", CUT)
+    train(run, 2, END, 1)
+    assert_bitwise(metrics(z2_ref), metrics(run), range(CUT + 1, END + 1))
+    assert not (ckpt(run, CUT) / "universal").exists()  # same world size: loaded natively, nothing converted
+
+
+def test_zero3_same_world_size_resume_is_bitwise(z3_ref: Path, tmp_path: Path) -> None:
+    run = copy_run_until(z3_ref, tmp_path / "run", CUT)
+    train(run, 2, END, 1)
+    assert_bitwise(metrics(z3_ref), metrics(run), range(CUT + 1, END + 1))
+
+
+def test_zero3_resume_at_three_ranks_within_1e6(z3_ref: Path, tmp_path: Path) -> None:
+    run = copy_run_until(z3_ref, tmp_path / "run", CUT)
+    train(run, 3, END, 1)
+    rel = max_rel(metrics(z3_ref), metrics(run), range(CUT + 1, END + 1))
+    assert rel <= 1e-6, f"ZeRO-3 2->3: max relative loss difference {rel:.3e}"
+
+
+def cli(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_cli_train_at_a_new_world_size_converts_once_and_resumes_within_1e6(z2_ref: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    base = ["train", "--config", TINY, "--run-dir", str(run), "--set", "backend=deepspeed"]
+    first = cli(*base, "--nproc", "2", "--until-step", str(CUT))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "[DeepSpeedDiagnostics] zero_stage=2 world_size=2" in first.stderr
+    second = cli(*base, "--nproc", "3", "--until-step", str(END))  # the trainer converts by itself
+    assert second.returncode == 0, second.stderr[-3000:]
+    got = metrics(run)
+    assert {got[s]["world_size"] for s in range(CUT + 1, END + 1)} == {3}
+    rel = max_rel(metrics(z2_ref), got, range(CUT + 1, END + 1))
+    assert rel <= 1e-6, f"ZeRO-2 2->3: max relative loss difference {rel:.3e}"
+    universal = ckpt(run, CUT) / "universal"
+    assert validate(universal, deep=True).valid and validate(ckpt(run, CUT), deep=True).valid
+    reshards = [e for e in events(run) if e["kind"] == "reshard"]
+    assert len(reshards) == 1 and reshards[0]["data"]["method"] == "deepspeed-universal"
+    resume = [e for e in events(run) if e["kind"] == "resume"][-1]
+    assert (resume["data"]["from_world_size"], resume["data"]["to_world_size"]) == (2, 3)
+    again = cli("reshard", str(ckpt(run, CUT)), "--world-size", "3")  # cached: no second conversion
+    assert again.returncode == 0 and "deepspeed-universal" in again.stdout and str(universal) in again.stdout
+    assert len([e for e in events(run) if e["kind"] == "reshard"]) == 1
+
+
+# ----------------------------------------------------------------------------------------- across backends
+def test_backends_agree_on_uninterrupted_runs(z2_ref: Path, fsdp_ref: Path) -> None:
+    rel = max_rel(metrics(fsdp_ref), metrics(z2_ref), range(1, END + 1))
+    gn = max_rel(metrics(fsdp_ref), metrics(z2_ref), range(1, END + 1), key="grad_norm")
+    print(f"\nDeepSpeed ZeRO-2 vs FSDP2, 2 ranks, steps 1-{END}: max relative difference loss {rel:.2e}, grad norm {gn:.2e}")
+    assert rel <= 1e-6 and gn <= 1e-5
+
+
+def test_deepspeed_checkpoint_continues_under_fsdp2(z2_ref: Path, fsdp_ref: Path, tmp_path: Path) -> None:
+    run = tmp_path / "fsdp"
+    done = convert_checkpoint(ckpt(z2_ref, CUT), "dcp", run)
+    man = read_manifest(done)
+    assert (man.format, man.reason, man.run_spec.backend, done) == ("dcp", "converted", "fsdp2", ckpt(run, CUT))
+    assert validate(done, deep=True).valid  # checksums and the fingerprint of the stored tensors
+    train(run, 2, END, 0)
+    got = metrics(run)
+    rel_ds = max_rel(metrics(z2_ref), got, range(CUT + 1, END + 1))
+    rel_fsdp = max_rel(metrics(fsdp_ref), got, range(CUT + 1, END + 1))
+    print(f"\nZeRO-2 -> FSDP2 at step {CUT}: vs DeepSpeed run {rel_ds:.2e}, vs FSDP2 run {rel_fsdp:.2e}")
+    assert rel_ds <= 1e-6 and rel_fsdp <= 1e-6
+    assert any(e["kind"] == "reshard" and e["data"]["method"] == "convert-to-dcp" for e in events(z2_ref))
+
+
+def test_fsdp2_checkpoint_continues_under_deepspeed_at_another_size(fsdp_ref: Path, tmp_path: Path) -> None:
+    run = tmp_path / "ds"
+    done = convert_checkpoint(ckpt(fsdp_ref, CUT), "deepspeed", run, zero_stage=2)
+    man = read_manifest(done)
+    assert (man.format, man.reason, man.run_spec.backend) == ("deepspeed", "converted", "deepspeed")
+    assert validate(done / "universal", deep=True).valid
+    train(run, 3, END, 0)
+    rel = max_rel(metrics(fsdp_ref), metrics(run), range(CUT + 1, END + 1))
+    assert rel <= 1e-6, f"FSDP2 -> ZeRO-2 at 3 ranks: {rel:.3e}"
+    assert read_manifest(ckpt(run, END)).format == "deepspeed"
+
+
+def test_export_stage_on_a_zero_checkpoint_matches_zero_to_fp32(z2_ref: Path, tmp_path: Path) -> None:
+    """The export stage takes a deepspeed checkpoint like a DCP one: same tensors as zero_to_fp32,
+    bit for bit, no scratch left beside the output, and the export recorded in the run's lineage."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    from shardkeeper.stages import export_checkpoint
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(z2_ref / "run.yaml", run / "run.yaml")
+    shutil.copytree(ckpt(z2_ref, END), ckpt(run, END))
+    res = export_checkpoint(ckpt(run, END), run / "exports" / "final")
+    assert res.checkpoint == str(ckpt(run, END))
+    assert sorted(p.name for p in (run / "exports").iterdir()) == ["final"]
+    got = load_file(run / "exports" / "final" / "model.safetensors")
+    ref = get_fp32_state_dict_from_zero_checkpoint(str(z2_ref / "checkpoints"), tag=f"step-{END:08d}")
+    assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    assert [e["parent"] for e in events(run) if e["kind"] == "export"] == [f"checkpoint:step-{END:08d}"]
+
+
+# ----------------------------------------------------------------------------------------- bad input
+@pytest.fixture
+def broken(z2_ref: Path, tmp_path: Path) -> Path:
+    """A private copy of the reference run's step-4 checkpoint, inside a run directory."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(z2_ref / "run.yaml", run / "run.yaml")
+    shutil.copytree(ckpt(z2_ref, CUT), ckpt(run, CUT))
+    return ckpt(run, CUT)
+
+
+def _unchanged(ckpt_dir: Path, out: Path) -> None:
+    assert not (ckpt_dir / "universal").exists() and not list(ckpt_dir.glob("universal.partial*"))
+    assert not out.exists() and not list(out.parent.glob(f"{out.name}.partial*"))
+
+
+def test_missing_rank_file_is_refused(broken: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (broken / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    line = error_line(capsys, ["reshard", str(broken), "--world-size", "3"], 4)
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in line and "missing" in line
+    out = tmp_path / "out" / f"step-{CUT:08d}"
+    assert "zero_pp_rank_1" in error_line(capsys, ["convert", str(broken), "--to", "dcp", str(out)], 4)
+    _unchanged(broken, out)
+
+
+def test_mismatched_zero_stage_is_refused(broken: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    mpath = broken / "manifest.json"
+    raw = json.loads(mpath.read_text())
+    raw["run_spec"]["deepspeed"]["zero_stage"] = 3
+    mpath.write_text(json.dumps(raw))
+    out = tmp_path / "out" / f"step-{CUT:08d}"
+    line = error_line(capsys, ["convert", str(broken), "--to", "dcp", str(out)], 4)
+    assert "ZeRO stage 2 state, the manifest says stage 3" in line
+    _unchanged(broken, out)
+    run = broken.parent.parent  # resuming the run under another stage is refused before anything runs
+    line = error_line(capsys, ["train", "--config", TINY, "--run-dir", str(run), "--set", "backend=deepspeed",
+                               "--set", "deepspeed.zero_stage=3", "--set", "checkpoint.keep_last=100",
+                               "--set", f"checkpoint.interval={CUT}"], 2)
+    assert "different deepspeed" in line
+
+
+def test_checkpoint_of_another_model_is_refused(broken: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    other = tmp_path / "other"
+    prepare_run_dir(RunDir.at(other), tiny_spec(**{"model.config.intermediate_size": 96}))
+    line = error_line(capsys, ["convert", str(broken), "--to", "dcp", str(other)], 2)
+    assert "holds another model" in line and not (other / "checkpoints").exists()
+    # the rank side checks the architecture too (a run.yaml edited behind the CLI's back)
+    run = broken.parent.parent
+    (run / "run.yaml").write_text(json.dumps(ds_spec(2, **{"model.config.intermediate_size": 96}).model_dump(mode="json")))
+    with pytest.raises(RuntimeError, match="CheckpointError.*another architecture"):
+        spawn(run_segment, 2, str(run), END, 1, timeout=TIMEOUT)
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_unsupported_optimizer_state_is_refused(broken: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    for f in broken.glob("*_optim_states.pt"):
+        sd = torch.load(f, weights_only=False)  # the test's own file, rewritten as SGD-with-momentum state
+        for st in sd["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+            st["momentum_buffer"] = st.pop("exp_avg")
+            del st["exp_avg_sq"]
+        torch.save(sd, f)
+    rehash(broken)
+    out = tmp_path / "out" / f"step-{CUT:08d}"
+    line = error_line(capsys, ["convert", str(broken), "--to", "dcp", str(out)], 4)
+    assert "momentum_buffer" in line and "only AdamW" in line
+    assert "only AdamW" in error_line(capsys, ["reshard", str(broken), "--world-size", "3"], 4)
+    _unchanged(broken, out)
+
+
+def test_conversion_with_a_wrong_fingerprint_writes_nothing(broken: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    mpath = broken / "manifest.json"
+    raw = json.loads(mpath.read_text())
+    key = sorted(raw["fingerprint"]["optim"])[0]
+    raw["fingerprint"]["optim"][key] *= 1.001  # what a misplaced optimizer shard looks like
+    mpath.write_text(json.dumps(raw))
+    out = tmp_path / "out" / f"step-{CUT:08d}"
+    line = error_line(capsys, ["convert", str(broken), "--to", "dcp", str(out)], 5)
+    assert "differs from the saved fingerprint" in line and key in line
+    assert "nothing was written" in error_line(capsys, ["reshard", str(broken), "--world-size", "3"], 5)
+    _unchanged(broken, out)
+
+
+# ------------------------------------------------------------------------------------------- flows
+def test_flow_runs_a_deepspeed_run_at_two_sizes_and_exports(prefect_server: object, tmp_path: Path) -> None:
+    """train-and-export with ``backend=deepspeed`` and no other change: 2 ranks, then 3 (the reshard
+    stage converts once, cached and recorded), then the same export and publish as for FSDP2."""
+    from flows.train_and_export import train_and_export
+    from schemas.requests import SegmentPlan, TrainExportRequest
+
+    run = tmp_path / "ds-flow"
+    request = TrainExportRequest(
+        config=TINY, overrides=["backend=deepspeed", "deepspeed.zero_stage=2", f"checkpoint.interval={CUT}"],
+        run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=CUT), SegmentPlan(nproc=3, until_step=END)],
+        export_dtype="float32", publish_target=(run / "published").as_uri(), backoff_s=0,
+    )
+    summary = train_and_export(request)
+    assert summary.status == "completed" and summary.final_step == END
+    second = summary.segments[1]
+    assert second.reshard is not None and second.reshard.method == "deepspeed-universal"
+    assert read_manifest(ckpt(run, END)).format == "deepspeed"
+    assert read_manifest(ckpt(run, END)).topology.world_size == 3
+    assert (Path(summary.export.out_dir) / "model.safetensors").is_file()
+    kinds = [e["kind"] for e in events(run)]
+    assert {"reshard", "resume", "export", "publish"} <= set(kinds)

@@ -1,0 +1,363 @@
+"""DeepSpeed ZeRO 1/2/3 backend: the FSDP2 segment's loop, data order, loss and metrics on a DeepSpeed
+engine, and its checkpoints under the same commit protocol.
+
+Selected by ``backend: deepspeed`` in the RunSpec (``deepspeed.zero_stage`` 1, 2 or 3); on 2 CPU ranks:
+
+    shardkeeper train --config configs/tiny.yaml --set backend=deepspeed --run-dir runs/ds --nproc 2 --until-step 20
+
+A checkpoint is ``step-XXXXXXXX/`` holding DeepSpeed's own files (``engine.save_checkpoint``), each rank's
+RNG state (``rng_rank_XXXXX.pt``) and the counters (``shardkeeper_state.json``); every file is fsynced and
+hashed as it is written, and the commit (manifest with format="deepspeed", rename, fsync) is the fsdp2
+Checkpointer's. At the saving world size it loads natively and bit-exactly; at another one, rank 0
+converts it once to ``step-XXXXXXXX/universal/`` (ckpt.deepspeed_convert, cached, recorded in lineage)
+while the others wait, and every rank loads that with DeepSpeed's ``load_universal``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ckpt import fingerprint as fp
+from ckpt.deepspeed_io import STATE_FILE, UNIVERSAL_DIR, read_state, rng_file, save_torch, write_hashed
+from ckpt.errors import CheckpointError, FingerprintMismatch
+from ckpt.layout import RunDir, step_dir_name
+from ckpt.manifest import read_manifest
+from ckpt.validate import MOMENTS
+from schemas import CheckpointManifest, FileEntry, Fingerprint, RunSpec, TensorEntry
+
+from trainer.checkpointer import Checkpointer, TrainState
+from trainer.data import GlobalOrderLoader, open_tokens
+from trainer.dist import DistEnv, log0
+from trainer.model import build_model, model_signature
+from trainer.optim import WarmupCosine, build_optimizer
+from trainer.segment import Segment, load_spec
+
+log = logging.getLogger("shardkeeper.deepspeed")
+
+_GROUP_HPARAMS = ("weight_decay", "betas", "eps")
+
+
+def ds_config(spec: RunSpec, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config of a RunSpec at a world size (batch, accumulation, ZeRO stage, dtypes, clipping)."""
+    local = spec.per_rank_batch(world_size)
+    micro = spec.micro_batch_size or local
+    return {
+        "train_batch_size": spec.global_batch_size,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": local // micro,
+        "gradient_clipping": spec.optim.grad_clip or 0.0,
+        "zero_optimization": {"stage": spec.deepspeed.zero_stage},
+        # torch.optim.AdamW is the client optimizer (the one the checkpoint contract covers)
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": spec.precision.compute == "bf16"},
+        "communication_data_type": "bf16" if spec.precision.reduce == "bf16" else "fp32",
+        "steps_per_print": 1 << 40,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _import_deepspeed(env: DistEnv) -> Any:
+    # DeepSpeed picks its accelerator at import: on CPU ranks say so (it then uses gloo, as we do).
+    if env.device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    if not os.environ.get("SHARDKEEPER_DS_VERBOSE"):
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    return deepspeed
+
+
+class DeepSpeedSegment(Segment):
+    """A Segment whose model is a DeepSpeed engine; ``run()`` is inherited unchanged."""
+
+    def __init__(self, run_dir: RunDir, until_step: int, segment: int, env: DistEnv):
+        self.run_dir = run_dir
+        self.until_step = until_step
+        self.segment_index = segment
+        self.env = env
+        self.spec = load_spec(run_dir)
+        self.local_batch = self.spec.per_rank_batch(env.world_size)
+        deepspeed = _import_deepspeed(env)
+        model = build_model(self.spec)
+        self.signature = model_signature(self.spec.model, model)
+        self.config = ds_config(self.spec, env.world_size)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, self.spec),
+                                               config=self.config)
+        self.engine = engine
+        self.model = engine
+        self.optimizer = engine.optimizer
+        self.schedule = WarmupCosine(engine.optimizer, self.spec)  # sets lr in the client AdamW's groups
+        tokens = open_tokens(self.spec.data, self.spec.seed, model.config.vocab_size)
+        self.vocab = model.config.vocab_size
+        self.loader = GlobalOrderLoader(tokens, self.spec.data.seq_len, self.spec.seed, self.spec.global_batch_size)
+        self.ckpt = DeepSpeedCheckpointer(run_dir, self.spec, engine, env, segment=segment, signature=self.signature)
+        self.tokens_per_step = self.spec.global_batch_size * self.spec.data.seq_len
+
+    def log_diagnostics(self) -> None:
+        c = self.config
+        log0(self.env, "[DeepSpeedDiagnostics] zero_stage=%d world_size=%d device=%s compute=%s reduce=%s "
+             "micro_batch=%d grad_accum=%d clip=%s", self.spec.deepspeed.zero_stage, self.env.world_size,
+             self.env.device, self.spec.precision.compute, c["communication_data_type"],
+             c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["gradient_clipping"])
+
+    def train_step(self, step: int, phases: dict[str, float | None] | None) -> tuple[float, float, float]:
+        lr = self.schedule.set_step(step)
+        global_tokens = self.tokens_per_step
+        local_sum = torch.zeros((), dtype=torch.float64)
+        for inputs, labels in self.loader.rank_batches(step, self.env.rank, self.env.world_size,
+                                                       self.spec.micro_batch_size):
+            inputs, labels = inputs.to(self.env.device), labels.to(self.env.device)
+            logits = self.engine(input_ids=inputs).logits
+            loss_sum = F.cross_entropy(logits.float().reshape(-1, self.vocab), labels.reshape(-1), reduction="sum")
+            # DeepSpeed averages gradients over ranks (as FSDP does): scaling by the world size makes the
+            # result the gradient of the mean over the *global* batch; the 1/accumulation is in
+            # global_tokens already, so DeepSpeed must not divide again (scale_wrt_gas=False).
+            self.engine.backward(loss_sum * (self.env.world_size / global_tokens), scale_wrt_gas=False)
+            self.engine.step()  # an optimizer step only at the accumulation boundary
+            local_sum += loss_sum.detach().to("cpu", torch.float64)
+        norm = self.engine.get_global_grad_norm()
+        dist.all_reduce(local_sum, group=self.env.ctrl_group)
+        return float(local_sum) / global_tokens, float(norm if norm is not None else 0.0), lr
+
+
+# -------------------------------------------------------------------------------------- checkpointing
+def _verified_checkpoint_engine() -> Any:
+    """DeepSpeed's torch.save checkpoint engine, with files fsynced and hashed while written and
+    loads restricted to weights_only=True plus DeepSpeed's three value classes."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+    class VerifiedCheckpointEngine(TorchCheckpointEngine):
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.written: dict[str, tuple[int, str]] = {}
+
+        def save(self, state_dict: Any, path: str) -> None:
+            self.written[path] = save_torch(path, state_dict)
+
+        def load(self, path: str, map_location: Any = None) -> Any:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+
+    return VerifiedCheckpointEngine()
+
+
+class DeepSpeedCheckpointer(Checkpointer):
+    """The Checkpointer over a DeepSpeed engine: same public interface, same commit, DeepSpeed's files."""
+
+    def __init__(self, run_dir: RunDir, spec: RunSpec, engine: Any, env: DistEnv, *, segment: int, signature: str):
+        super().__init__(run_dir, spec, engine.module, engine.optimizer, env, segment=segment, signature=signature)
+        self.engine = engine
+        self.stage = spec.deepspeed.zero_stage
+        self.files = _verified_checkpoint_engine()
+        engine.checkpoint_engine = self.files
+        # save_checkpoint also copies DeepSpeed's zero_to_fp32.py scripts beside the step directories, into
+        # checkpoints/ itself; `shardkeeper convert/export` replace them, and nothing unlisted is written.
+        engine._copy_recovery_script = lambda save_path: None
+        # Per-group hyperparameters of the RunSpec. ZeRO-3's universal loader copies group 0's onto every
+        # group (weight decay onto the no-decay group), so they are put back after every load.
+        self.group_hparams = [{k: g[k] for k in _GROUP_HPARAMS} for g in engine.optimizer.param_groups]
+        self._warned_async = False
+
+    def warm_up(self, ts: TrainState) -> None:
+        """Nothing to stage: DeepSpeed saves synchronously."""
+
+    # ----------------------------------------------------------------- fingerprint
+    def _fragments(self) -> list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
+        """Per parameter: this rank's fp32 master fragment and the matching AdamW moment fragments."""
+        out = []
+        empty = torch.zeros(0)
+        opt = self.engine.optimizer
+        for name, p in self.engine.module.named_parameters():
+            if self.stage == 3:
+                from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+                out.append((name, safe_get_local_fp32_param(p),
+                            {m: safe_get_local_optimizer_state(p, m) for m in MOMENTS}))
+                continue
+            hp = getattr(p, "_hp_mapping", None)
+            if hp is None:  # all of this parameter lives in other ranks' partitions
+                out.append((name, empty, {m: empty for m in MOMENTS}))
+                continue
+            addr = hp.get_hp_fragment_address()
+            flat = opt.single_partition_of_fp32_groups[hp.param_group_index]
+            state = opt.optimizer.state[flat]
+            out.append((name, flat.narrow(0, addr.start, addr.numel),
+                        {m: state[m].narrow(0, addr.start, addr.numel) for m in MOMENTS}))
+        return out
+
+    def _optim_step(self) -> float:
+        for st in self.engine.optimizer.optimizer.state.values():
+            if "step" in st:
+                return float(st["step"])
+        return 0.0
+
+    def fingerprint(self, group: dist.ProcessGroup | None) -> Fingerprint:
+        """Per-tensor norms of fp32 masters and moments: local fragments in float64, one all-reduce."""
+        frags = self._fragments()
+        model = [(n, t) for n, t, _ in frags]
+        moments = [(f"{n}.{m}", t) for n, _, ms in frags for m, t in ms.items()]
+        names, vec = fp.local_sum_squares(model + moments)
+        sq = fp.reduce_sum_squares(names, vec, group)
+        return fp.make_fingerprint({k: sq[k] for k, _ in model}, {k: sq[k] for k, _ in moments}, self._optim_step())
+
+    def _ds_inventory(self) -> list[TensorEntry]:
+        out = []
+        for name, p in self.engine.module.named_parameters():
+            shape = list(getattr(p, "ds_shape", p.shape))
+            out.append(TensorEntry(name=f"model.{name}", shape=shape, dtype="float32"))
+            out += [TensorEntry(name=f"optim.state.{name}.{m}", shape=shape, dtype="float32") for m in MOMENTS]
+        return out
+
+    # ----------------------------------------------------------------- save
+    def save(self, ts: TrainState, *, reason: str, blocking: bool | None = None) -> None:
+        """Checkpoint the engine at ``ts.step`` (always synchronous for DeepSpeed) and commit it."""
+        self.wait()
+        if self.last_committed_step == ts.step:
+            return
+        if self.spec.checkpoint.async_save and not self._warned_async:
+            log0(self.env, "checkpoint.async_save is not supported by the deepspeed backend; saving synchronously")
+            self._warned_async = True
+        t0 = time.perf_counter()
+        self._prepare_partial(ts.step)
+        partial = self.run_dir.partial(ts.step)
+        self.files.written.clear()
+        self.engine.save_checkpoint(str(partial.parent), tag=partial.name, client_state={}, save_latest=False)
+        entries = [FileEntry(path=os.path.relpath(p, partial), size=s, xxh3_128=d, rank=self.env.rank)
+                   for p, (s, d) in sorted(self.files.written.items())]
+        entries += self._save_extras(partial, ts)
+        fingerprint = self.fingerprint(self.env.ckpt_group)
+        self._commit(ts, reason, entries, self._ds_inventory(), fingerprint, t0, False, fmt="deepspeed")
+        self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 0.0})
+        self.last_committed_step = ts.step
+        self.parent = step_dir_name(ts.step)
+
+    def _save_extras(self, partial: Path, ts: TrainState) -> list[FileEntry]:
+        """This rank's RNG state; on rank 0 also the counters and the schedule position."""
+        rng = {"cpu": torch.get_rng_state()}
+        if self.env.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.env.device)
+        size, digest = save_torch(partial / rng_file(self.env.rank), rng)
+        out = [FileEntry(path=rng_file(self.env.rank), size=size, xxh3_128=digest, rank=self.env.rank)]
+        if self.env.is_rank0:
+            state = {"step": ts.step, "tokens": ts.tokens, "samples": ts.samples, "schedule_last_step": ts.step - 1,
+                     "zero_stage": self.stage, "world_size": self.env.world_size, "layout": "zero"}
+            text = (json.dumps(state, indent=2, sort_keys=True) + "\n").encode()
+            size, digest = write_hashed(partial / STATE_FILE, lambda f: f.write(text))
+            out.append(FileEntry(path=STATE_FILE, size=size, xxh3_128=digest, rank=0))
+        return out
+
+    # ----------------------------------------------------------------- load
+    def load(self, path: Path) -> TrainState:
+        t0 = time.perf_counter()
+        manifest = read_manifest(path)
+        self._check_loadable(path, manifest)
+        state = read_state(path)
+        native = state["layout"] == "zero" and manifest.topology.world_size == self.env.world_size
+        if native:
+            self._load_native(path)
+        else:
+            self._load_universal(self._universal(path, manifest))
+        self._repair_after_load()
+        self._restore_rng(path, manifest, native)
+        ts = TrainState(step=int(state["step"]), tokens=int(state["tokens"]), samples=int(state["samples"]))
+        self._verify_ds(path, manifest, exact=native)
+        self._resumed(path, manifest, ts, t0)
+        return ts
+
+    def _repair_after_load(self) -> None:
+        """Undo two side effects of DeepSpeed's ZeRO-3 universal loader: it copies group 0's hyperparameters
+        onto every group, and gives every group the *same* step tensor, which AdamW then increments once
+        per group (wrong bias correction). Harmless after the other loads."""
+        for group, hp in zip(self.engine.optimizer.param_groups, self.group_hparams):
+            group.update(hp)
+        for st in self.engine.optimizer.optimizer.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
+
+    def _check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
+        if manifest.format != "deepspeed":
+            raise CheckpointError(f"{path}: a {manifest.format} checkpoint cannot be loaded by the deepspeed backend; "
+                                  f"convert it first: shardkeeper convert {path} --to deepspeed NEW_RUN_DIR")
+        if manifest.model_signature != self.signature:
+            raise CheckpointError(f"{path}: written by another architecture (model signature differs from "
+                                  f"{self.spec.model.model_type} {self.spec.model.config}); use a new --run-dir")
+        saved = manifest.run_spec.deepspeed.zero_stage
+        if saved != self.stage and read_state(path)["layout"] == "zero":
+            raise CheckpointError(f"{path}: written under ZeRO stage {saved}, this run is configured for stage "
+                                  f"{self.stage}; resume with --set deepspeed.zero_stage={saved} (the run's own config)")
+
+    def _load_native(self, path: Path) -> None:
+        loaded, _ = self.engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True,
+                                                load_optimizer_states=True, load_lr_scheduler_states=False)
+        if loaded is None:
+            raise CheckpointError(f"{path}: DeepSpeed found no checkpoint files to load; the checkpoint is incomplete")
+
+    def _universal(self, path: Path, manifest: CheckpointManifest) -> Path:
+        """Rank 0 converts (or finds the cached conversion) while the others wait; all verify its files."""
+        from ckpt.deepspeed_convert import ensure_universal
+
+        error: BaseException | None = None
+        message = None
+        if self.env.is_rank0:
+            try:
+                ensure_universal(path, run_dir=self.run_dir, to_world_size=self.env.world_size,
+                                 threads=self.spec.checkpoint.io_threads)
+            except Exception as e:  # tell the waiting ranks, then fail here too
+                error, message = e, f"{type(e).__name__}: {e}"
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self.env.ctrl_group)
+        if error is not None:
+            raise error
+        if box[0] is not None:
+            raise CheckpointError(f"{path}: the universal conversion failed on rank 0 ({box[0]})")
+        target = path / UNIVERSAL_DIR
+        problem = self._verify_files(target)
+        if problem is not None:
+            raise CheckpointError(problem)
+        return target
+
+    def _load_universal(self, target: Path) -> None:
+        # load_universal is read only by load_checkpoint, so it is switched on for this load alone.
+        # DeepSpeed reads the zero/*.pt files with torch.load(weights_only=False); they were written by
+        # ckpt.deepspeed_convert (tensors and plain dicts only) and their checksums were just verified.
+        cfg = self.engine._config
+        cfg.load_universal_checkpoint = True
+        try:
+            loaded, _ = self.engine.load_checkpoint(str(target.parent), tag=target.name, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=False)
+        finally:
+            cfg.load_universal_checkpoint = False
+        if loaded is None:
+            raise CheckpointError(f"{target}: DeepSpeed found no universal checkpoint files to load")
+
+    def _restore_rng(self, path: Path, manifest: CheckpointManifest, native: bool) -> None:
+        if not native:
+            torch.manual_seed(self.spec.seed + 7919 * manifest.step + self.env.rank)
+            return
+        rng = torch.load(path / rng_file(self.env.rank), map_location="cpu", weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and self.env.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.env.device)
+
+    def _verify_ds(self, path: Path, manifest: CheckpointManifest, *, exact: bool) -> None:
+        now = self.fingerprint(self.env.ctrl_group)
+        diffs = fp.compare(manifest.fingerprint, now, exact=exact)
+        if diffs:
+            raise FingerprintMismatch(
+                f"{path}: state after load differs from the saved fingerprint ({diffs[0]}; {len(diffs)} tensors differ); "
+                "refusing to train on it, as the next step would spike; validate --deep the checkpoint or resume from an earlier one"
+            )
