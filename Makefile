@@ -42,9 +42,14 @@ test: install system-deps
 demo: install
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m infra.demo
 
+# Each script prints a markdown table (the README's tables come from these); ~30 min in all on 2 cores.
 bench: install
+	$(PY) bench/resume_bench.py
 	$(PY) bench/checkpoint_bench.py
 	$(PY) bench/export_bench.py
+	$(PY) bench/deepspeed_resume_bench.py
+	$(PY) bench/deepspeed_bench.py
+	$(PY) bench/prefect_overhead.py
 
 clean:
 	rm -rf $(VENV) .prefect runs bench/out
