@@ -147,7 +147,6 @@ class Checkpointer:
             return
         blocking = (not self.spec.checkpoint.async_save) if blocking is None else blocking
         t0 = time.perf_counter()
-        self._prepare_partial(ts.step)
         sd = self._state_dict(ts)
         if blocking:
             self._write_and_commit(sd, ts, reason, t0, async_save=False)
@@ -158,13 +157,15 @@ class Checkpointer:
         self.stats.append({"step": ts.step, "blocked_s": blocked, "async": 1.0})
         self._inflight = self._pool.submit(self._write_and_commit, staged, ts, reason, t0, True)
 
-    def _prepare_partial(self, step: int) -> None:
+    def _prepare_partial(self, step: int, group: dist.ProcessGroup | None = None) -> None:
+        """Rank 0 (re)creates ``step-XXXXXXXX.partial/``; nobody writes before it exists. An async save
+        does this on its background thread, over the checkpoint group, so training does not wait on it."""
         partial = self.run_dir.partial(step)
         if self.env.is_rank0:
             if partial.exists():  # an abandoned attempt at the same step
                 shutil.rmtree(partial)
             partial.mkdir(parents=True)
-        dist.barrier(group=self.env.ctrl_group)
+        dist.barrier(group=group if group is not None else self.env.ctrl_group)
 
     def warm_up(self, ts: TrainState) -> None:
         """Allocate the staging buffers of async saves now, before training, not at the first save."""
@@ -193,6 +194,7 @@ class Checkpointer:
         partial = self.run_dir.partial(ts.step)
         phases: dict[str, float] = {}
         t = time.perf_counter()
+        self._prepare_partial(ts.step, group)
         # The fingerprint's local sums are computed while DCP writes (the write mostly waits on the
         # device); its all-reduce runs after dcp.save, as both use the checkpoint group.
         fp_job = self._fp_pool.submit(self._fingerprint_parts, sd)
