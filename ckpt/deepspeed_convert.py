@@ -440,8 +440,11 @@ def _record_reshard(run_dir: RunDir | None, ckpt_dir: Path, manifest: Checkpoint
 
 
 def recompute_fingerprint(ckpt_dir: str | os.PathLike[str], manifest: CheckpointManifest) -> Fingerprint:
-    """Fingerprint of a deepspeed checkpoint's stored state, one parameter at a time (validate --deep)."""
-    src = open_source(Path(ckpt_dir), manifest)
+    """Fingerprint of a deepspeed checkpoint's stored state, one parameter at a time (validate --deep).
+    ``ckpt_dir`` is a step directory, or the ``universal/`` folder cached inside one."""
+    ckpt_dir = Path(ckpt_dir)
+    is_universal = not (ckpt_dir / STATE_FILE).exists() and (ckpt_dir / "zero" / "optimizer_state.pt").is_file()
+    src = UniversalSource(ckpt_dir) if is_universal else open_source(ckpt_dir, manifest)
     try:
         sums = _FingerprintSums()
         for name, _ in (x for g in src.groups for x in g):

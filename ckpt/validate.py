@@ -68,9 +68,14 @@ def validate(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:
     listed = {e.path for e in manifest.files} | {MANIFEST_NAME}
     for extra in sorted(p.name for p in ckpt_dir.iterdir() if p.is_file() and p.name not in listed):
         errors.append(f"{ckpt_dir / extra}: not listed in the manifest; something wrote into a committed checkpoint")
-    if deep and not errors and manifest.format == "dcp":
+    if deep and not errors:
         try:
-            now = recompute_fingerprint(ckpt_dir, manifest)
+            if manifest.format == "deepspeed":  # ZeRO shards or a universal folder, one parameter at a time
+                from ckpt.deepspeed_convert import recompute_fingerprint as recompute_deepspeed
+
+                now = recompute_deepspeed(ckpt_dir, manifest)
+            else:
+                now = recompute_fingerprint(ckpt_dir, manifest)
             diffs = fp.compare(manifest.fingerprint, now, exact=False)
             if diffs:
                 errors.append(f"{ckpt_dir}: fingerprint mismatch: {diffs[0]}; the stored state is not what was trained")

@@ -185,8 +185,12 @@ class DeepSpeedCheckpointer(Checkpointer):
             if self.stage == 3:
                 from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
-                out.append((name, safe_get_local_fp32_param(p),
-                            {m: safe_get_local_optimizer_state(p, m) for m in MOMENTS}))
+                # A ZeRO-3 partition is padded to ceil(numel / world) elements on every rank: the padding
+                # of the last ranks is not part of the parameter (and is not initialised), so leave it out.
+                part = p.ds_tensor.ds_numel
+                real = max(0, min(part, p.ds_numel - self.env.rank * part))
+                out.append((name, safe_get_local_fp32_param(p).reshape(-1).narrow(0, 0, real),
+                            {m: safe_get_local_optimizer_state(p, m).reshape(-1).narrow(0, 0, real) for m in MOMENTS}))
                 continue
             hp = getattr(p, "_hp_mapping", None)
             if hp is None:  # all of this parameter lives in other ranks' partitions
