@@ -14,8 +14,10 @@ DeepSpeed's worker pools are counted):
 
 * world-size change: ``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state`` vs
   ``ckpt.deepspeed_convert.ensure_universal`` (what the trainer runs by itself at a new world size);
-* export: ``python -m deepspeed.utils.zero_to_fp32 --safe_serialization`` vs ours
-  (``to_dcp(model_only=True)`` into a temporary DCP, then ``ckpt.export.export_checkpoint``);
+* export: ``python -m deepspeed.utils.zero_to_fp32 --safe_serialization`` vs ours, the export stage
+  ``shardkeeper.stages.export_checkpoint`` on the ZeRO checkpoint (one pass: the fp32 master weights
+  are streamed from the ``*_optim_states.pt`` partitions into safetensors, CRC-checked, SHA-256 hashed,
+  fsynced, with config.json and README.md; the stage also records the export in the run's lineage);
 * for reference, the full DeepSpeed -> DCP conversion (model + AdamW state) used to continue under FSDP2.
 
 Then it checks that our universal tensors equal ds_to_universal's and our export equals zero_to_fp32's
@@ -31,7 +33,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -95,12 +96,10 @@ def _ours_universal(ckpt: Path, out: Path) -> None:
 
 
 def _ours_export(ckpt: Path, out: Path) -> None:
-    from ckpt.deepspeed_convert import to_dcp
-    from ckpt.export import export_checkpoint
+    from shardkeeper.stages import export_checkpoint
 
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        dcp_dir = to_dcp(ckpt, Path(tmp) / ckpt.name, model_only=True, durable=False)
-        export_checkpoint(dcp_dir, out)
+    res = export_checkpoint(ckpt, out)
+    print(f"stage: {res.seconds:.2f} s inside the process (after imports), peak RSS {res.peak_rss_bytes / 1e9:.2f} GB")
 
 
 def _ours_to_dcp(ckpt: Path, out: Path) -> None:
@@ -110,10 +109,8 @@ def _ours_to_dcp(ckpt: Path, out: Path) -> None:
 
 
 def measure(method: str, src: Path, out: Path) -> None:
-    """Child process: run one of our methods (imports first, as a resident service would have them)."""
-    import ckpt.deepspeed_convert  # noqa: F401
-    import ckpt.export  # noqa: F401
-
+    """Child process: run one of our methods; each imports what it uses (counted in the wall time, as
+    the DeepSpeed tools' imports are)."""
     {"ours_universal": _ours_universal, "ours_export": _ours_export, "ours_to_dcp": _ours_to_dcp}[method](src, out)
 
 
@@ -181,6 +178,9 @@ def run_measure(method: str, src: Path, out: Path) -> dict[str, Any]:
     if proc.returncode:
         raise RuntimeError(f"{method} failed:\n{output[-4000:]}")
     log.info("%-16s %7.2f s  peak RSS %.2f GB  load %.1f", method, seconds, peak / 1e9, os.getloadavg()[0])
+    for line in output.splitlines():
+        if line.startswith("stage: "):
+            log.info("%-16s %s", method, line)
     return {"method": method, "seconds": seconds, "peak_rss": peak}
 
 
@@ -245,6 +245,9 @@ def run_all(args: argparse.Namespace) -> int:
     params = sum(math.prod(t.shape) for t in manifest.tensors if t.name.startswith("model."))
     log.info("checkpoint %s: %d parameters, ZeRO-%d at %d ranks, %.2f GB on disk", ckpt, params,
              manifest.run_spec.deepspeed.zero_stage, manifest.topology.world_size, sum(f.size for f in manifest.files) / 1e9)
+    # ours_universal of an earlier run left <ckpt>/universal/, whose model-states files ds_to_universal
+    # would count as the checkpoint's own (and refuse it): start from the checkpoint as trained
+    shutil.rmtree(ckpt / "universal", ignore_errors=True)
     r = {}
     r["ds_to_universal"] = run_measure("ds_to_universal", ckpt, res / "ds_universal" / "out")
     r["ours_universal"] = run_measure("ours_universal", ckpt, res / "ours_universal")
@@ -260,7 +263,7 @@ def run_all(args: argparse.Namespace) -> int:
          "check": compare_universal(ckpt / "universal", res / "ds_universal" / "out")},
         {"task": "export", "label": "deepspeed zero_to_fp32 --safe_serialization", **r["zero_to_fp32"], "ref_s": fp32,
          "check": "reference"},
-        {"task": "export", "label": "shardkeeper to_dcp(model_only) + export_checkpoint", **r["ours_export"],
+        {"task": "export", "label": "shardkeeper export stage (one pass from the ZeRO files)", **r["ours_export"],
          "ref_s": fp32, "check": compare_export(res / "ours_export", res / "zero_to_fp32")},
         {"task": "to FSDP2", "label": "shardkeeper to_dcp (model + AdamW state + counters)", **r["ours_to_dcp"],
          "check": "fingerprint verified"},
@@ -285,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--src", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--dest", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.out = args.out.resolve()  # the export stage records file:// URIs of its output in the run's lineage
     if args.measure:
         measure(args.measure, args.src, args.dest)
         return 0

@@ -282,6 +282,16 @@ class TorchSaveFile:
             raise CheckpointError(f"{self.path}: read after close")
         return self._fd
 
+    def fileno(self) -> int:
+        """The file's descriptor, for readers that ``pread`` storage bytes themselves (export)."""
+        return self._open()
+
+    def storage_entry(self, key: str) -> tuple[int, int, int]:
+        """(data offset, length, CRC-32 from the zip directory) of storage ``key``; the CRC is 0 when
+        torch.save ran with CRCs disabled. The bytes are not read here."""
+        offset, length = self._record(key)
+        return offset, length, self._infos[f"{self._prefix}data/{key}"].CRC
+
     def read(self, t: StoredTensor, start: int = 0, count: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Flat elements ``[start, start + count)`` of a contiguous stored tensor (into ``out`` if given)."""
         count = t.numel - start if count is None else count
@@ -467,6 +477,12 @@ class ZeroShards:
                                   "state (exp_avg, exp_avg_sq) can be converted, resume it with the same optimizer instead")
 
     # ------------------------------------------------------------------ values
+    def locate(self, slot: ParamSlot, key: str = "fp32") -> list[tuple[TorchSaveFile, StoredTensor, Piece]]:
+        """Where the elements of ``key`` of a parameter lie, in the parameter's flat order: per piece,
+        the rank's file and its flat partition (the piece starts at element ``flat.offset + piece.start``
+        of the partition's storage ``flat.key``). Nothing is read; ``read`` assembles the same pieces."""
+        return [(self.files[p.rank], self.flat(p.rank, slot.group, key), p) for p in slot.pieces]
+
     def read(self, slot: ParamSlot, key: str) -> torch.Tensor:
         """The whole fp32 tensor ``key`` (fp32, exp_avg, exp_avg_sq) of a parameter, in its shape."""
         out = torch.empty(slot.numel, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Export a committed DCP checkpoint to a folder ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+"""Export a committed checkpoint (DCP or DeepSpeed) to a folder ``AutoModelForCausalLM.from_pretrained`` loads.
 
     from ckpt.export import export_checkpoint
     export_checkpoint("runs/demo/checkpoints/step-00000020", "runs/demo/exports/step-00000020", dtype="bfloat16")
@@ -12,7 +12,8 @@ How it works, and why:
 * Checked before anything is written: the options, the output folder, the checkpoint (quick
   validation: manifest, every file present at its size), every model chunk's record inside the
   ``.distcp`` files, the tensor names/shapes/dtypes against the manifest's inventory (recorded from
-  the transformers model at save), and the CRC-32 of every model byte against its zip record.
+  the transformers model at save), and the CRC-32 of every model byte against its zip record (for
+  DeepSpeed checkpoints: as the bytes are copied, each partition's zip entry once, before the commit).
 * Streaming with bounded memory: DCP's default writer stores each chunk as a ``torch.save`` zip whose
   ``data/<key>`` entry is the raw storage, stored uncompressed. The exporter parses the zip and the
   tiny pickle (with an allow-list; nothing is executed) to find those bytes and streams them in
@@ -22,8 +23,17 @@ How it works, and why:
   Chunks that split a tensor by rows (FSDP2) stream without ever assembling the tensor; other
   layouts (2-D sharding, strided records) assemble one tensor at a time. Peak memory is a few pieces,
   plus one tensor in the assembled case: far below one output shard + 0.5 GB.
-* Speed: writing and SHA-256 hashing run in two threads that release the GIL. Importing transformers
-  (needed for config.json; seconds) runs in a background thread from the start. When the RunSpec
+* DeepSpeed ZeRO checkpoints export in the same single pass: a parameter's fp32 master weight is a
+  few element ranges of the ranks' flat partitions inside the ``*_optim_states.pt`` zips (the layout
+  ``ckpt.deepspeed_io.ZeroShards`` knows, ZeRO 1/2/3; or one ``universal/zero/<name>/fp32.pt`` each).
+  Those ranges are the tensor's chunks, streamed in order; the header keeps the real shape. Each
+  partition's storage entry is CRC-checked once, however many parameters it holds. The tensors are
+  bit for bit those of ``deepspeed.utils.zero_to_fp32``.
+* Speed: writing and SHA-256 hashing run in two threads that release the GIL; the file is written
+  with O_DIRECT through an aligned staging buffer where the file system takes it (the page cache would
+  only hold a copy nobody reads back, and filling it costs more than the disk write on this project's
+  VMs). Importing transformers (needed for config.json; seconds) runs in a background thread from the
+  start, with the cyclic GC paused while it creates its long-lived objects. When the RunSpec
   declares ``tie_word_embeddings: false`` nothing can be a tied copy, so the copy does not wait for it;
   the names and shapes are then checked against the transformers model before the commit (they were
   already checked against the manifest before writing). Otherwise the check comes first.
@@ -40,12 +50,18 @@ How it works, and why:
 
 from __future__ import annotations
 
+import bisect
 import collections
+import contextlib
+import errno
+import fcntl
+import gc
 import hashlib
 import io
 import json
 import logging
 import math
+import mmap
 import os
 import pickle
 import queue
@@ -58,21 +74,26 @@ import time
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ckpt import __version__
-from ckpt.dcp_io import read_metadata
 from ckpt.errors import CheckpointError, ExportError
 from ckpt.fsutil import fsync_dir
 from ckpt.manifest import read_manifest
 from ckpt.validate import validate
 from schemas import CheckpointManifest, ExportResult
+
+if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint alone takes ~0.7 s to import
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from ckpt.deepspeed_convert import UniversalSource
+    from ckpt.deepspeed_io import StoredTensor, TorchSaveFile, ZeroShards
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +116,9 @@ _MODEL_PREFIX = "model."  # the top-level DCP key the trainer saves the model un
 
 PIECE_BYTES = 16 << 20  # unit of streaming: read, cast, write and hash
 POOL_PIECES = 4  # pieces in flight between the reader and the writer/hasher threads
+STAGE_BYTES = 16 << 20  # O_DIRECT staging buffer of the writer thread (a multiple of _ALIGN)
+_ALIGN = 4096  # O_DIRECT alignment of buffer addresses, offsets and lengths (covers 512-byte devices)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
@@ -144,11 +168,7 @@ def _check_checkpoint(ckpt_dir: Path, deep: bool) -> CheckpointManifest:
     if not report.valid:
         more = f" (and {len(report.errors) - 1} more problems)" if len(report.errors) > 1 else ""
         raise CheckpointError(f"{report.errors[0]}{more}")
-    manifest = read_manifest(ckpt_dir)
-    if manifest.format != "dcp":
-        raise ExportError(f"{ckpt_dir}: is a {manifest.format} checkpoint; export reads DCP checkpoints, "
-                          "convert it first (shardkeeper reshard)")
-    return manifest
+    return read_manifest(ckpt_dir)
 
 
 # ------------------------------------------------------------------------- chunk records in .distcp
@@ -334,6 +354,9 @@ class _Tensor:
     out_dtype: torch.dtype  # as exported
     shape: tuple[int, ...]
     chunks: list[_Chunk] = field(default_factory=list)
+    # True when the chunks are 1-D element ranges of the flattened tensor (offsets/sizes of one dim), as
+    # the pieces of a ZeRO partition are; the header still gives the real shape.
+    flat: bool = False
 
     @property
     def numel(self) -> int:
@@ -345,7 +368,15 @@ class _Tensor:
 
     def rowwise(self) -> bool:
         """True when the chunks, in order, are consecutive row blocks stored densely: the tensor's
-        bytes are then the chunks' bytes one after the other, and it streams without assembly."""
+        bytes are then the chunks' bytes one after the other, and it streams without assembly.
+        Flat chunks must be consecutive element ranges covering the tensor."""
+        if self.flat:
+            done = 0
+            for c in self.chunks:
+                if c.offsets != (done,) or not c.is_dense(self.dtype.itemsize):
+                    return False
+                done += c.numel
+            return done == self.numel
         if not self.shape:
             return len(self.chunks) == 1 and self.chunks[0].is_dense(self.dtype.itemsize)
         row = 0
@@ -395,6 +426,8 @@ class _OpenFiles:
 
 def _collect_tensors(ckpt_dir: Path, md: Metadata, files: _OpenFiles, out_dtype: torch.dtype) -> list[_Tensor]:
     """Every ``model.*`` tensor of the checkpoint with its located chunks (optimizer state is skipped)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
     tensors = []
     for key, tmd in md.state_dict_metadata.items():
         if not key.startswith(_MODEL_PREFIX) or not isinstance(tmd, TensorStorageMetadata):
@@ -420,6 +453,122 @@ def _collect_tensors(ckpt_dir: Path, md: Metadata, files: _OpenFiles, out_dtype:
     return tensors
 
 
+# --------------------------------------------------------------------------------- tensor sources
+@dataclass
+class _Collected:
+    """What a checkpoint format gives the exporter: the model tensors (chunks located, nothing read) and
+    the zip entries that hold their bytes, each to be CRC-checked once."""
+
+    tensors: list[_Tensor]
+    entries: list[_Entry]
+    source: str  # what the tensor list was read from, for messages
+    # CRC-check the entries from the bytes the copy reads (before the commit) instead of in a pass of
+    # their own before writing: for ZeRO partitions, whose entries are read in order with few gaps
+    crc_in_stream: bool = False
+
+
+Collector = Callable[[Path, CheckpointManifest, ExitStack, torch.dtype], _Collected]
+
+
+def _collect_dcp(ckpt_dir: Path, manifest: CheckpointManifest, stack: ExitStack, out_dtype: torch.dtype) -> _Collected:
+    from ckpt.dcp_io import read_metadata
+
+    files = stack.enter_context(_OpenFiles(ckpt_dir))
+    tensors = _collect_tensors(ckpt_dir, read_metadata(ckpt_dir), files, out_dtype)
+    return _Collected(tensors, _chunk_entries(tensors), ".metadata")
+
+
+def _collect_deepspeed(ckpt_dir: Path, manifest: CheckpointManifest, stack: ExitStack,
+                       out_dtype: torch.dtype) -> _Collected:
+    """A deepspeed-format checkpoint: the fp32 master weights where DeepSpeed stored them, in the
+    ``*_optim_states.pt`` partitions (or the universal/ folder when that is all the checkpoint has)."""
+    from ckpt.deepspeed_io import ZeroShards, read_state
+
+    if read_state(ckpt_dir)["layout"] != "zero":  # what ckpt.deepspeed_convert.open_source reads
+        from ckpt.deepspeed_convert import open_source
+
+        src = open_source(ckpt_dir, manifest)
+        stack.callback(src.close)
+        return _collect_universal(src, stack, out_dtype)  # type: ignore[arg-type]
+    # as ckpt.deepspeed_convert.ZeroSource opens them (that module imports torch.distributed.checkpoint)
+    shards = stack.enter_context(ZeroShards(ckpt_dir, expect_world_size=manifest.topology.world_size,
+                                            expect_stage=manifest.run_spec.deepspeed.zero_stage))
+    return _collect_zero(shards, out_dtype)
+
+
+_F32 = torch.float32.itemsize
+
+
+def _storage_entry(f: TorchSaveFile, st: StoredTensor, what: str) -> _Entry:
+    """The zip entry of a stored float32 tensor's storage, checked to hold the tensor and to lie in the file."""
+    where = f"{f.path}: {what}"
+    if st.dtype != torch.float32 or not st.is_contiguous():
+        raise CheckpointError(f"{where} is a {'' if st.is_contiguous() else 'strided '}{st.dtype} tensor, expected "
+                              "contiguous float32 master weights; the checkpoint was not written by the deepspeed "
+                              "backend, export a checkpoint of a shardkeeper deepspeed run")
+    offset, length, crc = f.storage_entry(st.key)
+    if offset + length > os.fstat(f.fileno()).st_size or (st.offset + st.numel) * _F32 > length:
+        raise CheckpointError(f"{where}: storage {st.key} runs past its zip entry or the file; the file is truncated "
+                              "or corrupted, pick another step")
+    return _Entry(f.path, f.fileno(), offset, length, crc, f"storage {st.key} ({what})")
+
+
+def _flat_chunk(f: TorchSaveFile, entry: _Entry, st: StoredTensor, start: int, numel: int, done: int) -> _Chunk:
+    """Elements [start, start + numel) of flat stored tensor ``st``, as elements [done, done + numel) of a tensor."""
+    return _Chunk(f.path, f.fileno(), (done,), (numel,), entry.data_offset + (st.offset + start) * _F32,
+                  numel * _F32, 0, 0, (1,))
+
+
+def _collect_zero(shards: ZeroShards, out_dtype: torch.dtype) -> _Collected:
+    """ZeRO 1/2/3: each parameter is a few element ranges of the ranks' flat fp32 partitions
+    (``ZeroShards.locate``); those are its chunks, streamed in order without assembly. Several
+    parameters share one partition's storage entry, which is CRC-checked once."""
+    entries: dict[tuple[Path, str], _Entry] = {}
+    tensors = []
+    for slot in shards.slots:
+        key = _MODEL_PREFIX + slot.name
+        t = _Tensor(key, hf_name(key), torch.float32, out_dtype, slot.shape, flat=True)
+        done = 0
+        for f, part, piece in shards.locate(slot, "fp32"):
+            what = f"fp32 master partition of parameter group {slot.group}"
+            entry = entries.get((f.path, part.key))
+            if entry is None:
+                entry = entries[(f.path, part.key)] = _storage_entry(f, part, what)
+            if piece.start < 0 or piece.start + piece.numel > part.numel:
+                raise CheckpointError(f"{f.path}: the {what} holds {part.numel} elements, {slot.name} needs elements "
+                                      f"{piece.start}..{piece.start + piece.numel}; the checkpoint is inconsistent, "
+                                      "pick another step")
+            t.chunks.append(_flat_chunk(f, entry, part, piece.start, piece.numel, done))
+            done += piece.numel
+        tensors.append(t)
+    return _Collected(tensors, sorted(entries.values(), key=lambda e: (str(e.path), e.data_offset)), "the ZeRO files",
+                      crc_in_stream=True)
+
+
+def _collect_universal(src: UniversalSource, stack: ExitStack, out_dtype: torch.dtype) -> _Collected:
+    """The universal layout: one ``zero/<name>/fp32.pt`` per parameter, a whole tensor in one storage entry."""
+    from ckpt.deepspeed_io import StoredTensor, TorchSaveFile
+
+    tensors, entries = [], []
+    for name, shape in (x for g in src.groups for x in g):
+        f = stack.enter_context(TorchSaveFile(src.dir / "zero" / name / "fp32.pt"))
+        rec = f.obj.get("param") if isinstance(f.obj, dict) else f.obj
+        if not isinstance(rec, StoredTensor) or rec.shape != tuple(shape):
+            raise CheckpointError(f"{f.path}: does not hold the {list(shape)} master weight of {name}; the universal "
+                                  "checkpoint is corrupted, pick another step")
+        entry = _storage_entry(f, rec, f"fp32 master weight of {name}")
+        key = _MODEL_PREFIX + name
+        t = _Tensor(key, hf_name(key), torch.float32, out_dtype, tuple(shape), flat=True)
+        if rec.numel:
+            t.chunks.append(_flat_chunk(f, entry, rec, 0, rec.numel, 0))
+        tensors.append(t)
+        entries.append(entry)
+    return _Collected(tensors, entries, "the universal/ files", crc_in_stream=True)
+
+
+_COLLECTORS: dict[str, Collector] = {"dcp": _collect_dcp, "deepspeed": _collect_deepspeed}
+
+
 # ------------------------------------------------------------------------------- transformers side
 @dataclass(frozen=True)
 class _ModelSpecView:
@@ -428,8 +577,27 @@ class _ModelSpecView:
     tied: dict[str, str]  # tied name -> the name it is tied to (e.g. lm_head.weight -> model.embed_tokens.weight)
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic GC off while transformers is imported: the import creates a few hundred thousand
+    long-lived objects, and the full collections their number triggers (about 1 s here, on the export's
+    critical path) free nothing. Switched back on after, as it was."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _describe_model(ckpt_dir: Path, manifest: CheckpointManifest, dtype: str) -> _ModelSpecView:
     """Build the model the RunSpec describes on the meta device: names, shapes and ties, no memory."""
+    with _gc_paused():
+        return _describe_model_gc_off(ckpt_dir, manifest, dtype)
+
+
+def _describe_model_gc_off(ckpt_dir: Path, manifest: CheckpointManifest, dtype: str) -> _ModelSpecView:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = manifest.run_spec.model
@@ -467,13 +635,14 @@ def _name_tensors(ckpt_dir: Path, tensors: list[_Tensor]) -> dict[str, _Tensor]:
     return by_name
 
 
-def _check_inventory(ckpt_dir: Path, tensors: list[_Tensor], manifest: CheckpointManifest) -> None:
-    """The DCP metadata must hold exactly the model tensors the manifest recorded at save."""
+def _check_inventory(ckpt_dir: Path, tensors: list[_Tensor], manifest: CheckpointManifest,
+                     source: str = ".metadata") -> None:
+    """The DCP metadata (ZeRO files) must hold exactly the model tensors the manifest recorded at save."""
     recorded = {e.name: (tuple(e.shape), e.dtype) for e in manifest.tensors if e.name.startswith(_MODEL_PREFIX)}
     stored = {t.key: (t.shape, str(t.dtype).removeprefix("torch.")) for t in tensors}
     if recorded and recorded != stored:
         diff = sorted(k for k in recorded.keys() | stored.keys() if recorded.get(k) != stored.get(k))
-        raise CheckpointError(f"{ckpt_dir / 'manifest.json'}: its tensor inventory and .metadata disagree on "
+        raise CheckpointError(f"{ckpt_dir / 'manifest.json'}: its tensor inventory and {source} disagree on "
                               f"{', '.join(diff[:3])}; the checkpoint is inconsistent, pick another step")
 
 
@@ -533,47 +702,138 @@ class _BufferPool:
 Emit = Callable[[memoryview, "Callable[[], None] | None"], Any]
 
 
-def _pread_into(chunk: _Chunk, view: memoryview, offset: int) -> None:
+Seen = Callable[[int, int, memoryview], None]  # (fd, file offset, bytes just read there)
+
+
+def _pread_into(chunk: _Chunk | _Entry, view: memoryview, offset: int, seen: Seen | None = None) -> None:
     done = 0
     while done < len(view):
         n = os.preadv(chunk.fd, [view[done:]], offset + done)
         if n <= 0:
             raise CheckpointError(f"{chunk.path}: ends early; the checkpoint is truncated, pick another step")
         done += n
+    if seen is not None:
+        seen(chunk.fd, offset, view)
 
 
-def _verify_chunks(tensors: list[_Tensor], pool: _BufferPool) -> None:
-    """CRC-32 of every model chunk's storage against its zip record, before anything is written.
+@dataclass(frozen=True)
+class _Entry:
+    """A zip entry (torch.save storage) that holds model bytes: CRC-checked once, whatever the number of
+    tensors or chunks that lie in it."""
+
+    path: Path
+    fd: int
+    data_offset: int
+    nbytes: int
+    crc32: int  # 0: torch.save ran with CRCs disabled and recorded none
+    what: str  # for the error message, e.g. "model.x at offsets [0, 0]"
+
+
+def _chunk_entries(tensors: list[_Tensor]) -> list[_Entry]:
+    """DCP: every chunk is a torch.save record of its own with one storage entry."""
+    return [_Entry(c.path, c.fd, c.data_offset, c.storage_bytes, c.crc32, f"{t.key} at offsets {list(c.offsets)}")
+            for t in tensors for c in t.chunks]
+
+
+def _verify_entries(entries: list[_Entry], pool: _BufferPool) -> None:
+    """CRC-32 of every zip entry holding model bytes against its zip record, before anything is written.
     (torch.load does not check these; a flipped bit would otherwise be published silently.)"""
     unchecked = 0
     buf = memoryview(pool.scratch)
-    for t in tensors:
-        for chunk in t.chunks:
-            if not chunk.crc32:  # torch.save with CRCs disabled (or an empty chunk) records none
-                unchecked += chunk.storage_bytes
-                continue
-            crc = 0
-            for start in range(0, chunk.storage_bytes, len(buf)):
-                piece = buf[: min(len(buf), chunk.storage_bytes - start)]
-                _pread_into(chunk, piece, chunk.data_offset + start)
-                crc = zlib.crc32(piece, crc)
-            if crc != chunk.crc32:
-                raise CheckpointError(f"{chunk.path}: CRC-32 mismatch in {t.key} at offsets {list(chunk.offsets)}; "
-                                      "the file is corrupted, run `shardkeeper validate --deep` and pick another step")
+    for e in entries:
+        if not e.crc32:  # torch.save with CRCs disabled (or an empty entry) records none
+            unchecked += e.nbytes
+            continue
+        crc = 0
+        for start in range(0, e.nbytes, len(buf)):
+            piece = buf[: min(len(buf), e.nbytes - start)]
+            _pread_into(e, piece, e.data_offset + start)
+            crc = zlib.crc32(piece, crc)
+        if crc != e.crc32:
+            raise _crc_mismatch(e)
+    _warn_unchecked(unchecked)
+
+
+def _warn_unchecked(unchecked: int) -> None:
     if unchecked:
         log.warning("%d bytes of model chunks carry no CRC-32 (saved with CRCs disabled); "
                     "`shardkeeper validate --deep` checks them against the manifest", unchecked)
 
 
-def _produce(t: _Tensor, out_dtype: torch.dtype, pool: _BufferPool, emit: Emit) -> None:
-    """Emit the bytes of ``t`` in ``out_dtype``, in order, as pieces (each with its release callback)."""
+def _crc_mismatch(e: _Entry) -> CheckpointError:
+    return CheckpointError(f"{e.path}: CRC-32 mismatch in {e.what}; "
+                           "the file is corrupted, run `shardkeeper validate --deep` and pick another step")
+
+
+@dataclass
+class _CrcState:
+    entry: _Entry
+    cursor: int  # file offset up to which the CRC is computed
+    crc: int = 0
+    in_order: bool = True  # False: the copy read it out of order; checked whole at the end
+
+
+class _StreamCrc:
+    """CRC-32 of zip entries computed from the bytes the copy reads anyway (one read of the model
+    bytes, not two), each entry once; ``finish`` adds what the copy did not read (padding between and
+    after the pieces of a ZeRO partition) and compares, before the commit. An entry the copy reads out
+    of order is checked on its own at the end."""
+
+    def __init__(self, entries: list[_Entry]):
+        self._unchecked = sum(e.nbytes for e in entries if not e.crc32)
+        self._states = [_CrcState(e, e.data_offset) for e in sorted(entries, key=lambda e: (e.fd, e.data_offset))
+                        if e.crc32]
+        self._by_fd: dict[int, tuple[list[int], list[_CrcState]]] = {}
+        for st in self._states:
+            starts, states = self._by_fd.setdefault(st.entry.fd, ([], []))
+            starts.append(st.entry.data_offset)
+            states.append(st)
+        self._gap = bytearray(1 << 20)
+
+    def __call__(self, fd: int, offset: int, view: memoryview) -> None:
+        starts, states = self._by_fd.get(fd, ((), ()))
+        i = bisect.bisect_right(starts, offset) - 1  # type: ignore[arg-type]
+        if i < 0:
+            return
+        st = states[i]
+        if not st.in_order or offset + len(view) > st.entry.data_offset + st.entry.nbytes:
+            return
+        if offset < st.cursor:  # read again, or out of order
+            st.in_order = False
+            return
+        if offset > st.cursor:  # bytes the copy skips (ZeRO-3 padding, a tied copy): read them now, in order
+            st.crc = self._crc_range(st.entry, st.cursor, offset, st.crc)
+        st.crc = zlib.crc32(view, st.crc)
+        st.cursor = offset + len(view)
+
+    def _crc_range(self, e: _Entry, start: int, end: int, crc: int) -> int:
+        gap = memoryview(self._gap)
+        for pos in range(start, end, len(gap)):
+            piece = gap[: min(len(gap), end - pos)]
+            _pread_into(e, piece, pos)
+            crc = zlib.crc32(piece, crc)
+        return crc
+
+    def finish(self, pool: _BufferPool) -> None:
+        """Raise CheckpointError unless every entry's bytes match its CRC-32."""
+        for st in self._states:
+            end = st.entry.data_offset + st.entry.nbytes
+            if st.in_order and self._crc_range(st.entry, st.cursor, end, st.crc) != st.entry.crc32:
+                raise _crc_mismatch(st.entry)
+        _verify_entries([st.entry for st in self._states if not st.in_order], pool)
+        _warn_unchecked(self._unchecked)
+
+
+def _produce(t: _Tensor, out_dtype: torch.dtype, pool: _BufferPool, emit: Emit, seen: Seen | None = None) -> None:
+    """Emit the bytes of ``t`` in ``out_dtype``, in order, as pieces (each with its release callback);
+    ``seen`` is shown the source bytes as they are read."""
     if t.rowwise():
-        _produce_rows(t, out_dtype, pool, emit)
+        _produce_rows(t, out_dtype, pool, emit, seen)
     else:
-        _produce_assembled(t, out_dtype, pool, emit)
+        _produce_assembled(t, out_dtype, pool, emit, seen)
 
 
-def _produce_rows(t: _Tensor, out_dtype: torch.dtype, pool: _BufferPool, emit: Emit) -> None:
+def _produce_rows(t: _Tensor, out_dtype: torch.dtype, pool: _BufferPool, emit: Emit, seen: Seen | None = None) -> None:
     """Row-block chunks: the tensor's bytes are the chunks' storage bytes one after the other."""
     src_size, dst_size = t.dtype.itemsize, out_dtype.itemsize
     per_piece = pool.nbytes // max(src_size, dst_size)
@@ -583,25 +843,26 @@ def _produce_rows(t: _Tensor, out_dtype: torch.dtype, pool: _BufferPool, emit: E
             buf = pool.get()
             offset = chunk.data_offset + done * src_size
             if t.dtype == out_dtype:
-                _pread_into(chunk, memoryview(buf)[: n * src_size], offset)
+                _pread_into(chunk, memoryview(buf)[: n * src_size], offset, seen)
                 emit(memoryview(buf)[: n * src_size], pool.releaser(buf))
                 continue
-            _pread_into(chunk, memoryview(pool.scratch)[: n * src_size], offset)
+            _pread_into(chunk, memoryview(pool.scratch)[: n * src_size], offset, seen)
             out = torch.frombuffer(buf, dtype=out_dtype, count=n)
             out.copy_(torch.frombuffer(pool.scratch, dtype=t.dtype, count=n))  # what tensor.to(out_dtype) does
             emit(memoryview(buf)[: n * dst_size], pool.releaser(buf))
 
 
-def _produce_assembled(t: _Tensor, out_dtype: torch.dtype, pool: _BufferPool, emit: Emit) -> None:
+def _produce_assembled(t: _Tensor, out_dtype: torch.dtype, pool: _BufferPool, emit: Emit,
+                       seen: Seen | None = None) -> None:
     """Chunks that are not row blocks (2-D sharding, strided records): assemble one tensor, then emit it."""
     out = torch.empty(t.shape, dtype=out_dtype)
     for chunk in t.chunks:
         if not chunk.numel:
             continue
         raw = bytearray(chunk.storage_bytes)
-        _pread_into(chunk, memoryview(raw), chunk.data_offset)
+        _pread_into(chunk, memoryview(raw), chunk.data_offset, seen)
         src = torch.frombuffer(raw, dtype=t.dtype).as_strided(chunk.sizes, chunk.strides, chunk.storage_offset)
-        dst = out
+        dst = out.view(-1) if t.flat else out
         for dim, (off, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
             dst = dst.narrow(dim, off, length)
         dst.copy_(src)
@@ -610,17 +871,34 @@ def _produce_assembled(t: _Tensor, out_dtype: torch.dtype, pool: _BufferPool, em
         emit(flat[start : start + pool.nbytes], None)
 
 
-def _write_all(fd: int, view: memoryview) -> None:
-    while len(view):
-        view = view[os.write(fd, view) :]
+def _open_new(path: Path) -> tuple[int, bool]:
+    """Create ``path`` for writing, with O_DIRECT where the file system takes it; (fd, direct)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    if _O_DIRECT:
+        try:
+            return os.open(path, flags | _O_DIRECT, 0o644), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o644), False
 
 
 class _FileSink:
-    """Writes pieces to a new file in order (one thread) while hashing them in order (another)."""
+    """Writes pieces to a new file in order (one thread) while hashing them in order (another).
+
+    The file is written with O_DIRECT through an aligned staging buffer where the file system allows
+    it (else buffered): the output is not read back, and filling the page cache with a multi-GB file
+    costs more than the disk writes (about 4x on this project's VMs, where fresh page-cache pages are
+    slow to come by); ``finish`` still fsyncs."""
 
     def __init__(self, path: Path, on_written: Callable[[int], None] | None = None):
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.fd, self.direct = _open_new(path)
+        self._stage = mmap.mmap(-1, STAGE_BYTES) if self.direct else None  # page-aligned
+        # copies into it through numpy, which releases the GIL (a memoryview copy holds it)
+        self._stage_np = None if self._stage is None else np.frombuffer(self._stage, dtype=np.uint8)
+        self._staged = 0  # bytes in the staging buffer
+        self.size = 0
         self.sha = hashlib.sha256()
         self.error: BaseException | None = None
         self._on_written = on_written
@@ -641,9 +919,43 @@ class _FileSink:
             q.put(item)
 
     def _write(self, view: memoryview) -> None:
-        _write_all(self.fd, view)
+        n = len(view)
+        if self._stage_np is None:
+            self._write_out(view)
+        else:
+            src = np.frombuffer(view, dtype=np.uint8)
+            while len(src):
+                take = min(len(src), STAGE_BYTES - self._staged)
+                self._stage_np[self._staged : self._staged + take] = src[:take]
+                self._staged += take
+                src = src[take:]
+                if self._staged == STAGE_BYTES:
+                    self._write_out(memoryview(self._stage))
+                    self._staged = 0
+            del src
+        self.size += n
         if self._on_written:
-            self._on_written(len(view))
+            self._on_written(n)
+
+    def _write_out(self, view: memoryview) -> None:
+        while len(view):
+            try:
+                view = view[os.write(self.fd, view) :]
+            except OSError as e:  # a file system that opens O_DIRECT files but refuses their writes
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~_O_DIRECT)
+                self.direct = False
+
+    def _flush_tail(self) -> None:
+        """The last partial block: written padded to the alignment, then the file is cut to its size."""
+        if self._stage_np is None or not self._staged:
+            return
+        padded = -(-self._staged // _ALIGN) * _ALIGN
+        self._stage_np[self._staged : padded] = 0
+        self._write_out(memoryview(self._stage)[:padded])
+        os.ftruncate(self.fd, self.size)
+        self._staged = 0
 
     def _loop(self, q: queue.Queue[list[Any] | None], work: Callable[[memoryview], Any]) -> None:
         while (item := q.get()) is not None:
@@ -673,14 +985,23 @@ class _FileSink:
         try:
             if self.error is not None:
                 raise self.error
+            self._flush_tail()
             os.fsync(self.fd)
         finally:
-            os.close(self.fd)
+            self._close()
         return self.sha.hexdigest()
 
     def abort(self) -> None:
         self._stop()
+        self._close()
+
+    def _close(self) -> None:
         os.close(self.fd)
+        self._stage_np = None
+        if self._stage is not None:
+            with contextlib.suppress(BufferError):  # a view still held by an error's traceback: GC frees it
+                self._stage.close()
+            self._stage = None
 
 
 def _write_small(path: Path, data: bytes) -> str:
@@ -744,12 +1065,12 @@ def safetensors_header(tensors: list[_Tensor]) -> bytes:
 
 
 def _write_shard(path: Path, tensors: list[_Tensor], pool: _BufferPool,
-                 on_written: Callable[[int], None] | None) -> str:
+                 on_written: Callable[[int], None] | None, seen: Seen | None = None) -> str:
     sink = _FileSink(path, on_written)
     try:
         sink.put(memoryview(safetensors_header(tensors)))
         for t in _data_order(tensors):
-            _produce(t, t.out_dtype, pool, sink.put)
+            _produce(t, t.out_dtype, pool, sink.put, seen)
     except BaseException:
         sink.abort()
         raise
@@ -832,14 +1153,15 @@ def _check_free_space(out_dir: Path, needed: int) -> None:
 
 
 def _write_shards(tmp: Path, ckpt_dir: Path, dtype: str, shards: list[list[_Tensor]], pool: _BufferPool,
-                  progress: bool) -> dict[str, str]:
-    """Write the safetensors files (and the index when there are several); return name -> sha256."""
+                  progress: bool, seen: Seen | None = None) -> dict[str, str]:
+    """Write the safetensors files (and the index when there are several); return name -> sha256.
+    ``seen`` is shown the source bytes as they are read."""
     names = shard_file_names(len(shards))
     hashes: dict[str, str] = {}
     total = sum(len(safetensors_header(s)) + sum(t.out_nbytes for t in s) for s in shards)
     with _progress_bar(progress, total, f"export {ckpt_dir.name} ({dtype})") as advance:
         for fname, shard in zip(names, shards):
-            hashes[fname] = _write_shard(tmp / fname, shard, pool, advance)
+            hashes[fname] = _write_shard(tmp / fname, shard, pool, advance, seen)
             log.info("wrote %s: %d tensors, %.1f MB", fname, len(shard), sum(t.out_nbytes for t in shard) / 1e6)
     if len(shards) > 1:
         hashes[INDEX_FILE] = _write_small(tmp / INDEX_FILE, _index_json(shards, names))
@@ -919,15 +1241,17 @@ def _described(describing: _Background, ckpt_dir: Path, by_name: dict[str, _Tens
 def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, dtype: str = "float32",
                       max_shard_size: int | str = "5GB", overwrite: bool = False, progress: bool = False,
                       deep: bool = False) -> ExportResult:
-    """Export a committed DCP checkpoint to ``out_dir`` in the ``from_pretrained`` layout.
+    """Export a committed DCP or deepspeed checkpoint to ``out_dir`` in the ``from_pretrained`` layout.
 
     ``dtype`` is the published dtype of floating tensors (integer/bool tensors keep theirs);
     ``max_shard_size`` bounds each safetensors file (bytes, or '5GB' / '500MB' / '2GiB'); a tensor
     larger than that is written alone in its own file; ``overwrite`` replaces an existing ``out_dir``
     (atomically, once the new export is complete); ``progress`` shows a rich progress bar; ``deep``
-    also checks every checksum in the manifest and the fingerprint first (the model bytes are always
-    CRC-checked before anything is written). Raises ExportError (options, output folder, model
-    mismatch) or CheckpointError (the checkpoint), each with a one-line message naming the fix.
+    also checks every checksum in the manifest first, and for DCP the fingerprint (the model bytes are
+    always CRC-checked: DCP chunks before anything is written, ZeRO partitions as they are copied,
+    before the commit). A deepspeed checkpoint is read in one pass where DeepSpeed stored its fp32
+    master weights. Raises ExportError (options, output folder, model mismatch) or CheckpointError
+    (the checkpoint), each with a one-line message naming the fix.
     """
     t0 = time.perf_counter()
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
@@ -937,11 +1261,13 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     manifest = _check_checkpoint(ckpt_dir, deep)
     describing = _Background(_describe_model, ckpt_dir, manifest, dtype_name)  # transformers imports meanwhile
     pool = _BufferPool(POOL_PIECES, PIECE_BYTES)
-    with _OpenFiles(ckpt_dir) as files, _torch_threads(1):
-        found = _collect_tensors(ckpt_dir, read_metadata(ckpt_dir), files, out_dtype)
-        _check_inventory(ckpt_dir, found, manifest)
-        _verify_chunks(found, pool)
-        by_name = _name_tensors(ckpt_dir, found)
+    with ExitStack() as stack, _torch_threads(1):
+        found = _COLLECTORS[manifest.format](ckpt_dir, manifest, stack, out_dtype)
+        _check_inventory(ckpt_dir, found.tensors, manifest, found.source)
+        crc = _StreamCrc(found.entries) if found.crc_in_stream else None
+        if crc is None:
+            _verify_entries(found.entries, pool)
+        by_name = _name_tensors(ckpt_dir, found.tensors)
         model = None if _declared_untied(manifest) else _described(describing, ckpt_dir, by_name, pool)
         tensors = list(by_name.values())
         shards = _plan(tensors, limit)
@@ -949,7 +1275,9 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
         _check_free_space(out_dir, total)
         tmp = _temp_dir(out_dir)
         try:
-            hashes = _write_shards(tmp, ckpt_dir, dtype_name, shards, pool, progress)
+            hashes = _write_shards(tmp, ckpt_dir, dtype_name, shards, pool, progress, crc)
+            if crc is not None:  # what the copy read, and the rest of each entry, against the zip's CRC-32
+                crc.finish(pool)
             if model is None:  # the names were checked against the manifest; now also against transformers
                 model = _described(describing, ckpt_dir, by_name, pool)
             hashes.update(_write_model_files(tmp, ckpt_dir, manifest, model, dtype_name, shards))

@@ -10,7 +10,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -249,39 +248,20 @@ def _run_root_of_checkpoint(ckpt_dir: Path) -> Path | None:
 
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str = "float32",
                       max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False):
-    """Checkpoint -> safetensors folder (ckpt.export), recorded in the run's lineage."""
+    """Checkpoint (DCP or DeepSpeed ZeRO) -> safetensors folder (ckpt.export), recorded in the run's lineage.
+
+    A ZeRO checkpoint exports in one pass like a DCP one: each fp32 master weight streams straight from
+    its byte ranges in the ``*_optim_states.pt`` partitions; no intermediate checkpoint is written."""
     from ckpt.export import export_checkpoint as _export
 
     ckpt_dir = Path(ckpt_dir)
-    if read_manifest(ckpt_dir).format == "deepspeed":
-        res = _export_deepspeed(ckpt_dir, Path(out_dir), dtype=dtype, max_shard_size=max_shard_size,
-                                overwrite=overwrite, progress=progress)
-    else:
-        res = _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                      progress=progress)
+    res = _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
     root = _run_root_of_checkpoint(ckpt_dir)
     if root is not None:
         lineage.record(root, "export", f"export:{Path(res.out_dir).name}:{res.dtype}", parent=f"checkpoint:{ckpt_dir.name}",
-                       step=read_manifest(ckpt_dir).step, uri=Path(res.out_dir).as_uri(), dtype=res.dtype,
+                       step=read_manifest(ckpt_dir).step, uri=Path(res.out_dir).resolve().as_uri(), dtype=res.dtype,
                        num_shards=res.num_shards, bytes=res.total_bytes, seconds=round(res.seconds, 2))
     return res
-
-
-def _export_deepspeed(ckpt_dir: Path, out_dir: Path, **options):
-    """A ZeRO checkpoint exports through the same writer: its fp32 model is streamed one parameter at a
-    time into a model-only DCP beside the output (not fsynced, removed after), which is then exported."""
-    from ckpt.deepspeed_convert import to_dcp
-    from ckpt.export import _check_out_dir, export_checkpoint as _export
-
-    _check_out_dir(ckpt_dir, out_dir, bool(options.get("overwrite")))  # before the conversion, not after
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    scratch = out_dir.parent / f".{out_dir.name}.from-deepspeed-{os.getpid()}"
-    try:
-        model_dcp = to_dcp(ckpt_dir, scratch / ckpt_dir.name, model_only=True, durable=False)
-        res = _export(model_dcp, out_dir, **options)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return res.model_copy(update={"checkpoint": str(ckpt_dir)})
 
 
 def publish_export(export_dir: str | Path, target: str, *, revision: str | None = None, run_dir: str | Path | None = None):

@@ -297,3 +297,54 @@ def test_parse_size_and_plan() -> None:
     assert ex.parse_size("5GB") == 5 * 10**9 and ex.parse_size("2GiB") == 2 << 30 and ex.parse_size(123) == 123
     assert ex.plan_shards([("a", 4), ("b", 4), ("c", 9), ("d", 2)], 8) == [["a", "b"], ["c"], ["d"]]
     assert ex.shard_file_names(2) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def test_stream_crc_reads_gaps_and_rechecks_out_of_order(tmp_path: Path) -> None:
+    """The CRC of a ZeRO partition computed from the pieces the copy reads: bytes between pieces
+    (ZeRO-3 padding) and after the last are read to complete it; an entry read out of order is checked
+    whole at the end; a flipped byte anywhere, read by the copy or not, is refused."""
+    import os
+    import zlib
+
+    data = bytes(range(256)) * 64
+    path = tmp_path / "part.bin"
+    path.write_bytes(b"head" + data + b"tail")
+    pool = ex._BufferPool(1, 4096)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def run(pieces: list[tuple[int, int]], crc: int = zlib.crc32(data)) -> None:
+            entry = ex._Entry(path, fd, 4, len(data), crc, "storage 0 (a partition)")
+            check = ex._StreamCrc([entry])
+            for start, length in pieces:
+                check(fd, 4 + start, memoryview(data)[start : start + length])
+            check.finish(pool)
+
+        run([(0, 1000), (1000, 3000), (5000, 100), (9000, 7000)])  # gaps and a tail
+        run([(5000, 100), (0, 1000)])  # out of order
+        run([])  # nothing read by the copy
+        with pytest.raises(CheckpointError, match=r"part\.bin: CRC-32 mismatch in storage 0 \(a partition\)"):
+            run([(0, 1000), (5000, 100)], crc=zlib.crc32(data) ^ 1)  # what the copy read differs
+        os.pwrite(fd_rw := os.open(path, os.O_WRONLY), b"\xff", 4 + 4000)  # in a gap the copy skips
+        os.close(fd_rw)
+        with pytest.raises(CheckpointError, match="CRC-32 mismatch"):
+            run([(0, 1000), (1000, 3000), (5000, 100)])
+    finally:
+        os.close(fd)
+
+
+def test_export_stage_with_a_relative_out_dir_records_an_absolute_uri(ckpt: Path, fp32_export, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`shardkeeper export CKPT exports/x` from the run directory: same bytes, lineage URI absolute."""
+    from ckpt.lineage import read_events
+    from shardkeeper.stages import export_checkpoint as export_stage
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(ckpt.parent.parent / "run.yaml", run / "run.yaml")
+    copy_ckpt(ckpt, run / "checkpoints" / ckpt.name)
+    monkeypatch.chdir(run)
+    export_stage(Path("checkpoints") / ckpt.name, "exports/x")
+    out, _ = fp32_export
+    assert sha256(run / "exports" / "x" / "model.safetensors") == sha256(out / "model.safetensors")
+    (event,) = [e for e in read_events(run) if e.kind == "export"]
+    assert event.uri == (run / "exports" / "x").resolve().as_uri()
