@@ -75,7 +75,8 @@ def build(out: Path, args: argparse.Namespace) -> Path:
     ckpt = run_dir / "checkpoints" / f"step-{STEP:08d}"
     spec = run_spec(args)
     same = (run_dir / "run.yaml").is_file() and yaml.safe_load((run_dir / "run.yaml").read_text()) == spec
-    if not args.rebuild and same and (ckpt / "manifest.json").is_file():
+    manifest = ckpt / "manifest.json"  # older checkpoints, without the hf_model record, are rebuilt
+    if not args.rebuild and same and manifest.is_file() and json.loads(manifest.read_text()).get("hf_model"):
         log.info("reusing %s", ckpt)
         return ckpt
     shutil.rmtree(run_dir, ignore_errors=True)

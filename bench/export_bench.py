@@ -84,6 +84,13 @@ def _rank_build(run_dir: str, hf_dir: str) -> int:
         dist.destroy_process_group()
 
 
+def _has_record(ckpt: Path) -> bool:
+    """A committed checkpoint whose manifest records the model (hf_model): older ones are rebuilt, as
+    their export would import transformers."""
+    path = ckpt / "manifest.json"
+    return path.is_file() and json.loads(path.read_text()).get("hf_model") is not None
+
+
 def build(out: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     import yaml
 
@@ -93,7 +100,7 @@ def build(out: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     ckpt = run_dir / "checkpoints" / f"step-{STEP:08d}"
     spec = run_spec(args)
     same = (run_dir / "run.yaml").is_file() and yaml.safe_load((run_dir / "run.yaml").read_text()) == spec
-    if not args.rebuild and same and (ckpt / "manifest.json").is_file() and any(hf_dir.glob("*.safetensors")):
+    if (not args.rebuild and same and _has_record(ckpt) and any(hf_dir.glob("*.safetensors"))):
         log.info("reusing %s and %s", ckpt, hf_dir)
         return ckpt, hf_dir
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -135,7 +142,8 @@ def _hf_fqns(hf_dir: Path) -> list[str]:
 def measure(method: str, src: Path, out: Path) -> dict[str, Any]:
     """Run one method in this (fresh) process; return its wall time and this process's peak RSS."""
     # Libraries are imported before the clock starts, as a resident service would have them; ours
-    # still imports transformers inside export_checkpoint (config.json), which is counted.
+    # needs no transformers (the manifest records config.json and the ties; older checkpoints would
+    # import it inside export_checkpoint, counted).
     import safetensors.torch  # noqa: F401
     import torch.distributed.checkpoint.format_utils  # noqa: F401
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files

@@ -32,11 +32,15 @@ How it works, and why:
 * Speed: writing and SHA-256 hashing run in two threads that release the GIL; the file is written
   with O_DIRECT through an aligned staging buffer where the file system takes it (the page cache would
   only hold a copy nobody reads back, and filling it costs more than the disk write on this project's
-  VMs). Importing transformers (needed for config.json; seconds) runs in a background thread from the
-  start, with the cyclic GC paused while it creates its long-lived objects. When the RunSpec
-  declares ``tie_word_embeddings: false`` nothing can be a tied copy, so the copy does not wait for it;
-  the names and shapes are then checked against the transformers model before the commit (they were
-  already checked against the manifest before writing). Otherwise the check comes first.
+  VMs). transformers is not imported at all when the manifest holds the ``hf_model`` record the trainer
+  wrote at save (config.json and generation_config.json as save_pretrained writes them, and the tied
+  names): names and shapes are then the manifest inventory's, which the files are checked against.
+  For older checkpoints without it, importing transformers (seconds) and building the model on the
+  meta device run in a background thread from the start, with the cyclic GC paused while it creates
+  its long-lived objects. When the RunSpec declares ``tie_word_embeddings: false`` nothing can be a
+  tied copy, so the copy does not wait for it; the names and shapes are then checked against the
+  transformers model before the commit (they were already checked against the manifest before
+  writing). Otherwise the check comes first.
 * Bit-exactness: the bytes are the storage bytes ``torch.load`` would give; casts round to nearest
   even, as ``tensor.to(dtype)`` does.
 * Byte reproducibility: tensors keep the checkpoint's order (the model's state_dict order), headers
@@ -572,9 +576,40 @@ _COLLECTORS: dict[str, Collector] = {"dcp": _collect_dcp, "deepspeed": _collect_
 # ------------------------------------------------------------------------------- transformers side
 @dataclass(frozen=True)
 class _ModelSpecView:
-    config: Any  # transformers PretrainedConfig, with dtype and architectures set for the export
-    shapes: dict[str, tuple[int, ...]]  # state_dict name -> shape, in the model's state_dict order
+    config_json: str  # config.json, with dtype and architectures set for the export
+    generation_json: str  # generation_config.json
+    architecture: str  # the model class name, e.g. LlamaForCausalLM
+    shapes: dict[str, tuple[int, ...]] | None  # state_dict name -> shape of the transformers model; None: recorded
     tied: dict[str, str]  # tied name -> the name it is tied to (e.g. lm_head.weight -> model.embed_tokens.weight)
+
+
+def _json_text(d: dict[str, Any]) -> str:
+    """A config as transformers' ``to_json_string`` writes it: sorted keys, indent 2, final newline."""
+    return json.dumps(d, indent=2, sort_keys=True) + "\n"
+
+
+def _from_record(ckpt_dir: Path, manifest: CheckpointManifest, dtype: str) -> _ModelSpecView | None:
+    """The model files from the manifest's ``hf_model`` record (written at save from the model the trainer
+    built), without importing transformers; None when the checkpoint has no usable record (older ones).
+    The names and shapes are those of the manifest's inventory, which the checkpoint's files are checked
+    against: no model needs to be built."""
+    rec = manifest.hf_model
+    if (rec is None or rec.generation_config is None
+            or not any(e.name.startswith(_MODEL_PREFIX) for e in manifest.tensors)):
+        return None
+    where = f"{ckpt_dir / 'manifest.json'}: field hf_model.config"
+    arch = rec.config.get("architectures")
+    if not (isinstance(arch, list) and arch and all(isinstance(a, str) and a for a in arch)):
+        raise CheckpointError(f"{where}.architectures is {arch!r}, not a list of model class names; "
+                              "the manifest is corrupted, pick another step")
+    model_type = rec.config.get("model_type", manifest.run_spec.model.model_type)
+    if model_type != manifest.run_spec.model.model_type:
+        raise CheckpointError(f"{where}.model_type is {model_type!r} but run_spec.model.model_type is "
+                              f"{manifest.run_spec.model.model_type!r}; the manifest is inconsistent, pick another step")
+    config = dict(rec.config)
+    for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
+        config[key] = dtype  # as the transformers path sets config.dtype
+    return _ModelSpecView(_json_text(config), _json_text(rec.generation_config), arch[0], None, dict(rec.tied))
 
 
 @contextmanager
@@ -598,7 +633,7 @@ def _describe_model(ckpt_dir: Path, manifest: CheckpointManifest, dtype: str) ->
 
 
 def _describe_model_gc_off(ckpt_dir: Path, manifest: CheckpointManifest, dtype: str) -> _ModelSpecView:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     spec = manifest.run_spec.model
     where = f"{ckpt_dir / 'manifest.json'}: run_spec.model"
@@ -618,7 +653,9 @@ def _describe_model_gc_off(ckpt_dir: Path, manifest: CheckpointManifest, dtype: 
         emb = model.get_input_embeddings()
         source = next((f"{n}.weight" for n, m in model.named_modules() if m is emb), "")
         tied = {t: source for t in tied} if getattr(config, "tie_word_embeddings", False) else {}
-    return _ModelSpecView(config, shapes, {str(k): str(v) for k, v in tied.items()})
+    return _ModelSpecView(config.to_json_string(use_diff=True),
+                          GenerationConfig.from_model_config(config).to_json_string(use_diff=True),
+                          config.architectures[0], shapes, {str(k): str(v) for k, v in tied.items()})
 
 
 def _name_tensors(ckpt_dir: Path, tensors: list[_Tensor]) -> dict[str, _Tensor]:
@@ -657,6 +694,8 @@ def _drop_tied(ckpt_dir: Path, by_name: dict[str, _Tensor], tied: dict[str, str]
 def _check_against_model(ckpt_dir: Path, by_name: dict[str, _Tensor], model: _ModelSpecView) -> None:
     """Names and shapes must be those of the model that run_spec.model builds (tied copies aside)."""
     expected = model.shapes
+    if expected is None:  # from the record: the names and shapes are the inventory's, checked already
+        return
     where = f"{ckpt_dir}: the checkpoint does not match run_spec.model in its manifest"
     unexpected = [n for n in by_name if n not in expected]
     if unexpected:
@@ -1089,7 +1128,7 @@ def _index_json(shards: list[list[_Tensor]], names: list[str]) -> bytes:
 
 def _readme(ckpt_dir: Path, manifest: CheckpointManifest, model: _ModelSpecView, dtype: str,
             num_params: int, num_shards: int) -> bytes:
-    arch = model.config.architectures[0]
+    arch = model.architecture
     lines = [
         "---", "library_name: transformers", "tags:", "- shardkeeper", "---", "",
         f"# {manifest.run_name} at step {manifest.step}", "",
@@ -1171,10 +1210,7 @@ def _write_shards(tmp: Path, ckpt_dir: Path, dtype: str, shards: list[list[_Tens
 def _write_model_files(tmp: Path, ckpt_dir: Path, manifest: CheckpointManifest, model: _ModelSpecView, dtype: str,
                        shards: list[list[_Tensor]]) -> dict[str, str]:
     """config.json, generation_config.json and README.md; return name -> sha256."""
-    from transformers import GenerationConfig
-
-    config_json = model.config.to_json_string(use_diff=True)
-    gen_json = GenerationConfig.from_model_config(model.config).to_json_string(use_diff=True)
+    config_json, gen_json = model.config_json, model.generation_json
     num_params = sum(t.numel for s in shards for t in s)
     readme = _readme(ckpt_dir, manifest, model, dtype, num_params, len(shards))
     return {
@@ -1230,9 +1266,10 @@ def _declared_untied(manifest: CheckpointManifest) -> bool:
     return manifest.run_spec.model.config.get("tie_word_embeddings") is False
 
 
-def _described(describing: _Background, ckpt_dir: Path, by_name: dict[str, _Tensor],
+def _described(describing: _Background | _ModelSpecView, ckpt_dir: Path, by_name: dict[str, _Tensor],
                pool: _BufferPool) -> _ModelSpecView:
-    model: _ModelSpecView = describing.result()
+    """The model description (recorded, or built by the background thread); tied copies dropped, checked."""
+    model: _ModelSpecView = describing if isinstance(describing, _ModelSpecView) else describing.result()
     _drop_tied(ckpt_dir, by_name, model.tied, pool)
     _check_against_model(ckpt_dir, by_name, model)
     return model
@@ -1259,7 +1296,9 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     limit = parse_size(max_shard_size)
     _check_out_dir(ckpt_dir, out_dir, overwrite)
     manifest = _check_checkpoint(ckpt_dir, deep)
-    describing = _Background(_describe_model, ckpt_dir, manifest, dtype_name)  # transformers imports meanwhile
+    # The manifest's hf_model record, or else transformers builds the model on the meta device meanwhile.
+    describing = (_from_record(ckpt_dir, manifest, dtype_name)
+                  or _Background(_describe_model, ckpt_dir, manifest, dtype_name))
     pool = _BufferPool(POOL_PIECES, PIECE_BYTES)
     with ExitStack() as stack, _torch_threads(1):
         found = _COLLECTORS[manifest.format](ckpt_dir, manifest, stack, out_dtype)
@@ -1268,7 +1307,8 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
         if crc is None:
             _verify_entries(found.entries, pool)
         by_name = _name_tensors(ckpt_dir, found.tensors)
-        model = None if _declared_untied(manifest) else _described(describing, ckpt_dir, by_name, pool)
+        recorded = isinstance(describing, _ModelSpecView)
+        model = None if _declared_untied(manifest) and not recorded else _described(describing, ckpt_dir, by_name, pool)
         tensors = list(by_name.values())
         shards = _plan(tensors, limit)
         total = sum(t.out_nbytes for t in tensors)

@@ -7,6 +7,7 @@ from schemas.checkpoint import (
     DtypePolicy,
     FileEntry,
     Fingerprint,
+    HFModelRecord,
     TensorEntry,
     ValidationReport,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "ExportResult",
     "FileEntry",
     "Fingerprint",
+    "HFModelRecord",
     "LineageEvent",
     "ModelSpec",
     "OptimSpec",

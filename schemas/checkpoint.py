@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -47,6 +47,25 @@ class DtypePolicy(_Frozen):
     reduce: Literal["float32", "bfloat16"] = Field(description="dtype used for gradient reduction")
 
 
+class HFModelRecord(_Frozen):
+    """What the export needs from transformers, recorded once from the model the trainer built, so that
+    exporting a checkpoint never has to import transformers (seconds) to rebuild the model."""
+
+    config: dict[str, Any] = Field(
+        description="config.json content as save_pretrained writes it (model.config.to_json_string(use_diff=True) "
+        "parsed), with architectures set to the model class name, e.g. ['LlamaForCausalLM']; the export sets dtype"
+    )
+    generation_config: dict[str, Any] | None = Field(
+        None, description="generation_config.json content (GenerationConfig.from_model_config(config), diff form); "
+        "None when it could not be built (the export then rebuilds the model with transformers)"
+    )
+    tied: dict[str, str] = Field(
+        default_factory=dict, description="tied state_dict name -> the name it is tied to "
+        "(e.g. lm_head.weight -> model.embed_tokens.weight); empty when nothing is tied"
+    )
+    transformers_version: str = Field(description="transformers version that built the model and wrote this record")
+
+
 class CheckpointManifest(_Frozen):
     schema_version: int = Field(MANIFEST_SCHEMA_VERSION, description="manifest format version")
     format: Literal["dcp", "deepspeed"] = Field(description="on-disk layout of the tensors")
@@ -68,6 +87,10 @@ class CheckpointManifest(_Frozen):
     run_spec: RunSpec = Field(description="the RunSpec that produced it")
     save_seconds: float = Field(0.0, ge=0, description="wall time from the start of the save to the commit")
     async_save: bool = Field(False, description="written in the background")
+    hf_model: HFModelRecord | None = Field(
+        None, description="transformers config, generation config and ties of the model, recorded at save for the "
+        "export; None in checkpoints written before it was recorded (the export then rebuilds the model)"
+    )
 
 
 class ValidationReport(_Frozen):

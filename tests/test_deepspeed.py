@@ -157,6 +157,8 @@ def test_cli_train_at_a_new_world_size_converts_once_and_resumes_within_1e6(z2_r
     assert rel <= 1e-6, f"ZeRO-2 2->3: max relative loss difference {rel:.3e}"
     universal = ckpt(run, CUT) / "universal"
     assert validate(universal, deep=True).valid and validate(ckpt(run, CUT), deep=True).valid
+    record = read_manifest(ckpt(run, CUT)).hf_model  # carried into the universal manifest, recorded again at 3 ranks
+    assert record is not None and read_manifest(universal).hf_model == record == read_manifest(ckpt(run, END)).hf_model
     assert validate(ckpt(run, END), deep=True).valid  # written at 3 ranks
     reshards = [e for e in events(run) if e["kind"] == "reshard"]
     assert len(reshards) == 1 and reshards[0]["data"]["method"] == "deepspeed-universal"
@@ -180,6 +182,7 @@ def test_deepspeed_checkpoint_continues_under_fsdp2(z2_ref: Path, fsdp_ref: Path
     done = convert_checkpoint(ckpt(z2_ref, CUT), "dcp", run)
     man = read_manifest(done)
     assert (man.format, man.reason, man.run_spec.backend, done) == ("dcp", "converted", "fsdp2", ckpt(run, CUT))
+    assert man.hf_model is not None and man.hf_model == read_manifest(ckpt(z2_ref, CUT)).hf_model
     assert validate(done, deep=True).valid  # checksums and the fingerprint of the stored tensors
     train(run, 2, END, 0)
     got = metrics(run)
@@ -196,10 +199,13 @@ def test_fsdp2_checkpoint_continues_under_deepspeed_at_another_size(fsdp_ref: Pa
     man = read_manifest(done)
     assert (man.format, man.reason, man.run_spec.backend) == ("deepspeed", "converted", "deepspeed")
     assert validate(done / "universal", deep=True).valid
+    record = read_manifest(ckpt(fsdp_ref, CUT)).hf_model
+    assert record is not None and man.hf_model == record == read_manifest(done / "universal").hf_model
     train(run, 3, END, 0)
     rel = max_rel(metrics(fsdp_ref), metrics(run), range(CUT + 1, END + 1))
     assert rel <= 1e-6, f"FSDP2 -> ZeRO-2 at 3 ranks: {rel:.3e}"
     assert read_manifest(ckpt(run, END)).format == "deepspeed"
+    assert read_manifest(ckpt(run, END)).hf_model == record  # the DeepSpeed backend records the same model
 
 
 def sha256_of(path: Path) -> str:
@@ -241,11 +247,19 @@ def test_export_stage_on_a_zero_checkpoint_matches_zero_to_fp32(z2_ref: Path, tm
     in the run's lineage, and the same bytes as the export of the checkpoint converted to DCP."""
     from ckpt.deepspeed_convert import to_dcp
     from ckpt.export import export_checkpoint as export_dcp
+    from ckpt.manifest import write_manifest
 
     _export_and_compare(z2_ref, tmp_path)
     direct = tmp_path / "run" / "exports" / "final"
+    files = {p.name: sha256_of(p) for p in direct.iterdir()}
     dcp = to_dcp(ckpt(z2_ref, END), tmp_path / "dcp" / f"step-{END:08d}", model_only=True)
-    assert export_dcp(dcp, tmp_path / "from-dcp").files == {p.name: sha256_of(p) for p in direct.iterdir()}
+    record = read_manifest(ckpt(z2_ref, END)).hf_model
+    assert record is not None and read_manifest(dcp).hf_model == record  # the conversion carries the record
+    assert export_dcp(dcp, tmp_path / "from-dcp").files == files
+    # without the record (checkpoints written before it), transformers describes the model: same bytes
+    old = shutil.copytree(ckpt(z2_ref, END), tmp_path / "old" / f"step-{END:08d}")
+    write_manifest(old, read_manifest(old).model_copy(update={"hf_model": None}))
+    assert export_dcp(old, tmp_path / "from-old").files == files
 
 
 def test_export_stage_on_a_zero3_checkpoint_matches_zero_to_fp32(z3_ref: Path, tmp_path: Path) -> None:

@@ -169,16 +169,21 @@ def test_assembled_path_matches_streamed(ckpt: Path, fp32_export, tmp_path: Path
 
 # ------------------------------------------------------------------------------ tied, prefixed, strided
 def synthetic_checkpoint(base: Path, dest: Path, *, tie: bool, lm_head_equal: bool = True,
-                         extra: bool = False, inventory_ok: bool = True) -> tuple[Path, dict]:
+                         extra: bool = False, inventory_ok: bool = True, record: bool = False) -> tuple[Path, dict]:
     """A single-process DCP checkpoint of a tied-embedding model whose keys carry torch.compile / DDP
-    prefixes and one weight stored column-major, with a manifest adapted from ``base``."""
+    prefixes and one weight stored column-major, with a manifest adapted from ``base``; with ``record``
+    its manifest holds the model's hf_model record (the export needs no transformers), else none."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.model import hf_model_record
 
     manifest = read_manifest(base)
     config = {**manifest.run_spec.model.config, "tie_word_embeddings": tie}
     torch.manual_seed(0)
-    sd = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config)).state_dict()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config))
+    hf_model = hf_model_record(model) if record else None
+    sd = model.state_dict()
     sd = {k: v.clone() for k, v in sd.items()}
     if not lm_head_equal:
         sd["lm_head.weight"] = sd["lm_head.weight"] + 1
@@ -194,7 +199,8 @@ def synthetic_checkpoint(base: Path, dest: Path, *, tie: bool, lm_head_equal: bo
     inventory = [TensorEntry(name=f"model.{k}", shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
                  for k, v in sorted(keyed.items())][: None if inventory_ok else -1]
     spec = manifest.run_spec.model_copy(update={"model": manifest.run_spec.model.model_copy(update={"config": config})})
-    write_manifest(dest, manifest.model_copy(update={"files": files, "run_spec": spec, "tensors": inventory}))
+    write_manifest(dest, manifest.model_copy(update={"files": files, "run_spec": spec, "tensors": inventory,
+                                                     "hf_model": hf_model}))
     return dest, sd
 
 
@@ -203,16 +209,21 @@ def test_tied_and_prefixed_keys(ckpt: Path, tmp_path: Path) -> None:
 
     src, sd = synthetic_checkpoint(ckpt, tmp_path / "step-00000001", tie=True)
     out = tmp_path / "export"
-    export_checkpoint(src, out)
+    res = export_checkpoint(src, out)
     got = tensors_of(out)
     assert "lm_head.weight" not in got and set(got) == set(sd) - {"lm_head.weight"}
     assert all(torch.equal(got[k], sd[k]) for k in got)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert torch.equal(model.lm_head.weight, sd["model.embed_tokens.weight"])
+    # the same checkpoint with the hf_model record: the ties come from it, and every byte is the same
+    src, _ = synthetic_checkpoint(ckpt, tmp_path / "recorded" / "step-00000001", tie=True, record=True)
+    assert read_manifest(src).hf_model.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert export_checkpoint(src, tmp_path / "export-recorded").files == res.files
 
 
-def test_tied_but_different_is_refused(ckpt: Path, tmp_path: Path) -> None:
-    src, _ = synthetic_checkpoint(ckpt, tmp_path / "step-00000001", tie=True, lm_head_equal=False)
+@pytest.mark.parametrize("record", [False, True])
+def test_tied_but_different_is_refused(ckpt: Path, tmp_path: Path, record: bool) -> None:
+    src, _ = synthetic_checkpoint(ckpt, tmp_path / "step-00000001", tie=True, lm_head_equal=False, record=record)
     with pytest.raises(ExportError, match="lm_head.weight differs from model.embed_tokens.weight"):
         export_checkpoint(src, tmp_path / "export")
     assert_nothing_left(tmp_path / "export")
@@ -232,6 +243,85 @@ def test_inventory_mismatch_is_refused(ckpt: Path, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="tensor inventory and .metadata disagree"):
         export_checkpoint(src, tmp_path / "export")
     assert_nothing_left(tmp_path / "export")
+
+
+# ------------------------------------------------------------------------------ the hf_model record
+def without_record(ckpt: Path, dest: Path) -> Path:
+    """A copy of ``ckpt`` whose manifest has no hf_model record, as checkpoints written before it."""
+    src = copy_ckpt(ckpt, dest)
+    write_manifest(src, read_manifest(src).model_copy(update={"hf_model": None}))
+    return src
+
+
+def test_manifest_records_the_model(ckpt: Path) -> None:
+    import transformers
+
+    rec = read_manifest(ckpt).hf_model
+    assert rec is not None and rec.transformers_version == transformers.__version__
+    assert rec.config["architectures"] == ["LlamaForCausalLM"] and rec.config["model_type"] == "llama"
+    assert rec.config["hidden_size"] == 64 and rec.tied == {} and rec.generation_config is not None
+    raw = json.loads((ckpt / "manifest.json").read_text())
+    assert raw["hf_model"]["config"] == rec.config  # plain JSON in the manifest
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_recorded_config_json_is_the_transformers_one(ckpt: Path, dtype: str) -> None:
+    """config.json and generation_config.json from the record are those transformers writes for the
+    model that run_spec.model builds, byte for byte."""
+    manifest = read_manifest(ckpt)
+    recorded = ex._from_record(ckpt, manifest, dtype)
+    built = ex._describe_model(ckpt, manifest, dtype)
+    assert recorded is not None and recorded.shapes is None and built.shapes is not None
+    assert recorded.config_json == built.config_json and json.loads(recorded.config_json)["dtype"] == dtype
+    assert recorded.generation_json == built.generation_json
+    assert (recorded.architecture, recorded.tied) == (built.architecture, built.tied)
+
+
+def test_export_without_a_record_uses_transformers_and_writes_the_same_bytes(ckpt: Path, fp32_export,
+                                                                             tmp_path: Path) -> None:
+    _, res = fp32_export
+    old = without_record(ckpt, tmp_path / STEP_DIR)
+    assert read_manifest(old).hf_model is None
+    assert export_checkpoint(old, tmp_path / "out").files == res.files
+    assert (ckpt / "manifest.json").read_text() != (old / "manifest.json").read_text()
+
+
+def test_export_with_a_record_does_not_import_transformers(ckpt: Path, fp32_export, tmp_path: Path) -> None:
+    """In a fresh interpreter: the recorded checkpoint exports (same bytes) without importing transformers;
+    the same checkpoint without its record does import it, to build the model."""
+    import subprocess
+    import sys
+
+    _, res = fp32_export
+    old = without_record(ckpt, tmp_path / STEP_DIR)
+    script = (
+        "import json, sys\n"
+        "from ckpt.export import export_checkpoint\n"
+        "a = export_checkpoint(sys.argv[1], sys.argv[2]).files\n"
+        "before = 'transformers' in sys.modules\n"
+        "b = export_checkpoint(sys.argv[3], sys.argv[4], dtype='bfloat16').files\n"
+        "print(json.dumps({'a': a, 'before': before, 'after': 'transformers' in sys.modules}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(ckpt), str(tmp_path / "recorded"), str(old),
+                           str(tmp_path / "old")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"a": res.files, "before": False, "after": True}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("architectures", None, "hf_model.config.architectures is None"),
+    ("model_type", "gpt2", "hf_model.config.model_type is 'gpt2' but run_spec.model.model_type is 'llama'"),
+])
+def test_inconsistent_record_is_refused(ckpt: Path, tmp_path: Path, field: str, value: object, message: str) -> None:
+    src = copy_ckpt(ckpt, tmp_path / STEP_DIR)
+    manifest = read_manifest(src)
+    rec = manifest.hf_model.model_copy(update={"config": {**manifest.hf_model.config, field: value}})
+    write_manifest(src, manifest.model_copy(update={"hf_model": rec}))
+    with pytest.raises(CheckpointError, match=re.escape(message)) as err:
+        export_checkpoint(src, tmp_path / "out")
+    assert "manifest.json" in str(err.value) and "\n" not in str(err.value)
+    assert_nothing_left(tmp_path / "out")
 
 
 # ------------------------------------------------------------------------------------------- refusals

@@ -91,6 +91,21 @@ def test_layers_schemas_import_no_torch_and_rank_side_no_prefect() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+def test_manifest_hf_model_record_is_optional_and_described() -> None:
+    from schemas import CheckpointManifest, HFModelRecord
+
+    for cls in (CheckpointManifest, HFModelRecord):
+        assert all(f.description for f in cls.model_fields.values()), cls
+    assert CheckpointManifest.model_fields["hf_model"].default is None  # manifests written before it still load
+    rec = HFModelRecord(config={"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, "rope_theta": 10000.0},
+                        generation_config={"bos_token_id": 1}, tied={"lm_head.weight": "model.embed_tokens.weight"},
+                        transformers_version="5.0.0")
+    back = HFModelRecord.model_validate_json(rec.model_dump_json())
+    assert back == rec and isinstance(back.config["rope_theta"], float)
+    with pytest.raises(ValueError, match="extra"):
+        HFModelRecord(config={}, transformers_version="5", unknown=1)
+
+
 def test_token_file_source(tmp_path: Path) -> None:
     from schemas import DataSpec
     from trainer.data import open_tokens

@@ -39,7 +39,7 @@ from ckpt.layout import RunDir, step_dir_name
 from ckpt.manifest import write_manifest
 from ckpt.retention import apply_retention
 from ckpt.validate import MOMENTS
-from schemas import CheckpointManifest, DtypePolicy, FileEntry, Fingerprint, RunSpec, TensorEntry
+from schemas import CheckpointManifest, DtypePolicy, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
 
 from trainer.dist import DistEnv
 
@@ -67,7 +67,7 @@ class Checkpointer:
     and on preemption, and ``close()`` at the end."""
 
     def __init__(self, run_dir: RunDir, spec: RunSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 env: DistEnv, *, segment: int, signature: str):
+                 env: DistEnv, *, segment: int, signature: str, hf_model: HFModelRecord | None = None):
         self.run_dir = run_dir
         self.spec = spec
         self.model = model
@@ -75,6 +75,7 @@ class Checkpointer:
         self.env = env
         self.segment = segment
         self.signature = signature
+        self.hf_model = hf_model  # recorded in every manifest: the export then needs no transformers
         self.parent: str | None = None
         self.last_committed_step: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
@@ -239,7 +240,7 @@ class Checkpointer:
                 dtype_policy=DtypePolicy(compute=_DTYPE_NAMES[self.spec.precision.compute],  # type: ignore[arg-type]
                                          reduce=_DTYPE_NAMES[self.spec.precision.reduce]),  # type: ignore[arg-type]
                 parent=self.parent, code_version=code_version(), fingerprint=fingerprint, run_spec=self.spec,
-                save_seconds=time.perf_counter() - t0, async_save=async_save,
+                save_seconds=time.perf_counter() - t0, async_save=async_save, hf_model=self.hf_model,
             )
             write_manifest(partial, manifest)
             final = self.run_dir.checkpoint(ts.step)

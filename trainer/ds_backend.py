@@ -32,12 +32,12 @@ from ckpt.errors import CheckpointError, FingerprintMismatch
 from ckpt.layout import RunDir, step_dir_name
 from ckpt.manifest import read_manifest
 from ckpt.validate import MOMENTS
-from schemas import CheckpointManifest, FileEntry, Fingerprint, RunSpec, TensorEntry
+from schemas import CheckpointManifest, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
 
 from trainer.checkpointer import Checkpointer, TrainState
 from trainer.data import GlobalOrderLoader, open_tokens
 from trainer.dist import DistEnv, log0
-from trainer.model import build_model, model_signature
+from trainer.model import build_model, hf_model_record, model_signature
 from trainer.optim import WarmupCosine, build_optimizer
 from trainer.segment import Segment, load_spec
 
@@ -89,6 +89,7 @@ class DeepSpeedSegment(Segment):
         deepspeed = _import_deepspeed(env)
         model = build_model(self.spec)
         self.signature = model_signature(self.spec.model, model)
+        self.hf_model = hf_model_record(model)
         self.config = ds_config(self.spec, env.world_size)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, self.spec),
                                                config=self.config)
@@ -99,7 +100,8 @@ class DeepSpeedSegment(Segment):
         tokens = open_tokens(self.spec.data, self.spec.seed, model.config.vocab_size)
         self.vocab = model.config.vocab_size
         self.loader = GlobalOrderLoader(tokens, self.spec.data.seq_len, self.spec.seed, self.spec.global_batch_size)
-        self.ckpt = DeepSpeedCheckpointer(run_dir, self.spec, engine, env, segment=segment, signature=self.signature)
+        self.ckpt = DeepSpeedCheckpointer(run_dir, self.spec, engine, env, segment=segment, signature=self.signature,
+                                          hf_model=self.hf_model)
         self.tokens_per_step = self.spec.global_batch_size * self.spec.data.seq_len
 
     def log_diagnostics(self) -> None:
@@ -158,8 +160,10 @@ def _verified_checkpoint_engine() -> Any:
 class DeepSpeedCheckpointer(Checkpointer):
     """The Checkpointer over a DeepSpeed engine: same public interface, same commit, DeepSpeed's files."""
 
-    def __init__(self, run_dir: RunDir, spec: RunSpec, engine: Any, env: DistEnv, *, segment: int, signature: str):
-        super().__init__(run_dir, spec, engine.module, engine.optimizer, env, segment=segment, signature=signature)
+    def __init__(self, run_dir: RunDir, spec: RunSpec, engine: Any, env: DistEnv, *, segment: int, signature: str,
+                 hf_model: HFModelRecord | None = None):
+        super().__init__(run_dir, spec, engine.module, engine.optimizer, env, segment=segment, signature=signature,
+                         hf_model=hf_model)
         self.engine = engine
         self.stage = spec.deepspeed.zero_stage
         self.files = _verified_checkpoint_engine()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from schemas import ModelSpec, RunSpec
+from schemas import HFModelRecord, ModelSpec, RunSpec
 
 log = logging.getLogger("shardkeeper.trainer")
 
@@ -34,6 +35,34 @@ def build_model(spec: RunSpec) -> nn.Module:
     model = AutoModelForCausalLM.from_config(hf_config(spec.model), dtype=torch.float32)
     model.train()
     return model
+
+
+def tied_weights(model: nn.Module) -> dict[str, str]:
+    """Tied state_dict name -> the name it is tied to (e.g. lm_head.weight -> model.embed_tokens.weight)."""
+    tied = getattr(model, "all_tied_weights_keys", None)  # transformers 5: {tied name: source}, empty when untied
+    if tied is None:  # older transformers: a list of names tied to the input embeddings
+        tied = getattr(model, "_tied_weights_keys", None) or []
+        emb = model.get_input_embeddings()
+        source = next((f"{n}.weight" for n, m in model.named_modules() if m is emb), "")
+        tied = {t: source for t in tied} if getattr(model.config, "tie_word_embeddings", False) else {}
+    return {str(k): str(v) for k, v in tied.items()}
+
+
+def hf_model_record(model: nn.Module) -> HFModelRecord:
+    """What the export needs from transformers (config.json, generation_config.json, ties), taken once from
+    the model as built, before FSDP2 or DeepSpeed wrap it, and recorded in every checkpoint's manifest."""
+    import transformers
+    from transformers import GenerationConfig
+
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    generation = None
+    try:
+        generation = json.loads(GenerationConfig.from_model_config(config).to_json_string(use_diff=True))
+    except (AttributeError, TypeError, ValueError) as e:  # a model without generation settings: none is exported
+        log.warning("no generation config recorded for %s: %s", type(model).__name__, e)
+    return HFModelRecord(config=json.loads(config.to_json_string(use_diff=True)), generation_config=generation,
+                         tied=tied_weights(model), transformers_version=transformers.__version__)
 
 
 def model_signature(spec: ModelSpec, model: nn.Module) -> str:

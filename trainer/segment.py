@@ -30,7 +30,7 @@ from schemas import RunSpec
 from trainer.checkpointer import Checkpointer, TrainState
 from trainer.data import GlobalOrderLoader, open_tokens
 from trainer.dist import DistEnv, init_distributed, log0
-from trainer.model import build_model, model_signature, shard_model
+from trainer.model import build_model, hf_model_record, model_signature, shard_model
 from trainer.optim import WarmupCosine, build_optimizer, clip_grad_norm_
 from trainer.signals import EXIT_PREEMPTED, PreemptionWatcher
 
@@ -61,6 +61,7 @@ class Segment:
         self.local_batch = self.spec.per_rank_batch(env.world_size)
         model = build_model(self.spec)
         self.signature = model_signature(self.spec.model, model)
+        self.hf_model = hf_model_record(model)  # before fully_shard renames the class
         self.diagnostics = shard_model(model, env.mesh, self.spec)
         self.model = model
         self.optimizer = build_optimizer(model, self.spec)
@@ -68,7 +69,8 @@ class Segment:
         vocab = model.config.vocab_size
         tokens = open_tokens(self.spec.data, self.spec.seed, vocab)
         self.loader = GlobalOrderLoader(tokens, self.spec.data.seq_len, self.spec.seed, self.spec.global_batch_size)
-        self.ckpt = Checkpointer(run_dir, self.spec, model, self.optimizer, env, segment=segment, signature=self.signature)
+        self.ckpt = Checkpointer(run_dir, self.spec, model, self.optimizer, env, segment=segment, signature=self.signature,
+                                 hf_model=self.hf_model)
         self.tokens_per_step = self.spec.global_batch_size * self.spec.data.seq_len
 
     def log_diagnostics(self) -> None:
