@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 # index of your cluster. Installing torch first keeps pip from resolving a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The venv's tools (ninja for DeepSpeed's JIT op, torchrun, shardkeeper) come first on PATH.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: install lock system-deps test demo bench clean
 
