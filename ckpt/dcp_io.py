@@ -1,7 +1,7 @@
 """Safe access to DCP checkpoints.
 
-DCP stores its ``.metadata`` and non-tensor values with pickle and loads them with
-``weights_only=False``. A checkpoint may come from someone else, so here:
+DCP stores its ``.metadata`` and non-tensor values with pickle and loads them without
+the weights-only restriction. A checkpoint may come from someone else, so here:
 
 * ``.metadata`` is read with an unpickler that admits only DCP's metadata classes and torch
   dtypes/sizes (``SafeFileSystemReader``);

@@ -1,7 +1,7 @@
 """Read DeepSpeed ZeRO checkpoint files safely, one parameter slice at a time, without DeepSpeed.
 
 DeepSpeed writes its state with ``torch.save`` (a zip of one pickle and raw storages) and its own
-loaders use ``torch.load(weights_only=False)``: unpickling a checkpoint someone handed you runs
+loaders call ``torch.load`` without the weights-only restriction: unpickling a checkpoint someone handed you runs
 whatever code it names. Here:
 
 * ``TorchSaveFile`` unpickles ``data.pkl`` with an allow-list: containers, ``torch.Size``, the

@@ -395,3 +395,20 @@ def test_flow_runs_a_deepspeed_run_at_two_sizes_and_exports(prefect_server: obje
     assert (Path(summary.export.out_dir) / "model.safetensors").is_file()
     kinds = [e["kind"] for e in events(run)]
     assert {"reshard", "resume", "export", "publish"} <= set(kinds)
+
+
+def test_universal_file_with_foreign_objects_is_never_handed_to_deepspeed(broken: Path, capsys: pytest.CaptureFixture) -> None:
+    """DeepSpeed unpickles universal files without restriction: a cached universal/ folder whose file
+    holds anything but tensor records (checksums made to match) stops the segment before DeepSpeed reads it."""
+    import fractions
+
+    import torch
+
+    assert main(["reshard", str(broken), "--world-size", "3"]) == 0
+    universal = broken / "universal"
+    victim = sorted((universal / "zero").rglob("exp_avg.pt"))[0]
+    torch.save({"param": torch.zeros(1), "payload": fractions.Fraction(1, 3)}, victim)  # a global not allowed
+    rehash(universal)
+    run = broken.parent.parent
+    with pytest.raises(RuntimeError, match="refused to unpickle.*fractions.Fraction"):
+        spawn(run_segment, 3, str(run), END, 1, timeout=TIMEOUT)

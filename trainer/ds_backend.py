@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ckpt import fingerprint as fp
-from ckpt.deepspeed_io import STATE_FILE, UNIVERSAL_DIR, read_state, rng_file, save_torch, write_hashed
+from ckpt.deepspeed_io import (STATE_FILE, UNIVERSAL_DIR, TorchSaveFile, read_state, rng_file, save_torch,
+                               write_hashed)
 from ckpt.errors import CheckpointError, FingerprintMismatch
 from ckpt.layout import RunDir, step_dir_name
 from ckpt.manifest import read_manifest
@@ -333,15 +334,31 @@ class DeepSpeedCheckpointer(Checkpointer):
         if box[0] is not None:
             raise CheckpointError(f"{path}: the universal conversion failed on rank 0 ({box[0]})")
         target = path / UNIVERSAL_DIR
-        problem = self._verify_files(target)
+        problem = self._verify_files(target) or self._check_pickles(target)
         if problem is not None:
             raise CheckpointError(problem)
         return target
 
+    def _check_pickles(self, target: Path) -> str | None:
+        """DeepSpeed reads universal files with an unrestricted torch.load, and a run directory may come
+        from someone else: every rank parses its share of the .pt files with the allow-list unpickler
+        (nothing executed) before DeepSpeed opens any of them. None when all are plain tensor records."""
+        files = sorted(target.rglob("*.pt"))[self.env.rank :: self.env.world_size]
+        bad = None
+        for f in files:
+            try:
+                TorchSaveFile(f).close()
+            except CheckpointError as e:
+                bad = str(e)
+                break
+        found: list[str | None] = [None] * self.env.world_size
+        dist.all_gather_object(found, bad, group=self.env.ctrl_group)
+        return next((b for b in found if b), None)
+
     def _load_universal(self, target: Path) -> None:
         # load_universal is read only by load_checkpoint, so it is switched on for this load alone.
-        # DeepSpeed reads the zero/*.pt files with torch.load(weights_only=False); they were written by
-        # ckpt.deepspeed_convert (tensors and plain dicts only) and their checksums were just verified.
+        # DeepSpeed reads the zero/*.pt files with an unrestricted torch.load; _universal verified their
+        # checksums and parsed every one with the allow-list unpickler first (_check_pickles).
         cfg = self.engine._config
         cfg.load_universal_checkpoint = True
         try:
