@@ -66,6 +66,9 @@ class Checkpointer:
     """One per training segment. The trainer calls ``load_latest()`` once, ``save()`` at intervals
     and on preemption, and ``close()`` at the end."""
 
+    FORMAT: Literal["dcp", "deepspeed"] = "dcp"  # the manifest format this backend writes and loads
+    BACKEND = "fsdp2"
+
     def __init__(self, run_dir: RunDir, spec: RunSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  env: DistEnv, *, segment: int, signature: str, hf_model: HFModelRecord | None = None):
         self.run_dir = run_dir
@@ -215,7 +218,7 @@ class Checkpointer:
         if self.env.is_rank0 and not any(e.path == ".metadata" for e in entries):
             size, digest = hash_files([partial / ".metadata"])[partial / ".metadata"]
             entries.append(FileEntry(path=".metadata", size=size, xxh3_128=digest, rank=0))
-        self._commit(ts, reason, entries, self._inventory(sd), fingerprint, t0, async_save, fmt="dcp")
+        self._commit(ts, reason, entries, self._inventory(sd), fingerprint, t0, async_save)
         phases["commit_s"] = time.perf_counter() - t
         phases["total_s"] = time.perf_counter() - t0
         self.last_phases = phases
@@ -223,7 +226,7 @@ class Checkpointer:
         self.parent = step_dir_name(ts.step)
 
     def _commit(self, ts: TrainState, reason: str, entries: list[FileEntry], tensors: list[TensorEntry],
-                fingerprint: Fingerprint, t0: float, async_save: bool, *, fmt: Literal["dcp", "deepspeed"]) -> None:
+                fingerprint: Fingerprint, t0: float, async_save: bool) -> None:
         """Steps 2-3 of the commit protocol, shared by both backends: gather every rank's (file, size,
         digest), then rank 0 writes the manifest, renames ``.partial`` away and fsyncs the parent."""
         group = self.env.ckpt_group
@@ -233,7 +236,7 @@ class Checkpointer:
         if self.env.is_rank0:
             files = sorted((e for part in gathered or [] for e in part), key=lambda e: e.path)
             manifest = CheckpointManifest(
-                format=fmt, run_name=self.spec.name, step=ts.step, tokens=ts.tokens, samples=ts.samples,
+                format=self.FORMAT, run_name=self.spec.name, step=ts.step, tokens=ts.tokens, samples=ts.samples,
                 segment=self.segment, reason=reason,  # type: ignore[arg-type]
                 created_at=lineage.now_iso(), files=files, tensors=tensors,
                 model_signature=self.signature, topology=self.env.topology,
@@ -316,12 +319,7 @@ class Checkpointer:
 
         t0 = time.perf_counter()
         manifest = read_manifest(path)
-        if manifest.format != "dcp":
-            raise CheckpointError(f"{path}: a {manifest.format} checkpoint cannot be loaded by the fsdp2 backend; "
-                                  f"convert it first: shardkeeper convert {path} --to dcp NEW_RUN_DIR")
-        if manifest.model_signature != self.signature:
-            raise CheckpointError(f"{path}: written by another architecture (model signature differs from "
-                                  f"{self.spec.model.model_type} {self.spec.model.config}); use a new --run-dir")
+        self._check_loadable(path, manifest)
         same_world = manifest.topology.world_size == self.env.world_size
         ts = TrainState()
         sd = self._state_dict(ts, with_rng=same_world)
@@ -341,6 +339,15 @@ class Checkpointer:
         self._verify(path, manifest, same_world and manifest.reason != "converted")
         self._resumed(path, manifest, ts, t0)
         return ts
+
+    def _check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
+        """Refuse a checkpoint of the other backend's format or of another architecture (one line each)."""
+        if manifest.format != self.FORMAT:
+            raise CheckpointError(f"{path}: a {manifest.format} checkpoint cannot be loaded by the {self.BACKEND} "
+                                  f"backend; convert it first: shardkeeper convert {path} --to {self.FORMAT} NEW_RUN_DIR")
+        if manifest.model_signature != self.signature:
+            raise CheckpointError(f"{path}: written by another architecture (model signature differs from "
+                                  f"{self.spec.model.model_type} {self.spec.model.config}); use a new --run-dir")
 
     def _resumed(self, path: Path, manifest: CheckpointManifest, ts: TrainState, t0: float) -> None:
         """Bookkeeping after a verified load: parent of the next checkpoint, log line, lineage event."""

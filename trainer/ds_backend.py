@@ -36,11 +36,9 @@ from ckpt.validate import MOMENTS
 from schemas import CheckpointManifest, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
 
 from trainer.checkpointer import Checkpointer, TrainState
-from trainer.data import GlobalOrderLoader, open_tokens
 from trainer.dist import DistEnv, log0
-from trainer.model import build_model, hf_model_record, model_signature
 from trainer.optim import WarmupCosine, build_optimizer
-from trainer.segment import Segment, load_spec
+from trainer.segment import Segment
 
 log = logging.getLogger("shardkeeper.deepspeed")
 
@@ -81,16 +79,8 @@ class DeepSpeedSegment(Segment):
     """A Segment whose model is a DeepSpeed engine; ``run()`` is inherited unchanged."""
 
     def __init__(self, run_dir: RunDir, until_step: int, segment: int, env: DistEnv):
-        self.run_dir = run_dir
-        self.until_step = until_step
-        self.segment_index = segment
-        self.env = env
-        self.spec = load_spec(run_dir)
-        self.local_batch = self.spec.per_rank_batch(env.world_size)
         deepspeed = _import_deepspeed(env)
-        model = build_model(self.spec)
-        self.signature = model_signature(self.spec.model, model)
-        self.hf_model = hf_model_record(model)
+        model = self._build(run_dir, until_step, segment, env)
         self.config = ds_config(self.spec, env.world_size)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, self.spec),
                                                config=self.config)
@@ -98,12 +88,8 @@ class DeepSpeedSegment(Segment):
         self.model = engine
         self.optimizer = engine.optimizer
         self.schedule = WarmupCosine(engine.optimizer, self.spec)  # sets lr in the client AdamW's groups
-        tokens = open_tokens(self.spec.data, self.spec.seed, model.config.vocab_size)
-        self.vocab = model.config.vocab_size
-        self.loader = GlobalOrderLoader(tokens, self.spec.data.seq_len, self.spec.seed, self.spec.global_batch_size)
         self.ckpt = DeepSpeedCheckpointer(run_dir, self.spec, engine, env, segment=segment, signature=self.signature,
                                           hf_model=self.hf_model)
-        self.tokens_per_step = self.spec.global_batch_size * self.spec.data.seq_len
 
     def log_diagnostics(self) -> None:
         c = self.config
@@ -160,6 +146,9 @@ def _verified_checkpoint_engine() -> Any:
 
 class DeepSpeedCheckpointer(Checkpointer):
     """The Checkpointer over a DeepSpeed engine: same public interface, same commit, DeepSpeed's files."""
+
+    FORMAT = "deepspeed"
+    BACKEND = "deepspeed"
 
     def __init__(self, run_dir: RunDir, spec: RunSpec, engine: Any, env: DistEnv, *, segment: int, signature: str,
                  hf_model: HFModelRecord | None = None):
@@ -249,7 +238,7 @@ class DeepSpeedCheckpointer(Checkpointer):
                    for p, (s, d) in sorted(self.files.written.items())]
         entries += self._save_extras(partial, ts)
         fingerprint = self.fingerprint(self.env.ckpt_group)
-        self._commit(ts, reason, entries, self._ds_inventory(), fingerprint, t0, False, fmt="deepspeed")
+        self._commit(ts, reason, entries, self._ds_inventory(), fingerprint, t0, False)
         self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 0.0})
         self.last_committed_step = ts.step
         self.parent = step_dir_name(ts.step)
@@ -298,12 +287,7 @@ class DeepSpeedCheckpointer(Checkpointer):
                 st["step"] = st["step"].clone()
 
     def _check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
-        if manifest.format != "deepspeed":
-            raise CheckpointError(f"{path}: a {manifest.format} checkpoint cannot be loaded by the deepspeed backend; "
-                                  f"convert it first: shardkeeper convert {path} --to deepspeed NEW_RUN_DIR")
-        if manifest.model_signature != self.signature:
-            raise CheckpointError(f"{path}: written by another architecture (model signature differs from "
-                                  f"{self.spec.model.model_type} {self.spec.model.config}); use a new --run-dir")
+        super()._check_loadable(path, manifest)
         saved = manifest.run_spec.deepspeed.zero_stage
         if saved != self.stage and read_state(path)["layout"] == "zero":
             raise CheckpointError(f"{path}: written under ZeRO stage {saved}, this run is configured for stage "

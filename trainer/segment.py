@@ -11,7 +11,6 @@ prefix its own.) Exit codes: 0 completed, 75 preempted (checkpoint committed), 1
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -53,6 +52,17 @@ class Segment:
     """Holds the pieces of one segment; ``run()`` is the training loop."""
 
     def __init__(self, run_dir: RunDir, until_step: int, segment: int, env: DistEnv):
+        model = self._build(run_dir, until_step, segment, env)
+        self.diagnostics = shard_model(model, env.mesh, self.spec)
+        self.model = model
+        self.optimizer = build_optimizer(model, self.spec)
+        self.schedule = WarmupCosine(self.optimizer, self.spec)
+        self.ckpt = Checkpointer(run_dir, self.spec, model, self.optimizer, env, segment=segment, signature=self.signature,
+                                 hf_model=self.hf_model)
+
+    def _build(self, run_dir: RunDir, until_step: int, segment: int, env: DistEnv) -> torch.nn.Module:
+        """What both backends share: the RunSpec, the model as transformers builds it (signature and
+        export record taken before any wrapping renames its class) and the global-order data loader."""
         self.run_dir = run_dir
         self.until_step = until_step
         self.segment_index = segment
@@ -61,17 +71,12 @@ class Segment:
         self.local_batch = self.spec.per_rank_batch(env.world_size)
         model = build_model(self.spec)
         self.signature = model_signature(self.spec.model, model)
-        self.hf_model = hf_model_record(model)  # before fully_shard renames the class
-        self.diagnostics = shard_model(model, env.mesh, self.spec)
-        self.model = model
-        self.optimizer = build_optimizer(model, self.spec)
-        self.schedule = WarmupCosine(self.optimizer, self.spec)
-        vocab = model.config.vocab_size
-        tokens = open_tokens(self.spec.data, self.spec.seed, vocab)
+        self.hf_model = hf_model_record(model)
+        self.vocab = model.config.vocab_size
+        tokens = open_tokens(self.spec.data, self.spec.seed, self.vocab)
         self.loader = GlobalOrderLoader(tokens, self.spec.data.seq_len, self.spec.seed, self.spec.global_batch_size)
-        self.ckpt = Checkpointer(run_dir, self.spec, model, self.optimizer, env, segment=segment, signature=self.signature,
-                                 hf_model=self.hf_model)
         self.tokens_per_step = self.spec.global_batch_size * self.spec.data.seq_len
+        return model
 
     def log_diagnostics(self) -> None:
         d = self.diagnostics
