@@ -9,7 +9,9 @@ training now) is skipped, so overlapping schedules never start a second writer.
     resume(ResumeRequest(root="runs", nproc=2))
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Prefect builds the flow's parameter model from these
+# annotations, and in a served or worker-run flow run string annotations are not resolved ("ResumeModel
+# is not fully defined"), so every scheduled run failed before it started.
 
 from pathlib import Path
 

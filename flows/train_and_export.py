@@ -11,7 +11,9 @@ the run's lineage into Prefect artifacts.
 As a deployment: ``python -m infra.serve`` then ``prefect deployment run 'train-and-export/demo' --watch``.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Prefect builds the flow's parameter model from these
+# annotations, and in a served or worker-run flow run string annotations are not resolved ("ResumeModel
+# is not fully defined"), so every scheduled run failed before it started.
 
 from pathlib import Path
 
