@@ -175,6 +175,9 @@ def _check_dcp_layout(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]
         side = "referenced by .metadata but not listed in the manifest" if diff in referenced else \
             "listed in the manifest but not referenced by .metadata"
         return [f"{ckpt_dir / diff}: {side}; the manifest does not describe this DCP checkpoint, pick another step"]
+    inventory = _check_inventory(ckpt_dir, manifest, md)
+    if inventory:
+        return inventory
     ranks = {e.path: int(m.group(1)) for e in manifest.files if (m := _DCP_FILE_RE.match(e.path))}
     for e in manifest.files:
         if e.path in ranks and e.rank is not None and e.rank != ranks[e.path]:
@@ -183,6 +186,23 @@ def _check_dcp_layout(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]
     # a converted checkpoint is written by one process whatever world size it records
     required = set(range(manifest.topology.world_size)) if manifest.reason != "converted" else set()
     return _check_ranks(ckpt_dir, manifest, ranks, required)
+
+
+def _check_inventory(ckpt_dir: Path, manifest: CheckpointManifest, md) -> list[str]:
+    """The tensors the manifest recorded at save are those ``.metadata`` describes (names, shapes, dtypes):
+    a manifest of another architecture beside these files, or files of another model, disagree here."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for t in manifest.tensors:
+        meta = md.state_dict_metadata.get(t.name)
+        if not isinstance(meta, TensorStorageMetadata):
+            return [f"{ckpt_dir / '.metadata'}: holds no tensor {t.name} that the manifest records; the files are "
+                    "of another model or run, pick another step"]
+        shape, dtype = list(meta.size), str(meta.properties.dtype).removeprefix("torch.")
+        if (shape, dtype) != (t.shape, t.dtype):
+            return [f"{ckpt_dir / '.metadata'}: {t.name} is {dtype}{shape}, the manifest records {t.dtype}{t.shape}; "
+                    "the files are of another architecture, pick another step"]
+    return []
 
 
 def _check_deepspeed_layout(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:

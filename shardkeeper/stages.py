@@ -150,7 +150,7 @@ def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, Checkpoint
         return None  # a new run
     if not restart:
         named = [f"{p.name} ({why})" for p, why in reversed(invalid)] + [f"{n} (failed to load)" for n in unacked]
-        raise CheckpointError(f"{rd.checkpoints}: no valid checkpoint to resume from: {'; '.join(named[:3])[:500]}"
+        raise CheckpointError(f"{rd.checkpoints}: no valid checkpoint to resume from: {'; '.join(named[:3])[:800]}"
                               f"{f' and {len(named) - 3} more' if len(named) > 3 else ''}; refusing to restart "
                               "silently from step 0: rerun with --restart to set them aside and start over")
     moved = [quarantine(p, why).name for p, why in invalid]
