@@ -152,6 +152,7 @@ class HashingDirectFileSystem(FileSystem):
         super().__init__()
         self.digests: dict[str, tuple[int, str]] = {}
         self.errors: dict[str, BaseException] = {}  # file name -> why its write failed
+        self.swallow = False  # set while write_data runs (see create_stream)
         self._lock = threading.Lock()
 
     @contextmanager
@@ -168,11 +169,15 @@ class HashingDirectFileSystem(FileSystem):
             raise
         try:
             yield stream
-        except BaseException as e:
+        except Exception as e:
             with self._lock:
                 self.errors.setdefault(stream.path.name, e)
             stream.close(failed=True)
-            raise
+            if not self.swallow:
+                raise
+            # Inside write_data: DCP's extra writer threads would die printing a traceback; the error is
+            # kept and write_data raises it, naming the file, once every thread is done.
+            return
         try:
             stream.close()
         except BaseException as e:
@@ -195,13 +200,12 @@ class HashingDirectWriter(FileSystemWriter):
     def write_data(self, plan: Any, planner: Any) -> Any:
         """DCP's write, then proof that it wrote everything: no stream failed, every planned item has a
         result, every file a result names was hashed whole. Raises OSError naming the file otherwise."""
-        fut = super().write_data(plan, planner)
-        if self.fs.errors:
-            name, err = sorted(self.fs.errors.items())[0]
-            path = Path(self.path) / name
-            if isinstance(err, OSError):
-                raise OSError(err.errno, err.strerror or str(err), str(path)) from err
-            raise OSError(errno.EIO, f"{type(err).__name__}: {err}", str(path)) from err
+        self.fs.swallow = True
+        try:
+            fut = super().write_data(plan, planner)
+        finally:
+            self.fs.swallow = False
+        self._raise_recorded()
         results = fut.value()
         done = {r.index for r in results}
         lost = [item.index.fqn for item in plan.items if item.index not in done]
@@ -211,3 +215,16 @@ class HashingDirectWriter(FileSystemWriter):
         if unhashed:
             raise OSError(errno.EIO, "written but not recorded whole", str(Path(self.path) / unhashed[0]))
         return fut
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)
+        self._raise_recorded()
+
+    def _raise_recorded(self) -> None:
+        if not self.fs.errors:
+            return
+        name, err = sorted(self.fs.errors.items())[0]
+        path = Path(self.path) / name
+        if isinstance(err, OSError):
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+        raise OSError(errno.EIO, f"{type(err).__name__}: {err}", str(path)) from err
