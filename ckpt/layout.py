@@ -5,6 +5,7 @@
       checkpoints/step-00000100/  manifest.json + backend files   (committed)
       checkpoints/step-00000110.partial/                          (being written, or abandoned)
       metrics.jsonl  segments.jsonl  lineage.jsonl  .lock
+      verified/step-00000100.json  the last full re-read of that checkpoint (ckpt.validate.record_verified)
       exports/step-00000100/
 """
 
@@ -20,7 +21,6 @@ STEP_RE = re.compile(r"^step-(\d{8})$")
 PARTIAL_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"
 INVALID_RE = re.compile(r"^step-(\d{8})\.invalid-(\d+)$")
-VERIFIED_SUFFIX = ".verified"
 
 
 def step_dir_name(step: int) -> str:
@@ -83,9 +83,13 @@ class RunDir:
         ]
         return sorted(found, key=lambda p: parse_step(p.name) or 0)
 
+    @property
+    def verified(self) -> Path:
+        return self.root / "verified"
+
     def verified_record(self, step: int) -> Path:
-        """``checkpoints/step-XXXXXXXX.verified``: the last full re-read of that checkpoint (ckpt.validate)."""
-        return self.checkpoints / (step_dir_name(step) + VERIFIED_SUFFIX)
+        """``verified/step-XXXXXXXX.json``: the last full re-read of that checkpoint (ckpt.validate)."""
+        return self.verified / (step_dir_name(step) + ".json")
 
     def quarantined(self) -> list[Path]:
         """``step-XXXXXXXX.invalid-<time>`` directories, oldest quarantine first."""

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ckpt.fsutil import fsync_dir, mkdir_durable
-from ckpt.layout import DELETING_SUFFIX, INVALID_RE, VERIFIED_SUFFIX, RunDir, parse_step
+from ckpt.layout import DELETING_SUFFIX, INVALID_RE, RunDir, parse_step
 from ckpt.validate import is_verified, validate
 
 log = logging.getLogger(__name__)
@@ -96,8 +96,8 @@ def sweep_leftovers(run_dir: RunDir, *, keep_invalid: int = KEEP_INVALID) -> lis
     if run_dir.exports.is_dir():
         doomed += [p for p in run_dir.exports.iterdir()
                    if (m := _EXPORT_TMP_RE.match(p.name)) and not _pid_alive(int(m.group(1)))]
-    doomed += [p for p in ck.iterdir() if p.name.endswith(VERIFIED_SUFFIX)
-               and not (ck / p.name.removesuffix(VERIFIED_SUFFIX)).is_dir()]
+    if run_dir.verified.is_dir():
+        doomed += [p for p in run_dir.verified.iterdir() if not (ck / p.name.removesuffix(".json")).is_dir()]
     for p in doomed:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)

@@ -8,7 +8,7 @@ format and topology, and the files' rank numbers agree. Deep checks add every by
 fingerprint of the stored tensors and (DCP) the stored step/tokens/samples counters.
 
 A checkpoint that passed a full re-read of its bytes gets a verification record beside it
-(``checkpoints/step-XXXXXXXX.verified``, see ``record_verified``); retention never prunes the newest one.
+(``RUN_DIR/verified/step-XXXXXXXX.json``, see ``record_verified``); retention never prunes the newest one.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import xxhash
 
 from ckpt import fingerprint as fp
 from ckpt.errors import CheckpointError
-from ckpt.fsutil import atomic_write_json
+from ckpt.fsutil import atomic_write_json, mkdir_durable
 from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, parse_step
 from ckpt.manifest import read_manifest
@@ -354,11 +354,12 @@ def manifest_digest(ckpt_dir: Path) -> str:
 
 
 def record_verified(run_dir: RunDir, ckpt_dir: Path, *, how: str, bytes_read: int) -> Path:
-    """Write ``checkpoints/step-XXXXXXXX.verified``: every byte of the checkpoint was read back and matched
+    """Write ``RUN_DIR/verified/step-XXXXXXXX.json``: every byte of the checkpoint was read back and matched
     the manifest's checksums at ``time`` (``how``: "load", the resume's hashing, or "reread", the
     re-read after commit). {step, manifest_xxh3_128, how, bytes, time}."""
     manifest = read_manifest(ckpt_dir)
     path = run_dir.verified_record(manifest.step)
+    mkdir_durable(path.parent)
     atomic_write_json(path, {"step": manifest.step, "manifest_xxh3_128": manifest_digest(ckpt_dir), "how": how,
                              "bytes": bytes_read, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     return path

@@ -52,10 +52,8 @@ def by_step(path: Path) -> dict[int, dict]:
 def copy_until(src: Path, dst: Path, step: int) -> Path:
     shutil.copytree(src, dst)
     for d in (dst / "checkpoints").iterdir():
-        if d.is_dir() and int(d.name[5:13]) > step:
+        if int(d.name[5:13]) > step:
             shutil.rmtree(d)
-        elif d.name.endswith(".verified") and int(d.name[5:13]) > step:
-            d.unlink()
     (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(dst / "metrics.jsonl")
                                                if r["step"] <= step))
     return dst
@@ -100,8 +98,8 @@ def test_checkpoint_failing_at_load_is_quarantined_and_resume_falls_back_bitwise
         assert (got[s]["loss"], got[s]["grad_norm"]) == (ref[s]["loss"], ref[s]["grad_norm"]), s
     assert_same_state(ckpt(reference, END), ckpt(run, END))
     # verification records: the checkpoint resumed from (hashed by the load) and the re-read new ones
-    assert json.loads((run / "checkpoints" / "step-00000002.verified").read_text())["how"] == "load"
-    assert json.loads((run / "checkpoints" / f"step-{END:08d}.verified").read_text())["how"] == "reread"
+    assert json.loads((run / "verified" / "step-00000002.json").read_text())["how"] == "load"
+    assert json.loads((run / "verified" / f"step-{END:08d}.json").read_text())["how"] == "reread"
 
 
 def test_all_invalid_is_refused_on_both_sides_and_restart_starts_over(reference: Path, tmp_path: Path,
