@@ -5,12 +5,21 @@ On many hosts buffered writes followed by fsync run well below the device's dire
 keeps DCP's file format byte for byte — only the I/O path differs: bytes are staged in a
 page-aligned buffer, written in aligned blocks with O_DIRECT, the tail block is padded and the file
 truncated to its real length, and an xxh3-128 digest is updated on the way through. Where O_DIRECT
-is not supported (tmpfs, some network file systems) it falls back to buffered writes + fsync.
+is not supported (tmpfs, some network file systems) it falls back to buffered writes + fsync; so does a
+file system that accepts O_DIRECT at open but refuses the writes (EINVAL), once per file, logged once.
+
+A file's (size, digest) is recorded only when every byte was written, the tail fsynced and the size on
+disk equals the bytes hashed; any failure is kept in ``errors`` and re-raised (naming the file) by
+``HashingDirectWriter.write_data``, which also checks that every item DCP planned was written: DCP's
+extra writer threads would otherwise die with their exception and leave their items out of the plan.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import io
+import logging
 import mmap
 import os
 import threading
@@ -23,8 +32,18 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+log = logging.getLogger(__name__)
+
 _ALIGN = 4096
 _BUF = 16 << 20
+_warned_einval = False
+
+
+def _warn_buffered(path: Path) -> None:
+    global _warned_einval
+    if not _warned_einval:
+        _warned_einval = True
+        log.warning("%s: the file system refused an O_DIRECT write (EINVAL); writing buffered instead", path.parent)
 
 
 class _HashingDirectStream(io.RawIOBase):
@@ -73,18 +92,38 @@ class _HashingDirectStream(io.RawIOBase):
         return n
 
     def _drain(self, length: int) -> None:
+        """Write buffer[:length], looping over short writes; EINVAL under O_DIRECT switches this file to
+        buffered I/O (the file offset is unchanged by a refused write, so it resumes where it stopped)."""
         written = 0
         while written < length:
-            written += os.write(self._fd, self._view[written:length])
+            try:
+                n = os.write(self._fd, self._view[written:length])
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                self._to_buffered()
+                continue
+            if n <= 0:
+                raise OSError(errno.EIO, "write returned 0 bytes", str(self.path))
+            written += n
         self._fill = 0
+
+    def _to_buffered(self) -> None:
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self.direct = False
+        _warn_buffered(self.path)
 
     def flush(self) -> None:  # O_DIRECT can only write whole blocks; the tail goes out at close()
         pass
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Flush the tail, fsync, check the size on disk, then record (size, digest) — unless a write
+        failed (``failed``), in which case nothing is recorded and the file is left for the error path."""
         if self.closed:
             return
         try:
+            if failed:
+                return
             if self._fill:
                 if self.direct:
                     padded = -(-self._fill // _ALIGN) * _ALIGN
@@ -94,6 +133,9 @@ class _HashingDirectStream(io.RawIOBase):
                 else:
                     self._drain(self._fill)
             os.fsync(self._fd)
+            on_disk = os.fstat(self._fd).st_size
+            if on_disk != self._pos:
+                raise OSError(errno.EIO, f"{on_disk} bytes on disk after writing {self._pos}", str(self.path))
             with self._lock:
                 self._sink[self.path.name] = (self._pos, self._hash.hexdigest())
         finally:
@@ -109,6 +151,8 @@ class HashingDirectFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.digests: dict[str, tuple[int, str]] = {}
+        self.errors: dict[str, BaseException] = {}  # file name -> why its write failed
+        self.swallow = False  # set while write_data runs (see create_stream)
         self._lock = threading.Lock()
 
     @contextmanager
@@ -117,11 +161,29 @@ class HashingDirectFileSystem(FileSystem):
             with super().create_stream(path, mode) as s:
                 yield s
             return
-        stream = _HashingDirectStream(Path(path), self.digests, self._lock)
+        try:
+            stream = _HashingDirectStream(Path(path), self.digests, self._lock)
+        except BaseException as e:
+            with self._lock:
+                self.errors.setdefault(Path(path).name, e)
+            raise
         try:
             yield stream
-        finally:
+        except Exception as e:
+            with self._lock:
+                self.errors.setdefault(stream.path.name, e)
+            stream.close(failed=True)
+            if not self.swallow:
+                raise
+            # Inside write_data: DCP's extra writer threads would die printing a traceback; the error is
+            # kept and write_data raises it, naming the file, once every thread is done.
+            return
+        try:
             stream.close()
+        except BaseException as e:
+            with self._lock:
+                self.errors.setdefault(stream.path.name, e)
+            raise
 
 
 class HashingDirectWriter(FileSystemWriter):
@@ -134,3 +196,35 @@ class HashingDirectWriter(FileSystemWriter):
     @property
     def digests(self) -> dict[str, tuple[int, str]]:
         return self.fs.digests
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        """DCP's write, then proof that it wrote everything: no stream failed, every planned item has a
+        result, every file a result names was hashed whole. Raises OSError naming the file otherwise."""
+        self.fs.swallow = True
+        try:
+            fut = super().write_data(plan, planner)
+        finally:
+            self.fs.swallow = False
+        self._raise_recorded()
+        results = fut.value()
+        done = {r.index for r in results}
+        lost = [item.index.fqn for item in plan.items if item.index not in done]
+        if lost:
+            raise OSError(errno.EIO, f"{len(lost)} planned items were not written (first: {lost[0]})", str(self.path))
+        unhashed = sorted({r.storage_data.relative_path for r in results} - set(self.digests))
+        if unhashed:
+            raise OSError(errno.EIO, "written but not recorded whole", str(Path(self.path) / unhashed[0]))
+        return fut
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)
+        self._raise_recorded()
+
+    def _raise_recorded(self) -> None:
+        if not self.fs.errors:
+            return
+        name, err = sorted(self.fs.errors.items())[0]
+        path = Path(self.path) / name
+        if isinstance(err, OSError):
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+        raise OSError(errno.EIO, f"{type(err).__name__}: {err}", str(path)) from err

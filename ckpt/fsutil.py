@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+INVALID_MARK = ".invalid-"
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -22,6 +28,37 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def mkdir_durable(path: str | os.PathLike[str]) -> Path:
+    """Create ``path`` (and missing parents), fsyncing each parent whose entry it created, so the directory
+    survives a crash as soon as this returns."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+        fsync_dir(d.parent)
+    return path
+
+
+def quarantine(path: str | os.PathLike[str], why: str = "") -> Path:
+    """Move an invalid checkpoint directory aside to ``NAME.invalid-<unix time>`` (never loaded, never
+    pruned by retention, swept later keeping the newest few for inspection); fsync the parent.
+    The one way a checkpoint is set aside: a failed load, a restart, a commit over an invalid one."""
+    path = Path(path)
+    stamp = int(time.time())
+    aside = path.with_name(f"{path.name}{INVALID_MARK}{stamp}")
+    while aside.exists():  # two in the same second
+        stamp += 1
+        aside = path.with_name(f"{path.name}{INVALID_MARK}{stamp}")
+    os.rename(path, aside)
+    fsync_dir(path.parent)
+    log.warning("moved %s aside to %s%s", path.name, aside.name, f" ({why})" if why else "")
+    return aside
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

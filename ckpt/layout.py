@@ -5,6 +5,7 @@
       checkpoints/step-00000100/  manifest.json + backend files   (committed)
       checkpoints/step-00000110.partial/                          (being written, or abandoned)
       metrics.jsonl  segments.jsonl  lineage.jsonl  .lock
+      verified/step-00000100.json  the last full re-read of that checkpoint (ckpt.validate.record_verified)
       exports/step-00000100/
 """
 
@@ -18,6 +19,8 @@ from schemas import MANIFEST_NAME
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 PARTIAL_SUFFIX = ".partial"
+DELETING_SUFFIX = ".deleting"
+INVALID_RE = re.compile(r"^step-(\d{8})\.invalid-(\d+)$")
 
 
 def step_dir_name(step: int) -> str:
@@ -79,6 +82,21 @@ class RunDir:
             p for p in self.checkpoints.iterdir() if p.is_dir() and parse_step(p.name) is not None and (p / MANIFEST_NAME).is_file()
         ]
         return sorted(found, key=lambda p: parse_step(p.name) or 0)
+
+    @property
+    def verified(self) -> Path:
+        return self.root / "verified"
+
+    def verified_record(self, step: int) -> Path:
+        """``verified/step-XXXXXXXX.json``: the last full re-read of that checkpoint (ckpt.validate)."""
+        return self.verified / (step_dir_name(step) + ".json")
+
+    def quarantined(self) -> list[Path]:
+        """``step-XXXXXXXX.invalid-<time>`` directories, oldest quarantine first."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = [p for p in self.checkpoints.iterdir() if INVALID_RE.match(p.name)]
+        return sorted(found, key=lambda p: (int(INVALID_RE.match(p.name).group(2)), p.name))  # type: ignore[union-attr]
 
     def partials(self) -> list[Path]:
         if not self.checkpoints.is_dir():

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.run import ClusterTopology, RunSpec
 
@@ -16,11 +17,37 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+# One path component of a checkpoint file: letters, digits and ._+=@- (DeepSpeed's universal folders are
+# named after parameters, e.g. model.layers.0.mlp.up_proj.weight), never "." or "..".
+_PART_RE = re.compile(r"^[A-Za-z0-9_.+=@-]{1,255}$")
+MAX_PATH_DEPTH = 3  # zero/<parameter>/<key>.pt, the deepest layout shardkeeper writes
+
+
+def check_relative_path(path: str) -> str:
+    """``path`` if it is a plain relative POSIX path inside a checkpoint directory, else ValueError.
+    Absolute paths, "..", ".", empty components, backslashes and control characters are refused."""
+    if not isinstance(path, str) or not path:
+        raise ValueError("empty path")
+    parts = path.split("/")
+    if path.startswith("/") or len(parts) > MAX_PATH_DEPTH:
+        raise ValueError(f"{path!r} is not a plain relative path inside the checkpoint directory")
+    for part in parts:
+        if part in ("", ".", "..") or not _PART_RE.match(part):
+            raise ValueError(f"{path!r} is not a plain relative path inside the checkpoint directory")
+    return path
+
+
 class FileEntry(_Frozen):
-    path: str = Field(description="path relative to the checkpoint directory")
+    path: str = Field(description="path relative to the checkpoint directory: plain names joined by '/', "
+                      "no '..', not absolute (at most 3 components)")
     size: int = Field(ge=0, description="size in bytes")
-    xxh3_128: str = Field(description="hex xxh3-128 digest of the whole file")
-    rank: int | None = Field(None, description="rank that wrote (and hashed) the file; None for rank-0 metadata")
+    xxh3_128: str = Field(pattern=r"^[0-9a-f]{32}$", description="hex xxh3-128 digest of the whole file")
+    rank: int | None = Field(None, ge=0, description="rank that wrote (and hashed) the file; None for rank-0 metadata")
+
+    @field_validator("path")
+    @classmethod
+    def _confined(cls, v: str) -> str:
+        return check_relative_path(v)
 
 
 class TensorEntry(_Frozen):

@@ -51,6 +51,8 @@ def train(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set optim.lr=1e-3")] = None,
     timeout: Annotated[Optional[float], typer.Option(help="stop (with a checkpoint) after this many seconds")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    restart: Annotated[bool, typer.Option(help="the run's checkpoints are all invalid: set them aside "
+                                          "(step-*.invalid-*) and start over from step 0")] = False,
 ) -> None:
     """Train one segment with torchrun; resumes from the latest valid checkpoint; always commits one at the end.
 
@@ -62,7 +64,7 @@ def train(
         raise ShardkeeperError(f"--until-step {until_step}: must be at least 1")
     spec = load_run_spec(config, set_)
     topo = plan_topology(spec, nproc, device=device)
-    res = train_segment(spec, run_dir, topo, until_step, timeout_s=timeout, sink=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
+    res = train_segment(spec, run_dir, topo, until_step, timeout_s=timeout, restart=restart, sink=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
     msg = f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} on {topo.world_size} ranks in {res.seconds:.1f} s"
     if res.status == "failed":
         console.print(f"[red]error:[/red] {msg}; last lines:\n{res.failure}")

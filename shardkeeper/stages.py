@@ -15,12 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckpt import lineage
-from ckpt.errors import ConfigError, RunDirError
-from ckpt.fsutil import append_jsonl, load_yaml, read_jsonl
+from ckpt.errors import CheckpointError, ConfigError, RunDirError
+from ckpt.fsutil import append_jsonl, load_yaml, mkdir_durable, quarantine, read_jsonl
 from ckpt.layout import RunDir, parse_step
 from ckpt.lock import RunLock
 from ckpt.manifest import read_manifest
-from ckpt.validate import latest_valid, validate
+from ckpt.retention import sweep_leftovers
+from ckpt.validate import invalid_committed, latest_valid, validate
 from infra.launchers import LaunchRequest, get_launcher
 from schemas import CheckpointManifest, ClusterTopology, ReshardResult, RunSpec, SegmentResult, ValidationReport
 from shardkeeper.config import dump_run_spec, spec_from_dict
@@ -99,21 +100,27 @@ def next_segment_index(run_dir: RunDir) -> int:
 
 
 def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology, until_step: int, *,
-                  timeout_s: float | None = None, sink: Callable[[str], None] | None = None) -> SegmentResult:
-    """Run one segment under the run lock: resume from the latest valid checkpoint, train, commit."""
+                  timeout_s: float | None = None, sink: Callable[[str], None] | None = None,
+                  restart: bool = False) -> SegmentResult:
+    """Run one segment under the run lock: resume from the latest valid checkpoint, train, commit.
+
+    A run whose checkpoints are all invalid is refused (never restarted silently); ``restart`` moves them
+    aside (quarantine), rotates metrics.jsonl to ``metrics.before-restart-<segment>.jsonl`` and starts
+    from step 0, recorded in segments.jsonl and lineage. With a valid checkpoint ``restart`` is refused."""
     rd = RunDir.at(run_dir)
-    rd.root.mkdir(parents=True, exist_ok=True)
+    mkdir_durable(rd.root)
     with RunLock(rd.root):
         prepare_run_dir(rd, spec)
         seg = next_segment_index(rd)
         status_path = rd.root / STATUS_FILE
         status_path.unlink(missing_ok=True)
-        before = latest_valid(rd)
+        before = _resume_point(rd, seg, restart)
         start_step = before[1].step if before else 0
         append_jsonl(rd.segments, {"event": "start", "segment": seg, "until_step": until_step, "start_step": start_step,
                                    "world_size": topology.world_size, "time": lineage.now_iso()})
         launcher = get_launcher(topology.launcher)
-        req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s)
+        req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s,
+                            env={RESTART_ENV: "1"} if restart else {})
         outcome = launcher.launch(req, sink or (lambda line: log.info("%s", line)))
         result = _segment_result(rd, seg, start_step, topology, outcome)
         append_jsonl(rd.segments, {"event": "end", **result.model_dump(mode="json", exclude={"topology"})})
@@ -121,6 +128,42 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
                        step=result.end_step, status=result.status, world_size=topology.world_size,
                        seconds=round(result.seconds, 2), until_step=until_step)
     return result
+
+
+RESTART_ENV = "SHARDKEEPER_RESTART"  # trainer.checkpointer.RESTART_ENV (torch is not imported here)
+
+
+def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, CheckpointManifest] | None:
+    """Sweep leftovers, then the checkpoint to resume from; refuses a run whose checkpoints are all invalid
+    (or were set aside by a failed load) unless ``restart``, which sets them aside and starts from 0."""
+    sweep_leftovers(rd)
+    found = latest_valid(rd)
+    if found is not None:
+        if restart:
+            raise ConfigError(f"--restart: {found[0]} is a valid checkpoint and the run resumes from it; drop "
+                              "--restart (to train from step 0, use a new --run-dir)")
+        return found
+    invalid = invalid_committed(rd)
+    acknowledged = {n for r in read_jsonl(rd.segments) if r.get("event") == "restart" for n in r.get("quarantined", [])}
+    unacked = [q.name for q in rd.quarantined() if q.name not in acknowledged]
+    if not invalid and not unacked:
+        return None  # a new run
+    if not restart:
+        named = [f"{p.name} ({why})" for p, why in reversed(invalid)] + [f"{n} (failed to load)" for n in unacked]
+        raise CheckpointError(f"{rd.checkpoints}: no valid checkpoint to resume from: {'; '.join(named[:3])[:800]}"
+                              f"{f' and {len(named) - 3} more' if len(named) > 3 else ''}; refusing to restart "
+                              "silently from step 0: rerun with --restart to set them aside and start over")
+    moved = [quarantine(p, why).name for p, why in invalid]
+    rotated = None
+    if rd.metrics.exists():  # the new attempt's rows must not mix with the old ones
+        rotated = rd.root / f"metrics.before-restart-{seg}.jsonl"
+        os.rename(rd.metrics, rotated)
+    append_jsonl(rd.segments, {"event": "restart", "segment": seg, "quarantined": moved + unacked,
+                               "metrics_rotated_to": rotated.name if rotated else None, "time": lineage.now_iso()})
+    lineage.record(rd, "segment", f"restart:segment-{seg}", step=0, status="restart", action="restart",
+                   quarantined=moved + unacked, metrics_rotated_to=rotated.name if rotated else None)
+    log.warning("restarting %s from step 0: set aside %s", rd.root, ", ".join(moved + unacked))
+    return None
 
 
 def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopology, outcome) -> SegmentResult:

@@ -6,6 +6,18 @@ Commit protocol (a directory without a valid manifest is never loaded):
   3. rank 0 gathers sizes and digests, writes ``manifest.json`` (fsync), renames the directory to
      ``step-XXXXXXXX`` and fsyncs the parent; then every rank learns the commit happened.
 
+A failed save (a write error, a disk full, a file missing or of the wrong size at commit) raises the same
+one-line CheckpointError on every rank, removes the ``.partial`` directory and commits nothing: the
+previous checkpoint stays the resume point. After a commit rank 0 re-reads the checkpoint in the
+background and records it as verified (ckpt.validate.reread_and_record); retention keeps the newest one.
+
+Load: the newest checkpoint that passes the quick checks and every checksum is loaded; if the load fails
+(an undecodable record, a fingerprint or counter mismatch) all ranks agree on it, rank 0 quarantines the
+checkpoint (ckpt.fsutil.quarantine) and the next older one is tried. A later successful load overwrites
+the whole model, optimizer and RNG state, so nothing of the failed attempt survives. If checkpoints exist
+and none loads, the segment is refused (never a silent restart from step 0) unless the launch said
+restart (SHARDKEEPER_RESTART=1, set by ``shardkeeper train --restart``).
+
 Async save: training blocks only for one copy of the state into reusable CPU buffers; fingerprint,
 DCP planning and writing, hashing and the commit run on a background thread over a dedicated gloo
 group, so they never interleave with the training collectives. At most one save is in flight.
@@ -13,6 +25,7 @@ group, so they never interleave with the training collectives. At most one save 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -26,6 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -33,7 +47,7 @@ from ckpt import __version__, fingerprint as fp, lineage
 from ckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner
 from ckpt.direct_io import HashingDirectWriter
 from ckpt.errors import CheckpointError, FingerprintMismatch
-from ckpt.fsutil import fsync_dir
+from ckpt.fsutil import fsync_dir, mkdir_durable, quarantine
 from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, step_dir_name
 from ckpt.manifest import write_manifest
@@ -45,6 +59,8 @@ from trainer.dist import DistEnv
 
 log = logging.getLogger("shardkeeper.checkpoint")
 
+RESTART_ENV = "SHARDKEEPER_RESTART"  # "1": the controller moved the run's invalid checkpoints aside, start over
+
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -55,6 +71,21 @@ class TrainState:
     step: int = 0
     tokens: int = 0
     samples: int = 0
+
+
+def _find_os_error(exc: BaseException | None, depth: int = 0) -> OSError | None:
+    """The OSError behind a failure: itself, its cause/context, or one rank's failure inside DCP's
+    CheckpointException (which carries every failing rank's exception)."""
+    if exc is None or depth > 8:
+        return None
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, CheckpointException):
+        for _rank, (inner, _tb) in sorted(exc.failures.items()):
+            found = _find_os_error(inner, depth + 1)
+            if found is not None:
+                return found
+    return _find_os_error(exc.__cause__ or exc.__context__, depth + 1)
 
 
 def code_version() -> str:
@@ -83,6 +114,8 @@ class Checkpointer:
         self.last_committed_step: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
         self._fp_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fingerprint")
+        self._reread_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-reread")
+        self._reread: Future | None = None
         self._inflight: Future | None = None
         self._staged: dict[str, Any] | None = None
         self._lock = threading.Lock()
@@ -168,7 +201,8 @@ class Checkpointer:
         if self.env.is_rank0:
             if partial.exists():  # an abandoned attempt at the same step
                 shutil.rmtree(partial)
-            partial.mkdir(parents=True)
+            mkdir_durable(partial.parent)
+            partial.mkdir()
         dist.barrier(group=group if group is not None else self.env.ctrl_group)
 
     def warm_up(self, ts: TrainState) -> None:
@@ -204,7 +238,15 @@ class Checkpointer:
         fp_job = self._fp_pool.submit(self._fingerprint_parts, sd)
         writer = HashingDirectWriter(partial, sync_files=True, thread_count=self.spec.checkpoint.io_threads,
                                      overwrite=False)
-        dcp.save(sd, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
+        failure: BaseException | None = None
+        try:
+            dcp.save(sd, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
+        except (Exception, CheckpointException) as e:  # DCP re-raises a rank's write error on every rank; agree anyway
+            failure = e
+        problem = self._agree(self._save_problem(failure, partial) if failure else None, group)
+        if problem is not None:
+            fp_job.cancel()
+            self._abort_save(partial, problem, group)
         phases["write_s"] = time.perf_counter() - t
         t = time.perf_counter()
         fingerprint = self._finish_fingerprint(fp_job.result(), group)
@@ -225,44 +267,133 @@ class Checkpointer:
         self.last_committed_step = ts.step
         self.parent = step_dir_name(ts.step)
 
+    # ----------------------------------------------------------------- failures, agreement
+    def _agree(self, problem: str | None, group: dist.ProcessGroup | None = None) -> str | None:
+        """Every rank learns every rank's problem (one all-gather): all move on, or all fail, together."""
+        found: list[str | None] = [None] * self.env.world_size
+        dist.all_gather_object(found, problem, group=group if group is not None else self.env.ctrl_group)
+        return next((p for p in found if p), None)
+
+    def _resume_point(self) -> int:
+        return self.last_committed_step or 0
+
+    def _save_problem(self, exc: BaseException, partial: Path) -> str:
+        """One line for a failed save: the file, the cause, what happens on rerun."""
+        os_err = _find_os_error(exc)
+        where = Path(os_err.filename) if os_err is not None and os_err.filename else partial
+        if os_err is not None and os_err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return (f"disk full at {where}; free space and rerun, the run resumes from step {self._resume_point()}")
+        cause = (os_err.strerror or str(os_err)) if os_err is not None else f"{type(exc).__name__}: {exc}"
+        return (f"checkpoint save failed at {where} ({' '.join(str(cause).split())[:300]}); nothing was committed, "
+                f"the run resumes from step {self._resume_point()}")
+
+    def _abort_save(self, partial: Path, problem: str, group: dist.ProcessGroup | None) -> None:
+        """Every rank knows the save failed: rank 0 removes the .partial directory (its space is what a disk-full
+        rerun needs back), then all raise the same line."""
+        if self.env.is_rank0:
+            shutil.rmtree(partial, ignore_errors=True)
+            log.error("checkpoint not committed: %s", problem)
+        raise CheckpointError(problem)
+
+    @staticmethod
+    def _check_written(partial: Path, entries: list[FileEntry]) -> str | None:
+        """This rank's files exist with the size whose every byte was hashed."""
+        for e in entries:
+            try:
+                size = os.lstat(partial / e.path).st_size
+            except OSError:
+                return f"{partial / e.path}: written and hashed but missing at commit; nothing was committed"
+            if size != e.size:
+                return (f"{partial / e.path}: {size} bytes on disk, {e.size} hashed while writing; "
+                        "nothing was committed")
+        return None
+
     def _commit(self, ts: TrainState, reason: str, entries: list[FileEntry], tensors: list[TensorEntry],
-                fingerprint: Fingerprint, t0: float, async_save: bool) -> None:
+                fingerprint: Fingerprint, t0: float, async_save: bool, problem: str | None = None) -> None:
         """Steps 2-3 of the commit protocol, shared by both backends: gather every rank's (file, size,
-        digest), then rank 0 writes the manifest, renames ``.partial`` away and fsyncs the parent."""
+        digest) and problems; rank 0 checks that the files on disk are exactly those listed, with the hashed
+        sizes and the layout the format references, writes the manifest, renames ``.partial`` away and
+        fsyncs the parent. Every rank learns the outcome; on a failure all raise and nothing is committed."""
         group = self.env.ckpt_group
         partial = self.run_dir.partial(ts.step)
-        gathered: list[list[FileEntry]] | None = [[] for _ in range(self.env.world_size)] if self.env.is_rank0 else None
-        dist.gather_object(entries, gathered, dst=0, group=group)
+        mine = (entries, problem or self._check_written(partial, entries))
+        gathered: list[tuple[list[FileEntry], str | None]] | None = (
+            [([], None) for _ in range(self.env.world_size)] if self.env.is_rank0 else None)
+        dist.gather_object(mine, gathered, dst=0, group=group)
+        decision = None
         if self.env.is_rank0:
-            files = sorted((e for part in gathered or [] for e in part), key=lambda e: e.path)
-            manifest = CheckpointManifest(
-                format=self.FORMAT, run_name=self.spec.name, step=ts.step, tokens=ts.tokens, samples=ts.samples,
-                segment=self.segment, reason=reason,  # type: ignore[arg-type]
-                created_at=lineage.now_iso(), files=files, tensors=tensors,
-                model_signature=self.signature, topology=self.env.topology,
-                dtype_policy=DtypePolicy(compute=_DTYPE_NAMES[self.spec.precision.compute],  # type: ignore[arg-type]
-                                         reduce=_DTYPE_NAMES[self.spec.precision.reduce]),  # type: ignore[arg-type]
-                parent=self.parent, code_version=code_version(), fingerprint=fingerprint, run_spec=self.spec,
-                save_seconds=time.perf_counter() - t0, async_save=async_save, hf_model=self.hf_model,
-            )
-            write_manifest(partial, manifest)
-            final = self.run_dir.checkpoint(ts.step)
-            if final.exists():  # an invalid checkpoint at this step that resume skipped: keep it as evidence
-                aside = final.with_name(f"{final.name}.invalid-{int(time.time())}")
-                os.rename(final, aside)
-                log.warning("moved the invalid %s aside to %s before committing a new one", final.name, aside.name)
-            os.rename(partial, final)
-            fsync_dir(final.parent)
-            lineage.record(self.run_dir, "checkpoint", lineage.checkpoint_event_id(ts.step),
-                           parent=lineage.checkpoint_event_id(int(self.parent[5:])) if self.parent else None,
-                           step=ts.step, uri=final.as_uri(), reason=reason, world_size=self.env.world_size,
-                           segment=self.segment, save_seconds=round(manifest.save_seconds, 3),
-                           bytes=sum(f.size for f in files), async_save=async_save)
-            log.info("committed %s (%s, %.2f s, %.1f MB)", final.name, reason, manifest.save_seconds,
-                     sum(f.size for f in files) / 1e6)
-            pol = self.spec.checkpoint
-            apply_retention(self.run_dir, keep_last=pol.keep_last, keep_every=pol.keep_every)
-        dist.barrier(group=group)
+            try:
+                decision = self._commit_rank0(ts, reason, gathered or [], tensors, fingerprint, t0, async_save)
+            except Exception as e:  # tell the other ranks instead of leaving them at the broadcast
+                decision = self._save_problem(e, partial)
+        box = [decision]
+        dist.broadcast_object_list(box, src=0, group=group)
+        if box[0] is not None:
+            self._abort_save(partial, box[0], group)
+
+    def _commit_rank0(self, ts: TrainState, reason: str, gathered: list[tuple[list[FileEntry], str | None]],
+                      tensors: list[TensorEntry], fingerprint: Fingerprint, t0: float, async_save: bool) -> str | None:
+        from ckpt.validate import check_staged
+
+        partial = self.run_dir.partial(ts.step)
+        problems = [p for _, p in gathered if p]
+        if problems:
+            return problems[0]
+        files = sorted((e for part, _ in gathered for e in part), key=lambda e: e.path)
+        manifest = CheckpointManifest(
+            format=self.FORMAT, run_name=self.spec.name, step=ts.step, tokens=ts.tokens, samples=ts.samples,
+            segment=self.segment, reason=reason,  # type: ignore[arg-type]
+            created_at=lineage.now_iso(), files=files, tensors=tensors,
+            model_signature=self.signature, topology=self.env.topology,
+            dtype_policy=DtypePolicy(compute=_DTYPE_NAMES[self.spec.precision.compute],  # type: ignore[arg-type]
+                                     reduce=_DTYPE_NAMES[self.spec.precision.reduce]),  # type: ignore[arg-type]
+            parent=self.parent, code_version=code_version(), fingerprint=fingerprint, run_spec=self.spec,
+            save_seconds=time.perf_counter() - t0, async_save=async_save, hf_model=self.hf_model,
+        )
+        staged = check_staged(partial, manifest)  # exactly the planned files, each of its hashed size
+        if staged:
+            return staged[0]
+        write_manifest(partial, manifest)
+        final = self.run_dir.checkpoint(ts.step)
+        if final.exists():  # an invalid checkpoint at this step that resume skipped: keep it as evidence
+            quarantine(final, "a new checkpoint is committed at the same step")
+        os.rename(partial, final)
+        fsync_dir(final.parent)
+        try:  # committed: what follows is bookkeeping, and its failure must not fail the save
+            self._after_commit(final, manifest, reason, async_save)
+        except Exception as e:
+            log.warning("committed %s, but its bookkeeping failed: %s", final.name, e)
+        return None
+
+    def _after_commit(self, final: Path, manifest: CheckpointManifest, reason: str, async_save: bool) -> None:
+        """Rank 0, after the rename: lineage event, log line, retention, background re-read."""
+        nbytes = sum(f.size for f in manifest.files)
+        lineage.record(self.run_dir, "checkpoint", lineage.checkpoint_event_id(manifest.step),
+                       parent=lineage.checkpoint_event_id(int(self.parent[5:])) if self.parent else None,
+                       step=manifest.step, uri=final.as_uri(), reason=reason, world_size=self.env.world_size,
+                       segment=self.segment, save_seconds=round(manifest.save_seconds, 3),
+                       bytes=nbytes, async_save=async_save)
+        log.info("committed %s (%s, %.2f s, %.1f MB)", final.name, reason, manifest.save_seconds, nbytes / 1e6)
+        self._wait_reread()  # retention must see the previous checkpoint's verification
+        pol = self.spec.checkpoint
+        apply_retention(self.run_dir, keep_last=pol.keep_last, keep_every=pol.keep_every)
+        self._reread = self._reread_pool.submit(self._reread_committed, final)
+
+    def _reread_committed(self, final: Path) -> None:
+        """Background, rank 0: re-read the committed bytes; on a match record the checkpoint as verified."""
+        from ckpt.validate import reread_and_record
+
+        problem = reread_and_record(self.run_dir, final, threads=self.spec.checkpoint.io_threads)
+        if problem is not None:
+            log.error("re-reading %s after its commit failed: %s", final.name, problem)
+
+    def _wait_reread(self) -> None:
+        if self._reread is not None:
+            fut, self._reread = self._reread, None
+            try:
+                fut.result()
+            except Exception as e:  # a re-read is advisory: the checkpoint simply stays unverified
+                log.warning("re-read after commit did not finish: %s", e)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; re-raise its failure."""
@@ -272,27 +403,84 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+        self._wait_reread()
         self._pool.shutdown(wait=True)
         self._fp_pool.shutdown(wait=True)
+        self._reread_pool.shutdown(wait=True)
         self._staged = None
 
     # ----------------------------------------------------------------- load
-    def load_latest(self) -> TrainState | None:
-        """Load the newest checkpoint whose files all match their checksums (resharding through DCP);
-        a corrupted one is reported and skipped, never loaded. Verifies the fingerprint after load."""
+    def load_latest(self, *, restart: bool | None = None) -> TrainState | None:
+        """Load the newest checkpoint that passes the quick checks and every checksum, and then loads and
+        verifies (fingerprint, counters). One that fails the checksums or the load is quarantined on every
+        rank's agreement and the next older one is tried. Returns None when there is nothing to resume;
+        raises CheckpointError when checkpoints exist but none could be loaded, unless ``restart`` (default:
+        the launch's SHARDKEEPER_RESTART=1) and no load attempt touched the state."""
+        if restart is None:
+            restart = os.environ.get(RESTART_ENV) == "1"
         candidates = [str(p) for p in reversed(self.run_dir.committed())] if self.env.is_rank0 else None
         box = [candidates]
         dist.broadcast_object_list(box, src=0, group=self.env.ctrl_group)
+        failed: list[str] = []
+        touched = False  # a failed load may have written into the live state
         for cand in box[0] or []:
-            problem = self._verify_files(Path(cand))
+            path = Path(cand)
+            problem = self._quick_check(path)
+            if problem is not None:  # incomplete or mislabelled: skipped (train --restart moves it aside)
+                if self.env.is_rank0:
+                    log.warning("not loading %s: %s", path.name, problem)
+                failed.append(f"{path.name} ({problem})")
+                continue
+            problem = self._hash_check(path)
             if problem is None:
-                return self.load(Path(cand))
-            if self.env.is_rank0:
-                log.warning("not loading %s: %s", Path(cand).name, problem)
+                self._check_loadable(path, self._manifest(path))  # another run's checkpoint: refuse, keep it
+                touched = True
+                ts, problem = self._try_load(path)
+                if ts is not None:
+                    return ts
+            self._set_aside(path, problem)
+            failed.append(f"{path.name} ({problem})")
+        if failed and not (restart and not touched):
+            raise CheckpointError(
+                f"{self.run_dir.checkpoints}: no checkpoint could be loaded ({'; '.join(failed)[:600]}); failed loads were "
+                "moved aside as step-*.invalid-*; to start over from step 0 run shardkeeper train again with --restart")
         return None
 
-    def _verify_files(self, path: Path) -> str | None:
-        """Quick validation on rank 0, then every rank hashes a share of the files; None if all match."""
+    @staticmethod
+    def _manifest(path: Path) -> CheckpointManifest:
+        from ckpt.manifest import read_manifest
+
+        return read_manifest(path)
+
+    def _try_load(self, path: Path) -> tuple[TrainState | None, str | None]:
+        """Load ``path``; every rank learns whether any rank failed (one all-gather after the attempt)."""
+        ts, problem = None, None
+        try:
+            ts = self.load(path)
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            problem = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
+        problem = self._agree(problem)
+        if problem is not None:
+            return None, problem
+        if self.env.is_rank0:  # every byte was hashed against the manifest before this load
+            from ckpt.validate import record_verified
+
+            record_verified(self.run_dir, path, how="load", bytes_read=sum(f.size for f in self._manifest(path).files))
+        return ts, None
+
+    def _set_aside(self, path: Path, problem: str | None) -> None:
+        """Rank 0 quarantines a checkpoint that failed its checksums or its load, logs one line and records
+        it in lineage; all ranks wait for the rename before looking at the next candidate."""
+        if self.env.is_rank0:
+            log.error("cannot resume from %s: %s", path.name, problem)
+            aside = quarantine(path, "failed to load")
+            lineage.record(self.run_dir, "validate", f"quarantine:{path.name}:{aside.name.rsplit('-', 1)[-1]}",
+                           parent=f"checkpoint:{path.name}", step=int(path.name[5:13]), uri=aside.as_uri(),
+                           valid=False, action="quarantined", errors=[problem or ""], segment=self.segment)
+        dist.barrier(group=self.env.ctrl_group)
+
+    def _quick_check(self, path: Path) -> str | None:
+        """Quick validation on rank 0, broadcast: None if the checkpoint is complete and consistent."""
         from ckpt.validate import validate
 
         problem = None
@@ -301,18 +489,19 @@ class Checkpointer:
             problem = None if report.valid else report.errors[0]
         box = [problem]
         dist.broadcast_object_list(box, src=0, group=self.env.ctrl_group)
-        if box[0] is not None:
-            return box[0]
-        from ckpt.manifest import read_manifest
+        return box[0]
 
-        files = read_manifest(path).files[self.env.rank :: self.env.world_size]
+    def _hash_check(self, path: Path) -> str | None:
+        """Every rank hashes a share of the files; None if all match the manifest."""
+        files = self._manifest(path).files[self.env.rank :: self.env.world_size]
         hashed = hash_files([path / f.path for f in files], threads=self.spec.checkpoint.io_threads)
         bad = [f"{path / f.path}: checksum mismatch; the file is corrupted"
-               for f in files if hashed[path / f.path][1] != f.xxh3_128]
-        found: list[list[str] | None] = [None] * self.env.world_size
-        dist.all_gather_object(found, bad, group=self.env.ctrl_group)
-        errors = [e for part in found for e in (part or [])]
-        return errors[0] if errors else None
+               for f in files if hashed[path / f.path] != (f.size, f.xxh3_128)]
+        return self._agree(bad[0] if bad else None)
+
+    def _verify_files(self, path: Path) -> str | None:
+        """Quick validation on rank 0, then every rank hashes a share of the files; None if all match."""
+        return self._quick_check(path) or self._hash_check(path)
 
     def load(self, path: Path) -> TrainState:
         from ckpt.manifest import read_manifest
@@ -334,11 +523,22 @@ class Checkpointer:
             torch.manual_seed(self.spec.seed + 7919 * manifest.step + self.env.rank)
         ts = TrainState(step=int(sd["trainer"]["step"]), tokens=int(sd["trainer"]["tokens"]),
                         samples=int(sd["trainer"]["samples"]))
+        self._check_counters(path, manifest, ts)
         # A converted checkpoint's fingerprint was summed by another code path (ckpt.deepspeed_convert):
         # compare it within the cross-world tolerance even at the same world size.
         self._verify(path, manifest, same_world and manifest.reason != "converted")
         self._resumed(path, manifest, ts, t0)
         return ts
+
+    @staticmethod
+    def _check_counters(path: Path, manifest: CheckpointManifest, ts: TrainState) -> None:
+        """The loaded counters, the manifest and the directory name must tell the same step."""
+        for key in ("step", "tokens", "samples"):
+            if getattr(ts, key) != getattr(manifest, key):
+                raise CheckpointError(f"{path}: loaded trainer.{key} {getattr(ts, key)}, the manifest says "
+                                      f"{getattr(manifest, key)}; the checkpoint is inconsistent")
+        if path.name.startswith("step-") and path.name != f"step-{ts.step:08d}":
+            raise CheckpointError(f"{path}: holds step {ts.step}; the directory name and the state disagree")
 
     def _check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
         """Refuse a checkpoint of the other backend's format or of another architecture (one line each)."""

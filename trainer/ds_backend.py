@@ -133,9 +133,15 @@ def _verified_checkpoint_engine() -> Any:
         def __init__(self) -> None:
             super().__init__(None)
             self.written: dict[str, tuple[int, str]] = {}
+            self.failed: dict[str, BaseException] = {}
 
         def save(self, state_dict: Any, path: str) -> None:
-            self.written[path] = save_torch(path, state_dict)
+            # A failure is kept, not raised: DeepSpeed would leave the other ranks in its barrier. The
+            # commit makes every rank agree on it and raise together.
+            try:
+                self.written[path] = save_torch(path, state_dict)
+            except Exception as e:
+                self.failed.setdefault(path, e)
 
         def load(self, path: str, map_location: Any = None) -> Any:
             with torch.serialization.safe_globals(allowed):
@@ -233,12 +239,22 @@ class DeepSpeedCheckpointer(Checkpointer):
         self._prepare_partial(ts.step)
         partial = self.run_dir.partial(ts.step)
         self.files.written.clear()
-        self.engine.save_checkpoint(str(partial.parent), tag=partial.name, client_state={}, save_latest=False)
-        entries = [FileEntry(path=os.path.relpath(p, partial), size=s, xxh3_128=d, rank=self.env.rank)
-                   for p, (s, d) in sorted(self.files.written.items())]
-        entries += self._save_extras(partial, ts)
+        self.files.failed.clear()
+        entries: list[FileEntry] = []
+        problem = None
+        try:
+            self.engine.save_checkpoint(str(partial.parent), tag=partial.name, client_state={}, save_latest=False)
+            entries = [FileEntry(path=os.path.relpath(p, partial), size=s, xxh3_128=d, rank=self.env.rank)
+                       for p, (s, d) in sorted(self.files.written.items())]
+            entries += self._save_extras(partial, ts)
+        except Exception as e:
+            problem = self._save_problem(e, partial)
+        if self.files.failed and problem is None:
+            path, err = sorted(self.files.failed.items())[0]
+            problem = self._save_problem(err if getattr(err, "filename", None) else
+                                         OSError(getattr(err, "errno", None), str(err), path), partial)
         fingerprint = self.fingerprint(self.env.ckpt_group)
-        self._commit(ts, reason, entries, self._ds_inventory(), fingerprint, t0, False)
+        self._commit(ts, reason, entries, self._ds_inventory(), fingerprint, t0, False, problem=problem)
         self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 0.0})
         self.last_committed_step = ts.step
         self.parent = step_dir_name(ts.step)
@@ -266,12 +282,16 @@ class DeepSpeedCheckpointer(Checkpointer):
         state = read_state(path)
         native = state["layout"] == "zero" and manifest.topology.world_size == self.env.world_size
         if native:
+            problem = self._check_pickles(path, recursive=False)  # every rank agrees before DeepSpeed reads any
+            if problem is not None:
+                raise CheckpointError(problem)
             self._load_native(path)
         else:
             self._load_universal(self._universal(path, manifest))
         self._repair_after_load()
         self._restore_rng(path, manifest, native)
         ts = TrainState(step=int(state["step"]), tokens=int(state["tokens"]), samples=int(state["samples"]))
+        self._check_counters(path, manifest, ts)
         self._verify_ds(path, manifest, exact=native)
         self._resumed(path, manifest, ts, t0)
         return ts
@@ -323,11 +343,11 @@ class DeepSpeedCheckpointer(Checkpointer):
             raise CheckpointError(problem)
         return target
 
-    def _check_pickles(self, target: Path) -> str | None:
+    def _check_pickles(self, target: Path, *, recursive: bool = True) -> str | None:
         """DeepSpeed reads universal files with an unrestricted torch.load, and a run directory may come
         from someone else: every rank parses its share of the .pt files with the allow-list unpickler
         (nothing executed) before DeepSpeed opens any of them. None when all are plain tensor records."""
-        files = sorted(target.rglob("*.pt"))[self.env.rank :: self.env.world_size]
+        files = sorted(target.rglob("*.pt") if recursive else target.glob("*.pt"))[self.env.rank :: self.env.world_size]
         bad = None
         for f in files:
             try:
