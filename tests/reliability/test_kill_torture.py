@@ -29,9 +29,11 @@ def test_kill_torture_ci(tmp_path: Path) -> None:
     h = Torture(tmp_path, final=40, seed=7, log=lines.append)
     chain = h.kill_chain(CONFIGS["fsdp2-async"], 0, len(PLAN), time.monotonic() + 600, PLAN, preempt=("async-save",))
     st = h.stats
-    report = "\n".join(lines) + "\n" + json.dumps({"kills": st.kills, "preemptions": st.preemptions,
-                                                   "segments": st.segments, "chain": chain}, default=str)
-    assert [k["killed"] for k in st.kills] == [True] * len(PLAN), report
-    assert [p["signalled"] for p in st.preemptions] == [True], report
+    report = (f"violations {st.violations()}\n" + "\n".join(lines) + "\n"
+              + json.dumps({"kills": st.kills, "preemptions": st.preemptions, "segments": st.segments, "chain": chain},
+                           default=str))
     assert st.violations() == {}, report
     assert chain["final_diffs"] == [], report
+    # Every planned moment was reached (a segment that ended before its moment tests nothing).
+    assert [k["killed"] for k in st.kills] == [True] * len(PLAN), report
+    assert [p["signalled"] for p in st.preemptions] == [True], report
