@@ -149,6 +149,7 @@ def table(r: dict) -> str:
         ("preemption cases (SIGTERM): exit 75", f"{sum(1 for p in pre if p['exit_code'] == 75)}/{len(pre)} "
          '(' + ', '.join(f"{p['case']}={p['exit_code']}" for p in pre) + ')'),
         ("completed steps lost on preemption", v.get("preempt_steps_lost", 0)),
+        ("segments whose CLI printed its own traceback", v.get("cli_traceback", 0)),
         ("secret (HF_TOKEN) leaks", "n/a" if not r["secrets"] else
          f"{len(r['secrets']['hits'])} files of {r['secrets']['files_scanned']} scanned"),
         ("time per kill (launch to checks done)", f"median {_median(secs):.1f} s, max {max(secs, default=0):.1f} s; "

@@ -388,6 +388,7 @@ class Stats:
             "no_valid_checkpoint_left": sum(1 for k in self.kills + self.preemptions if k.get("no_valid_left")),
             "partial_or_wrong_resume": sum(1 for s in self.segments if s.get("resume_problem")),
             "inexact_steps": sum(len(s.get("inexact_steps", [])) for s in self.segments),
+            "cli_traceback": sum(1 for s in self.segments if s.get("cli_traceback")),
             "chains_not_bitwise": sum(1 for c in self.chains if c.get("final_diffs")),
             "preempt_wrong_exit": sum(1 for p in self.preemptions if p["signalled"] and p.get("exit_code") != EXIT_PREEMPTED),
             "preempt_steps_lost": sum(p.get("steps_lost", 0) for p in self.preemptions),
@@ -489,6 +490,8 @@ class Torture:
         text = ln.log_path.read_text(errors="replace")
         rec["resumed_from_partial"] = ".partial" in "".join(
             line for line in text.splitlines() if "resumed from" in line)
+        # The CLI must report a failed segment in one line, never with its own traceback.
+        rec["cli_traceback"] = "Traceback" in text and 'shardkeeper/cli.py", line' in text
         mets = [m for m in ln.new_lines("metrics.jsonl") if seg is not None and m.get("segment") == seg]
         problems = []
         if resumes:
