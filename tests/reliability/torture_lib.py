@@ -485,7 +485,7 @@ class Torture:
         valid checkpoint existed), and did every step it trained match the reference bitwise?"""
         seg = ln.segment_index()
         rec: dict[str, Any] = {"chain": context.get("chain"), "segment": seg, "expected_resume": expected,
-                               "kind": context.get("kind")}
+                               "kind": context.get("kind"), "log": ln.log_path.name}
         resumes = [e for e in ln.new_lines("lineage.jsonl") if e.get("kind") == "resume"]
         text = ln.log_path.read_text(errors="replace")
         rec["resumed_from_partial"] = ".partial" in "".join(
