@@ -119,6 +119,11 @@ def check_model_config(spec: RunSpec) -> Any:
         close = difflib.get_close_matches(mt, list(CONFIG_MAPPING.keys()), n=3)
         hint = f"did you mean {' or '.join(close)}?" if close else "use a decoder type such as llama, qwen2 or mistral"
         raise ConfigError(f"model.model_type {mt!r}: not a transformers model type; {hint}")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(f"model.model_type {mt!r}: transformers has no causal LM for it (AutoModelForCausalLM); "
+                          "use a decoder model type such as llama, qwen2 or mistral")
     default = AutoConfig.for_model(mt)
     known = _config_options(default)
     for key in spec.model.config:

@@ -49,11 +49,13 @@ def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = 
         raise ConfigError(f"--nproc {nproc}: more ranks than this machine can run ({limit}); use --nproc <= {limit}")
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device {device!r}: choose auto, cpu or cuda")
+    source = f"--device {device}"
     if device == "auto" and os.environ.get("SHARDKEEPER_DEVICE") in ("cpu", "cuda"):
         device = os.environ["SHARDKEEPER_DEVICE"]
+        source = f"SHARDKEEPER_DEVICE={device}"
     if device == "cuda" and not cuda_device_count():
-        raise ConfigError("--device cuda: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
-                          "use --device cpu or auto")
+        raise ConfigError(f"{source}: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+                          "use --device cpu (and unset SHARDKEEPER_DEVICE)")
     cuda = device == "cuda" or (device == "auto" and _cuda_available())
     return ClusterTopology(nodes=nodes, procs_per_node=nproc, device_type="cuda" if cuda else "cpu",
                            backend="nccl" if cuda else "gloo", launcher=launcher)  # type: ignore[arg-type]
