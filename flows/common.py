@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import time
 
-from prefect import get_run_logger
+from pathlib import Path
+from typing import TypeVar
 
+from prefect import get_run_logger
+from prefect.exceptions import ParameterTypeError
+from pydantic import BaseModel, ValidationError
+
+from ckpt.errors import ConfigError
 from schemas import RunSpec, SegmentResult
-from schemas.requests import SegmentOutcome, SegmentPlan
+from schemas.requests import ResumeRequest, SegmentOutcome, SegmentPlan, TrainExportRequest
+from shardkeeper.config import explain
 from tasks.stages import inspect_run, plan_topology, reshard, train_segment
 
 MAX_BACKOFF_S = 600.0
+M = TypeVar("M", bound=BaseModel)
 
 
 class PipelineError(RuntimeError):
@@ -25,6 +33,63 @@ class SegmentFailed(PipelineError):
 
 class SegmentPreempted(PipelineError):
     """Preempted more often than the request allows; the run can be resumed later (resume flow)."""
+
+
+class RequestError(ParameterTypeError):
+    """The flow's parameters are wrong: one line naming the field, raised before any task runs."""
+
+    def __init__(self, msg: str):
+        super().__init__(" ".join(msg.split()))
+
+
+def parse_request(model: type[M], value: object) -> M:
+    """The flow parameter as ``model``, or a RequestError with one line (Prefect's own message is a list)."""
+    if isinstance(value, model):
+        return value
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        raise RequestError(explain(e, "request", model)) from None
+
+
+def check_train_request(request: TrainExportRequest) -> RunSpec:
+    """Everything about a train-and-export request that can be known before a task runs (no Prefect server
+    needed): the config file, every segment's world size, the run directory, the model, the data and the
+    memory of the largest segment. Raises a ShardkeeperError (one line); writes nothing."""
+    from shardkeeper.config import load_run_spec
+    from shardkeeper.preflight import preflight
+    from shardkeeper.stages import plan_topology as plan
+
+    if request.config is not None and not Path(request.config).is_file():
+        _missing("config", request.config, "a RunSpec YAML file", "configs/tiny.yaml")
+    spec = request.spec if request.spec is not None else load_run_spec(request.config or "", request.overrides)
+    if request.export_dir is not None and Path(request.export_dir).is_file():
+        raise ConfigError(f"export_dir {request.export_dir}: is a file; give a folder to create")
+    topologies = {}
+    for i, seg in enumerate(request.segments):
+        try:
+            topologies.setdefault(seg.nproc, plan(spec, seg.nproc))
+        except ConfigError as e:
+            raise ConfigError(f"segments[{i}].nproc: {e}") from None
+    for topo in topologies.values():
+        preflight(spec, topo, request.run_dir)
+    return spec
+
+
+def check_resume_request(request: ResumeRequest) -> None:
+    """The resume flow's folders exist (relative paths resolve from the flow run's working directory)."""
+    if request.root is not None and not Path(request.root).is_dir():
+        _missing("root", request.root, "the folder that holds the run directories", "/data/runs")
+    for i, d in enumerate(request.run_dirs):
+        if not Path(d).is_dir():
+            _missing(f"run_dirs[{i}]", d, "a run directory", "/data/runs/demo")
+
+
+def _missing(field: str, value: str, what: str, example: str) -> None:
+    p = Path(value)
+    state = "is a file" if p.is_file() else ("is not a folder" if p.exists() else "does not exist")
+    where = "" if p.is_absolute() else f" (relative to the flow run's directory {Path.cwd()})"
+    raise ConfigError(f"{field} {value}: {state}{where}; give {what} as an absolute path, e.g. {example}")
 
 
 def backoff_delay(backoff_s: float, attempt: int) -> float:

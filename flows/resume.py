@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from ckpt.errors import RunLockedError, ShardkeeperError
-from flows.common import PipelineError, run_segment
+from flows.common import PipelineError, check_resume_request, parse_request, run_segment
 from schemas.requests import ResumeItem, ResumeRequest, ResumeSummary, RunState, SegmentPlan
 from tasks.lineage import mirror_lineage
 from tasks.stages import load_spec, run_state
@@ -79,10 +79,12 @@ def _resume_one(state: RunState, request: ResumeRequest) -> ResumeItem:
     return item
 
 
-@flow(name="resume", validate_parameters=True)
+@flow(name="resume", validate_parameters=False)  # parse_request: one line instead of Prefect's list
 def resume(request: ResumeRequest) -> ResumeSummary:
     """Scan -> for each resumable run: (reshard) -> train to its recorded until_step -> lineage artifacts."""
     logger = get_run_logger()
+    request = parse_request(ResumeRequest, request)
+    check_resume_request(request)
     items: list[ResumeItem] = []
     for state in scan_runs(request.root, request.run_dirs):
         item = triage(state) or _resume_one(state, request)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.common import PipelineError, run_segment
+from flows.common import PipelineError, check_train_request, parse_request, run_segment
 from schemas import ExportResult, PublishResult, RunSpec
 from schemas.requests import SegmentOutcome, TrainExportRequest, TrainExportSummary
 from tasks.lineage import mirror_lineage
@@ -53,10 +53,12 @@ def _export_and_publish(request: TrainExportRequest, ckpt: str) -> tuple[int, Ex
     return step, exported, published
 
 
-@flow(name="train-and-export", validate_parameters=True)
+@flow(name="train-and-export", validate_parameters=False)  # parse_request: one line instead of Prefect's list
 def train_and_export(request: TrainExportRequest) -> TrainExportSummary:
     """Segments -> (reshard) -> train, resumed after preemptions -> validate (deep) -> export -> publish -> lineage."""
     logger = get_run_logger()
+    request = parse_request(TrainExportRequest, request)
+    check_train_request(request)  # before any task: a bad request fails with one line and writes nothing
     spec: RunSpec = load_spec(request.config, request.spec, request.overrides)
     outcomes: list[SegmentOutcome] = []
     try:

@@ -158,13 +158,20 @@ def get_launcher(name: str) -> Launcher:
         raise ValueError(f"launcher {name!r} is not available here; choose one of {sorted(LAUNCHERS)}") from None
 
 
+# A rank that fails writes its cause as one line with this prefix, last, on stderr (trainer.segment.main).
+RANK_ERROR_PREFIX = "shardkeeper-error:"
 _TORCHRUN_SUMMARY = ("ChildFailedError", "torch.distributed.elastic", "Root Cause", "Failures:", "====")
 _ERROR_RE = re.compile(r"(^|\s)(error:|\w*(Error|Exception|Mismatch)\b)|Traceback")
 
 
 def failing_rank_lines(tail: list[str], limit: int = 8) -> str:
     """The failing rank's own error lines: torchrun's closing summary (which only says a child failed)
-    is cut off first, so it cannot push the real exception out of the window."""
+    is cut off first, so it cannot push the real exception out of the window. A rank's own one-line
+    cause (``RANK_ERROR_PREFIX``) wins: the first one printed, since the others usually follow from it."""
+    for line in tail:
+        at = line.find(RANK_ERROR_PREFIX)
+        if at >= 0:
+            return line[at + len(RANK_ERROR_PREFIX):].strip()
     cut = len(tail)
     for i, line in enumerate(tail):
         if any(marker in line for marker in _TORCHRUN_SUMMARY):

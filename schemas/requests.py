@@ -5,9 +5,10 @@ Pydantic only (no torch, no prefect): a bad request fails validation before anyt
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from schemas.results import ExportResult, PublishResult, ReshardResult, SegmentResult, SegmentStatus
 from schemas.run import RunSpec
@@ -23,6 +24,15 @@ class SegmentPlan(_Frozen):
     timeout_s: float | None = Field(
         None, gt=0, description="stop the segment (with a checkpoint: it ends 'preempted') after this many seconds"
     )
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)  # as ckpt.export.parse_size
+
+
+def _not_blank(v: str | None, what: str) -> str | None:
+    if v is not None and not v.strip():
+        raise ValueError(f"{what} is blank; give a path (or leave it out)")
+    return v
 
 
 class TrainExportRequest(_Frozen):
@@ -53,6 +63,27 @@ class TrainExportRequest(_Frozen):
     )
     publish_revision: str | None = Field(None, description="branch to publish to (default: main)")
 
+    @field_validator("config", "run_dir", "export_dir", "publish_target", "publish_revision")
+    @classmethod
+    def _paths_not_blank(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return _not_blank(v, str(info.field_name))
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        if not _SIZE_RE.match(v) or float(_SIZE_RE.match(v).group(1)) <= 0:  # type: ignore[union-attr]
+            raise ValueError(f"max_shard_size {v!r} is not a size; give e.g. '5GB', '500MB' or '2GiB'")
+        return v
+
+    @field_validator("overrides")
+    @classmethod
+    def _overrides(cls, v: list[str]) -> list[str]:
+        for item in v:
+            key, sep, _ = item.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"overrides item {item!r}: expected key.path=value, e.g. optim.lr=1e-3")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> TrainExportRequest:
         if (self.config is None) == (self.spec is None):
@@ -76,6 +107,18 @@ class ResumeRequest(_Frozen):
     max_preemption_retries: int = Field(3, ge=0, description="times a preempted segment is resumed before giving up")
     backoff_s: float = Field(5.0, ge=0, description="wait before a resume; doubles after each preemption")
     timeout_s: float | None = Field(None, gt=0, description="stop each resumed segment after this many seconds")
+
+    @field_validator("root")
+    @classmethod
+    def _root_not_blank(cls, v: str | None) -> str | None:
+        return _not_blank(v, "root")
+
+    @field_validator("run_dirs")
+    @classmethod
+    def _run_dirs_not_blank(cls, v: list[str]) -> list[str]:
+        for i, d in enumerate(v):
+            _not_blank(d, f"run_dirs[{i}]")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> ResumeRequest:

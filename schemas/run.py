@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Frozen(BaseModel):
@@ -38,6 +38,13 @@ class DataSpec(_Frozen):
         1 << 20, gt=1024, description="length of the generated corpus for source='synthetic'"
     )
 
+    @field_validator("path")
+    @classmethod
+    def _token_file_name(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("data.path is blank; set it to a .bin or .npy token file or remove it")
+        return v
+
     @model_validator(mode="after")
     def _path_for_tokens(self) -> DataSpec:
         if self.source == "tokens" and not self.path:
@@ -51,7 +58,14 @@ class OptimSpec(_Frozen):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay")
-    grad_clip: float | None = Field(1.0, description="max global L2 norm of gradients; null disables clipping")
+    grad_clip: float | None = Field(1.0, gt=0, description="max global L2 norm of gradients; null disables clipping")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"AdamW betas {list(v)} must each be in [0, 1), e.g. [0.9, 0.95]")
+        return v
 
 
 class ScheduleSpec(_Frozen):
@@ -82,7 +96,7 @@ class DeepSpeedSpec(_Frozen):
 
 
 class RunSpec(_Frozen):
-    name: str = Field("run", min_length=1, description="human name of the run (shown in lineage and model cards)")
+    name: str = Field("run", min_length=1, pattern=r"\S", description="human name of the run (shown in lineage and model cards)")
     backend: Literal["fsdp2", "deepspeed"] = Field("fsdp2", description="sharding backend")
     seed: int = Field(1234, description="seed of initialisation and of the global sample order")
     global_batch_size: int = Field(8, gt=0, description="samples per optimizer step, over all ranks")

@@ -15,21 +15,37 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
+import click
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
 from ckpt.errors import ShardkeeperError
+from infra.launchers import RANK_ERROR_PREFIX
+
+try:  # typer >= 0.20 vendors click as typer._click; older ones raise click's own exceptions
+    from typer._click.exceptions import ClickException as _TyperClickException
+    from typer._click.exceptions import NoArgsIsHelpError as _NO_ARGS_HELP
+except ImportError:  # pragma: no cover
+    _TyperClickException = click.ClickException  # type: ignore[assignment,misc]
+    _NO_ARGS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # type: ignore[assignment]
+_CLICK_ERRORS = (_TyperClickException, click.ClickException)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Resumable, verified, elastic sharded checkpoints for PyTorch LM training.")
 console = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
+
+
+_STATE = {"verbose": False}
+# A line the ranks log through trainer.segment's logging format ("<time> [rankN] name: message").
+_RANK_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \[rank\d+\] ")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -38,8 +54,16 @@ def _setup_logging(verbose: bool) -> None:
 
 
 @app.callback()
-def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False) -> None:
+def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging, all rank output, tracebacks")] = False) -> None:
+    _STATE["verbose"] = verbose
     _setup_logging(verbose)
+
+
+def _rank_output(line: str) -> None:
+    """The ranks' progress log reaches the terminal; their tracebacks, warnings and torchrun's summary only with
+    -v (a failure is reported once, as one line, after the launch)."""
+    if _STATE["verbose"] or (_RANK_LOG.match(line) and RANK_ERROR_PREFIX not in line):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -62,15 +86,26 @@ def train(
 
     if until_step < 1:
         raise ShardkeeperError(f"--until-step {until_step}: must be at least 1")
+    if timeout is not None and not timeout > 0:
+        raise ShardkeeperError(f"--timeout {timeout:g}: must be a positive number of seconds; omit it for no timeout")
     spec = load_run_spec(config, set_)
     topo = plan_topology(spec, nproc, device=device)
-    res = train_segment(spec, run_dir, topo, until_step, timeout_s=timeout, restart=restart, sink=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
+    res = train_segment(spec, run_dir, topo, until_step, timeout_s=timeout, restart=restart, sink=_rank_output)
     msg = f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} on {topo.world_size} ranks in {res.seconds:.1f} s"
     if res.status == "failed":
-        console.print(f"[red]error:[/red] {msg}; last lines:\n{res.failure}")
+        console.print(f"error: {msg}: {_failure_line(res.failure)}", markup=False, highlight=False, soft_wrap=True)
     else:
         console.print(f"[green]{msg}[/green]; checkpoint {res.checkpoint}")
     raise typer.Exit(res.exit_code)
+
+
+def _failure_line(failure: str | None) -> str:
+    """One line for the failed segment: the ranks' own error line, or the last line they printed."""
+    lines = [ln.strip() for ln in (failure or "").splitlines() if ln.strip()]
+    if not lines:
+        return "the ranks exited without an error message; rerun with -v to see their output"
+    hint = "" if len(lines) == 1 and "; " in lines[0] else "; rerun with -v to see the ranks' output"
+    return " ".join(lines[-1].split()) + hint
 
 
 @app.command()
@@ -153,6 +188,9 @@ def publish(
 
     if bool(repo_id) == bool(target):
         raise ShardkeeperError("publish: give exactly one of --repo-id ORG/NAME or --target URL")
+    if not export_dir.is_dir():
+        what = "is a file, not an export folder" if export_dir.exists() else "no such export folder"
+        raise ShardkeeperError(f"{export_dir}: {what}; pass the folder written by `shardkeeper export`")
     res = publish_export(export_dir, repo_id or target or "", revision=revision)
     verb = "already published (same checksums), nothing uploaded" if res.skipped else f"published {res.files} files"
     out.print(f"{verb}: {res.url or res.target}" + (f" @ {res.revision}" if res.revision else ""))
@@ -184,26 +222,69 @@ def lineage_cmd(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The console script and ``python -m shardkeeper``: every user mistake is one line on stderr, exit 2
+    (or the error's own code); a traceback only for a bug, and then only with -v."""
+    _STATE["verbose"] = False
     try:
-        rc = app(args=argv, standalone_mode=False)
+        rc = app(args=argv, prog_name="shardkeeper", standalone_mode=False)
         return rc if isinstance(rc, int) else 0
     except ShardkeeperError as e:
-        console.print(f"error: {e}", markup=False, highlight=False)
-        return e.exit_code
+        return _error(str(e), e.exit_code)
     except typer.Exit as e:
         return e.exit_code
     except SystemExit as e:
-        return int(e.code or 0)
-    except KeyboardInterrupt:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else _error(str(e.code), 2))
+    except (KeyboardInterrupt, typer.Abort):
         console.print("interrupted")
         return 130
-    except Exception as e:  # click usage errors
-        import click
+    except _CLICK_ERRORS as e:
+        return _usage_error(e)
+    except OSError as e:  # a user path that cannot be read or written
+        where = f"{e.filename}: " if e.filename else ""
+        return _error(f"{where}{e.strerror or e}; check the path and its permissions", 2)
+    except ValueError as e:
+        return _error(f"{' '.join(str(e).split())}; check the arguments", 2)
+    except Exception as e:  # noqa: BLE001 - a bug: say so in one line, traceback with -v or in the log
+        return _internal_error(e)
 
-        if isinstance(e, click.ClickException):
-            e.show()
-            return e.exit_code
-        raise
+
+def _usage_error(e: Exception) -> int:
+    if isinstance(e, _NO_ARGS_HELP):
+        e.show()  # type: ignore[attr-defined]
+        return 0
+    ctx = getattr(e, "ctx", None)
+    cmd = ctx.command_path if ctx is not None else "shardkeeper"
+    return _error(f"{e.format_message().rstrip('.')}; see `{cmd} --help`", 2)  # type: ignore[attr-defined]
+
+
+def _error(message: str, code: int) -> int:
+    console.print(f"error: {' '.join(message.split())}", markup=False, highlight=False, soft_wrap=True)
+    return code
+
+
+def _internal_error(e: Exception) -> int:
+    import traceback
+
+    text = "".join(traceback.format_exception(e))
+    if _STATE["verbose"]:
+        sys.stderr.write(text)
+    log_path = _write_crash_log(text)
+    where = f"the traceback is in {log_path}" if log_path else "rerun with -v for the traceback"
+    return _error(f"internal error ({type(e).__name__}: {str(e)[:200]}); this is a bug in shardkeeper, please "
+                  f"report it; {where}", 1)
+
+
+def _write_crash_log(text: str) -> Path | None:
+    import os
+
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shardkeeper"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        path = base / "last-error.log"
+        path.write_text(text)
+        return path
+    except OSError:
+        return None
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
@@ -54,9 +56,12 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items or []:
         key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
+        if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
             raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. --set optim.lr=1e-3")
-        out[key.strip()] = load_yaml(raw) if raw.strip() else None
+        try:
+            out[key.strip()] = load_yaml(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML; quote it, e.g. --set 'name=\"a: b\"'") from None
     return out
 
 
@@ -66,6 +71,13 @@ def load_run_spec(path: str | Path, overrides: list[str] | None = None) -> RunSp
         raw = load_yaml(path.read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file; pass --config with a YAML RunSpec such as configs/tiny.yaml") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file; pass --config with a YAML file such as "
+                          "configs/tiny.yaml") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: cannot read the config file (permission denied); fix its permissions") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (not UTF-8); pass a YAML RunSpec such as configs/tiny.yaml") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -86,3 +98,87 @@ def spec_from_dict(raw: dict[str, Any], source: str) -> RunSpec:
 
 def dump_run_spec(spec: RunSpec) -> str:
     return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+
+
+# Keyword arguments every transformers config takes besides its own fields (consumed by
+# PretrainedConfig.__init__, so they do not show up in to_dict()).
+_CONFIG_KWARGS = frozenset({"attn_implementation", "torch_dtype", "dtype", "rope_theta", "rope_scaling"})
+
+
+def check_model_config(spec: RunSpec) -> Any:
+    """model.model_type and model.config as transformers will see them on the ranks: an unknown model type,
+    a key that is no option of the config class (transformers would silently keep a typo as an attribute),
+    values the config class refuses, and data.seq_len above the model's positions. Returns the config."""
+    import difflib
+
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    mt = spec.model.model_type
+    if mt not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(mt, list(CONFIG_MAPPING.keys()), n=3)
+        hint = f"did you mean {' or '.join(close)}?" if close else "use a decoder type such as llama, qwen2 or mistral"
+        raise ConfigError(f"model.model_type {mt!r}: not a transformers model type; {hint}")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(f"model.model_type {mt!r}: transformers has no causal LM for it (AutoModelForCausalLM); "
+                          "use a decoder model type such as llama, qwen2 or mistral")
+    default = AutoConfig.for_model(mt)
+    known = _config_options(default)
+    for key in spec.model.config:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean model.config.{close[0]}?" if close else "remove it or fix its spelling"
+            raise ConfigError(f"model.config.{key}: not an option of {type(default).__name__} ({mt}); {hint}")
+    kwargs = {"attn_implementation": "sdpa", **spec.model.config}
+    try:
+        with quiet_transformers():
+            cfg = AutoConfig.for_model(mt, **kwargs)
+    except Exception as e:  # noqa: BLE001 - transformers raises ValueError, TypeError or its own validation errors
+        raise ConfigError(f"model.config: transformers refuses this {mt} config ({_first_line(e)}); fix the values") from None
+    positions = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(positions, int) and spec.data.seq_len > positions:
+        raise ConfigError(f"data.seq_len {spec.data.seq_len}: longer than model.config.max_position_embeddings "
+                          f"{positions}; lower data.seq_len or raise max_position_embeddings")
+    vocab = getattr(cfg, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ConfigError(f"model.config.vocab_size {vocab!r}: must be a positive integer; set it to the tokenizer's size")
+    return cfg
+
+
+def _config_options(default: Any) -> set[str]:
+    import inspect
+
+    cls = type(default)
+    names = set(default.to_dict()) | set(getattr(cls, "attribute_map", {}) or {}) | _CONFIG_KWARGS
+    names |= set(getattr(cls, "__dataclass_fields__", {}) or {})
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            with contextlib.suppress(TypeError, ValueError):
+                names |= {p for p in inspect.signature(init).parameters if p not in ("self", "kwargs", "args")}
+    return names
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = lines[-1] if lines and lines[0].endswith(":") else (lines[0] if lines else type(e).__name__)
+    return text[:300]
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' own warnings about the values (printed to stderr) would double the one error line."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)

@@ -25,6 +25,7 @@ from ckpt.validate import invalid_committed, latest_valid, validate
 from infra.launchers import LaunchRequest, get_launcher
 from schemas import CheckpointManifest, ClusterTopology, ReshardResult, RunSpec, SegmentResult, ValidationReport
 from shardkeeper.config import dump_run_spec, spec_from_dict
+from shardkeeper.preflight import cuda_device_count, preflight
 
 log = logging.getLogger("shardkeeper")
 
@@ -47,6 +48,15 @@ def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = 
     limit = get_launcher(launcher).max_world_size()
     if limit is not None and nproc > limit:
         raise ConfigError(f"--nproc {nproc}: more ranks than this machine can run ({limit}); use --nproc <= {limit}")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: choose auto, cpu or cuda")
+    source = f"--device {device}"
+    if device == "auto" and os.environ.get("SHARDKEEPER_DEVICE") in ("cpu", "cuda"):
+        device = os.environ["SHARDKEEPER_DEVICE"]
+        source = f"SHARDKEEPER_DEVICE={device}"
+    if device == "cuda" and not cuda_device_count():
+        raise ConfigError(f"{source}: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+                          "use --device cpu (and unset SHARDKEEPER_DEVICE)")
     cuda = device == "cuda" or (device == "auto" and _cuda_available())
     return ClusterTopology(nodes=nodes, procs_per_node=nproc, device_type="cuda" if cuda else "cpu",
                            backend="nccl" if cuda else "gloo", launcher=launcher)  # type: ignore[arg-type]
@@ -107,6 +117,7 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
     A run whose checkpoints are all invalid is refused (never restarted silently); ``restart`` moves them
     aside (quarantine), rotates metrics.jsonl to ``metrics.before-restart-<segment>.jsonl`` and starts
     from step 0, recorded in segments.jsonl and lineage. With a valid checkpoint ``restart`` is refused."""
+    preflight(spec, topology, run_dir)  # before anything is written: a refused segment leaves no trace
     rd = RunDir.at(run_dir)
     mkdir_durable(rd.root)
     with RunLock(rd.root):
@@ -204,6 +215,10 @@ def reshard(ckpt_dir: str | Path, world_size: int) -> ReshardResult:
     DeepSpeed: converted once to ``<ckpt>/universal/`` (cached, recorded in lineage)."""
     ckpt_dir = Path(ckpt_dir)
     manifest = read_manifest(ckpt_dir)
+    try:  # the next segment must be able to split the global batch, whatever the format
+        manifest.run_spec.per_rank_batch(world_size)
+    except ValueError as e:
+        raise ConfigError(f"--world-size {world_size}: {e}") from None
     if manifest.format == "deepspeed":
         return _reshard_deepspeed(ckpt_dir, manifest, world_size)
     result = ReshardResult(source=str(ckpt_dir), target=str(ckpt_dir), from_world_size=manifest.topology.world_size,
@@ -243,6 +258,8 @@ def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_s
     ckpt_dir, out = Path(ckpt_dir), Path(out)
     if to not in ("dcp", "deepspeed"):
         raise ConfigError(f"--to {to!r}: choose dcp (fsdp2) or deepspeed")
+    if zero_stage is not None and zero_stage not in (1, 2, 3):
+        raise ConfigError(f"--zero-stage {zero_stage}: choose 1, 2 or 3")
     manifest = read_manifest(ckpt_dir)
     if manifest.format == to:
         raise ConfigError(f"{ckpt_dir}: already a {to} checkpoint; nothing to convert")

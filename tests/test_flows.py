@@ -200,7 +200,7 @@ def test_failed_segment_stops_with_the_rank_error(prefect_server: Any, tmp_path:
     from flows.train_and_export import train_and_export
     from shardkeeper.config import load_run_spec
 
-    spec = load_run_spec(TINY, ["model.model_type=not-a-model"])
+    spec = load_run_spec(TINY, ["model.config.num_key_value_heads=3"])  # builds, then fails in the first forward
     run = tmp_path / "failing"
     request = TrainExportRequest(spec=spec, run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=4)], backoff_s=0)
     with pytest.raises(SegmentFailed, match="failing rank's last lines") as err:

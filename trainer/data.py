@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ckpt.errors import ConfigError
 from schemas import DataSpec
 
 _PHRASES = 512
@@ -30,12 +31,55 @@ def synthetic_corpus(seed: int, n_tokens: int, vocab_size: int) -> np.ndarray:
 def open_tokens(spec: DataSpec, seed: int, vocab_size: int) -> np.ndarray:
     if spec.source == "synthetic":
         return synthetic_corpus(seed, spec.synthetic_tokens, vocab_size)
-    path = Path(spec.path or "")
+    return open_token_file(Path(spec.path or ""), spec.dtype)
+
+
+def open_token_file(path: Path, dtype: str) -> np.ndarray:
+    """The token file as a read-only 1-D memmap; a ConfigError naming the file when it cannot be one.
+    Cheap (no pass over the data), so every rank can afford it; the controller also runs ``scan_token_ids``."""
+    if not path.exists():
+        raise ConfigError(f"data.path {path}: no such token file (relative paths resolve from {Path.cwd()}); "
+                          "point data.path at a .bin or .npy file")
     if not path.is_file():
-        raise FileNotFoundError(f"data.path {path}: no such token file; point it at a .bin or .npy file")
+        raise ConfigError(f"data.path {path}: is a directory, not a token file; point data.path at a .bin or .npy file")
     if path.suffix == ".npy":
-        return np.load(path, mmap_mode="r")
-    return np.memmap(path, dtype=np.dtype(spec.dtype), mode="r")
+        return _open_npy(path)
+    item = np.dtype(dtype).itemsize
+    size = path.stat().st_size
+    if size % item:
+        raise ConfigError(f"data.path {path}: {size} bytes is not a whole number of {dtype} tokens ({item} bytes each); "
+                          "the file is truncated or data.dtype is wrong")
+    if size == 0:
+        raise ConfigError(f"data.path {path}: the token file is empty; tokenize a corpus into it first")
+    return np.memmap(path, dtype=np.dtype(dtype), mode="r")
+
+
+def _open_npy(path: Path) -> np.ndarray:
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ConfigError(f"data.path {path}: not a readable .npy array ({' '.join(str(e).split())}); "
+                          "save the token ids with numpy.save") from None
+    if arr.dtype.kind not in "ui":
+        raise ConfigError(f"data.path {path}: holds {arr.dtype} values, not integer token ids; "
+                          "save the ids as uint16, uint32, int32 or int64")
+    if arr.ndim != 1:
+        raise ConfigError(f"data.path {path}: a {arr.ndim}-D array of shape {tuple(arr.shape)}; "
+                          "save the ids as one flat 1-D array")
+    return arr
+
+
+def scan_token_ids(tokens: np.ndarray, path: str, vocab_size: int, chunk: int = 1 << 24) -> None:
+    """Every id must be in [0, vocab_size): one chunked pass over the memmap (bounded memory).
+    An id out of range would otherwise surface as 'index out of range in self' inside the embedding."""
+    for start in range(0, len(tokens), chunk):
+        block = np.asarray(tokens[start : start + chunk])
+        bad = (block >= vocab_size) | (block < 0) if block.dtype.kind == "i" else block >= vocab_size
+        if bad.any():
+            at = int(np.argmax(bad))
+            raise ConfigError(f"data.path {path}: token id {int(block[at])} at position {start + at} is outside the "
+                              f"model's vocabulary (model.config.vocab_size {vocab_size}); tokenize with the model's "
+                              "tokenizer or raise model.config.vocab_size")
 
 
 class GlobalOrderLoader:
@@ -48,7 +92,8 @@ class GlobalOrderLoader:
         self.global_batch = global_batch
         self.n_windows = (len(tokens) - 1) // seq_len
         if self.n_windows < 1:
-            raise ValueError(f"token stream of {len(tokens)} tokens is shorter than one sample of seq_len {seq_len}")
+            raise ConfigError(f"data: {len(tokens)} tokens are shorter than one sample of data.seq_len {seq_len}; "
+                              "use a longer token file or a smaller data.seq_len")
         self._perm_epoch = -1
         self._perm: np.ndarray | None = None
 

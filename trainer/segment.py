@@ -195,16 +195,40 @@ def _setup_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) not in (2, 3):
+    if len(argv) not in (2, 3) or not all(a.isdigit() for a in argv[1:]):
         print("usage: python -m trainer.segment RUN_DIR UNTIL_STEP [SEGMENT]", file=sys.stderr)
         return 2
     _setup_logging()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
+        torch.set_num_threads(_threads())
         return run_segment(argv[0], int(argv[1]), int(argv[2]) if len(argv) == 3 else 0)
     except ShardkeeperError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _report_failure(f"{e}", e.exit_code)
         return e.exit_code
+    except Exception as e:  # noqa: BLE001 - any rank failure reaches the user as one line
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)  # the full story, for `shardkeeper train -v`
+        _report_failure(f"{type(e).__name__}: {' '.join(str(e).split())[:400]}; see the rank's traceback "
+                        "(shardkeeper train -v)", 1)
+        return 1
+
+
+def _threads() -> int:
+    raw = os.environ.get("OMP_NUM_THREADS", "1")
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ShardkeeperError(f"OMP_NUM_THREADS={raw!r}: must be a positive integer; set e.g. OMP_NUM_THREADS=1")
+    return int(raw)
+
+
+def _report_failure(cause: str, code: int) -> None:
+    """The last line this rank writes: the launcher shows the first such line as the segment's failure."""
+    from infra.launchers import RANK_ERROR_PREFIX
+
+    rank = os.environ.get("RANK", "0")
+    sys.stderr.flush()
+    print(f"{RANK_ERROR_PREFIX} rank {rank}: {cause}", file=sys.stderr, flush=True)
+    log.debug("rank %s exits with code %d", rank, code)
 
 
 if __name__ == "__main__":

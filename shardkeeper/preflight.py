@@ -1,0 +1,235 @@
+"""Checks a training segment on the controller before anything is written or any rank starts.
+
+``preflight`` refuses, with one line naming the field or file and the fix, what would otherwise
+fail on every rank after ``run.yaml`` was written (so that the corrected command is then refused
+too) or be OOM-killed minutes later: a run directory that cannot be one, a device that is not
+there, a model config transformers would not build as meant, a token file that does not fit the
+model, and a model whose training state cannot fit in memory.
+
+The memory estimate is a documented *lower bound* of what a rank must hold, so a refusal is
+certain and a run that passes may still need more (allocator slack, the all-gathered block,
+communication buffers):
+
+* training state per rank: parameters x 16 B (4 B fp32 master + 4 B fp32 gradient + 8 B AdamW
+  moments) / world size for FSDP2 and ZeRO-3; ZeRO-2 keeps the 4 B parameters whole on each rank,
+  ZeRO-1 the parameters and the gradients;
+* activations of one micro-batch: tokens x layers x (8 x hidden + 4 x intermediate) values
+  saved for backward, plus fp32 logits and their gradient (tokens x vocab x 8 B);
+* every rank first builds the whole model on the host in fp32 (parameters x 4 B) before sharding.
+
+Available memory: ``torch.cuda.mem_get_info`` of each local GPU; on the host MemAvailable (psutil
+when installed, else /proc/meminfo), capped by the cgroup limit. Ranks of one node share the host.
+``SHARDKEEPER_MEMORY_CHECK=0`` skips the memory check (not the others).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt.errors import ConfigError, RunDirError
+from schemas import ClusterTopology, RunSpec
+from shardkeeper.config import check_model_config, quiet_transformers
+
+log = logging.getLogger("shardkeeper")
+
+GIB = 1 << 30
+STATE_BYTES = {"master": 4, "grad": 4, "adamw": 8}
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> None:
+    """Raise a ShardkeeperError (one line) if the segment cannot run; writes nothing."""
+    check_run_dir(Path(run_dir))
+    check_environment(topology)
+    try:
+        spec.per_rank_batch(topology.world_size)
+    except ValueError as e:
+        raise ConfigError(f"world size {topology.world_size}: {e}") from None
+    cfg = check_model_config(spec)
+    params = count_parameters(spec, cfg)
+    check_data(spec, cfg.vocab_size)
+    check_memory(spec, topology, params, cfg)
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """The run directory is a directory, or can be created: its nearest existing ancestor is a writable directory."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"{run_dir}: run directory is a file, not a directory; pass a directory path (it is created "
+                          "if missing)")
+    probe = run_dir if run_dir.exists() else next((p for p in run_dir.absolute().parents if p.exists()), Path("/"))
+    if not probe.is_dir():
+        raise RunDirError(f"{run_dir}: cannot create the run directory: {probe} is a file; choose another path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise RunDirError(f"{run_dir}: cannot write in {probe} (permission denied); choose a writable run directory")
+    spec_path = run_dir / "run.yaml"
+    if spec_path.exists() and not spec_path.is_file():
+        raise RunDirError(f"{spec_path}: is not a file; remove it or choose another run directory")
+
+
+def check_environment(topology: ClusterTopology) -> None:
+    """Variables the launcher and the ranks read: a bad value would fail on every rank."""
+    want = os.environ.get("SHARDKEEPER_DEVICE", "")
+    if want and want not in DEVICES:
+        raise ConfigError(f"SHARDKEEPER_DEVICE={want!r}: choose one of {', '.join(DEVICES)} or unset it")
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads is not None and not (threads.strip().isdigit() and int(threads) >= 1):
+        raise ConfigError(f"OMP_NUM_THREADS={threads!r}: must be a positive integer; set e.g. OMP_NUM_THREADS=1 or unset it")
+    if topology.device_type == "cuda" or want == "cuda":
+        gpus = cuda_device_count()
+        if gpus == 0:
+            src = "SHARDKEEPER_DEVICE=cuda" if want == "cuda" else "device cuda"
+            raise ConfigError(f"{src}: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+                              "use --device cpu (or unset SHARDKEEPER_DEVICE)")
+        if topology.device_type == "cuda" and topology.procs_per_node > gpus:
+            raise ConfigError(f"--nproc {topology.procs_per_node}: more ranks than GPUs on this node ({gpus}); "
+                              f"use --nproc <= {gpus}")
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def count_parameters(spec: RunSpec, cfg: Any) -> int:
+    """Parameters of the model the ranks will build, counted on the meta device (no memory, ~1 s for 7B)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    mt = spec.model.model_type
+    try:
+        with quiet_transformers(), torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    except ValueError as e:
+        if "Unrecognized configuration class" in str(e):
+            raise ConfigError(f"model.model_type {mt!r}: transformers has no causal LM for it (AutoModelForCausalLM); "
+                              "use a decoder model type such as llama, qwen2 or mistral") from None
+        raise ConfigError(f"model.config: transformers cannot build a {mt} model from it ({_one_line(e)}); "
+                          "fix the values") from None
+    except Exception as e:  # noqa: BLE001 - model code raises anything (AssertionError, RuntimeError, ...)
+        raise ConfigError(f"model.config: transformers cannot build a {mt} model from it "
+                          f"({type(e).__name__}: {_one_line(e)}); fix the values") from None
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_data(spec: RunSpec, vocab_size: int) -> None:
+    """Synthetic corpus or token file: enough tokens for one global batch; a file that exists, has whole
+    tokens of its dtype, and only ids below the vocabulary size (one chunked pass over the memmap)."""
+    from trainer.data import open_token_file, scan_token_ids
+
+    data = spec.data
+    if data.source == "synthetic":
+        n, where = data.synthetic_tokens, f"data.synthetic_tokens {data.synthetic_tokens}"
+    else:
+        path = Path(data.path or "")
+        tokens = open_token_file(path, data.dtype)
+        n, where = len(tokens), f"data.path {path}"
+    samples = (n - 1) // data.seq_len
+    if samples < spec.global_batch_size:
+        raise ConfigError(f"{where}: {n} tokens make {samples} samples of data.seq_len {data.seq_len}, fewer than one "
+                          f"global batch ({spec.global_batch_size}); use more tokens, a smaller data.seq_len or "
+                          "global_batch_size")
+    if data.source == "tokens":
+        scan_token_ids(tokens, str(path), vocab_size)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params: int
+    state_bytes: float  # per rank: master + grad + AdamW, as the backend shards them
+    activation_bytes: float  # per rank: one micro-batch
+    build_bytes: float  # per rank, on the host: the whole fp32 model before sharding
+
+    @property
+    def train_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes
+
+
+def estimate_memory(spec: RunSpec, world: int, params: int, cfg: Any) -> MemoryEstimate:
+    """Lower bound of one rank's memory (see the module docstring for the formula)."""
+    full, shards = STATE_BYTES["master"], STATE_BYTES["grad"] + STATE_BYTES["adamw"]
+    if spec.backend == "deepspeed" and spec.deepspeed.zero_stage == 1:
+        state = params * (STATE_BYTES["master"] + STATE_BYTES["grad"]) + params * STATE_BYTES["adamw"] / world
+    elif spec.backend == "deepspeed" and spec.deepspeed.zero_stage == 2:
+        state = params * full + params * shards / world
+    else:
+        state = params * (full + shards) / world
+    micro = spec.micro_batch_size or spec.per_rank_batch(world)
+    tokens = micro * spec.data.seq_len
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    inter = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    elem = 2 if spec.precision.compute == "bf16" else 4
+    act = tokens * layers * (8 * hidden + 4 * inter) * elem + tokens * cfg.vocab_size * 8
+    return MemoryEstimate(params=params, state_bytes=state, activation_bytes=act, build_bytes=params * 4)
+
+
+def check_memory(spec: RunSpec, topology: ClusterTopology, params: int, cfg: Any) -> None:
+    if os.environ.get("SHARDKEEPER_MEMORY_CHECK", "1") == "0":
+        return
+    est = estimate_memory(spec, topology.world_size, params, cfg)
+    nproc, world = topology.procs_per_node, topology.world_size
+    what = (f"~{params / 1e9:.2f}B parameters need >= {est.train_bytes / GIB:.1f} GiB per rank "
+            f"({est.state_bytes / GIB:.1f} GiB params x 16 B (4 master + 4 grad + 8 AdamW) over {world} rank(s) "
+            f"as {spec.backend} shards them + {est.activation_bytes / GIB:.1f} GiB activations)")
+    fix = ("use a smaller model.config, more ranks or nodes, or a smaller micro_batch_size/data.seq_len; "
+           "SHARDKEEPER_MEMORY_CHECK=0 skips this check")
+    if topology.device_type == "cuda":
+        free = min(gpu_free_bytes(nproc))
+        if est.train_bytes > free:
+            raise ConfigError(f"model: {what}, but a GPU here has {free / GIB:.1f} GiB free; {fix}")
+        per_rank, need = est.build_bytes, "to build the fp32 model"
+    elif est.build_bytes > est.train_bytes:
+        per_rank, need = est.build_bytes, f"to build the fp32 model ({what} after sharding)"
+    else:
+        per_rank, need = est.train_bytes, ""
+    host = host_available_bytes()
+    if host is not None and nproc * per_rank > host:
+        head = what if not need else f"~{params / 1e9:.2f}B parameters need >= {per_rank / GIB:.1f} GiB per rank {need}"
+        raise ConfigError(f"model: {head}; {nproc} rank(s) on this host need >= {nproc * per_rank / GIB:.1f} GiB, "
+                          f"but {host / GIB:.1f} GiB is available; {fix}")
+    log.debug("memory estimate: %s; host available %s bytes", what, host)
+
+
+def gpu_free_bytes(n: int) -> list[int]:
+    import torch
+
+    return [torch.cuda.mem_get_info(i)[0] for i in range(min(n, torch.cuda.device_count()))]
+
+
+def host_available_bytes() -> int | None:
+    """Memory a new process can still get: MemAvailable, capped by the cgroup (container) limit."""
+    avail: int | None = None
+    try:
+        import psutil
+
+        avail = int(psutil.virtual_memory().available)
+    except ImportError:
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    limit = _cgroup_room()
+    if limit is not None:
+        avail = limit if avail is None else min(avail, limit)
+    return avail
+
+
+def _cgroup_room() -> int | None:
+    try:
+        raw = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if raw == "max":
+            return None
+        return int(raw) - int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]
