@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterator
-from concurrent.futures import Future
+from torch.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,7 @@ class SafeFileSystemReader(FileSystemReader):
         if len(data) != info.length:
             raise CheckpointError(f"{where} runs past the end of the file; the checkpoint is truncated, pick another step")
         if req.type == LoadItemType.BYTE_IO:
+            planner.record_where = where  # type: ignore[attr-defined]  # so a refusal names the file
             planner.load_bytes(req, io.BytesIO(data))
             return
         tensor = narrow_tensor_by_index(_tensor(data, where), req.storage_offsets, req.lengths)
@@ -127,14 +128,34 @@ class SafeFileSystemReader(FileSystemReader):
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DefaultLoadPlanner whose non-tensor values are decoded by the allow-list record reader."""
 
+    record_where: str | None = None  # set by SafeFileSystemReader.read_data: the file and record being read
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = _value(value.getvalue(), f"DCP value {read_item.dest_index.fqn}")
+        obj = _value(value.getvalue(), self.record_where or f"DCP value {read_item.dest_index.fqn}")
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element  # noqa: PLC0415
 
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load_state(state_dict: dict[str, Any], ckpt_dir: str | os.PathLike[str], *, process_group: Any = None,
+               no_dist: bool = False) -> None:
+    """``dcp.load`` into ``state_dict`` through SafeFileSystemReader and SafeLoadPlanner. DCP gathers the
+    ranks' failures into a multi-line CheckpointException; a CheckpointError of any rank (a refused
+    record, a missing file) is raised as itself, one line naming the file."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(ckpt_dir), planner=SafeLoadPlanner(),
+                 process_group=process_group, no_dist=no_dist)
+    except CheckpointException as e:
+        ours = [exc for _, (exc, _tb) in sorted(e.failures.items()) if isinstance(exc, CheckpointError)]
+        if ours:
+            raise ours[0] from None
+        raise
 
 
 class DCPTensorReader:
@@ -213,4 +234,4 @@ class DCPTensorReader:
         self.close()
 
 
-__all__ = ["DCPTensorReader", "SafeFileSystemReader", "SafeLoadPlanner", "read_metadata"]
+__all__ = ["DCPTensorReader", "SafeFileSystemReader", "SafeLoadPlanner", "load_state", "plain_name", "read_metadata"]
