@@ -138,7 +138,11 @@ def _verified_checkpoint_engine() -> Any:
             self.written[path] = save_torch(path, state_dict)
 
         def load(self, path: str, map_location: Any = None) -> Any:
-            return load_file(path, DEEPSPEED_STATE)
+            state = load_file(path, DEEPSPEED_STATE)
+            if not isinstance(state, dict):
+                raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a DeepSpeed state dict; "
+                                      "the checkpoint is corrupted, pick another step")
+            return state
 
     return VerifiedCheckpointEngine()
 

@@ -11,7 +11,9 @@ A run directory may come from someone else, and unpickling runs whatever the pic
   on instances of those classes (never on a class or function, which would patch it for the whole
   process), with a dict of plain attribute names; APPEND(S)/SETITEM(S)/ADDITEMS only on real
   lists/dicts/sets (the C and Python unpicklers call ``.extend``/``.append``/``__setitem__``/``.add``
-  of whatever object is on the stack); INST, OBJ, EXT1/2/4 and text PERSID are refused.
+  of whatever object is on the stack); INST, OBJ, EXT1/2/4, text PERSID and protocol 5's buffers
+  (BYTEARRAY8 allocates its declared size first) are refused; a read past the end is an error, not a
+  short item.
 * Persistent ids are accepted only in the shape ``torch.save`` writes for a storage, with a storage
   type of the profile; the caller's ``storage`` hook turns them into data (or a record of where it is).
 * Limits: pickle size, MARK depth, memo entries, and the nesting depth / object count of the result.
@@ -228,8 +230,12 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset().union(*(p.pairs for p in PROFI
 
 
 # ------------------------------------------------------------------------------------ unpickler
-def _refuse(self: Any) -> None:
-    raise pickle.UnpicklingError("opcode not allowed")
+def _refuser(opcode: bytes) -> Callable[[Any], None]:
+    name = next((n for n in dir(pickle) if n.isupper() and getattr(pickle, n) == opcode), repr(opcode))
+
+    def refuse(self: Any) -> None:
+        raise pickle.UnpicklingError(f"opcode {name} is not allowed")
+    return refuse
 
 
 class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Python implementation: opcodes overridable
@@ -238,7 +244,10 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 
     def __init__(self, data: bytes, profile: Profile, storage: Callable[[StorageType, str, int], Any] | None = None):
-        super().__init__(io.BytesIO(data), encoding="ASCII")
+        self._buffer = io.BytesIO(data)
+        self._size = len(data)
+        super().__init__(self._buffer, encoding="ASCII")
+        self._file_read = self._read_exactly  # the Python unpickler takes a short read for the whole
         self.profile = profile
         self._storage = storage
         self._resolved: dict[tuple[str, str], Any] = {}
@@ -346,6 +355,17 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
         return obj
 
     # ---------------------------------------------------------------- limits
+    def _read_exactly(self, n: int) -> bytes:
+        if n > self._size - self._buffer.tell():  # checked before BytesIO allocates anything
+            raise pickle.UnpicklingError(f"pickle data was truncated (an item of {n} bytes runs past the end)")
+        return self._buffer.read(n)
+
+    def load_frame(self) -> None:
+        (frame_size,) = struct.unpack("<Q", self.read(8))
+        if frame_size > self._size - self._buffer.tell():  # the Python unpickler would accept a short frame
+            raise pickle.UnpicklingError(f"frame of {frame_size} bytes runs past the end of the pickle")
+        self._unframer.load_frame(frame_size)
+
     def load_mark(self) -> None:
         if len(self.metastack) >= MAX_MARK_DEPTH:
             raise pickle.UnpicklingError(f"nested deeper than {MAX_MARK_DEPTH} marks")
@@ -373,13 +393,15 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
 
 
 _D = SafeUnpickler.dispatch
-for _op in (pickle.INST, pickle.OBJ, pickle.EXT1, pickle.EXT2, pickle.EXT4, pickle.PERSID):
-    _D[_op[0]] = _refuse
+for _op in (pickle.INST, pickle.OBJ, pickle.EXT1, pickle.EXT2, pickle.EXT4, pickle.PERSID,
+            pickle.BYTEARRAY8, pickle.NEXT_BUFFER, pickle.READONLY_BUFFER):  # bytearray(n) allocates n first
+    _D[_op[0]] = _refuser(_op)
 for _op, _fn in ((pickle.REDUCE, SafeUnpickler.load_reduce), (pickle.NEWOBJ, SafeUnpickler.load_newobj),
                  (pickle.NEWOBJ_EX, SafeUnpickler.load_newobj_ex), (pickle.BUILD, SafeUnpickler.load_build),
                  (pickle.APPEND, SafeUnpickler.load_append), (pickle.APPENDS, SafeUnpickler.load_appends),
                  (pickle.SETITEM, SafeUnpickler.load_setitem), (pickle.SETITEMS, SafeUnpickler.load_setitems),
-                 (pickle.ADDITEMS, SafeUnpickler.load_additems), (pickle.MARK, SafeUnpickler.load_mark)):
+                 (pickle.ADDITEMS, SafeUnpickler.load_additems), (pickle.MARK, SafeUnpickler.load_mark),
+                 (pickle.FRAME, SafeUnpickler.load_frame)):
     _D[_op[0]] = _fn
 for _op, _fn in ((pickle.MEMOIZE, SafeUnpickler.load_memoize), (pickle.PUT, SafeUnpickler.load_put),
                  (pickle.BINPUT, SafeUnpickler.load_binput), (pickle.LONG_BINPUT, SafeUnpickler.load_long_binput)):
@@ -390,25 +412,43 @@ _WALKED = (list, tuple, dict, OrderedDict, set, frozenset, torch.Size)
 
 
 def _check_shape(obj: Any) -> None:
-    """Nesting depth and object count of the result, iteratively (deep nesting built without MARKs,
-    e.g. TUPLE1 chains, would otherwise surface later as a RecursionError far from the file)."""
-    todo: list[tuple[Any, int]] = [(obj, 0)]
-    seen: set[int] = set()
+    """Nesting depth, object count and absence of cycles in the result, iteratively (deep nesting built
+    without MARKs, e.g. TUPLE1 chains, or a list that holds itself would otherwise surface later as a
+    RecursionError far from the file)."""
+    todo: list[tuple[Any, int, bool]] = [(obj, 0, False)]
+    on_path: set[int] = set()
+    done: set[int] = set()
     while todo:
-        item, depth = todo.pop()
+        item, depth, leaving = todo.pop()
+        if leaving:
+            on_path.discard(id(item))
+            done.add(id(item))
+            continue
+        if id(item) in on_path:
+            raise pickle.UnpicklingError("an object contains itself")
+        if id(item) in done:
+            continue
         if depth > MAX_NESTING:
             raise pickle.UnpicklingError(f"nested deeper than {MAX_NESTING} levels")
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if len(seen) > MAX_OBJECTS:
+        if len(done) > MAX_OBJECTS:
             raise pickle.UnpicklingError(f"more than {MAX_OBJECTS} objects")
-        if isinstance(item, dict):
-            todo.extend((v, depth + 1) for kv in item.items() for v in kv if type(v) not in _LEAVES)
-        elif isinstance(item, _WALKED):
-            todo.extend((v, depth + 1) for v in item if type(v) not in _LEAVES)
-        elif hasattr(item, "__dict__") and not isinstance(item, (type, torch.Tensor)) and type(item.__dict__) is dict:
-            todo.extend((v, depth + 1) for v in item.__dict__.values() if type(v) not in _LEAVES)
+        children = _children(item)
+        if not children:
+            done.add(id(item))
+            continue
+        on_path.add(id(item))
+        todo.append((item, depth, True))
+        todo.extend((c, depth + 1, False) for c in children)
+
+
+def _children(item: Any) -> list[Any]:
+    if isinstance(item, dict):
+        return [v for kv in item.items() for v in kv if type(v) not in _LEAVES]
+    if isinstance(item, _WALKED):
+        return [v for v in item if type(v) not in _LEAVES]
+    if hasattr(item, "__dict__") and not isinstance(item, (type, torch.Tensor)) and type(item.__dict__) is dict:
+        return [v for v in item.__dict__.values() if type(v) not in _LEAVES]
+    return []
 
 
 _LEAVES = frozenset({int, float, str, bytes, bool, type(None), complex})
