@@ -55,13 +55,11 @@ How it works, and why:
 from __future__ import annotations
 
 import bisect
-import collections
 import contextlib
 import errno
 import fcntl
 import gc
 import hashlib
-import io
 import json
 import logging
 import math

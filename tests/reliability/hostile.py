@@ -86,7 +86,8 @@ def os_system(sentinel: Path, proto4: bool = True) -> bytes:
 
 
 def _body(real: bytes) -> bytes:
-    """The opcodes of a protocol-4 pickle without PROTO, its first FRAME header and STOP."""
+    """The opcodes of a protocol-4 pickle without PROTO, its first FRAME header and STOP (its memo indices
+    start at 0, so no opcode of ours before it may memoize)."""
     assert real[:2] == P4 and real[-1:] == STOP
     body = real[2:-1]
     return body[9:] if body[:1] == b"\x95" else body
@@ -246,7 +247,7 @@ CORPUS: list[Hostile] = [
     _h("payload-in-popped-mark-then-metadata", "the payload inside a MARK that POP_MARK discards")(
         lambda s, r: P4 + MARK + os_system(s) + POP_MARK + _body(r) + STOP),
     _h("payload-tuple-getitem-metadata", "(payload, Metadata)[-1] through builtins.getattr")(
-        lambda s, r: P4 + call(call(sglob("builtins", "getattr"), MARK + os_system(s) + _body_unmemo(r) + TUPLE,
+        lambda s, r: P4 + call(call(sglob("builtins", "getattr"), MARK + os_system(s) + _body(r) + TUPLE,
                                     sbu("__getitem__")), binint(-1)) + STOP),
 ]
 
@@ -254,12 +255,6 @@ CORPUS: list[Hostile] = [
 def _nested_lists(depth: int) -> bytes:
     """[[[...]]] built with EMPTY_LIST / APPEND only (no MARK), ``depth`` levels under the outer list."""
     return EMPTY_LIST * depth + APPEND * (depth - 1)
-
-
-def _body_unmemo(real: bytes) -> bytes:
-    """The genuine metadata body, usable after other stack items (its memo indices start at 0: none of
-    our opcodes before it memoize)."""
-    return _body(real)
 
 
 _EXTENSIONS = {("os", "system"): EXT_CODE1, ("posix", "system"): EXT_CODE, ("subprocess", "getoutput"): EXT_CODE4}
