@@ -1,11 +1,13 @@
 """Safe access to DCP checkpoints.
 
-DCP stores its ``.metadata`` and non-tensor values with pickle and loads them without
-the weights-only restriction. A checkpoint may come from someone else, so here:
+DCP stores its ``.metadata`` and non-tensor values with pickle and loads them without the
+weights-only restriction. A checkpoint may come from someone else, so every pickle here goes through
+the one allow-list unpickler (``ckpt.formats.safe_pickle``) and every torch.save record through the
+one record reader (``ckpt.formats.torchzip``):
 
-* ``.metadata`` is read with an unpickler that admits only DCP's metadata classes and torch
-  dtypes/sizes (``SafeFileSystemReader``);
-* non-tensor values are loaded with ``torch.load(weights_only=True)`` (``SafeLoadPlanner``);
+* ``read_metadata`` / ``SafeFileSystemReader.read_metadata``: ``.metadata`` under the DCP metadata profile;
+* ``SafeFileSystemReader.read_data``: DCP's tensor records and byte values (instead of DCP's torch.load);
+* ``SafeLoadPlanner.load_bytes``: non-tensor values under the tensor-record profile;
 * ``DCPTensorReader`` streams single tensors straight from the ``.distcp`` files, one chunk at a
   time, for export and deep validation without a process group or the whole state in memory.
 """
@@ -14,8 +16,8 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 from collections.abc import Iterator
+from torch.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -28,52 +30,47 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import ReadItem
-
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from ckpt.errors import CheckpointError
-
-_ALLOWED_TORCH_TYPES = (torch.dtype, torch.layout, torch.memory_format)
-_ALLOWED_BUILTINS = {"set", "frozenset", "tuple", "list", "dict", "int", "float", "str", "bytes", "bool", "slice"}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint"):
-            return super().find_class(module, name)
-        if module == "torch":
-            obj = getattr(torch, name, None)
-            if obj is torch.Size or isinstance(obj, _ALLOWED_TORCH_TYPES):
-                return obj
-        if module == "torch.serialization" and name == "_get_layout":  # maps "torch.strided" to the layout
-            return super().find_class(module, name)
-        if module == "pathlib" and name in {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}:
-            return super().find_class(module, name)  # StorageMeta.checkpoint_id
-        if module == "collections" and name == "OrderedDict":
-            return super().find_class(module, name)
-        if module == "builtins" and name in _ALLOWED_BUILTINS:
-            return super().find_class(module, name)
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            raise pickle.UnpicklingError("tensors are not expected in DCP metadata")
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+from ckpt.formats import safe_pickle
+from ckpt.formats.torchzip import load_bytes
 
 
 def read_metadata(ckpt_dir: str | os.PathLike[str]) -> Metadata:
     path = Path(ckpt_dir) / ".metadata"
     try:
-        with open(path, "rb") as f:
-            md = _MetadataUnpickler(f).load()
+        data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; the DCP checkpoint is incomplete, pick another step") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot be read safely ({e}); the checkpoint is corrupted or not DCP") from None
+    md = safe_pickle.load(data, safe_pickle.DCP_METADATA, where=str(path))
     if not isinstance(md, Metadata):
-        raise CheckpointError(f"{path}: holds {type(md).__name__}, not DCP Metadata")
+        raise CheckpointError(f"{path}: holds {type(md).__name__}, not DCP Metadata; the checkpoint is corrupted, pick another step")
     return md
 
 
+def plain_name(name: Any, where: Path) -> str:
+    """A data file named by the metadata must be a plain name inside the checkpoint directory."""
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+        raise CheckpointError(f"{where}: names data file {name!r:.80}, not a plain file name in the checkpoint; "
+                              "the checkpoint is corrupted or hostile, pick another step")
+    return name
+
+
+def _value(data: bytes, where: str) -> Any:
+    """A DCP byte value (a torch.save record of a non-tensor object) under the tensor-record profile."""
+    return load_bytes(data, safe_pickle.TENSOR_RECORD, where)
+
+
+def _tensor(data: bytes, where: str) -> torch.Tensor:
+    t = load_bytes(data, safe_pickle.TENSOR_RECORD, where)
+    if not isinstance(t, torch.Tensor):
+        raise CheckpointError(f"{where}: holds a {type(t).__name__}, not one tensor; the checkpoint is corrupted, pick another step")
+    return t
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose metadata is read with the restricted unpickler."""
+    """FileSystemReader whose metadata and records are read with the allow-list unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md = read_metadata(self.path)
@@ -84,18 +81,81 @@ class SafeFileSystemReader(FileSystemReader):
         md.storage_meta.load_id = self.load_id
         return md
 
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """torch's FileSystemReader.read_data, with each record decoded by our reader, not torch.load."""
+        if not isinstance(planner, SafeLoadPlanner):  # DCP's default planner torch.loads byte values unrestricted
+            raise CheckpointError(f"{self.path}: SafeFileSystemReader needs a SafeLoadPlanner")
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            plain_name(self.storage_data[item.storage_index].relative_path, Path(self.path) / ".metadata")
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, reqs in per_file.items():
+            path = Path(self.path) / relative_path
+            try:
+                f = open(path, "rb")  # noqa: SIM115 - closed below
+            except FileNotFoundError:
+                raise CheckpointError(f"{path}: missing; the checkpoint is incomplete, pick another step") from None
+            with f:
+                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                    self._read_item(f.fileno(), path, req, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_item(self, fd: int, path: Path, req: ReadItem, planner: LoadPlanner) -> None:
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        info = self.storage_data[req.storage_index]
+        where = f"{path}: record of {req.storage_index.fqn} at byte {info.offset}"
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{where} uses DCP stream transforms, which this reader does not support")
+        data = os.pread(fd, info.length, info.offset)
+        if len(data) != info.length:
+            raise CheckpointError(f"{where} runs past the end of the file; the checkpoint is truncated, pick another step")
+        if req.type == LoadItemType.BYTE_IO:
+            planner.record_where = where  # type: ignore[attr-defined]  # so a refusal names the file
+            planner.load_bytes(req, io.BytesIO(data))
+            return
+        tensor = narrow_tensor_by_index(_tensor(data, where), req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CheckpointError(f"{where} holds {list(tensor.size())}, the load plan expects {list(target.size())}; "
+                                  "the checkpoint is corrupted, pick another step")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner that unpickles non-tensor values with weights_only=True."""
+    """DefaultLoadPlanner whose non-tensor values are decoded by the allow-list record reader."""
+
+    record_where: str | None = None  # set by SafeFileSystemReader.read_data: the file and record being read
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
+        obj = _value(value.getvalue(), self.record_where or f"DCP value {read_item.dest_index.fqn}")
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element  # noqa: PLC0415
 
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load_state(state_dict: dict[str, Any], ckpt_dir: str | os.PathLike[str], *, process_group: Any = None,
+               no_dist: bool = False) -> None:
+    """``dcp.load`` into ``state_dict`` through SafeFileSystemReader and SafeLoadPlanner. DCP gathers the
+    ranks' failures into a multi-line CheckpointException; a CheckpointError of any rank (a refused
+    record, a missing file) is raised as itself, one line naming the file."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(ckpt_dir), planner=SafeLoadPlanner(),
+                 process_group=process_group, no_dist=no_dist)
+    except CheckpointException as e:
+        ours = [exc for _, (exc, _tb) in sorted(e.failures.items()) if isinstance(exc, CheckpointError)]
+        if ours:
+            raise ours[0] from None
+        raise
 
 
 class DCPTensorReader:
@@ -118,8 +178,13 @@ class DCPTensorReader:
             raise CheckpointError(f"{self.dir}: no tensor named {key!r} in the checkpoint")
         return md
 
+    def _where(self, index: MetadataIndex) -> str:
+        info = self.metadata.storage_data[index]
+        return f"{self.dir / info.relative_path}: record of {index.fqn} at byte {info.offset}"
+
     def _read(self, index: MetadataIndex) -> bytes:
         info = self.metadata.storage_data[index]
+        plain_name(info.relative_path, self.dir / ".metadata")
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{self.dir}: {index.fqn} uses DCP stream transforms, which export does not support")
         f = self._files.get(info.relative_path)
@@ -135,7 +200,8 @@ class DCPTensorReader:
         return data
 
     def read_bytes_value(self, key: str) -> Any:
-        return torch.load(io.BytesIO(self._read(MetadataIndex(key))), weights_only=True)
+        index = MetadataIndex(key)
+        return _value(self._read(index), self._where(index))
 
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Assemble the full tensor ``key`` from its chunks (into ``out`` when given)."""
@@ -143,8 +209,8 @@ class DCPTensorReader:
         if out is None:
             out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         for chunk in md.chunks:
-            raw = self._read(MetadataIndex(key, chunk.offsets))
-            piece = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            index = MetadataIndex(key, chunk.offsets)
+            piece = _tensor(self._read(index), self._where(index))
             dst = out
             for dim, (off, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
                 dst = dst.narrow(dim, off, length)
@@ -168,4 +234,4 @@ class DCPTensorReader:
         self.close()
 
 
-__all__ = ["DCPTensorReader", "SafeFileSystemReader", "SafeLoadPlanner", "read_metadata"]
+__all__ = ["DCPTensorReader", "SafeFileSystemReader", "SafeLoadPlanner", "load_state", "plain_name", "read_metadata"]

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from ckpt import fingerprint as fp, lineage
 from ckpt.deepspeed_io import (
+    read_rng,
     STATE_FILE,
     STATE_KEYS,
     UNIVERSAL_DIR,
@@ -533,8 +534,7 @@ def _rng_of(ckpt_dir: Path, manifest: CheckpointManifest) -> torch.Tensor:
     """Rank 0's CPU RNG state of the source, or a state seeded like an elastic resume when it has none."""
     path = ckpt_dir / rng_file(0)
     if path.is_file():
-        rng = torch.load(path, map_location="cpu", weights_only=True)  # our own file: a dict of uint8 tensors
-        return rng["cpu"]
+        return read_rng(path)["cpu"]
     return torch.Generator().manual_seed(manifest.run_spec.seed + 7919 * manifest.step).get_state()
 
 

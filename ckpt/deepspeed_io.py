@@ -4,10 +4,10 @@ DeepSpeed writes its state with ``torch.save`` (a zip of one pickle and raw stor
 loaders call ``torch.load`` without the weights-only restriction: unpickling a checkpoint someone handed you runs
 whatever code it names. Here:
 
-* ``TorchSaveFile`` unpickles ``data.pkl`` with an allow-list: containers, ``torch.Size``, the
-  storage/tensor rebuild records (turned into ``StoredTensor`` records, no data is read) and three
-  DeepSpeed value classes (``LossScaler``, ``ZeroStageEnum``, ``fragment_address``), which become
-  inert stand-ins that only hold their fields. Anything else is refused.
+* ``TorchSaveFile`` reads the zip with ``ckpt.formats.torchzip`` and unpickles ``data.pkl`` with the one
+  allow-list unpickler (``ckpt.formats.safe_pickle``, DeepSpeed profile): containers, ``torch.Size``,
+  the tensor rebuild records (turned into ``StoredTensor`` records, no data is read) and DeepSpeed's
+  value classes (``LossScaler``, ``ZeroStageEnum``, ``fragment_address``) as inert stand-ins.
 * Tensor data is read with ``os.preadv`` straight from the storage record in the zip, so a parameter
   is assembled from the few byte ranges the ZeRO partitions hold, and memory stays at one
   parameter whatever the checkpoint size (no mmap, so resident memory does not grow with it).
@@ -18,17 +18,12 @@ whatever code it names. Here:
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import io
 import json
 import logging
 import math
 import os
-import pickle
 import re
-import struct
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +33,8 @@ import torch
 import xxhash
 
 from ckpt.errors import CheckpointError
+from ckpt.formats.safe_pickle import DEEPSPEED_RECORDS, TENSOR_RECORD, Opaque, StoredTensor
+from ckpt.formats.torchzip import TorchZip, load_file
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +43,20 @@ STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 STATE_FILE = "shardkeeper_state.json"  # counters, schedule position, ZeRO stage, layout ("zero" | "universal")
 UNIVERSAL_DIR = "universal"  # DeepSpeed universal layout, committed with its own manifest.json
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_STORAGE_DTYPES: dict[str, torch.dtype] = {
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
-}
 
 
 def rng_file(rank: int) -> str:
     return f"rng_rank_{rank:05d}.pt"
+
+
+def read_rng(path: Path) -> dict[str, torch.Tensor]:
+    """An ``rng_rank_XXXXX.pt`` file: {"cpu": uint8 tensor, maybe "cuda": ...}, read with the allow-list."""
+    rng = load_file(path, TENSOR_RECORD)
+    if not isinstance(rng, dict) or not all(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in rng.values()) \
+            or "cpu" not in rng:
+        raise CheckpointError(f"{path}: not an RNG state file (a dict of uint8 tensors with 'cpu'); "
+                              "the checkpoint is corrupted, pick another step")
+    return rng
 
 
 def read_state(ckpt_dir: Path) -> dict[str, Any]:
@@ -126,191 +128,45 @@ def save_torch(path: str | os.PathLike[str], obj: Any) -> tuple[int, str]:
     return write_hashed(path, lambda f: torch.save(obj, f))
 
 
-@dataclass(frozen=True)
-class StoredTensor:
-    """Where a tensor of a torch.save file lives: storage record, dtype, element offset, shape, stride."""
-
-    key: str
-    dtype: torch.dtype
-    offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def is_contiguous(self) -> bool:
-        expect, acc = [], 1
-        for size in reversed(self.shape):
-            expect.append(acc)
-            acc *= size
-        return all(s == e or d == 1 for s, e, d in zip(self.stride, reversed(expect), self.shape))
-
-
-class Opaque:
-    """Stand-in for an allow-listed DeepSpeed value object: keeps the fields, runs no code."""
-
-    def __init__(self, *args: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.state = state
-
-
-def _opaque(name: str) -> type[Opaque]:
-    return type(name, (Opaque,), {})
-
-
-_DEEPSPEED_VALUES: dict[tuple[str, str], Any] = {
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): _opaque("LossScaler"),
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): _opaque("DynamicLossScaler"),
-    ("deepspeed.utils.tensor_fragment", "fragment_address"): _opaque("fragment_address"),
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): int,  # ZeroStageEnum(2) -> 2
-}
-_BUILTINS = {"set": set, "frozenset": frozenset, "tuple": tuple, "list": list, "dict": dict, "int": int,
-             "float": float, "str": str, "bytes": bytes, "bool": bool, "slice": slice, "complex": complex}
-
-
-@dataclass(frozen=True)
-class _StorageRef:
-    key: str
-    dtype: torch.dtype
-
-
-def _rebuild_tensor(storage: _StorageRef, offset: int, size: Any, stride: Any, *_: Any) -> StoredTensor:
-    return StoredTensor(storage.key, storage.dtype, int(offset), tuple(int(s) for s in size), tuple(int(s) for s in stride))
-
-
-def _rebuild_from_type(func: Any, _type: Any, args: tuple, _state: Any) -> Any:
-    return func(*args)
-
-
-def _rebuild_parameter(data: Any, *_: Any) -> Any:
-    return data
-
-
-class _StorageType:
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-
-
-class _AllowListUnpickler(pickle.Unpickler):
-    def __init__(self, file: Any, path: Path):
-        super().__init__(file)
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _DEEPSPEED_VALUES:
-            return _DEEPSPEED_VALUES[(module, name)]
-        if module == "collections" and name == "OrderedDict":
-            return collections.OrderedDict
-        if module == "builtins" and name in _BUILTINS:
-            return _BUILTINS[name]
-        if module == "torch" and name == "Size":
-            return torch.Size
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageType(_STORAGE_DTYPES[name])
-        if module == "torch" and name == "Tensor":
-            return torch.Tensor
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_tensor
-        if module == "torch._utils" and name == "_rebuild_parameter":
-            return _rebuild_parameter
-        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
-            return _rebuild_from_type
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
-
-    def persistent_load(self, pid: Any) -> _StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
-            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
-        kind = pid[1]
-        dtype = kind.dtype if isinstance(kind, _StorageType) else getattr(kind, "dtype", None)
-        if not isinstance(dtype, torch.dtype):  # UntypedStorage: the dtype comes with the tensor record
-            raise pickle.UnpicklingError(f"untyped storage {pid[2]!r} is not supported")
-        return _StorageRef(str(pid[2]), dtype)
-
-
 class TorchSaveFile:
-    """One torch.save zip file: its object tree (tensors as StoredTensor records) and preadv access."""
+    """One torch.save zip file: its object tree (tensors as StoredTensor records) and preadv access.
+    The zip and pickle are parsed by ``ckpt.formats.torchzip`` under the DeepSpeed allow-list."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
+        self._zip: TorchZip | None = TorchZip.open(self.path)
         try:
-            zf = zipfile.ZipFile(self.path)
-        except FileNotFoundError:
-            raise CheckpointError(f"{self.path}: missing; the checkpoint is incomplete, pick another step") from None
-        except zipfile.BadZipFile:
-            raise CheckpointError(f"{self.path}: not a torch.save zip file (legacy or corrupted); "
-                                  "re-save it with a current DeepSpeed or pick another step") from None
-        with zf:
-            pkl = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-            if len(pkl) != 1:
-                raise CheckpointError(f"{self.path}: no data.pkl record; the file is not a torch.save checkpoint")
-            self._prefix = pkl[0][: -len("data.pkl")]
-            self._infos = {i.filename: i for i in zf.infolist()}
-            with zf.open(pkl[0]) as f:
-                try:
-                    self.obj = _AllowListUnpickler(f, self.path).load()
-                except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
-                    raise CheckpointError(f"{self.path}: refused to unpickle ({e}); only DeepSpeed's own ZeRO "
-                                          "checkpoint files can be read") from None
-        self._offsets: dict[str, tuple[int, int]] = {}
-        self._fd: int | None = os.open(self.path, os.O_RDONLY)  # opened once: readers share it through pread
+            self.obj = self._zip.describe(DEEPSPEED_RECORDS)
+        except BaseException:
+            self.close()
+            raise
 
-    def _record(self, key: str) -> tuple[int, int]:
-        """(data offset, length) of storage ``key`` inside the zip (stored, never compressed by torch)."""
-        found = self._offsets.get(key)
-        if found is not None:
-            return found
-        info = self._infos.get(f"{self._prefix}data/{key}")
-        if info is None or info.compress_type != zipfile.ZIP_STORED:
-            raise CheckpointError(f"{self.path}: storage record {key} missing or compressed; the file is corrupted")
-        header = os.pread(self._open(), 30, info.header_offset)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise CheckpointError(f"{self.path}: bad zip header for storage {key}; the file is corrupted")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        found = (info.header_offset + 30 + name_len + extra_len, info.file_size)
-        self._offsets[key] = found
-        return found
-
-    def _open(self) -> int:
-        if self._fd is None:
+    def _open(self) -> TorchZip:
+        if self._zip is None:
             raise CheckpointError(f"{self.path}: read after close")
-        return self._fd
+        return self._zip
 
     def fileno(self) -> int:
         """The file's descriptor, for readers that ``pread`` storage bytes themselves (export)."""
-        return self._open()
+        return self._open()._fd()
 
     def storage_entry(self, key: str) -> tuple[int, int, int]:
         """(data offset, length, CRC-32 from the zip directory) of storage ``key``; the CRC is 0 when
         torch.save ran with CRCs disabled. The bytes are not read here."""
-        offset, length = self._record(key)
-        return offset, length, self._infos[f"{self._prefix}data/{key}"].CRC
+        return self._open().storage_entry(key)
 
     def read(self, t: StoredTensor, start: int = 0, count: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Flat elements ``[start, start + count)`` of a contiguous stored tensor (into ``out`` if given)."""
         count = t.numel - start if count is None else count
         if not t.is_contiguous() or start < 0 or start + count > t.numel:
             raise CheckpointError(f"{self.path}: cannot read elements {start}..{start + count} of {t}")
-        base, length = self._record(t.key)
+        base, length, _ = self.storage_entry(t.key)
         item = torch.empty((), dtype=t.dtype).element_size()
-        begin = base + (t.offset + start) * item
         if (t.offset + start + count) * item > length:
             raise CheckpointError(f"{self.path}: storage {t.key} is shorter than its tensors; the file is truncated")
         if out is None:
             out = torch.empty(count, dtype=t.dtype)
-        view = _byte_view(out) if count else memoryview(b"")
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._open(), [view[done:]], begin + done)
-            if n <= 0:
-                raise CheckpointError(f"{self.path}: truncated while reading storage {t.key}; the file is corrupted")
-            done += n
+        self._open().read_into(base + (t.offset + start) * item, count * item, out)
         return out
 
     def value(self, t: StoredTensor | Any) -> Any:
@@ -320,23 +176,15 @@ class TorchSaveFile:
         return t
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._zip is not None:
+            self._zip.close()
+            self._zip = None
 
     def __enter__(self) -> TorchSaveFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (through ctypes, not numpy, whose views
-    pin the storage and so keep it from being released early)."""
-    if not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError("byte views need a contiguous CPU tensor")
-    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
 
 
 @dataclass(frozen=True)
@@ -518,4 +366,4 @@ class ZeroShards:
         self.close()
 
 
-__all__ = ["STATE_FILE", "STATE_KEYS", "UNIVERSAL_DIR", "HashingFile", "Opaque", "ParamSlot", "Piece", "StoredTensor", "TorchSaveFile", "ZeroShards", "read_state", "rng_file", "save_torch", "write_hashed", "zero_files"]
+__all__ = ["STATE_FILE", "STATE_KEYS", "UNIVERSAL_DIR", "HashingFile", "Opaque", "ParamSlot", "Piece", "StoredTensor", "TorchSaveFile", "ZeroShards", "read_rng", "read_state", "rng_file", "save_torch", "write_hashed", "zero_files"]

@@ -55,19 +55,16 @@ How it works, and why:
 from __future__ import annotations
 
 import bisect
-import collections
 import contextlib
 import errno
 import fcntl
 import gc
 import hashlib
-import io
 import json
 import logging
 import math
 import mmap
 import os
-import pickle
 import queue
 import re
 import resource
@@ -75,7 +72,6 @@ import shutil
 import struct
 import threading
 import time
-import zipfile
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -88,6 +84,8 @@ import torch
 
 from ckpt import __version__
 from ckpt.errors import CheckpointError, ExportError
+from ckpt.formats.safe_pickle import TENSOR_RECORD, StoredTensor
+from ckpt.formats.torchzip import TorchZip
 from ckpt.fsutil import fsync_dir
 from ckpt.manifest import read_manifest
 from ckpt.validate import validate
@@ -97,7 +95,7 @@ if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint alone tak
     from torch.distributed.checkpoint.metadata import Metadata
 
     from ckpt.deepspeed_convert import UniversalSource
-    from ckpt.deepspeed_io import StoredTensor, TorchSaveFile, ZeroShards
+    from ckpt.deepspeed_io import TorchSaveFile, ZeroShards
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +105,6 @@ _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
-}
-# Names torch.save gives the storages of these dtypes in its pickle (torch.storage._dtype_to_storage_type_map).
-_STORAGE_TYPES: dict[str, torch.dtype] = {
-    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
 }
 # Module wrappers whose names appear inside parameter names: torch.compile, activation checkpointing, FSDP1.
 _WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
@@ -128,7 +120,6 @@ INDEX_FILE = "model.safetensors.index.json"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header (30 bytes)
 
 
 # ------------------------------------------------------------------------------------------ options
@@ -177,73 +168,6 @@ def _check_checkpoint(ckpt_dir: Path, deep: bool) -> CheckpointManifest:
 
 # ------------------------------------------------------------------------- chunk records in .distcp
 @dataclass(frozen=True)
-class _StorageRef:
-    dtype: torch.dtype
-    key: str
-    numel: int
-
-
-@dataclass(frozen=True)
-class _StoredTensor:
-    storage: _StorageRef
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-def _rebuild_tensor_record(storage: Any, storage_offset: Any, size: Any, stride: Any, *_: Any) -> _StoredTensor:
-    if not isinstance(storage, _StorageRef):
-        raise pickle.UnpicklingError("tensor record without a storage")
-    return _StoredTensor(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride))
-
-
-class _TensorRecordUnpickler(pickle.Unpickler):
-    """Reads the ``data.pkl`` of a one-tensor ``torch.save`` zip into a description; builds no tensor
-    and admits no global beyond the tensor rebuild function and storage type names."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_tensor_record
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch" and name in _STORAGE_TYPES:
-            return _STORAGE_TYPES[name]
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a tensor record")
-
-    def persistent_load(self, pid: Any) -> _StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], torch.dtype)):
-            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
-        return _StorageRef(pid[1], str(pid[2]), int(pid[4]))
-
-
-class _Window(io.RawIOBase):
-    """Read-only file object over bytes [start, start + length) of ``fd``: one chunk's zip record."""
-
-    def __init__(self, fd: int, start: int, length: int):
-        self.fd, self.start, self.length, self.pos = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
-        data = os.pread(self.fd, n, self.start + self.pos)
-        b[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-
-@dataclass(frozen=True)
 class _Chunk:
     """One DCP chunk of a tensor and where its raw storage bytes lie in the ``.distcp`` file."""
 
@@ -275,53 +199,6 @@ def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class _BadRecord(Exception):
-    """A chunk's torch.save record is not what DCP writes (turned into a CheckpointError naming the file)."""
-
-
-def _entry_offset(fd: int, start: int, length: int, entry: zipfile.ZipInfo) -> int:
-    """Absolute file offset of a stored zip entry's bytes (torch pads the local header's extra field)."""
-    if entry.compress_type != zipfile.ZIP_STORED or entry.compress_size != entry.file_size:
-        raise _BadRecord(f"entry {entry.filename} is compressed")
-    head = os.pread(fd, _LOCAL_HEADER.size, start + entry.header_offset)
-    if len(head) != _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
-        raise _BadRecord(f"damaged local header of {entry.filename}")
-    *_, name_len, extra_len = _LOCAL_HEADER.unpack(head)
-    offset = start + entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-    if offset + entry.file_size > start + length:
-        raise _BadRecord(f"entry {entry.filename} runs past the record")
-    return offset
-
-
-def _entry_bytes(fd: int, start: int, length: int, entry: zipfile.ZipInfo) -> bytes:
-    data = os.pread(fd, entry.file_size, _entry_offset(fd, start, length, entry))
-    # CRC 0: torch.save ran with torch.serialization.set_crc32_options(False), which records none.
-    if len(data) != entry.file_size or (entry.CRC and zlib.crc32(data) != entry.CRC):
-        raise _BadRecord(f"CRC-32 mismatch in {entry.filename}")
-    return data
-
-
-def _read_record(fd: int, start: int, length: int) -> tuple[_StoredTensor, zipfile.ZipInfo, int]:
-    """The tensor description of one chunk record, its storage entry and where the storage bytes start.
-    zipfile only parses the central directory here; entries are read through their local headers."""
-    with zipfile.ZipFile(_Window(fd, start, length)) as zf:
-        entries = {i.filename: i for i in zf.infolist()}
-    pkl = next((i for name, i in entries.items() if name.endswith("/data.pkl") or name == "data.pkl"), None)
-    if pkl is None:
-        raise _BadRecord("no data.pkl")
-    prefix = pkl.filename[: -len("data.pkl")]
-    record = _TensorRecordUnpickler(io.BytesIO(_entry_bytes(fd, start, length, pkl))).load()
-    if not isinstance(record, _StoredTensor):
-        raise _BadRecord(f"holds a {type(record).__name__}, not one tensor")
-    order = entries.get(prefix + "byteorder")
-    if order is not None and _entry_bytes(fd, start, length, order).strip() != b"little":
-        raise _BadRecord("big-endian record")
-    storage = entries.get(f"{prefix}data/{record.storage.key}")
-    if storage is None:
-        raise _BadRecord(f"no storage entry data/{record.storage.key}")
-    return record, storage, _entry_offset(fd, start, length, storage)
-
-
 def _parse_chunk(path: Path, fd: int, file_size: int, key: str, info: Any, chunk_md: Any,
                  dtype: torch.dtype) -> _Chunk:
     """Locate a chunk's raw bytes inside its torch.save record; raise CheckpointError if it is not sound."""
@@ -331,22 +208,23 @@ def _parse_chunk(path: Path, fd: int, file_size: int, key: str, info: Any, chunk
     if info.offset + info.length > file_size:
         raise CheckpointError(f"{where} runs past the end of the file; the checkpoint is truncated, pick another step")
     try:
-        record, entry, data_offset = _read_record(fd, info.offset, info.length)
-    except (_BadRecord, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{where} is not a readable tensor record ({e}); the checkpoint is corrupted, "
-                              "pick another step") from None
+        with TorchZip(fd, info.offset, info.length, where) as record_zip:  # the one torch.save record reader
+            record = record_zip.describe(TENSOR_RECORD)
+            if not isinstance(record, StoredTensor):
+                raise CheckpointError(f"{where}: holds a {type(record).__name__}, not one tensor")
+            data_offset, storage_bytes, crc = record_zip.storage_entry(record.key)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where} is not a readable tensor record ({str(e).removeprefix(where + ': ')}); "
+                              "the checkpoint is corrupted, pick another step") from None
     problem = None
-    if record.storage.dtype != dtype or record.size != tuple(chunk_md.sizes):
-        problem = f"{record.storage.dtype} {list(record.size)}, metadata says {dtype} {list(chunk_md.sizes)}"
-    elif entry.file_size != record.storage.numel * dtype.itemsize:
-        problem = f"storage of {entry.file_size} bytes for {record.storage.numel} elements"
-    elif record.size and math.prod(record.size) and record.offset + sum(
-            (s - 1) * st for s, st in zip(record.size, record.stride)) >= record.storage.numel:
-        problem = "view reaches past its storage"
+    if record.dtype != dtype or record.shape != tuple(chunk_md.sizes):
+        problem = f"{record.dtype} {list(record.shape)}, metadata says {dtype} {list(chunk_md.sizes)}"
+    elif storage_bytes != record.storage_numel * dtype.itemsize:
+        problem = f"storage of {storage_bytes} bytes for {record.storage_numel} elements"
     if problem:
         raise CheckpointError(f"{where}: {problem}; the checkpoint is corrupted or not written by DCP, pick another step")
-    return _Chunk(path, fd, tuple(chunk_md.offsets), tuple(chunk_md.sizes), data_offset, entry.file_size,
-                  entry.CRC, record.offset, record.stride)
+    return _Chunk(path, fd, tuple(chunk_md.offsets), tuple(chunk_md.sizes), data_offset, storage_bytes,
+                  crc, record.offset, record.stride)
 
 
 # ------------------------------------------------------------------------------------ model tensors
@@ -551,7 +429,7 @@ def _collect_zero(shards: ZeroShards, out_dtype: torch.dtype) -> _Collected:
 
 def _collect_universal(src: UniversalSource, stack: ExitStack, out_dtype: torch.dtype) -> _Collected:
     """The universal layout: one ``zero/<name>/fp32.pt`` per parameter, a whole tensor in one storage entry."""
-    from ckpt.deepspeed_io import StoredTensor, TorchSaveFile
+    from ckpt.deepspeed_io import TorchSaveFile
 
     tensors, entries = [], []
     for name, shape in (x for g in src.groups for x in g):

@@ -266,6 +266,12 @@ def recompute_fingerprint(ckpt_dir: Path, manifest: CheckpointManifest):
         optim_sq = fp.sum_squares((k[len("optim.state."):], reader.read(k)) for k in optim_names)
         step_keys = [k for k in sorted(keys) if k.startswith("optim.state.") and k.endswith(".step")]
         step = float(reader.read(step_keys[0]).item()) if step_keys else 0.0
+        # every other record too (rng, counters, steps, byte values): each is parsed with the allow-list,
+        # so a checkpoint that passes --deep holds nothing a resume would refuse
+        for k in sorted(keys - set(step_keys[:1]) - {k for k in keys if k.startswith("model.")} - set(optim_names)):
+            reader.read(k)
+        for k in reader.byte_keys():
+            reader.read_bytes_value(k)
     return fp.make_fingerprint(model_sq, optim_sq, step)
 
 
@@ -274,6 +280,7 @@ def _deep_state(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
         if manifest.format == "deepspeed":  # ZeRO shards or a universal folder, one parameter at a time
             from ckpt.deepspeed_convert import recompute_fingerprint as recompute_deepspeed
 
+            _check_pickles(ckpt_dir, manifest)
             now = recompute_deepspeed(ckpt_dir, manifest)
         else:
             errors = _check_counters(ckpt_dir, manifest)
@@ -286,6 +293,16 @@ def _deep_state(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
     if diffs:
         return [f"{ckpt_dir}: fingerprint mismatch: {diffs[0]}; the stored state is not what was trained"]
     return []
+
+
+def _check_pickles(ckpt_dir: Path, manifest: CheckpointManifest) -> None:
+    """Parse every torch.save file of a deepspeed checkpoint with the allow-list (rng files and the files
+    only DeepSpeed's own loaders read included); CheckpointError naming the first refused file."""
+    from ckpt.formats.torchzip import check_file
+
+    for entry in manifest.files:
+        if entry.path.endswith(".pt"):
+            check_file(ckpt_dir / entry.path)
 
 
 def validate(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:

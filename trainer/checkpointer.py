@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ckpt import __version__, fingerprint as fp, lineage
-from ckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner
+from ckpt.dcp_io import load_state
 from ckpt.direct_io import HashingDirectWriter
 from ckpt.errors import CheckpointError, FingerprintMismatch
 from ckpt.fsutil import fsync_dir, mkdir_durable, quarantine
@@ -512,7 +512,7 @@ class Checkpointer:
         same_world = manifest.topology.world_size == self.env.world_size
         ts = TrainState()
         sd = self._state_dict(ts, with_rng=same_world)
-        dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=self.env.ckpt_group)
+        load_state(sd, path, process_group=self.env.ckpt_group)
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         if same_world:
             rng = sd["rng"][f"rank{self.env.rank}"]

@@ -27,9 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ckpt import fingerprint as fp
-from ckpt.deepspeed_io import (STATE_FILE, UNIVERSAL_DIR, TorchSaveFile, read_state, rng_file, save_torch,
+from ckpt.deepspeed_io import (STATE_FILE, UNIVERSAL_DIR, read_rng, read_state, rng_file, save_torch,
                                write_hashed)
 from ckpt.errors import CheckpointError, FingerprintMismatch
+from ckpt.formats.torchzip import check_file
 from ckpt.layout import RunDir, step_dir_name
 from ckpt.manifest import read_manifest
 from ckpt.validate import MOMENTS
@@ -120,14 +121,13 @@ class DeepSpeedSegment(Segment):
 
 # -------------------------------------------------------------------------------------- checkpointing
 def _verified_checkpoint_engine() -> Any:
-    """DeepSpeed's torch.save checkpoint engine, with files fsynced and hashed while written and
-    loads restricted to weights_only=True plus DeepSpeed's three value classes."""
+    """DeepSpeed's torch.save checkpoint engine, with files fsynced and hashed while written, and loads
+    that go through the one allow-list record reader (ckpt.formats.torchzip) instead of torch.load:
+    DeepSpeed's value classes are returned as themselves, tensors on the CPU (DeepSpeed moves them)."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
 
-    allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    from ckpt.formats.safe_pickle import DEEPSPEED_STATE
+    from ckpt.formats.torchzip import load_file
 
     class VerifiedCheckpointEngine(TorchCheckpointEngine):
         def __init__(self) -> None:
@@ -144,8 +144,11 @@ def _verified_checkpoint_engine() -> Any:
                 self.failed.setdefault(path, e)
 
         def load(self, path: str, map_location: Any = None) -> Any:
-            with torch.serialization.safe_globals(allowed):
-                return torch.load(path, map_location=map_location, weights_only=True)
+            state = load_file(path, DEEPSPEED_STATE)
+            if not isinstance(state, dict):
+                raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a DeepSpeed state dict; "
+                                      "the checkpoint is corrupted, pick another step")
+            return state
 
     return VerifiedCheckpointEngine()
 
@@ -351,7 +354,7 @@ class DeepSpeedCheckpointer(Checkpointer):
         bad = None
         for f in files:
             try:
-                TorchSaveFile(f).close()
+                check_file(f)
             except CheckpointError as e:
                 bad = str(e)
                 break
@@ -377,7 +380,7 @@ class DeepSpeedCheckpointer(Checkpointer):
         if not native:
             torch.manual_seed(self.spec.seed + 7919 * manifest.step + self.env.rank)
             return
-        rng = torch.load(path / rng_file(self.env.rank), map_location="cpu", weights_only=True)
+        rng = read_rng(path / rng_file(self.env.rank))
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and self.env.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.env.device)

@@ -1,0 +1,523 @@
+"""THE allow-list unpickler: every pickle read from a run directory goes through ``load`` here.
+
+A run directory may come from someone else, and unpickling runs whatever the pickle names. Here:
+
+* ``find_class`` admits only EXACT ``(module, name)`` pairs of the profile in use (no prefixes, no
+  dotted names, so no getattr chains), and returns what the profile maps the pair to: the real torch
+  or DeepSpeed object where a caller needs it, our own rebuild function for tensors.
+* The opcodes that call or mutate are re-implemented with checks (this is a subclass of the
+  pure-Python ``pickle._Unpickler``, whose opcodes can be overridden; the C unpickler's cannot):
+  REDUCE calls only the profile's callables; NEWOBJ only its classes, without arguments; BUILD only
+  on instances of those classes (never on a class or function, which would patch it for the whole
+  process), with a dict of plain attribute names; APPEND(S)/SETITEM(S)/ADDITEMS only on real
+  lists/dicts/sets (the C and Python unpicklers call ``.extend``/``.append``/``__setitem__``/``.add``
+  of whatever object is on the stack); INST, OBJ, EXT1/2/4, text PERSID and protocol 5's buffers
+  (BYTEARRAY8 allocates its declared size first) are refused; a read past the end is an error, not a
+  short item.
+* Persistent ids are accepted only in the shape ``torch.save`` writes for a storage, with a storage
+  type of the profile; the caller's ``storage`` hook turns them into data (or a record of where it is).
+* Limits: pickle size, MARK depth, memo entries, and the nesting depth / object count of the result.
+* Every failure becomes a one-line ``CheckpointError`` naming the file and the cause.
+
+Why each admitted callable is harmless with hostile arguments (they are the only code a pickle can
+run): ``collections.OrderedDict``, ``builtins.set``/``frozenset``, ``torch.Size`` build containers from
+other unpickled values (finite); ``torch.serialization._get_layout`` is a dict lookup and
+``pathlib.PosixPath`` joins strings (both called with str arguments only); ``_MEM_FORMAT_ENCODING`` and
+``ZeroStageEnum`` are Enum lookups (one int only: two arguments would build a new Enum class);
+``torch._utils._rebuild_tensor_v2`` is OUR function (``rebuild_tensor``): it accepts only a storage made
+by the ``storage`` hook, integer geometry inside that storage, ``requires_grad`` a bool, and empty
+backward hooks / metadata (so no hook callable and no tensor-metadata setter is ever installed). The
+admitted classes (DCP's metadata dataclasses, DeepSpeed's LossScaler/fragment_address) are only
+created empty by NEWOBJ and filled by BUILD with plain fields (TensorProperties decodes its tuple with
+its own ``__setstate__``). Never admitted: ``_rebuild_parameter`` (hooks), ``copyreg``, ``functools``,
+``builtins.getattr``/``eval``/``exec``/``__import__``/``bytes``/``bytearray`` (``bytes(10**12)``), ...
+
+Cost: the Python unpickler is ~5-10x slower than the C one (a 3 MB DCP metadata, ~20k chunks: ~2 s
+against ~0.2 s); torch's own weights-only unpickler makes the same trade.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import gc
+import importlib
+import io
+import math
+import pickle
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckpt.errors import CheckpointError
+
+MAX_PICKLE_BYTES = 1 << 30  # a DCP .metadata of a very large run is ~100 MB; anything over 1 GiB is refused
+MAX_MARK_DEPTH = 64  # nested MARKs (tuples/lists built item by item); real files use < 10
+MAX_NESTING = 64  # containers inside containers in the result; real files use < 12
+MAX_OBJECTS = 50_000_000  # containers + instances in the result (a 10 MB metadata holds ~2M)
+MAX_MEMO = 50_000_000  # memo entries (each costs ~100 bytes of memory)
+
+
+# ------------------------------------------------------------------------------------ stand-ins
+class Opaque:
+    """Stand-in for an allow-listed DeepSpeed value object when only the layout is read: keeps the
+    fields, runs no code (DeepSpeed's own classes are used only when DeepSpeed loads the state)."""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+
+def _opaque(name: str) -> type[Opaque]:
+    return type(name, (Opaque,), {"__module__": __name__})
+
+
+@dataclass(frozen=True)
+class StorageType:
+    """What a storage class name (``torch.FloatStorage``) unpickles to: only its dtype."""
+
+    name: str
+    dtype: torch.dtype
+
+
+STORAGE_TYPES: dict[str, torch.dtype] = {  # torch.storage._dtype_to_storage_type_map, the names torch.save writes
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+}
+_STORAGE_TOKENS = {name: StorageType(name, dtype) for name, dtype in STORAGE_TYPES.items()}
+_DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+                "complex64", "complex128")
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor of a torch.save record, not read: storage key, dtype, element offset, shape, stride and
+    the storage's element count."""
+
+    key: str
+    dtype: torch.dtype
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_numel: int = -1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def is_contiguous(self) -> bool:
+        expect, acc = [], 1
+        for size in reversed(self.shape):
+            expect.append(acc)
+            acc *= size
+        return all(s == e or d == 1 for s, e, d in zip(self.stride, reversed(expect), self.shape))
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """A storage named by a persistent id, when only the layout is read."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or len(value) > 64 or not all(type(v) is int and v >= 0 for v in value):
+        raise pickle.UnpicklingError(f"tensor {what} {value!r:.80} is not a tuple of non-negative ints")
+    return tuple(value)
+
+
+def rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = False,
+                   backward_hooks: Any = None, metadata: Any = None, *rest: Any) -> Any:
+    """What ``torch._utils._rebuild_tensor_v2`` unpickles to: a StoredTensor for a StorageRef, a real
+    tensor (a view of the storage's data) for a loaded storage. Hooks and metadata must be empty."""
+    if rest or (backward_hooks is not None and (type(backward_hooks) not in (dict, OrderedDict) or backward_hooks)):
+        raise pickle.UnpicklingError("tensor record with backward hooks or extra arguments")
+    if metadata is not None and (type(metadata) is not dict or metadata):
+        raise pickle.UnpicklingError("tensor record with tensor metadata")
+    if type(requires_grad) is not bool or type(storage_offset) is not int or storage_offset < 0:
+        raise pickle.UnpicklingError("tensor record with a bad offset or requires_grad")
+    shape, strides = _ints(size, "size"), _ints(stride, "stride")
+    numel = storage.numel if isinstance(storage, StorageRef) else storage.numel() if isinstance(storage, torch.Tensor) else None
+    if numel is None:
+        raise pickle.UnpicklingError("tensor record without a storage")
+    if len(shape) != len(strides):
+        raise pickle.UnpicklingError(f"tensor record with size {list(shape)} and stride {list(strides)}")
+    if math.prod(shape) and storage_offset + sum((s - 1) * st for s, st in zip(shape, strides)) >= numel:
+        raise pickle.UnpicklingError(f"tensor view {list(shape)} at {storage_offset} reaches past its storage of {numel}")
+    if isinstance(storage, StorageRef):
+        return StoredTensor(storage.key, storage.dtype, storage_offset, shape, strides, storage.numel)
+    out = torch.as_strided(storage, shape, strides, storage_offset)
+    return out.requires_grad_(True) if requires_grad else out
+
+
+# ------------------------------------------------------------------------------------ profiles
+@dataclass(frozen=True)
+class _Lazy:
+    """An admitted object imported only when a pickle names it (DeepSpeed is imported lazily)."""
+
+    module: str
+    name: str
+
+    def resolve(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.name)
+
+
+def _ints_only(args: tuple[Any, ...]) -> bool:
+    return len(args) == 1 and type(args[0]) is int
+
+
+def _strs_only(args: tuple[Any, ...]) -> bool:
+    return 0 < len(args) <= 256 and all(type(a) is str for a in args)
+
+
+@dataclass(frozen=True)
+class _Checked(_Lazy):
+    """An admitted callable of torch/DeepSpeed called only with the argument types it exists for
+    (an Enum called with two arguments would build a new Enum class, for instance)."""
+
+    check: Callable[[tuple[Any, ...]], bool] = _ints_only
+
+    def resolve(self) -> Any:
+        real, check, what = super().resolve(), self.check, f"{self.module}.{self.name}"
+
+        def call(*args: Any) -> Any:
+            if not check(args):
+                raise pickle.UnpicklingError(f"{what} called with {[type(a).__name__ for a in args]}")
+            return real(*args)
+        return call
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A named allow-list: exact (module, name) pairs and what each unpickles to; which of them
+    REDUCE may call, which NEWOBJ may instantiate (and BUILD fill), and whether storages may appear."""
+
+    name: str
+    objects: Mapping[tuple[str, str], Any]
+    callables: frozenset[tuple[str, str]]
+    classes: frozenset[tuple[str, str]]
+    storages: bool = False
+
+    @property
+    def pairs(self) -> frozenset[tuple[str, str]]:
+        return frozenset(self.objects)
+
+
+def _profile(name: str, objects: dict[tuple[str, str], Any], callables: set[tuple[str, str]],
+             classes: set[tuple[str, str]], storages: bool) -> Profile:
+    unknown = (callables | classes) - set(objects)
+    if unknown or callables & classes:
+        raise RuntimeError(f"profile {name}: bad callables/classes {sorted(unknown | (callables & classes))}")
+    return Profile(name, dict(objects), frozenset(callables), frozenset(classes), storages)
+
+
+_MD = "torch.distributed.checkpoint.metadata"
+_TENSORS: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor,
+    ("collections", "OrderedDict"): OrderedDict,
+    **{("torch", n): token for n, token in _STORAGE_TOKENS.items()},
+}
+_DS_NAMES = {("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+             ("deepspeed.utils.tensor_fragment", "fragment_address")}
+_ZERO_STAGE = ("deepspeed.runtime.zero.config", "ZeroStageEnum")
+_CONTAINERS = {("torch", "Size"): torch.Size, ("builtins", "set"): set, ("builtins", "frozenset"): frozenset}
+
+DCP_METADATA = _profile(
+    "DCP metadata",
+    {
+        **{(_MD, n): _Lazy(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                            "TensorProperties", "MetadataIndex", "StorageMeta")},
+        (_MD, "_MEM_FORMAT_ENCODING"): _Checked(_MD, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _Lazy("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"): _Checked("torch.serialization", "_get_layout", _strs_only),
+        ("pathlib", "PosixPath"): _Checked("pathlib", "PosixPath", _strs_only),  # StorageMeta.checkpoint_id
+        ("collections", "OrderedDict"): OrderedDict,
+        ("torch", "Size"): torch.Size,
+        **{("torch", n): getattr(torch, n) for n in _DTYPE_NAMES},
+    },
+    callables={("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict"),
+               ("torch", "Size"), (_MD, "_MEM_FORMAT_ENCODING")},
+    classes={(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                "TensorProperties", "MetadataIndex", "StorageMeta")}
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")},
+    storages=False,
+)
+TENSOR_RECORD = _profile(
+    "tensor record", _TENSORS, callables={("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")},
+    classes=set(), storages=True)
+_DS_CALLABLES = {("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"), _ZERO_STAGE, *_CONTAINERS}
+DEEPSPEED_RECORDS = _profile(  # the layout of DeepSpeed's files: value classes as inert stand-ins
+    "DeepSpeed state", {**_TENSORS, **_CONTAINERS, **{p: _opaque(p[1]) for p in _DS_NAMES}, _ZERO_STAGE: int},
+    callables=_DS_CALLABLES, classes=_DS_NAMES, storages=True)
+DEEPSPEED_STATE = _profile(  # what DeepSpeed's engine loads: its real value classes, same pairs
+    "DeepSpeed state", {**_TENSORS, **_CONTAINERS, **{p: _Lazy(*p) for p in _DS_NAMES}, _ZERO_STAGE: _Checked(*_ZERO_STAGE)},
+    callables=_DS_CALLABLES, classes=_DS_NAMES, storages=True)
+PROFILES = (DCP_METADATA, TENSOR_RECORD, DEEPSPEED_RECORDS, DEEPSPEED_STATE)
+ALLOWED: frozenset[tuple[str, str]] = frozenset().union(*(p.pairs for p in PROFILES))
+
+
+# ------------------------------------------------------------------------------------ unpickler
+def _refuser(opcode: bytes) -> Callable[[Any], None]:
+    name = next((n for n in dir(pickle) if n.isupper() and getattr(pickle, n) == opcode), repr(opcode))
+
+    def refuse(self: Any) -> None:
+        raise pickle.UnpicklingError(f"opcode {name} is not allowed")
+    return refuse
+
+
+class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Python implementation: opcodes overridable
+    """Unpickles one pickle under a ``Profile``; see the module docstring for every rule."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def __init__(self, data: bytes, profile: Profile, storage: Callable[[StorageType, str, int], Any] | None = None):
+        self._buffer = io.BytesIO(data)
+        self._size = len(data)
+        super().__init__(self._buffer, encoding="ASCII")
+        self._file_read = self._read_exactly  # the Python unpickler takes a short read for the whole
+        self.profile = profile
+        self._storage = storage
+        self._resolved: dict[tuple[str, str], Any] = {}
+        self._callables: set[int] = set()
+        self._classes: set[int] = set()
+
+    # ---------------------------------------------------------------- names
+    def find_class(self, module: str, name: str) -> Any:
+        if not isinstance(module, str) or not isinstance(name, str) or "." in name:
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in {self.profile.name}")
+        if self.proto < 3 and (module, name) in _compat_pickle.NAME_MAPPING:  # protocol 2 writes __builtin__
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif self.proto < 3 and module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
+        pair = (module, name)
+        if pair not in self.profile.objects:
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in {self.profile.name}")
+        obj = self._resolved.get(pair)
+        if obj is None:
+            obj = self.profile.objects[pair]
+            obj = obj.resolve() if isinstance(obj, _Lazy) else obj
+            self._resolved[pair] = obj
+            if pair in self.profile.callables:
+                self._callables.add(id(obj))
+            if pair in self.profile.classes:
+                self._classes.add(id(obj))
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        ok = (self._storage is not None and type(pid) is tuple and len(pid) == 5 and type(pid[0]) is str and pid[0] == "storage"
+              and isinstance(pid[1], StorageType) and type(pid[2]) is str and 0 < len(pid[2]) <= 64
+              and pid[2].isalnum() and type(pid[3]) is str and type(pid[4]) is int and pid[4] >= 0)
+        if not ok:
+            shown = repr(pid)[:80] if type(pid) in (str, tuple) and all(type(x) in _LEAVES | {StorageType} for x in pid) else type(pid).__name__
+            raise pickle.UnpicklingError(f"persistent id {shown} is not a torch.save storage")
+        return self._storage(pid[1], pid[2], pid[4])  # type: ignore[misc]
+
+    # ---------------------------------------------------------------- calls
+    def load_reduce(self) -> None:
+        stack = self.stack
+        args = stack.pop()
+        func = stack[-1]
+        if id(func) not in self._callables or type(args) is not tuple:
+            raise pickle.UnpicklingError(f"REDUCE of a {type(func).__name__} is not allowed")
+        stack[-1] = func(*args)
+
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if id(cls) not in self._classes or type(args) is not tuple or args:
+            raise pickle.UnpicklingError(f"NEWOBJ of a {type(cls).__name__} is not allowed")
+        self.append(cls.__new__(cls))
+
+    def load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        if type(kwargs) is not dict or kwargs:
+            raise pickle.UnpicklingError("NEWOBJ_EX with keyword arguments is not allowed")
+        self.load_newobj()
+
+    def load_build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        cls = type(inst)
+        if id(cls) not in self._classes and cls is not OrderedDict:  # a state_dict's OrderedDict keeps _metadata
+            raise pickle.UnpicklingError(f"BUILD of a {cls.__name__} is not allowed")
+        own = cls.__dict__.get("__setstate__") or next(
+            (k.__dict__["__setstate__"] for k in cls.__mro__[1:-1] if "__setstate__" in k.__dict__), None)
+        if own is not None:  # the admitted class's own code (TensorProperties decodes its tuple)
+            own(inst, state)
+            return
+        if type(state) is tuple and len(state) == 2 and state[1] is None:
+            state = state[0]
+        if type(state) is not dict or not all(type(k) is str and not k.startswith("__") for k in state):
+            raise pickle.UnpicklingError(f"BUILD state of a {cls.__name__} is not a dict of field names")
+        inst.__dict__.update(state)
+
+    # ---------------------------------------------------------------- containers
+    def load_append(self) -> None:
+        value = self.stack.pop()
+        self._expect(self.stack[-1], list, "APPEND").append(value)
+
+    def load_appends(self) -> None:
+        items = self.pop_mark()
+        self._expect(self.stack[-1], list, "APPENDS").extend(items)
+
+    def load_setitem(self) -> None:
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self._expect(self.stack[-1], (dict, OrderedDict), "SETITEM")[key] = value
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()
+        target = self._expect(self.stack[-1], (dict, OrderedDict), "SETITEMS")
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+
+    def load_additems(self) -> None:
+        items = self.pop_mark()
+        self._expect(self.stack[-1], set, "ADDITEMS").update(items)
+
+    @staticmethod
+    def _expect(obj: Any, kinds: type | tuple[type, ...], op: str) -> Any:
+        if type(obj) not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+            raise pickle.UnpicklingError(f"{op} on a {type(obj).__name__} is not allowed")
+        return obj
+
+    # ---------------------------------------------------------------- limits
+    def _read_exactly(self, n: int) -> bytes:
+        if n > self._size - self._buffer.tell():  # checked before BytesIO allocates anything
+            raise pickle.UnpicklingError(f"pickle data was truncated (an item of {n} bytes runs past the end)")
+        return self._buffer.read(n)
+
+    def load_frame(self) -> None:
+        (frame_size,) = struct.unpack("<Q", self.read(8))
+        if frame_size > self._size - self._buffer.tell():  # the Python unpickler would accept a short frame
+            raise pickle.UnpicklingError(f"frame of {frame_size} bytes runs past the end of the pickle")
+        self._unframer.load_frame(frame_size)
+
+    def load_mark(self) -> None:
+        if len(self.metastack) >= MAX_MARK_DEPTH:
+            raise pickle.UnpicklingError(f"nested deeper than {MAX_MARK_DEPTH} marks")
+        super().load_mark()
+
+    def load_memoize(self) -> None:
+        memo = self.memo
+        if len(memo) >= MAX_MEMO:
+            raise pickle.UnpicklingError(f"more than {MAX_MEMO} memo entries")
+        memo[len(memo)] = self.stack[-1]
+
+    def _put(self, index: int) -> None:
+        if index < 0 or index >= MAX_MEMO:
+            raise pickle.UnpicklingError(f"memo index {index} out of range")
+        self.memo[index] = self.stack[-1]
+
+    def load_put(self) -> None:
+        self._put(int(self.readline()[:-1]))
+
+    def load_binput(self) -> None:
+        self._put(self.read(1)[0])
+
+    def load_long_binput(self) -> None:
+        self._put(struct.unpack("<I", self.read(4))[0])
+
+
+_D = SafeUnpickler.dispatch
+for _op in (pickle.INST, pickle.OBJ, pickle.EXT1, pickle.EXT2, pickle.EXT4, pickle.PERSID,
+            pickle.BYTEARRAY8, pickle.NEXT_BUFFER, pickle.READONLY_BUFFER):  # bytearray(n) allocates n first
+    _D[_op[0]] = _refuser(_op)
+for _op, _fn in ((pickle.REDUCE, SafeUnpickler.load_reduce), (pickle.NEWOBJ, SafeUnpickler.load_newobj),
+                 (pickle.NEWOBJ_EX, SafeUnpickler.load_newobj_ex), (pickle.BUILD, SafeUnpickler.load_build),
+                 (pickle.APPEND, SafeUnpickler.load_append), (pickle.APPENDS, SafeUnpickler.load_appends),
+                 (pickle.SETITEM, SafeUnpickler.load_setitem), (pickle.SETITEMS, SafeUnpickler.load_setitems),
+                 (pickle.ADDITEMS, SafeUnpickler.load_additems), (pickle.MARK, SafeUnpickler.load_mark),
+                 (pickle.FRAME, SafeUnpickler.load_frame)):
+    _D[_op[0]] = _fn
+for _op, _fn in ((pickle.MEMOIZE, SafeUnpickler.load_memoize), (pickle.PUT, SafeUnpickler.load_put),
+                 (pickle.BINPUT, SafeUnpickler.load_binput), (pickle.LONG_BINPUT, SafeUnpickler.load_long_binput)):
+    _D[_op[0]] = _fn
+
+
+_WALKED = (list, tuple, dict, OrderedDict, set, frozenset, torch.Size)
+
+
+def _check_shape(obj: Any) -> None:
+    """Nesting depth, object count and absence of cycles in the result, iteratively (deep nesting built
+    without MARKs, e.g. TUPLE1 chains, or a list that holds itself would otherwise surface later as a
+    RecursionError far from the file)."""
+    todo: list[tuple[Any, int, bool]] = [(obj, 0, False)]
+    on_path: set[int] = set()
+    done: set[int] = set()
+    while todo:
+        item, depth, leaving = todo.pop()
+        if leaving:
+            on_path.discard(id(item))
+            done.add(id(item))
+            continue
+        if id(item) in on_path:
+            raise pickle.UnpicklingError("an object contains itself")
+        if id(item) in done:
+            continue
+        if depth > MAX_NESTING:
+            raise pickle.UnpicklingError(f"nested deeper than {MAX_NESTING} levels")
+        if len(done) > MAX_OBJECTS:
+            raise pickle.UnpicklingError(f"more than {MAX_OBJECTS} objects")
+        children = _children(item)
+        if not children:
+            done.add(id(item))
+            continue
+        on_path.add(id(item))
+        todo.append((item, depth, True))
+        todo.extend((c, depth + 1, False) for c in children)
+
+
+def _children(item: Any) -> list[Any]:
+    if isinstance(item, dict):
+        return [v for kv in item.items() for v in kv if type(v) not in _LEAVES]
+    if isinstance(item, _WALKED):
+        return [v for v in item if type(v) not in _LEAVES]
+    if hasattr(item, "__dict__") and not isinstance(item, (type, torch.Tensor)) and type(item.__dict__) is dict:
+        return [v for v in item.__dict__.values() if type(v) not in _LEAVES]
+    return []
+
+
+_LEAVES = frozenset({int, float, str, bytes, bool, type(None), complex})
+
+
+def load(data: bytes, profile: Profile, *, where: str, storage: Callable[[StorageType, str, int], Any] | None = None,
+         max_bytes: int | None = None) -> Any:
+    """Unpickle ``data`` (read from ``where``) under ``profile``; CheckpointError on anything refused."""
+    limit = MAX_PICKLE_BYTES if max_bytes is None else max_bytes
+    if len(data) > limit:
+        raise CheckpointError(f"{where}: refused to unpickle ({len(data)} bytes of pickle, more than {limit}); "
+                              "the file is not a checkpoint this tool writes, pick another step")
+    collecting = gc.isenabled()
+    gc.disable()  # the cyclic GC rescans the growing object graph on every few hundred allocations
+    try:
+        obj = SafeUnpickler(data, profile, storage).load()
+        _check_shape(obj)
+    except CheckpointError:
+        raise
+    except RecursionError:
+        raise CheckpointError(f"{where}: refused to unpickle (nested too deeply); the file is corrupted or hostile, "
+                              "pick another step") from None
+    except Exception as e:  # noqa: BLE001 - every failure of hostile input is a refusal
+        cause = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise CheckpointError(f"{where}: refused to unpickle ({cause}); only files written by this tool's "
+                              "backends can be read, pick another step") from None
+    finally:
+        if collecting:
+            gc.enable()
+    return obj
+
+
+def admitted(profile: Profile) -> list[str]:
+    """The profile's allow-list as 'module.name' strings (for documentation and reports)."""
+    return sorted(f"{m}.{n}" for m, n in profile.pairs)
+
+
+__all__ = ["ALLOWED", "DCP_METADATA", "DEEPSPEED_RECORDS", "DEEPSPEED_STATE", "MAX_PICKLE_BYTES", "Opaque", "PROFILES",
+           "Profile", "SafeUnpickler", "StorageRef", "StorageType", "StoredTensor", "TENSOR_RECORD", "admitted", "load",
+           "rebuild_tensor"]

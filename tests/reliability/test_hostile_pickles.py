@@ -1,0 +1,276 @@
+"""Hostile pickles planted into real checkpoints (manifest sizes and xxh3 checksums made to match) are
+refused, in one line naming the file, by ``validate --deep``, ``export``, ``convert`` and the readers a
+resume uses; and none of their payloads runs (each would create a sentinel file).
+
+Corpus: tests/reliability/hostile.py (hand-written opcodes, protocols 0-5). Each entry is planted as a
+DCP ``.metadata``, as the data.pkl of a DCP tensor record (a chunk of the embedding) and as a DeepSpeed
+optimizer-state ``.pt``; a subset also as a DCP byte value, a DeepSpeed model-states file and an rng file.
+One tiny FSDP2 run (the session's ``tiny_run``) and one DeepSpeed run (module fixture) are the victims.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from collections.abc import Callable, Iterator
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt.errors import CheckpointError
+from ckpt.formats import safe_pickle
+from shardkeeper.cli import main
+from tests.reliability.hostile import (CORPUS, LIVE, Hostile, plant_dcp_record, plant_metadata, plant_pt,
+                                       register_extensions, torch_record)
+
+ROOT = Path(__file__).resolve().parents[2]
+EMBED = "model.model.embed_tokens.weight"
+VALUE = "optim.param_groups.0.lr"
+SUBSET = ["dotted-dcp-filesystem-os.system", "global-os.system-proto2", "builtins.getattr+__import__",
+          "copyreg._reconstructor", "rebuild-tensor-foreign-hook", "rebuild-tensor-admitted-hook",
+          "binpersid-path-key", "ext2", "deep-tuple1-chain", "truncated-empty"]
+BY_NAME = {h.name: h for h in CORPUS}
+IDS = [h.name for h in CORPUS]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _extensions() -> Iterator[None]:
+    """copyreg's extension registry holds os.system & co., as an attacker using EXT opcodes would hope."""
+    undo = register_extensions()
+    yield
+    undo()
+
+
+@pytest.fixture(scope="module")
+def dcp_ckpt(tiny_run: Path) -> Path:
+    return sorted((tiny_run / "checkpoints").glob("step-*"))[-1]
+
+
+@pytest.fixture(scope="module")
+def ds_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One DeepSpeed ZeRO-2 run: 2 ranks, steps 1..2, a checkpoint at step 2."""
+    if find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    from ckpt.layout import RunDir
+    from shardkeeper.config import load_run_spec
+    from shardkeeper.stages import prepare_run_dir
+    from tests.harness import spawn
+    from trainer.segment import run_segment
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")))
+    mp.setenv("DS_ACCELERATOR", "cpu")
+    try:
+        run = tmp_path_factory.mktemp("ds") / "run"
+        spec = load_run_spec(ROOT / "configs" / "tiny.yaml", ["backend=deepspeed", "deepspeed.zero_stage=2",
+                                                               "checkpoint.interval=2", "checkpoint.keep_last=10"])
+        prepare_run_dir(RunDir.at(run), spec)
+        assert spawn(run_segment, 2, str(run), 2, 0, timeout=900) == [0, 0]
+    finally:
+        mp.undo()
+    return run / "checkpoints" / "step-00000002"
+
+
+def victim(src: Path, tmp_path: Path) -> Path:
+    """A private copy of a committed checkpoint inside its own run directory."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(src.parent.parent / "run.yaml", run / "run.yaml")
+    shutil.copytree(src, run / "checkpoints" / src.name)
+    return run / "checkpoints" / src.name
+
+
+def refused(capsys: pytest.CaptureFixture, argv: list[str], planted: Path) -> str:
+    """The CLI exits non-zero with exactly one ``error:`` line that names the planted file."""
+    capsys.readouterr()
+    assert main(argv) != 0, argv
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), (argv, err)
+    assert planted.name in lines[0], (argv, lines[0])
+    return lines[0]
+
+
+def reader_refuses(fn: Callable[[], object], planted: Path) -> None:
+    with pytest.raises(CheckpointError) as info:
+        fn()
+    message = str(info.value)
+    assert "\n" not in message and planted.name in message, message
+
+
+def no_sentinel(sentinel: Path) -> None:
+    assert not sentinel.exists(), f"the payload ran: {sentinel} exists"
+
+
+# ----------------------------------------------------------------------------------------- the corpus
+def test_corpus_is_large_and_live(tmp_path: Path, dcp_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The corpus is what a refusal test needs: many entries, and the live ones DO run their payload under
+    the standard unpickler (so a missing sentinel below means a refusal, not a dud)."""
+    assert len(CORPUS) >= 40 and len(set(IDS)) == len(IDS)
+    real = (dcp_ckpt / ".metadata").read_bytes()
+    monkeypatch.chdir(tmp_path)
+    for name in sorted(LIVE):
+        sentinel = tmp_path / f"live-{name}"
+        pickle.loads(BY_NAME[name].build(sentinel, real))  # noqa: S301 - proving the payload is real
+        assert sentinel.exists(), name
+
+
+@pytest.mark.parametrize("hostile", CORPUS, ids=IDS)
+def test_hostile_metadata_is_refused(hostile: Hostile, dcp_ckpt: Path, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture) -> None:
+    from ckpt.dcp_io import SafeFileSystemReader, read_metadata
+
+    ckpt = victim(dcp_ckpt, tmp_path)
+    sentinel = tmp_path / "SENTINEL"
+    planted = plant_metadata(ckpt, hostile.build(sentinel, (dcp_ckpt / ".metadata").read_bytes()))
+    assert main(["validate", str(ckpt)]) == 0  # the quick check reads no pickle: sizes and names agree
+    refused(capsys, ["validate", "--deep", str(ckpt)], planted)
+    refused(capsys, ["export", str(ckpt), str(tmp_path / "out")], planted)
+    refused(capsys, ["convert", str(ckpt), str(tmp_path / "converted"), "--to", "deepspeed"], planted)
+    reader_refuses(lambda: read_metadata(ckpt), planted)
+    reader_refuses(lambda: SafeFileSystemReader(ckpt).read_metadata(), planted)
+    assert not (tmp_path / "out").exists()
+    no_sentinel(sentinel)
+
+
+def _dcp_load(ckpt: Path) -> None:
+    """What a resume does, in one process: dcp.load through the safe reader and planner."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ckpt.dcp_io import load_state, read_metadata
+
+    md = read_metadata(ckpt)
+    sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
+          for k, v in md.state_dict_metadata.items()}
+    load_state(sd, ckpt, no_dist=True)
+
+
+@pytest.mark.parametrize("hostile", CORPUS, ids=IDS)
+def test_hostile_dcp_tensor_record_is_refused(hostile: Hostile, dcp_ckpt: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture) -> None:
+    ckpt = victim(dcp_ckpt, tmp_path)
+    sentinel = tmp_path / "SENTINEL"
+    record = torch_record(hostile.build(sentinel, (dcp_ckpt / ".metadata").read_bytes()))
+    planted = plant_dcp_record(ckpt, EMBED, record)
+    refused(capsys, ["validate", "--deep", str(ckpt)], planted)
+    refused(capsys, ["export", str(ckpt), str(tmp_path / "out")], planted)
+    refused(capsys, ["convert", str(ckpt), str(tmp_path / "converted"), "--to", "deepspeed"], planted)
+    reader_refuses(lambda: _dcp_load(ckpt), planted)
+    no_sentinel(sentinel)
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_hostile_dcp_byte_value_is_refused(name: str, dcp_ckpt: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """A non-tensor value (an optimizer hyperparameter) that DCP would torch.load at resume."""
+    ckpt = victim(dcp_ckpt, tmp_path)
+    sentinel = tmp_path / "SENTINEL"
+    planted = plant_dcp_record(ckpt, VALUE, torch_record(BY_NAME[name].build(sentinel, b"\x80\x04N.")))
+    refused(capsys, ["validate", "--deep", str(ckpt)], planted)
+    refused(capsys, ["convert", str(ckpt), str(tmp_path / "converted"), "--to", "deepspeed"], planted)
+    reader_refuses(lambda: _dcp_load(ckpt), planted)
+    no_sentinel(sentinel)
+
+
+def _engine_load(path: Path) -> object:
+    """What DeepSpeed's engine calls for every .pt file of a same-world-size resume."""
+    from trainer.ds_backend import _verified_checkpoint_engine
+
+    return _verified_checkpoint_engine().load(str(path), map_location="cpu")
+
+
+@pytest.mark.parametrize("hostile", CORPUS, ids=IDS)
+def test_hostile_deepspeed_optimizer_file_is_refused(hostile: Hostile, ds_ckpt: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    from ckpt.formats.torchzip import check_file
+
+    ckpt = victim(ds_ckpt, tmp_path)
+    sentinel = tmp_path / "SENTINEL"
+    planted = plant_pt(ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt", hostile.build(sentinel, b"\x80\x04N."))
+    refused(capsys, ["validate", "--deep", str(ckpt)], planted)
+    refused(capsys, ["export", str(ckpt), str(tmp_path / "out")], planted)
+    refused(capsys, ["convert", str(ckpt), str(tmp_path / "converted"), "--to", "dcp"], planted)
+    reader_refuses(lambda: _engine_load(planted), planted)
+    reader_refuses(lambda: check_file(planted), planted)  # the pre-parse before DeepSpeed's universal loader
+    no_sentinel(sentinel)
+
+
+@pytest.mark.parametrize("name", SUBSET)
+@pytest.mark.parametrize("victim_file", ["mp_rank_00_model_states.pt", "rng_rank_00000.pt"])
+def test_hostile_deepspeed_model_and_rng_files_are_refused(name: str, victim_file: str, ds_ckpt: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    from ckpt.deepspeed_io import read_rng
+
+    ckpt = victim(ds_ckpt, tmp_path)
+    sentinel = tmp_path / "SENTINEL"
+    planted = plant_pt(ckpt / victim_file, BY_NAME[name].build(sentinel, b"\x80\x04N."))
+    refused(capsys, ["validate", "--deep", str(ckpt)], planted)
+    refused(capsys, ["convert", str(ckpt), str(tmp_path / "converted"), "--to", "dcp"], planted)
+    if victim_file.startswith("rng"):
+        reader_refuses(lambda: read_rng(planted), planted)  # export reads no rng state
+    else:
+        refused(capsys, ["export", str(ckpt), str(tmp_path / "out")], planted)
+        reader_refuses(lambda: _engine_load(planted), planted)
+    no_sentinel(sentinel)
+
+
+# ----------------------------------------------------------------------------------------- limits
+def test_oversized_pickle_is_refused_before_parsing(dcp_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckpt.dcp_io import read_metadata
+
+    monkeypatch.setattr(safe_pickle, "MAX_PICKLE_BYTES", 1024)
+    with pytest.raises(CheckpointError, match=r"\.metadata: refused to unpickle \(\d+ bytes of pickle, more than 1024\)"):
+        read_metadata(dcp_ckpt)
+
+
+def test_allow_list_is_exact_pairs() -> None:
+    """No prefix, no dotted name: the union of the profiles is a fixed set of (module, name) pairs."""
+    assert all("." not in name for _, name in safe_pickle.ALLOWED)
+    forbidden = {("builtins", n) for n in ("eval", "exec", "getattr", "__import__", "bytes", "bytearray", "apply")}
+    forbidden |= {("copyreg", "_reconstructor"), ("torch._utils", "_rebuild_parameter"), ("functools", "partial"),
+                  ("torch", "load"), ("os", "system")}
+    assert not forbidden & safe_pickle.ALLOWED
+
+
+# ----------------------------------------------------------------------------------------- genuine files
+def test_genuine_checkpoints_still_read(dcp_ckpt: Path, ds_ckpt: Path, tmp_path: Path) -> None:
+    """The same readers load real files: dcp.load restores every tensor bit for bit, the DeepSpeed engine
+    loader returns what torch.load returns (DeepSpeed's own value classes included)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ckpt.dcp_io import DCPTensorReader, load_state, read_metadata
+
+    md = read_metadata(dcp_ckpt)
+    sd = {k: torch.full(tuple(v.size), 7, dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
+          for k, v in md.state_dict_metadata.items()}
+    load_state(sd, dcp_ckpt, no_dist=True)
+    with DCPTensorReader(dcp_ckpt) as reader:
+        for key in reader.tensor_keys():
+            assert torch.equal(sd[key], reader.read(key)), key
+        assert sd[VALUE] == reader.read_bytes_value(VALUE) and isinstance(sd[VALUE], float)
+    assert main(["validate", "--deep", str(dcp_ckpt)]) == 0
+    for f in sorted(ds_ckpt.glob("*.pt")):
+        ours, theirs = _engine_load(f), torch.load(f, weights_only=False)  # noqa: S614 - our own fresh run
+        _same(ours, theirs, f.name)
+    assert main(["validate", "--deep", str(ds_ckpt)]) == 0
+
+
+def _same(a: object, b: object, where: str) -> None:
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b) and a.stride() == b.stride(), where  # type: ignore[union-attr]
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where  # type: ignore[arg-type]
+        for k in a:
+            _same(a[k], b[k], f"{where}/{k}")  # type: ignore[index]
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where  # type: ignore[arg-type]
+        for i, (x, y) in enumerate(zip(a, b)):  # type: ignore[call-overload]
+            _same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        _same(vars(a), vars(b), where)
+    else:
+        assert a == b, where
