@@ -21,13 +21,14 @@ from ckpt.layout import RunDir, parse_step
 from ckpt.lock import RunLock
 from ckpt.manifest import read_manifest
 from ckpt.validate import latest_valid, validate
-from infra.launchers import LaunchRequest, get_launcher
+from infra.launchers import EXIT_CANCELLED, LaunchOutcome, LaunchRequest, get_launcher
 from schemas import CheckpointManifest, ClusterTopology, ReshardResult, RunSpec, SegmentResult, ValidationReport
 from shardkeeper.config import dump_run_spec, spec_from_dict
 
 log = logging.getLogger("shardkeeper")
 
 EXIT_PREEMPTED = 75
+# A cancelled segment (Prefect cancellation) exits 130 (= infra.launchers.EXIT_CANCELLED, 128 + SIGINT).
 STATUS_FILE = ".segment-status.json"
 # Fields of a run's RunSpec that may change between segments without breaking exact resume.
 MUTABLE_SECTIONS = ("checkpoint",)
@@ -99,10 +100,15 @@ def next_segment_index(run_dir: RunDir) -> int:
 
 
 def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology, until_step: int, *,
-                  timeout_s: float | None = None, sink: Callable[[str], None] | None = None) -> SegmentResult:
-    """Run one segment under the run lock: resume from the latest valid checkpoint, train, commit."""
+                  timeout_s: float | None = None, sink: Callable[[str], None] | None = None,
+                  cancel_check: Callable[[], bool] | None = None) -> SegmentResult:
+    """Run one segment under the run lock: resume from the latest valid checkpoint, train, commit.
+
+    ``cancel_check`` (polled by the launcher; a Prefect task passes one that watches its flow run):
+    when it turns true the ranks commit a checkpoint and stop, and the segment ends 'cancelled'."""
     rd = RunDir.at(run_dir)
     rd.root.mkdir(parents=True, exist_ok=True)
+    sink = sink or (lambda line: log.info("%s", line))
     with RunLock(rd.root):
         prepare_run_dir(rd, spec)
         seg = next_segment_index(rd)
@@ -113,9 +119,11 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         append_jsonl(rd.segments, {"event": "start", "segment": seg, "until_step": until_step, "start_step": start_step,
                                    "world_size": topology.world_size, "time": lineage.now_iso()})
         launcher = get_launcher(topology.launcher)
-        req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s)
-        outcome = launcher.launch(req, sink or (lambda line: log.info("%s", line)))
+        req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s,
+                            cancel_check=cancel_check)
+        outcome = launcher.launch(req, sink)
         result = _segment_result(rd, seg, start_step, topology, outcome)
+        _show_held_back(outcome, result.status, sink)
         append_jsonl(rd.segments, {"event": "end", **result.model_dump(mode="json", exclude={"topology"})})
         lineage.record(rd, "segment", f"segment:{seg}", parent=(f"checkpoint:step-{start_step:08d}" if before else None),
                        step=result.end_step, status=result.status, world_size=topology.world_size,
@@ -123,26 +131,46 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
     return result
 
 
-def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopology, outcome) -> SegmentResult:
+def _show_held_back(outcome: LaunchOutcome, status: str, sink: Callable[[str], None]) -> None:
+    """torchrun's closing lines: all of them for a failure; for a preempted or cancelled segment its
+    ChildFailedError/SignalException traceback is noise (the ranks stopped as asked) and is dropped."""
+    from infra.launchers import without_torchrun_closing
+
+    for line in outcome.held_back if status == "failed" else without_torchrun_closing(outcome.held_back):
+        sink(line)
+
+
+def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopology, outcome: LaunchOutcome) -> SegmentResult:
     status_path = rd.root / STATUS_FILE
     reported = json.loads(status_path.read_text()) if status_path.exists() else None
     if reported and reported.get("segment") != seg:
         reported = None
     after = latest_valid(rd)
-    if reported and reported["status"] in ("completed", "preempted"):
-        status = reported["status"]
-    elif outcome.timed_out and after and after[1].step > start_step:
-        status = "preempted"  # stopped at its timeout, but the emergency checkpoint committed
+    rank_status = reported["status"] if reported and reported.get("status") in ("completed", "preempted") else None
+    note = reported.get("note") if reported else None
+    if outcome.cancelled:
+        # Cancellation wins even over a segment that completed meanwhile: nothing further may start.
+        status = "cancelled"
+        if rank_status is None:
+            note = "stopped before the ranks reported; the latest valid checkpoint is kept"
+    elif rank_status:
+        status = rank_status
+    elif outcome.stop_requested and (outcome.exit_code != 0 or outcome.stop_signal is not None):
+        # Asked to stop before the ranks could report (still starting up, or killed after the grace
+        # period): nothing was lost that a checkpoint held; the next segment resumes from the latest one.
+        status = "preempted"
+        note = "stopped before the ranks reported; the latest valid checkpoint is kept"
     else:
         status = "failed"
     from infra.launchers import failing_rank_lines
 
     return SegmentResult(
         run_dir=str(rd.root), status=status,  # type: ignore[arg-type]
-        exit_code={"completed": 0, "preempted": EXIT_PREEMPTED}.get(status, outcome.exit_code or 1),
+        exit_code={"completed": 0, "preempted": EXIT_PREEMPTED, "cancelled": EXIT_CANCELLED}.get(status, outcome.exit_code or 1),
         segment=seg, start_step=start_step, end_step=after[1].step if after else 0,
         checkpoint=str(after[0]) if after else None, topology=topology, seconds=outcome.seconds,
         failure=None if status != "failed" else (("timed out; " if outcome.timed_out else "") + failing_rank_lines(outcome.tail)),
+        note=note if status != "failed" else None,
     )
 
 
