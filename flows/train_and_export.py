@@ -16,8 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.states import Cancelled, State
 
-from flows.common import PipelineError, run_segment
+from flows.common import PipelineError, SegmentCancelled, run_segment
 from schemas import ExportResult, PublishResult, RunSpec
 from schemas.requests import SegmentOutcome, TrainExportRequest, TrainExportSummary
 from tasks.lineage import mirror_lineage
@@ -52,8 +53,11 @@ def _export_and_publish(request: TrainExportRequest, ckpt: str) -> tuple[int, Ex
 
 
 @flow(name="train-and-export", validate_parameters=True)
-def train_and_export(request: TrainExportRequest) -> TrainExportSummary:
-    """Segments -> (reshard) -> train, resumed after preemptions -> validate (deep) -> export -> publish -> lineage."""
+def train_and_export(request: TrainExportRequest) -> TrainExportSummary | State:
+    """Segments -> (reshard) -> train, resumed after preemptions -> validate (deep) -> export -> publish -> lineage.
+
+    A cancellation of the flow run (UI, API, ``prefect flow-run cancel``) stops the training segment
+    (its ranks commit a checkpoint), starts nothing else and ends the flow run Cancelled."""
     logger = get_run_logger()
     spec: RunSpec = load_spec(request.config, request.spec, request.overrides)
     outcomes: list[SegmentOutcome] = []
@@ -63,6 +67,10 @@ def train_and_export(request: TrainExportRequest) -> TrainExportSummary:
                                         backoff_s=request.backoff_s))
         ckpt = _final_checkpoint(request.run_dir, outcomes)
         step, exported, published = _export_and_publish(request, ckpt)
+    except SegmentCancelled as e:
+        _mirror_best_effort(request.run_dir, spec.name)
+        logger.warning("%s", e)
+        return Cancelled(message=str(e))
     except BaseException:
         _mirror_best_effort(request.run_dir, spec.name)
         raise

@@ -67,7 +67,9 @@ def train(
     topo = plan_topology(spec, nproc, device=device)
     res = train_segment(spec, run_dir, topo, until_step, timeout_s=timeout, sink=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
     msg = f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} on {topo.world_size} ranks in {res.seconds:.1f} s"
-    if res.status == "failed":
+    if res.status == "failed" and "\n" not in (res.failure or ""):
+        console.print(f"error: {msg}: {res.failure}", markup=False, highlight=False)
+    elif res.status == "failed":
         console.print(f"[red]error:[/red] {msg}; last lines:\n{res.failure}")
     else:
         note = f" ({res.note})" if res.note else ""

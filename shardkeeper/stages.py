@@ -152,26 +152,41 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
         # Cancellation wins even over a segment that completed meanwhile: nothing further may start.
         status = "cancelled"
         if rank_status is None:
-            note = "stopped before the ranks reported; the latest valid checkpoint is kept"
+            note = _unreported_note(after)
     elif rank_status:
         status = rank_status
     elif outcome.stop_requested and (outcome.exit_code != 0 or outcome.stop_signal is not None):
         # Asked to stop before the ranks could report (still starting up, or killed after the grace
         # period): nothing was lost that a checkpoint held; the next segment resumes from the latest one.
         status = "preempted"
-        note = "stopped before the ranks reported; the latest valid checkpoint is kept"
+        note = _unreported_note(after)
     else:
         status = "failed"
-    from infra.launchers import failing_rank_lines
-
     return SegmentResult(
         run_dir=str(rd.root), status=status,  # type: ignore[arg-type]
         exit_code={"completed": 0, "preempted": EXIT_PREEMPTED, "cancelled": EXIT_CANCELLED}.get(status, outcome.exit_code or 1),
         segment=seg, start_step=start_step, end_step=after[1].step if after else 0,
         checkpoint=str(after[0]) if after else None, topology=topology, seconds=outcome.seconds,
-        failure=None if status != "failed" else (("timed out; " if outcome.timed_out else "") + failing_rank_lines(outcome.tail)),
+        failure=None if status != "failed" else _failure(outcome),
         note=note if status != "failed" else None,
     )
+
+
+def _unreported_note(after: tuple[Path, CheckpointManifest] | None) -> str:
+    if after is None:
+        return "stopped before the ranks reported, with nothing trained: no checkpoint; the next segment starts clean"
+    return f"stopped before the ranks reported; {after[0].name} stays the latest valid checkpoint"
+
+
+def _failure(outcome: LaunchOutcome) -> str:
+    from infra.launchers import failing_rank_lines
+
+    if outcome.exit_code < 0:  # torchrun itself was killed (OOM killer, kill -9): its ranks died with it
+        import signal
+
+        name = signal.Signals(-outcome.exit_code).name if -outcome.exit_code in signal.Signals._value2member_map_ else str(-outcome.exit_code)
+        return f"torchrun was killed by {name} and its ranks with it; rerun the same command to resume from the latest valid checkpoint"
+    return ("timed out; " if outcome.timed_out else "") + failing_rank_lines(outcome.tail)
 
 
 def validate_checkpoint(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:
