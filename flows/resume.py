@@ -15,7 +15,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.states import Cancelled, State
+from prefect.states import Cancelled
 
 from ckpt.errors import RunLockedError, ShardkeeperError
 from flows.common import PipelineError, SegmentCancelled, run_segment
@@ -83,7 +83,7 @@ def _resume_one(state: RunState, request: ResumeRequest) -> ResumeItem:
 
 
 @flow(name="resume", validate_parameters=True)
-def resume(request: ResumeRequest) -> ResumeSummary | State:
+def resume(request: ResumeRequest) -> ResumeSummary:
     """Scan -> for each resumable run: (reshard) -> train to its recorded until_step -> lineage artifacts.
 
     Cancelling the flow run stops the segment training now (checkpoint committed, segment 'cancelled')

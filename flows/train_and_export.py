@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import flow, get_run_logger
-from prefect.states import Cancelled, State
+from prefect.states import Cancelled
 
 from flows.common import PipelineError, SegmentCancelled, run_segment
 from schemas import ExportResult, PublishResult, RunSpec
@@ -53,7 +53,7 @@ def _export_and_publish(request: TrainExportRequest, ckpt: str) -> tuple[int, Ex
 
 
 @flow(name="train-and-export", validate_parameters=True)
-def train_and_export(request: TrainExportRequest) -> TrainExportSummary | State:
+def train_and_export(request: TrainExportRequest) -> TrainExportSummary:
     """Segments -> (reshard) -> train, resumed after preemptions -> validate (deep) -> export -> publish -> lineage.
 
     A cancellation of the flow run (UI, API, ``prefect flow-run cancel``) stops the training segment

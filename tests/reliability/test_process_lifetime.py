@@ -181,10 +181,11 @@ def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(pref
     finally:
         os.killpg(serve.pid, signal.SIGINT)
         try:
-            serve.wait(timeout=30)
+            out, _ = serve.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(serve.pid, signal.SIGKILL)
-            serve.wait()
+            out, _ = serve.communicate()
+        print(out[-6000:])  # shown when the test fails: what the runner and the flow run said
 
 
 def test_resume_flow_leaves_a_cancelled_run_alone() -> None:
