@@ -4,7 +4,9 @@
       run.yaml                    the RunSpec (written by the first segment)
       checkpoints/step-00000100/  manifest.json + backend files   (committed)
       checkpoints/step-00000110.partial/                          (being written, or abandoned)
-      metrics.jsonl  segments.jsonl  lineage.jsonl  .lock
+      metrics.jsonl  segments.jsonl  lineage.jsonl
+      .lock                       flock of the launching process (ckpt.lock.RunLock)
+      .lock.ranks                 shared flock + pids of the live ranks (ckpt.lock.hold_ranks_lock)
       verified/step-00000100.json  the last full re-read of that checkpoint (ckpt.validate.record_verified)
       exports/step-00000100/
 """
@@ -15,6 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckpt.lock import LOCK_NAME, RANKS_LOCK_NAME
 from schemas import MANIFEST_NAME
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
@@ -66,7 +69,11 @@ class RunDir:
 
     @property
     def lock_path(self) -> Path:
-        return self.root / ".lock"
+        return self.root / LOCK_NAME
+
+    @property
+    def ranks_lock_path(self) -> Path:
+        return self.root / RANKS_LOCK_NAME
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / step_dir_name(step)

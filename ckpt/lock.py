@@ -1,4 +1,18 @@
-"""One writer per run directory: an flock on RUN_DIR/.lock, released by the kernel if the holder dies."""
+"""One writer per run directory, for as long as any process of its segment lives.
+
+Two flock files (the kernel releases a flock when its last holder dies, so a crash never leaves a
+stale lock):
+
+- ``RUN_DIR/.lock``: held exclusively by the launching process (``shardkeeper train``, a Prefect
+  task) for the whole segment. It records the holder's pid, host and start time.
+- ``RUN_DIR/.lock.ranks``: every rank holds a *shared* flock on it for its whole life and appends its
+  pid (``hold_ranks_lock``). ``RunLock.acquire()`` takes ``.lock`` and then waits (bounded) for an
+  exclusive flock on ``.lock.ranks``: ranks of an earlier segment that are still alive (their
+  launcher was SIGKILLed before they could be stopped) make it fail with a one-line
+  ``RunLockedError`` that names their pids, so a second writer never starts beside them.
+
+Stdlib only: the ranks take their lock before torch is imported.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +25,51 @@ from pathlib import Path
 
 from ckpt.errors import RunLockedError
 
+LOCK_NAME = ".lock"
+RANKS_LOCK_NAME = ".lock.ranks"
+# How long acquire() waits for the ranks of a previous segment to go (they die within ~1 s of their
+# launcher: PR_SET_PDEATHSIG plus a watchdog); SHARDKEEPER_RANKS_WAIT_S overrides it.
+DEFAULT_RANKS_WAIT_S = 10.0
+_POLL_S = 0.1
+
+
+def _ranks_wait_default() -> float:
+    try:
+        return float(os.environ.get("SHARDKEEPER_RANKS_WAIT_S", DEFAULT_RANKS_WAIT_S))
+    except ValueError:
+        return DEFAULT_RANKS_WAIT_S
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def live_rank_pids(run_dir: str | Path) -> list[int]:
+    """Pids recorded in ``.lock.ranks`` whose process is still alive (best effort: pids can be reused)."""
+    try:
+        text = (Path(run_dir) / RANKS_LOCK_NAME).read_text()
+    except OSError:
+        return []
+    pids = sorted({int(x) for x in text.split() if x.isdigit()})
+    return [p for p in pids if _pid_alive(p)]
+
 
 class RunLock:
-    def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / ".lock"
+    def __init__(self, run_dir: str | Path, *, ranks_wait_s: float | None = None):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.ranks_path = Path(run_dir) / RANKS_LOCK_NAME
+        self.ranks_wait_s = _ranks_wait_default() if ranks_wait_s is None else ranks_wait_s
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -33,11 +83,44 @@ class RunLock:
             raise RunLockedError(
                 f"{self.path.parent}: run directory is locked by {desc}; wait for that segment to end or use another --run-dir"
             ) from None
+        try:
+            self._wait_for_ranks_gone()
+        except BaseException:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         os.ftruncate(fd, 0)
         os.pwrite(fd, info.encode(), 0)
         self._fd = fd
         return self
+
+    def _wait_for_ranks_gone(self) -> None:
+        """Exclusive flock on ``.lock.ranks`` (no rank of any segment alive), then clear its stale pids."""
+        fd = os.open(self.ranks_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            deadline = time.monotonic() + self.ranks_wait_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise self._ranks_alive_error() from None
+                    time.sleep(_POLL_S)
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def _ranks_alive_error(self) -> RunLockedError:
+        pids = live_rank_pids(self.path.parent)
+        which = f"pids {', '.join(map(str, pids))}" if pids else "pids unknown"
+        fix = f"stop them (kill {' '.join(map(str, pids))})" if pids else f"stop the processes that hold {self.ranks_path}"
+        return RunLockedError(
+            f"{self.path.parent}: ranks of an earlier segment are still running ({which}) {self.ranks_wait_s:g} s "
+            f"after their launcher went; {fix} and retry"
+        )
 
     def release(self) -> None:
         if self._fd is not None:
@@ -47,20 +130,52 @@ class RunLock:
             self._fd = None
 
     def is_locked(self) -> bool:
-        """True if some other process holds the lock now."""
-        if not self.path.exists():
-            return False
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-        return False
+        """True if some other process holds the lock now, or ranks of a segment are still alive."""
+        return _held(self.path, fcntl.LOCK_SH) or _held(self.ranks_path, fcntl.LOCK_EX)
 
     def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _held(path: Path, mode: int) -> bool:
+    """Would a non-blocking flock of ``mode`` on ``path`` fail? (Released at once when it succeeds.)"""
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def hold_ranks_lock(run_dir: str | Path, wait_s: float = 30.0) -> int | None:
+    """Rank side: a shared flock on ``RUN_DIR/.lock.ranks`` for the life of this process, and this pid
+    appended to it. Returns the fd (never closed: the kernel drops the lock when the process dies), or
+    None when the run directory does not exist (the segment reports that error itself).
+
+    The rank opens the file itself (close-on-exec, not inherited from torchrun), so only processes of
+    the segment hold it. Raises RunLockedError if it is held exclusively for longer than ``wait_s``
+    (a launcher checking for ranks holds it for a moment only)."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return None
+    fd = os.open(root / RANKS_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise RunLockedError(f"{root / RANKS_LOCK_NAME}: held exclusively for {wait_s:g} s; "
+                                     "another launcher is checking this run directory, retry") from None
+            time.sleep(_POLL_S)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd

@@ -31,6 +31,11 @@ class SegmentFailed(PipelineError):
     """The ranks failed: the message carries the failing rank's last lines."""
 
 
+class SegmentCancelled(PipelineError):
+    """The flow run was cancelled while a segment trained: its ranks committed a checkpoint and
+    stopped; no further segment starts (the flow ends Cancelled)."""
+
+
 class SegmentPreempted(PipelineError):
     """Preempted more often than the request allows; the run can be resumed later (resume flow)."""
 
@@ -115,6 +120,9 @@ def run_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preemptio
         attempts.append(result)
         if result.status == "completed":
             return SegmentOutcome(plan=plan, reshard=resharded, attempts=attempts)
+        if result.status == "cancelled":
+            raise SegmentCancelled(f"segment {result.segment} of {run_dir} cancelled at step {result.end_step} "
+                                   f"(checkpoint {result.checkpoint}); no further segment is started")
         if result.status == "failed":
             raise SegmentFailed(f"segment {result.segment} failed on {topology.world_size} ranks after step "
                                 f"{result.end_step} (exit code {result.exit_code}); failing rank's last lines:\n"

@@ -17,13 +17,15 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Cancelled
 
 from ckpt.errors import RunLockedError, ShardkeeperError
-from flows.common import PipelineError, check_resume_request, parse_request, run_segment
+from flows.common import PipelineError, SegmentCancelled, check_resume_request, parse_request, run_segment
 from schemas.requests import ResumeItem, ResumeRequest, ResumeSummary, RunState, SegmentPlan
 from tasks.lineage import mirror_lineage
 from tasks.stages import load_spec, run_state
 
+# Not "cancelled": a run whose last segment was cancelled by a person stays stopped until they train it again.
 RESUMABLE = ("preempted", "failed", "interrupted")
 
 
@@ -73,6 +75,9 @@ def _resume_one(state: RunState, request: ResumeRequest) -> ResumeItem:
                           reason=f"step {state.step} -> {until} on {plan.nproc} ranks (was {state.last_status})")
     except RunLockedError as e:  # someone started a segment since the scan
         return ResumeItem(run_dir=state.run_dir, action="skipped-locked", reason=str(e))
+    except SegmentCancelled:
+        mirror_lineage(state.run_dir, spec.name)
+        raise
     except (PipelineError, ShardkeeperError) as e:
         item = ResumeItem(run_dir=state.run_dir, action="failed", reason=str(e).splitlines()[0])
     mirror_lineage(state.run_dir, spec.name)
@@ -81,13 +86,20 @@ def _resume_one(state: RunState, request: ResumeRequest) -> ResumeItem:
 
 @flow(name="resume", validate_parameters=False)  # parse_request: one line instead of Prefect's list
 def resume(request: ResumeRequest) -> ResumeSummary:
-    """Scan -> for each resumable run: (reshard) -> train to its recorded until_step -> lineage artifacts."""
+    """Scan -> for each resumable run: (reshard) -> train to its recorded until_step -> lineage artifacts.
+
+    Cancelling the flow run stops the segment training now (checkpoint committed, segment 'cancelled')
+    and resumes no other run; the flow run ends Cancelled."""
     logger = get_run_logger()
     request = parse_request(ResumeRequest, request)
     check_resume_request(request)
     items: list[ResumeItem] = []
     for state in scan_runs(request.root, request.run_dirs):
-        item = triage(state) or _resume_one(state, request)
+        try:
+            item = triage(state) or _resume_one(state, request)
+        except SegmentCancelled as e:
+            logger.warning("%s; the remaining runs are not resumed", e)
+            return Cancelled(message=str(e))
         logger.info("%s: %s (%s)", item.run_dir, item.action, item.reason)
         items.append(item)
     failed = [i for i in items if i.action == "failed"]

@@ -18,8 +18,9 @@ As a deployment: ``python -m infra.serve`` then ``prefect deployment run 'train-
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.states import Cancelled
 
-from flows.common import PipelineError, check_train_request, parse_request, run_segment
+from flows.common import PipelineError, SegmentCancelled, check_train_request, parse_request, run_segment
 from schemas import ExportResult, PublishResult, RunSpec
 from schemas.requests import SegmentOutcome, TrainExportRequest, TrainExportSummary
 from tasks.lineage import mirror_lineage
@@ -55,7 +56,10 @@ def _export_and_publish(request: TrainExportRequest, ckpt: str) -> tuple[int, Ex
 
 @flow(name="train-and-export", validate_parameters=False)  # parse_request: one line instead of Prefect's list
 def train_and_export(request: TrainExportRequest) -> TrainExportSummary:
-    """Segments -> (reshard) -> train, resumed after preemptions -> validate (deep) -> export -> publish -> lineage."""
+    """Segments -> (reshard) -> train, resumed after preemptions -> validate (deep) -> export -> publish -> lineage.
+
+    A cancellation of the flow run (UI, API, ``prefect flow-run cancel``) stops the training segment
+    (its ranks commit a checkpoint), starts nothing else and ends the flow run Cancelled."""
     logger = get_run_logger()
     request = parse_request(TrainExportRequest, request)
     check_train_request(request)  # before any task: a bad request fails with one line and writes nothing
@@ -67,6 +71,10 @@ def train_and_export(request: TrainExportRequest) -> TrainExportSummary:
                                         backoff_s=request.backoff_s))
         ckpt = _final_checkpoint(request.run_dir, outcomes)
         step, exported, published = _export_and_publish(request, ckpt)
+    except SegmentCancelled as e:
+        _mirror_best_effort(request.run_dir, spec.name)
+        logger.warning("%s", e)
+        return Cancelled(message=str(e))
     except BaseException:
         _mirror_best_effort(request.run_dir, spec.name)
         raise

@@ -3,8 +3,16 @@
 The interface is small so Slurm and Kubernetes launchers fit beside the local one without touching
 flows: ``launch(request) -> LaunchOutcome``. The local launcher runs torchrun as a supervised
 subprocess in its own process group: its output is streamed line by line to a sink (the CLI's
-console or a Prefect task's logger), SIGTERM/SIGINT received by the caller are forwarded to every
-rank (that is what a preemption looks like), and a segment that runs past its timeout is stopped.
+console or a Prefect task's logger), SIGTERM/SIGINT/SIGUSR1 received by the caller stop every rank
+(that is what a preemption looks like: they commit a checkpoint), a segment that runs past its
+timeout is stopped the same way, and so is one whose ``cancel_check`` turns true (a Prefect
+cancellation): the outcome then says ``cancelled``.
+
+No process of a segment outlives the launching process (which holds the run lock): torchrun is
+started with PR_SET_PDEATHSIG=SIGKILL, and each rank sets the same, checks its parent and the
+launcher pid (``SHARDKEEPER_LAUNCHER_PID``) and runs a watchdog (trainer.lifetime). PDEATHSIG fires
+when the *thread* that started torchrun exits: ``launch`` waits for torchrun in that same thread
+(the CLI's main thread, or the worker thread a Prefect task runs in), so it always outlives it.
 """
 
 from __future__ import annotations
@@ -23,9 +31,17 @@ from pathlib import Path
 from typing import Protocol
 
 from schemas import ClusterTopology
+from trainer.lifetime import LAUNCHER_PID_ENV, pdeathsig_preexec
 
 LogSink = Callable[[str], None]
+CancelCheck = Callable[[], bool]
 _RANK_RE = re.compile(r"\[rank(\d+)\]|\[default(\d+)\]")
+# torchrun's own log lines, e.g. "W1122 10:00:00.123000 4242 .../torch/distributed/elastic/agent/server/api.py:725] ..."
+_TORCHRUN_LOG_RE = re.compile(r"^\[?[IWEF]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
+EXIT_CANCELLED = 130  # 128 + SIGINT: the shell's "stopped on request"; 75 (EX_TEMPFAIL) stays preemption
+POLL_S = 0.25
+KILL_MARGIN_S = 10.0  # torchrun SIGKILLs the ranks at its --shutdown-timeout (= grace); it gets this long more
+CANCEL_SETTLE_S = 3.0  # > the Prefect cancel watcher's poll period
 
 
 @dataclass(frozen=True)
@@ -36,6 +52,10 @@ class LaunchRequest:
     topology: ClusterTopology
     timeout_s: float | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # Polled ~4x a second: when it returns True the ranks are stopped (SIGTERM: they commit a
+    # checkpoint) and the outcome is 'cancelled'. Also asked after a stop signal, to tell a
+    # cancellation (a Prefect runner cancels by SIGTERM) from a preemption.
+    cancel_check: CancelCheck | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,14 @@ class LaunchOutcome:
     timed_out: bool
     tail: list[str]  # last lines of output, for the failure report
     seconds: float
+    cancelled: bool = False  # stopped because cancel_check said so (or it said so after a stop signal)
+    stop_signal: int | None = None  # the signal the launching process received (and turned into a stop)
+    held_back: list[str] = field(default_factory=list)  # torchrun's closing lines, not streamed to the sink
+
+    @property
+    def stop_requested(self) -> bool:
+        """The launcher asked the ranks to stop (signal, cancellation or timeout)."""
+        return self.timed_out or self.cancelled or self.stop_signal is not None
 
 
 class Launcher(Protocol):
@@ -56,18 +84,95 @@ class Launcher(Protocol):
         """Run one segment to its end and report how it ended."""
 
 
-def _forward_signals(proc: subprocess.Popen) -> dict[int, object]:
-    """Forward SIGTERM/SIGINT/SIGUSR1 to the child's process group (only from the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
+class _Supervisor:
+    """One launch: streams torchrun's output, asks the ranks to stop at most once, escalates to SIGKILL.
 
-    def handler(signum: int, _frame: object) -> None:
+    A stop (preemption signal, cancellation, timeout) is a single SIGTERM to torchrun, which forwards
+    it to every rank (they commit a checkpoint) and SIGKILLs them after ``--shutdown-timeout`` (the
+    launcher's grace); the launcher SIGKILLs torchrun itself a little later, and the ranks die with it
+    (PR_SET_PDEATHSIG). Repeated signals are not forwarded again: a second SIGTERM would make torchrun
+    abandon its graceful shutdown and kill the ranks in the middle of their checkpoint."""
+
+    def __init__(self, proc: subprocess.Popen, grace_s: float, sink: LogSink):
+        self.proc = proc
+        self.grace_s = grace_s
+        self.sink = sink
+        self.tail: collections.deque[str] = collections.deque(maxlen=60)
+        self.held: list[str] = []
+        self.stop_reason: str | None = None
+        self.signal: int | None = None
+        self._holding = False
+        self._killer: threading.Timer | None = None
+
+    def request_stop(self, reason: str) -> None:
+        # No lock: this also runs as a signal handler in the main thread, which may hold any lock.
+        if self.stop_reason is not None:
+            return
+        self.stop_reason = reason
         try:
-            os.killpg(proc.pid, signal.SIGTERM if signum == signal.SIGINT else signum)
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        self._killer = threading.Timer(self.grace_s + KILL_MARGIN_S, self.kill)
+        self._killer.daemon = True
+        self._killer.start()
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        if self.signal is None:
+            self.signal = signum
+        self.request_stop(f"signal {signal.Signals(signum).name}")
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
-    return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    def read_output(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.tail.append(line)
+            if self._hold(line):
+                self.held.append(line)
+            else:
+                self.sink(line)
+
+    def _hold(self, line: str) -> bool:
+        """torchrun's own closing lines (from its first log line or traceback on) wait for the outcome: a
+        ChildFailedError summary is noise when the segment was preempted or cancelled. Rank lines never wait."""
+        if _RANK_RE.search(line):
+            return False
+        if not self._holding and (_TORCHRUN_LOG_RE.search(line) or line.startswith("Traceback")
+                                  or any(m in line for m in _TORCHRUN_SUMMARY)):
+            self._holding = True
+        return self._holding
+
+    def cancel_timer(self) -> None:
+        if self._killer:
+            self._killer.cancel()
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+_pending_stop: list[int] = []
+
+
+def install_early_stop_handlers() -> None:
+    """For a CLI process: a stop signal that arrives before the ranks are launched (config loading, run
+    lock, checks) is remembered instead of killing the process; ``launch`` then starts nothing and the
+    segment ends 'preempted' with the latest checkpoint untouched. Main thread only."""
+    def remember(signum: int, _frame: object) -> None:
+        _pending_stop.append(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, remember)
+
+
+def _install_signal_handlers(sup: _Supervisor) -> dict[int, object]:
+    """SIGTERM/SIGINT/SIGUSR1 to the launching process stop the segment (only from the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, sup.on_signal) for s in STOP_SIGNALS}
 
 
 class LocalTorchrun:
@@ -75,9 +180,10 @@ class LocalTorchrun:
 
     name = "local"
 
-    def __init__(self, python: str | None = None, grace_s: float = 60.0):
+    def __init__(self, python: str | None = None, grace_s: float = 60.0, cancel_settle_s: float = CANCEL_SETTLE_S):
         self.python = python or sys.executable
         self.grace_s = grace_s
+        self.cancel_settle_s = cancel_settle_s
 
     def max_world_size(self) -> int | None:
         try:
@@ -92,60 +198,79 @@ class LocalTorchrun:
     def command(self, req: LaunchRequest) -> list[str]:
         # Positional arguments only: torchrun claims options that prefix its own (--log, --start, ...).
         return [self.python, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={req.topology.procs_per_node}",
+                f"--nproc-per-node={req.topology.procs_per_node}", f"--shutdown-timeout={max(1, int(self.grace_s))}",
                 "-m", "trainer.segment", str(req.run_dir), str(req.until_step), str(req.segment)]
 
-    def launch(self, req: LaunchRequest, sink: LogSink) -> LaunchOutcome:
+    def environment(self, req: LaunchRequest) -> dict[str, str]:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
-               "SHARDKEEPER_LAUNCHER": self.name, **req.env}
+               "SHARDKEEPER_LAUNCHER": self.name, **req.env, LAUNCHER_PID_ENV: str(os.getpid())}
         if req.topology.device_type == "cpu":
             env["SHARDKEEPER_DEVICE"] = "cpu"
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        return env
+
+    def launch(self, req: LaunchRequest, sink: LogSink) -> LaunchOutcome:
         t0 = time.monotonic()
+        if req.cancel_check is not None and req.cancel_check():
+            return LaunchOutcome(exit_code=EXIT_CANCELLED, timed_out=False, tail=["cancelled before the ranks started"],
+                                 seconds=0.0, cancelled=True)
+        if _pending_stop:
+            return LaunchOutcome(exit_code=128 + _pending_stop[0], timed_out=False, tail=["stopped before the ranks started"],
+                                 seconds=0.0, stop_signal=_pending_stop[0])
+        # torchrun dies with this process (PDEATHSIG, set in the child before exec), and takes the ranks along.
         proc = subprocess.Popen(self.command(req), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, env=env, start_new_session=True)
-        previous = _forward_signals(proc)
-        tail: collections.deque[str] = collections.deque(maxlen=60)
-        timed_out = threading.Event()
-        timer = threading.Timer(req.timeout_s, self._stop, (proc, timed_out)) if req.timeout_s else None
-        if timer:
-            timer.daemon = True
-            timer.start()
+                                bufsize=1, env=self.environment(req), start_new_session=True,
+                                preexec_fn=pdeathsig_preexec(os.getpid()))
+        sup = _Supervisor(proc, self.grace_s, sink)
+        previous = _install_signal_handlers(sup)
+        reader = threading.Thread(target=sup.read_output, name="torchrun-output", daemon=True)
+        reader.start()
+        cancelled = False
         try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                line = line.rstrip("\n")
-                tail.append(line)
-                sink(line)
+            cancelled = self._supervise(sup, req, t0)
             code = proc.wait()
+            cancelled = cancelled or self._settle_cancel(sup, req)
         finally:
-            if timer:
-                timer.cancel()
+            sup.cancel_timer()
             for sig, prev in previous.items():
                 signal.signal(sig, prev)  # type: ignore[arg-type]
             if proc.poll() is None:
-                self._kill(proc)
-        return LaunchOutcome(exit_code=code, timed_out=timed_out.is_set(), tail=list(tail), seconds=time.monotonic() - t0)
+                sup.kill()
+                proc.wait()
+            reader.join(timeout=10)
+        return LaunchOutcome(exit_code=code, timed_out=sup.stop_reason == "timeout", tail=list(sup.tail),
+                             seconds=time.monotonic() - t0, cancelled=cancelled, stop_signal=sup.signal,
+                             held_back=list(sup.held))
 
-    def _stop(self, proc: subprocess.Popen, flag: threading.Event) -> None:
-        """Timeout: ask for a checkpoint (SIGTERM), then kill the group after the grace period."""
-        flag.set()
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=self.grace_s)
-        except subprocess.TimeoutExpired:
-            self._kill(proc)
-        except ProcessLookupError:
-            pass
+    def _supervise(self, sup: _Supervisor, req: LaunchRequest, t0: float) -> bool:
+        """Wait for torchrun, polling the cancel check and the timeout; True if cancelled meanwhile."""
+        cancelled = False
+        while True:
+            try:
+                sup.proc.wait(timeout=POLL_S)
+                return cancelled
+            except subprocess.TimeoutExpired:
+                pass
+            if not cancelled and req.cancel_check is not None and req.cancel_check():
+                cancelled = True
+                sup.sink("shardkeeper: cancellation requested: stopping the ranks (they commit a checkpoint first)")
+                sup.request_stop("cancelled")
+            if req.timeout_s and time.monotonic() - t0 > req.timeout_s:
+                sup.request_stop("timeout")
 
-    @staticmethod
-    def _kill(proc: subprocess.Popen) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    def _settle_cancel(self, sup: _Supervisor, req: LaunchRequest) -> bool:
+        """After a stop signal, was it a cancellation? A flow-run cancellation arrives as SIGTERM too;
+        the cancel check (which polls the orchestrator) may need a moment to see it."""
+        if req.cancel_check is None or sup.signal is None:
+            return False
+        deadline = time.monotonic() + self.cancel_settle_s
+        while True:
+            if req.cancel_check():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
 
 
 LAUNCHERS: dict[str, Callable[[], Launcher]] = {"local": LocalTorchrun}
@@ -164,6 +289,21 @@ _TORCHRUN_SUMMARY = ("ChildFailedError", "torch.distributed.elastic", "Root Caus
 _ERROR_RE = re.compile(r"(^|\s)(error:|\w*(Error|Exception|Mismatch)\b)|Traceback")
 
 
+def _closing_cut(lines: list[str]) -> int:
+    """Index where torchrun's closing starts: its summary, or the traceback of its own that leads to it."""
+    cut = len(lines)
+    for i, line in enumerate(lines):
+        if any(marker in line for marker in _TORCHRUN_SUMMARY):
+            cut = i
+            break
+    for j in range(cut - 1, -1, -1):  # torchrun's own traceback that leads to its summary
+        if lines[j].startswith("Traceback"):
+            if any("distributed/run.py" in ln or "elastic" in ln for ln in lines[j:cut]):
+                cut = j
+            break
+    return cut
+
+
 def failing_rank_lines(tail: list[str], limit: int = 8) -> str:
     """The failing rank's own error lines: torchrun's closing summary (which only says a child failed)
     is cut off first, so it cannot push the real exception out of the window. A rank's own one-line
@@ -172,16 +312,12 @@ def failing_rank_lines(tail: list[str], limit: int = 8) -> str:
         at = line.find(RANK_ERROR_PREFIX)
         if at >= 0:
             return line[at + len(RANK_ERROR_PREFIX):].strip()
-    cut = len(tail)
-    for i, line in enumerate(tail):
-        if any(marker in line for marker in _TORCHRUN_SUMMARY):
-            cut = i
-            break
-    for j in range(cut - 1, -1, -1):  # torchrun's own traceback that leads to its summary
-        if tail[j].startswith("Traceback"):
-            if any("distributed/run.py" in ln or "elastic" in ln for ln in tail[j:cut]):
-                cut = j
-            break
-    body = tail[:cut] or tail
+    body = tail[:_closing_cut(tail)] or tail
     errs = [ln for ln in body if _ERROR_RE.search(ln)]
     return "\n".join((errs or body)[-limit:])
+
+
+def without_torchrun_closing(lines: list[str]) -> list[str]:
+    """Held-back lines worth showing when the segment did not fail: torchrun's log lines and its closing
+    traceback + summary (a ChildFailedError or SignalException that only says the ranks stopped) removed."""
+    return [ln for ln in lines[:_closing_cut(lines)] if not _TORCHRUN_LOG_RE.search(ln)]

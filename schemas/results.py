@@ -13,13 +13,15 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-SegmentStatus = Literal["completed", "preempted", "failed"]
+# cancelled: stopped on request of the orchestrator (a Prefect flow-run cancellation); its ranks
+# committed a checkpoint, but no further segment may start and the resume flow leaves the run alone.
+SegmentStatus = Literal["completed", "preempted", "cancelled", "failed"]
 
 
 class SegmentResult(_Frozen):
     run_dir: str = Field(description="run directory")
     status: SegmentStatus = Field(description="how the segment ended")
-    exit_code: int = Field(description="exit code of the launcher (0 completed, 75 preempted, other failed)")
+    exit_code: int = Field(description="exit code of the launcher (0 completed, 75 preempted, 130 cancelled, other failed)")
     segment: int = Field(ge=0, description="segment index within the run")
     start_step: int = Field(ge=0, description="step the segment resumed from")
     end_step: int = Field(ge=0, description="step of the last committed checkpoint")
@@ -27,6 +29,8 @@ class SegmentResult(_Frozen):
     topology: ClusterTopology = Field(description="where it ran")
     seconds: float = Field(0.0, description="wall time")
     failure: str | None = Field(None, description="failing rank's last lines when status is 'failed'")
+    note: str | None = Field(None, description="how a preempted or cancelled segment ended, e.g. that it stopped "
+                                               "before its first step with nothing to save")
 
 
 class ReshardResult(_Frozen):

@@ -80,10 +80,13 @@ def train(
 ) -> None:
     """Train one segment with torchrun; resumes from the latest valid checkpoint; always commits one at the end.
 
-    Exit code: 0 completed, 75 preempted (checkpoint committed; run the same command to resume), 1 failed."""
+    Exit code: 0 completed, 75 preempted (checkpoint committed; run the same command to resume), 1 failed,
+    3 the run directory is locked (another segment, or its ranks, still running)."""
+    from infra.launchers import install_early_stop_handlers
     from shardkeeper.config import load_run_spec
     from shardkeeper.stages import plan_topology, train_segment
 
+    install_early_stop_handlers()  # a SIGTERM before the ranks start is a preemption too, not a crash
     if until_step < 1:
         raise ShardkeeperError(f"--until-step {until_step}: must be at least 1")
     if timeout is not None and not timeout > 0:
@@ -95,7 +98,8 @@ def train(
     if res.status == "failed":
         console.print(f"error: {msg}: {_failure_line(res.failure)}", markup=False, highlight=False, soft_wrap=True)
     else:
-        console.print(f"[green]{msg}[/green]; checkpoint {res.checkpoint}")
+        note = f" ({res.note})" if res.note else ""
+        console.print(f"[green]{msg}[/green]; checkpoint {res.checkpoint}{note}", highlight=False)
     raise typer.Exit(res.exit_code)
 
 

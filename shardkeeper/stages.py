@@ -22,7 +22,7 @@ from ckpt.lock import RunLock
 from ckpt.manifest import read_manifest
 from ckpt.retention import sweep_leftovers
 from ckpt.validate import invalid_committed, latest_valid, validate
-from infra.launchers import LaunchRequest, get_launcher
+from infra.launchers import EXIT_CANCELLED, LaunchOutcome, LaunchRequest, get_launcher
 from schemas import CheckpointManifest, ClusterTopology, ReshardResult, RunSpec, SegmentResult, ValidationReport
 from shardkeeper.config import dump_run_spec, spec_from_dict
 from shardkeeper.preflight import cuda_device_count, preflight
@@ -30,6 +30,7 @@ from shardkeeper.preflight import cuda_device_count, preflight
 log = logging.getLogger("shardkeeper")
 
 EXIT_PREEMPTED = 75
+# A cancelled segment (Prefect cancellation) exits 130 (= infra.launchers.EXIT_CANCELLED, 128 + SIGINT).
 STATUS_FILE = ".segment-status.json"
 # Fields of a run's RunSpec that may change between segments without breaking exact resume.
 MUTABLE_SECTIONS = ("checkpoint",)
@@ -111,15 +112,19 @@ def next_segment_index(run_dir: RunDir) -> int:
 
 def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology, until_step: int, *,
                   timeout_s: float | None = None, sink: Callable[[str], None] | None = None,
-                  restart: bool = False) -> SegmentResult:
+                  restart: bool = False, cancel_check: Callable[[], bool] | None = None) -> SegmentResult:
     """Run one segment under the run lock: resume from the latest valid checkpoint, train, commit.
 
     A run whose checkpoints are all invalid is refused (never restarted silently); ``restart`` moves them
     aside (quarantine), rotates metrics.jsonl to ``metrics.before-restart-<segment>.jsonl`` and starts
-    from step 0, recorded in segments.jsonl and lineage. With a valid checkpoint ``restart`` is refused."""
+    from step 0, recorded in segments.jsonl and lineage. With a valid checkpoint ``restart`` is refused.
+
+    ``cancel_check`` (polled by the launcher; a Prefect task passes one that watches its flow run):
+    when it turns true the ranks commit a checkpoint and stop, and the segment ends 'cancelled'."""
     preflight(spec, topology, run_dir)  # before anything is written: a refused segment leaves no trace
     rd = RunDir.at(run_dir)
     mkdir_durable(rd.root)
+    sink = sink or (lambda line: log.info("%s", line))
     with RunLock(rd.root):
         prepare_run_dir(rd, spec)
         seg = next_segment_index(rd)
@@ -131,9 +136,10 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
                                    "world_size": topology.world_size, "time": lineage.now_iso()})
         launcher = get_launcher(topology.launcher)
         req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s,
-                            env={RESTART_ENV: "1"} if restart else {})
-        outcome = launcher.launch(req, sink or (lambda line: log.info("%s", line)))
+                            env={RESTART_ENV: "1"} if restart else {}, cancel_check=cancel_check)
+        outcome = launcher.launch(req, sink)
         result = _segment_result(rd, seg, start_step, topology, outcome)
+        _show_held_back(outcome, result.status, sink)
         append_jsonl(rd.segments, {"event": "end", **result.model_dump(mode="json", exclude={"topology"})})
         lineage.record(rd, "segment", f"segment:{seg}", parent=(f"checkpoint:step-{start_step:08d}" if before else None),
                        step=result.end_step, status=result.status, world_size=topology.world_size,
@@ -177,27 +183,64 @@ def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, Checkpoint
     return None
 
 
-def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopology, outcome) -> SegmentResult:
+def _show_held_back(outcome: LaunchOutcome, status: str, sink: Callable[[str], None]) -> None:
+    """torchrun's closing lines: all of them for a failure; for a preempted or cancelled segment its
+    ChildFailedError/SignalException traceback is noise (the ranks stopped as asked) and is dropped."""
+    from infra.launchers import without_torchrun_closing
+
+    for line in outcome.held_back if status == "failed" else without_torchrun_closing(outcome.held_back):
+        sink(line)
+
+
+def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopology, outcome: LaunchOutcome) -> SegmentResult:
     status_path = rd.root / STATUS_FILE
     reported = json.loads(status_path.read_text()) if status_path.exists() else None
     if reported and reported.get("segment") != seg:
         reported = None
     after = latest_valid(rd)
-    if reported and reported["status"] in ("completed", "preempted"):
-        status = reported["status"]
-    elif outcome.timed_out and after and after[1].step > start_step:
-        status = "preempted"  # stopped at its timeout, but the emergency checkpoint committed
+    rank_status = reported["status"] if reported and reported.get("status") in ("completed", "preempted") else None
+    note = reported.get("note") if reported else None
+    if outcome.cancelled:
+        # Cancellation wins even over a segment that completed meanwhile: nothing further may start.
+        status = "cancelled"
+        if rank_status is None:
+            note = _unreported_note(after)
+    elif rank_status:
+        status = rank_status
+    elif outcome.stop_requested and (outcome.exit_code != 0 or outcome.stop_signal is not None):
+        # Asked to stop before the ranks could report (still starting up, or killed after the grace
+        # period): nothing was lost that a checkpoint held; the next segment resumes from the latest one.
+        status = "preempted"
+        note = _unreported_note(after)
     else:
         status = "failed"
-    from infra.launchers import failing_rank_lines
-
     return SegmentResult(
         run_dir=str(rd.root), status=status,  # type: ignore[arg-type]
-        exit_code={"completed": 0, "preempted": EXIT_PREEMPTED}.get(status, outcome.exit_code or 1),
-        segment=seg, start_step=start_step, end_step=after[1].step if after else 0,
+        exit_code={"completed": 0, "preempted": EXIT_PREEMPTED, "cancelled": EXIT_CANCELLED}.get(status, outcome.exit_code or 1),
+        # The ranks may have fallen back past a checkpoint that failed to load: their start step wins.
+        segment=seg, start_step=int(reported.get("start_step", start_step)) if reported else start_step,
+        end_step=after[1].step if after else 0,
         checkpoint=str(after[0]) if after else None, topology=topology, seconds=outcome.seconds,
-        failure=None if status != "failed" else (("timed out; " if outcome.timed_out else "") + failing_rank_lines(outcome.tail)),
+        failure=None if status != "failed" else _failure(outcome),
+        note=note if status != "failed" else None,
     )
+
+
+def _unreported_note(after: tuple[Path, CheckpointManifest] | None) -> str:
+    if after is None:
+        return "stopped before the ranks reported, with nothing trained: no checkpoint; the next segment starts clean"
+    return f"stopped before the ranks reported; {after[0].name} stays the latest valid checkpoint"
+
+
+def _failure(outcome: LaunchOutcome) -> str:
+    from infra.launchers import failing_rank_lines
+
+    if outcome.exit_code < 0:  # torchrun itself was killed (OOM killer, kill -9): its ranks died with it
+        import signal
+
+        name = signal.Signals(-outcome.exit_code).name if -outcome.exit_code in signal.Signals._value2member_map_ else str(-outcome.exit_code)
+        return f"torchrun was killed by {name} and its ranks with it; rerun the same command to resume from the latest valid checkpoint"
+    return ("timed out; " if outcome.timed_out else "") + failing_rank_lines(outcome.tail)
 
 
 def validate_checkpoint(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:

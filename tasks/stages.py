@@ -8,7 +8,9 @@ it talks to the network; a user mistake (bad target, no token) is never retried.
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 
 PUBLISH_RETRIES = 3
 PUBLISH_RETRY_DELAYS_S = [5, 20, 60]
+CANCEL_POLL_S = 1.0  # how often a training segment checks whether its flow run was cancelled
 
 
 class CheckpointInvalid(CheckpointError):
@@ -91,21 +94,106 @@ def train_segment(spec: RunSpec, run_dir: str, topology: ClusterTopology, until_
     """Launch one segment; every line of the ranks' output goes to this task's log.
 
     ``timeout_s`` is handled by the launcher, not by Prefect: at the timeout the ranks get SIGTERM,
-    commit a checkpoint and the segment ends 'preempted' (a hard kill would lose the step)."""
+    commit a checkpoint and the segment ends 'preempted' (a hard kill would lose the step).
+
+    Cancelling the flow run (UI/API) stops the ranks the same way and the segment ends 'cancelled'
+    (exit code 130); see FlowRunCancelWatch for how the cancellation is seen."""
     from shardkeeper import stages
 
     logger = get_run_logger()
-    result = stages.train_segment(spec, run_dir, topology, until_step, timeout_s=timeout_s,
-                                  sink=lambda line: logger.info("%s", line))
+    watch = FlowRunCancelWatch.for_current_flow_run()
+    try:
+        result = stages.train_segment(spec, run_dir, topology, until_step, timeout_s=timeout_s,
+                                      sink=lambda line: logger.info("%s", line), cancel_check=watch)
+    finally:
+        if watch is not None:
+            watch.stop()
     summary = (f"segment {result.segment} {result.status}: steps {result.start_step} -> {result.end_step} "
                f"on {topology.world_size} ranks in {result.seconds:.1f} s")
     if result.status == "failed":
         logger.error("%s; last lines:\n%s", summary, result.failure)
-    elif result.status == "preempted":
-        logger.warning("%s; checkpoint %s", summary, result.checkpoint)
+    elif result.status in ("preempted", "cancelled"):
+        logger.warning("%s; checkpoint %s%s", summary, result.checkpoint, f" ({result.note})" if result.note else "")
     else:
         logger.info("%s; checkpoint %s", summary, result.checkpoint)
     return result
+
+
+class FlowRunCancelWatch:
+    """The launcher's cancel check for a segment trained inside a flow run: true once the flow run is
+    Cancelling or Cancelled.
+
+    How a Prefect 3.8 cancellation reaches the ranks:
+
+    - Flow run executed by a runner (``flow.serve()``, a process worker), the usual case: the runner
+      sees the Cancelling state, tells the flow-run process over its control channel that the intent
+      is "cancel", then sends it SIGTERM (SIGKILL after 30 s). A sync task runs in the flow's main
+      thread, where the launcher owns SIGTERM: it stops the ranks (SIGTERM -> checkpoint) and asks
+      this check, which reads the control intent at once (``prefect._internal.control_listener``,
+      private, used defensively) and otherwise the flow run's state, so the outcome is 'cancelled',
+      not 'preempted'. If the process is SIGKILLed first, PDEATHSIG takes torchrun and the ranks.
+    - A flow called in-process (no runner, nobody signals): a daemon thread polls the flow run's
+      state every ``period_s`` through the Prefect client; the launcher polls this check and stops
+      the ranks when it turns true.
+    """
+
+    def __init__(self, flow_run_id: Any, period_s: float = CANCEL_POLL_S):
+        self.flow_run_id = flow_run_id
+        self.period_s = period_s
+        self._cancelled = threading.Event()
+        self._done = threading.Event()
+
+    @classmethod
+    def for_current_flow_run(cls) -> FlowRunCancelWatch | None:
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()
+        if ctx is None or ctx.flow_run is None:
+            return None
+        return cls(ctx.flow_run.id).start()
+
+    def start(self) -> FlowRunCancelWatch:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            self._poll(client)  # a run cancelled between two segments starts no ranks at all
+        # The thread runs in a copy of this context: the Prefect settings (API URL) live in contextvars.
+        ctx = contextvars.copy_context()
+        threading.Thread(target=ctx.run, args=(self._loop,), name="flow-run-cancel-watch", daemon=True).start()
+        return self
+
+    def _loop(self) -> None:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            while not self._done.wait(self.period_s) and not self._cancelled.is_set():
+                self._poll(client)
+
+    def _poll(self, client: Any) -> None:
+        try:
+            state = client.read_flow_run(self.flow_run_id).state
+        except Exception as e:  # noqa: BLE001 - an API hiccup must not stop training; the next poll retries
+            log.debug("cannot read the state of flow run %s: %s", self.flow_run_id, e)
+            return
+        if state is not None and (state.is_cancelling() or state.is_cancelled()):
+            self._cancelled.set()
+
+    def __call__(self) -> bool:
+        if not self._cancelled.is_set() and _runner_intends_cancel():
+            self._cancelled.set()
+        return self._cancelled.is_set()
+
+    def stop(self) -> None:
+        self._done.set()
+
+
+def _runner_intends_cancel() -> bool:
+    try:
+        from prefect._internal import control_listener
+
+        return control_listener.get_intent() == "cancel"
+    except Exception:  # noqa: BLE001 - private API: absent or changed means "unknown", the state poll decides
+        return False
 
 
 @task(name="validate-checkpoint", cache_policy=NO_CACHE)

@@ -6,7 +6,8 @@ Launched by ``shardkeeper train`` through torchrun; by hand, on 2 CPU ranks:
     torchrun --standalone --nproc-per-node 2 -m trainer.segment RUN_DIR 20 0
 
 (RUN_DIR must hold run.yaml; positional arguments only, because torchrun claims options that
-prefix its own.) Exit codes: 0 completed, 75 preempted (checkpoint committed), 1 failed.
+prefix its own.) Exit codes: 0 completed, 75 preempted (checkpoint committed, or nothing to save
+when stopped before the first step), 1 failed.
 """
 
 from __future__ import annotations
@@ -17,21 +18,34 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+if __name__ == "__main__":
+    # A rank: tie its life to torchrun and the launcher, record early SIGTERMs and take the shared run
+    # lock before the heavy imports below (seconds on a busy node); see trainer.lifetime.
+    from ckpt.errors import ShardkeeperError
+    from trainer.lifetime import guard_rank
 
-from ckpt.errors import ShardkeeperError
-from ckpt.fsutil import append_jsonl, atomic_write_json, load_yaml
-from ckpt.layout import RunDir
-from schemas import RunSpec
+    try:
+        _RANKS_LOCK_FD = guard_rank(sys.argv[1:2])
+    except ShardkeeperError as _e:
+        print(f"error: {_e}", file=sys.stderr)
+        sys.exit(_e.exit_code)
 
-from trainer.checkpointer import Checkpointer, TrainState
-from trainer.data import GlobalOrderLoader, open_tokens
-from trainer.dist import DistEnv, init_distributed, log0
-from trainer.model import build_model, hf_model_record, model_signature, shard_model
-from trainer.optim import WarmupCosine, build_optimizer, clip_grad_norm_
-from trainer.signals import EXIT_PREEMPTED, PreemptionWatcher
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from ckpt.errors import ShardkeeperError  # noqa: E402
+from ckpt.fsutil import append_jsonl, atomic_write_json, load_yaml  # noqa: E402
+from ckpt.layout import RunDir  # noqa: E402
+from schemas import RunSpec  # noqa: E402
+
+from trainer.checkpointer import Checkpointer, TrainState  # noqa: E402
+from trainer.data import GlobalOrderLoader, open_tokens  # noqa: E402
+from trainer.dist import DistEnv, init_distributed, log0  # noqa: E402
+from trainer.model import build_model, hf_model_record, model_signature, shard_model  # noqa: E402
+from trainer.optim import WarmupCosine, build_optimizer, clip_grad_norm_  # noqa: E402
+from trainer import lifetime  # noqa: E402
+from trainer.signals import EXIT_PREEMPTED, PreemptionWatcher  # noqa: E402
 
 log = logging.getLogger("shardkeeper.trainer")
 
@@ -116,6 +130,14 @@ class Segment:
         return float(local_sum) / global_tokens, grad_norm, lr
 
     def run(self) -> int:
+        # Installed before the load: a SIGTERM while loading is a preemption, never a crash.
+        watcher = PreemptionWatcher(self.env.ctrl_group).install()
+        try:
+            return self._run(watcher)
+        finally:
+            watcher.uninstall()
+
+    def _run(self, watcher: PreemptionWatcher) -> int:
         env = self.env
         self.log_diagnostics()
         ts = self.ckpt.load_latest() or TrainState()
@@ -125,46 +147,59 @@ class Segment:
             log0(env, "nothing to do: the run is at step %d, --until-step is %d", start, self.until_step)
             self._write_status("completed", start, start)
             return 0
+        if watcher.should_stop():  # asked to stop during start-up or load: the loaded state is committed already
+            note = stopped_early_note(start)
+            log0(env, "preemption signal received before the first step: %s", note)
+            self._write_status("preempted", start, start, note=note)
+            return EXIT_PREEMPTED
         log0(env, "segment %d: steps %d -> %d on %d ranks", self.segment_index, start, self.until_step, env.world_size)
-        watcher = PreemptionWatcher(env.ctrl_group).install()
         status = "completed"
-        try:
-            while ts.step < self.until_step:
-                t0 = time.perf_counter()
-                phases: dict[str, float | None] | None = {} if (env.device.type == "cuda" and ts.step - start < 3) else None
-                loss, gnorm, lr = self.train_step(ts.step, phases)
-                ts = TrainState(step=ts.step + 1, tokens=ts.tokens + self.tokens_per_step,
-                                samples=ts.samples + self.spec.global_batch_size)
-                if phases:
-                    log0(env, "[FSDPDiagnostics] step %d peak MiB per phase: %s", ts.step, phases)
-                if env.is_rank0:
-                    append_jsonl(self.run_dir.metrics, {
-                        "step": ts.step, "loss": loss, "grad_norm": gnorm, "lr": lr, "world_size": env.world_size,
-                        "segment": self.segment_index, "tokens": ts.tokens, "step_seconds": round(time.perf_counter() - t0, 4),
-                    })
-                if watcher.should_stop():
-                    log0(env, "preemption signal received: committing a checkpoint at step %d", ts.step)
-                    self.ckpt.save(ts, reason="preempted", blocking=True)
-                    status = "preempted"
-                    break
-                if ts.step % self.spec.checkpoint.interval == 0 and ts.step < self.until_step:
-                    self.ckpt.save(ts, reason="interval")
-            if status == "completed":
-                self.ckpt.save(ts, reason="end", blocking=True)
-            self.ckpt.close()
-        finally:
-            watcher.uninstall()
+        while ts.step < self.until_step:
+            t0 = time.perf_counter()
+            phases: dict[str, float | None] | None = {} if (env.device.type == "cuda" and ts.step - start < 3) else None
+            loss, gnorm, lr = self.train_step(ts.step, phases)
+            ts = TrainState(step=ts.step + 1, tokens=ts.tokens + self.tokens_per_step,
+                            samples=ts.samples + self.spec.global_batch_size)
+            if phases:
+                log0(env, "[FSDPDiagnostics] step %d peak MiB per phase: %s", ts.step, phases)
+            if env.is_rank0:
+                append_jsonl(self.run_dir.metrics, {
+                    "step": ts.step, "loss": loss, "grad_norm": gnorm, "lr": lr, "world_size": env.world_size,
+                    "segment": self.segment_index, "tokens": ts.tokens, "step_seconds": round(time.perf_counter() - t0, 4),
+                })
+            if watcher.should_stop():
+                log0(env, "preemption signal received: committing a checkpoint at step %d", ts.step)
+                self.ckpt.save(ts, reason="preempted", blocking=True)
+                status = "preempted"
+                break
+            if ts.step % self.spec.checkpoint.interval == 0 and ts.step < self.until_step:
+                self.ckpt.save(ts, reason="interval")
+        if status == "completed":
+            self.ckpt.save(ts, reason="end", blocking=True)
+        self.ckpt.close()
         self._write_status(status, start, ts.step)
         return EXIT_PREEMPTED if status == "preempted" else 0
 
-    def _write_status(self, status: str, start: int, end: int) -> None:
-        if self.env.is_rank0:
-            ckpt = self.run_dir.checkpoint(end)
-            atomic_write_json(self.run_dir.root / STATUS_FILE, {
-                "segment": self.segment_index, "status": status, "start_step": start, "end_step": end,
-                "checkpoint": str(ckpt) if ckpt.exists() else None, "world_size": self.env.world_size,
-                "topology": self.env.topology.model_dump(mode="json"),
-            })
+    def _write_status(self, status: str, start: int, end: int, note: str | None = None) -> None:
+        write_status(self.run_dir, self.env, self.segment_index, status, start, end, note)
+
+
+def stopped_early_note(step: int) -> str:
+    if step == 0:
+        return "stopped before the first step with nothing trained: no checkpoint; the next segment starts clean"
+    return f"stopped before the first step: nothing new to save; step-{step:08d} (loaded) stays the latest checkpoint"
+
+
+def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start: int, end: int,
+                 note: str | None = None) -> None:
+    """The segment's report to the launcher (rank 0): RUN_DIR/.segment-status.json."""
+    if env.is_rank0:
+        ckpt = run_dir.checkpoint(end)
+        atomic_write_json(run_dir.root / STATUS_FILE, {
+            "segment": segment, "status": status, "start_step": start, "end_step": end,
+            "checkpoint": str(ckpt) if end and ckpt.exists() else None, "world_size": env.world_size,
+            "topology": env.topology.model_dump(mode="json"), "note": note,
+        })
 
 
 def build_segment(run_dir: RunDir, until_step: int, segment: int, env: DistEnv) -> Segment:
@@ -180,11 +215,32 @@ def run_segment(run_dir: str | Path, until_step: int, segment: int = 0) -> int:
     """Entry for one rank (torchrun or a spawn harness sets RANK/WORLD_SIZE/MASTER_*). Returns the exit code."""
     env = init_distributed()
     try:
-        seg = build_segment(RunDir.at(run_dir), until_step, segment, env)
+        rd = RunDir.at(run_dir)
+        if stop_agreed(env):  # a SIGTERM during start-up: do not build (and load) a model only to drop it
+            return _preempted_before_build(rd, env, segment)
+        seg = build_segment(rd, until_step, segment, env)
         return seg.run()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def stop_agreed(env: DistEnv) -> bool:
+    """Did any rank get a stop signal during start-up? (A collective: every rank calls it.)"""
+    flag = torch.tensor([0 if lifetime.stop_requested() is None else 1], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=env.ctrl_group)
+    return bool(flag.item())
+
+
+def _preempted_before_build(run_dir: RunDir, env: DistEnv, segment: int) -> int:
+    from ckpt.validate import latest_valid
+
+    found = latest_valid(run_dir) if env.is_rank0 else None
+    step = found[1].step if found else 0
+    note = stopped_early_note(step)
+    log0(env, "preemption signal received during start-up: %s", note)
+    write_status(run_dir, env, segment, "preempted", step, step, note)
+    return EXIT_PREEMPTED
 
 
 def _setup_logging() -> None:

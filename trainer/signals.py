@@ -1,4 +1,8 @@
-"""Preemption: a signal on any rank becomes an agreement of all ranks at the next step boundary."""
+"""Preemption: a signal on any rank becomes an agreement of all ranks at the next step boundary.
+
+A signal that arrived during start-up (recorded by trainer.lifetime before torch was imported)
+counts as if it arrived after ``install()``: the first agreement stops the segment.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import threading
 
 import torch
 import torch.distributed as dist
+
+from trainer import lifetime
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a scheduler's requeue means
@@ -24,6 +30,9 @@ class PreemptionWatcher:
     def install(self) -> PreemptionWatcher:
         for sig in PREEMPT_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        early = lifetime.stop_requested()
+        if early is not None:
+            self._handle(early, None)
         return self
 
     def _handle(self, signum: int, _frame: object) -> None:

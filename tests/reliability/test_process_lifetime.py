@@ -1,0 +1,197 @@
+"""No process of a segment outlives the process that holds the run lock (real CLI, real torchrun,
+2 ranks of configs/tiny.yaml); a SIGTERM during start-up is a preemption; a Prefect cancellation
+stops the ranks and ends the segment 'cancelled'.
+
+Launches: 2 for the killed-group scenario, 3 for the killed-rank/killed-torchrun chain, 1 for the
+early SIGTERM, 1 flow run (served deployment) for the cancellation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt.validate import latest_valid, validate
+from ckpt.layout import RunDir
+from tests.reliability.procs import (
+    ROOT,
+    TINY,
+    cli_env,
+    no_survivors,
+    run_train,
+    segment_processes,
+    segment_records,
+    start_train,
+    wait_ranks,
+    wait_training,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+BIG = 100_000  # an until_step the tests never reach
+
+
+def test_killed_process_group_leaves_no_orphans_and_a_second_train_is_refused_then_resumes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start_train(run, BIG, new_session=True)  # as `setsid shardkeeper train ... &`
+    try:
+        wait_training(run, steps=6)  # one interval checkpoint (every 5 steps) committed
+        # While it trains, a second writer is refused with one line and writes nothing.
+        mine = ("run.yaml", "segments.jsonl", ".lock", ".lock.ranks", ".segment-status.json")  # what `train` writes
+        before = {n: (run / n).read_bytes() for n in mine if (run / n).exists()}
+        second = run_train(run, 8, timeout=120)
+        assert second.returncode == 3, second.stderr[-2000:]
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "locked by pid" in lines[0], lines
+        after = {n: (run / n).read_bytes() for n in mine if (run / n).exists()}
+        assert after == before
+        assert len(segment_processes(run, "rank")) == 2
+        os.killpg(proc.pid, signal.SIGKILL)  # what a scheduler, the OOM killer or a closed terminal does
+        proc.wait(timeout=30)
+        no_survivors(run, within=5.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    found = latest_valid(RunDir.at(run))
+    assert found is not None and validate(found[0], deep=True).valid
+    resumed = run_train(run, found[1].step + 2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ends = [r for r in segment_records(run) if r["event"] == "end"]
+    assert ends[-1]["status"] == "completed" and ends[-1]["start_step"] == found[1].step
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == found[1].step + 2 and rows[-1]["segment"] == 1
+    assert "Traceback" not in resumed.stderr
+
+
+def _kill_and_expect_failure(run: Path, victim: str) -> subprocess.CompletedProcess:
+    """Start a segment, SIGKILL one of its processes once it trains; return the CLI's result."""
+    proc = start_train(run, BIG)
+    try:
+        wait_training(run, steps=(len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0) + 2)
+        targets = segment_processes(run, "rank" if victim == "rank" else "torchrun")
+        assert targets, f"no {victim} process found"
+        os.kill(targets[-1].pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    no_survivors(run, within=5.0)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_sigkill_of_one_rank_then_of_torchrun_leaves_no_survivors_and_resumes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    for victim in ("rank", "torchrun"):
+        res = _kill_and_expect_failure(run, victim)
+        assert res.returncode not in (0, 75), res.stderr[-2000:]
+        err_lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+        assert len(err_lines) == 1 and "failed" in err_lines[0], res.stderr[-2000:]
+        if victim == "torchrun":
+            assert "torchrun was killed by SIGKILL" in err_lines[0]
+        assert segment_records(run)[-1]["status"] == "failed"
+    found = latest_valid(RunDir.at(run))
+    start = found[1].step if found else 0
+    again = run_train(run, start + 1)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert segment_records(run)[-1]["start_step"] == start
+
+
+def test_sigterm_before_the_first_step_is_a_preemption_without_traceback(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start_train(run, BIG)
+    try:
+        wait_ranks(run, 2)  # ranks exist (starting up: importing torch, joining the group), no step yet
+        assert not (run / "metrics.jsonl").exists()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)  # repeated: still one orderly stop
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 75, err[-3000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err and "SignalException" not in err, err[-3000:]
+    end = segment_records(run)[-1]
+    assert end["status"] == "preempted" and end["exit_code"] == 75 and end["checkpoint"] is None
+    assert "next segment starts clean" in end["note"]
+    assert not (run / "metrics.jsonl").exists()
+    no_survivors(run, within=5.0)
+
+
+# ------------------------------------------------------------------------------ Prefect cancellation
+def _flow_run_state(flow_run_id: Any) -> Any:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).state
+
+
+def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(prefect_server: Any, tmp_path: Path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling, StateType
+
+    from schemas.requests import SegmentPlan, TrainExportRequest
+
+    run = tmp_path / "cancel"
+    name = f"cancel-{os.getpid()}"
+    env = {**cli_env(), "PREFECT_API_URL": prefect_server.api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(tmp_path / "home"))}
+    serve = subprocess.Popen([sys.executable, "-m", "tests.reliability.serve_flow", name], env=env, cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        def deployed() -> bool:
+            with get_client(sync_client=True) as client:
+                try:
+                    client.read_deployment_by_name(f"train-and-export/{name}")
+                    return True
+                except Exception:  # noqa: BLE001 - not registered yet
+                    return False
+
+        wait_until(deployed, 180, "the served deployment", period=1.0)
+        request = TrainExportRequest(config=TINY, run_dir=str(run), backoff_s=0, max_preemption_retries=3,
+                                     segments=[SegmentPlan(nproc=2, until_step=BIG - 1), SegmentPlan(nproc=2, until_step=BIG)])
+        flow_run = run_deployment(f"train-and-export/{name}", parameters={"request": request.model_dump(mode="json")},
+                                  timeout=0)
+        wait_training(run, steps=2, timeout=300)
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
+        final = wait_until(lambda: (s := _flow_run_state(flow_run.id)) and s.is_final() and s, 120,
+                           "the flow run to end", period=1.0)
+        assert final.type == StateType.CANCELLED, final
+        no_survivors(run, within=5.0)
+        records = segment_records(run)
+        assert [r["event"] for r in records] == ["start", "end"]  # no further segment, no resume
+        end = records[-1]
+        assert end["status"] == "cancelled" and end["exit_code"] == 130, end
+        assert end["checkpoint"] and validate(end["checkpoint"], deep=True).valid  # the ranks committed first
+        time.sleep(3)
+        assert [r["event"] for r in segment_records(run)] == ["start", "end"]
+    finally:
+        os.killpg(serve.pid, signal.SIGINT)
+        try:
+            out, _ = serve.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+            out, _ = serve.communicate()
+        print(out[-6000:])  # shown when the test fails: what the runner and the flow run said
+
+
+def test_resume_flow_leaves_a_cancelled_run_alone() -> None:
+    from flows.resume import triage
+    from schemas.requests import RunState
+
+    state = RunState(run_dir="/r", exists=True, step=5, last_until_step=8, last_status="cancelled")
+    item = triage(state)
+    assert item is not None and item.action == "skipped-done" and "cancelled" in item.reason

@@ -1,0 +1,166 @@
+"""A rank never outlives the process that launched its segment (and holds the run lock).
+
+Stdlib only: ``guard_rank`` runs first thing in ``python -m trainer.segment``, before torch is
+imported, so a rank orphaned during its (slow) start-up dies as early as one that is training.
+
+Three layers, because each alone has a gap:
+
+1. ``PR_SET_PDEATHSIG=SIGKILL``: the kernel kills the rank when its parent (torchrun) dies. The
+   launcher sets the same on torchrun, so SIGKILL of the launcher takes torchrun and then every rank.
+   PDEATHSIG fires when the parent *thread* that forked the child exits, not the parent process:
+   torchrun starts its ranks from its main thread, and the launcher's Popen runs in the thread that
+   then waits on it (the CLI's main thread, or the Prefect task's thread), so both outlive the child.
+2. The race "parent died before prctl": after prctl the rank checks that its parent is still the
+   one torchrun it had, and that the launcher named in ``SHARDKEEPER_LAUNCHER_PID`` is alive and is
+   torchrun's parent.
+3. A daemon watchdog thread (every 0.5 s) kills the rank if its parent changes (a subreaper adopted
+   it, so PDEATHSIG did not apply) or the launcher is gone (or its pid now names another process).
+
+A SIGTERM/SIGUSR1 that arrives during start-up (before the training loop's PreemptionWatcher is
+installed) is recorded here, not fatal: the segment ends 'preempted' at its first agreement point.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+LAUNCHER_PID_ENV = "SHARDKEEPER_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1
+WATCHDOG_PERIOD_S = 0.5
+EXIT_ORPHANED = 1
+
+_stop = threading.Event()
+_stop_signum: list[int] = []
+
+
+def _prctl():  # noqa: ANN202 - a ctypes function or None
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent thread exits. False where the
+    platform has no prctl (macOS, Windows): the watchdog is then the only guard."""
+    prctl = _prctl()
+    return bool(prctl is not None and prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0)
+
+
+def pdeathsig_preexec(parent_pid: int):  # noqa: ANN201 - a preexec_fn for subprocess.Popen
+    """A ``preexec_fn`` that ties the child to ``parent_pid`` (the launcher): PDEATHSIG=SIGKILL, then
+    exit at once if the parent already died between fork and prctl. The prctl function is looked up
+    here, before the fork, so the child only makes the one foreign call."""
+    prctl = _prctl()
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(EXIT_ORPHANED)
+
+    return preexec
+
+
+def proc_stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of ``pid`` from /proc, or None (gone, or no /proc)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2:].split()  # after "pid (comm)": state ppid ... starttime is field 22
+    try:
+        return int(fields[1]), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _on_stop_signal(signum: int, _frame: object) -> None:
+    _stop_signum.append(signum)
+    _stop.set()
+
+
+def install_early_stop_handlers() -> None:
+    """SIGTERM/SIGUSR1 during start-up: remember it (the segment ends 'preempted'), do not die."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, _on_stop_signal)
+
+
+def stop_requested() -> int | None:
+    """The signal that asked this rank to stop during start-up, if any."""
+    return _stop_signum[0] if _stop.is_set() and _stop_signum else None
+
+
+def _die(reason: str) -> None:
+    print(f"error: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): {reason}; exiting", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Watchdog:
+    def __init__(self, parent: int, launcher: int | None, launcher_start: int | None):
+        self.parent = parent
+        self.launcher = launcher
+        self.launcher_start = launcher_start
+
+    def check(self) -> str | None:
+        """Why this rank must die now, or None."""
+        if os.getppid() != self.parent:
+            return f"its parent {self.parent} is gone"
+        if self.launcher is None:
+            return None
+        if not pid_alive(self.launcher):
+            return f"its launcher (pid {self.launcher}) is gone"
+        if self.launcher_start is not None:
+            stat = proc_stat(self.launcher)
+            if stat is None or stat[1] != self.launcher_start:
+                return f"its launcher (pid {self.launcher}) is gone"
+        return None
+
+    def loop(self) -> None:
+        event = threading.Event()
+        while not event.wait(WATCHDOG_PERIOD_S):
+            reason = self.check()
+            if reason:
+                _die(reason)
+
+
+def guard_rank(argv: list[str]) -> int | None:
+    """Rank start-up: stop signals recorded, PDEATHSIG set, parent and launcher checked, the watchdog
+    started and the shared run-directory lock taken. Returns the lock's fd (None without a run dir)."""
+    install_early_stop_handlers()
+    set_pdeathsig(signal.SIGKILL)
+    parent = os.getppid()
+    raw = os.environ.get(LAUNCHER_PID_ENV)
+    launcher = int(raw) if raw and raw.isdigit() else None
+    launcher_start = None
+    if launcher is not None:
+        stat = proc_stat(parent)
+        if not pid_alive(launcher) or (stat is not None and stat[0] != launcher):
+            _die(f"its launcher (pid {launcher}) died before the rank started")
+        own = proc_stat(launcher)
+        launcher_start = own[1] if own else None
+    dog = _Watchdog(parent, launcher, launcher_start)
+    threading.Thread(target=dog.loop, name="shardkeeper-rank-watchdog", daemon=True).start()
+    if not argv:
+        return None
+    from ckpt.lock import hold_ranks_lock
+
+    return hold_ranks_lock(argv[0])
