@@ -26,7 +26,9 @@ other unpickled values (finite); ``torch.serialization._get_layout`` is a dict l
 ``ZeroStageEnum`` are Enum lookups (one int only: two arguments would build a new Enum class);
 ``torch._utils._rebuild_tensor_v2`` is OUR function (``rebuild_tensor``): it accepts only a storage made
 by the ``storage`` hook, integer geometry inside that storage, ``requires_grad`` a bool, and empty
-backward hooks / metadata (so no hook callable and no tensor-metadata setter is ever installed). The
+backward hooks / metadata (so no hook callable and no tensor-metadata setter is ever installed);
+``torch._tensor._rebuild_from_type_v2`` is ours too (``rebuild_from_type``): our tensor rebuild, plain
+``torch.Tensor`` (admitted as a value, never called), plain attribute values. The
 admitted classes (DCP's metadata dataclasses, DeepSpeed's LossScaler/fragment_address) are only
 created empty by NEWOBJ and filled by BUILD with plain fields (TensorProperties decodes its tuple with
 its own ``__setstate__``). Never admitted: ``_rebuild_parameter`` (hooks), ``copyreg``, ``functools``,
@@ -155,6 +157,23 @@ def rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, re
     return out.requires_grad_(True) if requires_grad else out
 
 
+def rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    """What ``torch._tensor._rebuild_from_type_v2`` unpickles to (ZeRO-3 saves its flat partitions so,
+    with a ``ds_id`` attribute): only our tensor rebuild, only plain ``torch.Tensor``, and attributes that
+    are plain values under names torch.Tensor does not have (``data``/``grad`` cannot be replaced)."""
+    if func is not rebuild_tensor or new_type is not torch.Tensor or type(args) is not tuple:
+        raise pickle.UnpicklingError("tensor subclass record other than a plain tensor")
+    if state is not None and (type(state) is not dict or not all(
+            type(k) is str and not k.startswith("_") and not hasattr(torch.Tensor, k) and type(v) in _LEAVES
+            for k, v in state.items())):
+        raise pickle.UnpicklingError("tensor record with attributes other than plain named values")
+    out = rebuild_tensor(*args)
+    if isinstance(out, torch.Tensor):
+        for k, v in (state or {}).items():
+            setattr(out, k, v)
+    return out
+
+
 # ------------------------------------------------------------------------------------ profiles
 @dataclass(frozen=True)
 class _Lazy:
@@ -225,7 +244,8 @@ _TENSORS: dict[tuple[str, str], Any] = {
 _DS_NAMES = {("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
              ("deepspeed.utils.tensor_fragment", "fragment_address")}
 _ZERO_STAGE = ("deepspeed.runtime.zero.config", "ZeroStageEnum")
-_CONTAINERS = {("torch", "Size"): torch.Size, ("builtins", "set"): set, ("builtins", "frozenset"): frozenset}
+_CONTAINERS = {("torch", "Size"): torch.Size, ("builtins", "set"): set, ("builtins", "frozenset"): frozenset,
+               ("torch._tensor", "_rebuild_from_type_v2"): rebuild_from_type, ("torch", "Tensor"): torch.Tensor}
 
 DCP_METADATA = _profile(
     "DCP metadata",
@@ -250,7 +270,8 @@ DCP_METADATA = _profile(
 TENSOR_RECORD = _profile(
     "tensor record", _TENSORS, callables={("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")},
     classes=set(), storages=True)
-_DS_CALLABLES = {("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"), _ZERO_STAGE, *_CONTAINERS}
+_DS_CALLABLES = {("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"), _ZERO_STAGE,
+                 *(set(_CONTAINERS) - {("torch", "Tensor")})}
 DEEPSPEED_RECORDS = _profile(  # the layout of DeepSpeed's files: value classes as inert stand-ins
     "DeepSpeed state", {**_TENSORS, **_CONTAINERS, **{p: _opaque(p[1]) for p in _DS_NAMES}, _ZERO_STAGE: int},
     callables=_DS_CALLABLES, classes=_DS_NAMES, storages=True)

@@ -186,6 +186,14 @@ CORPUS: list[Hostile] = [
     _h("rebuild-parameter-hooks", "_rebuild_parameter with hooks")(
         lambda s, r: P4 + call(sglob("torch._utils", "_rebuild_parameter"), _rebuild(_storage_pid(), MARK + binint(1) + TUPLE),
                                NEWFALSE, EMPTY_DICT + binint(0) + sglob("os", "system") + SETITEM) + STOP),
+    _h("rebuild-from-type-admitted-func", "_rebuild_from_type_v2(OrderedDict, Tensor, ...): not a tensor rebuild")(
+        lambda s, r: P2 + call(glob("torch._tensor", "_rebuild_from_type_v2"), glob("collections", "OrderedDict"),
+                               glob("torch", "Tensor"), EMPTY_TUPLE, EMPTY_DICT) + STOP),
+    _h("rebuild-from-type-grad-attr", "_rebuild_from_type_v2 whose state replaces the tensor's .data")(
+        lambda s, r: P2 + call(glob("torch._tensor", "_rebuild_from_type_v2"), glob("torch._utils", "_rebuild_tensor_v2"),
+                               glob("torch", "Tensor"), MARK + _storage_pid() + binint(0) + MARK + binint(1) + TUPLE
+                               + MARK + binint(1) + TUPLE + NEWFALSE + EMPTY_DICT + TUPLE,
+                               EMPTY_DICT + bu("data") + binint(1) + SETITEM) + STOP),
     _h("torch.load", "torch.load of another path")(
         lambda s, r: P4 + call(sglob("torch", "load"), sbu(str(s) + ".evil.pt")) + STOP),
     _h("torch.serialization.load", "torch.serialization.load")(
