@@ -199,7 +199,8 @@ def synthetic_checkpoint(base: Path, dest: Path, *, tie: bool, lm_head_equal: bo
     inventory = [TensorEntry(name=f"model.{k}", shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
                  for k, v in sorted(keyed.items())][: None if inventory_ok else -1]
     spec = manifest.run_spec.model_copy(update={"model": manifest.run_spec.model.model_copy(update={"config": config})})
-    write_manifest(dest, manifest.model_copy(update={"files": files, "run_spec": spec, "tensors": inventory,
+    one_rank = manifest.topology.model_copy(update={"nodes": 1, "procs_per_node": 1})  # one process saved it
+    write_manifest(dest, manifest.model_copy(update={"step": 1, "topology": one_rank, "files": files, "run_spec": spec, "tensors": inventory,
                                                      "hf_model": hf_model}))
     return dest, sd
 
