@@ -15,6 +15,7 @@ one record reader (``ckpt.formats.torchzip``):
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections.abc import Iterator
 from torch.futures import Future
@@ -69,6 +70,16 @@ def _tensor(data: bytes, where: str) -> torch.Tensor:
     return t
 
 
+
+def _pread_record(fd: int, offset: int, length: int, where: str) -> bytes:
+    """The bytes of one record, after checking that the extent ``.metadata`` declares lies inside the file:
+    a crafted length must not make us allocate it (os.pread allocates ``length`` bytes up front)."""
+    size = os.fstat(fd).st_size
+    if offset < 0 or length < 0 or offset + length > size:
+        raise CheckpointError(f"{where}: declares bytes {offset}..{offset + length} of a {size}-byte file; "
+                              "the checkpoint is truncated or crafted, pick another step")
+    return os.pread(fd, length, offset)
+
 class SafeFileSystemReader(FileSystemReader):
     """FileSystemReader whose metadata and records are read with the allow-list unpickler."""
 
@@ -109,9 +120,7 @@ class SafeFileSystemReader(FileSystemReader):
         where = f"{path}: record of {req.storage_index.fqn} at byte {info.offset}"
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{where} uses DCP stream transforms, which this reader does not support")
-        data = os.pread(fd, info.length, info.offset)
-        if len(data) != info.length:
-            raise CheckpointError(f"{where} runs past the end of the file; the checkpoint is truncated, pick another step")
+        data = _pread_record(fd, info.offset, info.length, where)
         if req.type == LoadItemType.BYTE_IO:
             planner.record_where = where  # type: ignore[attr-defined]  # so a refusal names the file
             planner.load_bytes(req, io.BytesIO(data))
@@ -194,18 +203,29 @@ class DCPTensorReader:
                 f = self._files[info.relative_path] = open(path, "rb")
             except FileNotFoundError:
                 raise CheckpointError(f"{path}: missing; the checkpoint is incomplete, pick another step") from None
-        data = os.pread(f.fileno(), info.length, info.offset)
-        if len(data) != info.length:
-            raise CheckpointError(f"{self.dir / info.relative_path}: truncated at {index.fqn}; the checkpoint is corrupted")
-        return data
+        return _pread_record(f.fileno(), info.offset, info.length, self._where(index))
 
     def read_bytes_value(self, key: str) -> Any:
         index = MetadataIndex(key)
         return _value(self._read(index), self._where(index))
 
+    def _check_extent(self, key: str, md: TensorStorageMetadata) -> None:
+        """Before allocating a tensor of the size ``.metadata`` declares: its chunks must tile it exactly and
+        their records must hold at least its bytes, so a crafted size cannot allocate more than the files hold."""
+        numel = math.prod(md.size)
+        tiled = sum(math.prod(c.sizes) for c in md.chunks)
+        stored = sum(self.metadata.storage_data[MetadataIndex(key, c.offsets)].length for c in md.chunks
+                     if MetadataIndex(key, c.offsets) in self.metadata.storage_data)
+        nbytes = numel * md.properties.dtype.itemsize
+        if tiled != numel or nbytes > stored:
+            raise CheckpointError(f"{self.dir / '.metadata'}: tensor {key} declares {list(md.size)} ({nbytes} bytes) but its "
+                                  f"chunks cover {tiled} elements in {stored} stored bytes; the checkpoint is corrupted "
+                                  "or crafted, pick another step")
+
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Assemble the full tensor ``key`` from its chunks (into ``out`` when given)."""
         md = self.meta(key)
+        self._check_extent(key, md)
         if out is None:
             out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         for chunk in md.chunks:

@@ -275,3 +275,31 @@ def _same(a: object, b: object, where: str) -> None:
         _same(vars(a), vars(b), where)
     else:
         assert a == b, where
+
+
+@pytest.mark.parametrize("craft", ["huge-tensor", "record-past-end"])
+def test_crafted_sizes_never_allocate(craft: str, dcp_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A .metadata that declares a terabyte tensor, or a record extent past the end of its file, is refused
+    before anything of that size is allocated (denial of service by memory, not code execution)."""
+    import dataclasses
+
+    from ckpt.dcp_io import DCPTensorReader, read_metadata
+
+    ckpt = victim(dcp_ckpt, tmp_path)
+    md = read_metadata(ckpt)
+    if craft == "huge-tensor":
+        meta = md.state_dict_metadata[EMBED]
+        meta.size = torch.Size([1 << 40, *meta.size[1:]])
+    else:
+        index = next(i for i in md.storage_data if i.fqn == EMBED)
+        md.storage_data[index] = dataclasses.replace(md.storage_data[index], length=1 << 40)
+    planted = plant_metadata(ckpt, pickle.dumps(md, protocol=2))
+    with pytest.raises(CheckpointError) as info:
+        DCPTensorReader(ckpt).read(EMBED)
+    assert "\n" not in str(info.value) and "pick another step" in str(info.value)
+    for argv in (["validate", "--deep", str(ckpt)], ["export", str(ckpt), str(tmp_path / "out")]):
+        capsys.readouterr()
+        assert main(argv) != 0, argv
+        lines = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), (argv, lines)
+    assert planted.exists() and not (tmp_path / "out").exists()
