@@ -211,15 +211,18 @@ class DCPTensorReader:
 
     def _check_extent(self, key: str, md: TensorStorageMetadata) -> None:
         """Before allocating a tensor of the size ``.metadata`` declares: its chunks must tile it exactly and
-        their records must hold at least its bytes, so a crafted size cannot allocate more than the files hold."""
+        the files holding them must be at least its size, so a crafted size cannot allocate more than the
+        files hold (each record is then checked on its own when read, naming its file)."""
         numel = math.prod(md.size)
         tiled = sum(math.prod(c.sizes) for c in md.chunks)
-        stored = sum(self.metadata.storage_data[MetadataIndex(key, c.offsets)].length for c in md.chunks
-                     if MetadataIndex(key, c.offsets) in self.metadata.storage_data)
+        paths = {self.metadata.storage_data[MetadataIndex(key, c.offsets)].relative_path for c in md.chunks
+                 if MetadataIndex(key, c.offsets) in self.metadata.storage_data}
+        files = [self.dir / plain_name(p, self.dir / ".metadata") for p in paths]
+        stored = sum(f.stat().st_size for f in files if f.is_file())
         nbytes = numel * md.properties.dtype.itemsize
         if tiled != numel or nbytes > stored:
             raise CheckpointError(f"{self.dir / '.metadata'}: tensor {key} declares {list(md.size)} ({nbytes} bytes) but its "
-                                  f"chunks cover {tiled} elements in {stored} stored bytes; the checkpoint is corrupted "
+                                  f"chunks cover {tiled} elements in files of {stored} bytes; the checkpoint is corrupted "
                                   "or crafted, pick another step")
 
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:

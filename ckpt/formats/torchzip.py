@@ -60,6 +60,22 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
+
+def _raw_name(info: zipfile.ZipInfo) -> bytes:
+    """The entry name as stored in the archive (before zipfile's cut at a NUL byte)."""
+    return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+
+
+def _check_unambiguous(infos: list[zipfile.ZipInfo], where: str) -> None:
+    """Refuse a zip that two readers could read differently: torch.load (miniz) and Python's zipfile differ
+    on names with a NUL byte and on duplicate names, so a crafted file could show us a harmless data.pkl and
+    DeepSpeed's torch.load another one. torch.save writes neither."""
+    raw = [i.orig_filename for i in infos]
+    if len(set(raw)) != len(raw) or len({i.filename for i in infos}) != len(infos) or \
+            any("\0" in n or i.filename != n for i, n in zip(infos, raw)):
+        raise CheckpointError(f"{where}: zip directory with duplicate or NUL-cut entry names; torch.save never "
+                              "writes that, the file is crafted, pick another step")
+
 class TorchZip:
     """One torch.save zip: bytes [start, start + length) of ``fd``, or a bytes buffer (``from_bytes``).
     ``where`` names it in every error (``path`` or ``path: chunk of KEY at byte N``)."""
@@ -84,7 +100,10 @@ class TorchZip:
         except Exception as e:  # noqa: BLE001 - BadZipFile, struct.error, ValueError, OSError... of a hostile file
             raise CheckpointError(f"{where}: not a torch.save zip record ({type(e).__name__}: {e}); "
                                   "the file is corrupted or not written by torch.save, pick another step") from None
+        _check_unambiguous(infos, where)
         self.entries = {i.filename: i for i in infos}
+        for name in self.entries:  # every local header agrees with the directory, not only those we read
+            self.entry(name)
         pkl = [n for n in self.entries if n.endswith("/data.pkl") or n == "data.pkl"]
         if len(pkl) != 1:
             raise CheckpointError(f"{where}: no single data.pkl record; the file is not a torch.save checkpoint, "
@@ -129,6 +148,9 @@ class TorchZip:
         if len(head) != _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
             raise CheckpointError(f"{self.where}: damaged local header of {name}; the record is corrupted, pick another step")
         *_, name_len, extra_len = _LOCAL_HEADER.unpack(head)
+        if self.pread(name_len, info.header_offset + _LOCAL_HEADER.size) != _raw_name(info):
+            raise CheckpointError(f"{self.where}: local header of {name} names another entry than the zip directory; "
+                                  "torch.save never writes that, the file is crafted, pick another step")
         rel = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
         if rel + info.file_size > self.length:
             raise CheckpointError(f"{self.where}: entry {name} runs past the record; the file is truncated, pick another step")

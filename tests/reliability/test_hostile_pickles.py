@@ -303,3 +303,50 @@ def test_crafted_sizes_never_allocate(craft: str, dcp_ckpt: Path, tmp_path: Path
         lines = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: "), (argv, lines)
     assert planted.exists() and not (tmp_path / "out").exists()
+
+
+def _zip_differential(path: Path, payload: bytes) -> None:
+    """Rewrite a torch.save file so that Python's zipfile still finds the genuine data.pkl while torch.load
+    (miniz) reads ``payload``: the genuine entry is renamed 'PREFIX/data.pkl<NUL>x' (zipfile cuts names at a
+    NUL and the later duplicate wins), the payload is stored first under the exact name."""
+    import io
+    import zipfile
+
+    src = zipfile.ZipFile(path)
+    names = src.namelist()
+    pkl = next(n for n in names if n.endswith("/data.pkl"))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as out:
+        out.writestr(pkl, payload)
+        for n in names:
+            out.writestr(n + "_x" if n == pkl else n, src.read(n))
+    raw = buf.getvalue().replace((pkl + "_x").encode(), (pkl + "\0x").encode())
+    path.write_bytes(raw)
+
+
+def test_zip_parser_differential_is_refused(tmp_path: Path) -> None:
+    """A file that our reader and torch.load would read differently (the genuine pickle for us, a payload for
+    DeepSpeed's unrestricted torch.load) is refused by the one reader, so the pre-parse cannot be fooled."""
+    from ckpt.formats.torchzip import check_file
+
+    sentinel = tmp_path / "SENTINEL"
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"step": torch.ones(2)}}, path)
+    check_file(path)  # the genuine file passes
+    payload = pickle.dumps(_Touch(str(sentinel)), protocol=2)  # harmless, but shows which pickle a reader ran
+    _zip_differential(path, payload)
+    torch.load(path, weights_only=False)  # noqa: S614 - proves the differential is live: torch.load runs the payload
+    assert sentinel.exists()
+    sentinel.unlink()
+    with pytest.raises(CheckpointError) as info:
+        check_file(path)
+    assert "NUL" in str(info.value) and path.name in str(info.value) and "\n" not in str(info.value)
+    assert not sentinel.exists()
+
+
+class _Touch:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (Path(self.path),))
