@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # allow_inf_nan=False: an lr of .inf trains NaN weights into a checkpoint; refuse it as a field error.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class ModelSpec(_Frozen):
@@ -98,7 +99,7 @@ class DeepSpeedSpec(_Frozen):
 class RunSpec(_Frozen):
     name: str = Field("run", min_length=1, pattern=r"\S", description="human name of the run (shown in lineage and model cards)")
     backend: Literal["fsdp2", "deepspeed"] = Field("fsdp2", description="sharding backend")
-    seed: int = Field(1234, description="seed of initialisation and of the global sample order")
+    seed: int = Field(1234, ge=0, lt=2**63, description="seed of initialisation and of the global sample order")
     global_batch_size: int = Field(8, gt=0, description="samples per optimizer step, over all ranks")
     micro_batch_size: int | None = Field(
         None, gt=0, description="samples per rank per forward pass (gradient accumulation); null = all of the rank's share"

@@ -69,7 +69,8 @@ def _rank_output(line: str) -> None:
 @app.command()
 def train(
     config: Annotated[Path, typer.Option(help="RunSpec YAML, e.g. configs/tiny.yaml")],
-    run_dir: Annotated[Path, typer.Option(help="run directory (created; resumed if it holds checkpoints)")],
+    # str, not Path: Path("") would silently become the current directory; preflight refuses an empty one.
+    run_dir: Annotated[str, typer.Option(help="run directory (created; resumed if it holds checkpoints)")],
     nproc: Annotated[int, typer.Option(help="ranks on this machine")] = 1,
     until_step: Annotated[int, typer.Option(help="train until this many optimizer steps are done")] = 20,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set optim.lr=1e-3")] = None,

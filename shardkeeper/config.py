@@ -67,6 +67,8 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
 
 def load_run_spec(path: str | Path, overrides: list[str] | None = None) -> RunSpec:
     path = Path(path)
+    if path.exists() and not path.is_dir() and not path.is_file():  # a FIFO or device would block the read
+        raise ConfigError(f"{path}: not a regular file; pass --config with a YAML file such as configs/tiny.yaml")
     try:
         raw = load_yaml(path.read_text(encoding="utf-8")) or {}
     except FileNotFoundError:

@@ -43,6 +43,8 @@ DEVICES = ("auto", "cpu", "cuda")
 
 def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> None:
     """Raise a ShardkeeperError (one line) if the segment cannot run; writes nothing."""
+    if not str(run_dir).strip():  # Path("") is the current directory: never train into it by accident
+        raise RunDirError("--run-dir '': empty path; pass the run directory, e.g. --run-dir runs/my-run")
     check_run_dir(Path(run_dir))
     check_environment(topology)
     try:
@@ -65,6 +67,10 @@ def check_run_dir(run_dir: Path) -> None:
         raise RunDirError(f"{run_dir}: cannot create the run directory: {probe} is a file; choose another path")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise RunDirError(f"{run_dir}: cannot write in {probe} (permission denied); choose a writable run directory")
+    for parent in [run_dir.absolute(), *run_dir.absolute().parents]:  # never write inside a committed checkpoint
+        if (parent / "manifest.json").is_file() or parent.name.endswith(".partial") and parent.parent.name == "checkpoints":
+            raise RunDirError(f"{run_dir}: lies inside the checkpoint {parent}; writing there would corrupt it, "
+                              "choose a run directory outside every checkpoint")
     spec_path = run_dir / "run.yaml"
     if spec_path.exists() and not spec_path.is_file():
         raise RunDirError(f"{spec_path}: is not a file; remove it or choose another run directory")

@@ -164,7 +164,19 @@ def touch(tmp: Path, name: str) -> str:
     return str(tmp / name)
 
 
+def fifo(tmp: Path) -> str:
+    os.mkfifo(tmp / "fifo.yaml")  # reading it would block forever
+    return str(tmp / "fifo.yaml")
+
+
 CLI_CASES: list[Case] = [
+    # --- found by an attack on the first version of this table
+    C("train-config-fifo", train(config=fifo), "not a regular file"),
+    C("train-run-dir-empty", lambda t: ["train", "--config", TINY, "--run-dir", ""], "--run-dir ''"),
+    C("train-run-dir-inside-checkpoint", lambda t: ["train", "--config", TINY, "--run-dir", str(fake_checkpoint(t) / "run")],
+      "lies inside the checkpoint"),
+    C("train-lr-inf", train("--set", "optim.lr=.inf"), "optim.lr"),
+    C("train-seed-too-large", train("--set", "seed=99999999999999999999999"), "seed"),
     # --- typer usage errors (all commands)
     C("train-nproc-abc", train("--nproc", "abc"), "--nproc"),
     C("train-unknown-option", train("--bogus"), "--bogus"),
@@ -296,9 +308,11 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(case: Case, tmp_path: Path
         monkeypatch.setenv(k, v)
     ws = tmp_path / "ws"
     ws.mkdir()
+    monkeypatch.chdir(ws)  # a relative or empty path that slipped through would land in ws, and be seen
     argv = case.argv(ws)
     capsys.readouterr()
     before = snapshot(ws)
+    specs_before = set(ws.rglob("run.yaml"))
     code = main(argv)
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -308,7 +322,7 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(case: Case, tmp_path: Path
     assert case.names(ws) in lines[0], lines[0]
     assert snapshot(ws) == before, "the refused command wrote into the workspace"
     if argv[0] == "train":  # a refused train creates neither the run directory nor run.yaml
-        assert not (ws / "new-run").exists() and not list(ws.rglob("run.yaml"))
+        assert not (ws / "new-run").exists() and set(ws.rglob("run.yaml")) == specs_before
 
 
 # ------------------------------------------------------------------------------------- flow requests
