@@ -121,3 +121,14 @@ def load_yaml(text: str) -> Any:
     import yaml
 
     return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+
+
+def pid_alive(pid: int) -> bool:
+    """True while a process with this pid exists (it may belong to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from ckpt.errors import RunLockedError
+from ckpt.fsutil import pid_alive
 
 LOCK_NAME = ".lock"
 RANKS_LOCK_NAME = ".lock.ranks"
@@ -40,16 +41,6 @@ def _ranks_wait_default() -> float:
         return DEFAULT_RANKS_WAIT_S
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def live_rank_pids(run_dir: str | Path) -> list[int]:
     """Pids recorded in ``.lock.ranks`` whose process is still alive (best effort: pids can be reused)."""
     try:
@@ -57,7 +48,7 @@ def live_rank_pids(run_dir: str | Path) -> list[int]:
     except OSError:
         return []
     pids = sorted({int(x) for x in text.split() if x.isdigit()})
-    return [p for p in pids if _pid_alive(p)]
+    return [p for p in pids if pid_alive(p)]
 
 
 class RunLock:

@@ -11,7 +11,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ckpt.fsutil import fsync_dir, mkdir_durable
+from ckpt.fsutil import fsync_dir, mkdir_durable, pid_alive
 from ckpt.layout import DELETING_SUFFIX, INVALID_RE, RunDir, parse_step
 from ckpt.validate import is_verified, validate
 
@@ -67,16 +67,6 @@ def apply_retention(run_dir: RunDir, *, keep_last: int, keep_every: int | None) 
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_leftovers(run_dir: RunDir, *, keep_invalid: int = KEEP_INVALID) -> list[Path]:
     """At segment start, under the run lock: remove retention's ``.deleting`` directories, ``.partial`` ones
     older than the newest valid checkpoint, quarantined ``.invalid-*`` beyond the newest ``keep_invalid``,
@@ -95,7 +85,7 @@ def sweep_leftovers(run_dir: RunDir, *, keep_invalid: int = KEEP_INVALID) -> lis
     doomed += quarantined[: max(0, len(quarantined) - keep_invalid)]
     if run_dir.exports.is_dir():
         doomed += [p for p in run_dir.exports.iterdir()
-                   if (m := _EXPORT_TMP_RE.match(p.name)) and not _pid_alive(int(m.group(1)))]
+                   if (m := _EXPORT_TMP_RE.match(p.name)) and not pid_alive(int(m.group(1)))]
     if run_dir.verified.is_dir():
         doomed += [p for p in run_dir.verified.iterdir() if not (ck / p.name.removesuffix(".json")).is_dir()]
     for p in doomed:

@@ -29,6 +29,8 @@ import sys
 import threading
 from pathlib import Path
 
+from ckpt.fsutil import pid_alive  # stdlib only: safe before torch is imported
+
 LAUNCHER_PID_ENV = "SHARDKEEPER_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1
 WATCHDOG_PERIOD_S = 0.5
@@ -81,16 +83,6 @@ def proc_stat(pid: int) -> tuple[int, int] | None:
         return int(fields[1]), int(fields[19])
     except (IndexError, ValueError):
         return None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _on_stop_signal(signum: int, _frame: object) -> None:
