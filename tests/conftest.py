@@ -106,3 +106,31 @@ def lineage_run(tmp_path: Path) -> Path:
         append_jsonl(run / "metrics.jsonl", {"step": step, "loss": 5.0 - 0.1 * step + (0.5 if segment == 1 else 0.0),
                                              "segment": segment, "world_size": world})
     return run
+
+
+@pytest.fixture(scope="session")
+def ds_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real DeepSpeed ZeRO-2 run dir: 2 ranks, steps 0 -> 2, one checkpoint at step 2 (one launch; the first
+    DeepSpeed launch on a machine JIT-compiles its shm op, ~2 min, cached in TORCH_EXTENSIONS_DIR). Read-only."""
+    from importlib.util import find_spec
+
+    if find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    from ckpt.layout import RunDir
+    from shardkeeper.config import load_run_spec
+    from shardkeeper.stages import prepare_run_dir
+    from tests.harness import spawn
+    from trainer.segment import run_segment
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")))
+    mp.setenv("DS_ACCELERATOR", "cpu")
+    try:
+        run = tmp_path_factory.mktemp("ds") / "run"
+        spec = load_run_spec(ROOT / "configs" / "tiny.yaml", ["backend=deepspeed", "deepspeed.zero_stage=2",
+                                                               "checkpoint.interval=2", "checkpoint.keep_last=10"])
+        prepare_run_dir(RunDir.at(run), spec)
+        assert spawn(run_segment, 2, str(run), 2, 0, timeout=900) == [0, 0]
+    finally:
+        mp.undo()
+    return run

@@ -15,7 +15,6 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ from ckpt.validate import validate
 from shardkeeper.stages import export_checkpoint
 from tests.reliability import corrupt as c
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY_STEP = "step-00000005"
 DS_STEP = "step-00000002"
 
@@ -178,30 +176,7 @@ def test_pristine_copies_are_valid(tiny_run: Path, ds_run: Path, tmp_path: Path)
 
 
 # ------------------------------------------------------------------------------------------ DeepSpeed
-@pytest.fixture(scope="module")
-def ds_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real DeepSpeed ZeRO-2 run: 2 ranks, steps 0 -> 2, one committed checkpoint (one launch; the first
-    DeepSpeed launch on a machine JIT-compiles its shm op, ~2 min, cached in TORCH_EXTENSIONS_DIR)."""
-    if find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')")
-    from ckpt.layout import RunDir
-    from shardkeeper.config import load_run_spec
-    from shardkeeper.stages import prepare_run_dir
-    from tests.harness import spawn
-    from trainer.segment import run_segment
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")))
-    mp.setenv("DS_ACCELERATOR", "cpu")
-    try:
-        run = tmp_path_factory.mktemp("ds") / "run"
-        spec = load_run_spec(ROOT / "configs" / "tiny.yaml", ["backend=deepspeed", "deepspeed.zero_stage=2",
-                                                              "checkpoint.interval=2"])
-        prepare_run_dir(RunDir.at(run), spec)
-        assert spawn(run_segment, 2, str(run), 2, 0, timeout=900) == [0, 0]
-    finally:
-        mp.undo()
-    return run
+# ds_run: the session's DeepSpeed ZeRO-2 run (tests/conftest.py)
 
 
 @pytest.mark.slow
