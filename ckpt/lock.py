@@ -51,6 +51,19 @@ def live_rank_pids(run_dir: str | Path) -> list[int]:
     return [p for p in pids if pid_alive(p)]
 
 
+
+def _flock_within(fd: int, mode: int, wait_s: float) -> bool:
+    """Take an flock of ``mode`` on ``fd``, polling for up to ``wait_s``; False if others still hold it then."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+
 class RunLock:
     def __init__(self, run_dir: str | Path, *, ranks_wait_s: float | None = None):
         self.path = Path(run_dir) / LOCK_NAME
@@ -90,15 +103,8 @@ class RunLock:
         """Exclusive flock on ``.lock.ranks`` (no rank of any segment alive), then clear its stale pids."""
         fd = os.open(self.ranks_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            deadline = time.monotonic() + self.ranks_wait_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise self._ranks_alive_error() from None
-                    time.sleep(_POLL_S)
+            if not _flock_within(fd, fcntl.LOCK_EX, self.ranks_wait_s):
+                raise self._ranks_alive_error()
             os.ftruncate(fd, 0)
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
@@ -157,16 +163,9 @@ def hold_ranks_lock(run_dir: str | Path, wait_s: float = 30.0) -> int | None:
     if not root.is_dir():
         return None
     fd = os.open(root / RANKS_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                raise RunLockedError(f"{root / RANKS_LOCK_NAME}: held exclusively for {wait_s:g} s; "
-                                     "another launcher is checking this run directory, retry") from None
-            time.sleep(_POLL_S)
+    if not _flock_within(fd, fcntl.LOCK_SH, wait_s):
+        os.close(fd)
+        raise RunLockedError(f"{root / RANKS_LOCK_NAME}: held exclusively for {wait_s:g} s; "
+                             "another launcher is checking this run directory, retry")
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
