@@ -102,7 +102,7 @@ def save_worker(layers: int, run_dir: str) -> dict:
 
     res["dcp_async_total_s"] = _timed(plain_async, g)
     res["dcp_async_blocked_s"] = blocked["s"]
-    from ckpt.direct_io import _HashingDirectStream
+    from ckpt.formats.direct_io import _HashingDirectStream
 
     # with and without xxh3, alternated and best of two each (the first save of a process pays extra)
     sync, nohash = [], []

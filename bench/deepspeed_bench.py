@@ -13,7 +13,7 @@ subprocess and its peak resident memory summed over the process tree (sampled ev
 DeepSpeed's worker pools are counted):
 
 * world-size change: ``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state`` vs
-  ``ckpt.deepspeed_convert.ensure_universal`` (what the trainer runs by itself at a new world size);
+  ``ckpt.formats.deepspeed_convert.ensure_universal`` (what the trainer runs by itself at a new world size);
 * export: ``python -m deepspeed.utils.zero_to_fp32 --safe_serialization`` vs ours, the export stage
   ``shardkeeper.stages.export_checkpoint`` on the ZeRO checkpoint (one pass: the fp32 master weights
   are streamed from the ``*_optim_states.pt`` partitions into safetensors, CRC-checked, SHA-256 hashed,
@@ -90,7 +90,7 @@ def build(out: Path, args: argparse.Namespace) -> Path:
 
 # ------------------------------------------------------------------------------------ methods
 def _ours_universal(ckpt: Path, out: Path) -> None:
-    from ckpt.deepspeed_convert import ensure_universal
+    from ckpt.formats.deepspeed_convert import ensure_universal
 
     shutil.rmtree(ckpt / "universal", ignore_errors=True)
     ensure_universal(ckpt)
@@ -104,7 +104,7 @@ def _ours_export(ckpt: Path, out: Path) -> None:
 
 
 def _ours_to_dcp(ckpt: Path, out: Path) -> None:
-    from ckpt.deepspeed_convert import to_dcp
+    from ckpt.formats.deepspeed_convert import to_dcp
 
     to_dcp(ckpt, out / ckpt.name)
 

@@ -63,7 +63,7 @@ def stages(run: Path, work: Path) -> list[Stage]:
 def _mirror_plain(run: Path) -> None:
     """What mirror-lineage computes, without the artifacts: the baseline of that task."""
     from ckpt.lineage import read_events
-    from ckpt.lineage_render import lineage_markdown, loss_curve_png, table_rows
+    from tasks.render import lineage_markdown, loss_curve_png, table_rows
 
     events = read_events(run)
     table_rows(events), lineage_markdown(events)

@@ -38,8 +38,8 @@ _DCP_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _RANK_RE = re.compile(r"(?:^|_)rank_(\d+)")  # zero_pp_rank_N_..., rng_rank_0000N.pt
 _DS_OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _DS_UNIVERSAL_RE = re.compile(r"^zero/(?:optimizer_state\.pt|[^/]+/(?:fp32|exp_avg|exp_avg_sq|step)\.pt)$")
-_UNIVERSAL_DIR = "universal"  # ckpt.deepspeed_io.UNIVERSAL_DIR (a committed checkpoint of its own)
-_STATE_FILE = "shardkeeper_state.json"  # ckpt.deepspeed_io.STATE_FILE
+_UNIVERSAL_DIR = "universal"  # ckpt.formats.deepspeed.UNIVERSAL_DIR (a committed checkpoint of its own)
+_STATE_FILE = "shardkeeper_state.json"  # ckpt.formats.deepspeed.STATE_FILE
 
 
 # ------------------------------------------------------------------------------------------ paths
@@ -160,7 +160,7 @@ def _check_ranks(ckpt_dir: Path, manifest: CheckpointManifest, ranks: dict[str, 
 
 
 def _check_dcp_layout(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
-    from ckpt.dcp_io import read_metadata
+    from ckpt.formats.dcp import read_metadata
 
     listed = {e.path for e in manifest.files}
     if ".metadata" not in listed:
@@ -241,7 +241,7 @@ def _check_deepspeed_layout(ckpt_dir: Path, manifest: CheckpointManifest) -> lis
 
 def _check_counters(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
     """Deep, DCP: the stored trainer counters are the manifest's."""
-    from ckpt.dcp_io import DCPTensorReader
+    from ckpt.formats.dcp import DCPTensorReader
 
     with DCPTensorReader(ckpt_dir) as reader:
         keys = set(reader.tensor_keys())
@@ -257,7 +257,7 @@ def _check_counters(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
 
 def recompute_fingerprint(ckpt_dir: Path, manifest: CheckpointManifest):
     """Fingerprint of the state as stored on disk, one tensor at a time (DCP checkpoints)."""
-    from ckpt.dcp_io import DCPTensorReader
+    from ckpt.formats.dcp import DCPTensorReader
 
     with DCPTensorReader(ckpt_dir) as reader:
         keys = set(reader.tensor_keys())
@@ -278,7 +278,7 @@ def recompute_fingerprint(ckpt_dir: Path, manifest: CheckpointManifest):
 def _deep_state(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
     try:
         if manifest.format == "deepspeed":  # ZeRO shards or a universal folder, one parameter at a time
-            from ckpt.deepspeed_convert import recompute_fingerprint as recompute_deepspeed
+            from ckpt.formats.deepspeed_convert import recompute_fingerprint as recompute_deepspeed
 
             _check_pickles(ckpt_dir, manifest)
             now = recompute_deepspeed(ckpt_dir, manifest)

@@ -27,7 +27,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from ckpt.errors import ShardkeeperError
-from infra.launchers import RANK_ERROR_PREFIX
+from launch.local import RANK_ERROR_PREFIX
 
 try:  # typer >= 0.20 vendors click as typer._click; older ones raise click's own exceptions
     from typer._click.exceptions import ClickException as _TyperClickException
@@ -83,7 +83,7 @@ def train(
 
     Exit code: 0 completed, 75 preempted (checkpoint committed; run the same command to resume), 1 failed,
     3 the run directory is locked (another segment, or its ranks, still running)."""
-    from infra.launchers import install_early_stop_handlers
+    from launch.local import install_early_stop_handlers
     from shardkeeper.config import load_run_spec
     from shardkeeper.stages import plan_topology, train_segment
 

@@ -22,7 +22,7 @@ from ckpt.lock import RunLock
 from ckpt.manifest import read_manifest
 from ckpt.retention import sweep_leftovers
 from ckpt.validate import invalid_committed, latest_valid, validate
-from infra.launchers import EXIT_CANCELLED, LaunchOutcome, LaunchRequest, get_launcher
+from launch.local import EXIT_CANCELLED, LaunchOutcome, LaunchRequest, get_launcher
 from schemas import CheckpointManifest, ClusterTopology, ReshardResult, RunSpec, SegmentResult, ValidationReport
 from shardkeeper.config import dump_run_spec, spec_from_dict
 from shardkeeper.preflight import cuda_device_count, preflight
@@ -30,7 +30,7 @@ from shardkeeper.preflight import cuda_device_count, preflight
 log = logging.getLogger("shardkeeper")
 
 EXIT_PREEMPTED = 75
-# A cancelled segment (Prefect cancellation) exits 130 (= infra.launchers.EXIT_CANCELLED, 128 + SIGINT).
+# A cancelled segment (Prefect cancellation) exits 130 (= launch.local.EXIT_CANCELLED, 128 + SIGINT).
 STATUS_FILE = ".segment-status.json"
 # Fields of a run's RunSpec that may change between segments without breaking exact resume.
 MUTABLE_SECTIONS = ("checkpoint",)
@@ -186,7 +186,7 @@ def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, Checkpoint
 def _show_held_back(outcome: LaunchOutcome, status: str, sink: Callable[[str], None]) -> None:
     """torchrun's closing lines: all of them for a failure; for a preempted or cancelled segment its
     ChildFailedError/SignalException traceback is noise (the ranks stopped as asked) and is dropped."""
-    from infra.launchers import without_torchrun_closing
+    from launch.local import without_torchrun_closing
 
     for line in outcome.held_back if status == "failed" else without_torchrun_closing(outcome.held_back):
         sink(line)
@@ -233,7 +233,7 @@ def _unreported_note(after: tuple[Path, CheckpointManifest] | None) -> str:
 
 
 def _failure(outcome: LaunchOutcome) -> str:
-    from infra.launchers import failing_rank_lines
+    from launch.local import failing_rank_lines
 
     if outcome.exit_code < 0:  # torchrun itself was killed (OOM killer, kill -9): its ranks died with it
         import signal
@@ -276,8 +276,8 @@ def reshard(ckpt_dir: str | Path, world_size: int) -> ReshardResult:
 
 
 def _reshard_deepspeed(ckpt_dir: Path, manifest: CheckpointManifest, world_size: int) -> ReshardResult:
-    from ckpt.deepspeed_convert import ensure_universal
-    from ckpt.deepspeed_io import read_state
+    from ckpt.formats.deepspeed_convert import ensure_universal
+    from ckpt.formats.deepspeed import read_state
 
     try:
         manifest.run_spec.per_rank_batch(world_size)
@@ -296,7 +296,7 @@ def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_s
     ``out`` is a ``step-XXXXXXXX`` directory to create, or a run directory: then the checkpoint becomes
     ``out/checkpoints/step-XXXXXXXX`` beside a run.yaml for the new backend, ready for ``shardkeeper train``.
     Returns the committed checkpoint directory."""
-    from ckpt.deepspeed_convert import from_dcp, to_dcp
+    from ckpt.formats.deepspeed_convert import from_dcp, to_dcp
 
     ckpt_dir, out = Path(ckpt_dir), Path(out)
     if to not in ("dcp", "deepspeed"):

@@ -21,7 +21,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from ckpt.lineage import read_events
-from ckpt.lineage_render import lineage_markdown, loss_curve_png, markers, png_data_uri, read_metrics, slug, table_rows
+from tasks.render import lineage_markdown, loss_curve_png, markers, png_data_uri, read_metrics, slug, table_rows
 from schemas.requests import LineageArtifacts
 
 log = logging.getLogger(__name__)

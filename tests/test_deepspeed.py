@@ -245,7 +245,7 @@ def test_export_stage_on_a_zero_checkpoint_matches_zero_to_fp32(z2_ref: Path, tm
     """The export stage takes a deepspeed checkpoint like a DCP one, in one pass from the ZeRO files:
     same tensors as zero_to_fp32, bit for bit, no scratch left beside the output, the export recorded
     in the run's lineage, and the same bytes as the export of the checkpoint converted to DCP."""
-    from ckpt.deepspeed_convert import to_dcp
+    from ckpt.formats.deepspeed_convert import to_dcp
     from ckpt.export import export_checkpoint as export_dcp
     from ckpt.manifest import write_manifest
 
@@ -273,7 +273,7 @@ def test_export_of_a_corrupted_zero_partition_is_refused(broken: Path, tmp_path:
                                                          capsys: pytest.CaptureFixture) -> None:
     """A flipped bit in the fp32 master partition (same size: quick validation passes) is caught by the
     CRC-32 of its zip entry before anything is committed; one line names the file."""
-    from ckpt.deepspeed_io import ZeroShards
+    from ckpt.formats.deepspeed import ZeroShards
 
     path = broken / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     with ZeroShards(broken) as shards:

@@ -18,7 +18,7 @@ import yaml
 from safetensors import safe_open
 
 from ckpt import export as ex
-from ckpt.dcp_io import DCPTensorReader, read_metadata
+from ckpt.formats.dcp import DCPTensorReader, read_metadata
 from ckpt.errors import CheckpointError, ExportError
 from ckpt.export import export_checkpoint
 from ckpt.hashing import hash_file

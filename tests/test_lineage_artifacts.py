@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from ckpt.lineage import read_events
-from ckpt.lineage_render import (
+from tasks.render import (
     lineage_markdown,
     loss_by_step,
     loss_curve_png,
@@ -88,7 +88,7 @@ def test_markdown_table_and_rows(lineage_run: Path) -> None:
 
 
 def test_lineage_render_imports_no_prefect() -> None:
-    code = "import sys, ckpt.lineage_render; assert 'prefect' not in sys.modules and 'torch' not in sys.modules"
+    code = "import sys, tasks.render; assert 'prefect' not in sys.modules and 'torch' not in sys.modules"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
 

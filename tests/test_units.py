@@ -87,7 +87,7 @@ def test_tiny_config_divides_over_1_to_4_ranks() -> None:
 
 def test_layers_schemas_import_no_torch_and_rank_side_no_prefect() -> None:
     code = ("import sys, schemas, shardkeeper.config; assert 'torch' not in sys.modules and 'prefect' not in sys.modules;"
-            "import trainer.segment, ckpt.validate, ckpt.dcp_io; assert 'prefect' not in sys.modules")
+            "import trainer.segment, ckpt.validate, ckpt.formats.dcp; assert 'prefect' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

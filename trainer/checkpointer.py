@@ -44,8 +44,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ckpt import __version__, fingerprint as fp, lineage
-from ckpt.dcp_io import load_state
-from ckpt.direct_io import HashingDirectWriter
+from ckpt.formats.dcp import load_state
+from ckpt.formats.direct_io import HashingDirectWriter
 from ckpt.errors import CheckpointError, FingerprintMismatch
 from ckpt.fsutil import fsync_dir, mkdir_durable, quarantine
 from ckpt.hashing import hash_files
@@ -524,7 +524,7 @@ class Checkpointer:
         ts = TrainState(step=int(sd["trainer"]["step"]), tokens=int(sd["trainer"]["tokens"]),
                         samples=int(sd["trainer"]["samples"]))
         self._check_counters(path, manifest, ts)
-        # A converted checkpoint's fingerprint was summed by another code path (ckpt.deepspeed_convert):
+        # A converted checkpoint's fingerprint was summed by another code path (ckpt.formats.deepspeed_convert):
         # compare it within the cross-world tolerance even at the same world size.
         self._verify(path, manifest, same_world and manifest.reason != "converted")
         self._resumed(path, manifest, ts, t0)

@@ -9,7 +9,7 @@ A checkpoint is ``step-XXXXXXXX/`` holding DeepSpeed's own files (``engine.save_
 RNG state (``rng_rank_XXXXX.pt``) and the counters (``shardkeeper_state.json``); every file is fsynced and
 hashed as it is written, and the commit (manifest with format="deepspeed", rename, fsync) is the fsdp2
 Checkpointer's. At the saving world size it loads natively and bit-exactly; at another one, rank 0
-converts it once to ``step-XXXXXXXX/universal/`` (ckpt.deepspeed_convert, cached, recorded in lineage)
+converts it once to ``step-XXXXXXXX/universal/`` (ckpt.formats.deepspeed_convert, cached, recorded in lineage)
 while the others wait, and every rank loads that with DeepSpeed's ``load_universal``.
 """
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ckpt import fingerprint as fp
-from ckpt.deepspeed_io import (STATE_FILE, UNIVERSAL_DIR, read_rng, read_state, rng_file, save_torch,
+from ckpt.formats.deepspeed import (STATE_FILE, UNIVERSAL_DIR, read_rng, read_state, rng_file, save_torch,
                                write_hashed)
 from ckpt.errors import CheckpointError, FingerprintMismatch
 from ckpt.formats.torchzip import check_file
@@ -324,7 +324,7 @@ class DeepSpeedCheckpointer(Checkpointer):
 
     def _universal(self, path: Path, manifest: CheckpointManifest) -> Path:
         """Rank 0 converts (or finds the cached conversion) while the others wait; all verify its files."""
-        from ckpt.deepspeed_convert import ensure_universal
+        from ckpt.formats.deepspeed_convert import ensure_universal
 
         error: BaseException | None = None
         message = None

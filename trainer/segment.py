@@ -279,7 +279,7 @@ def _threads() -> int:
 
 def _report_failure(cause: str, code: int) -> None:
     """The last line this rank writes: the launcher shows the first such line as the segment's failure."""
-    from infra.launchers import RANK_ERROR_PREFIX
+    from launch.local import RANK_ERROR_PREFIX
 
     rank = os.environ.get("RANK", "0")
     sys.stderr.flush()

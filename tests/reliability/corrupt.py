@@ -43,7 +43,7 @@ def truncate(path: Path, by: int = 10) -> None:
 
 def model_item_offset(ckpt_dir: Path) -> tuple[Path, int]:
     """A byte in the middle of a model tensor's record in a .distcp file (so export's CRC check sees it)."""
-    from ckpt.dcp_io import read_metadata
+    from ckpt.formats.dcp import read_metadata
 
     md = read_metadata(ckpt_dir)
     index, info = next((i, s) for i, s in sorted(md.storage_data.items(), key=lambda kv: kv[0].fqn)

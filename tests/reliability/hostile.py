@@ -310,7 +310,7 @@ def plant_metadata(ckpt_dir: Path, data: bytes) -> Path:
 def plant_dcp_record(ckpt_dir: Path, fqn: str, record: bytes) -> Path:
     """Append ``record`` to the .distcp file holding ``fqn``'s first record and point the metadata at it
     (the genuine metadata, re-pickled by the genuine pickler); manifest refreshed for both files."""
-    from ckpt.dcp_io import read_metadata
+    from ckpt.formats.dcp import read_metadata
 
     md = read_metadata(ckpt_dir)
     index = next(i for i in md.storage_data if i.fqn == fqn)

@@ -481,7 +481,7 @@ def test_internal_error_is_one_line_and_traceback_only_with_verbose(tmp_path: Pa
 
 
 def test_failing_rank_lines_prefers_the_ranks_one_line_cause() -> None:
-    from infra.launchers import RANK_ERROR_PREFIX, failing_rank_lines
+    from launch.local import RANK_ERROR_PREFIX, failing_rank_lines
 
     tail = ["Traceback (most recent call last):", '  File "x.py", line 1', "RuntimeError: boom",
             f"{RANK_ERROR_PREFIX} rank 1: RuntimeError: boom; see the rank's traceback",

@@ -99,7 +99,7 @@ def test_corpus_is_large_and_live(tmp_path: Path, dcp_ckpt: Path, monkeypatch: p
 @pytest.mark.parametrize("hostile", CORPUS, ids=IDS)
 def test_hostile_metadata_is_refused(hostile: Hostile, dcp_ckpt: Path, tmp_path: Path,
                                      capsys: pytest.CaptureFixture) -> None:
-    from ckpt.dcp_io import SafeFileSystemReader, read_metadata
+    from ckpt.formats.dcp import SafeFileSystemReader, read_metadata
 
     ckpt = victim(dcp_ckpt, tmp_path)
     sentinel = tmp_path / "SENTINEL"
@@ -119,7 +119,7 @@ def _dcp_load(ckpt: Path) -> None:
     """What a resume does, in one process: dcp.load through the safe reader and planner."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ckpt.dcp_io import load_state, read_metadata
+    from ckpt.formats.dcp import load_state, read_metadata
 
     md = read_metadata(ckpt)
     sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
@@ -181,7 +181,7 @@ def test_hostile_deepspeed_optimizer_file_is_refused(hostile: Hostile, ds_ckpt: 
 @pytest.mark.parametrize("victim_file", ["mp_rank_00_model_states.pt", "rng_rank_00000.pt"])
 def test_hostile_deepspeed_model_and_rng_files_are_refused(name: str, victim_file: str, ds_ckpt: Path, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture) -> None:
-    from ckpt.deepspeed_io import read_rng
+    from ckpt.formats.deepspeed import read_rng
 
     ckpt = victim(ds_ckpt, tmp_path)
     sentinel = tmp_path / "SENTINEL"
@@ -198,7 +198,7 @@ def test_hostile_deepspeed_model_and_rng_files_are_refused(name: str, victim_fil
 
 # ----------------------------------------------------------------------------------------- limits
 def test_oversized_pickle_is_refused_before_parsing(dcp_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckpt.dcp_io import read_metadata
+    from ckpt.formats.dcp import read_metadata
 
     monkeypatch.setattr(safe_pickle, "MAX_PICKLE_BYTES", 1024)
     with pytest.raises(CheckpointError, match=r"\.metadata: refused to unpickle \(\d+ bytes of pickle, more than 1024\)"):
@@ -220,7 +220,7 @@ def test_genuine_checkpoints_still_read(dcp_ckpt: Path, ds_ckpt: Path, tmp_path:
     loader returns what torch.load returns (DeepSpeed's own value classes included)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ckpt.dcp_io import DCPTensorReader, load_state, read_metadata
+    from ckpt.formats.dcp import DCPTensorReader, load_state, read_metadata
 
     md = read_metadata(dcp_ckpt)
     sd = {k: torch.full(tuple(v.size), 7, dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
@@ -261,7 +261,7 @@ def test_crafted_sizes_never_allocate(craft: str, dcp_ckpt: Path, tmp_path: Path
     before anything of that size is allocated (denial of service by memory, not code execution)."""
     import dataclasses
 
-    from ckpt.dcp_io import DCPTensorReader, read_metadata
+    from ckpt.formats.dcp import DCPTensorReader, read_metadata
 
     ckpt = victim(dcp_ckpt, tmp_path)
     md = read_metadata(ckpt)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.dcp_io import DCPTensorReader
+from ckpt.formats.dcp import DCPTensorReader
 from ckpt.errors import CheckpointError, ConfigError
 from ckpt.manifest import read_manifest
 from ckpt.validate import validate

@@ -355,7 +355,7 @@ def compare_final(a: Path, b: Path) -> list[str]:
     if ma.format == "deepspeed":
         fa, fb = ma.fingerprint.model_dump(), mb.fingerprint.model_dump()
         return [f"fingerprint {k} differs" for k in ("model", "optim", "optim_step") if fa[k] != fb[k]]
-    from ckpt.dcp_io import DCPTensorReader
+    from ckpt.formats.dcp import DCPTensorReader
 
     diffs = []
     with DCPTensorReader(a) as ra, DCPTensorReader(b) as rb:

@@ -1,6 +1,6 @@
 """Conversions of DeepSpeed ZeRO checkpoints: to any world size, to DCP (FSDP2), and back from DCP.
 
-    from ckpt.deepspeed_convert import ensure_universal, to_dcp, from_dcp
+    from ckpt.formats.deepspeed_convert import ensure_universal, to_dcp, from_dcp
     ensure_universal("runs/ds/checkpoints/step-00000020")            # -> step-00000020/universal/
     to_dcp("runs/ds/checkpoints/step-00000020", "runs/fsdp/checkpoints/step-00000020")
     to_dcp(ckpt, tmp / "step-00000020", model_only=True)              # what export of a ZeRO checkpoint uses
@@ -9,7 +9,7 @@
 (or ``shardkeeper reshard CKPT --world-size N`` / ``shardkeeper convert CKPT --to dcp|deepspeed OUT``).
 
 All three stream one parameter at a time: the fp32 master weight and the two AdamW moments of a
-parameter are assembled from the byte ranges the ZeRO partitions hold (``ckpt.deepspeed_io``, no
+parameter are assembled from the byte ranges the ZeRO partitions hold (``ckpt.formats.deepspeed``, no
 unpickling of code), written, and dropped, so memory stays at a few parameters whatever the model
 size. Each output is committed like a training checkpoint: written into a ``.partial`` sibling,
 every file hashed while written and fsynced, ``manifest.json`` last, renamed, parent fsynced. Its
@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import WriteItem
 
 from ckpt import fingerprint as fp, lineage
-from ckpt.deepspeed_io import (
+from ckpt.formats.deepspeed import (
     read_rng,
     STATE_FILE,
     STATE_KEYS,
@@ -150,7 +150,7 @@ class DCPSource:
     """A DCP checkpoint of the fsdp2 backend, read one whole tensor at a time."""
 
     def __init__(self, ckpt_dir: Path):
-        from ckpt.dcp_io import DCPTensorReader
+        from ckpt.formats.dcp import DCPTensorReader
 
         self.reader = DCPTensorReader(ckpt_dir)
         self._lock = threading.Lock()
@@ -338,7 +338,7 @@ def _universal_model_states(template: dict[str, Any], groups: list[list[tuple[st
 
 
 def _has_stored(v: Any) -> bool:
-    from ckpt.deepspeed_io import Opaque, StoredTensor
+    from ckpt.formats.deepspeed import Opaque, StoredTensor
 
     if isinstance(v, StoredTensor | Opaque):
         return True
@@ -643,7 +643,7 @@ def from_dcp(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
 
 
 def _write_state_files(tmp: Path, src_dir: Path, manifest: CheckpointManifest, stage: int) -> list[FileEntry]:
-    from ckpt.dcp_io import DCPTensorReader
+    from ckpt.formats.dcp import DCPTensorReader
 
     with DCPTensorReader(src_dir) as reader:
         rng = reader.read("rng.rank0.cpu") if "rng.rank0.cpu" in reader.tensor_keys() else None

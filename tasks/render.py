@@ -1,7 +1,7 @@
 """Render a run's lineage for people: a mermaid graph, a markdown table, rows for a table artifact,
 and the loss curve (PNG) with markers at resume and reshard points.
 
-    from ckpt.lineage_render import lineage_markdown, loss_curve_png
+    from tasks.render import lineage_markdown, loss_curve_png
     print(lineage_markdown(read_events("runs/demo")))
     loss_curve_png("runs/demo", "runs/demo/loss.png")
 

@@ -25,7 +25,7 @@ How it works, and why:
   plus one tensor in the assembled case: far below one output shard + 0.5 GB.
 * DeepSpeed ZeRO checkpoints export in the same single pass: a parameter's fp32 master weight is a
   few element ranges of the ranks' flat partitions inside the ``*_optim_states.pt`` zips (the layout
-  ``ckpt.deepspeed_io.ZeroShards`` knows, ZeRO 1/2/3; or one ``universal/zero/<name>/fp32.pt`` each).
+  ``ckpt.formats.deepspeed.ZeroShards`` knows, ZeRO 1/2/3; or one ``universal/zero/<name>/fp32.pt`` each).
   Those ranges are the tensor's chunks, streamed in order; the header keeps the real shape. Each
   partition's storage entry is CRC-checked once, however many parameters it holds. The tensors are
   bit for bit those of ``deepspeed.utils.zero_to_fp32``.
@@ -94,8 +94,8 @@ from schemas import CheckpointManifest, ExportResult
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint alone takes ~0.7 s to import
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from ckpt.deepspeed_convert import UniversalSource
-    from ckpt.deepspeed_io import TorchSaveFile, ZeroShards
+    from ckpt.formats.deepspeed_convert import UniversalSource
+    from ckpt.formats.deepspeed import TorchSaveFile, ZeroShards
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +353,7 @@ Collector = Callable[[Path, CheckpointManifest, ExitStack, torch.dtype], _Collec
 
 
 def _collect_dcp(ckpt_dir: Path, manifest: CheckpointManifest, stack: ExitStack, out_dtype: torch.dtype) -> _Collected:
-    from ckpt.dcp_io import read_metadata
+    from ckpt.formats.dcp import read_metadata
 
     files = stack.enter_context(_OpenFiles(ckpt_dir))
     tensors = _collect_tensors(ckpt_dir, read_metadata(ckpt_dir), files, out_dtype)
@@ -364,15 +364,15 @@ def _collect_deepspeed(ckpt_dir: Path, manifest: CheckpointManifest, stack: Exit
                        out_dtype: torch.dtype) -> _Collected:
     """A deepspeed-format checkpoint: the fp32 master weights where DeepSpeed stored them, in the
     ``*_optim_states.pt`` partitions (or the universal/ folder when that is all the checkpoint has)."""
-    from ckpt.deepspeed_io import ZeroShards, read_state
+    from ckpt.formats.deepspeed import ZeroShards, read_state
 
-    if read_state(ckpt_dir)["layout"] != "zero":  # what ckpt.deepspeed_convert.open_source reads
-        from ckpt.deepspeed_convert import open_source
+    if read_state(ckpt_dir)["layout"] != "zero":  # what ckpt.formats.deepspeed_convert.open_source reads
+        from ckpt.formats.deepspeed_convert import open_source
 
         src = open_source(ckpt_dir, manifest)
         stack.callback(src.close)
         return _collect_universal(src, stack, out_dtype)  # type: ignore[arg-type]
-    # as ckpt.deepspeed_convert.ZeroSource opens them (that module imports torch.distributed.checkpoint)
+    # as ckpt.formats.deepspeed_convert.ZeroSource opens them (that module imports torch.distributed.checkpoint)
     shards = stack.enter_context(ZeroShards(ckpt_dir, expect_world_size=manifest.topology.world_size,
                                             expect_stage=manifest.run_spec.deepspeed.zero_stage))
     return _collect_zero(shards, out_dtype)
@@ -429,7 +429,7 @@ def _collect_zero(shards: ZeroShards, out_dtype: torch.dtype) -> _Collected:
 
 def _collect_universal(src: UniversalSource, stack: ExitStack, out_dtype: torch.dtype) -> _Collected:
     """The universal layout: one ``zero/<name>/fp32.pt`` per parameter, a whole tensor in one storage entry."""
-    from ckpt.deepspeed_io import TorchSaveFile
+    from ckpt.formats.deepspeed import TorchSaveFile
 
     tensors, entries = [], []
     for name, shape in (x for g in src.groups for x in g):
