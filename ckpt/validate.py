@@ -23,6 +23,7 @@ from pathlib import Path
 
 import xxhash
 
+from ckpt.state import MOMENTS
 from ckpt import fingerprint as fp
 from ckpt.errors import CheckpointError
 from ckpt.fsutil import atomic_write_json, mkdir_durable
@@ -33,7 +34,6 @@ from schemas import MANIFEST_NAME, CheckpointManifest, ValidationReport
 
 log = logging.getLogger(__name__)
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 _DCP_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _RANK_RE = re.compile(r"(?:^|_)rank_(\d+)")  # zero_pp_rank_N_..., rng_rank_0000N.pt
 _DS_OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from ckpt.state import MOMENTS, reseed
 from ckpt import __version__, fingerprint as fp, lineage
 from ckpt.formats.dcp import load_state
 from ckpt.formats.direct_io import HashingDirectWriter
@@ -52,7 +53,6 @@ from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, step_dir_name
 from ckpt.manifest import write_manifest
 from ckpt.retention import apply_retention
-from ckpt.validate import MOMENTS
 from schemas import CheckpointManifest, DtypePolicy, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
 
 from trainer.dist import DistEnv
@@ -520,7 +520,7 @@ class Checkpointer:
             if "cuda" in rng and self.env.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"], self.env.device)
         else:
-            torch.manual_seed(self.spec.seed + 7919 * manifest.step + self.env.rank)
+            reseed(self.spec.seed, manifest.step, self.env.rank)
         ts = TrainState(step=int(sd["trainer"]["step"]), tokens=int(sd["trainer"]["tokens"]),
                         samples=int(sd["trainer"]["samples"]))
         self._check_counters(path, manifest, ts)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ckpt.state import MOMENTS, reseed
 from ckpt import fingerprint as fp
 from ckpt.formats.deepspeed import (STATE_FILE, UNIVERSAL_DIR, read_rng, read_state, rng_file, save_torch,
                                write_hashed)
@@ -33,7 +34,6 @@ from ckpt.errors import CheckpointError, FingerprintMismatch
 from ckpt.formats.torchzip import check_file
 from ckpt.layout import RunDir, step_dir_name
 from ckpt.manifest import read_manifest
-from ckpt.validate import MOMENTS
 from schemas import CheckpointManifest, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
 
 from trainer.checkpointer import Checkpointer, TrainState
@@ -378,7 +378,7 @@ class DeepSpeedCheckpointer(Checkpointer):
 
     def _restore_rng(self, path: Path, manifest: CheckpointManifest, native: bool) -> None:
         if not native:
-            torch.manual_seed(self.spec.seed + 7919 * manifest.step + self.env.rank)
+            reseed(self.spec.seed, manifest.step, self.env.rank)
             return
         rng = read_rng(path / rng_file(self.env.rank))
         torch.set_rng_state(rng["cpu"])

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from ckpt.state import tied_weights
 from schemas import HFModelRecord, ModelSpec, RunSpec
 
 log = logging.getLogger("shardkeeper.trainer")
@@ -35,17 +36,6 @@ def build_model(spec: RunSpec) -> nn.Module:
     model = AutoModelForCausalLM.from_config(hf_config(spec.model), dtype=torch.float32)
     model.train()
     return model
-
-
-def tied_weights(model: nn.Module) -> dict[str, str]:
-    """Tied state_dict name -> the name it is tied to (e.g. lm_head.weight -> model.embed_tokens.weight)."""
-    tied = getattr(model, "all_tied_weights_keys", None)  # transformers 5: {tied name: source}, empty when untied
-    if tied is None:  # older transformers: a list of names tied to the input embeddings
-        tied = getattr(model, "_tied_weights_keys", None) or []
-        emb = model.get_input_embeddings()
-        source = next((f"{n}.weight" for n, m in model.named_modules() if m is emb), "")
-        tied = {t: source for t in tied} if getattr(model.config, "tie_word_embeddings", False) else {}
-    return {str(k): str(v) for k, v in tied.items()}
 
 
 def hf_model_record(model: nn.Module) -> HFModelRecord:

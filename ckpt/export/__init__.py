@@ -82,6 +82,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ckpt.state import tied_weights
 from ckpt import __version__
 from ckpt.errors import CheckpointError, ExportError
 from ckpt.formats.safe_pickle import TENSOR_RECORD, StoredTensor
@@ -525,15 +526,10 @@ def _describe_model_gc_off(ckpt_dir: Path, manifest: CheckpointManifest, dtype: 
     config.architectures = [type(model).__name__]
     config.dtype = dtype
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    tied = getattr(model, "all_tied_weights_keys", None)  # transformers 5: {tied name: source}, empty when untied
-    if tied is None:  # older transformers: a list of names tied to the input embeddings
-        tied = getattr(model, "_tied_weights_keys", None) or []
-        emb = model.get_input_embeddings()
-        source = next((f"{n}.weight" for n, m in model.named_modules() if m is emb), "")
-        tied = {t: source for t in tied} if getattr(config, "tie_word_embeddings", False) else {}
+    tied = tied_weights(model, config)
     return _ModelSpecView(config.to_json_string(use_diff=True),
                           GenerationConfig.from_model_config(config).to_json_string(use_diff=True),
-                          config.architectures[0], shapes, {str(k): str(v) for k, v in tied.items()})
+                          config.architectures[0], shapes, tied)
 
 
 def _name_tensors(ckpt_dir: Path, tensors: list[_Tensor]) -> dict[str, _Tensor]:

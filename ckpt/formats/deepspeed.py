@@ -32,13 +32,14 @@ from typing import Any, BinaryIO
 import torch
 import xxhash
 
+from ckpt.state import MOMENTS
 from ckpt.errors import CheckpointError
 from ckpt.formats.safe_pickle import DEEPSPEED_RECORDS, TENSOR_RECORD, Opaque, StoredTensor
 from ckpt.formats.torchzip import TorchZip, load_file
 
 log = logging.getLogger(__name__)
 
-STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+STATE_KEYS = ("fp32", *MOMENTS)
 # shardkeeper's files beside DeepSpeed's own in a ``step-XXXXXXXX/`` directory of the deepspeed format
 STATE_FILE = "shardkeeper_state.json"  # counters, schedule position, ZeRO stage, layout ("zero" | "universal")
 UNIVERSAL_DIR = "universal"  # DeepSpeed universal layout, committed with its own manifest.json
@@ -320,7 +321,7 @@ class ZeroShards:
     def _check_adamw(self) -> None:
         state = self._group_state(0, 0)
         keys = sorted(k for k in state if k != "step")
-        if set(keys) != {"exp_avg", "exp_avg_sq"}:
+        if set(keys) != set(MOMENTS):
             raise CheckpointError(f"{self.files[0].path}: optimizer state has {keys or 'no moments'}; only AdamW/Adam "
                                   "state (exp_avg, exp_avg_sq) can be converted, resume it with the same optimizer instead")
 

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import WriteItem
 
+from ckpt.state import MOMENTS, elastic_rng_state
 from ckpt import fingerprint as fp, lineage
 from ckpt.formats.deepspeed import (
     read_rng,
@@ -69,7 +70,6 @@ from schemas import CheckpointManifest, ClusterTopology, FileEntry, Fingerprint,
 
 log = logging.getLogger(__name__)
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 _IO_THREADS = 2
 
 
@@ -535,7 +535,7 @@ def _rng_of(ckpt_dir: Path, manifest: CheckpointManifest) -> torch.Tensor:
     path = ckpt_dir / rng_file(0)
     if path.is_file():
         return read_rng(path)["cpu"]
-    return torch.Generator().manual_seed(manifest.run_spec.seed + 7919 * manifest.step).get_state()
+    return elastic_rng_state(manifest.run_spec.seed, manifest.step)
 
 
 def to_dcp(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, model_only: bool = False,
@@ -648,7 +648,7 @@ def _write_state_files(tmp: Path, src_dir: Path, manifest: CheckpointManifest, s
     with DCPTensorReader(src_dir) as reader:
         rng = reader.read("rng.rank0.cpu") if "rng.rank0.cpu" in reader.tensor_keys() else None
     if rng is None:
-        rng = torch.Generator().manual_seed(manifest.run_spec.seed + 7919 * manifest.step).get_state()
+        rng = elastic_rng_state(manifest.run_spec.seed, manifest.step)
     state = {"step": manifest.step, "tokens": manifest.tokens, "samples": manifest.samples,
              "schedule_last_step": manifest.step - 1, "zero_stage": stage, "world_size": 1, "layout": "universal"}
     text = (json.dumps(state, indent=2, sort_keys=True) + "\n").encode()
