@@ -43,6 +43,21 @@ class RunDir:
     def at(cls, path: str | Path) -> RunDir:
         return cls(Path(path).resolve())
 
+    @classmethod
+    def containing(cls, step_dir: str | Path) -> RunDir:
+        """The directory a ``checkpoints/step-XXXXXXXX`` or ``exports/step-XXXXXXXX`` folder sits in (which
+        may not be a run directory: a checkpoint copied out of its run)."""
+        return cls(Path(step_dir).resolve().parent.parent)
+
+    @classmethod
+    def of_checkpoint(cls, step_dir: str | Path) -> RunDir | None:
+        """The run directory of a checkpoint or export folder when it is one (it has a run.yaml), else None."""
+        root = cls.containing(step_dir)
+        return root if root.spec_path.exists() else None
+
+    def has_lineage(self) -> bool:
+        return self.lineage.exists()
+
     @property
     def spec_path(self) -> Path:
         return self.root / "run.yaml"

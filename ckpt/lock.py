@@ -23,7 +23,7 @@ import socket
 import time
 from pathlib import Path
 
-from ckpt.errors import RunLockedError
+from schemas.errors import RunLockedError
 from ckpt.fsutil import pid_alive
 
 LOCK_NAME = ".lock"

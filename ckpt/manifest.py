@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ckpt.errors import CheckpointError
+from schemas.errors import CheckpointError
 from ckpt.fsutil import atomic_write_text
 from schemas import MANIFEST_NAME, MANIFEST_SCHEMA_VERSION, CheckpointManifest
 

@@ -23,38 +23,21 @@ from pathlib import Path
 
 import xxhash
 
-from ckpt.state import MOMENTS
 from ckpt import fingerprint as fp
-from ckpt.errors import CheckpointError
+from schemas.errors import CheckpointError
 from ckpt.fsutil import atomic_write_json, mkdir_durable
 from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, parse_step
+from ckpt.registry import get_format
 from ckpt.manifest import read_manifest
 from schemas import MANIFEST_NAME, CheckpointManifest, ValidationReport
 
 log = logging.getLogger(__name__)
 
-_DCP_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-_RANK_RE = re.compile(r"(?:^|_)rank_(\d+)")  # zero_pp_rank_N_..., rng_rank_0000N.pt
-_DS_OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
-_DS_UNIVERSAL_RE = re.compile(r"^zero/(?:optimizer_state\.pt|[^/]+/(?:fp32|exp_avg|exp_avg_sq|step)\.pt)$")
-_UNIVERSAL_DIR = "universal"  # ckpt.formats.deepspeed.UNIVERSAL_DIR (a committed checkpoint of its own)
-_STATE_FILE = "shardkeeper_state.json"  # ckpt.formats.deepspeed.STATE_FILE
+RANK_RE = re.compile(r"(?:^|_)rank_(\d+)")  # zero_pp_rank_N_..., rng_rank_0000N.pt, __N_0.distcp: see formats
 
 
 # ------------------------------------------------------------------------------------------ paths
-def _layout_error(manifest: CheckpointManifest, rel: str) -> str | None:
-    """Which relative paths a format may list: DCP writes flat ``.metadata`` and ``__R_T.distcp``;
-    DeepSpeed flat files, plus ``zero/...`` in the universal layout."""
-    if manifest.format == "dcp":
-        if rel == ".metadata" or _DCP_FILE_RE.match(rel):
-            return None
-        return "DCP checkpoints hold only .metadata and __RANK_N.distcp files"
-    if "/" not in rel or _DS_UNIVERSAL_RE.match(rel):
-        return None
-    return "DeepSpeed checkpoints hold flat files and zero/<parameter>/<key>.pt only"
-
-
 def _lstat_confined(ckpt_dir: Path, rel: str) -> tuple[os.stat_result | None, str | None]:
     """lstat ``rel`` component by component: every parent a real directory, the file a regular file,
     no symlink anywhere (a symlink could point outside the checkpoint). (stat, None) or (None, why)."""
@@ -83,7 +66,7 @@ def _check_files(ckpt_dir: Path, manifest: CheckpointManifest, deep: bool) -> tu
     present: list[Path] = []
     for entry in manifest.files:
         path = ckpt_dir / entry.path
-        why = _layout_error(manifest, entry.path)
+        why = get_format(manifest.format).path_error(entry.path)
         st = None
         if why is None:
             st, why = _lstat_confined(ckpt_dir, entry.path)
@@ -110,14 +93,14 @@ def _unlisted(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
     """Everything in the directory that the manifest does not list: files, symlinks, special files.
     DeepSpeed's ``universal/`` (a checkpoint of its own) and a conversion in progress are not part of it."""
     listed = {e.path for e in manifest.files} | {MANIFEST_NAME}
+    nested = get_format(manifest.format).nested
     errors: list[str] = []
 
     def walk(d: Path, prefix: str) -> None:
         with os.scandir(d) as it:
             for e in sorted(it, key=lambda e: e.name):
                 rel = prefix + e.name
-                if not prefix and manifest.format == "deepspeed" and (
-                        e.name == _UNIVERSAL_DIR or e.name.startswith(_UNIVERSAL_DIR + ".partial-")):
+                if not prefix and any(e.name == n or e.name.startswith(n + ".partial-") for n in nested):
                     continue
                 if e.is_dir(follow_symlinks=False):
                     if rel.count("/") < 3:
@@ -136,16 +119,17 @@ def _unlisted(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
 def _check_name(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
     """The directory name, or for ``universal/`` its parent's, carries the step: it must be the manifest's."""
     name_step = parse_step(ckpt_dir.name)
-    if ckpt_dir.name == _UNIVERSAL_DIR:
+    nested = ckpt_dir.name in get_format(manifest.format).nested
+    if nested:
         name_step = parse_step(ckpt_dir.parent.name)
     if name_step is not None and name_step != manifest.step:
         return [f"{ckpt_dir / MANIFEST_NAME}: says step {manifest.step} inside {ckpt_dir.name}"
-                f"{'' if ckpt_dir.name != _UNIVERSAL_DIR else ' of ' + ckpt_dir.parent.name}; the manifest "
+                f"{' of ' + ckpt_dir.parent.name if nested else ''}; the manifest "
                 "belongs to another checkpoint, pick another step"]
     return []
 
 
-def _check_ranks(ckpt_dir: Path, manifest: CheckpointManifest, ranks: dict[str, int], required: set[int]) -> list[str]:
+def check_ranks(ckpt_dir: Path, manifest: CheckpointManifest, ranks: dict[str, int], required: set[int]) -> list[str]:
     """Every rank number in a file name is below the recorded world size, and each rank in ``required`` wrote."""
     world = manifest.topology.world_size
     for name, r in sorted(ranks.items()):
@@ -159,150 +143,15 @@ def _check_ranks(ckpt_dir: Path, manifest: CheckpointManifest, ranks: dict[str, 
     return []
 
 
-def _check_dcp_layout(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
-    from ckpt.formats.dcp import read_metadata
-
-    listed = {e.path for e in manifest.files}
-    if ".metadata" not in listed:
-        return [f"{ckpt_dir / MANIFEST_NAME}: does not list .metadata; the DCP checkpoint is incomplete"]
-    try:
-        md = read_metadata(ckpt_dir)
-    except CheckpointError as e:
-        return [str(e)]
-    referenced = {".metadata"} | {info.relative_path for info in md.storage_data.values()}
-    if referenced != listed:
-        diff = sorted(referenced ^ listed)[0]
-        side = "referenced by .metadata but not listed in the manifest" if diff in referenced else \
-            "listed in the manifest but not referenced by .metadata"
-        return [f"{ckpt_dir / diff}: {side}; the manifest does not describe this DCP checkpoint, pick another step"]
-    inventory = _check_inventory(ckpt_dir, manifest, md)
-    if inventory:
-        return inventory
-    ranks = {e.path: int(m.group(1)) for e in manifest.files if (m := _DCP_FILE_RE.match(e.path))}
-    for e in manifest.files:
-        if e.path in ranks and e.rank is not None and e.rank != ranks[e.path]:
-            return [f"{ckpt_dir / e.path}: the manifest says rank {e.rank} wrote it, its name says rank "
-                    f"{ranks[e.path]}; the manifest is inconsistent, pick another step"]
-    # a converted checkpoint is written by one process whatever world size it records
-    required = set(range(manifest.topology.world_size)) if manifest.reason != "converted" else set()
-    return _check_ranks(ckpt_dir, manifest, ranks, required)
-
-
-def _check_inventory(ckpt_dir: Path, manifest: CheckpointManifest, md) -> list[str]:
-    """The tensors the manifest recorded at save are those ``.metadata`` describes (names, shapes, dtypes):
-    a manifest of another architecture beside these files, or files of another model, disagree here."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    for t in manifest.tensors:
-        meta = md.state_dict_metadata.get(t.name)
-        if not isinstance(meta, TensorStorageMetadata):
-            return [f"{ckpt_dir / '.metadata'}: holds no tensor {t.name} that the manifest records; the files are "
-                    "of another model or run, pick another step"]
-        shape, dtype = list(meta.size), str(meta.properties.dtype).removeprefix("torch.")
-        if (shape, dtype) != (t.shape, t.dtype):
-            return [f"{ckpt_dir / '.metadata'}: {t.name} is {dtype}{shape}, the manifest records {t.dtype}{t.shape}; "
-                    "the files are of another architecture, pick another step"]
-    return []
-
-
-def _check_deepspeed_layout(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
-    listed = {e.path for e in manifest.files}
-    if ckpt_dir.name == _UNIVERSAL_DIR:  # written by the converter from the parent's files
-        return [] if "zero/optimizer_state.pt" in listed else \
-            [f"{ckpt_dir}: no zero/optimizer_state.pt listed; the universal checkpoint is incomplete, convert again"]
-    state_path = ckpt_dir / _STATE_FILE
-    if _STATE_FILE not in listed:
-        return [f"{state_path}: not listed in the manifest; not a shardkeeper deepspeed checkpoint"]
-    try:
-        state = json.loads(state_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        return [f"{state_path}: unreadable ({e}); the checkpoint is corrupted, pick another step"]
-    if not isinstance(state, dict):
-        return [f"{state_path}: not a JSON object; the checkpoint is corrupted, pick another step"]
-    for key in ("step", "tokens", "samples"):
-        if state.get(key) != getattr(manifest, key):
-            return [f"{state_path}: {key} {state.get(key)!r}, the manifest says {getattr(manifest, key)}; "
-                    "the checkpoint is inconsistent, pick another step"]
-    if state.get("world_size") != manifest.topology.world_size:
-        return [f"{state_path}: world_size {state.get('world_size')!r}, the manifest's topology says "
-                f"{manifest.topology.world_size}; the checkpoint is inconsistent, pick another step"]
-    ranks = {p: int(m.group(1)) for p in listed if "/" not in p and (m := _RANK_RE.search(p))}
-    required: set[int] = set()
-    if state.get("layout") == "zero":
-        optim = {int(m.group(1)) for p in listed if (m := _DS_OPTIM_RE.match(p))}
-        required = set(range(manifest.topology.world_size))
-        if optim != required:
-            missing = sorted(required - optim)
-            what = f"missing the optimizer file of rank {missing[0]}" if missing else "optimizer files of other ranks"
-            return [f"{ckpt_dir}: expected {len(required)} ZeRO optimizer files, the manifest lists {len(optim)} "
-                    f"({what}); the checkpoint is inconsistent, pick another step"]
-    return _check_ranks(ckpt_dir, manifest, ranks, required)
-
-
-def _check_counters(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
-    """Deep, DCP: the stored trainer counters are the manifest's."""
-    from ckpt.formats.dcp import DCPTensorReader
-
-    with DCPTensorReader(ckpt_dir) as reader:
-        keys = set(reader.tensor_keys())
-        for key in ("step", "tokens", "samples"):
-            if f"trainer.{key}" not in keys:
-                return [f"{ckpt_dir}: no trainer.{key} stored; not a shardkeeper DCP checkpoint, pick another step"]
-            stored = int(reader.read(f"trainer.{key}").item())
-            if stored != getattr(manifest, key):
-                return [f"{ckpt_dir}: stored trainer.{key} is {stored}, the manifest says {getattr(manifest, key)}; "
-                        "the checkpoint is inconsistent, pick another step"]
-    return []
-
-
-def recompute_fingerprint(ckpt_dir: Path, manifest: CheckpointManifest):
-    """Fingerprint of the state as stored on disk, one tensor at a time (DCP checkpoints)."""
-    from ckpt.formats.dcp import DCPTensorReader
-
-    with DCPTensorReader(ckpt_dir) as reader:
-        keys = set(reader.tensor_keys())
-        model_sq = fp.sum_squares((k[len("model."):], reader.read(k)) for k in sorted(keys) if k.startswith("model."))
-        optim_names = [k for k in sorted(keys) if k.startswith("optim.state.") and k.rsplit(".", 1)[-1] in MOMENTS]
-        optim_sq = fp.sum_squares((k[len("optim.state."):], reader.read(k)) for k in optim_names)
-        step_keys = [k for k in sorted(keys) if k.startswith("optim.state.") and k.endswith(".step")]
-        step = float(reader.read(step_keys[0]).item()) if step_keys else 0.0
-        # every other record too (rng, counters, steps, byte values): each is parsed with the allow-list,
-        # so a checkpoint that passes --deep holds nothing a resume would refuse
-        for k in sorted(keys - set(step_keys[:1]) - {k for k in keys if k.startswith("model.")} - set(optim_names)):
-            reader.read(k)
-        for k in reader.byte_keys():
-            reader.read_bytes_value(k)
-    return fp.make_fingerprint(model_sq, optim_sq, step)
-
-
 def _deep_state(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
     try:
-        if manifest.format == "deepspeed":  # ZeRO shards or a universal folder, one parameter at a time
-            from ckpt.formats.deepspeed_convert import recompute_fingerprint as recompute_deepspeed
-
-            _check_pickles(ckpt_dir, manifest)
-            now = recompute_deepspeed(ckpt_dir, manifest)
-        else:
-            errors = _check_counters(ckpt_dir, manifest)
-            if errors:
-                return errors
-            now = recompute_fingerprint(ckpt_dir, manifest)
+        now = get_format(manifest.format).recompute_fingerprint(ckpt_dir, manifest)
     except CheckpointError as e:
         return [str(e)]
     diffs = fp.compare(manifest.fingerprint, now, exact=False)
     if diffs:
         return [f"{ckpt_dir}: fingerprint mismatch: {diffs[0]}; the stored state is not what was trained"]
     return []
-
-
-def _check_pickles(ckpt_dir: Path, manifest: CheckpointManifest) -> None:
-    """Parse every torch.save file of a deepspeed checkpoint with the allow-list (rng files and the files
-    only DeepSpeed's own loaders read included); CheckpointError naming the first refused file."""
-    from ckpt.formats.torchzip import check_file
-
-    for entry in manifest.files:
-        if entry.path.endswith(".pt"):
-            check_file(ckpt_dir / entry.path)
 
 
 def validate(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:
@@ -319,7 +168,7 @@ def validate(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:
     errors += file_errors
     errors += _unlisted(ckpt_dir, manifest)
     if not errors:
-        errors += (_check_dcp_layout if manifest.format == "dcp" else _check_deepspeed_layout)(ckpt_dir, manifest)
+        errors += get_format(manifest.format).check_layout(ckpt_dir, manifest)
     if deep and not errors:
         errors += _deep_state(ckpt_dir, manifest)
     return ValidationReport(
@@ -340,7 +189,7 @@ def check_staged(partial: Path, manifest: CheckpointManifest) -> list[str]:
     errors, _ = _check_files(partial, manifest, deep=False)
     errors += _unlisted(partial, manifest)
     if not errors:
-        errors += (_check_dcp_layout if manifest.format == "dcp" else _check_deepspeed_layout)(partial, manifest)
+        errors += get_format(manifest.format).check_layout(partial, manifest)
     return errors
 
 

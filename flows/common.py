@@ -13,7 +13,7 @@ from prefect import get_run_logger
 from prefect.exceptions import ParameterTypeError
 from pydantic import BaseModel, ValidationError
 
-from ckpt.errors import ConfigError
+from schemas.errors import ConfigError
 from schemas import RunSpec, SegmentResult
 from schemas.requests import ResumeRequest, SegmentOutcome, SegmentPlan, TrainExportRequest
 from shardkeeper.config import explain

@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled
 
-from ckpt.errors import RunLockedError, ShardkeeperError
+from schemas.errors import RunLockedError, ShardkeeperError
 from flows.common import PipelineError, SegmentCancelled, check_resume_request, parse_request, run_segment
 from schemas.requests import ResumeItem, ResumeRequest, ResumeSummary, RunState, SegmentPlan
 from tasks.lineage import mirror_lineage

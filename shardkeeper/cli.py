@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from ckpt.errors import ShardkeeperError
+from schemas.errors import ShardkeeperError
 from launch.local import RANK_ERROR_PREFIX
 
 try:  # typer >= 0.20 vendors click as typer._click; older ones raise click's own exceptions

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from ckpt.errors import ConfigError
+from schemas.errors import ConfigError
 from ckpt.fsutil import load_yaml
 from schemas import RunSpec
 

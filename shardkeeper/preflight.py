@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import ConfigError, RunDirError
+from schemas.errors import ConfigError, RunDirError
 from schemas import ClusterTopology, RunSpec
 from shardkeeper.config import check_model_config, quiet_transformers
 

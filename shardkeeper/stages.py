@@ -15,10 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckpt import lineage
-from ckpt.errors import CheckpointError, ConfigError, RunDirError
+from schemas.errors import CheckpointError, ConfigError, RunDirError
 from ckpt.fsutil import append_jsonl, load_yaml, mkdir_durable, quarantine, read_jsonl
 from ckpt.layout import RunDir, parse_step
 from ckpt.lock import RunLock
+from ckpt.registry import get_format
 from ckpt.manifest import read_manifest
 from ckpt.retention import sweep_leftovers
 from ckpt.validate import invalid_committed, latest_valid, validate
@@ -245,8 +246,8 @@ def _failure(outcome: LaunchOutcome) -> str:
 
 def validate_checkpoint(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:
     report = validate(ckpt_dir, deep=deep)
-    run_root = Path(ckpt_dir).resolve().parent.parent
-    if (run_root / "lineage.jsonl").exists() and deep:
+    run_root = RunDir.containing(ckpt_dir)
+    if run_root.has_lineage() and deep:
         lineage.record(run_root, "validate", f"validate:{Path(ckpt_dir).name}:{int(time.time())}",
                        parent=f"checkpoint:{Path(ckpt_dir).name}", step=report.step, valid=report.valid,
                        errors=report.errors[:3])
@@ -262,32 +263,9 @@ def reshard(ckpt_dir: str | Path, world_size: int) -> ReshardResult:
         manifest.run_spec.per_rank_batch(world_size)
     except ValueError as e:
         raise ConfigError(f"--world-size {world_size}: {e}") from None
-    if manifest.format == "deepspeed":
-        return _reshard_deepspeed(ckpt_dir, manifest, world_size)
-    result = ReshardResult(source=str(ckpt_dir), target=str(ckpt_dir), from_world_size=manifest.topology.world_size,
-                           to_world_size=world_size,
-                           method="none" if manifest.topology.world_size == world_size else "dcp-load-time")
-    run_root = ckpt_dir.resolve().parent.parent
-    if result.method != "none" and (run_root / "run.yaml").exists():
-        lineage.record(run_root, "reshard", f"reshard:{ckpt_dir.name}:{world_size}", parent=f"checkpoint:{ckpt_dir.name}",
-                       step=manifest.step, method=result.method, from_world_size=result.from_world_size,
-                       to_world_size=world_size)
-    return result
-
-
-def _reshard_deepspeed(ckpt_dir: Path, manifest: CheckpointManifest, world_size: int) -> ReshardResult:
-    from ckpt.formats.deepspeed_convert import ensure_universal
-    from ckpt.formats.deepspeed import read_state
-
-    try:
-        manifest.run_spec.per_rank_batch(world_size)
-    except ValueError as e:
-        raise ConfigError(f"--world-size {world_size}: {e}") from None
-    base = {"source": str(ckpt_dir), "from_world_size": manifest.topology.world_size, "to_world_size": world_size}
-    if manifest.topology.world_size == world_size and read_state(ckpt_dir)["layout"] == "zero":
-        return ReshardResult(**base, target=str(ckpt_dir), method="none")
-    res = ensure_universal(ckpt_dir, to_world_size=world_size)
-    return ReshardResult(**base, target=str(res.path), method="deepspeed-universal", seconds=res.seconds)
+    target, method, seconds = get_format(manifest.format).reshard(ckpt_dir, manifest, world_size)
+    return ReshardResult(source=str(ckpt_dir), target=str(target), from_world_size=manifest.topology.world_size,
+                         to_world_size=world_size, method=method, seconds=seconds)
 
 
 def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_stage: int | None = None) -> Path:
@@ -338,15 +316,10 @@ def _record_conversion(src: Path, manifest: CheckpointManifest, done: Path, to: 
     if run_root is not None:
         lineage.record(run_root, "checkpoint", step_id, step=manifest.step, uri=done.resolve().as_uri(),
                        reason="converted", format=to, source=src.resolve().as_uri(), world_size=1)
-    src_root = _run_root_of_checkpoint(src)
+    src_root = RunDir.of_checkpoint(src)
     if src_root is not None:
         lineage.record(src_root, "reshard", f"convert:{src.name}:{to}:{int(time.time())}", parent=step_id,
                        step=manifest.step, uri=done.resolve().as_uri(), method=f"convert-to-{to}")
-
-
-def _run_root_of_checkpoint(ckpt_dir: Path) -> Path | None:
-    root = ckpt_dir.resolve().parent.parent
-    return root if (root / "run.yaml").exists() else None
 
 
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str = "float32",
@@ -359,7 +332,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str =
 
     ckpt_dir = Path(ckpt_dir)
     res = _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
-    root = _run_root_of_checkpoint(ckpt_dir)
+    root = RunDir.of_checkpoint(ckpt_dir)
     if root is not None:
         lineage.record(root, "export", f"export:{Path(res.out_dir).name}:{res.dtype}", parent=f"checkpoint:{ckpt_dir.name}",
                        step=read_manifest(ckpt_dir).step, uri=Path(res.out_dir).resolve().as_uri(), dtype=res.dtype,
@@ -372,8 +345,8 @@ def publish_export(export_dir: str | Path, target: str, *, revision: str | None 
     from ckpt.publish import publish as _publish
 
     export_dir = Path(export_dir)
-    root = Path(run_dir) if run_dir else export_dir.resolve().parent.parent
-    events = lineage.read_events(root) if (root / "lineage.jsonl").exists() else None
+    root = RunDir.at(run_dir) if run_dir else RunDir.containing(export_dir)
+    events = lineage.read_events(root) if root.has_lineage() else None
     res = _publish(export_dir, target, revision=revision, lineage=events)
     if events is not None:
         parents = [e.id for e in events if e.kind == "export" and e.uri == export_dir.resolve().as_uri()]

@@ -20,7 +20,7 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 from prefect.tasks import MaterializingTask, Task
 
-from ckpt.errors import CheckpointError, ShardkeeperError
+from schemas.errors import CheckpointError, ShardkeeperError
 from ckpt.fsutil import read_jsonl
 from ckpt.layout import RunDir
 from ckpt.lock import RunLock

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from ckpt import export as ex
 from ckpt.formats.dcp import DCPTensorReader, read_metadata
-from ckpt.errors import CheckpointError, ExportError
+from schemas.errors import CheckpointError, ExportError
 from ckpt.export import export_checkpoint
 from ckpt.hashing import hash_file
 from ckpt.manifest import read_manifest, write_manifest

@@ -317,7 +317,7 @@ def test_flows_do_not_import_torch() -> None:
 def test_only_publish_retries_and_never_on_user_errors() -> None:
     from prefect.states import Failed
 
-    from ckpt.errors import PublishError
+    from schemas.errors import PublishError
     from tasks import stages as t
 
     assert t.publish.retries == t.PUBLISH_RETRIES > 0

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from ckpt import publish as pub
-from ckpt.errors import PublishError
+from schemas.errors import PublishError
 from schemas import LineageEvent
 
 TOKEN = "hf_TESTtokenDoNotLeak0123456789abcdef"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckpt import fingerprint as fp
-from ckpt.errors import ConfigError
+from schemas.errors import ConfigError
 from ckpt.retention import plan_retention
 from shardkeeper.config import load_run_spec
 from trainer.data import GlobalOrderLoader, synthetic_corpus
@@ -107,7 +107,7 @@ def test_manifest_hf_model_record_is_optional_and_described() -> None:
 
 
 def test_token_file_source(tmp_path: Path) -> None:
-    from ckpt.errors import ConfigError
+    from schemas.errors import ConfigError
     from schemas import DataSpec
     from trainer.data import open_tokens
 

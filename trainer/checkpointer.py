@@ -47,7 +47,7 @@ from ckpt.state import MOMENTS, reseed
 from ckpt import __version__, fingerprint as fp, lineage
 from ckpt.formats.dcp import load_state
 from ckpt.formats.direct_io import HashingDirectWriter
-from ckpt.errors import CheckpointError, FingerprintMismatch
+from schemas.errors import CheckpointError, FingerprintMismatch
 from ckpt.fsutil import fsync_dir, mkdir_durable, quarantine
 from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, step_dir_name

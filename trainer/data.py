@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ckpt.errors import ConfigError
+from schemas.errors import ConfigError
 from schemas import DataSpec
 
 _PHRASES = 512

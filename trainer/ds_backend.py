@@ -30,7 +30,7 @@ from ckpt.state import MOMENTS, reseed
 from ckpt import fingerprint as fp
 from ckpt.formats.deepspeed import (STATE_FILE, UNIVERSAL_DIR, read_rng, read_state, rng_file, save_torch,
                                write_hashed)
-from ckpt.errors import CheckpointError, FingerprintMismatch
+from schemas.errors import CheckpointError, FingerprintMismatch
 from ckpt.formats.torchzip import check_file
 from ckpt.layout import RunDir, step_dir_name
 from ckpt.manifest import read_manifest

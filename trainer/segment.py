@@ -21,7 +21,7 @@ from pathlib import Path
 if __name__ == "__main__":
     # A rank: tie its life to torchrun and the launcher, record early SIGTERMs and take the shared run
     # lock before the heavy imports below (seconds on a busy node); see trainer.lifetime.
-    from ckpt.errors import ShardkeeperError
+    from schemas.errors import ShardkeeperError
     from trainer.lifetime import guard_rank
 
     try:
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from ckpt.errors import ShardkeeperError  # noqa: E402
+from schemas.errors import ShardkeeperError  # noqa: E402
 from ckpt.fsutil import append_jsonl, atomic_write_json, load_yaml  # noqa: E402
 from ckpt.layout import RunDir  # noqa: E402
 from schemas import RunSpec  # noqa: E402

@@ -84,7 +84,7 @@ import torch
 
 from ckpt.state import tied_weights
 from ckpt import __version__
-from ckpt.errors import CheckpointError, ExportError
+from schemas.errors import CheckpointError, ExportError
 from ckpt.formats.safe_pickle import TENSOR_RECORD, StoredTensor
 from ckpt.formats.torchzip import TorchZip
 from ckpt.fsutil import fsync_dir

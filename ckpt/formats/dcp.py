@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ckpt.errors import CheckpointError
+from schemas.errors import CheckpointError
 from ckpt.formats import safe_pickle
 from ckpt.formats.torchzip import load_bytes
 

@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 from ckpt.state import MOMENTS
-from ckpt.errors import CheckpointError
+from schemas.errors import CheckpointError
 from ckpt.formats.safe_pickle import DEEPSPEED_RECORDS, TENSOR_RECORD, Opaque, StoredTensor
 from ckpt.formats.torchzip import TorchZip, load_file
 

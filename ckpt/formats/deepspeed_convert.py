@@ -61,7 +61,7 @@ from ckpt.formats.deepspeed import (
     save_torch,
     write_hashed,
 )
-from ckpt.errors import CheckpointError, FingerprintMismatch
+from schemas.errors import CheckpointError, FingerprintMismatch
 from ckpt.fsutil import fsync_dir
 from ckpt.layout import RunDir
 from ckpt.manifest import read_manifest, write_manifest
@@ -294,12 +294,6 @@ def _ds_version() -> str:
         return "0.16.0"
 
 
-def _run_root(ckpt_dir: Path) -> Path | None:
-    root = ckpt_dir.resolve().parent.parent
-    return root if (root / "run.yaml").exists() else None
-
-
-# ---------------------------------------------------------------------------------------- universal
 def _write_param_universal(src: Source, root: Path, name: str, step: torch.Tensor, sums: _FingerprintSums,
                            entries: list[FileEntry], lock: threading.Lock) -> None:
     pdir = root / "zero" / name
@@ -431,9 +425,10 @@ def ensure_universal(ckpt_dir: str | os.PathLike[str], *, run_dir: RunDir | None
 
 def _record_reshard(run_dir: RunDir | None, ckpt_dir: Path, manifest: CheckpointManifest, target: Path,
                     to_world_size: int | None, seconds: float) -> None:
-    root = run_dir.root if run_dir else _run_root(ckpt_dir)
-    if root is None:
+    run = run_dir or RunDir.of_checkpoint(ckpt_dir)
+    if run is None:
         return
+    root = run.root
     lineage.record(root, "reshard", f"reshard:{ckpt_dir.name}:universal", parent=lineage.checkpoint_event_id(manifest.step),
                    step=manifest.step, uri=target.resolve().as_uri(), method="deepspeed-universal",
                    from_world_size=manifest.topology.world_size, to_world_size=to_world_size,

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from ckpt.errors import CheckpointError
+from schemas.errors import CheckpointError
 
 MAX_PICKLE_BYTES = 1 << 30  # a DCP .metadata of a very large run is ~100 MB; anything over 1 GiB is refused
 MAX_MARK_DEPTH = 64  # nested MARKs (tuples/lists built item by item); real files use < 10

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ckpt.errors import CheckpointError
+from schemas.errors import CheckpointError
 from ckpt.formats import safe_pickle
 from ckpt.formats.safe_pickle import Profile, StorageRef, StorageType, StoredTensor
 

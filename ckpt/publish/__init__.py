@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ckpt.errors import PublishError
+from schemas.errors import PublishError
 from ckpt.fsutil import fsync_dir, fsync_file, read_jsonl
 from ckpt.layout import parse_step, step_dir_name
 from schemas import MANIFEST_NAME, LineageEvent, PublishResult

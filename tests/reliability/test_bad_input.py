@@ -379,7 +379,7 @@ REQUEST_CASES: list[ReqCase] = [
 @pytest.mark.parametrize("case", REQUEST_CASES, ids=[c.id for c in REQUEST_CASES])
 def test_flow_request_is_refused_in_one_line_before_anything_runs(case: ReqCase, tmp_path: Path) -> None:
     """The flows' validation entry (what train_and_export / resume run before any task), without a server."""
-    from ckpt.errors import ShardkeeperError
+    from schemas.errors import ShardkeeperError
     from flows.common import RequestError, check_resume_request, check_train_request, parse_request
     from schemas.requests import ResumeRequest, TrainExportRequest
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.errors import ShardkeeperError
+from schemas.errors import ShardkeeperError
 from ckpt.validate import validate
 from shardkeeper.stages import export_checkpoint
 from tests.reliability import corrupt as c

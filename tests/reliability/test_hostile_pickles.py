@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.errors import CheckpointError
+from schemas.errors import CheckpointError
 from ckpt.formats import safe_pickle
 from shardkeeper.cli import main
 from tests.reliability.hostile import (CORPUS, LIVE, Hostile, plant_dcp_record, plant_metadata, plant_pt,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ckpt.formats.dcp import DCPTensorReader
-from ckpt.errors import CheckpointError, ConfigError
+from schemas.errors import CheckpointError, ConfigError
 from ckpt.manifest import read_manifest
 from ckpt.validate import validate
 from schemas import RunSpec
