@@ -15,7 +15,7 @@ DeepSpeed's worker pools are counted):
 * world-size change: ``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state`` vs
   ``ckpt.formats.deepspeed_convert.ensure_universal`` (what the trainer runs by itself at a new world size);
 * export: ``python -m deepspeed.utils.zero_to_fp32 --safe_serialization`` vs ours, the export stage
-  ``shardkeeper.stages.export_checkpoint`` on the ZeRO checkpoint (one pass: the fp32 master weights
+  ``shardkeeper.stages.export_and_record`` on the ZeRO checkpoint (one pass: the fp32 master weights
   are streamed from the ``*_optim_states.pt`` partitions into safetensors, CRC-checked, SHA-256 hashed,
   fsynced, with config.json and README.md; the stage also records the export in the run's lineage);
 * for reference, the full DeepSpeed -> DCP conversion (model + AdamW state) used to continue under FSDP2.
@@ -97,9 +97,9 @@ def _ours_universal(ckpt: Path, out: Path) -> None:
 
 
 def _ours_export(ckpt: Path, out: Path) -> None:
-    from shardkeeper.stages import export_checkpoint
+    from shardkeeper.stages import export_and_record
 
-    res = export_checkpoint(ckpt, out)
+    res = export_and_record(ckpt, out)
     print(f"stage: {res.seconds:.2f} s inside the process (after imports), peak RSS {res.peak_rss_bytes / 1e9:.2f} GB")
 
 

@@ -71,7 +71,7 @@ def _rank_build(run_dir: str, hf_dir: str) -> int:
 
     from ckpt.layout import RunDir
     from trainer.dist import init_distributed
-    from trainer.segment import Segment
+    from trainer.loop import Segment
 
     env = init_distributed()
     try:

@@ -42,7 +42,7 @@ def stages(run: Path, work: Path) -> list[Stage]:
     from schemas import RunSpec
     from shardkeeper import stages as plain
     from shardkeeper.config import load_run_spec
-    from tasks import stages as tasks
+    from tasks import stage_tasks as tasks
     from tasks.lineage import mirror_lineage
 
     spec: RunSpec = load_run_spec(run / "run.yaml")
@@ -54,7 +54,7 @@ def stages(run: Path, work: Path) -> list[Stage]:
         ("inspect-run", lambda: tasks.run_state(run), lambda: tasks.inspect_run(str(run))),
         ("reshard (DCP no-op)", lambda: plain.reshard(ckpt, 3), lambda: tasks.reshard(ckpt, 3)),
         ("validate (deep)", lambda: plain.validate_checkpoint(ckpt, deep=True), lambda: tasks.validate(ckpt, deep=True)),
-        ("export (bf16)", lambda: plain.export_checkpoint(ckpt, export_dir, dtype="bfloat16", overwrite=True),
+        ("export (bf16)", lambda: plain.export_and_record(ckpt, export_dir, dtype="bfloat16", overwrite=True),
          lambda: tasks.export(ckpt, export_dir, dtype="bfloat16", overwrite=True)),
         ("mirror-lineage", lambda: _mirror_plain(run), lambda: mirror_lineage(str(run), spec.name)),
     ]
@@ -102,7 +102,7 @@ def _train_both_ways(run: Path) -> tuple[str, float, float]:
     """One more segment each way (5 steps each): torchrun start-up dominates, so one rep is enough."""
     from shardkeeper import stages as plain
     from shardkeeper.config import load_run_spec
-    from tasks import stages as tasks
+    from tasks import stage_tasks as tasks
 
     spec = load_run_spec(run / "run.yaml")
     topo = plain.plan_topology(spec, 2)

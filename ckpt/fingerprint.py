@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from schemas import Fingerprint
+from schemas.errors import FingerprintMismatch
 
 CROSS_WORLD_RTOL = 1e-9
 
@@ -82,3 +83,18 @@ def compare(saved: Fingerprint, now: Fingerprint, *, exact: bool) -> list[str]:
                 problems.append((rel, f"{section} {k}: norm {y:.9g} != saved {x:.9g} (rel {rel:.2e})"))
     problems.sort(key=lambda p: -p[0])
     return [p[1] for p in problems]
+
+
+def require_match(path: object, saved: Fingerprint, now: Fingerprint, *, exact: bool, converted: bool = False) -> None:
+    """Raise FingerprintMismatch (the one message of each kind) when ``now`` is not the ``saved`` state:
+    after a load (the next step would spike), or of a conversion's output (nothing is written)."""
+    diffs = compare(saved, now, exact=exact)
+    if not diffs:
+        return
+    if converted:
+        raise FingerprintMismatch(f"{path}: the converted state differs from the saved fingerprint ({diffs[0]}); "
+                                  "nothing was written; validate --deep the checkpoint or convert an earlier one")
+    raise FingerprintMismatch(
+        f"{path}: state after load differs from the saved fingerprint ({diffs[0]}; {len(diffs)} tensors differ); "
+        "refusing to train on it, as the next step would spike; validate --deep the checkpoint or resume from an "
+        "earlier one")

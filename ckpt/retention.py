@@ -5,7 +5,6 @@ sizes are right can still hold corrupted bytes). Plus the sweep of what crashes 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import time

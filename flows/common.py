@@ -17,7 +17,7 @@ from schemas.errors import ConfigError
 from schemas import RunSpec, SegmentResult
 from schemas.requests import ResumeRequest, SegmentOutcome, SegmentPlan, TrainExportRequest
 from shardkeeper.config import explain
-from tasks.stages import inspect_run, plan_topology, reshard, train_segment
+from tasks.stage_tasks import inspect_run, plan_topology, reshard, train_segment
 
 MAX_BACKOFF_S = 600.0
 M = TypeVar("M", bound=BaseModel)
@@ -102,7 +102,7 @@ def backoff_delay(backoff_s: float, attempt: int) -> float:
     return min(backoff_s * (2 ** attempt), MAX_BACKOFF_S)
 
 
-def run_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preemption_retries: int,
+def drive_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preemption_retries: int,
                 backoff_s: float) -> SegmentOutcome:
     """Train ``run_dir`` up to ``plan.until_step`` on ``plan.nproc`` ranks; raise on failure."""
     logger = get_run_logger()

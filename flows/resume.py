@@ -13,17 +13,15 @@ training now) is skipped, so overlapping schedules never start a second writer.
 # annotations, and in a served or worker-run flow run string annotations are not resolved ("ResumeModel
 # is not fully defined"), so every scheduled run failed before it started.
 
-from pathlib import Path
 
-from prefect import flow, get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow, get_run_logger
 from prefect.states import Cancelled
 
 from schemas.errors import RunLockedError, ShardkeeperError
-from flows.common import PipelineError, SegmentCancelled, check_resume_request, parse_request, run_segment
+from flows.common import PipelineError, SegmentCancelled, check_resume_request, parse_request, drive_segment
 from schemas.requests import ResumeItem, ResumeRequest, ResumeSummary, RunState, SegmentPlan
 from tasks.lineage import mirror_lineage
-from tasks.stages import load_spec, run_state
+from tasks.stage_tasks import load_spec, scan_runs
 
 # Not "cancelled": a run whose last segment was cancelled by a person stays stopped until they train it again.
 RESUMABLE = ("preempted", "failed", "interrupted")
@@ -31,22 +29,6 @@ RESUMABLE = ("preempted", "failed", "interrupted")
 
 class ResumeFailed(PipelineError):
     """At least one run could not be resumed; the message lists each with its reason."""
-
-
-def run_dirs_under(root: Path) -> list[Path]:
-    if not root.is_dir():
-        raise ShardkeeperError(f"resume root {root}: no such folder; pass the folder that holds the run directories")
-    return sorted(p for p in root.iterdir() if p.is_dir() and ((p / "run.yaml").exists() or (p / "checkpoints").is_dir()))
-
-
-@task(name="scan-runs", cache_policy=NO_CACHE)
-def scan_runs(root: str | None, run_dirs: list[str]) -> list[RunState]:
-    """The state of every run directory under ``root`` and in ``run_dirs`` (each once)."""
-    found = run_dirs_under(Path(root)) if root else []
-    seen: dict[Path, None] = {}
-    for p in [*found, *(Path(d) for d in run_dirs)]:
-        seen.setdefault(p.resolve(), None)
-    return [run_state(p) for p in seen]
 
 
 def triage(state: RunState) -> ResumeItem | None:
@@ -67,9 +49,9 @@ def triage(state: RunState) -> ResumeItem | None:
 def _resume_one(state: RunState, request: ResumeRequest) -> ResumeItem:
     until = state.last_until_step or 0  # triage() made sure it is set
     plan = SegmentPlan(nproc=request.nproc, until_step=until, timeout_s=request.timeout_s)
-    spec = load_spec(str(Path(state.run_dir) / "run.yaml"))
+    spec = load_spec(run_dir=state.run_dir)
     try:
-        outcome = run_segment(spec, state.run_dir, plan, max_preemption_retries=request.max_preemption_retries,
+        outcome = drive_segment(spec, state.run_dir, plan, max_preemption_retries=request.max_preemption_retries,
                               backoff_s=request.backoff_s)
         item = ResumeItem(run_dir=state.run_dir, action="resumed", outcome=outcome,
                           reason=f"step {state.step} -> {until} on {plan.nproc} ranks (was {state.last_status})")

@@ -20,11 +20,11 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled
 
-from flows.common import PipelineError, SegmentCancelled, check_train_request, parse_request, run_segment
+from flows.common import PipelineError, SegmentCancelled, check_train_request, parse_request, drive_segment
 from schemas import ExportResult, PublishResult, RunSpec
 from schemas.requests import SegmentOutcome, TrainExportRequest, TrainExportSummary
-from tasks.lineage import mirror_lineage
-from tasks.stages import export, inspect_run, load_spec, materializing, path_asset, publish, target_asset, validate
+from tasks.lineage import has_lineage, mirror_lineage
+from tasks.stage_tasks import default_export_dir, export, inspect_run, load_spec, materializing, path_asset, publish, target_asset, validate
 
 
 def _final_checkpoint(run_dir: str, outcomes: list[SegmentOutcome]) -> str:
@@ -42,7 +42,7 @@ def _export_and_publish(request: TrainExportRequest, ckpt: str) -> tuple[int, Ex
     ckpt_asset = path_asset(ckpt)
     report = materializing(validate, [ckpt_asset])(ckpt, deep=request.deep_validate)
     step = report.step or 0
-    out_dir = request.export_dir or str(Path(request.run_dir) / "exports" / Path(ckpt).name)
+    out_dir = request.export_dir or default_export_dir(ckpt)
     export_asset = path_asset(out_dir)
     exported = materializing(export, [export_asset], [ckpt_asset])(
         ckpt, out_dir, dtype=request.export_dtype, max_shard_size=request.max_shard_size,
@@ -67,7 +67,7 @@ def train_and_export(request: TrainExportRequest) -> TrainExportSummary:
     outcomes: list[SegmentOutcome] = []
     try:
         for plan in request.segments:
-            outcomes.append(run_segment(spec, request.run_dir, plan, max_preemption_retries=request.max_preemption_retries,
+            outcomes.append(drive_segment(spec, request.run_dir, plan, max_preemption_retries=request.max_preemption_retries,
                                         backoff_s=request.backoff_s))
         ckpt = _final_checkpoint(request.run_dir, outcomes)
         step, exported, published = _export_and_publish(request, ckpt)
@@ -92,7 +92,7 @@ def train_and_export(request: TrainExportRequest) -> TrainExportSummary:
 
 def _mirror_best_effort(run_dir: str, run_name: str) -> None:
     """On failure, still show the lineage up to the failure; never mask the original error."""
-    if not (Path(run_dir) / "lineage.jsonl").exists():
+    if not has_lineage(run_dir):
         return
     try:
         mirror_lineage(run_dir, run_name)

@@ -1,4 +1,4 @@
-"""Launchers start the ranks of one segment and supervise them.
+"""The local launcher: the ranks of one segment on this machine, through torchrun, supervised.
 
 The interface is small so Slurm and Kubernetes launchers fit beside the local one without touching
 flows: ``launch(request) -> LaunchOutcome``. The local launcher runs torchrun as a supervised
@@ -10,7 +10,7 @@ cancellation): the outcome then says ``cancelled``.
 
 No process of a segment outlives the launching process (which holds the run lock): torchrun is
 started with PR_SET_PDEATHSIG=SIGKILL, and each rank sets the same, checks its parent and the
-launcher pid (``SHARDKEEPER_LAUNCHER_PID``) and runs a watchdog (trainer.lifetime). PDEATHSIG fires
+launcher pid (``SegmentLaunch.launcher_pid``) and runs a watchdog (trainer.lifetime). PDEATHSIG fires
 when the *thread* that started torchrun exits: ``launch`` waits for torchrun in that same thread
 (the CLI's main thread, or the worker thread a Prefect task runs in), so it always outlives it.
 """
@@ -19,69 +19,21 @@ from __future__ import annotations
 
 import collections
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
-from schemas import ClusterTopology
-from trainer.lifetime import LAUNCHER_PID_ENV, pdeathsig_preexec
+from launch.base import (LaunchOutcome, LaunchRequest, LogSink, RANK_LINE_RE, TORCHRUN_LOG_RE,
+                         TORCHRUN_SUMMARY)
+from launch.procs import pdeathsig_preexec
+from schemas.seam import EXIT_CANCELLED, LAUNCH_ENV
 
-LogSink = Callable[[str], None]
-CancelCheck = Callable[[], bool]
-_RANK_RE = re.compile(r"\[rank(\d+)\]|\[default(\d+)\]")
-# torchrun's own log lines, e.g. "W1122 10:00:00.123000 4242 .../torch/distributed/elastic/agent/server/api.py:725] ..."
-_TORCHRUN_LOG_RE = re.compile(r"^\[?[IWEF]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
-EXIT_CANCELLED = 130  # 128 + SIGINT: the shell's "stopped on request"; 75 (EX_TEMPFAIL) stays preemption
 POLL_S = 0.25
 KILL_MARGIN_S = 10.0  # torchrun SIGKILLs the ranks at its --shutdown-timeout (= grace); it gets this long more
 CANCEL_SETTLE_S = 3.0  # > the Prefect cancel watcher's poll period
-
-
-@dataclass(frozen=True)
-class LaunchRequest:
-    run_dir: Path
-    until_step: int
-    segment: int
-    topology: ClusterTopology
-    timeout_s: float | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    # Polled ~4x a second: when it returns True the ranks are stopped (SIGTERM: they commit a
-    # checkpoint) and the outcome is 'cancelled'. Also asked after a stop signal, to tell a
-    # cancellation (a Prefect runner cancels by SIGTERM) from a preemption.
-    cancel_check: CancelCheck | None = None
-
-
-@dataclass(frozen=True)
-class LaunchOutcome:
-    exit_code: int
-    timed_out: bool
-    tail: list[str]  # last lines of output, for the failure report
-    seconds: float
-    cancelled: bool = False  # stopped because cancel_check said so (or it said so after a stop signal)
-    stop_signal: int | None = None  # the signal the launching process received (and turned into a stop)
-    held_back: list[str] = field(default_factory=list)  # torchrun's closing lines, not streamed to the sink
-
-    @property
-    def stop_requested(self) -> bool:
-        """The launcher asked the ranks to stop (signal, cancellation or timeout)."""
-        return self.timed_out or self.cancelled or self.stop_signal is not None
-
-
-class Launcher(Protocol):
-    name: str
-
-    def max_world_size(self) -> int | None:
-        """Largest world size this launcher can give now (None = unknown/unbounded)."""
-
-    def launch(self, req: LaunchRequest, sink: LogSink) -> LaunchOutcome:
-        """Run one segment to its end and report how it ended."""
 
 
 class _Supervisor:
@@ -141,10 +93,10 @@ class _Supervisor:
     def _hold(self, line: str) -> bool:
         """torchrun's own closing lines (from its first log line or traceback on) wait for the outcome: a
         ChildFailedError summary is noise when the segment was preempted or cancelled. Rank lines never wait."""
-        if _RANK_RE.search(line):
+        if RANK_LINE_RE.search(line):
             return False
-        if not self._holding and (_TORCHRUN_LOG_RE.search(line) or line.startswith("Traceback")
-                                  or any(m in line for m in _TORCHRUN_SUMMARY)):
+        if not self._holding and (TORCHRUN_LOG_RE.search(line) or line.startswith("Traceback")
+                                  or any(m in line for m in TORCHRUN_SUMMARY)):
             self._holding = True
         return self._holding
 
@@ -175,6 +127,19 @@ def _install_signal_handlers(sup: _Supervisor) -> dict[int, object]:
     return {s: signal.signal(s, sup.on_signal) for s in STOP_SIGNALS}
 
 
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use, without importing torch: the driver's /proc entries, narrowed by
+    CUDA_VISIBLE_DEVICES when set (0 without a driver)."""
+    try:
+        present = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    return min(present, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
+
+
 class LocalTorchrun:
     """Ranks on this machine through ``python -m torch.distributed.run --standalone``."""
 
@@ -186,14 +151,8 @@ class LocalTorchrun:
         self.cancel_settle_s = cancel_settle_s
 
     def max_world_size(self) -> int | None:
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                return torch.cuda.device_count()
-        except ImportError:
-            pass
-        return max(8, 4 * (os.cpu_count() or 1))
+        gpus = visible_gpus()
+        return gpus if gpus else max(8, 4 * (os.cpu_count() or 1))
 
     def command(self, req: LaunchRequest) -> list[str]:
         # Positional arguments only: torchrun claims options that prefix its own (--log, --start, ...).
@@ -202,10 +161,9 @@ class LocalTorchrun:
                 "-m", "trainer.segment", str(req.run_dir), str(req.until_step), str(req.segment)]
 
     def environment(self, req: LaunchRequest) -> dict[str, str]:
+        launch_file = req.seam(launcher_pid=os.getpid()).write(req.run_dir)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
-               "SHARDKEEPER_LAUNCHER": self.name, **req.env, LAUNCHER_PID_ENV: str(os.getpid())}
-        if req.topology.device_type == "cpu":
-            env["SHARDKEEPER_DEVICE"] = "cpu"
+               **req.env, LAUNCH_ENV: str(launch_file)}
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
@@ -273,51 +231,3 @@ class LocalTorchrun:
             time.sleep(POLL_S)
 
 
-LAUNCHERS: dict[str, Callable[[], Launcher]] = {"local": LocalTorchrun}
-
-
-def get_launcher(name: str) -> Launcher:
-    try:
-        return LAUNCHERS[name]()
-    except KeyError:
-        raise ValueError(f"launcher {name!r} is not available here; choose one of {sorted(LAUNCHERS)}") from None
-
-
-# A rank that fails writes its cause as one line with this prefix, last, on stderr (trainer.segment.main).
-RANK_ERROR_PREFIX = "shardkeeper-error:"
-_TORCHRUN_SUMMARY = ("ChildFailedError", "torch.distributed.elastic", "Root Cause", "Failures:", "====")
-_ERROR_RE = re.compile(r"(^|\s)(error:|\w*(Error|Exception|Mismatch)\b)|Traceback")
-
-
-def _closing_cut(lines: list[str]) -> int:
-    """Index where torchrun's closing starts: its summary, or the traceback of its own that leads to it."""
-    cut = len(lines)
-    for i, line in enumerate(lines):
-        if any(marker in line for marker in _TORCHRUN_SUMMARY):
-            cut = i
-            break
-    for j in range(cut - 1, -1, -1):  # torchrun's own traceback that leads to its summary
-        if lines[j].startswith("Traceback"):
-            if any("distributed/run.py" in ln or "elastic" in ln for ln in lines[j:cut]):
-                cut = j
-            break
-    return cut
-
-
-def failing_rank_lines(tail: list[str], limit: int = 8) -> str:
-    """The failing rank's own error lines: torchrun's closing summary (which only says a child failed)
-    is cut off first, so it cannot push the real exception out of the window. A rank's own one-line
-    cause (``RANK_ERROR_PREFIX``) wins: the first one printed, since the others usually follow from it."""
-    for line in tail:
-        at = line.find(RANK_ERROR_PREFIX)
-        if at >= 0:
-            return line[at + len(RANK_ERROR_PREFIX):].strip()
-    body = tail[:_closing_cut(tail)] or tail
-    errs = [ln for ln in body if _ERROR_RE.search(ln)]
-    return "\n".join((errs or body)[-limit:])
-
-
-def without_torchrun_closing(lines: list[str]) -> list[str]:
-    """Held-back lines worth showing when the segment did not fail: torchrun's log lines and its closing
-    traceback + summary (a ChildFailedError or SignalException that only says the ranks stopped) removed."""
-    return [ln for ln in lines[:_closing_cut(lines)] if not _TORCHRUN_LOG_RE.search(ln)]

@@ -13,7 +13,6 @@ A user mistake prints one line ("error: FILE: what is wrong; the fix") and exits
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import sys
@@ -27,7 +26,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from schemas.errors import ShardkeeperError
-from launch.local import RANK_ERROR_PREFIX
+from schemas.seam import RANK_ERROR_PREFIX
 
 try:  # typer >= 0.20 vendors click as typer._click; older ones raise click's own exceptions
     from typer._click.exceptions import ClickException as _TyperClickException
@@ -173,9 +172,9 @@ def export(
     overwrite: Annotated[bool, typer.Option(help="replace an existing out_dir")] = False,
 ) -> None:
     """Stream a checkpoint into safetensors (+ index, config.json) with bounded memory."""
-    from shardkeeper.stages import export_checkpoint
+    from shardkeeper.stages import export_and_record
 
-    res = export_checkpoint(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+    res = export_and_record(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
                             progress=sys.stderr.isatty())
     out.print(f"exported {res.num_tensors} tensors ({res.total_bytes / 1e6:.1f} MB, {res.dtype}) in {res.num_shards} "
               f"shard(s) to {res.out_dir} in {res.seconds:.2f} s")

@@ -7,7 +7,6 @@ and torch is imported only inside the stages that need it.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -15,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckpt import lineage
-from schemas.errors import CheckpointError, ConfigError, RunDirError
+from schemas.errors import CheckpointError, ConfigError, RunDirError, ShardkeeperError
 from ckpt.fsutil import append_jsonl, load_yaml, mkdir_durable, quarantine, read_jsonl
 from ckpt.layout import RunDir, parse_step
 from ckpt.lock import RunLock
@@ -23,16 +22,15 @@ from ckpt.registry import get_format
 from ckpt.manifest import read_manifest
 from ckpt.retention import sweep_leftovers
 from ckpt.validate import invalid_committed, latest_valid, validate
-from launch.local import EXIT_CANCELLED, LaunchOutcome, LaunchRequest, get_launcher
+from launch import LaunchOutcome, LaunchRequest, get_launcher
+from schemas.seam import SegmentReport, exit_code_of
 from schemas import CheckpointManifest, ClusterTopology, ReshardResult, RunSpec, SegmentResult, ValidationReport
+from schemas.requests import RunState
 from shardkeeper.config import dump_run_spec, spec_from_dict
 from shardkeeper.preflight import cuda_device_count, preflight
 
 log = logging.getLogger("shardkeeper")
 
-EXIT_PREEMPTED = 75
-# A cancelled segment (Prefect cancellation) exits 130 (= launch.local.EXIT_CANCELLED, 128 + SIGINT).
-STATUS_FILE = ".segment-status.json"
 # Fields of a run's RunSpec that may change between segments without breaking exact resume.
 MUTABLE_SECTIONS = ("checkpoint",)
 
@@ -129,15 +127,14 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
     with RunLock(rd.root):
         prepare_run_dir(rd, spec)
         seg = next_segment_index(rd)
-        status_path = rd.root / STATUS_FILE
-        status_path.unlink(missing_ok=True)
+        SegmentReport.clear(rd.root)
         before = _resume_point(rd, seg, restart)
         start_step = before[1].step if before else 0
         append_jsonl(rd.segments, {"event": "start", "segment": seg, "until_step": until_step, "start_step": start_step,
                                    "world_size": topology.world_size, "time": lineage.now_iso()})
         launcher = get_launcher(topology.launcher)
         req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s,
-                            env={RESTART_ENV: "1"} if restart else {}, cancel_check=cancel_check)
+                            restart=restart, cancel_check=cancel_check)
         outcome = launcher.launch(req, sink)
         result = _segment_result(rd, seg, start_step, topology, outcome)
         _show_held_back(outcome, result.status, sink)
@@ -146,9 +143,6 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
                        step=result.end_step, status=result.status, world_size=topology.world_size,
                        seconds=round(result.seconds, 2), until_step=until_step)
     return result
-
-
-RESTART_ENV = "SHARDKEEPER_RESTART"  # trainer.checkpointer.RESTART_ENV (torch is not imported here)
 
 
 def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, CheckpointManifest] | None:
@@ -187,20 +181,17 @@ def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, Checkpoint
 def _show_held_back(outcome: LaunchOutcome, status: str, sink: Callable[[str], None]) -> None:
     """torchrun's closing lines: all of them for a failure; for a preempted or cancelled segment its
     ChildFailedError/SignalException traceback is noise (the ranks stopped as asked) and is dropped."""
-    from launch.local import without_torchrun_closing
+    from launch import without_torchrun_closing
 
     for line in outcome.held_back if status == "failed" else without_torchrun_closing(outcome.held_back):
         sink(line)
 
 
 def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopology, outcome: LaunchOutcome) -> SegmentResult:
-    status_path = rd.root / STATUS_FILE
-    reported = json.loads(status_path.read_text()) if status_path.exists() else None
-    if reported and reported.get("segment") != seg:
-        reported = None
+    reported = SegmentReport.read(rd.root, seg)
     after = latest_valid(rd)
-    rank_status = reported["status"] if reported and reported.get("status") in ("completed", "preempted") else None
-    note = reported.get("note") if reported else None
+    rank_status = reported.status if reported and reported.status in ("completed", "preempted") else None
+    note = reported.note if reported else None
     if outcome.cancelled:
         # Cancellation wins even over a segment that completed meanwhile: nothing further may start.
         status = "cancelled"
@@ -217,9 +208,9 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
         status = "failed"
     return SegmentResult(
         run_dir=str(rd.root), status=status,  # type: ignore[arg-type]
-        exit_code={"completed": 0, "preempted": EXIT_PREEMPTED, "cancelled": EXIT_CANCELLED}.get(status, outcome.exit_code or 1),
+        exit_code=exit_code_of(status, outcome.exit_code),
         # The ranks may have fallen back past a checkpoint that failed to load: their start step wins.
-        segment=seg, start_step=int(reported.get("start_step", start_step)) if reported else start_step,
+        segment=seg, start_step=reported.start_step if reported else start_step,
         end_step=after[1].step if after else 0,
         checkpoint=str(after[0]) if after else None, topology=topology, seconds=outcome.seconds,
         failure=None if status != "failed" else _failure(outcome),
@@ -234,7 +225,7 @@ def _unreported_note(after: tuple[Path, CheckpointManifest] | None) -> str:
 
 
 def _failure(outcome: LaunchOutcome) -> str:
-    from launch.local import failing_rank_lines
+    from launch import failing_rank_lines
 
     if outcome.exit_code < 0:  # torchrun itself was killed (OOM killer, kill -9): its ranks died with it
         import signal
@@ -322,7 +313,7 @@ def _record_conversion(src: Path, manifest: CheckpointManifest, done: Path, to: 
                        step=manifest.step, uri=done.resolve().as_uri(), method=f"convert-to-{to}")
 
 
-def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str = "float32",
+def export_and_record(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str = "float32",
                       max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False):
     """Checkpoint (DCP or DeepSpeed ZeRO) -> safetensors folder (ckpt.export), recorded in the run's lineage.
 
@@ -354,3 +345,42 @@ def publish_export(export_dir: str | Path, target: str, *, revision: str | None 
                        parent=parents[-1] if parents else None, uri=res.url, target=res.target,
                        revision=res.revision, skipped=res.skipped, commit=res.commit)
     return res
+
+
+# ------------------------------------------------------------------------------------------ run state
+def run_state(run_dir: str | Path) -> RunState:
+    """Newest valid checkpoint and how the last segment ended (plain function: the resume scan uses it)."""
+    rd = RunDir.at(run_dir)
+    exists = rd.spec_path.exists() or bool(rd.committed())
+    if not exists:
+        return RunState(run_dir=str(rd.root), exists=False)
+    found = latest_valid(rd)
+    records = read_jsonl(rd.segments)
+    starts = [r for r in records if r.get("event") == "start"]
+    locked = RunLock(rd.root).is_locked()
+    last_status = None
+    if records:
+        last = records[-1]
+        last_status = last.get("status") if last.get("event") == "end" else ("running" if locked else "interrupted")
+    return RunState(
+        run_dir=str(rd.root), exists=True, checkpoint=str(found[0]) if found else None,
+        step=found[1].step if found else 0,
+        world_size=read_manifest(found[0]).topology.world_size if found else None,
+        last_status=last_status, last_until_step=starts[-1].get("until_step") if starts else None, locked=locked,
+    )
+
+
+def run_dirs_under(root: Path) -> list[Path]:
+    """The run directories (a run.yaml or a checkpoints/ folder) directly under ``root``."""
+    if not root.is_dir():
+        raise ShardkeeperError(f"resume root {root}: no such folder; pass the folder that holds the run directories")
+    return sorted(p for p in root.iterdir() if p.is_dir() and (RunDir(p).spec_path.exists() or RunDir(p).checkpoints.is_dir()))
+
+
+def scan_runs(root: str | None, run_dirs: list[str]) -> list[RunState]:
+    """The state of every run directory under ``root`` and in ``run_dirs`` (each once)."""
+    found = run_dirs_under(Path(root)) if root else []
+    seen: dict[Path, None] = {}
+    for p in [*found, *(Path(d) for d in run_dirs)]:
+        seen.setdefault(p.resolve(), None)
+    return [run_state(p) for p in seen]

@@ -1,1 +1,1 @@
-"""Prefect tasks, one per pipeline stage (tasks.stages) plus the lineage mirror (tasks.lineage)."""
+"""Prefect tasks, one per pipeline stage (tasks.stage_tasks) plus the lineage mirror (tasks.lineage)."""

@@ -20,6 +20,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from ckpt.layout import RunDir
 from ckpt.lineage import read_events
 from tasks.render import lineage_markdown, loss_curve_png, markers, png_data_uri, read_metrics, slug, table_rows
 from schemas.requests import LineageArtifacts
@@ -55,6 +56,11 @@ def _loss_markdown(run_dir: Path, png: Path, title: str) -> str:
 
 
 @task(name="mirror-lineage", cache_policy=NO_CACHE)
+def has_lineage(run_dir: str) -> bool:
+    """Has the run recorded any lineage yet (a failure before its first segment has none)?"""
+    return RunDir.at(run_dir).has_lineage()
+
+
 def mirror_lineage(run_dir: str, run_name: str | None = None) -> LineageArtifacts:
     """Create (a new version of) the table, graph and loss-curve artifacts of a run."""
     root = Path(run_dir).resolve()

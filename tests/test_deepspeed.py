@@ -222,14 +222,14 @@ def _export_and_compare(ref_run: Path, tmp_path: Path, **options: object) -> dic
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
-    from shardkeeper.stages import export_checkpoint
+    from shardkeeper.stages import export_and_record
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     shutil.copy(ref_run / "run.yaml", run / "run.yaml")
     shutil.copytree(ckpt(ref_run, END), ckpt(run, END))
     out = run / "exports" / "final"
-    res = export_checkpoint(ckpt(run, END), out, **options)
+    res = export_and_record(ckpt(run, END), out, **options)
     assert res.checkpoint == str(ckpt(run, END)) and res.num_shards == len(list(out.glob("*.safetensors")))
     assert sorted(p.name for p in (run / "exports").iterdir()) == ["final"]
     got = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}

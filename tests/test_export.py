@@ -427,7 +427,7 @@ def test_export_stage_with_a_relative_out_dir_records_an_absolute_uri(ckpt: Path
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """`shardkeeper export CKPT exports/x` from the run directory: same bytes, lineage URI absolute."""
     from ckpt.lineage import read_events
-    from shardkeeper.stages import export_checkpoint as export_stage
+    from shardkeeper.stages import export_and_record as export_stage
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

@@ -213,7 +213,7 @@ def test_failed_segment_stops_with_the_rank_error(prefect_server: Any, tmp_path:
 def test_corrupt_final_checkpoint_stops_before_export(prefect_server: Any, tiny_run: Path, tmp_path: Path) -> None:
     """Deep validation fails (a flipped byte, same size): the flow raises and exports nothing."""
     from flows.train_and_export import train_and_export
-    from tasks.stages import CheckpointInvalid
+    from tasks.stage_tasks import CheckpointInvalid
 
     run = copy_run(tiny_run, tmp_path / "corrupt")
     shard = sorted((run / "checkpoints" / "step-00000005").glob("*.distcp"))[0]
@@ -318,7 +318,7 @@ def test_only_publish_retries_and_never_on_user_errors() -> None:
     from prefect.states import Failed
 
     from schemas.errors import PublishError
-    from tasks import stages as t
+    from tasks import stage_tasks as t
 
     assert t.publish.retries == t.PUBLISH_RETRIES > 0
     for other in (t.load_spec, t.inspect_run, t.plan_topology, t.train_segment, t.validate, t.reshard, t.export):

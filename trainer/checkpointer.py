@@ -16,7 +16,7 @@ Load: the newest checkpoint that passes the quick checks and every checksum is l
 checkpoint (ckpt.fsutil.quarantine) and the next older one is tried. A later successful load overwrites
 the whole model, optimizer and RNG state, so nothing of the failed attempt survives. If checkpoints exist
 and none loads, the segment is refused (never a silent restart from step 0) unless the launch said
-restart (SHARDKEEPER_RESTART=1, set by ``shardkeeper train --restart``).
+restart (``SegmentLaunch.restart``, set by ``shardkeeper train --restart``).
 
 Async save: training blocks only for one copy of the state into reusable CPU buffers; fingerprint,
 DCP planning and writing, hashing and the commit run on a background thread over a dedicated gloo
@@ -47,19 +47,19 @@ from ckpt.state import MOMENTS, reseed
 from ckpt import __version__, fingerprint as fp, lineage
 from ckpt.formats.dcp import load_state
 from ckpt.formats.direct_io import HashingDirectWriter
-from schemas.errors import CheckpointError, FingerprintMismatch
+from schemas.errors import CheckpointError
 from ckpt.fsutil import fsync_dir, mkdir_durable, quarantine
 from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, step_dir_name
 from ckpt.manifest import write_manifest
 from ckpt.retention import apply_retention
+from schemas.seam import SegmentLaunch
 from schemas import CheckpointManifest, DtypePolicy, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
 
 from trainer.dist import DistEnv
 
 log = logging.getLogger("shardkeeper.checkpoint")
 
-RESTART_ENV = "SHARDKEEPER_RESTART"  # "1": the controller moved the run's invalid checkpoints aside, start over
 
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -415,9 +415,10 @@ class Checkpointer:
         verifies (fingerprint, counters). One that fails the checksums or the load is quarantined on every
         rank's agreement and the next older one is tried. Returns None when there is nothing to resume;
         raises CheckpointError when checkpoints exist but none could be loaded, unless ``restart`` (default:
-        the launch's SHARDKEEPER_RESTART=1) and no load attempt touched the state."""
+        the launch's ``restart``) and no load attempt touched the state."""
         if restart is None:
-            restart = os.environ.get(RESTART_ENV) == "1"
+            launch = SegmentLaunch.from_environ()
+            restart = bool(launch and launch.restart)
         candidates = [str(p) for p in reversed(self.run_dir.committed())] if self.env.is_rank0 else None
         box = [candidates]
         dist.broadcast_object_list(box, src=0, group=self.env.ctrl_group)
@@ -566,9 +567,4 @@ class Checkpointer:
         """Recompute the fingerprint of the live state and refuse to train on a mismatch."""
         sd = self._state_dict(TrainState(), with_rng=False)
         now = self._fingerprint_of(sd, self.env.ctrl_group)
-        diffs = fp.compare(manifest.fingerprint, now, exact=same_world)
-        if diffs:
-            raise FingerprintMismatch(
-                f"{path}: state after load differs from the saved fingerprint ({diffs[0]}; {len(diffs)} tensors differ); "
-                "refusing to train on it, as the next step would spike; validate --deep the checkpoint or resume from an earlier one"
-            )
+        fp.require_match(path, manifest.fingerprint, now, exact=same_world)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from schemas import ClusterTopology
+from schemas.seam import SegmentLaunch
 
 log = logging.getLogger("shardkeeper.trainer")
 
@@ -41,12 +42,14 @@ def choose_device(local_rank: int, want: str = "auto") -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistEnv:
+def init_distributed(launch: SegmentLaunch | None = None, timeout_s: float = 1800.0) -> DistEnv:
+    """The process group of this rank. ``launch`` is what the launcher handed the ranks (None when started
+    by hand: then SHARDKEEPER_DEVICE, or "auto")."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    dev = choose_device(local_rank, os.environ.get("SHARDKEEPER_DEVICE", device))
+    dev = choose_device(local_rank, launch.device if launch else os.environ.get("SHARDKEEPER_DEVICE", "auto"))
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s),
@@ -59,7 +62,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistEnv
         procs_per_node=local_world,
         device_type=dev.type,  # type: ignore[arg-type]
         backend=backend,  # type: ignore[arg-type]
-        launcher=os.environ.get("SHARDKEEPER_LAUNCHER", "local"),  # type: ignore[arg-type]
+        launcher=launch.topology.launcher if launch else "local",
     )
     return DistEnv(rank, world, local_rank, dev, mesh, ckpt_group, ctrl_group, topo)
 

@@ -30,7 +30,7 @@ from ckpt.state import MOMENTS, reseed
 from ckpt import fingerprint as fp
 from ckpt.formats.deepspeed import (STATE_FILE, UNIVERSAL_DIR, read_rng, read_state, rng_file, save_torch,
                                write_hashed)
-from schemas.errors import CheckpointError, FingerprintMismatch
+from schemas.errors import CheckpointError
 from ckpt.formats.torchzip import check_file
 from ckpt.layout import RunDir, step_dir_name
 from ckpt.manifest import read_manifest
@@ -39,7 +39,7 @@ from schemas import CheckpointManifest, FileEntry, Fingerprint, HFModelRecord, R
 from trainer.checkpointer import Checkpointer, TrainState
 from trainer.dist import DistEnv, log0
 from trainer.optim import WarmupCosine, build_optimizer
-from trainer.segment import Segment
+from trainer.loop import Segment
 
 log = logging.getLogger("shardkeeper.deepspeed")
 
@@ -387,9 +387,4 @@ class DeepSpeedCheckpointer(Checkpointer):
 
     def _verify_ds(self, path: Path, manifest: CheckpointManifest, *, exact: bool) -> None:
         now = self.fingerprint(self.env.ctrl_group)
-        diffs = fp.compare(manifest.fingerprint, now, exact=exact)
-        if diffs:
-            raise FingerprintMismatch(
-                f"{path}: state after load differs from the saved fingerprint ({diffs[0]}; {len(diffs)} tensors differ); "
-                "refusing to train on it, as the next step would spike; validate --deep the checkpoint or resume from an earlier one"
-            )
+        fp.require_match(path, manifest.fingerprint, now, exact=exact)

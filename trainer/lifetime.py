@@ -1,6 +1,6 @@
 """A rank never outlives the process that launched its segment (and holds the run lock).
 
-Stdlib only: ``guard_rank`` runs first thing in ``python -m trainer.segment``, before torch is
+Stdlib (and the seam's pydantic schema) only: ``guard_rank`` runs first thing in ``python -m trainer.segment``, before torch is
 imported, so a rank orphaned during its (slow) start-up dies as early as one that is training.
 
 Three layers, because each alone has a gap:
@@ -11,7 +11,7 @@ Three layers, because each alone has a gap:
    torchrun starts its ranks from its main thread, and the launcher's Popen runs in the thread that
    then waits on it (the CLI's main thread, or the Prefect task's thread), so both outlive the child.
 2. The race "parent died before prctl": after prctl the rank checks that its parent is still the
-   one torchrun it had, and that the launcher named in ``SHARDKEEPER_LAUNCHER_PID`` is alive and is
+   one torchrun it had, and that the launcher (``SegmentLaunch.launcher_pid``) is alive and is
    torchrun's parent.
 3. A daemon watchdog thread (every 0.5 s) kills the rank if its parent changes (a subreaper adopted
    it, so PDEATHSIG did not apply) or the launcher is gone (or its pid now names another process).
@@ -22,67 +22,19 @@ installed) is recorded here, not fatal: the segment ends 'preempted' at its firs
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
 import threading
-from pathlib import Path
 
 from ckpt.fsutil import pid_alive  # stdlib only: safe before torch is imported
+from launch.procs import proc_stat, set_pdeathsig
+from schemas.seam import SegmentLaunch
 
-LAUNCHER_PID_ENV = "SHARDKEEPER_LAUNCHER_PID"
-PR_SET_PDEATHSIG = 1
 WATCHDOG_PERIOD_S = 0.5
-EXIT_ORPHANED = 1
 
 _stop = threading.Event()
 _stop_signum: list[int] = []
-
-
-def _prctl():  # noqa: ANN202 - a ctypes function or None
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl
-    except (OSError, AttributeError):
-        return None
-
-
-def set_pdeathsig(sig: int = signal.SIGKILL) -> bool:
-    """Ask the kernel to send ``sig`` to this process when its parent thread exits. False where the
-    platform has no prctl (macOS, Windows): the watchdog is then the only guard."""
-    prctl = _prctl()
-    return bool(prctl is not None and prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0)
-
-
-def pdeathsig_preexec(parent_pid: int):  # noqa: ANN201 - a preexec_fn for subprocess.Popen
-    """A ``preexec_fn`` that ties the child to ``parent_pid`` (the launcher): PDEATHSIG=SIGKILL, then
-    exit at once if the parent already died between fork and prctl. The prctl function is looked up
-    here, before the fork, so the child only makes the one foreign call."""
-    prctl = _prctl()
-
-    def preexec() -> None:
-        if prctl is not None:
-            prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent_pid:
-            os._exit(EXIT_ORPHANED)
-
-    return preexec
-
-
-def proc_stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) of ``pid`` from /proc, or None (gone, or no /proc)."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    fields = raw[raw.rfind(b")") + 2:].split()  # after "pid (comm)": state ppid ... starttime is field 22
-    try:
-        return int(fields[1]), int(fields[19])
-    except (IndexError, ValueError):
-        return None
 
 
 def _on_stop_signal(signum: int, _frame: object) -> None:
@@ -140,8 +92,8 @@ def guard_rank(argv: list[str]) -> int | None:
     install_early_stop_handlers()
     set_pdeathsig(signal.SIGKILL)
     parent = os.getppid()
-    raw = os.environ.get(LAUNCHER_PID_ENV)
-    launcher = int(raw) if raw and raw.isdigit() else None
+    launch = SegmentLaunch.from_environ()
+    launcher = launch.launcher_pid if launch else None
     launcher_start = None
     if launcher is not None:
         stat = proc_stat(parent)

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from trainer import lifetime
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a scheduler's requeue means
 
 
 class PreemptionWatcher:

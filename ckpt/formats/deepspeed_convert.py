@@ -61,7 +61,7 @@ from ckpt.formats.deepspeed import (
     save_torch,
     write_hashed,
 )
-from schemas.errors import CheckpointError, FingerprintMismatch
+from schemas.errors import CheckpointError
 from ckpt.fsutil import fsync_dir
 from ckpt.layout import RunDir
 from ckpt.manifest import read_manifest, write_manifest
@@ -231,10 +231,7 @@ class _FingerprintSums:
 def _check_fingerprint(src: Path, saved: Fingerprint, now: Fingerprint, *, model_only: bool = False) -> None:
     if model_only:
         saved = saved.model_copy(update={"optim": {}, "optim_step": now.optim_step})
-    diffs = fp.compare(saved, now, exact=False)
-    if diffs:
-        raise FingerprintMismatch(f"{src}: the converted state differs from the saved fingerprint ({diffs[0]}); "
-                                  "nothing was written; validate --deep the checkpoint or convert an earlier one")
+    fp.require_match(src, saved, now, exact=False, converted=True)
 
 
 def _inventory(groups: list[list[tuple[str, tuple[int, ...]]]], *, model_only: bool = False) -> list[TensorEntry]:

@@ -481,7 +481,8 @@ def test_internal_error_is_one_line_and_traceback_only_with_verbose(tmp_path: Pa
 
 
 def test_failing_rank_lines_prefers_the_ranks_one_line_cause() -> None:
-    from launch.local import RANK_ERROR_PREFIX, failing_rank_lines
+    from launch import failing_rank_lines
+    from schemas.seam import RANK_ERROR_PREFIX
 
     tail = ["Traceback (most recent call last):", '  File "x.py", line 1', "RuntimeError: boom",
             f"{RANK_ERROR_PREFIX} rank 1: RuntimeError: boom; see the rank's traceback",

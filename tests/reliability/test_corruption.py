@@ -21,7 +21,7 @@ import pytest
 
 from schemas.errors import ShardkeeperError
 from ckpt.validate import validate
-from shardkeeper.stages import export_checkpoint
+from shardkeeper.stages import export_and_record
 from tests.reliability import corrupt as c
 
 TINY_STEP = "step-00000005"
@@ -151,7 +151,7 @@ def _check(case: Case, src: Path, tmp_path: Path) -> None:
     out = tmp_path / "export"
     if case.export == "stage":
         with pytest.raises(ShardkeeperError) as e:
-            export_checkpoint(ckpt_dir, out)
+            export_and_record(ckpt_dir, out)
     else:
         from ckpt.export import export_checkpoint as export_lib
 
@@ -172,7 +172,7 @@ def test_pristine_copies_are_valid(tiny_run: Path, ds_run: Path, tmp_path: Path)
     for src in (tiny_run / "checkpoints" / TINY_STEP, ds_run / "checkpoints" / DS_STEP):
         report = validate(src, deep=True)
         assert report.valid, report.errors
-    export_checkpoint(tiny_run / "checkpoints" / TINY_STEP, tmp_path / "export")
+    export_and_record(tiny_run / "checkpoints" / TINY_STEP, tmp_path / "export")
 
 
 # ------------------------------------------------------------------------------------------ DeepSpeed

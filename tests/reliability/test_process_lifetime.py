@@ -45,7 +45,7 @@ def test_killed_process_group_leaves_no_orphans_and_a_second_train_is_refused_th
     try:
         wait_training(run, steps=6)  # one interval checkpoint (every 5 steps) committed
         # While it trains, a second writer is refused with one line and writes nothing.
-        mine = ("run.yaml", "segments.jsonl", ".lock", ".lock.ranks", ".segment-status.json")  # what `train` writes
+        mine = ("run.yaml", "segments.jsonl", ".lock", ".lock.ranks", ".segment-status.json", ".segment-launch.json")  # what `train` writes
         before = {n: (run / n).read_bytes() for n in mine if (run / n).exists()}
         second = run_train(run, 8, timeout=120)
         assert second.returncode == 3, second.stderr[-2000:]

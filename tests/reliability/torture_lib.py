@@ -36,7 +36,7 @@ TARGETS = ("cli", "group", "torchrun", "rank")
 WINDOWS = {"startup": 0.15, "train": 0.25, "save": 0.25, "commit": 0.2, "retention": 0.15}
 ORPHAN_DEADLINE_S = 5.0
 EXIT_LOCKED = 3
-EXIT_PREEMPTED = 75
+from schemas.seam import EXIT_PREEMPTED
 PREEMPT_CASES = ("train", "async-save", "commit", "startup", "repeat-term")
 
 

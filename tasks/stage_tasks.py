@@ -21,9 +21,7 @@ from prefect.states import State
 from prefect.tasks import MaterializingTask, Task
 
 from schemas.errors import CheckpointError, ShardkeeperError
-from ckpt.fsutil import read_jsonl
 from ckpt.layout import RunDir
-from ckpt.lock import RunLock
 from schemas import ClusterTopology, ExportResult, PublishResult, ReshardResult, RunSpec, SegmentResult, ValidationReport
 from schemas.requests import RunState
 
@@ -39,45 +37,35 @@ class CheckpointInvalid(CheckpointError):
 
 
 @task(name="load-run-spec", cache_policy=NO_CACHE)
-def load_spec(config: str | None = None, spec: RunSpec | None = None, overrides: list[str] | None = None) -> RunSpec:
-    """The RunSpec from a YAML file (plus ``key=value`` overrides) or as given inline."""
+def load_spec(config: str | None = None, spec: RunSpec | None = None, overrides: list[str] | None = None,
+              run_dir: str | None = None) -> RunSpec:
+    """The RunSpec from a YAML file (plus ``key=value`` overrides), as given inline, or the one a run
+    directory was trained with (its run.yaml)."""
     from shardkeeper.config import load_run_spec
 
     if spec is not None:
         return spec
+    if run_dir is not None:
+        config = str(RunDir.at(run_dir).spec_path)
     if config is None:
-        raise ShardkeeperError("load-run-spec: give a config path or an inline spec")
+        raise ShardkeeperError("load-run-spec: give a config path, a run directory or an inline spec")
     return load_run_spec(config, overrides)
 
 
 @task(name="inspect-run", cache_policy=NO_CACHE)
 def inspect_run(run_dir: str) -> RunState:
+    """Newest valid checkpoint and how the last segment ended."""
+    from shardkeeper.stages import run_state
+
     return run_state(run_dir)
 
 
-def run_state(run_dir: str | Path) -> RunState:
-    """Newest valid checkpoint and how the last segment ended (plain function: the resume scan uses it)."""
-    from ckpt.manifest import read_manifest
-    from ckpt.validate import latest_valid
+@task(name="scan-runs", cache_policy=NO_CACHE)
+def scan_runs(root: str | None, run_dirs: list[str]) -> list[RunState]:
+    """The state of every run directory under ``root`` and in ``run_dirs`` (each once)."""
+    from shardkeeper.stages import scan_runs as scan
 
-    rd = RunDir.at(run_dir)
-    exists = rd.spec_path.exists() or bool(rd.committed())
-    if not exists:
-        return RunState(run_dir=str(rd.root), exists=False)
-    found = latest_valid(rd)
-    records = read_jsonl(rd.segments)
-    starts = [r for r in records if r.get("event") == "start"]
-    locked = RunLock(rd.root).is_locked()
-    last_status = None
-    if records:
-        last = records[-1]
-        last_status = last.get("status") if last.get("event") == "end" else ("running" if locked else "interrupted")
-    return RunState(
-        run_dir=str(rd.root), exists=True, checkpoint=str(found[0]) if found else None,
-        step=found[1].step if found else 0,
-        world_size=read_manifest(found[0]).topology.world_size if found else None,
-        last_status=last_status, last_until_step=starts[-1].get("until_step") if starts else None, locked=locked,
-    )
+    return scan(root, run_dirs)
 
 
 @task(name="plan-topology", cache_policy=NO_CACHE)
@@ -225,7 +213,7 @@ def export(ckpt_dir: str, out_dir: str, dtype: str = "bfloat16", max_shard_size:
            overwrite: bool = True) -> ExportResult:
     from shardkeeper import stages
 
-    result = stages.export_checkpoint(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size,
+    result = stages.export_and_record(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size,
                                       overwrite=overwrite, progress=False)
     get_run_logger().info("exported %d tensors (%.1f MB, %s) in %d shard(s) to %s in %.2f s", result.num_tensors,
                           result.total_bytes / 1e6, result.dtype, result.num_shards, result.out_dir, result.seconds)
@@ -250,6 +238,11 @@ def publish(export_dir: str, target: str, revision: str | None = None, run_dir: 
 
 
 # ----------------------------------------------------------------------------- assets
+def default_export_dir(ckpt_dir: str) -> str:
+    """Where a checkpoint's export goes unless asked otherwise: RUN_DIR/exports/step-XXXXXXXX."""
+    return str(RunDir.containing(ckpt_dir).exports / Path(ckpt_dir).name)
+
+
 def path_asset(path: str | Path) -> str | None:
     """Asset key (file:// URI) of a local checkpoint or export folder."""
     return _valid_key(Path(path).resolve().as_uri())

@@ -1,0 +1,118 @@
+"""The seam between the controller (``shardkeeper train``, a Prefect task, a Slurm or Kubernetes job) and
+the ranks of one segment: one schema each way, the exit codes, and the files that carry them.
+
+- To the ranks: ``SegmentLaunch``, written by the launcher (atomically) to ``RUN_DIR/.segment-launch.json``;
+  its path reaches every rank in one environment variable, ``SHARDKEEPER_LAUNCH``. Every launcher hands the
+  ranks this and nothing else of its own (torchrun's RANK/WORLD_SIZE/MASTER_* aside).
+- Back: ``SegmentReport``, written by rank 0 to ``RUN_DIR/.segment-status.json`` when the segment ends.
+- The process exit code of a rank, of torchrun and of ``shardkeeper train``: ``EXIT_*`` below.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.run import ClusterTopology
+
+EXIT_COMPLETED = 0
+EXIT_FAILED = 1
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a scheduler's requeue means
+EXIT_CANCELLED = 130  # 128 + SIGINT: the shell's "stopped on request" (an orchestrator's cancellation)
+
+LAUNCH_FILE = ".segment-launch.json"
+REPORT_FILE = ".segment-status.json"
+LAUNCH_ENV = "SHARDKEEPER_LAUNCH"  # absolute path of the SegmentLaunch file, set for every rank
+# A rank that fails writes its cause as one line with this prefix, last, on stderr; the launcher shows it.
+RANK_ERROR_PREFIX = "shardkeeper-error:"
+
+ReportedStatus = Literal["completed", "preempted", "cancelled", "failed"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SegmentLaunch(_Frozen):
+    """What a launcher hands the ranks of one segment."""
+
+    run_dir: str = Field(description="absolute run directory (holds run.yaml)")
+    until_step: int = Field(ge=0, description="train until this optimizer step, then commit a checkpoint")
+    segment: int = Field(ge=0, description="segment index within the run")
+    topology: ClusterTopology = Field(description="what the launcher allocated: nodes, procs per node, device")
+    restart: bool = Field(False, description="the controller set the run's invalid checkpoints aside: start at 0")
+    launcher_pid: int | None = Field(None, ge=1, description="pid of the process holding the run lock; the ranks "
+                                                             "stop when it dies (None: no watchdog on it)")
+
+    @property
+    def device(self) -> str:
+        return self.topology.device_type
+
+    def write(self, run_dir: Path) -> Path:
+        path = Path(run_dir) / LAUNCH_FILE
+        _atomic_write(path, self.model_dump_json(indent=2))
+        return path
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> SegmentLaunch:
+        return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
+
+    @classmethod
+    def from_environ(cls) -> SegmentLaunch | None:
+        """The launch of this rank (None when started by hand, without a launcher)."""
+        path = os.environ.get(LAUNCH_ENV)
+        return cls.read(path) if path else None
+
+
+class SegmentReport(_Frozen):
+    """What rank 0 writes back when the segment ends."""
+
+    segment: int = Field(ge=0)
+    status: ReportedStatus
+    start_step: int = Field(ge=0, description="step the ranks resumed from (after any fallback)")
+    end_step: int = Field(ge=0, description="step of the checkpoint the segment ended on")
+    checkpoint: str | None = Field(None, description="that checkpoint's directory, when it exists")
+    world_size: int = Field(ge=1)
+    topology: ClusterTopology
+    note: str | None = None
+
+    def write(self, run_dir: Path) -> Path:
+        path = Path(run_dir) / REPORT_FILE
+        _atomic_write(path, self.model_dump_json(indent=2))
+        return path
+
+    @staticmethod
+    def clear(run_dir: Path) -> None:
+        """Before a launch: no report of an earlier segment may be taken for this one's."""
+        (Path(run_dir) / REPORT_FILE).unlink(missing_ok=True)
+
+    @classmethod
+    def read(cls, run_dir: Path, segment: int) -> SegmentReport | None:
+        """The report of ``segment``, or None when there is none (or it is unreadable, or of another segment)."""
+        try:
+            report = cls.model_validate_json((Path(run_dir) / REPORT_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return report if report.segment == segment else None
+
+
+def exit_code_of(status: str, fallback: int) -> int:
+    """The exit code a segment that ended with ``status`` returns (``fallback`` for a failure)."""
+    return {"completed": EXIT_COMPLETED, "preempted": EXIT_PREEMPTED, "cancelled": EXIT_CANCELLED}.get(
+        status, fallback or EXIT_FAILED)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,175 @@
+"""The training loop of one segment, shared by both backends: build the model, data and optimizer,
+resume from the latest valid checkpoint, train until a step, commit a checkpoint at the end (or on
+preemption), and report to the launcher (a ``SegmentReport``). ``trainer.ds_backend.DeepSpeedSegment``
+swaps the wrapping, optimizer and Checkpointer; ``trainer.segment`` is the rank's entry point.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ckpt.fsutil import append_jsonl, load_yaml
+from ckpt.layout import RunDir
+from schemas import RunSpec
+from schemas.seam import EXIT_PREEMPTED, SegmentReport
+from trainer.checkpointer import Checkpointer, TrainState
+from trainer.data import GlobalOrderLoader, open_tokens
+from trainer.dist import DistEnv, log0
+from trainer.model import build_model, hf_model_record, model_signature, shard_model
+from trainer.optim import WarmupCosine, build_optimizer, clip_grad_norm_
+from trainer.signals import PreemptionWatcher
+
+log = logging.getLogger("shardkeeper.trainer")
+
+
+def load_spec(run_dir: RunDir) -> RunSpec:
+    return RunSpec.model_validate(load_yaml(run_dir.spec_path.read_text()))
+
+
+def _peak_mib(env: DistEnv) -> float | None:
+    if env.device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(env.device) / 2**20, 1)
+
+
+class Segment:
+    """Holds the pieces of one segment; ``run()`` is the training loop."""
+
+    def __init__(self, run_dir: RunDir, until_step: int, segment: int, env: DistEnv):
+        model = self._build(run_dir, until_step, segment, env)
+        self.diagnostics = shard_model(model, env.mesh, self.spec)
+        self.model = model
+        self.optimizer = build_optimizer(model, self.spec)
+        self.schedule = WarmupCosine(self.optimizer, self.spec)
+        self.ckpt = Checkpointer(run_dir, self.spec, model, self.optimizer, env, segment=segment, signature=self.signature,
+                                 hf_model=self.hf_model)
+
+    def _build(self, run_dir: RunDir, until_step: int, segment: int, env: DistEnv) -> torch.nn.Module:
+        """What both backends share: the RunSpec, the model as transformers builds it (signature and
+        export record taken before any wrapping renames its class) and the global-order data loader."""
+        self.run_dir = run_dir
+        self.until_step = until_step
+        self.segment_index = segment
+        self.env = env
+        self.spec = load_spec(run_dir)
+        self.local_batch = self.spec.per_rank_batch(env.world_size)
+        model = build_model(self.spec)
+        self.signature = model_signature(self.spec.model, model)
+        self.hf_model = hf_model_record(model)
+        self.vocab = model.config.vocab_size
+        tokens = open_tokens(self.spec.data, self.spec.seed, self.vocab)
+        self.loader = GlobalOrderLoader(tokens, self.spec.data.seq_len, self.spec.seed, self.spec.global_batch_size)
+        self.tokens_per_step = self.spec.global_batch_size * self.spec.data.seq_len
+        return model
+
+    def log_diagnostics(self) -> None:
+        d = self.diagnostics
+        log0(self.env, "[FSDPDiagnostics] fsdp_units=%d (+1 root, %s) total_params=%d world_size=%d device=%s",
+             d["fsdp_units"], d["block_class"], d["total_params"], self.env.world_size, self.env.device)
+        log0(self.env, "[FSDPDiagnostics] dtypes: master=%s param(compute)=%s reduce=%s",
+             d["master_dtype"], d["param_dtype"], d["reduce_dtype"])
+        sizes = [None] * self.env.world_size
+        dist.all_gather_object(sizes, d["local_param_MiB"], group=self.env.ctrl_group)
+        log0(self.env, "[FSDPDiagnostics] local_trainable_param_MiB per rank: %s", sizes)
+
+    def train_step(self, step: int, phases: dict[str, float | None] | None) -> tuple[float, float, float]:
+        lr = self.schedule.set_step(step)
+        global_tokens = self.tokens_per_step
+        local_sum = torch.zeros((), dtype=torch.float64)
+        batches = self.loader.rank_batches(step, self.env.rank, self.env.world_size, self.spec.micro_batch_size)
+        if phases is not None:
+            phases["batch_start"] = _peak_mib(self.env)
+        for inputs, labels in batches:
+            inputs, labels = inputs.to(self.env.device), labels.to(self.env.device)
+            logits = self.model(input_ids=inputs).logits
+            loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum")
+            # FSDP averages gradients over ranks; scaling by the world size makes the result the
+            # gradient of the mean over the *global* batch, whatever the world size.
+            (loss_sum * (self.env.world_size / global_tokens)).backward()
+            local_sum += loss_sum.detach().to("cpu", torch.float64)
+        if phases is not None:
+            phases["after_backward"] = _peak_mib(self.env)
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.spec.optim.grad_clip)
+        if phases is not None:
+            phases["before_optimizer_step"] = _peak_mib(self.env)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if phases is not None:
+            phases["batch_end"] = _peak_mib(self.env)
+        dist.all_reduce(local_sum, group=self.env.ctrl_group)
+        return float(local_sum) / global_tokens, grad_norm, lr
+
+    def run(self) -> int:
+        # Installed before the load: a SIGTERM while loading is a preemption, never a crash.
+        watcher = PreemptionWatcher(self.env.ctrl_group).install()
+        try:
+            return self._run(watcher)
+        finally:
+            watcher.uninstall()
+
+    def _run(self, watcher: PreemptionWatcher) -> int:
+        env = self.env
+        self.log_diagnostics()
+        ts = self.ckpt.load_latest() or TrainState()
+        self.ckpt.warm_up(ts)
+        start = ts.step
+        if start >= self.until_step:
+            log0(env, "nothing to do: the run is at step %d, --until-step is %d", start, self.until_step)
+            self._write_status("completed", start, start)
+            return 0
+        if watcher.should_stop():  # asked to stop during start-up or load: the loaded state is committed already
+            note = stopped_early_note(start)
+            log0(env, "preemption signal received before the first step: %s", note)
+            self._write_status("preempted", start, start, note=note)
+            return EXIT_PREEMPTED
+        log0(env, "segment %d: steps %d -> %d on %d ranks", self.segment_index, start, self.until_step, env.world_size)
+        status = "completed"
+        while ts.step < self.until_step:
+            t0 = time.perf_counter()
+            phases: dict[str, float | None] | None = {} if (env.device.type == "cuda" and ts.step - start < 3) else None
+            loss, gnorm, lr = self.train_step(ts.step, phases)
+            ts = TrainState(step=ts.step + 1, tokens=ts.tokens + self.tokens_per_step,
+                            samples=ts.samples + self.spec.global_batch_size)
+            if phases:
+                log0(env, "[FSDPDiagnostics] step %d peak MiB per phase: %s", ts.step, phases)
+            if env.is_rank0:
+                append_jsonl(self.run_dir.metrics, {
+                    "step": ts.step, "loss": loss, "grad_norm": gnorm, "lr": lr, "world_size": env.world_size,
+                    "segment": self.segment_index, "tokens": ts.tokens, "step_seconds": round(time.perf_counter() - t0, 4),
+                })
+            if watcher.should_stop():
+                log0(env, "preemption signal received: committing a checkpoint at step %d", ts.step)
+                self.ckpt.save(ts, reason="preempted", blocking=True)
+                status = "preempted"
+                break
+            if ts.step % self.spec.checkpoint.interval == 0 and ts.step < self.until_step:
+                self.ckpt.save(ts, reason="interval")
+        if status == "completed":
+            self.ckpt.save(ts, reason="end", blocking=True)
+        self.ckpt.close()
+        self._write_status(status, start, ts.step)
+        return EXIT_PREEMPTED if status == "preempted" else 0
+
+    def _write_status(self, status: str, start: int, end: int, note: str | None = None) -> None:
+        write_status(self.run_dir, self.env, self.segment_index, status, start, end, note)
+
+
+def stopped_early_note(step: int) -> str:
+    if step == 0:
+        return "stopped before the first step with nothing trained: no checkpoint; the next segment starts clean"
+    return f"stopped before the first step: nothing new to save; step-{step:08d} (loaded) stays the latest checkpoint"
+
+
+def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start: int, end: int,
+                 note: str | None = None) -> None:
+    """The segment's report to the launcher (rank 0): a SegmentReport (schemas.seam)."""
+    if env.is_rank0:
+        ckpt = run_dir.checkpoint(end)
+        SegmentReport(segment=segment, status=status, start_step=start, end_step=end,  # type: ignore[arg-type]
+                      checkpoint=str(ckpt) if end and ckpt.exists() else None, world_size=env.world_size,
+                      topology=env.topology, note=note).write(run_dir.root)
