@@ -26,7 +26,7 @@ class SegmentPlan(_Frozen):
     )
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)  # as ckpt.export.parse_size
+SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)  # a shard size: "5GB", "500MiB", "100"
 
 
 def _not_blank(v: str | None, what: str) -> str | None:
@@ -71,7 +71,7 @@ class TrainExportRequest(_Frozen):
     @field_validator("max_shard_size")
     @classmethod
     def _size(cls, v: str) -> str:
-        if not _SIZE_RE.match(v) or float(_SIZE_RE.match(v).group(1)) <= 0:  # type: ignore[union-attr]
+        if not SIZE_RE.match(v) or float(SIZE_RE.match(v).group(1)) <= 0:  # type: ignore[union-attr]
             raise ValueError(f"max_shard_size {v!r} is not a size; give e.g. '5GB', '500MB' or '2GiB'")
         return v
 

@@ -163,7 +163,7 @@ def test_assembled_path_matches_streamed(ckpt: Path, fp32_export, tmp_path: Path
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunk layouts that are not row blocks are assembled per tensor: the bytes must be the same."""
     _, res = fp32_export
-    monkeypatch.setattr(ex._Tensor, "rowwise", lambda self: False)
+    monkeypatch.setattr(ex.ExportTensor, "rowwise", lambda self: False)
     assert export_checkpoint(ckpt, tmp_path / "assembled").files == res.files
 
 
@@ -270,8 +270,8 @@ def test_recorded_config_json_is_the_transformers_one(ckpt: Path, dtype: str) ->
     """config.json and generation_config.json from the record are those transformers writes for the
     model that run_spec.model builds, byte for byte."""
     manifest = read_manifest(ckpt)
-    recorded = ex._from_record(ckpt, manifest, dtype)
-    built = ex._describe_model(ckpt, manifest, dtype)
+    recorded = ex.model_from_record(ckpt, manifest, dtype)
+    built = ex.describe_model(ckpt, manifest, dtype)
     assert recorded is not None and recorded.shapes is None and built.shapes is not None
     assert recorded.config_json == built.config_json and json.loads(recorded.config_json)["dtype"] == dtype
     assert recorded.generation_json == built.generation_json
@@ -400,12 +400,12 @@ def test_stream_crc_reads_gaps_and_rechecks_out_of_order(tmp_path: Path) -> None
     data = bytes(range(256)) * 64
     path = tmp_path / "part.bin"
     path.write_bytes(b"head" + data + b"tail")
-    pool = ex._BufferPool(1, 4096)
+    pool = ex.BufferPool(1, 4096)
     fd = os.open(path, os.O_RDONLY)
     try:
         def run(pieces: list[tuple[int, int]], crc: int = zlib.crc32(data)) -> None:
-            entry = ex._Entry(path, fd, 4, len(data), crc, "storage 0 (a partition)")
-            check = ex._StreamCrc([entry])
+            entry = ex.Entry(path, fd, 4, len(data), crc, "storage 0 (a partition)")
+            check = ex.StreamCrc([entry])
             for start, length in pieces:
                 check(fd, 4 + start, memoryview(data)[start : start + length])
             check.finish(pool)
