@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 from ckpt import publish as pub
+from ckpt.publish import hub as pub_hub
 from schemas.errors import PublishError
 from schemas import LineageEvent
 
@@ -270,7 +271,7 @@ def hub_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "no-hf-home" / "token"))
-    monkeypatch.setattr(pub, "_RETRY_BACKOFF_S", 0.01)
+    monkeypatch.setattr(pub_hub, "RETRY_BACKOFF_S", 0.01)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -535,8 +536,8 @@ def test_publish_hub_fake_api_transient_errors_are_retried(tmp_path: Path, hub_e
 
 def test_publish_hub_fake_api_large_folder_on_older_hub_uses_upload_large_folder(
         tmp_path: Path, hub_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pub, "_LARGE_FILES", 2)
-    monkeypatch.setattr(pub, "_upload_folder_streams", lambda: False)
+    monkeypatch.setattr(pub_hub, "LARGE_FILES", 2)
+    monkeypatch.setattr(pub_hub, "upload_folder_streams", lambda: False)
     export = make_export(tmp_path, shards=3)
     api = FakeHfApiLarge()
     pub.publish_to_hub(export, "org/tiny", api=api)
@@ -545,7 +546,7 @@ def test_publish_hub_fake_api_large_folder_on_older_hub_uses_upload_large_folder
     assert large["repo_type"] == "model" and "token" not in large
     assert pub.publish_to_hub(export, "org/tiny", api=api).skipped is True
 
-    monkeypatch.setattr(pub, "_upload_folder_streams", lambda: True)  # huggingface_hub >= 1.20 + hf_xet
+    monkeypatch.setattr(pub_hub, "upload_folder_streams", lambda: True)  # huggingface_hub >= 1.20 + hf_xet
     api2 = FakeHfApiLarge()
     pub.publish_to_hub(export, "org/tiny", api=api2)
     assert "upload_folder" in api2.names() and "upload_large_folder" not in api2.names()
