@@ -28,7 +28,7 @@ def main() -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
     from shardkeeper.stages import convert_checkpoint
     from tests.harness import spawn
-    from tests.test_resume import copy_run_until, metrics, new_run, tiny_spec
+    from tests.harness import copy_run_until, metrics, new_run, tiny_spec
     from trainer.segment import run_segment
 
     tmp = Path(tempfile.mkdtemp(prefix="ds-resume-bench-"))

@@ -22,7 +22,7 @@ END, CUT = 25, 5
 
 def main() -> None:
     from tests.harness import spawn
-    from tests.test_resume import copy_run_until, metrics, new_run, tiny_spec
+    from tests.harness import copy_run_until, metrics, new_run, tiny_spec
     from trainer.segment import run_segment
 
     tmp = Path(tempfile.mkdtemp(prefix="resume-bench-"))

@@ -1,4 +1,5 @@
-"""A small spawn harness: run a function on N real gloo ranks on CPU (like DCP's own tests)."""
+"""Shared test helpers (no test module imports another): a spawn harness that runs a function on N real gloo
+ranks on CPU (like DCP's own tests), and tiny runs to compare step by step."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
+import json
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -57,3 +63,50 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300,
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+# ---------------------------------------------------------------------------------------- tiny runs
+def tiny_spec(**overrides: object):
+    """The tiny Llama of configs/tiny.yaml (keeping every checkpoint), with ``key=value`` overrides."""
+    from shardkeeper.config import load_run_spec
+
+    sets = [f"{k}={v}" for k, v in overrides.items()]
+    return load_run_spec(ROOT / "configs" / "tiny.yaml", ["checkpoint.keep_last=100", *sets])
+
+
+def new_run(path: Path, spec: Any) -> Path:
+    from ckpt.layout import RunDir
+    from shardkeeper.stages import prepare_run_dir
+
+    prepare_run_dir(RunDir.at(path), spec)
+    return path
+
+
+def metrics(run: Path) -> dict[int, dict]:
+    """Last-written metrics per step (a resumed segment's values win)."""
+    out: dict[int, dict] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec
+    return out
+
+
+def copy_run_until(src: Path, dst: Path, step: int) -> Path:
+    """A copy of a run as it was right after ``step``: later checkpoints and metrics removed."""
+    shutil.copytree(src, dst)
+    for ck in (dst / "checkpoints").iterdir():
+        if int(ck.name[5:13]) > step:
+            shutil.rmtree(ck)
+    lines = [ln for ln in (dst / "metrics.jsonl").read_text().splitlines() if json.loads(ln)["step"] <= step]
+    (dst / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return dst
+
+
+def assert_bitwise(ref: dict[int, dict], got: dict[int, dict], steps: range) -> None:
+    for s in steps:
+        assert got[s]["loss"] == ref[s]["loss"], f"step {s}: loss {got[s]['loss']!r} != {ref[s]['loss']!r}"
+        assert got[s]["grad_norm"] == ref[s]["grad_norm"], f"step {s}: grad_norm differs"
+
+
+def max_rel(ref: dict[int, dict], got: dict[int, dict], steps: range, key: str = "loss") -> float:
+    return max(abs(got[s][key] - ref[s][key]) / abs(ref[s][key]) for s in steps)

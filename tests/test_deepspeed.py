@@ -27,7 +27,7 @@ from schemas import RunSpec
 from shardkeeper.cli import main
 from shardkeeper.stages import convert_checkpoint, prepare_run_dir
 from tests.harness import spawn
-from tests.test_resume import assert_bitwise, copy_run_until, max_rel, metrics, tiny_spec
+from tests.harness import assert_bitwise, copy_run_until, max_rel, metrics, tiny_spec
 from trainer.segment import run_segment
 
 pytestmark = [

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.harness import spawn
-from tests.test_resume import copy_run_until, metrics, new_run, tiny_spec
+from tests.harness import copy_run_until, metrics, new_run, tiny_spec
 from trainer.segment import run_segment
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and NCCL")]

@@ -15,48 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.layout import RunDir
 from ckpt.manifest import read_manifest
 from ckpt.validate import validate
-from schemas import RunSpec
-from shardkeeper.config import load_run_spec
-from shardkeeper.stages import prepare_run_dir
-from tests.harness import spawn
+from tests.harness import assert_bitwise, copy_run_until, max_rel, metrics, new_run, spawn, tiny_spec
 from trainer.segment import run_segment
 
-ROOT = Path(__file__).resolve().parent.parent
 END = 25
 CUT = 5
-
-
-def tiny_spec(**overrides: object) -> RunSpec:
-    sets = [f"{k}={v}" for k, v in overrides.items()]
-    return load_run_spec(ROOT / "configs" / "tiny.yaml", ["checkpoint.keep_last=100", *sets])
-
-
-def new_run(path: Path, spec: RunSpec) -> Path:
-    prepare_run_dir(RunDir.at(path), spec)
-    return path
-
-
-def metrics(run: Path) -> dict[int, dict]:
-    """Last-written metrics per step (a resumed segment's values win)."""
-    out: dict[int, dict] = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec
-    return out
-
-
-def copy_run_until(src: Path, dst: Path, step: int) -> Path:
-    """A copy of a run as it was right after ``step``: later checkpoints and metrics removed."""
-    shutil.copytree(src, dst)
-    for ck in (dst / "checkpoints").iterdir():
-        if int(ck.name[5:13]) > step:
-            shutil.rmtree(ck)
-    lines = [ln for ln in (dst / "metrics.jsonl").read_text().splitlines() if json.loads(ln)["step"] <= step]
-    (dst / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +36,6 @@ def base4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = new_run(tmp_path_factory.mktemp("base4") / "run", tiny_spec())
     assert spawn(run_segment, 4, str(run), CUT, 0) == [0] * 4
     return run
-
-
-def assert_bitwise(ref: dict[int, dict], got: dict[int, dict], steps: range) -> None:
-    for s in steps:
-        assert got[s]["loss"] == ref[s]["loss"], f"step {s}: loss {got[s]['loss']!r} != {ref[s]['loss']!r}"
-        assert got[s]["grad_norm"] == ref[s]["grad_norm"], f"step {s}: grad_norm differs"
-
-
-def max_rel(ref: dict[int, dict], got: dict[int, dict], steps: range, key: str = "loss") -> float:
-    return max(abs(got[s][key] - ref[s][key]) / abs(ref[s][key]) for s in steps)
 
 
 def test_same_world_size_resume_is_bitwise(reference: Path, tmp_path: Path) -> None:
