@@ -47,7 +47,7 @@ def _setup(layers: int, run_dir: str):
     import torch
 
     from ckpt.layout import RunDir
-    from trainer.checkpointer import Checkpointer
+    from trainer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
     from trainer.model import build_model, model_signature, shard_model
     from trainer.optim import build_optimizer
@@ -63,7 +63,7 @@ def _setup(layers: int, run_dir: str):
     opt.step()
     opt.zero_grad(set_to_none=True)
     rd = RunDir.at(run_dir)
-    ck = Checkpointer(rd, spec, model, opt, env, segment=0, signature=sig)
+    ck = DCPCheckpointer(rd, spec, model, opt, env, segment=0, signature=sig)
     return env, model, opt, ck
 
 
@@ -126,7 +126,7 @@ def save_worker(layers: int, run_dir: str) -> dict:
     res["ours_async_total_s"] = _timed(ours_async, g)
     res["ours_async_blocked_s"] = blocked["ours"]
     res["ours_async_phases"] = ck.last_phases
-    sd = ck._state_dict(TrainState(step=2))
+    sd = ck.state_dict(TrainState(step=2))
     res["copy_s"] = _timed(lambda: _copy_state_dict(sd, ck._staged), g)
     ck.close()
     res["bytes"] = sum(f.stat().st_size for f in (Path(run_dir) / "checkpoints" / "step-00000001").iterdir())

@@ -1,7 +1,7 @@
-"""The Checkpointer: save / load_latest / wait / close over DCP, with the commit protocol.
+"""The Checkpointer: save / load_latest / wait / close, with the commit protocol, for every backend.
 
 Commit protocol (a directory without a valid manifest is never loaded):
-  1. every rank writes its shards into ``step-XXXXXXXX.partial/`` (DCP, fsync per file);
+  1. every rank writes its files into ``step-XXXXXXXX.partial/`` (the backend's format, fsync per file);
   2. each rank hashes the files it wrote (xxh3-128), in parallel across ranks;
   3. rank 0 gathers sizes and digests, writes ``manifest.json`` (fsync), renames the directory to
      ``step-XXXXXXXX`` and fsyncs the parent; then every rank learns the commit happened.
@@ -32,21 +32,15 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from ckpt.state import MOMENTS, reseed
 from ckpt import __version__, fingerprint as fp, lineage
-from ckpt.formats.dcp import load_state
-from ckpt.formats.direct_io import HashingDirectWriter
 from schemas.errors import CheckpointError
 from ckpt.fsutil import fsync_dir, mkdir_durable, quarantine
 from ckpt.hashing import hash_files
@@ -56,7 +50,7 @@ from ckpt.retention import apply_retention
 from schemas.seam import SegmentLaunch
 from schemas import CheckpointManifest, DtypePolicy, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
 
-from trainer.dist import DistEnv
+from trainer.dist import DistEnv, log0
 
 log = logging.getLogger("shardkeeper.checkpoint")
 
@@ -93,12 +87,29 @@ def code_version() -> str:
     return f"shardkeeper {__version__}" + (f" ({sha})" if sha else "")
 
 
+@dataclass
+class Written:
+    """What a backend's ``write`` hands the commit."""
+
+    entries: list[FileEntry]  # this rank's files: path, size, digest
+    tensors: list[TensorEntry]  # the tensor inventory of the checkpoint (the same on every rank)
+    fingerprint: Fingerprint
+    problem: str | None = None  # one line: this rank's save failed; nothing is committed
+    phases: dict[str, float] = field(default_factory=dict)  # timings for the save's stats
+
+
 class Checkpointer:
     """One per training segment. The trainer calls ``load_latest()`` once, ``save()`` at intervals
-    and on preemption, and ``close()`` at the end."""
+    and on preemption, and ``close()`` at the end.
 
-    FORMAT: Literal["dcp", "deepspeed"] = "dcp"  # the manifest format this backend writes and loads
-    BACKEND = "fsdp2"
+    The public methods and every guard live here; a backend (``trainer.dcp_backend.DCPCheckpointer``,
+    ``trainer.ds_backend.DeepSpeedCheckpointer``) implements the hooks at the end of the class: snapshot /
+    stage / write on the save side, restore / fingerprint on the load side, and may extend check_loadable.
+    The services it may call: agree, save_problem, abort_save, verify_files."""
+
+    FORMAT: Literal["dcp", "deepspeed"]  # the manifest format this backend writes and loads
+    BACKEND: str  # the RunSpec backend it serves
+    SUPPORTS_ASYNC = False  # can save on a background thread from a staged copy
 
     def __init__(self, run_dir: RunDir, spec: RunSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  env: DistEnv, *, segment: int, signature: str, hf_model: HFModelRecord | None = None):
@@ -113,86 +124,55 @@ class Checkpointer:
         self.parent: str | None = None
         self.last_committed_step: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
-        self._fp_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fingerprint")
         self._reread_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-reread")
         self._reread: Future | None = None
         self._inflight: Future | None = None
-        self._staged: dict[str, Any] | None = None
+        self._warned_async = False
         self._lock = threading.Lock()
         self.stats: list[dict[str, float]] = []
         self.last_phases: dict[str, float] = {}
 
-    # ----------------------------------------------------------------- state dict
-    def _state_dict(self, ts: TrainState, *, with_rng: bool = True) -> dict[str, Any]:
-        msd, osd = get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=False))
-        sd: dict[str, Any] = {
-            "model": msd,
-            "optim": osd,
-            "trainer": {
-                "step": torch.tensor(ts.step, dtype=torch.int64),
-                "tokens": torch.tensor(ts.tokens, dtype=torch.int64),
-                "samples": torch.tensor(ts.samples, dtype=torch.int64),
-            },
-        }
-        if with_rng:
-            rng = {"cpu": torch.get_rng_state()}
-            if self.env.device.type == "cuda":
-                rng["cuda"] = torch.cuda.get_rng_state(self.env.device)
-            sd["rng"] = {f"rank{self.env.rank}": rng}
-        return sd
-
-    @staticmethod
-    def _fingerprint_parts(sd: dict[str, Any]) -> tuple[list[str], torch.Tensor, int, float]:
-        """Local part of the fingerprint: names and sums of squares (model first), and the optimizer step."""
-        model = sorted(sd["model"].items())
-        moments = []
-        step = 0.0
-        for name, st in sorted(sd["optim"]["state"].items()):
-            moments += [(f"{name}.{m}", st[m]) for m in MOMENTS if m in st]
-            if "step" in st:
-                step = float(st["step"])
-        names, vec = fp.local_sum_squares(model + moments)
-        return names, vec, len(model), step
-
-    @staticmethod
-    def _finish_fingerprint(parts: tuple[list[str], torch.Tensor, int, float], group: dist.ProcessGroup | None):
-        names, vec, n_model, step = parts
-        sq = fp.reduce_sum_squares(names, vec, group)
-        model_sq = {k: sq[k] for k in names[:n_model]}
-        optim_sq = {k: sq[k] for k in names[n_model:]}
-        return fp.make_fingerprint(model_sq, optim_sq, step)
-
-    def _fingerprint_of(self, sd: dict[str, Any], group: dist.ProcessGroup | None):
-        return self._finish_fingerprint(self._fingerprint_parts(sd), group)
-
-    def _inventory(self, sd: dict[str, Any]) -> list[TensorEntry]:
-        out = [TensorEntry(name=f"model.{k}", shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
-               for k, v in sorted(sd["model"].items())]
-        for name, st in sorted(sd["optim"]["state"].items()):
-            for m in MOMENTS:
-                if m in st:
-                    v = st[m]
-                    out.append(TensorEntry(name=f"optim.state.{name}.{m}", shape=list(v.shape),
-                                           dtype=str(v.dtype).removeprefix("torch.")))
-        return out
-
+    # ----------------------------------------------------------------- save
     # ----------------------------------------------------------------- save
     def save(self, ts: TrainState, *, reason: str, blocking: bool | None = None) -> None:
-        """Checkpoint the current state at ``ts.step``. Async unless ``blocking`` or the policy says sync."""
+        """Checkpoint the current state at ``ts.step``. Async unless ``blocking``, the policy says sync or the
+        backend saves synchronously only (then said once in the log)."""
         self.wait()
         if self.last_committed_step == ts.step:
             return
-        blocking = (not self.spec.checkpoint.async_save) if blocking is None else blocking
+        use_async = self.spec.checkpoint.async_save if blocking is None else not blocking
+        if use_async and not self.SUPPORTS_ASYNC:
+            if not self._warned_async:
+                log0(self.env, "checkpoint.async_save is not supported by the %s backend; saving synchronously",
+                     self.BACKEND)
+                self._warned_async = True
+            use_async = False
         t0 = time.perf_counter()
-        sd = self._state_dict(ts)
-        if blocking:
-            self._write_and_commit(sd, ts, reason, t0, async_save=False)
+        snapshot = self.snapshot(ts)
+        if not use_async:
+            self._write_and_commit(snapshot, ts, reason, t0, False)
             self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 0.0})
             return
-        staged = self._stage(sd)
-        blocked = time.perf_counter() - t0
-        self.stats.append({"step": ts.step, "blocked_s": blocked, "async": 1.0})
+        staged = self.stage(snapshot)
+        self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 1.0})
         self._inflight = self._pool.submit(self._write_and_commit, staged, ts, reason, t0, True)
+
+    def warm_up(self, ts: TrainState) -> None:
+        """Allocate what async saves need now, before training, not at the first save."""
+        if self.SUPPORTS_ASYNC and self.spec.checkpoint.async_save:
+            self.prepare_staging(ts)
+
+    def _write_and_commit(self, snapshot: Any, ts: TrainState, reason: str, t0: float, async_save: bool) -> None:
+        """The whole save after the snapshot (on the background thread when async): ``.partial`` created,
+        the backend writes and hashes its files, then the shared commit."""
+        self._prepare_partial(ts.step, self.env.ckpt_group)
+        written = self.write(snapshot, ts, self.run_dir.partial(ts.step))
+        t = time.perf_counter()
+        self._commit(ts, reason, written.entries, written.tensors, written.fingerprint, t0, async_save,
+                     problem=written.problem)
+        self.last_phases = {**written.phases, "commit_s": time.perf_counter() - t, "total_s": time.perf_counter() - t0}
+        self.last_committed_step = ts.step
+        self.parent = step_dir_name(ts.step)
 
     def _prepare_partial(self, step: int, group: dist.ProcessGroup | None = None) -> None:
         """Rank 0 (re)creates ``step-XXXXXXXX.partial/``; nobody writes before it exists. An async save
@@ -205,70 +185,8 @@ class Checkpointer:
             partial.mkdir()
         dist.barrier(group=group if group is not None else self.env.ctrl_group)
 
-    def warm_up(self, ts: TrainState) -> None:
-        """Allocate the staging buffers of async saves now, before training, not at the first save."""
-        # Not before the first optimizer step: get_state_dict would initialise AdamW's state (step=1)
-        # with a dummy step, and the run would no longer match an uninterrupted one.
-        if self.spec.checkpoint.async_save and self._staged is None and self.optimizer.state:
-            from torch.distributed._state_dict_utils import _create_cpu_state_dict
-
-            sd = self._state_dict(ts)
-            self._staged = _create_cpu_state_dict(sd, pin_memory=self.env.device.type == "cuda")
-            self._stage(sd)  # touch every page once, so the first save does not pay the page faults
-
-    def _stage(self, sd: dict[str, Any]) -> dict[str, Any]:
-        """Copy the state into CPU buffers that are allocated once and reused by later saves."""
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
-        if self._staged is None:
-            self._staged = _create_cpu_state_dict(sd, pin_memory=self.env.device.type == "cuda")
-        staged = _copy_state_dict(sd, self._staged, non_blocking=self.env.device.type == "cuda")
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize(self.env.device)
-        return staged
-
-    def _write_and_commit(self, sd: dict[str, Any], ts: TrainState, reason: str, t0: float, async_save: bool) -> None:
-        group = self.env.ckpt_group
-        partial = self.run_dir.partial(ts.step)
-        phases: dict[str, float] = {}
-        t = time.perf_counter()
-        self._prepare_partial(ts.step, group)
-        # The fingerprint's local sums are computed while DCP writes (the write mostly waits on the
-        # device); its all-reduce runs after dcp.save, as both use the checkpoint group.
-        fp_job = self._fp_pool.submit(self._fingerprint_parts, sd)
-        writer = HashingDirectWriter(partial, sync_files=True, thread_count=self.spec.checkpoint.io_threads,
-                                     overwrite=False)
-        failure: BaseException | None = None
-        try:
-            dcp.save(sd, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
-        except (Exception, CheckpointException) as e:  # DCP re-raises a rank's write error on every rank; agree anyway
-            failure = e
-        problem = self._agree(self._save_problem(failure, partial) if failure else None, group)
-        if problem is not None:
-            fp_job.cancel()
-            self._abort_save(partial, problem, group)
-        phases["write_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        fingerprint = self._finish_fingerprint(fp_job.result(), group)
-        phases["fingerprint_wait_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        # Checksums were computed while writing; the metadata was written as .metadata.tmp and renamed.
-        entries = [FileEntry(path=".metadata" if name == ".metadata.tmp" else name, size=size, xxh3_128=digest,
-                             rank=self.env.rank)
-                   for name, (size, digest) in sorted(writer.digests.items())
-                   if name.startswith(f"__{self.env.rank}_") or (self.env.is_rank0 and name == ".metadata.tmp")]
-        if self.env.is_rank0 and not any(e.path == ".metadata" for e in entries):
-            size, digest = hash_files([partial / ".metadata"])[partial / ".metadata"]
-            entries.append(FileEntry(path=".metadata", size=size, xxh3_128=digest, rank=0))
-        self._commit(ts, reason, entries, self._inventory(sd), fingerprint, t0, async_save)
-        phases["commit_s"] = time.perf_counter() - t
-        phases["total_s"] = time.perf_counter() - t0
-        self.last_phases = phases
-        self.last_committed_step = ts.step
-        self.parent = step_dir_name(ts.step)
-
     # ----------------------------------------------------------------- failures, agreement
-    def _agree(self, problem: str | None, group: dist.ProcessGroup | None = None) -> str | None:
+    def agree(self, problem: str | None, group: dist.ProcessGroup | None = None) -> str | None:
         """Every rank learns every rank's problem (one all-gather): all move on, or all fail, together."""
         found: list[str | None] = [None] * self.env.world_size
         dist.all_gather_object(found, problem, group=group if group is not None else self.env.ctrl_group)
@@ -277,7 +195,7 @@ class Checkpointer:
     def _resume_point(self) -> int:
         return self.last_committed_step or 0
 
-    def _save_problem(self, exc: BaseException, partial: Path) -> str:
+    def save_problem(self, exc: BaseException, partial: Path) -> str:
         """One line for a failed save: the file, the cause, what happens on rerun."""
         os_err = _find_os_error(exc)
         where = Path(os_err.filename) if os_err is not None and os_err.filename else partial
@@ -287,7 +205,7 @@ class Checkpointer:
         return (f"checkpoint save failed at {where} ({' '.join(str(cause).split())[:300]}); nothing was committed, "
                 f"the run resumes from step {self._resume_point()}")
 
-    def _abort_save(self, partial: Path, problem: str, group: dist.ProcessGroup | None) -> None:
+    def abort_save(self, partial: Path, problem: str, group: dist.ProcessGroup | None) -> None:
         """Every rank knows the save failed: rank 0 removes the .partial directory (its space is what a disk-full
         rerun needs back), then all raise the same line."""
         if self.env.is_rank0:
@@ -325,11 +243,11 @@ class Checkpointer:
             try:
                 decision = self._commit_rank0(ts, reason, gathered or [], tensors, fingerprint, t0, async_save)
             except Exception as e:  # tell the other ranks instead of leaving them at the broadcast
-                decision = self._save_problem(e, partial)
+                decision = self.save_problem(e, partial)
         box = [decision]
         dist.broadcast_object_list(box, src=0, group=group)
         if box[0] is not None:
-            self._abort_save(partial, box[0], group)
+            self.abort_save(partial, box[0], group)
 
     def _commit_rank0(self, ts: TrainState, reason: str, gathered: list[tuple[list[FileEntry], str | None]],
                       tensors: list[TensorEntry], fingerprint: Fingerprint, t0: float, async_save: bool) -> str | None:
@@ -405,9 +323,8 @@ class Checkpointer:
         self.wait()
         self._wait_reread()
         self._pool.shutdown(wait=True)
-        self._fp_pool.shutdown(wait=True)
         self._reread_pool.shutdown(wait=True)
-        self._staged = None
+        self.release()
 
     # ----------------------------------------------------------------- load
     def load_latest(self, *, restart: bool | None = None) -> TrainState | None:
@@ -434,7 +351,7 @@ class Checkpointer:
                 continue
             problem = self._hash_check(path)
             if problem is None:
-                self._check_loadable(path, self._manifest(path))  # another run's checkpoint: refuse, keep it
+                self.check_loadable(path, self._manifest(path))  # another run's checkpoint: refuse, keep it
                 touched = True
                 ts, problem = self._try_load(path)
                 if ts is not None:
@@ -460,7 +377,7 @@ class Checkpointer:
             ts = self.load(path)
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             problem = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
-        problem = self._agree(problem)
+        problem = self.agree(problem)
         if problem is not None:
             return None, problem
         if self.env.is_rank0:  # every byte was hashed against the manifest before this load
@@ -498,36 +415,22 @@ class Checkpointer:
         hashed = hash_files([path / f.path for f in files], threads=self.spec.checkpoint.io_threads)
         bad = [f"{path / f.path}: checksum mismatch; the file is corrupted"
                for f in files if hashed[path / f.path] != (f.size, f.xxh3_128)]
-        return self._agree(bad[0] if bad else None)
+        return self.agree(bad[0] if bad else None)
 
-    def _verify_files(self, path: Path) -> str | None:
+    def verify_files(self, path: Path) -> str | None:
         """Quick validation on rank 0, then every rank hashes a share of the files; None if all match."""
         return self._quick_check(path) or self._hash_check(path)
 
     def load(self, path: Path) -> TrainState:
+        """Load ``path`` into the live model, optimizer and RNG; verify counters and fingerprint, or raise."""
         from ckpt.manifest import read_manifest
 
         t0 = time.perf_counter()
         manifest = read_manifest(path)
-        self._check_loadable(path, manifest)
-        same_world = manifest.topology.world_size == self.env.world_size
-        ts = TrainState()
-        sd = self._state_dict(ts, with_rng=same_world)
-        load_state(sd, path, process_group=self.env.ckpt_group)
-        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        if same_world:
-            rng = sd["rng"][f"rank{self.env.rank}"]
-            torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng and self.env.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"], self.env.device)
-        else:
-            reseed(self.spec.seed, manifest.step, self.env.rank)
-        ts = TrainState(step=int(sd["trainer"]["step"]), tokens=int(sd["trainer"]["tokens"]),
-                        samples=int(sd["trainer"]["samples"]))
+        self.check_loadable(path, manifest)
+        ts, exact = self.restore(path, manifest)
         self._check_counters(path, manifest, ts)
-        # A converted checkpoint's fingerprint was summed by another code path (ckpt.formats.deepspeed_convert):
-        # compare it within the cross-world tolerance even at the same world size.
-        self._verify(path, manifest, same_world and manifest.reason != "converted")
+        fp.require_match(path, manifest.fingerprint, self.fingerprint(self.env.ctrl_group), exact=exact)
         self._resumed(path, manifest, ts, t0)
         return ts
 
@@ -541,7 +444,7 @@ class Checkpointer:
         if path.name.startswith("step-") and path.name != f"step-{ts.step:08d}":
             raise CheckpointError(f"{path}: holds step {ts.step}; the directory name and the state disagree")
 
-    def _check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
+    def check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
         """Refuse a checkpoint of the other backend's format or of another architecture (one line each)."""
         if manifest.format != self.FORMAT:
             raise CheckpointError(f"{path}: a {manifest.format} checkpoint cannot be loaded by the {self.BACKEND} "
@@ -563,8 +466,33 @@ class Checkpointer:
                            from_world_size=manifest.topology.world_size, to_world_size=self.env.world_size,
                            load_seconds=round(seconds, 3))
 
-    def _verify(self, path: Path, manifest: CheckpointManifest, same_world: bool) -> None:
-        """Recompute the fingerprint of the live state and refuse to train on a mismatch."""
-        sd = self._state_dict(TrainState(), with_rng=False)
-        now = self._fingerprint_of(sd, self.env.ctrl_group)
-        fp.require_match(path, manifest.fingerprint, now, exact=same_world)
+
+    # ----------------------------------------------------------------- backend hooks
+    def snapshot(self, ts: TrainState) -> Any:
+        """What ``write`` will write, taken while training waits (e.g. a state dict of views)."""
+        raise NotImplementedError
+
+    def stage(self, snapshot: Any) -> Any:
+        """An async save's copy of ``snapshot`` that training may then overwrite (only if SUPPORTS_ASYNC)."""
+        raise NotImplementedError
+
+    def prepare_staging(self, ts: TrainState) -> None:
+        """Allocate the buffers ``stage`` copies into (only if SUPPORTS_ASYNC)."""
+
+    def release(self) -> None:
+        """At close: drop the backend's buffers and stop its threads."""
+
+    def write(self, snapshot: Any, ts: TrainState, partial: Path) -> Written:
+        """Write this rank's files into ``partial`` (it exists on every rank), hashing them as they are
+        written; return them with the tensor inventory and the fingerprint of the saved state. A failure
+        every rank already agreed on may raise (``abort_save``); else return it as ``problem``."""
+        raise NotImplementedError
+
+    def restore(self, path: Path, manifest: CheckpointManifest) -> tuple[TrainState, bool]:
+        """Load the checkpoint's state into the live objects (RNG included, or reseeded by the elastic rule);
+        return the stored counters and whether the fingerprint must match exactly (same world size)."""
+        raise NotImplementedError
+
+    def fingerprint(self, group: dist.ProcessGroup | None) -> Fingerprint:
+        """Per-tensor norms of the live fp32 masters and AdamW moments (a collective over ``group``)."""
+        raise NotImplementedError

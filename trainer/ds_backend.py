@@ -32,11 +32,10 @@ from ckpt.formats.deepspeed import (STATE_FILE, UNIVERSAL_DIR, read_rng, read_st
                                write_hashed)
 from schemas.errors import CheckpointError
 from ckpt.formats.torchzip import check_file
-from ckpt.layout import RunDir, step_dir_name
-from ckpt.manifest import read_manifest
+from ckpt.layout import RunDir
 from schemas import CheckpointManifest, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
 
-from trainer.checkpointer import Checkpointer, TrainState
+from trainer.checkpointer import Checkpointer, TrainState, Written
 from trainer.dist import DistEnv, log0
 from trainer.optim import WarmupCosine, build_optimizer
 from trainer.loop import Segment
@@ -158,6 +157,7 @@ class DeepSpeedCheckpointer(Checkpointer):
 
     FORMAT = "deepspeed"
     BACKEND = "deepspeed"
+    SUPPORTS_ASYNC = False
 
     def __init__(self, run_dir: RunDir, spec: RunSpec, engine: Any, env: DistEnv, *, segment: int, signature: str,
                  hf_model: HFModelRecord | None = None):
@@ -173,10 +173,7 @@ class DeepSpeedCheckpointer(Checkpointer):
         # Per-group hyperparameters of the RunSpec. ZeRO-3's universal loader copies group 0's onto every
         # group (weight decay onto the no-decay group), so they are put back after every load.
         self.group_hparams = [{k: g[k] for k in _GROUP_HPARAMS} for g in engine.optimizer.param_groups]
-        self._warned_async = False
 
-    def warm_up(self, ts: TrainState) -> None:
-        """Nothing to stage: DeepSpeed saves synchronously."""
 
     # ----------------------------------------------------------------- fingerprint
     def _fragments(self) -> list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
@@ -229,18 +226,15 @@ class DeepSpeedCheckpointer(Checkpointer):
             out += [TensorEntry(name=f"optim.state.{name}.{m}", shape=shape, dtype="float32") for m in MOMENTS]
         return out
 
-    # ----------------------------------------------------------------- save
-    def save(self, ts: TrainState, *, reason: str, blocking: bool | None = None) -> None:
-        """Checkpoint the engine at ``ts.step`` (always synchronous for DeepSpeed) and commit it."""
-        self.wait()
-        if self.last_committed_step == ts.step:
-            return
-        if self.spec.checkpoint.async_save and not self._warned_async:
-            log0(self.env, "checkpoint.async_save is not supported by the deepspeed backend; saving synchronously")
-            self._warned_async = True
-        t0 = time.perf_counter()
-        self._prepare_partial(ts.step)
-        partial = self.run_dir.partial(ts.step)
+    # ----------------------------------------------------------------- save hooks
+    def snapshot(self, ts: TrainState) -> None:
+        """Nothing to copy: DeepSpeed saves synchronously from the engine."""
+        return None
+
+    def write(self, snapshot: None, ts: TrainState, partial: Path) -> Written:
+        """``engine.save_checkpoint`` into ``partial`` through the hashing checkpoint engine, plus this rank's
+        RNG file (and on rank 0 the counters); a failure is reported, not raised, so the commit agrees on it."""
+        t = time.perf_counter()
         self.files.written.clear()
         self.files.failed.clear()
         entries: list[FileEntry] = []
@@ -251,16 +245,14 @@ class DeepSpeedCheckpointer(Checkpointer):
                        for p, (s, d) in sorted(self.files.written.items())]
             entries += self._save_extras(partial, ts)
         except Exception as e:
-            problem = self._save_problem(e, partial)
+            problem = self.save_problem(e, partial)
         if self.files.failed and problem is None:
             path, err = sorted(self.files.failed.items())[0]
-            problem = self._save_problem(err if getattr(err, "filename", None) else
-                                         OSError(getattr(err, "errno", None), str(err), path), partial)
-        fingerprint = self.fingerprint(self.env.ckpt_group)
-        self._commit(ts, reason, entries, self._ds_inventory(), fingerprint, t0, False, problem=problem)
-        self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 0.0})
-        self.last_committed_step = ts.step
-        self.parent = step_dir_name(ts.step)
+            problem = self.save_problem(err if getattr(err, "filename", None) else
+                                        OSError(getattr(err, "errno", None), str(err), path), partial)
+        write_s = time.perf_counter() - t
+        return Written(entries, self._ds_inventory(), self.fingerprint(self.env.ckpt_group), problem=problem,
+                       phases={"write_s": write_s})
 
     def _save_extras(self, partial: Path, ts: TrainState) -> list[FileEntry]:
         """This rank's RNG state; on rank 0 also the counters and the schedule position."""
@@ -277,11 +269,9 @@ class DeepSpeedCheckpointer(Checkpointer):
             out.append(FileEntry(path=STATE_FILE, size=size, xxh3_128=digest, rank=0))
         return out
 
-    # ----------------------------------------------------------------- load
-    def load(self, path: Path) -> TrainState:
-        t0 = time.perf_counter()
-        manifest = read_manifest(path)
-        self._check_loadable(path, manifest)
+    # ----------------------------------------------------------------- load hooks
+    def restore(self, path: Path, manifest: CheckpointManifest) -> tuple[TrainState, bool]:
+        """Natively at the saving world size (bit-exact), else through the universal layout."""
         state = read_state(path)
         native = state["layout"] == "zero" and manifest.topology.world_size == self.env.world_size
         if native:
@@ -293,11 +283,7 @@ class DeepSpeedCheckpointer(Checkpointer):
             self._load_universal(self._universal(path, manifest))
         self._repair_after_load()
         self._restore_rng(path, manifest, native)
-        ts = TrainState(step=int(state["step"]), tokens=int(state["tokens"]), samples=int(state["samples"]))
-        self._check_counters(path, manifest, ts)
-        self._verify_ds(path, manifest, exact=native)
-        self._resumed(path, manifest, ts, t0)
-        return ts
+        return TrainState(step=int(state["step"]), tokens=int(state["tokens"]), samples=int(state["samples"])), native
 
     def _repair_after_load(self) -> None:
         """Undo two side effects of DeepSpeed's ZeRO-3 universal loader: it copies group 0's hyperparameters
@@ -309,8 +295,8 @@ class DeepSpeedCheckpointer(Checkpointer):
             if isinstance(st.get("step"), torch.Tensor):
                 st["step"] = st["step"].clone()
 
-    def _check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
-        super()._check_loadable(path, manifest)
+    def check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
+        super().check_loadable(path, manifest)
         saved = manifest.run_spec.deepspeed.zero_stage
         if saved != self.stage and read_state(path)["layout"] == "zero":
             raise CheckpointError(f"{path}: written under ZeRO stage {saved}, this run is configured for stage "
@@ -341,7 +327,7 @@ class DeepSpeedCheckpointer(Checkpointer):
         if box[0] is not None:
             raise CheckpointError(f"{path}: the universal conversion failed on rank 0 ({box[0]})")
         target = path / UNIVERSAL_DIR
-        problem = self._verify_files(target) or self._check_pickles(target)
+        problem = self.verify_files(target) or self._check_pickles(target)
         if problem is not None:
             raise CheckpointError(problem)
         return target
@@ -384,7 +370,3 @@ class DeepSpeedCheckpointer(Checkpointer):
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and self.env.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.env.device)
-
-    def _verify_ds(self, path: Path, manifest: CheckpointManifest, *, exact: bool) -> None:
-        now = self.fingerprint(self.env.ctrl_group)
-        fp.require_match(path, manifest.fingerprint, now, exact=exact)

@@ -17,7 +17,8 @@ from ckpt.fsutil import append_jsonl, load_yaml
 from ckpt.layout import RunDir
 from schemas import RunSpec
 from schemas.seam import EXIT_PREEMPTED, SegmentReport
-from trainer.checkpointer import Checkpointer, TrainState
+from trainer.checkpointer import TrainState
+from trainer.dcp_backend import DCPCheckpointer
 from trainer.data import GlobalOrderLoader, open_tokens
 from trainer.dist import DistEnv, log0
 from trainer.model import build_model, hf_model_record, model_signature, shard_model
@@ -46,7 +47,7 @@ class Segment:
         self.model = model
         self.optimizer = build_optimizer(model, self.spec)
         self.schedule = WarmupCosine(self.optimizer, self.spec)
-        self.ckpt = Checkpointer(run_dir, self.spec, model, self.optimizer, env, segment=segment, signature=self.signature,
+        self.ckpt = DCPCheckpointer(run_dir, self.spec, model, self.optimizer, env, segment=segment, signature=self.signature,
                                  hf_model=self.hf_model)
 
     def _build(self, run_dir: RunDir, until_step: int, segment: int, env: DistEnv) -> torch.nn.Module:

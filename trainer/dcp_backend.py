@@ -1,0 +1,182 @@
+"""The FSDP2 backend's Checkpointer: DCP checkpoints of the sharded model, AdamW, counters and RNG.
+
+Save: the state dict (DTensor shards of FSDP2) is written by ``dcp.save`` through the hashing O_DIRECT
+writer (``ckpt.formats.direct_io``) while the fingerprint's local sums are computed beside it. Async: the
+state is first copied into reusable CPU buffers (``stage``), and the write runs on the Checkpointer's
+background thread over its own gloo group. Load: ``dcp.load`` through the allow-list reader
+(``ckpt.formats.dcp.load_state``), resharding to any world size; RNG states come back at the same world size,
+otherwise every rank reseeds by the elastic rule (``ckpt.state.reseed``).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from ckpt import fingerprint as fp
+from ckpt.formats.dcp import load_state
+from ckpt.formats.direct_io import HashingDirectWriter
+from ckpt.hashing import hash_files
+from ckpt.state import MOMENTS, reseed
+from schemas import CheckpointManifest, FileEntry, Fingerprint, TensorEntry
+from trainer.checkpointer import Checkpointer, TrainState, Written
+
+
+class DCPCheckpointer(Checkpointer):
+    """Checkpoints of an FSDP2 model and its optimizer in PyTorch Distributed Checkpoint format."""
+
+    FORMAT = "dcp"
+    BACKEND = "fsdp2"
+    SUPPORTS_ASYNC = True
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._staged: dict[str, Any] | None = None
+        self._fp_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fingerprint")
+
+    # ----------------------------------------------------------------- state dict
+    def state_dict(self, ts: TrainState, *, with_rng: bool = True) -> dict[str, Any]:
+        """The nested state DCP saves: model and optimizer shards, counters, this rank's RNG states."""
+        msd, osd = get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=False))
+        sd: dict[str, Any] = {
+            "model": msd,
+            "optim": osd,
+            "trainer": {
+                "step": torch.tensor(ts.step, dtype=torch.int64),
+                "tokens": torch.tensor(ts.tokens, dtype=torch.int64),
+                "samples": torch.tensor(ts.samples, dtype=torch.int64),
+            },
+        }
+        if with_rng:
+            rng = {"cpu": torch.get_rng_state()}
+            if self.env.device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state(self.env.device)
+            sd["rng"] = {f"rank{self.env.rank}": rng}
+        return sd
+
+    @staticmethod
+    def _fingerprint_parts(sd: dict[str, Any]) -> tuple[list[str], torch.Tensor, int, float]:
+        """Local part of the fingerprint: names and sums of squares (model first), and the optimizer step."""
+        model = sorted(sd["model"].items())
+        moments = []
+        step = 0.0
+        for name, st in sorted(sd["optim"]["state"].items()):
+            moments += [(f"{name}.{m}", st[m]) for m in MOMENTS if m in st]
+            if "step" in st:
+                step = float(st["step"])
+        names, vec = fp.local_sum_squares(model + moments)
+        return names, vec, len(model), step
+
+    @staticmethod
+    def _finish_fingerprint(parts: tuple[list[str], torch.Tensor, int, float], group: dist.ProcessGroup | None):
+        names, vec, n_model, step = parts
+        sq = fp.reduce_sum_squares(names, vec, group)
+        model_sq = {k: sq[k] for k in names[:n_model]}
+        optim_sq = {k: sq[k] for k in names[n_model:]}
+        return fp.make_fingerprint(model_sq, optim_sq, step)
+
+    def fingerprint(self, group: dist.ProcessGroup | None) -> Fingerprint:
+        sd = self.state_dict(TrainState(), with_rng=False)
+        return self._finish_fingerprint(self._fingerprint_parts(sd), group)
+
+    @staticmethod
+    def _inventory(sd: dict[str, Any]) -> list[TensorEntry]:
+        out = [TensorEntry(name=f"model.{k}", shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
+               for k, v in sorted(sd["model"].items())]
+        for name, st in sorted(sd["optim"]["state"].items()):
+            for m in MOMENTS:
+                if m in st:
+                    v = st[m]
+                    out.append(TensorEntry(name=f"optim.state.{name}.{m}", shape=list(v.shape),
+                                           dtype=str(v.dtype).removeprefix("torch.")))
+        return out
+
+    # ----------------------------------------------------------------- save hooks
+    def snapshot(self, ts: TrainState) -> dict[str, Any]:
+        return self.state_dict(ts)
+
+    def prepare_staging(self, ts: TrainState) -> None:
+        """Allocate the staging buffers of async saves now, before training, not at the first save."""
+        # Not before the first optimizer step: get_state_dict would initialise AdamW's state (step=1)
+        # with a dummy step, and the run would no longer match an uninterrupted one.
+        if self._staged is None and self.optimizer.state:
+            from torch.distributed._state_dict_utils import _create_cpu_state_dict
+
+            sd = self.state_dict(ts)
+            self._staged = _create_cpu_state_dict(sd, pin_memory=self.env.device.type == "cuda")
+            self.stage(sd)  # touch every page once, so the first save does not pay the page faults
+
+    def release(self) -> None:
+        self._fp_pool.shutdown(wait=True)
+        self._staged = None
+
+    def stage(self, snapshot: dict[str, Any]) -> dict[str, Any]:
+        """Copy the state into CPU buffers that are allocated once and reused by later saves."""
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        if self._staged is None:
+            self._staged = _create_cpu_state_dict(snapshot, pin_memory=self.env.device.type == "cuda")
+        staged = _copy_state_dict(snapshot, self._staged, non_blocking=self.env.device.type == "cuda")
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+        return staged
+
+    def write(self, snapshot: dict[str, Any], ts: TrainState, partial: Path) -> Written:
+        group = self.env.ckpt_group
+        t = time.perf_counter()
+        # The fingerprint's local sums are computed while DCP writes (the write mostly waits on the
+        # device); its all-reduce runs after dcp.save, as both use the checkpoint group.
+        fp_job = self._fp_pool.submit(self._fingerprint_parts, snapshot)
+        writer = HashingDirectWriter(partial, sync_files=True, thread_count=self.spec.checkpoint.io_threads,
+                                     overwrite=False)
+        failure: BaseException | None = None
+        try:
+            dcp.save(snapshot, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
+        except (Exception, CheckpointException) as e:  # DCP re-raises a rank's write error on every rank; agree anyway
+            failure = e
+        problem = self.agree(self.save_problem(failure, partial) if failure else None, group)
+        if problem is not None:
+            fp_job.cancel()
+            self.abort_save(partial, problem, group)
+        write_s = time.perf_counter() - t
+        t = time.perf_counter()
+        fingerprint = self._finish_fingerprint(fp_job.result(), group)
+        fingerprint_wait_s = time.perf_counter() - t
+        # Checksums were computed while writing; the metadata was written as .metadata.tmp and renamed.
+        entries = [FileEntry(path=".metadata" if name == ".metadata.tmp" else name, size=size, xxh3_128=digest,
+                             rank=self.env.rank)
+                   for name, (size, digest) in sorted(writer.digests.items())
+                   if name.startswith(f"__{self.env.rank}_") or (self.env.is_rank0 and name == ".metadata.tmp")]
+        if self.env.is_rank0 and not any(e.path == ".metadata" for e in entries):
+            size, digest = hash_files([partial / ".metadata"])[partial / ".metadata"]
+            entries.append(FileEntry(path=".metadata", size=size, xxh3_128=digest, rank=0))
+        return Written(entries, self._inventory(snapshot), fingerprint,
+                       phases={"write_s": write_s, "fingerprint_wait_s": fingerprint_wait_s})
+
+    # ----------------------------------------------------------------- load hooks
+    def restore(self, path: Path, manifest: CheckpointManifest) -> tuple[TrainState, bool]:
+        same_world = manifest.topology.world_size == self.env.world_size
+        sd = self.state_dict(TrainState(), with_rng=same_world)
+        load_state(sd, path, process_group=self.env.ckpt_group)
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        if same_world:
+            rng = sd["rng"][f"rank{self.env.rank}"]
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and self.env.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], self.env.device)
+        else:
+            reseed(self.spec.seed, manifest.step, self.env.rank)
+        ts = TrainState(step=int(sd["trainer"]["step"]), tokens=int(sd["trainer"]["tokens"]),
+                        samples=int(sd["trainer"]["samples"]))
+        # A converted checkpoint's fingerprint was summed by another code path (ckpt.formats.deepspeed_convert):
+        # compare it within the cross-world tolerance even at the same world size.
+        return ts, same_world and manifest.reason != "converted"
