@@ -18,6 +18,10 @@ the whole model, optimizer and RNG state, so nothing of the failed attempt survi
 and none loads, the segment is refused (never a silent restart from step 0) unless the launch said
 restart (``SegmentLaunch.restart``, set by ``shardkeeper train --restart``).
 
+Backends (``trainer.dcp_backend``, ``trainer.ds_backend``) implement hooks only; this module is longer than
+the house's ~400 lines because the whole protocol — save, commit, agreement, fallback, quarantine, resume —
+is one class whose guards must be read together; splitting it would spread one invariant over files.
+
 Async save: training blocks only for one copy of the state into reusable CPU buffers; fingerprint,
 DCP planning and writing, hashing and the commit run on a background thread over a dedicated gloo
 group, so they never interleave with the training collectives. At most one save is in flight.
