@@ -34,6 +34,9 @@ class CheckpointFormat(Protocol):
         """Fingerprint of the stored state, read one tensor at a time through the allow-list readers
         (stored counters checked too); raises CheckpointError naming the file."""
 
+    def convert_from(self, src_dir: Path, target: Path, *, zero_stage: int | None = None) -> Path:
+        """Write a checkpoint of the other format as a committed checkpoint of this one at ``target``."""
+
     def reshard(self, ckpt_dir: Path, manifest: CheckpointManifest, world_size: int):
         """Make the checkpoint loadable at ``world_size``: (target dir, method, seconds); method "none"
         when it already is."""

@@ -13,7 +13,7 @@ from prefect import get_run_logger
 from prefect.exceptions import ParameterTypeError
 from pydantic import BaseModel, ValidationError
 
-from schemas.errors import ConfigError
+from schemas.errors import ConfigError, PipelineError, SegmentCancelled, SegmentFailed, SegmentPreempted  # noqa: F401
 from schemas import RunSpec, SegmentResult
 from schemas.requests import ResumeRequest, SegmentOutcome, SegmentPlan, TrainExportRequest
 from shardkeeper.config import explain
@@ -23,25 +23,9 @@ MAX_BACKOFF_S = 600.0
 M = TypeVar("M", bound=BaseModel)
 
 
-class PipelineError(RuntimeError):
-    """A stage ended in a way the flow cannot continue from; the message says what and where."""
-
-
-class SegmentFailed(PipelineError):
-    """The ranks failed: the message carries the failing rank's last lines."""
-
-
-class SegmentCancelled(PipelineError):
-    """The flow run was cancelled while a segment trained: its ranks committed a checkpoint and
-    stopped; no further segment starts (the flow ends Cancelled)."""
-
-
-class SegmentPreempted(PipelineError):
-    """Preempted more often than the request allows; the run can be resumed later (resume flow)."""
-
-
 class RequestError(ParameterTypeError):
-    """The flow's parameters are wrong: one line naming the field, raised before any task runs."""
+    """The flow's parameters are wrong: one line naming the field, raised before any task runs. (The one
+    error type outside schemas/errors.py: Prefect reports a ParameterTypeError as a bad parameter.)"""
 
     def __init__(self, msg: str):
         super().__init__(" ".join(msg.split()))

@@ -24,6 +24,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from schemas.errors import ServerError  # noqa: F401  (raised here; infra.demo imports it from this module)
+
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,10 +37,6 @@ SERVE_PID = "serve.pid"
 # The serving process shuts down cleanly on SIGINT (Prefect's SIGTERM handler leaves a coroutine
 # unawaited); SIGTERM follows for a process that ignores SIGINT (started with `&` by a script).
 SERVE_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class ServerError(RuntimeError):
-    """The server could not be started or reached; the message says why and what to do."""
 
 
 def prefect_env(home: Path, api_url: str | None = None) -> dict[str, str]:

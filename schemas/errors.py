@@ -42,3 +42,26 @@ class ExportError(ShardkeeperError):
 
 class PublishError(ShardkeeperError):
     """Publishing cannot proceed as asked."""
+
+
+class ServerError(RuntimeError):
+    """The local Prefect server could not be started or reached; the message says why and what to do."""
+
+
+# Flow outcomes: a stage ended in a way the flow cannot continue from. Not ShardkeeperErrors: their
+# message may span lines (a failing rank's last lines) and they are shown in the Prefect UI, not a terminal.
+class PipelineError(RuntimeError):
+    """A stage ended in a way the flow cannot continue from; the message says what and where."""
+
+
+class SegmentFailed(PipelineError):
+    """The ranks failed: the message carries the failing rank's last lines."""
+
+
+class SegmentCancelled(PipelineError):
+    """The flow run was cancelled while a segment trained: its ranks committed a checkpoint and
+    stopped; no further segment starts (the flow ends Cancelled)."""
+
+
+class SegmentPreempted(PipelineError):
+    """Preempted more often than the request allows; the run can be resumed later (resume flow)."""

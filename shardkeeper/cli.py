@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
+from ckpt.layout import RunDir
 from schemas.errors import ShardkeeperError
 from schemas.seam import RANK_ERROR_PREFIX
 
@@ -208,7 +209,7 @@ def lineage_cmd(
     """Show every checkpoint, resume, reshard, export and publish of a run, with its parent."""
     from ckpt.lineage import read_events
 
-    if not (run_dir / "run.yaml").exists() and not (run_dir / "lineage.jsonl").exists():
+    if not RunDir(run_dir).spec_path.exists() and not RunDir(run_dir).has_lineage():
         raise ShardkeeperError(f"{run_dir}: not a run directory (no run.yaml); pass the --run-dir used for training")
     events = read_events(run_dir)
     if as_json:

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from schemas.errors import ConfigError, RunDirError
-from schemas import ClusterTopology, RunSpec
+from ckpt.layout import RunDir
+from schemas import MANIFEST_NAME, ClusterTopology, RunSpec
 from shardkeeper.config import check_model_config, quiet_transformers
 
 log = logging.getLogger("shardkeeper")
@@ -68,10 +69,10 @@ def check_run_dir(run_dir: Path) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise RunDirError(f"{run_dir}: cannot write in {probe} (permission denied); choose a writable run directory")
     for parent in [run_dir.absolute(), *run_dir.absolute().parents]:  # never write inside a committed checkpoint
-        if (parent / "manifest.json").is_file() or parent.name.endswith(".partial") and parent.parent.name == "checkpoints":
+        if (parent / MANIFEST_NAME).is_file() or parent.name.endswith(".partial") and parent.parent.name == "checkpoints":
             raise RunDirError(f"{run_dir}: lies inside the checkpoint {parent}; writing there would corrupt it, "
                               "choose a run directory outside every checkpoint")
-    spec_path = run_dir / "run.yaml"
+    spec_path = RunDir(run_dir).spec_path
     if spec_path.exists() and not spec_path.is_file():
         raise RunDirError(f"{spec_path}: is not a file; remove it or choose another run directory")
 

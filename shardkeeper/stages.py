@@ -265,8 +265,6 @@ def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_s
     ``out`` is a ``step-XXXXXXXX`` directory to create, or a run directory: then the checkpoint becomes
     ``out/checkpoints/step-XXXXXXXX`` beside a run.yaml for the new backend, ready for ``shardkeeper train``.
     Returns the committed checkpoint directory."""
-    from ckpt.formats.deepspeed_convert import from_dcp, to_dcp
-
     ckpt_dir, out = Path(ckpt_dir), Path(out)
     if to not in ("dcp", "deepspeed"):
         raise ConfigError(f"--to {to!r}: choose dcp (fsdp2) or deepspeed")
@@ -281,10 +279,7 @@ def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_s
     target = run_root.checkpoint(manifest.step) if run_root else out
     with RunLock(run_root.root) if run_root else contextlib.nullcontext():
         spec = _converted_spec(run_root, manifest, to, zero_stage) if run_root else None
-        if to == "dcp":
-            done = to_dcp(ckpt_dir, target)
-        else:
-            done = from_dcp(ckpt_dir, target, zero_stage=zero_stage)
+        done = get_format(to).convert_from(ckpt_dir, target, zero_stage=zero_stage)
         if run_root and spec and not run_root.spec_path.exists():  # written last: no run.yaml without its checkpoint
             run_root.spec_path.write_text(dump_run_spec(spec))
         _record_conversion(ckpt_dir, manifest, done, to, run_root)

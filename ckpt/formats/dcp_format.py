@@ -115,6 +115,11 @@ class DCPFormat:
     def recompute_fingerprint(self, ckpt_dir: Path, manifest: CheckpointManifest) -> Fingerprint:
         return recompute_fingerprint(ckpt_dir, manifest)
 
+    def convert_from(self, src_dir: Path, target: Path, *, zero_stage: int | None = None) -> Path:
+        from ckpt.formats.deepspeed_convert import to_dcp
+
+        return to_dcp(src_dir, target)
+
     def reshard(self, ckpt_dir: Path, manifest: CheckpointManifest, world_size: int) -> tuple[Path, str, float]:
         """DCP reshards at load time: nothing to write; recorded in the run's lineage when the size changes."""
         if manifest.topology.world_size == world_size:

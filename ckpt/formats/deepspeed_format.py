@@ -84,6 +84,11 @@ class DeepSpeedFormat:
         check_pickles(ckpt_dir, manifest)
         return recompute_fingerprint(ckpt_dir, manifest)
 
+    def convert_from(self, src_dir: Path, target: Path, *, zero_stage: int | None = None) -> Path:
+        from ckpt.formats.deepspeed_convert import from_dcp
+
+        return from_dcp(src_dir, target, zero_stage=zero_stage)
+
     def reshard(self, ckpt_dir: Path, manifest: CheckpointManifest, world_size: int) -> tuple[Path, str, float]:
         from ckpt.formats.deepspeed_convert import ensure_universal
 
