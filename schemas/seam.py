@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.errors import RunDirError
 from schemas.run import ClusterTopology
 
 EXIT_COMPLETED = 0
@@ -58,7 +59,12 @@ class SegmentLaunch(_Frozen):
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> SegmentLaunch:
-        return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
+        try:
+            return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            first = " ".join(str(e).split())[:200]
+            raise RunDirError(f"{path}: not a readable segment launch ({first}); start the segment through "
+                              "shardkeeper train (or unset SHARDKEEPER_LAUNCH when running torchrun by hand)") from None
 
     @classmethod
     def from_environ(cls) -> SegmentLaunch | None:
