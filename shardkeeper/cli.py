@@ -204,25 +204,76 @@ def publish(
 @app.command("lineage")
 def lineage_cmd(
     run_dir: Annotated[Path, typer.Argument(help="run directory")],
-    as_json: Annotated[bool, typer.Option("--json", help="print events as JSON lines")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the events as JSON Lines: one JSON object per "
+                                                         "line, oldest first (not one JSON document)")] = False,
 ) -> None:
-    """Show every checkpoint, resume, reshard, export and publish of a run, with its parent."""
+    """Show every checkpoint, resume, reshard, export and publish of a run, with its parent (a summary first)."""
     from ckpt.lineage import read_events
 
-    if not RunDir(run_dir).spec_path.exists() and not RunDir(run_dir).has_lineage():
+    rd = RunDir.at(run_dir)
+    if not rd.spec_path.exists() and not rd.has_lineage():
         raise ShardkeeperError(f"{run_dir}: not a run directory (no run.yaml); pass the --run-dir used for training")
     events = read_events(run_dir)
     if as_json:
         for e in events:
             out.print(e.model_dump_json(), markup=False, highlight=False, soft_wrap=True)
         return
-    table = Table(title=f"lineage of {run_dir}")
-    for col in ("time", "kind", "id", "parent", "step", "details"):
-        table.add_column(col)
+    kinds = [e.kind for e in events]
+    steps = [e.step for e in events if e.kind == "checkpoint" and e.step is not None]
+    existing = len(rd.committed())
+    out.print(f"{rd.root.name}: {kinds.count('checkpoint')} checkpoints written ({existing} exist now), latest step "
+              f"{max(steps) if steps else 0}; {kinds.count('segment')} segment events, {kinds.count('resume')} resumes, "
+              f"{kinds.count('reshard')} reshards, {kinds.count('export')} exports, {kinds.count('publish')} publishes"
+              + (f"; last event {events[-1].time}" if events else ""), markup=False, highlight=False, soft_wrap=False)
+    # Narrow terminals and pipes (80 columns) drop the id column (kind + step say it) and shorten parents;
+    # what is still too long folds onto the next line instead of being cut to "…".
+    wide = out.width >= 120
+    table = Table()
+    for col in ("time", "kind", *(("id",) if wide else ()), "step", "parent", "details"):
+        table.add_column(col, overflow="fold")
     for e in events:
         details = ", ".join(f"{k}={v}" for k, v in e.data.items() if k in ("world_size", "reason", "status", "from_world_size",
                                                                            "to_world_size", "dtype", "method", "target"))
-        table.add_row(e.time, e.kind, e.id, e.parent or "", "" if e.step is None else str(e.step), details)
+        parent = e.parent or ""
+        if not wide:
+            parent = parent.removeprefix("checkpoint:")
+            details = details.replace("world_size=", "ws=").replace("from_ws=", "from=").replace("to_ws=", "to=")
+        table.add_row(e.time[11:19] if len(e.time) >= 19 else e.time, e.kind, *((e.id,) if wide else ()),
+                      "" if e.step is None else str(e.step), parent, details)
+    out.print(table)
+
+
+@app.command("status")
+def status_cmd(
+    path: Annotated[Path, typer.Argument(help="a run directory, or a folder of run directories")],
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON document: a list of run states")] = False,
+) -> None:
+    """Where each run stands: how its last segment ended (or that it trains now), its newest valid checkpoint."""
+    import json
+
+    from shardkeeper.stages import run_state, scan_runs
+
+    if not path.exists():
+        raise ShardkeeperError(f"{path}: no such run directory or folder; pass a --run-dir used for training or the "
+                               "folder that holds run directories")
+    if not path.is_dir():
+        raise ShardkeeperError(f"{path}: is a file; pass a run directory or the folder that holds run directories")
+    rd = RunDir.at(path)
+    states = [run_state(path)] if rd.spec_path.exists() or rd.checkpoints.is_dir() else scan_runs(str(path), [])
+    if not states:
+        raise ShardkeeperError(f"{path}: holds no run directory (none with a run.yaml or checkpoints/); pass a "
+                               "--run-dir used for training or the folder that holds them")
+    if as_json:
+        print(json.dumps([s.model_dump(mode="json") for s in states], indent=2))
+        return
+    table = Table(title=f"runs under {path}" if len(states) > 1 or states[0].run_dir != str(rd.root) else None)
+    for col in ("run", "status", "step", "until", "world size", "newest valid checkpoint"):
+        table.add_column(col, overflow="fold")
+    for st in states:
+        status = "running" if st.locked else (st.last_status or "new")
+        table.add_row(Path(st.run_dir).name, status, str(st.step), "" if st.last_until_step is None else str(st.last_until_step),
+                      "" if st.world_size is None else str(st.world_size),
+                      Path(st.checkpoint).name if st.checkpoint else "none")
     out.print(table)
 
 

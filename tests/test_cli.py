@@ -66,6 +66,29 @@ def test_validate_deep_and_lineage(cli_run: Path) -> None:
     assert (resume["data"]["from_world_size"], resume["data"]["to_world_size"]) == (2, 3)
 
 
+def test_status_and_lineage_read_at_80_columns(cli_run: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "80"}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True,
+                              timeout=120, env=env, cwd=ROOT)
+
+    lin = run("lineage", str(cli_run))
+    lines = lin.stdout.splitlines()
+    assert lin.returncode == 0 and "…" not in lin.stdout, lin.stdout
+    assert max(map(len, lines)) <= 80, lin.stdout
+    assert lines[0].startswith(f"{cli_run.name}: ") and "latest step 12" in lin.stdout
+    assert "from=2, to=3" in lin.stdout  # the resume at a new world size, readable
+    states = json.loads(run("status", str(cli_run.parent), "--json").stdout)  # a root: every run under it
+    assert [(Path(s["run_dir"]).name, s["last_status"], s["step"], s["world_size"]) for s in states] == \
+        [("run", "completed", 12, 3)]
+    one = run("status", str(cli_run))
+    assert one.returncode == 0 and "completed" in one.stdout and "step-00000012" in one.stdout
+    empty = run("status", str(tmp_path))
+    assert empty.returncode == 2 and len(empty.stderr.strip().splitlines()) == 1, empty.stderr
+    assert "holds no run directory" in empty.stderr
+
+
 def test_validate_reports_partial_and_missing_file(cli_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     import shutil
 
