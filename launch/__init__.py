@@ -7,19 +7,35 @@ beside it) and the seam to them (``schemas.seam``). No torch, no prefect.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from launch.base import Launcher, LaunchOutcome, LaunchRequest, failing_rank_lines, without_torchrun_closing
-from launch.local import LocalTorchrun
+if TYPE_CHECKING:
+    from launch.base import Launcher
 
-LAUNCHERS: dict[str, Callable[[], Launcher]] = {"local": LocalTorchrun}
+# Importing a submodule (launch.procs, on the rank side before anything else) runs this file: it stays
+# stdlib-only, and the launchers are imported when asked for.
+LAUNCHERS: dict[str, str] = {"local": "launch.local:LocalTorchrun"}
 
 
 def get_launcher(name: str) -> Launcher:
+    import importlib
+
     try:
-        return LAUNCHERS[name]()
+        module, _, cls = LAUNCHERS[name].partition(":")
     except KeyError:
         raise ValueError(f"launcher {name!r} is not available here; choose one of {sorted(LAUNCHERS)}") from None
+    return getattr(importlib.import_module(module), cls)()
+
+
+_FROM_BASE = ("LaunchOutcome", "LaunchRequest", "Launcher", "failing_rank_lines", "without_torchrun_closing")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_BASE:
+        from launch import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module 'launch' has no attribute {name!r}")
 
 
 __all__ = ["LAUNCHERS", "LaunchOutcome", "LaunchRequest", "Launcher", "failing_rank_lines", "get_launcher",

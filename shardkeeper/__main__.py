@@ -1,5 +1,3 @@
-import sys
+from shardkeeper.cli import run
 
-from shardkeeper.cli import main
-
-sys.exit(main())
+run()

@@ -345,3 +345,15 @@ def _write_crash_log(text: str) -> Path | None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def run() -> None:
+    """The process entry (console script, ``python -m shardkeeper``): ``main``'s exit code, and once it is
+    decided, further stop signals are ignored. A SIGTERM that arrives during interpreter shutdown would otherwise
+    meet the default handler (CPython restores it at finalization) and turn an orderly 75 into a kill."""
+    import signal
+
+    rc = main()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(rc)

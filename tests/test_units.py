@@ -127,3 +127,31 @@ def test_yaml_exponent_floats_stay_floats(tmp_path: Path) -> None:
     spec = load_run_spec(cfg, ["optim.lr=3e-4"])
     assert spec.model.config["rms_norm_eps"] == 1e-5 and isinstance(spec.model.config["rms_norm_eps"], float)
     assert spec.optim.lr == 3e-4
+
+
+def test_seam_round_trip_and_bad_files(tmp_path: Path) -> None:
+    """What a launcher hands the ranks and what rank 0 reports back go through one schema each way; a stale
+    report (another segment) or a damaged one is not taken for this segment's, a damaged launch is one line."""
+    from schemas import ClusterTopology
+    from schemas.errors import RunDirError
+    from schemas.seam import (EXIT_CANCELLED, EXIT_PREEMPTED, LAUNCH_FILE, SegmentLaunch, SegmentReport,
+                              exit_code_of)
+
+    topo = ClusterTopology(nodes=1, procs_per_node=2)
+    launch = SegmentLaunch(run_dir=str(tmp_path), until_step=7, segment=3, topology=topo, restart=True, launcher_pid=42)
+    assert SegmentLaunch.read(launch.write(tmp_path)) == launch
+    report = SegmentReport(segment=3, status="preempted", start_step=5, end_step=6, world_size=2, topology=topo)
+    report.write(tmp_path)
+    assert SegmentReport.read(tmp_path, 3) == report
+    assert SegmentReport.read(tmp_path, 4) is None  # a report of another segment is never this one's
+    SegmentReport.clear(tmp_path)
+    assert SegmentReport.read(tmp_path, 3) is None
+    (tmp_path / ".segment-status.json").write_text('{"segment": 3, "status": "done"}')
+    assert SegmentReport.read(tmp_path, 3) is None
+    (tmp_path / LAUNCH_FILE).write_text("{not json")
+    with pytest.raises(RunDirError) as err:
+        SegmentLaunch.read(tmp_path / LAUNCH_FILE)
+    assert str(err.value).startswith(str(tmp_path / LAUNCH_FILE)) and "\n" not in str(err.value)
+    assert (exit_code_of("completed", 1), exit_code_of("preempted", 1), exit_code_of("cancelled", 1)) == \
+        (0, EXIT_PREEMPTED, EXIT_CANCELLED)
+    assert exit_code_of("failed", 0) == 1 and exit_code_of("failed", 3) == 3

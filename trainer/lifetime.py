@@ -1,6 +1,6 @@
 """A rank never outlives the process that launched its segment (and holds the run lock).
 
-Stdlib (and the seam's pydantic schema) only: ``guard_rank`` runs first thing in ``python -m trainer.segment``, before torch is
+Stdlib only at import (the seam's schema is read once the handlers are in): ``guard_rank`` runs first thing in ``python -m trainer.segment``, before torch is
 imported, so a rank orphaned during its (slow) start-up dies as early as one that is training.
 
 Three layers, because each alone has a gap:
@@ -28,8 +28,7 @@ import sys
 import threading
 
 from ckpt.fsutil import pid_alive  # stdlib only: safe before torch is imported
-from launch.procs import proc_stat, set_pdeathsig
-from schemas.seam import SegmentLaunch
+from launch.procs import proc_stat, set_pdeathsig  # stdlib only (launch/__init__ imports nothing heavy)
 
 WATCHDOG_PERIOD_S = 0.5
 
@@ -92,6 +91,8 @@ def guard_rank(argv: list[str]) -> int | None:
     install_early_stop_handlers()
     set_pdeathsig(signal.SIGKILL)
     parent = os.getppid()
+    from schemas.seam import SegmentLaunch  # pydantic: imported once the stop signals are recorded
+
     launch = SegmentLaunch.from_environ()
     launcher = launch.launcher_pid if launch else None
     launcher_start = None

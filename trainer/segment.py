@@ -20,12 +20,17 @@ from pathlib import Path
 if __name__ == "__main__":
     # A rank: tie its life to torchrun and the launcher, record early SIGTERMs and take the shared run
     # lock before the heavy imports below (seconds on a busy node); see trainer.lifetime.
-    from schemas.errors import ShardkeeperError
+    # Nothing heavier than the stdlib before guard_rank: schemas (pydantic) would widen the window in which a
+    # SIGTERM still kills the rank instead of being recorded.
     from trainer.lifetime import guard_rank
 
     try:
         _RANKS_LOCK_FD = guard_rank(sys.argv[1:2])
-    except ShardkeeperError as _e:
+    except Exception as _e:
+        from schemas.errors import ShardkeeperError
+
+        if not isinstance(_e, ShardkeeperError):
+            raise
         print(f"error: {_e}", file=sys.stderr)
         sys.exit(_e.exit_code)
 
