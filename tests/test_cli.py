@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,9 @@ def cli_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     first = cli("train", "--config", TINY, "--run-dir", str(run), "--nproc", "2", "--until-step", "6")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "[FSDPDiagnostics] fsdp_units=2" in first.stderr
+    # the periodic progress line (first and last step at least): step, loss, throughput, ETA
+    assert re.search(r"step 1/6 loss \d+\.\d+ [\d,]+ tokens/s ETA \d+m\d\ds", first.stderr), first.stderr[-2000:]
+    assert re.search(r"step 6/6 loss \d+\.\d+ [\d,]+ tokens/s ETA 0m00s", first.stderr), first.stderr[-2000:]
     second = cli("train", "--config", TINY, "--run-dir", str(run), "--nproc", "3", "--until-step", "12")
     assert second.returncode == 0, second.stderr[-3000:]
     return run

@@ -129,6 +129,7 @@ class Segment:
             self._write_status("preempted", start, start, note=note)
             return EXIT_PREEMPTED
         log0(env, "segment %d: steps %d -> %d on %d ranks", self.segment_index, start, self.until_step, env.world_size)
+        progress = ProgressLine(start, self.until_step, self.tokens_per_step)
         status = "completed"
         while ts.step < self.until_step:
             t0 = time.perf_counter()
@@ -143,6 +144,9 @@ class Segment:
                     "step": ts.step, "loss": loss, "grad_norm": gnorm, "lr": lr, "world_size": env.world_size,
                     "segment": self.segment_index, "tokens": ts.tokens, "step_seconds": round(time.perf_counter() - t0, 4),
                 })
+                line = progress.update(ts.step, loss)
+                if line:
+                    log0(env, "%s", line)
             if watcher.should_stop():
                 log0(env, "preemption signal received: committing a checkpoint at step %d", ts.step)
                 self.ckpt.save(ts, reason="preempted", blocking=True)
@@ -174,3 +178,27 @@ def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start
         SegmentReport(segment=segment, status=status, start_step=start, end_step=end,  # type: ignore[arg-type]
                       checkpoint=str(ckpt) if end and ckpt.exists() else None, world_size=env.world_size,
                       topology=env.topology, note=note).write(run_dir.root)
+
+
+class ProgressLine:
+    """Rank 0's periodic progress line: step, loss, tokens/s and ETA, at the first step, then at most every
+    ``every_s`` seconds (SHARDKEEPER_PROGRESS_S, default 10), and at the last step."""
+
+    def __init__(self, start: int, until: int, tokens_per_step: int, every_s: float | None = None):
+        import os
+
+        self.start, self.until, self.tokens_per_step = start, until, tokens_per_step
+        self.every_s = float(os.environ.get("SHARDKEEPER_PROGRESS_S", "10")) if every_s is None else every_s
+        self.t0 = time.perf_counter()
+        self.last: float | None = None
+
+    def update(self, step: int, loss: float) -> str | None:
+        now = time.perf_counter()
+        if self.last is not None and step < self.until and now - self.last < self.every_s:
+            return None
+        self.last = now
+        done = step - self.start
+        rate = done / max(now - self.t0, 1e-9)  # steps per second over this segment
+        eta = (self.until - step) / rate if rate > 0 else 0.0
+        return (f"step {step}/{self.until} loss {loss:.4f} {rate * self.tokens_per_step:,.0f} tokens/s "
+                f"ETA {int(eta // 60)}m{int(eta % 60):02d}s")
