@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from schemas.seam import EXIT_CANCELLED
 from infra.serve import DEMO_DEPLOYMENT, DEMO_RUN_DIR, REPO
 from infra.server import (
     DEFAULT_HOME,
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_CANCELLED  # 128 + SIGINT
     finally:
         if serving is not None:
             stop_process_group(serving.pid, what="serving process", signals=SERVE_STOP_SIGNALS)

@@ -27,7 +27,7 @@ from rich.table import Table
 
 from ckpt.layout import RunDir
 from schemas.errors import ShardkeeperError
-from schemas.seam import RANK_ERROR_PREFIX
+from schemas.seam import EXIT_CANCELLED, RANK_ERROR_PREFIX
 
 try:  # typer >= 0.20 vendors click as typer._click; older ones raise click's own exceptions
     from typer._click.exceptions import ClickException as _TyperClickException
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else _error(str(e.code), 2))
     except (KeyboardInterrupt, typer.Abort):
         console.print("interrupted")
-        return 130
+        return EXIT_CANCELLED  # 128 + SIGINT
     except _CLICK_ERRORS as e:
         return _usage_error(e)
     except OSError as e:  # a user path that cannot be read or written
