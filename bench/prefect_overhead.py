@@ -51,7 +51,7 @@ def stages(run: Path, work: Path) -> list[Stage]:
     return [
         ("load-run-spec", lambda: load_run_spec(run / "run.yaml"), lambda: tasks.load_spec(str(run / "run.yaml"))),
         ("plan-topology", lambda: plain.plan_topology(spec, 2), lambda: tasks.plan_topology(spec, 2)),
-        ("inspect-run", lambda: tasks.run_state(run), lambda: tasks.inspect_run(str(run))),
+        ("inspect-run", lambda: plain.run_state(run), lambda: tasks.inspect_run(str(run))),
         ("reshard (DCP no-op)", lambda: plain.reshard(ckpt, 3), lambda: tasks.reshard(ckpt, 3)),
         ("validate (deep)", lambda: plain.validate_checkpoint(ckpt, deep=True), lambda: tasks.validate(ckpt, deep=True)),
         ("export (bf16)", lambda: plain.export_and_record(ckpt, export_dir, dtype="bfloat16", overwrite=True),
@@ -106,7 +106,7 @@ def _train_both_ways(run: Path) -> tuple[str, float, float]:
 
     spec = load_run_spec(run / "run.yaml")
     topo = plain.plan_topology(spec, 2)
-    step = tasks.run_state(run).step
+    step = plain.run_state(run).step
     t0 = time.perf_counter()
     plain.train_segment(spec, run, topo, step + 5, sink=lambda line: None)
     plain_ms = (time.perf_counter() - t0) * 1000
