@@ -7,6 +7,10 @@ in tests run against it and the browser test can open its UI. It replaces ``pref
 
 ``tiny_run``: the tiny model trained 5 steps on 2 ranks through ``shardkeeper.stages`` (one torchrun
 launch, ~10 s), shared read-only: copy it before changing anything.
+
+``ds_run``: the same for DeepSpeed ZeRO-2. Both are guarded: a test that changes anything inside one (a
+lineage line appended by an export or ``validate --deep``, a file planted) errors, naming the path, so no
+test depends on another's side effects on a shared fixture.
 """
 
 from __future__ import annotations
@@ -77,6 +81,37 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert result.status == "completed", result.failure
     return run
 
+
+
+SHARED_RUNS = ("tiny_run", "ds_run")
+
+
+def tree_state(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file and folder under ``root`` with its size and modification time (ns)."""
+    state = {}
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        state[str(path.relative_to(root))] = (st.st_size if path.is_file() else -1, st.st_mtime_ns)
+    return state
+
+
+@pytest.fixture(autouse=True)
+def _shared_runs_stay_untouched(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails the test that modified a shared session run (it must copy the run first)."""
+    used = [name for name in SHARED_RUNS if name in request.fixturenames]
+    if not used:
+        yield
+        return
+    runs = {name: request.getfixturevalue(name) for name in used}
+    before = {name: tree_state(run) for name, run in runs.items()}
+    yield
+    for name, run in runs.items():
+        after = tree_state(run)
+        changed = sorted(set(before[name]) ^ set(after)) + \
+            sorted(k for k in set(before[name]) & set(after) if before[name][k] != after[k])
+        if changed:
+            pytest.fail(f"this test modified the shared fixture {name} ({', '.join(changed[:5])}): "
+                        "copy it first (it is shared read-only by the whole session)", pytrace=False)
 
 
 @pytest.fixture

@@ -172,7 +172,9 @@ def test_pristine_copies_are_valid(tiny_run: Path, ds_run: Path, tmp_path: Path)
     for src in (tiny_run / "checkpoints" / TINY_STEP, ds_run / "checkpoints" / DS_STEP):
         report = validate(src, deep=True)
         assert report.valid, report.errors
-    export_and_record(tiny_run / "checkpoints" / TINY_STEP, tmp_path / "export")
+    run = tmp_path / "run"  # exporting records lineage in the run: a private copy, not the shared one
+    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns(".lock"))
+    export_and_record(run / "checkpoints" / TINY_STEP, tmp_path / "export")
 
 
 # ------------------------------------------------------------------------------------------ DeepSpeed

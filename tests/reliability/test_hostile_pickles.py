@@ -230,11 +230,12 @@ def test_genuine_checkpoints_still_read(dcp_ckpt: Path, ds_ckpt: Path, tmp_path:
         for key in reader.tensor_keys():
             assert torch.equal(sd[key], reader.read(key)), key
         assert sd[VALUE] == reader.read_bytes_value(VALUE) and isinstance(sd[VALUE], float)
-    assert main(["validate", "--deep", str(dcp_ckpt)]) == 0
+    # validate --deep records lineage in the run directory: on private copies, not the shared runs
+    assert main(["validate", "--deep", str(victim(dcp_ckpt, tmp_path / "dcp"))]) == 0
     for f in sorted(ds_ckpt.glob("*.pt")):
         ours, theirs = _engine_load(f), torch.load(f, weights_only=False)  # noqa: S614 - our own fresh run
         _same(ours, theirs, f.name)
-    assert main(["validate", "--deep", str(ds_ckpt)]) == 0
+    assert main(["validate", "--deep", str(victim(ds_ckpt, tmp_path / "ds"))]) == 0
 
 
 def _same(a: object, b: object, where: str) -> None:
