@@ -55,12 +55,12 @@ def _loss_markdown(run_dir: Path, png: Path, title: str) -> str:
     return "\n".join(lines)
 
 
-@task(name="mirror-lineage", cache_policy=NO_CACHE)
 def has_lineage(run_dir: str) -> bool:
     """Has the run recorded any lineage yet (a failure before its first segment has none)?"""
     return RunDir.at(run_dir).has_lineage()
 
 
+@task(name="mirror-lineage", cache_policy=NO_CACHE)
 def mirror_lineage(run_dir: str, run_name: str | None = None) -> LineageArtifacts:
     """Create (a new version of) the table, graph and loss-curve artifacts of a run."""
     root = Path(run_dir).resolve()
