@@ -4,10 +4,11 @@ back-off. Decisions are taken on result schemas only (RunState, SegmentResult)."
 
 from __future__ import annotations
 
+import inspect
 import time
-
+from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from prefect import get_run_logger
 from prefect.exceptions import ParameterTypeError
@@ -17,10 +18,12 @@ from schemas.errors import ConfigError, PipelineError, SegmentCancelled, Segment
 from schemas import RunSpec, SegmentResult
 from schemas.requests import ResumeRequest, SegmentOutcome, SegmentPlan, TrainExportRequest
 from shardkeeper.config import explain
+from tasks.events import emit_segment
 from tasks.stage_tasks import inspect_run, plan_topology, reshard, train_segment
 
 MAX_BACKOFF_S = 600.0
 M = TypeVar("M", bound=BaseModel)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class RequestError(ParameterTypeError):
@@ -31,14 +34,33 @@ class RequestError(ParameterTypeError):
         super().__init__(" ".join(msg.split()))
 
 
-def parse_request(model: type[M], value: object) -> M:
-    """The flow parameter as ``model``, or a RequestError with one line (Prefect's own message is a list)."""
+def parse_request(model: type[M], value: object, source: str = "request") -> M:
+    """The flow parameters as ``model``, or a RequestError with one line (Prefect's own message is a list).
+    ``value``: a model, or a dict of flat parameters (None = not given: the field's default)."""
     if isinstance(value, model):
         return value
+    if isinstance(value, dict):
+        value = {k: v for k, v in value.items() if v is not None}
     try:
         return model.model_validate(value)
     except ValidationError as e:
-        raise RequestError(explain(e, "request", model)) from None
+        raise RequestError(explain(e, source, model).replace("key ", "parameter ", 1)) from None
+
+
+def documented(model: type[BaseModel]) -> Callable[[F], F]:
+    """Append an ``Args:`` section built from ``model``'s field descriptions to a flow function's docstring:
+    Prefect shows these descriptions beside each parameter (UI form, ``prefect deployment inspect``)."""
+    def wrap(fn: F) -> F:
+        names = inspect.signature(fn).parameters
+        lines = [f"    {name}: {model.model_fields[name].description}" for name in names if name in model.model_fields]
+        fn.__doc__ = f"{inspect.cleandoc(fn.__doc__ or '')}\n\nArgs:\n" + "\n".join(lines) + "\n"
+        return fn
+    return wrap
+
+
+def default(model: type[BaseModel], field: str) -> Any:
+    """The schema's default of a field: the flow signature shows it, the schema stays its one home."""
+    return model.model_fields[field].get_default(call_default_factory=True)
 
 
 def check_train_request(request: TrainExportRequest) -> RunSpec:
@@ -66,9 +88,10 @@ def check_train_request(request: TrainExportRequest) -> RunSpec:
 
 
 def check_resume_request(request: ResumeRequest) -> None:
-    """The resume flow's folders exist (relative paths resolve from the flow run's working directory)."""
-    if request.root is not None and not Path(request.root).is_dir():
-        _missing("root", request.root, "the folder that holds the run directories", "/data/runs")
+    """The resume flow's folders exist (relative paths were resolved against base_dir)."""
+    for i, d in enumerate(request.roots):
+        if not Path(d).is_dir():
+            _missing(f"roots[{i}]", d, "the folder that holds the run directories", "/data/runs")
     for i, d in enumerate(request.run_dirs):
         if not Path(d).is_dir():
             _missing(f"run_dirs[{i}]", d, "a run directory", "/data/runs/demo")
@@ -77,8 +100,8 @@ def check_resume_request(request: ResumeRequest) -> None:
 def _missing(field: str, value: str, what: str, example: str) -> None:
     p = Path(value)
     state = "is a file" if p.is_file() else ("is not a folder" if p.exists() else "does not exist")
-    where = "" if p.is_absolute() else f" (relative to the flow run's directory {Path.cwd()})"
-    raise ConfigError(f"{field} {value}: {state}{where}; give {what} as an absolute path, e.g. {example}")
+    raise ConfigError(f"parameter {field} {value}: {state}; give {what} (an absolute path, or relative to the "
+                      f"parameter base_dir), e.g. {example}")
 
 
 def backoff_delay(backoff_s: float, attempt: int) -> float:
@@ -102,6 +125,9 @@ def drive_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preempt
     while True:
         result = train_segment(spec, run_dir, topology, plan.until_step, timeout_s=plan.timeout_s)
         attempts.append(result)
+        retries_left = result.status == "preempted" and len(attempts) <= max_preemption_retries
+        emit_segment(run_dir, spec.name, result, plan.until_step, topology.world_size,
+                     resumed_by="flow" if retries_left else ("automation" if result.status == "preempted" else "none"))
         if result.status == "completed":
             return SegmentOutcome(plan=plan, reshard=resharded, attempts=attempts)
         if result.status == "cancelled":
@@ -113,8 +139,9 @@ def drive_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preempt
                                 f"{result.failure}")
         preemptions = len(attempts)
         if preemptions > max_preemption_retries:
-            raise SegmentPreempted(f"{run_dir}: preempted {preemptions} times before step {plan.until_step} "
-                                   f"(last checkpoint at step {result.end_step}); resume it later (resume flow) "
+            raise SegmentPreempted(f"{run_dir}: preempted {preemptions} time{'s' if preemptions > 1 else ''} before step "
+                                   f"{plan.until_step} (last checkpoint at step {result.end_step}); resume it with "
+                                   "the resume flow (a deployment from infra.deploy does so on the preemption event) "
                                    "or raise max_preemption_retries")
         delay = backoff_delay(backoff_s, preemptions - 1)
         logger.warning("segment %d preempted at step %d; resuming from %s in %.1f s (retry %d of %d)", result.segment,

@@ -5,8 +5,10 @@ Idempotent: a run that is complete is left alone, and a run whose lock is held (
 training now) is skipped, so overlapping schedules never start a second writer.
 
     from flows.resume import resume
-    from schemas.requests import ResumeRequest
-    resume(ResumeRequest(root="runs", nproc=2))
+    resume(roots=["runs"], nproc=2)
+
+Deployed by ``python -m infra.deploy`` with an optional interval schedule and an automation that runs it
+for one run directory (``run_dirs``) as soon as a ``shardkeeper.segment.preempted`` event arrives.
 """
 
 # No `from __future__ import annotations` here: Prefect builds the flow's parameter model from these
@@ -17,8 +19,11 @@ training now) is skipped, so overlapping schedules never start a second writer.
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled
 
+from pathlib import Path
+
 from schemas.errors import RunLockedError, ShardkeeperError
-from flows.common import PipelineError, SegmentCancelled, check_resume_request, parse_request, drive_segment
+from flows.common import (PipelineError, SegmentCancelled, check_resume_request, default, documented, drive_segment,
+                          parse_request)
 from schemas.requests import ResumeItem, ResumeRequest, ResumeSummary, RunState, SegmentPlan
 from tasks.lineage import mirror_lineage
 from tasks.stage_tasks import load_spec, scan_runs
@@ -66,17 +71,40 @@ def _resume_one(state: RunState, request: ResumeRequest) -> ResumeItem:
     return item
 
 
-@flow(name="resume", validate_parameters=False)  # parse_request: one line instead of Prefect's list
-def resume(request: ResumeRequest) -> ResumeSummary:
+def flow_run_name() -> str:
+    """``resume <folders>``: which runs a resume flow run looks at."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters or {}
+    names = [Path(str(d)).name for d in [*(params.get("run_dirs") or []), *(params.get("roots") or [])]]
+    return "resume " + (", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "") if names else "(nothing)")
+
+
+R = ResumeRequest
+
+
+# validate_parameters=False: parse_request gives one line instead of Prefect's list of errors.
+@flow(name="resume", flow_run_name=flow_run_name, validate_parameters=False)
+@documented(ResumeRequest)
+def resume(
+    roots: list[str] = default(R, "roots"),
+    run_dirs: list[str] = default(R, "run_dirs"),
+    nproc: int | None = None,
+    max_preemption_retries: int = default(R, "max_preemption_retries"),
+    backoff_s: float = default(R, "backoff_s"),
+    timeout_s: float | None = None,
+    base_dir: str | None = None,
+) -> ResumeSummary:
     """Scan -> for each resumable run: (reshard) -> train to its recorded until_step -> lineage artifacts.
 
-    Cancelling the flow run stops the segment training now (checkpoint committed, segment 'cancelled')
-    and resumes no other run; the flow run ends Cancelled."""
+    A run whose lock is held (training now) is skipped, as is one whose last segment was cancelled or
+    completed. Cancelling the flow run stops the segment training now (checkpoint committed, segment
+    'cancelled') and resumes no other run; the flow run ends Cancelled."""
+    request = parse_request(ResumeRequest, dict(locals()), "resume").resolved()
     logger = get_run_logger()
-    request = parse_request(ResumeRequest, request)
     check_resume_request(request)
     items: list[ResumeItem] = []
-    for state in scan_runs(request.root, request.run_dirs):
+    for state in scan_runs(request.roots, request.run_dirs):
         try:
             item = triage(state) or _resume_one(state, request)
         except SegmentCancelled as e:

@@ -2,13 +2,16 @@
 preemptions), validate the final checkpoint deeply, export it to safetensors, publish it, and mirror
 the run's lineage into Prefect artifacts.
 
-    from flows.train_and_export import train_and_export
-    from schemas.requests import TrainExportRequest
-    train_and_export(TrainExportRequest(config="configs/tiny.yaml", run_dir="runs/demo",
-                     segments=[{"nproc": 2, "until_step": 10}, {"nproc": 3, "until_step": 20}],
-                     publish_target="file:///tmp/published"))
+Flat parameters (one per field of ``schemas.requests.TrainExportRequest``), so a deployment's values are
+the defaults of its runs and ``--param`` overrides one at a time:
 
-As a deployment: ``python -m infra.serve`` then ``prefect deployment run 'train-and-export/demo' --watch``.
+    from flows.train_and_export import train_and_export
+    train_and_export(config="configs/tiny.yaml", run_dir="runs/demo",
+                     segments=[{"nproc": 2, "until_step": 10}, {"nproc": 3, "until_step": 20}],
+                     publish_target="file:///tmp/published")
+
+As a deployment: ``python -m infra.deploy --config ... --run-dir ...`` then
+``prefect deployment run 'train-and-export/NAME' --param segments='[{"nproc": 2, "until_step": 40}]'``.
 """
 
 # No `from __future__ import annotations` here: Prefect builds the flow's parameter model from these
@@ -16,13 +19,15 @@ As a deployment: ``python -m infra.serve`` then ``prefect deployment run 'train-
 # is not fully defined"), so every scheduled run failed before it started.
 
 from pathlib import Path
+from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled
 
-from flows.common import PipelineError, SegmentCancelled, check_train_request, parse_request, drive_segment
+from flows.common import (PipelineError, SegmentCancelled, check_train_request, default, documented, drive_segment,
+                          parse_request)
 from schemas import ExportResult, PublishResult, RunSpec
-from schemas.requests import SegmentOutcome, TrainExportRequest, TrainExportSummary
+from schemas.requests import SegmentOutcome, SegmentPlan, TrainExportRequest, TrainExportSummary
 from tasks.lineage import has_lineage, mirror_lineage
 from tasks.stage_tasks import default_export_dir, export, inspect_run, load_spec, materializing, path_asset, publish, target_asset, validate
 
@@ -54,14 +59,54 @@ def _export_and_publish(request: TrainExportRequest, ckpt: str) -> tuple[int, Ex
     return step, exported, published
 
 
-@flow(name="train-and-export", validate_parameters=False)  # parse_request: one line instead of Prefect's list
-def train_and_export(request: TrainExportRequest) -> TrainExportSummary:
+def flow_run_name() -> str:
+    """``<run dir name> → step N on A,B ranks``: what a flow run trains, readable in the runs list."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters or {}
+    run = Path(str(params.get("run_dir") or "run")).name
+    segments = params.get("segments") or []
+    try:
+        plans = [s if isinstance(s, dict) else s.model_dump() for s in segments]
+        ranks = ",".join(str(s["nproc"]) for s in plans)
+        return f"{run} → step {plans[-1]['until_step']} on {ranks} ranks"
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return f"{run} (segments to be checked)"
+
+
+T = TrainExportRequest
+
+
+# validate_parameters=False: parse_request gives one line instead of Prefect's list of errors.
+@flow(name="train-and-export", flow_run_name=flow_run_name, validate_parameters=False)
+@documented(TrainExportRequest)
+def train_and_export(
+    config: str | None = None,
+    run_dir: str | None = None,
+    segments: list[SegmentPlan] | None = None,
+    overrides: list[str] = default(T, "overrides"),
+    spec: RunSpec | None = None,
+    export_dtype: Literal["float32", "bfloat16", "float16"] = default(T, "export_dtype"),
+    max_shard_size: str = default(T, "max_shard_size"),
+    export_dir: str | None = None,
+    overwrite_export: bool = default(T, "overwrite_export"),
+    publish_target: str | None = None,
+    publish_revision: str | None = None,
+    max_preemption_retries: int = default(T, "max_preemption_retries"),
+    backoff_s: float = default(T, "backoff_s"),
+    deep_validate: bool = default(T, "deep_validate"),
+    base_dir: str | None = None,
+) -> TrainExportSummary:
     """Segments -> (reshard) -> train, resumed after preemptions -> validate (deep) -> export -> publish -> lineage.
 
     A cancellation of the flow run (UI, API, ``prefect flow-run cancel``) stops the training segment
     (its ranks commit a checkpoint), starts nothing else and ends the flow run Cancelled."""
+    request = parse_request(TrainExportRequest, dict(locals()), "train-and-export").resolved()
+    return _train_and_export(request)
+
+
+def _train_and_export(request: TrainExportRequest) -> TrainExportSummary:
     logger = get_run_logger()
-    request = parse_request(TrainExportRequest, request)
     check_train_request(request)  # before any task: a bad request fails with one line and writes nothing
     spec: RunSpec = load_spec(request.config, request.spec, request.overrides)
     outcomes: list[SegmentOutcome] = []

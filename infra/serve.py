@@ -7,7 +7,9 @@
 ``train-and-export/demo`` runs the tiny model (configs/tiny.yaml) on 2 ranks to step 10, then on 3
 ranks to step 20 (global batch 12 divides both), exports bfloat16 to RUN_DIR/exports/step-00000020 and
 publishes to file://RUN_DIR/published; RUN_DIR is runs/demo. ``resume/resume`` resumes every
-preempted run under runs/ at 2 ranks; its interval schedule is off unless ``--resume-every SECONDS``.
+preempted run under runs/ (or the ``--root`` folders) at 2 ranks; its interval schedule is off unless
+``--resume-every SECONDS``. For your own model, config and run root use ``python -m infra.deploy``
+(deployments on a work pool, run by ``prefect worker start``).
 At most one flow run executes at a time (``--limit``): the ranks need the CPU cores.
 """
 
@@ -31,7 +33,7 @@ DEMO_DEPLOYMENT = "train-and-export/demo"
 RESUME_DEPLOYMENT = "resume/resume"
 
 
-def demo_request(run_dir: Path = DEMO_RUN_DIR) -> dict[str, Any]:
+def demo_parameters(run_dir: Path = DEMO_RUN_DIR) -> dict[str, Any]:
     """Parameters of the demo deployment: two segments at world sizes 2 and 3, export, file:// publish."""
     from schemas.requests import SegmentPlan, TrainExportRequest
 
@@ -40,25 +42,27 @@ def demo_request(run_dir: Path = DEMO_RUN_DIR) -> dict[str, Any]:
         segments=[SegmentPlan(nproc=2, until_step=10), SegmentPlan(nproc=3, until_step=20)],
         export_dtype="bfloat16", max_shard_size="5GB", publish_target=(run_dir / "published").as_uri(), backoff_s=2.0,
     )
-    return {"request": req.model_dump(mode="json")}
+    return req.parameters()
 
 
-def resume_request(root: Path = RUNS, nproc: int = 2) -> dict[str, Any]:
+def resume_parameters(roots: list[Path], nproc: int = 2) -> dict[str, Any]:
     from schemas.requests import ResumeRequest
 
-    return {"request": ResumeRequest(root=str(root), nproc=nproc, backoff_s=2.0).model_dump(mode="json")}
+    return ResumeRequest(roots=[str(r) for r in roots], nproc=nproc, backoff_s=2.0).parameters()
 
 
-def deployments(resume_every_s: float | None) -> list[Any]:
+def deployments(resume_every_s: float | None, roots: list[Path] | None = None) -> list[Any]:
     from flows.resume import resume
     from flows.train_and_export import train_and_export
 
+    roots = roots or [RUNS]
     return [
-        train_and_export.to_deployment(name="demo", parameters=demo_request(), tags=["shardkeeper", "demo"],
+        train_and_export.to_deployment(name="demo", parameters=demo_parameters(), tags=["shardkeeper", "demo"],
                                        description="Tiny model: 2 ranks to step 10, 3 ranks to step 20, export, publish"),
-        resume.to_deployment(name="resume", parameters=resume_request(), tags=["shardkeeper"],
+        resume.to_deployment(name="resume", parameters=resume_parameters(roots), tags=["shardkeeper"],
                              interval=resume_every_s or None,
-                             description="Resume preempted runs under runs/ (schedule with --resume-every)"),
+                             description=f"Resume preempted runs under {', '.join(map(str, roots))} "
+                                         "(schedule with --resume-every)"),
     ]
 
 
@@ -69,6 +73,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--home", type=Path, default=DEFAULT_HOME, help="PREFECT_HOME (default .prefect/)")
     p.add_argument("--resume-every", type=float, default=0.0, metavar="SECONDS",
                    help="run the resume deployment on this interval (default 0: no schedule)")
+    p.add_argument("--root", type=Path, action="append", default=None, metavar="FOLDER",
+                   help="folder of run directories the resume deployment scans (repeatable; default runs/)")
     p.add_argument("--limit", type=int, default=1, help="flow runs executed at once")
     return p.parse_args(argv)
 
@@ -81,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     api_url = os.environ.get("PREFECT_API_URL") or f"http://{DEFAULT_HOST}:{args.port}/api"
     os.environ.update(prefect_env(home, api_url))
     home.mkdir(parents=True, exist_ok=True)
+    args.root = [r.resolve() for r in args.root or []]  # from the caller's directory, before the chdir
     os.chdir(REPO)
     from infra.server import is_healthy
 
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from prefect import serve
 
-        serve(*deployments(args.resume_every), limit=args.limit, print_starting_message=True)
+        serve(*deployments(args.resume_every, args.root), limit=args.limit, print_starting_message=True)
     finally:
         (home / SERVE_PID).unlink(missing_ok=True)
     return 0

@@ -6,7 +6,8 @@ Pydantic only (no torch, no prefect): a bad request fails validation before anyt
 from __future__ import annotations
 
 import re
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -16,6 +17,27 @@ from schemas.run import RunSpec
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _absolute(path: str | None, base: str | None) -> str | None:
+    """``path`` made absolute against ``base`` (or the current directory); URLs and None unchanged."""
+    if path is None or "://" in path:
+        return path
+    p = Path(path).expanduser()
+    return str(p if p.is_absolute() else Path(base or Path.cwd()).expanduser() / p)
+
+
+class _FlowParameters(_Frozen):
+    """A flow's parameters as one model: each field is one flat flow parameter."""
+
+    base_dir: str | None = Field(
+        None, description="folder that relative paths resolve against; default: the flow run's working directory "
+        "(`python -m infra.deploy` sets it to the folder it was run from)"
+    )
+
+    def parameters(self) -> dict[str, Any]:
+        """The flat flow parameters (JSON values) that differ from the defaults: for a call or a deployment."""
+        return self.model_dump(mode="json", exclude_defaults=True)
 
 
 class SegmentPlan(_Frozen):
@@ -35,7 +57,7 @@ def _not_blank(v: str | None, what: str) -> str | None:
     return v
 
 
-class TrainExportRequest(_Frozen):
+class TrainExportRequest(_FlowParameters):
     """Parameters of the ``train-and-export`` flow."""
 
     config: str | None = Field(None, description="path of a RunSpec YAML, e.g. configs/tiny.yaml (or give spec)")
@@ -63,7 +85,7 @@ class TrainExportRequest(_Frozen):
     )
     publish_revision: str | None = Field(None, description="branch to publish to (default: main)")
 
-    @field_validator("config", "run_dir", "export_dir", "publish_target", "publish_revision")
+    @field_validator("config", "run_dir", "export_dir", "publish_target", "publish_revision", "base_dir")
     @classmethod
     def _paths_not_blank(cls, v: str | None, info: ValidationInfo) -> str | None:
         return _not_blank(v, str(info.field_name))
@@ -97,34 +119,42 @@ class TrainExportRequest(_Frozen):
                                  f"{steps[i - 1]}; list segments in training order with strictly increasing until_step")
         return self
 
+    def resolved(self) -> TrainExportRequest:
+        """The same request with config, run_dir and export_dir absolute (against base_dir)."""
+        b = self.base_dir
+        return self.model_copy(update={"config": _absolute(self.config, b), "run_dir": _absolute(self.run_dir, b),
+                                       "export_dir": _absolute(self.export_dir, b)})
 
-class ResumeRequest(_Frozen):
-    """Parameters of the ``resume`` flow (meant for a schedule)."""
 
-    root: str | None = Field(None, description="folder whose immediate subfolders are run directories to scan")
-    run_dirs: list[str] = Field(default_factory=list, description="run directories to scan (in addition to root)")
+class ResumeRequest(_FlowParameters):
+    """Parameters of the ``resume`` flow (meant for a schedule, or an automation on a preemption event)."""
+
+    roots: list[str] = Field(default_factory=list, description="folders whose immediate subfolders are run "
+                             "directories to scan, e.g. [\"/data/runs\"]")
+    run_dirs: list[str] = Field(default_factory=list, description="run directories to scan (in addition to roots)")
     nproc: int = Field(ge=1, description="ranks to resume each run on (the run is resharded if this differs)")
     max_preemption_retries: int = Field(3, ge=0, description="times a preempted segment is resumed before giving up")
     backoff_s: float = Field(5.0, ge=0, description="wait before a resume; doubles after each preemption")
     timeout_s: float | None = Field(None, gt=0, description="stop each resumed segment after this many seconds")
 
-    @field_validator("root")
+    @field_validator("roots", "run_dirs")
     @classmethod
-    def _root_not_blank(cls, v: str | None) -> str | None:
-        return _not_blank(v, "root")
-
-    @field_validator("run_dirs")
-    @classmethod
-    def _run_dirs_not_blank(cls, v: list[str]) -> list[str]:
+    def _not_blank_items(cls, v: list[str], info: ValidationInfo) -> list[str]:
         for i, d in enumerate(v):
-            _not_blank(d, f"run_dirs[{i}]")
+            _not_blank(d, f"{info.field_name}[{i}]")
         return v
 
     @model_validator(mode="after")
     def _check(self) -> ResumeRequest:
-        if self.root is None and not self.run_dirs:
-            raise ValueError("give root (a folder of run directories) or run_dirs (a list); both are empty")
+        if not self.roots and not self.run_dirs:
+            raise ValueError("give roots (folders of run directories) or run_dirs (run directories); both are empty")
         return self
+
+    def resolved(self) -> ResumeRequest:
+        """The same request with every folder absolute (against base_dir)."""
+        b = self.base_dir
+        return self.model_copy(update={"roots": [_absolute(r, b) for r in self.roots],
+                                       "run_dirs": [_absolute(d, b) for d in self.run_dirs]})
 
 
 class RunState(_Frozen):

@@ -372,9 +372,10 @@ def run_dirs_under(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and (RunDir(p).spec_path.exists() or RunDir(p).checkpoints.is_dir()))
 
 
-def scan_runs(root: str | None, run_dirs: list[str]) -> list[RunState]:
-    """The state of every run directory under ``root`` and in ``run_dirs`` (each once)."""
-    found = run_dirs_under(Path(root)) if root else []
+def scan_runs(roots: str | list[str] | None, run_dirs: list[str]) -> list[RunState]:
+    """The state of every run directory under ``roots`` (one folder or several) and in ``run_dirs`` (each once)."""
+    roots = [roots] if isinstance(roots, str) else list(roots or [])
+    found = [d for root in roots for d in run_dirs_under(Path(root))]
     seen: dict[Path, None] = {}
     for p in [*found, *(Path(d) for d in run_dirs)]:
         seen.setdefault(p.resolve(), None)

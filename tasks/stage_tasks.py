@@ -61,11 +61,11 @@ def inspect_run(run_dir: str) -> RunState:
 
 
 @task(name="scan-runs", cache_policy=NO_CACHE)
-def scan_runs(root: str | None, run_dirs: list[str]) -> list[RunState]:
-    """The state of every run directory under ``root`` and in ``run_dirs`` (each once)."""
+def scan_runs(roots: list[str], run_dirs: list[str]) -> list[RunState]:
+    """The state of every run directory under the ``roots`` folders and in ``run_dirs`` (each once)."""
     from shardkeeper.stages import scan_runs as scan
 
-    return scan(root, run_dirs)
+    return scan(roots, run_dirs)
 
 
 @task(name="plan-topology", cache_policy=NO_CACHE)
@@ -79,7 +79,8 @@ def plan_topology(spec: RunSpec, nproc: int, launcher: str = "local") -> Cluster
       task_run_name="train-to-step-{until_step}-on-{topology.procs_per_node}-ranks")
 def train_segment(spec: RunSpec, run_dir: str, topology: ClusterTopology, until_step: int,
                   timeout_s: float | None = None) -> SegmentResult:
-    """Launch one segment; every line of the ranks' output goes to this task's log.
+    """Launch one segment; every line of the ranks' output goes to this task's log, and its progress to a
+    progress artifact and a live table artifact (tasks/live.py), with a checkpoint event per commit.
 
     ``timeout_s`` is handled by the launcher, not by Prefect: at the timeout the ranks get SIGTERM,
     commit a checkpoint and the segment ends 'preempted' (a hard kill would lose the step).
@@ -88,12 +89,16 @@ def train_segment(spec: RunSpec, run_dir: str, topology: ClusterTopology, until_
     (exit code 130); see FlowRunCancelWatch for how the cancellation is seen."""
     from shardkeeper import stages
 
+    from tasks.live import SegmentWatch
+
     logger = get_run_logger()
     watch = FlowRunCancelWatch.for_current_flow_run()
+    live = SegmentWatch(run_dir, spec.name, until_step).start()
     try:
         result = stages.train_segment(spec, run_dir, topology, until_step, timeout_s=timeout_s,
                                       sink=lambda line: logger.info("%s", line), cancel_check=watch)
     finally:
+        live.stop()
         if watch is not None:
             watch.stop()
     summary = (f"segment {result.segment} {result.status}: steps {result.start_step} -> {result.end_step} "

@@ -386,7 +386,7 @@ def test_flow_runs_a_deepspeed_run_at_two_sizes_and_exports(prefect_server: obje
         run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=CUT), SegmentPlan(nproc=3, until_step=END)],
         export_dtype="float32", publish_target=(run / "published").as_uri(), backoff_s=0,
     )
-    summary = train_and_export(request)
+    summary = train_and_export(**request.parameters())
     assert summary.status == "completed" and summary.final_step == END
     second = summary.segments[1]
     assert second.reshard is not None and second.reshard.method == "deepspeed-universal"

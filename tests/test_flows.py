@@ -53,7 +53,7 @@ def read_artifacts(flow_run_id: Any) -> dict[str, Any]:
 def run_flow(request: TrainExportRequest) -> tuple[TrainExportSummary, Any]:
     from flows.train_and_export import train_and_export
 
-    state = train_and_export(request, return_state=True)
+    state = train_and_export(**request.parameters(), return_state=True)
     return state.result(), state.state_details.flow_run_id
 
 
@@ -204,7 +204,7 @@ def test_failed_segment_stops_with_the_rank_error(prefect_server: Any, tmp_path:
     run = tmp_path / "failing"
     request = TrainExportRequest(spec=spec, run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=4)], backoff_s=0)
     with pytest.raises(SegmentFailed, match="failing rank's last lines") as err:
-        train_and_export(request)
+        train_and_export(**request.parameters())
     end = [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines()][-1]
     assert end["status"] == "failed" and end["failure"] and end["failure"] in str(err.value)
     assert not (run / "exports").exists()
@@ -223,7 +223,7 @@ def test_corrupt_final_checkpoint_stops_before_export(prefect_server: Any, tiny_
     request = TrainExportRequest(config=TINY, run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=5)],
                                  publish_target=(tmp_path / "pub").as_uri())
     with pytest.raises(CheckpointInvalid, match="checksum .* the file is corrupted; nothing was exported"):
-        train_and_export(request)
+        train_and_export(**request.parameters())
     assert not (run / "exports").exists() and not (tmp_path / "pub").exists()
 
 
@@ -247,7 +247,7 @@ def test_bad_request_fails_the_flow_before_anything_runs(prefect_server: Any, tm
     run = tmp_path / "never"
     bad = {"config": TINY, "run_dir": str(run), "segments": [{"nproc": 2, "until_step": 8}, {"nproc": 3, "until_step": 2}]}
     with pytest.raises(ParameterTypeError, match="strictly increasing"):
-        train_and_export(request=bad)
+        train_and_export(**bad)
     assert not run.exists()
 
 
@@ -281,7 +281,7 @@ def test_resume_flow_resumes_preempted_and_skips_locked_and_done(prefect_server:
     done = copy_run(tiny_run, root / "c-done")
     (root / "not-a-run").mkdir()
     with RunLock(locked):
-        summary = resume(ResumeRequest(root=str(root), nproc=3, backoff_s=0))
+        summary = resume(roots=[str(root)], nproc=3, backoff_s=0)
     actions = {Path(i.run_dir).name: i.action for i in summary.items}
     assert actions == {"a-preempted": "resumed", "b-locked": "skipped-locked", "c-done": "skipped-done"}
     item = next(i for i in summary.items if i.action == "resumed")
@@ -291,7 +291,7 @@ def test_resume_flow_resumes_preempted_and_skips_locked_and_done(prefect_server:
     resumes = [e for e in events if e.kind == "resume"]
     assert resumes and (resumes[-1].data["from_world_size"], resumes[-1].data["to_world_size"]) == (2, 3)
     assert not (locked / "checkpoints" / "step-00000008").exists() and not (done / "checkpoints" / "step-00000008").exists()
-    again = resume(ResumeRequest(run_dirs=[str(preempted)], nproc=3, backoff_s=0))  # idempotent
+    again = resume(run_dirs=[str(preempted)], nproc=3, backoff_s=0)  # idempotent
     assert [i.action for i in again.items] == ["skipped-done"]
 
 

@@ -27,9 +27,7 @@ pytestmark = pytest.mark.slow
 SERVE = """
 import sys
 from flows.resume import resume
-from schemas.requests import ResumeRequest
-req = ResumeRequest(root=sys.argv[1], nproc=1, backoff_s=0.0)
-resume.serve(name=sys.argv[2], parameters={"request": req.model_dump(mode="json")}, interval=5, limit=1)
+resume.serve(name=sys.argv[2], parameters={"roots": [sys.argv[1]], "nproc": 1, "backoff_s": 0.0}, interval=5, limit=1)
 """
 
 

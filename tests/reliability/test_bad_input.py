@@ -353,7 +353,7 @@ REQUEST_CASES: list[ReqCase] = [
     ReqCase("bad-override", "train", treq(overrides=["optim.lr"]), "overrides", True),
     ReqCase("bad-max-shard-size", "train", treq(max_shard_size="big"), "max_shard_size", True),
     ReqCase("bad-export-dtype", "train", treq(export_dtype="int8"), "export_dtype", True),
-    ReqCase("config-relative-missing", "train", treq(config="configs/nope.yaml"), "relative to the flow run's directory"),
+    ReqCase("config-relative-missing", "train", treq(config="configs/nope.yaml"), "relative to the parameter base_dir"),
     ReqCase("config-absolute-missing", "train", treq(config=lambda t: str(t / "nope.yaml")), "nope.yaml: does not exist"),
     ReqCase("config-is-directory", "train", treq(config=lambda t: str(t)), "is not a folder"),
     ReqCase("override-unknown-key", "train", treq(overrides=["optim.lrr=1"]), "optim.lrr"),
@@ -366,12 +366,12 @@ REQUEST_CASES: list[ReqCase] = [
     ReqCase("override-missing-token-file", "train",
             treq(overrides=lambda t: ["data.source=tokens", f"data.path={t / 'none.bin'}"]), "none.bin"),
     ReqCase("export-dir-is-file", "train", treq(export_dir=lambda t: touch(t, "ex")), "export_dir"),
-    ReqCase("resume-nothing-to-scan", "resume", lambda t: {"nproc": 2}, "give root", True),
-    ReqCase("resume-nproc-zero", "resume", lambda t: {"root": str(t), "nproc": 0}, "nproc", True),
-    ReqCase("resume-root-missing", "resume", lambda t: {"root": str(t / "runs"), "nproc": 2}, "root"),
-    ReqCase("resume-root-relative-missing", "resume", lambda t: {"root": "no/such/runs", "nproc": 2},
-            "relative to the flow run's directory"),
-    ReqCase("resume-root-is-file", "resume", lambda t: {"root": touch(t, "rootfile"), "nproc": 2}, "is a file"),
+    ReqCase("resume-nothing-to-scan", "resume", lambda t: {"nproc": 2}, "give roots", True),
+    ReqCase("resume-nproc-zero", "resume", lambda t: {"roots": [str(t)], "nproc": 0}, "nproc", True),
+    ReqCase("resume-root-missing", "resume", lambda t: {"roots": [str(t / "runs")], "nproc": 2}, "roots[0]"),
+    ReqCase("resume-root-relative-missing", "resume", lambda t: {"roots": ["no/such/runs"], "nproc": 2},
+            "relative to the parameter base_dir"),
+    ReqCase("resume-root-is-file", "resume", lambda t: {"roots": [touch(t, "rootfile")], "nproc": 2}, "is a file"),
     ReqCase("resume-run-dir-missing", "resume", lambda t: {"run_dirs": [str(t / "gone")], "nproc": 2}, "run_dirs[0]"),
 ]
 
@@ -389,7 +389,7 @@ def test_flow_request_is_refused_in_one_line_before_anything_runs(case: ReqCase,
     before = snapshot(ws)
     model = TrainExportRequest if case.model == "train" else ResumeRequest
     with pytest.raises((RequestError, ShardkeeperError)) as info:
-        request = parse_request(model, raw)
+        request = parse_request(model, raw).resolved()  # as the flows do: relative paths against base_dir
         assert not case.parse_only, "the request model accepted it"
         (check_train_request if case.model == "train" else check_resume_request)(request)
     msg = str(info.value)
@@ -406,8 +406,8 @@ def test_flow_state_carries_the_one_line(prefect_server: object, tmp_path: Path)
     from flows.train_and_export import train_and_export
 
     run = tmp_path / "never"
-    state: State = train_and_export(request={"config": TINY, "run_dir": str(run), "overrides": ["model.config.hiden_size=8"],
-                                             "segments": [{"nproc": 2, "until_step": 2}]}, return_state=True)
+    state: State = train_and_export(config=TINY, run_dir=str(run), overrides=["model.config.hiden_size=8"],
+                                         segments=[{"nproc": 2, "until_step": 2}], return_state=True)
     assert state.is_failed()
     assert "model.config.hiden_size" in (state.message or "") and "\n" not in (state.message or "")
     assert not run.exists()

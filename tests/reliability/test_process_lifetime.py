@@ -162,7 +162,7 @@ def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(pref
         wait_until(deployed, 180, "the served deployment", period=1.0)
         request = TrainExportRequest(config=TINY, run_dir=str(run), backoff_s=0, max_preemption_retries=3,
                                      segments=[SegmentPlan(nproc=2, until_step=BIG - 1), SegmentPlan(nproc=2, until_step=BIG)])
-        flow_run = run_deployment(f"train-and-export/{name}", parameters={"request": request.model_dump(mode="json")},
+        flow_run = run_deployment(f"train-and-export/{name}", parameters=request.parameters(),
                                   timeout=0)
         wait_training(run, steps=2, timeout=300)
         with get_client(sync_client=True) as client:

@@ -1,0 +1,197 @@
+"""Register the shardkeeper flows as deployments for YOUR run, on a Prefect work pool:
+
+    python -m infra.deploy --config configs/my-model.yaml --run-dir /data/runs/llama-ft \\
+        --segments 8:2000 --resume-every 600
+    prefect worker start --pool shardkeeper                      # on each machine that launches segments
+    prefect deployment run 'train-and-export/llama-ft'           # the deployment's parameters ...
+    prefect deployment run 'train-and-export/llama-ft' --param segments='[{"nproc": 4, "until_step": 4000}]'
+
+What it registers (NAME defaults to the run directory's name):
+
+``train-and-export/NAME``  flat parameters (``config``, ``run_dir``, ``segments``, ``export_dtype``,
+                          ``publish_target``, ... see ``prefect deployment inspect``) whose defaults are the
+                          values given here; ``--param`` overrides one at a time. ``base_dir`` is the folder
+                          this command ran in: relative paths given later resolve against it.
+``resume/NAME``            scans ``roots`` (default: the run directory's parent folder) and resumes each
+                          preempted / failed / interrupted run to its recorded until_step, skipping runs
+                          whose lock is held and runs a person cancelled. Optional interval schedule
+                          (``--resume-every``), and an automation (on unless ``--no-automation``) that runs
+                          it for one run as soon as a ``shardkeeper.segment.preempted`` event says the
+                          flow run that trained it has given up (its ``max_preemption_retries`` spent).
+
+Flow runs execute wherever a worker of the pool runs (``process`` type: the worker starts each flow run
+as a subprocess from this project folder). The configuration is checked before anything is registered:
+a missing config, a world size that does not divide the batch, a model too large for memory -- one
+line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PROJECT = Path(__file__).resolve().parent.parent  # the worker's flow runs load the flows from here
+DEFAULT_POOL = "shardkeeper"
+TRAIN_ENTRYPOINT = "flows/train_and_export.py:train_and_export"
+RESUME_ENTRYPOINT = "flows/resume.py:resume"
+
+
+def parse_segments(text: str) -> list[dict[str, int]]:
+    """``"2:10,3:20"`` -> two segments: 2 ranks to step 10, then 3 ranks to step 20."""
+    out = []
+    for item in text.split(","):
+        nproc, sep, until = item.strip().partition(":")
+        if not sep or not nproc.strip().isdigit() or not until.strip().isdigit():
+            raise ValueError(f"--segments {text!r}: expected NPROC:UNTIL_STEP[,NPROC:UNTIL_STEP...], e.g. 2:10,3:20")
+        out.append({"nproc": int(nproc), "until_step": int(until)})
+    return out
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m infra.deploy", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, type=Path, help="RunSpec YAML of the run")
+    p.add_argument("--run-dir", required=True, type=Path, help="run directory (created at the first segment)")
+    p.add_argument("--segments", required=True, type=parse_segments, metavar="NPROC:STEP[,...]",
+                   help="the deployment's default segments, e.g. 2:1000 or 2:1000,4:2000")
+    p.add_argument("--name", help="deployment name (default: the run directory's name)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, as `shardkeeper train --set` (repeatable)")
+    p.add_argument("--pool", default=DEFAULT_POOL, help=f"work pool (created as type 'process' if missing; default "
+                   f"{DEFAULT_POOL})")
+    p.add_argument("--export-dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-shard-size", default=None, help="largest safetensors file, e.g. 5GB")
+    p.add_argument("--publish-target", default=None, help="ORG/NAME (Hub) or an fsspec URL; default: no publish")
+    p.add_argument("--max-preemption-retries", type=int, default=None,
+                   help="resumes inside the flow run before it gives up and leaves it to the automation (default 3)")
+    p.add_argument("--backoff-s", type=float, default=None, help="wait before an in-flow resume (default 5)")
+    p.add_argument("--root", dest="roots", type=Path, action="append", default=None, metavar="FOLDER",
+                   help="folder(s) of run directories the resume deployment scans (default: the run dir's parent)")
+    p.add_argument("--resume-nproc", type=int, default=None, help="ranks to resume on (default: the last segment's)")
+    p.add_argument("--resume-every", type=float, default=0.0, metavar="SECONDS",
+                   help="schedule the resume deployment on this interval (default 0: no schedule)")
+    p.add_argument("--no-automation", action="store_true", help="no resume-on-preemption automation")
+    p.add_argument("--tag", action="append", default=[], help="extra tag on both deployments (repeatable)")
+    return p.parse_args(argv)
+
+
+def requests(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The two deployments' parameters as validated requests (paths absolute, base_dir = this folder)."""
+    from schemas.requests import ResumeRequest, TrainExportRequest
+
+    base = str(Path.cwd())
+    optional = {"export_dtype": args.export_dtype, "max_shard_size": args.max_shard_size,
+                "publish_target": args.publish_target, "max_preemption_retries": args.max_preemption_retries,
+                "backoff_s": args.backoff_s}
+    train = TrainExportRequest(config=str(args.config), run_dir=str(args.run_dir), segments=args.segments,
+                               overrides=args.overrides, base_dir=base,
+                               **{k: v for k, v in optional.items() if v is not None}).resolved()
+    roots = [str(r) for r in args.roots] if args.roots else [str(Path(train.run_dir).parent)]
+    resume = ResumeRequest(roots=roots, nproc=args.resume_nproc or args.segments[-1]["nproc"], base_dir=base,
+                           **({"max_preemption_retries": args.max_preemption_retries}
+                              if args.max_preemption_retries is not None else {})).resolved()
+    return train, resume
+
+
+def resume_trigger(name: str, roots: list[str]) -> Any:
+    """The automation: a segment under one of ``roots`` was preempted and its flow run gave up -> resume/NAME
+    for that run only (``run_dirs`` from the event; ``roots`` emptied so nothing else is touched)."""
+    from prefect.events import DeploymentEventTrigger
+
+    from tasks.events import RESUMED_BY_LABEL, run_resource_match
+
+    return DeploymentEventTrigger(
+        name=f"resume {name} on preemption", expect={"shardkeeper.segment.preempted"},
+        match={"prefect.resource.id": [run_resource_match(r) for r in roots], RESUMED_BY_LABEL: "automation"},
+        parameters={"run_dirs": ["{{ event.payload.run_dir }}"], "roots": []},
+    )
+
+
+async def ensure_pool(name: str) -> bool:
+    """Create work pool ``name`` (type process) if missing; True if a worker polls it now."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    async with get_client() as client:
+        try:
+            pool = await client.read_work_pool(name)
+        except ObjectNotFound:
+            pool = await client.create_work_pool(WorkPoolCreate(
+                name=name, type="process", base_job_template=ProcessWorker.get_default_base_job_template(),
+                description="shardkeeper segments: each flow run launches torchrun from the worker's machine"))
+            print(f"created work pool {name!r} (type process)")
+        status = getattr(pool.status, "value", pool.status)
+        return str(status).upper() == "READY"  # READY: at least one worker polled it recently
+
+
+def deploy(args: argparse.Namespace) -> tuple[str, str]:
+    """Register both deployments (their flows load from PROJECT on the worker's machine)."""
+    from prefect import flow as prefect_flow
+
+    train, resume = requests(args)
+    name = args.name or Path(train.run_dir).name
+    # enforce_parameter_schema=False: the flow checks its parameters itself and fails the flow run with one
+    # line naming the parameter and the fix (Prefect's check would refuse the run with a list of schema errors).
+    common = dict(work_pool_name=args.pool, tags=["shardkeeper", name, *args.tag], enforce_parameter_schema=False)
+    train_dep = prefect_flow.from_source(source=str(PROJECT), entrypoint=TRAIN_ENTRYPOINT).to_deployment(
+        name=name, parameters=train.parameters(), **common,
+        description=f"Train {name} ({train.config}) in {train.run_dir}, then validate, export and publish. "
+                    "Parameters default to the values given at deploy time.")
+    resume_dep = prefect_flow.from_source(source=str(PROJECT), entrypoint=RESUME_ENTRYPOINT).to_deployment(
+        name=name, parameters=resume.parameters(), interval=args.resume_every or None,
+        triggers=[] if args.no_automation else [resume_trigger(name, resume.roots)], **common,
+        description=f"Resume preempted runs under {', '.join(resume.roots)} at {resume.nproc} ranks.")
+    for dep in (train_dep, resume_dep):
+        dep.apply(work_pool_name=args.pool)
+    return f"train-and-export/{name}", f"resume/{name}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parse(argv)
+    except ValueError as e:  # --segments
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from flows.common import check_train_request
+    from schemas.errors import ShardkeeperError
+    from infra.server import is_healthy
+
+    try:
+        train, _ = requests(args)
+        check_train_request(train)  # before anything is registered: a bad config is one line, here
+    except ShardkeeperError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a pydantic ValidationError of the arguments: one line
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()
+    if not api or not is_healthy(api):
+        print(f"error: no Prefect server answers at {api or '(PREFECT_API_URL is not set)'}; start one with "
+              "`python -m infra.server start` and export PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
+        return 2
+    worker_online = asyncio.run(ensure_pool(args.pool))
+    train_name, resume_name = deploy(args)
+    print(f"deployed {train_name} and {resume_name} on work pool {args.pool!r}"
+          f"{'' if args.no_automation else ' (automation: resume on preemption)'}"
+          f"{f', resume every {args.resume_every:g} s' if args.resume_every else ''}")
+    if not worker_online:
+        print(f"no worker polls work pool {args.pool!r} yet: start one with `prefect worker start --pool {args.pool}`")
+    print(f"run it:  prefect deployment run '{train_name}'   (override with --param KEY=VALUE)")
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=os.environ.get("SHARDKEEPER_LOG", "WARNING"))
+    sys.exit(main())
