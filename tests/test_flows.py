@@ -136,6 +136,25 @@ def test_lineage_artifacts_in_prefect(e2e: tuple[TrainExportSummary, Any, Path])
     assert summary.artifacts.loss_png and Path(summary.artifacts.loss_png).is_file()
 
 
+def test_live_progress_artifacts(e2e: tuple[TrainExportSummary, Any, Path]) -> None:
+    """Each train task moved a progress artifact to 100 % and wrote the live table (step, loss, tokens/s)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    summary, flow_run_id, _ = e2e
+
+    async def go() -> list[Any]:
+        async with get_client() as client:
+            return await client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+    arts = asyncio.run(go())
+    progress = [a for a in arts if a.type == "progress"]
+    assert len(progress) == 2 and all(float(a.data) == 100.0 for a in progress)  # one per segment
+    live = [a for a in arts if a.key == "tiny-llama-e2e-live"]
+    texts = [a.data for a in sorted(live, key=lambda a: a.created)]
+    assert "**step 4 / 4**" in texts[0] and "**step 8 / 8**" in texts[-1] and "| step | loss |" in texts[-1]
+
+
 def test_assets_are_declared(e2e: tuple[TrainExportSummary, Any, Path], prefect_server: Any) -> None:
     """Export and publish emit Prefect asset materialization events (the OSS UI shows them as events)."""
     import httpx
