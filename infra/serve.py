@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from infra.server import DEFAULT_HOME, DEFAULT_HOST, DEFAULT_PORT, SERVE_PID, prefect_env, setup_logging
+from infra.server import DEFAULT_HOME, DEFAULT_HOST, DEFAULT_PORT, SERVE_PID, SERVE_STOP_SIGNALS, prefect_env, setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,24 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _stop_previous(home: Path) -> None:
+    """Stop an earlier ``infra.serve`` of this PREFECT_HOME and wait for it to exit: a runner that exits
+    pauses the schedules of its deployments, which would pause the ones registered by this process."""
+    from infra.server import _read_pid, stop_process_group
+
+    rec = _read_pid(home / SERVE_PID)
+    if rec is None or rec[0] == os.getpid():
+        return
+    try:
+        cmdline = Path(f"/proc/{rec[0]}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return  # gone
+    if b"infra.serve" not in cmdline:
+        return  # the pid was reused by something else
+    print(f"stopping the previous serving process (pid {rec[0]}) first", file=sys.stderr)
+    stop_process_group(rec[0], what="serving process", signals=SERVE_STOP_SIGNALS, grace_s=10.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     setup_logging()
@@ -95,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no Prefect server answers at {api_url}; start one with: python -m infra.server start",
               file=sys.stderr)
         return 2
+    _stop_previous(home)
     (home / SERVE_PID).write_text(f"{os.getpid()}\n")
     try:
         from prefect import serve
