@@ -110,3 +110,20 @@ def assert_bitwise(ref: dict[int, dict], got: dict[int, dict], steps: range) -> 
 
 def max_rel(ref: dict[int, dict], got: dict[int, dict], steps: range, key: str = "loss") -> float:
     return max(abs(got[s][key] - ref[s][key]) / abs(ref[s][key]) for s in steps)
+
+
+def copy_run(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns(".lock"))
+    return dest
+
+
+def mark_preempted(run: Path, until_step: int) -> None:
+    """Make a run look like its last segment was preempted before ``until_step`` (what the stage writes)."""
+    last = [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines()][-1]
+    seg, step = last["segment"] + 1, last["end_step"]
+    with open(run / "segments.jsonl", "a") as f:
+        f.write(json.dumps({"event": "start", "segment": seg, "until_step": until_step, "start_step": step,
+                            "world_size": 2, "time": "2026-01-01T00:00:00Z"}) + "\n")
+        f.write(json.dumps({"event": "end", "segment": seg, "status": "preempted", "exit_code": 75, "start_step": step,
+                            "end_step": step, "run_dir": str(run), "checkpoint": None, "seconds": 1.0,
+                            "failure": None}) + "\n")

@@ -26,16 +26,12 @@ from pydantic import ValidationError
 from ckpt.lineage import read_events
 from ckpt.lock import RunLock
 from schemas.requests import ResumeRequest, RunState, SegmentPlan, TrainExportRequest, TrainExportSummary
+from tests.harness import copy_run, mark_preempted
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
 pytestmark = pytest.mark.slow
-
-
-def copy_run(src: Path, dest: Path) -> Path:
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns(".lock"))
-    return dest
 
 
 def read_artifacts(flow_run_id: Any) -> dict[str, Any]:
@@ -276,18 +272,6 @@ def test_request_needs_exactly_one_spec_source(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- resume
-def mark_preempted(run: Path, until_step: int) -> None:
-    """Make a run look like its last segment was preempted before ``until_step`` (what the stage writes)."""
-    last = [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines()][-1]
-    seg, step = last["segment"] + 1, last["end_step"]
-    with open(run / "segments.jsonl", "a") as f:
-        f.write(json.dumps({"event": "start", "segment": seg, "until_step": until_step, "start_step": step,
-                            "world_size": 2, "time": "2026-01-01T00:00:00Z"}) + "\n")
-        f.write(json.dumps({"event": "end", "segment": seg, "status": "preempted", "exit_code": 75, "start_step": step,
-                            "end_step": step, "run_dir": str(run), "checkpoint": None, "seconds": 1.0,
-                            "failure": None}) + "\n")
-
-
 def test_resume_flow_resumes_preempted_and_skips_locked_and_done(prefect_server: Any, tiny_run: Path,
                                                                  tmp_path: Path) -> None:
     from flows.resume import resume

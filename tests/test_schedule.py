@@ -3,7 +3,8 @@ and a served deployment executes them (a dependency pin once broke this silently
 made every scheduler cycle fail while the UI still showed the schedule as active).
 
 The real ``resume`` flow is served in a subprocess against the session's Prefect server, with a
-5-second interval over an empty run root, and must complete scheduled runs by itself.
+5-second interval over a run root holding one preempted run: the first scheduled run resumes it to its
+until_step, the later ones find nothing to do.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from infra.server import prefect_env, stop_process_group
+from tests.harness import copy_run, mark_preempted
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +30,7 @@ pytestmark = pytest.mark.slow
 SERVE = """
 import sys
 from flows.resume import resume
-resume.serve(name=sys.argv[2], parameters={"roots": [sys.argv[1]], "nproc": 1, "backoff_s": 0.0}, interval=5, limit=1)
+resume.serve(name=sys.argv[2], parameters={"roots": [sys.argv[1]], "nproc": 2, "backoff_s": 0.0}, interval=5, limit=1)
 """
 
 
@@ -43,10 +46,14 @@ def _runs_of(deployment_name: str) -> list[Any]:
     return asyncio.run(go())
 
 
-def test_interval_schedule_creates_and_executes_runs(prefect_server: Any, tmp_path: Path) -> None:
+def test_interval_schedule_resumes_a_preempted_run(prefect_server: Any, tiny_run: Path, tmp_path: Path) -> None:
+    from ckpt.lineage import read_events
+    from shardkeeper.stages import run_state
+
     name = f"schedule-{os.getpid()}-{int(time.time())}"  # own deployment: no reliance on the server's other state
     root = tmp_path / "runs"
-    root.mkdir()
+    run = copy_run(tiny_run, root / "preempted")
+    mark_preempted(run, 8)
     env = {**prefect_env(Path(os.environ.get("PREFECT_HOME", tmp_path)), prefect_server.api_url),
            "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-c", SERVE, str(root), name], cwd=ROOT, env=env,
@@ -64,5 +71,13 @@ def test_interval_schedule_creates_and_executes_runs(prefect_server: Any, tmp_pa
                                      + (tmp_path / "serve.log").read_text()[-2000:])
         # They came from the schedule, not from anyone calling the deployment.
         assert all(r.auto_scheduled for r in completed)
+        state = run_state(run)
+        assert state.step == 8 and state.last_status == "completed", state
+        # The first scheduled run resumed it (its resume is recorded while that flow run ran); later runs skipped it.
+        first = min(completed, key=lambda r: r.start_time)
+        resumes = [e for e in read_events(run) if e.kind == "resume"]
+        assert len(resumes) == 1
+        when = datetime.fromisoformat(resumes[0].time.replace("Z", "+00:00"))
+        assert first.start_time <= when <= first.end_time, (first.start_time, when, first.end_time)
     finally:
         stop_process_group(proc.pid, grace_s=5.0, what="serve")
