@@ -25,7 +25,7 @@ from schemas.errors import RunLockedError, ShardkeeperError
 from flows.common import (PipelineError, SegmentCancelled, check_resume_request, default, documented, drive_segment,
                           parse_request)
 from schemas.requests import ResumeItem, ResumeRequest, ResumeSummary, RunState, SegmentPlan
-from tasks.lineage import mirror_lineage
+from tasks.lineage import mirror_lineage, mirror_runs_overview
 from tasks.stage_tasks import load_spec, scan_runs
 
 # Not "cancelled": a run whose last segment was cancelled by a person stays stopped until they train it again.
@@ -112,8 +112,17 @@ def resume(
             return Cancelled(message=str(e))
         logger.info("%s: %s (%s)", item.run_dir, item.action, item.reason)
         items.append(item)
+    _overview_best_effort(request)
     failed = [i for i in items if i.action == "failed"]
     if failed:
         raise ResumeFailed(f"{len(failed)} of {len(items)} runs could not be resumed: "
                            + "; ".join(f"{i.run_dir}: {i.reason}" for i in failed))
     return ResumeSummary(items=items)
+
+
+def _overview_best_effort(request: ResumeRequest) -> None:
+    """The runs-overview artifact of what was scanned; a view, never a reason to fail the resume."""
+    try:
+        mirror_runs_overview(request.roots, request.run_dirs)
+    except Exception as e:  # noqa: BLE001
+        get_run_logger().warning("could not write the runs overview: %s", e)

@@ -181,7 +181,9 @@ class SegmentOutcome(_Frozen):
 
 class LineageArtifacts(_Frozen):
     table_key: str = Field(description="key of the table artifact of lineage events")
-    graph_key: str = Field(description="key of the markdown artifact with the mermaid graph")
+    graph_key: str = Field(description="key of the markdown artifact with the lineage graph (PNG) and checkpoints now")
+    checkpoints_key: str | None = Field(None, description="key of the table artifact of the checkpoints on disk now")
+    graph_png: str | None = Field(None, description="the lineage graph PNG written into the run directory")
     loss_key: str | None = Field(None, description="key of the markdown artifact with the loss curve, if any metrics")
     loss_png: str | None = Field(None, description="the loss curve PNG written into the run directory")
     events: int = Field(ge=0, description="lineage events mirrored")

@@ -1,14 +1,19 @@
 """Mirror a run's lineage (RUN_DIR/lineage.jsonl, metrics.jsonl) into Prefect artifacts for the UI.
 
-Three artifacts per run, keyed by the run name so every flow run of the same run adds a version:
+Four artifacts per run, keyed by the run name so every flow run of the same run adds a version:
 
-    <prefix>-lineage        table: one row per event (kind, id, parent, step, details, uri)
-    <prefix>-lineage-graph  markdown: mermaid graph of events and parents, and the same table
-    <prefix>-loss-curve     markdown: the loss curve PNG (embedded as a data: URI, which the Prefect
-                            3.8 UI renders) with resume and reshard markers; the PNG is also written
-                            to RUN_DIR/loss.png
+    <prefix>-lineage-graph  markdown: the lineage graph drawn as a PNG (segments as lanes, checkpoints on
+                            disk filled, retired ones hollow, preemptions red, reshards with world sizes,
+                            exports and publishes) and the "checkpoints now" table under it
+    <prefix>-checkpoints    table: only the checkpoints that exist now (step, world size, backend, size,
+                            validity as last checked, exported / published)
+    <prefix>-loss-curve     markdown: the loss curve PNG with resume / reshard markers, preemptions apart
+    <prefix>-lineage        table: every lineage event (kind, id, parent, step, details, uri)
 
-The lineage file stays the source of truth; the artifacts are a view that can be rebuilt at any time.
+PNGs are embedded as data: URIs (the open-source UI draws them; it does not draw mermaid) and also
+written to RUN_DIR (lineage.png, loss.png). ``mirror_runs_overview`` adds ``runs-overview-<root>``: one
+row per run under a root with its status. The lineage file stays the source of truth; the artifacts are
+a view that can be rebuilt at any time.
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ from prefect.cache_policies import NO_CACHE
 
 from ckpt.layout import RunDir
 from ckpt.lineage import read_events
-from tasks.render import lineage_markdown, loss_curve_png, markers, png_data_uri, read_metrics, slug, table_rows
+from tasks.dashboard import checkpoints_now, draw_lineage_graph, lineage_graph, markdown_rows, runs_overview
+from tasks.render import loss_curve_png, markers, png_data_uri, read_metrics, segment_statuses, slug, table_rows
 from schemas.requests import LineageArtifacts
 
 log = logging.getLogger(__name__)
 
 LOSS_PNG = "loss.png"
+GRAPH_PNG = "lineage.png"
+CHECKPOINT_COLUMNS = ["step", "world_size", "backend", "reason", "size", "validity", "exported", "published"]
 
 
 def artifact_prefix(run_dir: str | Path, run_name: str | None = None) -> str:
@@ -44,15 +52,26 @@ def artifact_keys(prefix: str) -> tuple[str, str, str]:
     return f"{prefix}-lineage", f"{prefix}-lineage-graph", f"{prefix}-loss-curve"
 
 
-def _loss_markdown(run_dir: Path, png: Path, title: str) -> str:
-    points = markers(read_metrics(run_dir))
+def _loss_markdown(run_dir: Path, png: Path, title: str, statuses: dict[int, str]) -> str:
+    points = markers(read_metrics(run_dir), statuses)
     lines = [f"# Loss of {title}", "", f"![loss curve of {title}]({png_data_uri(png)})", ""]
     if points:
-        lines += ["| resumed at step | kind | world size |", "|---|---|---|"]
-        lines += [f"| {m.step} | {m.kind} | {m.from_world_size} → {m.to_world_size} |" for m in points]
+        lines += ["| resumed at step | kind | world size | after |", "|---|---|---|---|"]
+        lines += [f"| {m.step} | {m.kind} | {m.from_world_size} → {m.to_world_size} | "
+                  f"{'planned' if m.cause == 'planned' else f'**{m.cause}**'} |" for m in points]
         lines.append("")
     lines.append(f"Curve: last-written loss per step from `{run_dir / 'metrics.jsonl'}`; PNG at `{png}`.")
     return "\n".join(lines)
+
+
+def _graph_markdown(png: Path, title: str, rows: list[dict], model_summary: str) -> str:
+    return "\n".join([
+        f"# Lineage of {title}", "", f"![lineage graph of {title}]({png_data_uri(png)})", "",
+        f"{model_summary} Lanes are segments; filled circles are checkpoints on disk now, hollow ones were retired "
+        "by retention, red rings are emergency checkpoints written at a preemption; dashed edges are resumes "
+        "(red: after a preemption or failure, orange: reshard to another world size); squares are exports, "
+        "diamonds publishes.", "", f"## Checkpoints now ({len(rows)})", "", markdown_rows(rows, CHECKPOINT_COLUMNS),
+    ])
 
 
 def has_lineage(run_dir: str) -> bool:
@@ -62,21 +81,46 @@ def has_lineage(run_dir: str) -> bool:
 
 @task(name="mirror-lineage", cache_policy=NO_CACHE)
 def mirror_lineage(run_dir: str, run_name: str | None = None) -> LineageArtifacts:
-    """Create (a new version of) the table, graph and loss-curve artifacts of a run."""
+    """Create (a new version of) the graph, checkpoints-now, loss-curve and event-table artifacts of a run."""
     root = Path(run_dir).resolve()
     events = read_events(root)
     prefix = artifact_prefix(root, run_name)
     table_key, graph_key, loss_key = artifact_keys(prefix)
+    checkpoints_key = f"{prefix}-checkpoints"
     title = f"{run_name} ({root.name})" if run_name else root.name
-    create_table_artifact(table_rows(events), key=table_key,
-                          description=f"Lineage events of {title}: checkpoints, resumes, reshards, exports, publishes")
-    create_markdown_artifact(lineage_markdown(events, title=f"Lineage of {title}"), key=graph_key,
-                             description=f"Lineage graph of {title} (mermaid source; paste into mermaid.live to draw)")
-    png = loss_curve_png(root, root / LOSS_PNG, title=title)
+    now = checkpoints_now(root, events)
+    model = lineage_graph(events, existing={f"checkpoint:{Path(r['path']).name}" for r in now})
+    graph_png = draw_lineage_graph(model, root / GRAPH_PNG, title=title)
+    summary = (f"{model.checkpoints} checkpoint{'s' if model.checkpoints != 1 else ''} written, {len(now)} on disk now"
+               + (f"; {model.folded} plain interval checkpoints are folded into the edges (+N)." if model.folded else "."))
+    create_markdown_artifact(_graph_markdown(graph_png, title, now, summary), key=graph_key,
+                             description=f"Lineage graph of {title} and the checkpoints that exist now")
+    create_table_artifact([{k: r[k] for k in [*CHECKPOINT_COLUMNS, "path"]} for r in now], key=checkpoints_key,
+                          description=f"Checkpoints of {title} on disk now")
+    statuses = segment_statuses(events)
+    png = loss_curve_png(root, root / LOSS_PNG, title=title, statuses=statuses)
     if png is not None:
-        create_markdown_artifact(_loss_markdown(root, png, title), key=loss_key,
-                                 description=f"Loss curve of {title} with resume and reshard markers")
-    get_run_logger().info("lineage of %s: %d events mirrored to artifacts %s, %s%s", root, len(events), table_key,
-                          graph_key, f", {loss_key}" if png else "")
-    return LineageArtifacts(table_key=table_key, graph_key=graph_key, loss_key=loss_key if png else None,
-                            loss_png=str(png) if png else None, events=len(events))
+        create_markdown_artifact(_loss_markdown(root, png, title, statuses), key=loss_key,
+                                 description=f"Loss curve of {title}; resumes after preemptions marked apart")
+    create_table_artifact(table_rows(events), key=table_key,
+                          description=f"Every lineage event of {title}: checkpoints, resumes, reshards, exports, publishes")
+    get_run_logger().info("lineage of %s: %d events, %d checkpoints on disk, mirrored to artifacts %s, %s, %s%s", root,
+                          len(events), len(now), graph_key, checkpoints_key, table_key, f", {loss_key}" if png else "")
+    return LineageArtifacts(table_key=table_key, graph_key=graph_key, checkpoints_key=checkpoints_key,
+                            loss_key=loss_key if png else None, loss_png=str(png) if png else None,
+                            graph_png=str(graph_png), events=len(events))
+
+
+@task(name="runs-overview", cache_policy=NO_CACHE)
+def mirror_runs_overview(roots: list[str], run_dirs: list[str] | None = None) -> str:
+    """A table artifact ``runs-overview-<root>``: every run under ``roots`` (and ``run_dirs``) with its status,
+    step, last checkpoint and last activity. Returns the key."""
+    from shardkeeper.stages import scan_runs
+
+    states = scan_runs(roots, run_dirs or [])
+    rows = runs_overview([s for s in states if s.exists])
+    key = f"runs-overview-{slug('-'.join(Path(r).resolve().name for r in roots) or 'runs')}"
+    create_table_artifact(rows, key=key, description=f"Runs under {', '.join(roots) or ', '.join(run_dirs or [])}: "
+                          "status (running / preempted / failed / completed / cancelled), step, last checkpoint")
+    get_run_logger().info("runs overview: %d runs -> artifact %s", len(rows), key)
+    return key

@@ -1,8 +1,8 @@
-"""Render a run's lineage for people: a mermaid graph, a markdown table, rows for a table artifact,
-and the loss curve (PNG) with markers at resume and reshard points.
+"""Render a run's lineage for people: rows for a table artifact and the loss curve (PNG) with markers at
+resume and reshard points (the graph and the checkpoint tables are in tasks/dashboard.py).
 
-    from tasks.render import lineage_markdown, loss_curve_png
-    print(lineage_markdown(read_events("runs/demo")))
+    from tasks.render import loss_curve_png, table_rows
+    rows = table_rows(read_events("runs/demo"))
     loss_curve_png("runs/demo", "runs/demo/loss.png")
 
 No prefect import: the CLI can use it, and tasks/lineage.py mirrors its output into Prefect artifacts.
@@ -26,8 +26,6 @@ log = logging.getLogger(__name__)
 # Details worth a column: the rest stays in lineage.jsonl.
 DETAIL_KEYS = ("reason", "status", "world_size", "from_world_size", "to_world_size", "method", "dtype",
                "num_shards", "target", "revision", "skipped", "valid", "until_step")
-_NODE_SHAPES = {"checkpoint": ('["', '"]'), "segment": ('(["', '"])'), "resume": ('{{"', '"}}'),
-                "reshard": ('{{"', '"}}'), "export": ('[/"', '"/]'), "publish": ('[("', '")]'), "validate": ('>"', '"]')}
 
 
 def slug(text: str, *, max_len: int = 60) -> str:
@@ -46,70 +44,6 @@ def table_rows(events: list[LineageEvent]) -> list[dict[str, Any]]:
              "details": details(e), "uri": e.uri or ""} for e in events]
 
 
-def markdown_table(events: list[LineageEvent]) -> str:
-    head = "| time | kind | id | parent | step | details |\n|---|---|---|---|---|---|\n"
-    cell = lambda v: str(v if v is not None else "").replace("|", "\\|")  # noqa: E731
-    code = lambda v: f"`{cell(v)}`" if v else ""  # noqa: E731
-    return head + "".join(f"| {cell(e.time)} | {e.kind} | {code(e.id)} | {code(e.parent)} | {cell(e.step)} "
-                          f"| {cell(details(e))} |\n" for e in events)
-
-
-def _keep(events: list[LineageEvent]) -> set[str]:
-    """Events shown in the graph: everything but the interval checkpoints nobody derives from."""
-    referenced_by_other = {e.parent for e in events if e.parent and e.kind != "checkpoint"}
-    ids = [e.id for e in events]
-    keep = {e.id for e in events
-            if e.kind != "checkpoint" or e.data.get("reason") != "interval" or e.id in referenced_by_other}
-    if ids:
-        keep.add(ids[0])
-    return keep
-
-
-def mermaid(events: list[LineageEvent]) -> str:
-    """A left-to-right mermaid flowchart of events and their parents. Chains of interval checkpoints
-    are folded into one edge labelled with how many were skipped, so long runs stay readable."""
-    latest: dict[str, LineageEvent] = {}
-    for e in events:  # a re-recorded id (re-export, re-publish) shows its latest details
-        latest[e.id] = e
-    uniq = list(latest.values())
-    keep = _keep(uniq)
-    node = {e.id: f"n{i}" for i, e in enumerate(uniq)}
-    lines = ["flowchart LR"]
-    for e in uniq:
-        if e.id in keep:
-            left, right = _NODE_SHAPES.get(e.kind, ('["', '"]'))
-            lines.append(f"  {node[e.id]}{left}{_label(e)}{right}")
-    for e in uniq:
-        if e.id not in keep or not e.parent:
-            continue
-        parent, skipped = e.parent, 0
-        while parent in latest and parent not in keep:
-            parent, skipped = latest[parent].parent, skipped + 1
-        if parent is None or parent not in node:
-            continue
-        arrow = f" -. {skipped} checkpoint{'s' if skipped > 1 else ''} .-> " if skipped else " --> "
-        lines.append(f"  {node[parent]}{arrow}{node[e.id]}")
-    return "\n".join(lines)
-
-
-def _label(e: LineageEvent) -> str:
-    parts = [e.id]
-    if e.kind in ("resume", "reshard") and "to_world_size" in e.data:
-        parts.append(f"world size {e.data.get('from_world_size')} → {e.data.get('to_world_size')}")
-    elif e.kind in ("checkpoint", "segment") and "world_size" in e.data:
-        parts.append(f"world size {e.data['world_size']}" + (f", {e.data['status']}" if "status" in e.data else ""))
-    elif e.kind == "export" and "dtype" in e.data:
-        parts.append(str(e.data["dtype"]))
-    text = "<br/>".join(parts)
-    return text.replace('"', "#quot;")
-
-
-def lineage_markdown(events: list[LineageEvent], *, title: str = "Lineage") -> str:
-    """Markdown with the mermaid graph (a code block; GitHub and mermaid.live draw it) and the table."""
-    return (f"# {title}\n\n```mermaid\n{mermaid(events)}\n```\n\n"
-            f"## Events ({len(events)})\n\n{markdown_table(events)}")
-
-
 # ----------------------------------------------------------------------------- loss curve
 @dataclass(frozen=True)
 class Marker:
@@ -117,6 +51,7 @@ class Marker:
     kind: str  # "resume" or "reshard" (world size changed)
     from_world_size: int
     to_world_size: int
+    cause: str = "planned"  # how the segment before it ended: "preempted", "failed", "cancelled", "completed" (planned)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -131,21 +66,32 @@ def loss_by_step(records: list[dict[str, Any]]) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
-def markers(records: list[dict[str, Any]]) -> list[Marker]:
-    """Where a new segment starts in metrics order: a resume, or a reshard if the world size changed."""
+def segment_statuses(events: list[LineageEvent]) -> dict[int, str]:
+    """How each segment ended, from the lineage (``segment:N`` events)."""
+    return {int(e.id.split(":")[1]): str(e.data.get("status")) for e in events
+            if e.kind == "segment" and e.id.startswith("segment:") and e.id.split(":")[1].isdigit()}
+
+
+def markers(records: list[dict[str, Any]], statuses: dict[int, str] | None = None) -> list[Marker]:
+    """Where a new segment starts in metrics order: a resume, or a reshard if the world size changed; with
+    ``statuses`` (segment_statuses), whether the segment before it was preempted, failed or planned."""
     found: list[Marker] = []
     prev: dict[str, Any] | None = None
     for r in records:
         if prev is not None and r.get("segment") != prev.get("segment"):
             a, b = int(prev.get("world_size", 0)), int(r.get("world_size", 0))
+            cause = (statuses or {}).get(int(prev.get("segment", -1)), "planned")
             found.append(Marker(step=int(r["step"]) - 1, kind="reshard" if a != b else "resume",
-                                from_world_size=a, to_world_size=b))
+                                from_world_size=a, to_world_size=b,
+                                cause="planned" if cause in ("completed", "planned") else cause))
         prev = r
     return found
 
 
-def loss_curve_png(run_dir: str | Path, out_path: str | Path, *, title: str | None = None) -> Path | None:
-    """Write the loss curve of a run to ``out_path``; None (and nothing written) when it has no metrics."""
+def loss_curve_png(run_dir: str | Path, out_path: str | Path, *, title: str | None = None,
+                   statuses: dict[int, str] | None = None) -> Path | None:
+    """Write the loss curve of a run to ``out_path``; None (and nothing written) when it has no metrics.
+    Resumes after a preemption or failure are drawn red, planned ones green, reshards orange."""
     records = read_metrics(run_dir)
     if not records:
         return None
@@ -163,12 +109,13 @@ def loss_curve_png(run_dir: str | Path, out_path: str | Path, *, title: str | No
     ax.text(min(curve), 0.97, f" world size {first_ws}", transform=top, fontsize=8, color="#444444", va="top")
     span = max(max(curve) - min(curve), 1)
     placed: list[int] = []
-    for m in markers(records):
-        color = "#d9480f" if m.kind == "reshard" else "#2b8a3e"
+    for m in markers(records, statuses):
+        color = "#e03131" if m.cause != "planned" else ("#d9480f" if m.kind == "reshard" else "#2b8a3e")
         ax.axvline(m.step, color=color, linestyle="--", linewidth=1)
         level = sum(1 for s in placed if abs(s - m.step) < 0.12 * span)  # stack labels of nearby markers
         placed.append(m.step)
-        text = f" {m.kind} @ {m.step}\n world size {m.from_world_size}→{m.to_world_size}"
+        after = "" if m.cause == "planned" else f" after {m.cause}"
+        text = f" {m.kind}{after} @ {m.step}\n world size {m.from_world_size}→{m.to_world_size}"
         ax.text(m.step, 0.97 - 0.11 * level, text, transform=top, fontsize=8, color=color, va="top")
     from matplotlib.ticker import MaxNLocator
 

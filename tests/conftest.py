@@ -125,7 +125,8 @@ def lineage_run(tmp_path: Path) -> Path:
     ck = lineage.checkpoint_event_id
     for step in (3, 6):
         lineage.record(run, "checkpoint", ck(step), parent=ck(step - 3) if step > 3 else None, step=step,
-                       reason="interval" if step == 3 else "end", world_size=2, uri=f"file://{run}/checkpoints/{step}")
+                       reason="interval" if step == 3 else "end", world_size=2, segment=0,
+                       uri=f"file://{run}/checkpoints/{step}")
     lineage.record(run, "segment", "segment:0", step=6, status="completed", world_size=2)
     lineage.record(run, "resume", "resume:segment-1", parent=ck(6), step=6, from_world_size=2, to_world_size=2)
     lineage.record(run, "segment", "segment:1", parent=ck(6), step=6, status="failed", world_size=2)
@@ -134,7 +135,7 @@ def lineage_run(tmp_path: Path) -> Path:
     lineage.record(run, "resume", "resume:segment-2", parent=ck(6), step=6, from_world_size=2, to_world_size=3)
     for step, parent in ((9, 6), (10, 9)):
         lineage.record(run, "checkpoint", ck(step), parent=ck(parent), step=step,
-                       reason="interval" if step == 9 else "end", world_size=3)
+                       reason="interval" if step == 9 else "end", world_size=3, segment=2)
     lineage.record(run, "export", "export:step-00000010:bfloat16", parent=ck(10), step=10, dtype="bfloat16")
     rows = [(s, 0, 2) for s in range(1, 7)] + [(7, 1, 2), (8, 1, 2)] + [(s, 2, 3) for s in range(7, 11)]
     for step, segment, world in rows:

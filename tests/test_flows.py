@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pydantic import ValidationError
 
 from ckpt.lineage import read_events
 from ckpt.lock import RunLock
-from schemas.requests import ResumeRequest, RunState, SegmentPlan, TrainExportRequest, TrainExportSummary
+from schemas.requests import RunState, SegmentPlan, TrainExportRequest, TrainExportSummary
 from tests.harness import copy_run, mark_preempted
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,7 +125,9 @@ def test_lineage_artifacts_in_prefect(e2e: tuple[TrainExportSummary, Any, Path])
     assert {row["id"] for row in table} >= {"resume:segment-1", "checkpoint:step-00000008"}
     assert arts[keys.table_key].type == "table"
     graph = arts[keys.graph_key].data
-    assert "```mermaid\nflowchart LR" in graph and "world size 2 → 3" in graph
+    assert "data:image/png;base64," in graph and "## Checkpoints now" in graph and "| 8 | 3 | dcp | end |" in graph
+    now = json.loads(arts[keys.checkpoints_key].data)
+    assert now[-1]["step"] == 8 and now[-1]["exported"].startswith("bfloat16") and now[-1]["published"]
     loss = arts[keys.loss_key].data
     assert "data:image/png;base64," in loss and "| 4 | reshard | 2 → 3 |" in loss
     assert summary.artifacts.loss_png and Path(summary.artifacts.loss_png).is_file()
@@ -284,8 +285,12 @@ def test_resume_flow_resumes_preempted_and_skips_locked_and_done(prefect_server:
     done = copy_run(tiny_run, root / "c-done")
     (root / "not-a-run").mkdir()
     with RunLock(locked):
-        summary = resume(roots=[str(root)], nproc=3, backoff_s=0)
+        state = resume(roots=[str(root)], nproc=3, backoff_s=0, return_state=True)
+    summary = state.result()
     actions = {Path(i.run_dir).name: i.action for i in summary.items}
+    overview = read_artifacts(state.state_details.flow_run_id)["runs-overview-runs"]  # the dashboard's runs table
+    statuses = {r["run"]: r["status"] for r in json.loads(overview.data)}
+    assert statuses == {"a-preempted": "completed", "b-locked": "running", "c-done": "completed"}
     assert actions == {"a-preempted": "resumed", "b-locked": "skipped-locked", "c-done": "skipped-done"}
     item = next(i for i in summary.items if i.action == "resumed")
     assert item.outcome is not None and item.outcome.reshard is not None

@@ -1,4 +1,5 @@
-"""Lineage rendering (mermaid, table, loss curve with markers) and its mirror into Prefect artifacts."""
+"""Lineage rendering (graph image, checkpoints now, runs overview, event table, loss curve with markers) and
+its mirror into Prefect artifacts."""
 
 from __future__ import annotations
 
@@ -12,17 +13,8 @@ from typing import Any
 import pytest
 
 from ckpt.lineage import read_events
-from tasks.render import (
-    lineage_markdown,
-    loss_by_step,
-    loss_curve_png,
-    markdown_table,
-    markers,
-    mermaid,
-    read_metrics,
-    slug,
-    table_rows,
-)
+from tasks.dashboard import checkpoints_now, draw_lineage_graph, lineage_graph, markdown_rows, runs_overview
+from tasks.render import loss_by_step, loss_curve_png, markers, read_metrics, segment_statuses, slug, table_rows
 from schemas import LineageEvent
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +41,10 @@ def test_loss_takes_the_last_written_value_per_step(lineage_run: Path) -> None:
 def test_markers_at_resume_and_reshard_points(lineage_run: Path) -> None:
     found = [(m.step, m.kind, m.from_world_size, m.to_world_size) for m in markers(read_metrics(lineage_run))]
     assert found == [(6, "resume", 2, 2), (6, "reshard", 2, 3)]
+    # with the segments' statuses: the first resume was planned (segment 0 completed), the reshard followed a failure
+    statuses = segment_statuses(read_events(lineage_run))
+    assert statuses == {0: "completed", 1: "failed"}
+    assert [m.cause for m in markers(read_metrics(lineage_run), statuses)] == ["planned", "failed"]
 
 
 def test_loss_curve_png(lineage_run: Path, tmp_path: Path) -> None:
@@ -62,29 +58,102 @@ def _event(id: str, kind: str, parent: str | None = None, **data: Any) -> Lineag
     return LineageEvent(id=id, kind=kind, parent=parent, time="2026-01-01T00:00:00Z", data=data)  # type: ignore[arg-type]
 
 
-def test_mermaid_folds_chains_of_interval_checkpoints() -> None:
-    events = [_event("checkpoint:step-00000001", "checkpoint", reason="interval", world_size=2)]
-    for s in range(2, 6):
-        events.append(_event(f"checkpoint:step-0000000{s}", "checkpoint", f"checkpoint:step-0000000{s - 1}",
-                             reason="interval", world_size=2))
-    events.append(_event("checkpoint:step-00000006", "checkpoint", "checkpoint:step-00000005", reason="end", world_size=2))
-    events.append(_event("export:x", "export", "checkpoint:step-00000006", dtype="bfloat16"))
-    text = mermaid(events)
-    assert text.startswith("flowchart LR")
-    assert "step-00000003" not in text  # folded
-    assert "-. 4 checkpoints .->" in text and "bfloat16" in text
-    assert text.count("-->") == 1  # end checkpoint -> export
+def long_run(n_segments: int = 4, per_segment: int = 250) -> list[LineageEvent]:
+    """A synthetic lineage of n_segments * per_segment checkpoints: preempted, completed, resharded, exported."""
+    events, prev, step = [], None, 0
+    plan = [(2, "preempted"), (2, "completed"), (4, "preempted"), (3, "completed")]
+    for seg in range(n_segments):
+        ws, status = plan[seg % len(plan)]
+        events.append(_event(f"segment:{seg}", "segment", prev, status=status, world_size=ws))
+        for i in range(per_segment):
+            step += 1
+            reason = "interval" if i < per_segment - 1 else ("preempted" if status == "preempted" else "end")
+            cid = f"checkpoint:step-{step:08d}"
+            events.append(LineageEvent(id=cid, kind="checkpoint", parent=prev, step=step, time="2026-01-01T00:00:00Z",
+                                       data={"reason": reason, "world_size": ws, "segment": seg}))
+            prev = cid
+    events.append(_event("export:last:bfloat16", "export", prev, dtype="bfloat16"))
+    return events
 
 
-def test_markdown_table_and_rows(lineage_run: Path) -> None:
+def test_graph_folds_a_long_run_into_a_few_nodes(tmp_path: Path) -> None:
+    import time
+
+    events = long_run()
+    last = [e.id for e in events if e.kind == "checkpoint"][-2:]
+    t0 = time.perf_counter()
+    model = lineage_graph(events, existing=set(last))
+    png = draw_lineage_graph(model, tmp_path / "g.png", title="long")
+    seconds = time.perf_counter() - t0
+    ckpt_nodes = [n for n in model.nodes if n.kind == "checkpoint"]
+    assert model.checkpoints == 1000 and len(ckpt_nodes) <= 12  # segment starts and ends + what exists
+    assert model.folded == 1000 - len(ckpt_nodes)
+    assert {n.id for n in ckpt_nodes if n.exists} == set(last)  # retired ones drawn apart from the ones on disk
+    kinds = [e.kind for e in model.edges]
+    assert kinds.count("preempted") == 1 and kinds.count("reshard") == 2 and "export" in kinds
+    assert [label for _, label in model.lanes] == ["segment 0 · 2 ranks · preempted", "segment 1 · 2 ranks · completed",
+                                                   "segment 2 · 4 ranks · preempted", "segment 3 · 3 ranks · completed"]
+    assert any(e.label == "reshard 4→3 after preempted" for e in model.edges)
+    from PIL import Image
+
+    with Image.open(png) as im:
+        assert im.format == "PNG" and im.size[0] <= 1600
+    assert seconds < 10  # the bench-free sanity bound; bench/dashboard_bench.py measures the figure
+
+
+def test_graph_of_the_lineage_fixture(lineage_run: Path) -> None:
+    model = lineage_graph(read_events(lineage_run), existing={"checkpoint:step-00000010"})
+    by_id = {n.id: n for n in model.nodes}
+    assert set(by_id) >= {"checkpoint:step-00000003", "checkpoint:step-00000006", "checkpoint:step-00000009",
+                          "checkpoint:step-00000010", "export:step-00000010:bfloat16"}
+    assert by_id["checkpoint:step-00000010"].exists and not by_id["checkpoint:step-00000006"].exists
+    edge = next(e for e in model.edges if e.dst == "checkpoint:step-00000009")
+    assert edge.src == "checkpoint:step-00000006" and edge.kind == "reshard" and edge.label == "reshard 2→3"
+
+
+def test_checkpoints_now_lists_only_what_exists(tiny_run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from ckpt import lineage
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns(".lock"))
+    on_disk = sorted(p.name for p in (run / "checkpoints").glob("step-*") if (p / "manifest.json").is_file())
+    ever = [e.id for e in read_events(run) if e.kind == "checkpoint"]
+    lineage.record(run, "validate", "validate:x:1", parent=f"checkpoint:{on_disk[-1]}", valid=True)
+    lineage.record(run, "export", f"export:{on_disk[-1]}:bfloat16", parent=f"checkpoint:{on_disk[-1]}",
+                   dtype="bfloat16", uri=(run / "exports" / on_disk[-1]).as_uri())
+    rows = checkpoints_now(run, read_events(run))
+    assert [f"step-{r['step']:08d}" for r in rows] == on_disk and len(ever) >= len(on_disk)
+    last = rows[-1]
+    assert last["world_size"] == 2 and last["backend"] == "dcp" and last["size"].endswith("MB")
+    assert last["validity"].startswith("valid (deep") and last["exported"] == f"bfloat16 → {on_disk[-1]}"
+    assert all(r["validity"] for r in rows)
+    md = markdown_rows(rows, ["step", "validity"])
+    assert md.count("\n") == len(rows) + 2
+
+
+def test_runs_overview_rows(tiny_run: Path, tmp_path: Path) -> None:
+    from shardkeeper.stages import scan_runs
+    from tests.harness import copy_run, mark_preempted
+
+    root = tmp_path / "runs"
+    copy_run(tiny_run, root / "done")
+    mark_preempted(copy_run(tiny_run, root / "stopped"), 9)
+    (root / "empty").mkdir()
+    rows = {r["run"]: r for r in runs_overview(scan_runs([str(root)], []), now=0)}
+    assert rows["done"]["status"] == "completed" and rows["done"]["step"] == 5
+    assert rows["stopped"]["status"] == "preempted" and rows["stopped"]["until_step"] == 9
+    assert rows["stopped"]["last_checkpoint"] == "step-00000005"
+
+
+def test_event_table_rows(lineage_run: Path) -> None:
     events = read_events(lineage_run)
     rows = table_rows(events)
     assert len(rows) == len(events) and rows[0]["kind"] == "checkpoint"
     assert any(r["details"] == "from_world_size=2, to_world_size=3, method=dcp-load-time" for r in rows)
-    md = lineage_markdown(events, title="Lineage of demo")
-    assert md.startswith("# Lineage of demo") and "```mermaid" in md and "world size 2 → 3" in md
-    odd = markdown_table([_event("a|b", "export", None, target="x|y")])
-    assert "a\\|b" in odd and "x\\|y" in odd
+    odd = markdown_rows([{"a": "x|y"}])
+    assert "x\\|y" in odd
 
 
 def test_lineage_render_imports_no_prefect() -> None:
@@ -121,15 +190,19 @@ def artifacts_with_keys(keys: list[str]) -> list[Any]:
 def test_mirror_lineage_creates_versioned_artifacts(prefect_server: Any, lineage_run: Path) -> None:
     result, flow_run_id = mirror_in_flow(lineage_run, "Artifacts Test")
     assert result.table_key == "artifacts-test-lineage-run-lineage" and result.events == len(read_events(lineage_run))
-    keys = [result.table_key, result.graph_key, result.loss_key]
+    keys = [result.table_key, result.graph_key, result.loss_key, result.checkpoints_key]
     arts = {a.key: a for a in artifacts_with_keys(keys) if a.flow_run_id == flow_run_id}
     assert set(arts) == set(keys)
     rows = json.loads(arts[result.table_key].data)
     assert [r["id"] for r in rows] == [e.id for e in read_events(lineage_run)]
-    assert "flowchart LR" in arts[result.graph_key].data
+    graph = arts[result.graph_key].data
+    assert "![lineage graph of Artifacts Test (lineage-run)](data:image/png;base64," in graph
+    assert "flowchart" not in graph and "## Checkpoints now (0)" in graph  # hand-written lineage: nothing on disk
+    assert Path(result.graph_png).read_bytes()[:4] == b"\x89PNG"
+    assert json.loads(arts[result.checkpoints_key].data) == []
     loss = arts[result.loss_key].data
     assert "![loss curve of Artifacts Test (lineage-run)](data:image/png;base64," in loss
-    assert "| 6 | reshard | 2 → 3 |" in loss and Path(result.loss_png).is_file()
+    assert "| 6 | reshard | 2 → 3 | **failed** |" in loss and Path(result.loss_png).is_file()
     _, second_id = mirror_in_flow(lineage_run, "Artifacts Test")  # a second version under the same key
     # counted among this test's own two flow runs only: the session's server is shared with other tests
     versions = [a for a in artifacts_with_keys([result.table_key]) if a.flow_run_id in (flow_run_id, second_id)]
