@@ -52,6 +52,7 @@ bench: install
 	$(PY) bench/deepspeed_resume_bench.py
 	$(PY) bench/deepspeed_bench.py
 	$(PY) bench/prefect_overhead.py
+	$(PY) bench/dashboard_bench.py
 
 clean:
 	rm -rf $(VENV) .prefect runs bench/out

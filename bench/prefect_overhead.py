@@ -63,11 +63,15 @@ def stages(run: Path, work: Path) -> list[Stage]:
 def _mirror_plain(run: Path) -> None:
     """What mirror-lineage computes, without the artifacts: the baseline of that task."""
     from ckpt.lineage import read_events
-    from tasks.render import lineage_markdown, loss_curve_png, table_rows
+    from tasks.dashboard import checkpoints_now, draw_lineage_graph, lineage_graph
+    from tasks.render import loss_curve_png, segment_statuses, table_rows
 
     events = read_events(run)
-    table_rows(events), lineage_markdown(events)
-    loss_curve_png(run, run / "loss.png")
+    now = checkpoints_now(run, events)
+    draw_lineage_graph(lineage_graph(events, {f"checkpoint:{Path(r['path']).name}" for r in now}), run / "lineage.png",
+                       title="bench")
+    table_rows(events)
+    loss_curve_png(run, run / "loss.png", statuses=segment_statuses(events))
 
 
 def measure(run: Path, work: Path, reps: int, train: bool) -> list[tuple[str, float, float]]:
