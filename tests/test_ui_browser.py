@@ -118,8 +118,15 @@ def test_flow_run_shows_lineage_artifacts(prefect_server: Any, mirrored: tuple[A
     assert page.get_by_text("flowchart", exact=False).count() == 0
     page.get_by_text("Checkpoints now").first.wait_for()
     page.locator("td", has_text="dcp").first.wait_for()
-    page.screenshot(path=str(SHOTS / "lineage-graph.png"), full_page=True)
+    page.screenshot(path=str(SHOTS / "lineage-graph-real.png"), full_page=True)
     print(f"\nlineage graph page rendered in {render_s:.2f} s")
+
+    # The hand-written run's graph: segments as lanes (one failed), the reshard 2 -> 3, the export.
+    page.goto(artifact(keys.graph_key), wait_until="networkidle")
+    page.get_by_text("Lineage of ui-check (lineage-run)").first.wait_for()
+    assert image_loaded(page).evaluate("img => img.naturalWidth") >= 800
+    page.get_by_text("Checkpoints now (0)").first.wait_for()
+    page.screenshot(path=str(SHOTS / "lineage-graph.png"), full_page=True)
 
     # Checkpoints now: one row per checkpoint on disk of the real run (and only those).
     on_disk = sorted(p.name for p in Path(real_keys.graph_png).parent.joinpath("checkpoints").glob("step-*")
