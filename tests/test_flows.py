@@ -311,6 +311,7 @@ def test_triage_rules() -> None:
     assert triage(RunState(**base, last_status="failed")) is None
     assert triage(RunState(**base, last_status="interrupted")) is None
     assert triage(RunState(**base, last_status="completed")).action == "skipped-done"
+    assert triage(RunState(**base, last_status="cancelled")).action == "skipped-done"  # a person stopped it
     assert triage(RunState(**base, last_status="preempted", locked=True)).action == "skipped-locked"
     assert triage(RunState(**{**base, "step": 8}, last_status="preempted")).action == "skipped-done"
     assert triage(RunState(run_dir="/r", exists=False)).action == "skipped-not-a-run"
