@@ -86,7 +86,7 @@ def lineage_graph(events: list[LineageEvent], existing: set[str] | None = None) 
         ev = segments.get(f"segment:{s}")
         ws = ev.data.get("world_size") if ev else next((c.data.get("world_size") for c in ckpts
                                                         if c.data.get("segment") == s), "?")
-        status = ev.data.get("status", "running") if ev else "running"
+        status = ev.data.get("status", "in progress") if ev else "in progress"  # recorded when a segment ends
         model.lanes.append((float(-lane_of[s]), f"segment {s} · {ws} ranks · {status}"))
     kept = sorted((c for c in ckpts if c.id in keep), key=lambda c: (c.step or 0, c.time))
     for x, c in enumerate(kept):
@@ -107,7 +107,9 @@ def lineage_graph(events: list[LineageEvent], existing: set[str] | None = None) 
             a, b = p.data.get("world_size"), c.data.get("world_size")
             kind = "reshard" if a != b else "resume"
             label = f"reshard {a}→{b}" if a != b else "resume"
-            cause = seg_status.get(int(p.data.get("segment", 0)))
+            # how the segment just before this one ended (a failed segment may have written no checkpoint)
+            here = seg_index.index(int(c.data.get("segment", 0)))
+            cause = seg_status.get(seg_index[here - 1]) if here > 0 else None
             if cause in ("preempted", "failed") and kind == "resume":
                 kind, label = cause, f"resume after {cause}"
             elif cause in ("preempted", "failed"):

@@ -108,7 +108,8 @@ def test_graph_of_the_lineage_fixture(lineage_run: Path) -> None:
                           "checkpoint:step-00000010", "export:step-00000010:bfloat16"}
     assert by_id["checkpoint:step-00000010"].exists and not by_id["checkpoint:step-00000006"].exists
     edge = next(e for e in model.edges if e.dst == "checkpoint:step-00000009")
-    assert edge.src == "checkpoint:step-00000006" and edge.kind == "reshard" and edge.label == "reshard 2→3"
+    assert edge.src == "checkpoint:step-00000006" and edge.kind == "reshard" and edge.label == "reshard 2→3 after failed"
+    assert [label for _, label in model.lanes][1:] == ["segment 1 · 2 ranks · failed", "segment 2 · 3 ranks · in progress"]
 
 
 def test_checkpoints_now_lists_only_what_exists(tiny_run: Path, tmp_path: Path) -> None:
