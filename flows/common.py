@@ -8,7 +8,7 @@ import inspect
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from prefect import get_run_logger
 from prefect.exceptions import ParameterTypeError
@@ -109,6 +109,17 @@ def backoff_delay(backoff_s: float, attempt: int) -> float:
     return min(backoff_s * (2 ** attempt), MAX_BACKOFF_S)
 
 
+def resumed_by(result: SegmentResult, attempts: int, max_preemption_retries: int) -> Literal["flow", "automation", "none"]:
+    """Who resumes a segment that just ended: this flow run (retries left), the resume automation (it gave up
+    after the segment made progress), or nobody (not preempted; or preempted before committing anything new,
+    where an automatic resume could loop without end: the schedule or a person resumes it)."""
+    if result.status != "preempted":
+        return "none"
+    if attempts <= max_preemption_retries:
+        return "flow"
+    return "automation" if result.end_step > result.start_step else "none"
+
+
 def drive_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preemption_retries: int,
                 backoff_s: float) -> SegmentOutcome:
     """Train ``run_dir`` up to ``plan.until_step`` on ``plan.nproc`` ranks; raise on failure."""
@@ -125,9 +136,8 @@ def drive_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preempt
     while True:
         result = train_segment(spec, run_dir, topology, plan.until_step, timeout_s=plan.timeout_s)
         attempts.append(result)
-        retries_left = result.status == "preempted" and len(attempts) <= max_preemption_retries
         emit_segment(run_dir, spec.name, result, plan.until_step, topology.world_size,
-                     resumed_by="flow" if retries_left else ("automation" if result.status == "preempted" else "none"))
+                     resumed_by=resumed_by(result, len(attempts), max_preemption_retries))
         if result.status == "completed":
             return SegmentOutcome(plan=plan, reshard=resharded, attempts=attempts)
         if result.status == "cancelled":

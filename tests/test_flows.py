@@ -317,6 +317,23 @@ def test_triage_rules() -> None:
     assert triage(RunState(run_dir="/r", exists=False)).action == "skipped-not-a-run"
 
 
+def test_who_resumes_a_segment() -> None:
+    """The flow while it has retries; then the automation, but only after progress (no endless resume loop)."""
+    from flows.common import resumed_by
+    from schemas import ClusterTopology, SegmentResult
+
+    topo = ClusterTopology(procs_per_node=2)
+    def seg(status: str, start: int, end: int) -> SegmentResult:
+        return SegmentResult(run_dir="/r", status=status, exit_code=75, segment=1, start_step=start, end_step=end,
+                             topology=topo)
+
+    assert resumed_by(seg("preempted", 5, 9), attempts=1, max_preemption_retries=3) == "flow"
+    assert resumed_by(seg("preempted", 5, 9), attempts=4, max_preemption_retries=3) == "automation"
+    assert resumed_by(seg("preempted", 5, 5), attempts=1, max_preemption_retries=0) == "none"
+    assert resumed_by(seg("completed", 5, 9), attempts=1, max_preemption_retries=0) == "none"
+    assert resumed_by(seg("cancelled", 5, 9), attempts=1, max_preemption_retries=0) == "none"
+
+
 def test_flows_do_not_import_torch() -> None:
     code = "import sys, flows.train_and_export, flows.resume, infra.serve; assert 'torch' not in sys.modules, 'torch'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
