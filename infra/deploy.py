@@ -155,6 +155,20 @@ def deploy(args: argparse.Namespace) -> tuple[str, str]:
     return f"train-and-export/{name}", f"resume/{name}"
 
 
+def _as_flags(message: str) -> str:
+    """Name this command's flags in messages written for the flow's parameters."""
+    for param, flag in (("parameter config", "--config"), ("parameter run_dir", "--run-dir"),
+                        ("field segments", "--segments"), ("segments[", "--segments item [")):
+        message = message.replace(param, flag)
+    return message.replace(" (an absolute path, or relative to the parameter base_dir)", "")
+
+
+def train_model(e: Any) -> Any:
+    from schemas.requests import ResumeRequest, TrainExportRequest
+
+    return TrainExportRequest if e.title == "TrainExportRequest" else ResumeRequest
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parse(argv)
@@ -165,14 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     from schemas.errors import ShardkeeperError
     from infra.server import is_healthy
 
+    from pydantic import ValidationError
+
+    from shardkeeper.config import explain
+
     try:
         train, _ = requests(args)
         check_train_request(train)  # before anything is registered: a bad config is one line, here
     except ShardkeeperError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_as_flags(str(e))}", file=sys.stderr)
         return 2
-    except Exception as e:  # noqa: BLE001 - a pydantic ValidationError of the arguments: one line
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    except ValidationError as e:  # the arguments, as the request models see them: one line
+        print(f"error: {_as_flags(explain(e, 'infra.deploy', type(train_model(e))))}", file=sys.stderr)
         return 2
     from prefect.settings import PREFECT_API_URL
 

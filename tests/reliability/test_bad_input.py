@@ -528,3 +528,26 @@ def test_failure_on_the_ranks_reaches_the_user_as_one_line(tmp_path: Path) -> No
     assert all("[rank" in ln for ln in lines[:-1]), lines  # only the ranks' progress log before it
     end = [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines()][-1]
     assert end["status"] == "failed" and "RuntimeError" in end["failure"] and "\n" not in end["failure"]
+
+
+DEPLOY_CASES = [
+    (["--config", "nope.yaml", "--run-dir", "r", "--segments", "2:10"], "--config"),
+    (["--config", TINY, "--run-dir", "r", "--segments", "5:10"], "not divisible by 5 ranks"),
+    (["--config", TINY, "--run-dir", "r", "--segments", "2:10,2:5"], "strictly increasing"),
+    (["--config", TINY, "--run-dir", "r", "--segments", "2:10", "--max-shard-size", "big"], "max_shard_size"),
+    (["--config", TINY, "--run-dir", "r", "--segments", "2:10", "--set", "optim.lrr=1"], "optim.lrr"),
+]
+
+
+@pytest.mark.parametrize("argv,names", DEPLOY_CASES, ids=[n for _, n in DEPLOY_CASES])
+def test_deploy_refuses_in_one_line_before_registering(argv: list[str], names: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m infra.deploy` checks the config and arguments before it talks to any server."""
+    from infra.deploy import main as deploy
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing there: it must not get that far
+    assert deploy(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err and names in err, err
+    assert "no Prefect server" not in err and not (tmp_path / "r").exists()
