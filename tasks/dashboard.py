@@ -129,7 +129,8 @@ def _add_outputs(model: GraphModel, latest: dict[str, LineageEvent]) -> None:
             parent = placed[e.parent]
             siblings = sum(1 for n in model.nodes if n.kind == kind and abs(n.x - parent.x) < 0.5)
             label = str(e.data.get("dtype") or e.data.get("target") or e.id)
-            node = GraphNode(e.id, kind, label[:24], parent.x + 0.25 * siblings, parent.y - below, True, None, parent.lane)
+            label = label if len(label) <= 26 else "…" + label[-25:]  # a URL's tail says where it went
+            node = GraphNode(e.id, kind, label, parent.x + 0.25 * siblings, parent.y - below, True, None, parent.lane)
             model.nodes.append(node)
             placed[e.id] = node
             model.edges.append(GraphEdge(e.parent, e.id, kind))
