@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -39,6 +40,8 @@ class Tail:
     def read(self) -> list[dict[str, Any]]:
         try:
             with self.path.open("rb") as f:
+                if os.fstat(f.fileno()).st_size < self.offset:
+                    self.offset = 0  # set aside and started again (train --restart): read the new file whole
                 f.seek(self.offset)
                 data = f.read()
         except FileNotFoundError:

@@ -155,3 +155,19 @@ def test_seam_round_trip_and_bad_files(tmp_path: Path) -> None:
     assert (exit_code_of("completed", 1), exit_code_of("preempted", 1), exit_code_of("cancelled", 1)) == \
         (0, EXIT_PREEMPTED, EXIT_CANCELLED)
     assert exit_code_of("failed", 0) == 1 and exit_code_of("failed", 3) == 3
+
+
+def test_live_tail_reads_whole_new_lines_and_survives_a_restart(tmp_path: Path) -> None:
+    """The live-progress watcher reads only complete new lines, and starts over when the file is replaced."""
+    from tasks.live import Tail
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 1}\n')
+    tail = Tail(f)  # what was there before the segment is not news
+    f.write_text('{"step": 1}\n{"step": 2}\n{"st')
+    assert tail.read() == [{"step": 2}]
+    with f.open("a") as out:
+        out.write('ep": 3}\n')
+    assert tail.read() == [{"step": 3}]
+    f.write_text('{"step": 1}\n')  # set aside and started again
+    assert tail.read() == [{"step": 1}] and tail.read() == []
