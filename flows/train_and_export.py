@@ -111,9 +111,11 @@ def _train_and_export(request: TrainExportRequest) -> TrainExportSummary:
     spec: RunSpec = load_spec(request.config, request.spec, request.overrides)
     outcomes: list[SegmentOutcome] = []
     try:
-        for plan in request.segments:
+        for i, plan in enumerate(request.segments):
             outcomes.append(drive_segment(spec, request.run_dir, plan, max_preemption_retries=request.max_preemption_retries,
                                         backoff_s=request.backoff_s))
+            if i < len(request.segments) - 1:
+                _mirror_best_effort(request.run_dir, spec.name)  # the dashboard moves with the run, segment by segment
         ckpt = _final_checkpoint(request.run_dir, outcomes)
         step, exported, published = _export_and_publish(request, ckpt)
     except SegmentCancelled as e:
