@@ -53,6 +53,7 @@ bench: install
 	$(PY) bench/deepspeed_bench.py
 	$(PY) bench/prefect_overhead.py
 	$(PY) bench/dashboard_bench.py
+	$(PY) bench/scale_bench.py
 
 clean:
 	rm -rf $(VENV) .prefect runs bench/out

@@ -1,0 +1,179 @@
+"""Scale on paper: manifest, validation and retention planning at 8 -> 4,096 simulated ranks, up to 10^5 files.
+
+    python bench/scale_bench.py                     # ~1-2 min, a few hundred MB of metadata-only files in /tmp
+    python bench/scale_bench.py --ranks 8 512 4096 --files-per-rank 24
+
+No training runs: for each world size it writes what a DCP save of that many ranks leaves on disk, at
+the real layout and through the real code -- ``files_per_rank`` data files per rank (``__R_I.distcp``,
+each holding one small tensor chunk), a real DCP ``.metadata`` (torch's own Metadata, pickled as DCP
+does) that references every file, and a ``manifest.json`` (schemas.CheckpointManifest) listing every file
+with its size and xxh3-128 checksum -- then times, as medians (min-max) of ``--reps`` runs:
+
+- **manifest**: assembling the manifest from the ranks' file entries and writing it (rank 0's share of a
+  save, O(files));
+- **per-rank entries**: one rank hashing its own files and building its FileEntry list (what every rank
+  does at save: O(own files), flat in the world size);
+- **validate (quick)**: ``ckpt.validate.validate`` -- manifest parse, every path confined and stat'ed, the
+  directory walk for unlisted files, the DCP layout and tensor-inventory cross-checks, every rank present;
+- **retention plan**: ``ckpt.retention.apply_retention``'s decision over 3 committed checkpoints of that
+  size with ``keep_last=2``, which validates each of them (the plan is then a set operation).
+
+Goal (issue 10): validation + retention planning at 4,096 ranks < 2 s; cost linear in files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CHUNK = 16  # float32 values per data file: the files are real, just small
+
+
+def write_checkpoint(ckpt: Path, ranks: int, files_per_rank: int, step: int) -> Any:
+    """A committed DCP checkpoint of ``ranks`` x ``files_per_rank`` data files; returns its manifest."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    ckpt.mkdir(parents=True)
+    payload = bytes(4 * CHUNK)
+    state: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for r in range(ranks):
+        for i in range(files_per_rank):
+            name, fname = f"model.block{r}.w{i}", f"__{r}_{i}.distcp"
+            (ckpt / fname).write_bytes(payload)
+            state[name] = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size([CHUNK]),
+                                                chunks=[ChunkStorageMetadata(offsets=torch.Size([0]),
+                                                                             sizes=torch.Size([CHUNK]))])
+            storage[MetadataIndex(fqn=name, offset=torch.Size([0]), index=0)] = _StorageInfo(
+                relative_path=fname, offset=0, length=len(payload))
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage)))
+    return build_manifest(ckpt, ranks, files_per_rank, step, state)
+
+
+def rank_entries(ckpt: Path, rank: int, files_per_rank: int) -> list[Any]:
+    """What one rank does at save: hash its own files, one FileEntry each."""
+    from ckpt.hashing import hash_file
+    from schemas.checkpoint import FileEntry
+
+    out = []
+    for i in range(files_per_rank):
+        size, digest = hash_file(ckpt / f"__{rank}_{i}.distcp")
+        out.append(FileEntry(path=f"__{rank}_{i}.distcp", size=size, xxh3_128=digest, rank=rank))
+    return out
+
+
+def build_manifest(ckpt: Path, ranks: int, files_per_rank: int, step: int, state: dict[str, Any]) -> Any:
+    """Rank 0's share: gather every rank's entries (here: computed in turn), add .metadata, write manifest.json."""
+    from ckpt.hashing import hash_file
+    from ckpt.manifest import write_manifest
+    from schemas import ClusterTopology
+    from schemas.checkpoint import CheckpointManifest, DtypePolicy, FileEntry, Fingerprint, TensorEntry
+    from shardkeeper.config import load_run_spec
+
+    files = [e for r in range(ranks) for e in rank_entries(ckpt, r, files_per_rank)]
+    size, digest = hash_file(ckpt / ".metadata")
+    files.append(FileEntry(path=".metadata", size=size, xxh3_128=digest))
+    spec = load_run_spec(ROOT / "configs" / "tiny.yaml")
+    manifest = CheckpointManifest(
+        format="dcp", run_name="scale", step=step, tokens=step, samples=step, segment=0, reason="interval",
+        created_at=datetime.now(timezone.utc).isoformat(), files=files,
+        tensors=[TensorEntry(name=n, shape=[CHUNK], dtype="float32") for n in state],
+        model_signature="0" * 64, topology=ClusterTopology(nodes=max(ranks // 8, 1), procs_per_node=min(ranks, 8)),
+        dtype_policy=DtypePolicy(compute="float32", reduce="float32"), code_version="bench",
+        fingerprint=Fingerprint(model={}, optim={}, optim_step=float(step)), run_spec=spec)
+    write_manifest(ckpt, manifest)
+    return manifest
+
+
+def timed(fn: Callable[[], Any], reps: int) -> list[float]:
+    fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def fmt(samples: list[float]) -> str:
+    return f"{statistics.median(samples):.3f} ({min(samples):.3f}–{max(samples):.3f})"
+
+
+def measure(tmp: Path, ranks: int, files_per_rank: int, reps: int) -> dict[str, Any]:
+    from ckpt.layout import RunDir
+    from ckpt.manifest import read_manifest, write_manifest
+    from ckpt.retention import plan_retention
+    from ckpt.validate import validate
+
+    run = RunDir.at(tmp / f"run-{ranks}")
+    t0 = time.perf_counter()
+    ckpts = [write_checkpoint(run.checkpoint(step), ranks, files_per_rank, step) for step in (10, 20, 30)]
+    setup_s = time.perf_counter() - t0
+    target = run.checkpoint(30)
+    report = validate(target)
+    if not report.valid:
+        raise SystemExit(f"error: the simulated checkpoint at {ranks} ranks is not valid: {report.errors[0]}")
+    manifest = ckpts[-1]
+
+    def plan() -> set[int]:
+        committed = run.committed()
+        steps = [int(p.name[5:13]) for p in committed]
+        valid = {s for s, p in zip(steps, committed) if validate(p).valid}
+        return plan_retention(steps, valid, keep_last=2, keep_every=None, protect={max(valid)})
+
+    doomed = plan()
+    assert doomed == {10}, doomed
+    return {
+        "ranks": ranks, "files": len(manifest.files), "setup_s": setup_s,
+        "manifest": timed(lambda: write_manifest(target, read_manifest(target).model_copy()), reps),
+        "rank": timed(lambda: rank_entries(target, ranks - 1, files_per_rank), reps),
+        "validate": timed(lambda: validate(target), reps),
+        "retention": timed(plan, reps),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512, 4096])
+    ap.add_argument("--files-per-rank", type=int, default=24, help="data files per rank (4,096 x 24 = 98,304)")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="scale-bench-") as tmp:
+        for ranks in args.ranks:
+            rows.append(measure(Path(tmp), ranks, args.files_per_rank, args.reps))
+            shutil.rmtree(Path(tmp) / f"run-{ranks}", ignore_errors=True)
+    import torch
+
+    print(f"Scale on paper, seconds: median (min–max) of {args.reps} after a warm-up · "
+          f"{datetime.now(timezone.utc):%Y-%m-%d} · {os.cpu_count()} cores, {platform.machine()} · torch "
+          f"{torch.__version__} · `python bench/scale_bench.py --files-per-rank {args.files_per_rank}`\n")
+    print("| ranks | files | manifest read + write (rank 0) | one rank's entries at save | validate (quick) | "
+          "retention plan (3 checkpoints) | µs per file (validate) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        per_file = statistics.median(r["validate"]) / r["files"] * 1e6
+        print(f"| {r['ranks']:,} | {r['files']:,} | {fmt(r['manifest'])} | {fmt(r['rank'])} | {fmt(r['validate'])} | "
+              f"{fmt(r['retention'])} | {per_file:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
