@@ -44,7 +44,7 @@ test: install system-deps
 demo: install
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m infra.demo
 
-# Each script prints a markdown table (the README's tables come from these); ~30 min in all on 2 cores.
+# Each script prints a markdown table (the README's tables come from these); ~40 min in all on 2 cores.
 bench: install
 	$(PY) bench/resume_bench.py
 	$(PY) bench/checkpoint_bench.py
