@@ -2,6 +2,7 @@
 
     python bench/dashboard_bench.py                 # ~1-2 min: 10 / 100 / 1,000 / 10,000 checkpoints, 5 reps
     python bench/dashboard_bench.py --no-browser    # rendering only (no Prefect server, no Chromium)
+    python bench/dashboard_bench.py --no-browser --sizes 1000 --segments 100   # a run preempted over and over
 
 For each size it writes a run directory with that many checkpoint events in lineage.jsonl (4 segments:
 preempted, completed, resharded 2 -> 4, preempted, resharded 4 -> 3; an export and a publish) and one
@@ -37,13 +38,15 @@ sys.path.insert(0, str(ROOT))
 SIZES = (10, 100, 1000, 10000)
 
 
-def make_run(run: Path, n: int) -> None:
-    """A run directory whose lineage holds ``n`` checkpoints over 4 segments, plus an export and a publish."""
+def make_run(run: Path, n: int, segments: int = 4) -> None:
+    """A run directory whose lineage holds ``n`` checkpoints over ``segments`` segments (preempted, completed,
+    resharded 2 -> 4, preempted, resharded 4 -> 3, again), plus an export and a publish."""
     from ckpt.fsutil import append_jsonl
     from ckpt.lineage import checkpoint_event_id as ck
     from ckpt.lineage import record
 
-    plan = [(2, "preempted"), (2, "completed"), (4, "preempted"), (3, "completed")]
+    cycle = [(2, "preempted"), (2, "completed"), (4, "preempted"), (3, "completed")]
+    plan = [cycle[i % len(cycle)] for i in range(segments)]
     per = max(n // len(plan), 1)
     prev, step = None, 0
     for seg, (ws, status) in enumerate(plan):
@@ -60,6 +63,16 @@ def make_run(run: Path, n: int) -> None:
     record(run, "export", f"export:step-{step:08d}:bfloat16", parent=prev, step=step, dtype="bfloat16")
     record(run, "publish", "publish:org/model@main", parent=f"export:step-{step:08d}:bfloat16", target="org/model",
            revision="main")
+
+
+def graph(run: Path) -> None:
+    """The lineage graph alone: read the lineage, lay it out, draw the PNG."""
+    from ckpt.lineage import read_events
+    from tasks.render import lineage_graph_png
+
+    events = read_events(run)
+    on_disk = [e.id for e in events if e.kind == "checkpoint"][-3:]  # keep_last 3
+    lineage_graph_png(events, run / "lineage.png", title=run.name, existing=set(on_disk))
 
 
 def render(run: Path) -> None:
@@ -163,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-browser", action="store_true", help="rendering only: no Prefect server, no Chromium")
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    ap.add_argument("--segments", type=int, default=4, help="segments the checkpoints are spread over")
     args = ap.parse_args(argv)
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -170,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = {}
         for n in args.sizes:
             runs[n] = Path(tmp) / f"run-{n}"
-            make_run(runs[n], n)
+            make_run(runs[n], n, args.segments)
+        graphs = {n: timed(lambda r=run: graph(r), args.reps) for n, run in runs.items()}
         rendered = {n: timed(lambda r=run: render(r), args.reps) for n, run in runs.items()}
         mirrored: dict[int, list[float]] = {}
         pages: dict[int, list[float]] = {}
@@ -189,12 +204,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"Lineage dashboard, seconds: median (min–max) of {args.reps} after a warm-up · "
           f"{datetime.now(timezone.utc):%Y-%m-%d} · {os.cpu_count()} cores, {platform.machine()} · "
-          f"torch {torch.__version__} · `python bench/dashboard_bench.py`\n")
-    print("| checkpoints in lineage | render (graph + loss + rows) | mirror-lineage task (4 artifacts) | "
-          "graph page in Chromium (image loaded) |")
-    print("|---:|---:|---:|---:|")
+          f"torch {torch.__version__} · {args.segments} segments · `python bench/dashboard_bench.py`\n")
+    print("| checkpoints in lineage | graph (read + layout + PNG) | render (graph + loss + rows) | "
+          "mirror-lineage task (4 artifacts) | graph page in Chromium (image loaded) |")
+    print("|---:|---:|---:|---:|---:|")
     for n in args.sizes:
-        print(f"| {n:,} | {fmt(rendered[n])} | {fmt(mirrored.get(n))} | {fmt(pages.get(n))} |")
+        print(f"| {n:,} | {fmt(graphs[n])} | {fmt(rendered[n])} | {fmt(mirrored.get(n))} | {fmt(pages.get(n))} |")
     return 0
 
 

@@ -67,10 +67,10 @@ def _loss_markdown(run_dir: Path, png: Path, title: str, statuses: dict[int, str
 def _graph_markdown(png: Path, title: str, rows: list[dict], model_summary: str) -> str:
     return "\n".join([
         f"# Lineage of {title}", "", f"![lineage graph of {title}]({png_data_uri(png)})", "",
-        f"{model_summary} Lanes are segments; filled circles are checkpoints on disk now, hollow ones were retired "
-        "by retention, red rings are emergency checkpoints written at a preemption; dashed edges are resumes "
-        "(red: after a preemption or failure, orange: reshard to another world size); squares are exports, "
-        "diamonds publishes.", "", f"## Checkpoints now ({len(rows)})", "", markdown_rows(rows, CHECKPOINT_COLUMNS),
+        f"{model_summary} Lanes are segments; filled circles are checkpoints on disk now, hollow ones were "
+        "retired by retention, red rings are emergency checkpoints written at a preemption; dashed edges are "
+        "resumes (green: planned, red: after a preemption or failure, orange: reshard to another world size); "
+        "squares are exports, diamonds publishes, triangles converted copies.", "", f"## Checkpoints now ({len(rows)})", "", markdown_rows(rows, CHECKPOINT_COLUMNS),
     ])
 
 
@@ -92,7 +92,8 @@ def mirror_lineage(run_dir: str, run_name: str | None = None) -> LineageArtifact
     model = lineage_graph(events, existing={f"checkpoint:{Path(r['path']).name}" for r in now})
     graph_png = draw_lineage_graph(model, root / GRAPH_PNG, title=title)
     summary = (f"{model.checkpoints} checkpoint{'s' if model.checkpoints != 1 else ''} written, {len(now)} on disk now"
-               + (f"; {model.folded} plain interval checkpoints are folded into the edges (+N)." if model.folded else "."))
+               + (f"; {model.folded} are folded into the edges (… N checkpoints …)." if model.folded else ".")
+               + (f" The {model.hidden_segments} middle segments share one (yellow) lane." if model.hidden_segments else ""))
     create_markdown_artifact(_graph_markdown(graph_png, title, now, summary), key=graph_key,
                              description=f"Lineage graph of {title} and the checkpoints that exist now")
     create_table_artifact([{k: r[k] for k in [*CHECKPOINT_COLUMNS, "path"]} for r in now], key=checkpoints_key,

@@ -1,9 +1,12 @@
-"""Render a run's lineage for people: rows for a table artifact and the loss curve (PNG) with markers at
-resume and reshard points (the graph and the checkpoint tables are in tasks/dashboard.py).
+"""Render a run's lineage for people: rows for a table artifact, the loss curve (PNG) with markers at
+resume and reshard points, and the lineage graph (PNG; its layout model and the checkpoint tables are in
+tasks/dashboard.py).
 
-    from tasks.render import loss_curve_png, table_rows
+    from tasks.render import lineage_graph_png, loss_curve_png, table_rows
     rows = table_rows(read_events("runs/demo"))
     loss_curve_png("runs/demo", "runs/demo/loss.png")
+    lineage_graph_png(read_events("runs/demo"), "runs/demo/lineage.png", title="demo",
+                      existing={"checkpoint:step-00000100"})
 
 No prefect import: the CLI can use it, and tasks/lineage.py mirrors its output into Prefect artifacts.
 """
@@ -20,6 +23,7 @@ from typing import Any
 from ckpt.fsutil import read_jsonl
 from ckpt.layout import RunDir
 from schemas import LineageEvent
+from tasks.dashboard import draw_lineage_graph, lineage_graph
 
 log = logging.getLogger(__name__)
 
@@ -134,3 +138,10 @@ def loss_curve_png(run_dir: str | Path, out_path: str | Path, *, title: str | No
 
 def png_data_uri(path: str | Path) -> str:
     return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
+
+
+def lineage_graph_png(events: list[LineageEvent], out_path: str | Path, *, title: str,
+                      existing: set[str] | None = None) -> Path:
+    """The lineage graph of ``events`` drawn to ``out_path`` (tasks.dashboard.lineage_graph: a lane per segment,
+    checkpoints in ``existing`` filled and the rest hollow, plain interval chains folded)."""
+    return draw_lineage_graph(lineage_graph(events, existing), out_path, title=title)

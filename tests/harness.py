@@ -119,11 +119,18 @@ def copy_run(src: Path, dest: Path) -> Path:
 
 def mark_preempted(run: Path, until_step: int) -> None:
     """Make a run look like its last segment was preempted before ``until_step`` (what the stage writes)."""
+    mark_segment(run, until_step, "preempted", exit_code=75)
+
+
+def mark_segment(run: Path, until_step: int, status: str | None, *, exit_code: int = 1) -> None:
+    """Append one more segment to a run's segments.jsonl that ended with ``status`` before ``until_step``
+    (``None``: it started and never ended, as after a killed launcher)."""
     last = [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines()][-1]
-    seg, step = last["segment"] + 1, last["end_step"]
+    seg, step = last["segment"] + 1, last["end_step"] if "end_step" in last else last["start_step"]
     with open(run / "segments.jsonl", "a") as f:
         f.write(json.dumps({"event": "start", "segment": seg, "until_step": until_step, "start_step": step,
                             "world_size": 2, "time": "2026-01-01T00:00:00Z"}) + "\n")
-        f.write(json.dumps({"event": "end", "segment": seg, "status": "preempted", "exit_code": 75, "start_step": step,
-                            "end_step": step, "run_dir": str(run), "checkpoint": None, "seconds": 1.0,
-                            "failure": None}) + "\n")
+        if status is not None:
+            f.write(json.dumps({"event": "end", "segment": seg, "status": status, "exit_code": exit_code,
+                                "start_step": step, "end_step": step, "run_dir": str(run), "checkpoint": None,
+                                "seconds": 1.0, "failure": None}) + "\n")

@@ -118,6 +118,11 @@ def test_flow_run_shows_lineage_artifacts(prefect_server: Any, mirrored: tuple[A
     assert page.get_by_text("flowchart", exact=False).count() == 0
     page.get_by_text("Checkpoints now").first.wait_for()
     page.locator("td", has_text="dcp").first.wait_for()
+    on_disk = sorted(p.name for p in Path(real_keys.graph_png).parent.joinpath("checkpoints").glob("step-*")
+                     if (p / "manifest.json").is_file())
+    # the markdown table under the graph: one row per checkpoint on disk, its step in the first cell
+    cells = page.locator("table tbody tr td:first-child").all_inner_texts()
+    assert cells == [str(int(name.split("-")[1])) for name in on_disk], cells
     page.screenshot(path=str(SHOTS / "lineage-graph-real.png"), full_page=True)
     print(f"\nlineage graph page rendered in {render_s:.2f} s")
 
@@ -126,14 +131,14 @@ def test_flow_run_shows_lineage_artifacts(prefect_server: Any, mirrored: tuple[A
     page.get_by_text("Lineage of ui-check (lineage-run)").first.wait_for()
     assert image_loaded(page).evaluate("img => img.naturalWidth") >= 800
     page.get_by_text("Checkpoints now (0)").first.wait_for()
+    assert page.get_by_text("flowchart LR", exact=False).count() == 0
     page.screenshot(path=str(SHOTS / "lineage-graph.png"), full_page=True)
 
     # Checkpoints now: one row per checkpoint on disk of the real run (and only those).
-    on_disk = sorted(p.name for p in Path(real_keys.graph_png).parent.joinpath("checkpoints").glob("step-*")
-                     if (p / "manifest.json").is_file())
     page.goto(artifact(real_keys.checkpoints_key), wait_until="networkidle")
     for name in on_disk:
         page.get_by_text(name, exact=False).first.wait_for()
+    assert page.locator("td", has_text="/checkpoints/step-").count() == len(on_disk)
     page.screenshot(path=str(SHOTS / "checkpoints-now.png"), full_page=True)
 
     # Runs overview: the completed and the preempted run of the root.
