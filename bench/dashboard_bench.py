@@ -23,17 +23,17 @@ import argparse
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchlib import fmt, timed  # noqa: E402 - bench/ is on the path when run as a script
 
 SIZES = (10, 100, 1000, 10000)
 
@@ -86,22 +86,6 @@ def render(run: Path) -> None:
     draw_lineage_graph(lineage_graph(events, set(ids)), run / "lineage.png", title=run.name)
     loss_curve_png(run, run / "loss.png", statuses=segment_statuses(events))
     table_rows(events)
-
-
-def timed(fn: Callable[[], Any], reps: int) -> list[float]:
-    fn()  # warm-up
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def fmt(samples: list[float] | None) -> str:
-    if not samples:
-        return "n/a"
-    return f"{statistics.median(samples):.2f} ({min(samples):.2f}–{max(samples):.2f})"
 
 
 def page_times(server: Any, runs: dict[int, Path], reps: int) -> dict[int, list[float]]:

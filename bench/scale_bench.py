@@ -32,13 +32,14 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchlib import fmt, timed  # noqa: E402 - bench/ is on the path when run as a script
 
 CHUNK = 16  # float32 values per data file: the files are real, just small
 
@@ -102,20 +103,6 @@ def build_manifest(ckpt: Path, ranks: int, files_per_rank: int, step: int, state
     return manifest
 
 
-def timed(fn: Callable[[], Any], reps: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def fmt(samples: list[float]) -> str:
-    return f"{statistics.median(samples):.3f} ({min(samples):.3f}–{max(samples):.3f})"
-
-
 def measure(tmp: Path, ranks: int, files_per_rank: int, reps: int) -> dict[str, Any]:
     from ckpt.layout import RunDir
     from ckpt.manifest import read_manifest, write_manifest
@@ -170,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         per_file = statistics.median(r["validate"]) / r["files"] * 1e6
-        print(f"| {r['ranks']:,} | {r['files']:,} | {fmt(r['manifest'])} | {fmt(r['rank'])} | {fmt(r['validate'])} | "
-              f"{fmt(r['retention'])} | {per_file:.1f} |")
+        print(f"| {r['ranks']:,} | {r['files']:,} | {fmt(r['manifest'], 3)} | {fmt(r['rank'], 3)} | {fmt(r['validate'], 3)} | "
+              f"{fmt(r['retention'], 3)} | {per_file:.1f} |")
     return 0
 
 
