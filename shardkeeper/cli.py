@@ -51,6 +51,9 @@ _RANK_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \[rank\d+\] ")
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s",
                         handlers=[RichHandler(console=console, show_path=False, markup=False)])
+    if not verbose:  # botocore says "Found credentials in environment variables" at INFO for every s3:// client
+        for name in ("botocore", "aiobotocore", "s3fs"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 @app.callback()
@@ -115,7 +118,7 @@ def _failure_line(failure: str | None) -> str:
 
 @app.command()
 def validate(
-    ckpt_dir: Annotated[Path, typer.Argument(help="a step-XXXXXXXX checkpoint directory")],
+    ckpt_dir: Annotated[str, typer.Argument(help="a step-XXXXXXXX checkpoint directory (or s3://.../checkpoints/step-XXXXXXXX)")],
     deep: Annotated[bool, typer.Option(help="verify the checksum of every byte and the fingerprint")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the ValidationReport as JSON")] = False,
 ) -> None:
@@ -166,8 +169,9 @@ def convert(
 
 @app.command()
 def export(
-    ckpt_dir: Annotated[Path, typer.Argument(help="checkpoint to export")],
-    out_dir: Annotated[Path, typer.Argument(help="folder to create (transformers from_pretrained layout)")],
+    # str, not Path: Path("s3://b/x") would fold the URL's "//"
+    ckpt_dir: Annotated[str, typer.Argument(help="checkpoint to export (a folder or s3://.../checkpoints/step-XXXXXXXX)")],
+    out_dir: Annotated[str, typer.Argument(help="folder to create (transformers from_pretrained layout), or s3://...")],
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
     max_shard_size: Annotated[str, typer.Option(help="largest safetensors file, e.g. 5GB, 500MB")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="replace an existing out_dir")] = False,
@@ -203,25 +207,31 @@ def publish(
 
 @app.command("lineage")
 def lineage_cmd(
-    run_dir: Annotated[Path, typer.Argument(help="run directory")],
+    run_dir: Annotated[str, typer.Argument(help="run directory (or s3://bucket/prefix)")],
     as_json: Annotated[bool, typer.Option("--json", help="print the events as JSON Lines: one JSON object per "
                                                          "line, oldest first (not one JSON document)")] = False,
 ) -> None:
     """Show every checkpoint, resume, reshard, export and publish of a run, with its parent (a summary first)."""
     from ckpt.lineage import read_events
 
-    rd = RunDir.at(run_dir)
+    existing_remote = None
+    if _is_remote(run_dir):
+        from shardkeeper.remote import lineage_source
+
+        rd, existing_remote = lineage_source(run_dir)
+    else:
+        rd = RunDir.at(run_dir)
     if not rd.spec_path.exists() and not rd.has_lineage():
         raise ShardkeeperError(f"{run_dir}: not a run directory (no run.yaml); pass the --run-dir used for training")
-    events = read_events(run_dir)
+    events = read_events(rd)
     if as_json:
         for e in events:
             out.print(e.model_dump_json(), markup=False, highlight=False, soft_wrap=True)
         return
     kinds = [e.kind for e in events]
     steps = [e.step for e in events if e.kind == "checkpoint" and e.step is not None]
-    existing = len(rd.committed())
-    out.print(f"{rd.root.name}: {kinds.count('checkpoint')} checkpoints written ({existing} exist now), latest step "
+    existing = len(rd.committed()) if existing_remote is None else existing_remote
+    out.print(f"{rd.root.name if existing_remote is None else _name(run_dir)}: {kinds.count('checkpoint')} checkpoints written ({existing} exist now), latest step "
               f"{max(steps) if steps else 0}; {kinds.count('segment')} segment events, {kinds.count('resume')} resumes, "
               f"{kinds.count('reshard')} reshards, {kinds.count('export')} exports, {kinds.count('publish')} publishes"
               + (f"; last event {events[-1].time}" if events else ""), markup=False, highlight=False, soft_wrap=False)
@@ -245,14 +255,18 @@ def lineage_cmd(
 
 @app.command("status")
 def status_cmd(
-    path: Annotated[Path, typer.Argument(help="a run directory, or a folder of run directories")],
+    path: Annotated[str, typer.Argument(help="a run directory, or a folder of run directories (or s3://...)")],
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON document: a list of run states")] = False,
 ) -> None:
     """Where each run stands: how its last segment ended (or that it trains now), its newest valid checkpoint."""
-    import json
-
     from shardkeeper.stages import run_state, scan_runs
 
+    if _is_remote(path):
+        from shardkeeper.remote import remote_run_urls
+
+        _show_states(path, [run_state(u) for u in remote_run_urls(path)], as_json, single_url=path)
+        return
+    path = Path(path)
     if not path.exists():
         raise ShardkeeperError(f"{path}: no such run directory or folder; pass a --run-dir used for training or the "
                                "folder that holds run directories")
@@ -260,21 +274,38 @@ def status_cmd(
         raise ShardkeeperError(f"{path}: is a file; pass a run directory or the folder that holds run directories")
     rd = RunDir.at(path)
     states = [run_state(path)] if rd.spec_path.exists() or rd.checkpoints.is_dir() else scan_runs(str(path), [])
+    _show_states(str(path), states, as_json, single_url=str(rd.root))
+
+
+def _show_states(path: str, states: list, as_json: bool, *, single_url: str) -> None:
+    import json
+
     if not states:
         raise ShardkeeperError(f"{path}: holds no run directory (none with a run.yaml or checkpoints/); pass a "
                                "--run-dir used for training or the folder that holds them")
     if as_json:
         print(json.dumps([s.model_dump(mode="json") for s in states], indent=2))
         return
-    table = Table(title=f"runs under {path}" if len(states) > 1 or states[0].run_dir != str(rd.root) else None)
+    table = Table(title=f"runs under {path}" if len(states) > 1 or states[0].run_dir != single_url else None)
     for col in ("run", "status", "step", "until", "world size", "newest valid checkpoint"):
         table.add_column(col, overflow="fold")
     for st in states:
         status = "running" if st.locked else (st.last_status or "new")
-        table.add_row(Path(st.run_dir).name, status, str(st.step), "" if st.last_until_step is None else str(st.last_until_step),
+        table.add_row(_name(st.run_dir), status, str(st.step), "" if st.last_until_step is None else str(st.last_until_step),
                       "" if st.world_size is None else str(st.world_size),
-                      Path(st.checkpoint).name if st.checkpoint else "none")
+                      _name(st.checkpoint) if st.checkpoint else "none")
     out.print(table)
+
+
+def _is_remote(path: str) -> bool:
+    from ckpt.objstore import is_remote
+
+    return is_remote(path)
+
+
+def _name(path: str) -> str:
+    """The last component of a path or URL."""
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
 
 
 def main(argv: list[str] | None = None) -> int:

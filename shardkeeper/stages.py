@@ -120,11 +120,16 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
 
     ``cancel_check`` (polled by the launcher; a Prefect task passes one that watches its flow run):
     when it turns true the ranks commit a checkpoint and stop, and the segment ends 'cancelled'."""
+    remote = _remote_run(run_dir)  # s3://...: the ranks train in its local cache, shardkeeper.remote mirrors it
+    if remote is not None:
+        run_dir = remote.local.root
     preflight(spec, topology, run_dir)  # before anything is written: a refused segment leaves no trace
+    if remote is not None:
+        remote.check_writable()  # unreachable, no credentials, no bucket, read-only: one line, nothing written
     rd = RunDir.at(run_dir)
     mkdir_durable(rd.root)
     sink = sink or (lambda line: log.info("%s", line))
-    with RunLock(rd.root):
+    with RunLock(rd.root), _mirrored(remote, spec):
         prepare_run_dir(rd, spec)
         seg = next_segment_index(rd)
         SegmentReport.clear(rd.root)
@@ -142,7 +147,33 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         lineage.record(rd, "segment", f"segment:{seg}", parent=(f"checkpoint:step-{start_step:08d}" if before else None),
                        step=result.end_step, status=result.status, world_size=topology.world_size,
                        seconds=round(result.seconds, 2), until_step=until_step)
+    if remote is not None:
+        from shardkeeper.remote import remote_result
+
+        return remote_result(remote, result)
     return result
+
+
+def _is_remote(path: str | Path) -> bool:
+    from ckpt.objstore import is_remote
+
+    return is_remote(path)
+
+
+def _remote_run(run_dir: str | Path):
+    """A RemoteRun for an object-store URL (``s3://bucket/prefix``), None for a local path."""
+    from ckpt.objstore import RemoteRun, is_remote
+
+    return RemoteRun(str(run_dir)) if is_remote(run_dir) else None
+
+
+def _mirrored(remote, spec: RunSpec):
+    """Around a segment on the store: pull what the cache lacks, push each checkpoint as it commits."""
+    if remote is None:
+        return contextlib.nullcontext()
+    from shardkeeper.remote import Mirror
+
+    return Mirror(remote, spec, is_valid=lambda p: validate(p).valid)
 
 
 def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, CheckpointManifest] | None:
@@ -236,6 +267,10 @@ def _failure(outcome: LaunchOutcome) -> str:
 
 
 def validate_checkpoint(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:
+    if _is_remote(ckpt_dir):
+        from shardkeeper.remote import validate_remote
+
+        return validate_remote(str(ckpt_dir), deep=deep, validate=validate)
     report = validate(ckpt_dir, deep=deep)
     run_root = RunDir.containing(ckpt_dir)
     if run_root.has_lineage() and deep:
@@ -316,6 +351,11 @@ def export_and_record(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str =
     its byte ranges in the ``*_optim_states.pt`` partitions; no intermediate checkpoint is written."""
     from ckpt.export import export_checkpoint as _export
 
+    if _is_remote(ckpt_dir) or _is_remote(out_dir):
+        from shardkeeper.remote import export_remote
+
+        return export_remote(str(ckpt_dir), str(out_dir), export=_export, dtype=dtype, max_shard_size=max_shard_size,
+                             overwrite=overwrite, progress=progress)
     ckpt_dir = Path(ckpt_dir)
     res = _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
     root = RunDir.of_checkpoint(ckpt_dir)
@@ -345,6 +385,10 @@ def publish_export(export_dir: str | Path, target: str, *, revision: str | None 
 # ------------------------------------------------------------------------------------------ run state
 def run_state(run_dir: str | Path) -> RunState:
     """Newest valid checkpoint and how the last segment ended (plain function: the resume scan uses it)."""
+    if _is_remote(run_dir):
+        from shardkeeper.remote import run_state_remote
+
+        return run_state_remote(str(run_dir), is_locked=lambda root: RunLock(root).is_locked())
     rd = RunDir.at(run_dir)
     exists = rd.spec_path.exists() or bool(rd.committed())
     if not exists:

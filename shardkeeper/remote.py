@@ -1,0 +1,260 @@
+"""Run directories and exports on ``s3://`` (any fsspec URL): the controller side of ckpt.objstore.
+
+A segment on ``--run-dir s3://bucket/prefix`` trains into the local cache of that URL (the ranks write a
+normal run directory at local-disk speed, under the unchanged commit protocol) while ``Mirror`` pushes each
+checkpoint as it commits (a watcher thread: a preemption loses at most the upload in flight), then the
+run's metadata, and applies the retention policy on the store (manifest first). Before the segment it pulls
+the newest committed remote checkpoint when the cache lacks it: that is how a segment on another machine,
+or at another world size, resumes. The read-only stages (validate, status, lineage, export) materialize in
+the cache what they need; nothing is read from a remote step directory without its manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ckpt import lineage
+from ckpt.layout import RunDir, parse_step
+from ckpt.objstore import ObjectStoreError, RemoteRun, is_remote, iter_runs
+from schemas import RunSpec, SegmentResult, ValidationReport
+from schemas.errors import CheckpointError, ShardkeeperError
+from schemas.requests import RunState
+
+log = logging.getLogger("shardkeeper")
+
+POLL_ENV = "SHARDKEEPER_UPLOAD_POLL_S"
+_CKPT_URL = re.compile(r"^(?P<run>.+)/checkpoints/(?P<name>step-\d{8})/?$")
+
+__all__ = ["Mirror", "ObjectStoreError", "export_remote", "is_remote", "lineage_source", "materialize_checkpoint",
+           "open_for_training", "run_state_remote", "validate_remote"]
+
+
+# ------------------------------------------------------------------------------------------ training
+def open_for_training(url: str) -> RemoteRun:
+    """The remote run and its cache; fails with one line (and writes nothing) unless the store is reachable,
+    the credentials work, the bucket exists and these credentials may write under the prefix."""
+    remote = RemoteRun(url)
+    remote.check_writable()
+    return remote
+
+
+class Mirror:
+    """Under the run lock, around one segment: ``start`` pulls what the cache lacks and starts the uploader
+    thread; ``finish`` stops it and pushes whatever committed meanwhile, then the metadata."""
+
+    def __init__(self, remote: RemoteRun, spec: RunSpec, *, is_valid: Callable[[Path], bool],
+                 poll_s: float | None = None):
+        self.remote = remote
+        self.spec = spec
+        self.is_valid = is_valid
+        self.poll_s = float(os.environ.get(POLL_ENV, "1.0")) if poll_s is None else poll_s
+        self.remote_newest = -1
+        self.uploaded: list[int] = []
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Mirror:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.finish(raise_errors=exc_type is None)
+
+    def start(self) -> None:
+        r = self.remote
+        r.sweep_pulls()
+        r.pull_meta()
+        objects = r.checkpoint_objects()
+        committed = r.committed_steps(objects)
+        self.remote_newest = committed[-1] if committed else -1
+        local = [s for s in self._local_steps() if self.is_valid(r.local.checkpoint(s))]
+        newest_local = local[-1] if local else -1
+        for step in reversed(committed):  # the newest whole remote checkpoint the cache lacks
+            if step <= newest_local:
+                break
+            try:
+                r.pull_checkpoint(step)
+                break
+            except CheckpointError as e:
+                log.warning("not resuming from %s: %s", r.checkpoint_uri(step), e)
+        self._thread = threading.Thread(target=self._loop, name="ckpt-upload", daemon=True)
+        self._thread.start()
+
+    def _local_steps(self) -> list[int]:
+        return [parse_step(p.name) or 0 for p in self.remote.local.committed()]
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.sync()
+            except Exception as e:  # noqa: BLE001 - retried at the next poll and at the end of the segment
+                self.last_error = str(e)
+                log.warning("upload to %s failed (retried): %s", self.remote.url, e)
+
+    def sync(self) -> list[int]:
+        """Push every valid local checkpoint newer than the store's newest, oldest first; then metadata and
+        retention. Returns the steps pushed."""
+        with self._lock:
+            pushed = []
+            for step in self._local_steps():
+                path = self.remote.local.checkpoint(step)
+                if step <= self.remote_newest or not self.is_valid(path):
+                    continue
+                try:
+                    self.remote.push_checkpoint(path)
+                except FileNotFoundError:  # removed by the local retention while it was uploading
+                    log.info("%s vanished from the cache during its upload; skipped", path.name)
+                    continue
+                self.remote_newest = step
+                pushed.append(step)
+            if pushed:
+                self.uploaded += pushed
+                self.remote.push_meta()
+                pol = self.spec.checkpoint
+                self.remote.apply_retention(keep_last=pol.keep_last, keep_every=pol.keep_every,
+                                            protect={self.remote_newest})
+            return pushed
+
+    def finish(self, *, raise_errors: bool = True) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            self.sync()
+            self.remote.push_meta()
+        except ShardkeeperError as e:
+            msg = (f"{e}; the segment's checkpoints stay in the cache {self.remote.local.root} and the next "
+                   f"`shardkeeper train --run-dir {self.remote.url}` uploads them")
+            if raise_errors:
+                raise ObjectStoreError(msg) from None
+            log.error("%s", msg)
+
+
+def remote_result(remote: RemoteRun, result: SegmentResult) -> SegmentResult:
+    """The segment's result with the store's URLs in place of cache paths."""
+    return result.model_copy(update={"run_dir": remote.url, "checkpoint": remote.local_to_uri(result.checkpoint)})
+
+
+# ------------------------------------------------------------------------------------------ readers
+def split_checkpoint_url(url: str) -> tuple[RemoteRun, int]:
+    m = _CKPT_URL.match(url)
+    if not m:
+        raise ShardkeeperError(f"{url}: not a checkpoint URL; use RUN_URL/checkpoints/step-XXXXXXXX")
+    return RemoteRun(m.group("run")), parse_step(m.group("name")) or 0
+
+
+def materialize_checkpoint(url: str) -> tuple[RemoteRun, Path]:
+    """Download a committed remote checkpoint (and its run's metadata) into the cache; CheckpointError if the
+    store holds no manifest for it or its objects do not match the manifest."""
+    remote, step = split_checkpoint_url(url)
+    remote.pull_meta()
+    return remote, remote.pull_checkpoint(step)
+
+
+def validate_remote(url: str, *, deep: bool, validate: Callable[..., ValidationReport]) -> ValidationReport:
+    """Validate a checkpoint on the store: a manifest there (else it is not a checkpoint), every object of its
+    size and checksum (checked while downloading), then the local checks (``deep``: fingerprint too)."""
+    t0 = time.perf_counter()
+    try:
+        remote, local = materialize_checkpoint(url)
+    except CheckpointError as e:
+        return ValidationReport(path=url, valid=False, deep=deep, errors=[str(e)], seconds=time.perf_counter() - t0)
+    report = validate(local, deep=deep)
+    errors = [e.replace(str(local), url) for e in report.errors]
+    if deep and remote.local.has_lineage():
+        lineage.record(remote.local, "validate", f"validate:{local.name}:{int(time.time())}", parent=f"checkpoint:{local.name}",
+                       step=report.step, valid=report.valid, errors=errors[:3], uri=url)
+        _push_meta_quietly(remote)
+    return report.model_copy(update={"path": url, "errors": errors, "seconds": time.perf_counter() - t0})
+
+
+def _push_meta_quietly(remote: RemoteRun) -> None:
+    try:
+        remote.push_meta()
+    except ShardkeeperError as e:  # a reader may lack write permission: the event stays in the cache
+        log.warning("lineage event kept in the cache only: %s", e)
+
+
+def run_state_remote(url: str, *, is_locked: Callable[[Path], bool]) -> RunState:
+    """RunState of a run on the store: the newest remote checkpoint with a manifest and all its objects."""
+    from ckpt.fsutil import read_jsonl
+
+    remote = RemoteRun(url)
+    remote.check_readable()
+    remote.pull_meta()
+    found = remote.latest_committed()
+    rd = remote.local
+    if not rd.spec_path.exists() and found is None:
+        return RunState(run_dir=url, exists=False)
+    records = read_jsonl(rd.segments)
+    starts = [r for r in records if r.get("event") == "start"]
+    locked = is_locked(rd.root)
+    last_status = None
+    if records:
+        last = records[-1]
+        last_status = last.get("status") if last.get("event") == "end" else ("running" if locked else "interrupted")
+    return RunState(run_dir=url, exists=True, checkpoint=remote.checkpoint_uri(found[0]) if found else None,
+                    step=found[0] if found else 0, world_size=found[1].topology.world_size if found else None,
+                    last_status=last_status, last_until_step=starts[-1].get("until_step") if starts else None,
+                    locked=locked)
+
+
+def remote_run_urls(url: str) -> list[str]:
+    """``url`` itself when it is a run directory on the store, else the run directories directly under it."""
+    remote = RemoteRun(url)
+    remote.check_readable()
+    if remote.fs.exists(remote.key("run.yaml")) or remote.committed_steps():
+        return [remote.url]
+    return list(iter_runs(url))
+
+
+def lineage_source(url: str) -> tuple[RunDir, int]:
+    """The cache of a remote run with its metadata pulled, and how many committed checkpoints the store holds."""
+    remote = RemoteRun(url)
+    remote.check_readable()
+    remote.pull_meta()
+    return remote.local, len(remote.committed_steps())
+
+
+def export_remote(ckpt: str, out: str, *, export: Callable[..., Any], dtype: str, max_shard_size: str | int,
+                  overwrite: bool, progress: bool) -> Any:
+    """Export a checkpoint where either side is on the store: the checkpoint is materialized in the cache,
+    the export written locally, and an ``out`` on the store is published there through ckpt.publish's fsspec
+    target (files first, its marker last: a reader sees an incomplete export as none)."""
+    from ckpt.objstore import cache_dir, open_fs
+    from ckpt.publish.fsspec_target import publish_to_fsspec
+
+    remote, local_ckpt = materialize_checkpoint(ckpt) if is_remote(ckpt) else (None, Path(ckpt))
+    if is_remote(out):
+        name = out.rstrip("/").rsplit("/", 1)[-1]
+        if not name or "://" in name:
+            raise ShardkeeperError(f"{out}: name the export folder, e.g. s3://bucket/run/exports/step-00000020")
+        fs, base = open_fs(out)
+        if fs.exists(f"{base.rstrip('/')}/shardkeeper.json") and not overwrite:
+            raise ShardkeeperError(f"{out}: an export is already published there; pass --overwrite to replace it")
+        local_out = cache_dir(out)
+        overwrite = True  # the cache copy of an export is ours to replace
+    else:
+        local_out = Path(out)
+    res = export(local_ckpt, local_out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+                 progress=progress)
+    uri = out if is_remote(out) else Path(res.out_dir).resolve().as_uri()
+    if is_remote(out):
+        publish_to_fsspec(local_out, out.rstrip("/").rsplit("/", 1)[0])
+    root = remote.local if remote is not None else RunDir.of_checkpoint(local_ckpt)
+    if root is not None and root.spec_path.exists():
+        lineage.record(root, "export", f"export:{Path(res.out_dir).name}:{res.dtype}", parent=f"checkpoint:{local_ckpt.name}",
+                       step=parse_step(local_ckpt.name), uri=uri, dtype=res.dtype, num_shards=res.num_shards,
+                       bytes=res.total_bytes, seconds=round(res.seconds, 2))
+        if remote is not None:
+            _push_meta_quietly(remote)
+    return res.model_copy(update={"out_dir": out}) if is_remote(out) else res
