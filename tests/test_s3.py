@@ -1,0 +1,432 @@
+"""Run directories and exports on s3:// against a real S3-protocol server on loopback (moto_server, started
+once per session as a subprocess; credentials and endpoint through the standard AWS variables).
+
+Two training launches through the real CLI: 2 ranks to step 4 (a checkpoint every step, keep_last 2) on
+``s3://BUCKET/run``, then 1 rank to step 6 from a fresh cache (the resume pulls the newest committed
+checkpoint); a 2-rank uninterrupted run to step 6 (spawned, no torchrun) is the reference.
+
+    .venv/bin/python -m pytest tests/test_s3.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import free_port, max_rel, metrics, new_run, spawn, tiny_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+FIRST, END = 4, 6
+CKPT_SETS = ["--set", "checkpoint.interval=1", "--set", "checkpoint.keep_last=2"]
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+# ------------------------------------------------------------------------------------------ the server
+def _moto_server(env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    candidate = Path(sys.executable).with_name("moto_server")
+    binary = str(candidate) if candidate.exists() else shutil.which("moto_server")
+    if binary is None:
+        pytest.skip("s3 tests need moto[server] (pip install 'moto[server]'): moto_server not found")
+    port = free_port()
+    proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"moto_server did not start on port {port} (exit code {proc.poll()})")
+            time.sleep(0.1)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A moto_server on loopback; this process's AWS variables point at it for the session."""
+    pytest.importorskip("s3fs", reason="s3 tests need s3fs (pip install s3fs)")
+    pytest.importorskip("boto3", reason="s3 tests need boto3 (pip install boto3)")
+    proc, endpoint = _moto_server()
+    mp = pytest.MonkeyPatch()
+    try:
+        for k, v in {**AWS_ENV, "AWS_ENDPOINT_URL": endpoint}.items():
+            mp.setenv(k, v)
+        mp.delenv("AWS_SESSION_TOKEN", raising=False)
+        mp.delenv("AWS_PROFILE", raising=False)
+        yield endpoint
+    finally:
+        mp.undo()
+        _stop(proc)
+
+
+def _client() -> Any:
+    import boto3
+
+    return boto3.client("s3")
+
+
+def _new_bucket() -> str:
+    bucket = f"sk-{uuid.uuid4().hex[:12]}"
+    _client().create_bucket(Bucket=bucket)
+    return bucket
+
+
+def _keys(bucket: str, prefix: str = "") -> dict[str, int]:
+    pages = _client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return {o["Key"]: o["Size"] for page in pages for o in page.get("Contents", [])}
+
+
+def _steps(bucket: str, prefix: str) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    for key in _keys(bucket, f"{prefix}/checkpoints/"):
+        step_dir, name = key[len(prefix) + len("/checkpoints/"):].split("/", 1)
+        if step_dir[5:].isdigit():
+            out.setdefault(int(step_dir[5:]), set()).add(name)
+    return out
+
+
+def _cli(*args: str, cache: Path, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = _cli_start(*args, cache=cache, env=env)
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _cli_start(*args: str, cache: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    full_env = {**os.environ, "SHARDKEEPER_CACHE": str(cache), "SHARDKEEPER_UPLOAD_POLL_S": "0.2", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "shardkeeper", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=full_env)
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "cache"
+    monkeypatch.setenv("SHARDKEEPER_CACHE", str(path))
+    return path
+
+
+# ------------------------------------------------------------------------------------------ the shared run
+@pytest.fixture(scope="module")
+def s3_run(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``s3://BUCKET/run``: 2 ranks to step 4 (cache A), then 1 rank to step 6 from a fresh cache (B);
+    plus an uninterrupted local 2-rank reference to step 6."""
+    bucket = _new_bucket()
+    url = f"s3://{bucket}/run"
+    base = tmp_path_factory.mktemp("s3run")
+    launch = _cli_start("train", "--config", TINY, "--run-dir", url, "--nproc", "2", "--until-step", str(FIRST),
+                        *CKPT_SETS, cache=base / "cache-a")
+    ref = new_run(base / "ref", tiny_spec())  # meanwhile: a launch mostly waits on start-up, not on the CPU
+    assert spawn(_run_segment(), 2, str(ref), END, 0) == [0, 0]
+    out, err = launch.communicate(timeout=300)
+    first = subprocess.CompletedProcess(launch.args, launch.returncode, out, err)
+    assert first.returncode == 0, first.stderr[-3000:]
+    after_first = _steps(bucket, "run")
+    second = _cli("train", "--config", TINY, "--run-dir", url, "--nproc", "1", "--until-step", str(END), *CKPT_SETS,
+                  cache=base / "cache-b")
+    assert second.returncode == 0, second.stderr[-3000:]
+    return {"bucket": bucket, "url": url, "base": base, "first": first, "second": second, "ref": ref,
+            "after_first": after_first}
+
+
+def _run_segment() -> Any:
+    from trainer.segment import run_segment
+
+    return run_segment
+
+
+def test_save_to_s3_leaves_manifest_committed_checkpoints_and_keep_last(s3_run: dict[str, Any]) -> None:
+    bucket = s3_run["bucket"]
+    assert "checkpoint s3://" in s3_run["first"].stderr + s3_run["first"].stdout
+    # keep_last 2 on the store after each segment: the newest two steps, each whole with its manifest
+    assert sorted(s3_run["after_first"]) == [3, 4]
+    steps = _steps(bucket, "run")
+    assert sorted(steps) == [5, 6]
+    import xxhash
+
+    client = _client()
+    for step, names in steps.items():
+        prefix = f"run/checkpoints/step-{step:08d}/"
+        manifest = json.loads(client.get_object(Bucket=bucket, Key=prefix + "manifest.json")["Body"].read())
+        assert names == {"manifest.json"} | {f["path"] for f in manifest["files"]}
+        for f in manifest["files"]:
+            body = client.get_object(Bucket=bucket, Key=prefix + f["path"])["Body"].read()
+            assert (len(body), xxhash.xxh3_128(body).hexdigest()) == (f["size"], f["xxh3_128"])
+    assert {"run/run.yaml", "run/lineage.jsonl", "run/metrics.jsonl", "run/segments.jsonl"} <= set(_keys(bucket, "run/"))
+
+
+def test_resume_at_another_world_size_from_a_fresh_cache_matches_the_local_reference(s3_run: dict[str, Any]) -> None:
+    cache_b = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run"
+    got, ref = metrics(cache_b), metrics(s3_run["ref"])
+    assert [got[s]["world_size"] for s in range(1, END + 1)] == [2] * FIRST + [1] * (END - FIRST)
+    # steps 1-4 came from the store's metrics.jsonl (cache B never trained them): same launch shape, bitwise
+    assert [got[s]["loss"] for s in range(1, FIRST + 1)] == [ref[s]["loss"] for s in range(1, FIRST + 1)]
+    rel = max_rel(ref, got, range(FIRST + 1, END + 1))
+    assert rel <= 1e-6, f"2 -> 1 resume from s3: max relative loss difference {rel:.3e}"
+    events = [json.loads(x) for x in (cache_b / "lineage.jsonl").read_text().splitlines()]
+    resume = [e for e in events if e["kind"] == "resume"][-1]
+    assert resume["parent"] == f"checkpoint:step-{FIRST:08d}" and resume["data"]["to_world_size"] == 1
+
+
+def test_validate_status_lineage_export_on_the_s3_uri(s3_run: dict[str, Any], cache: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from shardkeeper.cli import main
+
+    url, bucket = s3_run["url"], s3_run["bucket"]
+    assert main(["validate", f"{url}/checkpoints/step-{END:08d}", "--deep"]) == 0
+    assert f"valid (deep): {url}/checkpoints/step-{END:08d} step {END}" in capsys.readouterr().out
+    assert main(["status", url, "--json"]) == 0
+    (state,) = json.loads(capsys.readouterr().out)
+    assert state["checkpoint"] == f"{url}/checkpoints/step-{END:08d}" and state["step"] == END
+    assert state["world_size"] == 1 and state["last_status"] == "completed"
+    assert main(["export", f"{url}/checkpoints/step-{END:08d}", f"{url}/exports/step-{END:08d}", "--dtype",
+                 "bfloat16"]) == 0
+    exported = _keys(bucket, f"run/exports/step-{END:08d}/")
+    assert {k.rsplit("/", 1)[1] for k in exported} >= {"config.json", "model.safetensors", "shardkeeper.json"}
+    capsys.readouterr()
+    assert main(["lineage", url, "--json"]) == 0
+    kinds = [json.loads(line)["kind"] for line in capsys.readouterr().out.splitlines()]
+    assert kinds.count("segment") == 2 and "export" in kinds and "validate" in kinds
+    exp = [json.loads(line) for line in _client().get_object(Bucket=bucket, Key="run/lineage.jsonl")["Body"].iter_lines()]
+    assert [e["uri"] for e in exp if e["kind"] == "export"] == [f"{url}/exports/step-{END:08d}"]
+
+
+def _plant_torn(bucket: str, src: int, dst: int) -> None:
+    """Step ``dst`` with every file of step ``src`` but no manifest: an upload killed before its commit."""
+    client = _client()
+    for key in _keys(bucket, f"run/checkpoints/step-{src:08d}/"):
+        if not key.endswith("manifest.json"):
+            client.copy_object(Bucket=bucket, Key=key.replace(f"step-{src:08d}", f"step-{dst:08d}"),
+                               CopySource={"Bucket": bucket, "Key": key})
+
+
+def test_checkpoint_without_manifest_is_never_listed_loaded_or_valid(s3_run: dict[str, Any], cache: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from ckpt.objstore import RemoteRun
+    from schemas.errors import CheckpointError
+    from shardkeeper.cli import main
+    from shardkeeper.stages import run_state
+
+    bucket = _new_bucket()  # a copy of the run, so the shared one stays as it was
+    client = _client()
+    for key in _keys(s3_run["bucket"], "run/"):
+        client.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": s3_run["bucket"], "Key": key})
+    _plant_torn(bucket, END, END + 1)
+    url = f"s3://{bucket}/run"
+    remote = RemoteRun(url)
+    assert remote.committed_steps() == [END - 1, END]
+    assert run_state(url).step == END
+    with pytest.raises(CheckpointError, match="not a committed checkpoint"):
+        remote.pull_checkpoint(END + 1)
+    assert not remote.local.checkpoint(END + 1).exists()
+    assert main(["validate", f"{url}/checkpoints/step-{END + 1:08d}"]) == 4
+    err = capsys.readouterr().err
+    assert "not a committed checkpoint" in err and len(err.strip().splitlines()) == 1
+    # a segment resuming here pulls step 6, not the torn 7
+    from shardkeeper.remote import Mirror
+
+    m = Mirror(remote, tiny_spec(), is_valid=lambda p: True, poll_s=3600)
+    m.start()
+    m._stop.set()
+    assert [p.name for p in remote.local.committed()] == [f"step-{END:08d}"]
+    # a corrupted object under a manifest: refused at download, nothing lands in the cache
+    key = next(k for k in _keys(bucket, f"run/checkpoints/step-{END - 1:08d}/") if k.endswith(".distcp"))
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[100] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        remote.pull_checkpoint(END - 1)
+    assert not remote.local.checkpoint(END - 1).exists()
+
+
+def test_sigkill_during_upload_leaves_no_committed_checkpoint(s3_run: dict[str, Any], cache: Path) -> None:
+    """A real upload process killed after its first file landed: no manifest, so nothing is committed."""
+    from ckpt.objstore import RemoteRun
+
+    src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints" / f"step-{END:08d}"
+    bucket = _new_bucket()
+    url = f"s3://{bucket}/killed"
+    child = textwrap.dedent(f"""
+        import asyncio, sys
+        from ckpt.objstore import RemoteRun
+        r = RemoteRun({url!r})
+        real, first = r.fs._put_file, []
+        async def slow(lpath, rpath, **kw):
+            if first:
+                await asyncio.sleep(60)  # every later file hangs: the kill lands mid-upload
+            first.append(rpath)
+            await real(lpath, rpath, **kw)
+            print("PUT", rpath, flush=True)
+        r.fs._put_file = slow
+        r.push_checkpoint({str(src)!r})
+        print("DONE", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("PUT"), line
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    landed = _keys(bucket, "killed/")
+    assert landed and not any(k.endswith("manifest.json") for k in landed)
+    remote = RemoteRun(url)
+    assert remote.committed_steps() == [] and remote.latest_committed() is None
+    from shardkeeper.stages import validate_checkpoint
+
+    report = validate_checkpoint(f"{url}/checkpoints/step-{END:08d}")
+    assert not report.valid and "not a committed checkpoint" in report.errors[0]
+    # the next push of the same checkpoint completes it, manifest last and conditional
+    assert remote.push_checkpoint(src) is True
+    assert remote.committed_steps() == [END]
+    assert remote.push_checkpoint(src) is False  # the same commit is there: nothing uploaded
+
+
+def test_push_writes_manifest_last_with_a_conditional_put_and_refuses_another_commit(
+        s3_run: dict[str, Any], cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckpt.objstore import ObjectStoreError, RemoteRun
+
+    src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints" / f"step-{END:08d}"
+    bucket = _new_bucket()
+    remote = RemoteRun(f"s3://{bucket}/r")
+    calls: list[tuple[str, Any, Any]] = []
+    real_put, real_pipe = remote.fs.put, remote.fs.pipe_file
+    monkeypatch.setattr(remote.fs, "put", lambda lp, rp, **kw: (calls.append(("put", rp, None)), real_put(lp, rp, **kw))[1])
+    monkeypatch.setattr(remote.fs, "pipe_file", lambda p, d, **kw: (calls.append(("pipe", p, kw.get("mode"))),
+                                                                     real_pipe(p, d, **kw))[1])
+    assert remote.push_checkpoint(src) is True
+    assert [c[0] for c in calls] == ["put", "pipe"]
+    assert calls[-1][1].endswith("/manifest.json") and calls[-1][2] == "create"
+    assert not any(p.endswith("manifest.json") for p in calls[0][1])
+    # another commit of the same step (another writer): refused before any file is overwritten
+    other = cache / "other" / f"step-{END:08d}"
+    shutil.copytree(src, other)
+    doc = json.loads((other / "manifest.json").read_text())
+    doc["save_seconds"] = doc["save_seconds"] + 1.0
+    (other / "manifest.json").write_text(json.dumps(doc))
+    calls.clear()
+    with pytest.raises(ObjectStoreError, match="another commit of this step"):
+        remote.push_checkpoint(other)
+    assert not any(c[0] == "put" for c in calls)
+
+
+def test_remote_retention_deletes_the_manifest_first(s3_endpoint: str, cache: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckpt.objstore import RemoteRun
+
+    bucket = _new_bucket()
+    client = _client()
+    for step in (1, 2, 3, 4):
+        for name in ("__0_0.distcp", ".metadata", "manifest.json"):
+            client.put_object(Bucket=bucket, Key=f"r/checkpoints/step-{step:08d}/{name}", Body=b"x" * step)
+    client.put_object(Bucket=bucket, Key="r/checkpoints/step-00000002.5/junk", Body=b"?")  # not a step dir
+    client.delete_object(Bucket=bucket, Key="r/checkpoints/step-00000002/manifest.json")  # an interrupted upload
+    remote = RemoteRun(f"s3://{bucket}/r")
+    order: list[str] = []
+    real_rm_file, real_rm = remote.fs.rm_file, remote.fs.rm
+    monkeypatch.setattr(remote.fs, "rm_file", lambda p, **kw: (order.append(p), real_rm_file(p, **kw))[1])
+    monkeypatch.setattr(remote.fs, "rm", lambda ps, **kw: (order.extend(ps), real_rm(ps, **kw))[1])
+    assert remote.apply_retention(keep_last=2, keep_every=None) == [1, 2]
+    assert order[0].endswith("step-00000001/manifest.json")
+    assert sorted(o.rsplit("/", 2)[-2] for o in order[1:3]) == ["step-00000001"] * 2
+    assert all("step-00000002/manifest.json" not in o for o in order)
+    assert sorted(_steps(bucket, "r")) == [3, 4]
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def _train(url: str) -> Any:
+    from shardkeeper.stages import plan_topology, train_segment
+
+    spec = tiny_spec()
+    return train_segment(spec, url, plan_topology(spec, 1, device="cpu"), 2)
+
+
+def test_unreachable_endpoint_is_one_line(s3_endpoint: str, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckpt.objstore import ObjectStoreError
+
+    bucket = _new_bucket()
+    closed = f"http://127.0.0.1:{free_port()}"
+    res = _cli("status", f"s3://{bucket}/run", cache=cache, env={"AWS_ENDPOINT_URL": closed})
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith(f"error: s3://{bucket}/run: cannot read it: the endpoint {closed} is unreachable")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
+    t0 = time.monotonic()
+    with pytest.raises(ObjectStoreError, match=f"cannot write there: the endpoint {closed} is unreachable") as err:
+        _train(f"s3://{bucket}/run")
+    assert "\n" not in str(err.value) and time.monotonic() - t0 < 30
+    assert not list(cache.rglob("run.yaml"))
+
+
+def test_missing_bucket_and_missing_credentials_are_one_line_errors(s3_endpoint: str, cache: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckpt.objstore import ObjectStoreError
+
+    with pytest.raises(ObjectStoreError) as err:
+        _train("s3://no-such-bucket-sk/run")
+    assert "bucket no-such-bucket-sk does not exist" in str(err.value) and "\n" not in str(err.value)
+    bucket = _new_bucket()
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(cache / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(cache / "none"))
+    with pytest.raises(ObjectStoreError, match="no credentials found.*set AWS_ACCESS_KEY_ID"):
+        _train(f"s3://{bucket}/run")
+    monkeypatch.undo()
+    assert _keys(bucket) == {} and not list(cache.rglob("run.yaml"))
+
+
+def test_bucket_without_write_permission_is_a_one_line_error_and_nothing_is_written(
+        s3_endpoint: str, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second moto_server that enforces IAM: a user allowed only to read and list."""
+    import boto3
+
+    from ckpt.objstore import ObjectStoreError
+
+    proc, endpoint = _moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": "4"})  # these 4 calls, then IAM is enforced
+    try:
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="read-only-sk")
+        iam = boto3.client("iam", endpoint_url=endpoint)
+        iam.create_user(UserName="reader")
+        iam.put_user_policy(UserName="reader", PolicyName="ro", PolicyDocument=json.dumps({
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}]}))
+        key = iam.create_access_key(UserName="reader")["AccessKey"]
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+        with pytest.raises(ObjectStoreError) as err:
+            _train("s3://read-only-sk/run")
+        msg = str(err.value)
+        assert "permission denied" in msg and "s3:PutObject" in msg and "\n" not in msg
+        reader = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key["AccessKeyId"],
+                              aws_secret_access_key=key["SecretAccessKey"])
+        listed = reader.list_objects_v2(Bucket="read-only-sk")
+        assert listed.get("KeyCount", 0) == 0
+        assert not list(cache.rglob("run.yaml"))
+    finally:
+        _stop(proc)
