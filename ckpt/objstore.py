@@ -46,9 +46,9 @@ META_FILES = ("run.yaml", "lineage.jsonl", "segments.jsonl", "metrics.jsonl")
 _JSONL = frozenset(f for f in META_FILES if f.endswith(".jsonl"))
 _PULL_PREFIX = ".pull-"
 _PROBE_PREFIX = ".shardkeeper-probe-"
-# Parts of a large file go up concurrently (s3fs's multipart), and several files at once (its batches).
+# Multipart: 16 MiB parts, the parts of every file of a checkpoint in flight together on 8 threads.
 UPLOAD_CHUNK = 16 << 20
-UPLOAD_CONCURRENCY = 8
+UPLOAD_THREADS = 8
 
 
 class ObjectStoreError(ShardkeeperError):
@@ -79,6 +79,14 @@ def explain(err: BaseException, url: str, action: str) -> str:
     """One line for what went wrong talking to the store, naming the fix."""
     name = type(err).__name__
     text = " ".join(str(err).split())[:200]
+    code = (getattr(err, "response", None) or {}).get("Error", {}).get("Code")  # botocore's ClientError
+    if code == "NoSuchBucket":
+        err = FileNotFoundError(text)
+    elif code in ("AccessDenied", "AllAccessDisabled", "AccountProblem"):
+        err = PermissionError(text)
+    elif code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
+        return (f"{url}: cannot {action}: the store refused the credentials ({text}); check AWS_ACCESS_KEY_ID, "
+                "AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN (or AWS_PROFILE)")
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the default AWS endpoint"
     if name in ("NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError"):
         return (f"{url}: cannot {action}: no credentials found ({text}); set AWS_ACCESS_KEY_ID and "
@@ -138,6 +146,7 @@ class RemoteRun:
         self.fs, self.base = open_fs(self.url, storage_options)
         self.base = self.base.rstrip("/")
         self.local = RunDir.at(cache_dir(self.url, cache))
+        self._client: Any = None  # botocore client of put_files, made at the first upload
 
     # ------------------------------------------------------------------ naming
     def key(self, rel: str) -> str:
@@ -262,8 +271,7 @@ class RemoteRun:
             return False
         t0 = time.perf_counter()
         names = sorted(e.path for e in manifest.files)
-        self._call("write there", self.fs.put, [str(local_ckpt / n) for n in names],
-                   [self.key(f"{rel_dir}/{n}") for n in names], chunksize=UPLOAD_CHUNK, max_concurrency=UPLOAD_CONCURRENCY)
+        self._call("write there", self.put_files, [local_ckpt / n for n in names], [f"{rel_dir}/{n}" for n in names])
         landed = self._objects(rel_dir)
         problem = self.check_sizes(step, manifest, landed)
         if problem:
@@ -282,6 +290,64 @@ class RemoteRun:
         log.info("uploaded %s (%.1f MB in %.2f s, %.0f MB/s)", self.checkpoint_uri(step), size / 1e6, dt,
                  size / 1e6 / max(dt, 1e-9))
         return True
+
+    def put_files(self, paths: list[Path], rels: list[str]) -> None:
+        """Upload files to ``rels`` under the run: on s3:// by multipart uploads whose parts (of every file at
+        once) go up from UPLOAD_THREADS threads of a botocore client (s3fs drives all its requests from one
+        event-loop thread, ~0.8x the throughput here); elsewhere through fsspec's ``put``."""
+        if not self.url.startswith("s3://"):
+            self.fs.put([str(p) for p in paths], [self.key(r) for r in rels])
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._client is None:
+            self._client = self._s3_client()
+        client = self._client
+        bucket, _, prefix = self.base.partition("/")
+        keys = [f"{prefix}/{r}" if prefix else r for r in rels]
+        uploads: list[tuple[str, str]] = []
+        try:
+            with ThreadPoolExecutor(max_workers=UPLOAD_THREADS, thread_name_prefix="s3-put") as pool:
+                jobs = []  # (key, upload id or None, futures of its parts)
+                for path, key in zip(paths, keys):
+                    size = path.stat().st_size
+                    if size < 2 * UPLOAD_CHUNK:
+                        jobs.append((key, None, [pool.submit(_put_object, client, bucket, key, path)]))
+                        continue
+                    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+                    uploads.append((key, upload))
+                    parts = [pool.submit(_upload_part, client, bucket, key, upload, path, i, UPLOAD_CHUNK)
+                             for i in range((size + UPLOAD_CHUNK - 1) // UPLOAD_CHUNK)]
+                    jobs.append((key, upload, parts))
+                for key, upload, futures in jobs:
+                    done = [f.result() for f in futures]
+                    if upload is not None:
+                        client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload,
+                                                         MultipartUpload={"Parts": done})
+                        uploads.remove((key, upload))
+        finally:
+            for key, upload in uploads:  # an upload that failed part-way: let the store drop its parts
+                try:
+                    client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
+                except Exception:  # noqa: BLE001 - best effort; the lifecycle rules of the bucket catch the rest
+                    pass
+            self.fs.invalidate_cache(self.base)
+
+    def _s3_client(self) -> Any:
+        """A botocore S3 client configured like s3fs's (endpoint, credentials, client and config options)."""
+        import botocore.config
+        import botocore.session
+
+        fs = self.fs
+        kwargs = dict(getattr(fs, "client_kwargs", None) or {})
+        if getattr(fs, "endpoint_url", None):
+            kwargs.setdefault("endpoint_url", fs.endpoint_url)
+        if getattr(fs, "key", None):
+            kwargs.update(aws_access_key_id=fs.key, aws_secret_access_key=fs.secret)
+            if getattr(fs, "token", None):
+                kwargs["aws_session_token"] = fs.token
+        config = botocore.config.Config(max_pool_connections=UPLOAD_THREADS * 2, **(getattr(fs, "config_kwargs", None) or {}))
+        return botocore.session.get_session().create_client("s3", config=config, **kwargs)
 
     def _same_commit_there(self, rel_dir: str, raw: bytes) -> bool:
         try:
@@ -411,6 +477,20 @@ class RemoteRun:
                 self._call("write there", self.fs.rm, rest)
             log.info("retention: deleted %s%s", self.checkpoint_uri(step), "" if step in doomed else " (no manifest)")
         return sorted(doomed + orphans)
+
+
+def _put_object(client: Any, bucket: str, key: str, path: Path) -> None:
+    client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
+
+
+def _upload_part(client: Any, bucket: str, key: str, upload: str, path: Path, index: int, chunk: int) -> dict[str, Any]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, chunk, index * chunk)
+    finally:
+        os.close(fd)
+    etag = client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=index + 1, Body=data)["ETag"]
+    return {"PartNumber": index + 1, "ETag": etag}
 
 
 def merge_lines(there: bytes, mine: bytes) -> bytes:

@@ -270,18 +270,19 @@ def test_sigkill_during_upload_leaves_no_committed_checkpoint(s3_run: dict[str, 
     bucket = _new_bucket()
     url = f"s3://{bucket}/killed"
     child = textwrap.dedent(f"""
-        import asyncio, sys
-        from ckpt.objstore import RemoteRun
-        r = RemoteRun({url!r})
-        real, first = r.fs._put_file, []
-        async def slow(lpath, rpath, **kw):
-            if first:
-                await asyncio.sleep(60)  # every later file hangs: the kill lands mid-upload
-            first.append(rpath)
-            await real(lpath, rpath, **kw)
-            print("PUT", rpath, flush=True)
-        r.fs._put_file = slow
-        r.push_checkpoint({str(src)!r})
+        import threading, time
+        import ckpt.objstore as o
+        real, lock, calls = o._put_object, threading.Lock(), []
+        def slow(client, bucket, key, path):
+            with lock:
+                calls.append(key)
+                first = len(calls) == 1
+            if not first:
+                time.sleep(60)  # every later file hangs: the kill lands mid-upload
+            real(client, bucket, key, path)
+            print("PUT", key, flush=True)
+        o._put_object = slow
+        o.RemoteRun({url!r}).push_checkpoint({str(src)!r})
         print("DONE", flush=True)
     """)
     proc = subprocess.Popen([sys.executable, "-c", child], cwd=ROOT, stdout=subprocess.PIPE, text=True,
@@ -314,8 +315,8 @@ def test_push_writes_manifest_last_with_a_conditional_put_and_refuses_another_co
     bucket = _new_bucket()
     remote = RemoteRun(f"s3://{bucket}/r")
     calls: list[tuple[str, Any, Any]] = []
-    real_put, real_pipe = remote.fs.put, remote.fs.pipe_file
-    monkeypatch.setattr(remote.fs, "put", lambda lp, rp, **kw: (calls.append(("put", rp, None)), real_put(lp, rp, **kw))[1])
+    real_put, real_pipe = remote.put_files, remote.fs.pipe_file
+    monkeypatch.setattr(remote, "put_files", lambda ps, rels: (calls.append(("put", rels, None)), real_put(ps, rels))[1])
     monkeypatch.setattr(remote.fs, "pipe_file", lambda p, d, **kw: (calls.append(("pipe", p, kw.get("mode"))),
                                                                      real_pipe(p, d, **kw))[1])
     assert remote.push_checkpoint(src) is True
