@@ -54,6 +54,7 @@ bench: install
 	$(PY) bench/prefect_overhead.py
 	$(PY) bench/dashboard_bench.py
 	$(PY) bench/scale_bench.py
+	$(PY) bench/s3_bench.py
 
 clean:
 	rm -rf $(VENV) .prefect runs bench/out
