@@ -189,8 +189,12 @@ class RemoteRun:
         self._call("write there", fs.rm_file, probe)
 
     def check_readable(self) -> None:
+        """One listing under the prefix (fails fast): endpoint, credentials, bucket and read permission."""
         fs, base = open_fs(self.url, self.storage_options, probe=True)
-        self._call("read it", fs.ls, base.rstrip("/"), detail=False)
+        try:
+            self._call("read it", fs.ls, base.rstrip("/"), detail=False)
+        except FileNotFoundError:
+            pass  # the bucket is there, the prefix holds nothing yet
 
     # ------------------------------------------------------------------ listing
     def _objects(self, rel: str) -> dict[str, int]:

@@ -97,8 +97,9 @@ class Mirror:
             try:
                 self.sync()
             except Exception as e:  # noqa: BLE001 - retried at the next poll and at the end of the segment
+                if str(e) != self.last_error:  # once per distinct problem, not once per poll
+                    log.warning("upload to %s failed (retried): %s", self.remote.url, e)
                 self.last_error = str(e)
-                log.warning("upload to %s failed (retried): %s", self.remote.url, e)
 
     def sync(self) -> list[int]:
         """Push every valid local checkpoint newer than the store's newest, oldest first; then metadata and
