@@ -2,8 +2,8 @@
 once per session as a subprocess; credentials and endpoint through the standard AWS variables).
 
 Two training launches through the real CLI: 2 ranks to step 4 (a checkpoint every step, keep_last 2) on
-``s3://BUCKET/run``, then 1 rank to step 6 from a fresh cache (the resume pulls the newest committed
-checkpoint); a 2-rank uninterrupted run to step 6 (spawned, no torchrun) is the reference.
+``s3://BUCKET/run``, then 1 rank to step 5 from a fresh cache (the resume pulls the newest committed
+checkpoint); the session's ``tiny_run`` (2 ranks, steps 0 -> 5, uninterrupted) is the reference.
 
     .venv/bin/python -m pytest tests/test_s3.py -q
 """
@@ -26,11 +26,11 @@ from typing import Any
 
 import pytest
 
-from tests.harness import free_port, max_rel, metrics, new_run, spawn, tiny_spec
+from tests.harness import free_port, max_rel, metrics, tiny_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
-FIRST, END = 4, 6
+FIRST, END = 4, 5  # END: conftest's TINY_RUN_STEPS, the reference's last step
 CKPT_SETS = ["--set", "checkpoint.interval=1", "--set", "checkpoint.keep_last=2"]
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
            "AWS_EC2_METADATA_DISABLED": "true"}
@@ -131,16 +131,13 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 # ------------------------------------------------------------------------------------------ the shared run
 @pytest.fixture(scope="module")
-def s3_run(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """``s3://BUCKET/run``: 2 ranks to step 4 (cache A), then 1 rank to step 6 from a fresh cache (B);
-    plus an uninterrupted local 2-rank reference to step 6."""
+def s3_run(s3_endpoint: str, tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``s3://BUCKET/run``: 2 ranks to step 4 (cache A), then 1 rank to step 5 from a fresh cache (B)."""
     bucket = _new_bucket()
     url = f"s3://{bucket}/run"
     base = tmp_path_factory.mktemp("s3run")
     launch = _cli_start("train", "--config", TINY, "--run-dir", url, "--nproc", "2", "--until-step", str(FIRST),
                         *CKPT_SETS, cache=base / "cache-a")
-    ref = new_run(base / "ref", tiny_spec())  # meanwhile: a launch mostly waits on start-up, not on the CPU
-    assert spawn(_run_segment(), 2, str(ref), END, 0) == [0, 0]
     out, err = launch.communicate(timeout=300)
     first = subprocess.CompletedProcess(launch.args, launch.returncode, out, err)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -148,14 +145,8 @@ def s3_run(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     second = _cli("train", "--config", TINY, "--run-dir", url, "--nproc", "1", "--until-step", str(END), *CKPT_SETS,
                   cache=base / "cache-b")
     assert second.returncode == 0, second.stderr[-3000:]
-    return {"bucket": bucket, "url": url, "base": base, "first": first, "second": second, "ref": ref,
+    return {"bucket": bucket, "url": url, "base": base, "first": first, "second": second, "ref": tiny_run,
             "after_first": after_first}
-
-
-def _run_segment() -> Any:
-    from trainer.segment import run_segment
-
-    return run_segment
 
 
 def test_save_to_s3_leaves_manifest_committed_checkpoints_and_keep_last(s3_run: dict[str, Any]) -> None:
@@ -164,7 +155,7 @@ def test_save_to_s3_leaves_manifest_committed_checkpoints_and_keep_last(s3_run: 
     # keep_last 2 on the store after each segment: the newest two steps, each whole with its manifest
     assert sorted(s3_run["after_first"]) == [3, 4]
     steps = _steps(bucket, "run")
-    assert sorted(steps) == [5, 6]
+    assert sorted(steps) == [FIRST, END]
     import xxhash
 
     client = _client()
@@ -371,7 +362,7 @@ def test_unreachable_endpoint_is_one_line(s3_endpoint: str, cache: Path, monkeyp
 
     bucket = _new_bucket()
     closed = f"http://127.0.0.1:{free_port()}"
-    res = _cli("status", f"s3://{bucket}/run", cache=cache, env={"AWS_ENDPOINT_URL": closed})
+    res = _cli("lineage", f"s3://{bucket}/run", cache=cache, env={"AWS_ENDPOINT_URL": closed})  # imports no torch
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and len(lines) == 1, res.stderr
     assert lines[0].startswith(f"error: s3://{bucket}/run: cannot read it: the endpoint {closed} is unreachable")
