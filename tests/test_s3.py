@@ -117,7 +117,8 @@ def _cli(*args: str, cache: Path, env: dict[str, str] | None = None, timeout: fl
 
 
 def _cli_start(*args: str, cache: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    full_env = {**os.environ, "SHARDKEEPER_CACHE": str(cache), "SHARDKEEPER_UPLOAD_POLL_S": "0.2", **(env or {})}
+    full_env = {**os.environ, "SHARDKEEPER_CACHE": str(cache), "SHARDKEEPER_UPLOAD_POLL_S": "0.05", "COLUMNS": "400",
+                **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "shardkeeper", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=full_env)
 
@@ -152,6 +153,10 @@ def s3_run(s3_endpoint: str, tiny_run: Path, tmp_path_factory: pytest.TempPathFa
 def test_save_to_s3_leaves_manifest_committed_checkpoints_and_keep_last(s3_run: dict[str, Any]) -> None:
     bucket = s3_run["bucket"]
     assert "checkpoint s3://" in s3_run["first"].stderr + s3_run["first"].stdout
+    # the watcher thread uploaded checkpoints while the segment trained, not only at its end
+    uploaded = [int(line.split("/checkpoints/step-")[1][:8]) for line in s3_run["first"].stderr.splitlines()
+                if "uploaded s3://" in line]
+    assert uploaded and min(uploaded) < FIRST, s3_run["first"].stderr[-2000:]
     # keep_last 2 on the store after each segment: the newest two steps, each whole with its manifest
     assert sorted(s3_run["after_first"]) == [3, 4]
     steps = _steps(bucket, "run")
