@@ -71,8 +71,16 @@ def train(
     config: Annotated[Path, typer.Option(help="RunSpec YAML, e.g. configs/tiny.yaml")],
     # str, not Path: Path("") would silently become the current directory; preflight refuses an empty one.
     run_dir: Annotated[str, typer.Option(help="run directory (created; resumed if it holds checkpoints)")],
-    nproc: Annotated[int, typer.Option(help="ranks on this machine")] = 1,
+    nproc: Annotated[int, typer.Option(help="ranks per node")] = 1,
     until_step: Annotated[int, typer.Option(help="train until this many optimizer steps are done")] = 20,
+    launcher: Annotated[str, typer.Option(help="local (torchrun here) | slurm (an sbatch job)")] = "local",
+    nodes: Annotated[int, typer.Option(help="nodes (world size = nodes x nproc); with --launcher local, several "
+                                            "torchrun agents on this machine joined by c10d rendezvous")] = 1,
+    slurm_partition: Annotated[Optional[str], typer.Option(help="Slurm partition (default: the cluster's)")] = None,
+    slurm_time: Annotated[Optional[int], typer.Option(help="Slurm time limit in minutes; the ranks get SIGTERM "
+                                                           "60 s before it and commit a checkpoint")] = None,
+    slurm_arg: Annotated[Optional[list[str]], typer.Option(help="extra sbatch option, e.g. --slurm-arg=--account=ml "
+                                                                "(repeatable)")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set optim.lr=1e-3")] = None,
     timeout: Annotated[Optional[float], typer.Option(help="stop (with a checkpoint) after this many seconds")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
@@ -92,10 +100,18 @@ def train(
         raise ShardkeeperError(f"--until-step {until_step}: must be at least 1")
     if timeout is not None and not timeout > 0:
         raise ShardkeeperError(f"--timeout {timeout:g}: must be a positive number of seconds; omit it for no timeout")
+    if launcher != "slurm" and (slurm_partition or slurm_time or slurm_arg):
+        raise ShardkeeperError("--slurm-partition/--slurm-time/--slurm-arg apply to --launcher slurm only")
+    options = ({"partition": slurm_partition, "time_min": slurm_time, "extra_args": tuple(slurm_arg or ())}
+               if launcher == "slurm" else {})
     spec = load_run_spec(config, set_)
-    topo = plan_topology(spec, nproc, device=device)
-    res = train_segment(spec, run_dir, topo, until_step, timeout_s=timeout, restart=restart, sink=_rank_output)
-    msg = f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} on {topo.world_size} ranks in {res.seconds:.1f} s"
+    topo = plan_topology(spec, nproc, nodes=nodes, launcher=launcher, device=device, launcher_options=options)
+    res = train_segment(spec, run_dir, topo, until_step, timeout_s=timeout, restart=restart, sink=_rank_output,
+                        launcher_options=options)
+    where = f"{topo.world_size} ranks" + (f" ({topo.nodes} nodes x {topo.procs_per_node})" if topo.nodes > 1 else "")
+    job = (f" [Slurm job {res.scheduler_job} {res.scheduler_state}"
+           f"{f', requeued {res.requeues}x' if res.requeues else ''}]") if res.scheduler_job else ""
+    msg = f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} on {where} in {res.seconds:.1f} s{job}"
     if res.status == "failed":
         console.print(f"error: {msg}: {_failure_line(res.failure)}", markup=False, highlight=False, soft_wrap=True)
     else:
