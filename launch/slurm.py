@@ -47,8 +47,9 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PRE
                 "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT"}
 LOST_ALLOCATION = {"TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 USABLE_NODE_STATES = ("idle", "mix", "alloc", "comp", "resv", "plnd")
-_UNPLACEABLE_REASONS = ("ReqNodeNotAvail", "PartitionNodeLimit", "PartitionConfig", "NodeDown", "BadConstraints",
-                        "Nodes_required_for_job_are_DOWN")
+# How long a pending job may stay unplaceable (fewer usable nodes than it asks for) before it is cancelled and
+# the segment ends 'preempted' (a node coming back from a reboot is worth a short wait).
+UNPLACEABLE_AFTER_S = float(os.environ.get("SHARDKEEPER_SLURM_UNPLACEABLE_S", "60"))
 
 
 class SlurmError(ShardkeeperError):
@@ -125,7 +126,7 @@ class SlurmLauncher:
 
     def __init__(self, partition: str | None = None, time_min: int | None = None, grace_s: float = 60.0,
                  python: str | None = None, extra_args: tuple[str, ...] = (), poll_s: float = POLL_S,
-                 cancel_settle_s: float = 3.0):
+                 cancel_settle_s: float = 3.0, unplaceable_after_s: float = UNPLACEABLE_AFTER_S):
         if time_min is not None and time_min < 1:
             raise ConfigError(f"--slurm-time {time_min}: must be a positive number of minutes")
         self.partition = partition
@@ -135,6 +136,7 @@ class SlurmLauncher:
         self.extra_args = tuple(extra_args)
         self.poll_s = poll_s
         self.cancel_settle_s = cancel_settle_s
+        self.unplaceable_after_s = unplaceable_after_s
 
     def max_world_size(self) -> int | None:
         return None  # the partition decides; preflight() checks nodes and CPUs
@@ -263,6 +265,7 @@ class _JobWatch:
         self.cancelled = False
         self.note: str | None = None
         self.lost = False
+        self.unplaceable_since: float | None = None
 
     def on_signal(self, signum: int, _frame: object) -> None:
         if self.signal is None:
@@ -341,16 +344,26 @@ class _JobWatch:
         if self.stop_at is not None and time.monotonic() - self.stop_at > self.l.grace_s + KILL_MARGIN_S:
             subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
             self.stop_at = None
-        if job.state == "PENDING" and self.stop_reason is None and any(r in job.reason for r in _UNPLACEABLE_REASONS):
-            total, usable, _ = partition_nodes(self.l.partition)
-            want = job.num_nodes or req.topology.nodes
-            if usable < want:
-                self.note = (f"Slurm job {self.job_id} can no longer be placed: {usable} of {total} node(s) usable, it "
-                             f"asks for {want}; cancelled it: resume with --nodes {max(1, usable)}")
-                self.sink(f"shardkeeper: {self.note}")
-                self.lost = True
-                self.stop_reason = "allocation lost"
-                subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
+        if job.state != "PENDING" or self.stop_reason is not None:
+            self.unplaceable_since = None
+            return
+        total, usable, _ = partition_nodes(self.l.partition)
+        want = job.num_nodes or req.topology.nodes
+        if usable >= want:
+            self.unplaceable_since = None
+            return
+        now = time.monotonic()
+        if self.unplaceable_since is None:
+            self.unplaceable_since = now
+            self.sink(f"shardkeeper: Slurm job {self.job_id} waits for {want} node(s); {usable} of {total} usable now "
+                      f"(cancelled after {self.l.unplaceable_after_s:g} s)")
+        if now - self.unplaceable_since >= self.l.unplaceable_after_s:
+            self.note = (f"Slurm job {self.job_id} could not be placed: {usable} of {total} node(s) usable, it asks "
+                         f"for {want}; cancelled it: resume with --nodes {max(1, usable)}")
+            self.sink(f"shardkeeper: {self.note}")
+            self.lost = True
+            self.stop_reason = "allocation lost"
+            subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
 
     def _settle_cancel(self) -> bool:
         if self.req.cancel_check is None:

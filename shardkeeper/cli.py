@@ -45,7 +45,8 @@ out = Console(soft_wrap=True)
 
 _STATE = {"verbose": False}
 # A line the ranks log through trainer.segment's logging format ("<time> [rankN] name: message").
-_RANK_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \[rank\d+\] ")
+# The ranks' log lines, and the launcher's own ("shardkeeper: submitted Slurm job 12 ...", job state changes).
+_RANK_LOG = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \[rank\d+\] |shardkeeper: )")
 
 
 def _setup_logging(verbose: bool) -> None:
