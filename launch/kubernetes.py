@@ -31,6 +31,10 @@ while a failed one fails the job. In a JobSet the Job's ``podFailurePolicy`` fai
 JobSet, and every other Job failure (143, or a pod lost with its node) restarts the whole JobSet, at most
 ``max_restarts`` times. Kubeflow's ``runPolicy.backoffLimit`` counts container restarts, which ExitCode's
 delete-and-recreate does not produce, so a PyTorchJob retries preemptions without bound.
+
+Not done for a segment applied with kubectl (``shardkeeper train`` does it around a local launch): the run lock,
+``segments.jsonl`` and the segment's lineage event, the sweep of abandoned ``.partial`` directories, and the
+choice of the segment index (``--segment``).
 """
 
 from __future__ import annotations
