@@ -57,13 +57,24 @@ class ManifestInvalid(ShardkeeperError):
         super().__init__(f"{what}: {errors[0]}{more}")
 
 
+_SUBSCHEMA = ("items", "additionalProperties", "not")
+_SUBSCHEMA_LISTS = ("anyOf", "allOf", "oneOf")
+
+
 def strict(schema: Any) -> Any:
-    """A copy of an OpenAPI schema with Kubernetes' extensions turned into JSON Schema (see the module doc)."""
-    if isinstance(schema, list):
-        return [strict(s) for s in schema]
+    """A copy of an OpenAPI schema with Kubernetes' extensions turned into JSON Schema (see the module doc).
+    Walks schema keywords only, so a field that happens to be called "properties" or "nullable" is a name."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: strict(v) for k, v in schema.items()}
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {name: strict(sub) for name, sub in out["properties"].items()}
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = strict(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict(sub) for sub in out[key]]
     if out.get("x-kubernetes-int-or-string") and "anyOf" not in out:
         out.pop("type", None)
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]

@@ -116,6 +116,9 @@ def test_the_validator_refuses_broken_manifests() -> None:
     assert not problems(quantity)
     resources["requests"]["cpu"] = 4.5  # but not a float
     assert any("requests.cpu" in p for p in problems(quantity))
+    resources["requests"]["cpu"] = "4"
+    resources["limits"]["memory"] = "8GB"  # not a Kubernetes quantity (8G or 8Gi)
+    assert any("limits.memory" in p and "does not match" in p for p in problems(quantity))
     big = copy.deepcopy(job)
     big["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = 2**31  # format: int32
     assert any("out of range for int32" in p for p in problems(big))
