@@ -12,12 +12,14 @@ What a rendered segment is (one YAML stream, two objects):
   file, as for local ranks. A ConfigMap rather than a file written into the run directory: the manifest is
   rendered where the run directory usually is not mounted (a laptop, a CI job), and the object that starts
   the ranks then carries everything they read, so a retried pod reads the same launch and ``kubectl get`` shows it;
-- the **job**: ``nodes`` pods, each running ``python -m launch.k8s_pod -- torchrun ...`` with
-  ``--nnodes=N --nproc-per-node=P --rdzv-backend=c10d --rdzv-endpoint=<first pod>:29400``, the run
+- the **job**: ``nodes`` pods, each running ``python -m launch.k8s_pod -- torchrun ...`` (the command of
+  ``launch.base.torchrun_argv``, as on Slurm) with ``--nnodes=N --nproc-per-node=P --rdzv-backend=c10d
+  --rdzv-endpoint=<first pod>:29400`` and the node rank from the controller's environment, the run
   directory on a PersistentVolumeClaim (ReadWriteMany: every node writes its shards into the same
   checkpoint), ``/dev/shm`` in memory, cpu/memory requests per rank and ``nvidia.com/gpu: P`` on CUDA.
-  c10d numbers the nodes as they join (torchrun ignores the operator's ``PET_NODE_RANK`` under c10d); the
-  data order depends only on the global rank, so any numbering resumes exactly.
+  (``$(PET_NODE_RANK)`` from Kubeflow, ``$(JOB_COMPLETION_INDEX)`` in a JobSet's indexed Job; c10d numbers
+  the nodes as they join and only logs it: the data order depends only on the global rank, so any numbering
+  resumes exactly).
 
 Preemption. The kubelet sends SIGTERM and waits ``terminationGracePeriodSeconds`` (= ``grace_s`` +
 ``KILL_MARGIN_S``): the ranks agree at the next step boundary, commit a checkpoint and exit 75, and torchrun
@@ -46,9 +48,9 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
-from launch.base import LaunchOutcome, LaunchRequest, LogSink
+from launch.base import LaunchOutcome, LaunchRequest, LogSink, Rendezvous, torchrun_argv
 from launch.k8s_pod import EXIT_POD_PREEMPTED, SPEC_ENV
-from schemas import RunSpec
+from schemas import ClusterTopology, RunSpec
 from schemas.errors import ConfigError
 from schemas.seam import LAUNCH_ENV, SegmentLaunch
 
@@ -144,15 +146,18 @@ def segment_launch(req: LaunchRequest) -> SegmentLaunch:
                          topology=req.topology, restart=req.restart, launcher_pid=None)
 
 
-def torchrun_command(req: LaunchRequest, endpoint: str, rdzv_id: str, grace_s: int) -> list[str]:
-    """The pod's command: the pod entry, then torchrun as the local launcher runs it, with c10d instead of
-    --standalone (positional trainer arguments only: torchrun claims options that prefix its own)."""
-    topo = req.topology
-    return ["python", "-m", "launch.k8s_pod", "--",
-            "python", "-m", "torch.distributed.run", f"--nnodes={topo.nodes}",
-            f"--nproc-per-node={topo.procs_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={rdzv_id}", "--max-restarts=0", f"--shutdown-timeout={grace_s}",
-            "-m", "trainer.segment", str(req.run_dir), str(req.until_step), str(req.segment)]
+def torchrun_command(req: LaunchRequest, endpoint: str, rdzv_id: str, grace_s: int, node_rank: str,
+                     is_host: str | None) -> list[str]:
+    """The pod's command: the pod entry, then the torchrun command every launcher runs on a node
+    (``launch.base.torchrun_argv``), with c10d rendezvous at ``endpoint``. ``node_rank`` is a variable the
+    kubelet expands (``$(PET_NODE_RANK)``); c10d numbers the nodes itself and only logs it. ``is_host=None``:
+    one template for every pod (JobSet), so the flag is left out and c10d hosts the store on the pod whose
+    address the endpoint resolves to (each pod has its own)."""
+    rdzv = Rendezvous(endpoint, rdzv_id, node_rank=node_rank, is_host=is_host or "0")
+    argv = torchrun_argv("python", req.topology, grace_s, str(req.run_dir), req.until_step, req.segment, rdzv)
+    if is_host is None:
+        argv = [a for a in argv if not a.startswith("--rdzv-conf=is_host=")]
+    return ["python", "-m", "launch.k8s_pod", "--", *argv]
 
 
 def _labels(req: LaunchRequest, name: str) -> dict[str, str]:
@@ -221,10 +226,12 @@ def _pytorchjob(req: LaunchRequest, opts: K8sOptions, name: str, labels: dict[st
     endpoint = f"{name}-master-0:{RDZV_PORT}"  # the operator's headless Service of the Master pod
     ports = [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"},
              {"name": "c10d", "containerPort": RDZV_PORT, "protocol": "TCP"}]
-    pod = _pod_template(req, opts, torchrun_command(req, endpoint, name, opts.grace_s), labels, mount, ports, cm_name)
-    replicas = {"Master": {"replicas": 1, "restartPolicy": "ExitCode", "template": pod}}
-    if topo.nodes > 1:
-        replicas["Worker"] = {"replicas": topo.nodes - 1, "restartPolicy": "ExitCode", "template": pod}
+    replicas = {}
+    for role, count, is_host in (("Master", 1, "1"), ("Worker", topo.nodes - 1, "0")):
+        if count:
+            command = torchrun_command(req, endpoint, name, opts.grace_s, "$(PET_NODE_RANK)", is_host)
+            replicas[role] = {"replicas": count, "restartPolicy": "ExitCode",
+                              "template": _pod_template(req, opts, command, labels, mount, ports, cm_name)}
     return {
         "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
         "metadata": {"name": name, "namespace": opts.namespace, "labels": dict(labels)},
@@ -240,7 +247,8 @@ def _jobset(req: LaunchRequest, opts: K8sOptions, name: str, labels: dict[str, s
     # Pod hostnames of a JobSet: <jobset>-<replicatedJob>-<job index>-<pod index>, under the subdomain <jobset>.
     endpoint = f"{name}-node-0-0.{name}:{RDZV_PORT}"
     ports = [{"name": "c10d", "containerPort": RDZV_PORT, "protocol": "TCP"}]
-    pod = _pod_template(req, opts, torchrun_command(req, endpoint, name, opts.grace_s), labels, mount, ports, cm_name)
+    command = torchrun_command(req, endpoint, name, opts.grace_s, "$(JOB_COMPLETION_INDEX)", None)
+    pod = _pod_template(req, opts, command, labels, mount, ports, cm_name)
     pod["spec"]["restartPolicy"] = "Never"  # required by podFailurePolicy; restarts are the JobSet's
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
@@ -301,13 +309,19 @@ class KubernetesLauncher:
     def max_world_size(self) -> int | None:
         return None  # the cluster's, unknown here
 
+    def preflight(self, topology: ClusterTopology) -> None:
+        """``shardkeeper train --launcher kubernetes`` is refused here, before the run directory is touched."""
+        raise ManifestError(_how_to_apply("--config CONFIG --run-dir RUN_DIR", topology, "UNTIL"))
+
     def launch(self, req: LaunchRequest, sink: LogSink) -> LaunchOutcome:
-        kubectl = "kubectl is on PATH, but this launcher does not submit" if shutil.which("kubectl") else "no kubectl here"
-        raise ManifestError(
-            f"the kubernetes launcher does not start ranks from this process ({kubectl}); render the segment with "
-            f"`shardkeeper manifest --config CONFIG --run-dir {req.run_dir} --nodes {req.topology.nodes} "
-            f"--nproc {req.topology.procs_per_node} --until-step {req.until_step} --out segment.yaml` and apply "
-            "it with `kubectl apply -f segment.yaml`")
+        raise ManifestError(_how_to_apply(f"--config CONFIG --run-dir {req.run_dir}", req.topology, str(req.until_step)))
+
+
+def _how_to_apply(args: str, topology: ClusterTopology, until: str) -> str:
+    kubectl = "kubectl is on PATH, but this launcher does not submit" if shutil.which("kubectl") else "no kubectl here"
+    return (f"--launcher kubernetes: ranks are not started from this process ({kubectl}); render the segment with "
+            f"`shardkeeper manifest {args} --nodes {topology.nodes} --nproc {topology.procs_per_node} "
+            f"--until-step {until} --out segment.yaml` and apply it with `kubectl apply -f segment.yaml`")
 
 
 def describe(docs: list[dict[str, Any]]) -> str:

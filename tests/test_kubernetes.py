@@ -60,6 +60,7 @@ def test_rendered_segment_validates_and_agrees_on_world_size(kind: str, nodes: i
         assert cmd[:4] == ["python", "-m", "launch.k8s_pod", "--"] and "--standalone" not in cmd
         assert arg(cmd, "nnodes") == str(nodes) and arg(cmd, "nproc-per-node") == "2"
         assert arg(cmd, "rdzv-backend") == "c10d" and arg(cmd, "rdzv-id") == name
+        assert arg(cmd, "node-rank") == ("$(PET_NODE_RANK)" if kind == "pytorchjob" else "$(JOB_COMPLETION_INDEX)")
         host = f"{name}-master-0" if kind == "pytorchjob" else f"{name}-node-0-0.{name}"
         assert arg(cmd, "rdzv-endpoint") == f"{host}:{RDZV_PORT}"
         assert cmd[-4:] == ["trainer.segment", "/runs/llama-ft", "100", "3"] and launch.run_dir == "/runs/llama-ft"
@@ -70,6 +71,8 @@ def test_rendered_segment_validates_and_agrees_on_world_size(kind: str, nodes: i
         assert ("nvidia.com/gpu" in container["resources"]["limits"]) == (device == "cuda")
     if kind == "pytorchjob":
         replicas = job["spec"]["pytorchReplicaSpecs"]
+        hosts = {role: arg(r["template"]["spec"]["containers"][0]["command"], "rdzv-conf") for role, r in replicas.items()}
+        assert hosts == {"Master": "is_host=1", **({"Worker": "is_host=0"} if nodes > 1 else {})}
         assert replicas["Master"]["replicas"] == 1 and replicas.get("Worker", {"replicas": 0})["replicas"] == nodes - 1
         assert {r["restartPolicy"] for r in replicas.values()} == {"ExitCode"}  # 143 retried, 1 permanent
         assert job["spec"]["nprocPerNode"] == "2"
@@ -141,10 +144,12 @@ def test_rendering_refuses_bad_options() -> None:
 def test_kubernetes_launcher_is_registered_and_says_how_to_apply() -> None:
     launcher = get_launcher("kubernetes")
     assert launcher.max_world_size() is None
-    with pytest.raises(ShardkeeperError) as e:
-        launcher.launch(request(2), print)
-    msg = str(e.value)
-    assert "\n" not in msg and "shardkeeper manifest" in msg and "kubectl apply -f" in msg
+    for refuse in (lambda: launcher.launch(request(2), print), lambda: launcher.preflight(request(2).topology)):
+        with pytest.raises(ShardkeeperError) as e:
+            refuse()
+        msg = str(e.value)
+        assert "\n" not in msg and "shardkeeper manifest" in msg and "--nodes 2 --nproc 2" in msg
+        assert "kubectl apply -f" in msg
 
 
 def test_pod_exit_codes_follow_the_segment_report(tmp_path: Path) -> None:
