@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 # Importing a submodule (launch.procs, on the rank side before anything else) runs this file: it stays
 # stdlib-only, and the launchers are imported when asked for.
-LAUNCHERS: dict[str, str] = {"local": "launch.local:LocalTorchrun", "slurm": "launch.slurm:SlurmLauncher"}
+LAUNCHERS: dict[str, str] = {"local": "launch.local:LocalTorchrun", "slurm": "launch.slurm:SlurmLauncher",
+                             "kubernetes": "launch.kubernetes:KubernetesLauncher"}
 
 
 def get_launcher(name: str, **options: Any) -> Launcher:

@@ -294,6 +294,59 @@ def status_cmd(
     out.print(table)
 
 
+@app.command()
+def manifest(
+    config: Annotated[Path, typer.Option(help="RunSpec YAML, e.g. configs/tiny.yaml")],
+    run_dir: Annotated[str, typer.Option(help="run directory as the pods see it: NAME (under /runs on the PVC) or "
+                                              "an absolute path (the PVC is mounted at its parent)")],
+    nodes: Annotated[int, typer.Option(help="pods (one torchrun each)")] = 1,
+    nproc: Annotated[int, typer.Option(help="ranks per pod (GPUs per pod with --device cuda)")] = 1,
+    until_step: Annotated[int, typer.Option(help="train until this many optimizer steps are done")] = 20,
+    segment: Annotated[int, typer.Option(help="index of this segment in the run (one more for each segment)")] = 0,
+    kind: Annotated[str, typer.Option(help="pytorchjob (Kubeflow training-operator) | jobset (JobSet)")] = "pytorchjob",
+    image: Annotated[str, typer.Option(help="container image with shardkeeper and torch installed")] = "shardkeeper:latest",
+    namespace: Annotated[str, typer.Option(help="Kubernetes namespace")] = "default",
+    pvc: Annotated[str, typer.Option(help="ReadWriteMany PersistentVolumeClaim holding the run directory")] = "shardkeeper-runs",
+    grace_s: Annotated[int, typer.Option(help="seconds a checkpoint needs after SIGTERM (torchrun's shutdown "
+                                              "timeout; the pod's grace period is 30 s more)")] = 60,
+    device: Annotated[str, typer.Option(help="cuda (nvidia.com/gpu per rank, NCCL) | cpu (gloo)")] = "cuda",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set optim.lr=1e-3")] = None,
+    out_file: Annotated[Optional[Path], typer.Option("--out", help="write the YAML here instead of stdout")] = None,
+) -> None:
+    """Render one segment as Kubernetes manifests (a ConfigMap + a PyTorchJob or JobSet), validated against the
+    vendored CRD schemas; apply them with `kubectl apply -f FILE`. Nothing is submitted from here."""
+    from launch.base import LaunchRequest
+    from launch.kubernetes import K8sOptions, describe, render_validated, to_yaml
+    from schemas import ClusterTopology
+    from shardkeeper.config import load_run_spec
+
+    for flag, value in (("--nodes", nodes), ("--nproc", nproc), ("--until-step", until_step)):
+        if value < 1:
+            raise ShardkeeperError(f"{flag} {value}: must be at least 1")
+    if segment < 0:
+        raise ShardkeeperError(f"--segment {segment}: must be 0 or more")
+    if device not in ("cpu", "cuda"):
+        raise ShardkeeperError(f"--device {device!r}: choose cuda or cpu")
+    spec = load_run_spec(config, set_)
+    try:
+        spec.per_rank_batch(nodes * nproc)
+    except ValueError as e:
+        why = str(e).replace("choose --nproc among", "choose --nodes x --nproc among")
+        raise ShardkeeperError(f"--nodes {nodes} --nproc {nproc}: {why}") from None
+    topo = ClusterTopology(nodes=nodes, procs_per_node=nproc, device_type=device,  # type: ignore[arg-type]
+                           backend="nccl" if device == "cuda" else "gloo", launcher="kubernetes")
+    req = LaunchRequest(run_dir=run_dir, until_step=until_step, segment=segment, topology=topo)  # type: ignore[arg-type]
+    docs = render_validated(spec, req, K8sOptions(image=image, namespace=namespace, pvc=pvc, grace_s=grace_s, kind=kind))
+    text = to_yaml(docs)
+    if out_file is None:
+        sys.stdout.write(text)
+    else:
+        out_file.write_text(text, encoding="utf-8")
+    console.print(f"{describe(docs)}; validated against the vendored CRD schema"
+                  + (f"; written to {out_file}: kubectl apply -f {out_file}" if out_file else ""),
+                  markup=False, highlight=False, soft_wrap=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The console script and ``python -m shardkeeper``: every user mistake is one line on stderr, exit 2
     (or the error's own code); a traceback only for a bug, and then only with -v."""
