@@ -141,6 +141,10 @@ class SlurmLauncher:
     def max_world_size(self) -> int | None:
         return None  # the partition decides; preflight() checks nodes and CPUs
 
+    def usable_nodes(self) -> int:
+        """Nodes of the partition that are up now (not down, drained or failing)."""
+        return partition_nodes(self.partition)[1]
+
     def has_gpus(self) -> bool:
         """Whether the partition's nodes offer GPUs (GRES gpu): what --device auto means for a Slurm segment."""
         argv = ["sinfo", "-h", "-o", "%G"] + (["-p", self.partition] if self.partition else [])

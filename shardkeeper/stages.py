@@ -72,6 +72,26 @@ def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = 
     return topo
 
 
+def plan_available_topology(spec: RunSpec, nproc: int, *, nodes: int, launcher: str = "local",
+                            launcher_options: dict | None = None, device: str = "auto") -> ClusterTopology:
+    """The topology to train on now: ``nodes`` x ``nproc``, or fewer nodes when the launcher has fewer usable
+    (Slurm: nodes down or drained) -- the largest count whose world size divides the global batch. What a
+    resume after a lost node runs on; the checkpoint reshards to it."""
+    usable = getattr(get_launcher(launcher, **(launcher_options or {})), "usable_nodes", lambda: None)()
+    if usable is not None and usable < 1:
+        raise ConfigError(f"--launcher {launcher}: no usable node now (all down or drained); resume when nodes are back")
+    start = min(nodes, usable) if usable is not None else nodes
+    for n in range(start, 0, -1):
+        try:
+            spec.per_rank_batch(n * nproc)
+        except ValueError:
+            continue
+        if n != nodes:
+            log.warning("%d of the %d node(s) asked for are usable: training on %d x %d ranks", start, nodes, n, nproc)
+        return plan_topology(spec, nproc, nodes=n, launcher=launcher, device=device, launcher_options=launcher_options)
+    return plan_topology(spec, nproc, nodes=nodes, launcher=launcher, device=device, launcher_options=launcher_options)
+
+
 def _cuda_available() -> bool:
     if os.environ.get("SHARDKEEPER_DEVICE") == "cpu":
         return False
