@@ -79,7 +79,9 @@ def _run(argv: list[str], what: str, timeout: float = 30.0) -> str:
                          "(check SLURM_CONF and `scontrol ping`)") from None
     if proc.returncode != 0:
         err = " ".join((proc.stderr or proc.stdout).split())[:300] or f"exit code {proc.returncode}"
-        raise SlurmError(f"{argv[0]} failed while {what}: {err}")
+        fix = ("; is slurmctld running and SLURM_CONF the cluster's? (`scontrol ping`)"
+               if "Unable to contact" in err or "configuration" in err else "")
+        raise SlurmError(f"{argv[0]} failed while {what}: {err}{fix}")
     return proc.stdout
 
 
