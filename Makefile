@@ -29,13 +29,15 @@ lock:
 
 install: $(VENV)/.installed
 
-# Headless Chromium for the browser test of the Prefect UI (Debian packages; skipped when not root).
+# System packages some tests start for real (Debian packages; skipped when not root): headless Chromium for
+# the browser test of the Prefect UI, and Slurm + munge for the Slurm launcher's tests (daemons on loopback).
+SYSTEM_PACKAGES := chromium slurm-wlm slurmctld slurmd slurm-client munge
 system-deps:
-	@if ! command -v chromium >/dev/null 2>&1; then \
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v slurmctld >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null) \
-	      || echo "chromium could not be installed: the browser test will be skipped"; \
-	  else echo "chromium not found and not root: the browser test will be skipped"; fi; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null) \
+	      || echo "$(SYSTEM_PACKAGES) could not be installed: the browser and Slurm tests will be skipped"; \
+	  else echo "chromium/slurm not found and not root: the browser and Slurm tests will be skipped"; fi; \
 	fi
 
 test: install system-deps

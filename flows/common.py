@@ -14,7 +14,8 @@ from prefect import get_run_logger
 from prefect.exceptions import ParameterTypeError
 from pydantic import BaseModel, ValidationError
 
-from schemas.errors import ConfigError, PipelineError, SegmentCancelled, SegmentFailed, SegmentPreempted  # noqa: F401
+from schemas.errors import (ConfigError, PipelineError, SegmentCancelled, SegmentFailed, SegmentPreempted,  # noqa: F401
+                           ShardkeeperError)
 from schemas import RunSpec, SegmentResult
 from schemas.requests import ResumeRequest, SegmentOutcome, SegmentPlan, TrainExportRequest
 from shardkeeper.config import explain
@@ -78,10 +79,12 @@ def check_train_request(request: TrainExportRequest) -> RunSpec:
         raise ConfigError(f"export_dir {request.export_dir}: is a file; give a folder to create")
     topologies = {}
     for i, seg in enumerate(request.segments):
+        key = (seg.nproc, seg.nodes, seg.launcher, seg.slurm_partition, seg.slurm_time_min)
         try:
-            topologies.setdefault(seg.nproc, plan(spec, seg.nproc))
-        except ConfigError as e:
-            raise ConfigError(f"segments[{i}].nproc: {e}") from None
+            topologies.setdefault(key, plan(spec, seg.nproc, nodes=seg.nodes, launcher=seg.launcher,
+                                            launcher_options=seg.launcher_options()))
+        except ShardkeeperError as e:
+            raise ConfigError(f"segments[{i}]: {e}") from None
     for topo in topologies.values():
         preflight(spec, topo, request.run_dir)
     return spec
@@ -122,19 +125,24 @@ def resumed_by(result: SegmentResult, attempts: int, max_preemption_retries: int
 
 def drive_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preemption_retries: int,
                 backoff_s: float) -> SegmentOutcome:
-    """Train ``run_dir`` up to ``plan.until_step`` on ``plan.nproc`` ranks; raise on failure."""
+    """Train ``run_dir`` up to ``plan.until_step`` on ``plan.nodes`` x ``plan.nproc`` ranks; raise on failure.
+
+    Each attempt (the first, and each resume after a preemption) is placed on the nodes usable then: a Slurm
+    node drained or lost since makes the next attempt train on fewer nodes, the checkpoint resharded to it."""
     logger = get_run_logger()
-    topology = plan_topology(spec, plan.nproc)
     state = inspect_run(run_dir)
     if state.step >= plan.until_step:
         logger.info("%s is at step %d already (until_step %d): nothing to train", run_dir, state.step, plan.until_step)
         return SegmentOutcome(plan=plan, skipped=True)
     resharded = None
-    if state.checkpoint is not None and state.world_size != topology.world_size:
-        resharded = reshard(state.checkpoint, topology.world_size)
     attempts: list[SegmentResult] = []
     while True:
-        result = train_segment(spec, run_dir, topology, plan.until_step, timeout_s=plan.timeout_s)
+        topology = plan_topology(spec, plan.nproc, plan.nodes, plan.launcher, plan.launcher_options())
+        state = inspect_run(run_dir) if attempts else state
+        if state.checkpoint is not None and state.world_size != topology.world_size:
+            resharded = reshard(state.checkpoint, topology.world_size)
+        result = train_segment(spec, run_dir, topology, plan.until_step, timeout_s=plan.timeout_s,
+                               launcher_options=plan.launcher_options())
         attempts.append(result)
         emit_segment(run_dir, spec.name, result, plan.until_step, topology.world_size,
                      resumed_by=resumed_by(result, len(attempts), max_preemption_retries))

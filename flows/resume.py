@@ -20,6 +20,7 @@ from prefect import flow, get_run_logger
 from prefect.states import Cancelled
 
 from pathlib import Path
+from typing import Literal
 
 from schemas.errors import RunLockedError, ShardkeeperError
 from flows.common import (PipelineError, SegmentCancelled, check_resume_request, default, documented, drive_segment,
@@ -53,13 +54,18 @@ def triage(state: RunState) -> ResumeItem | None:
 
 def _resume_one(state: RunState, request: ResumeRequest) -> ResumeItem:
     until = state.last_until_step or 0  # triage() made sure it is set
-    plan = SegmentPlan(nproc=request.nproc, until_step=until, timeout_s=request.timeout_s)
+    plan = SegmentPlan(nproc=request.nproc, nodes=request.nodes, until_step=until, timeout_s=request.timeout_s,
+                       launcher=request.launcher, slurm_partition=request.slurm_partition,
+                       slurm_time_min=request.slurm_time_min)
     spec = load_spec(run_dir=state.run_dir)
     try:
         outcome = drive_segment(spec, state.run_dir, plan, max_preemption_retries=request.max_preemption_retries,
                               backoff_s=request.backoff_s)
+        ran = outcome.attempts[-1].topology if outcome.attempts else None
+        where = (f"{ran.nodes} x {ran.procs_per_node}" if ran and ran.nodes > 1 else str(ran.procs_per_node if ran else plan.nproc))
+        via = f" via {plan.launcher}" if plan.launcher != "local" else ""
         item = ResumeItem(run_dir=state.run_dir, action="resumed", outcome=outcome,
-                          reason=f"step {state.step} -> {until} on {plan.nproc} ranks (was {state.last_status})")
+                          reason=f"step {state.step} -> {until} on {where} ranks{via} (was {state.last_status})")
     except RunLockedError as e:  # someone started a segment since the scan
         return ResumeItem(run_dir=state.run_dir, action="skipped-locked", reason=str(e))
     except SegmentCancelled:
@@ -90,6 +96,10 @@ def resume(
     roots: list[str] = default(R, "roots"),
     run_dirs: list[str] = default(R, "run_dirs"),
     nproc: int | None = None,
+    nodes: int = default(R, "nodes"),
+    launcher: Literal["local", "slurm"] = default(R, "launcher"),
+    slurm_partition: str | None = None,
+    slurm_time_min: int | None = None,
     max_preemption_retries: int = default(R, "max_preemption_retries"),
     backoff_s: float = default(R, "backoff_s"),
     timeout_s: float | None = None,

@@ -68,7 +68,7 @@ def flow_run_name() -> str:
     segments = params.get("segments") or []
     try:
         plans = [s if isinstance(s, dict) else s.model_dump() for s in segments]
-        ranks = ",".join(str(s["nproc"]) for s in plans)
+        ranks = ",".join(f"{s['nodes']}x{s['nproc']}" if s.get("nodes", 1) != 1 else str(s["nproc"]) for s in plans)
         return f"{run} → step {plans[-1]['until_step']} on {ranks} ranks"
     except (KeyError, IndexError, TypeError, AttributeError):
         return f"{run} (segments to be checked)"

@@ -44,13 +44,17 @@ RESUME_ENTRYPOINT = "flows/resume.py:resume"
 
 
 def parse_segments(text: str) -> list[dict[str, int]]:
-    """``"2:10,3:20"`` -> two segments: 2 ranks to step 10, then 3 ranks to step 20."""
+    """``"2:10,3:20"`` -> two segments: 2 ranks to step 10, then 3 ranks to step 20; ``"2x4:1000"``: 2 nodes
+    x 4 ranks to step 1000."""
     out = []
     for item in text.split(","):
-        nproc, sep, until = item.strip().partition(":")
-        if not sep or not nproc.strip().isdigit() or not until.strip().isdigit():
-            raise ValueError(f"--segments {text!r}: expected NPROC:UNTIL_STEP[,NPROC:UNTIL_STEP...], e.g. 2:10,3:20")
-        out.append({"nproc": int(nproc), "until_step": int(until)})
+        where, sep, until = item.strip().partition(":")
+        nodes, x, nproc = where.strip().partition("x")
+        if not x:
+            nodes, nproc = "1", where
+        if not sep or not all(v.strip().isdigit() for v in (nodes, nproc, until)):
+            raise ValueError(f"--segments {text!r}: expected [NODESx]NPROC:UNTIL_STEP[,...], e.g. 2:10,3:20 or 2x4:1000")
+        out.append({"nproc": int(nproc), "until_step": int(until), **({"nodes": int(nodes)} if int(nodes) != 1 else {})})
     return out
 
 
@@ -59,8 +63,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, type=Path, help="RunSpec YAML of the run")
     p.add_argument("--run-dir", required=True, type=Path, help="run directory (created at the first segment)")
-    p.add_argument("--segments", required=True, type=parse_segments, metavar="NPROC:STEP[,...]",
-                   help="the deployment's default segments, e.g. 2:1000 or 2:1000,4:2000")
+    p.add_argument("--segments", required=True, type=parse_segments, metavar="[NODESx]NPROC:STEP[,...]",
+                   help="the deployment's default segments, e.g. 2:1000 or 2:1000,4:2000 or 2x4:1000 (2 nodes x 4)")
+    p.add_argument("--launcher", default="local", choices=["local", "slurm"],
+                   help="where segments run: torchrun on the worker's machine, or Slurm jobs submitted from it")
+    p.add_argument("--slurm-partition", default=None, help="Slurm partition (default: the cluster's)")
+    p.add_argument("--slurm-time", dest="slurm_time_min", type=int, default=None, metavar="MIN",
+                   help="Slurm time limit per job in minutes")
     p.add_argument("--name", help="deployment name (default: the run directory's name)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, as `shardkeeper train --set` (repeatable)")
@@ -74,7 +83,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backoff-s", type=float, default=None, help="wait before an in-flow resume (default 5)")
     p.add_argument("--root", dest="roots", type=Path, action="append", default=None, metavar="FOLDER",
                    help="folder(s) of run directories the resume deployment scans (default: the run dir's parent)")
-    p.add_argument("--resume-nproc", type=int, default=None, help="ranks to resume on (default: the last segment's)")
+    p.add_argument("--resume-nproc", type=int, default=None, help="ranks per node to resume on (default: the last "
+                   "segment's)")
+    p.add_argument("--resume-nodes", type=int, default=None, help="nodes to resume on, fewer if fewer are usable "
+                   "(default: the last segment's)")
     p.add_argument("--resume-every", type=float, default=0.0, metavar="SECONDS",
                    help="schedule the resume deployment on this interval (default 0: no schedule)")
     p.add_argument("--no-automation", action="store_true", help="no resume-on-preemption automation")
@@ -90,11 +102,15 @@ def requests(args: argparse.Namespace) -> tuple[Any, Any]:
     optional = {"export_dtype": args.export_dtype, "max_shard_size": args.max_shard_size,
                 "publish_target": args.publish_target, "max_preemption_retries": args.max_preemption_retries,
                 "backoff_s": args.backoff_s}
-    train = TrainExportRequest(config=str(args.config), run_dir=str(args.run_dir), segments=args.segments,
+    place = {"launcher": args.launcher, "slurm_partition": args.slurm_partition, "slurm_time_min": args.slurm_time_min}
+    place = {k: v for k, v in place.items() if v is not None and v != "local"}
+    segments = [{**seg, **place} for seg in args.segments]
+    train = TrainExportRequest(config=str(args.config), run_dir=str(args.run_dir), segments=segments,
                                overrides=args.overrides, base_dir=base,
                                **{k: v for k, v in optional.items() if v is not None}).resolved()
     roots = [str(r) for r in args.roots] if args.roots else [str(Path(train.run_dir).parent)]
-    resume = ResumeRequest(roots=roots, nproc=args.resume_nproc or args.segments[-1]["nproc"], base_dir=base,
+    resume = ResumeRequest(roots=roots, nproc=args.resume_nproc or args.segments[-1]["nproc"], base_dir=base, **place,
+                           nodes=args.resume_nodes or args.segments[-1].get("nodes", 1),
                            **({"max_preemption_retries": args.max_preemption_retries}
                               if args.max_preemption_retries is not None else {})).resolved()
     return train, resume

@@ -2,7 +2,9 @@
 beside it) and the seam to them (``schemas.seam``). No torch, no prefect.
 
 - ``launch.base``: LaunchRequest / LaunchOutcome / the Launcher interface, torchrun output handling.
-- ``launch.local``: ranks on this machine through torchrun, supervised (signals, cancellation, timeout).
+- ``launch.local``: ranks on this machine through torchrun, supervised (signals, cancellation, timeout); several
+  nodes on loopback (one torchrun agent each, c10d rendezvous) for multi-node segments without a cluster.
+- ``launch.slurm``: a segment as a Slurm batch job (sbatch --requeue --signal), one torchrun agent per node.
 - ``launch.procs``: parent-death signal and /proc helpers shared with the rank side.
 """
 from __future__ import annotations
@@ -14,17 +16,19 @@ if TYPE_CHECKING:
 
 # Importing a submodule (launch.procs, on the rank side before anything else) runs this file: it stays
 # stdlib-only, and the launchers are imported when asked for.
-LAUNCHERS: dict[str, str] = {"local": "launch.local:LocalTorchrun"}
+LAUNCHERS: dict[str, str] = {"local": "launch.local:LocalTorchrun", "slurm": "launch.slurm:SlurmLauncher",
+                             "kubernetes": "launch.kubernetes:KubernetesLauncher"}
 
 
-def get_launcher(name: str) -> Launcher:
+def get_launcher(name: str, **options: Any) -> Launcher:
+    """The launcher ``name``, built with its own options (e.g. the Slurm partition)."""
     import importlib
 
     try:
         module, _, cls = LAUNCHERS[name].partition(":")
     except KeyError:
         raise ValueError(f"launcher {name!r} is not available here; choose one of {sorted(LAUNCHERS)}") from None
-    return getattr(importlib.import_module(module), cls)()
+    return getattr(importlib.import_module(module), cls)(**options)
 
 
 _FROM_BASE = ("LaunchOutcome", "LaunchRequest", "Launcher", "failing_rank_lines", "without_torchrun_closing")

@@ -10,6 +10,7 @@ Stdlib and schemas only: no torch, no prefect.
 
 from __future__ import annotations
 
+import collections
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,11 +59,59 @@ class LaunchOutcome:
     cancelled: bool = False  # stopped because cancel_check said so (or it said so after a stop signal)
     stop_signal: int | None = None  # the signal the launching process received (and turned into a stop)
     held_back: list[str] = field(default_factory=list)  # torchrun's closing lines, not streamed to the sink
+    # A batch scheduler's view (Slurm): the job id, its final state, how often it was requeued, and a note
+    # for the segment result (e.g. "node n2 lost: 1 of 2 nodes available").
+    scheduler_job: str | None = None
+    scheduler_state: str | None = None
+    requeues: int = 0
+    note: str | None = None
+
+    # The scheduler took the allocation away (preemption, node failure, time limit): like a stop request,
+    # a segment without a report from its ranks ended 'preempted', not 'failed'.
+    scheduler_preempted: bool = False
 
     @property
     def stop_requested(self) -> bool:
         """The launcher asked the ranks to stop (signal, cancellation or timeout)."""
         return self.timed_out or self.cancelled or self.stop_signal is not None
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """torchrun's c10d rendezvous across nodes. Fields are passed to the shell as they are, so a batch
+    script can hand in the scheduler's variables (``$SLURM_NODEID``)."""
+
+    endpoint: str  # host:port of the store node 0 hosts
+    run_id: str  # one id per launch: agents of another launch never join this one
+    node_rank: str = "0"
+    is_host: str = "0"  # "1" on the node that hosts the store (explicit: on loopback every node matches the host)
+
+
+def torchrun_argv(python: str, topology: ClusterTopology, grace_s: float, run_dir: str, until_step: int,
+                  segment: int, rdzv: Rendezvous | None = None, nnodes: str | None = None) -> list[str]:
+    """The torchrun command one node runs: ``--standalone`` for one node, c10d rendezvous for several
+    (world size = nodes x procs per node; ``nnodes`` overrides the count, e.g. with the allocation's
+    ``"$SLURM_JOB_NUM_NODES"``). Positional arguments to the ranks only: torchrun claims
+    options that prefix its own (--log, --start, ...)."""
+    argv = [python, "-m", "torch.distributed.run"]
+    if rdzv is None:
+        if topology.nodes != 1:
+            raise ValueError(f"{topology.nodes} nodes need a rendezvous endpoint")
+        argv.append("--standalone")
+    else:
+        argv += [f"--nnodes={nnodes or topology.nodes}", f"--node-rank={rdzv.node_rank}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", f"--rdzv-conf=is_host={rdzv.is_host}"]
+    return argv + [f"--nproc-per-node={topology.procs_per_node}", f"--shutdown-timeout={max(1, int(grace_s))}",
+                   "-m", "trainer.segment", str(run_dir), str(until_step), str(segment)]
+
+
+def combined_exit_code(codes: list[int]) -> int:
+    """One exit code for the torchrun agents of all nodes: 0 when all are 0; else the first node's when it
+    failed (the others usually fail because it did), else the first failing node's."""
+    failing = [c for c in codes if c != 0]
+    if not failing:
+        return 0
+    return codes[0] if codes[0] != 0 else failing[0]
 
 
 class Launcher(Protocol):
@@ -71,10 +120,42 @@ class Launcher(Protocol):
     def max_world_size(self) -> int | None:
         """Largest world size this launcher can give now (None = unknown/unbounded)."""
 
+    def preflight(self, topology: ClusterTopology) -> None:
+        """Refuse (one-line ConfigError/ShardkeeperError) a topology this launcher can never run."""
+
     def launch(self, req: LaunchRequest, sink: LogSink) -> LaunchOutcome:
         """Run one segment to its end and report how it ended."""
 
 
+
+
+class OutputSplitter:
+    """Splits the ranks' and torchrun's output: rank lines go to the sink at once; torchrun's own closing
+    lines (from its first log line or traceback on) are held back until the outcome is known, since a
+    ChildFailedError summary is noise when the segment was preempted or cancelled. Keeps the last lines
+    for the failure report."""
+
+    def __init__(self, sink: LogSink, keep: int = 60):
+        self.sink = sink
+        self.tail: collections.deque[str] = collections.deque(maxlen=keep)
+        self.held: list[str] = []
+        self._holding = False
+
+    def feed(self, line: str) -> None:
+        line = line.rstrip("\n")
+        self.tail.append(line)
+        if self._hold(line):
+            self.held.append(line)
+        else:
+            self.sink(line)
+
+    def _hold(self, line: str) -> bool:
+        if RANK_LINE_RE.search(line):
+            return False
+        if not self._holding and (TORCHRUN_LOG_RE.search(line) or line.startswith("Traceback")
+                                  or any(m in line for m in TORCHRUN_SUMMARY)):
+            self._holding = True
+        return self._holding
 
 
 def _closing_cut(lines: list[str]) -> int:

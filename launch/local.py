@@ -17,18 +17,20 @@ when the *thread* that started torchrun exits: ``launch`` waits for torchrun in 
 
 from __future__ import annotations
 
-import collections
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from launch.base import (LaunchOutcome, LaunchRequest, LogSink, RANK_LINE_RE, TORCHRUN_LOG_RE,
-                         TORCHRUN_SUMMARY)
+from launch.base import (LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, Rendezvous, combined_exit_code,
+                         torchrun_argv)
 from launch.procs import pdeathsig_preexec
+from schemas import ClusterTopology
+from schemas.errors import ConfigError
 from schemas.seam import EXIT_CANCELLED, LAUNCH_ENV
 
 POLL_S = 0.25
@@ -37,37 +39,45 @@ CANCEL_SETTLE_S = 3.0  # > the Prefect cancel watcher's poll period
 
 
 class _Supervisor:
-    """One launch: streams torchrun's output, asks the ranks to stop at most once, escalates to SIGKILL.
+    """One launch: streams the output of the torchrun agents (one per node; one unless a multi-node
+    segment runs on loopback), asks the ranks to stop at most once, escalates to SIGKILL.
 
-    A stop (preemption signal, cancellation, timeout) is a single SIGTERM to torchrun, which forwards
-    it to every rank (they commit a checkpoint) and SIGKILLs them after ``--shutdown-timeout`` (the
+    A stop (preemption signal, cancellation, timeout) is a single SIGTERM to each torchrun, which forwards
+    it to its ranks (they commit a checkpoint) and SIGKILLs them after ``--shutdown-timeout`` (the
     launcher's grace); the launcher SIGKILLs torchrun itself a little later, and the ranks die with it
     (PR_SET_PDEATHSIG). Repeated signals are not forwarded again: a second SIGTERM would make torchrun
     abandon its graceful shutdown and kill the ranks in the middle of their checkpoint."""
 
-    def __init__(self, proc: subprocess.Popen, grace_s: float, sink: LogSink):
-        self.proc = proc
+    def __init__(self, procs: list[subprocess.Popen], grace_s: float, sink: LogSink):
+        self.procs = procs
         self.grace_s = grace_s
         self.sink = sink
-        self.tail: collections.deque[str] = collections.deque(maxlen=60)
-        self.held: list[str] = []
+        self.out = OutputSplitter(sink)
         self.stop_reason: str | None = None
         self.signal: int | None = None
-        self._holding = False
         self._killer: threading.Timer | None = None
+        self._termed: set[int] = set()
 
     def request_stop(self, reason: str) -> None:
         # No lock: this also runs as a signal handler in the main thread, which may hold any lock.
         if self.stop_reason is not None:
             return
         self.stop_reason = reason
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
+        self.term_unsignalled()
         self._killer = threading.Timer(self.grace_s + KILL_MARGIN_S, self.kill)
         self._killer.daemon = True
         self._killer.start()
+
+    def term_unsignalled(self) -> None:
+        """SIGTERM to each agent not yet asked to stop (an agent started after the stop request included)."""
+        for proc in list(self.procs):
+            if proc.pid in self._termed:
+                continue
+            self._termed.add(proc.pid)
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
     def on_signal(self, signum: int, _frame: object) -> None:
         if self.signal is None:
@@ -75,30 +85,24 @@ class _Supervisor:
         self.request_stop(f"signal {signal.Signals(signum).name}")
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
-    def read_output(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.tail.append(line)
-            if self._hold(line):
-                self.held.append(line)
-            else:
-                self.sink(line)
+    def read_output(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.out.feed(line)
 
-    def _hold(self, line: str) -> bool:
-        """torchrun's own closing lines (from its first log line or traceback on) wait for the outcome: a
-        ChildFailedError summary is noise when the segment was preempted or cancelled. Rank lines never wait."""
-        if RANK_LINE_RE.search(line):
-            return False
-        if not self._holding and (TORCHRUN_LOG_RE.search(line) or line.startswith("Traceback")
-                                  or any(m in line for m in TORCHRUN_SUMMARY)):
-            self._holding = True
-        return self._holding
+    def wait(self, timeout: float | None = None) -> list[int]:
+        """Exit codes of every agent; raises subprocess.TimeoutExpired if one still runs after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return [p.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())) for p in self.procs]
+
+    def any_running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
 
     def cancel_timer(self) -> None:
         if self._killer:
@@ -141,7 +145,9 @@ def visible_gpus() -> int:
 
 
 class LocalTorchrun:
-    """Ranks on this machine through ``python -m torch.distributed.run --standalone``."""
+    """Ranks on this machine through torchrun: ``--standalone`` for one node; for ``topology.nodes > 1``
+    one torchrun agent per node on loopback, joined by c10d rendezvous exactly as the nodes of a cluster
+    join (what the Slurm launcher runs on each node), so multi-node segments are exercised without one."""
 
     name = "local"
 
@@ -154,11 +160,24 @@ class LocalTorchrun:
         gpus = visible_gpus()
         return gpus if gpus else max(8, 4 * (os.cpu_count() or 1))
 
-    def command(self, req: LaunchRequest) -> list[str]:
-        # Positional arguments only: torchrun claims options that prefix its own (--log, --start, ...).
-        return [self.python, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={req.topology.procs_per_node}", f"--shutdown-timeout={max(1, int(self.grace_s))}",
-                "-m", "trainer.segment", str(req.run_dir), str(req.until_step), str(req.segment)]
+    def preflight(self, topology: ClusterTopology) -> None:
+        limit = self.max_world_size()
+        if limit is not None and topology.world_size > limit:
+            what = (f"--nodes {topology.nodes} x --nproc {topology.procs_per_node}" if topology.nodes > 1
+                    else f"--nproc {topology.procs_per_node}")
+            raise ConfigError(f"{what}: more ranks than this machine can run ({limit}); use at most {limit} ranks here, "
+                              "or --launcher slurm for more nodes")
+
+    def commands(self, req: LaunchRequest) -> list[list[str]]:
+        """One torchrun command per node."""
+        topo = req.topology
+        if topo.nodes == 1:
+            return [torchrun_argv(self.python, topo, self.grace_s, str(req.run_dir), req.until_step, req.segment)]
+        endpoint = f"127.0.0.1:{free_port()}"
+        run_id = f"shardkeeper-{os.getpid()}-{req.segment}-{time.monotonic_ns()}"
+        return [torchrun_argv(self.python, topo, self.grace_s, str(req.run_dir), req.until_step, req.segment,
+                              Rendezvous(endpoint, run_id, node_rank=str(n), is_host="1" if n == 0 else "0"))
+                for n in range(topo.nodes)]
 
     def environment(self, req: LaunchRequest) -> dict[str, str]:
         launch_file = req.seam(launcher_pid=os.getpid()).write(req.run_dir)
@@ -176,37 +195,45 @@ class LocalTorchrun:
         if _pending_stop:
             return LaunchOutcome(exit_code=128 + _pending_stop[0], timed_out=False, tail=["stopped before the ranks started"],
                                  seconds=0.0, stop_signal=_pending_stop[0])
-        # torchrun dies with this process (PDEATHSIG, set in the child before exec), and takes the ranks along.
-        proc = subprocess.Popen(self.command(req), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, env=self.environment(req), start_new_session=True,
-                                preexec_fn=pdeathsig_preexec(os.getpid()))
-        sup = _Supervisor(proc, self.grace_s, sink)
+        env = self.environment(req)
+        procs: list[subprocess.Popen] = []
+        sup = _Supervisor(procs, self.grace_s, sink)
         previous = _install_signal_handlers(sup)
-        reader = threading.Thread(target=sup.read_output, name="torchrun-output", daemon=True)
-        reader.start()
+        readers: list[threading.Thread] = []
         cancelled = False
+        codes: list[int] = []
         try:
+            # Each torchrun dies with this process (PDEATHSIG, set in the child before exec) and takes its ranks along.
+            for argv in self.commands(req):
+                proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                        env=env, start_new_session=True, preexec_fn=pdeathsig_preexec(os.getpid()))
+                procs.append(proc)
+                readers.append(threading.Thread(target=sup.read_output, args=(proc,), name="torchrun-output", daemon=True))
+                readers[-1].start()
+                if sup.stop_reason is not None:  # a signal arrived while the agents were being started
+                    sup.term_unsignalled()
             cancelled = self._supervise(sup, req, t0)
-            code = proc.wait()
+            codes = sup.wait()
             cancelled = cancelled or self._settle_cancel(sup, req)
         finally:
             sup.cancel_timer()
             for sig, prev in previous.items():
                 signal.signal(sig, prev)  # type: ignore[arg-type]
-            if proc.poll() is None:
+            if sup.any_running():
                 sup.kill()
-                proc.wait()
-            reader.join(timeout=10)
-        return LaunchOutcome(exit_code=code, timed_out=sup.stop_reason == "timeout", tail=list(sup.tail),
-                             seconds=time.monotonic() - t0, cancelled=cancelled, stop_signal=sup.signal,
-                             held_back=list(sup.held))
+                codes = sup.wait()
+            for reader in readers:
+                reader.join(timeout=10)
+        return LaunchOutcome(exit_code=combined_exit_code(codes), timed_out=sup.stop_reason == "timeout",
+                             tail=list(sup.out.tail), seconds=time.monotonic() - t0, cancelled=cancelled,
+                             stop_signal=sup.signal, held_back=list(sup.out.held))
 
     def _supervise(self, sup: _Supervisor, req: LaunchRequest, t0: float) -> bool:
-        """Wait for torchrun, polling the cancel check and the timeout; True if cancelled meanwhile."""
+        """Wait for the agents, polling the cancel check and the timeout; True if cancelled meanwhile."""
         cancelled = False
         while True:
             try:
-                sup.proc.wait(timeout=POLL_S)
+                sup.wait(timeout=POLL_S)
                 return cancelled
             except subprocess.TimeoutExpired:
                 pass
@@ -231,3 +258,8 @@ class LocalTorchrun:
             time.sleep(POLL_S)
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now (for the rendezvous store node 0 hosts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

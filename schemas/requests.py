@@ -40,9 +40,30 @@ class _FlowParameters(_Frozen):
         return self.model_dump(mode="json", exclude_defaults=True)
 
 
-class SegmentPlan(_Frozen):
-    nproc: int = Field(ge=1, description="ranks (world size on one node) the segment trains on")
+Launcher = Literal["local", "slurm"]
+
+
+class _Placement(_Frozen):
+    """Where segments run: the launcher and its options (what ``shardkeeper train --launcher`` takes)."""
+
+    launcher: Launcher = Field("local", description="local: torchrun on the worker's machine; slurm: an sbatch job "
+                               "(the worker's machine runs sbatch, the run directory is on storage the nodes share)")
+    slurm_partition: str | None = Field(None, min_length=1, description="Slurm partition (default: the cluster's)")
+    slurm_time_min: int | None = Field(None, gt=0, description="Slurm time limit in minutes (the ranks get SIGTERM "
+                                                               "before it and commit a checkpoint)")
+
+    def launcher_options(self) -> dict[str, Any]:
+        """The keyword options of the launcher (launch.get_launcher)."""
+        if self.launcher == "slurm":
+            return {"partition": self.slurm_partition, "time_min": self.slurm_time_min}
+        return {}
+
+
+class SegmentPlan(_Placement):
+    nproc: int = Field(ge=1, description="ranks per node the segment trains on")
     until_step: int = Field(ge=1, description="train until this many optimizer steps are done in total")
+    nodes: int = Field(1, ge=1, description="nodes (world size = nodes x nproc); a resumed attempt uses the nodes "
+                                            "usable then, if fewer")
     timeout_s: float | None = Field(
         None, gt=0, description="stop the segment (with a checkpoint: it ends 'preempted') after this many seconds"
     )
@@ -126,13 +147,15 @@ class TrainExportRequest(_FlowParameters):
                                        "export_dir": _absolute(self.export_dir, b)})
 
 
-class ResumeRequest(_FlowParameters):
+class ResumeRequest(_FlowParameters, _Placement):
     """Parameters of the ``resume`` flow (meant for a schedule, or an automation on a preemption event)."""
 
     roots: list[str] = Field(default_factory=list, description="folders whose immediate subfolders are run "
                              "directories to scan, e.g. [\"/data/runs\"]")
     run_dirs: list[str] = Field(default_factory=list, description="run directories to scan (in addition to roots)")
-    nproc: int = Field(ge=1, description="ranks to resume each run on (the run is resharded if this differs)")
+    nproc: int = Field(ge=1, description="ranks per node to resume each run on (the run is resharded if the world "
+                                         "size differs)")
+    nodes: int = Field(1, ge=1, description="nodes to resume on; with launcher slurm, fewer when fewer are usable now")
     max_preemption_retries: int = Field(3, ge=0, description="times a preempted segment is resumed before giving up")
     backoff_s: float = Field(5.0, ge=0, description="wait before a resume; doubles after each preemption")
     timeout_s: float | None = Field(None, gt=0, description="stop each resumed segment after this many seconds")

@@ -31,6 +31,10 @@ class SegmentResult(_Frozen):
     failure: str | None = Field(None, description="failing rank's last lines when status is 'failed'")
     note: str | None = Field(None, description="how a preempted or cancelled segment ended, e.g. that it stopped "
                                                "before its first step with nothing to save")
+    scheduler_job: str | None = Field(None, description="the batch scheduler's job id (Slurm), when one ran the segment")
+    scheduler_state: str | None = Field(None, description="the job's final state as the scheduler reported it")
+    requeues: int = Field(0, ge=0, description="times the scheduler requeued the job (each attempt resumed from the "
+                                               "latest valid checkpoint)")
 
 
 class ReshardResult(_Frozen):

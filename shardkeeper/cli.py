@@ -45,7 +45,8 @@ out = Console(soft_wrap=True)
 
 _STATE = {"verbose": False}
 # A line the ranks log through trainer.segment's logging format ("<time> [rankN] name: message").
-_RANK_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \[rank\d+\] ")
+# The ranks' log lines, and the launcher's own ("shardkeeper: submitted Slurm job 12 ...", job state changes).
+_RANK_LOG = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \[rank\d+\] |shardkeeper: )")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -74,8 +75,16 @@ def train(
     config: Annotated[Path, typer.Option(help="RunSpec YAML, e.g. configs/tiny.yaml")],
     # str, not Path: Path("") would silently become the current directory; preflight refuses an empty one.
     run_dir: Annotated[str, typer.Option(help="run directory (created; resumed if it holds checkpoints)")],
-    nproc: Annotated[int, typer.Option(help="ranks on this machine")] = 1,
+    nproc: Annotated[int, typer.Option(help="ranks per node")] = 1,
     until_step: Annotated[int, typer.Option(help="train until this many optimizer steps are done")] = 20,
+    launcher: Annotated[str, typer.Option(help="local (torchrun here) | slurm (an sbatch job)")] = "local",
+    nodes: Annotated[int, typer.Option(help="nodes (world size = nodes x nproc); with --launcher local, several "
+                                            "torchrun agents on this machine joined by c10d rendezvous")] = 1,
+    slurm_partition: Annotated[Optional[str], typer.Option(help="Slurm partition (default: the cluster's)")] = None,
+    slurm_time: Annotated[Optional[int], typer.Option(help="Slurm time limit in minutes; the ranks get SIGTERM "
+                                                           "60 s before it and commit a checkpoint")] = None,
+    slurm_arg: Annotated[Optional[list[str]], typer.Option(help="extra sbatch option, e.g. --slurm-arg=--account=ml "
+                                                                "(repeatable)")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set optim.lr=1e-3")] = None,
     timeout: Annotated[Optional[float], typer.Option(help="stop (with a checkpoint) after this many seconds")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
@@ -95,10 +104,18 @@ def train(
         raise ShardkeeperError(f"--until-step {until_step}: must be at least 1")
     if timeout is not None and not timeout > 0:
         raise ShardkeeperError(f"--timeout {timeout:g}: must be a positive number of seconds; omit it for no timeout")
+    if launcher != "slurm" and (slurm_partition or slurm_time or slurm_arg):
+        raise ShardkeeperError("--slurm-partition/--slurm-time/--slurm-arg apply to --launcher slurm only")
+    options = ({"partition": slurm_partition, "time_min": slurm_time, "extra_args": tuple(slurm_arg or ())}
+               if launcher == "slurm" else {})
     spec = load_run_spec(config, set_)
-    topo = plan_topology(spec, nproc, device=device)
-    res = train_segment(spec, run_dir, topo, until_step, timeout_s=timeout, restart=restart, sink=_rank_output)
-    msg = f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} on {topo.world_size} ranks in {res.seconds:.1f} s"
+    topo = plan_topology(spec, nproc, nodes=nodes, launcher=launcher, device=device, launcher_options=options)
+    res = train_segment(spec, run_dir, topo, until_step, timeout_s=timeout, restart=restart, sink=_rank_output,
+                        launcher_options=options)
+    where = f"{topo.world_size} ranks" + (f" ({topo.nodes} nodes x {topo.procs_per_node})" if topo.nodes > 1 else "")
+    job = (f" [Slurm job {res.scheduler_job} {res.scheduler_state}"
+           f"{f', requeued {res.requeues}x' if res.requeues else ''}]") if res.scheduler_job else ""
+    msg = f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} on {where} in {res.seconds:.1f} s{job}"
     if res.status == "failed":
         console.print(f"error: {msg}: {_failure_line(res.failure)}", markup=False, highlight=False, soft_wrap=True)
     else:
@@ -295,6 +312,59 @@ def _show_states(path: str, states: list, as_json: bool, *, single_url: str) -> 
                       "" if st.world_size is None else str(st.world_size),
                       _name(st.checkpoint) if st.checkpoint else "none")
     out.print(table)
+
+
+@app.command()
+def manifest(
+    config: Annotated[Path, typer.Option(help="RunSpec YAML, e.g. configs/tiny.yaml")],
+    run_dir: Annotated[str, typer.Option(help="run directory as the pods see it: NAME (under /runs on the PVC) or "
+                                              "an absolute path (the PVC is mounted at its parent)")],
+    nodes: Annotated[int, typer.Option(help="pods (one torchrun each)")] = 1,
+    nproc: Annotated[int, typer.Option(help="ranks per pod (GPUs per pod with --device cuda)")] = 1,
+    until_step: Annotated[int, typer.Option(help="train until this many optimizer steps are done")] = 20,
+    segment: Annotated[int, typer.Option(help="index of this segment in the run (one more for each segment)")] = 0,
+    kind: Annotated[str, typer.Option(help="pytorchjob (Kubeflow training-operator) | jobset (JobSet)")] = "pytorchjob",
+    image: Annotated[str, typer.Option(help="container image with shardkeeper and torch installed")] = "shardkeeper:latest",
+    namespace: Annotated[str, typer.Option(help="Kubernetes namespace")] = "default",
+    pvc: Annotated[str, typer.Option(help="ReadWriteMany PersistentVolumeClaim holding the run directory")] = "shardkeeper-runs",
+    grace_s: Annotated[int, typer.Option(help="seconds a checkpoint needs after SIGTERM (torchrun's shutdown "
+                                              "timeout; the pod's grace period is 30 s more)")] = 60,
+    device: Annotated[str, typer.Option(help="cuda (nvidia.com/gpu per rank, NCCL) | cpu (gloo)")] = "cuda",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set optim.lr=1e-3")] = None,
+    out_file: Annotated[Optional[Path], typer.Option("--out", help="write the YAML here instead of stdout")] = None,
+) -> None:
+    """Render one segment as Kubernetes manifests (a ConfigMap + a PyTorchJob or JobSet), validated against the
+    vendored CRD schemas; apply them with `kubectl apply -f FILE`. Nothing is submitted from here."""
+    from launch.base import LaunchRequest
+    from launch.kubernetes import K8sOptions, describe, render_validated, to_yaml
+    from schemas import ClusterTopology
+    from shardkeeper.config import load_run_spec
+
+    for flag, value in (("--nodes", nodes), ("--nproc", nproc), ("--until-step", until_step)):
+        if value < 1:
+            raise ShardkeeperError(f"{flag} {value}: must be at least 1")
+    if segment < 0:
+        raise ShardkeeperError(f"--segment {segment}: must be 0 or more")
+    if device not in ("cpu", "cuda"):
+        raise ShardkeeperError(f"--device {device!r}: choose cuda or cpu")
+    spec = load_run_spec(config, set_)
+    try:
+        spec.per_rank_batch(nodes * nproc)
+    except ValueError as e:
+        why = str(e).replace("choose --nproc among", "choose --nodes x --nproc among")
+        raise ShardkeeperError(f"--nodes {nodes} --nproc {nproc}: {why}") from None
+    topo = ClusterTopology(nodes=nodes, procs_per_node=nproc, device_type=device,  # type: ignore[arg-type]
+                           backend="nccl" if device == "cuda" else "gloo", launcher="kubernetes")
+    req = LaunchRequest(run_dir=run_dir, until_step=until_step, segment=segment, topology=topo)  # type: ignore[arg-type]
+    docs = render_validated(spec, req, K8sOptions(image=image, namespace=namespace, pvc=pvc, grace_s=grace_s, kind=kind))
+    text = to_yaml(docs)
+    if out_file is None:
+        sys.stdout.write(text)
+    else:
+        out_file.write_text(text, encoding="utf-8")
+    console.print(f"{describe(docs)}; validated against the vendored CRD schema"
+                  + (f"; written to {out_file}: kubectl apply -f {out_file}" if out_file else ""),
+                  markup=False, highlight=False, soft_wrap=True)
 
 
 def _is_remote(path: str) -> bool:

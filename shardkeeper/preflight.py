@@ -85,6 +85,8 @@ def check_environment(topology: ClusterTopology) -> None:
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads is not None and not (threads.strip().isdigit() and int(threads) >= 1):
         raise ConfigError(f"OMP_NUM_THREADS={threads!r}: must be a positive integer; set e.g. OMP_NUM_THREADS=1 or unset it")
+    if topology.launcher != "local":  # the ranks run on the scheduler's nodes, not here: the launcher checks those
+        return
     if topology.device_type == "cuda" or want == "cuda":
         gpus = cuda_device_count()
         if gpus == 0:
@@ -185,6 +187,8 @@ def check_memory(spec: RunSpec, topology: ClusterTopology, params: int, cfg: Any
             f"as {spec.backend} shards them + {est.activation_bytes / GIB:.1f} GiB activations)")
     fix = ("use a smaller model.config, more ranks or nodes, or a smaller micro_batch_size/data.seq_len; "
            "SHARDKEEPER_MEMORY_CHECK=0 skips this check")
+    if topology.launcher != "local":  # this host is not where the ranks run
+        return
     if topology.device_type == "cuda":
         free = min(gpu_free_bytes(nproc))
         if est.train_bytes > free:

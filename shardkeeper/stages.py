@@ -22,7 +22,7 @@ from ckpt.registry import get_format
 from ckpt.manifest import read_manifest
 from ckpt.retention import sweep_leftovers
 from ckpt.validate import invalid_committed, latest_valid, validate
-from launch import LaunchOutcome, LaunchRequest, get_launcher
+from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher
 from schemas.seam import SegmentReport, exit_code_of
 from schemas import CheckpointManifest, ClusterTopology, ReshardResult, RunSpec, SegmentResult, ValidationReport
 from schemas.requests import RunState
@@ -36,30 +36,60 @@ MUTABLE_SECTIONS = ("checkpoint",)
 
 
 def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = "local",
-                  device: str = "auto") -> ClusterTopology:
+                  device: str = "auto", launcher_options: dict | None = None) -> ClusterTopology:
     """Check that ``nodes x nproc`` ranks make sense for the run and the launcher; return the topology."""
-    if nproc < 1 or nodes < 1:
+    if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: must be at least 1")
+    if nodes < 1:
+        raise ConfigError(f"--nodes {nodes}: must be at least 1")
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"--launcher {launcher!r}: choose one of {', '.join(sorted(LAUNCHERS))}")
     world = nodes * nproc
     try:
         spec.per_rank_batch(world)
     except ValueError as e:
-        raise ConfigError(f"--nproc {nproc}: {e}") from None
-    limit = get_launcher(launcher).max_world_size()
-    if limit is not None and nproc > limit:
-        raise ConfigError(f"--nproc {nproc}: more ranks than this machine can run ({limit}); use --nproc <= {limit}")
+        flag = f"--nodes {nodes} x --nproc {nproc}" if nodes > 1 else f"--nproc {nproc}"
+        raise ConfigError(f"{flag}: {e}") from None
+    runner = get_launcher(launcher, **(launcher_options or {}))
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device {device!r}: choose auto, cpu or cuda")
     source = f"--device {device}"
     if device == "auto" and os.environ.get("SHARDKEEPER_DEVICE") in ("cpu", "cuda"):
         device = os.environ["SHARDKEEPER_DEVICE"]
         source = f"SHARDKEEPER_DEVICE={device}"
-    if device == "cuda" and not cuda_device_count():
+    if device == "cuda" and launcher == "local" and not cuda_device_count():
         raise ConfigError(f"{source}: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
                           "use --device cpu (and unset SHARDKEEPER_DEVICE)")
-    cuda = device == "cuda" or (device == "auto" and _cuda_available())
-    return ClusterTopology(nodes=nodes, procs_per_node=nproc, device_type="cuda" if cuda else "cpu",
+    if launcher == "local":
+        cuda = device == "cuda" or (device == "auto" and _cuda_available())
+    else:  # this host may have no GPU while the nodes do: the launcher says what "auto" means there
+        cuda = device == "cuda" or (device == "auto" and getattr(runner, "has_gpus", lambda: False)())
+    topo = ClusterTopology(nodes=nodes, procs_per_node=nproc, device_type="cuda" if cuda else "cpu",
                            backend="nccl" if cuda else "gloo", launcher=launcher)  # type: ignore[arg-type]
+    check = getattr(runner, "preflight", None)
+    if check is not None:
+        check(topo)
+    return topo
+
+
+def plan_available_topology(spec: RunSpec, nproc: int, *, nodes: int, launcher: str = "local",
+                            launcher_options: dict | None = None, device: str = "auto") -> ClusterTopology:
+    """The topology to train on now: ``nodes`` x ``nproc``, or fewer nodes when the launcher has fewer usable
+    (Slurm: nodes down or drained) -- the largest count whose world size divides the global batch. What a
+    resume after a lost node runs on; the checkpoint reshards to it."""
+    usable = getattr(get_launcher(launcher, **(launcher_options or {})), "usable_nodes", lambda: None)()
+    if usable is not None and usable < 1:
+        raise ConfigError(f"--launcher {launcher}: no usable node now (all down or drained); resume when nodes are back")
+    start = min(nodes, usable) if usable is not None else nodes
+    for n in range(start, 0, -1):
+        try:
+            spec.per_rank_batch(n * nproc)
+        except ValueError:
+            continue
+        if n != nodes:
+            log.warning("%d of the %d node(s) asked for are usable: training on %d x %d ranks", start, nodes, n, nproc)
+        return plan_topology(spec, nproc, nodes=n, launcher=launcher, device=device, launcher_options=launcher_options)
+    return plan_topology(spec, nproc, nodes=nodes, launcher=launcher, device=device, launcher_options=launcher_options)
 
 
 def _cuda_available() -> bool:
@@ -111,7 +141,8 @@ def next_segment_index(run_dir: RunDir) -> int:
 
 def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology, until_step: int, *,
                   timeout_s: float | None = None, sink: Callable[[str], None] | None = None,
-                  restart: bool = False, cancel_check: Callable[[], bool] | None = None) -> SegmentResult:
+                  restart: bool = False, cancel_check: Callable[[], bool] | None = None,
+                  launcher_options: dict | None = None) -> SegmentResult:
     """Run one segment under the run lock: resume from the latest valid checkpoint, train, commit.
 
     A run whose checkpoints are all invalid is refused (never restarted silently); ``restart`` moves them
@@ -119,7 +150,10 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
     from step 0, recorded in segments.jsonl and lineage. With a valid checkpoint ``restart`` is refused.
 
     ``cancel_check`` (polled by the launcher; a Prefect task passes one that watches its flow run):
-    when it turns true the ranks commit a checkpoint and stop, and the segment ends 'cancelled'."""
+    when it turns true the ranks commit a checkpoint and stop, and the segment ends 'cancelled'.
+
+    ``launcher_options``: what the launcher of ``topology.launcher`` takes besides the topology (Slurm:
+    ``partition``, ``time_min``, ``extra_args``)."""
     remote = _remote_run(run_dir)  # s3://...: the ranks train in its local cache, shardkeeper.remote mirrors it
     if remote is not None:
         run_dir = remote.local.root
@@ -137,16 +171,19 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         start_step = before[1].step if before else 0
         append_jsonl(rd.segments, {"event": "start", "segment": seg, "until_step": until_step, "start_step": start_step,
                                    "world_size": topology.world_size, "time": lineage.now_iso()})
-        launcher = get_launcher(topology.launcher)
+        launcher = get_launcher(topology.launcher, **(launcher_options or {}))
         req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s,
                             restart=restart, cancel_check=cancel_check)
         outcome = launcher.launch(req, sink)
         result = _segment_result(rd, seg, start_step, topology, outcome)
         _show_held_back(outcome, result.status, sink)
         append_jsonl(rd.segments, {"event": "end", **result.model_dump(mode="json", exclude={"topology"})})
+        scheduler = ({"scheduler_job": outcome.scheduler_job, "scheduler_state": outcome.scheduler_state,
+                      "requeues": outcome.requeues} if outcome.scheduler_job else {})
         lineage.record(rd, "segment", f"segment:{seg}", parent=(f"checkpoint:step-{start_step:08d}" if before else None),
                        step=result.end_step, status=result.status, world_size=topology.world_size,
-                       seconds=round(result.seconds, 2), until_step=until_step)
+                       seconds=round(result.seconds, 2), until_step=until_step, launcher=topology.launcher,
+                       nodes=topology.nodes, **scheduler)
     if remote is not None:
         from shardkeeper.remote import remote_result
 
@@ -230,22 +267,26 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
             note = _unreported_note(after)
     elif rank_status:
         status = rank_status
-    elif outcome.stop_requested and (outcome.exit_code != 0 or outcome.stop_signal is not None):
+    elif (outcome.stop_requested or outcome.scheduler_preempted) and (outcome.exit_code != 0 or outcome.stop_signal is not None):
         # Asked to stop before the ranks could report (still starting up, or killed after the grace
         # period): nothing was lost that a checkpoint held; the next segment resumes from the latest one.
         status = "preempted"
-        note = _unreported_note(after)
+        note = outcome.note or _unreported_note(after)
     else:
         status = "failed"
+    if outcome.note and status != "failed" and note != outcome.note:
+        note = f"{outcome.note}; {note}" if note else outcome.note
     return SegmentResult(
         run_dir=str(rd.root), status=status,  # type: ignore[arg-type]
         exit_code=exit_code_of(status, outcome.exit_code),
-        # The ranks may have fallen back past a checkpoint that failed to load: their start step wins.
-        segment=seg, start_step=reported.start_step if reported else start_step,
+        # The ranks may have fallen back past a checkpoint that failed to load: their start step wins, unless
+        # the scheduler requeued the job and its last attempt resumed from a checkpoint of this segment.
+        segment=seg, start_step=min(reported.start_step, start_step) if reported else start_step,
         end_step=after[1].step if after else 0,
         checkpoint=str(after[0]) if after else None, topology=topology, seconds=outcome.seconds,
         failure=None if status != "failed" else _failure(outcome),
         note=note if status != "failed" else None,
+        scheduler_job=outcome.scheduler_job, scheduler_state=outcome.scheduler_state, requeues=outcome.requeues,
     )
 
 

@@ -69,16 +69,28 @@ def scan_runs(roots: list[str], run_dirs: list[str]) -> list[RunState]:
 
 
 @task(name="plan-topology", cache_policy=NO_CACHE)
-def plan_topology(spec: RunSpec, nproc: int, launcher: str = "local") -> ClusterTopology:
+def plan_topology(spec: RunSpec, nproc: int, nodes: int = 1, launcher: str = "local",
+                  launcher_options: dict | None = None) -> ClusterTopology:
+    """``nodes`` x ``nproc`` ranks, or fewer nodes when the launcher has fewer usable now (Slurm)."""
     from shardkeeper import stages
 
-    return stages.plan_topology(spec, nproc, launcher=launcher)
+    return stages.plan_available_topology(spec, nproc, nodes=nodes, launcher=launcher, launcher_options=launcher_options)
 
 
-@task(name="train-segment", cache_policy=NO_CACHE,
-      task_run_name="train-to-step-{until_step}-on-{topology.procs_per_node}-ranks")
+def _train_task_name() -> str:
+    from prefect.runtime import task_run
+
+    p = task_run.parameters or {}
+    topo = p.get("topology")
+    nodes, procs, launcher = ((topo.nodes, topo.procs_per_node, topo.launcher) if isinstance(topo, ClusterTopology)
+                              else (1, "?", "local"))
+    where = f"{nodes}x{procs}" if nodes != 1 else f"{procs}"
+    return f"train-to-step-{p.get('until_step')}-on-{where}-ranks" + (f"-{launcher}" if launcher != "local" else "")
+
+
+@task(name="train-segment", cache_policy=NO_CACHE, task_run_name=_train_task_name)
 def train_segment(spec: RunSpec, run_dir: str, topology: ClusterTopology, until_step: int,
-                  timeout_s: float | None = None) -> SegmentResult:
+                  timeout_s: float | None = None, launcher_options: dict | None = None) -> SegmentResult:
     """Launch one segment; every line of the ranks' output goes to this task's log, and its progress to a
     progress artifact and a live table artifact (tasks/live.py), with a checkpoint event per commit.
 
@@ -96,13 +108,16 @@ def train_segment(spec: RunSpec, run_dir: str, topology: ClusterTopology, until_
     live = SegmentWatch(run_dir, spec.name, until_step).start()
     try:
         result = stages.train_segment(spec, run_dir, topology, until_step, timeout_s=timeout_s,
-                                      sink=lambda line: logger.info("%s", line), cancel_check=watch)
+                                      sink=lambda line: logger.info("%s", line), cancel_check=watch,
+                                      launcher_options=launcher_options)
     finally:
         live.stop()
         if watch is not None:
             watch.stop()
+    job = (f" [Slurm job {result.scheduler_job} {result.scheduler_state}"
+           f"{f', requeued {result.requeues}x' if result.requeues else ''}]") if result.scheduler_job else ""
     summary = (f"segment {result.segment} {result.status}: steps {result.start_step} -> {result.end_step} "
-               f"on {topology.world_size} ranks in {result.seconds:.1f} s")
+               f"on {topology.world_size} ranks in {result.seconds:.1f} s{job}")
     if result.status == "failed":
         logger.error("%s; last lines:\n%s", summary, result.failure)
     elif result.status in ("preempted", "cancelled"):

@@ -1,0 +1,420 @@
+"""The Slurm launcher: a segment as a Slurm batch job, one torchrun agent per node joined by c10d rendezvous.
+
+Why ``sbatch`` and not submitit: a segment is a shell command (torchrun on each node, through ``srun``), and
+what makes it survive preemption are Slurm's own switches: ``--requeue`` (a preempted or requeued job runs
+again and its ranks resume from the latest valid checkpoint), ``--signal=TERM@G`` (SIGTERM reaches every
+rank G seconds before the time limit, so the trainer's preemption path commits a checkpoint before the kill)
+and ``--open-mode=append`` (the output of every attempt stays in one file). submitit pickles a Python
+callable, runs it as its own task and installs its own SIGUSR2 handler to checkpoint and requeue: that would
+sit between Slurm's signal and the trainer's, and the ranks would start from submitit's pickle, not from the
+typed seam. The batch script here is generated, readable, kept in ``RUN_DIR/slurm/`` and resubmittable by hand.
+
+The seam is the local launcher's: the ranks read ``SegmentLaunch`` from ``RUN_DIR/.segment-launch.json`` (the
+run directory is on storage every node sees) through ``SHARDKEEPER_LAUNCH`` and rank 0 writes
+``SegmentReport`` back. The launching process waits for the job and returns the same exit codes as the
+local launcher (0 completed / 75 preempted / 130 cancelled / 1 failed), with the job id, its final state and
+how often it was requeued. A stop signal, a cancellation or a timeout sends SIGTERM to the job's steps (the
+ranks commit a checkpoint), then cancels the job. A job that can no longer be placed (nodes drained or down,
+fewer usable nodes in the partition than it asks for) is cancelled and the segment ends 'preempted': the
+next segment resumes on the nodes there are.
+
+Stdlib and schemas only: no torch, no prefect.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from launch.base import LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, Rendezvous, torchrun_argv
+from schemas import ClusterTopology
+from schemas.errors import ConfigError, ShardkeeperError
+from schemas.seam import EXIT_CANCELLED, EXIT_FAILED, EXIT_PREEMPTED, LAUNCH_ENV
+
+POLL_S = 1.0
+KILL_MARGIN_S = 15.0
+RDZV_PORT_BASE = 29400  # + job id % 1000: two jobs sharing a node never share a rendezvous port
+# Job states after which Slurm runs the job no more (a requeued job goes back to PENDING instead).
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+                "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT"}
+LOST_ALLOCATION = {"TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+USABLE_NODE_STATES = ("idle", "mix", "alloc", "comp", "resv", "plnd")
+# How long a pending job may stay unplaceable (fewer usable nodes than it asks for) before it is cancelled and
+# the segment ends 'preempted' (a node coming back from a reboot is worth a short wait).
+UNPLACEABLE_AFTER_S = float(os.environ.get("SHARDKEEPER_SLURM_UNPLACEABLE_S", "60"))
+
+
+class SlurmError(ShardkeeperError):
+    """Slurm could not be reached or refused the job (one line, names the command and the fix)."""
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    job_id: str
+    state: str
+    reason: str
+    exit_code: int
+    exit_signal: int
+    restarts: int
+    num_nodes: int
+    nodelist: str
+
+
+def _run(argv: list[str], what: str, timeout: float = 30.0) -> str:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise SlurmError(f"{argv[0]}: not found on PATH; install the Slurm client commands (sbatch, squeue, scontrol, "
+                         "sinfo) or use --launcher local") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{argv[0]} did not answer in {timeout:g} s while {what}: is slurmctld reachable? "
+                         "(check SLURM_CONF and `scontrol ping`)") from None
+    if proc.returncode != 0:
+        err = " ".join((proc.stderr or proc.stdout).split())[:300] or f"exit code {proc.returncode}"
+        fix = ("; is slurmctld running and SLURM_CONF the cluster's? (`scontrol ping`)"
+               if "Unable to contact" in err or "configuration" in err else "")
+        raise SlurmError(f"{argv[0]} failed while {what}: {err}{fix}")
+    return proc.stdout
+
+
+def parse_job(text: str) -> SlurmJob | None:
+    """``scontrol show job -o`` output (key=value pairs on one line) -> SlurmJob."""
+    fields = dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", text))
+    if "JobId" not in fields:
+        return None
+    code, _, sig = fields.get("ExitCode", "0:0").partition(":")
+    return SlurmJob(job_id=fields["JobId"], state=fields.get("JobState", "UNKNOWN"), reason=fields.get("Reason", "None"),
+                    exit_code=int(code or 0), exit_signal=int(sig or 0), restarts=int(fields.get("Restarts", "0") or 0),
+                    num_nodes=int((fields.get("NumNodes", "0") or "0").split("-")[0]),
+                    nodelist=fields.get("NodeList", "(null)"))
+
+
+def job_info(job_id: str) -> SlurmJob | None:
+    """The job as slurmctld sees it now (None once it has aged out of slurmctld's memory)."""
+    try:
+        out = _run(["scontrol", "show", "job", "-o", job_id], f"reading job {job_id}")
+    except SlurmError as e:
+        if "Invalid job id" in str(e):
+            return None
+        raise
+    return parse_job(out)
+
+
+def partition_nodes(partition: str | None) -> tuple[int, int, int]:
+    """(nodes in the partition, nodes usable now (not down/drained/failing), CPUs of its smallest node)."""
+    argv = ["sinfo", "-h", "-N", "-o", "%N %t %c"] + (["-p", partition] if partition else [])
+    out = _run(argv, f"reading partition {partition or '(default)'}")
+    nodes: dict[str, tuple[str, int]] = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 3:
+            nodes[parts[0]] = (parts[1].rstrip("*~#!%$@^-"), int(parts[2]) if parts[2].isdigit() else 0)
+    usable = sum(1 for state, _ in nodes.values() if state.startswith(USABLE_NODE_STATES))
+    return len(nodes), usable, min((c for _, c in nodes.values()), default=0)
+
+
+class SlurmLauncher:
+    """A segment as one ``sbatch`` job of ``topology.nodes`` nodes, one torchrun agent per node."""
+
+    name = "slurm"
+
+    def __init__(self, partition: str | None = None, time_min: int | None = None, grace_s: float = 60.0,
+                 python: str | None = None, extra_args: tuple[str, ...] = (), poll_s: float = POLL_S,
+                 cancel_settle_s: float = 3.0, unplaceable_after_s: float = UNPLACEABLE_AFTER_S):
+        if time_min is not None and time_min < 1:
+            raise ConfigError(f"--slurm-time {time_min}: must be a positive number of minutes")
+        self.partition = partition
+        self.time_min = time_min
+        self.grace_s = grace_s
+        self.python = python or sys.executable
+        self.extra_args = tuple(extra_args)
+        self.poll_s = poll_s
+        self.cancel_settle_s = cancel_settle_s
+        self.unplaceable_after_s = unplaceable_after_s
+
+    def max_world_size(self) -> int | None:
+        return None  # the partition decides; preflight() checks nodes and CPUs
+
+    def usable_nodes(self) -> int:
+        """Nodes of the partition that are up now (not down, drained or failing)."""
+        return partition_nodes(self.partition)[1]
+
+    def has_gpus(self) -> bool:
+        """Whether the partition's nodes offer GPUs (GRES gpu): what --device auto means for a Slurm segment."""
+        argv = ["sinfo", "-h", "-o", "%G"] + (["-p", self.partition] if self.partition else [])
+        try:
+            return "gpu" in _run(argv, "reading the partition's GRES")
+        except SlurmError:
+            return False
+
+    def preflight(self, topology: ClusterTopology) -> None:
+        """Refuse, before anything is written, a job the partition can never place."""
+        where = f"partition {self.partition}" if self.partition else "the default partition"
+        try:
+            total, usable, cpus = partition_nodes(self.partition)
+        except SlurmError as e:
+            raise SlurmError(f"--launcher slurm: {e}") from None
+        if total == 0:
+            raise ConfigError(f"--slurm-partition {self.partition}: no such partition (or it has no nodes); "
+                              "see `sinfo -s` for the partitions there are")
+        if topology.nodes > total:
+            raise ConfigError(f"--nodes {topology.nodes}: {where} has {total} node(s); use --nodes <= {total}")
+        if topology.nodes > usable:
+            raise ConfigError(f"--nodes {topology.nodes}: only {usable} of the {total} node(s) of {where} are up "
+                              f"(the others are down or drained); use --nodes <= {usable} to start now")
+        if topology.device_type == "cpu" and cpus and topology.procs_per_node > cpus:
+            raise ConfigError(f"--nproc {topology.procs_per_node}: the nodes of {where} have {cpus} CPU(s); "
+                              f"use --nproc <= {cpus}")
+
+    # -- the job --------------------------------------------------------------------------------------
+    def job_name(self, req: LaunchRequest) -> str:
+        return f"shardkeeper-{Path(req.run_dir).name}-s{req.segment}"
+
+    def batch_script(self, req: LaunchRequest, launch_file: Path, output: Path) -> str:
+        topo = req.topology
+        q = shlex.quote
+        root = str(Path(__file__).resolve().parent.parent)
+        sb = [f"--job-name={self.job_name(req)}", f"--nodes={topo.nodes}", "--ntasks-per-node=1",
+              "--requeue", f"--signal=TERM@{max(1, int(self.grace_s))}", "--open-mode=append",
+              f"--output={output}", "--kill-on-invalid-dep=yes"]
+        if topo.device_type == "cuda":
+            sb.append(f"--gpus-per-node={topo.procs_per_node}")
+        else:
+            sb.append(f"--cpus-per-task={topo.procs_per_node}")
+        if self.partition:
+            sb.append(f"--partition={self.partition}")
+        if self.time_min:
+            sb.append(f"--time={self.time_min}")
+        sb += list(self.extra_args)
+        # The shell expressions are evaluated on each node by the srun task (single-quoted below).
+        rdzv = Rendezvous(endpoint='"$SK_RDZV_ADDR:$SK_RDZV_PORT"', run_id='"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"',
+                          node_rank='"$SLURM_NODEID"', is_host='"$([ "$SLURM_NODEID" = 0 ] && echo 1 || echo 0)"')
+        # --nnodes is the allocation's node count: a job Slurm gives fewer nodes (--nodes=MIN-MAX in --slurm-arg)
+        # trains at that world size; the ranks record what they ran on.
+        argv = torchrun_argv(q(self.python), topo, self.grace_s, q(str(Path(req.run_dir).resolve())), req.until_step,
+                             req.segment, rdzv, nnodes='"$SLURM_JOB_NUM_NODES"')
+        node_cmd = "exec " + " ".join(argv)
+        lines = ["#!/bin/bash", f"# shardkeeper segment {req.segment} of {req.run_dir}: train until step {req.until_step}",
+                 "# generated by launch/slurm.py; resubmit by hand with: sbatch THIS_FILE"]
+        lines += [f"#SBATCH {a}" for a in sb]
+        lines += [
+            "set -u",
+            f"export {LAUNCH_ENV}={q(str(launch_file))}",
+            f"export PYTHONPATH={q(root)}${{PYTHONPATH:+:$PYTHONPATH}}",
+            "export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
+            "# node 0 hosts the c10d rendezvous store, at the address Slurm knows it by",
+            'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            'export SK_RDZV_ADDR=$(scontrol show node -o "$head" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")',
+            f"export SK_RDZV_PORT=$(( {RDZV_PORT_BASE} + SLURM_JOB_ID % 1000 ))",
+            'echo "shardkeeper: job $SLURM_JOB_ID attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 )) on $SLURM_JOB_NODELIST'
+            ' ($SLURM_JOB_NUM_NODES nodes), rendezvous $SK_RDZV_ADDR:$SK_RDZV_PORT"',
+            "# Slurm signals the steps itself (requeue, preemption, --signal); the batch shell only waits for them,",
+            "# so torchrun gets exactly one SIGTERM (a second one would cut the ranks' checkpoint short).",
+            "trap : TERM INT USR1",
+            f"srun --kill-on-bad-exit=0 --ntasks-per-node=1 --nodes=\"$SLURM_JOB_NUM_NODES\" bash -c {q(node_cmd)} &",
+            "step=$!",
+            'wait "$step"; rc=$?',
+            'while kill -0 "$step" 2>/dev/null; do wait "$step"; rc=$?; done',
+            'exit "$rc"',
+        ]
+        return "\n".join(lines) + "\n"
+
+    def submit(self, script: Path) -> str:
+        out = _run(["sbatch", "--parsable", str(script)], f"submitting {script}")
+        job_id = out.strip().split(";")[0]
+        if not job_id.isdigit():
+            raise SlurmError(f"sbatch answered {out.strip()!r} for {script}, not a job id")
+        return job_id
+
+    def launch(self, req: LaunchRequest, sink: LogSink) -> LaunchOutcome:
+        from launch.local import _pending_stop
+
+        t0 = time.monotonic()
+        if req.cancel_check is not None and req.cancel_check():
+            return LaunchOutcome(exit_code=EXIT_CANCELLED, timed_out=False, tail=["cancelled before the job was submitted"],
+                                 seconds=0.0, cancelled=True)
+        if _pending_stop:
+            return LaunchOutcome(exit_code=128 + _pending_stop[0], timed_out=False,
+                                 tail=["stopped before the job was submitted"], seconds=0.0, stop_signal=_pending_stop[0])
+        run_dir = Path(req.run_dir).resolve()
+        jobs_dir = run_dir / "slurm"
+        jobs_dir.mkdir(exist_ok=True)
+        # The ranks may run on other machines: no watchdog on this process's pid there.
+        launch_file = req.seam(launcher_pid=None).write(run_dir)
+        output = jobs_dir / f"segment-{req.segment}.out"
+        script = jobs_dir / f"segment-{req.segment}.sbatch"
+        script.write_text(self.batch_script(req, launch_file, output))
+        job_id = self.submit(script)
+        sink(f"shardkeeper: submitted Slurm job {job_id} ({req.topology.nodes} node(s) x {req.topology.procs_per_node} "
+             f"rank(s)); output in {output}")
+        return _JobWatch(self, req, job_id, output, sink, t0).run()
+
+
+class _JobWatch:
+    """Waits for one job: follows its output file, reports state changes and requeues, stops it on request."""
+
+    def __init__(self, launcher: SlurmLauncher, req: LaunchRequest, job_id: str, output: Path, sink: LogSink, t0: float):
+        self.l, self.req, self.job_id, self.output, self.sink, self.t0 = launcher, req, job_id, output, sink, t0
+        self.out = OutputSplitter(sink)
+        self.offset = output.stat().st_size if output.exists() else 0
+        self.stop_reason: str | None = None
+        self.stop_at: float | None = None
+        self.signal: int | None = None
+        self.cancelled = False
+        self.note: str | None = None
+        self.lost = False
+        self.unplaceable_since: float | None = None
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        if self.signal is None:
+            self.signal = signum
+        self.request_stop(f"signal {signal.Signals(signum).name}")
+
+    def request_stop(self, reason: str) -> None:
+        """SIGTERM to the job's steps (the ranks commit a checkpoint); the job itself is cancelled after the
+        grace period. A pending job is cancelled at once. Runs in a signal handler too: no locks, no waiting."""
+        if self.stop_reason is not None:
+            return
+        self.stop_reason = reason
+        self.stop_at = time.monotonic()
+        threading.Thread(target=self._stop_job, name="slurm-stop", daemon=True).start()
+
+    def _stop_job(self) -> None:
+        try:
+            subprocess.run(["scancel", "--signal=TERM", self.job_id], capture_output=True, timeout=30)
+            subprocess.run(["scancel", "--state=PENDING", self.job_id], capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+    def follow(self) -> None:
+        try:
+            with open(self.output, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        cut = data.rfind(b"\n") + 1
+        if cut:
+            self.offset += cut
+            for line in data[:cut].decode("utf-8", "replace").splitlines():
+                self.out.feed(line)
+
+    def run(self) -> LaunchOutcome:
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+        last: SlurmJob | None = None
+        seen_state = ""
+        try:
+            while True:
+                job = job_info(self.job_id)
+                self.follow()
+                if job is None:  # aged out of slurmctld: the last state seen is what it ended as
+                    break
+                last = job
+                label = f"{job.state}{'' if job.reason in ('None', '') else f' ({job.reason})'}"
+                if label != seen_state:
+                    attempt = f", attempt {job.restarts + 1}" if job.restarts else ""
+                    self.sink(f"shardkeeper: Slurm job {self.job_id}: {label}{attempt}"
+                              f"{'' if job.nodelist in ('(null)', '') else f' on {job.nodelist}'}")
+                    seen_state = label
+                if job.state in FINAL_STATES:
+                    break
+                self._poll_stop(job)
+                time.sleep(self.l.poll_s)
+            if self.signal is not None and not self.cancelled:
+                self.cancelled = self._settle_cancel()
+        finally:
+            for sig, prev in previous.items():
+                signal.signal(sig, prev)  # type: ignore[arg-type]
+        time.sleep(0.2)
+        self.follow()
+        return self._outcome(last)
+
+    def _poll_stop(self, job: SlurmJob) -> None:
+        req = self.req
+        if not self.cancelled and req.cancel_check is not None and req.cancel_check():
+            self.cancelled = True
+            self.sink("shardkeeper: cancellation requested: stopping the job (its ranks commit a checkpoint first)")
+            self.request_stop("cancelled")
+        if req.timeout_s and time.monotonic() - self.t0 > req.timeout_s:
+            self.request_stop("timeout")
+        if self.stop_at is not None and time.monotonic() - self.stop_at > self.l.grace_s + KILL_MARGIN_S:
+            subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
+            self.stop_at = None
+        if job.state != "PENDING" or self.stop_reason is not None:
+            self.unplaceable_since = None
+            return
+        total, usable, _ = partition_nodes(self.l.partition)
+        want = job.num_nodes or req.topology.nodes
+        if usable >= want:
+            self.unplaceable_since = None
+            return
+        now = time.monotonic()
+        if self.unplaceable_since is None:
+            self.unplaceable_since = now
+            self.sink(f"shardkeeper: Slurm job {self.job_id} waits for {want} node(s); {usable} of {total} usable now "
+                      f"(cancelled after {self.l.unplaceable_after_s:g} s)")
+        if now - self.unplaceable_since >= self.l.unplaceable_after_s:
+            self.note = (f"Slurm job {self.job_id} could not be placed: {usable} of {total} node(s) usable, it asks "
+                         f"for {want}; cancelled it: resume with --nodes {max(1, usable)}")
+            self.sink(f"shardkeeper: {self.note}")
+            self.lost = True
+            self.stop_reason = "allocation lost"
+            subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
+
+    def _settle_cancel(self) -> bool:
+        if self.req.cancel_check is None:
+            return False
+        deadline = time.monotonic() + self.l.cancel_settle_s
+        while time.monotonic() < deadline:
+            if self.req.cancel_check():
+                return True
+            time.sleep(0.25)
+        return False
+
+    def _outcome(self, job: SlurmJob | None) -> LaunchOutcome:
+        state = job.state if job else "UNKNOWN"
+        requeues = job.restarts if job else 0
+        code, preempted, note = EXIT_FAILED, False, self.note
+        if state == "COMPLETED":
+            code = 0
+        elif self.cancelled:
+            code = EXIT_CANCELLED
+        elif self.signal is not None:
+            code = 128 + self.signal
+        elif self.lost or state in LOST_ALLOCATION:
+            code, preempted = EXIT_PREEMPTED, True
+            note = note or f"Slurm ended job {self.job_id} as {state}; the next segment resumes from the latest valid checkpoint"
+        elif state == "CANCELLED":
+            if self.stop_reason == "timeout":
+                code = EXIT_PREEMPTED
+            else:
+                code, self.cancelled = EXIT_CANCELLED, True
+                note = note or f"Slurm job {self.job_id} was cancelled outside shardkeeper (scancel)"
+        elif job is not None and job.exit_code:
+            code = job.exit_code
+        elif job is not None and job.exit_signal:
+            code = 128 + job.exit_signal
+        tail = list(self.out.tail)
+        if state == "OUT_OF_MEMORY":
+            tail.append(f"Slurm killed job {self.job_id} for exceeding its memory: ask for more memory per node "
+                        "(--set or the partition's defaults) or use more nodes")
+        return LaunchOutcome(exit_code=code, timed_out=self.stop_reason == "timeout", tail=tail,
+                             seconds=time.monotonic() - self.t0, cancelled=self.cancelled, stop_signal=self.signal,
+                             held_back=list(self.out.held), scheduler_job=self.job_id, scheduler_state=state,
+                             requeues=requeues, note=note, scheduler_preempted=preempted)
+
+
+def environment_ok() -> bool:
+    """Slurm's client commands are on PATH (whether slurmctld answers is preflight's question)."""
+    return all(any(os.access(os.path.join(d, c), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
+               for c in ("sbatch", "scontrol", "sinfo", "scancel"))
