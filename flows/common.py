@@ -84,10 +84,20 @@ def check_train_request(request: TrainExportRequest) -> RunSpec:
             topologies.setdefault(key, plan(spec, seg.nproc, nodes=seg.nodes, launcher=seg.launcher,
                                             launcher_options=seg.launcher_options()))
         except ShardkeeperError as e:
-            raise ConfigError(f"segments[{i}]: {e}") from None
+            raise ConfigError(f"segments[{i}]{_field_of(str(e))}: {e}") from None
     for topo in topologies.values():
         preflight(spec, topo, request.run_dir)
     return spec
+
+
+_FLAG_FIELDS = {"--nproc": "nproc", "--nodes": "nodes", "--slurm-partition": "slurm_partition",
+                "--slurm-time": "slurm_time_min", "--launcher": "launcher"}
+
+
+def _field_of(message: str) -> str:
+    """``.nproc`` for a CLI-worded error about --nproc: the request's field that holds the value."""
+    flag = message.split(" ", 1)[0].rstrip(":")
+    return f".{_FLAG_FIELDS[flag]}" if flag in _FLAG_FIELDS else ""
 
 
 def check_resume_request(request: ResumeRequest) -> None:

@@ -40,6 +40,7 @@ from schemas.errors import ConfigError, ShardkeeperError
 from schemas.seam import EXIT_CANCELLED, EXIT_FAILED, EXIT_PREEMPTED, LAUNCH_ENV
 
 POLL_S = 1.0
+CTLD_PATIENCE_S = 120.0  # how long slurmctld may not answer while a job is watched
 KILL_MARGIN_S = 15.0
 RDZV_PORT_BASE = 29400  # + job id % 1000: two jobs sharing a node never share a rendezvous port
 # Job states after which Slurm runs the job no more (a requeued job goes back to PENDING instead).
@@ -313,9 +314,22 @@ class _JobWatch:
             previous = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
         last: SlurmJob | None = None
         seen_state = ""
+        unreachable_since: float | None = None
         try:
             while True:
-                job = job_info(self.job_id)
+                try:
+                    job = job_info(self.job_id)
+                    unreachable_since = None
+                except SlurmError as e:  # slurmctld restarting, a network blip: keep waiting a while
+                    now = time.monotonic()
+                    unreachable_since = unreachable_since or now
+                    if now - unreachable_since > CTLD_PATIENCE_S:
+                        subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
+                        raise SlurmError(f"lost contact with slurmctld for {CTLD_PATIENCE_S:g} s while waiting for job "
+                                         f"{self.job_id} ({e}); asked Slurm to cancel it: resume with the same command "
+                                         "once `scontrol ping` answers") from None
+                    time.sleep(self.l.poll_s)
+                    continue
                 self.follow()
                 if job is None:  # aged out of slurmctld: the last state seen is what it ended as
                     break

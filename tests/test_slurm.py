@@ -178,6 +178,23 @@ def test_drained_node_preempts_the_segment_and_the_resume_flow_resumes_on_one_no
     assert max_rel(reference, got, range(stopped + 1, STEPS + 1)) <= 1e-6
 
 
+def test_sigterm_to_the_launching_cli_stops_the_job_with_a_checkpoint(slurm: dict[str, str], tmp_path: Path,
+                                                                      reference: dict[int, dict]) -> None:
+    """The process that submitted the job is preempted (or Ctrl-C'd): the ranks commit, no job stays behind."""
+    run, log = tmp_path / "term", tmp_path / "term.log"
+    proc = _start_train(slurm, run, log, "--nodes", "2", "--nproc", "1", "--until-step", str(STEPS))
+    job = _wait_for(log, r"submitted Slurm job (\d+)", proc).group(1)
+    _wait_for(log, r"committed step-00000020 \(interval", proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75, log.read_text()[-3000:]
+    text = log.read_text()
+    stopped = int(re.search(r"committed step-(\d+) \(preempted", text).group(1))
+    assert f"segment 0 preempted: steps 0 -> {stopped}" in text, text[-800:]
+    queue = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=slurm, capture_output=True, text=True).stdout
+    assert queue.strip() in ("", "COMPLETED", "FAILED", "CANCELLED"), queue
+    assert_bitwise(reference, metrics(run), range(1, stopped + 1))
+
+
 @pytest.mark.parametrize("args, expect", [
     (["--nodes", "3", "--nproc", "1"], "--nodes 3: the default partition has 2 node(s); use --nodes <= 2"),
     (["--nodes", "1", "--nproc", "3"], "--nproc 3: the nodes of the default partition have 2 CPU(s)"),
