@@ -103,10 +103,10 @@ def _field_of(message: str) -> str:
 def check_resume_request(request: ResumeRequest) -> None:
     """The resume flow's folders exist (relative paths were resolved against base_dir)."""
     for i, d in enumerate(request.roots):
-        if not Path(d).is_dir():
+        if "://" not in d and not Path(d).is_dir():  # a store is checked when it is scanned
             _missing(f"roots[{i}]", d, "the folder that holds the run directories", "/data/runs")
     for i, d in enumerate(request.run_dirs):
-        if not Path(d).is_dir():
+        if "://" not in d and not Path(d).is_dir():
             _missing(f"run_dirs[{i}]", d, "a run directory", "/data/runs/demo")
 
 

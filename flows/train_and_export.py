@@ -127,7 +127,7 @@ def _train_and_export(request: TrainExportRequest) -> TrainExportSummary:
         raise
     artifacts = mirror_lineage(request.run_dir, spec.name)
     summary = TrainExportSummary(
-        run_dir=str(Path(request.run_dir).resolve()), run_name=spec.name, status="completed", final_checkpoint=ckpt,
+        run_dir=request.run_dir if "://" in request.run_dir else str(Path(request.run_dir).resolve()), run_name=spec.name, status="completed", final_checkpoint=ckpt,
         final_step=step, segments=outcomes, export=exported, publish=published,
         artifacts=artifacts,
     )

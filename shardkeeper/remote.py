@@ -112,8 +112,11 @@ class Mirror:
                     continue
                 try:
                     self.remote.push_checkpoint(path)
-                except FileNotFoundError:  # removed by the local retention while it was uploading
-                    log.info("%s vanished from the cache during its upload; skipped", path.name)
+                except Exception:  # noqa: BLE001
+                    if path.exists() or (path.parent / f"{path.name}.partial").exists():
+                        raise
+                    # removed by the local retention while it was uploading (a newer one follows): not an error
+                    log.info("%s left the cache during its upload (retention); skipped", path.name)
                     continue
                 self.remote_newest = step
                 pushed.append(step)

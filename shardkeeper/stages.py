@@ -324,6 +324,12 @@ def validate_checkpoint(ckpt_dir: str | Path, *, deep: bool = False) -> Validati
 def reshard(ckpt_dir: str | Path, world_size: int) -> ReshardResult:
     """Make a checkpoint loadable at ``world_size``. DCP reshards at load time: a recorded no-op.
     DeepSpeed: converted once to ``<ckpt>/universal/`` (cached, recorded in lineage)."""
+    if _is_remote(ckpt_dir):  # s3://: resharded in the run's local cache, where the next segment's ranks load it
+        from shardkeeper.remote import materialize_checkpoint
+
+        _, local = materialize_checkpoint(str(ckpt_dir))
+        res = reshard(local, world_size)
+        return res.model_copy(update={"source": str(ckpt_dir)})
     ckpt_dir = Path(ckpt_dir)
     manifest = read_manifest(ckpt_dir)
     try:  # the next segment must be able to split the global batch, whatever the format
@@ -460,8 +466,15 @@ def run_dirs_under(root: Path) -> list[Path]:
 def scan_runs(roots: str | list[str] | None, run_dirs: list[str]) -> list[RunState]:
     """The state of every run directory under ``roots`` (one folder or several) and in ``run_dirs`` (each once)."""
     roots = [roots] if isinstance(roots, str) else list(roots or [])
-    found = [d for root in roots for d in run_dirs_under(Path(root))]
-    seen: dict[Path, None] = {}
-    for p in [*found, *(Path(d) for d in run_dirs)]:
-        seen.setdefault(p.resolve(), None)
+    found: list[str | Path] = []
+    for root in roots:
+        if _is_remote(root):  # s3://bucket/prefix: the runs on the store (manifest-committed checkpoints only)
+            from shardkeeper.remote import remote_run_urls
+
+            found += remote_run_urls(root)
+        else:
+            found += run_dirs_under(Path(root))
+    seen: dict[str | Path, None] = {}
+    for p in [*found, *run_dirs]:
+        seen.setdefault(str(p).rstrip("/") if _is_remote(p) else Path(p).resolve(), None)
     return [run_state(p) for p in seen]

@@ -38,10 +38,25 @@ GRAPH_PNG = "lineage.png"
 CHECKPOINT_COLUMNS = ["step", "world_size", "backend", "reason", "size", "validity", "exported", "published"]
 
 
+def _name(run_dir: str | Path) -> str:
+    """The last part of a run directory's path or URL."""
+    return str(run_dir).rstrip("/").rpartition("/")[2] if "://" in str(run_dir) else Path(run_dir).resolve().name
+
+
+def _local_root(run_dir: str | Path) -> Path:
+    """Where a run's lineage is read from: the folder itself, or for s3://... its cache with the store's
+    metadata pulled (lineage.jsonl, segments.jsonl, metrics.jsonl)."""
+    if "://" in str(run_dir):
+        from shardkeeper.remote import lineage_source
+
+        return lineage_source(str(run_dir))[0].root
+    return Path(run_dir).resolve()
+
+
 def artifact_prefix(run_dir: str | Path, run_name: str | None = None) -> str:
     """``<run name>-<run dir name>`` as lowercase letters, digits and dashes (the dir name alone if it
     already carries the run name)."""
-    dir_slug = slug(Path(run_dir).resolve().name)
+    dir_slug = slug(_name(run_dir))
     if not run_name:
         return dir_slug
     name_slug = slug(run_name)
@@ -82,12 +97,12 @@ def has_lineage(run_dir: str) -> bool:
 @task(name="mirror-lineage", cache_policy=NO_CACHE)
 def mirror_lineage(run_dir: str, run_name: str | None = None) -> LineageArtifacts:
     """Create (a new version of) the graph, checkpoints-now, loss-curve and event-table artifacts of a run."""
-    root = Path(run_dir).resolve()
+    root = _local_root(run_dir)
     events = read_events(root)
-    prefix = artifact_prefix(root, run_name)
+    prefix = artifact_prefix(run_dir, run_name)
     table_key, graph_key, loss_key = artifact_keys(prefix)
     checkpoints_key = f"{prefix}-checkpoints"
-    title = f"{run_name} ({root.name})" if run_name else root.name
+    title = f"{run_name} ({_name(run_dir)})" if run_name else _name(run_dir)
     now = checkpoints_now(root, events)
     model = lineage_graph(events, existing={f"checkpoint:{Path(r['path']).name}" for r in now})
     graph_png = draw_lineage_graph(model, root / GRAPH_PNG, title=title)
@@ -120,7 +135,7 @@ def mirror_runs_overview(roots: list[str], run_dirs: list[str] | None = None) ->
 
     states = scan_runs(roots, run_dirs or [])
     rows = runs_overview([s for s in states if s.exists])
-    key = f"runs-overview-{slug('-'.join(Path(r).resolve().name for r in roots) or 'runs')}"
+    key = f"runs-overview-{slug('-'.join(_name(r) for r in roots) or 'runs')}"
     create_table_artifact(rows, key=key, description=f"Runs under {', '.join(roots) or ', '.join(run_dirs or [])}: "
                           "status (running / preempted / failed / completed / cancelled), step, last checkpoint")
     get_run_logger().info("runs overview: %d runs -> artifact %s", len(rows), key)

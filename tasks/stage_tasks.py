@@ -45,7 +45,11 @@ def load_spec(config: str | None = None, spec: RunSpec | None = None, overrides:
 
     if spec is not None:
         return spec
-    if run_dir is not None:
+    if run_dir is not None and "://" in run_dir:  # a run on the store: its run.yaml, pulled into the cache
+        from shardkeeper.remote import lineage_source
+
+        config = str(lineage_source(run_dir)[0].spec_path)
+    elif run_dir is not None:
         config = str(RunDir.at(run_dir).spec_path)
     if config is None:
         raise ShardkeeperError("load-run-spec: give a config path, a run directory or an inline spec")
@@ -259,12 +263,18 @@ def publish(export_dir: str, target: str, revision: str | None = None, run_dir: 
 
 # ----------------------------------------------------------------------------- assets
 def default_export_dir(ckpt_dir: str) -> str:
-    """Where a checkpoint's export goes unless asked otherwise: RUN_DIR/exports/step-XXXXXXXX."""
+    """Where a checkpoint's export goes unless asked otherwise: RUN_DIR/exports/step-XXXXXXXX (on the store
+    too, for a checkpoint at s3://.../checkpoints/step-XXXXXXXX)."""
+    if "://" in str(ckpt_dir):
+        run_url, _, name = str(ckpt_dir).rstrip("/").rpartition("/checkpoints/")
+        return f"{run_url}/exports/{name}"
     return str(RunDir.containing(ckpt_dir).exports / Path(ckpt_dir).name)
 
 
 def path_asset(path: str | Path) -> str | None:
-    """Asset key (file:// URI) of a local checkpoint or export folder."""
+    """Asset key of a checkpoint or export folder: its file:// URI, or its s3:// URL."""
+    if "://" in str(path):
+        return _valid_key(str(path).rstrip("/"))
     return _valid_key(Path(path).resolve().as_uri())
 
 

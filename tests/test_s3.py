@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import free_port, max_rel, metrics, tiny_spec
+from tests.harness import free_port, mark_preempted, max_rel, metrics, tiny_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -427,3 +427,33 @@ def test_bucket_without_write_permission_is_a_one_line_error_and_nothing_is_writ
         assert not list(cache.rglob("run.yaml"))
     finally:
         _stop(proc)
+
+
+# ------------------------------------------------------------------------------------------ the flows on s3
+def test_flows_train_export_and_resume_runs_on_s3(s3_endpoint: str, prefect_server: object, cache: Path) -> None:
+    """train-and-export with run_dir=s3://... (two world sizes, export beside the run on the store, lineage
+    artifacts from the store's metadata), then the resume flow scanning an s3:// root resumes the one preempted
+    run there and leaves the completed one alone."""
+    from ckpt.objstore import RemoteRun
+    from flows.resume import resume
+    from flows.train_and_export import train_and_export
+    from shardkeeper.stages import run_state
+
+    bucket = _new_bucket()
+    done, cut = f"s3://{bucket}/runs/done", f"s3://{bucket}/runs/cut"
+    summary = train_and_export(config=str(TINY), run_dir=done, backoff_s=0,
+                               segments=[{"nproc": 2, "until_step": 3}, {"nproc": 1, "until_step": 5}])
+    assert summary.run_dir == done and summary.final_checkpoint == f"{done}/checkpoints/step-00000005"
+    assert summary.segments[1].reshard is not None and summary.segments[1].reshard.to_world_size == 1
+    assert summary.export.out_dir == f"{done}/exports/step-00000005"
+    assert "runs/done/exports/step-00000005/model.safetensors" in "".join(_keys(bucket, "runs/done/exports/"))
+    assert summary.artifacts.events > 0 and not (ROOT / "s3:").exists()
+    # A run on the store whose last segment was preempted (its metadata says so; its checkpoint is whole).
+    proc = _cli("train", "--config", str(TINY), "--run-dir", cut, "--nproc", "2", "--until-step", "2", cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    mark_preempted(cache / "s3" / bucket / "runs" / "cut", until_step=4)  # appended: the merge keeps it
+    RemoteRun(cut).push_meta()
+    items = {i.run_dir: i for i in resume(roots=[f"s3://{bucket}/runs"], nproc=1, backoff_s=0).items}
+    assert items[done].action == "skipped-done", items[done]
+    assert items[cut].action == "resumed" and "step 2 -> 4 on 1 ranks" in items[cut].reason, items[cut]
+    assert run_state(cut).step == 4
