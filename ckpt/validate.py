@@ -360,8 +360,23 @@ def check_staged(partial: Path, manifest: CheckpointManifest) -> list[str]:
     listed file present, regular, of its hashed size; nothing unlisted; the layout the format references."""
     errors, _ = _check_files(partial, manifest, deep=False)
     errors += _unlisted(partial, manifest)
-    if not errors:
-        errors += get_format(manifest.format).check_layout(partial, manifest)
+    if errors:
+        return errors
+    fmt = get_format(manifest.format)
+    names: tuple[str, ...] | None = getattr(fmt, "layout_inputs", None)
+    if names is None:
+        return fmt.check_layout(partial, manifest)
+    inputs = {n: _sha256(partial / n) for n in names}
+    errors = fmt.check_layout(partial, manifest,  # type: ignore[call-arg]
+                              inputs={n: v[0] for n, v in inputs.items() if v is not None})
+    if not errors and all(v is not None for v in inputs.values()):
+        # The commit writes exactly these bytes (ckpt.manifest.write_manifest); when they parse back to this
+        # manifest, the checks just run are those validate would run on them: remember the pass, so that the
+        # retention right after the commit does not parse this checkpoint again. (A change of the manifest's
+        # formatting only makes the key miss.)
+        raw = (manifest.model_dump_json(indent=2) + "\n").encode("utf-8")
+        if _manifest_from(partial, raw) == manifest:
+            _remember(hashlib.sha256(raw).digest(), manifest, tuple((n, v[1]) for n, v in inputs.items()))  # type: ignore[index]
     return errors
 
 

@@ -171,6 +171,31 @@ def test_manifest_that_lies_about_sizes_is_not_remembered(run: RunDir, parses: l
     assert V.validate(ckpt).valid
 
 
+def test_the_commits_check_is_remembered_for_the_manifest_it_writes(tmp_path: Path, parses: list[Path]) -> None:
+    """check_staged (rank 0, before the rename) parses .metadata once; the validation right after the commit
+    (retention, the post-commit re-read) does not parse it again -- unless a byte changed."""
+    from ckpt.manifest import read_manifest, write_manifest
+
+    V.forget_known()
+    rd = RunDir.at(tmp_path / "run")
+    write_checkpoint(rd.checkpoint(40), ranks=2, step=40)
+    manifest = read_manifest(rd.checkpoint(40))
+    partial = rd.checkpoints / "step-00000040.partial"
+    rd.checkpoint(40).rename(partial)
+    (partial / "manifest.json").unlink()
+    V.forget_known()
+    assert V.check_staged(partial, manifest) == [] and len(parses) == 1
+    write_manifest(partial, manifest)
+    partial.rename(rd.checkpoint(40))
+    assert V.validate(rd.checkpoint(40)).valid and len(parses) == 1
+    (rd.checkpoint(40) / "__1_1.distcp").write_bytes(b"")
+    assert not V.validate(rd.checkpoint(40)).valid
+    (rd.checkpoint(40) / "__1_1.distcp").write_bytes(bytes(4 * CHUNK))
+    raw = (rd.checkpoint(40) / ".metadata").read_bytes()
+    (rd.checkpoint(40) / ".metadata").write_bytes(raw[:-1] + b"\x00")  # same size, other bytes: parsed again
+    assert not V.validate(rd.checkpoint(40)).valid and len(parses) == 2
+
+
 def test_deep_never_uses_a_remembered_pass(run: RunDir) -> None:
     ckpt = run.checkpoint(30)
     assert V.validate(ckpt).valid
