@@ -223,7 +223,7 @@ class _Known:
 
 
 _KNOWN: OrderedDict[bytes, _Known] = OrderedDict()  # SHA-256 of manifest.json -> _Known (least recently used first)
-_KNOWN_MAX_FILES = 2_000_000  # ~200 MB of (path, size) pairs at most: ~20 checkpoints of 4,096 ranks x 24 files
+_KNOWN_MAX_FILES = 1_000_000  # distinct (path, size) lists, ~100 MB at most: ten different 4,096-rank x 24-file lists
 _KNOWN_LOCK = threading.Lock()
 
 
@@ -267,12 +267,13 @@ def _known(ckpt_dir: Path) -> _Known | None:
 
 
 def _remember(manifest_digest: bytes, manifest: CheckpointManifest, inputs: tuple[tuple[str, bytes], ...]) -> None:
-    known = _Known(manifest.step, manifest.format, tuple((sys.intern(e.path), e.size) for e in manifest.files), inputs)
+    files = tuple((sys.intern(e.path), e.size) for e in manifest.files)
     with _KNOWN_LOCK:
-        _KNOWN[manifest_digest] = known
-        total = sum(len(k.files) for k in _KNOWN.values())
-        while len(_KNOWN) > 1 and total > _KNOWN_MAX_FILES:
-            total -= len(_KNOWN.popitem(last=False)[1].files)
+        # the checkpoints of one run usually list the same files at the same sizes: one tuple for all of them
+        files = next((k.files for k in _KNOWN.values() if len(k.files) == len(files) and k.files == files), files)
+        _KNOWN[manifest_digest] = _Known(manifest.step, manifest.format, files, inputs)
+        while len(_KNOWN) > 1 and sum({id(k.files): len(k.files) for k in _KNOWN.values()}.values()) > _KNOWN_MAX_FILES:
+            _KNOWN.popitem(last=False)
 
 
 def forget_known() -> None:

@@ -206,11 +206,15 @@ def test_deep_never_uses_a_remembered_pass(run: RunDir) -> None:
     assert not report.valid and "checksum" in report.errors[0]
 
 
-def test_remembered_passes_are_bounded(run: RunDir, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_remembered_passes_are_bounded(run: RunDir, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(V, "_KNOWN_MAX_FILES", 10)  # one checkpoint holds 7 files
-    for step in (10, 20, 30):
+    for step in (10, 20, 30):  # same file names and sizes: one shared list
         assert V.validate(run.checkpoint(step)).valid
-    assert len(V._KNOWN) == 1
+    assert len(V._KNOWN) == 3 and len({id(k.files) for k in V._KNOWN.values()}) == 1
+    rd = RunDir.at(tmp_path / "other")
+    write_checkpoint(rd.checkpoint(40), ranks=2, step=40)  # another list: over the bound, the oldest go
+    assert V.validate(rd.checkpoint(40)).valid
+    assert [k.step for k in V._KNOWN.values()] == [40]
 
 
 def test_fifo_manifest_is_not_read(tmp_path: Path) -> None:
