@@ -1,6 +1,14 @@
 """Retention: keep the newest k valid checkpoints and every n-th, never the newest valid one, and never the
 newest *verified* one (whose every byte was re-read and matched since its commit: a checkpoint whose
-sizes are right can still hold corrupted bytes). Plus the sweep of what crashes and quarantines leave."""
+sizes are right can still hold corrupted bytes). Plus the sweep of what crashes and quarantines leave.
+
+Planning validates lazily (``plan``): a checkpoint is validated only when its validity can change the
+decision, newest first, and at most once per plan -- the newest valid one, the newest verified one that is
+valid, and each one that a rule would keep if it were valid; one that goes whether valid or not (older than the
+newest ``keep_last`` valid ones, not an every-n-th step, not protected) is not read. The result is the
+one ``plan_retention`` gives over every checkpoint's validity (tests/test_units.py checks both agree).
+Quick validation remembers, in this process, the manifest and ``.metadata`` bytes that passed, so a plan
+over checkpoints seen before re-checks only their files (``ckpt.validate``)."""
 
 from __future__ import annotations
 
@@ -8,6 +16,7 @@ import logging
 import re
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt.fsutil import fsync_dir, mkdir_durable, pid_alive
@@ -43,17 +52,58 @@ def _remove(path: Path) -> None:
     log.info("retention: deleted %s in %.2f seconds", path.name, time.perf_counter() - t0)
 
 
+@dataclass
+class RetentionPlan:
+    """What retention deletes among the committed checkpoints, and what it learned deciding it."""
+
+    doomed: set[int]
+    newest_valid: int | None
+    protected: int | None  # the newest verified valid checkpoint (None: nothing verified yet, nothing valid pruned)
+    validity: dict[int, bool] = field(default_factory=dict)  # the checkpoints it had to validate, by step
+
+
+def plan(run_dir: RunDir, *, keep_last: int, keep_every: int | None) -> RetentionPlan:
+    """The retention decision over ``run_dir``'s committed checkpoints, validating only what can change it."""
+    if keep_last < 1:
+        raise ValueError("keep_last must be at least 1: the newest valid checkpoint is the resume point")
+    committed = run_dir.committed()
+    steps = [parse_step(p.name) or 0 for p in committed]
+    validity: dict[int, bool] = {}
+
+    def ok(i: int) -> bool:
+        if i not in validity:
+            validity[i] = validate(committed[i]).valid
+        return validity[i]
+
+    order = sorted(range(len(steps)), key=lambda i: steps[i], reverse=True)  # newest first
+    # the newest verified checkpoint that is valid; none: every valid checkpoint is protected
+    protected = next((steps[i] for i in order if is_verified(run_dir, committed[i]) and ok(i)), None)
+    newest: int | None = None
+    recent = 0  # valid checkpoints kept by keep_last so far
+    doomed: set[int] = set()
+    for i in order:
+        s = steps[i]
+        if newest is None:
+            if ok(i):  # newer invalid ones are kept for inspection
+                newest, recent = s, 1
+            continue
+        could_keep = (recent < keep_last or bool(keep_every and s % keep_every == 0) or s == protected
+                      or protected is None)
+        if not could_keep:
+            doomed.add(s)  # goes whether valid or not: not read
+        elif ok(i):
+            recent += recent < keep_last
+        elif s < newest:
+            doomed.add(s)
+    return RetentionPlan(doomed, newest, protected, {steps[i]: v for i, v in validity.items()})
+
+
 def apply_retention(run_dir: RunDir, *, keep_last: int, keep_every: int | None) -> list[Path]:
     """Delete what the policy drops, keeping the newest verified checkpoint whatever the policy says;
     also stale .partial directories older than the newest valid checkpoint."""
-    committed = run_dir.committed()
-    steps = [parse_step(p.name) or 0 for p in committed]
-    valid = {s for s, p in zip(steps, committed) if validate(p).valid}
-    verified = [s for s, p in zip(steps, committed) if s in valid and is_verified(run_dir, p)]
-    protect = {max(verified)} if verified else set(valid)  # nothing verified yet: prune nothing valid
-    doomed = plan_retention(steps, valid, keep_last=keep_last, keep_every=keep_every, protect=protect)
-    newest = max(valid) if valid else None
-    removed: list[Path] = [path for step, path in zip(steps, committed) if step in doomed]
+    decided = plan(run_dir, keep_last=keep_last, keep_every=keep_every)
+    newest = decided.newest_valid
+    removed: list[Path] = [path for path in run_dir.committed() if (parse_step(path.name) or 0) in decided.doomed]
     for path in run_dir.partials():
         step = parse_step(path.name.removesuffix(".partial"))
         if newest is not None and step is not None and step < newest:
@@ -66,6 +116,14 @@ def apply_retention(run_dir: RunDir, *, keep_last: int, keep_every: int | None) 
     return removed
 
 
+def newest_valid(run_dir: RunDir) -> int | None:
+    """Step of the newest committed checkpoint that passes quick validation (older ones are not read)."""
+    for path in reversed(run_dir.committed()):
+        if validate(path).valid:
+            return parse_step(path.name) or 0
+    return None
+
+
 def sweep_leftovers(run_dir: RunDir, *, keep_invalid: int = KEEP_INVALID) -> list[Path]:
     """At segment start, under the run lock: remove retention's ``.deleting`` directories, ``.partial`` ones
     older than the newest valid checkpoint, quarantined ``.invalid-*`` beyond the newest ``keep_invalid``,
@@ -74,8 +132,7 @@ def sweep_leftovers(run_dir: RunDir, *, keep_invalid: int = KEEP_INVALID) -> lis
     mkdir_durable(run_dir.checkpoints)
     ck = run_dir.checkpoints
     doomed = [p for p in ck.iterdir() if p.name.endswith(DELETING_SUFFIX)]
-    valid = [parse_step(p.name) or 0 for p in run_dir.committed() if validate(p).valid]
-    newest = max(valid) if valid else None
+    newest = newest_valid(run_dir)
     for p in run_dir.partials():
         step = parse_step(p.name.removesuffix(".partial"))
         if newest is not None and step is not None and step < newest:
@@ -98,4 +155,5 @@ def sweep_leftovers(run_dir: RunDir, *, keep_invalid: int = KEEP_INVALID) -> lis
     return doomed
 
 
-__all__ = ["INVALID_RE", "KEEP_INVALID", "apply_retention", "plan_retention", "sweep_leftovers"]
+__all__ = ["INVALID_RE", "KEEP_INVALID", "RetentionPlan", "apply_retention", "newest_valid", "plan", "plan_retention",
+           "sweep_leftovers"]

@@ -38,10 +38,11 @@ from ckpt.formats import safe_pickle
 from ckpt.formats.torchzip import load_bytes
 
 
-def read_metadata(ckpt_dir: str | os.PathLike[str]) -> Metadata:
+def read_metadata(ckpt_dir: str | os.PathLike[str], data: bytes | None = None) -> Metadata:
+    """``ckpt_dir``'s ``.metadata`` through the allow-list (``data``: its bytes, already read by the caller)."""
     path = Path(ckpt_dir) / ".metadata"
     try:
-        data = path.read_bytes()
+        data = path.read_bytes() if data is None else data
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; the DCP checkpoint is incomplete, pick another step") from None
     md = safe_pickle.load(data, safe_pickle.DCP_METADATA, where=str(path))

@@ -8,6 +8,7 @@ DCP reshards at load time: a reshard is a recorded no-op.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 from ckpt import fingerprint as fp, lineage
@@ -22,12 +23,15 @@ from schemas.errors import CheckpointError
 DCP_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
-def check_layout(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
+def check_layout(ckpt_dir: Path, manifest: CheckpointManifest, inputs: Mapping[str, bytes] | None = None) -> list[str]:
+    """The manifest lists exactly what ``.metadata`` references, its tensors are those ``.metadata`` describes,
+    every rank wrote. A pure function of the manifest and the bytes of ``.metadata`` (``inputs``, when the
+    caller read them: ``ckpt.validate`` remembers a pass for exactly those bytes)."""
     listed = {e.path for e in manifest.files}
     if ".metadata" not in listed:
         return [f"{ckpt_dir / MANIFEST_NAME}: does not list .metadata; the DCP checkpoint is incomplete"]
     try:
-        md = read_metadata(ckpt_dir)
+        md = read_metadata(ckpt_dir, (inputs or {}).get(".metadata"))
     except CheckpointError as e:
         return [str(e)]
     referenced = {".metadata"} | {info.relative_path for info in md.storage_data.values()}
@@ -103,14 +107,16 @@ def recompute_fingerprint(ckpt_dir: Path, manifest: CheckpointManifest) -> Finge
 class DCPFormat:
     name = "dcp"
     nested: frozenset[str] = frozenset()
+    layout_inputs: tuple[str, ...] = (".metadata",)  # the only file check_layout reads (see ckpt.validate)
 
     def path_error(self, rel: str) -> str | None:
         if rel == ".metadata" or DCP_FILE_RE.match(rel):
             return None
         return "DCP checkpoints hold only .metadata and __RANK_N.distcp files"
 
-    def check_layout(self, ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
-        return check_layout(ckpt_dir, manifest)
+    def check_layout(self, ckpt_dir: Path, manifest: CheckpointManifest,
+                     inputs: Mapping[str, bytes] | None = None) -> list[str]:
+        return check_layout(ckpt_dir, manifest, inputs)
 
     def recompute_fingerprint(self, ckpt_dir: Path, manifest: CheckpointManifest) -> Fingerprint:
         return recompute_fingerprint(ckpt_dir, manifest)

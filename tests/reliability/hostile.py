@@ -25,6 +25,8 @@ from ckpt.hashing import hash_file
 EXT_CODE = 0xF00D  # registered in copyreg's extension registry by the test that uses EXT opcodes
 EXT_CODE1 = 0xE7  # one-byte code for EXT1
 EXT_CODE4 = 0x7FFFF00D
+EXT_CODE_CACHED = 0x7E57  # only in copyreg's extension *cache* (never registered): both stdlib unpicklers look there first
+_MD = "torch.distributed.checkpoint.metadata"
 
 
 # ------------------------------------------------------------------------------------ opcodes
@@ -223,6 +225,35 @@ CORPUS: list[Hostile] = [
         lambda s, r: P2 + b"\x83" + struct.pack("<H", EXT_CODE) + MARK + bu(cmd(s)) + TUPLE + REDUCE + STOP),
     _h("ext4", "EXT4 through copyreg's extension registry -> subprocess.getoutput")(
         lambda s, r: P2 + b"\x84" + struct.pack("<i", EXT_CODE4) + MARK + bu(cmd(s)) + TUPLE + REDUCE + STOP),
+    _h("ext2-cache-only", "EXT2 of a code found only in copyreg's extension cache (no find_class call) -> os.system")(
+        lambda s, r: P2 + b"\x83" + struct.pack("<H", EXT_CODE_CACHED) + MARK + bu(cmd(s)) + TUPLE + REDUCE + STOP),
+    # What an engine that cannot check opcodes one by one (the C unpickler with only find_class overridden) would let
+    # through; each is refused here, so a change of engine that lets one through fails this corpus.
+    _h("huge-memo-index-long-binput", "LONG_BINPUT 0xFFFFFFFF (the C unpickler zero-fills a 64 GiB memo for it)")(
+        lambda s, r: P2 + NONE + b"r" + struct.pack("<I", 0xFFFFFFFF) + STOP),
+    _h("huge-memo-index-put", "text PUT 4000000000, protocol 0")(lambda s, r: b"N" + b"p4000000000\n" + STOP),
+    _h("build-on-dict", "BUILD on a plain dict")(
+        lambda s, r: P4 + EMPTY_DICT + EMPTY_DICT + sbu("k") + NONE + SETITEM + BUILD + STOP),
+    _h("build-ordereddict-dunder", "BUILD on an OrderedDict setting __class__")(
+        lambda s, r: P4 + sglob("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE + EMPTY_DICT + sbu("__class__")
+        + sglob("torch", "Size") + SETITEM + BUILD + STOP),
+    _h("build-slotstate-class-swap", "Metadata NEWOBJ, BUILD (None, {'__class__': OrderedDict}) (setattr per slot item)")(
+        lambda s, r: P4 + sglob(_MD, "Metadata") + EMPTY_TUPLE + NEWOBJ + NONE + EMPTY_DICT + sbu("__class__")
+        + sglob("collections", "OrderedDict") + SETITEM + TUPLE2 + BUILD + STOP),
+    _h("build-enum-member", "BUILD on a process-wide Enum member (_MEM_FORMAT_ENCODING(0)._value_ = 99)")(
+        lambda s, r: P4 + call(sglob(_MD, "_MEM_FORMAT_ENCODING"), binint(0)) + EMPTY_DICT + sbu("_value_")
+        + binint(99) + SETITEM + BUILD + STOP),
+    _h("newobj-non-admitted-type", "NEWOBJ of torch.Size (admitted as a callable, not as a class)")(
+        lambda s, r: P4 + sglob("torch", "Size") + EMPTY_TUPLE + NEWOBJ + STOP),
+    _h("reduce-admitted-class", "REDUCE of an admitted class: Metadata({...}) runs its __init__")(
+        lambda s, r: P4 + call(sglob(_MD, "Metadata"), EMPTY_DICT) + STOP),
+    _h("reduce-enum-functional-api", "_MEM_FORMAT_ENCODING('Evil', 'A B') builds a new Enum class")(
+        lambda s, r: P4 + call(sglob(_MD, "_MEM_FORMAT_ENCODING"), sbu("Evil"), sbu("A B")) + STOP),
+    _h("reduce-admitted-callable-wrong-types", "torch.Size('abc'), pathlib.PosixPath(b'/')")(
+        lambda s, r: P4 + MARK + call(sglob("torch", "Size"), sbu("abc")) + call(sglob("pathlib", "PosixPath"), binbytes(b"/"))
+        + TUPLE + STOP),
+    _h("deep-dicts", "a 100k-deep chain of dicts, no MARK")(
+        lambda s, r: P4 + EMPTY_DICT + (NONE + EMPTY_DICT) * 100_000 + SETITEM * 100_000 + STOP),
     _h("persid-text", "text PERSID (protocol 0)")(lambda s, r: b"Pstorage\n" + STOP),
     _h("binpersid-string", "BINPERSID with a bare string id")(lambda s, r: P4 + sbu("storage") + BINPERSID + STOP),
     _h("binpersid-path-key", "BINPERSID with a storage key that is a path")(
@@ -269,14 +300,18 @@ _EXTENSIONS = {("os", "system"): EXT_CODE1, ("posix", "system"): EXT_CODE, ("sub
 
 
 def register_extensions() -> Callable[[], None]:
-    """Register os.system in copyreg's extension registry (as an attacker would hope a process has);
-    returns the undo."""
+    """Register os.system in copyreg's extension registry, and put it in the extension cache under a code that
+    is not registered (as an attacker would hope a process has); returns the undo."""
+    import os
+
     for (module, name), code in _EXTENSIONS.items():
         copyreg.add_extension(module, name, code)
+    copyreg._extension_cache[EXT_CODE_CACHED] = os.system  # type: ignore[attr-defined]
 
     def undo() -> None:
         for (module, name), code in _EXTENSIONS.items():
             copyreg.remove_extension(module, name, code)
+        copyreg._extension_cache.pop(EXT_CODE_CACHED, None)  # type: ignore[attr-defined]
     return undo
 
 
@@ -342,6 +377,6 @@ LIVE = frozenset({
     "dotted-serialization-pickle.loads", "global-os.system-proto0", "global-os.system-proto2",
     "stack-global-os.system-proto5", "posix.system", "inst-os.system", "obj-os.system", "builtins.eval",
     "builtins.exec", "builtins.getattr+__import__", "builtins.__import__-proto2", "functools.partial",
-    "pickle.loads", "metadata-build-setstate-os.system", "ext1", "ext2", "ext4", "payload-pop-then-metadata",
+    "pickle.loads", "metadata-build-setstate-os.system", "ext1", "ext2", "ext4", "ext2-cache-only", "payload-pop-then-metadata",
     "payload-in-popped-mark-then-metadata", "payload-tuple-getitem-metadata",
 })

@@ -196,6 +196,31 @@ def test_hostile_deepspeed_model_and_rng_files_are_refused(name: str, victim_fil
     no_sentinel(sentinel)
 
 
+@pytest.mark.parametrize("hostile", CORPUS, ids=IDS)
+def test_hostile_pickle_is_refused_by_every_profile(hostile: Hostile, tmp_path: Path) -> None:
+    """The unpickler itself, under each allow-list, with copyreg's extension registry and cache filled."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    sentinel = tmp_path / "SENTINEL"
+    data = hostile.build(sentinel, pickle.dumps(Metadata(state_dict_metadata={}), protocol=4))
+    for profile in safe_pickle.PROFILES:
+        with pytest.raises(CheckpointError, match="^where: refused to unpickle"):
+            safe_pickle.load(data, profile, where="where",
+                             storage=lambda st, key, numel: safe_pickle.StorageRef(key, st.dtype, numel))
+    no_sentinel(sentinel)
+
+
+def test_engine_checks_every_opcode() -> None:
+    """The engine is the pure-Python unpickler with its opcodes overridden, not the C one (see safe_pickle's
+    docstring: a subclass of the C unpickler cannot bound memo indices, refuse EXT through copyreg's cache or
+    BUILD on a process-wide object)."""
+    assert issubclass(safe_pickle.SafeUnpickler, pickle._Unpickler)  # type: ignore[attr-defined]
+    assert not issubclass(safe_pickle.SafeUnpickler, pickle.Unpickler)
+    d = safe_pickle.SafeUnpickler.dispatch
+    for op in (pickle.LONG_BINPUT, pickle.PUT, pickle.BUILD, pickle.REDUCE, pickle.NEWOBJ, pickle.EXT2):
+        assert d[op[0]] is not pickle._Unpickler.dispatch[op[0]], op  # type: ignore[attr-defined]
+
+
 # ----------------------------------------------------------------------------------------- limits
 def test_oversized_pickle_is_refused_before_parsing(dcp_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ckpt.formats.dcp import read_metadata
