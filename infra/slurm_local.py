@@ -9,7 +9,7 @@ Debian's packages ``slurm-wlm slurmctld slurmd slurm-client munge`` (``make syst
     shardkeeper train --config configs/tiny.yaml --run-dir runs/slurm --launcher slurm --nodes 2 --nproc 1
     python -m infra.slurm_local stop [--dir ...]
 
-Its nodes are ``n1..nN`` (all 127.0.0.1, slurmd ports 17001..), partition ``debug``. A node can be drained
+Its nodes are ``n1..nN`` (all 127.0.0.1, slurmd ports from ``--port`` + 184), partition ``debug``. A node can be drained
 (``scontrol update nodename=n2 state=drain reason=x``) or taken down (``state=down``) like a real one.
 """
 
@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 DEFAULT_DIR = Path(os.environ.get("SHARDKEEPER_SLURM_DIR", "/tmp/shardkeeper-slurm"))
-CTLD_PORT, SLURMD_PORT0 = 16817, 17001
+# slurmctld's port; the nodes' slurmd listen from CTLD_PORT + 184 on (two clusters on one machine need two bases).
+CTLD_PORT = int(os.environ.get("SHARDKEEPER_SLURM_PORT", "16817"))
 PACKAGES = "slurm-wlm slurmctld slurmd slurm-client munge"
 
 
@@ -34,12 +35,12 @@ class SlurmSetupError(RuntimeError):
     pass
 
 
-def _conf(d: Path, nodes: int, cpus: int, memory_mb: int) -> str:
+def _conf(d: Path, nodes: int, cpus: int, memory_mb: int, port: int = CTLD_PORT) -> str:
     host = socket.gethostname()
     lines = [
         "ClusterName=shardkeeper",
         "SlurmctldHost=localhost",
-        f"SlurmctldPort={CTLD_PORT}",
+        f"SlurmctldPort={port}",
         "SlurmUser=root",
         "AuthType=auth/munge",
         "AuthInfo=cred_expire=10",
@@ -67,7 +68,7 @@ def _conf(d: Path, nodes: int, cpus: int, memory_mb: int) -> str:
         f"SlurmdLogFile={d}/log/slurmd-%n.log",
     ]
     for i in range(1, nodes + 1):
-        lines.append(f"NodeName=n{i} NodeHostname={host} NodeAddr=127.0.0.1 Port={SLURMD_PORT0 + i - 1} "
+        lines.append(f"NodeName=n{i} NodeHostname={host} NodeAddr=127.0.0.1 Port={port + 183 + i} "
                      f"CPUs={cpus} RealMemory={memory_mb}")
     lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
     return "\n".join(lines) + "\n"
@@ -107,7 +108,7 @@ def _start_munge() -> None:
 
 
 def start(d: Path = DEFAULT_DIR, nodes: int = 2, cpus: int | None = None, memory_mb: int = 4000,
-          timeout_s: float = 60.0) -> Path:
+          timeout_s: float = 60.0, port: int = CTLD_PORT) -> Path:
     """Start (or find running) the cluster in ``d``; returns the slurm.conf path (export it as SLURM_CONF)."""
     why = available()
     if why:
@@ -115,7 +116,7 @@ def start(d: Path = DEFAULT_DIR, nodes: int = 2, cpus: int | None = None, memory
     cpus = cpus or max(1, os.cpu_count() or 1)
     d = Path(d).resolve()
     conf = d / "slurm.conf"
-    text = _conf(d, nodes, cpus, memory_mb)
+    text = _conf(d, nodes, cpus, memory_mb, port)
     if conf.exists() and conf.read_text() != text:
         stop(d)
     for sub in ["state", "log"] + [f"spool-n{i}" for i in range(1, nodes + 1)]:
@@ -173,12 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="state, spool and log directory")
     ap.add_argument("--nodes", type=int, default=2, help="emulated nodes (n1..nN)")
     ap.add_argument("--cpus", type=int, default=None, help="CPUs per node (default: this machine's)")
+    ap.add_argument("--port", type=int, default=CTLD_PORT, help="slurmctld port; the nodes use PORT+184.. "
+                    "(SHARDKEEPER_SLURM_PORT)")
     args = ap.parse_args(argv)
     try:
         if args.action == "start":
             if args.nodes < 1:
                 raise SlurmSetupError(f"--nodes {args.nodes}: must be at least 1")
-            conf = start(args.dir, args.nodes, args.cpus)
+            conf = start(args.dir, args.nodes, args.cpus, port=args.port)
             print(f"Slurm on loopback: {args.nodes} node(s), partition debug\nexport SLURM_CONF={conf}")
         else:
             stop(args.dir)
