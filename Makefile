@@ -56,6 +56,7 @@ bench: install
 	$(PY) bench/prefect_overhead.py
 	$(PY) bench/dashboard_bench.py
 	$(PY) bench/scale_bench.py
+	$(PY) bench/data_bench.py
 
 clean:
 	rm -rf $(VENV) .prefect runs bench/out

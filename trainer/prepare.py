@@ -79,12 +79,22 @@ def _looks_local(src: str) -> bool:
     return src.startswith((".", "/", "~")) or Path(src).suffix.lower() in DATA_EXTS or src.count("/") > 1
 
 
+_SHA_MEMO: dict[tuple[str, int, int, int], str] = {}  # (path, inode, size, mtime_ns) -> sha256, per process
+
+
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """sha256 of a file; remembered for this process while its inode, size and mtime stay (preflight runs once
+    per planned topology, and a flow checks every segment)."""
+    st = path.stat()
+    memo = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    if memo in _SHA_MEMO:
+        return _SHA_MEMO[memo]
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
-    return h.hexdigest()
+    _SHA_MEMO[memo] = h.hexdigest()
+    return _SHA_MEMO[memo]
 
 
 def _digest(named: list[tuple[str, str]]) -> str:
@@ -232,7 +242,11 @@ def load_tokenizer(folder: Path, field: str):
 
 def _tokenize_text(batch: dict[str, list], *, tokenizer: Any, column: str, eos: int | None) -> dict[str, list]:
     texts = ["" if t is None else str(t) for t in batch[column]]
-    ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None:  # what tokenizer(texts) does for a fast tokenizer, without building a BatchEncoding
+        ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=True)]
+    else:
+        ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
     if eos is not None:
         ids = [x if x and x[-1] == eos else [*x, eos] for x in ids]
     return {"input_ids": ids}
@@ -391,6 +405,9 @@ def _tokenize_and_store(ds: Any, tokenizer: Any, pre: PreparedSplit, data: DataS
         fn, kwargs = _tokenize_text, {"tokenizer": tokenizer, "column": pre.settings["column"], "eos": eos}
     if not progress:
         datasets.disable_progress_bars()
+    parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+    if workers > 1:  # one process per CPU already: the tokenizer's own thread pool would oversubscribe them
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
         mapped = ds.map(fn, batched=True, batch_size=ROWS_PER_WORKER, num_proc=workers if workers > 1 else None,
                         fn_kwargs=kwargs, remove_columns=ds.column_names, load_from_cache_file=False,
@@ -404,6 +421,10 @@ def _tokenize_and_store(ds: Any, tokenizer: Any, pre: PreparedSplit, data: DataS
     finally:
         if not progress:
             datasets.enable_progress_bars()
+        if parallelism is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = parallelism
     dtype = np.uint16 if pre.vocab_size <= 1 << 16 else np.uint32
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
