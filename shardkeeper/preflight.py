@@ -4,7 +4,9 @@
 fail on every rank after ``run.yaml`` was written (so that the corrected command is then refused
 too) or be OOM-killed minutes later: a run directory that cannot be one, a device that is not
 there, a model config transformers would not build as meant, a token file that does not fit the
-model, and a model whose training state cannot fit in memory.
+model, a dataset that cannot be trained on (``trainer.prepare``: missing column, empty split, chat row
+without an assistant turn, tokenizer larger than the embeddings; the dataset is tokenized here, into
+the data cache outside the run directory), and a model whose training state cannot fit in memory.
 
 The memory estimate is a documented *lower bound* of what a rank must hold, so a refusal is
 certain and a run that passes may still need more (allocator slack, the all-gathered block,
