@@ -123,8 +123,9 @@ def measure(kind: str, corpus: Path, tok: Path, work: Path, num_proc: int, rep: 
         args += [str(work / f"cache-{kind}-{rep}"), str(1 if kind == "prepare-1" else num_proc)]
     else:
         args += [str(work / f"loop-{kind}-{rep}.bin")]
-    out = subprocess.run([sys.executable, __file__, "--one", kind, *args], env=env, capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, __file__, "--one", kind, *args], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{kind} rep {rep} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
