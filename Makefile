@@ -57,6 +57,7 @@ bench: install
 	$(PY) bench/dashboard_bench.py
 	$(PY) bench/scale_bench.py
 	$(PY) bench/s3_bench.py
+	$(PY) bench/data_bench.py
 
 clean:
 	rm -rf $(VENV) .prefect runs bench/out

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from schemas import ClusterTopology
+from schemas.data import PreparedData
 from schemas.seam import RANK_ERROR_PREFIX, SegmentLaunch
 
 LogSink = Callable[[str], None]
@@ -42,12 +43,13 @@ class LaunchRequest:
     # checkpoint) and the outcome is 'cancelled'. Also asked after a stop signal, to tell a
     # cancellation (a Prefect runner cancels by SIGTERM) from a preemption.
     cancel_check: CancelCheck | None = None
+    data: PreparedData | None = None  # data.source 'dataset': the token files prepared by the controller
 
     def seam(self, launcher_pid: int | None) -> SegmentLaunch:
         """What the ranks of this request receive."""
         return SegmentLaunch(run_dir=str(Path(self.run_dir).resolve()), until_step=self.until_step,
                              segment=self.segment, topology=self.topology, restart=self.restart,
-                             launcher_pid=launcher_pid)
+                             launcher_pid=launcher_pid, data=self.data)
 
 
 @dataclass(frozen=True)

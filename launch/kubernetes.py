@@ -143,7 +143,7 @@ def segment_launch(req: LaunchRequest) -> SegmentLaunch:
     """What the pods' ranks receive: the request's SegmentLaunch, without a launcher pid (the pods' lifetime
     is the container's: nothing of a segment outlives its pod)."""
     return SegmentLaunch(run_dir=str(req.run_dir), until_step=req.until_step, segment=req.segment,
-                         topology=req.topology, restart=req.restart, launcher_pid=None)
+                         topology=req.topology, restart=req.restart, launcher_pid=None, data=req.data)
 
 
 def torchrun_command(req: LaunchRequest, endpoint: str, rdzv_id: str, grace_s: int, node_rank: str,

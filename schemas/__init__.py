@@ -11,6 +11,7 @@ from schemas.checkpoint import (
     TensorEntry,
     ValidationReport,
 )
+from schemas.data import DataRecord, PreparedData, PreparedSplit, data_change
 from schemas.results import (
     ExportResult,
     LineageEvent,
@@ -24,6 +25,7 @@ from schemas.run import (
     ClusterTopology,
     DataSpec,
     DeepSpeedSpec,
+    EvalSpec,
     ModelSpec,
     OptimSpec,
     PrecisionSpec,
@@ -37,9 +39,11 @@ __all__ = [
     "CheckpointManifest",
     "CheckpointPolicy",
     "ClusterTopology",
+    "DataRecord",
     "DataSpec",
     "DeepSpeedSpec",
     "DtypePolicy",
+    "EvalSpec",
     "ExportResult",
     "FileEntry",
     "Fingerprint",
@@ -48,6 +52,8 @@ __all__ = [
     "ModelSpec",
     "OptimSpec",
     "PrecisionSpec",
+    "PreparedData",
+    "PreparedSplit",
     "PublishResult",
     "ReshardResult",
     "RunSpec",
@@ -56,4 +62,5 @@ __all__ = [
     "SegmentStatus",
     "TensorEntry",
     "ValidationReport",
+    "data_change",
 ]

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from schemas.data import DataRecord
 from schemas.run import ClusterTopology, RunSpec
 
 MANIFEST_SCHEMA_VERSION = 1
@@ -117,6 +118,10 @@ class CheckpointManifest(_Frozen):
     hf_model: HFModelRecord | None = Field(
         None, description="transformers config, generation config and ties of the model, recorded at save for the "
         "export; None in checkpoints written before it was recorded (the export then rebuilds the model)"
+    )
+    data: DataRecord | None = Field(
+        None, description="the dataset and tokenizer the run trains on (content key and what it is made of), for "
+        "data.source 'dataset'; a resume refuses a checkpoint whose key differs from the data prepared now"
     )
 
 

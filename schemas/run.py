@@ -26,9 +26,10 @@ class ModelSpec(_Frozen):
 
 
 class DataSpec(_Frozen):
-    source: Literal["synthetic", "tokens"] = Field(
+    source: Literal["synthetic", "tokens", "dataset"] = Field(
         "synthetic",
-        description="'synthetic': a deterministic generated corpus; 'tokens': a flat token file (.bin uint16/uint32 or .npy)",
+        description="'synthetic': a deterministic generated corpus; 'tokens': a flat token file (.bin uint16/uint32 "
+        "or .npy); 'dataset': a text or chat dataset (data.dataset), tokenized once into a cached token file",
     )
     path: str | None = Field(None, description="token file for source='tokens' (.bin or .npy, memory-mapped)")
     dtype: Literal["uint16", "uint32", "int32", "int64"] = Field(
@@ -38,19 +39,45 @@ class DataSpec(_Frozen):
     synthetic_tokens: int = Field(
         1 << 20, gt=1024, description="length of the generated corpus for source='synthetic'"
     )
+    dataset: str | None = Field(
+        None, description="for source='dataset': a local .json/.jsonl/.parquet/.txt/.csv file, a folder of them "
+        "(splits from the file names: train.jsonl, validation.jsonl, ...), or a Hugging Face Hub dataset id")
+    split: str = Field("train", min_length=1, description="split to train on; slices work, e.g. 'train[:95%]'")
+    format: Literal["text", "chat"] = Field(
+        "text", description="'text': every row's text_column, concatenated with EOS between documents; 'chat': "
+        "every row's messages_column rendered by the tokenizer's chat template, loss on assistant tokens only")
+    text_column: str = Field("text", min_length=1, description="column holding the text (format 'text')")
+    messages_column: str = Field(
+        "messages", min_length=1, description="column holding the conversation, a list of {role, content} "
+        "(format 'chat')")
+    tokenizer: str | None = Field(
+        None, description="tokenizer folder or Hub id; default: model.pretrained (the base model's tokenizer)")
+    append_eos: bool = Field(True, description="format 'text': end every document with the tokenizer's EOS token")
 
-    @field_validator("path")
+    @field_validator("path", "dataset", "tokenizer")
     @classmethod
-    def _token_file_name(cls, v: str | None) -> str | None:
+    def _not_blank(cls, v: str | None, info) -> str | None:
         if v is not None and not v.strip():
-            raise ValueError("data.path is blank; set it to a .bin or .npy token file or remove it")
+            raise ValueError(f"data.{info.field_name} is blank; set it or remove it")
         return v
 
     @model_validator(mode="after")
     def _path_for_tokens(self) -> DataSpec:
         if self.source == "tokens" and not self.path:
             raise ValueError("data.path is required when data.source is 'tokens'; set it to a .bin or .npy token file")
+        if self.source == "dataset" and not self.dataset:
+            raise ValueError("data.dataset is required when data.source is 'dataset'; set it to a .jsonl/.json/"
+                             ".parquet/.txt file, a folder of them, or a Hub dataset id")
         return self
+
+
+class EvalSpec(_Frozen):
+    interval: int = Field(gt=0, description="compute the held-out loss after every this many optimizer steps")
+    batches: int = Field(1, gt=0, description="held-out batches per evaluation (always the same ones, in order)")
+    split: str = Field("validation", min_length=1,
+                       description="split of data.dataset to evaluate on, e.g. 'validation' or 'train[95%:]'")
+    batch_size: int | None = Field(None, gt=0, description="samples per held-out batch, over all ranks; "
+                                   "null = global_batch_size (must divide by the world size)")
 
 
 class OptimSpec(_Frozen):
@@ -111,6 +138,19 @@ class RunSpec(_Frozen):
     precision: PrecisionSpec = Field(default_factory=PrecisionSpec, description="compute/reduce dtypes")
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy, description="checkpoint policy")
     deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec, description="DeepSpeed options")
+    eval: EvalSpec | None = Field(None, description="held-out loss and perplexity every eval.interval steps "
+                                  "(data.source 'dataset' only); null = no evaluation")
+
+    @model_validator(mode="after")
+    def _eval_needs_dataset(self) -> RunSpec:
+        if self.eval is not None and self.data.source != "dataset":
+            raise ValueError(f"eval needs a held-out split of a dataset, but data.source is {self.data.source!r}; "
+                             "set data.source: dataset (with data.dataset) or remove the eval section")
+        return self
+
+    def eval_batch(self) -> int:
+        """Samples per held-out batch over all ranks."""
+        return (self.eval.batch_size if self.eval and self.eval.batch_size else None) or self.global_batch_size
 
     def per_rank_batch(self, world_size: int) -> int:
         """Samples each rank processes per optimizer step; raises ValueError if it does not divide."""
@@ -120,6 +160,11 @@ class RunSpec(_Frozen):
             raise ValueError(
                 f"global_batch_size {self.global_batch_size} is not divisible by {world_size} ranks; "
                 f"choose --nproc among {divisors(self.global_batch_size)} or change global_batch_size"
+            )
+        if self.eval is not None and self.eval.batch_size and self.eval.batch_size % world_size:
+            raise ValueError(
+                f"eval.batch_size {self.eval.batch_size} is not divisible by {world_size} ranks; "
+                f"choose --nproc among {divisors(self.eval.batch_size)} or change eval.batch_size"
             )
         local = self.global_batch_size // world_size
         micro = self.micro_batch_size or local

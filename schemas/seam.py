@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.data import PreparedData
 from schemas.errors import RunDirError
 from schemas.run import ClusterTopology
 
@@ -47,6 +48,8 @@ class SegmentLaunch(_Frozen):
     restart: bool = Field(False, description="the controller set the run's invalid checkpoints aside: start at 0")
     launcher_pid: int | None = Field(None, ge=1, description="pid of the process holding the run lock; the ranks "
                                                              "stop when it dies (None: no watchdog on it)")
+    data: PreparedData | None = Field(None, description="data.source 'dataset': the token files the controller "
+                                      "prepared (the ranks only open them) and their content keys")
 
     @property
     def device(self) -> str:

@@ -1,5 +1,6 @@
 """``shardkeeper``: every stage of the pipeline from the command line, without Prefect.
 
+    shardkeeper prepare-data --config configs/my-data.yaml
     shardkeeper train --config configs/tiny.yaml --run-dir runs/demo --nproc 2 --until-step 20
     shardkeeper validate runs/demo/checkpoints/step-00000020 --deep
     shardkeeper reshard runs/demo/checkpoints/step-00000020 --world-size 3
@@ -122,6 +123,37 @@ def train(
         note = f" ({res.note})" if res.note else ""
         console.print(f"[green]{msg}[/green]; checkpoint {res.checkpoint}{note}", highlight=False)
     raise typer.Exit(res.exit_code)
+
+
+@app.command("prepare-data")
+def prepare_data_cmd(
+    config: Annotated[Path, typer.Option(help="RunSpec YAML with data.source: dataset")],
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set data.split=train")] = None,
+    num_proc: Annotated[Optional[int], typer.Option(help="tokenizer processes (default: SHARDKEEPER_DATA_PROC or "
+                                                         "every CPU)")] = None,
+) -> None:
+    """Tokenize the run's dataset (train split, and eval.split) into the data cache, as `train` would before
+    launching; prints each cache path and its token count. A second call finds it in the cache."""
+    from shardkeeper.config import check_model_config, load_run_spec
+    from trainer.prepare import cache_root, prepare_data
+
+    if num_proc is not None and num_proc < 1:
+        raise ShardkeeperError(f"--num-proc {num_proc}: must be at least 1")
+    spec = load_run_spec(config, set_)
+    if spec.data.source != "dataset":
+        raise ShardkeeperError(f"{config}: data.source is {spec.data.source!r}; prepare-data tokenizes a "
+                               "data.source: dataset (with data.dataset)")
+    vocab = check_model_config(spec).vocab_size
+    prepared = prepare_data(spec, vocab_size=vocab, num_proc=num_proc, progress=sys.stderr.isatty())
+    assert prepared is not None
+    for role, p in (("train", prepared.train), ("eval", prepared.eval)):
+        if p is None:
+            continue
+        how = "found in the cache" if p.cached else f"tokenized in {p.seconds:.1f} s"
+        targets = f", {p.targets:,} targets" if p.mask_path else ""
+        out.print(f"{role} [{p.split}]: {p.tokens:,} tokens ({p.rows:,} rows{targets}, {p.dtype}) {how}: {p.path}",
+                  markup=False, highlight=False, soft_wrap=True)
+    out.print(f"key {prepared.train.key}; cache {cache_root()}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _failure_line(failure: str | None) -> str:

@@ -4,7 +4,9 @@
 fail on every rank after ``run.yaml`` was written (so that the corrected command is then refused
 too) or be OOM-killed minutes later: a run directory that cannot be one, a device that is not
 there, a model config transformers would not build as meant, a token file that does not fit the
-model, and a model whose training state cannot fit in memory.
+model, a dataset that cannot be trained on (``trainer.prepare``: missing column, empty split, chat row
+without an assistant turn, tokenizer larger than the embeddings; the dataset is tokenized here, into
+the data cache outside the run directory), and a model whose training state cannot fit in memory.
 
 The memory estimate is a documented *lower bound* of what a rank must hold, so a refusal is
 certain and a run that passes may still need more (allocator slack, the all-gathered block,
@@ -32,7 +34,7 @@ from typing import Any
 
 from schemas.errors import ConfigError, RunDirError
 from ckpt.layout import RunDir
-from schemas import MANIFEST_NAME, ClusterTopology, RunSpec
+from schemas import MANIFEST_NAME, ClusterTopology, PreparedData, RunSpec
 from shardkeeper.config import check_model_config, quiet_transformers
 
 log = logging.getLogger("shardkeeper")
@@ -42,8 +44,10 @@ STATE_BYTES = {"master": 4, "grad": 4, "adamw": 8}
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> None:
-    """Raise a ShardkeeperError (one line) if the segment cannot run; writes nothing."""
+def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> PreparedData | None:
+    """Raise a ShardkeeperError (one line) if the segment cannot run; writes nothing in the run directory.
+    A ``data.source: dataset`` is tokenized here (once; then found in the data cache): what it returns is handed
+    to the ranks, which only open the token files."""
     if not str(run_dir).strip():  # Path("") is the current directory: never train into it by accident
         raise RunDirError("--run-dir '': empty path; pass the run directory, e.g. --run-dir runs/my-run")
     check_run_dir(Path(run_dir))
@@ -54,8 +58,9 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
         raise ConfigError(f"world size {topology.world_size}: {e}") from None
     cfg = check_model_config(spec)
     params = count_parameters(spec, cfg)
-    check_data(spec, cfg.vocab_size)
+    prepared = check_data(spec, cfg.vocab_size)
     check_memory(spec, topology, params, cfg)
+    return prepared
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -125,13 +130,26 @@ def count_parameters(spec: RunSpec, cfg: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def check_data(spec: RunSpec, vocab_size: int) -> None:
+def check_data(spec: RunSpec, vocab_size: int, num_proc: int | None = None) -> PreparedData | None:
     """Synthetic corpus or token file: enough tokens for one global batch; a file that exists, has whole
-    tokens of its dtype, and only ids below the vocabulary size (one chunked pass over the memmap)."""
+    tokens of its dtype, and only ids below the vocabulary size (one chunked pass over the memmap).
+    A dataset: prepared (trainer.prepare: its bad input is refused there), then the same count."""
     from trainer.data import open_token_file, scan_token_ids
 
     data = spec.data
-    if data.source == "synthetic":
+    prepared = None
+    if data.source == "dataset":
+        from trainer.prepare import prepare_data
+
+        prepared = prepare_data(spec, vocab_size=vocab_size, num_proc=num_proc)
+        assert prepared is not None
+        n, where = prepared.train.tokens, f"data.dataset {data.dataset} [{data.split}]"
+        if prepared.train.targets == 0:
+            raise ConfigError(f"{where}: no token is a training target (no assistant tokens); fix the data")
+        if prepared.eval is not None and (prepared.eval.tokens - 1) // data.seq_len < 1:
+            raise ConfigError(f"eval.split {prepared.eval.split!r}: {prepared.eval.tokens} tokens make no sample of "
+                              f"data.seq_len {data.seq_len}; use a larger held-out split or a smaller data.seq_len")
+    elif data.source == "synthetic":
         n, where = data.synthetic_tokens, f"data.synthetic_tokens {data.synthetic_tokens}"
     else:
         path = Path(data.path or "")
@@ -144,6 +162,7 @@ def check_data(spec: RunSpec, vocab_size: int) -> None:
                           "global_batch_size")
     if data.source == "tokens":
         scan_token_ids(tokens, str(path), vocab_size)
+    return prepared
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from ckpt.retention import sweep_leftovers
 from ckpt.validate import invalid_committed, latest_valid, validate
 from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher
 from schemas.seam import SegmentReport, exit_code_of
-from schemas import CheckpointManifest, ClusterTopology, ReshardResult, RunSpec, SegmentResult, ValidationReport
+from schemas import (CheckpointManifest, ClusterTopology, PreparedData, ReshardResult, RunSpec, SegmentResult,
+                     ValidationReport, data_change)
 from schemas.requests import RunState
 from shardkeeper.config import dump_run_spec, spec_from_dict
 from shardkeeper.preflight import cuda_device_count, preflight
@@ -32,7 +33,8 @@ from shardkeeper.preflight import cuda_device_count, preflight
 log = logging.getLogger("shardkeeper")
 
 # Fields of a run's RunSpec that may change between segments without breaking exact resume.
-MUTABLE_SECTIONS = ("checkpoint",)
+# eval only reads the model (no RNG, no state): its interval, batches or split may change too.
+MUTABLE_SECTIONS = ("checkpoint", "eval")
 
 
 def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = "local",
@@ -157,10 +159,11 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
     remote = _remote_run(run_dir)  # s3://...: the ranks train in its local cache, shardkeeper.remote mirrors it
     if remote is not None:
         run_dir = remote.local.root
-    preflight(spec, topology, run_dir)  # before anything is written: a refused segment leaves no trace
+    prepared = preflight(spec, topology, run_dir)  # before anything is written: a refused segment leaves no trace
     if remote is not None:
         remote.check_writable()  # unreachable, no credentials, no bucket, read-only: one line, nothing written
     rd = RunDir.at(run_dir)
+    check_resume_data(rd, prepared)
     mkdir_durable(rd.root)
     sink = sink or (lambda line: log.info("%s", line))
     with RunLock(rd.root), _mirrored(remote, spec):
@@ -173,7 +176,7 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
                                    "world_size": topology.world_size, "time": lineage.now_iso()})
         launcher = get_launcher(topology.launcher, **(launcher_options or {}))
         req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s,
-                            restart=restart, cancel_check=cancel_check)
+                            restart=restart, cancel_check=cancel_check, data=prepared)
         outcome = launcher.launch(req, sink)
         result = _segment_result(rd, seg, start_step, topology, outcome)
         _show_held_back(outcome, result.status, sink)
@@ -211,6 +214,20 @@ def _mirrored(remote, spec: RunSpec):
     from shardkeeper.remote import Mirror
 
     return Mirror(remote, spec, is_valid=lambda p: validate(p).valid)
+
+
+def check_resume_data(rd: RunDir, prepared: PreparedData | None) -> None:
+    """A resume trains on the data the run's latest checkpoint was trained on: refused (one line naming what
+    changed: the dataset's files, the tokenizer's, a setting) before anything is written or launched."""
+    if prepared is None or not rd.checkpoints.is_dir():
+        return
+    found = latest_valid(rd)
+    if found is None or found[1].data is None:
+        return
+    changed = data_change(found[1].data, prepared.record())
+    if changed:
+        raise ConfigError(f"{found[0]}: the run was trained on other data: {changed}; resume with the data the run "
+                          "started with, or start a new --run-dir")
 
 
 def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, CheckpointManifest] | None:

@@ -19,6 +19,7 @@ a view that can be rebuilt at any time.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -28,7 +29,7 @@ from prefect.cache_policies import NO_CACHE
 from ckpt.layout import RunDir
 from ckpt.lineage import read_events
 from tasks.dashboard import checkpoints_now, draw_lineage_graph, lineage_graph, markdown_rows, runs_overview
-from tasks.render import loss_curve_png, markers, png_data_uri, read_metrics, segment_statuses, slug, table_rows
+from tasks.render import eval_by_step, loss_curve_png, markers, png_data_uri, read_metrics, segment_statuses, slug, table_rows
 from schemas.requests import LineageArtifacts
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,11 @@ def _loss_markdown(run_dir: Path, png: Path, title: str, statuses: dict[int, str
         lines += [f"| {m.step} | {m.kind} | {m.from_world_size} → {m.to_world_size} | "
                   f"{'planned' if m.cause == 'planned' else f'**{m.cause}**'} |" for m in points]
         lines.append("")
+    held_out = eval_by_step(read_metrics(run_dir))
+    if held_out:
+        last = max(held_out)
+        lines += [f"Held-out loss (eval): {len(held_out)} evaluation(s), the last at step {last}: "
+                  f"{held_out[last]:.4f} (perplexity {math.exp(min(held_out[last], 700.0)):.2f}).", ""]
     lines.append(f"Curve: last-written loss per step from `{run_dir / 'metrics.jsonl'}`; PNG at `{png}`.")
     return "\n".join(lines)
 

@@ -70,6 +70,15 @@ def loss_by_step(records: list[dict[str, Any]]) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
+def eval_by_step(records: list[dict[str, Any]]) -> dict[int, float]:
+    """Last-written held-out loss per step (the rows where an evaluation ran)."""
+    out: dict[int, float] = {}
+    for r in records:
+        if r.get("eval_loss") is not None:
+            out[int(r["step"])] = float(r["eval_loss"])
+    return dict(sorted(out.items()))
+
+
 def segment_statuses(events: list[LineageEvent]) -> dict[int, str]:
     """How each segment ended, from the lineage (``segment:N`` events)."""
     return {int(e.id.split(":")[1]): str(e.data.get("status")) for e in events
@@ -108,6 +117,10 @@ def loss_curve_png(run_dir: str | Path, out_path: str | Path, *, title: str | No
     fig = Figure(figsize=(8, 4), dpi=100)
     ax = fig.add_subplot()
     ax.plot(list(curve), list(curve.values()), color="#1f5fbf", linewidth=1.5, label="loss (last written per step)")
+    held_out = eval_by_step(records)
+    if held_out:
+        ax.plot(list(held_out), list(held_out.values()), color="#e8590c", linewidth=1.2, marker="o", markersize=4,
+                label="held-out loss (eval)")
     top = ax.get_xaxis_transform()  # x in steps, y in axes fractions: labels sit at the top
     first_ws = int(records[0].get("world_size", 0))
     ax.text(min(curve), 0.97, f" world size {first_ws}", transform=top, fontsize=8, color="#444444", va="top")

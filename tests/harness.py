@@ -134,3 +134,51 @@ def mark_segment(run: Path, until_step: int, status: str | None, *, exit_code: i
             f.write(json.dumps({"event": "end", "segment": seg, "status": status, "exit_code": exit_code,
                                 "start_step": step, "end_step": step, "run_dir": str(run), "checkpoint": None,
                                 "seconds": 1.0, "failure": None}) + "\n")
+
+
+# A chat template in the common shape (role markers, an end-of-turn token, a generation prompt); the tokenizer's
+# tokenizer_config.json carries it, as a downloaded model's does.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+
+def make_tokenizer(folder: Path, corpus: list[str], vocab_size: int = 300, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    """A byte-level BPE tokenizer trained on ``corpus`` with the ``tokenizers`` library, saved with
+    save_pretrained (tokenizer.json + tokenizer_config.json with the chat template): nothing is downloaded."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   additional_special_tokens=SPECIAL_TOKENS[3:])
+    fast.save_pretrained(folder)
+    if chat_template:  # in tokenizer_config.json, where most published models keep it
+        cfg_path = Path(folder) / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["chat_template"] = chat_template
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
+WORDS = ("the cat sat on a mat while rain fell over quiet hills and the river ran past old stone walls toward "
+         "the sea where boats rocked slowly under grey skies").split()
+
+
+def make_text_rows(n: int, seed: int = 0, words: int = 40) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    return [{"id": i, "text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(words // 2, words)))}
+            for i in range(n)]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path

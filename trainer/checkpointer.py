@@ -52,7 +52,8 @@ from ckpt.layout import RunDir, step_dir_name
 from ckpt.manifest import write_manifest
 from ckpt.retention import apply_retention
 from schemas.seam import SegmentLaunch
-from schemas import CheckpointManifest, DtypePolicy, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
+from schemas import CheckpointManifest, DataRecord, DtypePolicy, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
+from schemas.data import data_change
 
 from trainer.dist import DistEnv, log0
 
@@ -114,6 +115,7 @@ class Checkpointer:
     FORMAT: Literal["dcp", "deepspeed"]  # the manifest format this backend writes and loads
     BACKEND: str  # the RunSpec backend it serves
     SUPPORTS_ASYNC = False  # can save on a background thread from a staged copy
+    data: DataRecord | None = None  # the prepared dataset (data.source 'dataset'): recorded, and checked on load
 
     def __init__(self, run_dir: RunDir, spec: RunSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  env: DistEnv, *, segment: int, signature: str, hf_model: HFModelRecord | None = None):
@@ -270,7 +272,7 @@ class Checkpointer:
             dtype_policy=DtypePolicy(compute=_DTYPE_NAMES[self.spec.precision.compute],  # type: ignore[arg-type]
                                      reduce=_DTYPE_NAMES[self.spec.precision.reduce]),  # type: ignore[arg-type]
             parent=self.parent, code_version=code_version(), fingerprint=fingerprint, run_spec=self.spec,
-            save_seconds=time.perf_counter() - t0, async_save=async_save, hf_model=self.hf_model,
+            save_seconds=time.perf_counter() - t0, async_save=async_save, hf_model=self.hf_model, data=self.data,
         )
         staged = check_staged(partial, manifest)  # exactly the planned files, each of its hashed size
         if staged:
@@ -456,6 +458,10 @@ class Checkpointer:
         if manifest.model_signature != self.signature:
             raise CheckpointError(f"{path}: written by another architecture (model signature differs from "
                                   f"{self.spec.model.model_type} {self.spec.model.config}); use a new --run-dir")
+        changed = data_change(manifest.data, self.data) if manifest.data and self.data else None
+        if changed:
+            raise CheckpointError(f"{path}: trained on other data: {changed}; resume with the data the run started "
+                                  "with, or start a new --run-dir")
 
     def _resumed(self, path: Path, manifest: CheckpointManifest, ts: TrainState, t0: float) -> None:
         """Bookkeeping after a verified load: parent of the next checkpoint, log line, lineage event."""

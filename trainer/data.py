@@ -14,7 +14,9 @@ import numpy as np
 import torch
 
 from schemas.errors import ConfigError
-from schemas import DataSpec
+from schemas import DataSpec, PreparedSplit
+
+IGNORE = -100  # label of a position that is not a training target (cross_entropy's ignore_index)
 
 _PHRASES = 512
 _PHRASE_LEN = 16
@@ -28,10 +30,33 @@ def synthetic_corpus(seed: int, n_tokens: int, vocab_size: int) -> np.ndarray:
     return book[picks].reshape(-1)[:n_tokens]
 
 
-def open_tokens(spec: DataSpec, seed: int, vocab_size: int) -> np.ndarray:
+def open_tokens(spec: DataSpec, seed: int, vocab_size: int, prepared: PreparedSplit | None = None) -> np.ndarray:
     if spec.source == "synthetic":
         return synthetic_corpus(seed, spec.synthetic_tokens, vocab_size)
+    if spec.source == "dataset":
+        return open_prepared(prepared)[0]
     return open_token_file(Path(spec.path or ""), spec.dtype)
+
+
+def open_prepared(prepared: PreparedSplit | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The token file (and chat target mask) the controller prepared, as read-only memmaps."""
+    if prepared is None:
+        raise ConfigError("data.source dataset: the ranks received no prepared data; start the segment with "
+                          "shardkeeper train (it tokenizes the dataset first; see shardkeeper prepare-data)")
+    path = Path(prepared.path)
+    size = path.stat().st_size if path.is_file() else -1
+    if size != prepared.tokens * np.dtype(prepared.dtype).itemsize or prepared.tokens == 0:
+        raise ConfigError(f"{path}: the prepared token file is missing or not its recorded size ({prepared.tokens} "
+                          f"{prepared.dtype} tokens); the data cache must be on storage every rank sees "
+                          "(SHARDKEEPER_DATA_CACHE); rerun shardkeeper prepare-data")
+    tokens = np.memmap(path, dtype=np.dtype(prepared.dtype), mode="r")
+    mask = None
+    if prepared.mask_path is not None:
+        mpath = Path(prepared.mask_path)
+        if not mpath.is_file() or mpath.stat().st_size != prepared.tokens:
+            raise ConfigError(f"{mpath}: the prepared target mask is missing or truncated; rerun shardkeeper prepare-data")
+        mask = np.memmap(mpath, dtype=np.uint8, mode="r")
+    return tokens, mask
 
 
 def open_token_file(path: Path, dtype: str) -> np.ndarray:
@@ -82,11 +107,29 @@ def scan_token_ids(tokens: np.ndarray, path: str, vocab_size: int, chunk: int = 
                               "tokenizer or raise model.config.vocab_size")
 
 
-class GlobalOrderLoader:
-    """Yields the (inputs, labels) micro-batches of one rank for a given step."""
+def _rows(tokens: np.ndarray, mask: np.ndarray | None, starts: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) of the windows starting at ``starts``; labels are -100 where the mask says "not a target"."""
+    block = np.stack([np.asarray(tokens[w : w + seq_len + 1], dtype=np.int64) for w in starts])
+    inputs, labels = block[:, :-1], block[:, 1:].copy()
+    if mask is not None:
+        m = np.stack([np.asarray(mask[w + 1 : w + seq_len + 1]) for w in starts])
+        labels[m == 0] = IGNORE
+    return torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(labels)
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, global_batch: int):
+
+def _targets(mask: np.ndarray | None, starts: list[int], seq_len: int) -> int:
+    if mask is None:
+        return len(starts) * seq_len
+    return int(sum(int(np.count_nonzero(mask[w + 1 : w + seq_len + 1])) for w in starts))
+
+
+class GlobalOrderLoader:
+    """Yields the (inputs, labels) micro-batches of one rank for a given step. With a target ``mask`` (chat
+    data: 1 on assistant tokens) the labels of other positions are -100 (ignored by the loss)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, global_batch: int, mask: np.ndarray | None = None):
         self.tokens = tokens
+        self.mask = mask
         self.seq_len = seq_len
         self.seed = seed
         self.global_batch = global_batch
@@ -105,20 +148,44 @@ class GlobalOrderLoader:
         assert self._perm is not None
         return int(self._perm[pos])
 
+    def starts(self, step: int, start: int, count: int) -> list[int]:
+        """Token offsets of samples [start, start+count) of the step's global batch: a function of (seed, step)."""
+        base = step * self.global_batch + start
+        return [self._window(g) * self.seq_len for g in range(base, base + count)]
+
     def samples(self, step: int, start: int, count: int) -> torch.Tensor:
         """Samples [start, start+count) of the step's global batch, as a [count, seq_len+1] int64 tensor."""
-        base = step * self.global_batch + start
-        rows = []
-        for g in range(base, base + count):
-            w = self._window(g) * self.seq_len
-            rows.append(np.asarray(self.tokens[w : w + self.seq_len + 1], dtype=np.int64))
-        return torch.from_numpy(np.stack(rows))
+        return torch.from_numpy(np.stack([np.asarray(self.tokens[w : w + self.seq_len + 1], dtype=np.int64)
+                                          for w in self.starts(step, start, count)]))
+
+    def targets(self, step: int) -> int:
+        """Label positions that count in the loss over the step's *global* batch (every rank computes the same)."""
+        return _targets(self.mask, self.starts(step, 0, self.global_batch), self.seq_len)
 
     def rank_batches(self, step: int, rank: int, world: int, micro: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         local = self.global_batch // world
         micro = micro or local
-        out = []
-        for m in range(0, local, micro):
-            block = self.samples(step, rank * local + m, micro)
-            out.append((block[:, :-1].contiguous(), block[:, 1:].contiguous()))
-        return out
+        return [_rows(self.tokens, self.mask, self.starts(step, rank * local + m, micro), self.seq_len)
+                for m in range(0, local, micro)]
+
+
+class HeldOutLoader:
+    """The held-out batches: batch b is windows [b*B, (b+1)*B) of the eval token file in file order (modulo
+    its window count), so evaluation sees the same samples at every step and every world size."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch: int, mask: np.ndarray | None = None):
+        self.tokens, self.mask, self.seq_len, self.batch = tokens, mask, seq_len, batch
+        self.n_windows = (len(tokens) - 1) // seq_len
+        if self.n_windows < 1:
+            raise ConfigError(f"eval.split: {len(tokens)} tokens are shorter than one sample of data.seq_len {seq_len}; "
+                              "use a larger held-out split or a smaller data.seq_len")
+
+    def starts(self, b: int, start: int, count: int) -> list[int]:
+        return [((b * self.batch + i) % self.n_windows) * self.seq_len for i in range(start, start + count)]
+
+    def targets(self, b: int) -> int:
+        return _targets(self.mask, self.starts(b, 0, self.batch), self.seq_len)
+
+    def rank_batch(self, b: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        local = self.batch // world
+        return _rows(self.tokens, self.mask, self.starts(b, rank * local, local), self.seq_len)

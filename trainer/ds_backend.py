@@ -90,6 +90,7 @@ class DeepSpeedSegment(Segment):
         self.schedule = WarmupCosine(engine.optimizer, self.spec)  # sets lr in the client AdamW's groups
         self.ckpt = DeepSpeedCheckpointer(run_dir, self.spec, engine, env, segment=segment, signature=self.signature,
                                           hf_model=self.hf_model)
+        self.ckpt.data = self.data_record
 
     def log_diagnostics(self) -> None:
         c = self.config
@@ -100,7 +101,7 @@ class DeepSpeedSegment(Segment):
 
     def train_step(self, step: int, phases: dict[str, float | None] | None) -> tuple[float, float, float]:
         lr = self.schedule.set_step(step)
-        global_tokens = self.tokens_per_step
+        global_tokens = max(self.loader.targets(step), 1)  # = tokens_per_step unless labels are masked (chat)
         local_sum = torch.zeros((), dtype=torch.float64)
         for inputs, labels in self.loader.rank_batches(step, self.env.rank, self.env.world_size,
                                                        self.spec.micro_batch_size):

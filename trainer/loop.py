@@ -7,6 +7,7 @@ swaps the wrapping, optimizer and Checkpointer; ``trainer.segment`` is the rank'
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -16,10 +17,11 @@ import torch.nn.functional as F
 from ckpt.fsutil import append_jsonl, load_yaml
 from ckpt.layout import RunDir
 from schemas import RunSpec
-from schemas.seam import EXIT_PREEMPTED, SegmentReport
+from schemas.errors import ConfigError
+from schemas.seam import EXIT_PREEMPTED, SegmentLaunch, SegmentReport
 from trainer.checkpointer import TrainState
 from trainer.dcp_backend import DCPCheckpointer
-from trainer.data import GlobalOrderLoader, open_tokens
+from trainer.data import GlobalOrderLoader, HeldOutLoader, open_prepared, open_tokens
 from trainer.dist import DistEnv, log0
 from trainer.model import build_model, hf_model_record, model_signature, shard_model
 from trainer.optim import WarmupCosine, build_optimizer, clip_grad_norm_
@@ -49,6 +51,7 @@ class Segment:
         self.schedule = WarmupCosine(self.optimizer, self.spec)
         self.ckpt = DCPCheckpointer(run_dir, self.spec, model, self.optimizer, env, segment=segment, signature=self.signature,
                                  hf_model=self.hf_model)
+        self.ckpt.data = self.data_record
 
     def _build(self, run_dir: RunDir, until_step: int, segment: int, env: DistEnv) -> torch.nn.Module:
         """What both backends share: the RunSpec, the model as transformers builds it (signature and
@@ -63,10 +66,55 @@ class Segment:
         self.signature = model_signature(self.spec.model, model)
         self.hf_model = hf_model_record(model)
         self.vocab = model.config.vocab_size
-        tokens = open_tokens(self.spec.data, self.spec.seed, self.vocab)
-        self.loader = GlobalOrderLoader(tokens, self.spec.data.seq_len, self.spec.seed, self.spec.global_batch_size)
+        self._open_data()
         self.tokens_per_step = self.spec.global_batch_size * self.spec.data.seq_len
         return model
+
+    def _open_data(self) -> None:
+        """The global-order loader (and the held-out one). A dataset was tokenized by the controller: the ranks
+        only open the files the launch names (``SegmentLaunch.data``), and its record goes into every manifest."""
+        spec = self.spec
+        prepared = None
+        if spec.data.source == "dataset":
+            launch = SegmentLaunch.from_environ()
+            prepared = launch.data if launch is not None else None
+        self.data_record = prepared.record() if prepared is not None else None
+        mask = None
+        if spec.data.source == "dataset":
+            tokens, mask = open_prepared(prepared.train if prepared else None)
+        else:
+            tokens = open_tokens(spec.data, spec.seed, self.vocab)
+        self.loader = GlobalOrderLoader(tokens, spec.data.seq_len, spec.seed, spec.global_batch_size, mask=mask)
+        self.eval_loader: HeldOutLoader | None = None
+        if spec.eval is not None:
+            if prepared is None or prepared.eval is None:
+                raise ConfigError("eval: the ranks received no prepared held-out split; start the segment with "
+                                  "shardkeeper train (it prepares eval.split too)")
+            ev_tokens, ev_mask = open_prepared(prepared.eval)
+            self.eval_loader = HeldOutLoader(ev_tokens, spec.data.seq_len, spec.eval_batch(), mask=ev_mask)
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss (mean over target tokens of eval.batches fixed batches) and perplexity. Per-token losses
+        are summed in float64 and the global target count is known to every rank, so the value does not depend
+        on the world size (beyond float32 forward differences, ~1e-7)."""
+        assert self.spec.eval is not None and self.eval_loader is not None
+        loader, env = self.eval_loader, self.env
+        total = torch.zeros((), dtype=torch.float64)
+        count = 0
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            for b in range(self.spec.eval.batches):
+                inputs, labels = loader.rank_batch(b, env.rank, env.world_size)
+                logits = self.model(input_ids=inputs.to(env.device)).logits
+                per_token = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.to(env.device).reshape(-1),
+                                            reduction="none")
+                total += per_token.to("cpu", torch.float64).sum()
+                count += loader.targets(b)
+        self.model.train(was_training)
+        dist.all_reduce(total, group=env.ctrl_group)
+        loss = float(total) / max(count, 1)
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": count}
 
     def log_diagnostics(self) -> None:
         d = self.diagnostics
@@ -80,7 +128,7 @@ class Segment:
 
     def train_step(self, step: int, phases: dict[str, float | None] | None) -> tuple[float, float, float]:
         lr = self.schedule.set_step(step)
-        global_tokens = self.tokens_per_step
+        global_tokens = max(self.loader.targets(step), 1)  # = tokens_per_step unless labels are masked (chat)
         local_sum = torch.zeros((), dtype=torch.float64)
         batches = self.loader.rank_batches(step, self.env.rank, self.env.world_size, self.spec.micro_batch_size)
         if phases is not None:
@@ -139,11 +187,13 @@ class Segment:
                             samples=ts.samples + self.spec.global_batch_size)
             if phases:
                 log0(env, "[FSDPDiagnostics] step %d peak MiB per phase: %s", ts.step, phases)
+            row = {"step": ts.step, "loss": loss, "grad_norm": gnorm, "lr": lr, "world_size": env.world_size,
+                   "segment": self.segment_index, "tokens": ts.tokens, "step_seconds": round(time.perf_counter() - t0, 4)}
+            if self.spec.eval is not None and ts.step % self.spec.eval.interval == 0:
+                row.update(self.evaluate())
+                self._record_eval(row)
             if env.is_rank0:
-                append_jsonl(self.run_dir.metrics, {
-                    "step": ts.step, "loss": loss, "grad_norm": gnorm, "lr": lr, "world_size": env.world_size,
-                    "segment": self.segment_index, "tokens": ts.tokens, "step_seconds": round(time.perf_counter() - t0, 4),
-                })
+                append_jsonl(self.run_dir.metrics, row)
                 line = progress.update(ts.step, loss)
                 if line:
                     log0(env, "%s", line)
@@ -159,6 +209,19 @@ class Segment:
         self.ckpt.close()
         self._write_status(status, start, ts.step)
         return EXIT_PREEMPTED if status == "preempted" else 0
+
+    def _record_eval(self, row: dict) -> None:
+        if not self.env.is_rank0:
+            return
+        from ckpt import lineage
+
+        log0(self.env, "eval at step %d: loss %.4f perplexity %.2f (%d held-out tokens)", row["step"], row["eval_loss"],
+             row["eval_ppl"], row["eval_tokens"])
+        assert self.spec.eval is not None
+        lineage.record(self.run_dir, "eval", f"eval:step-{row['step']:08d}", parent=f"segment:{self.segment_index}",
+                       step=row["step"], eval_loss=row["eval_loss"], eval_ppl=row["eval_ppl"],
+                       eval_tokens=row["eval_tokens"], split=self.spec.eval.split, world_size=self.env.world_size,
+                       segment=self.segment_index)
 
     def _write_status(self, status: str, start: int, end: int, note: str | None = None) -> None:
         write_status(self.run_dir, self.env, self.segment_index, status, start, end, note)
