@@ -3,6 +3,7 @@
 from schemas.checkpoint import (
     MANIFEST_NAME,
     MANIFEST_SCHEMA_VERSION,
+    BaseModelRecord,
     CheckpointManifest,
     DtypePolicy,
     FileEntry,
@@ -34,6 +35,7 @@ from schemas.run import (
 __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_SCHEMA_VERSION",
+    "BaseModelRecord",
     "CheckpointManifest",
     "CheckpointPolicy",
     "ClusterTopology",
