@@ -350,7 +350,8 @@ def _record_conversion(src: Path, manifest: CheckpointManifest, done: Path, to: 
 
 
 def export_and_record(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str = "float32",
-                      max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False):
+                      max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False,
+                      tokenizer_from: str | Path | bool | None = None):
     """Checkpoint (DCP or DeepSpeed ZeRO) -> safetensors folder (ckpt.export), recorded in the run's lineage.
 
     A ZeRO checkpoint exports in one pass like a DCP one: each fp32 master weight streams straight from
@@ -358,7 +359,8 @@ def export_and_record(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str =
     from ckpt.export import export_checkpoint as _export
 
     ckpt_dir = Path(ckpt_dir)
-    res = _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
+    res = _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
+                  tokenizer_from=tokenizer_from)
     root = RunDir.of_checkpoint(ckpt_dir)
     if root is not None:
         lineage.record(root, "export", f"export:{Path(res.out_dir).name}:{res.dtype}", parent=f"checkpoint:{ckpt_dir.name}",
