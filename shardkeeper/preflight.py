@@ -57,7 +57,8 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
     model = meta_model(spec, cfg)
     params = sum(p.numel() for p in model.parameters())
     if spec.model.pretrained is not None:
-        check_pretrained(spec, cfg, model)
+        # a run that has a checkpoint resumes from it and never reads the pretrained weights again
+        check_pretrained(spec, cfg, model, weights=not RunDir(Path(run_dir)).committed())
     check_data(spec, cfg.vocab_size)
     check_memory(spec, topology, params, cfg)
 
@@ -134,15 +135,20 @@ def meta_model(spec: RunSpec, cfg: Any) -> Any:
     return model
 
 
-def check_pretrained(spec: RunSpec, cfg: Any, model: Any) -> None:
+def check_pretrained(spec: RunSpec, cfg: Any, model: Any, *, weights: bool = True) -> None:
     """model.pretrained, before any rank starts: weight files that exist and hold every parameter of the model
-    its config.json builds, at its shape; an architecture the backend can shard; a tokenizer that fits."""
+    its config.json builds, at its shape (``weights``: only when the run has no checkpoint to resume from); an
+    architecture the backend can shard; a tokenizer that fits."""
     from ckpt.pretrained import find_tensor, resolve, tensor_index, weight_files
     from ckpt.state import tied_weights
 
     m = spec.model
     source = m.pretrained or ""
     folder, _ = resolve(m, local_files_only=True)
+    check_shardable(spec, model)
+    check_tokenizer(spec, cfg)
+    if not weights:
+        return
     index = tensor_index(weight_files(folder, source))
     tied = tied_weights(model)
     for name, p in model.named_parameters():
@@ -154,8 +160,6 @@ def check_pretrained(spec: RunSpec, cfg: Any, model: Any) -> None:
         if st.shape != tuple(p.shape):
             raise ConfigError(f"model.pretrained {source}: {st.file.name} holds {name} with shape {list(st.shape)}, "
                               f"config.json builds {list(p.shape)}; the folder's weights and config.json disagree")
-    check_shardable(spec, model)
-    check_tokenizer(spec, cfg)
 
 
 def check_shardable(spec: RunSpec, model: Any) -> None:
