@@ -101,9 +101,16 @@ def spec_from_dict(raw: dict[str, Any], source: str) -> RunSpec:
 
 def _pretrained_model_type(raw: dict[str, Any]) -> dict[str, Any]:
     """With model.pretrained and no model.model_type, the model type is the pretrained config.json's (read from
-    the folder or the Hub cache, nothing downloaded). When it cannot be read yet, preflight says why."""
+    the folder or the Hub cache, nothing downloaded). When it cannot be read yet, preflight says why. A relative
+    local folder becomes absolute (the ranks, a resume or a flow may run from another directory)."""
     model = raw.get("model")
-    if not isinstance(model, dict) or not isinstance(model.get("pretrained"), str) or "model_type" in model:
+    if not isinstance(model, dict) or not isinstance(model.get("pretrained"), str):
+        return raw
+    local = Path(model["pretrained"]).expanduser()
+    if local.is_dir() and not local.is_absolute():  # the ranks may run elsewhere: record where it is
+        model = {**model, "pretrained": str(local.absolute())}
+        raw = {**raw, "model": model}
+    if "model_type" in model:
         return raw
     from ckpt.pretrained import read_config, resolve
     from schemas import ModelSpec
