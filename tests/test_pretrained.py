@@ -2,10 +2,10 @@
 infra.make_tiny_pretrained (tied embeddings, weights in 4 safetensors shards, BPE tokenizer with a chat template,
 a generation config), trained on 2 real gloo ranks through shardkeeper.stages.
 
-Four torchrun launches in all (~60 s): lr 1e-12 for 3 steps then export (the pretrained tensors come back, the
-export loads with from_pretrained + AutoTokenizer and carries the card metadata); a real fine-tune to step 6,
-resumed from step 3 at 2 ranks (bitwise) and at 3 ranks (<= 1e-6) after the base model's weight files were
-deleted (a resume never reads them). Bad input: one line, nothing written, no launch.
+Five torchrun launches in all: lr 1e-12 for 3 steps then export (the pretrained tensors come back, the export
+loads with from_pretrained + AutoTokenizer and carries the card metadata); a real fine-tune to step 6, resumed
+from step 3 at 2 ranks (bitwise) and at 3 ranks (<= 1e-6) after the base model's weight files were deleted (a
+resume never reads them); DeepSpeed ZeRO-2 with lr 1e-12. Bad input: one line, nothing written, no launch.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def _tensors(folder: Path) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_lr_zero_returns_the_pretrained_tensors_and_a_usable_export(base: Path, tmp_path: Path) -> None:
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -113,6 +114,7 @@ def test_lr_zero_returns_the_pretrained_tensors_and_a_usable_export(base: Path, 
     assert f"| base model | {HUB_ID} |" in card and "| tokens | 1,152 |" in card and "| step | 3 |" in card
 
 
+@pytest.mark.slow
 def test_resume_exact_without_the_pretrained_weights(base: Path, tmp_path: Path) -> None:
     from ckpt.manifest import read_manifest
 
@@ -132,6 +134,22 @@ def test_resume_exact_without_the_pretrained_weights(base: Path, tmp_path: Path)
     assert max_rel(metrics(ref), metrics(other), range(4, 7)) <= 1e-6
     for run in (same, other):  # the base model stays recorded in every later checkpoint
         assert read_manifest(run / "checkpoints" / "step-00000006").base_model == first
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_starts_from_the_pretrained_weights(base: Path, tmp_path: Path) -> None:
+    """ZeRO-2 keeps every parameter whole: the weights are read into them and the fp32 masters refreshed."""
+    from ckpt.manifest import read_manifest
+    from shardkeeper.stages import export_and_record
+
+    run = tmp_path / "ds"
+    _train(_spec(base, "optim.lr=1e-12", "backend=deepspeed", "deepspeed.zero_stage=2"), run, 2, 2)
+    ckpt = run / "checkpoints" / "step-00000002"
+    assert read_manifest(ckpt).base_model.source == str(base)
+    export_and_record(ckpt, run / "export")
+    want, got = _tensors(base), _tensors(run / "export")
+    assert sorted(got) == sorted(want)
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-7
 
 
 # ------------------------------------------------------------------------------------------------ bad input
