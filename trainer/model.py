@@ -83,7 +83,19 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     """Allocate the (sharded) parameters of a meta-built model on ``device``, uninitialised, keeping the buffers'
     values. Every parameter is then overwritten: by the pretrained weights or by a checkpoint."""
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    # to_empty makes a new Parameter per module from a meta one: a tied pair (lm_head / embed_tokens) would come
+    # apart. FSDP2 keeps its own; for a plain module (DeepSpeed) the tie is put back.
+    shared: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                shared.setdefault(id(param), []).append((module, name))
     model.to_empty(device=device)
+    for places in (v for v in shared.values() if len(v) > 1):
+        first = places[0][0]._parameters[places[0][1]]
+        for module, name in places[1:]:
+            if module._parameters[name] is not first:
+                module._parameters[name] = first
     with torch.no_grad():
         for n, b in model.named_buffers():
             b.copy_(buffers[n])
