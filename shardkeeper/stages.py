@@ -154,6 +154,7 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
 
     ``launcher_options``: what the launcher of ``topology.launcher`` takes besides the topology (Slurm:
     ``partition``, ``time_min``, ``extra_args``)."""
+    fetch_pretrained(spec)  # a Hub id not yet in the huggingface_hub cache: downloaded once, here, never by a rank
     preflight(spec, topology, run_dir)  # before anything is written: a refused segment leaves no trace
     rd = RunDir.at(run_dir)
     mkdir_durable(rd.root)
@@ -180,6 +181,27 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
                        seconds=round(result.seconds, 2), until_step=until_step, launcher=topology.launcher,
                        nodes=topology.nodes, **scheduler)
     return result
+
+
+def fetch_pretrained(spec: RunSpec) -> None:
+    """model.pretrained names a Hub id that is not in the cache: download it (config, weights, tokenizer files)
+    unless HF_HUB_OFFLINE is set; then, or when the Hub cannot be reached, preflight's one line says what to do."""
+    import os
+
+    from ckpt.pretrained import is_hub_id, resolve
+    from schemas.errors import ConfigError
+
+    m = spec.model
+    if m.pretrained is None or not is_hub_id(m.pretrained):
+        return
+    try:
+        resolve(m, local_files_only=True)
+        return
+    except ConfigError:
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+            return
+    log.info("downloading %s%s into the Hugging Face cache", m.pretrained, f" @ {m.revision}" if m.revision else "")
+    resolve(m, local_files_only=False)
 
 
 def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, CheckpointManifest] | None:

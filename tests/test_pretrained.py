@@ -215,6 +215,9 @@ def test_bad_pretrained_input_is_one_line(base: Path, tmp_path: Path, monkeypatc
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     spec = load_run_spec(FINETUNE, ["model.pretrained=nobody/not-cached"])
+    from shardkeeper.stages import fetch_pretrained
+
+    fetch_pretrained(spec)  # offline: no download attempted; preflight says what to do
     line = _refused(spec, run)
     assert "nobody/not-cached" in line and "not in the Hugging Face cache" in line and "hf download" in line
 
