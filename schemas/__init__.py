@@ -3,6 +3,7 @@
 from schemas.checkpoint import (
     MANIFEST_NAME,
     MANIFEST_SCHEMA_VERSION,
+    BaseModelRecord,
     CheckpointManifest,
     DtypePolicy,
     FileEntry,
@@ -36,6 +37,7 @@ from schemas.run import (
 __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_SCHEMA_VERSION",
+    "BaseModelRecord",
     "CheckpointManifest",
     "CheckpointPolicy",
     "ClusterTopology",

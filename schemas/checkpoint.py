@@ -94,6 +94,22 @@ class HFModelRecord(_Frozen):
     transformers_version: str = Field(description="transformers version that built the model and wrote this record")
 
 
+class BaseModelRecord(_Frozen):
+    """The pretrained model a run started from (model.pretrained), recorded by the first segment and carried by
+    every later checkpoint of the run: resumes load the checkpoint, never these weights again."""
+
+    source: str = Field(description="model.pretrained as given: a local folder or a Hub id")
+    revision: str | None = Field(None, description="model.revision as given (Hub ids only)")
+    resolved_revision: str | None = Field(None, description="the Hub commit the cache resolved it to (Hub ids only)")
+    local_path: str = Field(description="the folder the weights were read from (the cache snapshot for a Hub id)")
+    hub_id: str | None = Field(None, description="the Hub id of the base model, for the model card: the source "
+                               "itself for a Hub id, else model.base_model_id")
+    weights: dict[str, str] = Field(description="weight file name -> sha256 of its bytes")
+    weights_bytes: int = Field(ge=0, description="total size of the weight files")
+    files: dict[str, str] = Field(default_factory=dict, description="config, generation config and tokenizer file "
+                                  "name -> sha256, as they were when training started (the export checks what it carries)")
+
+
 class CheckpointManifest(_Frozen):
     schema_version: int = Field(MANIFEST_SCHEMA_VERSION, description="manifest format version")
     format: Literal["dcp", "deepspeed"] = Field(description="on-disk layout of the tensors")
@@ -122,6 +138,10 @@ class CheckpointManifest(_Frozen):
     data: DataRecord | None = Field(
         None, description="the dataset and tokenizer the run trains on (content key and what it is made of), for "
         "data.source 'dataset'; a resume refuses a checkpoint whose key differs from the data prepared now"
+    )
+    base_model: BaseModelRecord | None = Field(
+        None, description="the pretrained model the run started from (model.pretrained); None for a run started "
+        "from random weights"
     )
 
 

@@ -15,14 +15,57 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
+# What model.config may change in a pretrained model's config: settings that do not change the weights' names
+# or shapes (regularisation, positions, attention kernel). Anything else would not match the weight files.
+PRETRAINED_OVERRIDES = frozenset({
+    "attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_dropout",
+    "rope_scaling", "rope_parameters", "rope_theta", "max_position_embeddings", "sliding_window", "use_cache",
+    "attn_implementation", "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id",
+})
+
+
 class ModelSpec(_Frozen):
     model_type: str = Field(
-        "llama", description="transformers model type, as in AutoConfig.for_model (llama, qwen2, mistral, ...)"
+        "llama", description="transformers model type, as in AutoConfig.for_model (llama, qwen2, mistral, ...); "
+        "with model.pretrained it is taken from the pretrained config.json when not given"
     )
     config: dict[str, Any] = Field(
         default_factory=dict,
-        description="keyword arguments of the transformers config (hidden_size, num_hidden_layers, vocab_size, ...)",
+        description="keyword arguments of the transformers config (hidden_size, num_hidden_layers, vocab_size, ...); "
+        "with model.pretrained only overrides of: " + ", ".join(sorted(PRETRAINED_OVERRIDES)),
     )
+    pretrained: str | None = Field(
+        None, description="start from these weights: a local save_pretrained folder (config.json + *.safetensors) "
+        "or a Hugging Face Hub model id (ORG/NAME, resolved through the huggingface_hub cache); the first "
+        "segment loads them, resumes load the checkpoint"
+    )
+    revision: str | None = Field(
+        None, description="Hub revision (branch, tag or commit) of model.pretrained; only for a Hub id"
+    )
+    base_model_id: str | None = Field(
+        None, description="Hub id recorded as base_model in the model card when model.pretrained is a local folder "
+        "(e.g. the id it was downloaded from); a Hub id in model.pretrained is recorded as itself"
+    )
+
+    @field_validator("pretrained", "revision", "base_model_id")
+    @classmethod
+    def _not_blank(cls, v: str | None, info: Any) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError(f"model.{info.field_name} is blank; set it or remove it")
+        return v
+
+    @model_validator(mode="after")
+    def _pretrained_overrides(self) -> ModelSpec:
+        if self.pretrained is None:
+            if self.revision is not None:
+                raise ValueError("model.revision is set without model.pretrained; set model.pretrained to a Hub id "
+                                 "or remove model.revision")
+            return self
+        bad = sorted(k for k in self.config if k not in PRETRAINED_OVERRIDES)
+        if bad:
+            raise ValueError(f"model.config.{bad[0]} cannot override the architecture of model.pretrained "
+                             f"(the weights fix it); remove it (overridable: {', '.join(sorted(PRETRAINED_OVERRIDES))})")
+        return self
 
 
 class DataSpec(_Frozen):

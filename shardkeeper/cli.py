@@ -224,12 +224,17 @@ def export(
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
     max_shard_size: Annotated[str, typer.Option(help="largest safetensors file, e.g. 5GB, 500MB")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="replace an existing out_dir")] = False,
+    tokenizer_from: Annotated[Optional[Path], typer.Option(help="carry the tokenizer files of this folder "
+                                                           "(default: the run's data.tokenizer or base model's)")] = None,
+    no_tokenizer: Annotated[bool, typer.Option(help="carry no tokenizer files")] = False,
 ) -> None:
-    """Stream a checkpoint into safetensors (+ index, config.json) with bounded memory."""
+    """Stream a checkpoint into safetensors (+ index, config.json, tokenizer files) with bounded memory."""
     from shardkeeper.stages import export_and_record
 
+    if no_tokenizer and tokenizer_from is not None:
+        raise ShardkeeperError("--tokenizer-from and --no-tokenizer: pass one of them")
     res = export_and_record(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                            progress=sys.stderr.isatty())
+                            progress=sys.stderr.isatty(), tokenizer_from=False if no_tokenizer else tokenizer_from)
     out.print(f"exported {res.num_tensors} tensors ({res.total_bytes / 1e6:.1f} MB, {res.dtype}) in {res.num_shards} "
               f"shard(s) to {res.out_dir} in {res.seconds:.2f} s")
 

@@ -92,10 +92,35 @@ def load_run_spec(path: str | Path, overrides: list[str] | None = None) -> RunSp
 
 
 def spec_from_dict(raw: dict[str, Any], source: str) -> RunSpec:
+    raw = _pretrained_model_type(raw)
     try:
         return RunSpec.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(explain(e, source)) from None
+
+
+def _pretrained_model_type(raw: dict[str, Any]) -> dict[str, Any]:
+    """With model.pretrained and no model.model_type, the model type is the pretrained config.json's (read from
+    the folder or the Hub cache, nothing downloaded). When it cannot be read yet, preflight says why. A relative
+    local folder becomes absolute (the ranks, a resume or a flow may run from another directory)."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("pretrained"), str):
+        return raw
+    local = Path(model["pretrained"]).expanduser()
+    if local.is_dir() and not local.is_absolute():  # the ranks may run elsewhere: record where it is
+        model = {**model, "pretrained": str(local.absolute())}
+        raw = {**raw, "model": model}
+    if "model_type" in model:
+        return raw
+    from ckpt.pretrained import read_config, resolve
+    from schemas import ModelSpec
+
+    try:
+        folder, _ = resolve(ModelSpec(pretrained=model["pretrained"], revision=model.get("revision")))
+        model_type = read_config(folder, model["pretrained"])["model_type"]
+    except (ConfigError, ValueError):
+        return raw
+    return {**raw, "model": {**model, "model_type": model_type}}
 
 
 def dump_run_spec(spec: RunSpec) -> str:
@@ -116,6 +141,8 @@ def check_model_config(spec: RunSpec) -> Any:
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    if spec.model.pretrained is not None:
+        return check_pretrained_config(spec)
     mt = spec.model.model_type
     if mt not in CONFIG_MAPPING:
         close = difflib.get_close_matches(mt, list(CONFIG_MAPPING.keys()), n=3)
@@ -139,6 +166,37 @@ def check_model_config(spec: RunSpec) -> Any:
             cfg = AutoConfig.for_model(mt, **kwargs)
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError, TypeError or its own validation errors
         raise ConfigError(f"model.config: transformers refuses this {mt} config ({_first_line(e)}); fix the values") from None
+    return check_positions_and_vocab(spec, cfg)
+
+
+def check_pretrained_config(spec: RunSpec) -> Any:
+    """model.pretrained: the folder (or Hub cache entry), its config.json as transformers reads it with
+    model.config's overrides, its model type against model.model_type."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from ckpt.pretrained import CONFIG, read_config, resolve
+
+    m = spec.model
+    folder, _ = resolve(m, local_files_only=True)
+    raw = read_config(folder, m.pretrained or "")
+    where = folder / CONFIG
+    if raw["model_type"] != m.model_type:
+        raise ConfigError(f"model.model_type {m.model_type!r}: {where} says {raw['model_type']!r}; remove "
+                          "model.model_type (it is taken from the pretrained config) or fix it")
+    if m.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(f"{where}: model_type {m.model_type!r} has no causal LM in transformers "
+                          "(AutoModelForCausalLM); fine-tune a decoder model such as llama, qwen2 or mistral")
+    try:
+        with quiet_transformers():
+            cfg = AutoConfig.from_pretrained(folder, **{"attn_implementation": "sdpa", **m.config})
+    except Exception as e:  # noqa: BLE001 - transformers raises ValueError, TypeError, OSError, its own errors
+        raise ConfigError(f"{where}: transformers cannot read it with model.config's overrides ({_first_line(e)}); "
+                          "fix the overrides or re-save the model") from None
+    return check_positions_and_vocab(spec, cfg)
+
+
+def check_positions_and_vocab(spec: RunSpec, cfg: Any) -> Any:
     positions = getattr(cfg, "max_position_embeddings", None)
     if isinstance(positions, int) and spec.data.seq_len > positions:
         raise ConfigError(f"data.seq_len {spec.data.seq_len}: longer than model.config.max_position_embeddings "

@@ -17,7 +17,8 @@ communication buffers):
   ZeRO-1 the parameters and the gradients;
 * activations of one micro-batch: tokens x layers x (8 x hidden + 4 x intermediate) values
   saved for backward, plus fp32 logits and their gradient (tokens x vocab x 8 B);
-* every rank first builds the whole model on the host in fp32 (parameters x 4 B) before sharding.
+* every rank first builds the whole model on the host in fp32 (parameters x 4 B) before sharding, except
+  a pretrained model under FSDP2 (meta device, then each rank reads its own shards).
 
 Available memory: ``torch.cuda.mem_get_info`` of each local GPU; on the host MemAvailable (psutil
 when installed, else /proc/meminfo), capped by the cgroup limit. Ranks of one node share the host.
@@ -57,7 +58,11 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
     except ValueError as e:
         raise ConfigError(f"world size {topology.world_size}: {e}") from None
     cfg = check_model_config(spec)
-    params = count_parameters(spec, cfg)
+    model = meta_model(spec, cfg)
+    params = sum(p.numel() for p in model.parameters())
+    if spec.model.pretrained is not None:
+        # a run that has a checkpoint resumes from it and never reads the pretrained weights again
+        check_pretrained(spec, cfg, model, weights=not RunDir(Path(run_dir)).committed())
     prepared = check_data(spec, cfg.vocab_size)
     check_memory(spec, topology, params, cfg)
     return prepared
@@ -111,6 +116,11 @@ def cuda_device_count() -> int:
 
 def count_parameters(spec: RunSpec, cfg: Any) -> int:
     """Parameters of the model the ranks will build, counted on the meta device (no memory, ~1 s for 7B)."""
+    return sum(p.numel() for p in meta_model(spec, cfg).parameters())
+
+
+def meta_model(spec: RunSpec, cfg: Any) -> Any:
+    """The model the ranks will build, on the meta device (no memory, ~1 s for 7B)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -127,7 +137,72 @@ def count_parameters(spec: RunSpec, cfg: Any) -> int:
     except Exception as e:  # noqa: BLE001 - model code raises anything (AssertionError, RuntimeError, ...)
         raise ConfigError(f"model.config: transformers cannot build a {mt} model from it "
                           f"({type(e).__name__}: {_one_line(e)}); fix the values") from None
-    return sum(p.numel() for p in model.parameters())
+    return model
+
+
+def check_pretrained(spec: RunSpec, cfg: Any, model: Any, *, weights: bool = True) -> None:
+    """model.pretrained, before any rank starts: weight files that exist and hold every parameter of the model
+    its config.json builds, at its shape (``weights``: only when the run has no checkpoint to resume from); an
+    architecture the backend can shard; a tokenizer that fits."""
+    from ckpt.pretrained import find_tensor, resolve, tensor_index, weight_files
+    from ckpt.state import tied_weights
+
+    m = spec.model
+    source = m.pretrained or ""
+    folder, _ = resolve(m, local_files_only=True)
+    check_shardable(spec, model)
+    check_tokenizer(spec, cfg)
+    if not weights:
+        return
+    index = tensor_index(weight_files(folder, source))
+    tied = tied_weights(model)
+    for name, p in model.named_parameters():
+        st = find_tensor(index, name, tied)
+        if st is None:
+            raise ConfigError(f"model.pretrained {source}: the weight files in {folder} have no tensor {name}, "
+                              f"which its config.json's {type(model).__name__} needs; the folder's weights and "
+                              "config.json are of different models, re-save it with save_pretrained")
+        if st.shape != tuple(p.shape):
+            raise ConfigError(f"model.pretrained {source}: {st.file.name} holds {name} with shape {list(st.shape)}, "
+                              f"config.json builds {list(p.shape)}; the folder's weights and config.json disagree")
+
+
+def check_shardable(spec: RunSpec, model: Any) -> None:
+    """FSDP2 shards transformers' decoder blocks (_no_split_modules); pretrained weights under DeepSpeed are
+    loaded into ZeRO-1/2's full parameters (ZeRO-3 would need the whole model on every rank first)."""
+    if spec.backend == "deepspeed":
+        if spec.deepspeed.zero_stage == 3:
+            raise ConfigError("deepspeed.zero_stage 3 with model.pretrained: not supported (the model would be built "
+                              "whole on every rank before ZeRO-3 partitions it); use deepspeed.zero_stage 1 or 2, "
+                              "or backend fsdp2")
+        return
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if not any(type(mod).__name__ in names for mod in model.modules()):
+        raise ConfigError(f"model.pretrained {spec.model.pretrained}: {type(model).__name__} declares no decoder blocks "
+                          f"FSDP2 can shard one by one (_no_split_modules={sorted(names)}); fine-tune a model type "
+                          "such as llama, qwen2 or mistral, or use backend deepspeed")
+
+
+def check_tokenizer(spec: RunSpec, cfg: Any) -> None:
+    """A tokenizer (data.tokenizer, else the pretrained folder's) whose ids reach past the embeddings would index
+    out of range on the first step."""
+    from ckpt.pretrained import pretrained_tokenizer_path
+
+    folder = pretrained_tokenizer_path(spec)
+    path = folder / "tokenizer.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return
+    from tokenizers import Tokenizer
+
+    try:
+        size = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own Exception type
+        raise ConfigError(f"{path}: not a tokenizer the tokenizers library reads ({_one_line(e)}); re-save it "
+                          "with save_pretrained") from None
+    if size > cfg.vocab_size:
+        raise ConfigError(f"{path}: the tokenizer has {size} tokens but the model's embeddings have vocab_size "
+                          f"{cfg.vocab_size} (config.json); use the model's own tokenizer, or resize the embeddings "
+                          "first (model.resize_token_embeddings + save_pretrained)")
 
 
 def check_data(spec: RunSpec, vocab_size: int, num_proc: int | None = None) -> PreparedData | None:
@@ -193,7 +268,9 @@ def estimate_memory(spec: RunSpec, world: int, params: int, cfg: Any) -> MemoryE
     layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
     elem = 2 if spec.precision.compute == "bf16" else 4
     act = tokens * layers * (8 * hidden + 4 * inter) * elem + tokens * cfg.vocab_size * 8
-    return MemoryEstimate(params=params, state_bytes=state, activation_bytes=act, build_bytes=params * 4)
+    # a pretrained model is built on the meta device and read shard by shard (FSDP2), never whole
+    build = 0 if spec.model.pretrained is not None and spec.backend == "fsdp2" else params * 4
+    return MemoryEstimate(params=params, state_bytes=state, activation_bytes=act, build_bytes=build)
 
 
 def check_memory(spec: RunSpec, topology: ClusterTopology, params: int, cfg: Any) -> None:

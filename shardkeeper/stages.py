@@ -159,6 +159,7 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
     remote = _remote_run(run_dir)  # s3://...: the ranks train in its local cache, shardkeeper.remote mirrors it
     if remote is not None:
         run_dir = remote.local.root
+    fetch_pretrained(spec)  # a Hub id not yet in the huggingface_hub cache: downloaded once, here, never by a rank
     prepared = preflight(spec, topology, run_dir)  # before anything is written: a refused segment leaves no trace
     if remote is not None:
         remote.check_writable()  # unreachable, no credentials, no bucket, read-only: one line, nothing written
@@ -228,6 +229,27 @@ def check_resume_data(rd: RunDir, prepared: PreparedData | None) -> None:
     if changed:
         raise ConfigError(f"{found[0]}: the run was trained on other data: {changed}; resume with the data the run "
                           "started with, or start a new --run-dir")
+
+
+def fetch_pretrained(spec: RunSpec) -> None:
+    """model.pretrained names a Hub id that is not in the cache: download it (config, weights, tokenizer files)
+    unless HF_HUB_OFFLINE is set; then, or when the Hub cannot be reached, preflight's one line says what to do."""
+    import os
+
+    from ckpt.pretrained import is_hub_id, resolve
+    from schemas.errors import ConfigError
+
+    m = spec.model
+    if m.pretrained is None or not is_hub_id(m.pretrained):
+        return
+    try:
+        resolve(m, local_files_only=True)
+        return
+    except ConfigError:
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+            return
+    log.info("downloading %s%s into the Hugging Face cache", m.pretrained, f" @ {m.revision}" if m.revision else "")
+    resolve(m, local_files_only=False)
 
 
 def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, CheckpointManifest] | None:
@@ -408,7 +430,8 @@ def _record_conversion(src: Path, manifest: CheckpointManifest, done: Path, to: 
 
 
 def export_and_record(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str = "float32",
-                      max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False):
+                      max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False,
+                      tokenizer_from: str | Path | bool | None = None):
     """Checkpoint (DCP or DeepSpeed ZeRO) -> safetensors folder (ckpt.export), recorded in the run's lineage.
 
     A ZeRO checkpoint exports in one pass like a DCP one: each fp32 master weight streams straight from
@@ -421,7 +444,8 @@ def export_and_record(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str =
         return export_remote(str(ckpt_dir), str(out_dir), export=_export, dtype=dtype, max_shard_size=max_shard_size,
                              overwrite=overwrite, progress=progress)
     ckpt_dir = Path(ckpt_dir)
-    res = _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
+    res = _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
+                  tokenizer_from=tokenizer_from)
     root = RunDir.of_checkpoint(ckpt_dir)
     if root is not None:
         lineage.record(root, "export", f"export:{Path(res.out_dir).name}:{res.dtype}", parent=f"checkpoint:{ckpt_dir.name}",

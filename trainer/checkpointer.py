@@ -52,7 +52,8 @@ from ckpt.layout import RunDir, step_dir_name
 from ckpt.manifest import write_manifest
 from ckpt.retention import apply_retention
 from schemas.seam import SegmentLaunch
-from schemas import CheckpointManifest, DataRecord, DtypePolicy, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
+from schemas import (BaseModelRecord, CheckpointManifest, DataRecord, DtypePolicy, FileEntry, Fingerprint, HFModelRecord,
+                     ModelSpec, RunSpec, TensorEntry)
 from schemas.data import data_change
 
 from trainer.dist import DistEnv, log0
@@ -137,8 +138,27 @@ class Checkpointer:
         self._lock = threading.Lock()
         self.stats: list[dict[str, float]] = []
         self.last_phases: dict[str, float] = {}
+        # The base model of a pretrained run: hashed by rank 0 in the background at the run's start, or taken
+        # from the checkpoint a segment resumed from; every manifest carries it.
+        self.base_model: BaseModelRecord | Future | None = None
 
-    # ----------------------------------------------------------------- save
+    # ----------------------------------------------------------------- base model
+    def record_base_model(self, spec: ModelSpec) -> None:
+        """Rank 0 starts hashing the pretrained weight files now (a background thread; the first commit waits)."""
+        if self.env.is_rank0:
+            from ckpt.pretrained import base_model_record, resolve
+
+            def record() -> BaseModelRecord:
+                folder, revision = resolve(spec, local_files_only=True)
+                return base_model_record(spec, folder, revision)
+
+            self.base_model = self._reread_pool.submit(record)
+
+    def _base_model_record(self) -> BaseModelRecord | None:
+        if isinstance(self.base_model, Future):
+            self.base_model = self.base_model.result()
+        return self.base_model
+
     # ----------------------------------------------------------------- save
     def save(self, ts: TrainState, *, reason: str, blocking: bool | None = None) -> None:
         """Checkpoint the current state at ``ts.step``. Async unless ``blocking``, the policy says sync or the
@@ -273,6 +293,7 @@ class Checkpointer:
                                      reduce=_DTYPE_NAMES[self.spec.precision.reduce]),  # type: ignore[arg-type]
             parent=self.parent, code_version=code_version(), fingerprint=fingerprint, run_spec=self.spec,
             save_seconds=time.perf_counter() - t0, async_save=async_save, hf_model=self.hf_model, data=self.data,
+            base_model=self._base_model_record(),
         )
         staged = check_staged(partial, manifest)  # exactly the planned files, each of its hashed size
         if staged:
@@ -437,6 +458,7 @@ class Checkpointer:
         ts, exact = self.restore(path, manifest)
         self._check_counters(path, manifest, ts)
         fp.require_match(path, manifest.fingerprint, self.fingerprint(self.env.ctrl_group), exact=exact)
+        self.base_model = manifest.base_model  # the run's base model stays recorded; its weights are not read again
         self._resumed(path, manifest, ts, t0)
         return ts
 

@@ -39,6 +39,7 @@ from trainer.checkpointer import Checkpointer, TrainState, Written
 from trainer.dist import DistEnv, log0
 from trainer.optim import WarmupCosine, build_optimizer
 from trainer.loop import Segment
+from trainer.model import load_pretrained_shards, materialize
 
 log = logging.getLogger("shardkeeper.deepspeed")
 
@@ -81,6 +82,13 @@ class DeepSpeedSegment(Segment):
     def __init__(self, run_dir: RunDir, until_step: int, segment: int, env: DistEnv):
         deepspeed = _import_deepspeed(env)
         model = self._build(run_dir, until_step, segment, env)
+        if self.pretrained:
+            # ZeRO-1/2 keep every parameter whole on every rank: allocate them (uninitialised; start_fresh reads the
+            # pretrained weights, a resume the checkpoint). ZeRO-3 with pretrained weights is refused by preflight.
+            if self.spec.deepspeed.zero_stage == 3:
+                raise CheckpointError("deepspeed.zero_stage 3 with model.pretrained is not supported; use zero_stage "
+                                      "1 or 2, or backend fsdp2")
+            materialize(model, env.device)
         self.config = ds_config(self.spec, env.world_size)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, self.spec),
                                                config=self.config)
@@ -91,6 +99,28 @@ class DeepSpeedSegment(Segment):
         self.ckpt = DeepSpeedCheckpointer(run_dir, self.spec, engine, env, segment=segment, signature=self.signature,
                                           hf_model=self.hf_model)
         self.ckpt.data = self.data_record
+
+    def load_pretrained(self) -> dict[str, float]:
+        """ZeRO-1/2: read every weight into the engine's (whole) parameters, then refresh this rank's fp32 master
+        partition from them, as deepspeed.initialize did from the uninitialised ones."""
+        stats = load_pretrained_shards(self.engine.module, self.spec.model, self.hf_model.tied)
+        if self.spec.precision.compute == "fp32":
+            self.engine.optimizer.refresh_fp32_params()
+            return stats
+        # bf16 parameters would round the fp32 masters: set each master fragment from the file's values instead
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        from ckpt.pretrained import find_tensor, read_rows, resolve, tensor_index, weight_files
+
+        folder, _ = resolve(self.spec.model)
+        index = tensor_index(weight_files(folder, self.spec.model.pretrained or ""))
+        for name, p in self.engine.module.named_parameters():
+            st = find_tensor(index, name, self.hf_model.tied)
+            assert st is not None  # load_pretrained_shards found every one
+            full = torch.empty(st.shape, dtype=torch.float32)
+            read_rows(st, 0, st.shape[0] if st.shape else 1, full)
+            safe_set_full_fp32_param(p, full)
+        return stats
 
     def log_diagnostics(self) -> None:
         c = self.config

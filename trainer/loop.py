@@ -23,7 +23,8 @@ from trainer.checkpointer import TrainState
 from trainer.dcp_backend import DCPCheckpointer
 from trainer.data import GlobalOrderLoader, HeldOutLoader, open_prepared, open_tokens
 from trainer.dist import DistEnv, log0
-from trainer.model import build_model, hf_model_record, model_signature, shard_model
+from trainer.model import (build_model, hf_model_record, load_pretrained_shards, materialize, model_signature,
+                           shard_model)
 from trainer.optim import WarmupCosine, build_optimizer, clip_grad_norm_
 from trainer.signals import PreemptionWatcher
 
@@ -46,6 +47,8 @@ class Segment:
     def __init__(self, run_dir: RunDir, until_step: int, segment: int, env: DistEnv):
         model = self._build(run_dir, until_step, segment, env)
         self.diagnostics = shard_model(model, env.mesh, self.spec)
+        if self.pretrained:  # meta-built: allocate this rank's shards only (filled by the checkpoint or start_fresh)
+            materialize(model, env.device)
         self.model = model
         self.optimizer = build_optimizer(model, self.spec)
         self.schedule = WarmupCosine(self.optimizer, self.spec)
@@ -62,9 +65,10 @@ class Segment:
         self.env = env
         self.spec = load_spec(run_dir)
         self.local_batch = self.spec.per_rank_batch(env.world_size)
+        self.pretrained = self.spec.model.pretrained is not None
         model = build_model(self.spec)
         self.signature = model_signature(self.spec.model, model)
-        self.hf_model = hf_model_record(model)
+        self.hf_model = hf_model_record(model, self.spec.model)
         self.vocab = model.config.vocab_size
         self._open_data()
         self.tokens_per_step = self.spec.global_batch_size * self.spec.data.seq_len
@@ -116,6 +120,20 @@ class Segment:
         loss = float(total) / max(count, 1)
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": count}
 
+    def start_fresh(self) -> TrainState:
+        """No checkpoint to resume from: step 0. A pretrained run reads its shards of the base model's weights
+        now (never on a resume: the checkpoint has them) and rank 0 hashes the weight files meanwhile for the
+        first checkpoint's manifest."""
+        if self.pretrained:
+            self.ckpt.record_base_model(self.spec.model)
+            stats = self.load_pretrained()
+            log0(self.env, "loaded this rank's shards of %s: %.1f MB read in %.2f s", self.spec.model.pretrained,
+                 stats["bytes_read"] / 1e6, stats["seconds"])
+        return TrainState()
+
+    def load_pretrained(self) -> dict[str, float]:
+        return load_pretrained_shards(self.model, self.spec.model, self.hf_model.tied)
+
     def log_diagnostics(self) -> None:
         d = self.diagnostics
         log0(self.env, "[FSDPDiagnostics] fsdp_units=%d (+1 root, %s) total_params=%d world_size=%d device=%s",
@@ -164,7 +182,7 @@ class Segment:
     def _run(self, watcher: PreemptionWatcher) -> int:
         env = self.env
         self.log_diagnostics()
-        ts = self.ckpt.load_latest() or TrainState()
+        ts = self.ckpt.load_latest() or self.start_fresh()
         self.ckpt.warm_up(ts)
         start = ts.step
         if start >= self.until_step:

@@ -5,7 +5,9 @@
 
 (or ``shardkeeper export CKPT OUT --dtype bfloat16``). The folder holds ``config.json``,
 ``generation_config.json``, ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` and
-``model.safetensors.index.json``) and a short ``README.md``.
+``model.safetensors.index.json``), a short ``README.md`` (a model card; for a fine-tune its YAML header names
+``base_model`` with ``base_model_relation: finetune``) and, when the run had a tokenizer (its base model's, or
+``data.tokenizer``), the tokenizer files: ``AutoTokenizer.from_pretrained`` loads the folder too.
 
 How it works, and why:
 
@@ -72,11 +74,12 @@ from ckpt.export.collect import COLLECTORS
 from ckpt.export.model import Background, ModelDescription, check_against_inventory, declared_untied, describe_model, described, model_from_record, name_tensors
 from ckpt.export.layout import plan_shards, plan_tensor_shards, safetensors_header, shard_file_names, write_model_files, write_shards
 from ckpt.export.commit import check_free_space, check_out_dir, commit_folder, temp_dir_for, torch_threads
+from ckpt.export.tokenizer import copy_tokenizer, tokenizer_source
 
 
 def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, dtype: str = "float32",
                       max_shard_size: int | str = "5GB", overwrite: bool = False, progress: bool = False,
-                      deep: bool = False) -> ExportResult:
+                      deep: bool = False, tokenizer_from: str | os.PathLike[str] | bool | None = None) -> ExportResult:
     """Export a committed DCP or deepspeed checkpoint to ``out_dir`` in the ``from_pretrained`` layout.
 
     ``dtype`` is the published dtype of floating tensors (integer/bool tensors keep theirs);
@@ -86,7 +89,9 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     also checks every checksum in the manifest first, and for DCP the fingerprint (the model bytes are
     always CRC-checked: DCP chunks before anything is written, ZeRO partitions as they are copied,
     before the commit). A deepspeed checkpoint is read in one pass where DeepSpeed stored its fp32
-    master weights. Raises ExportError (options, output folder, model mismatch) or CheckpointError
+    master weights. ``tokenizer_from``: where the tokenizer files come from (a folder; None: the run's
+    ``data.tokenizer`` or its base model's folder, see ``ckpt.export.tokenizer``; False: none).
+    Raises ExportError (options, output folder, model mismatch) or CheckpointError
     (the checkpoint), each with a one-line message naming the fix.
     """
     t0 = time.perf_counter()
@@ -95,6 +100,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     limit = parse_size(max_shard_size)
     check_out_dir(ckpt_dir, out_dir, overwrite)
     manifest = check_checkpoint(ckpt_dir, deep)
+    tok_folder, tok_recorded = tokenizer_source(ckpt_dir, manifest, tokenizer_from)
     # The manifest's hf_model record, or else transformers builds the model on the meta device meanwhile.
     describing = (model_from_record(ckpt_dir, manifest, dtype_name)
                   or Background(describe_model, ckpt_dir, manifest, dtype_name))
@@ -120,6 +126,8 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
             if model is None:  # the names were checked against the manifest; now also against transformers
                 model = described(describing, ckpt_dir, by_name, pool)
             hashes.update(write_model_files(tmp, ckpt_dir, manifest, model, dtype_name, shards))
+            if tok_folder is not None:
+                hashes.update(copy_tokenizer(tmp, tok_folder, tok_recorded))
             commit_folder(tmp, out_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

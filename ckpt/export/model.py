@@ -170,20 +170,31 @@ def check_tied(ckpt_dir: Path, target: ExportTensor, source: ExportTensor, pool:
 def readme_text(ckpt_dir: Path, manifest: CheckpointManifest, model: ModelDescription, dtype: str,
             num_params: int, num_shards: int) -> bytes:
     arch = model.architecture
+    base = manifest.base_model
+    header = ["---", "library_name: transformers", "tags:", "- shardkeeper"]
+    if base is not None and base.hub_id:
+        header += [f"base_model: {base.hub_id}", "base_model_relation: finetune"]
+    base_rows = []
+    if base is not None:
+        rev = f" @ {base.resolved_revision or base.revision}" if (base.resolved_revision or base.revision) else ""
+        base_rows = [f"| base model | {base.hub_id or base.source}{rev} (fine-tuned from it) |"]
     lines = [
-        "---", "library_name: transformers", "tags:", "- shardkeeper", "---", "",
+        *header, "---", "",
         f"# {manifest.run_name} at step {manifest.step}", "",
         f"Exported by shardkeeper {__version__} from checkpoint `{ckpt_dir.name}` of run `{manifest.run_name}` "
         "(master weights float32).", "",
         "| | |", "|---|---|",
         f"| architecture | {arch} ({manifest.run_spec.model.model_type}) |",
+        *base_rows,
         f"| parameters | {num_params:,} |",
         f"| dtype | {dtype} |",
         f"| training step | {manifest.step} |",
         f"| tokens seen | {manifest.tokens:,} |",
         f"| safetensors files | {num_shards} |", "",
-        "```python", "from transformers import AutoModelForCausalLM",
-        'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")', "```", "",
+        "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")',
+        'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")  # when the folder has tokenizer files',
+        "```", "",
     ]
     return "\n".join(lines).encode("utf-8")
 

@@ -21,7 +21,7 @@ def model_card(export: ExportFolder, repo_id: str, *, branch: str = "main", line
     from huggingface_hub import ModelCard, ModelCardData
 
     extra = dict(extra or {})
-    metadata = {k: extra.pop(k) for k in list(extra) if k in CARD_METADATA_KEYS}
+    metadata = {**inherited_metadata(export), **{k: extra.pop(k) for k in list(extra) if k in CARD_METADATA_KEYS}}
     model_type = [str(export.config["model_type"])] if export.config.get("model_type") else []
     tags = ["shardkeeper", "safetensors", *model_type, *list(metadata.pop("tags", []) or [])]
     data = ModelCardData(library_name="transformers", tags=list(dict.fromkeys(tags)), **metadata)
@@ -40,6 +40,41 @@ def model_card(export: ExportFolder, repo_id: str, *, branch: str = "main", line
         lines.append("")
     text = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
     return str(ModelCard(text))  # parses the YAML back: a bad metadata value fails here, not on the Hub
+
+
+# What the export's own README.md (written by `shardkeeper export`) says that the Hub card must keep: a
+# fine-tune's base model and relation, and the datasets.
+INHERITED_KEYS = ("base_model", "base_model_relation", "datasets")
+
+
+def inherited_metadata(export: ExportFolder) -> dict[str, Any]:
+    """base_model / base_model_relation / datasets from the export's README.md front matter, else from the
+    source checkpoint's manifest (its base_model record)."""
+    out: dict[str, Any] = {}
+    card = export.root / "README.md"
+    if card.is_file():
+        from huggingface_hub import ModelCard
+
+        try:
+            data = ModelCard.load(card).data.to_dict()
+            out = {k: data[k] for k in INHERITED_KEYS if data.get(k)}
+        except (OSError, ValueError) as err:
+            logger.debug("no metadata from %s (%s)", card, type(err).__name__)
+    if "base_model" not in out:
+        base = manifest_of(export).get("base_model") or {}
+        if isinstance(base, dict) and base.get("hub_id"):
+            out.update(base_model=base["hub_id"], base_model_relation="finetune")
+    return out
+
+
+def manifest_of(export: ExportFolder) -> dict[str, Any]:
+    if not export.checkpoint:
+        return {}
+    try:
+        data = json.loads((Path(export.checkpoint) / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def checkpoint_name(export: ExportFolder) -> str:
@@ -79,10 +114,21 @@ def training_summary(export: ExportFolder) -> dict[str, Any]:
     try:
         manifest = json.loads((ckpt / MANIFEST_NAME).read_text(encoding="utf-8"))
         out = {"run": manifest.get("run_name"), "tokens": manifest.get("tokens"), "segment": manifest.get("segment")}
+        base = manifest.get("base_model") or {}
+        if isinstance(base, dict) and base.get("source"):
+            rev = base.get("resolved_revision") or base.get("revision")
+            out["base model"] = f"{base.get('hub_id') or base['source']}" + (f" @ {rev}" if rev else "")
+        data = (manifest.get("run_spec") or {}).get("data") or {}
+        if isinstance(data, dict) and data.get("dataset"):  # optional: runs on a named dataset
+            out["dataset"] = f"{data['dataset']}" + (f" ({data['split']})" if data.get("split") else "")
         step = manifest.get("step", export.step)
-        losses = [m.get("loss") for m in read_jsonl(RunDir.containing(ckpt).metrics) if m.get("step") == step]
+        rows = read_jsonl(RunDir.containing(ckpt).metrics)
+        losses = [m.get("loss") for m in rows if m.get("step") == step]
         if losses and losses[-1] is not None:
             out["loss"] = round(float(losses[-1]), 6)
+        evals = [m.get("eval_loss") for m in rows if m.get("eval_loss") is not None and (m.get("step") or 0) <= step]
+        if evals:  # optional: runs with held-out evaluation
+            out["eval loss"] = round(float(evals[-1]), 6)
     except (OSError, ValueError, TypeError, AttributeError) as err:
         logger.debug("no training summary from %s (%s)", ckpt, type(err).__name__)
     return {k: v for k, v in out.items() if v is not None}

@@ -41,7 +41,7 @@ RETRY_BACKOFF_S = 0.5
 RETRY_BUDGET_S = 25.0
 HASH_CHUNK = 8 << 20
 CARD_METADATA_KEYS = {"license", "license_name", "license_link", "language", "datasets", "base_model",
-                       "pipeline_tag", "model_name", "tags"}
+                       "base_model_relation", "pipeline_tag", "model_name", "tags"}
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 
