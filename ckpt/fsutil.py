@@ -90,14 +90,13 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line:
-            continue
+    for raw in path.read_bytes().splitlines():
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a torn last line from a crash
+            rec = json.loads(raw.decode("utf-8")) if raw.strip() else None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue  # a torn last line from a crash, or bytes that are no JSON record: not an event
+        if isinstance(rec, dict):
+            out.append(rec)
     return out
 
 

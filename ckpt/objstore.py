@@ -103,6 +103,10 @@ def explain(err: BaseException, url: str, action: str) -> str:
     return f"{url}: cannot {action} ({name}: {text}); check the URL, the credentials and AWS_ENDPOINT_URL"
 
 
+# No request to the store waits forever: a stalled endpoint becomes an error after these (botocore Config).
+STALL_TIMEOUTS = {"connect_timeout": 10, "read_timeout": 120, "retries": {"max_attempts": 4, "mode": "standard"}}
+
+
 def open_fs(url: str, storage_options: dict[str, Any] | None = None, *, probe: bool = False) -> tuple[Any, str]:
     """(filesystem, path without protocol). ``probe``: a fresh instance that fails fast (one attempt,
     short connect timeout), so an unreachable endpoint is reported in seconds, not after minutes of retries."""
@@ -113,6 +117,8 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None, *, probe: b
         options["skip_instance_cache"] = True
         if url.startswith("s3://"):
             options.setdefault("config_kwargs", {"connect_timeout": 5, "read_timeout": 20, "retries": {"max_attempts": 1}})
+    elif url.startswith("s3://"):  # a stalled endpoint fails the request (and is retried a bounded number of times)
+        options.setdefault("config_kwargs", dict(STALL_TIMEOUTS))
     try:
         return fsspec.core.url_to_fs(url, **options)
     except ImportError as err:
@@ -350,7 +356,8 @@ class RemoteRun:
             kwargs.update(aws_access_key_id=fs.key, aws_secret_access_key=fs.secret)
             if getattr(fs, "token", None):
                 kwargs["aws_session_token"] = fs.token
-        config = botocore.config.Config(max_pool_connections=UPLOAD_THREADS * 2, **(getattr(fs, "config_kwargs", None) or {}))
+        options = {**STALL_TIMEOUTS, **(getattr(fs, "config_kwargs", None) or {})}
+        config = botocore.config.Config(max_pool_connections=UPLOAD_THREADS * 2, **options)
         return botocore.session.get_session().create_client("s3", config=config, **kwargs)
 
     def _same_commit_there(self, rel_dir: str, raw: bytes) -> bool:
@@ -400,14 +407,16 @@ class RemoteRun:
             got.append(name)
         return got
 
-    def pull_checkpoint(self, step: int) -> Path:
+    def pull_checkpoint(self, step: int, *, fresh: bool = False) -> Path:
         """Download a committed remote checkpoint into the cache (``checkpoints/step-XXXXXXXX``): every file
         checked for size and xxh3-128 against the manifest, then the manifest written and the folder renamed
-        into place. Returns the local folder (at once if the cache already holds this very commit)."""
+        into place. Returns the local folder (at once if the cache already holds this very commit, unless
+        ``fresh``: then the store's objects are downloaded and checked anyway, as a deep validation must)."""
         raw = self._call("read it", self._read_manifest_bytes, step)
         manifest = parse_manifest(raw, f"{self.checkpoint_uri(step)}/{MANIFEST_NAME}")
         final = self.local.checkpoint(step)
-        if (final / MANIFEST_NAME).is_file() and (final / MANIFEST_NAME).read_bytes() == raw:
+        cached = (final / MANIFEST_NAME).is_file() and (final / MANIFEST_NAME).read_bytes() == raw
+        if cached and not fresh:
             return final
         rel_dir = f"checkpoints/{step_dir_name(step)}"
         problem = self.check_sizes(step, manifest, self._objects(rel_dir))
@@ -427,6 +436,8 @@ class RemoteRun:
                     raise CheckpointError(f"{self.checkpoint_uri(step)}/{rel}: downloaded {got[0]} bytes with checksum "
                                           f"{got[1]}, the manifest says {expected[path][0]} bytes {expected[path][1]}; "
                                           "the stored object is corrupted, pick another step")
+            if cached:  # fresh: the store's objects match the manifest; the cache's copy stays (validated next)
+                return final
             (stage / MANIFEST_NAME).write_bytes(raw)
             for path in [*expected, stage / MANIFEST_NAME]:
                 _fsync(path)

@@ -42,6 +42,7 @@ choice of the segment index (``--segment``).
 from __future__ import annotations
 
 import json
+import hashlib
 import re
 import shutil
 from dataclasses import dataclass
@@ -135,7 +136,10 @@ def check_options(req: LaunchRequest, opts: K8sOptions) -> None:
 def job_name(req: LaunchRequest, opts: K8sOptions) -> str:
     if opts.name:
         return opts.name
-    suffix = f"-s{req.segment}"
+    # A short hash of the whole run directory: two runs whose names fold to the same DNS label (Bad_Name and
+    # bad-name, or two long names cut at the same length) never get the same job name.
+    digest = hashlib.sha256(str(req.run_dir).encode()).hexdigest()[:6]
+    suffix = f"-{digest}-s{req.segment}"
     return dns_name(PurePosixPath(str(req.run_dir)).name, NAME_MAX - len(suffix)) + suffix
 
 
@@ -157,6 +161,8 @@ def torchrun_command(req: LaunchRequest, endpoint: str, rdzv_id: str, grace_s: i
     argv = torchrun_argv("python", req.topology, grace_s, str(req.run_dir), req.until_step, req.segment, rdzv)
     if is_host is None:
         argv = [a for a in argv if not a.startswith("--rdzv-conf=is_host=")]
+    # The kubelet expands $(VAR) in a container's command: a '$(' in the run directory is escaped as '$$('.
+    argv = [a.replace("$(", "$$(") if str(req.run_dir) in a else a for a in argv]
     return ["python", "-m", "launch.k8s_pod", "--", *argv]
 
 

@@ -53,6 +53,52 @@ USABLE_NODE_STATES = ("idle", "mix", "alloc", "comp", "resv", "plnd")
 UNPLACEABLE_AFTER_S = float(os.environ.get("SHARDKEEPER_SLURM_UNPLACEABLE_S", "60"))
 
 
+def check_text(value: str, what: str) -> None:
+    """Refuse text with control characters (a newline in a run directory or an sbatch argument would end a line
+    of the generated batch script: a command of its own)."""
+    bad = [c for c in value if ord(c) < 32 or ord(c) == 127]
+    if bad:
+        raise ConfigError(f"{what} {value!r}: contains control characters ({', '.join(repr(c) for c in sorted(set(bad)))}); "
+                          "use a plain path or value")
+
+
+def script_path(req: LaunchRequest) -> Path:
+    return Path(req.run_dir).resolve() / "slurm" / f"segment-{req.segment}.sbatch"
+
+
+ACTIVE_JOB = "active-job"  # RUN_DIR/slurm/active-job: the id of the job a segment submitted, until it ends
+
+
+def record_job(run_dir: Path, job_id: str) -> None:
+    path = Path(run_dir) / "slurm" / ACTIVE_JOB
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(job_id + "\n")
+    os.replace(tmp, path)
+
+
+def clear_job(run_dir: Path) -> None:
+    (Path(run_dir) / "slurm" / ACTIVE_JOB).unlink(missing_ok=True)
+
+
+def live_job(run_dir: Path) -> SlurmJob | None:
+    """The job an earlier segment of ``run_dir`` submitted, when Slurm still holds it pending or running (its
+    launching command was killed before it could wait for it): a second segment must not start beside it."""
+    try:
+        job_id = (Path(run_dir) / "slurm" / ACTIVE_JOB).read_text().strip()
+    except OSError:
+        return None
+    if not job_id.isdigit() or not environment_ok():
+        return None
+    try:
+        job = job_info(job_id)
+    except SlurmError:
+        return None
+    if job is None or job.state in FINAL_STATES:
+        clear_job(run_dir)
+        return None
+    return job
+
+
 class SlurmError(ShardkeeperError):
     """Slurm could not be reached or refused the job (one line, names the command and the fix)."""
 
@@ -132,6 +178,10 @@ class SlurmLauncher:
                  cancel_settle_s: float = 3.0, unplaceable_after_s: float = UNPLACEABLE_AFTER_S):
         if time_min is not None and time_min < 1:
             raise ConfigError(f"--slurm-time {time_min}: must be a positive number of minutes")
+        for arg in extra_args:
+            check_text(arg, "--slurm-arg")
+        if partition is not None:
+            check_text(partition, "--slurm-partition")
         self.partition = partition
         self.time_min = time_min
         self.grace_s = grace_s
@@ -158,6 +208,10 @@ class SlurmLauncher:
 
     def preflight(self, topology: ClusterTopology) -> None:
         """Refuse, before anything is written, a job the partition can never place."""
+        if self.extra_args:
+            what = "; ".join(self.extra_args)
+            if any(a.split("=", 1)[0] in ("--wrap", "--output", "-o", "--job-name", "-J") for a in self.extra_args):
+                raise ConfigError(f"--slurm-arg {what}: shardkeeper sets --output, --job-name and the script itself")
         where = f"partition {self.partition}" if self.partition else "the default partition"
         try:
             total, usable, cpus = partition_nodes(self.partition)
@@ -177,15 +231,20 @@ class SlurmLauncher:
 
     # -- the job --------------------------------------------------------------------------------------
     def job_name(self, req: LaunchRequest) -> str:
-        return f"shardkeeper-{Path(req.run_dir).name}-s{req.segment}"
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(req.run_dir).name)[:60]
+        return f"shardkeeper-{name}-s{req.segment}"
+
+    def submit_args(self, req: LaunchRequest, output: Path) -> list[str]:
+        """The sbatch options that carry user text (paths, the job name, --slurm-arg): given on sbatch's command
+        line, never as ``#SBATCH`` lines, which sbatch splits at whitespace and which a newline would end."""
+        return [f"--job-name={self.job_name(req)}", f"--output={output}", *self.extra_args]
 
     def batch_script(self, req: LaunchRequest, launch_file: Path, output: Path) -> str:
         topo = req.topology
         q = shlex.quote
         root = str(Path(__file__).resolve().parent.parent)
-        sb = [f"--job-name={self.job_name(req)}", f"--nodes={topo.nodes}", "--ntasks-per-node=1",
-              "--requeue", f"--signal=TERM@{max(1, int(self.grace_s))}", "--open-mode=append",
-              f"--output={output}", "--kill-on-invalid-dep=yes"]
+        sb = [f"--nodes={topo.nodes}", "--ntasks-per-node=1", "--requeue", f"--signal=TERM@{max(1, int(self.grace_s))}",
+              "--open-mode=append", "--kill-on-invalid-dep=yes"]
         if topo.device_type == "cuda":
             sb.append(f"--gpus-per-node={topo.procs_per_node}")
         else:
@@ -194,7 +253,6 @@ class SlurmLauncher:
             sb.append(f"--partition={self.partition}")
         if self.time_min:
             sb.append(f"--time={self.time_min}")
-        sb += list(self.extra_args)
         # The shell expressions are evaluated on each node by the srun task (single-quoted below).
         rdzv = Rendezvous(endpoint='"$SK_RDZV_ADDR:$SK_RDZV_PORT"', run_id='"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"',
                           node_rank='"$SLURM_NODEID"', is_host='"$([ "$SLURM_NODEID" = 0 ] && echo 1 || echo 0)"')
@@ -203,8 +261,11 @@ class SlurmLauncher:
         argv = torchrun_argv(q(self.python), topo, self.grace_s, q(str(Path(req.run_dir).resolve())), req.until_step,
                              req.segment, rdzv, nnodes='"$SLURM_JOB_NUM_NODES"')
         node_cmd = "exec " + " ".join(argv)
-        lines = ["#!/bin/bash", f"# shardkeeper segment {req.segment} of {req.run_dir}: train until step {req.until_step}",
-                 "# generated by launch/slurm.py; resubmit by hand with: sbatch THIS_FILE"]
+        # Every value below is shell-quoted; run directories and sbatch arguments with control characters are
+        # refused before this (check_text), so no line of this script can be ended early by user text.
+        resubmit = " ".join(q(a) for a in ["sbatch", *self.submit_args(req, output), str(script_path(req))])
+        lines = ["#!/bin/bash", f"# shardkeeper segment {req.segment}: train until step {req.until_step}",
+                 f"# generated by launch/slurm.py; resubmit by hand with: {resubmit}"]
         lines += [f"#SBATCH {a}" for a in sb]
         lines += [
             "set -u",
@@ -228,8 +289,8 @@ class SlurmLauncher:
         ]
         return "\n".join(lines) + "\n"
 
-    def submit(self, script: Path) -> str:
-        out = _run(["sbatch", "--parsable", str(script)], f"submitting {script}")
+    def submit(self, script: Path, args: list[str] = ()) -> str:  # type: ignore[assignment]
+        out = _run(["sbatch", "--parsable", *args, str(script)], f"submitting {script}")
         job_id = out.strip().split(";")[0]
         if not job_id.isdigit():
             raise SlurmError(f"sbatch answered {out.strip()!r} for {script}, not a job id")
@@ -251,9 +312,10 @@ class SlurmLauncher:
         # The ranks may run on other machines: no watchdog on this process's pid there.
         launch_file = req.seam(launcher_pid=None).write(run_dir)
         output = jobs_dir / f"segment-{req.segment}.out"
-        script = jobs_dir / f"segment-{req.segment}.sbatch"
+        script = script_path(req)
         script.write_text(self.batch_script(req, launch_file, output))
-        job_id = self.submit(script)
+        job_id = self.submit(script, self.submit_args(req, output))
+        record_job(run_dir, job_id)
         sink(f"shardkeeper: submitted Slurm job {job_id} ({req.topology.nodes} node(s) x {req.topology.procs_per_node} "
              f"rank(s)); output in {output}")
         return _JobWatch(self, req, job_id, output, sink, t0).run()
@@ -289,11 +351,18 @@ class _JobWatch:
         threading.Thread(target=self._stop_job, name="slurm-stop", daemon=True).start()
 
     def _stop_job(self) -> None:
+        """A pending job is cancelled (Slurm refuses to signal it); a running one gets SIGTERM in its steps."""
         try:
-            subprocess.run(["scancel", "--signal=TERM", self.job_id], capture_output=True, timeout=30)
-            subprocess.run(["scancel", "--state=PENDING", self.job_id], capture_output=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
+            job = job_info(self.job_id)
+        except SlurmError:
+            job = None
+        commands = ([["scancel", self.job_id]] if job is not None and job.state == "PENDING"
+                    else [["scancel", "--state=PENDING", self.job_id], ["scancel", "--signal=TERM", self.job_id]])
+        for argv in commands:
+            try:
+                subprocess.run(argv, capture_output=True, timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
 
     def follow(self) -> None:
         try:
@@ -351,6 +420,8 @@ class _JobWatch:
                 signal.signal(sig, prev)  # type: ignore[arg-type]
         time.sleep(0.2)
         self.follow()
+        if last is None or last.state in FINAL_STATES:
+            clear_job(Path(self.req.run_dir).resolve())
         return self._outcome(last)
 
     def _poll_stop(self, job: SlurmJob) -> None:

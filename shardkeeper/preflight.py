@@ -51,6 +51,10 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
     to the ranks, which only open the token files."""
     if not str(run_dir).strip():  # Path("") is the current directory: never train into it by accident
         raise RunDirError("--run-dir '': empty path; pass the run directory, e.g. --run-dir runs/my-run")
+    bad = sorted({c for c in str(run_dir) if ord(c) < 32 or ord(c) == 127})
+    if bad:  # a newline in a path ends a line of a generated batch script or manifest: never a run directory
+        raise RunDirError(f"--run-dir {str(run_dir)!r}: contains control characters ({', '.join(map(repr, bad))}); "
+                          "use a plain path")
     check_run_dir(Path(run_dir))
     check_environment(topology)
     try:

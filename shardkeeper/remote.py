@@ -78,12 +78,15 @@ class Mirror:
         self.remote_newest = committed[-1] if committed else -1
         local = [s for s in self._local_steps() if self.is_valid(r.local.checkpoint(s))]
         newest_local = local[-1] if local else -1
-        for step in reversed(committed):  # the newest whole remote checkpoint the cache lacks
-            if step <= newest_local:
+        # The newest whole remote checkpoint the cache lacks, and the next older whole one: if the ranks refuse
+        # the newest (it loads wrong: they set it aside), they fall back to that one instead of finding none.
+        pulled = 0
+        for step in reversed(committed):
+            if step <= newest_local or pulled == 2:
                 break
             try:
                 r.pull_checkpoint(step)
-                break
+                pulled += 1
             except CheckpointError as e:
                 log.warning("not resuming from %s: %s", r.checkpoint_uri(step), e)
         self._thread = threading.Thread(target=self._loop, name="ckpt-upload", daemon=True)
@@ -156,12 +159,13 @@ def split_checkpoint_url(url: str) -> tuple[RemoteRun, int]:
     return RemoteRun(m.group("run")), parse_step(m.group("name")) or 0
 
 
-def materialize_checkpoint(url: str) -> tuple[RemoteRun, Path]:
+def materialize_checkpoint(url: str, *, fresh: bool = False) -> tuple[RemoteRun, Path]:
     """Download a committed remote checkpoint (and its run's metadata) into the cache; CheckpointError if the
-    store holds no manifest for it or its objects do not match the manifest."""
+    store holds no manifest for it or its objects do not match the manifest. ``fresh``: check the store's
+    objects even when the cache holds the same commit (what a deep validation of a URL means)."""
     remote, step = split_checkpoint_url(url)
     remote.pull_meta()
-    return remote, remote.pull_checkpoint(step)
+    return remote, remote.pull_checkpoint(step, fresh=fresh)
 
 
 def validate_remote(url: str, *, deep: bool, validate: Callable[..., ValidationReport]) -> ValidationReport:
@@ -169,7 +173,7 @@ def validate_remote(url: str, *, deep: bool, validate: Callable[..., ValidationR
     size and checksum (checked while downloading), then the local checks (``deep``: fingerprint too)."""
     t0 = time.perf_counter()
     try:
-        remote, local = materialize_checkpoint(url)
+        remote, local = materialize_checkpoint(url, fresh=deep)
     except CheckpointError as e:
         return ValidationReport(path=url, valid=False, deep=deep, errors=[str(e)], seconds=time.perf_counter() - t0)
     report = validate(local, deep=deep)

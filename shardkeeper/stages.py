@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckpt import lineage
-from schemas.errors import CheckpointError, ConfigError, RunDirError, ShardkeeperError
+from schemas.errors import CheckpointError, ConfigError, RunDirError, RunLockedError, ShardkeeperError
 from ckpt.fsutil import append_jsonl, load_yaml, mkdir_durable, quarantine, read_jsonl
 from ckpt.layout import RunDir, parse_step
 from ckpt.lock import RunLock
@@ -168,6 +168,7 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
     mkdir_durable(rd.root)
     sink = sink or (lambda line: log.info("%s", line))
     with RunLock(rd.root), _mirrored(remote, spec):
+        _no_live_job(rd)
         prepare_run_dir(rd, spec)
         seg = next_segment_index(rd)
         SegmentReport.clear(rd.root)
@@ -206,6 +207,18 @@ def _remote_run(run_dir: str | Path):
     from ckpt.objstore import RemoteRun, is_remote
 
     return RemoteRun(str(run_dir)) if is_remote(run_dir) else None
+
+
+def _no_live_job(rd: RunDir) -> None:
+    """An earlier segment's Slurm job that its killed launching command left pending or running would train
+    beside this segment: refused (exit 3) while Slurm holds it."""
+    from launch.slurm import live_job
+
+    job = live_job(rd.root)
+    if job is not None:
+        raise RunLockedError(f"{rd.root}: Slurm job {job.job_id} of an earlier segment is still {job.state.lower()} "
+                             f"(its launching command was stopped); wait for it to end, or `scancel {job.job_id}`, "
+                             "then train again")
 
 
 def _mirrored(remote, spec: RunSpec):

@@ -5,6 +5,7 @@ launcher hands its ranks, the pod entry's exit codes, the Prefect work-pool temp
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from pathlib import Path
 
@@ -213,7 +214,7 @@ def test_cli_manifest_writes_validated_yaml(tmp_path: Path, capsys: pytest.Captu
     argv = ["manifest", "--config", TINY, "--run-dir", "/data/runs/tiny", "--nodes", "2", "--nproc", "3",
             "--until-step", "40", "--kind", "jobset", "--device", "cpu", "--out", str(out)]
     assert main(argv) == 0
-    assert "JobSet tiny-s0" in capsys.readouterr().err
+    assert re.search(r"JobSet tiny-[0-9a-f]{6}-s0", capsys.readouterr().err)
     config_map, job = yaml.safe_load_all(out.read_text())
     assert not problems(job) and world_size_of(job) == 6
     assert job["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["volumes"][0] == {
@@ -242,3 +243,19 @@ def test_cli_manifest_bad_input_is_one_line(extra: list[str], needle: str, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
     assert not out.exists()
+
+
+def test_names_and_paths_from_user_text_stay_apart_and_literal() -> None:
+    """Run directories whose names fold to one DNS label get different job names; a '$(' in a path is not
+    expanded by the kubelet."""
+    from launch.base import LaunchRequest
+    from launch.kubernetes import K8sOptions, job_name, torchrun_command
+    from schemas import ClusterTopology
+
+    topo = ClusterTopology(nodes=2, procs_per_node=1, launcher="kubernetes")
+    a, b = (LaunchRequest(run_dir=Path(d), until_step=4, segment=0, topology=topo) for d in ("/r/Bad_Name", "/r/bad-name"))
+    opts = K8sOptions(image="img:1")
+    assert job_name(a, opts) != job_name(b, opts)
+    odd = LaunchRequest(run_dir=Path("/data/x$(MASTER_ADDR)y"), until_step=4, segment=0, topology=topo)
+    cmd = torchrun_command(odd, "h:29400", "id", 60, "$(PET_NODE_RANK)", "1")
+    assert "/data/x$$(MASTER_ADDR)y" in cmd and "--node-rank=$(PET_NODE_RANK)" in cmd

@@ -131,7 +131,7 @@ def test_segment_across_two_slurm_nodes_matches_local_bitwise(slurm: dict[str, s
 
 def test_requeue_mid_training_loses_no_step(slurm: dict[str, str], tmp_path: Path, reference: dict[int, dict]) -> None:
     """``scontrol requeue`` = SIGTERM to every rank, then Slurm runs the job again (--requeue)."""
-    run, log = tmp_path / "rq", tmp_path / "rq.log"
+    run, log = tmp_path / "rq run $(x)", tmp_path / "rq.log"  # a space and a '$(' in the path: quoted everywhere
     proc = _start_train(slurm, run, log, "--nodes", "2", "--nproc", "1", "--until-step", str(STEPS))
     job = _wait_for(log, r"submitted Slurm job (\d+)", proc).group(1)
     _wait_for(log, r"committed step-00000020 \(interval", proc)
@@ -195,11 +195,54 @@ def test_sigterm_to_the_launching_cli_stops_the_job_with_a_checkpoint(slurm: dic
     assert_bitwise(reference, metrics(run), range(1, stopped + 1))
 
 
+def test_a_killed_launcher_leaves_no_second_writer_and_a_pending_job_stops_at_once(
+        slurm: dict[str, str], tmp_path: Path) -> None:
+    """kill -9 of `shardkeeper train` while its job is pending: the job stays recorded, a second train of the
+    run directory is refused (exit 3) instead of training beside it; SIGTERM to a train whose job is pending
+    cancels the job within seconds (Slurm refuses to signal a pending job)."""
+    busy = subprocess.run(["sbatch", "--parsable", "-N2", "--exclusive", "--wrap", "sleep 60"], env=slurm,
+                          capture_output=True, text=True)
+    assert busy.returncode == 0, busy.stderr
+    blocker = busy.stdout.strip().split(";")[0]
+    run, log = tmp_path / "pending", tmp_path / "p.log"
+    try:
+        proc = _start_train(slurm, run, log, "--nodes", "2", "--nproc", "1", "--until-step", "8")
+        job = _wait_for(log, r"submitted Slurm job (\d+)", proc).group(1)
+        proc.kill()
+        proc.wait()
+        again = _cli("train", "--config", str(TINY), "--run-dir", str(run), "--launcher", "slurm", "--nodes", "2",
+                     "--nproc", "1", "--until-step", "8", *INTERVAL, env=slurm)
+        err = (again.stdout + again.stderr).strip()
+        assert again.returncode == 3 and f"Slurm job {job} of an earlier segment is still pending" in err, err
+        assert f"scancel {job}" in err and len(err.splitlines()) == 1
+        subprocess.run(["scancel", job], env=slurm, capture_output=True)
+        # The record is cleared once Slurm says the job ended: the next train submits (and is stopped pending).
+        log2 = tmp_path / "p2.log"
+        for _ in range(50):
+            state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=slurm, capture_output=True, text=True)
+            if state.stdout.strip() in ("", "CANCELLED"):
+                break
+            time.sleep(0.2)
+        proc = _start_train(slurm, run, log2, "--nodes", "2", "--nproc", "1", "--until-step", "8")
+        second = _wait_for(log2, r"submitted Slurm job (\d+)", proc).group(1)
+        _wait_for(log2, r"PENDING", proc)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 75, log2.read_text()[-2000:]
+        assert time.monotonic() - t0 < 20, f"a pending job took {time.monotonic() - t0:.0f} s to stop"
+        state = subprocess.run(["scontrol", "show", "job", "-o", second], env=slurm, capture_output=True, text=True)
+        assert "JobState=CANCELLED" in state.stdout, state.stdout
+    finally:
+        subprocess.run(["scancel", blocker], env=slurm, capture_output=True)
+
+
 @pytest.mark.parametrize("args, expect", [
     (["--nodes", "3", "--nproc", "1"], "--nodes 3: the default partition has 2 node(s); use --nodes <= 2"),
     (["--nodes", "1", "--nproc", "3"], "--nproc 3: the nodes of the default partition have 2 CPU(s)"),
     (["--slurm-partition", "nope"], "--slurm-partition nope: no such partition"),
     (["--slurm-time", "0"], "--slurm-time 0: must be a positive number of minutes"),
+    (["--slurm-arg=--comment=x\ntouch /tmp/shardkeeper-injected"], "contains control characters"),
+    (["--slurm-arg=--wrap=id"], "shardkeeper sets --output, --job-name and the script itself"),
 ])
 def test_slurm_bad_input_is_one_line_before_anything_is_written(slurm: dict[str, str], tmp_path: Path,
                                                                  args: list[str], expect: str) -> None:
@@ -209,6 +252,16 @@ def test_slurm_bad_input_is_one_line_before_anything_is_written(slurm: dict[str,
     err = (proc.stdout + proc.stderr).strip()
     assert expect in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert not run.exists()
+
+
+def test_a_run_dir_with_a_newline_never_reaches_a_batch_script(slurm: dict[str, str], tmp_path: Path) -> None:
+    marker = tmp_path / "injected"
+    run = f"{tmp_path}/nl\ntouch {marker}\n#"
+    proc = _cli("train", "--config", str(TINY), "--run-dir", run, "--launcher", "slurm", "--until-step", "2", env=slurm)
+    err = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode not in (0, 75) and "contains control characters" in err and len(err.splitlines()) == 1, err
+    time.sleep(2)
+    assert not marker.exists() and not Path(f"{tmp_path}/nl").exists()
 
 
 def test_unreachable_slurmctld_is_one_line(tmp_path: Path) -> None:
