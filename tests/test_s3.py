@@ -247,12 +247,16 @@ def test_checkpoint_without_manifest_is_never_listed_loaded_or_valid(s3_run: dic
     m = Mirror(remote, tiny_spec(), is_valid=lambda p: True, poll_s=3600)
     m.start()
     m._stop.set()
-    assert [p.name for p in remote.local.committed()] == [f"step-{END:08d}"]
+    # the newest whole one and the next older (the ranks' fallback), never the torn one
+    assert [p.name for p in remote.local.committed()] == [f"step-{END - 1:08d}", f"step-{END:08d}"]
     # a corrupted object under a manifest: refused at download, nothing lands in the cache
     key = next(k for k in _keys(bucket, f"run/checkpoints/step-{END - 1:08d}/") if k.endswith(".distcp"))
     body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     body[100] ^= 0xFF
     client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    with pytest.raises(CheckpointError, match="corrupted"):  # the cache holds a good copy: fresh checks the store
+        remote.pull_checkpoint(END - 1, fresh=True)
+    shutil.rmtree(remote.local.checkpoint(END - 1))
     with pytest.raises(CheckpointError, match="corrupted"):
         remote.pull_checkpoint(END - 1)
     assert not remote.local.checkpoint(END - 1).exists()
