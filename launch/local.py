@@ -124,6 +124,18 @@ def install_early_stop_handlers() -> None:
         signal.signal(sig, remember)
 
 
+def stopped_before_start(req: LaunchRequest, what: str) -> LaunchOutcome | None:
+    """The outcome of a launch that must not start (``what``: "the ranks started", "the job was submitted"):
+    cancelled already, or a stop signal arrived while the CLI was still preparing. None: go ahead."""
+    if req.cancel_check is not None and req.cancel_check():
+        return LaunchOutcome(exit_code=EXIT_CANCELLED, timed_out=False, tail=[f"cancelled before {what}"],
+                             seconds=0.0, cancelled=True)
+    if _pending_stop:
+        return LaunchOutcome(exit_code=128 + _pending_stop[0], timed_out=False, tail=[f"stopped before {what}"],
+                             seconds=0.0, stop_signal=_pending_stop[0])
+    return None
+
+
 def _install_signal_handlers(sup: _Supervisor) -> dict[int, object]:
     """SIGTERM/SIGINT/SIGUSR1 to the launching process stop the segment (only from the main thread)."""
     if threading.current_thread() is not threading.main_thread():
@@ -189,12 +201,9 @@ class LocalTorchrun:
 
     def launch(self, req: LaunchRequest, sink: LogSink) -> LaunchOutcome:
         t0 = time.monotonic()
-        if req.cancel_check is not None and req.cancel_check():
-            return LaunchOutcome(exit_code=EXIT_CANCELLED, timed_out=False, tail=["cancelled before the ranks started"],
-                                 seconds=0.0, cancelled=True)
-        if _pending_stop:
-            return LaunchOutcome(exit_code=128 + _pending_stop[0], timed_out=False, tail=["stopped before the ranks started"],
-                                 seconds=0.0, stop_signal=_pending_stop[0])
+        early = stopped_before_start(req, "the ranks started")
+        if early is not None:
+            return early
         env = self.environment(req)
         procs: list[subprocess.Popen] = []
         sup = _Supervisor(procs, self.grace_s, sink)

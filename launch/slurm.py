@@ -297,15 +297,12 @@ class SlurmLauncher:
         return job_id
 
     def launch(self, req: LaunchRequest, sink: LogSink) -> LaunchOutcome:
-        from launch.local import _pending_stop
+        from launch.local import stopped_before_start
 
         t0 = time.monotonic()
-        if req.cancel_check is not None and req.cancel_check():
-            return LaunchOutcome(exit_code=EXIT_CANCELLED, timed_out=False, tail=["cancelled before the job was submitted"],
-                                 seconds=0.0, cancelled=True)
-        if _pending_stop:
-            return LaunchOutcome(exit_code=128 + _pending_stop[0], timed_out=False,
-                                 tail=["stopped before the job was submitted"], seconds=0.0, stop_signal=_pending_stop[0])
+        early = stopped_before_start(req, "the job was submitted")
+        if early is not None:
+            return early
         run_dir = Path(req.run_dir).resolve()
         jobs_dir = run_dir / "slurm"
         jobs_dir.mkdir(exist_ok=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import subprocess
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -110,6 +111,16 @@ def assert_bitwise(ref: dict[int, dict], got: dict[int, dict], steps: range) -> 
 
 def max_rel(ref: dict[int, dict], got: dict[int, dict], steps: range, key: str = "loss") -> float:
     return max(abs(got[s][key] - ref[s][key]) / abs(ref[s][key]) for s in steps)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM a helper server the tests started, SIGKILL it if it has not exited after 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def copy_run(src: Path, dest: Path) -> Path:

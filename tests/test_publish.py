@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 from ckpt import publish as pub
+from tests.harness import stop_process
 from ckpt.publish import hub as pub_hub
 from schemas.errors import PublishError
 from schemas import LineageEvent
@@ -753,12 +754,7 @@ def s3_endpoint() -> Iterator[str]:
                     time.sleep(0.1)
             yield endpoint
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
 
 
 @pytest.fixture

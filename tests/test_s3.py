@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import free_port, mark_preempted, max_rel, metrics, tiny_spec
+from tests.harness import free_port, mark_preempted, stop_process, max_rel, metrics, tiny_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -57,15 +57,6 @@ def _moto_server(env: dict[str, str] | None = None) -> tuple[subprocess.Popen, s
             time.sleep(0.1)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """A moto_server on loopback; this process's AWS variables point at it for the session."""
@@ -81,7 +72,7 @@ def s3_endpoint() -> Iterator[str]:
         yield endpoint
     finally:
         mp.undo()
-        _stop(proc)
+        stop_process(proc)
 
 
 def _client() -> Any:
@@ -430,7 +421,7 @@ def test_bucket_without_write_permission_is_a_one_line_error_and_nothing_is_writ
         assert listed.get("KeyCount", 0) == 0
         assert not list(cache.rglob("run.yaml"))
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 # ------------------------------------------------------------------------------------------ the flows on s3
