@@ -79,13 +79,26 @@ def versions() -> str:
     return ", ".join(out)
 
 
+def commit() -> str:
+    """The checkout's commit, ``+changes`` when tracked files differ from it."""
+    root = RESULTS.parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", ":!bench/results", ":!README.md"],
+                               cwd=root, timeout=30).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return "unknown commit"
+    return f"commit {rev or '?'}{'+changes' if dirty else ''}"
+
+
 def header(argv: list[str] | None = None) -> str:
     """The line every generated table starts with: date, machine, versions and the command that made it."""
     argv = sys.argv if argv is None else argv
     script = os.path.relpath(os.path.abspath(argv[0]), RESULTS.parent.parent) if argv else "?"
     cmd = " ".join(["python", script, *(shlex.quote(a) for a in argv[1:])])
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return f"_Measured {when} on {machine()}; {versions()}; command: `{cmd}`_"
+    return f"_Measured {when} on {machine()}; {versions()}; {commit()}; command: `{cmd}`_"
 
 
 def publish(name: str, body: str, argv: list[str] | None = None) -> Path:

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -184,16 +182,13 @@ def main(argv: list[str] | None = None) -> int:
                 pages = page_times(server, runs, args.reps)
             finally:
                 server.stop()
-    import torch
+    from benchlib import md_table, publish
 
-    print(f"Lineage dashboard, seconds: median (min–max) of {args.reps} after a warm-up · "
-          f"{datetime.now(timezone.utc):%Y-%m-%d} · {os.cpu_count()} cores, {platform.machine()} · "
-          f"torch {torch.__version__} · {args.segments} segments · `python bench/dashboard_bench.py`\n")
-    print("| checkpoints in lineage | graph (read + layout + PNG) | render (graph + loss + rows) | "
-          "mirror-lineage task (4 artifacts) | graph page in Chromium (image loaded) |")
-    print("|---:|---:|---:|---:|---:|")
-    for n in args.sizes:
-        print(f"| {n:,} | {fmt(graphs[n])} | {fmt(rendered[n])} | {fmt(mirrored.get(n))} | {fmt(pages.get(n))} |")
+    rows = [[f"{n:,}", fmt(graphs[n]), fmt(rendered[n]), fmt(mirrored.get(n)), fmt(pages.get(n))] for n in args.sizes]
+    publish("dashboard", f"Lineage dashboard, seconds: median (min–max) of {args.reps} after a warm-up, "
+            f"{args.segments} segments:\n\n" + md_table(
+                ["checkpoints in lineage", "graph (read + layout + PNG)", "render (graph + loss + rows)",
+                 "mirror-lineage task (4 artifacts)", "graph page in Chromium (image loaded)"], rows, "rrrrr"))
     return 0
 
 

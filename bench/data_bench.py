@@ -158,11 +158,10 @@ def main() -> None:
         n_tok = results["prepare"][0]["tokens"]
         size_mb = corpus.stat().st_size / 1e6
         cpus = len(os.sched_getaffinity(0))
-        print(f"\n{a.docs} documents ({size_mb:.1f} MB jsonl, {n_tok:,} tokens), byte-level BPE 32k, {cpus} CPUs, "
-              f"{a.reps} alternated reps, median (min–max); 1-min load average {load_before:.1f} before, "
-              f"{os.getloadavg()[0]:.1f} after (other processes on the machine)\n")
-        print("| variant | seconds | tokens/s | vs loop (1 thread) |")
-        print("|---|---|---|---|")
+        head = (f"{a.docs} documents ({size_mb:.1f} MB jsonl, {n_tok:,} tokens), byte-level BPE 32k, {cpus} CPUs, "
+                f"{a.reps} alternated reps, median (min–max); 1-min load average {load_before:.1f} before, "
+                f"{os.getloadavg()[0]:.1f} after (other processes on the machine)")
+        table = []
         base = statistics.median(r["seconds"] for r in results["loop-1thread"])
         names = {"prepare": f"`prepare-data` (datasets.map, num_proc={a.num_proc}) + memmap",
                  "prepare-1": "`prepare-data` with num_proc=1 (same code, one process)",
@@ -171,8 +170,12 @@ def main() -> None:
         for k in kinds:
             secs = [r["seconds"] for r in results[k]]
             rates = [n_tok / s for s in secs]
-            print(f"| {names[k]} | {fmt(secs)} | {statistics.median(rates) / 1e6:.2f} M "
-                  f"({min(rates) / 1e6:.2f}–{max(rates) / 1e6:.2f}) | {base / statistics.median(secs):.2f}x |")
+            table.append([names[k], fmt(secs), f"{statistics.median(rates) / 1e6:.2f} M "
+                          f"({min(rates) / 1e6:.2f}–{max(rates) / 1e6:.2f})", f"{base / statistics.median(secs):.2f}x"])
+        from benchlib import md_table, publish
+
+        publish("tokenization", head + ":\n\n" + md_table(["variant", "seconds", "tokens/s", "vs loop (1 thread)"],
+                                                          table))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 END, CUT = 25, 5
 
@@ -66,12 +67,17 @@ def main() -> None:
     got = metrics(cont)
     rows.append(("ZeRO-2 -> FSDP2", "2 -> 2", f"{diff(z2, got):.2e} vs ZeRO-2, {diff(fsdp, got):.2e} vs FSDP2",
                  f"within the backends' noise: {noise:.2e} (uninterrupted FSDP2 vs ZeRO-2, steps 1..{END})"))
-    print(f"\nmax relative loss difference vs the uninterrupted 2-rank run of the same backend, steps "
-          f"{CUT + 1}..{END} (global batch 12, fp32)\n")
-    print("| backend | world size | result | goal |\n|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    from benchlib import md_table, publish
+
+    publish("deepspeed-resume", f"Max relative loss difference against the uninterrupted 2-rank run of the same "
+            f"backend, steps {CUT + 1}..{END} (global batch 12, fp32):\n\n"
+            + md_table(["backend", "world size", "result", "goal"], rows))
     shutil.rmtree(tmp, ignore_errors=True)
+    missed = [r for r in rows if r[3] == "bitwise" and r[2] != "bitwise"
+              or r[3] == "<= 1e-6" and float(r[2]) > 1e-6
+              or r[0] == "ZeRO-2 -> FSDP2" and max(diff(z2, got), diff(fsdp, got)) > max(noise, 1e-6)]
+    if missed:
+        sys.exit(f"deepspeed_resume_bench: goal missed: {missed}")
 
 
 if __name__ == "__main__":

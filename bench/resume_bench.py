@@ -16,6 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 END, CUT = 25, 5
 
@@ -59,12 +60,15 @@ def main() -> None:
     b23 = run("b23", 3, bf16, src=tmp / "b2", seg=1)
     rows.append(("bf16", "2 -> 2", "bitwise" if bitwise(b2, bsame) else f"{diff(b2, bsame):.2e}", "bitwise"))
     rows.append(("bf16", "2 -> 3", f"{diff(b2, b23):.2e}", f"noise 2 vs 3 uninterrupted: {noise:.2e}"))
-    print(f"\nmax relative loss difference vs the uninterrupted 2-rank run, steps {CUT + 1}..{END} "
-          "(global batch 12)\n")
-    print("| compute | world size | result | goal |\n|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    from benchlib import md_table, publish
+
+    publish("resume", f"Max relative loss difference against the uninterrupted 2-rank run, steps {CUT + 1}..{END} "
+            "(global batch 12):\n\n" + md_table(["compute", "world size", "result", "goal"], rows))
     shutil.rmtree(tmp, ignore_errors=True)
+    missed = [r for r in rows if r[3] == "bitwise" and r[2] != "bitwise"
+              or r[3] == "<= 1e-6" and float(r[2]) > 1e-6]
+    if missed:
+        sys.exit(f"resume_bench: goal missed: {missed}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -147,19 +146,16 @@ def main() -> None:
     import statistics
 
     ratio = statistics.median(gbs["push"]) / statistics.median(gbs["raw"])
-    import torch
+    from benchlib import md_table, publish
 
-    print(f"S3 checkpoint push, GB/s: median (min–max) of {args.reps} alternated reps after a warm-up · "
-          f"{time.strftime('%Y-%m-%d')} · {os.cpu_count()} cores, {platform.machine()} · torch {torch.__version__} · "
-          f"{'moto_server on loopback' if proc else endpoint} · checkpoint {nbytes / 1e9:.2f} GB in "
-          f"{nfiles} files\n")
-    print("| upload of the same checkpoint | GB/s | seconds | vs raw |")
-    print("|---|---:|---:|---:|")
-    print(f"| raw multipart put (boto3 S3Transfer, {PART >> 20} MiB parts, {THREADS} threads, all files at once) "
-          f"| {fmt(gbs['raw'], 3)} | {fmt(samples['raw'])} | 1.00× |")
-    print(f"| shardkeeper push (files, size check, manifest last with If-None-Match) | {fmt(gbs['push'], 3)} "
-          f"| {fmt(samples['push'])} | {ratio:.2f}× |")
-    print(f"\nGoal: push ≥ 0.8× raw: {'met' if ratio >= 0.8 else 'NOT met'} ({ratio:.2f}×)")
+    publish("s3", f"S3 checkpoint push, GB/s: median (min–max) of {args.reps} alternated reps after a warm-up, "
+            f"{'moto_server on loopback' if proc else endpoint}, checkpoint {nbytes / 1e9:.2f} GB in {nfiles} files:"
+            "\n\n" + md_table(["upload of the same checkpoint", "GB/s", "seconds", "vs raw"], [
+                [f"raw multipart put (boto3 S3Transfer, {PART >> 20} MiB parts, {THREADS} threads, all files at once)",
+                 fmt(gbs["raw"], 3), fmt(samples["raw"]), "1.00×"],
+                ["shardkeeper push (files, size check, manifest last with If-None-Match)", fmt(gbs["push"], 3),
+                 fmt(samples["push"]), f"{ratio:.2f}×"]], "lrrr")
+            + f"\n\nGoal: push ≥ 0.8× raw: {'met' if ratio >= 0.8 else 'NOT met'} ({ratio:.2f}×)")
 
 
 if __name__ == "__main__":

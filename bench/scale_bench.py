@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
-import platform
 import shutil
 import statistics
 import sys
@@ -177,24 +176,24 @@ def main(argv: list[str] | None = None) -> int:
         for ranks in args.ranks:
             rows.append(measure(Path(tmp), ranks, args.files_per_rank, args.reps))
             shutil.rmtree(Path(tmp) / f"run-{ranks}", ignore_errors=True)
-    import torch
+    from benchlib import md_table, publish
 
-    print(f"Scale on paper, seconds: median (min–max) of {args.reps} after a warm-up · "
-          f"{datetime.now(timezone.utc):%Y-%m-%d} · {os.cpu_count()} cores, {platform.machine()} · torch "
-          f"{torch.__version__} · `python bench/scale_bench.py --files-per-rank {args.files_per_rank}`\n")
-    print("| ranks | files | manifest read + write (rank 0) | one rank's entries at save | validate (quick) | "
-          "retention plan (3 checkpoints) | validate + plan | µs per file (validate) | validate, first in a process | "
-          "retention plan, first in a process |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    table = []
     for r in rows:
         per_file = statistics.median(r["validate"]) / r["files"] * 1e6
         both = [v + p for v, p in zip(r["validate"], r["retention"])]
-        print(f"| {r['ranks']:,} | {r['files']:,} | {fmt(r['manifest'], 3)} | {fmt(r['rank'], 3)} | {fmt(r['validate'], 3)} | "
-              f"{fmt(r['retention'], 3)} | {fmt(both, 3)} | {per_file:.1f} | {fmt(r['validate_cold'], 3)} | "
-              f"{fmt(r['retention_cold'], 3)} |")
+        table.append([f"{r['ranks']:,}", f"{r['files']:,}", fmt(r["manifest"], 3), fmt(r["rank"], 3),
+                      fmt(r["validate"], 3), fmt(r["retention"], 3), fmt(both, 3), f"{per_file:.1f}",
+                      fmt(r["validate_cold"], 3), fmt(r["retention_cold"], 3)])
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print("\nvalidate + plan, process CPU seconds: " + " · ".join(
-        f"{r['ranks']:,} ranks {fmt(r['both_cpu'], 3)}" for r in rows) + f" · load average at the end (1, 5, 15 min): {load}")
+    publish("scale", f"Scale on paper, seconds: median (min–max) of {args.reps} after a warm-up, "
+            f"{args.files_per_rank} data files per rank:\n\n" + md_table(
+                ["ranks", "files", "manifest read + write (rank 0)", "one rank's entries at save", "validate (quick)",
+                 "retention plan (3 checkpoints)", "validate + plan", "µs per file (validate)",
+                 "validate, first in a process", "retention plan, first in a process"], table, "r" * 10)
+            + "\n\nvalidate + plan, process CPU seconds: " + " · ".join(
+                f"{r['ranks']:,} ranks {fmt(r['both_cpu'], 3)}" for r in rows)
+            + f" · load average at the end (1, 5, 15 min): {load}")
     return 0
 
 
