@@ -38,7 +38,8 @@ def fmt(samples: list[float] | None, digits: int = 2) -> str:
 
 # --- tables the README includes: every table carries when, where and how it was measured ---------------------
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
 
 
 def machine() -> str:
@@ -50,7 +51,7 @@ def machine() -> str:
         mem = float("nan")
     disk = "unknown disk"
     try:
-        out = subprocess.run(["df", "--output=source,fstype,size", str(RESULTS.parent)], capture_output=True,
+        out = subprocess.run(["df", "--output=source,fstype,size", str(ROOT)], capture_output=True,
                              text=True, timeout=10).stdout.split("\n")[1].split()
         dev = Path(out[0]).name
         rot = Path(f"/sys/block/{dev}/queue/rotational")
@@ -81,7 +82,7 @@ def versions() -> str:
 
 def commit() -> str:
     """The checkout's commit, ``+changes`` when tracked files differ from it."""
-    root = RESULTS.parent.parent
+    root = ROOT
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=10).stdout.strip()
@@ -95,7 +96,7 @@ def commit() -> str:
 def header(argv: list[str] | None = None) -> str:
     """The line every generated table starts with: date, machine, versions and the command that made it."""
     argv = sys.argv if argv is None else argv
-    script = os.path.relpath(os.path.abspath(argv[0]), RESULTS.parent.parent) if argv else "?"
+    script = os.path.relpath(os.path.abspath(argv[0]), ROOT) if argv else "?"
     cmd = " ".join(["python", script, *(shlex.quote(a) for a in argv[1:])])
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return f"_Measured {when} on {machine()}; {versions()}; {commit()}; command: `{cmd}`_"

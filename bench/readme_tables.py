@@ -24,7 +24,7 @@ def render(readme: str) -> tuple[str, list[str]]:
     def sub(m: re.Match[str]) -> str:
         path = RESULTS / f"{m.group(2)}.md"
         if not path.is_file():
-            problems.append(f"README.md block bench:{m.group(2)}: no {path.relative_to(ROOT)}; run the bench that "
+            problems.append(f"README.md block bench:{m.group(2)}: no bench/results/{path.name}; run the bench that "
                             "publishes it")
             return m.group(0)
         return m.group(1) + path.read_text(encoding="utf-8").rstrip("\n") + "\n" + m.group(4)
@@ -33,7 +33,7 @@ def render(readme: str) -> tuple[str, list[str]]:
     used = set(BLOCK.findall(readme) and [g[1] for g in BLOCK.findall(readme)])
     for path in sorted(RESULTS.glob("*.md")):
         if path.stem not in used:
-            problems.append(f"{path.relative_to(ROOT)}: no <!-- bench:{path.stem} --> block in README.md; add one")
+            problems.append(f"bench/results/{path.name}: no <!-- bench:{path.stem} --> block in README.md; add one")
     return out, problems
 
 
