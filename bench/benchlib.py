@@ -99,7 +99,9 @@ def header(argv: list[str] | None = None) -> str:
     script = os.path.relpath(os.path.abspath(argv[0]), ROOT) if argv else "?"
     cmd = " ".join(["python", script, *(shlex.quote(a) for a in argv[1:])])
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return f"_Measured {when} on {machine()}; {versions()}; {commit()}; command: `{cmd}`_"
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"_Measured {when} on {machine()}; load average {load} (1/5/15 min) when the table was printed; "
+            f"{versions()}; {commit()}; command: `{cmd}`_")
 
 
 def publish(name: str, body: str, argv: list[str] | None = None) -> Path:
