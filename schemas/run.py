@@ -169,7 +169,7 @@ class DeepSpeedSpec(_Frozen):
 class PerformanceSpec(_Frozen):
     """How the ranks execute the same math: faster or leaner, never a different model, data order or optimizer
     update rule. A resume may switch any of these on or off (they are not part of the run's identity); each is
-    off by default and recorded in the segment's diagnostics (log lines, segments.jsonl report, lineage)."""
+    off by default and recorded in the segment's diagnostics (log lines, the segment report, its lineage event)."""
 
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder block's forward during backward instead of keeping its "
