@@ -166,6 +166,30 @@ class DeepSpeedSpec(_Frozen):
     zero_stage: Literal[1, 2, 3] = Field(2, description="ZeRO stage for backend='deepspeed'")
 
 
+class PerformanceSpec(_Frozen):
+    """How the ranks execute the same math: faster or leaner, never a different model, data order or optimizer
+    update rule. A resume may switch any of these on or off (they are not part of the run's identity); each is
+    off by default and recorded in the segment's diagnostics (log lines, the segment report, its lineage event)."""
+
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder block's forward during backward instead of keeping its "
+        "activations (non-reentrant torch.utils.checkpoint per block, parameter names unchanged): activation "
+        "memory drops from every layer's to one block's inputs per layer, for about one more forward (~+30% step time)")
+    compile: bool = Field(
+        False, description="torch.compile each decoder block's forward (in place, before sharding, names "
+        "unchanged): fused elementwise kernels and fewer launches on GPUs, for a compilation at the start of every "
+        "segment (seconds to minutes); needs a C++ compiler (CPU) or Triton (CUDA); not with deepspeed.zero_stage 3")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile mode of performance.compile ('max-autotune*' compile longer)")
+    compile_backend: str = Field(
+        "inductor", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="torch.compile backend of performance.compile (inductor; aot_eager to debug)")
+    adamw_implementation: Literal["foreach", "fused", "for-loop"] = Field(
+        "foreach", description="torch.optim.AdamW implementation: 'foreach' (one batched op per step over all of a rank's "
+        "parameters; temporaries as large as the rank's shards), 'fused' (one fused kernel, fastest on GPUs, no "
+        "large temporaries), 'for-loop' (one parameter at a time: the smallest host-memory temporaries, slowest)")
+
+
 class RunSpec(_Frozen):
     name: str = Field("run", min_length=1, pattern=r"\S", description="human name of the run (shown in lineage and model cards)")
     backend: Literal["fsdp2", "deepspeed"] = Field("fsdp2", description="sharding backend")
@@ -181,6 +205,9 @@ class RunSpec(_Frozen):
     precision: PrecisionSpec = Field(default_factory=PrecisionSpec, description="compute/reduce dtypes")
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy, description="checkpoint policy")
     deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec, description="DeepSpeed options")
+    performance: PerformanceSpec = Field(
+        default_factory=PerformanceSpec, description="execution options (activation checkpointing, torch.compile, "
+        "AdamW kernel): same math, may change between segments")
     eval: EvalSpec | None = Field(None, description="held-out loss and perplexity every eval.interval steps "
                                   "(data.source 'dataset' only); null = no evaluation")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -87,6 +87,9 @@ class SegmentReport(_Frozen):
     world_size: int = Field(ge=1)
     topology: ClusterTopology
     note: str | None = None
+    execution: dict[str, Any] | None = Field(
+        None, description="how the ranks ran the math (performance section as applied: activation-checkpointed and "
+        "compiled blocks, AdamW implementation); recorded on the segment's lineage event")
 
     def write(self, run_dir: Path) -> Path:
         path = Path(run_dir) / REPORT_FILE

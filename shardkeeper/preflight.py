@@ -16,7 +16,9 @@ communication buffers):
   moments) / world size for FSDP2 and ZeRO-3; ZeRO-2 keeps the 4 B parameters whole on each rank,
   ZeRO-1 the parameters and the gradients;
 * activations of one micro-batch: tokens x layers x (8 x hidden + 4 x intermediate) values
-  saved for backward, plus fp32 logits and their gradient (tokens x vocab x 8 B);
+  saved for backward, plus fp32 logits and their gradient (tokens x vocab x 8 B); with
+  ``performance.activation_checkpointing`` each block keeps only its input (tokens x layers x hidden) and
+  one block's activations are live at a time while it is recomputed (tokens x (8 x hidden + 4 x intermediate));
 * every rank first builds the whole model on the host in fp32 (parameters x 4 B) before sharding, except
   a pretrained model under FSDP2 (meta device, then each rank reads its own shards).
 
@@ -67,9 +69,64 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
     if spec.model.pretrained is not None:
         # a run that has a checkpoint resumes from it and never reads the pretrained weights again
         check_pretrained(spec, cfg, model, weights=not RunDir(Path(run_dir)).committed())
+    check_performance(spec, topology)
     prepared = check_data(spec, cfg.vocab_size)
     check_memory(spec, topology, params, cfg)
     return prepared
+
+
+def check_performance(spec: RunSpec, topology: ClusterTopology) -> None:
+    """performance: combinations torch cannot run. What depends on the machine (a C++ compiler, Triton, a fused
+    AdamW kernel for the device) is checked here only for the local launcher: on Slurm or Kubernetes nodes the
+    ranks meet the same condition."""
+    perf = spec.performance
+    if perf.compile:
+        if spec.backend == "deepspeed" and spec.deepspeed.zero_stage == 3:
+            raise ConfigError("performance.compile with deepspeed.zero_stage 3: ZeRO-3 gathers each parameter in "
+                              "hooks that torch.compile cannot trace; use backend fsdp2, zero_stage 1 or 2, or "
+                              "performance.compile: false")
+        if perf.compile_backend != "inductor" and perf.compile_mode != "default":
+            raise ConfigError(f"performance.compile_mode {perf.compile_mode!r} is an inductor option, but "
+                              f"performance.compile_backend is {perf.compile_backend!r}; remove compile_mode or "
+                              "use compile_backend: inductor")
+        import torch._dynamo
+        from torch._dynamo.backends.registry import list_backends
+
+        if not torch._dynamo.is_dynamo_supported():
+            raise ConfigError("performance.compile: torch.compile does not run on this Python/platform "
+                              f"(torch {torch.__version__}); set performance.compile: false")
+        known = list_backends(exclude_tags=())
+        if perf.compile_backend not in known:
+            raise ConfigError(f"performance.compile_backend {perf.compile_backend!r}: not a torch.compile backend; "
+                              "use inductor (or aot_eager to debug)")
+        if topology.launcher == "local" and perf.compile_backend == "inductor":
+            check_inductor(topology.device_type)
+    if perf.adamw_implementation == "fused" and topology.launcher == "local":
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        if topology.device_type not in _get_fused_kernels_supported_devices():
+            raise ConfigError(f"performance.adamw_implementation fused: this torch has no fused AdamW kernel for "
+                              f"{topology.device_type} parameters; use foreach or for-loop")
+
+
+def check_inductor(device_type: str) -> None:
+    """Inductor compiles C++ on the CPU and Triton kernels on CUDA: either must be there."""
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise ConfigError("performance.compile on CUDA needs Triton (torch.compile's inductor writes Triton "
+                              "kernels); pip install triton, or set performance.compile: false")
+        return
+    from torch._inductor import config as inductor_config
+
+    search = inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, (list, tuple)) else (inductor_config.cpp.cxx,)
+    import shutil
+
+    if not any(c and shutil.which(c) for c in search):
+        names = ", ".join(str(c) for c in search if c) or "g++"
+        raise ConfigError(f"performance.compile on CPU needs a C++ compiler (inductor looks for {names}; set CXX "
+                          "to one); install g++, or set performance.compile: false")
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -271,7 +328,11 @@ def estimate_memory(spec: RunSpec, world: int, params: int, cfg: Any) -> MemoryE
     inter = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
     layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
     elem = 2 if spec.precision.compute == "bf16" else 4
-    act = tokens * layers * (8 * hidden + 4 * inter) * elem + tokens * cfg.vocab_size * 8
+    per_layer = tokens * (8 * hidden + 4 * inter) * elem
+    if spec.performance.activation_checkpointing:  # each block keeps its input; one block's are live in backward
+        act = tokens * layers * hidden * elem + per_layer + tokens * cfg.vocab_size * 8
+    else:
+        act = layers * per_layer + tokens * cfg.vocab_size * 8
     # a pretrained model is built on the meta device and read shard by shard (FSDP2), never whole
     build = 0 if spec.model.pretrained is not None and spec.backend == "fsdp2" else params * 4
     return MemoryEstimate(params=params, state_bytes=state, activation_bytes=act, build_bytes=build)

@@ -34,7 +34,9 @@ log = logging.getLogger("shardkeeper")
 
 # Fields of a run's RunSpec that may change between segments without breaking exact resume.
 # eval only reads the model (no RNG, no state): its interval, batches or split may change too.
-MUTABLE_SECTIONS = ("checkpoint", "eval")
+# performance (activation checkpointing, torch.compile, AdamW's implementation) changes how the ranks compute,
+# not the model, data order or update rule: not part of the run's identity.
+MUTABLE_SECTIONS = ("checkpoint", "eval", "performance")
 
 
 def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = "local",
@@ -185,10 +187,12 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         append_jsonl(rd.segments, {"event": "end", **result.model_dump(mode="json", exclude={"topology"})})
         scheduler = ({"scheduler_job": outcome.scheduler_job, "scheduler_state": outcome.scheduler_state,
                       "requeues": outcome.requeues} if outcome.scheduler_job else {})
+        reported = SegmentReport.read(rd.root, seg)  # the performance options as the ranks applied them
+        execution = {"execution": reported.execution} if reported and reported.execution else {}
         lineage.record(rd, "segment", f"segment:{seg}", parent=(f"checkpoint:step-{start_step:08d}" if before else None),
                        step=result.end_step, status=result.status, world_size=topology.world_size,
                        seconds=round(result.seconds, 2), until_step=until_step, launcher=topology.launcher,
-                       nodes=topology.nodes, **scheduler)
+                       nodes=topology.nodes, **scheduler, **execution)
     if remote is not None:
         from shardkeeper.remote import remote_result
 

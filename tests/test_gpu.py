@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,22 @@ def test_cuda_async_save_commits(tmp_path: Path) -> None:
     from ckpt.validate import validate
 
     assert validate(run / "checkpoints" / "step-00000010", deep=True).valid
+
+
+def test_cuda_checkpointing_compile_and_fused_adamw_train_and_resume_exactly(tmp_path: Path) -> None:
+    """The performance options together on one GPU (inductor writes Triton kernels): a resume is bitwise."""
+    spec = tiny_spec(**{"performance.activation_checkpointing": "true", "performance.compile": "true",
+                        "performance.adamw_implementation": "fused"})
+    ref = new_run(tmp_path / "ref", spec)
+    assert spawn(run_segment, 1, str(ref), 10, 0, device="cuda", timeout=900) == [0]
+    run = copy_run_until(ref, tmp_path / "run", 5)
+    assert spawn(run_segment, 1, str(run), 10, 1, device="cuda", timeout=900) == [0]
+    a, b = metrics(ref), metrics(run)
+    assert all(math.isfinite(a[s]["loss"]) for s in range(1, 11))
+    for s in range(6, 11):
+        assert a[s]["loss"] == b[s]["loss"] and a[s]["grad_norm"] == b[s]["grad_norm"], f"step {s}"
+    from schemas.seam import SegmentReport
+
+    assert SegmentReport.read(run, 1).execution == {  # type: ignore[union-attr]
+        "activation_checkpointing": 2, "compiled_blocks": 2, "compile": "inductor/default",
+        "adamw_implementation": "fused"}

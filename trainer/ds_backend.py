@@ -39,7 +39,8 @@ from trainer.checkpointer import Checkpointer, TrainState, Written
 from trainer.dist import DistEnv, log0
 from trainer.optim import WarmupCosine, build_optimizer
 from trainer.loop import Segment
-from trainer.model import load_pretrained_shards, materialize
+from trainer.model import block_modules, load_pretrained_shards, materialize
+from trainer.perf import apply_block_options, describe
 
 log = logging.getLogger("shardkeeper.deepspeed")
 
@@ -89,6 +90,8 @@ class DeepSpeedSegment(Segment):
                 raise CheckpointError("deepspeed.zero_stage 3 with model.pretrained is not supported; use zero_stage "
                                       "1 or 2, or backend fsdp2")
             materialize(model, env.device)
+        # the performance options before DeepSpeed registers its hooks, as for FSDP2 (in place: names unchanged)
+        self.diagnostics = apply_block_options(block_modules(model), self.spec.performance)
         self.config = ds_config(self.spec, env.world_size)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, self.spec),
                                                config=self.config)
@@ -128,6 +131,7 @@ class DeepSpeedSegment(Segment):
              "micro_batch=%d grad_accum=%d clip=%s", self.spec.deepspeed.zero_stage, self.env.world_size,
              self.env.device, self.spec.precision.compute, c["communication_data_type"],
              c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["gradient_clipping"])
+        log0(self.env, "[DeepSpeedDiagnostics] execution: %s", describe(self.diagnostics))
 
     def train_step(self, step: int, phases: dict[str, float | None] | None) -> tuple[float, float, float]:
         lr = self.schedule.set_step(step)
@@ -136,7 +140,7 @@ class DeepSpeedSegment(Segment):
         for inputs, labels in self.loader.rank_batches(step, self.env.rank, self.env.world_size,
                                                        self.spec.micro_batch_size):
             inputs, labels = inputs.to(self.env.device), labels.to(self.env.device)
-            logits = self.engine(input_ids=inputs).logits
+            logits = self.engine(input_ids=inputs, use_cache=False).logits  # no KV cache in training
             loss_sum = F.cross_entropy(logits.float().reshape(-1, self.vocab), labels.reshape(-1), reduction="sum")
             # DeepSpeed averages gradients over ranks (as FSDP does): scaling by the world size makes the
             # result the gradient of the mean over the *global* batch; the 1/accumulation is in

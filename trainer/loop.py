@@ -26,6 +26,7 @@ from trainer.dist import DistEnv, log0
 from trainer.model import (build_model, hf_model_record, load_pretrained_shards, materialize, model_signature,
                            shard_model)
 from trainer.optim import WarmupCosine, build_optimizer, clip_grad_norm_
+from trainer.perf import EXECUTION_KEYS, describe
 from trainer.signals import PreemptionWatcher
 
 log = logging.getLogger("shardkeeper.trainer")
@@ -110,7 +111,7 @@ class Segment:
         with torch.no_grad():
             for b in range(self.spec.eval.batches):
                 inputs, labels = loader.rank_batch(b, env.rank, env.world_size)
-                logits = self.model(input_ids=inputs.to(env.device)).logits
+                logits = self.model(input_ids=inputs.to(env.device), use_cache=False).logits
                 per_token = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.to(env.device).reshape(-1),
                                             reduction="none")
                 total += per_token.to("cpu", torch.float64).sum()
@@ -143,6 +144,7 @@ class Segment:
         sizes = [None] * self.env.world_size
         dist.all_gather_object(sizes, d["local_param_MiB"], group=self.env.ctrl_group)
         log0(self.env, "[FSDPDiagnostics] local_trainable_param_MiB per rank: %s", sizes)
+        log0(self.env, "[FSDPDiagnostics] execution: %s", describe(d))
 
     def train_step(self, step: int, phases: dict[str, float | None] | None) -> tuple[float, float, float]:
         lr = self.schedule.set_step(step)
@@ -153,7 +155,8 @@ class Segment:
             phases["batch_start"] = _peak_mib(self.env)
         for inputs, labels in batches:
             inputs, labels = inputs.to(self.env.device), labels.to(self.env.device)
-            logits = self.model(input_ids=inputs).logits
+            # use_cache=False: no KV cache in training (it would keep every layer's keys and values alive)
+            logits = self.model(input_ids=inputs, use_cache=False).logits
             loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum")
             # FSDP averages gradients over ranks; scaling by the world size makes the result the
             # gradient of the mean over the *global* batch, whatever the world size.
@@ -242,7 +245,8 @@ class Segment:
                        segment=self.segment_index)
 
     def _write_status(self, status: str, start: int, end: int, note: str | None = None) -> None:
-        write_status(self.run_dir, self.env, self.segment_index, status, start, end, note)
+        execution = {k: self.diagnostics[k] for k in EXECUTION_KEYS if k in self.diagnostics}
+        write_status(self.run_dir, self.env, self.segment_index, status, start, end, note, execution=execution)
 
 
 def stopped_early_note(step: int) -> str:
@@ -252,13 +256,13 @@ def stopped_early_note(step: int) -> str:
 
 
 def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start: int, end: int,
-                 note: str | None = None) -> None:
+                 note: str | None = None, execution: dict | None = None) -> None:
     """The segment's report to the launcher (rank 0): a SegmentReport (schemas.seam)."""
     if env.is_rank0:
         ckpt = run_dir.checkpoint(end)
         SegmentReport(segment=segment, status=status, start_step=start, end_step=end,  # type: ignore[arg-type]
                       checkpoint=str(ckpt) if end and ckpt.exists() else None, world_size=env.world_size,
-                      topology=env.topology, note=note).write(run_dir.root)
+                      topology=env.topology, note=note, execution=execution or None).write(run_dir.root)
 
 
 class ProgressLine:

@@ -212,10 +212,14 @@ def block_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, mesh, spec: RunSpec) -> dict[str, Any]:
-    """fully_shard each block, then the root. Returns the diagnostics of what was done."""
+    """The performance options on each block (in place, names unchanged), fully_shard each block, then the
+    root. Returns the diagnostics of what was done."""
+    from trainer.perf import apply_block_options
+
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[spec.precision.compute], reduce_dtype=DTYPES[spec.precision.reduce])
     blocks = block_modules(model)
     block_class = type(blocks[0]).__name__
+    execution = apply_block_options(blocks, spec.performance)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -231,4 +235,5 @@ def shard_model(model: nn.Module, mesh, spec: RunSpec) -> dict[str, Any]:
         "param_dtype": str(mp.param_dtype).removeprefix("torch."),
         "reduce_dtype": str(mp.reduce_dtype).removeprefix("torch."),
         "master_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        **execution,
     }

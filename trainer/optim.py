@@ -8,15 +8,18 @@ import torch
 from torch import nn
 
 from schemas import RunSpec
+from trainer.perf import adamw_kwargs
 
 
 def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
+    """AdamW over two groups (no weight decay on vectors), with performance.adamw_implementation's kernel:
+    the update rule, hyperparameters and state (exp_avg, exp_avg_sq, step) are the same for all three."""
     decay, no_decay = [], []
     for p in model.parameters():
         (decay if p.ndim >= 2 else no_decay).append(p)
     o = spec.optim
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, foreach=True)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, **adamw_kwargs(spec.performance))
 
 
 class WarmupCosine:
