@@ -50,6 +50,7 @@ demo: install
 bench: install
 	$(PY) bench/resume_bench.py
 	$(PY) bench/checkpoint_bench.py
+	$(PY) bench/recovery_bench.py
 	$(PY) bench/export_bench.py
 	$(PY) bench/deepspeed_resume_bench.py
 	$(PY) bench/deepspeed_bench.py

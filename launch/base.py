@@ -45,11 +45,12 @@ class LaunchRequest:
     cancel_check: CancelCheck | None = None
     data: PreparedData | None = None  # data.source 'dataset': the token files prepared by the controller
 
-    def seam(self, launcher_pid: int | None) -> SegmentLaunch:
-        """What the ranks of this request receive."""
+    def seam(self, launcher_pid: int | None, launched_at: float | None = None) -> SegmentLaunch:
+        """What the ranks of this request receive. ``launched_at``: Unix time at which the launcher starts their
+        processes (the origin of the segment's phase times); None where that is not now (a scheduler's queue)."""
         return SegmentLaunch(run_dir=str(Path(self.run_dir).resolve()), until_step=self.until_step,
                              segment=self.segment, topology=self.topology, restart=self.restart,
-                             launcher_pid=launcher_pid, data=self.data)
+                             launcher_pid=launcher_pid, data=self.data, launched_at=launched_at)
 
 
 @dataclass(frozen=True)

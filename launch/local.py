@@ -192,7 +192,8 @@ class LocalTorchrun:
                 for n in range(topo.nodes)]
 
     def environment(self, req: LaunchRequest) -> dict[str, str]:
-        launch_file = req.seam(launcher_pid=os.getpid()).write(req.run_dir)
+        # written just before torchrun starts: the ranks time their start-up phases from here
+        launch_file = req.seam(launcher_pid=os.getpid(), launched_at=time.time()).write(req.run_dir)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
                **req.env, LAUNCH_ENV: str(launch_file)}
         root = str(Path(__file__).resolve().parent.parent)

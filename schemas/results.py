@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.run import ClusterTopology
+from schemas.seam import SegmentTimes
 
 
 class _Frozen(BaseModel):
@@ -35,6 +36,8 @@ class SegmentResult(_Frozen):
     scheduler_state: str | None = Field(None, description="the job's final state as the scheduler reported it")
     requeues: int = Field(0, ge=0, description="times the scheduler requeued the job (each attempt resumed from the "
                                                "latest valid checkpoint)")
+    times: SegmentTimes | None = Field(None, description="when the ranks reached each phase (start-up, first step, "
+                                       "preemption), as they reported it")
 
 
 class ReshardResult(_Frozen):

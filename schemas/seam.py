@@ -50,6 +50,9 @@ class SegmentLaunch(_Frozen):
                                                              "stop when it dies (None: no watchdog on it)")
     data: PreparedData | None = Field(None, description="data.source 'dataset': the token files the controller "
                                       "prepared (the ranks only open them) and their content keys")
+    launched_at: float | None = Field(None, description="Unix time at which the launcher started the ranks' "
+                                      "processes (torchrun); the origin of the segment's SegmentTimes (None: "
+                                      "the earliest rank start is)")
 
     @property
     def device(self) -> str:
@@ -76,6 +79,52 @@ class SegmentLaunch(_Frozen):
         return cls.read(path) if path else None
 
 
+# The start-up phases of a segment, in the order every rank passes them (SegmentTimes' fields, ``*_s``).
+START_PHASES = ("ranks_started", "imports", "process_group", "model_built", "loaded", "first_step")
+
+
+class SegmentTimes(_Frozen):
+    """When the segment reached each phase, in seconds since ``origin``, as the slower rank saw it (the phase is
+    reached when every rank has reached it). Wall-clock times of one host's clock: on several nodes they
+    include the nodes' clock skew. A phase the segment never reached is None."""
+
+    origin: Literal["launcher", "ranks"] = Field(description="t = 0: the launcher starting the ranks' processes "
+                                                 "(SegmentLaunch.launched_at), or the earliest rank's process start")
+    origin_time: float = Field(description="Unix time of t = 0")
+    ranks_started_s: float | None = Field(None, description="every rank's process exists (torchrun's start-up before)")
+    imports_s: float | None = Field(None, description="the rank's modules imported (torch, transformers, ...)")
+    process_group_s: float | None = Field(None, description="the process group (and the gloo side groups) is up")
+    model_built_s: float | None = Field(None, description="model built and sharded, optimizer and Checkpointer made")
+    loaded_s: float | None = Field(None, description="the checkpoint verified (checksums) and loaded (fingerprint and "
+                                   "counters checked), or the fresh state ready")
+    first_step_s: float | None = Field(None, description="the first optimizer step of the segment done on every rank")
+    stop_signal_s: float | None = Field(None, description="the first rank's Python handler saw SIGTERM/SIGUSR1")
+    emergency_saved_s: float | None = Field(None, description="the preemption's checkpoint committed")
+    closed_s: float | None = Field(None, description="the segment's report written (saves and re-reads finished)")
+
+    @property
+    def time_to_first_step_s(self) -> float | None:
+        return self.first_step_s
+
+    @property
+    def emergency_save_s(self) -> float | None:
+        """From the stop signal to the committed checkpoint (the part of a grace period the save takes)."""
+        if self.stop_signal_s is None or self.emergency_saved_s is None:
+            return None
+        return self.emergency_saved_s - self.stop_signal_s
+
+    def start_phases(self) -> dict[str, float]:
+        """Duration of each start-up phase reached (seconds): from the previous phase reached, or from t = 0."""
+        out: dict[str, float] = {}
+        prev = 0.0
+        for name in START_PHASES:
+            at = getattr(self, f"{name}_s")
+            if at is not None:
+                out[name] = at - prev
+                prev = at
+        return out
+
+
 class SegmentReport(_Frozen):
     """What rank 0 writes back when the segment ends."""
 
@@ -90,6 +139,7 @@ class SegmentReport(_Frozen):
     execution: dict[str, Any] | None = Field(
         None, description="how the ranks ran the math (performance section as applied: activation-checkpointed and "
         "compiled blocks, AdamW implementation); recorded on the segment's lineage event")
+    times: SegmentTimes | None = Field(None, description="when the segment reached each phase (start-up, preemption)")
 
     def write(self, run_dir: Path) -> Path:
         path = Path(run_dir) / REPORT_FILE

@@ -117,6 +117,10 @@ def train(
     job = (f" [Slurm job {res.scheduler_job} {res.scheduler_state}"
            f"{f', requeued {res.requeues}x' if res.requeues else ''}]") if res.scheduler_job else ""
     msg = f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} on {where} in {res.seconds:.1f} s{job}"
+    times = res.times
+    if times is not None and times.time_to_first_step_s is not None:
+        msg += f" (first step after {times.time_to_first_step_s:.1f} s"
+        msg += f", emergency checkpoint in {times.emergency_save_s:.1f} s)" if times.emergency_save_s is not None else ")"
     if res.status == "failed":
         console.print(f"error: {msg}: {_failure_line(res.failure)}", markup=False, highlight=False, soft_wrap=True)
     else:
@@ -297,7 +301,8 @@ def lineage_cmd(
         table.add_column(col, overflow="fold")
     for e in events:
         details = ", ".join(f"{k}={v}" for k, v in e.data.items() if k in ("world_size", "reason", "status", "from_world_size",
-                                                                           "to_world_size", "dtype", "method", "target"))
+                                                                           "to_world_size", "dtype", "method", "target", "first_step_s",
+                                                                           "emergency_save_s"))
         parent = e.parent or ""
         if not wide:
             parent = parent.removeprefix("checkpoint:")

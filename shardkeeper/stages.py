@@ -23,7 +23,7 @@ from ckpt.manifest import read_manifest
 from ckpt.retention import sweep_leftovers
 from ckpt.validate import invalid_committed, latest_valid, validate
 from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher
-from schemas.seam import SegmentReport, exit_code_of
+from schemas.seam import SegmentReport, SegmentTimes, exit_code_of
 from schemas import (CheckpointManifest, ClusterTopology, PreparedData, ReshardResult, RunSpec, SegmentResult,
                      ValidationReport, data_change)
 from schemas.requests import RunState
@@ -192,12 +192,21 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         lineage.record(rd, "segment", f"segment:{seg}", parent=(f"checkpoint:step-{start_step:08d}" if before else None),
                        step=result.end_step, status=result.status, world_size=topology.world_size,
                        seconds=round(result.seconds, 2), until_step=until_step, launcher=topology.launcher,
-                       nodes=topology.nodes, **scheduler, **execution)
+                       nodes=topology.nodes, **scheduler, **execution,
+                       **_times_record(result.times))
     if remote is not None:
         from shardkeeper.remote import remote_result
 
         return remote_result(remote, result)
     return result
+
+
+def _times_record(times: SegmentTimes | None) -> dict[str, float]:
+    """The segment's phase times worth a lineage event: time to the first step, the emergency save."""
+    if times is None:
+        return {}
+    out = {"first_step_s": times.time_to_first_step_s, "emergency_save_s": times.emergency_save_s}
+    return {k: round(v, 2) for k, v in out.items() if v is not None}
 
 
 def _is_remote(path: str | Path) -> bool:
@@ -343,6 +352,7 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
         failure=None if status != "failed" else _failure(outcome),
         note=note if status != "failed" else None,
         scheduler_job=outcome.scheduler_job, scheduler_state=outcome.scheduler_state, requeues=outcome.requeues,
+        times=reported.times if reported else None,
     )
 
 

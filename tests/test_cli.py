@@ -173,7 +173,26 @@ def test_sigterm_to_train_commits_and_exits_75_then_same_command_resumes(tmp_pat
     from ckpt.manifest import read_manifest
 
     assert read_manifest(run / "checkpoints" / f"step-{stop:08d}").reason == "preempted"
+    # the preempted segment's phases: SIGTERM seen, then the emergency checkpoint committed, then the report
+    from schemas.seam import SegmentReport
+
+    pre = SegmentReport.model_validate(status).times
+    assert pre is not None and pre.origin == "launcher" and pre.first_step_s is not None
+    assert pre.first_step_s < pre.stop_signal_s < pre.emergency_saved_s <= pre.closed_s
+    assert 0 < pre.emergency_save_s < 120
     again = cli("train", "--config", TINY, "--run-dir", str(run), "--nproc", "2", "--until-step", str(stop + 2))
     assert again.returncode == 0, again.stderr[-2000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == stop + 2 and rows[-1]["segment"] == 1
+    # the resumed segment's start-up: every phase reached, in order, each taking time, timed from the launcher
+    times = SegmentReport.read(run, 1).times
+    phases = times.start_phases()
+    assert list(phases) == ["ranks_started", "imports", "process_group", "model_built", "loaded", "first_step"]
+    assert all(d > 0 for d in phases.values()), phases
+    assert times.stop_signal_s is None and times.emergency_save_s is None
+    assert f"first step after {times.first_step_s:.1f} s" in again.stderr
+    ends = [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines() if '"end"' in x]
+    assert [e["times"]["first_step_s"] for e in ends] == [pre.first_step_s, times.first_step_s]
+    events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
+    seg_events = [e for e in events if e["kind"] == "segment"]
+    assert seg_events[0]["data"]["emergency_save_s"] == round(pre.emergency_save_s, 2)

@@ -97,6 +97,9 @@ def test_sigterm_on_one_rank_commits_then_resumes_exactly(reference: Path, tmp_p
     status = json.loads((run / ".segment-status.json").read_text())
     stop = status["end_step"]
     assert status["status"] == "preempted" and 7 <= stop < 400
+    times = status["times"]  # no launcher here: timed from the earlier rank's process start
+    assert times["origin"] == "ranks" and 0 <= times["ranks_started_s"] < times["first_step_s"]
+    assert times["first_step_s"] < times["stop_signal_s"] < times["emergency_saved_s"] <= times["closed_s"]
     man = read_manifest(run / "checkpoints" / f"step-{stop:08d}")
     assert man.reason == "preempted" and validate(run / "checkpoints" / f"step-{stop:08d}", deep=True).valid
     assert spawn(run_segment, 2, str(run), END, 1) == [0, 0]

@@ -171,3 +171,32 @@ def test_live_tail_reads_whole_new_lines_and_survives_a_restart(tmp_path: Path) 
     assert tail.read() == [{"step": 3}]
     f.write_text('{"step": 1}\n')  # set aside and started again
     assert tail.read() == [{"step": 1}] and tail.read() == []
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adamw_state_for_a_load_matches_what_torch_would_create(amsgrad: bool) -> None:
+    """trainer.optim.init_state stands in for get_state_dict's dummy optimizer step (_init_optim_state): the same
+    state entries, shapes, dtypes and step type, so DCP loads into exactly what it loaded into before."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    from trainer.optim import init_state
+
+    def make() -> torch.optim.AdamW:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+        return torch.optim.AdamW([{"params": [model[0].weight], "weight_decay": 0.1},
+                                  {"params": [model[0].bias, *model[1].parameters()], "weight_decay": 0.0}],
+                                 lr=1e-3, foreach=True, amsgrad=amsgrad)
+
+    ours, theirs = make(), make()
+    before = [p.detach().clone() for g in ours.param_groups for p in g["params"]]
+    init_state(ours)
+    _init_optim_state(theirs)
+    a, b = ours.state_dict()["state"], theirs.state_dict()["state"]
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert sorted(a[k]) == sorted(b[k])
+        for name, v in a[k].items():
+            assert v.dtype == b[k][name].dtype and v.shape == b[k][name].shape and v.device == b[k][name].device, name
+    assert all(torch.equal(x, p) for x, p in zip(before, (p for g in ours.param_groups for p in g["params"])))
+    assert all(p.grad is None for g in ours.param_groups for p in g["params"])

@@ -10,6 +10,8 @@ A failed save (a write error, a disk full, a file missing or of the wrong size a
 one-line CheckpointError on every rank, removes the ``.partial`` directory and commits nothing: the
 previous checkpoint stays the resume point. After a commit rank 0 re-reads the checkpoint in the
 background and records it as verified (ckpt.validate.reread_and_record); retention keeps the newest one.
+Not after a preemption's checkpoint: the ranks must exit within the grace period, and the next load hashes
+every byte anyway (and records it verified then).
 
 Load: the newest checkpoint that passes the quick checks and every checksum is loaded; if the load fails
 (an undecodable record, a fingerprint or counter mismatch) all ranks agree on it, rank 0 quarantines the
@@ -322,6 +324,12 @@ class Checkpointer:
         self._wait_reread()  # retention must see the previous checkpoint's verification
         pol = self.spec.checkpoint
         apply_retention(self.run_dir, keep_last=pol.keep_last, keep_every=pol.keep_every)
+        if reason == "preempted":
+            # Inside the scheduler's grace period the ranks must exit, not re-read gigabytes: the checkpoint stays
+            # unverified until the next segment's load hashes every byte of it (as every load does) and records it
+            # verified; until then retention keeps the newest verified checkpoint as always.
+            log.info("%s: not re-read now (preempted); the next load verifies every byte", final.name)
+            return
         self._reread = self._reread_pool.submit(self._reread_committed, final)
 
     def _reread_committed(self, final: Path) -> None:

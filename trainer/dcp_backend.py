@@ -29,6 +29,7 @@ from ckpt.hashing import hash_files
 from ckpt.state import MOMENTS, reseed
 from schemas import CheckpointManifest, FileEntry, Fingerprint, TensorEntry
 from trainer.checkpointer import Checkpointer, TrainState, Written
+from trainer.optim import init_state
 
 
 class DCPCheckpointer(Checkpointer):
@@ -165,6 +166,7 @@ class DCPCheckpointer(Checkpointer):
     # ----------------------------------------------------------------- load hooks
     def restore(self, path: Path, manifest: CheckpointManifest) -> tuple[TrainState, bool]:
         same_world = manifest.topology.world_size == self.env.world_size
+        init_state(self.optimizer)  # the moments the load fills, without get_state_dict's dummy optimizer step
         sd = self.state_dict(TrainState(), with_rng=same_world)
         load_state(sd, path, process_group=self.env.ckpt_group)
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])

@@ -29,6 +29,7 @@ import threading
 
 from ckpt.fsutil import pid_alive  # stdlib only: safe before torch is imported
 from launch.procs import proc_stat, set_pdeathsig  # stdlib only (launch/__init__ imports nothing heavy)
+from trainer import timeline  # stdlib only
 
 WATCHDOG_PERIOD_S = 0.5
 
@@ -37,6 +38,7 @@ _stop_signum: list[int] = []
 
 
 def _on_stop_signal(signum: int, _frame: object) -> None:
+    timeline.mark("stop_signal")
     _stop_signum.append(signum)
     _stop.set()
 

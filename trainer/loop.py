@@ -28,6 +28,7 @@ from trainer.model import (build_model, hf_model_record, load_pretrained_shards,
 from trainer.optim import WarmupCosine, build_optimizer, clip_grad_norm_
 from trainer.perf import EXECUTION_KEYS, describe
 from trainer.signals import PreemptionWatcher
+from trainer import timeline
 
 log = logging.getLogger("shardkeeper.trainer")
 
@@ -186,6 +187,7 @@ class Segment:
         env = self.env
         self.log_diagnostics()
         ts = self.ckpt.load_latest() or self.start_fresh()
+        timeline.mark("loaded")
         self.ckpt.warm_up(ts)
         start = ts.step
         if start >= self.until_step:
@@ -204,6 +206,7 @@ class Segment:
             t0 = time.perf_counter()
             phases: dict[str, float | None] | None = {} if (env.device.type == "cuda" and ts.step - start < 3) else None
             loss, gnorm, lr = self.train_step(ts.step, phases)
+            timeline.mark("first_step")  # the first mark wins: the segment's first optimizer step, on every rank
             ts = TrainState(step=ts.step + 1, tokens=ts.tokens + self.tokens_per_step,
                             samples=ts.samples + self.spec.global_batch_size)
             if phases:
@@ -221,6 +224,7 @@ class Segment:
             if watcher.should_stop():
                 log0(env, "preemption signal received: committing a checkpoint at step %d", ts.step)
                 self.ckpt.save(ts, reason="preempted", blocking=True)
+                timeline.mark("emergency_saved")
                 status = "preempted"
                 break
             if ts.step % self.spec.checkpoint.interval == 0 and ts.step < self.until_step:
@@ -257,12 +261,18 @@ def stopped_early_note(step: int) -> str:
 
 def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start: int, end: int,
                  note: str | None = None, execution: dict | None = None) -> None:
-    """The segment's report to the launcher (rank 0): a SegmentReport (schemas.seam)."""
+    """The segment's report to the launcher (rank 0): a SegmentReport (schemas.seam), with the time every phase
+    was reached (a collective: every rank's marks are gathered)."""
+    timeline.mark("closed")
+    marks: list[dict[str, float]] = [{} for _ in range(env.world_size)]
+    dist.all_gather_object(marks, timeline.local_marks(), group=env.ctrl_group)
     if env.is_rank0:
+        launch = SegmentLaunch.from_environ()
         ckpt = run_dir.checkpoint(end)
         SegmentReport(segment=segment, status=status, start_step=start, end_step=end,  # type: ignore[arg-type]
                       checkpoint=str(ckpt) if end and ckpt.exists() else None, world_size=env.world_size,
-                      topology=env.topology, note=note, execution=execution or None).write(run_dir.root)
+                      topology=env.topology, note=note, execution=execution or None,
+                      times=timeline.summarize(marks, launch.launched_at if launch else None)).write(run_dir.root)
 
 
 class ProgressLine:

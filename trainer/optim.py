@@ -22,6 +22,33 @@ def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, **adamw_kwargs(spec.performance))
 
 
+@torch.no_grad()
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give AdamW the per-parameter state its first step would create (step 0, zero moments), without a step.
+
+    A load needs the state to exist to have somewhere to put the checkpoint's; torch's ``get_state_dict``
+    would otherwise create it by running a whole optimizer step on zero gradients (``_init_optim_state``:
+    gradients allocated and zeroed, the AdamW arithmetic over every parameter), seconds at 250M parameters.
+    The load then overwrites every tensor and the step (DCP refuses a checkpoint missing any of them)."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    if optimizer.state or not isinstance(optimizer, torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        if group.get("capturable") or group.get("fused"):
+            return  # a device-hosted step: leave it to torch's own initialisation
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            state = {"step": torch.tensor(0.0, dtype=_get_scalar_dtype()),  # as AdamW's _init_group makes it
+                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            optimizer.state[p] = state
+
+
 class WarmupCosine:
     """LR at step s (0-based step about to be taken). Stateless apart from the step it was last set for."""
 

@@ -43,6 +43,9 @@ from schemas.seam import EXIT_PREEMPTED, RANK_ERROR_PREFIX, SegmentLaunch  # noq
 from trainer import lifetime  # noqa: E402
 from trainer.dist import DistEnv, init_distributed, log0  # noqa: E402
 from trainer.loop import Segment, load_spec, stopped_early_note, write_status  # noqa: E402
+from trainer import timeline  # noqa: E402
+
+timeline.mark("imports")  # the rank's heavy imports are done (torch, transformers through trainer.loop)
 
 log = logging.getLogger("shardkeeper.trainer")
 
@@ -58,12 +61,15 @@ def build_segment(run_dir: RunDir, until_step: int, segment: int, env: DistEnv) 
 def run_segment(run_dir: str | Path, until_step: int, segment: int = 0, launch: SegmentLaunch | None = None) -> int:
     """Entry for one rank (torchrun or a spawn harness sets RANK/WORLD_SIZE/MASTER_*). Returns the exit code.
     ``launch``: what the launcher handed the ranks (schemas.seam); None when started by hand."""
+    timeline.begin_segment()
     env = init_distributed(launch)
+    timeline.mark("process_group")
     try:
         rd = RunDir.at(run_dir)
         if stop_agreed(env):  # a SIGTERM during start-up: do not build (and load) a model only to drop it
             return _preempted_before_build(rd, env, segment)
         seg = build_segment(rd, until_step, segment, env)
+        timeline.mark("model_built")
         return seg.run()
     finally:
         if dist.is_initialized():

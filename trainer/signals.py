@@ -12,7 +12,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from trainer import lifetime
+from trainer import lifetime, timeline
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -35,6 +35,7 @@ class PreemptionWatcher:
         return self
 
     def _handle(self, signum: int, _frame: object) -> None:
+        timeline.mark("stop_signal")  # an early signal keeps the time lifetime recorded it at
         self.signum = signum
         self._flag.set()
 

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from schemas.errors import CheckpointError
 from ckpt.formats import safe_pickle
-from ckpt.formats.torchzip import load_bytes
+from ckpt.formats.torchzip import TorchZip, load_bytes
 
 
 def read_metadata(ckpt_dir: str | os.PathLike[str], data: bytes | None = None) -> Metadata:
@@ -71,14 +71,29 @@ def _tensor(data: bytes, where: str) -> torch.Tensor:
     return t
 
 
+def _tensor_at(fd: int, offset: int, length: int, where: str) -> torch.Tensor:
+    """The tensor of the record at bytes [offset, offset + length) of ``fd``: the same checks as ``_tensor`` (extent,
+    zip structure, allow-list, CRC-32 of the storage), but the storage is read from the file straight into the
+    tensor: not first into a buffer of the whole record, then its copy, then a slice of it (three copies less)."""
+    _check_extent(fd, offset, length, where)
+    with TorchZip(fd, offset, length, where) as zf:
+        t = zf.materialize(safe_pickle.TENSOR_RECORD)
+    if not isinstance(t, torch.Tensor):
+        raise CheckpointError(f"{where}: holds a {type(t).__name__}, not one tensor; the checkpoint is corrupted, pick another step")
+    return t
 
-def _pread_record(fd: int, offset: int, length: int, where: str) -> bytes:
-    """The bytes of one record, after checking that the extent ``.metadata`` declares lies inside the file:
-    a crafted length must not make us allocate it (os.pread allocates ``length`` bytes up front)."""
+
+def _check_extent(fd: int, offset: int, length: int, where: str) -> None:
     size = os.fstat(fd).st_size
     if offset < 0 or length < 0 or offset + length > size:
         raise CheckpointError(f"{where}: declares bytes {offset}..{offset + length} of a {size}-byte file; "
                               "the checkpoint is truncated or crafted, pick another step")
+
+
+def _pread_record(fd: int, offset: int, length: int, where: str) -> bytes:
+    """The bytes of one record, after checking that the extent ``.metadata`` declares lies inside the file:
+    a crafted length must not make us allocate it (os.pread allocates ``length`` bytes up front)."""
+    _check_extent(fd, offset, length, where)
     return os.pread(fd, length, offset)
 
 class SafeFileSystemReader(FileSystemReader):
@@ -121,12 +136,13 @@ class SafeFileSystemReader(FileSystemReader):
         where = f"{path}: record of {req.storage_index.fqn} at byte {info.offset}"
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{where} uses DCP stream transforms, which this reader does not support")
-        data = _pread_record(fd, info.offset, info.length, where)
         if req.type == LoadItemType.BYTE_IO:
+            data = _pread_record(fd, info.offset, info.length, where)
             planner.record_where = where  # type: ignore[attr-defined]  # so a refusal names the file
             planner.load_bytes(req, io.BytesIO(data))
             return
-        tensor = narrow_tensor_by_index(_tensor(data, where), req.storage_offsets, req.lengths)
+        tensor = narrow_tensor_by_index(_tensor_at(fd, info.offset, info.length, where), req.storage_offsets,
+                                        req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise CheckpointError(f"{where} holds {list(tensor.size())}, the load plan expects {list(target.size())}; "
