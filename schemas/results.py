@@ -65,6 +65,11 @@ class PublishResult(_Frozen):
     url: str | None = Field(None, description="where to see it")
     skipped: bool = Field(False, description="true when the same bytes were already published (idempotent no-op)")
     files: int = Field(0, description="files uploaded")
+    tag: str | None = Field(None, description="the step's tag on the Hub (step-XXXXXXXX): load it with "
+                                              "from_pretrained(repo, revision=tag)")
+    tag_only: bool = Field(False, description="true when an older step than the newest published one was published: "
+                                              "it got its tag, the branch was not moved backwards")
+    newest_step: int | None = Field(None, description="the newest step published to the repo before this one")
 
 
 class LineageEvent(_Frozen):

@@ -244,7 +244,8 @@ def publish(
     export_dir: Annotated[Path, typer.Argument(help="an export folder")],
     repo_id: Annotated[Optional[str], typer.Option(help="Hub repo ORG/NAME")] = None,
     target: Annotated[Optional[str], typer.Option(help="or an fsspec URL: s3://bucket/prefix, file:///path")] = None,
-    revision: Annotated[Optional[str], typer.Option(help="branch to publish to (default: main)")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="branch to publish to (default: main); every "
+                                                             "step also gets the tag step-XXXXXXXX")] = None,
 ) -> None:
     """Upload an export to the Hub (token from HF_TOKEN or `hf auth login`) or to a bucket; idempotent."""
     from shardkeeper.stages import publish_export
@@ -256,7 +257,13 @@ def publish(
         raise ShardkeeperError(f"{export_dir}: {what}; pass the folder written by `shardkeeper export`")
     res = publish_export(export_dir, repo_id or target or "", revision=revision)
     verb = "already published (same checksums), nothing uploaded" if res.skipped else f"published {res.files} files"
-    out.print(f"{verb}: {res.url or res.target}" + (f" @ {res.revision}" if res.revision else ""))
+    where = f"{res.url or res.target}" + (f" @ {res.revision}" if res.revision else "")
+    if res.tag_only:
+        where += (f" (tag only: the repo already has the newer step {res.newest_step}, so "
+                  f"{revision or 'main'} stays there)")
+    elif res.tag and res.tag != res.revision:
+        where += f" (tag {res.tag})"
+    out.print(f"{verb}: {where}")
 
 
 @app.command("lineage")
