@@ -13,7 +13,8 @@ from schemas import RunSpec
 def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for p in model.parameters():
-        (decay if p.ndim >= 2 else no_decay).append(p)
+        ndim = len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partitioned parameter's own shape is empty
+        (decay if ndim >= 2 else no_decay).append(p)
     o = spec.optim
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, foreach=True)
