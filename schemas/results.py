@@ -71,6 +71,16 @@ class PublishResult(_Frozen):
                                               "it got its tag, the branch was not moved backwards")
     newest_step: int | None = Field(None, description="the newest step published to the repo before this one")
 
+    def line(self) -> str:
+        """What the CLI prints and the flow logs: what was uploaded, where, and whether the branch moved."""
+        verb = "already published (same checksums), nothing uploaded" if self.skipped else f"published {self.files} files"
+        where = f"{self.url or self.target}" + (f" @ {self.revision}" if self.revision else "")
+        if self.tag_only:
+            where += f" (tag only: the repo already has the newer step {self.newest_step}; the branch was not moved back)"
+        elif self.tag and self.tag != self.revision:
+            where += f" (tag {self.tag})"
+        return f"{verb}: {where}"
+
 
 class LineageEvent(_Frozen):
     id: str = Field(description="unique event id, e.g. 'checkpoint:step-00000100'")

@@ -256,14 +256,7 @@ def publish(
         what = "is a file, not an export folder" if export_dir.exists() else "no such export folder"
         raise ShardkeeperError(f"{export_dir}: {what}; pass the folder written by `shardkeeper export`")
     res = publish_export(export_dir, repo_id or target or "", revision=revision)
-    verb = "already published (same checksums), nothing uploaded" if res.skipped else f"published {res.files} files"
-    where = f"{res.url or res.target}" + (f" @ {res.revision}" if res.revision else "")
-    if res.tag_only:
-        where += (f" (tag only: the repo already has the newer step {res.newest_step}, so "
-                  f"{revision or 'main'} stays there)")
-    elif res.tag and res.tag != res.revision:
-        where += f" (tag {res.tag})"
-    out.print(f"{verb}: {where}")
+    out.print(res.line(), markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("lineage")

@@ -522,7 +522,7 @@ def test_publish_hub_fake_api_out_of_order_step_is_tagged_and_main_stays_on_the_
 
     assert main(["publish", str(older), "--repo-id", "org/tiny"]) == 0
     said = capsys.readouterr().out
-    assert "published" in said and "@ step-00000100" in said and "tag only" in said and "newer step 200" in said
+    assert "published" in said and "@ step-00000100" in said and "tag only" in said and "newer step 200" in said and "not moved back" in said
     repo = api.repos["org/tiny"]
     assert repo["branches"] == {"main": head}  # main not moved back; the scratch branch is gone
     assert set(repo["tags"]) == {"step-00000100", "step-00000200"} and repo["tags"]["step-00000200"] == head
