@@ -297,6 +297,26 @@ def test_relative_paths_in_a_config_resolve_against_its_folder(base: Path, tmp_p
     assert load_run_spec(cfg).model.pretrained == "meta-llama/Llama-3.2-1B"
 
 
+def test_read_elements_reads_a_flattened_range_with_and_without_a_cast(base: Path) -> None:
+    """What a ZeRO-3 partition needs: elements [start, start + count) of the row-major tensor, any alignment."""
+    import torch
+
+    from ckpt.pretrained import read_elements, tensor_index, weight_files
+
+    index = tensor_index(weight_files(base, str(base)))
+    st = index["model.embed_tokens.weight"]
+    full = _tensors(base)["model.embed_tokens.weight"].reshape(-1)
+    for start, count in ((0, 7), (13, 101), (full.numel() - 5, 5), (3, 0)):
+        out = torch.empty(count, dtype=torch.float32)
+        read_elements(st, start, count, out)
+        assert torch.equal(out, full[start:start + count])
+        cast = torch.empty(count, dtype=torch.float64)
+        read_elements(st, start, count, cast)
+        assert torch.equal(cast, full[start:start + count].double())
+    with pytest.raises(ValueError):
+        read_elements(st, full.numel() - 2, 3, torch.empty(3))
+
+
 def test_an_unshardable_architecture_is_refused() -> None:
     import torch
 
