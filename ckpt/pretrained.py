@@ -3,8 +3,8 @@ safetensors files hold, reading one rank's rows of a tensor straight into that r
 (``schemas.BaseModelRecord``) a checkpoint keeps of it.
 
 Used by the controller (preflight: the folder, config.json, the weight files, the tokenizer), by the ranks
-(the first segment of a run reads its shards of every weight with ``read_rows``: no rank ever holds the whole
-model) and by the export (which tokenizer files to carry). No transformers import: config.json and the
+(the first segment of a run reads its shards of every weight with ``read_rows``, or its ZeRO-3 partitions
+with ``read_elements``: no rank ever holds the whole model) and by the export (which tokenizer files to carry). No transformers import: config.json and the
 safetensors headers are plain JSON; ``huggingface_hub`` only resolves Hub ids through its cache.
 
 Reading: a safetensors file is an 8-byte header length, a JSON header (name -> dtype, shape, data offsets)
@@ -216,16 +216,30 @@ def find_tensor(index: dict[str, StoredTensor], name: str, tied: dict[str, str])
 def read_rows(t: StoredTensor, start: int, end: int, out: Any) -> int:
     """Read rows ``[start, end)`` of ``t`` (dim 0; a 0-d tensor is one row) into the contiguous CPU tensor ``out``
     of that shape, casting when the dtypes differ. Returns bytes read."""
+    nbytes = (end - start) * t.row_bytes if t.shape else t.end - t.begin
+    return _read_range(t, t.begin + start * t.row_bytes, nbytes, out, f"rows {start}:{end}")
+
+
+def read_elements(t: StoredTensor, start: int, count: int, out: Any) -> int:
+    """Read elements ``[start, start + count)`` of ``t`` flattened (row-major) into the contiguous CPU tensor ``out``
+    of ``count`` elements, casting when the dtypes differ: a ZeRO-3 partition is such a range of the flattened
+    parameter. Returns bytes read."""
+    size = ST_DTYPES[t.dtype]
+    if start < 0 or count < 0 or t.begin + (start + count) * size > t.end:
+        raise ValueError(f"{t.name}: elements {start}:{start + count} are outside its {(t.end - t.begin) // size}")
+    return _read_range(t, t.begin + start * size, count * size, out, f"elements {start}:{start + count}")
+
+
+def _read_range(t: StoredTensor, offset: int, nbytes: int, out: Any, what: str) -> int:
+    """``nbytes`` of ``t``'s file from ``offset`` into ``out`` (preadv straight into its memory when the dtypes
+    agree, else 16 MiB pieces cast with ``copy_``)."""
     import torch
 
     src_dtype = getattr(torch, TORCH_DTYPES[t.dtype])
-    rows = end - start
-    nbytes = rows * t.row_bytes if t.shape else t.end - t.begin
-    offset = t.begin + start * t.row_bytes
     if not out.is_contiguous() or out.device.type != "cpu":
-        raise ValueError("read_rows needs a contiguous CPU tensor")
+        raise ValueError("reading weights needs a contiguous CPU tensor")
     if out.numel() * src_dtype.itemsize != nbytes:
-        raise ValueError(f"{t.name}: rows {start}:{end} are {nbytes} bytes, the destination holds {out.numel()} elements")
+        raise ValueError(f"{t.name}: {what} are {nbytes} bytes, the destination holds {out.numel()} elements")
     if nbytes == 0:
         return 0
     fd = os.open(t.file, os.O_RDONLY)

@@ -68,6 +68,21 @@ class PublishResult(_Frozen):
     url: str | None = Field(None, description="where to see it")
     skipped: bool = Field(False, description="true when the same bytes were already published (idempotent no-op)")
     files: int = Field(0, description="files uploaded")
+    tag: str | None = Field(None, description="the step's tag on the Hub (step-XXXXXXXX): load it with "
+                                              "from_pretrained(repo, revision=tag)")
+    tag_only: bool = Field(False, description="true when an older step than the newest published one was published: "
+                                              "it got its tag, the branch was not moved backwards")
+    newest_step: int | None = Field(None, description="the newest step published to the repo before this one")
+
+    def line(self) -> str:
+        """What the CLI prints and the flow logs: what was uploaded, where, and whether the branch moved."""
+        verb = "already published (same checksums), nothing uploaded" if self.skipped else f"published {self.files} files"
+        where = f"{self.url or self.target}" + (f" @ {self.revision}" if self.revision else "")
+        if self.tag_only:
+            where += f" (tag only: the repo already has the newer step {self.newest_step}; the branch was not moved back)"
+        elif self.tag and self.tag != self.revision:
+            where += f" (tag {self.tag})"
+        return f"{verb}: {where}"
 
 
 class LineageEvent(_Frozen):

@@ -248,7 +248,8 @@ def publish(
     export_dir: Annotated[Path, typer.Argument(help="an export folder")],
     repo_id: Annotated[Optional[str], typer.Option(help="Hub repo ORG/NAME")] = None,
     target: Annotated[Optional[str], typer.Option(help="or an fsspec URL: s3://bucket/prefix, file:///path")] = None,
-    revision: Annotated[Optional[str], typer.Option(help="branch to publish to (default: main)")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="branch to publish to (default: main); every "
+                                                             "step also gets the tag step-XXXXXXXX")] = None,
 ) -> None:
     """Upload an export to the Hub (token from HF_TOKEN or `hf auth login`) or to a bucket; idempotent."""
     from shardkeeper.stages import publish_export
@@ -259,8 +260,7 @@ def publish(
         what = "is a file, not an export folder" if export_dir.exists() else "no such export folder"
         raise ShardkeeperError(f"{export_dir}: {what}; pass the folder written by `shardkeeper export`")
     res = publish_export(export_dir, repo_id or target or "", revision=revision)
-    verb = "already published (same checksums), nothing uploaded" if res.skipped else f"published {res.files} files"
-    out.print(f"{verb}: {res.url or res.target}" + (f" @ {res.revision}" if res.revision else ""))
+    out.print(res.line(), markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("lineage")

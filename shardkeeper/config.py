@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
@@ -86,9 +87,43 @@ def load_run_spec(path: str | Path, overrides: list[str] | None = None) -> RunSp
         raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)}); fix the syntax") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of RunSpec keys at the top level")
-    for key, value in parse_overrides(overrides).items():
+    given = parse_overrides(overrides)
+    raw = resolve_config_paths(raw, path.absolute().parent, skip=set(given))
+    for key, value in given.items():
         _set_path(raw, key, value, f"--set {key}")
+    raw = resolve_config_paths(raw, Path.cwd(), only=set(given))  # typed at a shell: its working directory
     return spec_from_dict(raw, str(path))
+
+
+# Paths a config file may hold: (section, key, may it be a Hub id instead of a local path).
+CONFIG_PATHS = (("model", "pretrained", True), ("data", "dataset", True), ("data", "tokenizer", True),
+                ("data", "path", False))
+
+
+def resolve_config_paths(raw: dict[str, Any], base: Path, *, only: set[str] | None = None,
+                         skip: set[str] | None = None) -> dict[str, Any]:
+    """Relative paths written in a config file resolve against the file's folder, wherever shardkeeper runs from
+    (a flow's worker, a Slurm job, another shell); they are recorded absolute. A value that may be a Hub id
+    (``meta-llama/Llama-3.2-1B``, ``wikitext``) stays as written unless it names something that exists beside
+    the config or starts with ``./`` or ``../``. ``--set`` values are the caller's: relative to the working
+    directory, as typed (``only``: just those dotted keys; ``skip``: not those)."""
+    for section, key, may_be_hub in CONFIG_PATHS:
+        dotted = f"{section}.{key}"
+        if dotted in (skip or ()) or (only is not None and dotted not in only):
+            continue
+        block = raw.get(section)
+        value = block.get(key) if isinstance(block, dict) else None
+        if not isinstance(value, str) or not value or "://" in value:
+            continue
+        path = Path(value).expanduser()
+        if path.is_absolute():
+            continue
+        candidate = Path(os.path.normpath(base / path))
+        explicit = value.startswith(("./", "../")) or value in (".", "..")
+        if may_be_hub and not explicit and not candidate.exists():
+            continue
+        raw = {**raw, section: {**block, key: str(candidate)}}  # type: ignore[dict-item]
+    return raw
 
 
 def spec_from_dict(raw: dict[str, Any], source: str) -> RunSpec:

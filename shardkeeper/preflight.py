@@ -229,13 +229,9 @@ def check_pretrained(spec: RunSpec, cfg: Any, model: Any, *, weights: bool = Tru
 
 
 def check_shardable(spec: RunSpec, model: Any) -> None:
-    """FSDP2 shards transformers' decoder blocks (_no_split_modules); pretrained weights under DeepSpeed are
-    loaded into ZeRO-1/2's full parameters (ZeRO-3 would need the whole model on every rank first)."""
+    """FSDP2 shards transformers' decoder blocks (_no_split_modules); DeepSpeed takes any module (ZeRO-1/2 read
+    the pretrained weights into full parameters, ZeRO-3 into each rank's partitions: trainer.ds_zero3)."""
     if spec.backend == "deepspeed":
-        if spec.deepspeed.zero_stage == 3:
-            raise ConfigError("deepspeed.zero_stage 3 with model.pretrained: not supported (the model would be built "
-                              "whole on every rank before ZeRO-3 partitions it); use deepspeed.zero_stage 1 or 2, "
-                              "or backend fsdp2")
         return
     names = set(getattr(model, "_no_split_modules", None) or [])
     if not any(type(mod).__name__ in names for mod in model.modules()):

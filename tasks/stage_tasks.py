@@ -256,8 +256,7 @@ def publish(export_dir: str, target: str, revision: str | None = None, run_dir: 
     from shardkeeper import stages
 
     result = stages.publish_export(export_dir, target, revision=revision, run_dir=run_dir)
-    verb = "already published (same checksums)" if result.skipped else f"published {result.files} files"
-    get_run_logger().info("%s: %s%s", verb, result.url or result.target, f" @ {result.revision}" if result.revision else "")
+    get_run_logger().info("%s", result.line())
     return result
 
 

@@ -2,10 +2,11 @@
 infra.make_tiny_pretrained (tied embeddings, weights in 4 safetensors shards, BPE tokenizer with a chat template,
 a generation config), trained on 2 real gloo ranks through shardkeeper.stages.
 
-Five torchrun launches in all: lr 1e-12 for 3 steps then export (the pretrained tensors come back, the export
+Eight torchrun launches in all: lr 1e-12 for 3 steps then export (the pretrained tensors come back, the export
 loads with from_pretrained + AutoTokenizer and carries the card metadata); a real fine-tune to step 6, resumed
 from step 3 at 2 ranks (bitwise) and at 3 ranks (<= 1e-6) after the base model's weight files were deleted (a
-resume never reads them); DeepSpeed ZeRO-2 with lr 1e-12. Bad input: one line, nothing written, no launch.
+resume never reads them); DeepSpeed ZeRO-2 with lr 1e-12; ZeRO-3 with lr 1e-12 (first-step loss = FSDP2's) and a
+ZeRO-3 resume from step 3 (bitwise). Bad input: one line, nothing written, no launch.
 """
 
 from __future__ import annotations
@@ -60,8 +61,15 @@ def _tensors(folder: Path) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def fsdp_lr0(base: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """FSDP2, lr 1e-12, 3 steps at 2 ranks (shared: its first-step loss is the ZeRO-3 test's reference)."""
+    run = tmp_path_factory.mktemp("fsdp-lr0") / "run"
+    return run, _train(_spec(base, "optim.lr=1e-12"), run, 2, 3)
+
+
 @pytest.mark.slow
-def test_lr_zero_returns_the_pretrained_tensors_and_a_usable_export(base: Path, tmp_path: Path) -> None:
+def test_lr_zero_returns_the_pretrained_tensors_and_a_usable_export(base: Path, fsdp_lr0: tuple[Path, list[str]]) -> None:
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -69,8 +77,7 @@ def test_lr_zero_returns_the_pretrained_tensors_and_a_usable_export(base: Path, 
     from ckpt.publish import load_export, model_card
     from shardkeeper.stages import export_and_record
 
-    run = tmp_path / "run"
-    lines = _train(_spec(base, "optim.lr=1e-12"), run, 2, 3)
+    run, lines = fsdp_lr0
     assert any("loaded this rank's shards" in ln for ln in lines)
     ckpt = run / "checkpoints" / "step-00000003"
 
@@ -152,6 +159,35 @@ def test_deepspeed_zero2_starts_from_the_pretrained_weights(base: Path, tmp_path
     assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-7
 
 
+@pytest.mark.slow
+def test_deepspeed_zero3_reads_each_rank_partition_and_resumes_exactly(
+        base: Path, fsdp_lr0: tuple[Path, list[str]], tmp_path: Path) -> None:
+    """ZeRO-3 built under zero.Init, each rank's partitions read from the files (trainer.ds_zero3): lr 1e-12
+    then export gives the pretrained tensors back (tied pair included); the first-step loss is FSDP2's from
+    the same folder; a resume from step 3 at 2 ranks is bitwise."""
+    from shardkeeper.stages import export_and_record
+
+    zero3 = ("backend=deepspeed", "deepspeed.zero_stage=3")
+    lr0 = tmp_path / "lr0"
+    lines = _train(_spec(base, "optim.lr=1e-12", *zero3), lr0, 2, 2)
+    assert any("loaded this rank's shards" in ln for ln in lines)
+    export_and_record(lr0 / "checkpoints" / "step-00000002", lr0 / "export")
+    want, got = _tensors(base), _tensors(lr0 / "export")
+    assert sorted(got) == sorted(want) and "lm_head.weight" not in got
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-7
+    first = metrics(fsdp_lr0[0])[1]["loss"]
+    assert abs(metrics(lr0)[1]["loss"] - first) <= 1e-6 * abs(first), (metrics(lr0)[1]["loss"], first)
+
+    spec = _spec(base, "optim.lr=3e-3", *zero3)
+    ref = tmp_path / "ref"
+    _train(spec, ref, 2, 6)
+    resumed = copy_run_until(ref, tmp_path / "resumed", 3)
+    lines = _train(spec, resumed, 2, 6)
+    assert not any("loaded this rank's shards" in ln for ln in lines)  # the checkpoint, not the base weights
+    assert_bitwise(metrics(ref), metrics(resumed), range(4, 7))
+    assert metrics(ref)[6]["loss"] != metrics(ref)[1]["loss"]  # it trained
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 def _refused(spec, run: Path) -> str:
     """preflight's one line; nothing written."""
@@ -208,8 +244,6 @@ def test_bad_pretrained_input_is_one_line(base: Path, tmp_path: Path, monkeypatc
     assert "model.config.hidden_size cannot override" in str(e.value)
     assert "only applies to a Hub id" in _refused(_spec(base, "model.revision=main"), run)
     assert "says 'llama'" in _refused(_spec(base, "model.model_type=qwen2"), run)
-    # ZeRO-3 would build the whole model on every rank first: refused
-    assert "zero_stage 3" in _refused(_spec(base, "backend=deepspeed", "deepspeed.zero_stage=3"), run)
     # a Hub id that is not in the (empty) cache while offline
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf-cache"))
@@ -220,6 +254,67 @@ def test_bad_pretrained_input_is_one_line(base: Path, tmp_path: Path, monkeypatc
     fetch_pretrained(spec)  # offline: no download attempted; preflight says what to do
     line = _refused(spec, run)
     assert "nobody/not-cached" in line and "not in the Hugging Face cache" in line and "hf download" in line
+
+
+def test_relative_paths_in_a_config_resolve_against_its_folder(base: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """model.pretrained / data.dataset / data.tokenizer written relative in a config file: against the file's
+    folder, from another working directory, in the CLI (prepare-data really reads them) and in the flow's
+    load_spec task; --set values against the working directory; a Hub id stays one."""
+    import yaml
+
+    from shardkeeper.cli import main
+    from shardkeeper.config import load_run_spec
+    from tasks.stage_tasks import load_spec
+    from tests.harness import make_text_rows, write_jsonl
+
+    proj = tmp_path / "proj"
+    shutil.copytree(base, proj / "models" / "base")
+    write_jsonl(proj / "data" / "train.jsonl", make_text_rows(30))
+    raw = yaml.safe_load(FINETUNE.read_text())
+    raw["model"]["pretrained"] = "../models/base"
+    raw["data"] = {"source": "dataset", "dataset": "../data", "tokenizer": "../models/base", "seq_len": 16}
+    cfg = proj / "configs" / "ft.yaml"
+    cfg.parent.mkdir()
+    cfg.write_text(yaml.safe_dump(raw))
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "tok").mkdir(parents=True)
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("SHARDKEEPER_DATA_CACHE", str(tmp_path / "cache"))
+
+    assert main(["prepare-data", "--config", str(cfg), "--num-proc", "1"]) == 0
+    assert "train [train]:" in capsys.readouterr().out
+    spec = load_spec.fn(config=str(cfg))  # what the train-and-export flow calls
+    assert (spec.model.pretrained, spec.data.dataset, spec.data.tokenizer) == (
+        str(proj / "models" / "base"), str(proj / "data"), str(proj / "models" / "base"))
+    assert spec.model.model_type == "llama"  # read from the folder the relative path names
+
+    assert load_run_spec(cfg, ["data.tokenizer=tok"]).data.tokenizer == str(elsewhere / "tok")
+    raw["model"]["pretrained"] = "meta-llama/Llama-3.2-1B"
+    raw["model"]["model_type"] = "llama"
+    cfg.write_text(yaml.safe_dump(raw))
+    assert load_run_spec(cfg).model.pretrained == "meta-llama/Llama-3.2-1B"
+
+
+def test_read_elements_reads_a_flattened_range_with_and_without_a_cast(base: Path) -> None:
+    """What a ZeRO-3 partition needs: elements [start, start + count) of the row-major tensor, any alignment."""
+    import torch
+
+    from ckpt.pretrained import read_elements, tensor_index, weight_files
+
+    index = tensor_index(weight_files(base, str(base)))
+    st = index["model.embed_tokens.weight"]
+    full = _tensors(base)["model.embed_tokens.weight"].reshape(-1)
+    for start, count in ((0, 7), (13, 101), (full.numel() - 5, 5), (3, 0)):
+        out = torch.empty(count, dtype=torch.float32)
+        read_elements(st, start, count, out)
+        assert torch.equal(out, full[start:start + count])
+        cast = torch.empty(count, dtype=torch.float64)
+        read_elements(st, start, count, cast)
+        assert torch.equal(cast, full[start:start + count].double())
+    with pytest.raises(ValueError):
+        read_elements(st, full.numel() - 2, 3, torch.empty(3))
 
 
 def test_an_unshardable_architecture_is_refused() -> None:

@@ -247,6 +247,13 @@ class FakeHfApi:
     def delete_tag(self, repo_id: str, *, tag: str, token: str | None = None, **kw: Any) -> None:
         del self._repo(repo_id)["tags"][tag]
 
+    @_recorded
+    def delete_branch(self, repo_id: str, *, branch: str, token: str | None = None, **kw: Any) -> None:
+        del self._repo(repo_id)["branches"][branch]
+
+    def commit_count(self, repo_id: str) -> int:
+        return len(self._repo(repo_id)["commits"])
+
 
 class FakeHfApiLarge(FakeHfApi):
     """An older huggingface_hub surface that still has upload_large_folder (no token argument)."""
@@ -448,8 +455,84 @@ def test_publish_hub_fake_api_calls_bind_to_the_real_hfapi_signatures(tmp_path: 
     pub.publish_to_hub(export, "org/tiny", api=api, revision="exp")
     assert {"create_repo", "list_repo_refs", "create_branch", "list_repo_tree", "upload_folder", "create_commit",
             "create_tag", "delete_tag"} <= set(api.names())
+    pub.publish_to_hub(make_export(tmp_path, step=50), "org/tiny", api=api, revision="exp")  # older: tag only
+    assert {"delete_branch"} <= set(api.names())
     for name, args, kwargs in api.calls:
         inspect.signature(getattr(HfApi, name)).bind(HfApi, *args, **kwargs)  # TypeError on a wrong argument
+
+
+def _step_export(root: Path, step: int, value: float) -> Path:
+    """An export of step ``step`` inside a run directory whose checkpoint manifest names the run 'demo'."""
+    ckpt = root / "run" / "checkpoints" / f"step-{step:08d}"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "manifest.json").write_text(json.dumps({"step": step, "tokens": step * 64, "run_name": "demo"}))
+    return make_export(root / "run" / "exports", step=step, value=value, shards=2, checkpoint=ckpt)
+
+
+def _assert_revision_is_export(api: FakeHfApi, revision: str, export: Path) -> None:
+    files = api.files("org/tiny", revision)
+    expected = {p.name: p.read_bytes() for p in export.iterdir() if p.name not in ("export.json", "README.md")}
+    assert {k: v for k, v in files.items() if k not in (".gitattributes", "README.md", pub.MARKER_NAME)} == expected
+    marker = json.loads(files[pub.MARKER_NAME])
+    assert marker["step"] == pub.load_export(export).step
+    assert f'revision="step-{marker["step"]:08d}"' in files["README.md"].decode()
+
+
+def test_publish_hub_fake_api_two_steps_two_tags_each_revision_is_its_export(tmp_path: Path, hub_env: None) -> None:
+    first, second = _step_export(tmp_path, 100, 1.0), _step_export(tmp_path, 200, 2.0)
+    api = FakeHfApi()
+    r1 = pub.publish_to_hub(first, "org/tiny", api=api)
+    r2 = pub.publish_to_hub(second, "org/tiny", api=api)
+    repo = api.repos["org/tiny"]
+    assert repo["tags"] == {"step-00000100": r1.commit, "step-00000200": r2.commit} and r1.commit != r2.commit
+    assert repo["branches"] == {"main": r2.commit}  # main points at the newest step
+    assert (r1.tag, r2.tag, r2.newest_step, r2.tag_only) == ("step-00000100", "step-00000200", 100, False)
+    _assert_revision_is_export(api, "step-00000100", first)
+    _assert_revision_is_export(api, "step-00000200", second)
+    messages = [c[2]["commit_message"] for c in api.calls if c[0] in ("create_commit", "upload_folder")]
+    assert messages == ["shardkeeper: run demo step 100: weights (float32)", "shardkeeper: publish run demo step 100",
+                        "shardkeeper: run demo step 200: weights (float32)", "shardkeeper: publish run demo step 200"]
+
+
+def test_publish_hub_fake_api_republish_of_any_step_makes_no_commit(tmp_path: Path, hub_env: None) -> None:
+    first, second = _step_export(tmp_path, 100, 1.0), _step_export(tmp_path, 200, 2.0)
+    api = FakeHfApi()
+    pub.publish_to_hub(first, "org/tiny", api=api)
+    pub.publish_to_hub(second, "org/tiny", api=api)
+    commits, refs = api.commit_count("org/tiny"), json.dumps(api.repos["org/tiny"]["tags"])
+    for export in (second, first, second):  # the newest (at main) and an older one (at its tag only)
+        res = pub.publish_to_hub(export, "org/tiny", api=api)
+        assert res.skipped is True and res.files == 0
+    assert api.commit_count("org/tiny") == commits and json.dumps(api.repos["org/tiny"]["tags"]) == refs
+    assert not {"create_commit", "upload_folder", "create_tag", "delete_tag", "create_branch"} & set(api.names()[-9:])
+
+
+def test_publish_hub_fake_api_out_of_order_step_is_tagged_and_main_stays_on_the_newest(
+        tmp_path: Path, hub_env: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from shardkeeper.cli import main
+
+    older, newer = _step_export(tmp_path, 100, 1.0), _step_export(tmp_path, 200, 2.0)
+    (older / "tokenizer.json").write_text('{"only": "in step 100"}')
+    (newer / "chat_template.jinja").write_text("only in step 200")
+    api = FakeHfApi()
+    monkeypatch.setattr(pub_hub, "new_api", lambda endpoint: api)
+    assert main(["publish", str(newer), "--repo-id", "org/tiny"]) == 0
+    assert "(tag step-00000200)" in capsys.readouterr().out
+    head = api.repos["org/tiny"]["branches"]["main"]
+
+    assert main(["publish", str(older), "--repo-id", "org/tiny"]) == 0
+    said = capsys.readouterr().out
+    assert "published" in said and "@ step-00000100" in said and "tag only" in said and "newer step 200" in said and "not moved back" in said
+    repo = api.repos["org/tiny"]
+    assert repo["branches"] == {"main": head}  # main not moved back; the scratch branch is gone
+    assert set(repo["tags"]) == {"step-00000100", "step-00000200"} and repo["tags"]["step-00000200"] == head
+    _assert_revision_is_export(api, "step-00000100", older)  # no chat_template.jinja from step 200
+    _assert_revision_is_export(api, "step-00000200", newer)
+    _assert_revision_is_export(api, "main", newer)
+
+    commits = api.commit_count("org/tiny")
+    assert main(["publish", str(older), "--repo-id", "org/tiny"]) == 0
+    assert "already published" in capsys.readouterr().out and api.commit_count("org/tiny") == commits
 
 
 def test_publish_hub_fake_api_missing_token_is_one_line_error(tmp_path: Path, hub_env: None,

@@ -83,16 +83,19 @@ class DeepSpeedSegment(Segment):
     def __init__(self, run_dir: RunDir, until_step: int, segment: int, env: DistEnv):
         deepspeed = _import_deepspeed(env)
         model = self._build(run_dir, until_step, segment, env)
-        if self.pretrained:
+        self.config = ds_config(self.spec, env.world_size)
+        if self.pretrained and self.spec.deepspeed.zero_stage == 3:
+            # ZeRO-3: rebuilt under zero.Init, every rank holds only its partitions (trainer.ds_zero3); the
+            # meta-built model above gave the signature and the export record.
+            from trainer.ds_zero3 import build_partitioned
+
+            model = build_partitioned(self.spec, self.config, model)
+        elif self.pretrained:
             # ZeRO-1/2 keep every parameter whole on every rank: allocate them (uninitialised; start_fresh reads the
-            # pretrained weights, a resume the checkpoint). ZeRO-3 with pretrained weights is refused by preflight.
-            if self.spec.deepspeed.zero_stage == 3:
-                raise CheckpointError("deepspeed.zero_stage 3 with model.pretrained is not supported; use zero_stage "
-                                      "1 or 2, or backend fsdp2")
+            # pretrained weights, a resume the checkpoint).
             materialize(model, env.device)
         # the performance options before DeepSpeed registers its hooks, as for FSDP2 (in place: names unchanged)
         self.diagnostics = apply_block_options(block_modules(model), self.spec.performance)
-        self.config = ds_config(self.spec, env.world_size)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, self.spec),
                                                config=self.config)
         self.engine = engine
@@ -105,7 +108,12 @@ class DeepSpeedSegment(Segment):
 
     def load_pretrained(self) -> dict[str, float]:
         """ZeRO-1/2: read every weight into the engine's (whole) parameters, then refresh this rank's fp32 master
-        partition from them, as deepspeed.initialize did from the uninitialised ones."""
+        partition from them, as deepspeed.initialize did from the uninitialised ones. ZeRO-3: each rank reads its
+        partitions only (trainer.ds_zero3.fill_partitions)."""
+        if self.spec.deepspeed.zero_stage == 3:
+            from trainer.ds_zero3 import fill_partitions
+
+            return fill_partitions(self.engine.module, self.spec, self.hf_model.tied)
         stats = load_pretrained_shards(self.engine.module, self.spec.model, self.hf_model.tied)
         if self.spec.precision.compute == "fp32":
             self.engine.optimizer.refresh_fp32_params()

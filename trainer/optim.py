@@ -16,7 +16,8 @@ def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
     the update rule, hyperparameters and state (exp_avg, exp_avg_sq, step) are the same for all three."""
     decay, no_decay = [], []
     for p in model.parameters():
-        (decay if p.ndim >= 2 else no_decay).append(p)
+        ndim = len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partitioned parameter's own shape is empty
+        (decay if ndim >= 2 else no_decay).append(p)
     o = spec.optim
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, **adamw_kwargs(spec.performance))

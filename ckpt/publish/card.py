@@ -30,6 +30,8 @@ def model_card(export: ExportFolder, repo_id: str, *, branch: str = "main", line
              f"Exported by shardkeeper from checkpoint `{checkpoint_name(export)}`.", "",
              "```python", "from transformers import AutoModelForCausalLM", "",
              f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", revision="{revision}")', "```", "",
+             *([f"Every published step is a tag (`revision=\"step-XXXXXXXX\"`); `{branch}` holds the newest step.", ""]
+               if export.tag else []),
              "## Model", "", *md_table(config_rows(export)), "",
              "## Training", "", *md_table(training_rows(export, extra)), ""]
     chain = lineage_chain(lineage or [], export)

@@ -18,8 +18,9 @@ from schemas.errors import PublishError
 from schemas import LineageEvent, PublishResult
 
 logger = logging.getLogger(__name__)
-from ckpt.publish.folder import CARD_NAME, ExportFolder, LARGE_BYTES, LARGE_FILES, MARKER_NAME, NO_TOKEN_MESSAGE, REPO_ID_RE, RETRY_BACKOFF_S, RETRY_BUDGET_S, RETRY_TRIES, WEIGHT_PATTERNS, entry_of_bytes, load_export, marker_bytes
-from ckpt.publish.card import model_card
+from ckpt.layout import parse_step
+from ckpt.publish.folder import CARD_NAME, ExportFolder, PublishedFile, LARGE_BYTES, LARGE_FILES, MARKER_NAME, NO_TOKEN_MESSAGE, REPO_ID_RE, RETRY_BACKOFF_S, RETRY_BUDGET_S, RETRY_TRIES, WEIGHT_PATTERNS, entry_of_bytes, load_export, marker_bytes
+from ckpt.publish.card import manifest_of, model_card
 
 
 def resolve_token(token: str | None = None) -> str:
@@ -121,9 +122,20 @@ class HubClient:
 
 @dataclass(frozen=True)
 class HubState:
-    head: str | None  # commit of the branch
+    head: str | None  # commit of the revision the files were listed at
+    files: dict[str, Any]  # path -> RepoFile at that commit
+
+
+@dataclass(frozen=True)
+class HubRefs:
+    branches: dict[str, str]  # branch -> commit
     tags: dict[str, str]  # tag -> commit
-    files: dict[str, Any]  # path -> RepoFile at the branch head
+
+    @property
+    def newest_step(self) -> int | None:
+        """The newest step with a ``step-XXXXXXXX`` tag: what the published branch holds."""
+        steps = [s for s in (parse_step(t) for t in self.tags) if s is not None]
+        return max(steps) if steps else None
 
 
 def publish_to_hub(export_dir: str | os.PathLike[str], repo_id: str, *, revision: str | None = None,
@@ -132,8 +144,15 @@ def publish_to_hub(export_dir: str | os.PathLike[str], repo_id: str, *, revision
                    lineage: list[LineageEvent] | None = None) -> PublishResult:
     """Upload an export folder to ``repo_id`` on branch ``revision`` (default main) and tag it ``step-XXXXXXXX``.
 
-    Idempotent: when every file, the generated card and the marker are already at the branch head with
-    the same checksums, nothing is uploaded and ``skipped=True`` (the tag is still made to point there).
+    One revision per step: every step gets a tag (a tag, not a branch: a step's revision must never move,
+    and ``from_pretrained(repo, revision="step-00000100")`` takes a tag like a branch), and the branch
+    follows the newest step. An export OLDER than the newest tagged step is committed on a scratch branch
+    (``shardkeeper-step-XXXXXXXX``, deleted afterwards), tagged, and the branch is left where it is
+    (``tag_only=True``): publishing out of order never moves main backwards.
+
+    Idempotent: when every file, the generated card and the marker are already at the branch head (or, for
+    an older step, at its tag) with the same checksums, nothing is uploaded and ``skipped=True``; the
+    export is byte-reproducible, so re-publishing a step makes no second commit.
     ``token`` defaults to HF_TOKEN or the `hf auth login` cache; it is passed per call, never stored.
     """
     if not REPO_ID_RE.match(repo_id):
@@ -144,30 +163,65 @@ def publish_to_hub(export_dir: str | os.PathLike[str], repo_id: str, *, revision
     branch = revision or "main"
     card = model_card(export, repo_id, branch=branch, lineage=lineage, extra=model_card_extra).encode("utf-8")
     files = {**export.files, CARD_NAME: entry_of_bytes(card)}
-    marker = marker_bytes(export, files)
-    generated = {CARD_NAME: card, MARKER_NAME: marker}
+    generated = {CARD_NAME: card, MARKER_NAME: marker_bytes(export, files)}
 
     hub.call("create_repo", repo_id, private=private, exist_ok=True)
-    state = hub_state(hub, branch)
-    changed = [p for p in sorted([*files, MARKER_NAME])
-               if not same_on_hub(state.files.get(p), export, p, generated)]
-    url = f"{hub.endpoint}/{repo_id}/tree/{export.tag or branch}"
-    if not changed:
-        logger.info("%s is already at %s@%s with the same checksums: nothing to upload", export.root, repo_id, branch)
-        ensure_tag(hub, export.tag, state.head, state.tags)
-        return PublishResult(target=repo_id, revision=branch, commit=state.head, url=url, skipped=True, files=0)
+    refs = hub_refs(hub)
+    newest = refs.newest_step
+    tag = export.tag
+    url = f"{hub.endpoint}/{repo_id}/tree/{tag or branch}"
+    common = dict(target=repo_id, url=url, tag=tag, newest_step=newest)
+    if export.step is not None and newest is not None and export.step < newest:
+        assert tag is not None
+        if tag in refs.tags and not changed_files(hub_state(hub, tag, refs.tags[tag]), export, files, generated):
+            logger.info("%s is already at %s@%s with the same checksums: nothing to upload", export.root, repo_id, tag)
+            return PublishResult(revision=tag, commit=refs.tags[tag], skipped=True, files=0, tag_only=True, **common)
+        scratch = f"shardkeeper-{tag}"  # fixed name: a publish that crashed half-way continues on it
+        scratch_refs = ensure_branch(hub, refs, scratch, branch)
+        state = hub_state(hub, scratch, scratch_refs.branches.get(scratch))
+        commit, n = push(hub, export, scratch, state, files, generated, exact=True, private=private)
+        ensure_tag(hub, tag, commit, refs.tags)
+        hub.call("delete_branch", repo_id, branch=scratch)
+        logger.info("published %s to %s as tag %s only: %s holds the newer step %d", export.root, repo_id, tag,
+                    branch, newest)
+        return PublishResult(revision=tag, commit=commit, skipped=False, files=n, tag_only=True, **common)
 
-    stale = sorted(p for p in state.files if p not in files and is_weight_file(p))
+    state = hub_state(hub, branch, ensure_branch(hub, refs, branch, "main").branches.get(branch))
+    if not changed_files(state, export, files, generated):
+        logger.info("%s is already at %s@%s with the same checksums: nothing to upload", export.root, repo_id, branch)
+        ensure_tag(hub, tag, state.head, refs.tags)
+        return PublishResult(revision=branch, commit=state.head, skipped=True, files=0, **common)
+    commit, n = push(hub, export, branch, state, files, generated, exact=False, private=private)
+    ensure_tag(hub, tag, commit, refs.tags)
+    logger.info("published %s to %s@%s (%d files changed, commit %s)", export.root, repo_id, branch, n, commit)
+    return PublishResult(revision=branch, commit=commit, skipped=False, files=n, **common)
+
+
+def push(hub: HubClient, export: ExportFolder, branch: str, state: HubState, files: dict[str, PublishedFile],
+         generated: dict[str, bytes], *, exact: bool, private: bool) -> tuple[str, int]:
+    """Commit what changed on ``branch``: data files first, then card + marker. Returns (commit, files changed).
+
+    Stale files go in the same commits: on a scratch branch (``exact``) everything the export does not hold,
+    so the tagged revision is exactly that step's export; on a user's branch only weight files, so files a
+    person added to the repo stay.
+    """
+    changed = changed_files(state, export, files, generated)
+    if not changed:  # a scratch branch whose last publish committed but never got its tag
+        assert state.head is not None
+        return state.head, 0
+    stale = sorted(p for p in state.files if p not in files and p != MARKER_NAME and p != ".gitattributes"
+                   and (exact or is_weight_file(p)))
     data = [p for p in changed if p in export.files and p != CARD_NAME]  # the card goes with the marker
     if data:
         upload_data(hub, export, branch, data, stale, private=private)
         stale = []
-    commit = commit_card_and_marker(hub, export, branch, card, marker, stale)
-    ensure_tag(hub, export.tag, commit, state.tags)
-    logger.info("published %s to %s@%s (%d files changed, commit %s)", export.root, repo_id, branch, len(changed),
-                commit)
-    return PublishResult(target=repo_id, revision=branch, commit=commit, url=url, skipped=False,
-                         files=len([p for p in changed if p != MARKER_NAME]))
+    commit = commit_card_and_marker(hub, export, branch, generated[CARD_NAME], generated[MARKER_NAME], stale)
+    return commit, len([p for p in changed if p != MARKER_NAME])
+
+
+def changed_files(state: HubState, export: ExportFolder, files: dict[str, PublishedFile],
+                  generated: dict[str, bytes]) -> list[str]:
+    return [p for p in sorted([*files, MARKER_NAME]) if not same_on_hub(state.files.get(p), export, p, generated)]
 
 
 def new_api(endpoint: str | None) -> Any:
@@ -176,17 +230,25 @@ def new_api(endpoint: str | None) -> Any:
     return HfApi(endpoint=endpoint)  # no token here: it goes with each call
 
 
-def hub_state(hub: HubClient, branch: str) -> HubState:
-    """Branch head, tags and files at the head; creates the branch (from main) when it is missing."""
+def hub_refs(hub: HubClient) -> HubRefs:
     refs = hub.call("list_repo_refs", hub.repo_id)
-    branches = {b.name: b.target_commit for b in refs.branches}
-    if branch not in branches:
-        hub.call("create_branch", hub.repo_id, branch=branch, exist_ok=True)
-        refs = hub.call("list_repo_refs", hub.repo_id)
-        branches = {b.name: b.target_commit for b in refs.branches}
-    tree = hub.call("list_repo_tree", hub.repo_id, recursive=True, revision=branch)
+    return HubRefs(branches={b.name: b.target_commit for b in refs.branches},
+                   tags={t.name: t.target_commit for t in refs.tags})
+
+
+def hub_state(hub: HubClient, revision: str, head: str | None) -> HubState:
+    """The files at ``revision`` (a branch or tag), whose commit is ``head``."""
+    tree = hub.call("list_repo_tree", hub.repo_id, recursive=True, revision=revision)
     files = {f.path: f for f in tree if hasattr(f, "blob_id")}  # RepoFile, not RepoFolder
-    return HubState(head=branches.get(branch), tags={t.name: t.target_commit for t in refs.tags}, files=files)
+    return HubState(head=head, files=files)
+
+
+def ensure_branch(hub: HubClient, refs: HubRefs, branch: str, base: str) -> HubRefs:
+    """Create ``branch`` from ``base`` when it is missing; the refs after that."""
+    if branch in refs.branches:
+        return refs
+    hub.call("create_branch", hub.repo_id, branch=branch, revision=base, exist_ok=True)
+    return hub_refs(hub)
 
 
 def same_on_hub(remote: Any, export: ExportFolder, path: str, generated: dict[str, bytes]) -> bool:
@@ -224,7 +286,7 @@ def upload_data(hub: HubClient, export: ExportFolder, branch: str, paths: list[s
                  private: bool) -> None:
     """Upload the changed data files; the old marker and stale shards go in the same step, before the new marker."""
     total = sum(export.files[p].size for p in paths)
-    message = f"shardkeeper: {export.name} weights ({export.dtype or 'unknown dtype'})"
+    message = f"shardkeeper: {what_is_published(export)}: weights ({export.dtype or 'unknown dtype'})"
     large = total > LARGE_BYTES or len(paths) > LARGE_FILES
     if large and hasattr(hub.api, "upload_large_folder") and not upload_folder_streams():
         delete_on_hub(hub, branch, [MARKER_NAME, *stale], f"shardkeeper: {export.name} upload started")
@@ -262,10 +324,16 @@ def commit_card_and_marker(hub: HubClient, export: ExportFolder, branch: str, ca
     ops: list[Any] = [CommitOperationDelete(path_in_repo=p) for p in stale]
     ops += [CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card),
             CommitOperationAdd(path_in_repo=MARKER_NAME, path_or_fileobj=marker)]
-    step = f" (step {export.step})" if export.step is not None else ""
     info = hub.call("create_commit", hub.repo_id, operations=ops, revision=branch,
-                    commit_message=f"shardkeeper: publish {export.name}{step}")
+                    commit_message=f"shardkeeper: publish {what_is_published(export)}")
     return str(info.oid)
+
+
+def what_is_published(export: ExportFolder) -> str:
+    """'run demo step 100' (the run from the source checkpoint's manifest), for commit messages."""
+    run = manifest_of(export).get("run_name")
+    parts = [f"run {run}" if run else "", f"step {export.step}" if export.step is not None else export.name]
+    return " ".join(p for p in parts if p)
 
 
 def ensure_tag(hub: HubClient, tag: str | None, commit: str | None, tags: dict[str, str]) -> None:
