@@ -189,8 +189,10 @@ def main() -> None:
     if args.publish or set(args.backend or []) == {"fsdp2", "deepspeed"}:
         from benchlib import publish
 
-        results = [json.loads((OUT / f"{b}.json").read_text()) for b in ("fsdp2", "deepspeed")]
-        publish("goodput", table(results))
+        have = [b for b in ("fsdp2", "deepspeed") if (OUT / f"{b}.json").is_file()]
+        missing = "".join(f"\n- {b}: not measured (no {OUT.name}/{b}.json); run --backend {b}"
+                          for b in ("fsdp2", "deepspeed") if b not in have)
+        publish("goodput", table([json.loads((OUT / f"{b}.json").read_text()) for b in have]) + missing)
 
 
 if __name__ == "__main__":
