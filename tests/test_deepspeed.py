@@ -137,6 +137,104 @@ def test_zero3_resume_at_three_ranks_within_1e6(z3_ref: Path, tmp_path: Path) ->
     assert report.valid, report.errors
 
 
+# ----------------------------------------------------------------------------------------- async saves
+def _same(a: object, b: object, where: str) -> None:
+    """Loaded DeepSpeed states equal: every tensor bitwise (dtype, shape, values), every other value."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        bits = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731 - bitwise, NaN included
+        assert torch.equal(bits(a), bits(b)), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        assert type(a) is type(b), where
+        _same(vars(a), vars(b), where)
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def test_zero2_async_saves_equal_sync_saves(z2_ref: Path, tmp_path: Path) -> None:
+    """checkpoint.async_save is honoured by the DeepSpeed backend: the interval save is written in the
+    background, training is bitwise unchanged, and every file holds the same state as the sync save's."""
+    from ckpt.formats.safe_pickle import DEEPSPEED_STATE
+    from ckpt.formats.torchzip import load_file
+
+    run = tmp_path / "run"
+    train(run, 2, END, spec=ds_spec(2, **{"checkpoint.async_save": "true"}))
+    assert_bitwise(metrics(z2_ref), metrics(run), range(1, END + 1))
+    for step in (CUT, END):
+        sync, done = read_manifest(ckpt(z2_ref, step)), read_manifest(ckpt(run, step))
+        assert done.async_save == (step == CUT) and validate(ckpt(run, step), deep=True).valid
+        assert [(f.path, f.size, f.xxh3_128) for f in done.files] == [(f.path, f.size, f.xxh3_128) for f in sync.files]
+        for f in sync.files:
+            if f.path.endswith(".pt"):
+                _same(load_file(ckpt(z2_ref, step) / f.path, DEEPSPEED_STATE),
+                      load_file(ckpt(run, step) / f.path, DEEPSPEED_STATE), f"step {step} {f.path}")
+    event = [e for e in events(run) if e["id"] == f"checkpoint:step-{CUT:08d}"][0]
+    assert event["data"]["async_save"] is True
+
+
+def _stalled_segment(run: str, until: int, segment: int, stall: int, marks: str) -> int:
+    """A rank whose background write of step ``stall`` hangs after its first file (then it is killed)."""
+    import threading
+    import time
+
+    import trainer.ds_backend as ds
+
+    real = ds.save_torch
+
+    def save_torch(path: object, obj: object) -> tuple[int, str]:
+        out = real(path, obj)
+        if Path(path).parent.name == f"step-{stall:08d}.partial" and threading.current_thread().name.startswith("ckpt-commit"):
+            (Path(marks) / f"rank{os.environ['RANK']}").touch()
+            time.sleep(600)
+        return out
+
+    ds.save_torch = save_torch
+    return run_segment(run, until, segment)
+
+
+def test_sigkill_during_an_async_write_commits_nothing_and_resume_is_bitwise(z2_ref: Path, tmp_path: Path) -> None:
+    import queue
+    import signal
+    import time
+
+    run, marks, stall = tmp_path / "run", tmp_path / "marks", 2 * CUT
+    marks.mkdir()
+    prepare_run_dir(RunDir.at(run), ds_spec(2, **{"checkpoint.async_save": "true"}))
+
+    def kill_when_stalled(procs: list) -> None:
+        deadline = time.time() + TIMEOUT
+        while time.time() < deadline:
+            trained = max((json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()), default=0) \
+                if (run / "metrics.jsonl").exists() else 0
+            if len(list(marks.iterdir())) == 2 and trained > stall:  # both writes stuck, training went on
+                for p in procs:
+                    os.kill(p.pid, signal.SIGKILL)
+                return
+            time.sleep(0.05)
+        raise AssertionError("the background writes never stalled")
+
+    with pytest.raises(queue.Empty):  # killed ranks report nothing
+        spawn(_stalled_segment, 2, str(run), stall + CUT, 0, stall, str(marks), timeout=10, on_start=kill_when_stalled)
+    partial = run / "checkpoints" / f"step-{stall:08d}.partial"
+    assert not ckpt(run, stall).exists() and partial.is_dir() and any(partial.iterdir())
+    assert not (partial / "manifest.json").exists() and not validate(partial).valid
+    assert validate(ckpt(run, CUT), deep=True).valid
+    train(run, 2, END, 1)  # resumes from the async checkpoint at CUT
+    assert [e for e in events(run) if e["kind"] == "resume"][-1]["parent"] == f"checkpoint:step-{CUT:08d}"
+    assert_bitwise(metrics(z2_ref), metrics(run), range(CUT + 1, END + 1))
+    assert validate(ckpt(run, END), deep=True).valid
+
+
 def cli(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True,

@@ -8,7 +8,9 @@ Selected by ``backend: deepspeed`` in the RunSpec (``deepspeed.zero_stage`` 1, 2
 A checkpoint is ``step-XXXXXXXX/`` holding DeepSpeed's own files (``engine.save_checkpoint``), each rank's
 RNG state (``rng_rank_XXXXX.pt``) and the counters (``shardkeeper_state.json``); every file is fsynced and
 hashed as it is written, and the commit (manifest with format="deepspeed", rename, fsync) is the fsdp2
-Checkpointer's. At the saving world size it loads natively and bit-exactly; at another one, rank 0
+Checkpointer's. ``checkpoint.async_save`` works as for FSDP2: training waits for one copy of the state into
+reused host buffers, the files are written, hashed and committed in the background (``trainer.ds_staging``),
+the same bytes a sync save writes. At the saving world size it loads natively and bit-exactly; at another one, rank 0
 converts it once to ``step-XXXXXXXX/universal/`` (ckpt.formats.deepspeed_convert, cached, recorded in lineage)
 while the others wait, and every rank loads that with DeepSpeed's ``load_universal``.
 """
@@ -37,6 +39,7 @@ from schemas import CheckpointManifest, FileEntry, Fingerprint, HFModelRecord, R
 
 from trainer.checkpointer import Checkpointer, TrainState, Written
 from trainer.dist import DistEnv, log0
+from trainer.ds_staging import Captured, HostStaging, capturing_engine
 from trainer.optim import WarmupCosine, build_optimizer
 from trainer.loop import Segment
 from trainer.model import block_modules, load_pretrained_shards, materialize
@@ -162,54 +165,26 @@ class DeepSpeedSegment(Segment):
 
 
 # -------------------------------------------------------------------------------------- checkpointing
-def _verified_checkpoint_engine() -> Any:
-    """DeepSpeed's torch.save checkpoint engine, with files fsynced and hashed while written, and loads
-    that go through the one allow-list record reader (ckpt.formats.torchzip) instead of torch.load:
-    DeepSpeed's value classes are returned as themselves, tensors on the CPU (DeepSpeed moves them)."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    from ckpt.formats.safe_pickle import DEEPSPEED_STATE
-    from ckpt.formats.torchzip import load_file
-
-    class VerifiedCheckpointEngine(TorchCheckpointEngine):
-        def __init__(self) -> None:
-            super().__init__(None)
-            self.written: dict[str, tuple[int, str]] = {}
-            self.failed: dict[str, BaseException] = {}
-
-        def save(self, state_dict: Any, path: str) -> None:
-            # A failure is kept, not raised: DeepSpeed would leave the other ranks in its barrier. The
-            # commit makes every rank agree on it and raise together.
-            try:
-                self.written[path] = save_torch(path, state_dict)
-            except Exception as e:
-                self.failed.setdefault(path, e)
-
-        def load(self, path: str, map_location: Any = None) -> Any:
-            state = load_file(path, DEEPSPEED_STATE)
-            if not isinstance(state, dict):
-                raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a DeepSpeed state dict; "
-                                      "the checkpoint is corrupted, pick another step")
-            return state
-
-    return VerifiedCheckpointEngine()
-
-
 class DeepSpeedCheckpointer(Checkpointer):
-    """The Checkpointer over a DeepSpeed engine: same public interface, same commit, DeepSpeed's files."""
+    """The Checkpointer over a DeepSpeed engine: same public interface, same commit, DeepSpeed's files.
+
+    ``engine.save_checkpoint`` runs with a capturing checkpoint engine (``trainer.ds_staging``): the snapshot is
+    what DeepSpeed would write; a sync save writes it at once, an async one copies it into reused host buffers
+    and writes the copy on the background thread; the same bytes either way."""
 
     FORMAT = "deepspeed"
     BACKEND = "deepspeed"
-    SUPPORTS_ASYNC = False
+    SUPPORTS_ASYNC = True
 
     def __init__(self, run_dir: RunDir, spec: RunSpec, engine: Any, env: DistEnv, *, segment: int, signature: str,
                  hf_model: HFModelRecord | None = None):
         super().__init__(run_dir, spec, engine.module, engine.optimizer, env, segment=segment, signature=signature,
                          hf_model=hf_model)
         self.engine = engine
-        self.stage = spec.deepspeed.zero_stage
-        self.files = _verified_checkpoint_engine()
+        self.zero_stage = spec.deepspeed.zero_stage
+        self.files = capturing_engine()
         engine.checkpoint_engine = self.files
+        self.staging = HostStaging(pin=env.device.type == "cuda")
         # save_checkpoint also copies DeepSpeed's zero_to_fp32.py scripts beside the step directories, into
         # checkpoints/ itself; `shardkeeper convert/export` replace them, and nothing unlisted is written.
         engine._copy_recovery_script = lambda save_path: None
@@ -220,12 +195,13 @@ class DeepSpeedCheckpointer(Checkpointer):
 
     # ----------------------------------------------------------------- fingerprint
     def _fragments(self) -> list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
-        """Per parameter: this rank's fp32 master fragment and the matching AdamW moment fragments."""
+        """Per parameter: this rank's fp32 master fragment and the matching AdamW moment fragments (views of
+        the live state; an async save re-points them at its staged copy)."""
         out = []
         empty = torch.zeros(0)
         opt = self.engine.optimizer
         for name, p in self.engine.module.named_parameters():
-            if self.stage == 3:
+            if self.zero_stage == 3:
                 from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
                 # A ZeRO-3 partition is padded to ceil(numel / world) elements on every rank: the padding
@@ -253,13 +229,17 @@ class DeepSpeedCheckpointer(Checkpointer):
         return 0.0
 
     def fingerprint(self, group: dist.ProcessGroup | None) -> Fingerprint:
+        return self._fingerprint_of(self._fragments(), self._optim_step(), group)
+
+    @staticmethod
+    def _fingerprint_of(frags: list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]], optim_step: float,
+                        group: dist.ProcessGroup | None) -> Fingerprint:
         """Per-tensor norms of fp32 masters and moments: local fragments in float64, one all-reduce."""
-        frags = self._fragments()
         model = [(n, t) for n, t, _ in frags]
         moments = [(f"{n}.{m}", t) for n, _, ms in frags for m, t in ms.items()]
         names, vec = fp.local_sum_squares(model + moments)
         sq = fp.reduce_sum_squares(names, vec, group)
-        return fp.make_fingerprint({k: sq[k] for k, _ in model}, {k: sq[k] for k, _ in moments}, self._optim_step())
+        return fp.make_fingerprint({k: sq[k] for k, _ in model}, {k: sq[k] for k, _ in moments}, optim_step)
 
     def _ds_inventory(self) -> list[TensorEntry]:
         out = []
@@ -270,43 +250,57 @@ class DeepSpeedCheckpointer(Checkpointer):
         return out
 
     # ----------------------------------------------------------------- save hooks
-    def snapshot(self, ts: TrainState) -> None:
-        """Nothing to copy: DeepSpeed saves synchronously from the engine."""
-        return None
-
-    def write(self, snapshot: None, ts: TrainState, partial: Path) -> Written:
-        """``engine.save_checkpoint`` into ``partial`` through the hashing checkpoint engine, plus this rank's
-        RNG file (and on rank 0 the counters); a failure is reported, not raised, so the commit agrees on it."""
-        t = time.perf_counter()
-        self.files.written.clear()
-        self.files.failed.clear()
-        entries: list[FileEntry] = []
-        problem = None
-        try:
-            self.engine.save_checkpoint(str(partial.parent), tag=partial.name, client_state={}, save_latest=False)
-            entries = [FileEntry(path=os.path.relpath(p, partial), size=s, xxh3_128=d, rank=self.env.rank)
-                       for p, (s, d) in sorted(self.files.written.items())]
-            entries += self._save_extras(partial, ts)
-        except Exception as e:
-            problem = self.save_problem(e, partial)
-        if self.files.failed and problem is None:
-            path, err = sorted(self.files.failed.items())[0]
-            problem = self.save_problem(err if getattr(err, "filename", None) else
-                                        OSError(getattr(err, "errno", None), str(err), path), partial)
-        write_s = time.perf_counter() - t
-        return Written(entries, self._ds_inventory(), self.fingerprint(self.env.ckpt_group), problem=problem,
-                       phases={"write_s": write_s})
-
-    def _save_extras(self, partial: Path, ts: TrainState) -> list[FileEntry]:
-        """This rank's RNG state; on rank 0 also the counters and the schedule position."""
+    def snapshot(self, ts: TrainState) -> Captured:
+        """``engine.save_checkpoint`` into the capturing engine (DeepSpeed's barriers and tag check run here,
+        on the training thread), with the fingerprint's fragments and this rank's RNG state: nothing is copied."""
+        partial = self.run_dir.partial(ts.step)
+        self.files.captured = []
+        self.engine.save_checkpoint(str(partial.parent), tag=partial.name, client_state={}, save_latest=False)
         rng = {"cpu": torch.get_rng_state()}
         if self.env.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.env.device)
+        return Captured(self.files.take(str(partial)), self._fragments(), self._optim_step(), rng)
+
+    def stage(self, snapshot: Captured) -> Captured:
+        return self.staging.stage(snapshot)
+
+    def prepare_staging(self, ts: TrainState) -> None:
+        """Allocate (and touch) the host buffers now, not at the first save; not before AdamW has state,
+        whose tensors the first step creates."""
+        if not self.staging.buffers and self.engine.optimizer.optimizer.state:
+            self.stage(self.snapshot(ts))
+
+    def release(self) -> None:
+        self.staging.release()
+
+    def write(self, snapshot: Captured, ts: TrainState, partial: Path) -> Written:
+        """Write the captured files into ``partial`` with torch.save through a hashing, fsyncing stream, plus
+        this rank's RNG file (and on rank 0 the counters); a failure is reported, not raised, so the commit
+        agrees on it."""
+        t = time.perf_counter()
+        entries: list[FileEntry] = []
+        problem = None
+        try:
+            for rel, state in snapshot.files:
+                path = partial / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                size, digest = save_torch(path, state)
+                entries.append(FileEntry(path=rel, size=size, xxh3_128=digest, rank=self.env.rank))
+            entries += self._save_extras(partial, ts, snapshot.rng)
+        except Exception as e:
+            problem = self.save_problem(e, partial)
+        write_s = time.perf_counter() - t
+        fingerprint = self._fingerprint_of(snapshot.fragments, snapshot.optim_step, self.env.ckpt_group)
+        return Written(sorted(entries, key=lambda e: e.path), self._ds_inventory(), fingerprint, problem=problem,
+                       phases={"write_s": write_s})
+
+    def _save_extras(self, partial: Path, ts: TrainState, rng: dict[str, torch.Tensor]) -> list[FileEntry]:
+        """This rank's RNG state; on rank 0 also the counters and the schedule position."""
         size, digest = save_torch(partial / rng_file(self.env.rank), rng)
         out = [FileEntry(path=rng_file(self.env.rank), size=size, xxh3_128=digest, rank=self.env.rank)]
         if self.env.is_rank0:
             state = {"step": ts.step, "tokens": ts.tokens, "samples": ts.samples, "schedule_last_step": ts.step - 1,
-                     "zero_stage": self.stage, "world_size": self.env.world_size, "layout": "zero"}
+                     "zero_stage": self.zero_stage, "world_size": self.env.world_size, "layout": "zero"}
             text = (json.dumps(state, indent=2, sort_keys=True) + "\n").encode()
             size, digest = write_hashed(partial / STATE_FILE, lambda f: f.write(text))
             out.append(FileEntry(path=STATE_FILE, size=size, xxh3_128=digest, rank=0))
@@ -341,9 +335,9 @@ class DeepSpeedCheckpointer(Checkpointer):
     def check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
         super().check_loadable(path, manifest)
         saved = manifest.run_spec.deepspeed.zero_stage
-        if saved != self.stage and read_state(path)["layout"] == "zero":
+        if saved != self.zero_stage and read_state(path)["layout"] == "zero":
             raise CheckpointError(f"{path}: written under ZeRO stage {saved}, this run is configured for stage "
-                                  f"{self.stage}; resume with --set deepspeed.zero_stage={saved} (the run's own config)")
+                                  f"{self.zero_stage}; resume with --set deepspeed.zero_stage={saved} (the run's own config)")
 
     def _load_native(self, path: Path) -> None:
         loaded, _ = self.engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True,

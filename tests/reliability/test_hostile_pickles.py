@@ -156,9 +156,9 @@ def test_hostile_dcp_byte_value_is_refused(name: str, dcp_ckpt: Path, tmp_path: 
 
 def _engine_load(path: Path) -> object:
     """What DeepSpeed's engine calls for every .pt file of a same-world-size resume."""
-    from trainer.ds_backend import _verified_checkpoint_engine
+    from trainer.ds_staging import capturing_engine
 
-    return _verified_checkpoint_engine().load(str(path), map_location="cpu")
+    return capturing_engine().load(str(path), map_location="cpu")
 
 
 @pytest.mark.parametrize("hostile", CORPUS, ids=IDS)
