@@ -167,3 +167,56 @@ def test_bf16_compute_same_world_size_resume_is_bitwise(tmp_path: Path) -> None:
     man = read_manifest(run / "checkpoints" / "step-00000012")
     assert (man.dtype_policy.master, man.dtype_policy.compute) == ("float32", "bfloat16")
     assert all(t.dtype == "float32" for t in man.tensors)  # master weights and moments stay fp32
+
+
+def _staging_buffers() -> int:
+    """On each rank: cpu_buffers of a real FSDP2 model + AdamW state dict (uneven shards of 5 rows on 2 ranks);
+    the staged copy equals the state, shares no storage, and keeps every DTensor's placements and shape."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._state_dict_utils import _copy_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from trainer.dcp_backend import cpu_buffers
+    from trainer.dist import init_distributed
+
+    env = init_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 5))
+    fully_shard(model, mesh=env.mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd, "step": torch.tensor(7)}
+    staged = _copy_state_dict(sd, cpu_buffers(sd, pin_memory=False))
+    n = 0
+
+    def same(a, b) -> None:
+        nonlocal n
+        if isinstance(a, DTensor):
+            assert isinstance(b, DTensor) and a.placements == b.placements and a.shape == b.shape
+            a, b = a.to_local(), b.to_local()
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b) and (a.numel() == 0 or a.data_ptr() != b.data_ptr())
+            n += 1
+        elif isinstance(a, dict):
+            assert a.keys() == b.keys()
+            for k in a:
+                same(a[k], b[k])
+        elif isinstance(a, list):
+            for x, y in zip(a, b, strict=True):
+                same(x, y)
+        else:
+            assert a == b
+    same(sd, staged)
+    dist.destroy_process_group()
+    return n
+
+
+def test_async_staging_buffers_copy_the_whole_state():
+    """The async save's CPU buffers (allocated without torch's deep copy) receive exactly the saved state."""
+    counts = spawn(_staging_buffers, 2)
+    assert counts[0] == counts[1] and counts[0] >= 4 + 2 * 4 + 1  # 4 params, 2 moments each (+ steps), counter

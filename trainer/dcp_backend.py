@@ -31,6 +31,35 @@ from schemas import CheckpointManifest, FileEntry, Fingerprint, TensorEntry
 from trainer.checkpointer import Checkpointer, TrainState, Written
 
 
+def cpu_buffers(sd: dict[str, Any], *, pin_memory: bool) -> dict[str, Any]:
+    """Uninitialised CPU tensors shaped like ``sd``'s (DTensors keep their mesh and placements), for ``stage``.
+
+    torch's ``_create_cpu_state_dict`` deep-copies every DTensor already on the CPU (data included) before
+    swapping in an empty local tensor: on the CPU that is a full extra copy of the state, paid by the first
+    async save of a fresh run (its optimizer state exists only after the first step). ``empty_like`` only
+    allocates. Device (pinned) buffers keep torch's function."""
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict, _iterate_state_dict
+    from torch.distributed.tensor import DTensor
+
+    if pin_memory:
+        return _create_cpu_state_dict(sd, pin_memory=True)
+
+    def plain(t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return torch.tensor(0, dtype=t.dtype) if t.dim() == 0 else torch.empty_like(t, device="cpu")
+
+    def dtensor(t: DTensor, *_: Any) -> DTensor:
+        if t.dim() == 0 or t.device.type != "cpu":
+            return _create_cpu_state_dict({"t": t})["t"]
+        return DTensor.from_local(torch.empty_like(t.to_local()), t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+
+    def sharded(t: Any, *_: Any) -> Any:
+        return _create_cpu_state_dict({"t": t})["t"]
+
+    return _iterate_state_dict(sd, sharded, dtensor, plain, pg=None, device=None, cpu_offload=False, ranks_only=(),
+                               type_check=False)
+
+
 class DCPCheckpointer(Checkpointer):
     """Checkpoints of an FSDP2 model and its optimizer in PyTorch Distributed Checkpoint format."""
 
@@ -109,10 +138,8 @@ class DCPCheckpointer(Checkpointer):
         # Not before the first optimizer step: get_state_dict would initialise AdamW's state (step=1)
         # with a dummy step, and the run would no longer match an uninterrupted one.
         if self._staged is None and self.optimizer.state:
-            from torch.distributed._state_dict_utils import _create_cpu_state_dict
-
             sd = self.state_dict(ts)
-            self._staged = _create_cpu_state_dict(sd, pin_memory=self.env.device.type == "cuda")
+            self._staged = cpu_buffers(sd, pin_memory=self.env.device.type == "cuda")
             self.stage(sd)  # touch every page once, so the first save does not pay the page faults
 
     def release(self) -> None:
@@ -121,10 +148,10 @@ class DCPCheckpointer(Checkpointer):
 
     def stage(self, snapshot: dict[str, Any]) -> dict[str, Any]:
         """Copy the state into CPU buffers that are allocated once and reused by later saves."""
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+        from torch.distributed._state_dict_utils import _copy_state_dict
 
         if self._staged is None:
-            self._staged = _create_cpu_state_dict(snapshot, pin_memory=self.env.device.type == "cuda")
+            self._staged = cpu_buffers(snapshot, pin_memory=self.env.device.type == "cuda")
         staged = _copy_state_dict(snapshot, self._staged, non_blocking=self.env.device.type == "cuda")
         if self.env.device.type == "cuda":
             torch.cuda.synchronize(self.env.device)
