@@ -220,3 +220,37 @@ def test_async_staging_buffers_copy_the_whole_state():
     """The async save's CPU buffers (allocated without torch's deep copy) receive exactly the saved state."""
     counts = spawn(_staging_buffers, 2)
     assert counts[0] == counts[1] and counts[0] >= 4 + 2 * 4 + 1  # 4 params, 2 moments each (+ steps), counter
+
+
+def _fresh_run_staging(run_dir: str) -> list[bool]:
+    """warm_up of a fresh run stages nothing (AdamW has no state yet) and stages right after the first step."""
+    import torch
+
+    from ckpt.layout import RunDir
+    from tests.harness import tiny_spec
+    from trainer.checkpointer import TrainState
+    from trainer.dcp_backend import DCPCheckpointer
+    from trainer.dist import init_distributed
+    from trainer.model import build_model, model_signature, shard_model
+    from trainer.optim import build_optimizer
+
+    env = init_distributed()
+    spec = tiny_spec(**{"checkpoint.async_save": "true"})
+    model = build_model(spec)
+    sig = model_signature(spec.model, model)
+    shard_model(model, env.mesh, spec)
+    opt = build_optimizer(model, spec)
+    ck = DCPCheckpointer(RunDir.at(run_dir), spec, model, opt, env, segment=0, signature=sig)
+    ck.warm_up(TrainState())
+    seen = [ck._staged is None]
+    model(input_ids=torch.randint(0, 64, (1, 8))).logits.float().mean().backward()
+    opt.step()
+    seen += [ck._staged is not None, ck._first_step_hook is None, int(next(iter(opt.state.values()))["step"]) == 1]
+    ck.close()
+    torch.distributed.destroy_process_group()
+    return seen
+
+
+def test_fresh_run_stages_after_its_first_step(tmp_path):
+    """The first async save of a fresh run finds its staging buffers ready (allocated after step 1)."""
+    assert spawn(_fresh_run_staging, 2, str(tmp_path)) == [[True, True, True, True]] * 2

@@ -70,6 +70,7 @@ class DCPCheckpointer(Checkpointer):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._staged: dict[str, Any] | None = None
+        self._first_step_hook: Any = None  # a fresh run's staging waits for the first optimizer step
         self._fp_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fingerprint")
 
     # ----------------------------------------------------------------- state dict
@@ -136,13 +137,27 @@ class DCPCheckpointer(Checkpointer):
     def prepare_staging(self, ts: TrainState) -> None:
         """Allocate the staging buffers of async saves now, before training, not at the first save."""
         # Not before the first optimizer step: get_state_dict would initialise AdamW's state (step=1)
-        # with a dummy step, and the run would no longer match an uninterrupted one.
+        # with a dummy step, and the run would no longer match an uninterrupted one. A fresh run stages
+        # right after its first step instead (a one-shot step hook): else its first save pays the
+        # allocation and first touch of a whole copy of the state while training waits.
+        if self._staged is None and not self.optimizer.state and self._first_step_hook is None:
+            def after_first_step(*_: Any) -> None:
+                self._remove_first_step_hook()
+                self.prepare_staging(ts)
+
+            self._first_step_hook = self.optimizer.register_step_post_hook(after_first_step)
         if self._staged is None and self.optimizer.state:
             sd = self.state_dict(ts)
             self._staged = cpu_buffers(sd, pin_memory=self.env.device.type == "cuda")
             self.stage(sd)  # touch every page once, so the first save does not pay the page faults
 
+    def _remove_first_step_hook(self) -> None:
+        if self._first_step_hook is not None:
+            self._first_step_hook.remove()
+            self._first_step_hook = None
+
     def release(self) -> None:
+        self._remove_first_step_hook()
         self._fp_pool.shutdown(wait=True)
         self._staged = None
 
