@@ -1,15 +1,25 @@
-"""Checkpoint I/O figures, side by side in one run, on a >= 250M-parameter Llama-style model.
+"""Checkpoint I/O, side by side with plain DCP, on a >= 250M-parameter Llama-style model (2 gloo ranks, CPU).
 
-    python bench/checkpoint_bench.py            # ~3-5 min on 2 CPU cores, ~10 GB of disk under bench/out
-    python bench/checkpoint_bench.py --layers 2 # quick smoke run on a small model
+    python bench/checkpoint_bench.py --part save   # ~3 min: device yardstick, sync saves, checksum cost
+    python bench/checkpoint_bench.py --part stall  # ~4 min: async stall inside a training loop
+    python bench/checkpoint_bench.py --part load   # ~4 min: load_latest vs dcp.load, 2 -> 2 and 4 -> 2
+    python bench/checkpoint_bench.py --small --part all   # smoke run on a tiny model (~1 min)
 
-Measures (2 gloo ranks on CPU, fp32 weights + AdamW state):
-  * ``dd oflag=direct`` write bandwidth of the same disk (the yardstick);
-  * plain ``dcp.save`` and ``dcp.async_save`` of ``get_state_dict`` (what users write by hand);
-  * shardkeeper's Checkpointer: sync save (fsync, checksums, manifest, commit), async save (time the
-    training loop is blocked), one in-memory copy of the state (the floor for any async save),
-    and load at the same world size vs a checkpoint written at another world size.
-Prints a markdown table; the README's table is copied from it.
+Each part writes bench/out/checkpoint/PART.json; once all three exist the table is published
+(bench/results/checkpoint.md, copied into the README by bench/readme_tables.py). Fairness: both sides
+run warm (one save each first, not counted), alternated A B A B, ``--reps`` times each, with the same
+writer threads (``checkpoint.io_threads`` per rank; DCP's FileSystemWriter gets ``thread_count`` equal to
+it) and the same cache state; medians (min–max); timings are barrier-bounded (the slower rank).
+
+* save: parallel ``dd oflag=direct conv=fsync`` with ranks × threads streams (the device yardstick at our
+  writers' parallelism) and single-stream dd, in the same rep loop as the saves; ``dcp.save`` vs ours
+  (fsync, xxh3, manifest, commit) vs ours with hashing off (the checksum cost).
+* stall: a real training loop (FSDP2, AdamW) with the real Checkpointer: steps with and without a save,
+  (a) the first save of a fresh run, (b) a save while the previous one is still in flight, (c) steady
+  state; the same for ``dcp.async_save``; and one in-memory copy of the state measured the same way.
+* load: ``Checkpointer.load_latest`` (what resume does: quick validation, every checksum, load,
+  fingerprint) vs ``dcp.load`` + ``set_state_dict`` of the same checkpoint, page cache dropped before
+  each, at the same world size and from a checkpoint written at 4 ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -25,27 +36,31 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from benchlib import fmt, md_table, publish  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "checkpoint"
+PARTS = ("save", "stall", "load")
 
 
-def big_spec(layers: int):
+def spec_for(small: bool):
     from schemas import RunSpec
 
+    hidden, inter, layers = (256, 704, 2) if small else (1024, 2816, 16)
     return RunSpec.model_validate({
-        "name": "bench-270m", "global_batch_size": 4, "seed": 0,
+        "name": "bench-ckpt", "global_batch_size": 4, "micro_batch_size": 2, "seed": 0,
         "model": {"model_type": "llama", "config": {
-            "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": layers,
+            "vocab_size": 32000, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
             "num_attention_heads": 16, "num_key_value_heads": 8, "max_position_embeddings": 256,
             "tie_word_embeddings": False}},
-        "data": {"seq_len": 16, "synthetic_tokens": 4096},
-        "checkpoint": {"interval": 1000, "keep_last": 100, "io_threads": 2, "async_save": True},
+        "data": {"seq_len": 64, "synthetic_tokens": 4096},
+        "checkpoint": {"interval": 1000, "keep_last": 1000, "io_threads": 2, "async_save": True},
     })
 
 
-def _setup(layers: int, run_dir: str):
-    import torch
-
+def setup(small: bool, run_dir: str, *, first_step: bool = True):
+    """Model, AdamW and the real DCPCheckpointer on this rank (``first_step``: AdamW state exists)."""
     from ckpt.layout import RunDir
     from trainer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
@@ -53,21 +68,32 @@ def _setup(layers: int, run_dir: str):
     from trainer.optim import build_optimizer
 
     env = init_distributed()
-    spec = big_spec(layers)
+    spec = spec_for(small)
     model = build_model(spec)
     sig = model_signature(spec.model, model)
     shard_model(model, env.mesh, spec)
     opt = build_optimizer(model, spec)
-    x = torch.randint(0, 32000, (1, 16))
-    model(input_ids=x).logits.float().mean().backward()
+    if first_step:
+        train_step(model, opt)
+    ck = DCPCheckpointer(RunDir.at(run_dir), spec, model, opt, env, segment=0, signature=sig)
+    return env, spec, model, opt, ck
+
+
+def train_step(model, opt) -> None:
+    """One real optimizer step on random tokens (forward, backward, clip, AdamW)."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randint(0, 32000, (2, 64))
+    logits = model(input_ids=x).logits
+    F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x.reshape(-1)).backward()
+    torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    rd = RunDir.at(run_dir)
-    ck = DCPCheckpointer(rd, spec, model, opt, env, segment=0, signature=sig)
-    return env, model, opt, ck
 
 
-def _timed(fn, group) -> float:
+def timed(fn, group) -> float:
+    """Seconds of ``fn`` bounded by barriers: the slower rank's time (every rank returns the same)."""
     import torch.distributed as dist
 
     dist.barrier(group=group)
@@ -77,159 +103,374 @@ def _timed(fn, group) -> float:
     return time.perf_counter() - t
 
 
-def save_worker(layers: int, run_dir: str) -> dict:
-    """On each rank: plain DCP sync/async, then ours sync/async, then a same-size load."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed._state_dict_utils import _copy_state_dict
+def plain_sd(model, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from trainer.checkpointer import TrainState
-
-    env, model, opt, ck = _setup(layers, run_dir)
-    g = env.ctrl_group
-    res: dict = {}
     msd, osd = get_state_dict(model, opt)
-    plain = {"model": msd, "optim": osd}
-    res["dcp_sync_s"] = _timed(lambda: dcp.save(plain, checkpoint_id=f"{run_dir}/plain-sync"), g)
-    blocked = {}
-
-    def plain_async() -> None:
-        t = time.perf_counter()
-        fut = dcp.async_save(plain, checkpoint_id=f"{run_dir}/plain-async", process_group=env.ckpt_group)
-        blocked["s"] = time.perf_counter() - t
-        fut.result()
-
-    res["dcp_async_total_s"] = _timed(plain_async, g)
-    res["dcp_async_blocked_s"] = blocked["s"]
-    from ckpt.formats.direct_io import _HashingDirectStream
-
-    # with and without xxh3, alternated and best of two each (the first save of a process pays extra)
-    sync, nohash = [], []
-    for i in range(2):
-        _HashingDirectStream.hashing = False
-        nohash.append(_timed(lambda: ck.save(TrainState(step=10 + i), reason="interval", blocking=True), g))
-        _HashingDirectStream.hashing = True
-        sync.append(_timed(lambda: ck.save(TrainState(step=1 if i else 20), reason="interval", blocking=True), g))
-        if min(sync) == sync[-1]:
-            res["ours_sync_phases"] = ck.last_phases
-    res["ours_nohash_s"], res["ours_sync_s"] = min(nohash), min(sync)
-    ck.warm_up(TrainState(step=1))
-    dist.barrier(group=g)
-
-    def ours_async() -> None:
-        t = time.perf_counter()
-        ck.save(TrainState(step=2), reason="interval", blocking=False)
-        blocked["ours"] = time.perf_counter() - t
-        ck.wait()
-
-    res["ours_async_total_s"] = _timed(ours_async, g)
-    res["ours_async_blocked_s"] = blocked["ours"]
-    res["ours_async_phases"] = ck.last_phases
-    sd = ck.state_dict(TrainState(step=2))
-    res["copy_s"] = _timed(lambda: _copy_state_dict(sd, ck._staged), g)
-    ck.close()
-    res["bytes"] = sum(f.stat().st_size for f in (Path(run_dir) / "checkpoints" / "step-00000001").iterdir())
-    res["params"] = sum(p.numel() for p in model.parameters())
-    dist.destroy_process_group()
-    return res
+    return {"model": msd, "optim": osd}
 
 
-def save4_worker(layers: int, run_dir: str) -> dict:
-    from trainer.checkpointer import TrainState
-
-    env, _, _, ck = _setup(layers, run_dir)
-    ck.save(TrainState(step=3), reason="interval", blocking=True)
-    ck.close()
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
-    return {}
-
-
-def load_worker(layers: int, run_dir: str) -> dict:
-    """Same-size (step 2, saved at 2 ranks) and other-size (step 3, saved at 4 ranks) loads, alternated
-    in one process, best of two each, so both see the same allocator and page-cache conditions."""
-    env, _, _, ck = _setup(layers, run_dir)
-    import torch.distributed as dist
-
-    same, other = [], []
-    for _ in range(2):
-        for step, out in ((2, same), (3, other)):
-            if env.is_rank0:
-                drop_caches()
-            out.append(_timed(lambda: ck.load(Path(run_dir) / "checkpoints" / f"step-{step:08d}"), env.ctrl_group))
-    dist.destroy_process_group()
-    return {"load_same_s": min(same), "load_other_s": min(other)}
-
-
-def dd_bandwidth(path: Path, gb: float) -> float:
-    count = int(gb * 1024 / 64)
-    t = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}", "oflag=direct"],
-                   check=True, capture_output=True)
-    dt = time.perf_counter() - t
-    path.unlink()
-    return count * 64 * 2**20 / dt / 1e9
-
-
-def drop_caches() -> None:
+def drop_caches() -> str:
+    """Drop the page cache (root); returns the cache state to report."""
     try:
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        pass
+        return "page cache dropped before each load"
+    except OSError as e:
+        return f"page cache NOT dropped ({e.strerror}); both sides after a save, same state"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=16, help="decoder layers (16 -> ~272M parameters)")
-    args = ap.parse_args()
+def dd_streams(folder: Path, total_bytes: int, streams: int) -> float:
+    """GB/s of ``streams`` parallel ``dd oflag=direct conv=fsync`` writing ``total_bytes`` in all."""
+    count = max(1, round(total_bytes / streams / 2**26))
+    paths = [folder / f"dd-{i}.bin" for i in range(streams)]
+    t = time.perf_counter()
+    procs = [subprocess.Popen(["dd", "if=/dev/zero", f"of={p}", "bs=64M", f"count={count}", "oflag=direct",
+                               "conv=fsync"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in paths]
+    if any(p.wait() for p in procs):
+        raise SystemExit("dd failed")
+    dt = time.perf_counter() - t
+    for p in paths:
+        p.unlink()
+    return streams * count * 2**26 / dt / 1e9
+
+
+def ckpt_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+# ------------------------------------------------------------------------------------------------- save
+def save_worker(small: bool, run_dir: str, reps: int) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from ckpt.formats.direct_io import _HashingDirectStream
+    from trainer.checkpointer import TrainState
+
+    env, spec, model, opt, ck = setup(small, run_dir)
+    g, threads, rd = env.ctrl_group, spec.checkpoint.io_threads, Path(run_dir)
+    res: dict = {k: [] for k in ("dcp", "ours", "nohash", "dd_par", "dd_one")}
+    step = iter(range(1, 10_000))
+
+    def clean() -> None:
+        if env.is_rank0:
+            for p in list(rd.glob("plain-*")) + list((rd / "checkpoints").glob("step-*")):
+                shutil.rmtree(p)
+        dist.barrier(group=g)
+
+    def plain() -> None:
+        dcp.save(plain_sd(model, opt), storage_writer=FileSystemWriter(rd / f"plain-{next(step)}", thread_count=threads))
+
+    def ours(hashing: bool):
+        def go() -> None:
+            _HashingDirectStream.hashing = hashing
+            ck.save(TrainState(step=next(step)), reason="interval", blocking=True)
+            _HashingDirectStream.hashing = True
+        return go
+
+    # With hashing off the manifest's digests are not the bytes', so that save's post-commit re-read logs a
+    # mismatch: expected here, and that checkpoint is deleted right after.
+    def settle() -> None:  # the background re-read after a commit is I/O of its own: let it finish, untimed
+        ck._wait_reread()
+        dist.barrier(group=g)
+
+    nbytes = 0
+    for i in range(reps + 1):  # rep 0 is the warm-up of each side, not counted
+        for name, fn in (("dcp", plain), ("ours", ours(True)), ("nohash", ours(False))):
+            dt = timed(fn, g)
+            settle()
+            if name == "ours":
+                nbytes = sum(ckpt_bytes(p) for p in (rd / "checkpoints").glob("step-*"))
+                phases = dict(ck.last_phases)
+            if i:
+                res[name].append(dt)
+            clean()
+        if env.is_rank0 and i:
+            res["dd_par"].append(dd_streams(rd, nbytes, env.world_size * threads))
+            res["dd_one"].append(dd_streams(rd, nbytes, 1))
+        dist.barrier(group=g)
+    ck.close()
+    params = sum(p.numel() for p in model.parameters())
+    dist.destroy_process_group()
+    return {**res, "bytes": nbytes, "params": params, "phases": phases, "threads": threads,
+            "world": env.world_size}
+
+
+# ------------------------------------------------------------------------------------------------ stall
+def stall_worker(small: bool, run_dir: str, reps: int, between: int) -> dict:
+    """A training loop on a fresh run: plain steps, then saves of each kind at chosen steps."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from trainer.checkpointer import TrainState
+
+    env, spec, model, opt, ck = setup(small, run_dir, first_step=False)
+    g, threads, rd = env.ctrl_group, spec.checkpoint.io_threads, Path(run_dir)
+    ck.warm_up(TrainState(step=0))  # what the loop does for a fresh run: nothing can be staged yet
+    state = {"step": 0, "fut": None}
+    out: dict = {"plain_step": [], "inflight_step": {"ours": [], "dcp": []}}
+
+    def step() -> float:
+        state["step"] += 1
+        return timed(lambda: train_step(model, opt), g)
+
+    def save_ours() -> None:
+        ck.save(TrainState(step=state["step"]), reason="interval", blocking=False)
+
+    def save_dcp() -> None:
+        if state["fut"] is not None:  # the previous save must finish first (as with ours)
+            state["fut"].result()
+        state["fut"] = dcp.async_save(plain_sd(model, opt), process_group=env.ckpt_group,
+                                      storage_writer=FileSystemWriter(rd / f"plain-{state['step']}", thread_count=threads))
+
+    def finish(kind: str) -> float:
+        if kind == "ours":
+            return timed(ck.wait, g)
+        return timed(lambda: state["fut"].result() if state["fut"] is not None else None, g)
+
+    def clean() -> None:
+        ck._wait_reread()
+        dist.barrier(group=g)
+        if env.is_rank0:
+            for p in list(rd.glob("plain-*")) + list((rd / "checkpoints").glob("step-*")):
+                shutil.rmtree(p)
+        dist.barrier(group=g)
+
+    def saving_step(kind: str) -> dict:
+        """A step then a save (the loop's order); the save's barrier-bounded time is the stall."""
+        t = step()
+        return {"step_s": t, "stall_s": timed(save_ours if kind == "ours" else save_dcp, g)}
+
+    for _ in range(3):  # first step allocates AdamW's state; two more to settle
+        step()
+    for _ in range(reps):
+        out["plain_step"].append(step())
+    # (a) first save of the run, then (b) a save requested at once, while (a) still writes: it waits for (a)'s
+    # commit (with a training step between them, (a) finishes during the step on this machine)
+    out["b_no_step"] = True
+    for kind in ("ours", "dcp"):
+        first = saving_step(kind)
+        state["step"] += 1
+        second = {"stall_s": timed(save_ours if kind == "ours" else save_dcp, g)}
+        out[f"{kind}_first"], out[f"{kind}_inflight"] = first, second
+        out[f"{kind}_first_total_s"] = finish(kind)
+        clean()
+    # (c) steady state, alternated: save, ``between`` steps while it writes, the residual wait (untimed by
+    # training in a real loop, whose next save is far away); one in-memory copy measured the same way
+    staged = _create_cpu_state_dict(ck.state_dict(TrainState()))
+    _copy_state_dict(ck.state_dict(TrainState()), staged)  # touched once, as ours' buffers are by then
+    for kind in ("ours", "dcp", "copy") * reps:
+        if kind == "copy":
+            step()
+            out.setdefault("copy", []).append(timed(lambda: _copy_state_dict(ck.state_dict(TrainState()), staged), g))
+            continue
+        out.setdefault(f"{kind}_steady", []).append(saving_step(kind)["stall_s"])
+        out["inflight_step"][kind] += [step() for _ in range(between)]
+        out.setdefault(f"{kind}_residual", []).append(finish(kind))
+        clean()
+    out["sync"] = []
+    for _ in range(max(2, reps // 2)):  # our sync save in this loop, for the stall's yardstick
+        step()
+        out["sync"].append(timed(lambda: ck.save(TrainState(step=state["step"]), reason="interval", blocking=True), g))
+        clean()
+    ck.close()
+    dist.destroy_process_group()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- load
+def save_at(small: bool, run_dir: str, step: int) -> None:
+    import torch.distributed as dist
+
+    from trainer.checkpointer import TrainState
+
+    _, _, _, _, ck = setup(small, run_dir)
+    ck.save(TrainState(step=step), reason="interval", blocking=True)
+    ck.close()
+    dist.destroy_process_group()
+
+
+def load_worker(small: bool, runs: dict, reps: int) -> dict:
+    """load_latest (ours) and dcp.load (plain) of the same checkpoints, alternated, caches dropped before each."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from ckpt.layout import RunDir
+    from ckpt.validate import forget_known
+    from trainer.dcp_backend import DCPCheckpointer
+
+    env, spec, model, opt, ck0 = setup(small, runs["same"])
+    g = env.ctrl_group
+    cks = {k: DCPCheckpointer(RunDir.at(d), spec, model, opt, env, segment=1, signature=ck0.signature)
+           for k, d in runs.items()}
+    out: dict = {}
+    phases: dict = {}
+    state = {"which": ""}
+    for ck in cks.values():  # time load_latest's parts too, without changing what it does
+        for name in ("_quick_check", "_hash_check", "load"):
+            def wrapped(*a, _f=getattr(ck, name), _n=name, **kw):
+                t = time.perf_counter()
+                try:
+                    return _f(*a, **kw)
+                finally:
+                    phases.setdefault(f"{_n}_{state['which']}", []).append(time.perf_counter() - t)
+            setattr(ck, name, wrapped)
+
+    def ours(which: str):
+        def go() -> None:
+            state["which"] = which
+            forget_known()  # as in a new segment's process: nothing validated before
+            ts = cks[which].load_latest(restart=False)
+            assert ts is not None and ts.step == {"same": 2, "other": 3}[which], ts
+        return go
+
+    def plain(which: str):
+        path = sorted((Path(runs[which]) / "checkpoints").glob("step-*"))[-1]
+
+        def go() -> None:
+            sd = plain_sd(model, opt)
+            dcp.load(sd, checkpoint_id=path, process_group=env.ckpt_group)
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        return go
+
+    cache = "page cache state: unknown"
+    for i in range(reps + 1):  # round 0 warms both sides, not counted
+        for which in ("same", "other"):
+            for side, fn in (("ours", ours(which)), ("dcp", plain(which))):
+                if env.is_rank0:
+                    cache = drop_caches()
+                dist.barrier(group=g)
+                dt = timed(fn, g)
+                if i:
+                    out.setdefault(f"{side}_{which}", []).append(dt)
+    for k in phases:  # drop the warm-up round's load_latest call
+        phases[k] = phases[k][1:]
+    dist.destroy_process_group()
+    return {**out, "phases": phases, "cache": cache}
+
+
+# ------------------------------------------------------------------------------------------------ table
+def med(xs) -> float:
+    return statistics.median(xs)
+
+
+def goal(ok: bool, text: str) -> str:
+    return ("met: " if ok else "**missed**: ") + text
+
+
+def table(s: dict, st: dict, ld: dict, reps: dict) -> str:
+    gb = s["bytes"] / 1e9
+    rate = [gb / t for t in s["ours"]]
+    dd_par, ours_rate = med(s["dd_par"]), med(rate)
+    w, th = s["world"], s["threads"]
+    hash_pct = [100 * (a / b - 1) for a, b in zip(s["ours"], s["nohash"])]
+    sync = med(s["ours"])
+    rows = [
+        [f"device: parallel dd oflag=direct conv=fsync ({w * th} streams)", f"{fmt(s['dd_par'])} GB/s",
+         "the yardstick: our writers' parallelism, fsync'd", ""],
+        ["device: single-stream dd oflag=direct conv=fsync", f"{fmt(s['dd_one'])} GB/s", "second line", ""],
+        [f"plain dcp.save (sync, FileSystemWriter thread_count={th}, fsync)", f"{fmt([gb / t for t in s['dcp']])} GB/s",
+         f"{fmt(s['dcp'])} s", ""],
+        ["shardkeeper save (sync: O_DIRECT, fsync, xxh3, manifest, commit)", f"{fmt(rate)} GB/s",
+         f"{fmt(s['ours'])} s; {med(s['dcp']) / sync:.2f}x faster than dcp.save; last phases "
+         + ", ".join(f"{k} {v:.2f}" for k, v in s["phases"].items()),
+         goal(ours_rate >= 0.8 * dd_par, f"{ours_rate / dd_par:.2f}x parallel dd (goal ≥ 0.8x)")],
+        ["checksum cost (ours with vs without xxh3, paired reps)", f"{fmt(hash_pct, 1)} %",
+         f"with {fmt(s['ours'])} s, without {fmt(s['nohash'])} s",
+         goal(med(hash_pct) <= 10, f"{med(hash_pct):+.1f} % (goal ≤ 10 %)")],
+    ]
+    sync_loop = med(st["sync"])
+    plain_step = med(st["plain_step"])
+    for kind, label in (("ours", "shardkeeper async"), ("dcp", "plain dcp.async_save")):
+        first, infl = st[f"{kind}_first"]["stall_s"], st[f"{kind}_inflight"]["stall_s"]
+        steady = st[f"{kind}_steady"]
+        rows += [
+            [f"{label}: stall, first save of a fresh run (a)", f"{first:.2f} s", f"{100 * first / sync_loop:.0f} % of a sync save",
+             "" if kind == "dcp" else goal(first <= 0.1 * sync_loop, "≤ 10 % of a sync save")],
+            [f"{label}: stall, " + ("previous save still in flight (b)" if st.get("b_no_step")
+                                     else "save on the step after (a) (b)"), f"{infl:.2f} s",
+             ("waits for the previous commit" if st.get("b_no_step") else
+              f"(a) had finished during the {st[f'{kind}_first']['step_s']:.0f} s step between: no wait measured")
+             + f"; {100 * infl / sync_loop:.0f} % of a sync save",
+             "" if kind == "dcp" else goal(infl <= 0.1 * sync_loop, "≤ 10 % of a sync save")],
+            [f"{label}: stall, steady state (c)", f"{fmt(steady)} s",
+             f"{100 * med(steady) / sync_loop:.1f} % of a sync save; {med(steady) / med(st['copy']):.2f}x one copy; "
+             f"steps while it writes {fmt(st['inflight_step'][kind])} s vs {plain_step:.2f} s",
+             "" if kind == "dcp" else goal(med(steady) <= 0.1 * sync_loop, "≤ 10 % of a sync save")],
+        ]
+    rows += [["one in-memory copy of the state (the floor of any async stall)", f"{fmt(st['copy'])} s",
+              f"sync save in the same loop {fmt(st['sync'])} s; plain step {fmt(st['plain_step'])} s", ""]]
+    ph = ld["phases"]
+    for which, label in (("same", "2 -> 2"), ("other", "4 -> 2")):
+        ours, plain = ld[f"ours_{which}"], ld[f"dcp_{which}"]
+        rows.append([f"resume ({label}): Checkpointer.load_latest", f"{fmt(ours)} s",
+                     f"{med(ours) / med(plain):.2f}x dcp.load", ""])
+        rows.append([f"resume ({label}): plain dcp.load + set_state_dict", f"{fmt(plain)} s", "no checks", ""])
+    ratio = med(ld["ours_other"]) / med(ld["ours_same"])
+    rows.append(["load_latest, other size vs same size", f"{ratio:.2f}x", "",
+                 goal(ratio <= 1.2, f"{ratio:.2f}x (goal ≤ 1.2x)")])
+    body = md_table(["measure", "value (median (min–max))", "notes", "goal"], rows)
+    body += (f"\n\nModel {s['params'] / 1e6:.0f}M parameters, checkpoint {gb:.2f} GB (fp32 weights + AdamW moments), "
+             f"{w} ranks × {th} writer threads. Repetitions: save part {reps['save']} alternated rounds after one "
+             f"warm-up round; stall part {reps['stall']} steady rounds (a and b are single events of a fresh run); "
+             f"load part {reps['load']} alternated rounds after a warm-up round, {ld['cache']}. load_latest's parts "
+             "(median s, 2 -> 2 / 4 -> 2): quick validation (manifest, layout, every file's size; first sight) "
+             + " / ".join(f"{med(ph['_quick_check_' + w]):.2f}" for w in ("same", "other"))
+             + ", xxh3 of every file against the manifest (ranks share the files) "
+             + " / ".join(f"{med(ph['_hash_check_' + w]):.2f}" for w in ("same", "other"))
+             + ", dcp.load + set_state_dict + counters + fingerprint "
+             + " / ".join(f"{med(ph['load_' + w]):.2f}" for w in ("same", "other")) + ".")
+    return body
+
+
+def run_part(part: str, args: argparse.Namespace) -> None:
     from tests.harness import spawn
 
-    shutil.rmtree(OUT, ignore_errors=True)
-    OUT.mkdir(parents=True)
-    run2, run4 = OUT / "run2", OUT / "run4"
-    for d in (run2, run4):
-        d.mkdir()
-    gb = 3.0 if args.layers >= 8 else 0.5
-    dd_before = dd_bandwidth(OUT / "dd.bin", gb)
-    r = spawn(save_worker, 2, args.layers, str(run2), timeout=1800)
-    spawn(save4_worker, 4, args.layers, str(run4), timeout=1800)
-    shutil.copytree(run4 / "checkpoints", run2 / "checkpoints", dirs_exist_ok=True)
-    drop_caches()
-    loads = spawn(load_worker, 2, args.layers, str(run2), timeout=1800)
-    for k in ("load_same_s", "load_other_s"):
-        r[0][k] = r[1][k] = max(x[k] for x in loads)
-    dd_after = dd_bandwidth(OUT / "dd.bin", gb)
-    dd = (dd_before + dd_after) / 2
-    a, b = r[0], r[1]
-    gbytes = a["bytes"] / 1e9
-    slow = lambda k: max(a[k], b[k])  # noqa: E731 - the slower rank bounds the step
-    rows = [
-        ("dd oflag=direct write", f"{dd:.2f} GB/s", f"before {dd_before:.2f}, after {dd_after:.2f}"),
-        ("plain dcp.save (sync)", f"{gbytes / slow('dcp_sync_s'):.2f} GB/s", f"{slow('dcp_sync_s'):.2f} s"),
-        ("shardkeeper save (sync, fsync+xxh3+manifest+commit)", f"{gbytes / slow('ours_sync_s'):.2f} GB/s",
-         f"{slow('ours_sync_s'):.2f} s = {(gbytes / slow('ours_sync_s')) / dd:.2f}x dd; phases {json.dumps({k: round(v, 2) for k, v in a['ours_sync_phases'].items()})}"),
-        ("checksumming cost (save with vs without xxh3)", f"{100 * (slow('ours_sync_s') / slow('ours_nohash_s') - 1):+.1f} %",
-         f"{slow('ours_sync_s'):.2f} s vs {slow('ours_nohash_s'):.2f} s; hashed by the writing ranks while writing"),
-        ("plain dcp.async_save: training blocked", f"{slow('dcp_async_blocked_s'):.2f} s",
-         f"{100 * slow('dcp_async_blocked_s') / slow('dcp_sync_s'):.0f} % of plain sync save"),
-        ("shardkeeper async: training blocked", f"{slow('ours_async_blocked_s'):.2f} s",
-         f"{100 * slow('ours_async_blocked_s') / slow('ours_sync_s'):.1f} % of our sync save; "
-         f"{slow('ours_async_blocked_s') / slow('copy_s'):.2f}x one in-memory copy ({slow('copy_s'):.2f} s)"),
-        ("load, same world size (2 -> 2)", f"{slow('load_same_s'):.2f} s", "dcp.load + set_state_dict + fingerprint check"),
-        ("load, other world size (4 -> 2)", f"{slow('load_other_s'):.2f} s",
-         f"{slow('load_other_s') / slow('load_same_s'):.2f}x same-size load; both in one process, alternated"),
-    ]
-    print(f"\nmodel: {a['params'] / 1e6:.0f}M parameters; checkpoint {gbytes:.2f} GB (fp32 weights + AdamW moments), 2 ranks\n")
-    print("| measure | value | notes |\n|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-    (OUT / "results.json").write_text(json.dumps({"ranks": r, "dd": [dd_before, dd_after]}, indent=2))
-    shutil.rmtree(run2, ignore_errors=True)
-    shutil.rmtree(run4, ignore_errors=True)
+    d = OUT / part
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    t0 = time.perf_counter()
+    if part == "save":
+        res = spawn(save_worker, 2, args.small, str(d), args.reps, timeout=1200)[0]
+    elif part == "stall":
+        res = spawn(stall_worker, 2, args.small, str(d), args.reps, args.between, timeout=1200)[0]
+    else:
+        runs = {"same": str(d / "same"), "other": str(d / "other")}
+        spawn(save_at, 2, args.small, runs["same"], 2, timeout=1200)
+        spawn(save_at, 4, args.small, runs["other"], 3, timeout=1200)
+        res = spawn(load_worker, 2, args.small, runs, args.reps, timeout=1200)[0]
+    res["reps"], res["small"], res["argv"] = args.reps, args.small, sys.argv
+    shutil.rmtree(d, ignore_errors=True)
+    (OUT / f"{part}.json").write_text(json.dumps(res, indent=1))
+    print(f"{part}: {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=(*PARTS, "all", "table"), default="all")
+    ap.add_argument("--reps", type=int, default=5, help="counted repetitions of each side (after a warm-up)")
+    ap.add_argument("--between", type=int, default=2, help="training steps while a steady-state save writes")
+    ap.add_argument("--small", action="store_true", help="smoke run on a tiny model; publishes nothing")
+    args = ap.parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    for part in PARTS if args.part == "all" else (() if args.part == "table" else (args.part,)):
+        run_part(part, args)
+    found = {p: json.loads((OUT / f"{p}.json").read_text()) for p in PARTS if (OUT / f"{p}.json").is_file()}
+    if len(found) < len(PARTS) or len({r["small"] for r in found.values()}) != 1:
+        print("table: run every part (at the same size) first", file=sys.stderr)
+        return 0 if args.part != "table" else 1
+    body = table(found["save"], found["stall"], found["load"], {p: found[p]["reps"] for p in PARTS})
+    cmds = "; ".join(" ".join(["python", "bench/checkpoint_bench.py", *found[p]["argv"][1:]]) for p in PARTS)
+    if args.small:
+        print(body)
+        return 0
+    publish("checkpoint", body + f"\n\nParts measured by: `{cmds}`.")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -170,3 +170,90 @@ def test_bf16_compute_same_world_size_resume_is_bitwise(tmp_path: Path) -> None:
     man = read_manifest(run / "checkpoints" / "step-00000012")
     assert (man.dtype_policy.master, man.dtype_policy.compute) == ("float32", "bfloat16")
     assert all(t.dtype == "float32" for t in man.tensors)  # master weights and moments stay fp32
+
+
+def _staging_buffers() -> int:
+    """On each rank: cpu_buffers of a real FSDP2 model + AdamW state dict (uneven shards of 5 rows on 2 ranks);
+    the staged copy equals the state, shares no storage, and keeps every DTensor's placements and shape."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._state_dict_utils import _copy_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from trainer.dcp_backend import cpu_buffers
+    from trainer.dist import init_distributed
+
+    env = init_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 5))
+    fully_shard(model, mesh=env.mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd, "step": torch.tensor(7)}
+    staged = _copy_state_dict(sd, cpu_buffers(sd, pin_memory=False))
+    n = 0
+
+    def same(a, b) -> None:
+        nonlocal n
+        if isinstance(a, DTensor):
+            assert isinstance(b, DTensor) and a.placements == b.placements and a.shape == b.shape
+            a, b = a.to_local(), b.to_local()
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b) and (a.numel() == 0 or a.data_ptr() != b.data_ptr())
+            n += 1
+        elif isinstance(a, dict):
+            assert a.keys() == b.keys()
+            for k in a:
+                same(a[k], b[k])
+        elif isinstance(a, list):
+            for x, y in zip(a, b, strict=True):
+                same(x, y)
+        else:
+            assert a == b
+    same(sd, staged)
+    dist.destroy_process_group()
+    return n
+
+
+def test_async_staging_buffers_copy_the_whole_state():
+    """The async save's CPU buffers (allocated without torch's deep copy) receive exactly the saved state."""
+    counts = spawn(_staging_buffers, 2)
+    assert counts[0] == counts[1] and counts[0] >= 4 + 2 * 4 + 1  # 4 params, 2 moments each (+ steps), counter
+
+
+def _fresh_run_staging(run_dir: str) -> list[bool]:
+    """warm_up of a fresh run stages nothing (AdamW has no state yet) and stages right after the first step."""
+    import torch
+
+    from ckpt.layout import RunDir
+    from tests.harness import tiny_spec
+    from trainer.checkpointer import TrainState
+    from trainer.dcp_backend import DCPCheckpointer
+    from trainer.dist import init_distributed
+    from trainer.model import build_model, model_signature, shard_model
+    from trainer.optim import build_optimizer
+
+    env = init_distributed()
+    spec = tiny_spec(**{"checkpoint.async_save": "true"})
+    model = build_model(spec)
+    sig = model_signature(spec.model, model)
+    shard_model(model, env.mesh, spec)
+    opt = build_optimizer(model, spec)
+    ck = DCPCheckpointer(RunDir.at(run_dir), spec, model, opt, env, segment=0, signature=sig)
+    ck.warm_up(TrainState())
+    seen = [ck._staged is None]
+    model(input_ids=torch.randint(0, 64, (1, 8))).logits.float().mean().backward()
+    opt.step()
+    seen += [ck._staged is not None, ck._first_step_hook is None, int(next(iter(opt.state.values()))["step"]) == 1]
+    ck.close()
+    torch.distributed.destroy_process_group()
+    return seen
+
+
+def test_fresh_run_stages_after_its_first_step(tmp_path):
+    """The first async save of a fresh run finds its staging buffers ready (allocated after step 1)."""
+    assert spawn(_fresh_run_staging, 2, str(tmp_path)) == [[True, True, True, True]] * 2

@@ -32,6 +32,35 @@ from trainer.checkpointer import Checkpointer, TrainState, Written
 from trainer.optim import init_state
 
 
+def cpu_buffers(sd: dict[str, Any], *, pin_memory: bool) -> dict[str, Any]:
+    """Uninitialised CPU tensors shaped like ``sd``'s (DTensors keep their mesh and placements), for ``stage``.
+
+    torch's ``_create_cpu_state_dict`` deep-copies every DTensor already on the CPU (data included) before
+    swapping in an empty local tensor: on the CPU that is a full extra copy of the state, paid by the first
+    async save of a fresh run (its optimizer state exists only after the first step). ``empty_like`` only
+    allocates. Device (pinned) buffers keep torch's function."""
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict, _iterate_state_dict
+    from torch.distributed.tensor import DTensor
+
+    if pin_memory:
+        return _create_cpu_state_dict(sd, pin_memory=True)
+
+    def plain(t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return torch.tensor(0, dtype=t.dtype) if t.dim() == 0 else torch.empty_like(t, device="cpu")
+
+    def dtensor(t: DTensor, *_: Any) -> DTensor:
+        if t.dim() == 0 or t.device.type != "cpu":
+            return _create_cpu_state_dict({"t": t})["t"]
+        return DTensor.from_local(torch.empty_like(t.to_local()), t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+
+    def sharded(t: Any, *_: Any) -> Any:
+        return _create_cpu_state_dict({"t": t})["t"]
+
+    return _iterate_state_dict(sd, sharded, dtensor, plain, pg=None, device=None, cpu_offload=False, ranks_only=(),
+                               type_check=False)
+
+
 class DCPCheckpointer(Checkpointer):
     """Checkpoints of an FSDP2 model and its optimizer in PyTorch Distributed Checkpoint format."""
 
@@ -42,6 +71,7 @@ class DCPCheckpointer(Checkpointer):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._staged: dict[str, Any] | None = None
+        self._first_step_hook: Any = None  # a fresh run's staging waits for the first optimizer step
         self._fp_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fingerprint")
 
     # ----------------------------------------------------------------- state dict
@@ -108,24 +138,36 @@ class DCPCheckpointer(Checkpointer):
     def prepare_staging(self, ts: TrainState) -> None:
         """Allocate the staging buffers of async saves now, before training, not at the first save."""
         # Not before the first optimizer step: get_state_dict would initialise AdamW's state (step=1)
-        # with a dummy step, and the run would no longer match an uninterrupted one.
-        if self._staged is None and self.optimizer.state:
-            from torch.distributed._state_dict_utils import _create_cpu_state_dict
+        # with a dummy step, and the run would no longer match an uninterrupted one. A fresh run stages
+        # right after its first step instead (a one-shot step hook): else its first save pays the
+        # allocation and first touch of a whole copy of the state while training waits.
+        if self._staged is None and not self.optimizer.state and self._first_step_hook is None:
+            def after_first_step(*_: Any) -> None:
+                self._remove_first_step_hook()
+                self.prepare_staging(ts)
 
+            self._first_step_hook = self.optimizer.register_step_post_hook(after_first_step)
+        if self._staged is None and self.optimizer.state:
             sd = self.state_dict(ts)
-            self._staged = _create_cpu_state_dict(sd, pin_memory=self.env.device.type == "cuda")
+            self._staged = cpu_buffers(sd, pin_memory=self.env.device.type == "cuda")
             self.stage(sd)  # touch every page once, so the first save does not pay the page faults
 
+    def _remove_first_step_hook(self) -> None:
+        if self._first_step_hook is not None:
+            self._first_step_hook.remove()
+            self._first_step_hook = None
+
     def release(self) -> None:
+        self._remove_first_step_hook()
         self._fp_pool.shutdown(wait=True)
         self._staged = None
 
     def stage(self, snapshot: dict[str, Any]) -> dict[str, Any]:
         """Copy the state into CPU buffers that are allocated once and reused by later saves."""
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+        from torch.distributed._state_dict_utils import _copy_state_dict
 
         if self._staged is None:
-            self._staged = _create_cpu_state_dict(snapshot, pin_memory=self.env.device.type == "cuda")
+            self._staged = cpu_buffers(snapshot, pin_memory=self.env.device.type == "cuda")
         staged = _copy_state_dict(snapshot, self._staged, non_blocking=self.env.device.type == "cuda")
         if self.env.device.type == "cuda":
             torch.cuda.synchronize(self.env.device)
