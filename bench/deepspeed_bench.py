@@ -8,9 +8,13 @@ What it builds once under bench/out/deepspeed (git-ignored): a real ZeRO-2 train
 Llama-style model (default hidden 1024, 16 layers, vocab 32000, intermediate 2816: 271M parameters),
 trained one step with AdamW on 2 gloo ranks by the deepspeed backend and committed by its Checkpointer.
 
-What it measures, each in a fresh subprocess with the checkpoint in the page cache: wall time of the
-subprocess and its peak resident memory summed over the process tree (sampled every 20 ms, so
-DeepSpeed's worker pools are counted):
+What it measures, each in a fresh subprocess with the checkpoint in the page cache (every input file
+read once just before, earlier outputs synced; no warm-up run on either side): wall time of the
+subprocess (imports included) and the peak of its process tree's proportional set size (PSS: every
+process of the tree, ``/proc/PID/smaps_rollup``, sampled every 50 ms and summed; pages shared
+between the processes, such as ``ds_to_universal``'s forked workers, count once, which an RSS sum
+would count in every process). The methods run in rounds, one of each per round in the same order
+(A B C D E A B C D E ...), ``--repeat`` rounds (3 by default); the table gives median (min-max):
 
 * world-size change: ``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state`` vs
   ``ckpt.formats.deepspeed_convert.ensure_universal`` (what the trainer runs by itself at a new world size);
@@ -20,8 +24,10 @@ DeepSpeed's worker pools are counted):
   fsynced, with config.json and README.md; the stage also records the export in the run's lineage);
 * for reference, the full DeepSpeed -> DCP conversion (model + AdamW state) used to continue under FSDP2.
 
-Then it checks that our universal tensors equal ds_to_universal's and our export equals zero_to_fp32's
-(bitwise), and prints a markdown table.
+Then it checks every tensor and scalar of our universal layout against ds_to_universal's (the
+per-parameter files whole; of ``optimizer_state.pt`` what DeepSpeed's ``load_universal`` reads) and
+every tensor of our export against zero_to_fp32's (names, dtypes, shapes, bits); a difference fails
+the script (exit 1). It publishes the table as bench/results/deepspeed.md (``benchlib.publish``).
 """
 
 from __future__ import annotations
@@ -45,8 +51,7 @@ if str(ROOT) not in sys.path:
 log = logging.getLogger("shardkeeper.bench")
 
 STEP = 1
-BASELINE_UNIVERSAL_S, BASELINE_UNIVERSAL_GB = 45.8, 4.1  # ds_to_universal, measured before on this machine
-BASELINE_FP32_S, BASELINE_FP32_GB = 5.5, 2.3  # zero_to_fp32
+METHODS = ("ds_to_universal", "ours_universal", "zero_to_fp32", "ours_export", "ours_to_dcp")
 
 
 # ------------------------------------------------------------------------------------ build input
@@ -126,21 +131,28 @@ def command(method: str, src: Path, out: Path) -> list[str]:
     return [py, __file__, "--measure", method, "--src", str(src), "--dest", str(out)]
 
 
-def _tree_rss(pid: int) -> int:
+def _pss(pid: int) -> int:
+    """Proportional set size of one process in bytes (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return 0
+
+
+def _tree_pss(pid: int) -> int:
+    """PSS summed over a process and all its descendants: shared pages count once in the sum."""
     import psutil
 
     try:
         proc = psutil.Process(pid)
-        procs = [proc, *proc.children(recursive=True)]
+        pids = [pid, *(c.pid for c in proc.children(recursive=True))]
     except psutil.NoSuchProcess:
         return 0
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
+    return sum(_pss(p) for p in pids)
 
 
 def _warm(path: Path) -> None:
@@ -167,8 +179,8 @@ def run_measure(method: str, src: Path, out: Path) -> dict[str, Any]:
     def sample() -> None:
         nonlocal peak
         while not done.is_set():
-            peak = max(peak, _tree_rss(proc.pid))
-            time.sleep(0.02)
+            peak = max(peak, _tree_pss(proc.pid))
+            time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -178,33 +190,77 @@ def run_measure(method: str, src: Path, out: Path) -> dict[str, Any]:
     sampler.join()
     if proc.returncode:
         raise RuntimeError(f"{method} failed:\n{output[-4000:]}")
-    log.info("%-16s %7.2f s  peak RSS %.2f GB  load %.1f", method, seconds, peak / 1e9, os.getloadavg()[0])
+    log.info("%-16s %7.2f s  peak PSS %.2f GB  load %.1f", method, seconds, peak / 1e9, os.getloadavg()[0])
     for line in output.splitlines():
         if line.startswith("stage: "):
             log.info("%-16s %s", method, line)
-    return {"method": method, "seconds": seconds, "peak_rss": peak}
+    return {"method": method, "seconds": seconds, "peak_pss": peak}
 
 
 # ------------------------------------------------------------------------------------ checks
-def compare_universal(ours: Path, theirs: Path) -> str:
-    """Every zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt tensor of ours equals ds_to_universal's."""
+def _diff(a: Any, b: Any, where: str) -> list[str]:
+    """Every place where two loaded objects differ: tensors by dtype, shape and bits, the rest by value."""
     import torch
 
-    bad, n = [], 0
-    for d in sorted((theirs / "zero").iterdir()):
-        if not d.is_dir():
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+        return [] if same else [where]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{where} keys {sorted(map(str, set(a) ^ set(b)))}"]
+        return [d for k in a for d in _diff(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where} length {len(a)} vs {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{where}[{i}]")]
+    return [] if a == b and type(a) is type(b) else [f"{where}: {a!r} vs {b!r}"]
+
+
+# what DeepSpeed's load_universal reads from zero/optimizer_state.pt (base_optimizer._load_global_state and
+# the param_groups loop of load_hp_checkpoint_state_from_checkpoint_dir); the rest of DeepSpeed's file
+# (loss_scaler object, paddings, partition counts, flat-group "params" indices) is not read when loading
+GLOBAL_READ = ("dynamic_loss_scale", "overflow", "clip_grad", "ds_version")
+
+
+def compare_universal(ours: Path, theirs: Path) -> tuple[bool, str]:
+    """Every tensor and scalar of every zero/<param>/*.pt file, and what load_universal reads of
+    zero/optimizer_state.pt, of ours against ds_to_universal's."""
+    import torch
+
+    def load(path: Path) -> Any:
+        return torch.load(path, weights_only=False, map_location="cpu")  # noqa: S614 - files this bench made
+
+    bad: list[str] = []
+    params_t = {d.name for d in (theirs / "zero").iterdir() if d.is_dir()}
+    params_o = {d.name for d in (ours / "zero").iterdir() if d.is_dir()}
+    if params_t != params_o:
+        return False, f"different parameters: {sorted(params_t ^ params_o)[:3]}"
+    files = 0
+    for name in sorted(params_t):
+        ft = sorted(f.name for f in (theirs / "zero" / name).iterdir())
+        fo = sorted(f.name for f in (ours / "zero" / name).iterdir())
+        if ft != fo:
+            bad.append(f"{name}: files {ft} vs {fo}")
             continue
-        for key in ("fp32", "exp_avg", "exp_avg_sq"):
-            a = torch.load(d / f"{key}.pt", weights_only=False)["param"]  # noqa: S614 - files this bench made
-            b = torch.load(ours / "zero" / d.name / f"{key}.pt", weights_only=True)["param"]
-            n += 1
-            if a.shape != b.shape or not torch.equal(a, b):
-                bad.append(f"{d.name}/{key}")
-    return f"bitwise equal ({n} tensors)" if not bad else f"{len(bad)} differ, e.g. {bad[0]}"
+        for f in ft:
+            files += 1
+            bad += _diff(load(theirs / "zero" / name / f), load(ours / "zero" / name / f), f"{name}/{f}")
+    ot, oo = load(theirs / "zero" / "optimizer_state.pt"), load(ours / "zero" / "optimizer_state.pt")
+    for k in GLOBAL_READ:
+        bad += _diff(ot.get(k), oo.get(k), f"optimizer_state.{k}")
+    if int(ot["zero_stage"]) != int(oo["zero_stage"]):
+        bad.append(f"optimizer_state.zero_stage {int(ot['zero_stage'])} vs {int(oo['zero_stage'])}")
+    strip = [[{k: v for k, v in g.items() if k != "params"} for g in o["param_groups"]] for o in (ot, oo)]
+    bad += _diff(strip[0], strip[1], "optimizer_state.param_groups")
+    if bad:
+        return False, f"{len(bad)} differ, e.g. {bad[0]}"
+    return True, (f"equal: {files} files of {len(params_t)} parameters (every tensor bitwise, every scalar), "
+                  "optimizer_state as load_universal reads it")
 
 
-def compare_export(ours: Path, theirs: Path) -> str:
-    import torch
+def compare_export(ours: Path, theirs: Path) -> tuple[bool, str]:
+    """Every tensor of our export against zero_to_fp32's: names, dtypes, shapes and bits."""
     from safetensors import safe_open
 
     def index(folder: Path) -> dict[str, Path]:
@@ -216,64 +272,104 @@ def compare_export(ours: Path, theirs: Path) -> str:
 
     a, b = index(theirs), index(ours)
     if set(a) != set(b):
-        return f"different names: {sorted(set(a) ^ set(b))[:3]}"
+        return False, f"different names: {sorted(set(a) ^ set(b))[:3]}"
     bad = []
     for name in sorted(a):
         with safe_open(str(a[name]), framework="pt") as fa, safe_open(str(b[name]), framework="pt") as fb:
-            if not torch.equal(fa.get_tensor(name), fb.get_tensor(name)):
-                bad.append(name)
-    return f"bitwise equal ({len(a)} tensors)" if not bad else f"{len(bad)} differ, e.g. {bad[0]}"
+            bad += _diff(fa.get_tensor(name), fb.get_tensor(name), name)
+    return (not bad), (f"bitwise equal ({len(a)} tensors)" if not bad else f"{len(bad)} differ, e.g. {bad[0]}")
 
 
 # ------------------------------------------------------------------------------------ report
-def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| task | method | time (s) | vs DeepSpeed tool | peak RSS, process tree (GB) | output check |",
-             "|---|---|---:|---:|---:|---|"]
-    for r in rows:
-        ratio = f"{r['seconds'] / r['ref_s']:.2f}x" if r.get("ref_s") else "-"
-        lines.append(f"| {r['task']} | {r['label']} | {r['seconds']:.2f} | {ratio} | {r['peak_rss'] / 1e9:.2f} | {r['check']} |")
-    return "\n".join(lines)
-
-
 def run_all(args: argparse.Namespace) -> int:
     import math
 
+    from statistics import median as med
+
+    from benchlib import fmt, md_table, publish
     from ckpt.manifest import read_manifest
+    from ckpt.validate import validate
 
     ckpt = build(args.out, args)
     res = args.out / "results"
     manifest = read_manifest(ckpt)
     params = sum(math.prod(t.shape) for t in manifest.tensors if t.name.startswith("model."))
+    size = sum(f.size for f in manifest.files)
     log.info("checkpoint %s: %d parameters, ZeRO-%d at %d ranks, %.2f GB on disk", ckpt, params,
-             manifest.run_spec.deepspeed.zero_stage, manifest.topology.world_size, sum(f.size for f in manifest.files) / 1e9)
-    # ours_universal of an earlier run left <ckpt>/universal/, whose model-states files ds_to_universal
-    # would count as the checkpoint's own (and refuse it): start from the checkpoint as trained
-    shutil.rmtree(ckpt / "universal", ignore_errors=True)
-    r = {}
-    r["ds_to_universal"] = run_measure("ds_to_universal", ckpt, res / "ds_universal" / "out")
-    r["ours_universal"] = run_measure("ours_universal", ckpt, res / "ours_universal")
-    r["zero_to_fp32"] = run_measure("zero_to_fp32", ckpt, res / "zero_to_fp32")
-    r["ours_export"] = run_measure("ours_export", ckpt, res / "ours_export")
-    r["ours_to_dcp"] = run_measure("ours_to_dcp", ckpt, res / "ours_to_dcp")
-    uni, fp32 = r["ds_to_universal"]["seconds"], r["zero_to_fp32"]["seconds"]
+             manifest.run_spec.deepspeed.zero_stage, manifest.topology.world_size, size / 1e9)
+    outs = {"ds_to_universal": res / "ds_universal" / "out", "ours_universal": res / "ours_universal",
+            "zero_to_fp32": res / "zero_to_fp32", "ours_export": res / "ours_export", "ours_to_dcp": res / "ours_to_dcp"}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
+    for i in range(args.repeat):  # alternated: a drifting disk or a busy neighbour hits every method alike
+        for m in METHODS:
+            # ours_universal of an earlier run left <ckpt>/universal/, whose model-states files ds_to_universal
+            # would count as the checkpoint's own (and refuse it): every method starts from the checkpoint as trained
+            shutil.rmtree(ckpt / "universal", ignore_errors=True)
+            runs[m].append(run_measure(m, ckpt, outs[m]))
+            if m == "ours_universal":  # keep the last one for the check, outside the checkpoint
+                shutil.rmtree(res / "ours_universal_kept", ignore_errors=True)
+                os.rename(ckpt / "universal", res / "ours_universal_kept")
+        log.info("round %d of %d done", i + 1, args.repeat)
+    ok_u, check_u = compare_universal(res / "ours_universal_kept", outs["ds_to_universal"])
+    ok_e, check_e = compare_export(outs["ours_export"], outs["zero_to_fp32"])
+    dcp = outs["ours_to_dcp"] / ckpt.name
+    report = validate(dcp, deep=True)
+    ok_d, check_d = report.valid, ("fingerprint and checksums verified (validate --deep)" if report.valid
+                                   else report.errors[0])
+
+    def sec(m: str) -> list[float]:
+        return [r["seconds"] for r in runs[m]]
+
+    def gb(m: str) -> list[float]:
+        return [r["peak_pss"] / 1e9 for r in runs[m]]
+
+    def ratio(m: str, ref: str) -> str:
+        return f"{med(sec(m)) / med(sec(ref)):.2f}x"
+
     rows = [
-        {"task": "world-size change", "label": "deepspeed ds_to_universal --inject_missing_state", **r["ds_to_universal"],
-         "ref_s": uni, "check": "reference"},
-        {"task": "world-size change", "label": "shardkeeper ensure_universal (trainer does it by itself)",
-         **r["ours_universal"], "ref_s": uni,
-         "check": compare_universal(ckpt / "universal", res / "ds_universal" / "out")},
-        {"task": "export", "label": "deepspeed zero_to_fp32 --safe_serialization", **r["zero_to_fp32"], "ref_s": fp32,
-         "check": "reference"},
-        {"task": "export", "label": "shardkeeper export stage (one pass from the ZeRO files)", **r["ours_export"],
-         "ref_s": fp32, "check": compare_export(res / "ours_export", res / "zero_to_fp32")},
-        {"task": "to FSDP2", "label": "shardkeeper to_dcp (model + AdamW state + counters)", **r["ours_to_dcp"],
-         "check": "fingerprint verified"},
+        ["world-size change", "deepspeed `ds_to_universal --inject_missing_state`", fmt(sec("ds_to_universal")), "1.00x",
+         fmt(gb("ds_to_universal")), "reference"],
+        ["world-size change", "shardkeeper `ensure_universal` (the trainer converts by itself, once, cached)",
+         fmt(sec("ours_universal")), ratio("ours_universal", "ds_to_universal"), fmt(gb("ours_universal")), check_u],
+        ["export", "deepspeed `zero_to_fp32 --safe_serialization`", fmt(sec("zero_to_fp32")), "1.00x",
+         fmt(gb("zero_to_fp32")), "reference"],
+        ["export", "shardkeeper export stage (one pass from the ZeRO partitions)", fmt(sec("ours_export")),
+         ratio("ours_export", "zero_to_fp32"), fmt(gb("ours_export")), check_e],
+        ["to FSDP2", "shardkeeper `convert --to dcp` (model + AdamW state + counters)", fmt(sec("ours_to_dcp")), "-",
+         fmt(gb("ours_to_dcp")), check_d],
     ]
-    print(f"\n{params / 1e6:.0f}M-parameter ZeRO-{manifest.run_spec.deepspeed.zero_stage} checkpoint at "
-          f"{manifest.topology.world_size} ranks, {sum(f.size for f in manifest.files) / 1e9:.2f} GB; "
-          f"{os.cpu_count()} CPUs. Earlier measurements of the DeepSpeed tools here: ds_to_universal "
-          f"{BASELINE_UNIVERSAL_S} s / {BASELINE_UNIVERSAL_GB} GB, zero_to_fp32 {BASELINE_FP32_S} s / {BASELINE_FP32_GB} GB.\n")
-    print(table(rows))
+    u, uref, umem = med(sec("ours_universal")), med(sec("ds_to_universal")), max(gb("ours_universal"))
+    e, eref, emem = med(sec("ours_export")), med(sec("zero_to_fp32")), max(gb("ours_export"))
+    dmem = max(gb("ours_to_dcp"))
+    bound = params * 4 / 1e9 + 0.5
+
+    def verdict(ok: bool, miss: str) -> str:
+        return "met" if ok else f"**missed** ({miss})"
+
+    goals = [
+        f"- world-size change <= 0.5x `ds_to_universal` at <= 1 GB: {u:.2f} s = {u / uref:.2f}x, peak {umem:.2f} GB "
+        f"(highest of the runs): {verdict(u <= 0.5 * uref and umem <= 1.0, f'{u / uref:.2f}x, {umem:.2f} GB')}",
+        f"- export no slower than `zero_to_fp32`, within the export's memory bound (one shard + 0.5 GB = {bound:.2f} GB): "
+        f"{e:.2f} s vs {eref:.2f} s, peak {emem:.2f} GB: "
+        f"{verdict(e <= eref and emem <= bound, f'{e / eref:.2f}x its time, {emem:.2f} GB')}",
+        f"- `convert --to dcp` peak <= 1 GB: {dmem:.2f} GB (highest of the runs): {verdict(dmem <= 1.0, f'{dmem:.2f} GB')}",
+    ]
+    body = "\n".join([
+        f"{params / 1e6:.0f}M-parameter ZeRO-{manifest.run_spec.deepspeed.zero_stage} checkpoint at "
+        f"{manifest.topology.world_size} ranks, {size / 1e9:.2f} GB. Each method a fresh process (imports included), "
+        f"checkpoint in the page cache, {args.repeat} alternated rounds; median (min–max); memory: peak PSS of the "
+        "process tree (shared pages counted once).",
+        "",
+        md_table(["task", "method", "time (s)", "vs DeepSpeed tool", "peak PSS, process tree (GB)", "output check"],
+                 rows, "llrrrl"),
+        "",
+        *goals,
+    ])
+    publish(args.name, body)
+    if not (ok_u and ok_e and ok_d):
+        print("output check FAILED: " + "; ".join(c for ok, c in ((ok_u, check_u), (ok_e, check_e), (ok_d, check_d))
+                                                  if not ok), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -281,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "deepspeed")
     p.add_argument("--rebuild", action="store_true")
+    p.add_argument("--repeat", type=int, default=3, help="alternated rounds of every method (median reported)")
+    p.add_argument("--name", default="deepspeed", help="the table's name in bench/results/ (tiny runs: another)")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--vocab", type=int, default=32000)

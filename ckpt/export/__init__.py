@@ -14,8 +14,10 @@ How it works, and why:
 * Checked before anything is written: the options, the output folder, the checkpoint (quick
   validation: manifest, every file present at its size), every model chunk's record inside the
   ``.distcp`` files, the tensor names/shapes/dtypes against the manifest's inventory (recorded from
-  the transformers model at save), and the CRC-32 of every model byte against its zip record (for
-  DeepSpeed checkpoints: as the bytes are copied, each partition's zip entry once, before the commit).
+  the transformers model at save). Checked before the commit: the CRC-32 of every model byte against
+  its zip record, computed from the bytes as they are copied (one read of the model bytes, not two;
+  each zip entry once, a DeepSpeed partition however many parameters it holds); on a mismatch the
+  hidden folder is removed and nothing is published.
 * Streaming with bounded memory: DCP's default writer stores each chunk as a ``torch.save`` zip whose
   ``data/<key>`` entry is the raw storage, stored uncompressed. The exporter parses the zip and the
   tiny pickle (with an allow-list; nothing is executed) to find those bytes and streams them in
@@ -87,8 +89,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     larger than that is written alone in its own file; ``overwrite`` replaces an existing ``out_dir``
     (atomically, once the new export is complete); ``progress`` shows a rich progress bar; ``deep``
     also checks every checksum in the manifest first, and for DCP the fingerprint (the model bytes are
-    always CRC-checked: DCP chunks before anything is written, ZeRO partitions as they are copied,
-    before the commit). A deepspeed checkpoint is read in one pass where DeepSpeed stored its fp32
+    always CRC-checked, as they are copied, before the commit). A deepspeed checkpoint is read in one pass where DeepSpeed stored its fp32
     master weights. ``tokenizer_from``: where the tokenizer files come from (a folder; None: the run's
     ``data.tokenizer`` or its base model's folder, see ``ckpt.export.tokenizer``; False: none).
     Raises ExportError (options, output folder, model mismatch) or CheckpointError

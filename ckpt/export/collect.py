@@ -97,7 +97,8 @@ class Collected:
     entries: list[Entry]
     source: str  # what the tensor list was read from, for messages
     # CRC-check the entries from the bytes the copy reads (before the commit) instead of in a pass of
-    # their own before writing: for ZeRO partitions, whose entries are read in order with few gaps
+    # their own before writing: one read of the model bytes, not two (every built-in layout reads its
+    # entries in order; an entry read out of order, e.g. a tied copy, is checked whole at the end)
     crc_in_stream: bool = False
 
 
@@ -109,7 +110,7 @@ def collect_dcp(ckpt_dir: Path, manifest: CheckpointManifest, stack: ExitStack, 
 
     files = stack.enter_context(OpenFiles(ckpt_dir))
     tensors = collect_tensors(ckpt_dir, read_metadata(ckpt_dir), files, out_dtype)
-    return Collected(tensors, chunk_entries(tensors), ".metadata")
+    return Collected(tensors, chunk_entries(tensors), ".metadata", crc_in_stream=True)
 
 
 def collect_deepspeed(ckpt_dir: Path, manifest: CheckpointManifest, stack: ExitStack,

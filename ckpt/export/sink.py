@@ -54,8 +54,9 @@ def chunk_entries(tensors: list[ExportTensor]) -> list[Entry]:
 
 
 def verify_entries(entries: list[Entry], pool: BufferPool) -> None:
-    """CRC-32 of every zip entry holding model bytes against its zip record, before anything is written.
-    (torch.load does not check these; a flipped bit would otherwise be published silently.)"""
+    """CRC-32 of every zip entry holding model bytes against its zip record, read on purpose (the entries
+    a streamed check could not follow). torch.load does not check these; a flipped bit would otherwise
+    be published silently."""
     unchecked = 0
     buf = memoryview(pool.scratch)
     for e in entries:

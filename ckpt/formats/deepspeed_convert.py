@@ -23,6 +23,8 @@ file; engines at any world size and any ZeRO stage load it with ``checkpoint.loa
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import io
 import json
 import logging
@@ -71,7 +73,8 @@ class StreamingSavePlanner(DefaultSavePlanner):
     DCP's FileSystemWriter keeps a reference to every tensor of a file until the file is closed (for
     its safetensors mode), which would hold the whole checkpoint in memory. Its serial loader (used for
     CPU tensors and thread_count > 1) writes each tensor before resolving the next one of the same
-    thread, so the previous tensor's storage is released when the next is produced."""
+    thread, so the previous tensor's storage is released when the next is produced, and the heap
+    pages it leaves free are handed back to the OS (``release_free_heap``)."""
 
     def __init__(self, produce: Callable[[str], torch.Tensor]):
         super().__init__()
@@ -85,8 +88,29 @@ class StreamingSavePlanner(DefaultSavePlanner):
         previous = getattr(self._last, "tensor", None)
         if previous is not None:
             previous.untyped_storage().resize_(0)
+            release_free_heap()
         self._last.tensor = self.produce(write_item.index.fqn)
         return self._last.tensor
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc; absent on musl and macOS
+    except (OSError, AttributeError):
+        return None
+
+
+def release_free_heap() -> None:
+    """Return the free pages of malloc's heaps to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Why: once glibc's dynamic mmap threshold has grown past a freed tensor (up to 32 MiB), tensors of
+    a few MiB come from its arenas instead of their own mappings. Freed in the two writer threads, in
+    an interleaved order, they fragment the arenas, and the free pages stay resident: a 271M-parameter
+    conversion peaked at 1.1-1.9 GB resident instead of the ~0.6 GB its few live tensors need."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class HashingFileSystem(FileSystem):
