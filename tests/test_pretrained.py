@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -295,6 +296,36 @@ def test_relative_paths_in_a_config_resolve_against_its_folder(base: Path, tmp_p
     raw["model"]["model_type"] = "llama"
     cfg.write_text(yaml.safe_dump(raw))
     assert load_run_spec(cfg).model.pretrained == "meta-llama/Llama-3.2-1B"
+
+
+def test_config_paths_do_not_depend_on_the_working_directory_and_follow_symlinked_folders(
+        base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hub-id-looking model.pretrained that is not beside the config stays a Hub id in every working directory
+    (not a folder of that name in the cwd); '..' after a symlinked folder goes where open() goes (the link
+    target's parent), not to the folder that textually precedes the link."""
+    import yaml
+
+    from shardkeeper.config import load_run_spec
+
+    raw = yaml.safe_load(FINETUNE.read_text())
+    raw["model"]["pretrained"], raw["model"]["model_type"] = "runs/tiny-base", "llama"
+    real = tmp_path / "real" / "sub"
+    real.mkdir(parents=True)
+    (real / "ft.yaml").write_text(yaml.safe_dump(raw))
+    cwd = tmp_path / "cwd"
+    shutil.copytree(base, cwd / "runs" / "tiny-base")
+    monkeypatch.chdir(cwd)
+    assert load_run_spec(real / "ft.yaml").model.pretrained == "runs/tiny-base"
+    monkeypatch.chdir(tmp_path)
+    assert load_run_spec(real / "ft.yaml").model.pretrained == "runs/tiny-base"
+
+    shutil.copytree(base, tmp_path / "real" / "tiny-base")
+    raw["model"]["pretrained"] = "../tiny-base"
+    (real / "ft.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    expected = os.path.realpath(tmp_path / "real" / "tiny-base")
+    assert load_run_spec(tmp_path / "link" / "ft.yaml").model.pretrained == expected
+    assert load_run_spec(real / "ft.yaml").model.pretrained == expected
 
 
 def test_read_elements_reads_a_flattened_range_with_and_without_a_cast(base: Path) -> None:
