@@ -66,7 +66,10 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def load_run_spec(path: str | Path, overrides: list[str] | None = None) -> RunSpec:
+def load_run_spec(path: str | Path, overrides: list[str] | None = None, *,
+                  overrides_base: str | Path | None = None) -> RunSpec:
+    """``overrides_base``: the folder relative paths in ``overrides`` are taken against (a flow's base_dir);
+    None: the working directory (typed at a shell)."""
     path = Path(path)
     if path.exists() and not path.is_dir() and not path.is_file():  # a FIFO or device would block the read
         raise ConfigError(f"{path}: not a regular file; pass --config with a YAML file such as configs/tiny.yaml")
@@ -91,7 +94,7 @@ def load_run_spec(path: str | Path, overrides: list[str] | None = None) -> RunSp
     raw = resolve_config_paths(raw, path.absolute().parent, skip=set(given))
     for key, value in given.items():
         _set_path(raw, key, value, f"--set {key}")
-    raw = resolve_config_paths(raw, Path.cwd(), only=set(given))  # typed at a shell: its working directory
+    raw = resolve_config_paths(raw, Path(overrides_base) if overrides_base else Path.cwd(), only=set(given))
     return spec_from_dict(raw, str(path), cwd_paths=False)
 
 

@@ -327,6 +327,15 @@ def test_config_paths_do_not_depend_on_the_working_directory_and_follow_symlinke
     assert load_run_spec(tmp_path / "link" / "ft.yaml").model.pretrained == expected
     assert load_run_spec(real / "ft.yaml").model.pretrained == expected
 
+    # a flow's overrides: relative to its base_dir parameter, not to the worker's working directory
+    from tasks.stage_tasks import load_spec
+
+    shutil.copytree(base, tmp_path / "flowbase" / "models" / "b")
+    monkeypatch.chdir(cwd)
+    spec = load_spec.fn(config=str(real / "ft.yaml"), overrides=["model.pretrained=models/b"],
+                        base_dir=str(tmp_path / "flowbase"))
+    assert spec.model.pretrained == str(tmp_path / "flowbase" / "models" / "b")
+
 
 def test_read_elements_reads_a_flattened_range_with_and_without_a_cast(base: Path) -> None:
     """What a ZeRO-3 partition needs: elements [start, start + count) of the row-major tensor, any alignment."""
