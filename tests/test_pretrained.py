@@ -204,6 +204,31 @@ def _refused(spec, run: Path) -> str:
     return line
 
 
+def test_a_tied_pair_stored_twice_with_different_values_is_refused(base: Path, tmp_path: Path) -> None:
+    """config.json ties lm_head to the embeddings but the files hold both, with different values: one parameter
+    cannot be both (transformers unties or ties depending on its version), so preflight refuses; equal copies pass."""
+    from safetensors.torch import save_file
+
+    from shardkeeper.preflight import preflight
+    from shardkeeper.stages import plan_topology
+
+    tensors = _tensors(base)
+    assert "lm_head.weight" not in tensors  # save_pretrained kept one of the tied pair
+    for name, head in (("differ", -tensors["model.embed_tokens.weight"]), ("equal", tensors["model.embed_tokens.weight"])):
+        folder = Path(shutil.copytree(base, tmp_path / name))
+        for f in [*folder.glob("*.safetensors"), folder / "model.safetensors.index.json"]:
+            f.unlink()
+        save_file({**tensors, "lm_head.weight": head.clone()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        run = tmp_path / f"run-{name}"
+        if name == "differ":
+            line = _refused(_spec(folder), run)
+            assert "ties lm_head.weight to model.embed_tokens.weight" in line or "ties model.embed_tokens.weight" in line
+            assert "different values" in line and "tie_word_embeddings" in line
+        else:
+            spec = _spec(folder)
+            preflight(spec, plan_topology(spec, 2, device="cpu"), run)
+
+
 def test_bad_pretrained_input_is_one_line(base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from schemas.errors import ConfigError
     from shardkeeper.config import load_run_spec
