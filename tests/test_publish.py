@@ -972,3 +972,18 @@ def test_publish_hub_fake_api_step_tags_of_another_branch_neither_block_nor_move
         pub.publish_to_hub(dev_100, "org/tiny", api=api, revision="dev")
     assert repo["tags"]["step-00000100"] == r1.commit and api.commit_count("org/tiny") == commits
     _assert_revision_is_export(api, "step-00000100", main_100)
+
+
+def test_publish_hub_fake_api_a_branch_named_like_a_step_tag_is_refused(tmp_path: Path, hub_env: None) -> None:
+    """A branch and a tag of the same name make revision="step-00000100" ambiguous: refused, nothing committed."""
+    export = _step_export(tmp_path, 100, 1.0)
+    api = FakeHfApi()
+    with pytest.raises(PublishError, match="branch named step-00000050"):
+        pub.publish_to_hub(export, "org/tiny", api=api, revision="step-00000050")
+    assert "org/tiny" not in api.repos  # refused before anything was created
+    pub.publish_to_hub(_step_export(tmp_path / "first", 10, 1.0), "org/tiny", api=api)
+    api.create_branch("org/tiny", branch="step-00000100", revision="main")  # a person's branch
+    commits, tags = api.commit_count("org/tiny"), dict(api.repos["org/tiny"]["tags"])
+    with pytest.raises(PublishError, match="branch named step-00000100"):
+        pub.publish_to_hub(export, "org/tiny", api=api)
+    assert api.commit_count("org/tiny") == commits and api.repos["org/tiny"]["tags"] == tags

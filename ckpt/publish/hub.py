@@ -175,10 +175,14 @@ def publish_to_hub(export_dir: str | os.PathLike[str], repo_id: str, *, revision
     files = {**export.files, CARD_NAME: entry_of_bytes(card)}
     generated = {CARD_NAME: card, MARKER_NAME: marker_bytes(export, files)}
 
+    if parse_step(branch) is not None:  # before anything is created on the Hub
+        _refuse_clash(repo_id, branch)
     hub.call("create_repo", repo_id, private=private, exist_ok=True)
     refs = hub_refs(hub)
     newest = refs.branch_step(branch)
     tag = export.tag
+    if tag in refs.branches:
+        _refuse_clash(repo_id, tag)
     url = f"{hub.endpoint}/{repo_id}/tree/{tag or branch}"
     common = dict(target=repo_id, url=url, tag=tag, newest_step=newest)
     if export.step is not None and newest is not None and export.step < newest:
@@ -210,6 +214,13 @@ def publish_to_hub(export_dir: str | os.PathLike[str], repo_id: str, *, revision
     ensure_tag(hub, tag, commit, refs.tags)
     logger.info("published %s to %s@%s (%d files changed, commit %s)", export.root, repo_id, branch, n, commit)
     return PublishResult(revision=branch, commit=commit, skipped=False, files=n, **common)
+
+
+def _refuse_clash(repo_id: str, name: str) -> None:
+    """A branch and a tag of one name make ``revision=name`` mean either."""
+    raise PublishError(f"{repo_id}: a branch named {name} would share its name with a step tag, and "
+                       f"revision=\"{name}\" would then mean either; publish to another --revision, or rename "
+                       "that branch on the Hub")
 
 
 def push(hub: HubClient, export: ExportFolder, branch: str, state: HubState, files: dict[str, PublishedFile],
