@@ -213,6 +213,31 @@ def find_tensor(index: dict[str, StoredTensor], name: str, tied: dict[str, str])
     return None
 
 
+def same_bytes(a: StoredTensor, b: StoredTensor, piece: int = 16 << 20) -> bool:
+    """Do two stored tensors hold the same dtype, shape and bytes? (Read piece by piece; stops at a difference.)"""
+    if (a.dtype, a.shape, a.end - a.begin) != (b.dtype, b.shape, b.end - b.begin):
+        return False
+    if (a.file, a.begin) == (b.file, b.begin):
+        return True
+    with open(a.file, "rb") as fa, open(b.file, "rb") as fb:
+        done, total = 0, a.end - a.begin
+        while done < total:
+            n = min(piece, total - done)
+            if os.pread(fa.fileno(), n, a.begin + done) != os.pread(fb.fileno(), n, b.begin + done):
+                return False
+            done += n
+    return True
+
+
+def tied_conflict(index: dict[str, StoredTensor], tied: dict[str, str]) -> tuple[str, str] | None:
+    """A tied pair whose both names the files hold with different values: one parameter cannot be both (which one
+    transformers keeps depends on its version), so the caller refuses rather than pick one silently."""
+    for a, b in tied.items():
+        if a in index and b in index and not same_bytes(index[a], index[b]):
+            return a, b
+    return None
+
+
 def read_rows(t: StoredTensor, start: int, end: int, out: Any) -> int:
     """Read rows ``[start, end)`` of ``t`` (dim 0; a 0-d tensor is one row) into the contiguous CPU tensor ``out``
     of that shape, casting when the dtypes differ. Returns bytes read."""

@@ -187,7 +187,22 @@ def validate(
     if not as_json:
         kind = "deep" if deep else "quick"
         out.print(f"valid ({kind}): {ckpt_dir} step {report.step}, {report.files_checked} files"
-                  + (f", {report.bytes_checked / 1e6:.1f} MB hashed" if deep else "") + f", {report.seconds:.2f} s")
+                  + (f", {report.bytes_checked / 1e6:.1f} MB hashed" if deep else "") + f", {report.seconds:.2f} s"
+                  + ("" if deep else _unverified_note(ckpt_dir)), markup=False, highlight=False, soft_wrap=True)
+
+
+def _unverified_note(ckpt_dir: str) -> str:
+    """A quick validation checks sizes and structure, not bytes: say so when nothing has re-read this checkpoint
+    since its commit (a preemption's checkpoint is verified by its next load), so "valid" is not taken for more."""
+    from ckpt.layout import RunDir
+    from ckpt.validate import is_verified
+
+    if "://" in ckpt_dir:
+        return ""
+    root = RunDir.of_checkpoint(ckpt_dir)
+    if root is None or is_verified(root, Path(ckpt_dir)):
+        return ""
+    return "; its bytes were not re-read since its commit (--deep hashes every byte)"
 
 
 @app.command()

@@ -66,7 +66,10 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def load_run_spec(path: str | Path, overrides: list[str] | None = None) -> RunSpec:
+def load_run_spec(path: str | Path, overrides: list[str] | None = None, *,
+                  overrides_base: str | Path | None = None) -> RunSpec:
+    """``overrides_base``: the folder relative paths in ``overrides`` are taken against (a flow's base_dir);
+    None: the working directory (typed at a shell)."""
     path = Path(path)
     if path.exists() and not path.is_dir() and not path.is_file():  # a FIFO or device would block the read
         raise ConfigError(f"{path}: not a regular file; pass --config with a YAML file such as configs/tiny.yaml")
@@ -91,8 +94,8 @@ def load_run_spec(path: str | Path, overrides: list[str] | None = None) -> RunSp
     raw = resolve_config_paths(raw, path.absolute().parent, skip=set(given))
     for key, value in given.items():
         _set_path(raw, key, value, f"--set {key}")
-    raw = resolve_config_paths(raw, Path.cwd(), only=set(given))  # typed at a shell: its working directory
-    return spec_from_dict(raw, str(path))
+    raw = resolve_config_paths(raw, Path(overrides_base) if overrides_base else Path.cwd(), only=set(given))
+    return spec_from_dict(raw, str(path), cwd_paths=False)
 
 
 # Paths a config file may hold: (section, key, may it be a Hub id instead of a local path).
@@ -118,7 +121,7 @@ def resolve_config_paths(raw: dict[str, Any], base: Path, *, only: set[str] | No
         path = Path(value).expanduser()
         if path.is_absolute():
             continue
-        candidate = Path(os.path.normpath(base / path))
+        candidate = _join(base, path)
         explicit = value.startswith(("./", "../")) or value in (".", "..")
         if may_be_hub and not explicit and not candidate.exists():
             continue
@@ -126,15 +129,28 @@ def resolve_config_paths(raw: dict[str, Any], base: Path, *, only: set[str] | No
     return raw
 
 
-def spec_from_dict(raw: dict[str, Any], source: str) -> RunSpec:
-    raw = _pretrained_model_type(raw)
+def _join(base: Path, path: Path) -> Path:
+    """``base / path`` as open() would find it: a ``..`` after a symlinked folder goes to the link target's parent
+    (``os.path.normpath`` would drop the folder lexically and name another place); the last component is kept,
+    so a model folder that is itself a symlink is recorded by the name the config gives it."""
+    joined = base / path
+    if joined.name in ("", ".", ".."):
+        return Path(os.path.realpath(joined))
+    return Path(os.path.realpath(joined.parent)) / joined.name
+
+
+def spec_from_dict(raw: dict[str, Any], source: str, *, cwd_paths: bool = True) -> RunSpec:
+    """``cwd_paths``: a relative local model.pretrained is taken against the working directory (a run.yaml
+    written before paths were recorded absolute); off for a config file, whose paths ``resolve_config_paths``
+    already decided against the file's folder -- else the same file would name another model in another cwd."""
+    raw = _pretrained_model_type(raw, cwd_paths)
     try:
         return RunSpec.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(explain(e, source)) from None
 
 
-def _pretrained_model_type(raw: dict[str, Any]) -> dict[str, Any]:
+def _pretrained_model_type(raw: dict[str, Any], cwd_paths: bool = True) -> dict[str, Any]:
     """With model.pretrained and no model.model_type, the model type is the pretrained config.json's (read from
     the folder or the Hub cache, nothing downloaded). When it cannot be read yet, preflight says why. A relative
     local folder becomes absolute (the ranks, a resume or a flow may run from another directory)."""
@@ -142,7 +158,7 @@ def _pretrained_model_type(raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(model, dict) or not isinstance(model.get("pretrained"), str):
         return raw
     local = Path(model["pretrained"]).expanduser()
-    if local.is_dir() and not local.is_absolute():  # the ranks may run elsewhere: record where it is
+    if cwd_paths and local.is_dir() and not local.is_absolute():  # the ranks may run elsewhere: record where it is
         model = {**model, "pretrained": str(local.absolute())}
         raw = {**raw, "model": model}
     if "model_type" in model:

@@ -205,7 +205,7 @@ def check_pretrained(spec: RunSpec, cfg: Any, model: Any, *, weights: bool = Tru
     """model.pretrained, before any rank starts: weight files that exist and hold every parameter of the model
     its config.json builds, at its shape (``weights``: only when the run has no checkpoint to resume from); an
     architecture the backend can shard; a tokenizer that fits."""
-    from ckpt.pretrained import find_tensor, resolve, tensor_index, weight_files
+    from ckpt.pretrained import find_tensor, resolve, tensor_index, tied_conflict, weight_files
     from ckpt.state import tied_weights
 
     m = spec.model
@@ -226,6 +226,11 @@ def check_pretrained(spec: RunSpec, cfg: Any, model: Any, *, weights: bool = Tru
         if st.shape != tuple(p.shape):
             raise ConfigError(f"model.pretrained {source}: {st.file.name} holds {name} with shape {list(st.shape)}, "
                               f"config.json builds {list(p.shape)}; the folder's weights and config.json disagree")
+    conflict = tied_conflict(index, tied)
+    if conflict is not None:
+        raise ConfigError(f"model.pretrained {source}: config.json ties {conflict[0]} to {conflict[1]}, but the weight "
+                          f"files in {folder} hold both with different values; set tie_word_embeddings: false in its "
+                          f"config.json if they are two matrices, or remove one of them from the files")
 
 
 def check_shardable(spec: RunSpec, model: Any) -> None:

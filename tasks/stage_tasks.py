@@ -38,9 +38,10 @@ class CheckpointInvalid(CheckpointError):
 
 @task(name="load-run-spec", cache_policy=NO_CACHE)
 def load_spec(config: str | None = None, spec: RunSpec | None = None, overrides: list[str] | None = None,
-              run_dir: str | None = None) -> RunSpec:
+              run_dir: str | None = None, base_dir: str | None = None) -> RunSpec:
     """The RunSpec from a YAML file (plus ``key=value`` overrides), as given inline, or the one a run
-    directory was trained with (its run.yaml)."""
+    directory was trained with (its run.yaml). Relative paths in ``overrides`` resolve against ``base_dir``
+    (the flow parameter), not the worker's working directory."""
     from shardkeeper.config import load_run_spec
 
     if spec is not None:
@@ -53,7 +54,7 @@ def load_spec(config: str | None = None, spec: RunSpec | None = None, overrides:
         config = str(RunDir.at(run_dir).spec_path)
     if config is None:
         raise ShardkeeperError("load-run-spec: give a config path, a run directory or an inline spec")
-    return load_run_spec(config, overrides)
+    return load_run_spec(config, overrides, overrides_base=base_dir)
 
 
 @task(name="inspect-run", cache_policy=NO_CACHE)

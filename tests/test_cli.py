@@ -93,6 +93,27 @@ def test_status_and_lineage_read_at_80_columns(cli_run: Path, tmp_path: Path) ->
     assert "holds no run directory" in empty.stderr
 
 
+def test_quick_validate_says_when_a_checkpoint_was_never_re_read(cli_run: Path, tmp_path: Path) -> None:
+    """A preemption's checkpoint is verified by its next load, not at commit: until then a quick "valid" (sizes and
+    structure only) must say its bytes were not re-read, even when one of them is flipped."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(cli_run, run)
+    ck = run / "checkpoints" / "step-00000012"
+    ok = cli("validate", str(ck))
+    assert ok.returncode == 0 and "valid (quick)" in ok.stdout and "not re-read" not in ok.stdout, ok.stdout
+    (run / "verified" / "step-00000012.json").unlink()  # as a preemption leaves it
+    victim = sorted(ck.glob("__0_*.distcp"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 1
+    victim.write_bytes(bytes(data))
+    quick = cli("validate", str(ck))
+    assert quick.returncode == 0 and "not re-read since its commit" in quick.stdout and "--deep" in quick.stdout
+    deep = cli("validate", str(ck), "--deep")
+    assert deep.returncode == 4 and victim.name in deep.stdout + deep.stderr
+
+
 def test_validate_reports_partial_and_missing_file(cli_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     import shutil
 

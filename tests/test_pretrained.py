@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -203,6 +204,31 @@ def _refused(spec, run: Path) -> str:
     return line
 
 
+def test_a_tied_pair_stored_twice_with_different_values_is_refused(base: Path, tmp_path: Path) -> None:
+    """config.json ties lm_head to the embeddings but the files hold both, with different values: one parameter
+    cannot be both (transformers unties or ties depending on its version), so preflight refuses; equal copies pass."""
+    from safetensors.torch import save_file
+
+    from shardkeeper.preflight import preflight
+    from shardkeeper.stages import plan_topology
+
+    tensors = _tensors(base)
+    assert "lm_head.weight" not in tensors  # save_pretrained kept one of the tied pair
+    for name, head in (("differ", -tensors["model.embed_tokens.weight"]), ("equal", tensors["model.embed_tokens.weight"])):
+        folder = Path(shutil.copytree(base, tmp_path / name))
+        for f in [*folder.glob("*.safetensors"), folder / "model.safetensors.index.json"]:
+            f.unlink()
+        save_file({**tensors, "lm_head.weight": head.clone()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        run = tmp_path / f"run-{name}"
+        if name == "differ":
+            line = _refused(_spec(folder), run)
+            assert "ties lm_head.weight to model.embed_tokens.weight" in line or "ties model.embed_tokens.weight" in line
+            assert "different values" in line and "tie_word_embeddings" in line
+        else:
+            spec = _spec(folder)
+            preflight(spec, plan_topology(spec, 2, device="cpu"), run)
+
+
 def test_bad_pretrained_input_is_one_line(base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from schemas.errors import ConfigError
     from shardkeeper.config import load_run_spec
@@ -295,6 +321,45 @@ def test_relative_paths_in_a_config_resolve_against_its_folder(base: Path, tmp_p
     raw["model"]["model_type"] = "llama"
     cfg.write_text(yaml.safe_dump(raw))
     assert load_run_spec(cfg).model.pretrained == "meta-llama/Llama-3.2-1B"
+
+
+def test_config_paths_do_not_depend_on_the_working_directory_and_follow_symlinked_folders(
+        base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hub-id-looking model.pretrained that is not beside the config stays a Hub id in every working directory
+    (not a folder of that name in the cwd); '..' after a symlinked folder goes where open() goes (the link
+    target's parent), not to the folder that textually precedes the link."""
+    import yaml
+
+    from shardkeeper.config import load_run_spec
+
+    raw = yaml.safe_load(FINETUNE.read_text())
+    raw["model"]["pretrained"], raw["model"]["model_type"] = "runs/tiny-base", "llama"
+    real = tmp_path / "real" / "sub"
+    real.mkdir(parents=True)
+    (real / "ft.yaml").write_text(yaml.safe_dump(raw))
+    cwd = tmp_path / "cwd"
+    shutil.copytree(base, cwd / "runs" / "tiny-base")
+    monkeypatch.chdir(cwd)
+    assert load_run_spec(real / "ft.yaml").model.pretrained == "runs/tiny-base"
+    monkeypatch.chdir(tmp_path)
+    assert load_run_spec(real / "ft.yaml").model.pretrained == "runs/tiny-base"
+
+    shutil.copytree(base, tmp_path / "real" / "tiny-base")
+    raw["model"]["pretrained"] = "../tiny-base"
+    (real / "ft.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    expected = os.path.realpath(tmp_path / "real" / "tiny-base")
+    assert load_run_spec(tmp_path / "link" / "ft.yaml").model.pretrained == expected
+    assert load_run_spec(real / "ft.yaml").model.pretrained == expected
+
+    # a flow's overrides: relative to its base_dir parameter, not to the worker's working directory
+    from tasks.stage_tasks import load_spec
+
+    shutil.copytree(base, tmp_path / "flowbase" / "models" / "b")
+    monkeypatch.chdir(cwd)
+    spec = load_spec.fn(config=str(real / "ft.yaml"), overrides=["model.pretrained=models/b"],
+                        base_dir=str(tmp_path / "flowbase"))
+    assert spec.model.pretrained == str(tmp_path / "flowbase" / "models" / "b")
 
 
 def test_read_elements_reads_a_flattened_range_with_and_without_a_cast(base: Path) -> None:

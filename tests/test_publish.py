@@ -953,3 +953,37 @@ def test_publish_load_export_finds_its_checkpoint_in_the_run_layout_without_expo
     loaded = pub.load_export(export)
     assert loaded.checkpoint == str(ckpt.resolve()) and loaded.step == 100
     assert "| tokens | 4,096 |" in pub.model_card(loaded, "org/tiny")
+
+
+def test_publish_hub_fake_api_step_tags_of_another_branch_neither_block_nor_move(tmp_path: Path, hub_env: None) -> None:
+    """Step tags are repo-wide: main's newer step must not turn a new branch's publish into 'tag only' (nor fail
+    it), and a step number main already tagged must not have its tag moved to another branch's commit."""
+    main_100 = _step_export(tmp_path / "a", 100, 1.0)
+    dev_50, dev_100 = _step_export(tmp_path / "b", 50, 2.0), _step_export(tmp_path / "b", 100, 3.0)
+    api = FakeHfApi()
+    r1 = pub.publish_to_hub(main_100, "org/tiny", api=api)
+    r2 = pub.publish_to_hub(dev_50, "org/tiny", api=api, revision="dev")
+    repo = api.repos["org/tiny"]
+    assert r2.tag_only is False and repo["branches"]["dev"] == r2.commit == repo["tags"]["step-00000050"]
+    assert repo["branches"]["main"] == r1.commit
+    _assert_revision_is_export(api, "step-00000050", dev_50)
+    commits = api.commit_count("org/tiny")
+    with pytest.raises(PublishError, match=r"tag step-00000100 already names commit .*not the head of dev"):
+        pub.publish_to_hub(dev_100, "org/tiny", api=api, revision="dev")
+    assert repo["tags"]["step-00000100"] == r1.commit and api.commit_count("org/tiny") == commits
+    _assert_revision_is_export(api, "step-00000100", main_100)
+
+
+def test_publish_hub_fake_api_a_branch_named_like_a_step_tag_is_refused(tmp_path: Path, hub_env: None) -> None:
+    """A branch and a tag of the same name make revision="step-00000100" ambiguous: refused, nothing committed."""
+    export = _step_export(tmp_path, 100, 1.0)
+    api = FakeHfApi()
+    with pytest.raises(PublishError, match="branch named step-00000050"):
+        pub.publish_to_hub(export, "org/tiny", api=api, revision="step-00000050")
+    assert "org/tiny" not in api.repos  # refused before anything was created
+    pub.publish_to_hub(_step_export(tmp_path / "first", 10, 1.0), "org/tiny", api=api)
+    api.create_branch("org/tiny", branch="step-00000100", revision="main")  # a person's branch
+    commits, tags = api.commit_count("org/tiny"), dict(api.repos["org/tiny"]["tags"])
+    with pytest.raises(PublishError, match="branch named step-00000100"):
+        pub.publish_to_hub(export, "org/tiny", api=api)
+    assert api.commit_count("org/tiny") == commits and api.repos["org/tiny"]["tags"] == tags

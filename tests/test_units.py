@@ -200,3 +200,14 @@ def test_adamw_state_for_a_load_matches_what_torch_would_create(amsgrad: bool) -
             assert v.dtype == b[k][name].dtype and v.shape == b[k][name].shape and v.device == b[k][name].device, name
     assert all(torch.equal(x, p) for x, p in zip(before, (p for g in ours.param_groups for p in g["params"])))
     assert all(p.grad is None for g in ours.param_groups for p in g["params"])
+
+
+def test_stopped_early_note_says_loaded_only_when_the_checkpoint_was_loaded() -> None:
+    """A SIGTERM during start-up stops the ranks before they build the model: the segment report must not claim
+    the checkpoint was loaded (its phase times have loaded_s None)."""
+    from trainer.loop import stopped_early_note
+
+    assert "(loaded)" in stopped_early_note(15)
+    before = stopped_early_note(15, loaded=False)
+    assert "(loaded)" not in before and "not loaded" in before and "step-00000015" in before
+    assert "starts clean" in stopped_early_note(0, loaded=False)

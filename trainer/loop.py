@@ -253,10 +253,12 @@ class Segment:
         write_status(self.run_dir, self.env, self.segment_index, status, start, end, note, execution=execution)
 
 
-def stopped_early_note(step: int) -> str:
+def stopped_early_note(step: int, *, loaded: bool = True) -> str:
+    """``loaded``: the ranks loaded ``step`` before the signal (False: stopped during start-up, before the build)."""
     if step == 0:
         return "stopped before the first step with nothing trained: no checkpoint; the next segment starts clean"
-    return f"stopped before the first step: nothing new to save; step-{step:08d} (loaded) stays the latest checkpoint"
+    how = "(loaded)" if loaded else "(not loaded: stopped during start-up)"
+    return f"stopped before the first step: nothing new to save; step-{step:08d} {how} stays the latest checkpoint"
 
 
 def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start: int, end: int,

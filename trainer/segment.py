@@ -88,7 +88,7 @@ def _preempted_before_build(run_dir: RunDir, env: DistEnv, segment: int) -> int:
 
     found = latest_valid(run_dir) if env.is_rank0 else None
     step = found[1].step if found else 0
-    note = stopped_early_note(step)
+    note = stopped_early_note(step, loaded=False)
     log0(env, "preemption signal received during start-up: %s", note)
     write_status(run_dir, env, segment, "preempted", step, step, note)
     return EXIT_PREEMPTED

@@ -133,9 +133,19 @@ class HubRefs:
 
     @property
     def newest_step(self) -> int | None:
-        """The newest step with a ``step-XXXXXXXX`` tag: what the published branch holds."""
+        """The newest step with a ``step-XXXXXXXX`` tag anywhere in the repo."""
         steps = [s for s in (parse_step(t) for t in self.tags) if s is not None]
         return max(steps) if steps else None
+
+    def branch_step(self, branch: str) -> int | None:
+        """The step ``branch`` holds: the newest step tag at its head. Tags are repo-wide, so another branch's
+        steps say nothing about this one (a branch that does not exist yet holds none); a head that carries no
+        step tag (a person committed on top) falls back to the repo's newest step, so it is never moved back."""
+        head = self.branches.get(branch)
+        if head is None:
+            return None
+        steps = [s for s in (parse_step(t) for t, c in self.tags.items() if c == head) if s is not None]
+        return max(steps) if steps else self.newest_step
 
 
 def publish_to_hub(export_dir: str | os.PathLike[str], repo_id: str, *, revision: str | None = None,
@@ -165,10 +175,14 @@ def publish_to_hub(export_dir: str | os.PathLike[str], repo_id: str, *, revision
     files = {**export.files, CARD_NAME: entry_of_bytes(card)}
     generated = {CARD_NAME: card, MARKER_NAME: marker_bytes(export, files)}
 
+    if parse_step(branch) is not None:  # before anything is created on the Hub
+        _refuse_clash(repo_id, branch)
     hub.call("create_repo", repo_id, private=private, exist_ok=True)
     refs = hub_refs(hub)
-    newest = refs.newest_step
+    newest = refs.branch_step(branch)
     tag = export.tag
+    if tag in refs.branches:
+        _refuse_clash(repo_id, tag)
     url = f"{hub.endpoint}/{repo_id}/tree/{tag or branch}"
     common = dict(target=repo_id, url=url, tag=tag, newest_step=newest)
     if export.step is not None and newest is not None and export.step < newest:
@@ -186,6 +200,11 @@ def publish_to_hub(export_dir: str | os.PathLike[str], repo_id: str, *, revision
                     branch, newest)
         return PublishResult(revision=tag, commit=commit, skipped=False, files=n, tag_only=True, **common)
 
+    if tag in refs.tags and refs.tags[tag] != refs.branches.get(branch):
+        # the tag names a commit that is not this branch's head: another branch's (or run's) step of that number
+        raise PublishError(f"{repo_id}: tag {tag} already names commit {refs.tags[tag][:12]}, which is not the head of "
+                           f"{branch} (another branch or run published a step {export.step}); a published step's "
+                           "revision never moves: publish to another repo, or delete that tag on the Hub first")
     state = hub_state(hub, branch, ensure_branch(hub, refs, branch, "main").branches.get(branch))
     if not changed_files(state, export, files, generated):
         logger.info("%s is already at %s@%s with the same checksums: nothing to upload", export.root, repo_id, branch)
@@ -195,6 +214,13 @@ def publish_to_hub(export_dir: str | os.PathLike[str], repo_id: str, *, revision
     ensure_tag(hub, tag, commit, refs.tags)
     logger.info("published %s to %s@%s (%d files changed, commit %s)", export.root, repo_id, branch, n, commit)
     return PublishResult(revision=branch, commit=commit, skipped=False, files=n, **common)
+
+
+def _refuse_clash(repo_id: str, name: str) -> None:
+    """A branch and a tag of one name make ``revision=name`` mean either."""
+    raise PublishError(f"{repo_id}: a branch named {name} would share its name with a step tag, and "
+                       f"revision=\"{name}\" would then mean either; publish to another --revision, or rename "
+                       "that branch on the Hub")
 
 
 def push(hub: HubClient, export: ExportFolder, branch: str, state: HubState, files: dict[str, PublishedFile],
