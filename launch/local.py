@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from launch.early import STOP_SIGNALS
+from launch.early import pending_stop as _pending_stop
 from launch.base import (LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, Rendezvous, combined_exit_code,
                          torchrun_argv)
 from launch.procs import pdeathsig_preexec
@@ -107,21 +109,6 @@ class _Supervisor:
     def cancel_timer(self) -> None:
         if self._killer:
             self._killer.cancel()
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-_pending_stop: list[int] = []
-
-
-def install_early_stop_handlers() -> None:
-    """For a CLI process: a stop signal that arrives before the ranks are launched (config loading, run
-    lock, checks) is remembered instead of killing the process; ``launch`` then starts nothing and the
-    segment ends 'preempted' with the latest checkpoint untouched. Main thread only."""
-    def remember(signum: int, _frame: object) -> None:
-        _pending_stop.append(signum)
-
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, remember)
 
 
 def stopped_before_start(req: LaunchRequest, what: str) -> LaunchOutcome | None:

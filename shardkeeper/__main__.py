@@ -1,3 +1,3 @@
-from shardkeeper.cli import run
+from shardkeeper.entry import main
 
-run()
+main()

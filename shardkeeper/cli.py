@@ -96,7 +96,7 @@ def train(
 
     Exit code: 0 completed, 75 preempted (checkpoint committed; run the same command to resume), 1 failed,
     3 the run directory is locked (another segment, or its ranks, still running)."""
-    from launch.local import install_early_stop_handlers
+    from launch.early import install_early_stop_handlers
     from shardkeeper.config import load_run_spec
     from shardkeeper.stages import plan_topology, train_segment
 

@@ -217,3 +217,23 @@ def test_sigterm_to_train_commits_and_exits_75_then_same_command_resumes(tmp_pat
     events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
     seg_events = [e for e in events if e["kind"] == "segment"]
     assert seg_events[0]["data"]["emergency_save_s"] == round(pre.emergency_save_s, 2)
+
+
+def test_sigterm_in_the_first_moments_of_train_is_a_preemption_not_a_kill(tmp_path: Path) -> None:
+    """A scheduler may preempt a job while `shardkeeper train` is still importing: the entry point remembers the
+    signal before anything heavy is imported, so the segment ends 'preempted' (75), starts no rank and writes no
+    checkpoint, instead of dying with 143."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "shardkeeper", "train", "--config", TINY, "--run-dir", str(run), "--nproc", "2",
+            "--until-step", "4"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "SHARDKEEPER_DEVICE": "cpu"}, cwd=ROOT)
+    time.sleep(0.4)  # the interpreter is up; typer, pydantic and the CLI take ~1 s more to import
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out
+    assert "Traceback" not in out
+    assert not list(run.glob("checkpoints/step-*")), "a checkpoint was written after a stop before the start"
