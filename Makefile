@@ -46,19 +46,28 @@ test: install system-deps
 demo: install
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m infra.demo
 
-# Each script prints a markdown table (the README's tables come from these); ~40 min in all on 2 cores.
+# Each script prints its table and keeps it in bench/results/ (date, machine, versions, commit, command);
+# readme_tables.py then copies every table into README.md. Heavy: ~2 h on 2 cores; run on an otherwise idle machine.
 bench: install
+	$(PY) -m pip install -q "accelerate>=1.10"  # the bench extra: export_bench's baseline is Accelerate's own merge
 	$(PY) bench/resume_bench.py
-	$(PY) bench/checkpoint_bench.py
+	$(PY) bench/deepspeed_resume_bench.py
+	$(PY) bench/checkpoint_bench.py --part save --reps 5
+	$(PY) bench/checkpoint_bench.py --part stall --reps 4
+	$(PY) bench/checkpoint_bench.py --part load --reps 3
+	$(PY) bench/goodput_bench.py --backend fsdp2 --backend deepspeed --warm 2
 	$(PY) bench/recovery_bench.py
 	$(PY) bench/export_bench.py
-	$(PY) bench/deepspeed_resume_bench.py
 	$(PY) bench/deepspeed_bench.py
-	$(PY) bench/prefect_overhead.py
-	$(PY) bench/dashboard_bench.py
+	$(PY) bench/pretrained_bench.py --size 1b --load-only --no-scratch --reps 2
+	$(PY) bench/pretrained_bench.py --size 500m --reps 2
+	$(PY) bench/scaling_bench.py
+	$(PY) bench/prefect_overhead.py --reps 3 --train
+	$(PY) bench/dashboard_bench.py --reps 3
 	$(PY) bench/scale_bench.py
-	$(PY) bench/s3_bench.py
-	$(PY) bench/data_bench.py
+	$(PY) bench/s3_bench.py --reps 5
+	$(PY) bench/data_bench.py --reps 5
+	$(PY) bench/readme_tables.py
 
 clean:
 	rm -rf $(VENV) .prefect runs bench/out
