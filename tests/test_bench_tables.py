@@ -15,7 +15,7 @@ benchlib = importlib.import_module("benchlib")
 readme_tables = importlib.import_module("readme_tables")
 
 HEADER = re.compile(r"^_Measured \d{4}-\d\d-\d\d \d\d:\d\d UTC on \d+ CPU cores, [\d.]+ GiB memory, .+; (load average [\d./]+ \(1/5/15 min\) when the table was printed; )?python [\d.]+, "
-                    r"torch [^,]+, .*commit [0-9a-f]+(\+changes)?; command: `python bench/[a-z_]+\.py[^`]*`_$")
+                    r"torch [^,]+, [^`]*command: `python bench/[a-z0-9_]+\.py[^`]*`_$")
 
 
 def test_readme_blocks_equal_the_published_tables() -> None:
