@@ -33,17 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchlib import evict  # noqa: E402 - bench/ is on the path when run as a script
+
 GB = 1e9
-
-
-def evict(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def read_bandwidth(paths: list[Path]) -> float:

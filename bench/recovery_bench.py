@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchlib import fmt, md_table, publish  # noqa: E402 - bench/ is on the path when run as a script
+from benchlib import evict, fmt, md_table, publish  # noqa: E402 - bench/ is on the path when run as a script
 
 OUT = ROOT / "bench" / "out" / "recovery"
 STEPS_BEFORE_SIGTERM = 2
@@ -107,17 +107,6 @@ def ckpt_files(run: Path) -> list[Path]:
 
     ckpt = sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step-") and "." not in p.name)[-1]
     return [ckpt / f.path for f in read_manifest(ckpt).files]
-
-
-def evict(files: list[Path]) -> None:
-    """Drop these files' pages from the page cache (they are clean: fsynced at commit)."""
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def read_all(files: list[Path], threads: int = 2) -> float:

@@ -149,19 +149,7 @@ def measure(tmp: Path, ranks: int, files_per_rank: int, reps: int) -> dict[str, 
     validate(target)  # as after a commit: the newest checkpoint was validated by this process
     out["validate"] = timed(lambda: validate(target), reps)
     out["retention"] = timed(plan, reps)
-    out["both_cpu"] = cpu_timed(lambda: (validate(target), plan()), reps)
-    return out
-
-
-def cpu_timed(fn: Any, reps: int) -> list[float]:
-    """Process CPU seconds of ``reps`` calls after a warm-up: what an otherwise idle machine takes for this
-    single-threaded work, whatever else runs beside the bench."""
-    fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.process_time()
-        fn()
-        out.append(time.process_time() - t0)
+    out["both_cpu"] = timed(lambda: (validate(target), plan()), reps, clock=time.process_time)
     return out
 
 
