@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 
@@ -58,3 +59,24 @@ def test_cuda_checkpointing_compile_and_fused_adamw_train_and_resume_exactly(tmp
     assert SegmentReport.read(run, 1).execution == {  # type: ignore[union-attr]
         "activation_checkpointing": 2, "compiled_blocks": 2, "compile": "inductor/default",
         "adamw_implementation": "fused"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_cuda_deepspeed_resume_is_bitwise_and_async_saves_commit(tmp_path: Path, stage: int) -> None:
+    """DeepSpeed ZeRO on CUDA + NCCL: async saves (staged from GPU memory) commit valid checkpoints, and a resume
+    from one continues bitwise."""
+    world = _world()
+    spec = tiny_spec(**{"backend": "deepspeed", "deepspeed.zero_stage": stage, "checkpoint.interval": 4,
+                        "checkpoint.async_save": "true"})
+    ref = new_run(tmp_path / "ref", spec)
+    assert spawn(run_segment, world, str(ref), 8, 0, device="cuda", timeout=900) == [0] * world
+    from ckpt.validate import validate
+
+    for step in (4, 8):
+        assert validate(ref / "checkpoints" / f"step-{step:08d}", deep=True).valid, step
+    run = copy_run_until(ref, tmp_path / "run", 4)
+    assert spawn(run_segment, world, str(run), 8, 1, device="cuda", timeout=900) == [0] * world
+    a, b = metrics(ref), metrics(run)
+    for s in range(5, 9):
+        assert a[s]["loss"] == b[s]["loss"] and a[s]["grad_norm"] == b[s]["grad_norm"], f"step {s}"
