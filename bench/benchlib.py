@@ -42,6 +42,21 @@ def evict(paths: list[Path]) -> None:
             os.close(fd)
 
 
+def drop_caches(paths: list[Path] | None = None) -> str:
+    """Cold cache before a timed read, the same for every side compared: the whole page cache when this process
+    may (root: /proc/sys/vm/drop_caches), else ``evict(paths)`` -- give every file any side will read. Returns
+    the cache state, for the table."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "page cache dropped (/proc/sys/vm/drop_caches) before each timed read"
+    except OSError as e:
+        if paths is None:
+            return f"page cache NOT dropped ({e.strerror}); every side read in the same (warm) state"
+        evict([p for p in paths if p.is_file()])
+        return "files read evicted from the page cache (posix_fadvise DONTNEED; no root) before each timed read"
+
+
 def fmt(samples: list[float] | None, digits: int = 2) -> str:
     """``median (min–max)``; ``n/a`` when nothing was measured."""
     if not samples:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -38,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from benchlib import fmt, md_table, publish  # noqa: E402
+from benchlib import drop_caches, fmt, md_table, publish  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "checkpoint"
 PARTS = ("save", "stall", "load")
@@ -108,16 +107,6 @@ def plain_sd(model, opt) -> dict:
 
     msd, osd = get_state_dict(model, opt)
     return {"model": msd, "optim": osd}
-
-
-def drop_caches() -> str:
-    """Drop the page cache (root); returns the cache state to report."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "page cache dropped before each load"
-    except OSError as e:
-        return f"page cache NOT dropped ({e.strerror}); both sides after a save, same state"
 
 
 def dd_streams(folder: Path, total_bytes: int, streams: int) -> float:
@@ -338,11 +327,12 @@ def load_worker(small: bool, runs: dict, reps: int) -> dict:
         return go
 
     cache = "page cache state: unknown"
+    files = [f for d in runs.values() for f in sorted((Path(d) / "checkpoints").glob("step-*"))[-1].iterdir()]
     for i in range(reps + 1):  # round 0 warms both sides, not counted
         for which in ("same", "other"):
             for side, fn in (("ours", ours(which)), ("dcp", plain(which))):
                 if env.is_rank0:
-                    cache = drop_caches()
+                    cache = drop_caches(files)
                 dist.barrier(group=g)
                 dt = timed(fn, g)
                 if i:

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from benchlib import fmt, md_table, publish  # noqa: E402
+from benchlib import drop_caches, fmt, md_table, publish  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "scaling"
 # name: (hidden, intermediate, layers, heads, kv heads); vocab 32000, untied embeddings
@@ -83,15 +83,6 @@ class PeakRSS:
         self.peak = max(self.peak, self._rss())
 
 
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def build_state(shape: tuple[int, ...], run_dir: str):
     """Sharded model with random weights and AdamW moments, without a training step (see the docstring)."""
     import torch
@@ -133,13 +124,16 @@ def worker(shape: tuple[int, ...], run_dir: str, reps: int) -> dict:
     g, rd = env.ctrl_group, Path(run_dir)
     res: dict = {k: [] for k in ("save_s", "load_s", "export_s", "save_rss", "load_rss", "save_extra", "load_extra",
                                  "export_rss")}
-    dropped = True
+    cache = ""
 
-    def stage(fn) -> tuple[float, PeakRSS]:
-        nonlocal dropped
+    def ckpt_files(step: int) -> list[Path]:
+        return sorted((rd / "checkpoints" / f"step-{step:08d}").rglob("*"))
+
+    def stage(fn, files: list[Path]) -> tuple[float, PeakRSS]:
+        nonlocal cache
         dist.barrier(group=g)
         if env.is_rank0:
-            dropped = drop_caches() and dropped
+            cache = drop_caches(files)
         dist.barrier(group=g)
         with PeakRSS() as m:
             t = time.perf_counter()
@@ -157,14 +151,14 @@ def worker(shape: tuple[int, ...], run_dir: str, reps: int) -> dict:
     nbytes = 0
     for i in range(reps + 1):  # round 0 is a warm-up, not counted
         step = i + 1
-        dt_s, m_s = stage(lambda: ck.save(TrainState(step=step), reason="interval", blocking=True))
+        dt_s, m_s = stage(lambda: ck.save(TrainState(step=step), reason="interval", blocking=True), [])
         ck._wait_reread()  # the post-commit re-read (rank 0, background) is I/O of its own; untimed
-        dt_l, m_l = stage(load)
+        dt_l, m_l = stage(load, ckpt_files(step))
         path = rd / "checkpoints" / f"step-{step:08d}"
         nbytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
         exp = {"seconds": 0.0, "peak_rss": 0}
         if env.is_rank0:
-            drop_caches()
+            drop_caches(ckpt_files(step))
             exp = export(path, rd / "export")
         dist.barrier(group=g)
         if i:
@@ -184,7 +178,7 @@ def worker(shape: tuple[int, ...], run_dir: str, reps: int) -> dict:
     params = sum(p.numel() for p in model.parameters())
     ck.close()
     dist.destroy_process_group()
-    return {**res, "bytes": nbytes, "params": params, "dropped": dropped}
+    return {**res, "bytes": nbytes, "params": params, "cache": cache}
 
 
 EXPORT = """
@@ -237,8 +231,7 @@ def table(found: dict[str, dict]) -> str:
     lines.append(f"export peak RSS {exp_peak:.2f} GB at most (goal ≤ one 5 GB output shard + 0.5 GB: "
                  f"{'met' if exp_peak <= 5.5 else 'missed'})")
     reps = found[names[0]]["reps"]
-    cache = "page cache dropped before every stage" if all(found[n]["dropped"] for n in names) else \
-        "page cache NOT dropped (no root): the state after the previous stage"
+    cache = "; ".join(sorted({found[n].get("cache", "page cache state not recorded") for n in names}))
     return body + "\n\n" + "\n".join(f"- {x}" for x in lines) + (
         f"\n\n{reps} rounds of save -> load_latest -> export per size after a warm-up round, 2 ranks × 2 writer "
         f"threads, {cache}; medians (min–max).")
