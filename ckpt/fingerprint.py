@@ -5,6 +5,16 @@ shard and summed with one all-reduce. At the same world size the shards, and so 
 bit-identical; at another world size only the grouping of a float64 sum changes, so a relative
 tolerance of 1e-9 is far above rounding and far below any real loss of state (a dropped or
 misplaced optimizer shard changes a norm by whole percents).
+
+Two methods, named in the manifest (``Fingerprint.method``) so a load recomputes the one its checkpoint
+used and the same-world-size comparison stays exact:
+
+- ``l2-per-tensor-f64-blocked`` (written now): each local shard in blocks of 32,768 elements, a block
+  converted to float64 in a reused buffer, squared and summed, the block sums added in order. A block is
+  below ATen's parallel grain, so its sum never depends on the thread count; ~4.5x cheaper than the
+  float64 ``vector_norm`` (1.5 vs 6.9 ms per million elements, one thread), which matters because an
+  async save computes it beside training.
+- ``l2-per-tensor-f64`` (checkpoints written before): ``vector_norm(dtype=float64)`` squared.
 """
 
 from __future__ import annotations
@@ -19,6 +29,9 @@ from schemas import Fingerprint
 from schemas.errors import FingerprintMismatch
 
 CROSS_WORLD_RTOL = 1e-9
+METHOD = "l2-per-tensor-f64-blocked"
+LEGACY_METHOD = "l2-per-tensor-f64"
+_BLOCK = 1 << 15  # at most ATen's GRAIN_SIZE: one block is always reduced by one thread
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -26,10 +39,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
-def local_sum_squares(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
-    """Per-tensor sum of squares of the local shards (float64 accumulation, no float64 copy)."""
+def _blocked_sum_squares(flat: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    acc = torch.zeros((), dtype=torch.float64)
+    for part in flat.split(_BLOCK):
+        b = buf[: part.numel()]
+        b.copy_(part)
+        acc += b.square_().sum()
+    return acc
+
+
+def local_sum_squares(named: Iterable[tuple[str, torch.Tensor]], method: str = METHOD) -> tuple[list[str], torch.Tensor]:
+    """Per-tensor sum of squares of the local shards (float64 accumulation, no float64 copy of a tensor)."""
+    if method not in (METHOD, LEGACY_METHOD):
+        raise ValueError(f"unknown fingerprint method {method!r}")
     names: list[str] = []
     parts: list[torch.Tensor] = []
+    buf = torch.empty(_BLOCK, dtype=torch.float64) if method == METHOD else None
     for name, t in named:
         names.append(name)
         loc = _local(t).detach()
@@ -38,7 +63,10 @@ def local_sum_squares(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[s
             continue
         if loc.device.type != "cpu":
             loc = loc.cpu()
-        parts.append(torch.linalg.vector_norm(loc, dtype=torch.float64).square())
+        if buf is None:
+            parts.append(torch.linalg.vector_norm(loc, dtype=torch.float64).square())
+        else:
+            parts.append(_blocked_sum_squares(loc.reshape(-1), buf))
     return names, (torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64))
 
 
@@ -55,9 +83,10 @@ def sum_squares(named: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGr
 
 
 def make_fingerprint(
-    model_sq: Mapping[str, float], optim_sq: Mapping[str, float], optim_step: float
+    model_sq: Mapping[str, float], optim_sq: Mapping[str, float], optim_step: float, method: str = METHOD
 ) -> Fingerprint:
     return Fingerprint(
+        method=method,  # type: ignore[arg-type]
         model={k: math.sqrt(v) for k, v in model_sq.items()},
         optim={k: math.sqrt(v) for k, v in optim_sq.items()},
         optim_step=float(optim_step),

@@ -58,8 +58,10 @@ class TensorEntry(_Frozen):
 
 
 class Fingerprint(_Frozen):
-    method: Literal["l2-per-tensor-f64"] = Field(
-        "l2-per-tensor-f64", description="per-tensor L2 norms accumulated in float64 over all shards"
+    method: Literal["l2-per-tensor-f64", "l2-per-tensor-f64-blocked"] = Field(
+        "l2-per-tensor-f64", description="per-tensor L2 norms accumulated in float64 over all shards: "
+        "-blocked in 32,768-element blocks (written now), plain (checkpoints written before); a load "
+        "recomputes the checkpoint's own method"
     )
     model: dict[str, float] = Field(description="L2 norm of each model parameter")
     optim: dict[str, float] = Field(description="L2 norm of each optimizer moment (exp_avg, exp_avg_sq) by key")

@@ -49,6 +49,27 @@ def test_same_world_size_resume_is_bitwise(reference: Path, tmp_path: Path) -> N
     assert resume["parent"] == f"checkpoint:step-{CUT:08d}" and resume["data"]["to_world_size"] == 2
 
 
+def _legacy_fingerprint_segment(run: str, until: int, segment: int) -> int:
+    """A segment of the previous release: its checkpoints carry the plain float64 vector_norm fingerprint."""
+    import ckpt.fingerprint as fp
+
+    ls, mk = fp.local_sum_squares, fp.make_fingerprint
+    fp.local_sum_squares = lambda named, method=None: ls(named, fp.LEGACY_METHOD)
+    fp.make_fingerprint = lambda m, o, s, method=None: mk(m, o, s, fp.LEGACY_METHOD)
+    return run_segment(run, until, segment)
+
+
+def test_checkpoint_with_the_previous_fingerprint_method_resumes_bitwise(reference: Path, tmp_path: Path) -> None:
+    """A load recomputes the fingerprint by the checkpoint's own method, so checkpoints written before the
+    blocked method still pass the exact same-world-size check (and resume bitwise); new saves use the new one."""
+    run = new_run(tmp_path / "run", tiny_spec())
+    assert spawn(_legacy_fingerprint_segment, 2, str(run), CUT, 0) == [0, 0]
+    assert read_manifest(run / "checkpoints" / f"step-{CUT:08d}").fingerprint.method == "l2-per-tensor-f64"
+    assert spawn(run_segment, 2, str(run), CUT + 5, 1) == [0, 0]
+    assert_bitwise(metrics(reference), metrics(run), range(1, CUT + 6))
+    assert read_manifest(run / "checkpoints" / f"step-{CUT + 5:08d}").fingerprint.method == "l2-per-tensor-f64-blocked"
+
+
 @pytest.mark.parametrize(("start", "to"), [(4, 2), (4, 3), (2, 4)])
 def test_world_size_change_resume_within_1e6(reference: Path, base4: Path, tmp_path: Path, start: int, to: int) -> None:
     src = base4 if start == 4 else reference

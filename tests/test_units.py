@@ -211,3 +211,27 @@ def test_stopped_early_note_says_loaded_only_when_the_checkpoint_was_loaded() ->
     before = stopped_early_note(15, loaded=False)
     assert "(loaded)" not in before and "not loaded" in before and "step-00000015" in before
     assert "starts clean" in stopped_early_note(0, loaded=False)
+
+
+def test_blocked_fingerprint_is_thread_independent_and_agrees_with_the_legacy_method() -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    named = [("big", torch.randn(300_001, generator=g) * 3), ("view", torch.randn(64, 100, generator=g)[:, 7:60]),
+             ("empty", torch.zeros(0))]
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 8):
+            torch.set_num_threads(n)
+            runs.append(fp.local_sum_squares(named)[1])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, runs[0]) for r in runs)  # bitwise, whatever the thread count
+    legacy = fp.local_sum_squares(named, fp.LEGACY_METHOD)[1]
+    assert torch.allclose(runs[0], legacy, rtol=1e-12, atol=0)
+    exact = torch.tensor([float((t.double() ** 2).sum()) for _, t in named], dtype=torch.float64)
+    assert torch.allclose(runs[0], exact, rtol=1e-12, atol=0)
+    assert fp.make_fingerprint({}, {}, 0).method == fp.METHOD == "l2-per-tensor-f64-blocked"
+    with pytest.raises(ValueError):
+        fp.local_sum_squares(named, "l2-something-else")

@@ -465,7 +465,8 @@ class Checkpointer:
         self.check_loadable(path, manifest)
         ts, exact = self.restore(path, manifest)
         self._check_counters(path, manifest, ts)
-        fp.require_match(path, manifest.fingerprint, self.fingerprint(self.env.ctrl_group), exact=exact)
+        now = self.fingerprint(self.env.ctrl_group, manifest.fingerprint.method)
+        fp.require_match(path, manifest.fingerprint, now, exact=exact)
         self.base_model = manifest.base_model  # the run's base model stays recorded; its weights are not read again
         self._resumed(path, manifest, ts, t0)
         return ts
@@ -533,6 +534,7 @@ class Checkpointer:
         return the stored counters and whether the fingerprint must match exactly (same world size)."""
         raise NotImplementedError
 
-    def fingerprint(self, group: dist.ProcessGroup | None) -> Fingerprint:
-        """Per-tensor norms of the live fp32 masters and AdamW moments (a collective over ``group``)."""
+    def fingerprint(self, group: dist.ProcessGroup | None, method: str = fp.METHOD) -> Fingerprint:
+        """Per-tensor norms of the live fp32 masters and AdamW moments (a collective over ``group``), computed
+        by ``method`` (a load passes its checkpoint's)."""
         raise NotImplementedError

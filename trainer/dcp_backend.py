@@ -95,7 +95,7 @@ class DCPCheckpointer(Checkpointer):
         return sd
 
     @staticmethod
-    def _fingerprint_parts(sd: dict[str, Any]) -> tuple[list[str], torch.Tensor, int, float]:
+    def _fingerprint_parts(sd: dict[str, Any], method: str = fp.METHOD) -> tuple[list[str], torch.Tensor, int, float]:
         """Local part of the fingerprint: names and sums of squares (model first), and the optimizer step."""
         model = sorted(sd["model"].items())
         moments = []
@@ -104,20 +104,21 @@ class DCPCheckpointer(Checkpointer):
             moments += [(f"{name}.{m}", st[m]) for m in MOMENTS if m in st]
             if "step" in st:
                 step = float(st["step"])
-        names, vec = fp.local_sum_squares(model + moments)
+        names, vec = fp.local_sum_squares(model + moments, method)
         return names, vec, len(model), step
 
     @staticmethod
-    def _finish_fingerprint(parts: tuple[list[str], torch.Tensor, int, float], group: dist.ProcessGroup | None):
+    def _finish_fingerprint(parts: tuple[list[str], torch.Tensor, int, float], group: dist.ProcessGroup | None,
+                            method: str = fp.METHOD):
         names, vec, n_model, step = parts
         sq = fp.reduce_sum_squares(names, vec, group)
         model_sq = {k: sq[k] for k in names[:n_model]}
         optim_sq = {k: sq[k] for k in names[n_model:]}
-        return fp.make_fingerprint(model_sq, optim_sq, step)
+        return fp.make_fingerprint(model_sq, optim_sq, step, method)
 
-    def fingerprint(self, group: dist.ProcessGroup | None) -> Fingerprint:
+    def fingerprint(self, group: dist.ProcessGroup | None, method: str = fp.METHOD) -> Fingerprint:
         sd = self.state_dict(TrainState(), with_rng=False)
-        return self._finish_fingerprint(self._fingerprint_parts(sd), group)
+        return self._finish_fingerprint(self._fingerprint_parts(sd, method), group, method)
 
     @staticmethod
     def _inventory(sd: dict[str, Any]) -> list[TensorEntry]:

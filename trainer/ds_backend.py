@@ -228,18 +228,18 @@ class DeepSpeedCheckpointer(Checkpointer):
                 return float(st["step"])
         return 0.0
 
-    def fingerprint(self, group: dist.ProcessGroup | None) -> Fingerprint:
-        return self._fingerprint_of(self._fragments(), self._optim_step(), group)
+    def fingerprint(self, group: dist.ProcessGroup | None, method: str = fp.METHOD) -> Fingerprint:
+        return self._fingerprint_of(self._fragments(), self._optim_step(), group, method)
 
     @staticmethod
     def _fingerprint_of(frags: list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]], optim_step: float,
-                        group: dist.ProcessGroup | None) -> Fingerprint:
+                        group: dist.ProcessGroup | None, method: str = fp.METHOD) -> Fingerprint:
         """Per-tensor norms of fp32 masters and moments: local fragments in float64, one all-reduce."""
         model = [(n, t) for n, t, _ in frags]
         moments = [(f"{n}.{m}", t) for n, _, ms in frags for m, t in ms.items()]
-        names, vec = fp.local_sum_squares(model + moments)
+        names, vec = fp.local_sum_squares(model + moments, method)
         sq = fp.reduce_sum_squares(names, vec, group)
-        return fp.make_fingerprint({k: sq[k] for k, _ in model}, {k: sq[k] for k, _ in moments}, optim_step)
+        return fp.make_fingerprint({k: sq[k] for k, _ in model}, {k: sq[k] for k, _ in moments}, optim_step, method)
 
     def _ds_inventory(self) -> list[TensorEntry]:
         out = []

@@ -35,6 +35,7 @@ import xxhash
 from ckpt.state import MOMENTS
 from schemas.errors import CheckpointError
 from ckpt.formats.safe_pickle import DEEPSPEED_RECORDS, TENSOR_RECORD, Opaque, StoredTensor
+from ckpt.formats.direct_io import write_direct
 from ckpt.formats.torchzip import TorchZip, load_file
 
 log = logging.getLogger(__name__)
@@ -115,17 +116,14 @@ class HashingFile(io.RawIOBase):
 
 
 def write_hashed(path: str | os.PathLike[str], fill: Callable[[BinaryIO], None]) -> tuple[int, str]:
-    """Create ``path`` with ``fill(stream)``, fsync it, return (size, xxh3-128)."""
-    stream = HashingFile(path)
-    try:
-        fill(stream)  # type: ignore[arg-type]
-    finally:
-        stream.close()
-    return stream.size, stream.digest
+    """Create ``path`` with ``fill(stream)``, durably, return (size, xxh3-128): written with O_DIRECT while
+    hashed (ckpt.formats.direct_io; buffered + fsync where the file system refuses O_DIRECT), so a save
+    neither copies every byte into the page cache nor reads it back to hash it."""
+    return write_direct(path, fill)  # type: ignore[arg-type]
 
 
 def save_torch(path: str | os.PathLike[str], obj: Any) -> tuple[int, str]:
-    """torch.save (zip format) into ``path`` through HashingFile."""
+    """torch.save (zip format) into ``path`` through write_hashed."""
     return write_hashed(path, lambda f: torch.save(obj, f))
 
 

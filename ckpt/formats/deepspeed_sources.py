@@ -181,10 +181,10 @@ class FingerprintSums:
         self._lock = threading.Lock()
 
     def add(self, name: str, key: str, t: torch.Tensor) -> None:
-        # float64 accumulation over 4 Mi-element pieces: no float64 copy of a whole embedding. The grouping
-        # differs from the trainers' (rounding, ~1e-13 relative), so converted checkpoints are always
-        # compared within the cross-world tolerance.
-        sq = sum(torch.linalg.vector_norm(c, dtype=torch.float64).square().item() for c in t.reshape(-1).split(1 << 22))
+        # the trainers' blocked float64 sum (no float64 copy of a whole embedding); a tensor gathered from
+        # partitions is summed in another grouping than a rank's shard (rounding, ~1e-13 relative), so
+        # converted checkpoints are always compared within the cross-world tolerance.
+        sq = float(fp.local_sum_squares([(name, t)])[1][0])
         with self._lock:
             if key == "fp32":
                 self.model[name] = sq

@@ -23,7 +23,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -143,6 +143,21 @@ class _HashingDirectStream(io.RawIOBase):
             self._view.release()
             self._buf.close()
             super().close()
+
+
+def write_direct(path: str | os.PathLike[str], fill: Callable[[io.RawIOBase], None]) -> tuple[int, str]:
+    """Create ``path`` with ``fill(stream)`` through the same O_DIRECT, hashing stream (no page-cache copy of
+    the bytes; buffered + fsync where O_DIRECT is refused); return (size, xxh3-128) once the whole file is
+    on disk. On a failure nothing is returned and the (partial) file is left for the caller's error path."""
+    sink: dict[str, tuple[int, str]] = {}
+    stream = _HashingDirectStream(Path(path), sink, threading.Lock())
+    try:
+        fill(stream)
+    except BaseException:
+        stream.close(failed=True)
+        raise
+    stream.close()
+    return sink[stream.path.name]
 
 
 class HashingDirectFileSystem(FileSystem):

@@ -1,0 +1,78 @@
+"""The O_DIRECT hashing stream every checkpoint file goes through (DCP shards via HashingDirectWriter,
+DeepSpeed files via write_hashed): the bytes on disk are exactly what was written, the digest is the
+digest of the file, and a refused O_DIRECT write or a failing writer never yields a digest."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt.formats.direct_io as dio
+from ckpt.formats.deepspeed import save_torch, write_hashed
+from ckpt.hashing import hash_file
+
+
+def _payload() -> dict:
+    g = torch.Generator().manual_seed(0)
+    # 40 MB: crosses the 16 MiB staging buffer twice and ends on a tail that is not a whole block
+    return {"w": torch.randn(10_000_003, generator=g), "view": torch.arange(100)[3:71], "n": 7}
+
+
+def _torch_bytes(obj: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_save_torch_writes_torch_save_bytes_and_their_digest(tmp_path: Path) -> None:
+    obj = _payload()
+    size, digest = save_torch(tmp_path / "x.pt", obj)
+    data = (tmp_path / "x.pt").read_bytes()
+    assert data == _torch_bytes(obj) and size == len(data) and size % 4096 != 0
+    assert hash_file(tmp_path / "x.pt") == (size, digest)
+    assert torch.equal(torch.load(tmp_path / "x.pt", weights_only=True)["w"], obj["w"])
+
+
+def test_a_refused_direct_write_falls_back_to_buffered_with_the_same_bytes(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    real_write, refused = os.write, []
+
+    def write(fd: int, data: object) -> int:
+        if fcntl_direct(fd) and not refused:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    def fcntl_direct(fd: int) -> bool:
+        import fcntl
+        return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
+
+    monkeypatch.setattr(dio.os, "write", write)
+    obj = _payload()
+    size, digest = save_torch(tmp_path / "x.pt", obj)
+    assert refused, "the stream never wrote with O_DIRECT"
+    assert (tmp_path / "x.pt").read_bytes() == _torch_bytes(obj)
+    assert hash_file(tmp_path / "x.pt") == (size, digest)
+
+
+def test_a_failing_writer_yields_no_digest_and_leaks_no_descriptor(tmp_path: Path) -> None:
+    before = len(os.listdir("/proc/self/fd"))
+
+    def fill(f: io.RawIOBase) -> None:
+        f.write(b"x" * 5000)
+        raise RuntimeError("disk went away")
+
+    with pytest.raises(RuntimeError, match="disk went away"):
+        write_hashed(tmp_path / "x.bin", fill)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_short_file_is_truncated_to_its_real_length(tmp_path: Path) -> None:
+    size, digest = write_hashed(tmp_path / "s.json", lambda f: f.write(b'{"step": 3}'))
+    assert (tmp_path / "s.json").read_bytes() == b'{"step": 3}' and size == 11
+    assert hash_file(tmp_path / "s.json") == (size, digest)
