@@ -43,7 +43,6 @@ import hashlib
 import json
 import logging
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -176,6 +175,7 @@ def measure(method: str, src: Path, out: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 
     from ckpt.export import export_checkpoint
+    from ckpt.fsutil import peak_rss_bytes
 
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -206,7 +206,7 @@ def measure(method: str, src: Path, out: Path) -> dict[str, Any]:
                                 max_shard_size=shard or "5GB")
         extra = {"files": res.files, "num_shards": res.num_shards}
     seconds = time.perf_counter() - t0
-    return {"method": method, "seconds": seconds, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    return {"method": method, "seconds": seconds, "peak_rss": peak_rss_bytes(),
             **extra}
 
 

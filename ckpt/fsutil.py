@@ -131,3 +131,18 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def peak_rss_bytes() -> int:
+    """This process image's peak resident memory (VmHWM). Not ``getrusage().ru_maxrss``: across fork + exec
+    that keeps the parent's high-water mark, so a small process started by a large one reports the large one."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import shutil
 import time
 from contextlib import ExitStack
@@ -68,6 +67,7 @@ from pathlib import Path
 
 
 from schemas import ExportResult
+from ckpt.fsutil import peak_rss_bytes
 
 log = logging.getLogger(__name__)
 from ckpt.export.options import EXPORT_DTYPES, PIECE_BYTES, POOL_PIECES, check_checkpoint, export_dtype, parse_size
@@ -140,7 +140,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     return ExportResult(
         checkpoint=str(ckpt_dir), out_dir=str(out_dir), dtype=dtype_name,  # type: ignore[arg-type]
         files=hashes, num_shards=len(shards), total_bytes=total, num_tensors=len(tensors), seconds=seconds,
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        peak_rss_bytes=peak_rss_bytes(),
     )
 
 
