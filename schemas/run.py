@@ -160,6 +160,11 @@ class CheckpointPolicy(_Frozen):
         None, gt=0, description="also keep every checkpoint whose step is a multiple of this (milestones)"
     )
     io_threads: int = Field(2, ge=1, le=16, description="writer threads per rank")
+    background_nice: int = Field(
+        10, ge=0, le=19, description="CPU niceness of an async save's background threads (write, hashing, "
+        "fingerprint, the re-read after a commit; Linux): where training keeps every core busy, the save takes "
+        "the time training leaves idle instead of slowing its steps; 0 = training's own priority. Sync and "
+        "emergency saves run on the training thread, at its priority")
 
 
 class DeepSpeedSpec(_Frozen):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -235,3 +236,31 @@ def test_blocked_fingerprint_is_thread_independent_and_agrees_with_the_legacy_me
     assert fp.make_fingerprint({}, {}, 0).method == fp.METHOD == "l2-per-tensor-f64-blocked"
     with pytest.raises(ValueError):
         fp.local_sum_squares(named, "l2-something-else")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_background_checkpoint_threads_run_nicer_than_training() -> None:
+    import threading
+
+    from trainer.checkpointer import background_pool
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def nice_of_a_thread_it_starts() -> int:  # DCP's writer threads are started by the commit thread
+        out: list[int] = []
+        t = threading.Thread(target=lambda: out.append(nice()))
+        t.start()
+        t.join()
+        return out[0]
+
+    base = nice()
+    lowered, plain = background_pool("t-nice", 10), background_pool("t-plain", 0)
+    try:
+        assert lowered.submit(nice).result() == min(19, base + 10)
+        assert lowered.submit(nice_of_a_thread_it_starts).result() == min(19, base + 10)
+        assert plain.submit(nice).result() == base
+    finally:
+        lowered.shutdown()
+        plain.shutdown()
+    assert nice() == base  # the training thread keeps its priority

@@ -35,6 +35,7 @@ import errno
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,6 +62,24 @@ from schemas.data import data_change
 from trainer.dist import DistEnv, log0
 
 log = logging.getLogger("shardkeeper.checkpoint")
+
+
+def _lower_priority(nice: int) -> None:
+    """Make the calling thread (and the threads it starts, which inherit it) ``nice`` steps nicer. Linux
+    only: there a thread id names one thread; elsewhere PRIO_PROCESS would renice the whole process."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as e:  # a sandbox refusing it costs speed, never the save
+        log.debug("could not lower the background thread's priority: %s", e)
+
+
+def background_pool(name: str, nice: int) -> ThreadPoolExecutor:
+    """One background thread for checkpoint work, at a lower CPU priority than training (see
+    CheckpointPolicy.background_nice)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=_lower_priority, initargs=(nice,))
 
 
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -132,8 +151,8 @@ class Checkpointer:
         self.hf_model = hf_model  # recorded in every manifest: the export then needs no transformers
         self.parent: str | None = None
         self.last_committed_step: int | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
-        self._reread_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-reread")
+        self._pool = background_pool("ckpt-commit", spec.checkpoint.background_nice)
+        self._reread_pool = background_pool("ckpt-reread", spec.checkpoint.background_nice)
         self._reread: Future | None = None
         self._inflight: Future | None = None
         self._warned_async = False

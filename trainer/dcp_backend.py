@@ -11,7 +11,6 @@ otherwise every rank reseeds by the elastic rule (``ckpt.state.reseed``).
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from ckpt.formats.direct_io import HashingDirectWriter
 from ckpt.hashing import hash_files
 from ckpt.state import MOMENTS, reseed
 from schemas import CheckpointManifest, FileEntry, Fingerprint, TensorEntry
-from trainer.checkpointer import Checkpointer, TrainState, Written
+from trainer.checkpointer import Checkpointer, TrainState, Written, background_pool
 from trainer.optim import init_state
 
 
@@ -72,7 +71,7 @@ class DCPCheckpointer(Checkpointer):
         super().__init__(*args, **kwargs)
         self._staged: dict[str, Any] | None = None
         self._first_step_hook: Any = None  # a fresh run's staging waits for the first optimizer step
-        self._fp_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fingerprint")
+        self._fp_pool = background_pool("ckpt-fingerprint", self.spec.checkpoint.background_nice)
 
     # ----------------------------------------------------------------- state dict
     def state_dict(self, ts: TrainState, *, with_rng: bool = True) -> dict[str, Any]:
