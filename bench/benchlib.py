@@ -109,7 +109,10 @@ def versions() -> str:
 
 
 def commit() -> str:
-    """The checkout's commit, ``+changes`` when tracked files differ from it."""
+    """The checkout's commit, ``+changes`` when tracked files differ from it (SHARDKEEPER_BENCH_COMMIT names it
+    where the tree was copied without its git history, e.g. onto a GPU node)."""
+    if os.environ.get("SHARDKEEPER_BENCH_COMMIT"):
+        return f"commit {os.environ['SHARDKEEPER_BENCH_COMMIT']}"
     root = ROOT
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,

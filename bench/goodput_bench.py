@@ -4,6 +4,9 @@
         # ~11 min on 2 cores; both measured: publishes bench/results/goodput.md
     python bench/goodput_bench.py --backend fsdp2    # one backend (kept in bench/out/goodput/); --publish: table of both
     python bench/goodput_bench.py --backend fsdp2 --layers 2 --target-s 3   # quick smoke run
+    python bench/goodput_bench.py --backend fsdp2 --device cuda --nproc 1 --seq 256 --batch 16
+        # on a GPU node (NCCL): training on the GPU, the save's background work on host cores;
+        # publishes bench/results/goodput-gpu.md
 
 One 2-rank gloo run per backend (a ~250M-parameter Llama, fp32 + AdamW, ZeRO-2 for DeepSpeed) through the
 trainer's own Segment and Checkpointer. After warm-up steps (not counted) it measures the step time and
@@ -35,11 +38,11 @@ GOAL_GOODPUT = 0.95
 GOAL_STALL = 0.10
 
 
-def spec_for(backend: str, layers: int, seq: int):
+def spec_for(backend: str, layers: int, seq: int, batch: int = 4):
     from schemas import RunSpec
 
     return RunSpec.model_validate({
-        "name": f"goodput-{backend}", "global_batch_size": 4, "seed": 0, "backend": backend,
+        "name": f"goodput-{backend}", "global_batch_size": batch, "seed": 0, "backend": backend,
         "deepspeed": {"zero_stage": 2},
         "model": {"model_type": "llama", "config": {
             "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": layers,
@@ -117,7 +120,8 @@ def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> d
     ck = seg.ckpt.run_dir.checkpoint(ts.step)
     nbytes = sum(f.stat().st_size for f in ck.rglob("*") if f.is_file())
     params = sum(math.prod(p.shape) for p in seg.model.parameters())  # a DTensor's shape is the whole tensor's
-    return {"backend": seg.spec.backend, "step_s": step_s, "k": k, "steps_per_phase": n, "phases": phases,
+    device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else f"CPU, {env.world_size} gloo ranks"
+    return {"backend": seg.spec.backend, "device": device, "world_size": env.world_size, "step_s": step_s, "k": k, "steps_per_phase": n, "phases": phases,
             "sync_s": sync, "warm_up_steps": warm, "tokens_per_step": seg.tokens_per_step, "params": params,
             "checkpoint_bytes": nbytes}
 
@@ -129,17 +133,23 @@ def measure(backend: str, args: argparse.Namespace) -> dict:
     from shardkeeper.stages import prepare_run_dir
     from tests.harness import spawn
 
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     run = OUT / backend
     shutil.rmtree(run, ignore_errors=True)
-    prepare_run_dir(RunDir.at(run), spec_for(backend, args.layers, args.seq))
+    prepare_run_dir(RunDir.at(run), spec_for(backend, args.layers, args.seq, args.batch))
     try:
-        res = spawn(worker, 2, str(run), args.warm, args.target_s, args.saves, args.reps, timeout=1800)[0]
+        res = spawn(worker, args.nproc, str(run), args.warm, args.target_s, args.saves, args.reps, timeout=1800,
+                    device=args.device)[0]
     finally:
         shutil.rmtree(run, ignore_errors=True)
     res.update(layers=args.layers, seq=args.seq, target_s=args.target_s)
-    (OUT / f"{backend}.json").write_text(json.dumps(res, indent=2))
+    (OUT / f"{backend}{suffix(args)}.json").write_text(json.dumps(res, indent=2))
     return res
+
+
+def suffix(args: argparse.Namespace) -> str:
+    return "-gpu" if args.device == "cuda" else ""
 
 
 def table(results: list[dict]) -> str:
@@ -162,7 +172,8 @@ def table(results: list[dict]) -> str:
             f"{fmt(stalls)} s (first {stalls[0]:.2f} s)", fmt(r["sync_s"]),
             f"{100 * stall / sync:.1f} % ({s_ok})",
         ])
-        notes.append(f"{r['backend']}: {r['params'] / 1e6:.0f}M parameters, checkpoint {r['checkpoint_bytes'] / 1e9:.2f} GB, "
+        notes.append(f"{r['backend']} on {r.get('device', 'CPU, 2 gloo ranks')}: {r['params'] / 1e6:.0f}M parameters, "
+                     f"{r['tokens_per_step']} tokens per step, checkpoint {r['checkpoint_bytes'] / 1e9:.2f} GB, "
                      f"{r['steps_per_phase']} steps per phase ({len(stalls) // max(len(ck), 1)} saves in each ckpt phase), "
                      f"{len(ck)}+{len(plain)} alternated phases, {r['warm_up_steps']} warm-up steps excluded")
     head = ["backend", "K (steps per save)", "tokens/s, no checkpoints", "tokens/s, async save every K",
@@ -175,7 +186,10 @@ def main() -> None:
     ap.add_argument("--backend", choices=["fsdp2", "deepspeed"], action="append")
     ap.add_argument("--publish", action="store_true", help="the table from the backends' saved results")
     ap.add_argument("--layers", type=int, default=16, help="decoder layers (16 -> ~253M parameters)")
-    ap.add_argument("--seq", type=int, default=32, help="sequence length (4 sequences per step)")
+    ap.add_argument("--seq", type=int, default=32, help="sequence length (at most 256)")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per step (all ranks)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks")
     ap.add_argument("--target-s", type=float, default=30.0, help="seconds of training between saves")
     ap.add_argument("--saves", type=int, default=2, help="saves per ckpt phase")
     ap.add_argument("--reps", type=int, default=2, help="ckpt/plain phase pairs")
@@ -186,7 +200,11 @@ def main() -> None:
         r = measure(b, args)
         print(f"{b}: step {r['step_s']:.2f} s -> K = {r['k']} steps between saves (~{r['k'] * r['step_s']:.0f} s)")
         print(table([r]))
-    if args.publish or set(args.backend or []) == {"fsdp2", "deepspeed"}:
+    if args.device == "cuda":
+        from benchlib import publish
+
+        publish("goodput-gpu", table([json.loads((OUT / f"{b}-gpu.json").read_text()) for b in args.backend or []]))
+    elif args.publish or set(args.backend or []) == {"fsdp2", "deepspeed"}:
         from benchlib import publish
 
         have = [b for b in ("fsdp2", "deepspeed") if (OUT / f"{b}.json").is_file()]
