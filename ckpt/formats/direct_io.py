@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -65,6 +66,7 @@ class _HashingDirectStream(io.RawIOBase):
             self._fd = os.open(path, flags, 0o644)
         self._buf = mmap.mmap(-1, _BUF)  # anonymous maps are page-aligned, as O_DIRECT requires
         self._view = memoryview(self._buf)
+        self._array = np.frombuffer(self._buf, dtype=np.uint8)
 
     def writable(self) -> bool:
         return True
@@ -83,7 +85,9 @@ class _HashingDirectStream(io.RawIOBase):
         done = 0
         while done < n:
             take = min(_BUF - self._fill, n - done)
-            self._view[self._fill : self._fill + take] = mv[done : done + take]
+            # numpy copies without the GIL (a memoryview slice assignment holds it for the whole memcpy), so a
+            # background save does not stall the training thread's Python
+            np.copyto(self._array[self._fill : self._fill + take], np.frombuffer(mv[done : done + take], dtype=np.uint8))
             self._fill += take
             done += take
             if self._fill == _BUF:
@@ -140,6 +144,7 @@ class _HashingDirectStream(io.RawIOBase):
                 self._sink[self.path.name] = (self._pos, self._hash.hexdigest())
         finally:
             os.close(self._fd)
+            del self._array
             self._view.release()
             self._buf.close()
             super().close()
