@@ -62,14 +62,21 @@ def quarantine(path: str | os.PathLike[str], why: str = "") -> Path:
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file, fsync, rename, fsync of the parent."""
+    """Write ``text`` to ``path`` via a temporary file, fsync, rename, fsync of the parent. On a failure (a full
+    disk, say) the temporary file is removed and the OSError names ``path``."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise
     fsync_dir(path.parent)
 
 

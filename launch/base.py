@@ -182,8 +182,8 @@ def failing_rank_lines(tail: list[str], limit: int = 8) -> str:
     cause (``RANK_ERROR_PREFIX``) wins: the first one printed, since the others usually follow from it."""
     for line in tail:
         at = line.find(RANK_ERROR_PREFIX)
-        if at >= 0:
-            return line[at + len(RANK_ERROR_PREFIX):].strip()
+        if at >= 0:  # two ranks' lines that reached the pipe without a newline between them: the first one
+            return line[at + len(RANK_ERROR_PREFIX):].split(RANK_ERROR_PREFIX, 1)[0].strip()
     body = tail[:_closing_cut(tail)] or tail
     errs = [ln for ln in body if _ERROR_RE.search(ln)]
     return "\n".join((errs or body)[-limit:])

@@ -58,7 +58,7 @@ class ExportResult(_Frozen):
     total_bytes: int = Field(ge=0, description="bytes of tensor data written")
     num_tensors: int = Field(ge=0, description="tensors exported")
     seconds: float = Field(0.0, description="wall time")
-    peak_rss_bytes: int = Field(0, description="peak resident memory of the exporting process")
+    peak_rss_bytes: int = Field(0, description="peak resident memory (VmHWM) of the exporting process over its life so far: the export's own peak when it ran in its own process (`shardkeeper export`, the flow's export task), else bounded below by whatever the caller held before")
 
 
 class PublishResult(_Frozen):

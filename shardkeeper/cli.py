@@ -14,6 +14,7 @@ A user mistake prints one line ("error: FILE: what is wrong; the fix") and exits
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import sys
@@ -245,7 +246,7 @@ def export(
     overwrite: Annotated[bool, typer.Option(help="replace an existing out_dir")] = False,
     tokenizer_from: Annotated[Optional[Path], typer.Option(help="carry the tokenizer files of this folder "
                                                            "(default: the run's data.tokenizer or base model's)")] = None,
-    no_tokenizer: Annotated[bool, typer.Option(help="carry no tokenizer files")] = False,
+    no_tokenizer: Annotated[bool, typer.Option("--no-tokenizer", help="carry no tokenizer files")] = False,
 ) -> None:
     """Stream a checkpoint into safetensors (+ index, config.json, tokenizer files) with bounded memory."""
     from shardkeeper.stages import export_and_record
@@ -455,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
         return _usage_error(e)
     except OSError as e:  # a user path that cannot be read or written
         where = f"{e.filename}: " if e.filename else ""
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # not the user's input: the machine's disk
+            return _error(f"{where}{e.strerror}: the disk is full; free space and rerun the same command (a run "
+                          "resumes from its newest committed checkpoint)", 1)
         return _error(f"{where}{e.strerror or e}; check the path and its permissions", 2)
     except ValueError as e:
         return _error(f"{' '.join(str(e).split())}; check the arguments", 2)

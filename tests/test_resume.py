@@ -70,6 +70,23 @@ def test_checkpoint_with_the_previous_fingerprint_method_resumes_bitwise(referen
     assert read_manifest(run / "checkpoints" / f"step-{CUT + 5:08d}").fingerprint.method == "l2-per-tensor-f64-blocked"
 
 
+def test_a_fingerprint_recomputed_by_other_arithmetic_warns_and_resumes_bitwise(reference: Path, tmp_path: Path) -> None:
+    """A manifest whose fingerprint.method names other arithmetic than the one that recorded the norms (edited, or
+    norms that another torch release sums in another order): equal within 1e-9, not bit for bit -- the
+    checkpoint is loaded (its bytes passed their checksums), never set aside, and the resume is bitwise."""
+    run = copy_run_until(reference, tmp_path / "run", CUT)
+    mpath = run / "checkpoints" / f"step-{CUT:08d}" / "manifest.json"
+    raw = json.loads(mpath.read_text())
+    assert raw["fingerprint"]["method"] == "l2-per-tensor-f64-blocked"
+    raw["fingerprint"]["method"] = "l2-per-tensor-f64"
+    mpath.write_text(json.dumps(raw))
+    assert spawn(run_segment, 2, str(run), CUT + 5, 1) == [0, 0]
+    assert not list((run / "checkpoints").glob("*.invalid-*"))
+    events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
+    assert [e for e in events if e["kind"] == "resume"][-1]["parent"] == f"checkpoint:step-{CUT:08d}"
+    assert_bitwise(metrics(reference), metrics(run), range(CUT + 1, CUT + 6))
+
+
 @pytest.mark.parametrize(("start", "to"), [(4, 2), (4, 3), (2, 4)])
 def test_world_size_change_resume_within_1e6(reference: Path, base4: Path, tmp_path: Path, start: int, to: int) -> None:
     src = base4 if start == 4 else reference

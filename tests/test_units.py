@@ -264,3 +264,63 @@ def test_background_checkpoint_threads_run_nicer_than_training() -> None:
         lowered.shutdown()
         plain.shutdown()
     assert nice() == base  # the training thread keeps its priority
+
+
+def test_fingerprint_equal_within_tolerance_but_not_bitwise_warns_and_loads(caplog: pytest.LogCaptureFixture) -> None:
+    """Other arithmetic recomputing the norms (another torch release, an edited fingerprint.method) leaves them
+    equal within 1e-9 but not bit for bit: a warning naming the method, not a refusal; beyond 1e-9 it refuses."""
+    from schemas.errors import FingerprintMismatch
+
+    saved = fp.make_fingerprint({"w": 3.2082914900000001}, {"w.exp_avg": 1.0}, 3)
+    close = fp.make_fingerprint({"w": 3.2082914900000001 * (1 + 3e-15)}, {"w.exp_avg": 1.0}, 3)
+    with caplog.at_level("WARNING", logger="shardkeeper.checkpoint"):
+        fp.require_match("ckpt", saved, close, exact=True)
+    assert "not bit for bit" in caplog.text and "fingerprint.method" in caplog.text
+    import re
+
+    shown = re.search(r"norm (\S+) != saved (\S+) ", caplog.text)
+    assert shown and shown.group(1) != shown.group(2)  # printed with the digits that show the difference
+    far = fp.make_fingerprint({"w": 3.2082914900000001 * (1 + 1e-6)}, {"w.exp_avg": 1.0}, 3)
+    with pytest.raises(FingerprintMismatch, match="state after load differs"):
+        fp.require_match("ckpt", saved, far, exact=True)
+
+
+def test_atomic_write_on_a_full_disk_names_the_file_and_leaves_no_temporary(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from ckpt import fsutil
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fsutil.os, "fsync", full)
+    with pytest.raises(OSError) as e:
+        fsutil.atomic_write_text(tmp_path / "verified.json", "{}")
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "verified.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_says_a_full_disk_is_a_full_disk(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    import errno
+
+    import shardkeeper.cli as cli
+
+    def app(**_: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", "/runs/x/verified/step-00000020.json")
+
+    monkeypatch.setattr(cli, "app", app)
+    assert cli.main(["train"]) == 1
+    err = capsys.readouterr()
+    line = (err.out + err.err).strip()
+    assert line.count("\n") == 0 and "/runs/x/verified/step-00000020.json" in line and "disk is full" in line
+    assert "permissions" not in line
+
+
+def test_a_rank_error_line_run_into_another_ranks_is_cut_at_the_second() -> None:
+    from launch.base import failing_rank_lines
+    from schemas.seam import RANK_ERROR_PREFIX
+
+    tail = ["[rank0]: noise", f"{RANK_ERROR_PREFIX} rank 0: run/x: first cause; fix it"
+            f"{RANK_ERROR_PREFIX} rank 1: run/x: second cause", "torchrun summary"]
+    assert failing_rank_lines(tail) == "rank 0: run/x: first cause; fix it"
