@@ -144,11 +144,12 @@ def measure(backend: str, args: argparse.Namespace) -> dict:
     finally:
         shutil.rmtree(run, ignore_errors=True)
     res.update(layers=args.layers, seq=args.seq, target_s=args.target_s)
-    (OUT / f"{backend}{suffix(args)}.json").write_text(json.dumps(res, indent=2))
+    (OUT / f"{backend}{gpu_suffix(args)}.json").write_text(json.dumps(res, indent=2))
     return res
 
 
-def suffix(args: argparse.Namespace) -> str:
+def gpu_suffix(args: argparse.Namespace) -> str:
+    """GPU results are kept and published apart from the CPU ones."""
     return "-gpu" if args.device == "cuda" else ""
 
 
@@ -200,13 +201,12 @@ def main() -> None:
         r = measure(b, args)
         print(f"{b}: step {r['step_s']:.2f} s -> K = {r['k']} steps between saves (~{r['k'] * r['step_s']:.0f} s)")
         print(table([r]))
+    from benchlib import publish
+
     if args.device == "cuda":
-        from benchlib import publish
-
-        publish("goodput-gpu", table([json.loads((OUT / f"{b}-gpu.json").read_text()) for b in args.backend or []]))
+        publish("goodput" + gpu_suffix(args),
+                table([json.loads((OUT / f"{b}{gpu_suffix(args)}.json").read_text()) for b in args.backend or []]))
     elif args.publish or set(args.backend or []) == {"fsdp2", "deepspeed"}:
-        from benchlib import publish
-
         have = [b for b in ("fsdp2", "deepspeed") if (OUT / f"{b}.json").is_file()]
         missing = "".join(f"\n- {b}: not measured (no {OUT.name}/{b}.json); run --backend {b}"
                           for b in ("fsdp2", "deepspeed") if b not in have)

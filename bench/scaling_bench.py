@@ -183,14 +183,11 @@ def worker(shape: tuple[int, ...], run_dir: str, reps: int) -> dict:
 
 
 EXPORT = """
-import json, sys, time
+import json, sys
 sys.path.insert(0, {root!r})
 from ckpt.export import export_checkpoint
-from ckpt.fsutil import peak_rss_bytes
-t = time.perf_counter()
 res = export_checkpoint({src!r}, {dst!r}, overwrite=True, tokenizer_from=False)
-dt = time.perf_counter() - t
-print(json.dumps({{"seconds": dt, "shards": res.num_shards, "peak_rss": peak_rss_bytes()}}))
+print(json.dumps({{"seconds": res.seconds, "shards": res.num_shards, "peak_rss": res.peak_rss_bytes}}))
 """
 
 
