@@ -89,11 +89,11 @@ def _rank_build(run_dir: str, hf_dir: str, acc_dir: str) -> int:
 
     from ckpt.layout import RunDir
     from trainer.dist import init_distributed
-    from trainer.loop import Segment
+    from trainer.loop import Trainer
 
     env = init_distributed()
     try:
-        seg = Segment(RunDir.at(run_dir), STEP, 0, env)
+        seg = Trainer(RunDir.at(run_dir), STEP, 0, env)
         code = seg.run()
         writer = HuggingFaceStorageWriter(hf_dir, save_distributed=True)
         dcp.save(get_model_state_dict(seg.model), storage_writer=writer, process_group=env.ckpt_group)

@@ -32,6 +32,7 @@ from schemas.run import (
     PerformanceSpec,
     PrecisionSpec,
     RunSpec,
+    ScriptSpec,
     ScheduleSpec,
 )
 
@@ -61,6 +62,7 @@ __all__ = [
     "PublishResult",
     "ReshardResult",
     "RunSpec",
+    "ScriptSpec",
     "ScheduleSpec",
     "SegmentResult",
     "SegmentStatus",

@@ -16,6 +16,11 @@ class ConfigError(ShardkeeperError):
     """A config file or --set override is wrong."""
 
 
+class UsageError(ShardkeeperError):
+    """The public training API (shardkeeper.Segment) was used in a way that cannot work; the message names the
+    call and the fix."""
+
+
 class RunDirError(ShardkeeperError):
     """The run directory cannot be used as asked (other model, locked, ...)."""
 

@@ -30,6 +30,8 @@ class SegmentResult(_Frozen):
     topology: ClusterTopology = Field(description="where it ran")
     seconds: float = Field(0.0, description="wall time")
     failure: str | None = Field(None, description="failing rank's last lines when status is 'failed'")
+    traceback: str | None = Field(None, description="a user's script that raised: its own traceback (its frames, not "
+                                  "shardkeeper's), from the first failing rank")
     note: str | None = Field(None, description="how a preempted or cancelled segment ended, e.g. that it stopped "
                                                "before its first step with nothing to save")
     scheduler_job: str | None = Field(None, description="the batch scheduler's job id (Slurm), when one ran the segment")

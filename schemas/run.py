@@ -195,6 +195,14 @@ class PerformanceSpec(_Frozen):
         "large temporaries), 'for-loop' (one parameter at a time: the smallest host-memory temporaries, slowest)")
 
 
+class ScriptSpec(_Frozen):
+    """A user's training script run as the segment's ranks (``shardkeeper train --script``): it trains with the
+    public API (``shardkeeper.Segment``); the model, data, optim, schedule, precision and eval sections do not apply."""
+
+    path: str = Field(min_length=1, description="absolute path of the Python script every rank runs as __main__")
+    args: list[str] = Field(default_factory=list, description="its command-line arguments (sys.argv[1:])")
+
+
 class RunSpec(_Frozen):
     name: str = Field("run", min_length=1, pattern=r"\S", description="human name of the run (shown in lineage and model cards)")
     backend: Literal["fsdp2", "deepspeed"] = Field("fsdp2", description="sharding backend")
@@ -215,6 +223,9 @@ class RunSpec(_Frozen):
         "AdamW kernel): same math, may change between segments")
     eval: EvalSpec | None = Field(None, description="held-out loss and perplexity every eval.interval steps "
                                   "(data.source 'dataset' only); null = no evaluation")
+    script: ScriptSpec | None = Field(
+        None, description="train with a user's script instead of the built-in trainer (shardkeeper train --script); "
+        "null = the built-in language-model trainer")
 
     @model_validator(mode="after")
     def _eval_needs_dataset(self) -> RunSpec:

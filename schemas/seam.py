@@ -30,6 +30,9 @@ REPORT_FILE = ".segment-status.json"
 LAUNCH_ENV = "SHARDKEEPER_LAUNCH"  # absolute path of the SegmentLaunch file, set for every rank
 # A rank that fails writes its cause as one line with this prefix, last, on stderr; the launcher shows it.
 RANK_ERROR_PREFIX = "shardkeeper-error:"
+# A user's script (shardkeeper train --script) that raised: the first failing rank writes the script's own
+# traceback (its frames, not shardkeeper's) here; the controller shows it above the one-line failure.
+SCRIPT_TRACEBACK_FILE = ".script-traceback.txt"
 
 ReportedStatus = Literal["completed", "preempted", "cancelled", "failed"]
 

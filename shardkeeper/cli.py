@@ -72,11 +72,13 @@ def _rank_output(line: str) -> None:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def train(
-    config: Annotated[Path, typer.Option(help="RunSpec YAML, e.g. configs/tiny.yaml")],
+    ctx: typer.Context,
     # str, not Path: Path("") would silently become the current directory; preflight refuses an empty one.
     run_dir: Annotated[str, typer.Option(help="run directory (created; resumed if it holds checkpoints)")],
+    config: Annotated[Optional[Path], typer.Option(help="RunSpec YAML, e.g. configs/tiny.yaml (default: the run's own "
+                                                       "run.yaml on a resume; optional with --script)")] = None,
     nproc: Annotated[int, typer.Option(help="ranks per node")] = 1,
     until_step: Annotated[int, typer.Option(help="train until this many optimizer steps are done")] = 20,
     launcher: Annotated[str, typer.Option(help="local (torchrun here) | slurm (an sbatch job)")] = "local",
@@ -92,13 +94,17 @@ def train(
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     restart: Annotated[bool, typer.Option(help="the run's checkpoints are all invalid: set them aside "
                                           "(step-*.invalid-*) and start over from step 0")] = False,
+    script: Annotated[Optional[str], typer.Option(help="train with your own script (it uses shardkeeper.Segment); "
+                                                       "its arguments follow --, e.g. --script train.py -- --lr 1e-3")] = None,
 ) -> None:
     """Train one segment with torchrun; resumes from the latest valid checkpoint; always commits one at the end.
+    With --script, every rank runs your script, which trains through shardkeeper.Segment (resumes of a script run
+    need neither --config nor --script: the run remembers both).
 
     Exit code: 0 completed, 75 preempted (checkpoint committed; run the same command to resume), 1 failed,
     3 the run directory is locked (another segment, or its ranks, still running)."""
     from launch.early import install_early_stop_handlers
-    from shardkeeper.config import load_run_spec
+    from shardkeeper.config import train_spec
     from shardkeeper.stages import plan_topology, train_segment
 
     install_early_stop_handlers()  # a SIGTERM before the ranks start is a preemption too, not a crash
@@ -110,7 +116,10 @@ def train(
         raise ShardkeeperError("--slurm-partition/--slurm-time/--slurm-arg apply to --launcher slurm only")
     options = ({"partition": slurm_partition, "time_min": slurm_time, "extra_args": tuple(slurm_arg or ())}
                if launcher == "slurm" else {})
-    spec = load_run_spec(config, set_)
+    extra = list(ctx.args)
+    if extra and script is None:
+        raise ShardkeeperError(f"unexpected argument {extra[0]!r}; script arguments go after --script FILE --")
+    spec = train_spec(config, set_, run_dir, script=script, script_args=extra)
     topo = plan_topology(spec, nproc, nodes=nodes, launcher=launcher, device=device, launcher_options=options)
     res = train_segment(spec, run_dir, topo, until_step, timeout_s=timeout, restart=restart, sink=_rank_output,
                         launcher_options=options)
@@ -123,6 +132,8 @@ def train(
         msg += f" (first step after {times.time_to_first_step_s:.1f} s"
         msg += f", emergency checkpoint in {times.emergency_save_s:.1f} s)" if times.emergency_save_s is not None else ")"
     if res.status == "failed":
+        if res.traceback:  # the user's script raised: its own traceback first, then the one line
+            console.print(res.traceback.rstrip(), markup=False, highlight=False, soft_wrap=True)
         console.print(f"error: {msg}: {_failure_line(res.failure)}", markup=False, highlight=False, soft_wrap=True)
     else:
         note = f" ({res.note})" if res.note else ""

@@ -103,6 +103,35 @@ CONFIG_PATHS = (("model", "pretrained", True), ("data", "dataset", True), ("data
                 ("data", "path", False))
 
 
+def train_spec(config: str | Path | None, overrides: list[str] | None, run_dir: str | Path, *,
+               script: str | Path | None = None, script_args: list[str] | None = None,
+               overrides_base: str | Path | None = None) -> RunSpec:
+    """The RunSpec of a ``train``: ``config`` when given; else the run's own run.yaml (a resume); else, for a
+    script run, the defaults (name from the script). ``script`` makes it a script run (its path made absolute)."""
+    from schemas import ScriptSpec
+
+    local_spec = Path(run_dir) / "run.yaml" if "://" not in str(run_dir) else None
+    if config is not None:
+        spec = load_run_spec(config, overrides, overrides_base=overrides_base)
+    elif local_spec is not None and local_spec.is_file():
+        spec = load_run_spec(local_spec, overrides, overrides_base=overrides_base)
+    elif script is not None:
+        given = parse_overrides(overrides)
+        raw: dict[str, Any] = {"name": Path(script).stem or "run"}
+        for key, value in given.items():
+            _set_path(raw, key, value, f"--set {key}")
+        raw = resolve_config_paths(raw, Path(overrides_base) if overrides_base else Path.cwd(), only=set(given))
+        spec = spec_from_dict(raw, "--set", cwd_paths=False)
+    else:
+        raise ConfigError(f"--config: required for a new run ({run_dir} holds no run.yaml); pass --config "
+                          "configs/tiny.yaml, or --script FILE to train with your own script")
+    if script is not None:
+        base = Path(overrides_base) if overrides_base else Path.cwd()
+        path = Path(script) if Path(script).is_absolute() else base / script
+        spec = spec.model_copy(update={"script": ScriptSpec(path=str(path.absolute()), args=list(script_args or []))})
+    return spec
+
+
 def resolve_config_paths(raw: dict[str, Any], base: Path, *, only: set[str] | None = None,
                          skip: set[str] | None = None) -> dict[str, Any]:
     """Relative paths written in a config file resolve against the file's folder, wherever shardkeeper runs from

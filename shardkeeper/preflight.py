@@ -59,6 +59,9 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
                           "use a plain path")
     check_run_dir(Path(run_dir))
     check_environment(topology)
+    if spec.script is not None:  # the script builds its own model and data: the run's own sections do not apply
+        check_script(spec.script.path)
+        return None
     try:
         spec.per_rank_batch(topology.world_size)
     except ValueError as e:
@@ -73,6 +76,29 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
     prepared = check_data(spec, cfg.vocab_size)
     check_memory(spec, topology, params, cfg)
     return prepared
+
+
+def check_script(path: str) -> None:
+    """A user's training script: a readable Python file that compiles (a SyntaxError is found here, not on every
+    rank after the launch)."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"--script {path}: no such file; pass the path of your training script")
+    if not p.is_file():
+        raise ConfigError(f"--script {path}: not a regular file; pass the path of your training script (a .py file)")
+    if p.suffix != ".py":
+        raise ConfigError(f"--script {path}: not a Python script (.py); shardkeeper runs Python training scripts "
+                          "that use shardkeeper.Segment")
+    try:
+        source = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"--script {path}: cannot be read ({e.strerror}); fix its permissions") from None
+    try:
+        compile(source, str(p), "exec", dont_inherit=True)
+    except SyntaxError as e:
+        raise ConfigError(f"--script {path} line {e.lineno}: SyntaxError: {e.msg}; fix the script") from None
+    except ValueError as e:  # null bytes
+        raise ConfigError(f"--script {path}: not Python source ({e}); pass a .py training script") from None
 
 
 def check_performance(spec: RunSpec, topology: ClusterTopology) -> None:

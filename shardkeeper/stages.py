@@ -23,7 +23,7 @@ from ckpt.manifest import read_manifest
 from ckpt.retention import sweep_leftovers
 from ckpt.validate import invalid_committed, latest_valid, validate
 from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher
-from schemas.seam import SegmentReport, SegmentTimes, exit_code_of
+from schemas.seam import SCRIPT_TRACEBACK_FILE, SegmentReport, SegmentTimes, exit_code_of
 from schemas import (CheckpointManifest, ClusterTopology, PreparedData, ReshardResult, RunSpec, SegmentResult,
                      ValidationReport, data_change)
 from schemas.requests import RunState
@@ -36,7 +36,7 @@ log = logging.getLogger("shardkeeper")
 # eval only reads the model (no RNG, no state): its interval, batches or split may change too.
 # performance (activation checkpointing, torch.compile, AdamW's implementation) changes how the ranks compute,
 # not the model, data order or update rule: not part of the run's identity.
-MUTABLE_SECTIONS = ("checkpoint", "eval", "performance")
+MUTABLE_SECTIONS = ("checkpoint", "eval", "performance", "script")
 
 
 def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = "local",
@@ -50,7 +50,8 @@ def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = 
         raise ConfigError(f"--launcher {launcher!r}: choose one of {', '.join(sorted(LAUNCHERS))}")
     world = nodes * nproc
     try:
-        spec.per_rank_batch(world)
+        if spec.script is None:  # a script splits its own batches
+            spec.per_rank_batch(world)
     except ValueError as e:
         flag = f"--nodes {nodes} x --nproc {nproc}" if nodes > 1 else f"--nproc {nproc}"
         raise ConfigError(f"{flag}: {e}") from None
@@ -87,7 +88,8 @@ def plan_available_topology(spec: RunSpec, nproc: int, *, nodes: int, launcher: 
     start = min(nodes, usable) if usable is not None else nodes
     for n in range(start, 0, -1):
         try:
-            spec.per_rank_batch(n * nproc)
+            if spec.script is None:
+                spec.per_rank_batch(n * nproc)
         except ValueError:
             continue
         if n != nodes:
@@ -161,6 +163,7 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
     remote = _remote_run(run_dir)  # s3://...: the ranks train in its local cache, shardkeeper.remote mirrors it
     if remote is not None:
         run_dir = remote.local.root
+    spec = keep_run_script(spec, run_dir)
     fetch_pretrained(spec)  # a Hub id not yet in the huggingface_hub cache: downloaded once, here, never by a rank
     prepared = preflight(spec, topology, run_dir)  # before anything is written: a refused segment leaves no trace
     if remote is not None:
@@ -174,6 +177,7 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         prepare_run_dir(rd, spec)
         seg = next_segment_index(rd)
         SegmentReport.clear(rd.root)
+        (rd.root / SCRIPT_TRACEBACK_FILE).unlink(missing_ok=True)
         before = _resume_point(rd, seg, restart)
         start_step = before[1].step if before else 0
         append_jsonl(rd.segments, {"event": "start", "segment": seg, "until_step": until_step, "start_step": start_step,
@@ -199,6 +203,20 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
 
         return remote_result(remote, result)
     return result
+
+
+def keep_run_script(spec: RunSpec, run_dir: str | Path) -> RunSpec:
+    """A resume without --script of a run that a script trains keeps the run's script (and its arguments)."""
+    if spec.script is not None or _is_remote(run_dir):
+        return spec
+    path = RunDir.at(run_dir).spec_path
+    if not path.is_file():
+        return spec
+    try:
+        old = spec_from_dict(load_yaml(path.read_text()) or {}, str(path))
+    except ShardkeeperError:
+        return spec  # prepare_run_dir reports a broken run.yaml
+    return spec.model_copy(update={"script": old.script}) if old.script is not None else spec
 
 
 def _times_record(times: SegmentTimes | None) -> dict[str, float]:
@@ -350,10 +368,19 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
         end_step=after[1].step if after else 0,
         checkpoint=str(after[0]) if after else None, topology=topology, seconds=outcome.seconds,
         failure=None if status != "failed" else _failure(outcome),
+        traceback=_script_traceback(rd) if status == "failed" else None,
         note=note if status != "failed" else None,
         scheduler_job=outcome.scheduler_job, scheduler_state=outcome.scheduler_state, requeues=outcome.requeues,
         times=reported.times if reported else None,
     )
+
+
+def _script_traceback(rd: RunDir) -> str | None:
+    """The traceback a user's script raised on its first failing rank (trainer.script), when it raised."""
+    try:
+        return (rd.root / SCRIPT_TRACEBACK_FILE).read_text(encoding="utf-8", errors="replace")[-8000:] or None
+    except OSError:
+        return None
 
 
 def _unreported_note(after: tuple[Path, CheckpointManifest] | None) -> str:

@@ -226,7 +226,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused(world: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ evaluation
 def _eval_on_ranks(run_spec: dict, prepared: dict) -> dict:
-    """Two ranks: the tiny model built and sharded as a segment does, then Segment.evaluate over both; and on
+    """Two ranks: the tiny model built and sharded as a segment does, then Trainer.evaluate over both; and on
     rank 0 alone (a one-rank group) the same weights unsharded, evaluated as by a one-rank segment."""
     from types import SimpleNamespace
 
@@ -235,7 +235,7 @@ def _eval_on_ranks(run_spec: dict, prepared: dict) -> dict:
     from schemas import PreparedSplit, RunSpec
     from trainer.data import HeldOutLoader, open_prepared
     from trainer.dist import init_distributed
-    from trainer.loop import Segment
+    from trainer.loop import Trainer
     from trainer.model import build_model, shard_model
 
     spec = RunSpec.model_validate(run_spec)
@@ -245,10 +245,10 @@ def _eval_on_ranks(run_spec: dict, prepared: dict) -> dict:
     shard_model(model, env.mesh, spec)
     tokens, mask = open_prepared(PreparedSplit.model_validate(prepared))
     loader = HeldOutLoader(tokens, spec.data.seq_len, spec.eval_batch(), mask=mask)
-    out = {"two": Segment.evaluate(SimpleNamespace(spec=spec, eval_loader=loader, env=env, model=model))}  # type: ignore[arg-type]
+    out = {"two": Trainer.evaluate(SimpleNamespace(spec=spec, eval_loader=loader, env=env, model=model))}  # type: ignore[arg-type]
     if env.rank == 0:
         one_env = SimpleNamespace(rank=0, world_size=1, device=env.device, ctrl_group=alone)
-        out["one"] = Segment.evaluate(SimpleNamespace(spec=spec, eval_loader=loader, env=one_env,  # type: ignore[arg-type]
+        out["one"] = Trainer.evaluate(SimpleNamespace(spec=spec, eval_loader=loader, env=one_env,  # type: ignore[arg-type]
                                                       model=build_model(spec)))
     dist.barrier()
     dist.destroy_process_group()

@@ -206,7 +206,7 @@ def test_adamw_state_for_a_load_matches_what_torch_would_create(amsgrad: bool) -
 def test_stopped_early_note_says_loaded_only_when_the_checkpoint_was_loaded() -> None:
     """A SIGTERM during start-up stops the ranks before they build the model: the segment report must not claim
     the checkpoint was loaded (its phase times have loaded_s None)."""
-    from trainer.loop import stopped_early_note
+    from trainer.api import stopped_early_note
 
     assert "(loaded)" in stopped_early_note(15)
     before = stopped_early_note(15, loaded=False)

@@ -130,7 +130,7 @@ class Checkpointer:
     and on preemption, and ``close()`` at the end.
 
     The public methods and every guard live here; a backend (``trainer.dcp_backend.DCPCheckpointer``,
-    ``trainer.ds_backend.DeepSpeedCheckpointer``) implements the hooks at the end of the class: snapshot /
+    ``trainer.ds_checkpointer.DeepSpeedCheckpointer``) implements the hooks at the end of the class: snapshot /
     stage / write on the save side, restore / fingerprint on the load side, and may extend check_loadable.
     The services it may call: agree, save_problem, abort_save, verify_files."""
 
@@ -162,6 +162,9 @@ class Checkpointer:
         # The base model of a pretrained run: hashed by rank 0 in the background at the run's start, or taken
         # from the checkpoint a segment resumed from; every manifest carries it.
         self.base_model: BaseModelRecord | Future | None = None
+        # What a user's script tracks besides model and optimizer (trainer.tracked): name -> object with
+        # state_dict/load_state_dict, saved as one packed tensor per rank and name.
+        self.extra: dict[str, Any] = {}
 
     # ----------------------------------------------------------------- base model
     def record_base_model(self, spec: ModelSpec) -> None:
@@ -483,6 +486,11 @@ class Checkpointer:
         manifest = read_manifest(path)
         self.check_loadable(path, manifest)
         ts, exact = self.restore(path, manifest)
+        if self.extra:
+            from trainer.extras import restore_all
+
+            restore_all(self.extra, path, manifest, self.env.rank, self.env.world_size,
+                        lambda r: self.read_extras(path, r))
         self._check_counters(path, manifest, ts)
         now = self.fingerprint(self.env.ctrl_group, manifest.fingerprint.method)
         fp.require_match(path, manifest.fingerprint, now, exact=exact)
@@ -512,6 +520,10 @@ class Checkpointer:
         if changed:
             raise CheckpointError(f"{path}: trained on other data: {changed}; resume with the data the run started "
                                   "with, or start a new --run-dir")
+        if self.extra:
+            from trainer.extras import check_restorable
+
+            check_restorable(self.extra, path, manifest, self.env.world_size, lambda r: self.read_extras(path, r))
 
     def _resumed(self, path: Path, manifest: CheckpointManifest, ts: TrainState, t0: float) -> None:
         """Bookkeeping after a verified load: parent of the next checkpoint, log line, lineage event."""
@@ -551,6 +563,10 @@ class Checkpointer:
     def restore(self, path: Path, manifest: CheckpointManifest) -> tuple[TrainState, bool]:
         """Load the checkpoint's state into the live objects (RNG included, or reseeded by the elastic rule);
         return the stored counters and whether the fingerprint must match exactly (same world size)."""
+        raise NotImplementedError
+
+    def read_extras(self, path: Path, rank: int) -> dict[str, torch.Tensor]:
+        """The packed states of the tracked objects (``self.extra``) that saving rank ``rank`` wrote into ``path``."""
         raise NotImplementedError
 
     def fingerprint(self, group: dist.ProcessGroup | None, method: str = fp.METHOD) -> Fingerprint:

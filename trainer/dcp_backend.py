@@ -133,7 +133,19 @@ class DCPCheckpointer(Checkpointer):
 
     # ----------------------------------------------------------------- save hooks
     def snapshot(self, ts: TrainState) -> dict[str, Any]:
-        return self.state_dict(ts)
+        sd = self.state_dict(ts)
+        if self.extra:  # packed copies, taken now: never staged (their size may change between saves)
+            from trainer.extras import pack_all
+
+            sd["extra"] = {f"rank{self.env.rank}": pack_all(self.extra)}
+        return sd
+
+    def read_extras(self, path: Path, rank: int) -> dict[str, torch.Tensor]:
+        from ckpt.formats.dcp import DCPTensorReader
+
+        prefix = f"extra.rank{rank}."
+        with DCPTensorReader(path) as reader:
+            return {k[len(prefix):]: reader.read(k) for k in reader.tensor_keys() if k.startswith(prefix)}
 
     def prepare_staging(self, ts: TrainState) -> None:
         """Allocate the staging buffers of async saves now, before training, not at the first save."""
@@ -166,12 +178,15 @@ class DCPCheckpointer(Checkpointer):
         """Copy the state into CPU buffers that are allocated once and reused by later saves."""
         from torch.distributed._state_dict_utils import _copy_state_dict
 
+        extra = snapshot.get("extra")
+        if extra is not None:
+            snapshot = {k: v for k, v in snapshot.items() if k != "extra"}
         if self._staged is None:
             self._staged = cpu_buffers(snapshot, pin_memory=self.env.device.type == "cuda")
         staged = _copy_state_dict(snapshot, self._staged, non_blocking=self.env.device.type == "cuda")
         if self.env.device.type == "cuda":
             torch.cuda.synchronize(self.env.device)
-        return staged
+        return staged if extra is None else {**staged, "extra": extra}
 
     def write(self, snapshot: dict[str, Any], ts: TrainState, partial: Path) -> Written:
         group = self.env.ckpt_group

@@ -1,6 +1,6 @@
-"""The training loop of one segment, shared by both backends: build the model, data and optimizer,
-resume from the latest valid checkpoint, train until a step, commit a checkpoint at the end (or on
-preemption), and report to the launcher (a ``SegmentReport``). ``trainer.ds_backend.DeepSpeedSegment``
+"""The built-in language-model trainer, shared by both backends: build the model, data and optimizer; the
+segment policy (resume with fallback, saves, preemption, the final commit, the report) is the public API's
+(``trainer.api.Segment``), which this trainer uses as a user's script does. ``trainer.ds_backend.DeepSpeedTrainer``
 swaps the wrapping, optimizer and Checkpointer; ``trainer.segment`` is the rank's entry point.
 """
 
@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ckpt.fsutil import append_jsonl, load_yaml
 from ckpt.layout import RunDir
-from schemas import RunSpec
 from schemas.errors import ConfigError
-from schemas.seam import EXIT_PREEMPTED, SegmentLaunch, SegmentReport
-from trainer.checkpointer import TrainState
+from schemas.seam import SegmentLaunch
+from trainer.api import Segment as ApiSegment, SegmentPreempted, load_spec
 from trainer.dcp_backend import DCPCheckpointer
 from trainer.data import GlobalOrderLoader, HeldOutLoader, open_prepared, open_tokens
 from trainer.dist import DistEnv, log0
@@ -27,14 +24,8 @@ from trainer.model import (build_model, hf_model_record, load_pretrained_shards,
                            shard_model)
 from trainer.optim import WarmupCosine, build_optimizer, clip_grad_norm_
 from trainer.perf import EXECUTION_KEYS, describe
-from trainer.signals import PreemptionWatcher
-from trainer import timeline
 
 log = logging.getLogger("shardkeeper.trainer")
-
-
-def load_spec(run_dir: RunDir) -> RunSpec:
-    return RunSpec.model_validate(load_yaml(run_dir.spec_path.read_text()))
 
 
 def _peak_mib(env: DistEnv) -> float | None:
@@ -43,8 +34,9 @@ def _peak_mib(env: DistEnv) -> float | None:
     return round(torch.cuda.max_memory_allocated(env.device) / 2**20, 1)
 
 
-class Segment:
-    """Holds the pieces of one segment; ``run()`` is the training loop."""
+class Trainer:
+    """The built-in language-model trainer: model, data, loss and evaluation of one segment; ``run()`` trains it
+    through the public API, like a user's script."""
 
     def __init__(self, run_dir: RunDir, until_step: int, segment: int, env: DistEnv):
         model = self._build(run_dir, until_step, segment, env)
@@ -122,7 +114,7 @@ class Segment:
         loss = float(total) / max(count, 1)
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": count}
 
-    def start_fresh(self) -> TrainState:
+    def start_fresh(self) -> None:
         """No checkpoint to resume from: step 0. A pretrained run reads its shards of the base model's weights
         now (never on a resume: the checkpoint has them) and rank 0 hashes the weight files meanwhile for the
         first checkpoint's manifest."""
@@ -131,7 +123,6 @@ class Segment:
             stats = self.load_pretrained()
             log0(self.env, "loaded this rank's shards of %s: %.1f MB read in %.2f s", self.spec.model.pretrained,
                  stats["bytes_read"] / 1e6, stats["seconds"])
-        return TrainState()
 
     def load_pretrained(self) -> dict[str, float]:
         return load_pretrained_shards(self.model, self.spec.model, self.hf_model.tied)
@@ -176,64 +167,30 @@ class Segment:
         return float(local_sum) / global_tokens, grad_norm, lr
 
     def run(self) -> int:
-        # Installed before the load: a SIGTERM while loading is a preemption, never a crash.
-        watcher = PreemptionWatcher(self.env.ctrl_group).install()
-        try:
-            return self._run(watcher)
-        finally:
-            watcher.uninstall()
-
-    def _run(self, watcher: PreemptionWatcher) -> int:
-        env = self.env
+        """Train this segment through the public API (``trainer.api.Segment``): the same policy a user's script gets
+        (resume with fallback, saves, preemption, the final commit, the report); this class brings the model, the
+        data order, the loss and the evaluation."""
+        seg = ApiSegment(run_dir=self.run_dir.root, until_step=self.until_step, segment=self.segment_index,
+                         _env=self.env, _spec=self.spec)
+        seg._attach(self.ckpt, on_fresh=self.start_fresh)
+        seg.execution = {k: self.diagnostics[k] for k in EXECUTION_KEYS if k in self.diagnostics}
         self.log_diagnostics()
-        ts = self.ckpt.load_latest() or self.start_fresh()
-        timeline.mark("loaded")
-        self.ckpt.warm_up(ts)
-        start = ts.step
-        if start >= self.until_step:
-            log0(env, "nothing to do: the run is at step %d, --until-step is %d", start, self.until_step)
-            self._write_status("completed", start, start)
-            return 0
-        if watcher.should_stop():  # asked to stop during start-up or load: the loaded state is committed already
-            note = stopped_early_note(start)
-            log0(env, "preemption signal received before the first step: %s", note)
-            self._write_status("preempted", start, start, note=note)
-            return EXIT_PREEMPTED
-        log0(env, "segment %d: steps %d -> %d on %d ranks", self.segment_index, start, self.until_step, env.world_size)
-        progress = ProgressLine(start, self.until_step, self.tokens_per_step)
-        status = "completed"
-        while ts.step < self.until_step:
-            t0 = time.perf_counter()
-            phases: dict[str, float | None] | None = {} if (env.device.type == "cuda" and ts.step - start < 3) else None
-            loss, gnorm, lr = self.train_step(ts.step, phases)
-            timeline.mark("first_step")  # the first mark wins: the segment's first optimizer step, on every rank
-            ts = TrainState(step=ts.step + 1, tokens=ts.tokens + self.tokens_per_step,
-                            samples=ts.samples + self.spec.global_batch_size)
-            if phases:
-                log0(env, "[FSDPDiagnostics] step %d peak MiB per phase: %s", ts.step, phases)
-            row = {"step": ts.step, "loss": loss, "grad_norm": gnorm, "lr": lr, "world_size": env.world_size,
-                   "segment": self.segment_index, "tokens": ts.tokens, "step_seconds": round(time.perf_counter() - t0, 4)}
-            if self.spec.eval is not None and ts.step % self.spec.eval.interval == 0:
-                row.update(self.evaluate())
-                self._record_eval(row)
-            if env.is_rank0:
-                append_jsonl(self.run_dir.metrics, row)
-                line = progress.update(ts.step, loss)
-                if line:
-                    log0(env, "%s", line)
-            if watcher.should_stop():
-                log0(env, "preemption signal received: committing a checkpoint at step %d", ts.step)
-                self.ckpt.save(ts, reason="preempted", blocking=True)
-                timeline.mark("emergency_saved")
-                status = "preempted"
-                break
-            if ts.step % self.spec.checkpoint.interval == 0 and ts.step < self.until_step:
-                self.ckpt.save(ts, reason="interval")
-        if status == "completed":
-            self.ckpt.save(ts, reason="end", blocking=True)
-        self.ckpt.close()
-        self._write_status(status, start, ts.step)
-        return EXIT_PREEMPTED if status == "preempted" else 0
+        trained = 0
+        try:
+            for step in seg.steps(tokens_per_step=self.tokens_per_step, samples_per_step=self.spec.global_batch_size):
+                phases: dict[str, float | None] | None = {} if (self.env.device.type == "cuda" and trained < 3) else None
+                loss, gnorm, lr = self.train_step(step, phases)
+                trained += 1
+                if phases:
+                    log0(self.env, "[FSDPDiagnostics] step %d peak MiB per phase: %s", step + 1, phases)
+                row: dict = {"loss": loss, "grad_norm": gnorm, "lr": lr}
+                if self.spec.eval is not None and (step + 1) % self.spec.eval.interval == 0:
+                    row.update(self.evaluate())
+                    self._record_eval({"step": step + 1, **row})
+                seg.log(**row)
+        except SegmentPreempted as e:
+            return int(e.code)
+        return seg.exit_code or 0
 
     def _record_eval(self, row: dict) -> None:
         if not self.env.is_rank0:
@@ -247,55 +204,3 @@ class Segment:
                        step=row["step"], eval_loss=row["eval_loss"], eval_ppl=row["eval_ppl"],
                        eval_tokens=row["eval_tokens"], split=self.spec.eval.split, world_size=self.env.world_size,
                        segment=self.segment_index)
-
-    def _write_status(self, status: str, start: int, end: int, note: str | None = None) -> None:
-        execution = {k: self.diagnostics[k] for k in EXECUTION_KEYS if k in self.diagnostics}
-        write_status(self.run_dir, self.env, self.segment_index, status, start, end, note, execution=execution)
-
-
-def stopped_early_note(step: int, *, loaded: bool = True) -> str:
-    """``loaded``: the ranks loaded ``step`` before the signal (False: stopped during start-up, before the build)."""
-    if step == 0:
-        return "stopped before the first step with nothing trained: no checkpoint; the next segment starts clean"
-    how = "(loaded)" if loaded else "(not loaded: stopped during start-up)"
-    return f"stopped before the first step: nothing new to save; step-{step:08d} {how} stays the latest checkpoint"
-
-
-def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start: int, end: int,
-                 note: str | None = None, execution: dict | None = None) -> None:
-    """The segment's report to the launcher (rank 0): a SegmentReport (schemas.seam), with the time every phase
-    was reached (a collective: every rank's marks are gathered)."""
-    timeline.mark("closed")
-    marks: list[dict[str, float]] = [{} for _ in range(env.world_size)]
-    dist.all_gather_object(marks, timeline.local_marks(), group=env.ctrl_group)
-    if env.is_rank0:
-        launch = SegmentLaunch.from_environ()
-        ckpt = run_dir.checkpoint(end)
-        SegmentReport(segment=segment, status=status, start_step=start, end_step=end,  # type: ignore[arg-type]
-                      checkpoint=str(ckpt) if end and ckpt.exists() else None, world_size=env.world_size,
-                      topology=env.topology, note=note, execution=execution or None,
-                      times=timeline.summarize(marks, launch.launched_at if launch else None)).write(run_dir.root)
-
-
-class ProgressLine:
-    """Rank 0's periodic progress line: step, loss, tokens/s and ETA, at the first step, then at most every
-    ``every_s`` seconds (SHARDKEEPER_PROGRESS_S, default 10), and at the last step."""
-
-    def __init__(self, start: int, until: int, tokens_per_step: int, every_s: float | None = None):
-        import os
-
-        self.start, self.until, self.tokens_per_step = start, until, tokens_per_step
-        self.every_s = float(os.environ.get("SHARDKEEPER_PROGRESS_S", "10")) if every_s is None else every_s
-        self.t0 = time.perf_counter()
-        self.last: float | None = None
-
-    def update(self, step: int, loss: float) -> str | None:
-        now = time.perf_counter()
-        if self.last is not None and step < self.until and now - self.last < self.every_s:
-            return None
-        self.last = now
-        done = step - self.start
-        rate = done / max(now - self.t0, 1e-9)  # steps per second over this segment
-        eta = (self.until - step) / rate if rate > 0 else 0.0
-        return (f"step {step}/{self.until} loss {loss:.4f} {rate * self.tokens_per_step:,.0f} tokens/s "
-                f"ETA {int(eta // 60)}m{int(eta % 60):02d}s")

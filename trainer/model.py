@@ -179,7 +179,10 @@ def hf_model_record(model: nn.Module, spec: ModelSpec | None = None) -> HFModelR
     from transformers import GenerationConfig
 
     config = copy.deepcopy(model.config)
-    config.architectures = [type(model).__name__]
+    from torch.distributed.fsdp import FSDPModule
+
+    # the model's own class: FSDP2 swaps in a dynamic FSDP<Name> subclass when a script tracks a sharded model
+    config.architectures = [next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__]
     generation = pretrained_generation_config(spec) if spec is not None else None
     if generation is not None:
         return HFModelRecord(config=json.loads(config.to_json_string(use_diff=True)), generation_config=generation,

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if __name__ == "__main__":
     # A rank: tie its life to torchrun and the launcher, record early SIGTERMs and take the shared run
@@ -42,20 +43,25 @@ from ckpt.layout import RunDir  # noqa: E402
 from schemas.seam import EXIT_PREEMPTED, RANK_ERROR_PREFIX, SegmentLaunch  # noqa: E402
 from trainer import lifetime  # noqa: E402
 from trainer.dist import DistEnv, init_distributed, log0  # noqa: E402
-from trainer.loop import Segment, load_spec, stopped_early_note, write_status  # noqa: E402
+from trainer.api import load_spec, stopped_early_note, write_status  # noqa: E402
 from trainer import timeline  # noqa: E402
 
-timeline.mark("imports")  # the rank's heavy imports are done (torch, transformers through trainer.loop)
+timeline.mark("imports")  # the rank's heavy imports are done (torch; transformers comes with trainer.loop)
+
+if TYPE_CHECKING:
+    from trainer.loop import Trainer
 
 log = logging.getLogger("shardkeeper.trainer")
 
-def build_segment(run_dir: RunDir, until_step: int, segment: int, env: DistEnv) -> Segment:
-    """The segment of the run's backend: FSDP2 here, DeepSpeed ZeRO in trainer.ds_backend (same loop)."""
+def build_segment(run_dir: RunDir, until_step: int, segment: int, env: DistEnv) -> Trainer:
+    """The built-in trainer of the run's backend: FSDP2 in trainer.loop, DeepSpeed ZeRO in trainer.ds_backend."""
     if load_spec(run_dir).backend == "deepspeed":
-        from trainer.ds_backend import DeepSpeedSegment
+        from trainer.ds_backend import DeepSpeedTrainer
 
-        return DeepSpeedSegment(run_dir, until_step, segment, env)
-    return Segment(run_dir, until_step, segment, env)
+        return DeepSpeedTrainer(run_dir, until_step, segment, env)
+    from trainer.loop import Trainer
+
+    return Trainer(run_dir, until_step, segment, env)
 
 
 def run_segment(run_dir: str | Path, until_step: int, segment: int = 0, launch: SegmentLaunch | None = None) -> int:
@@ -108,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     try:
         torch.set_num_threads(_threads())
+        spec = load_spec(RunDir.at(argv[0]))
+        if spec.script is not None:  # a user's script trains through the public API (trainer.api.Segment)
+            from trainer.script import run_script
+
+            return run_script(spec.script, RunDir.at(argv[0]))
         return run_segment(argv[0], int(argv[1]), int(argv[2]) if len(argv) == 3 else 0,
                            launch=SegmentLaunch.from_environ())
     except ShardkeeperError as e:

@@ -47,7 +47,12 @@ def model_from_record(ckpt_dir: Path, manifest: CheckpointManifest, dtype: str) 
     The names and shapes are those of the manifest's inventory, which the checkpoint's files are checked
     against: no model needs to be built."""
     rec = manifest.hf_model
-    if (rec is None or rec.generation_config is None
+    script = manifest.run_spec.script is not None  # a user's script: its model, not run_spec.model, is the record's
+    if script and rec is None:
+        raise ExportError(f"{ckpt_dir / 'manifest.json'}: the script's model is not a transformers model (no hf_model "
+                          "record), and export writes a transformers folder; export a run whose script tracks a "
+                          "transformers PreTrainedModel, or read the checkpoint with torch.distributed.checkpoint")
+    if (rec is None or (rec.generation_config is None and not script)
             or not any(e.name.startswith(MODEL_PREFIX) for e in manifest.tensors)):
         return None
     where = f"{ckpt_dir / 'manifest.json'}: field hf_model.config"
@@ -56,13 +61,13 @@ def model_from_record(ckpt_dir: Path, manifest: CheckpointManifest, dtype: str) 
         raise CheckpointError(f"{where}.architectures is {arch!r}, not a list of model class names; "
                               "the manifest is corrupted, pick another step")
     model_type = rec.config.get("model_type", manifest.run_spec.model.model_type)
-    if model_type != manifest.run_spec.model.model_type:
+    if model_type != manifest.run_spec.model.model_type and not script:
         raise CheckpointError(f"{where}.model_type is {model_type!r} but run_spec.model.model_type is "
                               f"{manifest.run_spec.model.model_type!r}; the manifest is inconsistent, pick another step")
     config = dict(rec.config)
     for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
         config[key] = dtype  # as the transformers path sets config.dtype
-    return ModelDescription(json_text(config), json_text(rec.generation_config), arch[0], None, dict(rec.tied))
+    return ModelDescription(json_text(config), json_text(rec.generation_config or {}), arch[0], None, dict(rec.tied))
 
 
 @contextmanager
@@ -184,7 +189,7 @@ def readme_text(ckpt_dir: Path, manifest: CheckpointManifest, model: ModelDescri
         f"Exported by shardkeeper {__version__} from checkpoint `{ckpt_dir.name}` of run `{manifest.run_name}` "
         "(master weights float32).", "",
         "| | |", "|---|---|",
-        f"| architecture | {arch} ({manifest.run_spec.model.model_type}) |",
+        f"| architecture | {arch} ({manifest.hf_model.config.get('model_type') if manifest.hf_model else manifest.run_spec.model.model_type}) |",
         *base_rows,
         f"| parameters | {num_params:,} |",
         f"| dtype | {dtype} |",

@@ -1,0 +1,298 @@
+"""The public API for one's own training loop: ``shardkeeper.Segment`` (re-exported lazily by ``shardkeeper``).
+
+    import shardkeeper as sk
+
+    seg = sk.Segment()                      # joins the segment it was launched in (shardkeeper train --script)
+    model = build(); fully_shard(model, mesh=seg.mesh)          # or a DeepSpeed engine
+    seg.track(model=model, optimizer=opt, scheduler=sched, loader=loader)
+    for step in seg.steps():                # resumes the newest valid checkpoint, then yields the steps to train
+        loss = train_one_step(step)
+        seg.log(loss=float(loss))           # one metrics.jsonl row per step
+
+``steps()`` owns the whole segment policy, for every client (the built-in language-model trainer in
+``trainer.loop`` is one): validation before load with fallback and quarantine, refusal when every checkpoint
+is invalid, saves on the run's policy (interval, async, keep_last), the emergency save at the step boundary
+after SIGTERM/SIGUSR1 (then the process exits 75), the final commit, the segment report, metrics, progress.
+
+Run a script with ``shardkeeper train --script train.py --run-dir RUN --until-step N --nproc 2``; by hand
+under torchrun, pass ``Segment(run_dir=..., until_step=...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ckpt.fsutil import append_jsonl, load_yaml
+from ckpt.layout import RunDir
+from schemas import RunSpec
+from schemas.errors import UsageError
+from schemas.seam import EXIT_PREEMPTED, SegmentLaunch
+from trainer import timeline
+from trainer.checkpointer import Checkpointer, TrainState
+from trainer.dist import DistEnv, init_distributed, log0
+from trainer.signals import PreemptionWatcher
+
+log = logging.getLogger("shardkeeper.trainer")
+
+__all__ = ["Segment", "SegmentPreempted", "UsageError"]
+
+LAUNCH_HINT = ("launch it with: shardkeeper train --script FILE --run-dir RUN --until-step N [--nproc K] "
+               "(or pass sk.Segment(run_dir=..., until_step=...) under torchrun)")
+
+
+class SegmentPreempted(SystemExit):
+    """Raised by ``Segment.steps()`` after the preemption checkpoint is committed: the process exits 75
+    (a ``SystemExit``, so a script that does not catch it ends quietly with that code)."""
+
+    def __init__(self) -> None:
+        super().__init__(EXIT_PREEMPTED)
+
+
+# The segment of this process (one per process): trainer.script checks it after the user's script returns.
+_CURRENT: list[Segment] = []
+
+
+def current() -> Segment | None:
+    return _CURRENT[-1] if _CURRENT else None
+
+
+class Segment:
+    """One training segment of a run, seen from a rank. Usable before the model is built: it joins the process
+    group (NCCL on CUDA, gloo on CPU) and exposes ``rank``, ``world_size``, ``device`` and ``mesh``.
+
+    ``run_dir``/``until_step`` default to what ``shardkeeper train`` handed the ranks; give them when the script
+    runs under a plain ``torchrun``. The run's ``run.yaml`` supplies the checkpoint policy and the seed."""
+
+    def __init__(self, *, run_dir: str | os.PathLike[str] | None = None, until_step: int | None = None,
+                 segment: int | None = None, _env: DistEnv | None = None, _spec: RunSpec | None = None):
+        launch = SegmentLaunch.from_environ()
+        if launch is None and (run_dir is None or until_step is None):
+            print(f"error: sk.Segment(): not inside a shardkeeper segment (SHARDKEEPER_LAUNCH is unset); {LAUNCH_HINT}",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(2)
+        self.run_dir = RunDir.at(run_dir if run_dir is not None else launch.run_dir)  # type: ignore[union-attr]
+        self.until_step = int(until_step if until_step is not None else launch.until_step)  # type: ignore[union-attr]
+        self.segment = int(segment if segment is not None else (launch.segment if launch else 0))
+        if self.until_step < 0:
+            raise UsageError(f"sk.Segment(until_step={self.until_step}): must be >= 0")
+        if _spec is None:
+            if not self.run_dir.spec_path.exists():
+                raise UsageError(f"{self.run_dir.spec_path}: missing; {LAUNCH_HINT}")
+            _spec = load_spec(self.run_dir)
+        self.spec: RunSpec = _spec
+        self.env: DistEnv = _env if _env is not None else init_distributed(launch)
+        if _env is None:
+            timeline.mark("process_group")
+        self._ckpt: Checkpointer | None = None
+        self._objects: dict[str, Any] = {}
+        self._row: dict[str, Any] = {}
+        self._on_fresh: Callable[[], None] | None = None
+        self.execution: dict[str, Any] | None = None  # how the ranks ran the math (the segment report records it)
+        self.state = TrainState()
+        self.exit_code: int | None = None  # set when steps() has ended the segment
+        self.entered = False
+        _CURRENT.append(self)
+
+    # ------------------------------------------------------------------ where this rank is
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        return self.env.device
+
+    @property
+    def mesh(self) -> Any:
+        """A 1-D device mesh over all ranks (``fully_shard(module, mesh=seg.mesh)``)."""
+        return self.env.mesh
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.env.is_rank0
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done (the checkpoint's step after a resume; inside ``steps()`` the step being trained)."""
+        return self.state.step
+
+    # ------------------------------------------------------------------ what is checkpointed
+    def track(self, *, model: Any, optimizer: Any = None, **state: Any) -> Segment:
+        """Name what a checkpoint holds: ``model`` (an FSDP2-sharded module, a plain module, or a DeepSpeed engine),
+        its ``optimizer`` (AdamW for the fingerprint's moments; a DeepSpeed engine brings its own), and any other
+        object with ``state_dict()``/``load_state_dict()`` (LR scheduler, a torchdata StatefulDataLoader, an EMA...).
+        Call once, before ``steps()``."""
+        if self._ckpt is not None:
+            raise UsageError("seg.track(): called twice; track everything in one call, before seg.steps()")
+        if self.entered:
+            raise UsageError("seg.track(): called after seg.steps() started; track before the loop")
+        for name, obj in state.items():
+            missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
+            if missing:
+                raise UsageError(f"seg.track({name}=...): a {type(obj).__name__} has no {' or '.join(missing)}(); "
+                                 "track objects that speak the state_dict/load_state_dict protocol (or leave it out)")
+        from trainer.tracked import make_checkpointer
+
+        self._attach(make_checkpointer(self, model, optimizer, state))
+        self._objects = {"model": model, "optimizer": optimizer, **state}
+        return self
+
+    def _attach(self, ckpt: Checkpointer, *, on_fresh: Callable[[], None] | None = None) -> None:
+        """The built-in trainer's way in: its own backend Checkpointer and its fresh-start hook (pretrained load)."""
+        self._ckpt = ckpt
+        self._on_fresh = on_fresh
+
+    # ------------------------------------------------------------------ the loop
+    def log(self, **metrics: Any) -> None:
+        """Add values to this step's metrics.jsonl row (``{"step": N, ...}``, written by rank 0 when the step ends).
+        Numbers and strings only; call it from every rank or rank 0 alone."""
+        for k, v in metrics.items():
+            if isinstance(v, torch.Tensor):
+                v = v.item() if v.numel() == 1 else None
+            if not isinstance(v, (int, float, str, bool)) or v is None:
+                raise UsageError(f"seg.log({k}=...): a {type(metrics[k]).__name__} is not a number or a string; "
+                                 "log float(value)")
+            self._row[k] = v
+
+    def steps(self, *, tokens_per_step: int = 0, samples_per_step: int = 0) -> Iterator[int]:
+        """Resume (or start at 0), then yield each step index to train, ``start .. until_step - 1``. Between steps:
+        metrics row, progress line, preemption agreement (all ranks), saves on the policy. Ends with a committed
+        checkpoint and the segment report; after a preemption's checkpoint it raises ``SegmentPreempted`` (exit 75).
+        ``tokens_per_step``/``samples_per_step`` feed the checkpoint's counters and the tokens/s line."""
+        if self._ckpt is None:
+            raise UsageError("seg.steps(): nothing is tracked; call seg.track(model=..., optimizer=...) first")
+        if self.entered:
+            raise UsageError("seg.steps(): called twice; one segment runs one loop")
+        self.entered = True
+        watcher = PreemptionWatcher(self.env.ctrl_group).install()  # before the load: a SIGTERM then is a preemption
+        try:
+            yield from self._steps(watcher, tokens_per_step, samples_per_step)
+        finally:
+            watcher.uninstall()
+
+    def _steps(self, watcher: PreemptionWatcher, tokens_per_step: int, samples_per_step: int) -> Iterator[int]:
+        env, ckpt = self.env, self._ckpt
+        assert ckpt is not None
+        ts = ckpt.load_latest() or self._start_fresh()
+        self.state = ts
+        timeline.mark("loaded")
+        ckpt.warm_up(ts)
+        start = ts.step
+        if start >= self.until_step:
+            log0(env, "nothing to do: the run is at step %d, --until-step is %d", start, self.until_step)
+            self._end("completed", start, start)
+            return
+        if watcher.should_stop():  # asked to stop during start-up or load: the loaded state is committed already
+            note = stopped_early_note(start)
+            log0(env, "preemption signal received before the first step: %s", note)
+            self._end("preempted", start, start, note=note)
+            raise SegmentPreempted()
+        log0(env, "segment %d: steps %d -> %d on %d ranks", self.segment, start, self.until_step, env.world_size)
+        progress = ProgressLine(start, self.until_step, tokens_per_step)
+        while ts.step < self.until_step:
+            t0 = time.perf_counter()
+            self._row = {}
+            yield ts.step
+            timeline.mark("first_step")  # the first mark wins: the segment's first optimizer step, on every rank
+            ts = TrainState(step=ts.step + 1, tokens=ts.tokens + tokens_per_step, samples=ts.samples + samples_per_step)
+            self.state = ts
+            if env.is_rank0:
+                row = {"step": ts.step, **self._row, "world_size": env.world_size, "segment": self.segment,
+                       "tokens": ts.tokens, "step_seconds": round(time.perf_counter() - t0, 4)}
+                append_jsonl(self.run_dir.metrics, row)
+                loss = row.get("loss")
+                line = progress.update(ts.step, float(loss) if isinstance(loss, (int, float)) else math.nan)
+                if line:
+                    log0(env, "%s", line)
+            if watcher.should_stop():
+                log0(env, "preemption signal received: committing a checkpoint at step %d", ts.step)
+                ckpt.save(ts, reason="preempted", blocking=True)
+                timeline.mark("emergency_saved")
+                ckpt.close()
+                self._end("preempted", start, ts.step)
+                raise SegmentPreempted()
+            if ts.step % self.spec.checkpoint.interval == 0 and ts.step < self.until_step:
+                ckpt.save(ts, reason="interval")
+        ckpt.save(ts, reason="end", blocking=True)
+        ckpt.close()
+        self._end("completed", start, ts.step)
+
+    def _start_fresh(self) -> TrainState:
+        if self._on_fresh is not None:
+            self._on_fresh()
+        return TrainState()
+
+    def _end(self, status: str, start: int, end: int, note: str | None = None) -> None:
+        write_status(self.run_dir, self.env, self.segment, status, start, end, note, execution=self.execution)
+        self.exit_code = EXIT_PREEMPTED if status == "preempted" else 0
+
+
+def load_spec(run_dir: RunDir) -> RunSpec:
+    return RunSpec.model_validate(load_yaml(run_dir.spec_path.read_text()))
+
+
+def stopped_early_note(step: int, *, loaded: bool = True) -> str:
+    """``loaded``: the ranks loaded ``step`` before the signal (False: stopped during start-up, before the build)."""
+    if step == 0:
+        return "stopped before the first step with nothing trained: no checkpoint; the next segment starts clean"
+    how = "(loaded)" if loaded else "(not loaded: stopped during start-up)"
+    return f"stopped before the first step: nothing new to save; step-{step:08d} {how} stays the latest checkpoint"
+
+
+def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start: int, end: int,
+                 note: str | None = None, execution: dict | None = None) -> None:
+    """The segment's report to the launcher (rank 0): a SegmentReport (schemas.seam), with the time every phase
+    was reached (a collective: every rank's marks are gathered)."""
+    import torch.distributed as dist
+
+    from schemas.seam import SegmentReport
+
+    timeline.mark("closed")
+    marks: list[dict[str, float]] = [{} for _ in range(env.world_size)]
+    dist.all_gather_object(marks, timeline.local_marks(), group=env.ctrl_group)
+    if env.is_rank0:
+        launch = SegmentLaunch.from_environ()
+        ckpt = run_dir.checkpoint(end)
+        SegmentReport(segment=segment, status=status, start_step=start, end_step=end,  # type: ignore[arg-type]
+                      checkpoint=str(ckpt) if end and ckpt.exists() else None, world_size=env.world_size,
+                      topology=env.topology, note=note, execution=execution or None,
+                      times=timeline.summarize(marks, launch.launched_at if launch else None)).write(run_dir.root)
+
+
+class ProgressLine:
+    """Rank 0's periodic progress line: step, loss, tokens/s and ETA, at the first step, then at most every
+    ``every_s`` seconds (SHARDKEEPER_PROGRESS_S, default 10), and at the last step."""
+
+    def __init__(self, start: int, until: int, tokens_per_step: int, every_s: float | None = None):
+        self.start, self.until, self.tokens_per_step = start, until, tokens_per_step
+        self.every_s = float(os.environ.get("SHARDKEEPER_PROGRESS_S", "10")) if every_s is None else every_s
+        self.t0 = time.perf_counter()
+        self.last: float | None = None
+
+    def update(self, step: int, loss: float) -> str | None:
+        now = time.perf_counter()
+        if self.last is not None and step < self.until and now - self.last < self.every_s:
+            return None
+        self.last = now
+        done = step - self.start
+        rate = done / max(now - self.t0, 1e-9)  # steps per second over this segment
+        eta = (self.until - step) / rate if rate > 0 else 0.0
+        speed = f"{rate * self.tokens_per_step:,.0f} tokens/s" if self.tokens_per_step else f"{rate:.2f} steps/s"
+        shown = f" loss {loss:.4f}" if not math.isnan(loss) else ""
+        return f"step {step}/{self.until}{shown} {speed} ETA {int(eta // 60)}m{int(eta % 60):02d}s"
