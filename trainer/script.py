@@ -35,7 +35,7 @@ class ScriptFailed(ShardkeeperError):
 
 def _user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
     frames = traceback.extract_tb(exc.__traceback__)
-    return [f for f in frames if not f.filename.startswith(_OURS) and Path(f.filename).name != "runpy.py"]
+    return [f for f in frames if not f.filename.startswith(_OURS) and "runpy" not in Path(f.filename).name]
 
 
 def user_traceback(exc: BaseException) -> str:
