@@ -23,7 +23,7 @@ args = parser.parse_args()
 seg = sk.Segment()  # joins the segment: process group, run dir, until_step, checkpoint policy
 torch.manual_seed(0)  # the same initial weights on every rank (the checkpoint replaces them on a resume)
 model = torch.nn.Sequential(torch.nn.Linear(8, args.width), torch.nn.GELU(), torch.nn.Linear(args.width, args.width),
-                            torch.nn.GELU(), torch.nn.Linear(args.width, 1))
+                            torch.nn.GELU(), torch.nn.Linear(args.width, 1)).to(seg.device)
 for layer in model:
     if isinstance(layer, torch.nn.Linear):
         fully_shard(layer, mesh=seg.mesh)
@@ -35,7 +35,7 @@ seg.track(model=model, optimizer=opt, scheduler=sched)
 per_rank = args.batch // seg.world_size
 for step in seg.steps(samples_per_step=args.batch):
     g = torch.Generator().manual_seed(1000 + step)  # this step's global batch, whatever the world size
-    x = torch.randn(args.batch, 8, generator=g)
+    x = torch.randn(args.batch, 8, generator=g).to(seg.device)
     y = x.sum(dim=1, keepdim=True).sin()
     mine = slice(seg.rank * per_rank, (seg.rank + 1) * per_rank)
     loss = torch.nn.functional.mse_loss(model(x[mine]), y[mine])

@@ -11,6 +11,8 @@ Stdlib and schemas only: no torch, no prefect.
 from __future__ import annotations
 
 import collections
+import functools
+import importlib.util
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,8 +106,23 @@ def torchrun_argv(python: str, topology: ClusterTopology, grace_s: float, run_di
     else:
         argv += [f"--nnodes={nnodes or topology.nodes}", f"--node-rank={rdzv.node_rank}", "--rdzv-backend=c10d",
                  f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", f"--rdzv-conf=is_host={rdzv.is_host}"]
-    return argv + [f"--nproc-per-node={topology.procs_per_node}", f"--shutdown-timeout={max(1, int(grace_s))}",
+    grace = [f"--shutdown-timeout={max(1, int(grace_s))}"] if torchrun_has_shutdown_timeout() else []
+    return argv + [f"--nproc-per-node={topology.procs_per_node}", *grace,
                    "-m", "trainer.segment", str(run_dir), str(until_step), str(segment)]
+
+
+@functools.lru_cache(maxsize=1)
+def torchrun_has_shutdown_timeout() -> bool:
+    """Whether this torch's torchrun takes --shutdown-timeout (newer releases; older ones refuse the option and
+    use their own fixed grace). Read from its source, so the controller does not import torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    run_py = Path(list(spec.submodule_search_locations)[0]) / "distributed" / "run.py"
+    try:
+        return "--shutdown-timeout" in run_py.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return True
 
 
 def combined_exit_code(codes: list[int]) -> int:
