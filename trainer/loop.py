@@ -23,6 +23,7 @@ from trainer.checkpointer import TrainState
 from trainer.dcp_backend import DCPCheckpointer
 from trainer.data import GlobalOrderLoader, HeldOutLoader, open_prepared, open_tokens
 from trainer.dist import DistEnv, log0
+from trainer.nonfinite import NonFiniteGuard, NonFiniteStep, end_segment
 from trainer.model import (build_model, hf_model_record, load_pretrained_shards, materialize, model_signature,
                            shard_model)
 from trainer.optim import WarmupCosine, build_optimizer, clip_grad_norm_
@@ -74,6 +75,7 @@ class Segment:
         self.vocab = model.config.vocab_size
         self._open_data()
         self.tokens_per_step = self.spec.global_batch_size * self.spec.data.seq_len
+        self.nonfinite = NonFiniteGuard(self.spec.optim, is_rank0=env.is_rank0)
         return model
 
     def _open_data(self) -> None:
@@ -165,15 +167,19 @@ class Segment:
             local_sum += loss_sum.detach().to("cpu", torch.float64)
         if phases is not None:
             phases["after_backward"] = _peak_mib(self.env)
+        # The global loss before the update: with the global gradient norm, the non-finite check (trainer.nonfinite)
+        # every rank reaches alike, before optimizer.step can apply a NaN.
+        dist.all_reduce(local_sum, group=self.env.ctrl_group)
+        loss = float(local_sum) / global_tokens
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.spec.optim.grad_clip)
         if phases is not None:
             phases["before_optimizer_step"] = _peak_mib(self.env)
-        self.optimizer.step()
+        if not self.nonfinite.check(step + 1, loss, grad_norm):  # raises NonFiniteStep to stop; True: skip the update
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if phases is not None:
             phases["batch_end"] = _peak_mib(self.env)
-        dist.all_reduce(local_sum, group=self.env.ctrl_group)
-        return float(local_sum) / global_tokens, grad_norm, lr
+        return loss, grad_norm, lr
 
     def run(self) -> int:
         # Installed before the load: a SIGTERM while loading is a preemption, never a crash.
@@ -205,14 +211,18 @@ class Segment:
         while ts.step < self.until_step:
             t0 = time.perf_counter()
             phases: dict[str, float | None] | None = {} if (env.device.type == "cuda" and ts.step - start < 3) else None
-            loss, gnorm, lr = self.train_step(ts.step, phases)
+            try:  # a NaN/Inf loss or gradient: stop here, nothing of this step saved (trainer.nonfinite)
+                loss, gnorm, lr = self.train_step(ts.step, phases)
+            except NonFiniteStep as e:
+                return self._end_nonfinite(e, start)
             timeline.mark("first_step")  # the first mark wins: the segment's first optimizer step, on every rank
             ts = TrainState(step=ts.step + 1, tokens=ts.tokens + self.tokens_per_step,
                             samples=ts.samples + self.spec.global_batch_size)
             if phases:
                 log0(env, "[FSDPDiagnostics] step %d peak MiB per phase: %s", ts.step, phases)
             row = {"step": ts.step, "loss": loss, "grad_norm": gnorm, "lr": lr, "world_size": env.world_size,
-                   "segment": self.segment_index, "tokens": ts.tokens, "step_seconds": round(time.perf_counter() - t0, 4)}
+                   "segment": self.segment_index, "tokens": ts.tokens, "step_seconds": round(time.perf_counter() - t0, 4),
+                   **self.nonfinite.row()}
             if self.spec.eval is not None and ts.step % self.spec.eval.interval == 0:
                 row.update(self.evaluate())
                 self._record_eval(row)
@@ -232,7 +242,7 @@ class Segment:
         if status == "completed":
             self.ckpt.save(ts, reason="end", blocking=True)
         self.ckpt.close()
-        self._write_status(status, start, ts.step)
+        self._write_status(status, start, ts.step, note=self.nonfinite.note())
         return EXIT_PREEMPTED if status == "preempted" else 0
 
     def _record_eval(self, row: dict) -> None:
@@ -248,9 +258,16 @@ class Segment:
                        eval_tokens=row["eval_tokens"], split=self.spec.eval.split, world_size=self.env.world_size,
                        segment=self.segment_index)
 
-    def _write_status(self, status: str, start: int, end: int, note: str | None = None) -> None:
+    def _end_nonfinite(self, err: NonFiniteStep, start: int) -> int:
+        """Stop at a non-finite step without saving it (trainer.nonfinite.end_segment); returns EXIT_NONFINITE."""
+        return end_segment(err, ckpt=self.ckpt, run_dir=self.run_dir, is_rank0=self.env.is_rank0,
+                           segment=self.segment_index, start=start, lr=self.spec.optim.lr, write_status=self._write_status,
+                           skipped=self.nonfinite.skipped)
+
+    def _write_status(self, status: str, start: int, end: int, note: str | None = None, exit_code: int | None = None) -> None:
         execution = {k: self.diagnostics[k] for k in EXECUTION_KEYS if k in self.diagnostics}
-        write_status(self.run_dir, self.env, self.segment_index, status, start, end, note, execution=execution)
+        write_status(self.run_dir, self.env, self.segment_index, status, start, end, note, execution=execution,
+                     exit_code=exit_code)
 
 
 def stopped_early_note(step: int, *, loaded: bool = True) -> str:
@@ -262,7 +279,7 @@ def stopped_early_note(step: int, *, loaded: bool = True) -> str:
 
 
 def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start: int, end: int,
-                 note: str | None = None, execution: dict | None = None) -> None:
+                 note: str | None = None, execution: dict | None = None, exit_code: int | None = None) -> None:
     """The segment's report to the launcher (rank 0): a SegmentReport (schemas.seam), with the time every phase
     was reached (a collective: every rank's marks are gathered)."""
     timeline.mark("closed")
@@ -273,7 +290,7 @@ def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start
         ckpt = run_dir.checkpoint(end)
         SegmentReport(segment=segment, status=status, start_step=start, end_step=end,  # type: ignore[arg-type]
                       checkpoint=str(ckpt) if end and ckpt.exists() else None, world_size=env.world_size,
-                      topology=env.topology, note=note, execution=execution or None,
+                      topology=env.topology, note=note, exit_code=exit_code, execution=execution or None,
                       times=timeline.summarize(marks, launch.launched_at if launch else None)).write(run_dir.root)
 
 
