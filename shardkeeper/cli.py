@@ -96,7 +96,8 @@ def train(
     """Train one segment with torchrun; resumes from the latest valid checkpoint; always commits one at the end.
 
     Exit code: 0 completed, 75 preempted (checkpoint committed; run the same command to resume), 1 failed,
-    3 the run directory is locked (another segment, or its ranks, still running)."""
+    65 a non-finite loss or gradient (nothing of that step committed; see optim.on_nonfinite), 3 the run directory
+    is locked (another segment, or its ranks, still running)."""
     from launch.early import install_early_stop_handlers
     from shardkeeper.config import load_run_spec
     from shardkeeper.stages import plan_topology, train_segment
