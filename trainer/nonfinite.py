@@ -134,7 +134,7 @@ def end_segment(err: NonFiniteStep, *, ckpt: _Checkpointer, run_dir: object, is_
     if is_rank0:
         from ckpt import lineage
 
-        log.error("%s", line)
+        log.error("%s: the segment stops without saving this step (the full line is in its report)", err)
         lineage.record(run_dir, "nonfinite", f"nonfinite:segment-{segment}:step-{err.step:08d}",  # type: ignore[arg-type]
                        parent=f"segment:{segment}", step=err.step, what=err.what, loss=_number(err.loss),
                        grad_norm=_number(err.grad_norm), in_a_row=err.in_a_row, applied=err.applied,
