@@ -290,31 +290,39 @@ def _read_range(t: StoredTensor, offset: int, nbytes: int, out: Any, what: str) 
 
 
 def first_nonfinite(tensors: Iterable[StoredTensor], piece: int = PIECE) -> tuple[StoredTensor, int, float] | None:
-    """The first NaN/Inf element among ``tensors`` (floating ones): (tensor, flat index, value), or None. Each tensor is
-    read in ``piece``-byte pieces into one reused buffer (nothing else is held); a piece costs one multiply and one sum
-    (``x * 0`` is 0 for every finite x and NaN for NaN/Inf), so the scan runs near the disk's or page cache's speed."""
+    """The first NaN/Inf element among ``tensors`` (floating ones): (tensor, flat index, value), or None. The tensors
+    are read in ``piece``-byte pieces into two reused buffers (nothing else is held): a thread reads the next piece
+    while this one is checked with one multiply and one sum (``x * 0`` is 0 for every finite x, NaN for NaN/Inf)."""
     import torch
+    from concurrent.futures import ThreadPoolExecutor
 
+    pieces = []  # (tensor, first element, elements)
     for t in tensors:
-        if t.dtype not in FLOAT_DTYPES or t.end == t.begin:
-            continue
-        dtype = getattr(torch, TORCH_DTYPES[t.dtype])
-        numel = (t.end - t.begin) // dtype.itemsize
-        per = max(1, piece // dtype.itemsize)
-        buf = torch.empty(min(per, numel), dtype=dtype)
-        fd = os.open(t.file, os.O_RDONLY)
-        try:
-            done = 0
-            while done < numel:
-                n = min(per, numel - done)
-                chunk = buf[:n]
-                _pread_into(fd, memoryview(chunk.view(torch.uint8).numpy()), t.begin + done * dtype.itemsize, t.file)
-                if not math.isfinite(float((chunk * 0).sum())):
-                    at = int((~torch.isfinite(chunk)).nonzero()[0, 0])
-                    return t, done + at, float(chunk[at])
-                done += n
-        finally:
-            os.close(fd)
+        if t.dtype in FLOAT_DTYPES and t.end > t.begin:
+            size = ST_DTYPES[t.dtype]
+            numel, per = (t.end - t.begin) // size, max(1, piece // size)
+            pieces += [(t, i, min(per, numel - i)) for i in range(0, numel, per)]
+    if not pieces:
+        return None
+    bufs = [torch.empty(max(piece, 8), dtype=torch.uint8) for _ in range(2)]
+
+    def read(k: int) -> Any:
+        t, first, n = pieces[k]
+        size = ST_DTYPES[t.dtype]
+        raw = bufs[k % 2][: n * size]
+        with open(t.file, "rb", buffering=0) as f:
+            _pread_into(f.fileno(), memoryview(raw.numpy()), t.begin + first * size, t.file)
+        return raw.view(getattr(torch, TORCH_DTYPES[t.dtype]))
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="nonfinite-scan") as pool:
+        ahead = pool.submit(read, 0)
+        for k, (t, first, _) in enumerate(pieces):
+            chunk = ahead.result()
+            if k + 1 < len(pieces):
+                ahead = pool.submit(read, k + 1)  # into the other buffer
+            if not math.isfinite(float((chunk * 0).sum())):
+                at = int((~torch.isfinite(chunk)).nonzero()[0, 0])
+                return t, first + at, float(chunk[at])
     return None
 
 
