@@ -102,6 +102,16 @@ def make_fingerprint(
     )
 
 
+def first_nonfinite(fp: Fingerprint) -> str | None:
+    """The first tensor whose norm is NaN/Inf ("model.<name>" or "optim.<name>.<moment>"), or None: such a state is
+    never committed (trainer.nonfinite stops the step that would make it; this catches what got in another way)."""
+    for kind, norms in (("model", fp.model), ("optim", fp.optim)):
+        for name, value in norms.items():
+            if not math.isfinite(value):
+                return f"{kind}.{name}"
+    return None if math.isfinite(fp.optim_step) else "optim.step"
+
+
 def compare(saved: Fingerprint, now: Fingerprint, *, exact: bool) -> list[str]:
     """Differences between two fingerprints, worst first; empty when they agree."""
     problems: list[tuple[float, str]] = []

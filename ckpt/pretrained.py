@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import struct
@@ -41,6 +42,7 @@ MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 PIECE = 16 << 20
 TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 ST_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
@@ -285,6 +287,43 @@ def _read_range(t: StoredTensor, offset: int, nbytes: int, out: Any, what: str) 
     finally:
         os.close(fd)
     return nbytes
+
+
+def first_nonfinite(tensors: Iterable[StoredTensor], piece: int = PIECE) -> tuple[StoredTensor, int, float] | None:
+    """The first NaN/Inf element among ``tensors`` (floating ones): (tensor, flat index, value), or None. The tensors
+    are read in ``piece``-byte pieces into two reused buffers (nothing else is held): a thread reads the next piece
+    while this one is checked with one multiply and one sum (``x * 0`` is 0 for every finite x, NaN for NaN/Inf)."""
+    import torch
+    from concurrent.futures import ThreadPoolExecutor
+
+    pieces = []  # (tensor, first element, elements)
+    for t in tensors:
+        if t.dtype in FLOAT_DTYPES and t.end > t.begin:
+            size = ST_DTYPES[t.dtype]
+            numel, per = (t.end - t.begin) // size, max(1, piece // size)
+            pieces += [(t, i, min(per, numel - i)) for i in range(0, numel, per)]
+    if not pieces:
+        return None
+    bufs = [torch.empty(max(piece, 8), dtype=torch.uint8) for _ in range(2)]
+
+    def read(k: int) -> Any:
+        t, first, n = pieces[k]
+        size = ST_DTYPES[t.dtype]
+        raw = bufs[k % 2][: n * size]
+        with open(t.file, "rb", buffering=0) as f:
+            _pread_into(f.fileno(), memoryview(raw.numpy()), t.begin + first * size, t.file)
+        return raw.view(getattr(torch, TORCH_DTYPES[t.dtype]))
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="nonfinite-scan") as pool:
+        ahead = pool.submit(read, 0)
+        for k, (t, first, _) in enumerate(pieces):
+            chunk = ahead.result()
+            if k + 1 < len(pieces):
+                ahead = pool.submit(read, k + 1)  # into the other buffer
+            if not math.isfinite(float((chunk * 0).sum())):
+                at = int((~torch.isfinite(chunk)).nonzero()[0, 0])
+                return t, first + at, float(chunk[at])
+    return None
 
 
 def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:

@@ -22,7 +22,7 @@ SegmentStatus = Literal["completed", "preempted", "cancelled", "failed"]
 class SegmentResult(_Frozen):
     run_dir: str = Field(description="run directory")
     status: SegmentStatus = Field(description="how the segment ended")
-    exit_code: int = Field(description="exit code of the launcher (0 completed, 75 preempted, 130 cancelled, other failed)")
+    exit_code: int = Field(description="exit code of the launcher (0 completed, 75 preempted, 130 cancelled, 65 a non-finite loss or gradient, other failed)")
     segment: int = Field(ge=0, description="segment index within the run")
     start_step: int = Field(ge=0, description="step the segment resumed from")
     end_step: int = Field(ge=0, description="step of the last committed checkpoint")
@@ -89,7 +89,8 @@ class PublishResult(_Frozen):
 
 class LineageEvent(_Frozen):
     id: str = Field(description="unique event id, e.g. 'checkpoint:step-00000100'")
-    kind: Literal["segment", "checkpoint", "resume", "reshard", "export", "publish", "validate", "eval"] = Field(
+    kind: Literal["segment", "checkpoint", "resume", "reshard", "export", "publish", "validate", "eval",
+                  "nonfinite"] = Field(
         description="what happened"
     )
     parent: str | None = Field(None, description="id of the event this one derives from")

@@ -130,6 +130,14 @@ class OptimSpec(_Frozen):
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay")
     grad_clip: float | None = Field(1.0, gt=0, description="max global L2 norm of gradients; null disables clipping")
+    on_nonfinite: Literal["stop", "skip_step"] = Field(
+        "stop", description="a step whose loss or global gradient norm is NaN/Inf is never applied nor "
+        "committed: 'stop' ends the segment there (failed, exit 65; the newest checkpoint stays the resume point); "
+        "'skip_step' drops that update (no optimizer step; data and LR schedule move on), counts it (metrics.jsonl "
+        "row \"skipped\": true) and stops only after optim.max_skipped such steps in a row; may change between segments")
+    max_skipped: int = Field(
+        5, ge=0, strict=True, description="with on_nonfinite 'skip_step': at most this many non-finite steps in a row "
+        "are skipped; the next one in a row stops the segment as 'stop' would (0: never skip)")
 
     @field_validator("betas")
     @classmethod

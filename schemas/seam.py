@@ -22,6 +22,7 @@ from schemas.run import ClusterTopology
 
 EXIT_COMPLETED = 0
 EXIT_FAILED = 1
+EXIT_NONFINITE = 65  # EX_DATAERR: the loss or gradient norm became NaN/Inf; nothing of that step was committed
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a scheduler's requeue means
 EXIT_CANCELLED = 130  # 128 + SIGINT: the shell's "stopped on request" (an orchestrator's cancellation)
 
@@ -138,7 +139,9 @@ class SegmentReport(_Frozen):
     checkpoint: str | None = Field(None, description="that checkpoint's directory, when it exists")
     world_size: int = Field(ge=1)
     topology: ClusterTopology
-    note: str | None = None
+    note: str | None = Field(None, description="how the segment ended, in one line (a failure's cause and fix)")
+    exit_code: int | None = Field(None, description="the ranks' exit code when the failure has its own "
+                                  "(EXIT_NONFINITE); None: the status's code")
     execution: dict[str, Any] | None = Field(
         None, description="how the ranks ran the math (performance section as applied: activation-checkpointed and "
         "compiled blocks, AdamW implementation); recorded on the segment's lineage event")

@@ -102,7 +102,8 @@ def train(
     need neither --config nor --script: the run remembers both).
 
     Exit code: 0 completed, 75 preempted (checkpoint committed; run the same command to resume), 1 failed,
-    3 the run directory is locked (another segment, or its ranks, still running)."""
+    65 a non-finite loss or gradient (nothing of that step committed; see optim.on_nonfinite), 3 the run directory
+    is locked (another segment, or its ranks, still running)."""
     from launch.early import install_early_stop_handlers
     from shardkeeper.config import train_spec
     from shardkeeper.stages import plan_topology, train_segment

@@ -33,12 +33,15 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas.errors import ConfigError, RunDirError
 from ckpt.layout import RunDir
 from schemas import MANIFEST_NAME, ClusterTopology, PreparedData, RunSpec
 from shardkeeper.config import check_model_config, quiet_transformers
+
+if TYPE_CHECKING:
+    from ckpt.pretrained import StoredTensor
 
 log = logging.getLogger("shardkeeper")
 
@@ -229,8 +232,8 @@ def meta_model(spec: RunSpec, cfg: Any) -> Any:
 
 def check_pretrained(spec: RunSpec, cfg: Any, model: Any, *, weights: bool = True) -> None:
     """model.pretrained, before any rank starts: weight files that exist and hold every parameter of the model
-    its config.json builds, at its shape (``weights``: only when the run has no checkpoint to resume from); an
-    architecture the backend can shard; a tokenizer that fits."""
+    its config.json builds, at its shape, with no NaN/Inf value (``weights``: only when the run has no checkpoint to
+    resume from); an architecture the backend can shard; a tokenizer that fits."""
     from ckpt.pretrained import find_tensor, resolve, tensor_index, tied_conflict, weight_files
     from ckpt.state import tied_weights
 
@@ -243,6 +246,7 @@ def check_pretrained(spec: RunSpec, cfg: Any, model: Any, *, weights: bool = Tru
         return
     index = tensor_index(weight_files(folder, source))
     tied = tied_weights(model)
+    used: dict[str, StoredTensor] = {}
     for name, p in model.named_parameters():
         st = find_tensor(index, name, tied)
         if st is None:
@@ -252,11 +256,31 @@ def check_pretrained(spec: RunSpec, cfg: Any, model: Any, *, weights: bool = Tru
         if st.shape != tuple(p.shape):
             raise ConfigError(f"model.pretrained {source}: {st.file.name} holds {name} with shape {list(st.shape)}, "
                               f"config.json builds {list(p.shape)}; the folder's weights and config.json disagree")
+        used[st.name] = st
     conflict = tied_conflict(index, tied)
     if conflict is not None:
         raise ConfigError(f"model.pretrained {source}: config.json ties {conflict[0]} to {conflict[1]}, but the weight "
                           f"files in {folder} hold both with different values; set tie_word_embeddings: false in its "
                           f"config.json if they are two matrices, or remove one of them from the files")
+    check_finite_weights(source, sorted(used.values(), key=lambda st: (str(st.file), st.begin)))
+
+
+def check_finite_weights(source: str, tensors: list[StoredTensor]) -> None:
+    """No NaN/Inf in the weights the model reads (``ckpt.pretrained.StoredTensor``s): the ranks would otherwise start
+    and stop at their first step with a non-finite loss. One pass over the files, piece by piece (~1 GB/s or more)."""
+    import time
+
+    from ckpt.pretrained import first_nonfinite
+
+    t0 = time.perf_counter()
+    found = first_nonfinite(tensors)
+    if found is not None:
+        st, at, value = found
+        raise ConfigError(f"model.pretrained {source}: {st.file} holds {st.name} with a non-finite value ({value} at "
+                          f"element {at} of {st.dtype} {list(st.shape)}); training from it gives a NaN loss at the "
+                          "first step; re-download or re-export the weights without NaN/Inf")
+    nbytes = sum(st.end - st.begin for st in tensors)
+    log.debug("pretrained weights: %.1f MB checked for NaN/Inf in %.2f s", nbytes / 1e6, time.perf_counter() - t0)
 
 
 def check_shardable(spec: RunSpec, model: Any) -> None:

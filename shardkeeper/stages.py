@@ -37,6 +37,10 @@ log = logging.getLogger("shardkeeper")
 # performance (activation checkpointing, torch.compile, AdamW's implementation) changes how the ranks compute,
 # not the model, data order or update rule: not part of the run's identity.
 MUTABLE_SECTIONS = ("checkpoint", "eval", "performance", "script")
+# Fields of other sections that may change too: what happens to a non-finite step (it is never applied either way),
+# and the peak LR -- lowering it is the fix for a run whose loss blew up (trainer.nonfinite's line says so); the
+# schedule is a pure function of the step, so the run continues from its checkpoint on the new curve.
+MUTABLE_FIELDS = {"optim": ("lr", "on_nonfinite", "max_skipped")}
 
 
 def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = "local",
@@ -121,14 +125,24 @@ def prepare_run_dir(run_dir: RunDir, spec: RunSpec) -> RunSpec:
     old = spec_from_dict(load_yaml(run_dir.spec_path.read_text()) or {}, str(run_dir.spec_path))
     _check_same_model(run_dir, old, spec)
     old_d, new_d = old.model_dump(mode="json"), spec.model_dump(mode="json")
-    changed = sorted(k for k in new_d if new_d[k] != old_d[k] and k not in MUTABLE_SECTIONS)
+    changed = sorted(k for k in new_d if _fixed_part(k, new_d[k]) != _fixed_part(k, old_d[k]) and k not in MUTABLE_SECTIONS)
     if changed:
         k = changed[0]
         raise RunDirError(f"{run_dir.spec_path}: the run was started with a different {k} ({old_d[k]!r} vs {new_d[k]!r}); "
                           "resume with the run's own config, or start a new --run-dir")
+    if old.optim.lr != spec.optim.lr:
+        log.warning("optim.lr changes from %g to %g: the run continues from its latest checkpoint with the new peak "
+                    "learning rate", old.optim.lr, spec.optim.lr)
     if old_d != new_d:
         run_dir.spec_path.write_text(dump_run_spec(spec))
     return spec
+
+
+def _fixed_part(section: str, value: object) -> object:
+    """A RunSpec section without the fields that may change between segments (MUTABLE_FIELDS)."""
+    if not isinstance(value, dict) or section not in MUTABLE_FIELDS:
+        return value
+    return {k: v for k, v in value.items() if k not in MUTABLE_FIELDS[section]}
 
 
 def _check_same_model(run_dir: RunDir, old: RunSpec, new: RunSpec) -> None:
@@ -343,6 +357,9 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
     after = latest_valid(rd)
     rank_status = reported.status if reported and reported.status in ("completed", "preempted") else None
     note = reported.note if reported else None
+    # The ranks ended the segment as failed themselves (a non-finite loss or gradient: trainer.nonfinite): their
+    # one line is the failure, their exit code the segment's (torchrun turns any rank's code into 1).
+    rank_failure = reported if reported and reported.status == "failed" and reported.note else None
     if outcome.cancelled:
         # Cancellation wins even over a segment that completed meanwhile: nothing further may start.
         status = "cancelled"
@@ -359,15 +376,16 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
         status = "failed"
     if outcome.note and status != "failed" and note != outcome.note:
         note = f"{outcome.note}; {note}" if note else outcome.note
+    fallback = rank_failure.exit_code if rank_failure and rank_failure.exit_code else outcome.exit_code
     return SegmentResult(
         run_dir=str(rd.root), status=status,  # type: ignore[arg-type]
-        exit_code=exit_code_of(status, outcome.exit_code),
+        exit_code=exit_code_of(status, fallback),
         # The ranks may have fallen back past a checkpoint that failed to load: their start step wins, unless
         # the scheduler requeued the job and its last attempt resumed from a checkpoint of this segment.
         segment=seg, start_step=min(reported.start_step, start_step) if reported else start_step,
         end_step=after[1].step if after else 0,
         checkpoint=str(after[0]) if after else None, topology=topology, seconds=outcome.seconds,
-        failure=None if status != "failed" else _failure(outcome),
+        failure=None if status != "failed" else (rank_failure.note if rank_failure else _failure(outcome)),
         traceback=_script_traceback(rd) if status == "failed" else None,
         note=note if status != "failed" else None,
         scheduler_job=outcome.scheduler_job, scheduler_state=outcome.scheduler_state, requeues=outcome.requeues,

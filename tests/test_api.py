@@ -153,3 +153,13 @@ def test_segment_outside_a_segment_says_how_to_launch(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("error: sk.Segment(): not inside a shardkeeper segment")
     assert "shardkeeper train --script" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_script_logging_a_nan_loss_stops_without_committing_it(tmp_path: Path) -> None:
+    run = tmp_path / "nan"
+    r = sk("train", "--script", str(MODES), "--run-dir", str(run), "--until-step", "8", "--nproc", "2",
+           "--set", "checkpoint.interval=2", "--", "--mode", "nan", "--at", "4")
+    assert r.returncode == 65, r.stderr[-3000:]
+    assert "non-finite loss at step 5" in r.stderr and "step-00000004 stays the latest checkpoint" in r.stderr
+    assert committed(run) == ["step-00000002", "step-00000004"]
+    assert json.loads(sk("status", str(run), "--json").stdout)[0]["last_status"] == "failed"

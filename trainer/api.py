@@ -42,10 +42,15 @@ from trainer.signals import PreemptionWatcher
 
 log = logging.getLogger("shardkeeper.trainer")
 
-__all__ = ["Segment", "SegmentPreempted", "UsageError"]
+__all__ = ["Segment", "SegmentPreempted", "SegmentStopped", "UsageError"]
 
 LAUNCH_HINT = ("launch it with: shardkeeper train --script FILE --run-dir RUN --until-step N [--nproc K] "
                "(or pass sk.Segment(run_dir=..., until_step=...) under torchrun)")
+
+
+class SegmentStopped(SystemExit):
+    """Raised by ``Segment.steps()`` after it ended the segment itself (a non-finite step: report written, nothing
+    saved): the process exits with the segment's code."""
 
 
 class SegmentPreempted(SystemExit):
@@ -96,6 +101,8 @@ class Segment:
         self._row: dict[str, Any] = {}
         self._on_fresh: Callable[[], None] | None = None
         self.execution: dict[str, Any] | None = None  # how the ranks ran the math (the segment report records it)
+        self.final_note: Callable[[], str | None] | None = None  # a note for the report of a completed segment
+        self._start = 0
         self.state = TrainState()
         self.exit_code: int | None = None  # set when steps() has ended the segment
         self.entered = False
@@ -193,7 +200,7 @@ class Segment:
         self.state = ts
         timeline.mark("loaded")
         ckpt.warm_up(ts)
-        start = ts.step
+        start = self._start = ts.step
         if start >= self.until_step:
             log0(env, "nothing to do: the run is at step %d, --until-step is %d", start, self.until_step)
             self._end("completed", start, start)
@@ -220,7 +227,10 @@ class Segment:
                 line = progress.update(ts.step, float(loss) if isinstance(loss, (int, float)) else math.nan)
                 if line:
                     log0(env, "%s", line)
-            if watcher.should_stop():
+            stop, nonfinite = watcher.agree(self._nonfinite_logged())
+            if nonfinite:  # a script logged a NaN/Inf loss or gradient norm on some rank: never committed
+                raise SegmentStopped(self.end_nonfinite(self._nonfinite_step(ts.step)))
+            if stop:
                 log0(env, "preemption signal received: committing a checkpoint at step %d", ts.step)
                 ckpt.save(ts, reason="preempted", blocking=True)
                 timeline.mark("emergency_saved")
@@ -231,16 +241,46 @@ class Segment:
                 ckpt.save(ts, reason="interval")
         ckpt.save(ts, reason="end", blocking=True)
         ckpt.close()
-        self._end("completed", start, ts.step)
+        self._end("completed", start, ts.step, note=self.final_note() if self.final_note else None)
+
+    # ------------------------------------------------------------------ non-finite training (trainer.nonfinite)
+    def _nonfinite_logged(self) -> bool:
+        """A script's own loop: did this step log a NaN/Inf ``loss`` or ``grad_norm`` on this rank?"""
+        return self.spec.script is not None and any(
+            isinstance(self._row.get(k), float) and not math.isfinite(self._row[k]) for k in ("loss", "grad_norm"))
+
+    def _nonfinite_step(self, step: int) -> Any:
+        from trainer.nonfinite import NonFiniteStep
+
+        loss, norm = self._row.get("loss", math.nan), self._row.get("grad_norm", 0.0)
+        what = "loss" if not (isinstance(loss, (int, float)) and math.isfinite(loss)) else "gradient norm"
+        # the script has (most likely) applied the update already: the live state is never saved
+        return NonFiniteStep(step, what, loss=float(loss) if isinstance(loss, (int, float)) else math.nan,
+                             grad_norm=float(norm) if isinstance(norm, (int, float)) else math.nan, applied=True)
+
+    def end_nonfinite(self, err: Any, *, skipped: list[int] | None = None) -> int:
+        """End the segment at a non-finite step without saving it: close the Checkpointer (a save of an earlier step
+        in flight commits), report ``failed`` with one line, record the lineage event; returns EXIT_NONFINITE (65).
+        Every rank calls it."""
+        from trainer.nonfinite import end_segment
+
+        assert self._ckpt is not None
+        optimizer = self._objects.get("optimizer") if self.spec.script is not None else None
+        lr = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else self.spec.optim.lr
+        code = end_segment(err, ckpt=self._ckpt, run_dir=self.run_dir, is_rank0=self.env.is_rank0,
+                           segment=self.segment, start=self._start, lr=lr, write_status=self._end, skipped=skipped)
+        self.exit_code = code
+        return code
 
     def _start_fresh(self) -> TrainState:
         if self._on_fresh is not None:
             self._on_fresh()
         return TrainState()
 
-    def _end(self, status: str, start: int, end: int, note: str | None = None) -> None:
-        write_status(self.run_dir, self.env, self.segment, status, start, end, note, execution=self.execution)
-        self.exit_code = EXIT_PREEMPTED if status == "preempted" else 0
+    def _end(self, status: str, start: int, end: int, note: str | None = None, exit_code: int | None = None) -> None:
+        write_status(self.run_dir, self.env, self.segment, status, start, end, note, execution=self.execution,
+                     exit_code=exit_code)
+        self.exit_code = exit_code if exit_code is not None else (EXIT_PREEMPTED if status == "preempted" else 0)
 
 
 def load_spec(run_dir: RunDir) -> RunSpec:
@@ -256,7 +296,7 @@ def stopped_early_note(step: int, *, loaded: bool = True) -> str:
 
 
 def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start: int, end: int,
-                 note: str | None = None, execution: dict | None = None) -> None:
+                 note: str | None = None, execution: dict | None = None, exit_code: int | None = None) -> None:
     """The segment's report to the launcher (rank 0): a SegmentReport (schemas.seam), with the time every phase
     was reached (a collective: every rank's marks are gathered)."""
     import torch.distributed as dist
@@ -271,7 +311,7 @@ def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start
         ckpt = run_dir.checkpoint(end)
         SegmentReport(segment=segment, status=status, start_step=start, end_step=end,  # type: ignore[arg-type]
                       checkpoint=str(ckpt) if end and ckpt.exists() else None, world_size=env.world_size,
-                      topology=env.topology, note=note, execution=execution or None,
+                      topology=env.topology, note=note, exit_code=exit_code, execution=execution or None,
                       times=timeline.summarize(marks, launch.launched_at if launch else None)).write(run_dir.root)
 
 

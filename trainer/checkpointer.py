@@ -307,6 +307,11 @@ class Checkpointer:
         problems = [p for _, p in gathered if p]
         if problems:
             return problems[0]
+        bad = fp.first_nonfinite(fingerprint)
+        if bad is not None:  # a NaN/Inf in the state: its manifest could not even be read back
+            return (f"non-finite state at step {ts.step}: the norm of {bad} is NaN/Inf (NaN/Inf weights or optimizer "
+                    f"state, e.g. in the pretrained weights or from an overflowing update); nothing was committed, the "
+                    f"run resumes from step {self._resume_point()}")
         files = sorted((e for part, _ in gathered for e in part), key=lambda e: e.path)
         manifest = CheckpointManifest(
             format=self.FORMAT, run_name=self.spec.name, step=ts.step, tokens=ts.tokens, samples=ts.samples,

@@ -47,7 +47,9 @@ def ds_config(spec: RunSpec, world_size: int) -> dict[str, Any]:
         "zero_optimization": {"stage": spec.deepspeed.zero_stage},
         # torch.optim.AdamW is the client optimizer (the one the checkpoint contract covers)
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": spec.precision.compute == "bf16"},
+        # check_grad_overflow: engine.step drops a step whose global gradient norm is NaN/Inf (fp32 and ZeRO-3 always
+        # do); trainer.nonfinite relies on it so that no non-finite update is ever applied.
+        "bf16": {"enabled": spec.precision.compute == "bf16", "check_grad_overflow": True},
         "communication_data_type": "bf16" if spec.precision.reduce == "bf16" else "fp32",
         "steps_per_print": 1 << 40,
         "wall_clock_breakdown": False,
@@ -141,9 +143,19 @@ class DeepSpeedTrainer(Trainer):
             # DeepSpeed averages gradients over ranks (as FSDP does): scaling by the world size makes the
             # result the gradient of the mean over the *global* batch; the 1/accumulation is in
             # global_tokens already, so DeepSpeed must not divide again (scale_wrt_gas=False).
-            self.engine.backward(loss_sum * (self.env.world_size / global_tokens), scale_wrt_gas=False)
-            self.engine.step()  # an optimizer step only at the accumulation boundary
+            scale = self.env.world_size / global_tokens
+            # A non-finite loss on this rank (checked before its backward, on the device: no host sync) makes every
+            # gradient NaN; engine.step's own check of the global gradient norm (DeepSpeed's overflow check, on for
+            # fp32/bf16 ZeRO-1/2 and for ZeRO-3) then drops the update on every rank before the optimizer runs.
+            scale_t = torch.where(torch.isfinite(loss_sum.detach()), scale, float("nan"))
+            self.engine.backward(loss_sum * scale_t, scale_wrt_gas=False)
+            self.engine.step()  # an optimizer step only at the accumulation boundary (none for a non-finite norm)
             local_sum += loss_sum.detach().to("cpu", torch.float64)
         norm = self.engine.get_global_grad_norm()
         dist.all_reduce(local_sum, group=self.env.ctrl_group)
-        return float(local_sum) / global_tokens, float(norm if norm is not None else 0.0), lr
+        loss, grad_norm = float(local_sum) / global_tokens, float(norm if norm is not None else 0.0)
+        applied = self.engine.was_step_applied()
+        # Raises NonFiniteStep to stop (trainer.nonfinite); a skipped step needs nothing more: the engine dropped it
+        # and zeroed the gradients. Had the engine applied a non-finite step, the guard stops whatever the policy.
+        self.nonfinite.check(step + 1, loss, grad_norm, dropped=not applied, applied=applied)
+        return loss, grad_norm, lr

@@ -20,6 +20,7 @@ from trainer.api import Segment as ApiSegment, SegmentPreempted, load_spec
 from trainer.dcp_backend import DCPCheckpointer
 from trainer.data import GlobalOrderLoader, HeldOutLoader, open_prepared, open_tokens
 from trainer.dist import DistEnv, log0
+from trainer.nonfinite import NonFiniteGuard, NonFiniteStep
 from trainer.model import (build_model, hf_model_record, load_pretrained_shards, materialize, model_signature,
                            shard_model)
 from trainer.optim import WarmupCosine, build_optimizer, clip_grad_norm_
@@ -66,6 +67,7 @@ class Trainer:
         self.vocab = model.config.vocab_size
         self._open_data()
         self.tokens_per_step = self.spec.global_batch_size * self.spec.data.seq_len
+        self.nonfinite = NonFiniteGuard(self.spec.optim, is_rank0=env.is_rank0)
         return model
 
     def _open_data(self) -> None:
@@ -156,15 +158,19 @@ class Trainer:
             local_sum += loss_sum.detach().to("cpu", torch.float64)
         if phases is not None:
             phases["after_backward"] = _peak_mib(self.env)
+        # The global loss before the update: with the global gradient norm, the non-finite check (trainer.nonfinite)
+        # every rank reaches alike, before optimizer.step can apply a NaN.
+        dist.all_reduce(local_sum, group=self.env.ctrl_group)
+        loss = float(local_sum) / global_tokens
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.spec.optim.grad_clip)
         if phases is not None:
             phases["before_optimizer_step"] = _peak_mib(self.env)
-        self.optimizer.step()
+        if not self.nonfinite.check(step + 1, loss, grad_norm):  # raises NonFiniteStep to stop; True: skip the update
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if phases is not None:
             phases["batch_end"] = _peak_mib(self.env)
-        dist.all_reduce(local_sum, group=self.env.ctrl_group)
-        return float(local_sum) / global_tokens, grad_norm, lr
+        return loss, grad_norm, lr
 
     def run(self) -> int:
         """Train this segment through the public API (``trainer.api.Segment``): the same policy a user's script gets
@@ -173,23 +179,27 @@ class Trainer:
         seg = ApiSegment(run_dir=self.run_dir.root, until_step=self.until_step, segment=self.segment_index,
                          _env=self.env, _spec=self.spec)
         seg._attach(self.ckpt, on_fresh=self.start_fresh)
+        seg.final_note = self.nonfinite.note  # the status note counts skipped non-finite steps
         seg.execution = {k: self.diagnostics[k] for k in EXECUTION_KEYS if k in self.diagnostics}
         self.log_diagnostics()
         trained = 0
         try:
             for step in seg.steps(tokens_per_step=self.tokens_per_step, samples_per_step=self.spec.global_batch_size):
                 phases: dict[str, float | None] | None = {} if (self.env.device.type == "cuda" and trained < 3) else None
+                # a NaN/Inf loss or gradient raises NonFiniteStep before the update (trainer.nonfinite)
                 loss, gnorm, lr = self.train_step(step, phases)
                 trained += 1
                 if phases:
                     log0(self.env, "[FSDPDiagnostics] step %d peak MiB per phase: %s", step + 1, phases)
-                row: dict = {"loss": loss, "grad_norm": gnorm, "lr": lr}
+                row: dict = {"loss": loss, "grad_norm": gnorm, "lr": lr, **self.nonfinite.row()}
                 if self.spec.eval is not None and (step + 1) % self.spec.eval.interval == 0:
                     row.update(self.evaluate())
                     self._record_eval({"step": step + 1, **row})
                 seg.log(**row)
         except SegmentPreempted as e:
             return int(e.code)
+        except NonFiniteStep as e:  # stop here: nothing of this step is saved
+            return seg.end_nonfinite(e, skipped=self.nonfinite.skipped)
         return seg.exit_code or 0
 
     def _record_eval(self, row: dict) -> None:

@@ -7,7 +7,8 @@ Launched by ``shardkeeper train`` through torchrun; by hand, on 2 CPU ranks:
 
 (RUN_DIR must hold run.yaml; positional arguments only, because torchrun claims options that
 prefix its own.) Exit codes: 0 completed, 75 preempted (checkpoint committed, or nothing to save
-when stopped before the first step), 1 failed.
+when stopped before the first step), 65 a non-finite loss or gradient norm (nothing of that step saved;
+trainer.nonfinite), 1 failed.
 """
 
 from __future__ import annotations

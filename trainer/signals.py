@@ -43,6 +43,14 @@ class PreemptionWatcher:
         for sig, prev in self._previous.items():
             signal.signal(sig, prev)  # type: ignore[arg-type]
 
+    def agree(self, flag: bool) -> tuple[bool, bool]:
+        """One collective for two questions (MAX over ranks): did any rank get a stop signal, and is ``flag`` set
+        on any rank?"""
+        both = torch.tensor([1 if self._flag.is_set() else 0, 1 if flag else 0], dtype=torch.int32)
+        if self.group is not None:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(both[0].item()), bool(both[1].item())
+
     def should_stop(self) -> bool:
         flag = torch.tensor([1 if self._flag.is_set() else 0], dtype=torch.int32)
         if self.group is not None:

@@ -5,6 +5,7 @@
 --mode no-steps    build and track, but never enter seg.steps()
 --mode bad-track   track an object without state_dict()
 --mode break       leave the loop early at step --at
+--mode nan         log a NaN loss at step --at (the user's optimizer already stepped)
 --sleep S          sleep S seconds per step (to be preempted mid-run)
 """
 
@@ -66,6 +67,6 @@ for step in seg.steps():
     loss.backward()
     opt.step()
     opt.zero_grad()
-    seg.log(loss=float(loss), first=float(x[0, 0]))
+    seg.log(loss=float("nan") if a.mode == "nan" and step == a.at else float(loss), first=float(x[0, 0]))
     if a.sleep:
         time.sleep(a.sleep)
