@@ -68,13 +68,18 @@ def check_train_request(request: TrainExportRequest) -> RunSpec:
     """Everything about a train-and-export request that can be known before a task runs (no Prefect server
     needed): the config file, every segment's world size, the run directory, the model, the data and the
     memory of the largest segment. Raises a ShardkeeperError (one line); writes nothing."""
-    from shardkeeper.config import load_run_spec
+    from shardkeeper.config import train_spec, with_script
     from shardkeeper.preflight import preflight
-    from shardkeeper.stages import plan_topology as plan
+    from shardkeeper.stages import keep_run_script, plan_topology as plan
 
     if request.config is not None and not Path(request.config).is_file():
         _missing("config", request.config, "a RunSpec YAML file", "configs/tiny.yaml")
-    spec = request.spec if request.spec is not None else load_run_spec(request.config or "", request.overrides)
+    if request.spec is not None:
+        spec = with_script(request.spec, request.script, request.script_args)
+    else:
+        spec = train_spec(request.config, request.overrides, request.run_dir, script=request.script,
+                          script_args=request.script_args)
+    spec = keep_run_script(spec, request.run_dir)
     if request.export_dir is not None and Path(request.export_dir).is_file():
         raise ConfigError(f"export_dir {request.export_dir}: is a file; give a folder to create")
     topologies = {}

@@ -86,6 +86,8 @@ def train_and_export(
     segments: list[SegmentPlan] | None = None,
     overrides: list[str] = default(T, "overrides"),
     spec: RunSpec | None = None,
+    script: str | None = None,
+    script_args: list[str] = default(T, "script_args"),
     export_dtype: Literal["float32", "bfloat16", "float16"] = default(T, "export_dtype"),
     max_shard_size: str = default(T, "max_shard_size"),
     export_dir: str | None = None,
@@ -108,7 +110,8 @@ def train_and_export(
 def _train_and_export(request: TrainExportRequest) -> TrainExportSummary:
     logger = get_run_logger()
     check_train_request(request)  # before any task: a bad request fails with one line and writes nothing
-    spec: RunSpec = load_spec(request.config, request.spec, request.overrides, base_dir=request.base_dir)
+    spec: RunSpec = load_spec(request.config, request.spec, request.overrides, base_dir=request.base_dir,
+                              script=request.script, script_args=request.script_args)
     outcomes: list[SegmentOutcome] = []
     try:
         for i, plan in enumerate(request.segments):

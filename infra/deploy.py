@@ -61,7 +61,11 @@ def parse_segments(text: str) -> list[dict[str, int]]:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m infra.deploy", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, type=Path, help="RunSpec YAML of the run")
+    p.add_argument("--config", type=Path, default=None, help="RunSpec YAML of the run (optional with --script)")
+    p.add_argument("--script", type=Path, default=None, help="train with your own script (it uses "
+                   "shardkeeper.Segment), as shardkeeper train --script")
+    p.add_argument("--script-arg", dest="script_args", action="append", default=[], metavar="ARG",
+                   help="one argument of the script (repeatable, in order; --script-arg=--lr for one that starts with -)")
     p.add_argument("--run-dir", required=True, type=Path, help="run directory (created at the first segment)")
     p.add_argument("--segments", required=True, type=parse_segments, metavar="[NODESx]NPROC:STEP[,...]",
                    help="the deployment's default segments, e.g. 2:1000 or 2:1000,4:2000 or 2x4:1000 (2 nodes x 4)")
@@ -105,8 +109,9 @@ def requests(args: argparse.Namespace) -> tuple[Any, Any]:
     place = {"launcher": args.launcher, "slurm_partition": args.slurm_partition, "slurm_time_min": args.slurm_time_min}
     place = {k: v for k, v in place.items() if v is not None and v != "local"}
     segments = [{**seg, **place} for seg in args.segments]
-    train = TrainExportRequest(config=str(args.config), run_dir=str(args.run_dir), segments=segments,
-                               overrides=args.overrides, base_dir=base,
+    script = {"script": str(args.script), "script_args": args.script_args} if args.script is not None else {}
+    train = TrainExportRequest(config=str(args.config) if args.config is not None else None, run_dir=str(args.run_dir),
+                               segments=segments, overrides=args.overrides, base_dir=base, **script,
                                **{k: v for k, v in optional.items() if v is not None}).resolved()
     roots = [str(r) for r in args.roots] if args.roots else [str(Path(train.run_dir).parent)]
     resume = ResumeRequest(roots=roots, nproc=args.resume_nproc or args.segments[-1]["nproc"], base_dir=base, **place,
@@ -160,7 +165,7 @@ def deploy(args: argparse.Namespace) -> tuple[str, str]:
     common = dict(work_pool_name=args.pool, tags=["shardkeeper", name, *args.tag], enforce_parameter_schema=False)
     train_dep = prefect_flow.from_source(source=str(PROJECT), entrypoint=TRAIN_ENTRYPOINT).to_deployment(
         name=name, parameters=train.parameters(), **common,
-        description=f"Train {name} ({train.config}) in {train.run_dir}, then validate, export and publish. "
+        description=f"Train {name} ({train.script or train.config}) in {train.run_dir}, then validate, export and publish. "
                     "Parameters default to the values given at deploy time.")
     resume_dep = prefect_flow.from_source(source=str(PROJECT), entrypoint=RESUME_ENTRYPOINT).to_deployment(
         name=name, parameters=resume.parameters(), interval=args.resume_every or None,
@@ -173,7 +178,7 @@ def deploy(args: argparse.Namespace) -> tuple[str, str]:
 
 def _as_flags(message: str) -> str:
     """Name this command's flags in messages written for the flow's parameters."""
-    for param, flag in (("parameter config", "--config"), ("parameter run_dir", "--run-dir"),
+    for param, flag in (("parameter config", "--config"), ("parameter script", "--script"), ("parameter run_dir", "--run-dir"),
                         ("field segments", "--segments"), ("segments[", "--segments item [")):
         message = message.replace(param, flag)
     return message.replace(" (an absolute path, or relative to the parameter base_dir)", "")

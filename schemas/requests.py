@@ -84,6 +84,10 @@ class TrainExportRequest(_FlowParameters):
     config: str | None = Field(None, description="path of a RunSpec YAML, e.g. configs/tiny.yaml (or give spec)")
     spec: RunSpec | None = Field(None, description="an inline RunSpec instead of a config path")
     overrides: list[str] = Field(default_factory=list, description="key.path=value overrides, as the CLI's --set")
+    script: str | None = Field(None, description="train with your own script (it uses shardkeeper.Segment), as "
+                               "shardkeeper train --script; config or spec then give name, seed and checkpoint "
+                               "policy, or leave both out for the defaults")
+    script_args: list[str] = Field(default_factory=list, description="the script's arguments (sys.argv[1:])")
     run_dir: str = Field(min_length=1, description="run directory (created; resumed if it holds checkpoints)")
     segments: list[SegmentPlan] = Field(
         min_length=1, description="segments in order; until_step strictly increasing, each at its own world size"
@@ -106,7 +110,7 @@ class TrainExportRequest(_FlowParameters):
     )
     publish_revision: str | None = Field(None, description="branch to publish to (default: main)")
 
-    @field_validator("config", "run_dir", "export_dir", "publish_target", "publish_revision", "base_dir")
+    @field_validator("config", "script", "run_dir", "export_dir", "publish_target", "publish_revision", "base_dir")
     @classmethod
     def _paths_not_blank(cls, v: str | None, info: ValidationInfo) -> str | None:
         return _not_blank(v, str(info.field_name))
@@ -129,8 +133,13 @@ class TrainExportRequest(_FlowParameters):
 
     @model_validator(mode="after")
     def _check(self) -> TrainExportRequest:
-        if (self.config is None) == (self.spec is None):
-            raise ValueError("give exactly one of config (a RunSpec YAML path) or spec (an inline RunSpec)")
+        if self.config is not None and self.spec is not None:
+            raise ValueError("give one of config (a RunSpec YAML path) or spec (an inline RunSpec), not both")
+        if self.config is None and self.spec is None and self.script is None:
+            raise ValueError("give config (a RunSpec YAML path), spec (an inline RunSpec) or script (your training "
+                             "script)")
+        if self.script_args and self.script is None:
+            raise ValueError("script_args without script; give script (your training script) or drop script_args")
         if self.overrides and self.spec is not None:
             raise ValueError("overrides apply to a config file; put the values in the inline spec instead")
         steps = [s.until_step for s in self.segments]
@@ -144,6 +153,7 @@ class TrainExportRequest(_FlowParameters):
         """The same request with config, run_dir and export_dir absolute (against base_dir)."""
         b = self.base_dir
         return self.model_copy(update={"config": _absolute(self.config, b), "run_dir": _absolute(self.run_dir, b),
+                                       "script": _absolute(self.script, b),
                                        "export_dir": _absolute(self.export_dir, b)})
 
 

@@ -108,9 +108,7 @@ def train_spec(config: str | Path | None, overrides: list[str] | None, run_dir: 
                overrides_base: str | Path | None = None) -> RunSpec:
     """The RunSpec of a ``train``: ``config`` when given; else the run's own run.yaml (a resume); else, for a
     script run, the defaults (name from the script). ``script`` makes it a script run (its path made absolute)."""
-    from schemas import ScriptSpec
-
-    local_spec = Path(run_dir) / "run.yaml" if "://" not in str(run_dir) else None
+    local_spec = Path(run_dir) / "run.yaml" if str(run_dir) and "://" not in str(run_dir) else None
     if config is not None:
         spec = load_run_spec(config, overrides, overrides_base=overrides_base)
     elif local_spec is not None and local_spec.is_file():
@@ -125,11 +123,19 @@ def train_spec(config: str | Path | None, overrides: list[str] | None, run_dir: 
     else:
         raise ConfigError(f"--config: required for a new run ({run_dir} holds no run.yaml); pass --config "
                           "configs/tiny.yaml, or --script FILE to train with your own script")
-    if script is not None:
-        base = Path(overrides_base) if overrides_base else Path.cwd()
-        path = Path(script) if Path(script).is_absolute() else base / script
-        spec = spec.model_copy(update={"script": ScriptSpec(path=str(path.absolute()), args=list(script_args or []))})
-    return spec
+    return with_script(spec, script, script_args, base=overrides_base)
+
+
+def with_script(spec: RunSpec, script: str | Path | None, script_args: list[str] | None = None, *,
+                base: str | Path | None = None) -> RunSpec:
+    """``spec`` trained by ``script`` (its path made absolute against ``base``, default the working directory)."""
+    from schemas import ScriptSpec
+
+    if script is None:
+        return spec
+    folder = Path(base) if base else Path.cwd()
+    path = Path(script) if Path(script).is_absolute() else folder / script
+    return spec.model_copy(update={"script": ScriptSpec(path=str(path.absolute()), args=list(script_args or []))})
 
 
 def resolve_config_paths(raw: dict[str, Any], base: Path, *, only: set[str] | None = None,

@@ -38,14 +38,17 @@ class CheckpointInvalid(CheckpointError):
 
 @task(name="load-run-spec", cache_policy=NO_CACHE)
 def load_spec(config: str | None = None, spec: RunSpec | None = None, overrides: list[str] | None = None,
-              run_dir: str | None = None, base_dir: str | None = None) -> RunSpec:
+              run_dir: str | None = None, base_dir: str | None = None, script: str | None = None,
+              script_args: list[str] | None = None) -> RunSpec:
     """The RunSpec from a YAML file (plus ``key=value`` overrides), as given inline, or the one a run
     directory was trained with (its run.yaml). Relative paths in ``overrides`` resolve against ``base_dir``
     (the flow parameter), not the worker's working directory."""
-    from shardkeeper.config import load_run_spec
+    from shardkeeper.config import load_run_spec, train_spec, with_script
 
     if spec is not None:
-        return spec
+        return with_script(spec, script, script_args, base=base_dir)
+    if script is not None and run_dir is None:  # a script run: the config is optional
+        return train_spec(config, overrides, "", script=script, script_args=script_args, overrides_base=base_dir)
     if run_dir is not None and "://" in run_dir:  # a run on the store: its run.yaml, pulled into the cache
         from shardkeeper.remote import lineage_source
 

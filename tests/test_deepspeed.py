@@ -187,7 +187,7 @@ def _stalled_segment(run: str, until: int, segment: int, stall: int, marks: str)
     import threading
     import time
 
-    import trainer.ds_backend as ds
+    import trainer.ds_checkpointer as ds
 
     real = ds.save_torch
 

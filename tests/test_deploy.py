@@ -173,3 +173,15 @@ def test_preemption_event_triggers_the_resume_automation(deployed: dict[str, Any
     latency = (done.start_time - datetime.fromisoformat(preempted["occurred"].replace("Z", "+00:00"))).total_seconds()
     print(f"\nautomation: resume flow run started {latency:.1f} s after the preemption event")
     assert latency <= AUTOMATION_GOAL_S, f"resume started {latency:.1f} s after the preemption event"
+
+
+def test_deploy_takes_a_script_without_a_config(tmp_path: Path) -> None:
+    """infra.deploy --script (no --config): the train-and-export deployment's parameters carry the script (absolute)
+    and its arguments in order; the resume deployment needs neither (the run remembers its script)."""
+    from infra.deploy import _parse, requests
+
+    train, resume = requests(_parse(["--script", "examples/fsdp2_loop.py", "--script-arg=--lr", "--script-arg",
+                                     "1e-3", "--run-dir", str(tmp_path / "own"), "--segments", "2:10"]))
+    params = train.parameters()
+    assert "config" not in params and params["script"] == str(Path.cwd() / "examples" / "fsdp2_loop.py")
+    assert params["script_args"] == ["--lr", "1e-3"] and resume.nproc == 2

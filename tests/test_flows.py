@@ -353,3 +353,22 @@ def test_only_publish_retries_and_never_on_user_errors() -> None:
         assert not other.retries, other.name
     assert t._retry_unless_user_error(t.publish, None, Failed(data=ConnectionError("reset"))) is True
     assert t._retry_unless_user_error(t.publish, None, Failed(data=PublishError("not a repo id"))) is False
+
+
+def test_train_and_export_runs_a_users_script_in_segments(prefect_server: Any, tmp_path: Path) -> None:
+    """train-and-export with script= (no config): two segments at 2 then 1 ranks of a user's transformers loop,
+    then deep validation, export (a from_pretrained folder) and lineage, as for the built-in trainer."""
+    run = tmp_path / "own"
+    request = TrainExportRequest(script=str(ROOT / "examples" / "hf_model_loop.py"), script_args=["--batch", "4"],
+                                 overrides=["checkpoint.interval=2"], run_dir=str(run),
+                                 segments=[SegmentPlan(nproc=2, until_step=3), SegmentPlan(nproc=1, until_step=5)],
+                                 export_dtype="float32", backoff_s=0)
+    summary, _ = run_flow(request)
+    assert summary.status == "completed" and summary.final_checkpoint.endswith("step-00000005")
+    export = Path(summary.export.out_dir)
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and (export / "model.safetensors").is_file()
+    spec = (run / "run.yaml").read_text()
+    assert "hf_model_loop.py" in spec and "--batch" in spec
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["world_size"] for r in rows] == [2, 2, 2, 1, 1]
