@@ -207,7 +207,8 @@ class ScriptSpec(_Frozen):
     """A user's training script run as the segment's ranks (``shardkeeper train --script``): it trains with the
     public API (``shardkeeper.Segment``); the model, data, optim, schedule, precision and eval sections do not apply."""
 
-    path: str = Field(min_length=1, description="absolute path of the Python script every rank runs as __main__")
+    path: str = Field(min_length=1, description="the Python script every rank runs as __main__: an absolute path (made "
+                      "so by shardkeeper train), or one relative to the ranks' working directory (a path in a container image)")
     args: list[str] = Field(default_factory=list, description="its command-line arguments (sys.argv[1:])")
 
 

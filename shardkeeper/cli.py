@@ -384,11 +384,15 @@ def _show_states(path: str, states: list, as_json: bool, *, single_url: str) -> 
     out.print(table)
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def manifest(
-    config: Annotated[Path, typer.Option(help="RunSpec YAML, e.g. configs/tiny.yaml")],
+    ctx: typer.Context,
     run_dir: Annotated[str, typer.Option(help="run directory as the pods see it: NAME (under /runs on the PVC) or "
                                               "an absolute path (the PVC is mounted at its parent)")],
+    config: Annotated[Optional[Path], typer.Option(help="RunSpec YAML, e.g. configs/tiny.yaml (optional with "
+                                                       "--script)")] = None,
+    script: Annotated[Optional[str], typer.Option(help="train with your own script (shardkeeper.Segment): its path "
+                                                       "inside the image; its arguments follow --")] = None,
     nodes: Annotated[int, typer.Option(help="pods (one torchrun each)")] = 1,
     nproc: Annotated[int, typer.Option(help="ranks per pod (GPUs per pod with --device cuda)")] = 1,
     until_step: Annotated[int, typer.Option(help="train until this many optimizer steps are done")] = 20,
@@ -408,7 +412,7 @@ def manifest(
     from launch.base import LaunchRequest
     from launch.kubernetes import K8sOptions, describe, render_validated, to_yaml
     from schemas import ClusterTopology
-    from shardkeeper.config import load_run_spec
+    from shardkeeper.config import train_spec
 
     for flag, value in (("--nodes", nodes), ("--nproc", nproc), ("--until-step", until_step)):
         if value < 1:
@@ -417,9 +421,16 @@ def manifest(
         raise ShardkeeperError(f"--segment {segment}: must be 0 or more")
     if device not in ("cpu", "cuda"):
         raise ShardkeeperError(f"--device {device!r}: choose cuda or cpu")
-    spec = load_run_spec(config, set_)
+    if config is None and script is None:
+        raise ShardkeeperError("--config or --script: give the run's RunSpec YAML, or your training script")
+    if ctx.args and script is None:
+        raise ShardkeeperError(f"unexpected argument {ctx.args[0]!r}; script arguments go after --script FILE --")
+    spec = train_spec(config, set_, "", script=script, script_args=list(ctx.args))
+    if script is not None and not script.startswith("/"):  # a path inside the image: keep it as given there
+        spec = spec.model_copy(update={"script": spec.script.model_copy(update={"path": script})})  # type: ignore[union-attr]
     try:
-        spec.per_rank_batch(nodes * nproc)
+        if spec.script is None:  # a script splits its own batches
+            spec.per_rank_batch(nodes * nproc)
     except ValueError as e:
         why = str(e).replace("choose --nproc among", "choose --nodes x --nproc among")
         raise ShardkeeperError(f"--nodes {nodes} --nproc {nproc}: {why}") from None

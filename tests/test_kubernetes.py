@@ -261,3 +261,16 @@ def test_names_and_paths_from_user_text_stay_apart_and_literal() -> None:
     odd = LaunchRequest(run_dir=Path("/data/x$(MASTER_ADDR)y"), until_step=4, segment=0, topology=topo)
     cmd = torchrun_command(odd, "h:29400", "id", 60, "$(PET_NODE_RANK)", "1")
     assert "/data/x$$(MASTER_ADDR)y" in cmd and "--node-rank=$(PET_NODE_RANK)" in cmd
+
+
+def test_cli_manifest_of_a_users_script_carries_it_in_run_yaml(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--script without --config: the pods' run.yaml names the script (a path inside the image, kept as given) and
+    its arguments after --; the world size is the script's business (no batch divisibility check)."""
+    out = tmp_path / "seg.yaml"
+    assert main(["manifest", "--script", "/app/train.py", "--run-dir", "own", "--nodes", "3", "--nproc", "1",
+                 "--device", "cpu", "--out", str(out), "--", "--lr", "1e-3"]) == 0
+    config_map, job = yaml.safe_load_all(out.read_text())
+    spec = yaml.safe_load(config_map["data"]["run.yaml"])
+    assert spec["script"] == {"path": "/app/train.py", "args": ["--lr", "1e-3"]} and world_size_of(job) == 3
+    assert main(["manifest", "--run-dir", "own", "--out", str(out)]) == 2
+    assert "--config or --script" in capsys.readouterr().err
