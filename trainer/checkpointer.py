@@ -519,6 +519,10 @@ class Checkpointer:
             raise CheckpointError(f"{path}: a {manifest.format} checkpoint cannot be loaded by the {self.BACKEND} "
                                   f"backend; convert it first: shardkeeper convert {path} --to {self.FORMAT} NEW_RUN_DIR")
         if manifest.model_signature != self.signature:
+            if self.spec.script is not None:
+                raise CheckpointError(f"{path}: written by another model (its parameter names or shapes differ from "
+                                      "those of the model the script tracks now); track the run's own model, or start a "
+                                      "new --run-dir")
             raise CheckpointError(f"{path}: written by another architecture (model signature differs from "
                                   f"{self.spec.model.model_type} {self.spec.model.config}); use a new --run-dir")
         changed = data_change(manifest.data, self.data) if manifest.data and self.data else None
