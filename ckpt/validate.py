@@ -518,16 +518,22 @@ def checked_manifest(ckpt_dir: str | Path, *, deep: bool = False) -> CheckpointM
 
 def latest_valid(run_dir: RunDir) -> tuple[Path, CheckpointManifest] | None:
     """Newest committed checkpoint that passes quick validation, with the manifest validated; invalid ones
-    are logged and skipped, and so (quietly) are those a writer retires meanwhile."""
-    for path in reversed(run_dir.committed()):
-        report, raw = _checked(path, False, listed=True)
-        manifest = _manifest_of(path, raw) if report.valid else None
-        if manifest is not None:
-            return path, manifest
-        if report.valid or report.retired:
-            log.debug("skipping %s: retired while being read", path.name)
-        else:
-            log.warning("skipping invalid checkpoint %s: %s", path.name, report.errors[0])
+    are logged and skipped, and so (quietly) are those a writer retires meanwhile. When every one listed was
+    retired while this looked, the newer ones committed meanwhile are listed again (a few times)."""
+    for _ in range(3):
+        retired = False
+        for path in reversed(run_dir.committed()):
+            report, raw = _checked(path, False, listed=True)
+            manifest = _manifest_of(path, raw) if report.valid else None
+            if manifest is not None:
+                return path, manifest
+            if report.valid or report.retired:
+                log.debug("skipping %s: retired while being read", path.name)
+                retired = True
+            else:
+                log.warning("skipping invalid checkpoint %s: %s", path.name, report.errors[0])
+        if not retired:
+            return None
     return None
 
 
