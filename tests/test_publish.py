@@ -910,21 +910,22 @@ def test_publish_s3_moto_server_interrupted_upload_leaves_no_marker(
     export = make_export(tmp_path, value=4.0)  # new bytes under the same name
 
     fs = fsspec.filesystem("s3", **options)  # fsspec caches instances: publish_to_fsspec gets this one
-    real_put = fs.put_file
+    real_open = fs.open
     done: list[str] = []
 
-    def flaky_put(lpath: str, rpath: str, *args: Any, **kwargs: Any) -> Any:
-        if len(done) == 1:
-            raise PermissionError("connection dropped")
-        done.append(rpath)
-        return real_put(lpath, rpath, *args, **kwargs)
+    def flaky_open(path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:  # each file is uploaded through it
+        if "w" in mode:
+            if len(done) == 1:
+                raise PermissionError("connection dropped")
+            done.append(path)
+        return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(fs, "put_file", flaky_put)
+    monkeypatch.setattr(fs, "open", flaky_open)
     with pytest.raises(PublishError, match=f"cannot write s3://{bucket}/m/step-00000100"):
         pub.publish_to_fsspec(export, url, storage_options=options)
     assert pub.read_publish_marker(folder, storage_options=options) is None  # old marker gone first: incomplete
 
-    monkeypatch.setattr(fs, "put_file", real_put)
+    monkeypatch.setattr(fs, "open", real_open)
     assert pub.publish_to_fsspec(export, url, storage_options=options).skipped is False
     assert pub.read_publish_marker(folder, storage_options=options)["files"]["model.safetensors"]["sha256"] == _sha(
         export / "model.safetensors")
