@@ -328,7 +328,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120.0, help="bound on each loop's time")
     ap.add_argument("--deep-every", type=int, default=3)
     ap.add_argument("--export-every", type=int, default=5)
-    ap.add_argument("--pause", type=float, default=0.02, help="seconds the writer waits after each commit+retire")
+    ap.add_argument("--pause", type=float, default=0.1, help="seconds the writer waits after each commit+retire")
     ap.add_argument("--cli", type=int, default=8, help="CLI calls (status, validate, lineage, export in turn)")
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--s3-fraction", type=int, default=6, help="s3 iterations: --calls divided by this")

@@ -114,8 +114,12 @@ def test_readers_beside_a_live_writer(source_run: Path, live_run: Path, tmp_path
     assert not failures, f"{len(failures)} failures, first: {failures[:3]} (outcomes {dict(outcomes)})"
     assert writer.retired + writer.quarantined >= 10, "the writer barely ran: the test proved nothing"
     assert outcomes["quick valid"] > 0, outcomes
+    # the writer stopped: a deep validation of a checkpoint that stays is recorded, valid
+    st = stages.run_state(live_run)
+    assert st.checkpoint is not None and stages.validate_checkpoint(st.checkpoint, deep=True).valid
     events = read_events(live_run)
     verdicts = [e for e in events if e.kind == "validate"]
+    assert verdicts and verdicts[-1].step == st.step
     assert all(e.data["valid"] for e in verdicts), [e for e in verdicts if not e.data["valid"]][:2]
     assert sum(e.kind == "export" for e in events) == exports_done
 
