@@ -21,7 +21,8 @@ from ckpt.lock import RunLock
 from ckpt.registry import get_format
 from ckpt.manifest import read_manifest
 from ckpt.retention import sweep_leftovers
-from ckpt.validate import WatchedDir, checked_manifest, invalid_committed, latest_valid, retired_message, validate
+from ckpt.validate import (WatchedDir, checked_manifest, invalid_committed, latest_valid, retired_message, validate,
+                           was_committed)
 from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher
 from schemas.seam import SegmentReport, SegmentTimes, exit_code_of
 from schemas import (CheckpointManifest, ClusterTopology, PreparedData, ReshardResult, RunSpec, SegmentResult,
@@ -399,7 +400,12 @@ def reshard(ckpt_dir: str | Path, world_size: int) -> ReshardResult:
         res = reshard(local, world_size)
         return res.model_copy(update={"source": str(ckpt_dir)})
     ckpt_dir = Path(ckpt_dir)
-    manifest = read_manifest(ckpt_dir)
+    try:
+        manifest = read_manifest(ckpt_dir)
+    except CheckpointError:
+        if not ckpt_dir.is_dir() and was_committed(ckpt_dir):  # the run's retention took it: say so
+            raise CheckpointRetired(retired_message(ckpt_dir)) from None
+        raise
     try:  # the next segment must be able to split the global batch, whatever the format
         manifest.run_spec.per_rank_batch(world_size)
     except ValueError as e:

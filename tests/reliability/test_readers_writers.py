@@ -259,6 +259,8 @@ def test_convert_of_a_checkpoint_retired_mid_read(source_run: Path, live_run: Pa
     with pytest.raises(CheckpointRetired):  # retired before the call
         stages.convert_checkpoint(path, "deepspeed", step_out)
     assert not step_out.parent.exists()
+    with pytest.raises(CheckpointRetired):
+        stages.reshard(path, 1)
 
 
 # ------------------------------------------------------------------------------------------ two writers of a folder
