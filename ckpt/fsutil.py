@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -59,6 +60,41 @@ def quarantine(path: str | os.PathLike[str], why: str = "") -> Path:
     fsync_dir(path.parent)
     log.warning("moved %s aside to %s%s", path.name, aside.name, f" ({why})" if why else "")
     return aside
+
+
+_RENAME_NOREPLACE = 1  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def rename_noreplace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Rename ``src`` to ``dst`` in one step that never replaces anything: FileExistsError when ``dst`` exists.
+    Linux ``renameat2(RENAME_NOREPLACE)``; where that is missing or the file system refuses the flag, a check
+    then a rename (callers that race each other hold a lock around it)."""
+    import ctypes
+    import errno
+
+    fn = getattr(_libc(), "renameat2", None)
+    if fn is not None:
+        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), str(dst))
+        if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise OSError(err, os.strerror(err), str(src))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
+
+
+@functools.cache
+def _libc():  # type: ignore[no-untyped-def]
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

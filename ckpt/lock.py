@@ -74,10 +74,8 @@ class RunLock:
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+        holder = _take_exclusive(fd)
+        if holder is not None:
             os.close(fd)
             try:
                 who = json.loads(holder)
@@ -86,16 +84,19 @@ class RunLock:
                 desc = "another process"
             raise RunLockedError(
                 f"{self.path.parent}: run directory is locked by {desc}; wait for that segment to end or use another --run-dir"
-            ) from None
-        try:
-            self._wait_for_ranks_gone()
-        except BaseException:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-            raise
+            )
+        # Who holds it, written at once: a lock held with an empty file is a reader's probe (``is_locked``),
+        # which the next acquire waits out instead of failing.
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         os.ftruncate(fd, 0)
         os.pwrite(fd, info.encode(), 0)
+        try:
+            self._wait_for_ranks_gone()
+        except BaseException:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise
         self._fd = fd
         return self
 
@@ -127,7 +128,11 @@ class RunLock:
             self._fd = None
 
     def is_locked(self) -> bool:
-        """True if some other process holds the lock now, or ranks of a segment are still alive."""
+        """True if some other process holds the lock now, or ranks of a segment are still alive.
+
+        A probe never makes a writer fail: flock has no test, so the probe takes a shared flock for a moment;
+        ``acquire`` finds it held with an empty lock file (a holder writes who it is at once) and waits it out,
+        and the ranks poll for theirs."""
         return _held(self.path, fcntl.LOCK_SH) or _held(self.ranks_path, fcntl.LOCK_EX)
 
     def __enter__(self) -> RunLock:
@@ -135,6 +140,25 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+# How long ``acquire`` waits out a lock held with an empty lock file (a probe holds it for microseconds; a
+# real holder writes who it is right after taking it).
+PROBE_WAIT_S = 2.0
+
+
+def _take_exclusive(fd: int) -> str | None:
+    """Exclusive flock on ``fd``: None once taken, else the holder's record (what it wrote into the file)."""
+    deadline = time.monotonic() + PROBE_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+            if holder or time.monotonic() >= deadline:
+                return holder
+            time.sleep(0.001)
 
 
 def _held(path: Path, mode: int) -> bool:

@@ -37,7 +37,7 @@ from ckpt.fsutil import fsync_dir, mkdir_durable
 from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, parse_step, step_dir_name
 from schemas import MANIFEST_NAME, MANIFEST_SCHEMA_VERSION, CheckpointManifest
-from schemas.errors import CheckpointError, ShardkeeperError
+from schemas.errors import CheckpointError, CheckpointRetired, ShardkeeperError
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,10 @@ class RemoteRun:
             try:
                 manifest = self.manifest(step)
             except CheckpointError as e:
-                log.warning("skipping %s: %s", self.checkpoint_uri(step), e)
+                if "missing" in str(e) and not self._exists(f"checkpoints/{step_dir_name(step)}/{MANIFEST_NAME}"):
+                    log.debug("skipping %s: retired since it was listed", self.checkpoint_uri(step))
+                else:
+                    log.warning("skipping %s: %s", self.checkpoint_uri(step), e)
                 continue
             problem = self.check_sizes(step, manifest, objects[step])
             if problem is None:
@@ -412,12 +415,53 @@ class RemoteRun:
         checked for size and xxh3-128 against the manifest, then the manifest written and the folder renamed
         into place. Returns the local folder (at once if the cache already holds this very commit, unless
         ``fresh``: then the store's objects are downloaded and checked anyway, as a deep validation must)."""
-        raw = self._call("read it", self._read_manifest_bytes, step)
+        try:
+            raw = self._call("read it", self._read_manifest_bytes, step)
+        except CheckpointError:
+            if self.was_committed(step):
+                raise CheckpointRetired(self.retired_message(step)) from None
+            raise
         manifest = parse_manifest(raw, f"{self.checkpoint_uri(step)}/{MANIFEST_NAME}")
         final = self.local.checkpoint(step)
         cached = (final / MANIFEST_NAME).is_file() and (final / MANIFEST_NAME).read_bytes() == raw
         if cached and not fresh:
             return final
+        try:
+            return self._download(step, raw, manifest, final, cached)
+        except (CheckpointError, ObjectStoreError, FileNotFoundError):
+            # Retention on the store deletes the manifest first, then the files: a download that lost them
+            # because the checkpoint was retired meanwhile says so, not that the checkpoint is broken.
+            now = self._manifest_now(step)
+            if now is None or (now and now != raw):
+                raise CheckpointRetired(self.retired_message(step)) from None
+            raise
+
+    def _manifest_now(self, step: int) -> bytes | None:
+        try:
+            return self.fs.cat_file(self.key(f"checkpoints/{step_dir_name(step)}/{MANIFEST_NAME}"))
+        except FileNotFoundError:
+            return None
+        except Exception:  # noqa: BLE001 - unsure: not taken for retired
+            return b""
+
+    def _exists(self, rel: str) -> bool:
+        try:
+            return bool(self.fs.exists(self.key(rel)))
+        except Exception:  # noqa: BLE001
+            return True
+
+    def was_committed(self, step: int) -> bool:
+        """The run's lineage (pulled into the cache) names this checkpoint: a missing manifest means retired."""
+        try:
+            return f'"checkpoint:{step_dir_name(step)}"'.encode() in self.local.lineage.read_bytes()
+        except OSError:
+            return False
+
+    def retired_message(self, step: int) -> str:
+        return (f"{self.checkpoint_uri(step)}: retired by the run's writer (retention on the store) while or before "
+                f"it was read; pick a newer step, `shardkeeper status {self.url}` lists them")
+
+    def _download(self, step: int, raw: bytes, manifest: CheckpointManifest, final: Path, cached: bool) -> Path:
         rel_dir = f"checkpoints/{step_dir_name(step)}"
         problem = self.check_sizes(step, manifest, self._objects(rel_dir))
         if problem:
@@ -442,14 +486,28 @@ class RemoteRun:
             for path in [*expected, stage / MANIFEST_NAME]:
                 _fsync(path)
             fsync_dir(stage)
+            if self._holds(final, raw):  # another reader of this cache pulled the same commit meanwhile
+                return final
             if final.exists():  # a different local commit of this step: the store's committed one wins
                 final.rename(final.with_name(f"{final.name}.invalid-{int(time.time())}"))
-            os.rename(stage, final)
+            try:
+                os.rename(stage, final)
+            except OSError:
+                if self._holds(final, raw):
+                    return final
+                raise
             fsync_dir(self.local.checkpoints)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
         log.info("downloaded %s into %s", self.checkpoint_uri(step), final)
         return final
+
+    @staticmethod
+    def _holds(final: Path, raw: bytes) -> bool:
+        try:
+            return (final / MANIFEST_NAME).read_bytes() == raw
+        except OSError:
+            return False
 
     def _read_manifest_bytes(self, step: int) -> bytes:
         try:

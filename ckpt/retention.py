@@ -26,7 +26,7 @@ from ckpt.validate import is_verified, validate
 log = logging.getLogger(__name__)
 
 KEEP_INVALID = 2  # quarantined checkpoints kept for inspection; older ones are swept
-_EXPORT_TMP_RE = re.compile(r"^\..+\.(?:export|replaced)-(\d+)$")  # ckpt.export's temp and replaced folders
+_EXPORT_TMP_RE = re.compile(r"^\..+\.(?:export|replaced)-(\d+)(?:-[0-9a-f]+)?$")  # ckpt.export's temp and replaced folders
 
 
 def plan_retention(steps: list[int], valid: set[int], *, keep_last: int, keep_every: int | None,

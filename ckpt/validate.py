@@ -38,7 +38,7 @@ from pathlib import Path
 import xxhash
 
 from ckpt import fingerprint as fp
-from schemas.errors import CheckpointError
+from schemas.errors import CheckpointError, CheckpointRetired
 from ckpt.fsutil import atomic_write_json, mkdir_durable
 from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, parse_step
@@ -246,8 +246,9 @@ def _sha256(path: Path) -> tuple[bytes, bytes] | None:
     return data, hashlib.sha256(data).digest()
 
 
-def _known(ckpt_dir: Path) -> _Known | None:
-    """The remembered pass for exactly the bytes now in ``ckpt_dir``'s manifest.json and layout inputs, if any."""
+def _known(ckpt_dir: Path) -> tuple[_Known, bytes] | None:
+    """The remembered pass for exactly the bytes now in ``ckpt_dir``'s manifest.json and layout inputs, if any,
+    with those manifest bytes."""
     if ckpt_dir.name.endswith(".partial"):
         return None
     got = _sha256(ckpt_dir / MANIFEST_NAME)
@@ -263,7 +264,7 @@ def _known(ckpt_dir: Path) -> _Known | None:
         now = _sha256(ckpt_dir / name)
         if now is None or now[1] != digest:
             return None
-    return known
+    return known, got[0]
 
 
 def _remember(manifest_digest: bytes, manifest: CheckpointManifest, inputs: tuple[tuple[str, bytes], ...]) -> None:
@@ -308,13 +309,117 @@ def _manifest_from(ckpt_dir: Path, raw: bytes) -> CheckpointManifest | None:
 
 def validate(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:
     """Check a checkpoint. Quick: manifest, paths, file list, sizes and cross-checks. Deep: also every
-    byte's checksum, the stored counters and the fingerprint of the stored tensors."""
+    byte's checksum, the stored counters and the fingerprint of the stored tensors.
+
+    A checkpoint that a writer retires or quarantines while (or before) it is read gets a report with
+    ``retired=True`` and one line saying so: never a verdict on its bytes (see ``_checked``)."""
+    return _checked(Path(ckpt_dir), deep)[0]
+
+
+# ------------------------------------------------------------------------------------------ readers beside writers
+# Readers (status, lineage, validate, export, the scans) run beside a training segment whose retention renames a
+# checkpoint to ``.deleting`` and removes it, or whose failed load renames it to ``.invalid-<time>``, at any
+# moment. A reader notes the directory's identity before it reads and looks again when a check fails: a
+# directory that is no longer the one it started on was retired meanwhile -- reported as that, never as corrupted.
+def dir_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the directory at ``path`` now; None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+
+
+class WatchedDir:
+    """The directory at ``path`` held open while it is read: ``vanished()`` says whether the path still leads to
+    it. (Held open, its inode number cannot be handed to a checkpoint committed again at the same step.)"""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self.identity: tuple[int, int] | None = None
+        try:
+            self._fd: int | None = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            self._fd = None
+        else:
+            st = os.fstat(self._fd)
+            self.identity = (st.st_dev, st.st_ino)
+
+    @property
+    def existed(self) -> bool:
+        return self.identity is not None
+
+    def vanished(self) -> bool:
+        """True when the directory that was at the path (a retired or quarantined checkpoint) is no longer there."""
+        return self.identity is not None and dir_identity(self.path) != self.identity
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> WatchedDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def retired_message(ckpt_dir: Path) -> str:
+    run = ckpt_dir.parent.parent if ckpt_dir.parent.name == "checkpoints" else None
+    lists = f"`shardkeeper status {run}` lists them" if run is not None else "`shardkeeper status RUN_DIR` lists them"
+    return (f"{ckpt_dir}: retired or quarantined by the run's writer while being read (retention keeps only the "
+            f"newest checkpoints of a training run); pick a newer step, {lists}")
+
+
+def was_committed(ckpt_dir: Path) -> bool:
+    """A missing step directory that was a checkpoint: retention or a quarantine left a sibling, or the run's
+    lineage names it."""
+    if parse_step(ckpt_dir.name) is None or not ckpt_dir.parent.is_dir():
+        return False
+    try:
+        if any(e.name == ckpt_dir.name + ".deleting" or e.name.startswith(ckpt_dir.name + ".invalid-")
+               for e in os.scandir(ckpt_dir.parent)):
+            return True
+        return f'"checkpoint:{ckpt_dir.name}"'.encode() in (ckpt_dir.parent.parent / "lineage.jsonl").read_bytes()
+    except OSError:
+        return False
+
+
+def _retired(ckpt_dir: Path, deep: bool, t0: float) -> ValidationReport:
+    return ValidationReport(path=str(ckpt_dir), valid=False, deep=deep, retired=True, errors=[retired_message(ckpt_dir)],
+                            step=parse_step(ckpt_dir.name), seconds=time.perf_counter() - t0)
+
+
+def _checked(ckpt_dir: Path, deep: bool, *, listed: bool = False) -> tuple[ValidationReport, bytes | None]:
+    """``validate``, and the bytes of the manifest its verdict is about (None when it kept none). ``listed``: the
+    directory was just listed as committed, so a missing one was retired (not a wrong path)."""
     t0 = time.perf_counter()
-    ckpt_dir = Path(ckpt_dir)
+    with WatchedDir(ckpt_dir) as watched:
+        if not watched.existed and (listed or was_committed(ckpt_dir)):
+            return _retired(ckpt_dir, deep, t0), None
+        try:
+            report, raw = _validate_once(ckpt_dir, deep, t0)
+        except Exception as e:
+            if watched.vanished():
+                return _retired(ckpt_dir, deep, t0), None
+            if not isinstance(e, FileNotFoundError):
+                raise
+            where = e.filename or ckpt_dir
+            return ValidationReport(path=str(ckpt_dir), valid=False, deep=deep, step=parse_step(ckpt_dir.name),
+                                    errors=[f"{where}: disappeared while being read, though its checkpoint is still "
+                                            "there; something deletes files inside committed checkpoints, pick "
+                                            "another step"], seconds=time.perf_counter() - t0), None
+        if not report.valid and watched.vanished():
+            return _retired(ckpt_dir, deep, t0), None
+        return report, raw
+
+
+def _validate_once(ckpt_dir: Path, deep: bool, t0: float) -> tuple[ValidationReport, bytes | None]:
     if not deep:
-        known = _known(ckpt_dir)
-        if known is not None:
-            return _revalidate(ckpt_dir, known, t0)
+        found = _known(ckpt_dir)
+        if found is not None:
+            return _revalidate(ckpt_dir, found[0], t0), found[1]
     # The manifest and the layout inputs are read once; the checks run on those bytes, and a pass is
     # remembered for their digests -- so only bytes that were checked can ever be vouched for.
     got = None if ckpt_dir.name.endswith(".partial") or not ckpt_dir.is_dir() else _sha256(ckpt_dir / MANIFEST_NAME)
@@ -325,7 +430,7 @@ def validate(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:
             manifest = read_manifest(ckpt_dir)
         except CheckpointError as e:
             return ValidationReport(path=str(ckpt_dir), valid=False, deep=deep, errors=[str(e)],
-                                    seconds=time.perf_counter() - t0)
+                                    seconds=time.perf_counter() - t0), None
     fmt = get_format(manifest.format)
     names: tuple[str, ...] | None = getattr(fmt, "layout_inputs", None)
     errors = _check_name(ckpt_dir, manifest)
@@ -353,7 +458,7 @@ def validate(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:
         files_checked=len(manifest.files),
         bytes_checked=hashed,
         seconds=time.perf_counter() - t0,
-    )
+    ), None if got is None else got[0]
 
 
 def check_staged(partial: Path, manifest: CheckpointManifest) -> list[str]:
@@ -381,22 +486,64 @@ def check_staged(partial: Path, manifest: CheckpointManifest) -> list[str]:
     return errors
 
 
+def _manifest_of(ckpt_dir: Path, raw: bytes | None) -> CheckpointManifest | None:
+    """The manifest a passing validation was about: parsed from the very bytes it checked, else read again
+    (None when the checkpoint was retired meanwhile)."""
+    manifest = _manifest_from(ckpt_dir, raw) if raw is not None else None
+    if manifest is not None:
+        return manifest
+    try:
+        return read_manifest(ckpt_dir)
+    except CheckpointError:
+        if dir_identity(ckpt_dir) is None:
+            return None
+        raise
+
+
+def checked_manifest(ckpt_dir: str | Path, *, deep: bool = False) -> CheckpointManifest:
+    """The manifest of a checkpoint that passes validation, parsed from the bytes validated (read once).
+    Raises CheckpointRetired when a writer retired it, else CheckpointError naming the first problem."""
+    ckpt_dir = Path(ckpt_dir)
+    report, raw = _checked(ckpt_dir, deep)
+    if report.retired:
+        raise CheckpointRetired(report.errors[0])
+    if not report.valid:
+        more = f" (and {len(report.errors) - 1} more problems)" if len(report.errors) > 1 else ""
+        raise CheckpointError(f"{report.errors[0]}{more}")
+    manifest = _manifest_of(ckpt_dir, raw)
+    if manifest is None:
+        raise CheckpointRetired(retired_message(ckpt_dir))
+    return manifest
+
+
 def latest_valid(run_dir: RunDir) -> tuple[Path, CheckpointManifest] | None:
-    """Newest committed checkpoint that passes quick validation; invalid ones are logged and skipped."""
-    for path in reversed(run_dir.committed()):
-        report = validate(path)
-        if report.valid:
-            return path, read_manifest(path)
-        log.warning("skipping invalid checkpoint %s: %s", path.name, report.errors[0])
+    """Newest committed checkpoint that passes quick validation, with the manifest validated; invalid ones
+    are logged and skipped, and so (quietly) are those a writer retires meanwhile. When every one listed was
+    retired while this looked, the newer ones committed meanwhile are listed again (a few times)."""
+    for _ in range(3):
+        retired = False
+        for path in reversed(run_dir.committed()):
+            report, raw = _checked(path, False, listed=True)
+            manifest = _manifest_of(path, raw) if report.valid else None
+            if manifest is not None:
+                return path, manifest
+            if report.valid or report.retired:
+                log.debug("skipping %s: retired while being read", path.name)
+                retired = True
+            else:
+                log.warning("skipping invalid checkpoint %s: %s", path.name, report.errors[0])
+        if not retired:
+            return None
     return None
 
 
 def invalid_committed(run_dir: RunDir) -> list[tuple[Path, str]]:
-    """Committed checkpoints that fail quick validation, with the first reason, oldest first."""
+    """Committed checkpoints that fail quick validation, with the first reason, oldest first (one retired
+    meanwhile is not invalid: it is not listed)."""
     out = []
     for path in run_dir.committed():
-        report = validate(path)
-        if not report.valid:
+        report = _checked(path, False, listed=True)[0]
+        if not report.valid and not report.retired:
             out.append((path, report.errors[0]))
     return out
 

@@ -156,3 +156,6 @@ class ValidationReport(_Frozen):
     files_checked: int = Field(0, description="files whose size (and with deep, checksum) was verified")
     bytes_checked: int = Field(0, description="bytes hashed (deep only)")
     seconds: float = Field(0.0, description="time the validation took")
+    retired: bool = Field(False, description="true when the checkpoint was retired or quarantined by a writer while "
+                                             "it was being read (or before): no verdict on its bytes, never recorded "
+                                             "as invalid")

@@ -35,6 +35,11 @@ class CheckpointError(ShardkeeperError):
     exit_code = 4
 
 
+class CheckpointRetired(CheckpointError):
+    """The checkpoint was retired (retention) or quarantined by a writer while it was being read: not a fault of
+    the checkpoint or of the path; a newer one is there to use."""
+
+
 class FingerprintMismatch(CheckpointError):
     """State after load differs from what was saved: training on it would spike."""
 

@@ -54,6 +54,7 @@ class ReshardResult(_Frozen):
 class ExportResult(_Frozen):
     checkpoint: str = Field(description="source checkpoint")
     out_dir: str = Field(description="export folder")
+    step: int | None = Field(None, description="step of the exported checkpoint, from the manifest the export read")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(description="published dtype of floating tensors")
     files: dict[str, str] = Field(description="file name -> sha256 of every file written")
     num_shards: int = Field(ge=1, description="number of safetensors files")

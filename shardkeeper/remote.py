@@ -24,7 +24,7 @@ from ckpt import lineage
 from ckpt.layout import RunDir, parse_step
 from ckpt.objstore import ObjectStoreError, RemoteRun, is_remote, iter_runs
 from schemas import RunSpec, SegmentResult, ValidationReport
-from schemas.errors import CheckpointError, ShardkeeperError
+from schemas.errors import CheckpointError, CheckpointRetired, ShardkeeperError
 from schemas.requests import RunState
 
 log = logging.getLogger("shardkeeper")
@@ -174,11 +174,12 @@ def validate_remote(url: str, *, deep: bool, validate: Callable[..., ValidationR
     t0 = time.perf_counter()
     try:
         remote, local = materialize_checkpoint(url, fresh=deep)
-    except CheckpointError as e:
-        return ValidationReport(path=url, valid=False, deep=deep, errors=[str(e)], seconds=time.perf_counter() - t0)
+    except CheckpointError as e:  # CheckpointRetired: the store's retention took it; a verdict on nothing
+        return ValidationReport(path=url, valid=False, deep=deep, errors=[str(e)], retired=isinstance(e, CheckpointRetired),
+                                seconds=time.perf_counter() - t0)
     report = validate(local, deep=deep)
     errors = [e.replace(str(local), url) for e in report.errors]
-    if deep and remote.local.has_lineage():
+    if deep and not report.retired and remote.local.has_lineage():
         lineage.record(remote.local, "validate", f"validate:{local.name}:{int(time.time())}", parent=f"checkpoint:{local.name}",
                        step=report.step, valid=report.valid, errors=errors[:3], uri=url)
         _push_meta_quietly(remote)

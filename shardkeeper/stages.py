@@ -14,14 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckpt import lineage
-from schemas.errors import CheckpointError, ConfigError, RunDirError, RunLockedError, ShardkeeperError
+from schemas.errors import CheckpointError, CheckpointRetired, ConfigError, RunDirError, RunLockedError, ShardkeeperError
 from ckpt.fsutil import append_jsonl, load_yaml, mkdir_durable, quarantine, read_jsonl
 from ckpt.layout import RunDir, parse_step
 from ckpt.lock import RunLock
 from ckpt.registry import get_format
 from ckpt.manifest import read_manifest
 from ckpt.retention import sweep_leftovers
-from ckpt.validate import invalid_committed, latest_valid, validate
+from ckpt.validate import (WatchedDir, checked_manifest, invalid_committed, latest_valid, retired_message, validate,
+                           was_committed)
 from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher
 from schemas.seam import SCRIPT_TRACEBACK_FILE, SegmentReport, SegmentTimes, exit_code_of
 from schemas import (CheckpointManifest, ClusterTopology, PreparedData, ReshardResult, RunSpec, SegmentResult,
@@ -425,7 +426,9 @@ def validate_checkpoint(ckpt_dir: str | Path, *, deep: bool = False) -> Validati
         return validate_remote(str(ckpt_dir), deep=deep, validate=validate)
     report = validate(ckpt_dir, deep=deep)
     run_root = RunDir.containing(ckpt_dir)
-    if run_root.has_lineage() and deep:
+    # A verdict on a checkpoint's bytes is recorded; one retired by the run's writer while (or before) it was
+    # read, or a path that holds no checkpoint, is no such verdict.
+    if deep and not report.retired and Path(ckpt_dir).is_dir() and run_root.has_lineage():
         lineage.record(run_root, "validate", f"validate:{Path(ckpt_dir).name}:{int(time.time())}",
                        parent=f"checkpoint:{Path(ckpt_dir).name}", step=report.step, valid=report.valid,
                        errors=report.errors[:3])
@@ -442,7 +445,12 @@ def reshard(ckpt_dir: str | Path, world_size: int) -> ReshardResult:
         res = reshard(local, world_size)
         return res.model_copy(update={"source": str(ckpt_dir)})
     ckpt_dir = Path(ckpt_dir)
-    manifest = read_manifest(ckpt_dir)
+    try:
+        manifest = read_manifest(ckpt_dir)
+    except CheckpointError:
+        if not ckpt_dir.is_dir() and was_committed(ckpt_dir):  # the run's retention took it: say so
+            raise CheckpointRetired(retired_message(ckpt_dir)) from None
+        raise
     try:  # the next segment must be able to split the global batch, whatever the format
         manifest.run_spec.per_rank_batch(world_size)
     except ValueError as e:
@@ -463,12 +471,26 @@ def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_s
         raise ConfigError(f"--to {to!r}: choose dcp (fsdp2) or deepspeed")
     if zero_stage is not None and zero_stage not in (1, 2, 3):
         raise ConfigError(f"--zero-stage {zero_stage}: choose 1, 2 or 3")
-    manifest = read_manifest(ckpt_dir)
+    run_root = None if parse_step(out.name) is not None else RunDir.at(out)
+    # the folders this conversion would create: removed again if it fails (no empty run directory left behind)
+    created = [p for p in ([run_root.root, run_root.checkpoints] if run_root else [out.parent]) if not p.exists()]
+    with WatchedDir(ckpt_dir) as watched:
+        try:
+            return _convert(ckpt_dir, to, out, run_root, zero_stage)
+        except Exception as e:
+            _remove_empty(created)
+            if isinstance(e, CheckpointRetired) or not watched.vanished():
+                raise
+            # the run's writer retired it while it was read: whatever its missing files caused says nothing of it
+            raise CheckpointRetired(retired_message(ckpt_dir)) from None
+
+
+def _convert(ckpt_dir: Path, to: str, out: Path, run_root: RunDir | None, zero_stage: int | None) -> Path:
+    manifest = checked_manifest(ckpt_dir)
     if manifest.format == to:
         raise ConfigError(f"{ckpt_dir}: already a {to} checkpoint; nothing to convert")
     if zero_stage is not None and to != "deepspeed":
         raise ConfigError("--zero-stage applies to --to deepspeed only")
-    run_root = None if parse_step(out.name) is not None else RunDir.at(out)
     target = run_root.checkpoint(manifest.step) if run_root else out
     with RunLock(run_root.root) if run_root else contextlib.nullcontext():
         spec = _converted_spec(run_root, manifest, to, zero_stage) if run_root else None
@@ -477,6 +499,20 @@ def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_s
             run_root.spec_path.write_text(dump_run_spec(spec))
         _record_conversion(ckpt_dir, manifest, done, to, run_root)
     return done
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the folders a failed conversion created, newest first, when they hold nothing but the run lock's files."""
+    from ckpt.lock import LOCK_NAME, RANKS_LOCK_NAME
+
+    for d in reversed(created):
+        try:
+            for name in (LOCK_NAME, RANKS_LOCK_NAME):
+                if (d / name).is_file() and (d / name).stat().st_size == 0:
+                    (d / name).unlink()
+            d.rmdir()
+        except OSError:  # it holds something else now: not ours to remove
+            pass
 
 
 def _converted_spec(run_root: RunDir, manifest: CheckpointManifest, to: str, zero_stage: int | None) -> RunSpec:
@@ -519,9 +555,9 @@ def export_and_record(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str =
     res = _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
                   tokenizer_from=tokenizer_from)
     root = RunDir.of_checkpoint(ckpt_dir)
-    if root is not None:
+    if root is not None:  # res.step: the manifest the export read (the checkpoint may be retired by now)
         lineage.record(root, "export", f"export:{Path(res.out_dir).name}:{res.dtype}", parent=f"checkpoint:{ckpt_dir.name}",
-                       step=read_manifest(ckpt_dir).step, uri=Path(res.out_dir).resolve().as_uri(), dtype=res.dtype,
+                       step=res.step, uri=Path(res.out_dir).resolve().as_uri(), dtype=res.dtype,
                        num_shards=res.num_shards, bytes=res.total_bytes, seconds=round(res.seconds, 2))
     return res
 
@@ -564,7 +600,7 @@ def run_state(run_dir: str | Path) -> RunState:
     return RunState(
         run_dir=str(rd.root), exists=True, checkpoint=str(found[0]) if found else None,
         step=found[1].step if found else 0,
-        world_size=read_manifest(found[0]).topology.world_size if found else None,
+        world_size=found[1].topology.world_size if found else None,
         last_status=last_status, last_until_step=starts[-1].get("until_step") if starts else None, locked=locked,
     )
 

@@ -350,6 +350,8 @@ def checkpoints_now(run_dir: str | Path, events: list[LineageEvent]) -> list[dic
             row.update(world_size=m.topology.world_size, backend=m.format, reason=m.reason,
                        size=human_bytes(sum(f.size for f in m.files)))
         except Exception as e:  # noqa: BLE001 - shown in the row: the table is how a person finds the bad one
+            if not path.is_dir():  # retired by the run's retention since it was listed: not on disk now
+                continue
             row["validity"] = f"manifest unreadable: {str(e).splitlines()[0][:80]}"
         checks = [e for e in events if e.kind == "validate" and e.parent == ck]
         if not row["validity"]:

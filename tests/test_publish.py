@@ -293,8 +293,9 @@ def test_publish_hub_fake_api_first_publish_uploads_data_then_card_and_marker_th
     api = FakeHfApi()
     res = pub.publish_to_hub(export, "org/tiny", api=api)
 
-    assert api.names() == ["create_repo", "list_repo_refs", "list_repo_tree", "upload_folder", "create_commit",
-                           "create_tag"]
+    # the second list_repo_tree: what landed is checked against the checksums before the marker commit
+    assert api.names() == ["create_repo", "list_repo_refs", "list_repo_tree", "upload_folder", "list_repo_tree",
+                           "create_commit", "create_tag"]
     _, _, create = api.calls[0]
     assert create["private"] is True and create["exist_ok"] is True
     upload = api.calls[3][2]
@@ -302,7 +303,7 @@ def test_publish_hub_fake_api_first_publish_uploads_data_then_card_and_marker_th
         ["config.json", "generation_config.json", pub.INDEX_NAME, "model-00001-of-00002.safetensors",
          "model-00002-of-00002.safetensors"])  # not README.md (generated), not export.json (local paths)
     assert pub.MARKER_NAME in upload["delete_patterns"]
-    last_commit_paths = [op.path_in_repo for op in api.calls[4][2]["operations"]]
+    last_commit_paths = [op.path_in_repo for op in api.calls[5][2]["operations"]]
     assert last_commit_paths == ["README.md", pub.MARKER_NAME]  # the marker lands in the last commit
 
     files = api.files("org/tiny")
@@ -324,6 +325,29 @@ def test_publish_hub_fake_api_first_publish_uploads_data_then_card_and_marker_th
     assert res.skipped is False and res.revision == "main" and res.commit == repo["branches"]["main"]
     assert res.url == "https://fake-hub.test/org/tiny/tree/step-00000100" and res.files == 6
 
+
+
+def test_publish_hub_fake_api_refuses_an_export_rewritten_before_the_upload_read_it(
+        tmp_path: Path, hub_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checksummed, then re-exported (other bytes) before upload_folder read the files: the marker would claim
+    the old checksums for the new bytes; the publish is refused before the marker commit and no tag is made."""
+    export = make_export(tmp_path)
+    api = FakeHfApi()
+    real = pub_hub.upload_data
+
+    def reexport_then_upload(*args: Any, **kwargs: Any) -> None:
+        make_export(tmp_path, value=9.0)  # same names and sizes, other bytes
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(pub_hub, "upload_data", reexport_then_upload)
+    with pytest.raises(PublishError, match="what was uploaded is not what was checksummed") as err:
+        pub.publish_to_hub(export, "org/tiny", api=api)
+    assert "\n" not in str(err.value)
+    assert pub.MARKER_NAME not in api.files("org/tiny") and "create_tag" not in api.names()
+    monkeypatch.setattr(pub_hub, "upload_data", real)
+    pub.publish_to_hub(export, "org/tiny", api=api)  # the export complete again: published, marker true
+    marker = json.loads(api.files("org/tiny")[pub.MARKER_NAME])
+    assert marker["files"]["model.safetensors"]["sha256"] == _sha(export / "model.safetensors")
 
 def test_publish_hub_fake_api_republish_same_bytes_is_a_noop(tmp_path: Path, hub_env: None) -> None:
     export = make_export(tmp_path)
@@ -910,21 +934,22 @@ def test_publish_s3_moto_server_interrupted_upload_leaves_no_marker(
     export = make_export(tmp_path, value=4.0)  # new bytes under the same name
 
     fs = fsspec.filesystem("s3", **options)  # fsspec caches instances: publish_to_fsspec gets this one
-    real_put = fs.put_file
+    real_open = fs.open
     done: list[str] = []
 
-    def flaky_put(lpath: str, rpath: str, *args: Any, **kwargs: Any) -> Any:
-        if len(done) == 1:
-            raise PermissionError("connection dropped")
-        done.append(rpath)
-        return real_put(lpath, rpath, *args, **kwargs)
+    def flaky_open(path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:  # each file is uploaded through it
+        if "w" in mode:
+            if len(done) == 1:
+                raise PermissionError("connection dropped")
+            done.append(path)
+        return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(fs, "put_file", flaky_put)
+    monkeypatch.setattr(fs, "open", flaky_open)
     with pytest.raises(PublishError, match=f"cannot write s3://{bucket}/m/step-00000100"):
         pub.publish_to_fsspec(export, url, storage_options=options)
     assert pub.read_publish_marker(folder, storage_options=options) is None  # old marker gone first: incomplete
 
-    monkeypatch.setattr(fs, "put_file", real_put)
+    monkeypatch.setattr(fs, "open", real_open)
     assert pub.publish_to_fsspec(export, url, storage_options=options).skipped is False
     assert pub.read_publish_marker(folder, storage_options=options)["files"]["model.safetensors"]["sha256"] == _sha(
         export / "model.safetensors")

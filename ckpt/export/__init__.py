@@ -51,7 +51,14 @@ How it works, and why:
   are compact JSON with sorted names and a fixed ``__metadata__``, and no file carries a time or path.
 * Atomicity: everything is written into a hidden sibling folder, every file and the folder are
   fsynced, then the folder is renamed to ``out_dir`` and the parent fsynced. On any failure the
-  sibling is removed, so a folder named ``out_dir`` is always complete.
+  sibling is removed, so a folder named ``out_dir`` is always complete. Without ``overwrite`` the rename
+  never replaces anything (``renameat2(RENAME_NOREPLACE)``, under a lock on the parent folder): of two
+  exports into one new folder, the second fails with "already exists" and the first stays whole.
+* Readers beside a writer: the manifest is read once, validated, and what the export reports (the step)
+  comes from it. A checkpoint that training's retention retires while it is exported fails the export with
+  CheckpointRetired (one line: pick a newer step), never as a corrupted checkpoint or a bad path; files
+  opened before it went are read to the end (their bytes stay until closed), so an export that got them
+  all completes.
 * A tensor larger than ``max_shard_size`` is written alone in its own shard (with a warning), as
   ``save_pretrained`` does, rather than refused: a model must remain exportable whatever the limit.
 """
@@ -67,7 +74,9 @@ from pathlib import Path
 
 
 from schemas import ExportResult
+from schemas.errors import CheckpointError, CheckpointRetired
 from ckpt.fsutil import peak_rss_bytes
+from ckpt.validate import WatchedDir, retired_message
 
 log = logging.getLogger(__name__)
 from ckpt.export.options import EXPORT_DTYPES, PIECE_BYTES, POOL_PIECES, check_checkpoint, export_dtype, parse_size
@@ -95,8 +104,22 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     Raises ExportError (options, output folder, model mismatch) or CheckpointError
     (the checkpoint), each with a one-line message naming the fix.
     """
-    t0 = time.perf_counter()
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    with WatchedDir(ckpt_dir) as watched:
+        try:
+            return _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+                           progress=progress, deep=deep, tokenizer_from=tokenizer_from)
+        except (CheckpointError, OSError) as e:
+            # A checkpoint that the run's writer retires while it is read fails the export with whatever its
+            # missing files cause: say what happened instead (files opened before it went are read to the end).
+            if isinstance(e, CheckpointRetired) or not watched.vanished():
+                raise
+            raise CheckpointRetired(retired_message(ckpt_dir)) from None
+
+
+def _export(ckpt_dir: Path, out_dir: Path, *, dtype: str, max_shard_size: int | str, overwrite: bool, progress: bool,
+            deep: bool, tokenizer_from: str | os.PathLike[str] | bool | None) -> ExportResult:
+    t0 = time.perf_counter()
     dtype_name, out_dtype = export_dtype(dtype)
     limit = parse_size(max_shard_size)
     check_out_dir(ckpt_dir, out_dir, overwrite)
@@ -129,7 +152,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
             hashes.update(write_model_files(tmp, ckpt_dir, manifest, model, dtype_name, shards))
             if tok_folder is not None:
                 hashes.update(copy_tokenizer(tmp, tok_folder, tok_recorded))
-            commit_folder(tmp, out_dir)
+            commit_folder(tmp, out_dir, overwrite=overwrite)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -138,7 +161,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     log.info("exported %s to %s: %d tensors, %.1f MB %s in %d file(s), %.2f s", ckpt_dir.name, out_dir,
              len(tensors), total / 1e6, dtype_name, len(shards), seconds)
     return ExportResult(
-        checkpoint=str(ckpt_dir), out_dir=str(out_dir), dtype=dtype_name,  # type: ignore[arg-type]
+        checkpoint=str(ckpt_dir), out_dir=str(out_dir), step=manifest.step, dtype=dtype_name,  # type: ignore[arg-type]
         files=hashes, num_shards=len(shards), total_bytes=total, num_tensors=len(tensors), seconds=seconds,
         peak_rss_bytes=peak_rss_bytes(),
     )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import torch
 
 from schemas.errors import ExportError
-from ckpt.fsutil import fsync_dir
+from ckpt.fsutil import fsync_dir, rename_noreplace
 
 log = logging.getLogger(__name__)
 
@@ -28,23 +30,48 @@ def check_out_dir(ckpt_dir: Path, out_dir: Path, overwrite: bool) -> None:
             raise ExportError(f"{out_dir}: already exists; pass overwrite=True (--overwrite) to replace it or choose another folder")
 
 
+def _sibling(out_dir: Path, kind: str) -> Path:
+    """``.NAME.<kind>-<pid>-<token>``: the pid lets the segment-start sweep remove those of dead processes; the
+    token keeps two exports of one process (threads) apart."""
+    return out_dir.with_name(f".{out_dir.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
 def temp_dir_for(out_dir: Path) -> Path:
-    tmp = out_dir.with_name(f".{out_dir.name}.export-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = _sibling(out_dir, "export")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     return tmp
 
 
-def commit_folder(tmp: Path, out_dir: Path) -> None:
-    """fsync the folder, rename it to ``out_dir`` (moving an old one aside first), fsync the parent."""
+@contextmanager
+def _folder_locked(folder: Path) -> Iterator[None]:
+    """An exclusive flock on ``folder`` itself: exports committing into it take turns."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def commit_folder(tmp: Path, out_dir: Path, *, overwrite: bool = False) -> None:
+    """fsync the folder, rename it to ``out_dir``, fsync the parent. Without ``overwrite`` nothing is replaced: an
+    ``out_dir`` that appeared since the export began (another export into it finished first) fails this one with
+    ExportError, and that one stays whole. With it, the old folder is moved aside first, then removed."""
     fsync_dir(tmp)
     old = None
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
+    with _folder_locked(out_dir.parent):
+        if not overwrite:
+            try:
+                rename_noreplace(tmp, out_dir)
+            except FileExistsError:
+                raise ExportError(f"{out_dir}: already exists (another export into it finished first); nothing was "
+                                  "replaced: pass --overwrite to replace it or choose another folder") from None
+        else:
+            if out_dir.exists() or out_dir.is_symlink():
+                old = _sibling(out_dir, "replaced")
+                os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
     fsync_dir(out_dir.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import torch
 
-from schemas.errors import CheckpointError, ExportError
-from ckpt.manifest import read_manifest
-from ckpt.validate import validate
+from schemas.errors import ExportError
+from ckpt.validate import checked_manifest
 from schemas.requests import SIZE_RE
 from schemas import CheckpointManifest
 
@@ -64,11 +63,8 @@ def parse_size(size: int | str) -> int:
 
 
 def check_checkpoint(ckpt_dir: Path, deep: bool) -> CheckpointManifest:
-    report = validate(ckpt_dir, deep=deep)
-    if not report.valid:
-        more = f" (and {len(report.errors) - 1} more problems)" if len(report.errors) > 1 else ""
-        raise CheckpointError(f"{report.errors[0]}{more}")
-    return read_manifest(ckpt_dir)
+    """The checkpoint's manifest, read once and validated (CheckpointRetired when a writer retired it)."""
+    return checked_manifest(ckpt_dir, deep=deep)
 
 
 F32 = torch.float32.itemsize

@@ -32,8 +32,8 @@ from ckpt.formats.deepspeed import UNIVERSAL_DIR, TorchSaveFile, ZeroShards, rea
 
 from schemas.errors import CheckpointError
 from ckpt.fsutil import fsync_dir
-from ckpt.manifest import read_manifest, write_manifest
-from ckpt.validate import validate
+from ckpt.manifest import write_manifest
+from ckpt.validate import checked_manifest, validate
 from schemas import CheckpointManifest, Fingerprint, TensorEntry
 
 log = logging.getLogger(__name__)
@@ -217,10 +217,8 @@ def check_target(out_dir: Path) -> None:
 
 
 def quick_valid(ckpt_dir: Path) -> CheckpointManifest:
-    report = validate(ckpt_dir)
-    if not report.valid:
-        raise CheckpointError(report.errors[0])
-    return read_manifest(ckpt_dir)
+    """The manifest, read once and quick-validated (CheckpointRetired when a writer retired the checkpoint)."""
+    return checked_manifest(ckpt_dir)
 
 
 @contextmanager

@@ -83,7 +83,11 @@ def load_export(export_dir: str | os.PathLike[str]) -> ExportFolder:
     recorded = read_export_result(root)
     config = read_json(root / "config.json", what="config.json")
     check_weights(root, rels)
-    files = checksums(root, rels, recorded)
+    try:
+        files = checksums(root, rels, recorded)
+    except FileNotFoundError as err:  # the folder was replaced while it was read (a re-export with --overwrite)
+        raise PublishError(f"{err.filename or root}: disappeared while being checksummed; the export folder is being "
+                           "written (a re-export?): publish again once it is complete") from None
     checkpoint = recorded.get("checkpoint") if isinstance(recorded.get("checkpoint"), str) else run_checkpoint(root)
     step = step_of(root, checkpoint)
     dtype = recorded.get("dtype") if isinstance(recorded.get("dtype"), str) else dtype_of(root, rels, config)

@@ -3,6 +3,7 @@ target by atomic rename."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -15,7 +16,7 @@ from ckpt.fsutil import fsync_dir, fsync_file
 from schemas import PublishResult
 
 logger = logging.getLogger(__name__)
-from ckpt.publish.folder import ExportFolder, MARKER_NAME, PublishedFile, first_line, load_export, marker_bytes, parse_marker
+from ckpt.publish.folder import HASH_CHUNK, ExportFolder, MARKER_NAME, PublishedFile, first_line, load_export, marker_bytes, parse_marker
 
 
 def publish_to_fsspec(export_dir: str | os.PathLike[str], url: str, *,
@@ -109,7 +110,8 @@ def publish_in_place(fs: Any, export: ExportFolder, dest: str, marker: bytes) ->
     for rel in sorted(export.files):
         if is_local(fs):
             fs.makedirs(fs._parent(f"{dest}/{rel}"), exist_ok=True)
-        fs.put_file(str(export.root / rel), f"{dest}/{rel}")
+        with fs.open(f"{dest}/{rel}", "wb") as out:
+            copy_verified(export, rel, out)
     sizes = sizes_under(fs, dest)
     for rel in sorted(set(sizes) - set(export.files) - {MARKER_NAME}):
         fs.rm_file(f"{dest}/{rel}")  # a shard of an older export of this name
@@ -126,15 +128,45 @@ def publish_local_by_rename(export: ExportFolder, dest: Path, marker: bytes) -> 
         for rel in sorted(export.files):
             target = stage / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(export.root / rel, target)
-            fsync_file(target)
+            with open(target, "wb") as out:
+                copy_verified(export, rel, out)
+                out.flush()
+                os.fsync(out.fileno())
         (stage / MARKER_NAME).write_bytes(marker)
         fsync_file(stage / MARKER_NAME)
         fsync_dir(stage)
         os.rename(stage, dest)
         fsync_dir(dest.parent)
-    except OSError:
+    except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+
+
+def copy_verified(export: ExportFolder, rel: str, out: Any) -> None:
+    """Copy one file of the export into ``out``, hashing the bytes as they are copied, and compare with the
+    checksum and size the marker will claim (``export.files``, hashed when publishing began). The export folder
+    may be written meanwhile (re-exported with --overwrite): what was copied is then not what was planned, and
+    the publish is refused before any marker claims it."""
+    src = export.root / rel
+    planned = export.files[rel]
+    h = hashlib.sha256()
+    size = 0
+    try:
+        with open(src, "rb", buffering=0) as f:
+            while chunk := f.read(HASH_CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
+    except FileNotFoundError:
+        raise changed_error(export, rel, "it is gone") from None
+    if size != planned.size or h.hexdigest() != planned.sha256:
+        raise changed_error(export, rel, f"{size} bytes with sha256 {h.hexdigest()[:16]}... were copied, "
+                                         f"{planned.size} bytes with sha256 {planned.sha256[:16]}... were checksummed")
+
+
+def changed_error(export: ExportFolder, rel: str, how: str) -> PublishError:
+    return PublishError(f"{export.root / rel}: changed while being published ({how}); the export folder is being "
+                        "written (a re-export?): publish again once it is complete; no marker was written, so "
+                        "nothing claims this copy is whole")
 
 

@@ -241,8 +241,22 @@ def push(hub: HubClient, export: ExportFolder, branch: str, state: HubState, fil
     if data:
         upload_data(hub, export, branch, data, stale, private=private)
         stale = []
+        verify_uploaded(hub, export, branch, data, generated)
     commit = commit_card_and_marker(hub, export, branch, generated[CARD_NAME], generated[MARKER_NAME], stale)
     return commit, len([p for p in changed if p != MARKER_NAME])
+
+
+def verify_uploaded(hub: HubClient, export: ExportFolder, branch: str, paths: list[str],
+                    generated: dict[str, bytes]) -> None:
+    """What landed on ``branch`` is what the marker will claim (the files were checksummed before the upload read
+    them: a re-export in between would publish other bytes under the old checksums). A mismatch refuses the
+    publish before the marker commit, so the revision reads as incomplete."""
+    landed = hub_state(hub, branch, None).files
+    wrong = [p for p in paths if not same_on_hub(landed.get(p), export, p, generated)]
+    if wrong:
+        raise PublishError(f"{export.root / wrong[0]}: what was uploaded is not what was checksummed (the export "
+                           "folder changed while being published, a re-export?); the marker was not written, so "
+                           f"{hub.repo_id}@{branch} reads as incomplete: publish again once the export is complete")
 
 
 def changed_files(state: HubState, export: ExportFolder, files: dict[str, PublishedFile],
