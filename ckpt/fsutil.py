@@ -153,16 +153,33 @@ def _yaml_loader():
 
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        re.compile(_FLOAT_12),
         list("-+0123456789"),
     )
     return Loader
+
+
+_FLOAT_12 = r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"
 
 
 def load_yaml(text: str) -> Any:
     import yaml
 
     return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+
+
+def dump_yaml(data: Any) -> str:
+    """YAML that ``load_yaml`` reads back as ``data``: a string such as "1e-2" (a script argument) is quoted, since
+    load_yaml's YAML 1.2 rule would read it as a float."""
+    import re
+
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    Dumper.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT_12), list("-+0123456789"))
+    return yaml.dump(data, Dumper=Dumper, sort_keys=False)
 
 
 def pid_alive(pid: int) -> bool:

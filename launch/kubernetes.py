@@ -220,7 +220,8 @@ def render(spec: RunSpec, req: LaunchRequest, opts: K8sOptions) -> list[dict[str
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": cm_name, "namespace": opts.namespace, "labels": dict(labels)},
         "data": {LAUNCH_KEY: segment_launch(req).model_dump_json(indent=2) + "\n",
-                 SPEC_KEY: yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)},
+                 # JSON (a subset of YAML): every string stays a string for the ranks' YAML 1.2 loader ("1e-2")
+                 SPEC_KEY: json.dumps(spec.model_dump(mode="json"), indent=2) + "\n"},
     }
     job = (_pytorchjob if opts.kind == "pytorchjob" else _jobset)(req, opts, name, labels, mount, cm_name)
     return [config_map, job]

@@ -210,7 +210,9 @@ def _pretrained_model_type(raw: dict[str, Any], cwd_paths: bool = True) -> dict[
 
 
 def dump_run_spec(spec: RunSpec) -> str:
-    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+    from ckpt.fsutil import dump_yaml
+
+    return dump_yaml(spec.model_dump(mode="json"))
 
 
 # Keyword arguments every transformers config takes besides its own fields (consumed by
