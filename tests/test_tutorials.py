@@ -76,6 +76,6 @@ def test_finetune_tutorial_then_publish_an_older_step(workdir: Path) -> None:
     r = run_block(FINETUNE, workdir)
     assert "Tokenizer" in r.stdout
     r = run_block(PUBLISH_OLDER, workdir)
-    published = workdir / "published/tiny-ft"
+    published = workdir / "published/tiny-ft/step-00000030"  # the target gets one folder per step
     assert (published / "shardkeeper.json").is_file(), r.stdout + r.stderr
     assert any(published.glob("*.safetensors"))
