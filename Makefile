@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # The venv's tools (ninja for DeepSpeed's JIT op, torchrun, shardkeeper) come first on PATH.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install lock system-deps test demo bench clean
+.PHONY: install lock system-deps test demo bench docs clean
 
 # DeepSpeed compiles from source against the installed torch: DS_BUILD_OPS=0 defers its ops to JIT
 # at first use, and --no-build-isolation keeps pip from fetching another torch to build it with.
@@ -69,5 +69,10 @@ bench: install
 	$(PY) bench/data_bench.py --reps 5
 	$(PY) bench/readme_tables.py
 
+# The documentation site (Material for MkDocs + mkdocstrings) into site/: the reference pages are generated from
+# the code at build time (docs/hooks/gen_reference.py), the benchmark tables included from bench/results/.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .prefect runs bench/out
+	rm -rf $(VENV) .prefect runs bench/out site
