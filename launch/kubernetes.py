@@ -207,8 +207,6 @@ def _pod_template(req: LaunchRequest, opts: K8sOptions, command: list[str], labe
 
 def render(spec: RunSpec, req: LaunchRequest, opts: K8sOptions) -> list[dict[str, Any]]:
     """The ConfigMap and the job of one segment (not validated: see ``render_validated``)."""
-    import yaml
-
     check_options(req, opts)
     run_dir, mount = pod_run_dir(str(req.run_dir))
     req = LaunchRequest(run_dir=run_dir, until_step=req.until_step, segment=req.segment,  # type: ignore[arg-type]

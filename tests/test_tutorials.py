@@ -64,9 +64,6 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: run.yaml is written by yaml.safe_dump (YAML 1.1: '1e-2' is a string, "
-                   "left unquoted) and read by ckpt.fsutil.load_yaml (which resolves 1e-2 as a float), so the script's "
-                   "argument '1e-2' fails RunSpec.script.args on the ranks; remove this mark when fixed")
 def test_own_loop_tutorial(workdir: Path) -> None:
     run_block(OWN_LOOP, workdir)
     assert (workdir / "runs/own/checkpoints/step-00000040/manifest.json").is_file()
