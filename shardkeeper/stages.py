@@ -17,7 +17,7 @@ from ckpt import lineage
 from schemas.errors import CheckpointError, ConfigError, RunDirError, RunLockedError, ShardkeeperError
 from ckpt.fsutil import append_jsonl, load_yaml, mkdir_durable, quarantine, read_jsonl
 from ckpt.layout import RunDir, parse_step
-from ckpt.lock import RunLock
+from ckpt.lock import LOCK_NAME, RANKS_LOCK_NAME, RunLock
 from ckpt.registry import get_format
 from ckpt.manifest import read_manifest
 from ckpt.retention import sweep_leftovers
@@ -470,13 +470,31 @@ def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_s
         raise ConfigError("--zero-stage applies to --to deepspeed only")
     run_root = None if parse_step(out.name) is not None else RunDir.at(out)
     target = run_root.checkpoint(manifest.step) if run_root else out
-    with RunLock(run_root.root) if run_root else contextlib.nullcontext():
-        spec = _converted_spec(run_root, manifest, to, zero_stage) if run_root else None
-        done = get_format(to).convert_from(ckpt_dir, target, zero_stage=zero_stage)
-        if run_root and spec and not run_root.spec_path.exists():  # written last: no run.yaml without its checkpoint
-            run_root.spec_path.write_text(dump_run_spec(spec))
-        _record_conversion(ckpt_dir, manifest, done, to, run_root)
+    new = [p for p in ((run_root.root, run_root.checkpoints) if run_root else ()) if not p.exists()]
+    try:
+        with RunLock(run_root.root) if run_root else contextlib.nullcontext():
+            spec = _converted_spec(run_root, manifest, to, zero_stage) if run_root else None
+            done = get_format(to).convert_from(ckpt_dir, target, zero_stage=zero_stage)
+            if run_root and spec and not run_root.spec_path.exists():  # written last: no run.yaml without its checkpoint
+                run_root.spec_path.write_text(dump_run_spec(spec))
+            _record_conversion(ckpt_dir, manifest, done, to, run_root)
+    except BaseException:
+        _remove_new_run_dir(new)
+        raise
     return done
+
+
+def _remove_new_run_dir(new: list[Path]) -> None:
+    """A refused conversion into a run directory leaves nothing behind: the folders it made (the run directory
+    with its lock files, checkpoints/) are removed if they hold nothing else (status would list an empty run)."""
+    for path in reversed(new):  # checkpoints/ first, then the run directory (with its lock files)
+        if not any(path.glob("checkpoints")):
+            for name in (LOCK_NAME, RANKS_LOCK_NAME):
+                (path / name).unlink(missing_ok=True)
+        try:
+            path.rmdir()
+        except OSError:  # something else was put there meanwhile: not ours to remove
+            pass
 
 
 def _converted_spec(run_root: RunDir, manifest: CheckpointManifest, to: str, zero_stage: int | None) -> RunSpec:
@@ -494,7 +512,8 @@ def _record_conversion(src: Path, manifest: CheckpointManifest, done: Path, to: 
     step_id = lineage.checkpoint_event_id(manifest.step)
     if run_root is not None:
         lineage.record(run_root, "checkpoint", step_id, step=manifest.step, uri=done.resolve().as_uri(),
-                       reason="converted", format=to, source=src.resolve().as_uri(), world_size=1)
+                       reason="converted", format=to, source=src.resolve().as_uri(), world_size=1,
+                       source_world_size=manifest.topology.world_size)
     src_root = RunDir.of_checkpoint(src)
     if src_root is not None:
         lineage.record(src_root, "reshard", f"convert:{src.name}:{to}:{int(time.time())}", parent=step_id,

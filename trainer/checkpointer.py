@@ -570,12 +570,19 @@ class Checkpointer:
         self.last_committed_step = ts.step
         if self.env.is_rank0:
             seconds = time.perf_counter() - t0
-            log.info("resumed from %s at step %d (saved at world size %d, now %d) in %.2f s", path.name, ts.step,
-                     manifest.topology.world_size, self.env.world_size, seconds)
+            saved = manifest.topology.world_size
+            if manifest.reason == "converted":  # a one-process conversion: say where the state was trained
+                saved = manifest.source_world_size or saved
+                how = (f"converted from a checkpoint saved at world size {manifest.source_world_size}"
+                       if manifest.source_world_size else "converted")
+            else:
+                how = f"saved at world size {saved}"
+            log.info("resumed from %s at step %d (%s, now %d) in %.2f s", path.name, ts.step, how,
+                     self.env.world_size, seconds)
             lineage.record(self.run_dir, "resume", f"resume:segment-{self.segment}",
                            parent=lineage.checkpoint_event_id(ts.step), step=ts.step, segment=self.segment,
-                           from_world_size=manifest.topology.world_size, to_world_size=self.env.world_size,
-                           load_seconds=round(seconds, 3))
+                           from_world_size=saved, to_world_size=self.env.world_size,
+                           converted=manifest.reason == "converted", load_seconds=round(seconds, 3))
 
 
     # ----------------------------------------------------------------- backend hooks
