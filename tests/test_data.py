@@ -238,6 +238,9 @@ def test_the_training_data_key_does_not_cover_the_eval_split(world: Path, tmp_pa
     assert before is not None and after is not None and before.eval is not None and after.eval is not None
     assert after.train.key == before.train.key and after.eval.key != before.eval.key
     assert data_change(before.record(), after.record()) is None
+    # a checkpoint recorded under the earlier rule (every file of the folder hashed) still resumes
+    legacy = before.record().model_copy(update={"key": after.train.compat_keys[0], "compat_keys": []})
+    assert len(after.train.compat_keys) == 1 and data_change(legacy, after.record()) is None
     with open(data / "train.jsonl", "a") as f:
         f.write(json.dumps({"id": 1000, "text": "one more training row"}) + "\n")
     changed = prepare_data(spec, progress=False)

@@ -3,7 +3,8 @@
 The controller runs this once, before any rank starts (``shardkeeper train`` through ``preflight``, or
 ``shardkeeper prepare-data`` alone); the ranks only open the files it names (``schemas.seam.SegmentLaunch.data``).
 
-* **Content key.** sha256 over (the dataset's files: name + sha256 of each; the tokenizer's files: name +
+* **Content key.** sha256 over (the split's files: name + sha256 of each, only those the datasets library
+  reads for that split, so editing validation.jsonl leaves the training key alone; the tokenizer's files: name +
   sha256 of each; the settings that decide the tokens: format, column, split, EOS policy, this module's
   ``PREP_VERSION``). The cache entry ``$SHARDKEEPER_DATA_CACHE/<key>/`` (default
   ``~/.cache/shardkeeper/data``) holds ``tokens.bin`` (raw uint16/uint32 ids), for chat data ``mask.bin``
@@ -169,10 +170,6 @@ def dataset_files(src: str) -> tuple[str, list[Path], Path] | None:
         raise ConfigError(f"data.dataset {src}: no such file or folder (relative paths resolve from {Path.cwd()}); "
                           "point it at a .jsonl/.json/.parquet/.txt file, a folder of them, or a Hub dataset id")
     return None
-
-
-def dataset_sha256(files: list[Path], root: Path) -> str:
-    return _digest([(f.relative_to(root).as_posix(), sha256_file(f)) for f in files])
 
 
 def split_files(local: tuple[str, list[Path], Path], src: str, split: str) -> list[Path]:
@@ -385,13 +382,18 @@ def prepare_split(spec: RunSpec, split: str, *, vocab_size: int | None = None, n
     local = dataset_files(data.dataset)
     settings = settings_of(data, split)
     tok_sha = tokenizer_sha256(tok_dir)
+    compat: list[str] = []
     if local is not None:
-        ds_sha = dataset_sha256(split_files(local, data.dataset, split), local[2])
+        named = {f: (f.relative_to(local[2]).as_posix(), sha256_file(f)) for f in local[1]}
+        mine = split_files(local, data.dataset, split)
+        ds_sha = _digest([named[f] for f in mine])
         key = content_key(ds_sha, tok_sha, settings)
+        if len(mine) < len(local[1]):  # keys before PREP_VERSION 1's split-only rule covered every file of the folder
+            compat = [content_key(_digest(list(named.values())), tok_sha, settings)]
         hit = cached_split(key, data.dataset, tok_src)
         if hit is not None:
             check_vocab(hit, vocab_size, tok_field)
-            return hit
+            return hit.model_copy(update={"compat_keys": compat})
     ds = load_split(data.dataset, split, local, split_field)
     if local is None:  # a Hub dataset: the datasets library's fingerprint of the split stands for its files
         ds_sha = hashlib.sha256(str(getattr(ds, "_fingerprint", "")).encode()).hexdigest()
@@ -412,7 +414,7 @@ def prepare_split(spec: RunSpec, split: str, *, vocab_size: int | None = None, n
     n_vocab = len(tokenizer)
     pre = PreparedSplit(key=key, dataset=data.dataset, split=split, tokenizer=tok_src, dataset_sha256=ds_sha,
                         tokenizer_sha256=tok_sha, settings=settings, path="", dtype="uint16", tokens=0, rows=len(ds),
-                        targets=0, max_id=-1, vocab_size=n_vocab)
+                        targets=0, max_id=-1, vocab_size=n_vocab, compat_keys=compat)
     check_vocab(pre, vocab_size, tok_field)  # before tokenizing: a tokenizer larger than the embeddings
     if data.format == "chat":
         one_jsonl = local is not None and len(local[1]) == 1 and local[1][0].suffix.lower() == ".jsonl" \
@@ -474,7 +476,8 @@ def _tokenize_and_store(ds: Any, tokenizer: Any, pre: PreparedSplit, data: DataS
             "dtype": np.dtype(dtype).name, "tokens": n, "targets": targets if chat else n, "max_id": max_id,
             "seconds": round(time.perf_counter() - t0, 3)})
         check_vocab(out, vocab_size, tok_field)
-        (tmp / "meta.json").write_text(out.model_dump_json(indent=2), encoding="utf-8")
+        # compat_keys depend on the folder's other files, not on this entry's content: not cached
+        (tmp / "meta.json").write_text(out.model_dump_json(indent=2, exclude={"compat_keys"}), encoding="utf-8")
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
