@@ -145,6 +145,10 @@ class CheckpointManifest(_Frozen):
         None, description="the pretrained model the run started from (model.pretrained); None for a run started "
         "from random weights"
     )
+    source_world_size: int | None = Field(
+        None, ge=1, description="a converted checkpoint (reason 'converted'): the world size of the training "
+        "checkpoint it was converted from (its topology is the conversion's: one process); None otherwise"
+    )
 
 
 class ValidationReport(_Frozen):

@@ -21,8 +21,9 @@ class PreparedSplit(_Frozen):
     dataset: str = Field(description="data.dataset as given (path or Hub id)")
     split: str = Field(description="the split tokenized, e.g. 'train' or 'train[:95%]'")
     tokenizer: str = Field(description="the tokenizer's folder or Hub id as given")
-    dataset_sha256: str = Field(description="sha256 over the dataset's files (name + sha256 of each); for a Hub "
-                                "dataset, of the datasets library's fingerprint of the split")
+    dataset_sha256: str = Field(description="sha256 over the files of the split (name + sha256 of each; in a folder "
+                                "with split names, only that split's files); for a Hub dataset, of the datasets "
+                                "library's fingerprint of the split")
     tokenizer_sha256: str = Field(description="sha256 over the tokenizer's files (name + sha256 of each)")
     settings: dict[str, Any] = Field(description="what else decides the tokens: format, column, split, EOS policy")
     path: str = Field(description="absolute path of the token file (raw little-endian ids of dtype)")
@@ -36,11 +37,14 @@ class PreparedSplit(_Frozen):
     vocab_size: int = Field(ge=1, description="len(tokenizer), added tokens included")
     seconds: float = Field(0.0, ge=0, description="time the tokenization took (0 for a cache hit)")
     cached: bool = Field(False, description="found in the cache (not tokenized now)")
+    compat_keys: list[str] = Field(default_factory=list, description="keys the same content had under the earlier "
+                                   "rule that hashed every file of a dataset folder, eval files included: a checkpoint "
+                                   "recorded with one was trained on this data")
 
     def record(self) -> DataRecord:
         return DataRecord(key=self.key, dataset=self.dataset, split=self.split, tokenizer=self.tokenizer,
                           dataset_sha256=self.dataset_sha256, tokenizer_sha256=self.tokenizer_sha256,
-                          settings=self.settings, tokens=self.tokens)
+                          settings=self.settings, tokens=self.tokens, compat_keys=self.compat_keys)
 
 
 class PreparedData(_Frozen):
@@ -65,12 +69,14 @@ class DataRecord(_Frozen):
     settings: dict[str, Any] = Field(description="format, column, split, EOS policy")
     tokens: int = Field(ge=0, description="tokens in the training split")
     eval_key: str | None = Field(None, description="content key of the held-out split, when evaluated")
+    compat_keys: list[str] = Field(default_factory=list, description="earlier-rule keys of the same training data "
+                                   "(PreparedSplit.compat_keys); a resume accepts a checkpoint recorded with one")
 
 
 def data_change(old: DataRecord, new: DataRecord) -> str | None:
     """What differs between the data a checkpoint was trained on and the data prepared now, in words;
     None when it is the same data (same content key)."""
-    if old.key == new.key:
+    if old.key == new.key or old.key in new.compat_keys:
         return None
     if old.dataset_sha256 != new.dataset_sha256:
         return (f"the dataset's files changed (data.dataset {new.dataset}: sha256 {old.dataset_sha256[:12]} at save, "

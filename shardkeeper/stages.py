@@ -17,7 +17,7 @@ from ckpt import lineage
 from schemas.errors import CheckpointError, CheckpointRetired, ConfigError, RunDirError, RunLockedError, ShardkeeperError
 from ckpt.fsutil import append_jsonl, load_yaml, mkdir_durable, quarantine, read_jsonl
 from ckpt.layout import RunDir, parse_step
-from ckpt.lock import RunLock
+from ckpt.lock import LOCK_NAME, RANKS_LOCK_NAME, RunLock
 from ckpt.registry import get_format
 from ckpt.manifest import read_manifest
 from ckpt.retention import sweep_leftovers
@@ -478,7 +478,7 @@ def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_s
         try:
             return _convert(ckpt_dir, to, out, run_root, zero_stage)
         except Exception as e:
-            _remove_empty(created)
+            _remove_new_run_dir(created)
             if isinstance(e, CheckpointRetired) or not watched.vanished():
                 raise
             # the run's writer retired it while it was read: whatever its missing files caused says nothing of it
@@ -501,17 +501,16 @@ def _convert(ckpt_dir: Path, to: str, out: Path, run_root: RunDir | None, zero_s
     return done
 
 
-def _remove_empty(created: list[Path]) -> None:
-    """Remove the folders a failed conversion created, newest first, when they hold nothing but the run lock's files."""
-    from ckpt.lock import LOCK_NAME, RANKS_LOCK_NAME
-
-    for d in reversed(created):
-        try:
+def _remove_new_run_dir(new: list[Path]) -> None:
+    """A refused conversion into a run directory leaves nothing behind: the folders it made (the run directory
+    with its lock files, checkpoints/) are removed if they hold nothing else (status would list an empty run)."""
+    for path in reversed(new):  # checkpoints/ first, then the run directory (with its lock files)
+        if not any(path.glob("checkpoints")):
             for name in (LOCK_NAME, RANKS_LOCK_NAME):
-                if (d / name).is_file() and (d / name).stat().st_size == 0:
-                    (d / name).unlink()
-            d.rmdir()
-        except OSError:  # it holds something else now: not ours to remove
+                (path / name).unlink(missing_ok=True)
+        try:
+            path.rmdir()
+        except OSError:  # something else was put there meanwhile: not ours to remove
             pass
 
 
@@ -530,7 +529,8 @@ def _record_conversion(src: Path, manifest: CheckpointManifest, done: Path, to: 
     step_id = lineage.checkpoint_event_id(manifest.step)
     if run_root is not None:
         lineage.record(run_root, "checkpoint", step_id, step=manifest.step, uri=done.resolve().as_uri(),
-                       reason="converted", format=to, source=src.resolve().as_uri(), world_size=1)
+                       reason="converted", format=to, source=src.resolve().as_uri(), world_size=1,
+                       source_world_size=manifest.topology.world_size)
     src_root = RunDir.of_checkpoint(src)
     if src_root is not None:
         lineage.record(src_root, "reshard", f"convert:{src.name}:{to}:{int(time.time())}", parent=step_id,

@@ -175,13 +175,22 @@ def _bad(world: Path, tmp_path: Path, case: str) -> tuple[RunSpec, str]:
         write_jsonl(tmp_path / "empty" / "train.jsonl", make_text_rows(20))
         (tmp_path / "empty" / "validation.jsonl").write_text("")
         return spec_for(world, dataset=str(tmp_path / "empty")), "validation"
+    if case == "empty eval slice":
+        spec = spec_for(world)
+        return (spec.model_copy(update={"eval": spec.eval.model_copy(update={"split": "validation[:0]"})}),  # type: ignore[union-attr]
+                "eval.split 'validation[:0]': selects 0 rows of")
+    if case == "eval smaller than its batches":
+        write_jsonl(tmp_path / "small" / "train.jsonl", make_text_rows(60))
+        write_jsonl(tmp_path / "small" / "validation.jsonl", make_text_rows(1, words=20))  # < 8 samples of 16
+        return (spec_for(world, dataset=str(tmp_path / "small")),
+                "but eval.batches 2 x 4 samples need 8 (the same samples would be scored again); set eval.batch")
     if case == "unknown split":
         return spec_for(world, split="dev"), "data.split 'dev'"
     if case == "chat without assistant":
         rows = [{"messages": CONVERSATION}, {"messages": [{"role": "user", "content": "hello?"}]}]
         write_jsonl(tmp_path / "noasst.jsonl", rows)
         return (spec_for(world, eval_=False, dataset=str(tmp_path / "noasst.jsonl"), format="chat"),
-                "row 1: a conversation without an assistant turn (roles: user)")
+                "line 2: a conversation without an assistant turn (roles: user)")  # 1-based, as editors count
     if case == "tokenizer larger than embeddings":
         small = {**MODEL, "vocab_size": 256}
         spec = spec_for(world)
@@ -195,7 +204,7 @@ def _bad(world: Path, tmp_path: Path, case: str) -> tuple[RunSpec, str]:
     raise AssertionError(case)
 
 
-BAD = ["missing column", "empty split", "unknown split", "chat without assistant", "tokenizer larger than embeddings",
+BAD = ["missing column", "empty split", "empty eval slice", "eval smaller than its batches", "unknown split", "chat without assistant", "tokenizer larger than embeddings",
        "no such dataset", "hub id offline"]
 
 
@@ -212,6 +221,30 @@ def test_bad_input_is_one_line_before_any_rank(world: Path, tmp_path: Path, case
     msg = str(err.value)
     assert words in msg and "\n" not in msg and "; " in msg, msg
     assert not run.exists()  # nothing written, no rank started
+
+
+def test_the_training_data_key_does_not_cover_the_eval_split(world: Path, tmp_path: Path) -> None:
+    """Eval may change between segments: editing validation.jsonl of a dataset folder changes the eval split's key
+    only, so a resume is not refused; editing train.jsonl still is."""
+    from schemas.data import data_change
+    from trainer.prepare import prepare_data
+
+    data = shutil.copytree(world / "text", tmp_path / "text")
+    spec = spec_for(world, dataset=str(data))
+    before = prepare_data(spec, progress=False)
+    with open(data / "validation.jsonl", "a") as f:
+        f.write(json.dumps({"id": 999, "text": "one more held-out row"}) + "\n")
+    after = prepare_data(spec, progress=False)
+    assert before is not None and after is not None and before.eval is not None and after.eval is not None
+    assert after.train.key == before.train.key and after.eval.key != before.eval.key
+    assert data_change(before.record(), after.record()) is None
+    # a checkpoint recorded under the earlier rule (every file of the folder hashed) still resumes
+    legacy = before.record().model_copy(update={"key": after.train.compat_keys[0], "compat_keys": []})
+    assert len(after.train.compat_keys) == 1 and data_change(legacy, after.record()) is None
+    with open(data / "train.jsonl", "a") as f:
+        f.write(json.dumps({"id": 1000, "text": "one more training row"}) + "\n")
+    changed = prepare_data(spec, progress=False)
+    assert changed is not None and "the dataset's files changed" in (data_change(before.record(), changed.record()) or "")
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused(world: Path) -> None:

@@ -348,6 +348,103 @@ def test_fsdp2_checkpoint_continues_under_deepspeed_at_another_size(fsdp_ref: Pa
     assert read_manifest(ckpt(run, END)).hf_model == record  # the DeepSpeed backend records the same model
 
 
+# ------------------------------------------------------------------------------------- tied embeddings
+TIED = {"model.config.tie_word_embeddings": "true"}
+
+
+@pytest.fixture(scope="module")
+def tied_z2_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("tied-z2") / "run"
+    train(run, 2, END, spec=ds_spec(2, **TIED))
+    return run
+
+
+@pytest.fixture(scope="module")
+def tied_fsdp_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("tied-fsdp") / "run"
+    train(run, 2, END, spec=tiny_spec(**{"checkpoint.interval": CUT, **TIED}))
+    return run
+
+
+def _names(ckpt_dir: Path) -> tuple[list[str], list[str]]:
+    man = read_manifest(ckpt_dir)
+    return sorted(t.name for t in man.tensors), sorted(man.fingerprint.model)
+
+
+def test_tied_zero2_checkpoint_continues_under_fsdp2(tied_z2_ref: Path, tied_fsdp_ref: Path, tmp_path: Path) -> None:
+    """A tied model (lm_head.weight is model.embed_tokens.weight): DeepSpeed saves the pair once, FSDP2's state
+    dict holds both names. The converted checkpoint holds exactly the names of FSDP2's own checkpoints, the tied
+    name with the source's values, and the FSDP2 run continues the ZeRO-2 run's losses."""
+    import torch
+
+    from ckpt.formats.dcp import DCPTensorReader
+
+    assert _names(ckpt(tied_z2_ref, CUT))[0] != _names(ckpt(tied_fsdp_ref, CUT))[0]  # the layouts differ
+    run = tmp_path / "fsdp"
+    done = convert_checkpoint(ckpt(tied_z2_ref, CUT), "dcp", run)
+    assert _names(done) == _names(ckpt(tied_fsdp_ref, CUT)) and validate(done, deep=True).valid
+    with DCPTensorReader(done) as reader:
+        assert torch.equal(reader.read("model.lm_head.weight"), reader.read("model.model.embed_tokens.weight"))
+    assert read_manifest(done).source_world_size == 2
+    train(run, 2, END, 0)
+    got = metrics(run)
+    for ref in (tied_z2_ref, tied_fsdp_ref):
+        rel = max_rel(metrics(ref), got, range(CUT + 1, END + 1))
+        assert rel <= 1e-6, f"tied ZeRO-2 -> FSDP2 vs {ref.parent.name}: {rel:.3e}"
+    resume = [e for e in events(run) if e["kind"] == "resume"][-1]["data"]
+    assert (resume["from_world_size"], resume["converted"]) == (2, True)  # not "saved at world size 1"
+    assert validate(ckpt(run, END), deep=True).valid and _names(ckpt(run, END)) == _names(ckpt(tied_fsdp_ref, END))
+
+
+def test_tied_fsdp2_checkpoint_continues_under_zero2(tied_z2_ref: Path, tied_fsdp_ref: Path, tmp_path: Path) -> None:
+    run = tmp_path / "ds"
+    done = convert_checkpoint(ckpt(tied_fsdp_ref, CUT), "deepspeed", run, zero_stage=2)
+    assert _names(done) == _names(ckpt(tied_z2_ref, CUT)) and validate(done / "universal", deep=True).valid
+    train(run, 2, END, 0)
+    got = metrics(run)
+    for ref in (tied_z2_ref, tied_fsdp_ref):
+        rel = max_rel(metrics(ref), got, range(CUT + 1, END + 1))
+        assert rel <= 1e-6, f"tied FSDP2 -> ZeRO-2 vs {ref.parent.name}: {rel:.3e}"
+    assert validate(ckpt(run, END), deep=True).valid and _names(ckpt(run, END)) == _names(ckpt(tied_z2_ref, END))
+
+
+def test_refused_conversion_into_a_new_run_dir_leaves_nothing(tied_fsdp_ref: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    """A tied copy the manifest does not declare tied (an edited record) is refused before anything is written,
+    and the run directory the conversion would have made is not left behind (status would list it)."""
+    run = tmp_path / "src"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(tied_fsdp_ref / "run.yaml", run / "run.yaml")
+    src = shutil.copytree(ckpt(tied_fsdp_ref, CUT), ckpt(run, CUT))
+    raw = json.loads((src / "manifest.json").read_text())
+    raw["hf_model"]["tied"] = {}
+    (src / "manifest.json").write_text(json.dumps(raw))
+    out = tmp_path / "new-run"
+    line = error_line(capsys, ["convert", str(src), "--to", "deepspeed", str(out)], 4)
+    assert "lm_head.weight has no optimizer state" in line
+    assert not out.exists()
+
+
+def test_a_checkpoint_the_live_run_cannot_load_is_not_quarantined(tied_z2_ref: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A valid checkpoint that fails to load because of the live run (here: FSDP2's state dict asks for a name the
+    checkpoint lacks, as conversions wrote tied models before) fails the segment in one line and stays in place:
+    it is not moved aside as if its bytes were bad, and the next segment finds it again."""
+    import ckpt.formats.deepspeed_convert as conv
+
+    monkeypatch.setattr(conv, "tied_of", lambda manifest, names: {})  # the old conversion: embed_tokens only
+    run = tmp_path / "fsdp"
+    done = convert_checkpoint(ckpt(tied_z2_ref, CUT), "dcp", run)
+    assert validate(done, deep=True).valid
+    with pytest.raises(RuntimeError) as err:
+        spawn(run_segment, 2, str(run), END, 0, timeout=TIMEOUT)
+    lines = [ln for ln in str(err.value).splitlines() if ln.startswith("rank 0:")]
+    assert len(lines) == 1 and "does not load into this run" in lines[0] and "left in place" in lines[0], str(err.value)
+    assert "lm_head.weight" in lines[0]
+    assert done.is_dir() and not list(done.parent.glob("*.invalid-*")) and validate(done).valid
+    assert not [e for e in events(run) if e["kind"] == "validate" and e["data"].get("action") == "quarantined"]
+
+
 def sha256_of(path: Path) -> str:
     import hashlib
 

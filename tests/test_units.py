@@ -324,3 +324,23 @@ def test_a_rank_error_line_run_into_another_ranks_is_cut_at_the_second() -> None
     tail = ["[rank0]: noise", f"{RANK_ERROR_PREFIX} rank 0: run/x: first cause; fix it"
             f"{RANK_ERROR_PREFIX} rank 1: run/x: second cause", "torchrun summary"]
     assert failing_rank_lines(tail) == "rank 0: run/x: first cause; fix it"
+
+
+def test_a_failed_load_is_blamed_on_the_checkpoint_only_for_what_its_bytes_say() -> None:
+    """Quarantine is for checkpoints whose bytes are bad (our readers' CheckpointError, also inside DCP's
+    CheckpointException); a missing key, a shape mismatch or a failed collective is the live run's."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from schemas.errors import CheckpointError, FingerprintMismatch
+    from trainer.checkpointer import _load_problem, checkpoint_at_fault
+
+    tb = traceback.extract_stack()
+    bad_record = CheckpointException("load", {1: (CheckpointError("x.distcp: CRC-32 mismatch"), tb)})
+    missing_key = CheckpointException("load", {0: (RuntimeError("Missing key in checkpoint state_dict: lm_head"), tb)})
+    assert checkpoint_at_fault(FingerprintMismatch("norms differ")) and checkpoint_at_fault(bad_record)
+    assert not checkpoint_at_fault(missing_key)
+    assert not checkpoint_at_fault(RuntimeError("size mismatch for model.embed_tokens.weight"))
+    assert not checkpoint_at_fault(RuntimeError("[../gloo/transport] Connection closed by peer"))
+    assert _load_problem(missing_key) == "RuntimeError: Missing key in checkpoint state_dict: lm_head"

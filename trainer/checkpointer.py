@@ -14,8 +14,10 @@ Not after a preemption's checkpoint: the ranks must exit within the grace period
 every byte anyway (and records it verified then).
 
 Load: the newest checkpoint that passes the quick checks and every checksum is loaded; if the load fails
-(an undecodable record, a fingerprint or counter mismatch) all ranks agree on it, rank 0 quarantines the
-checkpoint (ckpt.fsutil.quarantine) and the next older one is tried. A later successful load overwrites
+because of what the checkpoint holds (an undecodable record, a fingerprint or counter mismatch) all ranks
+agree on it, rank 0 quarantines the checkpoint (ckpt.fsutil.quarantine) and the next older one is tried. A
+load that fails because of the live run (a name or shape the live model does not have, a failed collective:
+``checkpoint_at_fault``) fails the segment in one line and leaves the checkpoint where it is. A later successful load overwrites
 the whole model, optimizer and RNG state, so nothing of the failed attempt survives. If checkpoints exist
 and none loads, the segment is refused (never a silent restart from step 0) unless the launch said
 restart (``SegmentLaunch.restart``, set by ``shardkeeper train --restart``).
@@ -107,6 +109,29 @@ def _find_os_error(exc: BaseException | None, depth: int = 0) -> OSError | None:
             if found is not None:
                 return found
     return _find_os_error(exc.__cause__ or exc.__context__, depth + 1)
+
+
+def _load_problem(exc: BaseException) -> str:
+    """One line for a failed load. DCP's CheckpointException prints every failing rank's traceback: name each
+    rank's own exception instead (the first line of its message)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = sorted(exc.failures.items())[0][1][0]
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+
+
+def checkpoint_at_fault(exc: BaseException | None, depth: int = 0) -> bool:
+    """Whether a failed load is the checkpoint's doing: our readers and checks raise CheckpointError for what the
+    bytes say (an undecodable record, a fingerprint or counter mismatch, a file missing), also inside DCP's
+    CheckpointException (every failing rank's exception). Anything else (DCP's planner missing a key the live
+    model has, a shape mismatch, a failed collective, DeepSpeed refusing the live engine's layout) is the live
+    run's: the checkpoint, whose every byte matched its manifest, is not to blame."""
+    if exc is None or depth > 8:
+        return False
+    if isinstance(exc, CheckpointError):
+        return True
+    if isinstance(exc, CheckpointException):
+        return any(checkpoint_at_fault(inner, depth + 1) for inner, _tb in exc.failures.values())
+    return checkpoint_at_fault(exc.__cause__, depth + 1)
 
 
 def code_version() -> str:
@@ -415,9 +440,14 @@ class Checkpointer:
             if problem is None:
                 self.check_loadable(path, self._manifest(path))  # another run's checkpoint: refuse, keep it
                 touched = True
-                ts, problem = self._try_load(path)
+                ts, problem, ours = self._try_load(path)
                 if ts is not None:
                     return ts
+                if not ours:  # the live run does not fit a checkpoint whose every byte checked out: keep it
+                    raise CheckpointError(
+                        f"{path}: its files match their checksums, but it does not load into this run ({problem}); "
+                        "left in place, not moved aside: resume with the model, backend and world size it fits "
+                        "(its manifest.json's run_spec), or convert it with shardkeeper convert")
             self._set_aside(path, problem)
             failed.append(f"{path.name} ({problem})")
         if failed and not (restart and not touched):
@@ -432,21 +462,25 @@ class Checkpointer:
 
         return read_manifest(path)
 
-    def _try_load(self, path: Path) -> tuple[TrainState | None, str | None]:
-        """Load ``path``; every rank learns whether any rank failed (one all-gather after the attempt)."""
-        ts, problem = None, None
+    def _try_load(self, path: Path) -> tuple[TrainState | None, str | None, bool]:
+        """Load ``path``; every rank learns whether any rank failed (one all-gather after the attempt), and
+        whether any rank blames the checkpoint's bytes (``checkpoint_at_fault``) rather than the live run."""
+        ts, mine = None, None
         try:
             ts = self.load(path)
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-            problem = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
-        problem = self.agree(problem)
-        if problem is not None:
-            return None, problem
+            mine = (_load_problem(e), checkpoint_at_fault(e))
+        found: list[tuple[str, bool] | None] = [None] * self.env.world_size
+        dist.all_gather_object(found, mine, group=self.env.ctrl_group)
+        failures = [f for f in found if f]
+        if failures:
+            blamed = [p for p, ours in failures if ours]
+            return None, (blamed or [failures[0][0]])[0], bool(blamed)
         if self.env.is_rank0:  # every byte was hashed against the manifest before this load
             from ckpt.validate import record_verified
 
             record_verified(self.run_dir, path, how="load", bytes_read=sum(f.size for f in self._manifest(path).files))
-        return ts, None
+        return ts, None, False
 
     def _set_aside(self, path: Path, problem: str | None) -> None:
         """Rank 0 quarantines a checkpoint that failed its checksums or its load, logs one line and records
@@ -540,12 +574,19 @@ class Checkpointer:
         self.last_committed_step = ts.step
         if self.env.is_rank0:
             seconds = time.perf_counter() - t0
-            log.info("resumed from %s at step %d (saved at world size %d, now %d) in %.2f s", path.name, ts.step,
-                     manifest.topology.world_size, self.env.world_size, seconds)
+            saved = manifest.topology.world_size
+            if manifest.reason == "converted":  # a one-process conversion: say where the state was trained
+                saved = manifest.source_world_size or saved
+                how = (f"converted from a checkpoint saved at world size {manifest.source_world_size}"
+                       if manifest.source_world_size else "converted")
+            else:
+                how = f"saved at world size {saved}"
+            log.info("resumed from %s at step %d (%s, now %d) in %.2f s", path.name, ts.step, how,
+                     self.env.world_size, seconds)
             lineage.record(self.run_dir, "resume", f"resume:segment-{self.segment}",
                            parent=lineage.checkpoint_event_id(ts.step), step=ts.step, segment=self.segment,
-                           from_world_size=manifest.topology.world_size, to_world_size=self.env.world_size,
-                           load_seconds=round(seconds, 3))
+                           from_world_size=saved, to_world_size=self.env.world_size,
+                           converted=manifest.reason == "converted", load_seconds=round(seconds, 3))
 
 
     # ----------------------------------------------------------------- backend hooks

@@ -3,7 +3,8 @@
 The controller runs this once, before any rank starts (``shardkeeper train`` through ``preflight``, or
 ``shardkeeper prepare-data`` alone); the ranks only open the files it names (``schemas.seam.SegmentLaunch.data``).
 
-* **Content key.** sha256 over (the dataset's files: name + sha256 of each; the tokenizer's files: name +
+* **Content key.** sha256 over (the split's files: name + sha256 of each, only those the datasets library
+  reads for that split, so editing validation.jsonl leaves the training key alone; the tokenizer's files: name +
   sha256 of each; the settings that decide the tokens: format, column, split, EOS policy, this module's
   ``PREP_VERSION``). The cache entry ``$SHARDKEEPER_DATA_CACHE/<key>/`` (default
   ``~/.cache/shardkeeper/data``) holds ``tokens.bin`` (raw uint16/uint32 ids), for chat data ``mask.bin``
@@ -171,8 +172,25 @@ def dataset_files(src: str) -> tuple[str, list[Path], Path] | None:
     return None
 
 
-def dataset_sha256(files: list[Path], root: Path) -> str:
-    return _digest([(f.relative_to(root).as_posix(), sha256_file(f)) for f in files])
+def split_files(local: tuple[str, list[Path], Path], src: str, split: str) -> list[Path]:
+    """The files of a local dataset that ``split`` reads (its base name: 'train[:90%]' -> 'train'): for a folder,
+    those the datasets library assigns to that split by their names (train*.jsonl, validation*.jsonl, ...), so
+    the training data's key does not cover the held-out files (eval may change between segments); every file
+    for a single file, for a folder without split names, or for a split name the folder does not have."""
+    _, files, root = local
+    if Path(src).expanduser().is_file():
+        return files
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    base = split.split("[", 1)[0].split("+", 1)[0].strip()
+    try:
+        by_split = DataFilesDict.from_patterns(get_data_patterns(str(root)), base_path=str(root))
+    except Exception:  # noqa: BLE001 - let load_split say what is wrong with the folder
+        return files
+    named = {str(k): {Path(f).resolve() for f in v} for k, v in by_split.items()}
+    if base not in named:
+        return files
+    return [f for f in files if f.resolve() in named[base]]
 
 
 @contextlib.contextmanager
@@ -188,6 +206,11 @@ def _quiet_datasets() -> Iterator[None]:
     finally:
         datasets.enable_progress_bars()
         datasets.logging.set_verbosity(level)
+
+
+def empty_split(field: str, split: str, src: str) -> str:
+    return (f"{field} {split!r}: selects 0 rows of {src}; set {field} to a split or slice that has rows (e.g. "
+            "'validation', 'train[90%:]'), or add rows to that split's file")
 
 
 def load_split(src: str, split: str, local: tuple[str, list[Path], Path] | None, field: str):
@@ -213,6 +236,8 @@ def load_split(src: str, split: str, local: tuple[str, list[Path], Path] | None,
             return datasets.load_dataset(str(root), split=split)
     except ValueError as e:
         msg = _one_line(e)
+        if "corresponds to no data" in msg:  # a slice of no rows, e.g. 'validation[:0]': the field's fault, not the file's
+            raise ConfigError(empty_split(field, split, src)) from None
         if "split" in msg.lower():
             raise ConfigError(f"{field} {split!r}: {src} has no such split ({msg}); name one of its splits (a single "
                               "file is split 'train'; slices such as 'train[:90%]' work)") from None
@@ -284,17 +309,18 @@ def _tokenize_chat(batch: dict[str, list], *, tokenizer: Any, column: str) -> di
     return {"input_ids": ids, "mask": masks}
 
 
-def check_conversations(ds: Any, column: str, where: str) -> None:
-    """Every row is a non-empty list of {role, content} with at least one assistant turn."""
+def check_conversations(ds: Any, column: str, where: str, unit: str = "row") -> None:
+    """Every row is a non-empty list of {role, content} with at least one assistant turn. A bad row is named
+    1-based: ``unit`` "line" for one JSON-lines file (its line number), "row" otherwise (the split's N-th row)."""
     for start in range(0, len(ds), 1000):
         for j, conv in enumerate(ds[start : start + 1000][column]):
-            row = start + j
+            row = f"{unit} {start + j + 1}"  # 1-based, as an editor counts lines
             if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) and "role" in m for m in conv):
-                raise ConfigError(f"{where} row {row}: data.messages_column {column!r} is not a list of "
+                raise ConfigError(f"{where} {row}: data.messages_column {column!r} is not a list of "
                                   "{role, content} messages; fix that row")
             if not any(m.get("role") == "assistant" for m in conv):
                 roles = ", ".join(str(m.get("role")) for m in conv)
-                raise ConfigError(f"{where} row {row}: a conversation without an assistant turn (roles: {roles}); "
+                raise ConfigError(f"{where} {row}: a conversation without an assistant turn (roles: {roles}); "
                                   "nothing in it would be trained on: add the assistant's reply or drop the row")
 
 
@@ -356,13 +382,18 @@ def prepare_split(spec: RunSpec, split: str, *, vocab_size: int | None = None, n
     local = dataset_files(data.dataset)
     settings = settings_of(data, split)
     tok_sha = tokenizer_sha256(tok_dir)
+    compat: list[str] = []
     if local is not None:
-        ds_sha = dataset_sha256(local[1], local[2])
+        named = {f: (f.relative_to(local[2]).as_posix(), sha256_file(f)) for f in local[1]}
+        mine = split_files(local, data.dataset, split)
+        ds_sha = _digest([named[f] for f in mine])
         key = content_key(ds_sha, tok_sha, settings)
+        if len(mine) < len(local[1]):  # keys before PREP_VERSION 1's split-only rule covered every file of the folder
+            compat = [content_key(_digest(list(named.values())), tok_sha, settings)]
         hit = cached_split(key, data.dataset, tok_src)
         if hit is not None:
             check_vocab(hit, vocab_size, tok_field)
-            return hit
+            return hit.model_copy(update={"compat_keys": compat})
     ds = load_split(data.dataset, split, local, split_field)
     if local is None:  # a Hub dataset: the datasets library's fingerprint of the split stands for its files
         ds_sha = hashlib.sha256(str(getattr(ds, "_fingerprint", "")).encode()).hexdigest()
@@ -373,7 +404,7 @@ def prepare_split(spec: RunSpec, split: str, *, vocab_size: int | None = None, n
             return hit
     where = f"data.dataset {data.dataset} [{split}]"
     if len(ds) == 0:
-        raise ConfigError(f"{where}: the split is empty (0 rows); point {split_field} at a split with data")
+        raise ConfigError(empty_split(split_field, split, data.dataset))
     column = settings["column"]
     if column not in ds.column_names:
         which = "data.text_column" if data.format == "text" else "data.messages_column"
@@ -383,10 +414,12 @@ def prepare_split(spec: RunSpec, split: str, *, vocab_size: int | None = None, n
     n_vocab = len(tokenizer)
     pre = PreparedSplit(key=key, dataset=data.dataset, split=split, tokenizer=tok_src, dataset_sha256=ds_sha,
                         tokenizer_sha256=tok_sha, settings=settings, path="", dtype="uint16", tokens=0, rows=len(ds),
-                        targets=0, max_id=-1, vocab_size=n_vocab)
+                        targets=0, max_id=-1, vocab_size=n_vocab, compat_keys=compat)
     check_vocab(pre, vocab_size, tok_field)  # before tokenizing: a tokenizer larger than the embeddings
     if data.format == "chat":
-        check_conversations(ds, column, where)
+        one_jsonl = local is not None and len(local[1]) == 1 and local[1][0].suffix.lower() == ".jsonl" \
+            and "[" not in split
+        check_conversations(ds, column, where, "line" if one_jsonl else "row")
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"{tok_field} {tok_src}: the tokenizer has no chat template (chat_template in "
                               "tokenizer_config.json or chat_template.jinja); add one or use data.format: text")
@@ -443,7 +476,8 @@ def _tokenize_and_store(ds: Any, tokenizer: Any, pre: PreparedSplit, data: DataS
             "dtype": np.dtype(dtype).name, "tokens": n, "targets": targets if chat else n, "max_id": max_id,
             "seconds": round(time.perf_counter() - t0, 3)})
         check_vocab(out, vocab_size, tok_field)
-        (tmp / "meta.json").write_text(out.model_dump_json(indent=2), encoding="utf-8")
+        # compat_keys depend on the folder's other files, not on this entry's content: not cached
+        (tmp / "meta.json").write_text(out.model_dump_json(indent=2, exclude={"compat_keys"}), encoding="utf-8")
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -495,4 +529,24 @@ def prepare_data(spec: RunSpec, *, vocab_size: int | None = None, num_proc: int 
     if spec.eval is not None:
         ev = prepare_split(spec, spec.eval.split, vocab_size=vocab_size, num_proc=num_proc, split_field="eval.split",
                            progress=progress)
+        check_eval_size(spec, ev)
     return PreparedData(train=train, eval=ev)
+
+
+def check_eval_size(spec: RunSpec, ev: PreparedSplit) -> None:
+    """The held-out split must hold eval.batches distinct batches: fewer samples would be scored several times
+    over (HeldOutLoader wraps around) and eval_tokens would count the repeats."""
+    assert spec.eval is not None
+    seq_len, batch = spec.data.seq_len, spec.eval_batch()
+    windows = max(0, (ev.tokens - 1) // seq_len)
+    need = spec.eval.batches * batch
+    if windows >= need:
+        return
+    if windows < batch:
+        fix = (f"set eval.batch_size to at most {windows} (dividing the world size)" if windows else
+               "use a larger split or a smaller data.seq_len")
+    else:
+        fix = f"set eval.batches to {windows // batch} or less"
+    raise ConfigError(f"eval.split {ev.split!r}: {ev.tokens} tokens hold {windows} samples of data.seq_len {seq_len}, "
+                      f"but eval.batches {spec.eval.batches} x {batch} samples need {need} (the same samples would be "
+                      f"scored again); {fix}, or give eval.split more rows")

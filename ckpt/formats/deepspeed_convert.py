@@ -63,7 +63,9 @@ from ckpt.manifest import write_manifest
 from schemas import CheckpointManifest, ClusterTopology, FileEntry
 
 log = logging.getLogger(__name__)
-from ckpt.formats.deepspeed_sources import DCPSource, FingerprintSums, IO_THREADS, Source, check_fingerprint, check_target, commit_dir, inventory, open_source, partial_dir, quick_valid
+from ckpt.formats.deepspeed_sources import (DCPSource, FingerprintSums, IO_THREADS, Source, check_fingerprint, check_target,
+                                            commit_dir, inventory, open_source, partial_dir, quick_valid, tied_of,
+                                            with_tied, without_tied)
 from ckpt.formats.deepspeed_universal import universal_model_states, write_universal
 
 
@@ -137,22 +139,31 @@ class HashingFileSystem(FileSystem):
                 self.digests[Path(path).name] = (stream.size, stream.digest)
 
 
-def dcp_state(src: Source, manifest: CheckpointManifest, rng: torch.Tensor, model_only: bool
-               ) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
-    """The nested state dict the fsdp2 Checkpointer saves, with meta placeholders for the big tensors."""
-    lazy: dict[str, tuple[str, str]] = {}
+def dcp_state(src: Source, manifest: CheckpointManifest, rng: torch.Tensor, model_only: bool,
+              tied: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, tuple[str, str, str]]]:
+    """The nested state dict the fsdp2 Checkpointer saves, with meta placeholders for the big tensors.
+
+    ``lazy``: DCP key -> (source parameter, key, name in the fingerprint). A tied name (``tied``: tied ->
+    source) is a model entry of its own, as in FSDP2's state dict, holding the source's values; the
+    optimizer state keeps the source's name only, as FSDP2's does."""
+    lazy: dict[str, tuple[str, str, str]] = {}
     model: dict[str, Any] = {}
     state: dict[str, Any] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for g in src.groups:
         for name, shape in g:
+            shapes[name] = shape
             model[name] = torch.empty(shape, dtype=torch.float32, device="meta")
-            lazy[f"model.{name}"] = (name, "fp32")
+            lazy[f"model.{name}"] = (name, "fp32", name)
             if model_only:
                 continue
             state[name] = {"step": torch.tensor(src.step(), dtype=torch.float32)}
             for m in MOMENTS:
                 state[name][m] = torch.empty(shape, dtype=torch.float32, device="meta")
-                lazy[f"optim.state.{name}.{m}"] = (name, m)
+                lazy[f"optim.state.{name}.{m}"] = (name, m, name)
+    for name, source in (tied or {}).items():
+        model[name] = torch.empty(shapes[source], dtype=torch.float32, device="meta")
+        lazy[f"model.{name}"] = (source, "fp32", name)
     sd: dict[str, Any] = {"model": model}
     if not model_only:
         groups = [{**h, "params": [n for n, _ in g]} for h, g in zip(src.hparams(), src.groups)]
@@ -189,12 +200,13 @@ def to_dcp(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
     src = open_source(ckpt_dir, manifest)
     sums = FingerprintSums()
     try:
-        sd, lazy = dcp_state(src, manifest, rng_of(ckpt_dir, manifest), model_only)
+        tied = tied_of(manifest, {n for g in src.groups for n, _ in g})
+        sd, lazy = dcp_state(src, manifest, rng_of(ckpt_dir, manifest), model_only, tied)
 
         def produce(fqn: str) -> torch.Tensor:
-            name, key = lazy[fqn]
+            name, key, as_name = lazy[fqn]
             t = src.read(name, key)
-            sums.add(name, key, t)
+            sums.add(as_name, key, t)
             return t
 
         with partial_dir(out_dir) as tmp:
@@ -204,12 +216,13 @@ def to_dcp(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
                 warnings.filterwarnings("ignore", message=".*single process.*")
                 dcp_save(sd, storage_writer=writer, planner=StreamingSavePlanner(produce), no_dist=True)
             fingerprint = sums.fingerprint(0.0 if model_only else src.step())
-            check_fingerprint(ckpt_dir, manifest.fingerprint, fingerprint, model_only=model_only)
+            check_fingerprint(ckpt_dir, with_tied(manifest.fingerprint, tied), fingerprint, model_only=model_only)
             files = dcp_files(tmp, fs.digests)
             out = manifest.model_copy(update={
                 "format": "dcp", "reason": "converted", "created_at": lineage.now_iso(), "files": files,
-                "tensors": inventory(src.groups, model_only=model_only), "parent": ckpt_dir.name,
+                "tensors": inventory(src.groups, model_only=model_only, tied=tied), "parent": ckpt_dir.name,
                 "topology": one_rank(manifest.topology), "fingerprint": fingerprint,
+                "source_world_size": source_world_size(manifest),
                 "run_spec": manifest.run_spec.model_copy(update={"backend": "fsdp2"}),
                 "save_seconds": time.perf_counter() - t0, "async_save": False})
             if not commit_dir(tmp, out_dir, out):
@@ -229,6 +242,11 @@ def dcp_files(tmp: Path, digests: dict[str, tuple[int, str]]) -> list[FileEntry]
         size, digest = hash_files([tmp / ".metadata"])[tmp / ".metadata"]
         entries.append(FileEntry(path=".metadata", size=size, xxh3_128=digest, rank=0))
     return sorted(entries, key=lambda e: e.path)
+
+
+def source_world_size(manifest: CheckpointManifest) -> int:
+    """The world size the training state was saved at, carried through conversions of conversions."""
+    return manifest.source_world_size or manifest.topology.world_size
 
 
 def one_rank(topo: ClusterTopology) -> ClusterTopology:
@@ -253,13 +271,16 @@ def from_dcp(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
     target = manifest.model_copy(update={"run_spec": spec, "format": "deepspeed", "topology": one_rank(manifest.topology)})
     src = DCPSource(ckpt_dir)
     try:
+        # FSDP2 saves a tied pair under both names, DeepSpeed under the source's only: the tied copies stay behind
+        tied = src.tied(tied_of(manifest, {n for g in src.groups for n, _ in g}))
         with partial_dir(out_dir) as tmp:
             (tmp / UNIVERSAL_DIR).mkdir()
             template = universal_model_states({}, src.groups, target)
             ufiles, fingerprint = write_universal(src, tmp / UNIVERSAL_DIR, target, model_states=template,
                                                   clip_grad=spec.optim.grad_clip or 0.0, threads=threads)
-            check_fingerprint(ckpt_dir, manifest.fingerprint, fingerprint)
+            check_fingerprint(ckpt_dir, without_tied(manifest.fingerprint, tied), fingerprint)
             common = {"reason": "converted", "created_at": lineage.now_iso(), "parent": ckpt_dir.name,
+                      "source_world_size": source_world_size(manifest),
                       "tensors": inventory(src.groups), "fingerprint": fingerprint, "async_save": False}
             write_manifest(tmp / UNIVERSAL_DIR, target.model_copy(update={**common, "files": ufiles,
                                                                            "save_seconds": time.perf_counter() - t0}))

@@ -138,6 +138,27 @@ class DCPSource:
             raise CheckpointError(f"{ckpt_dir}: no optimizer step in the DCP checkpoint; only AdamW state can be converted")
         self._step = float(self._read(step_keys[0]).item())
 
+    def untracked(self) -> list[str]:
+        """Model tensors without optimizer state: in FSDP2's state dict, the tied names of a tied pair."""
+        names = {n for g in self.groups for n, _ in g}
+        return sorted(k[6:] for k in self.reader.tensor_keys() if k.startswith("model.") and k[6:] not in names)
+
+    def tied(self, tied: dict[str, str]) -> dict[str, str]:
+        """The tied names this checkpoint holds beside their sources (``tied``: the model's tied pairs), each
+        checked to hold its source's values; any other model tensor without optimizer state is refused."""
+        out = {}
+        for name in self.untracked():
+            source = tied.get(name)
+            if source is None:
+                raise CheckpointError(f"{self.reader.dir}: model tensor {name} has no optimizer state and is tied to no "
+                                      "parameter (hf_model.tied); only checkpoints whose every parameter is trained "
+                                      "can be converted")
+            if not torch.equal(self._read(f"model.{name}"), self._read(f"model.{source}")):
+                raise CheckpointError(f"{self.reader.dir}: {name} is tied to {source} but holds other values; the "
+                                      "checkpoint does not match its run_spec.model (tie_word_embeddings)")
+            out[name] = source
+        return out
+
     def _bytes(self, key: str) -> Any:
         with self._lock:
             return self.reader.read_bytes_value(key)
@@ -201,8 +222,30 @@ def check_fingerprint(src: Path, saved: Fingerprint, now: Fingerprint, *, model_
     fp.require_match(src, saved, now, exact=False, converted=True)
 
 
-def inventory(groups: list[list[tuple[str, tuple[int, ...]]]], *, model_only: bool = False) -> list[TensorEntry]:
+def tied_of(manifest: CheckpointManifest, names: set[str]) -> dict[str, str]:
+    """Tied name -> the name it is tied to, for the tied pairs whose source is among ``names`` (the parameters
+    a checkpoint holds optimizer state for) and whose tied name is not. FSDP2's state dict holds both names of
+    a tied pair (lm_head.weight and model.embed_tokens.weight), its optimizer state and DeepSpeed's checkpoints
+    only the source: a conversion adds or drops the tied names. From the model's record (hf_model.tied)."""
+    tied = manifest.hf_model.tied if manifest.hf_model is not None else {}
+    return {t: s for t, s in tied.items() if s in names and t not in names}
+
+
+def with_tied(saved: Fingerprint, tied: dict[str, str]) -> Fingerprint:
+    """``saved`` with each tied name's model norm equal to its source's (both names are one parameter)."""
+    model = {**saved.model, **{t: saved.model[s] for t, s in tied.items() if s in saved.model}}
+    return saved.model_copy(update={"model": model})
+
+
+def without_tied(saved: Fingerprint, tied: dict[str, str]) -> Fingerprint:
+    return saved.model_copy(update={"model": {k: v for k, v in saved.model.items() if k not in tied}})
+
+
+def inventory(groups: list[list[tuple[str, tuple[int, ...]]]], *, model_only: bool = False,
+              tied: dict[str, str] | None = None) -> list[TensorEntry]:
     out = [TensorEntry(name=f"model.{n}", shape=list(s), dtype="float32") for g in groups for n, s in g]
+    shapes = {n: s for g in groups for n, s in g}
+    out += [TensorEntry(name=f"model.{t}", shape=list(shapes[s]), dtype="float32") for t, s in (tied or {}).items()]
     if not model_only:
         out += [TensorEntry(name=f"optim.state.{n}.{m}", shape=list(s), dtype="float32")
                 for g in groups for n, s in g for m in MOMENTS]
