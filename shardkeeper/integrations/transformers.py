@@ -29,9 +29,9 @@ What changes against a plain Trainer:
 - ``metrics.jsonl`` gets one row per optimizer step: the step's loss (mean over the ranks) and learning rate.
 
 Keep the global batch when the world size changes (``per_device_train_batch_size * gradient_accumulation_steps
-* world_size``), or the same step sees other samples. With several ranks, shard the model (``deepspeed=`` or
-``fsdp=... fsdp_config={"fsdp_version": 2}``): a replicated (DDP) model is refused, its checkpoint fingerprint
-would count every replica.
+* world_size``), or the same step sees other samples. Sharding: DeepSpeed (``deepspeed=``, on GPUs and on
+CPU), FSDP2 (``fsdp="full_shard", fsdp_config={"fsdp_version": 2}``: Accelerate enables FSDP on GPUs only) or a
+replicated model (DDP, the Trainer's default on several ranks; DCP saves one copy).
 
 Not restored: Python's and NumPy's RNG (a data collator that draws from them, e.g. masked-LM masking, sees other
 numbers after a resume), callbacks' own state (``ExportableState``), a gradient scaler (fp16).
@@ -108,12 +108,7 @@ class ShardkeeperTrainerMixin:
         seg = self.sk_segment
         if self.is_deepspeed_enabled:  # type: ignore[attr-defined]
             return self.model_wrapped, None  # type: ignore[attr-defined]  # the engine brings its optimizer
-        model = self.model  # type: ignore[attr-defined]
-        if seg.world_size > 1 and not self.is_fsdp_enabled:  # type: ignore[attr-defined]
-            raise UsageError(f"shardkeeper Trainer on {seg.world_size} ranks without sharding: shard the model with "
-                             "TrainingArguments(deepspeed=CONFIG) (and --set backend=deepspeed) or "
-                             "TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2}); a replicated "
-                             "(DDP) model is not supported")
+        model = self.model  # type: ignore[attr-defined]  # FSDP2: the sharded module; DDP: the replica inside
         opt = self.optimizer  # type: ignore[attr-defined]
         return model, getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps the torch one
 
