@@ -6,9 +6,12 @@ On 2 CPU ranks with DeepSpeed ZeRO-2, then resumed on 1 rank (the universal conv
         --set backend=deepspeed --set checkpoint.interval=5 -- --deepspeed
     shardkeeper train --run-dir runs/hf --until-step 24 --nproc 1
 
-With FSDP2 instead (the Trainer's ``fsdp_config={"fsdp_version": 2}``; DCP reshards at load):
+Without ``--deepspeed`` the Trainer replicates the model over the ranks (DDP) and shardkeeper saves it through DCP
+(one copy); with ``--fsdp`` on 2+ GPUs it shards it with FSDP2 (``fsdp_config={"fsdp_version": 2}``; Accelerate
+enables FSDP on GPUs only, so on CPU ``--fsdp`` trains replicated). Either resumes at any world size:
 
-    shardkeeper train --script examples/hf_trainer.py --run-dir runs/hf2 --until-step 12 --nproc 2 -- --fsdp
+    shardkeeper train --script examples/hf_trainer.py --run-dir runs/hf2 --until-step 12 --nproc 2
+    shardkeeper train --run-dir runs/hf2 --until-step 24 --nproc 1
 
 The lines that differ from a plain Trainer script are marked ``# shardkeeper``. ``--max-steps`` is the run's
 whole length (the LR schedule); ``--until-step`` is where this segment stops. The global batch stays
@@ -31,7 +34,7 @@ parser.add_argument("--batch", type=int, default=8, help="global batch (split ov
 parser.add_argument("--seq", type=int, default=16)
 parser.add_argument("--save-steps", type=int, default=0, help="the Trainer's own save policy (0: none)")
 parser.add_argument("--deepspeed", action="store_true", help="DeepSpeed ZeRO-2 (run with --set backend=deepspeed)")
-parser.add_argument("--fsdp", action="store_true", help="FSDP2 through the Trainer's fsdp options")
+parser.add_argument("--fsdp", action="store_true", help="FSDP2 through the Trainer's fsdp options (GPUs only)")
 args = parser.parse_args()
 
 if not torch.cuda.is_available():

@@ -1,13 +1,15 @@
 """The integrations and examples, each launched as a user would: ``shardkeeper train --script`` (real torchrun, gloo,
 2 CPU ranks, tiny transformers Llamas). Module-scoped runs serve several tests each (a launch costs 15-35 s):
 
-- Hugging Face Trainer + DeepSpeed ZeRO-2 (examples/hf_trainer.py): an uninterrupted 2-rank run; a 2-rank run
+- Hugging Face Trainer + DeepSpeed ZeRO-2 (examples/hf_trainer.py): an uninterrupted 2-rank run (the Trainer's
+  save_steps and the run's interval both commit), a copy of it cut at step 14 resumed on 2 ranks (bitwise); a 2-rank run
   SIGTERMed mid-run (exit 75, the preemption checkpoint committed) and resumed on 1 rank through the universal
   conversion, whose losses continue the uninterrupted run's;
 - Accelerate + FSDP2 (examples/accelerate_fsdp.py): an uninterrupted 2-rank run, and copies of it cut at step 8
   resumed on 2 ranks (bitwise the same losses) and on 1 rank (DCP reshards; the same losses within rounding);
 - the own DeepSpeed loop (examples/deepspeed_loop.py): 2 ranks, cut at step 10 and resumed on 1 rank;
-- ``shardkeeper validate --deep`` and ``shardkeeper export`` on their checkpoints.
+- ``shardkeeper validate --deep`` and ``shardkeeper export`` on their checkpoints (export of a DeepSpeed and of a
+  DCP checkpoint; the exported folder loads with ``from_pretrained``).
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("hf")
     script = ["--script", str(EXAMPLES / "hf_trainer.py"), "--set", "backend=deepspeed",
               "--set", "checkpoint.interval=10", "--set", "checkpoint.keep_last=100"]
-    ref = base / "ref"
-    train(ref, 30, 2, *script, "--", "--deepspeed", "--max-steps", HF_MAX_STEPS)
+    ref = base / "ref"  # the Trainer's own save policy (save_steps=7) beside the run's interval (10)
+    train(ref, 30, 2, *script, "--", "--deepspeed", "--max-steps", HF_MAX_STEPS, "--save-steps", "7")
+    same = copy_run_until(ref, base / "same", 14)
+    train(same, 22, 2)
 
     run = base / "preempted"
     args = [sys.executable, "-m", "shardkeeper", "train", "--run-dir", str(run), "--until-step", HF_MAX_STEPS,
@@ -74,7 +78,7 @@ def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     stop = status["end_step"]
     assert stop < 24, f"the SIGTERM landed late (step {stop}); the resume below trains to step 30"
     resumed = train(run, 30, 1)
-    return {"ref": ref, "run": run, "preempted": preempted, "resumed": resumed, "stop": stop}
+    return {"ref": ref, "same": same, "run": run, "preempted": preempted, "resumed": resumed, "stop": stop}
 
 
 def test_hf_trainer_sigterm_commits_at_the_step_boundary_and_exits_75(hf_runs: dict) -> None:
@@ -91,6 +95,17 @@ def test_hf_trainer_sigterm_commits_at_the_step_boundary_and_exits_75(hf_runs: d
     assert {"rng_rank_00000.pt", "rng_rank_00001.pt"} <= {f["path"] for f in m["files"]}
 
 
+def test_hf_trainer_saves_are_commits_and_resume_on_the_same_world_size_is_bitwise(hf_runs: dict) -> None:
+    ckpts = hf_runs["ref"] / "checkpoints"
+    assert sorted(int(p.name[5:]) for p in ckpts.glob("step-*")) == [7, 10, 14, 20, 21, 28, 30]
+    assert {manifest(ckpts / f"step-{s:08d}")["reason"] for s in (7, 14, 21, 28)} == {"interval"}
+    ref, got = metrics(hf_runs["ref"]), metrics(hf_runs["same"])
+    assert sorted(got) == list(range(1, 23))
+    # the Trainer's global_step, LR schedule, sampler position and RNG continue exactly: the same bits
+    for s in range(15, 23):
+        assert got[s]["segment"] == 1 and got[s]["loss"] == ref[s]["loss"] and got[s]["lr"] == ref[s]["lr"], s
+
+
 def test_hf_trainer_resumes_on_another_world_size_and_continues_the_loss(hf_runs: dict) -> None:
     run, stop = hf_runs["run"], hf_runs["stop"]
     assert f"segment 1 completed: steps {stop} -> 30 on 1 ranks" in hf_runs["resumed"].stderr
@@ -102,7 +117,7 @@ def test_hf_trainer_resumes_on_another_world_size_and_continues_the_loss(hf_runs
     # after: the Trainer's global_step, LR schedule and sampler position continued exactly ...
     assert all(got[s]["lr"] == ref[s]["lr"] for s in range(stop + 1, 31))
     # ... and the math on 1 rank differs from 2 ranks' by float rounding only (gradient all-reduce order)
-    assert max_rel(ref, got, range(stop + 1, 31)) < 1e-5, [(s, ref[s]["loss"], got[s]["loss"]) for s in range(stop + 1, 31)]
+    assert max_rel(ref, got, range(stop + 1, 31)) < 1e-6, [(s, ref[s]["loss"], got[s]["loss"]) for s in range(stop + 1, 31)]
     assert manifest(run / "checkpoints" / "step-00000030")["topology"]["procs_per_node"] == 1
 
 
@@ -146,7 +161,7 @@ def test_accelerate_resume_on_another_world_size_has_no_spike(acc_runs: dict) ->
     assert {got[s]["world_size"] for s in range(9, 17)} == {1}
     assert all(got[s]["lr"] == ref[s]["lr"] for s in range(9, 17))
     # the seed-000 question: the first steps after a sharded resume continue the loss (float rounding only)
-    assert max_rel(ref, got, range(9, 17)) < 1e-5, [(s, ref[s]["loss"], got[s]["loss"]) for s in range(9, 17)]
+    assert max_rel(ref, got, range(9, 17)) < 1e-6, [(s, ref[s]["loss"], got[s]["loss"]) for s in range(9, 17)]
 
 
 def test_accelerate_checkpoints_validate_deep_and_export(acc_runs: dict, tmp_path: Path) -> None:
@@ -181,18 +196,9 @@ def test_deepspeed_loop_resumes_2_to_1_rank_through_the_universal_conversion(ds_
     resume = [e for e in events if e["kind"] == "resume"]
     assert resume and resume[-1]["data"]["from_world_size"] == 2 and resume[-1]["data"]["to_world_size"] == 1
     ref, got = metrics(ds_runs["ref"]), metrics(other)
-    assert max_rel(ref, got, range(11, 17)) < 1e-5, [(s, ref[s]["loss"], got[s]["loss"]) for s in range(11, 17)]
+    assert max_rel(ref, got, range(11, 17)) < 1e-6, [(s, ref[s]["loss"], got[s]["loss"]) for s in range(11, 17)]
 
 
-def test_deepspeed_loop_checkpoints_validate_deep_and_export(ds_runs: dict, tmp_path: Path) -> None:
-    ckpt = ds_runs["other"] / "checkpoints" / "step-00000016"
-    out = sk("validate", "--deep", str(ckpt))
+def test_deepspeed_loop_checkpoint_validates_deep(ds_runs: dict) -> None:
+    out = sk("validate", "--deep", str(ds_runs["other"] / "checkpoints" / "step-00000016"))
     assert out.returncode == 0 and "valid (deep)" in out.stdout, out.stdout + out.stderr[-2000:]
-    out = sk("export", str(ckpt), str(tmp_path / "hf"))
-    assert out.returncode == 0, out.stderr[-2000:]
-    import torch
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
-    with torch.no_grad():
-        assert torch.isfinite(model(input_ids=torch.arange(8)[None]).logits).all()
