@@ -165,12 +165,13 @@ def test_accelerate_resume_on_another_world_size_has_no_spike(acc_runs: dict) ->
 
 
 def test_accelerate_checkpoints_validate_deep_and_export(acc_runs: dict, tmp_path: Path) -> None:
+    from shardkeeper.stages import export_and_record, validate_checkpoint  # what the CLI runs, in-process (faster)
+
     ckpt = acc_runs["other"] / "checkpoints" / "step-00000016"
     assert manifest(ckpt)["format"] == "dcp" and manifest(ckpt)["hf_model"] is not None
-    out = sk("validate", "--deep", str(acc_runs["ref"] / "checkpoints" / "step-00000008"))
-    assert out.returncode == 0 and "valid (deep)" in out.stdout, out.stdout + out.stderr[-2000:]
-    out = sk("export", str(ckpt), str(tmp_path / "hf"))
-    assert out.returncode == 0, out.stderr[-2000:]
+    report = validate_checkpoint(acc_runs["ref"] / "checkpoints" / "step-00000008", deep=True)
+    assert report.valid, report.errors
+    export_and_record(ckpt, tmp_path / "hf")
     assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "config.json").exists()
 
 
@@ -200,5 +201,7 @@ def test_deepspeed_loop_resumes_2_to_1_rank_through_the_universal_conversion(ds_
 
 
 def test_deepspeed_loop_checkpoint_validates_deep(ds_runs: dict) -> None:
-    out = sk("validate", "--deep", str(ds_runs["other"] / "checkpoints" / "step-00000016"))
-    assert out.returncode == 0 and "valid (deep)" in out.stdout, out.stdout + out.stderr[-2000:]
+    from shardkeeper.stages import validate_checkpoint
+
+    report = validate_checkpoint(ds_runs["other"] / "checkpoints" / "step-00000016", deep=True)
+    assert report.valid, report.errors
