@@ -205,3 +205,37 @@ def test_deepspeed_loop_checkpoint_validates_deep(ds_runs: dict) -> None:
 
     report = validate_checkpoint(ds_runs["other"] / "checkpoints" / "step-00000016", deep=True)
     assert report.valid, report.errors
+
+
+# ------------------------------------------------------------------------------------ a replicated (DDP) model
+def _train_replicated(run_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import shardkeeper as sk
+
+    seg = sk.Segment(run_dir=run_dir, until_step=3)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)  # what the Trainer and Accelerate do on CPU ranks
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seg.track(model=model, optimizer=opt)
+    for step in seg.steps():
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))[seg.rank::seg.world_size]
+        loss = ddp(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(loss.detach())
+
+
+def test_a_replicated_model_checkpoint_fingerprints_one_copy(tmp_path: Path) -> None:
+    """The Trainer and Accelerate replicate a model over CPU ranks (DDP): DCP saves one copy, and the manifest's
+    fingerprint must count one copy too, or validate --deep (and a resume on another world size) refuses it."""
+    from shardkeeper.stages import validate_checkpoint
+    from tests.harness import new_run, spawn, tiny_spec
+
+    run = new_run(tmp_path / "run", tiny_spec())
+    spawn(_train_replicated, 2, str(run))
+    report = validate_checkpoint(run / "checkpoints" / "step-00000003", deep=True)
+    assert report.valid, report.errors
