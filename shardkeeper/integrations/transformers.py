@@ -33,6 +33,7 @@ Keep the global batch when the world size changes (``per_device_train_batch_size
 CPU), FSDP2 (``fsdp="full_shard", fsdp_config={"fsdp_version": 2}``: Accelerate enables FSDP on GPUs only) or a
 replicated model (DDP, the Trainer's default on several ranks; DCP saves one copy).
 
+Refused: ``load_best_model_at_end`` (it reloads a ``checkpoint-N`` folder; export the step you choose instead).
 Not restored: Python's and NumPy's RNG (a data collator that draws from them, e.g. masked-LM masking, sees other
 numbers after a resume), callbacks' own state (``ExportableState``), a gradient scaler (fp16).
 """
@@ -89,6 +90,10 @@ class ShardkeeperTrainerMixin:
         self._sk_rng: dict[str, torch.Tensor] | None = None  # the RNG right after the load (re-applied like HF does)
         self._sk_advanced_at = -1
         super().__init__(*args, **kwargs)
+        if self.args.load_best_model_at_end:  # type: ignore[attr-defined]
+            raise UsageError("TrainingArguments(load_best_model_at_end=True): the Trainer's checkpoint-N folders are "
+                             "not written under shardkeeper (its checkpoints are the run's); train with it off, then "
+                             "export the step you choose: shardkeeper export RUN/checkpoints/step-N OUT")
 
     # ------------------------------------------------------------------ entry
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -105,7 +110,6 @@ class ShardkeeperTrainerMixin:
         return model, train_dataloader
 
     def _sk_tracked(self) -> tuple[Any, Any]:
-        seg = self.sk_segment
         if self.is_deepspeed_enabled:  # type: ignore[attr-defined]
             return self.model_wrapped, None  # type: ignore[attr-defined]  # the engine brings its optimizer
         model = self.model  # type: ignore[attr-defined]  # FSDP2: the sharded module; DDP: the replica inside
