@@ -35,6 +35,10 @@ LAYERS = {
     "shardkeeper": Layer("shardkeeper", (*CORE, "ckpt.formats", "ckpt.export", "ckpt.publish", "launch", "trainer",
                                          "shardkeeper"),
                          never=("prefect",), not_at_import=("torch", "transformers", "deepspeed", "trainer")),
+    # rank-side integrations with other frameworks (Trainer subclass, Accelerate): they run under torchrun like
+    # trainer/, import their framework when imported, and nothing imports them but users' scripts
+    "shardkeeper.integrations": Layer("shardkeeper.integrations", (*CORE, "ckpt.formats", "trainer",
+                                                                   "shardkeeper.integrations"), never=("prefect",)),
     "tasks": Layer("tasks", (*CORE, "launch", "shardkeeper", "tasks"), not_at_import=("torch", "transformers", "deepspeed")),
     "flows": Layer("flows", ("schemas", "shardkeeper", "tasks", "flows"), never=("torch", "ckpt", "trainer")),
     "infra": Layer("infra", (*CORE, "ckpt.formats", "ckpt.export", "ckpt.publish", "launch", "trainer", "shardkeeper",

@@ -94,13 +94,22 @@ class DCPCheckpointer(Checkpointer):
         return sd
 
     @staticmethod
-    def _fingerprint_parts(sd: dict[str, Any], method: str = fp.METHOD) -> tuple[list[str], torch.Tensor, int, float]:
-        """Local part of the fingerprint: names and sums of squares (model first), and the optimizer step."""
-        model = sorted(sd["model"].items())
+    def _fingerprint_parts(sd: dict[str, Any], method: str = fp.METHOD, rank: int = 0
+                           ) -> tuple[list[str], torch.Tensor, int, float]:
+        """Local part of the fingerprint: names and sums of squares (model first), and the optimizer step.
+
+        A plain tensor (not a DTensor: a replicated module, e.g. under DDP) is the same on every rank, and DCP
+        saves it once: only rank 0 counts it, or the sum would grow with the world size."""
+        from torch.distributed.tensor import DTensor
+
+        def once(t: Any) -> Any:
+            return t if rank == 0 or isinstance(t, DTensor) or not isinstance(t, torch.Tensor) else t.new_empty(0)
+
+        model = [(k, once(v)) for k, v in sorted(sd["model"].items())]
         moments = []
         step = 0.0
         for name, st in sorted(sd["optim"]["state"].items()):
-            moments += [(f"{name}.{m}", st[m]) for m in MOMENTS if m in st]
+            moments += [(f"{name}.{m}", once(st[m])) for m in MOMENTS if m in st]
             if "step" in st:
                 step = float(st["step"])
         names, vec = fp.local_sum_squares(model + moments, method)
@@ -117,7 +126,7 @@ class DCPCheckpointer(Checkpointer):
 
     def fingerprint(self, group: dist.ProcessGroup | None, method: str = fp.METHOD) -> Fingerprint:
         sd = self.state_dict(TrainState(), with_rng=False)
-        return self._finish_fingerprint(self._fingerprint_parts(sd, method), group, method)
+        return self._finish_fingerprint(self._fingerprint_parts(sd, method, self.env.rank), group, method)
 
     @staticmethod
     def _inventory(sd: dict[str, Any]) -> list[TensorEntry]:
@@ -193,7 +202,7 @@ class DCPCheckpointer(Checkpointer):
         t = time.perf_counter()
         # The fingerprint's local sums are computed while DCP writes (the write mostly waits on the
         # device); its all-reduce runs after dcp.save, as both use the checkpoint group.
-        fp_job = self._fp_pool.submit(self._fingerprint_parts, snapshot)
+        fp_job = self._fp_pool.submit(self._fingerprint_parts, snapshot, fp.METHOD, self.env.rank)
         writer = HashingDirectWriter(partial, sync_files=True, thread_count=self.spec.checkpoint.io_threads,
                                      overwrite=False)
         failure: BaseException | None = None
