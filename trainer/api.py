@@ -243,6 +243,14 @@ class Segment:
         ckpt.close()
         self._end("completed", start, ts.step, note=self.final_note() if self.final_note else None)
 
+    def save(self) -> None:
+        """Commit a checkpoint of the tracked state now, at ``seg.step`` (between steps, on every rank; async when the
+        policy says so). For a framework that has its own save schedule on top of ``checkpoint.interval`` (the
+        Hugging Face Trainer's ``save_steps``); a loop inside ``seg.steps()`` needs none."""
+        if self._ckpt is None or not self.entered:
+            raise UsageError("seg.save(): only inside `for step in seg.steps()`, after seg.track(...)")
+        self._ckpt.save(self.state, reason="interval")
+
     # ------------------------------------------------------------------ non-finite training (trainer.nonfinite)
     def _nonfinite_logged(self) -> bool:
         """A script's own loop: did this step log a NaN/Inf ``loss`` or ``grad_norm`` on this rank?"""

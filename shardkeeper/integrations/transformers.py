@@ -179,7 +179,7 @@ class ShardkeeperTrainerMixin:
         if self._sk_save_wanted:
             self._sk_save_wanted = False
             if not self._sk_done:  # at --until-step the final commit is this step's checkpoint
-                self.sk_segment._ckpt.save(self.sk_segment.state, reason="interval")  # no public save verb (yet)
+                self.sk_segment.save()
 
     def _sk_advance(self) -> None:
         """One optimizer step done: its metrics row, then the segment's step boundary (preemption checkpoint and
