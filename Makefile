@@ -41,7 +41,7 @@ system-deps:
 	fi
 
 test: install system-deps
-	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest $(PYTEST_ARGS)
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest --durations=10 $(PYTEST_ARGS)
 
 demo: install
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m infra.demo

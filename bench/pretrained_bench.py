@@ -15,7 +15,7 @@ step = launch to rank 0's metrics line of step 1. Peak RSS per rank = VmHWM of e
 sampled every 0.1 s (at the first step, and over the whole segment, which adds the final checkpoint's save).
 ``--load-only`` launches ``trainer.segment RUN_DIR 0`` instead: build, shard and read the weights, no step.
 
-Goals (issue 11): peak RSS per rank <= its shard of the weights + AdamW moments + 1.5 GB; time to first step <=
+Goals: peak RSS per rank <= its shard of the weights + AdamW moments + 1.5 GB; time to first step <=
 1.3 x (weight bytes / measured read bandwidth + the from-scratch start).
 """
 

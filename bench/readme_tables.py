@@ -1,5 +1,6 @@
 """Copy the tables the benches generated (bench/results/NAME.md) into README.md between
-``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``, so the README shows exactly what a bench printed.
+``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``, so the README shows exactly what a bench printed (the
+headline ones; the documentation site includes every one, docs/benchmarks/).
 
     python bench/readme_tables.py           # rewrite the README's blocks
     python bench/readme_tables.py --check   # exit 1 when a block differs from its results file (a test runs this)
@@ -15,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 BLOCK = re.compile(r"(<!-- bench:([a-z0-9_-]+) -->\n)(.*?)(<!-- /bench:\2 -->)", re.S)
+INCLUDE = re.compile(r'--8<-- "bench/results/([a-z0-9_-]+)\.md"')
 
 
 def render(readme: str) -> tuple[str, list[str]]:
@@ -30,11 +32,20 @@ def render(readme: str) -> tuple[str, list[str]]:
         return m.group(1) + path.read_text(encoding="utf-8").rstrip("\n") + "\n" + m.group(4)
 
     out = BLOCK.sub(sub, readme)
-    used = set(BLOCK.findall(readme) and [g[1] for g in BLOCK.findall(readme)])
+    used = {g[1] for g in BLOCK.findall(readme)} | docs_included()
     for path in sorted(RESULTS.glob("*.md")):
         if path.stem not in used:
-            problems.append(f"bench/results/{path.name}: no <!-- bench:{path.stem} --> block in README.md; add one")
+            problems.append(f"bench/results/{path.name}: neither a <!-- bench:{path.stem} --> block in README.md nor "
+                            f"included by a page of docs/benchmarks/ (--8<-- \"bench/results/{path.name}\"); add one")
     return out, problems
+
+
+def docs_included() -> set[str]:
+    """The results the documentation site includes (docs/benchmarks/*.md: ``--8<-- "bench/results/NAME.md"``)."""
+    found: set[str] = set()
+    for page in (ROOT / "docs" / "benchmarks").glob("*.md"):
+        found |= set(INCLUDE.findall(page.read_text(encoding="utf-8")))
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

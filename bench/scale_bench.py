@@ -26,7 +26,7 @@ with its size and xxh3-128 checksum -- then times, as medians (min-max) of ``--r
 Below the table: validate + plan in process CPU seconds (contention from other jobs inflates wall time, much
 less CPU time) and the load average, so a run on a shared machine can be read.
 
-Goal (issue 10): validation + retention planning at 4,096 ranks < 2 s; cost linear in files.
+Goal: validation + retention planning at 4,096 ranks < 2 s; cost linear in files.
 """
 
 from __future__ import annotations
