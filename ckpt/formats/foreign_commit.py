@@ -51,7 +51,10 @@ class Adopted:
         if tuple(t.shape) != self._shape[name]:
             raise CheckpointError(f"{self.src.path}: {key} of {name} is {list(t.shape)}, the config's model has "
                                   f"{list(self._shape[name])}; import it with the config of the model that wrote it")
-        return t.to(torch.float32).contiguous()
+        t = t.to(torch.float32).contiguous()
+        # StreamingSavePlanner frees each tensor's storage once written: a tensor over memory it does not own
+        # (read through a numpy view) is copied into one it does
+        return t if t.untyped_storage().resizable() else t.clone()
 
     def step(self) -> float:
         return self._step
