@@ -117,20 +117,37 @@ def template_manifest(spec: RunSpec, target: TargetModel, step: int) -> Checkpoi
 def import_checkpoint(src: str | Path, spec: RunSpec, run_dir: str | Path, *, step: int | None = None,
                       config_name: str = "the config") -> ImportResult:
     """Adopt the checkpoint in ``src`` as the first checkpoint of the run ``run_dir`` trained by ``spec``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpt.formats.deepspeed_sources import IO_THREADS
     from ckpt.formats.foreign import first_mismatch, open_foreign
     from ckpt.formats.foreign_commit import Adopted, commit_dcp, commit_deepspeed
 
     t0 = time.perf_counter()
+    if "://" in str(run_dir):
+        raise RunDirError(f"--run-dir {run_dir}: import writes a local run directory; import here, then train with "
+                          "the run directory on the store (see Run directories on S3)")
     src, rd = Path(src), RunDir.at(run_dir)
     check_run_dir(rd, spec)
-    target = describe_model(spec)
-    foreign = open_foreign(src, step=step, expect=target.params)
+    targets: list[TargetModel] = []
+
+    def expect() -> list[tuple[str, tuple[int, ...]]]:  # an optimizer.pt needs it to be opened
+        if not targets:
+            targets.append(describe_model(spec))
+        return targets[0].params
+
+    foreign = open_foreign(src, step=step, expect=expect)
     try:
-        problem = first_mismatch(foreign, target.params, target.tied)
-        if problem:
-            raise CheckpointError(f"{foreign.path}: {problem} ({config_name}: {spec.model.model_type}); import it with "
-                                  "the config of the model that wrote it")
-        foreign.verify()
+        # the CRC pass over the source reads while transformers is imported and the model built on the meta device
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify") as pool:
+            verified = pool.submit(foreign.verify)
+            expect()
+            target = targets[0]
+            problem = first_mismatch(foreign, target.params, target.tied)
+            if problem:
+                raise CheckpointError(f"{foreign.path}: {problem} ({config_name}: {spec.model.model_type}); import it "
+                                      "with the config of the model that wrote it")
+            verified.result()
         template = template_manifest(spec, target, foreign.global_step)
         adopted = Adopted(foreign, target.groups, target.hparams)
         commit = commit_dcp if spec.backend == "fsdp2" else commit_deepspeed
@@ -138,7 +155,7 @@ def import_checkpoint(src: str | Path, spec: RunSpec, run_dir: str | Path, *, st
             with RunLock(rd.root):
                 check_run_dir(rd, spec)  # again under the lock
                 out = rd.checkpoint(template.step)
-                manifest = commit(adopted, template, out, threads=spec.checkpoint.io_threads)
+                manifest = commit(adopted, template, out, threads=IO_THREADS)  # the conversions' memory bound
                 _record(rd, src, foreign.layout, foreign.path, out, manifest, time.perf_counter() - t0)
                 from shardkeeper.stages import prepare_run_dir
 

@@ -81,9 +81,9 @@ def unknown_layout(src: Path, why: str = "") -> CheckpointError:
 
 # ------------------------------------------------------------------------------------------ finding it
 def open_foreign(src: str | os.PathLike[str], *, step: int | None = None,
-                 expect: list[tuple[str, tuple[int, ...]]] | None = None) -> ForeignSource:
-    """The checkpoint in ``src`` (``step``: which one of several); ``expect`` is the target model's parameters in
-    ``model.parameters()`` order, which an ``optimizer.pt`` (parameters by position) needs."""
+                 expect: Callable[[], list[tuple[str, tuple[int, ...]]]] | None = None) -> ForeignSource:
+    """The checkpoint in ``src`` (``step``: which one of several); ``expect()`` gives the target model's parameters
+    in ``model.parameters()`` order, which an ``optimizer.pt`` (parameters by position) needs: called only then."""
     src = Path(src)
     if not src.exists():
         raise CheckpointError(f"{src}: no such file or directory; pass the folder the other tool wrote")
@@ -93,7 +93,7 @@ def open_foreign(src: str | os.PathLike[str], *, step: int | None = None,
         raise CheckpointError(f"{src}: already a shardkeeper checkpoint; resume it with shardkeeper train, or use "
                               "shardkeeper convert to change its backend")
     found, consumed = _resolve(src, step)
-    source = _open_at(found, expect or [])
+    source = _open_at(found, expect or list)
     if step is not None and not consumed and source.global_step != step:
         source.close()
         raise CheckpointError(f"{src}: holds step {source.global_step} only, not --step {step}; present: {source.global_step}")
@@ -148,12 +148,12 @@ def _direct(d: Path) -> str | None:
     return None
 
 
-def _open_at(d: Path, expect: list[tuple[str, tuple[int, ...]]]) -> ForeignSource:
+def _open_at(d: Path, expect: Callable[[], list[tuple[str, tuple[int, ...]]]]) -> ForeignSource:
     layout = _direct(d)
     if layout == "deepspeed":
         return ZeroForeign(d)
     if layout == "hf-trainer":
-        return HFTrainerForeign(d, expect)
+        return HFTrainerForeign(d, expect())
     return open_dcp(d)
 
 
@@ -244,10 +244,12 @@ class HFTrainerForeign:
     def __init__(self, d: Path, expect: list[tuple[str, tuple[int, ...]]]):
         self.path = d
         self._bin: TorchSaveFile | None = None
-        self._weights = self._index_weights(d)
-        self.shapes = {n: tuple(getattr(t, "shape")) for n, t in self._weights.items()}
-        self._optim = TorchSaveFile(d / "optimizer.pt")
+        self._files: list[TorchSaveFile] = []  # what close() closes, also after a failed __init__
         try:
+            self._weights = self._index_weights(d)
+            self.shapes = {n: tuple(getattr(t, "shape")) for n, t in self._weights.items()}
+            self._optim = TorchSaveFile(d / "optimizer.pt")
+            self._files.append(self._optim)
             self._state, groups = self._optimizer_tree()
             self._by_name = self._match_positions(groups, expect)
             self.global_step = self._trainer_step(d)
@@ -262,6 +264,7 @@ class HFTrainerForeign:
             except ShardkeeperError as e:
                 raise CheckpointError(str(e)) from None
         self._bin = TorchSaveFile(d / "pytorch_model.bin")
+        self._files.append(self._bin)
         obj = self._bin.obj
         if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, StoredTensor) for k, v in obj.items()):
             raise CheckpointError(f"{self._bin.path}: not a state dict of tensors; the file is not a model checkpoint")
@@ -336,9 +339,8 @@ class HFTrainerForeign:
         pass  # every storage read is checked whole against its CRC-32 (safetensors records none)
 
     def close(self) -> None:
-        self._optim.close() if hasattr(self, "_optim") else None
-        if self._bin is not None:
-            self._bin.close()
+        for f in self._files:
+            f.close()
 
     def __enter__(self) -> HFTrainerForeign:
         return self

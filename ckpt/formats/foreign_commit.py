@@ -1,8 +1,9 @@
 """Commit another tool's checkpoint as a shardkeeper checkpoint, streamed one tensor at a time by the same
 writers as the conversions (``ckpt.formats.deepspeed_convert``):
 
-* ``commit_dcp``: a 1-rank DCP save of whole tensors (the fsdp2 backend loads it at any world size), written by
-  ``StreamingSavePlanner`` through the hashing file system;
+* ``commit_dcp``: a 1-rank DCP save of whole tensors (the fsdp2 backend loads it at any world size), produced one
+  tensor at a time by ``StreamingSavePlanner`` and written by the trainer's hashing O_DIRECT writer
+  (``ckpt.formats.direct_io``: no page-cache copy of every byte, hashed on the way);
 * ``commit_deepspeed``: DeepSpeed's universal layout (``write_universal``), which engines load at any world size
   and ZeRO stage; the first save of the continued run writes native ZeRO shards again.
 
@@ -21,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
 
 from ckpt import lineage
 from ckpt.formats.deepspeed import STATE_FILE, UNIVERSAL_DIR, rng_file, write_hashed
-from ckpt.formats.deepspeed_convert import HashingFileSystem, StreamingSavePlanner, dcp_files, dcp_state
+from ckpt.formats.deepspeed_convert import StreamingSavePlanner, dcp_files, dcp_state
 from ckpt.formats.deepspeed_sources import IO_THREADS, FingerprintSums, check_target, commit_dir, inventory, partial_dir
 from ckpt.formats.deepspeed_universal import universal_model_states, write_universal
+from ckpt.formats.direct_io import HashingDirectWriter
 from ckpt.formats.foreign import ForeignSource
 from ckpt.manifest import write_manifest
 from ckpt.state import elastic_rng_state
@@ -84,13 +85,13 @@ def commit_dcp(src: Adopted, template: CheckpointManifest, out_dir: Path, *, thr
         return t
 
     with partial_dir(out_dir) as tmp:
-        writer = FileSystemWriter(tmp, sync_files=True, thread_count=max(2, threads), overwrite=False)
-        writer.fs = fs = HashingFileSystem(True)  # max(2, ...): see StreamingSavePlanner
+        # max(2, ...): see StreamingSavePlanner
+        writer = HashingDirectWriter(tmp, sync_files=True, thread_count=max(2, threads), overwrite=False)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process.*")
             _save(dcp_save, sd, writer, produce)
         out = template.model_copy(update={
-            "format": "dcp", "created_at": lineage.now_iso(), "files": dcp_files(tmp, fs.digests),
+            "format": "dcp", "created_at": lineage.now_iso(), "files": dcp_files(tmp, writer.digests),
             "tensors": inventory(src.groups), "fingerprint": sums.fingerprint(src.step()),
             "save_seconds": time.perf_counter() - t0})
         if not commit_dir(tmp, out_dir, out):
@@ -98,17 +99,28 @@ def commit_dcp(src: Adopted, template: CheckpointManifest, out_dir: Path, *, thr
     return out
 
 
-def _save(dcp_save: Any, sd: dict[str, Any], writer: FileSystemWriter, produce: Any) -> None:
-    """dcp.save; a source's refusal (a CheckpointError raised while producing a tensor, in DCP's writer threads)
-    comes out as itself, one line naming the file, not inside DCP's multi-line CheckpointException."""
+def _save(dcp_save: Any, sd: dict[str, Any], writer: HashingDirectWriter, produce: Any) -> None:
+    """dcp.save; a source's refusal (a CheckpointError raised while producing a tensor in DCP's writer threads,
+    which the writer records against its file) comes out as itself, one line naming the source file, not inside
+    DCP's multi-line CheckpointException or the writer's OSError."""
     from torch.distributed.checkpoint.api import CheckpointException
+
+    def refusal(exc: BaseException | None) -> CheckpointError | None:
+        while exc is not None and not isinstance(exc, CheckpointError):
+            exc = exc.__cause__
+        return exc
 
     try:
         dcp_save(sd, storage_writer=writer, planner=StreamingSavePlanner(produce), no_dist=True)
     except CheckpointException as e:
-        ours = [exc for _, (exc, _tb) in sorted(e.failures.items()) if isinstance(exc, CheckpointError)]
+        ours = [r for _, (exc, _tb) in sorted(e.failures.items()) if (r := refusal(exc)) is not None]
         if ours:
             raise ours[0] from None
+        raise
+    except OSError as e:
+        ours = refusal(e)
+        if ours is not None:
+            raise ours from None
         raise
 
 
