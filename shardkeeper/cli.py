@@ -341,7 +341,7 @@ def lineage_cmd(
     for e in events:
         details = ", ".join(f"{k}={v}" for k, v in e.data.items() if k in ("world_size", "reason", "status", "from_world_size",
                                                                            "to_world_size", "dtype", "method", "target", "first_step_s",
-                                                                           "emergency_save_s"))
+                                                                           "emergency_save_s", "layout"))
         parent = e.parent or ""
         if not wide:
             parent = parent.removeprefix("checkpoint:")

@@ -47,7 +47,6 @@ LAYOUTS: dict[str, str] = {
     "torchtitan": "torchtitan step-N/ (model at the top level, optimizer, train_state)",
     "accelerate-fsdp": "Accelerate FSDP sharded state (pytorch_model_fsdp_0/ + optimizer_0/)",
 }
-KEYS = ("fp32", *MOMENTS)
 # folders that hold one checkpoint each, named by step: DeepSpeed tags, HF Trainer, torchtitan, Accelerate
 _STEP_DIR = re.compile(r"^(?:global_step|checkpoint-|step-|checkpoint_)(\d+)$")
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -365,5 +364,5 @@ def first_mismatch(source: ForeignSource, expect: Iterable[tuple[str, tuple[int,
     return None
 
 
-__all__ = ["KEYS", "LAYOUTS", "ForeignSource", "HFTrainerForeign", "ZeroForeign", "check_storage_crcs", "first_mismatch",
+__all__ = ["LAYOUTS", "ForeignSource", "HFTrainerForeign", "ZeroForeign", "check_storage_crcs", "first_mismatch",
            "layouts_line", "open_foreign", "read_whole", "unknown_layout"]
