@@ -49,15 +49,15 @@ def batches(n: int) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------ sources (rank side)
-def _write_zero2(out: str) -> None:
-    """A plain DeepSpeed user: one AdamW group, ZeRO-2, engine.save_checkpoint after steps 2 and 3."""
+def _write_zero(out: str, stage: int) -> None:
+    """A plain DeepSpeed user: one AdamW group, ZeRO-``stage``, engine.save_checkpoint after steps 2 and 3."""
     import deepspeed
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2},
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
               "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     for step, x in enumerate(batches(3), start=1):
@@ -120,7 +120,7 @@ def zero2_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
     out = tmp_path_factory.mktemp("zero2") / "ds"
-    spawn(_write_zero2, 2, str(out), timeout=900)
+    spawn(_write_zero, 2, str(out), 2, timeout=900)
     assert (out / "latest").read_text().strip() == "global_step3"
     return out
 
@@ -253,6 +253,24 @@ def test_zero2_import_into_the_deepspeed_backend_trains_on_one_rank(zero2_src: P
 
 
 @needs_deepspeed
+def test_zero3_checkpoint_imports_the_weights_zero_to_fp32_gathers(tmp_path: Path) -> None:
+    """ZeRO-3 partitions (each parameter split over the ranks, padded): the weights equal DeepSpeed's own
+    zero_to_fp32, the moments pass the fingerprint check of validate --deep."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    src = tmp_path / "ds"
+    spawn(_write_zero, 2, str(src), 3, timeout=900)
+    run = tmp_path / "run"
+    assert main(["import", str(src), "--config", TINY, "--run-dir", str(run)]) == 0
+    assert validate(ckpt(run, 3), deep=True).valid
+    ref = get_fp32_state_dict_from_zero_checkpoint(str(src))
+    with DCPTensorReader(ckpt(run, 3)) as reader:
+        got = imported(reader)
+    assert sorted(ref) == sorted(k[6:] for k in got if k.startswith("model."))
+    assert all(torch.equal(got[f"model.{k}"], v) for k, v in ref.items())
+
+
+@needs_deepspeed
 def test_hf_trainer_deepspeed_output_folder_picks_the_step_asked(zero2_src: Path, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture) -> None:
     """An HF Trainer output folder (checkpoint-N/ holding latest + global_stepN/): the newest by default, --step N
@@ -303,12 +321,21 @@ def test_truncated_dcp_record_is_refused_and_leaves_no_run_dir(dcp_src: Path, tm
 
 
 # ------------------------------------------------------------------------------------------ HF Trainer
-def test_hf_trainer_checkpoint_imports_through_its_decay_groups(hf_src: Path, tmp_path: Path) -> None:
-    """model.safetensors + optimizer.pt (positions over the Trainer's decay / no-decay groups) + trainer_state."""
+@pytest.mark.parametrize("weights_file", ["model.safetensors", "pytorch_model.bin"])
+def test_hf_trainer_checkpoint_imports_through_its_decay_groups(hf_src: Path, tmp_path: Path, weights_file: str) -> None:
+    """model.safetensors (or the .bin of save_safetensors=False) + optimizer.pt (positions over the Trainer's decay /
+    no-decay groups) + trainer_state.json."""
+    from collections import OrderedDict
+
     from safetensors.torch import load_file
 
     src = hf_src / "checkpoint-3"
     weights = load_file(src / "model.safetensors")
+    if weights_file == "pytorch_model.bin":  # what the Trainer writes with save_safetensors=False
+        src = shutil.copytree(src, tmp_path / "checkpoint-3")
+        (src / "model.safetensors").unlink()
+        torch.save(OrderedDict(weights), src / "pytorch_model.bin")
+        hf_src = tmp_path
     osd = torch.load(src / "optimizer.pt", weights_only=True)
     names = [n for n, _ in tiny_model().named_parameters()]
     order = [n for n in names if "norm" not in n] + [n for n in names if "norm" in n]  # the Trainer's groups
