@@ -59,6 +59,7 @@ bench: install
 	$(PY) bench/recovery_bench.py
 	$(PY) bench/export_bench.py
 	$(PY) bench/deepspeed_bench.py
+	$(PY) bench/import_bench.py
 	$(PY) bench/pretrained_bench.py --size 1b --load-only --no-scratch --reps 2
 	$(PY) bench/pretrained_bench.py --size 500m --reps 2
 	$(PY) bench/scaling_bench.py

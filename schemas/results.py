@@ -91,7 +91,7 @@ class PublishResult(_Frozen):
 class LineageEvent(_Frozen):
     id: str = Field(description="unique event id, e.g. 'checkpoint:step-00000100'")
     kind: Literal["segment", "checkpoint", "resume", "reshard", "export", "publish", "validate", "eval",
-                  "nonfinite"] = Field(
+                  "nonfinite", "imported"] = Field(
         description="what happened"
     )
     parent: str | None = Field(None, description="id of the event this one derives from")

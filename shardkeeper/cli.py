@@ -5,6 +5,7 @@
     shardkeeper validate runs/demo/checkpoints/step-00000020 --deep
     shardkeeper reshard runs/demo/checkpoints/step-00000020 --world-size 3
     shardkeeper convert runs/ds/checkpoints/step-00000020 --to dcp runs/fsdp
+    shardkeeper import out/checkpoint-500 --config configs/tiny.yaml --run-dir runs/adopted
     shardkeeper export runs/demo/checkpoints/step-00000020 runs/demo/exports/step-00000020 --dtype bfloat16
     shardkeeper publish runs/demo/exports/step-00000020 --repo-id ORG/NAME
     shardkeeper lineage runs/demo [--json]
@@ -248,6 +249,28 @@ def convert(
               + (f" --run-dir {target}" if done != target else ""))
 
 
+@app.command("import")
+def import_cmd(
+    src: Annotated[Path, typer.Argument(help="checkpoint another tool wrote: DeepSpeed (latest + global_stepN/), "
+                                             "HF Trainer checkpoint-N/, DCP, torchtitan step-N/, Accelerate FSDP")],
+    config: Annotated[Path, typer.Option(help="RunSpec YAML of the run to continue it (its model must match)")],
+    run_dir: Annotated[str, typer.Option(help="new run directory (created; must hold no checkpoint)")],
+    step: Annotated[Optional[int], typer.Option(help="which checkpoint when SRC holds several (default: the latest)")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set backend=deepspeed")] = None,
+) -> None:
+    """Adopt a checkpoint written by another tool (weights, AdamW moments, step) as a committed checkpoint of a run."""
+    from shardkeeper.config import load_run_spec
+    from shardkeeper.importing import import_checkpoint
+
+    if not run_dir.strip():
+        raise ShardkeeperError("--run-dir is empty; pass the folder of the new run")
+    spec = load_run_spec(config, set_)
+    res = import_checkpoint(src, spec, run_dir, step=step, config_name=str(config))
+    out.print(f"imported {res.source} ({res.layout}, step {res.step}, {res.tensors} tensors) -> {res.checkpoint} "
+              f"({res.format}) in {res.seconds:.1f} s; continue with: shardkeeper train --config {config} "
+              f"--run-dir {run_dir} --until-step N", highlight=False, markup=False)
+
+
 @app.command()
 def export(
     # str, not Path: Path("s3://b/x") would fold the URL's "//"
@@ -330,7 +353,7 @@ def lineage_cmd(
     for e in events:
         details = ", ".join(f"{k}={v}" for k, v in e.data.items() if k in ("world_size", "reason", "status", "from_world_size",
                                                                            "to_world_size", "dtype", "method", "target", "first_step_s",
-                                                                           "emergency_save_s"))
+                                                                           "emergency_save_s", "layout"))
         parent = e.parent or ""
         if not wide:
             parent = parent.removeprefix("checkpoint:")

@@ -1,0 +1,203 @@
+"""The import stage: adopt a checkpoint another tool wrote as the first committed checkpoint of a shardkeeper run.
+
+    shardkeeper import out/checkpoint-500 --config configs/my-model.yaml --run-dir runs/adopted [--step 500]
+    shardkeeper train --config configs/my-model.yaml --run-dir runs/adopted --nproc 4 --until-step 1000
+
+What comes across: every parameter's fp32 weight, its AdamW moments (exp_avg, exp_avg_sq) and the optimizer step,
+into the format of the config's backend (fsdp2: DCP; deepspeed: DeepSpeed's universal layout), streamed one tensor
+at a time (``ckpt.formats.foreign`` reads, ``ckpt.formats.foreign_commit`` writes and commits). The run continues
+as if shardkeeper had trained ``step`` steps under the config: counters are ``step`` x the config's global batch,
+optimizer groups and hyperparameters are the config's, RNG states are seeded by the elastic rule. The other tool's
+LR scheduler, data loader position and RNG files are not read. The model is built from the config on the meta
+device (the trainer's own helpers, no weights allocated) for its parameter names and shapes, the model signature
+and the export record: a checkpoint of another architecture is refused with the first tensor that differs.
+
+Everything is checked before anything is written; a failure after that removes what this import created.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt import lineage
+from ckpt.fsutil import load_yaml, mkdir_durable
+from ckpt.layout import RunDir
+from ckpt.lock import RunLock
+from schemas import CheckpointManifest, ClusterTopology, DtypePolicy, Fingerprint, RunSpec
+from schemas.errors import CheckpointError, RunDirError
+
+log = logging.getLogger("shardkeeper")
+
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class TargetModel:
+    """What the import needs of the model the config describes (built on the meta device)."""
+
+    params: list[tuple[str, tuple[int, ...]]]  # model.parameters() order
+    groups: list[list[tuple[str, tuple[int, ...]]]]  # the trainer's AdamW groups
+    hparams: list[dict[str, Any]]  # per group, without "params"
+    signature: str
+    hf_model: Any  # schemas.HFModelRecord
+    tied: dict[str, str]
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    source: str
+    layout: str
+    checkpoint: str
+    format: str
+    step: int
+    tensors: int
+    seconds: float
+
+
+def describe_model(spec: RunSpec) -> TargetModel:
+    """The config's model as the built-in trainer builds it, parameters on the meta device: names, shapes, AdamW
+    groups (trainer.optim.build_optimizer), the model signature and the export record the trainer records."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model import hf_config, hf_model_record, model_signature, params_on_meta
+    from trainer.optim import build_optimizer
+
+    with params_on_meta():
+        model = AutoModelForCausalLM.from_config(hf_config(spec.model), dtype=torch.float32)
+    names = {id(p): n for n, p in model.named_parameters()}
+    optimizer = build_optimizer(model, spec)
+    groups = [[(names[id(p)], tuple(p.shape)) for p in g["params"]] for g in optimizer.param_groups]
+    hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+    record = hf_model_record(model, spec.model)
+    return TargetModel(params=[(n, tuple(p.shape)) for n, p in model.named_parameters()], groups=groups,
+                       hparams=hparams, signature=model_signature(spec.model, model), hf_model=record,
+                       tied=dict(record.tied))
+
+
+def check_run_dir(rd: RunDir, spec: RunSpec) -> None:
+    """The run directory must hold no checkpoint yet; a run.yaml there must describe the same run."""
+    held = rd.committed() + rd.partials() + rd.quarantined()
+    if held:
+        raise RunDirError(f"{rd.root}: already holds checkpoints ({held[-1].name}); import starts a run, pass a new "
+                          "--run-dir")
+    if rd.spec_path.exists():
+        from shardkeeper.config import spec_from_dict
+        from shardkeeper.stages import MUTABLE_SECTIONS
+
+        old = spec_from_dict(load_yaml(rd.spec_path.read_text()) or {}, str(rd.spec_path))
+        a, b = old.model_dump(mode="json"), spec.model_dump(mode="json")
+        changed = sorted(k for k in b if a[k] != b[k] and k not in MUTABLE_SECTIONS)
+        if changed:
+            raise RunDirError(f"{rd.spec_path}: describes another run ({changed[0]} differs from the config); pass a "
+                              "new --run-dir")
+
+
+def template_manifest(spec: RunSpec, target: TargetModel, step: int) -> CheckpointManifest:
+    """The manifest of the imported checkpoint, less what the writer fills in (files, tensors, fingerprint)."""
+    from trainer.checkpointer import code_version
+
+    samples = step * spec.global_batch_size
+    return CheckpointManifest(
+        format="dcp" if spec.backend == "fsdp2" else "deepspeed", run_name=spec.name, step=step,
+        tokens=samples * spec.data.seq_len, samples=samples, segment=0, reason="converted",
+        created_at=lineage.now_iso(), files=[], tensors=[], model_signature=target.signature,
+        topology=ClusterTopology(nodes=1, procs_per_node=1, device_type="cpu", backend="gloo", launcher="local"),
+        dtype_policy=DtypePolicy(compute=_DTYPE_NAMES[spec.precision.compute],  # type: ignore[arg-type]
+                                 reduce=_DTYPE_NAMES[spec.precision.reduce]),  # type: ignore[arg-type]
+        parent=None, code_version=code_version(), fingerprint=Fingerprint(model={}, optim={}, optim_step=0.0),
+        run_spec=spec, hf_model=target.hf_model)
+
+
+def import_checkpoint(src: str | Path, spec: RunSpec, run_dir: str | Path, *, step: int | None = None,
+                      config_name: str = "the config") -> ImportResult:
+    """Adopt the checkpoint in ``src`` as the first checkpoint of the run ``run_dir`` trained by ``spec``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpt.formats.deepspeed_sources import IO_THREADS
+    from ckpt.formats.foreign import first_mismatch, open_foreign
+    from ckpt.formats.foreign_commit import Adopted, commit_dcp, commit_deepspeed
+
+    t0 = time.perf_counter()
+    if "://" in str(run_dir):
+        raise RunDirError(f"--run-dir {run_dir}: import writes a local run directory; import here, then train with "
+                          "the run directory on the store (see Run directories on S3)")
+    src, rd = Path(src), RunDir.at(run_dir)
+    check_run_dir(rd, spec)
+    targets: list[TargetModel] = []
+
+    def expect() -> list[tuple[str, tuple[int, ...]]]:  # an optimizer.pt needs it to be opened
+        if not targets:
+            targets.append(describe_model(spec))
+        return targets[0].params
+
+    foreign = open_foreign(src, step=step, expect=expect)
+    try:
+        # the CRC pass over the source reads while transformers is imported and the model built on the meta device
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify") as pool:
+            verified = pool.submit(foreign.verify)
+            expect()
+            target = targets[0]
+            problem = first_mismatch(foreign, target.params, target.tied)
+            if problem:
+                raise CheckpointError(f"{foreign.path}: {problem} ({config_name}: {spec.model.model_type}); import it "
+                                      "with the config of the model that wrote it")
+            verified.result()
+        template = template_manifest(spec, target, foreign.global_step)
+        adopted = Adopted(foreign, target.groups, target.hparams)
+        commit = commit_dcp if spec.backend == "fsdp2" else commit_deepspeed
+        with _created(rd):
+            with RunLock(rd.root):
+                check_run_dir(rd, spec)  # again under the lock
+                out = rd.checkpoint(template.step)
+                manifest = commit(adopted, template, out, threads=IO_THREADS)  # the conversions' memory bound
+                _record(rd, src, foreign.layout, foreign.path, out, manifest, time.perf_counter() - t0)
+                from shardkeeper.stages import prepare_run_dir
+
+                prepare_run_dir(rd, spec)  # run.yaml last: no run.yaml without its checkpoint
+    finally:
+        foreign.close()
+    seconds = time.perf_counter() - t0
+    log.info("imported %s (%s, step %d) into %s in %.2f s", foreign.path, foreign.layout, template.step, out, seconds)
+    return ImportResult(source=str(foreign.path), layout=foreign.layout, checkpoint=str(out), format=manifest.format,
+                        step=manifest.step, tensors=len(manifest.tensors), seconds=seconds)
+
+
+class _created:
+    """Around the writes: on failure, remove what they created (the run directory itself when it was new)."""
+
+    def __init__(self, rd: RunDir):
+        self.rd = rd
+        self.new_root = not rd.root.exists()
+        self.before = set() if self.new_root else {p.name for p in rd.root.iterdir()}
+
+    def __enter__(self) -> None:
+        mkdir_durable(self.rd.root)
+
+    def __exit__(self, kind: type | None, *exc: object) -> None:
+        if kind is None:
+            return
+        if self.new_root:
+            shutil.rmtree(self.rd.root, ignore_errors=True)
+            return
+        for p in self.rd.root.iterdir():
+            if p.name not in self.before:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def _record(rd: RunDir, src: Path, layout: str, read: Path, out: Path, manifest: CheckpointManifest,
+            seconds: float) -> None:
+    """Lineage: the import (source path and layout) and the checkpoint it committed, its child."""
+    import_id = f"import:{out.name}"
+    lineage.record(rd, "imported", import_id, step=manifest.step, uri=read.resolve().as_uri(), layout=layout,
+                   source=str(src), format=manifest.format, seconds=round(seconds, 3))
+    lineage.record(rd, "checkpoint", lineage.checkpoint_event_id(manifest.step), parent=import_id, step=manifest.step,
+                   uri=out.resolve().as_uri(), reason="imported", format=manifest.format, world_size=1)
+
+
+__all__ = ["ImportResult", "TargetModel", "describe_model", "import_checkpoint"]
