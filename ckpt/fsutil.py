@@ -143,14 +143,31 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return out
 
 
-def _yaml_loader():
+class DuplicateKeyError(ValueError):
+    """A YAML mapping gives one key twice (PyYAML would silently keep the last value): ``line`` is 1-based,
+    ``key`` dotted from the top of the document (``optim.lr``)."""
+
+    def __init__(self, key: str, line: int):
+        self.key, self.line = key, line
+        super().__init__(f"line {line}: key {key} given twice; keep one")
+
+
+@functools.cache
+def _yaml_loader():  # type: ignore[no-untyped-def]
     import re
 
     import yaml
 
     class Loader(yaml.SafeLoader):
-        """SafeLoader that reads 1e-5 as a float (YAML 1.2), not as the string PyYAML's 1.1 rules give."""
+        """SafeLoader with YAML 1.2 scalars where 1.1 surprises a person: 1e-5 is a float (1.1 reads a string), and
+        only true/false are booleans (1.1 also reads yes/no/on/off as booleans, so ``async_save: yes`` or a name
+        ``no`` would change type silently; under 1.2 they are strings, which a boolean field refuses by name)."""
 
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(_BOOL_12), list("tTfF"))
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
         re.compile(_FLOAT_12),
@@ -160,12 +177,46 @@ def _yaml_loader():
 
 
 _FLOAT_12 = r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"
+_BOOL_12 = r"^(?:true|True|TRUE|false|False|FALSE)$"
+
+
+def _check_duplicate_keys(node: Any, path: tuple[str, ...], seen: set[int]) -> None:
+    """Raise DuplicateKeyError for the first mapping (depth first, in document order) that repeats a key."""
+    import yaml
+
+    if id(node) in seen:  # an alias: its node was checked where the anchor is
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        keys: set[tuple[str, str]] = set()
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges; repeats of it are YAML's own
+                    continue
+                ident = (key_node.tag, key_node.value)
+                if ident in keys:
+                    raise DuplicateKeyError(".".join((*path, key_node.value)), key_node.start_mark.line + 1)
+                keys.add(ident)
+                _check_duplicate_keys(value_node, (*path, key_node.value), seen)
+            else:
+                _check_duplicate_keys(value_node, path, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_duplicate_keys(item, (*path[:-1], f"{path[-1]}[{i}]") if path else (f"[{i}]",), seen)
 
 
 def load_yaml(text: str) -> Any:
-    import yaml
-
-    return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+    """One YAML document with the loader above; a mapping that repeats a key raises DuplicateKeyError (a
+    ValueError) instead of keeping the last value, so ``optim.lr`` written twice is never half-applied."""
+    loader = _yaml_loader()(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicate_keys(node, (), set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def dump_yaml(data: Any) -> str:

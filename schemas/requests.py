@@ -12,11 +12,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from schemas.results import ExportResult, PublishResult, ReshardResult, SegmentResult, SegmentStatus
-from schemas.run import RunSpec
+from schemas.run import MAX_STEPS, RunSpec, control_chars
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class _Typed(_Frozen):
+    """What a person types (a deployment's parameters, the UI form, ``prefect deployment run --param``): taken as
+    typed, as RunSpec's values are: an integer parameter refuses true, "2" and 2.5, a boolean one refuses 1 and
+    "yes", a number (float) one takes integers too."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
 def _absolute(path: str | None, base: str | None) -> str | None:
@@ -27,7 +35,7 @@ def _absolute(path: str | None, base: str | None) -> str | None:
     return str(p if p.is_absolute() else Path(base or Path.cwd()).expanduser() / p)
 
 
-class _FlowParameters(_Frozen):
+class _FlowParameters(_Typed):
     """A flow's parameters as one model: each field is one flat flow parameter."""
 
     base_dir: str | None = Field(
@@ -43,7 +51,7 @@ class _FlowParameters(_Frozen):
 Launcher = Literal["local", "slurm"]
 
 
-class _Placement(_Frozen):
+class _Placement(_Typed):
     """Where segments run: the launcher and its options (what ``shardkeeper train --launcher`` takes)."""
 
     launcher: Launcher = Field("local", description="local: torchrun on the worker's machine; slurm: an sbatch job "
@@ -61,7 +69,7 @@ class _Placement(_Frozen):
 
 class SegmentPlan(_Placement):
     nproc: int = Field(ge=1, description="ranks per node the segment trains on")
-    until_step: int = Field(ge=1, description="train until this many optimizer steps are done in total")
+    until_step: int = Field(ge=1, le=MAX_STEPS, description="train until this many optimizer steps are done in total")
     nodes: int = Field(1, ge=1, description="nodes (world size = nodes x nproc); a resumed attempt uses the nodes "
                                             "usable then, if fewer")
     timeout_s: float | None = Field(
@@ -75,6 +83,9 @@ SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
 def _not_blank(v: str | None, what: str) -> str | None:
     if v is not None and not v.strip():
         raise ValueError(f"{what} is blank; give a path (or leave it out)")
+    bad = control_chars(v) if v is not None else []
+    if bad:
+        raise ValueError(f"{what} {v!r}: contains control characters ({', '.join(bad)}); use a plain path")
     return v
 
 

@@ -5,14 +5,34 @@ These are the contracts between stages; they import neither torch nor prefect.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+
+# The most optimizer steps a run, a schedule or a segment may name: far beyond any real run, far below what the
+# int64 step/sample counters of a checkpoint hold (2**63 - 1), so a typo such as --until-step 1e15 is refused.
+MAX_STEPS = 10**12
 
 
 class _Frozen(BaseModel):
     # allow_inf_nan=False: an lr of .inf trains NaN weights into a checkpoint; refuse it as a field error.
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    # strict=True: a value is taken as typed (see RunSpec's docstring): an integer field refuses true, "8" and 2.5,
+    # a boolean field refuses 1 and "yes", a string field refuses numbers; a number (float) field takes integers.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
+
+
+def control_chars(value: str) -> list[str]:
+    """The control characters (C0 and DEL) in ``value``, each once, as repr()s: a newline in a path ends a line
+    of a generated batch script, manifest or log, so no path a person gives may hold one."""
+    return [repr(c) for c in sorted({c for c in value if ord(c) < 32 or ord(c) == 127})]
+
+
+def plain_path(value: str | None, what: str) -> str | None:
+    """``value`` unless it holds control characters (ValueError naming ``what``)."""
+    bad = control_chars(value) if value is not None else []
+    if bad:
+        raise ValueError(f"{what} {value!r}: contains control characters ({', '.join(bad)}); use a plain path")
+    return value
 
 
 # What model.config may change in a pretrained model's config: settings that do not change the weights' names
@@ -52,6 +72,15 @@ class ModelSpec(_Frozen):
     def _not_blank(cls, v: str | None, info: Any) -> str | None:
         if v is not None and not v.strip():
             raise ValueError(f"model.{info.field_name} is blank; set it or remove it")
+        return plain_path(v, f"model.{info.field_name}")
+
+    @field_validator("config")
+    @classmethod
+    def _vocab_size(cls, v: dict[str, Any]) -> dict[str, Any]:
+        vocab = v.get("vocab_size")
+        if "vocab_size" in v and (type(vocab) is not int or vocab < 2):
+            raise ValueError(f"model.config.vocab_size {vocab!r}: must be a whole number of at least 2 (a language "
+                             "model chooses among tokens); set it to the tokenizer's size, e.g. 32000")
         return v
 
     @model_validator(mode="after")
@@ -102,7 +131,7 @@ class DataSpec(_Frozen):
     def _not_blank(cls, v: str | None, info) -> str | None:
         if v is not None and not v.strip():
             raise ValueError(f"data.{info.field_name} is blank; set it or remove it")
-        return v
+        return plain_path(v, f"data.{info.field_name}")
 
     @model_validator(mode="after")
     def _path_for_tokens(self) -> DataSpec:
@@ -126,7 +155,9 @@ class EvalSpec(_Frozen):
 class OptimSpec(_Frozen):
     name: Literal["adamw"] = Field("adamw", description="optimizer; AdamW is the one the checkpoint contract covers")
     lr: float = Field(3e-4, gt=0, description="peak learning rate")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    # a YAML or JSON list ([0.9, 0.95]) is the way to write a pair: the pair itself is lax, its numbers strict
+    betas: tuple[Annotated[float, Strict()], Annotated[float, Strict()]] = Field(
+        (0.9, 0.95), strict=False, description="AdamW betas, a list of two numbers")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay")
     grad_clip: float | None = Field(1.0, gt=0, description="max global L2 norm of gradients; null disables clipping")
@@ -148,9 +179,18 @@ class OptimSpec(_Frozen):
 
 
 class ScheduleSpec(_Frozen):
-    warmup_steps: int = Field(10, ge=0, description="linear warm-up steps from 0 to the peak LR")
-    total_steps: int = Field(1000, gt=0, description="steps over which the cosine decays to min_lr_ratio * lr")
+    warmup_steps: int = Field(10, ge=0, le=MAX_STEPS, description="linear warm-up steps from 0 to the peak LR")
+    total_steps: int = Field(1000, gt=0, le=MAX_STEPS, description="steps over which the cosine decays to "
+                             "min_lr_ratio * lr; at least warmup_steps")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final LR as a fraction of the peak LR")
+
+    @model_validator(mode="after")
+    def _warmup_within_total(self) -> ScheduleSpec:
+        if self.total_steps < self.warmup_steps:
+            raise ValueError(f"schedule.total_steps {self.total_steps} is less than schedule.warmup_steps "
+                             f"{self.warmup_steps} (the LR would never reach its peak); raise total_steps or lower "
+                             "warmup_steps")
+        return self
 
 
 class PrecisionSpec(_Frozen):
@@ -177,6 +217,13 @@ class CheckpointPolicy(_Frozen):
 
 class DeepSpeedSpec(_Frozen):
     zero_stage: Literal[1, 2, 3] = Field(2, description="ZeRO stage for backend='deepspeed'")
+
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _whole_number(cls, v: Any) -> Any:
+        if type(v) is not int:  # a Literal of ints takes true (== 1) and 2.0 (== 2) even in strict mode
+            raise ValueError(f"deepspeed.zero_stage {v!r}: write 1, 2 or 3 (a whole number, no quotes)")
+        return v
 
 
 class PerformanceSpec(_Frozen):
@@ -211,8 +258,21 @@ class ScriptSpec(_Frozen):
                       "so by shardkeeper train), or one relative to the ranks' working directory (a path in a container image)")
     args: list[str] = Field(default_factory=list, description="its command-line arguments (sys.argv[1:])")
 
+    @field_validator("path")
+    @classmethod
+    def _plain(cls, v: str) -> str:
+        return plain_path(v, "script.path")  # type: ignore[return-value]
+
 
 class RunSpec(_Frozen):
+    """Everything that determines a training run. Values are taken as typed, never converted: an integer key
+    (seed, global_batch_size, checkpoint.interval, ...) takes a whole number only (not `true`, `"8"` or `2.0`); a
+    boolean key takes only `true` or `false` (not `yes`, `on` or `1`: the YAML reader follows YAML 1.2, where
+    `yes` is a string); a string key refuses numbers (quote them: `name: "123"`); a number key (optim.lr,
+    schedule.min_lr_ratio, ...) takes decimals and integers alike (`lr: 1` is 1.0), in any notation (`1e-3`).
+    `--set KEY=VALUE` reads VALUE by the same YAML rules: `--set seed=7` is an integer, `--set seed=true` is
+    refused. A key given twice in one YAML mapping is refused with its line."""
+
     name: str = Field("run", min_length=1, pattern=r"\S", description="human name of the run (shown in lineage and model cards)")
     backend: Literal["fsdp2", "deepspeed"] = Field("fsdp2", description="sharding backend")
     seed: int = Field(1234, ge=0, lt=2**63, description="seed of initialisation and of the global sample order")

@@ -106,12 +106,13 @@ def train(
     65 a non-finite loss or gradient (nothing of that step committed; see optim.on_nonfinite), 3 the run directory
     is locked (another segment, or its ranks, still running)."""
     from launch.early import install_early_stop_handlers
-    from shardkeeper.config import train_spec
+    from shardkeeper.config import check_until_step, plain_path, train_spec
     from shardkeeper.stages import plan_topology, train_segment
 
     install_early_stop_handlers()  # a SIGTERM before the ranks start is a preemption too, not a crash
-    if until_step < 1:
-        raise ShardkeeperError(f"--until-step {until_step}: must be at least 1")
+    check_until_step("--until-step", until_step)
+    for flag, value in (("--run-dir", run_dir), ("--config", config), ("--script", script)):
+        plain_path(flag, value)
     if timeout is not None and not timeout > 0:
         raise ShardkeeperError(f"--timeout {timeout:g}: must be a positive number of seconds; omit it for no timeout")
     if launcher != "slurm" and (slurm_partition or slurm_time or slurm_arg):
@@ -284,8 +285,11 @@ def export(
     no_tokenizer: Annotated[bool, typer.Option("--no-tokenizer", help="carry no tokenizer files")] = False,
 ) -> None:
     """Stream a checkpoint into safetensors (+ index, config.json, tokenizer files) with bounded memory."""
+    from shardkeeper.config import plain_path
     from shardkeeper.stages import export_and_record
 
+    for flag, value in (("CKPT_DIR", ckpt_dir), ("OUT_DIR", out_dir), ("--tokenizer-from", tokenizer_from)):
+        plain_path(flag, value)
     if no_tokenizer and tokenizer_from is not None:
         raise ShardkeeperError("--tokenizer-from and --no-tokenizer: pass one of them")
     res = export_and_record(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
@@ -303,8 +307,11 @@ def publish(
                                                              "step also gets the tag step-XXXXXXXX")] = None,
 ) -> None:
     """Upload an export to the Hub (token from HF_TOKEN or `hf auth login`) or to a bucket; idempotent."""
+    from shardkeeper.config import plain_path
     from shardkeeper.stages import publish_export
 
+    for flag, value in (("EXPORT_DIR", export_dir), ("--repo-id", repo_id), ("--target", target)):
+        plain_path(flag, value)
     if bool(repo_id) == bool(target):
         raise ShardkeeperError("publish: give exactly one of --repo-id ORG/NAME or --target URL")
     if not export_dir.is_dir():
@@ -435,11 +442,14 @@ def manifest(
     from launch.base import LaunchRequest
     from launch.kubernetes import K8sOptions, describe, render_validated, to_yaml
     from schemas import ClusterTopology
-    from shardkeeper.config import train_spec
+    from shardkeeper.config import check_until_step, plain_path, train_spec
 
     for flag, value in (("--nodes", nodes), ("--nproc", nproc), ("--until-step", until_step)):
         if value < 1:
             raise ShardkeeperError(f"{flag} {value}: must be at least 1")
+    check_until_step("--until-step", until_step)
+    for flag, path in (("--run-dir", run_dir), ("--config", config), ("--script", script), ("--out", out_file)):
+        plain_path(flag, path)
     if segment < 0:
         raise ShardkeeperError(f"--segment {segment}: must be 0 or more")
     if device not in ("cpu", "cuda"):

@@ -12,8 +12,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from schemas.errors import ConfigError
-from ckpt.fsutil import load_yaml
+from ckpt.fsutil import DuplicateKeyError, load_yaml
 from schemas import RunSpec
+from schemas.run import MAX_STEPS, control_chars
 
 
 def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -38,8 +39,30 @@ def explain(e: ValidationError, source: str, model: type[BaseModel] = RunSpec) -
     if err["type"] == "missing":
         return f"{source}: missing key {field}; add it"
     got = err.get("input")
+    if err["type"] == "value_error":  # our validators' messages name the field and the fix themselves
+        text = str(err["msg"]).removeprefix("Value error, ")
+        return f"{source}: {text}" if not loc or text.startswith(field) else f"{source}: field {field}: {text}"
+    if err["type"] in _STRICT_TYPES:
+        key = next((str(x) for x in reversed(loc) if isinstance(x, str)), field)  # optim.betas.1 -> betas
+        return f"{source}: field {field}: {_strict_type(err['type'], got, key)}"
     got_s = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
     return f"{source}: field {field}: {err['msg']}{got_s}; fix the value"
+
+
+_STRICT_TYPES = {"int_type": "a whole number", "bool_type": "true or false", "float_type": "a number",
+                 "string_type": "a string"}
+
+
+def _strict_type(kind: str, got: Any, key: str) -> str:
+    """A value of another type than the field's, with the way to write it (values are never converted:
+    RunSpec's docstring)."""
+    what = {bool: "a boolean", int: "an integer", float: "a decimal number", str: "a string", list: "a list",
+            dict: "a mapping", type(None): "null"}.get(type(got), type(got).__name__)
+    fix = {"int_type": f"write a whole number without quotes or decimals, e.g. {key}: 8",
+           "bool_type": f"write true or false, e.g. {key}: true",
+           "float_type": f"write a number without quotes, e.g. {key}: 0.001",
+           "string_type": f"quote it, e.g. {key}: \"{got}\""}[kind]
+    return f"expected {_STRICT_TYPES[kind]}, got {got!r} ({what}); {fix}"
 
 
 def _set_path(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
@@ -61,6 +84,8 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
             raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. --set optim.lr=1e-3")
         try:
             out[key.strip()] = load_yaml(raw) if raw.strip() else None
+        except DuplicateKeyError as e:
+            raise ConfigError(f"--set {item!r}: the value's {e}") from None
         except yaml.YAMLError:
             raise ConfigError(f"--set {item!r}: the value is not valid YAML; quote it, e.g. --set 'name=\"a: b\"'") from None
     return out
@@ -70,6 +95,7 @@ def load_run_spec(path: str | Path, overrides: list[str] | None = None, *,
                   overrides_base: str | Path | None = None) -> RunSpec:
     """``overrides_base``: the folder relative paths in ``overrides`` are taken against (a flow's base_dir);
     None: the working directory (typed at a shell)."""
+    plain_path("--config", path)
     path = Path(path)
     if path.exists() and not path.is_dir() and not path.is_file():  # a FIFO or device would block the read
         raise ConfigError(f"{path}: not a regular file; pass --config with a YAML file such as configs/tiny.yaml")
@@ -84,6 +110,8 @@ def load_run_spec(path: str | Path, overrides: list[str] | None = None, *,
         raise ConfigError(f"{path}: cannot read the config file (permission denied); fix its permissions") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file (not UTF-8); pass a YAML RunSpec such as configs/tiny.yaml") from None
+    except DuplicateKeyError as e:
+        raise ConfigError(f"{path} {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -95,7 +123,24 @@ def load_run_spec(path: str | Path, overrides: list[str] | None = None, *,
     for key, value in given.items():
         _set_path(raw, key, value, f"--set {key}")
     raw = resolve_config_paths(raw, Path(overrides_base) if overrides_base else Path.cwd(), only=set(given))
-    return spec_from_dict(raw, str(path), cwd_paths=False)
+    return spec_from_dict(raw, str(path), cwd_paths=False, set_keys=set(given))
+
+
+def plain_path(flag: str, value: str | Path | None) -> None:
+    """A path a person typed (``--config``, ``--run-dir``, ``--script``, an export folder ...) holds no control
+    character: a newline in it would end a line of a generated batch script, manifest or log."""
+    bad = control_chars(str(value)) if value is not None else []
+    if bad:
+        raise ConfigError(f"{flag} {str(value)!r}: contains control characters ({', '.join(bad)}); use a plain path")
+
+
+def check_until_step(flag: str, value: int) -> None:
+    """A step count a person typed: at least 1, at most MAX_STEPS (far beyond any run; int64 counters hold more)."""
+    if value < 1:
+        raise ConfigError(f"{flag} {value}: must be at least 1")
+    if value > MAX_STEPS:
+        raise ConfigError(f"{flag} {value}: more than {MAX_STEPS:,} optimizer steps, which no run takes (a typo?); "
+                          "pass the step to train until, e.g. 2000")
 
 
 # Paths a config file may hold: (section, key, may it be a Hub id instead of a local path).
@@ -119,7 +164,7 @@ def train_spec(config: str | Path | None, overrides: list[str] | None, run_dir: 
         for key, value in given.items():
             _set_path(raw, key, value, f"--set {key}")
         raw = resolve_config_paths(raw, Path(overrides_base) if overrides_base else Path.cwd(), only=set(given))
-        spec = spec_from_dict(raw, "--set", cwd_paths=False)
+        spec = spec_from_dict(raw, "--set", cwd_paths=False, set_keys=set(given))
     else:
         raise ConfigError(f"--config: required for a new run ({run_dir} holds no run.yaml); pass --config "
                           "configs/tiny.yaml, or --script FILE to train with your own script")
@@ -174,15 +219,21 @@ def _join(base: Path, path: Path) -> Path:
     return Path(os.path.realpath(joined.parent)) / joined.name
 
 
-def spec_from_dict(raw: dict[str, Any], source: str, *, cwd_paths: bool = True) -> RunSpec:
+def spec_from_dict(raw: dict[str, Any], source: str, *, cwd_paths: bool = True,
+                   set_keys: set[str] | None = None) -> RunSpec:
     """``cwd_paths``: a relative local model.pretrained is taken against the working directory (a run.yaml
     written before paths were recorded absolute); off for a config file, whose paths ``resolve_config_paths``
-    already decided against the file's folder -- else the same file would name another model in another cwd."""
+    already decided against the file's folder -- else the same file would name another model in another cwd.
+    ``set_keys``: the dotted keys ``--set`` gave; an error in one of them (or in a section holding one) is
+    reported as ``--set``'s, not the file's."""
     raw = _pretrained_model_type(raw, cwd_paths)
     try:
         return RunSpec.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(explain(e, source)) from None
+        field = ".".join(str(x) for x in e.errors()[0]["loc"])
+        from_set = field and any(k == field or k.startswith(field + ".") or field.startswith(k + ".")
+                                 for k in set_keys or ())
+        raise ConfigError(explain(e, "--set" if from_set else source)) from None
 
 
 def _pretrained_model_type(raw: dict[str, Any], cwd_paths: bool = True) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ckpt.fsutil import load_yaml
 from launch import get_launcher
 from launch.base import LaunchRequest
 from launch.k8s_pod import EXIT_POD_FAILED, EXIT_POD_PREEMPTED, fresh_report, install_run_spec, pod_exit_code
@@ -53,7 +54,7 @@ def test_rendered_segment_validates_and_agrees_on_world_size(kind: str, nodes: i
     assert not problems(config_map) and not problems(job)
     name = job["metadata"]["name"]
     launch = SegmentLaunch.model_validate_json(config_map["data"][LAUNCH_KEY])
-    assert RunSpec.model_validate(yaml.safe_load(config_map["data"][SPEC_KEY])) == SPEC
+    assert RunSpec.model_validate(load_yaml(config_map["data"][SPEC_KEY])) == SPEC  # as the ranks read run.yaml
     assert world_size_of(job) == launch.topology.world_size == nodes * 2
     for pod in pod_specs(job):
         (container,) = pod["containers"]
