@@ -145,7 +145,7 @@ class TrainExportRequest(_FlowParameters):
     @model_validator(mode="after")
     def _check(self) -> TrainExportRequest:
         if self.config is not None and self.spec is not None:
-            raise ValueError("give one of config (a RunSpec YAML path) or spec (an inline RunSpec), not both")
+            raise ValueError("give exactly one of config (a RunSpec YAML path) or spec (an inline RunSpec), not both")
         if self.config is None and self.spec is None and self.script is None:
             raise ValueError("give config (a RunSpec YAML path), spec (an inline RunSpec) or script (your training "
                              "script)")

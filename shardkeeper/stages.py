@@ -486,9 +486,9 @@ def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_s
 
 
 def _convert(ckpt_dir: Path, to: str, out: Path, run_root: RunDir | None, zero_stage: int | None) -> Path:
-    manifest = checked_manifest(ckpt_dir)
-    if manifest.format == to:
+    if read_manifest(ckpt_dir).format == to:  # the request itself is wrong, whatever state the checkpoint is in
         raise ConfigError(f"{ckpt_dir}: already a {to} checkpoint; nothing to convert")
+    manifest = checked_manifest(ckpt_dir)
     if zero_stage is not None and to != "deepspeed":
         raise ConfigError("--zero-stage applies to --to deepspeed only")
     target = run_root.checkpoint(manifest.step) if run_root else out
