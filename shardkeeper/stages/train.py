@@ -172,7 +172,7 @@ def _times_record(times: SegmentTimes | None) -> dict[str, float]:
 def _no_live_job(rd: RunDir) -> None:
     """An earlier segment's Slurm job that its killed launching command left pending or running would train
     beside this segment: refused (exit 3) while Slurm holds it."""
-    from launch.slurm import live_job
+    from launch.slurm_ctl import live_job
 
     job = live_job(rd.root)
     if job is not None:
