@@ -35,18 +35,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
 from ckpt import fingerprint as fp
 from schemas.errors import CheckpointError, CheckpointRetired
-from ckpt.fsutil import atomic_write_json, mkdir_durable
 from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, parse_step
 from ckpt.registry import get_format
 from ckpt.manifest import read_manifest
+from ckpt.retired import WatchedDir, dir_identity, retired_message, was_committed
+from ckpt.verified import drop_cache, is_verified, manifest_digest, record_verified
 from pydantic import ValidationError
 
 from schemas import MANIFEST_NAME, MANIFEST_SCHEMA_VERSION, CheckpointManifest, ValidationReport
+
+# what the stages, retention, the trainer and the CLI take from here (ckpt.retired and ckpt.verified hold some)
+__all__ = ["RANK_RE", "WatchedDir", "check_ranks", "check_staged", "checked_manifest", "dir_identity", "forget_known",
+           "invalid_committed", "is_verified", "latest_valid", "manifest_digest", "record_verified", "reread_and_record",
+           "retired_message", "validate", "was_committed"]
 
 log = logging.getLogger(__name__)
 
@@ -315,77 +319,6 @@ def validate(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:
     ``retired=True`` and one line saying so: never a verdict on its bytes (see ``_checked``)."""
     return _checked(Path(ckpt_dir), deep)[0]
 
-
-# ------------------------------------------------------------------------------------------ readers beside writers
-# Readers (status, lineage, validate, export, the scans) run beside a training segment whose retention renames a
-# checkpoint to ``.deleting`` and removes it, or whose failed load renames it to ``.invalid-<time>``, at any
-# moment. A reader notes the directory's identity before it reads and looks again when a check fails: a
-# directory that is no longer the one it started on was retired meanwhile -- reported as that, never as corrupted.
-def dir_identity(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of the directory at ``path`` now; None when there is none."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
-
-
-class WatchedDir:
-    """The directory at ``path`` held open while it is read: ``vanished()`` says whether the path still leads to
-    it. (Held open, its inode number cannot be handed to a checkpoint committed again at the same step.)"""
-
-    def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path)
-        self.identity: tuple[int, int] | None = None
-        try:
-            self._fd: int | None = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            self._fd = None
-        else:
-            st = os.fstat(self._fd)
-            self.identity = (st.st_dev, st.st_ino)
-
-    @property
-    def existed(self) -> bool:
-        return self.identity is not None
-
-    def vanished(self) -> bool:
-        """True when the directory that was at the path (a retired or quarantined checkpoint) is no longer there."""
-        return self.identity is not None and dir_identity(self.path) != self.identity
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> WatchedDir:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def retired_message(ckpt_dir: Path) -> str:
-    run = ckpt_dir.parent.parent if ckpt_dir.parent.name == "checkpoints" else None
-    lists = f"`shardkeeper status {run}` lists them" if run is not None else "`shardkeeper status RUN_DIR` lists them"
-    return (f"{ckpt_dir}: retired or quarantined by the run's writer while being read (retention keeps only the "
-            f"newest checkpoints of a training run); pick a newer step, {lists}")
-
-
-def was_committed(ckpt_dir: Path) -> bool:
-    """A missing step directory that was a checkpoint: retention or a quarantine left a sibling, or the run's
-    lineage names it."""
-    if parse_step(ckpt_dir.name) is None or not ckpt_dir.parent.is_dir():
-        return False
-    try:
-        if any(e.name == ckpt_dir.name + ".deleting" or e.name.startswith(ckpt_dir.name + ".invalid-")
-               for e in os.scandir(ckpt_dir.parent)):
-            return True
-        return f'"checkpoint:{ckpt_dir.name}"'.encode() in (ckpt_dir.parent.parent / "lineage.jsonl").read_bytes()
-    except OSError:
-        return False
-
-
 def _retired(ckpt_dir: Path, deep: bool, t0: float) -> ValidationReport:
     return ValidationReport(path=str(ckpt_dir), valid=False, deep=deep, retired=True, errors=[retired_message(ckpt_dir)],
                             step=parse_step(ckpt_dir.name), seconds=time.perf_counter() - t0)
@@ -547,51 +480,6 @@ def invalid_committed(run_dir: RunDir) -> list[tuple[Path, str]]:
             out.append((path, report.errors[0]))
     return out
 
-
-# ------------------------------------------------------------------------------------------ verification records
-def manifest_digest(ckpt_dir: Path) -> str:
-    """xxh3-128 of manifest.json: binds a verification record to one commit (a re-commit at the same step differs)."""
-    return xxhash.xxh3_128((ckpt_dir / MANIFEST_NAME).read_bytes()).hexdigest()
-
-
-def record_verified(run_dir: RunDir, ckpt_dir: Path, *, how: str, bytes_read: int) -> Path:
-    """Write ``RUN_DIR/verified/step-XXXXXXXX.json``: every byte of the checkpoint was read back and matched
-    the manifest's checksums at ``time`` (``how``: "load", the resume's hashing, or "reread", the
-    re-read after commit). {step, manifest_xxh3_128, how, bytes, time}."""
-    manifest = read_manifest(ckpt_dir)
-    path = run_dir.verified_record(manifest.step)
-    mkdir_durable(path.parent)
-    atomic_write_json(path, {"step": manifest.step, "manifest_xxh3_128": manifest_digest(ckpt_dir), "how": how,
-                             "bytes": bytes_read, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    return path
-
-
-def is_verified(run_dir: RunDir, ckpt_dir: Path) -> bool:
-    """True if a verification record exists for exactly this commit of ``ckpt_dir``."""
-    step = parse_step(ckpt_dir.name)
-    if step is None:
-        return False
-    try:
-        rec = json.loads(run_dir.verified_record(step).read_text(encoding="utf-8"))
-        return isinstance(rec, dict) and rec.get("manifest_xxh3_128") == manifest_digest(ckpt_dir)
-    except (OSError, ValueError):
-        return False
-
-
-def _drop_cache(path: Path) -> None:
-    """Ask the kernel to drop the (clean, fsynced) cached pages, so the re-read comes from the device."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except (OSError, AttributeError):
-        pass
-    finally:
-        os.close(fd)
-
-
 def reread_and_record(run_dir: RunDir, ckpt_dir: Path, *, threads: int = 2) -> str | None:
     """Re-read every byte of a committed checkpoint (cache dropped first) and compare with the manifest;
     on success write its verification record. Returns None, or the first problem found."""
@@ -601,7 +489,7 @@ def reread_and_record(run_dir: RunDir, ckpt_dir: Path, *, threads: int = 2) -> s
     manifest = read_manifest(ckpt_dir)
     paths = [ckpt_dir / e.path for e in manifest.files]
     for p in paths:
-        _drop_cache(p)
+        drop_cache(p)
     expected = {ckpt_dir / e.path: (e.size, e.xxh3_128) for e in manifest.files}
     for path, got in hash_files(paths, threads=threads).items():
         if got != expected[path]:

@@ -1,3 +1,4 @@
+# Stays whole (over 500 lines): save, commit, agreement, fallback, quarantine and resume are one class whose guards must be read together.
 """The Checkpointer: save / load_latest / wait / close, with the commit protocol, for every backend.
 
 Commit protocol (a directory without a valid manifest is never loaded):

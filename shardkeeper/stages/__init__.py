@@ -1,0 +1,26 @@
+"""The pipeline's stages as plain functions: schemas in, schemas out.
+
+The CLI calls them directly; tasks/ wraps each in a Prefect task. Nothing here imports prefect,
+and torch is imported only inside the stages that need it.
+
+One module per part of the pipeline, each name re-exported here (``from shardkeeper.stages import X``):
+``train`` (plan_topology, train_segment), ``checks`` (the run's spec, script, data and pretrained weights,
+checked before a segment), ``checkpoints`` (validate, reshard, convert), ``export`` (export, publish),
+``state`` (run_state, scan_runs).
+"""
+
+from __future__ import annotations
+
+from shardkeeper.stages.checkpoints import convert_checkpoint, reshard, validate_checkpoint
+from shardkeeper.stages.checks import (MUTABLE_FIELDS, MUTABLE_SECTIONS, check_resume_data, fetch_pretrained,
+                                       keep_run_script, prepare_run_dir)
+from shardkeeper.stages.export import export_and_record, publish_export
+from shardkeeper.stages.state import run_dirs_under, run_state, scan_runs
+from shardkeeper.stages.train import next_segment_index, plan_available_topology, plan_topology, train_segment
+
+__all__ = [
+    "MUTABLE_FIELDS", "MUTABLE_SECTIONS", "check_resume_data", "convert_checkpoint", "export_and_record",
+    "fetch_pretrained", "keep_run_script", "next_segment_index", "plan_available_topology", "plan_topology",
+    "prepare_run_dir", "publish_export", "reshard", "run_dirs_under", "run_state", "scan_runs", "train_segment",
+    "validate_checkpoint",
+]

@@ -1,0 +1,64 @@
+"""Run state: the newest valid checkpoint and how the last segment ended, for one run or every run under
+a folder (status, the resume scan)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckpt.fsutil import read_jsonl
+from ckpt.layout import RunDir
+from ckpt.lock import RunLock
+from ckpt.validate import latest_valid
+from schemas.errors import ShardkeeperError
+from schemas.requests import RunState
+from shardkeeper.stages.where import is_remote
+
+
+def run_state(run_dir: str | Path) -> RunState:
+    """Newest valid checkpoint and how the last segment ended (plain function: the resume scan uses it)."""
+    if is_remote(run_dir):
+        from shardkeeper.remote import run_state_remote
+
+        return run_state_remote(str(run_dir), is_locked=lambda root: RunLock(root).is_locked())
+    rd = RunDir.at(run_dir)
+    exists = rd.spec_path.exists() or bool(rd.committed())
+    if not exists:
+        return RunState(run_dir=str(rd.root), exists=False)
+    found = latest_valid(rd)
+    records = read_jsonl(rd.segments)
+    starts = [r for r in records if r.get("event") == "start"]
+    locked = RunLock(rd.root).is_locked()
+    last_status = None
+    if records:
+        last = records[-1]
+        last_status = last.get("status") if last.get("event") == "end" else ("running" if locked else "interrupted")
+    return RunState(
+        run_dir=str(rd.root), exists=True, checkpoint=str(found[0]) if found else None,
+        step=found[1].step if found else 0,
+        world_size=found[1].topology.world_size if found else None,
+        last_status=last_status, last_until_step=starts[-1].get("until_step") if starts else None, locked=locked,
+    )
+
+
+def run_dirs_under(root: Path) -> list[Path]:
+    """The run directories (a run.yaml or a checkpoints/ folder) directly under ``root``."""
+    if not root.is_dir():
+        raise ShardkeeperError(f"resume root {root}: no such folder; pass the folder that holds the run directories")
+    return sorted(p for p in root.iterdir() if p.is_dir() and (RunDir(p).spec_path.exists() or RunDir(p).checkpoints.is_dir()))
+
+
+def scan_runs(roots: str | list[str] | None, run_dirs: list[str]) -> list[RunState]:
+    """The state of every run directory under ``roots`` (one folder or several) and in ``run_dirs`` (each once)."""
+    roots = [roots] if isinstance(roots, str) else list(roots or [])
+    found: list[str | Path] = []
+    for root in roots:
+        if is_remote(root):  # s3://bucket/prefix: the runs on the store (manifest-committed checkpoints only)
+            from shardkeeper.remote import remote_run_urls
+
+            found += remote_run_urls(root)
+        else:
+            found += run_dirs_under(Path(root))
+    seen: dict[str | Path, None] = {}
+    for p in [*found, *run_dirs]:
+        seen.setdefault(str(p).rstrip("/") if is_remote(p) else Path(p).resolve(), None)
+    return [run_state(p) for p in seen]

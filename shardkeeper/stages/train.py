@@ -1,0 +1,297 @@
+"""The train stage: plan the topology, then run one segment under the run lock (resume point, launch, result,
+lineage)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from ckpt import lineage
+from ckpt.fsutil import append_jsonl, mkdir_durable, quarantine, read_jsonl
+from ckpt.layout import RunDir
+from ckpt.lock import RunLock
+from ckpt.retention import sweep_leftovers
+from ckpt.validate import invalid_committed, latest_valid, validate
+from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher
+from schemas import CheckpointManifest, ClusterTopology, RunSpec, SegmentResult
+from schemas.errors import CheckpointError, ConfigError, RunLockedError
+from schemas.seam import SCRIPT_TRACEBACK_FILE, SegmentReport, SegmentTimes, exit_code_of
+from shardkeeper.preflight import cuda_device_count, preflight
+from shardkeeper.stages.checks import check_resume_data, fetch_pretrained, keep_run_script, prepare_run_dir
+from shardkeeper.stages.where import remote_run
+
+log = logging.getLogger("shardkeeper")
+
+
+def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = "local",
+                  device: str = "auto", launcher_options: dict | None = None) -> ClusterTopology:
+    """Check that ``nodes x nproc`` ranks make sense for the run and the launcher; return the topology."""
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc}: must be at least 1")
+    if nodes < 1:
+        raise ConfigError(f"--nodes {nodes}: must be at least 1")
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"--launcher {launcher!r}: choose one of {', '.join(sorted(LAUNCHERS))}")
+    world = nodes * nproc
+    try:
+        if spec.script is None:  # a script splits its own batches
+            spec.per_rank_batch(world)
+    except ValueError as e:
+        flag = f"--nodes {nodes} x --nproc {nproc}" if nodes > 1 else f"--nproc {nproc}"
+        raise ConfigError(f"{flag}: {e}") from None
+    runner = get_launcher(launcher, **(launcher_options or {}))
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: choose auto, cpu or cuda")
+    source = f"--device {device}"
+    if device == "auto" and os.environ.get("SHARDKEEPER_DEVICE") in ("cpu", "cuda"):
+        device = os.environ["SHARDKEEPER_DEVICE"]
+        source = f"SHARDKEEPER_DEVICE={device}"
+    if device == "cuda" and launcher == "local" and not cuda_device_count():
+        raise ConfigError(f"{source}: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+                          "use --device cpu (and unset SHARDKEEPER_DEVICE)")
+    if launcher == "local":
+        cuda = device == "cuda" or (device == "auto" and _cuda_available())
+    else:  # this host may have no GPU while the nodes do: the launcher says what "auto" means there
+        cuda = device == "cuda" or (device == "auto" and getattr(runner, "has_gpus", lambda: False)())
+    topo = ClusterTopology(nodes=nodes, procs_per_node=nproc, device_type="cuda" if cuda else "cpu",
+                           backend="nccl" if cuda else "gloo", launcher=launcher)  # type: ignore[arg-type]
+    check = getattr(runner, "preflight", None)
+    if check is not None:
+        check(topo)
+    return topo
+
+
+def plan_available_topology(spec: RunSpec, nproc: int, *, nodes: int, launcher: str = "local",
+                            launcher_options: dict | None = None, device: str = "auto") -> ClusterTopology:
+    """The topology to train on now: ``nodes`` x ``nproc``, or fewer nodes when the launcher has fewer usable
+    (Slurm: nodes down or drained) -- the largest count whose world size divides the global batch. What a
+    resume after a lost node runs on; the checkpoint reshards to it."""
+    usable = getattr(get_launcher(launcher, **(launcher_options or {})), "usable_nodes", lambda: None)()
+    if usable is not None and usable < 1:
+        raise ConfigError(f"--launcher {launcher}: no usable node now (all down or drained); resume when nodes are back")
+    start = min(nodes, usable) if usable is not None else nodes
+    for n in range(start, 0, -1):
+        try:
+            if spec.script is None:
+                spec.per_rank_batch(n * nproc)
+        except ValueError:
+            continue
+        if n != nodes:
+            log.warning("%d of the %d node(s) asked for are usable: training on %d x %d ranks", start, nodes, n, nproc)
+        return plan_topology(spec, nproc, nodes=n, launcher=launcher, device=device, launcher_options=launcher_options)
+    return plan_topology(spec, nproc, nodes=nodes, launcher=launcher, device=device, launcher_options=launcher_options)
+
+
+def _cuda_available() -> bool:
+    if os.environ.get("SHARDKEEPER_DEVICE") == "cpu":
+        return False
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def next_segment_index(run_dir: RunDir) -> int:
+    starts = [r for r in read_jsonl(run_dir.segments) if r.get("event") == "start"]
+    return len(starts)
+
+
+def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology, until_step: int, *,
+                  timeout_s: float | None = None, sink: Callable[[str], None] | None = None,
+                  restart: bool = False, cancel_check: Callable[[], bool] | None = None,
+                  launcher_options: dict | None = None) -> SegmentResult:
+    """Run one segment under the run lock: resume from the latest valid checkpoint, train, commit.
+
+    A run whose checkpoints are all invalid is refused (never restarted silently); ``restart`` moves them
+    aside (quarantine), rotates metrics.jsonl to ``metrics.before-restart-<segment>.jsonl`` and starts
+    from step 0, recorded in segments.jsonl and lineage. With a valid checkpoint ``restart`` is refused.
+
+    ``cancel_check`` (polled by the launcher; a Prefect task passes one that watches its flow run):
+    when it turns true the ranks commit a checkpoint and stop, and the segment ends 'cancelled'.
+
+    ``launcher_options``: what the launcher of ``topology.launcher`` takes besides the topology (Slurm:
+    ``partition``, ``time_min``, ``extra_args``)."""
+    remote = remote_run(run_dir)  # s3://...: the ranks train in its local cache, shardkeeper.remote mirrors it
+    if remote is not None:
+        run_dir = remote.local.root
+    spec = keep_run_script(spec, run_dir)
+    fetch_pretrained(spec)  # a Hub id not yet in the huggingface_hub cache: downloaded once, here, never by a rank
+    prepared = preflight(spec, topology, run_dir)  # before anything is written: a refused segment leaves no trace
+    if remote is not None:
+        remote.check_writable()  # unreachable, no credentials, no bucket, read-only: one line, nothing written
+    rd = RunDir.at(run_dir)
+    check_resume_data(rd, prepared)
+    mkdir_durable(rd.root)
+    sink = sink or (lambda line: log.info("%s", line))
+    with RunLock(rd.root), _mirrored(remote, spec):
+        _no_live_job(rd)
+        prepare_run_dir(rd, spec)
+        seg = next_segment_index(rd)
+        SegmentReport.clear(rd.root)
+        (rd.root / SCRIPT_TRACEBACK_FILE).unlink(missing_ok=True)
+        before = _resume_point(rd, seg, restart)
+        start_step = before[1].step if before else 0
+        append_jsonl(rd.segments, {"event": "start", "segment": seg, "until_step": until_step, "start_step": start_step,
+                                   "world_size": topology.world_size, "time": lineage.now_iso()})
+        launcher = get_launcher(topology.launcher, **(launcher_options or {}))
+        req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s,
+                            restart=restart, cancel_check=cancel_check, data=prepared)
+        outcome = launcher.launch(req, sink)
+        result = _segment_result(rd, seg, start_step, topology, outcome)
+        _show_held_back(outcome, result.status, sink)
+        append_jsonl(rd.segments, {"event": "end", **result.model_dump(mode="json", exclude={"topology"})})
+        scheduler = ({"scheduler_job": outcome.scheduler_job, "scheduler_state": outcome.scheduler_state,
+                      "requeues": outcome.requeues} if outcome.scheduler_job else {})
+        reported = SegmentReport.read(rd.root, seg)  # the performance options as the ranks applied them
+        execution = {"execution": reported.execution} if reported and reported.execution else {}
+        lineage.record(rd, "segment", f"segment:{seg}", parent=(f"checkpoint:step-{start_step:08d}" if before else None),
+                       step=result.end_step, status=result.status, world_size=topology.world_size,
+                       seconds=round(result.seconds, 2), until_step=until_step, launcher=topology.launcher,
+                       nodes=topology.nodes, **scheduler, **execution,
+                       **_times_record(result.times))
+    if remote is not None:
+        from shardkeeper.remote import remote_result
+
+        return remote_result(remote, result)
+    return result
+
+
+def _times_record(times: SegmentTimes | None) -> dict[str, float]:
+    """The segment's phase times worth a lineage event: time to the first step, the emergency save."""
+    if times is None:
+        return {}
+    out = {"first_step_s": times.time_to_first_step_s, "emergency_save_s": times.emergency_save_s}
+    return {k: round(v, 2) for k, v in out.items() if v is not None}
+
+
+def _no_live_job(rd: RunDir) -> None:
+    """An earlier segment's Slurm job that its killed launching command left pending or running would train
+    beside this segment: refused (exit 3) while Slurm holds it."""
+    from launch.slurm_ctl import live_job
+
+    job = live_job(rd.root)
+    if job is not None:
+        raise RunLockedError(f"{rd.root}: Slurm job {job.job_id} of an earlier segment is still {job.state.lower()} "
+                             f"(its launching command was stopped); wait for it to end, or `scancel {job.job_id}`, "
+                             "then train again")
+
+
+def _mirrored(remote, spec: RunSpec):
+    """Around a segment on the store: pull what the cache lacks, push each checkpoint as it commits."""
+    if remote is None:
+        return contextlib.nullcontext()
+    from shardkeeper.remote import Mirror
+
+    return Mirror(remote, spec, is_valid=lambda p: validate(p).valid)
+
+def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, CheckpointManifest] | None:
+    """Sweep leftovers, then the checkpoint to resume from; refuses a run whose checkpoints are all invalid
+    (or were set aside by a failed load) unless ``restart``, which sets them aside and starts from 0."""
+    sweep_leftovers(rd)
+    found = latest_valid(rd)
+    if found is not None:
+        if restart:
+            raise ConfigError(f"--restart: {found[0]} is a valid checkpoint and the run resumes from it; drop "
+                              "--restart (to train from step 0, use a new --run-dir)")
+        return found
+    invalid = invalid_committed(rd)
+    acknowledged = {n for r in read_jsonl(rd.segments) if r.get("event") == "restart" for n in r.get("quarantined", [])}
+    unacked = [q.name for q in rd.quarantined() if q.name not in acknowledged]
+    if not invalid and not unacked:
+        return None  # a new run
+    if not restart:
+        named = [f"{p.name} ({why})" for p, why in reversed(invalid)] + [f"{n} (failed to load)" for n in unacked]
+        raise CheckpointError(f"{rd.checkpoints}: no valid checkpoint to resume from: {'; '.join(named[:3])[:800]}"
+                              f"{f' and {len(named) - 3} more' if len(named) > 3 else ''}; refusing to restart "
+                              "silently from step 0: rerun with --restart to set them aside and start over")
+    moved = [quarantine(p, why).name for p, why in invalid]
+    rotated = None
+    if rd.metrics.exists():  # the new attempt's rows must not mix with the old ones
+        rotated = rd.root / f"metrics.before-restart-{seg}.jsonl"
+        os.rename(rd.metrics, rotated)
+    append_jsonl(rd.segments, {"event": "restart", "segment": seg, "quarantined": moved + unacked,
+                               "metrics_rotated_to": rotated.name if rotated else None, "time": lineage.now_iso()})
+    lineage.record(rd, "segment", f"restart:segment-{seg}", step=0, status="restart", action="restart",
+                   quarantined=moved + unacked, metrics_rotated_to=rotated.name if rotated else None)
+    log.warning("restarting %s from step 0: set aside %s", rd.root, ", ".join(moved + unacked))
+    return None
+
+
+def _show_held_back(outcome: LaunchOutcome, status: str, sink: Callable[[str], None]) -> None:
+    """torchrun's closing lines: all of them for a failure; for a preempted or cancelled segment its
+    ChildFailedError/SignalException traceback is noise (the ranks stopped as asked) and is dropped."""
+    from launch import without_torchrun_closing
+
+    for line in outcome.held_back if status == "failed" else without_torchrun_closing(outcome.held_back):
+        sink(line)
+
+
+def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopology, outcome: LaunchOutcome) -> SegmentResult:
+    reported = SegmentReport.read(rd.root, seg)
+    after = latest_valid(rd)
+    rank_status = reported.status if reported and reported.status in ("completed", "preempted") else None
+    note = reported.note if reported else None
+    # The ranks ended the segment as failed themselves (a non-finite loss or gradient: trainer.nonfinite): their
+    # one line is the failure, their exit code the segment's (torchrun turns any rank's code into 1).
+    rank_failure = reported if reported and reported.status == "failed" and reported.note else None
+    if outcome.cancelled:
+        # Cancellation wins even over a segment that completed meanwhile: nothing further may start.
+        status = "cancelled"
+        if rank_status is None:
+            note = _unreported_note(after)
+    elif rank_status:
+        status = rank_status
+    elif (outcome.stop_requested or outcome.scheduler_preempted) and (outcome.exit_code != 0 or outcome.stop_signal is not None):
+        # Asked to stop before the ranks could report (still starting up, or killed after the grace
+        # period): nothing was lost that a checkpoint held; the next segment resumes from the latest one.
+        status = "preempted"
+        note = outcome.note or _unreported_note(after)
+    else:
+        status = "failed"
+    if outcome.note and status != "failed" and note != outcome.note:
+        note = f"{outcome.note}; {note}" if note else outcome.note
+    fallback = rank_failure.exit_code if rank_failure and rank_failure.exit_code else outcome.exit_code
+    return SegmentResult(
+        run_dir=str(rd.root), status=status,  # type: ignore[arg-type]
+        exit_code=exit_code_of(status, fallback),
+        # The ranks may have fallen back past a checkpoint that failed to load: their start step wins, unless
+        # the scheduler requeued the job and its last attempt resumed from a checkpoint of this segment.
+        segment=seg, start_step=min(reported.start_step, start_step) if reported else start_step,
+        end_step=after[1].step if after else 0,
+        checkpoint=str(after[0]) if after else None, topology=topology, seconds=outcome.seconds,
+        failure=None if status != "failed" else (rank_failure.note if rank_failure else _failure(outcome)),
+        traceback=_script_traceback(rd) if status == "failed" else None,
+        note=note if status != "failed" else None,
+        scheduler_job=outcome.scheduler_job, scheduler_state=outcome.scheduler_state, requeues=outcome.requeues,
+        times=reported.times if reported else None,
+    )
+
+
+def _script_traceback(rd: RunDir) -> str | None:
+    """The traceback a user's script raised on its first failing rank (trainer.script), when it raised."""
+    try:
+        return (rd.root / SCRIPT_TRACEBACK_FILE).read_text(encoding="utf-8", errors="replace")[-8000:] or None
+    except OSError:
+        return None
+
+
+def _unreported_note(after: tuple[Path, CheckpointManifest] | None) -> str:
+    if after is None:
+        return "stopped before the ranks reported, with nothing trained: no checkpoint; the next segment starts clean"
+    return f"stopped before the ranks reported; {after[0].name} stays the latest valid checkpoint"
+
+
+def _failure(outcome: LaunchOutcome) -> str:
+    from launch import failing_rank_lines
+
+    if outcome.exit_code < 0:  # torchrun itself was killed (OOM killer, kill -9): its ranks died with it
+        import signal
+
+        name = signal.Signals(-outcome.exit_code).name if -outcome.exit_code in signal.Signals._value2member_map_ else str(-outcome.exit_code)
+        return f"torchrun was killed by {name} and its ranks with it; rerun the same command to resume from the latest valid checkpoint"
+    return ("timed out; " if outcome.timed_out else "") + failing_rank_lines(outcome.tail)
