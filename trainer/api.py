@@ -44,6 +44,8 @@ log = logging.getLogger("shardkeeper.trainer")
 
 __all__ = ["Segment", "SegmentPreempted", "SegmentStopped", "UsageError"]
 
+_GUARDED = ("loss", "grad_norm")  # logged values the non-finite guard checks at every step
+
 LAUNCH_HINT = ("launch it with: shardkeeper train --script FILE --run-dir RUN --until-step N [--nproc K] "
                "(or pass sk.Segment(run_dir=..., until_step=...) under torchrun)")
 
@@ -59,6 +61,30 @@ class SegmentPreempted(SystemExit):
 
     def __init__(self) -> None:
         super().__init__(EXIT_PREEMPTED)
+
+
+def shield_dataloader_workers() -> None:
+    """DataLoader worker processes of this rank ignore SIGTERM/SIGUSR1. A preemption signals every process of a
+    rank's session (torchrun's killpg, scancel, Kubernetes), and torch's worker handler turns a SIGTERM that its
+    parent did not send into death, which fails the rank mid-step instead of letting it commit at the step
+    boundary; the rank owns the preemption, and workers still end with it (torch's parent watchdog, SIGKILL)."""
+    import signal
+
+    try:
+        from torch.utils.data._utils import signal_handling
+    except ImportError:  # pragma: no cover - another torch layout: workers keep torch's own handling
+        return
+    original = signal_handling._set_worker_signal_handlers
+    if getattr(original, "_shardkeeper", False):
+        return
+
+    def set_worker_signal_handlers(*args: Any) -> None:
+        original(*args)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+
+    set_worker_signal_handlers._shardkeeper = True  # type: ignore[attr-defined]
+    signal_handling._set_worker_signal_handlers = set_worker_signal_handlers
 
 
 # The segment of this process (one per process): trainer.script checks it after the user's script returns.
@@ -96,6 +122,7 @@ class Segment:
         self.env: DistEnv = _env if _env is not None else init_distributed(launch)
         if _env is None:
             timeline.mark("process_group")
+        shield_dataloader_workers()
         self._ckpt: Checkpointer | None = None
         self._objects: dict[str, Any] = {}
         self._row: dict[str, Any] = {}
@@ -105,6 +132,7 @@ class Segment:
         self._start = 0
         self.state = TrainState()
         self.exit_code: int | None = None  # set when steps() has ended the segment
+        self._nonfinite_seen = False
         self.entered = False
         _CURRENT.append(self)
 
@@ -170,11 +198,18 @@ class Segment:
         """Add values to this step's metrics.jsonl row (``{"step": N, ...}``, written by rank 0 when the step ends).
         Numbers and strings only; call it from every rank or rank 0 alone."""
         for k, v in metrics.items():
-            if isinstance(v, torch.Tensor):
-                v = v.item() if v.numel() == 1 else None
+            if isinstance(v, torch.Tensor) or (hasattr(v, "item") and hasattr(v, "dtype")):  # torch / numpy scalars
+                v = v.item() if getattr(v, "size", 1) in (1, ()) or getattr(v, "numel", lambda: 0)() == 1 else None
             if not isinstance(v, (int, float, str, bool)) or v is None:
                 raise UsageError(f"seg.log({k}=...): a {type(metrics[k]).__name__} is not a number or a string; "
                                  "log float(value)")
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 2**63:
+                raise UsageError(f"seg.log({k}=...): an integer of {len(str(abs(v)))} digits; log float(value)")
+            if k in _GUARDED and not (isinstance(v, (int, float)) and not isinstance(v, bool)):
+                raise UsageError(f"seg.log({k}=...): a {type(v).__name__}; {k} must be a number (it is checked for "
+                                 "NaN/Inf at every step): log float(value)")
+            if k in _GUARDED and not math.isfinite(v):
+                self._nonfinite_seen = True  # a later finite value in the same step does not undo it
             self._row[k] = v
 
     def steps(self, *, tokens_per_step: int = 0, samples_per_step: int = 0) -> Iterator[int]:
@@ -215,6 +250,7 @@ class Segment:
         while ts.step < self.until_step:
             t0 = time.perf_counter()
             self._row = {}
+            self._nonfinite_seen = False
             yield ts.step
             timeline.mark("first_step")  # the first mark wins: the segment's first optimizer step, on every rank
             ts = TrainState(step=ts.step + 1, tokens=ts.tokens + tokens_per_step, samples=ts.samples + samples_per_step)
@@ -254,13 +290,18 @@ class Segment:
     # ------------------------------------------------------------------ non-finite training (trainer.nonfinite)
     def _nonfinite_logged(self) -> bool:
         """A script's own loop: did this step log a NaN/Inf ``loss`` or ``grad_norm`` on this rank?"""
-        return self.spec.script is not None and any(
-            isinstance(self._row.get(k), float) and not math.isfinite(self._row[k]) for k in ("loss", "grad_norm"))
+        return self.spec.script is not None and self._nonfinite_seen
 
     def _nonfinite_step(self, step: int) -> Any:
+        """What the first rank that logged a NaN/Inf saw (every rank calls it: one gather on the control group)."""
+        import torch.distributed as dist
+
         from trainer.nonfinite import NonFiniteStep
 
-        loss, norm = self._row.get("loss", math.nan), self._row.get("grad_norm", 0.0)
+        mine = (self._nonfinite_seen, self._row.get("loss", math.nan), self._row.get("grad_norm", 0.0))
+        seen: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(seen, mine, group=self.env.ctrl_group)
+        _, loss, norm = next((s for s in seen if s and s[0]), mine)
         what = "loss" if not (isinstance(loss, (int, float)) and math.isfinite(loss)) else "gradient norm"
         # the script has (most likely) applied the update already: the live state is never saved
         return NonFiniteStep(step, what, loss=float(loss) if isinstance(loss, (int, float)) else math.nan,

@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec.script is not None:  # a user's script trains through the public API (trainer.api.Segment)
             from trainer.script import run_script
 
+            _SCRIPT[0] = True
             return run_script(spec.script, RunDir.at(argv[0]))
         return run_segment(argv[0], int(argv[1]), int(argv[2]) if len(argv) == 3 else 0,
                            launch=SegmentLaunch.from_environ())
@@ -149,5 +150,20 @@ def _report_failure(cause: str, code: int) -> None:
     log.debug("rank %s exits with code %d", rank, code)
 
 
+_SCRIPT = [False]  # this rank ran a user's script
+
+
+def _exit_now(code: int) -> None:
+    """A script's rank ends when its segment has: a thread or child process the script left behind (a non-daemon
+    logger, a forked helper) must not keep the rank, and so torchrun and the launcher, waiting forever."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _code = main()
+    if _SCRIPT[0]:
+        _exit_now(_code)
+    sys.exit(_code)

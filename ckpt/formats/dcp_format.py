@@ -97,7 +97,11 @@ def recompute_fingerprint(ckpt_dir: Path, manifest: CheckpointManifest) -> Finge
         # every other record too (rng, counters, steps, byte values): each is parsed with the allow-list,
         # so a checkpoint that passes --deep holds nothing a resume would refuse
         for k in sorted(keys - set(step_keys[:1]) - {k for k in keys if k.startswith("model.")} - set(optim_names)):
-            reader.read(k)
+            value = reader.read(k)
+            if k.startswith("extra."):  # a script's tracked state (ckpt.formats.packed): it must unpack, as a load would
+                from ckpt.formats.packed import unpack
+
+                unpack(value, f"{ckpt_dir / '.metadata'}: {k}")
         for k in reader.byte_keys():
             reader.read_bytes_value(k)
     return fp.make_fingerprint(model_sq, optim_sq, step)

@@ -18,7 +18,7 @@ from ckpt.validate import invalid_committed, latest_valid, validate
 from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher
 from schemas import CheckpointManifest, ClusterTopology, RunSpec, SegmentResult
 from schemas.errors import CheckpointError, ConfigError, RunLockedError
-from schemas.seam import SCRIPT_TRACEBACK_FILE, SegmentReport, SegmentTimes, exit_code_of
+from schemas.seam import RANK_ERROR_PREFIX, SCRIPT_TRACEBACK_FILE, SegmentReport, SegmentTimes, exit_code_of
 from shardkeeper.preflight import cuda_device_count, preflight
 from shardkeeper.stages.checks import check_resume_data, fetch_pretrained, keep_run_script, prepare_run_dir
 from shardkeeper.stages.where import remote_run
@@ -239,6 +239,10 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
     # The ranks ended the segment as failed themselves (a non-finite loss or gradient: trainer.nonfinite): their
     # one line is the failure, their exit code the segment's (torchrun turns any rank's code into 1).
     rank_failure = reported if reported and reported.status == "failed" and reported.note else None
+    if rank_status == "completed" and outcome.exit_code != 0 and any(RANK_ERROR_PREFIX in ln for ln in outcome.tail):
+        # A rank reported its segment completed, then failed on its own (a script's code after its loop raised, or
+        # it entered seg.steps() again): the segment failed; its checkpoints stay.
+        rank_status = None
     if outcome.cancelled:
         # Cancellation wins even over a segment that completed meanwhile: nothing further may start.
         status = "cancelled"

@@ -6,6 +6,13 @@
 --mode bad-track   track an object without state_dict()
 --mode break       leave the loop early at step --at
 --mode nan         log a NaN loss at step --at (the user's optimizer already stepped)
+--mode nan-then-ok log a NaN loss, then a finite one, at step --at (the NaN must still stop the run)
+--mode str-loss    log loss="nan" (a string) at step --at
+--mode after       raise in the user's code after the loop (a final evaluation that fails)
+--mode twice       enter seg.steps() a second time after the loop
+--mode thread      leave a non-daemon thread running (the rank must still end)
+--workers N        DataLoader worker processes of --loader
+--counter          track a small counter object; with --mode bad-load its load_state_dict raises (a user's bug)
 --sleep S          sleep S seconds per step (to be preempted mid-run)
 """
 
@@ -22,6 +29,8 @@ p.add_argument("--mode", default="train")
 p.add_argument("--at", type=int, default=3)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--loader", action="store_true")
+p.add_argument("--workers", type=int, default=0)
+p.add_argument("--counter", action="store_true")
 a = p.parse_args()
 
 
@@ -41,8 +50,24 @@ if a.loader:
 
     data = torch.arange(400, dtype=torch.float32).reshape(100, 4) / 400
     mine = data[seg.rank::seg.world_size]  # this rank's shard: its position is per-rank state
-    loader = StatefulDataLoader(mine, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(seg.rank))
+    loader = StatefulDataLoader(mine, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(seg.rank),
+                                num_workers=a.workers)
     state["loader"] = loader
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, sd):
+        if a.mode == "bad-load":
+            raise KeyError("user bug in load_state_dict")
+        self.n = sd["n"]
+
+
+if a.counter:
+    state["counter"] = Counter()
 if a.mode == "bad-track":
     state["counter"] = object()
 seg.track(model=model, optimizer=opt, **state)
@@ -67,6 +92,20 @@ for step in seg.steps():
     loss.backward()
     opt.step()
     opt.zero_grad()
-    seg.log(loss=float("nan") if a.mode == "nan" and step == a.at else float(loss), first=float(x[0, 0]))
+    if a.mode in ("nan", "nan-then-ok") and step == a.at:
+        seg.log(loss=float("nan"))
+    if a.mode == "str-loss" and step == a.at:
+        seg.log(loss="nan")
+    if not (a.mode == "nan" and step == a.at):
+        seg.log(loss=float(loss), first=float(x[0, 0]))
     if a.sleep:
         time.sleep(a.sleep)
+if a.mode == "after":
+    explode("after the loop")
+if a.mode == "twice":
+    for step in seg.steps():
+        pass
+if a.mode == "thread":
+    import threading
+
+    threading.Thread(target=time.sleep, args=(3600,)).start()
