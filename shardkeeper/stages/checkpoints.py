@@ -87,10 +87,25 @@ def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_s
             raise CheckpointRetired(retired_message(ckpt_dir)) from None
 
 
-def _convert(ckpt_dir: Path, to: str, out: Path, run_root: RunDir | None, zero_stage: int | None) -> Path:
-    if read_manifest(ckpt_dir).format == to:  # the request itself is wrong, whatever state the checkpoint is in
+def _refuse_same_format(ckpt_dir: Path, to: str) -> None:
+    try:
+        same = read_manifest(ckpt_dir).format == to
+    except CheckpointError:
+        return
+    if same:
         raise ConfigError(f"{ckpt_dir}: already a {to} checkpoint; nothing to convert")
-    manifest = checked_manifest(ckpt_dir)
+
+
+def _convert(ckpt_dir: Path, to: str, out: Path, run_root: RunDir | None, zero_stage: int | None) -> Path:
+    try:
+        manifest = checked_manifest(ckpt_dir)
+    except CheckpointRetired:
+        raise
+    except CheckpointError:
+        _refuse_same_format(ckpt_dir, to)  # the request itself is wrong, whatever state the checkpoint is in
+        raise
+    if manifest.format == to:
+        raise ConfigError(f"{ckpt_dir}: already a {to} checkpoint; nothing to convert")
     if zero_stage is not None and to != "deepspeed":
         raise ConfigError("--zero-stage applies to --to deepspeed only")
     target = run_root.checkpoint(manifest.step) if run_root else out
