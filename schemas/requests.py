@@ -147,8 +147,8 @@ class TrainExportRequest(_FlowParameters):
         if self.config is not None and self.spec is not None:
             raise ValueError("give exactly one of config (a RunSpec YAML path) or spec (an inline RunSpec), not both")
         if self.config is None and self.spec is None and self.script is None:
-            raise ValueError("give config (a RunSpec YAML path), spec (an inline RunSpec) or script (your training "
-                             "script)")
+            raise ValueError("give exactly one of config (a RunSpec YAML path) or spec (an inline RunSpec), or a "
+                             "script (your training script)")
         if self.script_args and self.script is None:
             raise ValueError("script_args without script; give script (your training script) or drop script_args")
         if self.overrides and self.spec is not None:

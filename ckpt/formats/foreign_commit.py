@@ -79,9 +79,9 @@ def commit_dcp(src: Adopted, template: CheckpointManifest, out_dir: Path, *, thr
     sums = FingerprintSums()
 
     def produce(fqn: str) -> torch.Tensor:
-        name, key = lazy[fqn]
+        name, key, as_name = lazy[fqn]
         t = src.read(name, key)
-        sums.add(name, key, t)
+        sums.add(as_name, key, t)
         return t
 
     with partial_dir(out_dir) as tmp:
