@@ -263,7 +263,7 @@ def test_sigkill_during_upload_leaves_no_committed_checkpoint(s3_run: dict[str, 
     child = textwrap.dedent(f"""
         import threading, time
         import ckpt.objstore as o
-        real, lock, calls = o._put_object, threading.Lock(), []
+        real, lock, calls = o.put_object, threading.Lock(), []
         def slow(client, bucket, key, path):
             with lock:
                 calls.append(key)
@@ -272,7 +272,7 @@ def test_sigkill_during_upload_leaves_no_committed_checkpoint(s3_run: dict[str, 
                 time.sleep(60)  # every later file hangs: the kill lands mid-upload
             real(client, bucket, key, path)
             print("PUT", key, flush=True)
-        o._put_object = slow
+        o.put_object = slow
         o.RemoteRun({url!r}).push_checkpoint({str(src)!r})
         print("DONE", flush=True)
     """)
