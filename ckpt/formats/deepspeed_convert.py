@@ -173,6 +173,18 @@ def dcp_state(src: Source, manifest: CheckpointManifest, rng: torch.Tensor, mode
     return sd, lazy
 
 
+def producer(src: Source, lazy: dict[str, tuple[str, str, str]], sums: FingerprintSums) -> Callable[[str], torch.Tensor]:
+    """What a StreamingSavePlanner writes for a DCP key of ``dcp_state``'s ``lazy`` map: the tensor read from
+    ``src``, summed into the fingerprint under its name as it streams through."""
+    def produce(fqn: str) -> torch.Tensor:
+        name, key, as_name = lazy[fqn]
+        t = src.read(name, key)
+        sums.add(as_name, key, t)
+        return t
+
+    return produce
+
+
 def rng_of(ckpt_dir: Path, manifest: CheckpointManifest) -> torch.Tensor:
     """Rank 0's CPU RNG state of the source, or a state seeded like an elastic resume when it has none."""
     path = ckpt_dir / rng_file(0)
@@ -203,12 +215,7 @@ def to_dcp(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
         tied = tied_of(manifest, {n for g in src.groups for n, _ in g})
         sd, lazy = dcp_state(src, manifest, rng_of(ckpt_dir, manifest), model_only, tied)
 
-        def produce(fqn: str) -> torch.Tensor:
-            name, key, as_name = lazy[fqn]
-            t = src.read(name, key)
-            sums.add(as_name, key, t)
-            return t
-
+        produce = producer(src, lazy, sums)
         with partial_dir(out_dir) as tmp:
             writer = FileSystemWriter(tmp, sync_files=durable, thread_count=max(2, threads), overwrite=False)
             writer.fs = fs = HashingFileSystem(durable)  # max(2, ...): see StreamingSavePlanner

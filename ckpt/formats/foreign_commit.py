@@ -25,7 +25,7 @@ import torch
 
 from ckpt import lineage
 from ckpt.formats.deepspeed import STATE_FILE, UNIVERSAL_DIR, rng_file, write_hashed
-from ckpt.formats.deepspeed_convert import StreamingSavePlanner, dcp_files, dcp_state
+from ckpt.formats.deepspeed_convert import StreamingSavePlanner, dcp_files, dcp_state, producer
 from ckpt.formats.deepspeed_sources import IO_THREADS, FingerprintSums, check_target, commit_dir, inventory, partial_dir
 from ckpt.formats.deepspeed_universal import universal_model_states, write_universal
 from ckpt.formats.direct_io import HashingDirectWriter
@@ -77,12 +77,7 @@ def commit_dcp(src: Adopted, template: CheckpointManifest, out_dir: Path, *, thr
     rng = elastic_rng_state(template.run_spec.seed, template.step)
     sd, lazy = dcp_state(src, template, rng, model_only=False)
     sums = FingerprintSums()
-
-    def produce(fqn: str) -> torch.Tensor:
-        name, key, as_name = lazy[fqn]
-        t = src.read(name, key)
-        sums.add(as_name, key, t)
-        return t
+    produce = producer(src, lazy, sums)
 
     with partial_dir(out_dir) as tmp:
         # max(2, ...): see StreamingSavePlanner
