@@ -133,6 +133,9 @@ class Segment:
         self.state = TrainState()
         self.exit_code: int | None = None  # set when steps() has ended the segment
         self._nonfinite_seen = False
+        self._nonfinite_first: tuple[int, Any, Any] | None = None  # (step, loss, grad_norm) of this rank's first NaN/Inf
+        self._watcher: PreemptionWatcher | None = None
+        self._stop_agreed = False  # a stop agreed inside a step (seg.save()), acted on at its boundary
         self.entered = False
         _CURRENT.append(self)
 
@@ -223,6 +226,7 @@ class Segment:
             raise UsageError("seg.steps(): called twice; one segment runs one loop")
         self.entered = True
         watcher = PreemptionWatcher(self.env.ctrl_group).install()  # before the load: a SIGTERM then is a preemption
+        self._watcher = watcher
         try:
             yield from self._steps(watcher, tokens_per_step, samples_per_step)
         finally:
@@ -263,9 +267,12 @@ class Segment:
                 line = progress.update(ts.step, float(loss) if isinstance(loss, (int, float)) else math.nan)
                 if line:
                     log0(env, "%s", line)
-            stop, nonfinite = watcher.agree(self._nonfinite_logged())
+            if self._nonfinite_logged() and self._nonfinite_first is None:
+                self._nonfinite_first = (ts.step, self._row.get("loss", math.nan), self._row.get("grad_norm", 0.0))
+            saves = ts.step >= self.until_step or ts.step % self.spec.checkpoint.interval == 0
+            stop, nonfinite = self._agree(saves)
             if nonfinite:  # a script logged a NaN/Inf loss or gradient norm on some rank: never committed
-                raise SegmentStopped(self.end_nonfinite(self._nonfinite_step(ts.step)))
+                raise SegmentStopped(self.end_nonfinite(self._nonfinite_step()))
             if stop:
                 log0(env, "preemption signal received: committing a checkpoint at step %d", ts.step)
                 ckpt.save(ts, reason="preempted", blocking=True)
@@ -285,23 +292,45 @@ class Segment:
         Hugging Face Trainer's ``save_steps``); a loop inside ``seg.steps()`` needs none."""
         if self._ckpt is None or not self.entered:
             raise UsageError("seg.save(): only inside `for step in seg.steps()`, after seg.track(...)")
+        stop, nonfinite = self._agree(True)  # never commit a state some rank already saw a NaN/Inf in
+        if nonfinite:
+            raise SegmentStopped(self.end_nonfinite(self._nonfinite_step()))
+        self._stop_agreed = self._stop_agreed or stop  # acted on at the step boundary, after this save
         self._ckpt.save(self.state, reason="interval")
+
+    def _agree(self, blocking: bool) -> tuple[bool, bool]:
+        """Did any rank get a stop signal, or log a NaN/Inf, as of the agreement this answers? The per-step
+        collective runs while the next step computes (its answer is one step late); ``blocking`` (a step that
+        saves, seg.save()) waits for that one and agrees on this step too, so nothing unagreed is ever committed."""
+        assert self._watcher is not None
+        flag = self._nonfinite_first is not None or self._nonfinite_logged()
+        stop, nonfinite = self._watcher.finish_agree()
+        if blocking:
+            now_stop, now_nonfinite = self._watcher.agree(flag)
+            stop, nonfinite = stop or now_stop, nonfinite or now_nonfinite
+        else:
+            self._watcher.start_agree(flag)
+        stop, self._stop_agreed = stop or self._stop_agreed, False
+        return stop, nonfinite
 
     # ------------------------------------------------------------------ non-finite training (trainer.nonfinite)
     def _nonfinite_logged(self) -> bool:
         """A script's own loop: did this step log a NaN/Inf ``loss`` or ``grad_norm`` on this rank?"""
         return self.spec.script is not None and self._nonfinite_seen
 
-    def _nonfinite_step(self, step: int) -> Any:
-        """What the first rank that logged a NaN/Inf saw (every rank calls it: one gather on the control group)."""
+    def _nonfinite_step(self) -> Any:
+        """What the rank that logged a NaN/Inf first (lowest step, then rank) saw; every rank calls it (one gather
+        on the control group)."""
         import torch.distributed as dist
 
         from trainer.nonfinite import NonFiniteStep
 
-        mine = (self._nonfinite_seen, self._row.get("loss", math.nan), self._row.get("grad_norm", 0.0))
+        if self._nonfinite_first is None and self._nonfinite_logged():  # logged inside this step (seg.save())
+            self._nonfinite_first = (self.state.step + 1, self._row.get("loss", math.nan),
+                                     self._row.get("grad_norm", 0.0))
         seen: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(seen, mine, group=self.env.ctrl_group)
-        _, loss, norm = next((s for s in seen if s and s[0]), mine)
+        dist.all_gather_object(seen, self._nonfinite_first, group=self.env.ctrl_group)
+        step, loss, norm = min((s for s in seen if s is not None), key=lambda s: s[0])
         what = "loss" if not (isinstance(loss, (int, float)) and math.isfinite(loss)) else "gradient norm"
         # the script has (most likely) applied the update already: the live state is never saved
         return NonFiniteStep(step, what, loss=float(loss) if isinstance(loss, (int, float)) else math.nan,
