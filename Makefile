@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # The venv's tools (ninja for DeepSpeed's JIT op, torchrun, shardkeeper) come first on PATH.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install lock system-deps test demo bench docs clean
+.PHONY: install lock system-deps test test-all demo bench gpu-check docs clean
 
 # DeepSpeed compiles from source against the installed torch: DS_BUILD_OPS=0 defers its ops to JIT
 # at first use, and --no-build-isolation keeps pip from fetching another torch to build it with.
@@ -70,10 +70,27 @@ bench: install
 	$(PY) bench/data_bench.py --reps 5
 	$(PY) bench/readme_tables.py
 
+# GPU figures from one command, on a machine with CUDA GPUs (<= 10 min): the GPU-marked tests, goodput (FSDP2 and
+# DeepSpeed), the in-memory tier's crash-restart, recovery time (>= 2 GPUs) and a pretrained ~1B fine-tune segment;
+# the tables go to bench/results/ (each names the GPU and the date) and into the README and docs. Its own venv:
+# --system-site-packages reuses a CUDA torch the machine already has; else GPU_TORCH_SPEC is installed (pip's
+# default index serves CUDA builds of torch for Linux x86-64).
+GPU_VENV ?= .venv-gpu
+GPU_TORCH_SPEC ?= torch==2.13.0
+$(GPU_VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(GPU_VENV)/bin/python || python3 -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null \
+	  || $(GPU_VENV)/bin/python -m pip install -q "$(GPU_TORCH_SPEC)" "setuptools>=68" wheel
+	DS_BUILD_OPS=0 $(GPU_VENV)/bin/python -m pip install -q --no-build-isolation -c constraints.txt -e ".[dev,deepspeed]"
+	touch $@
+
+gpu-check: $(GPU_VENV)/.installed
+	PATH=$(CURDIR)/$(GPU_VENV)/bin:$$PATH $(GPU_VENV)/bin/python bench/gpu_check.py
+
 # The documentation site (Material for MkDocs + mkdocstrings) into site/: the reference pages are generated from
 # the code at build time (docs/hooks/gen_reference.py), the benchmark tables included from bench/results/.
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .prefect runs bench/out site
+	rm -rf $(VENV) $(GPU_VENV) .prefect runs bench/out site

@@ -4,6 +4,7 @@
     python bench/recovery_bench.py --reps 1 && python bench/recovery_bench.py --reps 1 --append   # the same in 2 runs
     python bench/recovery_bench.py --reps 0 --append   # the table again from bench/out/recovery/raw.json
     python bench/recovery_bench.py --layers 2 --reps 1   # quick smoke run on a small model
+    python bench/recovery_bench.py --device cuda --reps 1  # on a node with >= 2 GPUs (NCCL): recovery-gpu.md
 
 Each repetition launches ``python -m shardkeeper train`` four times, fresh and resumed alternated:
 
@@ -41,6 +42,7 @@ from benchlib import evict, fmt, md_table, publish  # noqa: E402 - bench/ is on 
 OUT = ROOT / "bench" / "out" / "recovery"
 STEPS_BEFORE_SIGTERM = 2
 GRACE_PERIODS_S = (30.0, 120.0)
+DEVICE = "cpu"  # --device: what SHARDKEEPER_DEVICE tells every launch
 
 
 def config_text(layers: int) -> str:
@@ -67,7 +69,7 @@ class Launch:
 
     def __init__(self, config: Path, run: Path, nproc: int, log: Path):
         self.run = run
-        env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+        env = {**os.environ, "SHARDKEEPER_DEVICE": DEVICE, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
         self.log = log.open("w")
         self.started = time.time()
         self.proc = subprocess.Popen([sys.executable, "-m", "shardkeeper", "train", "--config", str(config),
@@ -276,7 +278,17 @@ def main() -> int:
     ap.add_argument("--append", action="store_true", help="add these repetitions to those of the previous run "
                     "(bench/out/recovery/raw.json, same --layers): long benches in several runs")
     ap.add_argument("--no-publish", action="store_true", help="print only (smoke runs)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, needs 2 GPUs")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            print(f"error: --device cuda: the 2-rank segments need 2 GPUs, {torch.cuda.device_count()} visible; "
+                  "run it on a node with 2 or more", file=sys.stderr)
+            return 2
     OUT.mkdir(parents=True, exist_ok=True)
     config = OUT / "config.yaml"
     config.write_text(config_text(args.layers))
@@ -297,7 +309,7 @@ def main() -> int:
     if args.no_publish:
         print(body)
     else:
-        publish("recovery", body)
+        publish("recovery" + ("-gpu" if DEVICE == "cuda" else ""), body)
     return 0
 
 
