@@ -146,8 +146,8 @@ def lineage_run(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def ds_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real DeepSpeed ZeRO-2 run dir: 2 ranks, steps 0 -> 2, one checkpoint at step 2 (one launch; the first
-    DeepSpeed launch on a machine JIT-compiles its shm op, ~2 min, cached in TORCH_EXTENSIONS_DIR). Read-only."""
+    """A real DeepSpeed ZeRO-2 run dir: 2 ranks, steps 0 -> 2, one checkpoint at step 2 (one launch; CPU ranks
+    skip DeepSpeed's JIT-built shm op, see trainer.ds_shm). Read-only."""
     from importlib.util import find_spec
 
     if find_spec("deepspeed") is None:

@@ -51,6 +51,10 @@ def init_distributed(launch: SegmentLaunch | None = None, timeout_s: float = 180
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     dev = choose_device(local_rank, launch.device if launch else os.environ.get("SHARDKEEPER_DEVICE", "auto"))
     backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cpu":
+        from trainer.ds_shm import skip_shm_op
+
+        skip_shm_op()  # DeepSpeed's JIT-built CPU all-reduce op serves inference only (trainer.ds_shm)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s),
                                 device_id=dev if dev.type == "cuda" else None)
