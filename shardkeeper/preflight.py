@@ -69,12 +69,20 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
         spec.per_rank_batch(topology.world_size)
     except ValueError as e:
         raise ConfigError(f"world size {topology.world_size}: {e}") from None
-    cfg = check_model_config(spec)
-    model = meta_model(spec, cfg)
-    params = sum(p.numel() for p in model.parameters())
-    if spec.model.pretrained is not None:
-        # a run that has a checkpoint resumes from it and never reads the pretrained weights again
-        check_pretrained(spec, cfg, model, weights=not RunDir(Path(run_dir)).committed())
+    from shardkeeper import model_facts
+
+    facts_key = model_facts.key(spec)
+    cfg: Any = model_facts.load(facts_key)  # the same model section checked before: its numbers, no transformers
+    if cfg is not None:
+        params = cfg.params
+    else:
+        cfg = check_model_config(spec)
+        model = meta_model(spec, cfg)
+        params = sum(p.numel() for p in model.parameters())
+        if spec.model.pretrained is not None:
+            # a run that has a checkpoint resumes from it and never reads the pretrained weights again
+            check_pretrained(spec, cfg, model, weights=not RunDir(Path(run_dir)).committed())
+        model_facts.store(facts_key, params, cfg)
     check_performance(spec, topology)
     prepared = check_data(spec, cfg.vocab_size)
     check_memory(spec, topology, params, cfg)

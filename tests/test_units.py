@@ -344,3 +344,34 @@ def test_a_failed_load_is_blamed_on_the_checkpoint_only_for_what_its_bytes_say()
     assert not checkpoint_at_fault(RuntimeError("size mismatch for model.embed_tokens.weight"))
     assert not checkpoint_at_fault(RuntimeError("[../gloo/transport] Connection closed by peer"))
     assert _load_problem(missing_key) == "RuntimeError: Missing key in checkpoint state_dict: lm_head"
+
+
+def test_preflight_keeps_a_checked_model_and_never_a_refused_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """shardkeeper.model_facts: the second launch of the same model section reads its numbers back (equal to the
+    full check's); another config or seq_len is another key; a refusal is not kept; a malformed entry is ignored."""
+    from schemas import ClusterTopology
+    from shardkeeper import model_facts
+    from shardkeeper.config import check_model_config
+    from shardkeeper.preflight import meta_model, preflight
+
+    monkeypatch.setenv("SHARDKEEPER_CACHE", str(tmp_path / "cache"))
+    spec = load_run_spec(Path("configs/tiny.yaml"))
+    topo = ClusterTopology(nodes=1, procs_per_node=2, device_type="cpu", backend="gloo", launcher="local")
+    preflight(spec, topo, tmp_path / "run")
+    k = model_facts.key(spec)
+    facts = model_facts.load(k)
+    cfg = check_model_config(spec)
+    assert facts is not None and facts.params == sum(p.numel() for p in meta_model(spec, cfg).parameters())
+    assert (facts.vocab_size, facts.hidden_size, facts.num_hidden_layers) == (cfg.vocab_size, cfg.hidden_size,
+                                                                             cfg.num_hidden_layers)
+    assert model_facts.key(load_run_spec(Path("configs/tiny.yaml"), ["model.config.num_hidden_layers=3"])) != k
+    assert model_facts.key(load_run_spec(Path("configs/tiny.yaml"), ["data.seq_len=16"])) != k
+    bad = load_run_spec(Path("configs/tiny.yaml"), ["model.config.hidden_sise=8"])
+    for _ in range(2):  # refused both times, with its line, and nothing kept for it
+        with pytest.raises(ConfigError, match="hidden_sise"):
+            preflight(bad, topo, tmp_path / "run2")
+    assert model_facts.load(model_facts.key(bad)) is None
+    (tmp_path / "cache" / "preflight" / f"{k}.json").write_text('{"params": "1e9"}')
+    assert model_facts.load(k) is None
+    monkeypatch.setenv("SHARDKEEPER_PREFLIGHT_CACHE", "0")
+    assert model_facts.key(spec) is None
