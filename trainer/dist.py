@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from schemas import ClusterTopology
 from schemas.seam import SegmentLaunch
+from trainer import lifetime
 
 log = logging.getLogger("shardkeeper.trainer")
 
@@ -57,6 +58,7 @@ def init_distributed(launch: SegmentLaunch | None = None, timeout_s: float = 180
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
     ckpt_group = dist.new_group(backend="gloo")
     ctrl_group = dist.new_group(backend="gloo")
+    lifetime.group_formed()  # from here a stop signal during start-up reaches an agreement point
     topo = ClusterTopology(
         nodes=max(1, world // max(1, local_world)),
         procs_per_node=local_world,
