@@ -52,13 +52,13 @@ def init_distributed(launch: SegmentLaunch | None = None, timeout_s: float = 180
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     dev = choose_device(local_rank, launch.device if launch else os.environ.get("SHARDKEEPER_DEVICE", "auto"))
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s),
-                                device_id=dev if dev.type == "cuda" else None)
-    mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
-    ckpt_group = dist.new_group(backend="gloo")
-    ctrl_group = dist.new_group(backend="gloo")
-    lifetime.group_formed()  # from here a stop signal during start-up reaches an agreement point
+    with lifetime.rendezvous_window():  # a stop signal here ends the rank: a dead peer would leave it waiting
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s),
+                                    device_id=dev if dev.type == "cuda" else None)
+        mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
+        ckpt_group = dist.new_group(backend="gloo")
+        ctrl_group = dist.new_group(backend="gloo")
     topo = ClusterTopology(
         nodes=max(1, world // max(1, local_world)),
         procs_per_node=local_world,

@@ -18,38 +18,30 @@ Three layers, because each alone has a gap:
 
 A SIGTERM/SIGUSR1 that arrives during start-up (before the training loop's PreemptionWatcher is
 installed) is recorded here, not fatal: the segment ends 'preempted' at its first agreement point.
-Until the process group has formed there is no agreement point to reach if a peer died (torchrun
-SIGTERMs the survivors of a rank that failed during start-up, and they would wait in rendezvous for
-the dead one): a rank that got a stop signal and has not formed its group ``STARTUP_STOP_S`` later
-exits at once (``EXIT_PREEMPTED``: it had nothing to save). The watchdog sees the signal through the
-interpreter's wakeup fd, so it also sees one the main thread cannot handle while blocked in C++.
+Forming the process group is the exception (``rendezvous_window``): a rank waiting there for a peer that
+died would wait for torchrun's 30 s teardown (the wait holds the interpreter, so no handler runs), so there
+the signals keep their default action and end the rank at once, and a rank that already got one does not
+enter rendezvous at all (it exits ``EXIT_PREEMPTED``: nothing was trained, nothing is lost).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
-import time
+from collections.abc import Iterator
 
 from ckpt.fsutil import pid_alive  # stdlib only: safe before torch is imported
 from launch.procs import proc_stat, set_pdeathsig  # stdlib only (launch/__init__ imports nothing heavy)
 from trainer import timeline  # stdlib only
 
 WATCHDOG_PERIOD_S = 0.5
-STARTUP_STOP_S = 3.0  # a stop signal before the process group formed: exit this long after it
-EXIT_STOPPED_IN_STARTUP = 75  # schemas.seam.EXIT_PREEMPTED (pydantic is not imported this early)
+EXIT_STOPPED_IN_STARTUP = 75  # schemas.seam.EXIT_PREEMPTED (this module stays stdlib only)
 
 _stop = threading.Event()
 _stop_signum: list[int] = []
-_group_formed = threading.Event()
-_wakeup: list[int] = []  # the read end of the interpreter's signal wakeup fd, once set
-
-
-def group_formed() -> None:
-    """The rank's process group (and its subgroups) formed: a stop signal now reaches an agreement point."""
-    _group_formed.set()
 
 
 def _on_stop_signal(signum: int, _frame: object) -> None:
@@ -62,35 +54,33 @@ def install_early_stop_handlers() -> None:
     """SIGTERM/SIGUSR1 during start-up: remember it (the segment ends 'preempted'), do not die."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, _on_stop_signal)
-    if not _wakeup and threading.current_thread() is threading.main_thread():
-        r, w = os.pipe()
-        os.set_blocking(r, False)
-        os.set_blocking(w, False)
-        try:
-            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-            _wakeup.append(r)
-        except (ValueError, OSError):
-            os.close(r)
-            os.close(w)
-
-
-def _signal_seen() -> float | None:
-    """When this rank first saw a stop signal (the handler's mark, or now for a byte on the wakeup fd)."""
-    got = False
-    if _wakeup:
-        try:
-            data = os.read(_wakeup[0], 64)
-        except (BlockingIOError, OSError):
-            data = b""
-        got = any(b in (int(signal.SIGTERM), int(signal.SIGUSR1)) for b in data)
-    if got or _stop.is_set():
-        return timeline.mark_time("stop_signal")
-    return None
 
 
 def stop_requested() -> int | None:
     """The signal that asked this rank to stop during start-up, if any."""
     return _stop_signum[0] if _stop.is_set() and _stop_signum else None
+
+
+@contextlib.contextmanager
+def rendezvous_window() -> Iterator[None]:
+    """Around forming the process group: a rank asked to stop before it gets there exits instead (its peers may be
+    gone: torchrun SIGTERMs the survivors of a rank that died, and rendezvous would wait for the dead one); inside,
+    SIGTERM/SIGUSR1 end the rank at once. Outside a rank started by ``guard_rank`` (a test harness): no change."""
+    ours = threading.current_thread() is threading.main_thread() and all(
+        signal.getsignal(s) is _on_stop_signal for s in (signal.SIGTERM, signal.SIGUSR1))
+    if not ours:
+        yield
+        return
+    if stop_requested() is not None:
+        print(f"rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): stop signal during start-up, before the "
+              "process group formed; exiting with nothing to save", file=sys.stderr, flush=True)
+        sys.exit(EXIT_STOPPED_IN_STARTUP)
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        install_early_stop_handlers()
 
 
 def _die(reason: str) -> None:
@@ -124,19 +114,6 @@ class _Watchdog:
             reason = self.check()
             if reason:
                 _die(reason)
-            if not _group_formed.is_set():
-                self.check_startup_stop()
-
-    @staticmethod
-    def check_startup_stop() -> None:
-        """A stop signal and no process group ``STARTUP_STOP_S`` later: a peer may be gone (torchrun is tearing
-        the group down) and rendezvous would wait for it: exit now, nothing was trained."""
-        seen = _signal_seen()
-        if seen is None or time.time() - seen < STARTUP_STOP_S or _group_formed.is_set():
-            return
-        print(f"rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): stop signal during start-up and no process "
-              f"group {STARTUP_STOP_S:g} s later; exiting with nothing to save", file=sys.stderr, flush=True)
-        os._exit(EXIT_STOPPED_IN_STARTUP)
 
 
 def guard_rank(argv: list[str]) -> int | None:

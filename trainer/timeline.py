@@ -27,12 +27,6 @@ def mark(name: str, at: float | None = None) -> None:
     _marks.setdefault(name, time.time() if at is None else at)
 
 
-def mark_time(name: str) -> float:
-    """Mark ``name`` now unless it is marked; its time."""
-    mark(name)
-    return _marks[name]
-
-
 def begin_segment() -> None:
     """A second segment in the same process (a test harness): forget the previous one's phases."""
     if "process_group" in _marks:

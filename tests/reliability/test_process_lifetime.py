@@ -26,6 +26,7 @@ from tests.reliability.procs import (
     TINY,
     cli_env,
     no_survivors,
+    rank_alone_in_rendezvous,
     run_train,
     segment_processes,
     segment_records,
@@ -73,14 +74,14 @@ def test_killed_process_group_leaves_no_orphans_and_a_second_train_is_refused_th
 
 
 def _kill_and_expect_failure(run: Path, victim: str) -> tuple[subprocess.CompletedProcess, float, str]:
-    """Start a segment, SIGKILL one of its processes (``victim``: "startup-rank", a rank as soon as the ranks
-    exist, before any step; "torchrun", once it trains); return the CLI's result, its seconds after the kill
+    """Start a segment, SIGKILL one of its processes (``victim``: "startup-rank", a rank that has not reached
+    rendezvous while its peer waits there; "torchrun", once it trains); return the CLI's result, its seconds after the kill
     and how the victim would be named ("local rank R (pid P)")."""
     proc = start_train(run, BIG)
     try:
-        if victim == "startup-rank":
-            targets = sorted(wait_ranks(run, 2), key=lambda p: p.pid)
-            assert not (run / "metrics.jsonl").exists()  # still starting up: importing torch, forming the group
+        if victim == "startup-rank":  # one rank waits in rendezvous for the other, which dies before it gets there
+            targets = [rank_alone_in_rendezvous(run)[1]]
+            assert not (run / "metrics.jsonl").exists()
         else:
             wait_training(run, steps=(len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0) + 2)
             targets = segment_processes(run, "torchrun")
