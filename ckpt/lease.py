@@ -170,10 +170,9 @@ class RunLease:
                 return True
             there = self.read()
             who = there.holder() if there else "nobody (the lease was deleted)"
-            self.lost = (f"{self.url}: this segment lost the run's lease to {who} (not renewed within "
-                         f"{self.expiry_s:g} s); it stopped uploading to the store, its newer checkpoints stay in "
-                         "the local cache only; one machine may train a run at a time")
-            log.error("%s", self.lost)
+            self.lost = (f"{self.url}: this segment lost the run's lease to {who} (taken over; a lease expires "
+                         f"{self.expiry_s:g} s after its last renewal); it stopped uploading to the store, its newer "
+                         "checkpoints stay in the local cache only; one machine may train a run at a time")
             return False
 
     def confirm(self) -> None:

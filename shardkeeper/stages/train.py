@@ -197,7 +197,12 @@ def _or_lease_lost(cancel_check: Callable[[], bool] | None, mirror) -> Callable[
     stop; nothing more is uploaded)."""
     if mirror is None:
         return cancel_check
-    return lambda: bool(mirror.lease_lost) or bool(cancel_check is not None and cancel_check())
+
+    def check() -> bool:
+        return bool(mirror.lease_lost) or bool(cancel_check is not None and cancel_check())
+
+    check.reason = lambda: "the run's lease on the store was lost to another writer" if mirror.lease_lost else None  # type: ignore[attr-defined]
+    return check
 
 
 def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, CheckpointManifest] | None:
