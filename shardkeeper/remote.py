@@ -262,11 +262,13 @@ def run_state_remote(url: str, *, is_locked: Callable[[Path], bool]) -> RunState
     remote.pull_meta()
     found = remote.latest_committed()
     rd = remote.local
+    lease = lease_for(remote, expiry_s=1.0) if remote.url.startswith("s3://") else None
+    held = lease is not None and (view := lease.read()) is not None and view.remaining_s > 0  # another machine trains it
     if not rd.spec_path.exists() and found is None:
-        return RunState(run_dir=url, exists=False)
+        return RunState(run_dir=url, exists=False, locked=held)
     records = read_jsonl(rd.segments)
     starts = [r for r in records if r.get("event") == "start"]
-    locked = is_locked(rd.root)
+    locked = is_locked(rd.root) or held
     last_status = None
     if records:
         last = records[-1]

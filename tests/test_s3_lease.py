@@ -97,6 +97,9 @@ def test_second_writer_refused_in_one_line_renewal_outlives_expiry_dead_holder_t
         assert f" pid {holder.pid} (lease expires in " in lines[0]
         local = other / "s3" / bucket / "run"
         assert not any((local / n).exists() for n in ("run.yaml", "segments.jsonl", "metrics.jsonl", "checkpoints"))
+        from shardkeeper.stages import run_state
+
+        assert run_state(url).locked  # readers see the run as being trained (status, the resume flow), without the lease
         # The holder dies without releasing: refused until the lease expires, then taken over (logged in lineage).
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
@@ -130,6 +133,7 @@ def test_second_writer_refused_in_one_line_renewal_outlives_expiry_dead_holder_t
     assert doc["owner"]["id"] == third.owner["id"]
     third.release()
     assert third.read() is None
+    assert not run_state(url).locked
 
 
 def test_concurrent_takers_of_an_expired_lease_exactly_one_wins(s3_endpoint: str, cache: Path) -> None:
