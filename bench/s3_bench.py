@@ -118,7 +118,7 @@ def main() -> None:
         def rep(kind: str, count: bool) -> None:
             prefix = f"{kind}-{uuid.uuid4().hex[:8]}"
             remote = RemoteRun(f"s3://{bucket}/{prefix}")  # clients made before the clock starts, as for raw
-            remote._client = remote._s3_client()
+            remote.s3_client()
             t0 = time.perf_counter()
             if kind == "raw":
                 raw_put(client, bucket, f"{prefix}/checkpoints/{ckpt.name}", ckpt)

@@ -37,11 +37,10 @@ from ckpt.layout import RunDir, parse_step, step_dir_name
 from schemas import MANIFEST_NAME, CheckpointManifest
 from schemas.errors import CheckpointError, CheckpointRetired
 from ckpt.objstore_base import (STALL_TIMEOUTS, ObjectStoreError, cache_dir, explain, is_remote, iter_runs, open_fs,
-                                parse_manifest, put_object, upload_part)
+                                parse_manifest, put_object, record_reread, upload_part)
 
-# the names the controller, the CLI and the tests take from here (ckpt.objstore_base holds them)
 __all__ = ["META_FILES", "ObjectStoreError", "RemoteRun", "cache_dir", "is_remote", "iter_runs", "merge_lines", "open_fs",
-           "parse_manifest"]
+           "parse_manifest"]  # what the controller, the CLI and the tests take from here (ckpt.objstore_base holds some)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +65,7 @@ class RemoteRun:
         self.base = self.base.rstrip("/")
         self.local = RunDir.at(cache_dir(self.url, cache))
         self._client: Any = None  # botocore client of put_files, made at the first upload
+        self.commit_guard: Any = None  # called right before a manifest is written (the run's lease: ckpt.lease)
 
     # ------------------------------------------------------------------ naming
     def key(self, rel: str) -> str:
@@ -203,6 +203,8 @@ class RemoteRun:
         if problem:
             raise ObjectStoreError(f"{problem} after the upload; the manifest was not written, so the store does not "
                                    "count it as a checkpoint; the next segment uploads it again")
+        if self.commit_guard is not None:
+            self.commit_guard()
         try:
             self._call("write there", self.fs.pipe_file, self.key(f"{rel_dir}/{MANIFEST_NAME}"), raw, mode="create")
         except FileExistsError:  # raced with another writer between our check and the put
@@ -226,9 +228,7 @@ class RemoteRun:
             return
         from concurrent.futures import ThreadPoolExecutor
 
-        if self._client is None:
-            self._client = self._s3_client()
-        client = self._client
+        client = self.s3_client()
         bucket, _, prefix = self.base.partition("/")
         keys = [f"{prefix}/{r}" if prefix else r for r in rels]
         uploads: list[tuple[str, str]] = []
@@ -259,8 +259,10 @@ class RemoteRun:
                     pass
             self.fs.invalidate_cache(self.base)
 
-    def _s3_client(self) -> Any:
-        """A botocore S3 client configured like s3fs's (endpoint, credentials, client and config options)."""
+    def s3_client(self) -> Any:
+        """This run's botocore S3 client, configured like s3fs's (endpoint, credentials, options); made once."""
+        if self._client is not None:
+            return self._client
         import botocore.config
         import botocore.session
 
@@ -274,7 +276,8 @@ class RemoteRun:
                 kwargs["aws_session_token"] = fs.token
         options = {**STALL_TIMEOUTS, **(getattr(fs, "config_kwargs", None) or {})}
         config = botocore.config.Config(max_pool_connections=UPLOAD_THREADS * 2, **options)
-        return botocore.session.get_session().create_client("s3", config=config, **kwargs)
+        self._client = botocore.session.get_session().create_client("s3", config=config, **kwargs)
+        return self._client
 
     def _same_commit_there(self, rel_dir: str, raw: bytes) -> bool:
         try:
@@ -393,6 +396,7 @@ class RemoteRun:
                     raise CheckpointError(f"{self.checkpoint_uri(step)}/{rel}: downloaded {got[0]} bytes with checksum "
                                           f"{got[1]}, the manifest says {expected[path][0]} bytes {expected[path][1]}; "
                                           "the stored object is corrupted, pick another step")
+            record_reread(self, step, raw, sum(e.size for e in manifest.files))  # every object read back: verified
             if cached:  # fresh: the store's objects match the manifest; the cache's copy stays (validated next)
                 return final
             (stage / MANIFEST_NAME).write_bytes(raw)

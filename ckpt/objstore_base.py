@@ -1,6 +1,6 @@
 """What every use of an object store needs: which paths are store URLs, the local cache that mirrors one,
 opening its filesystem (bounded timeouts), one line for what went wrong there, a manifest read from its bytes,
-the S3 upload calls, and the run directories under a URL. ckpt.objstore's RemoteRun mirrors a run with them.
+the S3 upload calls, the run directories under a URL, and the store's re-read records. ckpt.objstore's RemoteRun mirrors a run with them.
 
 No torch here: the controller and the CLI's read-only commands use it.
 """
@@ -8,7 +8,10 @@ No torch here: the controller and the CLI's read-only commands use it.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,9 @@ from schemas import MANIFEST_SCHEMA_VERSION, CheckpointManifest
 from schemas.errors import CheckpointError, ShardkeeperError
 
 CACHE_ENV = "SHARDKEEPER_CACHE"
+VERIFIED_DIR = "verified"  # RUN_URL/verified/step-XXXXXXXX.json: the store's objects of that commit were read back
+
+log = logging.getLogger(__name__)
 
 
 class ObjectStoreError(ShardkeeperError):
@@ -136,3 +142,31 @@ def iter_runs(url: str, storage_options: dict[str, Any] | None = None) -> Iterat
     for p in sorted(found):
         rel = fs._strip_protocol(p)[len(base) + 1:].rsplit("/", 1)[0]
         yield f"{url.rstrip('/')}/{rel}"
+
+
+def _digest(raw: bytes) -> str:
+    import xxhash
+
+    return xxhash.xxh3_128(raw).hexdigest()
+
+
+def record_reread(remote: Any, step: int, manifest_raw: bytes, nbytes: int) -> None:
+    """Every object of this commit was downloaded from the store and matched its manifest's checksums: say so on
+    the store (``verified/step-XXXXXXXX.json``, bound to the manifest's xxh3-128) for ``status``. Best effort: a
+    reader without write permission leaves none, and the checkpoint stays 'committed, not re-read'."""
+    doc = {"step": step, "manifest_xxh3_128": _digest(manifest_raw), "how": "download", "bytes": nbytes,
+           "host": socket.gethostname(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        remote.fs.pipe_file(remote.key(f"{VERIFIED_DIR}/step-{step:08d}.json"), json.dumps(doc).encode())
+    except Exception as err:  # noqa: BLE001
+        log.debug("no re-read record for step %d on %s: %s", step, remote.url, err)
+
+
+def reread_on_store(remote: Any, step: int) -> bool:
+    """True if the store holds a re-read record for exactly the commit of ``step`` it holds now."""
+    try:
+        rec = json.loads(remote.fs.cat_file(remote.key(f"{VERIFIED_DIR}/step-{step:08d}.json")))
+        manifest = remote.fs.cat_file(remote.key(f"checkpoints/step-{step:08d}/manifest.json"))
+    except Exception:  # noqa: BLE001 - no record (or unreadable): not known to be re-read
+        return False
+    return isinstance(rec, dict) and rec.get("manifest_xxh3_128") == _digest(manifest)

@@ -14,6 +14,7 @@ import collections
 import functools
 import importlib.util
 import re
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,9 +202,27 @@ def failing_rank_lines(tail: list[str], limit: int = 8) -> str:
         at = line.find(RANK_ERROR_PREFIX)
         if at >= 0:  # two ranks' lines that reached the pipe without a newline between them: the first one
             return line[at + len(RANK_ERROR_PREFIX):].split(RANK_ERROR_PREFIX, 1)[0].strip()
+    killed = _killed_rank(tail)
+    if killed:
+        return killed
     body = tail[:_closing_cut(tail)] or tail
     errs = [ln for ln in body if _ERROR_RE.search(ln)]
     return "\n".join((errs or body)[-limit:])
+
+
+_RANK_FAILED_RE = re.compile(r"failed \(exitcode: (-\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+
+
+def _killed_rank(tail: list[str]) -> str | None:
+    """torchrun's line for a rank that a signal killed (SIGKILL by the OOM killer or a user), in one sentence."""
+    for line in tail:
+        m = _RANK_FAILED_RE.search(line)
+        if m:
+            num = -int(m.group(1))
+            name = signal.Signals(num).name if num in signal.Signals._value2member_map_ else f"signal {num}"
+            return (f"local rank {m.group(2)} (pid {m.group(3)}) was killed by {name} and torchrun stopped the other "
+                    "ranks; rerun the same command to resume from the latest valid checkpoint")
+    return None
 
 
 def without_torchrun_closing(lines: list[str]) -> list[str]:

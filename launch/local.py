@@ -236,7 +236,9 @@ class LocalTorchrun:
                 pass
             if not cancelled and req.cancel_check is not None and req.cancel_check():
                 cancelled = True
-                sup.sink("shardkeeper: cancellation requested: stopping the ranks (they commit a checkpoint first)")
+                why = getattr(req.cancel_check, "reason", None)  # a stop check may say why (the run's lease was lost)
+                sup.sink(f"shardkeeper: {(why and why()) or 'cancellation requested'}: stopping the ranks (they commit a "
+                         "checkpoint first)")
                 sup.request_stop("cancelled")
             if req.timeout_s and time.monotonic() - t0 > req.timeout_s:
                 sup.request_stop("timeout")

@@ -320,7 +320,9 @@ class _JobWatch:
         req = self.req
         if not self.cancelled and req.cancel_check is not None and req.cancel_check():
             self.cancelled = True
-            self.sink("shardkeeper: cancellation requested: stopping the job (its ranks commit a checkpoint first)")
+            why = getattr(req.cancel_check, "reason", None)  # a stop check may say why (the run's lease was lost)
+            self.sink(f"shardkeeper: {(why and why()) or 'cancellation requested'}: stopping the job (its ranks commit a "
+                      "checkpoint first)")
             self.request_stop("cancelled")
         if req.timeout_s and time.monotonic() - self.t0 > req.timeout_s:
             self.request_stop("timeout")

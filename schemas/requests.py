@@ -214,6 +214,9 @@ class RunState(_Frozen):
     )
     last_until_step: int | None = Field(None, description="until_step the last segment was started with")
     locked: bool = Field(False, description="another process holds the run lock now")
+    reread: bool | None = Field(
+        None, description="on an object store: every object of that checkpoint was downloaded and matched its "
+        "manifest's checksums since its upload (False: committed, not re-read); None for a local run directory")
 
 
 class SegmentOutcome(_Frozen):

@@ -199,8 +199,10 @@ def _unverified_note(ckpt_dir: str) -> str:
     from ckpt.layout import RunDir
     from ckpt.validate import is_verified
 
-    if "://" in ckpt_dir:
-        return ""
+    if "://" in ckpt_dir:  # on the store: committed, and read back (downloaded and hashed) since its upload or not
+        from shardkeeper.remote import reread_url
+
+        return "" if reread_url(ckpt_dir) else "; committed, not re-read since its upload (--deep downloads and hashes every object)"
     root = RunDir.of_checkpoint(ckpt_dir)
     if root is None or is_verified(root, Path(ckpt_dir)):
         return ""

@@ -104,7 +104,8 @@ def _show_states(path: str, states: list, as_json: bool, *, single_url: str) -> 
         status = "running" if st.locked else (st.last_status or "new")
         table.add_row(_name(st.run_dir), status, str(st.step), "" if st.last_until_step is None else str(st.last_until_step),
                       "" if st.world_size is None else str(st.world_size),
-                      _name(st.checkpoint) if st.checkpoint else "none")
+                      (_name(st.checkpoint) + (" (committed, not re-read)" if st.reread is False else ""))
+                      if st.checkpoint else "none")
     out.print(table)
 
 

@@ -3,9 +3,10 @@
 A segment on ``--run-dir s3://bucket/prefix`` trains into the local cache of that URL (the ranks write a
 normal run directory at local-disk speed, under the unchanged commit protocol) while ``Mirror`` pushes each
 checkpoint as it commits (a watcher thread: a preemption loses at most the upload in flight), then the
-run's metadata, and applies the retention policy on the store (manifest first). Before the segment it pulls
+run's metadata, and applies the retention policy on the store (manifest first). Before the segment it takes the
+run's lease on the store (ckpt.lease: one writer per run, whatever machine or cache it trains from) and pulls
 the newest committed remote checkpoint when the cache lacks it: that is how a segment on another machine,
-or at another world size, resumes. The read-only stages (validate, status, lineage, export) materialize in
+or at another world size, resumes. A segment that loses its lease stops uploading and ends with one line. The read-only stages (validate, status, lineage, export) materialize in
 the cache what they need; nothing is read from a remote step directory without its manifest.
 """
 
@@ -22,7 +23,9 @@ from typing import Any
 
 from ckpt import lineage
 from ckpt.layout import RunDir, parse_step
+from ckpt.lease import LeaseLost, lease_for
 from ckpt.objstore import ObjectStoreError, RemoteRun, is_remote, iter_runs
+from ckpt.objstore_base import reread_on_store
 from schemas import RunSpec, SegmentResult, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired, ShardkeeperError
 from schemas.requests import RunState
@@ -50,8 +53,9 @@ class Mirror:
     thread; ``finish`` stops it and pushes whatever committed meanwhile, then the metadata."""
 
     def __init__(self, remote: RemoteRun, spec: RunSpec, *, is_valid: Callable[[Path], bool],
-                 poll_s: float | None = None):
+                 poll_s: float | None = None, lease: bool = True):
         self.remote = remote
+        self.lease = lease_for(remote) if lease else None
         self.spec = spec
         self.is_valid = is_valid
         self.poll_s = float(os.environ.get(POLL_ENV, "1.0")) if poll_s is None else poll_s
@@ -69,7 +73,37 @@ class Mirror:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.finish(raise_errors=exc_type is None)
 
+    @property
+    def lease_lost(self) -> str | None:
+        """One line once another writer took the run's lease: nothing more is uploaded."""
+        return self.lease.lost if self.lease is not None else None
+
     def start(self) -> None:
+        r = self.remote
+        if self.lease is not None:  # before anything is pulled or written: a second writer is refused here
+            taken = self.lease.acquire()
+            r.commit_guard = self.lease.confirm
+            self.lease.start_renewing()
+        try:
+            self._start()
+        except BaseException:
+            if self.lease is not None:
+                self.lease.release()
+            raise
+        if self.lease is not None and taken is not None:
+            self._record_takeover(taken)
+
+    def _record_takeover(self, taken: Any) -> None:
+        """An expired lease was taken over (its holder died without releasing it): logged and in the lineage."""
+        owner = taken.doc.get("owner") or {}
+        log.warning("%s: took over the run's lease of %s (expired %.0f s ago, last renewed %s)", self.remote.url,
+                    taken.holder(), -taken.remaining_s, taken.doc.get("renewed", "?"))
+        lineage.record(self.remote.local, "segment", f"lease-takeover:{int(time.time())}:{self.lease.owner['id'][:8]}",
+                       status="lease-takeover", action="lease-takeover", previous_host=owner.get("host"),
+                       previous_pid=owner.get("pid"), previous_renewed=taken.doc.get("renewed"),
+                       expired_s=round(-taken.remaining_s, 1), host=self.lease.owner["host"], pid=self.lease.owner["pid"])
+
+    def _start(self) -> None:
         r = self.remote
         r.sweep_pulls()
         r.pull_meta()
@@ -99,6 +133,8 @@ class Mirror:
         while not self._stop.wait(self.poll_s):
             try:
                 self.sync()
+            except LeaseLost:
+                return  # another writer holds the run now: nothing more is uploaded (finish says so)
             except Exception as e:  # noqa: BLE001 - retried at the next poll and at the end of the segment
                 if str(e) != self.last_error:  # once per distinct problem, not once per poll
                     log.warning("upload to %s failed (retried): %s", self.remote.url, e)
@@ -109,12 +145,16 @@ class Mirror:
         retention. Returns the steps pushed."""
         with self._lock:
             pushed = []
+            if self.lease_lost:
+                raise LeaseLost(self.lease_lost)
             for step in self._local_steps():
                 path = self.remote.local.checkpoint(step)
                 if step <= self.remote_newest or not self.is_valid(path):
                     continue
                 try:
                     self.remote.push_checkpoint(path)
+                except LeaseLost:
+                    raise
                 except Exception:  # noqa: BLE001
                     if path.exists() or (path.parent / f"{path.name}.partial").exists():
                         raise
@@ -125,11 +165,16 @@ class Mirror:
                 pushed.append(step)
             if pushed:
                 self.uploaded += pushed
+                self._confirm()
                 self.remote.push_meta()
                 pol = self.spec.checkpoint
                 self.remote.apply_retention(keep_last=pol.keep_last, keep_every=pol.keep_every,
                                             protect={self.remote_newest})
             return pushed
+
+    def _confirm(self) -> None:
+        if self.lease is not None:
+            self.lease.confirm()
 
     def finish(self, *, raise_errors: bool = True) -> None:
         self._stop.set()
@@ -137,13 +182,21 @@ class Mirror:
             self._thread.join()
         try:
             self.sync()
+            self._confirm()
             self.remote.push_meta()
+        except LeaseLost as e:
+            if raise_errors:
+                raise LeaseLost(str(e)) from None
+            log.error("%s", e)
         except ShardkeeperError as e:
             msg = (f"{e}; the segment's checkpoints stay in the cache {self.remote.local.root} and the next "
                    f"`shardkeeper train --run-dir {self.remote.url}` uploads them")
             if raise_errors:
                 raise ObjectStoreError(msg) from None
             log.error("%s", msg)
+        finally:
+            if self.lease is not None:
+                self.lease.release()
 
 
 def remote_result(remote: RemoteRun, result: SegmentResult) -> SegmentResult:
@@ -157,6 +210,12 @@ def split_checkpoint_url(url: str) -> tuple[RemoteRun, int]:
     if not m:
         raise ShardkeeperError(f"{url}: not a checkpoint URL; use RUN_URL/checkpoints/step-XXXXXXXX")
     return RemoteRun(m.group("run")), parse_step(m.group("name")) or 0
+
+
+def reread_url(url: str) -> bool:
+    """Whether the store's objects of this checkpoint were read back and matched since its upload."""
+    remote, step = split_checkpoint_url(url)
+    return reread_on_store(remote, step)
 
 
 def materialize_checkpoint(url: str, *, fresh: bool = False) -> tuple[RemoteRun, Path]:
@@ -194,7 +253,8 @@ def _push_meta_quietly(remote: RemoteRun) -> None:
 
 
 def run_state_remote(url: str, *, is_locked: Callable[[Path], bool]) -> RunState:
-    """RunState of a run on the store: the newest remote checkpoint with a manifest and all its objects."""
+    """RunState of a run on the store: the newest remote checkpoint with a manifest and all its objects, and whether
+    anyone read its objects back since the upload (a resume's download, a deep validation: ckpt.objstore_base)."""
     from ckpt.fsutil import read_jsonl
 
     remote = RemoteRun(url)
@@ -202,11 +262,13 @@ def run_state_remote(url: str, *, is_locked: Callable[[Path], bool]) -> RunState
     remote.pull_meta()
     found = remote.latest_committed()
     rd = remote.local
+    lease = lease_for(remote, expiry_s=1.0) if remote.url.startswith("s3://") else None
+    held = lease is not None and (view := lease.read()) is not None and view.remaining_s > 0  # another machine trains it
     if not rd.spec_path.exists() and found is None:
-        return RunState(run_dir=url, exists=False)
+        return RunState(run_dir=url, exists=False, locked=held)
     records = read_jsonl(rd.segments)
     starts = [r for r in records if r.get("event") == "start"]
-    locked = is_locked(rd.root)
+    locked = is_locked(rd.root) or held
     last_status = None
     if records:
         last = records[-1]
@@ -214,7 +276,7 @@ def run_state_remote(url: str, *, is_locked: Callable[[Path], bool]) -> RunState
     return RunState(run_dir=url, exists=True, checkpoint=remote.checkpoint_uri(found[0]) if found else None,
                     step=found[0] if found else 0, world_size=found[1].topology.world_size if found else None,
                     last_status=last_status, last_until_step=starts[-1].get("until_step") if starts else None,
-                    locked=locked)
+                    locked=locked, reread=reread_on_store(remote, found[0]) if found else None)
 
 
 def remote_run_urls(url: str) -> list[str]:

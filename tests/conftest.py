@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.register_assert_rewrite("tests.s3_server")  # a plugin of the s3 test modules, imported by them first
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
 TINY_RUN_STEPS = 5

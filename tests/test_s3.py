@@ -12,110 +12,32 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.harness import free_port, mark_preempted, stop_process, max_rel, metrics, tiny_spec
+from tests.harness import free_port, mark_preempted, max_rel, metrics, stop_process, tiny_spec
+from tests.s3_server import _cli, _cli_start, _client, _keys, _moto_server, _new_bucket, _steps
+
+pytest_plugins = ["tests.s3_server"]  # its fixtures (s3_endpoint: one server per session, shared with test_s3_lease)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 FIRST, END = 4, 5  # END: conftest's TINY_RUN_STEPS, the reference's last step
 CKPT_SETS = ["--set", "checkpoint.interval=1", "--set", "checkpoint.keep_last=2"]
-AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true"}
-
-
-# ------------------------------------------------------------------------------------------ the server
-def _moto_server(env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    candidate = Path(sys.executable).with_name("moto_server")
-    binary = str(candidate) if candidate.exists() else shutil.which("moto_server")
-    if binary is None:
-        pytest.skip("s3 tests need moto[server] (pip install 'moto[server]'): moto_server not found")
-    port = free_port()
-    proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"moto_server did not start on port {port} (exit code {proc.poll()})")
-            time.sleep(0.1)
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """A moto_server on loopback; this process's AWS variables point at it for the session."""
-    pytest.importorskip("s3fs", reason="s3 tests need s3fs (pip install s3fs)")
-    pytest.importorskip("boto3", reason="s3 tests need boto3 (pip install boto3)")
-    proc, endpoint = _moto_server()
-    mp = pytest.MonkeyPatch()
-    try:
-        for k, v in {**AWS_ENV, "AWS_ENDPOINT_URL": endpoint}.items():
-            mp.setenv(k, v)
-        mp.delenv("AWS_SESSION_TOKEN", raising=False)
-        mp.delenv("AWS_PROFILE", raising=False)
-        yield endpoint
-    finally:
-        mp.undo()
-        stop_process(proc)
-
-
-def _client() -> Any:
-    import boto3
-
-    return boto3.client("s3")
-
-
-def _new_bucket() -> str:
-    bucket = f"sk-{uuid.uuid4().hex[:12]}"
-    _client().create_bucket(Bucket=bucket)
-    return bucket
-
-
-def _keys(bucket: str, prefix: str = "") -> dict[str, int]:
-    pages = _client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    return {o["Key"]: o["Size"] for page in pages for o in page.get("Contents", [])}
-
-
-def _steps(bucket: str, prefix: str) -> dict[int, set[str]]:
-    out: dict[int, set[str]] = {}
-    for key in _keys(bucket, f"{prefix}/checkpoints/"):
-        step_dir, name = key[len(prefix) + len("/checkpoints/"):].split("/", 1)
-        if step_dir[5:].isdigit():
-            out.setdefault(int(step_dir[5:]), set()).add(name)
-    return out
-
-
-def _cli(*args: str, cache: Path, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = _cli_start(*args, cache=cache, env=env)
-    out, err = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def _cli_start(*args: str, cache: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    full_env = {**os.environ, "SHARDKEEPER_CACHE": str(cache), "SHARDKEEPER_UPLOAD_POLL_S": "0.05", "COLUMNS": "400",
-                **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "shardkeeper", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=full_env)
 
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh local cache for this test (pytest's own ``cache`` fixture is shadowed in this module only)."""
     path = tmp_path / "cache"
     monkeypatch.setenv("SHARDKEEPER_CACHE", str(path))
     return path
@@ -163,6 +85,7 @@ def test_save_to_s3_leaves_manifest_committed_checkpoints_and_keep_last(s3_run: 
             body = client.get_object(Bucket=bucket, Key=prefix + f["path"])["Body"].read()
             assert (len(body), xxhash.xxh3_128(body).hexdigest()) == (f["size"], f["xxh3_128"])
     assert {"run/run.yaml", "run/lineage.jsonl", "run/metrics.jsonl", "run/segments.jsonl"} <= set(_keys(bucket, "run/"))
+    assert "run/.lease" not in _keys(bucket, "run/")  # each segment released the run's lease (ckpt.lease) at its end
 
 
 def test_resume_at_another_world_size_from_a_fresh_cache_matches_the_local_reference(s3_run: dict[str, Any]) -> None:
@@ -183,11 +106,19 @@ def test_validate_status_lineage_export_on_the_s3_uri(s3_run: dict[str, Any], ca
     from shardkeeper.cli import main
 
     url, bucket = s3_run["url"], s3_run["bucket"]
+    # step END was uploaded and nobody read it back from the store: committed, not called verified
+    assert main(["status", url, "--json"]) == 0
+    (state,) = json.loads(capsys.readouterr().out)
+    assert state["step"] == END and state["reread"] is False
+    assert main(["status", url]) == 0
+    flat = " ".join(re.sub(r"[│┃]", " ", capsys.readouterr().out).split())  # the table's cells, unwrapped
+    assert f"step-{END:08d} (committed, not re-read)" in flat, flat
     assert main(["validate", f"{url}/checkpoints/step-{END:08d}", "--deep"]) == 0
     assert f"valid (deep): {url}/checkpoints/step-{END:08d} step {END}" in capsys.readouterr().out
     assert main(["status", url, "--json"]) == 0
     (state,) = json.loads(capsys.readouterr().out)
     assert state["checkpoint"] == f"{url}/checkpoints/step-{END:08d}" and state["step"] == END
+    assert state["reread"] is True  # the deep validation downloaded and hashed every object
     assert state["world_size"] == 1 and state["last_status"] == "completed"
     assert main(["export", f"{url}/checkpoints/step-{END:08d}", f"{url}/exports/step-{END:08d}", "--dtype",
                  "bfloat16"]) == 0
@@ -310,8 +241,9 @@ def test_push_writes_manifest_last_with_a_conditional_put_and_refuses_another_co
     monkeypatch.setattr(remote, "put_files", lambda ps, rels: (calls.append(("put", rels, None)), real_put(ps, rels))[1])
     monkeypatch.setattr(remote.fs, "pipe_file", lambda p, d, **kw: (calls.append(("pipe", p, kw.get("mode"))),
                                                                      real_pipe(p, d, **kw))[1])
+    remote.commit_guard = lambda: calls.append(("guard", None, None))  # the run's lease, renewed before the commit
     assert remote.push_checkpoint(src) is True
-    assert [c[0] for c in calls] == ["put", "pipe"]
+    assert [c[0] for c in calls] == ["put", "guard", "pipe"]
     assert calls[-1][1].endswith("/manifest.json") and calls[-1][2] == "create"
     assert not any(p.endswith("manifest.json") for p in calls[0][1])
     # another commit of the same step (another writer): refused before any file is overwritten

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from schemas import ClusterTopology
 from schemas.seam import SegmentLaunch
+from trainer import lifetime
 
 log = logging.getLogger("shardkeeper.trainer")
 
@@ -55,12 +56,13 @@ def init_distributed(launch: SegmentLaunch | None = None, timeout_s: float = 180
         from trainer.ds_shm import skip_shm_op
 
         skip_shm_op()  # DeepSpeed's JIT-built CPU all-reduce op serves inference only (trainer.ds_shm)
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s),
-                                device_id=dev if dev.type == "cuda" else None)
-    mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
-    ckpt_group = dist.new_group(backend="gloo")
-    ctrl_group = dist.new_group(backend="gloo")
+    with lifetime.rendezvous_window():  # a stop signal here ends the rank: a dead peer would leave it waiting
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s),
+                                    device_id=dev if dev.type == "cuda" else None)
+        mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
+        ckpt_group = dist.new_group(backend="gloo")
+        ctrl_group = dist.new_group(backend="gloo")
     topo = ClusterTopology(
         nodes=max(1, world // max(1, local_world)),
         procs_per_node=local_world,

@@ -18,20 +18,27 @@ Three layers, because each alone has a gap:
 
 A SIGTERM/SIGUSR1 that arrives during start-up (before the training loop's PreemptionWatcher is
 installed) is recorded here, not fatal: the segment ends 'preempted' at its first agreement point.
+Forming the process group is the exception (``rendezvous_window``): a rank waiting there for a peer that
+died would wait for torchrun's 30 s teardown (the wait holds the interpreter, so no handler runs), so there
+the signals keep their default action and end the rank at once, and a rank that already got one does not
+enter rendezvous at all (it exits ``EXIT_PREEMPTED``: nothing was trained, nothing is lost).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 
 from ckpt.fsutil import pid_alive  # stdlib only: safe before torch is imported
 from launch.procs import proc_stat, set_pdeathsig  # stdlib only (launch/__init__ imports nothing heavy)
 from trainer import timeline  # stdlib only
 
 WATCHDOG_PERIOD_S = 0.5
+EXIT_STOPPED_IN_STARTUP = 75  # schemas.seam.EXIT_PREEMPTED (this module stays stdlib only)
 
 _stop = threading.Event()
 _stop_signum: list[int] = []
@@ -52,6 +59,28 @@ def install_early_stop_handlers() -> None:
 def stop_requested() -> int | None:
     """The signal that asked this rank to stop during start-up, if any."""
     return _stop_signum[0] if _stop.is_set() and _stop_signum else None
+
+
+@contextlib.contextmanager
+def rendezvous_window() -> Iterator[None]:
+    """Around forming the process group: a rank asked to stop before it gets there exits instead (its peers may be
+    gone: torchrun SIGTERMs the survivors of a rank that died, and rendezvous would wait for the dead one); inside,
+    SIGTERM/SIGUSR1 end the rank at once. Outside a rank started by ``guard_rank`` (a test harness): no change."""
+    ours = threading.current_thread() is threading.main_thread() and all(
+        signal.getsignal(s) is _on_stop_signal for s in (signal.SIGTERM, signal.SIGUSR1))
+    if not ours:
+        yield
+        return
+    if stop_requested() is not None:
+        print(f"rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): stop signal during start-up, before the "
+              "process group formed; exiting with nothing to save", file=sys.stderr, flush=True)
+        sys.exit(EXIT_STOPPED_IN_STARTUP)
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        install_early_stop_handlers()
 
 
 def _die(reason: str) -> None:

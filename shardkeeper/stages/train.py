@@ -128,7 +128,7 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
     check_resume_data(rd, prepared)
     mkdir_durable(rd.root)
     sink = sink or (lambda line: log.info("%s", line))
-    with RunLock(rd.root), _mirrored(remote, spec):
+    with RunLock(rd.root), _mirrored(remote, spec) as mirror:
         _no_live_job(rd)
         prepare_run_dir(rd, spec)
         seg = next_segment_index(rd)
@@ -140,9 +140,12 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
                                    "world_size": topology.world_size, "time": lineage.now_iso()})
         launcher = get_launcher(topology.launcher, **(launcher_options or {}))
         req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s,
-                            restart=restart, cancel_check=cancel_check, data=prepared)
+                            restart=restart, cancel_check=_or_lease_lost(cancel_check, mirror), data=prepared)
         outcome = launcher.launch(req, sink)
         result = _segment_result(rd, seg, start_step, topology, outcome)
+        if mirror is not None and mirror.lease_lost:  # another writer holds the run on the store now
+            result = result.model_copy(update={"status": "failed", "exit_code": RunLockedError.exit_code, "note": None,
+                                               "failure": mirror.lease_lost})
         _show_held_back(outcome, result.status, sink)
         append_jsonl(rd.segments, {"event": "end", **result.model_dump(mode="json", exclude={"topology"})})
         scheduler = ({"scheduler_job": outcome.scheduler_job, "scheduler_state": outcome.scheduler_state,
@@ -188,6 +191,19 @@ def _mirrored(remote, spec: RunSpec):
     from shardkeeper.remote import Mirror
 
     return Mirror(remote, spec, is_valid=lambda p: validate(p).valid)
+
+def _or_lease_lost(cancel_check: Callable[[], bool] | None, mirror) -> Callable[[], bool] | None:
+    """The launcher's stop check: a cancellation, or the run's lease on the store lost to another writer (the ranks
+    stop; nothing more is uploaded)."""
+    if mirror is None:
+        return cancel_check
+
+    def check() -> bool:
+        return bool(mirror.lease_lost) or bool(cancel_check is not None and cancel_check())
+
+    check.reason = lambda: "the run's lease on the store was lost to another writer" if mirror.lease_lost else None  # type: ignore[attr-defined]
+    return check
+
 
 def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, CheckpointManifest] | None:
     """Sweep leftovers, then the checkpoint to resume from; refuses a run whose checkpoints are all invalid

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -88,3 +89,25 @@ def no_survivors(run: Path, within: float = 5.0) -> None:
 
 def segment_records(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines()]
+
+
+def tcp_connected(p: psutil.Process) -> bool:
+    """The process has a TCP connection (a rank that reached rendezvous: its store client, its group's sockets)."""
+    try:
+        return any(c.status == psutil.CONN_ESTABLISHED for c in p.net_connections(kind="tcp"))
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def rank_alone_in_rendezvous(run: Path, timeout: float = 240) -> tuple[psutil.Process, psutil.Process]:
+    """(waiting, stopped): as soon as both ranks exist, one is SIGSTOPped (still importing torch) until the other has
+    connected to the rendezvous store; killing ``stopped`` then leaves ``waiting`` alone in rendezvous."""
+    ranks = sorted(wait_ranks(run, 2, timeout), key=lambda p: p.pid)
+    stopped, waiting = ranks[-1], ranks[0]
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: tcp_connected(waiting), timeout, f"rank pid {waiting.pid} of {run} to reach rendezvous")
+    except BaseException:
+        os.kill(stopped.pid, signal.SIGCONT)
+        raise
+    return waiting, stopped

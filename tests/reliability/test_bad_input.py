@@ -489,6 +489,11 @@ def test_failing_rank_lines_prefers_the_ranks_one_line_cause() -> None:
             f"{RANK_ERROR_PREFIX} rank 0: RuntimeError: connection closed by peer",
             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"]
     assert failing_rank_lines(tail) == "rank 1: RuntimeError: boom; see the rank's traceback"
+    # a rank killed by a signal prints nothing: torchrun's failure line is turned into one sentence naming it
+    killed = ["E1127 16:58:28.185000 3911 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) "
+              "local_rank: 1 (pid: 3943) of binary: /usr/bin/python"]
+    assert failing_rank_lines(killed).startswith("local rank 1 (pid 3943) was killed by SIGKILL and torchrun stopped")
+    assert "was killed" not in failing_rank_lines([killed[0].replace("exitcode: -9", "exitcode: 1")])
 
 
 def _cli(args: list[str], env: dict[str, str] | None = None, exe: list[str] | None = None) -> subprocess.CompletedProcess:

@@ -2,7 +2,7 @@
 2 ranks of configs/tiny.yaml); a SIGTERM during start-up is a preemption; a Prefect cancellation
 stops the ranks and ends the segment 'cancelled'.
 
-Launches: 2 for the killed-group scenario, 3 for the killed-rank/killed-torchrun chain, 1 for the
+Launches: 2 for the killed-group scenario, 3 for the chain of a rank killed during start-up, then torchrun, 1 for the
 early SIGTERM, 1 flow run (served deployment) for the cancellation.
 """
 
@@ -26,6 +26,7 @@ from tests.reliability.procs import (
     TINY,
     cli_env,
     no_survivors,
+    rank_alone_in_rendezvous,
     run_train,
     segment_processes,
     segment_records,
@@ -72,32 +73,47 @@ def test_killed_process_group_leaves_no_orphans_and_a_second_train_is_refused_th
     assert "Traceback" not in resumed.stderr
 
 
-def _kill_and_expect_failure(run: Path, victim: str) -> subprocess.CompletedProcess:
-    """Start a segment, SIGKILL one of its processes once it trains; return the CLI's result."""
+def _kill_and_expect_failure(run: Path, victim: str) -> tuple[subprocess.CompletedProcess, float, str]:
+    """Start a segment, SIGKILL one of its processes (``victim``: "startup-rank", a rank that has not reached
+    rendezvous while its peer waits there; "torchrun", once it trains); return the CLI's result, its seconds after the kill
+    and how the victim would be named ("local rank R (pid P)")."""
     proc = start_train(run, BIG)
     try:
-        wait_training(run, steps=(len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0) + 2)
-        targets = segment_processes(run, "rank" if victim == "rank" else "torchrun")
+        if victim == "startup-rank":  # one rank waits in rendezvous for the other, which dies before it gets there
+            targets = [rank_alone_in_rendezvous(run)[1]]
+            assert not (run / "metrics.jsonl").exists()
+        else:
+            wait_training(run, steps=(len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0) + 2)
+            targets = segment_processes(run, "torchrun")
         assert targets, f"no {victim} process found"
+        named = f"local rank {targets[-1].environ().get('LOCAL_RANK')} (pid {targets[-1].pid})"
         os.kill(targets[-1].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
         out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - killed_at
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     no_survivors(run, within=5.0)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), took, named
 
 
 def test_sigkill_of_one_rank_then_of_torchrun_leaves_no_survivors_and_resumes(tmp_path: Path) -> None:
+    """A rank killed during start-up ends the segment within 10 s (its peer does not wait in rendezvous for
+    torchrun's 30 s teardown), in one line naming the rank and the signal; then torchrun killed while training
+    (a rank killed while training: tests/reliability/test_kill_torture.py)."""
     run = tmp_path / "run"
-    for victim in ("rank", "torchrun"):
-        res = _kill_and_expect_failure(run, victim)
+    for victim in ("startup-rank", "torchrun"):
+        res, took, named = _kill_and_expect_failure(run, victim)
         assert res.returncode not in (0, 75), res.stderr[-2000:]
         err_lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
         assert len(err_lines) == 1 and "failed" in err_lines[0], res.stderr[-2000:]
         if victim == "torchrun":
             assert "torchrun was killed by SIGKILL" in err_lines[0]
+        else:
+            assert took < 10.0, f"the CLI ended {took:.1f} s after a rank was killed during start-up: {res.stderr[-2000:]}"
+            assert f"{named} was killed by SIGKILL" in err_lines[0], err_lines
         assert segment_records(run)[-1]["status"] == "failed"
     found = latest_valid(RunDir.at(run))
     start = found[1].step if found else 0

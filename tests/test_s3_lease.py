@@ -1,0 +1,167 @@
+"""One writer per run on s3:// (ckpt.lease) against the real S3-protocol server of tests/test_s3.py: a second
+machine (another cache) is refused in one line before it trains, a renewed lease outlives its first expiry, a
+dead holder's lease is taken over (and the takeover is in the lineage), a writer that lost its lease uploads
+nothing more, and of concurrent takers exactly one wins. No training launch: the holder is a child process.
+
+    .venv/bin/python -m pytest tests/test_s3_lease.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from schemas.errors import RunLockedError
+from tests.harness import tiny_spec
+from tests.s3_server import ROOT, _cli, _new_bucket
+
+pytest_plugins = ["tests.s3_server"]  # the S3 server fixtures (s3_endpoint, cache), shared with test_s3
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+EXPIRY = 2.0  # seconds: short, so a dead holder is taken over within the test
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh local cache for this test (pytest's own ``cache`` fixture is shadowed in this module only)."""
+    path = tmp_path / "cache"
+    monkeypatch.setenv("SHARDKEEPER_CACHE", str(path))
+    return path
+
+
+def _lease(url: str, expiry: float = EXPIRY):  # noqa: ANN202
+    from ckpt.lease import lease_for
+    from ckpt.objstore import RemoteRun
+
+    return lease_for(RemoteRun(url), expiry_s=expiry)
+
+
+def _wait_expired(url: str, timeout: float = 15.0) -> None:
+    probe = _lease(url)
+    deadline = time.monotonic() + timeout
+    while (view := probe.read()) is not None and view.remaining_s > 0:
+        assert time.monotonic() < deadline, "the lease did not expire"
+        time.sleep(0.2)
+
+
+def _holder(url: str, cache_dir: Path) -> subprocess.Popen:
+    """Another machine: its own cache, takes the run's lease and renews it until killed."""
+    code = textwrap.dedent(f"""
+        import time
+        from ckpt.lease import lease_for
+        from ckpt.objstore import RemoteRun
+        lease = lease_for(RemoteRun({url!r}))
+        lease.acquire()
+        lease.start_renewing()
+        print("HELD", time.time(), flush=True)
+        time.sleep(300)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SHARDKEEPER_CACHE": str(cache_dir), "SHARDKEEPER_LEASE_S": str(EXPIRY)}
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def test_second_writer_refused_in_one_line_renewal_outlives_expiry_dead_holder_taken_over_and_loser_stops(
+        s3_endpoint: str, cache: Path, tmp_path: Path) -> None:
+    from ckpt.lease import LEASE_NAME, LeaseLost
+    from ckpt.lineage import read_events
+    from ckpt.objstore import RemoteRun
+    from shardkeeper.remote import Mirror
+
+    bucket = _new_bucket()
+    url = f"s3://{bucket}/run"
+    holder = _holder(url, tmp_path / "cache-a")
+    try:
+        line = holder.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("HELD"), line
+        held_at = float(line.split()[1])
+        # Another machine trains the same run: refused in one line (exit 3, like a locked local run) before
+        # anything is trained or pulled into its cache; by then the lease has outlived its first expiry (renewed).
+        time.sleep(max(0.0, held_at + EXPIRY + 0.5 - time.time()))
+        other = tmp_path / "cache-b"
+        res = _cli("train", "--config", TINY, "--run-dir", url, "--nproc", "1", "--until-step", "2", cache=other,
+                   env={"SHARDKEEPER_LEASE_S": str(EXPIRY)})
+        assert time.time() - held_at > EXPIRY
+        assert res.returncode == 3, res.stderr[-2000:]
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {url}: run is being trained by "), lines
+        assert f" pid {holder.pid} (lease expires in " in lines[0]
+        local = other / "s3" / bucket / "run"
+        assert not any((local / n).exists() for n in ("run.yaml", "segments.jsonl", "metrics.jsonl", "checkpoints"))
+        from shardkeeper.stages import run_state
+
+        assert run_state(url).locked  # readers see the run as being trained (status, the resume flow), without the lease
+        # The holder dies without releasing: refused until the lease expires, then taken over (logged in lineage).
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    mirror = Mirror(RemoteRun(url), tiny_spec(), is_valid=lambda p: True)
+    mirror.lease.expiry_s = EXPIRY
+    _wait_expired(url)
+    mirror.start()
+    try:
+        taken = [e for e in read_events(mirror.remote.local) if e.data.get("action") == "lease-takeover"]
+        assert len(taken) == 1 and taken[0].data["previous_pid"] == holder.pid, taken
+        # This writer stops renewing (a stalled machine); a third one takes the expired lease over.
+        mirror.lease.stop_renewing()
+        _wait_expired(url)
+        third = _lease(url)
+        assert third.acquire() is not None
+        # The stalled writer finds out at its next renewal or commit, and uploads nothing more.
+        with pytest.raises(LeaseLost, match=f"lost the run's lease to .* pid {os.getpid()}"):
+            mirror.remote.commit_guard()
+        assert mirror.lease_lost and "stopped uploading" in mirror.lease_lost
+        with pytest.raises(LeaseLost):
+            mirror.sync()
+    finally:
+        with pytest.raises(LeaseLost):
+            mirror.finish()
+    # ... and leaves the new holder's lease alone.
+    doc = json.loads(RemoteRun(url).fs.cat_file(f"{bucket}/run/{LEASE_NAME}"))
+    assert doc["owner"]["id"] == third.owner["id"]
+    third.release()
+    assert third.read() is None
+    assert not run_state(url).locked
+
+
+def test_concurrent_takers_of_an_expired_lease_exactly_one_wins(s3_endpoint: str, cache: Path) -> None:
+    url = f"s3://{_new_bucket()}/run"
+    dead = _lease(url, expiry=1.0)
+    dead.acquire()  # never renewed, never released: a holder that died
+    for _ in range(3):
+        _wait_expired(url)
+        takers = [_lease(url, expiry=1.0) for _ in range(3)]
+        barrier = threading.Barrier(len(takers))
+        won: list[int] = []
+        refused: list[str] = []
+
+        def take(i: int) -> None:
+            barrier.wait()
+            try:
+                takers[i].acquire()
+                won.append(i)
+            except RunLockedError as e:
+                refused.append(str(e))
+
+        threads = [threading.Thread(target=take, args=(i,)) for i in range(len(takers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1, (won, refused)
+        assert len(refused) == len(takers) - 1 and all("run is being trained by" in r for r in refused), refused
+        holder = takers[won[0]].read()
+        assert holder is not None and holder.doc["owner"]["id"] == takers[won[0]].owner["id"]
+        assert holder.doc["taken_over_from"] is not None
