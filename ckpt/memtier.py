@@ -57,6 +57,27 @@ def memory_run_dir(spec: RunSpec, run_dir: RunDir) -> RunDir | None:
     return RunDir(root) if root is not None else None
 
 
+def memory_of(run_dir: RunDir) -> RunDir | None:
+    """The memory tier of a run directory, from its run.yaml (None when off, or when run.yaml is unreadable)."""
+    from ckpt.fsutil import load_yaml
+
+    try:
+        spec = RunSpec.model_validate(load_yaml(run_dir.spec_path.read_text()))
+    except Exception:  # noqa: BLE001 - a reader (status, dashboard) shows storage then
+        return None
+    return memory_run_dir(spec, run_dir)
+
+
+def newest_valid_snapshot(run_dir: RunDir) -> tuple[Path, CheckpointManifest] | None:
+    """A reader's view (status, dashboard): the run's newest snapshot in memory that passes quick validation."""
+    from ckpt.validate import latest_valid
+
+    mem = memory_of(run_dir)
+    if mem is None or not mem.checkpoints.is_dir() or owner_problem(mem, run_dir):
+        return None
+    return latest_valid(mem)
+
+
 def snapshot_event_id(step: int) -> str:
     """The lineage id of a memory snapshot (a storage checkpoint of the same step is ``checkpoint:step-...``)."""
     return f"checkpoint:step-{step:08d}@memory"

@@ -324,6 +324,8 @@ def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp
     from ckpt.layout import RunDir
     from ckpt.memtier import persist_newer
     from ckpt.validate import latest_valid
+    from shardkeeper.stages import run_state
+    from tasks.dashboard import checkpoints_now
 
     k, mem = 3, tmp_path / "shm"
     spec = tiny_spec(**{"checkpoint.memory_interval": k, "checkpoint.memory_dir": str(mem)})
@@ -333,6 +335,9 @@ def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp
         spawn(run_segment, 2, str(run), 400, 0, timeout=15, on_start=_crash_after_snapshot(mem, 6))
     snap = mem / "checkpoints" / "step-00000006"
     assert latest_valid(rd)[1].step == 5 and validate(snap, deep=True).valid
+    state = run_state(run)  # status: the newest valid checkpoint is the snapshot, in memory
+    assert (state.step, state.tier, state.checkpoint) == (6, "memory", str(snap))
+    assert {(r["step"], r["tier"]) for r in checkpoints_now(run, [])} >= {(5, "storage"), (6, "memory")}
     lost = max(metrics(run)) - 6
     assert 0 <= lost <= k, f"{lost} steps trained after the newest snapshot"
     assert_bitwise(metrics(reference), metrics(run), range(1, max(metrics(run)) + 1))  # snapshots perturb nothing
@@ -349,6 +354,7 @@ def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp
     shutil.copytree(tmp_path / "pristine", snap)
     final, problem = persist_newer(spec, rd)
     assert problem is None and final == rd.checkpoint(6) and validate(final, deep=True).valid
+    assert run_state(run).tier == "storage"
     # The next segment on this node: from memory (same step in both tiers: memory wins, storage is not read).
     assert spawn(run_segment, 2, str(run), 12, 1) == [0, 0]
     events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
