@@ -298,27 +298,29 @@ def test_fresh_run_stages_after_its_first_step(tmp_path):
     assert spawn(_fresh_run_staging, 2, str(tmp_path)) == [[True, True, True, True]] * 2
 
 
-def _crash_after_snapshot(mem: Path, step: int):
-    """SIGKILL rank 1 as soon as the memory snapshot of ``step`` is committed (the node stays up); rank 0 dies on
-    the broken group (or is killed 20 s later, as torchrun would)."""
+def _crash_after_snapshot(mem: Path, steps: tuple[int, ...], killed: list[int]):
+    """SIGKILL rank 1 as soon as a memory snapshot of one of ``steps`` is committed (the node stays up); rank 0 dies
+    on the broken group (or is killed 20 s later, as torchrun would)."""
     def on_start(procs: list) -> None:
         deadline = time.time() + 180
         while time.time() < deadline:
-            if (mem / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file():
+            done = [s for s in steps if (mem / "checkpoints" / f"step-{s:08d}" / "manifest.json").is_file()]
+            if done:
                 os.kill(procs[1].pid, signal.SIGKILL)
+                killed.append(done[0])
                 procs[0].join(timeout=20)
                 if procs[0].is_alive():
                     os.kill(procs[0].pid, signal.SIGKILL)
                 return
             time.sleep(0.005)
-        raise AssertionError(f"no memory snapshot of step {step} within 180 s")
+        raise AssertionError(f"no memory snapshot of steps {steps} within 180 s")
 
     return on_start
 
 
 def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp_path: Path, capfd) -> None:
-    """Memory snapshots every K=3 steps, storage every 5. A rank SIGKILLed after the snapshot of step 6 (storage
-    has 5): the launcher persists it after validating it (a tampered copy is refused), the next segment resumes
+    """Memory snapshots every K=3 steps, storage every 5. A rank SIGKILLed after the snapshot of step 6 or 9
+    (storage has 5): the launcher persists it after validating it (a tampered copy is refused), the next segment resumes
     from memory (tier 'memory' in lineage), bitwise like the uninterrupted reference, having lost <= K steps. A
     tampered snapshot at a later crash point is never loaded: one line, storage used, training bitwise."""
     from ckpt.layout import RunDir
@@ -331,14 +333,16 @@ def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp
     spec = tiny_spec(**{"checkpoint.memory_interval": k, "checkpoint.memory_dir": str(mem)})
     run = new_run(tmp_path / "run", spec)
     rd = RunDir.at(run)
+    killed: list[int] = []  # the snapshot of step 6, or of 9 when 6 was skipped (the save of step 5 in flight)
     with pytest.raises(queue.Empty):  # rank 1 never reports: it was killed
-        spawn(run_segment, 2, str(run), 400, 0, timeout=15, on_start=_crash_after_snapshot(mem, 6))
-    snap = mem / "checkpoints" / "step-00000006"
+        spawn(run_segment, 2, str(run), 400, 0, timeout=15, on_start=_crash_after_snapshot(mem, (6, 9), killed))
+    s = killed[0]
+    snap = mem / "checkpoints" / f"step-{s:08d}"
     assert latest_valid(rd)[1].step == 5 and validate(snap, deep=True).valid
     state = run_state(run)  # status: the newest valid checkpoint is the snapshot, in memory
-    assert (state.step, state.tier, state.checkpoint) == (6, "memory", str(snap))
-    assert {(r["step"], r["tier"]) for r in checkpoints_now(run, [])} >= {(5, "storage"), (6, "memory")}
-    lost = max(metrics(run)) - 6
+    assert (state.step, state.tier, state.checkpoint) == (s, "memory", str(snap))
+    assert {(r["step"], r["tier"]) for r in checkpoints_now(run, [])} >= {(5, "storage"), (s, "memory")}
+    lost = max(metrics(run)) - s
     assert 0 <= lost <= k, f"{lost} steps trained after the newest snapshot"
     assert_bitwise(metrics(reference), metrics(run), range(1, max(metrics(run)) + 1))  # snapshots perturb nothing
     # The launcher's side: a tampered snapshot is never persisted (one line), the pristine one is.
@@ -353,17 +357,17 @@ def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp
     shutil.rmtree(snap)
     shutil.copytree(tmp_path / "pristine", snap)
     final, problem = persist_newer(spec, rd)
-    assert problem is None and final == rd.checkpoint(6) and validate(final, deep=True).valid
+    assert problem is None and final == rd.checkpoint(s) and validate(final, deep=True).valid
     assert run_state(run).tier == "storage"
     # The next segment on this node: from memory (same step in both tiers: memory wins, storage is not read).
     assert spawn(run_segment, 2, str(run), 12, 1) == [0, 0]
     events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
     resume = [e for e in events if e["kind"] == "resume"][-1]
-    assert resume["data"]["tier"] == "memory" and resume["parent"] == "checkpoint:step-00000006@memory"
-    persisted = [e for e in events if e["id"] == "checkpoint:step-00000006"][-1]
+    assert resume["data"]["tier"] == "memory" and resume["parent"] == f"checkpoint:step-{s:08d}@memory"
+    persisted = [e for e in events if e["id"] == f"checkpoint:step-{s:08d}"][-1]
     assert persisted["data"]["tier"] == "storage" and persisted["data"]["persisted_from"] == "memory"
     assert {e["data"]["tier"] for e in events if e["kind"] == "checkpoint"} == {"memory", "storage"}
-    assert_bitwise(metrics(reference), metrics(run), range(7, 13))
+    assert_bitwise(metrics(reference), metrics(run), range(s + 1, 13))
     assert sorted(p.name for p in (mem / "checkpoints").iterdir()) == ["step-00000010", "step-00000012"]  # keeps 2
     assert validate(run / "checkpoints" / "step-00000012", deep=True).valid  # persisted from memory at the end
     # A tampered snapshot (step 12, as newest as storage's): never loaded, one line, storage's step 12 used.

@@ -181,10 +181,11 @@ class Checkpointer:
         self.last_committed_step: int | None = None
         # The memory tier (checkpoint.memory_interval): snapshots in host shared memory under the same protocol;
         # storage checkpoints are then persisted from the snapshot of their step (ckpt.memtier).
-        self.memory: RunDir | None = memtier.memory_run_dir(spec, run_dir)
+        self.memory: RunDir | None = memtier.memory_run_dir(spec, run_dir) if self.FORMAT == "dcp" else None
         self.last_memory_step: int | None = None
         self.last_storage_step: int | None = None
         self._claimed = False
+        self.skipped_snapshots = 0
         self._pool = background_pool("ckpt-commit", spec.checkpoint.background_nice)
         self._reread_pool = background_pool("ckpt-reread", spec.checkpoint.background_nice)
         self._reread: Future | None = None
@@ -224,10 +225,18 @@ class Checkpointer:
 
         With the memory tier on, every save is first a memory snapshot (async unless ``blocking``: training waits
         for one copy of the state); a storage save (``tier`` 'storage') is then persisted from that snapshot on
-        the same background thread. ``tier`` 'memory': the snapshot only."""
-        self.wait()
+        the same background thread. ``tier`` 'memory': the snapshot only, skipped (on every rank) while an earlier
+        save is still in flight, so that training never waits for a write (counted in ``skipped_snapshots``)."""
         if tier == MEMORY and self.memory is None:
             return
+        if tier == MEMORY and self._inflight is not None and not blocking:
+            busy = torch.tensor([0 if self._inflight.done() else 1], dtype=torch.int32)
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self.env.ctrl_group)  # all ranks skip, or none
+            if int(busy):
+                self.skipped_snapshots += 1
+                log0(self.env, "memory snapshot at step %d skipped: the previous save is still being written", ts.step)
+                return
+        self.wait()
         done = (self.last_storage_step,) if tier == STORAGE else (self.last_memory_step, self.last_storage_step)
         if self.last_committed_step == ts.step and (self.memory is None or ts.step in done):
             return
