@@ -270,7 +270,8 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace) -> str:
                      f"{rec['interval']} steps; "
                      f"{rec['trained_before_crash']} steps trained by then); {len(fresh)} runs of each path, alternated; "
                      f"{rec.get('cache', '')}; launched with the spawn harness (no torchrun: its start-up is the same "
-                     "for every path)")
+                     "for every path)" + (f"; recovery figures taken from an earlier run of this bench "
+                                                 f"({rec['reused_from']})" if rec.get("reused_from") else ""))
     return (md_table(["what", "measured (median [min–max])", "result"], rows, "lll") + "\n\n"
             + "\n".join(f"- {n}" for n in notes))
 
@@ -285,6 +286,8 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=3)
     ap.add_argument("--memory-dir", default=f"/dev/shm/shardkeeper-bench-{os.getpid()}")
     ap.add_argument("--no-recovery", action="store_true")
+    ap.add_argument("--recovery-json", help="take part 3 from this earlier run's bench/out/memtier/recovery.json "
+                    "(said in the table) instead of measuring it again")
     ap.add_argument("--crash-at", type=int, default=14, help="recovery: the snapshot step after which rank 1 is killed")
     ap.add_argument("--crash-memory-interval", type=int, default=2, help="recovery: checkpoint.memory_interval")
     ap.add_argument("--crash-interval", type=int, default=10, help="recovery: checkpoint.interval")
@@ -301,9 +304,13 @@ def main() -> None:
         prepare_run_dir(RunDir.at(run), spec_for(args.layers, args.seq, mem, 1 << 20, 1 << 30))
         res = spawn(worker, 2, str(run), args.warm, args.target_s, args.saves, args.reps, timeout=3600)[0]
         (OUT / "inproc.json").write_text(json.dumps(res, indent=2))
-        rec = None if args.no_recovery else recovery(args)
-        if rec:
-            (OUT / "recovery.json").write_text(json.dumps(rec, indent=2))
+        if args.recovery_json:
+            rec = json.loads(Path(args.recovery_json).read_text())
+            rec["reused_from"] = str(args.recovery_json)
+        else:
+            rec = None if args.no_recovery else recovery(args)
+            if rec:
+                (OUT / "recovery.json").write_text(json.dumps(rec, indent=2))
     finally:
         shutil.rmtree(args.memory_dir, ignore_errors=True)
         shutil.rmtree(run, ignore_errors=True)
