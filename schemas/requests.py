@@ -209,6 +209,9 @@ class RunState(_Frozen):
     checkpoint: str | None = Field(None, description="newest valid checkpoint")
     step: int = Field(0, ge=0, description="step of that checkpoint (0 when there is none)")
     world_size: int | None = Field(None, description="world size that checkpoint was written at")
+    tier: Literal["memory", "storage"] | None = Field(
+        None, description="where that checkpoint lives: 'storage' (the run directory) or 'memory' (a snapshot of "
+        "checkpoint.memory_interval newer than storage's newest, on this host)")
     last_status: SegmentStatus | Literal["running", "interrupted"] | None = Field(
         None, description="how the last segment ended; 'running' if its lock is held, 'interrupted' if it never ended"
     )

@@ -213,6 +213,23 @@ class CheckpointPolicy(_Frozen):
         "fingerprint, the re-read after a commit; Linux): where training keeps every core busy, the save takes "
         "the time training leaves idle instead of slowing its steps; 0 = training's own priority. Sync and "
         "emergency saves run on the training thread, at its priority")
+    memory_interval: int | None = Field(
+        None, gt=0, description="also snapshot the state into host shared memory every this many optimizer steps "
+        "(the memory tier; null = off): each snapshot is a checkpoint under the same commit protocol (manifest, "
+        "checksums, fingerprint, atomic rename) in memory_dir, costs training one copy of the state (written in "
+        "the background like an async save) and outlives the rank processes, so a segment restarted on the same "
+        "node after a rank crash resumes from it without reading storage; the newest two are kept. Storage "
+        "checkpoints (interval) are then persisted from the snapshot of their step in the background, and a "
+        "snapshot newer than storage is persisted by the launcher when a segment dies")
+    memory_dir: str | None = Field(
+        None, min_length=1, description="where the memory tier keeps its snapshots, on a RAM-backed file system "
+        "(tmpfs); null = /dev/shm/shardkeeper/<run id> (the run's name and a hash of its run directory). Needs room "
+        "for two snapshots of every rank on the node (preflight checks it)")
+
+    @field_validator("memory_dir")
+    @classmethod
+    def _plain_memory_dir(cls, v: str | None) -> str | None:
+        return plain_path(v, "checkpoint.memory_dir")
 
 
 class DeepSpeedSpec(_Frozen):

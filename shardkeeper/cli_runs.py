@@ -54,7 +54,7 @@ def lineage_cmd(
     for e in events:
         details = ", ".join(f"{k}={v}" for k, v in e.data.items() if k in ("world_size", "reason", "status", "from_world_size",
                                                                            "to_world_size", "dtype", "method", "target", "first_step_s",
-                                                                           "emergency_save_s", "layout"))
+                                                                           "emergency_save_s", "layout", "tier"))
         parent = e.parent or ""
         if not wide:
             parent = parent.removeprefix("checkpoint:")
@@ -98,14 +98,14 @@ def _show_states(path: str, states: list, as_json: bool, *, single_url: str) -> 
         print(json.dumps([s.model_dump(mode="json") for s in states], indent=2))
         return
     table = Table(title=f"runs under {path}" if len(states) > 1 or states[0].run_dir != single_url else None)
-    for col in ("run", "status", "step", "until", "world size", "newest valid checkpoint"):
+    for col in ("run", "status", "step", "until", "world size", "newest valid checkpoint", "tier"):
         table.add_column(col, overflow="fold")
     for st in states:
         status = "running" if st.locked else (st.last_status or "new")
         table.add_row(_name(st.run_dir), status, str(st.step), "" if st.last_until_step is None else str(st.last_until_step),
                       "" if st.world_size is None else str(st.world_size),
                       (_name(st.checkpoint) + (" (committed, not re-read)" if st.reread is False else ""))
-                      if st.checkpoint else "none")
+                      if st.checkpoint else "none", st.tier or "")
     out.print(table)
 
 

@@ -64,6 +64,7 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
     check_environment(topology)
     if spec.script is not None:  # the script builds its own model and data: the run's own sections do not apply
         check_script(spec.script.path)
+        check_memory_tier(spec, topology, run_dir, None)
         return None
     try:
         spec.per_rank_batch(topology.world_size)
@@ -86,7 +87,21 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
     check_performance(spec, topology)
     prepared = check_data(spec, cfg.vocab_size)
     check_memory(spec, topology, params, cfg)
+    check_memory_tier(spec, topology, run_dir, params)
     return prepared
+
+
+def check_memory_tier(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path, params: int | None) -> None:
+    """checkpoint.memory_interval: a writable tmpfs with room for two snapshots of each rank on this node (fp32
+    masters + AdamW moments, as fsdp2 shards them); the file system only where the ranks run here (the local
+    launcher)."""
+    if spec.checkpoint.memory_interval is None:
+        return
+    from ckpt.memtier import check_memory_tier as check
+
+    state = None if params is None else params * (STATE_BYTES["master"] + STATE_BYTES["adamw"]) / topology.world_size
+    check(spec, RunDir.at(run_dir), state_bytes=state, ranks_on_node=topology.procs_per_node,
+          here=topology.launcher == "local")
 
 
 def check_script(path: str) -> None:

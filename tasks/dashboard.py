@@ -334,17 +334,21 @@ def age(seconds: float) -> str:
 
 
 def checkpoints_now(run_dir: str | Path, events: list[LineageEvent]) -> list[dict[str, Any]]:
-    """One row per committed checkpoint on disk now: step, world size, backend, size, validity as last checked,
-    where it was exported and published."""
+    """One row per committed checkpoint on disk now (storage first, then the memory tier's snapshots): step, tier,
+    world size, backend, size, validity as last checked, where it was exported and published."""
     from ckpt.manifest import read_manifest
+
+    from ckpt.memtier import memory_of, owner_problem
 
     rd = RunDir.at(run_dir)
     rows = []
-    for path in rd.committed():
+    mem = memory_of(rd)
+    snaps = mem.committed() if mem is not None and mem.checkpoints.is_dir() and not owner_problem(mem, rd) else []
+    for path, tier in [*((p, "storage") for p in rd.committed()), *((p, "memory") for p in snaps)]:
         step = parse_step(path.name) or 0
         ck = f"checkpoint:{path.name}"
-        row: dict[str, Any] = {"step": step, "world_size": "", "backend": "", "reason": "", "size": "", "validity": "",
-                               "exported": "", "published": "", "path": str(path)}
+        row: dict[str, Any] = {"step": step, "tier": tier, "world_size": "", "backend": "", "reason": "", "size": "",
+                               "validity": "", "exported": "", "published": "", "path": str(path)}
         try:
             m = read_manifest(path)
             row.update(world_size=m.topology.world_size, backend=m.format, reason=m.reason,
@@ -358,6 +362,8 @@ def checkpoints_now(run_dir: str | Path, events: list[LineageEvent]) -> list[dic
             if checks:
                 ok = checks[-1].data.get("valid")
                 row["validity"] = f"{'valid' if ok else 'INVALID'} (deep, {checks[-1].time[:16].replace('T', ' ')})"
+            elif tier == "memory":
+                row["validity"] = "hashed while written (memory snapshot)"
             elif rd.verified_record(step).is_file():
                 row["validity"] = "valid (background re-read)"
             else:
@@ -382,7 +388,7 @@ def runs_overview(states: list[RunState], now: float | None = None) -> list[dict
         status = "running" if s.locked else (s.last_status or ("new" if s.exists else "not a run"))
         rows.append({"run": rd.root.name, "status": status,
                      "step": s.step, "until_step": s.last_until_step if s.last_until_step is not None else "",
-                     "last_checkpoint": Path(s.checkpoint).name if s.checkpoint else "",
+                     "last_checkpoint": Path(s.checkpoint).name if s.checkpoint else "", "tier": s.tier or "",
                      "world_size": s.world_size or "", "last_activity": age(now - max(stamps)) if stamps else "",
                      "run_dir": str(rd.root)})
     return rows

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 LOSS_PNG = "loss.png"
 GRAPH_PNG = "lineage.png"
-CHECKPOINT_COLUMNS = ["step", "world_size", "backend", "reason", "size", "validity", "exported", "published"]
+CHECKPOINT_COLUMNS = ["step", "tier", "world_size", "backend", "reason", "size", "validity", "exported", "published"]
 
 
 def _name(run_dir: str | Path) -> str:
@@ -110,7 +110,8 @@ def mirror_lineage(run_dir: str, run_name: str | None = None) -> LineageArtifact
     checkpoints_key = f"{prefix}-checkpoints"
     title = f"{run_name} ({_name(run_dir)})" if run_name else _name(run_dir)
     now = checkpoints_now(root, events)
-    model = lineage_graph(events, existing={f"checkpoint:{Path(r['path']).name}" for r in now})
+    model = lineage_graph(events, existing={f"checkpoint:{Path(r['path']).name}{'@memory' if r['tier'] == 'memory' else ''}"
+                                                     for r in now})
     graph_png = draw_lineage_graph(model, root / GRAPH_PNG, title=title)
     summary = (f"{model.checkpoints} checkpoint{'s' if model.checkpoints != 1 else ''} written, {len(now)} on disk now"
                + (f"; {model.folded} are folded into the edges (… N checkpoints …)." if model.folded else ".")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 import time
@@ -295,3 +296,97 @@ def _fresh_run_staging(run_dir: str) -> list[bool]:
 def test_fresh_run_stages_after_its_first_step(tmp_path):
     """The first async save of a fresh run finds its staging buffers ready (allocated after step 1)."""
     assert spawn(_fresh_run_staging, 2, str(tmp_path)) == [[True, True, True, True]] * 2
+
+
+def _crash_after_snapshot(mem: Path, steps: range, killed: list[int], storage_every: int):
+    """SIGKILL rank 1 as soon as a memory snapshot of one of ``steps`` that storage has not (not a multiple of
+    ``storage_every``) is committed (the node stays up); rank 0 dies on the broken group (or is killed 20 s later,
+    as torchrun would)."""
+    def on_start(procs: list) -> None:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            done = [s for s in steps if s % storage_every
+                    and (mem / "checkpoints" / f"step-{s:08d}" / "manifest.json").is_file()]
+            if done:
+                os.kill(procs[1].pid, signal.SIGKILL)
+                killed.append(done[0])
+                procs[0].join(timeout=20)
+                if procs[0].is_alive():
+                    os.kill(procs[0].pid, signal.SIGKILL)
+                return
+            time.sleep(0.005)
+        raise AssertionError(f"no memory snapshot of steps {list(steps)} within 180 s")
+
+    return on_start
+
+
+def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp_path: Path, capfd) -> None:
+    """Memory snapshots every K=4 steps, storage every 5. A rank SIGKILLed after the first snapshot storage has not
+    (step s = 8, or 12 when 8 was skipped while the save of step 5 was still being written): the launcher persists it after validating it (a tampered copy is refused), the next segment resumes
+    from memory (tier 'memory' in lineage), bitwise like the uninterrupted reference, having lost <= K steps. A
+    tampered snapshot at a later crash point is never loaded: one line, storage used, training bitwise."""
+    from ckpt.layout import RunDir
+    from ckpt.memtier import persist_newer
+    from ckpt.validate import latest_valid
+    from shardkeeper.stages import run_state
+    from tasks.dashboard import checkpoints_now
+
+    k, mem = 4, tmp_path / "shm"
+    spec = tiny_spec(**{"checkpoint.memory_interval": k, "checkpoint.memory_dir": str(mem),
+                        "checkpoint.background_nice": 0})  # the writes keep up with the tiny model on a busy machine
+    run = new_run(tmp_path / "run", spec)
+    rd = RunDir.at(run)
+    killed: list[int] = []
+    with pytest.raises(queue.Empty):  # rank 1 never reports: it was killed
+        spawn(run_segment, 2, str(run), 400, 0, timeout=15, on_start=_crash_after_snapshot(mem, range(6, 17), killed, 5))
+    s = killed[0]
+    stored = 5 * (s // 5)
+    snap = mem / "checkpoints" / f"step-{s:08d}"
+    assert latest_valid(rd)[1].step == stored and validate(snap, deep=True).valid
+    state = run_state(run)  # status: the newest valid checkpoint is the snapshot, in memory
+    assert (state.step, state.tier, state.checkpoint) == (s, "memory", str(snap))
+    assert {(r["step"], r["tier"]) for r in checkpoints_now(run, [])} >= {(stored, "storage"), (s, "memory")}
+    lost = max(metrics(run)) - s
+    assert 0 <= lost <= k, f"{lost} steps trained after the newest snapshot"
+    assert_bitwise(metrics(reference), metrics(run), range(1, max(metrics(run)) + 1))  # snapshots perturb nothing
+    # The launcher's side: a tampered snapshot is never persisted (one line), the pristine one is.
+    shutil.copytree(snap, tmp_path / "pristine")
+    shard = sorted(snap.glob("__1_*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    final, problem = persist_newer(spec, rd)
+    assert final is None and "not persisted" in problem and "checksum" in problem and "\n" not in problem
+    assert latest_valid(rd)[1].step == stored
+    shutil.rmtree(snap)
+    shutil.copytree(tmp_path / "pristine", snap)
+    final, problem = persist_newer(spec, rd)
+    assert problem is None and final == rd.checkpoint(s) and validate(final, deep=True).valid
+    assert run_state(run).tier == "storage"
+    # The next segment on this node: from memory (same step in both tiers: memory wins, storage is not read).
+    until = s + 4
+    assert spawn(run_segment, 2, str(run), until, 1) == [0, 0]
+    events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
+    resume = [e for e in events if e["kind"] == "resume"][-1]
+    assert resume["data"]["tier"] == "memory" and resume["parent"] == f"checkpoint:step-{s:08d}@memory"
+    persisted = [e for e in events if e["id"] == f"checkpoint:step-{s:08d}"][-1]
+    assert persisted["data"]["tier"] == "storage" and persisted["data"]["persisted_from"] == "memory"
+    assert {e["data"]["tier"] for e in events if e["kind"] == "checkpoint"} == {"memory", "storage"}
+    assert_bitwise(metrics(reference), metrics(run), range(s + 1, until + 1))
+    kept = sorted(p.name for p in (mem / "checkpoints").iterdir())
+    assert len(kept) == 2 and kept[-1] == f"step-{until:08d}"  # the newest two snapshots
+    assert validate(rd.checkpoint(until), deep=True).valid  # persisted from memory at the end
+    # A tampered snapshot (as new as storage's newest): never loaded, one line, storage's checkpoint used.
+    shard = sorted((mem / "checkpoints" / f"step-{until:08d}").glob("__0_*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    capfd.readouterr()
+    assert spawn(run_segment, 2, str(run), until + 2, 2) == [0, 0]
+    err = capfd.readouterr().err
+    said = [ln for ln in err.splitlines() if "memory snapshot" in ln and "not used" in ln]
+    assert len(said) == 1 and "checksum" in said[0] and "resuming from storage" in said[0], err[-3000:]
+    events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
+    resume = [e for e in events if e["kind"] == "resume"][-1]
+    assert resume["data"]["tier"] == "storage" and resume["parent"] == f"checkpoint:step-{until:08d}"
+    assert_bitwise(metrics(reference), metrics(run), range(until + 1, until + 3))

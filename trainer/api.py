@@ -251,6 +251,7 @@ class Segment:
             raise SegmentPreempted()
         log0(env, "segment %d: steps %d -> %d on %d ranks", self.segment, start, self.until_step, env.world_size)
         progress = ProgressLine(start, self.until_step, tokens_per_step)
+        memory_interval = self.spec.checkpoint.memory_interval
         while ts.step < self.until_step:
             t0 = time.perf_counter()
             self._row = {}
@@ -282,6 +283,8 @@ class Segment:
                 raise SegmentPreempted()
             if ts.step % self.spec.checkpoint.interval == 0 and ts.step < self.until_step:
                 ckpt.save(ts, reason="interval")
+            elif memory_interval and ts.step % memory_interval == 0 and ts.step < self.until_step:
+                ckpt.save(ts, reason="interval", tier="memory")
         ckpt.save(ts, reason="end", blocking=True)
         ckpt.close()
         self._end("completed", start, ts.step, note=self.final_note() if self.final_note else None)

@@ -50,11 +50,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt import __version__, fingerprint as fp, lineage
+from ckpt import __version__, fingerprint as fp, lineage, memtier
+from ckpt.memtier import MEMORY, STORAGE
 from schemas.errors import CheckpointError
 from ckpt.fsutil import fsync_dir, mkdir_durable, quarantine
 from ckpt.hashing import hash_files
-from ckpt.layout import RunDir, step_dir_name
+from ckpt.layout import RunDir, parse_step, step_dir_name
 from ckpt.manifest import write_manifest
 from ckpt.retention import apply_retention
 from schemas.seam import SegmentLaunch
@@ -176,7 +177,15 @@ class Checkpointer:
         self.signature = signature
         self.hf_model = hf_model  # recorded in every manifest: the export then needs no transformers
         self.parent: str | None = None
+        self._parent_event: str | None = None  # lineage id of the checkpoint (either tier) the next one follows
         self.last_committed_step: int | None = None
+        # The memory tier (checkpoint.memory_interval): snapshots in host shared memory under the same protocol;
+        # storage checkpoints are then persisted from the snapshot of their step (ckpt.memtier).
+        self.memory: RunDir | None = memtier.memory_run_dir(spec, run_dir) if self.FORMAT == "dcp" else None
+        self.last_memory_step: int | None = None
+        self.last_storage_step: int | None = None
+        self._claimed = False
+        self.skipped_snapshots = 0
         self._pool = background_pool("ckpt-commit", spec.checkpoint.background_nice)
         self._reread_pool = background_pool("ckpt-reread", spec.checkpoint.background_nice)
         self._reread: Future | None = None
@@ -210,13 +219,30 @@ class Checkpointer:
         return self.base_model
 
     # ----------------------------------------------------------------- save
-    def save(self, ts: TrainState, *, reason: str, blocking: bool | None = None) -> None:
+    def save(self, ts: TrainState, *, reason: str, blocking: bool | None = None, tier: str = STORAGE) -> None:
         """Checkpoint the current state at ``ts.step``. Async unless ``blocking``, the policy says sync or the
-        backend saves synchronously only (then said once in the log)."""
-        self.wait()
-        if self.last_committed_step == ts.step:
+        backend saves synchronously only (then said once in the log).
+
+        With the memory tier on, every save is first a memory snapshot (async unless ``blocking``: training waits
+        for one copy of the state); a storage save (``tier`` 'storage') is then persisted from that snapshot on
+        the same background thread. ``tier`` 'memory': the snapshot only, skipped (on every rank) while an earlier
+        save is still in flight, so that training never waits for a write (counted in ``skipped_snapshots``)."""
+        if tier == MEMORY and self.memory is None:
             return
-        use_async = self.spec.checkpoint.async_save if blocking is None else not blocking
+        if tier == MEMORY and self._inflight is not None and not blocking:
+            busy = torch.tensor([0 if self._inflight.done() else 1], dtype=torch.int32)
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self.env.ctrl_group)  # all ranks skip, or none
+            if int(busy):
+                self.skipped_snapshots += 1
+                log0(self.env, "memory snapshot at step %d skipped: the previous save is still being written", ts.step)
+                return
+        self.wait()
+        done = (self.last_storage_step,) if tier == STORAGE else (self.last_memory_step, self.last_storage_step)
+        if self.last_committed_step == ts.step and (self.memory is None or ts.step in done):
+            return
+        persist = tier == STORAGE and self.memory is not None
+        use_async = ((self.spec.checkpoint.async_save or self.memory is not None) if blocking is None
+                     else not blocking)
         if use_async and not self.SUPPORTS_ASYNC:
             if not self._warned_async:
                 log0(self.env, "checkpoint.async_save is not supported by the %s backend; saving synchronously",
@@ -224,37 +250,77 @@ class Checkpointer:
                 self._warned_async = True
             use_async = False
         t0 = time.perf_counter()
+        in_memory = 1.0 if self.memory is not None else 0.0
+        if persist and self.last_memory_step == ts.step:  # the snapshot of this step is committed: persist it only
+            if not use_async:
+                self._persist(ts, reason, t0, False)
+            else:
+                self._inflight = self._pool.submit(self._persist, ts, reason, t0, True)
+            self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": float(use_async),
+                               "memory": in_memory})
+            return
+        target = self.memory if self.memory is not None else self.run_dir
         snapshot = self.snapshot(ts)
         if not use_async:
-            self._write_and_commit(snapshot, ts, reason, t0, False)
-            self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 0.0})
+            self._write_and_commit(snapshot, ts, reason, t0, False, target, persist)
+            self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 0.0, "memory": in_memory})
             return
         staged = self.stage(snapshot)
-        self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 1.0})
-        self._inflight = self._pool.submit(self._write_and_commit, staged, ts, reason, t0, True)
+        self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 1.0, "memory": in_memory})
+        self._inflight = self._pool.submit(self._write_and_commit, staged, ts, reason, t0, True, target, persist)
 
     def warm_up(self, ts: TrainState) -> None:
         """Allocate what async saves need now, before training, not at the first save."""
-        if self.SUPPORTS_ASYNC and self.spec.checkpoint.async_save:
+        if self.SUPPORTS_ASYNC and (self.spec.checkpoint.async_save or self.memory is not None):
             self.prepare_staging(ts)
 
-    def _write_and_commit(self, snapshot: Any, ts: TrainState, reason: str, t0: float, async_save: bool) -> None:
-        """The whole save after the snapshot (on the background thread when async): ``.partial`` created,
-        the backend writes and hashes its files, then the shared commit."""
-        self._prepare_partial(ts.step, self.env.ckpt_group)
-        written = self.write(snapshot, ts, self.run_dir.partial(ts.step))
+    def _write_and_commit(self, snapshot: Any, ts: TrainState, reason: str, t0: float, async_save: bool,
+                          target: RunDir | None = None, persist: bool = False) -> None:
+        """The whole save after the snapshot (on the background thread when async): ``.partial`` created in
+        ``target`` (the run directory, or the memory tier's), the backend writes and hashes its files, then the
+        shared commit; ``persist``: then the memory snapshot is persisted to storage."""
+        target = target or self.run_dir
+        tier = MEMORY if target is self.memory else STORAGE
+        self._prepare_partial(ts.step, self.env.ckpt_group, target)
+        written = self.write(snapshot, ts, target.partial(ts.step))
         t = time.perf_counter()
         self._commit(ts, reason, written.entries, written.tensors, written.fingerprint, t0, async_save,
-                     problem=written.problem)
+                     problem=written.problem, target=target)
         self.last_phases = {**written.phases, "commit_s": time.perf_counter() - t, "total_s": time.perf_counter() - t0}
         self.last_committed_step = ts.step
         self.parent = step_dir_name(ts.step)
+        if tier == MEMORY:
+            self.last_memory_step = ts.step
+        else:
+            self.last_storage_step = ts.step
+        if persist:
+            self._persist(ts, reason, t0, async_save)
 
-    def _prepare_partial(self, step: int, group: dist.ProcessGroup | None = None) -> None:
+    def _persist(self, ts: TrainState, reason: str, t0: float, async_save: bool) -> None:
+        """A storage checkpoint from the committed memory snapshot of ``ts.step``: every rank copies the files it
+        wrote (hashed on the way against the snapshot's manifest), then the shared commit in the run directory
+        with the checksums, inventory and fingerprint the snapshot's manifest already holds."""
+        assert self.memory is not None
+        t = time.perf_counter()
+        src = self.memory.checkpoint(ts.step)
+        like = self._manifest(src)
+        self._prepare_partial(ts.step, self.env.ckpt_group, self.run_dir)
+        mine = [f for f in like.files if f.rank == self.env.rank]
+        problem = memtier.copy_verified(src, self.run_dir.partial(ts.step), mine)
+        self._commit(ts, reason, mine, like.tensors, like.fingerprint, t0, async_save, problem=problem,
+                     target=self.run_dir, like=like)
+        self.last_storage_step = ts.step
+        self.last_phases = {**self.last_phases, "persist_s": time.perf_counter() - t, "total_s": time.perf_counter() - t0}
+
+    def _prepare_partial(self, step: int, group: dist.ProcessGroup | None = None, target: RunDir | None = None) -> None:
         """Rank 0 (re)creates ``step-XXXXXXXX.partial/``; nobody writes before it exists. An async save
         does this on its background thread, over the checkpoint group, so training does not wait on it."""
-        partial = self.run_dir.partial(step)
+        target = target or self.run_dir
+        partial = target.partial(step)
         if self.env.is_rank0:
+            if target is self.memory and not self._claimed:
+                memtier.claim(target, self.run_dir)
+                self._claimed = True
             if partial.exists():  # an abandoned attempt at the same step
                 shutil.rmtree(partial)
             mkdir_durable(partial.parent)
@@ -303,13 +369,15 @@ class Checkpointer:
         return None
 
     def _commit(self, ts: TrainState, reason: str, entries: list[FileEntry], tensors: list[TensorEntry],
-                fingerprint: Fingerprint, t0: float, async_save: bool, problem: str | None = None) -> None:
+                fingerprint: Fingerprint, t0: float, async_save: bool, problem: str | None = None,
+                target: RunDir | None = None, like: CheckpointManifest | None = None) -> None:
         """Steps 2-3 of the commit protocol, shared by both backends: gather every rank's (file, size,
         digest) and problems; rank 0 checks that the files on disk are exactly those listed, with the hashed
         sizes and the layout the format references, writes the manifest, renames ``.partial`` away and
         fsyncs the parent. Every rank learns the outcome; on a failure all raise and nothing is committed."""
         group = self.env.ckpt_group
-        partial = self.run_dir.partial(ts.step)
+        target = target or self.run_dir
+        partial = target.partial(ts.step)
         mine = (entries, problem or self._check_written(partial, entries))
         gathered: list[tuple[list[FileEntry], str | None]] | None = (
             [([], None) for _ in range(self.env.world_size)] if self.env.is_rank0 else None)
@@ -317,7 +385,8 @@ class Checkpointer:
         decision = None
         if self.env.is_rank0:
             try:
-                decision = self._commit_rank0(ts, reason, gathered or [], tensors, fingerprint, t0, async_save)
+                decision = self._commit_rank0(ts, reason, gathered or [], tensors, fingerprint, t0, async_save,
+                                              target, like)
             except Exception as e:  # tell the other ranks instead of leaving them at the broadcast
                 decision = self.save_problem(e, partial)
         box = [decision]
@@ -326,10 +395,13 @@ class Checkpointer:
             self.abort_save(partial, box[0], group)
 
     def _commit_rank0(self, ts: TrainState, reason: str, gathered: list[tuple[list[FileEntry], str | None]],
-                      tensors: list[TensorEntry], fingerprint: Fingerprint, t0: float, async_save: bool) -> str | None:
+                      tensors: list[TensorEntry], fingerprint: Fingerprint, t0: float, async_save: bool,
+                      target: RunDir, like: CheckpointManifest | None) -> str | None:
+        """``like``: the memory snapshot this storage checkpoint is persisted from (its parent, base model and data
+        records are the snapshot's)."""
         from ckpt.validate import check_staged
 
-        partial = self.run_dir.partial(ts.step)
+        partial = target.partial(ts.step)
         problems = [p for _, p in gathered if p]
         if problems:
             return problems[0]
@@ -346,34 +418,48 @@ class Checkpointer:
             model_signature=self.signature, topology=self.env.topology,
             dtype_policy=DtypePolicy(compute=_DTYPE_NAMES[self.spec.precision.compute],  # type: ignore[arg-type]
                                      reduce=_DTYPE_NAMES[self.spec.precision.reduce]),  # type: ignore[arg-type]
-            parent=self.parent, code_version=code_version(), fingerprint=fingerprint, run_spec=self.spec,
-            save_seconds=time.perf_counter() - t0, async_save=async_save, hf_model=self.hf_model, data=self.data,
-            base_model=self._base_model_record(),
+            parent=like.parent if like else self.parent, code_version=code_version(), fingerprint=fingerprint,
+            run_spec=self.spec, save_seconds=time.perf_counter() - t0, async_save=async_save, hf_model=self.hf_model,
+            data=like.data if like else self.data, base_model=like.base_model if like else self._base_model_record(),
         )
         staged = check_staged(partial, manifest)  # exactly the planned files, each of its hashed size
         if staged:
             return staged[0]
         write_manifest(partial, manifest)
-        final = self.run_dir.checkpoint(ts.step)
+        final = target.checkpoint(ts.step)
         if final.exists():  # an invalid checkpoint at this step that resume skipped: keep it as evidence
             quarantine(final, "a new checkpoint is committed at the same step")
         os.rename(partial, final)
         fsync_dir(final.parent)
         try:  # committed: what follows is bookkeeping, and its failure must not fail the save
-            self._after_commit(final, manifest, reason, async_save)
+            self._after_commit(final, manifest, reason, async_save, MEMORY if target is self.memory else STORAGE,
+                               persisted=like is not None)
         except Exception as e:
             log.warning("committed %s, but its bookkeeping failed: %s", final.name, e)
         return None
 
-    def _after_commit(self, final: Path, manifest: CheckpointManifest, reason: str, async_save: bool) -> None:
-        """Rank 0, after the rename: lineage event, log line, retention, background re-read."""
+    def _after_commit(self, final: Path, manifest: CheckpointManifest, reason: str, async_save: bool,
+                      tier: str = STORAGE, persisted: bool = False) -> None:
+        """Rank 0, after the rename: lineage event (with the tier), log line, retention, background re-read."""
         nbytes = sum(f.size for f in manifest.files)
-        lineage.record(self.run_dir, "checkpoint", lineage.checkpoint_event_id(manifest.step),
-                       parent=lineage.checkpoint_event_id(int(self.parent[5:])) if self.parent else None,
+        if tier == MEMORY:
+            event, parent = memtier.snapshot_event_id(manifest.step), self._parent_event
+        else:
+            event = lineage.checkpoint_event_id(manifest.step)
+            parent = memtier.snapshot_event_id(manifest.step) if persisted else self._parent_event
+        lineage.record(self.run_dir, "checkpoint", event, parent=parent,
                        step=manifest.step, uri=final.as_uri(), reason=reason, world_size=self.env.world_size,
                        segment=self.segment, save_seconds=round(manifest.save_seconds, 3),
-                       bytes=nbytes, async_save=async_save)
-        log.info("committed %s (%s, %.2f s, %.1f MB)", final.name, reason, manifest.save_seconds, nbytes / 1e6)
+                       bytes=nbytes, async_save=async_save, tier=tier,
+                       **({"persisted_from": MEMORY} if persisted else {}))
+        if not persisted:
+            self._parent_event = event
+        log.info("committed %s%s (%s, %.2f s, %.1f MB)", final.name, " to memory" if tier == MEMORY else
+                 (" (persisted from memory)" if persisted else ""), reason, manifest.save_seconds, nbytes / 1e6)
+        if tier == MEMORY:  # hashed while written, like every save; no re-read of memory
+            assert self.memory is not None
+            memtier.retain(self.memory)
+            return
         self._wait_reread()  # retention must see the previous checkpoint's verification
         pol = self.spec.checkpoint
         apply_retention(self.run_dir, keep_last=pol.keep_last, keep_every=pol.keep_every)
@@ -424,13 +510,19 @@ class Checkpointer:
         if restart is None:
             launch = SegmentLaunch.from_environ()
             restart = bool(launch and launch.restart)
-        candidates = [str(p) for p in reversed(self.run_dir.committed())] if self.env.is_rank0 else None
+        candidates = self._candidates() if self.env.is_rank0 else None
         box = [candidates]
         dist.broadcast_object_list(box, src=0, group=self.env.ctrl_group)
         failed: list[str] = []
         touched = False  # a failed load may have written into the live state
-        for cand in box[0] or []:
+        for cand, tier in box[0] or []:
             path = Path(cand)
+            if tier == MEMORY:
+                ts = self._try_memory(path)
+                touched = touched or ts is not False
+                if isinstance(ts, TrainState):
+                    return ts
+                continue
             problem = self._quick_check(path)
             if problem is not None:  # incomplete or mislabelled: skipped (train --restart moves it aside)
                 if self.env.is_rank0:
@@ -457,18 +549,71 @@ class Checkpointer:
                 "moved aside as step-*.invalid-*; to start over from step 0 run shardkeeper train again with --restart")
         return None
 
+    def _candidates(self) -> list[tuple[str, str]]:
+        """Rank 0: every committed checkpoint of both tiers, newest first; at the same step the memory snapshot
+        first (no storage read). Snapshots of another run or world size are left out, each said in one line."""
+        found = [(parse_step(p.name) or 0, 0, str(p), STORAGE) for p in self.run_dir.committed()]
+        if self.memory is not None:
+            snaps = self.memory.committed()
+            problem = memtier.owner_problem(self.memory, self.run_dir) if snaps else None
+            if problem:
+                log.warning("memory snapshots not used: %s; resuming from storage", problem)
+                snaps = []
+            for p in snaps:
+                try:
+                    m = self._manifest(p)
+                    why = (f"saved at world size {m.topology.world_size}, this segment runs {self.env.world_size}"
+                           if m.topology.world_size != self.env.world_size else
+                           f"written by run {m.run_name!r}, not {self.spec.name!r}" if m.run_name != self.spec.name
+                           else None)
+                except Exception as e:  # an unreadable manifest: the snapshot is not used
+                    why = _load_problem(e)
+                if why:
+                    log.warning("memory snapshot %s not used (%s); resuming from storage", p, why)
+                else:
+                    found.append((parse_step(p.name) or 0, 1, str(p), MEMORY))
+        return [(path, tier) for _step, _mem, path, tier in sorted(found, reverse=True)]
+
+    def _try_memory(self, path: Path) -> TrainState | None | bool:
+        """Load a memory snapshot after the same checks as a storage checkpoint. One that fails them (torn,
+        tampered, another model) is never loaded: rank 0 moves it aside in the memory dir, logs one line, and the
+        next candidate (storage) is tried. Returns the state, None after a failed load attempt, False when
+        nothing was loaded into the live state."""
+        def skip(problem: str | None, attempted: bool) -> None | bool:
+            if self.env.is_rank0:
+                log.error("memory snapshot %s not used: %s; resuming from storage", path, problem)
+                if path.exists():
+                    quarantine(path, "failed its checks")
+            dist.barrier(group=self.env.ctrl_group)
+            return None if attempted else False
+
+        problem = self.verify_files(path)
+        if problem is not None:
+            return skip(problem, False)
+        try:
+            self.check_loadable(path, self._manifest(path))
+        except CheckpointError as e:
+            return skip(str(e), False)
+        ts, problem, ours = self._try_load(path, MEMORY)
+        if ts is not None:
+            return ts
+        if not ours:
+            raise CheckpointError(f"{path}: the memory snapshot's files match their checksums, but it does not load "
+                                  f"into this run ({problem}); resume with the model and world size it fits")
+        return skip(problem, True)
+
     @staticmethod
     def _manifest(path: Path) -> CheckpointManifest:
         from ckpt.manifest import read_manifest
 
         return read_manifest(path)
 
-    def _try_load(self, path: Path) -> tuple[TrainState | None, str | None, bool]:
+    def _try_load(self, path: Path, tier: str = STORAGE) -> tuple[TrainState | None, str | None, bool]:
         """Load ``path``; every rank learns whether any rank failed (one all-gather after the attempt), and
         whether any rank blames the checkpoint's bytes (``checkpoint_at_fault``) rather than the live run."""
         ts, mine = None, None
         try:
-            ts = self.load(path)
+            ts = self.load(path, tier)
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             mine = (_load_problem(e), checkpoint_at_fault(e))
         found: list[tuple[str, bool] | None] = [None] * self.env.world_size
@@ -477,7 +622,7 @@ class Checkpointer:
         if failures:
             blamed = [p for p, ours in failures if ours]
             return None, (blamed or [failures[0][0]])[0], bool(blamed)
-        if self.env.is_rank0:  # every byte was hashed against the manifest before this load
+        if self.env.is_rank0 and tier == STORAGE:  # every byte was hashed against the manifest before this load
             from ckpt.validate import record_verified
 
             record_verified(self.run_dir, path, how="load", bytes_read=sum(f.size for f in self._manifest(path).files))
@@ -518,7 +663,7 @@ class Checkpointer:
         """Quick validation on rank 0, then every rank hashes a share of the files; None if all match."""
         return self._quick_check(path) or self._hash_check(path)
 
-    def load(self, path: Path) -> TrainState:
+    def load(self, path: Path, tier: str = STORAGE) -> TrainState:
         """Load ``path`` into the live model, optimizer and RNG; verify counters and fingerprint, or raise."""
         from ckpt.manifest import read_manifest
 
@@ -535,7 +680,7 @@ class Checkpointer:
         now = self.fingerprint(self.env.ctrl_group, manifest.fingerprint.method)
         fp.require_match(path, manifest.fingerprint, now, exact=exact)
         self.base_model = manifest.base_model  # the run's base model stays recorded; its weights are not read again
-        self._resumed(path, manifest, ts, t0)
+        self._resumed(path, manifest, ts, t0, tier)
         return ts
 
     @staticmethod
@@ -569,10 +714,19 @@ class Checkpointer:
 
             check_restorable(self.extra, path, manifest, self.env.world_size, lambda r: self.read_extras(path, r))
 
-    def _resumed(self, path: Path, manifest: CheckpointManifest, ts: TrainState, t0: float) -> None:
-        """Bookkeeping after a verified load: parent of the next checkpoint, log line, lineage event."""
+    def _resumed(self, path: Path, manifest: CheckpointManifest, ts: TrainState, t0: float,
+                 tier: str = STORAGE) -> None:
+        """Bookkeeping after a verified load: parent of the next checkpoint, log line, lineage event (with the
+        tier it was loaded from)."""
         self.parent = path.name
         self.last_committed_step = ts.step
+        event = memtier.snapshot_event_id(ts.step) if tier == MEMORY else lineage.checkpoint_event_id(ts.step)
+        self._parent_event = event
+        if tier == MEMORY:
+            self.last_memory_step = ts.step
+            self._claimed = True  # resumed from this run's own snapshots
+        if tier == STORAGE or (self.run_dir.checkpoint(ts.step) / "manifest.json").is_file():
+            self.last_storage_step = ts.step
         if self.env.is_rank0:
             seconds = time.perf_counter() - t0
             saved = manifest.topology.world_size
@@ -582,10 +736,10 @@ class Checkpointer:
                        if manifest.source_world_size else "converted")
             else:
                 how = f"saved at world size {saved}"
-            log.info("resumed from %s at step %d (%s, now %d) in %.2f s", path.name, ts.step, how,
-                     self.env.world_size, seconds)
+            log.info("resumed from %s%s at step %d (%s, now %d) in %.2f s", path.name,
+                     " in memory" if tier == MEMORY else "", ts.step, how, self.env.world_size, seconds)
             lineage.record(self.run_dir, "resume", f"resume:segment-{self.segment}",
-                           parent=lineage.checkpoint_event_id(ts.step), step=ts.step, segment=self.segment,
+                           parent=event, step=ts.step, segment=self.segment, tier=tier,
                            from_world_size=saved, to_world_size=self.env.world_size,
                            converted=manifest.reason == "converted", load_seconds=round(seconds, 3))
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from ckpt.fsutil import read_jsonl
 from ckpt.layout import RunDir
 from ckpt.lock import RunLock
+from ckpt.memtier import newest_valid_snapshot
 from ckpt.validate import latest_valid
 from schemas.errors import ShardkeeperError
 from schemas.requests import RunState
@@ -24,7 +25,10 @@ def run_state(run_dir: str | Path) -> RunState:
     exists = rd.spec_path.exists() or bool(rd.committed())
     if not exists:
         return RunState(run_dir=str(rd.root), exists=False)
-    found = latest_valid(rd)
+    found, tier = latest_valid(rd), "storage"
+    snap = newest_valid_snapshot(rd)
+    if snap is not None and (found is None or snap[1].step > found[1].step):
+        found, tier = snap, "memory"
     records = read_jsonl(rd.segments)
     starts = [r for r in records if r.get("event") == "start"]
     locked = RunLock(rd.root).is_locked()
@@ -35,7 +39,7 @@ def run_state(run_dir: str | Path) -> RunState:
     return RunState(
         run_dir=str(rd.root), exists=True, checkpoint=str(found[0]) if found else None,
         step=found[1].step if found else 0,
-        world_size=found[1].topology.world_size if found else None,
+        world_size=found[1].topology.world_size if found else None, tier=tier if found else None,
         last_status=last_status, last_until_step=starts[-1].get("until_step") if starts else None, locked=locked,
     )
 

@@ -134,6 +134,7 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         seg = next_segment_index(rd)
         SegmentReport.clear(rd.root)
         (rd.root / SCRIPT_TRACEBACK_FILE).unlink(missing_ok=True)
+        _persist_memory(spec, rd, sink)  # a snapshot newer than storage that a dead launcher left in memory
         before = _resume_point(rd, seg, restart)
         start_step = before[1].step if before else 0
         append_jsonl(rd.segments, {"event": "start", "segment": seg, "until_step": until_step, "start_step": start_step,
@@ -142,6 +143,7 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s,
                             restart=restart, cancel_check=_or_lease_lost(cancel_check, mirror), data=prepared)
         outcome = launcher.launch(req, sink)
+        _persist_memory(spec, rd, sink)  # before giving up the node: the newest snapshot reaches storage
         result = _segment_result(rd, seg, start_step, topology, outcome)
         if mirror is not None and mirror.lease_lost:  # another writer holds the run on the store now
             result = result.model_copy(update={"status": "failed", "exit_code": RunLockedError.exit_code, "note": None,
@@ -162,6 +164,20 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
 
         return remote_result(remote, result)
     return result
+
+
+def _persist_memory(spec: RunSpec, rd: RunDir, sink: Callable[[str], None]) -> None:
+    """The memory tier's snapshot newer than storage's newest checkpoint (the ranks died after taking it) is
+    validated and persisted to storage; a torn or tampered one never is (one line; storage stays the resume point)."""
+    if spec.checkpoint.memory_interval is None or spec.backend != "fsdp2":
+        return
+    from ckpt.memtier import persist_newer
+
+    final, problem = persist_newer(spec, rd)
+    if problem:
+        sink(f"warning: {problem}")
+    elif final is not None:
+        sink(f"persisted the memory snapshot {final.name} to storage: {final}")
 
 
 def _times_record(times: SegmentTimes | None) -> dict[str, float]:

@@ -1,0 +1,327 @@
+"""The memory tier (checkpoint.memory_interval): snapshot stall, goodput, and recovery after a rank crash.
+
+    nice -n 5 python bench/memtier_bench.py                 # ~10 min on 2 cores; publishes bench/results/memtier.md
+    python bench/memtier_bench.py --layers 1 --target-s 2 --no-publish   # quick smoke run
+
+The ~250M-parameter Llama of bench/goodput_bench.py (``--layers`` decoder layers; 4 -> ~112M parameters), fp32 +
+AdamW, FSDP2 on 2 gloo ranks, snapshots in ``/dev/shm`` (``--memory-dir``), storage under bench/out/memtier.
+
+1. Stall: in the same processes, alternating order, ``--reps`` times each: one host->host copy of the rank's whole
+   state (model + AdamW + counters + RNG) into preallocated buffers, against the training loop's stall of a memory
+   snapshot (``Checkpointer.save(tier='memory')``; its write, hashing and commit run in the background and are
+   waited for outside the timed region). Both barrier-bounded: the slower rank's time.
+2. Goodput: like bench/goodput_bench.py (phases of the same number of steps, alternating): 'ckpt' phases take a
+   memory snapshot every ~``--target-s`` s of training and one storage checkpoint per phase (persisted from its
+   snapshot in the background), 'plain' phases none. The storage checkpoint comes once per phase, far more often
+   than every 5 min: the ratio is a pessimistic bound of goodput with storage every 5 min.
+3. Recovery: a segment (``trainer.segment.run_segment``) with a memory snapshot every 2 steps and a storage
+   checkpoint every 10 (``--crash-*``) is SIGKILLed on rank 1 after the snapshot of step 14 (storage holds step
+   10). Then, from
+   copies of that state, alternating: the next segment from memory, the next segment from storage only (its memory
+   dir empty; the storage files evicted from the page cache first), and a fresh run's first segment (no
+   checkpoint: a fresh process start). Time to first step is from the ranks' process start (the segment's
+   timeline: imports, process group, model build, load, first step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+OUT = ROOT / "bench" / "out" / "memtier"
+GOAL_STALL = 1.05
+GOAL_GOODPUT = 0.98
+GOAL_RECOVERY_S = 2.0
+
+
+def spec_for(layers: int, seq: int, memory_dir: Path, memory_interval: int, interval: int):
+    from goodput_bench import spec_for as goodput_spec
+
+    spec = goodput_spec("fsdp2", layers, seq)
+    ck = spec.checkpoint.model_copy(update={"memory_interval": memory_interval, "memory_dir": str(memory_dir),
+                                            "interval": interval, "keep_last": 2})
+    return spec.model_copy(update={"name": "memtier-bench", "checkpoint": ck})
+
+
+# --------------------------------------------------------------------------------------------- 1 + 2, in process
+def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._state_dict_utils import _copy_state_dict
+
+    from ckpt.layout import RunDir
+    from trainer.checkpointer import TrainState
+    from trainer.dcp_backend import cpu_buffers
+    from trainer.dist import init_distributed
+    from trainer.segment import build_segment
+
+    env = init_distributed()
+    seg = build_segment(RunDir.at(run_dir), 1 << 30, 0, env)
+    group, ck = env.ctrl_group, seg.ckpt
+    seg.start_fresh()
+    ts = TrainState()
+
+    def step() -> None:
+        nonlocal ts
+        seg.train_step(ts.step, None)
+        ts = TrainState(step=ts.step + 1, tokens=ts.tokens + seg.tokens_per_step,
+                        samples=ts.samples + seg.spec.global_batch_size)
+
+    def slowest(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t)
+
+    def timed(fn) -> float:
+        dist.barrier(group=group)
+        t = time.perf_counter()
+        fn()
+        dist.barrier(group=group)
+        return slowest(time.perf_counter() - t)
+
+    for _ in range(warm):
+        step()
+    ck.warm_up(ts)
+    bufs = cpu_buffers(ck.state_dict(ts), pin_memory=False)
+    _copy_state_dict(ck.state_dict(ts), bufs)  # first touch of the reference's pages, as warm_up does for staging
+    copies, stalls = [], []
+    for r in range(reps):
+        for what in (("copy", "snapshot") if r % 2 == 0 else ("snapshot", "copy")):
+            if what == "copy":
+                copies.append(timed(lambda: _copy_state_dict(ck.state_dict(ts), bufs)))
+            else:
+                step()  # a new step for each snapshot
+                stalls.append(timed(lambda: ck.save(ts, reason="interval", tier="memory")))
+                ck.wait()
+    bufs = {}  # the reference copy's buffers are freed before the goodput phases
+    probe = []
+    for _ in range(3):
+        probe.append(timed(step))
+    step_s = statistics.median(probe)
+    k = max(1, round(target_s / step_s))
+    n = saves * k
+    phases = []
+    for _ in range(reps):
+        for mode in ("ckpt", "plain"):
+            phase_stalls = []
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            for i in range(1, n + 1):
+                step()
+                if mode == "ckpt" and i % k == k // 2:
+                    tier = "storage" if i // k == saves // 2 else "memory"
+                    t = time.perf_counter()
+                    ck.save(ts, reason="interval", tier=tier)
+                    phase_stalls.append((tier, time.perf_counter() - t))
+            ck.wait()  # the last snapshot's (or persist's) commit belongs to its phase
+            dist.barrier(group=group)
+            wall = slowest(time.perf_counter() - t0)
+            phases.append({"mode": mode, "steps": n, "wall_s": wall, "stalls": phase_stalls})
+    ck.close()
+    snap = ck.memory.committed()[-1]
+    nbytes = sum(f.stat().st_size for f in snap.rglob("*") if f.is_file())
+    return {"copy_s": copies, "stall_s": stalls, "step_s": step_s, "k": k, "steps_per_phase": n, "phases": phases,
+            "snapshot_bytes": nbytes, "params": sum(p.numel() for p in seg.model.parameters())}
+
+
+# --------------------------------------------------------------------------------------------- 3, segments
+def _kill_after(mem: Path, step: int):
+    def on_start(procs: list) -> None:
+        deadline = time.time() + 1200
+        while time.time() < deadline:
+            if (mem / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file():
+                os.kill(procs[1].pid, signal.SIGKILL)
+                procs[0].join(timeout=30)
+                if procs[0].is_alive():
+                    os.kill(procs[0].pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
+        raise RuntimeError(f"no snapshot of step {step} in time")
+
+    return on_start
+
+
+def _segment(run: Path, until: int, index: int) -> dict:
+    from tests.harness import spawn
+    from trainer.segment import run_segment
+
+    assert spawn(run_segment, 2, str(run), until, index, timeout=1200) == [0, 0]
+    status = json.loads((run / ".segment-status.json").read_text())
+    events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
+    resumes = [e for e in events if e["kind"] == "resume" and e["data"].get("segment") == index]
+    t = status["times"]
+    return {"first_step_s": t["first_step_s"] - (t.get("ranks_started_s") or 0.0),
+            "load_s": (t["loaded_s"] - t["model_built_s"]) if t.get("loaded_s") and t.get("model_built_s") else None,
+            "start_step": status["start_step"], "tier": resumes[-1]["data"].get("tier") if resumes else None}
+
+
+def recovery(args: argparse.Namespace) -> dict:
+    import queue
+
+    from ckpt.fsutil import dump_yaml
+    from ckpt.layout import RunDir
+    from shardkeeper.stages import prepare_run_dir
+    from tests.harness import metrics, spawn
+    from trainer.segment import run_segment
+
+    from benchlib import drop_caches
+
+    base = OUT / "recovery"
+    mem = Path(args.memory_dir) / "recovery"
+    shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(mem, ignore_errors=True)
+    crash_at, mem_k, store_k = args.crash_at, args.crash_memory_interval, args.crash_interval
+    spec = spec_for(args.layers, args.seq, mem, mem_k, store_k)
+    run = base / "crashed"
+    prepare_run_dir(RunDir.at(run), spec)
+    try:
+        spawn(run_segment, 2, str(run), 1 << 20, 0, timeout=20, on_start=_kill_after(mem, crash_at))
+    except queue.Empty:
+        pass
+    trained = max(metrics(run))
+    pristine_mem = base / "mem-pristine"
+    shutil.copytree(mem, pristine_mem)
+    out: dict = {"trained_before_crash": trained, "crash_at": crash_at, "memory_interval": mem_k, "interval": store_k, "memory": [], "storage": [], "fresh": []}
+    for r in range(args.reps):
+        order = ("memory", "storage", "fresh") if r % 2 == 0 else ("fresh", "storage", "memory")
+        for path in order:
+            work = base / f"{path}-{r}"
+            shutil.rmtree(work, ignore_errors=True)
+            wmem = Path(args.memory_dir) / f"{path}-{r}"
+            shutil.rmtree(wmem, ignore_errors=True)
+            ck = spec.checkpoint.model_copy(update={"memory_dir": str(wmem)})
+            wspec = spec.model_copy(update={"checkpoint": ck})
+            if path == "fresh":
+                prepare_run_dir(RunDir.at(work), wspec)
+                out[path].append(_segment(work, 1, 0))
+                shutil.rmtree(wmem, ignore_errors=True)
+                continue
+            shutil.copytree(run, work)
+            if path == "memory":  # the snapshots of the crashed segment, as the node kept them
+                shutil.copytree(pristine_mem, wmem)
+                owner = json.loads((wmem / "tier.json").read_text())
+                owner["run_dir"] = str(RunDir.at(work).root)
+                (wmem / "tier.json").write_text(json.dumps(owner))
+            (work / "run.yaml").write_text(dump_yaml(wspec.model_dump(mode="json")))
+            out["cache"] = drop_caches([p for p in (work / "checkpoints").rglob("*") if p.is_file()])
+            res = _segment(work, trained + 1, 1)
+            res["lost"] = trained - res["start_step"]
+            out[path].append(res)
+            shutil.rmtree(wmem, ignore_errors=True)
+    shutil.rmtree(mem, ignore_errors=True)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- table
+def table(res: dict, rec: dict | None, args: argparse.Namespace) -> str:
+    from benchlib import fmt, md_table
+
+    copy, stall = statistics.median(res["copy_s"]), statistics.median(res["stall_s"])
+    ratio = stall / copy
+    ok = lambda good, miss: "met" if good else f"missed: {miss}"  # noqa: E731
+    ck = [p["wall_s"] for p in res["phases"] if p["mode"] == "ckpt"]
+    plain = [p["wall_s"] for p in res["phases"] if p["mode"] == "plain"]
+    goodput = statistics.median(plain) / statistics.median(ck)
+    period = res["k"] * res["step_s"]
+    rows = [
+        ["memory snapshot stall vs one host->host copy of the state",
+         f"copy {fmt(res['copy_s'], 3)} s; snapshot stall {fmt(res['stall_s'], 3)} s",
+         f"**{ratio:.2f}x** (goal ≤ {GOAL_STALL}x: {ok(ratio <= GOAL_STALL, f'{ratio:.2f}x')})"],
+        [f"goodput, a memory snapshot every {res['k']} steps (~{period:.0f} s), one storage checkpoint per phase "
+         f"(~{res['steps_per_phase'] * res['step_s']:.0f} s)",
+         f"phase wall, no checkpoints {fmt(plain, 1)} s; with {fmt(ck, 1)} s",
+         f"**{goodput:.3f}** (goal ≥ {GOAL_GOODPUT}: {ok(goodput >= GOAL_GOODPUT, f'{GOAL_GOODPUT - goodput:.3f} short')})"],
+    ]
+    notes = [f"{res['params'] / 1e6:.0f}M parameters, a snapshot of {res['snapshot_bytes'] / 1e9:.2f} GB (both ranks), "
+             f"{res['step_s']:.2f} s per step, {len(res['copy_s'])} copies and {len(res['stall_s'])} snapshots alternated, "
+             f"{len(ck)}+{len(plain)} goodput phases alternated; memory dir {args.memory_dir}"]
+    if rec:
+        fresh = [r["first_step_s"] for r in rec["fresh"]]
+        memf = [r["first_step_s"] for r in rec["memory"]]
+        stof = [r["first_step_s"] for r in rec["storage"]]
+        over = statistics.median(memf) - statistics.median(fresh)
+        lost_m = max(r["lost"] for r in rec["memory"])
+        lost_s = max(r["lost"] for r in rec["storage"])
+        rows += [
+            ["rank crash -> training again, from memory (time to first step from process start)",
+             f"{fmt(memf)} s (load {fmt([r['load_s'] for r in rec['memory']])} s); steps lost {lost_m} "
+             f"(memory_interval {rec['memory_interval']}); tier {rec['memory'][0]['tier']}",
+             f"**fresh start + {over:.2f} s** (goal ≤ + {GOAL_RECOVERY_S} s: {ok(over <= GOAL_RECOVERY_S, f'+{over:.2f} s')}); "
+             f"steps lost {ok(lost_m <= rec['memory_interval'], str(lost_m))}"],
+            ["rank crash -> training again, from storage",
+             f"{fmt(stof)} s (load {fmt([r['load_s'] for r in rec['storage']])} s); steps lost {lost_s} "
+             f"(interval {rec['interval']}); "
+             f"tier {rec['storage'][0]['tier']}",
+             f"fresh start + {statistics.median(stof) - statistics.median(fresh):.2f} s"],
+            ["a fresh process start (new run, no checkpoint: the reference)", f"{fmt(fresh)} s", ""],
+        ]
+        notes.append(f"recovery: rank 1 SIGKILLed after the snapshot of step {rec['crash_at']} (storage every "
+                     f"{rec['interval']} steps; "
+                     f"{rec['trained_before_crash']} steps trained by then); {len(fresh)} runs of each path, alternated; "
+                     f"{rec.get('cache', '')}; launched with the spawn harness (no torchrun: its start-up is the same "
+                     "for every path)" + (f"; recovery figures taken from an earlier run of this bench "
+                                                 f"({rec['reused_from']})" if rec.get("reused_from") else ""))
+    return (md_table(["what", "measured (median [min–max])", "result"], rows, "lll") + "\n\n"
+            + "\n".join(f"- {n}" for n in notes))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers (4 -> ~112M parameters)")
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--target-s", type=float, default=5.0, help="seconds of training between memory snapshots")
+    ap.add_argument("--saves", type=int, default=4, help="memory snapshots per goodput phase (one is a storage save)")
+    ap.add_argument("--reps", type=int, default=3, help="alternated repetitions of each measurement")
+    ap.add_argument("--warm", type=int, default=3)
+    ap.add_argument("--memory-dir", default=f"/dev/shm/shardkeeper-bench-{os.getpid()}")
+    ap.add_argument("--no-recovery", action="store_true")
+    ap.add_argument("--recovery-json", help="take part 3 from this earlier run's bench/out/memtier/recovery.json "
+                    "(said in the table) instead of measuring it again")
+    ap.add_argument("--crash-at", type=int, default=14, help="recovery: the snapshot step after which rank 1 is killed")
+    ap.add_argument("--crash-memory-interval", type=int, default=2, help="recovery: checkpoint.memory_interval")
+    ap.add_argument("--crash-interval", type=int, default=10, help="recovery: checkpoint.interval")
+    ap.add_argument("--no-publish", action="store_true")
+    args = ap.parse_args()
+    from ckpt.layout import RunDir
+    from shardkeeper.stages import prepare_run_dir
+    from tests.harness import spawn
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    run, mem = OUT / "inproc", Path(args.memory_dir) / "inproc"
+    shutil.rmtree(run, ignore_errors=True)
+    try:
+        prepare_run_dir(RunDir.at(run), spec_for(args.layers, args.seq, mem, 1 << 20, 1 << 30))
+        res = spawn(worker, 2, str(run), args.warm, args.target_s, args.saves, args.reps, timeout=3600)[0]
+        (OUT / "inproc.json").write_text(json.dumps(res, indent=2))
+        if args.recovery_json:
+            rec = json.loads(Path(args.recovery_json).read_text())
+            rec["reused_from"] = str(args.recovery_json)
+        else:
+            rec = None if args.no_recovery else recovery(args)
+            if rec:
+                (OUT / "recovery.json").write_text(json.dumps(rec, indent=2))
+    finally:
+        shutil.rmtree(args.memory_dir, ignore_errors=True)
+        shutil.rmtree(run, ignore_errors=True)
+    body = table(res, rec, args)
+    if args.no_publish:
+        print(body)
+        return
+    from benchlib import publish
+
+    publish("memtier", body)
+
+
+if __name__ == "__main__":
+    main()

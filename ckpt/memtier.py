@@ -1,0 +1,307 @@
+"""The memory tier: checkpoints in host shared memory (a tmpfs such as /dev/shm) that outlive the rank processes.
+
+A memory snapshot is a checkpoint like any other: the same DCP files, written by the same hashing writer into
+``MEMORY_DIR/checkpoints/step-XXXXXXXX.partial/`` and committed by the same protocol (manifest with checksums
+and fingerprint, atomic rename). Only its place differs, so every reader that validates a storage checkpoint
+validates a snapshot the same way. ``MEMORY_DIR/tier.json`` names the run directory the snapshots belong to:
+another run's snapshots are never loaded nor persisted.
+
+What this module holds (no torch needed): where a run's memory tier lives, whose it is, its retention (the
+newest ``KEEP`` snapshots), the copy of a snapshot's files into a storage ``.partial`` (hashed on the way, so a
+byte that changed in memory is never persisted), the controller's persist of a snapshot newer than storage after
+a segment died, and the preflight's capacity check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import xxhash
+
+from ckpt.fsutil import atomic_write_json, fsync_dir, fsync_file, mkdir_durable
+from ckpt.layout import DELETING_SUFFIX, RunDir, parse_step
+from schemas import MANIFEST_NAME, CheckpointManifest, FileEntry, RunSpec
+from schemas.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+KEEP = 2  # snapshots kept in memory: the newest, and the one before it while the next is written
+OWNER_NAME = "tier.json"
+DEFAULT_ROOT = Path("/dev/shm/shardkeeper")
+MEMORY = "memory"
+STORAGE = "storage"
+_CHUNK = 8 << 20
+
+
+def run_id(spec: RunSpec, run_dir: RunDir) -> str:
+    """The run's name and a hash of its run directory: two runs never share a default memory dir."""
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec.name)[:64]
+    return f"{name}-{hashlib.sha256(str(run_dir.root).encode()).hexdigest()[:12]}"
+
+
+def memory_root(spec: RunSpec, run_dir: RunDir) -> Path | None:
+    """Where the run's memory tier lives; None when checkpoint.memory_interval is off."""
+    pol = spec.checkpoint
+    if pol.memory_interval is None:
+        return None
+    return Path(pol.memory_dir).absolute() if pol.memory_dir else DEFAULT_ROOT / run_id(spec, run_dir)
+
+
+def memory_run_dir(spec: RunSpec, run_dir: RunDir) -> RunDir | None:
+    root = memory_root(spec, run_dir)
+    return RunDir(root) if root is not None else None
+
+
+def memory_of(run_dir: RunDir) -> RunDir | None:
+    """The memory tier of a run directory, from its run.yaml (None when off, or when run.yaml is unreadable)."""
+    from ckpt.fsutil import load_yaml
+
+    try:
+        spec = RunSpec.model_validate(load_yaml(run_dir.spec_path.read_text()))
+    except Exception:  # noqa: BLE001 - a reader (status, dashboard) shows storage then
+        return None
+    return memory_run_dir(spec, run_dir)
+
+
+def newest_valid_snapshot(run_dir: RunDir) -> tuple[Path, CheckpointManifest] | None:
+    """A reader's view (status, dashboard): the run's newest snapshot in memory that passes quick validation."""
+    from ckpt.validate import latest_valid
+
+    mem = memory_of(run_dir)
+    if mem is None or not mem.checkpoints.is_dir() or owner_problem(mem, run_dir):
+        return None
+    return latest_valid(mem)
+
+
+def snapshot_event_id(step: int) -> str:
+    """The lineage id of a memory snapshot (a storage checkpoint of the same step is ``checkpoint:step-...``)."""
+    return f"checkpoint:step-{step:08d}@memory"
+
+
+# ----------------------------------------------------------------------------------------------- ownership
+def owner_problem(mem: RunDir, run_dir: RunDir) -> str | None:
+    """None when the memory dir's snapshots are this run's; else one line naming whose they are."""
+    path = mem.root / OWNER_NAME
+    try:
+        owner = json.loads(path.read_text())
+    except FileNotFoundError:
+        return f"{path}: missing; the snapshots there belong to no known run"
+    except (OSError, ValueError) as e:
+        return f"{path}: unreadable ({e})"
+    if owner.get("run_dir") != str(run_dir.root):
+        return f"{mem.root} holds snapshots of the run in {owner.get('run_dir')!r}, not of {run_dir.root}"
+    return None
+
+
+def claim(mem: RunDir, run_dir: RunDir) -> None:
+    """Before the first snapshot: make the memory dir this run's. Another run's snapshots there are removed
+    (they could never be loaded into this run), said in one line."""
+    mkdir_durable(mem.checkpoints)
+    if owner_problem(mem, run_dir) is None:
+        return
+    if (mem.root / OWNER_NAME).exists():
+        log.warning("%s; removing them: this run's snapshots go there now", owner_problem(mem, run_dir))
+    for p in mem.checkpoints.iterdir():
+        shutil.rmtree(p, ignore_errors=True)
+    atomic_write_json(mem.root / OWNER_NAME, {"run_dir": str(run_dir.root)})
+
+
+def retain(mem: RunDir, keep: int = KEEP) -> list[Path]:
+    """Keep the newest ``keep`` committed snapshots; remove older ones, and every leftover (partial, set aside,
+    half-deleted) older than the newest snapshot."""
+    committed = mem.committed()
+    newest = parse_step(committed[-1].name) if committed else None
+    doomed = committed[:-keep] if keep else committed
+    if newest is not None:
+        for p in mem.checkpoints.iterdir():
+            base = p.name.split(".", 1)[0]
+            step = parse_step(base)
+            if p.name != base and step is not None and step < newest:
+                doomed.append(p)
+    for p in doomed:
+        trash = p if p.name.endswith(DELETING_SUFFIX) else p.with_name(p.name + DELETING_SUFFIX)
+        try:
+            if trash != p:
+                p.rename(trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        except OSError as e:  # a reader may hold it: retried at the next snapshot
+            log.debug("memory retention: %s stays for now: %s", p.name, e)
+    return doomed
+
+
+# ----------------------------------------------------------------------------------------------- persisting
+def copy_verified(src: Path, dst: Path, files: list[FileEntry]) -> str | None:
+    """Copy ``files`` from snapshot ``src`` into ``dst`` (a storage ``.partial``), hashing the bytes read and
+    fsyncing each file: one line when a file's size or checksum differs from the snapshot's manifest (nothing
+    changed in memory is ever persisted), None when all copied."""
+    for f in files:
+        s, d = src / f.path, dst / f.path
+        try:
+            d.parent.mkdir(parents=True, exist_ok=True)
+            h = xxhash.xxh3_128()
+            size = 0
+            with open(s, "rb") as fin, open(d, "wb") as fout:
+                while chunk := fin.read(_CHUNK):
+                    h.update(chunk)
+                    fout.write(chunk)
+                    size += len(chunk)
+                fout.flush()
+                os.fsync(fout.fileno())
+        except OSError as e:
+            return f"{s}: could not be persisted to {dst} ({e.strerror or e}); nothing was committed from it"
+        if (size, h.hexdigest()) != (f.size, f.xxh3_128):
+            return f"{s}: differs from its snapshot's manifest (size or checksum); the snapshot is not persisted"
+    return None
+
+
+def persist_snapshot(snapshot: Path, run_dir: RunDir) -> Path:
+    """One process (the controller): copy a validated snapshot's files into the storage ``.partial``, then its
+    manifest, rename, fsync the parent: the storage checkpoint of the same step. Raises OSError/ValueError on a
+    failure (the ``.partial`` is removed; nothing is committed)."""
+    from ckpt.manifest import read_manifest
+
+    manifest = read_manifest(snapshot)
+    step = manifest.step
+    partial, final = run_dir.partial(step), run_dir.checkpoint(step)
+    if partial.exists():
+        shutil.rmtree(partial)
+    mkdir_durable(partial)
+    try:
+        problem = copy_verified(snapshot, partial, manifest.files)
+        if problem:
+            raise ValueError(problem)
+        tmp = partial / (MANIFEST_NAME + ".tmp")
+        shutil.copyfile(snapshot / MANIFEST_NAME, tmp)
+        fsync_file(tmp)
+        os.rename(tmp, partial / MANIFEST_NAME)
+        fsync_dir(partial)
+        if final.exists():
+            from ckpt.fsutil import quarantine
+
+            quarantine(final, "a snapshot of the same step is persisted")
+        os.rename(partial, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return final
+
+
+def newest_snapshot(mem: RunDir, run_dir: RunDir) -> tuple[Path | None, str | None]:
+    """The newest committed snapshot of this run, or (None, why not) -- another run's, none at all."""
+    if not mem.checkpoints.is_dir():
+        return None, None
+    committed = mem.committed()
+    if not committed:
+        return None, None
+    problem = owner_problem(mem, run_dir)
+    if problem:
+        return None, problem
+    return committed[-1], None
+
+
+def persist_newer(spec: RunSpec, run_dir: RunDir) -> tuple[Path | None, str | None]:
+    """The controller, after its segment's ranks exited (any outcome) or before a segment starts: a memory
+    snapshot newer than storage's newest valid checkpoint is validated (every checksum) and persisted to
+    storage, with its lineage event. Returns (the new storage checkpoint, None), (None, one line why a snapshot
+    was not persisted), or (None, None) when there is nothing newer."""
+    from ckpt import lineage
+    from ckpt.validate import latest_valid, validate
+
+    mem = memory_run_dir(spec, run_dir)
+    if mem is None:
+        return None, None
+    snap, problem = newest_snapshot(mem, run_dir)
+    if snap is None:
+        return None, (f"memory snapshot not persisted: {problem}; storage's checkpoint is the resume point"
+                      if problem else None)
+    found = latest_valid(run_dir)
+    stored = found[1].step if found else -1
+    step = parse_step(snap.name) or 0
+    if step <= stored:
+        return None, None
+    report = validate(snap, deep=True)
+    if not report.valid:
+        return None, (f"memory snapshot {snap} not persisted: {report.errors[0]}; storage's "
+                      f"{found[0].name if found else 'start of the run'} is the resume point")
+    try:
+        final = persist_snapshot(snap, run_dir)
+    except (OSError, ValueError) as e:
+        return None, f"memory snapshot {snap} not persisted: {e}"
+    from ckpt.manifest import read_manifest
+
+    manifest: CheckpointManifest = read_manifest(final)
+    lineage.record(run_dir, "checkpoint", lineage.checkpoint_event_id(step), parent=snapshot_event_id(step),
+                   step=step, uri=final.as_uri(), reason=manifest.reason, world_size=manifest.topology.world_size,
+                   segment=manifest.segment, tier=STORAGE, persisted_from=MEMORY, persisted_by="launcher",
+                   bytes=sum(f.size for f in manifest.files))
+    log.info("persisted the memory snapshot %s to storage (%s)", snap.name, final)
+    return final, None
+
+
+# ----------------------------------------------------------------------------------------------- capacity
+def check_memory_tier(spec: RunSpec, run_dir: RunDir, *, state_bytes: float | None, ranks_on_node: int,
+                      here: bool = True) -> None:
+    """Preflight of checkpoint.memory_interval (one line each, nothing written): the fsdp2 backend only; the
+    memory dir (or its nearest existing parent) is a writable directory; two snapshots of every rank on the
+    node (``state_bytes`` each: what one rank's checkpoint holds) fit its free space. ``here``: the ranks run on
+    this host (else only the backend is checked)."""
+    root = memory_root(spec, run_dir)
+    if root is None:
+        return
+    where = "checkpoint.memory_dir" if spec.checkpoint.memory_dir else f"checkpoint.memory_dir (default {root})"
+    if spec.backend != "fsdp2":
+        raise ConfigError(f"checkpoint.memory_interval: the memory tier checkpoints the fsdp2 backend only (this run is "
+                          f"{spec.backend}); remove checkpoint.memory_interval or use backend: fsdp2")
+    if not here:
+        return
+    if not spec.checkpoint.memory_dir and not DEFAULT_ROOT.parent.is_dir():
+        raise ConfigError(f"{where}: {DEFAULT_ROOT.parent} is missing, the memory tier has nowhere to write; mount a "
+                          "tmpfs there (docker: --shm-size), set checkpoint.memory_dir to a tmpfs directory, or remove "
+                          "checkpoint.memory_interval")
+    probe = root if root.exists() else next((p for p in root.parents if p.exists()), Path("/"))
+    if not probe.is_dir():
+        raise ConfigError(f"{where}: {probe} is not a directory; set checkpoint.memory_dir to a directory on a tmpfs "
+                          "(e.g. under /dev/shm)")
+    if not os.access(probe, os.W_OK | os.X_OK) or _read_only(probe):
+        raise ConfigError(f"{where}: {probe} is missing or read-only, the memory tier cannot write there; mount a "
+                          "writable /dev/shm (docker: --shm-size), set checkpoint.memory_dir to a writable tmpfs "
+                          "directory, or remove checkpoint.memory_interval")
+    if state_bytes is None:
+        return
+    st = os.statvfs(probe)
+    free = st.f_bavail * st.f_frsize
+    held = _held_bytes(root)  # this run's own snapshots are replaced, their room counts as free
+    need = 2 * ranks_on_node * state_bytes
+    if need > free + held:
+        gib = 1 << 30
+        raise ConfigError(
+            f"{where}: two memory snapshots of {ranks_on_node} rank(s) need ~{need / gib:.2f} GiB, but {probe} has "
+            f"{(free + held) / gib:.2f} GiB free; enlarge it (docker/podman: --shm-size={max(1, int(need * 1.25 / gib) + 1)}g; "
+            "Kubernetes: an emptyDir with medium Memory), set checkpoint.memory_dir to a larger tmpfs, or remove "
+            "checkpoint.memory_interval")
+
+
+def _read_only(path: Path) -> bool:
+    """Whether ``path`` lies on a read-only mount (which os.access does not see for root); writes nothing."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return True
+
+
+def _held_bytes(root: Path) -> int:
+    total = 0
+    if root.is_dir():
+        for dirpath, _dirs, files in os.walk(root):
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(dirpath, f)).st_size
+                except OSError:
+                    pass
+    return total
