@@ -270,7 +270,8 @@ class Segment:
                     log0(env, "%s", line)
             if self._nonfinite_logged() and self._nonfinite_first is None:
                 self._nonfinite_first = (ts.step, self._row.get("loss", math.nan), self._row.get("grad_norm", 0.0))
-            saves = ts.step >= self.until_step or ts.step % self.spec.checkpoint.interval == 0
+            saves = (ts.step >= self.until_step or ts.step % self.spec.checkpoint.interval == 0
+                     or bool(memory_interval and ts.step % memory_interval == 0))  # a snapshot commits too
             stop, nonfinite = self._agree(saves)
             if nonfinite:  # a script logged a NaN/Inf loss or gradient norm on some rank: never committed
                 raise SegmentStopped(self.end_nonfinite(self._nonfinite_step()))
