@@ -47,8 +47,10 @@ def commands(a: argparse.Namespace, gpus: int) -> dict[str, tuple[list[str] | No
                      "--batch", str(16 * gpus), "--saves", "2", "--reps", "1", "--warm", "3",
                      "--target-s", str(a.goodput_target_s)], 240,
                     "goodput, FSDP2" + (" and DeepSpeed" if have_ds else " (DeepSpeed is not installed)")),
-        "memtier": (([py, "bench/memtier_bench.py", "--device", "cuda", "--reps", "1"] if memtier else None), 120,
-                    "in-memory tier: snapshot stall and crash -> restart" if memtier else
+        "memtier": (([py, "bench/memtier_bench.py", "--device", "cuda", "--reps", "1"] if memtier and gpus >= 2
+                     else None), 180,
+                    "in-memory tier: snapshot stall, goodput, crash -> restart" if memtier and gpus >= 2 else
+                    f"in-memory tier: needs 2 GPUs for its 2-rank segments ({gpus} here)" if memtier else
                     "no bench/memtier_bench.py in this checkout"),
         "recovery": (([py, "bench/recovery_bench.py", "--device", "cuda", "--reps", "1", "--layers", "16"]
                       if gpus >= 2 else None), 240,

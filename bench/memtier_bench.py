@@ -2,6 +2,7 @@
 
     nice -n 5 python bench/memtier_bench.py                 # ~10 min on 2 cores; publishes bench/results/memtier.md
     python bench/memtier_bench.py --layers 1 --target-s 2 --no-publish   # quick smoke run
+    python bench/memtier_bench.py --device cuda --reps 1    # on a GPU node (make gpu-check): memtier-gpu.md
 
 The ~250M-parameter Llama of bench/goodput_bench.py (``--layers`` decoder layers; 4 -> ~112M parameters), fp32 +
 AdamW, FSDP2 on 2 gloo ranks, snapshots in ``/dev/shm`` (``--memory-dir``), storage under bench/out/memtier.
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+DEVICE = "cpu"  # --device: the spawned ranks' device (cuda: one GPU per rank, NCCL; the copy is device->host)
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -93,7 +95,7 @@ def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> d
     for _ in range(warm):
         step()
     ck.warm_up(ts)
-    bufs = cpu_buffers(ck.state_dict(ts), pin_memory=False)
+    bufs = cpu_buffers(ck.state_dict(ts), pin_memory=env.device.type == "cuda")  # the snapshot's own kind of buffers
     _copy_state_dict(ck.state_dict(ts), bufs)  # first touch of the reference's pages, as warm_up does for staging
     copies, stalls = [], []
     for r in range(reps):
@@ -156,7 +158,7 @@ def _segment(run: Path, until: int, index: int) -> dict:
     from tests.harness import spawn
     from trainer.segment import run_segment
 
-    assert spawn(run_segment, 2, str(run), until, index, timeout=1200) == [0, 0]
+    assert spawn(run_segment, 2, str(run), until, index, timeout=1200, device=DEVICE) == [0, 0]
     status = json.loads((run / ".segment-status.json").read_text())
     events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
     resumes = [e for e in events if e["kind"] == "resume" and e["data"].get("segment") == index]
@@ -186,7 +188,7 @@ def recovery(args: argparse.Namespace) -> dict:
     run = base / "crashed"
     prepare_run_dir(RunDir.at(run), spec)
     try:
-        spawn(run_segment, 2, str(run), 1 << 20, 0, timeout=20, on_start=_kill_after(mem, crash_at))
+        spawn(run_segment, 2, str(run), 1 << 20, 0, timeout=20, on_start=_kill_after(mem, crash_at), device=DEVICE)
     except queue.Empty:
         pass
     trained = max(metrics(run))
@@ -292,7 +294,17 @@ def main() -> None:
     ap.add_argument("--crash-memory-interval", type=int, default=2, help="recovery: checkpoint.memory_interval")
     ap.add_argument("--crash-interval", type=int, default=10, help="recovery: checkpoint.interval")
     ap.add_argument("--no-publish", action="store_true")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: 2 GPUs (one per rank), NCCL")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            print(f"error: --device cuda: the 2-rank segments need 2 GPUs, {torch.cuda.device_count()} visible",
+                  file=sys.stderr)
+            sys.exit(2)
     from ckpt.layout import RunDir
     from shardkeeper.stages import prepare_run_dir
     from tests.harness import spawn
@@ -302,7 +314,7 @@ def main() -> None:
     shutil.rmtree(run, ignore_errors=True)
     try:
         prepare_run_dir(RunDir.at(run), spec_for(args.layers, args.seq, mem, 1 << 20, 1 << 30))
-        res = spawn(worker, 2, str(run), args.warm, args.target_s, args.saves, args.reps, timeout=3600)[0]
+        res = spawn(worker, 2, str(run), args.warm, args.target_s, args.saves, args.reps, timeout=3600, device=DEVICE)[0]
         (OUT / "inproc.json").write_text(json.dumps(res, indent=2))
         if args.recovery_json:
             rec = json.loads(Path(args.recovery_json).read_text())
@@ -320,7 +332,7 @@ def main() -> None:
         return
     from benchlib import publish
 
-    publish("memtier", body)
+    publish("memtier" + ("-gpu" if DEVICE == "cuda" else ""), body)
 
 
 if __name__ == "__main__":
