@@ -13,13 +13,14 @@ it) and the same cache state; medians (min–max); timings are barrier-bounded (
 
 * save: parallel ``dd oflag=direct conv=fsync`` with ranks × threads streams (the device yardstick at our
   writers' parallelism) and single-stream dd, in the same rep loop as the saves; ``dcp.save`` vs ours
-  (fsync, xxh3, manifest, commit) vs ours with hashing off (the checksum cost).
+  (fsync, xxh3, manifest, commit) vs ours as it was before (one buffer per file, synchronous writes) vs ours
+  with hashing off (the checksum cost).
 * stall: a real training loop (FSDP2, AdamW) with the real Checkpointer: steps with and without a save,
   (a) the first save of a fresh run, (b) a save while the previous one is still in flight, (c) steady
   state; the same for ``dcp.async_save``; and one in-memory copy of the state measured the same way.
-* load: ``Checkpointer.load_latest`` (what resume does: quick validation, every checksum, load,
-  fingerprint) vs ``dcp.load`` + ``set_state_dict`` of the same checkpoint, page cache dropped before
-  each, at the same world size and from a checkpoint written at 4 ranks.
+* load: ``Checkpointer.load_latest`` (what resume does: quick validation, a one-pass load that checks every
+  checksum while it reads, fingerprint) vs ``dcp.load`` + ``set_state_dict`` of the same checkpoint, page cache
+  dropped before each, at the same world size and from a checkpoint written at 4 ranks.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
 
     env, spec, model, opt, ck = setup(small, run_dir)
     g, threads, rd = env.ctrl_group, spec.checkpoint.io_threads, Path(run_dir)
-    res: dict = {k: [] for k in ("dcp", "ours", "nohash", "dd_par", "dd_one")}
+    res: dict = {k: [] for k in ("dcp", "ours", "before", "nohash", "dd_par", "dd_one")}
     step = iter(range(1, 10_000))
 
     def clean() -> None:
@@ -151,11 +152,11 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
     def plain() -> None:
         dcp.save(plain_sd(model, opt), storage_writer=FileSystemWriter(rd / f"plain-{next(step)}", thread_count=threads))
 
-    def ours(hashing: bool):
+    def ours(hashing: bool, pipelined: bool = True):
         def go() -> None:
-            _HashingDirectStream.hashing = hashing
+            _HashingDirectStream.hashing, _HashingDirectStream.pipelined = hashing, pipelined
             ck.save(TrainState(step=next(step)), reason="interval", blocking=True)
-            _HashingDirectStream.hashing = True
+            _HashingDirectStream.hashing, _HashingDirectStream.pipelined = True, True
         return go
 
     # With hashing off the manifest's digests are not the bytes', so that save's post-commit re-read logs a
@@ -166,7 +167,7 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
 
     nbytes = 0
     for i in range(reps + 1):  # rep 0 is the warm-up of each side, not counted
-        for name, fn in (("dcp", plain), ("ours", ours(True)), ("nohash", ours(False))):
+        for name, fn in (("dcp", plain), ("ours", ours(True)), ("before", ours(True, False)), ("nohash", ours(False))):
             dt = timed(fn, g)
             settle()
             if name == "ours":
@@ -296,11 +297,15 @@ def load_worker(small: bool, runs: dict, reps: int) -> dict:
     g = env.ctrl_group
     cks = {k: DCPCheckpointer(RunDir.at(d), spec, model, opt, env, segment=1, signature=ck0.signature)
            for k, d in runs.items()}
+    two = {k: DCPCheckpointer(RunDir.at(d), spec, model, opt, env, segment=1, signature=ck0.signature)
+           for k, d in runs.items()}
+    for ck in two.values():  # as before the one-pass load: every file hashed first, then the load reads it again
+        ck.ONE_PASS = False
     out: dict = {}
     phases: dict = {}
     state = {"which": ""}
     for ck in cks.values():  # time load_latest's parts too, without changing what it does
-        for name in ("_quick_check", "_hash_check", "load"):
+        for name in ("_quick_check", "_hash_check", "load"):  # _hash_check: only a backend without one-pass loads
             def wrapped(*a, _f=getattr(ck, name), _n=name, **kw):
                 t = time.perf_counter()
                 try:
@@ -309,11 +314,11 @@ def load_worker(small: bool, runs: dict, reps: int) -> dict:
                     phases.setdefault(f"{_n}_{state['which']}", []).append(time.perf_counter() - t)
             setattr(ck, name, wrapped)
 
-    def ours(which: str):
+    def ours(which: str, pick: dict | None = None):
         def go() -> None:
-            state["which"] = which
+            state["which"] = which if pick is None else f"twopass_{which}"
             forget_known()  # as in a new segment's process: nothing validated before
-            ts = cks[which].load_latest(restart=False)
+            ts = (pick or cks)[which].load_latest(restart=False)
             assert ts is not None and ts.step == {"same": 2, "other": 3}[which], ts
         return go
 
@@ -330,7 +335,7 @@ def load_worker(small: bool, runs: dict, reps: int) -> dict:
     files = [f for d in runs.values() for f in sorted((Path(d) / "checkpoints").glob("step-*"))[-1].iterdir()]
     for i in range(reps + 1):  # round 0 warms both sides, not counted
         for which in ("same", "other"):
-            for side, fn in (("ours", ours(which)), ("dcp", plain(which))):
+            for side, fn in (("ours", ours(which)), ("dcp", plain(which)), ("twopass", ours(which, two))):
                 if env.is_rank0:
                     cache = drop_caches(files)
                 dist.barrier(group=g)
@@ -369,13 +374,20 @@ def table(s: dict, st: dict, ld: dict, reps: dict) -> str:
          f"{fmt(s['ours'])} s; {med(s['dcp']) / sync:.2f}x faster than dcp.save; last phases "
          + ", ".join(f"{k} {v:.2f}" for k, v in s["phases"].items()),
          goal(ours_rate >= 0.8 * dd_par, f"{ours_rate / dd_par:.2f}x parallel dd (goal ≥ 0.8x)")],
+    ]
+    if s.get("before"):
+        rows.append(["shardkeeper save, before: one buffer per file, xxh3 of the source, synchronous writes",
+                     f"{fmt([gb / t for t in s['before']])} GB/s",
+                     f"{fmt(s['before'])} s; now/before paired {fmt([b / a for a, b in zip(s['ours'], s['before'])])}x "
+                     "faster", ""])
+    rows += [
         ["checksum cost (ours with vs without xxh3, paired reps)", f"{fmt(hash_pct, 1)} %",
          f"with {fmt(s['ours'])} s, without {fmt(s['nohash'])} s",
          goal(med(hash_pct) <= 10, f"{med(hash_pct):+.1f} % (goal ≤ 10 %)")],
     ]
-    sync_loop = med(st["sync"])
-    plain_step = med(st["plain_step"])
-    for kind, label in (("ours", "shardkeeper async"), ("dcp", "plain dcp.async_save")):
+    sync_loop = med(st["sync"]) if st else 0.0
+    plain_step = med(st["plain_step"]) if st else 0.0
+    for kind, label in (("ours", "shardkeeper async"), ("dcp", "plain dcp.async_save")) if st else ():
         first, infl = st[f"{kind}_first"]["stall_s"], st[f"{kind}_inflight"]["stall_s"]
         steady = st[f"{kind}_steady"]
         rows += [
@@ -393,26 +405,36 @@ def table(s: dict, st: dict, ld: dict, reps: dict) -> str:
              "" if kind == "dcp" else goal(med(steady) <= 0.1 * sync_loop, "≤ 10 % of a sync save")],
         ]
     rows += [["one in-memory copy of the state (the floor of any async stall)", f"{fmt(st['copy'])} s",
-              f"sync save in the same loop {fmt(st['sync'])} s; plain step {fmt(st['plain_step'])} s", ""]]
+              f"sync save in the same loop {fmt(st['sync'])} s; plain step {fmt(st['plain_step'])} s", ""]] if st else []
     ph = ld["phases"]
     for which, label in (("same", "2 -> 2"), ("other", "4 -> 2")):
         ours, plain = ld[f"ours_{which}"], ld[f"dcp_{which}"]
         rows.append([f"resume ({label}): Checkpointer.load_latest", f"{fmt(ours)} s",
-                     f"{med(ours) / med(plain):.2f}x dcp.load", ""])
+                     f"{med(ours) / med(plain):.2f}x dcp.load (paired rounds: "
+                     f"{fmt([a / b for a, b in zip(ours, plain)])}x)",
+                     goal(med(ours) <= 1.15 * med(plain), f"{med(ours) / med(plain):.2f}x (goal ≤ 1.15x)")])
         rows.append([f"resume ({label}): plain dcp.load + set_state_dict", f"{fmt(plain)} s", "no checks", ""])
+        if ld.get(f"twopass_{which}"):
+            two = ld[f"twopass_{which}"]
+            rows.append([f"resume ({label}): load_latest before one-pass (hash every file, then load)", f"{fmt(two)} s",
+                         f"{med(two) / med(plain):.2f}x dcp.load; one-pass/two-pass paired "
+                         f"{fmt([a / b for a, b in zip(ours, two)])}x", ""])
     ratio = med(ld["ours_other"]) / med(ld["ours_same"])
     rows.append(["load_latest, other size vs same size", f"{ratio:.2f}x", "",
                  goal(ratio <= 1.2, f"{ratio:.2f}x (goal ≤ 1.2x)")])
     body = md_table(["measure", "value (median (min–max))", "notes", "goal"], rows)
     body += (f"\n\nModel {s['params'] / 1e6:.0f}M parameters, checkpoint {gb:.2f} GB (fp32 weights + AdamW moments), "
              f"{w} ranks × {th} writer threads. Repetitions: save part {reps['save']} alternated rounds after one "
-             f"warm-up round; stall part {reps['stall']} steady rounds (a and b are single events of a fresh run); "
-             f"load part {reps['load']} alternated rounds after a warm-up round, {ld['cache']}. load_latest's parts "
+             f"warm-up round; "
+             + (f"stall part {reps['stall']} steady rounds (a and b are single events of a fresh run); " if st else "")
+             + f"load part {reps['load']} alternated rounds after a warm-up round, {ld['cache']}. load_latest's parts "
              "(median s, 2 -> 2 / 4 -> 2): quick validation (manifest, layout, every file's size; first sight) "
              + " / ".join(f"{med(ph['_quick_check_' + w]):.2f}" for w in ("same", "other"))
-             + ", xxh3 of every file against the manifest (ranks share the files) "
-             + " / ".join(f"{med(ph['_hash_check_' + w]):.2f}" for w in ("same", "other"))
-             + ", dcp.load + set_state_dict + counters + fingerprint "
+             + ((", xxh3 of every file against the manifest (ranks share the files) "
+                 + " / ".join(f"{med(ph['_hash_check_' + w]):.2f}" for w in ("same", "other")))
+                if all(ph.get("_hash_check_" + w) for w in ("same", "other")) else "")
+             + ", one-pass load (dcp.load hashing every byte as it reads it, verified by every rank before the "
+               "live state is written) + set_state_dict + counters + fingerprint "
              + " / ".join(f"{med(ph['load_' + w]):.2f}" for w in ("same", "other")) + ".")
     return body
 
@@ -445,20 +467,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="counted repetitions of each side (after a warm-up)")
     ap.add_argument("--between", type=int, default=2, help="training steps while a steady-state save writes")
     ap.add_argument("--small", action="store_true", help="smoke run on a tiny model; publishes nothing")
+    ap.add_argument("--storage", action="store_true",
+                    help="publish the save and load parts alone (bench/results/checkpoint-storage.md)")
     args = ap.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     for part in PARTS if args.part == "all" else (() if args.part == "table" else (args.part,)):
         run_part(part, args)
     found = {p: json.loads((OUT / f"{p}.json").read_text()) for p in PARTS if (OUT / f"{p}.json").is_file()}
-    if len(found) < len(PARTS) or len({r["small"] for r in found.values()}) != 1:
-        print("table: run every part (at the same size) first", file=sys.stderr)
+    # The storage path alone (save and load, no stall part): published as checkpoint-storage
+    parts = PARTS if len(found) == len(PARTS) else ("save", "load") if args.storage else PARTS
+    if any(p not in found for p in parts) or len({found[p]["small"] for p in parts}) != 1:
+        print("table: run every part (at the same size) first, or --storage after save and load", file=sys.stderr)
         return 0 if args.part != "table" else 1
-    body = table(found["save"], found["stall"], found["load"], {p: found[p]["reps"] for p in PARTS})
-    cmds = "; ".join(" ".join(["python", "bench/checkpoint_bench.py", *found[p]["argv"][1:]]) for p in PARTS)
+    body = table(found["save"], found.get("stall") if "stall" in parts else None, found["load"],
+                 {p: found[p]["reps"] for p in parts})
+    cmds = "; ".join(" ".join(["python", "bench/checkpoint_bench.py", *found[p]["argv"][1:]]) for p in parts)
     if args.small:
         print(body)
         return 0
-    publish("checkpoint", body + f"\n\nParts measured by: `{cmds}`.")
+    publish("checkpoint" if "stall" in parts else "checkpoint-storage", body + f"\n\nParts measured by: `{cmds}`.")
     return 0
 
 

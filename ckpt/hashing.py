@@ -8,6 +8,8 @@ from pathlib import Path
 
 import xxhash
 
+from schemas.errors import CheckpointError
+
 _CHUNK = 8 << 20
 
 
@@ -33,3 +35,14 @@ def hash_files(paths: list[Path], threads: int = 2) -> dict[Path, tuple[int, str
         return {}
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths)))) as pool:
         return dict(zip(paths, pool.map(hash_file, paths)))
+
+
+class ChecksumMismatch(CheckpointError):
+    """A file's bytes do not match the size and xxh3-128 its manifest lists."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        super().__init__(mismatch_message(path))
+
+
+def mismatch_message(path: str | os.PathLike[str]) -> str:
+    return f"{path}: checksum mismatch; the file is corrupted"

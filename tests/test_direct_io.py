@@ -76,3 +76,22 @@ def test_a_short_file_is_truncated_to_its_real_length(tmp_path: Path) -> None:
     size, digest = write_hashed(tmp_path / "s.json", lambda f: f.write(b'{"step": 3}'))
     assert (tmp_path / "s.json").read_bytes() == b'{"step": 3}' and size == 11
     assert hash_file(tmp_path / "s.json") == (size, digest)
+
+
+def test_a_write_failing_in_the_background_fails_the_file_and_leaks_nothing(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full buffer is written by a pool thread while the next one fills: its ENOSPC still fails the file."""
+    real_write, calls = os.write, []
+
+    def write(fd: int, data: object) -> int:
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(dio.os, "write", write)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError) as e:
+        save_torch(tmp_path / "x.pt", _payload())
+    assert e.value.errno == errno.ENOSPC and len(calls) >= 2
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -14,7 +14,9 @@ background and records it as verified (ckpt.validate.reread_and_record); retenti
 Not after a preemption's checkpoint: the ranks must exit within the grace period, and the next load hashes
 every byte anyway (and records it verified then).
 
-Load: the newest checkpoint that passes the quick checks and every checksum is loaded; if the load fails
+Load: the newest checkpoint that passes the quick checks and every checksum is loaded (a one-pass backend
+checks the checksums while it reads, and writes the live state only once every file of every rank matched;
+the others hash every file first); if the load fails
 because of what the checkpoint holds (an undecodable record, a fingerprint or counter mismatch) all ranks
 agree on it, rank 0 quarantines the checkpoint (ckpt.fsutil.quarantine) and the next older one is tried. A
 load that fails because of the live run (a name or shape the live model does not have, a failed collective:
@@ -54,7 +56,7 @@ from ckpt import __version__, fingerprint as fp, lineage, memtier
 from ckpt.memtier import MEMORY, STORAGE
 from schemas.errors import CheckpointError
 from ckpt.fsutil import fsync_dir, mkdir_durable, quarantine
-from ckpt.hashing import hash_files
+from ckpt.hashing import ChecksumMismatch, hash_files, mismatch_message
 from ckpt.layout import RunDir, parse_step, step_dir_name
 from ckpt.manifest import write_manifest
 from ckpt.retention import apply_retention
@@ -118,6 +120,8 @@ def _load_problem(exc: BaseException) -> str:
     rank's own exception instead (the first line of its message)."""
     if isinstance(exc, CheckpointException) and exc.failures:
         exc = sorted(exc.failures.items())[0][1][0]
+    if isinstance(exc, ChecksumMismatch):  # the same line as the separate hash check's
+        return str(exc)
     return f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
 
 
@@ -164,6 +168,8 @@ class Checkpointer:
     FORMAT: Literal["dcp", "deepspeed"]  # the manifest format this backend writes and loads
     BACKEND: str  # the RunSpec backend it serves
     SUPPORTS_ASYNC = False  # can save on a background thread from a staged copy
+    ONE_PASS = False  # ``restore`` verifies every file while it reads, before it writes the live state (sets applied)
+    applied = True  # whether the last load attempt may have written into the live state
     data: DataRecord | None = None  # the prepared dataset (data.source 'dataset'): recorded, and checked on load
 
     def __init__(self, run_dir: RunDir, spec: RunSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -529,13 +535,19 @@ class Checkpointer:
                     log.warning("not loading %s: %s", path.name, problem)
                 failed.append(f"{path.name} ({problem})")
                 continue
-            problem = self._hash_check(path)
+            # One-pass backends hash every byte while loading it, and write the live state only once all matched.
+            one_pass = self.ONE_PASS and not self.extra  # tracked extras are read (check_loadable) before the load
+            problem = None if one_pass else self._hash_check(path)
             if problem is None:
                 self.check_loadable(path, self._manifest(path))  # another run's checkpoint: refuse, keep it
-                touched = True
+                self.applied = not one_pass
                 ts, problem, ours = self._try_load(path)
+                touched = touched or self.applied
                 if ts is not None:
                     return ts
+                if not ours and one_pass:  # the load may have stopped before every byte was hashed: hash now
+                    bad = self._hash_check(path)
+                    problem, ours = (bad, True) if bad else (problem, False)
                 if not ours:  # the live run does not fit a checkpoint whose every byte checked out: keep it
                     raise CheckpointError(
                         f"{path}: its files match their checksums, but it does not load into this run ({problem}); "
@@ -587,20 +599,25 @@ class Checkpointer:
             dist.barrier(group=self.env.ctrl_group)
             return None if attempted else False
 
-        problem = self.verify_files(path)
+        one_pass = self.ONE_PASS and not self.extra  # as for storage: hashed while read, applied once all matched
+        problem = self._quick_check(path) or (None if one_pass else self._hash_check(path))
         if problem is not None:
             return skip(problem, False)
         try:
             self.check_loadable(path, self._manifest(path))
         except CheckpointError as e:
             return skip(str(e), False)
+        self.applied = not one_pass
         ts, problem, ours = self._try_load(path, MEMORY)
         if ts is not None:
             return ts
+        if not ours and one_pass:  # the load may have stopped before every byte was hashed: hash now
+            bad = self._hash_check(path)
+            problem, ours = (bad, True) if bad else (problem, False)
         if not ours:
             raise CheckpointError(f"{path}: the memory snapshot's files match their checksums, but it does not load "
                                   f"into this run ({problem}); resume with the model and world size it fits")
-        return skip(problem, True)
+        return skip(problem, self.applied)
 
     @staticmethod
     def _manifest(path: Path) -> CheckpointManifest:
@@ -622,7 +639,7 @@ class Checkpointer:
         if failures:
             blamed = [p for p, ours in failures if ours]
             return None, (blamed or [failures[0][0]])[0], bool(blamed)
-        if self.env.is_rank0 and tier == STORAGE:  # every byte was hashed against the manifest before this load
+        if self.env.is_rank0 and tier == STORAGE:  # every byte was hashed against the manifest before (or, one-pass, during) this load
             from ckpt.validate import record_verified
 
             record_verified(self.run_dir, path, how="load", bytes_read=sum(f.size for f in self._manifest(path).files))
@@ -655,8 +672,7 @@ class Checkpointer:
         """Every rank hashes a share of the files; None if all match the manifest."""
         files = self._manifest(path).files[self.env.rank :: self.env.world_size]
         hashed = hash_files([path / f.path for f in files], threads=self.spec.checkpoint.io_threads)
-        bad = [f"{path / f.path}: checksum mismatch; the file is corrupted"
-               for f in files if hashed[path / f.path] != (f.size, f.xxh3_128)]
+        bad = [mismatch_message(path / f.path) for f in files if hashed[path / f.path] != (f.size, f.xxh3_128)]
         return self.agree(bad[0] if bad else None)
 
     def verify_files(self, path: Path) -> str | None:

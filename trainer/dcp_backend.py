@@ -3,8 +3,9 @@
 Save: the state dict (DTensor shards of FSDP2) is written by ``dcp.save`` through the hashing O_DIRECT
 writer (``ckpt.formats.direct_io``) while the fingerprint's local sums are computed beside it. Async: the
 state is first copied into reusable CPU buffers (``stage``), and the write runs on the Checkpointer's
-background thread over its own gloo group. Load: ``dcp.load`` through the allow-list reader
-(``ckpt.formats.dcp.load_state``), resharding to any world size; RNG states come back at the same world size,
+background thread over its own gloo group. Load: ``dcp.load`` through the allow-list reader, verified in one
+pass (``ckpt.formats.dcp_onepass``: hashed while read, applied only once every file matched), resharding to any
+world size; RNG states come back at the same world size,
 otherwise every rank reseeds by the elastic rule (``ckpt.state.reseed``).
 """
 
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ckpt import fingerprint as fp
-from ckpt.formats.dcp import load_state
+from ckpt.formats.dcp_onepass import load_verified
 from ckpt.formats.direct_io import HashingDirectWriter
 from ckpt.hashing import hash_files
 from ckpt.state import MOMENTS, reseed
@@ -66,6 +67,7 @@ class DCPCheckpointer(Checkpointer):
     FORMAT = "dcp"
     BACKEND = "fsdp2"
     SUPPORTS_ASYNC = True
+    ONE_PASS = True
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -234,7 +236,11 @@ class DCPCheckpointer(Checkpointer):
         same_world = manifest.topology.world_size == self.env.world_size
         init_state(self.optimizer)  # the moments the load fills, without get_state_dict's dummy optimizer step
         sd = self.state_dict(TrainState(), with_rng=same_world)
-        load_state(sd, path, process_group=self.env.ckpt_group)
+        # One pass: every byte is hashed as it is read, and the live tensors are written only after every file
+        # of every rank matched the manifest (a mismatch raises ChecksumMismatch with the state untouched).
+        load_verified(sd, path, {f.path: (f.size, f.xxh3_128) for f in manifest.files},
+                      process_group=self.env.ckpt_group)
+        self.applied = True
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         if same_world:
             rng = sd["rng"][f"rank{self.env.rank}"]

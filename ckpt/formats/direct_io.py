@@ -4,7 +4,9 @@ On many hosts buffered writes followed by fsync run well below the device's dire
 (page-cache allocation dominates), and hashing afterwards would read every byte back. This writer
 keeps DCP's file format byte for byte — only the I/O path differs: bytes are staged in a
 page-aligned buffer, written in aligned blocks with O_DIRECT, the tail block is padded and the file
-truncated to its real length, and an xxh3-128 digest is updated on the way through. Where O_DIRECT
+truncated to its real length, and an xxh3-128 digest is updated on the way through. Two 16 MiB buffers per file:
+one is filled (each 1 MiB piece copied, then hashed while it is still in the cache) while a pool thread writes
+the other, so the copy and the hash overlap the device's work instead of waiting for it. Where O_DIRECT
 is not supported (tmpfs, some network file systems) it falls back to buffered writes + fsync; so does a
 file system that accepts O_DIRECT at open but refuses the writes (EINVAL), once per file, logged once.
 
@@ -24,6 +26,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Generator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -47,8 +50,23 @@ def _warn_buffered(path: Path) -> None:
         log.warning("%s: the file system refused an O_DIRECT write (EINVAL); writing buffered instead", path.parent)
 
 
+_PIECE = 1 << 20  # copied, then hashed from the cache, one piece at a time
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _io_pool() -> ThreadPoolExecutor:
+    """The threads that issue the writes of full buffers (each stream has at most one write in flight)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="ckpt-direct-io")
+        return _pool
+
+
 class _HashingDirectStream(io.RawIOBase):
     hashing = True  # benchmarks turn it off to measure what checksumming costs
+    pipelined = True  # benchmarks turn it off to compare with one buffer, hashed before the copy, written in place
 
     def __init__(self, path: Path, sink: dict[str, tuple[int, str]], lock: threading.Lock):
         super().__init__()
@@ -57,6 +75,7 @@ class _HashingDirectStream(io.RawIOBase):
         self._hash = xxhash.xxh3_128()
         self._pos = 0
         self._fill = 0
+        self._pending: Future | None = None  # the write of the other buffer
         self.direct = hasattr(os, "O_DIRECT")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
@@ -64,9 +83,12 @@ class _HashingDirectStream(io.RawIOBase):
         except OSError:
             self.direct = False
             self._fd = os.open(path, flags, 0o644)
-        self._buf = mmap.mmap(-1, _BUF)  # anonymous maps are page-aligned, as O_DIRECT requires
-        self._view = memoryview(self._buf)
-        self._array = np.frombuffer(self._buf, dtype=np.uint8)
+        # Two buffers: one fills (copy + hash) while the other is written. Anonymous maps are page-aligned, as
+        # O_DIRECT requires.
+        self._bufs = [mmap.mmap(-1, _BUF) for _ in range(2 if self.pipelined else 1)]
+        self._views = [memoryview(b) for b in self._bufs]
+        self._arrays = [np.frombuffer(b, dtype=np.uint8) for b in self._bufs]
+        self._cur = 0
 
     def writable(self) -> bool:
         return True
@@ -80,28 +102,52 @@ class _HashingDirectStream(io.RawIOBase):
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
         n = len(mv)
-        if self.hashing:
+        pipelined = len(self._bufs) == 2
+        if self.hashing and not pipelined:
             self._hash.update(mv)
         done = 0
         while done < n:
             take = min(_BUF - self._fill, n - done)
+            array, view = self._arrays[self._cur], self._views[self._cur]
             # numpy copies without the GIL (a memoryview slice assignment holds it for the whole memcpy), so a
-            # background save does not stall the training thread's Python
-            np.copyto(self._array[self._fill : self._fill + take], np.frombuffer(mv[done : done + take], dtype=np.uint8))
+            # background save does not stall the training thread's Python; xxhash hashes without it too
+            for at in range(0, take, _PIECE if pipelined else take):
+                k = min(take - at, _PIECE) if pipelined else take
+                start = self._fill + at
+                np.copyto(array[start : start + k], np.frombuffer(mv[done + at : done + at + k], dtype=np.uint8))
+                if self.hashing and pipelined:
+                    self._hash.update(view[start : start + k])  # the piece just copied: still in the cache
             self._fill += take
             done += take
             if self._fill == _BUF:
-                self._drain(_BUF)
+                self._flush_full()
         self._pos += n
         return n
 
-    def _drain(self, length: int) -> None:
-        """Write buffer[:length], looping over short writes; EINVAL under O_DIRECT switches this file to
+    def _flush_full(self) -> None:
+        """The current buffer is full: write it (in the background when there are two buffers), go on in the other."""
+        if len(self._bufs) == 1:
+            self._drain(0, _BUF)
+            self._fill = 0
+            return
+        self._wait_pending()
+        self._pending = _io_pool().submit(self._drain, self._cur, _BUF)
+        self._cur ^= 1
+        self._fill = 0
+
+    def _wait_pending(self) -> None:
+        if self._pending is not None:
+            fut, self._pending = self._pending, None
+            fut.result()
+
+    def _drain(self, which: int, length: int) -> None:
+        """Write buffer ``which``[:length], looping over short writes; EINVAL under O_DIRECT switches this file to
         buffered I/O (the file offset is unchanged by a refused write, so it resumes where it stopped)."""
+        view = self._views[which]
         written = 0
         while written < length:
             try:
-                n = os.write(self._fd, self._view[written:length])
+                n = os.write(self._fd, view[written:length])
             except OSError as e:
                 if e.errno != errno.EINVAL or not self.direct:
                     raise
@@ -110,7 +156,6 @@ class _HashingDirectStream(io.RawIOBase):
             if n <= 0:
                 raise OSError(errno.EIO, "write returned 0 bytes", str(self.path))
             written += n
-        self._fill = 0
 
     def _to_buffered(self) -> None:
         fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
@@ -121,21 +166,29 @@ class _HashingDirectStream(io.RawIOBase):
         pass
 
     def close(self, failed: bool = False) -> None:
-        """Flush the tail, fsync, check the size on disk, then record (size, digest) — unless a write
-        failed (``failed``), in which case nothing is recorded and the file is left for the error path."""
+        """Wait for the write in flight, flush the tail, fsync, check the size on disk, then record (size, digest)
+        — unless a write failed (``failed``), in which case nothing is recorded and the file is left for the error
+        path."""
         if self.closed:
             return
         try:
             if failed:
+                try:
+                    self._wait_pending()
+                except Exception:  # noqa: BLE001
+                    pass  # the failure being handled, or one more of the same file: nothing is recorded either way
                 return
+            self._wait_pending()
             if self._fill:
+                view = self._views[self._cur]
                 if self.direct:
                     padded = -(-self._fill // _ALIGN) * _ALIGN
-                    self._view[self._fill : padded] = bytes(padded - self._fill)
-                    self._drain(padded)
+                    view[self._fill : padded] = bytes(padded - self._fill)
+                    self._drain(self._cur, padded)
                     os.ftruncate(self._fd, self._pos)
                 else:
-                    self._drain(self._fill)
+                    self._drain(self._cur, self._fill)
+                self._fill = 0
             os.fsync(self._fd)
             on_disk = os.fstat(self._fd).st_size
             if on_disk != self._pos:
@@ -143,10 +196,19 @@ class _HashingDirectStream(io.RawIOBase):
             with self._lock:
                 self._sink[self.path.name] = (self._pos, self._hash.hexdigest())
         finally:
+            if self._pending is not None:  # a failure above while a write was in flight: let it end first
+                try:
+                    self._wait_pending()
+                except Exception:  # noqa: BLE001 - the failure above is the one raised
+                    pass
             os.close(self._fd)
-            del self._array
-            self._view.release()
-            self._buf.close()
+            del self._arrays
+            for v, b in zip(self._views, self._bufs):
+                try:
+                    v.release()
+                    b.close()
+                except BufferError:  # a failed write's traceback still holds a slice: freed with it
+                    pass
             super().close()
 
 

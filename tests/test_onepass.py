@@ -1,0 +1,149 @@
+"""One-pass verified DCP loads (ckpt.formats.dcp_onepass): every file is hashed while it is read, and nothing of a
+checkpoint whose bytes do not match its manifest reaches the live state; resume then falls back to the older one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import spawn
+
+
+def _save(tmp: Path) -> tuple[Path, dict[str, tuple[int, str]], dict[str, torch.Tensor]]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from ckpt.hashing import hash_file
+
+    g = torch.Generator().manual_seed(0)
+    sd = {"a": torch.randn(256, 64, generator=g), "b": torch.randn(1000, generator=g), "n": torch.tensor(7),
+          "c": torch.arange(300, dtype=torch.int32)}
+    ckpt = tmp / "ckpt"
+    dcp.save(sd, storage_writer=FileSystemWriter(ckpt, thread_count=2), no_dist=True)
+    expected = {p.name: hash_file(p) for p in ckpt.iterdir()}
+    return ckpt, expected, sd
+
+
+def _zeros(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in sd.items()}
+
+
+def _offset_in(ckpt: Path, key: str, where: str) -> tuple[Path, int]:
+    from ckpt.formats.dcp import read_metadata
+
+    info = next(s for i, s in read_metadata(ckpt).storage_data.items() if i.fqn == key)
+    return ckpt / info.relative_path, info.offset + (info.length // 2 if where == "middle" else 2)
+
+
+def test_one_pass_load_verifies_every_file_and_applies_nothing_on_a_mismatch(tmp_path: Path) -> None:
+    from ckpt.formats.dcp_onepass import load_verified
+    from ckpt.hashing import ChecksumMismatch
+
+    ckpt, expected, sd = _save(tmp_path)
+    out = _zeros(sd)
+    reader = load_verified(out, ckpt, expected, no_dist=True)
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+    assert reader.digests == expected  # every file of the manifest hashed, .metadata included
+    assert reader.extra_bytes < sum(s for s, _ in expected.values()) // 4  # the data was hashed as it was read
+
+    # a loaded tensor's storage byte, a record's zip header byte, a byte of a tensor not asked for: each refused,
+    # the destination tensors untouched
+    for key, where, asked in (("a", "middle", ("a", "b", "n", "c")), ("b", "header", ("a", "b", "n", "c")),
+                              ("c", "middle", ("a",))):
+        bad = tmp_path / f"bad-{key}"
+        import shutil
+
+        shutil.copytree(ckpt, bad)
+        path, off = _offset_in(bad, key, where)
+        data = bytearray(path.read_bytes())
+        data[off] ^= 0x01
+        path.write_bytes(bytes(data))
+        dest = {k: torch.full_like(sd[k], 3) for k in asked}
+        with pytest.raises(ChecksumMismatch, match=f"{path.name}: checksum mismatch; the file is corrupted"):
+            load_verified(dest, bad, expected, no_dist=True)
+        assert all(torch.equal(dest[k], torch.full_like(sd[k], 3)) for k in asked), (key, where)
+
+
+def _live(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+    out = [local(p) for p in model.parameters()]
+    for st in opt.state.values():
+        out += [local(v) for _, v in sorted(st.items())]
+    return out
+
+
+def _refused_then_fallback(run_dir: str) -> list[object]:
+    import torch.distributed as dist
+
+    from ckpt.formats.dcp import read_metadata
+    from ckpt.hashing import ChecksumMismatch
+    from ckpt.layout import RunDir
+    from tests.harness import tiny_spec
+    from trainer.checkpointer import TrainState
+    from trainer.dcp_backend import DCPCheckpointer
+    from trainer.dist import init_distributed
+    from trainer.model import build_model, model_signature, shard_model
+    from trainer.optim import build_optimizer
+
+    env = init_distributed()
+    spec = tiny_spec()
+    model = build_model(spec)
+    sig = model_signature(spec.model, model)
+    shard_model(model, env.mesh, spec)
+    opt = build_optimizer(model, spec)
+
+    def step() -> None:
+        model(input_ids=torch.randint(0, 256, (2, 16))).logits.float().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    runs = [Path(run_dir) / "a", Path(run_dir) / "b"]
+    ck, ck_b = (DCPCheckpointer(RunDir.at(str(r)), spec, model, opt, env, segment=0, signature=sig) for r in runs)
+    step()
+    ck.save(TrainState(step=2), reason="interval", blocking=True)
+    at2 = _live(model, opt)
+    step()
+    ck.save(TrainState(step=4), reason="interval", blocking=True)
+    ck_b.save(TrainState(step=4), reason="interval", blocking=True)
+    ck._wait_reread()
+    ck_b._wait_reread()
+    if env.is_rank0:  # a model tensor's byte in rank 1's file: rank 1 owns it, rank 0 must not apply its own share
+        for run in runs:
+            ckpt = run / "checkpoints" / "step-00000004"
+            info = next(s for i, s in sorted(read_metadata(ckpt).storage_data.items(), key=lambda kv: kv[0].fqn)
+                        if i.fqn.startswith("model.") and s.relative_path.startswith("__1_") and s.length > 4096)
+            path = ckpt / info.relative_path
+            data = bytearray(path.read_bytes())
+            data[info.offset + info.length // 2] ^= 0x01
+            path.write_bytes(bytes(data))
+    dist.barrier()
+    step()  # the live state now differs from both checkpoints
+    before = _live(model, opt)
+    seen: list[object] = []
+    try:
+        ck.load(runs[0] / "checkpoints" / "step-00000004")
+        seen.append("loaded")
+    except ChecksumMismatch as e:
+        seen.append("__1_" in str(e) and str(e).endswith("checksum mismatch; the file is corrupted"))
+    seen.append(all(torch.equal(a, b) for a, b in zip(before, _live(model, opt))))
+    # only the corrupted checkpoint, restart allowed: nothing to resume, the state untouched (a fresh start is valid)
+    seen.append(ck_b.load_latest(restart=True))
+    seen.append(all(torch.equal(a, b) for a, b in zip(before, _live(model, opt))))
+    # the fallback takes step 2, bitwise, and sets step 4 aside
+    ts = ck.load_latest(restart=False)
+    seen += [ts.step if ts else None, all(torch.equal(a, b) for a, b in zip(at2, _live(model, opt))),
+             len(list((runs[0] / "checkpoints").glob("step-00000004.invalid-*")))]
+    ck.close()
+    ck_b.close()
+    dist.destroy_process_group()
+    return seen
+
+
+def test_checksum_mismatch_found_while_loading_is_refused_untouched_and_resume_falls_back(tmp_path: Path) -> None:
+    assert spawn(_refused_then_fallback, 2, str(tmp_path)) == [[True, True, None, True, 2, True, 1]] * 2
