@@ -1,3 +1,4 @@
+# Stays whole (over 500 lines): launches, kill moments, verdicts and records share one Torture object and its Stats (the targets beyond a local run dir are in torture_targets.py).
 """Reliability torture: kill and preempt real multi-rank segments through the real CLI, and count
 what must never happen (torn checkpoints accepted, orphaned processes, a second writer, an
 inexact resume, completed steps lost, a leaked secret).
@@ -133,6 +134,7 @@ class Launch:
         self.run_dir, self.cfg, self.until, self.log_path = run_dir, cfg, until, log_path
         self.offsets = {n: _size(run_dir / n) for n in ("metrics.jsonl", "lineage.jsonl", "segments.jsonl")}
         self.at_launch = ckpt_scan(run_dir)
+        self.convert_leftovers = set((run_dir / "checkpoints").glob("step-*/universal.partial-*"))
         cmd = [sys.executable, "-m", "shardkeeper", "train", "--config", str(TINY), "--run-dir", run_arg or str(run_dir),
                "--nproc", str(cfg.nproc), "--until-step", str(until)]
         if cfg.launcher != "local":
@@ -281,12 +283,14 @@ def wait_moment(ln: Launch, window: str, rng: random.Random, target: str, limit_
             need = {"cli": "cli", "group": "cli", "torchrun": "torchrun", "rank": "rank"}[target]
             if ln.live(need):
                 fire_at = now + rng.uniform(0.0, 2.5)
-        elif window == "convert":  # rank 0 writing <step>/universal.partial-*
-            if next((ln.run_dir / "checkpoints").glob("step-*/universal.partial-*"), None) is not None:
+        elif window == "convert":  # rank 0 writing a fresh <step>/universal.partial-* (not one a kill left)
+            if set((ln.run_dir / "checkpoints").glob("step-*/universal.partial-*")) - ln.convert_leftovers:
                 fire_at = now
         elif window == "upload" and ln.upload_seen is not None:  # an upload in flight, no manifest yet
             if ln.upload_seen():
                 fire_at = now
+            elif _window_hit(ln, ckpt_scan(ln.run_dir), "commit", seen):  # its push starts within the poll
+                fire_at = now + rng.uniform(0.0, 0.3)
         elif window == "train":
             if _size(ln.run_dir / "metrics.jsonl") > ln.offsets["metrics.jsonl"]:
                 fire_at = now + rng.uniform(0.0, 0.6)
@@ -600,10 +604,12 @@ class Torture:
                 p for p in referencing(ln.run_dir) if p.pid not in ln.procs and p.pid not in mine
                 and not (second is not None and _descends(p.pid, second.p.popen.pid))]
             elapsed = time.monotonic() - t0
-            gone = ln.popen.poll() is not None  # after ``left``: a CLI not alive there is reaped here
+            # after ``left``: a CLI not alive there (a zombie, or already reaped) is gone, whatever poll says yet
+            gone = ln.popen.poll() is not None or not any(p.role == "cli" for p in left)
             if gone and lock_gone_at is None:
                 lock_gone_at = elapsed
                 rec["launcher_exit_s"] = round(elapsed, 2)
+                at_kill = ckpt_scan(ln.run_dir) if elapsed > 0.5 else at_kill  # a CLI that lived on supervised
             if not left and "gone_after_s" not in rec:
                 rec["gone_after_s"] = round(elapsed, 2)
             if probe and second is None and left and elapsed >= 0.5:
@@ -626,8 +632,9 @@ class Torture:
         stuck = kill_all([*left, *referencing(ln.run_dir)])  # (the probe is gone by now)
         if stuck:
             rec["unkillable"] = len(stuck)
-        # Anything committed after the kill that was not already decided (manifest written) at the kill
-        # was written by processes that outlived their launcher.
+        # Anything committed after the CLI was gone (killed, or exited later: until then it supervised its
+        # ranks, and Slurm's own termination lets them commit) that was not already decided (manifest
+        # written) then, was written by processes that outlived their launcher.
         late = sorted(ckpt_scan(ln.run_dir).committed - at_kill.committed
                       - {n.removesuffix(".partial") for n, _ in at_kill.partial_manifests})
         rec["committed_after_kill"] = late
@@ -694,16 +701,17 @@ class Torture:
         return True
 
     # ------------------------------------------------------------- chains
-    def finish_chain(self, run_dir: Path, cfg: Cfg, expected: int, chain: dict) -> None:
-        """Run uninterrupted to the end and compare with the reference bitwise."""
-        ln = self.launch(run_dir, cfg, self.final, f"{chain['name']}-finish")
+    def finish_chain(self, run_dir: Path, cfg: Cfg, expected: int, chain: dict, end: int | None = None) -> None:
+        """Run uninterrupted to the end (``end``, default ``final``) and compare with the reference bitwise."""
+        end = end or self.final
+        ln = self.launch(run_dir, cfg, end, f"{chain['name']}-finish")
         code = ln.wait(900)
         rec: dict[str, Any] = {}
         self.settle(ln, rec, probe=False)
         self.check_resume(ln, expected, {"chain": chain["name"], "kind": "finish"})
         chain["finish_exit"] = code
-        final = _ckpt(run_dir, self.final)
-        ref = _ckpt(self.reference(cfg), self.final)
+        final = _ckpt(run_dir, end)
+        ref = _ckpt(self.reference(cfg), end)
         if code != 0 or not final.is_dir():
             chain["final_diffs"] = [f"finishing segment exited {code}; {final.name} missing: {not final.is_dir()}"]
         else:
