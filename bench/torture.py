@@ -151,6 +151,7 @@ def table(r: dict) -> str:
     exits, bounds = [k["launcher_exit_s"] for k in survived], [k["teardown_bound_s"] for k in survived]
     conv = [k for k in kills if k["chain"].startswith("convert-")]
     up = [k for k in kills if k["chain"].startswith("s3-")]
+    sl = [k for k in kills if k["chain"].startswith("slurm-")]
     rows = [
         ("kills (all targets)", f"{len(kills)} over {len(chains)} run dirs (+{len(r['kills']) - len(kills)} segments that ended before their moment)"),
         ("torn checkpoint accepted (latest committed fails validate --deep, or resumed from .partial / wrong step)",
@@ -177,8 +178,11 @@ def table(r: dict) -> str:
          f"{sum(1 for k in up if k['moment'] == 'upload:mid')} / {sum(1 for k in up if k['moment'] != 'upload:mid')}; "
          f"steps listed without their manifest (or newest listed != newest whole) "
          f"{v.get('remote_listed_without_manifest', 0)}"),
+        ("Slurm kills (scancel -s KILL / node taken down) after which a job of the run was still queued or running",
+         f"{sum(1 for k in sl if k.get('jobs_left'))} of {len(sl)}"),
         ("run dirs whose final checkpoint = reference bitwise", f"{sum(1 for c in chains if not c['final_diffs'])}/{len(chains)}"),
-        ("preemption cases (SIGTERM): exit 75", f"{sum(1 for p in pre if p['exit_code'] == 75)}/{len(pre)} "
+        ("preemption cases (SIGTERM): exit 75", "not run" if not pre else
+         f"{sum(1 for p in pre if p['exit_code'] == 75)}/{len(pre)} "
          '(' + ', '.join(f"{p['case']}={p['exit_code']}" for p in pre) + ')'),
         ("completed steps lost on preemption", v.get("preempt_steps_lost", 0)),
         ("segments whose CLI printed its own traceback", v.get("cli_traceback", 0)),

@@ -45,11 +45,13 @@ def test_kill_torture_ci(tmp_path: Path) -> None:
     assert [k["killed"] for k in st.kills] == [True] * len(PLAN), report
     assert [p["signalled"] for p in st.preemptions] == [True], report
     # The CLI killed: its torchrun and ranks are gone with it. Torchrun or a rank killed: the CLI outlives
-    # them (it holds the lock) and exits only once nothing of its segment runs.
+    # them (it holds the lock) and exits only once nothing of its segment runs (waited for by pid), so the
+    # last of them is seen gone with the CLI (within the harness's polling, 50 ms per round when idle).
     cli_kill, *survived = st.kills
     assert cli_kill["launcher_exit_s"] < 1 and cli_kill["gone_after_s"] <= 5, report
     for k in survived:
-        assert k["gone_after_s"] == k["launcher_exit_s"] <= k["teardown_bound_s"], report
+        assert k["launcher_exit_s"] <= k["teardown_bound_s"], report
+        assert k["gone_after_s"] <= k["launcher_exit_s"] + 1.0, report
 
 
 def _flip_byte(path: Path) -> None:
