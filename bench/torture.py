@@ -204,12 +204,30 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def _recount(r: dict) -> dict:
+def _merge(runs: list[dict]) -> dict:
+    """Several runs' records as one: the first run's machine line, every run's command."""
+    r = runs[0]
+    for other in runs[1:]:
+        for key in ("kills", "segments", "chains", "preemptions", "notes"):
+            r[key] = [*r[key], *other[key]]
+        r["partial"] = r["partial"] or other["partial"]
+        r["kill_phase_seconds"] = r["kill_phase_seconds"] + other["kill_phase_seconds"]
+        r["notes"].append(f"also counted: the run `{other['machine']['command']}` of {other['machine']['date']}")
+    return r
+
+
+def _recount(r: dict, drop: list[list[str]] = ()) -> dict:
     """An earlier run's records counted again with this harness's rules. A harness before this one could miss
     the exit of a CLI killed with its group (a zombie it had not reaped yet): such a kill has no exit time but
     an all-gone time, which is then its exit time (noted in the table)."""
     from tests.reliability.torture_lib import Stats
 
+    for name, why in drop:
+        n = sum(1 for k in r["kills"] if k["chain"] == name)
+        r["kills"] = [k for k in r["kills"] if k["chain"] != name]
+        r["segments"] = [x for x in r["segments"] if x.get("chain") != name]
+        r["chains"] = [c for c in r["chains"] if c["name"] != name]
+        r["notes"] = [*r["notes"], f"run dir {name} left out ({n} launches): {why}"]
     fixed = 0
     for k in r["kills"]:
         if k.get("killed") and k.get("launcher_exit_s") is None and k.get("gone_after_s") is not None:
@@ -280,16 +298,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-secrets", action="store_true")
     ap.add_argument("--corpora", action="store_true", help="also run tests/reliability -k 'hostile or corruption or bad_input'")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    ap.add_argument("--drop-chain", nargs=2, action="append", default=[], metavar=("NAME", "WHY"),
+                    help="with --table-from: leave a run dir's records out (a harness fault, e.g. a daemon that never "
+                    "started), saying why in the table")
     ap.add_argument("--publish", action="store_true", help="keep the table as bench/results/torture.md")
-    ap.add_argument("--table-from", default=None, help="print (and --publish) the table of an earlier torture.json "
-                    "(e.g. one whose run was stopped: its partial figures) instead of running")
+    ap.add_argument("--table-from", nargs="+", default=None, help="print (and --publish) the table of earlier "
+                    "torture.json files (one run's partial figures, or runs of different chain kinds, counted together) "
+                    "instead of running")
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     machine_info.update(machine())
     _asked.append(args.kills)
     if args.table_from:
-        result = _recount(json.loads(Path(args.table_from).read_text()))
+        result = _recount(_merge([json.loads(Path(f).read_text()) for f in args.table_from]), args.drop_chain)
     else:
         result = run(args, out_dir)
     text = table(result)

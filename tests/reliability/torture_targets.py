@@ -261,7 +261,8 @@ def _remote_checks(rec: dict, store: S3Store, prefix: str, url: str) -> None:
 
 
 # --------------------------------------------------------------------------- Slurm
-SLURM_PORT = 26817  # not tests/test_slurm.py's: a test session beside the torture keeps its own cluster
+# not tests/test_slurm.py's: a test session beside the torture keeps its own cluster
+SLURM_PORT = int(__import__("os").environ.get("SHARDKEEPER_TORTURE_SLURM_PORT", "26817"))
 
 
 class SlurmCluster:
@@ -277,6 +278,11 @@ class SlurmCluster:
             raise RuntimeError(f"real Slurm daemons: {why}")
         self.dir = work / "slurm-cluster"
         self.conf = slurm_local.start(self.dir, nodes=2, cpus=2, port=SLURM_PORT)
+        pid_file = self.dir / "slurmctld.pid"
+        pid = int(pid_file.read_text().strip() or 0) if pid_file.exists() else 0
+        if not pid or not Path(f"/proc/{pid}").exists():  # another cluster answered on the port; ours died
+            raise RuntimeError(f"slurmctld of {self.dir} is not running (port {SLURM_PORT} taken?); see "
+                               f"{self.dir}/log/slurmctld.log")
         self.env = {"SLURM_CONF": str(self.conf), "SHARDKEEPER_SLURM_UNPLACEABLE_S": "3"}
         self.proc_env = {**os.environ, **self.env}
 
