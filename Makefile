@@ -69,6 +69,7 @@ bench: install
 	$(PY) bench/scale_bench.py
 	$(PY) bench/s3_bench.py --reps 5
 	$(PY) bench/data_bench.py --reps 5
+	$(PY) bench/torture.py --kills 200 --per-chain 8 --final 60 --publish  # ~1.5 h on 2 idle cores
 	$(PY) bench/readme_tables.py
 
 # GPU figures from one command, on a machine with CUDA GPUs (<= 10 min): the GPU-marked tests, goodput (FSDP2 and

@@ -13,6 +13,9 @@ started with PR_SET_PDEATHSIG=SIGKILL, and each rank sets the same, checks its p
 launcher pid (``SegmentLaunch.launcher_pid``) and runs a watchdog (trainer.lifetime). PDEATHSIG fires
 when the *thread* that started torchrun exits: ``launch`` waits for torchrun in that same thread
 (the CLI's main thread, or the worker thread a Prefect task runs in), so it always outlives it.
+The launcher records torchrun's descendants (pid and start time) while torchrun lives and, once torchrun
+has exited, waits for each of them by pid (a pidfd) before it returns: when ``launch`` returns, and so
+before the run lock is released, no rank of the segment runs any more, however loaded the machine.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from launch.early import STOP_SIGNALS
 from launch.early import pending_stop as _pending_stop
 from launch.base import (LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, Rendezvous, combined_exit_code,
                          torchrun_argv)
-from launch.procs import pdeathsig_preexec
+from launch.procs import Descendants, pdeathsig_preexec, reap_orphans
 from schemas import ClusterTopology
 from schemas.errors import ConfigError
 from schemas.seam import EXIT_CANCELLED, LAUNCH_ENV
@@ -59,6 +62,20 @@ class _Supervisor:
         self.signal: int | None = None
         self._killer: threading.Timer | None = None
         self._termed: set[int] = set()
+        self.trees: list[Descendants] = []
+
+    def watch(self, proc: subprocess.Popen) -> None:
+        self.procs.append(proc)
+        self.trees.append(Descendants(proc.pid))
+
+    def scan(self) -> None:
+        """Record the agents' descendants (the ranks) while the agents live."""
+        for tree in self.trees:
+            tree.scan()
+
+    def reap(self) -> list[int]:
+        """Once every agent has exited: wait (by pid) until nothing they started runs; the pids that would not go."""
+        return [pid for tree in self.trees for pid in reap_orphans(tree)]
 
     def request_stop(self, reason: str) -> None:
         # No lock: this also runs as a signal handler in the main thread, which may hold any lock.
@@ -204,7 +221,7 @@ class LocalTorchrun:
             for argv in self.commands(req):
                 proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                         env=env, start_new_session=True, preexec_fn=pdeathsig_preexec(os.getpid()))
-                procs.append(proc)
+                sup.watch(proc)
                 readers.append(threading.Thread(target=sup.read_output, args=(proc,), name="torchrun-output", daemon=True))
                 readers[-1].start()
                 if sup.stop_reason is not None:  # a signal arrived while the agents were being started
@@ -219,6 +236,9 @@ class LocalTorchrun:
             if sup.any_running():
                 sup.kill()
                 codes = sup.wait()
+            stuck = sup.reap()
+            if stuck:
+                sink(f"shardkeeper: processes {stuck} of the segment did not exit after SIGKILL (stuck in the kernel?)")
             for reader in readers:
                 reader.join(timeout=10)
         return LaunchOutcome(exit_code=combined_exit_code(codes), timed_out=sup.stop_reason == "timeout",
@@ -229,6 +249,7 @@ class LocalTorchrun:
         """Wait for the agents, polling the cancel check and the timeout; True if cancelled meanwhile."""
         cancelled = False
         while True:
+            sup.scan()
             try:
                 sup.wait(timeout=POLL_S)
                 return cancelled

@@ -375,3 +375,35 @@ def test_preflight_keeps_a_checked_model_and_never_a_refused_one(tmp_path: Path,
     assert model_facts.load(k) is None
     monkeypatch.setenv("SHARDKEEPER_PREFLIGHT_CACHE", "0")
     assert model_facts.key(spec) is None
+
+
+def test_launcher_waits_by_pid_for_what_its_agent_left_running() -> None:
+    """A grandchild orphaned by its parent's SIGKILL (as a rank whose torchrun was killed) is recorded while
+    the parent lives, then SIGKILLed and waited for by pid: gone when reap_orphans returns."""
+    import signal
+    import time
+
+    from launch.procs import Descendants, reap_orphans
+
+    agent = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"])
+    tree = Descendants(agent.pid)
+    end = time.monotonic() + 10
+    while len(tree.seen) < 2 and time.monotonic() < end:
+        tree.scan()
+        time.sleep(0.01)
+    assert len(tree.seen) == 2 and len(tree.live()) == 2
+    agent.send_signal(signal.SIGKILL)
+    agent.wait()
+    assert len(tree.live()) == 2  # orphans, still running: no parent-death signal here
+    t0 = time.monotonic()
+    assert reap_orphans(tree) == []
+    assert time.monotonic() - t0 < 5
+    assert not any(_is_running(pid) for pid in tree.seen)  # gone, or a zombie waiting for its new parent
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rfind(")") + 2] not in "ZX"

@@ -1,3 +1,4 @@
+# Stays whole (over 500 lines): launches, kill moments, verdicts and records share one Torture object and its Stats (the targets beyond a local run dir are in torture_targets.py).
 """Reliability torture: kill and preempt real multi-rank segments through the real CLI, and count
 what must never happen (torn checkpoints accepted, orphaned processes, a second writer, an
 inexact resume, completed steps lost, a leaked secret).
@@ -34,7 +35,12 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 TARGETS = ("cli", "group", "torchrun", "rank")
 WINDOWS = {"startup": 0.15, "train": 0.25, "save": 0.25, "commit": 0.2, "retention": 0.15}
-ORPHAN_DEADLINE_S = 5.0
+ORPHAN_DEADLINE_S = 5.0  # after the lock holder (the CLI) is gone, nothing of its segment may run longer
+# A CLI that survived a kill of its torchrun or a rank reads their last output, validates and records the
+# segment, then exits: within TEARDOWN_FACTOR times its own start-up in the same launch (import, config,
+# preflight: the same kind of work, slowed alike by a loaded machine), and never less than ORPHAN_DEADLINE_S.
+TEARDOWN_FACTOR = 4.0
+LAUNCHER_CAP_S = 120.0  # a CLI still running this long after the kill is past any bound: stop waiting
 EXIT_LOCKED = 3
 from schemas.seam import EXIT_PREEMPTED
 PREEMPT_CASES = ("train", "async-save", "commit", "startup", "repeat-term")
@@ -49,6 +55,9 @@ class Cfg:
     async_save: bool
     interval: int = 2
     keep_last: int = 2
+    nproc: int = 2
+    nodes: int = 1
+    launcher: str = "local"
 
     def sets(self) -> list[str]:
         s = [f"checkpoint.interval={self.interval}", f"checkpoint.keep_last={self.keep_last}",
@@ -62,11 +71,17 @@ CONFIGS = {
     "fsdp2-async": Cfg("fsdp2-async", "fsdp2", True),
     "fsdp2-sync": Cfg("fsdp2-sync", "fsdp2", False),
     "deepspeed": Cfg("deepspeed", "deepspeed", False),
+    # a 2-rank DeepSpeed checkpoint resumed on 1 rank: rank 0 converts it to the universal layout first
+    "deepspeed-ws1": Cfg("deepspeed-ws1", "deepspeed", False, nproc=1),
+    # 2 Slurm nodes x 1 rank: the same world size (and the same bits) as 2 local ranks
+    "fsdp2-slurm": Cfg("fsdp2-slurm", "fsdp2", True, nproc=1, nodes=2, launcher="slurm"),
 }
 
 
 def child_env() -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    # where tests/test_deepspeed.py keeps DeepSpeed's compiled op: another folder would compile it again (~2 min)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
@@ -113,12 +128,17 @@ def referencing(run_dir: Path) -> list[Proc]:
 class Launch:
     """One ``shardkeeper train`` segment in its own session, with every descendant it ever had."""
 
-    def __init__(self, run_dir: Path, cfg: Cfg, until: int, log_path: Path, extra_env: dict[str, str] | None = None):
+    def __init__(self, run_dir: Path, cfg: Cfg, until: int, log_path: Path, extra_env: dict[str, str] | None = None,
+                 run_arg: str | None = None):
+        """``run_dir``: the run directory on this machine (for s3://, ``run_arg``, the local cache the ranks write)."""
         self.run_dir, self.cfg, self.until, self.log_path = run_dir, cfg, until, log_path
         self.offsets = {n: _size(run_dir / n) for n in ("metrics.jsonl", "lineage.jsonl", "segments.jsonl")}
         self.at_launch = ckpt_scan(run_dir)
-        cmd = [sys.executable, "-m", "shardkeeper", "train", "--config", str(TINY), "--run-dir", str(run_dir),
-               "--nproc", "2", "--until-step", str(until)]
+        self.convert_leftovers = set((run_dir / "checkpoints").glob("step-*/universal.partial-*"))
+        cmd = [sys.executable, "-m", "shardkeeper", "train", "--config", str(TINY), "--run-dir", run_arg or str(run_dir),
+               "--nproc", str(cfg.nproc), "--until-step", str(until)]
+        if cfg.launcher != "local":
+            cmd += ["--launcher", cfg.launcher, "--nodes", str(cfg.nodes)]
         for s in cfg.sets():
             cmd += ["--set", s]
         self.log = open(log_path, "ab")
@@ -126,6 +146,8 @@ class Launch:
                                       stderr=subprocess.STDOUT, start_new_session=True)
         self.t0 = time.monotonic()
         self.procs: dict[int, Proc] = {}
+        self.upload_seen: Callable[[], bool] | None = None  # the "upload" window's probe of the object store
+        self.startup_s: float | None = None  # spawn -> its torchrun seen running: the CLI's start-up on this machine now
         self.refresh()
 
     def refresh(self) -> None:
@@ -138,6 +160,8 @@ class Launch:
             try:
                 if p.pid not in self.procs or self.procs[p.pid].role == "other":
                     self.procs[p.pid] = Proc(p.pid, p.create_time(), _role(p, self.popen.pid))
+                    if self.startup_s is None and self.procs[p.pid].role == "torchrun":
+                        self.startup_s = time.monotonic() - self.t0
             except psutil.NoSuchProcess:
                 pass
 
@@ -259,6 +283,14 @@ def wait_moment(ln: Launch, window: str, rng: random.Random, target: str, limit_
             need = {"cli": "cli", "group": "cli", "torchrun": "torchrun", "rank": "rank"}[target]
             if ln.live(need):
                 fire_at = now + rng.uniform(0.0, 2.5)
+        elif window == "convert":  # rank 0 writing a fresh <step>/universal.partial-* (not one a kill left)
+            if set((ln.run_dir / "checkpoints").glob("step-*/universal.partial-*")) - ln.convert_leftovers:
+                fire_at = now
+        elif window == "upload" and ln.upload_seen is not None:  # an upload in flight, no manifest yet
+            if ln.upload_seen():
+                fire_at = now
+            elif _window_hit(ln, ckpt_scan(ln.run_dir), "commit", seen):  # its push starts within the poll
+                fire_at = now + rng.uniform(0.0, 0.3)
         elif window == "train":
             if _size(ln.run_dir / "metrics.jsonl") > ln.offsets["metrics.jsonl"]:
                 fire_at = now + rng.uniform(0.0, 0.6)
@@ -381,6 +413,7 @@ class Stats:
     def violations(self) -> dict[str, int]:
         v = {
             "orphans_after_5s": sum(1 for k in self.kills + self.preemptions if k.get("orphans")),
+            "launcher_past_bound": sum(1 for k in self.kills if k.get("killed") and k.get("launcher_past_bound")),
             "second_writer_started": sum(1 for k in self.kills if k.get("second_writer") == "started"),
             "second_writer_not_refused": sum(1 for k in self.kills if k.get("second_writer") == "timeout"),
             "committed_after_kill": sum(1 for k in self.kills if k.get("killed") and k.get("committed_after_kill")),
@@ -392,6 +425,9 @@ class Stats:
             "chains_not_bitwise": sum(1 for c in self.chains if c.get("final_diffs")),
             "preempt_wrong_exit": sum(1 for p in self.preemptions if p["signalled"] and p.get("exit_code") != EXIT_PREEMPTED),
             "preempt_steps_lost": sum(p.get("steps_lost", 0) for p in self.preemptions),
+            "torn_universal": sum(1 for k in self.kills if k.get("torn_universal")),
+            "not_reconverted": sum(1 for r in self.kills + self.chains if r.get("reconverted") is False),
+            "remote_listed_without_manifest": sum(1 for k in self.kills if k.get("remote_listed_without_manifest")),
         }
         return {k: n for k, n in v.items() if n}
 
@@ -413,8 +449,11 @@ class _Probe:
             return
         self.p.refresh()
         if self.p.live("torchrun") or self.p.live("rank"):
-            # Starting after the old processes are all gone is legitimate; while they live it is a second writer.
-            self.result = "started" if old_alive else "started-after-gone"
+            self.result = "started" if old_alive else "after-gone"
+        elif not old_alive:
+            # The old processes are all gone before the probe was refused or started: starting now is
+            # legitimate, so there is nothing left to see (it is stopped, not left to start its ranks).
+            self.result = "after-gone"
         elif time.monotonic() > self.end:
             self.result = "timeout"
 
@@ -439,6 +478,12 @@ class Torture:
         self.refs: dict[str, Path] = {}
         self.ref_metrics: dict[str, dict[int, tuple[float, float]]] = {}
         self._n = 0
+        self.startups: list[float] = []
+        self._pending: dict[str, tuple[Launch, float]] = {}
+        # local cache of an s3:// run -> (its URL, the launch environment, a factory of the upload-window probe)
+        self.remotes: dict[Path, tuple[str, dict[str, str], Callable[[], Callable[[], bool]]]] = {}
+        self.dir_env: dict[Path, dict[str, str]] = {}  # folder -> environment of the launches of run dirs in it
+        self.kill_hooks: dict[str, Callable[[Launch], bool]] = {}  # other targets (a Slurm job, a node)
 
     def _logfile(self, tag: str) -> Path:
         self._n += 1
@@ -447,20 +492,39 @@ class Torture:
         return d / f"{self._n:04d}-{tag}.log"
 
     def launch(self, run_dir: Path, cfg: Cfg, until: int, tag: str, env: dict[str, str] | None = None) -> Launch:
-        return Launch(run_dir, cfg, until, self._logfile(tag), env)
+        if run_dir in self.remotes:  # the local cache of an s3:// run: launched on its URL, with its probe
+            url, remote_env, probe = self.remotes[run_dir]
+            ln = Launch(run_dir, cfg, until, self._logfile(tag), {**remote_env, **(env or {})}, run_arg=url)
+            ln.upload_seen = probe()
+            return ln
+        return Launch(run_dir, cfg, until, self._logfile(tag), {**self.dir_env.get(run_dir.parent, {}), **(env or {})})
+
+    def teardown_bound(self, ln: Launch) -> float:
+        """How long a CLI that survived a kill may take to exit: TEARDOWN_FACTOR x its start-up in this launch
+        (or the median start-up so far, when the kill came before its torchrun was seen)."""
+        if ln.startup_s is not None:
+            self.startups.append(ln.startup_s)
+        ref = ln.startup_s if ln.startup_s is not None else (_median(self.startups) if self.startups else 10.0)
+        return max(ORPHAN_DEADLINE_S, TEARDOWN_FACTOR * ref)
 
     def ref_key(self, cfg: Cfg) -> str:
-        return cfg.backend
+        world = cfg.nproc * cfg.nodes
+        return cfg.backend if world == 2 else f"{cfg.backend}-ws{world}"
 
     # ------------------------------------------------------------- reference
-    def reference(self, cfg: Cfg, *, key: str | None = None) -> Path:
-        """An uninterrupted run to ``final`` (one per backend: the save mode does not change the math)."""
+    def reference(self, cfg: Cfg, *, key: str | None = None, wait: bool = True) -> Path | None:
+        """An uninterrupted run to ``final`` (one per backend: the save mode does not change the math).
+        ``wait=False`` starts it and returns None: it runs beside the chain's first launch (whose checks
+        need it only once that launch is over), which saves a launch's start-up."""
         key = key or self.ref_key(cfg)
         if key in self.refs:
             return self.refs[key]
-        run = self.work / f"ref-{key}"
-        t0 = time.monotonic()
-        ln = self.launch(run, cfg, self.final, f"ref-{key}")
+        if key not in self._pending:
+            self._pending[key] = (self.launch(self.work / f"ref-{key}", cfg, self.final, f"ref-{key}"), time.monotonic())
+        if not wait:
+            return None
+        ln, t0 = self._pending.pop(key)
+        run = ln.run_dir
         code = ln.wait(900)
         ln.close()
         if code != 0:
@@ -506,6 +570,7 @@ class Torture:
                 problems.append(f"metrics start at step {mets[0]['step']}, expected {expected + 1}")
         if rec["resumed_from_partial"]:
             problems.append("resumed from a .partial directory")
+        self.reference(ln.cfg)  # (started beside the chain's first launch: finished by now, or waited for)
         ref = self.ref_metrics[self.ref_key(ln.cfg)]
         rec["steps"] = len(mets)
         rec["inexact_steps"] = [m["step"] for m in mets if ref.get(m["step"]) != (m["loss"], m["grad_norm"])]
@@ -516,15 +581,22 @@ class Torture:
 
     # ------------------------------------------------------------- after a kill or a preemption
     def settle(self, ln: Launch, rec: dict, probe: bool) -> None:
-        """Count what outlives the segment 5 s after the kill. If anything still lives 0.5 s after it,
-        start a second ``train`` on the run dir at once: it must be refused (exit 3) while they live."""
+        """Count what outlives the lock holder. The launching CLI holds the run lock and waits (by pid) for its
+        torchrun and every rank before it exits, so a process of the segment is an orphan when it still runs
+        ``ORPHAN_DEADLINE_S`` after the CLI is gone (killed, or exited). A CLI that survived the kill must
+        itself exit within ``teardown_bound``: a multiple of what this machine takes now to start the same
+        CLI (measured in the same launch), not a fixed number of seconds a loaded machine cannot keep.
+        If anything still lives 0.5 s after the kill, a second ``train`` is started on the run dir at once:
+        it must be refused (exit 3) while they live."""
         t0 = time.monotonic()
         at_kill = ckpt_scan(ln.run_dir)
         second: _Probe | None = None
         left: list[Proc] = []
         orphans_counted = False
+        bound = self.teardown_bound(ln)
+        rec["teardown_bound_s"] = round(bound, 2)
+        lock_gone_at: float | None = None
         while True:
-            ln.popen.poll()
             if second is not None:
                 second.p.refresh()  # its processes name the same run dir: they are not the old segment's
             mine = set(second.p.procs) if second is not None else set()
@@ -532,13 +604,21 @@ class Torture:
                 p for p in referencing(ln.run_dir) if p.pid not in ln.procs and p.pid not in mine
                 and not (second is not None and _descends(p.pid, second.p.popen.pid))]
             elapsed = time.monotonic() - t0
+            # after ``left``: a CLI not alive there (a zombie, or already reaped) is gone, whatever poll says yet
+            gone = ln.popen.poll() is not None or not any(p.role == "cli" for p in left)
+            if gone and lock_gone_at is None:
+                lock_gone_at = elapsed
+                rec["launcher_exit_s"] = round(elapsed, 2)
+                at_kill = ckpt_scan(ln.run_dir) if elapsed > 0.5 else at_kill  # a CLI that lived on supervised
             if not left and "gone_after_s" not in rec:
                 rec["gone_after_s"] = round(elapsed, 2)
             if probe and second is None and left and elapsed >= 0.5:
                 second = _Probe(self, ln)
             if second is not None:
                 second.poll(bool(left))
-            if not orphans_counted and (not left or elapsed >= ORPHAN_DEADLINE_S):
+            give_up = lock_gone_at is None and elapsed >= max(bound, LAUNCHER_CAP_S)
+            if not orphans_counted and (not left or give_up or (
+                    lock_gone_at is not None and elapsed >= lock_gone_at + ORPHAN_DEADLINE_S)):
                 orphans_counted = True
                 rec["orphans"] = len(left)
                 if left:
@@ -546,13 +626,15 @@ class Torture:
             if orphans_counted and (second is None or second.result is not None or elapsed > 90):
                 break
             time.sleep(0.05)
+        rec["launcher_past_bound"] = lock_gone_at is None or lock_gone_at > bound
         if second is not None:
             rec["second_writer"] = second.finish()
         stuck = kill_all([*left, *referencing(ln.run_dir)])  # (the probe is gone by now)
         if stuck:
             rec["unkillable"] = len(stuck)
-        # Anything committed after the kill that was not already decided (manifest written) at the kill
-        # was written by processes that outlived their launcher.
+        # Anything committed after the CLI was gone (killed, or exited later: until then it supervised its
+        # ranks, and Slurm's own termination lets them commit) that was not already decided (manifest
+        # written) then, was written by processes that outlived their launcher.
         late = sorted(ckpt_scan(ln.run_dir).committed - at_kill.committed
                       - {n.removesuffix(".partial") for n, _ in at_kill.partial_manifests})
         rec["committed_after_kill"] = late
@@ -571,10 +653,11 @@ class Torture:
         return dc.expected_resume
 
     # ------------------------------------------------------------- one kill
-    def one_kill(self, run_dir: Path, cfg: Cfg, expected: int, chain: dict, target: str, window: str) -> int:
+    def one_kill(self, run_dir: Path, cfg: Cfg, expected: int, chain: dict, target: str, window: str,
+                 until: int | None = None) -> int:
         # Segments long enough (20-40 steps, seconds) that ranks outliving their launcher are seen;
         # the kill comes early (first or second window), so each launch advances the run a few steps.
-        until = min(self.final, expected + self.rng.randint(20, 40))
+        until = until or min(self.final, expected + self.rng.randint(20, 40))
         t0 = time.monotonic()
         ln = self.launch(run_dir, cfg, until, f"{chain['name']}-{target}-{window}")
         moment = wait_moment(ln, window, self.rng, target)
@@ -594,12 +677,15 @@ class Torture:
         rec["seconds"] = round(time.monotonic() - t0, 2)
         self.stats.kills.append(rec)
         self.log(f"  {chain['name']} {target:8s} {str(moment):24s} orphans={rec['orphans']} "
+                 f"cli-exit={rec.get('launcher_exit_s')}s (bound {rec['teardown_bound_s']}s) "
                  f"2nd={rec.get('second_writer', '-')} valid={rec['valid']} {rec['seconds']:.1f}s")
         return new_expected
 
     def _kill(self, ln: Launch, target: str, rec: dict) -> bool:
         ln.refresh()
         rec["procs_before"] = sorted(p.role for p in ln.procs.values() if alive(p))
+        if target in self.kill_hooks:
+            return self.kill_hooks[target](ln)
         try:
             if target == "cli":
                 os.kill(ln.popen.pid, signal.SIGKILL)
@@ -615,16 +701,17 @@ class Torture:
         return True
 
     # ------------------------------------------------------------- chains
-    def finish_chain(self, run_dir: Path, cfg: Cfg, expected: int, chain: dict) -> None:
-        """Run uninterrupted to the end and compare with the reference bitwise."""
-        ln = self.launch(run_dir, cfg, self.final, f"{chain['name']}-finish")
+    def finish_chain(self, run_dir: Path, cfg: Cfg, expected: int, chain: dict, end: int | None = None) -> None:
+        """Run uninterrupted to the end (``end``, default ``final``) and compare with the reference bitwise."""
+        end = end or self.final
+        ln = self.launch(run_dir, cfg, end, f"{chain['name']}-finish")
         code = ln.wait(900)
         rec: dict[str, Any] = {}
         self.settle(ln, rec, probe=False)
         self.check_resume(ln, expected, {"chain": chain["name"], "kind": "finish"})
         chain["finish_exit"] = code
-        final = _ckpt(run_dir, self.final)
-        ref = _ckpt(self.reference(cfg), self.final)
+        final = _ckpt(run_dir, end)
+        ref = _ckpt(self.reference(cfg), end)
         if code != 0 or not final.is_dir():
             chain["final_diffs"] = [f"finishing segment exited {code}; {final.name} missing: {not final.is_dir()}"]
         else:
@@ -639,7 +726,7 @@ class Torture:
         then the ``preempt`` cases, then an uninterrupted finish compared bitwise with the reference."""
         run_dir = self.work / f"{prefix}-{cfg.name}-{index}"
         chain: dict[str, Any] = {"name": run_dir.name, "config": cfg.name, "kills": 0, "launches": 0}
-        self.reference(cfg)
+        self.reference(cfg, wait=False)
         expected = 0
         for i in range(n_kills):
             if time.monotonic() > deadline or expected >= self.final - 4:
@@ -729,6 +816,11 @@ class Torture:
 
 def _ckpt(run: Path, step: int) -> Path:
     return run / "checkpoints" / f"step-{step:08d}"
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
 
 
 def _weighted(rng: random.Random, weights: dict[str, float]) -> str:
