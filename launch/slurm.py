@@ -43,6 +43,10 @@ from launch.slurm_ctl import (FINAL_STATES, SlurmError, SlurmJob, clear_job, job
 POLL_S = 1.0
 CTLD_PATIENCE_S = 120.0  # how long slurmctld may not answer while a job is watched
 KILL_MARGIN_S = 15.0
+# Slurm reports a cancelled job CANCELLED at once, while slurmd may kill its steps' processes only up to KillWait
+# (30 s by default) later: the launcher waits that long, and the ranks' grace, for the ranks to be gone.
+STEP_KILL_WAIT_S = 30.0
+RANKS_LOCK = ".lock.ranks"  # = ckpt.lock.RANKS_LOCK_NAME: the shared flock every live rank of a segment holds
 RDZV_PORT_BASE = 29400  # + job id % 1000: two jobs sharing a node never share a rendezvous port
 LOST_ALLOCATION = {"TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 # How long a pending job may stay unplaceable (fewer usable nodes than it asks for) before it is cancelled and
@@ -57,6 +61,24 @@ def check_text(value: str, what: str) -> None:
     if bad:
         raise ConfigError(f"{what} {value!r}: contains control characters ({', '.join(repr(c) for c in sorted(set(bad)))}); "
                           "use a plain path or value")
+
+
+def ranks_alive(run_dir: Path) -> bool:
+    """Does a process hold ``RUN_DIR/.lock.ranks`` (shared, as every live rank of a segment does)? A probe that
+    takes the lock exclusively without waiting and lets it go at once (ckpt.lock does the same for the CLI)."""
+    import fcntl
+
+    try:
+        fd = os.open(run_dir / RANKS_LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def script_path(req: LaunchRequest) -> Path:
@@ -313,8 +335,26 @@ class _JobWatch:
         time.sleep(0.2)
         self.follow()
         if last is None or last.state in FINAL_STATES:
+            self._wait_ranks_gone()
             clear_job(Path(self.req.run_dir).resolve())
         return self._outcome(last)
+
+    def _wait_ranks_gone(self) -> None:
+        """The job has ended in Slurm's books; return only once none of its ranks holds the run's ranks lock (a
+        step slurmd has not killed yet still trains and commits): nothing of the segment outlives this process."""
+        run_dir = Path(self.req.run_dir).resolve()
+        deadline = time.monotonic() + self.l.grace_s + KILL_MARGIN_S + STEP_KILL_WAIT_S
+        said = False
+        while ranks_alive(run_dir):
+            if time.monotonic() > deadline:
+                self.sink(f"shardkeeper: Slurm job {self.job_id} has ended, but a rank still holds "
+                          f"{run_dir / RANKS_LOCK}; the next train of this run waits for it (scancel --full "
+                          f"{self.job_id} or kill it on its node)")
+                return
+            if not said:
+                self.sink(f"shardkeeper: Slurm job {self.job_id} has ended; waiting for its ranks to exit")
+                said = True
+            time.sleep(0.2)
 
     def _poll_stop(self, job: SlurmJob) -> None:
         req = self.req

@@ -407,3 +407,28 @@ def _is_running(pid: int) -> bool:
     except OSError:
         return False
     return state[state.rfind(")") + 2] not in "ZX"
+
+
+def test_slurm_launcher_sees_ranks_that_outlive_their_job(tmp_path: Path) -> None:
+    """launch.slurm.ranks_alive: a process holding RUN_DIR/.lock.ranks shared (as a rank slurmd has not killed
+    yet) is seen; once it is gone, nothing is; a run dir without the file has no ranks."""
+    from ckpt.lock import RANKS_LOCK_NAME
+    from launch.slurm import RANKS_LOCK, ranks_alive
+
+    assert RANKS_LOCK == RANKS_LOCK_NAME
+    assert not ranks_alive(tmp_path)
+    code = (f"import sys, time; sys.path.insert(0, {str(Path.cwd())!r}); from ckpt.lock import hold_ranks_lock; "
+            f"hold_ranks_lock({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)")
+    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "held"
+        assert ranks_alive(tmp_path)
+        import fcntl
+
+        fd = os.open(tmp_path / RANKS_LOCK, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the probe left the lock as it found it: a rank can join
+        os.close(fd)
+    finally:
+        rank.kill()
+        rank.wait()
+    assert not ranks_alive(tmp_path)
