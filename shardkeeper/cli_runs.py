@@ -54,7 +54,8 @@ def lineage_cmd(
     for e in events:
         details = ", ".join(f"{k}={v}" for k, v in e.data.items() if k in ("world_size", "reason", "status", "from_world_size",
                                                                            "to_world_size", "dtype", "method", "target", "first_step_s",
-                                                                           "emergency_save_s", "layout", "tier"))
+                                                                           "emergency_save_s", "layout", "tier")
+                            and not (k == "tier" and v == "storage"))  # only the memory tier is news
         parent = e.parent or ""
         if not wide:
             parent = parent.removeprefix("checkpoint:")
