@@ -169,6 +169,17 @@ def test_a_script_logging_a_nan_loss_stops_without_committing_it(tmp_path: Path)
     assert json.loads(sk("status", str(run), "--json").stdout)[0]["last_status"] == "failed"
 
 
+def test_a_nan_on_one_rank_the_step_after_a_stop_signal_is_not_committed_by_the_preemption(tmp_path: Path) -> None:
+    """The per-step agreement runs a step behind: a SIGTERM on rank 0 at step 3 is acted on at the end of step 4,
+    where rank 1 logged a NaN; the stop must agree on step 4's flags before its checkpoint: exit 65, not 75."""
+    run = tmp_path / "term-nan"
+    r = sk("train", "--script", str(MODES), "--run-dir", str(run), "--until-step", "8", "--nproc", "2",
+           "--set", "checkpoint.interval=100", "--", "--mode", "term-then-nan", "--at", "3")
+    assert r.returncode == 65, r.stderr[-3000:]
+    assert "non-finite loss at step 4" in r.stderr, r.stderr[-3000:]
+    assert committed(run) == [] if (run / "checkpoints").exists() else True
+
+
 def test_code_after_the_loop_that_raises_fails_the_segment_and_keeps_its_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "after"
     r = sk("train", "--script", str(MODES), "--run-dir", str(run), "--until-step", "4", "--", "--mode", "after")

@@ -305,16 +305,17 @@ class Segment:
     def _agree(self, blocking: bool) -> tuple[bool, bool]:
         """Did any rank get a stop signal, or log a NaN/Inf, as of the agreement this answers? The per-step
         collective runs while the next step computes (its answer is one step late); ``blocking`` (a step that
-        saves, seg.save()) waits for that one and agrees on this step too, so nothing unagreed is ever committed."""
+        saves, seg.save(), and a stop agreed one step late) waits for that one and agrees on this step too, so nothing
+        unagreed is ever committed."""
         assert self._watcher is not None
         flag = self._nonfinite_first is not None or self._nonfinite_logged()
         stop, nonfinite = self._watcher.finish_agree()
-        if blocking:
+        stop, self._stop_agreed = stop or self._stop_agreed, False
+        if blocking or stop:  # a stop commits a checkpoint of this step: agree on this step's flags first
             now_stop, now_nonfinite = self._watcher.agree(flag)
             stop, nonfinite = stop or now_stop, nonfinite or now_nonfinite
         else:
             self._watcher.start_agree(flag)
-        stop, self._stop_agreed = stop or self._stop_agreed, False
         return stop, nonfinite
 
     # ------------------------------------------------------------------ non-finite training (trainer.nonfinite)

@@ -8,6 +8,8 @@
 --mode nan         log a NaN loss at step --at (the user's optimizer already stepped)
 --mode nan-then-ok log a NaN loss, then a finite one, at step --at (the NaN must still stop the run)
 --mode str-loss    log loss="nan" (a string) at step --at
+--mode term-then-nan rank 0 gets SIGTERM at step --at - 1, rank 1 logs a NaN loss at step --at (the stop, agreed a
+                   step late, must not commit the NaN step)
 --mode after       raise in the user's code after the loop (a final evaluation that fails)
 --mode twice       enter seg.steps() a second time after the loop
 --mode thread      leave a non-daemon thread running (the rank must still end)
@@ -94,9 +96,16 @@ for step in seg.steps():
     opt.zero_grad()
     if a.mode in ("nan", "nan-then-ok") and step == a.at:
         seg.log(loss=float("nan"))
+    if a.mode == "term-then-nan" and step == a.at - 1 and seg.rank == 0:
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGTERM)
+    if a.mode == "term-then-nan" and step == a.at and seg.rank == 1:
+        seg.log(loss=float("nan"))
     if a.mode == "str-loss" and step == a.at:
         seg.log(loss="nan")
-    if not (a.mode == "nan" and step == a.at):
+    if not (a.mode in ("nan", "term-then-nan") and step == a.at):
         seg.log(loss=float(loss), first=float(x[0, 0]))
     if a.sleep:
         time.sleep(a.sleep)
