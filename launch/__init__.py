@@ -31,7 +31,8 @@ def get_launcher(name: str, **options: Any) -> Launcher:
     return getattr(importlib.import_module(module), cls)(**options)
 
 
-_FROM_BASE = ("LaunchOutcome", "LaunchRequest", "Launcher", "failing_rank_lines", "without_torchrun_closing")
+_FROM_BASE = ("LaunchOutcome", "LaunchRequest", "Launcher", "failing_rank_lines", "rank_stopped_at_startup",
+              "without_torchrun_closing")
 
 
 def __getattr__(name: str) -> Any:
@@ -43,4 +44,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["LAUNCHERS", "LaunchOutcome", "LaunchRequest", "Launcher", "failing_rank_lines", "get_launcher",
-           "without_torchrun_closing"]
+           "rank_stopped_at_startup", "without_torchrun_closing"]

@@ -225,6 +225,21 @@ def _killed_rank(tail: list[str]) -> str | None:
     return None
 
 
+_RANK_EXIT_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+
+def rank_stopped_at_startup(lines: list[str]) -> bool:
+    """Did the first rank torchrun saw fail end as a stop during start-up? A rank that got SIGTERM/SIGUSR1 before its
+    process group formed exits 75 with nothing to save, and one that got it while the group formed dies of it
+    (trainer.lifetime: the default action there); once the group has formed, a stop signal is always a checkpoint
+    and exit 75 with a report. torchrun's own SIGTERMs to the other ranks come after that first failure."""
+    from schemas.seam import EXIT_PREEMPTED
+
+    stops = {EXIT_PREEMPTED, -int(signal.SIGTERM), -int(signal.SIGUSR1)}
+    first = next((m for m in map(_RANK_EXIT_RE.search, lines) if m), None)
+    return first is not None and int(first.group(1)) in stops
+
+
 def without_torchrun_closing(lines: list[str]) -> list[str]:
     """Held-back lines worth showing when the segment did not fail: torchrun's log lines and its closing
     traceback + summary (a ChildFailedError or SignalException that only says the ranks stopped) removed."""

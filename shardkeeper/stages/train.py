@@ -15,7 +15,7 @@ from ckpt.layout import RunDir
 from ckpt.lock import RunLock
 from ckpt.retention import sweep_leftovers
 from ckpt.validate import invalid_committed, latest_valid, validate
-from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher
+from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher, rank_stopped_at_startup
 from schemas import CheckpointManifest, ClusterTopology, RunSpec, SegmentResult
 from schemas.errors import CheckpointError, ConfigError, RunLockedError
 from schemas.seam import RANK_ERROR_PREFIX, SCRIPT_TRACEBACK_FILE, SegmentReport, SegmentTimes, exit_code_of
@@ -282,7 +282,8 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
             note = _unreported_note(after)
     elif rank_status:
         status = rank_status
-    elif (outcome.stop_requested or outcome.scheduler_preempted) and (outcome.exit_code != 0 or outcome.stop_signal is not None):
+    elif ((outcome.stop_requested or outcome.scheduler_preempted) and (outcome.exit_code != 0 or outcome.stop_signal is not None)
+          or (outcome.exit_code != 0 and rank_stopped_at_startup([*outcome.held_back, *outcome.tail]))):
         # Asked to stop before the ranks could report (still starting up, or killed after the grace
         # period): nothing was lost that a checkpoint held; the next segment resumes from the latest one.
         status = "preempted"

@@ -122,15 +122,20 @@ def test_sigkill_of_one_rank_then_of_torchrun_leaves_no_survivors_and_resumes(tm
     assert segment_records(run)[-1]["start_step"] == start
 
 
-def test_sigterm_before_the_first_step_is_a_preemption_without_traceback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("target", ["cli", "rank"])
+def test_sigterm_before_the_first_step_is_a_preemption_without_traceback(tmp_path: Path, target: str) -> None:
+    """To the CLI (twice), or to one rank alone while it imports (what a node's scheduler may deliver)."""
     run = tmp_path / "run"
     proc = start_train(run, BIG)
     try:
         wait_ranks(run, 2)  # ranks exist (starting up: importing torch, joining the group), no step yet
         assert not (run / "metrics.jsonl").exists()
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)  # repeated: still one orderly stop
+        if target == "rank":
+            os.kill(segment_processes(run, "rank")[0].pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)  # repeated: still one orderly stop
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
