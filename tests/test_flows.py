@@ -125,7 +125,7 @@ def test_lineage_artifacts_in_prefect(e2e: tuple[TrainExportSummary, Any, Path])
     assert {row["id"] for row in table} >= {"resume:segment-1", "checkpoint:step-00000008"}
     assert arts[keys.table_key].type == "table"
     graph = arts[keys.graph_key].data
-    assert "data:image/png;base64," in graph and "## Checkpoints now" in graph and "| 8 | 3 | dcp | end |" in graph
+    assert "data:image/png;base64," in graph and "## Checkpoints now" in graph and "| 8 | storage | 3 | dcp | end |" in graph
     now = json.loads(arts[keys.checkpoints_key].data)
     assert now[-1]["step"] == 8 and now[-1]["exported"].startswith("bfloat16") and now[-1]["published"]
     loss = arts[keys.loss_key].data
