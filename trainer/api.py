@@ -275,7 +275,7 @@ class Segment:
             stop, nonfinite = self._agree(saves)
             if nonfinite:  # a script logged a NaN/Inf loss or gradient norm on some rank: never committed
                 raise SegmentStopped(self.end_nonfinite(self._nonfinite_step()))
-            if stop:
+            if stop and ts.step < self.until_step:  # at the last step the segment completes (its final save below)
                 log0(env, "preemption signal received: committing a checkpoint at step %d", ts.step)
                 ckpt.save(ts, reason="preempted", blocking=True)
                 timeline.mark("emergency_saved")
