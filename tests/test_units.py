@@ -156,6 +156,9 @@ def test_seam_round_trip_and_bad_files(tmp_path: Path) -> None:
     assert (exit_code_of("completed", 1), exit_code_of("preempted", 1), exit_code_of("cancelled", 1)) == \
         (0, EXIT_PREEMPTED, EXIT_CANCELLED)
     assert exit_code_of("failed", 0) == 1 and exit_code_of("failed", 3) == 3
+    # a signal-killed torchrun (-9), or any code outside the documented set, is EXIT_FAILED (never 247)
+    assert [exit_code_of("failed", c) for c in (-9, -15, 137, 247, 99)] == [1] * 5
+    assert exit_code_of("failed", 65) == 65 and exit_code_of("failed", 4) == 4
 
 
 def test_live_tail_reads_whole_new_lines_and_survives_a_restart(tmp_path: Path) -> None:
