@@ -435,3 +435,15 @@ def test_slurm_launcher_sees_ranks_that_outlive_their_job(tmp_path: Path) -> Non
         rank.kill()
         rank.wait()
     assert not ranks_alive(tmp_path)
+
+
+def test_checksum_mismatch_says_its_phrase_once_after_crossing_ranks() -> None:
+    """DCP pickles a rank's exception to the coordinator: the line must come back as it was written."""
+    import pickle
+
+    from ckpt.hashing import ChecksumMismatch
+    from trainer.checkpointer import _load_problem
+
+    err = pickle.loads(pickle.dumps(ChecksumMismatch("/run/step_4/__1_1.distcp")))
+    assert isinstance(err, ChecksumMismatch) and err.path == "/run/step_4/__1_1.distcp"
+    assert _load_problem(err) == "/run/step_4/__1_1.distcp: checksum mismatch; the file is corrupted"
