@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -447,3 +448,30 @@ def test_checksum_mismatch_says_its_phrase_once_after_crossing_ranks() -> None:
     err = pickle.loads(pickle.dumps(ChecksumMismatch("/run/step_4/__1_1.distcp")))
     assert isinstance(err, ChecksumMismatch) and err.path == "/run/step_4/__1_1.distcp"
     assert _load_problem(err) == "/run/step_4/__1_1.distcp: checksum mismatch; the file is corrupted"
+
+
+def test_lease_document_types_checked() -> None:
+    """A lease object of JSON but of other types is garbage (an unknown writer, the local expiry), never a crash."""
+    import math
+    import socket
+
+    from ckpt.lease import LeaseView, parse_doc
+
+    good = {"owner": {"host": "h", "pid": 7, "id": "u"}, "acquired": "t", "renewed": "t", "expiry_s": 20}
+    assert parse_doc(json.dumps(good).encode(), 60.0) == (good, 20.0)
+    for bad in ('{"owner": "x"}', '{"owner": {"host": 1, "pid": 7, "id": "u"}}', '{"owner": {"host": "h", "pid": '
+                '"7", "id": "u"}}', '{"owner": {"host": "h", "pid": true, "id": "u"}}', '[]', '"s"', 'nope',
+                '{"owner": {"host": "h", "pid": 7, "id": "u"}, "renewed": 5}'):
+        doc, expiry = parse_doc(bad.encode(), 60.0)
+        assert doc == {"owner": {"host": "an unknown writer", "pid": "?"}} and expiry == 60.0, bad
+    for expiry in ("Infinity", "NaN", "-1", "0", "86401", '"10"', "true"):
+        raw = json.dumps({k: v for k, v in good.items() if k != "expiry_s"})[:-1] + f', "expiry_s": {expiry}}}'
+        doc, got = parse_doc(raw.encode(), 60.0)
+        assert doc["owner"] == good["owner"] and got == 60.0 and math.isfinite(got), expiry
+    here = socket.gethostname()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    view = lambda host, pid: LeaseView({"owner": {"host": host, "pid": pid, "id": "u"}}, "e", 10.0)  # noqa: E731
+    assert view(here, gone.pid).holder_dead()
+    assert not view(here, os.getpid()).holder_dead() and not view(here, 1).holder_dead()
+    assert not view(here + "-other", gone.pid).holder_dead() and not view(here, "?").holder_dead()
