@@ -377,6 +377,22 @@ def test_preflight_keeps_a_checked_model_and_never_a_refused_one(tmp_path: Path,
     assert model_facts.load(model_facts.key(bad)) is None
     (tmp_path / "cache" / "preflight" / f"{k}.json").write_text('{"params": "1e9"}')
     assert model_facts.load(k) is None
+    # Crafted entries are never taken for the check's: out of bounds, or at odds with what model.config states
+    entry = tmp_path / "cache" / "preflight" / f"{k}.json"
+    real = {f: getattr(facts, f) for f in model_facts.FIELDS}
+    for crafted in ({"params": 10**400}, {"params": 10**13 + 1}, {"hidden_size": 2**31 + 1}, {"vocab_size": 0},
+                    {"vocab_size": 1000}, {"hidden_size": 8, "params": 1000}, {"num_hidden_layers": 1},
+                    {"max_position_embeddings": 4096}, {"params": 10}):
+        entry.write_text(json.dumps({**real, **crafted}))
+        assert model_facts.load(k, spec) is None, crafted
+    entry.write_text(json.dumps({**real, "params": 10**400}))
+    preflight(spec, topo, tmp_path / "run")  # the full check again (no OverflowError), and the entry rewritten
+    assert model_facts.load(k, spec) == facts
+    long = load_run_spec(Path("configs/tiny.yaml"), ["data.seq_len=200"])  # longer than max_position_embeddings
+    (tmp_path / "cache" / "preflight" / f"{model_facts.key(long)}.json").write_text(json.dumps(real))
+    assert model_facts.load(model_facts.key(long), long) is None
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        preflight(long, topo, tmp_path / "run3")
     monkeypatch.setenv("SHARDKEEPER_PREFLIGHT_CACHE", "0")
     assert model_facts.key(spec) is None
 
