@@ -21,7 +21,7 @@ from schemas.errors import RunDirError, ShardkeeperError
 from schemas.run import ClusterTopology
 
 EXIT_COMPLETED = 0
-EXIT_FAILED = 1
+EXIT_FAILED = 1  # failed (the failing rank's cause is shown); also a signal-killed torchrun or rank, or any other code
 EXIT_NONFINITE = 65  # EX_DATAERR: the loss or gradient norm became NaN/Inf; nothing of that step was committed
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a scheduler's requeue means
 EXIT_CANCELLED = 130  # 128 + SIGINT: the shell's "stopped on request" (an orchestrator's cancellation)

@@ -193,5 +193,6 @@ def test_typed_garbage_lease_refused_in_one_line_and_dead_local_holder_taken_ove
     taken = me.acquire()  # long before it expires
     assert taken is not None and taken.remaining_s > 0 and taken.doc["owner"]["pid"] == gone.pid
     doc = me.read()
-    assert doc is not None and doc.doc["owner"]["id"] == me.owner["id"] and doc.doc["taken_over_from"]["pid"] == gone.pid
+    assert doc is not None and doc.doc["owner"]["id"] == me.owner["id"]
+    assert doc.doc["taken_over_from"]["pid"] == gone.pid
     me.release()
