@@ -41,7 +41,11 @@ class ChecksumMismatch(CheckpointError):
     """A file's bytes do not match the size and xxh3-128 its manifest lists."""
 
     def __init__(self, path: str | os.PathLike[str]):
+        self.path = str(path)
         super().__init__(mismatch_message(path))
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:  # sent between ranks (DCP's failures): rebuilt from the path,
+        return (type(self), (self.path,))  # not from the message (which would say its phrase twice)
 
 
 def mismatch_message(path: str | os.PathLike[str]) -> str:

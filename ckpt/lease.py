@@ -8,7 +8,9 @@ The local run lock (ckpt.lock) guards one cache; two machines (or two caches) tr
   before each checkpoint's manifest (the commit) is written: a writer whose renewal fails has lost the
   lease and stops uploading;
 - an expired lease (its holder died without releasing it) is taken over with ``PUT If-Match: <its ETag>``,
-  so of two takers exactly one wins;
+  so of two takers exactly one wins; so is, at once, a lease whose holder is a process of this host that no
+  longer exists; a lease object that is not a lease document (garbage) stands for an unknown writer and is
+  taken over once it expires (the local expiry after its last write);
 - released at the end of the segment with ``DELETE If-Match: <our ETag>``.
 
 Expiry is judged on the store's clock (the object's ``Last-Modified`` against the response's ``Date``),
@@ -70,10 +72,50 @@ class LeaseView:
     doc: dict[str, Any]
     etag: str
     remaining_s: float  # seconds until it expires (store clock); <= 0: expired
+    expiry_s: float = DEFAULT_EXPIRY_S  # the expiry it states (the local default when it states none or a bad one)
 
     def holder(self) -> str:
         owner = self.doc.get("owner") or {}
         return f"{owner.get('host', '?')} pid {owner.get('pid', '?')}"
+
+    def holder_dead(self) -> bool:
+        """Its holder is a process of this host that no longer exists (it died without releasing the lease)."""
+        owner = self.doc.get("owner") or {}
+        if owner.get("host") != socket.gethostname() or type(owner.get("pid")) is not int or owner["pid"] <= 0:
+            return False
+        if owner["pid"] == os.getpid():
+            return False
+        try:
+            os.kill(owner["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # EPERM: alive (another user's)
+            return False
+        return False
+
+
+MAX_EXPIRY_S = 86400.0
+GARBAGE_OWNER = {"host": "an unknown writer", "pid": "?"}
+
+
+def parse_doc(raw: bytes, default_expiry_s: float) -> tuple[dict[str, Any], float]:
+    """The lease document and its expiry in seconds. A document that is not one (not JSON, or JSON of other types:
+    an owner that is not ``{host: str, pid: int, id: str}``, a time that is not a string) is garbage: it stands
+    for an unknown writer with the local expiry (taken over once that expires, like a holder that died). An
+    expiry that is not a finite number in (0, 1 day] is the local default."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, TypeError):
+        return {"owner": dict(GARBAGE_OWNER)}, default_expiry_s
+    owner = doc.get("owner") if isinstance(doc, dict) else None
+    if not (isinstance(owner, dict) and isinstance(owner.get("host"), str) and isinstance(owner.get("id"), str)
+            and type(owner.get("pid")) is int
+            and all(isinstance(doc.get(k, ""), str) for k in ("acquired", "renewed"))):
+        return {"owner": dict(GARBAGE_OWNER)}, default_expiry_s
+    expiry = doc.get("expiry_s", default_expiry_s)
+    if type(expiry) not in (int, float) or not 0 < expiry <= MAX_EXPIRY_S:  # NaN and Infinity fail this too
+        expiry = default_expiry_s
+    return doc, float(expiry)
 
 
 class RunLease:
@@ -105,12 +147,8 @@ class RunLease:
             if _code(err) in ("NoSuchKey", "404"):
                 return None
             raise ObjectStoreError(explain(err, self.url, "read its lease")) from None
-        try:
-            doc = json.loads(raw)
-            expiry = float(doc.get("expiry_s", self.expiry_s))
-        except (ValueError, TypeError, AttributeError):
-            doc, expiry = {"owner": {"host": "an unknown writer", "pid": "?"}}, self.expiry_s
-        return LeaseView(doc=doc, etag=resp["ETag"], remaining_s=_remaining(resp, expiry))
+        doc, expiry = parse_doc(raw, self.expiry_s)
+        return LeaseView(doc=doc, etag=resp["ETag"], remaining_s=_remaining(resp, expiry), expiry_s=expiry)
 
     def _put(self, doc: dict[str, Any], **condition: str) -> str | None:
         """Conditional put of the lease; its new ETag, or None when the condition did not hold."""
@@ -136,7 +174,7 @@ class RunLease:
             if there is None:
                 self.acquired = _iso()
                 etag = self._put(self._doc(), IfNoneMatch="*")
-            elif there.remaining_s > 0:
+            elif there.remaining_s > 0 and not there.holder_dead():  # a dead holder of this host: taken over now
                 raise RunLockedError(self.refusal(there))
             else:
                 self.acquired = _iso()
@@ -157,7 +195,8 @@ class RunLease:
     def refusal(self, there: LeaseView) -> str:
         return (f"{self.url}: run is being trained by {there.holder()} (lease expires in {max(1, round(there.remaining_s))} s); "
                 f"wait for that segment to end, or stop it; a writer that died is taken over once its lease expires "
-                f"({there.doc.get('expiry_s', self.expiry_s):g} s without renewal)")
+                f"({there.expiry_s:g} s without renewal); if you know the holder is dead, delete "
+                f"{self.url.rstrip('/')}/{LEASE_NAME} and train again")
 
     def renew(self) -> bool:
         """Extend the lease (conditional on our ETag). False, with ``lost`` set, once another writer holds it."""

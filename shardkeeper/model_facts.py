@@ -3,11 +3,12 @@
 Checking a ``model.model_type`` + ``model.config`` means importing transformers, validating the config class and
 building the model on the meta device: ~3 s of CPU on every ``shardkeeper train``, the same answer every time for
 the same inputs. A successful check is kept as a small JSON file keyed by everything it depends on (the model
-section, data.seq_len, the transformers and shardkeeper versions, this package's own source); a later launch with
-the same key reads the numbers back and does not import transformers. Failures are never kept (each refusal is
+section, data.seq_len, the transformers and torch versions, the source of config.py, preflight.py and this
+module); a later launch with the same key reads the numbers back and does not import transformers. Failures are never kept (each refusal is
 computed again, with its one line). A pretrained model is always checked in full (its files may change).
 Stored under ``$SHARDKEEPER_CACHE/preflight`` (default ``~/.cache/shardkeeper/preflight``); an unreadable or
-malformed entry is ignored and rewritten. ``SHARDKEEPER_PREFLIGHT_CACHE=0`` turns it off.
+malformed entry, or one whose numbers are out of bounds or disagree with what ``model.config`` states, is
+ignored and rewritten. ``SHARDKEEPER_PREFLIGHT_CACHE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -71,7 +72,15 @@ def _dir() -> Path:
     return Path(root) / "preflight"
 
 
-def load(k: str | None) -> ModelFacts | None:
+MAX_PARAMS = 10**13
+MAX_SIZE = 2**31
+
+
+def load(k: str | None, spec: RunSpec | None = None) -> ModelFacts | None:
+    """The kept facts, or None (a full check) when there are none or they cannot be the check's: a number out of
+    bounds (params <= 1e13, sizes <= 2**31, vocab_size >= 1), a number that differs from what ``spec``'s
+    ``model.config`` states, a ``data.seq_len`` longer than the kept ``max_position_embeddings``, or an embedding
+    larger than the kept parameter count (the file was edited, not written by a check)."""
     if k is None:
         return None
     try:
@@ -79,8 +88,16 @@ def load(k: str | None) -> ModelFacts | None:
         values = {f: raw[f] for f in FIELDS}
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not all(type(v) is int and v >= 0 for v in values.values()) or values["vocab_size"] < 1:
+    if not all(type(v) is int and 0 <= v <= (MAX_PARAMS if f == "params" else MAX_SIZE) for f, v in values.items()):
         return None
+    if values["vocab_size"] < 1 or values["params"] < values["vocab_size"] * values["hidden_size"]:
+        return None
+    if spec is not None:
+        stated = spec.model.config
+        if any(f in stated and stated[f] != values[f] for f in FIELDS[1:]):
+            return None
+        if values["max_position_embeddings"] and spec.data.seq_len > values["max_position_embeddings"]:
+            return None  # the full check refuses it in one line
     return ModelFacts(**values)
 
 

@@ -73,7 +73,7 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
     from shardkeeper import model_facts
 
     facts_key = model_facts.key(spec)
-    cfg: Any = model_facts.load(facts_key)  # the same model section checked before: its numbers, no transformers
+    cfg: Any = model_facts.load(facts_key, spec)  # the same model section checked before: its numbers, no transformers
     if cfg is not None:
         params = cfg.params
     else:

@@ -96,12 +96,14 @@ class Mirror:
     def _record_takeover(self, taken: Any) -> None:
         """An expired lease was taken over (its holder died without releasing it): logged and in the lineage."""
         owner = taken.doc.get("owner") or {}
-        log.warning("%s: took over the run's lease of %s (expired %.0f s ago, last renewed %s)", self.remote.url,
-                    taken.holder(), -taken.remaining_s, taken.doc.get("renewed", "?"))
+        why = "its process is gone" if taken.remaining_s > 0 else f"expired {-taken.remaining_s:.0f} s ago"
+        log.warning("%s: took over the run's lease of %s (%s, last renewed %s)", self.remote.url,
+                    taken.holder(), why, taken.doc.get("renewed", "?"))
         lineage.record(self.remote.local, "segment", f"lease-takeover:{int(time.time())}:{self.lease.owner['id'][:8]}",
                        status="lease-takeover", action="lease-takeover", previous_host=owner.get("host"),
                        previous_pid=owner.get("pid"), previous_renewed=taken.doc.get("renewed"),
-                       expired_s=round(-taken.remaining_s, 1), host=self.lease.owner["host"], pid=self.lease.owner["pid"])
+                       expired_s=round(-taken.remaining_s, 1), holder_dead=taken.remaining_s > 0,
+                       host=self.lease.owner["host"], pid=self.lease.owner["pid"])
 
     def _start(self) -> None:
         r = self.remote

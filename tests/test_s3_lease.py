@@ -165,3 +165,34 @@ def test_concurrent_takers_of_an_expired_lease_exactly_one_wins(s3_endpoint: str
         holder = takers[won[0]].read()
         assert holder is not None and holder.doc["owner"]["id"] == takers[won[0]].owner["id"]
         assert holder.doc["taken_over_from"] is not None
+
+
+def test_typed_garbage_lease_refused_in_one_line_and_dead_local_holder_taken_over_at_once(
+        s3_endpoint: str, cache: Path) -> None:
+    """A lease object of JSON but not a lease (an owner that is a string, an Infinity expiry) is an unknown
+    writer's: refused in one line (exit 3) until it expires, like non-JSON garbage; a lease whose holder is a
+    process of this host that is gone is taken over at once, and says whose it was."""
+    from ckpt.lease import LEASE_NAME
+
+    url = f"s3://{_new_bucket()}/run"
+    me = _lease(url, expiry=30.0)
+    for garbage in (b'{"owner": "x"}', b'{"owner": {"host": "h", "pid": 1, "id": "a"}, "expiry_s": Infinity}',
+                    b'[1, 2]', b'not json'):
+        me.client.put_object(Bucket=me.bucket, Key=me.key, Body=garbage)
+        with pytest.raises(RunLockedError) as err:
+            me.acquire()
+        line = str(err.value)
+        assert "\n" not in line and "run is being trained by " in line and "(30 s without renewal)" in line, line
+        assert f"delete {url}/{LEASE_NAME} and train again" in line
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = _lease(url, expiry=30.0)
+    dead.owner = {**dead.owner, "pid": gone.pid}
+    me.client.delete_object(Bucket=me.bucket, Key=me.key)
+    dead.acquire()  # never released: its process is gone now
+    taken = me.acquire()  # long before it expires
+    assert taken is not None and taken.remaining_s > 0 and taken.doc["owner"]["pid"] == gone.pid
+    doc = me.read()
+    assert doc is not None and doc.doc["owner"]["id"] == me.owner["id"]
+    assert doc.doc["taken_over_from"]["pid"] == gone.pid
+    me.release()

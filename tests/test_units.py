@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -156,6 +157,9 @@ def test_seam_round_trip_and_bad_files(tmp_path: Path) -> None:
     assert (exit_code_of("completed", 1), exit_code_of("preempted", 1), exit_code_of("cancelled", 1)) == \
         (0, EXIT_PREEMPTED, EXIT_CANCELLED)
     assert exit_code_of("failed", 0) == 1 and exit_code_of("failed", 3) == 3
+    # a signal-killed torchrun (-9), or any code outside the documented set, is EXIT_FAILED (never 247)
+    assert [exit_code_of("failed", c) for c in (-9, -15, 137, 247, 99)] == [1] * 5
+    assert exit_code_of("failed", 65) == 65 and exit_code_of("failed", 4) == 4
 
 
 def test_live_tail_reads_whole_new_lines_and_survives_a_restart(tmp_path: Path) -> None:
@@ -373,6 +377,22 @@ def test_preflight_keeps_a_checked_model_and_never_a_refused_one(tmp_path: Path,
     assert model_facts.load(model_facts.key(bad)) is None
     (tmp_path / "cache" / "preflight" / f"{k}.json").write_text('{"params": "1e9"}')
     assert model_facts.load(k) is None
+    # Crafted entries are never taken for the check's: out of bounds, or at odds with what model.config states
+    entry = tmp_path / "cache" / "preflight" / f"{k}.json"
+    real = {f: getattr(facts, f) for f in model_facts.FIELDS}
+    for crafted in ({"params": 10**400}, {"params": 10**13 + 1}, {"hidden_size": 2**31 + 1}, {"vocab_size": 0},
+                    {"vocab_size": 1000}, {"hidden_size": 8, "params": 1000}, {"num_hidden_layers": 1},
+                    {"max_position_embeddings": 4096}, {"params": 10}):
+        entry.write_text(json.dumps({**real, **crafted}))
+        assert model_facts.load(k, spec) is None, crafted
+    entry.write_text(json.dumps({**real, "params": 10**400}))
+    preflight(spec, topo, tmp_path / "run")  # the full check again (no OverflowError), and the entry rewritten
+    assert model_facts.load(k, spec) == facts
+    long = load_run_spec(Path("configs/tiny.yaml"), ["data.seq_len=200"])  # longer than max_position_embeddings
+    (tmp_path / "cache" / "preflight" / f"{model_facts.key(long)}.json").write_text(json.dumps(real))
+    assert model_facts.load(model_facts.key(long), long) is None
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        preflight(long, topo, tmp_path / "run3")
     monkeypatch.setenv("SHARDKEEPER_PREFLIGHT_CACHE", "0")
     assert model_facts.key(spec) is None
 
@@ -432,3 +452,42 @@ def test_slurm_launcher_sees_ranks_that_outlive_their_job(tmp_path: Path) -> Non
         rank.kill()
         rank.wait()
     assert not ranks_alive(tmp_path)
+
+
+def test_checksum_mismatch_says_its_phrase_once_after_crossing_ranks() -> None:
+    """DCP pickles a rank's exception to the coordinator: the line must come back as it was written."""
+    import pickle
+
+    from ckpt.hashing import ChecksumMismatch
+    from trainer.checkpointer import _load_problem
+
+    err = pickle.loads(pickle.dumps(ChecksumMismatch("/run/step_4/__1_1.distcp")))
+    assert isinstance(err, ChecksumMismatch) and err.path == "/run/step_4/__1_1.distcp"
+    assert _load_problem(err) == "/run/step_4/__1_1.distcp: checksum mismatch; the file is corrupted"
+
+
+def test_lease_document_types_checked() -> None:
+    """A lease object of JSON but of other types is garbage (an unknown writer, the local expiry), never a crash."""
+    import math
+    import socket
+
+    from ckpt.lease import LeaseView, parse_doc
+
+    good = {"owner": {"host": "h", "pid": 7, "id": "u"}, "acquired": "t", "renewed": "t", "expiry_s": 20}
+    assert parse_doc(json.dumps(good).encode(), 60.0) == (good, 20.0)
+    for bad in ('{"owner": "x"}', '{"owner": {"host": 1, "pid": 7, "id": "u"}}', '{"owner": {"host": "h", "pid": '
+                '"7", "id": "u"}}', '{"owner": {"host": "h", "pid": true, "id": "u"}}', '[]', '"s"', 'nope',
+                '{"owner": {"host": "h", "pid": 7, "id": "u"}, "renewed": 5}'):
+        doc, expiry = parse_doc(bad.encode(), 60.0)
+        assert doc == {"owner": {"host": "an unknown writer", "pid": "?"}} and expiry == 60.0, bad
+    for expiry in ("Infinity", "NaN", "-1", "0", "86401", '"10"', "true"):
+        raw = json.dumps({k: v for k, v in good.items() if k != "expiry_s"})[:-1] + f', "expiry_s": {expiry}}}'
+        doc, got = parse_doc(raw.encode(), 60.0)
+        assert doc["owner"] == good["owner"] and got == 60.0 and math.isfinite(got), expiry
+    here = socket.gethostname()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    view = lambda host, pid: LeaseView({"owner": {"host": host, "pid": pid, "id": "u"}}, "e", 10.0)  # noqa: E731
+    assert view(here, gone.pid).holder_dead()
+    assert not view(here, os.getpid()).holder_dead() and not view(here, 1).holder_dead()
+    assert not view(here + "-other", gone.pid).holder_dead() and not view(here, "?").holder_dead()
