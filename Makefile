@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # The venv's tools (ninja for DeepSpeed's JIT op, torchrun, shardkeeper) come first on PATH.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install lock system-deps test test-all demo bench gpu-check docs clean
+.PHONY: install lock system-deps test demo bench gpu-check docs clean
 
 # DeepSpeed compiles from source against the installed torch: DS_BUILD_OPS=0 defers its ops to JIT
 # at first use, and --no-build-isolation keeps pip from fetching another torch to build it with.
@@ -40,12 +40,7 @@ system-deps:
 	  else echo "chromium/slurm not found and not root: the browser and Slurm tests will be skipped"; fi; \
 	fi
 
-# make test: every promised behaviour, within its budget (~25 min on 2 cores); make test-all adds the longer
-# variants marked `extended` (more world sizes, backends and repeats of what make test covers).
 test: install system-deps
-	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -m "not extended" --durations=10 $(PYTEST_ARGS)
-
-test-all: install system-deps
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest --durations=10 $(PYTEST_ARGS)
 
 demo: install
