@@ -158,6 +158,8 @@ def train_spec(config: str | Path | None, overrides: list[str] | None, run_dir: 
         spec = load_run_spec(config, overrides, overrides_base=overrides_base)
     elif local_spec is not None and local_spec.is_file():
         spec = load_run_spec(local_spec, overrides, overrides_base=overrides_base)
+    elif local_spec is None and (stored := _stored_spec(str(run_dir))) is not None:  # s3://: another machine's run
+        spec = load_run_spec(stored, overrides, overrides_base=overrides_base)
     elif script is not None:
         given = parse_overrides(overrides)
         raw: dict[str, Any] = {"name": Path(script).stem or "run"}
@@ -169,6 +171,27 @@ def train_spec(config: str | Path | None, overrides: list[str] | None, run_dir: 
         raise ConfigError(f"--config: required for a new run ({run_dir} holds no run.yaml); pass --config "
                           "configs/tiny.yaml, or --script FILE to train with your own script")
     return with_script(spec, script, script_args, base=overrides_base)
+
+
+def _stored_spec(url: str) -> Path | None:
+    """An object-store run's run.yaml, fetched into its local cache (where the resume's pull puts it anyway); None
+    when the store holds none (a new run). Store errors are one line (ObjectStoreError)."""
+    from ckpt.objstore_base import ObjectStoreError, cache_dir, explain, is_remote, open_fs
+
+    if not is_remote(url):
+        return None
+    local = cache_dir(url) / "run.yaml"
+    fs, path = open_fs(url)
+    try:
+        if not fs.exists(f"{path.rstrip('/')}/run.yaml"):
+            return local if local.is_file() else None
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(f".run.yaml.{os.getpid()}.tmp")
+        fs.get_file(f"{path.rstrip('/')}/run.yaml", str(tmp))
+        os.replace(tmp, local)
+    except OSError as e:
+        raise ObjectStoreError(explain(e, url, "reading run.yaml")) from None
+    return local
 
 
 def with_script(spec: RunSpec, script: str | Path | None, script_args: list[str] | None = None, *,

@@ -196,3 +196,18 @@ def test_typed_garbage_lease_refused_in_one_line_and_dead_local_holder_taken_ove
     assert doc is not None and doc.doc["owner"]["id"] == me.owner["id"]
     assert doc.doc["taken_over_from"]["pid"] == gone.pid
     me.release()
+
+
+def test_another_machine_resumes_an_s3_run_without_its_config(s3_endpoint: str, cache: Path) -> None:
+    """The run's run.yaml is on the store: a machine whose cache never saw the run takes the spec from there (a
+    resume needs no --config); a URL whose store holds no run.yaml is still a new run that needs one."""
+    from tests.s3_server import _client
+    from shardkeeper.config import train_spec
+
+    bucket = _new_bucket()
+    spec = tiny_spec(name="from-the-store")
+    _client().put_object(Bucket=bucket, Key="run1/run.yaml", Body=spec.model_dump_json().encode())
+    got = train_spec(None, None, f"s3://{bucket}/run1")
+    assert got.name == "from-the-store" and got == spec
+    with pytest.raises(Exception, match="--config: required for a new run"):
+        train_spec(None, None, f"s3://{bucket}/run2")
