@@ -65,7 +65,7 @@ class RemoteRun:
         self.base = self.base.rstrip("/")
         self.local = RunDir.at(cache_dir(self.url, cache))
         self._client: Any = None  # botocore client of put_files, made at the first upload
-        self.commit_guard: Any = None  # called right before a manifest is written (the run's lease: ckpt.lease)
+        self.commit_guard: Any = None  # called before a checkpoint's files and its manifest are written (ckpt.lease)
 
     # ------------------------------------------------------------------ naming
     def key(self, rel: str) -> str:
@@ -183,9 +183,8 @@ class RemoteRun:
 
     # ------------------------------------------------------------------ push
     def push_checkpoint(self, local_ckpt: str | os.PathLike[str]) -> bool:
-        """Upload a locally committed checkpoint: its files (parallel, multipart), a size check of what landed,
-        then the manifest last with a conditional put. False if the store already holds this very commit.
-        Refuses to overwrite a different commit of the same step (another writer)."""
+        """Upload a locally committed checkpoint: files (parallel, multipart), a size check, the manifest last with a
+        conditional put. False if the store holds this very commit; another commit of the step is refused."""
         local_ckpt = Path(local_ckpt)
         step = parse_step(local_ckpt.name)
         if step is None:
@@ -197,6 +196,8 @@ class RemoteRun:
             return False
         t0 = time.perf_counter()
         names = sorted(e.path for e in manifest.files)
+        if self.commit_guard is not None:  # a writer that lost the run's lease uploads nothing, not even data
+            self.commit_guard()
         self._call("write there", self.put_files, [local_ckpt / n for n in names], [f"{rel_dir}/{n}" for n in names])
         landed = self._objects(rel_dir)
         problem = self.check_sizes(step, manifest, landed)
