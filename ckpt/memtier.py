@@ -3,13 +3,14 @@
 A memory snapshot is a checkpoint like any other: the same DCP files, written by the same hashing writer into
 ``MEMORY_DIR/checkpoints/step-XXXXXXXX.partial/`` and committed by the same protocol (manifest with checksums
 and fingerprint, atomic rename). Only its place differs, so every reader that validates a storage checkpoint
-validates a snapshot the same way. ``MEMORY_DIR/tier.json`` names the run directory the snapshots belong to:
-another run's snapshots are never loaded nor persisted.
+validates a snapshot the same way. ``MEMORY_DIR/tier.json`` names the run the snapshots belong to (its run
+directory and the random id in ``RUN_DIR/.memory-tier-id``): another run's snapshots, a deleted run's at the same
+path included, are never loaded nor persisted. A live run's rank 0 holds ``MEMORY_DIR/tier.lock``.
 
 What this module holds (no torch needed): where a run's memory tier lives, whose it is, its retention (the
 newest ``KEEP`` snapshots), the copy of a snapshot's files into a storage ``.partial`` (hashed on the way, so a
 byte that changed in memory is never persisted), the controller's persist of a snapshot newer than storage after
-a segment died, and the preflight's capacity check.
+a segment died, and the preflight's checks (capacity; never a run directory).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import json
 import logging
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import xxhash
 
-from ckpt.fsutil import atomic_write_json, fsync_dir, fsync_file, mkdir_durable
+from ckpt.fsutil import atomic_write_json, atomic_write_text, fsync_dir, fsync_file, mkdir_durable
 from ckpt.layout import DELETING_SUFFIX, RunDir, parse_step
 from schemas import MANIFEST_NAME, CheckpointManifest, FileEntry, RunSpec
 from schemas.errors import ConfigError
@@ -31,6 +33,8 @@ from schemas.errors import ConfigError
 log = logging.getLogger(__name__)
 
 KEEP = 2  # snapshots kept in memory: the newest, and the one before it while the next is written
+SNAPSHOTS_AT_ONCE = KEEP + 1  # the capacity check: the two kept, and a third being written
+OVERHEAD = 1.3  # a snapshot over its fp32 master + AdamW bytes: RNG, extras, DCP metadata, manifest
 OWNER_NAME = "tier.json"
 DEFAULT_ROOT = Path("/dev/shm/shardkeeper")
 MEMORY = "memory"
@@ -84,8 +88,27 @@ def snapshot_event_id(step: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- ownership
+ID_NAME = ".memory-tier-id"  # in the run directory: the run's identity (a new run at the same path has none)
+LOCK_NAME = "tier.lock"  # in the memory dir: flock held by the writing segment's rank 0 for its life
+
+
+def identity(run_dir: RunDir, *, create: bool = False) -> str | None:
+    """The run's memory-tier identity: a random id kept in ``RUN_DIR/.memory-tier-id`` (written at the first
+    claim); None when it has none (a new run, even at the path of a deleted one)."""
+    path = run_dir.root / ID_NAME
+    try:
+        found = path.read_text().strip()
+    except OSError:
+        found = ""
+    if found or not create:
+        return found or None
+    atomic_write_text(path, uuid.uuid4().hex + "\n")
+    return path.read_text().strip()
+
+
 def owner_problem(mem: RunDir, run_dir: RunDir) -> str | None:
-    """None when the memory dir's snapshots are this run's; else one line naming whose they are."""
+    """None when the memory dir's snapshots are this run's (tier.json's id is the run directory's id, not only
+    its path: a new run at the path of a deleted one is another run); else one line naming whose they are."""
     path = mem.root / OWNER_NAME
     try:
         owner = json.loads(path.read_text())
@@ -93,22 +116,91 @@ def owner_problem(mem: RunDir, run_dir: RunDir) -> str | None:
         return f"{path}: missing; the snapshots there belong to no known run"
     except (OSError, ValueError) as e:
         return f"{path}: unreadable ({e})"
-    if owner.get("run_dir") != str(run_dir.root):
-        return f"{mem.root} holds snapshots of the run in {owner.get('run_dir')!r}, not of {run_dir.root}"
+    mine = identity(run_dir)
+    if owner.get("run_dir") != str(run_dir.root) or not mine or owner.get("id") != mine:
+        whose = owner.get("run_dir")
+        if whose == str(run_dir.root):
+            return (f"{mem.root} holds snapshots of an earlier run at {whose} (its id {owner.get('id')!r} is not "
+                    f"this run's {mine!r} in {run_dir.root / ID_NAME})")
+        return f"{mem.root} holds snapshots of the run in {whose!r}, not of {run_dir.root}"
     return None
 
 
-def claim(mem: RunDir, run_dir: RunDir) -> None:
-    """Before the first snapshot: make the memory dir this run's. Another run's snapshots there are removed
-    (they could never be loaded into this run), said in one line."""
+class TierLock:
+    """The flock on ``MEMORY_DIR/tier.lock`` that the writing segment's rank 0 holds for its life: a second
+    run never claims a memory dir a live run writes into."""
+
+    def __init__(self, mem: RunDir) -> None:
+        self.path = mem.root / LOCK_NAME
+        self.fd: int | None = None
+
+    def acquire(self) -> bool:
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _foreign_entries(root: Path) -> list[str]:
+    """What a memory dir without our tier.json holds besides what a claim itself creates (empty)."""
+    out = []
+    for p in sorted(root.iterdir()):
+        if p.name == LOCK_NAME or (p.name == "checkpoints" and p.is_dir() and not any(p.iterdir())):
+            continue
+        out.append(p.name)
+    return out
+
+
+def claim(mem: RunDir, run_dir: RunDir, lock: TierLock) -> str | None:
+    """Before the first snapshot (rank 0): make the memory dir this run's and hold its lock. Returns None, or
+    one line why the memory tier is not used (nothing deleted, nothing written there): a non-empty directory
+    that is not a memory tier (no tier.json), or one a live run holds. Another run's snapshots in a memory tier
+    dir (tier.json present, lock free) are removed: they could never be loaded into this run."""
+    root = mem.root
+    where = f"checkpoint.memory_dir {root}"
+    if root.exists() and not root.is_dir():
+        return f"{where}: not a directory; the memory tier is off"
+    if root.is_dir() and not (root / OWNER_NAME).exists():
+        foreign = _foreign_entries(root)
+        if foreign:
+            return (f"{where}: not empty and not a memory tier (no {OWNER_NAME}; holds {', '.join(foreign[:3])}); "
+                    "nothing there is touched, the memory tier is off: set checkpoint.memory_dir to an empty or new "
+                    "directory")
+    mkdir_durable(root)
+    if lock.fd is None and not lock.acquire():
+        return (f"{where}: in use by another live run (it holds {root / LOCK_NAME}); the memory tier is off for "
+                "this segment: give each run its own checkpoint.memory_dir")
+    mine = identity(run_dir, create=True)
+    problem = owner_problem(mem, run_dir)
+    if problem is None:
+        mkdir_durable(mem.checkpoints)
+        return None
+    if (root / OWNER_NAME).exists():
+        log.warning("%s; removing them: this run's snapshots go there now", problem)
+        if mem.checkpoints.is_dir():
+            for p in mem.checkpoints.iterdir():
+                shutil.rmtree(p, ignore_errors=True)
     mkdir_durable(mem.checkpoints)
-    if owner_problem(mem, run_dir) is None:
-        return
-    if (mem.root / OWNER_NAME).exists():
-        log.warning("%s; removing them: this run's snapshots go there now", owner_problem(mem, run_dir))
-    for p in mem.checkpoints.iterdir():
-        shutil.rmtree(p, ignore_errors=True)
-    atomic_write_json(mem.root / OWNER_NAME, {"run_dir": str(run_dir.root)})
+    atomic_write_json(root / OWNER_NAME, {"run_dir": str(run_dir.root), "id": mine})
+    return None
+
+
+def still_owner(mem: RunDir, run_dir: RunDir) -> str | None:
+    """Right before a snapshot's commit (rank 0): None while tier.json still names this run; else one line."""
+    problem = owner_problem(mem, run_dir)
+    return (f"memory tier lost: {problem}; the snapshot is not committed and the memory tier is off for the rest "
+            "of this segment (storage checkpoints continue)") if problem else None
 
 
 def retain(mem: RunDir, keep: int = KEEP) -> list[Path]:
@@ -248,8 +340,8 @@ def persist_newer(spec: RunSpec, run_dir: RunDir) -> tuple[Path | None, str | No
 def check_memory_tier(spec: RunSpec, run_dir: RunDir, *, state_bytes: float | None, ranks_on_node: int,
                       here: bool = True) -> None:
     """Preflight of checkpoint.memory_interval (one line each, nothing written): the fsdp2 backend only; the
-    memory dir (or its nearest existing parent) is a writable directory; two snapshots of every rank on the
-    node (``state_bytes`` each: what one rank's checkpoint holds) fit its free space. ``here``: the ranks run on
+    memory dir is, contains and lies inside no run directory; it (or its nearest existing parent) is a writable
+    directory; three snapshots (x1.3 overhead) of every rank on the node (``state_bytes`` each: what one rank's checkpoint holds) fit its free space. ``here``: the ranks run on
     this host (else only the backend is checked)."""
     root = memory_root(spec, run_dir)
     if root is None:
@@ -265,6 +357,10 @@ def check_memory_tier(spec: RunSpec, run_dir: RunDir, *, state_bytes: float | No
                           "tmpfs there (docker: --shm-size), set checkpoint.memory_dir to a tmpfs directory, or remove "
                           "checkpoint.memory_interval")
     probe = root if root.exists() else next((p for p in root.parents if p.exists()), Path("/"))
+    inside = _run_dir_near(root, Path(run_dir.root).absolute())
+    if inside:
+        raise ConfigError(f"{where}: {root} {inside}; the memory tier empties its directory and would take that run's "
+                          "checkpoints: set checkpoint.memory_dir to a directory of its own (e.g. under /dev/shm)")
     if not probe.is_dir():
         raise ConfigError(f"{where}: {probe} is not a directory; set checkpoint.memory_dir to a directory on a tmpfs "
                           "(e.g. under /dev/shm)")
@@ -277,14 +373,53 @@ def check_memory_tier(spec: RunSpec, run_dir: RunDir, *, state_bytes: float | No
     st = os.statvfs(probe)
     free = st.f_bavail * st.f_frsize
     held = _held_bytes(root)  # this run's own snapshots are replaced, their room counts as free
-    need = 2 * ranks_on_node * state_bytes
+    need = SNAPSHOTS_AT_ONCE * OVERHEAD * ranks_on_node * state_bytes
     if need > free + held:
         gib = 1 << 30
         raise ConfigError(
-            f"{where}: two memory snapshots of {ranks_on_node} rank(s) need ~{need / gib:.2f} GiB, but {probe} has "
+            f"{where}: three memory snapshots (two kept, one being written) of {ranks_on_node} rank(s) need ~{need / gib:.2f} GiB, but {probe} has "
             f"{(free + held) / gib:.2f} GiB free; enlarge it (docker/podman: --shm-size={max(1, int(need * 1.25 / gib) + 1)}g; "
             "Kubernetes: an emptyDir with medium Memory), set checkpoint.memory_dir to a larger tmpfs, or remove "
             "checkpoint.memory_interval")
+
+
+def _is_run_dir(path: Path) -> bool:
+    """A run directory: run.yaml, or committed checkpoints without a memory tier's tier.json."""
+    try:
+        if (path / "run.yaml").exists():
+            return True
+        ckpts = path / "checkpoints"
+        return (ckpts.is_dir() and not (path / OWNER_NAME).exists()
+                and any(parse_step(p.name.split(".", 1)[0]) is not None for p in ckpts.iterdir()))
+    except OSError:
+        return False
+
+
+def _run_dir_near(root: Path, run_dir: Path) -> str | None:
+    """How ``root`` (a memory dir) meets a run directory: is it, lies inside it, or contains one (two levels
+    down); None when it does not. This run's own run directory counts, existing or not."""
+    if root == run_dir or run_dir in root.parents:
+        return f"is or lies inside this run's --run-dir {run_dir}"
+    if root in run_dir.parents:
+        return f"contains this run's --run-dir {run_dir}"
+    for p in (root, *root.parents):
+        if _is_run_dir(p):
+            return f"is or lies inside the run directory {p}"
+    if root.is_dir():
+        level = [root]
+        for _ in range(2):
+            level = [c for d in level for c in _children(d)]
+            hit = next((c for c in level if _is_run_dir(c)), None)
+            if hit is not None:
+                return f"contains the run directory {hit}"
+    return None
+
+
+def _children(d: Path) -> list[Path]:
+    try:
+        return [c for c in d.iterdir() if c.is_dir() and not c.is_symlink()]
+    except OSError:
+        return []
 
 
 def _read_only(path: Path) -> bool:

@@ -224,7 +224,9 @@ class CheckpointPolicy(_Frozen):
     memory_dir: str | None = Field(
         None, min_length=1, description="where the memory tier keeps its snapshots, on a RAM-backed file system "
         "(tmpfs); null = /dev/shm/shardkeeper/<run id> (the run's name and a hash of its run directory). Needs room "
-        "for two snapshots of every rank on the node (preflight checks it)")
+        "for three snapshots of every rank on the node (two kept, one being written; preflight checks it), and a "
+        "directory of the run's own: never a run directory (preflight refuses one), and a non-empty directory that "
+        "is not a memory tier is never used nor emptied")
 
     @field_validator("memory_dir")
     @classmethod

@@ -1,6 +1,9 @@
-"""The memory tier's preflight (unit level, no launch): a memory dir that cannot hold two snapshots of every
-rank, or that is read-only, missing or a file, is refused in one line naming the key and the fix, and nothing
-is written. The rank-side behaviour (snapshots, crash, resume from memory, tampered snapshot) is exercised by
+"""The memory tier (unit level, no launch): preflight refuses in one line, nothing written, a memory dir that
+cannot hold three snapshots of every rank, that is read-only, missing or a file, or that is, contains or lies
+inside a run directory. Whose snapshots they are: the claim never empties a directory that is not a memory tier,
+a new run at a deleted run's path never adopts its snapshots, a live run's dir is not claimed by another, and a
+lost or full memory tier turns off mid-segment with storage checkpoints written the normal way (two gloo ranks in
+processes). Snapshots, crash, resume from memory and a tampered snapshot are exercised by
 tests/test_resume.py::test_memory_tier_rank_crash_resumes_from_memory_exactly."""
 
 from __future__ import annotations
@@ -9,8 +12,12 @@ import os
 import subprocess
 from pathlib import Path
 
+import shutil
+
 import pytest
 
+from ckpt import memtier
+from ckpt.layout import RunDir
 from schemas.errors import ConfigError
 from shardkeeper.preflight import check_memory_tier, preflight
 from shardkeeper.stages.train import plan_topology
@@ -34,14 +41,16 @@ def test_memory_tier_that_does_not_fit_is_refused_with_how_to_size_it(tmp_path: 
     preflight(spec, topo, tmp_path / "run")  # the tiny model's two snapshots fit: accepted, nothing written
     assert not mem.exists() and not (tmp_path / "shm").exists()
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
-    params = int(free / 12)  # two snapshots of 12 B/param over 2 ranks x 2 ranks on the node = 2x the free space
+    # three snapshots (two kept, one in flight) x 1.3 overhead of 12 B/param over 2 ranks x 2 ranks on the node:
+    # 3 x 1.3 x 12 B x params = free space at params = free / 46.8
+    params = int(free / 46.8 * 1.1)
     with pytest.raises(ConfigError) as e:
         check_memory_tier(spec, topo, tmp_path / "run", params)
     msg = _one_line(e)
-    assert msg.startswith("checkpoint.memory_dir: two memory snapshots of 2 rank(s) need")
+    assert msg.startswith("checkpoint.memory_dir: three memory snapshots (two kept, one being written) of 2 rank(s) need")
     assert "--shm-size=" in msg and "memory_interval" in msg and str(tmp_path) in msg
     assert not mem.exists() and not (tmp_path / "shm").exists()
-    check_memory_tier(spec, topo, tmp_path / "run", params // 4)  # half the free space: fits
+    check_memory_tier(spec, topo, tmp_path / "run", int(free / 46.8 * 0.9))  # just under: fits
 
 
 def test_read_only_missing_or_file_memory_dir_is_refused_and_nothing_written(tmp_path: Path) -> None:
@@ -75,3 +84,164 @@ def test_read_only_missing_or_file_memory_dir_is_refused_and_nothing_written(tmp
     with pytest.raises(ConfigError) as e:
         check_memory_tier(spec, plan_topology(spec, 2), tmp_path / "run", 10)
     assert "fsdp2 backend only" in _one_line(e)
+
+
+# ------------------------------------------------------------------------------------- whose memory dir it is
+def _run(path: Path) -> RunDir:
+    path.mkdir(parents=True, exist_ok=True)
+    return RunDir.at(path)
+
+
+def _snapshot(mem: RunDir, step: int) -> Path:
+    d = mem.checkpoint(step)
+    d.mkdir(parents=True)
+    (d / "manifest.json").write_text("{}")
+    return d
+
+
+def test_memory_dir_at_or_around_a_run_directory_is_refused_and_nothing_touched(tmp_path: Path) -> None:
+    other = tmp_path / "other-run"
+    _snapshot(RunDir(other), 10)  # another run's storage checkpoint
+    (other / "run.yaml").write_text("name: other\n")
+    before = sorted(str(p) for p in other.rglob("*"))
+    me = tmp_path / "me"
+    for mem, why in [(other, "is or lies inside the run directory"), (other / "shm", "is or lies inside the run directory"),
+                     (tmp_path, "contains"), (me, "this run's --run-dir"), (me / "shm", "this run's --run-dir")]:
+        spec = _spec(mem)
+        with pytest.raises(ConfigError) as e:
+            preflight(spec, plan_topology(spec, 2), me)
+        msg = _one_line(e)
+        assert msg.startswith("checkpoint.memory_dir: ") and why in msg and "directory of its own" in msg, msg
+    assert sorted(str(p) for p in other.rglob("*")) == before and not me.exists()
+    run_yaml_less = tmp_path / "ckpts-only"  # checkpoints/step-* alone make a run directory too
+    _snapshot(RunDir(run_yaml_less), 5)
+    spec = _spec(run_yaml_less)
+    with pytest.raises(ConfigError):
+        preflight(spec, plan_topology(spec, 2), me)
+
+
+def test_claim_never_empties_a_directory_that_is_not_a_memory_tier(tmp_path: Path) -> None:
+    foreign = tmp_path / "data"
+    kept = _snapshot(RunDir(foreign), 3)
+    (foreign / "notes.txt").write_text("mine")
+    rd = _run(tmp_path / "run")
+    lock = memtier.TierLock(RunDir(foreign))
+    problem = memtier.claim(RunDir(foreign), rd, lock)
+    assert problem is not None and "not a memory tier" in problem and "\n" not in problem
+    assert kept.is_dir() and (foreign / "notes.txt").read_text() == "mine"
+    assert not (foreign / memtier.OWNER_NAME).exists() and not (foreign / memtier.LOCK_NAME).exists()
+    assert memtier.claim(RunDir(tmp_path / "fresh"), rd, memtier.TierLock(RunDir(tmp_path / "fresh"))) is None
+
+
+def test_a_new_run_at_a_deleted_runs_path_never_adopts_its_snapshots(tmp_path: Path) -> None:
+    mem, path = RunDir(tmp_path / "shm"), tmp_path / "run"
+    spec = _spec(mem.root)
+    old = _run(path)
+    lock = memtier.TierLock(mem)
+    assert memtier.claim(mem, old, lock) is None
+    snap = _snapshot(mem, 40)
+    assert memtier.owner_problem(mem, old) is None and memtier.newest_snapshot(mem, old)[0] == snap
+    lock.release()
+    shutil.rmtree(path)  # rm -rf RUN; a new run at the same path
+    new = _run(path)
+    assert memtier.identity(new) is None
+    problem = memtier.owner_problem(mem, new)
+    assert problem is not None and "earlier run" in problem
+    final, why = memtier.persist_newer(spec, new)  # the launcher never persists the old run's snapshot
+    assert final is None and why is not None and "not persisted" in why and not new.committed()
+    lock = memtier.TierLock(mem)
+    assert memtier.claim(mem, new, lock) is None  # the tier dir is re-claimed: the old snapshots are gone
+    assert not snap.exists() and memtier.owner_problem(mem, new) is None
+    lock.release()
+
+
+def test_a_second_run_cannot_claim_a_memory_dir_a_live_run_holds(tmp_path: Path) -> None:
+    mem = RunDir(tmp_path / "shm")
+    a, b = _run(tmp_path / "a"), _run(tmp_path / "b")
+    lock_a, lock_b = memtier.TierLock(mem), memtier.TierLock(mem)
+    assert memtier.claim(mem, a, lock_a) is None
+    snap = _snapshot(mem, 7)
+    problem = memtier.claim(mem, b, lock_b)
+    assert problem is not None and "in use by another live run" in problem and "\n" not in problem
+    assert snap.is_dir() and memtier.owner_problem(mem, a) is None  # A's tier untouched
+    lock_a.release()  # A's segment ended: B may take the dir; A's commit-time check then sees it lost
+    assert memtier.claim(mem, b, lock_b) is None and not snap.exists()
+    lost = memtier.still_owner(mem, a)
+    assert lost is not None and lost.startswith("memory tier lost: ") and "\n" not in lost
+    assert memtier.still_owner(mem, b) is None
+    lock_b.release()
+
+
+# ------------------------------------------------------------------------------------- rank side (2 gloo ranks)
+def _tier_goes_off(tmp: str) -> list[object]:
+    """Three ways the memory tier turns off mid-segment, each with the storage checkpoint written the normal way:
+    tier.json taken by another run before a commit, a non-empty foreign memory_dir, a full tmpfs (ENOSPC)."""
+    import errno
+
+    import torch.distributed as dist
+
+    from ckpt.validate import validate
+    from trainer.checkpointer import TrainState
+    from trainer.dcp_backend import DCPCheckpointer
+    from trainer.dist import init_distributed
+    from trainer.model import build_model, model_signature, shard_model
+    from trainer.optim import build_optimizer
+
+    env = init_distributed()
+    root = Path(tmp)
+    spec0 = tiny_spec()
+    model = build_model(spec0)
+    sig = model_signature(spec0.model, model)
+    shard_model(model, env.mesh, spec0)
+    opt = build_optimizer(model, spec0)
+
+    def ck(name: str, mem: Path) -> DCPCheckpointer:
+        spec = tiny_spec(**{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(mem)})
+        return DCPCheckpointer(RunDir.at(root / name), spec, model, opt, env, segment=0, signature=sig)
+
+    def stored(c: DCPCheckpointer, step: int) -> bool:
+        return validate(c.run_dir.checkpoint(step), deep=True).valid
+
+    for name in "abc":  # run directories exist before a segment starts
+        (root / name).mkdir(exist_ok=True)
+    seen: list[object] = []
+    a = ck("a", root / "shm")
+    a.save(TrainState(step=2), reason="interval", blocking=True, tier=memtier.MEMORY)
+    seen.append((root / "shm" / "checkpoints" / "step-00000002" / "manifest.json").is_file())
+    if env.is_rank0:  # another run took tier.json while A writes (e.g. claimed while A's lock was not held)
+        (root / "shm" / memtier.OWNER_NAME).write_text('{"run_dir": "/elsewhere", "id": "other"}')
+    dist.barrier()
+    a.save(TrainState(step=4), reason="interval", blocking=True)
+    a.save(TrainState(step=6), reason="interval", blocking=True, tier=memtier.MEMORY)  # off: nothing
+    seen += [a.memory is None, stored(a, 4), sorted(p.name for p in (root / "shm" / "checkpoints").iterdir()),
+             (root / "a" / "checkpoints" / "step-00000006").exists()]
+    (root / "data").mkdir(exist_ok=True)
+    if env.is_rank0:
+        (root / "data" / "keep.txt").write_text("mine")
+    dist.barrier()
+    b = ck("b", root / "data")
+    b.save(TrainState(step=2), reason="interval", blocking=True)
+    seen += [b.memory is None, stored(b, 2), sorted(p.name for p in (root / "data").iterdir())]
+    c = ck("c", root / "shm-c")
+    write = c.write
+
+    def full(snapshot, ts, partial):  # noqa: ANN001 - what the DCP writer's agreement raises on ENOSPC
+        if partial.parent == root / "shm-c" / "checkpoints":
+            c.abort_save(partial, c.save_problem(OSError(errno.ENOSPC, "No space left on device", str(partial / "x")),
+                                                 partial), env.ckpt_group)
+        return write(snapshot, ts, partial)
+
+    c.write = full  # type: ignore[method-assign]
+    c.save(TrainState(step=2), reason="interval", blocking=True)
+    seen += [c.memory is None, stored(c, 2), list((root / "shm-c" / "checkpoints").iterdir())]
+    for x in (a, b, c):
+        x.close()
+    dist.destroy_process_group()
+    return seen
+
+
+def test_memory_tier_off_mid_segment_storage_checkpoints_go_the_normal_way(tmp_path: Path) -> None:
+    from tests.harness import spawn
+
+    want = [True, True, True, ["step-00000002"], False, True, True, ["keep.txt"], True, True, []]
+    assert spawn(_tier_goes_off, 2, str(tmp_path)) == [want] * 2

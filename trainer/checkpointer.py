@@ -100,6 +100,18 @@ class TrainState:
     samples: int = 0
 
 
+_TIER_OFF = "memory-tier-off"
+
+
+def _disk_full(problem: str) -> bool:
+    return problem.startswith("disk full at")
+
+
+def _tier_full(step: int, problem: str) -> str:
+    return (f"memory snapshot at step {step} not committed: {problem.split(';')[0]} (the memory dir is full); the memory "
+            "tier is off for the rest of this segment, storage checkpoints are written the normal way")
+
+
 def _find_os_error(exc: BaseException | None, depth: int = 0) -> OSError | None:
     """The OSError behind a failure: itself, its cause/context, or one rank's failure inside DCP's
     CheckpointException (which carries every failing rank's exception)."""
@@ -191,6 +203,7 @@ class Checkpointer:
         self.last_memory_step: int | None = None
         self.last_storage_step: int | None = None
         self._claimed = False
+        self._tier_lock = memtier.TierLock(self.memory) if self.memory is not None else None
         self.skipped_snapshots = 0
         self._pool = background_pool("ckpt-commit", spec.checkpoint.background_nice)
         self._reread_pool = background_pool("ckpt-reread", spec.checkpoint.background_nice)
@@ -243,6 +256,8 @@ class Checkpointer:
                 log0(self.env, "memory snapshot at step %d skipped: the previous save is still being written", ts.step)
                 return
         self.wait()
+        if tier == MEMORY and self.memory is None:  # the memory tier went off during the save in flight
+            return
         done = (self.last_storage_step,) if tier == STORAGE else (self.last_memory_step, self.last_storage_step)
         if self.last_committed_step == ts.step and (self.memory is None or ts.step in done):
             return
@@ -287,11 +302,23 @@ class Checkpointer:
         shared commit; ``persist``: then the memory snapshot is persisted to storage."""
         target = target or self.run_dir
         tier = MEMORY if target is self.memory else STORAGE
-        self._prepare_partial(ts.step, self.env.ckpt_group, target)
-        written = self.write(snapshot, ts, target.partial(ts.step))
-        t = time.perf_counter()
-        self._commit(ts, reason, written.entries, written.tensors, written.fingerprint, t0, async_save,
-                     problem=written.problem, target=target)
+        committed = self._prepare_partial(ts.step, self.env.ckpt_group, target)
+        if committed:
+            try:
+                written = self.write(snapshot, ts, target.partial(ts.step))
+            except CheckpointError as e:  # every rank agreed on it; a full tmpfs turns the memory tier off
+                if tier != MEMORY or not _disk_full(str(e)):
+                    raise
+                self._tier_off(_tier_full(ts.step, str(e)))
+                committed = False
+        if committed:
+            t = time.perf_counter()
+            committed = self._commit(ts, reason, written.entries, written.tensors, written.fingerprint, t0, async_save,
+                                     problem=written.problem, target=target)
+        if not committed:  # the memory tier went off (refused, lost, full): nothing committed there
+            if persist:  # the storage checkpoint is written the normal way
+                self._write_and_commit(snapshot, ts, reason, t0, async_save, self.run_dir, False)
+            return
         self.last_phases = {**written.phases, "commit_s": time.perf_counter() - t, "total_s": time.perf_counter() - t0}
         self.last_committed_step = ts.step
         self.parent = step_dir_name(ts.step)
@@ -301,6 +328,15 @@ class Checkpointer:
             self.last_storage_step = ts.step
         if persist:
             self._persist(ts, reason, t0, async_save)
+
+    def _tier_off(self, problem: str) -> None:
+        """Every rank, together: the memory tier is off for the rest of the segment (one line on rank 0);
+        storage checkpoints go the normal way."""
+        if self.env.is_rank0:
+            log.warning("%s", problem)
+        self.memory = None
+        if self._tier_lock is not None:
+            self._tier_lock.release()
 
     def _persist(self, ts: TrainState, reason: str, t0: float, async_save: bool) -> None:
         """A storage checkpoint from the committed memory snapshot of ``ts.step``: every rank copies the files it
@@ -318,20 +354,33 @@ class Checkpointer:
         self.last_storage_step = ts.step
         self.last_phases = {**self.last_phases, "persist_s": time.perf_counter() - t, "total_s": time.perf_counter() - t0}
 
-    def _prepare_partial(self, step: int, group: dist.ProcessGroup | None = None, target: RunDir | None = None) -> None:
+    def _prepare_partial(self, step: int, group: dist.ProcessGroup | None = None, target: RunDir | None = None) -> bool:
         """Rank 0 (re)creates ``step-XXXXXXXX.partial/``; nobody writes before it exists. An async save
-        does this on its background thread, over the checkpoint group, so training does not wait on it."""
+        does this on its background thread, over the checkpoint group, so training does not wait on it. The
+        first snapshot claims the memory dir; when the claim is refused, the memory tier goes off on every rank
+        (False: nothing to write there)."""
         target = target or self.run_dir
         partial = target.partial(step)
+        if target is self.memory and not self._claimed:
+            box: list[str | None] = [None]
+            if self.env.is_rank0:
+                assert self._tier_lock is not None
+                try:
+                    box[0] = memtier.claim(target, self.run_dir, self._tier_lock)
+                except OSError as e:
+                    box[0] = f"checkpoint.memory_dir {target.root}: could not be claimed ({e}); the memory tier is off"
+            dist.broadcast_object_list(box, src=0, group=group if group is not None else self.env.ctrl_group)
+            if box[0] is not None:
+                self._tier_off(box[0])
+                return False
+            self._claimed = True
         if self.env.is_rank0:
-            if target is self.memory and not self._claimed:
-                memtier.claim(target, self.run_dir)
-                self._claimed = True
             if partial.exists():  # an abandoned attempt at the same step
                 shutil.rmtree(partial)
             mkdir_durable(partial.parent)
             partial.mkdir()
         dist.barrier(group=group if group is not None else self.env.ctrl_group)
+        return True
 
     # ----------------------------------------------------------------- failures, agreement
     def agree(self, problem: str | None, group: dist.ProcessGroup | None = None) -> str | None:
@@ -358,7 +407,8 @@ class Checkpointer:
         rerun needs back), then all raise the same line."""
         if self.env.is_rank0:
             shutil.rmtree(partial, ignore_errors=True)
-            log.error("checkpoint not committed: %s", problem)
+            if not (self.memory is not None and partial.parent == self.memory.checkpoints and _disk_full(problem)):
+                log.error("checkpoint not committed: %s", problem)  # a full memory tier says its own line
         raise CheckpointError(problem)
 
     @staticmethod
@@ -376,11 +426,13 @@ class Checkpointer:
 
     def _commit(self, ts: TrainState, reason: str, entries: list[FileEntry], tensors: list[TensorEntry],
                 fingerprint: Fingerprint, t0: float, async_save: bool, problem: str | None = None,
-                target: RunDir | None = None, like: CheckpointManifest | None = None) -> None:
+                target: RunDir | None = None, like: CheckpointManifest | None = None) -> bool:
         """Steps 2-3 of the commit protocol, shared by both backends: gather every rank's (file, size,
         digest) and problems; rank 0 checks that the files on disk are exactly those listed, with the hashed
         sizes and the layout the format references, writes the manifest, renames ``.partial`` away and
-        fsyncs the parent. Every rank learns the outcome; on a failure all raise and nothing is committed."""
+        fsyncs the parent. Every rank learns the outcome; on a failure all raise and nothing is committed.
+        A memory snapshot whose dir another run took, or that does not fit the tmpfs, is not committed and the
+        memory tier goes off on every rank (False)."""
         group = self.env.ckpt_group
         target = target or self.run_dir
         partial = target.partial(ts.step)
@@ -395,14 +447,22 @@ class Checkpointer:
                                               target, like)
             except Exception as e:  # tell the other ranks instead of leaving them at the broadcast
                 decision = self.save_problem(e, partial)
-        box = [decision]
+            if target is self.memory and isinstance(decision, str) and _disk_full(decision):
+                decision = (_TIER_OFF, _tier_full(ts.step, decision))
+        box: list[Any] = [decision]
         dist.broadcast_object_list(box, src=0, group=group)
+        if isinstance(box[0], tuple) and box[0][0] == _TIER_OFF:
+            if self.env.is_rank0:
+                shutil.rmtree(partial, ignore_errors=True)
+            self._tier_off(box[0][1])
+            return False
         if box[0] is not None:
             self.abort_save(partial, box[0], group)
+        return True
 
     def _commit_rank0(self, ts: TrainState, reason: str, gathered: list[tuple[list[FileEntry], str | None]],
                       tensors: list[TensorEntry], fingerprint: Fingerprint, t0: float, async_save: bool,
-                      target: RunDir, like: CheckpointManifest | None) -> str | None:
+                      target: RunDir, like: CheckpointManifest | None) -> str | tuple[str, str] | None:
         """``like``: the memory snapshot this storage checkpoint is persisted from (its parent, base model and data
         records are the snapshot's)."""
         from ckpt.validate import check_staged
@@ -431,6 +491,10 @@ class Checkpointer:
         staged = check_staged(partial, manifest)  # exactly the planned files, each of its hashed size
         if staged:
             return staged[0]
+        if target is self.memory:  # another run may have claimed the memory dir since our claim
+            lost = memtier.still_owner(target, self.run_dir)
+            if lost:
+                return (_TIER_OFF, lost)
         write_manifest(partial, manifest)
         final = target.checkpoint(ts.step)
         if final.exists():  # an invalid checkpoint at this step that resume skipped: keep it as evidence
@@ -505,6 +569,8 @@ class Checkpointer:
         self._pool.shutdown(wait=True)
         self._reread_pool.shutdown(wait=True)
         self.release()
+        if self._tier_lock is not None:
+            self._tier_lock.release()
 
     # ----------------------------------------------------------------- load
     def load_latest(self, *, restart: bool | None = None) -> TrainState | None:
@@ -739,8 +805,7 @@ class Checkpointer:
         event = memtier.snapshot_event_id(ts.step) if tier == MEMORY else lineage.checkpoint_event_id(ts.step)
         self._parent_event = event
         if tier == MEMORY:
-            self.last_memory_step = ts.step
-            self._claimed = True  # resumed from this run's own snapshots
+            self.last_memory_step = ts.step  # the first snapshot still claims the dir (its lock)
         if tier == STORAGE or (self.run_dir.checkpoint(ts.step) / "manifest.json").is_file():
             self.last_storage_step = ts.step
         if self.env.is_rank0:
