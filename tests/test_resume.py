@@ -321,8 +321,8 @@ def _crash_after_snapshot(mem: Path, steps: range, killed: list[int], storage_ev
 
 
 def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp_path: Path, capfd) -> None:
-    """Memory snapshots every K=4 steps, storage every 5. A rank SIGKILLed after the first snapshot storage has not
-    (step s = 8, or 12 when 8 was skipped while the save of step 5 was still being written): the launcher persists it after validating it (a tampered copy is refused), the next segment resumes
+    """Memory snapshots every K=4 steps, storage every 7. A rank SIGKILLed after the first snapshot storage has not
+    (step s = 8, 12 or 16; one due while a save is still being written is skipped): the launcher persists it after validating it (a tampered copy is refused), the next segment resumes
     from memory (tier 'memory' in lineage), bitwise like the uninterrupted reference, having lost <= K steps. A
     tampered snapshot at a later crash point is never loaded: one line, storage used, training bitwise."""
     from ckpt.layout import RunDir
@@ -331,16 +331,19 @@ def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp
     from shardkeeper.stages import run_state
     from tasks.dashboard import checkpoints_now
 
-    k, mem = 4, tmp_path / "shm"
-    spec = tiny_spec(**{"checkpoint.memory_interval": k, "checkpoint.memory_dir": str(mem),
+    # Storage every 7 (not 5): a snapshot due while the previous save is still being written is skipped, and on a
+    # busy machine the saves of 5, 10 and 15 could swallow every snapshot the crash can wait for (8, 12, 16).
+    k, every, mem = 4, 7, tmp_path / "shm"
+    spec = tiny_spec(**{"checkpoint.memory_interval": k, "checkpoint.memory_dir": str(mem), "checkpoint.interval": every,
                         "checkpoint.background_nice": 0})  # the writes keep up with the tiny model on a busy machine
     run = new_run(tmp_path / "run", spec)
     rd = RunDir.at(run)
     killed: list[int] = []
     with pytest.raises(queue.Empty):  # rank 1 never reports: it was killed
-        spawn(run_segment, 2, str(run), 400, 0, timeout=15, on_start=_crash_after_snapshot(mem, range(6, 17), killed, 5))
+        spawn(run_segment, 2, str(run), 400, 0, timeout=15, on_start=_crash_after_snapshot(mem, range(6, 17), killed,
+                                                                                            every))
     s = killed[0]
-    stored = 5 * (s // 5)
+    stored = every * (s // every)
     snap = mem / "checkpoints" / f"step-{s:08d}"
     assert latest_valid(rd)[1].step == stored and validate(snap, deep=True).valid
     state = run_state(run)  # status: the newest valid checkpoint is the snapshot, in memory
