@@ -241,11 +241,11 @@ def test_push_writes_manifest_last_with_a_conditional_put_and_refuses_another_co
     monkeypatch.setattr(remote, "put_files", lambda ps, rels: (calls.append(("put", rels, None)), real_put(ps, rels))[1])
     monkeypatch.setattr(remote.fs, "pipe_file", lambda p, d, **kw: (calls.append(("pipe", p, kw.get("mode"))),
                                                                      real_pipe(p, d, **kw))[1])
-    remote.commit_guard = lambda: calls.append(("guard", None, None))  # the run's lease, renewed before the commit
+    remote.commit_guard = lambda: calls.append(("guard", None, None))  # the run's lease: before the files, the commit
     assert remote.push_checkpoint(src) is True
-    assert [c[0] for c in calls] == ["put", "guard", "pipe"]
+    assert [c[0] for c in calls] == ["guard", "put", "guard", "pipe"]
     assert calls[-1][1].endswith("/manifest.json") and calls[-1][2] == "create"
-    assert not any(p.endswith("manifest.json") for p in calls[0][1])
+    assert not any(p.endswith("manifest.json") for p in calls[1][1])
     # another commit of the same step (another writer): refused before any file is overwritten
     other = cache / "other" / f"step-{END:08d}"
     shutil.copytree(src, other)
