@@ -65,7 +65,8 @@ def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> d
     env = init_distributed()
     seg = build_segment(RunDir.at(run_dir), 1 << 30, 0, env)
     group = env.ctrl_group
-    ts = seg.start_fresh()
+    seg.start_fresh()
+    ts = TrainState()  # step 0 (start_fresh returns nothing since the built-in trainer became an API client)
 
     def step() -> None:
         nonlocal ts
