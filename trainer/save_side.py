@@ -1,0 +1,160 @@
+"""The Checkpointer's save side: ``SaveSide``, a base class of ``trainer.checkpointer.Checkpointer`` (whose
+docstring holds the commit protocol every save ends in): ``save`` for both tiers, the write before the commit, the
+memory tier's persist to storage and its going off.
+
+Async save: training blocks only for one copy of the state into reusable CPU buffers; fingerprint,
+DCP planning and writing, hashing and the commit run on a background thread over a dedicated gloo
+group, so they never interleave with the training collectives. At most one save is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckpt import memtier
+from ckpt.layout import RunDir, step_dir_name
+from ckpt.memtier import MEMORY, STORAGE
+from schemas.errors import CheckpointError
+
+from trainer.ckpt_common import TrainState
+from trainer.dist import log0
+
+log = logging.getLogger("shardkeeper.checkpoint")
+
+
+def _disk_full(problem: str) -> bool:
+    return problem.startswith("disk full at")
+
+
+def _tier_full(step: int, problem: str) -> str:
+    return (f"memory snapshot at step {step} not committed: {problem.split(';')[0]} (the memory dir is full); the memory "
+            "tier is off for the rest of this segment, storage checkpoints are written the normal way")
+
+
+class SaveSide:
+    """The save side of ``trainer.checkpointer.Checkpointer``. It uses the Checkpointer's state (run_dir, spec,
+    env, memory, pools, ...), its commit (``_prepare_partial``, ``_commit``) and the backend hooks ``snapshot`` /
+    ``stage`` / ``write`` / ``prepare_staging``."""
+
+    SUPPORTS_ASYNC = False  # can save on a background thread from a staged copy
+
+    def save(self, ts: TrainState, *, reason: str, blocking: bool | None = None, tier: str = STORAGE) -> None:
+        """Checkpoint the current state at ``ts.step``. Async unless ``blocking``, the policy says sync or the
+        backend saves synchronously only (then said once in the log).
+
+        With the memory tier on, every save is first a memory snapshot (async unless ``blocking``: training waits
+        for one copy of the state); a storage save (``tier`` 'storage') is then persisted from that snapshot on
+        the same background thread. ``tier`` 'memory': the snapshot only, skipped (on every rank) while an earlier
+        save is still in flight, so that training never waits for a write (counted in ``skipped_snapshots``)."""
+        if tier == MEMORY and self.memory is None:
+            return
+        if tier == MEMORY and self._inflight is not None and not blocking:
+            busy = torch.tensor([0 if self._inflight.done() else 1], dtype=torch.int32)
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self.env.ctrl_group)  # all ranks skip, or none
+            if int(busy):
+                self.skipped_snapshots += 1
+                log0(self.env, "memory snapshot at step %d skipped: the previous save is still being written", ts.step)
+                return
+        self.wait()
+        if tier == MEMORY and self.memory is None:  # the memory tier went off during the save in flight
+            return
+        done = (self.last_storage_step,) if tier == STORAGE else (self.last_memory_step, self.last_storage_step)
+        if self.last_committed_step == ts.step and (self.memory is None or ts.step in done):
+            return
+        persist = tier == STORAGE and self.memory is not None
+        use_async = ((self.spec.checkpoint.async_save or self.memory is not None) if blocking is None
+                     else not blocking)
+        if use_async and not self.SUPPORTS_ASYNC:
+            if not self._warned_async:
+                log0(self.env, "checkpoint.async_save is not supported by the %s backend; saving synchronously",
+                     self.BACKEND)
+                self._warned_async = True
+            use_async = False
+        t0 = time.perf_counter()
+        in_memory = 1.0 if self.memory is not None else 0.0
+        if persist and self.last_memory_step == ts.step:  # the snapshot of this step is committed: persist it only
+            if not use_async:
+                self._persist(ts, reason, t0, False)
+            else:
+                self._inflight = self._pool.submit(self._persist, ts, reason, t0, True)
+            self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": float(use_async),
+                               "memory": in_memory})
+            return
+        target = self.memory if self.memory is not None else self.run_dir
+        snapshot = self.snapshot(ts)
+        if not use_async:
+            self._write_and_commit(snapshot, ts, reason, t0, False, target, persist)
+            self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 0.0, "memory": in_memory})
+            return
+        staged = self.stage(snapshot)
+        self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 1.0, "memory": in_memory})
+        self._inflight = self._pool.submit(self._write_and_commit, staged, ts, reason, t0, True, target, persist)
+
+    def warm_up(self, ts: TrainState) -> None:
+        """Allocate what async saves need now, before training, not at the first save."""
+        if self.SUPPORTS_ASYNC and (self.spec.checkpoint.async_save or self.memory is not None):
+            self.prepare_staging(ts)
+
+    def _write_and_commit(self, snapshot: Any, ts: TrainState, reason: str, t0: float, async_save: bool,
+                          target: RunDir | None = None, persist: bool = False) -> None:
+        """The whole save after the snapshot (on the background thread when async): ``.partial`` created in
+        ``target`` (the run directory, or the memory tier's), the backend writes and hashes its files, then the
+        shared commit; ``persist``: then the memory snapshot is persisted to storage."""
+        target = target or self.run_dir
+        tier = MEMORY if target is self.memory else STORAGE
+        committed = self._prepare_partial(ts.step, self.env.ckpt_group, target)
+        if committed:
+            try:
+                written = self.write(snapshot, ts, target.partial(ts.step))
+            except CheckpointError as e:  # every rank agreed on it; a full tmpfs turns the memory tier off
+                if tier != MEMORY or not _disk_full(str(e)):
+                    raise
+                self._tier_off(_tier_full(ts.step, str(e)))
+                committed = False
+        if committed:
+            t = time.perf_counter()
+            committed = self._commit(ts, reason, written.entries, written.tensors, written.fingerprint, t0, async_save,
+                                     problem=written.problem, target=target)
+        if not committed:  # the memory tier went off (refused, lost, full): nothing committed there
+            if persist:  # the storage checkpoint is written the normal way
+                self._write_and_commit(snapshot, ts, reason, t0, async_save, self.run_dir, False)
+            return
+        self.last_phases = {**written.phases, "commit_s": time.perf_counter() - t, "total_s": time.perf_counter() - t0}
+        self.last_committed_step = ts.step
+        self.parent = step_dir_name(ts.step)
+        if tier == MEMORY:
+            self.last_memory_step = ts.step
+        else:
+            self.last_storage_step = ts.step
+        if persist:
+            self._persist(ts, reason, t0, async_save)
+
+    def _tier_off(self, problem: str) -> None:
+        """Every rank, together: the memory tier is off for the rest of the segment (one line on rank 0);
+        storage checkpoints go the normal way."""
+        if self.env.is_rank0:
+            log.warning("%s", problem)
+        self.memory = None
+        if self._tier_lock is not None:
+            self._tier_lock.release()
+
+    def _persist(self, ts: TrainState, reason: str, t0: float, async_save: bool) -> None:
+        """A storage checkpoint from the committed memory snapshot of ``ts.step``: every rank copies the files it
+        wrote (hashed on the way against the snapshot's manifest), then the shared commit in the run directory
+        with the checksums, inventory and fingerprint the snapshot's manifest already holds."""
+        assert self.memory is not None
+        t = time.perf_counter()
+        src = self.memory.checkpoint(ts.step)
+        like = self._manifest(src)
+        self._prepare_partial(ts.step, self.env.ckpt_group, self.run_dir)
+        mine = [f for f in like.files if f.rank == self.env.rank]
+        problem = memtier.copy_verified(src, self.run_dir.partial(ts.step), mine)
+        self._commit(ts, reason, mine, like.tensors, like.fingerprint, t0, async_save, problem=problem,
+                     target=self.run_dir, like=like)
+        self.last_storage_step = ts.step
+        self.last_phases = {**self.last_phases, "persist_s": time.perf_counter() - t, "total_s": time.perf_counter() - t0}
