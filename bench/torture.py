@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from tests.reliability.torture_lib import CONFIGS, PREEMPT_CASES, TARGETS, Torture, run_corpora  # noqa: E402
+from tests.reliability.torture_lib import (CONFIGS, PREEMPT_CASES, TARGETS, Torture, completed_in_last_steps,  # noqa: E402
+                                          run_corpora)
 from tests.reliability.torture_targets import (S3Store, SlurmCluster, convert_chain, s3_chain,  # noqa: E402
                                                 slurm_chain)
 
@@ -160,8 +161,8 @@ def table(r: dict) -> str:
         ("segments with processes alive 5 s after the lock holder (the CLI) was gone", f"{v.get('orphans_after_5s', 0)} "
          f"({sum(k.get('orphans', 0) for k in r['kills'])} processes)"),
         ("CLI that survived the kill (torchrun or a rank killed) and exited past 4x its start-up in the same launch",
-         f"{v.get('launcher_past_bound', 0)} of {len(survived)}; exit after the kill median {_median(exits):.1f} s, "
-         f"max {max(exits, default=0):.1f} s (bound median {_median(bounds):.1f} s)"),
+         f"{sum(1 for k in survived if k.get('launcher_past_bound'))} of {len(survived)}; exit after the kill median "
+         f"{_median(exits):.1f} s, max {max(exits, default=0):.1f} s (bound median {_median(bounds):.1f} s)"),
         ("SIGKILLs after which a checkpoint not yet decided at the kill was committed (ranks outlived their launcher)",
          v.get("committed_after_kill", 0)),
         ("second writer started while they lived", f"{v.get('second_writer_started', 0)} "
@@ -180,9 +181,16 @@ def table(r: dict) -> str:
          f"{v.get('remote_listed_without_manifest', 0)}"),
         ("Slurm kills (scancel -s KILL / node taken down) after which a job of the run was still queued or running",
          f"{sum(1 for k in sl if k.get('jobs_left'))} of {len(sl)}"),
+        ("Slurm kills: CLI exit after the kill (it returns once Slurm has killed every rank; bound: 4x start-up + "
+         "slurmd's KillWait)", "; ".join(
+             f"{t} median {_median(x):.1f} s ({min(x):.1f}-{max(x):.1f})" for t in ("scancel", "node-down")
+             if (x := [k["launcher_exit_s"] for k in sl if k["target"] == t and k.get("launcher_exit_s") is not None]))
+         + f"; past the bound {sum(1 for k in sl if k.get('killed') and k.get('launcher_past_bound'))}"),
         ("run dirs whose final checkpoint = reference bitwise", f"{sum(1 for c in chains if not c['final_diffs'])}/{len(chains)}"),
-        ("preemption cases (SIGTERM): exit 75", "not run" if not pre else
-         f"{sum(1 for p in pre if p['exit_code'] == 75)}/{len(pre)} "
+        ("preemption cases (SIGTERM): exit 75 (or exit 0: signalled within its last 2 steps, it completed and "
+         "committed its until-step)", "not run" if not pre else
+         f"{sum(1 for p in pre if p['exit_code'] == 75)}/{len(pre)}, completed {sum(1 for p in pre if completed_in_last_steps(p))}, "
+         f"wrong {v.get('preempt_wrong_exit', 0)} "
          '(' + ', '.join(f"{p['case']}={p['exit_code']}" for p in pre) + ')'),
         ("completed steps lost on preemption", v.get("preempt_steps_lost", 0)),
         ("segments whose CLI printed its own traceback", v.get("cli_traceback", 0)),
@@ -228,8 +236,15 @@ def _recount(r: dict, drop: list[list[str]] = ()) -> dict:
         r["segments"] = [x for x in r["segments"] if x.get("chain") != name]
         r["chains"] = [c for c in r["chains"] if c["name"] != name]
         r["notes"] = [*r["notes"], f"run dir {name} left out ({n} launches): {why}"]
+    from tests.reliability.torture_lib import slurm_kill_wait
+
     fixed = 0
     for k in r["kills"]:
+        if k.get("killed") and "slurm_kill_wait_s" not in k and slurm_kill_wait(k.get("target")):
+            # a run before Slurm kills had their own bound held them to the local one
+            k["teardown_bound_s"] = round(k["teardown_bound_s"] + slurm_kill_wait(k["target"]), 2)
+            k["slurm_kill_wait_s"] = slurm_kill_wait(k["target"])
+            k["launcher_past_bound"] = k.get("launcher_exit_s") is None or k["launcher_exit_s"] > k["teardown_bound_s"]
         if k.get("killed") and k.get("launcher_exit_s") is None and k.get("gone_after_s") is not None:
             k["launcher_exit_s"] = k["gone_after_s"]
             k["launcher_past_bound"] = k["gone_after_s"] > k["teardown_bound_s"]

@@ -35,6 +35,9 @@ class SlurmSetupError(RuntimeError):
     pass
 
 
+# slurmd SIGKILLs a cancelled job's steps at most this long after their SIGTERM (slurm.conf KillWait)
+KILL_WAIT_S = 30
+
 def _conf(d: Path, nodes: int, cpus: int, memory_mb: int, port: int = CTLD_PORT) -> str:
     host = socket.gethostname()
     lines = [
@@ -58,7 +61,7 @@ def _conf(d: Path, nodes: int, cpus: int, memory_mb: int, port: int = CTLD_PORT)
         "SchedulerType=sched/backfill",
         "SchedulerParameters=sched_interval=2",
         "SlurmdTimeout=10",
-        "KillWait=30",
+        f"KillWait={KILL_WAIT_S}",
         "MinJobAge=600",
         f"StateSaveLocation={d}/state",
         f"SlurmdSpoolDir={d}/spool-%n",

@@ -106,6 +106,22 @@ def test_detectors_see_torn_checkpoints_and_bad_resumes(tiny_run: Path, tmp_path
             "remote_listed_without_manifest"} <= set(_violations_of(h, kills=[bad]))
 
 
+def test_verdicts_on_slurm_exits_and_late_stop_signals() -> None:
+    """A Slurm kill's CLI waits for slurmd to kill the job's steps (up to KillWait): held to 4x start-up + KillWait;
+    a SIGTERM within the last two steps may complete the segment (exit 0, until-step committed); any other
+    exit of a signalled segment is still a violation."""
+    from tests.reliability.torture_lib import Stats, completed_in_last_steps, slurm_kill_wait
+
+    assert slurm_kill_wait("node-down") == slurm_kill_wait("scancel") > 0 == slurm_kill_wait("rank")
+    late = {"signalled": True, "exit_code": 0, "completed_at_signal": 8, "committed_after": 10, "until": 10,
+            "steps_lost": 0}
+    early = {**late, "completed_at_signal": 2}
+    short = {**late, "committed_after": 9}  # exit 0 before its until-step: never right
+    assert completed_in_last_steps(late) and not completed_in_last_steps(early) and not completed_in_last_steps(short)
+    assert Stats(preemptions=[late]).violations() == {}
+    assert Stats(preemptions=[late, early, short]).violations() == {"preempt_wrong_exit": 2}
+
+
 def _violations_of(h: Torture, kills: list[dict]) -> dict[str, int]:
     h.stats.kills.extend(kills)
     return h.stats.violations()
