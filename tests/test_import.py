@@ -3,8 +3,9 @@
 The sources are real and made once per module: a DeepSpeed ZeRO-2 checkpoint of a tiny LlamaForCausalLM written by
 a plain ``engine.save_checkpoint`` on 2 CPU ranks (steps 2 and 3), the three DCP layouts (plain ``dcp.save``,
 torchtitan's ``step-N/``, Accelerate's FSDP folders) from one FSDP2 launch on 2 ranks, and a Hugging Face
-``Trainer`` checkpoint (when accelerate is installed). The first DeepSpeed launch on a machine JIT-compiles its
-shm op (~2 min, cached in TORCH_EXTENSIONS_DIR).
+``Trainer`` checkpoint (when accelerate is installed). The DeepSpeed user skips the JIT build of DeepSpeed's CPU
+shm op (~2 min of g++ on a fresh machine; it serves inference all-reduce only and changes no byte of a checkpoint),
+as shardkeeper's own CPU ranks do (trainer.ds_shm).
 """
 
 from __future__ import annotations
@@ -51,8 +52,12 @@ def batches(n: int) -> list[torch.Tensor]:
 # ------------------------------------------------------------------------------------------ sources (rank side)
 def _write_zero(out: str, stage: int) -> None:
     """A plain DeepSpeed user: one AdamW group, ZeRO-``stage``, engine.save_checkpoint after steps 2 and 3."""
-    import deepspeed
     import torch.distributed as dist
+
+    from trainer.ds_shm import skip_shm_op
+
+    skip_shm_op()  # before deepspeed is imported: its CPU comm backend would build the op in initialize
+    import deepspeed
 
     dist.init_process_group("gloo")
     model = tiny_model()
