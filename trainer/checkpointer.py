@@ -45,6 +45,7 @@ from schemas import (BaseModelRecord, CheckpointManifest, DataRecord, DtypePolic
                      ModelSpec, RunSpec, TensorEntry)
 
 from trainer.ckpt_common import TrainState, Written, background_pool, code_version
+from trainer import lifetime
 from trainer.dist import DistEnv
 from trainer.resume_side import ResumeSide, _load_problem, checkpoint_at_fault
 from trainer.save_side import SaveSide, _disk_full, _tier_full
@@ -287,6 +288,9 @@ class Checkpointer(SaveSide, ResumeSide):
             if lost:
                 return (_TIER_OFF, lost)
         write_manifest(partial, manifest)
+        gone = lifetime.orphaned()
+        if gone:  # the launcher was killed: its ranks die now; a commit after it is gone would outlive the lock
+            lifetime.die_orphaned(f"{gone}; {partial.name} is not committed")
         final = target.checkpoint(ts.step)
         if final.exists():  # an invalid checkpoint at this step that resume skipped: keep it as evidence
             quarantine(final, "a new checkpoint is committed at the same step")

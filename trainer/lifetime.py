@@ -100,7 +100,7 @@ class _Watchdog:
             return f"its parent {self.parent} is gone"
         if self.launcher is None:
             return None
-        if not pid_alive(self.launcher):
+        if not pid_alive(self.launcher) or _zombie(self.launcher):
             return f"its launcher (pid {self.launcher}) is gone"
         if self.launcher_start is not None:
             stat = proc_stat(self.launcher)
@@ -114,6 +114,29 @@ class _Watchdog:
             reason = self.check()
             if reason:
                 _die(reason)
+
+
+def _zombie(pid: int) -> bool:
+    """A killed process its parent has not reaped yet: gone, though kill(pid, 0) still finds it."""
+    try:
+        raw = open(f"/proc/{pid}/stat", "rb").read()
+    except OSError:
+        return False
+    return raw[raw.rfind(b")") + 2:raw.rfind(b")") + 3] == b"Z"
+
+
+_DOG: list[_Watchdog] = []
+
+
+def orphaned() -> str | None:
+    """Why this rank must not go on (its torchrun or launcher is gone: a kill it has not died of yet), checked
+    now; rank 0 asks right before it commits, so a checkpoint is never committed a few milliseconds after the
+    launcher that holds the run lock died. None in a process that ``guard_rank`` did not start."""
+    return _DOG[0].check() if _DOG else None
+
+
+def die_orphaned(reason: str) -> None:
+    _die(reason)
 
 
 def guard_rank(argv: list[str]) -> int | None:
@@ -134,6 +157,7 @@ def guard_rank(argv: list[str]) -> int | None:
         own = proc_stat(launcher)
         launcher_start = own[1] if own else None
     dog = _Watchdog(parent, launcher, launcher_start)
+    _DOG[:] = [dog]
     threading.Thread(target=dog.loop, name="shardkeeper-rank-watchdog", daemon=True).start()
     if not argv:
         return None

@@ -216,3 +216,55 @@ def test_resume_flow_leaves_a_cancelled_run_alone() -> None:
     state = RunState(run_dir="/r", exists=True, step=5, last_until_step=8, last_status="cancelled")
     item = triage(state)
     assert item is not None and item.action == "skipped-done" and "cancelled" in item.reason
+
+
+def _commit_after_the_launcher_died(tmp: str) -> list[object]:
+    """Rank 0 about to commit while its launcher is a zombie (SIGKILLed, not reaped yet: kill(pid, 0) still
+    finds it): the commit is not made, the .partial stays, nothing is listed as committed."""
+    import torch.distributed as dist
+
+    from trainer import lifetime
+    from trainer.ckpt_common import TrainState
+    from trainer.dcp_backend import DCPCheckpointer
+    from trainer.dist import init_distributed
+    from trainer.model import build_model, model_signature, shard_model
+    from trainer.optim import build_optimizer
+    from tests.harness import tiny_spec
+
+    env = init_distributed()
+    spec = tiny_spec()
+    model = build_model(spec)
+    sig = model_signature(spec.model, model)
+    shard_model(model, env.mesh, spec)
+    run = RunDir.at(Path(tmp) / "run")
+    run.root.mkdir()
+    ck = DCPCheckpointer(run, spec, model, build_optimizer(model, spec), env, segment=0, signature=sig)
+    ck.save(TrainState(step=2), reason="interval", blocking=True)  # the launcher alive: committed
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    while not lifetime._zombie(zombie.pid):
+        time.sleep(0.01)
+    lifetime._DOG[:] = [lifetime._Watchdog(os.getppid(), zombie.pid, None)]
+    said: list[str] = []
+
+    def die(reason: str) -> None:
+        said.append(reason)
+        raise SystemExit(137)
+
+    lifetime.die_orphaned = die  # the real one SIGKILLs this rank
+    try:
+        ck.save(TrainState(step=4), reason="interval", blocking=True)
+    except SystemExit:
+        pass
+    zombie.wait()
+    out = [said, run.checkpoint(2).is_dir(), run.checkpoint(4).exists(),
+           sorted(p.name for p in run.checkpoint(2).parent.iterdir())]
+    dist.destroy_process_group()
+    return out
+
+
+def test_rank_zero_does_not_commit_once_its_launcher_is_gone(tmp_path: Path) -> None:
+    from tests.harness import spawn
+
+    [(said, kept, committed, names)] = spawn(_commit_after_the_launcher_died, 1, str(tmp_path))
+    assert len(said) == 1 and "launcher (pid" in said[0] and "step-00000004.partial is not committed" in said[0], said
+    assert kept and not committed and "step-00000004.partial" in names, names
