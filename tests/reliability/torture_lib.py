@@ -147,7 +147,6 @@ class Launch:
         self.t0 = time.monotonic()
         self.procs: dict[int, Proc] = {}
         self.upload_seen: Callable[[], bool] | None = None  # the "upload" window's probe of the object store
-        self.upload_after_commit_s = 0.3  # without the probe seeing it: the kill within this long of a commit
         self.startup_s: float | None = None  # spawn -> its torchrun seen running: the CLI's start-up on this machine now
         self.refresh()
 
@@ -291,7 +290,7 @@ def wait_moment(ln: Launch, window: str, rng: random.Random, target: str, limit_
             if ln.upload_seen():
                 fire_at = now
             elif _window_hit(ln, ckpt_scan(ln.run_dir), "commit", seen):  # its push starts within the poll
-                fire_at = now + rng.uniform(0.0, ln.upload_after_commit_s)
+                fire_at = now + rng.uniform(0.0, 0.3)
         elif window == "train":
             if _size(ln.run_dir / "metrics.jsonl") > ln.offsets["metrics.jsonl"]:
                 fire_at = now + rng.uniform(0.0, 0.6)
@@ -519,8 +518,6 @@ class Torture:
             url, remote_env, probe = self.remotes[run_dir]
             ln = Launch(run_dir, cfg, until, self._logfile(tag), {**remote_env, **(env or {})}, run_arg=url)
             ln.upload_seen = probe()
-            if remote_env.get("SHARDKEEPER_UPLOAD_MBPS"):  # a capped upload takes seconds after its commit
-                ln.upload_after_commit_s = 2.5
             return ln
         return Launch(run_dir, cfg, until, self._logfile(tag), {**self.dir_env.get(run_dir.parent, {}), **(env or {})})
 
