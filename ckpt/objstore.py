@@ -37,7 +37,7 @@ from ckpt.layout import RunDir, parse_step, step_dir_name
 from schemas import MANIFEST_NAME, CheckpointManifest
 from schemas.errors import CheckpointError, CheckpointRetired
 from ckpt.objstore_base import (STALL_TIMEOUTS, ObjectStoreError, cache_dir, explain, is_remote, iter_runs, open_fs,
-                                merge_lines, parse_manifest, put_object, record_reread, upload_part, upload_rate)
+                                parse_manifest, put_object, record_reread, upload_part)
 
 __all__ = ["META_FILES", "ObjectStoreError", "RemoteRun", "cache_dir", "is_remote", "iter_runs", "merge_lines", "open_fs",
            "parse_manifest"]  # what the controller, the CLI and the tests take from here (ckpt.objstore_base holds some)
@@ -223,14 +223,9 @@ class RemoteRun:
     def put_files(self, paths: list[Path], rels: list[str]) -> None:
         """Upload files to ``rels`` under the run: on s3:// by multipart uploads whose parts (of every file at
         once) go up from UPLOAD_THREADS threads of a botocore client (s3fs drives all its requests from one
-        event-loop thread, ~0.8x the throughput here); elsewhere through fsspec's ``put``. At most
-        SHARDKEEPER_UPLOAD_MBPS when set (objstore_base.UploadRate)."""
-        rate = upload_rate()
+        event-loop thread, ~0.8x the throughput here); elsewhere through fsspec's ``put``."""
         if not self.url.startswith("s3://"):
-            for path, rel in zip(paths, rels):
-                if rate is not None:
-                    rate.take(path.stat().st_size)
-                self.fs.put([str(path)], [self.key(rel)])
+            self.fs.put([str(p) for p in paths], [self.key(r) for r in rels])
             return
         from concurrent.futures import ThreadPoolExecutor
 
@@ -244,11 +239,11 @@ class RemoteRun:
                 for path, key in zip(paths, keys):
                     size = path.stat().st_size
                     if size < 2 * UPLOAD_CHUNK:
-                        jobs.append((key, None, [pool.submit(put_object, client, bucket, key, path, rate)]))
+                        jobs.append((key, None, [pool.submit(put_object, client, bucket, key, path)]))
                         continue
                     upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
                     uploads.append((key, upload))
-                    parts = [pool.submit(upload_part, client, bucket, key, upload, path, i, UPLOAD_CHUNK, rate)
+                    parts = [pool.submit(upload_part, client, bucket, key, upload, path, i, UPLOAD_CHUNK)
                              for i in range((size + UPLOAD_CHUNK - 1) // UPLOAD_CHUNK)]
                     jobs.append((key, upload, parts))
                 for key, upload, futures in jobs:
@@ -473,6 +468,19 @@ class RemoteRun:
                 self._call("write there", self.fs.rm, rest)
             log.info("retention: deleted %s%s", self.checkpoint_uri(step), "" if step in doomed else " (no manifest)")
         return sorted(doomed + orphans)
+
+
+def merge_lines(there: bytes, mine: bytes) -> bytes:
+    """The store's lines, then the local lines it lacks, in order (whole lines only: a torn last line is dropped)."""
+    def lines(b: bytes) -> list[bytes]:
+        parts = b.split(b"\n")
+        return [ln for ln in parts[:-1] if ln.strip()]  # the text after the last newline is torn or empty
+
+    theirs = lines(there)
+    seen = set(theirs)
+    extra = [ln for ln in lines(mine) if ln not in seen]
+    out = theirs + extra
+    return b"".join(ln + b"\n" for ln in out)
 
 
 def _fsync(path: Path) -> None:

@@ -115,76 +115,16 @@ def parse_manifest(raw: bytes, where: str) -> CheckpointManifest:
         raise CheckpointError(f"{where}: {' '.join(str(e).split())[:200]}; the manifest is corrupted") from None
 
 
-def merge_lines(there: bytes, mine: bytes) -> bytes:
-    """The store's lines, then the local lines it lacks, in order (whole lines only: a torn last line is dropped)."""
-    def lines(b: bytes) -> list[bytes]:
-        parts = b.split(b"\n")
-        return [ln for ln in parts[:-1] if ln.strip()]  # the text after the last newline is torn or empty
-
-    theirs = lines(there)
-    seen = set(theirs)
-    extra = [ln for ln in lines(mine) if ln not in seen]
-    out = theirs + extra
-    return b"".join(ln + b"\n" for ln in out)
+def put_object(client: Any, bucket: str, key: str, path: Path) -> None:
+    client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
 
 
-UPLOAD_RATE_ENV = "SHARDKEEPER_UPLOAD_MBPS"
-
-
-class UploadRate:
-    """A cap on the uploader's rate, shared by its threads (``SHARDKEEPER_UPLOAD_MBPS``, megabytes per second):
-    checkpoints go up beside training without taking the whole link its collectives or data loading use. A token
-    bucket holding at most one second of bytes: ``take(n)`` returns once ``n`` bytes are allowed."""
-
-    def __init__(self, mb_per_s: float, *, clock: Any = time.monotonic, sleep: Any = time.sleep):
-        import threading
-
-        self.rate = mb_per_s * 1e6
-        self._clock, self._sleep = clock, sleep
-        self._lock = threading.Lock()
-        self._next = clock() - 1.0  # when the bytes taken so far are paid for (a new bucket holds one second)
-
-    def take(self, nbytes: int) -> None:
-        with self._lock:
-            now = self._clock()
-            start = max(self._next, now - 1.0)  # an idle bucket holds one second of credit, no more
-            self._next = start + nbytes / self.rate
-            wait = self._next - now
-        if wait > 0:
-            self._sleep(wait)
-
-
-def upload_rate() -> UploadRate | None:
-    """The cap from the environment; None when unset or 0. A value that is not a positive number is one line."""
-    raw = os.environ.get(UPLOAD_RATE_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise ShardkeeperError(f"{UPLOAD_RATE_ENV}={raw!r}: must be a number of megabytes per second (e.g. 200), "
-                               "or 0 for no cap")
-    return UploadRate(value) if value > 0 else None
-
-
-def put_object(client: Any, bucket: str, key: str, path: Path, rate: UploadRate | None = None) -> None:
-    data = path.read_bytes()
-    if rate is not None:
-        rate.take(len(data))
-    client.put_object(Bucket=bucket, Key=key, Body=data)
-
-
-def upload_part(client: Any, bucket: str, key: str, upload: str, path: Path, index: int, chunk: int,
-                rate: UploadRate | None = None) -> dict[str, Any]:
+def upload_part(client: Any, bucket: str, key: str, upload: str, path: Path, index: int, chunk: int) -> dict[str, Any]:
     fd = os.open(path, os.O_RDONLY)
     try:
         data = os.pread(fd, chunk, index * chunk)
     finally:
         os.close(fd)
-    if rate is not None:
-        rate.take(len(data))
     etag = client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=index + 1, Body=data)["ETag"]
     return {"PartNumber": index + 1, "ETag": etag}
 

@@ -25,7 +25,7 @@ from ckpt import lineage
 from ckpt.layout import RunDir, parse_step
 from ckpt.lease import LeaseLost, lease_for
 from ckpt.objstore import ObjectStoreError, RemoteRun, is_remote, iter_runs
-from ckpt.objstore_base import reread_on_store, upload_rate
+from ckpt.objstore_base import reread_on_store
 from schemas import RunSpec, SegmentResult, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired, ShardkeeperError
 from schemas.requests import RunState
@@ -43,7 +43,6 @@ __all__ = ["Mirror", "ObjectStoreError", "export_remote", "is_remote", "lineage_
 def open_for_training(url: str) -> RemoteRun:
     """The remote run and its cache; fails with one line (and writes nothing) unless the store is reachable,
     the credentials work, the bucket exists and these credentials may write under the prefix."""
-    upload_rate()  # a bad SHARDKEEPER_UPLOAD_MBPS is one line before anything runs, not an uploader failure later
     remote = RemoteRun(url)
     remote.check_writable()
     return remote

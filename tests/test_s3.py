@@ -258,36 +258,6 @@ def test_push_writes_manifest_last_with_a_conditional_put_and_refuses_another_co
     assert not any(c[0] == "put" for c in calls)
 
 
-def test_upload_rate_cap_paces_every_byte_of_a_push(s3_run: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """SHARDKEEPER_UPLOAD_MBPS: every byte of a checkpoint's files passes the shared cap before it goes up; the
-    cap itself on a fake clock; a bad value is one line."""
-    from ckpt import objstore_base
-    from ckpt.objstore import RemoteRun
-    from schemas.errors import ShardkeeperError
-
-    src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints" / f"step-{END:08d}"
-    taken: list[int] = []
-    monkeypatch.setattr(objstore_base.UploadRate, "take", lambda self, n: taken.append(n))
-    monkeypatch.setenv("SHARDKEEPER_UPLOAD_MBPS", "50")
-    remote = RemoteRun(f"s3://{_new_bucket()}/r")
-    assert remote.push_checkpoint(src) is True and remote.committed_steps() == [END]
-    manifest = json.loads((src / "manifest.json").read_text())
-    assert sum(taken) == sum(e["size"] for e in manifest["files"]) and len(taken) == len(manifest["files"])
-
-    now, slept = [0.0], []
-    rate = objstore_base.UploadRate(2.0, clock=lambda: now[0], sleep=lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))
-    monkeypatch.undo()  # the real take again
-    for _ in range(5):
-        rate.take(1_000_000)  # 5 MB at 2 MB/s: the first second's credit, then 1.5 s of waiting
-    assert sum(slept) == pytest.approx(1.5)
-    for bad in ("fast", "-1", "nan", "inf"):
-        monkeypatch.setenv("SHARDKEEPER_UPLOAD_MBPS", bad)
-        with pytest.raises(ShardkeeperError, match=f"SHARDKEEPER_UPLOAD_MBPS={bad!r}: must be a number"):
-            objstore_base.upload_rate()
-    monkeypatch.setenv("SHARDKEEPER_UPLOAD_MBPS", "0")
-    assert objstore_base.upload_rate() is None
-
-
 def test_remote_retention_deletes_the_manifest_first(s3_endpoint: str, cache: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from ckpt.objstore import RemoteRun

@@ -219,8 +219,7 @@ def s3_chain(h: Torture, store: S3Store, index: int, n_kills: int, deadline: flo
     prefix = f"s3-chain-{index}"
     cache = h.work / f"s3-cache-{index}"
     run_dir = cache / "s3" / store.bucket / prefix
-    # uploads capped at 0.5 MB/s: a 1.6 MB checkpoint takes ~2 s to go up, so the kills land mid-upload
-    env = {**store.env, "SHARDKEEPER_CACHE": str(cache), "SHARDKEEPER_UPLOAD_POLL_S": "0.05", "SHARDKEEPER_UPLOAD_MBPS": "0.5"}
+    env = {**store.env, "SHARDKEEPER_CACHE": str(cache), "SHARDKEEPER_UPLOAD_POLL_S": "0.05"}
     h.remotes[run_dir] = (f"s3://{store.bucket}/{prefix}", env, lambda: _upload_probe(store, prefix, time.time()))
     chain: dict[str, Any] = {"name": f"s3-{index}", "config": cfg.name, "kills": 0, "launches": 0, "remote": True}
     h.reference(cfg, wait=False)
