@@ -36,8 +36,8 @@ from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, parse_step, step_dir_name
 from schemas import MANIFEST_NAME, CheckpointManifest
 from schemas.errors import CheckpointError, CheckpointRetired
-from ckpt.objstore_base import (STALL_TIMEOUTS, ObjectStoreError, cache_dir, explain, is_remote, iter_runs, open_fs,
-                                parse_manifest, put_object, record_reread, upload_part)
+from ckpt.objstore_base import (STALL_TIMEOUTS, ObjectStoreError, cache_dir, explain, is_remote, iter_runs, missing_bucket,
+                                open_fs, parse_manifest, put_object, record_reread, upload_part)
 
 __all__ = ["META_FILES", "ObjectStoreError", "RemoteRun", "cache_dir", "is_remote", "iter_runs", "merge_lines", "open_fs",
            "parse_manifest"]  # what the controller, the CLI and the tests take from here (ckpt.objstore_base holds some)
@@ -92,7 +92,7 @@ class RemoteRun:
         except (ObjectStoreError, CheckpointError):
             raise
         except FileNotFoundError as err:
-            if "bucket" in str(err).lower():
+            if missing_bucket(err):
                 raise ObjectStoreError(explain(err, self.url, action)) from None
             raise
         except Exception as err:  # noqa: BLE001 - botocore/aiohttp errors of every kind become one line

@@ -49,14 +49,29 @@ def cache_dir(url: str, cache: str | os.PathLike[str] | None = None) -> Path:
     return (Path(cache) if cache else cache_root()).joinpath(protocol, *parts)
 
 
+def missing_bucket(err: BaseException) -> bool:
+    """The store said the bucket does not exist (NoSuchBucket, on the error or the ClientError it was translated
+    from) -- not a missing key whose path happens to name a bucket ("my-bucket/run/run.yaml")."""
+    e: BaseException | None = err
+    for _ in range(5):
+        if e is None:
+            break
+        if (getattr(e, "response", None) or {}).get("Error", {}).get("Code") == "NoSuchBucket":
+            return True
+        e = e.__cause__ or e.__context__
+    text = str(err).lower()
+    return "nosuchbucket" in text or "specified bucket does not exist" in text
+
+
 def explain(err: BaseException, url: str, action: str) -> str:
     """One line for what went wrong talking to the store, naming the fix."""
     name = type(err).__name__
     text = " ".join(str(err).split())[:200]
     code = (getattr(err, "response", None) or {}).get("Error", {}).get("Code")  # botocore's ClientError
-    if code == "NoSuchBucket":
-        err = FileNotFoundError(text)
-    elif code in ("AccessDenied", "AllAccessDisabled", "AccountProblem"):
+    if code == "NoSuchBucket" or (isinstance(err, FileNotFoundError) and missing_bucket(err)):
+        bucket = url.split("://", 1)[-1].split("/", 1)[0]
+        return f"{url}: cannot {action}: bucket {bucket} does not exist ({text}); create it first or fix the URL"
+    if code in ("AccessDenied", "AllAccessDisabled", "AccountProblem"):
         err = PermissionError(text)
     elif code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
         return (f"{url}: cannot {action}: the store refused the credentials ({text}); check AWS_ACCESS_KEY_ID, "
@@ -68,9 +83,6 @@ def explain(err: BaseException, url: str, action: str) -> str:
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError",
                 "ClientConnectorError", "ServerDisconnectedError") or isinstance(err, (ConnectionError, TimeoutError)):
         return f"{url}: cannot {action}: the endpoint {endpoint} is unreachable ({text}); check AWS_ENDPOINT_URL and the network"
-    if isinstance(err, FileNotFoundError) and "bucket" in text.lower():
-        bucket = url.split("://", 1)[-1].split("/", 1)[0]
-        return f"{url}: cannot {action}: bucket {bucket} does not exist ({text}); create it first or fix the URL"
     if isinstance(err, PermissionError):
         need = "s3:PutObject, s3:DeleteObject and s3:ListBucket" if action.startswith("write") else "s3:GetObject and s3:ListBucket"
         return f"{url}: cannot {action}: permission denied ({text}); give these credentials {need} on the bucket"

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -308,11 +309,17 @@ def test_unreachable_endpoint_is_one_line(s3_endpoint: str, cache: Path, monkeyp
 
 def test_missing_bucket_and_missing_credentials_are_one_line_errors(s3_endpoint: str, cache: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckpt.objstore import ObjectStoreError
+    from ckpt.objstore import ObjectStoreError, RemoteRun
 
     with pytest.raises(ObjectStoreError) as err:
         _train("s3://no-such-bucket-sk/run")
     assert "bucket no-such-bucket-sk does not exist" in str(err.value) and "\n" not in str(err.value)
+    # a bucket that exists and names "bucket": a fresh run's missing run.yaml is not a missing bucket
+    named = f"sk-bucket-{uuid.uuid4().hex[:8]}"
+    _client().create_bucket(Bucket=named)
+    fresh = RemoteRun(f"s3://{named}/run")
+    fresh.check_writable()
+    assert fresh.pull_meta() == [] and fresh.latest_committed() is None
     bucket = _new_bucket()
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(var)
