@@ -236,7 +236,14 @@ def _recount(r: dict, drop: list[list[str]] = ()) -> dict:
         r["segments"] = [x for x in r["segments"] if x.get("chain") != name]
         r["chains"] = [c for c in r["chains"] if c["name"] != name]
         r["notes"] = [*r["notes"], f"run dir {name} left out ({n} launches): {why}"]
-    from tests.reliability.torture_lib import slurm_kill_wait
+    from tests.reliability.torture_lib import PREEMPT_SPAN, slurm_kill_wait
+
+    for p in r["preemptions"]:  # a run before preemption records kept their until-step: the harness's rule
+        if p.get("signalled") and "until" not in p:
+            seg = next((s for s in r["segments"] if s.get("chain") == p["chain"] and s.get("kind") == f"preempt-{p['case']}"),
+                       None)
+            if seg is not None and r.get("final_step"):
+                p["until"] = min(r["final_step"], seg["expected_resume"] + PREEMPT_SPAN)
 
     fixed = 0
     for k in r["kills"]:

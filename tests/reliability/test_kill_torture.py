@@ -117,9 +117,11 @@ def test_verdicts_on_slurm_exits_and_late_stop_signals() -> None:
             "steps_lost": 0}
     early = {**late, "completed_at_signal": 2}
     short = {**late, "committed_after": 9}  # exit 0 before its until-step: never right
+    unknown = {k: v for k, v in late.items() if k != "until"}  # no until-step recorded: nothing to excuse it with
     assert completed_in_last_steps(late) and not completed_in_last_steps(early) and not completed_in_last_steps(short)
+    assert not completed_in_last_steps(unknown)
     assert Stats(preemptions=[late]).violations() == {}
-    assert Stats(preemptions=[late, early, short]).violations() == {"preempt_wrong_exit": 2}
+    assert Stats(preemptions=[late, early, short, unknown]).violations() == {"preempt_wrong_exit": 3}
 
 
 def _violations_of(h: Torture, kills: list[dict]) -> dict[str, int]:

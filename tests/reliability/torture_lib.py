@@ -403,6 +403,7 @@ def compare_final(a: Path, b: Path) -> list[str]:
 
 # --------------------------------------------------------------------------- records
 SLURM_TARGETS = ("scancel", "node-down")
+PREEMPT_SPAN = 10  # a preemption case's segment trains at most this many steps past its resume point
 
 
 def slurm_kill_wait(target: str | None) -> float:
@@ -418,9 +419,9 @@ def completed_in_last_steps(p: dict) -> bool:
     """A SIGTERM that reached a segment in its last steps: the ranks agree on a stop one step after it arrives,
     so a segment signalled within two steps of its end completes its until-step, commits it and exits 0 -- the
     right end (nothing left to preempt, no step lost), not a wrong exit code."""
-    done, after = p.get("completed_at_signal"), p.get("committed_after")
-    return (p.get("exit_code") == 0 and not p.get("steps_lost") and done is not None and after is not None
-            and after == p.get("until", after) and after - done <= 2)
+    done, after, until = p.get("completed_at_signal"), p.get("committed_after"), p.get("until")
+    return (p.get("exit_code") == 0 and not p.get("steps_lost") and None not in (done, after, until)
+            and after == until and after - done <= 2)
 
 
 @dataclass
@@ -768,7 +769,7 @@ class Torture:
     # ------------------------------------------------------------- preemption
     def preempt(self, run_dir: Path, cfg: Cfg, case: str, expected: int, chain: dict, grace_s: float = 45.0) -> int:
         """SIGTERM to the CLI at the case's moment; expect exit 75, a committed checkpoint, no step lost."""
-        until = min(self.final, expected + 10)
+        until = min(self.final, expected + PREEMPT_SPAN)
         ln = self.launch(run_dir, cfg, until, f"{chain['name']}-preempt-{case}")
         window = {"train": "train", "async-save": "save", "commit": "commit", "startup": "startup",
                   "repeat-term": "train"}[case]
