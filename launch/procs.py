@@ -99,15 +99,26 @@ class Descendants:
         return [pid for pid, start in self.seen.items() if _running(pid, start)]
 
 
+def _state(pid: int) -> bytes | None:
+    """The one-letter state of ``pid`` from /proc (b"R", b"S", b"Z", ...), or None when gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return raw[raw.rfind(b")") + 2:][:1]
+
+
+def is_zombie(pid: int) -> bool:
+    """Exited, not reaped yet by its parent: gone, though kill(pid, 0) still finds it."""
+    return _state(pid) in (b"Z", b"X")
+
+
 def _running(pid: int, start: int) -> bool:
     stat = proc_stat(pid)
     if stat is None or stat[1] != start:
         return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return False
-    return state[state.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+    state = _state(pid)
+    return state is not None and state not in (b"Z", b"X")
 
 
 def reap_orphans(procs: Descendants, timeout_s: float = 60.0) -> list[int]:

@@ -34,7 +34,7 @@ import threading
 from collections.abc import Iterator
 
 from ckpt.fsutil import pid_alive  # stdlib only: safe before torch is imported
-from launch.procs import proc_stat, set_pdeathsig  # stdlib only (launch/__init__ imports nothing heavy)
+from launch.procs import is_zombie, proc_stat, set_pdeathsig  # stdlib only (launch/__init__ imports nothing heavy)
 from trainer import timeline  # stdlib only
 
 WATCHDOG_PERIOD_S = 0.5
@@ -100,7 +100,7 @@ class _Watchdog:
             return f"its parent {self.parent} is gone"
         if self.launcher is None:
             return None
-        if not pid_alive(self.launcher) or _zombie(self.launcher):
+        if not pid_alive(self.launcher) or is_zombie(self.launcher):
             return f"its launcher (pid {self.launcher}) is gone"
         if self.launcher_start is not None:
             stat = proc_stat(self.launcher)
@@ -114,15 +114,6 @@ class _Watchdog:
             reason = self.check()
             if reason:
                 _die(reason)
-
-
-def _zombie(pid: int) -> bool:
-    """A killed process its parent has not reaped yet: gone, though kill(pid, 0) still finds it."""
-    try:
-        raw = open(f"/proc/{pid}/stat", "rb").read()
-    except OSError:
-        return False
-    return raw[raw.rfind(b")") + 2:raw.rfind(b")") + 3] == b"Z"
 
 
 _DOG: list[_Watchdog] = []

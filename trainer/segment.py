@@ -171,10 +171,7 @@ def _exit_without_teardown(code: int) -> None:
 
     threading._shutdown()  # what the interpreter does first: executors told to stop, non-daemon threads joined
     atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    _exit_now(code)
 
 
 if __name__ == "__main__":

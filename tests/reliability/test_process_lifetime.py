@@ -223,6 +223,7 @@ def _commit_after_the_launcher_died(tmp: str) -> list[object]:
     finds it): the commit is not made, the .partial stays, nothing is listed as committed."""
     import torch.distributed as dist
 
+    from launch.procs import is_zombie
     from trainer import lifetime
     from trainer.ckpt_common import TrainState
     from trainer.dcp_backend import DCPCheckpointer
@@ -241,7 +242,7 @@ def _commit_after_the_launcher_died(tmp: str) -> list[object]:
     ck = DCPCheckpointer(run, spec, model, build_optimizer(model, spec), env, segment=0, signature=sig)
     ck.save(TrainState(step=2), reason="interval", blocking=True)  # the launcher alive: committed
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
-    while not lifetime._zombie(zombie.pid):
+    while not is_zombie(zombie.pid):
         time.sleep(0.01)
     lifetime._DOG[:] = [lifetime._Watchdog(os.getppid(), zombie.pid, None)]
     said: list[str] = []

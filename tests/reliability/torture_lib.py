@@ -616,10 +616,11 @@ class Torture:
         second: _Probe | None = None
         left: list[Proc] = []
         orphans_counted = False
-        bound = self.teardown_bound(ln) + slurm_kill_wait(rec.get("target"))
+        kill_wait = slurm_kill_wait(rec.get("target"))
+        bound = self.teardown_bound(ln) + kill_wait
         rec["teardown_bound_s"] = round(bound, 2)
-        if slurm_kill_wait(rec.get("target")):
-            rec["slurm_kill_wait_s"] = slurm_kill_wait(rec.get("target"))
+        if kill_wait:
+            rec["slurm_kill_wait_s"] = kill_wait
         lock_gone_at: float | None = None
         while True:
             if second is not None:
