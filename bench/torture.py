@@ -6,6 +6,8 @@ never happen. Prints a markdown table and writes bench/out/torture.json (+ tortu
     python bench/torture.py --quick                # 8 kills, 5 preemptions, secrets (~8 min)
     python bench/torture.py --quick --corpora      # + the tests/reliability hostile/bad-input suites
     python bench/torture.py --kills 40 --max-minutes 20 --work /tmp/torture --keep
+    python bench/torture.py --only s3 --kills 24 --per-chain 12 --no-preempt --no-secrets --out /tmp/t-s3
+                                                   # one chain kind (here: uploads through a 800 KB/s link)
 
 Every chain of kills lives in its own run directory and ends with an uninterrupted segment whose
 final checkpoint is compared bitwise with a reference run; --max-minutes stops starting kills (the
@@ -34,7 +36,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from tests.reliability.torture_lib import (CONFIGS, PREEMPT_CASES, TARGETS, Torture, completed_in_last_steps,  # noqa: E402
                                           run_corpora)
-from tests.reliability.torture_targets import (S3Store, SlurmCluster, convert_chain, s3_chain,  # noqa: E402
+from tests.reliability.torture_targets import (S3_RATE, S3Store, SlurmCluster, convert_chain, s3_chain,  # noqa: E402
                                                 slurm_chain)
 
 QUICK_PLAN = {  # (target, window) per kill: every target once per backend, the windows that matter most
@@ -85,8 +87,8 @@ def run(args: argparse.Namespace, out_dir: Path) -> dict:
             chains.append(h.kill_chain(CONFIGS[name], 0, len(plan), deadline, plan))
     else:
         left, i = args.kills, 0
-        order = [c for c in CHAIN_ORDER if c not in args.skip]
-        store = S3Store() if "s3" in order else None
+        order = [c for c in CHAIN_ORDER if c not in args.skip and (not args.only or c in args.only)]
+        store = S3Store(rate=args.s3_kbps * 1000) if "s3" in order else None
         cluster = SlurmCluster(work) if "slurm" in order else None
         while left > 0 and time.monotonic() < deadline:
             kind = order[i % len(order)]
@@ -115,7 +117,8 @@ def run(args: argparse.Namespace, out_dir: Path) -> dict:
         h.preempt_chain(CONFIGS["fsdp2-async"], PREEMPT_CASES)
         if not args.quick and time.monotonic() < deadline:
             h.preempt_chain(CONFIGS["deepspeed"], tuple(c for c in PREEMPT_CASES if c != "async-save"))
-    h.check_async_sync_same()
+    if args.quick or not args.only or "fsdp2-sync" in args.only:  # (a reference run of its own)
+        h.check_async_sync_same()
     secrets = None if args.no_secrets else h.secrets(CONFIGS["fsdp2-async"])
     corpora = run_corpora(out_dir / "reliability-junit.xml") if args.corpora else None
     events.close()
@@ -316,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="work directory (default: a temporary one, removed at the end)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     ap.add_argument("--skip", nargs="*", default=[], choices=CHAIN_ORDER, help="chain kinds to leave out")
+    ap.add_argument("--only", nargs="*", default=[], choices=CHAIN_ORDER, help="run only these chain kinds")
+    ap.add_argument("--s3-kbps", type=float, default=S3_RATE / 1000, help="the s3 chain's upload bandwidth to the store, "
+                    "KB/s (a throttling forwarder on loopback; 0: unthrottled, uploads then take milliseconds)")
     ap.add_argument("--no-preempt", action="store_true")
     ap.add_argument("--no-secrets", action="store_true")
     ap.add_argument("--corpora", action="store_true", help="also run tests/reliability -k 'hostile or corruption or bad_input'")
@@ -328,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                     "torture.json files (one run's partial figures, or runs of different chain kinds, counted together) "
                     "instead of running")
     args = ap.parse_args(argv)
+    if args.publish and args.only and not args.table_from:
+        ap.error("--publish with --only: a run of some chain kinds would replace the published table of all of them; "
+                 "publish it with the others through --table-from")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     machine_info.update(machine())

@@ -75,6 +75,8 @@ CONFIGS = {
     "deepspeed-ws1": Cfg("deepspeed-ws1", "deepspeed", False, nproc=1),
     # 2 Slurm nodes x 1 rank: the same world size (and the same bits) as 2 local ranks
     "fsdp2-slurm": Cfg("fsdp2-slurm", "fsdp2", True, nproc=1, nodes=2, launcher="slurm"),
+    # a run directory on s3:// through a slow link (torture_targets.s3_chain): a checkpoint every 10 steps
+    "fsdp2-s3": Cfg("fsdp2-s3", "fsdp2", True, interval=10),
 }
 
 
@@ -287,9 +289,10 @@ def wait_moment(ln: Launch, window: str, rng: random.Random, target: str, limit_
             if set((ln.run_dir / "checkpoints").glob("step-*/universal.partial-*")) - ln.convert_leftovers:
                 fire_at = now
         elif window == "upload" and ln.upload_seen is not None:  # an upload in flight, no manifest yet
-            if ln.upload_seen():
-                fire_at = now
-            elif _window_hit(ln, ckpt_scan(ln.run_dir), "commit", seen):  # its push starts within the poll
+            if ln.upload_seen():  # (a throttled upload lasts seconds: a random point of it)
+                fire_at = now + rng.uniform(0.0, getattr(ln.upload_seen, "spread_s", 0.0))
+            elif (not getattr(ln.upload_seen, "throttled", False)
+                  and _window_hit(ln, ckpt_scan(ln.run_dir), "commit", seen)):  # its push starts within the poll
                 fire_at = now + rng.uniform(0.0, 0.3)
         elif window == "train":
             if _size(ln.run_dir / "metrics.jsonl") > ln.offsets["metrics.jsonl"]:

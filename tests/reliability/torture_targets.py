@@ -120,11 +120,17 @@ def _universal_checks(h: Torture, rec: dict, udir: Path, run_dir: Path, offset: 
 
 
 # --------------------------------------------------------------------------- S3 upload
+CKPT_BYTES = 1.6e6  # the tiny model's FSDP2 checkpoint (2 ranks), about
+S3_RATE = 800_000  # bytes/s from the CLI to the store (tests/throttle.py): a ~1.6 MB checkpoint takes ~2 s to go up
+
+
 class S3Store:
     """The S3-protocol server tests/test_s3.py uses (moto_server on loopback), one bucket for the torture.
-    Its AWS variables are set in this process too (the in-process listing checks use them)."""
+    Its AWS variables are set in this process too (the in-process listing checks use them, straight to the
+    server). The CLI reaches it through a throttling forwarder (``rate`` bytes/s up, tests/throttle.py; 0: none),
+    so that a checkpoint's upload lasts long enough for a kill to land mid-transfer, as on a slow link."""
 
-    def __init__(self) -> None:
+    def __init__(self, rate: float = S3_RATE) -> None:
         import os
         import socket
         import subprocess
@@ -152,6 +158,13 @@ class S3Store:
         os.environ.update(self.env)
         self.bucket = f"torture-{uuid.uuid4().hex[:8]}"
         self.client().create_bucket(Bucket=self.bucket)
+        self.proxy = None
+        self.cli_env = dict(self.env)  # the launches' environment: through the forwarder
+        if rate:
+            from tests.throttle import ThrottledProxy
+
+            self.proxy = ThrottledProxy(self.env["AWS_ENDPOINT_URL"], rate)
+            self.cli_env["AWS_ENDPOINT_URL"] = self.proxy.url
 
     def client(self) -> Any:
         import boto3
@@ -159,6 +172,8 @@ class S3Store:
         return boto3.client("s3")
 
     def close(self) -> None:
+        if self.proxy is not None:
+            self.proxy.close()
         self.proc.terminate()
         try:
             self.proc.wait(10)
@@ -192,35 +207,44 @@ class S3Store:
         return 0
 
 
-def _upload_probe(store: S3Store, prefix: str, since: float) -> Any:
-    """The "upload" window: a step directory written since ``since`` whose manifest is not there yet."""
+def _upload_probe(store: S3Store, prefix: str, since: float, nth: int = 1) -> Any:
+    """The "upload" window: the ``nth`` step directory written since ``since`` seen without its manifest yet (a
+    second one: the first upload of the launch may complete, so the store's resume point moves on). Through the
+    forwarder an upload lasts seconds: the kill then comes at a random point of the next half of a checkpoint's
+    transfer time (``spread_s``), and not at a local commit (``throttled``: the upload is what is waited for)."""
     last = [0.0]
+    steps: set[int] = set()
 
     def seen() -> bool:
         now = time.monotonic()
         if now - last[0] < 0.02:
             return False
         last[0] = now
-        for files in store.objects(prefix).values():
+        for step, files in store.objects(prefix).items():
             if "manifest.json" not in files and any(t >= since - 1 for _, t in files.values()):
-                return True
-        return False
+                steps.add(step)
+        return len(steps) >= nth
 
+    if store.proxy is not None:
+        seen.throttled = True  # type: ignore[attr-defined]
+        seen.spread_s = 0.5 * CKPT_BYTES / store.proxy.rate  # type: ignore[attr-defined]
     return seen
 
 
 def s3_chain(h: Torture, store: S3Store, index: int, n_kills: int, deadline: float) -> dict:
     """A run directory on s3:// (the ranks write its local cache; the CLI's uploader pushes each checkpoint,
-    manifest last). Each launch starts with the cache's checkpoints removed, so it resumes from the store
+    manifest last, through a link of ``S3_RATE``; a checkpoint every 10 steps, so the uploads keep up with the
+    commits: every 2 steps, each ~2 s upload would be overtaken by the local retention of its checkpoint). Each launch starts with the cache's checkpoints removed, so it resumes from the store
     (as on another machine); the CLI (or its whole group) is SIGKILLed while a checkpoint is half uploaded.
     The store must never list a step without its manifest, and the next segment must resume from the
     newest whole checkpoint there; the chain ends with an uninterrupted segment compared bitwise."""
-    cfg = CONFIGS["fsdp2-async"]
+    cfg = CONFIGS["fsdp2-s3"]
     prefix = f"s3-chain-{index}"
     cache = h.work / f"s3-cache-{index}"
     run_dir = cache / "s3" / store.bucket / prefix
-    env = {**store.env, "SHARDKEEPER_CACHE": str(cache), "SHARDKEEPER_UPLOAD_POLL_S": "0.05"}
-    h.remotes[run_dir] = (f"s3://{store.bucket}/{prefix}", env, lambda: _upload_probe(store, prefix, time.time()))
+    env = {**store.cli_env, "SHARDKEEPER_CACHE": str(cache), "SHARDKEEPER_UPLOAD_POLL_S": "0.05"}
+    h.remotes[run_dir] = (f"s3://{store.bucket}/{prefix}", env,
+                          lambda: _upload_probe(store, prefix, time.time(), h.rng.randint(1, 2)))
     chain: dict[str, Any] = {"name": f"s3-{index}", "config": cfg.name, "kills": 0, "launches": 0, "remote": True}
     h.reference(cfg, wait=False)
     expected = 0
@@ -233,14 +257,17 @@ def s3_chain(h: Torture, store: S3Store, index: int, n_kills: int, deadline: flo
         rec = h.stats.kills[-1]
         chain["launches"] += 1
         chain["kills"] += int(rec["killed"])
-        _remote_checks(rec, store, prefix, f"s3://{store.bucket}/{prefix}")
+        _remote_checks(rec, store, prefix, f"s3://{store.bucket}/{prefix}", chain)
         expected = store.newest_whole(prefix)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     h.finish_chain(run_dir, cfg, store.newest_whole(prefix), chain)
     return chain
 
 
-def _remote_checks(rec: dict, store: S3Store, prefix: str, url: str) -> None:
+def _remote_checks(rec: dict, store: S3Store, prefix: str, url: str, chain: dict) -> None:
+    """The store after a launch. The resume point of an s3:// run is the store (each launch starts from an empty
+    cache): "no valid checkpoint left" is judged there -- none whole after one was -- not in the cache, where a
+    launch killed before its first local commit leaves nothing while the store still holds the resume point."""
     from ckpt.objstore import RemoteRun
 
     objs = store.objects(prefix)
@@ -254,6 +281,11 @@ def _remote_checks(rec: dict, store: S3Store, prefix: str, url: str) -> None:
     newest = store.newest_whole(prefix)
     found = remote.latest_committed()
     rec["remote_newest_whole"] = newest
+    chain["store_ever_whole"] = chain.get("store_ever_whole", False) or newest > 0
+    rec["cache_no_valid_left"] = rec.get("no_valid_left", False)
+    rec["no_valid_left"] = chain["store_ever_whole"] and newest == 0
+    if store.proxy is not None:
+        rec["upload_rate"] = store.proxy.rate
     if (found[0] if found else 0) != newest:
         rec["remote_listed_without_manifest"].append(f"newest {found[0] if found else 0} != whole {newest}")
     if rec.get("killed"):
