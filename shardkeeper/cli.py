@@ -395,4 +395,14 @@ def run() -> None:
     rc = main()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+    remote = sys.modules.get("shardkeeper.remote")
+    if remote is not None and remote.abandoned_uploads():
+        # a stop gave up an upload whose requests still run: exit now, not once they end (they commit nothing)
+        import logging
+        import os
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
     sys.exit(rc)

@@ -33,6 +33,8 @@ from schemas.requests import RunState
 log = logging.getLogger("shardkeeper")
 
 POLL_ENV = "SHARDKEEPER_UPLOAD_POLL_S"
+STOP_UPLOAD_ENV = "SHARDKEEPER_STOP_UPLOAD_S"  # the stop's upload budget; default: the launcher's stop grace
+_abandoned: list[str] = []  # uploads left running when their segment's finish gave up on them (see abandoned_uploads)
 _CKPT_URL = re.compile(r"^(?P<run>.+)/checkpoints/(?P<name>step-\d{8})/?$")
 
 __all__ = ["Mirror", "ObjectStoreError", "export_remote", "is_remote", "lineage_source", "materialize_checkpoint",
@@ -48,9 +50,25 @@ def open_for_training(url: str) -> RemoteRun:
     return remote
 
 
+class UploadAbandoned(Exception):
+    """The stop's upload was given up (a second stop signal, or past its grace): nothing more is committed."""
+
+
+def abandoned_uploads() -> list[str]:
+    """The checkpoints whose upload a stopped segment gave up while its requests were still in flight: a process
+    that exits now must exit at once (``os._exit``) rather than wait for them (they never get a manifest)."""
+    return list(_abandoned)
+
+
 class Mirror:
     """Under the run lock, around one segment: ``start`` pulls what the cache lacks and starts the uploader
-    thread; ``finish`` stops it and pushes whatever committed meanwhile, then the metadata."""
+    thread; ``finish`` stops it and pushes whatever committed meanwhile, then the metadata.
+
+    After a stop (``stopping``: the segment was preempted or cancelled) ``finish`` is bounded as a preemptible
+    machine needs: it uploads the newest valid checkpoint the store lacks, then the ``keep_every`` milestones it
+    lacks, within ``stop_grace_s``; a stop signal meanwhile (the second one) gives up at once. A checkpoint given
+    up on gets no manifest on the store (its objects are not a checkpoint there), stays in the cache, and the next
+    segment on this cache uploads it; the segment keeps its exit code."""
 
     def __init__(self, remote: RemoteRun, spec: RunSpec, *, is_valid: Callable[[Path], bool],
                  poll_s: float | None = None, lease: bool = True):
@@ -65,6 +83,13 @@ class Mirror:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self.remote_steps: set[int] = set()  # committed on the store (as of start, and what this segment pushed)
+        self.stopping = False
+        self.stop_grace_s = 60.0
+        self._signals_at_stop = 0  # stop signals the CLI's early handler had remembered when the segment stopped
+        self._giving_up = threading.Event()
+        self.in_flight: int | None = None  # the step being uploaded now
+        self.gave_up: str | None = None  # one line, when a stop's upload was given up (the segment result's note)
 
     def __enter__(self) -> Mirror:
         self.start()
@@ -80,9 +105,10 @@ class Mirror:
 
     def start(self) -> None:
         r = self.remote
+        taken = None
+        r.commit_guard = self._guard
         if self.lease is not None:  # before anything is pulled or written: a second writer is refused here
             taken = self.lease.acquire()
-            r.commit_guard = self.lease.confirm
             self.lease.start_renewing()
         try:
             self._start()
@@ -90,8 +116,15 @@ class Mirror:
             if self.lease is not None:
                 self.lease.release()
             raise
-        if self.lease is not None and taken is not None:
+        if taken is not None:
             self._record_takeover(taken)
+
+    def _guard(self) -> None:
+        """Before a checkpoint's files and before its manifest: nothing more once the upload was given up, and the
+        run's lease renewed (ckpt.lease)."""
+        if self._giving_up.is_set():
+            raise UploadAbandoned()
+        self._confirm()
 
     def _record_takeover(self, taken: Any) -> None:
         """An expired lease was taken over (its holder died without releasing it): logged and in the lineage."""
@@ -112,6 +145,7 @@ class Mirror:
         objects = r.checkpoint_objects()
         committed = r.committed_steps(objects)
         self.remote_newest = committed[-1] if committed else -1
+        self.remote_steps = set(committed)
         local = [s for s in self._local_steps() if self.is_valid(r.local.checkpoint(s))]
         newest_local = local[-1] if local else -1
         # The newest whole remote checkpoint the cache lacks, and the next older whole one: if the ranks refuse
@@ -135,27 +169,56 @@ class Mirror:
         while not self._stop.wait(self.poll_s):
             try:
                 self.sync()
-            except LeaseLost:
-                return  # another writer holds the run now: nothing more is uploaded (finish says so)
+            except (LeaseLost, UploadAbandoned):
+                return  # another writer holds the run now, or the stop's upload was given up (finish says so)
             except Exception as e:  # noqa: BLE001 - retried at the next poll and at the end of the segment
                 if str(e) != self.last_error:  # once per distinct problem, not once per poll
                     log.warning("upload to %s failed (retried): %s", self.remote.url, e)
                 self.last_error = str(e)
 
+    def _milestone(self, step: int) -> bool:
+        every = self.spec.checkpoint.keep_every
+        return bool(every) and step % every == 0
+
+    def _next(self, tried: set[int]) -> int | None:
+        """The next checkpoint to push: oldest first, every valid one newer than the store's newest and every
+        ``keep_every`` milestone the store lacks; when stopping, only the newest valid one newer than the store's
+        newest, then the missing milestones, newest first (older ones the store's retention would retire anyway)."""
+        local = [s for s in self._local_steps() if s not in tried]
+        newer = [s for s in local if s > self.remote_newest]
+        milestones = [s for s in local if s < self.remote_newest and self._milestone(s) and s not in self.remote_steps]
+        if self.stopping:
+            order = [*reversed(newer)][:1] + [*reversed(milestones)]
+        else:
+            order = sorted(newer + milestones)
+        for step in order:
+            tried.add(step)
+            if self.is_valid(self.remote.local.checkpoint(step)):
+                return step
+            if self.stopping and step in newer:
+                # not valid (yet): the next older one newer than the store's, if any, is the one that matters
+                return self._next(tried)
+        return None
+
     def sync(self) -> list[int]:
-        """Push every valid local checkpoint newer than the store's newest, oldest first; then metadata and
-        retention. Returns the steps pushed."""
+        """Push the checkpoints the store lacks (``_next``); then metadata and retention. Returns the steps pushed.
+        The uploader thread stops between checkpoints once ``finish`` began."""
         with self._lock:
-            pushed = []
+            pushed: list[int] = []
             if self.lease_lost:
                 raise LeaseLost(self.lease_lost)
-            for step in self._local_steps():
+            tried: set[int] = set()
+            while True:
+                if self._stop.is_set() and threading.current_thread() is self._thread:
+                    break  # finish pushes the rest (bounded, after a stop)
+                step = self._next(tried)
+                if step is None:
+                    break
                 path = self.remote.local.checkpoint(step)
-                if step <= self.remote_newest or not self.is_valid(path):
-                    continue
+                self.in_flight = step
                 try:
                     self.remote.push_checkpoint(path)
-                except LeaseLost:
+                except (LeaseLost, UploadAbandoned):
                     raise
                 except Exception:  # noqa: BLE001
                     if path.exists() or (path.parent / f"{path.name}.partial").exists():
@@ -163,7 +226,10 @@ class Mirror:
                     # removed by the local retention while it was uploading (a newer one follows): not an error
                     log.info("%s left the cache during its upload (retention); skipped", path.name)
                     continue
-                self.remote_newest = step
+                finally:
+                    self.in_flight = None
+                self.remote_newest = max(self.remote_newest, step)
+                self.remote_steps.add(step)
                 pushed.append(step)
             if pushed:
                 self.uploaded += pushed
@@ -178,14 +244,94 @@ class Mirror:
         if self.lease is not None:
             self.lease.confirm()
 
-    def finish(self, *, raise_errors: bool = True) -> None:
-        self._stop.set()
+    def stopped(self, grace_s: float | None = None) -> None:
+        """The segment was stopped (preempted, cancelled): ``finish`` uploads only what matters, within the grace
+        (``SHARDKEEPER_STOP_UPLOAD_S``, else ``grace_s``: the launcher's stop grace)."""
+        from launch.early import pending_stop
+
+        env = os.environ.get(STOP_UPLOAD_ENV)
+        self.stop_grace_s = float(env) if env else (grace_s if grace_s is not None else self.stop_grace_s)
+        self.stopping = True
+        self._signals_at_stop = len(pending_stop)
+
+    def _drain(self) -> None:
         if self._thread is not None:
             self._thread.join()
+        self.sync()
+        self._confirm()
+        self.remote.push_meta()
+
+    def _drain_bounded(self) -> None:
+        """``_drain`` in a thread of its own, given up past the deadline or at a stop signal: the signal handlers
+        of the main thread are this call's meanwhile (every signal after the one that stopped the segment)."""
+        import signal
+
+        from launch.early import STOP_SIGNALS, pending_stop
+
+        result: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                self._drain()
+                result.append(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                result.append(e)
+
+        why: list[str] = []
+        if len(pending_stop) > self._signals_at_stop:  # one came after the segment stopped, before this call
+            why.append(f"{signal.Signals(pending_stop[-1]).name} received again")
+
+        def on_signal(signum: int, _frame: object) -> None:
+            if not why:
+                why.append(f"{signal.Signals(signum).name} received again")
+
+        previous = ({s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+                    if threading.current_thread() is threading.main_thread() else {})
+        worker = threading.Thread(target=run, name="ckpt-upload-at-stop", daemon=True)
+        deadline = time.monotonic() + self.stop_grace_s
         try:
-            self.sync()
-            self._confirm()
-            self.remote.push_meta()
+            if not why:
+                worker.start()
+            while worker.is_alive() and not why:
+                worker.join(min(0.1, max(0.0, deadline - time.monotonic())))
+                if worker.is_alive() and time.monotonic() >= deadline and not why:
+                    why.append(f"not done within the stop's {self.stop_grace_s:g} s")
+        finally:
+            for sig, prev in previous.items():
+                signal.signal(sig, prev)  # type: ignore[arg-type]
+        if worker.ident is None or worker.is_alive():  # (a signal after it ended changes nothing)
+            self._giving_up.set()  # from here no file or manifest put begins (one already begun completes whole)
+            self._gave_up(why[0], worker)
+            return
+        if result and result[0] is not None:
+            raise result[0]
+
+    def _gave_up(self, why: str, worker: threading.Thread) -> None:
+        r = self.remote
+        step = self.in_flight
+        if step is None:  # (not started, or between checkpoints): the one that matters
+            step = next((s for s in reversed(self._local_steps()) if s > self.remote_newest), None)
+        if worker.ident is not None:
+            worker.join(0.5)
+        if step is not None and step in self.remote_steps:  # its manifest was already on its way: whole there
+            self.gave_up = (f"{why}; {r.checkpoint_uri(step)} was uploaded whole; gave up the rest: it stays in the "
+                            f"cache {r.local.root} and the next `shardkeeper train --run-dir {r.url}` here uploads it")
+        else:
+            what = (f"the upload of {r.checkpoint_uri(step)}: the store has no manifest for it (not a checkpoint "
+                    "there); it" if step is not None else f"the upload of the segment's metadata to {r.url}: it")
+            self.gave_up = (f"{why}; gave up {what} stays in the cache {r.local.root} and the next "
+                            f"`shardkeeper train --run-dir {r.url}` here uploads it")
+        log.debug("%s", self.gave_up)  # (the CLI prints it once, in the segment's line)
+        if worker.is_alive():  # its requests still in flight: a process that exits must not wait for them
+            _abandoned.append(r.checkpoint_uri(step) if step is not None else r.url)
+
+    def finish(self, *, raise_errors: bool = True) -> None:
+        self._stop.set()
+        try:
+            if self.stopping:
+                self._drain_bounded()
+            else:
+                self._drain()
         except LeaseLost as e:
             if raise_errors:
                 raise LeaseLost(str(e)) from None
@@ -201,8 +347,12 @@ class Mirror:
                 self.lease.release()
 
 
-def remote_result(remote: RemoteRun, result: SegmentResult) -> SegmentResult:
-    """The segment's result with the store's URLs in place of cache paths."""
+def remote_result(remote: RemoteRun, result: SegmentResult, mirror: Mirror | None = None) -> SegmentResult:
+    """The segment's result with the store's URLs in place of cache paths; after a stop whose upload was given up,
+    its checkpoint is the cache's (the store lacks it) and the note says so."""
+    if mirror is not None and mirror.gave_up:
+        note = f"{result.note}; {mirror.gave_up}" if result.note else mirror.gave_up
+        return result.model_copy(update={"run_dir": remote.url, "note": note})
     return result.model_copy(update={"run_dir": remote.url, "checkpoint": remote.local_to_uri(result.checkpoint)})
 
 

@@ -391,3 +391,97 @@ def test_flows_train_export_and_resume_runs_on_s3(s3_endpoint: str, prefect_serv
     assert items[done].action == "skipped-done", items[done]
     assert items[cut].action == "resumed" and "step 2 -> 4 on 1 ranks" in items[cut].reason, items[cut]
     assert run_state(cut).step == 4
+
+
+# ------------------------------------------------------------------------------------------ a stop on a slow link
+def test_upload_after_a_stop_is_the_newest_only_and_a_second_signal_gives_it_up(s3_run: dict[str, Any],
+                                                                                 cache: Path) -> None:
+    """After a preemption the uploader pushes the newest checkpoint the store lacks, not every older one; on a slow
+    link (tests/throttle.py, 500 KB/s) a second SIGTERM gives the upload up at once: no manifest on the store (not a
+    checkpoint there), the checkpoint stays in the cache, one line says so, and the next segment uploads it."""
+    from ckpt.objstore import RemoteRun
+    from shardkeeper.remote import Mirror, abandoned_uploads
+    from tests.throttle import ThrottledProxy
+
+    src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints"
+    bucket = _new_bucket()
+    url = f"s3://{bucket}/stopped"
+    proxy = ThrottledProxy(os.environ["AWS_ENDPOINT_URL"], rate=500_000)
+    remote = RemoteRun(url, storage_options={"endpoint_url": proxy.url})
+    for step in (FIRST, END):  # two committed checkpoints the store lacks
+        shutil.copytree(src / f"step-{step:08d}", remote.local.checkpoint(step))
+    mirror = Mirror(remote, tiny_spec(), is_valid=lambda p: True, poll_s=3600)
+    mirror.start()
+    mirror.stopped(grace_s=60)
+    prefix = f"stopped/checkpoints/step-{END:08d}/"
+    seen: list[float] = []
+
+    def second_signal() -> None:  # once the newest checkpoint's first objects landed: its upload is in flight
+        deadline = time.monotonic() + 30
+        while not _keys(bucket, prefix) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: pytest.fail("the SIGTERM reached the test's own handler"))
+    try:
+        import threading
+
+        threading.Thread(target=second_signal, daemon=True).start()
+        t0 = time.monotonic()
+        mirror.finish()
+        took = time.monotonic() - t0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen and time.monotonic() - seen[0] < 2.0 and took < 8, took  # a whole upload takes ~3.5 s here
+    line = mirror.gave_up or ""  # the CLI prints it in the segment's line (the result's note; exit code unchanged)
+    assert line.startswith(f"SIGTERM received again; gave up the upload of {url}/checkpoints/step-{END:08d}: the "
+                           "store has no manifest for it") and "\n" not in line, line
+    assert f"the next `shardkeeper train --run-dir {url}` here uploads it" in line, line
+    from schemas import ClusterTopology, SegmentResult
+    from shardkeeper.remote import remote_result
+
+    res = remote_result(remote, SegmentResult(run_dir=str(remote.local.root), status="preempted", exit_code=75, segment=0,
+                                              start_step=0, end_step=END, seconds=1.0, topology=ClusterTopology(),
+                                              checkpoint=str(remote.local.checkpoint(END)), note="stopped"), mirror)
+    assert (res.exit_code, res.checkpoint, res.note) == (75, str(remote.local.checkpoint(END)), f"stopped; {line}")
+    assert abandoned_uploads() == [f"{url}/checkpoints/step-{END:08d}"]  # the CLI exits at once, not after it
+    # its requests in flight end; nothing more is put, never a manifest; the older checkpoint was never started
+    for t in [t for t in threading.enumerate() if t.name == "ckpt-upload-at-stop"]:
+        t.join(30)
+    landed = _keys(bucket, "stopped/")
+    assert not any(k.endswith("manifest.json") for k in landed) and f"stopped/.lease" not in landed
+    assert {k.rsplit("/", 2)[-2] for k in landed if "/checkpoints/" in k} <= {f"step-{END:08d}"}, landed
+    assert RemoteRun(url).committed_steps() == [] and remote.local.checkpoint(END).is_dir()
+    # the next segment on this cache uploads it (the direct link: no waiting), then the milestones the store lacks
+    nxt = Mirror(RemoteRun(url), tiny_spec(**{"checkpoint.keep_every": FIRST}), is_valid=lambda p: True, poll_s=3600)
+    nxt.start()
+    nxt.stopped(grace_s=60)  # a stop again: the newest first, then the keep_every milestone (step 4)
+    nxt.finish()
+    assert nxt.uploaded == [END, FIRST] and RemoteRun(url).committed_steps() == [FIRST, END]
+    proxy.close()
+
+
+def test_upload_after_a_stop_gives_up_past_its_grace(s3_run: dict[str, Any], cache: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the stop's grace (SHARDKEEPER_STOP_UPLOAD_S) the upload is given up the same way."""
+    from ckpt.objstore import RemoteRun
+    from shardkeeper.remote import Mirror
+    from tests.throttle import ThrottledProxy
+
+    src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints" / f"step-{END:08d}"
+    bucket = _new_bucket()
+    url = f"s3://{bucket}/late"
+    proxy = ThrottledProxy(os.environ["AWS_ENDPOINT_URL"], rate=500_000)
+    remote = RemoteRun(url, storage_options={"endpoint_url": proxy.url})
+    shutil.copytree(src, remote.local.checkpoint(END))
+    mirror = Mirror(remote, tiny_spec(), is_valid=lambda p: True, poll_s=3600)
+    mirror.start()
+    monkeypatch.setenv("SHARDKEEPER_STOP_UPLOAD_S", "1")
+    mirror.stopped(grace_s=60)
+    t0 = time.monotonic()
+    mirror.finish()
+    assert time.monotonic() - t0 < 2.5
+    assert (mirror.gave_up or "").startswith(f"not done within the stop's 1 s; gave up the upload of {url}/checkpoints/")
+    assert RemoteRun(url).committed_steps() == [] and remote.local.checkpoint(END).is_dir()
+    proxy.close()
