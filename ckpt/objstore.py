@@ -36,8 +36,8 @@ from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, parse_step, step_dir_name
 from schemas import MANIFEST_NAME, CheckpointManifest
 from schemas.errors import CheckpointError, CheckpointRetired
-from ckpt.objstore_base import (STALL_TIMEOUTS, ObjectStoreError, cache_dir, explain, is_remote, iter_runs, missing_bucket,
-                                open_fs, parse_manifest, put_object, record_reread, upload_part)
+from ckpt.objstore_base import (STALL_TIMEOUTS, ObjectStoreError, cache_dir, explain, forget_listings, is_remote, iter_runs,
+                                missing_bucket, open_fs, parse_manifest, put_object, record_reread, upload_part)
 
 __all__ = ["META_FILES", "ObjectStoreError", "RemoteRun", "cache_dir", "is_remote", "iter_runs", "merge_lines", "open_fs",
            "parse_manifest"]  # what the controller, the CLI and the tests take from here (ckpt.objstore_base holds some)
@@ -119,7 +119,7 @@ class RemoteRun:
     def _objects(self, rel: str) -> dict[str, int]:
         """Every object under ``rel`` (relative key -> size); empty if there is none."""
         root = self.key(rel).rstrip("/")
-        self.fs.invalidate_cache(root)
+        forget_listings(self.fs, root)
         try:
             found = self._call("list it", self.fs.find, root, detail=True)
         except FileNotFoundError:

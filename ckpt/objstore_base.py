@@ -113,6 +113,17 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None, *, probe: b
         raise ObjectStoreError(f"{url}: cannot open ({type(err).__name__}: {err}); check the URL") from None
 
 
+def forget_listings(fs: Any, root: str) -> None:
+    """Drop the filesystem's cached listings of ``root``, its parents and everything under it. fsspec's
+    ``invalidate_cache`` leaves the subfolders', and s3fs reads them later (``cat_file`` sizes a file from its
+    folder's listing): a step directory listed mid-upload would say "no manifest" long after it landed."""
+    fs.invalidate_cache(root)
+    cache = getattr(fs, "dircache", None)
+    if cache is not None:
+        for key in [k for k in list(cache) if k.startswith(root.rstrip("/") + "/")]:
+            cache.pop(key, None)
+
+
 def parse_manifest(raw: bytes, where: str) -> CheckpointManifest:
     try:
         doc = json.loads(raw)

@@ -185,6 +185,24 @@ def test_checkpoint_without_manifest_is_never_listed_loaded_or_valid(s3_run: dic
     assert not remote.local.checkpoint(END - 1).exists()
 
 
+def test_a_long_lived_reader_sees_a_manifest_that_landed_after_it_listed_the_step(s3_run: dict[str, Any],
+                                                                                     cache: Path) -> None:
+    """A reader that listed a step mid-upload (no manifest yet) takes it once its manifest lands: s3fs keeps the
+    listing of each step directory, and its cat_file consults it (a stale one said "missing" forever)."""
+    from ckpt.objstore import RemoteRun
+
+    bucket = _new_bucket()
+    client = _client()
+    for key in _keys(s3_run["bucket"], "run/checkpoints/"):
+        client.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": s3_run["bucket"], "Key": key})
+    done = f"run/checkpoints/step-{END:08d}/manifest.json"
+    client.delete_object(Bucket=bucket, Key=done)  # step END mid-upload: its files, no manifest yet
+    reader = RemoteRun(f"s3://{bucket}/run")
+    assert reader.latest_committed()[0] == END - 1
+    client.copy_object(Bucket=bucket, Key=done, CopySource={"Bucket": s3_run["bucket"], "Key": done})
+    assert reader.latest_committed()[0] == END
+
+
 def test_sigkill_during_upload_leaves_no_committed_checkpoint(s3_run: dict[str, Any], cache: Path) -> None:
     """A real upload process killed after its first file landed: no manifest, so nothing is committed."""
     from ckpt.objstore import RemoteRun
