@@ -207,9 +207,20 @@ class S3Store:
         return 0
 
 
-def _upload_probe(store: S3Store, prefix: str, since: float, nth: int = 1) -> Any:
-    """The "upload" window: the ``nth`` step directory written since ``since`` seen without its manifest yet (a
-    second one: the first upload of the launch may complete, so the store's resume point moves on). Through the
+def _object_set(objs: dict[int, dict[str, tuple[int, float]]]) -> set[tuple[int, str, int, float]]:
+    return {(step, name, size, t) for step, files in objs.items() for name, (size, t) in files.items()}
+
+
+def _uploading(objs: dict[int, dict[str, tuple[int, float]]], before: set[tuple[int, str, int, float]]) -> set[int]:
+    """Steps without a manifest with an object that was not there at the launch (a half upload of this launch;
+    one that a kill before it left is not)."""
+    return {step for step, files in objs.items() if "manifest.json" not in files
+            and any((step, name, size, t) not in before for name, (size, t) in files.items())}
+
+
+def _upload_probe(store: S3Store, prefix: str, before: set[tuple[int, str, int, float]], nth: int = 1) -> Any:
+    """The "upload" window: the ``nth`` step directory of this launch seen without its manifest yet (a second
+    one: the first upload of the launch may complete, so the store's resume point moves on). Through the
     forwarder an upload lasts seconds: the kill then comes at a random point of the next half of a checkpoint's
     transfer time (``spread_s``), and not at a local commit (``throttled``: the upload is what is waited for)."""
     last = [0.0]
@@ -220,9 +231,7 @@ def _upload_probe(store: S3Store, prefix: str, since: float, nth: int = 1) -> An
         if now - last[0] < 0.02:
             return False
         last[0] = now
-        for step, files in store.objects(prefix).items():
-            if "manifest.json" not in files and any(t >= since - 1 for _, t in files.values()):
-                steps.add(step)
+        steps.update(_uploading(store.objects(prefix), before))
         return len(steps) >= nth
 
     if store.proxy is not None:
@@ -243,8 +252,9 @@ def s3_chain(h: Torture, store: S3Store, index: int, n_kills: int, deadline: flo
     cache = h.work / f"s3-cache-{index}"
     run_dir = cache / "s3" / store.bucket / prefix
     env = {**store.cli_env, "SHARDKEEPER_CACHE": str(cache), "SHARDKEEPER_UPLOAD_POLL_S": "0.05"}
+    at_launch: dict[str, set] = {"objects": set()}  # the store's objects before the next launch
     h.remotes[run_dir] = (f"s3://{store.bucket}/{prefix}", env,
-                          lambda: _upload_probe(store, prefix, time.time(), h.rng.randint(1, 2)))
+                          lambda: _upload_probe(store, prefix, at_launch["objects"], h.rng.randint(1, 2)))
     chain: dict[str, Any] = {"name": f"s3-{index}", "config": cfg.name, "kills": 0, "launches": 0, "remote": True}
     h.reference(cfg, wait=False)
     expected = 0
@@ -253,18 +263,20 @@ def s3_chain(h: Torture, store: S3Store, index: int, n_kills: int, deadline: flo
             break
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # resume from the store, not the cache
         expected = store.newest_whole(prefix)
+        at_launch["objects"] = _object_set(store.objects(prefix))
         h.one_kill(run_dir, cfg, expected, chain, h.rng.choice(("cli", "group")), "upload")
         rec = h.stats.kills[-1]
         chain["launches"] += 1
         chain["kills"] += int(rec["killed"])
-        _remote_checks(rec, store, prefix, f"s3://{store.bucket}/{prefix}", chain)
+        _remote_checks(rec, store, prefix, f"s3://{store.bucket}/{prefix}", chain, at_launch["objects"])
         expected = store.newest_whole(prefix)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     h.finish_chain(run_dir, cfg, store.newest_whole(prefix), chain)
     return chain
 
 
-def _remote_checks(rec: dict, store: S3Store, prefix: str, url: str, chain: dict) -> None:
+def _remote_checks(rec: dict, store: S3Store, prefix: str, url: str, chain: dict,
+                   before: set[tuple[int, str, int, float]]) -> None:
     """The store after a launch. The resume point of an s3:// run is the store (each launch starts from an empty
     cache): "no valid checkpoint left" is judged there -- none whole after one was -- not in the cache, where a
     launch killed before its first local commit leaves nothing while the store still holds the resume point."""
@@ -275,9 +287,7 @@ def _remote_checks(rec: dict, store: S3Store, prefix: str, url: str, chain: dict
     remote = RemoteRun(url)
     listed = remote.committed_steps()
     rec["remote_listed_without_manifest"] = sorted(set(listed) - with_manifest)
-    since = time.time() - rec.get("seconds", 0) - 1  # this launch's: a half upload of an earlier kill stays too
-    rec["remote_half_uploaded"] = sorted(s for s in set(objs) - with_manifest
-                                         if any(t >= since for _, t in objs[s].values()))
+    rec["remote_half_uploaded"] = sorted(_uploading(objs, before))  # this launch's (an earlier kill's stay too)
     newest = store.newest_whole(prefix)
     found = remote.latest_committed()
     rec["remote_newest_whole"] = newest
@@ -288,8 +298,21 @@ def _remote_checks(rec: dict, store: S3Store, prefix: str, url: str, chain: dict
         rec["upload_rate"] = store.proxy.rate
     if (found[0] if found else 0) != newest:
         rec["remote_listed_without_manifest"].append(f"newest {found[0] if found else 0} != whole {newest}")
+        rec["remote_mismatch"] = _mismatch(remote, newest, objs)
     if rec.get("killed"):
         rec["moment"] = "upload:mid" if rec["remote_half_uploaded"] else "upload:none-in-flight"
+
+
+def _mismatch(remote: Any, step: int, objs: dict) -> dict:
+    """Why the shardkeeper reader did not take the store's newest whole checkpoint (for the record)."""
+    out: dict[str, Any] = {"listed": remote.committed_steps(), "boto3_files": {n: v[0] for n, v in objs.get(step, {}).items()}}
+    try:
+        man = remote.manifest(step)
+        out["reader_files"] = remote.checkpoint_objects().get(step)
+        out["check_sizes"] = remote.check_sizes(step, man, out["reader_files"] or {})
+    except Exception as e:  # noqa: BLE001
+        out["manifest_error"] = f"{type(e).__name__}: {e}"
+    return out
 
 
 # --------------------------------------------------------------------------- Slurm
