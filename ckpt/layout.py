@@ -8,6 +8,7 @@
       .lock                       flock of the launching process (ckpt.lock.RunLock)
       .lock.ranks                 shared flock + pids of the live ranks (ckpt.lock.hold_ranks_lock)
       verified/step-00000100.json  the last full re-read of that checkpoint (ckpt.validate.record_verified)
+      .pins/upload.json + .lock   a checkpoint a live process still reads (the s3 uploader): retention keeps it (ckpt.pin)
       exports/step-00000100/
 """
 

@@ -1,6 +1,7 @@
 """Retention: keep the newest k valid checkpoints and every n-th, never the newest valid one, and never the
 newest *verified* one (whose every byte was re-read and matched since its commit: a checkpoint whose
-sizes are right can still hold corrupted bytes). Plus the sweep of what crashes and quarantines leave.
+sizes are right can still hold corrupted bytes), and never one a live process pinned (``ckpt.pin``: the
+uploader of an ``s3://`` run pushing it from the cache). Plus the sweep of what crashes and quarantines leave.
 
 Planning validates lazily (``plan``): a checkpoint is validated only when its validity can change the
 decision, newest first, and at most once per plan -- the newest valid one, the newest verified one that is
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from ckpt.fsutil import fsync_dir, mkdir_durable, pid_alive
 from ckpt.layout import DELETING_SUFFIX, INVALID_RE, RunDir, parse_step
+from ckpt.pin import pinned_steps
 from ckpt.validate import is_verified, validate
 
 log = logging.getLogger(__name__)
@@ -99,11 +101,12 @@ def plan(run_dir: RunDir, *, keep_last: int, keep_every: int | None) -> Retentio
 
 
 def apply_retention(run_dir: RunDir, *, keep_last: int, keep_every: int | None) -> list[Path]:
-    """Delete what the policy drops, keeping the newest verified checkpoint whatever the policy says;
-    also stale .partial directories older than the newest valid checkpoint."""
+    """Delete what the policy drops, keeping the newest verified checkpoint and the pinned ones (read last, right
+    before deleting) whatever the policy says; also stale .partial directories older than the newest valid one."""
     decided = plan(run_dir, keep_last=keep_last, keep_every=keep_every)
     newest = decided.newest_valid
-    removed: list[Path] = [path for path in run_dir.committed() if (parse_step(path.name) or 0) in decided.doomed]
+    doomed = decided.doomed - pinned_steps(run_dir.root) if decided.doomed else decided.doomed
+    removed: list[Path] = [path for path in run_dir.committed() if (parse_step(path.name) or 0) in doomed]
     for path in run_dir.partials():
         step = parse_step(path.name.removesuffix(".partial"))
         if newest is not None and step is not None and step < newest:

@@ -1,13 +1,16 @@
 """Run directories and exports on ``s3://`` (any fsspec URL): the controller side of ckpt.objstore.
 
 A segment on ``--run-dir s3://bucket/prefix`` trains into the local cache of that URL (the ranks write a
-normal run directory at local-disk speed, under the unchanged commit protocol) while ``Mirror`` pushes each
-checkpoint as it commits (a watcher thread: a preemption loses at most the upload in flight), then the
-run's metadata, and applies the retention policy on the store (manifest first). Before the segment it takes the
-run's lease on the store (ckpt.lease: one writer per run, whatever machine or cache it trains from) and pulls
-the newest committed remote checkpoint when the cache lacks it: that is how a segment on another machine,
-or at another world size, resumes. A segment that loses its lease stops uploading and ends with one line. The read-only stages (validate, status, lineage, export) materialize in
-the cache what they need; nothing is read from a remote step directory without its manifest.
+normal run directory at local-disk speed, under the unchanged commit protocol) while ``Mirror`` pushes the
+newest checkpoint the store lacks as it commits (a watcher thread: a preemption loses at most the upload in flight;
+on a link slower than the commits the ones committed meanwhile are skipped, and the one in flight is pinned in the
+cache, ckpt.pin, so the ranks' retention keeps it until it is up), then the run's metadata, and applies the
+retention policy on the store (manifest first). Before the segment it takes the run's lease on the store
+(ckpt.lease: one writer per run, whatever machine or cache it trains from) and pulls the newest committed remote
+checkpoint when the cache lacks it: that is how a segment on another machine, or at another world size, resumes.
+A segment that loses its lease stops uploading and ends with one line. The read-only stages (validate, status,
+lineage, export) materialize in the cache what they need; nothing is read from a remote step directory without
+its manifest.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ckpt.layout import RunDir, parse_step
 from ckpt.lease import LeaseLost, lease_for
 from ckpt.objstore import ObjectStoreError, RemoteRun, is_remote, iter_runs
 from ckpt.objstore_base import reread_on_store
+from ckpt.pin import Pin
 from schemas import RunSpec, SegmentResult, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired, ShardkeeperError
 from schemas.requests import RunState
@@ -88,7 +92,8 @@ class Mirror:
         self.stop_grace_s = 60.0
         self._signals_at_stop = 0  # stop signals the CLI's early handler had remembered when the segment stopped
         self._giving_up = threading.Event()
-        self.in_flight: int | None = None  # the step being uploaded now
+        self.in_flight: int | None = None  # the step being uploaded now (pinned in the cache: retention keeps it)
+        self.pin = Pin(remote.local.root, "upload")
         self.gave_up: str | None = None  # one line, when a stop's upload was given up (the segment result's note)
 
     def __enter__(self) -> Mirror:
@@ -113,6 +118,7 @@ class Mirror:
         try:
             self._start()
         except BaseException:
+            self.pin.release()
             if self.lease is not None:
                 self.lease.release()
             raise
@@ -141,6 +147,7 @@ class Mirror:
     def _start(self) -> None:
         r = self.remote
         r.sweep_pulls()
+        self.pin.acquire()
         r.pull_meta()
         objects = r.checkpoint_objects()
         committed = r.committed_steps(objects)
@@ -181,23 +188,16 @@ class Mirror:
         return bool(every) and step % every == 0
 
     def _next(self, tried: set[int]) -> int | None:
-        """The next checkpoint to push: oldest first, every valid one newer than the store's newest and every
-        ``keep_every`` milestone the store lacks; when stopping, only the newest valid one newer than the store's
-        newest, then the missing milestones, newest first (older ones the store's retention would retire anyway)."""
+        """The next checkpoint to push: the newest valid one newer than the store's newest, then the ``keep_every``
+        milestones the store lacks, newest first. Older ones committed meanwhile are skipped (the store's retention
+        would retire them anyway): on a link slower than the commits the store still gets the newest each time."""
         local = [s for s in self._local_steps() if s not in tried]
         newer = [s for s in local if s > self.remote_newest]
         milestones = [s for s in local if s < self.remote_newest and self._milestone(s) and s not in self.remote_steps]
-        if self.stopping:
-            order = [*reversed(newer)][:1] + [*reversed(milestones)]
-        else:
-            order = sorted(newer + milestones)
-        for step in order:
+        for step in [*reversed(newer), *reversed(milestones)]:  # a newer one not valid: the next older one
             tried.add(step)
             if self.is_valid(self.remote.local.checkpoint(step)):
                 return step
-            if self.stopping and step in newer:
-                # not valid (yet): the next older one newer than the store's, if any, is the one that matters
-                return self._next(tried)
         return None
 
     def sync(self) -> list[int]:
@@ -215,19 +215,23 @@ class Mirror:
                 if step is None:
                     break
                 path = self.remote.local.checkpoint(step)
+                self.pin.set(step)  # before the first byte: the ranks' retention keeps it until it is up
                 self.in_flight = step
                 try:
+                    if not path.is_dir():
+                        raise FileNotFoundError(path)  # pruned between its choice and its pin
                     self.remote.push_checkpoint(path)
                 except (LeaseLost, UploadAbandoned):
                     raise
                 except Exception:  # noqa: BLE001
                     if path.exists() or (path.parent / f"{path.name}.partial").exists():
                         raise
-                    # removed by the local retention while it was uploading (a newer one follows): not an error
-                    log.info("%s left the cache during its upload (retention); skipped", path.name)
+                    # removed by the local retention before its pin took effect (a newer one follows): not an error
+                    log.info("%s left the cache before its upload (retention); skipped", path.name)
                     continue
                 finally:
                     self.in_flight = None
+                    self.pin.clear()
                 self.remote_newest = max(self.remote_newest, step)
                 self.remote_steps.add(step)
                 pushed.append(step)
@@ -343,6 +347,7 @@ class Mirror:
                 raise ObjectStoreError(msg) from None
             log.error("%s", msg)
         finally:
+            self.pin.release()
             if self.lease is not None:
                 self.lease.release()
 
