@@ -16,7 +16,10 @@ How it works, and why:
   ``.distcp`` files, the tensor names/shapes/dtypes against the manifest's inventory (recorded from
   the transformers model at save). Checked before the commit: the CRC-32 of every model byte against
   its zip record, computed from the bytes as they are copied (one read of the model bytes, not two;
-  each zip entry once, a DeepSpeed partition however many parameters it holds); on a mismatch the
+  each zip entry once, a DeepSpeed partition however many parameters it holds). shardkeeper's own DCP
+  saves record no CRC-32 (the manifest's xxh3-128 of each file covers every byte): the files holding
+  such entries are hashed whole against the manifest in a background thread while the copy runs
+  (``ckpt.export.digests``; skipped with ``deep``, which checked every file first). On a mismatch the
   hidden folder is removed and nothing is published.
 * Streaming with bounded memory: DCP's default writer stores each chunk as a ``torch.save`` zip whose
   ``data/<key>`` entry is the raw storage, stored uncompressed. The exporter parses the zip and the
@@ -81,6 +84,7 @@ from ckpt.validate import WatchedDir, retired_message
 log = logging.getLogger(__name__)
 from ckpt.export.options import EXPORT_DTYPES, PIECE_BYTES, POOL_PIECES, check_checkpoint, export_dtype, parse_size
 from ckpt.export.sink import BufferPool, StreamCrc, verify_entries
+from ckpt.export.digests import FileDigests
 from ckpt.export.collect import COLLECTORS
 from ckpt.export.model import Background, ModelDescription, check_against_inventory, declared_untied, describe_model, described, model_from_record, name_tensors
 from ckpt.export.layout import plan_shards, plan_tensor_shards, safetensors_header, shard_file_names, write_model_files, write_shards
@@ -132,9 +136,11 @@ def _export(ckpt_dir: Path, out_dir: Path, *, dtype: str, max_shard_size: int | 
     with ExitStack() as stack, torch_threads(1):
         found = COLLECTORS[manifest.format](ckpt_dir, manifest, stack, out_dtype)
         check_against_inventory(ckpt_dir, found.tensors, manifest, found.source)
-        crc = StreamCrc(found.entries) if found.crc_in_stream else None
+        # entries without a CRC-32 (shardkeeper's DCP saves record none): their files against the manifest's xxh3
+        digests = FileDigests(ckpt_dir, manifest, found.entries, stack, verified=deep)
+        crc = StreamCrc(digests.entries) if found.crc_in_stream else None
         if crc is None:
-            verify_entries(found.entries, pool)
+            verify_entries(digests.entries, pool)
         by_name = name_tensors(ckpt_dir, found.tensors)
         recorded = isinstance(describing, ModelDescription)
         model = None if declared_untied(manifest) and not recorded else described(describing, ckpt_dir, by_name, pool)
@@ -147,6 +153,7 @@ def _export(ckpt_dir: Path, out_dir: Path, *, dtype: str, max_shard_size: int | 
             hashes = write_shards(tmp, ckpt_dir, dtype_name, shards, pool, progress, crc)
             if crc is not None:  # what the copy read, and the rest of each entry, against the zip's CRC-32
                 crc.finish(pool)
+            digests.finish()
             if model is None:  # the names were checked against the manifest; now also against transformers
                 model = described(describing, ckpt_dir, by_name, pool)
             hashes.update(write_model_files(tmp, ckpt_dir, manifest, model, dtype_name, shards))
