@@ -95,3 +95,33 @@ def test_a_write_failing_in_the_background_fails_the_file_and_leaks_nothing(tmp_
         save_torch(tmp_path / "x.pt", _payload())
     assert e.value.errno == errno.ENOSPC and len(calls) >= 2
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_dcp_saves_record_no_torch_crc32_and_alias_padded_shards(tmp_path: Path) -> None:
+    """torch's CRC-32 is off in the writer threads of a HashingDirectWriter save (the manifest's xxh3 covers every
+    byte), still on in the caller after it; a tensor viewing a larger storage is written as its own bytes (an
+    alias, not its whole storage), and everything loads back equal."""
+    import zipfile
+
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt.formats.dcp import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+
+    padded = torch.arange(1000, dtype=torch.float32)
+    sd = {"view": padded[8:408].view(20, 20), "b": torch.randn(300), "n": 7}
+    writer = dio.HashingDirectWriter(tmp_path, thread_count=2)
+    dcp.save(sd, storage_writer=writer, planner=dio.ExactStoragePlanner(), no_dist=True)
+    assert torch.serialization.get_crc32_options()
+    md = read_metadata(tmp_path)
+    for index, info in md.storage_data.items():
+        with open(tmp_path / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            record = zipfile.ZipFile(io.BytesIO(f.read(info.length)))
+        assert not any(i.CRC for i in record.infolist()), index.fqn
+        if index.fqn == "view":
+            assert [i.file_size for i in record.infolist() if "/data/" in i.filename] == [400 * 4]
+    data_files = sorted(p.name for p in tmp_path.glob("*.distcp"))
+    assert len(data_files) == 2 and all(writer.digests[n] == hash_file(tmp_path / n) for n in data_files)
+    out = {"view": torch.zeros(20, 20), "b": torch.zeros(300), "n": 0}
+    dcp.load(out, storage_reader=SafeFileSystemReader(tmp_path), planner=SafeLoadPlanner(), no_dist=True)
+    assert torch.equal(out["view"], sd["view"]) and torch.equal(out["b"], sd["b"]) and out["n"] == 7

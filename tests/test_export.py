@@ -347,10 +347,17 @@ def _model_chunk(src: Path) -> tuple[Path, int, int]:
     return src / info.relative_path, info.offset, info.length
 
 
-@pytest.mark.parametrize("where, message", [("data", "CRC-32 mismatch"), ("record", "not a readable tensor record")])
+@pytest.mark.parametrize("where, message", [("data", "checksum mismatch against the manifest"),
+                                            ("record", "not a readable tensor record")])
 def test_refuses_corrupted_shard(ckpt: Path, tmp_path: Path, where: str, message: str) -> None:
+    """A flipped model byte is refused before the commit: the save recorded no CRC-32 for it (torch's CRC is off
+    for shardkeeper's DCP saves), so the export checks the file against the manifest's xxh3-128."""
+    from ckpt.formats.torchzip import TorchZip
+
     src = copy_ckpt(ckpt, tmp_path / STEP_DIR)
     path, offset, length = _model_chunk(src)
+    with open(path, "rb") as f, TorchZip(f.fileno(), offset, length, str(path)) as zf:
+        assert not any(info.CRC for info in zf.entries.values()), "the save recorded CRC-32s"
     pos = offset + length // 2 if where == "data" else offset  # the middle of the storage bytes / the zip signature
     raw = bytearray(path.read_bytes())
     raw[pos] ^= 0xFF

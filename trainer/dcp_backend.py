@@ -19,12 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ckpt import fingerprint as fp
 from ckpt.formats.dcp_onepass import load_verified
-from ckpt.formats.direct_io import HashingDirectWriter
+from ckpt.formats.direct_io import ExactStoragePlanner, HashingDirectWriter
 from ckpt.hashing import hash_files
 from ckpt.state import MOMENTS, reseed
 from schemas import CheckpointManifest, FileEntry, Fingerprint, TensorEntry
@@ -209,7 +208,7 @@ class DCPCheckpointer(Checkpointer):
                                      overwrite=False)
         failure: BaseException | None = None
         try:
-            dcp.save(snapshot, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
+            dcp.save(snapshot, storage_writer=writer, planner=ExactStoragePlanner(), process_group=group)
         except (Exception, CheckpointException) as e:  # DCP re-raises a rank's write error on every rank; agree anyway
             failure = e
         problem = self.agree(self.save_problem(failure, partial) if failure else None, group)

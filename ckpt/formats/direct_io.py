@@ -14,6 +14,12 @@ A file's (size, digest) is recorded only when every byte was written, the tail f
 disk equals the bytes hashed; any failure is kept in ``errors`` and re-raised (naming the file) by
 ``HashingDirectWriter.write_data``, which also checks that every item DCP planned was written: DCP's
 extra writer threads would otherwise die with their exception and leave their items out of the plan.
+
+torch.save (which DCP's writer threads call per tensor) computes a CRC-32 of every record by default: about half
+the CPU time of a save. The manifest's xxh3-128 of each file covers every byte (resume, validation and export
+check it), so each stream of ``HashingDirectFileSystem`` turns torch's CRC-32 off in the thread that writes it
+(torch's serialization settings are per thread) while it is open; the records then carry CRC 0, which torch.load
+and this project's readers accept as "none recorded".
 """
 
 from __future__ import annotations
@@ -32,9 +38,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from ckpt.formats.torchzip import byte_view
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +240,8 @@ def write_direct(path: str | os.PathLike[str], fill: Callable[[io.RawIOBase], No
 class HashingDirectFileSystem(FileSystem):
     """DCP FileSystem whose write streams are O_DIRECT and record (size, xxh3-128) per file name."""
 
+    torch_crc32 = False  # benchmarks turn it on to measure what torch's CRC-32 of every record costs
+
     def __init__(self) -> None:
         super().__init__()
         self.digests: dict[str, tuple[int, str]] = {}
@@ -249,6 +261,8 @@ class HashingDirectFileSystem(FileSystem):
             with self._lock:
                 self.errors.setdefault(Path(path).name, e)
             raise
+        crc32 = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(self.torch_crc32)  # this thread's torch.save calls into the stream
         try:
             yield stream
         except Exception as e:
@@ -260,12 +274,29 @@ class HashingDirectFileSystem(FileSystem):
             # Inside write_data: DCP's extra writer threads would die printing a traceback; the error is
             # kept and write_data raises it, naming the file, once every thread is done.
             return
+        finally:
+            torch.serialization.set_crc32_options(crc32)
         try:
             stream.close()
         except BaseException as e:
             with self._lock:
                 self.errors.setdefault(stream.path.name, e)
             raise
+
+
+class ExactStoragePlanner(DefaultSavePlanner):
+    """DefaultSavePlanner whose tensors reach DCP's writer as aliases with a storage of exactly their bytes. DCP
+    clones a tensor whose storage is larger than it (an FSDP2 shard is a view into its padded flat buffer), so
+    that torch.save does not write the whole storage: an alias writes the same bytes without that copy (and
+    the fresh memory it faults in)."""
+
+    def resolve_data(self, write_item: Any) -> Any:
+        data = super().resolve_data(write_item)
+        if (isinstance(data, torch.Tensor) and data.device.type == "cpu" and data.numel() and data.is_contiguous()
+                and data.untyped_storage().nbytes() != data.numel() * data.element_size()):
+            # held alive by the state dict this planner writes, until dcp.save returns
+            return torch.frombuffer(byte_view(data.detach()), dtype=data.dtype).view(data.shape)
+        return data
 
 
 class HashingDirectWriter(FileSystemWriter):

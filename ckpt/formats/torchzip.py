@@ -87,7 +87,7 @@ class TorchZip:
         self._owns_fd = owns_fd
         self._storages: dict[str, torch.Tensor] = {}
         # False: storages are not CRC-checked, because the reader hashes the whole file against its manifest
-        # before anything read from it is used (ckpt.formats.dcp_onepass); data.pkl is always checked.
+        # before anything read from it is used (ckpt.formats.dcp_onepass); data.pkl is checked when it has one.
         self.check_storage_crc = True
         try:
             self._parse()
