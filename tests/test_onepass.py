@@ -1,4 +1,4 @@
-"""One-pass verified DCP loads (ckpt.formats.dcp_onepass): every file is hashed while it is read, and nothing of a
+"""Verified DCP loads (ckpt.formats.dcp_onepass): every file is hashed as it comes off the disk, and nothing of a
 checkpoint whose bytes do not match its manifest reaches the live state; resume then falls back to the older one."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_one_pass_load_verifies_every_file_and_applies_nothing_on_a_mismatch(tmp
     reader = load_verified(out, ckpt, expected, no_dist=True)
     assert all(torch.equal(out[k], sd[k]) for k in sd)
     assert reader.digests == expected  # every file of the manifest hashed, .metadata included
-    assert reader.extra_bytes < sum(s for s, _ in expected.values()) // 4  # the data was hashed as it was read
+    assert reader.extra_bytes < sum(s for s, _ in expected.values()) // 4  # little is read only to be hashed
 
     # a loaded tensor's storage byte, a record's zip header byte, a byte of a tensor not asked for: each refused,
     # the destination tensors untouched
@@ -147,3 +147,27 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
 
 def test_checksum_mismatch_found_while_loading_is_refused_untouched_and_resume_falls_back(tmp_path: Path) -> None:
     assert spawn(_refused_then_fallback, 2, str(tmp_path)) == [[True, True, None, True, 2, True, 1]] * 2
+
+
+def test_a_file_changed_after_it_was_hashed_is_refused_before_its_bytes_are_read(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from ckpt.formats import dcp_onepass
+    from schemas.errors import CheckpointError
+
+    ckpt, expected, sd = _save(tmp_path)
+    first = sorted(n for n in expected if n.endswith(".distcp"))[0]
+    verify = dcp_onepass.OnePassReader.read_data
+
+    def then_rewritten(self, plan, planner):  # noqa: ANN001, ANN202
+        done = verify(self, plan, planner)
+        st = (ckpt / first).stat()
+        os.utime(ckpt / first, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+        return done
+
+    monkeypatch.setattr(dcp_onepass.OnePassReader, "read_data", then_rewritten)
+    dest = _zeros(sd)
+    with pytest.raises(CheckpointError, match=f"{first}: changed after it was verified"):
+        dcp_onepass.load_verified(dest, ckpt, expected, no_dist=True)
+    assert not any(dest[k].any() for k in sd)

@@ -1,18 +1,20 @@
-"""One-pass verified DCP loads: every byte is read once, hashed (xxh3-128) on its way into the tensors, and
-nothing read is applied to the live state before every file of the checkpoint matched its manifest.
+"""Verified DCP loads in one pass over the device: every file is hashed (xxh3-128) as it comes off the disk, and
+nothing is written into the live state before every file of the checkpoint matched its manifest.
 
 * Ownership: the coordinator's ``prepare_global_plan`` gives each file of the manifest to one rank: the rank
   that already reads most of it (the fewest extra bytes, balanced across ranks); a file no rank reads
   (``.metadata``, a file of a rank whose chunks nobody needs at this world size) goes to the least loaded rank.
-* ``read_data``: an owned file is walked in offset order; each record is decoded and its bytes hashed from the
-  decoded storages (the record's few zip header bytes are read again, never its tensor data); the bytes between
-  and after records are read only to be hashed. A file this rank does not own is read as before, unhashed. The
-  storages' CRC-32 is not checked: the file's xxh3 covers every byte, and is checked before any use.
-* The copies into the live tensors are deferred: ``read_data`` keeps (target, chunk) pairs and raises a
+* ``read_data``: each owned file is hashed whole, in order, through one reused buffer (which also brings it into
+  the page cache); then each record this rank needs is checked (zip structure, allow-listed pickle, extents,
+  shapes against the plan) without reading its tensor bytes, and where those bytes go is noted. It raises a
   ChecksumMismatch (preferred) or the first decode error of this rank; DCP gathers every rank's failure after
-  ``read_data``, so a rank returns from ``dcp.load`` only when all files of all ranks matched. ``apply`` then
-  copies into the live tensors. A refused load leaves the model and optimizer untouched; the price is one
-  chunk-sized copy of this rank's share of the state held in memory until the copies are made.
+  ``read_data``, so a rank returns from ``dcp.load`` only when all files of all ranks matched.
+* ``apply`` then reads each chunk from the page cache straight into its live tensor (a record that only part of
+  is needed, or of another layout, is decoded whole and the part copied). The storages' CRC-32 is not checked:
+  the file's xxh3 covers every byte. A refused load leaves the model and optimizer untouched, and nothing of the
+  state is staged in memory (staging this rank's share, fresh memory faulted in and copied once more, cost more
+  than the load itself on small hosts). A file is read from the device twice only when the page cache cannot hold
+  this rank's share; one changed after it was hashed (size, times, inode) is refused before its bytes are read.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,7 @@ from torch.futures import Future
 
 from ckpt.formats import safe_pickle
 from ckpt.formats.dcp import SafeFileSystemReader, SafeLoadPlanner, _check_extent, _pread_record, plain_name
+from ckpt.formats.safe_pickle import StoredTensor
 from ckpt.formats.torchzip import TorchZip, byte_view
 from ckpt.hashing import ChecksumMismatch
 from schemas.errors import CheckpointError
@@ -37,42 +43,18 @@ from schemas.errors import CheckpointError
 _CHUNK = 8 << 20
 
 
-class _Hasher:
-    """xxh3-128 of one file, fed strictly in order; ``pos`` is the next byte it expects."""
-
-    def __init__(self, fd: int, size: int):
-        self.fd, self.size, self.pos = fd, size, 0
-        self.h = xxhash.xxh3_128()
-        self.extra = 0  # bytes read only to be hashed
-
-    def update(self, data: Any, offset: int) -> None:
-        if offset != self.pos:
-            raise ValueError("out of order")
-        self.h.update(data)
-        self.pos += len(memoryview(data).cast("B"))
-
-    def read_to(self, end: int, buf: memoryview) -> None:
-        """Read and hash the file's bytes [pos, end)."""
-        end = min(end, self.size)
-        while self.pos < end:
-            n = os.preadv(self.fd, [buf[: min(len(buf), end - self.pos)]], self.pos)
-            if n <= 0:
-                return  # shorter than the manifest says: the digest then differs
-            self.h.update(buf[:n])
-            self.pos += n
-            self.extra += n
-
-
 class OnePassReader(SafeFileSystemReader):
-    """SafeFileSystemReader that verifies ``expected`` (file name -> (size, xxh3-128)) while it reads, and defers
-    every copy into the live tensors to ``apply``."""
+    """SafeFileSystemReader that verifies ``expected`` (file name -> (size, xxh3-128)) in ``read_data`` and defers
+    every read into the live tensors to ``apply``."""
 
     def __init__(self, path: str | os.PathLike[str], expected: dict[str, tuple[int, str]]):
         super().__init__(path)
         self.expected = dict(expected)
-        self.pending: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
+        # (request, live target, (file name, byte offset, bytes)): bytes < 0 means a whole record of -bytes to decode
+        self.pending: list[tuple[ReadItem, torch.Tensor, tuple[str, int, int]]] = []
         self.digests: dict[str, tuple[int, str]] = {}
         self.extra_bytes = 0  # bytes this rank read only to hash them
+        self._identity: dict[str, tuple[int, int, int, int, int]] = {}
         self._buf: memoryview | None = None
 
     # ------------------------------------------------------------------ plan
@@ -107,36 +89,43 @@ class OnePassReader(SafeFileSystemReader):
         error: CheckpointError | None = None
         mismatch: ChecksumMismatch | None = None
         self._prefetch(per_file, owned)
-        for name in sorted(set(per_file) | owned):
-            path = Path(self.path) / plain_name(name, where_md)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                error = error or CheckpointError(f"{path}: missing; the checkpoint is incomplete, pick another step")
-                continue
-            try:
-                size = os.fstat(fd).st_size
-                hasher = _Hasher(fd, size) if name in owned else None
-                for (offset, length), reqs in sorted(per_file.get(name, {}).items()):
-                    if hasher is not None and offset < hasher.pos:
-                        hasher = None  # overlapping records (crafted): the file is hashed apart, below
-                    if hasher is not None:
-                        hasher.read_to(offset, self._buffer())
-                    if error is None:
-                        try:
-                            self._read_record(fd, path, offset, length, reqs, planner, hasher)
-                        except CheckpointError as e:
-                            error = e
-                    elif hasher is None:
-                        break  # nothing left to do in this file
-                    if hasher is not None:  # what the decode did not hash (it failed): hash it now
-                        hasher.read_to(offset + length, self._buffer())
-                if name in owned:
-                    self._hash_whole(hasher or _Hasher(fd, size), name)
-            finally:
+        fds: dict[str, int] = {}
+        try:
+            for name in sorted(set(per_file) | owned):
+                path = Path(self.path) / plain_name(name, where_md)
+                try:
+                    fds[name] = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    error = error or CheckpointError(f"{path}: missing; the checkpoint is incomplete, pick another step")
+                    continue
+                self._identity[name] = _identity(os.fstat(fds[name]))
+            # The owned files are hashed in order on a thread (preadv and xxh3 release the GIL) while this one checks
+            # each record once the hash has passed it (its bytes are then in the page cache: no seek ahead of it).
+            hashed = _Progress()
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify") as pool:
+                jobs = {name: pool.submit(self._hash_whole, fds[name], self._identity[name][2], hashed.report(name))
+                        for name in sorted(owned & set(fds))}
+                try:
+                    for name in sorted(fds):
+                        path = Path(self.path) / name
+                        for (offset, length), reqs in sorted(per_file.get(name, {}).items()) if error is None else ():
+                            if name in jobs:
+                                hashed.wait(name, offset + length)
+                            try:
+                                self._plan_record(fds[name], path, offset, length, reqs, planner)
+                            except CheckpointError as e:
+                                error = e
+                                break
+                finally:
+                    hashed.stop()
+            for name, job in jobs.items():
+                self.digests[name] = job.result()
+                self.extra_bytes += max(0, self.digests[name][0] - sum(n for _, n in per_file.get(name, {})))
+                if self.digests[name] != self.expected.get(name):
+                    mismatch = mismatch or ChecksumMismatch(Path(self.path) / name)
+        finally:
+            for fd in fds.values():
                 os.close(fd)
-            if name in self.digests and self.digests[name] != self.expected.get(name):
-                mismatch = mismatch or ChecksumMismatch(path)
         self._buf = None
         if mismatch is not None or error is not None:
             self.pending.clear()
@@ -146,8 +135,8 @@ class OnePassReader(SafeFileSystemReader):
         return fut
 
     def _prefetch(self, per_file: dict[str, dict[tuple[int, int], list[ReadItem]]], owned: set[str]) -> None:
-        """Ask the kernel to start reading, now and in the background, every byte this rank will read: the records
-        of each file decode from the page cache while the disk streams the rest (advice only; errors ignored)."""
+        """Ask the kernel to start reading, now and in the background, every byte this rank will read: the files
+        hash from the page cache while the disk streams the rest (advice only; errors ignored)."""
         for name in sorted(set(per_file) | owned):
             try:
                 fd = os.open(Path(self.path) / plain_name(name, Path(self.path) / ".metadata"), os.O_RDONLY)
@@ -162,22 +151,28 @@ class OnePassReader(SafeFileSystemReader):
             finally:
                 os.close(fd)
 
-    def _buffer(self) -> memoryview:
+    def _hash_whole(self, fd: int, size: int, progress: Callable[[int], None]) -> tuple[int, str]:
+        """(bytes read, xxh3-128) of the whole file, read in order into one reused buffer; ``progress`` is told
+        how far it got."""
         if self._buf is None:
             self._buf = memoryview(bytearray(_CHUNK))
-        return self._buf
+        h, pos = xxhash.xxh3_128(), 0
+        try:
+            while pos < size:
+                n = os.preadv(fd, [self._buf[: min(_CHUNK, size - pos)]], pos)
+                if n <= 0:
+                    break  # shorter than its size said: the digest then differs
+                h.update(self._buf[:n])
+                pos += n
+                progress(pos)
+        finally:
+            progress(-1)  # done (or failed): nobody waits for more of this file
+        return pos, h.hexdigest()
 
-    def _hash_whole(self, hasher: _Hasher, name: str) -> None:
-        """Hash the rest of the file, record its digest."""
-        hasher.read_to(hasher.size, self._buffer())
-        self.extra_bytes += hasher.extra
-        self.digests[name] = (hasher.pos, hasher.h.hexdigest())
-
-    def _read_record(self, fd: int, path: Path, offset: int, length: int, reqs: list[ReadItem], planner: LoadPlanner,
-                     hasher: _Hasher | None) -> None:
-        """Decode one record (read once for all the items that need it), hash its bytes, keep the copies."""
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-
+    def _plan_record(self, fd: int, path: Path, offset: int, length: int, reqs: list[ReadItem],
+                     planner: LoadPlanner) -> None:
+        """Check one record's structure and where each request's bytes go (no tensor data is read); byte values
+        are decoded now (they go into the state dict, not the live tensors); the tensor reads wait for apply."""
         first = reqs[0]
         info = self.storage_data[first.storage_index]
         where = f"{path}: record of {first.storage_index.fqn} at byte {offset}"
@@ -185,50 +180,105 @@ class OnePassReader(SafeFileSystemReader):
             raise CheckpointError(f"{where} uses DCP stream transforms, which this reader does not support")
         if first.type == LoadItemType.BYTE_IO:
             data = _pread_record(fd, offset, length, where)
-            if hasher is not None:
-                hasher.update(data, offset)
             for req in reqs:
                 planner.record_where = where  # type: ignore[attr-defined]
                 planner.load_bytes(req, io.BytesIO(data))
             return
         _check_extent(fd, offset, length, where)
         with TorchZip(fd, offset, length, where) as zf:
-            zf.check_storage_crc = path.name not in self.expected  # else some rank hashes the whole file
-            tensor = zf.materialize(safe_pickle.TENSOR_RECORD)
-            if hasher is not None:
-                self._hash_record(zf, fd, offset, length, hasher)
-        if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(f"{where}: holds a {type(tensor).__name__}, not one tensor; the checkpoint is "
-                                  "corrupted, pick another step")
+            record = zf.describe(safe_pickle.TENSOR_RECORD)
+            if not isinstance(record, StoredTensor):
+                raise CheckpointError(f"{where}: holds a {type(record).__name__}, not one tensor; the checkpoint is "
+                                      "corrupted, pick another step")
+            data_offset, storage_bytes, _crc = zf.storage_entry(record.key)  # the file's xxh3 covers its bytes
+        itemsize = record.dtype.itemsize
+        if record.offset < 0 or (record.offset + record.numel) * itemsize > storage_bytes:
+            raise CheckpointError(f"{where}: tensor of {list(record.shape)} runs past its storage of {storage_bytes} "
+                                  "bytes; the checkpoint is corrupted, pick another step")
         for req in reqs:
-            piece = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
-            if target.size() != piece.size():
-                raise CheckpointError(f"{where} holds {list(piece.size())}, the load plan expects {list(target.size())}; "
-                                      "the checkpoint is corrupted, pick another step")
-            self.pending.append((req, target, piece))
-
-    def _hash_record(self, zf: TorchZip, fd: int, offset: int, length: int, hasher: _Hasher) -> None:
-        """The record's bytes in order: its storages from the tensors just read, the zip structure around them
-        read again (a few hundred bytes)."""
-        spans = sorted((zf.storage_entry(key)[0], byte_view(t) if t.numel() else memoryview(b""))
-                       for key, t in zf._storages.items())
-        end = offset + length
-        for start, view in spans:
-            if start < hasher.pos or start + len(view) > end:  # not a plain layout: read the record again
-                hasher.read_to(end, self._buffer())
-                return
-            hasher.read_to(start, self._buffer())
-            hasher.update(view, start)
-        hasher.read_to(end, self._buffer())
+            lengths, offsets = tuple(req.lengths), tuple(req.storage_offsets)
+            if (len(lengths) != len(record.shape) or len(offsets) != len(lengths)
+                    or any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, record.shape))
+                    or tuple(target.size()) != lengths):
+                raise CheckpointError(f"{where} holds {list(record.shape)}, the load plan expects {list(target.size())}"
+                                      f" at {list(offsets)}; the checkpoint is corrupted, pick another step")
+            whole = not any(offsets) and lengths == record.shape
+            if (whole and record.dtype == target.dtype and record.is_contiguous() and target.is_contiguous()
+                    and target.device.type == "cpu"):
+                self.pending.append((req, target, (path.name, data_offset + record.offset * itemsize,
+                                                   record.numel * itemsize)))
+            else:  # a piece of the record, or another layout: decoded whole in apply, then narrowed and copied
+                self.pending.append((req, target, (path.name, offset, -length)))
 
     # ------------------------------------------------------------------ apply
     def apply(self, planner: LoadPlanner) -> None:
-        """Copy every chunk read into its live tensor (call once every rank's read_data succeeded)."""
-        for req, target, piece in self.pending:
-            target.copy_(piece)
-            planner.commit_tensor(req, target)
+        """Read every planned chunk into its live tensor (call once every rank's read_data succeeded). The files
+        are read again, from the page cache the hash pass filled; a file changed since it was hashed (its size,
+        times or inode) is refused before any of its bytes are read."""
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        by_file: dict[str, list[tuple[ReadItem, torch.Tensor, tuple[str, int, int]]]] = {}
+        for item in self.pending:
+            by_file.setdefault(item[2][0], []).append(item)
         self.pending.clear()
+        for name, items in sorted(by_file.items()):
+            path = Path(self.path) / name
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if _identity(os.fstat(fd)) != self._identity.get(name):
+                    raise CheckpointError(f"{path}: changed after it was verified; something writes into a committed "
+                                          "checkpoint, stop it and resume again")
+                for req, target, (_, offset, n) in sorted(items, key=lambda it: abs(it[2][1])):
+                    if n >= 0:
+                        _pread_exact(fd, byte_view(target), offset, f"{path}: chunk of {req.storage_index.fqn}")
+                    else:
+                        where = f"{path}: record of {req.storage_index.fqn} at byte {offset}"
+                        with TorchZip(fd, offset, -n, where) as zf:
+                            zf.check_storage_crc = False  # the file's xxh3 was checked
+                            tensor = zf.materialize(safe_pickle.TENSOR_RECORD)
+                        target.copy_(narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths))
+                    planner.commit_tensor(req, target)
+            finally:
+                os.close(fd)
+
+
+class _Progress:
+    """How far the hashing thread got in each file, for the records checked behind it."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, int] = {}
+        self._stopped = False
+        self._cond = threading.Condition()
+
+    def report(self, name: str) -> Callable[[int], None]:
+        def told(pos: int) -> None:
+            with self._cond:
+                self._at[name] = pos if pos >= 0 else 1 << 62
+                self._cond.notify_all()
+        return told
+
+    def wait(self, name: str, end: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._stopped or self._at.get(name, 0) >= end)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointError(f"{where}: the file ended early; it changed after it was verified, resume again")
+        done += n
 
 
 def load_verified(state_dict: dict[str, Any], ckpt_dir: str | os.PathLike[str], expected: dict[str, tuple[int, str]],
