@@ -5,8 +5,8 @@
 Each part alone, over the same tensors (fp32, the sizes of the 254M-parameter model's shards): torch.save's
 serialization into a sink that keeps nothing, xxh3-128 of every byte, the copy into the aligned buffer, the
 O_DIRECT writes + fsync of that many bytes (``--threads`` files in parallel, as DCP's writer threads), the whole
-hashing O_DIRECT stream (hashing on and off), and parallel ``dd oflag=direct conv=fsync`` (same streams). Medians
-(min–max) of ``--reps`` alternated rounds; printed as a markdown table and published as bench/results/save-profile.md.
+hashing O_DIRECT stream (hashing on and off; torch's CRC-32 on, and off as shardkeeper's saves run), and
+parallel ``dd oflag=direct conv=fsync`` (same streams). Medians (min–max) of ``--reps`` alternated rounds; printed as a markdown table and published as bench/results/save-profile.md.
 """
 
 from __future__ import annotations
@@ -136,13 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             os.close(fd)
 
-    def stream(hash_on: bool, pipelined: bool = True):
+    def stream(hash_on: bool, pipelined: bool = True, crc: bool = True):
         def go(i: int, p: list) -> None:
             _HashingDirectStream.hashing, _HashingDirectStream.pipelined = hash_on, pipelined
+            torch.serialization.set_crc32_options(crc)  # this thread's torch.save only
             try:
                 write_direct(OUT / f"s-{i}", lambda s: [torch.save(t, s) for t in p])
             finally:
                 _HashingDirectStream.hashing, _HashingDirectStream.pipelined = True, True
+                torch.serialization.set_crc32_options(True)
         return go
 
     def dd(_i: int, p: list) -> None:
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sides = {"serialize": serialize, "serialize_nocrc": serialize_nocrc, "hash": hashing, "copy": copying,
              "direct": direct, "stream_before": stream(True, False), "stream": stream(True),
-             "stream_nohash": stream(False), "dd": dd}
+             "stream_nohash": stream(False), "stream_nocrc": stream(True, crc=False), "dd": dd}
     for i in range(args.reps + 1):
         for name, fn in sides.items():
             dt = in_threads(fn, parts)
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "stream_before": "the hashing O_DIRECT stream, before: one buffer, xxh3 of the source, then copy, then write",
         "stream": "the hashing O_DIRECT stream, now: copy + xxh3 per 1 MiB piece while a pool thread writes the other buffer",
         "stream_nohash": "the same, hashing off",
+        "stream_nocrc": "the same, hashing on, torch's CRC-32 off (what shardkeeper's DCP saves do now)",
         "dd": "dd oflag=direct conv=fsync (bs=64M)",
     }
     rows = [[labels[k], f"{fmt(v)} s", f"{gb / statistics.median(v):.2f} GB/s",
