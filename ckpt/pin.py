@@ -19,15 +19,17 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
 
 from ckpt.fsutil import atomic_write_json
-from ckpt.lock import _flock_within, _held
+from ckpt.lock import _flock_within
 from schemas.errors import RunLockedError
 
 PINS_DIR = ".pins"
+MAX_PIN_BYTES = 4096  # a pin is ~100 bytes; a bigger file is not one (never read whole)
 
 
 def pins_dir(root: str | os.PathLike[str]) -> Path:
@@ -77,19 +79,68 @@ class Pin:
 
 
 def pinned_steps(root: str | os.PathLike[str]) -> set[int]:
-    """The steps pinned in the run directory ``root`` by live processes (a pin whose lock nobody holds is stale)."""
+    """The steps pinned in the run directory ``root`` by live processes (a pin whose lock nobody holds is stale).
+    Whatever else a pin file or its lock is (a FIFO, a symlink, a huge or malformed file) pins nothing: the ranks'
+    retention reads them and must neither hang nor fail on them."""
     found: set[int] = set()
     folder = pins_dir(root)
     if not folder.is_dir():
         return found
     for doc in folder.glob("*.json"):
-        try:
-            step = json.loads(doc.read_text()).get("step")
-        except (OSError, ValueError, AttributeError):
-            continue  # gone meanwhile (a pin is replaced atomically: never torn)
-        if isinstance(step, int) and _held(doc.with_suffix(".lock"), fcntl.LOCK_SH):
+        step = _pinned_step(doc)
+        if step is not None and _lock_held(doc.with_suffix(".lock")):
             found.add(step)
     return found
+
+
+def _open_regular(path: Path) -> int | None:
+    """A read-only fd of ``path`` if it is a regular file (not a symlink: never follows one), else None; never blocks."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None  # gone meanwhile (a pin is replaced atomically: never torn), a symlink, unreadable
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _pinned_step(doc: Path) -> int | None:
+    fd = _open_regular(doc)
+    if fd is None:
+        return None
+    try:
+        if os.fstat(fd).st_size > MAX_PIN_BYTES:
+            return None
+        raw = os.read(fd, MAX_PIN_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        step = json.loads(raw).get("step")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+def _lock_held(path: Path) -> bool:
+    """Does a live process hold the pin's lock? (A shared flock for a moment, as ``ckpt.lock`` probes its locks.)"""
+    fd = _open_regular(path)
+    if fd is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 __all__ = ["PINS_DIR", "Pin", "pinned_steps", "pins_dir"]
