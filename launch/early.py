@@ -7,6 +7,7 @@ import signal
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 pending_stop: list[int] = []
+received_stop: list[int] = []  # every stop signal this process received, whichever handler took it
 
 
 def install_early_stop_handlers() -> None:
@@ -15,6 +16,7 @@ def install_early_stop_handlers() -> None:
     segment ends 'preempted' with the latest checkpoint untouched. Main thread only."""
     def remember(signum: int, _frame: object) -> None:
         pending_stop.append(signum)
+        received_stop.append(signum)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, remember)

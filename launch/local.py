@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from launch.early import STOP_SIGNALS
+from launch.early import STOP_SIGNALS, received_stop
 from launch.early import pending_stop as _pending_stop
 from launch.base import (LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, Rendezvous, combined_exit_code,
                          torchrun_argv)
@@ -99,6 +99,7 @@ class _Supervisor:
                 pass
 
     def on_signal(self, signum: int, _frame: object) -> None:
+        received_stop.append(signum)  # a second one gives up the upload after the stop (shardkeeper.remote)
         if self.signal is None:
             self.signal = signum
         self.request_stop(f"signal {signal.Signals(signum).name}")

@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from launch.early import received_stop
 from launch.base import LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, Rendezvous, torchrun_argv
 from schemas import ClusterTopology
 from schemas.errors import ConfigError
@@ -251,6 +252,7 @@ class _JobWatch:
         self.unplaceable_since: float | None = None
 
     def on_signal(self, signum: int, _frame: object) -> None:
+        received_stop.append(signum)  # a second one gives up the upload after the stop (shardkeeper.remote)
         if self.signal is None:
             self.signal = signum
         self.request_stop(f"signal {signal.Signals(signum).name}")

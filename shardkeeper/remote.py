@@ -90,7 +90,8 @@ class Mirror:
         self.remote_steps: set[int] = set()  # committed on the store (as of start, and what this segment pushed)
         self.stopping = False
         self.stop_grace_s = 60.0
-        self._signals_at_stop = 0  # stop signals the CLI's early handler had remembered when the segment stopped
+        self._signals_at_start = 0  # stop signals received before this segment's (launch.early.received_stop)
+        self._signals_at_stop = 0  # ... and with the one that stopped it: any more gives the stop's upload up
         self._giving_up = threading.Event()
         self.in_flight: int | None = None  # the step being uploaded now (pinned in the cache: retention keeps it)
         self.pin = Pin(remote.local.root, "upload")
@@ -109,6 +110,10 @@ class Mirror:
         return self.lease.lost if self.lease is not None else None
 
     def start(self) -> None:
+        from launch.early import pending_stop, received_stop
+
+        # a signal still pending (it came before the launch) is the one that stops this segment: not counted before it
+        self._signals_at_start = len(received_stop) - len(pending_stop)
         r = self.remote
         taken = None
         r.commit_guard = self._guard
@@ -248,15 +253,15 @@ class Mirror:
         if self.lease is not None:
             self.lease.confirm()
 
-    def stopped(self, grace_s: float | None = None) -> None:
-        """The segment was stopped (preempted, cancelled): ``finish`` uploads only what matters, within the grace
-        (``SHARDKEEPER_STOP_UPLOAD_S``, else ``grace_s``: the launcher's stop grace)."""
-        from launch.early import pending_stop
-
+    def stopped(self, grace_s: float | None = None, *, by_signal: bool = False) -> None:
+        """The segment was stopped (preempted, cancelled; ``by_signal``: by a stop signal to this process):
+        ``finish`` uploads only what matters, within the grace (``SHARDKEEPER_STOP_UPLOAD_S``, else ``grace_s``: the
+        launcher's stop grace). Any stop signal beyond the one that stopped it, whichever handler took it (the
+        launcher's while the ranks stopped), gives the upload up."""
         env = os.environ.get(STOP_UPLOAD_ENV)
         self.stop_grace_s = float(env) if env else (grace_s if grace_s is not None else self.stop_grace_s)
         self.stopping = True
-        self._signals_at_stop = len(pending_stop)
+        self._signals_at_stop = self._signals_at_start + (1 if by_signal else 0)
 
     def _drain(self) -> None:
         if self._thread is not None:
@@ -270,7 +275,7 @@ class Mirror:
         of the main thread are this call's meanwhile (every signal after the one that stopped the segment)."""
         import signal
 
-        from launch.early import STOP_SIGNALS, pending_stop
+        from launch.early import STOP_SIGNALS, received_stop
 
         result: list[BaseException | None] = []
 
@@ -282,8 +287,8 @@ class Mirror:
                 result.append(e)
 
         why: list[str] = []
-        if len(pending_stop) > self._signals_at_stop:  # one came after the segment stopped, before this call
-            why.append(f"{signal.Signals(pending_stop[-1]).name} received again")
+        if len(received_stop) > self._signals_at_stop:  # one came after the one that stopped it, before this call
+            why.append(f"{signal.Signals(received_stop[-1]).name} received again")
 
         def on_signal(signum: int, _frame: object) -> None:
             if not why:

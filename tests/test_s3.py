@@ -503,3 +503,44 @@ def test_upload_after_a_stop_gives_up_past_its_grace(s3_run: dict[str, Any], cac
     assert (mirror.gave_up or "").startswith(f"not done within the stop's 1 s; gave up the upload of {url}/checkpoints/")
     assert RemoteRun(url).committed_steps() == [] and remote.local.checkpoint(END).is_dir()
     proxy.close()
+
+
+def test_a_second_signal_while_the_ranks_stop_gives_the_upload_up(s3_run: dict[str, Any], cache: Path) -> None:
+    """Ctrl-C twice: the second one reaches the launcher (the ranks are still committing), not the upload's own
+    handler; it still counts as the second signal, so the upload after the stop is given up at once."""
+    from ckpt.objstore import RemoteRun
+    from launch.local import _install_signal_handlers, _Supervisor
+    from shardkeeper.remote import Mirror
+    from tests.throttle import ThrottledProxy
+
+    src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints" / f"step-{END:08d}"
+    bucket = _new_bucket()
+    url = f"s3://{bucket}/twice"
+    proxy = ThrottledProxy(os.environ["AWS_ENDPOINT_URL"], rate=500_000)
+    remote = RemoteRun(url, storage_options={"endpoint_url": proxy.url})
+    shutil.copytree(src, remote.local.checkpoint(END))
+    mirror = Mirror(remote, tiny_spec(), is_valid=lambda p: True, poll_s=3600)
+    mirror.start()
+
+    class Launch:  # the local launcher's handler, as during the ranks' stop
+        signal = None
+        on_signal = _Supervisor.on_signal
+
+        def request_stop(self, reason: str) -> None:
+            pass
+
+    previous = _install_signal_handlers(Launch())  # type: ignore[arg-type]
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # stops the segment
+        os.kill(os.getpid(), signal.SIGINT)  # the second: the user wants out
+    finally:
+        for sig, prev in previous.items():
+            signal.signal(sig, prev)  # type: ignore[arg-type]
+    mirror.stopped(grace_s=60, by_signal=True)
+    t0 = time.monotonic()
+    mirror.finish()
+    assert time.monotonic() - t0 < 2.0  # a whole upload takes ~3.5 s here
+    assert (mirror.gave_up or "").startswith(f"SIGINT received again; gave up the upload of {url}/checkpoints/"), \
+        mirror.gave_up
+    assert RemoteRun(url).committed_steps() == [] and remote.local.checkpoint(END).is_dir()
+    proxy.close()

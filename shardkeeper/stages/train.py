@@ -146,7 +146,7 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         _persist_memory(spec, rd, sink)  # before giving up the node: the newest snapshot reaches storage
         result = _segment_result(rd, seg, start_step, topology, outcome)
         if mirror is not None and result.status in ("preempted", "cancelled"):  # its upload: bounded by the grace
-            mirror.stopped(getattr(launcher, "grace_s", None))
+            mirror.stopped(getattr(launcher, "grace_s", None), by_signal=outcome.stop_signal is not None)
         if mirror is not None and mirror.lease_lost:  # another writer holds the run on the store now
             result = result.model_copy(update={"status": "failed", "exit_code": RunLockedError.exit_code, "note": None,
                                                "failure": mirror.lease_lost})
