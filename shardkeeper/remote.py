@@ -318,10 +318,11 @@ class Mirror:
     def _gave_up(self, why: str, worker: threading.Thread) -> None:
         r = self.remote
         step = self.in_flight
-        if step is None:  # (not started, or between checkpoints): the one that matters
-            step = next((s for s in reversed(self._local_steps()) if s > self.remote_newest), None)
         if worker.ident is not None:
             worker.join(0.5)
+        # the one that matters: the newest the store lacks (the stop's own checkpoint, committed during an older
+        # one's upload, is what the next segment uploads), else the one that was in flight
+        step = next((s for s in reversed(self._local_steps()) if s > self.remote_newest), step)
         if step is not None and step in self.remote_steps:  # its manifest was already on its way: whole there
             self.gave_up = (f"{why}; {r.checkpoint_uri(step)} was uploaded whole; gave up the rest: it stays in the "
                             f"cache {r.local.root} and the next `shardkeeper train --run-dir {r.url}` here uploads it")

@@ -544,3 +544,38 @@ def test_a_second_signal_while_the_ranks_stop_gives_the_upload_up(s3_run: dict[s
         mirror.gave_up
     assert RemoteRun(url).committed_steps() == [] and remote.local.checkpoint(END).is_dir()
     proxy.close()
+
+
+def test_a_given_up_upload_names_the_newest_checkpoint_the_store_lacks(s3_run: dict[str, Any], cache: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopped while an older checkpoint was going up (a newer one committed meanwhile, at the stop): the line names
+    the newest one, the one the next segment uploads, not the one that happened to be in flight."""
+    from ckpt.objstore import RemoteRun
+    from shardkeeper.remote import Mirror
+    from tests.throttle import ThrottledProxy
+
+    src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints"
+    bucket = _new_bucket()
+    url = f"s3://{bucket}/older"
+    proxy = ThrottledProxy(os.environ["AWS_ENDPOINT_URL"], rate=500_000)
+    remote = RemoteRun(url, storage_options={"endpoint_url": proxy.url})
+    shutil.copytree(src / f"step-{FIRST:08d}", remote.local.checkpoint(FIRST))
+    mirror = Mirror(remote, tiny_spec(), is_valid=lambda p: True, poll_s=0.02)
+    mirror.start()
+    deadline = time.monotonic() + 10
+    while mirror.in_flight != FIRST and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert mirror.in_flight == FIRST
+    shutil.copytree(src / f"step-{END:08d}", remote.local.checkpoint(END))  # the stop's checkpoint
+    monkeypatch.setenv("SHARDKEEPER_STOP_UPLOAD_S", "0.5")
+    mirror.stopped(grace_s=60)
+    mirror.finish()
+    assert (mirror.gave_up or "").startswith(f"not done within the stop's 0.5 s; gave up the upload of "
+                                             f"{url}/checkpoints/step-{END:08d}: the store has no manifest"), mirror.gave_up
+    import threading
+
+    for t in [t for t in threading.enumerate() if t.name == "ckpt-upload-at-stop"] + [mirror._thread]:
+        if t is not None:
+            t.join(30)  # its requests in flight end (before the forwarder goes)
+    assert RemoteRun(url).committed_steps() == []  # given up: no manifest for what was in flight either
+    proxy.close()
