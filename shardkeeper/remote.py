@@ -213,6 +213,7 @@ class Mirror:
             if self.lease_lost:
                 raise LeaseLost(self.lease_lost)
             tried: set[int] = set()
+            newer = False  # the last one pushed was newer than the store's newest (flushed right after it)
             while True:
                 if self._stop.is_set() and threading.current_thread() is self._thread:
                     break  # finish pushes the rest (bounded, after a stop)
@@ -237,17 +238,22 @@ class Mirror:
                 finally:
                     self.in_flight = None
                     self.pin.clear()
+                newer = step > self.remote_newest
                 self.remote_newest = max(self.remote_newest, step)
                 self.remote_steps.add(step)
                 pushed.append(step)
-            if pushed:
-                self.uploaded += pushed
-                self._confirm()
-                self.remote.push_meta()
-                pol = self.spec.checkpoint
-                self.remote.apply_retention(keep_last=pol.keep_last, keep_every=pol.keep_every,
-                                            protect={self.remote_newest})
+                self.uploaded.append(step)
+                if newer:  # on a link slower than the commits this loop does not end: the metadata goes up now
+                    self._flush()
+            if pushed and not newer:
+                self._flush()
             return pushed
+
+    def _flush(self) -> None:  # after a checkpoint went up: the run's metadata, then the store's retention
+        self._confirm()
+        self.remote.push_meta()
+        self.remote.apply_retention(keep_last=self.spec.checkpoint.keep_last, keep_every=self.spec.checkpoint.keep_every,
+                                    protect={self.remote_newest})
 
     def _confirm(self) -> None:
         if self.lease is not None:

@@ -579,3 +579,36 @@ def test_a_given_up_upload_names_the_newest_checkpoint_the_store_lacks(s3_run: d
             t.join(30)  # its requests in flight end (before the forwarder goes)
     assert RemoteRun(url).committed_steps() == []  # given up: no manifest for what was in flight either
     proxy.close()
+
+
+def test_a_link_slower_than_the_commits_still_gets_the_runs_metadata_up(s3_run: dict[str, Any], cache: Path) -> None:
+    """Checkpoints committed during each upload keep the uploader busy; between two of them the run's metadata
+    (run.yaml first of all: without it the store's run is a new one to another machine) goes up, and the store's
+    retention runs."""
+    from ckpt.objstore import RemoteRun
+    from shardkeeper.remote import Mirror
+    from tests.throttle import ThrottledProxy
+
+    run = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run"
+    bucket = _new_bucket()
+    url = f"s3://{bucket}/busy"
+    proxy = ThrottledProxy(os.environ["AWS_ENDPOINT_URL"], rate=500_000)
+    remote = RemoteRun(url, storage_options={"endpoint_url": proxy.url})
+    remote.local.root.mkdir(parents=True)
+    shutil.copy(run / "run.yaml", remote.local.root / "run.yaml")
+    shutil.copytree(run / "checkpoints" / f"step-{FIRST:08d}", remote.local.checkpoint(FIRST))
+    mirror = Mirror(remote, tiny_spec(), is_valid=lambda p: True, poll_s=0.02)
+    mirror.start()
+    try:
+        deadline = time.monotonic() + 10
+        while mirror.in_flight != FIRST and time.monotonic() < deadline:
+            time.sleep(0.01)
+        shutil.copytree(run / "checkpoints" / f"step-{END:08d}", remote.local.checkpoint(END))  # during the upload
+        while mirror.in_flight != END and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mirror.in_flight == END  # the same pass goes on to the newer one...
+        assert "busy/run.yaml" in _keys(bucket, "busy/")  # ...once the metadata went up
+    finally:
+        mirror.finish()
+        proxy.close()
+    assert RemoteRun(url).committed_steps() == [FIRST, END]
