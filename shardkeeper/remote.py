@@ -32,17 +32,17 @@ from ckpt.objstore_base import reread_on_store
 from ckpt.pin import Pin
 from schemas import RunSpec, SegmentResult, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired, ShardkeeperError
+from shardkeeper.remote_stop import STOP_UPLOAD_ENV, UploadAbandoned, _abandoned, _stop_budget, abandoned_uploads
 from schemas.requests import RunState
 
 log = logging.getLogger("shardkeeper")
 
 POLL_ENV = "SHARDKEEPER_UPLOAD_POLL_S"
-STOP_UPLOAD_ENV = "SHARDKEEPER_STOP_UPLOAD_S"  # the stop's upload budget; default: the launcher's stop grace
-_abandoned: list[str] = []  # uploads left running when their segment's finish gave up on them (see abandoned_uploads)
 _CKPT_URL = re.compile(r"^(?P<run>.+)/checkpoints/(?P<name>step-\d{8})/?$")
 
 __all__ = ["Mirror", "ObjectStoreError", "export_remote", "is_remote", "lineage_source", "materialize_checkpoint",
-           "open_for_training", "run_state_remote", "validate_remote"]
+           "open_for_training", "run_state_remote", "validate_remote", "STOP_UPLOAD_ENV", "UploadAbandoned",
+           "abandoned_uploads"]
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -52,16 +52,6 @@ def open_for_training(url: str) -> RemoteRun:
     remote = RemoteRun(url)
     remote.check_writable()
     return remote
-
-
-class UploadAbandoned(Exception):
-    """The stop's upload was given up (a second stop signal, or past its grace): nothing more is committed."""
-
-
-def abandoned_uploads() -> list[str]:
-    """The checkpoints whose upload a stopped segment gave up while its requests were still in flight: a process
-    that exits now must exit at once (``os._exit``) rather than wait for them (they never get a manifest)."""
-    return list(_abandoned)
 
 
 class Mirror:
@@ -90,6 +80,7 @@ class Mirror:
         self.remote_steps: set[int] = set()  # committed on the store (as of start, and what this segment pushed)
         self.stopping = False
         self.stop_grace_s = 60.0
+        self._stop_budget = _stop_budget()  # read now: a bad value is one line before the segment, not after it
         self._signals_at_start = 0  # stop signals received before this segment's (launch.early.received_stop)
         self._signals_at_stop = 0  # ... and with the one that stopped it: any more gives the stop's upload up
         self._giving_up = threading.Event()
@@ -264,8 +255,7 @@ class Mirror:
         ``finish`` uploads only what matters, within the grace (``SHARDKEEPER_STOP_UPLOAD_S``, else ``grace_s``: the
         launcher's stop grace). Any stop signal beyond the one that stopped it, whichever handler took it (the
         launcher's while the ranks stopped), gives the upload up."""
-        env = os.environ.get(STOP_UPLOAD_ENV)
-        self.stop_grace_s = float(env) if env else (grace_s if grace_s is not None else self.stop_grace_s)
+        self.stop_grace_s = self._stop_budget if self._stop_budget is not None else (grace_s if grace_s is not None else self.stop_grace_s)
         self.stopping = True
         self._signals_at_stop = self._signals_at_start + (1 if by_signal else 0)
 

@@ -612,3 +612,17 @@ def test_a_link_slower_than_the_commits_still_gets_the_runs_metadata_up(s3_run: 
         mirror.finish()
         proxy.close()
     assert RemoteRun(url).committed_steps() == [FIRST, END]
+
+
+@pytest.mark.parametrize("value", ["soon", "nan", "-5"])
+def test_a_bad_stop_upload_budget_is_one_line_before_the_segment(s3_endpoint: str, cache: Path, value: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """SHARDKEEPER_STOP_UPLOAD_S is read when the segment's uploader is set up, not after its training (a stop
+    there failed with a bare ValueError, or never timed out for nan)."""
+    from ckpt.objstore import RemoteRun
+    from schemas.errors import ConfigError
+    from shardkeeper.remote import Mirror
+
+    monkeypatch.setenv("SHARDKEEPER_STOP_UPLOAD_S", value)
+    with pytest.raises(ConfigError, match=rf"^SHARDKEEPER_STOP_UPLOAD_S={value!r}: not a number of seconds \(>= 0\); "):
+        Mirror(RemoteRun(f"s3://{_new_bucket()}/budget"), tiny_spec(), is_valid=lambda p: True, lease=False)
