@@ -80,7 +80,7 @@ class Mirror:
         self.remote_steps: set[int] = set()  # committed on the store (as of start, and what this segment pushed)
         self.stopping = False
         self.stop_grace_s = 60.0
-        self._stop_budget = _stop_budget()  # read now: a bad value is one line before the segment, not after it
+        _stop_budget()  # checked now: a bad value is one line before the segment, not after its training
         self._signals_at_start = 0  # stop signals received before this segment's (launch.early.received_stop)
         self._signals_at_stop = 0  # ... and with the one that stopped it: any more gives the stop's upload up
         self._giving_up = threading.Event()
@@ -255,7 +255,8 @@ class Mirror:
         ``finish`` uploads only what matters, within the grace (``SHARDKEEPER_STOP_UPLOAD_S``, else ``grace_s``: the
         launcher's stop grace). Any stop signal beyond the one that stopped it, whichever handler took it (the
         launcher's while the ranks stopped), gives the upload up."""
-        self.stop_grace_s = self._stop_budget if self._stop_budget is not None else (grace_s if grace_s is not None else self.stop_grace_s)
+        budget = _stop_budget()
+        self.stop_grace_s = budget if budget is not None else (grace_s if grace_s is not None else self.stop_grace_s)
         self.stopping = True
         self._signals_at_stop = self._signals_at_start + (1 if by_signal else 0)
 
