@@ -71,8 +71,9 @@ def test_save_to_s3_leaves_manifest_committed_checkpoints_and_keep_last(s3_run: 
     uploaded = [int(line.split("/checkpoints/step-")[1][:8]) for line in s3_run["first"].stderr.splitlines()
                 if "uploaded s3://" in line]
     assert uploaded and min(uploaded) < FIRST, s3_run["first"].stderr[-2000:]
-    # keep_last 2 on the store after each segment: the newest two steps, each whole with its manifest
-    assert sorted(s3_run["after_first"]) == [3, 4]
+    # keep_last 2 on the store after each segment: the newest step and one older one (the uploader skips those
+    # committed during another's upload: which one depends on the timing), each whole with its manifest
+    assert len(s3_run["after_first"]) == 2 and max(s3_run["after_first"]) == FIRST, s3_run["after_first"]
     steps = _steps(bucket, "run")
     assert sorted(steps) == [FIRST, END]
     import xxhash
