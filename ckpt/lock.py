@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 import socket
 import time
 from pathlib import Path
@@ -163,10 +164,13 @@ def _take_exclusive(fd: int) -> str | None:
 
 def _held(path: Path, mode: int) -> bool:
     """Would a non-blocking flock of ``mode`` on ``path`` fail? (Released at once when it succeeds.)"""
-    if not path.exists():
+    try:  # never blocks on a FIFO planted there, never follows a link; anything but a regular file holds no lock
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except (FileNotFoundError, OSError):
         return False
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:
         return True

@@ -241,8 +241,9 @@ class Mirror:
             return pushed
 
     def _flush(self) -> None:  # after a checkpoint went up: the run's metadata, then the store's retention
-        self._confirm()
+        self._guard()  # given up (the lease may be released already): neither metadata nor retention
         self.remote.push_meta()
+        self._guard()
         self.remote.apply_retention(keep_last=self.spec.checkpoint.keep_last, keep_every=self.spec.checkpoint.keep_every,
                                     protect={self.remote_newest})
 
@@ -264,7 +265,7 @@ class Mirror:
         if self._thread is not None:
             self._thread.join()
         self.sync()
-        self._confirm()
+        self._guard()
         self.remote.push_meta()
 
     def _drain_bounded(self) -> None:

@@ -439,3 +439,17 @@ def test_lock_probes_never_fail_a_writer(tmp_path: Path) -> None:
         assert time.monotonic() - t < 1.0
         assert RunLock(run).is_locked()
     assert not RunLock(run).is_locked()
+
+
+def test_a_lock_probe_never_hangs_on_a_planted_fifo_or_link(tmp_path: Path) -> None:
+    """``status`` probes RUN_DIR/.lock and .lock.ranks: a FIFO or a link to one planted there is no lock, and the
+    probe answers at once instead of blocking in open()."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = RunLock(run)
+    os.mkfifo(lock.ranks_path)
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink(tmp_path / "fifo", lock.path)
+    t = time.monotonic()
+    assert not lock.is_locked()
+    assert time.monotonic() - t < 1.0
