@@ -18,9 +18,9 @@ it) and the same cache state; medians (min–max); timings are barrier-bounded (
 * stall: a real training loop (FSDP2, AdamW) with the real Checkpointer: steps with and without a save,
   (a) the first save of a fresh run, (b) a save while the previous one is still in flight, (c) steady
   state; the same for ``dcp.async_save``; and one in-memory copy of the state measured the same way.
-* load: ``Checkpointer.load_latest`` (what resume does: quick validation, a verified load that checks every
-  checksum as the files come off the disk before it writes the live state, fingerprint) vs ``dcp.load`` + ``set_state_dict`` of the same checkpoint, page cache
-  dropped before each, at the same world size and from a checkpoint written at 4 ranks.
+* load: ``Checkpointer.load_latest`` (resume: quick validation, every checksum checked as the files come off the
+  disk before the live state is written, fingerprint) vs ``dcp.load`` + ``set_state_dict`` of the same checkpoint,
+  page cache dropped before each, at the same world size and from a checkpoint written at 4 ranks.
 """
 
 from __future__ import annotations
@@ -35,13 +35,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from benchlib import drop_caches, fmt, md_table, publish  # noqa: E402
 
-OUT = ROOT / "bench" / "out" / "checkpoint"
-PARTS = ("save", "stall", "load")
+OUT, PARTS = ROOT / "bench" / "out" / "checkpoint", ("save", "stall", "load")
 
 
 def spec_for(small: bool):
@@ -169,8 +167,8 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
 
     nbytes = 0
     for i in range(reps + 1):  # rep 0 is the warm-up of each side, not counted
-        for name, fn in (("dcp", plain), ("ours", ours(True)), ("crc", ours(True, crc=True)), ("before", ours(True, False)),
-                         ("nohash", ours(False))):
+        for name, fn in (("dcp", plain), ("ours", ours(True)), ("crc", ours(True, crc=True)),
+                         ("before", ours(True, False)), ("nohash", ours(False))):
             dt = timed(fn, g)
             settle()
             if name == "ours":
