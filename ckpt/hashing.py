@@ -29,6 +29,22 @@ def hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
+def hash_fd(fd: int) -> tuple[int, str]:
+    """``hash_file`` of an open file, read with pread from offset 0 (the descriptor's position is left alone): the
+    bytes of a file already opened, even once its directory was retired."""
+    h = xxhash.xxh3_128()
+    size = 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    while True:
+        n = os.preadv(fd, [buf], size)
+        if not n:
+            break
+        h.update(view[:n])
+        size += n
+    return size, h.hexdigest()
+
+
 def hash_files(paths: list[Path], threads: int = 2) -> dict[Path, tuple[int, str]]:
     """Hash several files in parallel threads."""
     if not paths:

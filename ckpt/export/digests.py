@@ -9,7 +9,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from ckpt.export.records import Entry
-from ckpt.hashing import hash_file
+from ckpt.hashing import hash_fd
 from schemas.checkpoint import CheckpointManifest
 from schemas.errors import CheckpointError
 
@@ -23,19 +23,23 @@ class FileDigests:
         listed = {f.path: (f.size, f.xxh3_128) for f in manifest.files}
         self.entries: list[Entry] = []
         self._expected: dict[Path, tuple[int, str]] = {}
+        fds: dict[Path, int] = {}
         for e in entries:
             name = _relative(e.path, ckpt_dir)
             if e.crc32 or name not in listed:
                 self.entries.append(e)
             else:
                 self._expected[e.path] = listed[name]
+                fds[e.path] = e.fd
         self._jobs: dict[Path, Future[tuple[int, str]]] = {}
         if verified or not self._expected:  # ``verified``: every file was hashed against the manifest already
             self._expected = {}
             return
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-xxh3")  # xxhash releases the GIL
         stack.callback(pool.shutdown, wait=True, cancel_futures=True)
-        self._jobs = {p: pool.submit(hash_file, p) for p in sorted(self._expected)}
+        # through the descriptors the copy reads (not by path): a checkpoint retired once its files were opened
+        # still exports whole, as without this check
+        self._jobs = {p: pool.submit(hash_fd, fds[p]) for p in sorted(self._expected)}
 
     def finish(self) -> None:
         """Raise CheckpointError unless every such file matches its manifest entry."""
