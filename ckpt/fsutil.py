@@ -257,3 +257,15 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def pread_full(fd: int, view: memoryview, offset: int) -> bool:
+    """Fill ``view`` from ``fd`` at ``offset`` (pread: the descriptor's position is left alone); False if the file
+    ended first. Callers say what a short file means in their own words."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            return False
+        done += n
+    return True

@@ -15,18 +15,8 @@ _CHUNK = 8 << 20
 
 def hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
     """Return (size, xxh3-128 hex) of a file, read in 8 MiB chunks (xxhash releases the GIL)."""
-    h = xxhash.xxh3_128()
-    size = 0
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-            size += n
-    return size, h.hexdigest()
+        return hash_fd(f.fileno())
 
 
 def hash_fd(fd: int) -> tuple[int, str]:

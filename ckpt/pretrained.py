@@ -29,6 +29,7 @@ from typing import Any
 
 from schemas import BaseModelRecord, ModelSpec
 from schemas.errors import ConfigError
+from ckpt.fsutil import pread_full
 
 WEIGHTS_SINGLE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -327,12 +328,8 @@ def first_nonfinite(tensors: Iterable[StoredTensor], piece: int = PIECE) -> tupl
 
 
 def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            raise ConfigError(f"{path}: ended early while reading weights; the file is truncated, re-download it")
-        got += n
+    if not pread_full(fd, view, offset):
+        raise ConfigError(f"{path}: ended early while reading weights; the file is truncated, re-download it")
 
 
 def sha256_file(path: Path) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 
 from schemas.errors import CheckpointError, ExportError
 from ckpt.formats.safe_pickle import TENSOR_RECORD, StoredTensor
+from ckpt.fsutil import pread_full
 from ckpt.formats.torchzip import TorchZip
 
 log = logging.getLogger(__name__)
@@ -136,12 +136,8 @@ Seen = Callable[[int, int, memoryview], None]  # (fd, file offset, bytes just re
 
 
 def pread_into(chunk: Chunk | Entry, view: memoryview, offset: int, seen: Seen | None = None) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(chunk.fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise CheckpointError(f"{chunk.path}: ends early; the checkpoint is truncated, pick another step")
-        done += n
+    if not pread_full(chunk.fd, view, offset):
+        raise CheckpointError(f"{chunk.path}: ends early; the checkpoint is truncated, pick another step")
     if seen is not None:
         seen(chunk.fd, offset, view)
 

@@ -37,6 +37,7 @@ from ckpt.formats import safe_pickle
 from ckpt.formats.dcp import SafeFileSystemReader, SafeLoadPlanner, _check_extent, _pread_record, plain_name
 from ckpt.formats.safe_pickle import StoredTensor
 from ckpt.formats.torchzip import TorchZip, byte_view
+from ckpt.fsutil import pread_full
 from ckpt.hashing import ChecksumMismatch
 from schemas.errors import CheckpointError
 
@@ -273,12 +274,8 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise CheckpointError(f"{where}: the file ended early; it changed after it was verified, resume again")
-        done += n
+    if not pread_full(fd, view, offset):
+        raise CheckpointError(f"{where}: the file ended early; it changed after it was verified, resume again")
 
 
 def load_verified(state_dict: dict[str, Any], ckpt_dir: str | os.PathLike[str], expected: dict[str, tuple[int, str]],

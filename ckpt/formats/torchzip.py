@@ -29,6 +29,7 @@ import torch
 
 from schemas.errors import CheckpointError
 from ckpt.formats import safe_pickle
+from ckpt.fsutil import pread_full
 from ckpt.formats.safe_pickle import Profile, StorageRef, StorageType, StoredTensor
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header (30 bytes)
@@ -214,12 +215,8 @@ class TorchZip:
                 raise CheckpointError(f"{self.where}: truncated storage; the file is corrupted, pick another step")
             view[:] = chunk
             return
-        done = 0
-        while done < size:
-            n = os.preadv(self._fd(), [view[done:]], offset + done)
-            if n <= 0:
-                raise CheckpointError(f"{self.where}: truncated while reading a storage; the file is corrupted, pick another step")
-            done += n
+        if not pread_full(self._fd(), view, offset):
+            raise CheckpointError(f"{self.where}: truncated while reading a storage; the file is corrupted, pick another step")
 
     def _fd(self) -> int:
         if self.fd is None:
