@@ -413,6 +413,23 @@ def test_flows_train_export_and_resume_runs_on_s3(s3_endpoint: str, prefect_serv
 
 
 # ------------------------------------------------------------------------------------------ a stop on a slow link
+def _throttled_mirror(s3_run: dict[str, Any], url: str, steps: tuple[int, ...], poll_s: float = 3600) -> tuple:
+    """The new s3:// run ``url`` reached through a 500 KB/s link, its cache holding the shared run's ``steps``, its
+    Mirror started: (proxy, remote, mirror)."""
+    from ckpt.objstore import RemoteRun
+    from shardkeeper.remote import Mirror
+    from tests.throttle import ThrottledProxy
+
+    src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints"
+    proxy = ThrottledProxy(os.environ["AWS_ENDPOINT_URL"], rate=500_000)
+    remote = RemoteRun(url, storage_options={"endpoint_url": proxy.url})
+    for step in steps:
+        shutil.copytree(src / f"step-{step:08d}", remote.local.checkpoint(step))
+    mirror = Mirror(remote, tiny_spec(), is_valid=lambda p: True, poll_s=poll_s)
+    mirror.start()
+    return proxy, remote, mirror
+
+
 def test_upload_after_a_stop_is_the_newest_only_and_a_second_signal_gives_it_up(s3_run: dict[str, Any],
                                                                                  cache: Path) -> None:
     """After a preemption the uploader pushes the newest checkpoint the store lacks, not every older one; on a slow
@@ -420,17 +437,10 @@ def test_upload_after_a_stop_is_the_newest_only_and_a_second_signal_gives_it_up(
     checkpoint there), the checkpoint stays in the cache, one line says so, and the next segment uploads it."""
     from ckpt.objstore import RemoteRun
     from shardkeeper.remote import Mirror, abandoned_uploads
-    from tests.throttle import ThrottledProxy
 
-    src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints"
     bucket = _new_bucket()
     url = f"s3://{bucket}/stopped"
-    proxy = ThrottledProxy(os.environ["AWS_ENDPOINT_URL"], rate=500_000)
-    remote = RemoteRun(url, storage_options={"endpoint_url": proxy.url})
-    for step in (FIRST, END):  # two committed checkpoints the store lacks
-        shutil.copytree(src / f"step-{step:08d}", remote.local.checkpoint(step))
-    mirror = Mirror(remote, tiny_spec(), is_valid=lambda p: True, poll_s=3600)
-    mirror.start()
+    proxy, remote, mirror = _throttled_mirror(s3_run, url, (FIRST, END))  # two checkpoints the store lacks
     mirror.stopped(grace_s=60)
     prefix = f"stopped/checkpoints/step-{END:08d}/"
     seen: list[float] = []
@@ -485,17 +495,9 @@ def test_upload_after_a_stop_gives_up_past_its_grace(s3_run: dict[str, Any], cac
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the stop's grace (SHARDKEEPER_STOP_UPLOAD_S) the upload is given up the same way."""
     from ckpt.objstore import RemoteRun
-    from shardkeeper.remote import Mirror
-    from tests.throttle import ThrottledProxy
 
-    src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints" / f"step-{END:08d}"
-    bucket = _new_bucket()
-    url = f"s3://{bucket}/late"
-    proxy = ThrottledProxy(os.environ["AWS_ENDPOINT_URL"], rate=500_000)
-    remote = RemoteRun(url, storage_options={"endpoint_url": proxy.url})
-    shutil.copytree(src, remote.local.checkpoint(END))
-    mirror = Mirror(remote, tiny_spec(), is_valid=lambda p: True, poll_s=3600)
-    mirror.start()
+    url = f"s3://{_new_bucket()}/late"
+    proxy, remote, mirror = _throttled_mirror(s3_run, url, (END,))
     monkeypatch.setenv("SHARDKEEPER_STOP_UPLOAD_S", "1")
     mirror.stopped(grace_s=60)
     t0 = time.monotonic()
@@ -511,17 +513,9 @@ def test_a_second_signal_while_the_ranks_stop_gives_the_upload_up(s3_run: dict[s
     handler; it still counts as the second signal, so the upload after the stop is given up at once."""
     from ckpt.objstore import RemoteRun
     from launch.local import _install_signal_handlers, _Supervisor
-    from shardkeeper.remote import Mirror
-    from tests.throttle import ThrottledProxy
 
-    src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints" / f"step-{END:08d}"
-    bucket = _new_bucket()
-    url = f"s3://{bucket}/twice"
-    proxy = ThrottledProxy(os.environ["AWS_ENDPOINT_URL"], rate=500_000)
-    remote = RemoteRun(url, storage_options={"endpoint_url": proxy.url})
-    shutil.copytree(src, remote.local.checkpoint(END))
-    mirror = Mirror(remote, tiny_spec(), is_valid=lambda p: True, poll_s=3600)
-    mirror.start()
+    url = f"s3://{_new_bucket()}/twice"
+    proxy, remote, mirror = _throttled_mirror(s3_run, url, (END,))
 
     class Launch:  # the local launcher's handler, as during the ranks' stop
         signal = None
@@ -552,17 +546,10 @@ def test_a_given_up_upload_names_the_newest_checkpoint_the_store_lacks(s3_run: d
     """Stopped while an older checkpoint was going up (a newer one committed meanwhile, at the stop): the line names
     the newest one, the one the next segment uploads, not the one that happened to be in flight."""
     from ckpt.objstore import RemoteRun
-    from shardkeeper.remote import Mirror
-    from tests.throttle import ThrottledProxy
 
     src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints"
-    bucket = _new_bucket()
-    url = f"s3://{bucket}/older"
-    proxy = ThrottledProxy(os.environ["AWS_ENDPOINT_URL"], rate=500_000)
-    remote = RemoteRun(url, storage_options={"endpoint_url": proxy.url})
-    shutil.copytree(src / f"step-{FIRST:08d}", remote.local.checkpoint(FIRST))
-    mirror = Mirror(remote, tiny_spec(), is_valid=lambda p: True, poll_s=0.02)
-    mirror.start()
+    url = f"s3://{_new_bucket()}/older"
+    proxy, remote, mirror = _throttled_mirror(s3_run, url, (FIRST,), poll_s=0.02)
     deadline = time.monotonic() + 10
     while mirror.in_flight != FIRST and time.monotonic() < deadline:
         time.sleep(0.01)
