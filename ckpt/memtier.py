@@ -27,6 +27,7 @@ import xxhash
 
 from ckpt.fsutil import atomic_write_json, atomic_write_text, fsync_dir, fsync_file, mkdir_durable
 from ckpt.layout import DELETING_SUFFIX, RunDir, parse_step
+from ckpt.memtier_nodes import NODES_DIR, node_dirs, node_root
 from schemas import MANIFEST_NAME, CheckpointManifest, FileEntry, RunSpec
 from schemas.errors import ConfigError
 
@@ -48,16 +49,18 @@ def run_id(spec: RunSpec, run_dir: RunDir) -> str:
     return f"{name}-{hashlib.sha256(str(run_dir.root).encode()).hexdigest()[:12]}"
 
 
-def memory_root(spec: RunSpec, run_dir: RunDir) -> Path | None:
-    """Where the run's memory tier lives; None when checkpoint.memory_interval is off."""
+def memory_root(spec: RunSpec, run_dir: RunDir, node: str | None = None) -> Path | None:
+    """Where the run's memory tier lives; None when checkpoint.memory_interval is off. ``node``: the memory dir of
+    that node of a run on several nodes (``ckpt.memtier_nodes``)."""
     pol = spec.checkpoint
     if pol.memory_interval is None:
         return None
-    return Path(pol.memory_dir).absolute() if pol.memory_dir else DEFAULT_ROOT / run_id(spec, run_dir)
+    root = Path(pol.memory_dir).absolute() if pol.memory_dir else DEFAULT_ROOT / run_id(spec, run_dir)
+    return node_root(root, node) if node else root
 
 
-def memory_run_dir(spec: RunSpec, run_dir: RunDir) -> RunDir | None:
-    root = memory_root(spec, run_dir)
+def memory_run_dir(spec: RunSpec, run_dir: RunDir, node: str | None = None) -> RunDir | None:
+    root = memory_root(spec, run_dir, node)
     return RunDir(root) if root is not None else None
 
 
@@ -72,14 +75,24 @@ def memory_of(run_dir: RunDir) -> RunDir | None:
     return memory_run_dir(spec, run_dir)
 
 
+def memory_dirs(mem: RunDir | None) -> list[RunDir]:
+    """The memory tier's dir and the node dirs under it visible on this host (a run on several nodes)."""
+    return [] if mem is None else [mem, *(RunDir(p) for p in node_dirs(mem.root))]
+
+
 def newest_valid_snapshot(run_dir: RunDir) -> tuple[Path, CheckpointManifest] | None:
-    """A reader's view (status, dashboard): the run's newest snapshot in memory that passes quick validation."""
+    """A reader's view (status, dashboard): the run's newest snapshot in memory that passes quick validation (a
+    node's copy counts when it holds every file)."""
     from ckpt.validate import latest_valid
 
-    mem = memory_of(run_dir)
-    if mem is None or not mem.checkpoints.is_dir() or owner_problem(mem, run_dir):
-        return None
-    return latest_valid(mem)
+    best = None
+    for mem in memory_dirs(memory_of(run_dir)):
+        if not mem.checkpoints.is_dir() or owner_problem(mem, run_dir):
+            continue
+        found = latest_valid(mem)
+        if found is not None and (best is None or found[1].step > best[1].step):
+            best = found
+    return best
 
 
 def snapshot_event_id(step: int) -> str:
@@ -156,7 +169,8 @@ def _foreign_entries(root: Path) -> list[str]:
     """What a memory dir without our tier.json holds besides what a claim itself creates (empty)."""
     out = []
     for p in sorted(root.iterdir()):
-        if p.name == LOCK_NAME or (p.name == "checkpoints" and p.is_dir() and not any(p.iterdir())):
+        if p.name == LOCK_NAME or (p.name == NODES_DIR and p.is_dir()) or (  # node dirs: tiers of their own
+                p.name == "checkpoints" and p.is_dir() and not any(p.iterdir())):
             continue
         out.append(p.name)
     return out
@@ -305,19 +319,26 @@ def persist_newer(spec: RunSpec, run_dir: RunDir) -> tuple[Path | None, str | No
     from ckpt import lineage
     from ckpt.validate import latest_valid, validate
 
-    mem = memory_run_dir(spec, run_dir)
-    if mem is None:
-        return None, None
-    snap, problem = newest_snapshot(mem, run_dir)
-    if snap is None:
+    snaps, problem = [], None
+    for mem in memory_dirs(memory_run_dir(spec, run_dir)):  # a run on several nodes: each node's copy seen here
+        snap, why = newest_snapshot(mem, run_dir)
+        if snap is not None:
+            snaps.append(snap)
+        problem = problem or why
+    if not snaps:
         return None, (f"memory snapshot not persisted: {problem}; storage's checkpoint is the resume point"
                       if problem else None)
     found = latest_valid(run_dir)
     stored = found[1].step if found else -1
-    step = parse_step(snap.name) or 0
+    step = max(parse_step(s.name) or 0 for s in snaps)
     if step <= stored:
         return None, None
-    report = validate(snap, deep=True)
+    report = None
+    for snap in (s for s in snaps if parse_step(s.name) == step):  # the first whole, valid copy of the newest
+        report = validate(snap, deep=True)
+        if report.valid:
+            break
+    assert report is not None
     if not report.valid:
         return None, (f"memory snapshot {snap} not persisted: {report.errors[0]}; storage's "
                       f"{found[0].name if found else 'start of the run'} is the resume point")

@@ -36,7 +36,7 @@ from launch.base import (LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, 
 from launch.procs import Descendants, pdeathsig_preexec, reap_orphans
 from schemas import ClusterTopology
 from schemas.errors import ConfigError
-from schemas.seam import EXIT_CANCELLED, LAUNCH_ENV
+from schemas.seam import EXIT_CANCELLED, LAUNCH_ENV, NODE_ENV
 
 POLL_S = 0.25
 KILL_MARGIN_S = 10.0  # torchrun SIGKILLs the ranks at its --shutdown-timeout (= grace); it gets this long more
@@ -219,9 +219,12 @@ class LocalTorchrun:
         codes: list[int] = []
         try:
             # Each torchrun dies with this process (PDEATHSIG, set in the child before exec) and takes its ranks along.
-            for argv in self.commands(req):
+            commands = self.commands(req)
+            for n, argv in enumerate(commands):
+                # Several agents on this host emulate several nodes: each its own name, so its own memory tier dir.
+                env_n = {**env, NODE_ENV: f"node{n}"} if len(commands) > 1 else env
                 proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                        env=env, start_new_session=True, preexec_fn=pdeathsig_preexec(os.getpid()))
+                                        env=env_n, start_new_session=True, preexec_fn=pdeathsig_preexec(os.getpid()))
                 sup.watch(proc)
                 readers.append(threading.Thread(target=sup.read_output, args=(proc,), name="torchrun-output", daemon=True))
                 readers[-1].start()

@@ -29,6 +29,7 @@ EXIT_CANCELLED = 130  # 128 + SIGINT: the shell's "stopped on request" (an orche
 LAUNCH_FILE = ".segment-launch.json"
 REPORT_FILE = ".segment-status.json"
 LAUNCH_ENV = "SHARDKEEPER_LAUNCH"  # absolute path of the SegmentLaunch file, set for every rank
+NODE_ENV = "SHARDKEEPER_NODE_NAME"  # a node's name for its memory tier dir (set per agent when one host runs several)
 # A rank that fails writes its cause as one line with this prefix, last, on stderr; the launcher shows it.
 RANK_ERROR_PREFIX = "shardkeeper-error:"
 # A user's script (shardkeeper train --script) that raised: the first failing rank writes the script's own

@@ -100,7 +100,9 @@ def check_memory_tier(spec: RunSpec, topology: ClusterTopology, run_dir: str | P
     from ckpt.memtier import check_memory_tier as check
 
     state = None if params is None else params * (STATE_BYTES["master"] + STATE_BYTES["adamw"]) / topology.world_size
-    check(spec, RunDir.at(run_dir), state_bytes=state, ranks_on_node=topology.procs_per_node,
+    check(spec, RunDir.at(run_dir), state_bytes=state,
+          ranks_on_node=topology.procs_per_node * (2 if topology.nodes > 1 else 1),  # + the peer node's copy
+         
           here=topology.launcher == "local")
 
 

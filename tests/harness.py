@@ -74,13 +74,16 @@ def _attach_stdio(out: Any, err: Any) -> None:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any, device: str,
-           env: dict[str, str], cwd: str, stdio: None) -> None:
+           env: dict[str, str], cwd: str, stdio: None, nodes: int = 1) -> None:
     del stdio  # attached while the arguments were unpickled
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    per = world // nodes
+    if nodes > 1:
+        os.environ["SHARDKEEPER_NODE_NAME"] = f"node{rank // per}"
     os.environ.update({
-        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per), "LOCAL_WORLD_SIZE": str(per),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SHARDKEEPER_DEVICE": device, "OMP_NUM_THREADS": "1",
     })
     import torch
@@ -93,13 +96,14 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300,
-          on_start: Callable[[list[mp.Process]], None] | None = None, device: str = "cpu") -> list[Any]:
-    """Run ``fn(*args)`` on ``world`` ranks; return the per-rank results, or raise with the first error."""
+          on_start: Callable[[list[mp.Process]], None] | None = None, device: str = "cpu", nodes: int = 1) -> list[Any]:
+    """Run ``fn(*args)`` on ``world`` ranks; return the per-rank results, or raise with the first error. ``nodes``:
+    the ranks split into that many emulated nodes (local ranks, node names ``node0``...), as torchrun's agents set."""
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     env, cwd = dict(os.environ), os.getcwd()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue, device, env, cwd, _CallerStdio()),
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue, device, env, cwd, _CallerStdio(), nodes),
                          daemon=True)
              for r in range(world)]
     for p in procs:

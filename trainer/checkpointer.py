@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt import fingerprint as fp, lineage, memtier
+from ckpt import fingerprint as fp, lineage, memtier, memtier_nodes
 from ckpt.memtier import MEMORY, STORAGE
 from schemas.errors import CheckpointError
 from ckpt.fsutil import fsync_dir, mkdir_durable, quarantine
@@ -47,6 +47,7 @@ from schemas import (BaseModelRecord, CheckpointManifest, DataRecord, DtypePolic
 from trainer.ckpt_common import TrainState, Written, background_pool, code_version
 from trainer import lifetime
 from trainer.dist import DistEnv
+from trainer.node_tier import TIER_OFF as _NODE_TIER_OFF, NodeTier
 from trainer.resume_side import ResumeSide, _load_problem, checkpoint_at_fault
 from trainer.save_side import SaveSide, _disk_full, _tier_full
 
@@ -61,6 +62,7 @@ _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 _TIER_OFF = "memory-tier-off"
+_NODE_COPIES = "node-copies"  # rank 0's decision: the manifest each node leader commits its copy with
 
 
 def _find_os_error(exc: BaseException | None, depth: int = 0) -> OSError | None:
@@ -78,7 +80,7 @@ def _find_os_error(exc: BaseException | None, depth: int = 0) -> OSError | None:
     return _find_os_error(exc.__cause__ or exc.__context__, depth + 1)
 
 
-class Checkpointer(SaveSide, ResumeSide):
+class Checkpointer(SaveSide, ResumeSide, NodeTier):
     """One per training segment. The trainer calls ``load_latest()`` once, ``save()`` at intervals
     and on preemption, and ``close()`` at the end.
 
@@ -107,7 +109,12 @@ class Checkpointer(SaveSide, ResumeSide):
         self.last_committed_step: int | None = None
         # The memory tier (checkpoint.memory_interval): snapshots in host shared memory under the same protocol;
         # storage checkpoints are then persisted from the snapshot of their step (ckpt.memtier).
-        self.memory: RunDir | None = memtier.memory_run_dir(spec, run_dir) if self.FORMAT == "dcp" else None
+        # With several nodes each node keeps its own copy, replicated to a peer node (trainer.node_tier).
+        self.node_tier = (self.FORMAT == "dcp" and spec.checkpoint.memory_interval is not None
+                          and env.topology.nodes > 1)
+        self.memory: RunDir | None = (memtier.memory_run_dir(spec, run_dir, node=memtier_nodes.node_name() if self.node_tier
+                                                             else None) if self.FORMAT == "dcp" else None)
+        self._plans = {}
         self.last_memory_step: int | None = None
         self.last_storage_step: int | None = None
         self._claimed = False
@@ -153,6 +160,12 @@ class Checkpointer(SaveSide, ResumeSide):
         (False: nothing to write there)."""
         target = target or self.run_dir
         partial = target.partial(step)
+        if target is self.memory and not self._claimed and self.node_tier:
+            problem = self.claim_nodes(group if group is not None else self.env.ctrl_group)
+            if problem is not None:
+                self._tier_off(problem)
+                return False
+            self._claimed = True
         if target is self.memory and not self._claimed:
             box: list[str | None] = [None]
             if self.env.is_rank0:
@@ -166,7 +179,7 @@ class Checkpointer(SaveSide, ResumeSide):
                 self._tier_off(box[0])
                 return False
             self._claimed = True
-        if self.env.is_rank0:
+        if self.is_leader if target is self.memory else self.env.is_rank0:
             if partial.exists():  # an abandoned attempt at the same step
                 shutil.rmtree(partial)
             mkdir_durable(partial.parent)
@@ -197,8 +210,9 @@ class Checkpointer(SaveSide, ResumeSide):
     def abort_save(self, partial: Path, problem: str, group: dist.ProcessGroup | None) -> None:
         """Every rank knows the save failed: rank 0 removes the .partial directory (its space is what a disk-full
         rerun needs back), then all raise the same line."""
-        if self.env.is_rank0:
+        if self.is_leader if self.memory is not None and partial.parent == self.memory.checkpoints else self.env.is_rank0:
             shutil.rmtree(partial, ignore_errors=True)
+        if self.env.is_rank0:
             if not (self.memory is not None and partial.parent == self.memory.checkpoints and _disk_full(problem)):
                 log.error("checkpoint not committed: %s", problem)  # a full memory tier says its own line
         raise CheckpointError(problem)
@@ -229,6 +243,9 @@ class Checkpointer(SaveSide, ResumeSide):
         target = target or self.run_dir
         partial = target.partial(ts.step)
         mine = (entries, problem or self._check_written(partial, entries))
+        if target is self.memory and self.node_tier:  # every rank, whatever its own outcome (a collective)
+            sent = self.replicate_files(partial, entries, group)
+            mine = (entries, mine[1] or sent)
         gathered: list[tuple[list[FileEntry], str | None]] | None = (
             [([], None) for _ in range(self.env.world_size)] if self.env.is_rank0 else None)
         dist.gather_object(mine, gathered, dst=0, group=group)
@@ -243,8 +260,18 @@ class Checkpointer(SaveSide, ResumeSide):
                 decision = (_TIER_OFF, _tier_full(ts.step, decision))
         box: list[Any] = [decision]
         dist.broadcast_object_list(box, src=0, group=group)
+        if isinstance(box[0], tuple) and box[0][0] == _NODE_COPIES:  # every node leader commits its node's copy
+            manifest = box[0][1]
+            box[0] = self.agree(self.commit_copy(ts.step, manifest, target), group)
+            if isinstance(box[0], tuple) and box[0][0] == _NODE_TIER_OFF:
+                box[0] = (_TIER_OFF, box[0][1])
+            if box[0] is None and self.env.is_rank0:
+                try:
+                    self._after_commit(target.checkpoint(ts.step), manifest, reason, async_save, MEMORY)
+                except Exception as e:
+                    log.warning("committed %s, but its bookkeeping failed: %s", target.checkpoint(ts.step).name, e)
         if isinstance(box[0], tuple) and box[0][0] == _TIER_OFF:
-            if self.env.is_rank0:
+            if self.is_leader:
                 shutil.rmtree(partial, ignore_errors=True)
             self._tier_off(box[0][1])
             return False
@@ -254,7 +281,7 @@ class Checkpointer(SaveSide, ResumeSide):
 
     def _commit_rank0(self, ts: TrainState, reason: str, gathered: list[tuple[list[FileEntry], str | None]],
                       tensors: list[TensorEntry], fingerprint: Fingerprint, t0: float, async_save: bool,
-                      target: RunDir, like: CheckpointManifest | None) -> str | tuple[str, str] | None:
+                      target: RunDir, like: CheckpointManifest | None) -> str | tuple[str, Any] | None:
         """``like``: the memory snapshot this storage checkpoint is persisted from (its parent, base model and data
         records are the snapshot's)."""
         from ckpt.validate import check_staged
@@ -280,6 +307,8 @@ class Checkpointer(SaveSide, ResumeSide):
             run_spec=self.spec, save_seconds=time.perf_counter() - t0, async_save=async_save, hf_model=self.hf_model,
             data=like.data if like else self.data, base_model=like.base_model if like else self._base_model_record(),
         )
+        if target is self.memory and self.node_tier:
+            return (_NODE_COPIES, manifest)
         staged = check_staged(partial, manifest)  # exactly the planned files, each of its hashed size
         if staged:
             return staged[0]

@@ -80,6 +80,10 @@ class ResumeSide:
         if restart is None:
             launch = SegmentLaunch.from_environ()
             restart = bool(launch and launch.restart)
+        notes = self.node_plans() if self.node_tier else []  # type: ignore[attr-defined]  # a collective
+        if self.env.is_rank0:
+            for note in notes:
+                log.warning("%s; resuming from another checkpoint", note)
         candidates = self._candidates() if self.env.is_rank0 else None
         box = [candidates]
         dist.broadcast_object_list(box, src=0, group=self.env.ctrl_group)
@@ -88,6 +92,8 @@ class ResumeSide:
         for cand, tier in box[0] or []:
             path = Path(cand)
             if tier == MEMORY:
+                if self.node_tier:  # type: ignore[attr-defined]  # each node loads its own copy
+                    path = self.memory.checkpoint(parse_step(path.name) or 0)  # type: ignore[attr-defined]
                 ts = self._try_memory(path)
                 touched = touched or ts is not False
                 if isinstance(ts, TrainState):
@@ -129,7 +135,9 @@ class ResumeSide:
         """Rank 0: every committed checkpoint of both tiers, newest first; at the same step the memory snapshot
         first (no storage read). Snapshots of another run or world size are left out, each said in one line."""
         found = [(parse_step(p.name) or 0, 0, str(p), STORAGE) for p in self.run_dir.committed()]
-        if self.memory is not None:
+        if self.memory is not None and self.node_tier:  # type: ignore[attr-defined]  # the plans the nodes agreed on
+            found += [(step, 1, str(self.memory.checkpoint(step)), MEMORY) for step in self._plans]  # type: ignore[attr-defined]
+        elif self.memory is not None:
             snaps = self.memory.committed()
             problem = memtier.owner_problem(self.memory, self.run_dir) if snaps else None
             if problem:
@@ -158,13 +166,17 @@ class ResumeSide:
         def skip(problem: str | None, attempted: bool) -> None | bool:
             if self.env.is_rank0:
                 log.error("memory snapshot %s not used: %s; resuming from storage", path, problem)
+            if self.is_leader:  # type: ignore[attr-defined]  # each node sets its own copy aside
                 if path.exists():
                     quarantine(path, "failed its checks")
             dist.barrier(group=self.env.ctrl_group)
             return None if attempted else False
 
         one_pass = self.ONE_PASS and not self.extra  # as for storage: hashed while read, applied once all matched
-        problem = self._quick_check(path) or (None if one_pass else self._hash_check(path))
+        if self.node_tier:  # type: ignore[attr-defined]  # the peer's files first; then every node checks its copy
+            problem = self.complete_copy(parse_step(path.name) or 0) or self.check_copy(path)  # type: ignore[attr-defined]
+        else:
+            problem = self._quick_check(path) or (None if one_pass else self._hash_check(path))
         if problem is not None:
             return skip(problem, False)
         try:

@@ -1,0 +1,144 @@
+"""Moving memory-tier files between nodes over a gloo group (``ckpt.memtier_nodes`` holds the layout and plan).
+
+* ``exchange``: at a snapshot, on the checkpoint thread, every rank sends the files it wrote to the same local rank
+  of the next node, and receives those of the previous node into its node's ``.partial``; every received byte is
+  hashed (xxh3-128) and compared with what its writer hashed.
+* ``fetch``: before a restore, the node leaders run the plan's transfers (every rank in the same order), each
+  received file hashed against the manifest before it joins the node's copy.
+
+Both stream fixed-size chunks through reused buffers (isend/irecv posted together, so two nodes sending to each
+other never wait on one another); a sender that cannot read a file still sends its length (zeros), and the
+receiver's hash refuses it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from ckpt.fsutil import pread_full
+from schemas import FileEntry
+
+CHUNK = 32 << 20
+
+
+class _Out:
+    """The chunks of the files this rank sends, one at a time through one buffer."""
+
+    def __init__(self, root: Path, files: list[FileEntry]) -> None:
+        self.parts = [(root / f.path, off, min(CHUNK, f.size - off)) for f in files for off in range(0, f.size, CHUNK)]
+        self.buf = torch.empty(min(CHUNK, max((n for _, _, n in self.parts), default=1)), dtype=torch.uint8)
+        self.problem: str | None = None
+
+    def chunk(self, i: int) -> torch.Tensor:
+        path, off, n = self.parts[i]
+        view = self.buf[:n]
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if not pread_full(fd, memoryview(view.numpy()), off):
+                    raise OSError(0, "shorter than its manifest says")
+            finally:
+                os.close(fd)
+        except OSError as e:
+            view.zero_()
+            self.problem = self.problem or f"{path}: could not be read to send it ({e.strerror or e})"
+        return view
+
+
+class _In:
+    """The files this rank receives: written into ``root`` as their chunks arrive, hashed on the way."""
+
+    def __init__(self, root: Path, files: list[FileEntry]) -> None:
+        self.root, self.files = root, files
+        self.parts = [(i, off, min(CHUNK, f.size - off)) for i, f in enumerate(files) for off in range(0, f.size, CHUNK)]
+        self.buf = torch.empty(min(CHUNK, max((n for _, _, n in self.parts), default=1)), dtype=torch.uint8)
+        self.hashes = [xxhash.xxh3_128() for _ in files]
+        self.fds: dict[int, int] = {}
+        self.problem: str | None = None
+
+    def open_all(self) -> None:
+        for i, f in enumerate(self.files):
+            path = self.root / f.path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.fds[i] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def take(self, k: int, view: torch.Tensor) -> None:
+        i, off, n = self.parts[k]
+        data = memoryview(view.numpy())[:n]
+        self.hashes[i].update(data)
+        if i not in self.fds:  # could not be opened: said already
+            return
+        try:
+            os.pwrite(self.fds[i], data, off)
+        except OSError as e:
+            self.problem = self.problem or f"{self.root / self.files[i].path}: could not be written ({e.strerror or e})"
+
+    def close(self) -> str | None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+        if self.problem:
+            return self.problem
+        for f, h in zip(self.files, self.hashes):
+            if h.hexdigest() != f.xxh3_128:
+                return (f"{self.root / f.path}: the bytes received from the peer node differ from its checksum "
+                        "(corrupted in the sender's memory or on the way); not kept")
+        return None
+
+
+def stream(out: _Out | None, dst: int | None, inc: _In | None, src: int | None, group: dist.ProcessGroup) -> None:
+    """Send ``out``'s chunks to ``dst`` and receive ``inc``'s from ``src``, chunk by chunk, both posted together."""
+    n_out = len(out.parts) if out else 0
+    n_in = len(inc.parts) if inc else 0
+    for k in range(max(n_out, n_in)):
+        reqs, view = [], None
+        if inc is not None and k < n_in:
+            view = inc.buf[: inc.parts[k][2]]
+            reqs.append(dist.irecv(view, src=src, group=group))
+        if out is not None and k < n_out:
+            reqs.append(dist.isend(out.chunk(k), dst=dst, group=group))
+        for r in reqs:
+            r.wait()
+        if view is not None:
+            assert inc is not None
+            inc.take(k, view)
+
+
+def exchange(root: Path, mine: list[FileEntry], dst: int, theirs: list[FileEntry], src: int,
+             group: dist.ProcessGroup) -> str | None:
+    """Send ``mine`` (in ``root``) to rank ``dst``; receive ``theirs`` from rank ``src`` into ``root``. One line
+    when a received file does not hash to what its writer hashed, or cannot be written; else None."""
+    out, inc = _Out(root, mine), _In(root, theirs)
+    try:
+        inc.open_all()
+    except OSError as e:
+        inc.problem = f"{root}: the peer node's files cannot be written there ({e.strerror or e})"
+    try:
+        stream(out, dst, inc, src, group)
+    finally:
+        problem = inc.close()
+    return problem or None
+
+
+def send(root: Path, files: list[FileEntry], dst: int, group: dist.ProcessGroup) -> str | None:
+    out = _Out(root, files)
+    stream(out, dst, None, None, group)
+    return out.problem
+
+
+def receive(root: Path, files: list[FileEntry], src: int, group: dist.ProcessGroup) -> str | None:
+    inc = _In(root, files)
+    try:
+        inc.open_all()
+    except OSError as e:
+        inc.problem = f"{root}: files from the peer node cannot be written there ({e.strerror or e})"
+    try:
+        stream(None, None, inc, src, group)
+    finally:
+        problem = inc.close()
+    return problem
