@@ -61,3 +61,46 @@ def test_each_node_holds_the_whole_snapshot_and_a_lost_node_restores_from_its_pe
     assert resume["data"]["tier"] == "memory" and resume["parent"] == f"checkpoint:step-{END:08d}@memory"
     assert validate(b / "checkpoints" / f"step-{END:08d}", deep=True).valid  # node 1's copy rebuilt from the peer
     assert_bitwise(metrics(reference), metrics(run), range(END + 1, END + 3))
+
+
+def test_a_replica_tampered_in_the_peers_memory_is_never_loaded(reference: Path, tmp_path: Path, capfd) -> None:
+    """Node 1 lost, and node 0's copy of node 1's file changed in memory: the bytes received are hashed against
+    the manifest before they join node 1's copy; one line, storage's checkpoint of the same step is used."""
+    run, mem = _two_node_run(tmp_path)
+    a, b = mem / "nodes" / "node0", mem / "nodes" / "node1"
+    shutil.rmtree(b)
+    shard = sorted((a / "checkpoints" / f"step-{END:08d}").glob("__1_*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    capfd.readouterr()
+    assert spawn(run_segment, 2, str(run), END + 2, 1, nodes=2) == [0, 0]
+    err = capfd.readouterr().err
+    said = [ln for ln in err.splitlines() if "memory snapshot" in ln and "not used" in ln]
+    assert len(said) == 1 and "differ" in said[0] and "resuming from storage" in said[0], err[-3000:]
+    resume = [e for e in _events(run) if e["kind"] == "resume"][-1]
+    assert resume["data"]["tier"] == "storage" and resume["parent"] == f"checkpoint:step-{END:08d}"
+    assert not (b / "checkpoints" / f"step-{END:08d}").exists()  # nothing of it joined node 1's memory
+    assert_bitwise(metrics(reference), metrics(run), range(END + 1, END + 3))
+
+
+def test_plan_takes_each_missing_file_from_the_node_that_holds_it() -> None:
+    """Three nodes, one rank each: node n holds its own files and node n-1's. Node 1 lost: its files come from
+    node 2 (its peer), the others from whoever holds them; two neighbours lost: a file is in no node's memory."""
+    from ckpt.memtier_nodes import Copy, plan
+
+    files = {"__0_0.distcp": 10, "__1_0.distcp": 10, "__2_0.distcp": 10, ".metadata": 5}
+    def copy(*held: str) -> Copy:
+        return Copy(8, "d", 3, "tiny", files, list(held))
+    node0 = copy("__0_0.distcp", ".metadata", "__2_0.distcp")
+    node2 = copy("__2_0.distcp", "__1_0.distcp")
+    plans, notes = plan([[node0], None, [node2]], 3, "tiny")
+    assert notes == [] and len(plans) == 1 and plans[0].manifest_from == {1: 2}
+    moves = {(d, name): s for d, s, name in plans[0].transfers}
+    assert moves[(1, "__1_0.distcp")] == 2 and moves[(1, "__0_0.distcp")] == 0 and moves[(0, "__1_0.distcp")] == 2
+    assert moves[(2, ".metadata")] == 0 and (0, "__0_0.distcp") not in moves
+    plans, notes = plan([[node0], None, None], 3, "tiny")
+    assert plans == [] and "__1_0.distcp" in notes[0] and "in no node's memory" in notes[0]
+    other = Copy(8, "e", 3, "tiny", files, list(files))  # copies that disagree on the manifest: not used
+    plans, notes = plan([[node0], [other], [node2]], 3, "tiny")
+    assert plans == [] and "different manifests" in notes[0]
