@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,6 +59,52 @@ def test_two_nodes_on_loopback_train_what_one_machine_trains(tmp_path: Path, ref
     assert_bitwise(reference, metrics(run), range(1, 13))
     manifest = json.loads((run / "checkpoints" / "step-00000012" / "manifest.json").read_text())
     assert manifest["topology"]["nodes"] == 2 and manifest["topology"]["procs_per_node"] == 1
+
+
+def _node_procs(name: str, run: Path) -> list[int]:
+    """The processes of emulated node ``name`` of the run in ``run`` (its torchrun agent and ranks)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if f"SHARDKEEPER_NODE_NAME={name}".encode() in env and str(run).encode() in cmd:
+            pids.append(int(d.name))
+    return pids
+
+
+def test_two_local_agents_lose_a_node_and_restore_from_the_peers_memory(tmp_path: Path,
+                                                                        reference: dict[int, dict]) -> None:
+    """Memory snapshots every 5 steps on two torchrun agents (nodes node0, node1), storage only every 100. Node 1
+    dies whole (agent and rank SIGKILLed) and its memory is gone: the launcher persists node 0's whole copy; the
+    next segment restores from memory, node 1's files from node 0's RAM, bitwise like one machine."""
+    run, mem, log = tmp_path / "mn", tmp_path / "shm", tmp_path / "mn.log"
+    args = ["train", "--config", str(TINY), "--run-dir", str(run), "--nodes", "2", "--nproc", "1", "--device", "cpu",
+            "--set", "checkpoint.interval=100", "--set", "checkpoint.memory_interval=5",
+            "--set", f"checkpoint.memory_dir={mem}"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "shardkeeper", *args, "--until-step", str(STEPS)], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
+    node1 = mem / "nodes" / "node1" / "checkpoints"
+    deadline = time.monotonic() + 180
+    while not any(p.name >= "step-00000020" and (p / "manifest.json").is_file()
+                  for p in (node1.iterdir() if node1.is_dir() else [])):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    for pid in _node_procs("node1", run):
+        os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(mem / "nodes" / "node1")
+    assert proc.wait(timeout=180) != 0
+    text = log.read_text()
+    step = int(re.search(r"persisted the memory snapshot\s+step-(\d+)\s+to", text).group(1))
+    assert 20 <= step < 100, text[-2000:]
+    again = _cli(*args, "--until-step", str(step + 10))
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert f"resumed from step-{step:08d} in memory" in out, out[-3000:]
+    assert_bitwise(reference, metrics(run), range(1, step + 11))
 
 
 # -- real Slurm ----------------------------------------------------------------------------------------------
@@ -111,12 +158,25 @@ def _wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout: float = 
 
 def test_segment_across_two_slurm_nodes_matches_local_bitwise(slurm: dict[str, str], tmp_path: Path,
                                                               reference: dict[int, dict]) -> None:
-    run = tmp_path / "two"
+    """Also the memory tier across the two nodes: each node (n1, n2) keeps a whole copy (its files + its peer's);
+    n2 lost (its memory gone), the next job restores from memory, n2's files coming from n1's RAM."""
+    run, mem = tmp_path / "two", tmp_path / "shm"
+    tier = ["--set", "checkpoint.memory_interval=5", "--set", f"checkpoint.memory_dir={mem}"]
     proc = _cli("train", "--config", str(TINY), "--run-dir", str(run), "--launcher", "slurm", "--nodes", "2",
-                "--nproc", "1", "--until-step", "30", *INTERVAL, env=slurm)
+                "--nproc", "1", "--until-step", "30", *INTERVAL, *tier, env=slurm)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    from ckpt.validate import validate
+
+    for node in ("n1", "n2"):
+        assert validate(mem / "nodes" / node / "checkpoints" / "step-00000030", deep=True).valid, node
+    shutil.rmtree(mem / "nodes" / "n2")
+    again = _cli("train", "--config", str(TINY), "--run-dir", str(run), "--launcher", "slurm", "--nodes", "2",
+                 "--nproc", "1", "--until-step", "40", *INTERVAL, *tier, env=slurm)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed from step-00000030 in memory" in again.stdout + again.stderr, (again.stdout + again.stderr)[-2000:]
+    assert validate(mem / "nodes" / "n2" / "checkpoints" / "step-00000040", deep=True).valid
+    assert_bitwise(reference, metrics(run), range(1, 41))
     assert re.search(r"\[Slurm job \d+ COMPLETED\]", proc.stdout + proc.stderr), proc.stdout + proc.stderr
-    assert_bitwise(reference, metrics(run), range(1, 31))
     out = (run / "slurm" / "segment-0.out").read_text()
     assert re.search(r"attempt 1 on n\[1-2\] \(2 nodes\)", out), out[:500]
     script = (run / "slurm" / "segment-0.sbatch").read_text()
