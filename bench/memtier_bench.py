@@ -22,6 +22,8 @@ AdamW, FSDP2 on 2 gloo ranks, snapshots in ``/dev/shm`` (``--memory-dir``), stor
    dir empty; the storage files evicted from the page cache first), and a fresh run's first segment (no
    checkpoint: a fresh process start). Time to first step is from the ranks' process start (the segment's
    timeline: imports, process group, model build, load, first step).
+4. Node loss: two emulated nodes x 1 rank (``node_loss``): the restore from the peer node's memory against the
+   restore from the same node's memory, alternated.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ OUT = ROOT / "bench" / "out" / "memtier"
 GOAL_STALL = 1.05
 GOAL_GOODPUT = 0.98
 GOAL_RECOVERY_S = 2.0
+GOAL_PEER = 1.2
 
 
 def spec_for(layers: int, seq: int, memory_dir: Path, memory_interval: int, interval: int):
@@ -154,11 +157,11 @@ def _kill_after(mem: Path, step: int):
     return on_start
 
 
-def _segment(run: Path, until: int, index: int) -> dict:
+def _segment(run: Path, until: int, index: int, nodes: int = 1) -> dict:
     from tests.harness import spawn
     from trainer.segment import run_segment
 
-    assert spawn(run_segment, 2, str(run), until, index, timeout=1200, device=DEVICE) == [0, 0]
+    assert spawn(run_segment, 2, str(run), until, index, timeout=1200, device=DEVICE, nodes=nodes) == [0, 0]
     status = json.loads((run / ".segment-status.json").read_text())
     events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
     resumes = [e for e in events if e["kind"] == "resume" and e["data"].get("segment") == index]
@@ -225,8 +228,45 @@ def recovery(args: argparse.Namespace) -> dict:
     return out
 
 
+def node_loss(args: argparse.Namespace) -> dict:
+    """Two emulated nodes x 1 rank (each its own memory dir, replicated to the other): a segment to ``--crash-at``
+    steps with snapshots every ``--crash-memory-interval``; then, from copies of that state, alternating, the next
+    segment restores from memory with both nodes' memory kept ('same node') or with node 1's memory gone ('peer':
+    its files come from node 0's memory). Time: the segment's load phase (model built -> state loaded)."""
+    from ckpt.fsutil import dump_yaml
+    from ckpt.layout import RunDir
+    from shardkeeper.stages import prepare_run_dir
+
+    base, mem = OUT / "nodes", Path(args.memory_dir) / "nodes"
+    shutil.rmtree(base, ignore_errors=True)
+    spec = spec_for(args.layers, args.seq, mem, args.crash_memory_interval, 1 << 20)
+    run = base / "run"
+    prepare_run_dir(RunDir.at(run), spec)
+    _segment(run, args.crash_at, 0, nodes=2)
+    out: dict = {"same": [], "peer": [], "step": args.crash_at}
+    for r in range(args.reps):
+        for path in (("same", "peer") if r % 2 == 0 else ("peer", "same")):
+            work, wmem = base / f"{path}-{r}", Path(args.memory_dir) / f"nodes-{path}-{r}"
+            shutil.copytree(run, work)
+            shutil.copytree(mem, wmem)
+            for owner_file in wmem.glob("nodes/*/tier.json"):
+                owner = json.loads(owner_file.read_text())
+                owner["run_dir"] = str(RunDir.at(work).root)
+                owner_file.write_text(json.dumps(owner))
+            if path == "peer":
+                shutil.rmtree(wmem / "nodes" / "node1")
+            wspec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"memory_dir": str(wmem)})})
+            (work / "run.yaml").write_text(dump_yaml(wspec.model_dump(mode="json")))
+            out[path].append(_segment(work, args.crash_at + 1, 1, nodes=2))
+            shutil.rmtree(wmem, ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)
+    out["bytes"] = sum(f.stat().st_size for f in (mem / "nodes" / "node0" / "checkpoints" / f"step-{args.crash_at:08d}").iterdir())
+    shutil.rmtree(mem, ignore_errors=True)
+    return out
+
+
 # --------------------------------------------------------------------------------------------- table
-def table(res: dict, rec: dict | None, args: argparse.Namespace) -> str:
+def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | None = None) -> str:
     from benchlib import fmt, md_table
 
     copy, stall = statistics.median(res["copy_s"]), statistics.median(res["stall_s"])
@@ -274,6 +314,16 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace) -> str:
                      f"{rec.get('cache', '')}; launched with the spawn harness (no torchrun: its start-up is the same "
                      "for every path)" + (f"; recovery figures taken from an earlier run of this bench "
                                                  f"({rec['reused_from']})" if rec.get("reused_from") else ""))
+    if lost:
+        same, peer = [r["load_s"] for r in lost["same"]], [r["load_s"] for r in lost["peer"]]
+        ratio = statistics.median(peer) / statistics.median(same)
+        tiers = {r["tier"] for r in lost["same"] + lost["peer"]}
+        rows.append(["node lost -> restore from the peer node's memory vs from the same node's memory (2 nodes x 1 rank)",
+                     f"same node {fmt(same)} s; peer {fmt(peer)} s (load phase); tier {', '.join(sorted(map(str, tiers)))}",
+                     f"**{ratio:.2f}x** (goal ≤ {GOAL_PEER}x: {ok(ratio <= GOAL_PEER, f'{ratio:.2f}x')})"])
+        notes.append(f"node loss: a snapshot of {lost['bytes'] / 1e9:.2f} GB (every file, as each node's copy holds it) "
+                     f"at step {lost['step']}; node 1's memory dir removed for 'peer'; {len(same)}+{len(peer)} "
+                     "segments alternated; the transfer runs over gloo on loopback (one host emulates both nodes)")
     return (md_table(["what", "measured (median [min–max])", "result"], rows, "lll") + "\n\n"
             + "\n".join(f"- {n}" for n in notes))
 
@@ -293,6 +343,7 @@ def main() -> None:
     ap.add_argument("--crash-at", type=int, default=14, help="recovery: the snapshot step after which rank 1 is killed")
     ap.add_argument("--crash-memory-interval", type=int, default=2, help="recovery: checkpoint.memory_interval")
     ap.add_argument("--crash-interval", type=int, default=10, help="recovery: checkpoint.interval")
+    ap.add_argument("--no-nodes", action="store_true", help="skip the node-loss restore (two emulated nodes)")
     ap.add_argument("--no-publish", action="store_true")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: 2 GPUs (one per rank), NCCL")
     args = ap.parse_args()
@@ -323,10 +374,13 @@ def main() -> None:
             rec = None if args.no_recovery else recovery(args)
             if rec:
                 (OUT / "recovery.json").write_text(json.dumps(rec, indent=2))
+        lost = None if args.no_nodes else node_loss(args)
+        if lost:
+            (OUT / "nodes.json").write_text(json.dumps(lost, indent=2))
     finally:
         shutil.rmtree(args.memory_dir, ignore_errors=True)
         shutil.rmtree(run, ignore_errors=True)
-    body = table(res, rec, args)
+    body = table(res, rec, args, lost)
     if args.no_publish:
         print(body)
         return

@@ -104,3 +104,21 @@ def test_plan_takes_each_missing_file_from_the_node_that_holds_it() -> None:
     other = Copy(8, "e", 3, "tiny", files, list(files))  # copies that disagree on the manifest: not used
     plans, notes = plan([[node0], [other], [node2]], 3, "tiny")
     assert plans == [] and "different manifests" in notes[0]
+
+
+def test_each_node_verifies_its_own_copy_whole(reference: Path, tmp_path: Path, capfd) -> None:
+    """No node lost, but node 1's copy of node 0's file changed in its memory: node 1 hashes its whole copy while
+    loading it (not only the files its rank reads), so the snapshot is not used and storage's is."""
+    run, mem = _two_node_run(tmp_path)
+    shard = sorted((mem / "nodes" / "node1" / "checkpoints" / f"step-{END:08d}").glob("__0_*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    capfd.readouterr()
+    assert spawn(run_segment, 2, str(run), END + 2, 1, nodes=2) == [0, 0]
+    err = capfd.readouterr().err
+    said = [ln for ln in err.splitlines() if "memory snapshot" in ln and "not used" in ln]
+    assert len(said) == 1 and "checksum" in said[0], err[-3000:]
+    resume = [e for e in _events(run) if e["kind"] == "resume"][-1]
+    assert resume["data"]["tier"] == "storage"
+    assert_bitwise(metrics(reference), metrics(run), range(END + 1, END + 3))

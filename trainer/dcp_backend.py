@@ -237,8 +237,10 @@ class DCPCheckpointer(Checkpointer):
         sd = self.state_dict(TrainState(), with_rng=same_world)
         # One pass: every byte is hashed as it is read, and the live tensors are written only after every file
         # of every rank matched the manifest (a mismatch raises ChecksumMismatch with the state untouched).
+        node_copy = self.node_tier and self.memory is not None and self.memory.root in path.parents
         load_verified(sd, path, {f.path: (f.size, f.xxh3_128) for f in manifest.files},
-                      process_group=self.env.ckpt_group)
+                      process_group=self.env.ckpt_group,
+                      node_size=self.env.topology.procs_per_node if node_copy else None)  # each node its own copy
         self.applied = True
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         if same_world:

@@ -208,8 +208,9 @@ class NodeTier:
                 os.rename(src, copy / f.path)
         fsync_dir(copy)
 
-    def check_copy(self, path: Path) -> str | None:
-        """Every node checks its own copy: the quick checks on its leader, every checksum shared by its ranks."""
+    def check_copy(self, path: Path, hashes: bool) -> str | None:
+        """Every node checks its own copy: the quick checks on its leader; ``hashes``: then every checksum, shared
+        by its ranks (not needed before a one-pass load, which hashes every node's copy whole as it reads it)."""
         from ckpt.manifest import read_manifest
         from ckpt.validate import validate
 
@@ -218,7 +219,7 @@ class NodeTier:
             report = validate(path)
             problem = None if report.valid else report.errors[0]
         problem = self.agree(problem, self.env.ctrl_group)  # type: ignore[attr-defined]
-        if problem:
+        if problem or not hashes:
             return problem
         per, local = self.env.topology.procs_per_node, self.env.local_rank  # type: ignore[attr-defined]
         files = read_manifest(path).files[local::per]

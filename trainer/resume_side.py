@@ -174,7 +174,7 @@ class ResumeSide:
 
         one_pass = self.ONE_PASS and not self.extra  # as for storage: hashed while read, applied once all matched
         if self.node_tier:  # type: ignore[attr-defined]  # the peer's files first; then every node checks its copy
-            problem = self.complete_copy(parse_step(path.name) or 0) or self.check_copy(path)  # type: ignore[attr-defined]
+            problem = self.complete_copy(parse_step(path.name) or 0) or self.check_copy(path, not one_pass)  # type: ignore[attr-defined]
         else:
             problem = self._quick_check(path) or (None if one_pass else self._hash_check(path))
         if problem is not None:

@@ -48,8 +48,11 @@ class OnePassReader(SafeFileSystemReader):
     """SafeFileSystemReader that verifies ``expected`` (file name -> (size, xxh3-128)) in ``read_data`` and defers
     every read into the live tensors to ``apply``."""
 
-    def __init__(self, path: str | os.PathLike[str], expected: dict[str, tuple[int, str]]):
+    def __init__(self, path: str | os.PathLike[str], expected: dict[str, tuple[int, str]], node_size: int | None = None):
         super().__init__(path)
+        # Each node reads its own copy (a memory snapshot on several nodes): every file gets an owner on every node
+        # (ranks [k * node_size, (k + 1) * node_size) are one node), so each node hashes every byte it reads.
+        self.node_size = node_size
         self.expected = dict(expected)
         # (request, live target, (file name, byte offset, bytes)): bytes < 0 means a whole record of -bytes to decode
         self.pending: list[tuple[ReadItem, torch.Tensor, tuple[str, int, int]]] = []
@@ -68,12 +71,15 @@ class OnePassReader(SafeFileSystemReader):
                 read.setdefault(info.relative_path, {}).setdefault(rank, set()).add((info.offset, info.length))
         load = [0] * len(plans)
         owned: list[list[str]] = [[] for _ in plans]
-        for name in sorted(self.expected, key=lambda n: (-self.expected[n][0], n)):  # largest first: balance
-            size = self.expected[name][0]
-            mine = {r: sum(n for _, n in spans) for r, spans in read.get(name, {}).items()}
-            rank = min(range(len(plans)), key=lambda r: (load[r] + max(0, size - mine.get(r, 0)), -mine.get(r, 0), r))
-            load[rank] += max(0, size - mine.get(rank, 0))
-            owned[rank].append(name)
+        per = self.node_size or len(plans)
+        for first in range(0, len(plans), per):
+            node = range(first, min(first + per, len(plans)))
+            for name in sorted(self.expected, key=lambda n: (-self.expected[n][0], n)):  # largest first: balance
+                size = self.expected[name][0]
+                mine = {r: sum(n for _, n in spans) for r, spans in read.get(name, {}).items()}
+                rank = min(node, key=lambda r: (load[r] + max(0, size - mine.get(r, 0)), -mine.get(r, 0), r))
+                load[rank] += max(0, size - mine.get(rank, 0))
+                owned[rank].append(name)
         return [dataclasses.replace(plan, storage_data=sorted(owned[r])) for r, plan in enumerate(plans)]
 
     # ------------------------------------------------------------------ read
@@ -279,14 +285,15 @@ def _pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
 
 
 def load_verified(state_dict: dict[str, Any], ckpt_dir: str | os.PathLike[str], expected: dict[str, tuple[int, str]],
-                  *, process_group: Any = None, no_dist: bool = False) -> OnePassReader:
+                  *, process_group: Any = None, no_dist: bool = False, node_size: int | None = None) -> OnePassReader:
     """``dcp.load`` of ``ckpt_dir`` verified in one pass against ``expected``; on any rank's failure every rank
     raises (a ChecksumMismatch first) and ``state_dict``'s tensors are untouched. On success the chunks are
-    copied in and the reader returned (its ``digests`` and ``extra_bytes`` for the record)."""
+    copied in and the reader returned (its ``digests`` and ``extra_bytes`` for the record). ``node_size``: each node
+    of that many ranks reads its own copy of ``ckpt_dir`` and hashes all of it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    reader, planner = OnePassReader(ckpt_dir, expected), SafeLoadPlanner()
+    reader, planner = OnePassReader(ckpt_dir, expected, node_size), SafeLoadPlanner()
     try:
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
     except CheckpointException as e:
