@@ -13,6 +13,7 @@ receiver's hash refuses it.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -76,7 +77,7 @@ class _In:
         try:
             os.pwrite(self.fds[i], data, off)
         except OSError as e:
-            self.problem = self.problem or f"{self.root / self.files[i].path}: could not be written ({e.strerror or e})"
+            self.problem = self.problem or _write_problem(self.root / self.files[i].path, e)
 
     def close(self) -> str | None:
         for fd in self.fds.values():
@@ -89,6 +90,13 @@ class _In:
                 return (f"{self.root / f.path}: the bytes received from the peer node differ from its checksum "
                         "(corrupted in the sender's memory or on the way); not kept")
         return None
+
+
+def _write_problem(where: Path, e: OSError) -> str:
+    """One line; a full memory dir says so the way every save does ("disk full at ..."), so the tier goes off."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"disk full at {where}: the peer node's files do not fit; nothing was committed"
+    return f"{where}: the peer node's files cannot be written there ({e.strerror or e}); nothing was committed"
 
 
 def stream(out: _Out | None, dst: int | None, inc: _In | None, src: int | None, group: dist.ProcessGroup) -> None:
@@ -117,7 +125,7 @@ def exchange(root: Path, mine: list[FileEntry], dst: int, theirs: list[FileEntry
     try:
         inc.open_all()
     except OSError as e:
-        inc.problem = f"{root}: the peer node's files cannot be written there ({e.strerror or e})"
+        inc.problem = _write_problem(root, e)
     try:
         stream(out, dst, inc, src, group)
     finally:
@@ -136,7 +144,7 @@ def receive(root: Path, files: list[FileEntry], src: int, group: dist.ProcessGro
     try:
         inc.open_all()
     except OSError as e:
-        inc.problem = f"{root}: files from the peer node cannot be written there ({e.strerror or e})"
+        inc.problem = _write_problem(root, e)
     try:
         stream(None, None, inc, src, group)
     finally:
