@@ -165,11 +165,15 @@ class NodeTier:
             elif self.is_leader and self.node == dst:
                 mine = replicate.receive(fetch, files, self._leader_rank(src), ctrl) or mine
         problem = self.agree(mine, ctrl)  # type: ignore[attr-defined]
+        joined = None
         if self.is_leader and receiving:
             if problem is None:
-                self._join(fetch, copy, got)  # type: ignore[arg-type]
+                try:
+                    self._join(fetch, copy, got)  # type: ignore[arg-type]
+                except OSError as e:
+                    joined = f"{copy}: the files received from the peer node could not join it ({e.strerror or e})"
             shutil.rmtree(fetch, ignore_errors=True)
-        return problem
+        return problem or self.agree(joined, ctrl)  # type: ignore[attr-defined]
 
     def _manifest_for(self, step: int, plan: memtier_nodes.Plan, copy: Path, fetch: Path) -> CheckpointManifest | str | None:
         """The snapshot's manifest on every rank: a node without a copy gets its bytes from a node that has one
@@ -179,7 +183,11 @@ class NodeTier:
         ctrl = self.env.ctrl_group  # type: ignore[attr-defined]
         for dst, src in sorted(plan.manifest_from.items()):
             if self.is_leader and self.node == src:
-                dist.send_object_list([(copy / MANIFEST_NAME).read_bytes()], dst=self._leader_rank(dst), group=ctrl)
+                try:
+                    raw = (copy / MANIFEST_NAME).read_bytes()
+                except OSError:
+                    raw = b""  # the receiver refuses it (digest): one line on every rank, no rank left waiting
+                dist.send_object_list([raw], dst=self._leader_rank(dst), group=ctrl)
             elif self.is_leader and self.node == dst:
                 box: list[Any] = [None]
                 dist.recv_object_list(box, src=self._leader_rank(src), group=ctrl)
