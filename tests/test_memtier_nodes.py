@@ -122,3 +122,37 @@ def test_each_node_verifies_its_own_copy_whole(reference: Path, tmp_path: Path, 
     resume = [e for e in _events(run) if e["kind"] == "resume"][-1]
     assert resume["data"]["tier"] == "storage"
     assert_bitwise(metrics(reference), metrics(run), range(END + 1, END + 3))
+
+
+def _exchange_rank(root: str) -> list:
+    """Each of 2 ranks sends its files to the other in many small chunks (the pipelined stream), both at once."""
+    import os as _os
+
+    import torch.distributed as dist
+
+    import trainer.replicate as rep
+    from ckpt.hashing import hash_file
+    from schemas import FileEntry
+
+    dist.init_process_group("gloo")
+    rep.CHUNK = 1000
+    rank = dist.get_rank()
+    here = Path(root) / f"node{rank}"
+    here.mkdir(parents=True)
+    mine = []
+    for i, size in enumerate((0, 1, 999, 1000, 1001, 7777 + rank)):
+        name = f"__{rank}_{i}.distcp"
+        (here / name).write_bytes(_os.urandom(size))
+        mine.append(FileEntry(path=name, size=size, xxh3_128=hash_file(here / name)[1], rank=rank))
+    theirs: list = [None, None]
+    dist.all_gather_object(theirs, mine)
+    problem = rep.exchange(here, mine, 1 - rank, theirs[1 - rank], 1 - rank, dist.group.WORLD)
+    dist.barrier()
+    peer = Path(root) / f"node{1 - rank}"
+    return [problem, [(here / f.path).read_bytes() == (peer / f.path).read_bytes() for f in theirs[1 - rank]]]
+
+
+def test_replication_streams_many_chunks_both_ways_at_once(tmp_path: Path) -> None:
+    got = spawn(_exchange_rank, 2, str(tmp_path))
+    for problem, same in got:
+        assert problem is None and len(same) == 6 and all(same), got

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,16 +29,17 @@ CHUNK = 32 << 20
 
 
 class _Out:
-    """The chunks of the files this rank sends, one at a time through one buffer."""
+    """The chunks of the files this rank sends, through two buffers (one in flight while the next is read)."""
 
     def __init__(self, root: Path, files: list[FileEntry]) -> None:
         self.parts = [(root / f.path, off, min(CHUNK, f.size - off)) for f in files for off in range(0, f.size, CHUNK)]
-        self.buf = torch.empty(min(CHUNK, max((n for _, _, n in self.parts), default=1)), dtype=torch.uint8)
+        size = min(CHUNK, max((n for _, _, n in self.parts), default=1))
+        self.bufs = [torch.empty(size, dtype=torch.uint8) for _ in range(2 if len(self.parts) > 1 else 1)]
         self.problem: str | None = None
 
     def chunk(self, i: int) -> torch.Tensor:
         path, off, n = self.parts[i]
-        view = self.buf[:n]
+        view = self.bufs[i % len(self.bufs)][:n]
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -57,7 +59,8 @@ class _In:
     def __init__(self, root: Path, files: list[FileEntry]) -> None:
         self.root, self.files = root, files
         self.parts = [(i, off, min(CHUNK, f.size - off)) for i, f in enumerate(files) for off in range(0, f.size, CHUNK)]
-        self.buf = torch.empty(min(CHUNK, max((n for _, _, n in self.parts), default=1)), dtype=torch.uint8)
+        size = min(CHUNK, max((n for _, _, n in self.parts), default=1))
+        self.bufs = [torch.empty(size, dtype=torch.uint8) for _ in range(2 if len(self.parts) > 1 else 1)]
         self.hashes = [xxhash.xxh3_128() for _ in files]
         self.fds: dict[int, int] = {}
         self.problem: str | None = None
@@ -100,21 +103,30 @@ def _write_problem(where: Path, e: OSError) -> str:
 
 
 def stream(out: _Out | None, dst: int | None, inc: _In | None, src: int | None, group: dist.ProcessGroup) -> None:
-    """Send ``out``'s chunks to ``dst`` and receive ``inc``'s from ``src``, chunk by chunk, both posted together."""
+    """Send ``out``'s chunks to ``dst`` and receive ``inc``'s from ``src``, pipelined: chunk k travels while the
+    sender reads chunk k+1 and the receiver hashes and writes chunk k-1 (two buffers on each side)."""
     n_out = len(out.parts) if out else 0
     n_in = len(inc.parts) if inc else 0
+
+    def post(k: int) -> tuple[torch.Tensor, Any]:
+        assert inc is not None
+        view = inc.bufs[k % len(inc.bufs)][: inc.parts[k][2]]
+        return view, dist.irecv(view, src=src, group=group)
+
+    ready = out.chunk(0) if out is not None and n_out else None
+    incoming = post(0) if n_in else None
     for k in range(max(n_out, n_in)):
-        reqs, view = [], None
-        if inc is not None and k < n_in:
-            view = inc.buf[: inc.parts[k][2]]
-            reqs.append(dist.irecv(view, src=src, group=group))
-        if out is not None and k < n_out:
-            reqs.append(dist.isend(out.chunk(k), dst=dst, group=group))
-        for r in reqs:
-            r.wait()
-        if view is not None:
+        sent = dist.isend(ready, dst=dst, group=group) if ready is not None and k < n_out else None
+        if incoming is not None and k < n_in:
+            view, req = incoming
+            req.wait()
+            incoming = post(k + 1) if k + 1 < n_in else None
             assert inc is not None
-            inc.take(k, view)
+            inc.take(k, view)  # while chunk k + 1 arrives in the other buffer
+        if out is not None and k + 1 < n_out:
+            ready = out.chunk(k + 1)  # read into the other buffer while chunk k is in flight
+        if sent is not None:
+            sent.wait()
 
 
 def exchange(root: Path, mine: list[FileEntry], dst: int, theirs: list[FileEntry], src: int,
