@@ -143,11 +143,16 @@ def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> d
 
 
 # --------------------------------------------------------------------------------------------- 3, segments
-def _kill_after(mem: Path, step: int):
+def _kill_after(mem: Path, step: int, killed: list[int]):
+    """SIGKILL rank 1 once a snapshot of ``step`` or later is committed (one due while a save is in flight is
+    skipped, and retention retires old ones: waiting for exactly ``step`` could wait forever)."""
     def on_start(procs: list) -> None:
         deadline = time.time() + 1200
         while time.time() < deadline:
-            if (mem / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file():
+            done = [p.name for p in (mem / "checkpoints").glob("step-*") if (p / "manifest.json").is_file()]
+            late = sorted(int(n[5:13]) for n in done if n[5:13].isdigit() and int(n[5:13]) >= step)
+            if late:
+                killed.append(late[0])
                 os.kill(procs[1].pid, signal.SIGKILL)
                 procs[0].join(timeout=30)
                 if procs[0].is_alive():
@@ -192,14 +197,16 @@ def recovery(args: argparse.Namespace) -> dict:
     spec = spec_for(args.layers, args.seq, mem, mem_k, store_k)
     run = base / "crashed"
     prepare_run_dir(RunDir.at(run), spec)
+    killed: list[int] = []
     try:
-        spawn(run_segment, 2, str(run), 1 << 20, 0, timeout=20, on_start=_kill_after(mem, crash_at), device=DEVICE)
+        spawn(run_segment, 2, str(run), 1 << 20, 0, timeout=20, on_start=_kill_after(mem, crash_at, killed),
+              device=DEVICE)
     except queue.Empty:
         pass
     trained = max(metrics(run))
     pristine_mem = base / "mem-pristine"
     shutil.copytree(mem, pristine_mem)
-    out: dict = {"trained_before_crash": trained, "crash_at": crash_at, "memory_interval": mem_k, "interval": store_k, "memory": [], "storage": [], "fresh": []}
+    out: dict = {"trained_before_crash": trained, "crash_at": killed[0] if killed else crash_at, "memory_interval": mem_k, "interval": store_k, "memory": [], "storage": [], "fresh": []}
     for r in range(args.reps):
         order = ("memory", "storage", "fresh") if r % 2 == 0 else ("fresh", "storage", "memory")
         for path in order:
