@@ -156,3 +156,33 @@ def test_replication_streams_many_chunks_both_ways_at_once(tmp_path: Path) -> No
     got = spawn(_exchange_rank, 2, str(tmp_path))
     for problem, same in got:
         assert problem is None and len(same) == 6 and all(same), got
+
+
+def _segment_node1_full_at_commit(run: str, until: int, segment: int) -> int:
+    """run_segment, but node 1's memory dir is full when its copy's manifest is written (tmpfs ENOSPC)."""
+    import errno
+    import os
+
+    from trainer import node_tier
+
+    if int(os.environ["RANK"]) == 1:
+        def full(partial: Path, manifest: object) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device", str(Path(partial) / "manifest.json"))
+        node_tier.write_manifest = full  # type: ignore[assignment]
+    return run_segment(run, until, segment)
+
+
+def test_one_node_failing_its_commit_commits_no_node_and_does_not_hang(tmp_path: Path, capfd) -> None:
+    """Node 1's memory dir is full when its copy is committed: no node commits the snapshot (node 0's copy alone
+    would be a snapshot the run said was not committed), the memory tier goes off in one line, training goes on."""
+    mem = tmp_path / "shm"
+    run = new_run(tmp_path / "run", _spec(mem))
+    capfd.readouterr()
+    assert spawn(_segment_node1_full_at_commit, 2, str(run), END, 0, nodes=2, timeout=90) == [0, 0]
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    said = [ln for ln in err.splitlines() if "memory tier is off" in ln]
+    assert len(said) == 1 and "not committed" in said[0], err[-3000:]
+    for node in ("node0", "node1"):
+        assert RunDir(mem / "nodes" / node).committed() == [], node
+    assert not any(e["kind"] == "checkpoint" and e["data"].get("tier") == "memory" for e in _events(run))

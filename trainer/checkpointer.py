@@ -262,9 +262,11 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         dist.broadcast_object_list(box, src=0, group=group)
         if isinstance(box[0], tuple) and box[0][0] == _NODE_COPIES:  # every node leader commits its node's copy
             manifest = box[0][1]
-            box[0] = self.agree(self.commit_copy(ts.step, manifest, target), group)
+            box[0] = self.commit_copies(ts.step, manifest, target, group)
             if isinstance(box[0], tuple) and box[0][0] == _NODE_TIER_OFF:
                 box[0] = (_TIER_OFF, box[0][1])
+            elif isinstance(box[0], str) and _disk_full(box[0]):
+                box[0] = (_TIER_OFF, _tier_full(ts.step, box[0]))
             if box[0] is None and self.env.is_rank0:
                 try:
                     self._after_commit(target.checkpoint(ts.step), manifest, reason, async_save, MEMORY)

@@ -87,32 +87,62 @@ class NodeTier:
         return replicate.exchange(partial, list(entries), dst, list(everyone[src] or []), src, group)
 
     def commit_copy(self, step: int, manifest: CheckpointManifest, target: RunDir) -> Any:
-        """A node leader commits its node's copy; returns None, one line, or (TIER_OFF, line)."""
+        """A node leader readies its node's copy for the commit: the files it must hold, each of its hashed size,
+        the owner still this run, the manifest written into the ``.partial``. Returns None, one line, or (TIER_OFF,
+        line); every node is ready (agreed) before any renames (``rename_copy``), so that a node failing here
+        leaves no node with a snapshot the run says was not committed."""
         from ckpt.validate import check_staged
 
         if not self.is_leader:
             return None
-        partial, final = target.partial(step), target.checkpoint(step)
+        partial = target.partial(step)
         topo = self.env.topology  # type: ignore[attr-defined]
         files = memtier_nodes.expected(manifest, self.node, topo.nodes, topo.procs_per_node)
         whole = len(files) == len(manifest.files)
-        problem = (check_staged(partial, manifest) or [None])[0] if whole else memtier_nodes.check_node_copy(partial, files)
-        if problem:
-            return problem
-        lost = memtier.still_owner(target, self.run_dir)  # type: ignore[attr-defined]
-        if lost:
-            return (TIER_OFF, lost)
-        write_manifest(partial, manifest)
+        try:
+            problem = (check_staged(partial, manifest) or [None])[0] if whole else memtier_nodes.check_node_copy(partial, files)
+            if problem:
+                return problem
+            lost = memtier.still_owner(target, self.run_dir)  # type: ignore[attr-defined]
+            if lost:
+                return (TIER_OFF, lost)
+            write_manifest(partial, manifest)
+        except Exception as e:  # noqa: BLE001 - one line, agreed: no node commits
+            return self.save_problem(e, partial)  # type: ignore[attr-defined]
+        return None
+
+    def rename_copy(self, step: int, target: RunDir) -> str | None:
+        """A node leader commits its readied copy (the rename); one line when it cannot."""
+        if not self.is_leader:
+            return None
+        partial, final = target.partial(step), target.checkpoint(step)
         gone = lifetime.orphaned()
         if gone:
             lifetime.die_orphaned(f"{gone}; {partial.name} is not committed")
-        if final.exists():
-            quarantine(final, "a new snapshot is committed at the same step")
-        os.rename(partial, final)
-        fsync_dir(final.parent)
-        if not self.env.is_rank0:  # type: ignore[attr-defined]  # rank 0's retention runs in _after_commit
-            memtier.retain(target)
+        try:
+            if final.exists():
+                quarantine(final, "a new snapshot is committed at the same step")
+            os.rename(partial, final)
+            fsync_dir(final.parent)
+        except Exception as e:  # noqa: BLE001
+            return self.save_problem(e, partial)  # type: ignore[attr-defined]
         return None
+
+    def commit_copies(self, step: int, manifest: CheckpointManifest, target: RunDir, group: dist.ProcessGroup) -> Any:
+        """Every rank: every node leader readies its copy, then (all ready) commits it; agreed. A node whose rename
+        failed while others' succeeded: theirs go back to ``.partial`` (removed with the failed save)."""
+        problem = self.agree(self.commit_copy(step, manifest, target), group)  # type: ignore[attr-defined]
+        if problem is not None:
+            return problem
+        problem = self.agree(self.rename_copy(step, target), group)  # type: ignore[attr-defined]
+        if self.is_leader and problem is not None and target.checkpoint(step).is_dir():
+            try:
+                os.rename(target.checkpoint(step), target.partial(step))
+            except OSError:
+                quarantine(target.checkpoint(step), "its save failed on another node")
+        elif self.is_leader and problem is None and not self.env.is_rank0:  # type: ignore[attr-defined]
+            memtier.retain(target)  # rank 0's retention runs in _after_commit
+        return problem
 
     # ----------------------------------------------------------------- restore
     def node_plans(self) -> list[str]:
