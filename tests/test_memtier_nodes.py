@@ -158,6 +158,33 @@ def test_replication_streams_many_chunks_both_ways_at_once(tmp_path: Path) -> No
         assert problem is None and len(same) == 6 and all(same), got
 
 
+
+
+@pytest.mark.parametrize("damage", ["file-is-a-dir", "copy-is-a-file"])
+def test_a_node_copy_with_something_in_the_way_is_rebuilt_from_the_peer_without_a_hang(
+        reference: Path, tmp_path: Path, damage: str, capfd) -> None:
+    """Node 1's copy damaged where the peer's files must land: one of its files replaced by a directory, or the
+    whole step dir replaced by a regular file. The files fetched from node 0 replace what is in the way (the
+    restore neither raises on one rank while the others wait, nor loads anything unchecked)."""
+    run, mem = _two_node_run(tmp_path)
+    snap = mem / "nodes" / "node1" / "checkpoints" / f"step-{END:08d}"
+    if damage == "file-is-a-dir":
+        victim = sorted(snap.glob("__0_*.distcp"))[0]
+        victim.unlink()
+        victim.mkdir()
+    else:
+        shutil.rmtree(snap)
+        snap.write_bytes(b"not a snapshot")
+    capfd.readouterr()
+    assert spawn(run_segment, 2, str(run), END + 2, 1, nodes=2, timeout=90) == [0, 0]
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    resume = [e for e in _events(run) if e["kind"] == "resume"][-1]
+    assert resume["data"]["tier"] == "memory" and resume["parent"] == f"checkpoint:step-{END:08d}@memory"
+    assert validate(snap, deep=True).valid
+    assert_bitwise(metrics(reference), metrics(run), range(END + 1, END + 3))
+
+
 def _segment_node1_full_at_commit(run: str, until: int, segment: int) -> int:
     """run_segment, but node 1's memory dir is full when its copy's manifest is written (tmpfs ENOSPC)."""
     import errno

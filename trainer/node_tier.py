@@ -195,13 +195,13 @@ class NodeTier:
             elif self.is_leader and self.node == dst:
                 mine = replicate.receive(fetch, files, self._leader_rank(src), ctrl) or mine
         problem = self.agree(mine, ctrl)  # type: ignore[attr-defined]
-        joined = None
+        joined: str | None = None
         if self.is_leader and receiving:
             if problem is None:
                 try:
-                    self._join(fetch, copy, got)  # type: ignore[arg-type]
-                except OSError as e:
-                    joined = f"{copy}: the files received from the peer node could not join it ({e.strerror or e})"
+                    self._join(fetch, copy, got, self.node in plan.manifest_from)  # type: ignore[arg-type]
+                except OSError as e:  # said and agreed below: every rank leaves together
+                    joined = f"{copy}: the files from the peer node cannot join this node's copy ({e.strerror or e})"
             shutil.rmtree(fetch, ignore_errors=True)
         return problem or self.agree(joined, ctrl)  # type: ignore[attr-defined]
 
@@ -215,8 +215,8 @@ class NodeTier:
             if self.is_leader and self.node == src:
                 try:
                     raw = (copy / MANIFEST_NAME).read_bytes()
-                except OSError:
-                    raw = b""  # the receiver refuses it (digest): one line on every rank, no rank left waiting
+                except OSError:  # gone since the inventory: the receiver's digest check refuses the empty bytes
+                    raw = b""
                 dist.send_object_list([raw], dst=self._leader_rank(dst), group=ctrl)
             elif self.is_leader and self.node == dst:
                 box: list[Any] = [None]
@@ -227,23 +227,29 @@ class NodeTier:
                 (fetch / MANIFEST_NAME).write_bytes(raw)
         if not self.is_leader:
             return None
-        try:
-            return read_manifest(copy if (copy / MANIFEST_NAME).is_file() else fetch)
+        try:  # a node that offered no copy of this step uses the manifest it received, whatever lies at ``copy``
+            return read_manifest(fetch if self.node in plan.manifest_from else copy)
         except Exception as e:  # noqa: BLE001 - one line, agreed: the snapshot is not used
             return f"{copy}: manifest unreadable ({e})"
 
     @staticmethod
-    def _join(fetch: Path, copy: Path, manifest: CheckpointManifest) -> None:
-        """The received files join the node's copy (a node without one: the fetched dir, manifest included, becomes it)."""
-        if not copy.exists():  # the rename commits it, as a snapshot's own commit does
-            os.rename(fetch, copy)
+    def _join(fetch: Path, copy: Path, manifest: CheckpointManifest, whole: bool) -> None:
+        """The received files join the node's copy. ``whole``: the node offered no copy of this step, so the
+        fetched dir (manifest included) becomes it, and whatever lay at ``copy`` (torn, not a dir) is set aside.
+        Else a file whose place holds something else (a directory, a symlink) replaces it. Raises OSError."""
+        if whole:
+            if os.path.lexists(copy):
+                quarantine(copy, "replaced by the copy fetched from the peer node")
+            os.rename(fetch, copy)  # the rename commits it, as a snapshot's own commit does
             fsync_dir(copy.parent)
             return
         for f in manifest.files:
-            src = fetch / f.path
+            src, dst = fetch / f.path, copy / f.path
             if src.exists():
-                (copy / f.path).parent.mkdir(parents=True, exist_ok=True)
-                os.rename(src, copy / f.path)
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                if os.path.isdir(dst) and not os.path.islink(dst):
+                    shutil.rmtree(dst)
+                os.rename(src, dst)
         fsync_dir(copy)
 
     def check_copy(self, path: Path, hashes: bool) -> str | None:
