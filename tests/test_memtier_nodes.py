@@ -213,3 +213,27 @@ def test_one_node_failing_its_commit_commits_no_node_and_does_not_hang(tmp_path:
     for node in ("node0", "node1"):
         assert RunDir(mem / "nodes" / node).committed() == [], node
     assert not any(e["kind"] == "checkpoint" and e["data"].get("tier") == "memory" for e in _events(run))
+
+
+def test_a_node_dir_held_by_another_live_run_is_left_untouched(tmp_path: Path, capfd) -> None:
+    """Node 1's memory dir was taken by another run that is still alive (its tier.json, its lock held): the
+    restore cannot complete node 1's copy there; one line, storage is used, and nothing of the other run's
+    snapshots is moved or removed."""
+    import fcntl
+    import os
+
+    run, mem = _two_node_run(tmp_path)
+    other = mem / "nodes" / "node1"
+    (other / "tier.json").write_text(json.dumps({"run_dir": str(tmp_path / "other-run"), "id": "0" * 32}))
+    before = sorted(p.name for p in (other / "checkpoints").iterdir())
+    fd = os.open(other / "tier.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        capfd.readouterr()
+        assert spawn(run_segment, 2, str(run), END + 2, 1, nodes=2, timeout=90) == [0, 0]
+        err = capfd.readouterr().err
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in (other / "checkpoints").iterdir()) == before, err[-3000:]
+    resume = [e for e in _events(run) if e["kind"] == "resume"][-1]
+    assert resume["data"]["tier"] == "storage", err[-3000:]

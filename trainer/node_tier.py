@@ -172,9 +172,10 @@ class NodeTier:
         if self.is_leader and receiving:
             try:
                 problem = memtier.claim(mem, self.run_dir, self._tier_lock)  # type: ignore[attr-defined]
-                if fetch.exists():
-                    shutil.rmtree(fetch)
-                mkdir_durable(fetch)
+                if problem is None:  # a dir that is not this run's is left as it is
+                    if fetch.exists():
+                        shutil.rmtree(fetch)
+                    mkdir_durable(fetch)
             except OSError as e:
                 problem = f"{mem.root}: cannot take the snapshot from the peer node ({e.strerror or e})"
         problem = self.agree(problem, ctrl)  # type: ignore[attr-defined]

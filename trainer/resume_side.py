@@ -167,7 +167,9 @@ class ResumeSide:
             if self.env.is_rank0:
                 log.error("memory snapshot %s not used: %s; resuming from storage", path, problem)
             if self.is_leader:  # type: ignore[attr-defined]  # each node sets its own copy aside
-                if path.exists():
+                # (not in a node dir another run holds: its snapshot at this step is that run's)
+                ours = not self.node_tier or memtier.owner_problem(self.memory, self.run_dir) is None  # type: ignore[attr-defined]
+                if path.exists() and ours:
                     quarantine(path, "failed its checks")
             dist.barrier(group=self.env.ctrl_group)
             return None if attempted else False
