@@ -142,7 +142,11 @@ def plan(found: list[list[Copy] | None], world_size: int, run_name: str) -> tupl
             notes.append(f"memory snapshot step-{step:08d}: the nodes' copies carry different manifests; not used")
             continue
         if any_copy.world_size != world_size or any_copy.run_name != run_name:
-            continue  # said by the caller's own checks of the manifest
+            notes.append(f"memory snapshot step-{step:08d}: " + (
+                f"saved at world size {any_copy.world_size}, this segment runs {world_size}"
+                if any_copy.world_size != world_size else f"written by run {any_copy.run_name!r}, not {run_name!r}")
+                + "; not used")
+            continue
         everything = set(any_copy.files)
         held = {n: set(c.held) for n, c in at.items()}
         union = set().union(*held.values())

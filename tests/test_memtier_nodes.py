@@ -237,3 +237,16 @@ def test_a_node_dir_held_by_another_live_run_is_left_untouched(tmp_path: Path, c
     assert sorted(p.name for p in (other / "checkpoints").iterdir()) == before, err[-3000:]
     resume = [e for e in _events(run) if e["kind"] == "resume"][-1]
     assert resume["data"]["tier"] == "storage", err[-3000:]
+
+
+def test_plan_says_why_a_snapshot_of_another_world_size_is_not_used() -> None:
+    """The node tier's candidates are the plans alone: a snapshot left out for its world size or run name is said
+    in one line (as the single-node tier says it), not dropped silently."""
+    from ckpt.memtier_nodes import Copy, plan
+
+    files = {"__0_0.distcp": 10, "__1_0.distcp": 10}
+    whole = Copy(8, "d", 2, "tiny", files, list(files))
+    plans, notes = plan([[whole], [whole]], 4, "tiny")
+    assert plans == [] and len(notes) == 1 and "world size 2" in notes[0] and "runs 4" in notes[0], notes
+    plans, notes = plan([[whole], [whole]], 2, "other")
+    assert plans == [] and len(notes) == 1 and "'tiny'" in notes[0], notes
