@@ -322,7 +322,7 @@ def persist_newer(spec: RunSpec, run_dir: RunDir) -> tuple[Path | None, str | No
     snaps, problem = [], None
     for mem in memory_dirs(memory_run_dir(spec, run_dir)):  # a run on several nodes: each node's copy seen here
         snap, why = newest_snapshot(mem, run_dir)
-        if snap is not None:
+        if snap is not None and (mem.root.parent.name != NODES_DIR or _whole(snap)):  # part of one: not persistable
             snaps.append(snap)
         problem = problem or why
     if not snaps:
@@ -358,6 +358,16 @@ def persist_newer(spec: RunSpec, run_dir: RunDir) -> tuple[Path | None, str | No
 
 
 # ----------------------------------------------------------------------------------------------- capacity
+def _whole(snap: Path) -> bool:
+    """A node's copy holds every file of its manifest (with more than two nodes it holds only some until a restore)."""
+    from ckpt.manifest import read_manifest
+
+    try:
+        return all((snap / f.path).is_file() for f in read_manifest(snap).files)
+    except Exception:  # noqa: BLE001 - an unreadable manifest: validated (and said) as any other copy
+        return True
+
+
 def check_memory_tier(spec: RunSpec, run_dir: RunDir, *, state_bytes: float | None, ranks_on_node: int,
                       here: bool = True) -> None:
     """Preflight of checkpoint.memory_interval (one line each, nothing written): the fsdp2 backend only; the
