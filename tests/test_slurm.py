@@ -49,18 +49,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     return metrics(run)
 
 
-def test_two_nodes_on_loopback_train_what_one_machine_trains(tmp_path: Path, reference: dict[int, dict]) -> None:
-    """No scheduler: two torchrun agents (the local launcher's --nodes 2) meet through c10d rendezvous."""
-    run = tmp_path / "mn"
-    proc = _cli("train", "--config", str(TINY), "--run-dir", str(run), "--nodes", "2", "--nproc", "1",
-                "--until-step", "12", "--device", "cpu", *INTERVAL)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "(2 nodes x 1)" in proc.stdout + proc.stderr
-    assert_bitwise(reference, metrics(run), range(1, 13))
-    manifest = json.loads((run / "checkpoints" / "step-00000012" / "manifest.json").read_text())
-    assert manifest["topology"]["nodes"] == 2 and manifest["topology"]["procs_per_node"] == 1
-
-
 def _node_procs(name: str, run: Path) -> list[int]:
     """The processes of emulated node ``name`` of the run in ``run`` (its torchrun agent and ranks)."""
     pids = []
@@ -77,9 +65,10 @@ def _node_procs(name: str, run: Path) -> list[int]:
 
 def test_two_local_agents_lose_a_node_and_restore_from_the_peers_memory(tmp_path: Path,
                                                                         reference: dict[int, dict]) -> None:
-    """Memory snapshots every 5 steps on two torchrun agents (nodes node0, node1), storage only every 100. Node 1
-    dies whole (agent and rank SIGKILLed) and its memory is gone: the launcher persists node 0's whole copy; the
-    next segment restores from memory, node 1's files from node 0's RAM, bitwise like one machine."""
+    """No scheduler: two torchrun agents (the local launcher's --nodes 2, nodes node0 and node1) meet through c10d
+    rendezvous and train bitwise what one machine trains. Memory snapshots every 5 steps, storage only every 100.
+    Node 1 dies whole (agent and rank SIGKILLed) and its memory is gone: the launcher persists node 0's whole copy;
+    the next segment restores from memory, node 1's files from node 0's RAM, still bitwise like one machine."""
     run, mem, log = tmp_path / "mn", tmp_path / "shm", tmp_path / "mn.log"
     args = ["train", "--config", str(TINY), "--run-dir", str(run), "--nodes", "2", "--nproc", "1", "--device", "cpu",
             "--set", "checkpoint.interval=100", "--set", "checkpoint.memory_interval=5",
@@ -87,10 +76,10 @@ def test_two_local_agents_lose_a_node_and_restore_from_the_peers_memory(tmp_path
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "shardkeeper", *args, "--until-step", str(STEPS)], cwd=ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
-    node1 = mem / "nodes" / "node1" / "checkpoints"
-    deadline = time.monotonic() + 180
+    node0 = mem / "nodes" / "node0" / "checkpoints"  # the survivor: its copy of a step >= 20 committed (the
+    deadline = time.monotonic() + 180                   # nodes rename their copies one after the other)
     while not any(p.name >= "step-00000020" and (p / "manifest.json").is_file()
-                  for p in (node1.iterdir() if node1.is_dir() else [])):
+                  for p in (node0.iterdir() if node0.is_dir() else [])):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
     for pid in _node_procs("node1", run):
@@ -103,8 +92,10 @@ def test_two_local_agents_lose_a_node_and_restore_from_the_peers_memory(tmp_path
     again = _cli(*args, "--until-step", str(step + 10))
     out = again.stdout + again.stderr
     assert again.returncode == 0, out[-3000:]
-    assert f"resumed from step-{step:08d} in memory" in out, out[-3000:]
+    assert f"resumed from step-{step:08d} in memory" in out and "(2 nodes x 1)" in out, out[-3000:]
     assert_bitwise(reference, metrics(run), range(1, step + 11))
+    manifest = json.loads((run / "checkpoints" / f"step-{step + 10:08d}" / "manifest.json").read_text())
+    assert manifest["topology"]["nodes"] == 2 and manifest["topology"]["procs_per_node"] == 1
 
 
 # -- real Slurm ----------------------------------------------------------------------------------------------
