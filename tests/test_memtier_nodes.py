@@ -15,6 +15,7 @@ import pytest
 
 from ckpt.layout import RunDir
 from ckpt.validate import validate
+from tests.reliability.corrupt import flip_byte
 from tests.harness import assert_bitwise, metrics, new_run, spawn, tiny_spec
 from trainer.segment import run_segment
 
@@ -69,10 +70,7 @@ def test_a_replica_tampered_in_the_peers_memory_is_never_loaded(reference: Path,
     run, mem = _two_node_run(tmp_path)
     a, b = mem / "nodes" / "node0", mem / "nodes" / "node1"
     shutil.rmtree(b)
-    shard = sorted((a / "checkpoints" / f"step-{END:08d}").glob("__1_*.distcp"))[0]
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    flip_byte(sorted((a / "checkpoints" / f"step-{END:08d}").glob("__1_*.distcp"))[0])
     capfd.readouterr()
     assert spawn(run_segment, 2, str(run), END + 2, 1, nodes=2) == [0, 0]
     err = capfd.readouterr().err
@@ -111,9 +109,7 @@ def test_each_node_verifies_its_own_copy_whole(reference: Path, tmp_path: Path, 
     loading it (not only the files its rank reads), so the snapshot is not used and storage's is."""
     run, mem = _two_node_run(tmp_path)
     shard = sorted((mem / "nodes" / "node1" / "checkpoints" / f"step-{END:08d}").glob("__0_*.distcp"))[0]
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 3] ^= 0x01
-    shard.write_bytes(bytes(data))
+    flip_byte(shard, shard.stat().st_size // 3)
     capfd.readouterr()
     assert spawn(run_segment, 2, str(run), END + 2, 1, nodes=2) == [0, 0]
     err = capfd.readouterr().err

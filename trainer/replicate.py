@@ -129,36 +129,34 @@ def stream(out: _Out | None, dst: int | None, inc: _In | None, src: int | None, 
             sent.wait()
 
 
+def _transfer(root: Path, out_files: list[FileEntry], dst: int | None, in_files: list[FileEntry], src: int | None,
+              group: dist.ProcessGroup) -> tuple[str | None, str | None]:
+    """Send ``out_files`` (in ``root``) to ``dst`` and receive ``in_files`` from ``src`` into ``root`` (either side
+    may be None). Returns (the receiver's problem, the sender's problem)."""
+    out = _Out(root, out_files) if dst is not None else None
+    inc = _In(root, in_files) if src is not None else None
+    if inc is not None:
+        try:
+            inc.open_all()
+        except OSError as e:
+            inc.problem = _write_problem(root, e)
+    try:
+        stream(out, dst, inc, src, group)
+    finally:
+        received = inc.close() if inc is not None else None
+    return received, out.problem if out is not None else None
+
+
 def exchange(root: Path, mine: list[FileEntry], dst: int, theirs: list[FileEntry], src: int,
              group: dist.ProcessGroup) -> str | None:
     """Send ``mine`` (in ``root``) to rank ``dst``; receive ``theirs`` from rank ``src`` into ``root``. One line
     when a received file does not hash to what its writer hashed, or cannot be written; else None."""
-    out, inc = _Out(root, mine), _In(root, theirs)
-    try:
-        inc.open_all()
-    except OSError as e:
-        inc.problem = _write_problem(root, e)
-    try:
-        stream(out, dst, inc, src, group)
-    finally:
-        problem = inc.close()
-    return problem or None
+    return _transfer(root, mine, dst, theirs, src, group)[0]
 
 
 def send(root: Path, files: list[FileEntry], dst: int, group: dist.ProcessGroup) -> str | None:
-    out = _Out(root, files)
-    stream(out, dst, None, None, group)
-    return out.problem
+    return _transfer(root, files, dst, [], None, group)[1]
 
 
 def receive(root: Path, files: list[FileEntry], src: int, group: dist.ProcessGroup) -> str | None:
-    inc = _In(root, files)
-    try:
-        inc.open_all()
-    except OSError as e:
-        inc.problem = _write_problem(root, e)
-    try:
-        stream(None, None, inc, src, group)
-    finally:
-        problem = inc.close()
-    return problem
+    return _transfer(root, [], None, files, src, group)[0]
