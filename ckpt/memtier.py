@@ -80,15 +80,18 @@ def memory_dirs(mem: RunDir | None) -> list[RunDir]:
     return [] if mem is None else [mem, *(RunDir(p) for p in node_dirs(mem.root))]
 
 
+def owned_memory_dirs(run_dir: RunDir) -> list[RunDir]:
+    """A reader's view (status, dashboard): the memory dirs on this host that hold this run's snapshots."""
+    return [m for m in memory_dirs(memory_of(run_dir)) if m.checkpoints.is_dir() and not owner_problem(m, run_dir)]
+
+
 def newest_valid_snapshot(run_dir: RunDir) -> tuple[Path, CheckpointManifest] | None:
-    """A reader's view (status, dashboard): the run's newest snapshot in memory that passes quick validation (a
-    node's copy counts when it holds every file)."""
+    """The run's newest snapshot in memory that passes quick validation (a node's copy counts when it holds
+    every file)."""
     from ckpt.validate import latest_valid
 
     best = None
-    for mem in memory_dirs(memory_of(run_dir)):
-        if not mem.checkpoints.is_dir() or owner_problem(mem, run_dir):
-            continue
+    for mem in owned_memory_dirs(run_dir):
         found = latest_valid(mem)
         if found is not None and (best is None or found[1].step > best[1].step):
             best = found

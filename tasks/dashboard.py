@@ -338,17 +338,16 @@ def checkpoints_now(run_dir: str | Path, events: list[LineageEvent]) -> list[dic
     world size, backend, size, validity as last checked, where it was exported and published."""
     from ckpt.manifest import read_manifest
 
-    from ckpt.memtier import memory_dirs, memory_of, owner_problem
+    from ckpt.memtier import owned_memory_dirs
 
     rd = RunDir.at(run_dir)
     rows = []
     snaps, seen = [], set()
-    for mem in memory_dirs(memory_of(rd)):  # a run on several nodes: one row per snapshot, from the first node's copy
-        if mem.checkpoints.is_dir() and not owner_problem(mem, rd):
-            for p in mem.committed():
-                if p.name not in seen:
-                    seen.add(p.name)
-                    snaps.append(p)
+    for mem in owned_memory_dirs(rd):  # a run on several nodes: one row per snapshot, from the first node's copy
+        for p in mem.committed():
+            if p.name not in seen:
+                seen.add(p.name)
+                snaps.append(p)
     for path, tier in [*((p, "storage") for p in rd.committed()), *((p, "memory") for p in snaps)]:
         step = parse_step(path.name) or 0
         ck = f"checkpoint:{path.name}"

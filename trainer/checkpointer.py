@@ -47,7 +47,7 @@ from schemas import (BaseModelRecord, CheckpointManifest, DataRecord, DtypePolic
 from trainer.ckpt_common import TrainState, Written, background_pool, code_version
 from trainer import lifetime
 from trainer.dist import DistEnv
-from trainer.node_tier import TIER_OFF as _NODE_TIER_OFF, NodeTier
+from trainer.node_tier import TIER_OFF as _TIER_OFF, NodeTier
 from trainer.resume_side import ResumeSide, _load_problem, checkpoint_at_fault
 from trainer.save_side import SaveSide, _disk_full, _tier_full
 
@@ -61,7 +61,6 @@ log = logging.getLogger("shardkeeper.checkpoint")
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-_TIER_OFF = "memory-tier-off"
 _NODE_COPIES = "node-copies"  # rank 0's decision: the manifest each node leader commits its copy with
 
 
@@ -263,9 +262,7 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         if isinstance(box[0], tuple) and box[0][0] == _NODE_COPIES:  # every node leader commits its node's copy
             manifest = box[0][1]
             box[0] = self.commit_copies(ts.step, manifest, target, group)
-            if isinstance(box[0], tuple) and box[0][0] == _NODE_TIER_OFF:
-                box[0] = (_TIER_OFF, box[0][1])
-            elif isinstance(box[0], str) and _disk_full(box[0]):
+            if isinstance(box[0], str) and _disk_full(box[0]):
                 box[0] = (_TIER_OFF, _tier_full(ts.step, box[0]))
             if box[0] is None and self.env.is_rank0:
                 try:

@@ -34,7 +34,7 @@ from trainer import lifetime, replicate
 
 log = logging.getLogger("shardkeeper.checkpoint")
 
-TIER_OFF = "memory-tier-off"
+TIER_OFF = "memory-tier-off"  # a commit decision: the memory tier goes off on every rank (trainer.checkpointer)
 
 
 class NodeTier:
