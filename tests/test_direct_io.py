@@ -38,6 +38,28 @@ def test_save_torch_writes_torch_save_bytes_and_their_digest(tmp_path: Path) -> 
     assert torch.equal(torch.load(tmp_path / "x.pt", weights_only=True)["w"], obj["w"])
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "straight_to_tmpfs"])
+def test_a_file_already_there_is_overwritten_to_exactly_the_new_bytes_and_a_symlink_is_refused(
+        tmp_path: Path, direct: bool) -> None:
+    """The memory tier recycles a retired snapshot's files (written over in place, not truncated first): a longer
+    file at the path ends with exactly the new bytes; a symlink at the path is refused and its target untouched.
+    ``direct=False`` (the memory tier's tmpfs) writes straight from the caller's bytes, no staging buffers."""
+    obj = _payload()
+    path = tmp_path / "x.pt"
+    path.write_bytes(os.urandom(len(_torch_bytes(obj)) + 5 * (1 << 20)))  # longer, random
+    ino = path.stat().st_ino
+    size, digest = save_torch(path, obj, direct)
+    assert path.read_bytes() == _torch_bytes(obj) and hash_file(path) == (size, digest)
+    assert path.stat().st_ino == ino  # the same file (its pages), not a new one
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"precious")
+    path.unlink()
+    path.symlink_to(target)
+    with pytest.raises(OSError) as e:
+        save_torch(path, obj, direct)
+    assert e.value.errno == errno.ELOOP and target.read_bytes() == b"precious"
+
+
 def test_a_refused_direct_write_falls_back_to_buffered_with_the_same_bytes(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     real_write, refused = os.write, []

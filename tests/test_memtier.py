@@ -245,3 +245,41 @@ def test_memory_tier_off_mid_segment_storage_checkpoints_go_the_normal_way(tmp_p
 
     want = [True, True, True, ["step-00000002"], False, True, True, ["keep.txt"], True, True, []]
     assert spawn(_tier_goes_off, 2, str(tmp_path)) == [want] * 2
+
+
+def test_recycling_a_retired_snapshot_keeps_only_its_own_data_files(tmp_path: Path) -> None:
+    """The oldest of the KEEP committed snapshots becomes the next one's .partial (its files overwritten in place):
+    never while fewer are committed; its manifest and DCP metadata go first; a symlink (its target untouched), a
+    hard-linked file, a nested dir and dot-files are removed, not written through; the commit prunes the recycled
+    files the new snapshot did not write again."""
+    mem = RunDir.at(tmp_path / "shm")
+    mem.checkpoints.mkdir(parents=True)
+
+    def snapshot(step: int, *names: str) -> Path:
+        d = mem.checkpoint(step)
+        d.mkdir()
+        for n in names:
+            (d / n).write_bytes(b"x" * 10)
+        (d / "manifest.json").write_text("{}")
+        return d
+
+    snapshot(4, "__0_0.distcp", "__1_0.distcp", ".metadata")
+    assert memtier.recycle(mem, 8) is None and not mem.partial(8).exists()  # only one committed
+    old = snapshot(6, "__0_0.distcp")
+    first = mem.checkpoint(4)
+    inode = (first / "__0_0.distcp").stat().st_ino
+    outside = tmp_path / "precious"
+    outside.write_bytes(b"keep me")
+    (first / "__0_1.distcp").symlink_to(outside)
+    os.link(outside, first / "__0_2.distcp")
+    (first / "sub").mkdir()
+    (first / "sub" / "__0_3.distcp").write_bytes(b"y")
+    kept = memtier.recycle(mem, 8)
+    partial = mem.partial(8)
+    assert kept == {"__0_0.distcp", "__1_0.distcp"} and not first.exists()
+    assert sorted(p.name for p in partial.iterdir()) == ["__0_0.distcp", "__1_0.distcp"]
+    assert (partial / "__0_0.distcp").stat().st_ino == inode
+    assert outside.read_bytes() == b"keep me" and old.is_dir() and [p.name for p in mem.committed()] == [old.name]
+    memtier.prune_recycled(partial, kept, {"__0_0.distcp", ".metadata"})
+    assert sorted(p.name for p in partial.iterdir()) == ["__0_0.distcp"]
+    assert memtier.recycle(mem, 6) is None  # never a snapshot at or after the new step

@@ -204,8 +204,9 @@ class DCPCheckpointer(Checkpointer):
         # The fingerprint's local sums are computed while DCP writes (the write mostly waits on the
         # device); its all-reduce runs after dcp.save, as both use the checkpoint group.
         fp_job = self._fp_pool.submit(self._fingerprint_parts, snapshot, fp.METHOD, self.env.rank)
+        in_memory = self.memory is not None and self.memory.checkpoints == partial.parent  # tmpfs: no O_DIRECT
         writer = HashingDirectWriter(partial, sync_files=True, thread_count=self.spec.checkpoint.io_threads,
-                                     overwrite=False)
+                                     overwrite=False, direct=not in_memory)
         failure: BaseException | None = None
         try:
             dcp.save(snapshot, storage_writer=writer, planner=ExactStoragePlanner(), process_group=group)

@@ -15,6 +15,11 @@ disk equals the bytes hashed; any failure is kept in ``errors`` and re-raised (n
 ``HashingDirectWriter.write_data``, which also checks that every item DCP planned was written: DCP's
 extra writer threads would otherwise die with their exception and leave their items out of the plan.
 
+Where O_DIRECT is refused at open, or not asked for (``direct=False``: the memory tier's tmpfs) there is no staging at all: each 1 MiB piece of
+the caller's bytes is hashed and written straight into the file. A file already at the path is overwritten in
+place and truncated at close (the memory tier recycles its retired snapshot's files: their tmpfs pages are reused,
+not freed and faulted in again); a symlink at the path is refused (O_NOFOLLOW).
+
 torch.save (which DCP's writer threads call per tensor) computes a CRC-32 of every record by default: about half
 the CPU time of a save. The manifest's xxh3-128 of each file covers every byte (resume, validation and export
 check it), so each stream of ``HashingDirectFileSystem`` turns torch's CRC-32 off in the thread that writes it
@@ -78,7 +83,7 @@ class _HashingDirectStream(io.RawIOBase):
     hashing = True  # benchmarks turn it off to measure what checksumming costs
     pipelined = True  # benchmarks turn it off to compare with one buffer, hashed before the copy, written in place
 
-    def __init__(self, path: Path, sink: dict[str, tuple[int, str]], lock: threading.Lock):
+    def __init__(self, path: Path, sink: dict[str, tuple[int, str]], lock: threading.Lock, direct: bool = True):
         super().__init__()
         self.path = path
         self._sink, self._lock = sink, lock
@@ -86,16 +91,25 @@ class _HashingDirectStream(io.RawIOBase):
         self._pos = 0
         self._fill = 0
         self._pending: Future | None = None  # the write of the other buffer
-        self.direct = hasattr(os, "O_DIRECT")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        # No O_TRUNC: a file already there (a retired memory snapshot's, recycled by ckpt.memtier.recycle) is
+        # overwritten in place, its tmpfs pages reused instead of freed and allocated again; close() truncates to
+        # the bytes written. O_NOFOLLOW: a symlink planted where a file goes is refused, never written through.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
         try:
             self._fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
-        except OSError:
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise
             self.direct = False
             self._fd = os.open(path, flags, 0o644)
+        # Where the file system has no O_DIRECT, or it buys nothing (``direct=False``: the memory tier's tmpfs, which
+        # accepts O_DIRECT on recent kernels but has no device behind it), the bytes go from the caller's buffer
+        # straight into the file (the kernel's copy is the only one), hashed on the way; no staging buffers.
+        self.passthrough = not self.direct
         # Two buffers: one fills (copy + hash) while the other is written. Anonymous maps are page-aligned, as
         # O_DIRECT requires.
-        self._bufs = [mmap.mmap(-1, _BUF) for _ in range(2 if self.pipelined else 1)]
+        self._bufs = [] if self.passthrough else [mmap.mmap(-1, _BUF) for _ in range(2 if self.pipelined else 1)]
         self._views = [memoryview(b) for b in self._bufs]
         self._arrays = [np.frombuffer(b, dtype=np.uint8) for b in self._bufs]
         self._cur = 0
@@ -112,6 +126,14 @@ class _HashingDirectStream(io.RawIOBase):
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
         n = len(mv)
+        if self.passthrough:
+            for at in range(0, n, _PIECE):
+                piece = mv[at : at + _PIECE]
+                if self.hashing:
+                    self._hash.update(piece)
+                self._write_all(piece)
+            self._pos += n
+            return n
         pipelined = len(self._bufs) == 2
         if self.hashing and not pipelined:
             self._hash.update(mv)
@@ -167,6 +189,14 @@ class _HashingDirectStream(io.RawIOBase):
                 raise OSError(errno.EIO, "write returned 0 bytes", str(self.path))
             written += n
 
+    def _write_all(self, view: memoryview) -> None:
+        written = 0
+        while written < len(view):
+            n = os.write(self._fd, view[written:])
+            if n <= 0:
+                raise OSError(errno.EIO, "write returned 0 bytes", str(self.path))
+            written += n
+
     def _to_buffered(self) -> None:
         fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         self.direct = False
@@ -199,6 +229,8 @@ class _HashingDirectStream(io.RawIOBase):
                 else:
                     self._drain(self._cur, self._fill)
                 self._fill = 0
+            if os.fstat(self._fd).st_size > self._pos:  # a recycled file was longer
+                os.ftruncate(self._fd, self._pos)
             os.fsync(self._fd)
             on_disk = os.fstat(self._fd).st_size
             if on_disk != self._pos:
@@ -222,12 +254,13 @@ class _HashingDirectStream(io.RawIOBase):
             super().close()
 
 
-def write_direct(path: str | os.PathLike[str], fill: Callable[[io.RawIOBase], None]) -> tuple[int, str]:
+def write_direct(path: str | os.PathLike[str], fill: Callable[[io.RawIOBase], None], direct: bool = True
+                 ) -> tuple[int, str]:
     """Create ``path`` with ``fill(stream)`` through the same O_DIRECT, hashing stream (no page-cache copy of
     the bytes; buffered + fsync where O_DIRECT is refused); return (size, xxh3-128) once the whole file is
     on disk. On a failure nothing is returned and the (partial) file is left for the caller's error path."""
     sink: dict[str, tuple[int, str]] = {}
-    stream = _HashingDirectStream(Path(path), sink, threading.Lock())
+    stream = _HashingDirectStream(Path(path), sink, threading.Lock(), direct)
     try:
         fill(stream)
     except BaseException:
@@ -242,8 +275,9 @@ class HashingDirectFileSystem(FileSystem):
 
     torch_crc32 = False  # benchmarks turn it on to measure what torch's CRC-32 of every record costs
 
-    def __init__(self) -> None:
+    def __init__(self, direct: bool = True) -> None:
         super().__init__()
+        self.direct = direct
         self.digests: dict[str, tuple[int, str]] = {}
         self.errors: dict[str, BaseException] = {}  # file name -> why its write failed
         self.swallow = False  # set while write_data runs (see create_stream)
@@ -256,7 +290,7 @@ class HashingDirectFileSystem(FileSystem):
                 yield s
             return
         try:
-            stream = _HashingDirectStream(Path(path), self.digests, self._lock)
+            stream = _HashingDirectStream(Path(path), self.digests, self._lock, self.direct)
         except BaseException as e:
             with self._lock:
                 self.errors.setdefault(Path(path).name, e)
@@ -302,9 +336,10 @@ class ExactStoragePlanner(DefaultSavePlanner):
 class HashingDirectWriter(FileSystemWriter):
     """FileSystemWriter over HashingDirectFileSystem; ``digests`` maps file name -> (size, xxh3-128)."""
 
-    def __init__(self, path: str | os.PathLike[str], **kwargs: Any):
+    def __init__(self, path: str | os.PathLike[str], *, direct: bool = True, **kwargs: Any):
+        """``direct=False``: buffered writes straight from the caller's bytes (a tmpfs: the memory tier)."""
         super().__init__(path, **kwargs)
-        self.fs = HashingDirectFileSystem()
+        self.fs = HashingDirectFileSystem(direct)
 
     @property
     def digests(self) -> dict[str, tuple[int, str]]:
