@@ -34,9 +34,7 @@ from schemas.errors import ConfigError
 log = logging.getLogger(__name__)
 
 KEEP = 2  # snapshots kept in memory: the newest, and the one before it while the next is written
-# The capacity check: the two kept and a third being written. The third is written over the older kept one's files
-# (``recycle``), but a fresh one is allocated when recycling is not possible: the check keeps room for it.
-SNAPSHOTS_AT_ONCE = KEEP + 1
+SNAPSHOTS_AT_ONCE = KEEP + 1  # the capacity check: the two kept, and a third being written
 OVERHEAD = 1.3  # a snapshot over its fp32 master + AdamW bytes: RNG, extras, DCP metadata, manifest
 OWNER_NAME = "tier.json"
 DEFAULT_ROOT = Path("/dev/shm/shardkeeper")
@@ -243,53 +241,6 @@ def retain(mem: RunDir, keep: int = KEEP) -> list[Path]:
         except OSError as e:  # a reader may hold it: retried at the next snapshot
             log.debug("memory retention: %s stays for now: %s", p.name, e)
     return doomed
-
-
-def recycle(mem: RunDir, step: int) -> set[str] | None:
-    """The node leader, before snapshot ``step`` is written: when ``KEEP`` snapshots are committed, the oldest (the
-    one retention removes once this one commits) becomes ``step``'s ``.partial`` instead of being deleted after it,
-    so the writers overwrite its files in place and reuse their tmpfs pages (freeing and faulting in a whole
-    snapshot's pages costs more than writing it). Renamed first, then its manifest removed: it is never a
-    committed snapshot with new bytes in it, and a half-done recycle is a ``.partial`` that retention sweeps. Only
-    regular data files with one link are kept (dot-files such as DCP's ``.metadata``, links and dirs are removed). Returns the names it still holds: the commit
-    removes those the new snapshot did not write (``prune_recycled``). None: nothing recycled and no ``.partial``
-    made (also when recycling failed: never an error)."""
-    committed = mem.committed()
-    partial = mem.partial(step)
-    if len(committed) < KEEP or parse_step(committed[0].name) >= step or partial.exists():  # type: ignore[operator]
-        return None
-    try:
-        os.rename(committed[0], partial)
-    except OSError as e:
-        log.debug("memory tier: %s not recycled: %s", committed[0].name, e)
-        return None
-    kept: set[str] = set()
-    try:
-        os.unlink(partial / MANIFEST_NAME)
-        for p in sorted(partial.rglob("*"), reverse=True):  # children before their dirs
-            st = os.lstat(p)
-            rel = str(p.relative_to(partial))
-            if (p.parent == partial and not p.name.startswith(".") and os.path.isfile(p) and not os.path.islink(p)
-                    and st.st_nlink == 1):  # DCP's .metadata goes (its writer refuses a dir that has one)
-                kept.add(rel)
-            elif os.path.isdir(p) and not os.path.islink(p):
-                os.rmdir(p)  # empty by now: its children came first
-            else:
-                os.unlink(p)
-    except OSError as e:  # a fresh dir instead
-        log.debug("memory tier: %s not recycled: %s", partial.name, e)
-        shutil.rmtree(partial, ignore_errors=True)
-        return None
-    return kept
-
-
-def prune_recycled(partial: Path, recycled: set[str], keep: set[str]) -> None:
-    """Before the commit's checks: the recycled files this snapshot did not write again are removed."""
-    for name in sorted(recycled - keep):
-        try:
-            os.unlink(partial / name)
-        except FileNotFoundError:
-            pass
 
 
 # ----------------------------------------------------------------------------------------------- persisting

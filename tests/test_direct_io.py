@@ -41,8 +41,8 @@ def test_save_torch_writes_torch_save_bytes_and_their_digest(tmp_path: Path) -> 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "straight_to_tmpfs"])
 def test_a_file_already_there_is_overwritten_to_exactly_the_new_bytes_and_a_symlink_is_refused(
         tmp_path: Path, direct: bool) -> None:
-    """The memory tier recycles a retired snapshot's files (written over in place, not truncated first): a longer
-    file at the path ends with exactly the new bytes; a symlink at the path is refused and its target untouched.
+    """A longer file at the path ends with exactly the new bytes; a symlink at the path is refused and its target
+    untouched.
     ``direct=False`` (the memory tier's tmpfs) writes straight from the caller's bytes, no staging buffers."""
     obj = _payload()
     path = tmp_path / "x.pt"

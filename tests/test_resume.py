@@ -320,12 +320,6 @@ def _crash_after_snapshot(mem: Path, steps: range, killed: list[int], storage_ev
     return on_start
 
 
-def memtier_committed(mem: Path) -> list[Path]:
-    from ckpt.layout import RunDir
-
-    return RunDir.at(mem).committed()
-
-
 def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp_path: Path, capfd) -> None:
     """Memory snapshots every K=4 steps, storage every 7. A rank SIGKILLed after the first snapshot storage has not
     (step s = 8, 12 or 16; one due while a save is still being written is skipped): the launcher persists it after validating it (a tampered copy is refused), the next segment resumes
@@ -374,11 +368,7 @@ def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp
     assert run_state(run).tier == "storage"
     # The next segment on this node: from memory (same step in both tiers: memory wins, storage is not read).
     until = s + 4
-    before = {f.stat().st_ino for d in memtier_committed(mem) for f in d.glob("__*.distcp")}
     assert spawn(run_segment, 2, str(run), until, 1) == [0, 0]
-    # its last snapshot reused a retired snapshot's files (their tmpfs pages), not new ones
-    reused = {f.stat().st_ino for f in (mem / "checkpoints" / f"step-{until:08d}").glob("__*.distcp")}
-    assert reused and reused <= before
     events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
     resume = [e for e in events if e["kind"] == "resume"][-1]
     assert resume["data"]["tier"] == "memory" and resume["parent"] == f"checkpoint:step-{s:08d}@memory"

@@ -115,7 +115,6 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
                                                              else None) if self.FORMAT == "dcp" else None)
         self._plans = {}
         self.last_memory_step: int | None = None
-        self._recycled: dict[int, set[str]] = {}  # step -> names a recycled .partial held (node leaders)
         self.last_storage_step: int | None = None
         self._claimed = False
         self._tier_lock = memtier.TierLock(self.memory) if self.memory is not None else None
@@ -183,11 +182,7 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             if partial.exists():  # an abandoned attempt at the same step
                 shutil.rmtree(partial)
             mkdir_durable(partial.parent)
-            recycled = memtier.recycle(target, step) if target is self.memory else None
-            if recycled is None:
-                partial.mkdir()
-            else:
-                self._recycled[step] = recycled
+            partial.mkdir()
         dist.barrier(group=group if group is not None else self.env.ctrl_group)
         return True
 
@@ -313,8 +308,6 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         )
         if target is self.memory and self.node_tier:
             return (_NODE_COPIES, manifest)
-        if target is self.memory:
-            memtier.prune_recycled(partial, self._recycled.pop(ts.step, set()), {f.path for f in manifest.files})
         staged = check_staged(partial, manifest)  # exactly the planned files, each of its hashed size
         if staged:
             return staged[0]

@@ -100,7 +100,6 @@ class NodeTier:
         files = memtier_nodes.expected(manifest, self.node, topo.nodes, topo.procs_per_node)
         whole = len(files) == len(manifest.files)
         try:
-            memtier.prune_recycled(partial, self._recycled.pop(step, set()), {f.path for f in files})  # type: ignore[attr-defined]
             problem = (check_staged(partial, manifest) or [None])[0] if whole else memtier_nodes.check_node_copy(partial, files)
             if problem:
                 return problem

@@ -69,9 +69,7 @@ class _In:
         for i, f in enumerate(self.files):
             path = self.root / f.path
             path.parent.mkdir(parents=True, exist_ok=True)
-            # no O_TRUNC: a recycled snapshot's file is overwritten in place (its tmpfs pages reused), cut to size
-            self.fds[i] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            os.ftruncate(self.fds[i], f.size)
+            self.fds[i] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
 
     def take(self, k: int, view: torch.Tensor) -> None:
         i, off, n = self.parts[k]

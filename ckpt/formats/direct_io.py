@@ -16,9 +16,8 @@ disk equals the bytes hashed; any failure is kept in ``errors`` and re-raised (n
 extra writer threads would otherwise die with their exception and leave their items out of the plan.
 
 Where O_DIRECT is refused at open, or not asked for (``direct=False``: the memory tier's tmpfs) there is no staging at all: each 1 MiB piece of
-the caller's bytes is hashed and written straight into the file. A file already at the path is overwritten in
-place and truncated at close (the memory tier recycles its retired snapshot's files: their tmpfs pages are reused,
-not freed and faulted in again); a symlink at the path is refused (O_NOFOLLOW).
+the caller's bytes is hashed and written straight into the file. A symlink at a file's path is refused
+(O_NOFOLLOW).
 
 torch.save (which DCP's writer threads call per tensor) computes a CRC-32 of every record by default: about half
 the CPU time of a save. The manifest's xxh3-128 of each file covers every byte (resume, validation and export
@@ -92,10 +91,8 @@ class _HashingDirectStream(io.RawIOBase):
         self._fill = 0
         self._pending: Future | None = None  # the write of the other buffer
         self.direct = direct and hasattr(os, "O_DIRECT")
-        # No O_TRUNC: a file already there (a retired memory snapshot's, recycled by ckpt.memtier.recycle) is
-        # overwritten in place, its tmpfs pages reused instead of freed and allocated again; close() truncates to
-        # the bytes written. O_NOFOLLOW: a symlink planted where a file goes is refused, never written through.
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
+        # O_NOFOLLOW: a symlink planted where a file goes is refused, never written through.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
         try:
             self._fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
         except OSError as e:
@@ -229,8 +226,6 @@ class _HashingDirectStream(io.RawIOBase):
                 else:
                     self._drain(self._cur, self._fill)
                 self._fill = 0
-            if os.fstat(self._fd).st_size > self._pos:  # a recycled file was longer
-                os.ftruncate(self._fd, self._pos)
             os.fsync(self._fd)
             on_disk = os.fstat(self._fd).st_size
             if on_disk != self._pos:
