@@ -191,8 +191,8 @@ def _stalled_segment(run: str, until: int, segment: int, stall: int, marks: str)
 
     real = ds.save_torch
 
-    def save_torch(path: object, obj: object, *args: object) -> tuple[int, str]:
-        out = real(path, obj, *args)
+    def save_torch(path: object, obj: object) -> tuple[int, str]:
+        out = real(path, obj)
         if Path(path).parent.name == f"step-{stall:08d}.partial" and threading.current_thread().name.startswith("ckpt-commit"):
             (Path(marks) / f"rank{os.environ['RANK']}").touch()
             time.sleep(600)

@@ -48,7 +48,7 @@ def test_a_file_already_there_is_overwritten_to_exactly_the_new_bytes_and_a_syml
     path = tmp_path / "x.pt"
     path.write_bytes(os.urandom(len(_torch_bytes(obj)) + 5 * (1 << 20)))  # longer, random
     ino = path.stat().st_ino
-    size, digest = save_torch(path, obj, direct)
+    size, digest = dio.write_direct(path, lambda f: torch.save(obj, f), direct)
     assert path.read_bytes() == _torch_bytes(obj) and hash_file(path) == (size, digest)
     assert path.stat().st_ino == ino  # the same file (its pages), not a new one
     target = tmp_path / "elsewhere"
@@ -56,7 +56,7 @@ def test_a_file_already_there_is_overwritten_to_exactly_the_new_bytes_and_a_syml
     path.unlink()
     path.symlink_to(target)
     with pytest.raises(OSError) as e:
-        save_torch(path, obj, direct)
+        dio.write_direct(path, lambda f: torch.save(obj, f), direct)
     assert e.value.errno == errno.ELOOP and target.read_bytes() == b"precious"
 
 

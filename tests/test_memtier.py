@@ -245,4 +245,3 @@ def test_memory_tier_off_mid_segment_storage_checkpoints_go_the_normal_way(tmp_p
 
     want = [True, True, True, ["step-00000002"], False, True, True, ["keep.txt"], True, True, []]
     assert spawn(_tier_goes_off, 2, str(tmp_path)) == [want] * 2
-

@@ -155,14 +155,13 @@ class DeepSpeedCheckpointer(Checkpointer):
         t = time.perf_counter()
         entries: list[FileEntry] = []
         problem = None
-        direct = not (self.memory is not None and self.memory.checkpoints == partial.parent)  # tmpfs: no O_DIRECT
         try:
             for rel, state in snapshot.files:
                 path = partial / rel
                 path.parent.mkdir(parents=True, exist_ok=True)
-                size, digest = save_torch(path, state, direct)
+                size, digest = save_torch(path, state)
                 entries.append(FileEntry(path=rel, size=size, xxh3_128=digest, rank=self.env.rank))
-            entries += self._save_extras(partial, ts, snapshot.rng, direct)
+            entries += self._save_extras(partial, ts, snapshot.rng)
         except Exception as e:
             problem = self.save_problem(e, partial)
         write_s = time.perf_counter() - t
@@ -170,16 +169,15 @@ class DeepSpeedCheckpointer(Checkpointer):
         return Written(sorted(entries, key=lambda e: e.path), self._ds_inventory(), fingerprint, problem=problem,
                        phases={"write_s": write_s})
 
-    def _save_extras(self, partial: Path, ts: TrainState, rng: dict[str, torch.Tensor], direct: bool = True
-                     ) -> list[FileEntry]:
+    def _save_extras(self, partial: Path, ts: TrainState, rng: dict[str, torch.Tensor]) -> list[FileEntry]:
         """This rank's RNG state; on rank 0 also the counters and the schedule position."""
-        size, digest = save_torch(partial / rng_file(self.env.rank), rng, direct)
+        size, digest = save_torch(partial / rng_file(self.env.rank), rng)
         out = [FileEntry(path=rng_file(self.env.rank), size=size, xxh3_128=digest, rank=self.env.rank)]
         if self.env.is_rank0:
             state = {"step": ts.step, "tokens": ts.tokens, "samples": ts.samples, "schedule_last_step": ts.step - 1,
                      "zero_stage": self.zero_stage, "world_size": self.env.world_size, "layout": "zero"}
             text = (json.dumps(state, indent=2, sort_keys=True) + "\n").encode()
-            size, digest = write_hashed(partial / STATE_FILE, lambda f: f.write(text), direct)
+            size, digest = write_hashed(partial / STATE_FILE, lambda f: f.write(text))
             out.append(FileEntry(path=STATE_FILE, size=size, xxh3_128=digest, rank=0))
         return out
 

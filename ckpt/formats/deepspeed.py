@@ -115,17 +115,16 @@ class HashingFile(io.RawIOBase):
             super().close()
 
 
-def write_hashed(path: str | os.PathLike[str], fill: Callable[[BinaryIO], None], direct: bool = True
-                 ) -> tuple[int, str]:
+def write_hashed(path: str | os.PathLike[str], fill: Callable[[BinaryIO], None]) -> tuple[int, str]:
     """Create ``path`` with ``fill(stream)``, durably, return (size, xxh3-128): written with O_DIRECT while
     hashed (ckpt.formats.direct_io; buffered + fsync where the file system refuses O_DIRECT), so a save
     neither copies every byte into the page cache nor reads it back to hash it."""
-    return write_direct(path, fill, direct)  # type: ignore[arg-type]
+    return write_direct(path, fill)  # type: ignore[arg-type]
 
 
-def save_torch(path: str | os.PathLike[str], obj: Any, direct: bool = True) -> tuple[int, str]:
-    """torch.save (zip format) into ``path`` through write_hashed (``direct=False``: a tmpfs, no O_DIRECT)."""
-    return write_hashed(path, lambda f: torch.save(obj, f), direct)
+def save_torch(path: str | os.PathLike[str], obj: Any) -> tuple[int, str]:
+    """torch.save (zip format) into ``path`` through write_hashed."""
+    return write_hashed(path, lambda f: torch.save(obj, f))
 
 
 class TorchSaveFile:

@@ -15,9 +15,9 @@ disk equals the bytes hashed; any failure is kept in ``errors`` and re-raised (n
 ``HashingDirectWriter.write_data``, which also checks that every item DCP planned was written: DCP's
 extra writer threads would otherwise die with their exception and leave their items out of the plan.
 
-Where O_DIRECT is refused at open, or not asked for (``direct=False``: the memory tier's tmpfs) there is no staging at all: each 1 MiB piece of
-the caller's bytes is hashed and written straight into the file. A symlink at a file's path is refused
-(O_NOFOLLOW).
+Where O_DIRECT is refused at open, or not asked for (``direct=False``: the memory tier's tmpfs), there is no
+staging at all: each 1 MiB piece of the caller's bytes is hashed and written straight into the file. A symlink at
+a file's path is refused (O_NOFOLLOW).
 
 torch.save (which DCP's writer threads call per tensor) computes a CRC-32 of every record by default: about half
 the CPU time of a save. The manifest's xxh3-128 of each file covers every byte (resume, validation and export
@@ -170,26 +170,21 @@ class _HashingDirectStream(io.RawIOBase):
             fut.result()
 
     def _drain(self, which: int, length: int) -> None:
-        """Write buffer ``which``[:length], looping over short writes; EINVAL under O_DIRECT switches this file to
-        buffered I/O (the file offset is unchanged by a refused write, so it resumes where it stopped)."""
-        view = self._views[which]
+        """Write buffer ``which``[:length]."""
+        self._write_all(self._views[which][:length])
+
+    def _write_all(self, view: memoryview) -> None:
+        """Write ``view``, looping over short writes; EINVAL under O_DIRECT switches this file to buffered I/O (the
+        file offset is unchanged by a refused write, so it resumes where it stopped)."""
         written = 0
-        while written < length:
+        while written < len(view):
             try:
-                n = os.write(self._fd, view[written:length])
+                n = os.write(self._fd, view[written:])
             except OSError as e:
                 if e.errno != errno.EINVAL or not self.direct:
                     raise
                 self._to_buffered()
                 continue
-            if n <= 0:
-                raise OSError(errno.EIO, "write returned 0 bytes", str(self.path))
-            written += n
-
-    def _write_all(self, view: memoryview) -> None:
-        written = 0
-        while written < len(view):
-            n = os.write(self._fd, view[written:])
             if n <= 0:
                 raise OSError(errno.EIO, "write returned 0 bytes", str(self.path))
             written += n
