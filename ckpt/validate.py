@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt import fingerprint as fp
 from schemas.errors import CheckpointError, CheckpointRetired
 from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, parse_step
@@ -209,6 +208,8 @@ def _deep_state(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
         now = get_format(manifest.format).recompute_fingerprint(ckpt_dir, manifest)
     except CheckpointError as e:
         return [str(e)]
+    from ckpt import fingerprint as fp  # torch: only once a format reader ran (a launcher starts without it)
+
     diffs = fp.compare(manifest.fingerprint, now, exact=False)
     if diffs:
         return [f"{ckpt_dir}: fingerprint mismatch: {diffs[0]}; the stored state is not what was trained"]
