@@ -86,15 +86,23 @@ def plan_available_topology(spec: RunSpec, nproc: int, *, nodes: int, launcher: 
     return plan_topology(spec, nproc, nodes=nodes, launcher=launcher, device=device, launcher_options=launcher_options)
 
 
-# Device nodes a CUDA (NVIDIA) or ROCm GPU shows in /dev or /proc: where none exists, torch.cuda cannot see a GPU,
-# and the launcher need not import torch (~1 s) to find that out before the ranks start.
-GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd")
+# Device nodes through which torch.cuda reaches a GPU: NVIDIA's (/dev/nvidia*, Jetson's /dev/nvhost-*/nvmap), WSL2's
+# /dev/dxg, ROCm's /dev/kfd. Where none exists, torch.cuda sees no GPU, and the launcher need not import torch (~1 s)
+# to find that out before the ranks start.
+GPU_DEVICE_PREFIXES = ("nvidia", "nvhost", "nvmap", "dxg", "kfd")
+
+
+def _gpu_device_nodes() -> bool:
+    try:
+        return os.path.exists("/proc/driver/nvidia") or any(n.startswith(GPU_DEVICE_PREFIXES) for n in os.listdir("/dev"))
+    except OSError:
+        return True  # cannot tell: ask torch
 
 
 def _cuda_available() -> bool:
     if os.environ.get("SHARDKEEPER_DEVICE") == "cpu":
         return False
-    if not any(os.path.exists(p) for p in GPU_DEVICE_NODES):
+    if not _gpu_device_nodes():
         return False
     try:
         import torch
@@ -151,8 +159,10 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s,
                             restart=restart, cancel_check=_or_lease_lost(cancel_check, mirror), data=prepared)
         warm = _warm_up_readers()
-        outcome = launcher.launch(req, sink)
-        warm.join()
+        try:
+            outcome = launcher.launch(req, sink)
+        finally:
+            warm.join()  # never exit with an import half done in another thread
         _persist_memory(spec, rd, sink)  # before giving up the node: the newest snapshot reaches storage
         result = _segment_result(rd, seg, start_step, topology, outcome)
         if mirror is not None and result.status in ("preempted", "cancelled"):  # its upload: bounded by the grace
