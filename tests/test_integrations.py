@@ -1,5 +1,6 @@
 """The integrations and examples, each launched as a user would: ``shardkeeper train --script`` (real torchrun, gloo,
-2 CPU ranks, tiny transformers Llamas). Module-scoped runs serve several tests each (a launch costs 15-35 s):
+2 CPU ranks, tiny transformers Llamas). Module-scoped runs serve several tests each (a launch costs 15-35 s); one
+module fixture makes them, the chains below (no chain reads another's runs) three at a time:
 
 - Hugging Face Trainer + DeepSpeed ZeRO-2 (examples/hf_trainer.py): an uninterrupted 2-rank run (the Trainer's
   save_steps and the run's interval both commit), a copy of it cut at step 14 resumed on 2 ranks (bitwise); a 2-rank run
@@ -20,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,20 +53,60 @@ def manifest(ckpt: Path) -> dict:
     return json.loads((ckpt / "manifest.json").read_text())
 
 
-# ------------------------------------------------------------------------------------ Hugging Face Trainer
-@pytest.fixture(scope="module")
-def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    base = tmp_path_factory.mktemp("hf")
-    script = ["--script", str(EXAMPLES / "hf_trainer.py"), "--set", "backend=deepspeed",
-              "--set", "checkpoint.interval=10", "--set", "checkpoint.keep_last=100"]
-    ref = base / "ref"  # the Trainer's own save policy (save_steps=7) beside the run's interval (10)
-    train(ref, 30, 2, *script, "--", "--deepspeed", "--max-steps", HF_MAX_STEPS, "--save-steps", "7")
-    same = copy_run_until(ref, base / "same", 14)
-    train(same, 22, 2)
+# ------------------------------------------------------------------------------------ launched side by side
+SIDE_BY_SIDE = 3  # chains at once: much of a launch is process start and imports
 
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every launch of the three module fixtures below, their chains ``SIDE_BY_SIDE`` at a time (no chain reads
+    another's runs); what a chain raised is kept for its fixture to raise."""
+    base = tmp_path_factory.mktemp("launched")
+    chains = {"hf": _hf_uninterrupted_and_cut, "hf-preempted": _preempted_and_resumed, "acc": _acc_chain,
+              "ds": _ds_chain}
+    out: dict[str, object] = {}
+    with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
+        for name in chains:
+            (base / name).mkdir()
+        futures = {name: pool.submit(fn, base / name) for name, fn in chains.items()}
+        for name, f in futures.items():
+            try:
+                out[name] = f.result()
+            except Exception as e:
+                out[name] = e
+    return out
+
+
+def _chain(launched: dict, name: str) -> dict:
+    r = launched[name]
+    if isinstance(r, BaseException):
+        raise r
+    return r
+
+
+# ------------------------------------------------------------------------------------ Hugging Face Trainer
+HF_SCRIPT = ["--script", str(EXAMPLES / "hf_trainer.py"), "--set", "backend=deepspeed",
+             "--set", "checkpoint.interval=10", "--set", "checkpoint.keep_last=100"]
+
+
+@pytest.fixture(scope="module")
+def hf_runs(launched: dict) -> dict:
+    return {**_chain(launched, "hf"), **_chain(launched, "hf-preempted")}
+
+
+def _hf_uninterrupted_and_cut(base: Path) -> dict:
+    ref, same = base / "ref", base / "same"  # the Trainer's own save policy (save_steps=7) beside the run's interval (10)
+    train(ref, 30, 2, *HF_SCRIPT, "--", "--deepspeed", "--max-steps", HF_MAX_STEPS, "--save-steps", "7")
+    copy_run_until(ref, same, 14)
+    train(same, 22, 2)
+    return {"ref": ref, "same": same}
+
+
+def _preempted_and_resumed(base: Path) -> dict:
+    """A 2-rank run SIGTERMed once 4 steps are logged, then resumed on 1 rank to step 30."""
     run = base / "preempted"
     args = [sys.executable, "-m", "shardkeeper", "train", "--run-dir", str(run), "--until-step", HF_MAX_STEPS,
-            "--nproc", "2", *script, "--", "--deepspeed", "--max-steps", HF_MAX_STEPS]
+            "--nproc", "2", *HF_SCRIPT, "--", "--deepspeed", "--max-steps", HF_MAX_STEPS]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, "SHARDKEEPER_DEVICE": "cpu", "DS_ACCELERATOR": "cpu"})
     rows = run / "metrics.jsonl"
@@ -78,7 +120,7 @@ def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     stop = status["end_step"]
     assert stop < 24, f"the SIGTERM landed late (step {stop}); the resume below trains to step 30"
     resumed = train(run, 30, 1)
-    return {"ref": ref, "same": same, "run": run, "preempted": preempted, "resumed": resumed, "stop": stop}
+    return {"run": run, "preempted": preempted, "resumed": resumed, "stop": stop}
 
 
 def test_hf_trainer_sigterm_commits_at_the_step_boundary_and_exits_75(hf_runs: dict) -> None:
@@ -135,8 +177,11 @@ def test_hf_trainer_checkpoints_validate_deep_and_export(hf_runs: dict, tmp_path
 
 # ------------------------------------------------------------------------------------ Accelerate FSDP2
 @pytest.fixture(scope="module")
-def acc_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    base = tmp_path_factory.mktemp("acc")
+def acc_runs(launched: dict) -> dict:
+    return _chain(launched, "acc")
+
+
+def _acc_chain(base: Path) -> dict:
     ref = base / "ref"
     train(ref, 16, 2, "--script", str(EXAMPLES / "accelerate_fsdp.py"), "--set", "checkpoint.interval=4",
           "--set", "checkpoint.keep_last=100")
@@ -177,8 +222,11 @@ def test_accelerate_checkpoints_validate_deep_and_export(acc_runs: dict, tmp_pat
 
 # ------------------------------------------------------------------------------------ own DeepSpeed loop
 @pytest.fixture(scope="module")
-def ds_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    base = tmp_path_factory.mktemp("ds")
+def ds_runs(launched: dict) -> dict:
+    return _chain(launched, "ds")
+
+
+def _ds_chain(base: Path) -> dict:
     ref = base / "ref"
     train(ref, 16, 2, "--script", str(EXAMPLES / "deepspeed_loop.py"), "--set", "backend=deepspeed",
           "--set", "checkpoint.interval=5", "--set", "checkpoint.keep_last=100")

@@ -7,11 +7,11 @@ in samples of the chosen steps (their windows are found with the run's own Globa
 preflight refuses, so those tests switch preflight's scan off, as if the weights changed after it ran. Plus the
 realistic case of the issue: lr 1e6 through `shardkeeper train`.
 
-Eight torchrun launches: FSDP2 lr 1e6 through the CLI (gradient, step 2); FSDP2 NaN loss at the first step;
-FSDP2 skip_step (4 skipped, stopped at the 3rd in a row), then resumed from its last good checkpoint with a
-higher max_skipped to completion; FSDP2 NaN weights the loss has not met yet (the commit refuses them); DeepSpeed
-ZeRO-2 NaN loss at the first step; DeepSpeed skip_step mid-run, stopped at the 2nd in a row while an async save
-of the step before commits, then resumed to completion.
+Eight torchrun launches, made side by side by one module fixture (each test reads its own): FSDP2 lr 1e6 through
+the CLI (gradient, step 2); FSDP2 NaN loss at the first step; FSDP2 skip_step (4 skipped, stopped at the 3rd in a
+row), then resumed from its last good checkpoint with a higher max_skipped to completion; FSDP2 NaN weights the loss
+has not met yet (the commit refuses them); DeepSpeed ZeRO-2 NaN loss at the first step; DeepSpeed skip_step mid-run,
+stopped at the 2nd in a row while an async save of the step before commits, then resumed to completion.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -82,11 +83,17 @@ def _train(spec, run: Path, until: int):
     return res, lines
 
 
+NO_SCAN = "nan-base"  # the folders whose NaN is meant for the ranks: preflight's scan (tested below) skips them
+
+
 def _no_scan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The weights' NaN is meant for the ranks: preflight's scan (tested below) is switched off."""
+    """Preflight's scan switched off for the folders named NO_SCAN, as if their weights changed after it ran; every
+    other folder is scanned as always (the 3e38 ones pass it)."""
     import shardkeeper.preflight
 
-    monkeypatch.setattr(shardkeeper.preflight, "check_finite_weights", lambda *a, **k: None)
+    scan = shardkeeper.preflight.check_finite_weights
+    monkeypatch.setattr(shardkeeper.preflight, "check_finite_weights",
+                        lambda source, tensors: None if Path(source).name == NO_SCAN else scan(source, tensors))
 
 
 def _vocab(folder: Path) -> int:
@@ -124,8 +131,90 @@ def _failed(res, step: int, what: str, resume: int) -> None:
     assert res.end_step == resume
 
 
+# ------------------------------------------------------------------------------------------------ launched
+SIDE_BY_SIDE = 3  # launches at once: much of a launch is process start and imports, one core each
+
+
+def _lr_1e6_cli(run: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SHARDKEEPER_DEVICE": "cpu"}
+    cmd = [sys.executable, "-m", "shardkeeper"]
+    p = subprocess.run([*cmd, "train", "--config", TINY, "--run-dir", str(run), "--nproc", "2", "--until-step", "6",
+                        "--set", "optim.lr=1e6", "--set", "checkpoint.interval=1"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    st = subprocess.run([*cmd, "status", str(run), "--json"], capture_output=True, text=True, env=env, timeout=120)
+    return {"run": run, "train": p, "status": st}
+
+
+def _nan_loss_first(where: Path, base: Path, *sets: str) -> dict:
+    folder = _poisoned(base, where / NO_SCAN, float("nan"))
+    data = _tokens(where / "tokens.npy", _vocab(folder), [0])
+    res, _ = _train(_spec(folder, data, *sets), where / "run", 4)
+    return {"run": where / "run", "res": res}
+
+
+def _skip_step(where: Path, base: Path) -> dict:
+    folder = _poisoned(base, where / "big-base", 3e38)  # finite: preflight passes it
+    data = _tokens(where / "tokens.npy", _vocab(folder), [2, 4, 6, 7, 8])
+    run = where / "run"
+    first, _ = _train(_spec(folder, data, "optim.on_nonfinite=skip_step", "optim.max_skipped=2"), run, 12)
+    shutil.copytree(run, where / "after-first")  # the run as the stop left it, for the test to read
+    res, lines = _train(_spec(folder, data, "optim.on_nonfinite=skip_step", "optim.max_skipped=5"), run, 11)
+    return {"run": run, "after_first": where / "after-first", "first": first, "res": res, "lines": lines}
+
+
+def _nan_weights(where: Path, base: Path) -> dict:
+    folder = _poisoned(base, where / NO_SCAN, float("nan"))
+    data = _tokens(where / "tokens.npy", _vocab(folder), [5])
+    res, _ = _train(_spec(folder, data), where / "run", 8)
+    return {"run": where / "run", "res": res}
+
+
+DS_SKIP = ("backend=deepspeed", "deepspeed.zero_stage=2", "optim.on_nonfinite=skip_step", "checkpoint.async_save=true")
+
+
+def _ds_skip_step(where: Path, base: Path) -> dict:
+    folder = _poisoned(base, where / "big-base", 3e38)
+    data = _tokens(where / "tokens.npy", _vocab(folder), [1, 3, 4])
+    run = where / "run"
+    first, _ = _train(_spec(folder, data, *DS_SKIP, "optim.max_skipped=1"), run, 8)
+    shutil.copytree(run, where / "after-first")
+    res, lines = _train(_spec(folder, data, *DS_SKIP, "optim.max_skipped=2"), run, 7)
+    return {"run": run, "after_first": where / "after-first", "first": first, "res": res, "lines": lines}
+
+
+@pytest.fixture(scope="module")
+def launched(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The eight launches, ``SIDE_BY_SIDE`` at a time; each test below reads its own. What one raised is kept for its
+    test to raise."""
+    monkeypatch = pytest.MonkeyPatch()
+    _no_scan(monkeypatch)
+    jobs = {"cli": (_lr_1e6_cli,), "nan-first": (_nan_loss_first, base), "skip": (_skip_step, base),
+            "ds-skip": (_ds_skip_step, base), "nan-weights": (_nan_weights, base),
+            "ds-nan-first": (_nan_loss_first, base, "backend=deepspeed", "deepspeed.zero_stage=2")}
+    out: dict[str, object] = {}
+    try:
+        with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
+            futures = {name: pool.submit(fn, tmp_path_factory.mktemp(name) / ("run" if name == "cli" else ""), *args)
+                       for name, (fn, *args) in jobs.items()}
+            for name, f in futures.items():
+                try:
+                    out[name] = f.result()
+                except Exception as e:
+                    out[name] = e
+    finally:
+        monkeypatch.undo()
+    return out
+
+
+def _got(launched: dict, name: str) -> dict:
+    r = launched[name]
+    if isinstance(r, BaseException):
+        raise r
+    return r
+
+
 # ------------------------------------------------------------------------------------------------ FSDP2
-def test_lr_1e6_through_the_cli_fails_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+def test_lr_1e6_through_the_cli_fails_with_one_line_and_keeps_the_last_good_checkpoint(launched: dict) -> None:
     """The issue's case: lr 1e6 used to commit NaN checkpoints, reject them all and end "completed ... checkpoint
     None", exit 0. Now: exit 65 at the first non-finite step, one error line, status failed, nothing after step 1."""
     from ckpt.layout import RunDir
@@ -133,12 +222,8 @@ def test_lr_1e6_through_the_cli_fails_with_one_line_and_keeps_the_last_good_chec
     from shardkeeper.config import load_run_spec
     from shardkeeper.stages import prepare_run_dir
 
-    run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SHARDKEEPER_DEVICE": "cpu"}
-    cmd = [sys.executable, "-m", "shardkeeper"]
-    p = subprocess.run([*cmd, "train", "--config", TINY, "--run-dir", str(run), "--nproc", "2", "--until-step", "6",
-                        "--set", "optim.lr=1e6", "--set", "checkpoint.interval=1"], capture_output=True, text=True,
-                       env=env, timeout=300)
+    got = _got(launched, "cli")
+    run, p, st = got["run"], got["train"], got["status"]
     assert p.returncode == 65, p.stderr[-3000:]
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
@@ -151,7 +236,6 @@ def test_lr_1e6_through_the_cli_fails_with_one_line_and_keeps_the_last_good_chec
     assert event["step"] == 2 and event["data"]["what"] == "gradient norm" and event["data"]["resume_step"] == 1
     end = [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines()][-1]
     assert end["status"] == "failed" and end["exit_code"] == 65
-    st = subprocess.run([*cmd, "status", str(run), "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert st.returncode == 0 and json.loads(st.stdout)[0]["last_status"] == "failed", st.stdout + st.stderr
     # the fix the line names is accepted on resume (lower optim.lr, or the skip policy); other optim fields are not
     for ok in ("optim.lr=1e-4", "optim.on_nonfinite=skip_step", "optim.max_skipped=2"):
@@ -160,12 +244,9 @@ def test_lr_1e6_through_the_cli_fails_with_one_line_and_keeps_the_last_good_chec
         prepare_run_dir(RunDir.at(run), load_run_spec(TINY, ["checkpoint.interval=1", "optim.weight_decay=0.5"]))
 
 
-def test_nan_loss_at_the_first_step_commits_nothing(base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _no_scan(monkeypatch)
-    folder = _poisoned(base, tmp_path / "nan-base", float("nan"))
-    data = _tokens(tmp_path / "tokens.npy", _vocab(folder), [0])
-    run = tmp_path / "run"
-    res, _ = _train(_spec(folder, data), run, 4)
+def test_nan_loss_at_the_first_step_commits_nothing(launched: dict) -> None:
+    got = _got(launched, "nan-first")
+    run, res = got["run"], got["res"]
     _failed(res, 1, "loss", 0)
     assert res.checkpoint is None and not list((run / "checkpoints").glob("step-*"))
     assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip()
@@ -173,24 +254,23 @@ def test_nan_loss_at_the_first_step_commits_nothing(base: Path, tmp_path: Path, 
     assert event["step"] == 1 and event["data"]["loss"] == "nan"
 
 
-def test_skip_step_counts_skips_and_stops_after_max_skipped_in_a_row_then_resumes(base: Path, tmp_path: Path) -> None:
+def test_skip_step_counts_skips_and_stops_after_max_skipped_in_a_row_then_resumes(launched: dict) -> None:
     """Gradient NaN (loss finite) at steps 3, 5, 7, 8, 9 (1-based), max_skipped 2: 3, 5, 7, 8 skipped, 9 stops; the
     last good checkpoint (step 8) loads and a resume with max_skipped 5 skips 9 and completes."""
-    folder = _poisoned(base, tmp_path / "big-base", 3e38)  # finite: preflight passes it
-    data = _tokens(tmp_path / "tokens.npy", _vocab(folder), [2, 4, 6, 7, 8])
-    run = tmp_path / "run"
-    res, _ = _train(_spec(folder, data, "optim.on_nonfinite=skip_step", "optim.max_skipped=2"), run, 12)
+    got = _got(launched, "skip")
+    run, stopped = got["run"], got["after_first"]  # stopped: a copy of the run made before the resume
+    res = got["first"]
     _failed(res, 9, "gradient norm", 8)
     assert "3 non-finite steps in a row (optim.max_skipped 2)" in res.failure
-    assert _committed(run) == list(range(1, 9))
-    rows = metrics(run)
+    assert _committed(stopped) == list(range(1, 9))
+    rows = metrics(stopped)
     assert sorted(s for s, r in rows.items() if r.get("skipped")) == [3, 5, 7, 8]
     assert all(math.isfinite(rows[s]["loss"]) and not math.isfinite(rows[s]["grad_norm"]) for s in (3, 5, 7, 8))
     assert all(math.isfinite(rows[s]["grad_norm"]) for s in (1, 2, 4, 6))
-    (event,) = _events(run, "nonfinite")
+    (event,) = _events(stopped, "nonfinite")
     assert event["step"] == 9 and event["data"]["skipped"] == [3, 5, 7, 8] and event["data"]["in_a_row"] == 3
 
-    res, lines = _train(_spec(folder, data, "optim.on_nonfinite=skip_step", "optim.max_skipped=5"), run, 11)
+    res, lines = got["res"], got["lines"]
     assert res.status == "completed" and res.exit_code == 0 and res.start_step == 8 and res.end_step == 11, (res, lines[-10:])
     assert res.note and "skipped 1 non-finite step(s)" in res.note and res.note.endswith(": 9"), res.note
     assert _committed(run) == list(range(1, 12))
@@ -198,47 +278,36 @@ def test_skip_step_counts_skips_and_stops_after_max_skipped_in_a_row_then_resume
     assert rows[9].get("skipped") and not rows[10].get("skipped") and math.isfinite(rows[11]["loss"])
 
 
-def test_nan_weights_that_the_loss_has_not_met_yet_are_never_committed(
-        base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nan_weights_that_the_loss_has_not_met_yet_are_never_committed(launched: dict) -> None:
     """A NaN in the state with a finite loss (the NaN row is not used before step 6): the save of step 1 refuses to
     commit it (its fingerprint is NaN) instead of writing a checkpoint no load would accept."""
-    _no_scan(monkeypatch)
-    folder = _poisoned(base, tmp_path / "nan-base", float("nan"))
-    data = _tokens(tmp_path / "tokens.npy", _vocab(folder), [5])
-    run = tmp_path / "run"
-    res, _ = _train(_spec(folder, data), run, 8)
+    got = _got(launched, "nan-weights")
+    run, res = got["run"], got["res"]
     assert res.status == "failed" and res.exit_code != 0 and res.checkpoint is None
     assert "non-finite state at step 1: the norm of model.model.embed_tokens.weight is NaN/Inf" in res.failure, res.failure
     assert "nothing was committed" in res.failure and not list((run / "checkpoints").glob("step-*"))
 
 
 # ------------------------------------------------------------------------------------------------ DeepSpeed
-def test_deepspeed_nan_loss_at_the_first_step_commits_nothing(
-        base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _no_scan(monkeypatch)
-    folder = _poisoned(base, tmp_path / "nan-base", float("nan"))
-    data = _tokens(tmp_path / "tokens.npy", _vocab(folder), [0])
-    run = tmp_path / "run"
-    res, _ = _train(_spec(folder, data, "backend=deepspeed", "deepspeed.zero_stage=2"), run, 4)
+def test_deepspeed_nan_loss_at_the_first_step_commits_nothing(launched: dict) -> None:
+    got = _got(launched, "ds-nan-first")
+    run, res = got["run"], got["res"]
     _failed(res, 1, "loss", 0)
     assert not list((run / "checkpoints").glob("step-*"))
 
 
-def test_deepspeed_skip_step_mid_run_stops_in_a_row_with_an_async_save_in_flight_then_resumes(
-        base: Path, tmp_path: Path) -> None:
+def test_deepspeed_skip_step_mid_run_stops_in_a_row_with_an_async_save_in_flight_then_resumes(launched: dict) -> None:
     """Gradient NaN at steps 2, 4 and 5 (1-based): DeepSpeed's engine drops those updates; max_skipped 1 skips 2 and 4
     and stops at 5 (2 in a row), while the async save of step 4 commits; step 4 loads and training goes on."""
-    folder = _poisoned(base, tmp_path / "big-base", 3e38)
-    data = _tokens(tmp_path / "tokens.npy", _vocab(folder), [1, 3, 4])
-    run = tmp_path / "run"
-    sets = ("backend=deepspeed", "deepspeed.zero_stage=2", "optim.on_nonfinite=skip_step", "checkpoint.async_save=true")
-    res, _ = _train(_spec(folder, data, *sets, "optim.max_skipped=1"), run, 8)
+    got = _got(launched, "ds-skip")
+    run, stopped = got["run"], got["after_first"]  # stopped: a copy of the run made before the resume
+    res = got["first"]
     _failed(res, 5, "gradient norm", 4)
     assert "2 non-finite steps in a row (optim.max_skipped 1)" in res.failure
-    assert _committed(run) == [1, 2, 3, 4]
-    rows = metrics(run)
+    assert _committed(stopped) == [1, 2, 3, 4]
+    rows = metrics(stopped)
     assert sorted(s for s, r in rows.items() if r.get("skipped")) == [2, 4] and sorted(rows) == [1, 2, 3, 4]
-    res, lines = _train(_spec(folder, data, *sets, "optim.max_skipped=2"), run, 7)
+    res, lines = got["res"], got["lines"]
     assert res.status == "completed" and res.start_step == 4 and res.end_step == 7, (res, lines[-10:])
     assert res.note and res.note.endswith(": 5"), res.note
     rows = metrics(run)
