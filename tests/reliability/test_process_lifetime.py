@@ -167,8 +167,9 @@ def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(pref
 
     run = tmp_path / "cancel"
     name = f"cancel-{os.getpid()}"
+    # The runner polls for scheduled and cancelling flow runs every second (not the default 10 s).
     env = {**cli_env(), "PREFECT_API_URL": prefect_server.api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(tmp_path / "home"))}
+           "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(tmp_path / "home")), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     serve = subprocess.Popen([sys.executable, "-m", "tests.reliability.serve_flow", name], env=env, cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -180,7 +181,7 @@ def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(pref
                 except Exception:  # noqa: BLE001 - not registered yet
                     return False
 
-        wait_until(deployed, 180, "the served deployment", period=1.0)
+        wait_until(deployed, 180, "the served deployment", period=0.2)
         request = TrainExportRequest(config=TINY, run_dir=str(run), backoff_s=0, max_preemption_retries=3,
                                      segments=[SegmentPlan(nproc=2, until_step=BIG - 1), SegmentPlan(nproc=2, until_step=BIG)])
         flow_run = run_deployment(f"train-and-export/{name}", parameters=request.parameters(),
@@ -189,7 +190,7 @@ def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(pref
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
         final = wait_until(lambda: (s := _flow_run_state(flow_run.id)) and s.is_final() and s, 120,
-                           "the flow run to end", period=1.0)
+                           "the flow run to end", period=0.2)
         assert final.type == StateType.CANCELLED, final
         no_survivors(run, within=5.0)
         records = segment_records(run)
