@@ -242,13 +242,12 @@ def cli(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
 
 
 def test_cli_train_at_a_new_world_size_converts_once_and_resumes_within_1e6(z2_ref: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    base = ["train", "--config", TINY, "--run-dir", str(run), "--set", "backend=deepspeed"]
-    first = cli(*base, "--nproc", "2", "--until-step", str(CUT))
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "[DeepSpeedDiagnostics] zero_stage=2 world_size=2" in first.stderr
+    run = copy_run_until(z2_ref, tmp_path / "run", CUT)  # the first segment: 2 ranks, steps 0 -> CUT
+    base = ["train", "--config", TINY, "--run-dir", str(run), "--set", "backend=deepspeed",
+            "--set", "checkpoint.keep_last=100", "--set", f"checkpoint.interval={CUT}"]  # = ds_spec(2)
     second = cli(*base, "--nproc", "3", "--until-step", str(END))  # the trainer converts by itself
     assert second.returncode == 0, second.stderr[-3000:]
+    assert "[DeepSpeedDiagnostics] zero_stage=2 world_size=3" in second.stderr
     got = metrics(run)
     assert {got[s]["world_size"] for s in range(CUT + 1, END + 1)} == {3}
     rel = max_rel(metrics(z2_ref), got, range(CUT + 1, END + 1))
