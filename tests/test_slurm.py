@@ -76,10 +76,12 @@ def test_two_local_agents_lose_a_node_and_restore_from_the_peers_memory(tmp_path
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "shardkeeper", *args, "--until-step", str(STEPS)], cwd=ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
-    node0 = mem / "nodes" / "node0" / "checkpoints"  # the survivor: its copy of a step >= 20 committed (the
-    deadline = time.monotonic() + 180                   # nodes rename their copies one after the other)
-    while not any(p.name >= "step-00000020" and (p / "manifest.json").is_file()
-                  for p in (node0.iterdir() if node0.is_dir() else [])):
+    # The survivor holds a snapshot of a step >= 20 committed on both nodes: the nodes rename their copies one after
+    # the other, and rank 0 says "committed step-N to memory" once every node has (node 0's copy alone is not enough).
+    node0 = mem / "nodes" / "node0" / "checkpoints"
+    deadline = time.monotonic() + 180
+    while not any(int(n) >= 20 and (node0 / f"step-{n}" / "manifest.json").is_file()
+                  for n in re.findall(r"committed step-(\d+) to memory", log.read_text())):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
     for pid in _node_procs("node1", run):
@@ -142,7 +144,7 @@ def _wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout: float = 
         if m:
             return m
         assert proc.poll() is None, f"train ended before {pattern!r}:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
+        time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     raise AssertionError(f"no {pattern!r} after {timeout:g} s:\n{log.read_text()[-3000:]}")
 

@@ -2,8 +2,8 @@
 2 ranks of configs/tiny.yaml); a SIGTERM during start-up is a preemption; a Prefect cancellation
 stops the ranks and ends the segment 'cancelled'.
 
-Launches: 2 for the killed-group scenario, 3 for the chain of a rank killed during start-up, then torchrun, 1 for the
-early SIGTERM, 1 flow run (served deployment) for the cancellation.
+Launches: 4 for one run directory killed three ways (a rank during start-up, the whole process group, torchrun) and
+resumed once, 1 for each early SIGTERM, 1 flow run (served deployment) for the cancellation.
 """
 
 from __future__ import annotations
@@ -40,39 +40,6 @@ pytestmark = pytest.mark.slow
 BIG = 100_000  # an until_step the tests never reach
 
 
-def test_killed_process_group_leaves_no_orphans_and_a_second_train_is_refused_then_resumes(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    proc = start_train(run, BIG, new_session=True)  # as `setsid shardkeeper train ... &`
-    try:
-        wait_training(run, steps=6)  # one interval checkpoint (every 5 steps) committed
-        # While it trains, a second writer is refused with one line and writes nothing.
-        mine = ("run.yaml", "segments.jsonl", ".lock", ".lock.ranks", ".segment-status.json", ".segment-launch.json")  # what `train` writes
-        before = {n: (run / n).read_bytes() for n in mine if (run / n).exists()}
-        second = run_train(run, 8, timeout=120)
-        assert second.returncode == 3, second.stderr[-2000:]
-        lines = second.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ") and "locked by pid" in lines[0], lines
-        after = {n: (run / n).read_bytes() for n in mine if (run / n).exists()}
-        assert after == before
-        assert len(segment_processes(run, "rank")) == 2
-        os.killpg(proc.pid, signal.SIGKILL)  # what a scheduler, the OOM killer or a closed terminal does
-        proc.wait(timeout=30)
-        no_survivors(run, within=5.0)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    found = latest_valid(RunDir.at(run))
-    assert found is not None and validate(found[0], deep=True).valid
-    resumed = run_train(run, found[1].step + 2)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    ends = [r for r in segment_records(run) if r["event"] == "end"]
-    assert ends[-1]["status"] == "completed" and ends[-1]["start_step"] == found[1].step
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == found[1].step + 2 and rows[-1]["segment"] == 1
-    assert "Traceback" not in resumed.stderr
-
-
 def _kill_and_expect_failure(run: Path, victim: str) -> tuple[subprocess.CompletedProcess, float, str]:
     """Start a segment, SIGKILL one of its processes (``victim``: "startup-rank", a rank that has not reached
     rendezvous while its peer waits there; "torchrun", once it trains); return the CLI's result, its seconds after the kill
@@ -99,27 +66,67 @@ def _kill_and_expect_failure(run: Path, victim: str) -> tuple[subprocess.Complet
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), took, named
 
 
-def test_sigkill_of_one_rank_then_of_torchrun_leaves_no_survivors_and_resumes(tmp_path: Path) -> None:
-    """A rank killed during start-up ends the segment within 10 s (its peer does not wait in rendezvous for
-    torchrun's 30 s teardown), in one line naming the rank and the signal; then torchrun killed while training
-    (a rank killed while training: tests/reliability/test_kill_torture.py)."""
+def test_killed_rank_process_group_and_torchrun_leave_no_survivors_a_second_train_is_refused_then_resumes(
+        tmp_path: Path) -> None:
+    """One run directory, killed three ways, then resumed once:
+    - a rank killed during start-up ends the segment within 10 s (its peer does not wait in rendezvous for
+      torchrun's 30 s teardown), in one line naming the rank and the signal;
+    - the whole process group SIGKILLed while it trains (as `setsid shardkeeper train ... &`, then what a scheduler,
+      the OOM killer or a closed terminal does): no orphans; while it trained, a second train was refused in one line
+      and wrote nothing;
+    - torchrun killed while training (a rank killed while training: tests/reliability/test_kill_torture.py);
+    each leaves no survivors and a valid checkpoint to resume from, and the resume starts there."""
     run = tmp_path / "run"
-    for victim in ("startup-rank", "torchrun"):
-        res, took, named = _kill_and_expect_failure(run, victim)
-        assert res.returncode not in (0, 75), res.stderr[-2000:]
-        err_lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
-        assert len(err_lines) == 1 and "failed" in err_lines[0], res.stderr[-2000:]
-        if victim == "torchrun":
-            assert "torchrun was killed by SIGKILL" in err_lines[0]
-        else:
-            assert took < 10.0, f"the CLI ended {took:.1f} s after a rank was killed during start-up: {res.stderr[-2000:]}"
-            assert f"{named} was killed by SIGKILL" in err_lines[0], err_lines
-        assert segment_records(run)[-1]["status"] == "failed"
+    res, took, named = _kill_and_expect_failure(run, "startup-rank")
+    _assert_failed_in_one_line(res)
+    assert took < 10.0, f"the CLI ended {took:.1f} s after a rank was killed during start-up: {res.stderr[-2000:]}"
+    err_lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert f"{named} was killed by SIGKILL" in err_lines[0], err_lines
+    assert segment_records(run)[-1]["status"] == "failed"
+
+    proc = start_train(run, BIG, new_session=True)  # as `setsid shardkeeper train ... &`
+    try:
+        wait_training(run, steps=6)  # one interval checkpoint (every 5 steps) committed
+        # While it trains, a second writer is refused with one line and writes nothing.
+        mine = ("run.yaml", "segments.jsonl", ".lock", ".lock.ranks", ".segment-status.json", ".segment-launch.json")  # what `train` writes
+        before = {n: (run / n).read_bytes() for n in mine if (run / n).exists()}
+        second = run_train(run, 8, timeout=120)
+        assert second.returncode == 3, second.stderr[-2000:]
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "locked by pid" in lines[0], lines
+        after = {n: (run / n).read_bytes() for n in mine if (run / n).exists()}
+        assert after == before
+        assert len(segment_processes(run, "rank")) == 2
+        os.killpg(proc.pid, signal.SIGKILL)  # what a scheduler, the OOM killer or a closed terminal does
+        proc.wait(timeout=30)
+        no_survivors(run, within=5.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     found = latest_valid(RunDir.at(run))
-    start = found[1].step if found else 0
-    again = run_train(run, start + 1)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert segment_records(run)[-1]["start_step"] == start
+    assert found is not None and validate(found[0], deep=True).valid
+
+    res, _, _ = _kill_and_expect_failure(run, "torchrun")
+    _assert_failed_in_one_line(res)
+    assert "torchrun was killed by SIGKILL" in [ln for ln in res.stderr.splitlines() if ln.startswith("error:")][0]
+    assert segment_records(run)[-1]["status"] == "failed"
+    found = latest_valid(RunDir.at(run))
+    assert found is not None and validate(found[0], deep=True).valid
+
+    resumed = run_train(run, found[1].step + 2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ends = [r for r in segment_records(run) if r["event"] == "end"]
+    assert ends[-1]["status"] == "completed" and ends[-1]["start_step"] == found[1].step
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == found[1].step + 2 and rows[-1]["segment"] == 3  # segments 0-2 were killed
+    assert "Traceback" not in resumed.stderr
+
+
+def _assert_failed_in_one_line(res: subprocess.CompletedProcess) -> None:
+    assert res.returncode not in (0, 75), res.stderr[-2000:]
+    err_lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(err_lines) == 1 and "failed" in err_lines[0], res.stderr[-2000:]
 
 
 @pytest.mark.parametrize("target", ["cli", "rank"])
@@ -167,8 +174,9 @@ def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(pref
 
     run = tmp_path / "cancel"
     name = f"cancel-{os.getpid()}"
+    # The runner polls for scheduled and cancelling flow runs every second (not the default 10 s).
     env = {**cli_env(), "PREFECT_API_URL": prefect_server.api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(tmp_path / "home"))}
+           "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(tmp_path / "home")), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     serve = subprocess.Popen([sys.executable, "-m", "tests.reliability.serve_flow", name], env=env, cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -180,7 +188,7 @@ def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(pref
                 except Exception:  # noqa: BLE001 - not registered yet
                     return False
 
-        wait_until(deployed, 180, "the served deployment", period=1.0)
+        wait_until(deployed, 180, "the served deployment", period=0.2)
         request = TrainExportRequest(config=TINY, run_dir=str(run), backoff_s=0, max_preemption_retries=3,
                                      segments=[SegmentPlan(nproc=2, until_step=BIG - 1), SegmentPlan(nproc=2, until_step=BIG)])
         flow_run = run_deployment(f"train-and-export/{name}", parameters=request.parameters(),
@@ -189,7 +197,7 @@ def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(pref
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
         final = wait_until(lambda: (s := _flow_run_state(flow_run.id)) and s.is_final() and s, 120,
-                           "the flow run to end", period=1.0)
+                           "the flow run to end", period=0.2)
         assert final.type == StateType.CANCELLED, final
         no_survivors(run, within=5.0)
         records = segment_records(run)
