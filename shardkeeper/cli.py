@@ -112,7 +112,7 @@ def train(
     spec = train_spec(config, set_, run_dir, script=script, script_args=extra)
     topo = plan_topology(spec, nproc, nodes=nodes, launcher=launcher, device=device, launcher_options=options)
     res = train_segment(spec, run_dir, topo, until_step, timeout_s=timeout, restart=restart, sink=_rank_output,
-                        launcher_options=options)
+                        launcher_options=options, warm_up=True)
     where = f"{topo.world_size} ranks" + (f" ({topo.nodes} nodes x {topo.procs_per_node})" if topo.nodes > 1 else "")
     job = (f" [Slurm job {res.scheduler_job} {res.scheduler_state}"
            f"{f', requeued {res.requeues}x' if res.requeues else ''}]") if res.scheduler_job else ""

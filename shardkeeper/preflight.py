@@ -143,6 +143,7 @@ def check_performance(spec: RunSpec, topology: ClusterTopology) -> None:
             raise ConfigError(f"performance.compile_mode {perf.compile_mode!r} is an inductor option, but "
                               f"performance.compile_backend is {perf.compile_backend!r}; remove compile_mode or "
                               "use compile_backend: inductor")
+        import torch  # first, whole: a submodule import may race a first import of torch in another thread
         import torch._dynamo
         from torch._dynamo.backends.registry import list_backends
 
@@ -156,6 +157,7 @@ def check_performance(spec: RunSpec, topology: ClusterTopology) -> None:
         if topology.launcher == "local" and perf.compile_backend == "inductor":
             check_inductor(topology.device_type)
     if perf.adamw_implementation == "fused" and topology.launcher == "local":
+        import torch  # noqa: F401  (first, whole: see above)
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
         if topology.device_type not in _get_fused_kernels_supported_devices():
@@ -165,6 +167,8 @@ def check_performance(spec: RunSpec, topology: ClusterTopology) -> None:
 
 def check_inductor(device_type: str) -> None:
     """Inductor compiles C++ on the CPU and Triton kernels on CUDA: either must be there."""
+    import torch  # noqa: F401  (first, whole: a submodule import may race a first import of torch in another thread)
+
     if device_type == "cuda":
         from torch.utils._triton import has_triton
 

@@ -1,7 +1,7 @@
 """One Prefect task per pipeline stage, thin and typed, over ``shardkeeper.stages``.
 
-Schemas in, schemas out. torch is imported only when a stage runs (``shardkeeper.stages`` pulls
-it in), so importing tasks/ and flows/ stays light. Caching is off: a stage re-run with the same
+Schemas in, schemas out. torch is imported only when a stage runs (by the stage, when it needs
+it), so importing tasks/ and flows/ stays light. Caching is off: a stage re-run with the same
 inputs (a resume after a preemption) must really run again. Only ``publish`` retries, because only
 it talks to the network; a user mistake (bad target, no token) is never retried.
 """

@@ -239,20 +239,26 @@ def test_sigterm_in_the_first_moments_of_train_is_a_preemption_not_a_kill(tmp_pa
     assert not list(run.glob("checkpoints/step-*")), "a checkpoint was written after a stop before the start"
 
 
-def test_the_launcher_asks_torch_about_gpus_only_where_a_gpu_device_node_exists() -> None:
-    """On a host without GPU device nodes the device is chosen without importing torch (~1 s before every segment);
-    where one exists (here: reported by a patched /dev listing) torch.cuda decides."""
+def test_the_launcher_asks_torch_about_gpus_only_where_a_gpu_may_be_there() -> None:
+    """On a host where nothing shows a GPU the device is chosen without importing torch (~1 s before every
+    segment); where a device node shows one (here: a patched /dev listing) or CUDA_VISIBLE_DEVICES names one,
+    torch.cuda decides (here: patched to say yes, so the answer can only come from it)."""
     code = ("import os, sys\n"
             "from shardkeeper.stages import train as t\n"
             "os.environ.pop('SHARDKEEPER_DEVICE', None)\n"
             "print(t._gpu_device_nodes(), t._cuda_available(), 'torch' in sys.modules)\n"
+            "import torch\n"
+            "torch.cuda.is_available = lambda: True\n"
             "real = os.listdir\n"
             "t.os.listdir = lambda p: ['nvidia0', *real(p)]\n"
-            "import torch\n"
-            "print(t._gpu_device_nodes(), t._cuda_available() == torch.cuda.is_available())\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+            "print(t._gpu_device_nodes(), t._cuda_available())\n"
+            "t.os.listdir = real\n"
+            "os.environ['CUDA_VISIBLE_DEVICES'] = '0'\n"
+            "print(t._gpu_device_nodes(), t._cuda_available())\n")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_VISIBLE_DEVICES")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr
-    first, second = r.stdout.splitlines()
+    first, *rest = r.stdout.splitlines()
     if first.startswith("True"):
-        pytest.skip("this host has GPU device nodes")
-    assert first == "False False False" and second == "True True", r.stdout
+        pytest.skip("this host shows a GPU")
+    assert first == "False False False" and rest == ["True True", "True True"], r.stdout

@@ -86,15 +86,34 @@ def plan_available_topology(spec: RunSpec, nproc: int, *, nodes: int, launcher: 
     return plan_topology(spec, nproc, nodes=nodes, launcher=launcher, device=device, launcher_options=launcher_options)
 
 
-# Device nodes through which torch.cuda reaches a GPU: NVIDIA's (/dev/nvidia*, Jetson's /dev/nvhost-*/nvmap), WSL2's
-# /dev/dxg, ROCm's /dev/kfd. Where none exists, torch.cuda sees no GPU, and the launcher need not import torch (~1 s)
-# to find that out before the ranks start.
+# What shows a GPU torch.cuda may reach (CUDA or ROCm builds): a device-visibility variable set; NVIDIA's driver
+# (/proc/driver/nvidia) or device nodes (/dev/nvidia*, Jetson's /dev/nvhost-* and nvmap, WSL2's /dev/dxg, ROCm's
+# /dev/kfd); an NVIDIA or AMD display controller or any processing accelerator on the PCI bus (a driver that loads
+# on first use creates its nodes only then). Where none of them is there, torch.cuda sees no GPU, and the launcher
+# need not import torch (~1 s) to find that out before the ranks start.
+GPU_VISIBILITY_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 GPU_DEVICE_PREFIXES = ("nvidia", "nvhost", "nvmap", "dxg", "kfd")
+GPU_PCI_VENDORS = ("0x10de", "0x1002")  # NVIDIA, AMD
+
+
+def _pci_gpu() -> bool:
+    for dev in Path("/sys/bus/pci/devices").glob("*"):
+        try:
+            cls, vendor = (dev / "class").read_text().strip(), (dev / "vendor").read_text().strip()
+        except OSError:
+            continue
+        if cls.startswith("0x12") or (cls.startswith("0x03") and vendor in GPU_PCI_VENDORS):
+            return True
+    return False
 
 
 def _gpu_device_nodes() -> bool:
+    """True where a GPU may be there (then torch decides); False only where nothing shows one."""
+    if any(os.environ.get(v, "").strip() not in ("", "-1", "none", "void") for v in GPU_VISIBILITY_ENV):
+        return True
     try:
-        return os.path.exists("/proc/driver/nvidia") or any(n.startswith(GPU_DEVICE_PREFIXES) for n in os.listdir("/dev"))
+        return (os.path.exists("/proc/driver/nvidia") or any(n.startswith(GPU_DEVICE_PREFIXES) for n in os.listdir("/dev"))
+                or _pci_gpu())
     except OSError:
         return True  # cannot tell: ask torch
 
@@ -120,7 +139,7 @@ def next_segment_index(run_dir: RunDir) -> int:
 def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology, until_step: int, *,
                   timeout_s: float | None = None, sink: Callable[[str], None] | None = None,
                   restart: bool = False, cancel_check: Callable[[], bool] | None = None,
-                  launcher_options: dict | None = None) -> SegmentResult:
+                  launcher_options: dict | None = None, warm_up: bool = False) -> SegmentResult:
     """Run one segment under the run lock: resume from the latest valid checkpoint, train, commit.
 
     A run whose checkpoints are all invalid is refused (never restarted silently); ``restart`` moves them
@@ -131,7 +150,11 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
     when it turns true the ranks commit a checkpoint and stop, and the segment ends 'cancelled'.
 
     ``launcher_options``: what the launcher of ``topology.launcher`` takes besides the topology (Slurm:
-    ``partition``, ``time_min``, ``extra_args``)."""
+    ``partition``, ``time_min``, ``extra_args``).
+
+    ``warm_up`` (the CLI's train): the checkpoint readers are imported in a thread while the ranks train. Off for
+    callers that may import in other threads meanwhile (a library user's, a flow's): CPython 3.11 can fail a
+    submodule import that races a first import of its package in another thread."""
     remote = remote_run(run_dir)  # s3://...: the ranks train in its local cache, shardkeeper.remote mirrors it
     if remote is not None:
         run_dir = remote.local.root
@@ -158,11 +181,12 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         launcher = get_launcher(topology.launcher, **(launcher_options or {}))
         req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s,
                             restart=restart, cancel_check=_or_lease_lost(cancel_check, mirror), data=prepared)
-        warm = _warm_up_readers()
+        warm = _warm_up_readers() if warm_up else None
         try:
             outcome = launcher.launch(req, sink)
         finally:
-            warm.join()  # never exit with an import half done in another thread
+            if warm is not None:
+                warm.join()  # never leave an import half done in another thread
         _persist_memory(spec, rd, sink)  # before giving up the node: the newest snapshot reaches storage
         result = _segment_result(rd, seg, start_step, topology, outcome)
         if mirror is not None and result.status in ("preempted", "cancelled"):  # its upload: bounded by the grace
@@ -198,7 +222,7 @@ def _warm_up_readers() -> threading.Thread:
         with contextlib.suppress(Exception):
             import ckpt.formats  # noqa: F401
 
-    thread = threading.Thread(target=run, name="warm-up-readers", daemon=True)
+    thread = threading.Thread(target=run, name="warm-up-readers", daemon=False)  # the interpreter waits for it
     thread.start()
     return thread
 
