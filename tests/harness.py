@@ -129,6 +129,42 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300,
 
 
 # ---------------------------------------------------------------------------------------- tiny runs
+def side_by_side(chains: list[list[tuple]], at_once: int) -> dict[str, object]:
+    """Run the chains ``at_once`` at a time (threads: each item mostly waits on its launch), each chain's items in
+    order; an item is ``(key, fn, *args)``: ``fn(*args)`` is kept under ``key``, or ``key`` None for a step between
+    them. What an item raised is kept under its key (for ``outcome`` to raise in the test that reads it), and the
+    rest of its chain is not run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out: dict[str, object] = {}
+
+    def run(chain: list[tuple]) -> None:
+        failed: BaseException | None = None
+        for key, fn, *args in chain:
+            if failed is not None:  # what comes after a failed step is not run: its test says why
+                result: object = RuntimeError(f"not run: an earlier step of its chain raised {failed!r}")
+            else:
+                try:
+                    result = fn(*args)
+                except Exception as e:  # a timeout, say: kept for the test that reads it
+                    result = failed = e
+            if key is not None:
+                out[key] = result
+
+    with ThreadPoolExecutor(at_once) as pool:
+        for f in [pool.submit(run, chain) for chain in chains]:
+            f.result()
+    return out
+
+
+def outcome(results: dict[str, Any], key: str) -> Any:
+    """A result ``side_by_side`` kept; what its item raised is raised here, in the test that reads it."""
+    r = results[key]
+    if isinstance(r, BaseException):
+        raise r
+    return r
+
+
 def tiny_spec(**overrides: object):
     """The tiny Llama of configs/tiny.yaml (keeping every checkpoint), with ``key=value`` overrides."""
     from shardkeeper.config import load_run_spec

@@ -11,13 +11,12 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT, copy_run_until, metrics
+from tests.harness import ROOT, copy_run_until, metrics, outcome, side_by_side
 
 pytestmark = pytest.mark.slow
 EXAMPLE = ROOT / "examples" / "fsdp2_loop.py"
@@ -31,38 +30,6 @@ def sk(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 SIDE_BY_SIDE = 2  # launches at once: two cores here; 2 measured faster than 3 or 4 (most of a launch is imports)
-
-
-def side_by_side(chains: list[list[tuple]]) -> dict[str, object]:
-    """Run the chains ``SIDE_BY_SIDE`` at a time, each chain's items in order; an item is ``(key, fn, *args)``:
-    ``fn(*args)`` is kept under ``key`` (a launch's CompletedProcess), or ``key`` None for a step between them."""
-    out: dict[str, object] = {}
-
-    def run(chain: list[tuple]) -> None:
-        failed: BaseException | None = None
-        for key, fn, *args in chain:
-            if failed is not None:  # what comes after a failed step is not run: its test says why
-                result: object = RuntimeError(f"not run: an earlier step of its chain raised {failed!r}")
-            else:
-                try:
-                    result = fn(*args)
-                except Exception as e:  # a timeout, say: kept for the test that reads it
-                    result = failed = e
-            if key is not None:
-                out[key] = result
-
-    with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
-        for f in [pool.submit(run, chain) for chain in chains]:
-            f.result()
-    return out
-
-
-def got(launched: dict, key: str) -> subprocess.CompletedProcess:
-    """A launch's result from ``launched``; what it raised is raised here, in the test that reads it."""
-    r = launched[key]
-    if isinstance(r, BaseException):
-        raise r
-    return r
 
 
 def committed(run: Path) -> list[str]:
@@ -171,13 +138,13 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
            (name, sk, "train", "--script", str(base / "scripts" / name), "--run-dir", str(base / f"run-{name}"),
             "--until-step", "2")] for name in BAD_SCRIPTS],
     ]
-    return {"base": base, "runs": runs, **side_by_side(chains)}
+    return {"base": base, "runs": runs, **side_by_side(chains, SIDE_BY_SIDE)}
 
 
 def test_script_resume_is_bitwise_at_the_same_world_size_and_close_across_sizes(launched: dict) -> None:
     runs = launched["runs"]
     for name in ("full", "same", "one"):
-        r = got(launched, name)
+        r = outcome(launched, name)
         assert r.returncode == 0, r.stderr[-3000:]
     full, same, one = metrics(runs["full"]), metrics(runs["same"]), metrics(runs["one"])
     for s in range(9, 17):
@@ -192,9 +159,9 @@ def test_script_resume_is_bitwise_at_the_same_world_size_and_close_across_sizes(
 
 
 def test_script_checkpoints_validate_deep_and_status_reads_them(launched: dict) -> None:
-    r = got(launched, "validate")
+    r = outcome(launched, "validate")
     assert r.returncode == 0 and "valid (deep)" in r.stdout, r.stdout + r.stderr
-    r = got(launched, "status")
+    r = outcome(launched, "status")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)[0]["last_status"] == "completed"
 
@@ -202,13 +169,13 @@ def test_script_checkpoints_validate_deep_and_status_reads_them(launched: dict) 
 def test_tracked_stateful_dataloader_continues_exactly_and_refuses_another_world_size(launched: dict) -> None:
     full, half = launched["runs"]["loader-full"], launched["runs"]["loader-half"]
     for key in ("loader-full", "loader-half"):
-        r = got(launched, key)
+        r = outcome(launched, key)
         assert r.returncode == 0, r.stderr[-3000:]
     ref, new = metrics(full), metrics(half)
     assert [new[s]["first"] for s in range(6, 11)] == [ref[s]["first"] for s in range(6, 11)]  # same batches
     assert [new[s]["loss"] for s in range(6, 11)] == [ref[s]["loss"] for s in range(6, 11)]
     # each rank's loader position differs: it cannot be split onto one rank; refused, and nothing set aside
-    r = got(launched, "loader-refused")
+    r = outcome(launched, "loader-refused")
     assert r.returncode != 0
     assert "tracked 'loader' held a different state on each of the 2 saving ranks" in r.stderr, r.stderr[-2000:]
     assert committed(half)[-1] == "step-00000010"
@@ -216,7 +183,7 @@ def test_tracked_stateful_dataloader_continues_exactly_and_refuses_another_world
 
 
 def test_sigterm_commits_at_the_step_boundary_and_exits_75(launched: dict) -> None:
-    run, proc = launched["base"] / "pre", got(launched, "sigterm")
+    run, proc = launched["base"] / "pre", outcome(launched, "sigterm")
     assert proc.returncode == 75, proc.stderr[-3000:]
     assert "preempted" in proc.stderr
     last = committed(run)[-1]
@@ -225,7 +192,7 @@ def test_sigterm_commits_at_the_step_boundary_and_exits_75(launched: dict) -> No
 
 
 def test_user_exception_shows_the_users_traceback_and_one_line(launched: dict) -> None:
-    r = got(launched, "raise")
+    r = outcome(launched, "raise")
     assert r.returncode == 1
     assert 'api_modes.py", line' in r.stderr and "in explode" in r.stderr and "ValueError: boom at step 3" in r.stderr
     assert "trainer/api.py" not in r.stderr and "runpy" not in r.stderr  # their frames, not shardkeeper's
@@ -235,7 +202,7 @@ def test_user_exception_shows_the_users_traceback_and_one_line(launched: dict) -
 @pytest.mark.parametrize("mode", list(MISUSE))
 def test_api_misuse_is_one_line_and_commits_nothing_after_it(launched: dict, mode: str) -> None:
     run, expect = launched["base"] / mode, MISUSE[mode]
-    r = got(launched, mode)
+    r = outcome(launched, mode)
     assert r.returncode in (1, 2) and "error: segment 0 failed" in r.stderr, r.stderr[-2000:]
     assert expect in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
@@ -245,37 +212,37 @@ def test_api_misuse_is_one_line_and_commits_nothing_after_it(launched: dict, mod
 
 @pytest.mark.parametrize("name", list(BAD_SCRIPTS))
 def test_bad_script_is_refused_before_launch_and_writes_nothing(launched: dict, name: str) -> None:
-    r, expect = got(launched, name), BAD_SCRIPTS[name][1]
+    r, expect = outcome(launched, name), BAD_SCRIPTS[name][1]
     assert r.returncode == 2 and expect in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (launched["base"] / f"run-{name}").exists()
 
 
 def test_segment_outside_a_segment_says_how_to_launch(launched: dict) -> None:
-    r = got(launched, "outside")
+    r = outcome(launched, "outside")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("error: sk.Segment(): not inside a shardkeeper segment")
     assert "shardkeeper train --script" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_a_script_logging_a_nan_loss_stops_without_committing_it(launched: dict) -> None:
-    run, r = launched["base"] / "nan", got(launched, "nan")
+    run, r = launched["base"] / "nan", outcome(launched, "nan")
     assert r.returncode == 65, r.stderr[-3000:]
     assert "non-finite loss at step 5" in r.stderr and "step-00000004 stays the latest checkpoint" in r.stderr
     assert committed(run) == ["step-00000002", "step-00000004"]
-    assert json.loads(got(launched, "nan-status").stdout)[0]["last_status"] == "failed"
+    assert json.loads(outcome(launched, "nan-status").stdout)[0]["last_status"] == "failed"
 
 
 def test_a_nan_on_one_rank_the_step_after_a_stop_signal_is_not_committed_by_the_preemption(launched: dict) -> None:
     """The per-step agreement runs a step behind: a SIGTERM on rank 0 at step 3 is acted on at the end of step 4,
     where rank 1 logged a NaN; the stop must agree on step 4's flags before its checkpoint: exit 65, not 75."""
-    run, r = launched["base"] / "term-then-nan", got(launched, "term-then-nan")
+    run, r = launched["base"] / "term-then-nan", outcome(launched, "term-then-nan")
     assert r.returncode == 65, r.stderr[-3000:]
     assert "non-finite loss at step 4" in r.stderr, r.stderr[-3000:]
     assert committed(run) == [] if (run / "checkpoints").exists() else True
 
 
 def test_code_after_the_loop_that_raises_fails_the_segment_and_keeps_its_checkpoint(launched: dict) -> None:
-    run, r = launched["base"] / "after", got(launched, "after")
+    run, r = launched["base"] / "after", outcome(launched, "after")
     assert r.returncode == 1 and "error: segment 0 failed" in r.stderr, r.stderr[-2000:]
     assert "ValueError: boom at step after the loop" in r.stderr and 'api_modes.py", line' in r.stderr
     assert committed(run) == ["step-00000004"]
@@ -284,7 +251,7 @@ def test_code_after_the_loop_that_raises_fails_the_segment_and_keeps_its_checkpo
 @pytest.mark.parametrize("mode,code", [("nan-then-ok", 65), ("thread", 0)])
 def test_a_nan_overwritten_in_its_step_still_stops_and_a_lingering_thread_does_not_hang(launched: dict, mode: str,
                                                                                       code: int) -> None:
-    run, r = launched["base"] / mode, got(launched, mode)  # launched with a 180 s timeout: a hang raises here
+    run, r = launched["base"] / mode, outcome(launched, mode)  # launched with a 180 s timeout: a hang raises here
     assert r.returncode == code, r.stderr[-2000:]
     assert committed(run)[-1] == ("step-00000002" if code == 65 else "step-00000005")
 
@@ -292,9 +259,9 @@ def test_a_nan_overwritten_in_its_step_still_stops_and_a_lingering_thread_does_n
 def test_a_failing_load_state_dict_of_the_users_object_quarantines_nothing(launched: dict) -> None:
     """The checkpoint is fine, the user's load_state_dict is not: one line, exit non-zero, every checkpoint kept."""
     run = launched["runs"]["badload"]
-    r = got(launched, "counter")
+    r = outcome(launched, "counter")
     assert r.returncode == 0, r.stderr[-2000:]
-    r = got(launched, "bad-load")
+    r = outcome(launched, "bad-load")
     assert r.returncode != 0 and "user bug in load_state_dict" in r.stderr, r.stderr[-2000:]
     assert committed(run) == ["step-00000002", "step-00000004"]
     assert not [p for p in (run / "checkpoints").iterdir() if ".invalid" in p.name]

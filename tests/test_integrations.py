@@ -21,12 +21,11 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.harness import copy_run_until, metrics
+from tests.harness import copy_run_until, metrics, outcome, side_by_side
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -64,24 +63,9 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("launched")
     chains = {"hf": _hf_uninterrupted_and_cut, "hf-preempted": _preempted_and_resumed, "acc": _acc_chain,
               "ds": _ds_chain}
-    out: dict[str, object] = {}
-    with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
-        for name in chains:
-            (base / name).mkdir()
-        futures = {name: pool.submit(fn, base / name) for name, fn in chains.items()}
-        for name, f in futures.items():
-            try:
-                out[name] = f.result()
-            except Exception as e:
-                out[name] = e
-    return out
-
-
-def _chain(launched: dict, name: str) -> dict:
-    r = launched[name]
-    if isinstance(r, BaseException):
-        raise r
-    return r
+    for name in chains:
+        (base / name).mkdir()
+    return side_by_side([[(name, fn, base / name)] for name, fn in chains.items()], SIDE_BY_SIDE)
 
 
 # ------------------------------------------------------------------------------------ Hugging Face Trainer
@@ -91,7 +75,7 @@ HF_SCRIPT = ["--script", str(EXAMPLES / "hf_trainer.py"), "--set", "backend=deep
 
 @pytest.fixture(scope="module")
 def hf_runs(launched: dict) -> dict:
-    return {**_chain(launched, "hf"), **_chain(launched, "hf-preempted")}
+    return {**outcome(launched, "hf"), **outcome(launched, "hf-preempted")}
 
 
 def _hf_uninterrupted_and_cut(base: Path) -> dict:
@@ -178,7 +162,7 @@ def test_hf_trainer_checkpoints_validate_deep_and_export(hf_runs: dict, tmp_path
 # ------------------------------------------------------------------------------------ Accelerate FSDP2
 @pytest.fixture(scope="module")
 def acc_runs(launched: dict) -> dict:
-    return _chain(launched, "acc")
+    return outcome(launched, "acc")
 
 
 def _acc_chain(base: Path) -> dict:
@@ -223,7 +207,7 @@ def test_accelerate_checkpoints_validate_deep_and_export(acc_runs: dict, tmp_pat
 # ------------------------------------------------------------------------------------ own DeepSpeed loop
 @pytest.fixture(scope="module")
 def ds_runs(launched: dict) -> dict:
-    return _chain(launched, "ds")
+    return outcome(launched, "ds")
 
 
 def _ds_chain(base: Path) -> dict:

@@ -22,13 +22,12 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.harness import ROOT, metrics
+from tests.harness import ROOT, metrics, outcome, side_by_side
 
 FINETUNE = ROOT / "configs" / "tiny-finetune.yaml"
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -191,26 +190,11 @@ def launched(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     jobs = {"cli": (_lr_1e6_cli,), "nan-first": (_nan_loss_first, base), "skip": (_skip_step, base),
             "ds-skip": (_ds_skip_step, base), "nan-weights": (_nan_weights, base),
             "ds-nan-first": (_nan_loss_first, base, "backend=deepspeed", "deepspeed.zero_stage=2")}
-    out: dict[str, object] = {}
     try:
-        with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
-            futures = {name: pool.submit(fn, tmp_path_factory.mktemp(name) / ("run" if name == "cli" else ""), *args)
-                       for name, (fn, *args) in jobs.items()}
-            for name, f in futures.items():
-                try:
-                    out[name] = f.result()
-                except Exception as e:
-                    out[name] = e
+        return side_by_side([[(name, fn, tmp_path_factory.mktemp(name) / ("run" if name == "cli" else ""), *args)]
+                             for name, (fn, *args) in jobs.items()], SIDE_BY_SIDE)
     finally:
         monkeypatch.undo()
-    return out
-
-
-def _got(launched: dict, name: str) -> dict:
-    r = launched[name]
-    if isinstance(r, BaseException):
-        raise r
-    return r
 
 
 # ------------------------------------------------------------------------------------------------ FSDP2
@@ -222,7 +206,7 @@ def test_lr_1e6_through_the_cli_fails_with_one_line_and_keeps_the_last_good_chec
     from shardkeeper.config import load_run_spec
     from shardkeeper.stages import prepare_run_dir
 
-    got = _got(launched, "cli")
+    got = outcome(launched, "cli")
     run, p, st = got["run"], got["train"], got["status"]
     assert p.returncode == 65, p.stderr[-3000:]
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
@@ -245,7 +229,7 @@ def test_lr_1e6_through_the_cli_fails_with_one_line_and_keeps_the_last_good_chec
 
 
 def test_nan_loss_at_the_first_step_commits_nothing(launched: dict) -> None:
-    got = _got(launched, "nan-first")
+    got = outcome(launched, "nan-first")
     run, res = got["run"], got["res"]
     _failed(res, 1, "loss", 0)
     assert res.checkpoint is None and not list((run / "checkpoints").glob("step-*"))
@@ -257,7 +241,7 @@ def test_nan_loss_at_the_first_step_commits_nothing(launched: dict) -> None:
 def test_skip_step_counts_skips_and_stops_after_max_skipped_in_a_row_then_resumes(launched: dict) -> None:
     """Gradient NaN (loss finite) at steps 3, 5, 7, 8, 9 (1-based), max_skipped 2: 3, 5, 7, 8 skipped, 9 stops; the
     last good checkpoint (step 8) loads and a resume with max_skipped 5 skips 9 and completes."""
-    got = _got(launched, "skip")
+    got = outcome(launched, "skip")
     run, stopped = got["run"], got["after_first"]  # stopped: a copy of the run made before the resume
     res = got["first"]
     _failed(res, 9, "gradient norm", 8)
@@ -281,7 +265,7 @@ def test_skip_step_counts_skips_and_stops_after_max_skipped_in_a_row_then_resume
 def test_nan_weights_that_the_loss_has_not_met_yet_are_never_committed(launched: dict) -> None:
     """A NaN in the state with a finite loss (the NaN row is not used before step 6): the save of step 1 refuses to
     commit it (its fingerprint is NaN) instead of writing a checkpoint no load would accept."""
-    got = _got(launched, "nan-weights")
+    got = outcome(launched, "nan-weights")
     run, res = got["run"], got["res"]
     assert res.status == "failed" and res.exit_code != 0 and res.checkpoint is None
     assert "non-finite state at step 1: the norm of model.model.embed_tokens.weight is NaN/Inf" in res.failure, res.failure
@@ -290,7 +274,7 @@ def test_nan_weights_that_the_loss_has_not_met_yet_are_never_committed(launched:
 
 # ------------------------------------------------------------------------------------------------ DeepSpeed
 def test_deepspeed_nan_loss_at_the_first_step_commits_nothing(launched: dict) -> None:
-    got = _got(launched, "ds-nan-first")
+    got = outcome(launched, "ds-nan-first")
     run, res = got["run"], got["res"]
     _failed(res, 1, "loss", 0)
     assert not list((run / "checkpoints").glob("step-*"))
@@ -299,7 +283,7 @@ def test_deepspeed_nan_loss_at_the_first_step_commits_nothing(launched: dict) ->
 def test_deepspeed_skip_step_mid_run_stops_in_a_row_with_an_async_save_in_flight_then_resumes(launched: dict) -> None:
     """Gradient NaN at steps 2, 4 and 5 (1-based): DeepSpeed's engine drops those updates; max_skipped 1 skips 2 and 4
     and stops at 5 (2 in a row), while the async save of step 4 commits; step 4 loads and training goes on."""
-    got = _got(launched, "ds-skip")
+    got = outcome(launched, "ds-skip")
     run, stopped = got["run"], got["after_first"]  # stopped: a copy of the run made before the resume
     res = got["first"]
     _failed(res, 5, "gradient norm", 4)
