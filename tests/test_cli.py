@@ -246,15 +246,15 @@ def test_the_launcher_asks_torch_about_gpus_only_where_a_gpu_may_be_there() -> N
     code = ("import os, sys\n"
             "from shardkeeper.stages import train as t\n"
             "os.environ.pop('SHARDKEEPER_DEVICE', None)\n"
-            "print(t._gpu_device_nodes(), t._cuda_available(), 'torch' in sys.modules)\n"
+            "print(t._gpu_may_be_there(), t._cuda_available(), 'torch' in sys.modules)\n"
             "import torch\n"
             "torch.cuda.is_available = lambda: True\n"
             "real = os.listdir\n"
             "t.os.listdir = lambda p: ['nvidia0', *real(p)]\n"
-            "print(t._gpu_device_nodes(), t._cuda_available())\n"
+            "print(t._gpu_may_be_there(), t._cuda_available())\n"
             "t.os.listdir = real\n"
             "os.environ['CUDA_VISIBLE_DEVICES'] = '0'\n"
-            "print(t._gpu_device_nodes(), t._cuda_available())\n")
+            "print(t._gpu_may_be_there(), t._cuda_available())\n")
     env = {k: v for k, v in os.environ.items() if not k.endswith("_VISIBLE_DEVICES")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr

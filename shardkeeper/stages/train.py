@@ -107,7 +107,7 @@ def _pci_gpu() -> bool:
     return False
 
 
-def _gpu_device_nodes() -> bool:
+def _gpu_may_be_there() -> bool:
     """True where a GPU may be there (then torch decides); False only where nothing shows one."""
     if any(os.environ.get(v, "").strip() not in ("", "-1", "none", "void") for v in GPU_VISIBILITY_ENV):
         return True
@@ -121,7 +121,7 @@ def _gpu_device_nodes() -> bool:
 def _cuda_available() -> bool:
     if os.environ.get("SHARDKEEPER_DEVICE") == "cpu":
         return False
-    if not _gpu_device_nodes():
+    if not _gpu_may_be_there():
         return False
     try:
         import torch
