@@ -18,7 +18,8 @@ used and the same-world-size comparison stays bit for bit:
   converted to float64 in a reused buffer, squared and summed, the block sums added in order. A block is
   below ATen's parallel grain, so its sum never depends on the thread count; ~4.5x cheaper than the
   float64 ``vector_norm`` (1.5 vs 6.9 ms per million elements, one thread), which matters because an
-  async save computes it beside training.
+  async save computes it beside training. The blocks go through torch 16 at a time (``_blocked_sum_squares``:
+  the same bits, ~1.6x faster again: 0.34 vs 0.54 ms per million elements on this 2-core host).
 - ``l2-per-tensor-f64`` (checkpoints written before): ``vector_norm(dtype=float64)`` squared.
 """
 
@@ -47,13 +48,30 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
+_CHUNK_BLOCKS = 16  # blocks converted and squared per torch call (a 4 MiB float64 buffer)
+
+
 def _blocked_sum_squares(flat: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-    acc = torch.zeros((), dtype=torch.float64)
-    for part in flat.split(_BLOCK):
-        b = buf[: part.numel()]
+    """The method's sum: each block of ``_BLOCK`` elements converted to float64, squared and summed, the block sums
+    added in order. ``_CHUNK_BLOCKS`` blocks go through each torch call (a row-wise sum of a [blocks, _BLOCK] view
+    reduces each row as the sum of that block alone would, on one thread), and the block sums are added one by one
+    in float64 (Python floats: the same IEEE additions): the same bits as one call per block, ~1.6x faster (the
+    per-call overhead was most of it). tests/test_units.py checks it against the one-block-at-a-time definition."""
+    acc = 0.0
+    step = _BLOCK * _CHUNK_BLOCKS
+    for at in range(0, flat.numel(), step):
+        part = flat[at : at + step]
+        n = part.numel()
+        b = buf[:n]
         b.copy_(part)
-        acc += b.square_().sum()
-    return acc
+        b.square_()
+        full = n // _BLOCK
+        if full:
+            for v in b[: full * _BLOCK].view(full, _BLOCK).sum(dim=1).tolist():
+                acc += v
+        if n % _BLOCK:
+            acc += float(b[full * _BLOCK :].sum())
+    return torch.tensor(acc, dtype=torch.float64)
 
 
 def local_sum_squares(named: Iterable[tuple[str, torch.Tensor]], method: str = METHOD) -> tuple[list[str], torch.Tensor]:
@@ -62,7 +80,7 @@ def local_sum_squares(named: Iterable[tuple[str, torch.Tensor]], method: str = M
         raise ValueError(f"unknown fingerprint method {method!r}")
     names: list[str] = []
     parts: list[torch.Tensor] = []
-    buf = torch.empty(_BLOCK, dtype=torch.float64) if method == METHOD else None
+    buf = torch.empty(_BLOCK * _CHUNK_BLOCKS, dtype=torch.float64) if method == METHOD else None
     for name, t in named:
         names.append(name)
         loc = _local(t).detach()

@@ -26,7 +26,7 @@ from pathlib import Path
 import xxhash
 
 from ckpt.fsutil import atomic_write_json, atomic_write_text, fsync_dir, fsync_file, mkdir_durable
-from ckpt.layout import DELETING_SUFFIX, RunDir, parse_step
+from ckpt.layout import DELETING_SUFFIX, RECYCLE_SUFFIX, RunDir, parse_step
 from ckpt.memtier_nodes import NODES_DIR, node_dirs, node_root
 from schemas import MANIFEST_NAME, CheckpointManifest, FileEntry, RunSpec
 from schemas.errors import ConfigError
@@ -241,6 +241,47 @@ def retain(mem: RunDir, keep: int = KEEP) -> list[Path]:
         except OSError as e:  # a reader may hold it: retried at the next snapshot
             log.debug("memory retention: %s stays for now: %s", p.name, e)
     return doomed
+
+
+def recycle(mem: RunDir, keep: int = KEEP) -> Path | None:
+    """The node's leader, before a snapshot is written: the oldest committed snapshot, the one retention removes
+    once the new one commits, is renamed to ``step-XXXXXXXX.recycle`` (one rename: from then on nobody takes it for
+    a snapshot) and its manifest removed; the new snapshot's writers then take its files over one by one
+    (``ckpt.formats.direct_io``) and overwrite them in place. A tmpfs file's pages are reused that way: no page
+    is allocated, zeroed, or freed by retention, which costs more CPU than the copy itself (about 0.3 s per
+    0.46 GB on 2 cores, taken from training). Only when ``keep`` (>= 2) snapshots are committed: the newest is
+    never touched. What the writers did not take is removed by the next retention (or the next recycle).
+    Returns the recycle dir, or None (nothing to recycle: the new snapshot's files are created)."""
+    for stale in _recycle_dirs(mem):
+        shutil.rmtree(stale, ignore_errors=True)
+    committed = mem.committed()
+    if keep < 2 or len(committed) < keep:
+        return None
+    oldest = committed[0]
+    bin_ = oldest.with_name(oldest.name + RECYCLE_SUFFIX)
+    try:
+        os.rename(oldest, bin_)
+    except OSError as e:  # a reader's quarantine or retention took it first: the new files are created
+        log.debug("memory tier: %s not recycled: %s", oldest.name, e)
+        return None
+    try:
+        os.unlink(bin_ / MANIFEST_NAME)
+    except OSError:
+        pass
+    return bin_
+
+
+def recycle_dir(mem: RunDir) -> Path | None:
+    """The recycle dir the leader set up for the snapshot being written, if any (read by every rank on the node)."""
+    found = _recycle_dirs(mem)
+    return found[-1] if found else None
+
+
+def _recycle_dirs(mem: RunDir) -> list[Path]:
+    try:
+        return sorted(p for p in mem.checkpoints.iterdir() if p.name.endswith(RECYCLE_SUFFIX))
+    except OSError:
+        return []
 
 
 # ----------------------------------------------------------------------------------------------- persisting

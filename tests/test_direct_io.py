@@ -62,19 +62,19 @@ def test_a_file_already_there_is_overwritten_to_exactly_the_new_bytes_and_a_syml
 
 def test_a_refused_direct_write_falls_back_to_buffered_with_the_same_bytes(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    real_write, refused = os.write, []
+    real_pwrite, refused = os.pwrite, []
 
-    def write(fd: int, data: object) -> int:
+    def pwrite(fd: int, data: object, at: int) -> int:  # the staged buffers are written positionally
         if fcntl_direct(fd) and not refused:
             refused.append(fd)
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, data)
+        return real_pwrite(fd, data, at)
 
     def fcntl_direct(fd: int) -> bool:
         import fcntl
         return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
 
-    monkeypatch.setattr(dio.os, "write", write)
+    monkeypatch.setattr(dio.os, "pwrite", pwrite)
     obj = _payload()
     size, digest = save_torch(tmp_path / "x.pt", obj)
     assert refused, "the stream never wrote with O_DIRECT"
@@ -102,16 +102,16 @@ def test_a_short_file_is_truncated_to_its_real_length(tmp_path: Path) -> None:
 
 def test_a_write_failing_in_the_background_fails_the_file_and_leaks_nothing(tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A full buffer is written by a pool thread while the next one fills: its ENOSPC still fails the file."""
-    real_write, calls = os.write, []
+    """A full buffer is written by a pool thread while the next ones fill: its ENOSPC still fails the file."""
+    real_pwrite, calls = os.pwrite, []
 
-    def write(fd: int, data: object) -> int:
+    def pwrite(fd: int, data: object, at: int) -> int:
         calls.append(fd)
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(fd, data)
+        return real_pwrite(fd, data, at)
 
-    monkeypatch.setattr(dio.os, "write", write)
+    monkeypatch.setattr(dio.os, "pwrite", pwrite)
     before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(OSError) as e:
         save_torch(tmp_path / "x.pt", _payload())
@@ -147,3 +147,67 @@ def test_dcp_saves_record_no_torch_crc32_and_alias_padded_shards(tmp_path: Path)
     out = {"view": torch.zeros(20, 20), "b": torch.zeros(300), "n": 0}
     dcp.load(out, storage_reader=SafeFileSystemReader(tmp_path), planner=SafeLoadPlanner(), no_dist=True)
     assert torch.equal(out["view"], sd["view"]) and torch.equal(out["b"], sd["b"]) and out["n"] == 7
+
+
+def _dcp_bytes(obj: object) -> bytes:
+    """torch.save's bytes as a DCP stream writes them: torch's CRC-32 off (the manifest's xxh3 covers them)."""
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        return _torch_bytes(obj)
+    finally:
+        torch.serialization.set_crc32_options(crc)
+
+
+def _take_over_write(partial: Path, reuse: Path, name: str, obj: object) -> tuple[int, str]:
+    fs = dio.HashingDirectFileSystem(direct=False, reuse=reuse)
+    with fs.create_stream(partial / name, "wb") as f:
+        torch.save(obj, f)
+    return fs.digests[name]
+
+
+def test_a_retired_snapshots_file_is_taken_over_in_place_and_ends_with_exactly_the_new_bytes(tmp_path: Path) -> None:
+    """The memory tier's page reuse: a longer file of the same name in the recycle dir is moved into the new
+    snapshot and overwritten (same inode: its tmpfs pages), cut to the new length; its digest is the file's."""
+    obj = _payload()
+    reuse, partial = tmp_path / "step-00000002.recycle", tmp_path / "step-00000006.partial"
+    reuse.mkdir()
+    partial.mkdir()
+    old = reuse / "__1_0.distcp"
+    old.write_bytes(os.urandom(len(_torch_bytes(obj)) + 3 * (1 << 20) + 17))
+    ino = old.stat().st_ino
+    size, digest = _take_over_write(partial, reuse, "__1_0.distcp", obj)
+    new = partial / "__1_0.distcp"
+    assert new.stat().st_ino == ino and not old.exists()
+    assert new.read_bytes() == _dcp_bytes(obj) and hash_file(new) == (size, digest)
+    # A shorter file grows to the new length, bytes exact.
+    (reuse / "__1_1.distcp").write_bytes(b"x" * 100)
+    size, digest = _take_over_write(partial, reuse, "__1_1.distcp", obj)
+    assert (partial / "__1_1.distcp").read_bytes() == _dcp_bytes(obj) and hash_file(partial / "__1_1.distcp") == (
+        size, digest)
+
+
+def test_a_recycle_dir_never_gets_a_write_through_a_symlink_a_hard_link_or_into_a_non_data_file(tmp_path: Path) -> None:
+    """Someone who read the take-over code plants, in the recycle dir: a symlink to a precious file, a hard link to
+    one, a directory, and a '.metadata.tmp'. None is written through or taken: the precious bytes stay, and each
+    new file is a fresh regular file with exactly the new bytes."""
+    obj = _payload()
+    reuse, partial = tmp_path / "step-00000002.recycle", tmp_path / "step-00000006.partial"
+    reuse.mkdir()
+    partial.mkdir()
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"precious" * 1000)
+    linked = tmp_path / "linked"
+    linked.write_bytes(b"linked" * 1000)
+    (reuse / "__0_0.distcp").symlink_to(precious)
+    os.link(linked, reuse / "__0_1.distcp")
+    (reuse / "__0_2.distcp").mkdir()
+    (reuse / ".metadata.tmp").write_bytes(b"m" * 5000)
+    meta_ino = (reuse / ".metadata.tmp").stat().st_ino
+    for name in ("__0_0.distcp", "__0_1.distcp", "__0_2.distcp", ".metadata.tmp"):
+        size, digest = _take_over_write(partial, reuse, name, obj)
+        out = partial / name
+        assert not out.is_symlink() and out.is_file() and out.stat().st_nlink == 1
+        assert out.read_bytes() == _dcp_bytes(obj) and hash_file(out) == (size, digest)
+    assert precious.read_bytes() == b"precious" * 1000 and linked.read_bytes() == b"linked" * 1000
+    assert (partial / ".metadata.tmp").stat().st_ino != meta_ino  # never taken over: not a data file

@@ -245,3 +245,83 @@ def test_memory_tier_off_mid_segment_storage_checkpoints_go_the_normal_way(tmp_p
 
     want = [True, True, True, ["step-00000002"], False, True, True, ["keep.txt"], True, True, []]
     assert spawn(_tier_goes_off, 2, str(tmp_path)) == [want] * 2
+
+
+def test_recycle_retires_only_the_oldest_of_two_and_retention_clears_what_was_not_taken(tmp_path: Path) -> None:
+    """The snapshot retention would remove after the next commit is renamed to .recycle (no manifest: never a
+    snapshot again) before the next is written; one committed snapshot alone is never recycled; a stale recycle
+    dir (an abandoned save) goes at the next recycle, a used one at the next retention."""
+    from ckpt.validate import latest_valid
+
+    mem = RunDir(tmp_path / "shm")
+    _snapshot(mem, 2)
+    assert memtier.recycle(mem) is None and memtier.recycle_dir(mem) is None
+    assert [p.name for p in mem.committed()] == ["step-00000002"]
+    _snapshot(mem, 4)
+    (mem.checkpoint(2) / "__0_0.distcp").write_bytes(b"pages")
+    bin_ = memtier.recycle(mem)
+    assert bin_ == mem.checkpoints / "step-00000002.recycle" and memtier.recycle_dir(mem) == bin_
+    assert not (bin_ / "manifest.json").exists() and (bin_ / "__0_0.distcp").read_bytes() == b"pages"
+    assert [p.name for p in mem.committed()] == ["step-00000004"] and latest_valid(mem) is None  # {} is no manifest
+    assert memtier.recycle(mem) is None and not bin_.exists()  # stale: removed; one snapshot left: not recycled
+    _snapshot(mem, 6)
+    bin_ = memtier.recycle(mem)
+    _snapshot(mem, 8)  # the new snapshot committed: retention keeps 6 and 8 and clears the recycle dir
+    memtier.retain(mem)
+    assert sorted(p.name for p in mem.checkpoints.iterdir()) == ["step-00000006", "step-00000008"]
+
+
+def _snapshots_reuse_pages(tmp: str) -> list[object]:
+    """Memory snapshots at steps 2..10 of a changing state: from the third on, each rank's data files are those of
+    the snapshot two before (same inodes), each snapshot's bytes equal the same state's storage checkpoint written
+    into fresh files, and only the newest two stay, with no recycle dir left."""
+    import torch
+
+    import torch.distributed as dist
+
+    from ckpt.validate import validate
+    from trainer.checkpointer import TrainState
+    from trainer.dcp_backend import DCPCheckpointer
+    from trainer.dist import init_distributed
+    from trainer.model import build_model, model_signature, shard_model
+    from trainer.optim import build_optimizer
+
+    env = init_distributed()
+    root = Path(tmp)
+    spec = tiny_spec(**{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(root / "shm")})
+    model = build_model(spec)
+    sig = model_signature(spec.model, model)
+    shard_model(model, env.mesh, spec)
+    opt = build_optimizer(model, spec)
+    (root / "run").mkdir(exist_ok=True)
+    (root / "fresh").mkdir(exist_ok=True)
+    mem_ck = DCPCheckpointer(RunDir.at(root / "run"), spec, model, opt, env, segment=0, signature=sig)
+    fresh = DCPCheckpointer(RunDir.at(root / "fresh"), tiny_spec(), model, opt, env, segment=0, signature=sig)
+    inodes: dict[int, int] = {}
+    same_bytes = []
+    for step in range(2, 12, 2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * step)
+        mem_ck.save(TrainState(step=step), reason="interval", tier=memtier.MEMORY)  # async, like training
+        mem_ck.wait()
+        fresh.save(TrainState(step=step), reason="interval", blocking=True)
+        snap = root / "shm" / "checkpoints" / f"step-{step:08d}"
+        mine = sorted(snap.glob(f"__{env.rank}_*.distcp"))
+        inodes[step] = mine[0].stat().st_ino
+        theirs = sorted((root / "fresh" / "checkpoints" / f"step-{step:08d}").glob(f"__{env.rank}_*.distcp"))
+        same_bytes.append([f.read_bytes() for f in mine] == [f.read_bytes() for f in theirs]
+                          and validate(snap, deep=True).valid)
+    dist.barrier()
+    left = sorted(p.name for p in (root / "shm" / "checkpoints").iterdir())
+    mem_ck.close()
+    fresh.close()
+    dist.destroy_process_group()
+    return [same_bytes, [inodes[s] == inodes[s - 4] for s in (6, 8, 10)], inodes[2] != inodes[4], left]
+
+
+def test_memory_snapshots_overwrite_the_retired_snapshots_pages_with_exactly_the_new_bytes(tmp_path: Path) -> None:
+    from tests.harness import spawn
+
+    want = [[True] * 5, [True] * 3, True, ["step-00000008", "step-00000010"]]
+    assert spawn(_snapshots_reuse_pages, 2, str(tmp_path)) == [want] * 2

@@ -242,6 +242,34 @@ def test_blocked_fingerprint_is_thread_independent_and_agrees_with_the_legacy_me
         fp.local_sum_squares(named, "l2-something-else")
 
 
+def test_blocked_fingerprint_gives_the_bits_of_its_one_block_at_a_time_definition() -> None:
+    """The method ``l2-per-tensor-f64-blocked`` as written into manifests before its sums were batched: each block
+    of 32,768 elements converted to float64, squared, summed by itself, the block sums added in order. Checkpoints
+    saved with that code must compare bit for bit with the batched sums, at any thread count and size (one block,
+    a block and one element, many blocks and a tail, more than one batch of blocks)."""
+    import torch
+
+    def definition(t: torch.Tensor) -> float:
+        acc = torch.zeros((), dtype=torch.float64)
+        for part in t.reshape(-1).split(fp._BLOCK):
+            acc += part.to(torch.float64).square_().sum()
+        return float(acc)
+
+    g = torch.Generator().manual_seed(7)
+    sizes = [1, 100, fp._BLOCK, fp._BLOCK + 1, 2 * fp._BLOCK, 5 * fp._BLOCK + 7, fp._BLOCK * fp._CHUNK_BLOCKS,
+             fp._BLOCK * fp._CHUNK_BLOCKS * 2 + 12_345, 1_441_792]
+    named = [(f"t{n}", torch.randn(n, generator=g) * (10.0 ** (n % 7 - 3))) for n in sizes]
+    want = [definition(t) for _, t in named]
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3, 8):
+            torch.set_num_threads(n)
+            got = fp.local_sum_squares(named)[1].tolist()
+            assert got == want, f"{n} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
 def test_background_checkpoint_threads_run_nicer_than_training() -> None:
     import threading

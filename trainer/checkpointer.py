@@ -183,6 +183,8 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
                 shutil.rmtree(partial)
             mkdir_durable(partial.parent)
             partial.mkdir()
+            if target is self.memory:  # the snapshot retention retires next: its pages are overwritten, not freed
+                memtier.recycle(target)
         dist.barrier(group=group if group is not None else self.env.ctrl_group)
         return True
 

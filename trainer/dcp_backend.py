@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from ckpt import fingerprint as fp
+from ckpt import fingerprint as fp, memtier
 from ckpt.formats.dcp_onepass import load_verified
 from ckpt.formats.direct_io import ExactStoragePlanner, HashingDirectWriter
 from ckpt.hashing import hash_files
@@ -206,7 +206,8 @@ class DCPCheckpointer(Checkpointer):
         fp_job = self._fp_pool.submit(self._fingerprint_parts, snapshot, fp.METHOD, self.env.rank)
         in_memory = self.memory is not None and self.memory.checkpoints == partial.parent  # tmpfs: no O_DIRECT
         writer = HashingDirectWriter(partial, sync_files=True, thread_count=self.spec.checkpoint.io_threads,
-                                     overwrite=False, direct=not in_memory)
+                                     overwrite=False, direct=not in_memory,
+                                     reuse=memtier.recycle_dir(self.memory) if in_memory else None)
         failure: BaseException | None = None
         try:
             dcp.save(snapshot, storage_writer=writer, planner=ExactStoragePlanner(), process_group=group)

@@ -17,7 +17,10 @@ extra writer threads would otherwise die with their exception and leave their it
 
 Where O_DIRECT is refused at open, or not asked for (``direct=False``: the memory tier's tmpfs), there is no
 staging at all: each 1 MiB piece of the caller's bytes is hashed and written straight into the file. A symlink at
-a file's path is refused (O_NOFOLLOW).
+a file's path is refused (O_NOFOLLOW). A memory snapshot's writer may be given a retired snapshot's dir
+(``reuse``, ``ckpt.memtier.recycle``): a file of the same name there is moved into place and overwritten, then
+cut to its new length, so its tmpfs pages are reused instead of allocated and zeroed (only a regular file with
+no other link, checked on the file opened; anything else is removed and the file created as usual).
 
 torch.save (which DCP's writer threads call per tensor) computes a CRC-32 of every record by default: about half
 the CPU time of a save. The manifest's xxh3-128 of each file covers every byte (resume, validation and export
@@ -34,8 +37,11 @@ import io
 import logging
 import mmap
 import os
+import re
+import stat
 import threading
 from collections.abc import Callable, Generator
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,6 +72,7 @@ def _warn_buffered(path: Path) -> None:
 
 _PIECE = 1 << 20  # copied, then hashed from the cache, one piece at a time
 _pool: ThreadPoolExecutor | None = None
+_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")  # a rank's DCP data file (the only files ever taken over)
 _pool_lock = threading.Lock()
 
 
@@ -81,32 +88,41 @@ def _io_pool() -> ThreadPoolExecutor:
 class _HashingDirectStream(io.RawIOBase):
     hashing = True  # benchmarks turn it off to measure what checksumming costs
     pipelined = True  # benchmarks turn it off to compare with one buffer, hashed before the copy, written in place
+    depth = 3  # buffers when pipelined: one fills while up to depth - 1 are written (the device never waits for a fill)
 
-    def __init__(self, path: Path, sink: dict[str, tuple[int, str]], lock: threading.Lock, direct: bool = True):
+    def __init__(self, path: Path, sink: dict[str, tuple[int, str]], lock: threading.Lock, direct: bool = True,
+                 reuse: Path | None = None):
         super().__init__()
         self.path = path
         self._sink, self._lock = sink, lock
         self._hash = xxhash.xxh3_128()
         self._pos = 0
         self._fill = 0
-        self._pending: Future | None = None  # the write of the other buffer
+        self._pending: deque[Future] = deque()  # the writes in flight, oldest first (buffers in round-robin order)
+        self._flushed = 0  # file offset of the next buffer written
         self.direct = direct and hasattr(os, "O_DIRECT")
         # O_NOFOLLOW: a symlink planted where a file goes is refused, never written through.
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-        try:
-            self._fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise
-            self.direct = False
-            self._fd = os.open(path, flags, 0o644)
+        taken = _take_over(reuse, path) if reuse is not None and not self.direct else None
+        self.reused = taken is not None
+        if taken is not None:
+            self._fd = taken
+        else:
+            try:
+                self._fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise
+                self.direct = False
+                self._fd = os.open(path, flags, 0o644)
         # Where the file system has no O_DIRECT, or it buys nothing (``direct=False``: the memory tier's tmpfs, which
         # accepts O_DIRECT on recent kernels but has no device behind it), the bytes go from the caller's buffer
         # straight into the file (the kernel's copy is the only one), hashed on the way; no staging buffers.
         self.passthrough = not self.direct
         # Two buffers: one fills (copy + hash) while the other is written. Anonymous maps are page-aligned, as
         # O_DIRECT requires.
-        self._bufs = [] if self.passthrough else [mmap.mmap(-1, _BUF) for _ in range(2 if self.pipelined else 1)]
+        self._bufs = [] if self.passthrough else [mmap.mmap(-1, _BUF) for _ in range(max(2, self.depth) if self.pipelined
+                                                                          else 1)]
         self._views = [memoryview(b) for b in self._bufs]
         self._arrays = [np.frombuffer(b, dtype=np.uint8) for b in self._bufs]
         self._cur = 0
@@ -131,7 +147,7 @@ class _HashingDirectStream(io.RawIOBase):
                 self._write_all(piece)
             self._pos += n
             return n
-        pipelined = len(self._bufs) == 2
+        pipelined = len(self._bufs) >= 2
         if self.hashing and not pipelined:
             self._hash.update(mv)
         done = 0
@@ -154,32 +170,43 @@ class _HashingDirectStream(io.RawIOBase):
         return n
 
     def _flush_full(self) -> None:
-        """The current buffer is full: write it (in the background when there are two buffers), go on in the other."""
+        """The current buffer is full: write it (in the background when pipelined: several buffers' writes may be in
+        flight, each at its own offset), go on in the next buffer once its previous write is done."""
+        at, self._flushed = self._flushed, self._flushed + _BUF
         if len(self._bufs) == 1:
-            self._drain(0, _BUF)
+            self._drain(0, _BUF, at)
             self._fill = 0
             return
-        self._wait_pending()
-        self._pending = _io_pool().submit(self._drain, self._cur, _BUF)
-        self._cur ^= 1
+        self._pending.append(_io_pool().submit(self._drain, self._cur, _BUF, at))
+        self._cur = (self._cur + 1) % len(self._bufs)
+        if len(self._pending) == len(self._bufs):  # the oldest write is the next buffer's: wait for it
+            self._pending.popleft().result()
         self._fill = 0
 
     def _wait_pending(self) -> None:
-        if self._pending is not None:
-            fut, self._pending = self._pending, None
-            fut.result()
+        """Every write in flight, oldest first (each one waited for even when an earlier one failed)."""
+        first: BaseException | None = None
+        while self._pending:
+            try:
+                self._pending.popleft().result()
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the others ended
+                first = first or e
+        if first is not None:
+            raise first
 
-    def _drain(self, which: int, length: int) -> None:
-        """Write buffer ``which``[:length]."""
-        self._write_all(self._views[which][:length])
+    def _drain(self, which: int, length: int, at: int) -> None:
+        """Write buffer ``which``[:length] at file offset ``at``."""
+        self._write_all(self._views[which][:length], at)
 
-    def _write_all(self, view: memoryview) -> None:
-        """Write ``view``, looping over short writes; EINVAL under O_DIRECT switches this file to buffered I/O (the
-        file offset is unchanged by a refused write, so it resumes where it stopped)."""
+    def _write_all(self, view: memoryview, at: int | None = None) -> None:
+        """Write ``view`` (at offset ``at``: positional, so writes of several buffers may be in flight; else at the
+        file offset), looping over short writes; EINVAL under O_DIRECT switches this file to buffered I/O (a refused
+        write wrote nothing, so it resumes where it stopped)."""
         written = 0
         while written < len(view):
             try:
-                n = os.write(self._fd, view[written:])
+                n = (os.write(self._fd, view[written:]) if at is None
+                     else os.pwrite(self._fd, view[written:], at + written))
             except OSError as e:
                 if e.errno != errno.EINVAL or not self.direct:
                     raise
@@ -216,11 +243,13 @@ class _HashingDirectStream(io.RawIOBase):
                 if self.direct:
                     padded = -(-self._fill // _ALIGN) * _ALIGN
                     view[self._fill : padded] = bytes(padded - self._fill)
-                    self._drain(self._cur, padded)
+                    self._drain(self._cur, padded, self._flushed)
                     os.ftruncate(self._fd, self._pos)
                 else:
-                    self._drain(self._cur, self._fill)
+                    self._drain(self._cur, self._fill, self._flushed)
                 self._fill = 0
+            if self.reused:  # a taken-over file may have been longer
+                os.ftruncate(self._fd, self._pos)
             os.fsync(self._fd)
             on_disk = os.fstat(self._fd).st_size
             if on_disk != self._pos:
@@ -228,7 +257,7 @@ class _HashingDirectStream(io.RawIOBase):
             with self._lock:
                 self._sink[self.path.name] = (self._pos, self._hash.hexdigest())
         finally:
-            if self._pending is not None:  # a failure above while a write was in flight: let it end first
+            if self._pending:  # a failure above while writes were in flight: let them end first
                 try:
                     self._wait_pending()
                 except Exception:  # noqa: BLE001 - the failure above is the one raised
@@ -242,6 +271,27 @@ class _HashingDirectStream(io.RawIOBase):
                 except BufferError:  # a failed write's traceback still holds a slice: freed with it
                     pass
             super().close()
+
+
+def _take_over(reuse: Path, path: Path) -> int | None:
+    """Move ``reuse``'s file of ``path``'s name to ``path`` and open it for overwriting (no O_TRUNC: its pages stay);
+    None when there is none, or it is not a regular file of this user with this one name (then it is removed, never
+    written through, and the caller creates ``path``)."""
+    src = reuse / path.name
+    try:
+        st = os.lstat(src)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
+            return None
+        os.rename(src, path)
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    now = os.fstat(fd)
+    if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev) or now.st_nlink != 1 or not stat.S_ISREG(now.st_mode):
+        os.close(fd)  # swapped between the check and the open: not ours to overwrite
+        os.unlink(path)
+        return None
+    return fd
 
 
 def write_direct(path: str | os.PathLike[str], fill: Callable[[io.RawIOBase], None], direct: bool = True
@@ -265,9 +315,10 @@ class HashingDirectFileSystem(FileSystem):
 
     torch_crc32 = False  # benchmarks turn it on to measure what torch's CRC-32 of every record costs
 
-    def __init__(self, direct: bool = True) -> None:
+    def __init__(self, direct: bool = True, reuse: Path | None = None) -> None:
         super().__init__()
         self.direct = direct
+        self.reuse = reuse  # a retired memory snapshot whose data files may be overwritten in place
         self.digests: dict[str, tuple[int, str]] = {}
         self.errors: dict[str, BaseException] = {}  # file name -> why its write failed
         self.swallow = False  # set while write_data runs (see create_stream)
@@ -280,7 +331,8 @@ class HashingDirectFileSystem(FileSystem):
                 yield s
             return
         try:
-            stream = _HashingDirectStream(Path(path), self.digests, self._lock, self.direct)
+            reuse = self.reuse if _DATA_FILE.match(Path(path).name) else None
+            stream = _HashingDirectStream(Path(path), self.digests, self._lock, self.direct, reuse)
         except BaseException as e:
             with self._lock:
                 self.errors.setdefault(Path(path).name, e)
@@ -326,10 +378,11 @@ class ExactStoragePlanner(DefaultSavePlanner):
 class HashingDirectWriter(FileSystemWriter):
     """FileSystemWriter over HashingDirectFileSystem; ``digests`` maps file name -> (size, xxh3-128)."""
 
-    def __init__(self, path: str | os.PathLike[str], *, direct: bool = True, **kwargs: Any):
-        """``direct=False``: buffered writes straight from the caller's bytes (a tmpfs: the memory tier)."""
+    def __init__(self, path: str | os.PathLike[str], *, direct: bool = True, reuse: Path | None = None, **kwargs: Any):
+        """``direct=False``: buffered writes straight from the caller's bytes (a tmpfs: the memory tier);
+        ``reuse``: a retired snapshot's dir whose data files of the same names are overwritten in place."""
         super().__init__(path, **kwargs)
-        self.fs = HashingDirectFileSystem(direct)
+        self.fs = HashingDirectFileSystem(direct, reuse)
 
     @property
     def digests(self) -> dict[str, tuple[int, str]]:
