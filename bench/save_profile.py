@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy": "copy into the 16 MiB aligned buffer (np.copyto)",
         "direct": "O_DIRECT writes of 16 MiB + fsync (no serialization, hash or copy)",
         "stream_before": "the hashing O_DIRECT stream, before: one buffer, xxh3 of the source, then copy, then write",
-        "stream": "the hashing O_DIRECT stream, now: copy + xxh3 per 1 MiB piece while a pool thread writes the other buffer",
+        "stream": "the hashing O_DIRECT stream, now: copy + xxh3 per 1 MiB piece while pool threads write the other two buffers",
         "stream_nohash": "the same, hashing off",
         "stream_nocrc": "the same, hashing on, torch's CRC-32 off (what shardkeeper's DCP saves do now)",
         "dd": "dd oflag=direct conv=fsync (bs=64M)",
