@@ -9,7 +9,7 @@ import os
 import stat
 from pathlib import Path
 
-from ckpt.layout import parse_step
+from ckpt.layout import RECYCLE_SUFFIX, parse_step
 
 # Readers (status, lineage, validate, export, the scans) run beside a training segment whose retention renames a
 # checkpoint to ``.deleting`` and removes it, or whose failed load renames it to ``.invalid-<time>``, at any
@@ -67,12 +67,13 @@ def retired_message(ckpt_dir: Path) -> str:
 
 
 def was_committed(ckpt_dir: Path) -> bool:
-    """A missing step directory that was a checkpoint: retention or a quarantine left a sibling, or the run's
-    lineage names it."""
+    """A missing step directory that was a checkpoint: retention, a quarantine or the memory tier's recycle
+    (``step-X.recycle-Y``) left a sibling, or the run's lineage names it."""
     if parse_step(ckpt_dir.name) is None or not ckpt_dir.parent.is_dir():
         return False
     try:
-        if any(e.name == ckpt_dir.name + ".deleting" or e.name.startswith(ckpt_dir.name + ".invalid-")
+        if any(e.name == ckpt_dir.name + ".deleting" or e.name.startswith((ckpt_dir.name + ".invalid-",
+                                                                           ckpt_dir.name + RECYCLE_SUFFIX))
                for e in os.scandir(ckpt_dir.parent)):
             return True
         return f'"checkpoint:{ckpt_dir.name}"'.encode() in (ckpt_dir.parent.parent / "lineage.jsonl").read_bytes()

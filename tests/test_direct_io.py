@@ -211,3 +211,65 @@ def test_a_recycle_dir_never_gets_a_write_through_a_symlink_a_hard_link_or_into_
         assert out.read_bytes() == _dcp_bytes(obj) and hash_file(out) == (size, digest)
     assert precious.read_bytes() == b"precious" * 1000 and linked.read_bytes() == b"linked" * 1000
     assert (partial / ".metadata.tmp").stat().st_ino != meta_ino  # never taken over: not a data file
+
+
+def test_a_fifo_swapped_into_the_recycle_dir_is_refused_not_waited_on(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Racing as the same user, a FIFO replaces the retired file between its check and the move: the take-over does
+    not block in open() (the save and training would wait for good); the file is created fresh instead."""
+    import threading
+
+    reuse, partial = tmp_path / "step-00000002.recycle-00000006", tmp_path / "step-00000006.partial"
+    reuse.mkdir()
+    partial.mkdir()
+    (reuse / "__0_0.distcp").write_bytes(b"old pages" * 100)
+    real_rename = os.rename
+
+    def racing_rename(src, dst, *a, **k):  # noqa: ANN001, ANN002, ANN003
+        fd = k.get("src_dir_fd")
+        os.unlink(src, dir_fd=fd)
+        os.mkfifo(src, dir_fd=fd)
+        return real_rename(src, dst, *a, **k)
+
+    monkeypatch.setattr(dio.os, "rename", racing_rename)
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(dio._take_over(reuse, partial / "__0_0.distcp")), daemon=True)
+    t.start()
+    t.join(5)
+    hung = t.is_alive()
+    if hung:  # let it go: a reader on the FIFO
+        fd = os.open(partial / "__0_0.distcp", os.O_RDONLY | os.O_NONBLOCK)
+        t.join(5)
+        os.close(fd)
+    assert not hung and out == [None] and not (partial / "__0_0.distcp").exists()
+
+
+def test_einval_on_two_o_direct_writes_in_flight_falls_back_once_with_the_same_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both buffers' writes in flight are refused (EINVAL) under O_DIRECT; the first switches the file to buffered,
+    the second, refused as a direct write too, retries buffered instead of failing the file."""
+    import fcntl
+    import threading
+    import time
+
+    real_pwrite = os.pwrite
+    both = threading.Barrier(2, timeout=10)
+    refused: list[int] = []
+
+    def pwrite(fd: int, data: object, at: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            refused.append(at)
+            try:
+                both.wait()  # both writes are in flight with O_DIRECT
+            except threading.BrokenBarrierError:
+                pass
+            if at:
+                time.sleep(0.3)  # handled after the first one switched the file
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, at)
+
+    monkeypatch.setattr(dio.os, "pwrite", pwrite)
+    data = os.urandom(40 << 20)
+    size, digest = dio.write_direct(tmp_path / "x.bin", lambda f: f.write(data), True)
+    assert len(refused) >= 2
+    assert (tmp_path / "x.bin").read_bytes() == data and hash_file(tmp_path / "x.bin") == (size, digest)

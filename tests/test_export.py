@@ -446,3 +446,48 @@ def test_export_stage_with_a_relative_out_dir_records_an_absolute_uri(ckpt: Path
     assert sha256(run / "exports" / "x" / "model.safetensors") == sha256(out / "model.safetensors")
     (event,) = [e for e in read_events(run) if e.kind == "export"]
     assert event.uri == (run / "exports" / "x").resolve().as_uri()
+
+
+@pytest.mark.parametrize("deep", [False, True], ids=["quick", "deep"])
+def test_an_export_of_a_memory_snapshot_recycled_while_read_fails_as_retired(
+        ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deep: bool) -> None:
+    """The older of two memory snapshots is exported while training runs: its files are opened and hashed (quick)
+    or validated (deep), then the next snapshot recycles it and overwrites its files in place (one model byte
+    differs, the layout is the same). The export must not commit the next snapshot's bytes under this step: it
+    fails in one line, as retired, and leaves no folder."""
+    from ckpt import memtier
+    from ckpt.formats import direct_io as dio
+    from ckpt.layout import RunDir
+    from schemas.errors import CheckpointRetired
+
+    mem, run = RunDir(tmp_path / "shm"), RunDir.at(tmp_path / "run")
+    run.root.mkdir()
+    lock = memtier.TierLock(mem)
+    assert memtier.claim(mem, run, lock) is None
+    old = mem.checkpoints / "step-00000010"
+    shutil.copytree(ckpt, old)
+    shutil.copytree(ckpt, mem.checkpoints / "step-00000012")
+    chunk, offset, length = _model_chunk(old)
+    real = ex.write_shards
+
+    def next_snapshot_meanwhile(*a, **k):  # noqa: ANN002, ANN003
+        bin_ = memtier.recycle(mem, 14, run)  # the node leader, before the snapshot of step 14
+        assert bin_ is not None and memtier.recycle_dir(mem, 14) == bin_
+        partial = mem.partial(14)
+        partial.mkdir()
+        fs = dio.HashingDirectFileSystem(direct=False, reuse=bin_)
+        for f in sorted(bin_.glob("__*.distcp")):
+            raw = bytearray(f.read_bytes())
+            if f.name == chunk.name:
+                raw[offset + length // 2] ^= 0xFF
+            with fs.create_stream(partial / f.name, "wb") as s:
+                s.write(bytes(raw))
+        return real(*a, **k)
+
+    monkeypatch.setattr(ex, "write_shards", next_snapshot_meanwhile)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointRetired) as e:
+        export_checkpoint(old, out, deep=deep)
+    assert "retired" in str(e.value) and "\n" not in str(e.value)
+    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+    lock.release()

@@ -247,28 +247,82 @@ def test_memory_tier_off_mid_segment_storage_checkpoints_go_the_normal_way(tmp_p
     assert spawn(_tier_goes_off, 2, str(tmp_path)) == [want] * 2
 
 
-def test_recycle_retires_only_the_oldest_of_two_and_retention_clears_what_was_not_taken(tmp_path: Path) -> None:
-    """The snapshot retention would remove after the next commit is renamed to .recycle (no manifest: never a
-    snapshot again) before the next is written; one committed snapshot alone is never recycled; a stale recycle
-    dir (an abandoned save) goes at the next recycle, a used one at the next retention."""
+def _claimed(tmp_path: Path) -> tuple[RunDir, RunDir]:
+    mem, run = RunDir(tmp_path / "shm"), _run(tmp_path / "run")
+    lock = memtier.TierLock(mem)
+    assert memtier.claim(mem, run, lock) is None
+    lock.release()
+    return mem, run
+
+
+def test_recycle_retires_only_the_oldest_of_two_before_the_step_and_retention_clears_what_was_not_taken(
+        tmp_path: Path) -> None:
+    """Before the snapshot of step S is written, the oldest of two committed snapshots before S is renamed to
+    step-OLD.recycle-S (no manifest: never a snapshot again), the one every writer of S finds; one snapshot before S
+    alone is never recycled, nor one at or after S (a newer one the run could not use stays; the newest usable one
+    stays whole); a stale recycle dir goes at the next recycle, a used one at the next retention."""
     from ckpt.validate import latest_valid
 
-    mem = RunDir(tmp_path / "shm")
+    mem, run = _claimed(tmp_path)
     _snapshot(mem, 2)
-    assert memtier.recycle(mem) is None and memtier.recycle_dir(mem) is None
-    assert [p.name for p in mem.committed()] == ["step-00000002"]
+    assert memtier.recycle(mem, 4, run) is None and memtier.recycle_dir(mem, 4) is None
     _snapshot(mem, 4)
     (mem.checkpoint(2) / "__0_0.distcp").write_bytes(b"pages")
-    bin_ = memtier.recycle(mem)
-    assert bin_ == mem.checkpoints / "step-00000002.recycle" and memtier.recycle_dir(mem) == bin_
+    bin_ = memtier.recycle(mem, 6, run)
+    assert bin_ == mem.checkpoints / "step-00000002.recycle-00000006" and memtier.recycle_dir(mem, 6) == bin_
+    assert memtier.recycle_dir(mem, 8) is None  # another step's writers take nothing
     assert not (bin_ / "manifest.json").exists() and (bin_ / "__0_0.distcp").read_bytes() == b"pages"
     assert [p.name for p in mem.committed()] == ["step-00000004"] and latest_valid(mem) is None  # {} is no manifest
-    assert memtier.recycle(mem) is None and not bin_.exists()  # stale: removed; one snapshot left: not recycled
+    assert memtier.recycle(mem, 6, run) is None and not bin_.exists()  # stale: removed; one left: not recycled
+    _snapshot(mem, 20)  # a newer snapshot this segment cannot use (another world size): left alone
+    assert memtier.recycle(mem, 6, run) is None and mem.checkpoint(4).is_dir() and mem.checkpoint(20).is_dir()
     _snapshot(mem, 6)
-    bin_ = memtier.recycle(mem)
-    _snapshot(mem, 8)  # the new snapshot committed: retention keeps 6 and 8 and clears the recycle dir
+    bin_ = memtier.recycle(mem, 8, run)
+    assert bin_ is not None and bin_.name.startswith("step-00000004.") and mem.checkpoint(6).is_dir()
+    _snapshot(mem, 8)  # the new snapshot committed: retention keeps the newest two and clears the recycle dir
     memtier.retain(mem)
-    assert sorted(p.name for p in mem.checkpoints.iterdir()) == ["step-00000006", "step-00000008"]
+    assert sorted(p.name for p in mem.checkpoints.iterdir()) == ["step-00000008", "step-00000020"]
+
+
+def test_recycle_never_hands_writers_a_symlink_nor_touches_a_dir_another_run_owns(tmp_path: Path) -> None:
+    """A symlink named like a recycle dir (to a storage checkpoint of the same user) is removed, never followed:
+    the writers find nothing to take over and the storage checkpoint's bytes stay. A memory dir that another run
+    claimed meanwhile is not recycled: its snapshots stay."""
+    import ckpt.formats.direct_io as dio
+
+    mem, run = _claimed(tmp_path)
+    for step in (2, 4):
+        (_snapshot(mem, step) / "__0_0.distcp").write_bytes(b"old pages" * 100)
+    victim = tmp_path / "run" / "checkpoints" / "step-00000100"
+    victim.mkdir(parents=True)
+    (victim / "__0_0.distcp").write_bytes(b"precious" * 100)
+    for name in ("step-99999999.recycle-00000006", "step-00000001.recycle-00000006"):
+        (mem.checkpoints / name).symlink_to(victim, target_is_directory=True)
+    bin_ = memtier.recycle(mem, 6, run)
+    (mem.checkpoints / "step-00000003.recycle-00000006").symlink_to(victim, target_is_directory=True)  # planted after
+    assert memtier.recycle_dir(mem, 6) is None  # two candidates: none is trusted
+    assert (victim / "__0_0.distcp").read_bytes() == b"precious" * 100 and bin_ is not None
+    partial = mem.partial(6)
+    partial.mkdir()
+    fs = dio.HashingDirectFileSystem(direct=False, reuse=mem.checkpoints / "step-00000003.recycle-00000006")
+    with fs.create_stream(partial / "__0_0.distcp", "wb") as s:
+        s.write(b"new snapshot")
+    assert (victim / "__0_0.distcp").read_bytes() == b"precious" * 100  # a symlinked reuse dir is never used
+    assert (partial / "__0_0.distcp").read_bytes() == b"new snapshot"
+    other = _run(tmp_path / "other")
+    (mem.root / memtier.OWNER_NAME).write_text('{"run_dir": "%s", "id": "x"}' % other.root)
+    assert memtier.recycle(mem, 8, run) is None and mem.checkpoint(4).is_dir()
+
+
+def test_validate_of_a_recycled_snapshot_says_retired(tmp_path: Path) -> None:
+    from ckpt.validate import validate
+
+    mem, run = _claimed(tmp_path)
+    _snapshot(mem, 2)
+    _snapshot(mem, 4)
+    assert memtier.recycle(mem, 6, run) is not None
+    report = validate(mem.checkpoint(2))
+    assert report.retired, report.errors
 
 
 def _snapshots_reuse_pages(tmp: str) -> list[object]:

@@ -184,7 +184,7 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             mkdir_durable(partial.parent)
             partial.mkdir()
             if target is self.memory:  # the snapshot retention retires next: its pages are overwritten, not freed
-                memtier.recycle(target)
+                memtier.recycle(target, step, self.run_dir)
         dist.barrier(group=group if group is not None else self.env.ctrl_group)
         return True
 

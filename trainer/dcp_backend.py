@@ -207,7 +207,7 @@ class DCPCheckpointer(Checkpointer):
         in_memory = self.memory is not None and self.memory.checkpoints == partial.parent  # tmpfs: no O_DIRECT
         writer = HashingDirectWriter(partial, sync_files=True, thread_count=self.spec.checkpoint.io_threads,
                                      overwrite=False, direct=not in_memory,
-                                     reuse=memtier.recycle_dir(self.memory) if in_memory else None)
+                                     reuse=memtier.recycle_dir(self.memory, ts.step) if in_memory else None)
         failure: BaseException | None = None
         try:
             dcp.save(snapshot, storage_writer=writer, planner=ExactStoragePlanner(), process_group=group)

@@ -61,7 +61,9 @@ How it works, and why:
   comes from it. A checkpoint that training's retention retires while it is exported fails the export with
   CheckpointRetired (one line: pick a newer step), never as a corrupted checkpoint or a bad path; files
   opened before it went are read to the end (their bytes stay until closed), so an export that got them
-  all completes.
+  all completes -- except from a memory snapshot: the next snapshot overwrites a retired one's files in place
+  (ckpt.memtier.recycle renames the dir first), so an export of a snapshot that went before every byte was
+  read fails as retired.
 * A tensor larger than ``max_shard_size`` is written alone in its own shard (with a warning), as
   ``save_pretrained`` does, rather than refused: a model must remain exportable whatever the limit.
 """
@@ -79,6 +81,7 @@ from pathlib import Path
 from schemas import ExportResult
 from schemas.errors import CheckpointError, CheckpointRetired
 from ckpt.fsutil import peak_rss_bytes
+from ckpt.memtier import in_memory_tier
 from ckpt.validate import WatchedDir, retired_message
 
 log = logging.getLogger(__name__)
@@ -112,7 +115,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     with WatchedDir(ckpt_dir) as watched:
         try:
             return _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                           progress=progress, deep=deep, tokenizer_from=tokenizer_from)
+                           progress=progress, deep=deep, tokenizer_from=tokenizer_from, watched=watched)
         except (CheckpointError, OSError) as e:
             # A checkpoint that the run's writer retires while it is read fails the export with whatever its
             # missing files cause: say what happened instead (files opened before it went are read to the end).
@@ -122,7 +125,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
 
 
 def _export(ckpt_dir: Path, out_dir: Path, *, dtype: str, max_shard_size: int | str, overwrite: bool, progress: bool,
-            deep: bool, tokenizer_from: str | os.PathLike[str] | bool | None) -> ExportResult:
+            deep: bool, tokenizer_from: str | os.PathLike[str] | bool | None, watched: WatchedDir) -> ExportResult:
     t0 = time.perf_counter()
     dtype_name, out_dtype = export_dtype(dtype)
     limit = parse_size(max_shard_size)
@@ -159,6 +162,10 @@ def _export(ckpt_dir: Path, out_dir: Path, *, dtype: str, max_shard_size: int | 
             hashes.update(write_model_files(tmp, ckpt_dir, manifest, model, dtype_name, shards))
             if tok_folder is not None:
                 hashes.update(copy_tokenizer(tmp, tok_folder, tok_recorded))
+            if watched.vanished() and in_memory_tier(ckpt_dir):
+                # a retired memory snapshot's files are overwritten in place by the next one (ckpt.memtier.recycle,
+                # which renames the dir first): what was read after it went may be the next snapshot's bytes
+                raise CheckpointRetired(retired_message(ckpt_dir))
             commit_folder(tmp, out_dir, overwrite=overwrite)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

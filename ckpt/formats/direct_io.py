@@ -100,6 +100,7 @@ class _HashingDirectStream(io.RawIOBase):
         self._fill = 0
         self._pending: deque[Future] = deque()  # the writes in flight, oldest first (buffers in round-robin order)
         self._flushed = 0  # file offset of the next buffer written
+        self._switch = threading.Lock()
         self.direct = direct and hasattr(os, "O_DIRECT")
         # O_NOFOLLOW: a symlink planted where a file goes is refused, never written through.
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
@@ -204,11 +205,12 @@ class _HashingDirectStream(io.RawIOBase):
         write wrote nothing, so it resumes where it stopped)."""
         written = 0
         while written < len(view):
+            as_direct = self.direct  # another buffer's write may switch the file to buffered meanwhile
             try:
                 n = (os.write(self._fd, view[written:]) if at is None
                      else os.pwrite(self._fd, view[written:], at + written))
             except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct:
+                if e.errno != errno.EINVAL or not as_direct:
                     raise
                 self._to_buffered()
                 continue
@@ -217,8 +219,11 @@ class _HashingDirectStream(io.RawIOBase):
             written += n
 
     def _to_buffered(self) -> None:
-        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-        self.direct = False
+        with self._switch:  # once, whichever write in flight was refused first
+            if not self.direct:
+                return
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.direct = False
         _warn_buffered(self.path)
 
     def flush(self) -> None:  # O_DIRECT can only write whole blocks; the tail goes out at close()
@@ -276,21 +281,36 @@ class _HashingDirectStream(io.RawIOBase):
 def _take_over(reuse: Path, path: Path) -> int | None:
     """Move ``reuse``'s file of ``path``'s name to ``path`` and open it for overwriting (no O_TRUNC: its pages stay);
     None when there is none, or it is not a regular file of this user with this one name (then it is removed, never
-    written through, and the caller creates ``path``)."""
-    src = reuse / path.name
+    written through, and the caller creates ``path``). ``reuse`` is opened as a directory without following a
+    symlink, and the file is looked up and moved relative to that descriptor; the open does not block (a FIFO
+    swapped in is refused by the check on the file opened, not waited on)."""
     try:
-        st = os.lstat(src)
+        dfd = os.open(reuse, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
             return None
-        os.rename(src, path)
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+        os.rename(path.name, path, src_dir_fd=dfd)
     except OSError:
+        return None
+    finally:
+        os.close(dfd)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # swapped for something that cannot be opened so (a FIFO without a reader, a symlink)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
         return None
     now = os.fstat(fd)
     if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev) or now.st_nlink != 1 or not stat.S_ISREG(now.st_mode):
         os.close(fd)  # swapped between the check and the open: not ours to overwrite
         os.unlink(path)
         return None
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return fd
 
 
