@@ -138,11 +138,13 @@ def test_second_writer_refused_in_one_line_renewal_outlives_expiry_dead_holder_t
 
 def test_concurrent_takers_of_an_expired_lease_exactly_one_wins(s3_endpoint: str, cache: Path) -> None:
     url = f"s3://{_new_bucket()}/run"
-    dead = _lease(url, expiry=1.0)
-    dead.acquire()  # never renewed, never released: a holder that died
     for _ in range(3):
+        dead = _lease(url, expiry=1.0)
+        dead.acquire()  # never renewed, never released: a holder that died
         _wait_expired(url)
-        takers = [_lease(url, expiry=1.0) for _ in range(3)]
+        # The takers' own leases last 30 s: on a loaded machine a taker whose read comes more than a short expiry
+        # after the winner's write would rightly take over the winner's (expired) lease as well.
+        takers = [_lease(url, expiry=30.0) for _ in range(3)]
         barrier = threading.Barrier(len(takers))
         won: list[int] = []
         refused: list[str] = []
@@ -165,6 +167,7 @@ def test_concurrent_takers_of_an_expired_lease_exactly_one_wins(s3_endpoint: str
         holder = takers[won[0]].read()
         assert holder is not None and holder.doc["owner"]["id"] == takers[won[0]].owner["id"]
         assert holder.doc["taken_over_from"] is not None
+        takers[won[0]].release()  # the next round starts from another dead holder
 
 
 def test_typed_garbage_lease_refused_in_one_line_and_dead_local_holder_taken_over_at_once(

@@ -143,10 +143,23 @@ def _wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout: float = 
         m = re.search(pattern, log.read_text())
         if m:
             return m
-        assert proc.poll() is None, f"train ended before {pattern!r}:\n{log.read_text()[-3000:]}"
+        assert proc.poll() is None, f"train ended before {pattern!r}:\n{_shown(log)}"
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    raise AssertionError(f"no {pattern!r} after {timeout:g} s:\n{log.read_text()[-3000:]}")
+    raise AssertionError(f"no {pattern!r} after {timeout:g} s:\n{_shown(log)}")
+
+
+def _shown(log: Path) -> str:
+    """What a failure shows: the launcher's lines (every attempt of a requeued job) and the log's last lines; with
+    the ranks' own output of each attempt (segment-*.out)."""
+    text = log.read_text()
+    lines = text.splitlines()
+    head = [ln for ln in lines[:-40] if ln.startswith("shardkeeper:") or "preempt" in ln or "signal" in ln
+            or "Traceback" in ln or "Error" in ln]
+    outs = sorted(log.parent.glob("*/slurm/segment-*.out"))
+    ranks = "".join(f"\n--- {p} (last lines):\n" + "\n".join(p.read_text(errors="replace").splitlines()[-60:])
+                    for p in outs)
+    return "\n".join(head[-60:] + ["..."] + lines[-40:]) + ranks
 
 
 def test_segment_across_two_slurm_nodes_matches_local_bitwise(slurm: dict[str, str], tmp_path: Path,
