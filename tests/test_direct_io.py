@@ -233,7 +233,7 @@ def test_a_fifo_swapped_into_the_recycle_dir_is_refused_not_waited_on(tmp_path: 
 
     monkeypatch.setattr(dio.os, "rename", racing_rename)
     out: list[object] = []
-    t = threading.Thread(target=lambda: out.append(dio._take_over(reuse, partial / "__0_0.distcp")), daemon=True)
+    t = threading.Thread(target=lambda: out.append(dio.take_over(reuse, partial / "__0_0.distcp")), daemon=True)
     t.start()
     t.join(5)
     hung = t.is_alive()

@@ -120,8 +120,11 @@ def test_each_node_verifies_its_own_copy_whole(reference: Path, tmp_path: Path, 
     assert_bitwise(metrics(reference), metrics(run), range(END + 1, END + 3))
 
 
-def _exchange_rank(root: str) -> list:
-    """Each of 2 ranks sends its files to the other in many small chunks (the pipelined stream), both at once."""
+def _exchange_rank(root: str, reuse: bool = False) -> list:
+    """Each of 2 ranks sends its files to the other in many small chunks (the pipelined stream), both at once.
+    ``reuse``: the receiver's retired snapshot (a recycle dir) holds files of the peer's names, longer or shorter,
+    one of them a symlink to a precious file: the regular ones are overwritten in place (same inodes), the symlink
+    is never followed."""
     import os as _os
 
     import torch.distributed as dist
@@ -142,16 +145,33 @@ def _exchange_rank(root: str) -> list:
         mine.append(FileEntry(path=name, size=size, xxh3_128=hash_file(here / name)[1], rank=rank))
     theirs: list = [None, None]
     dist.all_gather_object(theirs, mine)
-    problem = rep.exchange(here, mine, 1 - rank, theirs[1 - rank], 1 - rank, dist.group.WORLD)
+    bin_, inodes = Path(root) / f"recycle{rank}", {}
+    if reuse:
+        bin_.mkdir()
+        precious = Path(root) / f"precious{rank}"
+        precious.write_bytes(b"precious")
+        for k, f in enumerate(theirs[1 - rank]):
+            if k == 2:
+                (bin_ / f.path).symlink_to(precious)
+                continue
+            (bin_ / f.path).write_bytes(_os.urandom(f.size + (5000 if k % 2 else -min(f.size, 3))))
+            inodes[f.path] = (bin_ / f.path).stat().st_ino
+    problem = rep.exchange(here, mine, 1 - rank, theirs[1 - rank], 1 - rank, dist.group.WORLD,
+                           bin_ if reuse else None)
     dist.barrier()
     peer = Path(root) / f"node{1 - rank}"
-    return [problem, [(here / f.path).read_bytes() == (peer / f.path).read_bytes() for f in theirs[1 - rank]]]
+    same = [(here / f.path).read_bytes() == (peer / f.path).read_bytes() for f in theirs[1 - rank]]
+    if reuse:
+        same.append(all((here / name).stat().st_ino == ino for name, ino in inodes.items()) and len(inodes) == 5)
+        same.append(precious.read_bytes() == b"precious" and not (here / theirs[1 - rank][2].path).is_symlink())
+    return [problem, same]
 
 
-def test_replication_streams_many_chunks_both_ways_at_once(tmp_path: Path) -> None:
-    got = spawn(_exchange_rank, 2, str(tmp_path))
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh-files", "over-a-retired-snapshot"])
+def test_replication_streams_many_chunks_both_ways_at_once(tmp_path: Path, reuse: bool) -> None:
+    got = spawn(_exchange_rank, 2, str(tmp_path), reuse)
     for problem, same in got:
-        assert problem is None and len(same) == 6 and all(same), got
+        assert problem is None and len(same) == (8 if reuse else 6) and all(same), got
 
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ckpt import memtier, memtier_nodes
 from ckpt.fsutil import fsync_dir, mkdir_durable, quarantine
 from ckpt.hashing import hash_files, mismatch_message
-from ckpt.layout import RunDir
+from ckpt.layout import PARTIAL_SUFFIX, RunDir, parse_step
 from ckpt.manifest import write_manifest
 from schemas import MANIFEST_NAME, CheckpointManifest
 from trainer import lifetime, replicate
@@ -84,7 +84,9 @@ class NodeTier:
         dist.all_gather_object(everyone, entries, group=group)
         per, world = self.env.topology.procs_per_node, self.env.world_size  # type: ignore[attr-defined]
         dst, src = (self.env.rank + per) % world, (self.env.rank - per) % world  # type: ignore[attr-defined]
-        return replicate.exchange(partial, list(entries), dst, list(everyone[src] or []), src, group)
+        step = parse_step(partial.name.removesuffix(PARTIAL_SUFFIX))
+        reuse = memtier.recycle_dir(self.memory, step) if step is not None else None  # type: ignore[attr-defined]
+        return replicate.exchange(partial, list(entries), dst, list(everyone[src] or []), src, group, reuse)
 
     def commit_copy(self, step: int, manifest: CheckpointManifest, target: RunDir) -> Any:
         """A node leader readies its node's copy for the commit: the files it must hold, each of its hashed size,

@@ -56,8 +56,8 @@ class _Out:
 class _In:
     """The files this rank receives: written into ``root`` as their chunks arrive, hashed on the way."""
 
-    def __init__(self, root: Path, files: list[FileEntry]) -> None:
-        self.root, self.files = root, files
+    def __init__(self, root: Path, files: list[FileEntry], reuse: Path | None = None) -> None:
+        self.root, self.files, self.reuse = root, files, reuse
         self.parts = [(i, off, min(CHUNK, f.size - off)) for i, f in enumerate(files) for off in range(0, f.size, CHUNK)]
         size = min(CHUNK, max((n for _, _, n in self.parts), default=1))
         self.bufs = [torch.empty(size, dtype=torch.uint8) for _ in range(2 if len(self.parts) > 1 else 1)]
@@ -66,9 +66,19 @@ class _In:
         self.problem: str | None = None
 
     def open_all(self) -> None:
+        """Open every file to receive; with ``reuse`` (a retired snapshot's dir, ``ckpt.memtier.recycle``) a file of
+        the same name there is taken over and overwritten in place (its tmpfs pages reused), cut to its size."""
+        from ckpt.formats.direct_io import DATA_FILE, take_over
+
         for i, f in enumerate(self.files):
             path = self.root / f.path
             path.parent.mkdir(parents=True, exist_ok=True)
+            taken = (take_over(self.reuse, path) if self.reuse is not None and path.parent == self.root
+                     and DATA_FILE.match(path.name) else None)
+            if taken is not None:
+                os.ftruncate(taken, f.size)
+                self.fds[i] = taken
+                continue
             self.fds[i] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
 
     def take(self, k: int, view: torch.Tensor) -> None:
@@ -130,11 +140,12 @@ def stream(out: _Out | None, dst: int | None, inc: _In | None, src: int | None, 
 
 
 def _transfer(root: Path, out_files: list[FileEntry], dst: int | None, in_files: list[FileEntry], src: int | None,
-              group: dist.ProcessGroup) -> tuple[str | None, str | None]:
+              group: dist.ProcessGroup, reuse: Path | None = None) -> tuple[str | None, str | None]:
     """Send ``out_files`` (in ``root``) to ``dst`` and receive ``in_files`` from ``src`` into ``root`` (either side
-    may be None). Returns (the receiver's problem, the sender's problem)."""
+    may be None; ``reuse``: a retired snapshot's dir whose files of the same names are overwritten in place).
+    Returns (the receiver's problem, the sender's problem)."""
     out = _Out(root, out_files) if dst is not None else None
-    inc = _In(root, in_files) if src is not None else None
+    inc = _In(root, in_files, reuse) if src is not None else None
     if inc is not None:
         try:
             inc.open_all()
@@ -148,10 +159,11 @@ def _transfer(root: Path, out_files: list[FileEntry], dst: int | None, in_files:
 
 
 def exchange(root: Path, mine: list[FileEntry], dst: int, theirs: list[FileEntry], src: int,
-             group: dist.ProcessGroup) -> str | None:
-    """Send ``mine`` (in ``root``) to rank ``dst``; receive ``theirs`` from rank ``src`` into ``root``. One line
-    when a received file does not hash to what its writer hashed, or cannot be written; else None."""
-    return _transfer(root, mine, dst, theirs, src, group)[0]
+             group: dist.ProcessGroup, reuse: Path | None = None) -> str | None:
+    """Send ``mine`` (in ``root``) to rank ``dst``; receive ``theirs`` from rank ``src`` into ``root`` (over the
+    files of ``reuse``, a retired snapshot's dir, where it has them). One line when a received file does not hash
+    to what its writer hashed, or cannot be written; else None."""
+    return _transfer(root, mine, dst, theirs, src, group, reuse)[0]
 
 
 def send(root: Path, files: list[FileEntry], dst: int, group: dist.ProcessGroup) -> str | None:

@@ -74,7 +74,7 @@ def _warn_buffered(path: Path) -> None:
 
 _PIECE = 1 << 20  # copied, then hashed from the cache, one piece at a time
 _pool: ThreadPoolExecutor | None = None
-_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")  # a rank's DCP data file (the only files ever taken over)
+DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")  # a rank's DCP data file (the only files ever taken over)
 _pool_lock = threading.Lock()
 
 
@@ -106,7 +106,7 @@ class _HashingDirectStream(io.RawIOBase):
         self.direct = direct and hasattr(os, "O_DIRECT")
         # O_NOFOLLOW: a symlink planted where a file goes is refused, never written through.
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-        taken = _take_over(reuse, path) if reuse is not None and not self.direct else None
+        taken = take_over(reuse, path) if reuse is not None and not self.direct else None
         self.reused = taken is not None
         if taken is not None:
             self._fd = taken
@@ -280,7 +280,7 @@ class _HashingDirectStream(io.RawIOBase):
             super().close()
 
 
-def _take_over(reuse: Path, path: Path) -> int | None:
+def take_over(reuse: Path, path: Path) -> int | None:
     """Move ``reuse``'s file of ``path``'s name to ``path`` and open it for overwriting (no O_TRUNC: its pages stay);
     None when there is none, or it is not a regular file of this user with this one name (then it is removed, never
     written through, and the caller creates ``path``). ``reuse`` is opened as a directory without following a
@@ -353,7 +353,7 @@ class HashingDirectFileSystem(FileSystem):
                 yield s
             return
         try:
-            reuse = self.reuse if _DATA_FILE.match(Path(path).name) else None
+            reuse = self.reuse if DATA_FILE.match(Path(path).name) else None
             stream = _HashingDirectStream(Path(path), self.digests, self._lock, self.direct, reuse)
         except BaseException as e:
             with self._lock:
