@@ -24,7 +24,7 @@ from schemas import MANIFEST_NAME
 STEP_RE = re.compile(r"^step-(\d{8})$")
 PARTIAL_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"
-RECYCLE_SUFFIX = ".recycle"  # a retired memory snapshot whose files the next one overwrites (ckpt.memtier.recycle)
+RECYCLE_SUFFIX = ".recycle"  # a retired memory snapshot whose files the next one overwrites (ckpt.memtier_recycle.recycle)
 INVALID_RE = re.compile(r"^step-(\d{8})\.invalid-(\d+)$")
 
 

@@ -455,7 +455,7 @@ def test_an_export_of_a_memory_snapshot_recycled_while_read_fails_as_retired(
     or validated (deep), then the next snapshot recycles it and overwrites its files in place (one model byte
     differs, the layout is the same). The export must not commit the next snapshot's bytes under this step: it
     fails in one line, as retired, and leaves no folder."""
-    from ckpt import memtier
+    from ckpt import memtier, memtier_recycle
     from ckpt.formats import direct_io as dio
     from ckpt.layout import RunDir
     from schemas.errors import CheckpointRetired
@@ -471,8 +471,8 @@ def test_an_export_of_a_memory_snapshot_recycled_while_read_fails_as_retired(
     real = ex.write_shards
 
     def next_snapshot_meanwhile(*a, **k):  # noqa: ANN002, ANN003
-        bin_ = memtier.recycle(mem, 14, run)  # the node leader, before the snapshot of step 14
-        assert bin_ is not None and memtier.recycle_dir(mem, 14) == bin_
+        bin_ = memtier_recycle.recycle(mem, 14, run)  # the node leader, before the snapshot of step 14
+        assert bin_ is not None and memtier_recycle.recycle_dir(mem, 14) == bin_
         partial = mem.partial(14)
         partial.mkdir()
         fs = dio.HashingDirectFileSystem(direct=False, reuse=bin_)

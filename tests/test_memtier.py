@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 
-from ckpt import memtier
+from ckpt import memtier, memtier_recycle
 from ckpt.layout import RunDir
 from schemas.errors import ConfigError
 from shardkeeper.preflight import check_memory_tier, preflight
@@ -265,19 +265,19 @@ def test_recycle_retires_only_the_oldest_of_two_before_the_step_and_retention_cl
 
     mem, run = _claimed(tmp_path)
     _snapshot(mem, 2)
-    assert memtier.recycle(mem, 4, run) is None and memtier.recycle_dir(mem, 4) is None
+    assert memtier_recycle.recycle(mem, 4, run) is None and memtier_recycle.recycle_dir(mem, 4) is None
     _snapshot(mem, 4)
     (mem.checkpoint(2) / "__0_0.distcp").write_bytes(b"pages")
-    bin_ = memtier.recycle(mem, 6, run)
-    assert bin_ == mem.checkpoints / "step-00000002.recycle-00000006" and memtier.recycle_dir(mem, 6) == bin_
-    assert memtier.recycle_dir(mem, 8) is None  # another step's writers take nothing
+    bin_ = memtier_recycle.recycle(mem, 6, run)
+    assert bin_ == mem.checkpoints / "step-00000002.recycle-00000006" and memtier_recycle.recycle_dir(mem, 6) == bin_
+    assert memtier_recycle.recycle_dir(mem, 8) is None  # another step's writers take nothing
     assert not (bin_ / "manifest.json").exists() and (bin_ / "__0_0.distcp").read_bytes() == b"pages"
     assert [p.name for p in mem.committed()] == ["step-00000004"] and latest_valid(mem) is None  # {} is no manifest
-    assert memtier.recycle(mem, 6, run) is None and not bin_.exists()  # stale: removed; one left: not recycled
+    assert memtier_recycle.recycle(mem, 6, run) is None and not bin_.exists()  # stale: removed; one left: not recycled
     _snapshot(mem, 20)  # a newer snapshot this segment cannot use (another world size): left alone
-    assert memtier.recycle(mem, 6, run) is None and mem.checkpoint(4).is_dir() and mem.checkpoint(20).is_dir()
+    assert memtier_recycle.recycle(mem, 6, run) is None and mem.checkpoint(4).is_dir() and mem.checkpoint(20).is_dir()
     _snapshot(mem, 6)
-    bin_ = memtier.recycle(mem, 8, run)
+    bin_ = memtier_recycle.recycle(mem, 8, run)
     assert bin_ is not None and bin_.name.startswith("step-00000004.") and mem.checkpoint(6).is_dir()
     _snapshot(mem, 8)  # the new snapshot committed: retention keeps the newest two and clears the recycle dir
     memtier.retain(mem)
@@ -298,9 +298,9 @@ def test_recycle_never_hands_writers_a_symlink_nor_touches_a_dir_another_run_own
     (victim / "__0_0.distcp").write_bytes(b"precious" * 100)
     for name in ("step-99999999.recycle-00000006", "step-00000001.recycle-00000006"):
         (mem.checkpoints / name).symlink_to(victim, target_is_directory=True)
-    bin_ = memtier.recycle(mem, 6, run)
+    bin_ = memtier_recycle.recycle(mem, 6, run)
     (mem.checkpoints / "step-00000003.recycle-00000006").symlink_to(victim, target_is_directory=True)  # planted after
-    assert memtier.recycle_dir(mem, 6) is None  # two candidates: none is trusted
+    assert memtier_recycle.recycle_dir(mem, 6) is None  # two candidates: none is trusted
     assert (victim / "__0_0.distcp").read_bytes() == b"precious" * 100 and bin_ is not None
     partial = mem.partial(6)
     partial.mkdir()
@@ -311,7 +311,7 @@ def test_recycle_never_hands_writers_a_symlink_nor_touches_a_dir_another_run_own
     assert (partial / "__0_0.distcp").read_bytes() == b"new snapshot"
     other = _run(tmp_path / "other")
     (mem.root / memtier.OWNER_NAME).write_text('{"run_dir": "%s", "id": "x"}' % other.root)
-    assert memtier.recycle(mem, 8, run) is None and mem.checkpoint(4).is_dir()
+    assert memtier_recycle.recycle(mem, 8, run) is None and mem.checkpoint(4).is_dir()
 
 
 def test_validate_of_a_recycled_snapshot_says_retired(tmp_path: Path) -> None:
@@ -320,7 +320,7 @@ def test_validate_of_a_recycled_snapshot_says_retired(tmp_path: Path) -> None:
     mem, run = _claimed(tmp_path)
     _snapshot(mem, 2)
     _snapshot(mem, 4)
-    assert memtier.recycle(mem, 6, run) is not None
+    assert memtier_recycle.recycle(mem, 6, run) is not None
     report = validate(mem.checkpoint(2))
     assert report.retired, report.errors
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt import fingerprint as fp, lineage, memtier, memtier_nodes
+from ckpt import fingerprint as fp, lineage, memtier, memtier_nodes, memtier_recycle
 from ckpt.memtier import MEMORY, STORAGE
 from schemas.errors import CheckpointError
 from ckpt.fsutil import fsync_dir, mkdir_durable, quarantine
@@ -184,7 +184,7 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             mkdir_durable(partial.parent)
             partial.mkdir()
             if target is self.memory:  # the snapshot retention retires next: its pages are overwritten, not freed
-                memtier.recycle(target, step, self.run_dir)
+                memtier_recycle.recycle(target, step, self.run_dir)
         dist.barrier(group=group if group is not None else self.env.ctrl_group)
         return True
 

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from ckpt import fingerprint as fp, memtier
+from ckpt import fingerprint as fp, memtier_recycle
 from ckpt.formats.dcp_onepass import load_verified
 from ckpt.formats.direct_io import ExactStoragePlanner, HashingDirectWriter
 from ckpt.hashing import hash_files
@@ -207,7 +207,7 @@ class DCPCheckpointer(Checkpointer):
         in_memory = self.memory is not None and self.memory.checkpoints == partial.parent  # tmpfs: no O_DIRECT
         writer = HashingDirectWriter(partial, sync_files=True, thread_count=self.spec.checkpoint.io_threads,
                                      overwrite=False, direct=not in_memory,
-                                     reuse=memtier.recycle_dir(self.memory, ts.step) if in_memory else None)
+                                     reuse=memtier_recycle.recycle_dir(self.memory, ts.step) if in_memory else None)
         failure: BaseException | None = None
         try:
             dcp.save(snapshot, storage_writer=writer, planner=ExactStoragePlanner(), process_group=group)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckpt import memtier, memtier_nodes
+from ckpt import memtier, memtier_nodes, memtier_recycle
 from ckpt.fsutil import fsync_dir, mkdir_durable, quarantine
 from ckpt.hashing import hash_files, mismatch_message
 from ckpt.layout import PARTIAL_SUFFIX, RunDir, parse_step
@@ -85,7 +85,7 @@ class NodeTier:
         per, world = self.env.topology.procs_per_node, self.env.world_size  # type: ignore[attr-defined]
         dst, src = (self.env.rank + per) % world, (self.env.rank - per) % world  # type: ignore[attr-defined]
         step = parse_step(partial.name.removesuffix(PARTIAL_SUFFIX))
-        reuse = memtier.recycle_dir(self.memory, step) if step is not None else None  # type: ignore[attr-defined]
+        reuse = memtier_recycle.recycle_dir(self.memory, step) if step is not None else None  # type: ignore[attr-defined]
         return replicate.exchange(partial, list(entries), dst, list(everyone[src] or []), src, group, reuse)
 
     def commit_copy(self, step: int, manifest: CheckpointManifest, target: RunDir) -> Any:

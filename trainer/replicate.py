@@ -66,7 +66,7 @@ class _In:
         self.problem: str | None = None
 
     def open_all(self) -> None:
-        """Open every file to receive; with ``reuse`` (a retired snapshot's dir, ``ckpt.memtier.recycle``) a file of
+        """Open every file to receive; with ``reuse`` (a retired snapshot's dir, ``ckpt.memtier_recycle.recycle``) a file of
         the same name there is taken over and overwritten in place (its tmpfs pages reused), cut to its size."""
         from ckpt.formats.direct_io import DATA_FILE, take_over
 

@@ -62,7 +62,7 @@ How it works, and why:
   CheckpointRetired (one line: pick a newer step), never as a corrupted checkpoint or a bad path; files
   opened before it went are read to the end (their bytes stay until closed), so an export that got them
   all completes -- except from a memory snapshot: the next snapshot overwrites a retired one's files in place
-  (ckpt.memtier.recycle renames the dir first), so an export of a snapshot that went before every byte was
+  (ckpt.memtier_recycle.recycle renames the dir first), so an export of a snapshot that went before every byte was
   read fails as retired.
 * A tensor larger than ``max_shard_size`` is written alone in its own shard (with a warning), as
   ``save_pretrained`` does, rather than refused: a model must remain exportable whatever the limit.
@@ -163,7 +163,7 @@ def _export(ckpt_dir: Path, out_dir: Path, *, dtype: str, max_shard_size: int | 
             if tok_folder is not None:
                 hashes.update(copy_tokenizer(tmp, tok_folder, tok_recorded))
             if watched.vanished() and in_memory_tier(ckpt_dir):
-                # a retired memory snapshot's files are overwritten in place by the next one (ckpt.memtier.recycle,
+                # a retired memory snapshot's files are overwritten in place by the next one (ckpt.memtier_recycle.recycle,
                 # which renames the dir first): what was read after it went may be the next snapshot's bytes
                 raise CheckpointRetired(retired_message(ckpt_dir))
             commit_folder(tmp, out_dir, overwrite=overwrite)

@@ -20,7 +20,7 @@ extra writer threads would otherwise die with their exception and leave their it
 Where O_DIRECT is refused at open, or not asked for (``direct=False``: the memory tier's tmpfs), there is no
 staging at all: each 1 MiB piece of the caller's bytes is hashed and written straight into the file. A symlink at
 a file's path is refused (O_NOFOLLOW). A memory snapshot's writer may be given a retired snapshot's dir
-(``reuse``, ``ckpt.memtier.recycle``): a file of the same name there is moved into place and overwritten, then
+(``reuse``, ``ckpt.memtier_recycle.recycle``): a file of the same name there is moved into place and overwritten, then
 cut to its new length, so its tmpfs pages are reused instead of allocated and zeroed (only a regular file with
 no other link, checked on the file opened; anything else is removed and the file created as usual).
 
@@ -122,10 +122,10 @@ class _HashingDirectStream(io.RawIOBase):
         # accepts O_DIRECT on recent kernels but has no device behind it), the bytes go from the caller's buffer
         # straight into the file (the kernel's copy is the only one), hashed on the way; no staging buffers.
         self.passthrough = not self.direct
-        # Two buffers: one fills (copy + hash) while the other is written. Anonymous maps are page-aligned, as
-        # O_DIRECT requires.
-        self._bufs = [] if self.passthrough else [mmap.mmap(-1, _BUF) for _ in range(max(2, self.depth) if self.pipelined
-                                                                          else 1)]
+        # ``depth`` buffers (one when not pipelined): one fills (copy + hash) while the others are written. Anonymous
+        # maps are page-aligned, as O_DIRECT requires.
+        count = max(2, self.depth) if self.pipelined else 1
+        self._bufs = [] if self.passthrough else [mmap.mmap(-1, _BUF) for _ in range(count)]
         self._views = [memoryview(b) for b in self._bufs]
         self._arrays = [np.frombuffer(b, dtype=np.uint8) for b in self._bufs]
         self._cur = 0

@@ -1,0 +1,87 @@
+"""The memory tier's page reuse: before a snapshot is written, the node's leader retires the older of the two kept
+snapshots into ``step-OLD.recycle-STEP``; the new snapshot's writers (``ckpt.formats.direct_io.take_over``, and
+``trainer.replicate`` for files received from the peer node) overwrite its files in place. ``ckpt.memtier`` holds
+the rest of the tier (ownership, retention, persisting); its retention removes what was not taken.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from ckpt.layout import RECYCLE_SUFFIX, RunDir, parse_step, step_dir_name
+from ckpt.memtier import KEEP, owner_problem
+from schemas import MANIFEST_NAME
+
+log = logging.getLogger(__name__)
+
+
+def recycle_path(mem: RunDir, old: int, step: int) -> Path:
+    """Where the snapshot of step ``old`` is retired while the snapshot of ``step`` is written:
+    ``step-OLD.recycle-STEP`` (the old name first, so a reader of it learns it was retired; the new step last, so
+    the writers of ``step`` find exactly the dir their leader made)."""
+    return mem.checkpoints / f"{step_dir_name(old)}{RECYCLE_SUFFIX}-{step:08d}"
+
+
+def recycle(mem: RunDir, step: int, run_dir: RunDir, keep: int = KEEP) -> Path | None:
+    """The node's leader, before the snapshot of ``step`` is written: the oldest committed snapshot before
+    ``step``, the one retention removes once the new one commits, is renamed to ``step-OLD.recycle-STEP`` (one
+    rename: from then on nobody takes it for a snapshot) and its manifest removed; the new snapshot's writers then
+    take its data files over one by one (``ckpt.formats.direct_io``) and overwrite them in place. A tmpfs file's
+    pages are reused that way: none is allocated, zeroed, or freed by retention, CPU time a busy host's training
+    pays for. Only when ``keep`` (>= 2) snapshots before ``step`` are committed, so that the newest of them stays
+    whole while the new one is written; never a snapshot at or after ``step`` (a newer one the run could not use is
+    left alone), and only in a memory dir this run owns. What the writers did not take is removed by the next
+    retention (or the next recycle). Returns the recycle dir, or None (the new snapshot's files are created)."""
+    for stale in _recycle_entries(mem):
+        _remove_entry(stale)
+    if keep < 2 or owner_problem(mem, run_dir) is not None:
+        return None
+    older = [p for p in mem.committed() if (parse_step(p.name) or 0) < step]
+    if len(older) < keep:
+        return None
+    bin_ = recycle_path(mem, parse_step(older[0].name) or 0, step)
+    try:
+        os.rename(older[0], bin_)
+    except OSError as e:  # a reader's quarantine or retention took it first: the new files are created
+        log.debug("memory tier: %s not recycled: %s", older[0].name, e)
+        return None
+    try:
+        os.unlink(bin_ / MANIFEST_NAME)
+    except OSError:
+        pass
+    return bin_
+
+
+def recycle_dir(mem: RunDir, step: int) -> Path | None:
+    """The recycle dir the node's leader made for the snapshot of ``step`` (every rank on the node asks): exactly
+    one real directory named ``*.recycle-STEP``, else None (nothing is taken over)."""
+    found = [p for p in _recycle_entries(mem) if p.name.endswith(f"{RECYCLE_SUFFIX}-{step:08d}")]
+    if len(found) != 1:
+        return None
+    try:
+        st = os.lstat(found[0])
+    except OSError:
+        return None
+    return found[0] if stat.S_ISDIR(st.st_mode) else None
+
+
+def _recycle_entries(mem: RunDir) -> list[Path]:
+    try:
+        return sorted(p for p in mem.checkpoints.iterdir() if RECYCLE_SUFFIX in p.name)
+    except OSError:
+        return []
+
+
+def _remove_entry(path: Path) -> None:
+    """A directory is removed with what it holds; anything else (a symlink included: never followed) is unlinked."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
