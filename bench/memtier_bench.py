@@ -305,7 +305,9 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | No
              f"{res['step_s']:.2f} s per step, {len(res['copy_s'])} copies and {len(res['stall_s'])} snapshots alternated, "
              f"{len(ck)}+{len(plain)}+{len(store)} goodput phases alternated (snapshots / none / snapshots + one storage "
              f"checkpoint); goodput with storage every {STORAGE_EVERY_S / 60:.0f} min = 1 / (1 / snapshot goodput + added "
-             f"storage seconds / {STORAGE_EVERY_S:.0f}); memory dir {args.memory_dir}"]
+             f"storage seconds / {STORAGE_EVERY_S:.0f}); memory dir {args.memory_dir}"
+             + (f"; stall and goodput figures taken from an earlier run of this bench ({res['reused_from']}, "
+                f"measured {res.get('measured', 'earlier')})" if res.get("reused_from") else "")]
     if rec:
         fresh = [r["first_step_s"] for r in rec["fresh"]]
         memf = [r["first_step_s"] for r in rec["memory"]]
@@ -361,6 +363,8 @@ def main() -> None:
     ap.add_argument("--crash-at", type=int, default=14, help="recovery: the snapshot step after which rank 1 is killed")
     ap.add_argument("--crash-memory-interval", type=int, default=2, help="recovery: checkpoint.memory_interval")
     ap.add_argument("--crash-interval", type=int, default=10, help="recovery: checkpoint.interval")
+    ap.add_argument("--inproc-json", help="take parts 1-2 (stall, goodput) from this earlier run's "
+                    "bench/out/memtier/inproc.json (said in the table) instead of measuring them again")
     ap.add_argument("--no-nodes", action="store_true", help="skip the node-loss restore (two emulated nodes)")
     ap.add_argument("--no-publish", action="store_true")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: 2 GPUs (one per rank), NCCL")
@@ -382,9 +386,15 @@ def main() -> None:
     run, mem = OUT / "inproc", Path(args.memory_dir) / "inproc"
     shutil.rmtree(run, ignore_errors=True)
     try:
-        prepare_run_dir(RunDir.at(run), spec_for(args.layers, args.seq, mem, 1 << 20, 1 << 30))
-        res = spawn(worker, 2, str(run), args.warm, args.target_s, args.saves, args.reps, timeout=3600, device=DEVICE)[0]
-        (OUT / "inproc.json").write_text(json.dumps(res, indent=2))
+        if args.inproc_json:
+            res = json.loads(Path(args.inproc_json).read_text())
+            res["reused_from"] = str(args.inproc_json)
+            res.setdefault("measured", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(Path(args.inproc_json).stat().st_mtime)))
+        else:
+            prepare_run_dir(RunDir.at(run), spec_for(args.layers, args.seq, mem, 1 << 20, 1 << 30))
+            res = spawn(worker, 2, str(run), args.warm, args.target_s, args.saves, args.reps, timeout=3600,
+                        device=DEVICE)[0]
+            (OUT / "inproc.json").write_text(json.dumps(res, indent=2))
         if args.recovery_json:
             rec = json.loads(Path(args.recovery_json).read_text())
             rec["reused_from"] = str(args.recovery_json)

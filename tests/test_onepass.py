@@ -171,3 +171,81 @@ def test_a_file_changed_after_it_was_hashed_is_refused_before_its_bytes_are_read
     with pytest.raises(CheckpointError, match=f"{first}: changed after it was verified"):
         dcp_onepass.load_verified(dest, ckpt, expected, no_dist=True)
     assert not any(dest[k].any() for k in sd)
+
+
+def test_files_verified_on_the_way_in_are_not_hashed_again_unless_they_changed(tmp_path: Path, monkeypatch) -> None:
+    """A node copy's files hashed whole during the restore's transfer (trainer.replicate.Verified) are read without
+    a second hash while each is the same file; one written since (new mtime), one whose recorded digest is not
+    the manifest's, and one replaced by another inode are hashed again, and a changed byte is refused."""
+    import os
+    import shutil
+
+    from ckpt.formats import dcp_onepass
+    from ckpt.formats.dcp_onepass import load_verified
+    from ckpt.hashing import ChecksumMismatch
+    from trainer.replicate import identity
+
+    ckpt, expected, sd = _save(tmp_path)
+    hashed: list[int] = []
+    real = dcp_onepass.OnePassReader._hash_whole
+    monkeypatch.setattr(dcp_onepass.OnePassReader, "_hash_whole",
+                        lambda self, fd, size, progress: hashed.append(size) or real(self, fd, size, progress))
+
+    def known(root: Path) -> dict:
+        return {n: (*expected[n], identity(os.stat(root / n))) for n in expected}
+
+    out = _zeros(sd)
+    reader = load_verified(out, ckpt, expected, no_dist=True, verified=known(ckpt))
+    assert all(torch.equal(out[k], sd[k]) for k in sd) and reader.digests == expected
+    assert hashed == []  # nothing hashed twice
+
+    data = max((p for p in ckpt.iterdir() if p.name != ".metadata"), key=lambda p: p.stat().st_size)
+    for how in ("rewritten", "wrong-digest", "replaced"):
+        bad = tmp_path / f"bad-{how}"
+        shutil.copytree(ckpt, bad)
+        told = known(bad)
+        path, off = _offset_in(bad, "a", "middle")
+        assert path.name == data.name
+        raw = bytearray(path.read_bytes())
+        raw[off] ^= 0xFF
+        if how == "rewritten":  # same inode, new bytes: its mtime moves
+            os.utime(path, ns=(1, 1))
+            told[path.name] = (*told[path.name][:2], identity(os.stat(path)))
+            path.write_bytes(bytes(raw))
+        elif how == "wrong-digest":  # its identity as recorded, but the digest recorded for it is not the manifest's
+            path.write_bytes(bytes(raw))
+            told[path.name] = (told[path.name][0], "0" * 32, identity(os.stat(path)))
+        else:  # another file renamed into its place
+            (bad / "x").write_bytes(bytes(raw))
+            os.replace(bad / "x", path)
+        hashed.clear()
+        out = _zeros(sd)
+        with pytest.raises(ChecksumMismatch):
+            load_verified(out, bad, expected, no_dist=True, verified=told)
+        assert hashed == [path.stat().st_size], how  # that one file hashed, the others taken as verified
+        assert all(torch.equal(out[k], torch.zeros_like(sd[k])) for k in sd), how  # nothing applied
+
+
+def test_a_sent_file_is_verified_only_if_it_matched_and_did_not_change_while_read(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """The sender of a restore's transfer hashes each file as it reads its chunks: a file that matched its entry
+    and kept its identity is verified (with that identity); one touched between chunks, or with other bytes, is not."""
+    import os
+
+    from ckpt.hashing import hash_file
+    from schemas import FileEntry
+    from trainer import replicate
+
+    monkeypatch.setattr(replicate, "CHUNK", 1000)
+    files = []
+    for name in ("good", "touched", "other"):
+        (tmp_path / name).write_bytes(os.urandom(2500))
+        size, digest = hash_file(tmp_path / name)
+        files.append(FileEntry(path=name, size=size, xxh3_128=digest if name != "other" else "1" * 32, rank=0))
+    out = replicate._Out(tmp_path, files)
+    for i, (k, _, _) in enumerate(out.parts):
+        out.chunk(i)
+        if files[k].path == "touched" and i == 3:  # between its first and second chunk
+            os.utime(tmp_path / "touched", ns=(5, 5))
+    assert out.problem is None
+    assert out.verified() == {"good": (2500, files[0].xxh3_128, replicate.identity(os.stat(tmp_path / "good")))}

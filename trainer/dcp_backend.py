@@ -242,7 +242,8 @@ class DCPCheckpointer(Checkpointer):
         node_copy = self.node_tier and self.memory is not None and self.memory.root in path.parents
         load_verified(sd, path, {f.path: (f.size, f.xxh3_128) for f in manifest.files},
                       process_group=self.env.ckpt_group,
-                      node_size=self.env.topology.procs_per_node if node_copy else None)  # each node its own copy
+                      node_size=self.env.topology.procs_per_node if node_copy else None,  # each node its own copy
+                      verified=self.verified_in_copy(manifest.step) if node_copy else None)  # hashed on the way in
         self.applied = True
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         if same_world:

@@ -8,8 +8,10 @@ receipt); rank 0 builds the manifest from every rank's files, and each node lead
 
 Restore: the node leaders tell what their node holds; every rank computes the same plan (``memtier_nodes.plan``);
 the files a node lacks (all of them on a node that replaced a lost one) come from the peer node's memory, hashed on
-receipt; then each node checks its own complete copy (quick checks, every checksum, shared by its local ranks)
-before the usual verified load reads it.
+receipt (and by the sender as it reads them); then each node checks its own complete copy (quick checks; every
+checksum, shared by its local ranks, unless the load is one-pass) before the usual verified load reads it. The
+one-pass load does not hash again a file its node hashed whole on the way in and that is still that file (same
+inode, size and mtime): a restore from the peer reads and hashes each byte once on each side.
 """
 
 from __future__ import annotations
@@ -194,12 +196,13 @@ class NodeTier:
             return problem
         entries = {f.path: f for f in got.files} if isinstance(got, CheckpointManifest) else {}
         mine: str | None = None
+        verified: replicate.Verified = {}  # the files this node hashed on the way, sent or received
         for (dst, src), group in groupby(plan.transfers, key=lambda t: (t[0], t[1])):
             files = [entries[name] for _, _, name in group]
             if self.is_leader and self.node == src:
-                mine = replicate.send(copy, files, self._leader_rank(dst), ctrl) or mine
+                mine = replicate.send(copy, files, self._leader_rank(dst), ctrl, verified) or mine
             elif self.is_leader and self.node == dst:
-                mine = replicate.receive(fetch, files, self._leader_rank(src), ctrl) or mine
+                mine = replicate.receive(fetch, files, self._leader_rank(src), ctrl, verified) or mine
         problem = self.agree(mine, ctrl)  # type: ignore[attr-defined]
         joined: str | None = None
         if self.is_leader and receiving:
@@ -209,7 +212,18 @@ class NodeTier:
                 except OSError as e:  # said and agreed below: every rank leaves together
                     joined = f"{copy}: the files from the peer node cannot join this node's copy ({e.strerror or e})"
             shutil.rmtree(fetch, ignore_errors=True)
-        return problem or self.agree(joined, ctrl)  # type: ignore[attr-defined]
+        problem = problem or self.agree(joined, ctrl)  # type: ignore[attr-defined]
+        if problem is None and plan.transfers:  # every rank of a node learns what its leader verified
+            told: list[Any] = [None] * self.env.world_size  # type: ignore[attr-defined]
+            dist.all_gather_object(told, verified if self.is_leader else None, group=ctrl)
+            self._verified = {step: told[self._leader_rank(self.node)] or {}}
+        return problem
+
+    def verified_in_copy(self, step: int) -> replicate.Verified:
+        """The files of this node's copy of ``step`` that its leader hashed whole against the manifest while it sent
+        or received them in this restore (each with its identity then): the verified load reads them without
+        hashing them again while each is still that file. Given out once."""
+        return getattr(self, "_verified", {}).pop(step, {})
 
     def _manifest_for(self, step: int, plan: memtier_nodes.Plan, copy: Path, fetch: Path) -> CheckpointManifest | str | None:
         """The snapshot's manifest on every rank: a node without a copy gets its bytes from a node that has one

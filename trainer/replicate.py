@@ -4,7 +4,9 @@
   of the next node, and receives those of the previous node into its node's ``.partial``; every received byte is
   hashed (xxh3-128) and compared with what its writer hashed.
 * ``fetch``: before a restore, the node leaders run the plan's transfers (every rank in the same order), each
-  received file hashed against the manifest before it joins the node's copy.
+  received file hashed against the manifest before it joins the node's copy, and each sent file hashed as it is
+  read (the sender's own copy checked on the way). Both sides return what they verified (``Verified``): the
+  verified load then reads those files without hashing them again, as long as each is still the same file.
 
 Both stream fixed-size chunks through reused buffers (isend/irecv posted together, so two nodes sending to each
 other never wait on one another); a sender that cannot read a file still sends its length (zeros), and the
@@ -27,30 +29,54 @@ from schemas import FileEntry
 
 CHUNK = 32 << 20
 
+# file name -> (size, xxh3-128, identity): a file whose every byte this process hashed against its manifest entry;
+# identity (st_dev, st_ino, st_size, st_mtime_ns) as it was then (a rename keeps it; a write changes it).
+Verified = dict[str, tuple[int, str, tuple[int, int, int, int]]]
+
+
+def identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
 
 class _Out:
-    """The chunks of the files this rank sends, through two buffers (one in flight while the next is read)."""
+    """The chunks of the files this rank sends, through two buffers (one in flight while the next is read); each
+    file hashed as it is read, in order (``verified``: those that matched their entry, unchanged while read)."""
 
     def __init__(self, root: Path, files: list[FileEntry]) -> None:
-        self.parts = [(root / f.path, off, min(CHUNK, f.size - off)) for f in files for off in range(0, f.size, CHUNK)]
+        self.files = files
+        self.parts = [(i, off, min(CHUNK, f.size - off)) for i, f in enumerate(files) for off in range(0, f.size, CHUNK)]
         size = min(CHUNK, max((n for _, _, n in self.parts), default=1))
         self.bufs = [torch.empty(size, dtype=torch.uint8) for _ in range(2 if len(self.parts) > 1 else 1)]
-        self.problem: str | None = None
+        self.root, self.problem = root, None
+        self.hashes = [xxhash.xxh3_128() for _ in files]
+        self.seen: dict[int, tuple[int, int, int, int] | None] = {}  # the file's identity; None: it changed or failed
 
     def chunk(self, i: int) -> torch.Tensor:
-        path, off, n = self.parts[i]
+        k, off, n = self.parts[i]
+        path = self.root / self.files[k].path
         view = self.bufs[i % len(self.bufs)][:n]
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
+                before = identity(os.fstat(fd))
                 if not pread_full(fd, memoryview(view.numpy()), off):
                     raise OSError(0, "shorter than its manifest says")
+                # unchanged across this read and since the file's first chunk, or it is not verified here
+                same = identity(os.fstat(fd)) == before and self.seen.get(k, before) == before
+                self.seen[k] = before if same else None
             finally:
                 os.close(fd)
         except OSError as e:
             view.zero_()
+            self.seen[k] = None
             self.problem = self.problem or f"{path}: could not be read to send it ({e.strerror or e})"
+        self.hashes[k].update(memoryview(view.numpy()))
         return view
+
+    def verified(self) -> Verified:
+        return {f.path: (f.size, f.xxh3_128, ident) for f, h, ident in
+                ((f, h, self.seen.get(k)) for k, (f, h) in enumerate(zip(self.files, self.hashes)))
+                if ident is not None and ident[2] == f.size and h.hexdigest() == f.xxh3_128}
 
 
 class _In:
@@ -64,6 +90,7 @@ class _In:
         self.hashes = [xxhash.xxh3_128() for _ in files]
         self.fds: dict[int, int] = {}
         self.problem: str | None = None
+        self.idents: dict[int, tuple[int, int, int, int]] = {}
 
     def open_all(self) -> None:
         """Open every file to receive; with ``reuse`` (a retired snapshot's dir, ``ckpt.memtier_recycle.recycle``) a file of
@@ -93,8 +120,11 @@ class _In:
             self.problem = self.problem or _write_problem(self.root / self.files[i].path, e)
 
     def close(self) -> str | None:
-        for fd in self.fds.values():
-            os.close(fd)
+        for i, fd in self.fds.items():
+            try:
+                self.idents[i] = identity(os.fstat(fd))
+            finally:
+                os.close(fd)
         self.fds.clear()
         if self.problem:
             return self.problem
@@ -103,6 +133,10 @@ class _In:
                 return (f"{self.root / f.path}: the bytes received from the peer node differ from its checksum "
                         "(corrupted in the sender's memory or on the way); not kept")
         return None
+
+    def verified(self) -> Verified:
+        """Call after a ``close`` that found no problem: every file received matched its entry."""
+        return {f.path: (f.size, f.xxh3_128, self.idents[i]) for i, f in enumerate(self.files) if i in self.idents}
 
 
 def _write_problem(where: Path, e: OSError) -> str:
@@ -140,10 +174,11 @@ def stream(out: _Out | None, dst: int | None, inc: _In | None, src: int | None, 
 
 
 def _transfer(root: Path, out_files: list[FileEntry], dst: int | None, in_files: list[FileEntry], src: int | None,
-              group: dist.ProcessGroup, reuse: Path | None = None) -> tuple[str | None, str | None]:
+              group: dist.ProcessGroup, reuse: Path | None = None,
+              verified: Verified | None = None) -> tuple[str | None, str | None]:
     """Send ``out_files`` (in ``root``) to ``dst`` and receive ``in_files`` from ``src`` into ``root`` (either side
     may be None; ``reuse``: a retired snapshot's dir whose files of the same names are overwritten in place).
-    Returns (the receiver's problem, the sender's problem)."""
+    Returns (the receiver's problem, the sender's problem); ``verified`` gets the files hashed on the way."""
     out = _Out(root, out_files) if dst is not None else None
     inc = _In(root, in_files, reuse) if src is not None else None
     if inc is not None:
@@ -155,6 +190,9 @@ def _transfer(root: Path, out_files: list[FileEntry], dst: int | None, in_files:
         stream(out, dst, inc, src, group)
     finally:
         received = inc.close() if inc is not None else None
+    if verified is not None:
+        verified.update(out.verified() if out is not None else {})
+        verified.update(inc.verified() if inc is not None and received is None else {})
     return received, out.problem if out is not None else None
 
 
@@ -166,9 +204,11 @@ def exchange(root: Path, mine: list[FileEntry], dst: int, theirs: list[FileEntry
     return _transfer(root, mine, dst, theirs, src, group, reuse)[0]
 
 
-def send(root: Path, files: list[FileEntry], dst: int, group: dist.ProcessGroup) -> str | None:
-    return _transfer(root, files, dst, [], None, group)[1]
+def send(root: Path, files: list[FileEntry], dst: int, group: dist.ProcessGroup,
+         verified: Verified | None = None) -> str | None:
+    return _transfer(root, files, dst, [], None, group, verified=verified)[1]
 
 
-def receive(root: Path, files: list[FileEntry], src: int, group: dist.ProcessGroup) -> str | None:
-    return _transfer(root, [], None, files, src, group)[0]
+def receive(root: Path, files: list[FileEntry], src: int, group: dist.ProcessGroup,
+            verified: Verified | None = None) -> str | None:
+    return _transfer(root, [], None, files, src, group, verified=verified)[0]

@@ -15,6 +15,9 @@ nothing is written into the live state before every file of the checkpoint match
   state is staged in memory (staging this rank's share, fresh memory faulted in and copied once more, cost more
   than the load itself on small hosts). A file is read from the device twice only when the page cache cannot hold
   this rank's share; one changed after it was hashed (size, times, inode) is refused before its bytes are read.
+* ``verified``: a file this rank's node hashed whole against the same manifest entry moments before (a memory
+  snapshot's file sent to or received from the peer node in this restore) is not hashed again while it is still
+  that file (same device, inode, size and mtime as when it was hashed).
 """
 
 from __future__ import annotations
@@ -48,8 +51,12 @@ class OnePassReader(SafeFileSystemReader):
     """SafeFileSystemReader that verifies ``expected`` (file name -> (size, xxh3-128)) in ``read_data`` and defers
     every read into the live tensors to ``apply``."""
 
-    def __init__(self, path: str | os.PathLike[str], expected: dict[str, tuple[int, str]], node_size: int | None = None):
+    def __init__(self, path: str | os.PathLike[str], expected: dict[str, tuple[int, str]], node_size: int | None = None,
+                 verified: dict[str, tuple[int, str, tuple[int, int, int, int]]] | None = None):
         super().__init__(path)
+        # Files this process (its node's leader) hashed whole moments ago, each with its identity then (st_dev,
+        # st_ino, st_size, st_mtime_ns): one still the same file is not hashed again (trainer.replicate.Verified).
+        self.verified = dict(verified or {})
         # Each node reads its own copy (a memory snapshot on several nodes): every file gets an owner on every node
         # (ranks [k * node_size, (k + 1) * node_size) are one node), so each node hashes every byte it reads.
         self.node_size = node_size
@@ -109,9 +116,12 @@ class OnePassReader(SafeFileSystemReader):
             # The owned files are hashed in order on a thread (preadv and xxh3 release the GIL) while this one checks
             # each record once the hash has passed it (its bytes are then in the page cache: no seek ahead of it).
             hashed = _Progress()
+            known = {name for name in owned & set(fds) if self._still_verified(name)}
+            for name in known:
+                self.digests[name] = self.verified[name][:2]
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify") as pool:
                 jobs = {name: pool.submit(self._hash_whole, fds[name], self._identity[name][2], hashed.report(name))
-                        for name in sorted(owned & set(fds))}
+                        for name in sorted(owned & set(fds) - known)}
                 try:
                     for name in sorted(fds):
                         path = Path(self.path) / name
@@ -128,6 +138,7 @@ class OnePassReader(SafeFileSystemReader):
             for name, job in jobs.items():
                 self.digests[name] = job.result()
                 self.extra_bytes += max(0, self.digests[name][0] - sum(n for _, n in per_file.get(name, {})))
+            for name in owned & set(fds):
                 if self.digests[name] != self.expected.get(name):
                     mismatch = mismatch or ChecksumMismatch(Path(self.path) / name)
         finally:
@@ -140,6 +151,12 @@ class OnePassReader(SafeFileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _still_verified(self, name: str) -> bool:
+        """``name`` was hashed whole against this manifest entry in this restore and is still that file."""
+        known = self.verified.get(name)
+        ident = self._identity[name]
+        return known is not None and known[:2] == self.expected.get(name) and known[2] == ident[:4]
 
     def _prefetch(self, per_file: dict[str, dict[tuple[int, int], list[ReadItem]]], owned: set[str]) -> None:
         """Ask the kernel to start reading, now and in the background, every byte this rank will read: the files
@@ -285,15 +302,18 @@ def _pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
 
 
 def load_verified(state_dict: dict[str, Any], ckpt_dir: str | os.PathLike[str], expected: dict[str, tuple[int, str]],
-                  *, process_group: Any = None, no_dist: bool = False, node_size: int | None = None) -> OnePassReader:
+                  *, process_group: Any = None, no_dist: bool = False, node_size: int | None = None,
+                  verified: dict[str, tuple[int, str, tuple[int, int, int, int]]] | None = None) -> OnePassReader:
     """``dcp.load`` of ``ckpt_dir`` verified in one pass against ``expected``; on any rank's failure every rank
     raises (a ChecksumMismatch first) and ``state_dict``'s tensors are untouched. On success the chunks are
     copied in and the reader returned (its ``digests`` and ``extra_bytes`` for the record). ``node_size``: each node
-    of that many ranks reads its own copy of ``ckpt_dir`` and hashes all of it."""
+    of that many ranks reads its own copy of ``ckpt_dir`` and hashes all of it. ``verified``: files this rank's node
+    hashed whole against ``expected`` in this restore (name -> size, digest, identity then); one still the same file
+    is not hashed again."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    reader, planner = OnePassReader(ckpt_dir, expected, node_size), SafeLoadPlanner()
+    reader, planner = OnePassReader(ckpt_dir, expected, node_size, verified), SafeLoadPlanner()
     try:
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
     except CheckpointException as e:
