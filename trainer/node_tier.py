@@ -170,6 +170,7 @@ class NodeTier:
     def complete_copy(self, step: int) -> str | None:
         """Every rank: run the plan's transfers so that every node holds the whole snapshot ``step``; agreed."""
         plan = self._plans[step]
+        self._verified: dict[int, replicate.Verified] = {}  # nothing from an earlier attempt is taken as verified
         mem: RunDir = self.memory  # type: ignore[attr-defined]
         ctrl = self.env.ctrl_group  # type: ignore[attr-defined]
         problem: str | None = None
