@@ -2,7 +2,8 @@
 
 Emulated nodes: the spawn harness gives the ranks local ranks and node names as torchrun's agents on two hosts
 would (``nodes=2``); each node keeps its own memory dir (MEMORY_DIR/nodes/<name>). Real gloo groups carry the
-replication and the restore transfers.
+replication and the restore transfers. The 2-node run the restore tests start from is one launch for the module,
+put back as it ended (same paths) before each of them.
 """
 
 from __future__ import annotations
@@ -39,16 +40,34 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ref
 
 
-def _two_node_run(tmp_path: Path) -> tuple[Path, Path]:
-    mem = tmp_path / "shm"
-    run = new_run(tmp_path / "run", _spec(mem))
+@pytest.fixture(scope="module")
+def _two_node_template(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """One launch for every test below that starts from it: 2 nodes x 1 rank with the memory tier, steps 0 -> END
+    (a snapshot every K steps on each node). Kept as it ended, beside the paths the tests work in."""
+    base = tmp_path_factory.mktemp("two-node")
+    mem = base / "shm"
+    run = new_run(base / "run", _spec(mem))
     assert spawn(run_segment, 2, str(run), END, 0, nodes=2) == [0, 0]
+    kept = base / "as-trained"
+    for path in (run, mem):
+        shutil.copytree(path, kept / path.name, symlinks=True)
+    return run, mem, kept
+
+
+@pytest.fixture
+def two_node_run(_two_node_template: tuple[Path, Path, Path]) -> tuple[Path, Path]:
+    """The run directory and memory dir of that launch, put back as it ended before each test. At the same paths:
+    run.yaml names the memory dir, and each node's memory dir names the run that owns it."""
+    run, mem, kept = _two_node_template
+    for path in (run, mem):
+        shutil.rmtree(path)
+        shutil.copytree(kept / path.name, path, symlinks=True)
     return run, mem
 
 
-def test_each_node_holds_the_whole_snapshot_and_a_lost_node_restores_from_its_peer(reference: Path,
-                                                                                    tmp_path: Path) -> None:
-    run, mem = _two_node_run(tmp_path)
+def test_each_node_holds_the_whole_snapshot_and_a_lost_node_restores_from_its_peer(
+        reference: Path, two_node_run: tuple[Path, Path]) -> None:
+    run, mem = two_node_run
     a, b = mem / "nodes" / "node0", mem / "nodes" / "node1"
     for node in (a, b):  # own files + the peer's: with two nodes, each node's copy is whole and valid
         snap = node / "checkpoints" / f"step-{END:08d}"
@@ -64,10 +83,11 @@ def test_each_node_holds_the_whole_snapshot_and_a_lost_node_restores_from_its_pe
     assert_bitwise(metrics(reference), metrics(run), range(END + 1, END + 3))
 
 
-def test_a_replica_tampered_in_the_peers_memory_is_never_loaded(reference: Path, tmp_path: Path, capfd) -> None:
+def test_a_replica_tampered_in_the_peers_memory_is_never_loaded(reference: Path, two_node_run: tuple[Path, Path],
+                                                                capfd) -> None:
     """Node 1 lost, and node 0's copy of node 1's file changed in memory: the bytes received are hashed against
     the manifest before they join node 1's copy; one line, storage's checkpoint of the same step is used."""
-    run, mem = _two_node_run(tmp_path)
+    run, mem = two_node_run
     a, b = mem / "nodes" / "node0", mem / "nodes" / "node1"
     shutil.rmtree(b)
     flip_byte(sorted((a / "checkpoints" / f"step-{END:08d}").glob("__1_*.distcp"))[0])
@@ -104,10 +124,10 @@ def test_plan_takes_each_missing_file_from_the_node_that_holds_it() -> None:
     assert plans == [] and "different manifests" in notes[0]
 
 
-def test_each_node_verifies_its_own_copy_whole(reference: Path, tmp_path: Path, capfd) -> None:
+def test_each_node_verifies_its_own_copy_whole(reference: Path, two_node_run: tuple[Path, Path], capfd) -> None:
     """No node lost, but node 1's copy of node 0's file changed in its memory: node 1 hashes its whole copy while
     loading it (not only the files its rank reads), so the snapshot is not used and storage's is."""
-    run, mem = _two_node_run(tmp_path)
+    run, mem = two_node_run
     shard = sorted((mem / "nodes" / "node1" / "checkpoints" / f"step-{END:08d}").glob("__0_*.distcp"))[0]
     flip_byte(shard, shard.stat().st_size // 3)
     capfd.readouterr()
@@ -178,11 +198,11 @@ def test_replication_streams_many_chunks_both_ways_at_once(tmp_path: Path, reuse
 
 @pytest.mark.parametrize("damage", ["file-is-a-dir", "copy-is-a-file"])
 def test_a_node_copy_with_something_in_the_way_is_rebuilt_from_the_peer_without_a_hang(
-        reference: Path, tmp_path: Path, damage: str, capfd) -> None:
+        reference: Path, two_node_run: tuple[Path, Path], damage: str, capfd) -> None:
     """Node 1's copy damaged where the peer's files must land: one of its files replaced by a directory, or the
     whole step dir replaced by a regular file. The files fetched from node 0 replace what is in the way (the
     restore neither raises on one rank while the others wait, nor loads anything unchecked)."""
-    run, mem = _two_node_run(tmp_path)
+    run, mem = two_node_run
     snap = mem / "nodes" / "node1" / "checkpoints" / f"step-{END:08d}"
     if damage == "file-is-a-dir":
         victim = sorted(snap.glob("__0_*.distcp"))[0]
@@ -231,14 +251,15 @@ def test_one_node_failing_its_commit_commits_no_node_and_does_not_hang(tmp_path:
     assert not any(e["kind"] == "checkpoint" and e["data"].get("tier") == "memory" for e in _events(run))
 
 
-def test_a_node_dir_held_by_another_live_run_is_left_untouched(tmp_path: Path, capfd) -> None:
+def test_a_node_dir_held_by_another_live_run_is_left_untouched(two_node_run: tuple[Path, Path], tmp_path: Path,
+                                                               capfd) -> None:
     """Node 1's memory dir was taken by another run that is still alive (its tier.json, its lock held): the
     restore cannot complete node 1's copy there; one line, storage is used, and nothing of the other run's
     snapshots is moved or removed."""
     import fcntl
     import os
 
-    run, mem = _two_node_run(tmp_path)
+    run, mem = two_node_run
     other = mem / "nodes" / "node1"
     (other / "tier.json").write_text(json.dumps({"run_dir": str(tmp_path / "other-run"), "id": "0" * 32}))
     before = sorted(p.name for p in (other / "checkpoints").iterdir())

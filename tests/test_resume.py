@@ -314,6 +314,9 @@ def _crash_after_snapshot(mem: Path, steps: range, killed: list[int], storage_ev
                 if procs[0].is_alive():
                     os.kill(procs[0].pid, signal.SIGKILL)
                 return
+            if not any(p.is_alive() for p in procs):  # nothing more can come: say so now, not after 180 s
+                raise AssertionError(f"no memory snapshot of steps {list(steps)}: the ranks ended first (exit codes "
+                                     f"{[p.exitcode for p in procs]})")
             time.sleep(0.005)
         raise AssertionError(f"no memory snapshot of steps {list(steps)} within 180 s")
 

@@ -6,7 +6,8 @@ its commands, verbatim, in this file. Blocks no test runs (a real cluster, the H
 REASON -->`` instead, and test_docs.py lists them.
 
 The blocks run in a fresh folder holding copies of configs/ and examples/ (their relative paths are the pages'),
-through bash with ``set -euo pipefail``: any command that exits non-zero fails the test.
+through bash with ``set -euo pipefail``: any command that exits non-zero fails the test. The two tutorials run side
+by side (one module fixture), each in its own folder.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT
+from tests.harness import ROOT, outcome, side_by_side
 
 pytestmark = pytest.mark.slow
 
@@ -57,22 +58,31 @@ def run_block(block: str, cwd: Path, timeout: float = 900) -> subprocess.Complet
     return r
 
 
-@pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    for folder in ("configs", "examples"):
-        shutil.copytree(ROOT / folder, tmp_path / folder)
-    return tmp_path
+def workdir(folder: Path) -> Path:
+    for name in ("configs", "examples"):
+        shutil.copytree(ROOT / name, folder / name)
+    return folder
 
 
-def test_own_loop_tutorial(workdir: Path) -> None:
-    run_block(OWN_LOOP, workdir)
-    assert (workdir / "runs/own/checkpoints/step-00000040/manifest.json").is_file()
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The own-loop block, and the fine-tune block then the publish-older block, side by side (two chains; each
+    chain in its own fresh folder): each test below reads its own. What a block raised is raised in its test."""
+    own, ft = workdir(tmp_path_factory.mktemp("own-loop")), workdir(tmp_path_factory.mktemp("finetune"))
+    results = side_by_side([[("own", run_block, OWN_LOOP, own)],
+                            [("finetune", run_block, FINETUNE, ft), ("publish", run_block, PUBLISH_OLDER, ft)]], 2)
+    return {**results, "own-dir": own, "finetune-dir": ft}
 
 
-def test_finetune_tutorial_then_publish_an_older_step(workdir: Path) -> None:
-    r = run_block(FINETUNE, workdir)
+def test_own_loop_tutorial(ran: dict) -> None:
+    outcome(ran, "own")
+    assert (ran["own-dir"] / "runs/own/checkpoints/step-00000040/manifest.json").is_file()
+
+
+def test_finetune_tutorial_then_publish_an_older_step(ran: dict) -> None:
+    r = outcome(ran, "finetune")
     assert "Tokenizer" in r.stdout
-    r = run_block(PUBLISH_OLDER, workdir)
-    published = workdir / "published/tiny-ft/step-00000030"  # the target gets one folder per step
+    r = outcome(ran, "publish")
+    published = ran["finetune-dir"] / "published/tiny-ft/step-00000030"  # the target gets one folder per step
     assert (published / "shardkeeper.json").is_file(), r.stdout + r.stderr
     assert any(published.glob("*.safetensors"))
