@@ -287,3 +287,27 @@ def test_plan_says_why_a_snapshot_of_another_world_size_is_not_used() -> None:
     assert plans == [] and len(notes) == 1 and "world size 2" in notes[0] and "runs 4" in notes[0], notes
     plans, notes = plan([[whole], [whole]], 2, "other")
     assert plans == [] and len(notes) == 1 and "'tiny'" in notes[0], notes
+
+
+def test_two_ranks_per_node_restore_from_the_peer_and_continue_as_storage_would(tmp_path: Path) -> None:
+    """2 nodes x 2 ranks: node 1 lost, its leader fetches the node's copy from node 0's leader while the other
+    ranks wait (only the two leaders hold the manifest's entries); the four ranks then load each node's copy, the
+    files hashed on the way in not hashed again. The steps after equal a copy of the run resumed from storage."""
+    from ckpt.fsutil import dump_yaml
+
+    mem = tmp_path / "shm"
+    run = new_run(tmp_path / "run", _spec(mem))
+    assert spawn(run_segment, 4, str(run), END, 0, nodes=2) == [0, 0, 0, 0]
+    stored = tmp_path / "stored"
+    shutil.copytree(run, stored)
+    spec = _spec(tmp_path / "shm-of-the-copy")  # an empty memory dir: the copy resumes from storage
+    (stored / "run.yaml").write_text(dump_yaml(spec.model_dump(mode="json")))
+    b = mem / "nodes" / "node1"
+    assert validate(b / "checkpoints" / f"step-{END:08d}", deep=True).valid
+    shutil.rmtree(b)
+    for path in (run, stored):
+        assert spawn(run_segment, 4, str(path), END + 2, 1, nodes=2) == [0, 0, 0, 0]
+    tiers = [[e for e in _events(path) if e["kind"] == "resume"][-1]["data"]["tier"] for path in (run, stored)]
+    assert tiers == ["memory", "storage"]
+    assert validate(b / "checkpoints" / f"step-{END:08d}", deep=True).valid  # node 1's copy rebuilt from the peer
+    assert_bitwise(metrics(stored), metrics(run), range(END + 1, END + 3))

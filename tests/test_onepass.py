@@ -175,8 +175,9 @@ def test_a_file_changed_after_it_was_hashed_is_refused_before_its_bytes_are_read
 
 def test_files_verified_on_the_way_in_are_not_hashed_again_unless_they_changed(tmp_path: Path, monkeypatch) -> None:
     """A node copy's files hashed whole during the restore's transfer (trainer.replicate.Verified) are read without
-    a second hash while each is the same file; one written since (new mtime), one whose recorded digest is not
-    the manifest's, and one replaced by another inode are hashed again, and a changed byte is refused."""
+    a second hash while each is the same file; one written since (even with its mtime set back), one whose recorded
+    digest is not the manifest's, and one replaced by another inode are hashed again, and a changed byte is
+    refused."""
     import os
     import shutil
 
@@ -208,10 +209,11 @@ def test_files_verified_on_the_way_in_are_not_hashed_again_unless_they_changed(t
         assert path.name == data.name
         raw = bytearray(path.read_bytes())
         raw[off] ^= 0xFF
-        if how == "rewritten":  # same inode, new bytes: its mtime moves
-            os.utime(path, ns=(1, 1))
-            told[path.name] = (*told[path.name][:2], identity(os.stat(path)))
+        if how == "rewritten":  # same inode, new bytes, its mtime then set back as it was (its ctime moved)
+            before = os.stat(path)
             path.write_bytes(bytes(raw))
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+            assert identity(os.stat(path))[:4] == told[path.name][2][:4]
         elif how == "wrong-digest":  # its identity as recorded, but the digest recorded for it is not the manifest's
             path.write_bytes(bytes(raw))
             told[path.name] = (told[path.name][0], "0" * 32, identity(os.stat(path)))
@@ -249,3 +251,42 @@ def test_a_sent_file_is_verified_only_if_it_matched_and_did_not_change_while_rea
             os.utime(tmp_path / "touched", ns=(5, 5))
     assert out.problem is None
     assert out.verified() == {"good": (2500, files[0].xxh3_128, replicate.identity(os.stat(tmp_path / "good")))}
+
+
+def test_a_received_file_is_written_whole_through_short_writes_and_a_full_memory_dir_is_one_line(
+        tmp_path: Path, monkeypatch) -> None:
+    """The receiver of a transfer continues a short write (a nearly full tmpfs) until the chunk is on disk: bytes
+    equal, verified; a write that writes nothing is "disk full", and nothing is verified."""
+    import os
+
+    import xxhash
+
+    from schemas import FileEntry
+    from trainer import replicate
+
+    monkeypatch.setattr(replicate, "CHUNK", 1000)
+    data = os.urandom(2500)
+    entry = FileEntry(path="f", size=len(data), xxh3_128=xxhash.xxh3_128(data).hexdigest(), rank=0)
+    real = os.pwrite
+    for mode in ("short", "nothing"):
+        root = tmp_path / mode
+        root.mkdir()
+        calls: list[int] = []
+
+        def pwrite(fd: int, buf, off: int, mode: str = mode) -> int:
+            calls.append(len(buf))
+            if len(calls) == 2:  # the second write: half of it, or nothing
+                return 0 if mode == "nothing" else real(fd, bytes(buf)[: len(buf) // 2], off)
+            return real(fd, buf, off)
+        monkeypatch.setattr(replicate.os, "pwrite", pwrite)
+        inc = replicate._In(root, [entry])
+        inc.open_all()
+        for k, (_, off, n) in enumerate(inc.parts):
+            inc.take(k, torch.frombuffer(bytearray(data[off:off + n]), dtype=torch.uint8))
+        problem = inc.close()
+        monkeypatch.setattr(replicate.os, "pwrite", real)
+        if mode == "short":
+            assert problem is None and (root / "f").read_bytes() == data
+            assert list(inc.verified()) == ["f"]
+        else:
+            assert problem is not None and problem.startswith(f"disk full at {root / 'f'}"), problem

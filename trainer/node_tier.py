@@ -11,7 +11,7 @@ the files a node lacks (all of them on a node that replaced a lost one) come fro
 receipt (and by the sender as it reads them); then each node checks its own complete copy (quick checks; every
 checksum, shared by its local ranks, unless the load is one-pass) before the usual verified load reads it. The
 one-pass load does not hash again a file its node hashed whole on the way in and that is still that file (same
-inode, size and mtime): a restore from the peer reads and hashes each byte once on each side.
+inode, size, mtime and ctime): a restore from the peer reads and hashes each byte once on each side.
 """
 
 from __future__ import annotations
@@ -198,18 +198,23 @@ class NodeTier:
         entries = {f.path: f for f in got.files} if isinstance(got, CheckpointManifest) else {}
         mine: str | None = None
         verified: replicate.Verified = {}  # the files this node hashed on the way, sent or received
+        received: set[str] = set()
         for (dst, src), group in groupby(plan.transfers, key=lambda t: (t[0], t[1])):
+            if not (self.is_leader and self.node in (src, dst)):  # only the two leaders hold the manifest's entries
+                continue
             files = [entries[name] for _, _, name in group]
             if self.is_leader and self.node == src:
                 mine = replicate.send(copy, files, self._leader_rank(dst), ctrl, verified) or mine
             elif self.is_leader and self.node == dst:
                 mine = replicate.receive(fetch, files, self._leader_rank(src), ctrl, verified) or mine
+                received |= {f.path for f in files}
         problem = self.agree(mine, ctrl)  # type: ignore[attr-defined]
         joined: str | None = None
         if self.is_leader and receiving:
             if problem is None:
                 try:
                     self._join(fetch, copy, got, self.node in plan.manifest_from)  # type: ignore[arg-type]
+                    verified = replicate.rebase(verified, received, copy)  # the join's renames moved their ctime
                 except OSError as e:  # said and agreed below: every rank leaves together
                     joined = f"{copy}: the files from the peer node cannot join this node's copy ({e.strerror or e})"
             shutil.rmtree(fetch, ignore_errors=True)

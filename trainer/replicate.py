@@ -29,13 +29,15 @@ from schemas import FileEntry
 
 CHUNK = 32 << 20
 
-# file name -> (size, xxh3-128, identity): a file whose every byte this process hashed against its manifest entry;
-# identity (st_dev, st_ino, st_size, st_mtime_ns) as it was then (a rename keeps it; a write changes it).
-Verified = dict[str, tuple[int, str, tuple[int, int, int, int]]]
+# file name -> (size, xxh3-128, identity): a file whose every byte this process hashed against its manifest entry
+# (and, received, wrote whole); identity (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) as it was then: a write,
+# a truncation, a chmod or a utime changes it (ctime moves even when mtime is set back), and so does a rename.
+Identity = tuple[int, int, int, int, int]
+Verified = dict[str, tuple[int, str, Identity]]
 
 
-def identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+def identity(st: os.stat_result) -> Identity:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class _Out:
@@ -49,7 +51,7 @@ class _Out:
         self.bufs = [torch.empty(size, dtype=torch.uint8) for _ in range(2 if len(self.parts) > 1 else 1)]
         self.root, self.problem = root, None
         self.hashes = [xxhash.xxh3_128() for _ in files]
-        self.seen: dict[int, tuple[int, int, int, int] | None] = {}  # the file's identity; None: it changed or failed
+        self.seen: dict[int, Identity | None] = {}  # the file's identity; None: it changed or failed
 
     def chunk(self, i: int) -> torch.Tensor:
         k, off, n = self.parts[i]
@@ -90,7 +92,7 @@ class _In:
         self.hashes = [xxhash.xxh3_128() for _ in files]
         self.fds: dict[int, int] = {}
         self.problem: str | None = None
-        self.idents: dict[int, tuple[int, int, int, int]] = {}
+        self.idents: dict[int, Identity] = {}
 
     def open_all(self) -> None:
         """Open every file to receive; with ``reuse`` (a retired snapshot's dir, ``ckpt.memtier_recycle.recycle``) a file of
@@ -103,8 +105,8 @@ class _In:
             taken = (take_over(self.reuse, path) if self.reuse is not None and path.parent == self.root
                      and DATA_FILE.match(path.name) else None)
             if taken is not None:
+                self.fds[i] = taken  # closed by close(), whatever happens next
                 os.ftruncate(taken, f.size)
-                self.fds[i] = taken
                 continue
             self.fds[i] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
 
@@ -115,7 +117,12 @@ class _In:
         if i not in self.fds:  # could not be opened: said already
             return
         try:
-            os.pwrite(self.fds[i], data, off)
+            done = 0
+            while done < n:  # a short write (a nearly full tmpfs) is continued; a write of nothing is ENOSPC
+                w = os.pwrite(self.fds[i], data[done:], off + done)
+                if w <= 0:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                done += w
         except OSError as e:
             self.problem = self.problem or _write_problem(self.root / self.files[i].path, e)
 
@@ -135,8 +142,28 @@ class _In:
         return None
 
     def verified(self) -> Verified:
-        """Call after a ``close`` that found no problem: every file received matched its entry."""
-        return {f.path: (f.size, f.xxh3_128, self.idents[i]) for i, f in enumerate(self.files) if i in self.idents}
+        """Call after a ``close`` that found no problem: every file received matched its entry and was written whole
+        (the identity of one renamed since must be taken again: ``rebase``)."""
+        return {f.path: (f.size, f.xxh3_128, self.idents[i]) for i, f in enumerate(self.files)
+                if i in self.idents and self.idents[i][2] == f.size}
+
+
+def rebase(verified: Verified, names: set[str], root: Path) -> Verified:
+    """``verified`` after its files ``names`` were renamed into ``root`` (a rename moves ctime): each such file's
+    identity taken again where it is otherwise the same file (device, inode, size, mtime); one that is not, or cannot
+    be looked at, is no longer verified."""
+    out: Verified = {}
+    for name, (size, digest, ident) in verified.items():
+        if name not in names:
+            out[name] = (size, digest, ident)
+            continue
+        try:
+            now = identity(os.stat(root / name, follow_symlinks=False))
+        except OSError:
+            continue
+        if now[:4] == ident[:4]:
+            out[name] = (size, digest, now)
+    return out
 
 
 def _write_problem(where: Path, e: OSError) -> str:

@@ -17,7 +17,7 @@ nothing is written into the live state before every file of the checkpoint match
   this rank's share; one changed after it was hashed (size, times, inode) is refused before its bytes are read.
 * ``verified``: a file this rank's node hashed whole against the same manifest entry moments before (a memory
   snapshot's file sent to or received from the peer node in this restore) is not hashed again while it is still
-  that file (same device, inode, size and mtime as when it was hashed).
+  that file (same device, inode, size, mtime and ctime as when it was hashed).
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ class OnePassReader(SafeFileSystemReader):
     every read into the live tensors to ``apply``."""
 
     def __init__(self, path: str | os.PathLike[str], expected: dict[str, tuple[int, str]], node_size: int | None = None,
-                 verified: dict[str, tuple[int, str, tuple[int, int, int, int]]] | None = None):
+                 verified: dict[str, tuple[int, str, tuple[int, int, int, int, int]]] | None = None):
         super().__init__(path)
         # Files this process (its node's leader) hashed whole moments ago, each with its identity then (st_dev,
-        # st_ino, st_size, st_mtime_ns): one still the same file is not hashed again (trainer.replicate.Verified).
+        # st_ino, st_size, st_mtime_ns, st_ctime_ns): one still the same file is not hashed again
+        # (trainer.replicate.Verified).
         self.verified = dict(verified or {})
         # Each node reads its own copy (a memory snapshot on several nodes): every file gets an owner on every node
         # (ranks [k * node_size, (k + 1) * node_size) are one node), so each node hashes every byte it reads.
@@ -156,7 +157,8 @@ class OnePassReader(SafeFileSystemReader):
         """``name`` was hashed whole against this manifest entry in this restore and is still that file."""
         known = self.verified.get(name)
         ident = self._identity[name]
-        return known is not None and known[:2] == self.expected.get(name) and known[2] == ident[:4]
+        return (known is not None and known[:2] == self.expected.get(name) and known[2] == ident
+                and ident[2] == known[0])  # its size now is the manifest's
 
     def _prefetch(self, per_file: dict[str, dict[tuple[int, int], list[ReadItem]]], owned: set[str]) -> None:
         """Ask the kernel to start reading, now and in the background, every byte this rank will read: the files
@@ -303,7 +305,7 @@ def _pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
 
 def load_verified(state_dict: dict[str, Any], ckpt_dir: str | os.PathLike[str], expected: dict[str, tuple[int, str]],
                   *, process_group: Any = None, no_dist: bool = False, node_size: int | None = None,
-                  verified: dict[str, tuple[int, str, tuple[int, int, int, int]]] | None = None) -> OnePassReader:
+                  verified: dict[str, tuple[int, str, tuple[int, int, int, int, int]]] | None = None) -> OnePassReader:
     """``dcp.load`` of ``ckpt_dir`` verified in one pass against ``expected``; on any rank's failure every rank
     raises (a ChecksumMismatch first) and ``state_dict``'s tensors are untouched. On success the chunks are
     copied in and the reader returned (its ``digests`` and ``extra_bytes`` for the record). ``node_size``: each node
