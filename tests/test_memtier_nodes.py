@@ -222,16 +222,26 @@ def test_a_node_copy_with_something_in_the_way_is_rebuilt_from_the_peer_without_
 
 
 def _segment_node1_full_at_commit(run: str, until: int, segment: int) -> int:
-    """run_segment, but node 1's memory dir is full when its copy's manifest is written (tmpfs ENOSPC)."""
+    """run_segment, but node 1's memory dir is full when its copy's manifest is written (tmpfs ENOSPC), and its
+    background thread is slow to turn the memory tier off after that (rank 0's is off first: the next snapshot's
+    step comes while rank 1's save is still in flight)."""
     import errno
     import os
+    import time
 
     from trainer import node_tier
+    from trainer.save_side import SaveSide
 
     if int(os.environ["RANK"]) == 1:
         def full(partial: Path, manifest: object) -> None:
             raise OSError(errno.ENOSPC, "No space left on device", str(Path(partial) / "manifest.json"))
         node_tier.write_manifest = full  # type: ignore[assignment]
+        off = SaveSide._tier_off
+
+        def slow_off(self: SaveSide, problem: str) -> None:
+            time.sleep(1.5)
+            off(self, problem)
+        SaveSide._tier_off = slow_off  # type: ignore[method-assign]
     return run_segment(run, until, segment)
 
 

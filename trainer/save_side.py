@@ -51,7 +51,11 @@ class SaveSide:
         for one copy of the state); a storage save (``tier`` 'storage') is then persisted from that snapshot on
         the same background thread. ``tier`` 'memory': the snapshot only, skipped (on every rank) while an earlier
         save is still in flight, so that training never waits for a write (counted in ``skipped_snapshots``)."""
-        if tier == MEMORY and self.memory is None:
+        # No rank leaves before the collective below on its own view of the tier: a save in flight may turn the
+        # tier off (``_tier_off``) on one rank's background thread before another's; a rank that returned here
+        # while the other waited in the all-reduce hung both. Once every rank's save in flight is done, each
+        # has the same view (the tier goes off on an agreed decision), checked after ``wait``.
+        if tier == MEMORY and self.memory is None and self._inflight is None:
             return
         if tier == MEMORY and self._inflight is not None and not blocking:
             busy = torch.tensor([0 if self._inflight.done() else 1], dtype=torch.int32)
