@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +89,21 @@ class _In:
         self.root, self.files, self.reuse = root, files, reuse
         self.parts = [(i, off, min(CHUNK, f.size - off)) for i, f in enumerate(files) for off in range(0, f.size, CHUNK)]
         size = min(CHUNK, max((n for _, _, n in self.parts), default=1))
-        self.bufs = [torch.empty(size, dtype=torch.uint8) for _ in range(2 if len(self.parts) > 1 else 1)]
+        # three buffers: chunk k + 1 arrives while chunk k is written (on the writer thread) and k - 1's write ends
+        self.bufs = [torch.empty(size, dtype=torch.uint8) for _ in range(max(1, min(3, len(self.parts))))]
         self.hashes = [xxhash.xxh3_128() for _ in files]
         self.fds: dict[int, int] = {}
         self.problem: str | None = None
         self.idents: dict[int, Identity] = {}
+        self._writer: ThreadPoolExecutor | None = None
+        self._writing: dict[int, Future] = {}  # buffer -> the write of the chunk it holds
+
+    def buffer(self, k: int) -> torch.Tensor:
+        """The buffer chunk ``k`` is received into, once the write of the chunk it held before has ended."""
+        b = k % len(self.bufs)
+        if b in self._writing:
+            self._writing.pop(b).result()
+        return self.bufs[b][: self.parts[k][2]]
 
     def open_all(self) -> None:
         """Open every file to receive; with ``reuse`` (a retired snapshot's dir, ``ckpt.memtier_recycle.recycle``) a file of
@@ -111,11 +122,17 @@ class _In:
             self.fds[i] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
 
     def take(self, k: int, view: torch.Tensor) -> None:
+        """Hash chunk ``k`` (in ``view``, its buffer) and write it on the writer thread."""
         i, off, n = self.parts[k]
         data = memoryview(view.numpy())[:n]
         self.hashes[i].update(data)
         if i not in self.fds:  # could not be opened: said already
             return
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-replica-write")
+        self._writing[k % len(self.bufs)] = self._writer.submit(self._write, i, data, off, n)
+
+    def _write(self, i: int, data: memoryview, off: int, n: int) -> None:
         try:
             done = 0
             while done < n:  # a short write (a nearly full tmpfs) is continued; a write of nothing is ENOSPC
@@ -127,6 +144,12 @@ class _In:
             self.problem = self.problem or _write_problem(self.root / self.files[i].path, e)
 
     def close(self) -> str | None:
+        for job in self._writing.values():
+            job.result()
+        self._writing.clear()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
         for i, fd in self.fds.items():
             try:
                 self.idents[i] = identity(os.fstat(fd))
@@ -175,13 +198,14 @@ def _write_problem(where: Path, e: OSError) -> str:
 
 def stream(out: _Out | None, dst: int | None, inc: _In | None, src: int | None, group: dist.ProcessGroup) -> None:
     """Send ``out``'s chunks to ``dst`` and receive ``inc``'s from ``src``, pipelined: chunk k travels while the
-    sender reads chunk k+1 and the receiver hashes and writes chunk k-1 (two buffers on each side)."""
+    sender reads chunk k+1 (two buffers) and the receiver hashes chunk k-1 and writes it on its writer thread (three
+    buffers: a buffer is received into again once its chunk's write ended)."""
     n_out = len(out.parts) if out else 0
     n_in = len(inc.parts) if inc else 0
 
     def post(k: int) -> tuple[torch.Tensor, Any]:
         assert inc is not None
-        view = inc.bufs[k % len(inc.bufs)][: inc.parts[k][2]]
+        view = inc.buffer(k)
         return view, dist.irecv(view, src=src, group=group)
 
     ready = out.chunk(0) if out is not None and n_out else None
