@@ -389,13 +389,17 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             fut.result()
 
     def close(self) -> None:
-        self.wait()
-        self._wait_reread()
-        self._pool.shutdown(wait=True)
-        self._reread_pool.shutdown(wait=True)
-        self.release()
-        if self._tier_lock is not None:
-            self._tier_lock.release()
+        """Wait for the save in flight (its failure re-raised), then free the pools, buffers and the tier lock
+        whatever happened."""
+        try:
+            self.wait()
+            self._wait_reread()
+        finally:
+            self._pool.shutdown(wait=True)
+            self._reread_pool.shutdown(wait=True)
+            self.release()
+            if self._tier_lock is not None:
+                self._tier_lock.release()
 
 
     # ----------------------------------------------------------------- backend hooks

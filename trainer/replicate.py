@@ -126,7 +126,7 @@ class _In:
         i, off, n = self.parts[k]
         data = memoryview(view.numpy())[:n]
         self.hashes[i].update(data)
-        if i not in self.fds:  # could not be opened: said already
+        if i not in self.fds or self.problem:  # could not be opened, or a write failed: said already
             return
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-replica-write")
@@ -142,17 +142,19 @@ class _In:
                 done += w
         except OSError as e:
             self.problem = self.problem or _write_problem(self.root / self.files[i].path, e)
+        except Exception as e:  # noqa: BLE001 - one line, agreed with the other ranks like any write failure
+            self.problem = self.problem or f"{self.root / self.files[i].path}: not written ({e}); nothing was committed"
 
     def close(self) -> str | None:
-        for job in self._writing.values():
-            job.result()
-        self._writing.clear()
-        if self._writer is not None:
+        if self._writer is not None:  # every write ended (each catches its own failure) before a descriptor closes
             self._writer.shutdown(wait=True)
             self._writer = None
+        self._writing.clear()
         for i, fd in self.fds.items():
             try:
                 self.idents[i] = identity(os.fstat(fd))
+            except OSError as e:
+                self.problem = self.problem or _write_problem(self.root / self.files[i].path, e)
             finally:
                 os.close(fd)
         self.fds.clear()

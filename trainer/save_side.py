@@ -42,6 +42,7 @@ class SaveSide:
     ``stage`` / ``write`` / ``prepare_staging``."""
 
     SUPPORTS_ASYNC = False  # can save on a background thread from a staged copy
+    _tier_gone = False  # the memory tier went off, agreed: a memory step needs no collective any more
 
     def save(self, ts: TrainState, *, reason: str, blocking: bool | None = None, tier: str = STORAGE) -> None:
         """Checkpoint the current state at ``ts.step``. Async unless ``blocking``, the policy says sync or the
@@ -55,7 +56,7 @@ class SaveSide:
         # tier off (``_tier_off``) on one rank's background thread before another's; a rank that returned here
         # while the other waited in the all-reduce hung both. Once every rank's save in flight is done, each
         # has the same view (the tier goes off on an agreed decision), checked after ``wait``.
-        if tier == MEMORY and self.memory is None and self._inflight is None:
+        if tier == MEMORY and (self._tier_gone or (self.memory is None and self._inflight is None)):
             return
         if tier == MEMORY and self._inflight is not None and not blocking:
             busy = torch.tensor([0 if self._inflight.done() else 1], dtype=torch.int32)
@@ -66,6 +67,7 @@ class SaveSide:
                 return
         self.wait()
         if tier == MEMORY and self.memory is None:  # the memory tier went off during the save in flight
+            self._tier_gone = True  # seen by every rank at this same call: later memory steps return at once
             return
         done = (self.last_storage_step,) if tier == STORAGE else (self.last_memory_step, self.last_storage_step)
         if self.last_committed_step == ts.step and (self.memory is None or ts.step in done):
