@@ -269,3 +269,12 @@ def pread_full(fd: int, view: memoryview, offset: int) -> bool:
             return False
         done += n
     return True
+
+
+FileIdentity = tuple[int, int, int, int, int]
+
+
+def file_identity(st: os.stat_result) -> FileIdentity:
+    """(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns): a write, a truncation, a chmod or a utime changes it
+    (ctime moves even when mtime is set back), and so does a rename; a file replaced by another has another inode."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)

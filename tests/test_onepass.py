@@ -184,7 +184,7 @@ def test_files_verified_on_the_way_in_are_not_hashed_again_unless_they_changed(t
     from ckpt.formats import dcp_onepass
     from ckpt.formats.dcp_onepass import load_verified
     from ckpt.hashing import ChecksumMismatch
-    from trainer.replicate import identity
+    from ckpt.fsutil import file_identity as identity
 
     ckpt, expected, sd = _save(tmp_path)
     hashed: list[int] = []
@@ -234,6 +234,7 @@ def test_a_sent_file_is_verified_only_if_it_matched_and_did_not_change_while_rea
     and kept its identity is verified (with that identity); one touched between chunks, or with other bytes, is not."""
     import os
 
+    from ckpt.fsutil import file_identity as identity
     from ckpt.hashing import hash_file
     from schemas import FileEntry
     from trainer import replicate
@@ -244,13 +245,13 @@ def test_a_sent_file_is_verified_only_if_it_matched_and_did_not_change_while_rea
         (tmp_path / name).write_bytes(os.urandom(2500))
         size, digest = hash_file(tmp_path / name)
         files.append(FileEntry(path=name, size=size, xxh3_128=digest if name != "other" else "1" * 32, rank=0))
-    out = replicate._Out(tmp_path, files)
+    out = replicate._Out(tmp_path, files, verify=True)
     for i, (k, _, _) in enumerate(out.parts):
         out.chunk(i)
         if files[k].path == "touched" and i == 3:  # between its first and second chunk
             os.utime(tmp_path / "touched", ns=(5, 5))
     assert out.problem is None
-    assert out.verified() == {"good": (2500, files[0].xxh3_128, replicate.identity(os.stat(tmp_path / "good")))}
+    assert out.verified() == {"good": (2500, files[0].xxh3_128, identity(os.stat(tmp_path / "good")))}
 
 
 def test_a_received_file_is_written_whole_through_short_writes_and_a_full_memory_dir_is_one_line(

@@ -25,27 +25,23 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ckpt.fsutil import pread_full
+from ckpt.fsutil import FileIdentity as Identity, file_identity as identity, pread_full
 from schemas import FileEntry
 
 CHUNK = 32 << 20
 
 # file name -> (size, xxh3-128, identity): a file whose every byte this process hashed against its manifest entry
-# (and, received, wrote whole); identity (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) as it was then: a write,
-# a truncation, a chmod or a utime changes it (ctime moves even when mtime is set back), and so does a rename.
-Identity = tuple[int, int, int, int, int]
+# (and, received, wrote whole), with its identity (ckpt.fsutil.file_identity) as it was then.
 Verified = dict[str, tuple[int, str, Identity]]
 
 
-def identity(st: os.stat_result) -> Identity:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 class _Out:
-    """The chunks of the files this rank sends, through two buffers (one in flight while the next is read); each
-    file hashed as it is read, in order (``verified``: those that matched their entry, unchanged while read)."""
+    """The chunks of the files this rank sends, through two buffers (one in flight while the next is read); with
+    ``verify``, each file hashed as it is read, in order (``verified``: those that matched their entry, unchanged
+    while read)."""
 
-    def __init__(self, root: Path, files: list[FileEntry]) -> None:
+    def __init__(self, root: Path, files: list[FileEntry], verify: bool = False) -> None:
+        self.verify = verify
         self.files = files
         self.parts = [(i, off, min(CHUNK, f.size - off)) for i, f in enumerate(files) for off in range(0, f.size, CHUNK)]
         size = min(CHUNK, max((n for _, _, n in self.parts), default=1))
@@ -61,22 +57,25 @@ class _Out:
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
-                before = identity(os.fstat(fd))
+                before = identity(os.fstat(fd)) if self.verify else None
                 if not pread_full(fd, memoryview(view.numpy()), off):
                     raise OSError(0, "shorter than its manifest says")
-                # unchanged across this read and since the file's first chunk, or it is not verified here
-                same = identity(os.fstat(fd)) == before and self.seen.get(k, before) == before
-                self.seen[k] = before if same else None
+                if self.verify:  # unchanged across this read and since the file's first chunk, or not verified here
+                    same = identity(os.fstat(fd)) == before and self.seen.get(k, before) == before
+                    self.seen[k] = before if same else None
             finally:
                 os.close(fd)
         except OSError as e:
             view.zero_()
             self.seen[k] = None
             self.problem = self.problem or f"{path}: could not be read to send it ({e.strerror or e})"
-        self.hashes[k].update(memoryview(view.numpy()))
+        if self.verify:
+            self.hashes[k].update(memoryview(view.numpy()))
         return view
 
     def verified(self) -> Verified:
+        if not self.verify:
+            return {}
         return {f.path: (f.size, f.xxh3_128, ident) for f, h, ident in
                 ((f, h, self.seen.get(k)) for k, (f, h) in enumerate(zip(self.files, self.hashes)))
                 if ident is not None and ident[2] == f.size and h.hexdigest() == f.xxh3_128}
@@ -232,7 +231,7 @@ def _transfer(root: Path, out_files: list[FileEntry], dst: int | None, in_files:
     """Send ``out_files`` (in ``root``) to ``dst`` and receive ``in_files`` from ``src`` into ``root`` (either side
     may be None; ``reuse``: a retired snapshot's dir whose files of the same names are overwritten in place).
     Returns (the receiver's problem, the sender's problem); ``verified`` gets the files hashed on the way."""
-    out = _Out(root, out_files) if dst is not None else None
+    out = _Out(root, out_files, verify=verified is not None) if dst is not None else None
     inc = _In(root, in_files, reuse) if src is not None else None
     if inc is not None:
         try:

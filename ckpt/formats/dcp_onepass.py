@@ -40,7 +40,7 @@ from ckpt.formats import safe_pickle
 from ckpt.formats.dcp import SafeFileSystemReader, SafeLoadPlanner, _check_extent, _pread_record, plain_name
 from ckpt.formats.safe_pickle import StoredTensor
 from ckpt.formats.torchzip import TorchZip, byte_view
-from ckpt.fsutil import pread_full
+from ckpt.fsutil import FileIdentity, file_identity, pread_full
 from ckpt.hashing import ChecksumMismatch
 from schemas.errors import CheckpointError
 
@@ -52,7 +52,7 @@ class OnePassReader(SafeFileSystemReader):
     every read into the live tensors to ``apply``."""
 
     def __init__(self, path: str | os.PathLike[str], expected: dict[str, tuple[int, str]], node_size: int | None = None,
-                 verified: dict[str, tuple[int, str, tuple[int, int, int, int, int]]] | None = None):
+                 verified: dict[str, tuple[int, str, FileIdentity]] | None = None):
         super().__init__(path)
         # Files this process (its node's leader) hashed whole moments ago, each with its identity then (st_dev,
         # st_ino, st_size, st_mtime_ns, st_ctime_ns): one still the same file is not hashed again
@@ -66,7 +66,7 @@ class OnePassReader(SafeFileSystemReader):
         self.pending: list[tuple[ReadItem, torch.Tensor, tuple[str, int, int]]] = []
         self.digests: dict[str, tuple[int, str]] = {}
         self.extra_bytes = 0  # bytes this rank read only to hash them
-        self._identity: dict[str, tuple[int, int, int, int, int]] = {}
+        self._identity: dict[str, FileIdentity] = {}
         self._buf: memoryview | None = None
 
     # ------------------------------------------------------------------ plan
@@ -113,7 +113,7 @@ class OnePassReader(SafeFileSystemReader):
                 except FileNotFoundError:
                     error = error or CheckpointError(f"{path}: missing; the checkpoint is incomplete, pick another step")
                     continue
-                self._identity[name] = _identity(os.fstat(fds[name]))
+                self._identity[name] = file_identity(os.fstat(fds[name]))
             # The owned files are hashed in order on a thread (preadv and xxh3 release the GIL) while this one checks
             # each record once the hash has passed it (its bytes are then in the page cache: no seek ahead of it).
             hashed = _Progress()
@@ -252,7 +252,7 @@ class OnePassReader(SafeFileSystemReader):
             path = Path(self.path) / name
             fd = os.open(path, os.O_RDONLY)
             try:
-                if _identity(os.fstat(fd)) != self._identity.get(name):
+                if file_identity(os.fstat(fd)) != self._identity.get(name):
                     raise CheckpointError(f"{path}: changed after it was verified; something writes into a committed "
                                           "checkpoint, stop it and resume again")
                 for req, target, (_, offset, n) in sorted(items, key=lambda it: abs(it[2][1])):
@@ -294,10 +294,6 @@ class _Progress:
             self._cond.notify_all()
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 def _pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
     if not pread_full(fd, view, offset):
         raise CheckpointError(f"{where}: the file ended early; it changed after it was verified, resume again")
@@ -305,7 +301,7 @@ def _pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
 
 def load_verified(state_dict: dict[str, Any], ckpt_dir: str | os.PathLike[str], expected: dict[str, tuple[int, str]],
                   *, process_group: Any = None, no_dist: bool = False, node_size: int | None = None,
-                  verified: dict[str, tuple[int, str, tuple[int, int, int, int, int]]] | None = None) -> OnePassReader:
+                  verified: dict[str, tuple[int, str, FileIdentity]] | None = None) -> OnePassReader:
     """``dcp.load`` of ``ckpt_dir`` verified in one pass against ``expected``; on any rank's failure every rank
     raises (a ChecksumMismatch first) and ``state_dict``'s tensors are untouched. On success the chunks are
     copied in and the reader returned (its ``digests`` and ``extra_bytes`` for the record). ``node_size``: each node
