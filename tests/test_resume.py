@@ -1,6 +1,6 @@
 """Exact and elastic resume on real multi-process gloo groups (FSDP2 on CPU).
 
-One uninterrupted 2-rank reference run to step 25 is shared by the module; each resumed run is
+One uninterrupted 2-rank reference run to step 29 (END) is shared by the module; each resumed run is
 compared with it step by step: bitwise at the same world size, within 1e-6 relative across sizes.
 """
 
@@ -21,7 +21,7 @@ from ckpt.validate import validate
 from tests.harness import assert_bitwise, copy_run_until, max_rel, metrics, new_run, spawn, tiny_spec
 from trainer.segment import run_segment
 
-END = 25
+END = 29  # room after the memory-tier crash test's latest crash point (20) for its two resumed segments
 CUT = 5
 
 
@@ -325,7 +325,7 @@ def _crash_after_snapshot(mem: Path, steps: range, killed: list[int], storage_ev
 
 def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp_path: Path, capfd) -> None:
     """Memory snapshots every K=4 steps, storage every 7. A rank SIGKILLed after the first snapshot storage has not
-    (step s = 8, 12 or 16; one due while a save is still being written is skipped): the launcher persists it after validating it (a tampered copy is refused), the next segment resumes
+    (step s = 8, 12, 16 or 20; one due while a save is still being written is skipped): the launcher persists it after validating it (a tampered copy is refused), the next segment resumes
     from memory (tier 'memory' in lineage), bitwise like the uninterrupted reference, having lost <= K steps. A
     tampered snapshot at a later crash point is never loaded: one line, storage used, training bitwise."""
     from ckpt.layout import RunDir
@@ -345,7 +345,7 @@ def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp
     # rank 1 never reports: it was killed. Both ranks are gone when on_start returns (rank 0 joined or killed), so
     # whatever rank 0 reported is already queued: a short wait for the reports is enough.
     with pytest.raises(queue.Empty):
-        spawn(run_segment, 2, str(run), 400, 0, timeout=2, on_start=_crash_after_snapshot(mem, range(6, 17), killed,
+        spawn(run_segment, 2, str(run), 400, 0, timeout=2, on_start=_crash_after_snapshot(mem, range(6, 24), killed,
                                                                                             every))
     s = killed[0]
     stored = every * (s // every)
