@@ -2,6 +2,10 @@
 snapshots into ``step-OLD.recycle-STEP``; the new snapshot's writers (``ckpt.formats.direct_io.take_over``, and
 ``trainer.replicate`` for files received from the peer node) overwrite its files in place. ``ckpt.memtier`` holds
 the rest of the tier (ownership, retention, persisting); its retention removes what was not taken.
+
+When snapshots are staged straight into their files (``ckpt.formats.dcp_stage``), the older snapshot is retired
+right after a commit instead, into ``step-OLD.recycle-next`` (the stage dir): the next snapshot's files are laid out
+there before it is due, and its writers move them into its ``.partial``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ def recycle_path(mem: RunDir, old: int, step: int) -> Path:
     return mem.checkpoints / f"{step_dir_name(old)}{RECYCLE_SUFFIX}-{step:08d}"
 
 
-def recycle(mem: RunDir, step: int, run_dir: RunDir, keep: int = KEEP) -> Path | None:
+STAGE_TAG = f"{RECYCLE_SUFFIX}-next"
+
+
+def recycle(mem: RunDir, step: int, run_dir: RunDir, keep: int = KEEP, staged: bool = False) -> Path | None:
     """The node's leader, before the snapshot of ``step`` is written: the oldest committed snapshot before
     ``step``, the one retention removes once the new one commits, is renamed to ``step-OLD.recycle-STEP`` (one
     rename: from then on nobody takes it for a snapshot) and its manifest removed; the new snapshot's writers then
@@ -35,9 +42,12 @@ def recycle(mem: RunDir, step: int, run_dir: RunDir, keep: int = KEEP) -> Path |
     pays for. Only when ``keep`` (>= 2) snapshots before ``step`` are committed, so that the newest of them stays
     whole while the new one is written; never a snapshot at or after ``step`` (a newer one the run could not use is
     left alone), and only in a memory dir this run owns. What the writers did not take is removed by the next
-    retention (or the next recycle). Returns the recycle dir, or None (the new snapshot's files are created)."""
+    retention (or the next recycle). ``staged``: this process laid the snapshot's files out in the stage dir
+    (kept; else a stage dir is a leftover, removed). Returns the recycle dir, or None (the new snapshot's files
+    are created)."""
     for stale in _recycle_entries(mem):
-        _remove_entry(stale)
+        if not (staged and stale.name.endswith(STAGE_TAG)):
+            _remove_entry(stale)
     if keep < 2 or owner_problem(mem, run_dir) is not None:
         return None
     older = [p for p in mem.committed() if (parse_step(p.name) or 0) < step]
@@ -60,6 +70,42 @@ def recycle_dir(mem: RunDir, step: int) -> Path | None:
     """The recycle dir the node's leader made for the snapshot of ``step`` (every rank on the node asks): exactly
     one real directory named ``*.recycle-STEP``, else None (nothing is taken over)."""
     found = [p for p in _recycle_entries(mem) if p.name.endswith(f"{RECYCLE_SUFFIX}-{step:08d}")]
+    if len(found) != 1:
+        return None
+    try:
+        st = os.lstat(found[0])
+    except OSError:
+        return None
+    return found[0] if stat.S_ISDIR(st.st_mode) else None
+
+
+def retire_for_stage(mem: RunDir, step: int, run_dir: RunDir, keep: int = KEEP) -> Path | None:
+    """The node's leader, right after the snapshot of ``step`` committed: a fresh stage dir for the next snapshot
+    (``step-OLD.recycle-next``; an earlier one removed). With ``keep`` snapshots committed, the oldest one is it
+    (renamed, its manifest removed: no longer a snapshot; its files' pages are reused); else an empty dir named
+    after ``step``. Only in a memory dir this run owns; None when there is none."""
+    for old in _recycle_entries(mem):
+        if old.name.endswith(STAGE_TAG):
+            _remove_entry(old)
+    if owner_problem(mem, run_dir) is not None:
+        return None
+    older = [p for p in mem.committed() if (parse_step(p.name) or 0) <= step]
+    if len(older) >= keep >= 2:
+        stage = mem.checkpoints / f"{older[0].name}{STAGE_TAG}"
+        os.rename(older[0], stage)
+        try:
+            os.unlink(stage / MANIFEST_NAME)
+        except OSError:
+            pass
+        return stage
+    stage = mem.checkpoints / f"{step_dir_name(step)}{STAGE_TAG}"
+    os.mkdir(stage)
+    return stage
+
+
+def stage_dir(mem: RunDir) -> Path | None:
+    """The stage dir the node's leader made (every rank asks): exactly one real directory, else None."""
+    found = [p for p in _recycle_entries(mem) if p.name.endswith(STAGE_TAG)]
     if len(found) != 1:
         return None
     try:

@@ -326,9 +326,11 @@ def test_validate_of_a_recycled_snapshot_says_retired(tmp_path: Path) -> None:
 
 
 def _snapshots_reuse_pages(tmp: str) -> list[object]:
-    """Memory snapshots at steps 2..10 of a changing state: from the third on, each rank's data files are those of
-    the snapshot two before (same inodes), each snapshot's bytes equal the same state's storage checkpoint written
-    into fresh files, and only the newest two stay, with no recycle dir left."""
+    """Memory snapshots at steps 2..10 of a changing state: from the second on, staged straight into their files
+    (ckpt.formats.dcp_stage); from the third on, each rank's data files are those of the snapshot two before (same
+    inodes); each snapshot's bytes equal the same state's storage checkpoint written into fresh files by dcp.save;
+    the older of two snapshots is retired as the next one's stage right after a commit, so once the checkpointer is
+    closed the newest snapshot stays, with no recycle or stage dir left."""
     import torch
 
     import torch.distributed as dist
@@ -352,13 +354,14 @@ def _snapshots_reuse_pages(tmp: str) -> list[object]:
     mem_ck = DCPCheckpointer(RunDir.at(root / "run"), spec, model, opt, env, segment=0, signature=sig)
     fresh = DCPCheckpointer(RunDir.at(root / "fresh"), tiny_spec(), model, opt, env, segment=0, signature=sig)
     inodes: dict[int, int] = {}
-    same_bytes = []
+    same_bytes, staged = [], []
     for step in range(2, 12, 2):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01 * step)
         mem_ck.save(TrainState(step=step), reason="interval", tier=memtier.MEMORY)  # async, like training
         mem_ck.wait()
+        staged.append(mem_ck.last_phases.get("staged") == 1.0)
         fresh.save(TrainState(step=step), reason="interval", blocking=True)
         snap = root / "shm" / "checkpoints" / f"step-{step:08d}"
         mine = sorted(snap.glob(f"__{env.rank}_*.distcp"))
@@ -366,16 +369,72 @@ def _snapshots_reuse_pages(tmp: str) -> list[object]:
         theirs = sorted((root / "fresh" / "checkpoints" / f"step-{step:08d}").glob(f"__{env.rank}_*.distcp"))
         same_bytes.append([f.read_bytes() for f in mine] == [f.read_bytes() for f in theirs]
                           and validate(snap, deep=True).valid)
-    dist.barrier()
-    left = sorted(p.name for p in (root / "shm" / "checkpoints").iterdir())
     mem_ck.close()
     fresh.close()
+    dist.barrier()
+    left = sorted(p.name for p in (root / "shm" / "checkpoints").iterdir())
     dist.destroy_process_group()
-    return [same_bytes, [inodes[s] == inodes[s - 4] for s in (6, 8, 10)], inodes[2] != inodes[4], left]
+    return [same_bytes, staged, [inodes[s] == inodes[s - 4] for s in (6, 8, 10)], inodes[2] != inodes[4], left]
 
 
 def test_memory_snapshots_overwrite_the_retired_snapshots_pages_with_exactly_the_new_bytes(tmp_path: Path) -> None:
     from tests.harness import spawn
 
-    want = [[True] * 5, [True] * 3, True, ["step-00000008", "step-00000010"]]
+    want = [[True] * 5, [False] + [True] * 4, [True] * 3, True, ["step-00000010"]]
     assert spawn(_snapshots_reuse_pages, 2, str(tmp_path)) == [want] * 2
+
+
+def _a_stage_refused_on_one_rank(tmp: str) -> list[object]:
+    """Snapshots at steps 2..8; at step 6 rank 1's stage refuses its byte items (as when a pickled value changed
+    size): every rank writes that snapshot the ordinary way (agreed), its bytes those of dcp.save, and the next
+    snapshot is staged again."""
+    import torch
+    import torch.distributed as dist
+
+    from ckpt.formats import dcp_stage
+    from ckpt.validate import validate
+    from trainer.checkpointer import TrainState
+    from trainer.dcp_backend import DCPCheckpointer
+    from trainer.dist import init_distributed
+    from trainer.model import build_model, model_signature, shard_model
+    from trainer.optim import build_optimizer
+
+    env = init_distributed()
+    root = Path(tmp)
+    spec = tiny_spec(**{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(root / "shm")})
+    model = build_model(spec)
+    sig = model_signature(spec.model, model)
+    shard_model(model, env.mesh, spec)
+    opt = build_optimizer(model, spec)
+    (root / "run").mkdir(exist_ok=True)
+    (root / "fresh").mkdir(exist_ok=True)
+    mem_ck = DCPCheckpointer(RunDir.at(root / "run"), spec, model, opt, env, segment=0, signature=sig)
+    fresh = DCPCheckpointer(RunDir.at(root / "fresh"), tiny_spec(), model, opt, env, segment=0, signature=sig)
+    real = dcp_stage.StageFiles.blob_bytes
+    out = []
+    for step in range(2, 10, 2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * step)
+        refuse = step == 6 and env.rank == 1
+        dcp_stage.StageFiles.blob_bytes = (lambda self, staged: None) if refuse else real  # type: ignore[method-assign]
+        mem_ck.save(TrainState(step=step), reason="interval", tier=memtier.MEMORY)
+        mem_ck.wait()
+        fresh.save(TrainState(step=step), reason="interval", blocking=True)
+        snap = root / "shm" / "checkpoints" / f"step-{step:08d}"
+        mine = sorted(snap.glob(f"__{env.rank}_*.distcp"))
+        theirs = sorted((root / "fresh" / "checkpoints" / f"step-{step:08d}").glob(f"__{env.rank}_*.distcp"))
+        out.append((mem_ck.last_phases.get("staged") == 1.0,
+                    [f.read_bytes() for f in mine] == [f.read_bytes() for f in theirs] and validate(snap, deep=True).valid))
+    dcp_stage.StageFiles.blob_bytes = real  # type: ignore[method-assign]
+    mem_ck.close()
+    fresh.close()
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_stage_refused_on_one_rank_writes_that_snapshot_the_ordinary_way_on_every_rank(tmp_path: Path) -> None:
+    from tests.harness import spawn
+
+    want = [(False, True), (True, True), (False, True), (True, True)]
+    assert spawn(_a_stage_refused_on_one_rank, 2, str(tmp_path)) == [want] * 2

@@ -184,7 +184,7 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             mkdir_durable(partial.parent)
             partial.mkdir()
             if target is self.memory:  # the snapshot retention retires next: its pages are overwritten, not freed
-                memtier_recycle.recycle(target, step, self.run_dir)
+                memtier_recycle.recycle(target, step, self.run_dir, staged=self.staged_ahead())
         dist.barrier(group=group if group is not None else self.env.ctrl_group)
         return True
 
@@ -416,6 +416,14 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
 
     def release(self) -> None:
         """At close: drop the backend's buffers and stop its threads."""
+
+    def staged_ahead(self) -> bool:
+        """Whether the next memory snapshot's files are laid out in the stage dir (``after_snapshot``)."""
+        return False
+
+    def after_snapshot(self, step: int) -> None:
+        """Every rank, on the background thread, once the memory snapshot of ``step`` is committed (a backend may
+        get the next one ready; collectives over the checkpoint group allowed)."""
 
     def write(self, snapshot: Any, ts: TrainState, partial: Path) -> Written:
         """Write this rank's files into ``partial`` (it exists on every rank), hashing them as they are

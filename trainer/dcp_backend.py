@@ -11,6 +11,9 @@ otherwise every rank reseeds by the elastic rule (``ckpt.state.reseed``).
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -23,12 +26,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from ckpt import fingerprint as fp, memtier_recycle
 from ckpt.formats.dcp_onepass import load_verified
+from ckpt.formats.dcp_stage import SnapshotTemplate, StageFiles, write_metadata
 from ckpt.formats.direct_io import ExactStoragePlanner, HashingDirectWriter
 from ckpt.hashing import hash_files
 from ckpt.state import MOMENTS, reseed
 from schemas import CheckpointManifest, FileEntry, Fingerprint, TensorEntry
 from trainer.checkpointer import Checkpointer, TrainState, Written, background_pool
 from trainer.optim import init_state
+
+log = logging.getLogger("shardkeeper.checkpoint")
 
 
 def cpu_buffers(sd: dict[str, Any], *, pin_memory: bool) -> dict[str, Any]:
@@ -72,6 +78,13 @@ class DCPCheckpointer(Checkpointer):
         super().__init__(*args, **kwargs)
         self._staged: dict[str, Any] | None = None
         self._first_step_hook: Any = None  # a fresh run's staging waits for the first optimizer step
+        # The memory tier at one copy (ckpt.formats.dcp_stage): after one ordinary snapshot, the next one's files
+        # are laid out and mapped ahead of time, and ``stage`` copies the state straight into them.
+        self._template: SnapshotTemplate | None = None
+        self._stage: StageFiles | None = None
+        self._stage_out: dict[str, Any] | None = None  # what ``stage`` returned when it copied into the files
+        self._maps: dict[tuple[int, int], tuple[int, Any]] = {}  # file (device, inode) -> (size, its map)
+        self._staged_keys: set[tuple[int, int]] = set()  # the files of the last snapshot staged in its files
         self._fp_pool = background_pool("ckpt-fingerprint", self.spec.checkpoint.background_nice)
 
     # ----------------------------------------------------------------- state dict
@@ -182,7 +195,72 @@ class DCPCheckpointer(Checkpointer):
     def release(self) -> None:
         self._remove_first_step_hook()
         self._fp_pool.shutdown(wait=True)
+        self._drop_stage(unlink=True)  # a stage no snapshot took: its files would hold a snapshot's worth of memory
+        self._maps, self._staged_keys = {}, set()
         self._staged = None
+
+    # ----------------------------------------------------------------- the memory tier at one copy
+    def _stages_in_files(self) -> bool:
+        """Snapshots staged straight into their files: the memory tier on one node, a CPU state (a GPU's copy goes
+        to pinned buffers, faster than to a file's pages), no tracked objects (packed anew at each save)."""
+        return (self.memory is not None and not self.node_tier and self.env.device.type == "cpu"
+                and not self.extra)
+
+    def staged_ahead(self) -> bool:
+        return self._stage is not None
+
+    def after_snapshot(self, step: int) -> None:
+        """Every rank, on the background thread, after the snapshot of ``step`` committed: the next snapshot's files
+        laid out (the older snapshot's retired into the node's stage dir, its pages reused) and mapped. Anything
+        failing here only means the next snapshot is written the ordinary way."""
+        if not self._stages_in_files():  # the same on every rank
+            return
+        mem = self.memory
+        assert mem is not None
+        every = torch.tensor([0 if self._template is None else 1], dtype=torch.int32)
+        dist.all_reduce(every, op=dist.ReduceOp.MIN, group=self.env.ckpt_group)  # a template on every rank, or none
+        if not int(every):
+            return
+        if self.is_leader:
+            try:
+                memtier_recycle.retire_for_stage(mem, step, self.run_dir)
+            except OSError as e:
+                log.debug("memory tier: no stage for the next snapshot: %s", e)
+        dist.barrier(group=self.env.ckpt_group)  # every rank sees the stage dir its leader made
+        where = memtier_recycle.stage_dir(mem)
+        self._drop_stage()
+        if where is None or self._staged is None:
+            return
+        keep = self._staged_keys  # the snapshot just committed: its files are the stage after next
+        self._maps = {k: v for k, v in self._maps.items() if k in keep or k in self._files_in(where)}
+        try:
+            self._stage = StageFiles(self._template, where, where, self._staged, self._maps)
+        except ValueError as e:  # the state no longer has the template's shapes
+            log.debug("memory tier: template dropped: %s", e)
+            self._template = None
+        except OSError as e:  # a full memory dir and the like: the ordinary write says it, if it persists
+            log.debug("memory tier: no stage for the next snapshot: %s", e)
+
+    @staticmethod
+    def _files_in(where: Path) -> set[tuple[int, int]]:
+        try:
+            return {(st.st_dev, st.st_ino) for st in (e.stat(follow_symlinks=False) for e in os.scandir(where))}
+        except OSError:
+            return set()
+
+    def _drop_stage(self, unlink: bool = False) -> None:
+        stage, self._stage, self._stage_out = self._stage, None, None
+        if stage is None:
+            return
+        stage.discard()
+        if unlink and not stage.moved:
+            for name in stage.template.sizes:
+                try:
+                    os.unlink(stage.dir / name)
+                except OSError:
+                    pass
+            if self.is_leader:  # the others' files too (unlinked under their maps: those stay valid)
+                shutil.rmtree(stage.dir, ignore_errors=True)
 
     def stage(self, snapshot: dict[str, Any]) -> dict[str, Any]:
         """Copy the state into CPU buffers that are allocated once and reused by later saves."""
@@ -191,6 +269,13 @@ class DCPCheckpointer(Checkpointer):
         extra = snapshot.get("extra")
         if extra is not None:
             snapshot = {k: v for k, v in snapshot.items() if k != "extra"}
+        if self._stage is not None and extra is None:  # the copy is the write (``write`` takes it from there)
+            try:
+                self._stage_out = _copy_state_dict(snapshot, self._stage.staged, non_blocking=False)
+                return self._stage_out
+            except (ValueError, RuntimeError) as e:  # not the layout staged: the ordinary buffers
+                log.debug("memory tier: not staged into the files: %s", e)
+                self._drop_stage(unlink=True)
         if self._staged is None:
             self._staged = cpu_buffers(snapshot, pin_memory=self.env.device.type == "cuda")
         staged = _copy_state_dict(snapshot, self._staged, non_blocking=self.env.device.type == "cuda")
@@ -205,6 +290,11 @@ class DCPCheckpointer(Checkpointer):
         # device); its all-reduce runs after dcp.save, as both use the checkpoint group.
         fp_job = self._fp_pool.submit(self._fingerprint_parts, snapshot, fp.METHOD, self.env.rank)
         in_memory = self.memory is not None and self.memory.checkpoints == partial.parent  # tmpfs: no O_DIRECT
+        if in_memory and self._stages_in_files():
+            staged = self._write_staged(snapshot, partial, fp_job, group)
+            if staged is not None:
+                return Written(staged, self._inventory(snapshot), self._finish_fingerprint(fp_job.result(), group),
+                               phases={"write_s": time.perf_counter() - t, "fingerprint_wait_s": 0.0, "staged": 1.0})
         writer = HashingDirectWriter(partial, sync_files=True, thread_count=self.spec.checkpoint.io_threads,
                                      overwrite=False, direct=not in_memory,
                                      reuse=memtier_recycle.recycle_dir(self.memory, ts.step) if in_memory else None)
@@ -222,15 +312,71 @@ class DCPCheckpointer(Checkpointer):
         fingerprint = self._finish_fingerprint(fp_job.result(), group)
         fingerprint_wait_s = time.perf_counter() - t
         # Checksums were computed while writing; the metadata was written as .metadata.tmp and renamed.
+        entries = self._entries(writer.digests, partial)
+        if in_memory and self._template is None and self._stages_in_files():  # the next snapshots: one copy
+            self._template = self._build_template(partial, writer, snapshot)
+        return Written(entries, self._inventory(snapshot), fingerprint,
+                       phases={"write_s": write_s, "fingerprint_wait_s": fingerprint_wait_s})
+
+    def _entries(self, digests: dict[str, tuple[int, str]], partial: Path) -> list[FileEntry]:
+        """This rank's files (rank 0: and ``.metadata``, written as ``.metadata.tmp`` by DCP) for the manifest."""
         entries = [FileEntry(path=".metadata" if name == ".metadata.tmp" else name, size=size, xxh3_128=digest,
                              rank=self.env.rank)
-                   for name, (size, digest) in sorted(writer.digests.items())
-                   if name.startswith(f"__{self.env.rank}_") or (self.env.is_rank0 and name == ".metadata.tmp")]
+                   for name, (size, digest) in sorted(digests.items())
+                   if name.startswith(f"__{self.env.rank}_") or (self.env.is_rank0 and name in (".metadata.tmp",
+                                                                                              ".metadata"))]
         if self.env.is_rank0 and not any(e.path == ".metadata" for e in entries):
             size, digest = hash_files([partial / ".metadata"])[partial / ".metadata"]
             entries.append(FileEntry(path=".metadata", size=size, xxh3_128=digest, rank=0))
-        return Written(entries, self._inventory(snapshot), fingerprint,
-                       phases={"write_s": write_s, "fingerprint_wait_s": fingerprint_wait_s})
+        return entries
+
+    def _build_template(self, partial: Path, writer: HashingDirectWriter, snapshot: dict[str, Any]
+                        ) -> SnapshotTemplate | None:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        try:
+            flat, _ = flatten_state_dict(snapshot)
+            return SnapshotTemplate.build(partial, writer.results, writer.items, flat,
+                                          writer.metadata if self.env.is_rank0 else None)
+        except (OSError, ValueError, KeyError) as e:  # the snapshot was written; only the next ones stay ordinary
+            log.debug("memory tier: no template from %s: %s", partial.name, e)
+            return None
+
+    def _write_staged(self, snapshot: dict[str, Any], partial: Path, fp_job: Any, group: Any) -> list[FileEntry] | None:
+        """The snapshot whose state ``stage`` copied into its files: they join ``partial``, get their byte items,
+        are hashed; rank 0 writes ``.metadata``. Every rank or none (agreed): else None, and the caller writes
+        ``snapshot`` the ordinary way (from the files' maps, if staged there), the stage dropped."""
+        stage = self._stage if snapshot is self._stage_out and self._stage_out is not None else None
+        blobs = stage.blob_bytes(snapshot) if stage is not None else None
+        ready = torch.tensor([1 if blobs is not None and (self._template is not None and (
+            self._template.metadata is not None or not self.env.is_rank0)) else 0], dtype=torch.int32)
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
+        if not int(ready):
+            if stage is not None:  # its views stay valid for the ordinary write: the maps go with them
+                self._stage, self._stage_out = None, None
+                self._maps = {k: v for k, v in self._maps.items() if k not in stage.keys}
+                stage.discard()
+            return None
+        assert stage is not None and blobs is not None and self._template is not None
+        self._stage, self._stage_out = None, None
+        self._staged_keys = stage.keys
+        failure: BaseException | None = None
+        digests: dict[str, tuple[int, str]] = {}
+        try:
+            stage.move_into(partial)
+            stage.write_blobs(blobs)
+            digests = stage.digests()
+            if self.env.is_rank0:
+                digests[".metadata"] = write_metadata(partial, self._template.metadata)
+        except Exception as e:  # noqa: BLE001 - agreed below; a full memory dir turns the tier off as ever
+            failure = e
+        finally:
+            stage.discard()
+        problem = self.agree(self.save_problem(failure, partial) if failure else None, group)
+        if problem is not None:
+            fp_job.cancel()
+            self.abort_save(partial, problem, group)
+        return self._entries(digests, partial)
 
     # ----------------------------------------------------------------- load hooks
     def restore(self, path: Path, manifest: CheckpointManifest) -> tuple[TrainState, bool]:

@@ -135,6 +135,7 @@ class SaveSide:
         self.parent = step_dir_name(ts.step)
         if tier == MEMORY:
             self.last_memory_step = ts.step
+            self.after_snapshot(ts.step)
         else:
             self.last_storage_step = ts.step
         if persist:

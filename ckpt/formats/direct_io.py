@@ -280,12 +280,12 @@ class _HashingDirectStream(io.RawIOBase):
             super().close()
 
 
-def take_over(reuse: Path, path: Path) -> int | None:
+def take_over(reuse: Path, path: Path, mode: int = os.O_WRONLY) -> int | None:
     """Move ``reuse``'s file of ``path``'s name to ``path`` and open it for overwriting (no O_TRUNC: its pages stay);
     None when there is none, or it is not a regular file of this user with this one name (then it is removed, never
     written through, and the caller creates ``path``). ``reuse`` is opened as a directory without following a
     symlink, and the file is looked up and moved relative to that descriptor; the open does not block (a FIFO
-    swapped in is refused by the check on the file opened, not waited on)."""
+    swapped in is refused by the check on the file opened, not waited on). ``mode``: O_WRONLY, or O_RDWR (a map)."""
     try:
         dfd = os.open(reuse, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -300,7 +300,7 @@ def take_over(reuse: Path, path: Path) -> int | None:
     finally:
         os.close(dfd)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, mode | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:  # swapped for something that cannot be opened so (a FIFO without a reader, a symlink)
         try:
             os.unlink(path)
@@ -405,6 +405,9 @@ class HashingDirectWriter(FileSystemWriter):
         ``reuse``: a retired snapshot's dir whose data files of the same names are overwritten in place."""
         super().__init__(path, **kwargs)
         self.fs = HashingDirectFileSystem(direct, reuse)
+        self.results: list = []  # this rank's WriteResults and plan items (ckpt.formats.dcp_stage's template)
+        self.items: list = []
+        self.metadata: Any = None  # the coordinator's Metadata, once written
 
     @property
     def digests(self) -> dict[str, tuple[int, str]]:
@@ -420,6 +423,7 @@ class HashingDirectWriter(FileSystemWriter):
             self.fs.swallow = False
         self._raise_recorded()
         results = fut.value()
+        self.results, self.items = list(results), list(plan.items)
         done = {r.index for r in results}
         lost = [item.index.fqn for item in plan.items if item.index not in done]
         if lost:
@@ -432,6 +436,7 @@ class HashingDirectWriter(FileSystemWriter):
     def finish(self, metadata: Any, results: Any) -> None:
         super().finish(metadata, results)
         self._raise_recorded()
+        self.metadata = metadata
 
     def _raise_recorded(self) -> None:
         if not self.fs.errors:
