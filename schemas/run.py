@@ -218,7 +218,7 @@ class CheckpointPolicy(_Frozen):
         "(the memory tier; null = off): each snapshot is a checkpoint under the same commit protocol (manifest, "
         "checksums, fingerprint, atomic rename) in memory_dir, costs training one copy of the state (written in "
         "the background like an async save) and outlives the rank processes, so a segment restarted on the same "
-        "node after a rank crash resumes from it without reading storage; the newest two are kept. Storage "
+        "node after a rank crash resumes from it without reading storage; the newest one or two are kept. Storage "
         "checkpoints (interval) are then persisted from the snapshot of their step in the background, and a "
         "snapshot newer than storage is persisted by the launcher when a segment dies")
     memory_dir: str | None = Field(
