@@ -25,6 +25,7 @@ STEP_RE = re.compile(r"^step-(\d{8})$")
 PARTIAL_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"
 RECYCLE_SUFFIX = ".recycle"  # a retired memory snapshot whose files the next one overwrites (ckpt.memtier_recycle.recycle)
+STAGE_SUFFIX = f"{RECYCLE_SUFFIX}-next"  # the stage dir: the next snapshot's files, laid out ahead (ckpt.formats.dcp_stage)
 INVALID_RE = re.compile(r"^step-(\d{8})\.invalid-(\d+)$")
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import xxhash
 
 from ckpt.fsutil import atomic_write_json, atomic_write_text, fsync_dir, fsync_file, mkdir_durable
-from ckpt.layout import DELETING_SUFFIX, RunDir, parse_step
+from ckpt.layout import DELETING_SUFFIX, STAGE_SUFFIX, RunDir, parse_step
 from ckpt.memtier_nodes import NODES_DIR, node_dirs, node_root
 from schemas import MANIFEST_NAME, CheckpointManifest, FileEntry, RunSpec
 from schemas.errors import ConfigError
@@ -230,7 +230,9 @@ def retain(mem: RunDir, keep: int = KEEP) -> list[Path]:
         for p in mem.checkpoints.iterdir():
             base = p.name.split(".", 1)[0]
             step = parse_step(base)
-            if p.name != base and step is not None and step < newest:
+            # not the stage dir: it may hold the next snapshot's files, mapped (ckpt.formats.dcp_stage); a stale one
+            # goes with the next recycle or stage
+            if p.name != base and step is not None and step < newest and not p.name.endswith(STAGE_SUFFIX):
                 doomed.append(p)
     for p in doomed:
         trash = p if p.name.endswith(DELETING_SUFFIX) else p.with_name(p.name + DELETING_SUFFIX)

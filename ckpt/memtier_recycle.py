@@ -16,7 +16,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from ckpt.layout import RECYCLE_SUFFIX, RunDir, parse_step, step_dir_name
+from ckpt.layout import RECYCLE_SUFFIX, STAGE_SUFFIX as STAGE_TAG, RunDir, parse_step, step_dir_name
 from ckpt.memtier import KEEP, owner_problem
 from schemas import MANIFEST_NAME
 
@@ -28,9 +28,6 @@ def recycle_path(mem: RunDir, old: int, step: int) -> Path:
     ``step-OLD.recycle-STEP`` (the old name first, so a reader of it learns it was retired; the new step last, so
     the writers of ``step`` find exactly the dir their leader made)."""
     return mem.checkpoints / f"{step_dir_name(old)}{RECYCLE_SUFFIX}-{step:08d}"
-
-
-STAGE_TAG = f"{RECYCLE_SUFFIX}-next"
 
 
 def recycle(mem: RunDir, step: int, run_dir: RunDir, keep: int = KEEP, staged: bool = False) -> Path | None:

@@ -438,3 +438,66 @@ def test_a_stage_refused_on_one_rank_writes_that_snapshot_the_ordinary_way_on_ev
 
     want = [(False, True), (True, True), (False, True), (True, True)]
     assert spawn(_a_stage_refused_on_one_rank, 2, str(tmp_path)) == [want] * 2
+
+
+def _deleted_but_mapped(mem: Path) -> int:
+    """Bytes this process still maps of files already removed from ``mem`` (their tmpfs pages stay allocated)."""
+    seen, total = set(), 0
+    for line in open("/proc/self/maps"):
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].strip().endswith("(deleted)") and str(mem) in parts[5]:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if (parts[5], parts[4]) not in seen:
+                seen.add((parts[5], parts[4]))
+                total += hi - lo
+    return total
+
+
+def _blocking_snapshots_between_staged_ones(tmp: str) -> list[object]:
+    """Snapshots 2, 4 (async: 4 staged), 6, 8, 10 (blocking, as a segment's last save or the API's), 12 (async):
+    no blocking save lays a stage out; no file retention removed stays mapped; the stage laid out after 4 survives
+    the blocking saves' retention and takes snapshot 12; every snapshot valid; nothing of the stage left at close."""
+    import torch
+    import torch.distributed as dist
+
+    from ckpt.validate import validate
+    from trainer.checkpointer import TrainState
+    from trainer.dcp_backend import DCPCheckpointer
+    from trainer.dist import init_distributed
+    from trainer.model import build_model, model_signature, shard_model
+    from trainer.optim import build_optimizer
+
+    env = init_distributed()
+    root = Path(tmp)
+    mem = root / "shm"
+    spec = tiny_spec(**{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(mem)})
+    model = build_model(spec)
+    sig = model_signature(spec.model, model)
+    shard_model(model, env.mesh, spec)
+    opt = build_optimizer(model, spec)
+    (root / "run").mkdir(exist_ok=True)
+    ck = DCPCheckpointer(RunDir.at(root / "run"), spec, model, opt, env, segment=0, signature=sig)
+    rows = []
+    for step, blocking in ((2, None), (4, None), (6, True), (8, True), (10, True), (12, None)):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * step)
+        ck.save(TrainState(step=step), reason="interval", tier=memtier.MEMORY, blocking=blocking)
+        ck.wait()
+        dist.barrier()
+        snap = mem / "checkpoints" / f"step-{step:08d}"
+        rows.append((ck.last_phases.get("staged") == 1.0, _deleted_but_mapped(mem), validate(snap, deep=True).valid))
+        dist.barrier()
+    ck.close()
+    dist.barrier()
+    left = sorted(p.name for p in (mem / "checkpoints").iterdir())
+    dist.destroy_process_group()
+    return [rows, left[-1], [n for n in left if "." in n]]
+
+
+def test_blocking_snapshots_between_staged_ones_pin_no_removed_file_and_keep_the_stage(tmp_path: Path) -> None:
+    from tests.harness import spawn
+
+    staged = [False, True, False, False, False, True]
+    want = [[(s, 0, True) for s in staged], "step-00000012", []]
+    assert spawn(_blocking_snapshots_between_staged_ones, 2, str(tmp_path)) == [want] * 2

@@ -421,6 +421,9 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         """Whether the next memory snapshot's files are laid out in the stage dir (``after_snapshot``)."""
         return False
 
+    def tier_gone(self) -> None:
+        """Every rank, when the memory tier goes off (agreed): a backend drops what it holds in the memory dir."""
+
     def after_snapshot(self, step: int) -> None:
         """Every rank, on the background thread, once the memory snapshot of ``step`` is committed (a backend may
         get the next one ready; collectives over the checkpoint group allowed)."""

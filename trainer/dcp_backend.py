@@ -209,6 +209,11 @@ class DCPCheckpointer(Checkpointer):
     def staged_ahead(self) -> bool:
         return self._stage is not None
 
+    def tier_gone(self) -> None:
+        """The memory tier went off: a stage's files and the maps kept go now (another run may claim the dir)."""
+        self._drop_stage(unlink=True)
+        self._maps, self._staged_keys, self._template = {}, set(), None
+
     def after_snapshot(self, step: int) -> None:
         """Every rank, on the background thread, after the snapshot of ``step`` committed: the next snapshot's files
         laid out (the older snapshot's retired into the node's stage dir, its pages reused) and mapped. Anything
@@ -224,21 +229,23 @@ class DCPCheckpointer(Checkpointer):
         if self.is_leader:
             try:
                 memtier_recycle.retire_for_stage(mem, step, self.run_dir)
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - never before the barrier below: every rank reaches it
                 log.debug("memory tier: no stage for the next snapshot: %s", e)
         dist.barrier(group=self.env.ckpt_group)  # every rank sees the stage dir its leader made
         where = memtier_recycle.stage_dir(mem)
         self._drop_stage()
         if where is None or self._staged is None:
             return
-        keep = self._staged_keys  # the snapshot just committed: its files are the stage after next
-        self._maps = {k: v for k, v in self._maps.items() if k in keep or k in self._files_in(where)}
+        # Maps kept: the snapshot just committed if it was staged (its files are the stage after next), and the
+        # files now in the stage dir. Any other map (of files retention removed) would keep their pages alive.
+        keep = self._staged_keys | self._files_in(where)
+        self._maps = {k: v for k, v in self._maps.items() if k in keep}
         try:
             self._stage = StageFiles(self._template, where, where, self._staged, self._maps)
         except ValueError as e:  # the state no longer has the template's shapes
             log.debug("memory tier: template dropped: %s", e)
             self._template = None
-        except OSError as e:  # a full memory dir and the like: the ordinary write says it, if it persists
+        except Exception as e:  # noqa: BLE001 - a full memory dir and the like: the next snapshot is written the ordinary way
             log.debug("memory tier: no stage for the next snapshot: %s", e)
 
     @staticmethod
@@ -269,7 +276,7 @@ class DCPCheckpointer(Checkpointer):
         extra = snapshot.get("extra")
         if extra is not None:
             snapshot = {k: v for k, v in snapshot.items() if k != "extra"}
-        if self._stage is not None and extra is None:  # the copy is the write (``write`` takes it from there)
+        if self._stage is not None and extra is None and self.memory is not None:  # the copy is the write
             try:
                 self._stage_out = _copy_state_dict(snapshot, self._stage.staged, non_blocking=False)
                 return self._stage_out
@@ -313,6 +320,10 @@ class DCPCheckpointer(Checkpointer):
         fingerprint_wait_s = time.perf_counter() - t
         # Checksums were computed while writing; the metadata was written as .metadata.tmp and renamed.
         entries = self._entries(writer.digests, partial)
+        if in_memory:  # the newest snapshot's files are not a staged one's: only the stage's maps are kept
+            self._staged_keys = set()
+            ahead = self._stage.keys if self._stage is not None else set()
+            self._maps = {k: v for k, v in self._maps.items() if k in ahead}
         if in_memory and self._template is None and self._stages_in_files():  # the next snapshots: one copy
             self._template = self._build_template(partial, writer, snapshot)
         return Written(entries, self._inventory(snapshot), fingerprint,
@@ -338,7 +349,7 @@ class DCPCheckpointer(Checkpointer):
             flat, _ = flatten_state_dict(snapshot)
             return SnapshotTemplate.build(partial, writer.results, writer.items, flat,
                                           writer.metadata if self.env.is_rank0 else None)
-        except (OSError, ValueError, KeyError) as e:  # the snapshot was written; only the next ones stay ordinary
+        except Exception as e:  # noqa: BLE001 - the snapshot was written; only the next ones stay ordinary
             log.debug("memory tier: no template from %s: %s", partial.name, e)
             return None
 

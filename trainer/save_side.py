@@ -135,7 +135,8 @@ class SaveSide:
         self.parent = step_dir_name(ts.step)
         if tier == MEMORY:
             self.last_memory_step = ts.step
-            self.after_snapshot(ts.step)
+            if async_save:  # a blocking save ends a segment (preemption, the end): no next snapshot to stage
+                self.after_snapshot(ts.step)
         else:
             self.last_storage_step = ts.step
         if persist:
@@ -147,6 +148,7 @@ class SaveSide:
         if self.env.is_rank0:
             log.warning("%s", problem)
         self.memory = None
+        self.tier_gone()
         if self._tier_lock is not None:
             self._tier_lock.release()
 

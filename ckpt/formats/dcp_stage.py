@@ -12,7 +12,7 @@ out a state dict whose tensors are views of those files: the training thread's o
 write. The background thread renames the files into the snapshot's ``.partial``, writes the byte items (of the
 size the template holds, else the snapshot is written the ordinary way), hashes each file whole and, on rank 0,
 writes ``.metadata``; the commit is the usual one (manifest, checksums, validation). The files are byte for byte
-those ``dcp.save`` writes (tests/test_memtier_stage.py compares them).
+those ``dcp.save`` writes (tests/test_memtier.py compares them).
 """
 
 from __future__ import annotations
