@@ -501,3 +501,77 @@ def test_blocking_snapshots_between_staged_ones_pin_no_removed_file_and_keep_the
     staged = [False, True, False, False, False, True]
     want = [[(s, 0, True) for s in staged], "step-00000012", []]
     assert spawn(_blocking_snapshots_between_staged_ones, 2, str(tmp_path)) == [want] * 2
+
+
+class _Tracked:
+    """A tracked object (``seg.track``) whose state grows at step 6 on rank 1 only."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.step = rank, 0
+
+    def state_dict(self) -> dict:
+        import torch
+
+        n = 3 if (self.rank == 1 and self.step >= 6) else 2
+        return {"step": self.step, "v": torch.arange(n, dtype=torch.float32) * self.step}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = sd["step"]
+
+
+def _tracked_objects_staged(tmp: str) -> list[object]:
+    """A tracked object's packed state is staged with the rest; at step 6 it grows on rank 1 only: that snapshot is
+    written the ordinary way on every rank (agreed), the template is made again, and step 8 is staged again. Every
+    snapshot is byte for byte dcp.save's (same state, same tracked object) and gives the object's state back."""
+    import torch
+    import torch.distributed as dist
+
+    from ckpt.formats.packed import unpack
+    from ckpt.validate import validate
+    from trainer.checkpointer import TrainState
+    from trainer.dcp_backend import DCPCheckpointer
+    from trainer.dist import init_distributed
+    from trainer.model import build_model, model_signature, shard_model
+    from trainer.optim import build_optimizer
+
+    env = init_distributed()
+    root = Path(tmp)
+    spec = tiny_spec(**{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(root / "shm")})
+    model = build_model(spec)
+    sig = model_signature(spec.model, model)
+    shard_model(model, env.mesh, spec)
+    opt = build_optimizer(model, spec)
+    (root / "run").mkdir(exist_ok=True)
+    (root / "fresh").mkdir(exist_ok=True)
+    mem_ck = DCPCheckpointer(RunDir.at(root / "run"), spec, model, opt, env, segment=0, signature=sig)
+    fresh = DCPCheckpointer(RunDir.at(root / "fresh"), tiny_spec(), model, opt, env, segment=0, signature=sig)
+    tracked = _Tracked(env.rank)
+    mem_ck.extra = fresh.extra = {"sched": tracked}
+    out = []
+    for step in range(2, 10, 2):
+        tracked.step = step
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * step)
+        mem_ck.save(TrainState(step=step), reason="interval", tier=memtier.MEMORY)
+        mem_ck.wait()
+        fresh.save(TrainState(step=step), reason="interval", blocking=True)
+        snap = root / "shm" / "checkpoints" / f"step-{step:08d}"
+        mine = sorted(snap.glob(f"__{env.rank}_*.distcp"))
+        theirs = sorted((root / "fresh" / "checkpoints" / f"step-{step:08d}").glob(f"__{env.rank}_*.distcp"))
+        back = unpack(mem_ck.read_extras(snap, env.rank)["sched"], "sched")
+        out.append((mem_ck.last_phases.get("staged") == 1.0,
+                    [f.read_bytes() for f in mine] == [f.read_bytes() for f in theirs] and validate(snap, deep=True).valid,
+                    back["step"] == step and torch.equal(back["v"], tracked.state_dict()["v"])))
+    mem_ck.close()
+    fresh.close()
+    dist.destroy_process_group()
+    return out
+
+
+def test_tracked_objects_are_staged_with_the_state_and_a_size_change_is_written_the_ordinary_way(tmp_path: Path
+                                                                                                ) -> None:
+    from tests.harness import spawn
+
+    want = [(False, True, True), (True, True, True), (False, True, True), (True, True, True)]
+    assert spawn(_tracked_objects_staged, 2, str(tmp_path)) == [want] * 2

@@ -83,6 +83,7 @@ class DCPCheckpointer(Checkpointer):
         self._template: SnapshotTemplate | None = None
         self._stage: StageFiles | None = None
         self._stage_out: dict[str, Any] | None = None  # what ``stage`` returned when it copied into the files
+        self._last_out: dict[str, Any] | None = None  # what ``stage`` returned last (files or buffers)
         self._maps: dict[tuple[int, int], tuple[int, Any]] = {}  # file (device, inode) -> (size, its map)
         self._staged_keys: set[tuple[int, int]] = set()  # the files of the last snapshot staged in its files
         self._fp_pool = background_pool("ckpt-fingerprint", self.spec.checkpoint.background_nice)
@@ -202,9 +203,8 @@ class DCPCheckpointer(Checkpointer):
     # ----------------------------------------------------------------- the memory tier at one copy
     def _stages_in_files(self) -> bool:
         """Snapshots staged straight into their files: the memory tier on one node, a CPU state (a GPU's copy goes
-        to pinned buffers, faster than to a file's pages), no tracked objects (packed anew at each save)."""
-        return (self.memory is not None and not self.node_tier and self.env.device.type == "cpu"
-                and not self.extra)
+        to pinned buffers, faster than to a file's pages)."""
+        return self.memory is not None and not self.node_tier and self.env.device.type == "cpu"
 
     def staged_ahead(self) -> bool:
         return self._stage is not None
@@ -276,19 +276,24 @@ class DCPCheckpointer(Checkpointer):
         extra = snapshot.get("extra")
         if extra is not None:
             snapshot = {k: v for k, v in snapshot.items() if k != "extra"}
-        if self._stage is not None and extra is None and self.memory is not None:  # the copy is the write
+        if self._stage is not None and self.memory is not None:  # the copy is the write
             try:
-                self._stage_out = _copy_state_dict(snapshot, self._stage.staged, non_blocking=False)
+                placed = self._stage.put_extras(extra) if extra is not None else {}
+                if placed is None:  # a tracked object's packed state changed size: a new template after this one
+                    raise ValueError("the tracked objects' states are not the sizes staged")
+                out = _copy_state_dict(snapshot, self._stage.staged, non_blocking=False)
+                self._stage_out = self._last_out = out if extra is None else {**out, "extra": placed}
                 return self._stage_out
             except (ValueError, RuntimeError) as e:  # not the layout staged: the ordinary buffers
                 log.debug("memory tier: not staged into the files: %s", e)
-                self._drop_stage(unlink=True)
+                self._drop_stage(unlink=True)  # every rank writes this one the ordinary way (agreed in write)
         if self._staged is None:
             self._staged = cpu_buffers(snapshot, pin_memory=self.env.device.type == "cuda")
         staged = _copy_state_dict(snapshot, self._staged, non_blocking=self.env.device.type == "cuda")
         if self.env.device.type == "cuda":
             torch.cuda.synchronize(self.env.device)
-        return staged if extra is None else {**staged, "extra": extra}
+        self._last_out = staged if extra is None else {**staged, "extra": extra}
+        return self._last_out
 
     def write(self, snapshot: dict[str, Any], ts: TrainState, partial: Path) -> Written:
         group = self.env.ckpt_group
@@ -324,8 +329,20 @@ class DCPCheckpointer(Checkpointer):
             self._staged_keys = set()
             ahead = self._stage.keys if self._stage is not None else set()
             self._maps = {k: v for k, v in self._maps.items() if k in ahead}
-        if in_memory and self._template is None and self._stages_in_files():  # the next snapshots: one copy
-            self._template = self._build_template(partial, writer, snapshot)
+        if in_memory and self._stages_in_files():
+            # Every rank keeps its template only if every rank's files came out laid out as its template says (rank
+            # 0's holds the global .metadata, which names every rank's offsets: kept from before another rank's
+            # layout changed, it would be wrong). Else each makes it again from this write, after an async save
+            # (after a blocking one, a segment's last, none is made).
+            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+            same = torch.tensor([1 if self._template is not None and self._template.same_layout(
+                writer.results, flatten_state_dict(snapshot)[0]) else 0], dtype=torch.int32)
+            dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
+            if not int(same):
+                from_stage = self._last_out is not None and snapshot is self._last_out
+                self._template = self._build_template(partial, writer, snapshot) if from_stage else None
+        self._last_out = None
         return Written(entries, self._inventory(snapshot), fingerprint,
                        phases={"write_s": write_s, "fingerprint_wait_s": fingerprint_wait_s})
 

@@ -12,7 +12,9 @@ out a state dict whose tensors are views of those files: the training thread's o
 write. The background thread renames the files into the snapshot's ``.partial``, writes the byte items (of the
 size the template holds, else the snapshot is written the ordinary way), hashes each file whole and, on rank 0,
 writes ``.metadata``; the commit is the usual one (manifest, checksums, validation). The files are byte for byte
-those ``dcp.save`` writes (tests/test_memtier.py compares them).
+those ``dcp.save`` writes (tests/test_memtier.py compares them). The template is kept only while every rank's
+ordinary writes lay their files out as it says (``same_layout``; trainer.dcp_backend agrees on it): rank 0's holds
+the global ``.metadata``, which names every rank's offsets.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import xxhash
 from ckpt.formats.direct_io import take_over
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header (30 bytes)
+EXTRA = "extra."  # the state dict's section of tracked objects' packed states (trainer.extras), per rank
 _PIECE = 64 << 20  # hashed per piece (a memoryview of the whole map would pin it)
 
 
@@ -56,6 +59,22 @@ class SnapshotTemplate:
     skeleton: dict[str, list[tuple[int, bytes]]]  # file name -> the bytes around the tensors and byte items
     metadata: Any = None  # rank 0: DCP's global Metadata of the snapshot written ordinarily
     dtypes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+    layout: dict[Any, tuple[str, int, int]] = field(default_factory=dict)  # item -> (file, offset, length)
+
+    def same_layout(self, results: list, flat: dict[str, Any]) -> bool:
+        """Whether an ordinary write of ``flat`` (flattened as DCP does) put every item where this template has it,
+        every tensor of the dtype and shape it has (a torch.save zip pads its data: a tensor a few bytes longer
+        can leave every offset as it was)."""
+        from torch.distributed.tensor import DTensor
+
+        if _layout(results) != self.layout:
+            return False
+        for fqn, (dtype, shape) in self.dtypes.items():
+            value = flat.get(fqn)
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if not isinstance(local, torch.Tensor) or local.dtype != dtype or tuple(local.shape) != shape:
+                return False
+        return True
 
     @classmethod
     def build(cls, root: Path, results: list, items: list, flat: dict[str, Any], metadata: Any = None
@@ -104,7 +123,7 @@ class SnapshotTemplate:
                         f.seek(at)
                         skeleton[n].append((at, f.read(start - at)))
                     at = end
-        tpl = cls(sizes, tensors, blobs, skeleton, metadata, dtypes)
+        tpl = cls(sizes, tensors, blobs, skeleton, metadata, dtypes, _layout(results))
         return tpl if tpl._holds(root, flat) else None
 
     def _holds(self, root: Path, flat: dict[str, Any]) -> bool:
@@ -133,6 +152,10 @@ class SnapshotTemplate:
             for m in maps.values():
                 m.close()
         return True
+
+
+def _layout(results: list) -> dict[Any, tuple[str, int, int]]:
+    return {r.index: (r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length) for r in results}
 
 
 def _data_offset(path: Path, offset: int, length: int) -> int | None:
@@ -220,6 +243,10 @@ class StageFiles:
                 finally:
                     os.close(fd)
             self.staged = _views(like, template, self.maps)
+            # the packed states of tracked objects (``extra.rankR.NAME``, uint8): copied in by ``put_extras``
+            self.extras = {fqn: (torch.frombuffer(self.maps[reg.file], dtype=torch.uint8, count=reg.nbytes,
+                                                  offset=reg.offset) if reg.nbytes else torch.empty(0, dtype=torch.uint8))
+                           for fqn, reg in template.tensors.items() if fqn.startswith(EXTRA)}
         except BaseException:
             self.discard()
             for name in template.sizes:  # a stage that failed (a full memory dir) holds no memory
@@ -228,6 +255,17 @@ class StageFiles:
                 except OSError:
                     pass
             raise
+
+    def put_extras(self, extra: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any] | None:
+        """Copy the tracked objects' packed states (``{"rankR": {name: uint8 tensor}}``) into their places; the same
+        structure of views returned. None (nothing copied) when they are not the template's names and sizes."""
+        flat = {f"{EXTRA}{rank}.{name}": t for rank, named in extra.items() for name, t in named.items()}
+        if set(flat) != set(self.extras) or any(
+                t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != self.extras[k].numel() for k, t in flat.items()):
+            return None
+        for k, t in flat.items():
+            self.extras[k].copy_(t)
+        return {rank: {name: self.extras[f"{EXTRA}{rank}.{name}"] for name in named} for rank, named in extra.items()}
 
     def move_into(self, partial: Path) -> None:
         """The files join the snapshot's ``.partial`` (their maps stay valid)."""
@@ -317,6 +355,8 @@ def _views(like: dict[str, Any], template: SnapshotTemplate, maps: dict[str, mma
     flat, mapping = flatten_state_dict(like)
     out = dict(flat)
     for fqn, reg in template.tensors.items():
+        if fqn.startswith(EXTRA) and fqn not in flat:  # a tracked object's packed state: not in the staged state
+            continue
         value = flat.get(fqn)
         dtype, shape = template.dtypes[fqn]
         local = value.to_local() if isinstance(value, DTensor) else value
