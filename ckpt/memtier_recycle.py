@@ -66,14 +66,7 @@ def recycle(mem: RunDir, step: int, run_dir: RunDir, keep: int = KEEP, staged: b
 def recycle_dir(mem: RunDir, step: int) -> Path | None:
     """The recycle dir the node's leader made for the snapshot of ``step`` (every rank on the node asks): exactly
     one real directory named ``*.recycle-STEP``, else None (nothing is taken over)."""
-    found = [p for p in _recycle_entries(mem) if p.name.endswith(f"{RECYCLE_SUFFIX}-{step:08d}")]
-    if len(found) != 1:
-        return None
-    try:
-        st = os.lstat(found[0])
-    except OSError:
-        return None
-    return found[0] if stat.S_ISDIR(st.st_mode) else None
+    return _the_dir(mem, f"{RECYCLE_SUFFIX}-{step:08d}")
 
 
 def retire_for_stage(mem: RunDir, step: int, run_dir: RunDir, keep: int = KEEP) -> Path | None:
@@ -102,7 +95,12 @@ def retire_for_stage(mem: RunDir, step: int, run_dir: RunDir, keep: int = KEEP) 
 
 def stage_dir(mem: RunDir) -> Path | None:
     """The stage dir the node's leader made (every rank asks): exactly one real directory, else None."""
-    found = [p for p in _recycle_entries(mem) if p.name.endswith(STAGE_TAG)]
+    return _the_dir(mem, STAGE_TAG)
+
+
+def _the_dir(mem: RunDir, ending: str) -> Path | None:
+    """The one entry of the memory dir whose name ends with ``ending``, if it is a real directory (not followed)."""
+    found = [p for p in _recycle_entries(mem) if p.name.endswith(ending)]
     if len(found) != 1:
         return None
     try:

@@ -325,6 +325,27 @@ def test_validate_of_a_recycled_snapshot_says_retired(tmp_path: Path) -> None:
     assert report.retired, report.errors
 
 
+def _memory_and_fresh(root: Path) -> tuple:
+    """In a spawned rank: the tiny model sharded over the process group, a checkpointer with a memory tier (snapshots
+    in ``root/shm``) and one writing the same state ordinarily to storage (``root/fresh``)."""
+    from trainer.dcp_backend import DCPCheckpointer
+    from trainer.dist import init_distributed
+    from trainer.model import build_model, model_signature, shard_model
+    from trainer.optim import build_optimizer
+
+    env = init_distributed()
+    spec = tiny_spec(**{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(root / "shm")})
+    model = build_model(spec)
+    sig = model_signature(spec.model, model)
+    shard_model(model, env.mesh, spec)
+    opt = build_optimizer(model, spec)
+    (root / "run").mkdir(exist_ok=True)
+    (root / "fresh").mkdir(exist_ok=True)
+    mem_ck = DCPCheckpointer(RunDir.at(root / "run"), spec, model, opt, env, segment=0, signature=sig)
+    fresh = DCPCheckpointer(RunDir.at(root / "fresh"), tiny_spec(), model, opt, env, segment=0, signature=sig)
+    return env, model, mem_ck, fresh
+
+
 def _snapshots_reuse_pages(tmp: str) -> list[object]:
     """Memory snapshots at steps 2..10 of a changing state: from the second on, staged straight into their files
     (ckpt.formats.dcp_stage); from the third on, each rank's data files are those of the snapshot two before (same
@@ -337,22 +358,9 @@ def _snapshots_reuse_pages(tmp: str) -> list[object]:
 
     from ckpt.validate import validate
     from trainer.checkpointer import TrainState
-    from trainer.dcp_backend import DCPCheckpointer
-    from trainer.dist import init_distributed
-    from trainer.model import build_model, model_signature, shard_model
-    from trainer.optim import build_optimizer
 
-    env = init_distributed()
     root = Path(tmp)
-    spec = tiny_spec(**{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(root / "shm")})
-    model = build_model(spec)
-    sig = model_signature(spec.model, model)
-    shard_model(model, env.mesh, spec)
-    opt = build_optimizer(model, spec)
-    (root / "run").mkdir(exist_ok=True)
-    (root / "fresh").mkdir(exist_ok=True)
-    mem_ck = DCPCheckpointer(RunDir.at(root / "run"), spec, model, opt, env, segment=0, signature=sig)
-    fresh = DCPCheckpointer(RunDir.at(root / "fresh"), tiny_spec(), model, opt, env, segment=0, signature=sig)
+    env, model, mem_ck, fresh = _memory_and_fresh(root)
     inodes: dict[int, int] = {}
     same_bytes, staged = [], []
     for step in range(2, 12, 2):
@@ -394,22 +402,9 @@ def _a_stage_refused_on_one_rank(tmp: str) -> list[object]:
     from ckpt.formats import dcp_stage
     from ckpt.validate import validate
     from trainer.checkpointer import TrainState
-    from trainer.dcp_backend import DCPCheckpointer
-    from trainer.dist import init_distributed
-    from trainer.model import build_model, model_signature, shard_model
-    from trainer.optim import build_optimizer
 
-    env = init_distributed()
     root = Path(tmp)
-    spec = tiny_spec(**{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(root / "shm")})
-    model = build_model(spec)
-    sig = model_signature(spec.model, model)
-    shard_model(model, env.mesh, spec)
-    opt = build_optimizer(model, spec)
-    (root / "run").mkdir(exist_ok=True)
-    (root / "fresh").mkdir(exist_ok=True)
-    mem_ck = DCPCheckpointer(RunDir.at(root / "run"), spec, model, opt, env, segment=0, signature=sig)
-    fresh = DCPCheckpointer(RunDir.at(root / "fresh"), tiny_spec(), model, opt, env, segment=0, signature=sig)
+    env, model, mem_ck, fresh = _memory_and_fresh(root)
     real = dcp_stage.StageFiles.blob_bytes
     out = []
     for step in range(2, 10, 2):
@@ -529,22 +524,9 @@ def _tracked_objects_staged(tmp: str) -> list[object]:
     from ckpt.formats.packed import unpack
     from ckpt.validate import validate
     from trainer.checkpointer import TrainState
-    from trainer.dcp_backend import DCPCheckpointer
-    from trainer.dist import init_distributed
-    from trainer.model import build_model, model_signature, shard_model
-    from trainer.optim import build_optimizer
 
-    env = init_distributed()
     root = Path(tmp)
-    spec = tiny_spec(**{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(root / "shm")})
-    model = build_model(spec)
-    sig = model_signature(spec.model, model)
-    shard_model(model, env.mesh, spec)
-    opt = build_optimizer(model, spec)
-    (root / "run").mkdir(exist_ok=True)
-    (root / "fresh").mkdir(exist_ok=True)
-    mem_ck = DCPCheckpointer(RunDir.at(root / "run"), spec, model, opt, env, segment=0, signature=sig)
-    fresh = DCPCheckpointer(RunDir.at(root / "fresh"), tiny_spec(), model, opt, env, segment=0, signature=sig)
+    env, model, mem_ck, fresh = _memory_and_fresh(root)
     tracked = _Tracked(env.rank)
     mem_ck.extra = fresh.extra = {"sched": tracked}
     out = []
