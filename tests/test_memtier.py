@@ -346,6 +346,23 @@ def _memory_and_fresh(root: Path) -> tuple:
     return env, model, mem_ck, fresh
 
 
+def _snapshot_both(root: Path, rank: int, mem_ck: object, fresh: object, step: int) -> tuple[bool, bool, Path]:
+    """A memory snapshot (async, as in training) and a storage checkpoint of the same state: whether the snapshot was
+    staged in its files, whether this rank's files are byte for byte the storage checkpoint's and the snapshot is
+    deep-valid, and the snapshot's dir."""
+    from ckpt.validate import validate
+    from trainer.checkpointer import TrainState
+
+    mem_ck.save(TrainState(step=step), reason="interval", tier=memtier.MEMORY)  # type: ignore[attr-defined]
+    mem_ck.wait()  # type: ignore[attr-defined]
+    fresh.save(TrainState(step=step), reason="interval", blocking=True)  # type: ignore[attr-defined]
+    snap = root / "shm" / "checkpoints" / f"step-{step:08d}"
+    mine = sorted(snap.glob(f"__{rank}_*.distcp"))
+    theirs = sorted((root / "fresh" / "checkpoints" / f"step-{step:08d}").glob(f"__{rank}_*.distcp"))
+    same = [f.read_bytes() for f in mine] == [f.read_bytes() for f in theirs] and validate(snap, deep=True).valid
+    return mem_ck.last_phases.get("staged") == 1.0, same, snap  # type: ignore[attr-defined]
+
+
 def _snapshots_reuse_pages(tmp: str) -> list[object]:
     """Memory snapshots at steps 2..10 of a changing state: from the second on, staged straight into their files
     (ckpt.formats.dcp_stage); from the third on, each rank's data files are those of the snapshot two before (same
@@ -400,8 +417,6 @@ def _a_stage_refused_on_one_rank(tmp: str) -> list[object]:
     import torch.distributed as dist
 
     from ckpt.formats import dcp_stage
-    from ckpt.validate import validate
-    from trainer.checkpointer import TrainState
 
     root = Path(tmp)
     env, model, mem_ck, fresh = _memory_and_fresh(root)
@@ -413,14 +428,7 @@ def _a_stage_refused_on_one_rank(tmp: str) -> list[object]:
                 p.add_(0.01 * step)
         refuse = step == 6 and env.rank == 1
         dcp_stage.StageFiles.blob_bytes = (lambda self, staged: None) if refuse else real  # type: ignore[method-assign]
-        mem_ck.save(TrainState(step=step), reason="interval", tier=memtier.MEMORY)
-        mem_ck.wait()
-        fresh.save(TrainState(step=step), reason="interval", blocking=True)
-        snap = root / "shm" / "checkpoints" / f"step-{step:08d}"
-        mine = sorted(snap.glob(f"__{env.rank}_*.distcp"))
-        theirs = sorted((root / "fresh" / "checkpoints" / f"step-{step:08d}").glob(f"__{env.rank}_*.distcp"))
-        out.append((mem_ck.last_phases.get("staged") == 1.0,
-                    [f.read_bytes() for f in mine] == [f.read_bytes() for f in theirs] and validate(snap, deep=True).valid))
+        out.append(_snapshot_both(root, env.rank, mem_ck, fresh, step)[:2])
     dcp_stage.StageFiles.blob_bytes = real  # type: ignore[method-assign]
     mem_ck.close()
     fresh.close()
@@ -522,8 +530,6 @@ def _tracked_objects_staged(tmp: str) -> list[object]:
     import torch.distributed as dist
 
     from ckpt.formats.packed import unpack
-    from ckpt.validate import validate
-    from trainer.checkpointer import TrainState
 
     root = Path(tmp)
     env, model, mem_ck, fresh = _memory_and_fresh(root)
@@ -535,15 +541,9 @@ def _tracked_objects_staged(tmp: str) -> list[object]:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01 * step)
-        mem_ck.save(TrainState(step=step), reason="interval", tier=memtier.MEMORY)
-        mem_ck.wait()
-        fresh.save(TrainState(step=step), reason="interval", blocking=True)
-        snap = root / "shm" / "checkpoints" / f"step-{step:08d}"
-        mine = sorted(snap.glob(f"__{env.rank}_*.distcp"))
-        theirs = sorted((root / "fresh" / "checkpoints" / f"step-{step:08d}").glob(f"__{env.rank}_*.distcp"))
+        staged, same, snap = _snapshot_both(root, env.rank, mem_ck, fresh, step)
         back = unpack(mem_ck.read_extras(snap, env.rank)["sched"], "sched")
-        out.append((mem_ck.last_phases.get("staged") == 1.0,
-                    [f.read_bytes() for f in mine] == [f.read_bytes() for f in theirs] and validate(snap, deep=True).valid,
+        out.append((staged, same,
                     back["step"] == step and torch.equal(back["v"], tracked.state_dict()["v"])))
     mem_ck.close()
     fresh.close()
