@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import errno
 import os
 import time
 from pathlib import Path
@@ -269,6 +270,17 @@ def pread_full(fd: int, view: memoryview, offset: int) -> bool:
             return False
         done += n
     return True
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (pwrite: the descriptor's position is left alone), continuing a short
+    write (a nearly full tmpfs); a write of nothing is disk full (ENOSPC)."""
+    view, done = memoryview(data), 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        done += n
 
 
 FileIdentity = tuple[int, int, int, int, int]

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ckpt.fsutil import FileIdentity as Identity, file_identity as identity, pread_full
+from ckpt.fsutil import FileIdentity as Identity, file_identity as identity, pread_full, pwrite_all
 from schemas import FileEntry
 
 CHUNK = 32 << 20
@@ -133,12 +133,7 @@ class _In:
 
     def _write(self, i: int, data: memoryview, off: int, n: int) -> None:
         try:
-            done = 0
-            while done < n:  # a short write (a nearly full tmpfs) is continued; a write of nothing is ENOSPC
-                w = os.pwrite(self.fds[i], data[done:], off + done)
-                if w <= 0:
-                    raise OSError(errno.ENOSPC, "No space left on device")
-                done += w
+            pwrite_all(self.fds[i], data[:n], off)  # a short write continued; a write of nothing is ENOSPC
         except OSError as e:
             self.problem = self.problem or _write_problem(self.root / self.files[i].path, e)
         except Exception as e:  # noqa: BLE001 - one line, agreed with the other ranks like any write failure

@@ -20,7 +20,6 @@ the global ``.metadata``, which names every rank's offsets.
 from __future__ import annotations
 
 import copy
-import errno
 import io
 import mmap
 import os
@@ -36,6 +35,7 @@ import torch
 import xxhash
 
 from ckpt.formats.direct_io import take_over
+from ckpt.fsutil import pwrite_all
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header (30 bytes)
 EXTRA = "extra."  # the state dict's section of tracked objects' packed states (trainer.extras), per rank
@@ -233,7 +233,7 @@ class StageFiles:
                         if size:
                             os.posix_fallocate(fd, 0, size)  # every page now, on this thread: none faulted in later
                     for at, raw in template.skeleton[name]:
-                        _pwrite_all(fd, raw, at)
+                        pwrite_all(fd, raw, at)
                     if size:
                         if known is None:
                             known = (size, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)))
@@ -331,19 +331,10 @@ def write_metadata(partial: Path, metadata: Any) -> tuple[int, str]:
     raw = pickle.dumps(meta)
     fd = os.open(partial / ".metadata", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        _pwrite_all(fd, raw, 0)
+        pwrite_all(fd, raw, 0)
     finally:
         os.close(fd)
     return len(raw), xxhash.xxh3_128(raw).hexdigest()
-
-
-def _pwrite_all(fd: int, raw: bytes, at: int) -> None:
-    view, done = memoryview(raw), 0
-    while done < len(view):
-        n = os.pwrite(fd, view[done:], at + done)
-        if n <= 0:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        done += n
 
 
 def _views(like: dict[str, Any], template: SnapshotTemplate, maps: dict[str, mmap.mmap]) -> dict[str, Any]:
