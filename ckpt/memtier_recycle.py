@@ -50,17 +50,11 @@ def recycle(mem: RunDir, step: int, run_dir: RunDir, keep: int = KEEP, staged: b
     older = [p for p in mem.committed() if (parse_step(p.name) or 0) < step]
     if len(older) < keep:
         return None
-    bin_ = recycle_path(mem, parse_step(older[0].name) or 0, step)
     try:
-        os.rename(older[0], bin_)
+        return _retire(older[0], recycle_path(mem, parse_step(older[0].name) or 0, step))
     except OSError as e:  # a reader's quarantine or retention took it first: the new files are created
         log.debug("memory tier: %s not recycled: %s", older[0].name, e)
         return None
-    try:
-        os.unlink(bin_ / MANIFEST_NAME)
-    except OSError:
-        pass
-    return bin_
 
 
 def recycle_dir(mem: RunDir, step: int) -> Path | None:
@@ -81,16 +75,21 @@ def retire_for_stage(mem: RunDir, step: int, run_dir: RunDir, keep: int = KEEP) 
         return None
     older = [p for p in mem.committed() if (parse_step(p.name) or 0) <= step]
     if len(older) >= keep >= 2:
-        stage = mem.checkpoints / f"{older[0].name}{STAGE_TAG}"
-        os.rename(older[0], stage)
-        try:
-            os.unlink(stage / MANIFEST_NAME)
-        except OSError:
-            pass
-        return stage
+        return _retire(older[0], mem.checkpoints / f"{older[0].name}{STAGE_TAG}")
     stage = mem.checkpoints / f"{step_dir_name(step)}{STAGE_TAG}"
     os.mkdir(stage)
     return stage
+
+
+def _retire(snapshot: Path, to: Path) -> Path:
+    """Rename a committed snapshot to ``to`` (one rename: from then on nobody takes it for a snapshot) and remove its
+    manifest. Raises OSError when the rename fails."""
+    os.rename(snapshot, to)
+    try:
+        os.unlink(to / MANIFEST_NAME)
+    except OSError:
+        pass
+    return to
 
 
 def stage_dir(mem: RunDir) -> Path | None:
