@@ -82,8 +82,8 @@ class DCPCheckpointer(Checkpointer):
         # are laid out and mapped ahead of time, and ``stage`` copies the state straight into them.
         self._template: SnapshotTemplate | None = None
         self._stage: StageFiles | None = None
-        self._stage_out: dict[str, Any] | None = None  # what ``stage`` returned when it copied into the files
-        self._last_out: dict[str, Any] | None = None  # what ``stage`` returned last (files or buffers)
+        # what ``stage`` returned last (into the stage's files while there is a stage, else into the buffers)
+        self._last_out: dict[str, Any] | None = None
         self._maps: dict[tuple[int, int], tuple[int, Any]] = {}  # file (device, inode) -> (size, its map)
         self._staged_keys: set[tuple[int, int]] = set()  # the files of the last snapshot staged in its files
         self._fp_pool = background_pool("ckpt-fingerprint", self.spec.checkpoint.background_nice)
@@ -256,7 +256,7 @@ class DCPCheckpointer(Checkpointer):
             return set()
 
     def _drop_stage(self, unlink: bool = False) -> None:
-        stage, self._stage, self._stage_out = self._stage, None, None
+        stage, self._stage = self._stage, None
         if stage is None:
             return
         stage.discard()
@@ -282,8 +282,8 @@ class DCPCheckpointer(Checkpointer):
                 if placed is None:  # a tracked object's packed state changed size: a new template after this one
                     raise ValueError("the tracked objects' states are not the sizes staged")
                 out = _copy_state_dict(snapshot, self._stage.staged, non_blocking=False)
-                self._stage_out = self._last_out = out if extra is None else {**out, "extra": placed}
-                return self._stage_out
+                self._last_out = out if extra is None else {**out, "extra": placed}
+                return self._last_out
             except (ValueError, RuntimeError) as e:  # not the layout staged: the ordinary buffers
                 log.debug("memory tier: not staged into the files: %s", e)
                 self._drop_stage(unlink=True)  # every rank writes this one the ordinary way (agreed in write)
@@ -302,8 +302,10 @@ class DCPCheckpointer(Checkpointer):
         # device); its all-reduce runs after dcp.save, as both use the checkpoint group.
         fp_job = self._fp_pool.submit(self._fingerprint_parts, snapshot, fp.METHOD, self.env.rank)
         in_memory = self.memory is not None and self.memory.checkpoints == partial.parent  # tmpfs: no O_DIRECT
+        from_stage = self._last_out is not None and snapshot is self._last_out  # an async save's copy (else: live)
+        self._last_out = None
         if in_memory and self._stages_in_files():
-            staged = self._write_staged(snapshot, partial, fp_job, group)
+            staged = self._write_staged(snapshot if from_stage else None, partial, fp_job, group)
             if staged is not None:
                 return Written(staged, self._inventory(snapshot), self._finish_fingerprint(fp_job.result(), group),
                                phases={"write_s": time.perf_counter() - t, "fingerprint_wait_s": 0.0, "staged": 1.0})
@@ -340,9 +342,7 @@ class DCPCheckpointer(Checkpointer):
                 writer.results, flatten_state_dict(snapshot)[0]) else 0], dtype=torch.int32)
             dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
             if not int(same):
-                from_stage = self._last_out is not None and snapshot is self._last_out
                 self._template = self._build_template(partial, writer, snapshot) if from_stage else None
-        self._last_out = None
         return Written(entries, self._inventory(snapshot), fingerprint,
                        phases={"write_s": write_s, "fingerprint_wait_s": fingerprint_wait_s})
 
@@ -370,23 +370,25 @@ class DCPCheckpointer(Checkpointer):
             log.debug("memory tier: no template from %s: %s", partial.name, e)
             return None
 
-    def _write_staged(self, snapshot: dict[str, Any], partial: Path, fp_job: Any, group: Any) -> list[FileEntry] | None:
-        """The snapshot whose state ``stage`` copied into its files: they join ``partial``, get their byte items,
-        are hashed; rank 0 writes ``.metadata``. Every rank or none (agreed): else None, and the caller writes
-        ``snapshot`` the ordinary way (from the files' maps, if staged there), the stage dropped."""
-        stage = self._stage if snapshot is self._stage_out and self._stage_out is not None else None
-        blobs = stage.blob_bytes(snapshot) if stage is not None else None
+    def _write_staged(self, staged: dict[str, Any] | None, partial: Path, fp_job: Any, group: Any
+                      ) -> list[FileEntry] | None:
+        """``staged``: what ``stage`` returned for this save (None: a blocking save's live state); with a stage, its
+        files hold it: they join ``partial``, get their byte items, are hashed; rank 0 writes ``.metadata``. Every
+        rank or none (agreed): else None, and the caller writes the snapshot the ordinary way (from the files' maps,
+        if staged there), the stage dropped."""
+        stage = self._stage if staged is not None else None
+        blobs = stage.blob_bytes(staged) if stage is not None and staged is not None else None
         ready = torch.tensor([1 if blobs is not None and (self._template is not None and (
             self._template.metadata is not None or not self.env.is_rank0)) else 0], dtype=torch.int32)
         dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
         if not int(ready):
             if stage is not None:  # its views stay valid for the ordinary write: the maps go with them
-                self._stage, self._stage_out = None, None
+                self._stage = None
                 self._maps = {k: v for k, v in self._maps.items() if k not in stage.keys}
                 stage.discard()
             return None
         assert stage is not None and blobs is not None and self._template is not None
-        self._stage, self._stage_out = None, None
+        self._stage = None
         self._staged_keys = stage.keys
         failure: BaseException | None = None
         digests: dict[str, tuple[int, str]] = {}
