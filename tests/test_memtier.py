@@ -524,8 +524,9 @@ class _Tracked:
 
 def _tracked_objects_staged(tmp: str) -> list[object]:
     """A tracked object's packed state is staged with the rest; at step 6 it grows on rank 1 only: that snapshot is
-    written the ordinary way on every rank (agreed), the template is made again, and step 8 is staged again. Every
-    snapshot is byte for byte dcp.save's (same state, same tracked object) and gives the object's state back."""
+    written the ordinary way on every rank (agreed), the template is made again, and step 8 is staged again (its
+    laid-out files' first bytes zeroed by someone meanwhile). Every snapshot is byte for byte dcp.save's (same
+    state, same tracked object) and gives the object's state back."""
     import torch
     import torch.distributed as dist
 
@@ -541,6 +542,10 @@ def _tracked_objects_staged(tmp: str) -> list[object]:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01 * step)
+        if step == 8:  # someone scribbles over the laid-out files' headers meanwhile: not what gets hashed
+            for f in (root / "shm" / "checkpoints").glob(f"*.recycle-next/__{env.rank}_*.distcp"):
+                with open(f, "r+b") as fh:
+                    fh.write(b"\0" * 64)
         staged, same, snap = _snapshot_both(root, env.rank, mem_ck, fresh, step)
         back = unpack(mem_ck.read_extras(snap, env.rank)["sched"], "sched")
         out.append((staged, same,

@@ -232,8 +232,6 @@ class StageFiles:
                         os.ftruncate(fd, size)
                         if size:
                             os.posix_fallocate(fd, 0, size)  # every page now, on this thread: none faulted in later
-                    for at, raw in template.skeleton[name]:
-                        pwrite_all(fd, raw, at)
                     if size:
                         if known is None:
                             known = (size, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)))
@@ -295,6 +293,13 @@ class StageFiles:
         return out
 
     def write_blobs(self, blobs: dict[str, bytes]) -> None:
+        """The byte items, and every byte around the tensors as the template has it: written after the state was
+        copied in and right before the files are hashed, so that nothing written into the stage dir meanwhile
+        (the files lie there for a whole snapshot interval) is hashed into the snapshot but the tensors' bytes."""
+        for name, regions in self.template.skeleton.items():
+            m = self.maps.get(name)
+            for at, raw in regions if m is not None else ():
+                m[at: at + len(raw)] = raw
         for fqn, reg in self.template.blobs.items():
             self.maps[reg.file][reg.offset: reg.offset + reg.nbytes] = blobs[fqn]
 
