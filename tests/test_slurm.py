@@ -203,7 +203,9 @@ def test_requeue_mid_training_loses_no_step(slurm: dict[str, str], tmp_path: Pat
     _wait_for(log, r"committed step-00000020 \(interval", proc)
     _scontrol(slurm, "requeue", job)
     stopped = int(_wait_for(log, r"committed step-(\d+) \(preempted", proc).group(1))
-    _wait_for(log, r"PENDING", proc)
+    # the requeued job's own PENDING line (the first one, at submission, is already in the log): updated while it is
+    # still COMPLETING, its start time is not moved and Slurm holds it back for ~2 min
+    _wait_for(log, r"PENDING[^\n]*attempt 2", proc)
     _scontrol(slurm, "update", f"jobid={job}", "StartTime=now")  # a requeued job waits ~2 min otherwise
     assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
     text = log.read_text()
