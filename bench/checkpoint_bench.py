@@ -40,6 +40,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from benchlib import drop_caches, fmt, md_table, publish  # noqa: E402
 
 OUT, PARTS = ROOT / "bench" / "out" / "checkpoint", ("save", "stall", "load")
+REST_S = 3.0  # idle seconds before each timed write of the save part (the same for every side and the yardstick)
 
 
 def spec_for(small: bool):
@@ -165,18 +166,25 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
         ck._wait_reread()
         dist.barrier(group=g)
 
+    def rest() -> None:  # every timed write (each side, each yardstick) starts after the same idle pause
+        time.sleep(REST_S)
+        dist.barrier(group=g)
+
     def dd_par() -> float:  # rank 0 runs the yardstick while the other ranks wait
+        rest()
         rate = dd_streams(rd, nbytes, env.world_size * threads) if env.is_rank0 and nbytes else 0.0
         dist.barrier(group=g)
         return rate
 
-    # The disk's speed drifts by tens of percent within a minute here: the yardstick is measured right before and
-    # right after each of our saves, and that save's rate is compared with the mean of the two (paired).
+    # The disk's speed drifts by tens of percent within a minute here, and a write right after another one runs
+    # slower (a virtual disk's burst budget): the yardstick is measured right before and right after each of our
+    # saves, every timed write after the same pause, and that save's rate is compared with the mean of the two.
     nbytes = 0
     for i in range(reps + 1):  # rep 0 is the warm-up of each side, not counted
         for name, fn in (("dcp", plain), ("ours", ours(True)), ("crc", ours(True, crc=True)),
                          ("before", ours(True, False)), ("nohash", ours(False))):
             dd_before = dd_par() if name == "ours" and i else 0.0
+            rest()
             dt = timed(fn, g)
             dd_after = dd_par() if name == "ours" and i else 0.0
             settle()
@@ -189,13 +197,14 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
             if i:
                 res[name].append(dt)
             clean()
+        rest()
         if env.is_rank0 and i:
             res["dd_one"].append(dd_streams(rd, nbytes, 1))
         dist.barrier(group=g)
     ck.close()
     params = sum(p.numel() for p in model.parameters())
     dist.destroy_process_group()
-    return {**res, "bytes": nbytes, "params": params, "phases": phases, "threads": threads,
+    return {**res, "bytes": nbytes, "params": params, "phases": phases, "threads": threads, "rest_s": REST_S,
             "world": env.world_size}
 
 
@@ -445,7 +454,7 @@ def table(s: dict, st: dict, ld: dict, reps: dict) -> str:
     body = md_table(["measure", "value (median (min–max))", "notes", "goal"], rows)
     body += (f"\n\nModel {s['params'] / 1e6:.0f}M parameters, checkpoint {gb:.2f} GB (fp32 weights + AdamW moments), "
              f"{w} ranks × {th} writer threads. Repetitions: save part {reps['save']} alternated rounds after one "
-             f"warm-up round; "
+             f"warm-up round" + (f", each timed write after {s['rest_s']:g} s idle; " if s.get("rest_s") else "; ")
              + (f"stall part {reps['stall']} steady rounds (a and b are single events of a fresh run); " if st else "")
              + f"load part {reps['load']} alternated rounds after a warm-up round, {ld['cache']}. load_latest's parts "
              "(median s, 2 -> 2 / 4 -> 2): quick validation (manifest, layout, every file's size; first sight) "
