@@ -139,7 +139,8 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
 
     env, spec, model, opt, ck = setup(small, run_dir)
     g, threads, rd = env.ctrl_group, spec.checkpoint.io_threads, Path(run_dir)
-    res: dict = {k: [] for k in ("dcp", "ours", "crc", "before", "nohash", "dd_par", "dd_one", "dd_pair")}
+    res: dict = {k: [] for k in ("dcp", "ours", "crc", "before", "nohash", "dd_par", "dd_one", "dd_pair",
+                                 "dd_before", "dd_after")}
     step = iter(range(1, 10_000))
 
     def clean() -> None:
@@ -186,13 +187,15 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
             dd_before = dd_par() if name == "ours" and i else 0.0
             rest()
             dt = timed(fn, g)
+            settle()  # before the yardstick after it: the re-read reads the whole checkpoint back
             dd_after = dd_par() if name == "ours" and i else 0.0
-            settle()
             if name == "ours":
                 nbytes = sum(ckpt_bytes(p) for p in (rd / "checkpoints").glob("step-*"))
                 phases = dict(ck.last_phases)
                 if i and env.is_rank0:
                     res["dd_par"] += [dd_before, dd_after]
+                    res["dd_before"].append(dd_before)
+                    res["dd_after"].append(dd_after)
                     res["dd_pair"].append(nbytes / dt / 1e9 / ((dd_before + dd_after) / 2))
             if i:
                 res[name].append(dt)
@@ -390,7 +393,10 @@ def table(s: dict, st: dict, ld: dict, reps: dict) -> str:
     rows = [
         [f"device: parallel dd oflag=direct conv=fsync ({w * th} streams)", f"{fmt(s['dd_par'])} GB/s",
          "the yardstick: our writers' parallelism, fsync'd; measured right before and right after each of our "
-         "saves" + (f"; our save / the mean of its two: {fmt(s['dd_pair'])}x" if s.get("dd_pair") else ""), ""],
+         "saves" + (f" (before {fmt(s['dd_before'])}, after {fmt(s['dd_after'])} GB/s); our save / the one before: "
+                    f"{fmt([gb / t / d for t, d in zip(s['ours'], s['dd_before'])])}x, / the one after: "
+                    f"{fmt([gb / t / d for t, d in zip(s['ours'], s['dd_after'])])}x, / the mean of the two: "
+                    f"{fmt(s['dd_pair'])}x" if s.get("dd_before") else ""), ""],
         ["device: single-stream dd oflag=direct conv=fsync", f"{fmt(s['dd_one'])} GB/s", "second line", ""],
         [f"plain dcp.save (sync, FileSystemWriter thread_count={th}, fsync)", f"{fmt([gb / t for t in s['dcp']])} GB/s",
          f"{fmt(s['dcp'])} s", ""],

@@ -92,7 +92,7 @@ def test_a_fingerprint_recomputed_by_other_arithmetic_warns_and_resumes_bitwise(
 def test_world_size_change_resume_within_1e6(reference: Path, base4: Path, tmp_path: Path, start: int, to: int) -> None:
     src = base4 if start == 4 else reference
     run = copy_run_until(src, tmp_path / "run", CUT)
-    until = CUT + 10  # ten steps at the new size (END is sized for the memory-tier crash test's segments)
+    until = CUT + 20  # twenty steps at the new size (END is sized for the memory-tier crash test's segments)
     assert spawn(run_segment, to, str(run), until, 1) == [0] * to
     got, ref = metrics(run), metrics(reference)
     assert all(got[s]["world_size"] == to for s in range(CUT + 1, until + 1))
