@@ -140,8 +140,7 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
 
     env, spec, model, opt, ck = setup(small, run_dir)
     g, threads, rd = env.ctrl_group, spec.checkpoint.io_threads, Path(run_dir)
-    res: dict = {k: [] for k in ("dcp", "ours", "crc", "before", "nohash", "dd_par", "dd_one", "dd_pair",
-                                 "dd_before", "dd_after")}
+    res: dict = {k: [] for k in ("dcp", "ours", "crc", "before", "nohash", "dd_before", "dd_after", "dd_one")}
     step = iter(range(1, 10_000))
 
     def clean() -> None:
@@ -197,10 +196,8 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
                 nbytes = sum(ckpt_bytes(p) for p in (rd / "checkpoints").glob("step-*"))
                 phases = dict(ck.last_phases)
                 if i and env.is_rank0:
-                    res["dd_par"] += [dd_before, dd_after]
                     res["dd_before"].append(dd_before)
                     res["dd_after"].append(dd_after)
-                    res["dd_pair"].append(nbytes / dt / 1e9 / ((dd_before + dd_after) / 2))
             if i:
                 res[name].append(dt)
             clean()
@@ -388,23 +385,26 @@ def goal(ok: bool, text: str) -> str:
 def table(s: dict, st: dict, ld: dict, reps: dict) -> str:
     gb = s["bytes"] / 1e9
     rate = [gb / t for t in s["ours"]]
-    dd_par, ours_rate = med(s["dd_par"]), med(rate)
+    ours_rate = med(rate)
     w, th = s["world"], s["threads"]
     hash_pct = [100 * (a / b - 1) for a, b in zip(s["ours"], s["nohash"])]
     sync = med(s["ours"])
-    # each save against the yardstick measured right before it: the same preceding write and pause (older results:
-    # against the round's dd)
-    paired = (med([gb / t / d for t, d in zip(s["ours"], s["dd_before"])]) if s.get("dd_before")
-              else ours_rate / dd_par)
+    before, after = s.get("dd_before"), s.get("dd_after")
+    if before:  # each save against the yardstick right before it (the same preceding write and pause), and after it
+        vs_before = [gb / t / d for t, d in zip(s["ours"], before)]
+        vs_after = [gb / t / d for t, d in zip(s["ours"], after)]
+        vs_mean = [gb / t / ((a + b) / 2) for t, a, b in zip(s["ours"], before, after)]
+        paired = med(vs_before)
+    else:  # older results: one dd per round, after every side
+        paired = ours_rate / med(s["dd_par"])
     rows = [
         [f"device: parallel dd oflag=direct conv=fsync ({w * th} streams)"
-         + (", right before each of our saves" if s.get("dd_before") else ""),
-         f"{fmt(s['dd_before'] if s.get('dd_before') else s['dd_par'])} GB/s",
+         + (", right before each of our saves" if before else ""),
+         f"{fmt(before or s['dd_par'])} GB/s",
          "the yardstick: our writers' parallelism, fsync'd" + (
-             f"; also measured right after each of our saves: {fmt(s['dd_after'])} GB/s; our save / the one before: "
-                    f"{fmt([gb / t / d for t, d in zip(s['ours'], s['dd_before'])])}x, / the one after: "
-                    f"{fmt([gb / t / d for t, d in zip(s['ours'], s['dd_after'])])}x, / the mean of the two: "
-                    f"{fmt(s['dd_pair'])}x" if s.get("dd_before") else ""), ""],
+             f"; also measured right after each of our saves: {fmt(after)} GB/s; our save / the one before: "
+             f"{fmt(vs_before)}x, / the one after: {fmt(vs_after)}x, / the mean of the two: {fmt(vs_mean)}x"
+             if before else ""), ""],
         ["device: single-stream dd oflag=direct conv=fsync", f"{fmt(s['dd_one'])} GB/s", "second line", ""],
         [f"plain dcp.save (sync, FileSystemWriter thread_count={th}, fsync)", f"{fmt([gb / t for t in s['dcp']])} GB/s",
          f"{fmt(s['dcp'])} s", ""],
@@ -417,9 +417,9 @@ def table(s: dict, st: dict, ld: dict, reps: dict) -> str:
         rows.append(["shardkeeper save with torch's CRC-32 of every record (as before; the manifest's xxh3 covers "
                      "every byte)", f"{fmt([gb / t for t in s['crc']])} GB/s",
                      f"{fmt(s['crc'])} s; without/with paired {fmt([b / a for a, b in zip(s['ours'], s['crc'])])}x "
-                     f"faster; " + (f"{fmt([gb / t / d for t, d in zip(s['crc'], s['dd_before'])])}x the parallel dd "
-                                   "before our save of the same round" if s.get("dd_before")
-                                   else f"{gb / med(s['crc']) / dd_par:.2f}x parallel dd"), ""])
+                     f"faster; " + (f"{fmt([gb / t / d for t, d in zip(s['crc'], before)])}x the parallel dd "
+                                   "before our save of the same round" if before
+                                   else f"{gb / med(s['crc']) / med(s['dd_par']):.2f}x parallel dd"), ""])
     if s.get("before"):
         rows.append(["shardkeeper save, before: one buffer per file, xxh3 of the source, synchronous writes",
                      f"{fmt([gb / t for t in s['before']])} GB/s",
