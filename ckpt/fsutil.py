@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
-import errno
 import os
 import time
 from pathlib import Path

@@ -377,7 +377,7 @@ class DCPCheckpointer(Checkpointer):
         rank or none (agreed): else None, and the caller writes the snapshot the ordinary way (from the files' maps,
         if staged there), the stage dropped."""
         stage = self._stage if staged is not None else None
-        blobs = stage.blob_bytes(staged) if stage is not None and staged is not None else None
+        blobs = stage.blob_bytes(staged) if stage is not None else None
         ready = torch.tensor([1 if blobs is not None and (self._template is not None and (
             self._template.metadata is not None or not self.env.is_rank0)) else 0], dtype=torch.int32)
         dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
