@@ -26,7 +26,7 @@ from pathlib import Path
 import xxhash
 
 from ckpt.fsutil import atomic_write_json, atomic_write_text, fsync_dir, fsync_file, mkdir_durable
-from ckpt.layout import DELETING_SUFFIX, STAGE_SUFFIX, RunDir, parse_step
+from ckpt.layout import DELETING_SUFFIX, STAGE_SUFFIX, RunDir, parse_step, step_dir_name
 from ckpt.memtier_nodes import NODES_DIR, node_dirs, node_root
 from schemas import MANIFEST_NAME, CheckpointManifest, FileEntry, RunSpec
 from schemas.errors import ConfigError
@@ -182,8 +182,9 @@ def _foreign_entries(root: Path) -> list[str]:
 def claim(mem: RunDir, run_dir: RunDir, lock: TierLock) -> str | None:
     """Before the first snapshot (rank 0): make the memory dir this run's and hold its lock. Returns None, or
     one line why the memory tier is not used (nothing deleted, nothing written there): a non-empty directory
-    that is not a memory tier (no tier.json), or one a live run holds. Another run's snapshots in a memory tier
-    dir (tier.json present, lock free) are removed: they could never be loaded into this run."""
+    that is not a memory tier (no tier.json), or one a live run holds, or one holding the only copy of a step of the
+    run that owns it (its storage has nothing as new). Any other run's snapshots in a memory tier dir (tier.json
+    present, lock free) are removed: they could never be loaded into this run."""
     root = mem.root
     where = f"checkpoint.memory_dir {root}"
     if root.exists() and not root.is_dir():
@@ -203,6 +204,11 @@ def claim(mem: RunDir, run_dir: RunDir, lock: TierLock) -> str | None:
     if problem is None:
         mkdir_durable(mem.checkpoints)
         return None
+    unsaved = _only_copy(mem)
+    if unsaved is not None:
+        lock.release()
+        return (f"{where}: {problem}, and its {unsaved}; nothing there is touched, the memory tier is off: resume "
+                "that run once (it persists the snapshot) or give each run its own checkpoint.memory_dir")
     if (root / OWNER_NAME).exists():
         log.warning("%s; removing them: this run's snapshots go there now", problem)
         if mem.checkpoints.is_dir():
@@ -211,6 +217,25 @@ def claim(mem: RunDir, run_dir: RunDir, lock: TierLock) -> str | None:
     mkdir_durable(mem.checkpoints)
     atomic_write_json(root / OWNER_NAME, {"run_dir": str(run_dir.root), "id": mine})
     return None
+
+
+def _only_copy(mem: RunDir) -> str | None:
+    """What of the owning run's state only this memory dir holds: its newest snapshot when that run (the run
+    directory tier.json names, with the same identity) still exists and its storage has no checkpoint as new (a
+    segment killed before the launcher could persist it). None when the owner is gone or its storage is as new."""
+    try:
+        owner = json.loads((mem.root / OWNER_NAME).read_text())
+        whose = RunDir.at(owner["run_dir"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if not owner.get("id") or identity(whose) != owner.get("id"):
+        return None
+    snaps = [parse_step(p.name) or 0 for p in mem.committed()]
+    stored = [parse_step(p.name) or 0 for p in whose.committed()]
+    if not snaps or max(snaps) <= max(stored, default=-1):
+        return None
+    return (f"snapshot {step_dir_name(max(snaps))} is newer than any checkpoint in {whose.checkpoints} (its only "
+            "copy)")
 
 
 def still_owner(mem: RunDir, run_dir: RunDir) -> str | None:

@@ -164,7 +164,11 @@ def test_a_second_run_cannot_claim_a_memory_dir_a_live_run_holds(tmp_path: Path)
     problem = memtier.claim(mem, b, lock_b)
     assert problem is not None and "in use by another live run" in problem and "\n" not in problem
     assert snap.is_dir() and memtier.owner_problem(mem, a) is None  # A's tier untouched
-    lock_a.release()  # A's segment ended: B may take the dir; A's commit-time check then sees it lost
+    lock_a.release()  # A's segment was killed: its snapshot of step 7 is the only copy (A's storage has none)
+    problem = memtier.claim(mem, b, lock_b)
+    assert problem is not None and "only copy" in problem and "\n" not in problem and lock_b.fd is None
+    assert snap.is_dir() and memtier.owner_problem(mem, a) is None  # A's tier untouched, resumable
+    _snapshot(a, 7)  # A's resume persisted it: B may take the dir; A's commit-time check then sees it lost
     assert memtier.claim(mem, b, lock_b) is None and not snap.exists()
     lost = memtier.still_owner(mem, a)
     assert lost is not None and lost.startswith("memory tier lost: ") and "\n" not in lost
