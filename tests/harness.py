@@ -33,13 +33,16 @@ _PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch
 
 
 # Read by those modules when they are imported (huggingface_hub's cache paths and offline mode, torch's and the
-# thread pools' settings): a caller whose values differ from the server's gets a fresh interpreter (spawn).
+# thread pools' settings): when the caller's values differ from the server's, the server is replaced by one started
+# with the caller's (its preload paid once), never silently kept.
 _IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH_", "PYTORCH_", "CUDA_", "NCCL_", "GLOO_",
                "OMP_", "MKL_", "KMP_", "XDG_", "PYTHON")
 _server_env: list[dict[str, str]] = []
 
 
-_CALL_TIME_ENV = {"TORCH_EXTENSIONS_DIR"}  # read when an extension is built, not at import
+# Read when used, not at import: a rank takes them from its caller's environment like the rest. DeepSpeed's import
+# sets PYTORCH_NVML_BASED_CUDA_CHECK in the importing process (read by torch.cuda's device count).
+_CALL_TIME_ENV = {"TORCH_EXTENSIONS_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
 
 
 def _import_env() -> dict[str, str]:
@@ -47,10 +50,14 @@ def _import_env() -> dict[str, str]:
 
 
 def _context() -> Any:
-    if _server_env and _server_env[0] != _import_env():
-        return mp.get_context("spawn")
+    env = _import_env()
+    if _server_env and _server_env[0] != env:
+        from multiprocessing import forkserver
+
+        forkserver._forkserver._stop()  # type: ignore[attr-defined]  # the next process starts a new one
+        _server_env.clear()
     if not _server_env:
-        _server_env.append(_import_env())
+        _server_env.append(env)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))  # read once, when the server starts (the first spawn)
     return ctx
