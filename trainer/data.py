@@ -9,12 +9,15 @@ step s trains on is the same at 1, 2, 3 or 4 ranks, and the loader's position is
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from schemas.errors import ConfigError
 from schemas import DataSpec, PreparedSplit
+
+if TYPE_CHECKING:  # the controller's preflight reads token files without importing torch (~2 s)
+    import torch
 
 IGNORE = -100  # label of a position that is not a training target (cross_entropy's ignore_index)
 
@@ -114,6 +117,8 @@ def _rows(tokens: np.ndarray, mask: np.ndarray | None, starts: list[int], seq_le
     if mask is not None:
         m = np.stack([np.asarray(mask[w + 1 : w + seq_len + 1]) for w in starts])
         labels[m == 0] = IGNORE
+    import torch
+
     return torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(labels)
 
 
@@ -155,6 +160,8 @@ class GlobalOrderLoader:
 
     def samples(self, step: int, start: int, count: int) -> torch.Tensor:
         """Samples [start, start+count) of the step's global batch, as a [count, seq_len+1] int64 tensor."""
+        import torch
+
         return torch.from_numpy(np.stack([np.asarray(self.tokens[w : w + self.seq_len + 1], dtype=np.int64)
                                           for w in self.starts(step, start, count)]))
 
