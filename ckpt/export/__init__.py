@@ -82,7 +82,7 @@ from schemas import ExportResult
 from schemas.errors import CheckpointError, CheckpointRetired
 from ckpt.fsutil import peak_rss_bytes
 from ckpt.memtier import in_memory_tier
-from ckpt.validate import WatchedDir, retired_message
+from ckpt.validate import WatchedDir, retired_message, was_committed
 
 log = logging.getLogger(__name__)
 from ckpt.export.options import EXPORT_DTYPES, PIECE_BYTES, POOL_PIECES, check_checkpoint, export_dtype, parse_size
@@ -113,13 +113,17 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     with WatchedDir(ckpt_dir) as watched:
+        if not watched.existed and was_committed(ckpt_dir):
+            # gone before it was opened: retired (were it committed again meanwhile, that directory is not watched)
+            raise CheckpointRetired(retired_message(ckpt_dir))
         try:
             return _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
                            progress=progress, deep=deep, tokenizer_from=tokenizer_from, watched=watched)
         except (CheckpointError, OSError) as e:
             # A checkpoint that the run's writer retires while it is read fails the export with whatever its
             # missing files cause: say what happened instead (files opened before it went are read to the end).
-            if isinstance(e, CheckpointRetired) or not watched.vanished():
+            gone = watched.vanished() or (not watched.existed and was_committed(ckpt_dir))  # committed, then gone
+            if isinstance(e, CheckpointRetired) or not gone:
                 raise
             raise CheckpointRetired(retired_message(ckpt_dir)) from None
 

@@ -77,11 +77,14 @@ def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_s
     # the folders this conversion would create: removed again if it fails (no empty run directory left behind)
     created = [p for p in ([run_root.root, run_root.checkpoints] if run_root else [out.parent]) if not p.exists()]
     with WatchedDir(ckpt_dir) as watched:
+        if not watched.existed and was_committed(ckpt_dir):  # gone before it was opened (see ckpt.export.export)
+            raise CheckpointRetired(retired_message(ckpt_dir))
         try:
             return _convert(ckpt_dir, to, out, run_root, zero_stage)
         except Exception as e:
             _remove_new_run_dir(created)
-            if isinstance(e, CheckpointRetired) or not watched.vanished():
+            gone = watched.vanished() or (not watched.existed and was_committed(ckpt_dir))  # committed, then gone
+            if isinstance(e, CheckpointRetired) or not gone:
                 raise
             # the run's writer retired it while it was read: whatever its missing files caused says nothing of it
             raise CheckpointRetired(retired_message(ckpt_dir)) from None

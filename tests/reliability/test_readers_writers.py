@@ -236,6 +236,34 @@ def test_export_of_a_checkpoint_retired_mid_export(source_run: Path, live_run: P
         stages.export_and_record(path, tmp_path / "out" / "c")
 
 
+def test_export_of_a_step_committed_after_the_export_looked_then_retired_mid_read(
+        source_run: Path, live_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing at the path when the export looked (not yet committed, or retired), a commit there before it read,
+    retired before the tensors were read: CheckpointRetired, never "incomplete" (the export watched no directory)."""
+    import ckpt.export as ex
+
+    writer = LiveWriter(live_run, templates_of(source_run))
+    real_check, real_collect = ex.check_checkpoint, ex.COLLECTORS["dcp"]
+
+    def commit_then_check(ckpt_dir, deep):  # type: ignore[no-untyped-def]
+        writer.commit(3)
+        return real_check(ckpt_dir, deep)
+
+    def retire_then_collect(ckpt_dir, manifest, stack, out_dtype):  # type: ignore[no-untyped-def]
+        _retire(ckpt_dir)
+        return real_collect(ckpt_dir, manifest, stack, out_dtype)
+
+    monkeypatch.setattr(ex, "check_checkpoint", commit_then_check)
+    monkeypatch.setitem(ex.COLLECTORS, "dcp", retire_then_collect)
+    path = _ckpt(live_run, 3)
+    with pytest.raises(CheckpointRetired, match="retired") as info:
+        stages.export_and_record(path, tmp_path / "out" / "a")
+    assert "incomplete" not in str(info.value) and "corrupted" not in str(info.value)
+    with pytest.raises(CheckpointRetired, match="retired"):  # retired before it looked, committed again meanwhile
+        stages.export_and_record(path, tmp_path / "out" / "b")
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
 def test_convert_of_a_checkpoint_retired_mid_read(source_run: Path, live_run: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from ckpt.registry import get_format
