@@ -1,5 +1,5 @@
 """The memory tier (unit level, no launch): preflight refuses in one line, nothing written, a memory dir that
-cannot hold three snapshots of every rank, that is read-only, missing or a file, or that is, contains or lies
+cannot hold three snapshots of every rank, that is read-only, missing, a file or relative, or that is, contains or lies
 inside a run directory. Whose snapshots they are: the claim never empties a directory that is not a memory tier,
 a new run at a deleted run's path never adopts its snapshots, a live run's dir is not claimed by another, and a
 lost or full memory tier turns off mid-segment with storage checkpoints written the normal way (two gloo ranks in
@@ -84,6 +84,9 @@ def test_read_only_missing_or_file_memory_dir_is_refused_and_nothing_written(tmp
     with pytest.raises(ConfigError) as e:
         check_memory_tier(spec, plan_topology(spec, 2), tmp_path / "run", 10)
     assert "fsdp2 backend only" in _one_line(e)
+    with pytest.raises(ConfigError) as e:  # each rank would resolve it in its own working directory
+        tiny_spec(**{"checkpoint.memory_interval": 5, "checkpoint.memory_dir": "shm/run"})
+    assert "checkpoint.memory_dir 'shm/run': a relative path" in _one_line(e) and "/dev/shm/" in str(e.value)
 
 
 # ------------------------------------------------------------------------------------- whose memory dir it is
