@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import xxhash
@@ -276,28 +277,36 @@ def in_memory_tier(ckpt_dir: Path) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- persisting
-def copy_verified(src: Path, dst: Path, files: list[FileEntry]) -> str | None:
-    """Copy ``files`` from snapshot ``src`` into ``dst`` (a storage ``.partial``), hashing the bytes read and
+def copy_verified(src: Path, dst: Path, files: list[FileEntry],
+                  copy: Callable[[Path, Path], tuple[int, str]] | None = None) -> str | None:
+    """Copy ``files`` from snapshot ``src`` into ``dst`` (a storage ``.partial``), hashing the bytes written and
     fsyncing each file: one line when a file's size or checksum differs from the snapshot's manifest (nothing
-    changed in memory is ever persisted), None when all copied."""
+    changed in memory is ever persisted), None when all copied. ``copy(src, dst) -> (size, xxh3-128)``: how one
+    file is copied (the ranks pass the O_DIRECT hashing stream's, ``ckpt.formats.direct_io.copy_file``); by
+    default buffered."""
     for f in files:
         s, d = src / f.path, dst / f.path
         try:
             d.parent.mkdir(parents=True, exist_ok=True)
-            h = xxhash.xxh3_128()
-            size = 0
-            with open(s, "rb") as fin, open(d, "wb") as fout:
-                while chunk := fin.read(_CHUNK):
-                    h.update(chunk)
-                    fout.write(chunk)
-                    size += len(chunk)
-                fout.flush()
-                os.fsync(fout.fileno())
+            size, digest = (copy or _copy_buffered)(s, d)
         except OSError as e:
             return f"{s}: could not be persisted to {dst} ({e.strerror or e}); nothing was committed from it"
-        if (size, h.hexdigest()) != (f.size, f.xxh3_128):
+        if (size, digest) != (f.size, f.xxh3_128):
             return f"{s}: differs from its snapshot's manifest (size or checksum); the snapshot is not persisted"
     return None
+
+
+def _copy_buffered(s: Path, d: Path) -> tuple[int, str]:
+    h = xxhash.xxh3_128()
+    size = 0
+    with open(s, "rb") as fin, open(d, "wb") as fout:
+        while chunk := fin.read(_CHUNK):
+            h.update(chunk)
+            fout.write(chunk)
+            size += len(chunk)
+        fout.flush()
+        os.fsync(fout.fileno())
+    return size, h.hexdigest()
 
 
 def persist_snapshot(snapshot: Path, run_dir: RunDir) -> Path:

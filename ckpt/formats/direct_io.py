@@ -172,6 +172,35 @@ class _HashingDirectStream(io.RawIOBase):
         self._pos += n
         return n
 
+    def fill_from(self, fd: int) -> int:
+        """Read ``fd`` from its offset to its end into the file, hashed on the way; returns the bytes read. Staged
+        (O_DIRECT): read straight into the staging buffers, a piece at a time, each hashed while it is still in the
+        cache -- the kernel's copy out of the source is the only one, and what is hashed is the private copy that
+        is written, whatever happens to the source meanwhile. Passthrough: through one reused buffer."""
+        total = 0
+        if self.passthrough or len(self._bufs) < 2:
+            buf = bytearray(_PIECE)
+            view = memoryview(buf)
+            try:
+                while n := os.readv(fd, [view]):
+                    self.write(view[:n])
+                    total += n
+            finally:
+                view.release()
+            return total
+        while True:
+            view = self._views[self._cur]
+            n = os.readv(fd, [view[self._fill : self._fill + _PIECE]])
+            if n == 0:
+                return total
+            if self.hashing:
+                self._hash.update(view[self._fill : self._fill + n])
+            self._fill += n
+            self._pos += n
+            total += n
+            if self._fill == _BUF:
+                self._flush_full()
+
     def _flush_full(self) -> None:
         """The current buffer is full: write it (in the background when pipelined: several buffers' writes may be in
         flight, each at its own offset), go on in the next buffer once its previous write is done."""
@@ -330,6 +359,17 @@ def write_direct(path: str | os.PathLike[str], fill: Callable[[io.RawIOBase], No
         raise
     stream.close()
     return sink[stream.path.name]
+
+
+def copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], direct: bool = True) -> tuple[int, str]:
+    """Copy ``src`` into a new file ``dst`` through the hashing O_DIRECT stream (``fill_from``: one copy of each
+    byte, no page-cache copy of the bytes written); return (size, xxh3-128) of what was written, once it is on disk.
+    A source that is a symlink is refused (O_NOFOLLOW). Raises OSError."""
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return write_direct(dst, lambda stream: stream.fill_from(fd), direct)  # type: ignore[attr-defined]
+    finally:
+        os.close(fd)
 
 
 class HashingDirectFileSystem(FileSystem):
