@@ -57,6 +57,8 @@ bench: install
 	$(PY) bench/checkpoint_bench.py --part load --reps 3
 	$(PY) bench/goodput_bench.py --backend fsdp2 --backend deepspeed --warm 2
 	$(PY) bench/recovery_bench.py
+	$(PY) bench/memtier_bench.py
+	$(PY) bench/persist_bench.py
 	$(PY) bench/startup_kill_bench.py --reps 3
 	$(PY) bench/export_bench.py
 	$(PY) bench/deepspeed_bench.py
