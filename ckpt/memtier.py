@@ -427,6 +427,12 @@ def check_memory_tier(spec: RunSpec, run_dir: RunDir, *, state_bytes: float | No
                           f"{spec.backend}); remove checkpoint.memory_interval or use backend: fsdp2")
     if not here:
         return
+    if spec.checkpoint.memory_dir and not spec.checkpoint.memory_dir.startswith("/"):
+        # refused here, for a new segment, not by the schema: manifests and run.yaml files already written with one
+        # still parse
+        raise ConfigError(f"checkpoint.memory_dir {spec.checkpoint.memory_dir!r}: a relative path (each rank would "
+                          "resolve it against its own working directory, most likely on a disk); write an absolute "
+                          "path on a tmpfs, e.g. /dev/shm/my-run, or leave it out for the default")
     if not spec.checkpoint.memory_dir and not DEFAULT_ROOT.parent.is_dir():
         raise ConfigError(f"{where}: {DEFAULT_ROOT.parent} is missing, the memory tier has nowhere to write; mount a "
                           "tmpfs there (docker: --shm-size), set checkpoint.memory_dir to a tmpfs directory, or remove "

@@ -231,12 +231,7 @@ class CheckpointPolicy(_Frozen):
     @field_validator("memory_dir")
     @classmethod
     def _plain_memory_dir(cls, v: str | None) -> str | None:
-        v = plain_path(v, "checkpoint.memory_dir")
-        if v is not None and not v.startswith("/"):  # each rank would resolve it in its own working directory
-            raise ValueError(f"checkpoint.memory_dir {v!r}: a relative path (each rank would resolve it against its "
-                             "own working directory, most likely on a disk); write an absolute path on a tmpfs, e.g. "
-                             "/dev/shm/my-run, or leave it out for the default")
-        return v
+        return plain_path(v, "checkpoint.memory_dir")
 
 
 class DeepSpeedSpec(_Frozen):

@@ -23,6 +23,8 @@ from shardkeeper.preflight import check_memory_tier, preflight
 from shardkeeper.stages.train import plan_topology
 from tests.harness import tiny_spec
 
+ROOT_CWD = Path.cwd()
+
 
 def _spec(mem: Path, **more: object):
     return tiny_spec(**{"checkpoint.memory_interval": 5, "checkpoint.memory_dir": str(mem), **more})
@@ -84,9 +86,11 @@ def test_read_only_missing_or_file_memory_dir_is_refused_and_nothing_written(tmp
     with pytest.raises(ConfigError) as e:
         check_memory_tier(spec, plan_topology(spec, 2), tmp_path / "run", 10)
     assert "fsdp2 backend only" in _one_line(e)
+    spec = tiny_spec(**{"checkpoint.memory_interval": 5, "checkpoint.memory_dir": "shm/run"})  # a manifest may hold it
     with pytest.raises(ConfigError) as e:  # each rank would resolve it in its own working directory
-        tiny_spec(**{"checkpoint.memory_interval": 5, "checkpoint.memory_dir": "shm/run"})
+        preflight(spec, plan_topology(spec, 2), tmp_path / "run")
     assert "checkpoint.memory_dir 'shm/run': a relative path" in _one_line(e) and "/dev/shm/" in str(e.value)
+    assert not (tmp_path / "run").exists() and not (ROOT_CWD / "shm").exists()
 
 
 # ------------------------------------------------------------------------------------- whose memory dir it is
