@@ -31,13 +31,25 @@ class WatchedDir:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self.identity: tuple[int, int] | None = None
+        self._fd: int | None = None
+        self.missing = False  # nothing at the path when it looked (not a directory it could not open)
+        self.adopt()
+
+    def adopt(self) -> None:
+        """Watch the directory at the path now, if none is watched yet: a reader that found nothing at first and
+        then read a directory committed there meanwhile watches that one from the moment it read it."""
+        if self._fd is not None:
+            return
         try:
-            self._fd: int | None = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            self._fd = None
-        else:
-            st = os.fstat(self._fd)
-            self.identity = (st.st_dev, st.st_ino)
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self.missing = True
+            return
+        except OSError:  # not a directory, no permission, ...: the reader's own error says which
+            return
+        st = os.fstat(self._fd)
+        self.identity = (st.st_dev, st.st_ino)
+        self.missing = False
 
     @property
     def existed(self) -> bool:
@@ -59,11 +71,19 @@ class WatchedDir:
         self.close()
 
 
-def retired_message(ckpt_dir: Path) -> str:
+def retired_message(ckpt_dir: Path, *, before: bool = False) -> str:
+    """``before``: it was already gone when the reader looked (else: it went while being read)."""
     run = ckpt_dir.parent.parent if ckpt_dir.parent.name == "checkpoints" else None
     lists = f"`shardkeeper status {run}` lists them" if run is not None else "`shardkeeper status RUN_DIR` lists them"
-    return (f"{ckpt_dir}: retired or quarantined by the run's writer while being read (retention keeps only the "
-            f"newest checkpoints of a training run); pick a newer step, {lists}")
+    when = "no longer there: retired or quarantined by the run's writer" if before else \
+        "retired or quarantined by the run's writer while being read"
+    return (f"{ckpt_dir}: {when} (retention keeps only the newest checkpoints of a training run); pick a newer step, "
+            f"{lists}")
+
+
+def gone_before(watched: WatchedDir) -> bool:
+    """Nothing at the watched path when the reader looked, and a checkpoint was committed there (retired since)."""
+    return watched.missing and was_committed(watched.path)
 
 
 def was_committed(ckpt_dir: Path) -> bool:

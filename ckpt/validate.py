@@ -40,7 +40,7 @@ from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, parse_step
 from ckpt.registry import get_format
 from ckpt.manifest import read_manifest
-from ckpt.retired import WatchedDir, dir_identity, retired_message, was_committed
+from ckpt.retired import WatchedDir, dir_identity, gone_before, retired_message, was_committed
 from ckpt.verified import drop_cache, is_verified, manifest_digest, record_verified
 from pydantic import ValidationError
 
@@ -48,8 +48,8 @@ from schemas import MANIFEST_NAME, MANIFEST_SCHEMA_VERSION, CheckpointManifest, 
 
 # what the stages, retention, the trainer and the CLI take from here (ckpt.retired and ckpt.verified hold some)
 __all__ = ["RANK_RE", "WatchedDir", "check_ranks", "check_staged", "checked_manifest", "dir_identity", "forget_known",
-           "invalid_committed", "is_verified", "latest_valid", "manifest_digest", "record_verified", "reread_and_record",
-           "retired_message", "validate", "was_committed"]
+           "gone_before", "invalid_committed", "is_verified", "latest_valid", "manifest_digest", "record_verified",
+           "reread_and_record", "retired_message", "validate", "was_committed"]
 
 log = logging.getLogger(__name__)
 
@@ -320,8 +320,9 @@ def validate(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:
     ``retired=True`` and one line saying so: never a verdict on its bytes (see ``_checked``)."""
     return _checked(Path(ckpt_dir), deep)[0]
 
-def _retired(ckpt_dir: Path, deep: bool, t0: float) -> ValidationReport:
-    return ValidationReport(path=str(ckpt_dir), valid=False, deep=deep, retired=True, errors=[retired_message(ckpt_dir)],
+def _retired(ckpt_dir: Path, deep: bool, t0: float, *, before: bool = False) -> ValidationReport:
+    return ValidationReport(path=str(ckpt_dir), valid=False, deep=deep, retired=True,
+                            errors=[retired_message(ckpt_dir, before=before)],
                             step=parse_step(ckpt_dir.name), seconds=time.perf_counter() - t0)
 
 
@@ -330,8 +331,9 @@ def _checked(ckpt_dir: Path, deep: bool, *, listed: bool = False) -> tuple[Valid
     directory was just listed as committed, so a missing one was retired (not a wrong path)."""
     t0 = time.perf_counter()
     with WatchedDir(ckpt_dir) as watched:
-        if not watched.existed and (listed or was_committed(ckpt_dir)):
-            return _retired(ckpt_dir, deep, t0), None
+        if watched.missing and (listed or was_committed(ckpt_dir)):  # not a directory it could not open
+            return _retired(ckpt_dir, deep, t0, before=True), None
+        watched.adopt()  # committed since it looked: watch the directory about to be read
         try:
             report, raw = _validate_once(ckpt_dir, deep, t0)
         except Exception as e:

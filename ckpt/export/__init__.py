@@ -82,7 +82,7 @@ from schemas import ExportResult
 from schemas.errors import CheckpointError, CheckpointRetired
 from ckpt.fsutil import peak_rss_bytes
 from ckpt.memtier import in_memory_tier
-from ckpt.validate import WatchedDir, retired_message, was_committed
+from ckpt.validate import WatchedDir, gone_before, retired_message
 
 log = logging.getLogger(__name__)
 from ckpt.export.options import EXPORT_DTYPES, PIECE_BYTES, POOL_PIECES, check_checkpoint, export_dtype, parse_size
@@ -113,17 +113,15 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     with WatchedDir(ckpt_dir) as watched:
-        if not watched.existed and was_committed(ckpt_dir):
-            # gone before it was opened: retired (were it committed again meanwhile, that directory is not watched)
-            raise CheckpointRetired(retired_message(ckpt_dir))
+        if gone_before(watched):
+            raise CheckpointRetired(retired_message(ckpt_dir, before=True))
         try:
             return _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
                            progress=progress, deep=deep, tokenizer_from=tokenizer_from, watched=watched)
         except (CheckpointError, OSError) as e:
             # A checkpoint that the run's writer retires while it is read fails the export with whatever its
             # missing files cause: say what happened instead (files opened before it went are read to the end).
-            gone = watched.vanished() or (not watched.existed and was_committed(ckpt_dir))  # committed, then gone
-            if isinstance(e, CheckpointRetired) or not gone:
+            if isinstance(e, CheckpointRetired) or not watched.vanished():
                 raise
             raise CheckpointRetired(retired_message(ckpt_dir)) from None
 
@@ -135,6 +133,7 @@ def _export(ckpt_dir: Path, out_dir: Path, *, dtype: str, max_shard_size: int | 
     limit = parse_size(max_shard_size)
     check_out_dir(ckpt_dir, out_dir, overwrite)
     manifest = check_checkpoint(ckpt_dir, deep)
+    watched.adopt()  # committed after the export looked: the directory read from here on is watched
     tok_folder, tok_recorded = tokenizer_source(ckpt_dir, manifest, tokenizer_from)
     # The manifest's hf_model record, or else transformers builds the model on the meta device meanwhile.
     describing = (model_from_record(ckpt_dir, manifest, dtype_name)

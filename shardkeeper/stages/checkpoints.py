@@ -13,7 +13,7 @@ from ckpt.layout import RunDir, parse_step
 from ckpt.lock import LOCK_NAME, RANKS_LOCK_NAME, RunLock
 from ckpt.manifest import read_manifest
 from ckpt.registry import get_format
-from ckpt.validate import WatchedDir, checked_manifest, retired_message, validate, was_committed
+from ckpt.validate import WatchedDir, checked_manifest, gone_before, retired_message, validate, was_committed
 from schemas import CheckpointManifest, ReshardResult, RunSpec, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired, ConfigError
 from shardkeeper.config import dump_run_spec, spec_from_dict
@@ -77,14 +77,13 @@ def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_s
     # the folders this conversion would create: removed again if it fails (no empty run directory left behind)
     created = [p for p in ([run_root.root, run_root.checkpoints] if run_root else [out.parent]) if not p.exists()]
     with WatchedDir(ckpt_dir) as watched:
-        if not watched.existed and was_committed(ckpt_dir):  # gone before it was opened (see ckpt.export.export)
-            raise CheckpointRetired(retired_message(ckpt_dir))
+        if gone_before(watched):
+            raise CheckpointRetired(retired_message(ckpt_dir, before=True))
         try:
-            return _convert(ckpt_dir, to, out, run_root, zero_stage)
+            return _convert(ckpt_dir, to, out, run_root, zero_stage, watched)
         except Exception as e:
             _remove_new_run_dir(created)
-            gone = watched.vanished() or (not watched.existed and was_committed(ckpt_dir))  # committed, then gone
-            if isinstance(e, CheckpointRetired) or not gone:
+            if isinstance(e, CheckpointRetired) or not watched.vanished():
                 raise
             # the run's writer retired it while it was read: whatever its missing files caused says nothing of it
             raise CheckpointRetired(retired_message(ckpt_dir)) from None
@@ -99,7 +98,8 @@ def _refuse_same_format(ckpt_dir: Path, to: str) -> None:
         raise ConfigError(f"{ckpt_dir}: already a {to} checkpoint; nothing to convert")
 
 
-def _convert(ckpt_dir: Path, to: str, out: Path, run_root: RunDir | None, zero_stage: int | None) -> Path:
+def _convert(ckpt_dir: Path, to: str, out: Path, run_root: RunDir | None, zero_stage: int | None,
+             watched: WatchedDir) -> Path:
     try:
         manifest = checked_manifest(ckpt_dir)
     except CheckpointRetired:
@@ -107,6 +107,7 @@ def _convert(ckpt_dir: Path, to: str, out: Path, run_root: RunDir | None, zero_s
     except CheckpointError:
         _refuse_same_format(ckpt_dir, to)  # the request itself is wrong, whatever state the checkpoint is in
         raise
+    watched.adopt()  # committed after the conversion looked: the directory read from here on is watched
     if manifest.format == to:
         raise ConfigError(f"{ckpt_dir}: already a {to} checkpoint; nothing to convert")
     if zero_stage is not None and to != "deepspeed":

@@ -31,7 +31,7 @@ import pytest
 from ckpt.lineage import read_events
 from ckpt.lock import RunLock
 from ckpt.validate import validate
-from schemas.errors import CheckpointRetired, ExportError, PublishError, RunLockedError
+from schemas.errors import CheckpointError, CheckpointRetired, ExportError, PublishError, RunLockedError
 from shardkeeper import stages
 from tests.reliability.livewriter import LiveWriter, new_live_run, templates_of
 
@@ -259,9 +259,17 @@ def test_export_of_a_step_committed_after_the_export_looked_then_retired_mid_rea
     with pytest.raises(CheckpointRetired, match="retired") as info:
         stages.export_and_record(path, tmp_path / "out" / "a")
     assert "incomplete" not in str(info.value) and "corrupted" not in str(info.value)
-    with pytest.raises(CheckpointRetired, match="retired"):  # retired before it looked, committed again meanwhile
+    with pytest.raises(CheckpointRetired, match="no longer there: retired"):  # retired before it looked
         stages.export_and_record(path, tmp_path / "out" / "b")
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+    # something at the path that is not a directory it can open is the user's error, never "retired"
+    monkeypatch.undo()
+    path.write_text("not a checkpoint")
+    with pytest.raises(CheckpointError) as info:
+        stages.export_and_record(path, tmp_path / "out" / "c")
+    assert not isinstance(info.value, CheckpointRetired) and "retired" not in str(info.value), info.value
+    report = validate(path)
+    assert not report.valid and not report.retired and "retired" not in report.errors[0], report
 
 
 def test_convert_of_a_checkpoint_retired_mid_read(source_run: Path, live_run: Path, tmp_path: Path,
