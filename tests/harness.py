@@ -52,6 +52,8 @@ def _import_env() -> dict[str, str]:
 def _context() -> Any:
     env = _import_env()
     if _server_env and _server_env[0] != env:
+        if mp.active_children():  # stopping the server would wait for them: a fresh interpreter for this call
+            return mp.get_context("spawn")
         from multiprocessing import forkserver
 
         forkserver._forkserver._stop()  # type: ignore[attr-defined]  # the next process starts a new one
