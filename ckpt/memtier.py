@@ -417,7 +417,7 @@ def check_memory_tier(spec: RunSpec, run_dir: RunDir, *, state_bytes: float | No
     """Preflight of checkpoint.memory_interval (one line each, nothing written): the fsdp2 backend only; the
     memory dir is, contains and lies inside no run directory; it (or its nearest existing parent) is a writable
     directory; three snapshots (x1.3 overhead) of every rank on the node (``state_bytes`` each: what one rank's checkpoint holds) fit its free space. ``here``: the ranks run on
-    this host (else only the backend is checked)."""
+    this host (else only the backend, and that the memory dir is an absolute path)."""
     root = memory_root(spec, run_dir)
     if root is None:
         return
@@ -425,14 +425,14 @@ def check_memory_tier(spec: RunSpec, run_dir: RunDir, *, state_bytes: float | No
     if spec.backend != "fsdp2":
         raise ConfigError(f"checkpoint.memory_interval: the memory tier checkpoints the fsdp2 backend only (this run is "
                           f"{spec.backend}); remove checkpoint.memory_interval or use backend: fsdp2")
-    if not here:
-        return
     if spec.checkpoint.memory_dir and not spec.checkpoint.memory_dir.startswith("/"):
         # refused here, for a new segment, not by the schema: manifests and run.yaml files already written with one
         # still parse
         raise ConfigError(f"checkpoint.memory_dir {spec.checkpoint.memory_dir!r}: a relative path (each rank would "
                           "resolve it against its own working directory, most likely on a disk); write an absolute "
                           "path on a tmpfs, e.g. /dev/shm/my-run, or leave it out for the default")
+    if not here:
+        return
     if not spec.checkpoint.memory_dir and not DEFAULT_ROOT.parent.is_dir():
         raise ConfigError(f"{where}: {DEFAULT_ROOT.parent} is missing, the memory tier has nowhere to write; mount a "
                           "tmpfs there (docker: --shm-size), set checkpoint.memory_dir to a tmpfs directory, or remove "
