@@ -333,7 +333,6 @@ def _checked(ckpt_dir: Path, deep: bool, *, listed: bool = False) -> tuple[Valid
     with WatchedDir(ckpt_dir) as watched:
         if watched.missing and (listed or was_committed(ckpt_dir)):  # not a directory it could not open
             return _retired(ckpt_dir, deep, t0, before=True), None
-        watched.adopt()  # committed since it looked: watch the directory about to be read
         try:
             report, raw = _validate_once(ckpt_dir, deep, t0)
         except Exception as e:
