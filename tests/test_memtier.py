@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 
-from ckpt import memtier, memtier_recycle
+from ckpt import memtier, memtier_persist, memtier_recycle
 from ckpt.layout import RunDir
 from schemas.errors import ConfigError
 from shardkeeper.preflight import check_memory_tier, preflight
@@ -147,14 +147,14 @@ def test_a_new_run_at_a_deleted_runs_path_never_adopts_its_snapshots(tmp_path: P
     lock = memtier.TierLock(mem)
     assert memtier.claim(mem, old, lock) is None
     snap = _snapshot(mem, 40)
-    assert memtier.owner_problem(mem, old) is None and memtier.newest_snapshot(mem, old)[0] == snap
+    assert memtier.owner_problem(mem, old) is None and memtier_persist.newest_snapshot(mem, old)[0] == snap
     lock.release()
     shutil.rmtree(path)  # rm -rf RUN; a new run at the same path
     new = _run(path)
     assert memtier.identity(new) is None
     problem = memtier.owner_problem(mem, new)
     assert problem is not None and "earlier run" in problem
-    final, why = memtier.persist_newer(spec, new)  # the launcher never persists the old run's snapshot
+    final, why = memtier_persist.persist_newer(spec, new)  # the launcher never persists the old run's snapshot
     assert final is None and why is not None and "not persisted" in why and not new.committed()
     lock = memtier.TierLock(mem)
     assert memtier.claim(mem, new, lock) is None  # the tier dir is re-claimed: the old snapshots are gone

@@ -330,7 +330,7 @@ def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp
     from memory (tier 'memory' in lineage), bitwise like the uninterrupted reference, having lost <= K steps. A
     tampered snapshot at a later crash point is never loaded: one line, storage used, training bitwise."""
     from ckpt.layout import RunDir
-    from ckpt.memtier import persist_newer
+    from ckpt.memtier_persist import persist_newer
     from ckpt.validate import latest_valid
     from shardkeeper.stages import run_state
     from tasks.dashboard import checkpoints_now

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt import memtier
+from ckpt import memtier, memtier_persist
 from ckpt.formats.direct_io import copy_file
 from ckpt.layout import RunDir, step_dir_name
 from ckpt.memtier import MEMORY, STORAGE
@@ -163,7 +163,7 @@ class SaveSide:
         like = self._manifest(src)
         self._prepare_partial(ts.step, self.env.ckpt_group, self.run_dir)
         mine = [f for f in like.files if f.rank == self.env.rank]
-        problem = memtier.copy_verified(src, self.run_dir.partial(ts.step), mine, copy_file)  # O_DIRECT, one copy
+        problem = memtier_persist.copy_verified(src, self.run_dir.partial(ts.step), mine, copy_file)  # O_DIRECT, one copy
         self._commit(ts, reason, mine, like.tensors, like.fingerprint, t0, async_save, problem=problem,
                      target=self.run_dir, like=like)
         self.last_storage_step = ts.step

@@ -232,7 +232,7 @@ def _persist_memory(spec: RunSpec, rd: RunDir, sink: Callable[[str], None]) -> N
     validated and persisted to storage; a torn or tampered one never is (one line; storage stays the resume point)."""
     if spec.checkpoint.memory_interval is None or spec.backend != "fsdp2":
         return
-    from ckpt.memtier import persist_newer
+    from ckpt.memtier_persist import persist_newer
 
     final, problem = persist_newer(spec, rd)
     if problem:
