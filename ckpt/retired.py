@@ -51,10 +51,6 @@ class WatchedDir:
         self.identity = (st.st_dev, st.st_ino)
         self.missing = False
 
-    @property
-    def existed(self) -> bool:
-        return self.identity is not None
-
     def vanished(self) -> bool:
         """True when the directory that was at the path (a retired or quarantined checkpoint) is no longer there."""
         return self.identity is not None and dir_identity(self.path) != self.identity

@@ -121,7 +121,8 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
         except (CheckpointError, OSError) as e:
             # A checkpoint that the run's writer retires while it is read fails the export with whatever its
             # missing files cause: say what happened instead (files opened before it went are read to the end).
-            if isinstance(e, CheckpointRetired) or not watched.vanished():
+            # it went while being read, or before the directory committed meanwhile could be watched (adopt)
+            if isinstance(e, CheckpointRetired) or not (watched.vanished() or gone_before(watched)):
                 raise
             raise CheckpointRetired(retired_message(ckpt_dir)) from None
 

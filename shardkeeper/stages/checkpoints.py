@@ -13,7 +13,7 @@ from ckpt.layout import RunDir, parse_step
 from ckpt.lock import LOCK_NAME, RANKS_LOCK_NAME, RunLock
 from ckpt.manifest import read_manifest
 from ckpt.registry import get_format
-from ckpt.validate import WatchedDir, checked_manifest, gone_before, retired_message, validate, was_committed
+from ckpt.validate import WatchedDir, checked_manifest, gone_before, retired_message, validate
 from schemas import CheckpointManifest, ReshardResult, RunSpec, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired, ConfigError
 from shardkeeper.config import dump_run_spec, spec_from_dict
@@ -50,8 +50,9 @@ def reshard(ckpt_dir: str | Path, world_size: int) -> ReshardResult:
     try:
         manifest = read_manifest(ckpt_dir)
     except CheckpointError:
-        if not ckpt_dir.is_dir() and was_committed(ckpt_dir):  # the run's retention took it: say so
-            raise CheckpointRetired(retired_message(ckpt_dir)) from None
+        with WatchedDir(ckpt_dir) as now:  # nothing at the path (not something it cannot open) where a checkpoint was
+            if gone_before(now):
+                raise CheckpointRetired(retired_message(ckpt_dir, before=True)) from None
         raise
     try:  # the next segment must be able to split the global batch, whatever the format
         manifest.run_spec.per_rank_batch(world_size)
@@ -83,7 +84,8 @@ def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_s
             return _convert(ckpt_dir, to, out, run_root, zero_stage, watched)
         except Exception as e:
             _remove_new_run_dir(created)
-            if isinstance(e, CheckpointRetired) or not watched.vanished():
+            # it went while being read, or before the directory committed meanwhile could be watched (adopt)
+            if isinstance(e, CheckpointRetired) or not (watched.vanished() or gone_before(watched)):
                 raise
             # the run's writer retired it while it was read: whatever its missing files caused says nothing of it
             raise CheckpointRetired(retired_message(ckpt_dir)) from None

@@ -270,6 +270,9 @@ def test_export_of_a_step_committed_after_the_export_looked_then_retired_mid_rea
     assert not isinstance(info.value, CheckpointRetired) and "retired" not in str(info.value), info.value
     report = validate(path)
     assert not report.valid and not report.retired and "retired" not in report.errors[0], report
+    with pytest.raises(CheckpointError) as info:
+        stages.reshard(path, 1)
+    assert not isinstance(info.value, CheckpointRetired) and "retired" not in str(info.value), info.value
 
 
 def test_convert_of_a_checkpoint_retired_mid_read(source_run: Path, live_run: Path, tmp_path: Path,
