@@ -74,8 +74,9 @@ if args.fsdp:
     extra["fsdp_config"] = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                             "reshard_after_forward": True}
 
+scratch = tempfile.TemporaryDirectory(prefix="hf-trainer-")  # removed when the process exits
 training_args = TrainingArguments(
-    output_dir=tempfile.mkdtemp(prefix="hf-trainer-"),  # nothing is saved there: checkpoints go to the run dir
+    output_dir=scratch.name,  # Trainer wants one; nothing is saved there: checkpoints go to the run dir
     max_steps=args.max_steps,
     per_device_train_batch_size=args.batch // seg.world_size,  # shardkeeper: the same global batch at any size
     learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=4, weight_decay=0.01, max_grad_norm=1.0,

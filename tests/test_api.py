@@ -130,7 +130,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
         [("raise", sk, *modes(base / "raise", 6, "--", "--mode", "raise", "--at", "3"))],
         [("after", sk, *modes(base / "after", 4, "--", "--mode", "after"))],
         *[[(mode, partial(sk, timeout=180), *modes(base / mode, 5, "--set", "checkpoint.interval=2", "--", "--mode",
-                                                   mode, "--at", "2"))]
+                                                   mode, "--at", "2", "--atexit-file", str(base / f"{mode}.atexit")))]
           for mode in ("nan-then-ok", "thread")],
         *[[(mode, sk, *modes(base / mode, 6, "--", "--mode", mode))] for mode in MISUSE],
         [("outside", outside_a_segment, base)],
@@ -254,6 +254,9 @@ def test_a_nan_overwritten_in_its_step_still_stops_and_a_lingering_thread_does_n
     run, r = launched["base"] / mode, outcome(launched, mode)  # launched with a 180 s timeout: a hang raises here
     assert r.returncode == code, r.stderr[-2000:]
     assert committed(run)[-1] == ("step-00000002" if code == 65 else "step-00000005")
+    # the script's atexit handlers ran, after a failure too; one that never returns is abandoned
+    assert (launched["base"] / f"{mode}.atexit.0").read_text() == "ran"
+    assert ("atexit handlers did not finish within" in r.stderr) == (mode == "thread"), r.stderr[-2000:]
 
 
 def test_a_failing_load_state_dict_of_the_users_object_quarantines_nothing(launched: dict) -> None:

@@ -153,9 +153,10 @@ def _report_failure(cause: str, code: int) -> None:
 _SCRIPT = [False]  # this rank ran a user's script
 
 
+SCRIPT_ATEXIT_S = 10.0  # how long a script's atexit handlers may take before its rank exits regardless
+
+
 def _exit_now(code: int) -> None:
-    """A script's rank ends when its segment has: a thread or child process the script left behind (a non-daemon
-    logger, a forked helper) must not keep the rank, and so torchrun and the launcher, waiting forever."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -174,8 +175,28 @@ def _exit_without_teardown(code: int) -> None:
     _exit_now(code)
 
 
+def _exit_script(code: int) -> None:
+    """A script's rank ends when its segment has. Its atexit handlers run, as at any Python exit (a temporary
+    directory removed, a tracker's run closed), but a thread or child process the script left behind (a non-daemon
+    logger, a forked helper) must not keep the rank, and so torchrun and the launcher, waiting forever: its
+    non-daemon threads are not joined, and handlers still running after ``SCRIPT_ATEXIT_S`` are abandoned."""
+    import atexit
+    import threading
+    import time
+
+    def give_up() -> None:
+        time.sleep(SCRIPT_ATEXIT_S)
+        log.warning("the script's atexit handlers did not finish within %.0f s; the rank exits without them",
+                    SCRIPT_ATEXIT_S)
+        _exit_now(code)
+
+    threading.Thread(target=give_up, name="shardkeeper-exit", daemon=True).start()
+    atexit._run_exitfuncs()
+    _exit_now(code)
+
+
 if __name__ == "__main__":
     _code = main()
     if _SCRIPT[0]:
-        _exit_now(_code)
+        _exit_script(_code)
     _exit_without_teardown(_code)

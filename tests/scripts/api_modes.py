@@ -12,14 +12,18 @@
                    step late, must not commit the NaN step)
 --mode after       raise in the user's code after the loop (a final evaluation that fails)
 --mode twice       enter seg.steps() a second time after the loop
---mode thread      leave a non-daemon thread running (the rank must still end)
+--mode thread      leave a non-daemon thread running and an atexit handler that never returns (the rank must
+                   still end; the handlers registered after it still run)
+--atexit-file F    an atexit handler writes F.RANK (a script's handlers run at its rank's exit)
 --workers N        DataLoader worker processes of --loader
 --counter          track a small counter object; with --mode bad-load its load_state_dict raises (a user's bug)
 --sleep S          sleep S seconds per step (to be preempted mid-run)
 """
 
 import argparse
+import atexit
 import time
+from pathlib import Path
 
 import torch
 from torch.distributed.fsdp import fully_shard
@@ -33,6 +37,7 @@ p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--loader", action="store_true")
 p.add_argument("--workers", type=int, default=0)
 p.add_argument("--counter", action="store_true")
+p.add_argument("--atexit-file", default=None)
 a = p.parse_args()
 
 
@@ -41,6 +46,10 @@ def explode(step):
 
 
 seg = sk.Segment()
+if a.mode == "thread":
+    atexit.register(time.sleep, 3600)  # runs after the one below (atexit is last in, first out)
+if a.atexit_file:
+    atexit.register(Path(f"{a.atexit_file}.{seg.rank}").write_text, "ran")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 fully_shard(model, mesh=seg.mesh)
