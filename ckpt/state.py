@@ -9,9 +9,10 @@
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MOMENTS: tuple[str, str] = ("exp_avg", "exp_avg_sq")
 
@@ -25,11 +26,15 @@ def elastic_seed(seed: int, step: int, rank: int = 0) -> int:
 
 def reseed(seed: int, step: int, rank: int) -> None:
     """Reseed this process's CPU generator (and CUDA's, through torch.manual_seed) by the elastic rule."""
+    import torch
+
     torch.manual_seed(elastic_seed(seed, step, rank))
 
 
 def elastic_rng_state(seed: int, step: int, rank: int = 0) -> torch.Tensor:
     """The CPU RNG state a rank would have right after ``reseed(seed, step, rank)``."""
+    import torch
+
     return torch.Generator().manual_seed(elastic_seed(seed, step, rank)).get_state()
 
 

@@ -35,20 +35,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from schemas.errors import CheckpointError
 from ckpt.formats import safe_pickle
+from ckpt.formats.dcp_metadata import read_metadata_as
 from ckpt.formats.torchzip import TorchZip, load_bytes
 
 
 def read_metadata(ckpt_dir: str | os.PathLike[str], data: bytes | None = None) -> Metadata:
-    """``ckpt_dir``'s ``.metadata`` through the allow-list (``data``: its bytes, already read by the caller)."""
-    path = Path(ckpt_dir) / ".metadata"
-    try:
-        data = path.read_bytes() if data is None else data
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; the DCP checkpoint is incomplete, pick another step") from None
-    md = safe_pickle.load(data, safe_pickle.DCP_METADATA, where=str(path))
-    if not isinstance(md, Metadata):
-        raise CheckpointError(f"{path}: holds {type(md).__name__}, not DCP Metadata; the checkpoint is corrupted, pick another step")
-    return md
+    """``ckpt_dir``'s ``.metadata`` through the allow-list, as DCP's own classes (``data``: its bytes, already read by
+    the caller). The quick check reads it without torch: ``ckpt.formats.dcp_metadata.read_layout``."""
+    return read_metadata_as(Path(ckpt_dir), data, safe_pickle.DCP_METADATA, Metadata)
 
 
 def plain_name(name: Any, where: Path) -> str:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from ckpt import fingerprint as fp, lineage
-from ckpt.formats.dcp import DCPTensorReader, read_metadata
+from ckpt import lineage
+from ckpt.formats import safe_pickle
+from ckpt.formats.dcp_metadata import read_layout
 from ckpt.layout import RunDir
 from ckpt.registry import register
 from ckpt.state import MOMENTS
@@ -21,6 +23,9 @@ from schemas import MANIFEST_NAME, CheckpointManifest, Fingerprint
 from schemas.errors import CheckpointError
 
 DCP_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+# torch and DCP are imported where tensors are read, not with the registry: the quick check reads .metadata into
+# stand-ins of DCP's classes (ckpt.formats.dcp_metadata), so `status`, a quick `validate` and the launcher's checks
+# import no torch
 
 
 def check_layout(ckpt_dir: Path, manifest: CheckpointManifest, inputs: Mapping[str, bytes] | None = None) -> list[str]:
@@ -31,7 +36,7 @@ def check_layout(ckpt_dir: Path, manifest: CheckpointManifest, inputs: Mapping[s
     if ".metadata" not in listed:
         return [f"{ckpt_dir / MANIFEST_NAME}: does not list .metadata; the DCP checkpoint is incomplete"]
     try:
-        md = read_metadata(ckpt_dir, (inputs or {}).get(".metadata"))
+        md = read_layout(ckpt_dir, (inputs or {}).get(".metadata"))
     except CheckpointError as e:
         return [str(e)]
     referenced = {".metadata"} | {info.relative_path for info in md.storage_data.values()}
@@ -53,14 +58,14 @@ def check_layout(ckpt_dir: Path, manifest: CheckpointManifest, inputs: Mapping[s
     return check_ranks(ckpt_dir, manifest, ranks, required)
 
 
-def check_inventory(ckpt_dir: Path, manifest: CheckpointManifest, md) -> list[str]:
+def check_inventory(ckpt_dir: Path, manifest: CheckpointManifest, md: Any) -> list[str]:
     """The tensors the manifest recorded at save are those ``.metadata`` describes (names, shapes, dtypes):
     a manifest of another architecture beside these files, or files of another model, disagree here."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+    tensor_class = safe_pickle.LAYOUT_RECORDS["TensorStorageMetadata"]
     for t in manifest.tensors:
         meta = md.state_dict_metadata.get(t.name)
-        if not isinstance(meta, TensorStorageMetadata):
+        if type(meta) is not tensor_class or type(getattr(meta, "size", None)) is not tuple or \
+                type(getattr(meta, "properties", None)) is not safe_pickle.LAYOUT_RECORDS["TensorProperties"]:
             return [f"{ckpt_dir / '.metadata'}: holds no tensor {t.name} that the manifest records; the files are "
                     "of another model or run, pick another step"]
         shape, dtype = list(meta.size), str(meta.properties.dtype).removeprefix("torch.")
@@ -72,6 +77,8 @@ def check_inventory(ckpt_dir: Path, manifest: CheckpointManifest, md) -> list[st
 
 def check_counters(ckpt_dir: Path, manifest: CheckpointManifest) -> None:
     """Deep, DCP: the stored trainer counters are the manifest's."""
+    from ckpt.formats.dcp import DCPTensorReader
+
     with DCPTensorReader(ckpt_dir) as reader:
         keys = set(reader.tensor_keys())
         for key in ("step", "tokens", "samples"):
@@ -86,6 +93,9 @@ def check_counters(ckpt_dir: Path, manifest: CheckpointManifest) -> None:
 
 def recompute_fingerprint(ckpt_dir: Path, manifest: CheckpointManifest) -> Fingerprint:
     """Fingerprint of the state as stored on disk, one tensor at a time (stored counters checked first)."""
+    from ckpt import fingerprint as fp
+    from ckpt.formats.dcp import DCPTensorReader
+
     check_counters(ckpt_dir, manifest)
     with DCPTensorReader(ckpt_dir) as reader:
         keys = set(reader.tensor_keys())

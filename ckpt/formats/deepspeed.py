@@ -35,15 +35,13 @@ import xxhash
 from ckpt.state import MOMENTS
 from schemas.errors import CheckpointError
 from ckpt.formats.safe_pickle import DEEPSPEED_RECORDS, TENSOR_RECORD, Opaque, StoredTensor
+from ckpt.formats.deepspeed_state import STATE_FILE, UNIVERSAL_DIR, read_state  # noqa: F401  (this format's names, here too)
 from ckpt.formats.direct_io import write_direct
 from ckpt.formats.torchzip import TorchZip, load_file
 
 log = logging.getLogger(__name__)
 
 STATE_KEYS = ("fp32", *MOMENTS)
-# shardkeeper's files beside DeepSpeed's own in a ``step-XXXXXXXX/`` directory of the deepspeed format
-STATE_FILE = "shardkeeper_state.json"  # counters, schedule position, ZeRO stage, layout ("zero" | "universal")
-UNIVERSAL_DIR = "universal"  # DeepSpeed universal layout, committed with its own manifest.json
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
@@ -59,20 +57,6 @@ def read_rng(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: not an RNG state file (a dict of uint8 tensors with 'cpu'); "
                               "the checkpoint is corrupted, pick another step")
     return rng
-
-
-def read_state(ckpt_dir: Path) -> dict[str, Any]:
-    """The shardkeeper_state.json of a deepspeed-format checkpoint."""
-    path = ckpt_dir / STATE_FILE
-    try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; not a shardkeeper deepspeed checkpoint, pick another step") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: unreadable JSON ({e}); the checkpoint is corrupted, pick another step") from None
-    if not isinstance(state, dict) or state.get("layout") not in ("zero", "universal"):
-        raise CheckpointError(f"{path}: no valid 'layout' field; the checkpoint is corrupted, pick another step")
-    return state
 
 
 class HashingFile(io.RawIOBase):

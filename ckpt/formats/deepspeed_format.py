@@ -11,8 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from ckpt.formats.deepspeed import STATE_FILE, UNIVERSAL_DIR, read_state
-from ckpt.formats.torchzip import check_file
+from ckpt.formats.deepspeed_state import STATE_FILE, UNIVERSAL_DIR, read_state
 from ckpt.registry import register
 from ckpt.state import MOMENTS
 from ckpt.validate import RANK_RE, check_ranks
@@ -59,6 +58,8 @@ def check_layout(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
 def check_pickles(ckpt_dir: Path, manifest: CheckpointManifest) -> None:
     """Parse every torch.save file of a deepspeed checkpoint with the allow-list (rng files and the files
     only DeepSpeed's own loaders read included); CheckpointError naming the first refused file."""
+    from ckpt.formats.torchzip import check_file
+
     for entry in manifest.files:
         if entry.path.endswith(".pt"):
             check_file(ckpt_dir / entry.path)

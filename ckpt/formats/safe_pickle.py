@@ -35,7 +35,9 @@ backward hooks / metadata (so no hook callable and no tensor-metadata setter is 
 ``torch.Tensor`` (admitted as a value, never called), plain attribute values. The
 admitted classes (DCP's metadata dataclasses, DeepSpeed's LossScaler/fragment_address) are only
 created empty by NEWOBJ and filled by BUILD with plain fields (TensorProperties decodes its tuple with
-its own ``__setstate__``). Never admitted: ``_rebuild_parameter`` (hooks), ``copyreg``, ``functools``,
+its own ``__setstate__``). ``DCP_LAYOUT`` admits the same pairs as ``DCP_METADATA`` but maps them to inert
+stand-ins defined here (``LayoutRecord`` classes, dtype names, ``torch.Size`` as a tuple of ints): the quick
+check reads a checkpoint's layout without importing torch. Never admitted: ``_rebuild_parameter`` (hooks), ``copyreg``, ``functools``,
 ``builtins.getattr``/``eval``/``exec``/``__import__``/``bytes``/``bytearray`` (``bytes(10**12)``), ...
 
 Cost: the Python unpickler is ~5-10x slower than the C one (a 3 MB DCP metadata, ~20k chunks: ~2 s
@@ -68,14 +70,18 @@ import io
 import math
 import pickle
 import struct
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from schemas.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported when a pickle names one of its objects or holds a tensor, never with this module: the
+# quick check of a DCP checkpoint (DCP_LAYOUT) runs without it
 
 MAX_PICKLE_BYTES = 1 << 30  # a DCP .metadata of a very large run is ~100 MB; anything over 1 GiB is refused
 MAX_MARK_DEPTH = 64  # nested MARKs (tuples/lists built item by item); real files use < 10
@@ -105,12 +111,11 @@ class StorageType:
     dtype: torch.dtype
 
 
-STORAGE_TYPES: dict[str, torch.dtype] = {  # torch.storage._dtype_to_storage_type_map, the names torch.save writes
-    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+STORAGE_TYPES: dict[str, str] = {  # torch.storage._dtype_to_storage_type_map, the names torch.save writes: dtype names
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
 }
-_STORAGE_TOKENS = {name: StorageType(name, dtype) for name, dtype in STORAGE_TYPES.items()}
 _DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
                 "complex64", "complex128")
 
@@ -165,6 +170,8 @@ def rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, re
     if type(requires_grad) is not bool or type(storage_offset) is not int or storage_offset < 0:
         raise pickle.UnpicklingError("tensor record with a bad offset or requires_grad")
     shape, strides = _ints(size, "size"), _ints(stride, "stride")
+    import torch
+
     numel = storage.numel if isinstance(storage, StorageRef) else storage.numel() if isinstance(storage, torch.Tensor) else None
     if numel is None:
         raise pickle.UnpicklingError("tensor record without a storage")
@@ -182,6 +189,8 @@ def rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     """What ``torch._tensor._rebuild_from_type_v2`` unpickles to (ZeRO-3 saves its flat partitions so,
     with a ``ds_id`` attribute): only our tensor rebuild, only plain ``torch.Tensor``, and attributes that
     are plain values under names torch.Tensor does not have (``data``/``grad`` cannot be replaced)."""
+    import torch
+
     if func is not rebuild_tensor or new_type is not torch.Tensor or type(args) is not tuple:
         raise pickle.UnpicklingError("tensor subclass record other than a plain tensor")
     if state is not None and (type(state) is not dict or not all(
@@ -233,6 +242,93 @@ class _Checked(_Lazy):
 
 
 @dataclass(frozen=True)
+class _StorageToken(_Lazy):
+    """A storage class name (``torch.FloatStorage``): a StorageType with its torch dtype, made when a pickle names it."""
+
+    def resolve(self) -> Any:
+        import torch
+
+        return StorageType(self.name, getattr(torch, STORAGE_TYPES[self.name]))
+
+
+# ------------------------------------------------------------------------------------ DCP's metadata, without torch
+class LayoutRecord:
+    """Stand-in for one of DCP's metadata dataclasses when only the checkpoint's layout is checked (DCP_LAYOUT:
+    which files, which tensors of which shapes and dtypes): created empty by NEWOBJ and filled by BUILD with plain
+    fields, like the real ones, but no code of torch runs and torch is not imported (a quick ``validate`` or
+    ``status`` costs no torch import). Names and fields are DCP's; a field the pickle does not set is missing."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r:.40}' for k, v in vars(self).items())})"
+
+
+def _record(name: str, **attrs: Any) -> type[LayoutRecord]:
+    return type(name, (LayoutRecord,), {"__module__": __name__, **attrs})
+
+
+def _index_key(self: Any) -> tuple[Any, Any]:
+    return (self.__dict__.get("fqn"), self.offset)
+
+
+@dataclass(frozen=True)
+class LayoutMemoryFormat:
+    """A member of DCP's ``_MEM_FORMAT_ENCODING``: 0 contiguous, 1 channels last, 2 preserve."""
+
+    value: int
+
+
+def _properties_setstate(self: Any, state: Any) -> None:
+    """TensorProperties.__setstate__: (dtype, layout, requires_grad, memory format encoding, pin_memory); the
+    encoding must be a member of the enumeration, as DCP's own decoding requires."""
+    (self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory) = state
+    if type(self.memory_format) is not LayoutMemoryFormat:
+        raise pickle.UnpicklingError(f"Invalid torch.memory_format encoding: {self.memory_format!r:.40}")
+
+
+@dataclass(frozen=True)
+class LayoutDType:
+    """A torch dtype named by DCP's metadata, as its name (``str()`` is torch's: ``torch.float32``)."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+
+def _layout_size(*args: Any) -> tuple[int, ...]:
+    """``torch.Size(sizes)``: one list or tuple of ints, as a tuple."""
+    if len(args) != 1 or type(args[0]) not in (list, tuple) or not all(type(v) is int for v in args[0]):
+        raise pickle.UnpicklingError(f"torch.Size called with {[type(a).__name__ for a in args]}")
+    return tuple(args[0])
+
+
+def _layout_mem_format(*args: Any) -> LayoutMemoryFormat:
+    """``_MEM_FORMAT_ENCODING(value)``: one of its three members, or refused (as the Enum refuses another value)."""
+    if len(args) != 1 or type(args[0]) is not int or args[0] not in (0, 1, 2):
+        raise pickle.UnpicklingError(f"_MEM_FORMAT_ENCODING called with {args!r:.80}")
+    return LayoutMemoryFormat(args[0])
+
+
+def _layout_name(*args: Any) -> str:
+    """``torch.serialization._get_layout(name)``: the layout's name (``torch.strided``)."""
+    if len(args) != 1 or type(args[0]) is not str or len(args[0]) > 64:
+        raise pickle.UnpicklingError("_get_layout called with other than one short name")
+    return args[0]
+
+
+LAYOUT_RECORDS: dict[str, type[LayoutRecord]] = {  # with the class-level defaults of DCP's fields (None)
+    **{n: _record(n) for n in ("TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata")},
+    "Metadata": _record("Metadata", planner_data=None, storage_data=None, storage_meta=None, version=None),
+    "StorageMeta": _record("StorageMeta", checkpoint_id=None, save_id=None, load_id=None),
+    "_StorageInfo": _record("_StorageInfo", transform_descriptors=None),
+    # a frozen dataclass in DCP: equal and hashed by (fqn, offset), never by its index hint
+    "MetadataIndex": _record("MetadataIndex", offset=None, index=None, __hash__=lambda self: hash(_index_key(self)),
+                             __eq__=lambda self, other: type(other) is type(self) and _index_key(other) == _index_key(self)),
+    "TensorProperties": _record("TensorProperties", __setstate__=_properties_setstate),
+}
+
+
+@dataclass(frozen=True)
 class Profile:
     """A named allow-list: exact (module, name) pairs and what each unpickles to; which of them
     REDUCE may call, which NEWOBJ may instantiate (and BUILD fill), and whether storages may appear."""
@@ -260,33 +356,46 @@ _MD = "torch.distributed.checkpoint.metadata"
 _TENSORS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor,
     ("collections", "OrderedDict"): OrderedDict,
-    **{("torch", n): token for n, token in _STORAGE_TOKENS.items()},
+    **{("torch", n): _StorageToken("torch", n) for n in STORAGE_TYPES},
 }
 _DS_NAMES = {("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
              ("deepspeed.utils.tensor_fragment", "fragment_address")}
 _ZERO_STAGE = ("deepspeed.runtime.zero.config", "ZeroStageEnum")
-_CONTAINERS = {("torch", "Size"): torch.Size, ("builtins", "set"): set, ("builtins", "frozenset"): frozenset,
-               ("torch._tensor", "_rebuild_from_type_v2"): rebuild_from_type, ("torch", "Tensor"): torch.Tensor}
+_CONTAINERS = {("torch", "Size"): _Lazy("torch", "Size"), ("builtins", "set"): set, ("builtins", "frozenset"): frozenset,
+               ("torch._tensor", "_rebuild_from_type_v2"): rebuild_from_type, ("torch", "Tensor"): _Lazy("torch", "Tensor")}
+_MD_CLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+               "MetadataIndex", "StorageMeta")
+_STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+_MD_CALLABLES = {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict"),
+                 ("torch", "Size"), (_MD, "_MEM_FORMAT_ENCODING")}
 
-DCP_METADATA = _profile(
+DCP_METADATA = _profile(  # what DCP's load plans from: its real classes
     "DCP metadata",
     {
-        **{(_MD, n): _Lazy(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                                            "TensorProperties", "MetadataIndex", "StorageMeta")},
+        **{(_MD, n): _Lazy(_MD, n) for n in _MD_CLASSES},
         (_MD, "_MEM_FORMAT_ENCODING"): _Checked(_MD, "_MEM_FORMAT_ENCODING"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _Lazy("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        _STORAGE_INFO: _Lazy(*_STORAGE_INFO),
         ("torch.serialization", "_get_layout"): _Checked("torch.serialization", "_get_layout", _strs_only),
         ("pathlib", "PosixPath"): _Checked("pathlib", "PosixPath", _strs_only),  # StorageMeta.checkpoint_id
         ("collections", "OrderedDict"): OrderedDict,
-        ("torch", "Size"): torch.Size,
-        **{("torch", n): getattr(torch, n) for n in _DTYPE_NAMES},
+        ("torch", "Size"): _Lazy("torch", "Size"),
+        **{("torch", n): _Lazy("torch", n) for n in _DTYPE_NAMES},
     },
-    callables={("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict"),
-               ("torch", "Size"), (_MD, "_MEM_FORMAT_ENCODING")},
-    classes={(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                                "TensorProperties", "MetadataIndex", "StorageMeta")}
-    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")},
-    storages=False,
+    callables=_MD_CALLABLES, classes={(_MD, n) for n in _MD_CLASSES} | {_STORAGE_INFO}, storages=False,
+)
+DCP_LAYOUT = _profile(  # the same pairs as inert stand-ins (LayoutRecord): the quick check, without torch
+    "DCP metadata",
+    {
+        **{(_MD, n): LAYOUT_RECORDS[n] for n in _MD_CLASSES},
+        (_MD, "_MEM_FORMAT_ENCODING"): _layout_mem_format,
+        _STORAGE_INFO: LAYOUT_RECORDS["_StorageInfo"],
+        ("torch.serialization", "_get_layout"): _layout_name,
+        ("pathlib", "PosixPath"): _Checked("pathlib", "PosixPath", _strs_only),
+        ("collections", "OrderedDict"): OrderedDict,
+        ("torch", "Size"): _layout_size,
+        **{("torch", n): LayoutDType(n) for n in _DTYPE_NAMES},
+    },
+    callables=_MD_CALLABLES, classes={(_MD, n) for n in _MD_CLASSES} | {_STORAGE_INFO}, storages=False,
 )
 TENSOR_RECORD = _profile(
     "tensor record", _TENSORS, callables={("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")},
@@ -299,7 +408,7 @@ DEEPSPEED_RECORDS = _profile(  # the layout of DeepSpeed's files: value classes 
 DEEPSPEED_STATE = _profile(  # what DeepSpeed's engine loads: its real value classes, same pairs
     "DeepSpeed state", {**_TENSORS, **_CONTAINERS, **{p: _Lazy(*p) for p in _DS_NAMES}, _ZERO_STAGE: _Checked(*_ZERO_STAGE)},
     callables=_DS_CALLABLES, classes=_DS_NAMES, storages=True)
-PROFILES = (DCP_METADATA, TENSOR_RECORD, DEEPSPEED_RECORDS, DEEPSPEED_STATE)
+PROFILES = (DCP_METADATA, DCP_LAYOUT, TENSOR_RECORD, DEEPSPEED_RECORDS, DEEPSPEED_STATE)
 ALLOWED: frozenset[tuple[str, str]] = frozenset().union(*(p.pairs for p in PROFILES))
 
 
@@ -512,7 +621,8 @@ def _kind(t: type) -> int:
         return _MAPPING
     if issubclass(t, (list, tuple, set, frozenset)):  # torch.Size is a tuple
         return _ITEMS
-    if issubclass(t, (type, torch.Tensor)) or "__dict__" not in dir(t):
+    torch = sys.modules.get("torch")  # not imported: no tensor can be in the result
+    if issubclass(t, type) or (torch is not None and issubclass(t, torch.Tensor)) or "__dict__" not in dir(t):
         return _NONE
     return _ATTRS
 
@@ -595,6 +705,6 @@ def admitted(profile: Profile) -> list[str]:
     return sorted(f"{m}.{n}" for m, n in profile.pairs)
 
 
-__all__ = ["ALLOWED", "DCP_METADATA", "DEEPSPEED_RECORDS", "DEEPSPEED_STATE", "MAX_PICKLE_BYTES", "Opaque", "PROFILES",
-           "Profile", "SafeUnpickler", "StorageRef", "StorageType", "StoredTensor", "TENSOR_RECORD", "admitted", "load",
+__all__ = ["ALLOWED", "DCP_LAYOUT", "DCP_METADATA", "DEEPSPEED_RECORDS", "DEEPSPEED_STATE", "MAX_PICKLE_BYTES", "Opaque", "PROFILES",
+           "LAYOUT_RECORDS", "LayoutDType", "LayoutRecord", "Profile", "SafeUnpickler", "StorageRef", "StorageType", "StoredTensor", "TENSOR_RECORD", "admitted", "load",
            "rebuild_tensor"]

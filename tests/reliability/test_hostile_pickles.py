@@ -263,6 +263,37 @@ def test_genuine_checkpoints_still_read(dcp_ckpt: Path, ds_ckpt: Path, tmp_path:
     assert main(["validate", "--deep", str(victim(ds_ckpt, tmp_path / "ds"))]) == 0
 
 
+def test_the_quick_check_reads_the_same_layout_without_torch(dcp_ckpt: Path, ds_ckpt: Path) -> None:
+    """``status`` and a quick ``validate`` read .metadata into stand-ins of DCP's classes (DCP_LAYOUT): the files,
+    offsets, shapes and dtypes they see are those of DCP's own classes, and the process never imports torch."""
+    import subprocess
+    import sys
+
+    from ckpt.formats.dcp import read_metadata
+    from ckpt.formats.dcp_metadata import read_layout
+
+    real, stand_in = read_metadata(dcp_ckpt), read_layout(dcp_ckpt)
+
+    def storage(md: object) -> list:
+        return sorted((i.fqn, None if i.offset is None else tuple(i.offset), s.relative_path, s.offset, s.length)
+                      for i, s in md.storage_data.items())  # type: ignore[attr-defined]
+
+    def tensors(md: object) -> dict:
+        return {k: (type(v).__name__, tuple(getattr(v, "size", ())), str(getattr(getattr(v, "properties", None),
+                                                                                "dtype", None)))
+                for k, v in md.state_dict_metadata.items()}  # type: ignore[attr-defined]
+
+    assert storage(stand_in) == storage(real) and len(storage(real)) > 10
+    assert tensors(stand_in) == tensors(real) and "torch.float32" in str(tensors(real))
+    probe = ("import sys\nfrom shardkeeper.cli import main\n"
+             f"codes = [main(['status', {str(dcp_ckpt.parent.parent)!r}]), main(['validate', {str(dcp_ckpt)!r}]), "
+             f"main(['validate', {str(ds_ckpt)!r}])]\n"
+             "print(codes, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip().splitlines()[-1] == "[0, 0, 0] []", out.stdout[-2000:] + out.stderr[-2000:]
+
+
 def _same(a: object, b: object, where: str) -> None:
     assert type(a) is type(b), where
     if isinstance(a, torch.Tensor):
