@@ -154,17 +154,25 @@ class OutputSplitter:
     """Splits the ranks' and torchrun's output: rank lines go to the sink at once; torchrun's own closing
     lines (from its first log line or traceback on) are held back until the outcome is known, since a
     ChildFailedError summary is noise when the segment was preempted or cancelled. Keeps the last lines
-    for the failure report."""
+    for the failure report (``lines``), and the first rank's own failure line however much followed it."""
 
     def __init__(self, sink: LogSink, keep: int = 60):
         self.sink = sink
         self.tail: collections.deque[str] = collections.deque(maxlen=keep)
         self.held: list[str] = []
         self._holding = False
+        self.reported: str | None = None
+
+    def lines(self) -> list[str]:
+        """The last lines, led by the first rank's failure line when it has left them."""
+        kept = list(self.tail)
+        return kept if self.reported is None or self.reported in kept else [self.reported, *kept]
 
     def feed(self, line: str) -> None:
         line = line.rstrip("\n")
         self.tail.append(line)
+        if self.reported is None and RANK_ERROR_PREFIX in line:
+            self.reported = line
         if self._hold(line):
             self.held.append(line)
         else:

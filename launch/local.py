@@ -246,7 +246,7 @@ class LocalTorchrun:
             for reader in readers:
                 reader.join(timeout=10)
         return LaunchOutcome(exit_code=combined_exit_code(codes), timed_out=sup.stop_reason == "timeout",
-                             tail=list(sup.out.tail), seconds=time.monotonic() - t0, cancelled=cancelled,
+                             tail=sup.out.lines(), seconds=time.monotonic() - t0, cancelled=cancelled,
                              stop_signal=sup.signal, held_back=list(sup.out.held))
 
     def _supervise(self, sup: _Supervisor, req: LaunchRequest, t0: float) -> bool:

@@ -425,7 +425,7 @@ class _JobWatch:
             code = job.exit_code
         elif job is not None and job.exit_signal:
             code = 128 + job.exit_signal
-        tail = list(self.out.tail)
+        tail = self.out.lines()
         if state == "OUT_OF_MEMORY":
             tail.append(f"Slurm killed job {self.job_id} for exceeding its memory: ask for more memory per node "
                         "(--set or the partition's defaults) or use more nodes")

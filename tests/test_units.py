@@ -519,3 +519,23 @@ def test_lease_document_types_checked() -> None:
     assert view(here, gone.pid).holder_dead()
     assert not view(here, os.getpid()).holder_dead() and not view(here, 1).holder_dead()
     assert not view(here + "-other", gone.pid).holder_dead() and not view(here, "?").holder_dead()
+
+
+def test_the_first_rank_failure_line_outlives_the_output_window() -> None:
+    """A rank's one-line failure stays in what the launcher reads however many lines follow it (a script's atexit
+    handlers printing a summary): the segment is reported failed with that line, not completed."""
+    from launch.base import OutputSplitter, failing_rank_lines
+    from schemas.seam import RANK_ERROR_PREFIX
+
+    out = OutputSplitter(lambda line: None, keep=5)
+    out.feed("2026-01-01 00:00:00,000 [rank0] shardkeeper.trainer: step 4/4")
+    out.feed(f"{RANK_ERROR_PREFIX} rank 1: ValueError: boom after the loop\n")
+    out.feed(f"{RANK_ERROR_PREFIX} rank 0: a later consequence")
+    for i in range(20):
+        out.feed(f"tracker: summary line {i}")
+    lines = out.lines()
+    assert len(lines) == 6 and lines[1:] == [f"tracker: summary line {i}" for i in range(15, 20)]
+    assert failing_rank_lines(lines) == "rank 1: ValueError: boom after the loop"
+    quiet = OutputSplitter(lambda line: None, keep=5)
+    quiet.feed(f"{RANK_ERROR_PREFIX} rank 0: failed")
+    assert quiet.lines() == [f"{RANK_ERROR_PREFIX} rank 0: failed"]

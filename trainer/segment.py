@@ -146,21 +146,37 @@ def _report_failure(cause: str, code: int) -> None:
     """The last line this rank writes: the launcher shows the first such line as the segment's failure."""
     rank = os.environ.get("RANK", "0")
     sys.stderr.flush()
-    print(f"{RANK_ERROR_PREFIX} rank {rank}: {cause}", file=sys.stderr, flush=True)
+    _REPORT[0] = f"{RANK_ERROR_PREFIX} rank {rank}: {cause}"
+    print(_REPORT[0], file=sys.stderr, flush=True)
     log.debug("rank %s exits with code %d", rank, code)
 
 
 _SCRIPT = [False]  # this rank ran a user's script
+_REPORT: list[str | None] = [None]  # the failure line this rank reported
 
 
 SCRIPT_ATEXIT_S = 10.0  # how long a script's atexit handlers may take before its rank exits regardless
 
 
 def _exit_now(code: int) -> None:
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """Flush what can be flushed (a stream an atexit handler closed cannot), then exit with ``code``, always."""
+    try:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            try:
+                stream.flush()  # type: ignore[union-attr]
+            except (OSError, ValueError, AttributeError):
+                pass
+    finally:
+        os._exit(code)
+
+
+def _write_stderr(line: str) -> None:
+    """One line straight to file descriptor 2 (sys.stderr may be closed, or its lock held by a stuck thread)."""
+    try:
+        os.write(2, f"{line}\n".encode(errors="replace"))
+    except OSError:
+        pass
 
 
 def _exit_without_teardown(code: int) -> None:
@@ -179,20 +195,36 @@ def _exit_script(code: int) -> None:
     """A script's rank ends when its segment has. Its atexit handlers run, as at any Python exit (a temporary
     directory removed, a tracker's run closed), but a thread or child process the script left behind (a non-daemon
     logger, a forked helper) must not keep the rank, and so torchrun and the launcher, waiting forever: its
-    non-daemon threads are not joined, and handlers still running after ``SCRIPT_ATEXIT_S`` are abandoned."""
+    non-daemon threads are not joined, and handlers still running after ``SCRIPT_ATEXIT_S`` are abandoned.
+    The rank's failure line is written again after them, so it stays the last line the launcher reads."""
     import atexit
+    import faulthandler
     import threading
     import time
 
-    def give_up() -> None:
+    def give_up() -> None:  # no logging, no flush: a stuck handler may hold their locks
         time.sleep(SCRIPT_ATEXIT_S)
-        log.warning("the script's atexit handlers did not finish within %.0f s; the rank exits without them",
-                    SCRIPT_ATEXIT_S)
-        _exit_now(code)
+        now = time.time()  # a line in the format of the rank's log (_setup_logging), which the launcher shows
+        _write_stderr(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))},{int(now % 1 * 1000):03d} "
+                      f"[rank{os.environ.get('RANK', '0')}] {log.name}: the script's atexit handlers did not finish "
+                      f"within {SCRIPT_ATEXIT_S:.0f} s; the rank exits without them")
+        if _REPORT[0]:
+            _write_stderr(_REPORT[0])
+        os._exit(code)
 
     threading.Thread(target=give_up, name="shardkeeper-exit", daemon=True).start()
-    atexit._run_exitfuncs()
-    _exit_now(code)
+    faulthandler.dump_traceback_later(SCRIPT_ATEXIT_S + 5, exit=True)  # a handler stuck in C code, holding the GIL
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):  # what the handlers printed comes before the line below
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        if _REPORT[0]:
+            _write_stderr(_REPORT[0])
+        _exit_now(code)
 
 
 if __name__ == "__main__":

@@ -37,15 +37,18 @@ def check_layout(ckpt_dir: Path, manifest: CheckpointManifest, inputs: Mapping[s
         return [f"{ckpt_dir / MANIFEST_NAME}: does not list .metadata; the DCP checkpoint is incomplete"]
     try:
         md = read_layout(ckpt_dir, (inputs or {}).get(".metadata"))
+        referenced = {".metadata"} | {info.relative_path for info in md.storage_data.values()}
+        inventory = check_inventory(ckpt_dir, manifest, md) if referenced == listed else []
     except CheckpointError as e:
         return [str(e)]
-    referenced = {".metadata"} | {info.relative_path for info in md.storage_data.values()}
+    except (AttributeError, TypeError, ValueError, KeyError, RecursionError) as e:  # a record missing a field, ...
+        return [f"{ckpt_dir / '.metadata'}: not the structure DCP writes ({type(e).__name__}); the checkpoint is "
+                "corrupted or crafted, pick another step"]
     if referenced != listed:
         diff = sorted(referenced ^ listed)[0]
         side = "referenced by .metadata but not listed in the manifest" if diff in referenced else \
             "listed in the manifest but not referenced by .metadata"
         return [f"{ckpt_dir / diff}: {side}; the manifest does not describe this DCP checkpoint, pick another step"]
-    inventory = check_inventory(ckpt_dir, manifest, md)
     if inventory:
         return inventory
     ranks = {e.path: int(m.group(1)) for e in manifest.files if (m := DCP_FILE_RE.match(e.path))}
@@ -64,8 +67,10 @@ def check_inventory(ckpt_dir: Path, manifest: CheckpointManifest, md: Any) -> li
     tensor_class = safe_pickle.LAYOUT_RECORDS["TensorStorageMetadata"]
     for t in manifest.tensors:
         meta = md.state_dict_metadata.get(t.name)
-        if type(meta) is not tensor_class or type(getattr(meta, "size", None)) is not tuple or \
-                type(getattr(meta, "properties", None)) is not safe_pickle.LAYOUT_RECORDS["TensorProperties"]:
+        properties = getattr(meta, "properties", None)
+        if type(meta) is not tensor_class or type(getattr(meta, "size", None)) is not tuple or type(properties) is not \
+                safe_pickle.LAYOUT_RECORDS["TensorProperties"] or type(getattr(properties, "dtype", None)) is not \
+                safe_pickle.LayoutDType:
             return [f"{ckpt_dir / '.metadata'}: holds no tensor {t.name} that the manifest records; the files are "
                     "of another model or run, pick another step"]
         shape, dtype = list(meta.size), str(meta.properties.dtype).removeprefix("torch.")

@@ -258,8 +258,8 @@ class LayoutRecord:
     fields, like the real ones, but no code of torch runs and torch is not imported (a quick ``validate`` or
     ``status`` costs no torch import). Names and fields are DCP's; a field the pickle does not set is missing."""
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r:.40}' for k, v in vars(self).items())})"
+    def __repr__(self) -> str:  # field names and their types only: a value could be a crafted structure
+        return f"{type(self).__name__}({', '.join(f'{k}: {type(v).__name__}' for k, v in vars(self).items())})"
 
 
 def _record(name: str, **attrs: Any) -> type[LayoutRecord]:
@@ -267,7 +267,7 @@ def _record(name: str, **attrs: Any) -> type[LayoutRecord]:
 
 
 def _index_key(self: Any) -> tuple[Any, Any]:
-    return (self.__dict__.get("fqn"), self.offset)
+    return (self.fqn, self.offset)  # no fqn: AttributeError, as DCP's own class raises
 
 
 @dataclass(frozen=True)
@@ -280,9 +280,10 @@ class LayoutMemoryFormat:
 def _properties_setstate(self: Any, state: Any) -> None:
     """TensorProperties.__setstate__: (dtype, layout, requires_grad, memory format encoding, pin_memory); the
     encoding must be a member of the enumeration, as DCP's own decoding requires."""
+    if type(state) is not tuple or len(state) != 5 or type(state[3]) is not LayoutMemoryFormat:
+        raise pickle.UnpicklingError("TensorProperties state is not (dtype, layout, requires_grad, memory format, "
+                                     "pin_memory) with a member of _MEM_FORMAT_ENCODING")
     (self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory) = state
-    if type(self.memory_format) is not LayoutMemoryFormat:
-        raise pickle.UnpicklingError(f"Invalid torch.memory_format encoding: {self.memory_format!r:.40}")
 
 
 @dataclass(frozen=True)
@@ -305,14 +306,20 @@ def _layout_size(*args: Any) -> tuple[int, ...]:
 def _layout_mem_format(*args: Any) -> LayoutMemoryFormat:
     """``_MEM_FORMAT_ENCODING(value)``: one of its three members, or refused (as the Enum refuses another value)."""
     if len(args) != 1 or type(args[0]) is not int or args[0] not in (0, 1, 2):
-        raise pickle.UnpicklingError(f"_MEM_FORMAT_ENCODING called with {args!r:.80}")
+        raise pickle.UnpicklingError(f"_MEM_FORMAT_ENCODING called with {[type(a).__name__ for a in args]}")
     return LayoutMemoryFormat(args[0])
 
 
+# torch's layouts, as torch.serialization._get_layout knows them (tests compare the two)
+LAYOUT_NAMES = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc", "torch.sparse_bsr",
+                          "torch.sparse_bsc", "torch._mkldnn", "torch.jagged"})
+
+
 def _layout_name(*args: Any) -> str:
-    """``torch.serialization._get_layout(name)``: the layout's name (``torch.strided``)."""
-    if len(args) != 1 or type(args[0]) is not str or len(args[0]) > 64:
-        raise pickle.UnpicklingError("_get_layout called with other than one short name")
+    """``torch.serialization._get_layout(name)``: the layout's name (``torch.strided``); another name is refused,
+    as torch's lookup refuses it."""
+    if len(args) != 1 or type(args[0]) is not str or args[0] not in LAYOUT_NAMES:
+        raise pickle.UnpicklingError("_get_layout called with other than the name of one of torch's layouts")
     return args[0]
 
 
@@ -474,6 +481,8 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
         func = stack[-1]
         if id(func) not in self._callables or type(args) is not tuple:
             raise pickle.UnpicklingError(f"REDUCE of a {type(func).__name__} is not allowed")
+        if func in (set, frozenset, OrderedDict) and args and type(args[0]) in (list, tuple):
+            _flat_keys([p[0] if func is OrderedDict and type(p) in (list, tuple) and p else p for p in args[0]])
         stack[-1] = func(*args)
 
     def load_newobj(self) -> None:
@@ -504,6 +513,9 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
             state = state[0]
         if type(state) is not dict or not all(type(k) is str and not k.startswith("__") for k in state):
             raise pickle.UnpicklingError(f"BUILD state of a {cls.__name__} is not a dict of field names")
+        # fields only: an instance attribute would shadow a method (an OrderedDict's own ``items``, ``get``)
+        if any(callable(getattr(cls, k, None)) for k in state) or (cls is OrderedDict and set(state) - {"_metadata"}):
+            raise pickle.UnpicklingError(f"BUILD state of a {cls.__name__} names one of its methods")
         inst.__dict__.update(state)
 
     # ---------------------------------------------------------------- containers
@@ -518,17 +530,26 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
     def load_setitem(self) -> None:
         value = self.stack.pop()
         key = self.stack.pop()
-        self._expect(self.stack[-1], (dict, OrderedDict), "SETITEM")[key] = value
+        self._expect(self.stack[-1], (dict, OrderedDict), "SETITEM")[_flat_keys([key])[0]] = value
 
     def load_setitems(self) -> None:
         items = self.pop_mark()
         target = self._expect(self.stack[-1], (dict, OrderedDict), "SETITEMS")
+        _flat_keys(items[0::2])
         for i in range(0, len(items), 2):
             target[items[i]] = items[i + 1]
 
+    def load_dict(self) -> None:
+        items = self.pop_mark()
+        _flat_keys(items[0::2])
+        self.append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
+
+    def load_frozenset(self) -> None:
+        self.append(frozenset(_flat_keys(self.pop_mark())))
+
     def load_additems(self) -> None:
         items = self.pop_mark()
-        self._expect(self.stack[-1], set, "ADDITEMS").update(items)
+        self._expect(self.stack[-1], set, "ADDITEMS").update(_flat_keys(items))
 
     @staticmethod
     def _expect(obj: Any, kinds: type | tuple[type, ...], op: str) -> Any:
@@ -604,6 +625,7 @@ for _op, _fn in ((pickle.REDUCE, SafeUnpickler.load_reduce), (pickle.NEWOBJ, Saf
                  (pickle.APPEND, SafeUnpickler.load_append), (pickle.APPENDS, SafeUnpickler.load_appends),
                  (pickle.SETITEM, SafeUnpickler.load_setitem), (pickle.SETITEMS, SafeUnpickler.load_setitems),
                  (pickle.ADDITEMS, SafeUnpickler.load_additems), (pickle.MARK, SafeUnpickler.load_mark),
+                 (pickle.DICT, SafeUnpickler.load_dict), (pickle.FROZENSET, SafeUnpickler.load_frozenset),
                  (pickle.FRAME, SafeUnpickler.load_frame)):
     _D[_op[0]] = _fn
 for _op, _fn in ((pickle.MEMOIZE, SafeUnpickler.load_memoize), (pickle.PUT, SafeUnpickler.load_put),
@@ -613,6 +635,21 @@ for _op, _fn in ((pickle.MEMOIZE, SafeUnpickler.load_memoize), (pickle.PUT, Safe
 
 _LEAVES = frozenset({int, float, str, bytes, bool, type(None), complex})
 _ITEMS, _MAPPING, _ATTRS, _NONE = 1, 2, 3, 0
+
+
+def _flat(value: Any) -> bool:
+    return type(value) in _LEAVES or (isinstance(value, tuple) and all(type(v) in _LEAVES for v in value))
+
+
+def _flat_keys(keys: list[Any]) -> list[Any]:
+    """Dict keys and set elements must be flat before anything hashes them: a leaf, a tuple of leaves (a
+    torch.Size), or an instance whose fields are such (DCP's MetadataIndex). A nested one could be a DAG of shared
+    sub-tuples -- a few hundred bytes of pickle whose hash takes exponential time."""
+    for key in keys:
+        fields = None if _flat(key) else getattr(key, "__dict__", None)
+        if not _flat(key) and (type(fields) is not dict or not all(_flat(v) for v in fields.values())):
+            raise pickle.UnpicklingError(f"a {type(key).__name__} nested in a dict key or set element")
+    return keys
 
 
 def _kind(t: type) -> int:
@@ -657,7 +694,7 @@ def _check_shape(obj: Any) -> None:
         if kind == _ITEMS:
             children = [v for v in item if type(v) not in leaves]
         elif kind == _MAPPING:
-            children = [v for kv in item.items() for v in kv if type(v) not in leaves]
+            children = [v for kv in dict.items(item) for v in kv if type(v) not in leaves]
             if t is not dict and getattr(item, "__dict__", None):  # an OrderedDict's attributes (state_dict _metadata)
                 children += [v for v in item.__dict__.values() if type(v) not in leaves]
         elif kind == _ATTRS and type(getattr(item, "__dict__", None)) is dict:

@@ -285,10 +285,25 @@ CORPUS: list[Hostile] = [
         lambda s, r: P4 + os_system(s) + POP + _body(r) + STOP),
     _h("payload-in-popped-mark-then-metadata", "the payload inside a MARK that POP_MARK discards")(
         lambda s, r: P4 + MARK + os_system(s) + POP_MARK + _body(r) + STOP),
+    _h("dag-dict-key", "a dict key of 60 levels of (x, x) tuples sharing one memo entry: ~2**60 steps to hash")(
+        lambda s, r: P4 + EMPTY_DICT + _dag(60) + NONE + SETITEM + STOP),
+    _h("dag-frozenset", "FROZENSET of the same 60-level tuple DAG")(lambda s, r: P4 + MARK + _dag(60) + b"\x91" + STOP),
+    _h("ordereddict-build-items", "BUILD on an OrderedDict shadowing its items() (the walk would see nothing)")(
+        lambda s, r: P4 + call(sglob("collections", "OrderedDict")) + EMPTY_DICT + sbu("items") +
+        sglob("collections", "OrderedDict") + SETITEM + BUILD + STOP),
     _h("payload-tuple-getitem-metadata", "(payload, Metadata)[-1] through builtins.getattr")(
         lambda s, r: P4 + call(call(sglob("builtins", "getattr"), MARK + os_system(s) + _body(r) + TUPLE,
                                     sbu("__getitem__")), binint(-1)) + STOP),
 ]
+
+
+def _dag(depth: int) -> bytes:
+    """x0 = (0,); x(i+1) = (x(i), x(i)), each level memoized once: ``depth`` levels in 5 bytes each."""
+    out = binint(0) + TUPLE1 + MEMOIZE
+    for i in range(depth):
+        get = b"h" + bytes([i]) if i < 256 else b"j" + struct.pack("<I", i)
+        out += POP + get + get + TUPLE2 + MEMOIZE  # the level below leaves the stack: only the memo holds it
+    return out
 
 
 def _nested_lists(depth: int) -> bytes:

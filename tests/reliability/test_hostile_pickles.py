@@ -294,6 +294,26 @@ def test_the_quick_check_reads_the_same_layout_without_torch(dcp_ckpt: Path, ds_
     assert out.stdout.strip().splitlines()[-1] == "[0, 0, 0] []", out.stdout[-2000:] + out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("genuine,crafted", [(b"torch.strided", b"torch.strixed"), (b"\x8c\x03fqn", b"\x8c\x03fqm"),
+                                             (b"relative_path", b"relative_pith")],
+                         ids=["unknown-layout", "index-without-fqn", "storage-without-path"])
+def test_the_quick_check_refuses_what_a_load_would(genuine: bytes, crafted: bytes, dcp_ckpt: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """A .metadata DCP's own classes cannot use (an unknown layout name, a chunk index without its tensor name, a
+    storage record without its file) is refused by the stand-ins of the quick check too, in one line."""
+    ckpt = victim(dcp_ckpt, tmp_path)
+    real = (dcp_ckpt / ".metadata").read_bytes()
+    assert genuine in real
+    planted = plant_metadata(ckpt, real.replace(genuine, crafted))
+    refused(capsys, ["validate", str(ckpt)], planted)
+    if genuine != b"relative_path":  # DCP's reader takes a record without its file; the load then fails
+        from ckpt.formats.dcp import read_metadata
+
+        reader_refuses(lambda: read_metadata(ckpt), planted)
+    # the stand-ins know the layouts torch knows (torch.serialization._get_layout's table)
+    assert safe_pickle.LAYOUT_NAMES == {str(v) for v in vars(torch).values() if isinstance(v, torch.layout)}
+
+
 def _same(a: object, b: object, where: str) -> None:
     assert type(a) is type(b), where
     if isinstance(a, torch.Tensor):

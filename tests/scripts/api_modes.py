@@ -15,6 +15,7 @@
 --mode thread      leave a non-daemon thread running and an atexit handler that never returns (the rank must
                    still end; the handlers registered after it still run)
 --atexit-file F    an atexit handler writes F.RANK (a script's handlers run at its rank's exit)
+--atexit-noise     an atexit handler prints 80 lines and closes stdout (the rank's code and failure line survive)
 --workers N        DataLoader worker processes of --loader
 --counter          track a small counter object; with --mode bad-load its load_state_dict raises (a user's bug)
 --sleep S          sleep S seconds per step (to be preempted mid-run)
@@ -38,6 +39,7 @@ p.add_argument("--loader", action="store_true")
 p.add_argument("--workers", type=int, default=0)
 p.add_argument("--counter", action="store_true")
 p.add_argument("--atexit-file", default=None)
+p.add_argument("--atexit-noise", action="store_true")
 a = p.parse_args()
 
 
@@ -50,6 +52,18 @@ if a.mode == "thread":
     atexit.register(time.sleep, 3600)  # runs after the one below (atexit is last in, first out)
 if a.atexit_file:
     atexit.register(Path(f"{a.atexit_file}.{seg.rank}").write_text, "ran")
+
+
+def noise():
+    import sys
+
+    for i in range(80):
+        print(f"tracker: run summary line {i}", file=sys.stderr)
+    sys.stdout.close()
+
+
+if a.atexit_noise:
+    atexit.register(noise)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 fully_shard(model, mesh=seg.mesh)
