@@ -86,15 +86,15 @@ def run(tmp_path: Path) -> Iterator[RunDir]:
 @pytest.fixture()
 def parses(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Every parse of a .metadata (the expensive, allow-list part of a quick validation), by directory."""
-    from ckpt.formats import dcp
+    from ckpt.formats import dcp_metadata
 
     seen: list[Path] = []
-    real = dcp.read_metadata
+    real = dcp_metadata.read_layout
 
     def counting(ckpt_dir: Any, data: bytes | None = None) -> Any:
         seen.append(Path(ckpt_dir))
         return real(ckpt_dir, data)
-    monkeypatch.setattr("ckpt.formats.dcp_format.read_metadata", counting)
+    monkeypatch.setattr("ckpt.formats.dcp_format.read_layout", counting)
     return seen
 
 

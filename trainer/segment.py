@@ -213,8 +213,10 @@ def _exit_script(code: int) -> None:
         os._exit(code)
 
     threading.Thread(target=give_up, name="shardkeeper-exit", daemon=True).start()
-    faulthandler.dump_traceback_later(SCRIPT_ATEXIT_S + 5, exit=True)  # a handler stuck in C code, holding the GIL
     try:
+        # a handler stuck in C code, holding the GIL (give_up cannot run): exit 1 after 5 s more; fd 2, not
+        # sys.stderr, which the script may have replaced or closed
+        faulthandler.dump_traceback_later(SCRIPT_ATEXIT_S + 5, exit=True, file=2)
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):  # what the handlers printed comes before the line below

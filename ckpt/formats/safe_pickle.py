@@ -86,6 +86,8 @@ if TYPE_CHECKING:
 MAX_PICKLE_BYTES = 1 << 30  # a DCP .metadata of a very large run is ~100 MB; anything over 1 GiB is refused
 MAX_MARK_DEPTH = 64  # nested MARKs (tuples/lists built item by item); real files use < 10
 MAX_NESTING = 64  # containers inside containers in the result; real files use < 12
+MAX_TUPLE_NESTING = 16  # tuples inside tuples (real files: 2); a deeper DAG of shared tuples hashes for ever
+MAX_KEY_ITEMS = 64  # elements of a tuple, fields of an object, used as a dict key or set element
 MAX_OBJECTS = 50_000_000  # containers + instances in the result (a 10 MB metadata holds ~2M)
 MAX_MEMO = 50_000_000  # memo entries (each costs ~100 bytes of memory)
 
@@ -442,6 +444,7 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
         self._resolved: dict[tuple[str, str], Any] = {}
         self._callables: set[int] = set()
         self._classes: set[int] = set()
+        self._built: set[int] = set()  # objects BUILD filled: once each (a key must not change after it is hashed)
 
     # ---------------------------------------------------------------- names
     def find_class(self, module: str, name: str) -> Any:
@@ -481,7 +484,9 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
         func = stack[-1]
         if id(func) not in self._callables or type(args) is not tuple:
             raise pickle.UnpicklingError(f"REDUCE of a {type(func).__name__} is not allowed")
-        if func in (set, frozenset, OrderedDict) and args and type(args[0]) in (list, tuple):
+        if func in (set, frozenset, OrderedDict) and args:  # what torch.save writes: one list (or tuple) of items
+            if len(args) != 1 or type(args[0]) not in (list, tuple):
+                raise pickle.UnpicklingError(f"{func.__name__} called with other than one list")
             _flat_keys([p[0] if func is OrderedDict and type(p) in (list, tuple) and p else p for p in args[0]])
         stack[-1] = func(*args)
 
@@ -504,6 +509,9 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
         cls = type(inst)
         if id(cls) not in self._classes and cls is not OrderedDict:  # a state_dict's OrderedDict keeps _metadata
             raise pickle.UnpicklingError(f"BUILD of a {cls.__name__} is not allowed")
+        if id(inst) in self._built:
+            raise pickle.UnpicklingError(f"BUILD of a {cls.__name__} twice")
+        self._built.add(id(inst))
         own = cls.__dict__.get("__setstate__") or next(
             (k.__dict__["__setstate__"] for k in cls.__mro__[1:-1] if "__setstate__" in k.__dict__), None)
         if own is not None:  # the admitted class's own code (TensorProperties decodes its tuple)
@@ -545,7 +553,8 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
         self.append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
 
     def load_frozenset(self) -> None:
-        self.append(frozenset(_flat_keys(self.pop_mark())))
+        items = self.pop_mark()  # before self.append is looked up: pop_mark rebinds it to the outer stack
+        self.append(frozenset(_flat_keys(items)))
 
     def load_additems(self) -> None:
         items = self.pop_mark()
@@ -638,7 +647,8 @@ _ITEMS, _MAPPING, _ATTRS, _NONE = 1, 2, 3, 0
 
 
 def _flat(value: Any) -> bool:
-    return type(value) in _LEAVES or (isinstance(value, tuple) and all(type(v) in _LEAVES for v in value))
+    return type(value) in _LEAVES or (isinstance(value, tuple) and len(value) <= MAX_KEY_ITEMS
+                                      and all(type(v) in _LEAVES for v in value))
 
 
 def _flat_keys(keys: list[Any]) -> list[Any]:
@@ -647,7 +657,8 @@ def _flat_keys(keys: list[Any]) -> list[Any]:
     sub-tuples -- a few hundred bytes of pickle whose hash takes exponential time."""
     for key in keys:
         fields = None if _flat(key) else getattr(key, "__dict__", None)
-        if not _flat(key) and (type(fields) is not dict or not all(_flat(v) for v in fields.values())):
+        if not _flat(key) and (type(fields) is not dict or len(fields) > MAX_KEY_ITEMS
+                               or not all(_flat(v) for v in fields.values())):
             raise pickle.UnpicklingError(f"a {type(key).__name__} nested in a dict key or set element")
     return keys
 
@@ -673,11 +684,17 @@ def _check_shape(obj: Any) -> None:
     todo: list[tuple[Any, int, bool]] = [(obj, 0, False)]
     on_path: set[int] = set()
     done: set[int] = set()
+    heights: dict[int, int] = {}  # tuples: how many tuples deep (as a DAG: shared sub-tuples count at every use)
     while todo:
         item, depth, leaving = todo.pop()
         if leaving:
             on_path.discard(id(item))
             done.add(id(item))
+            if isinstance(item, tuple):
+                height = 1 + max((heights.get(id(v), 0) for v in item if isinstance(v, tuple)), default=0)
+                if height > MAX_TUPLE_NESTING:
+                    raise pickle.UnpicklingError(f"tuples nested deeper than {MAX_TUPLE_NESTING} levels")
+                heights[id(item)] = height
             continue
         if id(item) in on_path:
             raise pickle.UnpicklingError("an object contains itself")
@@ -703,6 +720,8 @@ def _check_shape(obj: Any) -> None:
             children = None
         if not children:
             done.add(id(item))
+            if isinstance(item, tuple):
+                heights[id(item)] = 1
             continue
         on_path.add(id(item))
         todo.append((item, depth, True))

@@ -291,6 +291,13 @@ CORPUS: list[Hostile] = [
     _h("ordereddict-build-items", "BUILD on an OrderedDict shadowing its items() (the walk would see nothing)")(
         lambda s, r: P4 + call(sglob("collections", "OrderedDict")) + EMPTY_DICT + sbu("items") +
         sglob("collections", "OrderedDict") + SETITEM + BUILD + STOP),
+    _h("dag-value", "the 60-level tuple DAG as a dict value (hashed later by whoever reads the field)")(
+        lambda s, r: P4 + EMPTY_DICT + sbu("k") + _dag(60) + SETITEM + STOP),
+    _h("build-twice", "BUILD of the same object twice (a dict key changed after it was hashed)")(
+        lambda s, r: P4 + call(sglob("collections", "OrderedDict")) + EMPTY_DICT + sbu("_metadata") + EMPTY_DICT +
+        SETITEM + BUILD + EMPTY_DICT + sbu("_metadata") + EMPTY_DICT + SETITEM + BUILD + STOP),
+    _h("ordereddict-of-a-dict", "OrderedDict(d): every key of d hashed again, none of them checked")(
+        lambda s, r: P4 + call(sglob("collections", "OrderedDict"), EMPTY_DICT) + STOP),
     _h("payload-tuple-getitem-metadata", "(payload, Metadata)[-1] through builtins.getattr")(
         lambda s, r: P4 + call(call(sglob("builtins", "getattr"), MARK + os_system(s) + _body(r) + TUPLE,
                                     sbu("__getitem__")), binint(-1)) + STOP),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import shutil
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -312,6 +313,19 @@ def test_the_quick_check_refuses_what_a_load_would(genuine: bytes, crafted: byte
         reader_refuses(lambda: read_metadata(ckpt), planted)
     # the stand-ins know the layouts torch knows (torch.serialization._get_layout's table)
     assert safe_pickle.LAYOUT_NAMES == {str(v) for v in vars(torch).values() if isinstance(v, torch.layout)}
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_genuine_containers_load_as_pickle_loads_them(protocol: int) -> None:
+    """Sets, frozensets, OrderedDicts (a state_dict's ``_metadata``), tuple keys and values as torch.save writes
+    them, at every protocol it uses: the checks on keys and BUILD change nothing of a genuine pickle."""
+    sd: OrderedDict = OrderedDict([("w", 1.5), ("b", 2)])
+    sd._metadata = OrderedDict([("", {"version": 1})])  # type: ignore[attr-defined]
+    value = {"k": [1, frozenset({3, "x"})], "s": {1, 2}, (1, 2): ((0, 0), (4, 4)), 3: sd, "t": [(0.9, 0.95)]}
+    data = pickle.dumps(value, protocol=protocol)
+    got = safe_pickle.load(data, safe_pickle.DEEPSPEED_RECORDS, where="w")
+    assert got == pickle.loads(data) == value  # noqa: S301 - our own pickle
+    assert got[3]._metadata == sd._metadata  # type: ignore[attr-defined]
 
 
 def _same(a: object, b: object, where: str) -> None:
