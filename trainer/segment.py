@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if __name__ == "__main__":
     # A rank: tie its life to torchrun and the launcher, record early SIGTERMs and take the shared run
@@ -104,7 +104,12 @@ def _preempted_before_build(run_dir: RunDir, env: DistEnv, segment: int) -> int:
 def _setup_logging() -> None:
     rank = os.environ.get("RANK", "0")
     level = logging.INFO if rank == "0" else logging.WARNING
-    logging.basicConfig(level=level, format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=level, format=_log_format(), stream=sys.stderr)
+
+
+def _log_format() -> str:
+    """The rank's log lines (the launcher shows lines of this shape as the rank's)."""
+    return f"%(asctime)s [rank{os.environ.get('RANK', '0')}] %(name)s: %(message)s"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,13 +167,18 @@ def _exit_now(code: int) -> None:
     """Flush what can be flushed (a stream an atexit handler closed cannot), then exit with ``code``, always."""
     try:
         logging.shutdown()
-        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-            try:
-                stream.flush()  # type: ignore[union-attr]
-            except (OSError, ValueError, AttributeError):
-                pass
+        _flush(sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
     finally:
         os._exit(code)
+
+
+def _flush(*streams: Any) -> None:
+    """Flush each stream that still can be (an atexit handler may have closed or replaced one)."""
+    for stream in streams:
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 def _write_stderr(line: str) -> None:
@@ -202,12 +212,11 @@ def _exit_script(code: int) -> None:
     import threading
     import time
 
-    def give_up() -> None:  # no logging, no flush: a stuck handler may hold their locks
+    def give_up() -> None:  # no handler, no flush: a stuck atexit handler may hold their locks
         time.sleep(SCRIPT_ATEXIT_S)
-        now = time.time()  # a line in the format of the rank's log (_setup_logging), which the launcher shows
-        _write_stderr(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))},{int(now % 1 * 1000):03d} "
-                      f"[rank{os.environ.get('RANK', '0')}] {log.name}: the script's atexit handlers did not finish "
-                      f"within {SCRIPT_ATEXIT_S:.0f} s; the rank exits without them")
+        warning = log.makeRecord(log.name, logging.WARNING, __file__, 0, "the script's atexit handlers did not finish "
+                                 f"within {SCRIPT_ATEXIT_S:.0f} s; the rank exits without them", None, None)
+        _write_stderr(logging.Formatter(_log_format()).format(warning))
         if _REPORT[0]:
             _write_stderr(_REPORT[0])
         os._exit(code)
@@ -219,11 +228,7 @@ def _exit_script(code: int) -> None:
         faulthandler.dump_traceback_later(SCRIPT_ATEXIT_S + 5, exit=True, file=2)
         atexit._run_exitfuncs()
     finally:
-        for stream in (sys.stdout, sys.stderr):  # what the handlers printed comes before the line below
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
+        _flush(sys.stdout, sys.stderr)  # what the handlers printed comes before the line below
         if _REPORT[0]:
             _write_stderr(_REPORT[0])
         _exit_now(code)

@@ -19,7 +19,6 @@ whatever code it names. Here:
 from __future__ import annotations
 
 import io
-import json
 import logging
 import math
 import os

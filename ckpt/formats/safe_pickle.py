@@ -656,9 +656,10 @@ def _flat_keys(keys: list[Any]) -> list[Any]:
     torch.Size), or an instance whose fields are such (DCP's MetadataIndex). A nested one could be a DAG of shared
     sub-tuples -- a few hundred bytes of pickle whose hash takes exponential time."""
     for key in keys:
-        fields = None if _flat(key) else getattr(key, "__dict__", None)
-        if not _flat(key) and (type(fields) is not dict or len(fields) > MAX_KEY_ITEMS
-                               or not all(_flat(v) for v in fields.values())):
+        if _flat(key):
+            continue
+        fields = getattr(key, "__dict__", None)
+        if type(fields) is not dict or len(fields) > MAX_KEY_ITEMS or not all(_flat(v) for v in fields.values()):
             raise pickle.UnpicklingError(f"a {type(key).__name__} nested in a dict key or set element")
     return keys
 
