@@ -110,9 +110,11 @@ def newest_snapshot(mem: RunDir, run_dir: RunDir) -> tuple[Path | None, str | No
 def persist_newer(spec: RunSpec, run_dir: RunDir, mems: list[RunDir] | None = None) -> tuple[Path | None, list[str]]:
     """The controller, after its segment's ranks exited (any outcome) or before a segment starts: the newest memory
     snapshot of this run newer than storage's newest valid checkpoint is validated (every checksum, the
-    fingerprint) and persisted to storage, with its lineage event; one that fails (torn, tampered, unreadable, gone
-    meanwhile) is kept where it is and the next older one newer than storage is tried. A snapshot another run wrote
-    (its manifest's run id) is set aside, never persisted. ``mems``: the memory dirs to look in (default: the
+    fingerprint) and persisted to storage, with its lineage event; when one fails, the next older one newer than
+    storage is tried. One whose bytes are not those committed (torn, tampered) is set aside (never usable); one
+    whose bytes are whole but whose state does not read back or check out (a reader's error, a fingerprint
+    mismatch) is kept, for a segment whose own checks may load it. A snapshot another run wrote (its manifest's run
+    id) is set aside, never persisted. ``mems``: the memory dirs to look in (default: the
     spec's). Returns the new storage checkpoint (or None) and one warning line per thing not done."""
     from ckpt import lineage
     from ckpt.manifest import read_manifest
@@ -123,14 +125,14 @@ def persist_newer(spec: RunSpec, run_dir: RunDir, mems: list[RunDir] | None = No
     stored = found[1].step if found else -1
     resume_point = f"storage's {found[0].name}" if found else "the start of the run"
     snaps, lines = _newer_snapshots(mems, run_dir, stored)
-    refused: list[tuple[Path, str]] = []
+    refused: list[tuple[Path, str, bool]] = []
     for snap in snaps:
-        why = _unpersistable(snap)
+        why, changed = _unpersistable(snap)
         if why is None:
             try:
                 final = persist_snapshot(snap, run_dir)
             except Exception as e:  # noqa: BLE001 - gone or changed meanwhile, a full disk: one line, the next one
-                why = " ".join(str(e).split())[:400]
+                why, changed = " ".join(str(e).split())[:400], not isinstance(e, OSError)
             else:
                 manifest: CheckpointManifest = read_manifest(final)
                 step = manifest.step
@@ -140,12 +142,25 @@ def persist_newer(spec: RunSpec, run_dir: RunDir, mems: list[RunDir] | None = No
                                persisted_from=MEMORY, persisted_by="launcher",
                                bytes=sum(f.size for f in manifest.files))
                 if refused:
-                    lines.append(_refused_line(spec, run_dir, *refused[0], f"{snap.name} was persisted instead"))
+                    lines.append(_refused(spec, run_dir, refused, f"{snap.name} was persisted instead"))
                 return final, lines
-        refused.append((snap, why))
+        refused.append((snap, why, changed))
     if refused:
-        lines.append(_refused_line(spec, run_dir, *refused[0], f"{resume_point} is the resume point"))
+        lines.append(_refused(spec, run_dir, refused, f"{resume_point} is the resume point"))
     return None, lines
+
+
+def _refused(spec: RunSpec, run_dir: RunDir, refused: list[tuple[Path, str, bool]], then: str) -> str:
+    """One line for the snapshots newer than storage not persisted (the newest named); those whose bytes changed
+    are set aside."""
+    for snap, _why, changed in refused[1:]:
+        if changed:
+            try:
+                set_aside(snap)
+            except OSError:  # gone meanwhile
+                pass
+    more = f" (and {len(refused) - 1} older one(s), likewise)" if len(refused) > 1 else ""
+    return _refused_line(spec, run_dir, *refused[0], f"{then}{more}")
 
 
 def _newer_snapshots(mems: list[RunDir], run_dir: RunDir, stored: int) -> tuple[list[Path], list[str]]:
@@ -180,22 +195,42 @@ def _other_run(snap: Path, run_dir: RunDir) -> str | None:
         return None
 
 
-def _unpersistable(snap: Path) -> str | None:
-    """None when the snapshot passes deep validation; else its first problem in one line (a reader's own failure
-    included: it is named, not raised)."""
+def _unpersistable(snap: Path) -> tuple[str | None, bool]:
+    """(None, False) when the snapshot passes deep validation; else its first problem in one line (a reader's own
+    failure included: it is named, not raised) and whether its bytes are not those committed."""
     from ckpt.validate import validate
 
     try:
         report = validate(snap, deep=True)
     except Exception as e:  # noqa: BLE001 - a failure of the validation itself: the snapshot is kept, the cause said
-        return f"its deep validation failed ({type(e).__name__}: {' '.join(str(e).split())[:300]})"
-    return None if report.valid else report.errors[0]
+        return f"its deep validation failed ({type(e).__name__}: {' '.join(str(e).split())[:300]})", False
+    return (None, False) if report.valid else (report.errors[0], _bytes_changed(snap))
 
 
-def _refused_line(spec: RunSpec, run_dir: RunDir, snap: Path, why: str, then: str) -> str:
-    """The launcher's one line for the newest snapshot it could not persist: why, that it is kept, how to use it."""
+def _bytes_changed(snap: Path) -> bool:
+    """After a failed deep validation (rare, so hashed again here): whether the snapshot's files are not the bytes
+    its manifest committed (a file missing, of another size or checksum, the manifest unreadable)."""
+    from ckpt.hashing import hash_files
     from ckpt.manifest import read_manifest
 
+    try:
+        files = read_manifest(snap).files
+        got = hash_files([snap / f.path for f in files], threads=4)
+    except Exception:  # noqa: BLE001 - a manifest or file gone or unreadable: not the snapshot committed
+        return True
+    return any(got.get(snap / f.path) != (f.size, f.xxh3_128) for f in files)
+
+
+def _refused_line(spec: RunSpec, run_dir: RunDir, snap: Path, why: str, changed: bool, then: str) -> str:
+    """The launcher's one line for the newest snapshot it could not persist: why, and what became of it -- set aside
+    when its bytes changed, else kept, with how to use it."""
+    from ckpt.manifest import read_manifest
+
+    if changed:
+        try:
+            return f"memory snapshot {snap} not persisted: {why}; set aside as {set_aside(snap).name}; {then}"
+        except OSError:  # gone meanwhile
+            return f"memory snapshot {snap} not persisted: {why}; {then}"
     mem = RunDir(snap.parent.parent)
     root = tier_root(mem)
     try:

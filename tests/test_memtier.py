@@ -677,7 +677,7 @@ def test_a_snapshot_gone_or_changed_before_its_persist_writes_storage_from_the_l
     said = rank0[-1]
     assert len(said) == 3 and all("\n" not in s and "not persisted from its memory snapshot" in s for s in said)
     assert "step-00000004/" in said[0] and "gone from memory" in said[0] and said[0].endswith("live state instead")
-    assert "__1_0.distcp: differs from its snapshot's manifest" in said[1] and "at the next checkpoint" in said[1]
+    assert "__1_0.distcp: differs from its snapshot's manifest" in said[1] and "at the next save" in said[1]
     assert "step-00000012/" in said[2] and "gone from memory" in said[2]
 
 
@@ -764,6 +764,18 @@ def test_between_segments_persists_a_memory_dir_the_run_left_then_removes_it_and
         "(the ranks load it only if it passes every check)")]
     assert snap.is_dir() and memtier.recorded_roots(rd) == [mem] and latest_valid(rd)[1].step == 4
     monkeypatch.setattr(validate_mod, "validate", real)
+
+    # A byte changed in the snapshot: never usable, set aside; the dir the run left is removed all the same.
+    shard = sorted(snap.glob("__1_*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    said = lines(_tier(spec, memory_interval=None))
+    assert len(said) == 2 and said[0].startswith(f"warning: memory snapshot {snap} not persisted: {shard}: checksum ")
+    assert "; set aside as step-00000006.invalid-" in said[0] and said[0].endswith("storage's step-00000004 is the "
+                                                                                  "resume point")
+    assert said[1].startswith(f"removed the memory tier {mem}") and not mem.exists() and latest_valid(rd)[1].step == 4
+    restore()
 
     # An older run: its id where earlier versions kept it, a snapshot without a run id: both this run's.
     os.rename(rd.root / memtier.ID_NAME, rd.root / memtier.LEGACY_ID_NAME)
