@@ -255,7 +255,14 @@ def between_segments(spec: RunSpec, run_dir: RunDir) -> list[str]:
 
     identity(run_dir, create=True)
     current = memory_root(spec, run_dir)
-    roots = tier_roots(spec, run_dir)
+    roots = []
+    for root in tier_roots(spec, run_dir):
+        if root == current or os.path.lexists(root):
+            roots.append(root)
+        elif root in recorded_roots(run_dir):  # removed by hand (or the node rebooted): nothing to look into
+            forget(run_dir, root)
+    if not any(os.path.lexists(root) for root in roots):  # no memory tier here (the common case): nothing to read
+        return []
     # an earlier segment's memory dir that another run claimed since is that run's: not looked into
     mems = [m for root in roots for m in memory_dirs(RunDir(root))
             if root == current or (m.root / OWNER_NAME).is_file() and owner_problem(m, run_dir) is None]
@@ -279,23 +286,35 @@ def between_segments(spec: RunSpec, run_dir: RunDir) -> list[str]:
 def tier_roots(spec: RunSpec, run_dir: RunDir) -> list[Path]:
     """The memory tier roots of this run to look in: the segment's own (if on), those its segments claimed
     (``RUN_DIR/.memory-dirs``), the default one for the run if it exists; for a run without that list (its
-    segments ran an earlier version), also the one its newest storage checkpoint was written with."""
-    from ckpt.memtier import DEFAULT_ROOT, default_dir_name
+    segments ran an earlier version and claimed a memory dir), also the one its newest storage checkpoint was
+    written with. Another spelling of the segment's own dir (a symlink to it) is not listed apart."""
+    from ckpt.memtier import DEFAULT_ROOT, LEGACY_ID_NAME, default_dir_name
 
     current = memory_root(spec, run_dir)
-    roots = [current] if current is not None else []
-    roots += recorded_roots(run_dir)
+    roots = recorded_roots(run_dir)
     default = DEFAULT_ROOT / default_dir_name(spec, run_dir)
     if default.is_dir():
         roots.append(default)
-    if not (run_dir.root / DIRS_NAME).exists():
+    if not (run_dir.root / DIRS_NAME).exists() and (run_dir.root / LEGACY_ID_NAME).exists():
         from ckpt.validate import latest_valid
 
         found = latest_valid(run_dir)
         before = memory_root(found[1].run_spec, run_dir) if found else None
         if before is not None:
             roots.append(before)
-    return list(dict.fromkeys(roots))
+    if current is None:
+        return list(dict.fromkeys(roots))
+    return [current, *dict.fromkeys(r for r in roots if not _same_dir(r, current))]
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    """Whether two paths name one directory (the same path, or through a symlink)."""
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): compared as resolved
+        return a.resolve() == b.resolve()
 
 
 def reclaim(root: Path, run_dir: RunDir, stored: int, current: Path | None) -> str | None:

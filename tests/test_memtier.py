@@ -776,6 +776,10 @@ def test_between_segments_persists_a_memory_dir_the_run_left_then_removes_it_and
                                                                                   "resume point")
     assert said[1].startswith(f"removed the memory tier {mem}") and not mem.exists() and latest_valid(rd)[1].step == 4
     restore()
+    (tmp_path / "alias").symlink_to(mem)  # the same memory dir by another path: the segment's own, never removed
+    assert lines(_tier(spec, memory_dir=str(tmp_path / "alias")))[0].startswith("persisted the memory snapshot")
+    assert (mem / "checkpoints" / "step-00000006").is_dir() and memtier.recorded_roots(rd) == [mem]
+    restore()
 
     # An older run: its id where earlier versions kept it, a snapshot without a run id: both this run's.
     os.rename(rd.root / memtier.ID_NAME, rd.root / memtier.LEGACY_ID_NAME)
