@@ -143,8 +143,14 @@ def command_line(argv: list[str]) -> str:
     repository, whatever interpreter ran it, machine paths replaced (``_public_arg``)."""
     if not argv:
         return "python ?"
-    script = Path(argv[0]).expanduser().resolve()
-    shown = script.relative_to(ROOT).as_posix() if ROOT in script.parents else script.name
+    given = Path(argv[0]).expanduser()
+    script = given.resolve()
+    if ROOT in script.parents:
+        shown = script.relative_to(ROOT).as_posix()
+    elif not given.is_absolute() and (ROOT / given).is_file():  # relative to the checkout, run from elsewhere
+        shown = given.as_posix()
+    else:
+        shown = script.name
     words, option = [], None
     for a in argv[1:]:
         words.append(shlex.quote(_public_arg(a, option)))
