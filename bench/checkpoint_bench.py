@@ -521,7 +521,8 @@ def plot(name: str) -> Path:
         """A bar's label: the row's measure without its explanations (labels must differ: equal ones share a bar)."""
         sizes = measure[len("resume ("):].split(")")[0] if measure.startswith("resume (") else ""
         for key, label in (("parallel dd", "dd, parallel"), ("single-stream dd", "dd, one stream"),
-                           ("dcp.save", "dcp.save"), ("with torch's CRC-32", "ours + torch CRC-32"), ("save, before", "ours, before"),
+                           ("dcp.save", "dcp.save"), ("with torch's CRC-32", "ours + torch CRC-32"),
+                           ("save, before", "ours, before"),
                            ("shardkeeper save", "ours"), ("before one-pass", "load_latest two-pass"),
                            ("load_latest", "load_latest"), ("dcp.load", "dcp.load")):
             if key in measure:

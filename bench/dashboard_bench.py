@@ -161,7 +161,8 @@ def plot() -> Path:
 
     def draw(fig) -> None:
         draw_lines(fig, "dashboard", "checkpoints in lineage", [
-            ("graph (read + layout + PNG)", "lineage graph"), ("render (graph + loss + rows)", "all artifacts rendered"),
+            ("graph (read + layout + PNG)", "lineage graph"),
+            ("render (graph + loss + rows)", "all artifacts rendered"),
             ("mirror-lineage task (4 artifacts)", "Prefect task (4 artifacts)"),
             ("graph page in Chromium (image loaded)", "page in Chromium")],
             goal=2.0, goal_label="goal: < 2 s", xlabel="checkpoints in the run's lineage (log)",

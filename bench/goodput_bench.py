@@ -204,7 +204,8 @@ def plot() -> Path:
                 line, = ax.plot(xs, [x / (x + cost) for x in xs], style, label=f"{row['backend']}, {where}")
                 ax.plot([interval], [good], "o", color=line.get_color())
         ax.axhline(GOAL_GOODPUT, color="grey", lw=1, ls=":")
-        ax.annotate(f"goal ≥ {GOAL_GOODPUT}", (600, GOAL_GOODPUT), textcoords="offset points", xytext=(-4, -11), ha="right",
+        ax.annotate(f"goal ≥ {GOAL_GOODPUT}", (600, GOAL_GOODPUT), textcoords="offset points", xytext=(-4, -11),
+                    ha="right",
                     color="grey")
         ax.set_xscale("log")
         ax.set_xlim(xs[0], 600)

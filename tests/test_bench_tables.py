@@ -63,7 +63,8 @@ def test_the_published_command_names_no_machine_path() -> None:
 
 def test_a_plot_is_drawn_from_the_published_rows(tmp_path) -> None:
     (tmp_path / "demo.md").write_text("_Measured ..._\n\nintro\n\n| size | seconds |\n|---:|---:|\n"
-                                      "| 1,000 | 1.50 (1.20–1.90) |\n| 4,096 | **2.25** (met) |\n\n| other |\n|---|\n| x |\n")
+                                      "| 1,000 | 1.50 (1.20–1.90) |\n| 4,096 | **2.25** (met) |\n\n"
+                                      "| other |\n|---|\n| x |\n")
     rows = benchlib.table_rows("demo", results=tmp_path)
     assert rows == [{"size": "1,000", "seconds": "1.50 (1.20–1.90)"}, {"size": "4,096", "seconds": "**2.25** (met)"}]
     assert benchlib.table_rows("demo", 1, results=tmp_path) == [{"other": "x"}]

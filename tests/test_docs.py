@@ -191,7 +191,8 @@ def test_readme_exit_codes_are_the_documented_ones() -> None:
     assert para, "README.md: no 'Exit codes: ...' paragraph"
     stated = {int(n) for n in re.findall(r"(?<![\w.-])(\d{1,3})(?= |\*\*| \()", para.group(1).replace("**", " "))}
     assert stated == set(documented_exit_codes()), (
-        f"README.md's exit codes {sorted(stated)} != schemas.seam.documented_exit_codes() {sorted(documented_exit_codes())}")
+        f"README.md's exit codes {sorted(stated)} != schemas.seam.documented_exit_codes() "
+        f"{sorted(documented_exit_codes())}")
 
 
 def test_readme_cli_table_lists_every_command() -> None:
@@ -201,9 +202,11 @@ def test_readme_cli_table_lists_every_command() -> None:
 
     rows = [line for line in readme().split("## CLI", 1)[1].split("\n## ", 1)[0].splitlines()
             if line.startswith("| `")]
-    stated = {m.group(1) for row in rows for m in re.finditer(r"`(?:shardkeeper )?([a-z][a-z-]*)[ `]", row.split(" | ")[0])}
+    command = re.compile(r"`(?:shardkeeper )?([a-z][a-z-]*)[ `]")
+    stated = {m.group(1) for row in rows for m in command.finditer(row.split(" | ")[0])}
     commands = set(typer.main.get_command(app).commands)
-    assert stated == commands, f"README.md's CLI table: missing {sorted(commands - stated)}, unknown {sorted(stated - commands)}"
+    assert stated == commands, (f"README.md's CLI table: missing {sorted(commands - stated)}, "
+                                f"unknown {sorted(stated - commands)}")
 
 
 def test_make_bench_time_is_one_figure() -> None:
@@ -218,7 +221,7 @@ def test_make_bench_time_is_one_figure() -> None:
             found.append((path.relative_to(ROOT), m.group(1) or m.group(2)))
     assert {str(p) for p, _ in found} >= {"README.md", "Makefile", "docs/benchmarks/index.md"}, found
     wrong = [f"{p}: {t}" for p, t in found if t != MAKE_BENCH_TIME]
-    assert not wrong, f"make bench takes {MAKE_BENCH_TIME} (bench/benchlib.py MAKE_BENCH_TIME); stated otherwise: {wrong}"
+    assert not wrong, f"make bench takes {MAKE_BENCH_TIME} (benchlib.MAKE_BENCH_TIME); stated otherwise: {wrong}"
 
 
 def layout_block(text: str) -> list[str]:
@@ -294,7 +297,7 @@ def visible_words(markdown: str) -> int:
 def test_concept_pages_fit_the_limit() -> None:
     words = {p.name: visible_words(p.read_text(encoding="utf-8")) for p in sorted((DOCS / "concepts").glob("*.md"))}
     over = {n: w for n, w in words.items() if w > CONCEPT_WORDS and n not in CONCEPT_WORDS_PENDING}
-    assert not over, f"concept pages over {CONCEPT_WORDS} words (fold details into ??? blocks or a reference page): {over}"
+    assert not over, f"concept pages over {CONCEPT_WORDS} words (fold details into ??? blocks or move them): {over}"
     trimmed = [n for n in CONCEPT_WORDS_PENDING if words.get(n, 0) <= CONCEPT_WORDS]
     assert not trimmed, f"{trimmed} now fit {CONCEPT_WORDS} words: remove them from CONCEPT_WORDS_PENDING"
 
@@ -308,7 +311,8 @@ def test_the_pipeline_diagram_is_one() -> None:
 
 
 MACHINE_PATH = re.compile(r"(?<![\w.])(/work/|/home/|/tmp/|/root/|/Users/)\S*|\.venv/bin/")
-ENVIRONMENT_REMARK = re.compile(r"this project'?s? machines?|on this VM|(?:can ?not|nothing can) be downloaded here", re.I)
+ENVIRONMENT_REMARK = re.compile(r"this project'?s? machines?|on this VM|(?:can ?not|nothing can) be downloaded here",
+                                re.I)
 
 
 def test_published_text_names_no_machine() -> None:
@@ -324,7 +328,8 @@ def test_published_text_names_no_machine() -> None:
 
 def test_every_plot_is_shown_and_every_shown_plot_exists() -> None:
     pngs = {p.name for p in (ROOT / "bench/results").glob("*.png")}
-    shown = {m for p in (DOCS / "benchmarks").glob("*.md") for m in re.findall(r"\]\(plots/([^)]+\.png)\)", p.read_text())}
+    shown = {m for p in (DOCS / "benchmarks").glob("*.md")
+             for m in re.findall(r"\]\(plots/([^)]+\.png)\)", p.read_text())}
     assert pngs, "no plots in bench/results"
     assert shown <= pngs, f"benchmark pages show plots no bench drew: {sorted(shown - pngs)}"
     assert pngs <= shown, f"plots drawn by a bench but shown on no benchmark page: {sorted(pngs - shown)}"
@@ -365,17 +370,18 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 def _browser_available() -> bool:
     import importlib.util
 
-    from tests.test_ui_browser import chromium_path
+    from tests.harness import chromium_path
 
     return chromium_path() is not None and importlib.util.find_spec("playwright") is not None
 
 
 @pytest.mark.browser
-@pytest.mark.skipif(not _browser_available(), reason="headless Chromium (apt-get install chromium) and playwright needed")
+@pytest.mark.skipif(not _browser_available(),
+                    reason="headless Chromium (apt-get install chromium) and playwright needed")
 def test_the_site_in_a_browser(site: Path, tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 
-    from tests.test_ui_browser import CHROMIUM_FLAGS, chromium_path
+    from tests.harness import CHROMIUM_FLAGS, chromium_path
 
     out = SCREENSHOTS if os.environ.get("SHARDKEEPER_UPDATE_SCREENSHOTS") == "1" else tmp_path
     out.mkdir(exist_ok=True)
@@ -415,7 +421,8 @@ def test_the_site_in_a_browser(site: Path, tmp_path: Path) -> None:
                     page.locator(target).first.evaluate(
                         "e => window.scrollTo(0, e.getBoundingClientRect().top + window.scrollY - 140)")
                     if target.startswith("img"):
-                        assert page.locator(target).first.evaluate("i => i.naturalWidth") > 0, f"{name}: plot not loaded"
+                        width = page.locator(target).first.evaluate("i => i.naturalWidth")
+                        assert width > 0, f"{name}: plot not loaded"
                 page.wait_for_timeout(300)
                 page.screenshot(path=str(out / f"{name}.png"))
             browser.close()
