@@ -268,8 +268,8 @@ def test_on_disk_layout_blocks_name_what_the_code_writes(tmp_path: Path) -> None
 # --- pages people read: short concept pages, one pipeline diagram, no machine's paths ----------------------------
 
 CONCEPT_WORDS = 800
-# Pages being reworked elsewhere, longer than the limit for now: each must still be over it (remove it from here
-# once it is trimmed, and the test holds it to the limit).
+# Pages still to be trimmed to the limit: each must still be over it (remove it from here once it fits, and the test
+# holds it to the limit).
 CONCEPT_WORDS_PENDING = {"memory-tier.md"}
 
 
