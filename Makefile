@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # The venv's tools (ninja for DeepSpeed's JIT op, torchrun, shardkeeper) come first on PATH.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install lock system-deps test demo bench gpu-check docs clean
+.PHONY: install lock system-deps test demo bench plots gpu-check docs clean
 
 # DeepSpeed compiles from source against the installed torch: DS_BUILD_OPS=0 defers its ops to JIT
 # at first use, and --no-build-isolation keeps pip from fetching another torch to build it with.
@@ -47,7 +47,8 @@ demo: install
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m infra.demo
 
 # Each script prints its table and keeps it in bench/results/ (date, machine, versions, commit, command);
-# readme_tables.py then copies every table into README.md. Heavy: ~2 h on 2 cores; run on an otherwise idle machine.
+# readme_tables.py then copies every table into README.md. Heavy: ~3.5 h on 2 cores (bench/benchlib.py MAKE_BENCH_TIME,
+# the figure the README and the docs state); run on an otherwise idle machine.
 bench: install
 	$(PY) -m pip install -q "accelerate>=1.10"  # the bench extra: export_bench's baseline is Accelerate's own merge
 	$(PY) bench/resume_bench.py
@@ -74,6 +75,12 @@ bench: install
 	$(PY) bench/data_bench.py --reps 5
 	$(PY) bench/torture.py --kills 200 --per-chain 8 --final 60 --publish  # ~1.5 h on 2 idle cores
 	$(PY) bench/readme_tables.py
+
+# Redraw every plot beside the tables (bench/results/*.png) from the published tables, measuring nothing.
+PLOTTED := resume_bench deepspeed_resume_bench goodput_bench checkpoint_bench scaling_bench import_bench export_bench \
+	deepspeed_bench dashboard_bench scale_bench
+plots: install
+	for b in $(PLOTTED); do $(PY) bench/$$b.py --plot-only || exit 1; done
 
 # GPU figures from one command, on a machine with CUDA GPUs (<= 10 min): the GPU-marked tests, goodput (FSDP2 and
 # DeepSpeed), the in-memory tier's crash-restart, recovery time (>= 2 GPUs) and a pretrained ~1B fine-tune segment;

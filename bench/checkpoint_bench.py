@@ -4,6 +4,7 @@
     python bench/checkpoint_bench.py --part stall  # ~4 min: async stall inside a training loop
     python bench/checkpoint_bench.py --part load   # ~4 min: load_latest vs dcp.load, 2 -> 2 and 4 -> 2
     python bench/checkpoint_bench.py --small --part all   # smoke run on a tiny model (~1 min)
+    python bench/checkpoint_bench.py --plot-only   # redraw bench/results/checkpoint*.png from the published tables
 
 Each part writes bench/out/checkpoint/PART.json; once all three exist the table is published
 (bench/results/checkpoint.md, copied into the README by bench/readme_tables.py). Fairness: both sides
@@ -38,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from benchlib import drop_caches, fmt, md_table, publish  # noqa: E402
+from benchlib import command_line, drop_caches, fmt, md_table, publish  # noqa: E402
 
 OUT, PARTS = ROOT / "bench" / "out" / "checkpoint", ("save", "stall", "load")
 REST_S = 3.0  # idle seconds before each timed write of the save part (the same for every side and the yardstick)
@@ -507,6 +508,50 @@ def run_part(part: str, args: argparse.Namespace) -> None:
     print(f"{part}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
+def plot(name: str) -> Path:
+    """bench/results/NAME.png from the published table NAME (checkpoint or checkpoint-storage): sync save throughput
+    against the device yardstick (parallel and single-stream ``dd``), and resume against a bare ``dcp.load``."""
+    from benchlib import plot_from_table, spread, table_rows
+
+    rows = table_rows(name)
+    saves = [r for r in rows if r["value (median (min–max))"].endswith("GB/s")]
+    loads = [r for r in rows if r["measure"].startswith("resume (")]
+
+    def short(measure: str) -> str:
+        """A bar's label: the row's measure without its explanations (labels must differ: equal ones share a bar)."""
+        sizes = measure[len("resume ("):].split(")")[0] if measure.startswith("resume (") else ""
+        for key, label in (("parallel dd", "dd, parallel"), ("single-stream dd", "dd, one stream"),
+                           ("dcp.save", "dcp.save"), ("with torch's CRC-32", "ours + torch CRC-32"),
+                           ("save, before", "ours, before"),
+                           ("shardkeeper save", "ours"), ("before one-pass", "load_latest two-pass"),
+                           ("load_latest", "load_latest"), ("dcp.load", "dcp.load")):
+            if key in measure:
+                return f"{label} {sizes}".strip()
+        return measure[:28]
+
+    def baseline(measure: str) -> bool:
+        return "dd" in measure.split("(")[0] or "dcp." in measure
+
+    def bars(ax, picked: list[dict[str, str]], unit: str) -> None:
+        vals = [spread(r["value (median (min–max))"]) for r in picked]
+        ax.barh([short(r["measure"]) for r in picked], [v[0] for v in vals],
+                color=["#9e9e9e" if baseline(r["measure"]) else "#3f51b5" for r in picked],
+                xerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]], capsize=2, ecolor="#424242")
+        for i, v in enumerate(vals):
+            ax.annotate(f"{v[0]:.2f}", (v[2], i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel(unit)
+        ax.set_xlim(0, max(v[2] for v in vals) * 1.2)
+
+    def draw(fig) -> None:
+        top, bottom = fig.subplots(2, 1, gridspec_kw={"height_ratios": [len(saves), len(loads)]})
+        bars(top, saves, "sync save, GB/s (grey: the device yardstick dd, and plain DCP)")
+        top.set_title("Sync save vs the device, resume vs a bare dcp.load")
+        bars(bottom, loads, "resume, seconds, page cache dropped (grey: dcp.load, no checks)")
+
+    return plot_from_table(name, draw, size=(7.5, 1.2 + 0.36 * (len(saves) + len(loads))))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=(*PARTS, "all", "table"), default="all")
@@ -515,7 +560,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="smoke run on a tiny model; publishes nothing")
     ap.add_argument("--storage", action="store_true",
                     help="publish the save and load parts alone (bench/results/checkpoint-storage.md)")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plots from the published tables")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        from benchlib import RESULTS
+
+        for name in ("checkpoint", "checkpoint-storage"):
+            if (RESULTS / f"{name}.md").is_file():
+                plot(name)
+        return 0
     OUT.mkdir(parents=True, exist_ok=True)
     for part in PARTS if args.part == "all" else (() if args.part == "table" else (args.part,)):
         run_part(part, args)
@@ -527,11 +580,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.part != "table" else 1
     body = table(found["save"], found.get("stall") if "stall" in parts else None, found["load"],
                  {p: found[p]["reps"] for p in parts})
-    cmds = "; ".join(" ".join(["python", "bench/checkpoint_bench.py", *found[p]["argv"][1:]]) for p in parts)
+    cmds = "; ".join(command_line(["bench/checkpoint_bench.py", *found[p]["argv"][1:]]) for p in parts)
     if args.small:
         print(body)
         return 0
-    publish("checkpoint" if "stall" in parts else "checkpoint-storage", body + f"\n\nParts measured by: `{cmds}`.")
+    name = "checkpoint" if "stall" in parts else "checkpoint-storage"
+    publish(name, body + f"\n\nParts measured by: `{cmds}`.")
+    plot(name)
     return 0
 
 

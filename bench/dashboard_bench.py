@@ -153,13 +153,35 @@ def mirror_times(runs: dict[int, Path], reps: int) -> dict[int, list[float]]:
     return out
 
 
+def plot() -> Path:
+    """bench/results/dashboard.png: each part's seconds against the checkpoints in the lineage, from the published
+    table (the goal: a 1,000-checkpoint run's page in under 2 s)."""
+    from benchlib import plot_from_table
+    from scale_bench import draw_lines
+
+    def draw(fig) -> None:
+        draw_lines(fig, "dashboard", "checkpoints in lineage", [
+            ("graph (read + layout + PNG)", "lineage graph"),
+            ("render (graph + loss + rows)", "all artifacts rendered"),
+            ("mirror-lineage task (4 artifacts)", "Prefect task (4 artifacts)"),
+            ("graph page in Chromium (image loaded)", "page in Chromium")],
+            goal=2.0, goal_label="goal: < 2 s", xlabel="checkpoints in the run's lineage (log)",
+            title="Lineage dashboard: seconds against the run's length", legend="upper left", ylog=False)
+
+    return plot_from_table("dashboard", draw)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-browser", action="store_true", help="rendering only: no Prefect server, no Chromium")
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     ap.add_argument("--segments", type=int, default=4, help="segments the checkpoints are spread over")
+    ap.add_argument("--plot-only", action="store_true", help="redraw bench/results/dashboard.png from the table")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        plot()
+        return 0
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     with tempfile.TemporaryDirectory(prefix="dashboard-bench-") as tmp:
@@ -189,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.segments} segments:\n\n" + md_table(
                 ["checkpoints in lineage", "graph (read + layout + PNG)", "render (graph + loss + rows)",
                  "mirror-lineage task (4 artifacts)", "graph page in Chromium (image loaded)"], rows, "rrrrr"))
+    plot()
     return 0
 
 

@@ -1,8 +1,8 @@
 """DeepSpeed checkpoint benchmark: our world-size conversion and export vs DeepSpeed's own tools.
 
-    /work/venv/bin/python bench/deepspeed_bench.py                  # build (or reuse) bench/out/deepspeed, measure, print a table
-    /work/venv/bin/python bench/deepspeed_bench.py --rebuild        # rebuild the checkpoint first
-    /work/venv/bin/python bench/deepspeed_bench.py --hidden 64 --layers 2 --vocab 256 --intermediate 128   # tiny, CPU smoke
+    python bench/deepspeed_bench.py                  # build (or reuse) bench/out/deepspeed, measure, print a table
+    python bench/deepspeed_bench.py --rebuild        # rebuild the checkpoint first
+    python bench/deepspeed_bench.py --hidden 64 --layers 2 --vocab 256 --intermediate 128   # tiny, CPU smoke
 
 What it builds once under bench/out/deepspeed (git-ignored): a real ZeRO-2 training checkpoint of a
 Llama-style model (default hidden 1024, 16 layers, vocab 32000, intermediate 2816: 271M parameters),
@@ -366,11 +366,39 @@ def run_all(args: argparse.Namespace) -> int:
         *goals,
     ])
     publish(args.name, body)
+    plot(args.name)
     if not (ok_u and ok_e and ok_d):
         print("output check FAILED: " + "; ".join(c for ok, c in ((ok_u, check_u), (ok_e, check_e), (ok_d, check_d))
                                                   if not ok), file=sys.stderr)
         return 1
     return 0
+
+
+def plot(name: str = "deepspeed") -> Path:
+    """bench/results/NAME.png: time and peak memory of each task, DeepSpeed's own tool against shardkeeper's, from
+    the published table."""
+    import re
+
+    from benchlib import hbars, plot_from_table, table_rows
+
+    rows = table_rows(name)
+
+    def label(r: dict[str, str]) -> str:
+        tool = re.search(r"`([^` ]+(?: --to \w+)?)", r["method"])
+        who = "DeepSpeed" if r["method"].startswith("deepspeed") else "ours"
+        return f"{r['task']}: {who} {tool.group(1) if tool else 'export'}"
+
+    labels = [label(r) for r in rows]
+    grey = {i for i, r in enumerate(rows) if r["output check"] == "reference"}
+
+    def draw(fig) -> None:
+        left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.3, 1]})
+        hbars(left, labels, [r["time (s)"] for r in rows], "seconds (median, min–max)", grey=grey)
+        hbars(right, labels, [r["peak PSS, process tree (GB)"] for r in rows], "peak memory, GB", grey=grey)
+        right.set_yticklabels([])
+        fig.suptitle("DeepSpeed ZeRO-2 checkpoint tools (grey: DeepSpeed's own)", fontsize=10)
+
+    return plot_from_table(name, draw, size=(7.5, 3.0))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -386,7 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measure", help=argparse.SUPPRESS)
     p.add_argument("--src", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--dest", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--plot-only", action="store_true", help="redraw bench/results/NAME.png from the published table")
     args = p.parse_args(argv)
+    if args.plot_only:
+        plot(args.name)
+        return 0
     args.out = args.out.resolve()  # the export stage records file:// URIs of its output in the run's lineage
     if args.measure:
         measure(args.measure, args.src, args.dest)

@@ -24,7 +24,26 @@ sys.path.insert(0, str(ROOT / "bench"))
 END, CUT = 25, 5
 
 
+def plot() -> Path:
+    """bench/results/deepspeed-resume.png, from the published table (drawn like resume.png)."""
+    from benchlib import plot_from_table, table_rows
+    from resume_bench import draw_loss_differences
+
+    rows = table_rows("deepspeed-resume")
+
+    def draw(fig) -> None:
+        draw_loss_differences(fig, rows, lambda r: f"{r['backend']}  {r['world size']}")
+        fig.axes[0].set_title("Resume at the same and another world size, DeepSpeed ZeRO")
+
+    return plot_from_table("deepspeed-resume", draw, size=(7.5, 3.4))
+
+
 def main() -> None:
+    from benchlib import plot_only_requested
+
+    if plot_only_requested():
+        plot()
+        return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
     from shardkeeper.stages import convert_checkpoint
@@ -72,6 +91,7 @@ def main() -> None:
     publish("deepspeed-resume", f"Max relative loss difference against the uninterrupted 2-rank run of the same "
             f"backend, steps {CUT + 1}..{END} (global batch 12, fp32):\n\n"
             + md_table(["backend", "world size", "result", "goal"], rows))
+    plot()
     shutil.rmtree(tmp, ignore_errors=True)
     missed = [r for r in rows if r[3] == "bitwise" and r[2] != "bitwise"
               or r[3] == "<= 1e-6" and float(r[2]) > 1e-6

@@ -292,6 +292,29 @@ LABELS = {
 }
 
 
+SHORT = {"accelerate_merge": "Accelerate merge_fsdp_weights", "accelerate_logic": "the same, our checkpoint",
+         "dcp_consolidate": "DCP consolidate", "dcp_consolidate+durable": "DCP consolidate + sha256, fsync",
+         "ours_fp32": "ours, fp32", "ours_bf16": "ours, bf16", "ours_fp32@300MB": "ours, fp32, 300MB shards"}
+
+
+def plot(name: str = "export") -> Path:
+    """bench/results/NAME.png: each method's time and peak memory, from the published table."""
+    from benchlib import hbars, plot_from_table, table_rows
+
+    rows = table_rows(name)
+    labels = [next((SHORT[k] for k, v in LABELS.items() if r["method"].startswith(v)), r["method"][:24]) for r in rows]
+    grey = {i for i, lab in enumerate(labels) if not lab.startswith("ours")}
+
+    def draw(fig) -> None:
+        left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.4, 1]})
+        hbars(left, labels, [r["time (s)"] for r in rows], "seconds (median, min–max)", grey=grey)
+        hbars(right, labels, [r["peak RSS (GB)"] for r in rows], "peak RSS, GB", grey=grey)
+        right.set_yticklabels([])
+        fig.suptitle("Training checkpoint to safetensors (grey: Accelerate's and DCP's own)", fontsize=10)
+
+    return plot_from_table(name, draw, size=(7.5, 3.2))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
@@ -306,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measure", help=argparse.SUPPRESS)
     p.add_argument("--src", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--dest", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--plot-only", action="store_true", help="redraw bench/results/NAME.png from the published table")
     args = p.parse_args(argv)
+    if args.plot_only:
+        plot(args.name)
+        return 0
     if args.measure:  # child process: one measurement, one JSON line
         print(json.dumps(measure(args.measure, args.src, args.dest)))
         return 0
@@ -387,6 +414,7 @@ def run_all(args: argparse.Namespace) -> int:
         f"{'met' if peak <= bound else '**missed**'}",
     ])
     publish(args.name, body)
+    plot(args.name)
     failed = [f"{m}: {c}" for m, (ok, c) in checks.items() if not ok]
     if failed:
         print("output check FAILED: " + "; ".join(failed), file=sys.stderr)

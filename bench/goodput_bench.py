@@ -183,6 +183,41 @@ def table(results: list[dict]) -> str:
     return md_table(head, rows, "llrrrrrr") + "\n\n" + "\n".join(f"- {n}" for n in notes)
 
 
+def plot() -> Path:
+    """bench/results/goodput.png: goodput against the checkpoint interval, from the published tables (CPU and, when
+    measured, GPU). Each row's cost per save, c = T (1/g - 1) for its goodput g at its interval T (K steps), is
+    drawn at other intervals, T / (T + c); the dot is the measured point."""
+    from benchlib import RESULTS, numbers, plot_from_table, table_rows
+
+    tables = [(name, where) for name, where in (("goodput", "CPU, 2 ranks"), ("goodput-gpu", "1 GPU"))
+              if (RESULTS / f"{name}.md").is_file()]
+
+    def draw(fig) -> None:
+        ax = fig.add_subplot()
+        xs = [2 * 1.05**i for i in range(120)]
+        for name, where in tables:
+            for row in table_rows(name):
+                k, step_s = numbers(row["K (steps per save)"])[:2]
+                interval, good = k * step_s, numbers(row["goodput (goal ≥ 0.95)"])[0]
+                cost = interval * (1 / good - 1)
+                style = "-" if name == "goodput" else "--"
+                line, = ax.plot(xs, [x / (x + cost) for x in xs], style, label=f"{row['backend']}, {where}")
+                ax.plot([interval], [good], "o", color=line.get_color())
+        ax.axhline(GOAL_GOODPUT, color="grey", lw=1, ls=":")
+        ax.annotate(f"goal ≥ {GOAL_GOODPUT}", (600, GOAL_GOODPUT), textcoords="offset points", xytext=(-4, -11),
+                    ha="right",
+                    color="grey")
+        ax.set_xscale("log")
+        ax.set_xlim(xs[0], 600)
+        ax.set_ylim(0.5, 1.0)
+        ax.set_xlabel("seconds of training between async saves (log)")
+        ax.set_ylabel("goodput (tokens/s with saves ÷ without)")
+        ax.set_title("Goodput vs checkpoint interval (dots: measured; lines: the measured cost per save)")
+        ax.legend(loc="lower right")
+
+    return plot_from_table("goodput", draw)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", choices=["fsdp2", "deepspeed"], action="append")
@@ -196,7 +231,11 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=2, help="saves per ckpt phase")
     ap.add_argument("--reps", type=int, default=2, help="ckpt/plain phase pairs")
     ap.add_argument("--warm", type=int, default=3, help="warm-up steps (not counted)")
+    ap.add_argument("--plot-only", action="store_true", help="redraw bench/results/goodput.png from the tables")
     args = ap.parse_args()
+    if args.plot_only:
+        plot()
+        return
     OUT.mkdir(parents=True, exist_ok=True)
     for b in args.backend or []:
         r = measure(b, args)
@@ -212,6 +251,9 @@ def main() -> None:
         missing = "".join(f"\n- {b}: not measured (no {OUT.name}/{b}.json); run --backend {b}"
                           for b in ("fsdp2", "deepspeed") if b not in have)
         publish("goodput", table([json.loads((OUT / f"{b}.json").read_text()) for b in have]) + missing)
+    else:
+        return
+    plot()
 
 
 if __name__ == "__main__":

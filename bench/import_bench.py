@@ -216,10 +216,31 @@ def run_all(args: argparse.Namespace) -> int:
         goal,
     ])
     publish(args.name, body)
+    plot(args.name)
     if not ok:
         print(f"output check FAILED: {check}", file=sys.stderr)
         return 1
     return 0
+
+
+def plot(name: str = "import") -> Path:
+    """bench/results/NAME.png: time and peak memory of ``shardkeeper import`` against DeepSpeed's ``ds_to_universal``,
+    from the published table."""
+    from benchlib import hbars, plot_from_table, table_rows
+
+    rows = table_rows(name)
+    labels = ["ds_to_universal" if "ds_to_universal" in r["method"] else "shardkeeper import" for r in rows]
+    grey = {i for i, r in enumerate(rows) if r["output check"] == "reference"}
+
+    def draw(fig) -> None:
+        left, right = fig.subplots(1, 2)
+        hbars(left, labels, [r["time (s)"] for r in rows], "seconds (median, min–max)", grey=grey)
+        hbars(right, labels, [r["peak PSS, process tree (GB)"] for r in rows], "peak memory, GB (process tree)",
+              grey=grey)
+        right.set_yticklabels([])
+        fig.suptitle("Adopting a DeepSpeed ZeRO-2 checkpoint: shardkeeper import vs ds_to_universal", fontsize=10)
+
+    return plot_from_table(name, draw, size=(7.5, 2.2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--intermediate", type=int, default=2816)
+    p.add_argument("--plot-only", action="store_true", help="redraw bench/results/NAME.png from the published table")
     args = p.parse_args(argv)
+    if args.plot_only:
+        plot(args.name)
+        return 0
     args.out = args.out.resolve()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))

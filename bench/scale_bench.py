@@ -153,12 +153,65 @@ def measure(tmp: Path, ranks: int, files_per_rank: int, reps: int) -> dict[str, 
     return out
 
 
+def draw_lines(fig, name: str, x_column: str, columns: list[tuple[str, str]], *, goal: float, goal_label: str,
+               xlabel: str, title: str, legend: str = "best", ylog: bool = True) -> None:
+    """Seconds (median, min–max) of each column against ``x_column`` (log), the goal as a line; ``ylog``: seconds
+    on a log scale too."""
+    from benchlib import numbers, spread, table_rows
+
+    rows = table_rows(name)
+    xs = [numbers(r[x_column])[0] for r in rows]
+    ax = fig.add_subplot()
+    for column, label in columns:
+        vals = [spread(r[column]) for r in rows if r.get(column) not in (None, "", "n/a")]
+        if len(vals) != len(rows):
+            continue
+        ax.errorbar(xs, [v[0] for v in vals], yerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]],
+                    marker="o", capsize=3, label=label)
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
+    ax.axhline(goal, color="grey", ls=":", lw=1)
+    ax.annotate(goal_label, (xs[-1], goal), xytext=(0, 4), textcoords="offset points", color="grey", fontsize=8,
+                ha="right")
+    ax.set_xscale("log")
+    if ylog:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    else:
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.35)  # room for the legend above the lines
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("seconds (median, min–max)" + ("; log" if ylog else ""))
+    ax.set_title(title)
+    ax.legend(loc=legend, fontsize=8, ncol=1 if ylog else 2)
+
+
+def plot() -> Path:
+    """bench/results/scale.png: validation and retention planning against the world size, from the published table
+    (the goal: both under 2 s at 4,096 ranks)."""
+    from benchlib import plot_from_table
+
+    def draw(fig) -> None:
+        draw_lines(fig, "scale", "ranks", [
+            ("validate + plan", "validate + retention plan"), ("validate (quick)", "validate (quick)"),
+            ("manifest read + write (rank 0)", "manifest read + write (rank 0)"),
+            ("validate, first in a process", "validate, first in a process")],
+            goal=2.0, goal_label="goal: validate + plan < 2 s", xlabel="ranks (24 data files each; log)",
+            title="Checks that run at every commit and resume, against the world size", legend="lower right")
+
+    return plot_from_table("scale", draw)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512, 4096])
     ap.add_argument("--files-per-rank", type=int, default=24, help="data files per rank (4,096 x 24 = 98,304)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--plot-only", action="store_true", help="redraw bench/results/scale.png from the published table")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        plot()
+        return 0
     rows = []
     with tempfile.TemporaryDirectory(prefix="scale-bench-") as tmp:
         for ranks in args.ranks:
@@ -182,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             + "\n\nvalidate + plan, process CPU seconds: " + " · ".join(
                 f"{r['ranks']:,} ranks {fmt(r['both_cpu'], 3)}" for r in rows)
             + f" · load average at the end (1, 5, 15 min): {load}")
+    plot()
     return 0
 
 

@@ -3,6 +3,7 @@
     python bench/scaling_bench.py                       # ~60M, ~250M, ~1B; ~10 min, ~16 GB of disk at the peak
     python bench/scaling_bench.py --sizes 60M 250M      # a subset (results of every size are kept)
     python bench/scaling_bench.py --small               # smoke run on tiny models; publishes nothing
+    python bench/scaling_bench.py --plot-only           # redraw bench/results/scaling.png from the published table
 
 What is measured is the real path: ``Checkpointer.save`` (sync: O_DIRECT, fsync, xxh3, manifest, commit),
 ``Checkpointer.load_latest`` (quick validation, every checksum, dcp.load, fingerprint) and ``shardkeeper
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from benchlib import drop_caches, fmt, md_table, publish  # noqa: E402
+from benchlib import command_line, drop_caches, fmt, md_table, publish  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "scaling"
 # name: (hidden, intermediate, layers, heads, kv heads); vocab 32000, untied embeddings
@@ -236,12 +237,45 @@ def table(found: dict[str, dict]) -> str:
         f"threads, {cache}; medians (min–max).")
 
 
+def plot() -> Path:
+    """bench/results/scaling.png: save, resume and export seconds against the checkpoint's size, from the published
+    table."""
+    from benchlib import plot_from_table, spread, table_rows
+
+    rows = table_rows("scaling")
+    gb = [float(r["checkpoint GB"]) for r in rows]
+    stages = (("save s (GB/s)", "save (sync)"), ("load_latest s (GB/s)", "resume (load_latest)"),
+              ("export s", "export (safetensors)"))
+
+    def draw(fig) -> None:
+        ax = fig.add_subplot()
+        for column, label in stages:
+            vals = [spread(r[column]) for r in rows]
+            ax.errorbar(gb, [v[0] for v in vals], yerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]],
+                        marker="o", capsize=3, label=label)
+        for g, r in zip(gb, rows):
+            ax.annotate(r["model"].split(" ")[0], (g, 0), xytext=(0, 4), textcoords="offset points", ha="center",
+                        fontsize=8, color="grey")
+        ax.set_xlabel("checkpoint size, GB (fp32 weights + AdamW moments)")
+        ax.set_ylabel("seconds (median, min–max)")
+        ax.set_ylim(bottom=0)
+        ax.set_xlim(left=0)
+        ax.set_title("Time grows linearly with the checkpoint's bytes (2 ranks, page cache dropped)")
+        ax.legend(loc="upper left")
+
+    return plot_from_table("scaling", draw)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="tiny models, publishes nothing")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from the published table")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        plot()
+        return 0
     from tests.harness import spawn
 
     out = OUT / ("small" if args.small else "full")
@@ -267,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.small:
         print(body)
         return 0
-    cmds = sorted({" ".join(["python", "bench/scaling_bench.py", *r["argv"][1:]]) for r in found.values()})
+    cmds = sorted({command_line(["bench/scaling_bench.py", *r["argv"][1:]]) for r in found.values()})
     publish("scaling", body + "\n\nSizes measured by: " + "; ".join(f"`{c}`" for c in cmds) + ".")
+    plot()
     return 0
 
 

@@ -64,7 +64,7 @@ def machine() -> dict:
             "host": platform.node(), "cpus": os.cpu_count(), "load_avg_at_start": os.getloadavg(),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "disk_free_gib": round(shutil.disk_usage(ROOT).free / 2**30, 1), "python": platform.python_version(),
-            "torch": ver("torch"), "deepspeed": ver("deepspeed"), "command": " ".join([sys.executable, *sys.argv])}
+            "torch": ver("torch"), "deepspeed": ver("deepspeed"), "argv": list(sys.argv)}
 
 
 def run(args: argparse.Namespace, out_dir: Path) -> dict:
@@ -138,12 +138,22 @@ def _dump(out_dir: Path, h: Torture, info: dict, kill_seconds: float, *, partial
     return result
 
 
+def run_command(m: dict) -> str:
+    """The command of the run the figures come from, as published: ``python bench/torture.py ...`` relative to the
+    checkout, whatever interpreter ran it and without the machine's paths (records before ``argv`` kept a string
+    starting with the interpreter's path)."""
+    from bench.benchlib import command_line
+
+    argv = m.get("argv") or m.get("command", "?").split()[1:]
+    return command_line(argv)
+
+
 def table(r: dict) -> str:
     kills = [k for k in r["kills"] if k["killed"]]
     m = r["machine"]
-    lines = [f"Reliability torture, {m['date']} on {m['host']}: {m['cpus']} cores, {m['memory_gib']} GiB RAM, "
+    lines = [f"Reliability torture, {m['date']}: {m['cpus']} cores, {m['memory_gib']} GiB RAM, "
              f"{m['disk_free_gib']} GiB disk free; Python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}",
-             f"`{m['command']}`", ""]
+             f"`{run_command(m)}`", ""]
     lines += _kill_grid(kills) + ["", "| figure | value |", "|---|---|"]
     v = r["violations"]
     segs = [s for s in r["segments"] if s["loaded"] and s["kind"] != "finish" and s["expected_resume"] > 0]

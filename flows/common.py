@@ -66,11 +66,12 @@ def default(model: type[BaseModel], field: str) -> Any:
 
 def check_train_request(request: TrainExportRequest) -> RunSpec:
     """Everything about a train-and-export request that can be known before a task runs (no Prefect server
-    needed): the config file, every segment's world size, the run directory, the model, the data and the
+    needed): the config file and its overrides (one a script run never reads is refused; so is a change an
+    existing run cannot take), every segment's world size, the run directory, the model, the data and the
     memory of the largest segment. Raises a ShardkeeperError (one line); writes nothing."""
     from shardkeeper.config import train_spec, with_script
     from shardkeeper.preflight import preflight
-    from shardkeeper.stages import keep_run_script, plan_topology as plan
+    from shardkeeper.stages import check_spec_change, keep_run_script, plan_topology as plan
 
     if request.config is not None and not Path(request.config).is_file():
         _missing("config", request.config, "a RunSpec YAML file", "configs/tiny.yaml")
@@ -80,6 +81,7 @@ def check_train_request(request: TrainExportRequest) -> RunSpec:
         spec = train_spec(request.config, request.overrides, request.run_dir, script=request.script,
                           script_args=request.script_args)
     spec = keep_run_script(spec, request.run_dir)
+    check_spec_change(request.run_dir, spec)  # an existing run: what the segment would refuse, refused now
     if request.export_dir is not None and Path(request.export_dir).is_file():
         raise ConfigError(f"export_dir {request.export_dir}: is a file; give a folder to create")
     topologies = {}
@@ -155,7 +157,7 @@ def drive_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preempt
         topology = plan_topology(spec, plan.nproc, plan.nodes, plan.launcher, plan.launcher_options())
         state = inspect_run(run_dir) if attempts else state
         if state.checkpoint is not None and state.world_size != topology.world_size:
-            resharded = reshard(state.checkpoint, topology.world_size)
+            resharded = reshard(state.checkpoint, topology.world_size, spec)  # the rule of the spec it trains under
         result = train_segment(spec, run_dir, topology, plan.until_step, timeout_s=plan.timeout_s,
                                launcher_options=plan.launcher_options())
         attempts.append(result)
@@ -166,6 +168,9 @@ def drive_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preempt
         if result.status == "cancelled":
             raise SegmentCancelled(f"segment {result.segment} of {run_dir} cancelled at step {result.end_step} "
                                    f"(checkpoint {result.checkpoint}); no further segment is started")
+        if result.status == "refused":  # bad input only the ranks could see: the run stays as it was
+            raise ConfigError(f"segment {result.segment} of {run_dir} refused before its first step on "
+                              f"{topology.world_size} ranks: {result.failure}")
         if result.status == "failed":
             raise SegmentFailed(f"segment {result.segment} failed on {topology.world_size} ranks after step "
                                 f"{result.end_step} (exit code {result.exit_code}); failing rank's last lines:\n"

@@ -110,8 +110,8 @@ def train_and_export(
 def _train_and_export(request: TrainExportRequest) -> TrainExportSummary:
     logger = get_run_logger()
     check_train_request(request)  # before any task: a bad request fails with one line and writes nothing
-    spec: RunSpec = load_spec(request.config, request.spec, request.overrides, base_dir=request.base_dir,
-                              script=request.script, script_args=request.script_args)
+    spec: RunSpec = load_spec(request.config, request.spec, request.overrides, run_dir=request.run_dir,
+                              base_dir=request.base_dir, script=request.script, script_args=request.script_args)
     outcomes: list[SegmentOutcome] = []
     try:
         for i, plan in enumerate(request.segments):

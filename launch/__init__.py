@@ -31,8 +31,8 @@ def get_launcher(name: str, **options: Any) -> Launcher:
     return getattr(importlib.import_module(module), cls)(**options)
 
 
-_FROM_BASE = ("LaunchOutcome", "LaunchRequest", "Launcher", "failing_rank_lines", "rank_stopped_at_startup",
-              "without_torchrun_closing")
+_FROM_BASE = ("LaunchOutcome", "LaunchRequest", "Launcher", "failing_rank_lines", "first_rank_exit_code",
+              "rank_stopped_at_startup", "without_torchrun_closing")
 
 
 def __getattr__(name: str) -> Any:
@@ -43,5 +43,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'launch' has no attribute {name!r}")
 
 
-__all__ = ["LAUNCHERS", "LaunchOutcome", "LaunchRequest", "Launcher", "failing_rank_lines", "get_launcher",
-           "rank_stopped_at_startup", "without_torchrun_closing"]
+__all__ = ["LAUNCHERS", "LaunchOutcome", "LaunchRequest", "Launcher", "failing_rank_lines", "first_rank_exit_code",
+           "get_launcher", "rank_stopped_at_startup", "without_torchrun_closing"]

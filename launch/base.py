@@ -236,6 +236,14 @@ def _killed_rank(tail: list[str]) -> str | None:
 _RANK_EXIT_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 
 
+def first_rank_exit_code(lines: list[str]) -> int | None:
+    """The exit code of the first rank torchrun saw fail (its "failed (exitcode: N) local_rank: R" line; negative:
+    killed by that signal), or None when no rank failed or torchrun said nothing. torchrun's own exit code is 1 for
+    any rank's failure; this is the rank's own (2: a ShardkeeperError of bad input, 65: a non-finite step, ...)."""
+    first = next((m for m in map(_RANK_EXIT_RE.search, lines) if m), None)
+    return int(first.group(1)) if first is not None else None
+
+
 def rank_stopped_at_startup(lines: list[str]) -> bool:
     """Did the first rank torchrun saw fail end as a stop during start-up? A rank that got SIGTERM/SIGUSR1 before its
     process group formed exits 75 with nothing to save, and one that got it while the group formed dies of it
@@ -243,9 +251,7 @@ def rank_stopped_at_startup(lines: list[str]) -> bool:
     and exit 75 with a report. torchrun's own SIGTERMs to the other ranks come after that first failure."""
     from schemas.seam import EXIT_PREEMPTED
 
-    stops = {EXIT_PREEMPTED, -int(signal.SIGTERM), -int(signal.SIGUSR1)}
-    first = next((m for m in map(_RANK_EXIT_RE.search, lines) if m), None)
-    return first is not None and int(first.group(1)) in stops
+    return first_rank_exit_code(lines) in {EXIT_PREEMPTED, -int(signal.SIGTERM), -int(signal.SIGUSR1)}
 
 
 def without_torchrun_closing(lines: list[str]) -> list[str]:

@@ -222,6 +222,21 @@ class RunState(_Frozen):
         "manifest's checksums since its upload (False: committed, not re-read); None for a local run directory")
 
 
+def last_segment(records: list[dict[str, Any]], *, locked: bool) -> tuple[str | None, int | None]:
+    """How the last segment that ran ended ('running' while the run lock is held, 'interrupted' if it never ended)
+    and the until_step it was started with, from segments.jsonl's records. Segments the ranks refused before
+    their first step (SegmentStatus 'refused') trained and committed nothing: the run stands where the last
+    segment that ran left it, for ``status``, the resume flow's triage and the dashboard alike."""
+    refused = {r.get("segment") for r in records if r.get("event") == "end" and r.get("status") == "refused"}
+    ran = [r for r in records if r.get("segment") not in refused] if refused else records
+    starts = [r for r in ran if r.get("event") == "start"]
+    if not ran:
+        return None, None
+    last = ran[-1]
+    status = last.get("status") if last.get("event") == "end" else ("running" if locked else "interrupted")
+    return status, starts[-1].get("until_step") if starts else None
+
+
 class SegmentOutcome(_Frozen):
     plan: SegmentPlan = Field(description="the segment as requested")
     reshard: ReshardResult | None = Field(None, description="reshard before the segment, when the world size changed")

@@ -16,20 +16,25 @@ class _Frozen(BaseModel):
 
 # cancelled: stopped on request of the orchestrator (a Prefect flow-run cancellation); its ranks
 # committed a checkpoint, but no further segment may start and the resume flow leaves the run alone.
-SegmentStatus = Literal["completed", "preempted", "cancelled", "failed"]
+# refused: the ranks refused their input before the first step (what only a user's script knows, e.g. an HF Trainer's
+# max_steps below --until-step): exit 2 like any bad input, nothing trained; the run's status stays that of the last
+# segment that ran (status, the resume flow's triage and the dashboard skip it), segments.jsonl and lineage keep it.
+SegmentStatus = Literal["completed", "preempted", "cancelled", "failed", "refused"]
 
 
 class SegmentResult(_Frozen):
     run_dir: str = Field(description="run directory")
     status: SegmentStatus = Field(description="how the segment ended")
-    exit_code: int = Field(description="exit code of the launcher (0 completed, 75 preempted, 130 cancelled, 65 a non-finite loss or gradient, other failed)")
+    exit_code: int = Field(description="exit code of the launcher (0 completed, 75 preempted, 130 cancelled, 65 a "
+                           "non-finite loss or gradient, 2 refused, other failed)")
     segment: int = Field(ge=0, description="segment index within the run")
     start_step: int = Field(ge=0, description="step the segment resumed from")
     end_step: int = Field(ge=0, description="step of the last committed checkpoint")
     checkpoint: str | None = Field(None, description="path of the newest valid checkpoint after the segment")
     topology: ClusterTopology = Field(description="where it ran")
     seconds: float = Field(0.0, description="wall time")
-    failure: str | None = Field(None, description="failing rank's last lines when status is 'failed'")
+    failure: str | None = Field(None, description="failing rank's last lines when status is 'failed'; the ranks' one "
+                                "line when it is 'refused'")
     traceback: str | None = Field(None, description="a user's script that raised: its own traceback (its frames, not "
                                   "shardkeeper's), from the first failing rank")
     note: str | None = Field(None, description="how a preempted or cancelled segment ended, e.g. that it stopped "

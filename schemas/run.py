@@ -272,7 +272,9 @@ class PerformanceSpec(_Frozen):
 
 class ScriptSpec(_Frozen):
     """A user's training script run as the segment's ranks (``shardkeeper train --script``): it trains with the
-    public API (``shardkeeper.Segment``); the model, data, optim, schedule, precision and eval sections do not apply."""
+    public API (``shardkeeper.Segment``); the model, data, optim, schedule, precision and eval sections and the batch
+    geometry (global_batch_size, micro_batch_size) do not apply: the script builds its own model and splits its own
+    batches, so a script run trains at any world size (``RunSpec.world_size_refusal``)."""
 
     path: str = Field(min_length=1, description="the Python script every rank runs as __main__: an absolute path (made "
                       "so by shardkeeper train), or one relative to the ranks' working directory (a path in a container image)")
@@ -282,6 +284,12 @@ class ScriptSpec(_Frozen):
     @classmethod
     def _plain(cls, v: str) -> str:
         return plain_path(v, "script.path")  # type: ignore[return-value]
+
+
+# What a script run (RunSpec.script set) never reads: its script builds its own data and batches, LR schedule and
+# precision, and the performance options are the built-in trainer's. A --set of one of them is refused for a script
+# run (it would change nothing), and a change of them between two segments of a script run is no change of the run.
+SCRIPT_UNUSED = ("global_batch_size", "micro_batch_size", "data", "schedule", "precision", "eval", "performance")
 
 
 class RunSpec(_Frozen):
@@ -296,7 +304,8 @@ class RunSpec(_Frozen):
     name: str = Field("run", min_length=1, pattern=r"\S", description="human name of the run (shown in lineage and model cards)")
     backend: Literal["fsdp2", "deepspeed"] = Field("fsdp2", description="sharding backend")
     seed: int = Field(1234, ge=0, lt=2**63, description="seed of initialisation and of the global sample order")
-    global_batch_size: int = Field(8, gt=0, description="samples per optimizer step, over all ranks")
+    global_batch_size: int = Field(8, gt=0, description="samples per optimizer step, over all ranks (the built-in "
+                                   "trainer; a script run splits its own batches and does not use it)")
     micro_batch_size: int | None = Field(
         None, gt=0, description="samples per rank per forward pass (gradient accumulation); null = all of the rank's share"
     )
@@ -327,28 +336,44 @@ class RunSpec(_Frozen):
         """Samples per held-out batch over all ranks."""
         return (self.eval.batch_size if self.eval and self.eval.batch_size else None) or self.global_batch_size
 
-    def per_rank_batch(self, world_size: int) -> int:
-        """Samples each rank processes per optimizer step; raises ValueError if it does not divide."""
+    def world_size_refusal(self, world_size: int, *, choose: str = "--nproc") -> str | None:
+        """Why the next segment of this run cannot train on ``world_size`` ranks (one line naming the field and the
+        fix), or None when it can. The one home of the batch rule: every stage that places or prepares a segment
+        (``train``'s topology plan and preflight, ``reshard``, the flows, the schedule, the automation, Kubernetes
+        manifests) asks this method of the run's own record, never a config default.
+
+        The built-in trainer splits ``global_batch_size`` (and ``eval.batch_size``) evenly over the ranks, and
+        ``micro_batch_size`` must divide each rank's share. A script run (``script`` set) has no batch of
+        shardkeeper's: the script splits its own batches, so every world size of at least 1 is allowed (its
+        ``global_batch_size`` is an unused default). ``choose``: how the message names what the user picks
+        (``--nproc``, ``--world-size``, ``--nodes x --nproc``)."""
         if world_size < 1:
-            raise ValueError("world size must be at least 1")
+            return "a world size must be at least 1 rank"
+        if self.script is not None:
+            return None
         if self.global_batch_size % world_size:
-            raise ValueError(
-                f"global_batch_size {self.global_batch_size} is not divisible by {world_size} ranks; "
-                f"choose --nproc among {divisors(self.global_batch_size)} or change global_batch_size"
-            )
+            return (f"global_batch_size {self.global_batch_size} is not divisible by {world_size} ranks; "
+                    f"choose {choose} among {divisors(self.global_batch_size)} or change global_batch_size")
         if self.eval is not None and self.eval.batch_size and self.eval.batch_size % world_size:
-            raise ValueError(
-                f"eval.batch_size {self.eval.batch_size} is not divisible by {world_size} ranks; "
-                f"choose --nproc among {divisors(self.eval.batch_size)} or change eval.batch_size"
-            )
+            return (f"eval.batch_size {self.eval.batch_size} is not divisible by {world_size} ranks; "
+                    f"choose {choose} among {divisors(self.eval.batch_size)} or change eval.batch_size")
         local = self.global_batch_size // world_size
         micro = self.micro_batch_size or local
         if local % micro:
-            raise ValueError(
-                f"micro_batch_size {micro} does not divide the per-rank batch {local} at {world_size} ranks; "
-                "set micro_batch_size to a divisor of it or null"
-            )
-        return local
+            return (f"micro_batch_size {micro} does not divide the per-rank batch {local} at {world_size} ranks; "
+                    "set micro_batch_size to a divisor of it or null")
+        return None
+
+    def per_rank_batch(self, world_size: int) -> int:
+        """Samples each rank of the built-in trainer processes per optimizer step; raises ValueError (the line of
+        ``world_size_refusal``) if the batch does not split over ``world_size`` ranks. Not for a script run: its
+        script splits its own batches (ValueError)."""
+        if self.script is not None:
+            raise ValueError("a script run has no per-rank batch of shardkeeper's: its script splits its own batches")
+        problem = self.world_size_refusal(world_size)
+        if problem is not None:
+            raise ValueError(problem)
+        return self.global_batch_size // world_size
 
 
 def divisors(n: int) -> list[int]:

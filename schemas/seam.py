@@ -22,6 +22,7 @@ from schemas.run import ClusterTopology
 
 EXIT_COMPLETED = 0
 EXIT_FAILED = 1  # failed (the failing rank's cause is shown); also a signal-killed torchrun or rank, or any other code
+EXIT_REFUSED = 2  # bad input, refused in one line before a step trained (segment 'refused'; status unchanged)
 EXIT_NONFINITE = 65  # EX_DATAERR: the loss or gradient norm became NaN/Inf; nothing of that step was committed
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a scheduler's requeue means
 EXIT_CANCELLED = 130  # 128 + SIGINT: the shell's "stopped on request" (an orchestrator's cancellation)
@@ -170,7 +171,7 @@ class SegmentReport(_Frozen):
 
 def documented_exit_codes() -> frozenset[int]:
     """The ``EXIT_*`` codes above and those of the error classes (what the exit-codes reference lists)."""
-    codes = {EXIT_COMPLETED, EXIT_FAILED, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_CANCELLED}
+    codes = {EXIT_COMPLETED, EXIT_FAILED, EXIT_REFUSED, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_CANCELLED}
     todo: list[type] = [ShardkeeperError]
     while todo:
         cls = todo.pop()
@@ -184,8 +185,8 @@ def documented_exit_codes() -> frozenset[int]:
 def exit_code_of(status: str, fallback: int) -> int:
     """The exit code a segment that ended with ``status`` returns (``fallback`` for a failure; a code outside the
     documented set, e.g. a signal-killed torchrun's -9, is EXIT_FAILED)."""
-    code = {"completed": EXIT_COMPLETED, "preempted": EXIT_PREEMPTED, "cancelled": EXIT_CANCELLED}.get(
-        status, fallback or EXIT_FAILED)
+    code = {"completed": EXIT_COMPLETED, "preempted": EXIT_PREEMPTED, "cancelled": EXIT_CANCELLED,
+            "refused": EXIT_REFUSED}.get(status, fallback or EXIT_FAILED)
     return code if code in documented_exit_codes() else EXIT_FAILED
 
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Segment", "SegmentPreempted", "UsageError"]
+__all__ = ["Segment", "SegmentPreempted", "SegmentStopped", "UsageError"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Segment", "SegmentPreempted"):
+    if name in ("Segment", "SegmentPreempted", "SegmentStopped"):
         from trainer import api
 
         return getattr(api, name)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import shlex
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import click
 import typer
@@ -27,6 +28,9 @@ from rich.logging import RichHandler
 
 from schemas.errors import ShardkeeperError
 from schemas.seam import EXIT_CANCELLED, RANK_ERROR_PREFIX
+
+if TYPE_CHECKING:
+    from schemas import RunSpec
 
 try:  # typer >= 0.20 vendors click as typer._click; older ones raise click's own exceptions
     from typer._click.exceptions import ClickException as _TyperClickException
@@ -91,7 +95,8 @@ def train(
 
     Exit code: 0 completed, 75 preempted (checkpoint committed; run the same command to resume), 1 failed,
     65 a non-finite loss or gradient (nothing of that step committed; see optim.on_nonfinite), 3 the run directory
-    is locked (another segment, or its ranks, still running)."""
+    is locked (another segment, or its ranks, still running), 2 bad input: refused before anything is written, or
+    by the ranks before their first step (what only a script knows; the run's status stays as it was)."""
     from launch.early import install_early_stop_handlers
     from shardkeeper.config import check_until_step, plain_path, train_spec
     from shardkeeper.stages import plan_topology, train_segment
@@ -121,7 +126,11 @@ def train(
     if times is not None and times.time_to_first_step_s is not None:
         msg += f" (first step after {times.time_to_first_step_s:.1f} s"
         msg += f", emergency checkpoint in {times.emergency_save_s:.1f} s)" if times.emergency_save_s is not None else ")"
-    if res.status == "failed":
+    if res.status == "refused":  # bad input only the ranks could see: one line, the run's status unchanged
+        console.print(f"error: segment {res.segment} refused before its first step on {where} (nothing trained; the "
+                      f"run stays as it was): {_failure_line(res.failure)}", markup=False, highlight=False,
+                      soft_wrap=True)
+    elif res.status == "failed":
         if res.traceback:  # the user's script raised: its own traceback first, then the one line
             console.print(res.traceback.rstrip(), markup=False, highlight=False, soft_wrap=True)
         console.print(f"error: {msg}: {_failure_line(res.failure)}", markup=False, highlight=False, soft_wrap=True)
@@ -232,11 +241,34 @@ def convert(
     """Convert a checkpoint between backends (DeepSpeed ZeRO <-> DCP/FSDP2), streaming one parameter at a time."""
     from shardkeeper.stages import convert_checkpoint
 
+    from ckpt.manifest import read_manifest
+
     done = convert_checkpoint(ckpt_dir, to, target, zero_stage=zero_stage)
-    backend = "fsdp2" if to == "dcp" else "deepspeed"
-    out.print(f"converted {ckpt_dir} -> {done} ({to}); continue with --set backend={backend}"
-              + (f" --set deepspeed.zero_stage={zero_stage}" if zero_stage else "")
-              + (f" --run-dir {target}" if done != target else ""))
+    if done == target:  # a bare step directory: no run to continue yet
+        out.print(f"converted {ckpt_dir} -> {done} ({to}); to train on from it, convert into a run directory instead "
+                  f"({shlex.join(['shardkeeper', 'convert', str(ckpt_dir), 'RUN_DIR', '--to', to])})",
+                  markup=False, highlight=False, soft_wrap=True)
+        return
+    manifest = read_manifest(done)  # the run.yaml beside it names the backend (and a script run's script)
+    out.print(f"converted {ckpt_dir} -> {done} ({to}); continue with: "
+              f"{train_command(None, [], str(target), next_until_step(manifest.run_spec, manifest.step))}",
+              markup=False, highlight=False, soft_wrap=True)
+
+
+def train_command(config: Path | str | None, overrides: list[str] | None, run_dir: str, until_step: int) -> str:
+    """The ``shardkeeper train`` command that continues a run, quoted for a POSIX shell, runnable as printed: the
+    config and every --set as given (their relative paths resolve from where the printing command ran), the run
+    directory (whose run.yaml keeps the backend, the --set values and a script run's script)."""
+    argv = ["shardkeeper", "train", *(["--config", str(config)] if config is not None else [])]
+    argv += [a for kv in overrides or [] for a in ("--set", kv)]
+    return shlex.join([*argv, "--run-dir", run_dir, "--until-step", str(until_step)])
+
+
+def next_until_step(spec: RunSpec, step: int) -> int:
+    """A concrete --until-step for a printed continuation from ``step``: the end of the run's LR schedule (the
+    whole run, for the built-in trainer) when it lies ahead, else one checkpoint interval on."""
+    total = spec.schedule.total_steps if spec.script is None else 0
+    return total if total > step else step + spec.checkpoint.interval
 
 
 @app.command("import")
@@ -257,8 +289,9 @@ def import_cmd(
     spec = load_run_spec(config, set_)
     res = import_checkpoint(src, spec, run_dir, step=step, config_name=str(config))
     out.print(f"imported {res.source} ({res.layout}, step {res.step}, {res.tensors} tensors) -> {res.checkpoint} "
-              f"({res.format}) in {res.seconds:.1f} s; continue with: shardkeeper train --config {config} "
-              f"--run-dir {run_dir} --until-step N", highlight=False, markup=False)
+              f"({res.format}) in {res.seconds:.1f} s; continue with: "
+              f"{train_command(config, set_, run_dir, next_until_step(spec, res.step))}",
+              highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()

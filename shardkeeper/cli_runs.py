@@ -157,12 +157,9 @@ def manifest(
     spec = train_spec(config, set_, "", script=script, script_args=list(ctx.args))
     if script is not None and not script.startswith("/"):  # a path inside the image: keep it as given there
         spec = spec.model_copy(update={"script": spec.script.model_copy(update={"path": script})})  # type: ignore[union-attr]
-    try:
-        if spec.script is None:  # a script splits its own batches
-            spec.per_rank_batch(nodes * nproc)
-    except ValueError as e:
-        why = str(e).replace("choose --nproc among", "choose --nodes x --nproc among")
-        raise ShardkeeperError(f"--nodes {nodes} --nproc {nproc}: {why}") from None
+    problem = spec.world_size_refusal(nodes * nproc, choose="--nodes x --nproc")  # None for a script run
+    if problem is not None:
+        raise ShardkeeperError(f"--nodes {nodes} --nproc {nproc}: {problem}")
     topo = ClusterTopology(nodes=nodes, procs_per_node=nproc, device_type=device,  # type: ignore[arg-type]
                            backend="nccl" if device == "cuda" else "gloo", launcher="kubernetes")
     req = LaunchRequest(run_dir=run_dir, until_step=until_step, segment=segment, topology=topo)  # type: ignore[arg-type]

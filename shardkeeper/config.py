@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from schemas.errors import ConfigError
 from ckpt.fsutil import DuplicateKeyError, load_yaml
 from schemas import RunSpec
-from schemas.run import MAX_STEPS, control_chars
+from schemas.run import MAX_STEPS, SCRIPT_UNUSED, control_chars
 
 
 def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -170,7 +170,29 @@ def train_spec(config: str | Path | None, overrides: list[str] | None, run_dir: 
     else:
         raise ConfigError(f"--config: required for a new run ({run_dir} holds no run.yaml); pass --config "
                           "configs/tiny.yaml, or --script FILE to train with your own script")
-    return with_script(spec, script, script_args, base=overrides_base)
+    spec = with_script(spec, script, script_args, base=overrides_base)
+    refuse_unused_overrides(spec, overrides)
+    return spec
+
+
+def refuse_unused_overrides(spec: RunSpec, overrides: list[str] | None) -> None:
+    """A ``--set`` a script run never reads (SCRIPT_UNUSED: its batches, data, schedule, precision ...) would be
+    recorded and change nothing: refused in one line naming the key (ConfigError)."""
+    if spec.script is None:
+        return
+    for key in parse_overrides(overrides):
+        top = key.split(".", 1)[0]
+        if top in SCRIPT_UNUSED:
+            raise ConfigError(f"--set {key}: a script run ({Path(spec.script.path).name}) never reads it "
+                              f"({_SCRIPT_OWNS.get(top, _SCRIPT_OWNS['global_batch_size'])}); pass the value to the "
+                              "script as its own argument (after --), or remove the --set")
+
+
+# Why a script run does not read a SCRIPT_UNUSED key, for refuse_unused_overrides' line.
+_SCRIPT_OWNS = {"global_batch_size": "the script splits its own batches", "data": "the script reads its own data",
+                "schedule": "the script sets its own LR schedule", "precision": "the script chooses its own dtypes",
+                "eval": "the script evaluates on its own",
+                "performance": "these are options of the built-in trainer's model"}
 
 
 def _stored_spec(url: str) -> Path | None:

@@ -66,10 +66,9 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
         check_script(spec.script.path)
         check_memory_tier(spec, topology, run_dir, None)
         return None
-    try:
-        spec.per_rank_batch(topology.world_size)
-    except ValueError as e:
-        raise ConfigError(f"world size {topology.world_size}: {e}") from None
+    problem = spec.world_size_refusal(topology.world_size)
+    if problem is not None:
+        raise ConfigError(f"world size {topology.world_size}: {problem}")
     from shardkeeper import model_facts
 
     facts_key = model_facts.key(spec)

@@ -33,7 +33,7 @@ from ckpt.pin import Pin
 from schemas import RunSpec, SegmentResult, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired, ShardkeeperError
 from shardkeeper.remote_stop import STOP_UPLOAD_ENV, UploadAbandoned, _abandoned, _stop_budget, abandoned_uploads
-from schemas.requests import RunState
+from schemas.requests import RunState, last_segment
 
 log = logging.getLogger("shardkeeper")
 
@@ -427,16 +427,11 @@ def run_state_remote(url: str, *, is_locked: Callable[[Path], bool]) -> RunState
     held = lease is not None and (view := lease.read()) is not None and view.remaining_s > 0  # another machine trains it
     if not rd.spec_path.exists() and found is None:
         return RunState(run_dir=url, exists=False, locked=held)
-    records = read_jsonl(rd.segments)
-    starts = [r for r in records if r.get("event") == "start"]
     locked = is_locked(rd.root) or held
-    last_status = None
-    if records:
-        last = records[-1]
-        last_status = last.get("status") if last.get("event") == "end" else ("running" if locked else "interrupted")
+    last_status, last_until_step = last_segment(read_jsonl(rd.segments), locked=locked)
     return RunState(run_dir=url, exists=True, checkpoint=remote.checkpoint_uri(found[0]) if found else None,
                     step=found[0] if found else 0, world_size=found[1].topology.world_size if found else None,
-                    last_status=last_status, last_until_step=starts[-1].get("until_step") if starts else None,
+                    last_status=last_status, last_until_step=last_until_step,
                     locked=locked, reread=reread_on_store(remote, found[0]) if found else None)
 
 

@@ -106,8 +106,10 @@ def lineage_graph(events: list[LineageEvent], existing: set[str] | None = None, 
     ckpts = sorted((e for e in latest.values() if e.kind == "checkpoint"), key=lambda c: (c.step or 0, c.time))
     derived = {e.parent for e in latest.values() if e.parent and e.kind != "checkpoint"}
     outputs = {e.parent for e in latest.values() if e.parent and _output_kind(e)}
+    # a segment the ranks refused before its first step trained nothing: no lane (status and the resume flow skip it)
     segments = {int(k.split(":")[1]): e for k, e in latest.items()
-                if e.kind == "segment" and k.startswith("segment:") and k.split(":")[1].isdigit()}
+                if e.kind == "segment" and k.startswith("segment:") and k.split(":")[1].isdigit()
+                and e.data.get("status") != "refused"}
     by_segment: dict[int, list[LineageEvent]] = {}
     for c in ckpts:
         by_segment.setdefault(_segment(c), []).append(c)

@@ -1,6 +1,6 @@
 """Prefect events of a run, for automations and the event feed:
 
-    shardkeeper.segment.completed | .preempted | .failed | .cancelled   one per segment launch
+    shardkeeper.segment.completed | .preempted | .failed | .cancelled | .refused   one per segment launch
     shardkeeper.checkpoint.committed                                     one per committed checkpoint
 
 The resource of a segment event is the run (``shardkeeper.run.<absolute run dir>``); its label

@@ -40,15 +40,18 @@ class CheckpointInvalid(CheckpointError):
 def load_spec(config: str | None = None, spec: RunSpec | None = None, overrides: list[str] | None = None,
               run_dir: str | None = None, base_dir: str | None = None, script: str | None = None,
               script_args: list[str] | None = None) -> RunSpec:
-    """The RunSpec from a YAML file (plus ``key=value`` overrides), as given inline, or the one a run
-    directory was trained with (its run.yaml). Relative paths in ``overrides`` resolve against ``base_dir``
-    (the flow parameter), not the worker's working directory."""
+    """The RunSpec a segment of ``run_dir`` trains under, as ``shardkeeper train`` reads it: as given inline; from a
+    YAML file (plus ``key=value`` overrides); for a script run without a config, the run's own run.yaml (a run that
+    exists: an import the script continues, an earlier segment) or the defaults (a new run); with neither config nor
+    script, the run directory's run.yaml (what it was trained with). Relative paths in ``overrides`` resolve against
+    ``base_dir`` (the flow parameter), not the worker's working directory."""
     from shardkeeper.config import load_run_spec, train_spec, with_script
 
     if spec is not None:
         return with_script(spec, script, script_args, base=base_dir)
-    if script is not None and run_dir is None:  # a script run: the config is optional
-        return train_spec(config, overrides, "", script=script, script_args=script_args, overrides_base=base_dir)
+    if config is not None or script is not None:  # what check_train_request checked, and train would read
+        return train_spec(config, overrides, run_dir or "", script=script, script_args=script_args,
+                          overrides_base=base_dir)
     if run_dir is not None and "://" in run_dir:  # a run on the store: its run.yaml, pulled into the cache
         from shardkeeper.remote import lineage_source
 
@@ -128,6 +131,8 @@ def train_segment(spec: RunSpec, run_dir: str, topology: ClusterTopology, until_
                f"on {topology.world_size} ranks in {result.seconds:.1f} s{job}")
     if result.status == "failed":
         logger.error("%s; last lines:\n%s", summary, result.failure)
+    elif result.status == "refused":
+        logger.error("%s: refused before its first step: %s", summary, result.failure)
     elif result.status in ("preempted", "cancelled"):
         logger.warning("%s; checkpoint %s%s", summary, result.checkpoint, f" ({result.note})" if result.note else "")
     else:
@@ -227,10 +232,12 @@ def validate(ckpt_dir: str, deep: bool = True) -> ValidationReport:
 
 
 @task(name="reshard", cache_policy=NO_CACHE)
-def reshard(ckpt_dir: str, world_size: int) -> ReshardResult:
+def reshard(ckpt_dir: str, world_size: int, spec: RunSpec | None = None) -> ReshardResult:
+    """Make ``ckpt_dir`` loadable at ``world_size`` for the next segment, which trains under ``spec`` (its batch
+    rule decides whether it may; default: the run's record, run.yaml)."""
     from shardkeeper import stages
 
-    result = stages.reshard(ckpt_dir, world_size)
+    result = stages.reshard(ckpt_dir, world_size, spec=spec)
     get_run_logger().info("%s: %s (world size %d) -> %d", result.method, Path(ckpt_dir).name,
                           result.from_world_size, result.to_world_size)
     return result

@@ -43,6 +43,7 @@ MISUSE = {
     "twice": "seg.steps(): called twice; one segment runs one loop",
     "str-loss": "seg.log(loss=...): a str; loss must be a number",
 }
+REFUSED_MISUSE = {"bad-track"}  # raised before the first step: the segment is refused, not failed
 BAD_SCRIPTS = {  # name: (content, the one line's reason)
     "missing.py": (None, "no such file"),
     "train.txt": ("print('hi')\n", "not a Python script (.py)"),
@@ -85,7 +86,8 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every run the tests below read, launched side by side:
 
     - ``full``: one uninterrupted 2-rank run of examples/fsdp2_loop.py to step 16; ``same``/``one``: copies of it cut
-      at step 8 resumed on 2 and on 1 rank, then ``validate --deep`` and ``status`` on ``one``;
+      at step 8 resumed on 2 and on 1 rank, then ``validate --deep`` and ``status`` on ``one``, then a segment of
+      ``one`` the ranks refuse (``bad-track``) and ``status`` again;
     - ``loader-*``: the tracked StatefulDataLoader, 2 ranks to step 10, a copy cut at step 5 resumed to 10, then
       refused on 1 rank;
     - one single-rank run per misuse mode, the user's exception (``raise``, ``after``), ``nan-then-ok``, ``thread``,
@@ -113,7 +115,9 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
          ("same", sk, "train", "--run-dir", str(runs["same"]), "--until-step", "16", "--nproc", "2"),  # the run
          ("one", sk, "train", "--run-dir", str(runs["one"]), "--until-step", "16", "--nproc", "1"),  # remembers its script
          ("validate", sk, "validate", str(runs["one"] / "checkpoints" / "step-00000016"), "--deep"),
-         ("status", sk, "status", str(runs["one"]), "--json")],
+         ("status", sk, "status", str(runs["one"]), "--json"),
+         ("refused", sk, *modes(runs["one"], 20, "--", "--mode", "bad-track")),  # refused by the ranks: nothing moves
+         ("refused-status", sk, "status", str(runs["one"]), "--json")],
         [("loader-full", sk, *modes(runs["loader-full"], 10, "--nproc", "2", "--set", "checkpoint.interval=5", "--",
                                     "--loader")),
          (None, cut, "loader-full", 5, "loader-half"),
@@ -202,13 +206,33 @@ def test_user_exception_shows_the_users_traceback_and_one_line(launched: dict) -
 
 @pytest.mark.parametrize("mode", list(MISUSE))
 def test_api_misuse_is_one_line_and_commits_nothing_after_it(launched: dict, mode: str) -> None:
+    """A misuse raised before the first step (a UsageError: bad input) ends the segment refused, exit 2; one after
+    steps were trained, or a script that never trains, fails it (exit 1)."""
     run, expect = launched["base"] / mode, MISUSE[mode]
     r = outcome(launched, mode)
-    assert r.returncode in (1, 2) and "error: segment 0 failed" in r.stderr, r.stderr[-2000:]
+    ended = "refused before its first step" if mode in REFUSED_MISUSE else "failed"
+    assert r.returncode == (2 if mode in REFUSED_MISUSE else 1), r.stderr[-2000:]
+    assert f"error: segment 0 {ended}" in r.stderr, r.stderr[-2000:]
     assert expect in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     # nothing is committed after the misuse ("twice" comes after a completed loop: its checkpoint stays)
     assert committed(run) == (["step-00000006"] if mode == "twice" else []) if (run / "checkpoints").exists() else True
+
+
+def test_a_segment_the_ranks_refuse_leaves_the_run_as_it_was(launched: dict) -> None:
+    """A script refusing its input before the first step (here seg.track of an object without state_dict, as an HF
+    Trainer refuses --until-step past its max_steps): one line, exit 2, recorded as 'refused' in segments.jsonl;
+    status, the until_step a resume trains to and run.yaml (its script) stay what the last segment left."""
+    run, r = launched["runs"]["one"], outcome(launched, "refused")
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "segment 2 refused before its first step" in lines[0] and "seg.track(counter" in lines[0]
+    before, after = (json.loads(outcome(launched, key).stdout)[0] for key in ("status", "refused-status"))
+    assert after == before and (after["last_status"], after["last_until_step"], after["step"]) == ("completed", 16, 16)
+    end = [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines()][-1]
+    assert (end["event"], end["status"], end["exit_code"], end["end_step"]) == ("end", "refused", 2, 16)
+    assert str(EXAMPLE) in (run / "run.yaml").read_text() and str(MODES) not in (run / "run.yaml").read_text()
+    assert committed(run)[-1] == "step-00000016"
 
 
 @pytest.mark.parametrize("name", list(BAD_SCRIPTS))

@@ -50,3 +50,30 @@ def test_publish_writes_header_and_table(tmp_path, monkeypatch) -> None:
     lines = path.read_text(encoding="utf-8").splitlines()
     assert lines[0].startswith("_Measured ") and "command: `python bench/demo_bench.py --reps 3`" in lines[0]
     assert lines[2:] == ["| x | y |", "|---|---:|", "| 1 | 2 |"]
+
+
+def test_the_published_command_names_no_machine_path() -> None:
+    argv = [str(ROOT / "bench/torture.py"), "--kills", "200", "--work", "/scratch/torture", "--out=/tmp/x.json",
+            "--table-from", "/a/one.json", "/b/two.json", "--config", str(ROOT / "configs/tiny.yaml"), "--note", "a b"]
+    assert benchlib.command_line(argv) == ("python bench/torture.py --kills 200 --work WORK --out=OUT --table-from "
+                                           "TABLE_FROM TABLE_FROM --config configs/tiny.yaml --note 'a b'")
+    assert benchlib.command_line(["/opt/venv/bin/../../elsewhere/x.py"]) == "python x.py"
+    assert "/scratch" not in benchlib.header([str(ROOT / "bench/demo.py"), "--work", "/scratch/w"])
+
+
+def test_a_plot_is_drawn_from_the_published_rows(tmp_path) -> None:
+    (tmp_path / "demo.md").write_text("_Measured ..._\n\nintro\n\n| size | seconds |\n|---:|---:|\n"
+                                      "| 1,000 | 1.50 (1.20–1.90) |\n| 4,096 | **2.25** (met) |\n\n"
+                                      "| other |\n|---|\n| x |\n")
+    rows = benchlib.table_rows("demo", results=tmp_path)
+    assert rows == [{"size": "1,000", "seconds": "1.50 (1.20–1.90)"}, {"size": "4,096", "seconds": "**2.25** (met)"}]
+    assert benchlib.table_rows("demo", 1, results=tmp_path) == [{"other": "x"}]
+    assert benchlib.spread(rows[0]["seconds"]) == (1.5, 1.2, 1.9) and benchlib.spread(rows[1]["seconds"])[0] == 2.25
+    assert benchlib.numbers(rows[1]["size"]) == [4096.0]
+
+    def draw(fig) -> None:
+        benchlib.hbars(fig.add_subplot(), [r["size"] for r in rows], [r["seconds"] for r in rows], "s", grey={0})
+
+    first = benchlib.plot_from_table("demo", draw, results=tmp_path).read_bytes()
+    assert first[:8] == b"\x89PNG\r\n\x1a\n"
+    assert benchlib.plot_from_table("demo", draw, results=tmp_path).read_bytes() == first  # same rows, same bytes

@@ -160,6 +160,36 @@ def test_run_dir_of_another_model_and_locked_run_dir(cli_run: Path, capsys: pyte
     assert "locked by pid" in line
 
 
+def test_reshard_follows_the_runs_record_and_a_refused_restart_writes_nothing(
+        cli_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """reshard checks the world size against the run's record (run.yaml), not the config that wrote the checkpoint:
+    once a script trains the run (run.yaml names it) no batch rule of the config applies. --restart of a run with a
+    valid checkpoint is refused before run.yaml is touched, even with a --set that could change it."""
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(cli_run / "checkpoints" / "step-00000012", run / "checkpoints" / "step-00000012")
+    shutil.copy(cli_run / "run.yaml", run / "run.yaml")
+    ckpt = str(run / "checkpoints" / "step-00000012")
+    line = one_error_line(capsys, ["reshard", ckpt, "--world-size", "5"], 2)
+    assert line == ("error: --world-size 5: global_batch_size 12 is not divisible by 5 ranks; choose --world-size "
+                    "among [1, 2, 3, 4, 6, 12] or change global_batch_size")
+    before = (run / "run.yaml").read_text()
+    line = one_error_line(capsys, ["train", "--run-dir", str(run), "--restart", "--set", "checkpoint.interval=3"], 2)
+    assert "--restart" in line and "valid checkpoint" in line and (run / "run.yaml").read_text() == before
+    assert not (run / "segments.jsonl").exists()
+    spec = yaml.safe_load(before)
+    spec["script"] = {"path": str(ROOT / "examples" / "fsdp2_loop.py"), "args": []}  # a script continues the run
+    (run / "run.yaml").write_text(yaml.safe_dump(spec))
+    capsys.readouterr()
+    assert main(["reshard", ckpt, "--world-size", "5"]) == 0
+    assert "dcp-load-time" in capsys.readouterr().out
+    events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e["data"]["to_world_size"]) for e in events] == [("reshard", 5)]
+
+
 def test_checkpoint_of_another_architecture_is_refused(cli_run: Path, tmp_path: Path) -> None:
     """A checkpoint copied into a run of a different model: the ranks refuse it by signature."""
     import shutil

@@ -90,7 +90,8 @@ def deployed(prefect_server: Any, tmp_path_factory: pytest.TempPathFactory) -> I
     os.chdir(base)  # relative paths resolve against the folder the user deploys from
     try:
         assert deploy(["--config", TINY, "--run-dir", f"runs/{name}", "--segments", f"2:{UNTIL}", "--pool", pool,
-                       "--set", "checkpoint.interval=20", "--max-preemption-retries", "0", "--backoff-s", "0",
+                       "--set", "checkpoint.interval=20", "--set", "global_batch_size=6",  # tiny.yaml says 12
+                       "--max-preemption-retries", "0", "--backoff-s", "0",
                        "--resume-nproc", "2"]) == 0
     finally:
         os.chdir(cwd)
@@ -170,6 +171,10 @@ def test_preemption_event_triggers_the_resume_automation(deployed: dict[str, Any
 
     state = run_state(run)
     assert state.step == UNTIL and state.last_status == "completed"
+    import yaml
+
+    spec = yaml.safe_load((run / "run.yaml").read_text())  # the deploy-time overrides reached the run
+    assert spec["global_batch_size"] == 6 and spec["checkpoint"]["interval"] == 20
     latency = (done.start_time - datetime.fromisoformat(preempted["occurred"].replace("Z", "+00:00"))).total_seconds()
     print(f"\nautomation: resume flow run started {latency:.1f} s after the preemption event")
     assert latency <= AUTOMATION_GOAL_S, f"resume started {latency:.1f} s after the preemption event"

@@ -355,20 +355,28 @@ def test_only_publish_retries_and_never_on_user_errors() -> None:
     assert t._retry_unless_user_error(t.publish, None, Failed(data=PublishError("not a repo id"))) is False
 
 
-def test_train_and_export_runs_a_users_script_in_segments(prefect_server: Any, tmp_path: Path) -> None:
-    """train-and-export with script= (no config): two segments at 2 then 1 ranks of a user's transformers loop,
-    then deep validation, export (a from_pretrained folder) and lineage, as for the built-in trainer."""
+def test_train_and_export_runs_a_users_script_in_segments(prefect_server: Any, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    """train-and-export with script= (no config): two segments at 2 then 3 ranks of a user's transformers loop (3:
+    a world size the unused default global_batch_size 8 would refuse; the script splits its own batch of 6), then
+    deep validation, export (a from_pretrained folder) and lineage, as for the built-in trainer. The reshard
+    between the segments, and `shardkeeper reshard` of the run's checkpoints after, follow the run's record."""
+    from shardkeeper.cli import main
+
     run = tmp_path / "own"
-    request = TrainExportRequest(script=str(ROOT / "examples" / "hf_model_loop.py"), script_args=["--batch", "4"],
+    request = TrainExportRequest(script=str(ROOT / "examples" / "hf_model_loop.py"), script_args=["--batch", "6"],
                                  overrides=["checkpoint.interval=2"], run_dir=str(run),
-                                 segments=[SegmentPlan(nproc=2, until_step=3), SegmentPlan(nproc=1, until_step=5)],
+                                 segments=[SegmentPlan(nproc=2, until_step=3), SegmentPlan(nproc=3, until_step=5)],
                                  export_dtype="float32", backoff_s=0)
     summary, _ = run_flow(request)
     assert summary.status == "completed" and summary.final_checkpoint.endswith("step-00000005")
+    assert summary.segments[1].reshard is not None and summary.segments[1].reshard.to_world_size == 3
     export = Path(summary.export.out_dir)
     config = json.loads((export / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and (export / "model.safetensors").is_file()
     spec = (run / "run.yaml").read_text()
     assert "hf_model_loop.py" in spec and "--batch" in spec
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["world_size"] for r in rows] == [2, 2, 2, 1, 1]
+    assert [r["world_size"] for r in rows] == [2, 2, 2, 3, 3]
+    capsys.readouterr()
+    assert main(["reshard", summary.final_checkpoint, "--world-size", "5"]) == 0, capsys.readouterr().err

@@ -242,19 +242,30 @@ def test_imported_zero2_checkpoint_trains_on_at_three_ranks_and_exports(zero2_sr
 
 
 @needs_deepspeed
-def test_zero2_import_into_the_deepspeed_backend_trains_on_one_rank(zero2_src: Path, tmp_path: Path) -> None:
-    from trainer.segment import run_segment
+def test_zero2_import_into_the_deepspeed_backend_trains_on_one_rank(zero2_src: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    """The import's printed continuation keeps every --set (the backend among them) and the run dir, and runs as
+    printed: the run trains on from the imported step to the end of its schedule."""
+    import shlex
 
-    run = tmp_path / "run"
+    run = tmp_path / "my run"  # a space: the printed command quotes it
+    capsys.readouterr()
     assert main(["import", str(zero2_src), "--config", TINY, "--run-dir", str(run), "--set", "backend=deepspeed",
-                 "--step", "2"]) == 0
+                 "--step", "2", "--set", "schedule.total_steps=5"]) == 0
+    printed = capsys.readouterr().out.split("continue with: ", 1)[1].strip()
+    argv = shlex.split(printed)
+    assert argv[:4] == ["shardkeeper", "train", "--config", TINY] and argv[-2:] == ["--until-step", "5"]
+    assert "--set backend=deepspeed --set schedule.total_steps=5" in printed
+    assert argv[argv.index("--run-dir") + 1] == str(run)
     man = read_manifest(ckpt(run, 2))
     assert (man.format, man.run_spec.backend, man.step) == ("deepspeed", "deepspeed", 2)
     assert validate(ckpt(run, 2), deep=True).valid and validate(ckpt(run, 2) / "universal", deep=True).valid
-    assert spawn(run_segment, 1, str(run), 3, 0, timeout=900) == [0]
+    done = subprocess.run([sys.executable, "-m", "shardkeeper", *argv[1:]], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [3] and math.isfinite(rows[0]["loss"])
-    assert read_manifest(ckpt(run, 3)).format == "deepspeed" and validate(ckpt(run, 3), deep=True).valid
+    assert [r["step"] for r in rows] == [3, 4, 5] and all(math.isfinite(r["loss"]) for r in rows)
+    assert read_manifest(ckpt(run, 5)).format == "deepspeed" and validate(ckpt(run, 5), deep=True).valid
 
 
 @needs_deepspeed

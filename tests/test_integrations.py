@@ -5,7 +5,8 @@ module fixture makes them, the chains below (no chain reads another's runs) thre
 - Hugging Face Trainer + DeepSpeed ZeRO-2 (examples/hf_trainer.py): an uninterrupted 2-rank run (the Trainer's
   save_steps and the run's interval both commit), a copy of it cut at step 14 resumed on 2 ranks (bitwise); a 2-rank run
   SIGTERMed mid-run (exit 75, the preemption checkpoint committed) and resumed on 1 rank through the universal
-  conversion, whose losses continue the uninterrupted run's;
+  conversion, whose losses continue the uninterrupted run's, then a segment past the Trainer's max_steps, which
+  the ranks refuse before its first step (exit 2, the run unchanged);
 - Accelerate + FSDP2 (examples/accelerate_fsdp.py): an uninterrupted 2-rank run, and copies of it cut at step 8
   resumed on 2 ranks (bitwise the same losses) and on 1 rank (DCP reshards; the same losses within rounding);
 - the own DeepSpeed loop (examples/deepspeed_loop.py): 2 ranks, cut at step 10 and resumed on 1 rank;
@@ -104,7 +105,10 @@ def _preempted_and_resumed(base: Path) -> dict:
     stop = status["end_step"]
     assert stop < 24, f"the SIGTERM landed late (step {stop}); the resume below trains to step 30"
     resumed = train(run, 30, 1)
-    return {"run": run, "preempted": preempted, "resumed": resumed, "stop": stop}
+    status = sk("status", str(run), "--json").stdout
+    beyond = sk("train", "--run-dir", str(run), "--until-step", str(int(HF_MAX_STEPS) + 1), "--nproc", "1")
+    return {"run": run, "preempted": preempted, "resumed": resumed, "stop": stop, "beyond": beyond,
+            "status": (status, sk("status", str(run), "--json").stdout)}
 
 
 def test_hf_trainer_sigterm_commits_at_the_step_boundary_and_exits_75(hf_runs: dict) -> None:
@@ -119,6 +123,20 @@ def test_hf_trainer_sigterm_commits_at_the_step_boundary_and_exits_75(hf_runs: d
     assert not list(hf_runs["run"].rglob("checkpoint-*")) and not list(hf_runs["ref"].rglob("checkpoint-*"))
     # the tracked Trainer counters and scheduler rode along in every rank's file
     assert {"rng_rank_00000.pt", "rng_rank_00001.pt"} <= {f["path"] for f in m["files"]}
+
+
+def test_hf_trainer_until_step_past_max_steps_is_refused_and_leaves_the_run_as_it_was(hf_runs: dict) -> None:
+    """What only the script knows (the Trainer's max_steps) is refused by the ranks before the first step: one line,
+    exit 2, the segment recorded 'refused', the run's status and until_step unchanged."""
+    r = hf_runs["beyond"]
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "refused before its first step" in errors[0], r.stderr[-3000:]
+    assert f"beyond the Trainer's max_steps {HF_MAX_STEPS}" in errors[0]
+    before, after = (json.loads(x)[0] for x in hf_runs["status"])
+    assert after == before and (after["last_status"], after["last_until_step"]) == ("completed", 30)
+    end = [json.loads(x) for x in (hf_runs["run"] / "segments.jsonl").read_text().splitlines()][-1]
+    assert (end["status"], end["exit_code"], end["end_step"]) == ("refused", 2, 30)
 
 
 def test_hf_trainer_saves_are_commits_and_resume_on_the_same_world_size_is_bitwise(hf_runs: dict) -> None:

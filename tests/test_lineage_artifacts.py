@@ -187,6 +187,18 @@ def test_graph_of_the_lineage_fixture(lineage_run: Path) -> None:
     assert [label for _, label in model.lanes][1:] == ["segment 1 · 2 ranks · failed", "segment 2 · 3 ranks · in progress"]
 
 
+def test_graph_draws_no_lane_for_a_segment_the_ranks_refused(lineage_run: Path) -> None:
+    """A segment refused before its first step trained nothing: the graph is the one without it, as status and the
+    resume flow see the run."""
+    from ckpt import lineage
+
+    before = lineage_graph(read_events(lineage_run))
+    lineage.record(lineage_run, "segment", "segment:3", parent="checkpoint:step-00000010", step=10, status="refused",
+                   world_size=4)
+    after = lineage_graph(read_events(lineage_run))
+    assert after.lanes == before.lanes and [e.label for e in after.edges] == [e.label for e in before.edges]
+
+
 def test_checkpoints_now_lists_only_what_exists(tiny_run: Path, tmp_path: Path) -> None:
     import shutil
 

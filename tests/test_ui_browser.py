@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,14 +16,10 @@ from typing import Any
 
 import pytest
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
+from tests.harness import CHROMIUM_FLAGS, chromium_path
+
 SHOTS = Path(os.environ.get("SHARDKEEPER_SCREENSHOTS", "/tmp/shardkeeper-ui"))
 TIMEOUT_MS = 30_000
-
-
-def chromium_path() -> str | None:
-    return os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 # Checked at collection, so a machine without a browser does not even start the Prefect server.

@@ -87,6 +87,53 @@ def test_tiny_config_divides_over_1_to_4_ranks() -> None:
     assert [spec.per_rank_batch(w) for w in (1, 2, 3, 4)] == [12, 6, 4, 3]
 
 
+def test_the_world_size_rule_is_the_run_descriptions_and_a_script_run_has_none() -> None:
+    """One home for the batch rule: a built-in run refuses a world size its global batch does not split over (the
+    line names the field and the choices); a script run splits its own batches, so none is refused there -- not
+    even by the default global_batch_size 8 it carries unused."""
+    from schemas import RunSpec, ScriptSpec
+
+    built_in = load_run_spec(ROOT / "configs" / "tiny.yaml")
+    assert [w for w in range(1, 13) if built_in.world_size_refusal(w) is None] == [1, 2, 3, 4, 6, 12]
+    line = built_in.world_size_refusal(5, choose="--world-size")
+    assert line == ("global_batch_size 12 is not divisible by 5 ranks; choose --world-size among [1, 2, 3, 4, 6, 12] "
+                    "or change global_batch_size")
+    script = RunSpec(script=ScriptSpec(path="/x/train.py"))
+    assert script.global_batch_size == 8 and all(script.world_size_refusal(w) is None for w in (1, 3, 5, 7))
+    assert script.world_size_refusal(0) is not None
+    with pytest.raises(ValueError, match="splits its own batches"):
+        script.per_rank_batch(3)
+
+
+def test_a_set_a_script_run_never_reads_is_refused_in_one_line(tmp_path: Path) -> None:
+    """--set global_batch_size (and the other keys of SCRIPT_UNUSED) would be written to run.yaml and change
+    nothing for a script run: refused, naming the key; a key the script run reads is taken."""
+    from shardkeeper.config import train_spec
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    for key in ("global_batch_size=12", "schedule.total_steps=50", "data.seq_len=16"):
+        with pytest.raises(ConfigError, match=f"--set {key.split('=')[0]}: a script run") as err:
+            train_spec(None, [key], tmp_path / "run", script=str(script))
+        assert "\n" not in str(err.value)
+    spec = train_spec(None, ["checkpoint.interval=3", "seed=7"], tmp_path / "run", script=str(script))
+    assert spec.checkpoint.interval == 3 and spec.seed == 7
+    assert train_spec(ROOT / "configs" / "tiny.yaml", ["global_batch_size=6"], tmp_path / "run").global_batch_size == 6
+
+
+def test_status_skips_segments_the_ranks_refused() -> None:
+    """A segment refused before its first step trained nothing: the run stands where the last segment that ran
+    left it (its status and until_step), for status and the resume flow alike."""
+    from schemas.requests import last_segment
+
+    ran = [{"event": "start", "segment": 0, "until_step": 10}, {"event": "end", "segment": 0, "status": "preempted"}]
+    refused = [{"event": "start", "segment": 1, "until_step": 40}, {"event": "end", "segment": 1, "status": "refused"}]
+    assert last_segment(ran + refused, locked=False) == ("preempted", 10)
+    assert last_segment(refused, locked=False) == (None, None)
+    assert last_segment([*ran, *refused, {"event": "start", "segment": 2, "until_step": 20}], locked=True) == \
+        ("running", 20)
+
+
 def test_layers_schemas_import_no_torch_and_rank_side_no_prefect() -> None:
     code = ("import sys, schemas, shardkeeper.config; assert 'torch' not in sys.modules and 'prefect' not in sys.modules;"
             "import trainer.segment, ckpt.validate, ckpt.formats.dcp; assert 'prefect' not in sys.modules")

@@ -51,13 +51,23 @@ LAUNCH_HINT = ("launch it with: shardkeeper train --script FILE --run-dir RUN --
 
 
 class SegmentStopped(SystemExit):
-    """Raised by ``Segment.steps()`` after it ended the segment itself (a non-finite step: report written, nothing
-    saved): the process exits with the segment's code."""
+    """Raised by ``Segment.steps()`` and ``Segment.save()`` after they ended the segment themselves.
+
+    A NaN/Inf ``loss`` or ``grad_norm`` was logged on some rank (``Segment.log``): nothing of that step is committed,
+    the newest checkpoint stays the resume point, the segment's report says ``failed`` in one line. A
+    ``SystemExit`` whose code is the segment's (65, ``schemas.seam.EXIT_NONFINITE``), so a script that does not
+    catch it ends with that code.
+    """
 
 
 class SegmentPreempted(SystemExit):
-    """Raised by ``Segment.steps()`` after the preemption checkpoint is committed: the process exits 75
-    (a ``SystemExit``, so a script that does not catch it ends quietly with that code)."""
+    """Raised by ``Segment.steps()`` after the preemption checkpoint is committed.
+
+    A stop signal (SIGTERM or SIGUSR1, as schedulers send before they preempt) reached a rank; every rank agreed at
+    a step boundary and the checkpoint of the last completed step is committed. A ``SystemExit`` with code 75
+    (``schemas.seam.EXIT_PREEMPTED``), so a script that does not catch it ends quietly with that code; run the same
+    command again to continue.
+    """
 
     def __init__(self) -> None:
         super().__init__(EXIT_PREEMPTED)
@@ -96,11 +106,38 @@ def current() -> Segment | None:
 
 
 class Segment:
-    """One training segment of a run, seen from a rank. Usable before the model is built: it joins the process
-    group (NCCL on CUDA, gloo on CPU) and exposes ``rank``, ``world_size``, ``device`` and ``mesh``.
+    """One training segment of a run, seen from a rank: resume, saves, preemption and the segment's report.
 
-    ``run_dir``/``until_step`` default to what ``shardkeeper train`` handed the ranks; give them when the script
-    runs under a plain ``torchrun``. The run's ``run.yaml`` supplies the checkpoint policy and the seed."""
+    Create it first, before the model is built: it joins the process group (NCCL on CUDA, gloo on CPU) and exposes
+    ``rank``, ``world_size``, ``device`` and ``mesh``. Then ``track`` what a checkpoint holds and train inside
+    ``for step in seg.steps()``. The run's ``run.yaml`` supplies the checkpoint policy and the seed.
+
+    Args:
+        run_dir: The run directory. Default: the one ``shardkeeper train`` handed the ranks; give it when the
+            script runs under a plain ``torchrun``.
+        until_step: The step this segment trains up to: ``steps()`` ends once the run has done this many optimizer
+            steps. Default: ``shardkeeper train --until-step``; give it under a plain ``torchrun``.
+        segment: This segment's number in the run (metrics rows, lineage). Default: the launcher's, else 0.
+
+    Raises:
+        UsageError: ``until_step`` is negative, or the run directory has no ``run.yaml``.
+        SystemExit: Exit code 2: not launched by ``shardkeeper train`` and ``run_dir`` or ``until_step`` not given
+            (one line says how to launch the script).
+
+    Example:
+        ```python
+        import shardkeeper as sk
+
+        seg = sk.Segment()              # joins the segment's process group
+        model = build()
+        fully_shard(model, mesh=seg.mesh)  # FSDP2, or a DeepSpeed engine
+        seg.track(model=model, optimizer=opt, scheduler=sched, loader=loader)
+        for step in seg.steps():        # resumes the newest valid checkpoint
+            loss = train_one_step(step)
+            seg.log(loss=float(loss))
+        ```
+        Run it with ``shardkeeper train --script train.py --run-dir RUN --until-step N --nproc 2``.
+    """
 
     def __init__(self, *, run_dir: str | os.PathLike[str] | None = None, until_step: int | None = None,
                  segment: int | None = None, _env: DistEnv | None = None, _spec: RunSpec | None = None):
@@ -142,18 +179,22 @@ class Segment:
     # ------------------------------------------------------------------ where this rank is
     @property
     def rank(self) -> int:
+        """This rank's index in the segment's process group, ``0 .. world_size - 1``."""
         return self.env.rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks of this segment (it may differ from the previous segment's)."""
         return self.env.world_size
 
     @property
     def local_rank(self) -> int:
+        """This rank's index on its node (the GPU it uses on a CUDA node)."""
         return self.env.local_rank
 
     @property
     def device(self) -> torch.device:
+        """The device this rank trains on: ``cuda:LOCAL_RANK`` with GPUs, else ``cpu``."""
         return self.env.device
 
     @property
@@ -163,6 +204,7 @@ class Segment:
 
     @property
     def is_rank0(self) -> bool:
+        """Whether this is rank 0 (the one that writes metrics, the manifest and the report)."""
         return self.env.is_rank0
 
     @property
@@ -172,10 +214,28 @@ class Segment:
 
     # ------------------------------------------------------------------ what is checkpointed
     def track(self, *, model: Any, optimizer: Any = None, **state: Any) -> Segment:
-        """Name what a checkpoint holds: ``model`` (an FSDP2-sharded module, a plain module, or a DeepSpeed engine),
-        its ``optimizer`` (AdamW for the fingerprint's moments; a DeepSpeed engine brings its own), and any other
-        object with ``state_dict()``/``load_state_dict()`` (LR scheduler, a torchdata StatefulDataLoader, an EMA...).
-        Call once, before ``steps()``."""
+        """Name what a checkpoint holds. Call once, before ``steps()``.
+
+        Args:
+            model: An FSDP2-sharded module, a plain module, or a DeepSpeed engine.
+            optimizer: The model's optimizer (AdamW: the fingerprint covers its moments). Leave it out with a
+                DeepSpeed engine, which brings its own.
+            **state: Any other object with ``state_dict()`` and ``load_state_dict()``, by name: an LR scheduler, a
+                torchdata ``StatefulDataLoader``, an EMA... One that is equal on every rank comes back at another
+                world size; one that differs per rank refuses a resume at another world size, in one line.
+
+        Returns:
+            This segment.
+
+        Raises:
+            UsageError: Called twice or after ``steps()`` started, or an object without ``state_dict()`` or
+                ``load_state_dict()``.
+
+        Example:
+            ```python
+            seg.track(model=model, optimizer=opt, scheduler=sched, loader=loader)
+            ```
+        """
         if self._ckpt is not None:
             raise UsageError("seg.track(): called twice; track everything in one call, before seg.steps()")
         if self.entered:
@@ -198,8 +258,23 @@ class Segment:
 
     # ------------------------------------------------------------------ the loop
     def log(self, **metrics: Any) -> None:
-        """Add values to this step's metrics.jsonl row (``{"step": N, ...}``, written by rank 0 when the step ends).
-        Numbers and strings only; call it from every rank or rank 0 alone."""
+        """Add values to this step's row of ``metrics.jsonl``, written by rank 0 when the step ends.
+
+        Call it from every rank or from rank 0 alone. ``loss`` and ``grad_norm`` are checked at every step: a NaN/Inf
+        logged on any rank stops the segment without committing that step (``SegmentStopped``, exit 65).
+
+        Args:
+            **metrics: Numbers (Python, 0-d or one-element torch/numpy values) and strings, by name.
+
+        Raises:
+            UsageError: A value that is not a number or a string, an integer too large for JSON readers, or a
+                non-number ``loss`` / ``grad_norm``.
+
+        Example:
+            ```python
+            seg.log(loss=float(loss), lr=sched.get_last_lr()[0])
+            ```
+        """
         for k, v in metrics.items():
             if isinstance(v, torch.Tensor) or (hasattr(v, "item") and hasattr(v, "dtype")):  # torch / numpy scalars
                 v = v.item() if getattr(v, "size", 1) in (1, ()) or getattr(v, "numel", lambda: 0)() == 1 else None
@@ -216,10 +291,34 @@ class Segment:
             self._row[k] = v
 
     def steps(self, *, tokens_per_step: int = 0, samples_per_step: int = 0) -> Iterator[int]:
-        """Resume (or start at 0), then yield each step index to train, ``start .. until_step - 1``. Between steps:
-        metrics row, progress line, preemption agreement (all ranks), saves on the policy. Ends with a committed
-        checkpoint and the segment report; after a preemption's checkpoint it raises ``SegmentPreempted`` (exit 75).
-        ``tokens_per_step``/``samples_per_step`` feed the checkpoint's counters and the tokens/s line."""
+        """Resume (or start at 0), then yield each step index to train.
+
+        Before the first step it loads the newest valid checkpoint (every byte verified; one that fails is set aside
+        and the previous one used) or starts fresh. Between steps it writes the metrics row and the progress line,
+        agrees with every rank on a stop signal or a NaN/Inf, and saves on the run's policy (``checkpoint.interval``,
+        ``memory_interval``, async). After the last step it commits a checkpoint and writes the segment's report.
+
+        Args:
+            tokens_per_step: Tokens one step trains on, all ranks together: the checkpoint's token counter and the
+                tokens/s of the progress line.
+            samples_per_step: Samples one step trains on, all ranks together: the checkpoint's sample counter.
+
+        Yields:
+            The index of the step to train, from the resumed step to ``until_step - 1``.
+
+        Raises:
+            SegmentPreempted: A stop signal reached a rank; the checkpoint is committed (exit 75).
+            SegmentStopped: A NaN/Inf ``loss`` or ``grad_norm`` was logged; nothing of it is committed (exit 65).
+            UsageError: Nothing is tracked, or ``steps()`` was called twice.
+            CheckpointError: The run has checkpoints and none of them can be trusted (exit 4; one line names them).
+
+        Example:
+            ```python
+            for step in seg.steps(tokens_per_step=batch * seq_len):
+                loss = train_one_step(step)
+                seg.log(loss=float(loss))
+            ```
+        """
         if self._ckpt is None:
             raise UsageError("seg.steps(): nothing is tracked; call seg.track(model=..., optimizer=...) first")
         if self.entered:
@@ -291,9 +390,16 @@ class Segment:
         self._end("completed", start, ts.step, note=self.final_note() if self.final_note else None)
 
     def save(self) -> None:
-        """Commit a checkpoint of the tracked state now, at ``seg.step`` (between steps, on every rank; async when the
-        policy says so). For a framework that has its own save schedule on top of ``checkpoint.interval`` (the
-        Hugging Face Trainer's ``save_steps``); a loop inside ``seg.steps()`` needs none."""
+        """Commit a checkpoint of the tracked state now, at ``seg.step``.
+
+        For a framework with its own save schedule on top of ``checkpoint.interval`` (the Hugging Face Trainer's
+        ``save_steps``); a loop inside ``seg.steps()`` needs none. Call it between steps, on every rank; it is async
+        when the run's policy says so.
+
+        Raises:
+            UsageError: Called outside ``for step in seg.steps()`` or before ``track()``.
+            SegmentStopped: Some rank logged a NaN/Inf in this step: nothing is committed (exit 65).
+        """
         if self._ckpt is None or not self.entered:
             raise UsageError("seg.save(): only inside `for step in seg.steps()`, after seg.track(...)")
         stop, nonfinite = self._agree(True)  # never commit a state some rank already saw a NaN/Inf in

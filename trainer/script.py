@@ -30,7 +30,11 @@ _OURS = tuple(str(Path(__file__).resolve().parent.parent / d) + os.sep for d in 
 
 
 class ScriptFailed(ShardkeeperError):
-    """The user's script raised or misused the API; the message is the one line."""
+    """The user's script raised or misused the API; the message is the one line. Exit 1, a failure: exit 2 is bad
+    input (the API's own UsageError, the script's argument parser), which the launcher reports as a segment refused
+    before its first step when nothing was trained."""
+
+    exit_code = 1
 
 
 def _user_frames(exc: BaseException) -> list[traceback.FrameSummary]:

@@ -6,7 +6,9 @@
 * ``reference/cli.md``         every ``shardkeeper`` command and option, from the typer app in ``shardkeeper/cli.py``;
 * ``reference/exit-codes.md``  the ``EXIT_*`` constants of ``schemas/seam.py`` and the error classes of
                                ``schemas/errors.py`` with their exit codes;
-* ``reference/schemas.md``     the manifest, the segment report and the lineage event, field by field.
+* ``reference/schemas.md``     the manifest, the segment report and the lineage event, field by field;
+* ``benchmarks/plots/NAME.png`` the plots the benches drew beside their tables (``bench/results/NAME.png``), served
+                               as they are, so that a benchmark page shows them without a copy in docs/.
 
 Nothing here is written by hand: change a description in the code and the site follows.
 ``python docs/hooks/gen_reference.py OUT_DIR`` writes the same pages into a folder (to read them without mkdocs).
@@ -339,11 +341,16 @@ PAGES = {
 
 
 # --- the mkdocs hook -------------------------------------------------------------------------------------------
+PLOTS = ROOT / "bench" / "results"
+
+
 def on_files(files: Any, config: Any) -> Any:
     from mkdocs.structure.files import File
 
     for uri, make in PAGES.items():
         files.append(File.generated(config, uri, content=make()))
+    for png in sorted(PLOTS.glob("*.png")):
+        files.append(File.generated(config, f"benchmarks/plots/{png.name}", abs_src_path=str(png)))
     return files
 
 

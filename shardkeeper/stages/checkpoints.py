@@ -17,7 +17,7 @@ from ckpt.validate import WatchedDir, checked_manifest, gone_before, retired_mes
 from schemas import CheckpointManifest, ReshardResult, RunSpec, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired, ConfigError
 from shardkeeper.config import dump_run_spec, spec_from_dict
-from shardkeeper.stages.checks import _check_same_model
+from shardkeeper.stages.checks import _check_same_model, run_record
 from shardkeeper.stages.where import is_remote
 
 
@@ -37,14 +37,23 @@ def validate_checkpoint(ckpt_dir: str | Path, *, deep: bool = False) -> Validati
     return report
 
 
-def reshard(ckpt_dir: str | Path, world_size: int) -> ReshardResult:
-    """Make a checkpoint loadable at ``world_size``. DCP reshards at load time: a recorded no-op.
-    DeepSpeed: converted once to ``<ckpt>/universal/`` (cached, recorded in lineage)."""
+def reshard(ckpt_dir: str | Path, world_size: int, *, spec: RunSpec | None = None) -> ReshardResult:
+    """Make a checkpoint loadable at ``world_size`` by the run's next segment. DCP reshards at load time: a recorded
+    no-op. DeepSpeed: converted once to ``<ckpt>/universal/`` (cached, recorded in lineage).
+
+    Whether the next segment may train at ``world_size`` is the rule of the RunSpec it trains under
+    (``RunSpec.world_size_refusal``; none for a script run): ``spec`` when the caller knows it (a flow passes the
+    one it trains with), else the run's record (``run_record``: the run.yaml of the run directory holding the
+    checkpoint), else -- a checkpoint outside a run directory -- the RunSpec in the checkpoint's manifest.
+
+    Raises:
+        ConfigError: the next segment cannot train at ``world_size`` (one line: the field and the fix).
+        CheckpointError: no committed checkpoint at ``ckpt_dir`` (CheckpointRetired: a writer retired it)."""
     if is_remote(ckpt_dir):  # s3://: resharded in the run's local cache, where the next segment's ranks load it
         from shardkeeper.remote import materialize_checkpoint
 
-        _, local = materialize_checkpoint(str(ckpt_dir))
-        res = reshard(local, world_size)
+        _, local = materialize_checkpoint(str(ckpt_dir))  # with the run's metadata: its run.yaml too
+        res = reshard(local, world_size, spec=spec)
         return res.model_copy(update={"source": str(ckpt_dir)})
     ckpt_dir = Path(ckpt_dir)
     try:
@@ -54,10 +63,10 @@ def reshard(ckpt_dir: str | Path, world_size: int) -> ReshardResult:
             if gone_before(now):
                 raise CheckpointRetired(retired_message(ckpt_dir, before=True)) from None
         raise
-    try:  # the next segment must be able to split the global batch, whatever the format
-        manifest.run_spec.per_rank_batch(world_size)
-    except ValueError as e:
-        raise ConfigError(f"--world-size {world_size}: {e}") from None
+    rule = spec or run_record(RunDir.containing(ckpt_dir).root) or manifest.run_spec
+    problem = rule.world_size_refusal(world_size, choose="--world-size")  # whatever the format
+    if problem is not None:
+        raise ConfigError(f"--world-size {world_size}: {problem}")
     target, method, seconds = get_format(manifest.format).reshard(ckpt_dir, manifest, world_size)
     return ReshardResult(source=str(ckpt_dir), target=str(target), from_world_size=manifest.topology.world_size,
                          to_world_size=world_size, method=method, seconds=seconds)

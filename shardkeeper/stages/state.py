@@ -11,7 +11,7 @@ from ckpt.lock import RunLock
 from ckpt.memtier import newest_valid_snapshot
 from ckpt.validate import latest_valid
 from schemas.errors import ShardkeeperError
-from schemas.requests import RunState
+from schemas.requests import RunState, last_segment
 from shardkeeper.stages.where import is_remote
 
 
@@ -29,18 +29,13 @@ def run_state(run_dir: str | Path) -> RunState:
     snap = newest_valid_snapshot(rd)
     if snap is not None and (found is None or snap[1].step > found[1].step):
         found, tier = snap, "memory"
-    records = read_jsonl(rd.segments)
-    starts = [r for r in records if r.get("event") == "start"]
     locked = RunLock(rd.root).is_locked()
-    last_status = None
-    if records:
-        last = records[-1]
-        last_status = last.get("status") if last.get("event") == "end" else ("running" if locked else "interrupted")
+    last_status, last_until_step = last_segment(read_jsonl(rd.segments), locked=locked)
     return RunState(
         run_dir=str(rd.root), exists=True, checkpoint=str(found[0]) if found else None,
         step=found[1].step if found else 0,
         world_size=found[1].topology.world_size if found else None, tier=tier if found else None,
-        last_status=last_status, last_until_step=starts[-1].get("until_step") if starts else None, locked=locked,
+        last_status=last_status, last_until_step=last_until_step, locked=locked,
     )
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckpt import lineage
-from ckpt.fsutil import append_jsonl, mkdir_durable, quarantine, read_jsonl
+from ckpt.fsutil import append_jsonl, atomic_write_text, mkdir_durable, quarantine, read_jsonl
 from ckpt.layout import RunDir
 from ckpt.lock import RunLock
 from ckpt.retention import sweep_leftovers
@@ -19,7 +19,8 @@ from ckpt.validate import invalid_committed, latest_valid, validate
 from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher, rank_stopped_at_startup
 from schemas import CheckpointManifest, ClusterTopology, RunSpec, SegmentResult
 from schemas.errors import CheckpointError, ConfigError, RunLockedError
-from schemas.seam import RANK_ERROR_PREFIX, SCRIPT_TRACEBACK_FILE, SegmentReport, SegmentTimes, exit_code_of
+from schemas.seam import (EXIT_REFUSED, RANK_ERROR_PREFIX, SCRIPT_TRACEBACK_FILE, SegmentReport, SegmentTimes,
+                          exit_code_of)
 from shardkeeper.preflight import cuda_device_count, preflight
 from shardkeeper.stages.checks import check_resume_data, fetch_pretrained, keep_run_script, prepare_run_dir
 from shardkeeper.stages.where import remote_run
@@ -36,13 +37,10 @@ def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = 
         raise ConfigError(f"--nodes {nodes}: must be at least 1")
     if launcher not in LAUNCHERS:
         raise ConfigError(f"--launcher {launcher!r}: choose one of {', '.join(sorted(LAUNCHERS))}")
-    world = nodes * nproc
-    try:
-        if spec.script is None:  # a script splits its own batches
-            spec.per_rank_batch(world)
-    except ValueError as e:
+    problem = spec.world_size_refusal(nodes * nproc)  # None for a script run: it splits its own batches
+    if problem is not None:
         flag = f"--nodes {nodes} x --nproc {nproc}" if nodes > 1 else f"--nproc {nproc}"
-        raise ConfigError(f"{flag}: {e}") from None
+        raise ConfigError(f"{flag}: {problem}")
     runner = get_launcher(launcher, **(launcher_options or {}))
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device {device!r}: choose auto, cpu or cuda")
@@ -68,17 +66,15 @@ def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = 
 def plan_available_topology(spec: RunSpec, nproc: int, *, nodes: int, launcher: str = "local",
                             launcher_options: dict | None = None, device: str = "auto") -> ClusterTopology:
     """The topology to train on now: ``nodes`` x ``nproc``, or fewer nodes when the launcher has fewer usable
-    (Slurm: nodes down or drained) -- the largest count whose world size divides the global batch. What a
-    resume after a lost node runs on; the checkpoint reshards to it."""
+    (Slurm: nodes down or drained) -- the largest count at whose world size the run may train
+    (``RunSpec.world_size_refusal``: any, for a script run). What a resume after a lost node runs on; the
+    checkpoint reshards to it."""
     usable = getattr(get_launcher(launcher, **(launcher_options or {})), "usable_nodes", lambda: None)()
     if usable is not None and usable < 1:
         raise ConfigError(f"--launcher {launcher}: no usable node now (all down or drained); resume when nodes are back")
     start = min(nodes, usable) if usable is not None else nodes
     for n in range(start, 0, -1):
-        try:
-            if spec.script is None:
-                spec.per_rank_batch(n * nproc)
-        except ValueError:
+        if spec.world_size_refusal(n * nproc) is not None:
             continue
         if n != nodes:
             log.warning("%d of the %d node(s) asked for are usable: training on %d x %d ranks", start, nodes, n, nproc)
@@ -169,6 +165,9 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
     sink = sink or (lambda line: log.info("%s", line))
     with RunLock(rd.root), _mirrored(remote, spec) as mirror:
         _no_live_job(rd)
+        if restart:  # refused before run.yaml is touched (a later memory snapshot only adds valid checkpoints)
+            _refuse_restart(latest_valid(rd))
+        recorded = rd.spec_path.read_text(encoding="utf-8") if rd.spec_path.is_file() else None
         prepare_run_dir(rd, spec)
         seg = next_segment_index(rd)
         SegmentReport.clear(rd.root)
@@ -189,6 +188,8 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
                 warm.join()  # never leave an import half done in another thread
         _persist_memory(spec, rd, sink)  # before giving up the node: the newest snapshot reaches storage
         result = _segment_result(rd, seg, start_step, topology, outcome)
+        if result.status == "refused" and recorded is not None:  # the run's record stays what the last run made it
+            atomic_write_text(rd.spec_path, recorded)
         if mirror is not None and result.status in ("preempted", "cancelled"):  # its upload: bounded by the grace
             mirror.stopped(getattr(launcher, "grace_s", None), by_signal=outcome.stop_signal is not None)
         if mirror is not None and mirror.lease_lost:  # another writer holds the run on the store now
@@ -287,8 +288,7 @@ def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, Checkpoint
     found = latest_valid(rd)
     if found is not None:
         if restart:
-            raise ConfigError(f"--restart: {found[0]} is a valid checkpoint and the run resumes from it; drop "
-                              "--restart (to train from step 0, use a new --run-dir)")
+            _refuse_restart(found)
         return found
     invalid = invalid_committed(rd)
     acknowledged = {n for r in read_jsonl(rd.segments) if r.get("event") == "restart" for n in r.get("quarantined", [])}
@@ -313,12 +313,19 @@ def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, Checkpoint
     return None
 
 
+def _refuse_restart(found: tuple[Path, CheckpointManifest] | None) -> None:
+    """--restart of a run that has a valid checkpoint: bad input (ConfigError), never a silent start from 0."""
+    if found is not None:
+        raise ConfigError(f"--restart: {found[0]} is a valid checkpoint and the run resumes from it; drop "
+                          "--restart (to train from step 0, use a new --run-dir)")
+
+
 def _show_held_back(outcome: LaunchOutcome, status: str, sink: Callable[[str], None]) -> None:
     """torchrun's closing lines: all of them for a failure; for a preempted or cancelled segment its
     ChildFailedError/SignalException traceback is noise (the ranks stopped as asked) and is dropped."""
     from launch import without_torchrun_closing
 
-    for line in outcome.held_back if status == "failed" else without_torchrun_closing(outcome.held_back):
+    for line in outcome.held_back if status in ("failed", "refused") else without_torchrun_closing(outcome.held_back):
         sink(line)
 
 
@@ -347,9 +354,11 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
         # period): nothing was lost that a checkpoint held; the next segment resumes from the latest one.
         status = "preempted"
         note = outcome.note or _unreported_note(after)
+    elif reported is None and _refused_before_first_step(rd, seg, start_step, after, outcome):
+        status = "refused"
     else:
         status = "failed"
-    if outcome.note and status != "failed" and note != outcome.note:
+    if outcome.note and status not in ("failed", "refused") and note != outcome.note:
         note = f"{outcome.note}; {note}" if note else outcome.note
     fallback = rank_failure.exit_code if rank_failure and rank_failure.exit_code else outcome.exit_code
     return SegmentResult(
@@ -360,12 +369,48 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
         segment=seg, start_step=min(reported.start_step, start_step) if reported else start_step,
         end_step=after[1].step if after else 0,
         checkpoint=str(after[0]) if after else None, topology=topology, seconds=outcome.seconds,
-        failure=None if status != "failed" else (rank_failure.note if rank_failure else _failure(outcome)),
+        failure=(None if status not in ("failed", "refused")
+                 else (rank_failure.note if rank_failure else _failure(outcome))),
         traceback=_script_traceback(rd) if status == "failed" else None,
-        note=note if status != "failed" else None,
+        note=note if status not in ("failed", "refused") else None,
         scheduler_job=outcome.scheduler_job, scheduler_state=outcome.scheduler_state, requeues=outcome.requeues,
         times=reported.times if reported else None,
     )
+
+
+def _refused_before_first_step(rd: RunDir, seg: int, start_step: int,
+                                after: tuple[Path, CheckpointManifest] | None, outcome: LaunchOutcome) -> bool:
+    """Did the ranks refuse their input before training a step? The first rank to fail exited with the code of bad
+    input (a ShardkeeperError such as UsageError: 2, as the controller's own refusals), the segment committed no
+    checkpoint and logged no step. What the ranks alone can know ends so: an HF Trainer's max_steps below
+    --until-step, a tracked object without state_dict(), the script's own argument parser (exit 2)."""
+    from launch import first_rank_exit_code
+
+    if outcome.exit_code == 0 or first_rank_exit_code([*outcome.held_back, *outcome.tail]) != EXIT_REFUSED:
+        return False
+    if (after[1].step if after else 0) != start_step:
+        return False
+    return _last_metrics_segment(rd) != seg
+
+
+def _last_metrics_segment(rd: RunDir) -> int | None:
+    """The segment of the newest row of metrics.jsonl (one row per trained step), read from its end."""
+    import json
+
+    try:
+        with open(rd.metrics, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a torn last line, or the cut first one
+        return row.get("segment") if isinstance(row, dict) else None
+    return None
 
 
 def _script_traceback(rd: RunDir) -> str | None:

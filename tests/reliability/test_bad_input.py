@@ -556,3 +556,28 @@ def test_deploy_refuses_in_one_line_before_registering(argv: list[str], names: s
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err and names in err, err
     assert "no Prefect server" not in err and not (tmp_path / "r").exists()
+
+
+def test_deploy_refuses_an_override_that_would_not_reach_the_run(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deploy-time --set reaches the run or is refused at deploy time, in one line naming the key: a change an
+    existing run cannot take (its run.yaml would keep its global batch and the first segment fail), a key a script
+    run never reads (it would be recorded and change nothing). Nothing is written, no server is asked."""
+    from infra.deploy import main as deploy
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing there: it must not get that far
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "run.yaml").write_text(TINY_TEXT)
+    before = snapshot(tmp_path)
+    script = str(ROOT / "examples" / "fsdp2_loop.py")
+    for argv, names in (
+            (["--config", TINY, "--run-dir", "r", "--segments", "2:10", "--set", "global_batch_size=6"],
+             "the run was started with a different global_batch_size (12 there, 6 now)"),
+            (["--script", script, "--run-dir", "new", "--segments", "2:10,3:20", "--set", "global_batch_size=12"],
+             "--set global_batch_size: a script run (fsdp2_loop.py) never reads it")):
+        capsys.readouterr()
+        assert deploy(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and names in err, err
+    assert snapshot(tmp_path) == before
