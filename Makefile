@@ -60,6 +60,7 @@ bench: install
 	$(PY) bench/recovery_bench.py
 	$(PY) bench/memtier_bench.py
 	$(PY) bench/persist_bench.py
+	$(PY) bench/memtier_edges.py
 	$(PY) bench/startup_kill_bench.py --reps 3
 	$(PY) bench/export_bench.py
 	$(PY) bench/deepspeed_bench.py

@@ -3,9 +3,12 @@
 A memory snapshot is a checkpoint like any other: the same DCP files, written by the same hashing writer into
 ``MEMORY_DIR/checkpoints/step-XXXXXXXX.partial/`` and committed by the same protocol (manifest with checksums
 and fingerprint, atomic rename). Only its place differs, so every reader that validates a storage checkpoint
-validates a snapshot the same way. ``MEMORY_DIR/tier.json`` names the run the snapshots belong to (its run
-directory and the random id in ``RUN_DIR/.memory-tier-id``): another run's snapshots, a deleted run's at the same
-path included, are never loaded nor persisted. A live run's rank 0 holds ``MEMORY_DIR/tier.lock``.
+validates a snapshot the same way. A run has a random id (``RUN_DIR/.run-id``, made at its first segment):
+``MEMORY_DIR/tier.json`` names the run a memory dir belongs to (its run directory and that id), and every
+snapshot's manifest carries the id of the run that wrote it. Another run's snapshots -- a deleted run's at the same
+path, or one copied into this run's memory dir -- are never loaded nor persisted. A live run's rank 0 holds
+``MEMORY_DIR/tier.lock``. ``RUN_DIR/.memory-dirs`` lists the memory dirs the run's segments claimed, so that a
+segment with the memory tier off, or with another memory dir, still finds their snapshots.
 
 What this module holds (no torch needed): where a run's memory tier lives, whose it is, its retention (the
 newest ``KEEP`` snapshots) and the preflight's checks (capacity; never a run directory). Persisting a snapshot to
@@ -22,7 +25,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from ckpt.fsutil import atomic_write_json, atomic_write_text, mkdir_durable
+from ckpt.fsutil import INVALID_MARK, atomic_write_json, atomic_write_text, fsync_dir, mkdir_durable, rename_noreplace
 from ckpt.layout import DELETING_SUFFIX, STAGE_SUFFIX, RunDir, parse_step, step_dir_name
 from ckpt.memtier_nodes import NODES_DIR, node_dirs, node_root
 from schemas import CheckpointManifest, RunSpec
@@ -39,7 +42,7 @@ MEMORY = "memory"
 STORAGE = "storage"
 
 
-def run_id(spec: RunSpec, run_dir: RunDir) -> str:
+def default_dir_name(spec: RunSpec, run_dir: RunDir) -> str:
     """The run's name and a hash of its run directory: two runs never share a default memory dir."""
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec.name)[:64]
     return f"{name}-{hashlib.sha256(str(run_dir.root).encode()).hexdigest()[:12]}"
@@ -51,7 +54,7 @@ def memory_root(spec: RunSpec, run_dir: RunDir, node: str | None = None) -> Path
     pol = spec.checkpoint
     if pol.memory_interval is None:
         return None
-    root = Path(pol.memory_dir).absolute() if pol.memory_dir else DEFAULT_ROOT / run_id(spec, run_dir)
+    root = Path(pol.memory_dir).absolute() if pol.memory_dir else DEFAULT_ROOT / default_dir_name(spec, run_dir)
     return node_root(root, node) if node else root
 
 
@@ -82,15 +85,22 @@ def owned_memory_dirs(run_dir: RunDir) -> list[RunDir]:
 
 
 def newest_valid_snapshot(run_dir: RunDir) -> tuple[Path, CheckpointManifest] | None:
-    """The run's newest snapshot in memory that passes quick validation (a node's copy counts when it holds
-    every file)."""
-    from ckpt.validate import latest_valid
+    """The run's newest snapshot in memory that passes quick validation and was written by this run (a node's
+    copy counts when it holds every file)."""
+    from ckpt.validate import checked_manifest
 
     best = None
     for mem in owned_memory_dirs(run_dir):
-        found = latest_valid(mem)
-        if found is not None and (best is None or found[1].step > best[1].step):
-            best = found
+        for path in reversed(mem.committed()):
+            if best is not None and (parse_step(path.name) or 0) <= best[1].step:
+                break
+            try:
+                manifest = checked_manifest(path)
+            except Exception:  # noqa: BLE001 - invalid or retired meanwhile: the next older one
+                continue
+            if written_by_other_run(manifest, run_dir) is None:
+                best = (path, manifest)
+                break
     return best
 
 
@@ -100,22 +110,93 @@ def snapshot_event_id(step: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- ownership
-ID_NAME = ".memory-tier-id"  # in the run directory: the run's identity (a new run at the same path has none)
+ID_NAME = ".run-id"  # in the run directory: the run's identity (a new run at the same path has another)
+LEGACY_ID_NAME = ".memory-tier-id"  # where earlier versions kept it (written at the run's first snapshot): still read
+DIRS_NAME = ".memory-dirs"  # in the run directory: the memory dirs its segments claimed, one absolute path a line
 LOCK_NAME = "tier.lock"  # in the memory dir: flock held by the writing segment's rank 0 for its life
 
 
 def identity(run_dir: RunDir, *, create: bool = False) -> str | None:
-    """The run's memory-tier identity: a random id kept in ``RUN_DIR/.memory-tier-id`` (written at the first
-    claim); None when it has none (a new run, even at the path of a deleted one)."""
+    """The run's identity: a random id (a uuid, not the run's name) kept in ``RUN_DIR/.run-id``, made by the
+    train stage at the run's first segment (an older run's next segment makes one; one that had a memory tier
+    keeps the id earlier versions wrote at its first snapshot). None when it has none and ``create`` is False (a
+    new run, even at the path of a deleted one). Two processes creating it at once agree on one id."""
+    for name in (ID_NAME, LEGACY_ID_NAME):
+        try:
+            found = (run_dir.root / name).read_text().strip()
+        except OSError:
+            found = ""
+        if found:
+            return found
+    if not create:
+        return None
     path = run_dir.root / ID_NAME
+    tmp = path.with_name(f"{ID_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    atomic_write_text(tmp, uuid.uuid4().hex + "\n")
     try:
-        found = path.read_text().strip()
-    except OSError:
-        found = ""
-    if found or not create:
-        return found or None
-    atomic_write_text(path, uuid.uuid4().hex + "\n")
+        rename_noreplace(tmp, path)  # the first creator's id wins
+        fsync_dir(path.parent)
+    except FileExistsError:
+        tmp.unlink(missing_ok=True)
     return path.read_text().strip()
+
+
+def written_by_other_run(manifest: CheckpointManifest, run_dir: RunDir) -> str | None:
+    """None when a snapshot's manifest may be this run's; else why not, in words. A snapshot without a run id
+    (written before snapshots carried one) is this run's when its memory dir is (tier.json, checked apart)."""
+    if manifest.run_id is None:
+        return None
+    mine = identity(run_dir)
+    if manifest.run_id == mine:
+        return None
+    return f"written by another run (run id {manifest.run_id}; this run's is {mine or 'not made yet'})"
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a snapshot that must never be used to ``NAME.invalid-<unix time>`` (as ``ckpt.fsutil.quarantine``,
+    without its log line: the caller says one); retention removes it once the run is past its step."""
+    import time
+
+    stamp = int(time.time())
+    while True:
+        aside = path.with_name(f"{path.name}{INVALID_MARK}{stamp}")
+        try:
+            rename_noreplace(path, aside)
+        except FileExistsError:
+            stamp += 1
+            continue
+        fsync_dir(path.parent)
+        return aside
+
+
+def tier_root(mem: RunDir) -> Path:
+    """The memory tier's root of a memory dir (a node's dir lies under it, in ``nodes/``)."""
+    return mem.root.parent.parent if mem.root.parent.name == NODES_DIR else mem.root
+
+
+def remember(run_dir: RunDir, root: Path) -> None:
+    """Add a memory tier's root to the run's list (``RUN_DIR/.memory-dirs``) unless it is there."""
+    if root in recorded_roots(run_dir):
+        return
+    with open(run_dir.root / DIRS_NAME, "a", encoding="utf-8") as f:  # one short line: appended whole
+        f.write(f"{root}\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def recorded_roots(run_dir: RunDir) -> list[Path]:
+    """The memory tier roots the run's segments claimed (absolute paths only; in order, once each)."""
+    try:
+        lines = (run_dir.root / DIRS_NAME).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    return list(dict.fromkeys(Path(ln) for ln in lines if ln.startswith("/")))
+
+
+def forget(run_dir: RunDir, root: Path) -> None:
+    """Drop a reclaimed memory tier's root from the run's list."""
+    kept = [p for p in recorded_roots(run_dir) if p != root]
+    atomic_write_text(run_dir.root / DIRS_NAME, "".join(f"{p}\n" for p in kept))
 
 
 def owner_problem(mem: RunDir, run_dir: RunDir) -> str | None:
@@ -199,6 +280,7 @@ def claim(mem: RunDir, run_dir: RunDir, lock: TierLock) -> str | None:
     problem = owner_problem(mem, run_dir)
     if problem is None:
         mkdir_durable(mem.checkpoints)
+        _remember_claimed(run_dir, mem)
         return None
     unsaved = _only_copy(mem)
     if unsaved is not None:
@@ -212,7 +294,15 @@ def claim(mem: RunDir, run_dir: RunDir, lock: TierLock) -> str | None:
                 shutil.rmtree(p, ignore_errors=True)
     mkdir_durable(mem.checkpoints)
     atomic_write_json(root / OWNER_NAME, {"run_dir": str(run_dir.root), "id": mine})
+    _remember_claimed(run_dir, mem)
     return None
+
+
+def _remember_claimed(run_dir: RunDir, mem: RunDir) -> None:
+    try:
+        remember(run_dir, tier_root(mem))
+    except OSError as e:  # the list only helps a later segment find this dir; the snapshots do not need it
+        log.debug("%s: not recorded in %s: %s", mem.root, run_dir.root / DIRS_NAME, e)
 
 
 def _only_copy(mem: RunDir) -> str | None:

@@ -19,6 +19,7 @@ No torch here: node naming, what a node holds, and the plan.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from schemas import MANIFEST_NAME, CheckpointManifest, FileEntry
 from schemas.seam import NODE_ENV
 
 NODES_DIR = "nodes"
+
+log = logging.getLogger(__name__)
 
 
 def node_name() -> str:
@@ -94,8 +97,10 @@ class Copy:
     held: list[str] = field(default_factory=list)  # those present here with their size
 
 
-def inventory(mem: RunDir) -> list[Copy]:
-    """A node leader: every committed copy in its node dir (the caller checked the dir is this run's)."""
+def inventory(mem: RunDir, run_id: str | None = None) -> list[Copy]:
+    """A node leader: every committed copy in its node dir (the caller checked the dir is this run's) written by
+    the run whose id is ``run_id`` (a copy without a run id, from before snapshots carried one, counts as the
+    dir's: this run's)."""
     from ckpt.manifest import read_manifest
 
     out = []
@@ -104,6 +109,10 @@ def inventory(mem: RunDir) -> list[Copy]:
             raw = (path / MANIFEST_NAME).read_bytes()
             m = read_manifest(path)
         except Exception:  # noqa: BLE001 - an unreadable copy is simply not offered
+            continue
+        if m.run_id is not None and m.run_id != run_id:  # another run's snapshot copied here: never offered
+            log.warning("memory snapshot %s not used: written by another run (run id %s; this run's is %s)", path,
+                        m.run_id, run_id)
             continue
         held = []
         for f in m.files:

@@ -149,6 +149,10 @@ class CheckpointManifest(_Frozen):
         None, ge=1, description="a converted checkpoint (reason 'converted'): the world size of the training "
         "checkpoint it was converted from (its topology is the conversion's: one process); None otherwise"
     )
+    run_id: str | None = Field(
+        None, description="the random id of the run that wrote it (RUN_DIR/.run-id): a memory snapshot is persisted "
+        "and resumed only by that run; None in checkpoints written before it was recorded"
+    )
 
 
 class ValidationReport(_Frozen):

@@ -220,10 +220,11 @@ class CheckpointPolicy(_Frozen):
         "the background like an async save) and outlives the rank processes, so a segment restarted on the same "
         "node after a rank crash resumes from it without reading storage; the newest one or two are kept. Storage "
         "checkpoints (interval) are then persisted from the snapshot of their step in the background, and a "
-        "snapshot newer than storage is persisted by the launcher when a segment dies")
+        "snapshot newer than storage is persisted by the launcher when a segment dies (also by a later segment "
+        "that runs with the memory tier off or another memory_dir, which then removes the dir it left)")
     memory_dir: str | None = Field(
         None, min_length=1, description="where the memory tier keeps its snapshots, on a RAM-backed file system "
-        "(tmpfs); null = /dev/shm/shardkeeper/<run id> (the run's name and a hash of its run directory). Needs room "
+        "(tmpfs); null = /dev/shm/shardkeeper/<run name>-<hash of its run directory>. Needs room "
         "for three snapshots of every rank on the node (two kept, one being written; preflight checks it), and a "
         "directory of the run's own: never a run directory (preflight refuses one), and a non-empty directory that "
         "is not a memory tier is never used nor emptied")

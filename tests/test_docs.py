@@ -242,6 +242,7 @@ def layout_block(text: str) -> list[str]:
 
 def test_on_disk_layout_blocks_name_what_the_code_writes(tmp_path: Path) -> None:
     from ckpt.layout import INVALID_RE, RunDir, step_dir_name
+    from ckpt.memtier import DIRS_NAME, ID_NAME
     from ckpt.pin import PINS_DIR
     from schemas.seam import LAUNCH_FILE, REPORT_FILE
 
@@ -253,8 +254,8 @@ def test_on_disk_layout_blocks_name_what_the_code_writes(tmp_path: Path) -> None
     core = {re.sub(r"invalid-\d+", "invalid-T", re.sub(r"step-\d{8}", "step-N", p.relative_to(rd.root).as_posix()))
             + ("/" if p.suffix not in (".yaml", ".json", ".jsonl") else "") for p in paths}
     more = {rd.lock_path.name, rd.ranks_lock_path.name, LAUNCH_FILE, REPORT_FILE, f"{PINS_DIR}/upload.json,",
-            # written by the memory tier, a --restart and the dashboard's mirror (named in ckpt/ and tasks/)
-            ".memory-tier-id", "metrics.before-restart-3.jsonl", "lineage.png,"}
+            # the run's id and memory dirs (ckpt.memtier), a --restart and the dashboard's mirror (named in ckpt/, tasks/)
+            ID_NAME, DIRS_NAME, "metrics.before-restart-3.jsonl", "lineage.png,"}
     for source, needs_all in ((ROOT / "README.md", False), (DOCS / "reference/on-disk.md", True)):
         names = layout_block(source.read_text(encoding="utf-8"))
         unknown = sorted(set(names) - core - more)

@@ -155,7 +155,7 @@ def test_a_new_run_at_a_deleted_runs_path_never_adopts_its_snapshots(tmp_path: P
     problem = memtier.owner_problem(mem, new)
     assert problem is not None and "earlier run" in problem
     final, why = memtier_persist.persist_newer(spec, new)  # the launcher never persists the old run's snapshot
-    assert final is None and why is not None and "not persisted" in why and not new.committed()
+    assert final is None and len(why) == 1 and "not persisted" in why[0] and not new.committed()
     lock = memtier.TierLock(mem)
     assert memtier.claim(mem, new, lock) is None  # the tier dir is re-claimed: the old snapshots are gone
     assert not snap.exists() and memtier.owner_problem(mem, new) is None
@@ -573,3 +573,261 @@ def test_tracked_objects_are_staged_with_the_state_and_a_size_change_is_written_
 
     want = [(False, True, True), (True, True, True), (False, True, True), (True, True, True)]
     assert spawn(_tracked_objects_staged, 2, str(tmp_path)) == [want] * 2
+
+
+# ------------------------------------------------------------------ a snapshot vanished or changed before its persist
+def _persist_edges(tmp: str) -> list[object]:
+    """Storage checkpoints persisted from a memory snapshot that another process deleted or changed: right after its
+    commit (blocking save: deleted; async save: a byte changed), and mid-copy (blocking save: deleted while the
+    ranks copy). Each time nothing is committed from the snapshot, one warning on rank 0, the segment goes on, and
+    the storage checkpoint is written from the live state (at once, or at the next save for an async one), byte for
+    byte what an ordinary save of that state writes. A changed snapshot is never persisted."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    import trainer.save_side as save_side
+    from ckpt.validate import validate
+    from trainer.checkpointer import TrainState
+
+    root = Path(tmp)
+    env, model, ck, fresh = _memory_and_fresh(root)
+    said: list[str] = []
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                said.append(record.getMessage())
+
+    logging.getLogger("shardkeeper.checkpoint").addHandler(Said())
+    snaps = root / "shm" / "checkpoints"
+    before: dict[int, object] = {}
+    real_persist, real_copy = ck._persist, save_side.copy_file
+
+    def persist(ts, reason, t0, async_save):  # noqa: ANN001 - what happens between a snapshot's commit and its persist
+        act = before.pop(ts.step, None)
+        if act is not None:
+            if env.is_rank0:
+                act(snaps / f"step-{ts.step:08d}")  # type: ignore[operator]
+            dist.barrier(group=env.ckpt_group)
+        return real_persist(ts, reason, t0, async_save)
+
+    def flip(snap: Path) -> None:
+        shard = sorted(snap.glob("__1_*.distcp"))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+
+    ck._persist = persist  # type: ignore[method-assign]
+
+    def advance(step: int) -> TrainState:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * step)
+        return TrainState(step=step)
+
+    def same_as_fresh(step: int) -> bool:
+        fresh.save(TrainState(step=step), reason="interval", blocking=True)
+        mine = sorted(ck.run_dir.checkpoint(step).glob(f"__{env.rank}_*.distcp"))
+        theirs = sorted(fresh.run_dir.checkpoint(step).glob(f"__{env.rank}_*.distcp"))
+        return (bool(mine) and [f.read_bytes() for f in mine] == [f.read_bytes() for f in theirs]
+                and validate(ck.run_dir.checkpoint(step), deep=True).valid)
+
+    out: list[object] = []
+    ck.save(advance(2), reason="interval", tier=memtier.MEMORY)  # async: the next snapshots are staged in files
+    ck.wait()
+    before[4] = shutil.rmtree  # deleted right after its commit; a blocking save: written from the live state now
+    ck.save(advance(4), reason="interval", blocking=True)
+    out += [len(said), same_as_fresh(4)]
+    ck.save(advance(6), reason="interval", tier=memtier.MEMORY)
+    before[8] = flip  # a byte changed right after its commit; an async save: owed to the next save
+    ck.save(advance(8), reason="interval")
+    ck.wait()
+    out += [len(said), ck.run_dir.checkpoint(8).exists(), (snaps / "step-00000008").is_dir()]
+    ck.save(advance(10), reason="interval", tier=memtier.MEMORY)  # the owed storage checkpoint, instead of a snapshot
+    out += [same_as_fresh(10), (snaps / "step-00000010").exists()]
+
+    def copy_vanishing(src: Path, dst: Path):  # noqa: ANN202 - rank 1 finds the snapshot gone while the ranks copy
+        if env.rank == 1:
+            shutil.rmtree(src.parent, ignore_errors=True)
+        return real_copy(src, dst)
+
+    save_side.copy_file = copy_vanishing  # type: ignore[assignment]
+    ck.save(advance(12), reason="interval", blocking=True)
+    save_side.copy_file = real_copy  # type: ignore[assignment]
+    out += [same_as_fresh(12), sorted(p.name for p in ck.run_dir.checkpoints.iterdir())]
+    ck.close()
+    fresh.close()
+    if env.is_rank0:
+        out += [said]
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_snapshot_gone_or_changed_before_its_persist_writes_storage_from_the_live_state(tmp_path: Path) -> None:
+    from tests.harness import spawn
+
+    stored = ["step-00000004", "step-00000010", "step-00000012"]
+    rank0, rank1 = spawn(_persist_edges, 2, str(tmp_path))
+    # written at once / owed after the async persist failed (no storage at 8, the changed snapshot left as it is) /
+    # written instead of the snapshot of step 10 / written at once after the snapshot vanished mid-copy
+    assert rank1 == [0, True, 0, False, True, True, False, True, stored]
+    assert rank0[:-1] == [1, True, 2, False, True, True, False, True, stored]
+    said = rank0[-1]
+    assert len(said) == 3 and all("\n" not in s and "not persisted from its memory snapshot" in s for s in said)
+    assert "step-00000004/" in said[0] and "gone from memory" in said[0] and said[0].endswith("live state instead")
+    assert "__1_0.distcp: differs from its snapshot's manifest" in said[1] and "at the next save" in said[1]
+    assert "step-00000012/" in said[2] and "gone from memory" in said[2]
+
+
+# --------------------------------------------------------- between segments: memory dirs the run no longer uses
+def _crashed(tmp_path: Path, name: str = "run", **more: object):
+    """A run whose ranks died right after the snapshot of step 6, before its persist: storage holds step 4 (the
+    snapshot of step 4, persisted), the memory dir ``tmp_path/shm-NAME`` step 6. Returns (spec, run dir, memory
+    dir)."""
+    from tests.harness import new_run, spawn
+    from trainer.segment import run_segment
+
+    mem = tmp_path / f"shm-{name}"
+    spec = tiny_spec(**{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(mem), "checkpoint.interval": 4,
+                        **more})
+    run = new_run(tmp_path / name, spec)
+    assert spawn(run_segment, 2, str(run), 6, 0) == [0, 0]
+    rd = RunDir.at(run)
+    shutil.rmtree(rd.checkpoint(6))  # the end's storage checkpoint, as if the ranks died before persisting it
+    assert (mem / "checkpoints" / "step-00000006").is_dir() and [p.name for p in rd.committed()] == ["step-00000004"]
+    return spec, rd, mem
+
+
+def _tier(spec, **update: object):  # noqa: ANN001, ANN202 - the same run's spec with other memory-tier settings
+    return spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update=update)})
+
+
+def test_between_segments_persists_a_memory_dir_the_run_left_then_removes_it_and_says_what_it_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher before a segment: the snapshot newer than storage in the memory dir an earlier segment used is
+    persisted (deep-validated) when the memory tier is off now or set to another dir, and that dir removed; a
+    snapshot whose persist fails (a reader's own error) is kept and named in one line with how to use it; an
+    older run's id file and a snapshot without a run id are this run's. Then one real `shardkeeper train` with
+    the memory tier off resumes from the persisted step, its launcher lines shown without -v."""
+    from ckpt import validate as validate_mod
+    from ckpt.manifest import read_manifest
+    import sys
+
+    from ckpt.validate import latest_valid
+    from tests.harness import ROOT
+
+    spec, rd, mem = _crashed(tmp_path)
+    saved = tmp_path / "saved"
+    shutil.copytree(rd.root, saved / "run")
+    shutil.copytree(mem, saved / "shm")
+    mine = memtier.identity(rd)
+    assert mine and len(mine) == 32 and memtier.recorded_roots(rd) == [mem]
+
+    def restore() -> None:
+        for src, dst in ((saved / "run", rd.root), (saved / "shm", mem)):
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst)
+
+    def lines(s) -> list[str]:  # noqa: ANN001
+        out = memtier_persist.between_segments(s, rd)
+        assert all("\n" not in ln for ln in out)
+        return out
+
+    for now, where in ((None, "the memory tier is off"), (str(tmp_path / "shm-2"), f"now {tmp_path / 'shm-2'}")):
+        said = lines(_tier(spec, memory_interval=None if now is None else 2, memory_dir=now))
+        assert said == [f"persisted the memory snapshot step-00000006 to storage: {rd.checkpoint(6)}",
+                        f"removed the memory tier {mem}: no longer this run's checkpoint.memory_dir ({where}); storage "
+                        "holds its steps"]
+        assert validate_mod.validate(rd.checkpoint(6), deep=True).valid
+        assert read_manifest(rd.checkpoint(6)).run_id == mine
+        assert not mem.exists() and memtier.recorded_roots(rd) == [] and not (tmp_path / "shm-2").exists()
+        assert lines(_tier(spec, memory_interval=None)) == []
+        restore()
+
+    real = validate_mod.validate
+
+    def reader_fails(path, *, deep=False):  # noqa: ANN001, ANN202 - the zero-element record read of a broken reader
+        if deep:
+            raise TypeError("cannot modify read-only memory")
+        return real(path, deep=deep)
+
+    monkeypatch.setattr(validate_mod, "validate", reader_fails)
+    snap = mem / "checkpoints" / "step-00000006"
+    why = (f"warning: memory snapshot {snap} not persisted: its deep validation failed (TypeError: cannot modify "
+           "read-only memory); it is kept ({}); storage's step-00000004 is the resume point")
+    assert lines(spec) == [why.format("a segment at world size 2 with this memory tier resumes from it if it passes "
+                                      "every check")]
+    assert lines(_tier(spec, memory_interval=None)) == [why.format(
+        f"to try it, run a segment at world size 2 with checkpoint.memory_interval set and checkpoint.memory_dir {mem} "
+        "(the ranks load it only if it passes every check)")]
+    assert snap.is_dir() and memtier.recorded_roots(rd) == [mem] and latest_valid(rd)[1].step == 4
+    monkeypatch.setattr(validate_mod, "validate", real)
+
+    # A byte changed in the snapshot: never usable, set aside; the dir the run left is removed all the same.
+    shard = sorted(snap.glob("__1_*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    said = lines(_tier(spec, memory_interval=None))
+    assert len(said) == 2 and said[0].startswith(f"warning: memory snapshot {snap} not persisted: {shard}: checksum ")
+    assert "; set aside as step-00000006.invalid-" in said[0] and said[0].endswith("storage's step-00000004 is the "
+                                                                                  "resume point")
+    assert said[1].startswith(f"removed the memory tier {mem}") and not mem.exists() and latest_valid(rd)[1].step == 4
+    restore()
+    (tmp_path / "alias").symlink_to(mem)  # the same memory dir by another path: the segment's own, never removed
+    assert lines(_tier(spec, memory_dir=str(tmp_path / "alias")))[0].startswith("persisted the memory snapshot")
+    assert (mem / "checkpoints" / "step-00000006").is_dir() and memtier.recorded_roots(rd) == [mem]
+    restore()
+
+    # An older run: its id where earlier versions kept it, a snapshot without a run id: both this run's.
+    os.rename(rd.root / memtier.ID_NAME, rd.root / memtier.LEGACY_ID_NAME)
+    raw = (snap / "manifest.json").read_text()
+    (snap / "manifest.json").write_text(raw.replace(f'"run_id": "{mine}"', '"run_id": null'))
+    assert read_manifest(snap).run_id is None
+    assert lines(spec)[0].startswith("persisted the memory snapshot step-00000006")
+    assert memtier.identity(rd) == mine and not (rd.root / memtier.ID_NAME).exists()
+
+    restore()
+    res = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--run-dir", str(rd.root), "--nproc", "2",
+                          "--until-step", "8", "--set", "checkpoint.memory_interval=null"], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"},
+                         cwd=ROOT)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert f"shardkeeper: persisted the memory snapshot step-00000006 to storage: {rd.checkpoint(6)}" in out
+    assert f"shardkeeper: removed the memory tier {mem}" in out and "steps 6 -> 8" in out and not mem.exists()
+
+
+def test_another_runs_snapshot_copied_into_the_memory_dir_is_never_persisted_nor_resumed(
+        tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """Run B has A's name (another directory, another learning rate); its snapshot of step 8 copied into A's memory
+    dir: the launcher sets it aside in one line and persists A's own step 6; copied in again, A's ranks refuse it
+    in one line and resume from step 6."""
+    import json
+
+    from tests.harness import spawn
+    from trainer.segment import run_segment
+
+    spec, rd, mem = _crashed(tmp_path)
+    _, other, other_mem = _crashed(tmp_path, "other", **{"optim.lr": 5e-3})
+    assert spawn(run_segment, 2, str(other.root), 8, 1) == [0, 0]
+    theirs = other_mem / "checkpoints" / "step-00000008"
+    copied = mem / "checkpoints" / "step-00000008"
+    shutil.copytree(theirs, copied)
+    said = memtier_persist.between_segments(spec, rd)
+    assert len(said) == 2 and said[1].startswith("persisted the memory snapshot step-00000006"), said
+    assert said[0].startswith(f"warning: memory snapshot {copied} refused: written by another run (run id "
+                              f"{memtier.identity(other)}; this run's is {memtier.identity(rd)}); set aside as "
+                              "step-00000008.invalid-") and said[0].endswith(", never persisted nor resumed")
+    assert not copied.exists() and not rd.checkpoint(8).exists()
+    shutil.copytree(theirs, copied)  # copied in again once the launcher looked: the ranks refuse it too
+    capfd.readouterr()
+    assert spawn(run_segment, 2, str(rd.root), 10, 1) == [0, 0]
+    refused = [ln for ln in capfd.readouterr().err.splitlines() if "step-00000008 not used" in ln]
+    assert len(refused) == 1 and "(written by another run (run id " in refused[0], refused
+    events = [json.loads(x) for x in (rd.root / "lineage.jsonl").read_text().splitlines()]
+    resume = [e for e in events if e["kind"] == "resume"][-1]
+    assert resume["step"] == 6 and resume["parent"].startswith("checkpoint:step-00000006")
+    assert copied.is_dir()  # left where it is: never loaded

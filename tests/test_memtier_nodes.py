@@ -286,6 +286,36 @@ def test_a_node_dir_held_by_another_live_run_is_left_untouched(two_node_run: tup
     assert resume["data"]["tier"] == "storage", err[-3000:]
 
 
+def test_a_node_copy_of_another_run_is_never_offered_and_a_left_node_tier_is_persisted_then_removed(
+        two_node_run: tuple[Path, Path]) -> None:
+    """A node's copy whose manifest carries another run's id is not offered for a restore. With the ranks dead
+    before the persist of step END (storage has none), the launcher of a segment with the memory tier off persists
+    it from a whole node copy, then removes the node dirs and the memory dir they lay in."""
+    from ckpt import memtier, memtier_nodes, memtier_persist
+    from ckpt.manifest import read_manifest
+
+    run, mem = two_node_run
+    rd = RunDir.at(run)
+    a, b = RunDir(mem / "nodes" / "node0"), RunDir(mem / "nodes" / "node1")
+    mine = memtier.identity(rd)
+    steps = [c.step for c in memtier_nodes.inventory(b, mine)]  # (one due while a save was in flight is skipped)
+    assert len(steps) == 2 and steps[-1] == END
+    copy = b.checkpoint(END)
+    raw = (copy / "manifest.json").read_text()
+    (copy / "manifest.json").write_text(raw.replace(f'"run_id": "{mine}"', f'"run_id": "{"e" * 32}"'))
+    assert [c.step for c in memtier_nodes.inventory(b, mine)] == steps[:1]
+    (copy / "manifest.json").write_text(raw)
+    shutil.rmtree(rd.checkpoint(END))
+    spec = _spec(mem)
+    off = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"memory_interval": None})})
+    said = memtier_persist.between_segments(off, rd)
+    assert said == [f"persisted the memory snapshot step-{END:08d} to storage: {rd.checkpoint(END)}",
+                    f"removed the memory tier {mem}: no longer this run's checkpoint.memory_dir (the memory tier is "
+                    "off); storage holds its steps"], said
+    assert validate(rd.checkpoint(END), deep=True).valid and read_manifest(rd.checkpoint(END)).run_id == mine
+    assert not mem.exists() and not a.root.exists()
+
+
 def test_plan_says_why_a_snapshot_of_another_world_size_is_not_used() -> None:
     """The node tier's candidates are the plans alone: a snapshot left out for its world size or run name is said
     in one line (as the single-node tier says it), not dropped silently."""

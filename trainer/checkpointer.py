@@ -116,6 +116,8 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         self._plans = {}
         self.last_memory_step: int | None = None
         self.last_storage_step: int | None = None
+        self.committed_snapshot: CheckpointManifest | None = None  # rank 0: the manifest of the newest snapshot
+        self._storage_owed: int | None = None  # a persist from memory failed on the background thread (save_side)
         self._claimed = False
         self._tier_lock = memtier.TierLock(self.memory) if self.memory is not None else None
         self.skipped_snapshots = 0
@@ -307,6 +309,7 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             parent=like.parent if like else self.parent, code_version=code_version(), fingerprint=fingerprint,
             run_spec=self.spec, save_seconds=time.perf_counter() - t0, async_save=async_save, hf_model=self.hf_model,
             data=like.data if like else self.data, base_model=like.base_model if like else self._base_model_record(),
+            run_id=memtier.identity(self.run_dir, create=True),  # a memory snapshot is used only by this run
         )
         if target is self.memory and self.node_tier:
             return (_NODE_COPIES, manifest)
@@ -338,6 +341,7 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         """Rank 0, after the rename: lineage event (with the tier), log line, retention, background re-read."""
         nbytes = sum(f.size for f in manifest.files)
         if tier == MEMORY:
+            self.committed_snapshot = manifest  # what its persist copies, whatever happens to the files meanwhile
             event, parent = memtier.snapshot_event_id(manifest.step), self._parent_event
         else:
             event = lineage.checkpoint_event_id(manifest.step)

@@ -156,7 +156,9 @@ class NodeTier:
         if self.is_leader and self.memory.checkpoints.is_dir():  # type: ignore[attr-defined]
             problem = memtier.owner_problem(self.memory, self.run_dir)  # type: ignore[attr-defined]
             try:
-                offer = memtier_nodes.inventory(self.memory) if problem is None else None  # type: ignore[attr-defined]
+                mine = memtier.identity(self.run_dir)  # type: ignore[attr-defined]
+                mem = self.memory  # type: ignore[attr-defined]
+                offer = memtier_nodes.inventory(mem, mine) if problem is None else None
             except OSError as e:  # an unreadable node dir offers nothing (before the collective: no rank left waiting)
                 log.warning("%s: not readable (%s); this node offers no memory snapshot", self.memory.root, e)  # type: ignore[attr-defined]
         found: list[Any] = [None] * self.env.world_size  # type: ignore[attr-defined]

@@ -133,7 +133,8 @@ class ResumeSide:
 
     def _candidates(self) -> list[tuple[str, str]]:
         """Rank 0: every committed checkpoint of both tiers, newest first; at the same step the memory snapshot
-        first (no storage read). Snapshots of another run or world size are left out, each said in one line."""
+        first (no storage read). Snapshots of another run (its name, or its run id) or world size are left out, each
+        said in one line."""
         found = [(parse_step(p.name) or 0, 0, str(p), STORAGE) for p in self.run_dir.committed()]
         if self.memory is not None and self.node_tier:  # type: ignore[attr-defined]  # the plans the nodes agreed on
             found += [(step, 1, str(self.memory.checkpoint(step)), MEMORY) for step in self._plans]  # type: ignore[attr-defined]
@@ -146,10 +147,11 @@ class ResumeSide:
             for p in snaps:
                 try:
                     m = self._manifest(p)
-                    why = (f"saved at world size {m.topology.world_size}, this segment runs {self.env.world_size}"
-                           if m.topology.world_size != self.env.world_size else
-                           f"written by run {m.run_name!r}, not {self.spec.name!r}" if m.run_name != self.spec.name
-                           else None)
+                    why = (memtier.written_by_other_run(m, self.run_dir) or
+                           (f"saved at world size {m.topology.world_size}, this segment runs {self.env.world_size}"
+                            if m.topology.world_size != self.env.world_size else
+                            f"written by run {m.run_name!r}, not {self.spec.name!r}" if m.run_name != self.spec.name
+                            else None))
                 except Exception as e:  # an unreadable manifest: the snapshot is not used
                     why = _load_problem(e)
                 if why:

@@ -10,6 +10,7 @@ group, so they never interleave with the training collectives. At most one save 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from typing import Any
 
@@ -57,7 +58,8 @@ class SaveSide:
         # tier off (``_tier_off``) on one rank's background thread before another's; a rank that returned here
         # while the other waited in the all-reduce hung both. Once every rank's save in flight is done, each
         # has the same view (the tier goes off on an agreed decision), checked after ``wait``.
-        if tier == MEMORY and (self._tier_gone or (self.memory is None and self._inflight is None)):
+        if tier == MEMORY and self._storage_owed is None and (
+                self._tier_gone or (self.memory is None and self._inflight is None)):
             return
         if tier == MEMORY and self._inflight is not None and not blocking:
             busy = torch.tensor([0 if self._inflight.done() else 1], dtype=torch.int32)
@@ -67,6 +69,9 @@ class SaveSide:
                 log0(self.env, "memory snapshot at step %d skipped: the previous save is still being written", ts.step)
                 return
         self.wait()
+        if self._storage_owed is not None:  # set on every rank by the same agreed failure, seen after the wait
+            self._write_owed(ts, reason)
+            return
         if tier == MEMORY and self.memory is None:  # the memory tier went off during the save in flight
             self._tier_gone = True  # seen by every rank at this same call: later memory steps return at once
             return
@@ -155,16 +160,69 @@ class SaveSide:
 
     def _persist(self, ts: TrainState, reason: str, t0: float, async_save: bool) -> None:
         """A storage checkpoint from the committed memory snapshot of ``ts.step``: every rank copies the files it
-        wrote (hashed on the way against the snapshot's manifest), then the shared commit in the run directory
-        with the checksums, inventory and fingerprint the snapshot's manifest already holds."""
+        wrote (hashed on the way against the manifest rank 0 committed), then the shared commit in the run
+        directory with the checksums, inventory and fingerprint that manifest holds. When the snapshot vanished or
+        changed since its commit (agreed: every rank learns any rank's problem), nothing is committed from it and
+        the storage checkpoint is written from the live state instead (``_persist_failed``)."""
         assert self.memory is not None
         t = time.perf_counter()
+        group = self.env.ckpt_group
         src = self.memory.checkpoint(ts.step)
-        like = self._manifest(src)
-        self._prepare_partial(ts.step, self.env.ckpt_group, self.run_dir)
+        box: list[Any] = [None]
+        if self.env.is_rank0:
+            like = self.committed_snapshot
+            if like is None or like.step != ts.step:  # not committed by this process (never so today): read it
+                try:
+                    like = self._manifest(src)
+                except Exception as e:  # noqa: BLE001 - said and agreed below
+                    like = f"{src}: {' '.join(str(e).split())[:300]}"
+            box[0] = like
+        dist.broadcast_object_list(box, src=0, group=group)
+        like = box[0]
+        if isinstance(like, str):
+            return self._persist_failed(ts, reason, t0, async_save, like)
+        self._prepare_partial(ts.step, group, self.run_dir)
+        partial = self.run_dir.partial(ts.step)
         mine = [f for f in like.files if f.rank == self.env.rank]
-        problem = memtier_persist.copy_verified(src, self.run_dir.partial(ts.step), mine, copy_file)  # O_DIRECT, one copy
-        self._commit(ts, reason, mine, like.tensors, like.fingerprint, t0, async_save, problem=problem,
-                     target=self.run_dir, like=like)
+        outcome: tuple[str | None, str | None]
+        try:
+            outcome = (memtier_persist.copy_verified(src, partial, mine, copy_file), None)
+        except OSError as e:  # storage could not take it: the save fails as any storage save does
+            outcome = (None, self.save_problem(e, partial))
+        found: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(found, outcome, group=group)
+        failed = next((f for _, f in found if f), None)
+        if failed is not None:
+            self.abort_save(partial, failed, group)
+        problem = next((g for g, _ in found if g), None)
+        if problem is not None:
+            if self.env.is_rank0:
+                shutil.rmtree(partial, ignore_errors=True)
+            return self._persist_failed(ts, reason, t0, async_save, problem)
+        self._commit(ts, reason, mine, like.tensors, like.fingerprint, t0, async_save, target=self.run_dir, like=like)
         self.last_storage_step = ts.step
         self.last_phases = {**self.last_phases, "persist_s": time.perf_counter() - t, "total_s": time.perf_counter() - t0}
+
+    def _persist_failed(self, ts: TrainState, reason: str, t0: float, async_save: bool, problem: str) -> None:
+        """Every rank, together: the memory snapshot of ``ts.step`` vanished or changed between its commit and its
+        persist (deleted, a byte changed; the live state is intact). One line on rank 0; the storage checkpoint is
+        written the normal way from the live state: now when this save blocks (training waits: the live state is
+        still at ``ts.step``), else at the next save not skipped (``_write_owed``: the next snapshot that finds no
+        save in flight, or the segment's end), which writes storage instead of a snapshot. The snapshot is left where it is: the
+        checks of a resume or the launcher's persist refuse it if its bytes changed."""
+        later = "" if not async_save else " at the next save (blocking)"
+        if self.env.is_rank0:
+            log.warning("storage checkpoint at step %d not persisted from its memory snapshot: %s; it is written from "
+                        "the live state%s instead", ts.step, problem, later)
+        if async_save:
+            self._storage_owed = ts.step
+            return
+        self._write_and_commit(self.snapshot(ts), ts, reason, t0, False, self.run_dir, False)
+
+    def _write_owed(self, ts: TrainState, reason: str) -> None:
+        """The storage checkpoint a failed persist owes (``_persist_failed``), from the live state at ``ts.step``:
+        blocking (no staged copy in the memory dir is written to storage), in place of the save asked for now."""
+        self._storage_owed = None
+        t0 = time.perf_counter()
+        self._write_and_commit(self.snapshot(ts), ts, reason, t0, False, self.run_dir, False)
+        self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 0.0, "memory": 0.0})

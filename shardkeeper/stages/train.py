@@ -229,17 +229,15 @@ def _warm_up_readers() -> threading.Thread:
 
 
 def _persist_memory(spec: RunSpec, rd: RunDir, sink: Callable[[str], None]) -> None:
-    """The memory tier's snapshot newer than storage's newest checkpoint (the ranks died after taking it) is
-    validated and persisted to storage; a torn or tampered one never is (one line; storage stays the resume point)."""
-    if spec.checkpoint.memory_interval is None or spec.backend != "fsdp2":
-        return
-    from ckpt.memtier_persist import persist_newer
+    """Before and after the segment (ckpt.memtier_persist.between_segments): a memory snapshot newer than storage's
+    newest checkpoint (the ranks died after taking it; or an earlier segment's, in a memory dir this one does not
+    use) is validated and persisted to storage, a memory dir the run no longer uses is removed. A snapshot not
+    persisted (torn, tampered, another run's) is said on the launcher's own line, shown without -v. Every run gets
+    its id here (ckpt.memtier.identity), at its first segment."""
+    from ckpt.memtier_persist import between_segments
 
-    final, problem = persist_newer(spec, rd)
-    if problem:
-        sink(f"warning: {problem}")
-    elif final is not None:
-        sink(f"persisted the memory snapshot {final.name} to storage: {final}")
+    for line in between_segments(spec, rd):
+        sink(f"shardkeeper: {line}")
 
 
 def _times_record(times: SegmentTimes | None) -> dict[str, float]:
