@@ -182,6 +182,46 @@ def load_state(state_dict: dict[str, Any], ckpt_dir: str | os.PathLike[str], *, 
         raise
 
 
+def save_in_process(state_dict: dict[str, Any], storage_writer: Any, planner: Any) -> None:
+    """``dcp.save`` in this one process (no group: a conversion or an import writing a whole checkpoint). DCP gathers
+    a failure into its multi-line CheckpointException, which derives from BaseException (``except Exception`` misses
+    it); here it comes out as one error: a source's refusal (a CheckpointError raised while a tensor was produced in
+    DCP's writer threads, which the writer may record against its file as an OSError) as itself, naming the source
+    file; else the writer's OSError (a full disk: ENOSPC, naming the file); else a RuntimeError of one line."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.save(state_dict, storage_writer=storage_writer, planner=planner, no_dist=True)
+    except CheckpointException as e:
+        failures = [exc for _, (exc, _tb) in sorted(e.failures.items())]
+        raise _first_failure(failures) from None
+    except OSError as e:
+        raise _first_failure([e]) from None
+
+
+def _first_failure(failures: list[BaseException]) -> BaseException:
+    """What a failed save says in one line: a CheckpointError behind any failure, else an OSError, else the first."""
+    def chain(exc: BaseException | None) -> Iterator[BaseException]:
+        for _ in range(16):
+            if exc is None:
+                return
+            yield exc
+            exc = exc.__cause__ or exc.__context__
+
+    found = [exc for failure in failures for exc in chain(failure)]
+    for kind in (CheckpointError, OSError):
+        first = next((exc for exc in found if isinstance(exc, kind)), None)
+        if first is not None:
+            return first
+    first = failures[0] if failures else None
+    return RuntimeError(f"DCP save failed ({type(first).__name__}: {' '.join(str(first).split())[:300]})")
+
+
 class DCPTensorReader:
     """Reads whole tensors of a DCP checkpoint one at a time, in one process, without a group."""
 
@@ -262,4 +302,5 @@ class DCPTensorReader:
         self.close()
 
 
-__all__ = ["DCPTensorReader", "SafeFileSystemReader", "SafeLoadPlanner", "load_state", "plain_name", "read_metadata"]
+__all__ = ["DCPTensorReader", "SafeFileSystemReader", "SafeLoadPlanner", "load_state", "plain_name", "read_metadata",
+           "save_in_process"]
