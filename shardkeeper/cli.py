@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         return _error(f"{' '.join(str(e).split())}; check the arguments", 2)
     except Exception as e:  # noqa: BLE001 - a bug: say so in one line, traceback with -v or in the log
         return _internal_error(e)
-    except BaseException as e:  # DCP's CheckpointException derives from BaseException: the failure inside it
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException: its failure
         inner = _inner_failure(e)
         if isinstance(inner, ShardkeeperError):
             return _error(str(inner), inner.exit_code)

@@ -435,6 +435,6 @@ class ZeroShards:
         self.close()
 
 
-__all__ = ["HashingFile", "Opaque", "ParamSlot", "Piece", "STATE_FILE", "STATE_KEYS", "StoredTensor", "TorchSaveFile",
-           "UNIVERSAL_DIR", "ZeroShards", "read_rng", "read_state", "rng_file", "save_torch", "stored_number",
+__all__ = ["STATE_FILE", "STATE_KEYS", "UNIVERSAL_DIR", "HashingFile", "Opaque", "ParamSlot", "Piece", "StoredTensor",
+           "TorchSaveFile", "ZeroShards", "read_rng", "read_state", "rng_file", "save_torch", "stored_number",
            "write_hashed", "zero_files"]

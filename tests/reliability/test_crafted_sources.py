@@ -101,7 +101,7 @@ def _covers(shape: tuple[int, ...], boxes: list[Box]) -> bool:
 def _grid(rng: random.Random, shape: tuple[int, ...]) -> list[Box]:
     """A random exact tiling: each dimension cut at random points (a DTensor-like grid)."""
     cuts = [sorted({0, d, *rng.sample(range(1, d), min(d - 1, rng.randint(0, 2)))}) for d in shape]
-    spans = [list(zip(cut, cut[1:])) for cut in cuts]
+    spans = [list(itertools.pairwise(cut)) for cut in cuts]
     return [(tuple(a for a, _ in box), tuple(b - a for a, b in box)) for box in itertools.product(*spans)]
 
 
