@@ -7,9 +7,12 @@ import functools
 import json
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
+
+from schemas.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +273,57 @@ def pread_full(fd: int, view: memoryview, offset: int) -> bool:
             return False
         done += n
     return True
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, for a message."""
+    return ("directory" if stat.S_ISDIR(mode) else "fifo" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode)
+            else "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special file")
+
+
+def not_regular(path: str | os.PathLike[str], mode: int) -> CheckpointError:
+    return CheckpointError(f"{path}: a {file_kind(mode)}, not a regular file; a checkpoint holds only regular files, "
+                           "replace it with the real file")
+
+
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """A read-only descriptor of the regular file at ``path`` (symlinks followed). The open never blocks: a fifo,
+    socket, device or directory there is refused in one line instead of holding the reader until something writes
+    into it. FileNotFoundError propagates (callers say what a missing file means)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_regular(path, mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | os.PathLike[str], max_bytes: int, what: str) -> bytes:
+    """The bytes of the regular file at ``path`` (``open_regular``), refused in one line when it is larger than
+    ``max_bytes`` (``what`` says what the file should hold): never read whole just because it is there."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise CheckpointError(f"{path}: {size} bytes, more than {what} can be ({max_bytes} bytes at most); "
+                                  "the file is corrupted or crafted, replace it")
+        pieces, done = [], 0
+        while done <= max_bytes:  # a file that grows while it is read is still read no further than the cap
+            piece = os.read(fd, min(1 << 30, max_bytes + 1 - done))
+            if not piece:
+                break
+            pieces.append(piece)
+            done += len(piece)
+        if done > max_bytes:
+            raise CheckpointError(f"{path}: grew past {max_bytes} bytes while being read; something writes into it, "
+                                  "retry once it is done")
+        return b"".join(pieces)
+    finally:
+        os.close(fd)
 
 
 def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:

@@ -365,15 +365,44 @@ def main(argv: list[str] | None = None) -> int:
     except _CLICK_ERRORS as e:
         return _usage_error(e)
     except OSError as e:  # a user path that cannot be read or written
-        where = f"{e.filename}: " if e.filename else ""
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # not the user's input: the machine's disk
-            return _error(f"{where}{e.strerror}: the disk is full; free space and rerun the same command (a run "
-                          "resumes from its newest committed checkpoint)", 1)
-        return _error(f"{where}{e.strerror or e}; check the path and its permissions", 2)
+        return _os_error(e)
     except ValueError as e:
         return _error(f"{' '.join(str(e).split())}; check the arguments", 2)
     except Exception as e:  # noqa: BLE001 - a bug: say so in one line, traceback with -v or in the log
         return _internal_error(e)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException: its failure
+        inner = _inner_failure(e)
+        if isinstance(inner, ShardkeeperError):
+            return _error(str(inner), inner.exit_code)
+        if isinstance(inner, OSError):
+            return _os_error(inner)
+        return _internal_error(e)
+
+
+def _os_error(e: OSError) -> int:
+    where = f"{e.filename}: " if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):  # not the user's input: the machine's disk
+        return _error(f"{where}{e.strerror}: the disk is full; free space and rerun the same command (a run "
+                      "resumes from its newest committed checkpoint)", 1)
+    return _error(f"{where}{e.strerror or e}; check the path and its permissions", 2)
+
+
+def _inner_failure(e: BaseException) -> BaseException | None:
+    """The first ShardkeeperError or OSError among the failures a DCP CheckpointException carries (per rank) and
+    their causes, else None."""
+    failures = getattr(e, "failures", None)
+    found: list[BaseException] = []
+    for exc, *_ in (failures.values() if isinstance(failures, dict) else ()):
+        for _ in range(16):
+            if not isinstance(exc, BaseException):
+                break
+            found.append(exc)
+            exc = exc.__cause__ or exc.__context__
+    for kind in (ShardkeeperError, OSError):
+        first = next((x for x in found if isinstance(x, kind)), None)
+        if first is not None:
+            return first
+    return None
 
 
 def _usage_error(e: Exception) -> int:
@@ -390,7 +419,7 @@ def _error(message: str, code: int) -> int:
     return code
 
 
-def _internal_error(e: Exception) -> int:
+def _internal_error(e: BaseException) -> int:
     import traceback
 
     text = "".join(traceback.format_exception(e))

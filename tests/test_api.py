@@ -85,9 +85,10 @@ def modes(run: Path, until: int, *more: str) -> tuple:
 def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every run the tests below read, launched side by side:
 
-    - ``full``: one uninterrupted 2-rank run of examples/fsdp2_loop.py to step 16; ``same``/``one``: copies of it cut
-      at step 8 resumed on 2 and on 1 rank, then ``validate --deep`` and ``status`` on ``one``, then a segment of
-      ``one`` the ranks refuse (``bad-track``) and ``status`` again;
+    - ``full``: one uninterrupted 2-rank run of examples/fsdp2_loop.py to step 16, then ``validate --deep`` of its
+      last checkpoint; ``same``/``one``: copies of it cut at step 8 resumed on 2 and on 1 rank, then
+      ``validate --deep`` and ``status`` on ``one``, then a segment of ``one`` the ranks refuse (``bad-track``) and
+      ``status`` again;
     - ``loader-*``: the tracked StatefulDataLoader, 2 ranks to step 10, a copy cut at step 5 resumed to 10, then
       refused on 1 rank;
     - one single-rank run per misuse mode, the user's exception (``raise``, ``after``), ``nan-then-ok``, ``thread``,
@@ -112,6 +113,8 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
         [("full", sk, "train", "--script", str(EXAMPLE), "--run-dir", str(runs["full"]), "--until-step", "16",
           "--nproc", "2", "--set", "checkpoint.interval=4", "--", "--width", "32"),
          (None, cut, "full", 8, "same", "one"),
+         # 2 ranks: the last layer's 1-element bias leaves rank 1 an empty shard, whose record must read back
+         ("validate-2", sk, "validate", str(runs["full"] / "checkpoints" / "step-00000016"), "--deep"),
          ("same", sk, "train", "--run-dir", str(runs["same"]), "--until-step", "16", "--nproc", "2"),  # the run
          ("one", sk, "train", "--run-dir", str(runs["one"]), "--until-step", "16", "--nproc", "1"),  # remembers its script
          ("validate", sk, "validate", str(runs["one"] / "checkpoints" / "step-00000016"), "--deep"),
@@ -164,8 +167,9 @@ def test_script_resume_is_bitwise_at_the_same_world_size_and_close_across_sizes(
 
 
 def test_script_checkpoints_validate_deep_and_status_reads_them(launched: dict) -> None:
-    r = outcome(launched, "validate")
-    assert r.returncode == 0 and "valid (deep)" in r.stdout, r.stdout + r.stderr
+    for key in ("validate", "validate-2"):  # saved on 1 rank, and on 2 ranks (with empty shards)
+        r = outcome(launched, key)
+        assert r.returncode == 0 and "valid (deep)" in r.stdout, r.stdout + r.stderr
     r = outcome(launched, "status")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)[0]["last_status"] == "completed"

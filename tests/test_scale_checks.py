@@ -91,9 +91,9 @@ def parses(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     seen: list[Path] = []
     real = dcp_metadata.read_layout
 
-    def counting(ckpt_dir: Any, data: bytes | None = None) -> Any:
+    def counting(ckpt_dir: Any, data: bytes | None = None, file_sizes: Any = None) -> Any:
         seen.append(Path(ckpt_dir))
-        return real(ckpt_dir, data)
+        return real(ckpt_dir, data, file_sizes)
     monkeypatch.setattr("ckpt.formats.dcp_format.read_layout", counting)
     return seen
 

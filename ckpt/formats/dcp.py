@@ -35,22 +35,26 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from schemas.errors import CheckpointError
 from ckpt.formats import safe_pickle
-from ckpt.formats.dcp_metadata import read_metadata_as
+from ckpt.formats.dcp_metadata import check_extents, file_sizes_of, plain_name, read_metadata_as
 from ckpt.formats.torchzip import TorchZip, load_bytes
+from ckpt.fsutil import open_regular
 
 
 def read_metadata(ckpt_dir: str | os.PathLike[str], data: bytes | None = None) -> Metadata:
     """``ckpt_dir``'s ``.metadata`` through the allow-list, as DCP's own classes (``data``: its bytes, already read by
-    the caller). The quick check reads it without torch: ``ckpt.formats.dcp_metadata.read_layout``."""
-    return read_metadata_as(Path(ckpt_dir), data, safe_pickle.DCP_METADATA, Metadata)
-
-
-def plain_name(name: Any, where: Path) -> str:
-    """A data file named by the metadata must be a plain name inside the checkpoint directory."""
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
-        raise CheckpointError(f"{where}: names data file {name!r:.80}, not a plain file name in the checkpoint; "
-                              "the checkpoint is corrupted or hostile, pick another step")
-    return name
+    the caller), its extents proven against the data files there (``ckpt.formats.dcp_metadata.check_extents``: chunks
+    in bounds and tiling each tensor, records inside their files). Every reader of a DCP checkpoint -- a load, export,
+    deep validation, conversion, import -- reads it here. The quick check reads it without torch:
+    ``ckpt.formats.dcp_metadata.read_layout``."""
+    ckpt_dir = Path(ckpt_dir)
+    md = read_metadata_as(ckpt_dir, data, safe_pickle.DCP_METADATA, Metadata)
+    where = ckpt_dir / ".metadata"
+    if not isinstance(md.storage_data, dict) or not isinstance(md.state_dict_metadata, dict):
+        raise CheckpointError(f"{where}: not the structure DCP writes (storage_data, state_dict_metadata); the "
+                              "checkpoint is corrupted, pick another step")
+    names = {getattr(info, "relative_path", None) for info in md.storage_data.values()}
+    check_extents(md, where, file_sizes_of(ckpt_dir, names, where))  # type: ignore[arg-type]
+    return md
 
 
 def _value(data: bytes, where: str) -> Any:
@@ -113,7 +117,7 @@ class SafeFileSystemReader(FileSystemReader):
         for relative_path, reqs in per_file.items():
             path = Path(self.path) / relative_path
             try:
-                f = open(path, "rb")  # noqa: SIM115 - closed below
+                f = os.fdopen(open_regular(path), "rb")  # closed below
             except FileNotFoundError:
                 raise CheckpointError(f"{path}: missing; the checkpoint is incomplete, pick another step") from None
             with f:
@@ -178,6 +182,46 @@ def load_state(state_dict: dict[str, Any], ckpt_dir: str | os.PathLike[str], *, 
         raise
 
 
+def save_in_process(state_dict: dict[str, Any], storage_writer: Any, planner: Any) -> None:
+    """``dcp.save`` in this one process (no group: a conversion or an import writing a whole checkpoint). DCP gathers
+    a failure into its multi-line CheckpointException, which derives from BaseException (``except Exception`` misses
+    it); here it comes out as one error: a source's refusal (a CheckpointError raised while a tensor was produced in
+    DCP's writer threads, which the writer may record against its file as an OSError) as itself, naming the source
+    file; else the writer's OSError (a full disk: ENOSPC, naming the file); else a RuntimeError of one line."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.save(state_dict, storage_writer=storage_writer, planner=planner, no_dist=True)
+    except CheckpointException as e:
+        failures = [exc for _, (exc, _tb) in sorted(e.failures.items())]
+        raise _first_failure(failures) from None
+    except OSError as e:
+        raise _first_failure([e]) from None
+
+
+def _first_failure(failures: list[BaseException]) -> BaseException:
+    """What a failed save says in one line: a CheckpointError behind any failure, else an OSError, else the first."""
+    def chain(exc: BaseException | None) -> Iterator[BaseException]:
+        for _ in range(16):
+            if exc is None:
+                return
+            yield exc
+            exc = exc.__cause__ or exc.__context__
+
+    found = [exc for failure in failures for exc in chain(failure)]
+    for kind in (CheckpointError, OSError):
+        first = next((exc for exc in found if isinstance(exc, kind)), None)
+        if first is not None:
+            return first
+    first = failures[0] if failures else None
+    return RuntimeError(f"DCP save failed ({type(first).__name__}: {' '.join(str(first).split())[:300]})")
+
+
 class DCPTensorReader:
     """Reads whole tensors of a DCP checkpoint one at a time, in one process, without a group."""
 
@@ -211,7 +255,7 @@ class DCPTensorReader:
         if f is None:
             path = self.dir / info.relative_path
             try:
-                f = self._files[info.relative_path] = open(path, "rb")
+                f = self._files[info.relative_path] = os.fdopen(open_regular(path), "rb")
             except FileNotFoundError:
                 raise CheckpointError(f"{path}: missing; the checkpoint is incomplete, pick another step") from None
         return _pread_record(f.fileno(), info.offset, info.length, self._where(index))
@@ -220,31 +264,21 @@ class DCPTensorReader:
         index = MetadataIndex(key)
         return _value(self._read(index), self._where(index))
 
-    def _check_extent(self, key: str, md: TensorStorageMetadata) -> None:
-        """Before allocating a tensor of the size ``.metadata`` declares: its chunks must tile it exactly and
-        the files holding them must be at least its size, so a crafted size cannot allocate more than the
-        files hold (each record is then checked on its own when read, naming its file)."""
-        numel = math.prod(md.size)
-        tiled = sum(math.prod(c.sizes) for c in md.chunks)
-        paths = {self.metadata.storage_data[MetadataIndex(key, c.offsets)].relative_path for c in md.chunks
-                 if MetadataIndex(key, c.offsets) in self.metadata.storage_data}
-        files = [self.dir / plain_name(p, self.dir / ".metadata") for p in paths]
-        stored = sum(f.stat().st_size for f in files if f.is_file())
-        nbytes = numel * md.properties.dtype.itemsize
-        if tiled != numel or nbytes > stored:
-            raise CheckpointError(f"{self.dir / '.metadata'}: tensor {key} declares {list(md.size)} ({nbytes} bytes) but its "
-                                  f"chunks cover {tiled} elements in files of {stored} bytes; the checkpoint is corrupted "
-                                  "or crafted, pick another step")
-
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Assemble the full tensor ``key`` from its chunks (into ``out`` when given)."""
+        """Assemble the full tensor ``key`` from its chunks (into ``out`` when given). Its extents were proven when
+        ``.metadata`` was read (``read_metadata``): the chunks tile it and the records holding them lie in files of
+        at least its size, so a crafted size cannot allocate more than the files hold; each record must hold its
+        chunk (its elements, of its dtype), or the read is refused naming it."""
         md = self.meta(key)
-        self._check_extent(key, md)
         if out is None:
             out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         for chunk in md.chunks:
             index = MetadataIndex(key, chunk.offsets)
             piece = _tensor(self._read(index), self._where(index))
+            if piece.numel() != math.prod(chunk.sizes) or piece.dtype != md.properties.dtype:
+                raise CheckpointError(f"{self._where(index)}: holds {piece.dtype} {list(piece.shape)}, .metadata "
+                                      f"says {md.properties.dtype} {list(chunk.sizes)}; the checkpoint is corrupted or "
+                                      "crafted, pick another step")
             dst = out
             for dim, (off, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
                 dst = dst.narrow(dim, off, length)
@@ -268,4 +302,5 @@ class DCPTensorReader:
         self.close()
 
 
-__all__ = ["DCPTensorReader", "SafeFileSystemReader", "SafeLoadPlanner", "load_state", "plain_name", "read_metadata"]
+__all__ = ["DCPTensorReader", "SafeFileSystemReader", "SafeLoadPlanner", "load_state", "plain_name", "read_metadata",
+           "save_in_process"]

@@ -29,14 +29,16 @@ DCP_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
 def check_layout(ckpt_dir: Path, manifest: CheckpointManifest, inputs: Mapping[str, bytes] | None = None) -> list[str]:
-    """The manifest lists exactly what ``.metadata`` references, its tensors are those ``.metadata`` describes,
-    every rank wrote. A pure function of the manifest and the bytes of ``.metadata`` (``inputs``, when the
-    caller read them: ``ckpt.validate`` remembers a pass for exactly those bytes)."""
+    """The manifest lists exactly what ``.metadata`` references, its extents are sound (every tensor tiled by its
+    chunks, every record inside its file: ``ckpt.formats.dcp_metadata.check_extents``), its tensors are those
+    ``.metadata`` describes, every rank wrote. A pure function of the manifest and the bytes of ``.metadata``
+    (``inputs``, when the caller read them: ``ckpt.validate`` remembers a pass for exactly those bytes)."""
     listed = {e.path for e in manifest.files}
     if ".metadata" not in listed:
         return [f"{ckpt_dir / MANIFEST_NAME}: does not list .metadata; the DCP checkpoint is incomplete"]
     try:
-        md = read_layout(ckpt_dir, (inputs or {}).get(".metadata"))
+        # the manifest's sizes are the files' (checked before the layout), so the extents proof reads no file
+        md = read_layout(ckpt_dir, (inputs or {}).get(".metadata"), {e.path: e.size for e in manifest.files})
         referenced = {".metadata"} | {info.relative_path for info in md.storage_data.values()}
         inventory = check_inventory(ckpt_dir, manifest, md) if referenced == listed else []
     except CheckpointError as e:

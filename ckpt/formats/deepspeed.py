@@ -19,6 +19,7 @@ whatever code it names. Here:
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import math
 import os
@@ -196,6 +197,39 @@ def _get(d: Any, key: Any, path: Path, what: str) -> Any:
     return d[key]
 
 
+def _at(items: Any, index: int, path: Path, what: str, kind: type | None = None) -> Any:
+    """``items[index]`` of a per-group list a file holds (of ``kind`` when given), else one line naming it."""
+    if not isinstance(items, list) or index >= len(items) or (kind is not None and not isinstance(items[index], kind)):
+        raise CheckpointError(f"{path}: {what} has no entry for parameter group {index}; not a ZeRO checkpoint this "
+                              "reader understands, or a crafted one")
+    return items[index]
+
+
+def _count(value: Any, path: Path, field: str) -> int:
+    """A count a file declares (a world size): a whole number of at least 1, else one line naming the field."""
+    if type(value) is not int or value < 1:
+        raise CheckpointError(f"{path}: {field} is {value!r:.40}, not a whole number of at least 1; the file is "
+                              "corrupted or crafted, pick another step")
+    return value
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) <= 64 and all(type(x) is int and x >= 0 for x in value)
+
+
+def stored_number(f: TorchSaveFile, value: Any, what: str) -> float:
+    """A finite, non-negative number stored as a number or a one-element tensor (a step counter, a clip norm)."""
+    if isinstance(value, StoredTensor):
+        if value.numel != 1:
+            raise CheckpointError(f"{f.path}: {what} is a tensor of {list(value.shape)}, not one number; the file is "
+                                  "corrupted or crafted, pick another step")
+        value = f.value(value).item()
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise CheckpointError(f"{f.path}: {what} is {value!r:.40}, not a finite number of at least 0; the file is "
+                              "corrupted or crafted, pick another step")
+    return float(value)
+
+
 def zero_files(ckpt_dir: Path) -> tuple[dict[int, Path], list[Path]]:
     """The per-rank optimizer files (by data-parallel rank) and the model-states files of a directory."""
     optim: dict[int, Path] = {}
@@ -220,25 +254,37 @@ class ZeroShards:
             raise CheckpointError(f"{self.dir}: no *_model_states.pt file; not a DeepSpeed checkpoint directory")
         with TorchSaveFile(model_paths[0]) as f:
             self.model_states = f.obj
-        world = int(_get(self.model_states, "dp_world_size", model_paths[0], "data-parallel world size"))
+        world = _count(_get(self.model_states, "dp_world_size", model_paths[0], "data-parallel world size"),
+                       model_paths[0], "dp_world_size")
         if expect_world_size is not None and world != expect_world_size:
             raise CheckpointError(f"{model_paths[0]}: written at world size {world}, the manifest says {expect_world_size}; "
                                   "the checkpoint is inconsistent, pick another step")
-        missing = [r for r in range(world) if r not in optim_paths]
-        if missing:
+        if world > len(optim_paths) or any(r not in optim_paths for r in range(world)):
+            # the first rank without its file, found among the files present (never a list of the declared size)
+            missing = next(r for r in range(len(optim_paths) + 1) if r not in optim_paths)
             raise CheckpointError(
                 f"{self.dir}: expected {world} ZeRO optimizer files, found {len(optim_paths)} "
-                f"(missing zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt); possibly an interrupted copy or "
+                f"(missing zero_pp_rank_{missing}_mp_rank_00_optim_states.pt); possibly an interrupted copy or "
                 "an overwrite of an old checkpoint, pick another step")
         self.world_size = world
-        self.files = [TorchSaveFile(optim_paths[r]) for r in range(world)]
-        self.optim = [_get(f.obj, "optimizer_state_dict", f.path, "optimizer state") for f in self.files]
-        self.stage = int(self.optim[0].get("zero_stage", 1))
-        if expect_stage is not None and self.stage != expect_stage:
-            raise CheckpointError(f"{self.files[0].path}: holds ZeRO stage {self.stage} state, the manifest says stage "
-                                  f"{expect_stage}; the checkpoint is inconsistent, pick another step")
-        self.slots = self._slots_stage3() if self.stage == 3 else self._slots_stage12()
-        self._check_adamw()
+        self.files: list[TorchSaveFile] = []
+        try:
+            for r in range(world):
+                self.files.append(TorchSaveFile(optim_paths[r]))
+            self.optim = [_get(f.obj, "optimizer_state_dict", f.path, "optimizer state") for f in self.files]
+            self.stage = self.optim[0].get("zero_stage", 1)
+            if type(self.stage) is not int or self.stage not in (1, 2, 3):
+                raise CheckpointError(f"{self.files[0].path}: zero_stage is {self.stage!r:.40}, not 1, 2 or 3; the "
+                                      "file is corrupted or crafted, pick another step")
+            if expect_stage is not None and self.stage != expect_stage:
+                raise CheckpointError(f"{self.files[0].path}: holds ZeRO stage {self.stage} state, the manifest says "
+                                      f"stage {expect_stage}; the checkpoint is inconsistent, pick another step")
+            self.slots = self._slots_stage3() if self.stage == 3 else self._slots_stage12()
+            self._check_adamw()
+            self._check_partitions()
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ layout
     def _group_state(self, rank: int, group: int) -> dict[str, Any]:
@@ -259,7 +305,8 @@ class ZeroShards:
         osd = self.optim[rank]
         if key == "fp32":
             name = "fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"
-            t = _get(osd, name, self.files[rank].path, "fp32 master partitions")[group]
+            path = self.files[rank].path
+            t = _at(_get(osd, name, path, "fp32 master partitions"), group, path, name)
         else:
             t = _get(self._group_state(rank, group), key, self.files[rank].path, f"optimizer moment {key}")
         if not isinstance(t, StoredTensor) or len(t.shape) != 1:
@@ -268,17 +315,29 @@ class ZeroShards:
 
     def _param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
         shapes = _get(self.model_states, "param_shapes", self.dir, "parameter shapes")
-        return [{str(k): tuple(int(x) for x in v) for k, v in g.items()} for g in shapes]
+        if not isinstance(shapes, list) or not all(isinstance(g, dict) and all(
+                type(k) is str and _is_shape(v) for k, v in g.items()) for g in shapes):
+            raise CheckpointError(f"{self.dir}: param_shapes is not a list of {{name: shape}} per parameter group; the "
+                                  "model states file is corrupted or crafted, pick another step")
+        return [{k: tuple(v) for k, v in g.items()} for g in shapes]
 
     def _slots_stage12(self) -> list[ParamSlot]:
         slots: list[ParamSlot] = []
         for g, shapes in enumerate(self._param_shapes()):
-            maps = [_get(osd, "param_slice_mappings", f.path, "parameter slice mappings")[g]
-                    for osd, f in zip(self.optim, self.files)]
+            maps = [_at(_get(osd, "param_slice_mappings", f.path, "parameter slice mappings"), g, f.path,
+                        "parameter slice mappings", dict) for osd, f in zip(self.optim, self.files)]
             for name, shape in shapes.items():
-                pieces = tuple(Piece(r, int(m[name].start), int(m[name].numel)) for r, m in enumerate(maps) if name in m)
+                pieces = tuple(Piece(r, *self._fragment(m[name], r, name)) for r, m in enumerate(maps) if name in m)
                 slots.append(self._checked(ParamSlot(name, shape, g, pieces)))
         return slots
+
+    def _fragment(self, address: Any, rank: int, name: str) -> tuple[int, int]:
+        """(start, numel) of a parameter's slice in a rank's flat partition (DeepSpeed's fragment_address)."""
+        start, numel = getattr(address, "start", None), getattr(address, "numel", None)
+        if type(start) is not int or type(numel) is not int or start < 0 or numel < 0:
+            raise CheckpointError(f"{self.files[rank].path}: the slice mapping of {name} is not a start and a count of "
+                                  "elements; the file is corrupted or crafted, pick another step")
+        return start, numel
 
     def _slots_stage3(self) -> list[ParamSlot]:
         slots: list[ParamSlot] = []
@@ -287,7 +346,7 @@ class ZeroShards:
             offset = 0
             for name, shape in shapes.items():
                 numel = math.prod(shape)
-                part = math.ceil(numel / w)
+                part = -(-numel // w)  # whole numbers: a crafted size must not overflow a float
                 pieces = tuple(Piece(r, offset, max(0, min(part, numel - r * part))) for r in range(w))
                 slots.append(self._checked(ParamSlot(name, shape, g, tuple(p for p in pieces if p.numel))))
                 offset += part
@@ -298,6 +357,31 @@ class ZeroShards:
             raise CheckpointError(f"{self.dir}: the ZeRO partitions hold {sum(p.numel for p in slot.pieces)} elements of "
                                   f"{slot.name}, its shape {list(slot.shape)} needs {slot.numel}; the checkpoint is inconsistent")
         return slot
+
+    def _check_partitions(self) -> None:
+        """Before anything is allocated by them: every parameter's pieces lie inside its rank's flat partition of each
+        state (fp32, exp_avg, exp_avg_sq), each partition inside the storage its file holds, and no two parameters
+        share an element of one partition. A crafted shape or slice mapping then allocates no more than the files
+        hold, and no value is read into two places."""
+        spans: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
+        for slot in self.slots:
+            for p in slot.pieces:
+                if p.numel:
+                    spans.setdefault((p.rank, slot.group), []).append((p.start, p.start + p.numel, slot.name))
+        for (rank, group), used in sorted(spans.items()):
+            used.sort()
+            for (_, end, a), (start, _, b) in itertools.pairwise(used):
+                if start < end:
+                    raise CheckpointError(f"{self.files[rank].path}: {a} and {b} both claim elements {start}..{end} "
+                                          f"of the flat partition of group {group}; the checkpoint is corrupted or "
+                                          "crafted, pick another step")
+            need = max(end for _, end, _ in used)
+            for key in STATE_KEYS:
+                flat = self.flat(rank, group, key)
+                if flat.numel < need:
+                    raise CheckpointError(f"{self.files[rank].path}: the {key} partition of group {group} holds "
+                                          f"{flat.numel} elements, its parameters need {need}; the checkpoint is "
+                                          "inconsistent or crafted, pick another step")
 
     def _check_adamw(self) -> None:
         state = self._group_state(0, 0)
@@ -326,16 +410,19 @@ class ZeroShards:
         return out.view(slot.shape)
 
     def step(self) -> float:
-        value = self.files[0].value(self._group_state(0, 0).get("step", 0))
-        return float(value)
+        return stored_number(self.files[0], self._group_state(0, 0).get("step", 0), "the optimizer step")
 
     def param_groups(self) -> list[dict[str, Any]]:
         osd = self.optim[0]
         base = osd["optimizer_state_dict"] if self.stage == 3 else osd["base_optimizer_state"]
-        return [dict(g) for g in _get(base, "param_groups", self.files[0].path, "parameter groups")]
+        groups = _get(base, "param_groups", self.files[0].path, "parameter groups")
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise CheckpointError(f"{self.files[0].path}: param_groups is not a list of groups; the file is corrupted "
+                                  "or crafted, pick another step")
+        return [dict(g) for g in groups]
 
     def clip_grad(self) -> float:
-        return float(self.optim[0].get("clip_grad", 0.0) or 0.0)
+        return stored_number(self.files[0], self.optim[0].get("clip_grad", 0.0) or 0.0, "clip_grad")
 
     def close(self) -> None:
         for f in self.files:
@@ -348,4 +435,6 @@ class ZeroShards:
         self.close()
 
 
-__all__ = ["STATE_FILE", "STATE_KEYS", "UNIVERSAL_DIR", "HashingFile", "Opaque", "ParamSlot", "Piece", "StoredTensor", "TorchSaveFile", "ZeroShards", "read_rng", "read_state", "rng_file", "save_torch", "write_hashed", "zero_files"]
+__all__ = ["STATE_FILE", "STATE_KEYS", "UNIVERSAL_DIR", "HashingFile", "Opaque", "ParamSlot", "Piece", "StoredTensor",
+           "TorchSaveFile", "ZeroShards", "read_rng", "read_state", "rng_file", "save_torch", "stored_number",
+           "write_hashed", "zero_files"]

@@ -31,21 +31,18 @@ import logging
 import os
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import WriteItem
 
 from ckpt.state import MOMENTS, elastic_rng_state
 from ckpt import lineage
-from ckpt.formats.deepspeed import read_rng, STATE_FILE, UNIVERSAL_DIR, HashingFile, rng_file, write_hashed
+from ckpt.formats.deepspeed import read_rng, STATE_FILE, UNIVERSAL_DIR, rng_file, write_hashed
+from ckpt.formats.direct_io import HashingDirectWriter
 
 
 
@@ -115,30 +112,6 @@ def release_free_heap() -> None:
         trim(0)
 
 
-class HashingFileSystem(FileSystem):
-    """DCP FileSystem whose write streams hash (xxh3-128) on the way through; fsync only when durable."""
-
-    def __init__(self, durable: bool) -> None:
-        super().__init__()
-        self.durable = durable
-        self.digests: dict[str, tuple[int, str]] = {}
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
-        if mode != "wb":
-            with super().create_stream(path, mode) as s:
-                yield s
-            return
-        stream = HashingFile(path, sync=self.durable)
-        try:
-            yield stream
-        finally:
-            stream.close()
-            with self._lock:
-                self.digests[Path(path).name] = (stream.size, stream.digest)
-
-
 def dcp_state(src: Source, manifest: CheckpointManifest, rng: torch.Tensor, model_only: bool,
               tied: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, tuple[str, str, str]]]:
     """The nested state dict the fsdp2 Checkpointer saves, with meta placeholders for the big tensors.
@@ -194,14 +167,15 @@ def rng_of(ckpt_dir: Path, manifest: CheckpointManifest) -> torch.Tensor:
 
 
 def to_dcp(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, model_only: bool = False,
-           durable: bool = True, threads: int = IO_THREADS) -> Path:
+           threads: int = IO_THREADS) -> Path:
     """Convert a deepspeed checkpoint into a committed DCP checkpoint directory ``out_dir``.
 
     The result loads in the fsdp2 backend at any world size (it is a 1-rank DCP save of whole tensors)
     and holds model, AdamW state, counters and rank 0's RNG; with ``model_only`` just the fp32 model
-    (what the export stage needs). ``durable=False`` skips the fsync of its files, for a temporary
-    that is read back at once (export). Returns ``out_dir``."""
-    from torch.distributed.checkpoint import save as dcp_save
+    (what the export stage needs). Written by the trainer's hashing writer (``ckpt.formats.direct_io``), which
+    also proves every planned item written: a write that fails in any of DCP's writer threads (a full disk) is
+    one OSError naming its file, and nothing is committed. Returns ``out_dir``."""
+    from ckpt.formats.dcp import save_in_process
 
     t0 = time.perf_counter()
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
@@ -217,14 +191,12 @@ def to_dcp(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
 
         produce = producer(src, lazy, sums)
         with partial_dir(out_dir) as tmp:
-            writer = FileSystemWriter(tmp, sync_files=durable, thread_count=max(2, threads), overwrite=False)
-            writer.fs = fs = HashingFileSystem(durable)  # max(2, ...): see StreamingSavePlanner
-            with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-                warnings.filterwarnings("ignore", message=".*single process.*")
-                dcp_save(sd, storage_writer=writer, planner=StreamingSavePlanner(produce), no_dist=True)
+            # max(2, ...): see StreamingSavePlanner
+            writer = HashingDirectWriter(tmp, sync_files=True, thread_count=max(2, threads), overwrite=False)
+            save_in_process(sd, writer, StreamingSavePlanner(produce))  # one error, also for a full disk
             fingerprint = sums.fingerprint(0.0 if model_only else src.step())
             check_fingerprint(ckpt_dir, with_tied(manifest.fingerprint, tied), fingerprint, model_only=model_only)
-            files = dcp_files(tmp, fs.digests)
+            files = dcp_files(tmp, writer.digests)
             out = manifest.model_copy(update={
                 "format": "dcp", "reason": "converted", "created_at": lineage.now_iso(), "files": files,
                 "tensors": inventory(src.groups, model_only=model_only, tied=tied), "parent": ckpt_dir.name,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import math
 import os
 import shutil
 import threading
@@ -136,7 +137,12 @@ class DCPSource:
         step_keys = [k for k in self.reader.tensor_keys() if k.startswith("optim.state.") and k.endswith(".step")]
         if not step_keys:
             raise CheckpointError(f"{ckpt_dir}: no optimizer step in the DCP checkpoint; only AdamW state can be converted")
-        self._step = float(self._read(step_keys[0]).item())
+        step = self._read(step_keys[0])
+        if step.numel() != 1 or step.is_complex() or not math.isfinite(step.item()) or step.item() < 0:
+            raise CheckpointError(f"{ckpt_dir / '.metadata'}: {step_keys[0]} is not one finite number of at least 0 "
+                                  f"({step.dtype} {list(step.shape)}); the checkpoint is corrupted or crafted, pick "
+                                  "another step")
+        self._step = float(step.item())
 
     def untracked(self) -> list[str]:
         """Model tensors without optimizer state: in FSDP2's state dict, the tied names of a tied pair."""

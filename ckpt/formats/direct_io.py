@@ -353,11 +353,16 @@ def write_direct(path: str | os.PathLike[str], fill: Callable[[io.RawIOBase], No
     sink: dict[str, tuple[int, str]] = {}
     stream = _HashingDirectStream(Path(path), sink, threading.Lock(), direct)
     try:
-        fill(stream)
-    except BaseException:
-        stream.close(failed=True)
+        try:
+            fill(stream)
+        except BaseException:
+            stream.close(failed=True)
+            raise
+        stream.close()
+    except OSError as e:
+        if e.filename is None:  # a full disk says which file it stopped (the CLI's one line names it)
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
-    stream.close()
     return sink[stream.path.name]
 
 

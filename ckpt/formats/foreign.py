@@ -31,10 +31,11 @@ from typing import Any, Protocol
 
 import torch
 
-from ckpt.formats.deepspeed import TorchSaveFile, ZeroShards, zero_files
+from ckpt.formats.deepspeed import TorchSaveFile, ZeroShards, stored_number, zero_files
 from ckpt.formats.foreign_dcp import open_dcp
 from ckpt.formats.safe_pickle import StoredTensor
 from ckpt.formats.torchzip import TorchZip, byte_view
+from ckpt.fsutil import read_regular
 from ckpt.pretrained import read_elements, tensor_index, weight_files
 from ckpt.state import MOMENTS
 from schemas.errors import CheckpointError, ShardkeeperError
@@ -51,6 +52,8 @@ LAYOUTS: dict[str, str] = {
 _STEP_DIR = re.compile(r"^(?:global_step|checkpoint-|step-|checkpoint_)(\d+)$")
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 _CRC_PIECE = 16 << 20
+_LATEST_BYTES = 4096
+_TRAINER_STATE_BYTES = 64 << 20  # trainer_state.json: the Trainer's log history, a few MB for a long run
 
 
 class ForeignSource(Protocol):
@@ -119,9 +122,15 @@ def _resolve(d: Path, step: int | None) -> tuple[Path, bool]:
 def _latest_tag(d: Path, children: dict[int, Path]) -> int | None:
     """DeepSpeed's ``latest`` file names the tag its loader takes by default."""
     path = d / "latest"
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    tag = path.read_text(encoding="utf-8", errors="replace").strip()[:200]
+    # a few bytes ("global_step500"): never read whole whatever it is (a link to a large file), never waited on (a fifo)
+    try:
+        raw = read_regular(path, _LATEST_BYTES, "DeepSpeed's latest (one tag name)")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: a link to a missing file; pass --step N (present: "
+                              f"{', '.join(map(str, sorted(children)))})") from None
+    tag = raw.decode("utf-8", "replace").strip()[:200]
     m = _STEP_DIR.match(tag)
     if m is None or int(m.group(1)) not in children:
         raise CheckpointError(f"{path}: names tag {tag!r}, which is not a folder beside it; pass --step N "
@@ -212,9 +221,16 @@ def check_storage_crcs(path: Path) -> None:
 
 
 def read_whole(f: TorchSaveFile, t: StoredTensor) -> torch.Tensor:
-    """A stored tensor read with its whole storage, whose CRC-32 is checked (a moment or weight of its own)."""
+    """A stored tensor read with its whole storage, whose CRC-32 is checked (a moment or weight of its own). The
+    storage's entry is exactly its declared size (``TorchZip.describe``), and the tensor lies inside it."""
+    if not isinstance(t, StoredTensor):
+        raise CheckpointError(f"{f.path}: holds a {type(t).__name__} where a tensor belongs; the file is corrupted or "
+                              "crafted, re-copy it")
     _, length, crc = f.storage_entry(t.key)
-    item = torch.empty((), dtype=t.dtype).element_size()
+    item = t.dtype.itemsize
+    if length != t.storage_numel * item:
+        raise CheckpointError(f"{f.path}: storage {t.key} holds {length} bytes, its tensor says {t.storage_numel} x "
+                              f"{item}; the file is corrupted or crafted, re-copy it")
     whole = StoredTensor(t.key, t.dtype, 0, (length // item,), (1,), length // item)
     buf = f.read(whole)
     if crc and zlib.crc32(byte_view(buf)) != crc:
@@ -281,7 +297,10 @@ class HFTrainerForeign:
             if keys != sorted(MOMENTS):
                 raise CheckpointError(f"{where}: optimizer state has {keys or 'no moments'}; only AdamW/Adam state "
                                       "(exp_avg, exp_avg_sq) can be imported")
-        return state, [[int(i) for i in g["params"]] for g in groups]
+        if not all(type(i) is int for g in groups for i in g["params"]):
+            raise CheckpointError(f"{where}: param_groups name parameters by other than their positions; the file is "
+                                  "not an optimizer.state_dict(), or a crafted one")
+        return state, [list(g["params"]) for g in groups]
 
     def _match_positions(self, groups: list[list[int]], expect: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
         """Which parameter each position of ``optimizer.pt`` is: the Trainer's decay/no-decay split, the model
@@ -310,7 +329,7 @@ class HFTrainerForeign:
         path = d / "trainer_state.json"
         if path.is_file():
             try:
-                step = json.loads(path.read_text(encoding="utf-8")).get("global_step")
+                step = json.loads(read_regular(path, _TRAINER_STATE_BYTES, "a trainer_state.json")).get("global_step")
             except (ValueError, AttributeError):
                 raise CheckpointError(f"{path}: not readable JSON; the checkpoint is corrupted, re-copy it") from None
             if type(step) is int and step >= 0:
@@ -332,7 +351,7 @@ class HFTrainerForeign:
     def optim_step(self) -> float:
         st = next(iter(self._by_name.values()), {})
         step = st.get("step", 0) if isinstance(st, dict) else 0
-        return float(read_whole(self._optim, step).item()) if isinstance(step, StoredTensor) else float(step)
+        return stored_number(self._optim, step, "the optimizer step")
 
     def verify(self) -> None:
         pass  # every storage read is checked whole against its CRC-32 (safetensors records none)

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ckpt import lineage
+from ckpt.formats.dcp import save_in_process
 from ckpt.formats.deepspeed import STATE_FILE, UNIVERSAL_DIR, rng_file, write_hashed
 from ckpt.formats.deepspeed_convert import StreamingSavePlanner, dcp_files, dcp_state, producer
 from ckpt.formats.deepspeed_sources import IO_THREADS, FingerprintSums, check_target, commit_dir, inventory, partial_dir
@@ -70,8 +70,6 @@ class Adopted:
 def commit_dcp(src: Adopted, template: CheckpointManifest, out_dir: Path, *, threads: int = IO_THREADS) -> CheckpointManifest:
     """``src`` as a committed DCP checkpoint at ``out_dir`` (``template``: the manifest less files, tensors and
     fingerprint). Returns the committed manifest."""
-    from torch.distributed.checkpoint import save as dcp_save
-
     t0 = time.perf_counter()
     check_target(out_dir)
     rng = elastic_rng_state(template.run_spec.seed, template.step)
@@ -82,9 +80,7 @@ def commit_dcp(src: Adopted, template: CheckpointManifest, out_dir: Path, *, thr
     with partial_dir(out_dir) as tmp:
         # max(2, ...): see StreamingSavePlanner
         writer = HashingDirectWriter(tmp, sync_files=True, thread_count=max(2, threads), overwrite=False)
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            _save(dcp_save, sd, writer, produce)
+        save_in_process(sd, writer, StreamingSavePlanner(produce))
         out = template.model_copy(update={
             "format": "dcp", "created_at": lineage.now_iso(), "files": dcp_files(tmp, writer.digests),
             "tensors": inventory(src.groups), "fingerprint": sums.fingerprint(src.step()),
@@ -92,31 +88,6 @@ def commit_dcp(src: Adopted, template: CheckpointManifest, out_dir: Path, *, thr
         if not commit_dir(tmp, out_dir, out):
             raise CheckpointError(f"{out_dir}: appeared while importing; nothing was overwritten")
     return out
-
-
-def _save(dcp_save: Any, sd: dict[str, Any], writer: HashingDirectWriter, produce: Any) -> None:
-    """dcp.save; a source's refusal (a CheckpointError raised while producing a tensor in DCP's writer threads,
-    which the writer records against its file) comes out as itself, one line naming the source file, not inside
-    DCP's multi-line CheckpointException or the writer's OSError."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    def refusal(exc: BaseException | None) -> CheckpointError | None:
-        while exc is not None and not isinstance(exc, CheckpointError):
-            exc = exc.__cause__
-        return exc
-
-    try:
-        dcp_save(sd, storage_writer=writer, planner=StreamingSavePlanner(produce), no_dist=True)
-    except CheckpointException as e:
-        ours = [r for _, (exc, _tb) in sorted(e.failures.items()) if (r := refusal(exc)) is not None]
-        if ours:
-            raise ours[0] from None
-        raise
-    except OSError as e:
-        ours = refusal(e)
-        if ours is not None:
-            raise ours from None
-        raise
 
 
 def commit_deepspeed(src: Adopted, template: CheckpointManifest, out_dir: Path, *,

@@ -15,6 +15,7 @@ torchtitan's own Llama names (``tok_embeddings``, ``layers.0.attention.wq``) are
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -69,8 +70,17 @@ class DCPForeign:
 
     def _global_step(self) -> int:
         if "train_state.step" in self._model.tensor_keys():
-            return int(self._read(self._model, "train_state.step").item())
+            return int(self._number(self._model, "train_state.step"))
         return int(self.optim_step())
+
+    def _number(self, reader: DCPTensorReader, key: str) -> float:
+        """A counter stored as a one-element tensor: a finite number of at least 0, else one line naming it."""
+        t = self._read(reader, key)
+        value = t.item() if t.numel() == 1 and not t.is_complex() else None
+        if value is None or not math.isfinite(value) or value < 0:
+            raise CheckpointError(f"{reader.dir / '.metadata'}: {key} is not one finite number of at least 0 "
+                                  f"({t.dtype} {list(t.shape)}); the checkpoint is corrupted or crafted")
+        return float(value)
 
     def _read(self, reader: DCPTensorReader, key: str) -> torch.Tensor:
         with self._lock:
@@ -90,7 +100,7 @@ class DCPForeign:
     def optim_step(self) -> float:
         if self._step_key not in self._optim.tensor_keys():
             raise CheckpointError(f"{self.path}: no optimizer step ({self._step_key}); only AdamW state can be imported")
-        return float(self._read(self._optim, self._step_key).item())
+        return self._number(self._optim, self._step_key)
 
     def verify(self) -> None:
         pass  # every record read is checked against its CRC-32 (DCPTensorReader)

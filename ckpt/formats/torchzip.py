@@ -29,7 +29,7 @@ import torch
 
 from schemas.errors import CheckpointError
 from ckpt.formats import safe_pickle
-from ckpt.fsutil import pread_full
+from ckpt.fsutil import open_regular, pread_full
 from ckpt.formats.safe_pickle import Profile, StorageRef, StorageType, StoredTensor
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header (30 bytes)
@@ -121,7 +121,7 @@ class TorchZip:
     def open(cls, path: str | os.PathLike[str]) -> TorchZip:
         """A whole ``.pt`` file (the descriptor is owned and closed by ``close``)."""
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_regular(path)  # a fifo or device is refused, never waited on
         except FileNotFoundError:
             raise CheckpointError(f"{path}: missing; the checkpoint is incomplete, pick another step") from None
         return cls(fd, 0, os.fstat(fd).st_size, str(path), owns_fd=True)
@@ -179,8 +179,16 @@ class TorchZip:
         return self.read_entry(self.prefix + "data.pkl", safe_pickle.MAX_PICKLE_BYTES)
 
     def describe(self, profile: Profile) -> Any:
-        """The object tree with tensors as StoredTensor records (no tensor data read)."""
+        """The object tree with tensors as StoredTensor records (no tensor data read). Each storage the pickle names
+        must be an entry of the zip of exactly its declared size, so every record's geometry (checked against the
+        declared size as it is unpickled) lies inside bytes the file holds."""
         def storage(kind: StorageType, key: str, numel: int) -> StorageRef:
+            info = self.entries.get(f"{self.prefix}data/{key}")
+            itemsize = kind.dtype.itemsize
+            if info is None or info.file_size != numel * itemsize:
+                held = "no such entry" if info is None else f"an entry of {info.file_size} bytes"
+                raise CheckpointError(f"{self.where}: storage {key} is declared as {numel} x {itemsize} bytes, the zip "
+                                      f"holds {held}; the file is corrupted or crafted, pick another step")
             return StorageRef(key, kind.dtype, numel)
         return safe_pickle.load(self._pickle(), profile, where=self.where, storage=storage)
 
@@ -207,8 +215,11 @@ class TorchZip:
         return out
 
     def read_into(self, offset: int, size: int, out: torch.Tensor) -> None:
-        """``size`` bytes at absolute ``offset`` into the contiguous CPU tensor ``out``."""
-        view = byte_view(out)[:size] if size else memoryview(b"")
+        """``size`` bytes at absolute ``offset`` into the contiguous CPU tensor ``out``. A record of no elements (the
+        empty shard of a tensor smaller than the world) reads nothing: its tensor is already whole."""
+        if size == 0:
+            return
+        view = byte_view(out)[:size]
         if self._data is not None:
             chunk = self._data[offset : offset + size]
             if len(chunk) != size:

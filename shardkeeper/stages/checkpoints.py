@@ -91,7 +91,7 @@ def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_s
             raise CheckpointRetired(retired_message(ckpt_dir, before=True))
         try:
             return _convert(ckpt_dir, to, out, run_root, zero_stage, watched)
-        except Exception as e:
+        except BaseException as e:  # also DCP's CheckpointException and an interrupt: no empty output left behind
             _remove_new_run_dir(created)
             # it went while being read, or before the directory committed meanwhile could be watched (adopt)
             if isinstance(e, CheckpointRetired) or not (watched.vanished() or gone_before(watched)):

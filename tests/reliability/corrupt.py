@@ -67,3 +67,95 @@ def scale_fingerprint(ckpt_dir: Path, section: str = "optim", factor: float = 1.
     raw["fingerprint"][section][key] *= factor
     (ckpt_dir / "manifest.json").write_text(json.dumps(raw))
     return key
+
+
+# ------------------------------------------------------------------------------------------ crafted layouts
+def edit_metadata(ckpt_dir: Path, change: Callable[[Any], None]) -> None:
+    """Edit a DCP ``.metadata`` as DCP's own classes (``change(md)``) and write it back the way DCP pickles it;
+    a shardkeeper checkpoint's manifest is refreshed, so only the layout check can tell. (The file is one this
+    test suite wrote: the standard unpickler is fine here.)"""
+    import pickle
+
+    path = ckpt_dir / ".metadata"
+    md = pickle.loads(path.read_bytes())
+    change(md)
+    path.write_bytes(pickle.dumps(md))
+    if (ckpt_dir / "manifest.json").exists():
+        rehash(ckpt_dir)
+
+
+def tensor_meta(md: Any, fqn: str) -> Any:
+    return md.state_dict_metadata[fqn]
+
+
+def move_chunk(md: Any, fqn: str, i: int, offsets: tuple[int, ...] | None = None,
+               sizes: tuple[int, ...] | None = None) -> None:
+    """Give chunk ``i`` of ``fqn`` other offsets and/or sizes; its storage record keeps its bytes (and is re-keyed
+    to the new offsets, as a writer of that layout would have keyed it)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    meta = tensor_meta(md, fqn)
+    old = meta.chunks[i]
+    new = ChunkStorageMetadata(offsets=torch.Size(offsets if offsets is not None else old.offsets),
+                               sizes=torch.Size(sizes if sizes is not None else old.sizes))
+    meta.chunks[i] = new
+    info = md.storage_data.pop(MetadataIndex(fqn, old.offsets))
+    md.storage_data.setdefault(MetadataIndex(fqn, new.offsets), info)
+
+
+def record_of(md: Any, fqn: str, i: int = 0) -> Any:
+    """The storage record (``_StorageInfo``: relative_path, offset, length) of chunk ``i`` of ``fqn``."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    return md.storage_data[MetadataIndex(fqn, tensor_meta(md, fqn).chunks[i].offsets)]
+
+
+def plain_dcp_source(ckpt_dir: Path, out: Path) -> Path:
+    """A shardkeeper DCP checkpoint as a plain ``dcp.save({"model": ..., "optimizer": ...})`` folder of another
+    tool: the same ``.distcp`` files, ``.metadata`` with the optimizer keys another tool's ``get_state_dict`` gives
+    (``optimizer.state.<fqn>.exp_avg``), no manifest. What ``shardkeeper import`` reads as the "dcp" layout,
+    without a launch to write one."""
+    import pickle
+
+    out.mkdir(parents=True)
+    for f in ckpt_dir.glob("*.distcp"):
+        shutil.copy(f, out / f.name)
+
+    def rename(fqn: str) -> str:
+        return "optimizer.state." + fqn[len("optim.state."):] if fqn.startswith("optim.state.") else fqn
+
+    md = pickle.loads((ckpt_dir / ".metadata").read_bytes())
+    md.state_dict_metadata = {rename(k): v for k, v in md.state_dict_metadata.items()}
+    md.storage_data = {type(k)(rename(k.fqn), k.offset, k.index): v for k, v in md.storage_data.items()}
+    (out / ".metadata").write_bytes(pickle.dumps(md))
+    return out
+
+
+def deepspeed_source(ckpt_dir: Path, out: Path, step: int) -> Path:
+    """A shardkeeper deepspeed checkpoint's native files as ``engine.save_checkpoint`` lays them out for another
+    tool (``latest`` + ``global_stepN/``, no manifest)."""
+    tag = out / f"global_step{step}"
+    tag.mkdir(parents=True)
+    for f in ckpt_dir.iterdir():
+        if f.name.endswith("_optim_states.pt") or f.name.endswith("_model_states.pt"):
+            shutil.copy(f, tag / f.name)
+    (out / "latest").write_text(tag.name)
+    return out
+
+
+def edit_torch_save(path: Path, change: Callable[[Any], None]) -> None:
+    """Load a torch.save file this suite wrote (a DeepSpeed model states file: its classes need the full
+    unpickler), ``change`` it and save it back."""
+    import torch
+
+    obj = torch.load(path, weights_only=False)
+    change(obj)
+    torch.save(obj, path)
+
+
+def make_fifo(path: Path) -> Path:
+    """Replace ``path`` by a named pipe (opening one for reading blocks until something writes into it)."""
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    return path

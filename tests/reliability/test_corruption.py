@@ -89,7 +89,35 @@ def _rank_file_gone(d: Path, _: Path) -> None:
     c.edit_manifest(d, lambda raw: raw.update(files=[e for e in raw["files"] if e["path"] != name]))
 
 
+EMBED = "model.model.embed_tokens.weight"  # [256, 64]: two chunks of [128, 64] (2 ranks), at rows 0 and 128
+
+
+def _metadata(change: Callable[[object], None]) -> Callable[[Path, Path], None]:
+    return lambda d, _: c.edit_metadata(d, change)
+
+
+def _record_past_end(md: object) -> None:
+    info = c.record_of(md, EMBED, 1)
+    info.length += 10_000_000
+
+
+def _records_share_bytes(md: object) -> None:
+    moved, target = c.record_of(md, EMBED, 1), c.record_of(md, EMBED, 0)
+    moved.relative_path, moved.offset = target.relative_path, target.offset + 1
+
+
 DCP_CASES = [
+    # extents the layout check proves before any tensor is read (ckpt.formats.dcp_metadata.check_extents)
+    Case("chunks-overlap", _metadata(lambda md: c.move_chunk(md, EMBED, 1, offsets=(0, 0))), True,
+         f"tensor {EMBED} [256, 64]: the chunks at [0, 0] of [128, 64] and at [0, 0] of [128, 64] overlap",
+         ".metadata"),
+    Case("chunks-gap", _metadata(lambda md: c.move_chunk(md, EMBED, 0, sizes=(100, 64))), True,
+         "no chunk holds element [100, 0]", ".metadata"),
+    Case("chunk-out-of-bounds", _metadata(lambda md: c.move_chunk(md, EMBED, 1, offsets=(200, 0))), True,
+         "at [200, 0] of [128, 64], which reaches past the tensor", ".metadata"),
+    Case("record-past-file", _metadata(_record_past_end), True, "the checkpoint is truncated or crafted", ".metadata"),
+    Case("records-share-bytes", _metadata(_records_share_bytes), True, "share bytes", ".metadata"),
+
     Case("bitflip-data", _flip_model, False, "checksum", ".distcp"),
     Case("bitflip-metadata", lambda d, _: c.flip_byte(d / ".metadata"), None, "", ".metadata", export="deep"),
     Case("truncated", lambda d, _: c.truncate(d / "__0_0.distcp"), True, "truncated", "__0_0.distcp"),

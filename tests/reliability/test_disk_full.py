@@ -73,3 +73,33 @@ def test_disk_full_save_commits_nothing_and_the_run_resumes(small_disk: Path) ->
     resumes = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
     assert [e for e in resumes if e["kind"] == "resume"][-1]["parent"] == "checkpoint:step-00000002"
     assert len((run / "metrics.jsonl").read_text().splitlines()) == metrics_rows + 4  # 3, 4 twice
+
+
+@pytest.mark.parametrize("case", ["import", "convert-to-deepspeed", "convert-to-dcp"])
+def test_import_and_convert_on_a_full_disk_are_one_line_and_leave_nothing(case: str, small_disk: Path, tmp_path: Path,
+                                                                           request: pytest.FixtureRequest,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    """Import (a plain DCP folder into a new fsdp2 run) and convert (either way) with less room left than they
+    write: exit 1, one line naming the file and the full disk (DCP's CheckpointException derives from
+    BaseException: it no longer escapes as a 77-line traceback), and nothing left on the disk (no run directory,
+    no empty output folder, no .partial)."""
+    from shardkeeper.cli import main
+    from tests.reliability.corrupt import plain_dcp_source
+
+    out = str(small_disk / "out")
+    if case == "convert-to-dcp":
+        argv = ["convert", str(request.getfixturevalue("ds_run") / "checkpoints" / "step-00000002"), out, "--to", "dcp"]
+    else:
+        tiny = request.getfixturevalue("tiny_run") / "checkpoints" / "step-00000005"
+        argv = ["convert", str(tiny), out, "--to", "deepspeed"]
+        if case == "import":
+            src = plain_dcp_source(tiny, tmp_path / "src")
+            argv = ["import", str(src), "--config", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", out]
+    (small_disk / "ballast").write_bytes(b"\0" * max(0, _free(small_disk) - (256 << 10)))  # 256 KB left
+    capsys.readouterr()
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    lines = [ln for ln in (captured.out + captured.err).splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {small_disk / 'out'}/"), lines
+    assert "No space left on device: the disk is full; free space and rerun the same command" in lines[0]
+    assert sorted(os.listdir(small_disk)) == ["ballast"]

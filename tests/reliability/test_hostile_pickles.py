@@ -227,8 +227,11 @@ def test_oversized_pickle_is_refused_before_parsing(dcp_ckpt: Path, monkeypatch:
     from ckpt.formats.dcp import read_metadata
 
     monkeypatch.setattr(safe_pickle, "MAX_PICKLE_BYTES", 1024)
-    with pytest.raises(CheckpointError, match=r"\.metadata: refused to unpickle \(\d+ bytes of pickle, more than 1024\)"):
+    # refused by its size before it is even read (ckpt.fsutil.read_regular)
+    with pytest.raises(CheckpointError, match=r"\.metadata: \d+ bytes, more than a DCP \.metadata can be \(1024 bytes"):
         read_metadata(dcp_ckpt)
+    with pytest.raises(CheckpointError, match=r"refused to unpickle \(\d+ bytes of pickle, more than 1024\)"):
+        read_metadata(dcp_ckpt, (dcp_ckpt / ".metadata").read_bytes())  # and by the unpickler, given the bytes
 
 
 def test_allow_list_is_exact_pairs() -> None:
