@@ -189,6 +189,9 @@ CRAFTED_DCP = {
     "out-of-bounds": (_both(lambda md, key: c.move_chunk(md, key, 1, offsets=(129, 0))),
                       "at [129, 0] of [128, 64], which reaches past the tensor"),
     "record-past-file": (_both(_past_end), "of __"),
+    # found by the fuzzer (tests/reliability/test_fuzz.py): a file name that is no string was sorted with the others
+    "file-name-none": (_both(lambda md, key: setattr(c.record_of(md, key, 1), "relative_path", None)),
+                       "names data file None, not a plain file name"),
 }
 
 
