@@ -137,6 +137,11 @@ DCP_CASES = [
     Case("symlinked-shard", lambda d, s: c.symlink_outside(d / "__1_0.distcp", s / "outside"), True, "symlink",
          "__1_0.distcp"),
     Case("foreign-architecture", _foreign_inventory, True, "another architecture", ".metadata"),
+    # found by the fuzzer (tests/reliability/test_fuzz.py): an inventory missing a tensor, bytes that are not UTF-8
+    Case("inventory-omits-a-tensor", lambda d, _: c.edit_manifest(d, lambda raw: raw["tensors"].pop(-1)), True,
+         "which the manifest's tensor inventory does not record", ".metadata"),
+    Case("manifest-not-utf8", lambda d, _: (d / "manifest.json").write_bytes(b"\xff" + (d / "manifest.json").read_bytes()),
+         True, "unreadable JSON", "manifest.json"),
     Case("fingerprint", lambda d, _: c.scale_fingerprint(d, "model"), False, "fingerprint mismatch", TINY_STEP,
          export="deep"),
 ]
