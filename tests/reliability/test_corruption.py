@@ -140,8 +140,8 @@ DCP_CASES = [
     # found by the fuzzer (tests/reliability/test_fuzz.py): an inventory missing a tensor, bytes that are not UTF-8
     Case("inventory-omits-a-tensor", lambda d, _: c.edit_manifest(d, lambda raw: raw["tensors"].pop(-1)), True,
          "which the manifest's tensor inventory does not record", ".metadata"),
-    Case("manifest-not-utf8", lambda d, _: (d / "manifest.json").write_bytes(b"\xff" + (d / "manifest.json").read_bytes()),
-         True, "unreadable JSON", "manifest.json"),
+    Case("manifest-not-utf8", lambda d, _: c.prepend(d / "manifest.json", b"\xff"), True, "unreadable JSON",
+         "manifest.json"),
     Case("fingerprint", lambda d, _: c.scale_fingerprint(d, "model"), False, "fingerprint mismatch", TINY_STEP,
          export="deep"),
 ]

@@ -300,7 +300,8 @@ def test_ranks_declaring_another_zero_stage_are_refused(ds_src: Path, tmp_path: 
     c.edit_torch_save(path, lambda sd: sd["optimizer_state_dict"].__setitem__("zero_stage", 0))
     refused_import(capsys, ds_src, tmp_path, f"{path}: zero_stage is 0, not 1, 2 or 3")
     c.edit_torch_save(path, lambda sd: sd["optimizer_state_dict"].__setitem__("zero_stage", 1))
-    refused_import(capsys, ds_src, tmp_path, f"{path}: zero_stage is 1, zero_pp_rank_0_mp_rank_00_optim_states.pt says 2")
+    refused_import(capsys, ds_src, tmp_path, f"{path}: zero_stage is 1, zero_pp_rank_0_mp_rank_00_optim_states.pt "
+                   "says 2")
 
 
 def _slices_overlap(sd: dict) -> None:
