@@ -11,7 +11,7 @@ from ckpt.lock import RunLock
 from ckpt.memtier import newest_valid_snapshot
 from ckpt.validate import latest_valid
 from schemas.errors import ShardkeeperError
-from schemas.requests import RunState
+from schemas.requests import RunState, last_placement
 from shardkeeper.stages.where import is_remote
 
 
@@ -41,6 +41,7 @@ def run_state(run_dir: str | Path) -> RunState:
         step=found[1].step if found else 0,
         world_size=found[1].topology.world_size if found else None, tier=tier if found else None,
         last_status=last_status, last_until_step=starts[-1].get("until_step") if starts else None, locked=locked,
+        **last_placement(starts),
     )
 
 
