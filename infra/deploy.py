@@ -2,7 +2,7 @@
 
     python -m infra.deploy --config configs/my-model.yaml --run-dir /data/runs/llama-ft \\
         --segments 8:2000 --resume-every 600
-    prefect worker start --pool shardkeeper                      # on each machine that launches segments
+    PREFECT_WORKER_QUERY_SECONDS=1 prefect worker start --pool shardkeeper   # each machine that launches segments
     prefect deployment run 'train-and-export/llama-ft'           # the deployment's parameters ...
     prefect deployment run 'train-and-export/llama-ft' --param segments='[{"nproc": 4, "until_step": 4000}]'
 
@@ -23,7 +23,8 @@ What it registers (NAME defaults to the run directory's name):
                           handed it over (its ``max_preemption_retries`` spent).
 
 Flow runs execute wherever a worker of the pool runs (``process`` type: the worker starts each flow run
-as a subprocess from this project folder). The configuration is checked before anything is registered:
+as a subprocess from this project folder). A worker asks for flow runs every ``PREFECT_WORKER_QUERY_SECONDS``
+(10 by default): set 1 so that the automation's resume starts within seconds of a preemption. The configuration is checked before anything is registered:
 a missing config, a world size that does not divide the batch, a model too large for memory -- one
 line, exit 2.
 """
@@ -44,6 +45,7 @@ PROJECT = Path(__file__).resolve().parent.parent  # the worker's flow runs load 
 DEFAULT_POOL = "shardkeeper"
 TRAIN_ENTRYPOINT = "flows/train_and_export.py:train_and_export"
 RESUME_ENTRYPOINT = "flows/resume.py:resume"
+WORKER_POLL_ENV = "PREFECT_WORKER_QUERY_SECONDS"  # bench/prefect_overhead.py --automation --via worker measures it
 
 
 def parse_segments(text: str) -> list[dict[str, int]]:
@@ -233,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'' if args.no_automation else ' (automation: resume on preemption)'}"
           f"{f', resume every {args.resume_every:g} s' if args.resume_every else ''}")
     if not worker_online:
-        print(f"no worker polls work pool {args.pool!r} yet: start one with `prefect worker start --pool {args.pool}`")
+        print(f"no worker polls work pool {args.pool!r} yet: start one with "
+              f"`{WORKER_POLL_ENV}=1 prefect worker start --pool {args.pool}` (a worker asks for flow runs every "
+              f"{WORKER_POLL_ENV} seconds, 10 by default: up to that long before the automation's resume starts)")
     print(f"run it:  prefect deployment run '{train_name}'   (override with --param KEY=VALUE)")
     return 0
 
