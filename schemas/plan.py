@@ -98,7 +98,9 @@ class StageDone(_Frozen):
 
 
 class RunPlan(_Frozen):
-    """``RUN_DIR/plan.json``: the plan of a train-and-export flow run and its progress."""
+    """Written when the flow run starts; rewritten whole, atomically, at every change, only by the flow run that
+    holds the plan's lock (``RUN_DIR/.lock.plan``): the train-and-export flow run, or a resume flow run that took
+    the plan over."""
 
     format: Literal[1] = Field(PLAN_FORMAT, description="version of this file's layout")
     id: str = Field(min_length=1, description="a new id for each train-and-export flow run that writes a plan")
