@@ -59,6 +59,8 @@ def run_plan(keeper: PlanKeeper, spec: RunSpec, *, max_preemption_retries: int, 
     run = PlanRun()
     run_dir = keeper.run_dir
     try:
+        if keeper.plan.driver != keeper.driver or keeper.plan.status != "running":
+            keeper.driving()  # a plan taken over: the record says who drives it now
         for i, seg in enumerate(keeper.plan.segments):
             if keeper.plan.progress[i].status == "completed":
                 continue

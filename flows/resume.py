@@ -145,8 +145,14 @@ def _resume_plan(state: RunState, request: ResumeRequest, driver: Driver) -> Res
         keeper.release()
         return triage_plan(state, keeper.plan, "") or ResumeItem(run_dir=state.run_dir, action="skipped-done")
     was = keeper.plan.status
-    keeper.driving()
-    spec = load_spec(run_dir=state.run_dir)
+    try:
+        spec = load_spec(run_dir=state.run_dir)
+    except ShardkeeperError as e:  # its run.yaml cannot be read: this run only, the plan left as it stood
+        keeper.release()
+        return ResumeItem(run_dir=state.run_dir, action="failed", reason=str(e), plan_status=was)
+    except BaseException:
+        keeper.release()
+        raise
     action, reason = "resumed", ""
     try:
         run = run_plan(keeper, spec, max_preemption_retries=request.max_preemption_retries, backoff_s=request.backoff_s,

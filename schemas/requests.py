@@ -204,12 +204,6 @@ class ResumeRequest(_FlowParameters, _Placement):
             raise ValueError("give roots (folders of run directories) or run_dirs (run directories); both are empty")
         return self
 
-    def launcher_options(self) -> dict[str, Any]:
-        """The keyword options of the launcher; with no launcher given, the Slurm ones when any is set."""
-        if self.launcher == "slurm" or (self.launcher is None and (self.slurm_partition or self.slurm_time_min)):
-            return {"partition": self.slurm_partition, "time_min": self.slurm_time_min}
-        return {}
-
     def resolved(self) -> ResumeRequest:
         """The same request with every folder absolute (against base_dir)."""
         b = self.base_dir
