@@ -207,6 +207,14 @@ def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(pref
         assert end["checkpoint"] and validate(end["checkpoint"], deep=True).valid  # the ranks committed first
         time.sleep(3)
         assert [r["event"] for r in segment_records(run)] == ["start", "end"]
+        from ckpt.plan import PlanLock, read_plan
+        from flows.resume import resume
+
+        plan = read_plan(run)  # the plan says so too, its lock is free, and no resumer takes it up
+        assert plan is not None and plan.status == "cancelled" and "cancelled at step" in plan.note, plan
+        assert not PlanLock(run).is_locked()
+        (item,) = resume(run_dirs=[str(run)], backoff_s=0).items
+        assert item.action == "skipped-done" and "its plan was cancelled" in item.reason, item
     finally:
         os.killpg(serve.pid, signal.SIGINT)
         try:
