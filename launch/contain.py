@@ -26,17 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-from launch.procs import PR_SET_CHILD_SUBREAPER, _prctl, running, children, proc_stat
+from launch.procs import children, proc_stat, running, set_child_subreaper
 
 GRACE_ENV = "SHARDKEEPER_LEFTOVER_GRACE_S"
 DEFAULT_GRACE_S = 10.0
 KILL_WAIT_S = 10.0  # after SIGKILL: a process stuck in the kernel is named, not waited for forever
-
-
-def set_child_subreaper() -> bool:
-    """Orphaned descendants of this process are re-parented to it (Linux); False where that is not possible."""
-    prctl = _prctl()
-    return bool(prctl is not None and prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
 
 
 def leftover_grace() -> float:

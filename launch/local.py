@@ -16,6 +16,13 @@ when the *thread* that started torchrun exits: ``launch`` waits for torchrun in 
 The launcher records torchrun's descendants (pid and start time) while torchrun lives and, once torchrun
 has exited, waits for each of them by pid (a pidfd) before it returns: when ``launch`` returns, and so
 before the run lock is released, no rank of the segment runs any more, however loaded the machine.
+torchrun itself runs inside ``launch.contain`` (a child subreaper): what the ranks fork and leave behind is
+adopted by it and ended with the segment.
+
+The launcher also watches each rank (``launch.procs.RankWatch``): when its process ended and its exit status,
+so that a failed segment's line names the rank that failed first (``LaunchOutcome.failure``,
+``launch.attribution``); ranks still running near the end of a stop's grace are asked for their Python stacks
+(``LaunchOutcome.stuck``).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from launch.early import pending_stop as _pending_stop
 from launch.attribution import RankEnd, stuck_line
 from launch.base import (LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, Rendezvous, combined_exit_code,
                          segment_failure, torchrun_argv)
-from launch.procs import Descendants, RankWatch, running, pdeathsig_preexec, reap_orphans
+from launch.procs import Descendants, RankWatch, pdeathsig_preexec, reap_orphans, running
 from schemas import ClusterTopology
 from schemas.errors import ConfigError
 from schemas.seam import EXIT_CANCELLED, LAUNCH_ENV, NODE_ENV, STACKS_SIGNAL

@@ -1,5 +1,6 @@
 """Process primitives every launcher and every rank share (stdlib only): the kernel's parent-death
-signal, /proc parent/start-time lookups, and a launcher's wait (by pid) for what its torchrun started.
+signal and child subreaper, /proc parent/start-time lookups, a launcher's wait (by pid) for what its torchrun
+started, and its watch over the ranks (``RankWatch``: when each ended, and how).
 A launcher ties torchrun to itself with ``pdeathsig_preexec``; a rank ties itself to torchrun with
 ``set_pdeathsig`` (trainer.lifetime)."""
 
@@ -27,6 +28,13 @@ def _prctl():  # noqa: ANN202 - a ctypes function or None
         return libc.prctl
     except (OSError, AttributeError):
         return None
+
+
+def set_child_subreaper() -> bool:
+    """Make this process a child subreaper (Linux): its orphaned descendants are re-parented to it instead of to
+    init. False where the platform has no prctl."""
+    prctl = _prctl()
+    return bool(prctl is not None and prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
 
 
 def set_pdeathsig(sig: int = signal.SIGKILL) -> bool:

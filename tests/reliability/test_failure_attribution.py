@@ -233,6 +233,9 @@ def test_the_launchers_own_times_outrank_torchruns_one_second_root_cause() -> No
                                                                       line_at=2.0)]
     assert failure_line(zero).startswith("rank 0 (pid 7) exited with code 0 before its segment ended; rank 1 then")
     assert failure_line(zero, completed=True) == "rank 1: boom"
+    # a rank seen to end whose status torchrun reaped first, and which torchrun does not list as failed: exit 0
+    unread = merge(torchrun_ends(summary.splitlines()), [], [RankEnd(rank=2, pid=99, ended_at=9.0)])
+    assert [e.exitcode for e in unread if e.rank == 2] == [0]
 
 
 STACK_WAITING = """\
