@@ -56,7 +56,8 @@ def memory_cgroup_here() -> bool:
 
 def cases(oom_real: bool) -> list[Case]:
     # without a memory cgroup the rank SIGKILLs itself: right is a SIGKILL that does not claim the OOM killer
-    oom_cause = r"OOM killer" if oom_real else r"^(?!.*(OOM killer \(SIGKILL|most likely by the kernel)).*killed by SIGKILL"
+    oom_cause = (r"OOM killer" if oom_real
+                 else r"^(?!.*(OOM killer \(SIGKILL|most likely by the kernel)).*killed by SIGKILL")
     return [
         Case("SIGKILL rank 1 (kill -9 from outside)", ("--mode", "train", "--sleep", "0.3"), 1,
              r"killed by SIGKILL", outside="kill1", until=200),

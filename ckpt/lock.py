@@ -160,7 +160,8 @@ class RunLock:
             pids = " ".join(str(pid) for pid, _ in holders)
             fix = f"stop them (kill {pids}; kill -9 {pids} if they ignore SIGTERM)"
         elif ranks:
-            which, fix = f"pids {', '.join(map(str, sorted(ranks)))}", f"stop them (kill {' '.join(map(str, sorted(ranks)))})"
+            pids = " ".join(map(str, sorted(ranks)))
+            which, fix = f"pids {', '.join(map(str, sorted(ranks)))}", f"stop them (kill {pids})"
         else:  # on another node (shared storage), or another user's: invisible from here
             which = "not visible from this host: on another node, or another user's"
             fix = f"find and stop them (fuser -v {self.ranks_path} on each node)"

@@ -201,8 +201,10 @@ def _how(e: RankEnd, abort: Abort | None) -> str:
         sig = -code
         if sig == signal.SIGKILL:
             if e.oom == "yes":
-                return f"{who} was killed by the kernel's OOM killer (SIGKILL{'; ' + e.killed_how if e.killed_how else ''})"
-            return f"{who} was killed by SIGKILL ({e.killed_how or 'by the OOM killer or from outside: not known here'})"
+                evidence = f"; {e.killed_how}" if e.killed_how else ""
+                return f"{who} was killed by the kernel's OOM killer (SIGKILL{evidence})"
+            how = e.killed_how or "by the OOM killer or from outside: not known here"
+            return f"{who} was killed by SIGKILL ({how})"
         return f"{who} died of {signal_name(sig)}" + (f": {abort.text}" if abort else "")
     if code == 0:
         return f"{who} exited with code 0 before its segment ended"
@@ -229,7 +231,8 @@ def _fix(e: RankEnd) -> str:
     return ""
 
 
-def failure_line(ends: list[RankEnd], completed: bool = False, abort_lines: list[Abort] = ()) -> str | None:  # type: ignore[assignment]
+def failure_line(ends: list[RankEnd], completed: bool = False,
+                 abort_lines: list[Abort] = ()) -> str | None:  # type: ignore[assignment]
     """The segment's failure in one line: the first failed rank, how it ended and its last error line, then what
     the others did because of it (at most ``MAX_CONSEQUENCES``). ``completed``: the ranks reported the segment
     completed (a rank that exits 0 then did nothing wrong). None when no rank is known to have failed."""
@@ -265,7 +268,7 @@ def describe(lines: list[str], error_lines: list[tuple[float | None, str]] | Non
     return failure_line(ends, completed, aborts((None, ln) for ln in lines))
 
 
-# ----------------------------------------------------------------------------------------------- ranks that did not stop
+# ------------------------------------------------------------------------------------- ranks that did not stop
 _FRAME_RE = re.compile(r'^\s*File "([^"]+)", line (\d+) in (\S+)')
 
 

@@ -24,6 +24,7 @@ import runpy
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from launch.procs import children, proc_stat, running, set_child_subreaper
@@ -100,7 +101,11 @@ def _wait_gone(procs: dict[int, int], seconds: float) -> dict[int, int]:
         time.sleep(0.05)
 
 
-def end_leftovers(grace_s: float, say=lambda line: print(line, file=sys.stderr, flush=True)) -> list[int]:  # noqa: ANN001
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def end_leftovers(grace_s: float, say: Callable[[str], None] = _say) -> list[int]:
     """SIGTERM to every process still running under this one, SIGKILL to those still there after ``grace_s``;
     returns the pids that outlived even SIGKILL (stuck in the kernel). Each step is said in one line."""
     left = descendants(os.getpid())

@@ -105,7 +105,8 @@ class _Supervisor:
         self._killer.daemon = True
         self._killer.start()
         if self.stacks_dir is not None:
-            self._asker = threading.Timer(max(0.0, self.grace_s - min(STACKS_LEAD_S, self.grace_s / 4)), self.ask_stacks)
+            ask_at = max(0.0, self.grace_s - min(STACKS_LEAD_S, self.grace_s / 4))
+            self._asker = threading.Timer(ask_at, self.ask_stacks)
             self._asker.daemon = True
             self._asker.start()
 
@@ -125,7 +126,7 @@ class _Supervisor:
         time.sleep(STACKS_WRITE_S)
         for rank in asked:
             try:
-                text = (Path(self.stacks_dir) / f"rank-{rank}.txt").read_text(errors="replace")  # type: ignore[arg-type]
+                text = Path(str(self.stacks_dir), f"rank-{rank}.txt").read_text(errors="replace")
             except OSError:
                 continue
             if text.strip():
@@ -243,7 +244,8 @@ class LocalTorchrun:
 
     def environment(self, req: LaunchRequest, stacks_dir: str | None = None) -> dict[str, str]:
         # written just before torchrun starts: the ranks time their start-up phases from here
-        launch_file = req.seam(launcher_pid=os.getpid(), launched_at=time.time(), stacks_dir=stacks_dir).write(req.run_dir)
+        seam = req.seam(launcher_pid=os.getpid(), launched_at=time.time(), stacks_dir=stacks_dir)
+        launch_file = seam.write(req.run_dir)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
                **req.env, LAUNCH_ENV: str(launch_file)}
         root = str(Path(__file__).resolve().parent.parent)

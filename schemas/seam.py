@@ -47,7 +47,7 @@ SCRIPT_TRACEBACK_FILE = ".script-traceback.txt"
 # collective (gloo, NCCL) or the rendezvous store lost its peer, or waited for it until its timeout. Matched
 # against the error's text (gloo's errors are plain RuntimeErrors), first match wins; the phrase is what the
 # segment's failure line shows for that rank.
-_COLLECTIVE_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p, re.IGNORECASE), phrase) for p, phrase in (
+_COLLECTIVE_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p, re.I), phrase) for p, phrase in (
     (r"connection reset by peer", "connection reset by peer"),
     (r"connection closed by peer", "connection closed by peer"),
     (r"broken pipe", "broken pipe"),

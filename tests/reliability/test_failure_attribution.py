@@ -124,7 +124,8 @@ def test_a_killed_rank_is_named_with_its_signal_and_its_peer_only_as_a_consequen
 
 def test_ranks_of_different_widths_name_the_rank_that_aborted_with_glooss_message(launched: dict) -> None:
     line = _error_line(outcome(launched, "widths"))
-    assert "rank 0 (pid " in line and "died of SIGABRT: terminate called after throwing gloo::EnforceNotMet" in line, line
+    assert "rank 0 (pid " in line, line
+    assert "died of SIGABRT: terminate called after throwing gloo::EnforceNotMet" in line, line
     assert "collective mismatch" in line and "rank 1 then failed: connection" in line, line
 
 
@@ -169,7 +170,8 @@ def test_a_rank_that_hangs_while_its_peer_waits_is_named_from_its_stack(launched
 
 # ------------------------------------------------------------------------------------------------ without a launch
 SUMMARY = """\
-E1204 15:56:25.019000 12180 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -6) local_rank: 0 (pid: 12185) of binary: /usr/bin/python
+E1204 15:56:25.019000 12180 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -6) \
+local_rank: 0 (pid: 12185) of binary: /usr/bin/python
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
 trainer.segment FAILED
@@ -202,11 +204,12 @@ def test_torchruns_summary_and_the_ranks_lines_read_back_from_the_output_alone()
     from launch.base import failing_rank_lines
     from schemas.seam import RANK_ERROR_PREFIX
 
-    survivor = f"{RANK_ERROR_PREFIX} rank 1: x.py line 9: RuntimeError: [pair.cc:537] Read error: Connection reset by peer"
+    survivor = (f"{RANK_ERROR_PREFIX} rank 1: x.py line 9: RuntimeError: [pair.cc:537] Read error: Connection reset by "
+                "peer")
     line = failing_rank_lines([*ABORT, survivor, *SUMMARY.splitlines()])
-    assert line == ("rank 0 (pid 12185) died of SIGABRT: terminate called after throwing gloo::EnforceNotMet: [enforce "
-                    "fail at pair.cc:456] op.preamble.length <= op.nbytes. 170 vs 114. Is there a distributed collective "
-                    "mismatch in your code?; rank 1 then failed: connection reset by peer"), line
+    assert line == ("rank 0 (pid 12185) died of SIGABRT: terminate called after throwing gloo::EnforceNotMet: "
+                    "[enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 170 vs 114. Is there a distributed "
+                    "collective mismatch in your code?; rank 1 then failed: connection reset by peer"), line
 
 
 def test_the_launchers_own_times_outrank_torchruns_one_second_root_cause() -> None:
@@ -220,8 +223,8 @@ def test_the_launchers_own_times_outrank_torchruns_one_second_root_cause() -> No
     ends = merge(torchrun_ends(summary.splitlines()), [(10.04, "rank 0: x.py line 3: RuntimeError: Socket Timeout")],
                  observed)
     assert [e.torchrun_first for e in ends] == [True, False]
-    assert failure_line(ends).startswith("rank 1 (pid 12186) was killed by SIGKILL (by the OOM killer or from "
-                                         "outside: not known here); rank 0 then failed: timed out waiting in a collective")
+    assert failure_line(ends).startswith("rank 1 (pid 12186) was killed by SIGKILL (by the OOM killer or from outside: "
+                                         "not known here); rank 0 then failed: timed out waiting in a collective")
     # a cause of its own beats an earlier consequence; a rank torchrun stopped is named as stopped
     ends = [RankEnd(rank=0, exitcode=1, line="rank 0: ValueError: bad batch", line_at=2.0),
             RankEnd(rank=1, exitcode=1, line="rank 1: RuntimeError: Connection closed by peer", line_at=1.0),
@@ -246,7 +249,7 @@ Thread 0x00007ff3fa3a36c0 (most recent call first):
 
 Current thread 0x00007ff3fc3d1b80 (most recent call first):
   File "/v/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 4394 in all_gather_single
-  File "/v/lib/python3.11/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", line 364 in foreach_all_gather
+  File "/v/lib/python3.11/site-packages/torch/distributed/fsdp/_fsdp_collectives.py", line 364 in foreach_all_gather
   File "/v/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1778 in _wrapped_call_impl
   File "/home/u/train.py", line 115 in <module>
   File "<frozen runpy>", line 88 in _run_code
