@@ -213,7 +213,7 @@ def main() -> None:
             if args.baseline:
                 b_line, b_rank, b_cause = run_case(args.baseline.resolve(), work / "base", case)
                 print(f"  baseline: {b_line}\n  rank {b_rank}, cause {b_cause}", flush=True)
-                row += [f"`{cell(b_line, 240)}`", f"{b_rank} / {b_cause}"]
+                row += [f"`{cell(b_line, 600)}`", f"{b_rank} / {b_cause}"]
             rows.append(row)
             remove_oom_cgroups()
     finally:
