@@ -257,7 +257,7 @@ class LocalTorchrun:
         early = stopped_before_start(req, "the ranks started")
         if early is not None:
             return early
-        stacks_dir = tempfile.mkdtemp(prefix="shardkeeper-stacks-")
+        stacks_dir = _stacks_dir()
         env = self.environment(req, stacks_dir)
         procs: list[subprocess.Popen] = []
         sup = _Supervisor(procs, self.grace_s, sink, stacks_dir)
@@ -349,6 +349,30 @@ class LocalTorchrun:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(POLL_S)
+
+
+STACKS_PREFIX = "shardkeeper-stacks-"
+
+
+def _stacks_dir() -> str:
+    """A fresh folder for the ranks' stacks (removed when the launch ends), named after this launcher's pid: the
+    folders of launchers that were SIGKILLed before removing theirs are swept here."""
+    root = Path(tempfile.gettempdir())
+    for old in root.glob(f"{STACKS_PREFIX}*-*"):
+        pid = old.name[len(STACKS_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{STACKS_PREFIX}{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def free_port() -> int:

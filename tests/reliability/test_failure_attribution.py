@@ -336,3 +336,26 @@ def test_a_forked_child_never_holds_the_ranks_lock_and_a_holder_is_named(tmp_pat
                 assert f"pid {child}: started by a rank (" in msg and f"kill {child}; kill -9 {child}" in msg, msg
         finally:
             os.kill(child, signal.SIGKILL)
+
+
+def test_a_sigkilled_launchers_stacks_folder_is_swept_by_the_next_launch() -> None:
+    """The folder the ranks write their stacks to is removed when the launch ends; one a SIGKILLed launcher left
+    behind (its pid gone) is removed by the next launch, a live launcher's is kept."""
+    import tempfile
+
+    from launch.local import STACKS_PREFIX, _stacks_dir
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    root = Path(tempfile.gettempdir())
+    dead, live = root / f"{STACKS_PREFIX}{gone.pid}-x", root / f"{STACKS_PREFIX}{os.getppid()}-x"
+    dead.mkdir()
+    live.mkdir()
+    try:
+        fresh = Path(_stacks_dir())
+        assert fresh.is_dir() and not dead.exists() and live.is_dir()
+        fresh.rmdir()
+    finally:
+        for d in (dead, live):
+            if d.exists():
+                d.rmdir()
