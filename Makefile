@@ -62,6 +62,7 @@ bench: install
 	$(PY) bench/persist_bench.py
 	$(PY) bench/memtier_edges.py
 	$(PY) bench/startup_kill_bench.py --reps 3
+	$(PY) bench/failure_attribution.py
 	$(PY) bench/export_bench.py
 	$(PY) bench/deepspeed_bench.py
 	$(PY) bench/import_bench.py

@@ -350,7 +350,7 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
         # Cancellation wins even over a segment that completed meanwhile: nothing further may start.
         status = "cancelled"
         if rank_status is None:
-            note = _unreported_note(after)
+            note = _stuck(outcome, _unreported_note(after))
     elif rank_status:
         status = rank_status
     elif ((outcome.stop_requested or outcome.scheduler_preempted) and (outcome.exit_code != 0 or outcome.stop_signal is not None)
@@ -358,7 +358,7 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
         # Asked to stop before the ranks could report (still starting up, or killed after the grace
         # period): nothing was lost that a checkpoint held; the next segment resumes from the latest one.
         status = "preempted"
-        note = outcome.note or _unreported_note(after)
+        note = _stuck(outcome, outcome.note or _unreported_note(after))
     elif reported is None and _refused_before_first_step(rd, seg, start_step, after, outcome):
         status = "refused"
     else:
@@ -426,6 +426,11 @@ def _script_traceback(rd: RunDir) -> str | None:
         return None
 
 
+def _stuck(outcome: LaunchOutcome, note: str) -> str:
+    """A stop the ranks could not complete within the grace: which rank the others waited for, then the note."""
+    return f"{outcome.stuck}; {note}" if outcome.stuck else note
+
+
 def _unreported_note(after: tuple[Path, CheckpointManifest] | None) -> str:
     if after is None:
         return "stopped before the ranks reported, with nothing trained: no checkpoint; the next segment starts clean"
@@ -440,4 +445,6 @@ def _failure(outcome: LaunchOutcome) -> str:
 
         name = signal.Signals(-outcome.exit_code).name if -outcome.exit_code in signal.Signals._value2member_map_ else str(-outcome.exit_code)
         return f"torchrun was killed by {name} and its ranks with it; rerun the same command to resume from the latest valid checkpoint"
-    return ("timed out; " if outcome.timed_out else "") + failing_rank_lines(outcome.tail)
+    if outcome.failure is None and outcome.exit_code == 0:  # torchrun saw no failure, and the ranks reported no end
+        return "the ranks exited with code 0 before their segment ended, and none said why"
+    return ("timed out; " if outcome.timed_out else "") + (outcome.failure or failing_rank_lines(outcome.tail))

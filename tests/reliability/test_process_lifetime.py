@@ -43,7 +43,7 @@ BIG = 100_000  # an until_step the tests never reach
 def _kill_and_expect_failure(run: Path, victim: str) -> tuple[subprocess.CompletedProcess, float, str]:
     """Start a segment, SIGKILL one of its processes (``victim``: "startup-rank", a rank that has not reached
     rendezvous while its peer waits there; "torchrun", once it trains); return the CLI's result, its seconds after the kill
-    and how the victim would be named ("local rank R (pid P)")."""
+    and how the victim would be named ("rank R (pid P)")."""
     proc = start_train(run, BIG)
     try:
         if victim == "startup-rank":  # one rank waits in rendezvous for the other, which dies before it gets there
@@ -53,7 +53,7 @@ def _kill_and_expect_failure(run: Path, victim: str) -> tuple[subprocess.Complet
             wait_training(run, steps=(len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0) + 2)
             targets = segment_processes(run, "torchrun")
         assert targets, f"no {victim} process found"
-        named = f"local rank {targets[-1].environ().get('LOCAL_RANK')} (pid {targets[-1].pid})"
+        named = f"rank {targets[-1].environ().get('RANK')} (pid {targets[-1].pid})"
         os.kill(targets[-1].pid, signal.SIGKILL)
         killed_at = time.monotonic()
         out, err = proc.communicate(timeout=120)
