@@ -72,9 +72,13 @@ class Fingerprint(_Frozen):
 
 
 class DtypePolicy(_Frozen):
-    master: Literal["float32"] = Field("float32", description="dtype of weights and optimizer state in the checkpoint")
-    compute: Literal["float32", "bfloat16"] = Field(description="dtype used for forward/backward")
-    reduce: Literal["float32", "bfloat16"] = Field(description="dtype used for gradient reduction")
+    """The dtypes the model was trained in, read from the live model at save (its FSDP2 MixedPrecisionPolicy,
+    its DeepSpeed bf16/fp16 section, or its parameters' dtype), not from the run's config."""
+
+    master: str = Field("float32", description="torch dtype name of the weights (and optimizer state) in the "
+                        "checkpoint, e.g. float32")
+    compute: str = Field(description="torch dtype name used for forward/backward, e.g. bfloat16")
+    reduce: str = Field(description="torch dtype name used for gradient reduction, e.g. float32")
 
 
 class HFModelRecord(_Frozen):

@@ -25,7 +25,7 @@ from ckpt.formats.deepspeed import STATE_FILE, UNIVERSAL_DIR, read_rng, read_sta
 from ckpt.formats.torchzip import check_file
 from ckpt.layout import RunDir
 from ckpt.state import MOMENTS, reseed
-from schemas import CheckpointManifest, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
+from schemas import CheckpointManifest, DtypePolicy, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
 from schemas.errors import CheckpointError
 from trainer.checkpointer import Checkpointer, TrainState, Written
 from trainer.dist import DistEnv
@@ -47,10 +47,9 @@ class DeepSpeedCheckpointer(Checkpointer):
     BACKEND = "deepspeed"
     SUPPORTS_ASYNC = True
 
-    def __init__(self, run_dir: RunDir, spec: RunSpec, engine: Any, env: DistEnv, *, segment: int, signature: str,
+    def __init__(self, run_dir: RunDir, spec: RunSpec, engine: Any, env: DistEnv, *, segment: int,
                  hf_model: HFModelRecord | None = None):
-        super().__init__(run_dir, spec, engine.module, engine.optimizer, env, segment=segment, signature=signature,
-                         hf_model=hf_model)
+        super().__init__(run_dir, spec, engine.module, engine.optimizer, env, segment=segment, hf_model=hf_model)
         self.engine = engine
         self.zero_stage = spec.deepspeed.zero_stage
         self.files = capturing_engine()
@@ -119,6 +118,32 @@ class DeepSpeedCheckpointer(Checkpointer):
             out.append(TensorEntry(name=f"model.{name}", shape=shape, dtype="float32"))
             out += [TensorEntry(name=f"optim.state.{name}.{m}", shape=shape, dtype="float32") for m in MOMENTS]
         return out
+
+    def live_model_inventory(self) -> list[TensorEntry]:
+        return [e for e in self._ds_inventory() if e.name.startswith("model.")]
+
+    def live_dtype_policy(self) -> DtypePolicy:
+        from trainer.precision import engine_policy
+
+        return engine_policy(self.engine)
+
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(n, tuple(getattr(p, "ds_shape", None) or p.shape)) for n, p in self.engine.module.named_parameters()]
+
+    def named_param_groups(self) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """ZeRO keeps each group's parameters aside (its optimizer's groups hold flat partitions): ZeRO-1/2 in
+        ``bit16_groups``, ZeRO-3 in sub-groups of ``fp16_groups`` mapped to their group."""
+        from ckpt.identity import canonical
+
+        opt = self.engine.optimizer
+        if self.zero_stage == 3:
+            groups: list[list[Any]] = [[] for _ in opt.param_groups]
+            for sub, params in enumerate(opt.fp16_groups):
+                groups[opt.sub_group_to_group_id[sub]] += list(params)
+        else:
+            groups = [list(g) for g in opt.bit16_groups]
+        names = {id(p): canonical(n) for n, p in self.engine.module.named_parameters()}
+        return [[(names[id(p)], tuple(getattr(p, "ds_shape", None) or p.shape)) for p in g] for g in groups]
 
     # ----------------------------------------------------------------- save hooks
     def snapshot(self, ts: TrainState) -> Captured:
