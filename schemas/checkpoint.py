@@ -128,7 +128,10 @@ class CheckpointManifest(_Frozen):
     created_at: str = Field(description="UTC ISO-8601 time of the commit")
     files: list[FileEntry] = Field(description="every file of the checkpoint, with size and checksum")
     tensors: list[TensorEntry] = Field(description="inventory of the tensors saved")
-    model_signature: str = Field(description="sha256 of model type, config and parameter shapes: the architecture")
+    model_signature: str = Field(description="sha256 of the model tensors' canonical names, global shapes and dtypes "
+                                 "(ckpt.identity.signature): the same for every kind of run and both backends; "
+                                 "older checkpoints carry another digest. Recorded, never compared: a resume "
+                                 "compares the tensors themselves")
     topology: ClusterTopology = Field(description="where it was written")
     dtype_policy: DtypePolicy = Field(description="dtypes at save")
     parent: str | None = Field(None, description="name of the checkpoint this run resumed from before writing it")

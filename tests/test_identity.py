@@ -32,6 +32,17 @@ def entries(*rows: tuple[str, list[int], str]) -> list[TensorEntry]:
     return [TensorEntry(name=n, shape=s, dtype=d) for n, s, d in rows]
 
 
+def tiny_llama(*, tied: bool = False) -> torch.nn.Module:
+    """The model of configs/tiny.yaml, as a user's script builds it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                  rms_norm_eps=1e-5, tie_word_embeddings=tied)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
 # ------------------------------------------------------------------------------------------ units
 def test_names_are_compared_without_the_wrappers_prefixes() -> None:
     name = "module._orig_mod.layers.0._checkpoint_wrapped_module.mlp.weight"
@@ -144,8 +155,8 @@ def test_a_script_continues_the_built_in_trainers_checkpoint_with_its_own_settin
     capfd.readouterr()
     out = spawn(_loop, 1, ["--bf16", "--scheduler", "--extra", "counter", "--lr", "5e-3", "--wd", "0"], str(run), 6)
     err = capfd.readouterr().err
-    assert ("step-00000005 was written by the built-in trainer and holds no state of what this run tracks besides "
-            "model and optimizer: 'scheduler' fast-forwarded to step 5 (lr 0.005), 'counter' starts fresh") in err, err
+    assert ("step-00000005 was written by the built-in trainer; tracked objects it holds no state of: 'scheduler' "
+            "fast-forwarded to step 5 (lr 0.005), 'counter' starts fresh") in err, err
     # the built-in trainer's groups (two, lr 3e-3, weight decay 0.1) did not come with the state
     assert out == [{"lr": 5e-3, "weight_decay": 0.0, "groups": 1, "step": 6}]
     own = read_manifest(run / "checkpoints" / "step-00000006")
@@ -165,6 +176,60 @@ def test_another_dtype_is_refused_naming_the_tensor_and_nothing_is_written(tiny_
     assert ("step-00000005: holds another model than this run's: lm_head.weight is [256, 64] float32 in the "
             "checkpoint, [256, 64] bfloat16 in this run's model; resume with the model that wrote it") in line
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # left in place, nothing committed
+
+
+@pytest.mark.skipif(find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_a_deepspeed_script_continues_the_built_in_deepspeed_trainers_checkpoint(
+        ds_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The built-in trainer's ZeRO-2 checkpoint (two AdamW groups: decay and no decay) continued by a user's
+    DeepSpeed loop with one group, on the same 2 ranks: DeepSpeed's flat partitions follow the groups, so another
+    kind of run's checkpoint loads through the universal layout (each parameter on its own, converted once and
+    recorded in lineage) and the script keeps its own settings."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    run = shutil.copytree(ds_run, tmp_path / "run", ignore=shutil.ignore_patterns(".lock"))
+    as_script_run(run)
+    out = spawn(_loop, 2, ["--deepspeed", "--scheduler"], str(run), 3, timeout=900)
+    assert out == [{"lr": 1e-2, "weight_decay": 0.1, "groups": 1, "step": 3}] * 2
+    assert (run / "checkpoints" / "step-00000002" / "universal").is_dir()
+    assert "reshard:step-00000002:universal" in {e["id"] for e in lineage(run)}
+    own, built_in = (read_manifest(run / "checkpoints" / f"step-{s:08d}") for s in (3, 2))
+    assert own.model_signature == built_in.model_signature and own.format == "deepspeed"
+
+
+def _write_tied_dcp(out: str) -> None:
+    """A plain dcp.save of a tied model and its AdamW after 2 steps (the state dict holds both tied names, the
+    optimizer one state)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    dist.init_process_group("gloo")
+    model = tiny_llama(tied=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x in torch.randint(0, 256, (2, 2, 16), generator=torch.Generator().manual_seed(3)):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=out)
+    dist.destroy_process_group()
+
+
+def test_an_imported_tied_model_holds_both_names_and_a_script_continues_it(tmp_path: Path) -> None:
+    """FSDP2 loads both names of a tied pair (lm_head.weight, model.embed_tokens.weight): an import of a tied
+    model writes both, so the run's own script continues it (and the signatures agree)."""
+    from shardkeeper.cli import main
+
+    spawn(_write_tied_dcp, 1, str(tmp_path / "src"))
+    run = tmp_path / "run"
+    assert main(["import", str(tmp_path / "src"), "--config", str(ROOT / "configs" / "tiny.yaml"), "--run-dir",
+                 str(run), "--set", "model.config.tie_word_embeddings=true"]) == 0
+    imported = read_manifest(run / "checkpoints" / "step-00000002")
+    names = {t.name for t in imported.tensors}
+    assert {"model.lm_head.weight", "model.model.embed_tokens.weight"} <= names
+    assert "optim.state.lm_head.weight.exp_avg" not in names
+    assert spawn(_loop, 1, ["--tied"], str(run), 3)[0]["step"] == 3
+    assert read_manifest(run / "checkpoints" / "step-00000003").model_signature == imported.model_signature
 
 
 def _diverging(run_dir: str) -> None:
@@ -211,15 +276,6 @@ def hf_args(out: Path, **more: object):
     return TrainingArguments(**{**kw, **more})
 
 
-def tiny_llama() -> torch.nn.Module:
-    """The model of configs/tiny.yaml, as a user's Trainer script builds it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                  rms_norm_eps=1e-5, tie_word_embeddings=False)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

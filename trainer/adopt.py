@@ -114,7 +114,8 @@ def describe_live(ckpt: Checkpointer) -> TargetModel:
     record = ckpt.hf_model
     return TargetModel(params=[(canonical(n), s) for n, s in shapes], groups=groups, hparams=settings,
                        hf_model=record, tied=dict(record.tied) if record is not None else {},
-                       called="this run's model", fix="resume from a checkpoint of this model")
+                       called="this run's model",
+                       fix="pass a checkpoint of this model, or build the model that wrote it")
 
 
 def resume_from(seg: Segment, path: str | Path, *, samples_per_step: int = 0, tokens_per_step: int = 0,
@@ -124,7 +125,8 @@ def resume_from(seg: Segment, path: str | Path, *, samples_per_step: int = 0, to
     (its step times them). ``what`` names the argument in the lines it writes.
 
     Raises:
-        UsageError: ``path`` is not there, or is another run's shardkeeper checkpoint.
+        UsageError: ``path`` is not there, is another run's shardkeeper checkpoint, or the run holds only unfinished
+            or set-aside checkpoints.
         CheckpointError: the import refused it (a layout not understood, another model, damaged files).
     """
     ckpt = seg._ckpt
@@ -166,11 +168,15 @@ def _rank0(seg: Segment, ckpt: Checkpointer, path: Path, samples_per_step: int, 
         raise UsageError(f"{shown}: a checkpoint of another shardkeeper run ({path.resolve().parent.parent}); continue "
                          f"that run with shardkeeper train --run-dir {path.resolve().parent.parent}, or train this one "
                          "without it")
-    held = rd.committed() + rd.partials() + rd.quarantined()
-    if held:
+    committed = rd.committed()
+    if committed:
         log.warning("%s: not imported, the run already has checkpoints; resuming from its newest valid one (%s)", shown,
-                    newest[0].name if newest else held[-1].name)
+                    newest[0].name if newest else committed[-1].name)
         return
+    leftovers = rd.partials() + rd.quarantined()
+    if leftovers:  # as shardkeeper import: a run directory that held checkpoints is not a new run
+        raise UsageError(f"{shown}: not imported, {rd.root} holds {leftovers[-1].name} (an unfinished or set-aside "
+                         "checkpoint); import into a new run: pass another --run-dir")
     _import_here(seg, ckpt, path, samples_per_step, tokens_per_step)
 
 

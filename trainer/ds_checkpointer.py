@@ -208,9 +208,12 @@ class DeepSpeedCheckpointer(Checkpointer):
 
     # ----------------------------------------------------------------- load hooks
     def restore(self, path: Path, manifest: CheckpointManifest) -> tuple[TrainState, bool]:
-        """Natively at the saving world size (bit-exact), else through the universal layout."""
+        """Natively at the saving world size (bit-exact), else through the universal layout: also when another kind
+        of run wrote it, whose optimizer groups (DeepSpeed's flat partitions follow them) need not be this run's;
+        the universal layout holds each parameter on its own."""
         state = read_state(path)
-        native = state["layout"] == "zero" and manifest.topology.world_size == self.env.world_size
+        native = (state["layout"] == "zero" and manifest.topology.world_size == self.env.world_size
+                  and self.other_kind(manifest) is None)
         if native:
             problem = self._check_pickles(path, recursive=False)  # every rank agrees before DeepSpeed reads any
             if problem is not None:
@@ -234,8 +237,18 @@ class DeepSpeedCheckpointer(Checkpointer):
 
     def check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
         super().check_loadable(path, manifest)
+        from ckpt import identity
+
+        live = [e.name for e in self.model_inventory()]
+        names = identity.renames(live, [e.name for e in manifest.tensors if e.name.startswith(identity.MODEL_PREFIX)])
+        if names:  # DeepSpeed loads by the names it saved under (the module's state dict, the universal folders)
+            mine, theirs = next(iter(names.items()))
+            raise CheckpointError(f"{path}: holds {theirs[len(identity.MODEL_PREFIX):]} where this run's model has "
+                                  f"{mine[len(identity.MODEL_PREFIX):]} (a wrapper's prefix); DeepSpeed loads by the "
+                                  "saved names: wrap the model as the run that wrote it did (engine.compile() instead "
+                                  "of torch.compile before deepspeed.initialize keeps the names)")
         saved = manifest.run_spec.deepspeed.zero_stage
-        if saved != self.zero_stage and read_state(path)["layout"] == "zero":
+        if saved != self.zero_stage and read_state(path)["layout"] == "zero" and self.other_kind(manifest) is None:
             raise CheckpointError(f"{path}: written under ZeRO stage {saved}, this run is configured for stage "
                                   f"{self.zero_stage}; resume with --set deepspeed.zero_stage={saved} (the run's own config)")
 

@@ -278,8 +278,8 @@ class ResumeSide:
             started = restore_all(self.extra, path, manifest, self.env.rank, self.env.world_size,
                                   lambda r: self.read_extras(path, r))
             if started and self.env.is_rank0:
-                log.warning("%s was %s and holds no state of what this run tracks besides model and optimizer: %s",
-                            path.name, other, ", ".join(started))
+                log.warning("%s was %s; tracked objects it holds no state of: %s", path.name, other,
+                            ", ".join(started))
         self._check_counters(path, manifest, ts)
         now = self.fingerprint(self.env.ctrl_group, manifest.fingerprint.method)
         fp.require_match(path, manifest.fingerprint, now, exact=exact)
@@ -298,7 +298,9 @@ class ResumeSide:
             raise CheckpointError(f"{path}: holds step {ts.step}; the directory name and the state disagree")
 
     def check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
-        """Refuse a checkpoint of the other backend's format or of another architecture (one line each)."""
+        """Refuse, in one line each and before anything is loaded: a checkpoint of the other backend's format, of
+        another model (``model_problem``: the first tensor that differs), of other data, or lacking a tracked
+        object's state when this kind of run wrote it (``trainer.extras.check_restorable``)."""
         if manifest.format != self.FORMAT:
             raise CheckpointError(f"{path}: a {manifest.format} checkpoint cannot be loaded by the {self.BACKEND} "
                                   f"backend; convert it first: shardkeeper convert {path} --to {self.FORMAT} NEW_RUN_DIR")

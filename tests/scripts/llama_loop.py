@@ -12,6 +12,7 @@ sequence per step, the same on every rank: a step's gradient and loss do not dep
 --extra NAME ...  track objects (these names) that have state but no start_at_step (a checkpoint of another kind
                   of run lacks them)
 --plain-bf16      a plain module in bfloat16, not sharded (another dtype than an fp32 checkpoint's)
+--tied            tie lm_head to the input embeddings (tie_word_embeddings)
 --lr, --wd        AdamW's learning rate and weight decay (the sources': 1e-2, 0.1)
 
 ``main(argv, run_dir, until_step)`` runs it in-process (tests/harness.spawn), without a launcher.
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None, run_dir: str | None = None, until_step: 
     p.add_argument("--scheduler", action="store_true")
     p.add_argument("--extra", nargs="*", default=[])
     p.add_argument("--plain-bf16", action="store_true")
+    p.add_argument("--tied", action="store_true")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--wd", type=float, default=0.1)
     a = p.parse_args(argv)
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None, run_dir: str | None = None, until_step: 
     torch.manual_seed(0)
     config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=64, intermediate_size=a.intermediate,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
+                                  max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=a.tied)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if a.deepspeed:
         import deepspeed
