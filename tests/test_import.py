@@ -6,6 +6,10 @@ torchtitan's ``step-N/``, Accelerate's FSDP folders) from one FSDP2 launch on 2 
 ``Trainer`` checkpoint (when accelerate is installed). The DeepSpeed user skips the JIT build of DeepSpeed's CPU
 shm op (~2 min of g++ on a fresh machine; it serves inference all-reduce only and changes no byte of a checkpoint),
 as shardkeeper's own CPU ranks do (trainer.ds_shm).
+
+Imported checkpoints are continued by the user's own scripts (tests/scripts/llama_loop.py: FSDP2 on 3 ranks,
+DeepSpeed on 2; a Hugging Face Trainer on DeepSpeed importing from inside its segment on 3), the losses compared
+with the DeepSpeed source run's own steps 4-6.
 """
 
 from __future__ import annotations
@@ -325,6 +329,51 @@ def test_own_deepspeed_script_continues_an_imported_zero2_checkpoint(zero2_src: 
     _continues(json.loads((zero2_src / "losses.json").read_text()), run, 2)
     man = read_manifest(ckpt(run, 6))
     assert man.format == "deepspeed" and man.model_signature == read_manifest(ckpt(run, 3)).model_signature
+
+
+def _hf_trainer_on_deepspeed(run_dir: str, src: str) -> int:
+    """A Hugging Face Trainer script on DeepSpeed ZeRO-2 (the seed path's) that starts from ``src`` with
+    ``trainer.train(resume_from_checkpoint=src)``, to step 5 of a 10-step linear schedule."""
+    from trainer.ds_shm import skip_shm_op
+
+    skip_shm_op()
+    from transformers import TrainingArguments
+
+    import shardkeeper as sk
+    from shardkeeper.integrations.transformers import Trainer
+
+    seg = sk.Segment(run_dir=run_dir, until_step=5)
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+          "steps_per_print": 1 << 30}
+    args = TrainingArguments(output_dir=str(Path(run_dir) / "scratch"), max_steps=10, per_device_train_batch_size=2,
+                             learning_rate=1e-2, use_cpu=True, report_to=[], logging_steps=100, seed=0,
+                             dataloader_num_workers=0, disable_tqdm=True, save_strategy="no", deepspeed=ds)
+    rows = [{"input_ids": x[0], "labels": x[0]} for x in batches(24)]
+    trainer = Trainer(model=tiny_model(), args=args, train_dataset=rows, segment=seg)
+    trainer.train(resume_from_checkpoint=src)
+    return trainer.state.global_step
+
+
+@needs_deepspeed
+def test_hf_trainer_on_deepspeed_imports_a_zero2_checkpoint_from_inside_the_segment(zero2_src: Path,
+                                                                                   tmp_path: Path) -> None:
+    """The seed path without a config: a Trainer + DeepSpeed script on 3 ranks given another tool's ZeRO-2
+    checkpoint of 2 ranks: rank 0 imports it into the new run (DeepSpeed's universal layout, described by the live
+    engine's groups), every rank resumes it, the LR schedule and global_step continue at its step."""
+    from tests.harness import new_run, tiny_spec
+
+    run = new_run(tmp_path / "run", tiny_spec(backend="deepspeed"))
+    assert spawn(_hf_trainer_on_deepspeed, 3, str(run), str(zero2_src), timeout=900) == [5, 5, 5]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    # the linear schedule of a 10-step run after steps 4 and 5 (the scheduler fast-forwarded to step 3)
+    assert [(r["step"], r["lr"], r["world_size"]) for r in rows] == [(4, 0.006, 3), (5, 0.005, 3)]
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert [(e["kind"], e["id"]) for e in events(run)][:2] == [("imported", "import:step-00000003"),
+                                                              ("checkpoint", "checkpoint:step-00000003")]
+    man = read_manifest(ckpt(run, 3))
+    assert (man.format, man.reason, man.samples) == ("deepspeed", "converted", 18)  # 3 steps of 3 x 2 samples
+    assert read_manifest(ckpt(run, 5)).model_signature == man.model_signature
 
 
 @needs_deepspeed
