@@ -182,18 +182,20 @@ def test_another_dtype_is_refused_naming_the_tensor_and_nothing_is_written(tiny_
 def test_a_deepspeed_script_continues_the_built_in_deepspeed_trainers_checkpoint(
         ds_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The built-in trainer's ZeRO-2 checkpoint (two AdamW groups: decay and no decay) continued by a user's
-    DeepSpeed loop with one group, on the same 2 ranks: DeepSpeed's flat partitions follow the groups, so another
-    kind of run's checkpoint loads through the universal layout (each parameter on its own, converted once and
-    recorded in lineage) and the script keeps its own settings."""
+    DeepSpeed loop with one group and bf16 on, on the same 2 ranks: DeepSpeed's flat partitions follow the groups,
+    so another kind of run's checkpoint loads through the universal layout (each parameter on its own, converted
+    once and recorded in lineage); the script keeps its own settings; the manifest records the engine's bf16."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     run = shutil.copytree(ds_run, tmp_path / "run", ignore=shutil.ignore_patterns(".lock"))
     as_script_run(run)
-    out = spawn(_loop, 2, ["--deepspeed", "--scheduler"], str(run), 3, timeout=900)
+    out = spawn(_loop, 2, ["--deepspeed", "--bf16", "--scheduler"], str(run), 3, timeout=900)
     assert out == [{"lr": 1e-2, "weight_decay": 0.1, "groups": 1, "step": 3}] * 2
     assert (run / "checkpoints" / "step-00000002" / "universal").is_dir()
     assert "reshard:step-00000002:universal" in {e["id"] for e in lineage(run)}
     own, built_in = (read_manifest(run / "checkpoints" / f"step-{s:08d}") for s in (3, 2))
     assert own.model_signature == built_in.model_signature and own.format == "deepspeed"
+    assert own.dtype_policy.model_dump() == {"master": "float32", "compute": "bfloat16", "reduce": "bfloat16"}
+    assert built_in.dtype_policy.compute == "float32"
 
 
 def _write_tied_dcp(out: str) -> None:
