@@ -198,6 +198,52 @@ def test_a_deepspeed_script_continues_the_built_in_deepspeed_trainers_checkpoint
     assert built_in.dtype_policy.compute == "float32"
 
 
+def _accelerate(run_dir: str, until: int) -> tuple[float, float]:
+    """An Accelerate script (a DDP-prepared model on CPU ranks, OneCycleLR stepped once per optimizer step) whose
+    run's checkpoint another kind of run wrote; returns its learning rate at the end and a scheduler's that ran
+    every step from 0."""
+    from accelerate import Accelerator
+
+    import shardkeeper as sk
+    from shardkeeper.integrations import accelerate as sk_accelerate
+
+    seg = sk.Segment(run_dir=run_dir, until_step=until)
+    accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False)
+
+    def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=20, pct_start=0.25)
+
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    model, opt, sched = accelerator.prepare(model, opt, schedule(opt))
+    sk_accelerate.track(seg, accelerator, model=model, optimizer=opt, scheduler=sched)
+    g = torch.Generator().manual_seed(5)
+    for _ in seg.steps():
+        x = torch.randint(0, 256, (2, 16), generator=g)
+        loss = model(input_ids=x, labels=x).loss
+        accelerator.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        seg.log(loss=float(loss))
+    ran = schedule(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=3e-3))
+    for _ in range(until):
+        ran.optimizer.step()
+        ran.step()
+    return sched.get_last_lr()[0], ran.get_last_lr()[0]
+
+
+@pytest.mark.skipif(find_spec("accelerate") is None, reason="accelerate is not installed")
+def test_an_accelerate_script_continues_the_built_in_trainers_checkpoint(tiny_run: Path, tmp_path: Path) -> None:
+    """The Accelerate adapter on 2 ranks (DDP, which track unwraps) continues the built-in trainer's step 5: its
+    OneCycleLR ends at the learning rate of a schedule that ran from step 0."""
+    run = shutil.copytree(tiny_run, tmp_path / "run", ignore=shutil.ignore_patterns(".lock"))
+    as_script_run(run)
+    (got, want), _ = spawn(_accelerate, 2, str(run), 7)
+    assert got == want
+    assert read_manifest(run / "checkpoints" / "step-00000007").run_spec.script is not None
+
+
 def _write_tied_dcp(out: str) -> None:
     """A plain dcp.save of a tied model and its AdamW after 2 steps (the state dict holds both tied names, the
     optimizer one state)."""
