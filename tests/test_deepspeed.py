@@ -585,7 +585,7 @@ def test_checkpoint_of_another_model_is_refused(broken: Path, tmp_path: Path, ca
     # the rank side checks the architecture too (a run.yaml edited behind the CLI's back)
     run = broken.parent.parent
     (run / "run.yaml").write_text(json.dumps(ds_spec(2, **{"model.config.intermediate_size": 96}).model_dump(mode="json")))
-    with pytest.raises(RuntimeError, match=r"CheckpointError: .*holds another model than this run's: model\.layers\.0\."
+    with pytest.raises(RuntimeError, match=r"ModelMismatch: .*holds another model than this run's: model\.layers\.0\."
                        r"mlp\.gate_proj\.weight is \[128, 64\] float32 in the checkpoint, \[96, 64\] float32 in "):
         spawn(run_segment, 2, str(run), END, 1, timeout=TIMEOUT)
     assert not (run / "metrics.jsonl").exists()

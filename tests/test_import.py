@@ -232,6 +232,17 @@ def test_imported_zero2_checkpoint_trains_on_at_three_ranks_and_exports(zero2_sr
 
     run = shutil.copytree(z2_imported, tmp_path / "run")
     env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"}
+    # another model first (a wider MLP): refused before the load, exit 2, the run as it was
+    before = (sorted(p.name for p in (run / "checkpoints").rglob("*")), (run / "run.yaml").read_text())
+    refused = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--script", str(LOOP), "--run-dir",
+                              str(run), "--nproc", "1", "--until-step", "6", "--", "--intermediate", "96"],
+                             capture_output=True, text=True, timeout=600, env=env)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "segment 0 refused before its first step" in refused.stderr
+    assert ("holds another model than this run's: model.layers.0.mlp.gate_proj.weight is [128, 64] float32 in the "
+            "checkpoint, [96, 64] float32 in this run's model") in refused.stderr
+    assert not (run / "metrics.jsonl").exists()
+    assert (sorted(p.name for p in (run / "checkpoints").rglob("*")), (run / "run.yaml").read_text()) == before
     done = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--config", TINY, "--run-dir", str(run),
                            "--nproc", "3", "--until-step", "5"], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -300,12 +311,24 @@ def _continues(ref: list[float], run: Path, world: int) -> None:
 def test_own_fsdp2_script_continues_an_imported_zero2_checkpoint_on_3_ranks(zero2_src: Path, z2_imported: Path,
                                                                          tmp_path: Path) -> None:
     """``shardkeeper import`` with a config, then ``shardkeeper train --script`` with the user's own FSDP2 loop over
-    the same model, on 3 ranks (the source: 2): the checkpoint's identity is its tensors, not the config. The loss
+    the same model, on 3 ranks (the source: 2): the checkpoint's identity is its tensors, not the config (a script
+    of another model is refused before the load: exit 2, segment 'refused', the run as it was). The loss
     continues the DeepSpeed run's within 1e-6 because the script trains with its own optimizer settings (one group,
     lr 1e-2), not the config's the import recorded (two groups, lr 3e-3); the tracked objects the import lacks start
     at its step, one line says so."""
     run = shutil.copytree(z2_imported, tmp_path / "run")
     env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"}
+    # another model first (a wider MLP): refused before the load, exit 2, the run as it was
+    before = (sorted(p.name for p in (run / "checkpoints").rglob("*")), (run / "run.yaml").read_text())
+    refused = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--script", str(LOOP), "--run-dir",
+                              str(run), "--nproc", "1", "--until-step", "6", "--", "--intermediate", "96"],
+                             capture_output=True, text=True, timeout=600, env=env)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "segment 0 refused before its first step" in refused.stderr
+    assert ("holds another model than this run's: model.layers.0.mlp.gate_proj.weight is [128, 64] float32 in the "
+            "checkpoint, [96, 64] float32 in this run's model") in refused.stderr
+    assert not (run / "metrics.jsonl").exists()
+    assert (sorted(p.name for p in (run / "checkpoints").rglob("*")), (run / "run.yaml").read_text()) == before
     done = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--script", str(LOOP), "--run-dir", str(run),
                            "--nproc", "3", "--until-step", "6", "--", "--scheduler", "--extra", "extra"],
                           capture_output=True, text=True, timeout=600, env=env)

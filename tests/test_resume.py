@@ -196,7 +196,7 @@ def test_rank_side_refuses_checkpoint_of_another_architecture(reference: Path, t
     other = tiny_spec(**{"model.config.intermediate_size": 96})
     (run / "run.yaml").write_text(json.dumps(other.model_dump(mode="json")))  # bypasses the CLI's own check
     # the first tensor that differs, in the manifest's order, with both shapes (ckpt.identity)
-    with pytest.raises(RuntimeError, match=r"CheckpointError: \S+/step-00000010: holds another model than this run's: "
+    with pytest.raises(RuntimeError, match=r"ModelMismatch: \S+/step-00000010: holds another model than this run's: "
                        r"model\.layers\.0\.mlp\.down_proj\.weight is \[64, 128\] float32 in the checkpoint, "
                        r"\[64, 96\] float32 in this run's model; "):
         spawn(run_segment, 2, str(run), 12, 0)

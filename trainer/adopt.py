@@ -125,9 +125,10 @@ def resume_from(seg: Segment, path: str | Path, *, samples_per_step: int = 0, to
     (its step times them). ``what`` names the argument in the lines it writes.
 
     Raises:
-        UsageError: ``path`` is not there, is another run's shardkeeper checkpoint, or the run holds only unfinished
-            or set-aside checkpoints.
-        CheckpointError: the import refused it (a layout not understood, another model, damaged files).
+        UsageError: ``path`` is not there, is another run's shardkeeper checkpoint, the run holds only unfinished
+            or set-aside checkpoints, or the import refused it (a layout not understood, another model, damaged
+            files): bad input, nothing committed (the segment ends 'refused').
+        CheckpointError: the import failed otherwise (a full disk, ...); nothing was committed.
     """
     ckpt = seg._ckpt
     if ckpt is None:
@@ -136,8 +137,8 @@ def resume_from(seg: Segment, path: str | Path, *, samples_per_step: int = 0, to
     if seg.is_rank0:
         try:
             outcome[0] = _rank0(seg, ckpt, Path(path), samples_per_step, tokens_per_step, what)
-        except (UsageError, CheckpointError) as e:
-            outcome[0] = (type(e).__name__, str(e))
+        except (UsageError, CheckpointError) as e:  # refused before anything was committed: bad input (exit 2)
+            outcome[0] = ("UsageError", str(e))
         except Exception as e:  # noqa: BLE001 - the other ranks wait at the broadcast: they raise it too
             outcome[0] = ("CheckpointError", f"{what}={str(path)!r}: the import failed ({type(e).__name__}: "
                                              f"{' '.join(str(e).split())[:300]}); nothing was committed")

@@ -26,7 +26,7 @@ from ckpt.formats.torchzip import check_file
 from ckpt.layout import RunDir
 from ckpt.state import MOMENTS, reseed
 from schemas import CheckpointManifest, DtypePolicy, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
-from schemas.errors import CheckpointError
+from schemas.errors import CheckpointError, ModelMismatch
 from trainer.checkpointer import Checkpointer, TrainState, Written
 from trainer.dist import DistEnv
 from trainer.ds_staging import Captured, HostStaging, capturing_engine
@@ -243,10 +243,10 @@ class DeepSpeedCheckpointer(Checkpointer):
         names = identity.renames(live, [e.name for e in manifest.tensors if e.name.startswith(identity.MODEL_PREFIX)])
         if names:  # DeepSpeed loads by the names it saved under (the module's state dict, the universal folders)
             mine, theirs = next(iter(names.items()))
-            raise CheckpointError(f"{path}: holds {theirs[len(identity.MODEL_PREFIX):]} where this run's model has "
-                                  f"{mine[len(identity.MODEL_PREFIX):]} (a wrapper's prefix); DeepSpeed loads by the "
-                                  "saved names: wrap the model as the run that wrote it did (engine.compile() instead "
-                                  "of torch.compile before deepspeed.initialize keeps the names)")
+            raise ModelMismatch(f"{path}: holds {theirs[len(identity.MODEL_PREFIX):]} where this run's model has "
+                                f"{mine[len(identity.MODEL_PREFIX):]} (a wrapper's prefix); DeepSpeed loads by the "
+                                "saved names: wrap the model as the run that wrote it did (engine.compile() instead "
+                                "of torch.compile before deepspeed.initialize keeps the names)")
         saved = manifest.run_spec.deepspeed.zero_stage
         if saved != self.zero_stage and read_state(path)["layout"] == "zero" and self.other_kind(manifest) is None:
             raise CheckpointError(f"{path}: written under ZeRO stage {saved}, this run is configured for stage "

@@ -29,7 +29,7 @@ from ckpt.layout import parse_step
 from ckpt.memtier import MEMORY, STORAGE
 from schemas import CheckpointManifest
 from schemas.data import data_change
-from schemas.errors import CheckpointError
+from schemas.errors import CheckpointError, ModelMismatch
 from schemas.seam import SegmentLaunch
 
 from trainer.ckpt_common import TrainState
@@ -306,8 +306,8 @@ class ResumeSide:
                                   f"backend; convert it first: shardkeeper convert {path} --to {self.FORMAT} NEW_RUN_DIR")
         problem = self.model_problem(manifest)
         if problem is not None:
-            raise CheckpointError(f"{path}: holds another model than this run's: {problem}; resume with the model that "
-                                  "wrote it (its manifest.json's tensors list it), or start a new --run-dir")
+            raise ModelMismatch(f"{path}: holds another model than this run's: {problem}; resume with the model that "
+                                "wrote it (its manifest.json's tensors list it), or start a new --run-dir")
         changed = data_change(manifest.data, self.data) if manifest.data and self.data else None
         if changed:
             raise CheckpointError(f"{path}: trained on other data: {changed}; resume with the data the run started "
