@@ -62,6 +62,7 @@ bench: install
 	$(PY) bench/persist_bench.py
 	$(PY) bench/memtier_edges.py
 	$(PY) bench/startup_kill_bench.py --reps 3
+	$(PY) bench/failure_attribution.py
 	$(PY) bench/export_bench.py
 	$(PY) bench/deepspeed_bench.py
 	$(PY) bench/import_bench.py
@@ -69,6 +70,8 @@ bench: install
 	$(PY) bench/pretrained_bench.py --size 500m --reps 2
 	$(PY) bench/scaling_bench.py
 	$(PY) bench/prefect_overhead.py --reps 3 --train
+	$(PY) bench/prefect_overhead.py --automation --via serve --reps 3 --poll-s 10,1
+	$(PY) bench/prefect_overhead.py --automation --via worker --reps 3 --poll-s 10,1
 	$(PY) bench/dashboard_bench.py --reps 3
 	$(PY) bench/scale_bench.py
 	$(PY) bench/s3_bench.py --reps 5

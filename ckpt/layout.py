@@ -7,6 +7,8 @@
       metrics.jsonl  segments.jsonl  lineage.jsonl
       .lock                       flock of the launching process (ckpt.lock.RunLock)
       .lock.ranks                 shared flock + pids of the live ranks (ckpt.lock.hold_ranks_lock)
+      plan.json                   a train-and-export flow's plan and its progress (schemas.plan.RunPlan, ckpt.plan)
+      .lock.plan                  flock of the flow run that drives that plan (ckpt.plan.PlanLock)
       verified/step-00000100.json  the last full re-read of that checkpoint (ckpt.validate.record_verified)
       .pins/upload.json + .lock   a checkpoint a live process still reads (the s3 uploader): retention keeps it (ckpt.pin)
       exports/step-00000100/

@@ -53,6 +53,45 @@ def live_rank_pids(run_dir: str | Path) -> list[int]:
 
 
 
+def lock_holders(path: Path, limit: int = 1_000_000) -> list[tuple[int, str]]:
+    """The processes with ``path`` open (pid, command line), found through /proc as ``fuser`` does: a leftover of a
+    segment that holds its ``.lock.ranks``. Only the processes this user may inspect are seen; at most ``limit``
+    descriptors are looked at."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    found: list[tuple[int, str]] = []
+    looked = 0
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+    for pid in sorted(pids):
+        if pid == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            looked += 1
+            if looked > limit:
+                return found
+            try:
+                other = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                try:
+                    cmd = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode("utf-8", "replace").split("\0"))
+                except OSError:
+                    cmd = "?"
+                found.append((pid, cmd.strip()[:80]))
+                break
+    return found
+
+
 def _flock_within(fd: int, mode: int, wait_s: float) -> bool:
     """Take an flock of ``mode`` on ``fd``, polling for up to ``wait_s``; False if others still hold it then."""
     deadline = time.monotonic() + wait_s
@@ -113,12 +152,22 @@ class RunLock:
             os.close(fd)
 
     def _ranks_alive_error(self) -> RunLockedError:
-        pids = live_rank_pids(self.path.parent)
-        which = f"pids {', '.join(map(str, pids))}" if pids else "pids unknown"
-        fix = f"stop them (kill {' '.join(map(str, pids))})" if pids else f"stop the processes that hold {self.ranks_path}"
+        holders = lock_holders(self.ranks_path)
+        ranks = set(live_rank_pids(self.path.parent))
+        if holders:
+            which = "; ".join(f"pid {pid}: {'a rank' if pid in ranks else 'started by a rank'} ({cmd})"
+                              for pid, cmd in holders[:4]) + (f"; {len(holders) - 4} more" if len(holders) > 4 else "")
+            pids = " ".join(str(pid) for pid, _ in holders)
+            fix = f"stop them (kill {pids}; kill -9 {pids} if they ignore SIGTERM)"
+        elif ranks:
+            pids = " ".join(map(str, sorted(ranks)))
+            which, fix = f"pids {', '.join(map(str, sorted(ranks)))}", f"stop them (kill {pids})"
+        else:  # on another node (shared storage), or another user's: invisible from here
+            which = "not visible from this host: on another node, or another user's"
+            fix = f"find and stop them (fuser -v {self.ranks_path} on each node)"
         return RunLockedError(
-            f"{self.path.parent}: ranks of an earlier segment are still running ({which}) {self.ranks_wait_s:g} s "
-            f"after their launcher went; {fix} and retry"
+            f"{self.path.parent}: processes of an earlier segment still hold {RANKS_LOCK_NAME} ({which}) "
+            f"{self.ranks_wait_s:g} s after their launcher went; {fix} and retry"
         )
 
     def release(self) -> None:

@@ -140,12 +140,27 @@ def resumed_by(result: SegmentResult, attempts: int, max_preemption_retries: int
     return "automation" if result.end_step > result.start_step else "none"
 
 
+class HandedOver(SegmentPreempted):
+    """Preempted more often than the flow run may resume by itself, after the segment made progress: the
+    preemption event (label ``shardkeeper.resumed-by: automation``) leaves the rest to the resume automation."""
+
+
 def drive_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preemption_retries: int,
-                backoff_s: float) -> SegmentOutcome:
+                  backoff_s: float, by: str | None = None,
+                  on_stop: Callable[[PipelineError | ConfigError], None] | None = None) -> SegmentOutcome:
     """Train ``run_dir`` up to ``plan.until_step`` on ``plan.nodes`` x ``plan.nproc`` ranks; raise on failure.
 
     Each attempt (the first, and each resume after a preemption) is placed on the nodes usable then: a Slurm
-    node drained or lost since makes the next attempt train on fewer nodes, the checkpoint resharded to it."""
+    node drained or lost since makes the next attempt train on fewer nodes, the checkpoint resharded to it.
+
+    ``by`` (who launches it) is recorded with each attempt. ``on_stop`` is called with the error about to be
+    raised (HandedOver, SegmentPreempted, SegmentFailed, SegmentCancelled) *before* the segment's event is sent:
+    a plan handed over to the automation must be free (its lock released) when the automation's flow run starts.
+
+    Raises:
+        HandedOver: preempted more than ``max_preemption_retries`` times, after progress (the automation resumes).
+        SegmentPreempted: the same before anything new was committed (the schedule or a person resumes it).
+        SegmentFailed: the ranks failed. SegmentCancelled: the flow run was cancelled."""
     logger = get_run_logger()
     state = inspect_run(run_dir)
     if state.step >= plan.until_step:
@@ -159,29 +174,41 @@ def drive_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preempt
         if state.checkpoint is not None and state.world_size != topology.world_size:
             resharded = reshard(state.checkpoint, topology.world_size, spec)  # the rule of the spec it trains under
         result = train_segment(spec, run_dir, topology, plan.until_step, timeout_s=plan.timeout_s,
-                               launcher_options=plan.launcher_options())
+                               launcher_options=plan.launcher_options(), by=by)
         attempts.append(result)
-        emit_segment(run_dir, spec.name, result, plan.until_step, topology.world_size,
-                     resumed_by=resumed_by(result, len(attempts), max_preemption_retries))
+        who = resumed_by(result, len(attempts), max_preemption_retries)
+        error = _segment_error(result, run_dir, plan, topology.world_size, len(attempts), max_preemption_retries, who)
+        if error is not None and on_stop is not None:
+            on_stop(error)
+        emit_segment(run_dir, spec.name, result, plan.until_step, topology.world_size, resumed_by=who)
         if result.status == "completed":
             return SegmentOutcome(plan=plan, reshard=resharded, attempts=attempts)
-        if result.status == "cancelled":
-            raise SegmentCancelled(f"segment {result.segment} of {run_dir} cancelled at step {result.end_step} "
-                                   f"(checkpoint {result.checkpoint}); no further segment is started")
-        if result.status == "refused":  # bad input only the ranks could see: the run stays as it was
-            raise ConfigError(f"segment {result.segment} of {run_dir} refused before its first step on "
-                              f"{topology.world_size} ranks: {result.failure}")
-        if result.status == "failed":
-            raise SegmentFailed(f"segment {result.segment} failed on {topology.world_size} ranks after step "
-                                f"{result.end_step} (exit code {result.exit_code}); failing rank's last lines:\n"
-                                f"{result.failure}")
-        preemptions = len(attempts)
-        if preemptions > max_preemption_retries:
-            raise SegmentPreempted(f"{run_dir}: preempted {preemptions} time{'s' if preemptions > 1 else ''} before step "
-                                   f"{plan.until_step} (last checkpoint at step {result.end_step}); resume it with "
-                                   "the resume flow (a deployment from infra.deploy does so on the preemption event) "
-                                   "or raise max_preemption_retries")
-        delay = backoff_delay(backoff_s, preemptions - 1)
+        if error is not None:
+            raise error
+        delay = backoff_delay(backoff_s, len(attempts) - 1)
         logger.warning("segment %d preempted at step %d; resuming from %s in %.1f s (retry %d of %d)", result.segment,
-                       result.end_step, result.checkpoint, delay, preemptions, max_preemption_retries)
+                       result.end_step, result.checkpoint, delay, len(attempts), max_preemption_retries)
         time.sleep(delay)
+
+
+def _segment_error(result: SegmentResult, run_dir: str, plan: SegmentPlan, world_size: int, preemptions: int,
+                   max_preemption_retries: int, who: str) -> PipelineError | ConfigError | None:
+    """The error a segment's end raises (None: it completed, or the flow run resumes it itself)."""
+    if result.status == "refused":  # bad input only the ranks could see: the run stays as it was
+        return ConfigError(f"segment {result.segment} of {run_dir} refused before its first step on {world_size} "
+                           f"ranks: {result.failure}")
+    if result.status == "cancelled":
+        return SegmentCancelled(f"segment {result.segment} of {run_dir} cancelled at step {result.end_step} "
+                                f"(checkpoint {result.checkpoint}); no further segment is started")
+    if result.status == "failed":
+        return SegmentFailed(f"segment {result.segment} failed on {world_size} ranks after step {result.end_step} "
+                             f"(exit code {result.exit_code}); failing rank's last lines:\n{result.failure}")
+    if result.status != "preempted" or preemptions <= max_preemption_retries:
+        return None
+    times = f"{preemptions} time{'s' if preemptions > 1 else ''}"
+    where = f"{run_dir}: preempted {times} before step {plan.until_step} (last checkpoint at step {result.end_step})"
+    if who == "automation":
+        return HandedOver(f"{where}; handed over to the resume flow (a deployment from infra.deploy runs it on the "
+                          "preemption event)")
+    return SegmentPreempted(f"{where}, nothing new committed since the last resume; resume it with the resume flow "
+                            "(its schedule does) or raise max_preemption_retries")

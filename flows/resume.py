@@ -1,11 +1,18 @@
-"""The ``resume`` flow, meant for a schedule: find runs whose last segment was preempted, failed or
-interrupted before its until_step, and train each to that step at ``nproc`` ranks.
+"""The ``resume`` flow, meant for a schedule and for the preemption automation: find runs whose last segment
+was preempted, failed or interrupted before its until_step -- or whose plan (``RUN_DIR/plan.json``, written by
+train-and-export) is not finished -- and take each to its end.
 
-Idempotent: a run that is complete is left alone, and a run whose lock is held (a segment is
-training now) is skipped, so overlapping schedules never start a second writer.
+A run with a plan goes on to the plan's end: the segment that stopped, at the world size the plan gives it,
+then the plan's remaining segments, then validation, export and publish, each once (flows/plan.py). A run
+without a plan is trained to its last segment's until_step, at ``nproc`` x ``nodes`` (``launcher``) where given,
+else at the world size and launcher of the segment that was preempted.
+
+Idempotent and race-free: a run whose plan is finished, or whose last segment completed, is left alone; a run
+whose plan lock or run lock is held (another flow run drives it, a segment trains now) is skipped as "already
+running", so overlapping schedules and the automation never start a second writer.
 
     from flows.resume import resume
-    resume(roots=["runs"], nproc=2)
+    resume(roots=["runs"])
 
 Deployed by ``python -m infra.deploy`` with an optional interval schedule and an automation that runs it
 for one run directory (``run_dirs``) as soon as a ``shardkeeper.segment.preempted`` event arrives.
@@ -23,10 +30,13 @@ from pathlib import Path
 from typing import Literal
 
 from schemas.errors import RunLockedError, ShardkeeperError
-from flows.common import (PipelineError, SegmentCancelled, check_resume_request, default, documented, drive_segment,
-                          parse_request)
+from flows.common import (HandedOver, PipelineError, SegmentCancelled, check_resume_request, default, documented,
+                          drive_segment, parse_request)
+from flows.plan import run_plan
+from schemas.plan import Driver, RunPlan
 from schemas.requests import ResumeItem, ResumeRequest, ResumeSummary, RunState, SegmentPlan
 from tasks.lineage import mirror_lineage, mirror_runs_overview
+from tasks.plan import PlanKeeper, complete_handed_over_run, current_driver, peek_plan
 from tasks.stage_tasks import load_spec, scan_runs
 
 # Not "cancelled": a run whose last segment was cancelled by a person stays stopped until they train it again.
@@ -38,7 +48,7 @@ class ResumeFailed(PipelineError):
 
 
 def triage(state: RunState) -> ResumeItem | None:
-    """Why a run is not resumed, or None when it should be."""
+    """Why a run without a plan is not resumed, or None when it should be."""
     if not state.exists:
         return ResumeItem(run_dir=state.run_dir, action="skipped-not-a-run", reason="no run.yaml or checkpoints")
     if state.locked:
@@ -52,29 +62,124 @@ def triage(state: RunState) -> ResumeItem | None:
     return None
 
 
-def _resume_one(state: RunState, request: ResumeRequest) -> ResumeItem:
+def triage_plan(state: RunState, plan: RunPlan, holder: str) -> ResumeItem | None:
+    """Why a run with a plan is not resumed (finished, or already running), or None when it should be: a plan
+    that is not finished is resumed whatever its last segment did (it may have completed one segment of several)."""
+    if plan.status == "completed":
+        return ResumeItem(run_dir=state.run_dir, action="skipped-done", plan_status=plan.status,
+                          reason=f"its plan is completed: {plan.note or plan.where()}")
+    if plan.status == "cancelled":
+        return ResumeItem(run_dir=state.run_dir, action="skipped-done", plan_status=plan.status,
+                          reason=f"its plan was cancelled: {plan.note}; start train-and-export again to go on")
+    if holder:
+        return ResumeItem(run_dir=state.run_dir, action="skipped-locked", plan_status=plan.status,
+                          reason=f"already running: its plan is driven by {holder}")
+    if state.locked:
+        return ResumeItem(run_dir=state.run_dir, action="skipped-locked", plan_status=plan.status,
+                          reason="already running: its lock is held (a segment is training)")
+    return None
+
+
+def _resume_run(state: RunState, request: ResumeRequest, driver: Driver) -> ResumeItem:
+    """What this flow run does with one scanned run: skip it, resume it, or go on with its plan."""
+    if not state.exists:
+        return triage(state)  # type: ignore[return-value] - a missing run always has a reason
+    try:
+        plan, holder = peek_plan(state.run_dir)
+    except ShardkeeperError as e:  # a plan.json that is not a plan: this run only
+        return ResumeItem(run_dir=state.run_dir, action="failed", reason=str(e))
+    if plan is None:
+        return triage(state) or _resume_one(state, request, driver)
+    return triage_plan(state, plan, holder) or _resume_plan(state, request, driver)
+
+
+def placement(state: RunState, request: ResumeRequest) -> SegmentPlan:
+    """The segment a run without a plan resumes: to its last until_step, at the request's nproc, nodes and
+    launcher where given, else at those of the segment that was preempted (segments.jsonl)."""
+    nodes = request.nodes or state.last_nodes or 1
+    per_node = (state.last_world_size // (state.last_nodes or 1)) if state.last_world_size else (state.world_size or 1)
+    return SegmentPlan(nproc=request.nproc or max(per_node, 1), nodes=nodes, until_step=state.last_until_step or 1,
+                       timeout_s=request.timeout_s, launcher=request.launcher or state.last_launcher or "local",
+                       slurm_partition=request.slurm_partition, slurm_time_min=request.slurm_time_min)
+
+
+def _where(outcome: object, plan: SegmentPlan) -> str:
+    """``2 ranks`` / ``2 x 4 ranks via slurm``: where a segment ran (or was to run)."""
+    attempts = getattr(outcome, "attempts", None) or []
+    ran = attempts[-1].topology if attempts else None
+    where = f"{ran.nodes} x {ran.procs_per_node}" if ran and ran.nodes > 1 else str(ran.procs_per_node if ran else plan.nproc)
+    return f"{where} ranks" + (f" via {plan.launcher}" if plan.launcher != "local" else "")
+
+
+def _resume_one(state: RunState, request: ResumeRequest, driver: Driver) -> ResumeItem:
     until = state.last_until_step or 0  # triage() made sure it is set
-    plan = SegmentPlan(nproc=request.nproc, nodes=request.nodes, until_step=until, timeout_s=request.timeout_s,
-                       launcher=request.launcher, slurm_partition=request.slurm_partition,
-                       slurm_time_min=request.slurm_time_min)
+    plan = placement(state, request)
     spec = load_spec(run_dir=state.run_dir)
     try:
         outcome = drive_segment(spec, state.run_dir, plan, max_preemption_retries=request.max_preemption_retries,
-                              backoff_s=request.backoff_s)
-        ran = outcome.attempts[-1].topology if outcome.attempts else None
-        where = (f"{ran.nodes} x {ran.procs_per_node}" if ran and ran.nodes > 1 else str(ran.procs_per_node if ran else plan.nproc))
-        via = f" via {plan.launcher}" if plan.launcher != "local" else ""
+                                backoff_s=request.backoff_s, by=driver.line())
         item = ResumeItem(run_dir=state.run_dir, action="resumed", outcome=outcome,
-                          reason=f"step {state.step} -> {until} on {where} ranks{via} (was {state.last_status})")
+                          reason=f"step {state.step} -> {until} on {_where(outcome, plan)} (was {state.last_status})")
     except RunLockedError as e:  # someone started a segment since the scan
         return ResumeItem(run_dir=state.run_dir, action="skipped-locked", reason=str(e))
     except SegmentCancelled:
         mirror_lineage(state.run_dir, spec.name)
         raise
+    except HandedOver as e:
+        item = ResumeItem(run_dir=state.run_dir, action="handed-over", reason=str(e).splitlines()[0])
     except (PipelineError, ShardkeeperError) as e:
         item = ResumeItem(run_dir=state.run_dir, action="failed", reason=str(e).splitlines()[0])
     mirror_lineage(state.run_dir, spec.name)
     return item
+
+
+def _resume_plan(state: RunState, request: ResumeRequest, driver: Driver) -> ResumeItem:
+    """Take the run's plan over (its lock) and drive it to its end; a second resumer gets "already running"."""
+    try:
+        keeper = PlanKeeper.take_over(state.run_dir, driver)
+    except RunLockedError as e:  # another resumer took it since the scan: it goes on to the end without us
+        return ResumeItem(run_dir=state.run_dir, action="skipped-locked", reason=f"already running: {e}")
+    if keeper is None:  # the plan went away since the scan
+        return triage(state) or _resume_one(state, request, driver)
+    if keeper.plan.finished:  # finished by another resumer between the scan and the lock
+        keeper.release()
+        return triage_plan(state, keeper.plan, "") or ResumeItem(run_dir=state.run_dir, action="skipped-done")
+    was = keeper.plan.status
+    try:
+        spec = load_spec(run_dir=state.run_dir)
+    except ShardkeeperError as e:  # its run.yaml cannot be read: this run only, the plan left as it stood
+        keeper.release()
+        return ResumeItem(run_dir=state.run_dir, action="failed", reason=str(e), plan_status=was)
+    except BaseException:
+        keeper.release()
+        raise
+    action, reason = "resumed", ""
+    try:
+        run = run_plan(keeper, spec, max_preemption_retries=request.max_preemption_retries, backoff_s=request.backoff_s,
+                       between_segments=lambda: mirror_lineage(state.run_dir, spec.name))
+    except RunLockedError as e:
+        return ResumeItem(run_dir=state.run_dir, action="skipped-locked", reason=f"already running: {e}",
+                          plan_status=keeper.plan.status)
+    except SegmentCancelled:
+        mirror_lineage(state.run_dir, spec.name)
+        raise
+    except HandedOver as e:
+        action, reason, run = "handed-over", str(e).splitlines()[0], None
+    except (PipelineError, ShardkeeperError) as e:
+        action, reason, run = "failed", str(e).splitlines()[0], None
+    plan = keeper.plan
+    if run is not None:
+        segs = "; ".join(f"step {o.attempts[0].start_step} -> {o.plan.until_step} on {_where(o, o.plan)}"
+                         for o in run.segments if not o.skipped)
+        reason = (f"plan ({was}) taken to its end: {segs or 'no segment left'}; {plan.where()}")
+        message = complete_handed_over_run(plan)
+        if message:
+            get_run_logger().info("flow run %s of the plan set to Completed: %s", plan.started_by.flow_run_name, message)
+    mirror_lineage(state.run_dir, spec.name)
+    first = run.segments[0] if run is not None and run.segments else None
+    return ResumeItem(run_dir=state.run_dir, action=action, reason=reason, outcome=first,  # type: ignore[arg-type]
+                      segments=run.segments if run else [], export=run.export if run else None,
+                      publish=run.publish if run else None, plan_status=plan.status)
 
 
 def flow_run_name() -> str:
@@ -96,8 +201,8 @@ def resume(
     roots: list[str] = default(R, "roots"),
     run_dirs: list[str] = default(R, "run_dirs"),
     nproc: int | None = None,
-    nodes: int = default(R, "nodes"),
-    launcher: Literal["local", "slurm"] = default(R, "launcher"),
+    nodes: int | None = None,
+    launcher: Literal["local", "slurm"] | None = None,
     slurm_partition: str | None = None,
     slurm_time_min: int | None = None,
     max_preemption_retries: int = default(R, "max_preemption_retries"),
@@ -105,18 +210,22 @@ def resume(
     timeout_s: float | None = None,
     base_dir: str | None = None,
 ) -> ResumeSummary:
-    """Scan -> for each resumable run: (reshard) -> train to its recorded until_step -> lineage artifacts.
+    """Scan -> for each resumable run: (reshard) -> train to its recorded until_step, or to its plan's end
+    (remaining segments, export, publish) -> lineage artifacts.
 
-    A run whose lock is held (training now) is skipped, as is one whose last segment was cancelled or
-    completed. Cancelling the flow run stops the segment training now (checkpoint committed, segment
-    'cancelled') and resumes no other run; the flow run ends Cancelled."""
+    A run whose plan or run lock is held (another flow run drives it, a segment trains now) is skipped as
+    already running, as is one whose plan is finished or whose last segment was cancelled or completed.
+    Preempted again past max_preemption_retries after progress, a run is handed over to the automation (not a
+    failure of this flow run). Cancelling the flow run stops the segment training now (checkpoint committed,
+    segment 'cancelled') and resumes no other run; the flow run ends Cancelled."""
     request = parse_request(ResumeRequest, dict(locals()), "resume").resolved()
     logger = get_run_logger()
     check_resume_request(request)
+    driver = current_driver("resume")
     items: list[ResumeItem] = []
     for state in scan_runs(request.roots, request.run_dirs):
         try:
-            item = triage(state) or _resume_one(state, request)
+            item = _resume_run(state, request, driver)
         except SegmentCancelled as e:
             logger.warning("%s; the remaining runs are not resumed", e)
             return Cancelled(message=str(e))

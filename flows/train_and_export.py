@@ -1,6 +1,7 @@
 """The ``train-and-export`` flow: train in segments (each at its own world size, resumed after
 preemptions), validate the final checkpoint deeply, export it to safetensors, publish it, and mirror
-the run's lineage into Prefect artifacts.
+the run's lineage into Prefect artifacts. The plan is kept in the run directory (``plan.json``): a resume
+flow run that takes the run over after a preemption finishes it (flows/plan.py).
 
 Flat parameters (one per field of ``schemas.requests.TrainExportRequest``), so a deployment's values are
 the defaults of its runs and ``--param`` overrides one at a time:
@@ -22,41 +23,16 @@ from pathlib import Path
 from typing import Literal
 
 from prefect import flow, get_run_logger
-from prefect.states import Cancelled
+from prefect.states import Cancelled, Failed
 
-from flows.common import (PipelineError, SegmentCancelled, check_train_request, default, documented, drive_segment,
-                          parse_request)
-from schemas import ExportResult, PublishResult, RunSpec
-from schemas.requests import SegmentOutcome, SegmentPlan, TrainExportRequest, TrainExportSummary
+from flows.common import (HandedOver, PipelineError, SegmentCancelled, ShardkeeperError, check_train_request, default,
+                          documented, parse_request)
+from flows.plan import run_plan
+from schemas import RunSpec
+from schemas.requests import SegmentPlan, TrainExportRequest, TrainExportSummary
 from tasks.lineage import has_lineage, mirror_lineage
-from tasks.stage_tasks import default_export_dir, export, inspect_run, load_spec, materializing, path_asset, publish, target_asset, validate
-
-
-def _final_checkpoint(run_dir: str, outcomes: list[SegmentOutcome]) -> str:
-    """The checkpoint the last segment ended on (or the newest valid one if it had nothing to do)."""
-    for outcome in reversed(outcomes):
-        if outcome.attempts and outcome.attempts[-1].checkpoint:
-            return outcome.attempts[-1].checkpoint
-    state = inspect_run(run_dir)
-    if state.checkpoint is None:
-        raise PipelineError(f"{run_dir}: no valid checkpoint to export; train at least one segment first")
-    return state.checkpoint
-
-
-def _export_and_publish(request: TrainExportRequest, ckpt: str) -> tuple[int, ExportResult, PublishResult | None]:
-    ckpt_asset = path_asset(ckpt)
-    report = materializing(validate, [ckpt_asset])(ckpt, deep=request.deep_validate)
-    step = report.step or 0
-    out_dir = request.export_dir or default_export_dir(ckpt)
-    export_asset = path_asset(out_dir)
-    exported = materializing(export, [export_asset], [ckpt_asset])(
-        ckpt, out_dir, dtype=request.export_dtype, max_shard_size=request.max_shard_size,
-        overwrite=request.overwrite_export)
-    if request.publish_target is None:
-        return step, exported, None
-    published = materializing(publish, [target_asset(request.publish_target, Path(exported.out_dir).name)], [export_asset])(
-        exported.out_dir, request.publish_target, revision=request.publish_revision, run_dir=request.run_dir)
-    return step, exported, published
+from tasks.plan import HANDED_OVER, PlanKeeper, current_driver
+from tasks.stage_tasks import load_spec
 
 
 def flow_run_name() -> str:
@@ -101,6 +77,12 @@ def train_and_export(
 ) -> TrainExportSummary:
     """Segments -> (reshard) -> train, resumed after preemptions -> validate (deep) -> export -> publish -> lineage.
 
+    The plan (segments, export, publish) and its progress are written into the run directory first
+    (``RUN_DIR/plan.json``, its lock held by this flow run), so whoever resumes the run after a preemption --
+    this flow run up to ``max_preemption_retries`` times, then the resume automation, or the schedule -- goes on
+    to the plan's end. A flow run that hands its plan over ends Failed, named ``HandedOver``, with a one-line
+    message; the resumer that finishes the plan sets it Completed (see ``handed_over``).
+
     A cancellation of the flow run (UI, API, ``prefect flow-run cancel``) stops the training segment
     (its ranks commit a checkpoint), starts nothing else and ends the flow run Cancelled."""
     request = parse_request(TrainExportRequest, dict(locals()), "train-and-export").resolved()
@@ -112,32 +94,53 @@ def _train_and_export(request: TrainExportRequest) -> TrainExportSummary:
     check_train_request(request)  # before any task: a bad request fails with one line and writes nothing
     spec: RunSpec = load_spec(request.config, request.spec, request.overrides, run_dir=request.run_dir,
                               base_dir=request.base_dir, script=request.script, script_args=request.script_args)
-    outcomes: list[SegmentOutcome] = []
+    keeper = PlanKeeper.start(request, current_driver("flow"))  # the plan, in the run's record; its lock held
     try:
-        for i, plan in enumerate(request.segments):
-            outcomes.append(drive_segment(spec, request.run_dir, plan, max_preemption_retries=request.max_preemption_retries,
-                                        backoff_s=request.backoff_s))
-            if i < len(request.segments) - 1:
-                _mirror_best_effort(request.run_dir, spec.name)  # the dashboard moves with the run, segment by segment
-        ckpt = _final_checkpoint(request.run_dir, outcomes)
-        step, exported, published = _export_and_publish(request, ckpt)
+        run = run_plan(keeper, spec, max_preemption_retries=request.max_preemption_retries, backoff_s=request.backoff_s,
+                       between_segments=lambda: _mirror_best_effort(request.run_dir, spec.name))
     except SegmentCancelled as e:
         _mirror_best_effort(request.run_dir, spec.name)
         logger.warning("%s", e)
         return Cancelled(message=str(e))
+    except HandedOver as e:
+        _mirror_best_effort(request.run_dir, spec.name)
+        return handed_over(e, keeper)
+    except ShardkeeperError:
+        if not keeper.discard_if_untouched():  # refused before anything was written: no plan left behind either
+            _mirror_best_effort(request.run_dir, spec.name)
+        raise
     except BaseException:
         _mirror_best_effort(request.run_dir, spec.name)
         raise
     artifacts = mirror_lineage(request.run_dir, spec.name)
+    if run.export is None or run.checkpoint is None:  # a new plan has no export recorded: this run made it
+        raise PipelineError(f"{request.run_dir}: the plan's export was recorded by another flow run")
     summary = TrainExportSummary(
-        run_dir=request.run_dir if "://" in request.run_dir else str(Path(request.run_dir).resolve()), run_name=spec.name, status="completed", final_checkpoint=ckpt,
-        final_step=step, segments=outcomes, export=exported, publish=published,
-        artifacts=artifacts,
+        run_dir=request.run_dir if "://" in request.run_dir else str(Path(request.run_dir).resolve()), run_name=spec.name,
+        status="completed", final_checkpoint=run.checkpoint, final_step=run.step, segments=run.segments,
+        export=run.export, publish=run.publish, artifacts=artifacts,
     )
     logger.info("%s: trained to step %d, exported to %s%s; artifacts %s, %s", request.run_dir, summary.final_step,
-                exported.out_dir, f", published to {published.url or published.target}" if published else "",
+                run.export.out_dir, f", published to {run.publish.url or run.publish.target}" if run.publish else "",
                 artifacts.table_key, artifacts.graph_key)
     return summary
+
+
+def handed_over(error: HandedOver, keeper: PlanKeeper) -> Failed:
+    """The final state of a flow run whose plan went to the resume automation: Failed, named ``HandedOver``.
+
+    Why Failed: at this moment the pipeline this flow run stands for has not finished, and whether the resume
+    that takes it over will finish it is not known yet; Completed would tell a user (and any automation on
+    completed runs) that the model was exported when it was not. The state's name and its one-line message say
+    what happened instead of a bare failure: preempted, handed over, where the plan stands. When a resumer
+    finishes the plan it sets this flow run to Completed, with a message naming who finished it
+    (tasks.plan.complete_handed_over_run), so the run the user started ends green once its pipeline did; the
+    flow run's state history keeps both. Calling the flow in-process raises the HandedOver error."""
+    plan = keeper.plan
+    message = (f"{str(error).splitlines()[0]}; the plan goes on there from its record ({plan.where()}); this flow run "
+               "turns Completed when it finishes")
+    get_run_logger().warning("%s", message)
+    return Failed(name=HANDED_OVER, message=message, data=error)
 
 
 def _mirror_best_effort(run_dir: str, run_name: str) -> None:

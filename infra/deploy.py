@@ -2,7 +2,7 @@
 
     python -m infra.deploy --config configs/my-model.yaml --run-dir /data/runs/llama-ft \\
         --segments 8:2000 --resume-every 600
-    prefect worker start --pool shardkeeper                      # on each machine that launches segments
+    PREFECT_WORKER_QUERY_SECONDS=1 prefect worker start --pool shardkeeper   # each machine that launches segments
     prefect deployment run 'train-and-export/llama-ft'           # the deployment's parameters ...
     prefect deployment run 'train-and-export/llama-ft' --param segments='[{"nproc": 4, "until_step": 4000}]'
 
@@ -12,15 +12,19 @@ What it registers (NAME defaults to the run directory's name):
                           ``publish_target``, ... see ``prefect deployment inspect``) whose defaults are the
                           values given here; ``--param`` overrides one at a time. ``base_dir`` is the folder
                           this command ran in: relative paths given later resolve against it.
-``resume/NAME``            scans ``roots`` (default: the run directory's parent folder) and resumes each
-                          preempted / failed / interrupted run to its recorded until_step, skipping runs
-                          whose lock is held and runs a person cancelled. Optional interval schedule
-                          (``--resume-every``), and an automation (on unless ``--no-automation``) that runs
-                          it for one run as soon as a ``shardkeeper.segment.preempted`` event says the
-                          flow run that trained it has given up (its ``max_preemption_retries`` spent).
+``resume/NAME``            scans ``roots`` (default: the run directory's parent folder) and takes each
+                          preempted / failed / interrupted run to the end of its plan (RUN_DIR/plan.json:
+                          the remaining segments at the plan's world sizes, export, publish -- each once),
+                          or, without a plan, to its recorded until_step at the preempted segment's world
+                          size; runs another flow run drives, finished plans and runs a person cancelled
+                          are skipped. Optional interval schedule (``--resume-every``), and an automation
+                          (on unless ``--no-automation``) that runs it for one run as soon as a
+                          ``shardkeeper.segment.preempted`` event says the flow run that trained it has
+                          handed it over (its ``max_preemption_retries`` spent).
 
 Flow runs execute wherever a worker of the pool runs (``process`` type: the worker starts each flow run
-as a subprocess from this project folder). The configuration is checked before anything is registered:
+as a subprocess from this project folder). A worker asks for flow runs every ``PREFECT_WORKER_QUERY_SECONDS``
+(10 by default): set 1 so that the automation's resume starts within seconds of a preemption. The configuration is checked before anything is registered:
 a missing config, a world size that does not divide the batch, a model too large for memory -- one
 line, exit 2.
 """
@@ -41,6 +45,7 @@ PROJECT = Path(__file__).resolve().parent.parent  # the worker's flow runs load 
 DEFAULT_POOL = "shardkeeper"
 TRAIN_ENTRYPOINT = "flows/train_and_export.py:train_and_export"
 RESUME_ENTRYPOINT = "flows/resume.py:resume"
+WORKER_POLL_ENV = "PREFECT_WORKER_QUERY_SECONDS"  # bench/prefect_overhead.py --automation --via worker measures it
 
 
 def parse_segments(text: str) -> list[dict[str, int]]:
@@ -87,10 +92,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backoff-s", type=float, default=None, help="wait before an in-flow resume (default 5)")
     p.add_argument("--root", dest="roots", type=Path, action="append", default=None, metavar="FOLDER",
                    help="folder(s) of run directories the resume deployment scans (default: the run dir's parent)")
-    p.add_argument("--resume-nproc", type=int, default=None, help="ranks per node to resume on (default: the last "
-                   "segment's)")
-    p.add_argument("--resume-nodes", type=int, default=None, help="nodes to resume on, fewer if fewer are usable "
-                   "(default: the last segment's)")
+    p.add_argument("--resume-nproc", type=int, default=None, help="ranks per node to resume a run without a plan on "
+                   "(default: the preempted segment's; a train-and-export run resumes at its plan's world size)")
+    p.add_argument("--resume-nodes", type=int, default=None, help="nodes to resume a run without a plan on, fewer if "
+                   "fewer are usable (default: the preempted segment's)")
     p.add_argument("--resume-every", type=float, default=0.0, metavar="SECONDS",
                    help="schedule the resume deployment on this interval (default 0: no schedule)")
     p.add_argument("--no-automation", action="store_true", help="no resume-on-preemption automation")
@@ -114,8 +119,10 @@ def requests(args: argparse.Namespace) -> tuple[Any, Any]:
                                segments=segments, overrides=args.overrides, base_dir=base, **script,
                                **{k: v for k, v in optional.items() if v is not None}).resolved()
     roots = [str(r) for r in args.roots] if args.roots else [str(Path(train.run_dir).parent)]
-    resume = ResumeRequest(roots=roots, nproc=args.resume_nproc or args.segments[-1]["nproc"], base_dir=base, **place,
-                           nodes=args.resume_nodes or args.segments[-1].get("nodes", 1),
+    # No nproc/nodes unless asked for: a planned run resumes at its plan's world size, another at its preempted
+    # segment's (not at the last planned segment's, which is what a deploy-time default would be).
+    sizes = {k: v for k, v in (("nproc", args.resume_nproc), ("nodes", args.resume_nodes)) if v is not None}
+    resume = ResumeRequest(roots=roots, base_dir=base, **place, **sizes,
                            **({"max_preemption_retries": args.max_preemption_retries}
                               if args.max_preemption_retries is not None else {})).resolved()
     return train, resume
@@ -170,7 +177,9 @@ def deploy(args: argparse.Namespace) -> tuple[str, str]:
     resume_dep = prefect_flow.from_source(source=str(PROJECT), entrypoint=RESUME_ENTRYPOINT).to_deployment(
         name=name, parameters=resume.parameters(), interval=args.resume_every or None,
         triggers=[] if args.no_automation else [resume_trigger(name, resume.roots)], **common,
-        description=f"Resume preempted runs under {', '.join(resume.roots)} at {resume.nproc} ranks.")
+        description=f"Resume preempted runs under {', '.join(resume.roots)} and take each to its plan's end "
+                    "(segments at the plan's world sizes, export, publish); a run without a plan at "
+                    + (f"{resume.nproc} ranks per node." if resume.nproc else "its preempted segment's world size."))
     for dep in (train_dep, resume_dep):
         dep.apply(work_pool_name=args.pool)
     return f"train-and-export/{name}", f"resume/{name}"
@@ -226,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'' if args.no_automation else ' (automation: resume on preemption)'}"
           f"{f', resume every {args.resume_every:g} s' if args.resume_every else ''}")
     if not worker_online:
-        print(f"no worker polls work pool {args.pool!r} yet: start one with `prefect worker start --pool {args.pool}`")
+        print(f"no worker polls work pool {args.pool!r} yet: start one with "
+              f"`{WORKER_POLL_ENV}=1 prefect worker start --pool {args.pool}` (a worker asks for flow runs every "
+              f"{WORKER_POLL_ENV} seconds, 10 by default: up to that long before the automation's resume starts)")
     print(f"run it:  prefect deployment run '{train_name}'   (override with --param KEY=VALUE)")
     return 0
 

@@ -6,9 +6,12 @@
 
 ``train-and-export/demo`` runs the tiny model (configs/tiny.yaml) on 2 ranks to step 10, then on 3
 ranks to step 20 (global batch 12 divides both), exports bfloat16 to RUN_DIR/exports/step-00000020 and
-publishes to file://RUN_DIR/published; RUN_DIR is runs/demo. ``resume/resume`` resumes every
-preempted run under runs/ (or the ``--root`` folders) at 2 ranks; its interval schedule is off unless
-``--resume-every SECONDS``. For your own model, config and run root use ``python -m infra.deploy``
+publishes to file://RUN_DIR/published; RUN_DIR is runs/demo. ``resume/resume`` takes every preempted run
+under runs/ (or the ``--root`` folders) to its plan's end (a run train-and-export started: the remaining
+segments at their world sizes, export, publish) or, without a plan, to its until_step at the preempted
+segment's world size. An automation runs it for one run on each ``shardkeeper.segment.preempted`` event a
+flow run hands over; its interval schedule is off unless ``--resume-every SECONDS``. The serving process
+asks the server for flow runs to start every ``--poll-s`` seconds (default 1). For your own model, config and run root use ``python -m infra.deploy``
 (deployments on a work pool, run by ``prefect worker start``).
 At most one flow run executes at a time (``--limit``): the ranks need the CPU cores.
 """
@@ -31,6 +34,10 @@ RUNS = REPO / "runs"
 DEMO_RUN_DIR = RUNS / "demo"
 DEMO_DEPLOYMENT = "train-and-export/demo"
 RESUME_DEPLOYMENT = "resume/resume"
+# How often the serving process polls for flow runs to start. Prefect's default (10 s) is most of the wait between
+# a preemption event and the automation's resumed flow run (bench/prefect_overhead.py --automation); a poll of a
+# local server costs a few milliseconds.
+POLL_S = 1.0
 
 
 def demo_parameters(run_dir: Path = DEMO_RUN_DIR) -> dict[str, Any]:
@@ -45,24 +52,27 @@ def demo_parameters(run_dir: Path = DEMO_RUN_DIR) -> dict[str, Any]:
     return req.parameters()
 
 
-def resume_parameters(roots: list[Path], nproc: int = 2) -> dict[str, Any]:
+def resume_parameters(roots: list[Path]) -> dict[str, Any]:
+    """No nproc: a planned run resumes at its plan's world sizes, another at its preempted segment's."""
     from schemas.requests import ResumeRequest
 
-    return ResumeRequest(roots=[str(r) for r in roots], nproc=nproc, backoff_s=2.0).parameters()
+    return ResumeRequest(roots=[str(r) for r in roots], backoff_s=2.0).parameters()
 
 
 def deployments(resume_every_s: float | None, roots: list[Path] | None = None) -> list[Any]:
     from flows.resume import resume
     from flows.train_and_export import train_and_export
+    from infra.deploy import resume_trigger
 
     roots = roots or [RUNS]
     return [
         train_and_export.to_deployment(name="demo", parameters=demo_parameters(), tags=["shardkeeper", "demo"],
                                        description="Tiny model: 2 ranks to step 10, 3 ranks to step 20, export, publish"),
         resume.to_deployment(name="resume", parameters=resume_parameters(roots), tags=["shardkeeper"],
-                             interval=resume_every_s or None,
-                             description=f"Resume preempted runs under {', '.join(map(str, roots))} "
-                                         "(schedule with --resume-every)"),
+                             interval=resume_every_s or None, triggers=[resume_trigger("resume", [str(r) for r in roots])],
+                             description=f"Resume preempted runs under {', '.join(map(str, roots))} and finish their "
+                                         "plans: on each preemption event (automation), and every --resume-every "
+                                         "seconds"),
     ]
 
 
@@ -76,6 +86,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--root", type=Path, action="append", default=None, metavar="FOLDER",
                    help="folder of run directories the resume deployment scans (repeatable; default runs/)")
     p.add_argument("--limit", type=int, default=1, help="flow runs executed at once")
+    p.add_argument("--poll-s", type=float, default=POLL_S, help=f"how often the serving process asks the server for "
+                   f"flow runs to start (default {POLL_S:g} s; Prefect's own default is 10 s): the largest part of "
+                   "the wait between a preemption event and the automation's resume")
     return p.parse_args(argv)
 
 
@@ -118,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from prefect import serve
 
-        serve(*deployments(args.resume_every, args.root), limit=args.limit, print_starting_message=True)
+        serve(*deployments(args.resume_every, args.root), limit=args.limit, print_starting_message=True,
+              query_seconds=args.poll_s)
     finally:
         (home / SERVE_PID).unlink(missing_ok=True)
     return 0

@@ -5,7 +5,12 @@ beside it) and the seam to them (``schemas.seam``). No torch, no prefect.
 - ``launch.local``: ranks on this machine through torchrun, supervised (signals, cancellation, timeout); several
   nodes on loopback (one torchrun agent each, c10d rendezvous) for multi-node segments without a cluster.
 - ``launch.slurm``: a segment as a Slurm batch job (sbatch --requeue --signal), one torchrun agent per node.
-- ``launch.procs``: parent-death signal and /proc helpers shared with the rank side.
+- ``launch.procs``: parent-death signal and /proc helpers shared with the rank side; the launcher's watch over the
+  ranks (when each ended, its exit status).
+- ``launch.contain``: the wrapper torchrun runs in (a child subreaper): what the ranks leave behind ends with the
+  segment.
+- ``launch.attribution``: the failed segment's line (the first rank that failed, how, its last error line, what
+  followed); ``launch.oom``: what the kernel says about a SIGKILL (the OOM killer).
 """
 from __future__ import annotations
 

@@ -15,16 +15,19 @@ import functools
 import importlib.util
 import re
 import signal
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from schemas import ClusterTopology
 from schemas.data import PreparedData
-from schemas.seam import RANK_ERROR_PREFIX, SegmentLaunch
+from launch.attribution import RankEnd, aborts, describe, failure_line, merge, rank_error_lines, torchrun_ends
+from schemas.seam import RANK_ERROR_PREFIX, SegmentLaunch, SegmentReport
 
 LogSink = Callable[[str], None]
+MAX_TIMED_LINES = 1000  # failure lines kept with their arrival time (a rank writes one, twice at most)
 CancelCheck = Callable[[], bool]
 RANK_LINE_RE = re.compile(r"\[rank(\d+)\]|\[default(\d+)\]")
 # torchrun's own log lines, e.g. "W1122 10:00:00.123000 4242 .../torch/distributed/elastic/agent/server/api.py:725] ..."
@@ -48,12 +51,14 @@ class LaunchRequest:
     cancel_check: CancelCheck | None = None
     data: PreparedData | None = None  # data.source 'dataset': the token files prepared by the controller
 
-    def seam(self, launcher_pid: int | None, launched_at: float | None = None) -> SegmentLaunch:
+    def seam(self, launcher_pid: int | None, launched_at: float | None = None,
+             stacks_dir: str | None = None) -> SegmentLaunch:
         """What the ranks of this request receive. ``launched_at``: Unix time at which the launcher starts their
-        processes (the origin of the segment's phase times); None where that is not now (a scheduler's queue)."""
+        processes (the origin of the segment's phase times); None where that is not now (a scheduler's queue).
+        ``stacks_dir``: where the ranks write their stacks when asked (a launcher on their host)."""
         return SegmentLaunch(run_dir=str(Path(self.run_dir).resolve()), until_step=self.until_step,
                              segment=self.segment, topology=self.topology, restart=self.restart,
-                             launcher_pid=launcher_pid, data=self.data, launched_at=launched_at)
+                             launcher_pid=launcher_pid, data=self.data, launched_at=launched_at, stacks_dir=stacks_dir)
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,13 @@ class LaunchOutcome:
     # The scheduler took the allocation away (preemption, node failure, time limit): like a stop request,
     # a segment without a report from its ranks ended 'preempted', not 'failed'.
     scheduler_preempted: bool = False
+    # The ranks' failure in one line (launch.attribution): the first rank that failed, how (exit code, signal, the
+    # OOM killer when the kernel says so) and its last error line, then what the others did because of it. None
+    # when no rank is known to have failed (the segment's result then reads the output's last error lines).
+    failure: str | None = None
+    # Ranks asked to stop that were still running at the end of the grace, and where each was (its Python stack):
+    # the one outside any collective is the one the others waited for. None: every rank stopped in time.
+    stuck: str | None = None
 
     @property
     def stop_requested(self) -> bool:
@@ -98,8 +110,9 @@ def torchrun_argv(python: str, topology: ClusterTopology, grace_s: float, run_di
     """The torchrun command one node runs: ``--standalone`` for one node, c10d rendezvous for several
     (world size = nodes x procs per node; ``nnodes`` overrides the count, e.g. with the allocation's
     ``"$SLURM_JOB_NUM_NODES"``). Positional arguments to the ranks only: torchrun claims
-    options that prefix its own (--log, --start, ...)."""
-    argv = [python, "-m", "torch.distributed.run"]
+    options that prefix its own (--log, --start, ...). torchrun runs inside ``launch.contain``: what the ranks start
+    and leave behind stays in the segment and ends with it."""
+    argv = [python, "-m", "launch.contain", "torch.distributed.run"]
     if rdzv is None:
         if topology.nodes != 1:
             raise ValueError(f"{topology.nodes} nodes need a rendezvous endpoint")
@@ -162,6 +175,10 @@ class OutputSplitter:
         self.held: list[str] = []
         self._holding = False
         self.reported: str | None = None
+        # every rank's failure line and every C++ abort message, with the time it arrived (time.monotonic()): the
+        # order in which the ranks failed (launch.attribution)
+        self.rank_errors: list[tuple[float, str]] = []
+        self.abort_lines: list[tuple[float, str]] = []
 
     def lines(self) -> list[str]:
         """The last lines, led by the first rank's failure line when it has left them."""
@@ -171,8 +188,13 @@ class OutputSplitter:
     def feed(self, line: str) -> None:
         line = line.rstrip("\n")
         self.tail.append(line)
-        if self.reported is None and RANK_ERROR_PREFIX in line:
-            self.reported = line
+        if RANK_ERROR_PREFIX in line:
+            if self.reported is None:
+                self.reported = line
+            if len(self.rank_errors) < MAX_TIMED_LINES:
+                self.rank_errors += [(time.monotonic(), t) for t in rank_error_lines(line)]
+        elif ("terminate called" in line or "what():" in line) and len(self.abort_lines) < MAX_TIMED_LINES:
+            self.abort_lines.append((time.monotonic(), line))
         if self._hold(line):
             self.held.append(line)
         else:
@@ -202,10 +224,29 @@ def _closing_cut(lines: list[str]) -> int:
     return cut
 
 
+def segment_failure(run_dir: Path, segment: int, out: OutputSplitter, observed: Iterable[RankEnd] = (),
+                    kill_cause: Callable[[RankEnd], RankEnd] | None = None) -> str | None:
+    """The failure line of a launch (``LaunchOutcome.failure``): torchrun's account of its failed ranks (its
+    closing summary, held back in ``out``), the ranks' failure lines as they arrived, what the launcher observed
+    of each rank (``observed``), and for a SIGKILL what ``kill_cause`` finds out (the OOM killer). A rank that
+    exited 0 counts as failed unless the ranks reported the segment completed."""
+    report = SegmentReport.read(Path(run_dir), segment)
+    completed = report is not None and report.status == "completed"
+    lines = [*out.held, *out.tail]
+    ends = merge(torchrun_ends(lines), list(out.rank_errors), list(observed))
+    if kill_cause is not None:
+        ends = [kill_cause(e) if e.exitcode == -int(signal.SIGKILL) else e for e in ends]
+    return failure_line(ends, completed, aborts(out.abort_lines))
+
+
 def failing_rank_lines(tail: list[str], limit: int = 8) -> str:
-    """The failing rank's own error lines: torchrun's closing summary (which only says a child failed)
-    is cut off first, so it cannot push the real exception out of the window. A rank's own one-line
-    cause (``RANK_ERROR_PREFIX``) wins: the first one printed, since the others usually follow from it."""
+    """The failing rank's own error lines, from the output alone: the first rank that failed for a cause of its
+    own, how and its line, then what the others did (``launch.attribution``). Without any rank's failure line or
+    torchrun's account of one: the last error lines, torchrun's closing summary (which only says a child failed)
+    cut off first, so it cannot push the real exception out of the window."""
+    described = describe(tail)
+    if described:
+        return described
     for line in tail:
         at = line.find(RANK_ERROR_PREFIX)
         if at >= 0:  # two ranks' lines that reached the pipe without a newline between them: the first one

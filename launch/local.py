@@ -16,29 +16,42 @@ when the *thread* that started torchrun exits: ``launch`` waits for torchrun in 
 The launcher records torchrun's descendants (pid and start time) while torchrun lives and, once torchrun
 has exited, waits for each of them by pid (a pidfd) before it returns: when ``launch`` returns, and so
 before the run lock is released, no rank of the segment runs any more, however loaded the machine.
+torchrun itself runs inside ``launch.contain`` (a child subreaper): what the ranks fork and leave behind is
+adopted by it and ended with the segment.
+
+The launcher also watches each rank (``launch.procs.RankWatch``): when its process ended and its exit status,
+so that a failed segment's line names the rank that failed first (``LaunchOutcome.failure``,
+``launch.attribution``); ranks still running near the end of a stop's grace are asked for their Python stacks
+(``LaunchOutcome.stuck``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from launch.early import STOP_SIGNALS, received_stop
 from launch.early import pending_stop as _pending_stop
+from launch.attribution import RankEnd, stuck_line
 from launch.base import (LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, Rendezvous, combined_exit_code,
-                         torchrun_argv)
-from launch.procs import Descendants, pdeathsig_preexec, reap_orphans
+                         segment_failure, torchrun_argv)
+from launch.procs import Descendants, RankWatch, pdeathsig_preexec, reap_orphans, running
 from schemas import ClusterTopology
 from schemas.errors import ConfigError
-from schemas.seam import EXIT_CANCELLED, LAUNCH_ENV, NODE_ENV
+from schemas.seam import EXIT_CANCELLED, LAUNCH_ENV, NODE_ENV, STACKS_SIGNAL
 
 POLL_S = 0.25
+STACKS_LEAD_S = 5.0  # the ranks still running this long before the end of a stop's grace are asked for their stacks
+STACKS_WRITE_S = 1.0  # the time they get to write them
 KILL_MARGIN_S = 10.0  # torchrun SIGKILLs the ranks at its --shutdown-timeout (= grace); it gets this long more
 CANCEL_SETTLE_S = 3.0  # > the Prefect cancel watcher's poll period
 
@@ -53,7 +66,7 @@ class _Supervisor:
     (PR_SET_PDEATHSIG). Repeated signals are not forwarded again: a second SIGTERM would make torchrun
     abandon its graceful shutdown and kill the ranks in the middle of their checkpoint."""
 
-    def __init__(self, procs: list[subprocess.Popen], grace_s: float, sink: LogSink):
+    def __init__(self, procs: list[subprocess.Popen], grace_s: float, sink: LogSink, stacks_dir: str | None = None):
         self.procs = procs
         self.grace_s = grace_s
         self.sink = sink
@@ -61,17 +74,22 @@ class _Supervisor:
         self.stop_reason: str | None = None
         self.signal: int | None = None
         self._killer: threading.Timer | None = None
+        self._asker: threading.Timer | None = None
+        self.stacks_dir = stacks_dir
+        self.stacks: dict[int, str] = {}  # rank -> its Python stacks, asked for at the end of a stop's grace
         self._termed: set[int] = set()
         self.trees: list[Descendants] = []
+        self.ranks = RankWatch()
 
     def watch(self, proc: subprocess.Popen) -> None:
         self.procs.append(proc)
         self.trees.append(Descendants(proc.pid))
 
     def scan(self) -> None:
-        """Record the agents' descendants (the ranks) while the agents live."""
+        """Record the agents' descendants while the agents live, and watch their ranks (when each ends, and how)."""
         for tree in self.trees:
             tree.scan()
+            self.ranks.consider(tree.root)
 
     def reap(self) -> list[int]:
         """Once every agent has exited: wait (by pid) until nothing they started runs; the pids that would not go."""
@@ -86,6 +104,33 @@ class _Supervisor:
         self._killer = threading.Timer(self.grace_s + KILL_MARGIN_S, self.kill)
         self._killer.daemon = True
         self._killer.start()
+        if self.stacks_dir is not None:
+            ask_at = max(0.0, self.grace_s - min(STACKS_LEAD_S, self.grace_s / 4))
+            self._asker = threading.Timer(ask_at, self.ask_stacks)
+            self._asker.daemon = True
+            self._asker.start()
+
+    def ask_stacks(self) -> None:
+        """Near the end of the stop's grace (torchrun kills the ranks at its end): every rank still running writes
+        its Python stacks (faulthandler, trainer.lifetime), read back a moment later."""
+        asked = []
+        for w in self.ranks.watched():
+            if w.ended_at is None and running(w.pid, w.start):
+                try:
+                    os.kill(w.pid, STACKS_SIGNAL)
+                    asked.append(w.rank)
+                except ProcessLookupError:
+                    pass
+        if not asked:
+            return
+        time.sleep(STACKS_WRITE_S)
+        for rank in asked:
+            try:
+                text = Path(str(self.stacks_dir), f"rank-{rank}.txt").read_text(errors="replace")
+            except OSError:
+                continue
+            if text.strip():
+                self.stacks[rank] = text[-20000:]
 
     def term_unsignalled(self) -> None:
         """SIGTERM to each agent not yet asked to stop (an agent started after the stop request included)."""
@@ -125,8 +170,9 @@ class _Supervisor:
         return any(p.poll() is None for p in self.procs)
 
     def cancel_timer(self) -> None:
-        if self._killer:
-            self._killer.cancel()
+        for timer in (self._killer, self._asker):
+            if timer:
+                timer.cancel()
 
 
 def stopped_before_start(req: LaunchRequest, what: str) -> LaunchOutcome | None:
@@ -196,9 +242,10 @@ class LocalTorchrun:
                               Rendezvous(endpoint, run_id, node_rank=str(n), is_host="1" if n == 0 else "0"))
                 for n in range(topo.nodes)]
 
-    def environment(self, req: LaunchRequest) -> dict[str, str]:
+    def environment(self, req: LaunchRequest, stacks_dir: str | None = None) -> dict[str, str]:
         # written just before torchrun starts: the ranks time their start-up phases from here
-        launch_file = req.seam(launcher_pid=os.getpid(), launched_at=time.time()).write(req.run_dir)
+        seam = req.seam(launcher_pid=os.getpid(), launched_at=time.time(), stacks_dir=stacks_dir)
+        launch_file = seam.write(req.run_dir)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
                **req.env, LAUNCH_ENV: str(launch_file)}
         root = str(Path(__file__).resolve().parent.parent)
@@ -210,9 +257,10 @@ class LocalTorchrun:
         early = stopped_before_start(req, "the ranks started")
         if early is not None:
             return early
-        env = self.environment(req)
+        stacks_dir = _stacks_dir()
+        env = self.environment(req, stacks_dir)
         procs: list[subprocess.Popen] = []
-        sup = _Supervisor(procs, self.grace_s, sink)
+        sup = _Supervisor(procs, self.grace_s, sink, stacks_dir)
         previous = _install_signal_handlers(sup)
         readers: list[threading.Thread] = []
         cancelled = False
@@ -243,11 +291,32 @@ class LocalTorchrun:
             stuck = sup.reap()
             if stuck:
                 sink(f"shardkeeper: processes {stuck} of the segment did not exit after SIGKILL (stuck in the kernel?)")
+            sup.ranks.close()
+            shutil.rmtree(stacks_dir, ignore_errors=True)
             for reader in readers:
                 reader.join(timeout=10)
         return LaunchOutcome(exit_code=combined_exit_code(codes), timed_out=sup.stop_reason == "timeout",
                              tail=sup.out.lines(), seconds=time.monotonic() - t0, cancelled=cancelled,
-                             stop_signal=sup.signal, held_back=list(sup.out.held))
+                             stop_signal=sup.signal, held_back=list(sup.out.held),
+                             failure=self._failure(req, sup, t0), stuck=stuck_line(sup.stacks, self.grace_s))
+
+    @staticmethod
+    def _failure(req: LaunchRequest, sup: _Supervisor, t0: float) -> str | None:
+        """The first rank that failed, from torchrun's summary, the ranks' lines and what the watch saw of each rank
+        (when it ended, its exit status, its memory cgroup for a SIGKILL)."""
+        from launch.oom import sigkill_cause
+
+        watched = {w.pid: w for w in sup.ranks.watched()}
+        observed = [RankEnd(rank=w.rank, local_rank=w.local_rank, pid=w.pid, exitcode=w.status, ended_at=w.ended_at)
+                    for w in watched.values()]
+
+        def kill_cause(end: RankEnd) -> RankEnd:
+            w = watched.get(end.pid or -1)
+            oom, how = sigkill_cause(end.pid or -1, w.comm if w else None, w.ended_at if w else None,
+                                     w.memory if w else None, since=t0)  # type: ignore[arg-type]
+            return replace(end, oom=oom, killed_how=how)
+
+        return segment_failure(req.run_dir, req.segment, sup.out, observed, kill_cause)
 
     def _supervise(self, sup: _Supervisor, req: LaunchRequest, t0: float) -> bool:
         """Wait for the agents, polling the cancel check and the timeout; True if cancelled meanwhile."""
@@ -280,6 +349,30 @@ class LocalTorchrun:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(POLL_S)
+
+
+STACKS_PREFIX = "shardkeeper-stacks-"
+
+
+def _stacks_dir() -> str:
+    """A fresh folder for the ranks' stacks (removed when the launch ends), named after this launcher's pid: the
+    folders of launchers that were SIGKILLed before removing theirs are swept here."""
+    root = Path(tempfile.gettempdir())
+    for old in root.glob(f"{STACKS_PREFIX}*-*"):
+        pid = old.name[len(STACKS_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{STACKS_PREFIX}{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def free_port() -> int:

@@ -1,5 +1,6 @@
 """Process primitives every launcher and every rank share (stdlib only): the kernel's parent-death
-signal, /proc parent/start-time lookups, and a launcher's wait (by pid) for what its torchrun started.
+signal and child subreaper, /proc parent/start-time lookups, a launcher's wait (by pid) for what its torchrun
+started, and its watch over the ranks (``RankWatch``: when each ended, and how).
 A launcher ties torchrun to itself with ``pdeathsig_preexec``; a rank ties itself to torchrun with
 ``set_pdeathsig`` (trainer.lifetime)."""
 
@@ -9,10 +10,13 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 EXIT_ORPHANED = 1
 
 
@@ -24,6 +28,13 @@ def _prctl():  # noqa: ANN202 - a ctypes function or None
         return libc.prctl
     except (OSError, AttributeError):
         return None
+
+
+def set_child_subreaper() -> bool:
+    """Make this process a child subreaper (Linux): its orphaned descendants are re-parented to it instead of to
+    init. False where the platform has no prctl."""
+    prctl = _prctl()
+    return bool(prctl is not None and prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
 
 
 def set_pdeathsig(sig: int = signal.SIGKILL) -> bool:
@@ -96,7 +107,7 @@ class Descendants:
 
     def live(self) -> list[int]:
         """Recorded processes still running (same pid and start time, not a zombie)."""
-        return [pid for pid, start in self.seen.items() if _running(pid, start)]
+        return [pid for pid, start in self.seen.items() if running(pid, start)]
 
 
 def _state(pid: int) -> bytes | None:
@@ -113,7 +124,8 @@ def is_zombie(pid: int) -> bool:
     return _state(pid) in (b"Z", b"X")
 
 
-def _running(pid: int, start: int) -> bool:
+def running(pid: int, start: int) -> bool:
+    """``pid`` still runs as the process that started at ``start`` (clock ticks): not gone, not a zombie, not reused."""
     stat = proc_stat(pid)
     if stat is None or stat[1] != start:
         return False
@@ -134,7 +146,7 @@ def reap_orphans(procs: Descendants, timeout_s: float = 60.0) -> list[int]:
             fd = os.pidfd_open(pid)
         except (OSError, AttributeError):  # gone already, or no pidfd (old kernel / not Linux): polled below
             fd = -1
-        if fd >= 0 and not _running(pid, procs.seen[pid]):  # the pid was reused between the check and the open
+        if fd >= 0 and not running(pid, procs.seen[pid]):  # the pid was reused between the check and the open
             os.close(fd)
             continue
         try:
@@ -159,3 +171,153 @@ def reap_orphans(procs: Descendants, timeout_s: float = 60.0) -> list[int]:
         for fd in fds:
             os.close(fd)
     return procs.live()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode("utf-8", "replace").split("\0") if "=" in kv)
+
+
+def _session(pid: int) -> int | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+        return int(raw[raw.rfind(b")") + 2:].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def exit_status(pid: int, start: int) -> int | None:
+    """The exit status of ``pid`` (started at ``start``) while it is a zombie, as waitpid would decode it (>= 0 an
+    exit code, < 0 the signal), read from /proc (field 52 of stat); None once its parent has reaped it."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2:].split()
+    try:
+        if int(fields[19]) != start or fields[0] not in (b"Z", b"X"):
+            return None
+        status = int(fields[49])
+    except (IndexError, ValueError):
+        return None
+    return status >> 8 if status & 0x7F == 0 else -(status & 0x7F)
+
+
+@dataclass
+class WatchedRank:
+    """One rank process as the launcher saw it (``RankWatch``)."""
+
+    pid: int
+    start: int
+    rank: int
+    local_rank: int | None
+    comm: str | None
+    memory: object | None  # launch.oom.MemoryCounter read when first seen
+    ended_at: float | None = None  # time.monotonic() when its pidfd turned readable
+    status: int | None = None  # exit status read from the zombie (None: reaped before it could be read)
+
+
+class RankWatch:
+    """The ranks of a segment as the launcher watches them: every rank process an agent (torchrun) started is
+    found among its children (a process with torchrun's RANK in its environment that leads its own session, as
+    torchrun starts them; what a rank forks later inherits RANK but not the session, or comes after its rank),
+    and a thread waits on their pidfds: the moment each rank ends is known to the millisecond, and its exit
+    status is read from the zombie before torchrun's next poll reaps it. Linux only; elsewhere it sees nothing
+    and the failure line comes from torchrun's output alone."""
+
+    def __init__(self) -> None:
+        self.ranks: dict[int, WatchedRank] = {}  # pid -> rank
+        self._ranks_seen: set[int] = set()
+        self._new: list[tuple[int, WatchedRank]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, name="rank-watch", daemon=True)
+        self._thread.start()
+
+    def consider(self, agent: int) -> None:
+        """Look for new ranks among the children of ``agent``."""
+        from launch.oom import memory_counter
+
+        for pid in children(agent):
+            if pid in self.ranks:
+                continue
+            env = _environ(pid)
+            rank = env.get("RANK", "")
+            if not rank.isdigit() or int(rank) in self._ranks_seen or _session(pid) != pid:
+                continue  # not a rank yet (between fork and exec), or something a rank left behind
+            stat = proc_stat(pid)
+            try:
+                fd = os.pidfd_open(pid)
+            except (OSError, AttributeError):
+                continue
+            if stat is None or not running(pid, stat[1]):
+                os.close(fd)
+                continue
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                comm = None
+            local = env.get("LOCAL_RANK", "")
+            watched = WatchedRank(pid, stat[1], int(rank), int(local) if local.isdigit() else None, comm,
+                                  memory_counter(pid))
+            with self._lock:
+                self._ranks_seen.add(int(rank))
+                self.ranks[pid] = watched
+                self._new.append((fd, watched))
+            os.write(self._wake_w, b"+")
+
+    def watched(self) -> list[WatchedRank]:
+        """The ranks seen so far (a copy: the scan adds to them from another thread)."""
+        with self._lock:
+            return list(self.ranks.values())
+
+    def _run(self) -> None:
+        import select
+
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        fds: dict[int, WatchedRank] = {}
+        try:
+            while True:
+                events = poller.poll()
+                now = time.monotonic()
+                closing = False
+                for fd, _ in events:
+                    if fd == self._wake_r:
+                        os.read(self._wake_r, 4096)
+                        with self._lock:
+                            for new_fd, watched in self._new:
+                                fds[new_fd] = watched
+                                poller.register(new_fd, select.POLLIN)
+                            self._new.clear()
+                            closing = self._closed
+                        continue
+                    watched = fds.pop(fd)
+                    poller.unregister(fd)
+                    os.close(fd)
+                    watched.ended_at = now
+                    watched.status = exit_status(watched.pid, watched.start)
+                if closing:
+                    return
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def close(self) -> None:
+        """Stop watching (the segment's processes are gone); the ranks' records stay."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=5)
+        with self._lock:
+            for fd, _ in self._new:
+                os.close(fd)
+            self._new.clear()
+        os.close(self._wake_r)
+        os.close(self._wake_w)

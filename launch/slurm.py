@@ -31,10 +31,13 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from launch.early import received_stop
-from launch.base import LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, Rendezvous, torchrun_argv
+from launch.attribution import RankEnd
+from launch.base import (LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, Rendezvous, segment_failure,
+                         torchrun_argv)
 from schemas import ClusterTopology
 from schemas.errors import ConfigError
 from schemas.seam import EXIT_CANCELLED, EXIT_FAILED, EXIT_PREEMPTED, LAUNCH_ENV
@@ -429,7 +432,17 @@ class _JobWatch:
         if state == "OUT_OF_MEMORY":
             tail.append(f"Slurm killed job {self.job_id} for exceeding its memory: ask for more memory per node "
                         "(--set or the partition's defaults) or use more nodes")
+
+        def kill_cause(end: RankEnd) -> RankEnd:  # this host sees no node's kernel: Slurm's job state says what it can
+            if state == "OUT_OF_MEMORY":
+                return replace(end, oom="likely", killed_how=f"most likely by the OOM killer: Slurm ended job "
+                               f"{self.job_id} as OUT_OF_MEMORY")
+            return replace(end, killed_how="by the OOM killer or from outside: the node's kernel log is not readable "
+                           "from here")
+
+        # From the job's output alone (torchrun's summaries, the ranks' lines): no rank is watched from this host.
+        failure = segment_failure(Path(self.req.run_dir).resolve(), self.req.segment, self.out, kill_cause=kill_cause)
         return LaunchOutcome(exit_code=code, timed_out=self.stop_reason == "timeout", tail=tail,
                              seconds=time.monotonic() - self.t0, cancelled=self.cancelled, stop_signal=self.signal,
                              held_back=list(self.out.held), scheduler_job=self.job_id, scheduler_state=state,
-                             requeues=requeues, note=note, scheduler_preempted=preempted)
+                             requeues=requeues, note=note, scheduler_preempted=preempted, failure=failure)

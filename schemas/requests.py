@@ -169,14 +169,24 @@ class TrainExportRequest(_FlowParameters):
 
 
 class ResumeRequest(_FlowParameters, _Placement):
-    """Parameters of the ``resume`` flow (meant for a schedule, or an automation on a preemption event)."""
+    """Parameters of the ``resume`` flow (meant for a schedule, or an automation on a preemption event).
+
+    Where a resumed segment runs: a run with a plan (``RUN_DIR/plan.json``, written by train-and-export) resumes
+    each segment at the world size and placement its plan gives it, and ``nproc``, ``nodes`` and ``launcher`` are
+    not used for it. A run without a plan resumes at ``nproc``, ``nodes`` and ``launcher`` where given, and
+    otherwise at those of the segment that was preempted (from the run's segments.jsonl) -- never at a default
+    that has nothing to do with the run."""
 
     roots: list[str] = Field(default_factory=list, description="folders whose immediate subfolders are run "
                              "directories to scan, e.g. [\"/data/runs\"]")
     run_dirs: list[str] = Field(default_factory=list, description="run directories to scan (in addition to roots)")
-    nproc: int = Field(ge=1, description="ranks per node to resume each run on (the run is resharded if the world "
-                                         "size differs)")
-    nodes: int = Field(1, ge=1, description="nodes to resume on; with launcher slurm, fewer when fewer are usable now")
+    nproc: int | None = Field(None, ge=1, description="ranks per node to resume a run without a plan on (resharded if "
+                              "the world size differs); default: the preempted segment's. A planned run resumes at "
+                              "its plan's world size")
+    nodes: int | None = Field(None, ge=1, description="nodes to resume a run without a plan on (with launcher slurm, "
+                              "fewer when fewer are usable now); default: the preempted segment's")
+    launcher: Launcher | None = Field(None, description="local (torchrun here) or slurm (sbatch from here) for a run "
+                                      "without a plan; default: the preempted segment's")
     max_preemption_retries: int = Field(3, ge=0, description="times a preempted segment is resumed before giving up")
     backoff_s: float = Field(5.0, ge=0, description="wait before a resume; doubles after each preemption")
     timeout_s: float | None = Field(None, gt=0, description="stop each resumed segment after this many seconds")
@@ -217,9 +227,19 @@ class RunState(_Frozen):
     )
     last_until_step: int | None = Field(None, description="until_step the last segment was started with")
     locked: bool = Field(False, description="another process holds the run lock now")
+    last_world_size: int | None = Field(None, description="world size the last segment was started with")
+    last_nodes: int | None = Field(None, description="nodes the last segment was started on")
+    last_launcher: Launcher | None = Field(None, description="launcher of the last segment (local or slurm)")
     reread: bool | None = Field(
         None, description="on an object store: every object of that checkpoint was downloaded and matched its "
         "manifest's checksums since its upload (False: committed, not re-read); None for a local run directory")
+
+
+def ran_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """segments.jsonl's records less those of segments the ranks refused before their first step (SegmentStatus
+    'refused'): they trained and committed nothing, so the run stands where the last segment that ran left it."""
+    refused = {r.get("segment") for r in records if r.get("event") == "end" and r.get("status") == "refused"}
+    return [r for r in records if r.get("segment") not in refused] if refused else records
 
 
 def last_segment(records: list[dict[str, Any]], *, locked: bool) -> tuple[str | None, int | None]:
@@ -227,14 +247,31 @@ def last_segment(records: list[dict[str, Any]], *, locked: bool) -> tuple[str | 
     and the until_step it was started with, from segments.jsonl's records. Segments the ranks refused before
     their first step (SegmentStatus 'refused') trained and committed nothing: the run stands where the last
     segment that ran left it, for ``status``, the resume flow's triage and the dashboard alike."""
-    refused = {r.get("segment") for r in records if r.get("event") == "end" and r.get("status") == "refused"}
-    ran = [r for r in records if r.get("segment") not in refused] if refused else records
+    ran = ran_records(records)
     starts = [r for r in ran if r.get("event") == "start"]
     if not ran:
         return None, None
     last = ran[-1]
     status = last.get("status") if last.get("event") == "end" else ("running" if locked else "interrupted")
     return status, starts[-1].get("until_step") if starts else None
+
+
+def last_placement(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the last segment ran, from its start record in segments.jsonl (RunState's ``last_world_size``,
+    ``last_nodes``, ``last_launcher``): what a resume without a plan or a given nproc runs on. A record written
+    before nodes and launcher were recorded counts as one node, local. Segments the ranks refused before their
+    first step are not where the run last trained (as in ``last_segment``)."""
+    starts = [r for r in ran_records(records) if r.get("event") == "start"]
+    if not starts:
+        return {}
+    last = starts[-1]
+    world, nodes, launcher = last.get("world_size"), last.get("nodes", 1), last.get("launcher", "local")
+    if not isinstance(world, int) or world < 1:
+        return {}
+    if not isinstance(nodes, int) or nodes < 1 or world % nodes:
+        nodes = 1
+    return {"last_world_size": world, "last_nodes": nodes,
+            "last_launcher": launcher if launcher in ("local", "slurm") else "local"}
 
 
 class SegmentOutcome(_Frozen):
@@ -252,6 +289,7 @@ class LineageArtifacts(_Frozen):
     loss_key: str | None = Field(None, description="key of the markdown artifact with the loss curve, if any metrics")
     loss_png: str | None = Field(None, description="the loss curve PNG written into the run directory")
     events: int = Field(ge=0, description="lineage events mirrored")
+    plan_key: str | None = Field(None, description="key of the markdown artifact of the run's plan, when it has one")
 
 
 class TrainExportSummary(_Frozen):
@@ -268,11 +306,20 @@ class TrainExportSummary(_Frozen):
 
 class ResumeItem(_Frozen):
     run_dir: str = Field(description="run directory")
-    action: Literal["resumed", "skipped-locked", "skipped-done", "skipped-not-a-run", "failed"] = Field(
-        description="what the flow did with it"
+    action: Literal["resumed", "handed-over", "skipped-locked", "skipped-done", "skipped-not-a-run", "failed"] = Field(
+        description="what the flow did with it: resumed (and, for a planned run, went on to the plan's end); "
+        "handed-over (preempted again more often than max_preemption_retries, after progress: the automation "
+        "resumes it); skipped-locked (already running: another flow run or process drives it); skipped-done "
+        "(nothing to resume, or its plan is finished); failed"
     )
     reason: str = Field("", description="one line: why")
     outcome: SegmentOutcome | None = Field(None, description="the resumed segment, when one ran")
+    segments: list[SegmentOutcome] = Field(default_factory=list, description="a planned run: every segment this flow "
+                                           "run trained, the resumed one first")
+    export: ExportResult | None = Field(None, description="a planned run: the export, when this flow run made it")
+    publish: PublishResult | None = Field(None, description="a planned run: the publish, when this flow run made it")
+    plan_status: str | None = Field(None, description="a planned run: where its plan stands after this flow run "
+                                    "(schemas.plan.PlanStatus); None for a run without a plan")
 
 
 class ResumeSummary(_Frozen):

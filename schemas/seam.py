@@ -10,6 +10,8 @@ the ranks of one segment: one schema each way, the exit codes, and the files tha
 from __future__ import annotations
 
 import os
+import re
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +29,10 @@ EXIT_NONFINITE = 65  # EX_DATAERR: the loss or gradient norm became NaN/Inf; not
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a scheduler's requeue means
 EXIT_CANCELLED = 130  # 128 + SIGINT: the shell's "stopped on request" (an orchestrator's cancellation)
 
+# The launcher asks a rank for its Python stacks with this signal (faulthandler, see SegmentLaunch.stacks_dir).
+# Ignored by default: a rank that is not listening yet is not harmed by it.
+STACKS_SIGNAL = signal.SIGURG
+
 LAUNCH_FILE = ".segment-launch.json"
 REPORT_FILE = ".segment-status.json"
 LAUNCH_ENV = "SHARDKEEPER_LAUNCH"  # absolute path of the SegmentLaunch file, set for every rank
@@ -34,8 +40,35 @@ NODE_ENV = "SHARDKEEPER_NODE_NAME"  # a node's name for its memory tier dir (set
 # A rank that fails writes its cause as one line with this prefix, last, on stderr; the launcher shows it.
 RANK_ERROR_PREFIX = "shardkeeper-error:"
 # A user's script (shardkeeper train --script) that raised: the first failing rank writes the script's own
-# traceback (its frames, not shardkeeper's) here; the controller shows it above the one-line failure.
+# traceback (its frames, not shardkeeper's) here; the controller shows it above the one-line failure. A rank whose
+# error is only a consequence of another rank's end (a collective that lost its peer) writes none.
 SCRIPT_TRACEBACK_FILE = ".script-traceback.txt"
+
+# What a rank's error says when it is the consequence of another rank's end, not a cause of its own: the
+# collective (gloo, NCCL) or the rendezvous store lost its peer, or waited for it until its timeout. Matched
+# against the error's text (gloo's errors are plain RuntimeErrors), first match wins; the phrase is what the
+# segment's failure line shows for that rank.
+_COLLECTIVE_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p, re.I), phrase) for p, phrase in (
+    (r"connection reset by peer", "connection reset by peer"),
+    (r"connection closed by peer", "connection closed by peer"),
+    (r"broken pipe", "broken pipe"),
+    (r"failed to recv, got 0 bytes|recv.*got 0 bytes", "connection closed by peer"),
+    (r"ncclRemoteError|remote process exited|NCCL communicator was aborted|NCCL.*(aborted|abort)",
+     "NCCL communicator aborted (a peer is gone)"),
+    (r"Watchdog caught collective operation timeout|Timed out waiting|Socket Timeout|timed out in|"
+     r"DistBackendError.*timeout|operation timed out", "timed out waiting in a collective"),
+    (r"connection refused", "connection refused"),
+    (r"DistNetworkError", "network error in a collective"),
+))
+
+
+def collective_error(text: str) -> str | None:
+    """The short phrase for an error that only says a collective lost its peer (or timed out waiting for it),
+    e.g. "connection reset by peer"; None for an error that is a cause of its own."""
+    for pattern, phrase in _COLLECTIVE_ERRORS:
+        if pattern.search(text):
+            return phrase
+    return None
 
 ReportedStatus = Literal["completed", "preempted", "cancelled", "failed"]
 
@@ -59,6 +92,9 @@ class SegmentLaunch(_Frozen):
     launched_at: float | None = Field(None, description="Unix time at which the launcher started the ranks' "
                                       "processes (torchrun); the origin of the segment's SegmentTimes (None: "
                                       "the earliest rank start is)")
+    stacks_dir: str | None = Field(None, description="a folder on the launcher's host where each rank writes its "
+                                   "Python stacks (rank-R.txt) when the launcher sends it STACKS_SIGNAL: ranks that "
+                                   "do not stop within the grace are named with where they were (None: not asked)")
 
     @property
     def device(self) -> str:

@@ -33,7 +33,7 @@ from ckpt.pin import Pin
 from schemas import RunSpec, SegmentResult, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired, ShardkeeperError
 from shardkeeper.remote_stop import STOP_UPLOAD_ENV, UploadAbandoned, _abandoned, _stop_budget, abandoned_uploads
-from schemas.requests import RunState, last_segment
+from schemas.requests import RunState, last_placement, last_segment
 
 log = logging.getLogger("shardkeeper")
 
@@ -428,11 +428,13 @@ def run_state_remote(url: str, *, is_locked: Callable[[Path], bool]) -> RunState
     if not rd.spec_path.exists() and found is None:
         return RunState(run_dir=url, exists=False, locked=held)
     locked = is_locked(rd.root) or held
-    last_status, last_until_step = last_segment(read_jsonl(rd.segments), locked=locked)
+    records = read_jsonl(rd.segments)
+    last_status, last_until_step = last_segment(records, locked=locked)
     return RunState(run_dir=url, exists=True, checkpoint=remote.checkpoint_uri(found[0]) if found else None,
                     step=found[0] if found else 0, world_size=found[1].topology.world_size if found else None,
                     last_status=last_status, last_until_step=last_until_step,
-                    locked=locked, reread=reread_on_store(remote, found[0]) if found else None)
+                    locked=locked, reread=reread_on_store(remote, found[0]) if found else None,
+                    **last_placement(records))
 
 
 def remote_run_urls(url: str) -> list[str]:

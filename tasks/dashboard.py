@@ -142,7 +142,9 @@ def lineage_graph(events: list[LineageEvent], existing: set[str] | None = None, 
             model.lanes.append((y, f"segments {min(hidden)}–{max(hidden)} folded · {len(hidden)} segments · "
                                    f"{'/'.join(sizes)} ranks · " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))))
         else:
-            model.lanes.append((y, f"segment {s} · {world_size(s)} ranks · {status(s)}"))
+            by = str(segments[s].data.get("by") or "") if s in segments else ""
+            who = f" · by {by.split(' ', 1)[0]}" if by else ""  # who launched it: train-and-export, automation, ...
+            model.lanes.append((y, f"segment {s} · {world_size(s)} ranks · {status(s)}{who}"))
 
     keep: set[str] = set()
     bounds: set[str] = set()

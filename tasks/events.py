@@ -5,9 +5,11 @@
 
 The resource of a segment event is the run (``shardkeeper.run.<absolute run dir>``); its label
 ``shardkeeper.resumed-by`` says who resumes a preempted segment: ``flow`` when the flow run that launched
-it retries by itself, ``automation`` when it gave up (retries spent) -- the resume automation created by
-``python -m infra.deploy`` matches only the latter, so a run never gets two writers. A checkpoint event's
-resource is the checkpoint folder, with the run as a related resource.
+it retries by itself, ``automation`` when it handed the run over (retries spent, after progress) -- the resume
+automation created by ``python -m infra.deploy`` matches only the latter, so a run never gets two writers. A
+flow run that hands over has recorded that in the run's plan and released the plan's lock *before* the event is
+sent: the automation's flow run always finds the plan free to take over. A checkpoint event's resource is the
+checkpoint folder, with the run as a related resource.
 
 Emitting never fails a stage: an event is a view of what happened, like the artifacts.
 """

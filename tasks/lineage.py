@@ -1,6 +1,6 @@
 """Mirror a run's lineage (RUN_DIR/lineage.jsonl, metrics.jsonl) into Prefect artifacts for the UI.
 
-Four artifacts per run, keyed by the run name so every flow run of the same run adds a version:
+Four artifacts per run (five with a plan), keyed by the run name so every flow run of the same run adds a version:
 
     <prefix>-lineage-graph  markdown: the lineage graph drawn as a PNG (segments as lanes, checkpoints on
                             disk filled, retired ones hollow, preemptions red, reshards with world sizes,
@@ -8,7 +8,10 @@ Four artifacts per run, keyed by the run name so every flow run of the same run 
     <prefix>-checkpoints    table: only the checkpoints that exist now (step, world size, backend, size,
                             validity as last checked, exported / published)
     <prefix>-loss-curve     markdown: the loss curve PNG with resume / reshard markers, preemptions apart
-    <prefix>-lineage        table: every lineage event (kind, id, parent, step, details, uri)
+    <prefix>-lineage        table: every lineage event (kind, id, parent, step, details, uri; ``by`` names
+                            who launched each segment: train-and-export, automation, schedule or resume)
+    <prefix>-plan           markdown, for a run a train-and-export flow run started: its plan (segments,
+                            export, publish), where it stands and who did each part
 
 PNGs are embedded as data: URIs (the open-source UI draws them; it does not draw mermaid) and also
 written to RUN_DIR (lineage.png, loss.png). ``mirror_runs_overview`` adds ``runs-overview-<root>``: one
@@ -28,6 +31,8 @@ from prefect.cache_policies import NO_CACHE
 
 from ckpt.layout import RunDir
 from ckpt.lineage import read_events
+from ckpt.plan import PlanError, read_plan
+from schemas.plan import RunPlan
 from tasks.dashboard import checkpoints_now, draw_lineage_graph, lineage_graph, markdown_rows, runs_overview
 from tasks.render import eval_by_step, loss_curve_png, markers, png_data_uri, read_metrics, segment_statuses, slug, table_rows
 from schemas.requests import LineageArtifacts
@@ -127,11 +132,52 @@ def mirror_lineage(run_dir: str, run_name: str | None = None) -> LineageArtifact
                                  description=f"Loss curve of {title}; resumes after preemptions marked apart")
     create_table_artifact(table_rows(events), key=table_key,
                           description=f"Every lineage event of {title}: checkpoints, resumes, reshards, exports, publishes")
+    plan_key = _plan_artifact(root, f"{prefix}-plan", title)
     get_run_logger().info("lineage of %s: %d events, %d checkpoints on disk, mirrored to artifacts %s, %s, %s%s", root,
                           len(events), len(now), graph_key, checkpoints_key, table_key, f", {loss_key}" if png else "")
     return LineageArtifacts(table_key=table_key, graph_key=graph_key, checkpoints_key=checkpoints_key,
                             loss_key=loss_key if png else None, loss_png=str(png) if png else None,
-                            graph_png=str(graph_png), events=len(events))
+                            graph_png=str(graph_png), events=len(events), plan_key=plan_key)
+
+
+def plan_markdown(plan: RunPlan, title: str) -> str:
+    """The plan as people read it: where it stands, and who did each part (who launched each segment, who
+    exported, who published)."""
+    def row(*cells: object) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    lines = [f"# Plan of {title}", "", f"**{plan.status}**: {plan.where()}." + (f" {plan.note}." if plan.note else ""),
+             "", f"Started by {plan.started_by.line()} at {plan.created}; last change {plan.updated}.", "",
+             "| part | where | until step | status | ended at step | by |", "|---|---|---|---|---|---|"]
+    for i, (seg, done) in enumerate(zip(plan.segments, plan.progress)):
+        where = (f"{seg.nodes} x {seg.nproc}" if seg.nodes > 1 else f"{seg.nproc}") + " ranks" + \
+            (f" via {seg.launcher}" if seg.launcher != "local" else "")
+        lines.append(row(f"segment {i}", where, seg.until_step, done.status, done.end_step or "-",
+                         "; then ".join(d.line() for d in done.by) or "-"))
+    parts = [("export", f"{plan.export.dtype}, shards of {plan.export.max_shard_size}", plan.exported)]
+    if plan.publish is not None:
+        parts.append(("publish", plan.publish.target + (f" @ {plan.publish.revision}" if plan.publish.revision else ""),
+                      plan.published))
+    for name, what, done in parts:
+        lines.append(row(name, what, "-", f"done: {done.out}" if done else "pending", done.step if done else "-",
+                         done.by.line() if done else "-"))
+    lines += ["", "The plan's record: `plan.json` in the run directory (schemas.plan.RunPlan)."]
+    return "\n".join(lines)
+
+
+def _plan_artifact(root: Path, key: str, title: str) -> str | None:
+    """The ``<prefix>-plan`` markdown artifact when the run has a plan; None without one (or an unreadable one:
+    the resume reports that)."""
+    try:
+        plan = read_plan(root)
+    except PlanError as e:
+        log.warning("%s", e)
+        return None
+    if plan is None:
+        return None
+    create_markdown_artifact(plan_markdown(plan, title), key=key,
+                             description=f"Plan of {title}: segments, export, publish, and who did each")
+    return key
 
 
 @task(name="runs-overview", cache_policy=NO_CACHE)

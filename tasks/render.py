@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # Details worth a column: the rest stays in lineage.jsonl.
 DETAIL_KEYS = ("reason", "status", "world_size", "from_world_size", "to_world_size", "method", "dtype",
-               "num_shards", "target", "revision", "skipped", "valid", "until_step", "tier", "persisted_from")
+               "num_shards", "target", "revision", "skipped", "valid", "until_step", "tier", "persisted_from", "by")
 
 
 def slug(text: str, *, max_len: int = 60) -> str:

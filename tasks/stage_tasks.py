@@ -101,7 +101,8 @@ def _train_task_name() -> str:
 
 @task(name="train-segment", cache_policy=NO_CACHE, task_run_name=_train_task_name)
 def train_segment(spec: RunSpec, run_dir: str, topology: ClusterTopology, until_step: int,
-                  timeout_s: float | None = None, launcher_options: dict | None = None) -> SegmentResult:
+                  timeout_s: float | None = None, launcher_options: dict | None = None,
+                  by: str | None = None) -> SegmentResult:
     """Launch one segment; every line of the ranks' output goes to this task's log, and its progress to a
     progress artifact and a live table artifact (tasks/live.py), with a checkpoint event per commit.
 
@@ -109,7 +110,9 @@ def train_segment(spec: RunSpec, run_dir: str, topology: ClusterTopology, until_
     commit a checkpoint and the segment ends 'preempted' (a hard kill would lose the step).
 
     Cancelling the flow run (UI/API) stops the ranks the same way and the segment ends 'cancelled'
-    (exit code 130); see FlowRunCancelWatch for how the cancellation is seen."""
+    (exit code 130); see FlowRunCancelWatch for how the cancellation is seen.
+
+    ``by``: who launches it (which flow run, created by whom), recorded in segments.jsonl and the lineage."""
     from shardkeeper import stages
 
     from tasks.live import SegmentWatch
@@ -120,7 +123,7 @@ def train_segment(spec: RunSpec, run_dir: str, topology: ClusterTopology, until_
     try:
         result = stages.train_segment(spec, run_dir, topology, until_step, timeout_s=timeout_s,
                                       sink=lambda line: logger.info("%s", line), cancel_check=watch,
-                                      launcher_options=launcher_options)
+                                      launcher_options=launcher_options, by=by)
     finally:
         live.stop()
         if watch is not None:

@@ -1,16 +1,19 @@
 """Deployments as a user makes them (``python -m infra.deploy``) and runs them on a real process work pool
 with a real ``prefect worker`` against the session's Prefect server; one worker serves every check here.
 
-End to end: deploy -> ``run_deployment`` -> the worker trains -> SIGTERM to one rank -> the segment is
-preempted, the flow run gives up (max_preemption_retries 0) and emits ``shardkeeper.segment.preempted``
--> the automation runs ``resume/NAME`` for that run only -> the run reaches its until_step. Also: flat
-parameters with the deployment's defaults, meaningful flow run names, checkpoint events, and bad
-parameters failing the flow run with one line and nothing written.
+End to end: deploy (two segments, 2 then 3 ranks, export, publish to a file:// target) -> ``run_deployment``
+-> the worker trains -> SIGTERM to one rank -> the segment is preempted, the flow run hands its plan over
+(max_preemption_retries 0) and emits ``shardkeeper.segment.preempted`` -> the automation runs ``resume/NAME``
+for that run only -> it finishes the plan: the preempted segment at its 2 ranks, the second at 3, export and
+publish once; a resumer racing it records "already running", a later one finds the plan finished; the
+handed-over flow run ends Completed. Also: flat parameters with the deployment's defaults, meaningful flow
+run names, checkpoint events, and bad parameters failing the flow run with one line and nothing written.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -29,6 +32,7 @@ from tests.reliability.procs import segment_processes, wait_training, wait_until
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 UNTIL = 120  # far past the steps trained before the SIGTERM (2-5); the resume trains the rest, so not more
+UNTIL2 = 126  # the plan's second segment, at 3 ranks (tiny.yaml's global batch 12 divides 2 and 3)
 AUTOMATION_GOAL_S = 15.0  # issue goal: resumed within 15 s of the preemption event
 
 pytestmark = pytest.mark.slow
@@ -89,10 +93,11 @@ def deployed(prefect_server: Any, tmp_path_factory: pytest.TempPathFactory) -> I
     cwd = os.getcwd()
     os.chdir(base)  # relative paths resolve against the folder the user deploys from
     try:
-        assert deploy(["--config", TINY, "--run-dir", f"runs/{name}", "--segments", f"2:{UNTIL}", "--pool", pool,
-                       "--set", "checkpoint.interval=20", "--set", "global_batch_size=6",  # tiny.yaml says 12
-                       "--max-preemption-retries", "0", "--backoff-s", "0",
-                       "--resume-nproc", "2"]) == 0
+        assert deploy(["--config", TINY, "--run-dir", f"runs/{name}", "--segments", f"2:{UNTIL},3:{UNTIL2}",
+                       "--pool", pool, "--set", "checkpoint.interval=20",
+                       "--set", "global_batch_size=6",  # tiny.yaml says 12: a deploy-time override reaches the run
+                       "--max-preemption-retries", "0", "--backoff-s", "0", "--export-dtype", "float32",
+                       "--publish-target", (base / "published").as_uri()]) == 0
     finally:
         os.chdir(cwd)
     env = {**prefect_env(Path(os.environ.get("PREFECT_HOME", base)), prefect_server.api_url),
@@ -114,12 +119,14 @@ def test_deployment_defaults_are_the_flat_deploy_time_parameters(deployed: dict[
     dep = _api(lambda c: c.read_deployment_by_name(f"train-and-export/{name}"))
     p = dep.parameters
     assert p["config"] == TINY and p["run_dir"] == str(deployed["run"]) and p["base_dir"] == str(deployed["base"])
-    assert p["segments"] == [{"nproc": 2, "until_step": UNTIL}] and p["max_preemption_retries"] == 0
+    assert p["segments"] == [{"nproc": 2, "until_step": UNTIL}, {"nproc": 3, "until_step": UNTIL2}]
+    assert p["max_preemption_retries"] == 0 and p["publish_target"] == (deployed["base"] / "published").as_uri()
     assert "request" not in dep.parameter_openapi_schema["properties"]  # flat, documented parameters
     assert "published dtype" in dep.parameter_openapi_schema["properties"]["export_dtype"]["description"]
     assert dep.work_pool_name == deployed["pool"] and "shardkeeper" in dep.tags and "demo" not in dep.tags
     resume = _api(lambda c: c.read_deployment_by_name(f"resume/{name}"))
-    assert resume.parameters["roots"] == [str(deployed["root"])] and resume.parameters["nproc"] == 2
+    # no nproc: a planned run resumes at its plan's world sizes, another at its preempted segment's
+    assert resume.parameters["roots"] == [str(deployed["root"])] and "nproc" not in resume.parameters
 
 
 def test_bad_parameters_fail_the_flow_run_with_one_line(deployed: dict[str, Any]) -> None:
@@ -141,7 +148,10 @@ def test_bad_parameters_fail_the_flow_run_with_one_line(deployed: dict[str, Any]
     assert not (base / "runs" / "never").exists()
 
 
-def test_preemption_event_triggers_the_resume_automation(deployed: dict[str, Any]) -> None:
+def test_preemption_hands_the_plan_to_the_automation_which_finishes_it(deployed: dict[str, Any]) -> None:
+    from ckpt.lineage import read_events
+    from ckpt.plan import read_plan
+    from flows.resume import resume
     from prefect.deployments import run_deployment
 
     name, run = deployed["name"], deployed["run"]
@@ -152,25 +162,49 @@ def test_preemption_event_triggers_the_resume_automation(deployed: dict[str, Any
     os.kill(ranks[-1].pid, signal.SIGTERM)  # a preemption notice to one rank
 
     ended = final(train.id, 240)
-    assert ended.state.is_failed() and "preempted 1 time" in (ended.state.message or ""), ended.state
-    assert ended.name == f"{name} → step {UNTIL} on 2 ranks"
+    assert ended.state.is_failed() and ended.state.name == "HandedOver", ended.state
+    assert "preempted 1 time" in ended.state.message and "handed over" in ended.state.message, ended.state.message
+    assert "0 of 2 segments done; export, publish to come" in ended.state.message
+    assert ended.name == f"{name} → step {UNTIL2} on 2,3 ranks"
     resumed = wait_until(lambda: [r for r in runs_of(f"resume/{name}") if r.parameters.get("run_dirs") == [str(run)]],
                          120, "the automation's resume flow run", period=0.25)[0]
+    # A second resumer racing the automation (the schedule, a person): "already running", and no failure.
+    wait_until(lambda: (p := read_plan(run)) is not None and p.driver is not None and p.driver.kind == "automation",
+               120, "the automation to take the plan over", period=0.25)
+    (racing,) = resume(run_dirs=[str(run)], backoff_s=0).items
+    assert racing.action == "skipped-locked" and "already running" in racing.reason and "automation" in racing.reason
     done = final(resumed.id, 300)
     assert done.state.is_completed(), (done.state, deployed["log"].read_text()[-3000:])
     assert done.parameters["roots"] == [] and done.name == f"resume {name}"
 
-    events = shardkeeper_events(run)
-    kinds = [e["event"] for e in events]
-    preempted = next(e for e in events if e["event"] == "shardkeeper.segment.preempted")
-    assert preempted["resource"]["shardkeeper.resumed-by"] == "automation"
-    assert "shardkeeper.segment.completed" in kinds and kinds.count("shardkeeper.checkpoint.committed") >= 2
-    assert str(run / "checkpoints" / f"step-{UNTIL:08d}") in {e["resource"]["prefect.resource.id"].split(".", 2)[2]
-                                                             for e in events if "checkpoint" in e["event"]}
-    from shardkeeper.stages import run_state
+    plan = read_plan(run)
+    assert plan is not None and plan.status == "completed", plan
+    automation = plan.progress[1].by[0]
+    assert automation.kind == "automation" and automation.flow_run_id == str(resumed.id)
+    assert automation.source == f"resume {name} on preemption" and automation.flow_run_name == f"resume {name}"
+    assert [[d.kind for d in p.by] for p in plan.progress] == [["flow", "automation"], ["automation"]]
+    assert plan.exported.by == plan.published.by == automation and plan.exported.step == UNTIL2
+    # where each segment ran: the preempted one resumed at its own 2 ranks, the plan's next one at 3
+    starts = [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines() if '"start"' in x]
+    assert [(r["world_size"], r["until_step"], r["by"].split(" ")[0]) for r in starts] == \
+        [(2, UNTIL, "train-and-export"), (2, UNTIL, "automation"), (3, UNTIL2, "automation")]
+    events = read_events(run)
+    assert [e.data["by"] for e in events if e.kind == "segment"][1:] == [automation.line()] * 2  # who resumed
+    assert [e.kind for e in events].count("export") == 1 and [e.kind for e in events].count("publish") == 1
+    assert (deployed["base"] / "published" / f"step-{UNTIL2:08d}" / "model.safetensors").is_file()
+    # The handed-over flow run ends Completed once its plan did, saying who finished it; its history keeps both.
+    states = _api(lambda c: c.read_flow_run_states(train.id))
+    assert [s.name for s in states][-2:] == ["HandedOver", "Completed"], [s.name for s in states]
+    assert f"finished by automation 'resume {name} on preemption'" in states[-1].message, states[-1].message
+    # A later resume (the schedule, the automation again) finds the plan finished: nothing to do, no failure.
+    (again,) = resume(run_dirs=[str(run)], backoff_s=0).items
+    assert again.action == "skipped-done" and "its plan is completed" in again.reason, again
 
-    state = run_state(run)
-    assert state.step == UNTIL and state.last_status == "completed"
+    shard_events = shardkeeper_events(run)
+    kinds = [e["event"] for e in shard_events]
+    preempted = next(e for e in shard_events if e["event"] == "shardkeeper.segment.preempted")
+    assert preempted["resource"]["shardkeeper.resumed-by"] == "automation"
+    assert kinds.count("shardkeeper.segment.completed") == 2 and kinds.count("shardkeeper.checkpoint.committed") >= 2
     import yaml
 
     spec = yaml.safe_load((run / "run.yaml").read_text())  # the deploy-time overrides reached the run
@@ -189,4 +223,4 @@ def test_deploy_takes_a_script_without_a_config(tmp_path: Path) -> None:
                                      "1e-3", "--run-dir", str(tmp_path / "own"), "--segments", "2:10"]))
     params = train.parameters()
     assert "config" not in params and params["script"] == str(Path.cwd() / "examples" / "fsdp2_loop.py")
-    assert params["script_args"] == ["--lr", "1e-3"] and resume.nproc == 2
+    assert params["script_args"] == ["--lr", "1e-3"] and resume.nproc is None  # the run's own world size

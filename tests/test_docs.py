@@ -244,6 +244,8 @@ def test_on_disk_layout_blocks_name_what_the_code_writes(tmp_path: Path) -> None
     from ckpt.layout import INVALID_RE, RunDir, step_dir_name
     from ckpt.memtier import DIRS_NAME, ID_NAME
     from ckpt.pin import PINS_DIR
+    from ckpt.plan import PLAN_LOCK_NAME
+    from schemas.plan import PLAN_NAME
     from schemas.seam import LAUNCH_FILE, REPORT_FILE
 
     rd = RunDir.at(tmp_path)
@@ -255,7 +257,8 @@ def test_on_disk_layout_blocks_name_what_the_code_writes(tmp_path: Path) -> None
             + ("/" if p.suffix not in (".yaml", ".json", ".jsonl") else "") for p in paths}
     more = {rd.lock_path.name, rd.ranks_lock_path.name, LAUNCH_FILE, REPORT_FILE, f"{PINS_DIR}/upload.json,",
             # the run's id and memory dirs (ckpt.memtier), a --restart and the dashboard's mirror (named in ckpt/, tasks/)
-            ID_NAME, DIRS_NAME, "metrics.before-restart-3.jsonl", "lineage.png,"}
+            ID_NAME, DIRS_NAME, "metrics.before-restart-3.jsonl", "lineage.png,",
+            PLAN_NAME, PLAN_LOCK_NAME}  # a train-and-export flow's plan and its lock (ckpt.plan)
     for source, needs_all in ((ROOT / "README.md", False), (DOCS / "reference/on-disk.md", True)):
         names = layout_block(source.read_text(encoding="utf-8"))
         unknown = sorted(set(names) - core - more)

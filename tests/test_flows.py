@@ -76,6 +76,26 @@ def test_train_and_export_completes(e2e: tuple[TrainExportSummary, Any, Path]) -
     assert summary.export.dtype == "bfloat16" and summary.export.num_shards > 1  # 100KB shards
 
 
+def test_plan_is_recorded_in_the_run_and_completed_by_the_flow(e2e: tuple[TrainExportSummary, Any, Path]) -> None:
+    """The plan and its progress live in the run directory (plan.json): both segments, the export and the publish
+    done by this flow run (its id and name), the segments' lineage events and the plan artifact name it."""
+    from ckpt.plan import read_plan
+
+    summary, flow_run_id, run = e2e
+    plan = read_plan(run)
+    assert plan is not None and plan.status == "completed", plan
+    assert [(s.nproc, s.until_step) for s in plan.segments] == [(2, 4), (3, 8)]
+    assert plan.started_by.kind == "flow" and plan.started_by.flow_run_id == str(flow_run_id)
+    assert [[d.kind for d in p.by] for p in plan.progress] == [["flow"], ["flow"]]
+    assert [p.end_step for p in plan.progress] == [4, 8]
+    assert plan.exported is not None and plan.exported.out == summary.export.out_dir and plan.exported.step == 8
+    assert plan.published is not None and plan.published.by == plan.started_by
+    segs = [e for e in read_events(run) if e.kind == "segment"]
+    assert [e.data["by"] for e in segs] == [plan.started_by.line()] * 2 and "train-and-export" in segs[0].data["by"]
+    art = read_artifacts(flow_run_id)[summary.artifacts.plan_key]
+    assert "**completed**" in art.data and "| segment 1 | 3 ranks | 8 | completed | 8 | train-and-export" in art.data
+
+
 def test_export_loads_with_transformers(e2e: tuple[TrainExportSummary, Any, Path]) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -211,6 +231,10 @@ def test_preempted_segment_is_resumed(prefect_server: Any, tmp_path: Path) -> No
     resume = events["resume:segment-1"]
     assert resume.parent == f"checkpoint:step-{stopped:08d}" and resume.data["to_world_size"] == 2
     assert events["segment:0"].data["status"] == "preempted"
+    from ckpt.plan import read_plan
+
+    plan = read_plan(run)  # the flow run resumed its own segment: one driver, the plan completed
+    assert plan is not None and plan.status == "completed" and [d.kind for d in plan.progress[0].by] == ["flow"]
 
 
 def test_failed_segment_stops_with_the_rank_error(prefect_server: Any, tmp_path: Path) -> None:
@@ -317,6 +341,108 @@ def test_triage_rules() -> None:
     assert triage(RunState(**base, last_status="preempted", locked=True)).action == "skipped-locked"
     assert triage(RunState(**{**base, "step": 8}, last_status="preempted")).action == "skipped-done"
     assert triage(RunState(run_dir="/r", exists=False)).action == "skipped-not-a-run"
+
+
+def _plan(run: Path, status: str, until: int = 8, **done: Any) -> Any:
+    """A plan as a train-and-export flow run leaves it (one segment at 2 ranks to ``until``), with ``status``."""
+    from ckpt.plan import write_plan
+    from schemas.plan import Driver, RunPlan
+
+    request = TrainExportRequest(config=TINY, run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=until)],
+                                 export_dtype="float32", publish_target=(run.parent / "pub").as_uri())
+    plan = RunPlan.from_request(request, plan_id="p1", started_by=Driver(kind="flow", flow_run_name="t"), now="t")
+    plan = plan.model_copy(update={"status": status, **done})
+    write_plan(run, plan)
+    return plan
+
+
+def test_resume_leaves_a_plan_another_flow_run_drives_and_a_finished_plan_alone(prefect_server: Any, tiny_run: Path,
+                                                                               tmp_path: Path) -> None:
+    """Two resumers racing: the one that finds the plan lock held records "already running" and does not fail
+    (nothing launched, nothing written); a finished plan is left alone; a plan.json that is not a plan fails
+    that run only, with one line naming the file."""
+    from ckpt.plan import PlanLock
+    from flows.resume import resume
+    from schemas.plan import Driver, StageDone
+
+    root = tmp_path / "runs"
+    driven, finished, broken = (copy_run(tiny_run, root / n) for n in ("driven", "finished", "broken"))
+    for run in (driven, finished, broken):
+        mark_preempted(run, 8)
+    _plan(driven, "running")
+    who = Driver(kind="automation", source="resume x on preemption", flow_run_name="resume x").line()
+    done = StageDone(step=5, out="/x", by=Driver(kind="schedule"), time="t")
+    _plan(finished, "completed", 5, exported=done, published=done, note="finished by schedule")
+    (broken / "plan.json").write_text('{"format": 1}')
+    before = {r: (r / "segments.jsonl").read_text() for r in (driven, finished)}
+    with PlanLock(driven).acquire(who):
+        summary = resume(run_dirs=[str(driven), str(finished)], backoff_s=0)
+    items = {Path(i.run_dir).name: i for i in summary.items}
+    assert items["driven"].action == "skipped-locked" and f"already running: its plan is driven by {who}" in \
+        items["driven"].reason
+    assert items["finished"].action == "skipped-done" and "its plan is completed" in items["finished"].reason
+    assert {r: (r / "segments.jsonl").read_text() for r in (driven, finished)} == before
+    state = resume(run_dirs=[str(broken)], backoff_s=0, return_state=True)
+    assert state.is_failed() and f"{broken}/plan.json: not a valid plan" in (state.message or ""), state.message
+
+
+def test_a_run_without_a_plan_resumes_at_its_preempted_segments_world_size() -> None:
+    """No nproc given: the preempted segment's nodes x nproc and launcher (segments.jsonl), not a deploy-time
+    default; what is given wins."""
+    from flows.resume import placement
+    from schemas.requests import ResumeRequest, last_placement
+
+    starts = [{"event": "start", "world_size": 2}, {"event": "start", "world_size": 8, "nodes": 2, "launcher": "slurm"}]
+    state = RunState(run_dir="/r", exists=True, step=5, last_until_step=9, last_status="preempted", **last_placement(starts))
+    plan = placement(state, ResumeRequest(run_dirs=["/r"]))
+    assert (plan.nodes, plan.nproc, plan.launcher, plan.until_step) == (2, 4, "slurm", 9)
+    plan = placement(state, ResumeRequest(run_dirs=["/r"], nproc=3, launcher="local"))
+    assert (plan.nodes, plan.nproc, plan.launcher) == (2, 3, "local")
+    old = RunState(run_dir="/r", exists=True, step=5, last_until_step=9, last_status="preempted",
+                   **last_placement(starts[:1]))  # written before nodes and launcher were recorded
+    assert (placement(old, ResumeRequest(run_dirs=["/r"])).nproc, old.last_nodes, old.last_launcher) == (2, 1, "local")
+
+
+def test_plan_record_reads_beside_its_writer_and_refuses_what_is_not_a_plan(tmp_path: Path) -> None:
+    """plan.json is replaced whole (a reader sees one plan or the other), a FIFO or a huge file is refused in
+    one line, and the plan lock names its holder to the second driver."""
+    import threading
+
+    from ckpt.plan import MAX_PLAN_BYTES, PlanError, PlanLock, read_plan, write_plan
+    from schemas.errors import RunLockedError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    plans = [_plan(run, status) for status in ("running", "handed-over")]
+    stop, seen, errors = threading.Event(), set(), []
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                seen.add(read_plan(run).status)  # type: ignore[union-attr]
+            except Exception as e:  # noqa: BLE001 - any error is the failure
+                errors.append(e)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for i in range(200):
+        write_plan(run, plans[i % 2])
+    stop.set()
+    thread.join()
+    assert not errors and seen == {"running", "handed-over"}
+    with PlanLock(run).acquire("automation 'resume x'"):
+        with pytest.raises(RunLockedError, match="its plan is being driven by automation 'resume x' \\(pid"):
+            PlanLock(run).acquire("schedule")
+        assert PlanLock(run).is_locked()
+    assert not PlanLock(run).is_locked()
+    (run / "plan.json").unlink()
+    os.mkfifo(run / "plan.json")
+    with pytest.raises(PlanError, match="plan.json: not a regular file; remove it"):
+        read_plan(run)
+    (run / "plan.json").unlink()
+    (run / "plan.json").write_text(" " * (MAX_PLAN_BYTES + 1))
+    with pytest.raises(PlanError, match="larger than any plan"):
+        read_plan(run)
 
 
 def test_who_resumes_a_segment() -> None:

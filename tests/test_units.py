@@ -402,7 +402,7 @@ def test_a_rank_error_line_run_into_another_ranks_is_cut_at_the_second() -> None
 
     tail = ["[rank0]: noise", f"{RANK_ERROR_PREFIX} rank 0: run/x: first cause; fix it"
             f"{RANK_ERROR_PREFIX} rank 1: run/x: second cause", "torchrun summary"]
-    assert failing_rank_lines(tail) == "rank 0: run/x: first cause; fix it"
+    assert failing_rank_lines(tail) == "rank 0: run/x: first cause; fix it; rank 1 then failed: run/x: second cause"
 
 
 def test_a_failed_load_is_blamed_on_the_checkpoint_only_for_what_its_bytes_say() -> None:
@@ -583,6 +583,8 @@ def test_the_first_rank_failure_line_outlives_the_output_window() -> None:
     lines = out.lines()
     assert len(lines) == 6 and lines[1:] == [f"tracker: summary line {i}" for i in range(15, 20)]
     assert failing_rank_lines(lines) == "rank 1: ValueError: boom after the loop"
+    # every rank's line is kept with its arrival time, whatever the window: the launcher's account has both
+    assert [t for _, t in out.rank_errors] == ["rank 1: ValueError: boom after the loop", "rank 0: a later consequence"]
     quiet = OutputSplitter(lambda line: None, keep=5)
     quiet.feed(f"{RANK_ERROR_PREFIX} rank 0: failed")
     assert quiet.lines() == [f"{RANK_ERROR_PREFIX} rank 0: failed"]

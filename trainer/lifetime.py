@@ -147,6 +147,8 @@ def guard_rank(argv: list[str]) -> int | None:
             _die(f"its launcher (pid {launcher}) died before the rank started")
         own = proc_stat(launcher)
         launcher_start = own[1] if own else None
+    if launch is not None and launch.stacks_dir:
+        _stacks_on_request(launch.stacks_dir)
     dog = _Watchdog(parent, launcher, launcher_start)
     _DOG[:] = [dog]
     threading.Thread(target=dog.loop, name="shardkeeper-rank-watchdog", daemon=True).start()
@@ -154,4 +156,48 @@ def guard_rank(argv: list[str]) -> int | None:
         return None
     from ckpt.lock import hold_ranks_lock
 
-    return hold_ranks_lock(argv[0])
+    fd = hold_ranks_lock(argv[0])
+    if fd is not None:
+        _not_in_forks(fd)
+    return fd
+
+
+_STACKS: list[object] = []  # the open stacks file: faulthandler writes to its descriptor for the rank's life
+
+
+def _stacks_on_request(folder: str) -> None:
+    """The launcher may ask for this rank's Python stacks (schemas.seam.STACKS_SIGNAL) when it does not stop within
+    its grace: faulthandler writes every thread's stack to ``folder/rank-R.txt`` from the signal handler itself, so
+    it answers even while the main thread waits inside a collective."""
+    import faulthandler
+
+    from schemas.seam import STACKS_SIGNAL
+
+    try:
+        out = open(os.path.join(folder, f"rank-{os.environ.get('RANK', '0')}.txt"), "w")  # noqa: SIM115 - kept open
+    except OSError:
+        return
+    _STACKS[:] = [out]
+    faulthandler.register(STACKS_SIGNAL, file=out, all_threads=True)
+
+
+def _not_in_forks(fd: int) -> None:
+    """A process the rank forks (a multiprocessing helper, a daemon) closes its copy of the ranks lock's descriptor
+    at once: a flock belongs to the open file, so a child that outlived its rank would otherwise hold the run's
+    ``.lock.ranks`` and keep the next segment out. (A fork from C, past Python's at-fork hooks, is left to the
+    launcher, which ends what the ranks leave behind: launch.contain.)"""
+    st = os.fstat(fd)
+    held = [(fd, st.st_dev, st.st_ino)]
+
+    def in_child() -> None:
+        if not held:
+            return
+        lock_fd, dev, ino = held.pop()  # forks of the child: nothing more to close
+        try:
+            now = os.fstat(lock_fd)
+        except OSError:
+            return
+        if (now.st_dev, now.st_ino) == (dev, ino):
+            os.close(lock_fd)
+
+    os.register_at_fork(after_in_child=in_child)

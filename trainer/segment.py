@@ -71,15 +71,21 @@ def run_segment(run_dir: str | Path, until_step: int, segment: int = 0, launch: 
     timeline.begin_segment()
     env = init_distributed(launch)
     timeline.mark("process_group")
+    ended = False
     try:
         rd = RunDir.at(run_dir)
         if stop_agreed(env):  # a SIGTERM during start-up: do not build (and load) a model only to drop it
-            return _preempted_before_build(rd, env, segment)
-        seg = build_segment(rd, until_step, segment, env)
-        timeline.mark("model_built")
-        return seg.run()
+            code = _preempted_before_build(rd, env, segment)
+        else:
+            seg = build_segment(rd, until_step, segment, env)
+            timeline.mark("model_built")
+            code = seg.run()
+        ended = True
+        return code
     finally:
-        if dist.is_initialized():
+        # A failing rank writes its failure line (main) before its process group ends with the process: its peers'
+        # collectives, which fail once it is gone, report that after its line (launch.attribution).
+        if ended and dist.is_initialized():
             dist.destroy_process_group()
 
 

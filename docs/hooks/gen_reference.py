@@ -6,7 +6,7 @@
 * ``reference/cli.md``         every ``shardkeeper`` command and option, from the typer app in ``shardkeeper/cli.py``;
 * ``reference/exit-codes.md``  the ``EXIT_*`` constants of ``schemas/seam.py`` and the error classes of
                                ``schemas/errors.py`` with their exit codes;
-* ``reference/schemas.md``     the manifest, the segment report and the lineage event, field by field;
+* ``reference/schemas.md``     the manifest, the segment report, the lineage event and the plan, field by field;
 * ``benchmarks/plots/NAME.png`` the plots the benches drew beside their tables (``bench/results/NAME.png``), served
                                as they are, so that a benchmark page shows them without a copy in docs/.
 
@@ -306,6 +306,7 @@ def exit_codes_page() -> str:
 
 def schemas_page() -> str:
     from schemas.checkpoint import CheckpointManifest, FileEntry, Fingerprint, TensorEntry, ValidationReport
+    from schemas.plan import Driver, RunPlan, SegmentProgress, StageDone
     from schemas.results import LineageEvent, SegmentResult
     from schemas.seam import SegmentLaunch, SegmentReport
 
@@ -327,6 +328,10 @@ def schemas_page() -> str:
         (SegmentLaunch, "`.segment-launch.json`: what the launcher hands the ranks"),
         (SegmentReport, "`.segment-status.json`: rank 0's report of how the segment ended"),
         (SegmentResult, "what the train stage returns (Prefect task result, `segments.jsonl`)"),
+        (RunPlan, "`plan.json`: a train-and-export flow run's plan and its progress"),
+        (SegmentProgress, "an entry of the plan's `progress`"),
+        (StageDone, "the plan's `exported` and `published`"),
+        (Driver, "who drove the plan or launched a segment (`started_by`, `driver`, `by`)"),
     ):
         parts += [f"## {cls.__name__}", "", f"{where}. {_esc(_doc(cls))}", "", model_table(cls, recurse=False), ""]
     return "\n".join(parts)

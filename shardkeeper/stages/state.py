@@ -11,7 +11,7 @@ from ckpt.lock import RunLock
 from ckpt.memtier import newest_valid_snapshot
 from ckpt.validate import latest_valid
 from schemas.errors import ShardkeeperError
-from schemas.requests import RunState, last_segment
+from schemas.requests import RunState, last_placement, last_segment
 from shardkeeper.stages.where import is_remote
 
 
@@ -30,12 +30,14 @@ def run_state(run_dir: str | Path) -> RunState:
     if snap is not None and (found is None or snap[1].step > found[1].step):
         found, tier = snap, "memory"
     locked = RunLock(rd.root).is_locked()
-    last_status, last_until_step = last_segment(read_jsonl(rd.segments), locked=locked)
+    records = read_jsonl(rd.segments)
+    last_status, last_until_step = last_segment(records, locked=locked)
     return RunState(
         run_dir=str(rd.root), exists=True, checkpoint=str(found[0]) if found else None,
         step=found[1].step if found else 0,
         world_size=found[1].topology.world_size if found else None, tier=tier if found else None,
         last_status=last_status, last_until_step=last_until_step, locked=locked,
+        **last_placement(records),
     )
 
 

@@ -135,7 +135,7 @@ def next_segment_index(run_dir: RunDir) -> int:
 def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology, until_step: int, *,
                   timeout_s: float | None = None, sink: Callable[[str], None] | None = None,
                   restart: bool = False, cancel_check: Callable[[], bool] | None = None,
-                  launcher_options: dict | None = None, warm_up: bool = False) -> SegmentResult:
+                  launcher_options: dict | None = None, warm_up: bool = False, by: str | None = None) -> SegmentResult:
     """Run one segment under the run lock: resume from the latest valid checkpoint, train, commit.
 
     A run whose checkpoints are all invalid is refused (never restarted silently); ``restart`` moves them
@@ -150,7 +150,10 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
 
     ``warm_up`` (the CLI's train): the checkpoint readers are imported in a thread while the ranks train. Off for
     callers that may import in other threads meanwhile (a library user's, a flow's): CPython 3.11 can fail a
-    submodule import that races a first import of its package in another thread."""
+    submodule import that races a first import of its package in another thread.
+
+    ``by``: who launched the segment (a flow: which flow run, started by whom), recorded in segments.jsonl and in
+    the segment's lineage event."""
     remote = remote_run(run_dir)  # s3://...: the ranks train in its local cache, shardkeeper.remote mirrors it
     if remote is not None:
         run_dir = remote.local.root
@@ -175,8 +178,10 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         _persist_memory(spec, rd, sink)  # a snapshot newer than storage that a dead launcher left in memory
         before = _resume_point(rd, seg, restart)
         start_step = before[1].step if before else 0
+        who = {"by": by} if by else {}
         append_jsonl(rd.segments, {"event": "start", "segment": seg, "until_step": until_step, "start_step": start_step,
-                                   "world_size": topology.world_size, "time": lineage.now_iso()})
+                                   "world_size": topology.world_size, "nodes": topology.nodes,
+                                   "launcher": topology.launcher, "time": lineage.now_iso(), **who})
         launcher = get_launcher(topology.launcher, **(launcher_options or {}))
         req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s,
                             restart=restart, cancel_check=_or_lease_lost(cancel_check, mirror), data=prepared)
@@ -204,7 +209,7 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         lineage.record(rd, "segment", f"segment:{seg}", parent=(f"checkpoint:step-{start_step:08d}" if before else None),
                        step=result.end_step, status=result.status, world_size=topology.world_size,
                        seconds=round(result.seconds, 2), until_step=until_step, launcher=topology.launcher,
-                       nodes=topology.nodes, **scheduler, **execution,
+                       nodes=topology.nodes, **scheduler, **execution, **who,
                        **_times_record(result.times))
     if remote is not None:
         from shardkeeper.remote import remote_result
@@ -345,7 +350,7 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
         # Cancellation wins even over a segment that completed meanwhile: nothing further may start.
         status = "cancelled"
         if rank_status is None:
-            note = _unreported_note(after)
+            note = _stuck(outcome, _unreported_note(after))
     elif rank_status:
         status = rank_status
     elif ((outcome.stop_requested or outcome.scheduler_preempted) and (outcome.exit_code != 0 or outcome.stop_signal is not None)
@@ -353,7 +358,7 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
         # Asked to stop before the ranks could report (still starting up, or killed after the grace
         # period): nothing was lost that a checkpoint held; the next segment resumes from the latest one.
         status = "preempted"
-        note = outcome.note or _unreported_note(after)
+        note = _stuck(outcome, outcome.note or _unreported_note(after))
     elif reported is None and _refused_before_first_step(rd, seg, start_step, after, outcome):
         status = "refused"
     else:
@@ -421,6 +426,11 @@ def _script_traceback(rd: RunDir) -> str | None:
         return None
 
 
+def _stuck(outcome: LaunchOutcome, note: str) -> str:
+    """A stop the ranks could not complete within the grace: which rank the others waited for, then the note."""
+    return f"{outcome.stuck}; {note}" if outcome.stuck else note
+
+
 def _unreported_note(after: tuple[Path, CheckpointManifest] | None) -> str:
     if after is None:
         return "stopped before the ranks reported, with nothing trained: no checkpoint; the next segment starts clean"
@@ -435,4 +445,6 @@ def _failure(outcome: LaunchOutcome) -> str:
 
         name = signal.Signals(-outcome.exit_code).name if -outcome.exit_code in signal.Signals._value2member_map_ else str(-outcome.exit_code)
         return f"torchrun was killed by {name} and its ranks with it; rerun the same command to resume from the latest valid checkpoint"
-    return ("timed out; " if outcome.timed_out else "") + failing_rank_lines(outcome.tail)
+    if outcome.failure is None and outcome.exit_code == 0:  # torchrun saw no failure, and the ranks reported no end
+        return "the ranks exited with code 0 before their segment ended, and none said why"
+    return ("timed out; " if outcome.timed_out else "") + (outcome.failure or failing_rank_lines(outcome.tail))

@@ -488,7 +488,8 @@ def test_failing_rank_lines_prefers_the_ranks_one_line_cause() -> None:
             f"{RANK_ERROR_PREFIX} rank 1: RuntimeError: boom; see the rank's traceback",
             f"{RANK_ERROR_PREFIX} rank 0: RuntimeError: connection closed by peer",
             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"]
-    assert failing_rank_lines(tail) == "rank 1: RuntimeError: boom; see the rank's traceback"
+    assert failing_rank_lines(tail) == ("rank 1: RuntimeError: boom; see the rank's traceback; rank 0 then failed: "
+                                        "connection closed by peer")
     # a rank killed by a signal prints nothing: torchrun's failure line is turned into one sentence naming it
     killed = ["E1127 16:58:28.185000 3911 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) "
               "local_rank: 1 (pid: 3943) of binary: /usr/bin/python"]

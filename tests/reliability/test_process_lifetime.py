@@ -43,7 +43,7 @@ BIG = 100_000  # an until_step the tests never reach
 def _kill_and_expect_failure(run: Path, victim: str) -> tuple[subprocess.CompletedProcess, float, str]:
     """Start a segment, SIGKILL one of its processes (``victim``: "startup-rank", a rank that has not reached
     rendezvous while its peer waits there; "torchrun", once it trains); return the CLI's result, its seconds after the kill
-    and how the victim would be named ("local rank R (pid P)")."""
+    and how the victim would be named ("rank R (pid P)")."""
     proc = start_train(run, BIG)
     try:
         if victim == "startup-rank":  # one rank waits in rendezvous for the other, which dies before it gets there
@@ -53,7 +53,7 @@ def _kill_and_expect_failure(run: Path, victim: str) -> tuple[subprocess.Complet
             wait_training(run, steps=(len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0) + 2)
             targets = segment_processes(run, "torchrun")
         assert targets, f"no {victim} process found"
-        named = f"local rank {targets[-1].environ().get('LOCAL_RANK')} (pid {targets[-1].pid})"
+        named = f"rank {targets[-1].environ().get('RANK')} (pid {targets[-1].pid})"
         os.kill(targets[-1].pid, signal.SIGKILL)
         killed_at = time.monotonic()
         out, err = proc.communicate(timeout=120)
@@ -207,6 +207,14 @@ def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(pref
         assert end["checkpoint"] and validate(end["checkpoint"], deep=True).valid  # the ranks committed first
         time.sleep(3)
         assert [r["event"] for r in segment_records(run)] == ["start", "end"]
+        from ckpt.plan import PlanLock, read_plan
+        from flows.resume import resume
+
+        plan = read_plan(run)  # the plan says so too, its lock is free, and no resumer takes it up
+        assert plan is not None and plan.status == "cancelled" and "cancelled at step" in plan.note, plan
+        assert not PlanLock(run).is_locked()
+        (item,) = resume(run_dirs=[str(run)], backoff_s=0).items
+        assert item.action == "skipped-done" and "its plan was cancelled" in item.reason, item
     finally:
         os.killpg(serve.pid, signal.SIGINT)
         try:
@@ -236,18 +244,17 @@ def _commit_after_the_launcher_died(tmp: str) -> list[object]:
     from trainer.ckpt_common import TrainState
     from trainer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
-    from trainer.model import build_model, model_signature, shard_model
+    from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
     from tests.harness import tiny_spec
 
     env = init_distributed()
     spec = tiny_spec()
     model = build_model(spec)
-    sig = model_signature(spec.model, model)
     shard_model(model, env.mesh, spec)
     run = RunDir.at(Path(tmp) / "run")
     run.root.mkdir()
-    ck = DCPCheckpointer(run, spec, model, build_optimizer(model, spec), env, segment=0, signature=sig)
+    ck = DCPCheckpointer(run, spec, model, build_optimizer(model, spec), env, segment=0)
     ck.save(TrainState(step=2), reason="interval", blocking=True)  # the launcher alive: committed
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
     while not is_zombie(zombie.pid):

@@ -1,0 +1,361 @@
+"""A failed segment's line names the rank that failed first and how; what a script's ranks start is contained in
+the segment and ended with it; a run is never locked by a dead segment's leftovers.
+
+Launches (real CLI, real torchrun, 2 ranks of tests/scripts/failure_modes.py, two at a time): rank 1 SIGKILLed,
+ranks of different widths, every rank os._exit(0) inside the loop, rank 1 out of memory (a real OOM kill in a
+memory cgroup where this process may make one), a rank that forks a SIGTERM-ignoring daemon then the same run
+trained again, and (through the stage function, with a short grace) a rank that hangs while its peer waits in a
+collective and the segment is cancelled. The rest runs no launch: torchrun's summary and the ranks' lines read
+back, the subreaper, the ranks lock in forked children, stack dumps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from tests.harness import ROOT, outcome, side_by_side
+
+SCRIPT = ROOT / "tests" / "scripts" / "failure_modes.py"
+
+
+def _train(run: Path, until: int, *script_args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDKEEPER_DEVICE": "cpu", "SHARDKEEPER_PROGRESS_S": "0",
+            "COLUMNS": "400", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--script", str(SCRIPT), "--run-dir", str(run),
+                           "--until-step", str(until), "--nproc", "2", "--", *script_args], capture_output=True,
+                          text=True, env=full, cwd=ROOT, timeout=400)
+
+
+def _error_line(res: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error: segment")]
+    assert res.returncode == 1 and len(lines) == 1, res.stderr[-3000:]
+    return lines[0]
+
+
+def memory_cgroup_here() -> bool:
+    """Can a process here make a child memory cgroup of its own (root, or a delegated cgroup v2 subtree)? Then
+    failure_modes.py --mode oom is killed by the kernel's real OOM killer."""
+    from launch.oom import _mounts
+
+    v2, v1 = _mounts()
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        base = (Path(v2) / path.lstrip("/") if controllers == "" and v2 else
+                Path(v1) / path.lstrip("/") if "memory" in controllers.split(",") and v1 else None)
+        if base is None:
+            continue
+        probe = base / f"shardkeeper-probe-{os.getpid()}"
+        try:
+            probe.mkdir()
+        except OSError:
+            continue
+        probe.rmdir()
+        return True
+    return False
+
+
+def _remove_oom_cgroups() -> None:
+    """The empty memory cgroups failure_modes.py --mode oom made (its rank died in them)."""
+    for pattern in ("/sys/fs/cgroup/**/shardkeeper-oom-*", "/sys/fs/cgroup/memory/**/shardkeeper-oom-*"):
+        for d in Path("/").glob(pattern.lstrip("/")):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+
+def _hang_cancelled(run: Path) -> object:
+    """Rank 1 sleeps inside the loop while rank 0 waits for it in a collective; the segment is cancelled once two
+    steps are logged (the launcher's stop path: SIGTERM to torchrun, SIGKILL at the end of a 6 s grace)."""
+    from shardkeeper.config import train_spec
+    from shardkeeper.stages import plan_topology, train_segment
+
+    spec = train_spec(None, [], str(run), script=str(SCRIPT), script_args=["--mode", "hang", "--sleep", "0.1"])
+    rows = run / "metrics.jsonl"
+    seen: list[float] = []
+
+    def cancel() -> bool:
+        if rows.exists() and len(rows.read_text().splitlines()) >= 2:
+            seen.append(time.monotonic())
+        return bool(seen) and time.monotonic() - seen[0] > 2.0
+
+    return train_segment(spec, run, plan_topology(spec, 2, device="cpu"), 1000, sink=lambda line: None,
+                         cancel_check=cancel, launcher_options={"grace_s": 6})
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    base = tmp_path_factory.mktemp("failures")
+    oom = memory_cgroup_here()
+    short_grace = partial(_train, env={"SHARDKEEPER_LEFTOVER_GRACE_S": "2"})  # for what the rank leaves behind
+    chains = [
+        [("kill", _train, base / "kill", 6, "--mode", "kill", "--rank", "1")],
+        [("widths", _train, base / "widths", 6, "--mode", "widths", "--rank", "1")],
+        [("exit0", _train, base / "exit0", 6, "--mode", "exit0", "--rank", "-1")],
+        [("oom", _train, base / "oom", 6, "--mode", "oom", "--rank", "1")],
+        [("orphan", short_grace, base / "orphan", 4, "--mode", "orphan", "--rank", "1", "--orphan-pid-file",
+          str(base / "orphan.pid")),
+         ("orphan-next", short_grace, base / "orphan", 6)],
+        [("hang", _hang_cancelled, base / "hang")],
+    ]
+    try:
+        results = side_by_side(chains, 2)
+    finally:
+        _remove_oom_cgroups()
+    return {"base": base, "oom_cgroup": oom, **results}
+
+
+def test_a_killed_rank_is_named_with_its_signal_and_its_peer_only_as_a_consequence(launched: dict) -> None:
+    res = outcome(launched, "kill")
+    line = _error_line(res)
+    assert "rank 1 (pid " in line and ") was killed by SIGKILL (" in line, line
+    assert "rank 0 then failed: connection" in line, line  # the survivor's gloo error, as what followed
+    assert line.index("rank 1 (pid") < line.index("rank 0 then failed")
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]  # no survivor's torch traceback shown as the cause
+
+
+def test_ranks_of_different_widths_name_the_rank_that_aborted_with_glooss_message(launched: dict) -> None:
+    line = _error_line(outcome(launched, "widths"))
+    assert "rank 0 (pid " in line, line
+    assert "died of SIGABRT: terminate called after throwing gloo::EnforceNotMet" in line, line
+    assert "collective mismatch" in line and "rank 1 then failed: connection" in line, line
+
+
+def test_ranks_that_exit_0_inside_the_loop_are_named_as_such(launched: dict) -> None:
+    line = _error_line(outcome(launched, "exit0"))
+    assert "exited with code 0 before its segment ended" in line, line
+    assert ("rank 0 (pid" in line and "rank 1 then exited with code 0" in line) or \
+           ("rank 1 (pid" in line and "rank 0 then exited with code 0" in line), line
+
+
+def test_an_out_of_memory_rank_is_named_with_what_the_kernel_says(launched: dict) -> None:
+    res = outcome(launched, "oom")
+    line = _error_line(res)
+    assert "rank 1 (pid " in line, line
+    if launched["oom_cgroup"]:  # a real OOM kill: the kernel log names it (root), or its cgroup counted it
+        assert ("was killed by the kernel's OOM killer (SIGKILL; kernel log: " in line
+                or "most likely by the kernel's OOM killer" in line), line
+        assert "ran out of memory: lower the memory each rank needs" in line, line
+    else:  # the rank SIGKILLed itself (no memory cgroup to limit it in): no OOM may be claimed
+        assert "was killed by SIGKILL (" in line and "the kernel's OOM killer (SIGKILL" not in line, line
+
+
+def test_what_a_rank_leaves_behind_ends_with_the_segment_and_never_locks_the_run(launched: dict) -> None:
+    first, nxt = outcome(launched, "orphan"), outcome(launched, "orphan-next")
+    assert first.returncode == 0, first.stderr[-3000:]
+    pid = int((launched["base"] / "orphan.pid.1").read_text())
+    said = [ln for ln in first.stderr.splitlines() if "outlived them" in ln or "after SIGTERM" in ln]
+    assert len(said) == 2 and f"pid {pid} (from rank 1: " in said[0] and "SIGKILL after 2 s" in said[0], said
+    assert f"pid(s) {pid} still running 2 s after SIGTERM: SIGKILL" in said[1], said  # it ignored SIGTERM
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] in "ZX"
+    assert nxt.returncode == 0, nxt.stderr[-3000:]  # the next train of the run is not refused
+    assert "segment 1 completed: steps 4 -> 6" in nxt.stderr, nxt.stderr[-2000:]
+
+
+def test_a_rank_that_hangs_while_its_peer_waits_is_named_from_its_stack(launched: dict) -> None:
+    res = outcome(launched, "hang")
+    assert res.status == "cancelled", res
+    assert res.note.startswith("the ranks did not stop within the 6 s grace and were killed: rank 1 was at "
+                               "failure_modes.py line "), res.note
+    assert "in misbehave, outside any collective, so the others waited for it (rank 0 in " in res.note, res.note
+
+
+# ------------------------------------------------------------------------------------------------ without a launch
+SUMMARY = """\
+E1204 15:56:25.019000 12180 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -6) \
+local_rank: 0 (pid: 12185) of binary: /usr/bin/python
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+trainer.segment FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-04_15:56:25
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 2 (pid: 12186)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-04_15:56:25
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -6 (pid: 12185)  (SIGABRT)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 12185
+============================================================"""
+ABORT = ["terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+         "  what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 170 vs 114. Is there a distributed "
+         "collective mismatch in your code?"]
+
+
+def test_torchruns_summary_and_the_ranks_lines_read_back_from_the_output_alone() -> None:
+    """What a Slurm job's output gives: torchrun's blocks (exit code per rank), the ranks' lines, a C++ abort."""
+    from launch.base import failing_rank_lines
+    from schemas.seam import RANK_ERROR_PREFIX
+
+    survivor = (f"{RANK_ERROR_PREFIX} rank 1: x.py line 9: RuntimeError: [pair.cc:537] Read error: Connection reset by "
+                "peer")
+    line = failing_rank_lines([*ABORT, survivor, *SUMMARY.splitlines()])
+    assert line == ("rank 0 (pid 12185) died of SIGABRT: terminate called after throwing gloo::EnforceNotMet: "
+                    "[enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 170 vs 114. Is there a distributed "
+                    "collective mismatch in your code?; rank 1 then failed: connection reset by peer"), line
+
+
+def test_the_launchers_own_times_outrank_torchruns_one_second_root_cause() -> None:
+    """torchrun stamps failures to the second and breaks ties by local rank: here it calls rank 0 the root cause,
+    while the launcher saw rank 1 end 40 ms before rank 0's line arrived."""
+    from launch.attribution import RankEnd, failure_line, merge, torchrun_ends
+
+    summary = SUMMARY.replace("exitcode  : 2 (pid: 12186)", "exitcode  : -9 (pid: 12186)").replace(
+        "exitcode  : -6 (pid: 12185)  (SIGABRT)", "exitcode  : 1 (pid: 12185)")
+    observed = [RankEnd(rank=0, pid=12185, ended_at=10.30), RankEnd(rank=1, pid=12186, ended_at=10.00)]
+    ends = merge(torchrun_ends(summary.splitlines()), [(10.04, "rank 0: x.py line 3: RuntimeError: Socket Timeout")],
+                 observed)
+    assert [e.torchrun_first for e in ends] == [True, False]
+    assert failure_line(ends).startswith("rank 1 (pid 12186) was killed by SIGKILL (by the OOM killer or from outside: "
+                                         "not known here); rank 0 then failed: timed out waiting in a collective")
+    # a cause of its own beats an earlier consequence; a rank torchrun stopped is named as stopped
+    ends = [RankEnd(rank=0, exitcode=1, line="rank 0: ValueError: bad batch", line_at=2.0),
+            RankEnd(rank=1, exitcode=1, line="rank 1: RuntimeError: Connection closed by peer", line_at=1.0),
+            RankEnd(rank=2, exitcode=-15, ended_at=3.0)]
+    assert failure_line(ends) == ("rank 0: ValueError: bad batch; rank 1 then failed: connection closed by peer; "
+                                  "torchrun then stopped rank 2")
+    # exit 0 is a failure only when the segment did not end
+    zero = [RankEnd(rank=0, pid=7, exitcode=0, ended_at=1.0), RankEnd(rank=1, exitcode=1, line="rank 1: boom",
+                                                                      line_at=2.0)]
+    assert failure_line(zero).startswith("rank 0 (pid 7) exited with code 0 before its segment ended; rank 1 then")
+    assert failure_line(zero, completed=True) == "rank 1: boom"
+    # a rank seen to end whose status torchrun reaped first, and which torchrun does not list as failed: exit 0
+    unread = merge(torchrun_ends(summary.splitlines()), [], [RankEnd(rank=2, pid=99, ended_at=9.0)])
+    assert [e.exitcode for e in unread if e.rank == 2] == [0]
+
+
+STACK_WAITING = """\
+Thread 0x00007ff3fa3a36c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/repo/trainer/lifetime.py", line 113 in loop
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007ff3fc3d1b80 (most recent call first):
+  File "/v/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 4394 in all_gather_single
+  File "/v/lib/python3.11/site-packages/torch/distributed/fsdp/_fsdp_collectives.py", line 364 in foreach_all_gather
+  File "/v/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1778 in _wrapped_call_impl
+  File "/home/u/train.py", line 115 in <module>
+  File "<frozen runpy>", line 88 in _run_code
+  File "/repo/trainer/segment.py", line 244 in <module>
+  File "<frozen runpy>", line 198 in _run_module_as_main
+"""
+STACK_SLEEPING = """\
+Current thread 0x00007fd8aabbdb80 (most recent call first):
+  File "/home/u/train.py", line 100 in misbehave
+  File "/home/u/train.py", line 113 in <module>
+  File "<frozen runpy>", line 88 in _run_code
+  File "/repo/trainer/segment.py", line 244 in <module>
+"""
+
+
+def test_ranks_that_did_not_stop_are_named_from_their_stacks() -> None:
+    from launch.attribution import stuck_line
+
+    assert stuck_line({0: STACK_WAITING, 1: STACK_SLEEPING}, 60) == (
+        "the ranks did not stop within the 60 s grace and were killed: rank 1 was at train.py line 100 in misbehave, "
+        "outside any collective, so the others waited for it (rank 0 in all_gather_single called at train.py line "
+        "115 in <module>)")
+    assert "every rank waited in a collective" in stuck_line({0: STACK_WAITING, 1: STACK_WAITING}, 60)
+    assert stuck_line({0: "garbage"}, 60) is None
+
+
+DAEMON = """\
+import os, signal, sys, time
+if os.fork() == 0:
+    if os.fork() == 0:
+        os.setsid()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print(os.getpid(), flush=True)
+        time.sleep(600)
+    os._exit(0)
+time.sleep(0.5)
+"""
+
+
+def test_the_subreaper_ends_a_daemon_that_left_its_parent_and_ignores_sigterm(tmp_path: Path) -> None:
+    """launch.contain around a module whose child double-forks into its own session, ignoring SIGTERM: the
+    daemon is re-parented to the wrapper, not to init, and is SIGKILLed after the grace; the wrapper returns only
+    once it is gone."""
+    (tmp_path / "daemonizer.py").write_text(DAEMON)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "SHARDKEEPER_LEFTOVER_GRACE_S": "1"}
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "launch.contain", "daemonizer"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    took = time.monotonic() - t0
+    pid = int(res.stdout.split()[0])
+    assert res.returncode == 0, res.stderr
+    assert f"pid {pid} (" in res.stderr and "launch.contain daemonizer" in res.stderr, res.stderr
+    assert "SIGKILL after 1 s" in res.stderr, res.stderr
+    assert f"pid(s) {pid} still running 1 s after SIGTERM: SIGKILL" in res.stderr, res.stderr
+    assert not Path(f"/proc/{pid}").exists(), "the daemon outlived the wrapper"
+    assert took < 30, took
+
+
+def test_a_forked_child_never_holds_the_ranks_lock_and_a_holder_is_named(tmp_path: Path) -> None:
+    """A rank's forked child closes its copy of .lock.ranks (trainer.lifetime): once the rank is gone, the run lock
+    is taken at once although the child still runs. A process that does hold it (a fork from C, past Python's
+    hooks) is named with its pid and command, with how to stop it."""
+    from ckpt.lock import RunLock
+    from schemas.errors import RunLockedError
+
+    code = (f"import os, sys, time; sys.path.insert(0, {str(ROOT)!r}); from ckpt.lock import hold_ranks_lock; "
+            "from trainer.lifetime import _not_in_forks; fd = hold_ranks_lock(sys.argv[1]); "
+            "_not_in_forks(fd) if sys.argv[2] == 'python' else None; pid = os.fork()\n"
+            "if pid == 0:\n    time.sleep(60)\nprint(pid, flush=True)")
+    for how in ("python", "unguarded"):
+        run = tmp_path / how
+        run.mkdir()
+        rank = subprocess.Popen([sys.executable, "-c", code, str(run), how], stdout=subprocess.PIPE, text=True)
+        child = int(rank.stdout.readline())  # the child keeps the pipe open: not read to its end
+        rank.wait(timeout=60)
+        rank.stdout.close()
+        try:
+            if how == "python":
+                RunLock(run, ranks_wait_s=0.5).acquire().release()  # the rank has exited: nothing holds it
+            else:
+                with pytest.raises(RunLockedError) as e:
+                    RunLock(run, ranks_wait_s=0.5).acquire()
+                msg = str(e.value)
+                assert f"pid {child}: started by a rank (" in msg and f"kill {child}; kill -9 {child}" in msg, msg
+        finally:
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_sigkilled_launchers_stacks_folder_is_swept_by_the_next_launch() -> None:
+    """The folder the ranks write their stacks to is removed when the launch ends; one a SIGKILLed launcher left
+    behind (its pid gone) is removed by the next launch, a live launcher's is kept."""
+    import tempfile
+
+    from launch.local import STACKS_PREFIX, _stacks_dir
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    root = Path(tempfile.gettempdir())
+    dead, live = root / f"{STACKS_PREFIX}{gone.pid}-x", root / f"{STACKS_PREFIX}{os.getppid()}-x"
+    dead.mkdir()
+    live.mkdir()
+    try:
+        fresh = Path(_stacks_dir())
+        assert fresh.is_dir() and not dead.exists() and live.is_dir()
+        fresh.rmdir()
+    finally:
+        for d in (dead, live):
+            if d.exists():
+                d.rmdir()
