@@ -735,8 +735,9 @@ def mutate_layout(ckpt: Path, ops: list, outside: Path) -> None:
                 tag.rename(ckpt / name)
             elif op[1] == "decoy":
                 shutil.copytree(tag, ckpt / name, dirs_exist_ok=True)
-            elif op[1] == "nest":
-                shutil.copytree(tag, tag / tag.name)
+            elif op[1] == "nest" and not os.path.lexists(tag / tag.name):
+                shutil.copytree(tag, outside / "nest")  # never into itself: a copy of a tree it is copying
+                shutil.move(str(outside / "nest"), tag / tag.name)
             else:
                 outside.mkdir(parents=True, exist_ok=True)
                 shutil.move(str(tag), outside / tag.name)
@@ -1483,8 +1484,13 @@ def memory_validate(program: dict, tmp: Path) -> dict:
     if not snap.is_dir():
         return result("refused", "the snapshot's directory is gone")
 
-    def valid_ok() -> str | None:
-        return "renamed" if snap.name != fc.step_name(fc.SNAP_STEP) else _snapshot_ok(snap, facts)
+    def valid_ok() -> str | None:  # a directory name carrying no step says nothing validation could contradict
+        from ckpt.layout import parse_step
+
+        named = parse_step(snap.name.split(".", 1)[0])
+        if named not in (None, fc.SNAP_STEP) or snap.name.endswith(".partial"):
+            return f"renamed {snap.name}"
+        return _snapshot_ok(snap, facts)
     return judge_validate(snap, tmp, identical=facts["intact"], valid_ok=valid_ok)
 
 
@@ -1559,7 +1565,7 @@ def memory_persist(program: dict, tmp: Path) -> dict:
         return result("other", f"persisted a snapshot whose run identity changed: {final}")
     if tree_digest(final) != snap_now:
         return result("other", "the persisted checkpoint's bytes are not the snapshot's")
-    why = "renamed" if snap.name != fc.step_name(fc.SNAP_STEP) else _snapshot_ok(snap, facts)
+    why = f"renamed {snap.name}" if snap.name != fc.step_name(fc.SNAP_STEP) else _snapshot_ok(snap, facts)
     if why:
         return result("other", f"persisted a changed snapshot: {why}")
     return result("correct", f"persisted {final.name}, the snapshot's bytes")
