@@ -677,6 +677,27 @@ def _special(path: Path, kind: str) -> None:
             f.truncate(1 << 30)  # no block allocated: reading it whole would take a GiB of memory
 
 
+def _copy_tree(src: Path, dst: Path) -> None:
+    """``src``'s entries copied over ``dst`` as they are (shutil.copytree cannot copy a fifo an earlier mutation
+    made, and follows links -- into a loop, or reading /dev/zero): links copied as links, never followed, fifos
+    made anew, whatever was at a name replaced."""
+    if not dst.is_dir() or dst.is_symlink():
+        _remove(dst)
+        dst.mkdir(parents=True)
+    for entry in os.scandir(src):
+        s, d = Path(entry.path), dst / entry.name
+        if entry.is_dir(follow_symlinks=False):
+            _copy_tree(s, d)
+            continue
+        _remove(d)
+        if entry.is_symlink():
+            d.symlink_to(os.readlink(s))
+        elif entry.is_file(follow_symlinks=False):
+            shutil.copy2(s, d)
+        elif stat.S_ISFIFO(entry.stat(follow_symlinks=False).st_mode):
+            os.mkfifo(d)
+
+
 def mutate_latest(ckpt: Path, ops: list, outside: Path) -> None:
     path = ckpt / "latest"
     for op in ops:
@@ -735,9 +756,9 @@ def mutate_layout(ckpt: Path, ops: list, outside: Path) -> None:
             if op[1] == "rename":
                 tag.rename(ckpt / name)
             elif op[1] == "decoy":
-                shutil.copytree(tag, ckpt / name, dirs_exist_ok=True)
+                _copy_tree(tag, ckpt / name)
             elif op[1] == "nest" and not os.path.lexists(tag / tag.name):
-                shutil.copytree(tag, outside / "nest")  # never into itself: a copy of a tree it is copying
+                _copy_tree(tag, outside / "nest")  # never into itself: a copy of a tree it is copying
                 shutil.move(str(outside / "nest"), tag / tag.name)
             else:
                 outside.mkdir(parents=True, exist_ok=True)
@@ -1305,7 +1326,10 @@ def forged_ok(ck: Path, seed: dict[str, Any], reference: Callable[[Path], tuple[
 
 
 def data_and_claims(ck: Path, seed_digest: dict[str, str], seed_manifest: bytes) -> str | None:
-    """None when every file but the manifest is the seed's and the manifest says the same of them."""
+    """None when every file but the manifest is the seed's and the manifest, a regular file of the checkpoint's own
+    (a link's bytes live elsewhere and can change after any verdict), says the same of them."""
+    if (ck / "manifest.json").is_symlink():
+        return "manifest.json is a symlink"
     now = {k: v for k, v in tree_digest(ck).items() if k != "manifest.json"}
     if now != {k: v for k, v in seed_digest.items() if k != "manifest.json"}:
         return "data files changed"

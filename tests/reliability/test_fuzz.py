@@ -26,16 +26,21 @@ REGRESSIONS: dict[str, list[dict]] = {
     # a storage record whose file name is None: import sorted the names first (an internal error)
     "metadata": [{"ops": [["record_path", 0, 10]], "forged": True}],
     # manifest.json bytes that are not UTF-8: validate's "check the arguments", a resume's UnicodeDecodeError
-    "manifest": [{"ops": [["raw_insert", 205, 255]]}],
+    "manifest": [{"ops": [["raw_insert", 205, 255]]},
+                 # source_world_size recorded on a checkpoint that is no conversion: validate --deep said valid
+                 {"ops": [["set", 7883, ["int", 2]], ["file_dup", 71]]}],
     # rank 1's file declaring ZeRO stage 0 beside rank 0's 2: validate --deep said valid
     "deepspeed": [{"ops": [["stage", 1, ["int", 0]]], "forged": True}],
     # a sparse GiB as `latest`: import must read a bounded prefix (the fuzzer's own edit once read it whole)
     "latest": [{"ops": [["kind", "sparse"], ["raw_trunc", 39]]}],
-    "layout": [],
+    # a fifo inside the tag the mutation copies as a decoy (the fuzzer's own copy once failed on it)
+    "layout": [{"ops": [["special", 40784, "fifo"], ["tag", "decoy", 0], ["tag", "decoy", 0]]}],
     # a fifo in a snapshot (the persist waited on it), tier.json a fifo (resume and persist waited) or a JSON
-    # list, .run-id not UTF-8 (resume and persist crashed)
+    # list, .run-id not UTF-8 (resume and persist crashed), manifest.json a symlink to a copy outside the snapshot
+    # (validate said valid, the persist committed the bytes it found there)
     "memory": [{"ops": [["file", 1, "fifo", 0]]}, {"ops": [["tier", "fifo"]]}, {"ops": [["tier", "list"]]},
-               {"ops": [["run_id", "garbage"]]}],
+               {"ops": [["run_id", "garbage"]]},
+               {"ops": [["manifest", [["file_dup", 106]]], ["file", 1091, "link_outside", 5061]]}],
 }
 
 
