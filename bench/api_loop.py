@@ -23,7 +23,9 @@ a = p.parse_args()
 
 seg = sk.Segment()
 torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(a.width, a.width), torch.nn.GELU()) for _ in range(4)])
+model = torch.nn.Sequential(
+    *[torch.nn.Sequential(torch.nn.Linear(a.width, a.width), torch.nn.GELU()) for _ in range(4)]
+)
 for block in model:
     fully_shard(block, mesh=seg.mesh)
 fully_shard(model, mesh=seg.mesh)
@@ -47,7 +49,7 @@ def bare() -> list[float]:
         t = time.perf_counter()
         one_step(step)
         times.append(time.perf_counter() - t)
-    return times[a.warm:]
+    return times[a.warm :]
 
 
 def api() -> list[float]:
@@ -58,7 +60,7 @@ def api() -> list[float]:
             times.append(time.perf_counter() - t)
         t = time.perf_counter()
         seg.log(loss=one_step(step))
-    return times[a.warm - 1:]
+    return times[a.warm - 1 :]
 
 
 seg.track(model=model, optimizer=opt)

@@ -30,9 +30,31 @@ def run(order: str, steps: int, width: int, work: Path, i: int) -> dict[str, lis
     out = work / f"times-{i}.json"
     run_dir = work / f"run-{i}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "shardkeeper", "train", "--script", str(LOOP), "--run-dir", str(run_dir),
-           "--until-step", str(steps + 10), "--nproc", "2", "--set", f"checkpoint.interval={steps * 10}", "--",
-           "--order", order, "--steps", str(steps), "--width", str(width), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardkeeper",
+        "train",
+        "--script",
+        str(LOOP),
+        "--run-dir",
+        str(run_dir),
+        "--until-step",
+        str(steps + 10),
+        "--nproc",
+        "2",
+        "--set",
+        f"checkpoint.interval={steps * 10}",
+        "--",
+        "--order",
+        order,
+        "--steps",
+        str(steps),
+        "--width",
+        str(width),
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     return json.loads(out.read_text())
 
@@ -51,13 +73,17 @@ def main() -> None:
         for side in ("bare", "api"):
             medians[side].append(statistics.median(times[side]) * 1e3)
         ratio.append(medians["api"][-1] / medians["bare"][-1])
-    rows = [["bare loop (torch.distributed only)", fmt(medians["bare"]), ""],
-            ["same loop through sk.Segment (steps + log)", fmt(medians["api"]), fmt(ratio, 4) + "x"]]
+    rows = [
+        ["bare loop (torch.distributed only)", fmt(medians["bare"]), ""],
+        ["same loop through sk.Segment (steps + log)", fmt(medians["api"]), fmt(ratio, 4) + "x"],
+    ]
     body = md_table(["loop", "median step ms, median (min-max) of launches", "ratio api / bare"], rows, "lrr")
     over = (statistics.median(ratio) - 1) * 100
-    body += (f"\n\n{a.reps} launches, each timing {a.steps} steps bare and {a.steps} through the API after 10 warm-up "
-             f"steps each, in alternating order; 2 ranks, 4 x Linear({a.width}) FSDP2 blocks, batch 32, AdamW, no "
-             f"checkpoint in the timed steps. Overhead: {over:+.2f} % (goal <= 1 %: {'met' if over <= 1 else 'missed'}).")
+    body += (
+        f"\n\n{a.reps} launches, each timing {a.steps} steps bare and {a.steps} through the API after 10 warm-up "
+        f"steps each, in alternating order; 2 ranks, 4 x Linear({a.width}) FSDP2 blocks, batch 32, AdamW, no "
+        f"checkpoint in the timed steps. Overhead: {over:+.2f} % (goal <= 1 %: {'met' if over <= 1 else 'missed'})."
+    )
     publish("api-overhead", body)
     shutil.rmtree(work, ignore_errors=True)
 

@@ -49,8 +49,13 @@ def fuzz_target(fuzzer: Fuzzer, name: str, examples: int, seed: int) -> list[dic
     results: list[dict[str, Any]] = []
 
     @with_seed(seed)
-    @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(program=TARGETS[name].strategy)
     def one(program: dict) -> None:
         results.extend(fuzzer.run(name, program))
@@ -71,18 +76,42 @@ def table(results: list[dict[str, Any]], worker_rss: float) -> tuple[str, list[s
                 continue
             count = {o: sum(r["outcome"] == o for r in rs) for o in OUTCOMES}
             secs = [r["seconds"] for r in rs]
-            rows.append([target.title, entry, len(rs), count["refused"], count["correct"], f"**{count['other']}**",
-                         f"{max(r['rss_mib'] for r in rs):.0f}", f"{max(r['rss_added_mib'] for r in rs):.0f}",
-                         f"{statistics.median(secs):.2f}", f"{max(secs):.2f}"])
-            others += [f"{name}/{entry}: {r['why']} -- input {json.dumps(r['program'])}" for r in rs
-                       if r["outcome"] == "other"]
-    head = ["target", "entry point", "inputs", "refused", "correct", "other", "max RSS MiB", "max RSS added MiB",
-            "median s", "max s"]
+            rows.append(
+                [
+                    target.title,
+                    entry,
+                    len(rs),
+                    count["refused"],
+                    count["correct"],
+                    f"**{count['other']}**",
+                    f"{max(r['rss_mib'] for r in rs):.0f}",
+                    f"{max(r['rss_added_mib'] for r in rs):.0f}",
+                    f"{statistics.median(secs):.2f}",
+                    f"{max(secs):.2f}",
+                ]
+            )
+            others += [
+                f"{name}/{entry}: {r['why']} -- input {json.dumps(r['program'])}" for r in rs if r["outcome"] == "other"
+            ]
+    head = [
+        "target",
+        "entry point",
+        "inputs",
+        "refused",
+        "correct",
+        "other",
+        "max RSS MiB",
+        "max RSS added MiB",
+        "median s",
+        "max s",
+    ]
     body = md_table(head, rows, "llrrrrrrrr")
-    body += (f"\n\nPeak RSS is that of the input's own process, forked from a worker holding {worker_rss:.0f} MiB "
-             "(torch, transformers, the product); 'added' is what the input made resident beyond what the fork left "
-             f"it. Bound per input: the worker's RSS + {RSS_BOUND >> 20} MiB, an address-space limit of the worker's + "
-             "4 GiB, and the deadline.")
+    body += (
+        f"\n\nPeak RSS is that of the input's own process, forked from a worker holding {worker_rss:.0f} MiB "
+        "(torch, transformers, the product); 'added' is what the input made resident beyond what the fork left "
+        f"it. Bound per input: the worker's RSS + {RSS_BOUND >> 20} MiB, an address-space limit of the worker's + "
+        "4 GiB, and the deadline."
+    )
     return body, others
 
 
@@ -114,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     (OUT / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     body, others = table(results, worker_rss)
     inputs = sum(sum(r["target"] == n for r in results) // len(TARGETS[n].entries) for n in names)
-    body += (f"\n\n{inputs} inputs (up to {args.examples} per target, Hypothesis seed {seed}, "
-             f"{len(results)} entry-point runs) in {(time.monotonic() - t0) / 60:.0f} min; load average "
-             f"{load_before:.1f} at the start. Outcomes other than refused or correct: {len(others)}.")
+    body += (
+        f"\n\n{inputs} inputs (up to {args.examples} per target, Hypothesis seed {seed}, "
+        f"{len(results)} entry-point runs) in {(time.monotonic() - t0) / 60:.0f} min; load average "
+        f"{load_before:.1f} at the start. Outcomes other than refused or correct: {len(others)}."
+    )
     if others:
         body += "\n\n" + "\n".join(f"- {o}" for o in others[:50])
     if args.no_publish:

@@ -72,9 +72,26 @@ class Launch:
         env = {**os.environ, "SHARDKEEPER_DEVICE": DEVICE, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
         self.log = log.open("w")
         self.started = time.time()
-        self.proc = subprocess.Popen([sys.executable, "-m", "shardkeeper", "train", "--config", str(config),
-                                      "--run-dir", str(run), "--nproc", str(nproc), "--until-step", "100000"],
-                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "shardkeeper",
+                "train",
+                "--config",
+                str(config),
+                "--run-dir",
+                str(run),
+                "--nproc",
+                str(nproc),
+                "--until-step",
+                "100000",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+        )
         self.sigterm_at: float | None = None
         self.exited_at: float | None = None
 
@@ -87,8 +104,10 @@ class Launch:
         deadline = time.time() + timeout
         while sum(1 for r in self.steps() if r["segment"] == segment) < steps:
             if self.proc.poll() is not None or time.time() > deadline:
-                raise SystemExit(f"{self.run}: segment {segment} ended or stalled before step {steps} "
-                                 f"(exit {self.proc.poll()}); see {self.log.name}")
+                raise SystemExit(
+                    f"{self.run}: segment {segment} ended or stalled before step {steps} "
+                    f"(exit {self.proc.poll()}); see {self.log.name}"
+                )
             time.sleep(0.05)
         self.sigterm_at = time.time()
         self.proc.send_signal(signal.SIGTERM)
@@ -113,11 +132,12 @@ def ckpt_files(run: Path) -> list[Path]:
 
 def read_all(files: list[Path], threads: int = 2) -> float:
     """Read every byte with ``threads`` parallel streams of 8 MiB reads (what the resume's hashing does); seconds."""
+
     def one(path: Path) -> int:
         buf = bytearray(8 << 20)
         n = 0
         with open(path, "rb", buffering=0) as f:
-            while (k := f.readinto(buf)):
+            while k := f.readinto(buf):
                 n += k
         return n
 
@@ -133,10 +153,15 @@ def segment_phases(launch: Launch, rep: dict) -> dict[str, float]:
     t = rep["times"]
     o = t["origin_time"]
     assert t["origin"] == "launcher", t
-    return {"controller": o - launch.started, "start_imports": t["imports_s"],
-            "process_group": t["process_group_s"] - t["imports_s"],
-            "model_build": t["model_built_s"] - t["process_group_s"], "load": t["loaded_s"] - t["model_built_s"],
-            "first_step": t["first_step_s"] - t["loaded_s"], "ttfs": o + t["first_step_s"] - launch.started}
+    return {
+        "controller": o - launch.started,
+        "start_imports": t["imports_s"],
+        "process_group": t["process_group_s"] - t["imports_s"],
+        "model_build": t["model_built_s"] - t["process_group_s"],
+        "load": t["loaded_s"] - t["model_built_s"],
+        "first_step": t["first_step_s"] - t["loaded_s"],
+        "ttfs": o + t["first_step_s"] - launch.started,
+    }
 
 
 def stop_phases(launch: Launch, rep: dict) -> dict[str, float]:
@@ -146,8 +171,12 @@ def stop_phases(launch: Launch, rep: dict) -> dict[str, float]:
     committed = t["origin_time"] + t["emergency_saved_s"]
     closed = t["origin_time"] + t["closed_s"]
     assert launch.sigterm_at is not None and launch.exited_at is not None
-    return {"emergency_save": committed - launch.sigterm_at, "close": closed - committed,
-            "exit": launch.exited_at - closed, "to_exit": launch.exited_at - launch.sigterm_at}
+    return {
+        "emergency_save": committed - launch.sigterm_at,
+        "close": closed - committed,
+        "exit": launch.exited_at - closed,
+        "to_exit": launch.exited_at - launch.sigterm_at,
+    }
 
 
 def one_rep(i: int, layers: int, config: Path, out: dict[str, list]) -> None:
@@ -157,8 +186,10 @@ def one_rep(i: int, layers: int, config: Path, out: dict[str, list]) -> None:
         code = ln.preempt_after(segment, STEPS_BEFORE_SIGTERM)
         rep = report(run)
         if code != 75 or rep["status"] != "preempted" or rep["segment"] != segment or rep["start_step"] != before:
-            raise SystemExit(f"{name}: exit {code}, report {rep['status']} from step {rep['start_step']} (expected 75, "
-                             f"preempted, from step {before}); see {ln.log.name}")
+            raise SystemExit(
+                f"{name}: exit {code}, report {rep['status']} from step {rep['start_step']} (expected 75, "
+                f"preempted, from step {before}); see {ln.log.name}"
+            )
         out[f"stop{nproc}"].append(stop_phases(ln, rep))
         return ln, rep
 
@@ -173,8 +204,11 @@ def one_rep(i: int, layers: int, config: Path, out: dict[str, list]) -> None:
     cold = read_all(files)
     warm = read_all(files)
     out["bw"].append({"bytes": nbytes, "cold": nbytes / cold, "warm": nbytes / warm})
-    for name, run, nproc, seg, key in (("R22", run2, 2, 1, "resume22"), ("F1", run1, 1, 0, "fresh1"),
-                                       ("R21", run2, 1, 2, "resume21")):
+    for name, run, nproc, seg, key in (
+        ("R22", run2, 2, 1, "resume22"),
+        ("F1", run1, 1, 0, "fresh1"),
+        ("R21", run2, 1, 2, "resume21"),
+    ):
         if name.startswith("R"):
             files = ckpt_files(run)
             evict(files)
@@ -184,7 +218,7 @@ def one_rep(i: int, layers: int, config: Path, out: dict[str, list]) -> None:
         out[key].append(segment_phases(ln, rep))
         if name.startswith("R"):
             prev = out["stop2"][-2 if name == "R22" else -1]  # the preempted segment this one resumes
-            out[key][-1]["sigterm_to_first_step"] = (prev["to_exit"] + out[key][-1]["ttfs"])
+            out[key][-1]["sigterm_to_first_step"] = prev["to_exit"] + out[key][-1]["ttfs"]
     for r in (run2, run1):
         shutil.rmtree(r, ignore_errors=True)
 
@@ -192,8 +226,13 @@ def one_rep(i: int, layers: int, config: Path, out: dict[str, list]) -> None:
 def cached_fraction(files: list[Path]) -> float:
     """Share of the files' pages in the page cache (fincore), to state the cache state the resume starts in."""
     try:
-        res = subprocess.run(["fincore", "-b", "-n", "-o", "RES,SIZE", *map(str, files)], capture_output=True,
-                             text=True, timeout=30, check=True)
+        res = subprocess.run(
+            ["fincore", "-b", "-n", "-o", "RES,SIZE", *map(str, files)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         rows = [list(map(int, line.split())) for line in res.stdout.splitlines() if line.strip()]
         return sum(r[0] for r in rows) / max(1, sum(r[1] for r in rows))
     except (OSError, subprocess.SubprocessError, ValueError):
@@ -208,16 +247,24 @@ def table(out: dict[str, list], layers: int, reps: int, runs: int = 1) -> tuple[
     bw_cold = [b["cold"] for b in out["bw"]]
     rows = []
     met_all = True
-    phase_rows = [("emergency save (SIGTERM sent -> checkpoint committed)", "emergency_save"),
-                  ("after the commit: close, report", "close"),
-                  ("exit: ranks, torchrun, controller (report -> CLI exited)", "exit"),
-                  ("controller start (CLI start -> torchrun started)", "controller"),
-                  ("ranks' process start + imports", "start_imports"), ("process group", "process_group"),
-                  ("model build (+ FSDP2 sharding, optimizer)", "model_build"),
-                  ("load + verification", "load"), ("first optimizer step", "first_step"),
-                  ("**time to first step** (CLI start -> first step)", "ttfs")]
-    cols = [("fresh 2", "fresh2", None), ("resumed 2 -> 2", "resume22", "stop2"), ("fresh 1", "fresh1", None),
-            ("resumed 2 -> 1", "resume21", "stop2")]
+    phase_rows = [
+        ("emergency save (SIGTERM sent -> checkpoint committed)", "emergency_save"),
+        ("after the commit: close, report", "close"),
+        ("exit: ranks, torchrun, controller (report -> CLI exited)", "exit"),
+        ("controller start (CLI start -> torchrun started)", "controller"),
+        ("ranks' process start + imports", "start_imports"),
+        ("process group", "process_group"),
+        ("model build (+ FSDP2 sharding, optimizer)", "model_build"),
+        ("load + verification", "load"),
+        ("first optimizer step", "first_step"),
+        ("**time to first step** (CLI start -> first step)", "ttfs"),
+    ]
+    cols = [
+        ("fresh 2", "fresh2", None),
+        ("resumed 2 -> 2", "resume22", "stop2"),
+        ("fresh 1", "fresh1", None),
+        ("resumed 2 -> 1", "resume21", "stop2"),
+    ]
     for label, key in phase_rows:
         row = [label]
         for _, seg, stop in cols:
@@ -233,8 +280,11 @@ def table(out: dict[str, list], layers: int, reps: int, runs: int = 1) -> tuple[
                 row.append(fmt([p[key] for p in out[seg]], 1))
         rows.append(row)
     total = ["**SIGTERM -> first step of the next segment**", ""]
-    total += [fmt([p["sigterm_to_first_step"] for p in out["resume22"]], 1), "",
-              fmt([p["sigterm_to_first_step"] for p in out["resume21"]], 1)]
+    total += [
+        fmt([p["sigterm_to_first_step"] for p in out["resume22"]], 1),
+        "",
+        fmt([p["sigterm_to_first_step"] for p in out["resume21"]], 1),
+    ]
     rows.append(total)
     body = md_table(["phase (s)", *[c[0] for c in cols]], rows, "lrrrr")
     goal_rows = []
@@ -244,30 +294,58 @@ def table(out: dict[str, list], layers: int, reps: int, runs: int = 1) -> tuple[
         limit = 1.2 * nbytes / med(bw_cold) + 1.0
         ok = med(over) <= limit
         met_all &= ok
-        goal_rows.append([label, fmt(over, 1), f"{nbytes / 1e9:.2f} GB / {med(bw_cold) / 1e6:,.0f} MB/s",
-                          f"{limit:.1f}", "met" if ok else f"missed by {med(over) - limit:.1f} s"])
-    body += "\n\n" + md_table(["resume", "overhead: resumed - fresh time to first step (s)",
-                               "checkpoint / cold read bandwidth", "goal: <= 1.2 x bytes/bw + 1 s", "result"],
-                              goal_rows, "lrrrl")
+        goal_rows.append(
+            [
+                label,
+                fmt(over, 1),
+                f"{nbytes / 1e9:.2f} GB / {med(bw_cold) / 1e6:,.0f} MB/s",
+                f"{limit:.1f}",
+                "met" if ok else f"missed by {med(over) - limit:.1f} s",
+            ]
+        )
+    body += "\n\n" + md_table(
+        [
+            "resume",
+            "overhead: resumed - fresh time to first step (s)",
+            "checkpoint / cold read bandwidth",
+            "goal: <= 1.2 x bytes/bw + 1 s",
+            "result",
+        ],
+        goal_rows,
+        "lrrrl",
+    )
     saves = [("2 ranks", out["stop2"]), ("1 rank", out["stop1"])]
     grace = []
     for label, stops in saves:
         es = [s["emergency_save"] for s in stops]
         te = [s["to_exit"] for s in stops]
-        grace.append([label, fmt(es, 1), fmt(te, 1)] + [
-            f"{100 * med(te) / g:.0f}% ({'fits' if max(te) < g else 'does not fit'})" for g in GRACE_PERIODS_S])
-    body += "\n\n" + md_table(["emergency save", "SIGTERM -> committed (s)", "SIGTERM -> exited (s)",
-                               "of a 30 s grace period", "of a 2 min grace period"], grace, "lrrll")
+        grace.append(
+            [label, fmt(es, 1), fmt(te, 1)]
+            + [f"{100 * med(te) / g:.0f}% ({'fits' if max(te) < g else 'does not fit'})" for g in GRACE_PERIODS_S]
+        )
+    body += "\n\n" + md_table(
+        [
+            "emergency save",
+            "SIGTERM -> committed (s)",
+            "SIGTERM -> exited (s)",
+            "of a 30 s grace period",
+            "of a 2 min grace period",
+        ],
+        grace,
+        "lrrll",
+    )
     b = out["bw"]
     pages = out["resume_cached_pages"]
-    body += (f"\n\n{params(layers) / 1e6:.0f}M-parameter Llama (fp32 weights + AdamW: "
-             f"{med([x['bytes'] for x in b]) / 1e9:.2f} GB of checkpoint at 2 ranks), gloo on CPU, "
-             f"{reps} repetitions of F2, R22, F1, R21 (fresh and resumed alternated{f', in {runs} runs of the script' if runs > 1 else ''}), median (min–max); "
-             f"{len(out['stop2'])} emergency saves at 2 ranks, {len(out['stop1'])} at 1. Read bandwidth of the "
-             f"checkpoint files, 2 streams: cold {fmt([x['cold'] / 1e6 for x in b], 0)} MB/s, warm "
-             f"{fmt([x['warm'] / 1e6 for x in b], 0)} MB/s. Every resume started **cold**: its checkpoint's pages "
-             f"evicted (posix_fadvise DONTNEED; {100 * max(pages):.0f}% still cached at most, fincore); the "
-             "Python modules were warm (the previous segment had just imported them).")
+    body += (
+        f"\n\n{params(layers) / 1e6:.0f}M-parameter Llama (fp32 weights + AdamW: "
+        f"{med([x['bytes'] for x in b]) / 1e9:.2f} GB of checkpoint at 2 ranks), gloo on CPU, "
+        f"{reps} repetitions of F2, R22, F1, R21 (fresh and resumed alternated{f', in {runs} runs of the script' if runs > 1 else ''}), median (min–max); "
+        f"{len(out['stop2'])} emergency saves at 2 ranks, {len(out['stop1'])} at 1. Read bandwidth of the "
+        f"checkpoint files, 2 streams: cold {fmt([x['cold'] / 1e6 for x in b], 0)} MB/s, warm "
+        f"{fmt([x['warm'] / 1e6 for x in b], 0)} MB/s. Every resume started **cold**: its checkpoint's pages "
+        f"evicted (posix_fadvise DONTNEED; {100 * max(pages):.0f}% still cached at most, fincore); the "
+        "Python modules were warm (the previous segment had just imported them)."
+    )
     return body, met_all
 
 
@@ -275,8 +353,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16, help="decoder blocks (16: ~254M parameters)")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--append", action="store_true", help="add these repetitions to those of the previous run "
-                    "(bench/out/recovery/raw.json, same --layers): long benches in several runs")
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="add these repetitions to those of the previous run "
+        "(bench/out/recovery/raw.json, same --layers): long benches in several runs",
+    )
     ap.add_argument("--no-publish", action="store_true", help="print only (smoke runs)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, needs 2 GPUs")
     args = ap.parse_args()
@@ -286,19 +368,37 @@ def main() -> int:
         import torch
 
         if torch.cuda.device_count() < 2:
-            print(f"error: --device cuda: the 2-rank segments need 2 GPUs, {torch.cuda.device_count()} visible; "
-                  "run it on a node with 2 or more", file=sys.stderr)
+            print(
+                f"error: --device cuda: the 2-rank segments need 2 GPUs, {torch.cuda.device_count()} visible; "
+                "run it on a node with 2 or more",
+                file=sys.stderr,
+            )
             return 2
     OUT.mkdir(parents=True, exist_ok=True)
     config = OUT / "config.yaml"
     config.write_text(config_text(args.layers))
     raw = OUT / "raw.json"
-    out: dict[str, list] = {k: [] for k in ("fresh2", "resume22", "fresh1", "resume21", "stop2", "stop1", "bw",
-                                            "resume_cached_pages", "resume22_bytes", "resume21_bytes")}
+    out: dict[str, list] = {
+        k: []
+        for k in (
+            "fresh2",
+            "resume22",
+            "fresh1",
+            "resume21",
+            "stop2",
+            "stop1",
+            "bw",
+            "resume_cached_pages",
+            "resume22_bytes",
+            "resume21_bytes",
+        )
+    }
     if args.append:
         prev = json.loads(raw.read_text())
         if prev.get("layers") != args.layers:
-            raise SystemExit(f"{raw}: measured with --layers {prev.get('layers')}, not {args.layers}; rerun without --append")
+            raise SystemExit(
+                f"{raw}: measured with --layers {prev.get('layers')}, not {args.layers}; rerun without --append"
+            )
         out = prev["out"]
     runs = (json.loads(raw.read_text()).get("runs", 1) + (args.reps > 0)) if args.append else 1
     done = len(out["fresh2"])

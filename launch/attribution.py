@@ -97,8 +97,14 @@ def torchrun_ends(lines: Iterable[str]) -> list[RankEnd]:
             continue
         m = _BLOCK_EXIT_RE.match(line)
         if m and rank is not None:
-            ends[rank[0]] = RankEnd(rank=rank[0], local_rank=rank[1], pid=int(m.group(2)), exitcode=int(m.group(1)),
-                                    torchrun_first=in_root, order=len(ends))
+            ends[rank[0]] = RankEnd(
+                rank=rank[0],
+                local_rank=rank[1],
+                pid=int(m.group(2)),
+                exitcode=int(m.group(1)),
+                torchrun_first=in_root,
+                order=len(ends),
+            )
             rank = None
     return [replace(e, torchrun_first=e.torchrun_first or e.pid in first_pids) for e in ends.values()]
 
@@ -132,8 +138,9 @@ def aborts(lines: Iterable[tuple[float | None, str]]) -> list[Abort]:
     return found
 
 
-def merge(text_ends: list[RankEnd], error_lines: list[tuple[float | None, str]],
-          observed: list[RankEnd] = ()) -> list[RankEnd]:  # type: ignore[assignment]
+def merge(
+    text_ends: list[RankEnd], error_lines: list[tuple[float | None, str]], observed: list[RankEnd] = ()
+) -> list[RankEnd]:  # type: ignore[assignment]
     """One RankEnd per rank: the launcher's observation (``observed``), completed by torchrun's account
     (``text_ends``: its exit code wins, it is the parent) and the ranks' own first failure lines."""
     by_rank: dict[int, RankEnd] = {e.rank: e for e in observed}
@@ -147,9 +154,14 @@ def merge(text_ends: list[RankEnd], error_lines: list[tuple[float | None, str]],
         if seen is None:
             by_rank[t.rank] = t
             continue
-        by_rank[t.rank] = replace(seen, exitcode=t.exitcode, local_rank=seen.local_rank if seen.local_rank is not None
-                                  else t.local_rank, pid=seen.pid or t.pid, torchrun_first=t.torchrun_first,
-                                  order=t.order)
+        by_rank[t.rank] = replace(
+            seen,
+            exitcode=t.exitcode,
+            local_rank=seen.local_rank if seen.local_rank is not None else t.local_rank,
+            pid=seen.pid or t.pid,
+            torchrun_first=t.torchrun_first,
+            order=t.order,
+        )
     for n, (at, text) in enumerate(error_lines):
         m = _ERROR_RANK_RE.match(text)
         if not m:
@@ -224,15 +236,16 @@ def _after(e: RankEnd) -> str:
 
 def _fix(e: RankEnd) -> str:
     if e.oom:
-        return (f"; {'it ran out of memory' if e.oom == 'yes' else 'if it ran out of memory'}: lower the memory each "
-                "rank needs (smaller batch, more ranks) and resume")
+        return (
+            f"; {'it ran out of memory' if e.oom == 'yes' else 'if it ran out of memory'}: lower the memory each "
+            "rank needs (smaller batch, more ranks) and resume"
+        )
     if e.line is None and e.exitcode == -int(signal.SIGKILL):  # a kill from outside: nothing to fix in the code
         return "; rerun the same command to resume from the latest valid checkpoint"
     return ""
 
 
-def failure_line(ends: list[RankEnd], completed: bool = False,
-                 abort_lines: list[Abort] = ()) -> str | None:  # type: ignore[assignment]
+def failure_line(ends: list[RankEnd], completed: bool = False, abort_lines: list[Abort] = ()) -> str | None:  # type: ignore[assignment]
     """The segment's failure in one line: the first failed rank, how it ended and its last error line, then what
     the others did because of it (at most ``MAX_CONSEQUENCES``). ``completed``: the ranks reported the segment
     completed (a rank that exits 0 then did nothing wrong). None when no rank is known to have failed."""
@@ -243,8 +256,7 @@ def failure_line(ends: list[RankEnd], completed: bool = False,
     if first.exitcode == -int(signal.SIGABRT) and abort_lines:
         aborted = [e for e in ends if e.exitcode == -int(signal.SIGABRT)]
         abort = abort_lines[0] if len(aborted) == 1 else None  # whose abort it was is only certain for one
-    others = sorted((e for e in ends if e is not first and _failed(e, completed)),
-                    key=lambda e: (e.failed_at, e.order))
+    others = sorted((e for e in ends if e is not first and _failed(e, completed)), key=lambda e: (e.failed_at, e.order))
     failed_on = [e for e in others if not _stopped_by_torchrun(e)]
     said = [_after(e) for e in failed_on[:MAX_CONSEQUENCES]]
     if len(failed_on) > MAX_CONSEQUENCES:
@@ -255,9 +267,13 @@ def failure_line(ends: list[RankEnd], completed: bool = False,
     return _how(first, abort) + "".join(f"; {s}" for s in said) + _fix(first)
 
 
-def describe(lines: list[str], error_lines: list[tuple[float | None, str]] | None = None,
-             observed: list[RankEnd] = (), completed: bool = False,  # type: ignore[assignment]
-             kill_cause: Callable[[RankEnd], RankEnd] | None = None) -> str | None:
+def describe(
+    lines: list[str],
+    error_lines: list[tuple[float | None, str]] | None = None,
+    observed: list[RankEnd] = (),
+    completed: bool = False,  # type: ignore[assignment]
+    kill_cause: Callable[[RankEnd], RankEnd] | None = None,
+) -> str | None:
     """``failure_line`` from a launch's output (``lines``: torchrun's and the ranks') and what the launcher
     observed; ``error_lines`` default to the ranks' failure lines found in ``lines`` (no arrival times)."""
     if error_lines is None:
@@ -288,8 +304,12 @@ def _main_thread(stacks: str) -> list[tuple[str, int, str]]:
 
 
 def _library(path: str) -> bool:
-    return (path.startswith("<") or "site-packages" in path or "dist-packages" in path
-            or re.search(r"/lib/python3\.\d+/", path) is not None)
+    return (
+        path.startswith("<")
+        or "site-packages" in path
+        or "dist-packages" in path
+        or re.search(r"/lib/python3\.\d+/", path) is not None
+    )
 
 
 def where_stuck(stacks: str) -> tuple[bool, str] | None:
@@ -319,9 +339,15 @@ def stuck_line(stacks: dict[int, str], grace_s: float) -> str | None:
     head = f"the ranks did not stop within the {grace_s:g} s grace and were killed"
     if outside and waiting:
         culprits = "; ".join(f"rank {r} was at {at}" for r, at in outside)
-        return (f"{head}: {culprits}, outside any collective, so the others waited for it ("
-                + "; ".join(f"rank {r} in {at}" for r, at in waiting) + ")")
+        return (
+            f"{head}: {culprits}, outside any collective, so the others waited for it ("
+            + "; ".join(f"rank {r} in {at}" for r, at in waiting)
+            + ")"
+        )
     if waiting:
-        return (f"{head}: every rank waited in a collective (" + "; ".join(f"rank {r} in {at}" for r, at in waiting)
-                + "): the ranks called different collectives, or a peer is gone")
+        return (
+            f"{head}: every rank waited in a collective ("
+            + "; ".join(f"rank {r} in {at}" for r, at in waiting)
+            + "): the ranks called different collectives, or a peer is gone"
+        )
     return f"{head}: " + "; ".join(f"rank {r} was at {at}" for r, at in outside) + " (none in a collective)"

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from launch.attribution import RankEnd, aborts, describe, failure_line, merge, rank_error_lines, torchrun_ends
 from schemas import ClusterTopology
 from schemas.data import PreparedData
-from launch.attribution import RankEnd, aborts, describe, failure_line, merge, rank_error_lines, torchrun_ends
 from schemas.seam import RANK_ERROR_PREFIX, SegmentLaunch, SegmentReport
 
 LogSink = Callable[[str], None]
@@ -51,14 +51,23 @@ class LaunchRequest:
     cancel_check: CancelCheck | None = None
     data: PreparedData | None = None  # data.source 'dataset': the token files prepared by the controller
 
-    def seam(self, launcher_pid: int | None, launched_at: float | None = None,
-             stacks_dir: str | None = None) -> SegmentLaunch:
+    def seam(
+        self, launcher_pid: int | None, launched_at: float | None = None, stacks_dir: str | None = None
+    ) -> SegmentLaunch:
         """What the ranks of this request receive. ``launched_at``: Unix time at which the launcher starts their
         processes (the origin of the segment's phase times); None where that is not now (a scheduler's queue).
         ``stacks_dir``: where the ranks write their stacks when asked (a launcher on their host)."""
-        return SegmentLaunch(run_dir=str(Path(self.run_dir).resolve()), until_step=self.until_step,
-                             segment=self.segment, topology=self.topology, restart=self.restart,
-                             launcher_pid=launcher_pid, data=self.data, launched_at=launched_at, stacks_dir=stacks_dir)
+        return SegmentLaunch(
+            run_dir=str(Path(self.run_dir).resolve()),
+            until_step=self.until_step,
+            segment=self.segment,
+            topology=self.topology,
+            restart=self.restart,
+            launcher_pid=launcher_pid,
+            data=self.data,
+            launched_at=launched_at,
+            stacks_dir=stacks_dir,
+        )
 
 
 @dataclass(frozen=True)
@@ -105,8 +114,16 @@ class Rendezvous:
     is_host: str = "0"  # "1" on the node that hosts the store (explicit: on loopback every node matches the host)
 
 
-def torchrun_argv(python: str, topology: ClusterTopology, grace_s: float, run_dir: str, until_step: int,
-                  segment: int, rdzv: Rendezvous | None = None, nnodes: str | None = None) -> list[str]:
+def torchrun_argv(
+    python: str,
+    topology: ClusterTopology,
+    grace_s: float,
+    run_dir: str,
+    until_step: int,
+    segment: int,
+    rdzv: Rendezvous | None = None,
+    nnodes: str | None = None,
+) -> list[str]:
     """The torchrun command one node runs: ``--standalone`` for one node, c10d rendezvous for several
     (world size = nodes x procs per node; ``nnodes`` overrides the count, e.g. with the allocation's
     ``"$SLURM_JOB_NUM_NODES"``). Positional arguments to the ranks only: torchrun claims
@@ -118,11 +135,24 @@ def torchrun_argv(python: str, topology: ClusterTopology, grace_s: float, run_di
             raise ValueError(f"{topology.nodes} nodes need a rendezvous endpoint")
         argv.append("--standalone")
     else:
-        argv += [f"--nnodes={nnodes or topology.nodes}", f"--node-rank={rdzv.node_rank}", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", f"--rdzv-conf=is_host={rdzv.is_host}"]
+        argv += [
+            f"--nnodes={nnodes or topology.nodes}",
+            f"--node-rank={rdzv.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv.endpoint}",
+            f"--rdzv-id={rdzv.run_id}",
+            f"--rdzv-conf=is_host={rdzv.is_host}",
+        ]
     grace = [f"--shutdown-timeout={max(1, int(grace_s))}"] if torchrun_has_shutdown_timeout() else []
-    return argv + [f"--nproc-per-node={topology.procs_per_node}", *grace,
-                   "-m", "trainer.segment", str(run_dir), str(until_step), str(segment)]
+    return argv + [
+        f"--nproc-per-node={topology.procs_per_node}",
+        *grace,
+        "-m",
+        "trainer.segment",
+        str(run_dir),
+        str(until_step),
+        str(segment),
+    ]
 
 
 @functools.lru_cache(maxsize=1)
@@ -159,8 +189,6 @@ class Launcher(Protocol):
 
     def launch(self, req: LaunchRequest, sink: LogSink) -> LaunchOutcome:
         """Run one segment to its end and report how it ended."""
-
-
 
 
 class OutputSplitter:
@@ -203,8 +231,9 @@ class OutputSplitter:
     def _hold(self, line: str) -> bool:
         if RANK_LINE_RE.search(line):
             return False
-        if not self._holding and (TORCHRUN_LOG_RE.search(line) or line.startswith("Traceback")
-                                  or any(m in line for m in TORCHRUN_SUMMARY)):
+        if not self._holding and (
+            TORCHRUN_LOG_RE.search(line) or line.startswith("Traceback") or any(m in line for m in TORCHRUN_SUMMARY)
+        ):
             self._holding = True
         return self._holding
 
@@ -224,8 +253,13 @@ def _closing_cut(lines: list[str]) -> int:
     return cut
 
 
-def segment_failure(run_dir: Path, segment: int, out: OutputSplitter, observed: Iterable[RankEnd] = (),
-                    kill_cause: Callable[[RankEnd], RankEnd] | None = None) -> str | None:
+def segment_failure(
+    run_dir: Path,
+    segment: int,
+    out: OutputSplitter,
+    observed: Iterable[RankEnd] = (),
+    kill_cause: Callable[[RankEnd], RankEnd] | None = None,
+) -> str | None:
     """The failure line of a launch (``LaunchOutcome.failure``): torchrun's account of its failed ranks (its
     closing summary, held back in ``out``), the ranks' failure lines as they arrived, what the launcher observed
     of each rank (``observed``), and for a SIGKILL what ``kill_cause`` finds out (the OOM killer). A rank that
@@ -250,11 +284,11 @@ def failing_rank_lines(tail: list[str], limit: int = 8) -> str:
     for line in tail:
         at = line.find(RANK_ERROR_PREFIX)
         if at >= 0:  # two ranks' lines that reached the pipe without a newline between them: the first one
-            return line[at + len(RANK_ERROR_PREFIX):].split(RANK_ERROR_PREFIX, 1)[0].strip()
+            return line[at + len(RANK_ERROR_PREFIX) :].split(RANK_ERROR_PREFIX, 1)[0].strip()
     killed = _killed_rank(tail)
     if killed:
         return killed
-    body = tail[:_closing_cut(tail)] or tail
+    body = tail[: _closing_cut(tail)] or tail
     errs = [ln for ln in body if _ERROR_RE.search(ln)]
     return "\n".join((errs or body)[-limit:])
 
@@ -269,8 +303,10 @@ def _killed_rank(tail: list[str]) -> str | None:
         if m:
             num = -int(m.group(1))
             name = signal.Signals(num).name if num in signal.Signals._value2member_map_ else f"signal {num}"
-            return (f"local rank {m.group(2)} (pid {m.group(3)}) was killed by {name} and torchrun stopped the other "
-                    "ranks; rerun the same command to resume from the latest valid checkpoint")
+            return (
+                f"local rank {m.group(2)} (pid {m.group(3)}) was killed by {name} and torchrun stopped the other "
+                "ranks; rerun the same command to resume from the latest valid checkpoint"
+            )
     return None
 
 
@@ -298,4 +334,4 @@ def rank_stopped_at_startup(lines: list[str]) -> bool:
 def without_torchrun_closing(lines: list[str]) -> list[str]:
     """Held-back lines worth showing when the segment did not fail: torchrun's log lines and its closing
     traceback + summary (a ChildFailedError or SignalException that only says the ranks stopped) removed."""
-    return [ln for ln in lines[:_closing_cut(lines)] if not TORCHRUN_LOG_RE.search(ln)]
+    return [ln for ln in lines[: _closing_cut(lines)] if not TORCHRUN_LOG_RE.search(ln)]

@@ -58,8 +58,9 @@ def init_distributed(launch: SegmentLaunch | None = None, timeout_s: float = 180
         skip_shm_op()  # DeepSpeed's JIT-built CPU all-reduce op serves inference only (trainer.ds_shm)
     with lifetime.rendezvous_window():  # a stop signal here ends the rank: a dead peer would leave it waiting
         if not dist.is_initialized():
-            dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s),
-                                    device_id=dev if dev.type == "cuda" else None)
+            dist.init_process_group(
+                backend=backend, timeout=_dt.timedelta(seconds=timeout_s), device_id=dev if dev.type == "cuda" else None
+            )
         mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
         ckpt_group = dist.new_group(backend="gloo")
         ctrl_group = dist.new_group(backend="gloo")

@@ -139,8 +139,17 @@ def regenerate() -> None:
         spec = load_run_spec(CONFIG)
         _segment(t / "dcp", spec, DCP_STEP)
         ds_spec = load_run_spec(CONFIG, ["backend=deepspeed", "deepspeed.zero_stage=2"])
-        _segment(t / "ds", ds_spec, DS_STEP, {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": os.environ.get(
-            "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))})
+        _segment(
+            t / "ds",
+            ds_spec,
+            DS_STEP,
+            {
+                "DS_ACCELERATOR": "cpu",
+                "TORCH_EXTENSIONS_DIR": os.environ.get(
+                    "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")
+                ),
+            },
+        )
         mem_spec = load_run_spec(CONFIG, ["checkpoint.memory_interval=1", f"checkpoint.memory_dir={t / 'shm'}"])
         _segment(t / "mem", mem_spec, SNAP_STEP, world=1)  # a snapshot is loaded at the world size that wrote it
         for sub in ("dcp", "deepspeed", "memory"):

@@ -61,14 +61,59 @@ ADDRESS_SPACE_MARGIN = 4 << 30  # address space beyond the worker's: a runaway a
 OUTCOMES = ("refused", "correct", "other")
 
 # ----------------------------------------------------------------------------------------------- values
-INTS = [0, 1, 2, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 255, 256, 1023, 1024, 4096, 2**31 - 1,
-        2**31, 2**32, 2**40, 2**62, 2**63 - 1, 2**63, 2**64, -1, -2, -(2**31), -(2**63)]
+INTS = [
+    0,
+    1,
+    2,
+    3,
+    4,
+    7,
+    8,
+    15,
+    16,
+    17,
+    31,
+    32,
+    33,
+    63,
+    64,
+    65,
+    127,
+    128,
+    255,
+    256,
+    1023,
+    1024,
+    4096,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**40,
+    2**62,
+    2**63 - 1,
+    2**63,
+    2**64,
+    -1,
+    -2,
+    -(2**31),
+    -(2**63),
+]
 ODD = ["none", "float", "nan", "str", "list", "bool", "dict"]
-_ODD_VALUES: dict[str, Any] = {"none": None, "float": 1.5, "nan": float("nan"), "str": "1", "list": [1], "bool": True,
-                               "dict": {}}
+_ODD_VALUES: dict[str, Any] = {
+    "none": None,
+    "float": 1.5,
+    "nan": float("nan"),
+    "str": "1",
+    "list": [1],
+    "bool": True,
+    "dict": {},
+}
 pick = st.integers(0, 1 << 16)
-value = st.one_of(st.tuples(st.just("int"), st.sampled_from(INTS)), st.tuples(st.just("delta"), st.integers(-3, 3)),
-                  st.tuples(st.just("odd"), st.sampled_from(ODD)))
+value = st.one_of(
+    st.tuples(st.just("int"), st.sampled_from(INTS)),
+    st.tuples(st.just("delta"), st.integers(-3, 3)),
+    st.tuples(st.just("odd"), st.sampled_from(ODD)),
+)
 
 
 def resolve(spec: list | tuple, orig: Any) -> Any:
@@ -82,9 +127,11 @@ def resolve(spec: list | tuple, orig: Any) -> Any:
 
 
 def raw_op(prefix: str = "raw") -> st.SearchStrategy:
-    return st.one_of(st.tuples(st.just(f"{prefix}_flip"), pick, st.integers(1, 255)),
-                     st.tuples(st.just(f"{prefix}_trunc"), pick),
-                     st.tuples(st.just(f"{prefix}_insert"), pick, st.integers(0, 255)))
+    return st.one_of(
+        st.tuples(st.just(f"{prefix}_flip"), pick, st.integers(1, 255)),
+        st.tuples(st.just(f"{prefix}_trunc"), pick),
+        st.tuples(st.just(f"{prefix}_insert"), pick, st.integers(0, 255)),
+    )
 
 
 def apply_raw(data: bytes, ops: list) -> bytes:
@@ -160,11 +207,22 @@ def norm_fqn(fqn: object) -> str:
     """The run checkpoint's key of a plain folder's (``optimizer.state.`` -> ``optim.state.``): picks resolve to
     the same tensors in both copies."""
     s = str(fqn)
-    return "optim.state." + s[len("optimizer.state."):] if s.startswith("optimizer.state.") else s
+    return "optim.state." + s[len("optimizer.state.") :] if s.startswith("optimizer.state.") else s
 
 
-_PATHS = ["../__0_0.distcp", "/etc/hostname", "", ".", "..", "missing.distcp", ".metadata", "sub/__0_0.distcp",
-          "manifest.json", 5, None]
+_PATHS = [
+    "../__0_0.distcp",
+    "/etc/hostname",
+    "",
+    ".",
+    "..",
+    "missing.distcp",
+    ".metadata",
+    "sub/__0_0.distcp",
+    "manifest.json",
+    5,
+    None,
+]
 _DTYPES = ["float32", "float16", "bfloat16", "float64", "int64", "int8", "uint8", "bool", "complex64", "none"]
 _NEW_NAMES = ["model.model.extra.weight", "", "model.", "../model.lm_head.weight", "optim.state.x.exp_avg"]
 
@@ -233,8 +291,10 @@ def _op_chunk(md: Any, t: int, c: int, field: str, dim: int, spec: list, rekey: 
         values[dim % len(values)] = resolve(spec, values[dim % len(values)])
     else:
         values = [resolve(spec, 0)]
-    new = ChunkStorageMetadata(offsets=_size(values) if field == "offsets" else old.offsets,
-                               sizes=_size(values) if field == "sizes" else old.sizes)
+    new = ChunkStorageMetadata(
+        offsets=_size(values) if field == "offsets" else old.offsets,
+        sizes=_size(values) if field == "sizes" else old.sizes,
+    )
     chunks[i] = new
     if rekey and field == "offsets":
         key, info = _index(fqn, old.offsets), None
@@ -359,14 +419,26 @@ def _op_kind(md: Any, t: int) -> None:
         md.state_dict_metadata[fqn] = BytesStorageMetadata()
     else:
         md.state_dict_metadata[fqn] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=torch.float32), size=torch.Size([1]),
-            chunks=[ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([1]))])
+            properties=TensorProperties(dtype=torch.float32),
+            size=torch.Size([1]),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([1]))],
+        )
 
 
 _METADATA_OPS: dict[str, Callable[..., None]] = {
-    "chunk": _op_chunk, "record": _op_record, "record_path": _op_record_path, "dtype": _op_dtype, "shape": _op_shape,
-    "ndim": _op_ndim, "rename": _op_rename, "drop_chunk": _op_drop_chunk, "dup_chunk": _op_dup_chunk,
-    "drop_entry": _op_drop_entry, "drop_record": _op_drop_record, "swap_records": _op_swap_records, "kind": _op_kind,
+    "chunk": _op_chunk,
+    "record": _op_record,
+    "record_path": _op_record_path,
+    "dtype": _op_dtype,
+    "shape": _op_shape,
+    "ndim": _op_ndim,
+    "rename": _op_rename,
+    "drop_chunk": _op_drop_chunk,
+    "dup_chunk": _op_dup_chunk,
+    "drop_entry": _op_drop_entry,
+    "drop_record": _op_drop_record,
+    "swap_records": _op_swap_records,
+    "kind": _op_kind,
 }
 
 
@@ -390,14 +462,39 @@ def mutate_metadata(ckpt: Path, ops: list) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- JSON (manifest)
-_JSON_STRINGS = ["", "x", "../x", "/etc/hostname", "step-00000002", "float32", "__0_0.distcp", "0" * 32, "fsdp2",
-                 "deepspeed", "a" * 300]
-json_value = st.one_of(st.tuples(st.just("int"), st.sampled_from(INTS)),
-                       st.tuples(st.just("delta"), st.integers(-3, 3)),
-                       st.tuples(st.just("str"), st.sampled_from(_JSON_STRINGS)),
-                       st.tuples(st.just("odd"), st.sampled_from(["none", "float", "list", "bool", "dict"])))
-_FILE_PATHS = ["../x", "/etc/hostname", "a/../../b", "", ".", "sub/x", "x\u0000y", "__0_0.distcp", ".metadata",
-               "manifest.json", "a" * 300, "__9_0.distcp"]
+_JSON_STRINGS = [
+    "",
+    "x",
+    "../x",
+    "/etc/hostname",
+    "step-00000002",
+    "float32",
+    "__0_0.distcp",
+    "0" * 32,
+    "fsdp2",
+    "deepspeed",
+    "a" * 300,
+]
+json_value = st.one_of(
+    st.tuples(st.just("int"), st.sampled_from(INTS)),
+    st.tuples(st.just("delta"), st.integers(-3, 3)),
+    st.tuples(st.just("str"), st.sampled_from(_JSON_STRINGS)),
+    st.tuples(st.just("odd"), st.sampled_from(["none", "float", "list", "bool", "dict"])),
+)
+_FILE_PATHS = [
+    "../x",
+    "/etc/hostname",
+    "a/../../b",
+    "",
+    ".",
+    "sub/x",
+    "x\u0000y",
+    "__0_0.distcp",
+    ".metadata",
+    "manifest.json",
+    "a" * 300,
+    "__9_0.distcp",
+]
 manifest_op = st.one_of(
     st.tuples(st.just("set"), pick, json_value),
     st.tuples(st.just("drop"), pick),
@@ -476,8 +573,19 @@ def mutate_manifest(ckpt: Path, ops: list) -> None:
 
 # manifest fields that describe the files and the state they hold: a verdict of valid needs them unchanged
 # (the run id is not among them: it says whose run wrote the checkpoint, which the memory tier checks, ``ownership``)
-CLAIMS = ("schema_version", "format", "step", "tokens", "samples", "files", "tensors", "model_signature", "topology",
-          "fingerprint", "source_world_size")
+CLAIMS = (
+    "schema_version",
+    "format",
+    "step",
+    "tokens",
+    "samples",
+    "files",
+    "tensors",
+    "model_signature",
+    "topology",
+    "fingerprint",
+    "source_world_size",
+)
 
 
 def claims(raw: bytes) -> Any:
@@ -516,14 +624,25 @@ def optim_name(rank: int) -> str:
 _DS_FILES = [MODEL_STATES, optim_name(0), optim_name(1)]
 deepspeed_op = st.one_of(
     st.tuples(st.just("ms"), st.sampled_from(["dp_world_size", "global_steps", "mp_world_size"]), value),
-    st.tuples(st.just("shape"), pick, pick, st.sampled_from(["dim", "drop", "rename", "swap", "extra", "group_drop"]),
-              pick, value),
+    st.tuples(
+        st.just("shape"),
+        pick,
+        pick,
+        st.sampled_from(["dim", "drop", "rename", "swap", "extra", "group_drop"]),
+        pick,
+        value,
+    ),
     st.tuples(st.just("slice"), pick, pick, pick, st.sampled_from(["start", "numel"]), value),
     st.tuples(st.just("slice_swap"), pick, pick, pick, pick),
     st.tuples(st.just("slice_drop"), pick, pick, pick),
     st.tuples(st.just("stage"), pick, value),
-    st.tuples(st.just("flat"), pick, pick, st.sampled_from(["fp32", "exp_avg", "exp_avg_sq"]),
-              st.sampled_from(["trunc", "half", "2d", "drop", "scalar", "grow"])),
+    st.tuples(
+        st.just("flat"),
+        pick,
+        pick,
+        st.sampled_from(["fp32", "exp_avg", "exp_avg_sq"]),
+        st.sampled_from(["trunc", "half", "2d", "drop", "scalar", "grow"]),
+    ),
     st.tuples(st.just("step"), pick, value),
     st.tuples(st.just("pcount"), pick, value),
     st.tuples(st.just("zraw"), st.integers(0, 2), raw_op("z")),
@@ -599,9 +718,13 @@ def _ds_apply(objs: dict[str, Any], op: list) -> None:
         if how == "drop":
             del holder[key]
         else:
-            holder[key] = {"trunc": lambda: t[:-1].clone(), "half": lambda: t.half(),
-                           "2d": lambda: t.view(2, -1).clone(), "scalar": lambda: t[0].clone(),
-                           "grow": lambda: torch.cat([t, t])}[how]()
+            holder[key] = {
+                "trunc": lambda: t[:-1].clone(),
+                "half": lambda: t.half(),
+                "2d": lambda: t.view(2, -1).clone(),
+                "scalar": lambda: t[0].clone(),
+                "grow": lambda: torch.cat([t, t]),
+            }[how]()
 
 
 def mutate_deepspeed(tag: Path, ops: list) -> None:
@@ -626,28 +749,67 @@ def mutate_deepspeed(tag: Path, ops: list) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- latest, layout
-_LATEST = ["global_step2", "global_step2\n", "  global_step2  \n", "global_step3", "global_step", "../global_step2",
-           "/global_step2", "", "\0", "global_step02", "global_step2/", "global_step-2", "global_step" + "9" * 30,
-           "x" * 5000, "global_step2\nglobal_step3", "\udcff"]
+_LATEST = [
+    "global_step2",
+    "global_step2\n",
+    "  global_step2  \n",
+    "global_step3",
+    "global_step",
+    "../global_step2",
+    "/global_step2",
+    "",
+    "\0",
+    "global_step02",
+    "global_step2/",
+    "global_step-2",
+    "global_step" + "9" * 30,
+    "x" * 5000,
+    "global_step2\nglobal_step3",
+    "\udcff",
+]
 latest_op = st.one_of(
     st.tuples(st.just("text"), st.integers(0, len(_LATEST) - 1)),
-    st.tuples(st.just("kind"), st.sampled_from(["link_tag", "link_missing", "link_self", "dir", "fifo", "sparse",
-                                                 "empty", "absent"])),
+    st.tuples(
+        st.just("kind"),
+        st.sampled_from(["link_tag", "link_missing", "link_self", "dir", "fifo", "sparse", "empty", "absent"]),
+    ),
     raw_op(),
 )
-_LAYOUT_NAMES = [optim_name(2), "zero_pp_rank_0_mp_rank_01_optim_states.pt", "bf16_" + optim_name(0),
-                 "mp_rank_01_model_states.pt", "expert_mp_rank_00_model_states.pt", "optimizer.pt", "model.safetensors",
-                 "pytorch_model.bin", ".metadata", "x.pt", optim_name(0), optim_name(1), MODEL_STATES]
-_TAG_NAMES = ["global_step7", "global_step02", "global_step_2", "step-2", "checkpoint-2", "global_step2x",
-              "global_step1"]
+_LAYOUT_NAMES = [
+    optim_name(2),
+    "zero_pp_rank_0_mp_rank_01_optim_states.pt",
+    "bf16_" + optim_name(0),
+    "mp_rank_01_model_states.pt",
+    "expert_mp_rank_00_model_states.pt",
+    "optimizer.pt",
+    "model.safetensors",
+    "pytorch_model.bin",
+    ".metadata",
+    "x.pt",
+    optim_name(0),
+    optim_name(1),
+    MODEL_STATES,
+]
+_TAG_NAMES = [
+    "global_step7",
+    "global_step02",
+    "global_step_2",
+    "step-2",
+    "checkpoint-2",
+    "global_step2x",
+    "global_step1",
+]
 layout_op = st.one_of(
     st.tuples(st.just("rm"), pick),
     st.tuples(st.just("mv"), pick, st.integers(0, len(_LAYOUT_NAMES) - 1)),
     st.tuples(st.just("cp"), pick, st.integers(0, len(_LAYOUT_NAMES) - 1)),
     st.tuples(st.just("link"), pick, st.sampled_from(["sibling", "outside", "dangling", "dir", "devzero"])),
     st.tuples(st.just("special"), pick, st.sampled_from(["fifo", "dir", "empty", "sparse"])),
-    st.tuples(st.just("tag"), st.sampled_from(["rename", "decoy", "nest", "link_outside"]),
-              st.integers(0, len(_TAG_NAMES) - 1)),
+    st.tuples(
+        st.just("tag"),
+        st.sampled_from(["rename", "decoy", "nest", "link_outside"]),
+        st.integers(0, len(_TAG_NAMES) - 1),
+    ),
     st.tuples(st.just("trainer_state"), json_value),
 )
 
@@ -741,9 +903,13 @@ def mutate_layout(ckpt: Path, ops: list, outside: Path) -> None:
                 if kind == "outside":
                     outside.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(target, outside / target.name)
-                dest = {"sibling": _nth([f for f in files if f != target], op[1] + 1) or target.parent,
-                        "outside": outside / target.name, "dangling": outside / "nothing", "dir": target.parent,
-                        "devzero": Path("/dev/zero")}[kind]
+                dest = {
+                    "sibling": _nth([f for f in files if f != target], op[1] + 1) or target.parent,
+                    "outside": outside / target.name,
+                    "dangling": outside / "nothing",
+                    "dir": target.parent,
+                    "devzero": Path("/dev/zero"),
+                }[kind]
                 target.unlink()
                 target.symlink_to(dest)
             else:
@@ -775,14 +941,35 @@ def mutate_layout(ckpt: Path, ops: list, outside: Path) -> None:
 memory_op = st.one_of(
     st.tuples(st.just("manifest"), st.lists(manifest_op, min_size=1, max_size=2)),
     st.tuples(st.just("metadata"), st.lists(metadata_op, min_size=1, max_size=2), st.booleans()),
-    st.tuples(st.just("file"), pick, st.sampled_from(["flip", "trunc", "delete", "empty", "link_outside", "fifo"]),
-              pick),
+    st.tuples(
+        st.just("file"), pick, st.sampled_from(["flip", "trunc", "delete", "empty", "link_outside", "fifo"]), pick
+    ),
     st.tuples(st.just("stray"), st.sampled_from(["stray.bin", ".metadata.tmp", "__9_0.distcp", "manifest.json.tmp"])),
-    st.tuples(st.just("tier"), st.sampled_from(["other_run_dir", "other_id", "no_id", "id_int", "not_json", "absent",
-                                                "empty", "dir", "spaces", "list", "fifo"])),
+    st.tuples(
+        st.just("tier"),
+        st.sampled_from(
+            [
+                "other_run_dir",
+                "other_id",
+                "no_id",
+                "id_int",
+                "not_json",
+                "absent",
+                "empty",
+                "dir",
+                "spaces",
+                "list",
+                "fifo",
+            ]
+        ),
+    ),
     st.tuples(st.just("run_id"), st.sampled_from(["other", "empty", "absent", "garbage", "spaces", "fifo", "two"])),
-    st.tuples(st.just("rename"), st.sampled_from(["step-00000004", "step-3", "step-00000003.partial",
-                                                  "step-00000003.invalid-1", "step-00000001"])),
+    st.tuples(
+        st.just("rename"),
+        st.sampled_from(
+            ["step-00000004", "step-3", "step-00000003.partial", "step-00000003.invalid-1", "step-00000001"]
+        ),
+    ),
 )
 
 
@@ -888,6 +1075,7 @@ def _mutate_run_id(path: Path, how: str) -> None:
 def ownership(run: Path, shm: Path) -> tuple:
     """Whose the memory dir and the run are, as their readers parse them (whitespace aside); a snapshot's own run id
     is ``snapshot_run_id``."""
+
     def text(p: Path) -> str | None:
         data = regular_bytes(p)
         try:
@@ -900,6 +1088,7 @@ def ownership(run: Path, shm: Path) -> tuple:
             return json.loads(regular_bytes(p) or b"")
         except ValueError:
             return None
+
     return text(run / ".run-id"), parsed(shm / "tier.json")
 
 
@@ -921,11 +1110,18 @@ class _MetadataUnpickler(pickle.Unpickler):
         import torch
 
         pairs = (("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"))
-        if module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem") or \
-                (module, name) in pairs or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (
+            module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+            or (module, name) in pairs
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        ):
             found = super().find_class(module, name)
-            if isinstance(found, type) or (module, name) == ("torch.serialization", "_get_layout") or \
-                    name == "_MEM_FORMAT_ENCODING" or isinstance(found, torch.dtype):
+            if (
+                isinstance(found, type)
+                or (module, name) == ("torch.serialization", "_get_layout")
+                or name == "_MEM_FORMAT_ENCODING"
+                or isinstance(found, torch.dtype)
+            ):
                 return found
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP .metadata")
 
@@ -989,21 +1185,31 @@ def _reference_tensor(md: Any, ckpt: Path, fqn: str, meta: Any) -> Any:
     import torch
 
     shape, dtype = tuple(meta.size), meta.properties.dtype
-    if not isinstance(dtype, torch.dtype) or not all(type(d) is int and 0 <= d for d in shape) or \
-            math.prod(shape) > 1 << 22:
+    if (
+        not isinstance(dtype, torch.dtype)
+        or not all(type(d) is int and 0 <= d for d in shape)
+        or math.prod(shape) > 1 << 22
+    ):
         raise Malformed(f"{fqn}: shape {shape} dtype {dtype}")
     full = torch.zeros(shape, dtype=dtype)
     count = torch.zeros(shape, dtype=torch.int32)
     for chunk in meta.chunks:
         offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-        if len(offsets) != len(shape) or len(sizes) != len(shape) or not all(
+        if (
+            len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+            or not all(
                 type(o) is int and type(n) is int and o >= 0 and n >= 0 and o + n <= d
-                for o, n, d in zip(offsets, sizes, shape)):
+                for o, n, d in zip(offsets, sizes, shape)
+            )
+        ):
             raise Malformed(f"{fqn}: chunk {offsets} {sizes} outside {shape}")
         t = torch.load(io.BytesIO(_plain_record(md, ckpt, fqn, chunk.offsets)), weights_only=True)
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != math.prod(sizes):
-            raise Malformed(f"{fqn}: the record of chunk {offsets} holds {getattr(t, 'dtype', type(t))} "
-                            f"{list(getattr(t, 'shape', []))}")
+            raise Malformed(
+                f"{fqn}: the record of chunk {offsets} holds {getattr(t, 'dtype', type(t))} "
+                f"{list(getattr(t, 'shape', []))}"
+            )
         region, counted = full, count
         for d, (o, n) in enumerate(zip(offsets, sizes)):
             region, counted = region.narrow(d, o, n), counted.narrow(d, o, n)
@@ -1058,11 +1264,14 @@ def ds_reference(tag: Path) -> tuple[str | None, dict[str, Any]]:
                     if type(start) is not int or type(numel) is not int or start < 0 or numel < 0:
                         raise Malformed(f"slice of {name}: {start} {numel}")
                     for k in _DS_KEYS:
-                        flat = (osd["single_partition_of_fp32_groups"][g] if k == "fp32"
-                                else osd["base_optimizer_state"]["state"][g][k])
+                        flat = (
+                            osd["single_partition_of_fp32_groups"][g]
+                            if k == "fp32"
+                            else osd["base_optimizer_state"]["state"][g][k]
+                        )
                         if flat.dim() != 1 or flat.dtype != torch.float32 or start + numel > flat.numel():
                             raise Malformed(f"{k} partition of group {g} on rank {r}")
-                        parts[k].append(flat[start:start + numel])
+                        parts[k].append(flat[start : start + numel])
                     used[r].append((start, start + numel))
                     total += numel
                 if not all(type(d) is int and d >= 0 for d in shape) or total != math.prod(shape):
@@ -1094,8 +1303,13 @@ def same(a: Any, b: Any) -> bool:
 def sums_of_squares(values: dict[str, Any]) -> dict[str, float]:
     import torch
 
-    return {k: float(v.double().pow(2).sum()) for k, v in values.items() if isinstance(v, torch.Tensor)
-            and v.is_floating_point() and (k.startswith("model.") or k.endswith(("exp_avg", "exp_avg_sq")))}
+    return {
+        k: float(v.double().pow(2).sum())
+        for k, v in values.items()
+        if isinstance(v, torch.Tensor)
+        and v.is_floating_point()
+        and (k.startswith("model.") or k.endswith(("exp_avg", "exp_avg_sq")))
+    }
 
 
 def fingerprint_consistent(values: dict[str, Any], seed: dict[str, Any]) -> bool:
@@ -1126,15 +1340,28 @@ def seeds() -> Seeds:
             t = Path(tmp)
             run, _ = fc.memory_copy(t / "mem")
             snap = t / "mem" / "shm" / "checkpoints" / fc.step_name(fc.SNAP_STEP)
-            found = [dcp_reference(fc.dcp_ckpt(fc.dcp_run_copy(t / "dcp"))), ds_reference(fc.ds_ckpt_copy(t / "ds")),
-                     dcp_reference(snap), dcp_reference(run / "checkpoints" / fc.step_name(fc.MEMORY_STORED_STEP))]
+            found = [
+                dcp_reference(fc.dcp_ckpt(fc.dcp_run_copy(t / "dcp"))),
+                ds_reference(fc.ds_ckpt_copy(t / "ds")),
+                dcp_reference(snap),
+                dcp_reference(run / "checkpoints" / fc.step_name(fc.MEMORY_STORED_STEP)),
+            ]
             problems = [why for why, _ in found if why]
             if problems:
-                raise RuntimeError(f"the seed corpus does not read back: {problems}; regenerate it "
-                                   "(python -m tests.reliability.fuzz_corpus)")
-            _SEEDS.append(Seeds(dcp=found[0][1], plain_digest=tree_digest(fc.plain_dcp_copy(t / "plain")),
-                                ds=found[1][1], trainer_digest=tree_digest(fc.trainer_copy(t / "trainer")),
-                                snap=found[2][1], stored=found[3][1]))
+                raise RuntimeError(
+                    f"the seed corpus does not read back: {problems}; regenerate it "
+                    "(python -m tests.reliability.fuzz_corpus)"
+                )
+            _SEEDS.append(
+                Seeds(
+                    dcp=found[0][1],
+                    plain_digest=tree_digest(fc.plain_dcp_copy(t / "plain")),
+                    ds=found[1][1],
+                    trainer_digest=tree_digest(fc.trainer_copy(t / "trainer")),
+                    snap=found[2][1],
+                    stored=found[3][1],
+                )
+            )
     return _SEEDS[0]
 
 
@@ -1144,8 +1371,11 @@ def counters(values: dict[str, Any]) -> tuple:
 
 def state_keys(values: dict[str, Any]) -> dict[str, Any]:
     """The training state a load or an import carries across: model weights and AdamW moments."""
-    return {k: v for k, v in values.items() if k.startswith("model.")
-            or (k.startswith("optim.state.") and k.endswith(("exp_avg", "exp_avg_sq")))}
+    return {
+        k: v
+        for k, v in values.items()
+        if k.startswith("model.") or (k.startswith("optim.state.") and k.endswith(("exp_avg", "exp_avg_sq")))
+    }
 
 
 def from_plain(values: dict[str, Any]) -> dict[str, Any]:
@@ -1259,8 +1489,11 @@ def _judge_imported(run: Path, src: Path, kind: str) -> dict[str, str]:
     for values, steps in declared:
         if matches(got, values, cast=True) is None and step in steps:
             return result("correct", "imported exactly what the mutated source says")
-    return result("other", f"imported step {step} and tensors that are neither the seed's ({matches(got, seed)}) nor "
-                           f"what the source says ({[matches(got, v, cast=True) for v, _ in declared][:2]})")
+    return result(
+        "other",
+        f"imported step {step} and tensors that are neither the seed's ({matches(got, seed)}) nor "
+        f"what the source says ({[matches(got, v, cast=True) for v, _ in declared][:2]})",
+    )
 
 
 def _declared(src: Path, kind: str) -> list[tuple[dict[str, Any], set[int]]]:
@@ -1311,8 +1544,12 @@ def judge_validate(ck: Path, tmp: Path, *, identical: bool, valid_ok: Callable[[
     return result("refused", lines[0])
 
 
-def forged_ok(ck: Path, seed: dict[str, Any], reference: Callable[[Path], tuple[str | None, dict[str, Any]]],
-              convert: Callable[[dict[str, Any]], dict[str, Any]]) -> str | None:
+def forged_ok(
+    ck: Path,
+    seed: dict[str, Any],
+    reference: Callable[[Path], tuple[str | None, dict[str, Any]]],
+    convert: Callable[[dict[str, Any]], dict[str, Any]],
+) -> str | None:
     """None when the files form a well-made checkpoint whose stored state the seed's fingerprint still describes (a
     forger who recomputed the checksums changed nothing a reader can see), else why not."""
     why, values = reference(ck)
@@ -1357,8 +1594,15 @@ def run_resume(run: Path) -> dict[str, Any]:
             said.append((record.getMessage(), record.exc_info is not None))
 
     logging.getLogger().addHandler(Said(level=logging.WARNING))
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()), SHARDKEEPER_DEVICE="cpu")
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        SHARDKEEPER_DEVICE="cpu",
+    )
     env = init_distributed()
     tr = Trainer(RunDir.at(run), 100, 1, env)
     try:
@@ -1421,8 +1665,11 @@ def judge_resume(run: Path, *, identical: bool, forged: bool, ck: Path) -> dict[
         why, values = dcp_reference(ck)
         if not why and matches(res["state"], state_keys(values)) is None and res["counters"] == counters(values):
             return result("correct", "loaded exactly what the forged files say")
-    return result("other", f"loaded a state that is not the seed's ({matches(res['state'], state_keys(s.dcp))}, "
-                           f"counters {res['counters']})")
+    return result(
+        "other",
+        f"loaded a state that is not the seed's ({matches(res['state'], state_keys(s.dcp))}, "
+        f"counters {res['counters']})",
+    )
 
 
 # ----------------------------------------------------------------------------------------------- targets
@@ -1444,6 +1691,7 @@ def _dcp_validate_or_resume(program: dict, tmp: Path, mutate: Callable[[Path, li
         if why and forged:
             return forged_ok(ck, s.dcp, dcp_reference, state_keys)
         return why
+
     return judge_validate(ck, tmp, identical=identical, valid_ok=valid_ok)
 
 
@@ -1476,6 +1724,7 @@ def deepspeed_validate(program: dict, tmp: Path) -> dict:
         if why and forged:
             return forged_ok(ck, seeds().ds, ds_reference, from_ds)
         return why
+
     return judge_validate(ck, tmp, identical=tree_digest(ck) == seed_digest, valid_ok=valid_ok)
 
 
@@ -1483,16 +1732,21 @@ def _memory_input(program: dict, tmp: Path) -> tuple[Path, Path, Path, dict[str,
     """The crashed memory-tier run, mutated; returns (run, memory dir, the snapshot's dir now, facts)."""
     run, shm = fc.memory_copy(tmp / "mem")
     snap = shm / "checkpoints" / fc.step_name(fc.SNAP_STEP)
-    facts = {"digest": tree_digest(snap), "manifest": (snap / "manifest.json").read_bytes(),
-             "owner": ownership(run, shm), "run_id": snapshot_run_id(snap)}
+    facts = {
+        "digest": tree_digest(snap),
+        "manifest": (snap / "manifest.json").read_bytes(),
+        "owner": ownership(run, shm),
+        "run_id": snapshot_run_id(snap),
+    }
     mutate_memory(run, shm, program["ops"], tmp / "outside")
     moved = [op[1] for op in program["ops"] if op[0] == "rename"]
     now = shm / "checkpoints" / moved[0] if moved else snap
     facts["forged"] = any(op[0] == "metadata" and op[2] for op in program["ops"])
     facts["owner_same"] = ownership(run, shm) == facts["owner"] and snapshot_run_id(now) in (facts["run_id"], None)
     facts["intact"] = not moved and tree_digest(snap) == facts["digest"]
-    facts["usable"] = (facts["owner_same"] and not moved
-                       and data_and_claims(snap, facts["digest"], facts["manifest"]) is None)
+    facts["usable"] = (
+        facts["owner_same"] and not moved and data_and_claims(snap, facts["digest"], facts["manifest"]) is None
+    )
     return run, shm, now, facts
 
 
@@ -1516,6 +1770,7 @@ def memory_validate(program: dict, tmp: Path) -> dict:
         if named not in (None, fc.SNAP_STEP) or snap.name.endswith(".partial"):
             return f"renamed {snap.name}"
         return _snapshot_ok(snap, facts)
+
     return judge_validate(snap, tmp, identical=facts["intact"], valid_ok=valid_ok)
 
 
@@ -1613,23 +1868,54 @@ def _program(op: Any, forged: bool = True) -> Any:
     return st.fixed_dictionaries({"ops": ops, "forged": st.sampled_from([True, True, True, False])})
 
 
-TARGETS: dict[str, Target] = {t.name: t for t in [
-    Target("metadata", "DCP `.metadata`", _program(metadata_op), {
-        "import": metadata_import,
-        "validate": lambda p, t: _dcp_validate_or_resume(p, t, mutate_metadata, "validate"),
-        "resume": lambda p, t: _dcp_validate_or_resume(p, t, mutate_metadata, "resume")}),
-    Target("manifest", "manifest.json", _program(manifest_op, forged=False), {
-        "validate": lambda p, t: _dcp_validate_or_resume(p, t, mutate_manifest, "validate"),
-        "resume": lambda p, t: _dcp_validate_or_resume(p, t, mutate_manifest, "resume")}),
-    Target("deepspeed", "DeepSpeed model/optim states", _program(deepspeed_op), {
-        "import": deepspeed_import, "validate": deepspeed_validate}),
-    Target("latest", "DeepSpeed `latest`", _program(latest_op, forged=False), {
-        "import": lambda p, t: _trainer_input(p, t, mutate_latest)}),
-    Target("layout", "`checkpoint-N/` layout", _program(layout_op, forged=False), {
-        "import": lambda p, t: _trainer_input(p, t, mutate_layout)}),
-    Target("memory", "memory snapshot", _program(memory_op, forged=False), {
-        "resume": memory_resume, "validate": memory_validate, "persist": memory_persist}),
-]}
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in [
+        Target(
+            "metadata",
+            "DCP `.metadata`",
+            _program(metadata_op),
+            {
+                "import": metadata_import,
+                "validate": lambda p, t: _dcp_validate_or_resume(p, t, mutate_metadata, "validate"),
+                "resume": lambda p, t: _dcp_validate_or_resume(p, t, mutate_metadata, "resume"),
+            },
+        ),
+        Target(
+            "manifest",
+            "manifest.json",
+            _program(manifest_op, forged=False),
+            {
+                "validate": lambda p, t: _dcp_validate_or_resume(p, t, mutate_manifest, "validate"),
+                "resume": lambda p, t: _dcp_validate_or_resume(p, t, mutate_manifest, "resume"),
+            },
+        ),
+        Target(
+            "deepspeed",
+            "DeepSpeed model/optim states",
+            _program(deepspeed_op),
+            {"import": deepspeed_import, "validate": deepspeed_validate},
+        ),
+        Target(
+            "latest",
+            "DeepSpeed `latest`",
+            _program(latest_op, forged=False),
+            {"import": lambda p, t: _trainer_input(p, t, mutate_latest)},
+        ),
+        Target(
+            "layout",
+            "`checkpoint-N/` layout",
+            _program(layout_op, forged=False),
+            {"import": lambda p, t: _trainer_input(p, t, mutate_layout)},
+        ),
+        Target(
+            "memory",
+            "memory snapshot",
+            _program(memory_op, forged=False),
+            {"resume": memory_resume, "validate": memory_validate, "persist": memory_persist},
+        ),
+    ]
+}
 
 
 # ----------------------------------------------------------------------------------------------- the worker
@@ -1694,11 +1980,18 @@ def _run_forked(job: dict, base: Path, deadline_s: float, rss_bound: int) -> dic
     except (OSError, ValueError):
         start = 0
     if peak > rss_base + rss_bound and res["outcome"] != "other":
-        res = result("other", f"peak RSS {peak / MiB:.0f} MiB, over the worker's {rss_base / MiB:.0f} MiB + "
-                              f"{rss_bound / MiB:.0f} MiB")
+        res = result(
+            "other",
+            f"peak RSS {peak / MiB:.0f} MiB, over the worker's {rss_base / MiB:.0f} MiB + {rss_bound / MiB:.0f} MiB",
+        )
     shutil.rmtree(tmp, ignore_errors=True)
-    return {**job, **res, "seconds": round(seconds, 3), "rss_mib": round(peak / MiB, 1),
-            "rss_added_mib": round(max(0, peak - start) / MiB, 1)}
+    return {
+        **job,
+        **res,
+        "seconds": round(seconds, 3),
+        "rss_mib": round(peak / MiB, 1),
+        "rss_added_mib": round(max(0, peak - start) / MiB, 1),
+    }
 
 
 def _status(status: int) -> str:
@@ -1734,12 +2027,28 @@ def serve() -> None:
 
 
 # what the entry points import, some of it lazily: the worker imports it once before it forks
-_PRELOAD = ("ckpt.formats.deepspeed_convert", "ckpt.formats.foreign", "ckpt.formats.foreign_commit",
-            "ckpt.memtier_persist", "ckpt.pretrained", "deepspeed.runtime.fp16.loss_scaler",
-            "deepspeed.runtime.zero.config", "deepspeed.utils.tensor_fragment", "launch.base", "rich._emoji_codes",
-            "schemas.requests", "shardkeeper.cli", "shardkeeper.config", "shardkeeper.importing",
-            "shardkeeper.preflight", "shardkeeper.stages", "tests.harness", "trainer.ds_shm", "trainer.loop",
-            "transformers.models.llama.modeling_llama")
+_PRELOAD = (
+    "ckpt.formats.deepspeed_convert",
+    "ckpt.formats.foreign",
+    "ckpt.formats.foreign_commit",
+    "ckpt.memtier_persist",
+    "ckpt.pretrained",
+    "deepspeed.runtime.fp16.loss_scaler",
+    "deepspeed.runtime.zero.config",
+    "deepspeed.utils.tensor_fragment",
+    "launch.base",
+    "rich._emoji_codes",
+    "schemas.requests",
+    "shardkeeper.cli",
+    "shardkeeper.config",
+    "shardkeeper.importing",
+    "shardkeeper.preflight",
+    "shardkeeper.stages",
+    "tests.harness",
+    "trainer.ds_shm",
+    "trainer.loop",
+    "transformers.models.llama.modeling_llama",
+)
 
 
 class Fuzzer:
@@ -1751,12 +2060,26 @@ class Fuzzer:
         self.deadline_s, self.rss_bound = deadline_s, rss_bound
         self.log = open(log or os.devnull, "ab")
         path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "SHARDKEEPER_DEVICE": "cpu",
-               "DS_ACCELERATOR": "cpu", "COLUMNS": "200", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-               "PYTHONWARNINGS": "ignore"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.reliability.fuzz_lib", "--serve"], cwd=ROOT,
-                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     bufsize=1)
+        env = {
+            **os.environ,
+            "PYTHONPATH": path,
+            "OMP_NUM_THREADS": "1",
+            "SHARDKEEPER_DEVICE": "cpu",
+            "DS_ACCELERATOR": "cpu",
+            "COLUMNS": "200",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PYTHONWARNINGS": "ignore",
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.reliability.fuzz_lib", "--serve"],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            bufsize=1,
+        )
         ready = self._read(600)
         self.worker_rss_mib = ready["rss_mib"]
         self.results: list[dict[str, Any]] = []
@@ -1774,8 +2097,13 @@ class Fuzzer:
         out = []
         assert self.proc.stdin is not None
         for entry in TARGETS[target].entries:
-            job = {"target": target, "entry": entry, "program": program, "deadline_s": self.deadline_s,
-                   "rss_bound": self.rss_bound}
+            job = {
+                "target": target,
+                "entry": entry,
+                "program": program,
+                "deadline_s": self.deadline_s,
+                "rss_bound": self.rss_bound,
+            }
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
             out.append(self._read(self.deadline_s + 120))

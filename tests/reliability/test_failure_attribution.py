@@ -27,11 +27,37 @@ SCRIPT = ROOT / "tests" / "scripts" / "failure_modes.py"
 
 
 def _train(run: Path, until: int, *script_args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    full = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDKEEPER_DEVICE": "cpu", "SHARDKEEPER_PROGRESS_S": "0",
-            "COLUMNS": "400", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--script", str(SCRIPT), "--run-dir", str(run),
-                           "--until-step", str(until), "--nproc", "2", "--", *script_args], capture_output=True,
-                          text=True, env=full, cwd=ROOT, timeout=400)
+    full = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "SHARDKEEPER_DEVICE": "cpu",
+        "SHARDKEEPER_PROGRESS_S": "0",
+        "COLUMNS": "400",
+        **(env or {}),
+    }
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardkeeper",
+            "train",
+            "--script",
+            str(SCRIPT),
+            "--run-dir",
+            str(run),
+            "--until-step",
+            str(until),
+            "--nproc",
+            "2",
+            "--",
+            *script_args,
+        ],
+        capture_output=True,
+        text=True,
+        env=full,
+        cwd=ROOT,
+        timeout=400,
+    )
 
 
 def _error_line(res: subprocess.CompletedProcess) -> str:
@@ -48,8 +74,13 @@ def memory_cgroup_here() -> bool:
     v2, v1 = _mounts()
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        base = (Path(v2) / path.lstrip("/") if controllers == "" and v2 else
-                Path(v1) / path.lstrip("/") if "memory" in controllers.split(",") and v1 else None)
+        base = (
+            Path(v2) / path.lstrip("/")
+            if controllers == "" and v2
+            else Path(v1) / path.lstrip("/")
+            if "memory" in controllers.split(",") and v1
+            else None
+        )
         if base is None:
             continue
         probe = base / f"shardkeeper-probe-{os.getpid()}"
@@ -87,8 +118,15 @@ def _hang_cancelled(run: Path) -> object:
             seen.append(time.monotonic())
         return bool(seen) and time.monotonic() - seen[0] > 2.0
 
-    return train_segment(spec, run, plan_topology(spec, 2, device="cpu"), 1000, sink=lambda line: None,
-                         cancel_check=cancel, launcher_options={"grace_s": 6})
+    return train_segment(
+        spec,
+        run,
+        plan_topology(spec, 2, device="cpu"),
+        1000,
+        sink=lambda line: None,
+        cancel_check=cancel,
+        launcher_options={"grace_s": 6},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +139,21 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
         [("widths", _train, base / "widths", 6, "--mode", "widths", "--rank", "1")],
         [("exit0", _train, base / "exit0", 6, "--mode", "exit0", "--rank", "-1")],
         [("oom", _train, base / "oom", 6, "--mode", "oom", "--rank", "1")],
-        [("orphan", short_grace, base / "orphan", 4, "--mode", "orphan", "--rank", "1", "--orphan-pid-file",
-          str(base / "orphan.pid")),
-         ("orphan-next", short_grace, base / "orphan", 6)],
+        [
+            (
+                "orphan",
+                short_grace,
+                base / "orphan",
+                4,
+                "--mode",
+                "orphan",
+                "--rank",
+                "1",
+                "--orphan-pid-file",
+                str(base / "orphan.pid"),
+            ),
+            ("orphan-next", short_grace, base / "orphan", 6),
+        ],
         [("hang", _hang_cancelled, base / "hang")],
     ]
     try:
@@ -132,8 +182,9 @@ def test_ranks_of_different_widths_name_the_rank_that_aborted_with_glooss_messag
 def test_ranks_that_exit_0_inside_the_loop_are_named_as_such(launched: dict) -> None:
     line = _error_line(outcome(launched, "exit0"))
     assert "exited with code 0 before its segment ended" in line, line
-    assert ("rank 0 (pid" in line and "rank 1 then exited with code 0" in line) or \
-           ("rank 1 (pid" in line and "rank 0 then exited with code 0" in line), line
+    assert ("rank 0 (pid" in line and "rank 1 then exited with code 0" in line) or (
+        "rank 1 (pid" in line and "rank 0 then exited with code 0" in line
+    ), line
 
 
 def test_an_out_of_memory_rank_is_named_with_what_the_kernel_says(launched: dict) -> None:
@@ -141,8 +192,10 @@ def test_an_out_of_memory_rank_is_named_with_what_the_kernel_says(launched: dict
     line = _error_line(res)
     assert "rank 1 (pid " in line, line
     if launched["oom_cgroup"]:  # a real OOM kill: the kernel log names it (root), or its cgroup counted it
-        assert ("was killed by the kernel's OOM killer (SIGKILL; kernel log: " in line
-                or "most likely by the kernel's OOM killer" in line), line
+        assert (
+            "was killed by the kernel's OOM killer (SIGKILL; kernel log: " in line
+            or "most likely by the kernel's OOM killer" in line
+        ), line
         assert "ran out of memory: lower the memory each rank needs" in line, line
     else:  # the rank SIGKILLed itself (no memory cgroup to limit it in): no OOM may be claimed
         assert "was killed by SIGKILL (" in line and "the kernel's OOM killer (SIGKILL" not in line, line
@@ -163,8 +216,9 @@ def test_what_a_rank_leaves_behind_ends_with_the_segment_and_never_locks_the_run
 def test_a_rank_that_hangs_while_its_peer_waits_is_named_from_its_stack(launched: dict) -> None:
     res = outcome(launched, "hang")
     assert res.status == "cancelled", res
-    assert res.note.startswith("the ranks did not stop within the 6 s grace and were killed: rank 1 was at "
-                               "failure_modes.py line "), res.note
+    assert res.note.startswith(
+        "the ranks did not stop within the 6 s grace and were killed: rank 1 was at failure_modes.py line "
+    ), res.note
     assert "in misbehave, outside any collective, so the others waited for it (rank 0 in " in res.note, res.note
 
 
@@ -194,9 +248,11 @@ Root Cause (first observed failure):
   error_file: <N/A>
   traceback : Signal 6 (SIGABRT) received by PID 12185
 ============================================================"""
-ABORT = ["terminate called after throwing an instance of 'gloo::EnforceNotMet'",
-         "  what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 170 vs 114. Is there a distributed "
-         "collective mismatch in your code?"]
+ABORT = [
+    "terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+    "  what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 170 vs 114. Is there a distributed "
+    "collective mismatch in your code?",
+]
 
 
 def test_torchruns_summary_and_the_ranks_lines_read_back_from_the_output_alone() -> None:
@@ -204,12 +260,15 @@ def test_torchruns_summary_and_the_ranks_lines_read_back_from_the_output_alone()
     from launch.base import failing_rank_lines
     from schemas.seam import RANK_ERROR_PREFIX
 
-    survivor = (f"{RANK_ERROR_PREFIX} rank 1: x.py line 9: RuntimeError: [pair.cc:537] Read error: Connection reset by "
-                "peer")
+    survivor = (
+        f"{RANK_ERROR_PREFIX} rank 1: x.py line 9: RuntimeError: [pair.cc:537] Read error: Connection reset by peer"
+    )
     line = failing_rank_lines([*ABORT, survivor, *SUMMARY.splitlines()])
-    assert line == ("rank 0 (pid 12185) died of SIGABRT: terminate called after throwing gloo::EnforceNotMet: "
-                    "[enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 170 vs 114. Is there a distributed "
-                    "collective mismatch in your code?; rank 1 then failed: connection reset by peer"), line
+    assert line == (
+        "rank 0 (pid 12185) died of SIGABRT: terminate called after throwing gloo::EnforceNotMet: "
+        "[enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 170 vs 114. Is there a distributed "
+        "collective mismatch in your code?; rank 1 then failed: connection reset by peer"
+    ), line
 
 
 def test_the_launchers_own_times_outrank_torchruns_one_second_root_cause() -> None:
@@ -218,22 +277,31 @@ def test_the_launchers_own_times_outrank_torchruns_one_second_root_cause() -> No
     from launch.attribution import RankEnd, failure_line, merge, torchrun_ends
 
     summary = SUMMARY.replace("exitcode  : 2 (pid: 12186)", "exitcode  : -9 (pid: 12186)").replace(
-        "exitcode  : -6 (pid: 12185)  (SIGABRT)", "exitcode  : 1 (pid: 12185)")
+        "exitcode  : -6 (pid: 12185)  (SIGABRT)", "exitcode  : 1 (pid: 12185)"
+    )
     observed = [RankEnd(rank=0, pid=12185, ended_at=10.30), RankEnd(rank=1, pid=12186, ended_at=10.00)]
-    ends = merge(torchrun_ends(summary.splitlines()), [(10.04, "rank 0: x.py line 3: RuntimeError: Socket Timeout")],
-                 observed)
+    ends = merge(
+        torchrun_ends(summary.splitlines()), [(10.04, "rank 0: x.py line 3: RuntimeError: Socket Timeout")], observed
+    )
     assert [e.torchrun_first for e in ends] == [True, False]
-    assert failure_line(ends).startswith("rank 1 (pid 12186) was killed by SIGKILL (by the OOM killer or from outside: "
-                                         "not known here); rank 0 then failed: timed out waiting in a collective")
+    assert failure_line(ends).startswith(
+        "rank 1 (pid 12186) was killed by SIGKILL (by the OOM killer or from outside: "
+        "not known here); rank 0 then failed: timed out waiting in a collective"
+    )
     # a cause of its own beats an earlier consequence; a rank torchrun stopped is named as stopped
-    ends = [RankEnd(rank=0, exitcode=1, line="rank 0: ValueError: bad batch", line_at=2.0),
-            RankEnd(rank=1, exitcode=1, line="rank 1: RuntimeError: Connection closed by peer", line_at=1.0),
-            RankEnd(rank=2, exitcode=-15, ended_at=3.0)]
-    assert failure_line(ends) == ("rank 0: ValueError: bad batch; rank 1 then failed: connection closed by peer; "
-                                  "torchrun then stopped rank 2")
+    ends = [
+        RankEnd(rank=0, exitcode=1, line="rank 0: ValueError: bad batch", line_at=2.0),
+        RankEnd(rank=1, exitcode=1, line="rank 1: RuntimeError: Connection closed by peer", line_at=1.0),
+        RankEnd(rank=2, exitcode=-15, ended_at=3.0),
+    ]
+    assert failure_line(ends) == (
+        "rank 0: ValueError: bad batch; rank 1 then failed: connection closed by peer; torchrun then stopped rank 2"
+    )
     # exit 0 is a failure only when the segment did not end
-    zero = [RankEnd(rank=0, pid=7, exitcode=0, ended_at=1.0), RankEnd(rank=1, exitcode=1, line="rank 1: boom",
-                                                                      line_at=2.0)]
+    zero = [
+        RankEnd(rank=0, pid=7, exitcode=0, ended_at=1.0),
+        RankEnd(rank=1, exitcode=1, line="rank 1: boom", line_at=2.0),
+    ]
     assert failure_line(zero).startswith("rank 0 (pid 7) exited with code 0 before its segment ended; rank 1 then")
     assert failure_line(zero, completed=True) == "rank 1: boom"
     # a rank seen to end whose status torchrun reaped first, and which torchrun does not list as failed: exit 0
@@ -271,7 +339,8 @@ def test_ranks_that_did_not_stop_are_named_from_their_stacks() -> None:
     assert stuck_line({0: STACK_WAITING, 1: STACK_SLEEPING}, 60) == (
         "the ranks did not stop within the 60 s grace and were killed: rank 1 was at train.py line 100 in misbehave, "
         "outside any collective, so the others waited for it (rank 0 in all_gather_single called at train.py line "
-        "115 in <module>)")
+        "115 in <module>)"
+    )
     assert "every rank waited in a collective" in stuck_line({0: STACK_WAITING, 1: STACK_WAITING}, 60)
     assert stuck_line({0: "garbage"}, 60) is None
 
@@ -296,8 +365,9 @@ def test_the_subreaper_ends_a_daemon_that_left_its_parent_and_ignores_sigterm(tm
     (tmp_path / "daemonizer.py").write_text(DAEMON)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "SHARDKEEPER_LEFTOVER_GRACE_S": "1"}
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "launch.contain", "daemonizer"], capture_output=True, text=True,
-                         env=env, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "launch.contain", "daemonizer"], capture_output=True, text=True, env=env, timeout=60
+    )
     took = time.monotonic() - t0
     pid = int(res.stdout.split()[0])
     assert res.returncode == 0, res.stderr
@@ -315,10 +385,12 @@ def test_a_forked_child_never_holds_the_ranks_lock_and_a_holder_is_named(tmp_pat
     from ckpt.lock import RunLock
     from schemas.errors import RunLockedError
 
-    code = (f"import os, sys, time; sys.path.insert(0, {str(ROOT)!r}); from ckpt.lock import hold_ranks_lock; "
-            "from trainer.lifetime import _not_in_forks; fd = hold_ranks_lock(sys.argv[1]); "
-            "_not_in_forks(fd) if sys.argv[2] == 'python' else None; pid = os.fork()\n"
-            "if pid == 0:\n    time.sleep(60)\nprint(pid, flush=True)")
+    code = (
+        f"import os, sys, time; sys.path.insert(0, {str(ROOT)!r}); from ckpt.lock import hold_ranks_lock; "
+        "from trainer.lifetime import _not_in_forks; fd = hold_ranks_lock(sys.argv[1]); "
+        "_not_in_forks(fd) if sys.argv[2] == 'python' else None; pid = os.fork()\n"
+        "if pid == 0:\n    time.sleep(60)\nprint(pid, flush=True)"
+    )
     for how in ("python", "unguarded"):
         run = tmp_path / how
         run.mkdir()

@@ -26,9 +26,11 @@ REGRESSIONS: dict[str, list[dict]] = {
     # a storage record whose file name is None: import sorted the names first (an internal error)
     "metadata": [{"ops": [["record_path", 0, 10]], "forged": True}],
     # manifest.json bytes that are not UTF-8: validate's "check the arguments", a resume's UnicodeDecodeError
-    "manifest": [{"ops": [["raw_insert", 205, 255]]},
-                 # source_world_size recorded on a checkpoint that is no conversion: validate --deep said valid
-                 {"ops": [["set", 7883, ["int", 2]], ["file_dup", 71]]}],
+    "manifest": [
+        {"ops": [["raw_insert", 205, 255]]},
+        # source_world_size recorded on a checkpoint that is no conversion: validate --deep said valid
+        {"ops": [["set", 7883, ["int", 2]], ["file_dup", 71]]},
+    ],
     # rank 1's file declaring ZeRO stage 0 beside rank 0's 2: validate --deep said valid
     "deepspeed": [{"ops": [["stage", 1, ["int", 0]]], "forged": True}],
     # a sparse GiB as `latest`: import must read a bounded prefix (the fuzzer's own edit once read it whole)
@@ -38,9 +40,13 @@ REGRESSIONS: dict[str, list[dict]] = {
     # a fifo in a snapshot (the persist waited on it), tier.json a fifo (resume and persist waited) or a JSON
     # list, .run-id not UTF-8 (resume and persist crashed), manifest.json a symlink to a copy outside the snapshot
     # (validate said valid, the persist committed the bytes it found there)
-    "memory": [{"ops": [["file", 1, "fifo", 0]]}, {"ops": [["tier", "fifo"]]}, {"ops": [["tier", "list"]]},
-               {"ops": [["run_id", "garbage"]]},
-               {"ops": [["manifest", [["file_dup", 106]]], ["file", 1091, "link_outside", 5061]]}],
+    "memory": [
+        {"ops": [["file", 1, "fifo", 0]]},
+        {"ops": [["tier", "fifo"]]},
+        {"ops": [["tier", "list"]]},
+        {"ops": [["run_id", "garbage"]]},
+        {"ops": [["manifest", [["file_dup", 106]]], ["file", 1091, "link_outside", 5061]]},
+    ],
 }
 
 
@@ -51,8 +57,11 @@ def fuzzer() -> Iterator[Fuzzer]:
 
 
 def _failures(results: list[dict]) -> str:
-    return "\n".join(f"{r['target']}/{r['entry']}: {r['why']} (input {json.dumps(r['program'])})"
-                     for r in results if r["outcome"] == "other")
+    return "\n".join(
+        f"{r['target']}/{r['entry']}: {r['why']} (input {json.dumps(r['program'])})"
+        for r in results
+        if r["outcome"] == "other"
+    )
 
 
 def test_the_seeds_go_through_every_entry_point_whole(fuzzer: Fuzzer) -> None:
@@ -75,8 +84,14 @@ def test_mutated_inputs_are_read_exactly_or_refused_in_one_line(target: str, fuz
 
     for program in REGRESSIONS[target]:
         check = example(program=program)(check)
-    profile = settings(max_examples=EXAMPLES[target], derandomize=True, database=None, deadline=None,
-                       phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    profile = settings(
+        max_examples=EXAMPLES[target],
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     profile(given(program=TARGETS[target].strategy)(check))()
     assert len(seen) >= EXAMPLES[target] * len(TARGETS[target].entries)
     assert all(r["rss_mib"] > 0 and r["seconds"] < DEADLINE_S for r in seen)

@@ -63,16 +63,31 @@ def main(argv: list[str] | None = None, run_dir: str | None = None, until_step: 
 
     seg = sk.Segment(run_dir=run_dir, until_step=until_step)
     torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=64, intermediate_size=a.intermediate,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=a.tied)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=a.intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=a.tied,
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if a.deepspeed:
         import deepspeed
 
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.wd)
-        ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2},
-              "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30, "bf16": {"enabled": a.bf16}}
+        ds = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 2},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 1 << 30,
+            "bf16": {"enabled": a.bf16},
+        }
         model, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
     elif a.plain_bf16:
         model = model.to(torch.bfloat16)
@@ -80,8 +95,11 @@ def main(argv: list[str] | None = None, run_dir: str | None = None, until_step: 
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if a.bf16 else \
-            MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if a.bf16
+            else MixedPrecisionPolicy()
+        )
         for layer in model.model.layers:
             fully_shard(layer, mesh=seg.mesh, mp_policy=mp)
         fully_shard(model, mesh=seg.mesh, mp_policy=mp)
@@ -110,8 +128,12 @@ def main(argv: list[str] | None = None, run_dir: str | None = None, until_step: 
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         seg.log(loss=float(total) / seg.world_size, lr=opt.param_groups[0]["lr"])
-    return {"lr": opt.param_groups[0]["lr"], "weight_decay": opt.param_groups[0]["weight_decay"],
-            "groups": len(opt.param_groups), "step": seg.step}
+    return {
+        "lr": opt.param_groups[0]["lr"],
+        "weight_decay": opt.param_groups[0]["weight_decay"],
+        "groups": len(opt.param_groups),
+        "step": seg.step,
+    }
 
 
 if __name__ == "__main__":
