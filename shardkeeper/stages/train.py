@@ -154,7 +154,11 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
     submodule import that races a first import of its package in another thread.
 
     ``by``: who launched the segment (a flow: which flow run, started by whom), recorded in segments.jsonl and in
-    the segment's lineage event."""
+    the segment's lineage event.
+
+    Ranks that die are restarted in place ``spec.checkpoint.restarts`` times (``trainer.agent``): under the same
+    lock, without a new segment; each restart is recorded as it happens (``_record_restart``), and the result says
+    how many there were and why."""
     remote = remote_run(run_dir)  # s3://...: the ranks train in its local cache, shardkeeper.remote mirrors it
     if remote is not None:
         run_dir = remote.local.root

@@ -45,6 +45,24 @@ def _train(run: Path, until: int, *script_args: str, env: dict[str, str] | None 
                           timeout=400)
 
 
+def _preempted_while_restarting(run: Path) -> subprocess.CompletedProcess:
+    """Rank 1 SIGKILLed at step 7 (a snapshot every 2 steps); SIGTERM to the CLI as soon as the restart is recorded,
+    while its ranks restart."""
+    sets = ("checkpoint.memory_interval=2", f"checkpoint.memory_dir={run.parent / 'shm-preempt'}",
+            "checkpoint.interval=100")
+    proc = subprocess.Popen(_args(run, 20, sets, ("--mode", "kill", "--rank", "1", "--at", "7", "--times", "1",
+                                                  "--sleep", "0.2")),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    records, deadline = run / "segments.jsonl", time.monotonic() + 300
+    while not (records.exists() and "restarted-in-place" in records.read_text()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def _restart_in_place(run: Path) -> dict:
     """Rank 1 SIGKILLed once at step 7 (the memory tier on: a snapshot every 2 steps). From the moment the controller
     records the restart, the run lock is probed (a non-blocking flock, let go at once) and a second train of the run
@@ -162,6 +180,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
     one_restart = partial(_train, sets=("checkpoint.restarts=1",))
     chains = [
         [("restart", _restart_in_place, base / "restart")],
+        [("preempt-restart", _preempted_while_restarting, base / "preempt-restart")],
         [("kill", one_restart, base / "kill", 6, "--mode", "kill", "--rank", "1")],
         [("widths", no_restart, base / "widths", 6, "--mode", "widths", "--rank", "1")],
         [("exit0", _train, base / "exit0", 6, "--mode", "exit0", "--rank", "-1")],
@@ -201,6 +220,18 @@ def test_a_killed_rank_is_restarted_in_place_under_the_same_lock_and_trains_on_b
     # every step's loss as the uninterrupted run of the same script trained it (the "orphan" run: the same model)
     ref, got = metrics(launched["base"] / "orphan"), metrics(launched["base"] / "restart")
     assert [got[s]["loss"] for s in range(1, 11)] == [ref[s]["loss"] for s in range(1, 11)]
+
+
+def test_a_preemption_while_the_ranks_restart_commits_the_newest_snapshot_and_exits_75(launched: dict) -> None:
+    res = outcome(launched, "preempt-restart")
+    assert res.returncode == 75, res.stderr[-3000:]
+    assert "restarting the ranks in place (1 of 3" in res.stderr and "segment 0 preempted" in res.stderr
+    from ckpt.layout import RunDir
+    from ckpt.validate import latest_valid, validate
+
+    found = latest_valid(RunDir.at(launched["base"] / "preempt-restart"))
+    # storage held nothing (interval 100): the newest snapshot before the kill persisted, or the restarted ranks' own
+    assert found is not None and found[1].step >= 6 and validate(found[0], deep=True).valid, res.stderr[-3000:]
 
 
 def test_a_rank_killed_every_time_uses_up_its_restarts_and_is_named_with_its_signal(launched: dict) -> None:
