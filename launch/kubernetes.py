@@ -41,11 +41,11 @@ the fork server in the same container, and they resume from the newest snapshot 
 nothing; each restart is one ``shardkeeper-restart:`` line in the pod's log (``kubectl logs``). With several pods,
 the ranks of the other pods fail on their lost peer and their agents restart them too, in the same rendezvous round.
 What the agent does not restart (an error of the rank's own, or the restarts used up) ends torchrun with 1 and the
-pod with 1 (failed), as before. A pod that is lost (its node gone, evicted) is not restarted in place: the others'
-agents restart their ranks and wait (torchrun's rendezvous join timeout, 600 s) for a pod to take its place, which
-a PyTorchJob's ExitCode policy creates (the replacement's ranks restore the lost node's files from the peer node's
-memory); a lost Master pod takes the rendezvous store with it and the other pods fail; a JobSet's Job fails and the
-whole set restarts. (Rendered and validated here; no cluster ran them.)
+pod with 1 (failed), as before. A pod that is lost (its node gone, evicted) is not restarted in place: before any
+restart every agent checks that the other pods' agents still beat in the rendezvous store (``trainer.agent``), so
+the survivors of a lost pod do not restart and wait for it; their pods fail as before a node loss always did (apply
+the manifest again; the lost node's files come from the peer node's memory). (Rendered and validated here; no
+cluster ran them.)
 
 Not done for a segment applied with kubectl (``shardkeeper train`` does it around a local launch): the run lock,
 ``segments.jsonl`` and the segment's lineage event, the sweep of abandoned ``.partial`` directories, and the
