@@ -65,18 +65,17 @@ def setup(small: bool, run_dir: str, *, first_step: bool = True):
     from ckpt.layout import RunDir
     from trainer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
-    from trainer.model import build_model, model_signature, shard_model
+    from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
 
     env = init_distributed()
     spec = spec_for(small)
     model = build_model(spec)
-    sig = model_signature(spec.model, model)
     shard_model(model, env.mesh, spec)
     opt = build_optimizer(model, spec)
     if first_step:
         train_step(model, opt)
-    ck = DCPCheckpointer(RunDir.at(run_dir), spec, model, opt, env, segment=0, signature=sig)
+    ck = DCPCheckpointer(RunDir.at(run_dir), spec, model, opt, env, segment=0)
     return env, spec, model, opt, ck
 
 
@@ -321,9 +320,9 @@ def load_worker(small: bool, runs: dict, reps: int) -> dict:
 
     env, spec, model, opt, ck0 = setup(small, runs["same"])
     g = env.ctrl_group
-    cks = {k: DCPCheckpointer(RunDir.at(d), spec, model, opt, env, segment=1, signature=ck0.signature)
+    cks = {k: DCPCheckpointer(RunDir.at(d), spec, model, opt, env, segment=1)
            for k, d in runs.items()}
-    two = {k: DCPCheckpointer(RunDir.at(d), spec, model, opt, env, segment=1, signature=ck0.signature)
+    two = {k: DCPCheckpointer(RunDir.at(d), spec, model, opt, env, segment=1)
            for k, d in runs.items()}
     for ck in two.values():  # as before the one-pass load: every file hashed first, then the load reads it again
         ck.ONE_PASS = False

@@ -91,14 +91,13 @@ def build_state(shape: tuple[int, ...], run_dir: str):
     from ckpt.layout import RunDir
     from trainer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
-    from trainer.model import build_model, hf_model_record, materialize, model_signature, params_on_meta, shard_model
+    from trainer.model import build_model, hf_model_record, materialize, params_on_meta, shard_model
     from trainer.optim import build_optimizer
 
     env = init_distributed()
     spec = spec_for(shape)
     with params_on_meta():
         model = build_model(spec)
-    sig = model_signature(spec.model, model)
     hf = hf_model_record(model, spec.model)  # as the trainer records it: the export then needs no transformers
     shard_model(model, env.mesh, spec)
     materialize(model, env.device)
@@ -112,7 +111,7 @@ def build_state(shape: tuple[int, ...], run_dir: str):
             (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).normal_(0, 1e-3)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    ck = DCPCheckpointer(RunDir.at(run_dir), spec, model, opt, env, segment=0, signature=sig, hf_model=hf)
+    ck = DCPCheckpointer(RunDir.at(run_dir), spec, model, opt, env, segment=0, hf_model=hf)
     return env, model, ck
 
 

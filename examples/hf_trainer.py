@@ -13,6 +13,10 @@ enables FSDP on GPUs only, so on CPU ``--fsdp`` trains replicated). Either resum
     shardkeeper train --script examples/hf_trainer.py --run-dir runs/hf2 --until-step 12 --nproc 2
     shardkeeper train --run-dir runs/hf2 --until-step 24 --nproc 1
 
+Starting from a checkpoint a run without shardkeeper left (the Trainer's ``checkpoint-N``, with or without
+DeepSpeed): ``-- --resume-from out/checkpoint-500`` (``trainer.train(resume_from_checkpoint=...)``) imports it into
+the run when the run has no checkpoint yet, then resumes it.
+
 The lines that differ from a plain Trainer script are marked ``# shardkeeper``. ``--max-steps`` is the run's
 whole length (the LR schedule); ``--until-step`` is where this segment stops. The global batch stays
 ``--batch`` at every world size, so a step sees the same samples on 1 or 2 ranks.
@@ -35,6 +39,8 @@ parser.add_argument("--seq", type=int, default=16)
 parser.add_argument("--save-steps", type=int, default=0, help="the Trainer's own save policy (0: none)")
 parser.add_argument("--deepspeed", action="store_true", help="DeepSpeed ZeRO-2 (run with --set backend=deepspeed)")
 parser.add_argument("--fsdp", action="store_true", help="FSDP2 through the Trainer's fsdp options (GPUs only)")
+parser.add_argument("--resume-from", default=None, help="another tool's checkpoint (e.g. out/checkpoint-500) to start "
+                    "from: imported into the run when it has no checkpoint yet")
 args = parser.parse_args()
 
 if not torch.cuda.is_available():
@@ -86,4 +92,4 @@ training_args = TrainingArguments(
 )
 trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(512, args.seq, config.vocab_size),
                   segment=seg)  # shardkeeper: segment=seg
-trainer.train()
+trainer.train(resume_from_checkpoint=args.resume_from)  # None: the run's newest valid checkpoint, if any

@@ -72,9 +72,13 @@ class Fingerprint(_Frozen):
 
 
 class DtypePolicy(_Frozen):
-    master: Literal["float32"] = Field("float32", description="dtype of weights and optimizer state in the checkpoint")
-    compute: Literal["float32", "bfloat16"] = Field(description="dtype used for forward/backward")
-    reduce: Literal["float32", "bfloat16"] = Field(description="dtype used for gradient reduction")
+    """The dtypes the model was trained in, read from the live model at save (its FSDP2 MixedPrecisionPolicy,
+    its DeepSpeed bf16/fp16 section, or its parameters' dtype), not from the run's config."""
+
+    master: str = Field("float32", description="torch dtype name of the weights (and optimizer state) in the "
+                        "checkpoint, e.g. float32")
+    compute: str = Field(description="torch dtype name used for forward/backward, e.g. bfloat16")
+    reduce: str = Field(description="torch dtype name used for gradient reduction, e.g. float32")
 
 
 class HFModelRecord(_Frozen):
@@ -124,7 +128,10 @@ class CheckpointManifest(_Frozen):
     created_at: str = Field(description="UTC ISO-8601 time of the commit")
     files: list[FileEntry] = Field(description="every file of the checkpoint, with size and checksum")
     tensors: list[TensorEntry] = Field(description="inventory of the tensors saved")
-    model_signature: str = Field(description="sha256 of model type, config and parameter shapes: the architecture")
+    model_signature: str = Field(description="sha256 of the model tensors' canonical names, global shapes and dtypes "
+                                 "(ckpt.identity.signature): the same for every kind of run and both backends; "
+                                 "older checkpoints carry another digest. Recorded, never compared: a resume "
+                                 "compares the tensors themselves")
     topology: ClusterTopology = Field(description="where it was written")
     dtype_policy: DtypePolicy = Field(description="dtypes at save")
     parent: str | None = Field(None, description="name of the checkpoint this run resumed from before writing it")

@@ -35,6 +35,13 @@ class CheckpointError(ShardkeeperError):
     exit_code = 4
 
 
+class ModelMismatch(CheckpointError):
+    """A checkpoint holds another model than the live run's (a tensor's name, shape, dtype or tie differs): bad
+    input, refused before anything is loaded, with the exit code of bad input (the segment ends 'refused')."""
+
+    exit_code = 2
+
+
 class CheckpointRetired(CheckpointError):
     """The checkpoint was retired (retention) or quarantined by a writer while it was being read: not a fault of
     the checkpoint or of the path; a newer one is there to use."""

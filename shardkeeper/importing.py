@@ -2,15 +2,22 @@
 
     shardkeeper import out/checkpoint-500 --config configs/my-model.yaml --run-dir runs/adopted [--step 500]
     shardkeeper train --config configs/my-model.yaml --run-dir runs/adopted --nproc 4 --until-step 1000
+    shardkeeper train --script my_train.py --run-dir runs/adopted --nproc 4 --until-step 1000   # or your own script
 
 What comes across: every parameter's fp32 weight, its AdamW moments (exp_avg, exp_avg_sq) and the optimizer step,
 into the format of the config's backend (fsdp2: DCP; deepspeed: DeepSpeed's universal layout), streamed one tensor
-at a time (``ckpt.formats.foreign`` reads, ``ckpt.formats.foreign_commit`` writes and commits). The run continues
-as if shardkeeper had trained ``step`` steps under the config: counters are ``step`` x the config's global batch,
-optimizer groups and hyperparameters are the config's, RNG states are seeded by the elastic rule. The other tool's
-LR scheduler, data loader position and RNG files are not read. The model is built from the config on the meta
-device (the trainer's own helpers, no weights allocated) for its parameter names and shapes, the model signature
-and the export record: a checkpoint of another architecture is refused with the first tensor that differs.
+at a time (``ckpt.formats.foreign`` reads, ``trainer.adopt`` and ``ckpt.formats.foreign_commit`` write and commit).
+The checkpoint is recorded as if shardkeeper had trained ``step`` steps under the config: counters are ``step`` x
+the config's global batch, optimizer groups and hyperparameters are the config's, RNG states are seeded by the
+elastic rule. The other tool's LR scheduler, data loader position and RNG files are not read. The model is built
+from the config on the meta device (the trainer's own helpers, no weights allocated) for its parameter names and
+shapes and the export record: a checkpoint of another architecture is refused with the first tensor that differs.
+
+Any kind of run whose model has these tensors continues it (``ckpt.identity``): the built-in trainer with the
+config, or a script (own FSDP2 or DeepSpeed loop, Hugging Face Trainer, Accelerate), which trains on with its own
+optimizer settings and starts its LR scheduler at the imported step (``trainer.extras``). From inside a script,
+``Trainer.train(resume_from_checkpoint=PATH)`` imports the same way, the model described by the live objects
+(``trainer.adopt.resume_from``).
 
 Everything is checked before anything is written; a failure after that removes what this import created.
 """
@@ -20,32 +27,22 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ckpt import lineage
 from ckpt.fsutil import load_yaml, mkdir_durable
 from ckpt.layout import RunDir
 from ckpt.lock import RunLock
-from schemas import CheckpointManifest, ClusterTopology, DtypePolicy, Fingerprint, RunSpec
-from schemas.errors import CheckpointError, RunDirError
+from schemas import CheckpointManifest, DtypePolicy, RunSpec
+from schemas.errors import RunDirError
+
+if TYPE_CHECKING:
+    from trainer.adopt import TargetModel
 
 log = logging.getLogger("shardkeeper")
 
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
-
-
-@dataclass(frozen=True)
-class TargetModel:
-    """What the import needs of the model the config describes (built on the meta device)."""
-
-    params: list[tuple[str, tuple[int, ...]]]  # model.parameters() order
-    groups: list[list[tuple[str, tuple[int, ...]]]]  # the trainer's AdamW groups
-    hparams: list[dict[str, Any]]  # per group, without "params"
-    signature: str
-    hf_model: Any  # schemas.HFModelRecord
-    tied: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -61,11 +58,12 @@ class ImportResult:
 
 def describe_model(spec: RunSpec) -> TargetModel:
     """The config's model as the built-in trainer builds it, parameters on the meta device: names, shapes, AdamW
-    groups (trainer.optim.build_optimizer), the model signature and the export record the trainer records."""
+    groups (trainer.optim.build_optimizer) and the export record the trainer records."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.model import hf_config, hf_model_record, model_signature, params_on_meta
+    from trainer.adopt import TargetModel
+    from trainer.model import hf_config, hf_model_record, params_on_meta
     from trainer.optim import build_optimizer
 
     with params_on_meta():
@@ -76,8 +74,7 @@ def describe_model(spec: RunSpec) -> TargetModel:
     hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
     record = hf_model_record(model, spec.model)
     return TargetModel(params=[(n, tuple(p.shape)) for n, p in model.named_parameters()], groups=groups,
-                       hparams=hparams, signature=model_signature(spec.model, model), hf_model=record,
-                       tied=dict(record.tied))
+                       hparams=hparams, hf_model=record, tied=dict(record.tied))
 
 
 def check_run_dir(rd: RunDir, spec: RunSpec) -> None:
@@ -99,19 +96,14 @@ def check_run_dir(rd: RunDir, spec: RunSpec) -> None:
 
 
 def template_manifest(spec: RunSpec, target: TargetModel, step: int) -> CheckpointManifest:
-    """The manifest of the imported checkpoint, less what the writer fills in (files, tensors, fingerprint)."""
-    from trainer.checkpointer import code_version
+    """The manifest of the imported checkpoint, less what the writer fills in (files, tensors, model signature,
+    fingerprint): counters of ``step`` steps of the config's global batch, the config's dtypes."""
+    from trainer.adopt import template_manifest as template
 
     samples = step * spec.global_batch_size
-    return CheckpointManifest(
-        format="dcp" if spec.backend == "fsdp2" else "deepspeed", run_name=spec.name, step=step,
-        tokens=samples * spec.data.seq_len, samples=samples, segment=0, reason="converted",
-        created_at=lineage.now_iso(), files=[], tensors=[], model_signature=target.signature,
-        topology=ClusterTopology(nodes=1, procs_per_node=1, device_type="cpu", backend="gloo", launcher="local"),
-        dtype_policy=DtypePolicy(compute=_DTYPE_NAMES[spec.precision.compute],  # type: ignore[arg-type]
-                                 reduce=_DTYPE_NAMES[spec.precision.reduce]),  # type: ignore[arg-type]
-        parent=None, code_version=code_version(), fingerprint=Fingerprint(model={}, optim={}, optim_step=0.0),
-        run_spec=spec, hf_model=target.hf_model)
+    policy = DtypePolicy(compute=_DTYPE_NAMES[spec.precision.compute], reduce=_DTYPE_NAMES[spec.precision.reduce])
+    return template(spec, target, step, fmt="dcp" if spec.backend == "fsdp2" else "deepspeed", samples=samples,
+                    tokens=samples * spec.data.seq_len, dtype_policy=policy)
 
 
 def import_checkpoint(src: str | Path, spec: RunSpec, run_dir: str | Path, *, step: int | None = None,
@@ -119,9 +111,8 @@ def import_checkpoint(src: str | Path, spec: RunSpec, run_dir: str | Path, *, st
     """Adopt the checkpoint in ``src`` as the first checkpoint of the run ``run_dir`` trained by ``spec``."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckpt.formats.deepspeed_sources import IO_THREADS
-    from ckpt.formats.foreign import first_mismatch, open_foreign
-    from ckpt.formats.foreign_commit import Adopted, commit_dcp, commit_deepspeed
+    from ckpt.formats.foreign import open_foreign
+    from trainer.adopt import check_source, commit_adopted, record_import
 
     t0 = time.perf_counter()
     if "://" in str(run_dir):
@@ -142,21 +133,16 @@ def import_checkpoint(src: str | Path, spec: RunSpec, run_dir: str | Path, *, st
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify") as pool:
             verified = pool.submit(foreign.verify)
             expect()
-            target = targets[0]
-            problem = first_mismatch(foreign, target.params, target.tied)
-            if problem:
-                raise CheckpointError(f"{foreign.path}: {problem} ({config_name}: {spec.model.model_type}); import it "
-                                      "with the config of the model that wrote it")
+            target = replace(targets[0], fix=f"import it with the config of the model that wrote it, not {config_name}")
+            check_source(foreign, target)
             verified.result()
         template = template_manifest(spec, target, foreign.global_step)
-        adopted = Adopted(foreign, target.groups, target.hparams)
-        commit = commit_dcp if spec.backend == "fsdp2" else commit_deepspeed
         with _created(rd):
             with RunLock(rd.root):
                 check_run_dir(rd, spec)  # again under the lock
                 out = rd.checkpoint(template.step)
-                manifest = commit(adopted, template, out, threads=IO_THREADS)  # the conversions' memory bound
-                _record(rd, src, foreign.layout, foreign.path, out, manifest, time.perf_counter() - t0)
+                manifest = commit_adopted(foreign, target, template, out)
+                record_import(rd, src, foreign, out, manifest, time.perf_counter() - t0)
                 from shardkeeper.stages import prepare_run_dir
 
                 prepare_run_dir(rd, spec)  # run.yaml last: no run.yaml without its checkpoint
@@ -190,14 +176,4 @@ class _created:
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
-def _record(rd: RunDir, src: Path, layout: str, read: Path, out: Path, manifest: CheckpointManifest,
-            seconds: float) -> None:
-    """Lineage: the import (source path and layout) and the checkpoint it committed, its child."""
-    import_id = f"import:{out.name}"
-    lineage.record(rd, "imported", import_id, step=manifest.step, uri=read.resolve().as_uri(), layout=layout,
-                   source=str(src), format=manifest.format, seconds=round(seconds, 3))
-    lineage.record(rd, "checkpoint", lineage.checkpoint_event_id(manifest.step), parent=import_id, step=manifest.step,
-                   uri=out.resolve().as_uri(), reason="imported", format=manifest.format, world_size=1)
-
-
-__all__ = ["ImportResult", "TargetModel", "describe_model", "import_checkpoint"]
+__all__ = ["ImportResult", "describe_model", "import_checkpoint"]

@@ -77,3 +77,63 @@ def test_a_plot_is_drawn_from_the_published_rows(tmp_path) -> None:
     first = benchlib.plot_from_table("demo", draw, results=tmp_path).read_bytes()
     assert first[:8] == b"\x89PNG\r\n\x1a\n"
     assert benchlib.plot_from_table("demo", draw, results=tmp_path).read_bytes() == first  # same rows, same bytes
+
+
+def _peers_run(system: str, rnd: int, snapshot_s: float, copy_s: float, kill_to_ranks_s: float,
+               loss: str = "2.5") -> dict:
+    """The events one run of bench/peers_memtier.py collects (2 ranks, rank 1 the slower one at twice rank 0's
+    times), for the schedule: a snapshot every 2 steps, storage every 4 (twice a snapshot's stall), steps 5-8
+    counted, rank 1 killed at t=100 after the snapshot of step 10; the new ranks load 3 s after they start and
+    finish their first step 1 s later (process group joined after 1 s, model built after 2 s)."""
+    ev: list[dict] = [{"ev": "start", "rank": r, "pid": 10 + r, "t": 0.1, "created": 0.0} for r in (0, 1)]
+    ev.append({"ev": "built", "rank": 0, "pid": 10, "t": 1.0, "params": 38_000_000})
+    for s in range(1, 11):
+        kind = "storage" if s % 4 == 0 else "memory" if s % 2 == 0 else None
+        extra = {None: 0.0, "memory": snapshot_s, "storage": 2 * snapshot_s}[kind]
+        for r, f in ((0, 0.5), (1, 1.0)):
+            ev.append({"ev": "boundary", "rank": r, "pid": 10 + r, "t": float(s), "s": s, "kind": kind,
+                       "dt": 0.01 + extra * f})
+            if kind is None:
+                ev.append({"ev": "copy", "rank": r, "pid": 10 + r, "t": float(s), "s": s, "dt": copy_s * f})
+            if kind == "storage":
+                ev.append({"ev": "durable", "rank": r, "pid": 10 + r, "t": float(s), "s": s, "dt": 0.4 * f})
+        ev.append({"ev": "step", "rank": 0, "pid": 10, "t": float(s), "s": s, "loss": loss})
+    up = 100.0 + kill_to_ranks_s
+    ev += [{"ev": "start", "rank": r, "pid": 20 + r, "t": up + 0.1, "created": up} for r in (0, 1)]
+    ev += [{"ev": what, "rank": 0, "pid": 20, "t": up + at} for what, at in (("joined", 1.0), ("built", 2.0))]
+    ev.append({"ev": "loaded", "rank": 0, "pid": 20, "t": up + 3.0, "step": 10, "source": "memory"})
+    ev.append({"ev": "step", "rank": 0, "pid": 20, "t": up + 4.0, "s": 11, "loss": loss})
+    return {"system": system, "round": rnd, "events": ev, "kill_t": 100.0, "launches": [0.0], "shm_gb": 0.5,
+            "tmpfs_gb": 0.6, "tier": None}
+
+
+def test_the_peers_table_is_built_from_each_runs_events(tmp_path) -> None:
+    peers = importlib.import_module("peers_memtier")
+    sch = {"memory_interval": 2, "interval": 4, "measure_from": 4, "measure_to": 8, "kill_at": 10, "until": 12}
+    one = peers.figures(_peers_run("torch", 0, 0.2, 0.1, 0.5), sch)
+    # the slower rank's boundary minus a boundary without a save; the slower rank's copy and durable wait
+    assert abs(one["snapshot_stall_s"] - 0.2) < 1e-9 and abs(one["copy_s"] - 0.1) < 1e-9
+    assert abs(one["stall_ratio"] - 2.0) < 1e-9 and abs(one["storage_stall_s"] - 0.4) < 1e-9
+    assert one["durable_s"] == 0.4 and (one["snapshots"], one["storage_saves"]) == (1, 1)
+    assert (one["kill_to_ranks_s"], one["ranks_to_loaded_s"], one["recovery_s"]) == (0.5, 3.0, 4.5)
+    assert (one["restored_step"], one["redone"], one["source"]) == (10, 0, "memory")
+    assert one["restart_phases_s"] == {"joined": 1.0, "built": 2.0}
+
+    runs = [_peers_run("shardkeeper", 0, 0.1, 0.1, 9.0), _peers_run("torch", 0, 0.2, 0.1, 0.5),
+            _peers_run("torch", 1, 0.3, 0.1, 0.5), _peers_run("shardkeeper", 1, 0.1, 0.1, 9.0)]
+    for r in runs:
+        r["figures"] = peers.figures(r, sch)
+    meta = {"schedule": sch, "args": vars(peers.parse([])), "sk_restarts": False,
+            "orders": [["shardkeeper", "torch"], ["torch", "shardkeeper"]]}
+    body = peers.table(runs, meta)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in body.splitlines() if line.startswith("| ")}
+    assert rows["snapshot stall / one host copy of the state"].endswith(
+        "| **1.00×** [1.00–1.00] | 2.50× [2.00–3.00] |")  # the lower median in bold, [min–max] over rounds
+    assert rows["SIGKILL of one rank → first step done again"].endswith(
+        "| 13.0 s [13.0–13.0] | **4.5 s** [4.5–4.5] |")
+    assert "identical in all 4 runs: yes" in body and "ends the segment" in body
+    runs[2]["figures"]["losses"]["11"] = "2.6"  # one run trained one step differently
+    assert "identical in all 4 runs: NO" in peers.table(runs, meta)
+
+    (tmp_path / "peers-memtier.md").write_text("_Measured ..._\n\n" + body + "\n", encoding="utf-8")
+    assert peers.plot(results=tmp_path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # every cell parses for the plot

@@ -6,6 +6,10 @@ torchtitan's ``step-N/``, Accelerate's FSDP folders) from one FSDP2 launch on 2 
 ``Trainer`` checkpoint (when accelerate is installed). The DeepSpeed user skips the JIT build of DeepSpeed's CPU
 shm op (~2 min of g++ on a fresh machine; it serves inference all-reduce only and changes no byte of a checkpoint),
 as shardkeeper's own CPU ranks do (trainer.ds_shm).
+
+Imported checkpoints are continued by the user's own scripts (tests/scripts/llama_loop.py: FSDP2 on 3 ranks,
+DeepSpeed on 2; a Hugging Face Trainer on DeepSpeed importing from inside its segment on 3), the losses compared
+with the DeepSpeed source run's own steps 4-6.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ def batches(n: int) -> list[torch.Tensor]:
 
 # ------------------------------------------------------------------------------------------ sources (rank side)
 def _write_zero(out: str, stage: int) -> None:
-    """A plain DeepSpeed user: one AdamW group, ZeRO-``stage``, engine.save_checkpoint after steps 2 and 3."""
+    """A plain DeepSpeed user: one AdamW group, ZeRO-``stage``, engine.save_checkpoint after steps 2 and 3, on to
+    step 6 (every step's loss in ``losses.json``: the uninterrupted run a continuation is compared with)."""
     import torch.distributed as dist
 
     from trainer.ds_shm import skip_shm_op
@@ -65,13 +70,17 @@ def _write_zero(out: str, stage: int) -> None:
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
               "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    for step, x in enumerate(batches(3), start=1):
-        engine.backward(engine(input_ids=x, labels=x).loss)
+    losses = []
+    for step, x in enumerate(batches(6), start=1):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
         engine.step()
-        if step >= 2:
+        losses.append(float(loss))
+        if step in (2, 3):
             engine.save_checkpoint(out)
     if dist.get_rank() == 0:
         model.config.save_pretrained(out)
+        (Path(out) / "losses.json").write_text(json.dumps(losses))
     dist.destroy_process_group()
 
 
@@ -223,6 +232,17 @@ def test_imported_zero2_checkpoint_trains_on_at_three_ranks_and_exports(zero2_sr
 
     run = shutil.copytree(z2_imported, tmp_path / "run")
     env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"}
+    # another model first (a wider MLP): refused before the load, exit 2, the run as it was
+    before = (sorted(p.name for p in (run / "checkpoints").rglob("*")), (run / "run.yaml").read_text())
+    refused = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--script", str(LOOP), "--run-dir",
+                              str(run), "--nproc", "1", "--until-step", "6", "--", "--intermediate", "96"],
+                             capture_output=True, text=True, timeout=600, env=env)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "segment 0 refused before its first step" in refused.stderr
+    assert ("holds another model than this run's: model.layers.0.mlp.gate_proj.weight is [128, 64] float32 in the "
+            "checkpoint, [96, 64] float32 in this run's model") in refused.stderr
+    assert not (run / "metrics.jsonl").exists()
+    assert (sorted(p.name for p in (run / "checkpoints").rglob("*")), (run / "run.yaml").read_text()) == before
     done = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--config", TINY, "--run-dir", str(run),
                            "--nproc", "3", "--until-step", "5"], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -266,6 +286,117 @@ def test_zero2_import_into_the_deepspeed_backend_trains_on_one_rank(zero2_src: P
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [3, 4, 5] and all(math.isfinite(r["loss"]) for r in rows)
     assert read_manifest(ckpt(run, 5)).format == "deepspeed" and validate(ckpt(run, 5), deep=True).valid
+
+
+LOOP = ROOT / "tests" / "scripts" / "llama_loop.py"  # a user's own loop over the same model, FSDP2 or DeepSpeed
+
+
+def _loop(argv: list[str], run_dir: str, until: int) -> dict:
+    """tests/scripts/llama_loop.py on this rank, in-process (tests.harness.spawn)."""
+    import runpy
+
+    return runpy.run_path(str(LOOP))["main"](argv, run_dir, until)
+
+
+def _continues(ref: list[float], run: Path, world: int) -> None:
+    """Steps 4-6 of ``run`` (continued from the imported step 3 on ``world`` ranks) are the uninterrupted source
+    run's within float rounding: the same weights, moments, optimizer step and settings."""
+    rows = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(rows) == [4, 5, 6] and {r["world_size"] for r in rows.values()} == {world}
+    worst = max(abs(rows[s]["loss"] - ref[s - 1]) / ref[s - 1] for s in (4, 5, 6))
+    assert worst < 1e-6, [(s, ref[s - 1], rows[s]["loss"]) for s in (4, 5, 6)]
+
+
+@needs_deepspeed
+def test_own_fsdp2_script_continues_an_imported_zero2_checkpoint_on_3_ranks(zero2_src: Path, z2_imported: Path,
+                                                                         tmp_path: Path) -> None:
+    """``shardkeeper import`` with a config, then ``shardkeeper train --script`` with the user's own FSDP2 loop over
+    the same model, on 3 ranks (the source: 2): the checkpoint's identity is its tensors, not the config (a script
+    of another model is refused before the load: exit 2, segment 'refused', the run as it was). The loss
+    continues the DeepSpeed run's within 1e-6 because the script trains with its own optimizer settings (one group,
+    lr 1e-2), not the config's the import recorded (two groups, lr 3e-3); the tracked objects the import lacks start
+    at its step, one line says so."""
+    run = shutil.copytree(z2_imported, tmp_path / "run")
+    env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"}
+    # another model first (a wider MLP): refused before the load, exit 2, the run as it was
+    before = (sorted(p.name for p in (run / "checkpoints").rglob("*")), (run / "run.yaml").read_text())
+    refused = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--script", str(LOOP), "--run-dir",
+                              str(run), "--nproc", "1", "--until-step", "6", "--", "--intermediate", "96"],
+                             capture_output=True, text=True, timeout=600, env=env)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "segment 0 refused before its first step" in refused.stderr
+    assert ("holds another model than this run's: model.layers.0.mlp.gate_proj.weight is [128, 64] float32 in the "
+            "checkpoint, [96, 64] float32 in this run's model") in refused.stderr
+    assert not (run / "metrics.jsonl").exists()
+    assert (sorted(p.name for p in (run / "checkpoints").rglob("*")), (run / "run.yaml").read_text()) == before
+    done = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--script", str(LOOP), "--run-dir", str(run),
+                           "--nproc", "3", "--until-step", "6", "--", "--scheduler", "--extra", "extra"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("step-00000003 was imported from another tool's checkpoint; tracked objects it holds no state of: "
+            "'scheduler' fast-forwarded to step 3 (lr 0.01), 'extra' starts fresh") in done.stderr
+    _continues(json.loads((zero2_src / "losses.json").read_text()), run, 3)
+    imported, own = read_manifest(ckpt(run, 3)), read_manifest(ckpt(run, 6))
+    assert own.run_spec.script is not None and own.model_signature == imported.model_signature
+    assert (own.dtype_policy.compute, own.dtype_policy.reduce) == ("float32", "float32")
+
+
+@needs_deepspeed
+def test_own_deepspeed_script_continues_an_imported_zero2_checkpoint(zero2_src: Path, tmp_path: Path) -> None:
+    """The same with backend deepspeed: the import writes DeepSpeed's universal layout, the user's own ZeRO-2 loop
+    loads it on 2 ranks and continues the source run within 1e-6."""
+    run = tmp_path / "run"
+    assert main(["import", str(zero2_src), "--config", TINY, "--run-dir", str(run), "--set", "backend=deepspeed"]) == 0
+    out = spawn(_loop, 2, ["--deepspeed"], str(run), 6, timeout=900)
+    assert [(o["step"], o["groups"], o["lr"], o["weight_decay"]) for o in out] == [(6, 1, 1e-2, 0.1)] * 2
+    _continues(json.loads((zero2_src / "losses.json").read_text()), run, 2)
+    man = read_manifest(ckpt(run, 6))
+    assert man.format == "deepspeed" and man.model_signature == read_manifest(ckpt(run, 3)).model_signature
+
+
+def _hf_trainer_on_deepspeed(run_dir: str, src: str) -> int:
+    """A Hugging Face Trainer script on DeepSpeed ZeRO-2 (the seed path's) that starts from ``src`` with
+    ``trainer.train(resume_from_checkpoint=src)``, to step 5 of a 10-step linear schedule."""
+    from trainer.ds_shm import skip_shm_op
+
+    skip_shm_op()
+    from transformers import TrainingArguments
+
+    import shardkeeper as sk
+    from shardkeeper.integrations.transformers import Trainer
+
+    seg = sk.Segment(run_dir=run_dir, until_step=5)
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+          "steps_per_print": 1 << 30}
+    args = TrainingArguments(output_dir=str(Path(run_dir) / "scratch"), max_steps=10, per_device_train_batch_size=2,
+                             learning_rate=1e-2, use_cpu=True, report_to=[], logging_steps=100, seed=0,
+                             dataloader_num_workers=0, disable_tqdm=True, save_strategy="no", deepspeed=ds)
+    rows = [{"input_ids": x[0], "labels": x[0]} for x in batches(24)]
+    trainer = Trainer(model=tiny_model(), args=args, train_dataset=rows, segment=seg)
+    trainer.train(resume_from_checkpoint=src)
+    return trainer.state.global_step
+
+
+@needs_deepspeed
+def test_hf_trainer_on_deepspeed_imports_a_zero2_checkpoint_from_inside_the_segment(zero2_src: Path,
+                                                                                   tmp_path: Path) -> None:
+    """The seed path without a config: a Trainer + DeepSpeed script on 3 ranks given another tool's ZeRO-2
+    checkpoint of 2 ranks: rank 0 imports it into the new run (DeepSpeed's universal layout, described by the live
+    engine's groups), every rank resumes it, the LR schedule and global_step continue at its step."""
+    from tests.harness import new_run, tiny_spec
+
+    run = new_run(tmp_path / "run", tiny_spec(backend="deepspeed"))
+    assert spawn(_hf_trainer_on_deepspeed, 3, str(run), str(zero2_src), timeout=900) == [5, 5, 5]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    # the linear schedule of a 10-step run after steps 4 and 5 (the scheduler fast-forwarded to step 3)
+    assert [(r["step"], r["lr"], r["world_size"]) for r in rows] == [(4, 0.006, 3), (5, 0.005, 3)]
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert [(e["kind"], e["id"]) for e in events(run)][:2] == [("imported", "import:step-00000003"),
+                                                              ("checkpoint", "checkpoint:step-00000003")]
+    man = read_manifest(ckpt(run, 3))
+    assert (man.format, man.reason, man.samples) == ("deepspeed", "converted", 18)  # 3 steps of 3 x 2 samples
+    assert read_manifest(ckpt(run, 5)).model_signature == man.model_signature
 
 
 @needs_deepspeed

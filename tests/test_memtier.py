@@ -195,20 +195,19 @@ def _tier_goes_off(tmp: str) -> list[object]:
     from trainer.checkpointer import TrainState
     from trainer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
-    from trainer.model import build_model, model_signature, shard_model
+    from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
 
     env = init_distributed()
     root = Path(tmp)
     spec0 = tiny_spec()
     model = build_model(spec0)
-    sig = model_signature(spec0.model, model)
     shard_model(model, env.mesh, spec0)
     opt = build_optimizer(model, spec0)
 
     def ck(name: str, mem: Path) -> DCPCheckpointer:
         spec = tiny_spec(**{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(mem)})
-        return DCPCheckpointer(RunDir.at(root / name), spec, model, opt, env, segment=0, signature=sig)
+        return DCPCheckpointer(RunDir.at(root / name), spec, model, opt, env, segment=0)
 
     def stored(c: DCPCheckpointer, step: int) -> bool:
         return validate(c.run_dir.checkpoint(step), deep=True).valid
@@ -341,19 +340,18 @@ def _memory_and_fresh(root: Path) -> tuple:
     in ``root/shm``) and one writing the same state ordinarily to storage (``root/fresh``)."""
     from trainer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
-    from trainer.model import build_model, model_signature, shard_model
+    from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
 
     env = init_distributed()
     spec = tiny_spec(**{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(root / "shm")})
     model = build_model(spec)
-    sig = model_signature(spec.model, model)
     shard_model(model, env.mesh, spec)
     opt = build_optimizer(model, spec)
     (root / "run").mkdir(exist_ok=True)
     (root / "fresh").mkdir(exist_ok=True)
-    mem_ck = DCPCheckpointer(RunDir.at(root / "run"), spec, model, opt, env, segment=0, signature=sig)
-    fresh = DCPCheckpointer(RunDir.at(root / "fresh"), tiny_spec(), model, opt, env, segment=0, signature=sig)
+    mem_ck = DCPCheckpointer(RunDir.at(root / "run"), spec, model, opt, env, segment=0)
+    fresh = DCPCheckpointer(RunDir.at(root / "fresh"), tiny_spec(), model, opt, env, segment=0)
     return env, model, mem_ck, fresh
 
 
@@ -478,7 +476,7 @@ def _blocking_snapshots_between_staged_ones(tmp: str) -> list[object]:
     from trainer.checkpointer import TrainState
     from trainer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
-    from trainer.model import build_model, model_signature, shard_model
+    from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
 
     env = init_distributed()
@@ -486,11 +484,10 @@ def _blocking_snapshots_between_staged_ones(tmp: str) -> list[object]:
     mem = root / "shm"
     spec = tiny_spec(**{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(mem)})
     model = build_model(spec)
-    sig = model_signature(spec.model, model)
     shard_model(model, env.mesh, spec)
     opt = build_optimizer(model, spec)
     (root / "run").mkdir(exist_ok=True)
-    ck = DCPCheckpointer(RunDir.at(root / "run"), spec, model, opt, env, segment=0, signature=sig)
+    ck = DCPCheckpointer(RunDir.at(root / "run"), spec, model, opt, env, segment=0)
     rows = []
     for step, blocking in ((2, None), (4, None), (6, True), (8, True), (10, True), (12, None)):
         with torch.no_grad():

@@ -88,13 +88,12 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
     from trainer.checkpointer import TrainState
     from trainer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
-    from trainer.model import build_model, model_signature, shard_model
+    from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
 
     env = init_distributed()
     spec = tiny_spec()
     model = build_model(spec)
-    sig = model_signature(spec.model, model)
     shard_model(model, env.mesh, spec)
     opt = build_optimizer(model, spec)
 
@@ -104,7 +103,7 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
         opt.zero_grad(set_to_none=True)
 
     runs = [Path(run_dir) / "a", Path(run_dir) / "b"]
-    ck, ck_b = (DCPCheckpointer(RunDir.at(str(r)), spec, model, opt, env, segment=0, signature=sig) for r in runs)
+    ck, ck_b = (DCPCheckpointer(RunDir.at(str(r)), spec, model, opt, env, segment=0) for r in runs)
     step()
     ck.save(TrainState(step=2), reason="interval", blocking=True)
     at2 = _live(model, opt)

@@ -135,7 +135,7 @@ def test_adamw_implementations_agree(flat: bool) -> None:
 
 def test_block_options_keep_every_name() -> None:
     from ckpt.state import tied_weights
-    from trainer.model import block_modules, build_model, model_signature
+    from trainer.model import block_modules, build_model
     from trainer.perf import apply_block_options
 
     spec = tiny_spec(**AC, **{"performance.compile": "true", "performance.compile_backend": "eager",
@@ -146,7 +146,6 @@ def test_block_options_keep_every_name() -> None:
     assert [n for n, _ in plain.named_parameters()] == [n for n, _ in wrapped.named_parameters()]
     assert list(plain.state_dict()) == list(wrapped.state_dict())
     assert tied_weights(plain) == tied_weights(wrapped) and tied_weights(wrapped)
-    assert model_signature(spec.model, plain) == model_signature(spec.model, wrapped)
     x = torch.randint(0, 256, (2, 16))
     with torch.no_grad():  # evaluation runs the block's own forward (nothing to recompute)
         assert torch.equal(plain(input_ids=x, use_cache=False).logits, wrapped(input_ids=x, use_cache=False).logits)

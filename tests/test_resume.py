@@ -195,7 +195,10 @@ def test_rank_side_refuses_checkpoint_of_another_architecture(reference: Path, t
     shutil.copytree(reference / "checkpoints" / "step-00000010", run / "checkpoints" / "step-00000010")
     other = tiny_spec(**{"model.config.intermediate_size": 96})
     (run / "run.yaml").write_text(json.dumps(other.model_dump(mode="json")))  # bypasses the CLI's own check
-    with pytest.raises(RuntimeError, match="CheckpointError.*another architecture"):
+    # the first tensor that differs, in the manifest's order, with both shapes (ckpt.identity)
+    with pytest.raises(RuntimeError, match=r"ModelMismatch: \S+/step-00000010: holds another model than this run's: "
+                       r"model\.layers\.0\.mlp\.down_proj\.weight is \[64, 128\] float32 in the checkpoint, "
+                       r"\[64, 96\] float32 in this run's model; "):
         spawn(run_segment, 2, str(run), 12, 0)
     assert not (run / "metrics.jsonl").exists()
 
@@ -274,16 +277,15 @@ def _fresh_run_staging(run_dir: str) -> list[bool]:
     from trainer.checkpointer import TrainState
     from trainer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
-    from trainer.model import build_model, model_signature, shard_model
+    from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
 
     env = init_distributed()
     spec = tiny_spec(**{"checkpoint.async_save": "true"})
     model = build_model(spec)
-    sig = model_signature(spec.model, model)
     shard_model(model, env.mesh, spec)
     opt = build_optimizer(model, spec)
-    ck = DCPCheckpointer(RunDir.at(run_dir), spec, model, opt, env, segment=0, signature=sig)
+    ck = DCPCheckpointer(RunDir.at(run_dir), spec, model, opt, env, segment=0)
     ck.warm_up(TrainState())
     seen = [ck._staged is None]
     model(input_ids=torch.randint(0, 64, (1, 8))).logits.float().mean().backward()

@@ -214,7 +214,15 @@ class Segment:
 
     # ------------------------------------------------------------------ what is checkpointed
     def track(self, *, model: Any, optimizer: Any = None, **state: Any) -> Segment:
-        """Name what a checkpoint holds. Call once, before ``steps()``.
+        """Name what a checkpoint holds. Call once, before ``steps()``, with the same names on every rank.
+
+        A checkpoint holds what the model's state is, not how the run was described: any run whose model has the
+        checkpoint's tensor names, global shapes and dtypes continues it (an import, the built-in trainer's run,
+        another script's); another model is refused before the load, naming the first tensor that differs. A
+        checkpoint another kind of run wrote holds no state of the objects in ``state``: an LR scheduler is
+        fast-forwarded to its step, an object with a ``start_at_step(step)`` method is asked to start there,
+        anything else starts fresh (one warning line names them); the optimizer keeps its own settings (learning
+        rate, weight decay, groups) and takes the checkpoint's weights, moments and step.
 
         Args:
             model: An FSDP2-sharded module, a plain module, or a DeepSpeed engine.
@@ -228,8 +236,9 @@ class Segment:
             This segment.
 
         Raises:
-            UsageError: Called twice or after ``steps()`` started, or an object without ``state_dict()`` or
-                ``load_state_dict()``.
+            UsageError: Called twice or after ``steps()`` started, an object without ``state_dict()`` or
+                ``load_state_dict()``, other names on some rank than on rank 0 (refused on every rank before
+                anything is saved), or a model or optimizer the run's backend cannot save.
 
         Example:
             ```python
@@ -245,11 +254,29 @@ class Segment:
             if missing:
                 raise UsageError(f"seg.track({name}=...): a {type(obj).__name__} has no {' or '.join(missing)}(); "
                                  "track objects that speak the state_dict/load_state_dict protocol (or leave it out)")
+        self._same_on_every_rank(sorted(state))
         from trainer.tracked import make_checkpointer
 
         self._attach(make_checkpointer(self, model, optimizer, state))
         self._objects = {"model": model, "optimizer": optimizer, **state}
         return self
+
+    def _same_on_every_rank(self, names: list[str]) -> None:
+        """Every rank tracks the same names (one all-gather): a checkpoint holds each rank's state of each, and a
+        resume checks them against rank 0's. Refused on every rank before anything is saved otherwise."""
+        import torch.distributed as dist
+
+        everyone: list[list[str] | None] = [None] * self.env.world_size
+        dist.all_gather_object(everyone, names, group=self.env.ctrl_group)
+        first = everyone[0] or []
+        for rank, theirs in enumerate(everyone):
+            if theirs != first:
+                def shown(n: list[str] | None) -> str:
+                    return "{" + ", ".join(["model", "optimizer", *(n or [])]) + "}"
+
+                raise UsageError(f"seg.track(): rank 0 tracks {shown(first)}, rank {rank} tracks {shown(theirs)}; "
+                                 "track the same objects on every rank (each rank's state of each is checkpointed, "
+                                 "and a resume needs every one)")
 
     def _attach(self, ckpt: Checkpointer, *, on_fresh: Callable[[], None] | None = None) -> None:
         """The built-in trainer's way in: its own backend Checkpointer and its fresh-start hook (pretrained load)."""

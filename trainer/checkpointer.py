@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt import fingerprint as fp, lineage, memtier, memtier_nodes, memtier_recycle
+from ckpt import fingerprint as fp, identity, lineage, memtier, memtier_nodes, memtier_recycle
 from ckpt.memtier import MEMORY, STORAGE
 from schemas.errors import CheckpointError
 from ckpt.fsutil import fsync_dir, mkdir_durable, quarantine
@@ -56,9 +56,6 @@ __all__ = ["Checkpointer", "TrainState", "Written", "background_pool", "checkpoi
            "_load_problem"]
 
 log = logging.getLogger("shardkeeper.checkpoint")
-
-
-_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 _NODE_COPIES = "node-copies"  # rank 0's decision: the manifest each node leader commits its copy with
@@ -94,14 +91,13 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
     data: DataRecord | None = None  # the prepared dataset (data.source 'dataset'): recorded, and checked on load
 
     def __init__(self, run_dir: RunDir, spec: RunSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 env: DistEnv, *, segment: int, signature: str, hf_model: HFModelRecord | None = None):
+                 env: DistEnv, *, segment: int, hf_model: HFModelRecord | None = None):
         self.run_dir = run_dir
         self.spec = spec
         self.model = model
         self.optimizer = optimizer
         self.env = env
         self.segment = segment
-        self.signature = signature
         self.hf_model = hf_model  # recorded in every manifest: the export then needs no transformers
         self.parent: str | None = None
         self._parent_event: str | None = None  # lineage id of the checkpoint (either tier) the next one follows
@@ -135,6 +131,22 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         # What a user's script tracks besides model and optimizer (trainer.tracked): name -> object with
         # state_dict/load_state_dict, saved as one packed tensor per rank and name.
         self.extra: dict[str, Any] = {}
+        self._model_inventory: list[TensorEntry] | None = None
+        self._dtype_policy: DtypePolicy | None = None
+
+    # ----------------------------------------------------------------- the live model, as a save records it
+    def model_inventory(self) -> list[TensorEntry]:
+        """The ``model.*`` entries a save of the live model records (names, global shapes, dtypes), taken once:
+        what a checkpoint must hold to be loaded (``ckpt.identity``)."""
+        if self._model_inventory is None:
+            self._model_inventory = self.live_model_inventory()
+        return self._model_inventory
+
+    def dtype_policy(self) -> DtypePolicy:
+        """The dtypes the live model trains in (``trainer.precision``), taken once; every manifest records it."""
+        if self._dtype_policy is None:
+            self._dtype_policy = self.live_dtype_policy()
+        return self._dtype_policy
 
     # ----------------------------------------------------------------- base model
     def record_base_model(self, spec: ModelSpec) -> None:
@@ -303,9 +315,8 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             format=self.FORMAT, run_name=self.spec.name, step=ts.step, tokens=ts.tokens, samples=ts.samples,
             segment=self.segment, reason=reason,  # type: ignore[arg-type]
             created_at=lineage.now_iso(), files=files, tensors=tensors,
-            model_signature=self.signature, topology=self.env.topology,
-            dtype_policy=DtypePolicy(compute=_DTYPE_NAMES[self.spec.precision.compute],  # type: ignore[arg-type]
-                                     reduce=_DTYPE_NAMES[self.spec.precision.reduce]),  # type: ignore[arg-type]
+            model_signature=identity.signature(tensors, self.hf_model.tied if self.hf_model else None),
+            topology=self.env.topology, dtype_policy=self.dtype_policy(),
             parent=like.parent if like else self.parent, code_version=code_version(), fingerprint=fingerprint,
             run_spec=self.spec, save_seconds=time.perf_counter() - t0, async_save=async_save, hf_model=self.hf_model,
             data=like.data if like else self.data, base_model=like.base_model if like else self._base_model_record(),
@@ -450,4 +461,20 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
     def fingerprint(self, group: dist.ProcessGroup | None, method: str = fp.METHOD) -> Fingerprint:
         """Per-tensor norms of the live fp32 masters and AdamW moments (a collective over ``group``), computed
         by ``method`` (a load passes its checkpoint's)."""
+        raise NotImplementedError
+
+    def live_model_inventory(self) -> list[TensorEntry]:
+        """The ``model.*`` inventory entries ``write`` records for the live model (no collective, nothing copied)."""
+        raise NotImplementedError
+
+    def live_dtype_policy(self) -> DtypePolicy:
+        """What the live model computes and reduces in, and the dtype of the weights a save writes."""
+        raise NotImplementedError
+
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The live model's parameters (name, global shape) in ``parameters()`` order."""
+        raise NotImplementedError
+
+    def named_param_groups(self) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """The live optimizer's param groups as canonical parameter names (``ckpt.identity``) and global shapes."""
         raise NotImplementedError

@@ -24,13 +24,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from ckpt import fingerprint as fp, memtier_recycle
+from ckpt import fingerprint as fp, identity, memtier_recycle
 from ckpt.formats.dcp_onepass import load_verified
 from ckpt.formats.dcp_stage import SnapshotTemplate, StageFiles, write_metadata
 from ckpt.formats.direct_io import ExactStoragePlanner, HashingDirectWriter
 from ckpt.hashing import hash_files
 from ckpt.state import MOMENTS, reseed
-from schemas import CheckpointManifest, FileEntry, Fingerprint, TensorEntry
+from schemas import CheckpointManifest, DtypePolicy, FileEntry, Fingerprint, TensorEntry
 from trainer.checkpointer import Checkpointer, TrainState, Written, background_pool
 from trainer.optim import init_state
 
@@ -64,6 +64,17 @@ def cpu_buffers(sd: dict[str, Any], *, pin_memory: bool) -> dict[str, Any]:
 
     return _iterate_state_dict(sd, sharded, dtensor, plain, pg=None, device=None, cpu_offload=False, ranks_only=(),
                                type_check=False)
+
+
+def _renamed(sd: dict[str, Any], names: dict[str, str], *, drop_groups: bool) -> dict[str, Any]:
+    """``sd`` (``DCPCheckpointer.state_dict``) with its model and optimizer-state names renamed (``names``: live
+    -> checkpoint) and, ``drop_groups``, without the optimizer's param groups: what ``restore`` asks the checkpoint
+    for. ``sd`` itself when nothing changes."""
+    if not names and not drop_groups:
+        return sd
+    optim = {k: v for k, v in sd["optim"].items() if not (drop_groups and k == "param_groups")}
+    optim["state"] = {names.get(k, k): v for k, v in sd["optim"]["state"].items()}
+    return {**sd, "model": {names.get(k, k): v for k, v in sd["model"].items()}, "optim": optim}
 
 
 class DCPCheckpointer(Checkpointer):
@@ -144,9 +155,13 @@ class DCPCheckpointer(Checkpointer):
         return self._finish_fingerprint(self._fingerprint_parts(sd, method, self.env.rank), group, method)
 
     @staticmethod
-    def _inventory(sd: dict[str, Any]) -> list[TensorEntry]:
-        out = [TensorEntry(name=f"model.{k}", shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
-               for k, v in sorted(sd["model"].items())]
+    def _model_entries(msd: dict[str, Any]) -> list[TensorEntry]:
+        return [TensorEntry(name=f"model.{k}", shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
+                for k, v in sorted(msd.items()) if isinstance(v, torch.Tensor)]
+
+    @classmethod
+    def _inventory(cls, sd: dict[str, Any]) -> list[TensorEntry]:
+        out = cls._model_entries(sd["model"])
         for name, st in sorted(sd["optim"]["state"].items()):
             for m in MOMENTS:
                 if m in st:
@@ -154,6 +169,24 @@ class DCPCheckpointer(Checkpointer):
                     out.append(TensorEntry(name=f"optim.state.{name}.{m}", shape=list(v.shape),
                                            dtype=str(v.dtype).removeprefix("torch.")))
         return out
+
+    def live_model_inventory(self) -> list[TensorEntry]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        # the model's part of ``state_dict`` (the optimizer's would create AdamW state before the first step)
+        return self._model_entries(get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False)))
+
+    def live_dtype_policy(self) -> DtypePolicy:
+        from trainer.precision import module_policy
+
+        return module_policy(self.model)
+
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]  # a DTensor's shape is global
+
+    def named_param_groups(self) -> list[list[tuple[str, tuple[int, ...]]]]:
+        names = {id(p): identity.canonical(n) for n, p in self.model.named_parameters()}
+        return [[(names[id(p)], tuple(p.shape)) for p in g["params"]] for g in self.optimizer.param_groups]
 
     # ----------------------------------------------------------------- save hooks
     def snapshot(self, ts: TrainState) -> dict[str, Any]:
@@ -412,7 +445,14 @@ class DCPCheckpointer(Checkpointer):
     def restore(self, path: Path, manifest: CheckpointManifest) -> tuple[TrainState, bool]:
         same_world = manifest.topology.world_size == self.env.world_size
         init_state(self.optimizer)  # the moments the load fills, without get_state_dict's dummy optimizer step
-        sd = self.state_dict(TrainState(), with_rng=same_world)
+        live = self.state_dict(TrainState(), with_rng=same_world)
+        # Names that differ from the checkpoint's only by a wrapper prefix (ckpt.identity) are loaded under the
+        # checkpoint's. Another kind of run's optimizer groups (their number, their settings) are not loaded: this
+        # run trains with its own, and the state (moments, step) is matched by parameter name.
+        names = identity.renames(live["model"], [e.name[len(identity.MODEL_PREFIX):] for e in manifest.tensors
+                                                 if e.name.startswith(identity.MODEL_PREFIX)])
+        own_groups = bool(names) or self.other_kind(manifest) is not None
+        sd = _renamed(live, names, drop_groups=own_groups)
         # One pass: every byte is hashed as it is read, and the live tensors are written only after every file
         # of every rank matched the manifest (a mismatch raises ChecksumMismatch with the state untouched).
         node_copy = self.node_tier and self.memory is not None and self.memory.root in path.parents
@@ -421,6 +461,12 @@ class DCPCheckpointer(Checkpointer):
                       node_size=self.env.topology.procs_per_node if node_copy else None,  # each node its own copy
                       verified=self.verified_in_copy(manifest.step) if node_copy else None)  # hashed on the way in
         self.applied = True
+        if sd is not live:  # back to the live names and groups (the tensors were filled in place)
+            back = {v: k for k, v in names.items()}
+            groups = live["optim"]["param_groups"] if own_groups else sd["optim"]["param_groups"]
+            sd = {**sd, "model": {back.get(k, k): v for k, v in sd["model"].items()},
+                  "optim": {**sd["optim"], "state": {back.get(k, k): v for k, v in sd["optim"]["state"].items()},
+                            "param_groups": groups}}
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         if same_world:
             rng = sd["rng"][f"rank{self.env.rank}"]

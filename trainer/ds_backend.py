@@ -76,7 +76,7 @@ class DeepSpeedTrainer(Trainer):
         self.config = ds_config(self.spec, env.world_size)
         if self.pretrained and self.spec.deepspeed.zero_stage == 3:
             # ZeRO-3: rebuilt under zero.Init, every rank holds only its partitions (trainer.ds_zero3); the
-            # meta-built model above gave the signature and the export record.
+            # meta-built model above gave the export record.
             from trainer.ds_zero3 import build_partitioned
 
             model = build_partitioned(self.spec, self.config, model)
@@ -92,8 +92,7 @@ class DeepSpeedTrainer(Trainer):
         self.model = engine
         self.optimizer = engine.optimizer
         self.schedule = WarmupCosine(engine.optimizer, self.spec)  # sets lr in the client AdamW's groups
-        self.ckpt = DeepSpeedCheckpointer(run_dir, self.spec, engine, env, segment=segment, signature=self.signature,
-                                          hf_model=self.hf_model)
+        self.ckpt = DeepSpeedCheckpointer(run_dir, self.spec, engine, env, segment=segment, hf_model=self.hf_model)
         self.ckpt.data = self.data_record
 
     def load_pretrained(self) -> dict[str, float]:

@@ -25,8 +25,8 @@ from ckpt.formats.deepspeed import STATE_FILE, UNIVERSAL_DIR, read_rng, read_sta
 from ckpt.formats.torchzip import check_file
 from ckpt.layout import RunDir
 from ckpt.state import MOMENTS, reseed
-from schemas import CheckpointManifest, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
-from schemas.errors import CheckpointError
+from schemas import CheckpointManifest, DtypePolicy, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
+from schemas.errors import CheckpointError, ModelMismatch
 from trainer.checkpointer import Checkpointer, TrainState, Written
 from trainer.dist import DistEnv
 from trainer.ds_staging import Captured, HostStaging, capturing_engine
@@ -47,10 +47,9 @@ class DeepSpeedCheckpointer(Checkpointer):
     BACKEND = "deepspeed"
     SUPPORTS_ASYNC = True
 
-    def __init__(self, run_dir: RunDir, spec: RunSpec, engine: Any, env: DistEnv, *, segment: int, signature: str,
+    def __init__(self, run_dir: RunDir, spec: RunSpec, engine: Any, env: DistEnv, *, segment: int,
                  hf_model: HFModelRecord | None = None):
-        super().__init__(run_dir, spec, engine.module, engine.optimizer, env, segment=segment, signature=signature,
-                         hf_model=hf_model)
+        super().__init__(run_dir, spec, engine.module, engine.optimizer, env, segment=segment, hf_model=hf_model)
         self.engine = engine
         self.zero_stage = spec.deepspeed.zero_stage
         self.files = capturing_engine()
@@ -120,6 +119,32 @@ class DeepSpeedCheckpointer(Checkpointer):
             out += [TensorEntry(name=f"optim.state.{name}.{m}", shape=shape, dtype="float32") for m in MOMENTS]
         return out
 
+    def live_model_inventory(self) -> list[TensorEntry]:
+        return [e for e in self._ds_inventory() if e.name.startswith("model.")]
+
+    def live_dtype_policy(self) -> DtypePolicy:
+        from trainer.precision import engine_policy
+
+        return engine_policy(self.engine)
+
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(n, tuple(getattr(p, "ds_shape", None) or p.shape)) for n, p in self.engine.module.named_parameters()]
+
+    def named_param_groups(self) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """ZeRO keeps each group's parameters aside (its optimizer's groups hold flat partitions): ZeRO-1/2 in
+        ``bit16_groups``, ZeRO-3 in sub-groups of ``fp16_groups`` mapped to their group."""
+        from ckpt.identity import canonical
+
+        opt = self.engine.optimizer
+        if self.zero_stage == 3:
+            groups: list[list[Any]] = [[] for _ in opt.param_groups]
+            for sub, params in enumerate(opt.fp16_groups):
+                groups[opt.sub_group_to_group_id[sub]] += list(params)
+        else:
+            groups = [list(g) for g in opt.bit16_groups]
+        names = {id(p): canonical(n) for n, p in self.engine.module.named_parameters()}
+        return [[(names[id(p)], tuple(getattr(p, "ds_shape", None) or p.shape)) for p in g] for g in groups]
+
     # ----------------------------------------------------------------- save hooks
     def snapshot(self, ts: TrainState) -> Captured:
         """``engine.save_checkpoint`` into the capturing engine (DeepSpeed's barriers and tag check run here,
@@ -183,9 +208,12 @@ class DeepSpeedCheckpointer(Checkpointer):
 
     # ----------------------------------------------------------------- load hooks
     def restore(self, path: Path, manifest: CheckpointManifest) -> tuple[TrainState, bool]:
-        """Natively at the saving world size (bit-exact), else through the universal layout."""
+        """Natively at the saving world size (bit-exact), else through the universal layout: also when another kind
+        of run wrote it, whose optimizer groups (DeepSpeed's flat partitions follow them) need not be this run's;
+        the universal layout holds each parameter on its own."""
         state = read_state(path)
-        native = state["layout"] == "zero" and manifest.topology.world_size == self.env.world_size
+        native = (state["layout"] == "zero" and manifest.topology.world_size == self.env.world_size
+                  and self.other_kind(manifest) is None)
         if native:
             problem = self._check_pickles(path, recursive=False)  # every rank agrees before DeepSpeed reads any
             if problem is not None:
@@ -209,8 +237,18 @@ class DeepSpeedCheckpointer(Checkpointer):
 
     def check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
         super().check_loadable(path, manifest)
+        from ckpt import identity
+
+        live = [e.name for e in self.model_inventory()]
+        names = identity.renames(live, [e.name for e in manifest.tensors if e.name.startswith(identity.MODEL_PREFIX)])
+        if names:  # DeepSpeed loads by the names it saved under (the module's state dict, the universal folders)
+            mine, theirs = next(iter(names.items()))
+            raise ModelMismatch(f"{path}: holds {theirs[len(identity.MODEL_PREFIX):]} where this run's model has "
+                                f"{mine[len(identity.MODEL_PREFIX):]} (a wrapper's prefix); DeepSpeed loads by the "
+                                "saved names: wrap the model as the run that wrote it did (engine.compile() instead "
+                                "of torch.compile before deepspeed.initialize keeps the names)")
         saved = manifest.run_spec.deepspeed.zero_stage
-        if saved != self.zero_stage and read_state(path)["layout"] == "zero":
+        if saved != self.zero_stage and read_state(path)["layout"] == "zero" and self.other_kind(manifest) is None:
             raise CheckpointError(f"{path}: written under ZeRO stage {saved}, this run is configured for stage "
                                   f"{self.zero_stage}; resume with --set deepspeed.zero_stage={saved} (the run's own config)")
 

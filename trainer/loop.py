@@ -21,8 +21,7 @@ from trainer.dcp_backend import DCPCheckpointer
 from trainer.data import GlobalOrderLoader, HeldOutLoader, open_prepared, open_tokens
 from trainer.dist import DistEnv, log0
 from trainer.nonfinite import NonFiniteGuard, NonFiniteStep
-from trainer.model import (build_model, hf_model_record, load_pretrained_shards, materialize, model_signature,
-                           shard_model)
+from trainer.model import build_model, hf_model_record, load_pretrained_shards, materialize, shard_model
 from trainer.optim import WarmupCosine, build_optimizer, clip_grad_norm_
 from trainer.perf import EXECUTION_KEYS, describe
 
@@ -47,13 +46,13 @@ class Trainer:
         self.model = model
         self.optimizer = build_optimizer(model, self.spec)
         self.schedule = WarmupCosine(self.optimizer, self.spec)
-        self.ckpt = DCPCheckpointer(run_dir, self.spec, model, self.optimizer, env, segment=segment, signature=self.signature,
-                                 hf_model=self.hf_model)
+        self.ckpt = DCPCheckpointer(run_dir, self.spec, model, self.optimizer, env, segment=segment,
+                                    hf_model=self.hf_model)
         self.ckpt.data = self.data_record
 
     def _build(self, run_dir: RunDir, until_step: int, segment: int, env: DistEnv) -> torch.nn.Module:
-        """What both backends share: the RunSpec, the model as transformers builds it (signature and
-        export record taken before any wrapping renames its class) and the global-order data loader."""
+        """What both backends share: the RunSpec, the model as transformers builds it (its export record taken
+        before any wrapping renames its class) and the global-order data loader."""
         self.run_dir = run_dir
         self.until_step = until_step
         self.segment_index = segment
@@ -62,7 +61,6 @@ class Trainer:
         self.local_batch = self.spec.per_rank_batch(env.world_size)
         self.pretrained = self.spec.model.pretrained is not None
         model = build_model(self.spec)
-        self.signature = model_signature(self.spec.model, model)
         self.hf_model = hf_model_record(model, self.spec.model)
         self.vocab = model.config.vocab_size
         self._open_data()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import logging
 import time
@@ -193,13 +192,6 @@ def hf_model_record(model: nn.Module, spec: ModelSpec | None = None) -> HFModelR
         log.warning("no generation config recorded for %s: %s", type(model).__name__, e)
     return HFModelRecord(config=json.loads(config.to_json_string(use_diff=True)), generation_config=generation,
                          tied=tied_weights(model), transformers_version=transformers.__version__)
-
-
-def model_signature(spec: ModelSpec, model: nn.Module) -> str:
-    """sha256 over model type, config and parameter names/shapes: identifies the architecture."""
-    shapes = [(n, list(getattr(p, "shape", ()))) for n, p in model.named_parameters()]
-    blob = json.dumps({"type": spec.model_type, "config": spec.config, "params": shapes}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def block_modules(model: nn.Module) -> list[nn.Module]:

@@ -22,14 +22,14 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt import fingerprint as fp, lineage, memtier
+from ckpt import fingerprint as fp, identity, lineage, memtier
 from ckpt.fsutil import quarantine
 from ckpt.hashing import ChecksumMismatch, hash_files, mismatch_message
 from ckpt.layout import parse_step
 from ckpt.memtier import MEMORY, STORAGE
 from schemas import CheckpointManifest
 from schemas.data import data_change
-from schemas.errors import CheckpointError
+from schemas.errors import CheckpointError, ModelMismatch
 from schemas.seam import SegmentLaunch
 
 from trainer import lifetime
@@ -267,12 +267,20 @@ class ResumeSide:
         t0 = time.perf_counter()
         manifest = read_manifest(path)
         self.check_loadable(path, manifest)
+        other = self.other_kind(manifest)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         ts, exact = self.restore(path, manifest)
+        if other is not None:  # another run's optimizer settings came with the state: this run trains with its own
+            for group, settings in zip(self.optimizer.param_groups, groups):
+                group.update(settings)
         if self.extra:
             from trainer.extras import restore_all
 
-            restore_all(self.extra, path, manifest, self.env.rank, self.env.world_size,
-                        lambda r: self.read_extras(path, r))
+            started = restore_all(self.extra, path, manifest, self.env.rank, self.env.world_size,
+                                  lambda r: self.read_extras(path, r))
+            if started and self.env.is_rank0:
+                log.warning("%s was %s; tracked objects it holds no state of: %s", path.name, other,
+                            ", ".join(started))
         self._check_counters(path, manifest, ts)
         now = self.fingerprint(self.env.ctrl_group, manifest.fingerprint.method)
         fp.require_match(path, manifest.fingerprint, now, exact=exact)
@@ -291,17 +299,16 @@ class ResumeSide:
             raise CheckpointError(f"{path}: holds step {ts.step}; the directory name and the state disagree")
 
     def check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
-        """Refuse a checkpoint of the other backend's format or of another architecture (one line each)."""
+        """Refuse, in one line each and before anything is loaded: a checkpoint of the other backend's format, of
+        another model (``model_problem``: the first tensor that differs), of other data, or lacking a tracked
+        object's state when this kind of run wrote it (``trainer.extras.check_restorable``)."""
         if manifest.format != self.FORMAT:
             raise CheckpointError(f"{path}: a {manifest.format} checkpoint cannot be loaded by the {self.BACKEND} "
                                   f"backend; convert it first: shardkeeper convert {path} --to {self.FORMAT} NEW_RUN_DIR")
-        if manifest.model_signature != self.signature:
-            if self.spec.script is not None:
-                raise CheckpointError(f"{path}: written by another model (its parameter names or shapes differ from "
-                                      "those of the model the script tracks now); track the run's own model, or start a "
-                                      "new --run-dir")
-            raise CheckpointError(f"{path}: written by another architecture (model signature differs from "
-                                  f"{self.spec.model.model_type} {self.spec.model.config}); use a new --run-dir")
+        problem = self.model_problem(manifest)
+        if problem is not None:
+            raise ModelMismatch(f"{path}: holds another model than this run's: {problem}; resume with the model that "
+                                "wrote it (its manifest.json's tensors list it), or start a new --run-dir")
         changed = data_change(manifest.data, self.data) if manifest.data and self.data else None
         if changed:
             raise CheckpointError(f"{path}: trained on other data: {changed}; resume with the data the run started "
@@ -309,7 +316,36 @@ class ResumeSide:
         if self.extra:
             from trainer.extras import check_restorable
 
-            check_restorable(self.extra, path, manifest, self.env.world_size, lambda r: self.read_extras(path, r))
+            check_restorable(self.extra, path, manifest, self.env.world_size, lambda r: self.read_extras(path, r),
+                             other_kind=self.other_kind(manifest))
+
+    def other_kind(self, manifest: CheckpointManifest) -> str | None:
+        """How the checkpoint was written when another kind of run wrote it (an import or a conversion, the
+        built-in trainer, another script: its run_spec and reason say), else None. Such a checkpoint never held this
+        run's own tracked objects or optimizer settings."""
+        if manifest.reason == "converted":
+            imported = manifest.parent is None  # shardkeeper import; shardkeeper convert names its source
+            return "imported from another tool's checkpoint" if imported else "converted to another format"
+        saved, mine = manifest.run_spec.script, self.spec.script
+        if saved is None and mine is not None:
+            return "written by the built-in trainer"
+        if saved is not None and (mine is None or Path(saved.path).resolve() != Path(mine.path).resolve()):
+            return f"written by script {saved.path}"
+        return None
+
+    def model_problem(self, manifest: CheckpointManifest) -> str | None:
+        """The first model tensor (name, global shape, dtype, tie) in which the checkpoint differs from what a save of
+        the live model records (``ckpt.identity``), or None. How the run was described (config, script, adapter)
+        does not enter; a checkpoint without a model inventory is left to the load."""
+        there = identity.model_tensors(manifest.tensors)
+        if not there:
+            return None
+        here = identity.model_tensors(self.model_inventory())  # type: ignore[attr-defined]
+        problem = identity.first_difference(here, there)
+        record = self.hf_model  # type: ignore[attr-defined]
+        if problem is None and record is not None and manifest.hf_model is not None:
+            problem = identity.tie_difference(record.tied, manifest.hf_model.tied)
+        return problem
 
     def _resumed(self, path: Path, manifest: CheckpointManifest, ts: TrainState, t0: float,
                  tier: str = STORAGE) -> None:

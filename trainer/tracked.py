@@ -1,11 +1,10 @@
 """What ``Segment.track`` builds: the backend Checkpointer for a user's model (FSDP2/plain module through DCP, a
-DeepSpeed engine through DeepSpeed's layout), its architecture signature and export record; the other tracked
-objects ride along (``trainer.extras``)."""
+DeepSpeed engine through DeepSpeed's layout) and its export record; the other tracked objects ride along
+(``trainer.extras``). What a checkpoint must hold to be loaded is read from the live model by the Checkpointer
+(``ckpt.identity``)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -24,21 +23,6 @@ def is_deepspeed_engine(model: Any) -> bool:
     from deepspeed import DeepSpeedEngine
 
     return isinstance(model, DeepSpeedEngine)
-
-
-def base_class(module: torch.nn.Module) -> type:
-    """The module's own class: FSDP2 swaps in a dynamic ``FSDP<Name>`` subclass."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
-
-
-def signature_of(module: torch.nn.Module) -> str:
-    """sha256 over the class and the parameters' names and global shapes: the same at every world size and
-    sharding (FSDP2 DTensors report global shapes; ZeRO-3 keeps them in ``ds_shape``)."""
-    params = [(n, list(getattr(p, "ds_shape", None) or p.shape)) for n, p in module.named_parameters()]
-    blob = json.dumps({"class": base_class(module).__qualname__, "params": params}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def hf_record_of(module: torch.nn.Module) -> HFModelRecord | None:
@@ -69,7 +53,7 @@ def make_checkpointer(seg: Any, model: Any, optimizer: Any, state: Mapping[str, 
         spec = spec.model_copy(update={"deepspeed": spec.deepspeed.model_copy(update={"zero_stage": stage})})
         module = model.module
         ckpt: Checkpointer = DeepSpeedCheckpointer(seg.run_dir, spec, model, seg.env, segment=seg.segment,
-                                                   signature=signature_of(module), hf_model=hf_record_of(module))
+                                                   hf_model=hf_record_of(module))
     else:
         from trainer.dcp_backend import DCPCheckpointer
 
@@ -84,6 +68,6 @@ def make_checkpointer(seg: Any, model: Any, optimizer: Any, state: Mapping[str, 
             raise UsageError("seg.track(optimizer=...): a torch.optim.Optimizer is required with an FSDP2 or plain "
                              "model (its state is part of every checkpoint)")
         ckpt = DCPCheckpointer(seg.run_dir, spec, model, optimizer, seg.env, segment=seg.segment,
-                               signature=signature_of(model), hf_model=hf_record_of(model))
+                               hf_model=hf_record_of(model))
     ckpt.extra = dict(state)
     return ckpt

@@ -36,6 +36,7 @@ from ckpt.formats.foreign_dcp import open_dcp
 from ckpt.formats.safe_pickle import StoredTensor
 from ckpt.formats.torchzip import TorchZip, byte_view
 from ckpt.fsutil import read_regular
+from ckpt.identity import canonical
 from ckpt.pretrained import read_elements, tensor_index, weight_files
 from ckpt.state import MOMENTS
 from schemas.errors import CheckpointError, ShardkeeperError
@@ -99,7 +100,7 @@ def open_foreign(src: str | os.PathLike[str], *, step: int | None = None,
     if step is not None and not consumed and source.global_step != step:
         source.close()
         raise CheckpointError(f"{src}: holds step {source.global_step} only, not --step {step}; present: {source.global_step}")
-    return source
+    return with_canonical_names(source)
 
 
 def _resolve(d: Path, step: int | None) -> tuple[Path, bool]:
@@ -367,21 +368,54 @@ class HFTrainerForeign:
         self.close()
 
 
-def first_mismatch(source: ForeignSource, expect: Iterable[tuple[str, tuple[int, ...]]], tied: dict[str, str]) -> str | None:
-    """One line naming the first tensor whose name or shape differs between the source and the target model."""
+def first_mismatch(source: ForeignSource, expect: Iterable[tuple[str, tuple[int, ...]]], tied: dict[str, str], *,
+                   model: str = "the config's model") -> str | None:
+    """One line naming the first tensor whose name or shape differs between the source and the target model
+    (``model``: how the messages call it)."""
     expect = list(expect)
     have = source.shapes
     for name, shape in expect:
         if name not in have:
-            return f"has no tensor {name} (the config's model has it, {list(shape)})"
+            return f"has no tensor {name} ({model} has it, {list(shape)})"
         if tuple(have[name]) != tuple(shape):
-            return f"holds {name} as {list(have[name])}, the config's model has {list(shape)}"
+            return f"holds {name} as {list(have[name])}, {model} has {list(shape)}"
     known = {n for n, _ in expect}
     extra = [n for n in have if n not in known and n not in tied]
     if extra:
-        return f"holds tensor {extra[0]} {list(have[extra[0]])}, which the config's model lacks"
+        return f"holds tensor {extra[0]} {list(have[extra[0]])}, which {model} lacks"
     return None
 
 
-__all__ = ["LAYOUTS", "ForeignSource", "HFTrainerForeign", "ZeroForeign", "check_storage_crcs", "first_mismatch",
-           "layouts_line", "open_foreign", "read_whole", "unknown_layout"]
+class CanonicalNames:
+    """A source seen under its tensors' canonical names (``ckpt.identity.canonical``: a DDP model's ``module.``, a
+    compiled one's ``_orig_mod.`` left out), as the model that adopts it names them."""
+
+    def __init__(self, src: ForeignSource):
+        self.src = src
+        self.layout, self.path, self.global_step = src.layout, src.path, src.global_step
+        self._raw = {canonical(n): n for n in src.shapes}
+        self.shapes = {canonical(n): s for n, s in src.shapes.items()}
+
+    def read(self, name: str, key: str) -> torch.Tensor:
+        return self.src.read(self._raw[name], key)
+
+    def optim_step(self) -> float:
+        return self.src.optim_step()
+
+    def verify(self) -> None:
+        self.src.verify()
+
+    def close(self) -> None:
+        self.src.close()
+
+
+def with_canonical_names(src: ForeignSource) -> ForeignSource:
+    """``src`` under canonical names when a wrapper prefixed any of them (and no two come out the same), else itself."""
+    names = {canonical(n) for n in src.shapes}
+    if names == set(src.shapes) or len(names) != len(src.shapes):
+        return src
+    return CanonicalNames(src)
+
+
+__all__ = ["LAYOUTS", "CanonicalNames", "ForeignSource", "HFTrainerForeign", "ZeroForeign", "check_storage_crcs",
+           "first_mismatch", "layouts_line", "open_foreign", "read_whole", "unknown_layout", "with_canonical_names"]

@@ -22,17 +22,18 @@ from typing import Any
 
 import torch
 
-from ckpt import lineage
+from ckpt import identity, lineage
 from ckpt.formats.dcp import save_in_process
 from ckpt.formats.deepspeed import STATE_FILE, UNIVERSAL_DIR, rng_file, write_hashed
 from ckpt.formats.deepspeed_convert import StreamingSavePlanner, dcp_files, dcp_state, producer
-from ckpt.formats.deepspeed_sources import IO_THREADS, FingerprintSums, check_target, commit_dir, inventory, partial_dir
+from ckpt.formats.deepspeed_sources import (IO_THREADS, FingerprintSums, check_target, commit_dir, inventory,
+                                            partial_dir, tied_of)
 from ckpt.formats.deepspeed_universal import universal_model_states, write_universal
 from ckpt.formats.direct_io import HashingDirectWriter
 from ckpt.formats.foreign import ForeignSource
 from ckpt.manifest import write_manifest
 from ckpt.state import elastic_rng_state
-from schemas import CheckpointManifest, FileEntry
+from schemas import CheckpointManifest, FileEntry, TensorEntry
 from schemas.errors import CheckpointError
 
 
@@ -40,8 +41,11 @@ class Adopted:
     """A foreign checkpoint as ``deepspeed_sources.Source``: the target's optimizer groups (names, shapes) and
     hyperparameters; tensors read from the source, checked against the target shape, in fp32."""
 
-    def __init__(self, src: ForeignSource, groups: list[list[tuple[str, tuple[int, ...]]]], hparams: list[dict[str, Any]]):
+    def __init__(self, src: ForeignSource, groups: list[list[tuple[str, tuple[int, ...]]]],
+                 hparams: list[dict[str, Any]], *, model: str = "the config's model",
+                 fix: str = "import it with the config of the model that wrote it"):
         self.src = src
+        self._model, self._fix = model, fix  # how the target model is called, and what to do, in a refusal
         self.groups = groups
         self._hparams = hparams
         self._shape = {n: s for g in groups for n, s in g}
@@ -50,8 +54,8 @@ class Adopted:
     def read(self, name: str, key: str) -> torch.Tensor:
         t = self.src.read(name, key)
         if tuple(t.shape) != self._shape[name]:
-            raise CheckpointError(f"{self.src.path}: {key} of {name} is {list(t.shape)}, the config's model has "
-                                  f"{list(self._shape[name])}; import it with the config of the model that wrote it")
+            raise CheckpointError(f"{self.src.path}: {key} of {name} is {list(t.shape)}, {self._model} has "
+                                  f"{list(self._shape[name])}; {self._fix}")
         t = t.to(torch.float32).contiguous()
         # StreamingSavePlanner frees each tensor's storage once written: a tensor over memory it does not own
         # (read through a numpy view) is copied into one it does
@@ -73,7 +77,9 @@ def commit_dcp(src: Adopted, template: CheckpointManifest, out_dir: Path, *, thr
     t0 = time.perf_counter()
     check_target(out_dir)
     rng = elastic_rng_state(template.run_spec.seed, template.step)
-    sd, lazy = dcp_state(src, template, rng, model_only=False)
+    # FSDP2's state dict holds both names of a tied pair: so does the checkpoint (the source's values twice)
+    tied = tied_of(template, {n for g in src.groups for n, _ in g})
+    sd, lazy = dcp_state(src, template, rng, model_only=False, tied=tied)
     sums = FingerprintSums()
     produce = producer(src, lazy, sums)
 
@@ -81,10 +87,11 @@ def commit_dcp(src: Adopted, template: CheckpointManifest, out_dir: Path, *, thr
         # max(2, ...): see StreamingSavePlanner
         writer = HashingDirectWriter(tmp, sync_files=True, thread_count=max(2, threads), overwrite=False)
         save_in_process(sd, writer, StreamingSavePlanner(produce))
+        tensors = inventory(src.groups, tied=tied)
         out = template.model_copy(update={
             "format": "dcp", "created_at": lineage.now_iso(), "files": dcp_files(tmp, writer.digests),
-            "tensors": inventory(src.groups), "fingerprint": sums.fingerprint(src.step()),
-            "save_seconds": time.perf_counter() - t0})
+            "tensors": tensors, "model_signature": _signature(tensors, template),
+            "fingerprint": sums.fingerprint(src.step()), "save_seconds": time.perf_counter() - t0})
         if not commit_dir(tmp, out_dir, out):
             raise CheckpointError(f"{out_dir}: appeared while importing; nothing was overwritten")
     return out
@@ -102,7 +109,9 @@ def commit_deepspeed(src: Adopted, template: CheckpointManifest, out_dir: Path, 
         states = universal_model_states({}, src.groups, target)
         ufiles, fingerprint = write_universal(src, tmp / UNIVERSAL_DIR, target, model_states=states,
                                               clip_grad=spec.optim.grad_clip or 0.0, threads=threads)
-        common = {"created_at": lineage.now_iso(), "tensors": inventory(src.groups), "fingerprint": fingerprint}
+        tensors = inventory(src.groups)
+        common = {"created_at": lineage.now_iso(), "tensors": tensors, "fingerprint": fingerprint,
+                  "model_signature": _signature(tensors, target)}
         write_manifest(tmp / UNIVERSAL_DIR, target.model_copy(update={**common, "files": ufiles,
                                                                        "save_seconds": time.perf_counter() - t0}))
         files = _state_files(tmp, target)
@@ -110,6 +119,10 @@ def commit_deepspeed(src: Adopted, template: CheckpointManifest, out_dir: Path, 
         if not commit_dir(tmp, out_dir, out):
             raise CheckpointError(f"{out_dir}: appeared while importing; nothing was overwritten")
     return out
+
+
+def _signature(tensors: list[TensorEntry], template: CheckpointManifest) -> str:
+    return identity.signature(tensors, template.hf_model.tied if template.hf_model is not None else None)
 
 
 def _state_files(tmp: Path, manifest: CheckpointManifest) -> list[FileEntry]:

@@ -19,8 +19,16 @@ What changes against a plain Trainer:
   The Trainer's counters (``global_step``, ``epoch``, flos, tokens seen, ``log_history``) and its LR scheduler
   are tracked objects of the checkpoint; the sampler position follows from ``global_step`` as in the Trainer's
   own resume (the skipped batches of the resumed epoch), and the RNG comes back as the Trainer's own resume
-  restores it (again after the first batch is fetched). ``train(resume_from_checkpoint=...)`` is not needed;
-  ``True``/``None`` mean the same, a path is refused.
+  restores it (again after the first batch is fetched). ``train(resume_from_checkpoint=...)`` is not needed
+  (``True``/``None`` mean the same). Given a path: a checkpoint of this run resumes the run's newest valid one;
+  another tool's checkpoint (an HF Trainer or DeepSpeed ``checkpoint-N``, a DCP folder: what ``shardkeeper import``
+  reads) is imported into a run that has no checkpoint yet, described by the live model and optimizer (rank 0
+  converts while the others wait), then resumed; a run that already has checkpoints resumes its newest valid one,
+  and one line says so (``trainer.adopt.resume_from``).
+- Any checkpoint whose model tensors match the Trainer's model continues, whoever wrote it (``shardkeeper import``,
+  the built-in trainer, another script): its LR scheduler is fast-forwarded to the checkpoint's step and the
+  counters start at that step when the checkpoint holds none of them, and the optimizer keeps the
+  ``TrainingArguments``' settings.
 - Save: the Trainer's save policy (``save_steps``, ``save_strategy``) and the run's ``checkpoint.interval``
   both commit a shardkeeper checkpoint (manifest with checksums and fingerprint, re-read, retention) instead of
   ``output_dir/checkpoint-N``; SIGTERM commits at the next step boundary and the process exits 75.
@@ -41,6 +49,7 @@ numbers after a resume), callbacks' own state (``ExportableState``), a gradient 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -75,6 +84,11 @@ class TrainerCounters:
             if k in sd:
                 setattr(self.trainer.state, k, list(sd[k]) if k == "log_history" else sd[k])
 
+    def start_at_step(self, step: int) -> None:
+        """A checkpoint another kind of run wrote (an import, the built-in trainer) holds no Trainer counters: the
+        Trainer continues at its step (the sampler position follows from ``global_step``), the rest fresh."""
+        self.trainer.state.global_step = step
+
 
 class ShardkeeperTrainerMixin:
     """Put before a ``transformers.Trainer`` class (``class MyTrainer(ShardkeeperTrainerMixin, SFTTrainer)``) to
@@ -89,6 +103,7 @@ class ShardkeeperTrainerMixin:
         self._sk_loss: torch.Tensor | None = None  # this optimizer step's loss on this rank (micro-batches summed)
         self._sk_rng: dict[str, torch.Tensor] | None = None  # the RNG right after the load (re-applied like HF does)
         self._sk_advanced_at = -1
+        self._sk_resume_from: str | os.PathLike[str] | None = None  # train(resume_from_checkpoint=PATH)
         super().__init__(*args, **kwargs)
         if self.args.load_best_model_at_end:  # type: ignore[attr-defined]
             raise UsageError("TrainingArguments(load_best_model_at_end=True): the Trainer's checkpoint-N folders are "
@@ -96,11 +111,13 @@ class ShardkeeperTrainerMixin:
                              "export the step you choose: shardkeeper export RUN/checkpoints/step-N OUT")
 
     # ------------------------------------------------------------------ entry
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(resume_from_checkpoint, str):
-            raise UsageError(f"Trainer.train(resume_from_checkpoint={resume_from_checkpoint!r}): under shardkeeper "
-                             "the run directory decides (the newest valid checkpoint of --run-dir); call train() "
-                             "without it. To start from another tool's checkpoint, import it into a run first")
+    def train(self, resume_from_checkpoint: str | os.PathLike[str] | bool | None = None, *args: Any,
+              **kwargs: Any) -> Any:
+        """``resume_from_checkpoint``: None/True/False, the run's newest valid checkpoint (the run directory
+        decides); a path, see ``trainer.adopt.resume_from`` (a checkpoint of this run: the run's newest; another
+        tool's, e.g. an HF Trainer ``checkpoint-N``: imported into a run that has no checkpoint yet, then resumed)."""
+        path = resume_from_checkpoint
+        self._sk_resume_from = path if isinstance(path, (str, os.PathLike)) and not isinstance(path, bool) else None
         return super().train(None, *args, **kwargs)  # type: ignore[misc]
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
@@ -126,6 +143,11 @@ class ShardkeeperTrainerMixin:
         seg.track(model=model, optimizer=optimizer, scheduler=self.lr_scheduler,  # type: ignore[attr-defined]
                   trainer_state=TrainerCounters(self))  # type: ignore[arg-type]
         global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * seg.world_size
+        if self._sk_resume_from is not None:  # before the load: it may import another tool's checkpoint into the run
+            from trainer.adopt import resume_from
+
+            resume_from(seg, self._sk_resume_from, samples_per_step=global_batch,
+                        what="Trainer.train(resume_from_checkpoint)")
         self._sk_steps = seg.steps(samples_per_step=global_batch)
         try:
             next(self._sk_steps)  # the load (or a fresh start), up to the first step to train

@@ -245,18 +245,17 @@ def _commit_after_the_launcher_died(tmp: str) -> list[object]:
     from trainer.ckpt_common import TrainState
     from trainer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
-    from trainer.model import build_model, model_signature, shard_model
+    from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
     from tests.harness import tiny_spec
 
     env = init_distributed()
     spec = tiny_spec()
     model = build_model(spec)
-    sig = model_signature(spec.model, model)
     shard_model(model, env.mesh, spec)
     run = RunDir.at(Path(tmp) / "run")
     run.root.mkdir()
-    ck = DCPCheckpointer(run, spec, model, build_optimizer(model, spec), env, segment=0, signature=sig)
+    ck = DCPCheckpointer(run, spec, model, build_optimizer(model, spec), env, segment=0)
     ck.save(TrainState(step=2), reason="interval", blocking=True)  # the launcher alive: committed
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
     while not is_zombie(zombie.pid):
