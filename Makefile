@@ -58,6 +58,7 @@ bench: install
 	$(PY) bench/checkpoint_bench.py --part load --reps 3
 	$(PY) bench/goodput_bench.py --backend fsdp2 --backend deepspeed --warm 2
 	$(PY) bench/recovery_bench.py
+	$(PY) bench/recovery_bench.py --kill --reps 4
 	$(PY) bench/memtier_bench.py
 	$(PY) bench/persist_bench.py
 	$(PY) bench/memtier_edges.py

@@ -96,6 +96,13 @@ def rank_pid(run: Path, rank: int) -> int | None:
     return None
 
 
+def no_restarts(root: Path) -> list[str]:
+    """``--set checkpoint.restarts=0`` where the checkout has it: a death ends its segment, whose line is measured
+    here (a rank restarted in place: bench/recovery_bench.py --kill)."""
+    schema = root / "schemas" / "run.py"
+    return ["--set", "checkpoint.restarts=0"] if schema.is_file() and "restarts: int" in schema.read_text() else []
+
+
 def steps(run: Path) -> int:
     m = run / "metrics.jsonl"
     return len(m.read_text().splitlines()) if m.exists() else 0
@@ -105,7 +112,7 @@ def train(root: Path, run: Path, case: Case) -> subprocess.CompletedProcess:
     env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "COLUMNS": "1000",
            "SHARDKEEPER_PROGRESS_S": "0", "PYTHONPATH": str(root)}
     argv = [sys.executable, "-m", "shardkeeper", "train", "--script", str(SCRIPT), "--run-dir", str(run),
-            "--until-step", str(case.until), "--nproc", "2", "--", *case.args]
+            "--until-step", str(case.until), "--nproc", "2", *no_restarts(root), "--", *case.args]
     proc = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if case.outside:

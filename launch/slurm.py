@@ -36,8 +36,8 @@ from pathlib import Path
 
 from launch.early import received_stop
 from launch.attribution import RankEnd
-from launch.base import (LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, Rendezvous, segment_failure,
-                         torchrun_argv)
+from launch.base import (InPlaceRestart, LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, Rendezvous,
+                         restart_from_record, restart_said, segment_failure, torchrun_argv)
 from schemas import ClusterTopology
 from schemas.errors import ConfigError
 from schemas.seam import EXIT_CANCELLED, EXIT_FAILED, EXIT_PREEMPTED, LAUNCH_ENV
@@ -180,7 +180,7 @@ class SlurmLauncher:
         # --nnodes is the allocation's node count: a job Slurm gives fewer nodes (--nodes=MIN-MAX in --slurm-arg)
         # trains at that world size; the ranks record what they ran on.
         argv = torchrun_argv(q(self.python), topo, self.grace_s, q(str(Path(req.run_dir).resolve())), req.until_step,
-                             req.segment, rdzv, nnodes='"$SLURM_JOB_NUM_NODES"')
+                             req.segment, rdzv, nnodes='"$SLURM_JOB_NUM_NODES"', restarts=req.restarts)
         node_cmd = "exec " + " ".join(argv)
         # Every value below is shell-quoted; run directories and sbatch arguments with control characters are
         # refused before this (check_text), so no line of this script can be ended early by user text.
@@ -253,6 +253,7 @@ class _JobWatch:
         self.note: str | None = None
         self.lost = False
         self.unplaceable_since: float | None = None
+        self.restarts: list[InPlaceRestart] = []
 
     def on_signal(self, signum: int, _frame: object) -> None:
         received_stop.append(signum)  # a second one gives up the upload after the stop (shardkeeper.remote)
@@ -295,6 +296,18 @@ class _JobWatch:
             self.offset += cut
             for line in data[:cut].decode("utf-8", "replace").splitlines():
                 self.out.feed(line)
+        self._take_restarts()
+
+    def _take_restarts(self) -> None:
+        """The restarts in place the nodes' agents said in the job's output: named from the output alone (no rank is
+        watched from this host), said in one line and handed to the controller."""
+        while len(self.restarts) < len(self.out.generations):
+            record, ended = self.out.generations[len(self.restarts)]
+            restart = restart_from_record(len(self.restarts) + 1, record, ended)
+            self.restarts.append(restart)
+            self.sink(restart_said(restart))
+            if self.req.on_restart is not None:
+                self.req.on_restart(restart)
 
     def run(self) -> LaunchOutcome:
         previous = {}
@@ -445,4 +458,5 @@ class _JobWatch:
         return LaunchOutcome(exit_code=code, timed_out=self.stop_reason == "timeout", tail=tail,
                              seconds=time.monotonic() - self.t0, cancelled=self.cancelled, stop_signal=self.signal,
                              held_back=list(self.out.held), scheduler_job=self.job_id, scheduler_state=state,
-                             requeues=requeues, note=note, scheduler_preempted=preempted, failure=failure)
+                             requeues=requeues, note=note, scheduler_preempted=preempted, failure=failure,
+                             restarts=list(self.restarts))

@@ -45,6 +45,10 @@ class SegmentResult(_Frozen):
                                                "latest valid checkpoint)")
     times: SegmentTimes | None = Field(None, description="when the ranks reached each phase (start-up, first step, "
                                        "preemption), as they reported it")
+    restarts: int = Field(0, ge=0, description="times the segment's ranks were restarted in place after one died "
+                          "(checkpoint.restarts); each resumed from the newest memory snapshot or checkpoint")
+    restart_causes: list[str] = Field(default_factory=list, description="why each in-place restart happened, in order: "
+                                      "the rank that died first and how, e.g. 'rank 1: SIGKILL'")
 
 
 class ReshardResult(_Frozen):

@@ -122,9 +122,12 @@ def train(
     job = (f" [Slurm job {res.scheduler_job} {res.scheduler_state}"
            f"{f', requeued {res.requeues}x' if res.requeues else ''}]") if res.scheduler_job else ""
     msg = f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} on {where} in {res.seconds:.1f} s{job}"
+    if res.restarts and res.status != "failed":  # a failure's line says them
+        msg += f", ranks restarted in place {res.restarts}x ({'; '.join(res.restart_causes)})"
     times = res.times
     if times is not None and times.time_to_first_step_s is not None:
-        msg += f" (first step after {times.time_to_first_step_s:.1f} s"
+        msg += (f" (first step {times.time_to_first_step_s:.1f} s after the restarted ranks started" if res.restarts
+                else f" (first step after {times.time_to_first_step_s:.1f} s")
         msg += f", emergency checkpoint in {times.emergency_save_s:.1f} s)" if times.emergency_save_s is not None else ")"
     if res.status == "refused":  # bad input only the ranks could see: one line, the run's status unchanged
         console.print(f"error: segment {res.segment} refused before its first step on {where} (nothing trained; the "

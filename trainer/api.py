@@ -35,7 +35,7 @@ from ckpt.layout import RunDir
 from schemas import RunSpec
 from schemas.errors import UsageError
 from schemas.seam import EXIT_PREEMPTED, SegmentLaunch
-from trainer import timeline
+from trainer import forkserver, lifetime, timeline
 from trainer.checkpointer import Checkpointer, TrainState
 from trainer.dist import DistEnv, init_distributed, log0
 from trainer.signals import PreemptionWatcher
@@ -378,12 +378,16 @@ class Segment:
         log0(env, "segment %d: steps %d -> %d on %d ranks", self.segment, start, self.until_step, env.world_size)
         progress = ProgressLine(start, self.until_step, tokens_per_step)
         memory_interval = self.spec.checkpoint.memory_interval
+        first = True
         while ts.step < self.until_step:
             t0 = time.perf_counter()
             self._row = {}
             self._nonfinite_seen = False
             yield ts.step
             timeline.mark("first_step")  # the first mark wins: the segment's first optimizer step, on every rank
+            if first:  # the segment is up: the node's fork server may import what restarted ranks will need
+                first = False
+                forkserver.warm()
             ts = TrainState(step=ts.step + 1, tokens=ts.tokens + tokens_per_step, samples=ts.samples + samples_per_step)
             self.state = ts
             if env.is_rank0:
@@ -525,10 +529,14 @@ def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start
     if env.is_rank0:
         launch = SegmentLaunch.from_environ()
         ckpt = run_dir.checkpoint(end)
+        restarts = lifetime.restart_count()
+        # ranks restarted in place time their phases from their own start, not from the launch of the first ones
+        origin = launch.launched_at if launch and not restarts else None
         SegmentReport(segment=segment, status=status, start_step=start, end_step=end,  # type: ignore[arg-type]
                       checkpoint=str(ckpt) if end and ckpt.exists() else None, world_size=env.world_size,
                       topology=env.topology, note=note, exit_code=exit_code, execution=execution or None,
-                      times=timeline.summarize(marks, launch.launched_at if launch else None)).write(run_dir.root)
+                      times=timeline.summarize(marks, origin), restarts=restarts).write(run_dir.root)
+
 
 
 class ProgressLine:

@@ -32,6 +32,7 @@ from schemas.data import data_change
 from schemas.errors import CheckpointError, ModelMismatch
 from schemas.seam import SegmentLaunch
 
+from trainer import lifetime
 from trainer.ckpt_common import TrainState
 
 log = logging.getLogger("shardkeeper.checkpoint")
@@ -369,7 +370,10 @@ class ResumeSide:
                 how = f"saved at world size {saved}"
             log.info("resumed from %s%s at step %d (%s, now %d) in %.2f s", path.name,
                      " in memory" if tier == MEMORY else "", ts.step, how, self.env.world_size, seconds)
-            lineage.record(self.run_dir, "resume", f"resume:segment-{self.segment}",
+            restarts = lifetime.restart_count()  # ranks restarted in place resume again, in the same segment
+            lineage.record(self.run_dir, "resume", f"resume:segment-{self.segment}"
+                           + (f":restart-{restarts}" if restarts else ""),
                            parent=event, step=ts.step, segment=self.segment, tier=tier,
                            from_world_size=saved, to_world_size=self.env.world_size,
-                           converted=manifest.reason == "converted", load_seconds=round(seconds, 3))
+                           converted=manifest.reason == "converted", load_seconds=round(seconds, 3),
+                           **({"restart": restarts} if restarts else {}))

@@ -17,6 +17,7 @@ from ckpt.lock import RunLock
 from ckpt.retention import sweep_leftovers
 from ckpt.validate import invalid_committed, latest_valid, validate
 from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher, rank_stopped_at_startup
+from launch.base import InPlaceRestart
 from schemas import CheckpointManifest, ClusterTopology, RunSpec, SegmentResult
 from schemas.errors import CheckpointError, ConfigError, RunLockedError
 from schemas.seam import (EXIT_REFUSED, RANK_ERROR_PREFIX, SCRIPT_TRACEBACK_FILE, SegmentReport, SegmentTimes,
@@ -153,7 +154,11 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
     submodule import that races a first import of its package in another thread.
 
     ``by``: who launched the segment (a flow: which flow run, started by whom), recorded in segments.jsonl and in
-    the segment's lineage event."""
+    the segment's lineage event.
+
+    Ranks that die are restarted in place ``spec.checkpoint.restarts`` times (``trainer.agent``): under the same
+    lock, without a new segment; each restart is recorded as it happens (``_record_restart``), and the result says
+    how many there were and why."""
     remote = remote_run(run_dir)  # s3://...: the ranks train in its local cache, shardkeeper.remote mirrors it
     if remote is not None:
         run_dir = remote.local.root
@@ -184,7 +189,8 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
                                    "launcher": topology.launcher, "time": lineage.now_iso(), **who})
         launcher = get_launcher(topology.launcher, **(launcher_options or {}))
         req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s,
-                            restart=restart, cancel_check=_or_lease_lost(cancel_check, mirror), data=prepared)
+                            restart=restart, cancel_check=_or_lease_lost(cancel_check, mirror), data=prepared,
+                            restarts=spec.checkpoint.restarts, on_restart=_record_restart(rd, seg))
         warm = _warm_up_readers() if warm_up else None
         try:
             outcome = launcher.launch(req, sink)
@@ -206,16 +212,32 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
                       "requeues": outcome.requeues} if outcome.scheduler_job else {})
         reported = SegmentReport.read(rd.root, seg)  # the performance options as the ranks applied them
         execution = {"execution": reported.execution} if reported and reported.execution else {}
+        restarted = {"restarts": result.restarts} if result.restarts else {}
         lineage.record(rd, "segment", f"segment:{seg}", parent=(f"checkpoint:step-{start_step:08d}" if before else None),
                        step=result.end_step, status=result.status, world_size=topology.world_size,
                        seconds=round(result.seconds, 2), until_step=until_step, launcher=topology.launcher,
-                       nodes=topology.nodes, **scheduler, **execution, **who,
+                       nodes=topology.nodes, **scheduler, **execution, **who, **restarted,
                        **_times_record(result.times))
     if remote is not None:
         from shardkeeper.remote import remote_result
 
         return remote_result(remote, result, mirror)
     return result
+
+
+def _record_restart(rd: RunDir, seg: int) -> Callable[[InPlaceRestart], None]:
+    """What the launcher calls at each restart of the ranks in place, as it happens: one record in segments.jsonl and
+    one lineage event ("restarted in place (rank k, cause)"), so that they stand even if this process dies later."""
+
+    def record(r: InPlaceRestart) -> None:
+        when = lineage.now_iso()
+        append_jsonl(rd.segments, {"event": "restarted-in-place", "segment": seg, "restart": r.index, "of": r.of,
+                                   "rank": r.rank, "cause": r.cause, "failure": r.line, "time": when})
+        lineage.record(rd, "segment", f"restart-in-place:segment-{seg}:{r.index}",
+                       status="restarted", action=f"restarted in place ({r.summary})", segment=seg, rank=r.rank,
+                       cause=r.cause, restart=r.index, of=r.of, failure=r.line)
+
+    return record
 
 
 def _warm_up_readers() -> threading.Thread:
@@ -366,6 +388,11 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
     if outcome.note and status not in ("failed", "refused") and note != outcome.note:
         note = f"{outcome.note}; {note}" if note else outcome.note
     fallback = rank_failure.exit_code if rank_failure and rank_failure.exit_code else outcome.exit_code
+    failure = (None if status not in ("failed", "refused")
+               else (rank_failure.note if rank_failure else _failure(outcome)))
+    if failure and outcome.restarts:
+        failure += (f" (after {len(outcome.restarts)} restart(s) in place of checkpoint.restarts: "
+                    f"{outcome.restarts[-1].of}: {'; '.join(r.summary for r in outcome.restarts)})")
     return SegmentResult(
         run_dir=str(rd.root), status=status,  # type: ignore[arg-type]
         exit_code=exit_code_of(status, fallback),
@@ -374,12 +401,12 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
         segment=seg, start_step=min(reported.start_step, start_step) if reported else start_step,
         end_step=after[1].step if after else 0,
         checkpoint=str(after[0]) if after else None, topology=topology, seconds=outcome.seconds,
-        failure=(None if status not in ("failed", "refused")
-                 else (rank_failure.note if rank_failure else _failure(outcome))),
+        failure=failure,
         traceback=_script_traceback(rd) if status == "failed" else None,
         note=note if status not in ("failed", "refused") else None,
         scheduler_job=outcome.scheduler_job, scheduler_state=outcome.scheduler_state, requeues=outcome.requeues,
         times=reported.times if reported else None,
+        restarts=len(outcome.restarts), restart_causes=[r.summary for r in outcome.restarts],
     )
 
 

@@ -21,14 +21,14 @@ def cli_env() -> dict[str, str]:
             "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def train_args(run: Path, until_step: int, nproc: int = 2) -> list[str]:
+def train_args(run: Path, until_step: int, nproc: int = 2, sets: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "shardkeeper", "train", "--config", TINY, "--run-dir", str(run), "--nproc", str(nproc),
-            "--until-step", str(until_step)]
+            "--until-step", str(until_step), *[a for s in sets for a in ("--set", s)]]
 
 
-def start_train(run: Path, until_step: int, *, new_session: bool = False) -> subprocess.Popen:
-    return subprocess.Popen(train_args(run, until_step), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=cli_env(), cwd=ROOT, start_new_session=new_session)
+def start_train(run: Path, until_step: int, *, new_session: bool = False, sets: tuple[str, ...] = ()) -> subprocess.Popen:
+    return subprocess.Popen(train_args(run, until_step, sets=sets), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=cli_env(), cwd=ROOT, start_new_session=new_session)
 
 
 def run_train(run: Path, until_step: int, timeout: float = 300) -> subprocess.CompletedProcess:

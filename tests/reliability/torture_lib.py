@@ -60,8 +60,10 @@ class Cfg:
     launcher: str = "local"
 
     def sets(self) -> list[str]:
+        # restarts=0: a killed rank ends its segment, whose end and resume the torture judges (the restart in
+        # place of a killed rank: tests/reliability/test_failure_attribution.py)
         s = [f"checkpoint.interval={self.interval}", f"checkpoint.keep_last={self.keep_last}",
-             f"checkpoint.async_save={'true' if self.async_save else 'false'}"]
+             f"checkpoint.async_save={'true' if self.async_save else 'false'}", "checkpoint.restarts=0"]
         if self.backend == "deepspeed":  # as tests/test_deepspeed.py runs it: ZeRO-2 on CPU
             s += ["backend=deepspeed", "deepspeed.zero_stage=2"]
         return s
