@@ -67,8 +67,10 @@ def read_plan(run_dir: str | Path) -> RunPlan | None:
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        raise PlanError(f"{path}: not a valid plan ({where}: {err['msg']}); remove it to drop the plan, or start "
-                        "the run's train-and-export flow again") from None
+        raise PlanError(
+            f"{path}: not a valid plan ({where}: {err['msg']}); remove it to drop the plan, or start "
+            "the run's train-and-export flow again"
+        ) from None
 
 
 def write_plan(run_dir: str | Path, plan: RunPlan) -> None:
@@ -99,10 +101,16 @@ class PlanLock:
         holder = _take_exclusive(fd)
         if holder is not None:
             os.close(fd)
-            raise RunLockedError(f"{self.path.parent}: its plan is being driven by {describe(holder)}; it goes on "
-                                 "to the plan's end without another resumer")
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "who": who,
-                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            raise RunLockedError(
+                f"{self.path.parent}: its plan is being driven by {describe(holder)}; it goes on "
+                "to the plan's end without another resumer"
+            )
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "who": who,
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self._fd = fd

@@ -73,16 +73,22 @@ def describe_model(spec: RunSpec) -> TargetModel:
     groups = [[(names[id(p)], tuple(p.shape)) for p in g["params"]] for g in optimizer.param_groups]
     hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
     record = hf_model_record(model, spec.model)
-    return TargetModel(params=[(n, tuple(p.shape)) for n, p in model.named_parameters()], groups=groups,
-                       hparams=hparams, hf_model=record, tied=dict(record.tied))
+    return TargetModel(
+        params=[(n, tuple(p.shape)) for n, p in model.named_parameters()],
+        groups=groups,
+        hparams=hparams,
+        hf_model=record,
+        tied=dict(record.tied),
+    )
 
 
 def check_run_dir(rd: RunDir, spec: RunSpec) -> None:
     """The run directory must hold no checkpoint yet; a run.yaml there must describe the same run."""
     held = rd.committed() + rd.partials() + rd.quarantined()
     if held:
-        raise RunDirError(f"{rd.root}: already holds checkpoints ({held[-1].name}); import starts a run, pass a new "
-                          "--run-dir")
+        raise RunDirError(
+            f"{rd.root}: already holds checkpoints ({held[-1].name}); import starts a run, pass a new --run-dir"
+        )
     if rd.spec_path.exists():
         from shardkeeper.config import spec_from_dict
         from shardkeeper.stages import MUTABLE_SECTIONS
@@ -91,8 +97,9 @@ def check_run_dir(rd: RunDir, spec: RunSpec) -> None:
         a, b = old.model_dump(mode="json"), spec.model_dump(mode="json")
         changed = sorted(k for k in b if a[k] != b[k] and k not in MUTABLE_SECTIONS)
         if changed:
-            raise RunDirError(f"{rd.spec_path}: describes another run ({changed[0]} differs from the config); pass a "
-                              "new --run-dir")
+            raise RunDirError(
+                f"{rd.spec_path}: describes another run ({changed[0]} differs from the config); pass a new --run-dir"
+            )
 
 
 def template_manifest(spec: RunSpec, target: TargetModel, step: int) -> CheckpointManifest:
@@ -102,12 +109,20 @@ def template_manifest(spec: RunSpec, target: TargetModel, step: int) -> Checkpoi
 
     samples = step * spec.global_batch_size
     policy = DtypePolicy(compute=_DTYPE_NAMES[spec.precision.compute], reduce=_DTYPE_NAMES[spec.precision.reduce])
-    return template(spec, target, step, fmt="dcp" if spec.backend == "fsdp2" else "deepspeed", samples=samples,
-                    tokens=samples * spec.data.seq_len, dtype_policy=policy)
+    return template(
+        spec,
+        target,
+        step,
+        fmt="dcp" if spec.backend == "fsdp2" else "deepspeed",
+        samples=samples,
+        tokens=samples * spec.data.seq_len,
+        dtype_policy=policy,
+    )
 
 
-def import_checkpoint(src: str | Path, spec: RunSpec, run_dir: str | Path, *, step: int | None = None,
-                      config_name: str = "the config") -> ImportResult:
+def import_checkpoint(
+    src: str | Path, spec: RunSpec, run_dir: str | Path, *, step: int | None = None, config_name: str = "the config"
+) -> ImportResult:
     """Adopt the checkpoint in ``src`` as the first checkpoint of the run ``run_dir`` trained by ``spec``."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -116,8 +131,10 @@ def import_checkpoint(src: str | Path, spec: RunSpec, run_dir: str | Path, *, st
 
     t0 = time.perf_counter()
     if "://" in str(run_dir):
-        raise RunDirError(f"--run-dir {run_dir}: import writes a local run directory; import here, then train with "
-                          "the run directory on the store (see Run directories on S3)")
+        raise RunDirError(
+            f"--run-dir {run_dir}: import writes a local run directory; import here, then train with "
+            "the run directory on the store (see Run directories on S3)"
+        )
     src, rd = Path(src), RunDir.at(run_dir)
     check_run_dir(rd, spec)
     targets: list[TargetModel] = []
@@ -150,8 +167,15 @@ def import_checkpoint(src: str | Path, spec: RunSpec, run_dir: str | Path, *, st
         foreign.close()
     seconds = time.perf_counter() - t0
     log.info("imported %s (%s, step %d) into %s in %.2f s", foreign.path, foreign.layout, template.step, out, seconds)
-    return ImportResult(source=str(foreign.path), layout=foreign.layout, checkpoint=str(out), format=manifest.format,
-                        step=manifest.step, tensors=len(manifest.tensors), seconds=seconds)
+    return ImportResult(
+        source=str(foreign.path),
+        layout=foreign.layout,
+        checkpoint=str(out),
+        format=manifest.format,
+        step=manifest.step,
+        tensors=len(manifest.tensors),
+        seconds=seconds,
+    )
 
 
 class _created:

@@ -62,8 +62,13 @@ def key(spec: RunSpec) -> str | None:
     """None when the facts are not cacheable (a pretrained model, the cache turned off)."""
     if spec.model.pretrained is not None or os.environ.get("SHARDKEEPER_PREFLIGHT_CACHE", "1") == "0":
         return None
-    what = {"model": spec.model.model_dump(mode="json"), "seq_len": spec.data.seq_len,
-            "transformers": _version("transformers"), "torch": _version("torch"), "code": _code_digest()}
+    what = {
+        "model": spec.model.model_dump(mode="json"),
+        "seq_len": spec.data.seq_len,
+        "transformers": _version("transformers"),
+        "torch": _version("torch"),
+        "code": _code_digest(),
+    }
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 

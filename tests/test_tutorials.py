@@ -49,11 +49,16 @@ shardkeeper publish runs/tiny-ft/exports/step-00000030 --target "file://$PWD/pub
 
 
 def run_block(block: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDKEEPER_PROGRESS_S": "0",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd, env=env, capture_output=True, text=True,
-                       timeout=timeout)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "SHARDKEEPER_PROGRESS_S": "0",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    r = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return r
 
@@ -69,8 +74,13 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The own-loop block, and the fine-tune block then the publish-older block, side by side (two chains; each
     chain in its own fresh folder): each test below reads its own. What a block raised is raised in its test."""
     own, ft = workdir(tmp_path_factory.mktemp("own-loop")), workdir(tmp_path_factory.mktemp("finetune"))
-    results = side_by_side([[("own", run_block, OWN_LOOP, own)],
-                            [("finetune", run_block, FINETUNE, ft), ("publish", run_block, PUBLISH_OLDER, ft)]], 2)
+    results = side_by_side(
+        [
+            [("own", run_block, OWN_LOOP, own)],
+            [("finetune", run_block, FINETUNE, ft), ("publish", run_block, PUBLISH_OLDER, ft)],
+        ],
+        2,
+    )
     return {**results, "own-dir": own, "finetune-dir": ft}
 
 

@@ -61,15 +61,37 @@ FORKED_ENV = "SHARDKEEPER_FORKED_BY"
 RANK_NOTES_ENV = "SHARDKEEPER_RANK_NOTES"  # = schemas.seam.RANK_NOTES_ENV (this module stays stdlib only)
 # What a rank imports before it does anything for its segment (the built-in trainer and a script alike): the
 # server imports it once, and every rank it forks starts with it imported.
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-           "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.device_mesh", "transformers",
-           "transformers.models.llama.modeling_llama", "schemas", "ckpt.layout", "trainer.dist", "trainer.api",
-           "trainer.checkpointer", "trainer.dcp_backend", "trainer.loop", "trainer.script")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.device_mesh",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "schemas",
+    "ckpt.layout",
+    "trainer.dist",
+    "trainer.api",
+    "trainer.checkpointer",
+    "trainer.dcp_backend",
+    "trainer.loop",
+    "trainer.script",
+)
 PRELOAD_ENV = "SHARDKEEPER_FORK_PRELOAD"  # comma-separated modules instead of PRELOAD (tests)
 # The signals a client passes on to its rank: torchrun's stop (SIGTERM, then SIGKILL, which ends the client and so
 # the rank), a preemption's SIGUSR1, the launcher's request for the rank's stacks (SIGURG, schemas.seam.STACKS_SIGNAL).
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
-             signal.SIGURG)
+FORWARDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGURG,
+)
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 16 << 20
 
@@ -122,7 +144,7 @@ def worker_module(argv: list[str]) -> tuple[str, list[str]] | None:
     for i, arg in enumerate(argv):
         if arg == "-m" and i + 1 < len(argv):
             if all(a in ("-u", "-B") for a in argv[:i]):
-                return argv[i + 1], list(argv[i + 2:])
+                return argv[i + 1], list(argv[i + 2 :])
             return None
     return None
 
@@ -235,8 +257,11 @@ class Server:
             fds = []
         self.load()
         target = worker_module(req.get("argv") or [])
-        problem = self.unsafe() or (None if len(fds) == 3 else "the rank's descriptors did not arrive") or (
-            None if target else f"not a python -m command: {req.get('argv')}")
+        problem = (
+            self.unsafe()
+            or (None if len(fds) == 3 else "the rank's descriptors did not arrive")
+            or (None if target else f"not a python -m command: {req.get('argv')}")
+        )
         if problem is not None:
             for fd in fds:
                 os.close(fd)

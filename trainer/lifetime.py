@@ -76,13 +76,18 @@ def rendezvous_window() -> Iterator[None]:
     gone: torchrun SIGTERMs the survivors of a rank that died, and rendezvous would wait for the dead one); inside,
     SIGTERM/SIGUSR1 end the rank at once. Outside a rank started by ``guard_rank`` (a test harness): no change."""
     ours = threading.current_thread() is threading.main_thread() and all(
-        signal.getsignal(s) is _on_stop_signal for s in (signal.SIGTERM, signal.SIGUSR1))
+        signal.getsignal(s) is _on_stop_signal for s in (signal.SIGTERM, signal.SIGUSR1)
+    )
     if not ours:
         yield
         return
     if stop_requested() is not None:
-        print(f"rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): stop signal during start-up, before the "
-              "process group formed; exiting with nothing to save", file=sys.stderr, flush=True)
+        print(
+            f"rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): stop signal during start-up, before the "
+            "process group formed; exiting with nothing to save",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(EXIT_STOPPED_IN_STARTUP)
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
@@ -93,7 +98,9 @@ def rendezvous_window() -> Iterator[None]:
 
 
 def _die(reason: str) -> None:
-    print(f"error: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): {reason}; exiting", file=sys.stderr, flush=True)
+    print(
+        f"error: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): {reason}; exiting", file=sys.stderr, flush=True
+    )
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -66,18 +66,22 @@ def _is_deepspeed(accelerator: Any) -> bool:
     return accelerator.distributed_type == DistributedType.DEEPSPEED
 
 
-def track(seg: Segment, accelerator: Any, *, model: Any, optimizer: Any = None, scheduler: Any = None,
-          **state: Any) -> Segment:
+def track(
+    seg: Segment, accelerator: Any, *, model: Any, optimizer: Any = None, scheduler: Any = None, **state: Any
+) -> Segment:
     """``seg.track`` for objects ``accelerator.prepare`` returned (see the module docstring). ``state``: other
     objects with ``state_dict``/``load_state_dict``; the Accelerator's registered objects and its gradient scaler
     are added as ``registered_N`` and ``grad_scaler``."""
     sched = unwrap(accelerator, scheduler) if scheduler is not None else None
     if isinstance(scheduler, AcceleratedScheduler):
         if scheduler.step_with_optimizer and not scheduler.split_batches and seg.world_size > 1:
-            log.warning("Accelerator(step_scheduler_with_optimizer=True) steps the LR scheduler %d times per step "
-                        "on %d ranks: the schedule then depends on the world size, and a resume on another number "
-                        "of ranks continues another schedule; pass step_scheduler_with_optimizer=False",
-                        seg.world_size, seg.world_size)
+            log.warning(
+                "Accelerator(step_scheduler_with_optimizer=True) steps the LR scheduler %d times per step "
+                "on %d ranks: the schedule then depends on the world size, and a resume on another number "
+                "of ranks continues another schedule; pass step_scheduler_with_optimizer=False",
+                seg.world_size,
+                seg.world_size,
+            )
     extra = dict(state)
     if sched is not None:
         extra["scheduler"] = sched
@@ -87,12 +91,16 @@ def track(seg: Segment, accelerator: Any, *, model: Any, optimizer: Any = None, 
         extra["grad_scaler"] = accelerator.scaler
     if _is_deepspeed(accelerator):
         if type(model).__name__ != "DeepSpeedEngine":
-            raise UsageError("sk_accelerate.track(model=...): under Accelerate's DeepSpeed plugin track the model "
-                             "accelerator.prepare returned (the DeepSpeed engine)")
+            raise UsageError(
+                "sk_accelerate.track(model=...): under Accelerate's DeepSpeed plugin track the model "
+                "accelerator.prepare returned (the DeepSpeed engine)"
+            )
         return seg.track(model=model, **extra)  # the engine brings its optimizer
     if optimizer is None:
-        raise UsageError("sk_accelerate.track(optimizer=...): the prepared optimizer is required (its state is part "
-                         "of every checkpoint)")
+        raise UsageError(
+            "sk_accelerate.track(optimizer=...): the prepared optimizer is required (its state is part "
+            "of every checkpoint)"
+        )
     return seg.track(model=unwrap(accelerator, model), optimizer=unwrap(accelerator, optimizer), **extra)
 
 

@@ -65,8 +65,15 @@ __all__ = ["ShardkeeperTrainerMixin", "Trainer", "TrainerCounters"]
 
 # TrainerState fields that continue across segments (the same on every rank); the others are recomputed from the
 # TrainingArguments at every start, or are per rank (is_world_process_zero).
-_COUNTERS = ("global_step", "epoch", "total_flos", "num_input_tokens_seen", "best_metric", "best_global_step",
-             "log_history")
+_COUNTERS = (
+    "global_step",
+    "epoch",
+    "total_flos",
+    "num_input_tokens_seen",
+    "best_metric",
+    "best_global_step",
+    "log_history",
+)
 
 
 class TrainerCounters:
@@ -106,13 +113,16 @@ class ShardkeeperTrainerMixin:
         self._sk_resume_from: str | os.PathLike[str] | None = None  # train(resume_from_checkpoint=PATH)
         super().__init__(*args, **kwargs)
         if self.args.load_best_model_at_end:  # type: ignore[attr-defined]
-            raise UsageError("TrainingArguments(load_best_model_at_end=True): the Trainer's checkpoint-N folders are "
-                             "not written under shardkeeper (its checkpoints are the run's); train with it off, then "
-                             "export the step you choose: shardkeeper export RUN/checkpoints/step-N OUT")
+            raise UsageError(
+                "TrainingArguments(load_best_model_at_end=True): the Trainer's checkpoint-N folders are "
+                "not written under shardkeeper (its checkpoints are the run's); train with it off, then "
+                "export the step you choose: shardkeeper export RUN/checkpoints/step-N OUT"
+            )
 
     # ------------------------------------------------------------------ entry
-    def train(self, resume_from_checkpoint: str | os.PathLike[str] | bool | None = None, *args: Any,
-              **kwargs: Any) -> Any:
+    def train(
+        self, resume_from_checkpoint: str | os.PathLike[str] | bool | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
         """``resume_from_checkpoint``: None/True/False, the run's newest valid checkpoint (the run directory
         decides); a path, see ``trainer.adopt.resume_from`` (a checkpoint of this run: the run's newest; another
         tool's, e.g. an HF Trainer ``checkpoint-N``: imported into a run that has no checkpoint yet, then resumed)."""
@@ -136,18 +146,25 @@ class ShardkeeperTrainerMixin:
     def _sk_begin(self, max_steps: int) -> None:
         seg, args = self.sk_segment, self.args  # type: ignore[attr-defined]
         if seg.until_step > max_steps:
-            raise UsageError(f"--until-step {seg.until_step} is beyond the Trainer's max_steps {max_steps} (the run's "
-                             f"whole length, which sets the LR schedule); pass --until-step {max_steps} or less, or "
-                             "raise TrainingArguments.max_steps")
+            raise UsageError(
+                f"--until-step {seg.until_step} is beyond the Trainer's max_steps {max_steps} (the run's "
+                f"whole length, which sets the LR schedule); pass --until-step {max_steps} or less, or "
+                "raise TrainingArguments.max_steps"
+            )
         model, optimizer = self._sk_tracked()
-        seg.track(model=model, optimizer=optimizer, scheduler=self.lr_scheduler,  # type: ignore[attr-defined]
-                  trainer_state=TrainerCounters(self))  # type: ignore[arg-type]
+        seg.track(
+            model=model,
+            optimizer=optimizer,
+            scheduler=self.lr_scheduler,  # type: ignore[attr-defined]
+            trainer_state=TrainerCounters(self),
+        )  # type: ignore[arg-type]
         global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * seg.world_size
         if self._sk_resume_from is not None:  # before the load: it may import another tool's checkpoint into the run
             from trainer.adopt import resume_from
 
-            resume_from(seg, self._sk_resume_from, samples_per_step=global_batch,
-                        what="Trainer.train(resume_from_checkpoint)")
+            resume_from(
+                seg, self._sk_resume_from, samples_per_step=global_batch, what="Trainer.train(resume_from_checkpoint)"
+            )
         self._sk_steps = seg.steps(samples_per_step=global_batch)
         try:
             next(self._sk_steps)  # the load (or a fresh start), up to the first step to train
@@ -155,8 +172,10 @@ class ShardkeeperTrainerMixin:
             self._sk_done = True
         state = self.state  # type: ignore[attr-defined]
         if state.global_step != seg.step:
-            raise UsageError(f"the loaded Trainer state is at global_step {state.global_step}, the checkpoint at step "
-                             f"{seg.step}; was it written by another script?")
+            raise UsageError(
+                f"the loaded Trainer state is at global_step {state.global_step}, the checkpoint at step "
+                f"{seg.step}; was it written by another script?"
+            )
         self._sk_advanced_at = seg.step
         self._sk_rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available() and seg.device.type == "cuda":
