@@ -383,15 +383,18 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | No
         ],
         [
             f"goodput, a memory snapshot every {res['k']} steps (~{period:.0f} s)",
-            f"phase wall ({res['steps_per_phase']} steps), no checkpoints {fmt(plain, 1)} s; with snapshots {fmt(ck, 1)} s",
+            f"phase wall ({res['steps_per_phase']} steps), no checkpoints {fmt(plain, 1)} s; "
+            f"with snapshots {fmt(ck, 1)} s",
             f"{mem_goodput:.3f}",
         ],
         [
-            f"goodput, a memory snapshot every ~{period:.0f} s and a storage checkpoint every {STORAGE_EVERY_S / 60:.0f} min "
+            f"goodput, a memory snapshot every ~{period:.0f} s and a storage checkpoint every "
+            f"{STORAGE_EVERY_S / 60:.0f} min "
             "(persisted from its snapshot)",
             f"phases with snapshots and one storage checkpoint {fmt(store, 1)} s: one storage checkpoint adds "
             f"{persist:.2f} s, spread over {STORAGE_EVERY_S:.0f} s of training",
-            f"**{goodput:.3f}** (goal ≥ {GOAL_GOODPUT}: {ok(goodput >= GOAL_GOODPUT, f'{GOAL_GOODPUT - goodput:.3f} short')})",
+            f"**{goodput:.3f}** (goal ≥ {GOAL_GOODPUT}: "
+            f"{ok(goodput >= GOAL_GOODPUT, f'{GOAL_GOODPUT - goodput:.3f} short')})",
         ],
     ]
     notes = [
@@ -419,7 +422,8 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | No
                 "rank crash -> training again, from memory (time to first step from process start)",
                 f"{fmt(memf)} s (load {fmt([r['load_s'] for r in rec['memory']])} s); steps lost {lost_m} "
                 f"(memory_interval {rec['memory_interval']}); tier {rec['memory'][0]['tier']}",
-                f"**fresh start + {over:.2f} s** (goal ≤ + {GOAL_RECOVERY_S} s: {ok(over <= GOAL_RECOVERY_S, f'+{over:.2f} s')}); "
+                f"**fresh start + {over:.2f} s** (goal ≤ + {GOAL_RECOVERY_S} s: "
+                f"{ok(over <= GOAL_RECOVERY_S, f'+{over:.2f} s')}); "
                 f"steps lost {ok(lost_m <= rec['memory_interval'], str(lost_m))}",
             ],
             [

@@ -317,8 +317,8 @@ def s3_readers(source: Path, work: Path, args: argparse.Namespace, tally: Tally)
             if i % args.deep_every == 0:
                 report = tally.call(
                     "s3 validate --deep",
-                    lambda: stages.validate_checkpoint(ckpt, deep=True),
-                    verdict=True,  # noqa: B023
+                    lambda: stages.validate_checkpoint(ckpt, deep=True),  # noqa: B023
+                    verdict=True,
                 )
                 if report is not None:
                     tally.add(

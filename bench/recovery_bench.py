@@ -353,7 +353,8 @@ def table(out: dict[str, list], layers: int, reps: int, runs: int = 1) -> tuple[
     body += (
         f"\n\n{params(layers) / 1e6:.0f}M-parameter Llama (fp32 weights + AdamW: "
         f"{med([x['bytes'] for x in b]) / 1e9:.2f} GB of checkpoint at 2 ranks), gloo on CPU, "
-        f"{reps} repetitions of F2, R22, F1, R21 (fresh and resumed alternated{f', in {runs} runs of the script' if runs > 1 else ''}), median (min–max); "
+        f"{reps} repetitions of F2, R22, F1, R21 (fresh and resumed alternated"
+        f"{f', in {runs} runs of the script' if runs > 1 else ''}), median (min–max); "
         f"{len(out['stop2'])} emergency saves at 2 ranks, {len(out['stop1'])} at 1. Read bandwidth of the "
         f"checkpoint files, 2 streams: cold {fmt([x['cold'] / 1e6 for x in b], 0)} MB/s, warm "
         f"{fmt([x['warm'] / 1e6 for x in b], 0)} MB/s. Every resume started **cold**: its checkpoint's pages "

@@ -123,7 +123,8 @@ class RunLock:
             except json.JSONDecodeError:
                 desc = "another process"
             raise RunLockedError(
-                f"{self.path.parent}: run directory is locked by {desc}; wait for that segment to end or use another --run-dir"
+                f"{self.path.parent}: run directory is locked by {desc}; "
+                "wait for that segment to end or use another --run-dir"
             )
         # Who holds it, written at once: a lock held with an empty file is a reader's probe (``is_locked``),
         # which the next acquire waits out instead of failing.

@@ -506,7 +506,8 @@ class _JobWatch:
             code, preempted = EXIT_PREEMPTED, True
             note = (
                 note
-                or f"Slurm ended job {self.job_id} as {state}; the next segment resumes from the latest valid checkpoint"
+                or f"Slurm ended job {self.job_id} as {state}; "
+                "the next segment resumes from the latest valid checkpoint"
             )
         elif state == "CANCELLED":
             if self.stop_reason == "timeout":

@@ -94,7 +94,9 @@ class ExportResult(_Frozen):
     seconds: float = Field(0.0, description="wall time")
     peak_rss_bytes: int = Field(
         0,
-        description="peak resident memory (VmHWM) of the exporting process over its life so far: the export's own peak when it ran in its own process (`shardkeeper export`, the flow's export task), else bounded below by whatever the caller held before",
+        description="peak resident memory (VmHWM) of the exporting process over its life so far: the export's own "
+        "peak when it ran in its own process (`shardkeeper export`, the flow's export task), else bounded below by "
+        "whatever the caller held before",
     )
 
 

@@ -168,7 +168,10 @@ def train(
         if res.scheduler_job
         else ""
     )
-    msg = f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} on {where} in {res.seconds:.1f} s{job}"
+    msg = (
+        f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} "
+        f"on {where} in {res.seconds:.1f} s{job}"
+    )
     if res.restarts and res.status != "failed":  # a failure's line says them
         msg += f", ranks restarted in place {res.restarts}x ({'; '.join(res.restart_causes)})"
     times = res.times

@@ -786,7 +786,8 @@ def test_between_segments_persists_a_memory_dir_the_run_left_then_removes_it_and
     ]
     assert lines(_tier(spec, memory_interval=None)) == [
         why.format(
-            f"to try it, run a segment at world size 2 with checkpoint.memory_interval set and checkpoint.memory_dir {mem} "
+            "to try it, run a segment at world size 2 with checkpoint.memory_interval set and "
+            f"checkpoint.memory_dir {mem} "
             "(the ranks load it only if it passes every check)"
         )
     ]

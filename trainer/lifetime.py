@@ -1,7 +1,8 @@
 """A rank never outlives the process that launched its segment (and holds the run lock).
 
-Stdlib only at import (the seam's schema is read once the handlers are in): ``guard_rank`` runs first thing in ``python -m trainer.segment``, before torch is
-imported, so a rank orphaned during its (slow) start-up dies as early as one that is training.
+Stdlib only at import (the seam's schema is read once the handlers are in): ``guard_rank`` runs first thing in
+``python -m trainer.segment``, before torch is imported, so a rank orphaned during its (slow) start-up dies as early as
+one that is training.
 
 Three layers, because each alone has a gap:
 

@@ -10,8 +10,8 @@
 
 Both stream fixed-size chunks (isend/irecv posted together, so two nodes sending to each other never wait on one
 another): the sender straight from a map of each file (the socket's copy is the only one, no read into a buffer
-first), the receiver through reused buffers into the files. A sender that cannot read a file still sends its length (zeros), and the receiver's hash
-refuses it.
+first), the receiver through reused buffers into the files. A sender that cannot read a file still sends its length
+(zeros), and the receiver's hash refuses it.
 """
 
 from __future__ import annotations
@@ -167,8 +167,8 @@ class _In:
         return self.bufs[b][: self.parts[k][2]]
 
     def open_all(self) -> None:
-        """Open every file to receive; with ``reuse`` (a retired snapshot's dir, ``ckpt.memtier_recycle.recycle``) a file of
-        the same name there is taken over and overwritten in place (its tmpfs pages reused), cut to its size."""
+        """Open every file to receive; with ``reuse`` (a retired snapshot's dir, ``ckpt.memtier_recycle.recycle``) a
+        file of the same name there is taken over and overwritten in place (its tmpfs pages reused), cut to its size."""
         from ckpt.formats.direct_io import DATA_FILE, take_over
 
         for i, f in enumerate(self.files):

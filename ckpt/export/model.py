@@ -217,7 +217,8 @@ def readme_text(
         "",
         "| | |",
         "|---|---|",
-        f"| architecture | {arch} ({manifest.hf_model.config.get('model_type') if manifest.hf_model else manifest.run_spec.model.model_type}) |",
+        f"| architecture | {arch} ("
+        f"{manifest.hf_model.config.get('model_type') if manifest.hf_model else manifest.run_spec.model.model_type}) |",
         *base_rows,
         f"| parameters | {num_params:,} |",
         f"| dtype | {dtype} |",

@@ -623,7 +623,10 @@ def _failure(outcome: LaunchOutcome) -> str:
             if -outcome.exit_code in signal.Signals._value2member_map_
             else str(-outcome.exit_code)
         )
-        return f"torchrun was killed by {name} and its ranks with it; rerun the same command to resume from the latest valid checkpoint"
+        return (
+            f"torchrun was killed by {name} and its ranks with it; "
+            "rerun the same command to resume from the latest valid checkpoint"
+        )
     if outcome.failure is None and outcome.exit_code == 0:  # torchrun saw no failure, and the ranks reported no end
         return "the ranks exited with code 0 before their segment ended, and none said why"
     return ("timed out; " if outcome.timed_out else "") + (outcome.failure or failing_rank_lines(outcome.tail))

@@ -1,4 +1,5 @@
-# Stays whole (over 500 lines): launches, kill moments, verdicts and records share one Torture object and its Stats (the targets beyond a local run dir are in torture_targets.py).
+# Stays whole (over 500 lines): launches, kill moments, verdicts and records share one Torture object and its Stats (the
+# targets beyond a local run dir are in torture_targets.py).
 """Reliability torture: kill and preempt real multi-rank segments through the real CLI, and count
 what must never happen (torn checkpoints accepted, orphaned processes, a second writer, an
 inexact resume, completed steps lost, a leaked secret).
@@ -823,7 +824,8 @@ class Torture:
             chain["final_diffs"] = compare_final(final, ref)
         self.stats.chains.append(chain)
         self.log(
-            f"chain {chain['name']}: {chain['kills']} kills, final bitwise equal to reference: {not chain['final_diffs']}"
+            f"chain {chain['name']}: {chain['kills']} kills, "
+            f"final bitwise equal to reference: {not chain['final_diffs']}"
         )
 
     def kill_chain(
