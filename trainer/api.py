@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -158,7 +158,7 @@ class Segment:
                 flush=True,
             )
             raise SystemExit(2)
-        self.run_dir = RunDir.at(run_dir if run_dir is not None else launch.run_dir)  # type: ignore[union-attr]
+        self.run_dir = RunDir.at(run_dir if run_dir is not None else launch.run_dir)  # type: ignore[union-attr,arg-type]
         self.until_step = int(until_step if until_step is not None else launch.until_step)  # type: ignore[union-attr]
         self.segment = int(segment if segment is not None else (launch.segment if launch else 0))
         if self.until_step < 0:
@@ -335,7 +335,7 @@ class Segment:
                     f"seg.log({k}=...): a {type(v).__name__}; {k} must be a number (it is checked for "
                     "NaN/Inf at every step): log float(value)"
                 )
-            if k in _GUARDED and not math.isfinite(v):
+            if k in _GUARDED and not math.isfinite(v):  # type: ignore[arg-type]  # a number: checked above
                 self._nonfinite_seen = True  # a later finite value in the same step does not undo it
             self._row[k] = v
 
@@ -507,7 +507,9 @@ class Segment:
         seen: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(seen, self._nonfinite_first, group=self.env.ctrl_group)
         step, loss, norm = min((s for s in seen if s is not None), key=lambda s: s[0])
-        what = "loss" if not (isinstance(loss, (int, float)) and math.isfinite(loss)) else "gradient norm"
+        what: Literal["loss", "gradient norm"] = (
+            "loss" if not (isinstance(loss, (int, float)) and math.isfinite(loss)) else "gradient norm"
+        )
         # the script has (most likely) applied the update already: the live state is never saved
         return NonFiniteStep(
             step,
@@ -602,7 +604,7 @@ def write_status(
             segment=segment,
             status=status,
             start_step=start,
-            end_step=end,  # type: ignore[arg-type]
+            end_step=end,
             checkpoint=str(ckpt) if end and ckpt.exists() else None,
             world_size=env.world_size,
             topology=env.topology,

@@ -156,14 +156,17 @@ class ShardkeeperTrainerMixin:
             model=model,
             optimizer=optimizer,
             scheduler=self.lr_scheduler,  # type: ignore[attr-defined]
-            trainer_state=TrainerCounters(self),
-        )  # type: ignore[arg-type]
+            trainer_state=TrainerCounters(self),  # type: ignore[arg-type]  # the mixin is always on a Trainer
+        )
         global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * seg.world_size
         if self._sk_resume_from is not None:  # before the load: it may import another tool's checkpoint into the run
             from trainer.adopt import resume_from
 
             resume_from(
-                seg, self._sk_resume_from, samples_per_step=global_batch, what="Trainer.train(resume_from_checkpoint)"
+                seg,
+                os.fspath(self._sk_resume_from),
+                samples_per_step=global_batch,
+                what="Trainer.train(resume_from_checkpoint)",
             )
         self._sk_steps = seg.steps(samples_per_step=global_batch)
         try:
