@@ -1,6 +1,4 @@
-# Stays whole (over 500 lines): the allow-list unpickler -- every admitted name, checked opcode and limit -- must be
-# read as one piece.
-"""THE allow-list unpickler: every pickle read from a run directory goes through ``load`` here.
+"""The allow-list unpickler: every pickle read from a run directory goes through ``load`` here.
 
 (One module on purpose, over the house's ~400 lines: the trust boundary — every admitted name, every checked
 opcode and every limit — is reviewable in one place; splitting it would hide one rule from the next.)

@@ -1,5 +1,3 @@
-# Stays whole (over 500 lines): launches, kill moments, verdicts and records share one Torture object and its Stats (the
-# targets beyond a local run dir are in torture_targets.py).
 """Reliability torture: kill and preempt real multi-rank segments through the real CLI, and count
 what must never happen (torn checkpoints accepted, orphaned processes, a second writer, an
 inexact resume, completed steps lost, a leaked secret).
