@@ -67,7 +67,8 @@ def _main(
 def _rank_output(line: str) -> None:
     """The ranks' progress log reaches the terminal; their tracebacks, warnings and torchrun's summary only with
     -v (a failure is reported once, as one line, after the launch)."""
-    if _STATE["verbose"] or (_RANK_LOG.match(line) and RANK_ERROR_PREFIX not in line):
+    own_error = "not restarted in place: " in line and "an error of its own" in line  # the failure line says it
+    if _STATE["verbose"] or (_RANK_LOG.match(line) and RANK_ERROR_PREFIX not in line and not own_error):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 

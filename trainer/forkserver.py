@@ -359,16 +359,31 @@ def _backend_modules(run_dir: str) -> list[str]:
     return ["trainer.ds_backend"] if "backend: deepspeed" in text else []
 
 
+# Signals the server's parent left ignored (nohup's SIGHUP, a shell's SIGQUIT): a fresh rank inherits them ignored
+# too, so a forked one gets them ignored again (recorded by ``serve`` before it changes any).
+_INHERITED_IGNORED: frozenset[int] = frozenset()
+
+
+def _ignored_now() -> frozenset[int]:
+    return frozenset(
+        sig
+        for sig in signal.valid_signals()
+        if sig not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(sig) == signal.SIG_IGN
+    )
+
+
 def fresh_signals() -> None:
-    """Every signal disposition as a new interpreter has it, none blocked, no wakeup descriptor."""
+    """Every signal disposition as a new interpreter started by the server's parent has it, none blocked, no wakeup
+    descriptor."""
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             continue
         try:
-            signal.signal(sig, signal.SIG_DFL)
+            signal.signal(sig, signal.SIG_IGN if sig in _INHERITED_IGNORED else signal.SIG_DFL)
         except (OSError, ValueError, RuntimeError):
             pass
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.SIGINT not in _INHERITED_IGNORED:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGPIPE, signal.SIGXFSZ):
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
@@ -387,6 +402,8 @@ def reseed() -> None:
 def serve(path: str, run_dir: str) -> int:
     preload = os.environ.get(PRELOAD_ENV)
     modules = tuple(m for m in preload.split(",") if m) if preload is not None else PRELOAD
+    global _INHERITED_IGNORED
+    _INHERITED_IGNORED = _ignored_now()
     for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):  # a terminal's or a stray stop signal: not ours
         signal.signal(sig, signal.SIG_IGN)
     Server(path, run_dir, modules).serve_forever()
