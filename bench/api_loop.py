@@ -27,14 +27,20 @@ p.add_argument("--pairs", type=int, default=30, help="pairs of blocks (one bare,
 p.add_argument("--block", type=int, default=4, help="steps per block")
 p.add_argument("--warm", type=int, default=10, help="untimed steps of each side first")
 p.add_argument("--width", type=int, default=1024)
-p.add_argument("--agreement", default="async", choices=["async", "blocking", "none"],
-               help="profile only: the per-step agreement as the API runs it (async), waited for at once, or left out")
+p.add_argument(
+    "--agreement",
+    default="async",
+    choices=["async", "blocking", "none"],
+    help="profile only: the per-step agreement as the API runs it (async), waited for at once, or left out",
+)
 p.add_argument("--out", required=True)
 a = p.parse_args()
 
 seg = sk.Segment()
 torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(a.width, a.width), torch.nn.GELU()) for _ in range(4)])
+model = torch.nn.Sequential(
+    *[torch.nn.Sequential(torch.nn.Linear(a.width, a.width), torch.nn.GELU()) for _ in range(4)]
+)
 for block in model:
     fully_shard(block, mesh=seg.mesh)
 fully_shard(model, mesh=seg.mesh)
@@ -58,8 +64,15 @@ at = next(steps)  # the resume (here: a fresh start) happens before the first yi
 if a.agreement != "async":  # a profile of what the agreement costs, never a way to run: stops would go unseen
     watcher = seg._watcher
     watcher.start_agree = (lambda flag: None) if a.agreement == "none" else (lambda flag: watcher.agree(flag) and None)
-out: dict[str, list[float]] = {"bare": [], "api": [], "api_user": [], "api_log": [], "api_steps": [], "bare_cpu": [],
-                               "api_cpu": []}
+out: dict[str, list[float]] = {
+    "bare": [],
+    "api": [],
+    "api_user": [],
+    "api_log": [],
+    "api_steps": [],
+    "bare_cpu": [],
+    "api_cpu": [],
+}
 bare_step = 0
 
 

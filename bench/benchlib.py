@@ -82,8 +82,11 @@ def machine() -> str:
         mem = float("nan")
     disk = "unknown disk"
     try:
-        out = subprocess.run(["df", "--output=source,fstype,size", str(ROOT)], capture_output=True,
-                             text=True, timeout=10).stdout.split("\n")[1].split()
+        out = (
+            subprocess.run(["df", "--output=source,fstype,size", str(ROOT)], capture_output=True, text=True, timeout=10)
+            .stdout.split("\n")[1]
+            .split()
+        )
         dev = Path(out[0]).name
         rot = Path(f"/sys/block/{dev}/queue/rotational")
         kind = "" if not rot.is_file() else (" rotational" if rot.read_text().strip() == "1" else " non-rotational")
@@ -118,10 +121,15 @@ def commit() -> str:
         return f"commit {os.environ['SHARDKEEPER_BENCH_COMMIT']}"
     root = ROOT
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", ":!bench/results", ":!README.md"],
-                               cwd=root, timeout=30).returncode != 0
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = (
+            subprocess.run(
+                ["git", "diff", "--quiet", "HEAD", "--", ".", ":!bench/results", ":!README.md"], cwd=root, timeout=30
+            ).returncode
+            != 0
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown commit"
     return f"commit {rev or '?'}{'+changes' if dirty else ''}"
@@ -166,10 +174,12 @@ def header(argv: list[str] | None = None) -> str:
     """The line every generated table starts with: date, machine, versions and the command that made it."""
     argv = sys.argv if argv is None else argv
     cmd = command_line(argv)
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"_Measured {when} on {machine()}; load average {load} (1/5/15 min) when the table was printed; "
-            f"{versions()}; {commit()}; command: `{cmd}`_")
+    return (
+        f"_Measured {when} on {machine()}; load average {load} (1/5/15 min) when the table was printed; "
+        f"{versions()}; {commit()}; command: `{cmd}`_"
+    )
 
 
 def publish(name: str, body: str, argv: list[str] | None = None) -> Path:
@@ -238,8 +248,9 @@ def spread(cell: str) -> tuple[float, float, float]:
     return med, lo, hi
 
 
-def plot_from_table(name: str, draw: Callable[[Any], None], *, size: tuple[float, float] = (7.5, 3.6),
-                    results: Path | None = None) -> Path:
+def plot_from_table(
+    name: str, draw: Callable[[Any], None], *, size: tuple[float, float] = (7.5, 3.6), results: Path | None = None
+) -> Path:
     """Write bench/results/NAME.png: ``draw(figure)`` draws on a matplotlib figure (Agg, no display) from the
     published rows (``table_rows``). The PNG carries no timestamp or version, so the same rows give the same file."""
     import matplotlib
@@ -247,9 +258,17 @@ def plot_from_table(name: str, draw: Callable[[Any], None], *, size: tuple[float
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with plt.rc_context({"font.size": 9, "axes.spines.top": False, "axes.spines.right": False,
-                         "axes.prop_cycle": matplotlib.cycler(color=PLOT_COLORS), "axes.grid": True,
-                         "grid.alpha": 0.3, "svg.hashsalt": "shardkeeper"}):
+    with plt.rc_context(
+        {
+            "font.size": 9,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "axes.prop_cycle": matplotlib.cycler(color=PLOT_COLORS),
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "svg.hashsalt": "shardkeeper",
+        }
+    ):
         fig = plt.figure(figsize=size, dpi=100)
         try:
             draw(fig)
@@ -264,17 +283,22 @@ def plot_from_table(name: str, draw: Callable[[Any], None], *, size: tuple[float
     return out
 
 
-def hbars(ax: Any, labels: list[str], cells: list[str], xlabel: str, *, grey: set[int] = frozenset(),
-          digits: int = 2) -> None:
+def hbars(
+    ax: Any, labels: list[str], cells: list[str], xlabel: str, *, grey: set[int] = frozenset(), digits: int = 2
+) -> None:
     """Horizontal bars of ``median (min–max)`` cells, top to bottom in table order, each labelled with its median;
     the rows in ``grey`` (by index) are the baselines a bench compares with."""
     vals = [spread(c) for c in cells]
-    ax.barh(labels, [v[0] for v in vals], color=[PLOT_COLORS[0] if i not in grey else "#9e9e9e"
-                                                 for i in range(len(vals))],
-            xerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]], capsize=2, ecolor="#424242")
+    ax.barh(
+        labels,
+        [v[0] for v in vals],
+        color=[PLOT_COLORS[0] if i not in grey else "#9e9e9e" for i in range(len(vals))],
+        xerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]],
+        capsize=2,
+        ecolor="#424242",
+    )
     for i, v in enumerate(vals):
-        ax.annotate(f"{v[0]:.{digits}f}", (v[2], i), xytext=(3, 0), textcoords="offset points", va="center",
-                    fontsize=8)
+        ax.annotate(f"{v[0]:.{digits}f}", (v[2], i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, max(v[2] for v in vals) * 1.18)
     ax.set_xlabel(xlabel)

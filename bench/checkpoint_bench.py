@@ -49,15 +49,29 @@ def spec_for(small: bool):
     from schemas import RunSpec
 
     hidden, inter, layers = (256, 704, 2) if small else (1024, 2816, 16)
-    return RunSpec.model_validate({
-        "name": "bench-ckpt", "global_batch_size": 4, "micro_batch_size": 2, "seed": 0,
-        "model": {"model_type": "llama", "config": {
-            "vocab_size": 32000, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-            "num_attention_heads": 16, "num_key_value_heads": 8, "max_position_embeddings": 256,
-            "tie_word_embeddings": False}},
-        "data": {"seq_len": 64, "synthetic_tokens": 4096},
-        "checkpoint": {"interval": 1000, "keep_last": 1000, "io_threads": 2, "async_save": True},
-    })
+    return RunSpec.model_validate(
+        {
+            "name": "bench-ckpt",
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+            "seed": 0,
+            "model": {
+                "model_type": "llama",
+                "config": {
+                    "vocab_size": 32000,
+                    "hidden_size": hidden,
+                    "intermediate_size": inter,
+                    "num_hidden_layers": layers,
+                    "num_attention_heads": 16,
+                    "num_key_value_heads": 8,
+                    "max_position_embeddings": 256,
+                    "tie_word_embeddings": False,
+                },
+            },
+            "data": {"seq_len": 64, "synthetic_tokens": 4096},
+            "checkpoint": {"interval": 1000, "keep_last": 1000, "io_threads": 2, "async_save": True},
+        }
+    )
 
 
 def setup(small: bool, run_dir: str, *, first_step: bool = True):
@@ -115,8 +129,14 @@ def dd_streams(folder: Path, total_bytes: int, streams: int) -> float:
     count = max(1, round(total_bytes / streams / 2**26))
     paths = [folder / f"dd-{i}.bin" for i in range(streams)]
     t = time.perf_counter()
-    procs = [subprocess.Popen(["dd", "if=/dev/zero", f"of={p}", "bs=64M", f"count={count}", "oflag=direct",
-                               "conv=fsync"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in paths]
+    procs = [
+        subprocess.Popen(
+            ["dd", "if=/dev/zero", f"of={p}", "bs=64M", f"count={count}", "oflag=direct", "conv=fsync"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for p in paths
+    ]
     if any(p.wait() for p in procs):
         raise SystemExit("dd failed")
     dt = time.perf_counter() - t
@@ -150,7 +170,9 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
         dist.barrier(group=g)
 
     def plain() -> None:
-        dcp.save(plain_sd(model, opt), storage_writer=FileSystemWriter(rd / f"plain-{next(step)}", thread_count=threads))
+        dcp.save(
+            plain_sd(model, opt), storage_writer=FileSystemWriter(rd / f"plain-{next(step)}", thread_count=threads)
+        )
 
     def ours(hashing: bool, pipelined: bool = True, crc: bool = False):
         def go() -> None:
@@ -159,6 +181,7 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
             ck.save(TrainState(step=next(step)), reason="interval", blocking=True)
             _HashingDirectStream.hashing, _HashingDirectStream.pipelined = True, True
             HashingDirectFileSystem.torch_crc32 = False
+
         return go
 
     # With hashing off the manifest's digests are not the bytes', so that save's post-commit re-read logs a
@@ -185,8 +208,13 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
     # the dd right before (the table shows the one after too).
     nbytes = 0
     for i in range(reps + 1):  # rep 0 is the warm-up of each side, not counted
-        for name, fn in (("dcp", plain), ("ours", ours(True)), ("crc", ours(True, crc=True)),
-                         ("before", ours(True, False)), ("nohash", ours(False))):
+        for name, fn in (
+            ("dcp", plain),
+            ("ours", ours(True)),
+            ("crc", ours(True, crc=True)),
+            ("before", ours(True, False)),
+            ("nohash", ours(False)),
+        ):
             dd_before = dd_par() if name == "ours" and i else 0.0
             rest()
             dt = timed(fn, g)
@@ -208,8 +236,15 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
     ck.close()
     params = sum(p.numel() for p in model.parameters())
     dist.destroy_process_group()
-    return {**res, "bytes": nbytes, "params": params, "phases": phases, "threads": threads, "rest_s": REST_S,
-            "world": env.world_size}
+    return {
+        **res,
+        "bytes": nbytes,
+        "params": params,
+        "phases": phases,
+        "threads": threads,
+        "rest_s": REST_S,
+        "world": env.world_size,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ stall
@@ -238,8 +273,11 @@ def stall_worker(small: bool, run_dir: str, reps: int, between: int) -> dict:
     def save_dcp() -> None:
         if state["fut"] is not None:  # the previous save must finish first (as with ours)
             state["fut"].result()
-        state["fut"] = dcp.async_save(plain_sd(model, opt), process_group=env.ckpt_group,
-                                      storage_writer=FileSystemWriter(rd / f"plain-{state['step']}", thread_count=threads))
+        state["fut"] = dcp.async_save(
+            plain_sd(model, opt),
+            process_group=env.ckpt_group,
+            storage_writer=FileSystemWriter(rd / f"plain-{state['step']}", thread_count=threads),
+        )
 
     def finish(kind: str) -> float:
         if kind == "ours":
@@ -320,10 +358,8 @@ def load_worker(small: bool, runs: dict, reps: int) -> dict:
 
     env, spec, model, opt, ck0 = setup(small, runs["same"])
     g = env.ctrl_group
-    cks = {k: DCPCheckpointer(RunDir.at(d), spec, model, opt, env, segment=1)
-           for k, d in runs.items()}
-    two = {k: DCPCheckpointer(RunDir.at(d), spec, model, opt, env, segment=1)
-           for k, d in runs.items()}
+    cks = {k: DCPCheckpointer(RunDir.at(d), spec, model, opt, env, segment=1) for k, d in runs.items()}
+    two = {k: DCPCheckpointer(RunDir.at(d), spec, model, opt, env, segment=1) for k, d in runs.items()}
     for ck in two.values():  # as before the one-pass load: every file hashed first, then the load reads it again
         ck.ONE_PASS = False
     out: dict = {}
@@ -331,12 +367,14 @@ def load_worker(small: bool, runs: dict, reps: int) -> dict:
     state = {"which": ""}
     for ck in cks.values():  # time load_latest's parts too, without changing what it does
         for name in ("_quick_check", "_hash_check", "load"):  # _hash_check: only a backend without one-pass loads
+
             def wrapped(*a, _f=getattr(ck, name), _n=name, **kw):
                 t = time.perf_counter()
                 try:
                     return _f(*a, **kw)
                 finally:
                     phases.setdefault(f"{_n}_{state['which']}", []).append(time.perf_counter() - t)
+
             setattr(ck, name, wrapped)
 
     def ours(which: str, pick: dict | None = None):
@@ -345,6 +383,7 @@ def load_worker(small: bool, runs: dict, reps: int) -> dict:
             forget_known()  # as in a new segment's process: nothing validated before
             ts = (pick or cks)[which].load_latest(restart=False)
             assert ts is not None and ts.step == {"same": 2, "other": 3}[which], ts
+
         return go
 
     def plain(which: str):
@@ -354,6 +393,7 @@ def load_worker(small: bool, runs: dict, reps: int) -> dict:
             sd = plain_sd(model, opt)
             dcp.load(sd, checkpoint_id=path, process_group=env.ckpt_group)
             set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
         return go
 
     cache = "page cache state: unknown"
@@ -398,37 +438,68 @@ def table(s: dict, st: dict, ld: dict, reps: dict) -> str:
     else:  # older results: one dd per round, after every side
         paired = ours_rate / med(s["dd_par"])
     rows = [
-        [f"device: parallel dd oflag=direct conv=fsync ({w * th} streams)"
-         + (", right before each of our saves" if before else ""),
-         f"{fmt(before or s['dd_par'])} GB/s",
-         "the yardstick: our writers' parallelism, fsync'd" + (
-             f"; also measured right after each of our saves: {fmt(after)} GB/s; our save / the one before: "
-             f"{fmt(vs_before)}x, / the one after: {fmt(vs_after)}x, / the mean of the two: {fmt(vs_mean)}x"
-             if before else ""), ""],
+        [
+            f"device: parallel dd oflag=direct conv=fsync ({w * th} streams)"
+            + (", right before each of our saves" if before else ""),
+            f"{fmt(before or s['dd_par'])} GB/s",
+            "the yardstick: our writers' parallelism, fsync'd"
+            + (
+                f"; also measured right after each of our saves: {fmt(after)} GB/s; our save / the one before: "
+                f"{fmt(vs_before)}x, / the one after: {fmt(vs_after)}x, / the mean of the two: {fmt(vs_mean)}x"
+                if before
+                else ""
+            ),
+            "",
+        ],
         ["device: single-stream dd oflag=direct conv=fsync", f"{fmt(s['dd_one'])} GB/s", "second line", ""],
-        [f"plain dcp.save (sync, FileSystemWriter thread_count={th}, fsync)", f"{fmt([gb / t for t in s['dcp']])} GB/s",
-         f"{fmt(s['dcp'])} s", ""],
-        ["shardkeeper save (sync: O_DIRECT, fsync, xxh3, manifest, commit; no torch CRC-32)", f"{fmt(rate)} GB/s",
-         f"{fmt(s['ours'])} s; {med(s['dcp']) / sync:.2f}x faster than dcp.save; last phases "
-         + ", ".join(f"{k} {v:.2f}" for k, v in s["phases"].items()),
-         goal(paired >= 0.8, f"{paired:.2f}x the parallel dd right before it (goal ≥ 0.8x)")],
+        [
+            f"plain dcp.save (sync, FileSystemWriter thread_count={th}, fsync)",
+            f"{fmt([gb / t for t in s['dcp']])} GB/s",
+            f"{fmt(s['dcp'])} s",
+            "",
+        ],
+        [
+            "shardkeeper save (sync: O_DIRECT, fsync, xxh3, manifest, commit; no torch CRC-32)",
+            f"{fmt(rate)} GB/s",
+            f"{fmt(s['ours'])} s; {med(s['dcp']) / sync:.2f}x faster than dcp.save; last phases "
+            + ", ".join(f"{k} {v:.2f}" for k, v in s["phases"].items()),
+            goal(paired >= 0.8, f"{paired:.2f}x the parallel dd right before it (goal ≥ 0.8x)"),
+        ],
     ]
     if s.get("crc"):
-        rows.append(["shardkeeper save with torch's CRC-32 of every record (as before; the manifest's xxh3 covers "
-                     "every byte)", f"{fmt([gb / t for t in s['crc']])} GB/s",
-                     f"{fmt(s['crc'])} s; without/with paired {fmt([b / a for a, b in zip(s['ours'], s['crc'])])}x "
-                     f"faster; " + (f"{fmt([gb / t / d for t, d in zip(s['crc'], before)])}x the parallel dd "
-                                   "before our save of the same round" if before
-                                   else f"{gb / med(s['crc']) / med(s['dd_par']):.2f}x parallel dd"), ""])
+        rows.append(
+            [
+                "shardkeeper save with torch's CRC-32 of every record (as before; the manifest's xxh3 covers "
+                "every byte)",
+                f"{fmt([gb / t for t in s['crc']])} GB/s",
+                f"{fmt(s['crc'])} s; without/with paired {fmt([b / a for a, b in zip(s['ours'], s['crc'])])}x "
+                f"faster; "
+                + (
+                    f"{fmt([gb / t / d for t, d in zip(s['crc'], before)])}x the parallel dd "
+                    "before our save of the same round"
+                    if before
+                    else f"{gb / med(s['crc']) / med(s['dd_par']):.2f}x parallel dd"
+                ),
+                "",
+            ]
+        )
     if s.get("before"):
-        rows.append(["shardkeeper save, before: one buffer per file, xxh3 of the source, synchronous writes",
-                     f"{fmt([gb / t for t in s['before']])} GB/s",
-                     f"{fmt(s['before'])} s; now/before paired {fmt([b / a for a, b in zip(s['ours'], s['before'])])}x "
-                     "faster", ""])
+        rows.append(
+            [
+                "shardkeeper save, before: one buffer per file, xxh3 of the source, synchronous writes",
+                f"{fmt([gb / t for t in s['before']])} GB/s",
+                f"{fmt(s['before'])} s; now/before paired {fmt([b / a for a, b in zip(s['ours'], s['before'])])}x "
+                "faster",
+                "",
+            ]
+        )
     rows += [
-        ["checksum cost (ours with vs without xxh3, paired reps)", f"{fmt(hash_pct, 1)} %",
-         f"with {fmt(s['ours'])} s, without {fmt(s['nohash'])} s",
-         goal(med(hash_pct) <= 10, f"{med(hash_pct):+.1f} % (goal ≤ 10 %)")],
+        [
+            "checksum cost (ours with vs without xxh3, paired reps)",
+            f"{fmt(hash_pct, 1)} %",
+            f"with {fmt(s['ours'])} s, without {fmt(s['nohash'])} s",
+            goal(med(hash_pct) <= 10, f"{med(hash_pct):+.1f} % (goal ≤ 10 %)"),
+        ],
     ]
     sync_loop = med(st["sync"]) if st else 0.0
     plain_step = med(st["plain_step"]) if st else 0.0
@@ -436,52 +507,94 @@ def table(s: dict, st: dict, ld: dict, reps: dict) -> str:
         first, infl = st[f"{kind}_first"]["stall_s"], st[f"{kind}_inflight"]["stall_s"]
         steady = st[f"{kind}_steady"]
         rows += [
-            [f"{label}: stall, first save of a fresh run (a)", f"{first:.2f} s", f"{100 * first / sync_loop:.0f} % of a sync save",
-             "" if kind == "dcp" else goal(first <= 0.1 * sync_loop, "≤ 10 % of a sync save")],
-            [f"{label}: stall, " + ("previous save still in flight (b)" if st.get("b_no_step")
-                                     else "save on the step after (a) (b)"), f"{infl:.2f} s",
-             ("waits for the previous commit" if st.get("b_no_step") else
-              f"(a) had finished during the {st[f'{kind}_first']['step_s']:.0f} s step between: no wait measured")
-             + f"; {100 * infl / sync_loop:.0f} % of a sync save",
-             "" if kind == "dcp" else goal(infl <= 0.1 * sync_loop, "≤ 10 % of a sync save")],
-            [f"{label}: stall, steady state (c)", f"{fmt(steady)} s",
-             f"{100 * med(steady) / sync_loop:.1f} % of a sync save; {med(steady) / med(st['copy']):.2f}x one copy; "
-             f"steps while it writes {fmt(st['inflight_step'][kind])} s vs {plain_step:.2f} s",
-             "" if kind == "dcp" else goal(med(steady) <= 0.1 * sync_loop, "≤ 10 % of a sync save")],
+            [
+                f"{label}: stall, first save of a fresh run (a)",
+                f"{first:.2f} s",
+                f"{100 * first / sync_loop:.0f} % of a sync save",
+                "" if kind == "dcp" else goal(first <= 0.1 * sync_loop, "≤ 10 % of a sync save"),
+            ],
+            [
+                f"{label}: stall, "
+                + ("previous save still in flight (b)" if st.get("b_no_step") else "save on the step after (a) (b)"),
+                f"{infl:.2f} s",
+                (
+                    "waits for the previous commit"
+                    if st.get("b_no_step")
+                    else f"(a) had finished during the {st[f'{kind}_first']['step_s']:.0f} s step between: "
+                    "no wait measured"
+                )
+                + f"; {100 * infl / sync_loop:.0f} % of a sync save",
+                "" if kind == "dcp" else goal(infl <= 0.1 * sync_loop, "≤ 10 % of a sync save"),
+            ],
+            [
+                f"{label}: stall, steady state (c)",
+                f"{fmt(steady)} s",
+                f"{100 * med(steady) / sync_loop:.1f} % of a sync save; {med(steady) / med(st['copy']):.2f}x one copy; "
+                f"steps while it writes {fmt(st['inflight_step'][kind])} s vs {plain_step:.2f} s",
+                "" if kind == "dcp" else goal(med(steady) <= 0.1 * sync_loop, "≤ 10 % of a sync save"),
+            ],
         ]
-    rows += [["one in-memory copy of the state (the floor of any async stall)", f"{fmt(st['copy'])} s",
-              f"sync save in the same loop {fmt(st['sync'])} s; plain step {fmt(st['plain_step'])} s", ""]] if st else []
+    rows += (
+        [
+            [
+                "one in-memory copy of the state (the floor of any async stall)",
+                f"{fmt(st['copy'])} s",
+                f"sync save in the same loop {fmt(st['sync'])} s; plain step {fmt(st['plain_step'])} s",
+                "",
+            ]
+        ]
+        if st
+        else []
+    )
     ph = ld["phases"]
     for which, label in (("same", "2 -> 2"), ("other", "4 -> 2")):
         ours, plain = ld[f"ours_{which}"], ld[f"dcp_{which}"]
-        rows.append([f"resume ({label}): Checkpointer.load_latest", f"{fmt(ours)} s",
-                     f"{med(ours) / med(plain):.2f}x dcp.load (paired rounds: "
-                     f"{fmt([a / b for a, b in zip(ours, plain)])}x)",
-                     goal(med(ours) <= 1.15 * med(plain), f"{med(ours) / med(plain):.2f}x (goal ≤ 1.15x)")])
+        rows.append(
+            [
+                f"resume ({label}): Checkpointer.load_latest",
+                f"{fmt(ours)} s",
+                f"{med(ours) / med(plain):.2f}x dcp.load (paired rounds: {fmt([a / b for a, b in zip(ours, plain)])}x)",
+                goal(med(ours) <= 1.15 * med(plain), f"{med(ours) / med(plain):.2f}x (goal ≤ 1.15x)"),
+            ]
+        )
         rows.append([f"resume ({label}): plain dcp.load + set_state_dict", f"{fmt(plain)} s", "no checks", ""])
         if ld.get(f"twopass_{which}"):
             two = ld[f"twopass_{which}"]
-            rows.append([f"resume ({label}): load_latest before one-pass (hash every file, then load)", f"{fmt(two)} s",
-                         f"{med(two) / med(plain):.2f}x dcp.load; one-pass/two-pass paired "
-                         f"{fmt([a / b for a, b in zip(ours, two)])}x", ""])
+            rows.append(
+                [
+                    f"resume ({label}): load_latest before one-pass (hash every file, then load)",
+                    f"{fmt(two)} s",
+                    f"{med(two) / med(plain):.2f}x dcp.load; one-pass/two-pass paired "
+                    f"{fmt([a / b for a, b in zip(ours, two)])}x",
+                    "",
+                ]
+            )
     ratio = med(ld["ours_other"]) / med(ld["ours_same"])
-    rows.append(["load_latest, other size vs same size", f"{ratio:.2f}x", "",
-                 goal(ratio <= 1.2, f"{ratio:.2f}x (goal ≤ 1.2x)")])
+    rows.append(
+        ["load_latest, other size vs same size", f"{ratio:.2f}x", "", goal(ratio <= 1.2, f"{ratio:.2f}x (goal ≤ 1.2x)")]
+    )
     body = md_table(["measure", "value (median (min–max))", "notes", "goal"], rows)
-    body += (f"\n\nModel {s['params'] / 1e6:.0f}M parameters, checkpoint {gb:.2f} GB (fp32 weights + AdamW moments), "
-             f"{w} ranks × {th} writer threads. Repetitions: save part {reps['save']} alternated rounds after one "
-             f"warm-up round" + (f", each timed write after a sync and {s['rest_s']:g} s idle; " if s.get("rest_s") else "; ")
-             + (f"stall part {reps['stall']} steady rounds (a and b are single events of a fresh run); " if st else "")
-             + f"load part {reps['load']} alternated rounds after a warm-up round, {ld['cache']}. load_latest's parts "
-             "(median s, 2 -> 2 / 4 -> 2): quick validation (manifest, layout, every file's size; first sight) "
-             + " / ".join(f"{med(ph['_quick_check_' + w]):.2f}" for w in ("same", "other"))
-             + ((", xxh3 of every file against the manifest (ranks share the files) "
-                 + " / ".join(f"{med(ph['_hash_check_' + w]):.2f}" for w in ("same", "other")))
-                if all(ph.get("_hash_check_" + w) for w in ("same", "other")) else "")
-             + ", verified load (dcp.load hashing every file as it comes off the disk; once every rank's files "
-               "matched, the chunks are read from the page cache straight into the live state) + set_state_dict + "
-               "counters + fingerprint "
-             + " / ".join(f"{med(ph['load_' + w]):.2f}" for w in ("same", "other")) + ".")
+    body += (
+        f"\n\nModel {s['params'] / 1e6:.0f}M parameters, checkpoint {gb:.2f} GB (fp32 weights + AdamW moments), "
+        f"{w} ranks × {th} writer threads. Repetitions: save part {reps['save']} alternated rounds after one "
+        f"warm-up round"
+        + (f", each timed write after a sync and {s['rest_s']:g} s idle; " if s.get("rest_s") else "; ")
+        + (f"stall part {reps['stall']} steady rounds (a and b are single events of a fresh run); " if st else "")
+        + f"load part {reps['load']} alternated rounds after a warm-up round, {ld['cache']}. load_latest's parts "
+        "(median s, 2 -> 2 / 4 -> 2): quick validation (manifest, layout, every file's size; first sight) "
+        + " / ".join(f"{med(ph['_quick_check_' + w]):.2f}" for w in ("same", "other"))
+        + (
+            (
+                ", xxh3 of every file against the manifest (ranks share the files) "
+                + " / ".join(f"{med(ph['_hash_check_' + w]):.2f}" for w in ("same", "other"))
+            )
+            if all(ph.get("_hash_check_" + w) for w in ("same", "other"))
+            else ""
+        )
+        + ", verified load (dcp.load hashing every file as it comes off the disk; once every rank's files "
+        "matched, the chunks are read from the page cache straight into the live state) + set_state_dict + "
+        "counters + fingerprint " + " / ".join(f"{med(ph['load_' + w]):.2f}" for w in ("same", "other")) + "."
+    )
     return body
 
 
@@ -518,12 +631,18 @@ def plot(name: str) -> Path:
 
     def short(measure: str) -> str:
         """A bar's label: the row's measure without its explanations (labels must differ: equal ones share a bar)."""
-        sizes = measure[len("resume ("):].split(")")[0] if measure.startswith("resume (") else ""
-        for key, label in (("parallel dd", "dd, parallel"), ("single-stream dd", "dd, one stream"),
-                           ("dcp.save", "dcp.save"), ("with torch's CRC-32", "ours + torch CRC-32"),
-                           ("save, before", "ours, before"),
-                           ("shardkeeper save", "ours"), ("before one-pass", "load_latest two-pass"),
-                           ("load_latest", "load_latest"), ("dcp.load", "dcp.load")):
+        sizes = measure[len("resume (") :].split(")")[0] if measure.startswith("resume (") else ""
+        for key, label in (
+            ("parallel dd", "dd, parallel"),
+            ("single-stream dd", "dd, one stream"),
+            ("dcp.save", "dcp.save"),
+            ("with torch's CRC-32", "ours + torch CRC-32"),
+            ("save, before", "ours, before"),
+            ("shardkeeper save", "ours"),
+            ("before one-pass", "load_latest two-pass"),
+            ("load_latest", "load_latest"),
+            ("dcp.load", "dcp.load"),
+        ):
             if key in measure:
                 return f"{label} {sizes}".strip()
         return measure[:28]
@@ -533,9 +652,14 @@ def plot(name: str) -> Path:
 
     def bars(ax, picked: list[dict[str, str]], unit: str) -> None:
         vals = [spread(r["value (median (min–max))"]) for r in picked]
-        ax.barh([short(r["measure"]) for r in picked], [v[0] for v in vals],
-                color=["#9e9e9e" if baseline(r["measure"]) else "#3f51b5" for r in picked],
-                xerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]], capsize=2, ecolor="#424242")
+        ax.barh(
+            [short(r["measure"]) for r in picked],
+            [v[0] for v in vals],
+            color=["#9e9e9e" if baseline(r["measure"]) else "#3f51b5" for r in picked],
+            xerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]],
+            capsize=2,
+            ecolor="#424242",
+        )
         for i, v in enumerate(vals):
             ax.annotate(f"{v[0]:.2f}", (v[2], i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
         ax.invert_yaxis()
@@ -557,8 +681,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="counted repetitions of each side (after a warm-up)")
     ap.add_argument("--between", type=int, default=2, help="training steps while a steady-state save writes")
     ap.add_argument("--small", action="store_true", help="smoke run on a tiny model; publishes nothing")
-    ap.add_argument("--storage", action="store_true",
-                    help="publish the save and load parts alone (bench/results/checkpoint-storage.md)")
+    ap.add_argument(
+        "--storage",
+        action="store_true",
+        help="publish the save and load parts alone (bench/results/checkpoint-storage.md)",
+    )
     ap.add_argument("--plot-only", action="store_true", help="redraw the plots from the published tables")
     args = ap.parse_args(argv)
     if args.plot_only:
@@ -577,8 +704,12 @@ def main(argv: list[str] | None = None) -> int:
     if any(p not in found for p in parts) or len({found[p]["small"] for p in parts}) != 1:
         print("table: run every part (at the same size) first, or --storage after save and load", file=sys.stderr)
         return 0 if args.part != "table" else 1
-    body = table(found["save"], found.get("stall") if "stall" in parts else None, found["load"],
-                 {p: found[p]["reps"] for p in parts})
+    body = table(
+        found["save"],
+        found.get("stall") if "stall" in parts else None,
+        found["load"],
+        {p: found[p]["reps"] for p in parts},
+    )
     cmds = "; ".join(command_line(["bench/checkpoint_bench.py", *found[p]["argv"][1:]]) for p in parts)
     if args.small:
         print(body)

@@ -53,14 +53,38 @@ def make_run(run: Path, n: int, segments: int = 4) -> None:
         for i in range(count):
             step += 1
             reason = "interval" if i < count - 1 else ("preempted" if status == "preempted" else "end")
-            record(run, "checkpoint", ck(step), parent=prev, step=step, reason=reason, world_size=ws, segment=seg,
-                   uri=(run / "checkpoints" / f"step-{step:08d}").as_uri())
-            append_jsonl(run / "metrics.jsonl", {"step": step, "loss": 5.0 / (1 + step / n), "segment": seg,
-                                                 "world_size": ws, "tokens": step * 4096, "step_seconds": 0.1})
+            record(
+                run,
+                "checkpoint",
+                ck(step),
+                parent=prev,
+                step=step,
+                reason=reason,
+                world_size=ws,
+                segment=seg,
+                uri=(run / "checkpoints" / f"step-{step:08d}").as_uri(),
+            )
+            append_jsonl(
+                run / "metrics.jsonl",
+                {
+                    "step": step,
+                    "loss": 5.0 / (1 + step / n),
+                    "segment": seg,
+                    "world_size": ws,
+                    "tokens": step * 4096,
+                    "step_seconds": 0.1,
+                },
+            )
             prev = ck(step)
     record(run, "export", f"export:step-{step:08d}:bfloat16", parent=prev, step=step, dtype="bfloat16")
-    record(run, "publish", "publish:org/model@main", parent=f"export:step-{step:08d}:bfloat16", target="org/model",
-           revision="main")
+    record(
+        run,
+        "publish",
+        "publish:org/model@main",
+        parent=f"export:step-{step:08d}:bfloat16",
+        target="org/model",
+        revision="main",
+    )
 
 
 def graph(run: Path) -> None:
@@ -160,13 +184,23 @@ def plot() -> Path:
     from scale_bench import draw_lines
 
     def draw(fig) -> None:
-        draw_lines(fig, "dashboard", "checkpoints in lineage", [
-            ("graph (read + layout + PNG)", "lineage graph"),
-            ("render (graph + loss + rows)", "all artifacts rendered"),
-            ("mirror-lineage task (4 artifacts)", "Prefect task (4 artifacts)"),
-            ("graph page in Chromium (image loaded)", "page in Chromium")],
-            goal=2.0, goal_label="goal: < 2 s", xlabel="checkpoints in the run's lineage (log)",
-            title="Lineage dashboard: seconds against the run's length", legend="upper left", ylog=False)
+        draw_lines(
+            fig,
+            "dashboard",
+            "checkpoints in lineage",
+            [
+                ("graph (read + layout + PNG)", "lineage graph"),
+                ("render (graph + loss + rows)", "all artifacts rendered"),
+                ("mirror-lineage task (4 artifacts)", "Prefect task (4 artifacts)"),
+                ("graph page in Chromium (image loaded)", "page in Chromium"),
+            ],
+            goal=2.0,
+            goal_label="goal: < 2 s",
+            xlabel="checkpoints in the run's lineage (log)",
+            title="Lineage dashboard: seconds against the run's length",
+            legend="upper left",
+            ylog=False,
+        )
 
     return plot_from_table("dashboard", draw)
 
@@ -207,10 +241,22 @@ def main(argv: list[str] | None = None) -> int:
     from benchlib import md_table, publish
 
     rows = [[f"{n:,}", fmt(graphs[n]), fmt(rendered[n]), fmt(mirrored.get(n)), fmt(pages.get(n))] for n in args.sizes]
-    publish("dashboard", f"Lineage dashboard, seconds: median (min–max) of {args.reps} after a warm-up, "
-            f"{args.segments} segments:\n\n" + md_table(
-                ["checkpoints in lineage", "graph (read + layout + PNG)", "render (graph + loss + rows)",
-                 "mirror-lineage task (4 artifacts)", "graph page in Chromium (image loaded)"], rows, "rrrrr"))
+    publish(
+        "dashboard",
+        f"Lineage dashboard, seconds: median (min–max) of {args.reps} after a warm-up, "
+        f"{args.segments} segments:\n\n"
+        + md_table(
+            [
+                "checkpoints in lineage",
+                "graph (read + layout + PNG)",
+                "render (graph + loss + rows)",
+                "mirror-lineage task (4 artifacts)",
+                "graph page in Chromium (image loaded)",
+            ],
+            rows,
+            "rrrrr",
+        ),
+    )
     plot()
     return 0
 

@@ -7,8 +7,8 @@ Corpus: documents of 40 consecutive lines of the Python standard library's sourc
 and code, deterministic), written once as jsonl. Tokenizer: byte-level BPE with a 32k vocabulary trained on
 it with the ``tokenizers`` library (nothing is downloaded). Each measurement runs in a fresh subprocess and
 times only the work inside it (not the interpreter start or imports); the variants alternate, rep after rep,
-and the table shows median (min–max) seconds and tokens/s. Both include loading the tokenizer. The Arrow conversion of the jsonl that
-``datasets`` caches is done once before the reps, so prepare-data's figure is tokenization + writing the
+and the table shows median (min–max) seconds and tokens/s. Both include loading the tokenizer. The Arrow conversion of
+the jsonl that ``datasets`` caches is done once before the reps, so prepare-data's figure is tokenization + writing the
 token file (+ reading the Arrow rows), the loop's is reading the jsonl + tokenization + writing the file.
 
 ``prepare-data`` is also run with num_proc=1: the same code in one process (it calls the fast tokenizer's
@@ -52,8 +52,10 @@ def make_corpus(folder: Path, docs: int) -> Path:
         if len(lines) >= docs * 40:
             break
     if len(lines) < docs * 40:
-        raise SystemExit(f"--docs {docs}: the standard library has {len(lines)} lines, enough for {len(lines) // 40} "
-                         "documents; ask for fewer")
+        raise SystemExit(
+            f"--docs {docs}: the standard library has {len(lines)} lines, enough for {len(lines) // 40} "
+            "documents; ask for fewer"
+        )
     path = folder / "corpus" / "train.jsonl"
     path.parent.mkdir(parents=True)
     with open(path, "w", encoding="utf-8") as out:
@@ -70,10 +72,18 @@ def make_tok(folder: Path, corpus: Path) -> Path:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=32000, special_tokens=["<unk>", "<s>", "</s>"],
-                                                       show_progress=False,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(folder)
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=32000,
+            special_tokens=["<unk>", "<s>", "</s>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(
+        folder
+    )
     return folder
 
 
@@ -158,24 +168,35 @@ def main() -> None:
         n_tok = results["prepare"][0]["tokens"]
         size_mb = corpus.stat().st_size / 1e6
         cpus = len(os.sched_getaffinity(0))
-        head = (f"{a.docs} documents ({size_mb:.1f} MB jsonl, {n_tok:,} tokens), byte-level BPE 32k, {cpus} CPUs, "
-                f"{a.reps} alternated reps, median (min–max); 1-min load average {load_before:.1f} before, "
-                f"{os.getloadavg()[0]:.1f} after (other processes on the machine)")
+        head = (
+            f"{a.docs} documents ({size_mb:.1f} MB jsonl, {n_tok:,} tokens), byte-level BPE 32k, {cpus} CPUs, "
+            f"{a.reps} alternated reps, median (min–max); 1-min load average {load_before:.1f} before, "
+            f"{os.getloadavg()[0]:.1f} after (other processes on the machine)"
+        )
         table = []
         base = statistics.median(r["seconds"] for r in results["loop-1thread"])
-        names = {"prepare": f"`prepare-data` (datasets.map, num_proc={a.num_proc}) + memmap",
-                 "prepare-1": "`prepare-data` with num_proc=1 (same code, one process)",
-                 "loop-threads": "1 process `tokenizer(batch)` loop, tokenizers' thread pool on",
-                 "loop-1thread": "1 process `tokenizer(batch)` loop, TOKENIZERS_PARALLELISM=false"}
+        names = {
+            "prepare": f"`prepare-data` (datasets.map, num_proc={a.num_proc}) + memmap",
+            "prepare-1": "`prepare-data` with num_proc=1 (same code, one process)",
+            "loop-threads": "1 process `tokenizer(batch)` loop, tokenizers' thread pool on",
+            "loop-1thread": "1 process `tokenizer(batch)` loop, TOKENIZERS_PARALLELISM=false",
+        }
         for k in kinds:
             secs = [r["seconds"] for r in results[k]]
             rates = [n_tok / s for s in secs]
-            table.append([names[k], fmt(secs), f"{statistics.median(rates) / 1e6:.2f} M "
-                          f"({min(rates) / 1e6:.2f}–{max(rates) / 1e6:.2f})", f"{base / statistics.median(secs):.2f}x"])
+            table.append(
+                [
+                    names[k],
+                    fmt(secs),
+                    f"{statistics.median(rates) / 1e6:.2f} M ({min(rates) / 1e6:.2f}–{max(rates) / 1e6:.2f})",
+                    f"{base / statistics.median(secs):.2f}x",
+                ]
+            )
         from benchlib import md_table, publish
 
-        publish("tokenization", head + ":\n\n" + md_table(["variant", "seconds", "tokens/s", "vs loop (1 thread)"],
-                                                          table))
+        publish(
+            "tokenization", head + ":\n\n" + md_table(["variant", "seconds", "tokens/s", "vs loop (1 thread)"], table)
+        )
 
 
 if __name__ == "__main__":

@@ -57,13 +57,24 @@ METHODS = ("ds_to_universal", "ours_universal", "zero_to_fp32", "ours_export", "
 # ------------------------------------------------------------------------------------ build input
 def run_spec(args: argparse.Namespace) -> dict[str, Any]:
     return {
-        "name": f"dsbench-h{args.hidden}-l{args.layers}", "backend": "deepspeed", "seed": 1234, "global_batch_size": 2,
+        "name": f"dsbench-h{args.hidden}-l{args.layers}",
+        "backend": "deepspeed",
+        "seed": 1234,
+        "global_batch_size": 2,
         "deepspeed": {"zero_stage": 2},
-        "model": {"model_type": "llama", "config": {
-            "vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
-            "num_hidden_layers": args.layers, "num_attention_heads": max(1, args.hidden // 64),
-            "num_key_value_heads": max(1, args.hidden // 64), "max_position_embeddings": 256,
-            "tie_word_embeddings": False}},
+        "model": {
+            "model_type": "llama",
+            "config": {
+                "vocab_size": args.vocab,
+                "hidden_size": args.hidden,
+                "intermediate_size": args.intermediate,
+                "num_hidden_layers": args.layers,
+                "num_attention_heads": max(1, args.hidden // 64),
+                "num_key_value_heads": max(1, args.hidden // 64),
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": False,
+            },
+        },
         "data": {"source": "synthetic", "seq_len": 32, "synthetic_tokens": 4096},
         "schedule": {"warmup_steps": 1, "total_steps": 10},
         "checkpoint": {"interval": 1000, "async_save": False, "keep_last": 3, "io_threads": 4},
@@ -123,11 +134,27 @@ def measure(method: str, src: Path, out: Path) -> None:
 def command(method: str, src: Path, out: Path) -> list[str]:
     py = sys.executable
     if method == "ds_to_universal":
-        return [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src), "--output_folder",
-                str(out), "--inject_missing_state"]
+        return [
+            py,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(src),
+            "--output_folder",
+            str(out),
+            "--inject_missing_state",
+        ]
     if method == "zero_to_fp32":
-        return [py, "-m", "deepspeed.utils.zero_to_fp32", str(src.parent), str(out), "--tag", src.name,
-                "--safe_serialization"]
+        return [
+            py,
+            "-m",
+            "deepspeed.utils.zero_to_fp32",
+            str(src.parent),
+            str(out),
+            "--tag",
+            src.name,
+            "--safe_serialization",
+        ]
     return [py, __file__, "--measure", method, "--src", str(src), "--dest", str(out)]
 
 
@@ -172,8 +199,9 @@ def run_measure(method: str, src: Path, out: Path) -> dict[str, Any]:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
     peak = 0
     t0 = time.perf_counter()
-    proc = subprocess.Popen(command(method, src, out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        command(method, src, out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
+    )
     done = threading.Event()
 
     def sample() -> None:
@@ -203,8 +231,13 @@ def _diff(a: Any, b: Any, where: str) -> list[str]:
     import torch
 
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a, b))
+        same = (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
         return [] if same else [where]
     if isinstance(a, dict) and isinstance(b, dict):
         if set(a) != set(b):
@@ -255,8 +288,10 @@ def compare_universal(ours: Path, theirs: Path) -> tuple[bool, str]:
     bad += _diff(strip[0], strip[1], "optimizer_state.param_groups")
     if bad:
         return False, f"{len(bad)} differ, e.g. {bad[0]}"
-    return True, (f"equal: {files} files of {len(params_t)} parameters (every tensor bitwise, every scalar), "
-                  "optimizer_state as load_universal reads it")
+    return True, (
+        f"equal: {files} files of {len(params_t)} parameters (every tensor bitwise, every scalar), "
+        "optimizer_state as load_universal reads it"
+    )
 
 
 def compare_export(ours: Path, theirs: Path) -> tuple[bool, str]:
@@ -283,10 +318,10 @@ def compare_export(ours: Path, theirs: Path) -> tuple[bool, str]:
 # ------------------------------------------------------------------------------------ report
 def run_all(args: argparse.Namespace) -> int:
     import math
-
     from statistics import median as med
 
     from benchlib import fmt, md_table, publish
+
     from ckpt.manifest import read_manifest
     from ckpt.validate import validate
 
@@ -295,10 +330,21 @@ def run_all(args: argparse.Namespace) -> int:
     manifest = read_manifest(ckpt)
     params = sum(math.prod(t.shape) for t in manifest.tensors if t.name.startswith("model."))
     size = sum(f.size for f in manifest.files)
-    log.info("checkpoint %s: %d parameters, ZeRO-%d at %d ranks, %.2f GB on disk", ckpt, params,
-             manifest.run_spec.deepspeed.zero_stage, manifest.topology.world_size, size / 1e9)
-    outs = {"ds_to_universal": res / "ds_universal" / "out", "ours_universal": res / "ours_universal",
-            "zero_to_fp32": res / "zero_to_fp32", "ours_export": res / "ours_export", "ours_to_dcp": res / "ours_to_dcp"}
+    log.info(
+        "checkpoint %s: %d parameters, ZeRO-%d at %d ranks, %.2f GB on disk",
+        ckpt,
+        params,
+        manifest.run_spec.deepspeed.zero_stage,
+        manifest.topology.world_size,
+        size / 1e9,
+    )
+    outs = {
+        "ds_to_universal": res / "ds_universal" / "out",
+        "ours_universal": res / "ours_universal",
+        "zero_to_fp32": res / "zero_to_fp32",
+        "ours_export": res / "ours_export",
+        "ours_to_dcp": res / "ours_to_dcp",
+    }
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
     for i in range(args.repeat):  # alternated: a drifting disk or a busy neighbour hits every method alike
         for m in METHODS:
@@ -314,8 +360,10 @@ def run_all(args: argparse.Namespace) -> int:
     ok_e, check_e = compare_export(outs["ours_export"], outs["zero_to_fp32"])
     dcp = outs["ours_to_dcp"] / ckpt.name
     report = validate(dcp, deep=True)
-    ok_d, check_d = report.valid, ("fingerprint and checksums verified (validate --deep)" if report.valid
-                                   else report.errors[0])
+    ok_d, check_d = (
+        report.valid,
+        ("fingerprint and checksums verified (validate --deep)" if report.valid else report.errors[0]),
+    )
 
     def sec(m: str) -> list[float]:
         return [r["seconds"] for r in runs[m]]
@@ -327,16 +375,46 @@ def run_all(args: argparse.Namespace) -> int:
         return f"{med(sec(m)) / med(sec(ref)):.2f}x"
 
     rows = [
-        ["world-size change", "deepspeed `ds_to_universal --inject_missing_state`", fmt(sec("ds_to_universal")), "1.00x",
-         fmt(gb("ds_to_universal")), "reference"],
-        ["world-size change", "shardkeeper `ensure_universal` (the trainer converts by itself, once, cached)",
-         fmt(sec("ours_universal")), ratio("ours_universal", "ds_to_universal"), fmt(gb("ours_universal")), check_u],
-        ["export", "deepspeed `zero_to_fp32 --safe_serialization`", fmt(sec("zero_to_fp32")), "1.00x",
-         fmt(gb("zero_to_fp32")), "reference"],
-        ["export", "shardkeeper export stage (one pass from the ZeRO partitions)", fmt(sec("ours_export")),
-         ratio("ours_export", "zero_to_fp32"), fmt(gb("ours_export")), check_e],
-        ["to FSDP2", "shardkeeper `convert --to dcp` (model + AdamW state + counters)", fmt(sec("ours_to_dcp")), "-",
-         fmt(gb("ours_to_dcp")), check_d],
+        [
+            "world-size change",
+            "deepspeed `ds_to_universal --inject_missing_state`",
+            fmt(sec("ds_to_universal")),
+            "1.00x",
+            fmt(gb("ds_to_universal")),
+            "reference",
+        ],
+        [
+            "world-size change",
+            "shardkeeper `ensure_universal` (the trainer converts by itself, once, cached)",
+            fmt(sec("ours_universal")),
+            ratio("ours_universal", "ds_to_universal"),
+            fmt(gb("ours_universal")),
+            check_u,
+        ],
+        [
+            "export",
+            "deepspeed `zero_to_fp32 --safe_serialization`",
+            fmt(sec("zero_to_fp32")),
+            "1.00x",
+            fmt(gb("zero_to_fp32")),
+            "reference",
+        ],
+        [
+            "export",
+            "shardkeeper export stage (one pass from the ZeRO partitions)",
+            fmt(sec("ours_export")),
+            ratio("ours_export", "zero_to_fp32"),
+            fmt(gb("ours_export")),
+            check_e,
+        ],
+        [
+            "to FSDP2",
+            "shardkeeper `convert --to dcp` (model + AdamW state + counters)",
+            fmt(sec("ours_to_dcp")),
+            "-",
+            fmt(gb("ours_to_dcp")),
+            check_d,
+        ],
     ]
     u, uref, umem = med(sec("ours_universal")), med(sec("ds_to_universal")), max(gb("ours_universal"))
     e, eref, emem = med(sec("ours_export")), med(sec("zero_to_fp32")), max(gb("ours_export"))
@@ -349,27 +427,38 @@ def run_all(args: argparse.Namespace) -> int:
     goals = [
         f"- world-size change <= 0.5x `ds_to_universal` at <= 1 GB: {u:.2f} s = {u / uref:.2f}x, peak {umem:.2f} GB "
         f"(highest of the runs): {verdict(u <= 0.5 * uref and umem <= 1.0, f'{u / uref:.2f}x, {umem:.2f} GB')}",
-        f"- export no slower than `zero_to_fp32`, within the export's memory bound (one shard + 0.5 GB = {bound:.2f} GB): "
+        "- export no slower than `zero_to_fp32`, within the export's memory bound "
+        f"(one shard + 0.5 GB = {bound:.2f} GB): "
         f"{e:.2f} s vs {eref:.2f} s, peak {emem:.2f} GB: "
         f"{verdict(e <= eref and emem <= bound, f'{e / eref:.2f}x its time, {emem:.2f} GB')}",
-        f"- `convert --to dcp` peak <= 1 GB: {dmem:.2f} GB (highest of the runs): {verdict(dmem <= 1.0, f'{dmem:.2f} GB')}",
+        f"- `convert --to dcp` peak <= 1 GB: {dmem:.2f} GB (highest of the runs): "
+        f"{verdict(dmem <= 1.0, f'{dmem:.2f} GB')}",
     ]
-    body = "\n".join([
-        f"{params / 1e6:.0f}M-parameter ZeRO-{manifest.run_spec.deepspeed.zero_stage} checkpoint at "
-        f"{manifest.topology.world_size} ranks, {size / 1e9:.2f} GB. Each method a fresh process (imports included), "
-        f"checkpoint in the page cache, {args.repeat} alternated rounds; median (min–max); memory: peak PSS of the "
-        "process tree (shared pages counted once).",
-        "",
-        md_table(["task", "method", "time (s)", "vs DeepSpeed tool", "peak PSS, process tree (GB)", "output check"],
-                 rows, "llrrrl"),
-        "",
-        *goals,
-    ])
+    body = "\n".join(
+        [
+            f"{params / 1e6:.0f}M-parameter ZeRO-{manifest.run_spec.deepspeed.zero_stage} checkpoint at "
+            f"{manifest.topology.world_size} ranks, {size / 1e9:.2f} GB. "
+            "Each method a fresh process (imports included), "
+            f"checkpoint in the page cache, {args.repeat} alternated rounds; median (min–max); memory: peak PSS of the "
+            "process tree (shared pages counted once).",
+            "",
+            md_table(
+                ["task", "method", "time (s)", "vs DeepSpeed tool", "peak PSS, process tree (GB)", "output check"],
+                rows,
+                "llrrrl",
+            ),
+            "",
+            *goals,
+        ]
+    )
     publish(args.name, body)
     plot(args.name)
     if not (ok_u and ok_e and ok_d):
-        print("output check FAILED: " + "; ".join(c for ok, c in ((ok_u, check_u), (ok_e, check_e), (ok_d, check_d))
-                                                  if not ok), file=sys.stderr)
+        print(
+            "output check FAILED: "
+            + "; ".join(c for ok, c in ((ok_u, check_u), (ok_e, check_e), (ok_d, check_d)) if not ok),
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -47,8 +47,7 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
     from shardkeeper.stages import convert_checkpoint
-    from tests.harness import spawn
-    from tests.harness import copy_run_until, metrics, new_run, tiny_spec
+    from tests.harness import copy_run_until, metrics, new_run, spawn, tiny_spec
     from trainer.segment import run_segment
 
     tmp = Path(tempfile.mkdtemp(prefix="ds-resume-bench-"))
@@ -71,8 +70,9 @@ def main() -> None:
         ref2 = run(f"z{stage}-ref2", 2, spec)
         run(f"z{stage}-ref3", 3, spec, until=CUT)
         same = run(f"z{stage}-same", 2, src=tmp / f"z{stage}-ref2", seg=1)
-        rows.append((f"ZeRO-{stage}", "2 -> 2", "bitwise" if bitwise(ref2, same) else f"{diff(ref2, same):.2e}",
-                     "bitwise"))
+        rows.append(
+            (f"ZeRO-{stage}", "2 -> 2", "bitwise" if bitwise(ref2, same) else f"{diff(ref2, same):.2e}", "bitwise")
+        )
         for start, to in ((2, 3), (2, 1), (3, 2)):
             got = run(f"z{stage}-{start}{to}", to, src=tmp / f"z{stage}-ref{start}", seg=1)
             rows.append((f"ZeRO-{stage}", f"{start} -> {to}", f"{diff(ref2, got):.2e}", "<= 1e-6"))
@@ -84,18 +84,34 @@ def main() -> None:
     convert_checkpoint(tmp / "z2-ref2" / "checkpoints" / f"step-{CUT:08d}", "dcp", cont)
     assert spawn(run_segment, 2, str(cont), END, 0, timeout=900) == [0, 0]
     got = metrics(cont)
-    rows.append(("ZeRO-2 -> FSDP2", "2 -> 2", f"{diff(z2, got):.2e} vs ZeRO-2, {diff(fsdp, got):.2e} vs FSDP2",
-                 f"within the backends' noise: {noise:.2e} (uninterrupted FSDP2 vs ZeRO-2, steps 1..{END})"))
+    rows.append(
+        (
+            "ZeRO-2 -> FSDP2",
+            "2 -> 2",
+            f"{diff(z2, got):.2e} vs ZeRO-2, {diff(fsdp, got):.2e} vs FSDP2",
+            f"within the backends' noise: {noise:.2e} (uninterrupted FSDP2 vs ZeRO-2, steps 1..{END})",
+        )
+    )
     from benchlib import md_table, publish
 
-    publish("deepspeed-resume", f"Max relative loss difference against the uninterrupted 2-rank run of the same "
-            f"backend, steps {CUT + 1}..{END} (global batch 12, fp32):\n\n"
-            + md_table(["backend", "world size", "result", "goal"], rows))
+    publish(
+        "deepspeed-resume",
+        f"Max relative loss difference against the uninterrupted 2-rank run of the same "
+        f"backend, steps {CUT + 1}..{END} (global batch 12, fp32):\n\n"
+        + md_table(["backend", "world size", "result", "goal"], rows),
+    )
     plot()
     shutil.rmtree(tmp, ignore_errors=True)
-    missed = [r for r in rows if r[3] == "bitwise" and r[2] != "bitwise"
-              or r[3] == "<= 1e-6" and float(r[2]) > 1e-6
-              or r[0] == "ZeRO-2 -> FSDP2" and max(diff(z2, got), diff(fsdp, got)) > max(noise, 1e-6)]
+    missed = [
+        r
+        for r in rows
+        if r[3] == "bitwise"
+        and r[2] != "bitwise"
+        or r[3] == "<= 1e-6"
+        and float(r[2]) > 1e-6
+        or r[0] == "ZeRO-2 -> FSDP2"
+        and max(diff(z2, got), diff(fsdp, got)) > max(noise, 1e-6)
+    ]
     if missed:
         sys.exit(f"deepspeed_resume_bench: goal missed: {missed}")
 

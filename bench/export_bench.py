@@ -58,20 +58,38 @@ if str(ROOT) not in sys.path:
 log = logging.getLogger("shardkeeper.bench")
 
 STEP = 1
-METHODS = ("accelerate_merge", "accelerate_logic", "dcp_consolidate", "dcp_consolidate+durable", "ours_fp32",
-           "ours_bf16", "ours_fp32@300MB")
+METHODS = (
+    "accelerate_merge",
+    "accelerate_logic",
+    "dcp_consolidate",
+    "dcp_consolidate+durable",
+    "ours_fp32",
+    "ours_bf16",
+    "ours_fp32@300MB",
+)
 ACCELERATE_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate.utils.constants.FSDP_MODEL_NAME + "_0"
 
 
 # ------------------------------------------------------------------------------------ build inputs
 def run_spec(args: argparse.Namespace) -> dict[str, Any]:
     return {
-        "name": f"bench-h{args.hidden}-l{args.layers}", "backend": "fsdp2", "seed": 1234, "global_batch_size": 2,
-        "model": {"model_type": "llama", "config": {
-            "vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
-            "num_hidden_layers": args.layers, "num_attention_heads": max(1, args.hidden // 64),
-            "num_key_value_heads": max(1, args.hidden // 64), "max_position_embeddings": 256,
-            "tie_word_embeddings": False}},
+        "name": f"bench-h{args.hidden}-l{args.layers}",
+        "backend": "fsdp2",
+        "seed": 1234,
+        "global_batch_size": 2,
+        "model": {
+            "model_type": "llama",
+            "config": {
+                "vocab_size": args.vocab,
+                "hidden_size": args.hidden,
+                "intermediate_size": args.intermediate,
+                "num_hidden_layers": args.layers,
+                "num_attention_heads": max(1, args.hidden // 64),
+                "num_key_value_heads": max(1, args.hidden // 64),
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": False,
+            },
+        },
         "data": {"source": "synthetic", "seq_len": 32, "synthetic_tokens": 4096},
         "schedule": {"warmup_steps": 1, "total_steps": 10},
         "checkpoint": {"interval": 1000, "async_save": False, "keep_last": 3, "io_threads": 2},
@@ -99,8 +117,12 @@ def _rank_build(run_dir: str, hf_dir: str, acc_dir: str) -> int:
         dcp.save(get_model_state_dict(seg.model), storage_writer=writer, process_group=env.ckpt_group)
         # Accelerate's save_fsdp_model (SHARDED_STATE_DICT, use_dcp=True): {"model": state_dict} into
         # <output_dir>/pytorch_model_fsdp_0 with FileSystemWriter and DefaultSavePlanner
-        dcp.save({"model": get_model_state_dict(seg.model)}, storage_writer=FileSystemWriter(acc_dir),
-                 planner=DefaultSavePlanner(), process_group=env.ckpt_group)
+        dcp.save(
+            {"model": get_model_state_dict(seg.model)},
+            storage_writer=FileSystemWriter(acc_dir),
+            planner=DefaultSavePlanner(),
+            process_group=env.ckpt_group,
+        )
         return code
     finally:
         dist.destroy_process_group()
@@ -122,8 +144,13 @@ def build(out: Path, args: argparse.Namespace) -> tuple[Path, Path, Path]:
     ckpt = run_dir / "checkpoints" / f"step-{STEP:08d}"
     spec = run_spec(args)
     same = (run_dir / "run.yaml").is_file() and yaml.safe_load((run_dir / "run.yaml").read_text()) == spec
-    if (not args.rebuild and same and _has_record(ckpt) and any(hf_dir.glob("*.safetensors"))
-            and (acc_dir / ".metadata").is_file()):
+    if (
+        not args.rebuild
+        and same
+        and _has_record(ckpt)
+        and any(hf_dir.glob("*.safetensors"))
+        and (acc_dir / ".metadata").is_file()
+    ):
         log.info("reusing %s, %s and %s", ckpt, hf_dir, acc_dir)
         return ckpt, hf_dir, acc_dir
     for d in (run_dir, hf_dir, acc_dir.parent):
@@ -133,7 +160,9 @@ def build(out: Path, args: argparse.Namespace) -> tuple[Path, Path, Path]:
     (run_dir / "run.yaml").write_text(yaml.safe_dump(spec))
     t0 = time.perf_counter()
     spawn(_rank_build, 2, str(run_dir), str(hf_dir), str(acc_dir), timeout=3600)
-    log.info("built the training checkpoint, the HF-format and the Accelerate saves in %.1f s", time.perf_counter() - t0)
+    log.info(
+        "built the training checkpoint, the HF-format and the Accelerate saves in %.1f s", time.perf_counter() - t0
+    )
     return ckpt, hf_dir, acc_dir
 
 
@@ -149,8 +178,11 @@ def _accelerate_logic(ckpt: Path, out: Path) -> None:
     state_dict: dict[str, Any] = {}
     out.mkdir(exist_ok=True)
     dist_cp_format_utils._load_state_dict(
-        state_dict, storage_reader=dist_cp.FileSystemReader(ckpt),
-        planner=dist_cp_format_utils._EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+        state_dict,
+        storage_reader=dist_cp.FileSystemReader(ckpt),
+        planner=dist_cp_format_utils._EmptyStateDictLoadPlanner(keys={"model"}),
+        no_dist=True,
+    )
     if len(state_dict.keys()) == 1:
         state_dict = state_dict[list(state_dict)[0]]
     save(state_dict, out / "model.safetensors", safe_serialization=True)
@@ -202,19 +234,19 @@ def measure(method: str, src: Path, out: Path) -> dict[str, Any]:
     else:
         dtype, _, shard = method.removeprefix("ours_").partition("@")
         t0 = time.perf_counter()
-        res = export_checkpoint(src, out, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
-                                max_shard_size=shard or "5GB")
+        res = export_checkpoint(
+            src, out, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], max_shard_size=shard or "5GB"
+        )
         extra = {"files": res.files, "num_shards": res.num_shards}
     seconds = time.perf_counter() - t0
-    return {"method": method, "seconds": seconds, "peak_rss": peak_rss_bytes(),
-            **extra}
+    return {"method": method, "seconds": seconds, "peak_rss": peak_rss_bytes(), **extra}
 
 
 def _warm(paths: list[Path]) -> None:
     """Flush earlier outputs to disk and put the inputs in the page cache: every method starts alike."""
     os.sync()
     for p in paths:
-        for f in (p.iterdir() if p.is_dir() else [p]):
+        for f in p.iterdir() if p.is_dir() else [p]:
             with open(f, "rb", buffering=0) as fh:
                 while fh.read(64 << 20):
                     pass
@@ -223,15 +255,25 @@ def _warm(paths: list[Path]) -> None:
 def run_measure(method: str, src: Path, out: Path) -> dict[str, Any]:
     _warm([src])
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--measure", method, "--src", str(src), "--dest", str(out)],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--measure", method, "--src", str(src), "--dest", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise RuntimeError(f"{method} failed:\n{proc.stderr[-4000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["process_seconds"] = wall
-    log.info("%-18s %7.2f s (process %6.2f s)  peak RSS %.2f GB  load %s", method, result["seconds"], wall,
-             result["peak_rss"] / 1e9, os.getloadavg()[0])
+    log.info(
+        "%-18s %7.2f s (process %6.2f s)  peak RSS %.2f GB  load %s",
+        method,
+        result["seconds"],
+        wall,
+        result["peak_rss"] / 1e9,
+        os.getloadavg()[0],
+    )
     return result
 
 
@@ -283,7 +325,7 @@ def sha256_tree(folder: Path) -> dict[str, str]:
 LABELS = {
     "accelerate_merge": "Accelerate `merge_fsdp_weights` (its own layout: model-only DCP save `pytorch_model_fsdp_0`)",
     "accelerate_logic": "the same logic on our training checkpoint (`_EmptyStateDictLoadPlanner(keys={'model'})`, "
-                        "`_load_state_dict(no_dist=True)`, `save`)",
+    "`_load_state_dict(no_dist=True)`, `save`)",
     "dcp_consolidate": "DCP `consolidate_safetensors_files` (of a separate HF-format save)",
     "dcp_consolidate+durable": "the same + sha256 + fsync of its output (what our export also does)",
     "ours_fp32": "**shardkeeper export, fp32** (CRC-checked, sha256, fsync, atomic)",
@@ -292,9 +334,15 @@ LABELS = {
 }
 
 
-SHORT = {"accelerate_merge": "Accelerate merge_fsdp_weights", "accelerate_logic": "the same, our checkpoint",
-         "dcp_consolidate": "DCP consolidate", "dcp_consolidate+durable": "DCP consolidate + sha256, fsync",
-         "ours_fp32": "ours, fp32", "ours_bf16": "ours, bf16", "ours_fp32@300MB": "ours, fp32, 300MB shards"}
+SHORT = {
+    "accelerate_merge": "Accelerate merge_fsdp_weights",
+    "accelerate_logic": "the same, our checkpoint",
+    "dcp_consolidate": "DCP consolidate",
+    "dcp_consolidate+durable": "DCP consolidate + sha256, fsync",
+    "ours_fp32": "ours, fp32",
+    "ours_bf16": "ours, bf16",
+    "ours_fp32@300MB": "ours, fp32, 300MB shards",
+}
 
 
 def plot(name: str = "export") -> Path:
@@ -345,22 +393,30 @@ def run_all(args: argparse.Namespace) -> int:
     import math
 
     from benchlib import fmt, md_table, publish
+
     from ckpt.manifest import read_manifest
 
     try:
         import accelerate
     except ImportError:
-        print("error: accelerate is not installed; its merge_fsdp_weights is the baseline: pip install -e '.[bench]'",
-              file=sys.stderr)
+        print(
+            "error: accelerate is not installed; its merge_fsdp_weights is the baseline: pip install -e '.[bench]'",
+            file=sys.stderr,
+        )
         return 2
     ckpt, hf_dir, acc_dir = build(args.out, args)
     res = args.out / "results"
     manifest = read_manifest(ckpt)
     params = sum(math.prod(t.shape) for t in manifest.tensors if t.name.startswith("model."))
     ckpt_bytes = sum(f.size for f in manifest.files)
-    log.info("checkpoint %s: %d model parameters, %.2f GB on disk (model + AdamW state)", ckpt, params, ckpt_bytes / 1e9)
-    src = {m: ckpt for m in METHODS} | {"accelerate_merge": acc_dir, "dcp_consolidate": hf_dir,
-                                         "dcp_consolidate+durable": hf_dir}
+    log.info(
+        "checkpoint %s: %d model parameters, %.2f GB on disk (model + AdamW state)", ckpt, params, ckpt_bytes / 1e9
+    )
+    src = {m: ckpt for m in METHODS} | {
+        "accelerate_merge": acc_dir,
+        "dcp_consolidate": hf_dir,
+        "dcp_consolidate+durable": hf_dir,
+    }
 
     def dest(m: str, i: int) -> Path:  # the first two counted rounds keep their outputs: reproducibility
         return res / f"{m}-{min(i, 2)}"
@@ -373,8 +429,11 @@ def run_all(args: argparse.Namespace) -> int:
                 runs[m].append(r)
         log.info("round %d done (%s)", i + 1, "warm-up" if i < 0 else "counted")
     ref = dest("accelerate_merge", 0)
-    checks = {m: compare_to_accelerate(ref, dest(m, 0), "bfloat16" if m == "ours_bf16" else None)
-              for m in METHODS if m != "accelerate_merge"}
+    checks = {
+        m: compare_to_accelerate(ref, dest(m, 0), "bfloat16" if m == "ours_bf16" else None)
+        for m in METHODS
+        if m != "accelerate_merge"
+    }
     checks["accelerate_merge"] = (True, "reference")
     repro = {m: (sha256_tree(dest(m, 0)) == sha256_tree(dest(m, 1))) if args.repeat >= 2 else None for m in METHODS}
 
@@ -389,30 +448,57 @@ def run_all(args: argparse.Namespace) -> int:
         if m == "ours_fp32@300MB":
             n = runs[m][0]["num_shards"]
             label += f" ({n} files + index)" if n > 1 else " (1 file)"
-        rows.append([label, fmt(sec(m)), f"{med[m] / dcp:.2f}x", fmt([r["process_seconds"] for r in runs[m]]),
-                     f"{max(r['peak_rss'] for r in runs[m]) / 1e9:.2f}", checks[m][1],
-                     {True: "yes", False: "**no**", None: "n/a"}[repro[m]]])
+        rows.append(
+            [
+                label,
+                fmt(sec(m)),
+                f"{med[m] / dcp:.2f}x",
+                fmt([r["process_seconds"] for r in runs[m]]),
+                f"{max(r['peak_rss'] for r in runs[m]) / 1e9:.2f}",
+                checks[m][1],
+                {True: "yes", False: "**no**", None: "n/a"}[repro[m]],
+            ]
+        )
     ours, durable, acc = med["ours_fp32"], med["dcp_consolidate+durable"], med["accelerate_merge"]
     peak = max(r["peak_rss"] for m in ("ours_fp32", "ours_bf16", "ours_fp32@300MB") for r in runs[m])
     bound = params * 4 + 0.5e9
-    goal = ("met" if ours <= dcp else f"**missed** by {ours / dcp - 1:.0%} ({ours:.2f} s vs {dcp:.2f} s; the extra work: "
-            "CRC-32 of every model byte against its zip record before writing, sha256 of every file, fsync, atomic "
-            f"commit; against DCP doing the same work (sha256 + fsync) ours is {ours / durable:.2f}x)")
-    body = "\n".join([
-        f"{params / 1e6:.0f}M-parameter Llama, FSDP2 at 2 ranks (training checkpoint {ckpt_bytes / 1e9:.2f} GB with "
-        f"AdamW state); accelerate {accelerate.__version__}. Each run a fresh process, libraries imported before the "
-        f"clock, inputs in the page cache (warm), earlier outputs synced; {args.warmup} warm-up round, then "
-        f"{args.repeat} alternated rounds; median (min–max).",
-        "",
-        md_table(["method", "time (s)", "vs DCP consolidate", "whole process (s)", "peak RSS (GB)", "output check",
-                  "byte-reproducible (2 runs, sha256)"], rows, "lrrrrll"),
-        "",
-        f"- ours no slower than DCP `consolidate_safetensors_files` on equal work: {goal}",
-        f"- ours <= 0.2x Accelerate's `merge_fsdp_weights`: {ours:.2f} s = {ours / acc:.2f}x: "
-        f"{'met' if ours <= 0.2 * acc else '**missed**'}",
-        f"- ours peak RSS <= one shard + 0.5 GB ({bound / 1e9:.2f} GB): {peak / 1e9:.2f} GB: "
-        f"{'met' if peak <= bound else '**missed**'}",
-    ])
+    goal = (
+        "met"
+        if ours <= dcp
+        else f"**missed** by {ours / dcp - 1:.0%} ({ours:.2f} s vs {dcp:.2f} s; the extra work: "
+        "CRC-32 of every model byte against its zip record before writing, sha256 of every file, fsync, atomic "
+        f"commit; against DCP doing the same work (sha256 + fsync) ours is {ours / durable:.2f}x)"
+    )
+    body = "\n".join(
+        [
+            f"{params / 1e6:.0f}M-parameter Llama, FSDP2 at 2 ranks "
+            f"(training checkpoint {ckpt_bytes / 1e9:.2f} GB with "
+            f"AdamW state); accelerate {accelerate.__version__}. "
+            "Each run a fresh process, libraries imported before the "
+            f"clock, inputs in the page cache (warm), earlier outputs synced; {args.warmup} warm-up round, then "
+            f"{args.repeat} alternated rounds; median (min–max).",
+            "",
+            md_table(
+                [
+                    "method",
+                    "time (s)",
+                    "vs DCP consolidate",
+                    "whole process (s)",
+                    "peak RSS (GB)",
+                    "output check",
+                    "byte-reproducible (2 runs, sha256)",
+                ],
+                rows,
+                "lrrrrll",
+            ),
+            "",
+            f"- ours no slower than DCP `consolidate_safetensors_files` on equal work: {goal}",
+            f"- ours <= 0.2x Accelerate's `merge_fsdp_weights`: {ours:.2f} s = {ours / acc:.2f}x: "
+            f"{'met' if ours <= 0.2 * acc else '**missed**'}",
+            f"- ours peak RSS <= one shard + 0.5 GB ({bound / 1e9:.2f} GB): {peak / 1e9:.2f} GB: "
+            f"{'met' if peak <= bound else '**missed**'}",
+        ]
+    )
     publish(args.name, body)
     plot(args.name)
     failed = [f"{m}: {c}" for m, (ok, c) in checks.items() if not ok]

@@ -56,29 +56,72 @@ def memory_cgroup_here() -> bool:
 
 def cases(oom_real: bool) -> list[Case]:
     # without a memory cgroup the rank SIGKILLs itself: right is a SIGKILL that does not claim the OOM killer
-    oom_cause = (r"OOM killer" if oom_real
-                 else r"^(?!.*(OOM killer \(SIGKILL|most likely by the kernel)).*killed by SIGKILL")
+    oom_cause = (
+        r"OOM killer" if oom_real else r"^(?!.*(OOM killer \(SIGKILL|most likely by the kernel)).*killed by SIGKILL"
+    )
     return [
-        Case("SIGKILL rank 1 (kill -9 from outside)", ("--mode", "train", "--sleep", "0.3"), 1,
-             r"killed by SIGKILL", outside="kill1", until=200),
-        Case("SIGKILL rank 0 (kill -9 from outside)", ("--mode", "train", "--sleep", "0.3"), 0,
-             r"killed by SIGKILL", outside="kill0", until=200),
-        Case("out of memory on rank 1" + (" (real OOM kill, memory cgroup)" if oom_real else
-                                          " (no memory cgroup here: SIGKILL, no OOM may be claimed)"),
-             ("--mode", "oom", "--rank", "1"), 1, oom_cause),
+        Case(
+            "SIGKILL rank 1 (kill -9 from outside)",
+            ("--mode", "train", "--sleep", "0.3"),
+            1,
+            r"killed by SIGKILL",
+            outside="kill1",
+            until=200,
+        ),
+        Case(
+            "SIGKILL rank 0 (kill -9 from outside)",
+            ("--mode", "train", "--sleep", "0.3"),
+            0,
+            r"killed by SIGKILL",
+            outside="kill0",
+            until=200,
+        ),
+        Case(
+            "out of memory on rank 1"
+            + (
+                " (real OOM kill, memory cgroup)"
+                if oom_real
+                else " (no memory cgroup here: SIGKILL, no OOM may be claimed)"
+            ),
+            ("--mode", "oom", "--rank", "1"),
+            1,
+            oom_cause,
+        ),
         Case("raise ValueError on rank 1", ("--mode", "raise", "--rank", "1"), 1, r"ValueError: boom on rank 1"),
-        Case("os._exit(0) in the loop, every rank", ("--mode", "exit0", "--rank", "-1"), None,
-             r"exited with code 0 before its segment ended"),
-        Case("os._exit(0) in the loop, rank 1", ("--mode", "exit0", "--rank", "1"), 1,
-             r"exited with code 0 before its segment ended"),
+        Case(
+            "os._exit(0) in the loop, every rank",
+            ("--mode", "exit0", "--rank", "-1"),
+            None,
+            r"exited with code 0 before its segment ended",
+        ),
+        Case(
+            "os._exit(0) in the loop, rank 1",
+            ("--mode", "exit0", "--rank", "1"),
+            1,
+            r"exited with code 0 before its segment ended",
+        ),
         Case("os._exit(3) on rank 1", ("--mode", "exit3", "--rank", "1"), 1, r"code 3"),
-        Case("rank 1 hangs (deadlock), then SIGTERM", ("--mode", "hang", "--rank", "1", "--sleep", "0.1"), 1,
-             r"outside any collective", outside="term", until=1000),
+        Case(
+            "rank 1 hangs (deadlock), then SIGTERM",
+            ("--mode", "hang", "--rank", "1", "--sleep", "0.1"),
+            1,
+            r"outside any collective",
+            outside="term",
+            until=1000,
+        ),
         # rank 0 receives rank 1's longer message: gloo's size check aborts it (rank 1 then loses its peer)
-        Case("different widths per rank (rank 1 wider)", ("--mode", "widths", "--rank", "1"), 0,
-             r"SIGABRT: terminate called after throwing gloo::EnforceNotMet"),
-        Case("a forked daemon ignoring SIGTERM (rank 1), then train again", ("--mode", "orphan", "--rank", "1"), 1,
-             r"outlived them"),
+        Case(
+            "different widths per rank (rank 1 wider)",
+            ("--mode", "widths", "--rank", "1"),
+            0,
+            r"SIGABRT: terminate called after throwing gloo::EnforceNotMet",
+        ),
+        Case(
+            "a forked daemon ignoring SIGTERM (rank 1), then train again",
+            ("--mode", "orphan", "--rank", "1"),
+            1,
+            r"outlived them",
+        ),
     ]
 
 
@@ -88,8 +131,13 @@ def rank_pid(run: Path, rank: int) -> int | None:
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
-            if str(run) in cmd and "trainer.segment" in cmd and "torch.distributed.run" not in cmd \
-                    and p.environ().get("RANK") == str(rank) and os.getsid(p.pid) == p.pid:
+            if (
+                str(run) in cmd
+                and "trainer.segment" in cmd
+                and "torch.distributed.run" not in cmd
+                and p.environ().get("RANK") == str(rank)
+                and os.getsid(p.pid) == p.pid
+            ):
                 return p.pid
         except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
             continue
@@ -109,10 +157,31 @@ def steps(run: Path) -> int:
 
 
 def train(root: Path, run: Path, case: Case) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "COLUMNS": "1000",
-           "SHARDKEEPER_PROGRESS_S": "0", "PYTHONPATH": str(root)}
-    argv = [sys.executable, "-m", "shardkeeper", "train", "--script", str(SCRIPT), "--run-dir", str(run),
-            "--until-step", str(case.until), "--nproc", "2", *no_restarts(root), "--", *case.args]
+    env = {
+        **os.environ,
+        "SHARDKEEPER_DEVICE": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "COLUMNS": "1000",
+        "SHARDKEEPER_PROGRESS_S": "0",
+        "PYTHONPATH": str(root),
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "shardkeeper",
+        "train",
+        "--script",
+        str(SCRIPT),
+        "--run-dir",
+        str(run),
+        "--until-step",
+        str(case.until),
+        "--nproc",
+        "2",
+        *no_restarts(root),
+        "--",
+        *case.args,
+    ]
     proc = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if case.outside:
@@ -144,7 +213,7 @@ def the_line(res: subprocess.CompletedProcess) -> str:
     said = [ln.strip() for ln in lines if re.match(r"^(error: )?segment \d+ ", ln.strip())]
     said = said or [ln.strip() for ln in lines if ln.startswith("error: ")]  # refused before it started
     extra = [ln.strip() for ln in lines if ln.startswith("shardkeeper: ") and ("outlived" in ln or "SIGTERM:" in ln)]
-    return " / ".join([*extra, *(said[-1:] or ["(no segment line; rc %d)" % res.returncode])])
+    return " / ".join([*extra, *(said[-1:] or ["(no segment line; rc %d)" % res.returncode])])  # noqa: UP031
 
 
 def first_clause(line: str) -> str:
@@ -172,8 +241,14 @@ def run_case(root: Path, work: Path, case: Case) -> tuple[str, str, str]:
     run = work / re.sub(r"\W+", "-", case.name)[:40]
     shutil.rmtree(run, ignore_errors=True)
     if case.name.startswith("a forked"):
-        case = Case(case.name, (*case.args, "--orphan-pid-file", str(run.parent / f"{run.name}.daemon")), case.rank,
-                    case.cause, case.outside, case.until)
+        case = Case(
+            case.name,
+            (*case.args, "--orphan-pid-file", str(run.parent / f"{run.name}.daemon")),
+            case.rank,
+            case.cause,
+            case.outside,
+            case.until,
+        )
     res = train(root, run, case)
     line = public(the_line(res), run)
     if case.name.startswith("a forked"):
@@ -237,8 +312,11 @@ def main() -> None:
     if args.baseline:
         head += ["baseline's line", "baseline right rank / cause"]
     right = sum(r[2] == "yes" and r[3] == "yes" for r in rows)
-    body = (md_table(head, rows) + f"\n\n{right} of {len(rows)} cases name the right rank and cause"
-            + (f"; the baseline: {sum(r[-1] == 'yes / yes' for r in rows)} of {len(rows)}." if args.baseline else "."))
+    body = (
+        md_table(head, rows)
+        + f"\n\n{right} of {len(rows)} cases name the right rank and cause"
+        + (f"; the baseline: {sum(r[-1] == 'yes / yes' for r in rows)} of {len(rows)}." if args.baseline else ".")
+    )
     publish("failure-attribution", body)
 
 

@@ -2,7 +2,7 @@
 
     flock /tmp/shardkeeper-heavy.lock python bench/goodput_bench.py --backend fsdp2 --backend deepspeed
         # ~11 min on 2 cores; both measured: publishes bench/results/goodput.md
-    python bench/goodput_bench.py --backend fsdp2    # one backend (kept in bench/out/goodput/); --publish: table of both
+    python bench/goodput_bench.py --backend fsdp2   # one backend (kept in bench/out/goodput/); --publish: table of both
     python bench/goodput_bench.py --backend fsdp2 --layers 2 --target-s 3   # quick smoke run
     python bench/goodput_bench.py --backend fsdp2 --device cuda --nproc 1 --seq 256 --batch 16
         # on a GPU node (NCCL): training on the GPU, the save's background work on host cores;
@@ -41,16 +41,30 @@ GOAL_STALL = 0.10
 def spec_for(backend: str, layers: int, seq: int, batch: int = 4):
     from schemas import RunSpec
 
-    return RunSpec.model_validate({
-        "name": f"goodput-{backend}", "global_batch_size": batch, "seed": 0, "backend": backend,
-        "deepspeed": {"zero_stage": 2},
-        "model": {"model_type": "llama", "config": {
-            "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": layers,
-            "num_attention_heads": 16, "num_key_value_heads": 8, "max_position_embeddings": 256,
-            "tie_word_embeddings": False}},
-        "data": {"seq_len": seq, "synthetic_tokens": 1 << 16},
-        "checkpoint": {"interval": 1 << 30, "keep_last": 1, "io_threads": 2, "async_save": True},
-    })
+    return RunSpec.model_validate(
+        {
+            "name": f"goodput-{backend}",
+            "global_batch_size": batch,
+            "seed": 0,
+            "backend": backend,
+            "deepspeed": {"zero_stage": 2},
+            "model": {
+                "model_type": "llama",
+                "config": {
+                    "vocab_size": 32000,
+                    "hidden_size": 1024,
+                    "intermediate_size": 2816,
+                    "num_hidden_layers": layers,
+                    "num_attention_heads": 16,
+                    "num_key_value_heads": 8,
+                    "max_position_embeddings": 256,
+                    "tie_word_embeddings": False,
+                },
+            },
+            "data": {"seq_len": seq, "synthetic_tokens": 1 << 16},
+            "checkpoint": {"interval": 1 << 30, "keep_last": 1, "io_threads": 2, "async_save": True},
+        }
+    )
 
 
 def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> dict:
@@ -71,8 +85,9 @@ def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> d
     def step() -> None:
         nonlocal ts
         seg.train_step(ts.step, None)
-        ts = TrainState(step=ts.step + 1, tokens=ts.tokens + seg.tokens_per_step,
-                        samples=ts.samples + seg.spec.global_batch_size)
+        ts = TrainState(
+            step=ts.step + 1, tokens=ts.tokens + seg.tokens_per_step, samples=ts.samples + seg.spec.global_batch_size
+        )
 
     def slowest(x: float) -> float:
         t = torch.tensor([x], dtype=torch.float64)
@@ -107,8 +122,15 @@ def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> d
             seg.ckpt.wait()  # the last save's commit belongs to its phase
             dist.barrier(group=group)
             wall = slowest(time.perf_counter() - t0)
-            phases.append({"mode": mode, "steps": n, "wall_s": wall, "tokens_s": n * seg.tokens_per_step / wall,
-                           "stalls_s": stalls})
+            phases.append(
+                {
+                    "mode": mode,
+                    "steps": n,
+                    "wall_s": wall,
+                    "tokens_s": n * seg.tokens_per_step / wall,
+                    "stalls_s": stalls,
+                }
+            )
     sync = []
     for _ in range(2):
         step()
@@ -121,10 +143,23 @@ def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> d
     ck = seg.ckpt.run_dir.checkpoint(ts.step)
     nbytes = sum(f.stat().st_size for f in ck.rglob("*") if f.is_file())
     params = sum(math.prod(p.shape) for p in seg.model.parameters())  # a DTensor's shape is the whole tensor's
-    device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else f"CPU, {env.world_size} gloo ranks"
-    return {"backend": seg.spec.backend, "device": device, "world_size": env.world_size, "step_s": step_s, "k": k, "steps_per_phase": n, "phases": phases,
-            "sync_s": sync, "warm_up_steps": warm, "tokens_per_step": seg.tokens_per_step, "params": params,
-            "checkpoint_bytes": nbytes}
+    device = (
+        torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else f"CPU, {env.world_size} gloo ranks"
+    )
+    return {
+        "backend": seg.spec.backend,
+        "device": device,
+        "world_size": env.world_size,
+        "step_s": step_s,
+        "k": k,
+        "steps_per_phase": n,
+        "phases": phases,
+        "sync_s": sync,
+        "warm_up_steps": warm,
+        "tokens_per_step": seg.tokens_per_step,
+        "params": params,
+        "checkpoint_bytes": nbytes,
+    }
 
 
 def measure(backend: str, args: argparse.Namespace) -> dict:
@@ -140,8 +175,17 @@ def measure(backend: str, args: argparse.Namespace) -> dict:
     shutil.rmtree(run, ignore_errors=True)
     prepare_run_dir(RunDir.at(run), spec_for(backend, args.layers, args.seq, args.batch))
     try:
-        res = spawn(worker, args.nproc, str(run), args.warm, args.target_s, args.saves, args.reps, timeout=1800,
-                    device=args.device)[0]
+        res = spawn(
+            worker,
+            args.nproc,
+            str(run),
+            args.warm,
+            args.target_s,
+            args.saves,
+            args.reps,
+            timeout=1800,
+            device=args.device,
+        )[0]
     finally:
         shutil.rmtree(run, ignore_errors=True)
     res.update(layers=args.layers, seq=args.seq, target_s=args.target_s)
@@ -167,19 +211,34 @@ def table(results: list[dict]) -> str:
         stall, sync = statistics.median(stalls), statistics.median(r["sync_s"])
         g_ok = "met" if ratio >= GOAL_GOODPUT else f"missed by {GOAL_GOODPUT - ratio:.3f}"
         s_ok = "met" if stall <= GOAL_STALL * sync else f"missed by {stall / sync - GOAL_STALL:.1%} of a sync save"
-        rows.append([
-            "FSDP2 (DCP)" if r["backend"] == "fsdp2" else "DeepSpeed ZeRO-2",
-            f"{r['k']} ({r['step_s']:.2f} s/step, a save every ~{r['k'] * r['step_s']:.0f} s)",
-            fmt(plain, 1), fmt(ck, 1), f"**{ratio:.3f}** ({g_ok})",
-            f"{fmt(stalls)} s (first {stalls[0]:.2f} s)", fmt(r["sync_s"]),
-            f"{100 * stall / sync:.1f} % ({s_ok})",
-        ])
-        notes.append(f"{r['backend']} on {r.get('device', 'CPU, 2 gloo ranks')}: {r['params'] / 1e6:.0f}M parameters, "
-                     f"{r['tokens_per_step']} tokens per step, checkpoint {r['checkpoint_bytes'] / 1e9:.2f} GB, "
-                     f"{r['steps_per_phase']} steps per phase ({len(stalls) // max(len(ck), 1)} saves in each ckpt phase), "
-                     f"{len(ck)}+{len(plain)} alternated phases, {r['warm_up_steps']} warm-up steps excluded")
-    head = ["backend", "K (steps per save)", "tokens/s, no checkpoints", "tokens/s, async save every K",
-            "goodput (goal ≥ 0.95)", "stall per save (slower rank)", "sync save (s)", "stall ÷ sync save (goal ≤ 10 %)"]
+        rows.append(
+            [
+                "FSDP2 (DCP)" if r["backend"] == "fsdp2" else "DeepSpeed ZeRO-2",
+                f"{r['k']} ({r['step_s']:.2f} s/step, a save every ~{r['k'] * r['step_s']:.0f} s)",
+                fmt(plain, 1),
+                fmt(ck, 1),
+                f"**{ratio:.3f}** ({g_ok})",
+                f"{fmt(stalls)} s (first {stalls[0]:.2f} s)",
+                fmt(r["sync_s"]),
+                f"{100 * stall / sync:.1f} % ({s_ok})",
+            ]
+        )
+        notes.append(
+            f"{r['backend']} on {r.get('device', 'CPU, 2 gloo ranks')}: {r['params'] / 1e6:.0f}M parameters, "
+            f"{r['tokens_per_step']} tokens per step, checkpoint {r['checkpoint_bytes'] / 1e9:.2f} GB, "
+            f"{r['steps_per_phase']} steps per phase ({len(stalls) // max(len(ck), 1)} saves in each ckpt phase), "
+            f"{len(ck)}+{len(plain)} alternated phases, {r['warm_up_steps']} warm-up steps excluded"
+        )
+    head = [
+        "backend",
+        "K (steps per save)",
+        "tokens/s, no checkpoints",
+        "tokens/s, async save every K",
+        "goodput (goal ≥ 0.95)",
+        "stall per save (slower rank)",
+        "sync save (s)",
+        "stall ÷ sync save (goal ≤ 10 %)",
+    ]
     return md_table(head, rows, "llrrrrrr") + "\n\n" + "\n".join(f"- {n}" for n in notes)
 
 
@@ -189,8 +248,11 @@ def plot() -> Path:
     drawn at other intervals, T / (T + c); the dot is the measured point."""
     from benchlib import RESULTS, numbers, plot_from_table, table_rows
 
-    tables = [(name, where) for name, where in (("goodput", "CPU, 2 ranks"), ("goodput-gpu", "1 GPU"))
-              if (RESULTS / f"{name}.md").is_file()]
+    tables = [
+        (name, where)
+        for name, where in (("goodput", "CPU, 2 ranks"), ("goodput-gpu", "1 GPU"))
+        if (RESULTS / f"{name}.md").is_file()
+    ]
 
     def draw(fig) -> None:
         ax = fig.add_subplot()
@@ -201,12 +263,17 @@ def plot() -> Path:
                 interval, good = k * step_s, numbers(row["goodput (goal ≥ 0.95)"])[0]
                 cost = interval * (1 / good - 1)
                 style = "-" if name == "goodput" else "--"
-                line, = ax.plot(xs, [x / (x + cost) for x in xs], style, label=f"{row['backend']}, {where}")
+                (line,) = ax.plot(xs, [x / (x + cost) for x in xs], style, label=f"{row['backend']}, {where}")
                 ax.plot([interval], [good], "o", color=line.get_color())
         ax.axhline(GOAL_GOODPUT, color="grey", lw=1, ls=":")
-        ax.annotate(f"goal ≥ {GOAL_GOODPUT}", (600, GOAL_GOODPUT), textcoords="offset points", xytext=(-4, -11),
-                    ha="right",
-                    color="grey")
+        ax.annotate(
+            f"goal ≥ {GOAL_GOODPUT}",
+            (600, GOAL_GOODPUT),
+            textcoords="offset points",
+            xytext=(-4, -11),
+            ha="right",
+            color="grey",
+        )
         ax.set_xscale("log")
         ax.set_xlim(xs[0], 600)
         ax.set_ylim(0.5, 1.0)
@@ -244,12 +311,17 @@ def main() -> None:
     from benchlib import publish
 
     if args.device == "cuda":
-        publish("goodput" + gpu_suffix(args),
-                table([json.loads((OUT / f"{b}{gpu_suffix(args)}.json").read_text()) for b in args.backend or []]))
+        publish(
+            "goodput" + gpu_suffix(args),
+            table([json.loads((OUT / f"{b}{gpu_suffix(args)}.json").read_text()) for b in args.backend or []]),
+        )
     elif args.publish or set(args.backend or []) == {"fsdp2", "deepspeed"}:
         have = [b for b in ("fsdp2", "deepspeed") if (OUT / f"{b}.json").is_file()]
-        missing = "".join(f"\n- {b}: not measured (no {OUT.name}/{b}.json); run --backend {b}"
-                          for b in ("fsdp2", "deepspeed") if b not in have)
+        missing = "".join(
+            f"\n- {b}: not measured (no {OUT.name}/{b}.json); run --backend {b}"
+            for b in ("fsdp2", "deepspeed")
+            if b not in have
+        )
         publish("goodput", table([json.loads((OUT / f"{b}.json").read_text()) for b in have]) + missing)
     else:
         return

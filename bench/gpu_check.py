@@ -41,22 +41,59 @@ def commands(a: argparse.Namespace, gpus: int) -> dict[str, tuple[list[str] | No
     backends = ["--backend", "fsdp2"] + (["--backend", "deepspeed"] if have_ds else [])
     memtier = (ROOT / "bench" / "memtier_bench.py").is_file()
     return {
-        "tests": ([py, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider"], 200,
-                  "GPU-marked tests"),
-        "goodput": ([py, "bench/goodput_bench.py", *backends, "--device", "cuda", "--nproc", str(gpus), "--seq", "256",
-                     "--batch", str(16 * gpus), "--saves", "2", "--reps", "1", "--warm", "3",
-                     "--target-s", str(a.goodput_target_s)], 240,
-                    "goodput, FSDP2" + (" and DeepSpeed" if have_ds else " (DeepSpeed is not installed)")),
-        "memtier": (([py, "bench/memtier_bench.py", "--device", "cuda", "--reps", "1"] if memtier and gpus >= 2
-                     else None), 180,
-                    "in-memory tier: snapshot stall, goodput, crash -> restart" if memtier and gpus >= 2 else
-                    f"in-memory tier: needs 2 GPUs for its 2-rank segments ({gpus} here)" if memtier else
-                    "no bench/memtier_bench.py in this checkout"),
-        "recovery": (([py, "bench/recovery_bench.py", "--device", "cuda", "--reps", "1", "--layers", "16"]
-                      if gpus >= 2 else None), 240,
-                     "recovery time" if gpus >= 2 else f"needs 2 GPUs for its 2-rank segments ({gpus} here)"),
-        "finetune": ([py, "bench/gpu_finetune.py", "--size", a.finetune_size, "--steps", "20"], 300,
-                     "pretrained fine-tune segment"),
+        "tests": (
+            [py, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider"],
+            200,
+            "GPU-marked tests",
+        ),
+        "goodput": (
+            [
+                py,
+                "bench/goodput_bench.py",
+                *backends,
+                "--device",
+                "cuda",
+                "--nproc",
+                str(gpus),
+                "--seq",
+                "256",
+                "--batch",
+                str(16 * gpus),
+                "--saves",
+                "2",
+                "--reps",
+                "1",
+                "--warm",
+                "3",
+                "--target-s",
+                str(a.goodput_target_s),
+            ],
+            240,
+            "goodput, FSDP2" + (" and DeepSpeed" if have_ds else " (DeepSpeed is not installed)"),
+        ),
+        "memtier": (
+            ([py, "bench/memtier_bench.py", "--device", "cuda", "--reps", "1"] if memtier and gpus >= 2 else None),
+            180,
+            "in-memory tier: snapshot stall, goodput, crash -> restart"
+            if memtier and gpus >= 2
+            else f"in-memory tier: needs 2 GPUs for its 2-rank segments ({gpus} here)"
+            if memtier
+            else "no bench/memtier_bench.py in this checkout",
+        ),
+        "recovery": (
+            (
+                [py, "bench/recovery_bench.py", "--device", "cuda", "--reps", "1", "--layers", "16"]
+                if gpus >= 2
+                else None
+            ),
+            240,
+            "recovery time" if gpus >= 2 else f"needs 2 GPUs for its 2-rank segments ({gpus} here)",
+        ),
+        "finetune": (
+            [py, "bench/gpu_finetune.py", "--size", a.finetune_size, "--steps", "20"],
+            300,
+            "pretrained fine-tune segment",
+        ),
     }
 
 
@@ -78,15 +115,24 @@ def main(argv: list[str] | None = None) -> int:
         print("error: torch is not installed; run `make gpu-check` (it installs .venv-gpu)", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print(f"error: no CUDA GPU visible (torch {torch.__version__}, torch.cuda.is_available() is False); run "
-              "`make gpu-check` on a GPU node, with a CUDA build of torch (GPU_TORCH_SPEC)", file=sys.stderr)
+        print(
+            f"error: no CUDA GPU visible (torch {torch.__version__}, torch.cuda.is_available() is False); run "
+            "`make gpu-check` on a GPU node, with a CUDA build of torch (GPU_TORCH_SPEC)",
+            file=sys.stderr,
+        )
         return 2
     gpus = torch.cuda.device_count()
     name = torch.cuda.get_device_name(0)
-    print(f"gpu-check: {gpus} x {name}, torch {torch.__version__} (CUDA {torch.version.cuda}); budget {a.budget_s:.0f} s",
-          flush=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    print(
+        f"gpu-check: {gpus} x {name}, torch {torch.__version__} (CUDA {torch.version.cuda}); budget {a.budget_s:.0f} s",
+        flush=True,
+    )
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     start = time.monotonic()
     rows: list[list[str]] = []
     failed = False
@@ -114,9 +160,12 @@ def main(argv: list[str] | None = None) -> int:
 
     total = time.monotonic() - start
     body = md_table(["part", "what", "result", "seconds"], rows)
-    publish("gpu-check", f"{body}\n\n{gpus} x {name}; the whole check took {total:.0f} s (budget {a.budget_s:.0f} s). "
-            "The figures are in the tables each part published (goodput-gpu, memtier-gpu, recovery-gpu, gpu-finetune).",
-            argv=[sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    publish(
+        "gpu-check",
+        f"{body}\n\n{gpus} x {name}; the whole check took {total:.0f} s (budget {a.budget_s:.0f} s). "
+        "The figures are in the tables each part published (goodput-gpu, memtier-gpu, recovery-gpu, gpu-finetune).",
+        argv=[sys.argv[0], *(argv if argv is not None else sys.argv[1:])],
+    )
     return 1 if failed else 0
 
 

@@ -33,8 +33,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 # dense bf16 peak (TFLOP/s, without sparsity) of the GPUs this is run on; others: --peak-tflops
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 80GB HBM3": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0,
-                    "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 125.0}
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100 80GB HBM3": 989.0,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10G": 125.0,
+}
 
 
 def peak_tflops(name: str) -> float | None:
@@ -48,10 +57,16 @@ def config(base: Path, work: Path, nproc: int, seq: int, per_rank_batch: int, st
     import yaml
 
     spec = {
-        "name": "gpu-finetune", "global_batch_size": per_rank_batch * nproc, "seed": 0,
+        "name": "gpu-finetune",
+        "global_batch_size": per_rank_batch * nproc,
+        "seed": 0,
         "model": {"pretrained": str(base)},
         "precision": {"compute": "bf16"},
-        "data": {"source": "synthetic", "seq_len": seq, "synthetic_tokens": max(1 << 20, 4 * seq * per_rank_batch * nproc)},
+        "data": {
+            "source": "synthetic",
+            "seq_len": seq,
+            "synthetic_tokens": max(1 << 20, 4 * seq * per_rank_batch * nproc),
+        },
         "optim": {"lr": 1e-5, "weight_decay": 0.0},
         "schedule": {"warmup_steps": 0, "total_steps": steps},
         "checkpoint": {"interval": 1 << 20, "keep_last": 1},
@@ -72,8 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="the GPU's dense bf16 peak, if not in the table")
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-finetune"))
     ap.add_argument("--no-publish", action="store_true")
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run of this script only "
-                    "(2 gloo ranks, nothing published)")
+    ap.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: a smoke run of this script only (2 gloo ranks, nothing published)",
+    )
     a = ap.parse_args(argv)
     import torch
 
@@ -82,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         print("error: bench/gpu_finetune.py needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    from infra.make_tiny_pretrained import SIZES, make
+    from infra.make_tiny_pretrained import make
     from shardkeeper.config import load_run_spec
     from shardkeeper.preflight import estimate_memory
 
@@ -99,11 +118,31 @@ def main(argv: list[str] | None = None) -> int:
     conf = config(base, a.work, nproc, a.seq, a.batch, a.steps)
     run = a.work / "run"
     shutil.rmtree(run, ignore_errors=True)
-    cmd = [sys.executable, "-m", "shardkeeper", "train", "--config", str(conf), "--run-dir", str(run), "--nproc",
-           str(nproc), "--until-step", str(a.steps), "--device", a.device]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardkeeper",
+        "train",
+        "--config",
+        str(conf),
+        "--run-dir",
+        str(run),
+        "--nproc",
+        str(nproc),
+        "--until-step",
+        str(a.steps),
+        "--device",
+        a.device,
+    ]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     first_step = None
     out: list[str] = []
     metrics = run / "metrics.jsonl"
@@ -145,19 +184,21 @@ def main(argv: list[str] | None = None) -> int:
     from benchlib import fmt
 
     gib = 2**30
-    table = "\n".join([
-        "| model | GPUs | time to first step | tokens/s (median, min–max) | MFU | peak GPU memory (rank 0) | "
-        "preflight estimate (lower bound) |",
-        "|---|---|---:|---:|---:|---:|---:|",
-        f"| {params / 1e9:.2f}B Llama, pretrained folder, bf16 compute + fp32 master, AdamW, seq {a.seq}, "
-        f"{a.batch} seq/rank | {nproc} x {gpu} | {first_step:.1f} s | {fmt(tok_s, 0)} | "
-        f"{fmt([m * 100 for m in mfu], 1) + ' %' if mfu else 'n/a (unknown peak: --peak-tflops)'} | "
-        f"{f'{peak_mib / 1024:.1f} GiB' if peak_mib else 'n/a'} | {est.train_bytes / gib:.1f} GiB |",
-        "",
-        f"{a.steps} steps through `shardkeeper train --device {a.device} --nproc {nproc}`; tokens/s over steps "
-        f"{a.warm + 1}–{a.steps}; MFU against {peak or '?'} TFLOP/s dense bf16 per GPU; the folder was made in "
-        f"{made_s:.0f} s (not counted).",
-    ])
+    table = "\n".join(
+        [
+            "| model | GPUs | time to first step | tokens/s (median, min–max) | MFU | peak GPU memory (rank 0) | "
+            "preflight estimate (lower bound) |",
+            "|---|---|---:|---:|---:|---:|---:|",
+            f"| {params / 1e9:.2f}B Llama, pretrained folder, bf16 compute + fp32 master, AdamW, seq {a.seq}, "
+            f"{a.batch} seq/rank | {nproc} x {gpu} | {first_step:.1f} s | {fmt(tok_s, 0)} | "
+            f"{fmt([m * 100 for m in mfu], 1) + ' %' if mfu else 'n/a (unknown peak: --peak-tflops)'} | "
+            f"{f'{peak_mib / 1024:.1f} GiB' if peak_mib else 'n/a'} | {est.train_bytes / gib:.1f} GiB |",
+            "",
+            f"{a.steps} steps through `shardkeeper train --device {a.device} --nproc {nproc}`; tokens/s over steps "
+            f"{a.warm + 1}–{a.steps}; MFU against {peak or '?'} TFLOP/s dense bf16 per GPU; the folder was made in "
+            f"{made_s:.0f} s (not counted).",
+        ]
+    )
     print(table)
     if not a.no_publish:
         from benchlib import publish

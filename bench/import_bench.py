@@ -1,6 +1,6 @@
 """Import benchmark: ``shardkeeper import`` of a DeepSpeed ZeRO-2 checkpoint into FSDP2 vs DeepSpeed's own extraction.
 
-    python bench/import_bench.py                     # build (or reuse) bench/out/import, measure, print + publish a table
+    python bench/import_bench.py                   # build (or reuse) bench/out/import, measure, print + publish a table
     python bench/import_bench.py --rebuild --repeat 3
     python bench/import_bench.py --hidden 64 --layers 2 --vocab 256 --intermediate 128 --name import-tiny   # CPU smoke
 
@@ -47,17 +47,29 @@ METHODS = ("ds_to_universal", "shardkeeper_import")
 
 def model_config(args: argparse.Namespace) -> dict[str, Any]:
     heads = max(1, args.hidden // 64)
-    return {"vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
-            "num_hidden_layers": args.layers, "num_attention_heads": heads, "num_key_value_heads": heads,
-            "max_position_embeddings": 256, "tie_word_embeddings": False}
+    return {
+        "vocab_size": args.vocab,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    }
 
 
 def run_spec(args: argparse.Namespace) -> dict[str, Any]:
-    return {"name": f"import-h{args.hidden}-l{args.layers}", "backend": "fsdp2", "seed": 1234, "global_batch_size": 2,
-            "model": {"model_type": "llama", "config": model_config(args)},
-            "data": {"source": "synthetic", "seq_len": 32, "synthetic_tokens": 4096},
-            "schedule": {"warmup_steps": 1, "total_steps": 10},
-            "checkpoint": {"interval": 1000, "async_save": False, "keep_last": 3, "io_threads": 4}}
+    return {
+        "name": f"import-h{args.hidden}-l{args.layers}",
+        "backend": "fsdp2",
+        "seed": 1234,
+        "global_batch_size": 2,
+        "model": {"model_type": "llama", "config": model_config(args)},
+        "data": {"source": "synthetic", "seq_len": 32, "synthetic_tokens": 4096},
+        "schedule": {"warmup_steps": 1, "total_steps": 10},
+        "checkpoint": {"interval": 1000, "async_save": False, "keep_last": 3, "io_threads": 4},
+    }
 
 
 # ------------------------------------------------------------------------------------ build input
@@ -72,8 +84,13 @@ def _write_zero2(out: str, config: dict[str, Any]) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config), dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2},
-          "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
+    ds = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
     x = torch.randint(0, config["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(dist.get_rank()))
     engine.backward(engine(input_ids=x, labels=x).loss)
@@ -106,8 +123,16 @@ def build(out: Path, args: argparse.Namespace) -> Path:
 def command(method: str, src: Path, out: Path, config: Path) -> list[str]:
     py = sys.executable
     if method == "ds_to_universal":
-        return [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src / "global_step1"),
-                "--output_folder", str(out), "--inject_missing_state"]
+        return [
+            py,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(src / "global_step1"),
+            "--output_folder",
+            str(out),
+            "--inject_missing_state",
+        ]
     return [py, "-m", "shardkeeper", "import", str(src), "--config", str(config), "--run-dir", str(out)]
 
 
@@ -120,8 +145,14 @@ def run_measure(method: str, src: Path, out: Path, config: Path) -> dict[str, An
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
     peak = 0
     t0 = time.perf_counter()
-    proc = subprocess.Popen(command(method, src, out, config), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        command(method, src, out, config),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     done = threading.Event()
 
     def sample() -> None:
@@ -157,8 +188,11 @@ def compare(run: Path, universal: Path) -> tuple[bool, str]:
     bad = []
     with DCPTensorReader(ckpt) as reader:
         for name in params:
-            for key, ours in (("fp32", f"model.{name}"), ("exp_avg", f"optim.state.{name}.exp_avg"),
-                              ("exp_avg_sq", f"optim.state.{name}.exp_avg_sq")):
+            for key, ours in (
+                ("fp32", f"model.{name}"),
+                ("exp_avg", f"optim.state.{name}.exp_avg"),
+                ("exp_avg_sq", f"optim.state.{name}.exp_avg_sq"),
+            ):
                 ref = torch.load(universal / "zero" / name / f"{key}.pt", weights_only=True)["param"]
                 if not torch.equal(reader.read(ours), ref):
                     bad.append(f"{name}/{key}")
@@ -172,8 +206,8 @@ def run_all(args: argparse.Namespace) -> int:
     from statistics import median as med
 
     import yaml
-
     from benchlib import fmt, md_table, publish
+
     from ckpt.formats.deepspeed import ZeroShards
 
     src = build(args.out, args)
@@ -199,22 +233,42 @@ def run_all(args: argparse.Namespace) -> int:
         return [r["peak_pss"] / 1e9 for r in runs[m]]
 
     ours, ref, mem = med(sec("shardkeeper_import")), med(sec("ds_to_universal")), max(gb("shardkeeper_import"))
-    rows = [["deepspeed `ds_to_universal --inject_missing_state`", fmt(sec("ds_to_universal")), "1.00x",
-             fmt(gb("ds_to_universal")), "reference"],
-            ["`shardkeeper import` into FSDP2 (committed DCP checkpoint)", fmt(sec("shardkeeper_import")),
-             f"{ours / ref:.2f}x", fmt(gb("shardkeeper_import")), check]]
+    rows = [
+        [
+            "deepspeed `ds_to_universal --inject_missing_state`",
+            fmt(sec("ds_to_universal")),
+            "1.00x",
+            fmt(gb("ds_to_universal")),
+            "reference",
+        ],
+        [
+            "`shardkeeper import` into FSDP2 (committed DCP checkpoint)",
+            fmt(sec("shardkeeper_import")),
+            f"{ours / ref:.2f}x",
+            fmt(gb("shardkeeper_import")),
+            check,
+        ],
+    ]
     met = ours <= 0.5 * ref and mem <= 1.0
-    goal = (f"- <= 0.5x `ds_to_universal` at <= 1 GB: {ours:.2f} s = {ours / ref:.2f}x, peak {mem:.2f} GB (highest of "
-            f"the runs): {'met' if met else f'**missed** ({ours / ref:.2f}x, {mem:.2f} GB)'}")
-    body = "\n".join([
-        f"{params / 1e6:.0f}M-parameter ZeRO-2 checkpoint at 2 ranks ({size / 1e9:.2f} GB), written by a plain "
-        f"`engine.save_checkpoint`. Each method a fresh process (imports included), checkpoint in the page cache, "
-        f"{args.repeat} alternated rounds; median (min–max); memory: peak PSS of the process tree.",
-        "",
-        md_table(["method", "time (s)", "vs ds_to_universal", "peak PSS, process tree (GB)", "output check"], rows, "lrrrl"),
-        "",
-        goal,
-    ])
+    goal = (
+        f"- <= 0.5x `ds_to_universal` at <= 1 GB: {ours:.2f} s = {ours / ref:.2f}x, peak {mem:.2f} GB (highest of "
+        f"the runs): {'met' if met else f'**missed** ({ours / ref:.2f}x, {mem:.2f} GB)'}"
+    )
+    body = "\n".join(
+        [
+            f"{params / 1e6:.0f}M-parameter ZeRO-2 checkpoint at 2 ranks ({size / 1e9:.2f} GB), written by a plain "
+            f"`engine.save_checkpoint`. Each method a fresh process (imports included), checkpoint in the page cache, "
+            f"{args.repeat} alternated rounds; median (min–max); memory: peak PSS of the process tree.",
+            "",
+            md_table(
+                ["method", "time (s)", "vs ds_to_universal", "peak PSS, process tree (GB)", "output check"],
+                rows,
+                "lrrrl",
+            ),
+            "",
+            goal,
+        ]
+    )
     publish(args.name, body)
     plot(args.name)
     if not ok:
@@ -235,8 +289,9 @@ def plot(name: str = "import") -> Path:
     def draw(fig) -> None:
         left, right = fig.subplots(1, 2)
         hbars(left, labels, [r["time (s)"] for r in rows], "seconds (median, min–max)", grey=grey)
-        hbars(right, labels, [r["peak PSS, process tree (GB)"] for r in rows], "peak memory, GB (process tree)",
-              grey=grey)
+        hbars(
+            right, labels, [r["peak PSS, process tree (GB)"] for r in rows], "peak memory, GB (process tree)", grey=grey
+        )
         right.set_yticklabels([])
         fig.suptitle("Adopting a DeepSpeed ZeRO-2 checkpoint: shardkeeper import vs ds_to_universal", fontsize=10)
 

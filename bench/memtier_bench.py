@@ -56,8 +56,9 @@ def spec_for(layers: int, seq: int, memory_dir: Path, memory_interval: int, inte
     from goodput_bench import spec_for as goodput_spec
 
     spec = goodput_spec("fsdp2", layers, seq)
-    ck = spec.checkpoint.model_copy(update={"memory_interval": memory_interval, "memory_dir": str(memory_dir),
-                                            "interval": interval, "keep_last": 2})
+    ck = spec.checkpoint.model_copy(
+        update={"memory_interval": memory_interval, "memory_dir": str(memory_dir), "interval": interval, "keep_last": 2}
+    )
     return spec.model_copy(update={"name": "memtier-bench", "checkpoint": ck})
 
 
@@ -82,8 +83,9 @@ def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> d
     def step() -> None:
         nonlocal ts
         seg.train_step(ts.step, None)
-        ts = TrainState(step=ts.step + 1, tokens=ts.tokens + seg.tokens_per_step,
-                        samples=ts.samples + seg.spec.global_batch_size)
+        ts = TrainState(
+            step=ts.step + 1, tokens=ts.tokens + seg.tokens_per_step, samples=ts.samples + seg.spec.global_batch_size
+        )
 
     def slowest(x: float) -> float:
         t = torch.tensor([x], dtype=torch.float64)
@@ -104,7 +106,7 @@ def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> d
     _copy_state_dict(ck.state_dict(ts), bufs)  # first touch of the reference's pages, as warm_up does for staging
     copies, stalls = [], []
     for r in range(reps):
-        for what in (("copy", "snapshot") if r % 2 == 0 else ("snapshot", "copy")):
+        for what in ("copy", "snapshot") if r % 2 == 0 else ("snapshot", "copy"):
             if what == "copy":
                 copies.append(timed(lambda: _copy_state_dict(ck.state_dict(ts), bufs)))
             else:
@@ -120,7 +122,7 @@ def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> d
     n = saves * k
     phases = []
     for r in range(reps):
-        for mode in (("memory", "plain", "storage") if r % 2 == 0 else ("storage", "plain", "memory")):
+        for mode in ("memory", "plain", "storage") if r % 2 == 0 else ("storage", "plain", "memory"):
             phase_stalls = []
             dist.barrier(group=group)
             t0 = time.perf_counter()
@@ -138,14 +140,23 @@ def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> d
     ck.close()
     snap = ck.memory.committed()[-1]
     nbytes = sum(f.stat().st_size for f in snap.rglob("*") if f.is_file())
-    return {"copy_s": copies, "stall_s": stalls, "step_s": step_s, "k": k, "steps_per_phase": n, "phases": phases,
-            "snapshot_bytes": nbytes, "params": sum(p.numel() for p in seg.model.parameters())}
+    return {
+        "copy_s": copies,
+        "stall_s": stalls,
+        "step_s": step_s,
+        "k": k,
+        "steps_per_phase": n,
+        "phases": phases,
+        "snapshot_bytes": nbytes,
+        "params": sum(p.numel() for p in seg.model.parameters()),
+    }
 
 
 # --------------------------------------------------------------------------------------------- 3, segments
 def _kill_after(mem: Path, step: int, killed: list[int]):
     """SIGKILL rank 1 once a snapshot of ``step`` or later is committed (one due while a save is in flight is
     skipped, and retention retires old ones: waiting for exactly ``step`` could wait forever)."""
+
     def on_start(procs: list) -> None:
         deadline = time.time() + 1200
         while time.time() < deadline:
@@ -223,8 +234,9 @@ def _segment(run: Path, until: int, index: int, nodes: int = 1, profile: bool = 
 
     if profile:
         where = run / "restore-profile"
-        assert spawn(profiled_segment, 2, str(run), until, index, str(where), timeout=1200, device=DEVICE,
-                     nodes=nodes) == [0, 0]
+        assert spawn(
+            profiled_segment, 2, str(run), until, index, str(where), timeout=1200, device=DEVICE, nodes=nodes
+        ) == [0, 0]
         parts = [json.loads(Path(f"{where}.{r}.json").read_text()) for r in range(2)]
     else:
         assert spawn(run_segment, 2, str(run), until, index, timeout=1200, device=DEVICE, nodes=nodes) == [0, 0]
@@ -233,22 +245,25 @@ def _segment(run: Path, until: int, index: int, nodes: int = 1, profile: bool = 
     events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
     resumes = [e for e in events if e["kind"] == "resume" and e["data"].get("segment") == index]
     t = status["times"]
-    return {"first_step_s": t["first_step_s"] - (t.get("ranks_started_s") or 0.0),
-            "load_s": (t["loaded_s"] - t["model_built_s"]) if t.get("loaded_s") and t.get("model_built_s") else None,
-            "start_step": status["start_step"], "tier": resumes[-1]["data"].get("tier") if resumes else None,
-            **({"parts": parts} if parts else {})}
+    return {
+        "first_step_s": t["first_step_s"] - (t.get("ranks_started_s") or 0.0),
+        "load_s": (t["loaded_s"] - t["model_built_s"]) if t.get("loaded_s") and t.get("model_built_s") else None,
+        "start_step": status["start_step"],
+        "tier": resumes[-1]["data"].get("tier") if resumes else None,
+        **({"parts": parts} if parts else {}),
+    }
 
 
 def recovery(args: argparse.Namespace) -> dict:
     import queue
+
+    from benchlib import drop_caches
 
     from ckpt.fsutil import dump_yaml
     from ckpt.layout import RunDir
     from shardkeeper.stages import prepare_run_dir
     from tests.harness import metrics, spawn
     from trainer.segment import run_segment
-
-    from benchlib import drop_caches
 
     base = OUT / "recovery"
     mem = Path(args.memory_dir) / "recovery"
@@ -260,14 +275,23 @@ def recovery(args: argparse.Namespace) -> dict:
     prepare_run_dir(RunDir.at(run), spec)
     killed: list[int] = []
     try:
-        spawn(run_segment, 2, str(run), 1 << 20, 0, timeout=20, on_start=_kill_after(mem, crash_at, killed),
-              device=DEVICE)
+        spawn(
+            run_segment, 2, str(run), 1 << 20, 0, timeout=20, on_start=_kill_after(mem, crash_at, killed), device=DEVICE
+        )
     except queue.Empty:
         pass
     trained = max(metrics(run))
     pristine_mem = base / "mem-pristine"
     shutil.copytree(mem, pristine_mem)
-    out: dict = {"trained_before_crash": trained, "crash_at": killed[0] if killed else crash_at, "memory_interval": mem_k, "interval": store_k, "memory": [], "storage": [], "fresh": []}
+    out: dict = {
+        "trained_before_crash": trained,
+        "crash_at": killed[0] if killed else crash_at,
+        "memory_interval": mem_k,
+        "interval": store_k,
+        "memory": [],
+        "storage": [],
+        "fresh": [],
+    }
     for r in range(args.reps):
         order = ("memory", "storage", "fresh") if r % 2 == 0 else ("fresh", "storage", "memory")
         for path in order:
@@ -315,7 +339,7 @@ def node_loss(args: argparse.Namespace) -> dict:
     _segment(run, args.crash_at, 0, nodes=2)
     out: dict = {"same": [], "peer": [], "step": args.crash_at}
     for r in range(args.reps):
-        for path in (("same", "peer") if r % 2 == 0 else ("peer", "same")):
+        for path in ("same", "peer") if r % 2 == 0 else ("peer", "same"):
             work, wmem = base / f"{path}-{r}", Path(args.memory_dir) / f"nodes-{path}-{r}"
             shutil.copytree(run, work)
             shutil.copytree(mem, wmem)
@@ -330,7 +354,9 @@ def node_loss(args: argparse.Namespace) -> dict:
             out[path].append(_segment(work, args.crash_at + 1, 1, nodes=2, profile=True))
             shutil.rmtree(wmem, ignore_errors=True)
             shutil.rmtree(work, ignore_errors=True)
-    out["bytes"] = sum(f.stat().st_size for f in (mem / "nodes" / "node0" / "checkpoints" / f"step-{args.crash_at:08d}").iterdir())
+    out["bytes"] = sum(
+        f.stat().st_size for f in (mem / "nodes" / "node0" / "checkpoints" / f"step-{args.crash_at:08d}").iterdir()
+    )
     shutil.rmtree(mem, ignore_errors=True)
     return out
 
@@ -350,25 +376,40 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | No
     goodput = 1 / (1 / mem_goodput + persist / STORAGE_EVERY_S)
     period = res["k"] * res["step_s"]
     rows = [
-        ["memory snapshot stall vs one host->host copy of the state",
-         f"copy {fmt(res['copy_s'], 3)} s; snapshot stall {fmt(res['stall_s'], 3)} s",
-         f"**{ratio:.2f}x** (goal ≤ {GOAL_STALL}x: {ok(ratio <= GOAL_STALL, f'{ratio:.2f}x')})"],
-        [f"goodput, a memory snapshot every {res['k']} steps (~{period:.0f} s)",
-         f"phase wall ({res['steps_per_phase']} steps), no checkpoints {fmt(plain, 1)} s; with snapshots {fmt(ck, 1)} s",
-         f"{mem_goodput:.3f}"],
-        [f"goodput, a memory snapshot every ~{period:.0f} s and a storage checkpoint every {STORAGE_EVERY_S / 60:.0f} min "
-         "(persisted from its snapshot)",
-         f"phases with snapshots and one storage checkpoint {fmt(store, 1)} s: one storage checkpoint adds "
-         f"{persist:.2f} s, spread over {STORAGE_EVERY_S:.0f} s of training",
-         f"**{goodput:.3f}** (goal ≥ {GOAL_GOODPUT}: {ok(goodput >= GOAL_GOODPUT, f'{GOAL_GOODPUT - goodput:.3f} short')})"],
+        [
+            "memory snapshot stall vs one host->host copy of the state",
+            f"copy {fmt(res['copy_s'], 3)} s; snapshot stall {fmt(res['stall_s'], 3)} s",
+            f"**{ratio:.2f}x** (goal ≤ {GOAL_STALL}x: {ok(ratio <= GOAL_STALL, f'{ratio:.2f}x')})",
+        ],
+        [
+            f"goodput, a memory snapshot every {res['k']} steps (~{period:.0f} s)",
+            f"phase wall ({res['steps_per_phase']} steps), no checkpoints {fmt(plain, 1)} s; "
+            f"with snapshots {fmt(ck, 1)} s",
+            f"{mem_goodput:.3f}",
+        ],
+        [
+            f"goodput, a memory snapshot every ~{period:.0f} s and a storage checkpoint every "
+            f"{STORAGE_EVERY_S / 60:.0f} min "
+            "(persisted from its snapshot)",
+            f"phases with snapshots and one storage checkpoint {fmt(store, 1)} s: one storage checkpoint adds "
+            f"{persist:.2f} s, spread over {STORAGE_EVERY_S:.0f} s of training",
+            f"**{goodput:.3f}** (goal ≥ {GOAL_GOODPUT}: "
+            f"{ok(goodput >= GOAL_GOODPUT, f'{GOAL_GOODPUT - goodput:.3f} short')})",
+        ],
     ]
-    notes = [f"{res['params'] / 1e6:.0f}M parameters, a snapshot of {res['snapshot_bytes'] / 1e9:.2f} GB (both ranks), "
-             f"{res['step_s']:.2f} s per step, {len(res['copy_s'])} copies and {len(res['stall_s'])} snapshots alternated, "
-             f"{len(ck)}+{len(plain)}+{len(store)} goodput phases alternated (snapshots / none / snapshots + one storage "
-             f"checkpoint); goodput with storage every {STORAGE_EVERY_S / 60:.0f} min = 1 / (1 / snapshot goodput + added "
-             f"storage seconds / {STORAGE_EVERY_S:.0f}); memory dir {args.memory_dir}"
-             + (f"; stall and goodput figures taken from an earlier run of this bench ({res['reused_from']}, "
-                f"measured {res.get('measured', 'earlier')})" if res.get("reused_from") else "")]
+    notes = [
+        f"{res['params'] / 1e6:.0f}M parameters, a snapshot of {res['snapshot_bytes'] / 1e9:.2f} GB (both ranks), "
+        f"{res['step_s']:.2f} s per step, {len(res['copy_s'])} copies and {len(res['stall_s'])} snapshots alternated, "
+        f"{len(ck)}+{len(plain)}+{len(store)} goodput phases alternated (snapshots / none / snapshots + one storage "
+        f"checkpoint); goodput with storage every {STORAGE_EVERY_S / 60:.0f} min = 1 / (1 / snapshot goodput + added "
+        f"storage seconds / {STORAGE_EVERY_S:.0f}); memory dir {args.memory_dir}"
+        + (
+            f"; stall and goodput figures taken from an earlier run of this bench ({res['reused_from']}, "
+            f"measured {res.get('measured', 'earlier')})"
+            if res.get("reused_from")
+            else ""
+        )
+    ]
     if rec:
         fresh = [r["first_step_s"] for r in rec["fresh"]]
         memf = [r["first_step_s"] for r in rec["memory"]]
@@ -377,44 +418,67 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | No
         lost_m = max(r["lost"] for r in rec["memory"])
         lost_s = max(r["lost"] for r in rec["storage"])
         rows += [
-            ["rank crash -> training again, from memory (time to first step from process start)",
-             f"{fmt(memf)} s (load {fmt([r['load_s'] for r in rec['memory']])} s); steps lost {lost_m} "
-             f"(memory_interval {rec['memory_interval']}); tier {rec['memory'][0]['tier']}",
-             f"**fresh start + {over:.2f} s** (goal ≤ + {GOAL_RECOVERY_S} s: {ok(over <= GOAL_RECOVERY_S, f'+{over:.2f} s')}); "
-             f"steps lost {ok(lost_m <= rec['memory_interval'], str(lost_m))}"],
-            ["rank crash -> training again, from storage",
-             f"{fmt(stof)} s (load {fmt([r['load_s'] for r in rec['storage']])} s); steps lost {lost_s} "
-             f"(interval {rec['interval']}); "
-             f"tier {rec['storage'][0]['tier']}",
-             f"fresh start + {statistics.median(stof) - statistics.median(fresh):.2f} s"],
+            [
+                "rank crash -> training again, from memory (time to first step from process start)",
+                f"{fmt(memf)} s (load {fmt([r['load_s'] for r in rec['memory']])} s); steps lost {lost_m} "
+                f"(memory_interval {rec['memory_interval']}); tier {rec['memory'][0]['tier']}",
+                f"**fresh start + {over:.2f} s** (goal ≤ + {GOAL_RECOVERY_S} s: "
+                f"{ok(over <= GOAL_RECOVERY_S, f'+{over:.2f} s')}); "
+                f"steps lost {ok(lost_m <= rec['memory_interval'], str(lost_m))}",
+            ],
+            [
+                "rank crash -> training again, from storage",
+                f"{fmt(stof)} s (load {fmt([r['load_s'] for r in rec['storage']])} s); steps lost {lost_s} "
+                f"(interval {rec['interval']}); "
+                f"tier {rec['storage'][0]['tier']}",
+                f"fresh start + {statistics.median(stof) - statistics.median(fresh):.2f} s",
+            ],
             ["a fresh process start (new run, no checkpoint: the reference)", f"{fmt(fresh)} s", ""],
         ]
-        notes.append(f"recovery: rank 1 SIGKILLed after the snapshot of step {rec['crash_at']} (storage every "
-                     f"{rec['interval']} steps; "
-                     f"{rec['trained_before_crash']} steps trained by then); {len(fresh)} runs of each path, alternated; "
-                     f"{rec.get('cache', '')}; launched with the spawn harness (no torchrun: its start-up is the same "
-                     "for every path)" + (f"; recovery figures taken from an earlier run of this bench "
-                                                 f"({rec['reused_from']})" if rec.get("reused_from") else ""))
+        notes.append(
+            f"recovery: rank 1 SIGKILLed after the snapshot of step {rec['crash_at']} (storage every "
+            f"{rec['interval']} steps; "
+            f"{rec['trained_before_crash']} steps trained by then); {len(fresh)} runs of each path, alternated; "
+            f"{rec.get('cache', '')}; launched with the spawn harness (no torchrun: its start-up is the same "
+            "for every path)"
+            + (
+                f"; recovery figures taken from an earlier run of this bench ({rec['reused_from']})"
+                if rec.get("reused_from")
+                else ""
+            )
+        )
     if lost:
         same, peer = [r["load_s"] for r in lost["same"]], [r["load_s"] for r in lost["peer"]]
         ratio = statistics.median(peer) / statistics.median(same)
         tiers = {r["tier"] for r in lost["same"] + lost["peer"]}
-        rows.append(["node lost -> restore from the peer node's memory vs from the same node's memory (2 nodes x 1 rank)",
-                     f"same node {fmt(same)} s; peer {fmt(peer)} s (load phase); tier {', '.join(sorted(map(str, tiers)))}",
-                     f"**{ratio:.2f}x** (goal ≤ {GOAL_PEER}x: {ok(ratio <= GOAL_PEER, f'{ratio:.2f}x')})"])
+        rows.append(
+            [
+                "node lost -> restore from the peer node's memory vs from the same node's memory (2 nodes x 1 rank)",
+                f"same node {fmt(same)} s; peer {fmt(peer)} s (load phase); tier {', '.join(sorted(map(str, tiers)))}",
+                f"**{ratio:.2f}x** (goal ≤ {GOAL_PEER}x: {ok(ratio <= GOAL_PEER, f'{ratio:.2f}x')})",
+            ]
+        )
         profile = restore_profile(lost)
         if profile:
-            notes.append("node loss, where the load phase goes (seconds, median over the segments; rank 0 / rank 1; "
-                         "timed inside the ranks): " + profile)
-        notes.append(f"node loss: a snapshot of {lost['bytes'] / 1e9:.2f} GB (every file, as each node's copy holds it) "
-                     f"at step {lost['step']}; node 1's memory dir removed for 'peer'; {len(same)}+{len(peer)} "
-                     "segments alternated; the transfer runs over gloo on loopback (one host emulates both nodes)")
-    return (md_table(["what", "measured (median [min–max])", "result"], rows, "lll") + "\n\n"
-            + "\n".join(f"- {n}" for n in notes))
+            notes.append(
+                "node loss, where the load phase goes (seconds, median over the segments; rank 0 / rank 1; "
+                "timed inside the ranks): " + profile
+            )
+        notes.append(
+            f"node loss: a snapshot of {lost['bytes'] / 1e9:.2f} GB (every file, as each node's copy holds it) "
+            f"at step {lost['step']}; node 1's memory dir removed for 'peer'; {len(same)}+{len(peer)} "
+            "segments alternated; the transfer runs over gloo on loopback (one host emulates both nodes)"
+        )
+    return (
+        md_table(["what", "measured (median [min–max])", "result"], rows, "lll")
+        + "\n\n"
+        + "\n".join(f"- {n}" for n in notes)
+    )
 
 
 def restore_profile(lost: dict) -> str:
     """The node-loss restore's parts (RESTORE_PARTS), same node vs peer, one clause per part timed in either."""
+
     def per(path: str, label: str, rank: int) -> str:
         got = [sum(r["parts"][rank].get(label, [])) for r in lost[path] if r.get("parts")]
         return f"{statistics.median(got):.2f}" if got and any(got) else "-"
@@ -437,16 +501,25 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=3)
     ap.add_argument("--memory-dir", default=f"/dev/shm/shardkeeper-bench-{os.getpid()}")
     ap.add_argument("--no-recovery", action="store_true")
-    ap.add_argument("--recovery-json", help="take part 3 from this earlier run's bench/out/memtier/recovery.json "
-                    "(said in the table) instead of measuring it again")
+    ap.add_argument(
+        "--recovery-json",
+        help="take part 3 from this earlier run's bench/out/memtier/recovery.json "
+        "(said in the table) instead of measuring it again",
+    )
     ap.add_argument("--crash-at", type=int, default=14, help="recovery: the snapshot step after which rank 1 is killed")
     ap.add_argument("--crash-memory-interval", type=int, default=2, help="recovery: checkpoint.memory_interval")
     ap.add_argument("--crash-interval", type=int, default=10, help="recovery: checkpoint.interval")
-    ap.add_argument("--inproc-json", help="take parts 1-2 (stall, goodput) from this earlier run's "
-                    "bench/out/memtier/inproc.json (said in the table) instead of measuring them again")
+    ap.add_argument(
+        "--inproc-json",
+        help="take parts 1-2 (stall, goodput) from this earlier run's "
+        "bench/out/memtier/inproc.json (said in the table) instead of measuring them again",
+    )
     ap.add_argument("--no-nodes", action="store_true", help="skip the node-loss restore (two emulated nodes)")
-    ap.add_argument("--nodes-only", action="store_true",
-                    help="only the node-loss restore and its profile, printed (nothing published)")
+    ap.add_argument(
+        "--nodes-only",
+        action="store_true",
+        help="only the node-loss restore and its profile, printed (nothing published)",
+    )
     ap.add_argument("--no-publish", action="store_true")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: 2 GPUs (one per rank), NCCL")
     args = ap.parse_args()
@@ -456,8 +529,10 @@ def main() -> None:
         import torch
 
         if torch.cuda.device_count() < 2:
-            print(f"error: --device cuda: the 2-rank segments need 2 GPUs, {torch.cuda.device_count()} visible",
-                  file=sys.stderr)
+            print(
+                f"error: --device cuda: the 2-rank segments need 2 GPUs, {torch.cuda.device_count()} visible",
+                file=sys.stderr,
+            )
             sys.exit(2)
     from ckpt.layout import RunDir
     from shardkeeper.stages import prepare_run_dir
@@ -471,8 +546,10 @@ def main() -> None:
             shutil.rmtree(args.memory_dir, ignore_errors=True)
         (OUT / "nodes.json").write_text(json.dumps(lost, indent=2))
         same, peer = [r["load_s"] for r in lost["same"]], [r["load_s"] for r in lost["peer"]]
-        print(f"node loss: same {same}, peer {peer}: {statistics.median(peer) / statistics.median(same):.2f}x\n"
-              + restore_profile(lost).replace("; ", "\n"))
+        print(
+            f"node loss: same {same}, peer {peer}: {statistics.median(peer) / statistics.median(same):.2f}x\n"
+            + restore_profile(lost).replace("; ", "\n")
+        )
         return
     run, mem = OUT / "inproc", Path(args.memory_dir) / "inproc"
     shutil.rmtree(run, ignore_errors=True)
@@ -480,11 +557,14 @@ def main() -> None:
         if args.inproc_json:
             res = json.loads(Path(args.inproc_json).read_text())
             res["reused_from"] = str(args.inproc_json)
-            res.setdefault("measured", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(Path(args.inproc_json).stat().st_mtime)))
+            res.setdefault(
+                "measured", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(Path(args.inproc_json).stat().st_mtime))
+            )
         else:
             prepare_run_dir(RunDir.at(run), spec_for(args.layers, args.seq, mem, 1 << 20, 1 << 30))
-            res = spawn(worker, 2, str(run), args.warm, args.target_s, args.saves, args.reps, timeout=3600,
-                        device=DEVICE)[0]
+            res = spawn(
+                worker, 2, str(run), args.warm, args.target_s, args.saves, args.reps, timeout=3600, device=DEVICE
+            )[0]
             (OUT / "inproc.json").write_text(json.dumps(res, indent=2))
         if args.recovery_json:
             rec = json.loads(Path(args.recovery_json).read_text())

@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -44,16 +43,42 @@ OUT = ROOT / "bench" / "out" / "memtier-edges"
 K, EVERY, FIRST, SECOND = 2, 6, 12, 16
 EVENTS = ("kill", "tamper", "vanish", "tier-off", "other-dir", "foreign")
 MOMENTS = ("commit", "persist", "between")
-TITLE = {"kill": "kill a rank", "tamper": "tamper a snapshot", "vanish": "snapshot vanished", "tier-off":
-         "tier off next segment", "other-dir": "other memory_dir next segment", "foreign": "another run's snapshot"}
+TITLE = {
+    "kill": "kill a rank",
+    "tamper": "tamper a snapshot",
+    "vanish": "snapshot vanished",
+    "tier-off": "tier off next segment",
+    "other-dir": "other memory_dir next segment",
+    "foreign": "another run's snapshot",
+}
 MOMENT_TITLE = {"commit": "right after a snapshot commit", "persist": "mid-persist", "between": "between segments"}
 
 
-def cli(run: Path, until: int, sets: list[str], env: dict[str, str] | None = None, script: bool = False,
-        script_args: list[str] | None = None, mark: Path | None = None) -> tuple[int, str]:
+def cli(
+    run: Path,
+    until: int,
+    sets: list[str],
+    env: dict[str, str] | None = None,
+    script: bool = False,
+    script_args: list[str] | None = None,
+    mark: Path | None = None,
+) -> tuple[int, str]:
     """One ``shardkeeper train`` of the loop; with ``mark``, SIGKILL the launcher once that file appears."""
-    argv = [sys.executable, "-m", "shardkeeper", "train", "--run-dir", str(run), "--nproc", "2", "--until-step",
-            str(until), "--device", "cpu", *[x for s in sets for x in ("--set", s)]]
+    argv = [
+        sys.executable,
+        "-m",
+        "shardkeeper",
+        "train",
+        "--run-dir",
+        str(run),
+        "--nproc",
+        "2",
+        "--until-step",
+        str(until),
+        "--device",
+        "cpu",
+        *[x for s in sets for x in ("--set", s)],
+    ]
     if script:
         argv += ["--script", str(LOOP), "--", *(script_args or [])]
     full = {**os.environ, "COLUMNS": "400", **(env or {})}
@@ -137,11 +162,20 @@ class Cell:
     def sets(self, mem: Path | None) -> list[str]:
         # restarts=0: a killed rank ends its segment, as the edges judge it (a restart in place: recovery_bench --kill)
         base = ["name=edges", f"checkpoint.interval={EVERY}", "checkpoint.keep_last=100", "checkpoint.restarts=0"]
-        return base + ([f"checkpoint.memory_interval={K}", f"checkpoint.memory_dir={mem}"] if mem is not None
-                       else ["checkpoint.memory_interval=null"])
+        return base + (
+            [f"checkpoint.memory_interval={K}", f"checkpoint.memory_dir={mem}"]
+            if mem is not None
+            else ["checkpoint.memory_interval=null"]
+        )
 
-    def segment(self, until: int, mem: Path | None, env: dict[str, str] | None = None, first: bool = False,
-                mark: Path | None = None) -> None:
+    def segment(
+        self,
+        until: int,
+        mem: Path | None,
+        env: dict[str, str] | None = None,
+        first: bool = False,
+        mark: Path | None = None,
+    ) -> None:
         rc, out = cli(self.run, until, self.sets(mem), env, script=first, mark=mark)
         self.rcs.append(rc)
         self.lines += said(out, self.work, self.mem_root)
@@ -150,13 +184,23 @@ class Cell:
 
 def snapshot_steps(mem: Path) -> list[int]:
     ck = mem / "checkpoints"
-    return sorted(int(p.name[5:]) for p in ck.glob("step-*") if re.fullmatch(r"step-\d{8}", p.name)
-                  and (p / "manifest.json").is_file()) if ck.is_dir() else []
+    return (
+        sorted(
+            int(p.name[5:])
+            for p in ck.glob("step-*")
+            if re.fullmatch(r"step-\d{8}", p.name) and (p / "manifest.json").is_file()
+        )
+        if ck.is_dir()
+        else []
+    )
 
 
 def storage_steps(run: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step-*") if re.fullmatch(r"step-\d{8}", p.name)
-                  and (p / "manifest.json").is_file())
+    return sorted(
+        int(p.name[5:])
+        for p in (run / "checkpoints").glob("step-*")
+        if re.fullmatch(r"step-\d{8}", p.name) and (p / "manifest.json").is_file()
+    )
 
 
 def run_cell(event: str, moment: str, base: Path, shm: Path, foreign: dict[int, Path]) -> Cell:
@@ -169,8 +213,13 @@ def run_cell(event: str, moment: str, base: Path, shm: Path, foreign: dict[int, 
         if moment == "between":
             c.segment(FIRST, c.mem, first=True)
         else:
-            c.segment(FIRST, c.mem, {**fault, "EDGE_EVENT": "launcher", "EDGE_MOMENT": moment,
-                                     "EDGE_STEP": str(step)}, first=True, mark=mark)
+            c.segment(
+                FIRST,
+                c.mem,
+                {**fault, "EDGE_EVENT": "launcher", "EDGE_MOMENT": moment, "EDGE_STEP": str(step)},
+                first=True,
+                mark=mark,
+            )
         if moment != "between":
             c.struck = int(Path(f"{mark}.step").read_text())
         c.held = max(snapshot_steps(c.mem) + storage_steps(c.run))
@@ -178,14 +227,21 @@ def run_cell(event: str, moment: str, base: Path, shm: Path, foreign: dict[int, 
         c.stored = storage_steps(c.run)
         c.segment(SECOND, None if event == "tier-off" else c.mem2)
         return c
-    if moment == "between":  # the launcher dies with its ranks after the snapshot of step 4; the fault before next train
+    if (
+        moment == "between"
+    ):  # the launcher dies with its ranks after the snapshot of step 4; the fault before next train
         if event == "foreign":  # after a segment that ended normally
             c.segment(FIRST, c.mem, first=True)
             c.held = max(snapshot_steps(c.mem) + storage_steps(c.run))
             shutil.copytree(foreign[14], c.mem / "checkpoints" / foreign[14].name)
         else:
-            c.segment(FIRST, c.mem, {**fault, "EDGE_EVENT": "launcher", "EDGE_MOMENT": "commit", "EDGE_STEP": "4"},
-                      first=True, mark=mark)
+            c.segment(
+                FIRST,
+                c.mem,
+                {**fault, "EDGE_EVENT": "launcher", "EDGE_MOMENT": "commit", "EDGE_STEP": "4"},
+                first=True,
+                mark=mark,
+            )
             c.struck = struck = int(Path(f"{mark}.step").read_text())
             snap = c.mem / "checkpoints" / f"step-{struck:08d}"
             if event == "tamper":
@@ -223,11 +279,24 @@ def outcome(c: Cell, reference: dict[int, dict]) -> dict:
     final = c.run / "checkpoints" / f"step-{SECOND:08d}"
     deep = validate(final, deep=True)
     went_on = c.rcs[0] == 0
-    return {"event": c.event, "moment": c.moment, "struck": c.struck, "rcs": c.rcs, "went_on": went_on, "resumed_at": resumed,
-            "held": c.held, "trained": c.trained, "lost": 0 if went_on else max(0, c.held - resumed),
-            "retrained": 0 if went_on else max(0, c.trained - resumed), "stored": c.stored, "wrong": len(wrong) + (0 if deep.valid else 1),
-            "wrong_steps": wrong[:5], "deep_valid": deep.valid, "lines": c.lines,
-            "memory_dirs_left": sorted(p.name for p in c.mem_root.iterdir()) if c.mem_root.is_dir() else []}
+    return {
+        "event": c.event,
+        "moment": c.moment,
+        "struck": c.struck,
+        "rcs": c.rcs,
+        "went_on": went_on,
+        "resumed_at": resumed,
+        "held": c.held,
+        "trained": c.trained,
+        "lost": 0 if went_on else max(0, c.held - resumed),
+        "retrained": 0 if went_on else max(0, c.trained - resumed),
+        "stored": c.stored,
+        "wrong": len(wrong) + (0 if deep.valid else 1),
+        "wrong_steps": wrong[:5],
+        "deep_valid": deep.valid,
+        "lines": c.lines,
+        "memory_dirs_left": sorted(p.name for p in c.mem_root.iterdir()) if c.mem_root.is_dir() else [],
+    }
 
 
 def foreign_snapshots(base: Path, shm: Path) -> dict[int, Path]:
@@ -247,27 +316,52 @@ def foreign_snapshots(base: Path, shm: Path) -> dict[int, Path]:
 def table(rows: list[dict]) -> str:
     from benchlib import md_table
 
-    head = ["fault", "moment", "at snapshot", "first segment", "storage after it", "resumed at (held)", "steps lost", "retrained",
-            "wrong state", "memory dirs left", "lines printed"]
+    head = [
+        "fault",
+        "moment",
+        "at snapshot",
+        "first segment",
+        "storage after it",
+        "resumed at (held)",
+        "steps lost",
+        "retrained",
+        "wrong state",
+        "memory dirs left",
+        "lines printed",
+    ]
     body = []
     for r in rows:
         seg = ("went on (rc 0)" if r["went_on"] else f"ended rc {r['rcs'][0]}") + f"; next rc {r['rcs'][-1]}"
         lines = "<br>".join(ln.replace("|", "\\|") for ln in dict.fromkeys(r["lines"])) or "(none)"
-        body.append([TITLE[r["event"]], MOMENT_TITLE[r["moment"]], r["struck"] or "-", seg, ", ".join(map(str, r["stored"])) or "none",
-                     f"{r['resumed_at']} ({r['held'] if not r['went_on'] else '-'})", r["lost"], r["retrained"],
-                     r["wrong"], ", ".join(r["memory_dirs_left"]) or "none", lines])
+        body.append(
+            [
+                TITLE[r["event"]],
+                MOMENT_TITLE[r["moment"]],
+                r["struck"] or "-",
+                seg,
+                ", ".join(map(str, r["stored"])) or "none",
+                f"{r['resumed_at']} ({r['held'] if not r['went_on'] else '-'})",
+                r["lost"],
+                r["retrained"],
+                r["wrong"],
+                ", ".join(r["memory_dirs_left"]) or "none",
+                lines,
+            ]
+        )
     lost, wrong = sum(r["lost"] for r in rows), sum(r["wrong"] for r in rows)
     whole = [r["retrained"] for r in rows if r["event"] not in ("tamper", "vanish") or r["went_on"]]
     broken = [r["retrained"] for r in rows if r["event"] in ("tamper", "vanish") and not r["went_on"]]
-    return (md_table(head, body, "llrllrrrrll") +
-            f"\n\n{len(rows)} cells: steps lost {lost} (0 required), wrong states {wrong} (0 required). Steps "
-            f"retrained after a segment died: at most {max(whole, default=0)} when the newest snapshot survived "
-            f"(those trained after it; memory_interval K = {K}, and a snapshot due while a save is in flight is "
-            f"skipped), at most {max(broken, default=0)} when the fault destroyed it (the run resumes from the one "
-            "before). 'held': the newest step an intact snapshot, storage or the live ranks held when the fault "
-            "struck; 'at snapshot': the snapshot the fault struck (the first at or after step 4, or the one of step "
-            "6 that storage is persisted from); 'memory dirs left': a = the first segment's memory dir, b = the "
-            "second's. MEM = the cell's /dev/shm root, RUN = its run directory.")
+    return (
+        md_table(head, body, "llrllrrrrll")
+        + f"\n\n{len(rows)} cells: steps lost {lost} (0 required), wrong states {wrong} (0 required). Steps "
+        f"retrained after a segment died: at most {max(whole, default=0)} when the newest snapshot survived "
+        f"(those trained after it; memory_interval K = {K}, and a snapshot due while a save is in flight is "
+        f"skipped), at most {max(broken, default=0)} when the fault destroyed it (the run resumes from the one "
+        "before). 'held': the newest step an intact snapshot, storage or the live ranks held when the fault "
+        "struck; 'at snapshot': the snapshot the fault struck (the first at or after step 4, or the one of step "
+        "6 that storage is persisted from); 'memory dirs left': a = the first segment's memory dir, b = the "
+        "second's. MEM = the cell's /dev/shm root, RUN = its run directory."
+    )
 
 
 def main() -> None:

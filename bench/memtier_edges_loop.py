@@ -80,8 +80,13 @@ if EVENT:
         def _commit(self, ts, *a, **kw):  # noqa: ANN001, ANN202
             committed = real_commit(self, ts, *a, **kw)
             target = kw.get("target")
-            if (committed and target is not None and target is self.memory and ts.step >= AT
-                    and not getattr(_commit, "done", False)):
+            if (
+                committed
+                and target is not None
+                and target is self.memory
+                and ts.step >= AT
+                and not getattr(_commit, "done", False)
+            ):
                 _commit.done = True  # type: ignore[attr-defined]
                 act(self.memory.checkpoint(ts.step))
             return committed
@@ -100,8 +105,13 @@ if EVENT:
 
 seg = sk.Segment()
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, args.width), torch.nn.GELU(), torch.nn.Linear(args.width, args.width),
-                            torch.nn.GELU(), torch.nn.Linear(args.width, 2)).to(seg.device)
+model = torch.nn.Sequential(
+    torch.nn.Linear(8, args.width),
+    torch.nn.GELU(),
+    torch.nn.Linear(args.width, args.width),
+    torch.nn.GELU(),
+    torch.nn.Linear(args.width, 2),
+).to(seg.device)
 for layer in model:
     if isinstance(layer, torch.nn.Linear):
         fully_shard(layer, mesh=seg.mesh)

@@ -73,7 +73,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="nonfinite-bench-"))
     base = make(tmp / "base", "tiny", tied=False)
     vocab = json.loads((base / "config.json").read_text())["vocab_size"]
-    folders = {"loss": poisoned(base, tmp / "nan-base", float("nan")), "gradient": poisoned(base, tmp / "big-base", 3e38)}
+    folders = {
+        "loss": poisoned(base, tmp / "nan-base", float("nan")),
+        "gradient": poisoned(base, tmp / "big-base", 3e38),
+    }
     shardkeeper.preflight.check_finite_weights = lambda *a, **k: None  # the NaN rows are meant for the ranks
 
     cases = []  # (backend, cause, expected step, sets, config)
@@ -82,21 +85,59 @@ def main() -> None:
             for when, step in (("first step", 1), ("mid-run", 4)):
                 interval = 100 if what == "loss" and when == "mid-run" else 1
                 data = token_file(tmp / f"tokens-{step}.npy", vocab, step - 1)
-                sets = [f"model.pretrained={folders[what]}", "data.source=tokens", f"data.path={data}",
-                        f"checkpoint.interval={interval}"]
-                cases.append((backend, f"{what} at {when} (pretrained row {'NaN' if what == 'loss' else '3e38'})",
-                              step, sets, ROOT / "configs" / "tiny-finetune.yaml"))
-        cases.append((backend, "lr 1e6 (random weights)", None, ["optim.lr=1e6", "checkpoint.interval=1"],
-                      ROOT / "configs" / "tiny.yaml"))
-    cases.append(("fsdp2", "NaN weights met at step 4, every step saved", 4,
-                  [f"model.pretrained={folders['loss']}", "data.source=tokens",
-                   f"data.path={tmp / 'tokens-4.npy'}", "checkpoint.interval=1"], ROOT / "configs" / "tiny-finetune.yaml"))
+                sets = [
+                    f"model.pretrained={folders[what]}",
+                    "data.source=tokens",
+                    f"data.path={data}",
+                    f"checkpoint.interval={interval}",
+                ]
+                cases.append(
+                    (
+                        backend,
+                        f"{what} at {when} (pretrained row {'NaN' if what == 'loss' else '3e38'})",
+                        step,
+                        sets,
+                        ROOT / "configs" / "tiny-finetune.yaml",
+                    )
+                )
+        cases.append(
+            (
+                backend,
+                "lr 1e6 (random weights)",
+                None,
+                ["optim.lr=1e6", "checkpoint.interval=1"],
+                ROOT / "configs" / "tiny.yaml",
+            )
+        )
+    cases.append(
+        (
+            "fsdp2",
+            "NaN weights met at step 4, every step saved",
+            4,
+            [
+                f"model.pretrained={folders['loss']}",
+                "data.source=tokens",
+                f"data.path={tmp / 'tokens-4.npy'}",
+                "checkpoint.interval=1",
+            ],
+            ROOT / "configs" / "tiny-finetune.yaml",
+        )
+    )
 
     rows, good = [], 0
-    for i, (backend, cause, step, sets, config) in enumerate(cases):
+    for i, (backend, cause, step, sets, config) in enumerate(cases):  # noqa: B007
         ds = ["backend=deepspeed", "deepspeed.zero_stage=2"] if backend == "deepspeed" else []
-        spec = load_run_spec(config, [f"data.seq_len={SEQ}", f"global_batch_size={BATCH}", f"seed={SEED}",
-                                      "checkpoint.keep_last=100", *sets, *ds])
+        spec = load_run_spec(
+            config,
+            [
+                f"data.seq_len={SEQ}",
+                f"global_batch_size={BATCH}",
+                f"seed={SEED}",
+                "checkpoint.keep_last=100",
+                *sets,
+                *ds,
+            ],
+        )
         run = tmp / f"run-{i}"
         t0 = time.perf_counter()
         res = train_segment(spec, run, plan_topology(spec, 2, device="cpu"), UNTIL, sink=lambda line: None)
@@ -106,15 +147,42 @@ def main() -> None:
         ok = res.exit_code != 0 and not bad
         good += ok
         how = (res.failure or res.note or "").split(";")[0].split(" (")[0]
-        rows.append((backend, cause, res.status, res.exit_code, how, ", ".join(map(str, committed)) or "none",
-                     ", ".join(bad) or "none", f"{seconds:.0f}", "yes" if ok else "**no**"))
+        rows.append(
+            (
+                backend,
+                cause,
+                res.status,
+                res.exit_code,
+                how,
+                ", ".join(map(str, committed)) or "none",
+                ", ".join(bad) or "none",
+                f"{seconds:.0f}",
+                "yes" if ok else "**no**",
+            )
+        )
         print(rows[-1], flush=True)
     from benchlib import md_table, publish
 
-    publish("nonfinite", f"Runs ending non-zero without a committed non-finite checkpoint: **{good}/{len(rows)}** "
-            f"(2 ranks, --until-step {UNTIL}, every segment through shardkeeper.stages.train_segment):\n\n"
-            + md_table(["backend", "cause", "status", "exit", "how it ended", "committed steps",
-                        "non-finite committed", "s", "ok"], rows, "llllllllr"))
+    publish(
+        "nonfinite",
+        f"Runs ending non-zero without a committed non-finite checkpoint: **{good}/{len(rows)}** "
+        f"(2 ranks, --until-step {UNTIL}, every segment through shardkeeper.stages.train_segment):\n\n"
+        + md_table(
+            [
+                "backend",
+                "cause",
+                "status",
+                "exit",
+                "how it ended",
+                "committed steps",
+                "non-finite committed",
+                "s",
+                "ok",
+            ],
+            rows,
+            "llllllllr",
+        ),
+    )
     shutil.rmtree(tmp, ignore_errors=True)
     if good != len(rows):
         sys.exit(f"nonfinite_bench: {len(rows) - good} run(s) ended 0 or committed a non-finite checkpoint")

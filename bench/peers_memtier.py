@@ -26,8 +26,8 @@ import argparse
 import importlib.util
 import json
 import os
-import signal
 import shutil
+import signal
 import site
 import socket
 import statistics
@@ -76,16 +76,37 @@ def dlrover_python(venv: Path) -> Path:
     print(f"installing {want} into {venv.relative_to(ROOT)} (reusing this environment's torch)", flush=True)
     try:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                 check=True, capture_output=True, text=True).stdout.strip()
+        purelib = subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         Path(purelib, "project-site.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c",
-                        str(ROOT / "constraints.txt"), *DLROVER_REQUIREMENTS], check=True)
+        subprocess.run(
+            [
+                str(py),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                "-c",
+                str(ROOT / "constraints.txt"),
+                *DLROVER_REQUIREMENTS,
+            ],
+            check=True,
+        )
     except (OSError, subprocess.CalledProcessError) as e:
-        raise SystemExit(f"error: could not install {want} into {venv}: {e}; run the other two with "
-                         "--systems shardkeeper,torch") from e
-    theirs = subprocess.run([str(py), "-c", "import importlib.util; print(importlib.util.find_spec('torch').origin)"],
-                            capture_output=True, text=True, check=False).stdout.strip()
+        raise SystemExit(
+            f"error: could not install {want} into {venv}: {e}; run the other two with --systems shardkeeper,torch"
+        ) from e
+    theirs = subprocess.run(
+        [str(py), "-c", "import importlib.util; print(importlib.util.find_spec('torch').origin)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
     ours = importlib.util.find_spec("torch").origin  # type: ignore[union-attr]
     if theirs != ours:
         raise SystemExit(f"error: the DLRover virtualenv imports torch from {theirs}, not the project's {ours}")
@@ -180,17 +201,50 @@ def schedule(args: argparse.Namespace) -> dict[str, int]:
     killed after the snapshot of ``kill_at``, the run's end at ``until``."""
     k, m = args.memory_interval, args.interval
     measure_to = m * (args.cycles + 1)
-    return {"memory_interval": k, "interval": m, "measure_from": m, "measure_to": measure_to,
-            "kill_at": measure_to + k, "until": measure_to + k + 2}
+    return {
+        "memory_interval": k,
+        "interval": m,
+        "measure_from": m,
+        "measure_to": measure_to,
+        "kill_at": measure_to + k,
+        "until": measure_to + k + 2,
+    }
 
 
 def loop_args(args: argparse.Namespace, system: str, events: Path, store: Path) -> list[str]:
     sch = schedule(args)
-    return ["--system", system, "--events", str(events), "--storage", str(store), "--vocab", str(args.vocab),
-            "--hidden", str(args.hidden), "--intermediate", str(args.intermediate), "--layers", str(args.layers),
-            "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--seq", str(args.seq), "--batch",
-            str(args.batch), "--memory-interval", str(sch["memory_interval"]), "--interval", str(sch["interval"]),
-            "--kill-at", str(sch["kill_at"]), "--until", str(sch["until"])]
+    return [
+        "--system",
+        system,
+        "--events",
+        str(events),
+        "--storage",
+        str(store),
+        "--vocab",
+        str(args.vocab),
+        "--hidden",
+        str(args.hidden),
+        "--intermediate",
+        str(args.intermediate),
+        "--layers",
+        str(args.layers),
+        "--heads",
+        str(args.heads),
+        "--kv-heads",
+        str(args.kv_heads),
+        "--seq",
+        str(args.seq),
+        "--batch",
+        str(args.batch),
+        "--memory-interval",
+        str(sch["memory_interval"]),
+        "--interval",
+        str(sch["interval"]),
+        "--kill-at",
+        str(sch["kill_at"]),
+        "--until",
+        str(sch["until"]),
+    ]
 
 
 def shardkeeper_restarts() -> bool:
@@ -200,26 +254,60 @@ def shardkeeper_restarts() -> bool:
     return "restarts" in CheckpointPolicy.model_fields
 
 
-def command(system: str, args: argparse.Namespace, events: Path, store: Path, mem: Path, dl_py: Path | None,
-            first: bool = True) -> list[str]:
+def command(
+    system: str, args: argparse.Namespace, events: Path, store: Path, mem: Path, dl_py: Path | None, first: bool = True
+) -> list[str]:
     sch, restarts = schedule(args), str(args.max_restarts)
     if system == "shardkeeper":
-        base = [sys.executable, "-m", "shardkeeper", "train", "--run-dir", str(store), "--until-step",
-                str(sch["until"]), "--nproc", str(args.nproc)]
+        base = [
+            sys.executable,
+            "-m",
+            "shardkeeper",
+            "train",
+            "--run-dir",
+            str(store),
+            "--until-step",
+            str(sch["until"]),
+            "--nproc",
+            str(args.nproc),
+        ]
         if not first:  # the next segment: the run remembers its script, its arguments and its policy
             return base
-        sets = [f"checkpoint.memory_interval={sch['memory_interval']}", f"checkpoint.interval={sch['interval']}",
-                f"checkpoint.memory_dir={mem}"]
+        sets = [
+            f"checkpoint.memory_interval={sch['memory_interval']}",
+            f"checkpoint.interval={sch['interval']}",
+            f"checkpoint.memory_dir={mem}",
+        ]
         if shardkeeper_restarts():
             sets.append(f"checkpoint.restarts={restarts}")
-        return [*base, "--script", str(LOOP), *[x for s in sets for x in ("--set", s)], "--",
-                *loop_args(args, system, events, store)]
+        return [
+            *base,
+            "--script",
+            str(LOOP),
+            *[x for s in sets for x in ("--set", s)],
+            "--",
+            *loop_args(args, system, events, store),
+        ]
     if system == "torch":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-                f"--max-restarts={restarts}", str(LOOP), *loop_args(args, system, events, store)]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.nproc}",
+            f"--max-restarts={restarts}",
+            str(LOOP),
+            *loop_args(args, system, events, store),
+        ]
     assert dl_py is not None
-    return [str(dl_py.parent / "dlrover-run"), "--nnodes=1", f"--nproc-per-node={args.nproc}",
-            f"--max-restarts={restarts}", str(LOOP), *loop_args(args, system, events, store)]
+    return [
+        str(dl_py.parent / "dlrover-run"),
+        "--nnodes=1",
+        f"--nproc-per-node={args.nproc}",
+        f"--max-restarts={restarts}",
+        str(LOOP),
+        *loop_args(args, system, events, store),
+    ]
 
 
 def run_system(system: str, rnd: int, args: argparse.Namespace, dl_py: Path | None) -> dict[str, Any]:
@@ -232,9 +320,13 @@ def run_system(system: str, rnd: int, args: argparse.Namespace, dl_py: Path | No
         shutil.rmtree(p, ignore_errors=True)
     events.unlink(missing_ok=True)
     store.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "PYTHONUNBUFFERED": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
+    }
     job = f"peers{os.getpid()}{name.replace('-', '')}"
     master = None
     log = log_path.open("w")
@@ -245,19 +337,47 @@ def run_system(system: str, rnd: int, args: argparse.Namespace, dl_py: Path | No
     if system == "dlrover":  # dlrover-run's standalone mode cannot start its master on torch >= 2.9: start it here
         assert dl_py is not None
         port = free_port()
-        env.update({"DLROVER_MASTER_ADDR": f"127.0.0.1:{port}", "ELASTIC_JOB_NAME": job,
-                    "DLROVER_EVENT_FILE_DIR": str(OUT / f"{name}.dlrover-events")})
-        master = subprocess.Popen([str(dl_py), "-u", "-m", "dlrover.python.master.main", "--port", str(port),
-                                   "--node_num", "1", "--job_name", job, "--platform", "local"],
-                                  stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        env.update(
+            {
+                "DLROVER_MASTER_ADDR": f"127.0.0.1:{port}",
+                "ELASTIC_JOB_NAME": job,
+                "DLROVER_EVENT_FILE_DIR": str(OUT / f"{name}.dlrover-events"),
+            }
+        )
+        master = subprocess.Popen(
+            [
+                str(dl_py),
+                "-u",
+                "-m",
+                "dlrover.python.master.main",
+                "--port",
+                str(port),
+                "--node_num",
+                "1",
+                "--job_name",
+                job,
+                "--platform",
+                "local",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     shm = ShmSampler({"shardkeeper": [str(mem)], "dlrover": [f"/dev/shm/{job}_*"], "torch": []}[system])
     shm.start()
     tail, seen = Tail(events), []
     starts: dict[int, int] = {}
     kill_t, victim, launches = None, None, []
     deadline = time.monotonic() + args.run_timeout
-    proc = subprocess.Popen(command(system, args, events, store, mem, dl_py), stdout=log, stderr=subprocess.STDOUT,
-                            env=env, cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        command(system, args, events, store, mem, dl_py),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     launches.append(time.time())
     try:
         while True:
@@ -273,8 +393,14 @@ def run_system(system: str, rnd: int, args: argparse.Namespace, dl_py: Path | No
             if rc is not None:
                 if system == "shardkeeper" and rc != 0 and kill_t is not None and len(launches) < 3:
                     # the segment ended with its rank: start the next one at once, as an operator's loop would
-                    proc = subprocess.Popen(command(system, args, events, store, mem, dl_py, first=False), stdout=log,
-                                            stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+                    proc = subprocess.Popen(
+                        command(system, args, events, store, mem, dl_py, first=False),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        cwd=ROOT,
+                        start_new_session=True,
+                    )
                     launches.append(time.time())
                     continue
                 break
@@ -308,8 +434,17 @@ def run_system(system: str, rnd: int, args: argparse.Namespace, dl_py: Path | No
         tier = resumes[-1]["data"].get("tier") if resumes else None
     shutil.rmtree(store, ignore_errors=True)
     shutil.rmtree(mem, ignore_errors=True)
-    return {"system": system, "round": rnd, "events": seen, "kill_t": kill_t, "victim": victim, "launches": launches,
-            "shm_gb": shm_gb, "tmpfs_gb": tmpfs_gb, "tier": tier}
+    return {
+        "system": system,
+        "round": rnd,
+        "events": seen,
+        "kill_t": kill_t,
+        "victim": victim,
+        "launches": launches,
+        "shm_gb": shm_gb,
+        "tmpfs_gb": tmpfs_gb,
+        "tier": tier,
+    }
 
 
 # --------------------------------------------------------------------------------------------- figures
@@ -357,7 +492,8 @@ def figures(run: dict[str, Any], sch: dict[str, int]) -> dict[str, Any]:
         "launches": len(run["launches"]),
         # a segment that ended with its rank: when its launcher exited (the bench starts the next one at once)
         "relaunch_s": run["launches"][1] - kill_t if len(run["launches"]) > 1 else None,
-        "snapshots": len(snaps), "storage_saves": len(stores),
+        "snapshots": len(snaps),
+        "storage_saves": len(stores),
         "skipped": max((e.get("skipped", 0) for e in evs if e["ev"] == "boundary"), default=0),
         "params": built[0]["params"] if built else 0,
         "losses": {str(e["s"]): e["loss"] for e in evs if e["ev"] == "step"},
@@ -383,8 +519,12 @@ def table(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for key, label, unit, digits in ROWS:
         meds = {s: round(statistics.median([f[key] for f in figs[s]]), digits) for s in systems}
         low = min(meds.values())
-        rows.append([label, *[cell([f[key] for f in figs[s]], unit, digits, meds[s] == low and len(systems) > 1)
-                              for s in systems]])
+        rows.append(
+            [
+                label,
+                *[cell([f[key] for f in figs[s]], unit, digits, meds[s] == low and len(systems) > 1) for s in systems],
+            ]
+        )
     body = md_table([FIRST_COLUMN, *[LABELS[s] for s in systems]], rows, "l" + "r" * len(systems))
     return body + "\n\n" + "\n".join(f"- {n}" for n in notes(runs, figs, meta))
 
@@ -419,17 +559,25 @@ def notes(runs: list[dict[str, Any]], figs: dict[str, list[dict[str, Any]]], met
         "in /dev/shm; DLRover: in its shared memory; torch: on disk), while step "
         f"{sch['kill_at'] + 1} computes. First step done again: the restarted rank 0's first optimizer step; new "
         "ranks started: the restarted rank processes' start. Restored from: "
-        + ", ".join(f"{LABELS[s]} {first('source', s)} (step {first('restored_step', s)}, "
-                    f"{first('redone', s)} step(s) trained again)" for s in figs) + ".",
+        + ", ".join(
+            f"{LABELS[s]} {first('source', s)} (step {first('restored_step', s)}, "
+            f"{first('redone', s)} step(s) trained again)"
+            for s in figs
+        )
+        + ".",
         f"On the kill: DLRover's agent (`dlrover-run --max-restarts {a['max_restarts']}`) restarts the worker group "
         "in place and the new ranks load from the shared memory it holds; torch's `async_save` has no restart of "
         f"its own: `torchrun --max-restarts {a['max_restarts']}` restarts the worker group in place and the new "
         "ranks `dcp.load` the newest complete checkpoint; shardkeeper "
-        + (f"restarts the ranks in place (`checkpoint.restarts: {a['max_restarts']}`), which resume from the "
-           "newest snapshot." if meta["sk_restarts"] else
-           "ends the segment (torchrun exits, the launcher persists the newest snapshot to storage and exits) and "
-           "the bench starts the next segment (`shardkeeper train`) at once, which resumes from the snapshot in "
-           "/dev/shm: kill → new ranks started includes all of that."),
+        + (
+            f"restarts the ranks in place (`checkpoint.restarts: {a['max_restarts']}`), which resume from the "
+            "newest snapshot."
+            if meta["sk_restarts"]
+            else "ends the segment (torchrun exits, the launcher persists the newest snapshot to storage and exits) "
+            "and "
+            "the bench starts the next segment (`shardkeeper train`) at once, which resumes from the snapshot in "
+            "/dev/shm: kill → new ranks started includes all of that."
+        ),
         "/dev/shm peak: the pages of the run's own files there (shardkeeper's memory dir, DLRover's shared memory "
         "segments; torch keeps nothing there), sampled every 20 ms. The tmpfs's used bytes above their level before "
         "the run (every process's files, and segments unlinked but still mapped), median per system: "
@@ -470,8 +618,13 @@ def plot(results: Path | None = None) -> Path:
         for i, row in enumerate(shown):
             ax = fig.add_subplot(2, 3, i + 1)
             label = row[FIRST_COLUMN]
-            hbars(ax, systems, [row[s] for s in systems], units.get(label, ""),
-                  grey={j for j, s in enumerate(systems) if s != LABELS["shardkeeper"]})
+            hbars(
+                ax,
+                systems,
+                [row[s] for s in systems],
+                units.get(label, ""),
+                grey={j for j, s in enumerate(systems) if s != LABELS["shardkeeper"]},
+            )
             ax.set_title(label, fontsize=8)
 
     return plot_from_table(NAME, draw, size=(11.0, 5.0), results=results)
@@ -497,8 +650,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cycles", type=int, default=2, help="counted storage intervals per run (after one of warm-up)")
     ap.add_argument("--max-restarts", type=int, default=3, help="in-place restarts each launcher may make")
     ap.add_argument("--storage-dir", default=str(OUT / "ckpt"), help="where every system's checkpoints go")
-    ap.add_argument("--memory-dir", default=f"/dev/shm/shardkeeper-peers-{os.getpid()}",
-                    help="shardkeeper's checkpoint.memory_dir (one per run below it)")
+    ap.add_argument(
+        "--memory-dir",
+        default=f"/dev/shm/shardkeeper-peers-{os.getpid()}",
+        help="shardkeeper's checkpoint.memory_dir (one per run below it)",
+    )
     ap.add_argument("--run-timeout", type=float, default=1800.0, help="seconds one run may take")
     ap.add_argument("--no-publish", action="store_true")
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from the published table")
@@ -526,7 +682,7 @@ def main(argv: list[str] | None = None) -> None:
     runs, orders = [], []
     try:
         for rnd in range(args.rounds):
-            order = args.systems[rnd % len(args.systems):] + args.systems[:rnd % len(args.systems)]
+            order = args.systems[rnd % len(args.systems) :] + args.systems[: rnd % len(args.systems)]
             orders.append(order)
             for system in order:
                 t0 = time.monotonic()
@@ -534,16 +690,24 @@ def main(argv: list[str] | None = None) -> None:
                 run["figures"] = figures(run, sch)
                 runs.append(run)
                 f = run["figures"]
-                print(f"round {rnd + 1} {system}: stall {f['stall_ratio']:.2f}x copy, storage stall "
-                      f"{f['storage_stall_s']:.3f} s, durable {f['durable_s']:.2f} s, kill -> step "
-                      f"{f['recovery_s']:.1f} s (ranks {f['kill_to_ranks_s']:.2f} s), /dev/shm "
-                      f"{f['shm_peak_gb']:.2f} GB [{time.monotonic() - t0:.0f} s]", flush=True)
-                (OUT / "raw.json").write_text(json.dumps({"runs": [{k: v for k, v in r.items() if k != "events"}
-                                                                   for r in runs]}, indent=1))
+                print(
+                    f"round {rnd + 1} {system}: stall {f['stall_ratio']:.2f}x copy, storage stall "
+                    f"{f['storage_stall_s']:.3f} s, durable {f['durable_s']:.2f} s, kill -> step "
+                    f"{f['recovery_s']:.1f} s (ranks {f['kill_to_ranks_s']:.2f} s), /dev/shm "
+                    f"{f['shm_peak_gb']:.2f} GB [{time.monotonic() - t0:.0f} s]",
+                    flush=True,
+                )
+                (OUT / "raw.json").write_text(
+                    json.dumps({"runs": [{k: v for k, v in r.items() if k != "events"} for r in runs]}, indent=1)
+                )
     finally:
         shutil.rmtree(args.memory_dir, ignore_errors=True)
-    meta = {"schedule": sch, "args": vars(args), "orders": orders,
-            "sk_restarts": "shardkeeper" in args.systems and shardkeeper_restarts()}
+    meta = {
+        "schedule": sch,
+        "args": vars(args),
+        "orders": orders,
+        "sk_restarts": "shardkeeper" in args.systems and shardkeeper_restarts(),
+    }
     body = table(runs, meta)
     if args.no_publish:
         print("\n" + body)

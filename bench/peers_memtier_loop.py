@@ -61,8 +61,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--memory-interval", type=int, default=2, help="a memory snapshot every this many steps")
     ap.add_argument("--interval", type=int, default=8, help="a storage save every this many steps")
-    ap.add_argument("--kill-at", type=int, default=26,
-                    help="rank 0 writes kill_point once this step's snapshot is complete")
+    ap.add_argument(
+        "--kill-at", type=int, default=26, help="rank 0 writes kill_point once this step's snapshot is complete"
+    )
     ap.add_argument("--until", type=int, default=28, help="the step training ends at (shardkeeper: --until-step)")
     return ap.parse_args(argv)
 
@@ -95,10 +96,16 @@ def build(args: argparse.Namespace, mesh: Any) -> tuple[Any, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)  # the same initial weights on every rank and under every system
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.kv_heads, max_position_embeddings=max(256, args.seq),
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(256, args.seq),
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -112,7 +119,7 @@ def train_step(model: Any, opt: Any, step: int, args: argparse.Namespace, rank: 
     g = torch.Generator().manual_seed(1000 + step)  # step n's global batch, whoever trains it
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     per = args.batch // world
-    mine = ids[rank * per:(rank + 1) * per]
+    mine = ids[rank * per : (rank + 1) * per]
     loss = model(input_ids=mine, labels=mine).loss
     loss.backward()
     opt.step()
@@ -147,9 +154,11 @@ class Shardkeeper:
         pol = self.seg.spec.checkpoint
         ours = (args.memory_interval, args.interval, args.until)
         if (pol.memory_interval, pol.interval, self.seg.until_step) != ours:
-            raise SystemExit(f"peers_memtier_loop: the run's policy (memory_interval {pol.memory_interval}, interval "
-                             f"{pol.interval}, until {self.seg.until_step}) is not the loop's schedule "
-                             f"({args.memory_interval}, {args.interval}, {args.until})")
+            raise SystemExit(
+                f"peers_memtier_loop: the run's policy (memory_interval {pol.memory_interval}, interval "
+                f"{pol.interval}, until {self.seg.until_step}) is not the loop's schedule "
+                f"({args.memory_interval}, {args.interval}, {args.until})"
+            )
         self.rank, self.world, self.mesh = self.seg.rank, self.seg.world_size, self.seg.mesh
         self.source = "see the run's lineage"
 
@@ -244,8 +253,9 @@ class Torch(Plain):
 
         if self.fut is not None:  # at most one in flight (drained already at the boundary before)
             self.fut.result()
-        self.fut = dcp.async_save({**state_dict(self.model, self.opt), "step": s}, checkpoint_id=str(self.path(s)),
-                                  process_group=self.pg)
+        self.fut = dcp.async_save(
+            {**state_dict(self.model, self.opt), "step": s}, checkpoint_id=str(self.path(s)), process_group=self.pg
+        )
 
     def durable(self, s: int) -> None:
         self.drain()  # the future completes after every file is written and fsynced and rank 0 wrote .metadata
@@ -351,8 +361,12 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse(argv)
     ev = Events(args.events)
-    ev("start", created=psutil.Process().create_time(), system=args.system,
-       restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    ev(
+        "start",
+        created=psutil.Process().create_time(),
+        system=args.system,
+        restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    )
     side = {"shardkeeper": Shardkeeper, "dlrover": DLRover, "torch": Torch}[args.system](args)
     ev("joined")  # the process group (and the system's own set-up) is there
     import torch.distributed as dist
@@ -386,8 +400,7 @@ def main(argv: list[str] | None = None) -> None:
             step = next(it)
         except StopIteration:
             break
-        ev("boundary", s=s, kind=kind, dt=time.perf_counter() - t0,
-           skipped=getattr(side, "skipped", 0))
+        ev("boundary", s=s, kind=kind, dt=time.perf_counter() - t0, skipped=getattr(side, "skipped", 0))
         if kind == "storage":
             side.durable(s)
             ev("durable", s=s, dt=time.time() - w0)

@@ -1,7 +1,7 @@
 """The memory tier's persist: one rank's snapshot file copied from the memory dir into a storage ``.partial``, the way
 the ranks do it (``ckpt.formats.direct_io.copy_file``: read into the O_DIRECT hashing stream's staging buffers,
-written around the page cache) against the buffered copy it replaced (``ckpt.memtier_persist._copy_buffered``: read, hash,
-buffered write, fsync).
+written around the page cache) against the buffered copy it replaced (``ckpt.memtier_persist._copy_buffered``: read,
+hash, buffered write, fsync).
 
     python bench/persist_bench.py                  # ~1 min; publishes bench/results/memtier-persist.md
     python bench/persist_bench.py --mb 100 --reps 2 --no-publish
@@ -63,7 +63,7 @@ def main() -> None:
     got: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
     try:
         for r in range(args.reps):
-            for name in (list(kinds) if r % 2 == 0 else list(reversed(kinds))):
+            for name in list(kinds) if r % 2 == 0 else list(reversed(kinds)):
                 dst = out / f"copy-{r}"
                 os.sync()
                 time.sleep(REST_S)
@@ -80,14 +80,31 @@ def main() -> None:
     direct, buffered = (got[k] for k in kinds)
     rows = []
     for name, v in got.items():
-        rows.append([name, f"{fmt([x[0] for x in v], 2)} s", f"{fmt([x[1] for x in v], 2)} s", f"{fmt([x[2] for x in v], 2)} s",
-                     f"{args.mb / statistics.median(x[0] for x in v) / 1024:.2f} GiB/s"])
+        rows.append(
+            [
+                name,
+                f"{fmt([x[0] for x in v], 2)} s",
+                f"{fmt([x[1] for x in v], 2)} s",
+                f"{fmt([x[2] for x in v], 2)} s",
+                f"{args.mb / statistics.median(x[0] for x in v) / 1024:.2f} GiB/s",
+            ]
+        )
     ratio = lambda i: statistics.median(x[i] for x in buffered) / statistics.median(x[i] for x in direct)  # noqa: E731
-    body = md_table(["copy of one rank's snapshot file", "wall, median (min–max)", "copying process CPU",
-                     "machine busy CPU", "rate"], rows)
-    body += (f"\n\n- {args.mb} MiB from tmpfs ({src_dir.parent}) to storage (bench/out/persist), {args.reps} of each "
-             f"alternated, each after a sync and a {REST_S:.0f} s pause; the stream is {ratio(0):.1f}x faster and takes "
-             f"{ratio(2):.1f}x less of the machine's CPU (what a background persist takes from training)")
+    body = md_table(
+        [
+            "copy of one rank's snapshot file",
+            "wall, median (min–max)",
+            "copying process CPU",
+            "machine busy CPU",
+            "rate",
+        ],
+        rows,
+    )
+    body += (
+        f"\n\n- {args.mb} MiB from tmpfs ({src_dir.parent}) to storage (bench/out/persist), {args.reps} of each "
+        f"alternated, each after a sync and a {REST_S:.0f} s pause; the stream is {ratio(0):.1f}x faster and takes "
+        f"{ratio(2):.1f}x less of the machine's CPU (what a background persist takes from training)"
+    )
     if args.no_publish:
         print(body)
         return

@@ -65,9 +65,16 @@ def stages(run: Path, work: Path) -> list[Stage]:
         ("plan-topology", lambda: plain.plan_topology(spec, 2), lambda: tasks.plan_topology(spec, 2)),
         ("inspect-run", lambda: plain.run_state(run), lambda: tasks.inspect_run(str(run))),
         ("reshard (DCP no-op)", lambda: plain.reshard(ckpt, 3), lambda: tasks.reshard(ckpt, 3)),
-        ("validate (deep)", lambda: plain.validate_checkpoint(ckpt, deep=True), lambda: tasks.validate(ckpt, deep=True)),
-        ("export (bf16)", lambda: plain.export_and_record(ckpt, export_dir, dtype="bfloat16", overwrite=True),
-         lambda: tasks.export(ckpt, export_dir, dtype="bfloat16", overwrite=True)),
+        (
+            "validate (deep)",
+            lambda: plain.validate_checkpoint(ckpt, deep=True),
+            lambda: tasks.validate(ckpt, deep=True),
+        ),
+        (
+            "export (bf16)",
+            lambda: plain.export_and_record(ckpt, export_dir, dtype="bfloat16", overwrite=True),
+            lambda: tasks.export(ckpt, export_dir, dtype="bfloat16", overwrite=True),
+        ),
         ("mirror-lineage", lambda: _mirror_plain(run), lambda: mirror_lineage(str(run), spec.name)),
     ]
 
@@ -80,8 +87,9 @@ def _mirror_plain(run: Path) -> None:
 
     events = read_events(run)
     now = checkpoints_now(run, events)
-    draw_lineage_graph(lineage_graph(events, {f"checkpoint:{Path(r['path']).name}" for r in now}), run / "lineage.png",
-                       title="bench")
+    draw_lineage_graph(
+        lineage_graph(events, {f"checkpoint:{Path(r['path']).name}" for r in now}), run / "lineage.png", title="bench"
+    )
     table_rows(events)
     loss_curve_png(run, run / "loss.png", statuses=segment_statuses(events))
 
@@ -132,8 +140,12 @@ def _train_both_ways(run: Path) -> tuple[str, float, float]:
 
 
 def table(rows: list[tuple[str, float, float]], reps: int) -> str:
-    lines = [f"Prefect overhead per stage (mean of {reps} calls after a warm-up; ms)", "",
-             "| stage | plain call | Prefect task | overhead |", "|---|---:|---:|---:|"]
+    lines = [
+        f"Prefect overhead per stage (mean of {reps} calls after a warm-up; ms)",
+        "",
+        "| stage | plain call | Prefect task | overhead |",
+        "|---|---:|---:|---:|",
+    ]
     for name, plain_ms, task_ms in rows:
         lines.append(f"| {name} | {plain_ms:.1f} | {task_ms:.1f} | {task_ms - plain_ms:+.1f} |")
     return "\n".join(lines)
@@ -211,10 +223,30 @@ def _preempt(run: Path) -> tuple[int, int]:
     seg = sum(1 for x in lines if json.loads(x).get("event") == "start")
     until = state.step + 1
     with open(run / "segments.jsonl", "a") as f:
-        for rec in ({"event": "start", "segment": seg, "until_step": until, "start_step": state.step, "world_size": 2,
-                     "nodes": 1, "launcher": "local", "time": "2026-01-01T00:00:00Z"},
-                    {"event": "end", "segment": seg, "status": "preempted", "exit_code": 75, "start_step": state.step,
-                     "end_step": state.step, "run_dir": str(run), "checkpoint": None, "seconds": 1.0, "failure": None}):
+        for rec in (
+            {
+                "event": "start",
+                "segment": seg,
+                "until_step": until,
+                "start_step": state.step,
+                "world_size": 2,
+                "nodes": 1,
+                "launcher": "local",
+                "time": "2026-01-01T00:00:00Z",
+            },
+            {
+                "event": "end",
+                "segment": seg,
+                "status": "preempted",
+                "exit_code": 75,
+                "start_step": state.step,
+                "end_step": state.step,
+                "run_dir": str(run),
+                "checkpoint": None,
+                "seconds": 1.0,
+                "failure": None,
+            },
+        ):
             f.write(json.dumps(rec) + "\n")
     return seg, until
 
@@ -229,14 +261,29 @@ def _one_resume(run: Path) -> dict[str, float]:
 
     seg, until = _preempt(run)
     since = time.time() - 1
-    result = SegmentResult(run_dir=str(run), status="preempted", exit_code=75, segment=seg, start_step=until - 1,
-                           end_step=until - 1, topology=ClusterTopology(procs_per_node=2))
+    result = SegmentResult(
+        run_dir=str(run),
+        status="preempted",
+        exit_code=75,
+        segment=seg,
+        start_step=until - 1,
+        end_step=until - 1,
+        topology=ClusterTopology(procs_per_node=2),
+    )
     emit_segment(str(run), "tiny-llama", result, until, 2, resumed_by="automation")
     EventsWorker.drain_all()
     iso = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(since)) + "Z"
-    event = _wait(lambda: _events({"event": {"name": ["shardkeeper.segment.preempted"]}, "occurred": {"since": iso},
-                                   "resource": {"id": [run_resource(run)["prefect.resource.id"]]}}),
-                  60, "preemption event on the server")[0]
+    event = _wait(
+        lambda: _events(
+            {
+                "event": {"name": ["shardkeeper.segment.preempted"]},
+                "occurred": {"since": iso},
+                "resource": {"id": [run_resource(run)["prefect.resource.id"]]},
+            }
+        ),
+        60,
+        "preemption event on the server",
+    )[0]
     t0 = _stamp(event["occurred"])
 
     def executed() -> dict[str, Any] | None:
@@ -250,8 +297,11 @@ def _one_resume(run: Path) -> dict[str, float]:
     import uuid
 
     run_id = uuid.UUID(action["flow_run"])
-    flow_run = _wait(lambda: (r := _api(lambda c: c.read_flow_run(run_id))).state and r.state.is_final() and r, 300,
-                     "end of the resumed flow run")
+    flow_run = _wait(
+        lambda: (r := _api(lambda c: c.read_flow_run(run_id))).state and r.state.is_final() and r,
+        300,
+        "end of the resumed flow run",
+    )
     if not flow_run.state.is_completed():
         raise SystemExit(f"error: the resume flow run ended {flow_run.state.name}: {flow_run.state.message}")
     states = {s.name: s.timestamp.timestamp() for s in _api(lambda c: c.read_flow_run_states(run_id))}
@@ -263,11 +313,17 @@ def _one_resume(run: Path) -> dict[str, float]:
     times = report.times if report is not None else None
     if times is None or times.origin != "launcher":
         raise SystemExit("error: the resumed segment reported no start-up times")
-    out = {"received": _stamp(event["received"]), "action": _stamp(action["at"]), "pending": states["Pending"],
-           "running": states["Running"], "task": train.start_time.timestamp(), "launched": times.origin_time,
-           "imports": times.origin_time + (times.imports_s or float("nan")),
-           "loaded": times.origin_time + (times.loaded_s or float("nan")),
-           "first_step": times.origin_time + (times.first_step_s or float("nan"))}
+    out = {
+        "received": _stamp(event["received"]),
+        "action": _stamp(action["at"]),
+        "pending": states["Pending"],
+        "running": states["Running"],
+        "task": train.start_time.timestamp(),
+        "launched": times.origin_time,
+        "imports": times.origin_time + (times.imports_s or float("nan")),
+        "loaded": times.origin_time + (times.loaded_s or float("nan")),
+        "first_step": times.origin_time + (times.first_step_s or float("nan")),
+    }
     return {k: v - t0 for k, v in out.items()}
 
 
@@ -285,14 +341,35 @@ def _start_resumer(via: str, root: Path, poll_s: float, log: Path) -> Any:
         from infra.deploy import main as deploy
 
         pool = f"bench-{os.getpid()}"
-        if deploy(["--config", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(root / "auto"), "--segments",
-                   "2:1000", "--pool", pool, "--name", "auto"]) != 0:
+        if (
+            deploy(
+                [
+                    "--config",
+                    str(ROOT / "configs" / "tiny.yaml"),
+                    "--run-dir",
+                    str(root / "auto"),
+                    "--segments",
+                    "2:1000",
+                    "--pool",
+                    pool,
+                    "--name",
+                    "auto",
+                ]
+            )
+            != 0
+        ):
             raise SystemExit("error: infra.deploy failed")
         cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool]
         env["PREFECT_WORKER_QUERY_SECONDS"] = f"{poll_s:g}"
         deployment, automation = "resume/auto", "resume auto on preemption"
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"),  # noqa: SIM115 - the child keeps it
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=open(log, "w"),  # noqa: SIM115 - the child keeps it
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
     def ready() -> bool:
         if proc.poll() is not None:
@@ -324,12 +401,21 @@ def automation_latency(work: Path, reps: int, polls: list[float], via: str) -> s
             stop_process_group(proc.pid, grace_s=10.0, what=via)
     who = "serving process (infra.serve)" if via == "serve" else "worker (infra.deploy's pool)"
     head = ["seconds after the preemption event", *[f"{via} polls every {p:g} s" for p in polls]]
-    rows = [[what.replace("serving process", who.split(" (")[0]), *[_fmt([r[key] for r in results[p]]) for p in polls]]
-            for key, what in PHASES]
-    return (f"Automation latency: a preemption event -> the resumed segment, the automation's flow run run by a {who}; "
-            f"median (min-max) of {reps} resumes, seconds since the event\n\n"
-            + "\n".join(["| " + " | ".join(head) + " |", "|---" + "|---:" * len(polls) + "|",
-                         *["| " + " | ".join(r) + " |" for r in rows]]))
+    rows = [
+        [what.replace("serving process", who.split(" (")[0]), *[_fmt([r[key] for r in results[p]]) for p in polls]]
+        for key, what in PHASES
+    ]
+    return (
+        f"Automation latency: a preemption event -> the resumed segment, the automation's flow run run by a {who}; "
+        f"median (min-max) of {reps} resumes, seconds since the event\n\n"
+        + "\n".join(
+            [
+                "| " + " | ".join(head) + " |",
+                "|---" + "|---:" * len(polls) + "|",
+                *["| " + " | ".join(r) + " |" for r in rows],
+            ]
+        )
+    )
 
 
 def _fmt(samples: list[float]) -> str:
@@ -338,15 +424,30 @@ def _fmt(samples: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=5, help="calls per stage and way (after one warm-up); resumes per "
-                   "poll interval with --automation")
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=5,
+        help="calls per stage and way (after one warm-up); resumes per poll interval with --automation",
+    )
     p.add_argument("--train", action="store_true", help="also time one train segment each way")
-    p.add_argument("--automation", action="store_true", help="time the chain from a preemption event to the "
-                   "resumed segment instead (see above)")
-    p.add_argument("--poll-s", default="10,1", help="with --automation: the poll intervals to compare, "
-                   "comma-separated (default 10,1)")
-    p.add_argument("--via", choices=["serve", "worker"], default="serve", help="with --automation: who runs the "
-                   "automation's flow runs: infra.serve, or a process worker of infra.deploy's pool")
+    p.add_argument(
+        "--automation",
+        action="store_true",
+        help="time the chain from a preemption event to the resumed segment instead (see above)",
+    )
+    p.add_argument(
+        "--poll-s",
+        default="10,1",
+        help="with --automation: the poll intervals to compare, comma-separated (default 10,1)",
+    )
+    p.add_argument(
+        "--via",
+        choices=["serve", "worker"],
+        default="serve",
+        help="with --automation: who runs the "
+        "automation's flow runs: infra.serve, or a process worker of infra.deploy's pool",
+    )
     args = p.parse_args(argv)
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the table, not a log per task run

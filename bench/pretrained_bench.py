@@ -83,8 +83,14 @@ def launch(argv: list[str], run_dir: Path, watch_metrics: bool) -> dict:
     at_first: dict[int, int] = {}
     first_step: list[float] = []
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()
@@ -102,15 +108,21 @@ def launch(argv: list[str], run_dir: Path, watch_metrics: bool) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed ({proc.returncode}):\n{''.join(out[-40:])}")
     load_s = next((float(ln.split(" in ")[-1].split(" s")[0]) for ln in out if "loaded this rank's shards" in ln), None)
-    return {"seconds": time.perf_counter() - t0, "first_step_s": first_step[0] if first_step else None,
-            "peaks": sorted(peaks.values()), "peaks_at_first": sorted(at_first.values()), "load_s": load_s}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "first_step_s": first_step[0] if first_step else None,
+        "peaks": sorted(peaks.values()),
+        "peaks_at_first": sorted(at_first.values()),
+        "load_s": load_s,
+    }
 
 
 def config(base: Path, params_cfg: dict, pretrained: bool, work: Path) -> Path:
     import yaml
 
     spec = {
-        "name": f"bench-{'pretrained' if pretrained else 'scratch'}", "global_batch_size": 2,
+        "name": f"bench-{'pretrained' if pretrained else 'scratch'}",
+        "global_batch_size": 2,
         "model": ({"pretrained": str(base)} if pretrained else {"model_type": "llama", "config": params_cfg}),
         "data": {"source": "synthetic", "seq_len": 32, "synthetic_tokens": 4096},
         "optim": {"lr": 1e-5, "weight_decay": 0.0},
@@ -129,10 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-only", action="store_true", help="build, shard and load only (no optimizer step)")
     ap.add_argument("--reps", type=int, default=2, help="launches per kind, alternated (scratch, pretrained, ...)")
     ap.add_argument("--keep", action="store_true", help="keep the model folder and runs (default: deleted)")
-    ap.add_argument("--no-scratch", action="store_true", help="skip the from-random-weights comparison (--load-only: "
-                    "every rank would build the whole fp32 model, which may not fit 2 ranks here)")
+    ap.add_argument(
+        "--no-scratch",
+        action="store_true",
+        help="skip the from-random-weights comparison (--load-only: "
+        "every rank would build the whole fp32 model, which may not fit 2 ranks here)",
+    )
     a = ap.parse_args(argv)
     from benchlib import publish  # bench/ is on the path when run as a script
+
     from infra.make_tiny_pretrained import SIZES, make
 
     a.work.mkdir(parents=True, exist_ok=True)
@@ -149,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = sum(p.stat().st_size for p in files)
         bws = [read_bandwidth(files) for _ in range(2)]
         bw = max(bws)
-        arch = {k: cfg[k] for k in SIZES[a.size]} | {"tie_word_embeddings": cfg["tie_word_embeddings"],
-                                                        "rms_norm_eps": cfg["rms_norm_eps"]}
+        arch = {k: cfg[k] for k in SIZES[a.size]} | {
+            "tie_word_embeddings": cfg["tie_word_embeddings"],
+            "rms_norm_eps": cfg["rms_norm_eps"],
+        }
         kinds = ("pretrained",) if a.no_scratch else ("scratch", "pretrained")
         results: dict[str, list[dict]] = {k: [] for k in kinds}
         for rep in range(a.reps):
@@ -165,17 +184,44 @@ def main(argv: list[str] | None = None) -> int:
                     from shardkeeper.stages import prepare_run_dir
 
                     prepare_run_dir(RunDir.at(run), load_run_spec(conf))
-                    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "trainer.segment", str(run), "0"]
+                    cmd = [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--standalone",
+                        "--nproc-per-node",
+                        "2",
+                        "-m",
+                        "trainer.segment",
+                        str(run),
+                        "0",
+                    ]
                 else:
-                    cmd = [sys.executable, "-m", "shardkeeper", "train", "--config", str(conf), "--run-dir", str(run),
-                           "--nproc", "2", "--until-step", "1", "--device", "cpu"]
+                    cmd = [
+                        sys.executable,
+                        "-m",
+                        "shardkeeper",
+                        "train",
+                        "--config",
+                        str(conf),
+                        "--run-dir",
+                        str(run),
+                        "--nproc",
+                        "2",
+                        "--until-step",
+                        "1",
+                        "--device",
+                        "cpu",
+                    ]
                 print(f"rep {rep + 1}/{a.reps}: {kind}", file=sys.stderr)
                 results[kind].append(launch(cmd, run, not a.load_only))
                 shutil.rmtree(run, ignore_errors=True)
         name = f"pretrained_{a.size}" + ("_load" if a.load_only else "")
-        publish(name, table(a, params, nbytes, bws, bw, results), argv=[sys.argv[0], *(argv if argv is not None
-                                                                                      else sys.argv[1:])])
+        publish(
+            name,
+            table(a, params, nbytes, bws, bw, results),
+            argv=[sys.argv[0], *(argv if argv is not None else sys.argv[1:])],
+        )
     finally:
         if not a.keep:
             shutil.rmtree(a.work, ignore_errors=True)
@@ -200,26 +246,36 @@ def table(a: argparse.Namespace, params: int, nbytes: int, bws: list[float], bw:
     def col(runs: list[dict], key: str) -> list[float]:
         return [run[key] for run in runs if run[key] is not None]
 
-    lines = ["| measure | value | goal / reference |", "|---|---:|---|",
-             f"| parameters | {params / 1e9:.3f} B | safetensors {nbytes / GB:.2f} GB (fp32) |",
-             f"| disk read bandwidth (cold, 16 MiB reads) | {bw / GB:.2f} GB/s | runs: "
-             f"{', '.join(f'{b / GB:.2f}' for b in bws)} |"]
+    lines = [
+        "| measure | value | goal / reference |",
+        "|---|---:|---|",
+        f"| parameters | {params / 1e9:.3f} B | safetensors {nbytes / GB:.2f} GB (fp32) |",
+        f"| disk read bandwidth (cold, 16 MiB reads) | {bw / GB:.2f} GB/s | runs: "
+        f"{', '.join(f'{b / GB:.2f}' for b in bws)} |",
+    ]
     if a.load_only:
         worst = max(peaks(pt, "peaks"))
         ok_m = "met" if worst <= shard + 1.5 * GB else f"NOT met by {gb(worst - shard - 1.5 * GB)}"
-        lines += [f"| peak RSS per rank, build + shard + read (pretrained) | {', '.join(gb(v) for v in peaks(pt, 'peaks'))} | "
-                  f"<= its shard of the weights {gb(shard)} + 1.5 GB: {ok_m}; the whole model is {gb(params * 4)} |"]
+        lines += [
+            "| peak RSS per rank, build + shard + read (pretrained) | "
+            f"{', '.join(gb(v) for v in peaks(pt, 'peaks'))} | "
+            f"<= its shard of the weights {gb(shard)} + 1.5 GB: {ok_m}; the whole model is {gb(params * 4)} |"
+        ]
         if sc:
-            lines += [f"| peak RSS per rank, the same from random weights | "
-                      f"{', '.join(gb(v) for v in peaks(sc, 'peaks'))} | builds the whole fp32 model "
-                      f"{gb(params * 4)} on every rank |"]
-        lines += [f"| segment wall time (launch to exit), pretrained | {fmt(col(pt, 'seconds'), 1)} s | "
-                  + (f"from random weights {fmt(col(sc, 'seconds'), 1)} s |" if sc else "|"),
-                  f"| reading this rank's shards (rank 0's log) | {fmt(col(pt, 'load_s'))} s | {nbytes / bw:.2f} s: "
-                  "all the bytes at the disk's bandwidth (both ranks read at once from one disk) |"]
+            lines += [
+                f"| peak RSS per rank, the same from random weights | "
+                f"{', '.join(gb(v) for v in peaks(sc, 'peaks'))} | builds the whole fp32 model "
+                f"{gb(params * 4)} on every rank |"
+            ]
+        lines += [
+            f"| segment wall time (launch to exit), pretrained | {fmt(col(pt, 'seconds'), 1)} s | "
+            + (f"from random weights {fmt(col(sc, 'seconds'), 1)} s |" if sc else "|"),
+            f"| reading this rank's shards (rank 0's log) | {fmt(col(pt, 'load_s'))} s | {nbytes / bw:.2f} s: "
+            "all the bytes at the disk's bandwidth (both ranks read at once from one disk) |",
+        ]
         return "\n".join(lines)
     first_sc, first_pt = col(sc, "first_step_s"), col(pt, "first_step_s")
-    med = lambda v: sorted(v)[len(v) // 2] if len(v) % 2 else sum(sorted(v)[len(v) // 2 - 1:len(v) // 2 + 1]) / 2  # noqa: E731
+    med = lambda v: sorted(v)[len(v) // 2] if len(v) % 2 else sum(sorted(v)[len(v) // 2 - 1 : len(v) // 2 + 1]) / 2  # noqa: E731
     goal_t = 1.3 * (nbytes / bw + med(first_sc))
     ok_t = "met" if med(first_pt) <= goal_t else f"NOT met by {med(first_pt) - goal_t:.1f} s"
     at_first = peaks(pt, "peaks_at_first")
@@ -232,8 +288,10 @@ def table(a: argparse.Namespace, params: int, nbytes: int, bws: list[float], bw:
         f"| reading this rank's shards (rank 0's log) | {fmt(col(pt, 'load_s'))} s | |",
         f"| peak RSS per rank at step 1, pretrained | {', '.join(gb(v) for v in at_first)} | <= shard "
         f"{gb(shard)} + AdamW {gb(adamw)} + 1.5 GB = {gb(budget)}: {ok_m} (the fp32 grads alone are {gb(grads)}) |",
-        f"| peak RSS per rank over the segment (+ final save), pretrained | {', '.join(gb(v) for v in peaks(pt, 'peaks'))} | |",
-        f"| peak RSS per rank at step 1, from random weights | {', '.join(gb(v) for v in peaks(sc, 'peaks_at_first'))} | "
+        "| peak RSS per rank over the segment (+ final save), pretrained | "
+        f"{', '.join(gb(v) for v in peaks(pt, 'peaks'))} | |",
+        "| peak RSS per rank at step 1, from random weights | "
+        f"{', '.join(gb(v) for v in peaks(sc, 'peaks_at_first'))} | "
         f"builds the whole fp32 model ({gb(params * 4)}) on every rank first |",
     ]
     return "\n".join(lines)

@@ -118,16 +118,18 @@ def local_readers(source: Path, work: Path, args: argparse.Namespace, tally: Tal
             # one status reported (what a user does), which the writer retires two commits later
             path = run / "checkpoints" / f"step-{rng.randint(1, 3):08d}"
             newest = Path(st.checkpoint) if st is not None and st.checkpoint else path
-            for reader, deep, every, target in (("validate", False, 1, path),
-                                                ("validate --deep", True, args.deep_every, newest)):
+            for reader, deep, every, target in (
+                ("validate", False, 1, path),
+                ("validate --deep", True, args.deep_every, newest),
+            ):
                 if i % every:
                     continue
-                report = tally.call(reader, lambda: stages.validate_checkpoint(target, deep=deep), verdict=True)
+                report = tally.call(reader, lambda: stages.validate_checkpoint(target, deep=deep), verdict=True)  # noqa: B023
                 if report is not None:
                     tally.add(reader, "retired" if report.retired else "valid" if report.valid else "wrong verdicts")
             if i % args.export_every == 0:
                 out = work / "exports" / f"e{i}"
-                if tally.call("export", lambda: stages.export_and_record(newest, out)) is not None:
+                if tally.call("export", lambda: stages.export_and_record(newest, out)) is not None:  # noqa: B023
                     exports += 1
                 shutil.rmtree(out, ignore_errors=True)
         seconds = time.monotonic() - t0
@@ -135,8 +137,12 @@ def local_readers(source: Path, work: Path, args: argparse.Namespace, tally: Tal
     tally.add("validate --deep", "lineage", sum(e.kind == "validate" and not e.data.get("valid") for e in events))
     tally.add("export", "lineage", exports - sum(e.kind == "export" for e in events))
     cli_readers(run, work, args, tally, source)
-    return {"committed": writer.committed, "retired": writer.retired, "quarantined": writer.quarantined,
-            "seconds": round(seconds)}
+    return {
+        "committed": writer.committed,
+        "retired": writer.retired,
+        "quarantined": writer.quarantined,
+        "seconds": round(seconds),
+    }
 
 
 def cli_readers(run: Path, work: Path, args: argparse.Namespace, tally: Tally, source: Path) -> None:
@@ -145,16 +151,26 @@ def cli_readers(run: Path, work: Path, args: argparse.Namespace, tally: Tally, s
     if not args.cli:
         return
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
-    calls = [["status", str(run)], ["validate", str(run / "checkpoints" / "step-00000002")],
-             ["lineage", str(run)], ["export", str(run / "checkpoints" / "step-00000003"), str(work / "cli-export")]]
+    calls = [
+        ["status", str(run)],
+        ["validate", str(run / "checkpoints" / "step-00000002")],
+        ["lineage", str(run)],
+        ["export", str(run / "checkpoints" / "step-00000003"), str(work / "cli-export")],
+    ]
     shutil.rmtree(run / "checkpoints")  # a fresh writer: it starts from an empty checkpoints/
     (run / "checkpoints").mkdir()
     with LiveWriter(run, templates_of(source), keep=2, pause_s=args.pause):
         for i in range(args.cli):
             cmd = calls[i % len(calls)]
             shutil.rmtree(work / "cli-export", ignore_errors=True)
-            p = subprocess.run([sys.executable, "-m", "shardkeeper", *cmd], capture_output=True, text=True, cwd=ROOT,
-                               env=env, timeout=300)
+            p = subprocess.run(
+                [sys.executable, "-m", "shardkeeper", *cmd],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                env=env,
+                timeout=300,
+            )
             reader = f"CLI {cmd[0]}"
             tally.add(reader, "calls")
             err = p.stderr
@@ -180,8 +196,9 @@ def start_moto() -> tuple[subprocess.Popen, str] | None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -224,10 +241,16 @@ class S3Writer(threading.Thread):
                 self.pushed += 1
                 live.append(step)
                 # the lineage names every checkpoint the writer committed (what the trainer records)
-                self.remote.fs.pipe_file(self.remote.key("lineage.jsonl"), self.remote.fs.cat_file(
-                    self.remote.key("lineage.jsonl")) + (lineage.LineageEvent(
-                        id=lineage.checkpoint_event_id(step), kind="checkpoint", time=lineage.now_iso(),
-                        step=step).model_dump_json() + "\n").encode())
+                self.remote.fs.pipe_file(
+                    self.remote.key("lineage.jsonl"),
+                    self.remote.fs.cat_file(self.remote.key("lineage.jsonl"))
+                    + (
+                        lineage.LineageEvent(
+                            id=lineage.checkpoint_event_id(step), kind="checkpoint", time=lineage.now_iso(), step=step
+                        ).model_dump_json()
+                        + "\n"
+                    ).encode(),
+                )
                 while len(live) > 2:
                     self.retire(live.pop(0))
         except BaseException as e:  # noqa: BLE001
@@ -252,15 +275,20 @@ def s3_readers(source: Path, work: Path, args: argparse.Namespace, tally: Tally)
         print("moto_server not found: s3 rows skipped (pip install 'moto[server]')", file=sys.stderr)
         return None
     proc, endpoint = started
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true", "AWS_ENDPOINT_URL": endpoint,
-           "SHARDKEEPER_CACHE": str(work / "reader-cache")}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_ENDPOINT_URL": endpoint,
+        "SHARDKEEPER_CACHE": str(work / "reader-cache"),
+    }
     os.environ.update(env)
     try:
         import boto3
 
-        from ckpt.lineage import read_events
         from ckpt.layout import RunDir
+        from ckpt.lineage import read_events
         from ckpt.objstore import cache_dir
         from shardkeeper import stages
         from tests.reliability.livewriter import templates_of
@@ -281,24 +309,31 @@ def s3_readers(source: Path, work: Path, args: argparse.Namespace, tally: Tally)
                 tally.add("s3 status", "wrong verdicts")
             tally.call("s3 scan", lambda: stages.scan_runs(f"s3://{bucket}", []))
             ckpt = f"{url}/checkpoints/step-{rng.randint(1, 3):08d}"
-            report = tally.call("s3 validate", lambda: stages.validate_checkpoint(ckpt), verdict=True)
+            report = tally.call("s3 validate", lambda: stages.validate_checkpoint(ckpt), verdict=True)  # noqa: B023
             if report is not None:
                 tally.add("s3 validate", "retired" if report.retired else "valid" if report.valid else "wrong verdicts")
                 if not report.valid and not report.retired:
                     print(f"  s3 validate: {report.errors[0]}", file=sys.stderr)
             if i % args.deep_every == 0:
-                report = tally.call("s3 validate --deep", lambda: stages.validate_checkpoint(ckpt, deep=True),
-                                    verdict=True)
+                report = tally.call(
+                    "s3 validate --deep",
+                    lambda: stages.validate_checkpoint(ckpt, deep=True),  # noqa: B023
+                    verdict=True,
+                )
                 if report is not None:
-                    tally.add("s3 validate --deep",
-                              "retired" if report.retired else "valid" if report.valid else "wrong verdicts")
+                    tally.add(
+                        "s3 validate --deep",
+                        "retired" if report.retired else "valid" if report.valid else "wrong verdicts",
+                    )
         seconds = time.monotonic() - t0
         writer.halt.set()
         writer.join(60)
         if writer.error is not None:
             print(f"  s3 writer failed: {writer.error!r}", file=sys.stderr)
         events = read_events(RunDir.at(cache_dir(url)))
-        tally.add("s3 validate --deep", "lineage", sum(e.kind == "validate" and not e.data.get("valid") for e in events))
+        tally.add(
+            "s3 validate --deep", "lineage", sum(e.kind == "validate" and not e.data.get("valid") for e in events)
+        )
         return {"committed": writer.pushed, "retired": writer.retired, "quarantined": 0, "seconds": round(seconds)}
     finally:
         proc.terminate()
@@ -317,14 +352,31 @@ def table(tally: Tally) -> str:
         rows.append([reader, *(c[k] for k in COLUMNS)])
     total = [sum(r[i] for r in rows) for i in range(1, len(COLUMNS) + 1)]
     rows.append(["**all**", *(f"**{t}**" for t in total)])
-    return md_table(["reader", "calls", "valid / ok", "retired (said so)", "failures", "tracebacks",
-                     "wrong verdicts", "lineage entries for vanished / missing"], rows, "lrrrrrrr")
+    return md_table(
+        [
+            "reader",
+            "calls",
+            "valid / ok",
+            "retired (said so)",
+            "failures",
+            "tracebacks",
+            "wrong verdicts",
+            "lineage entries for vanished / missing",
+        ],
+        rows,
+        "lrrrrrrr",
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calls", type=int, default=300, help="loop iterations against the local run (each: status, "
-                    "scan, lineage, validate; --deep and export every few)")
+    ap.add_argument(
+        "--calls",
+        type=int,
+        default=300,
+        help="loop iterations against the local run (each: status, "
+        "scan, lineage, validate; --deep and export every few)",
+    )
     ap.add_argument("--seconds", type=float, default=120.0, help="bound on each loop's time")
     ap.add_argument("--deep-every", type=int, default=3)
     ap.add_argument("--export-every", type=int, default=5)
@@ -344,16 +396,22 @@ def main() -> None:
         tally = Tally()
         local = local_readers(source, work, args, tally)
         s3 = None if args.no_s3 else s3_readers(source, work / "s3", args, tally)
-    writers = [f"local: {local['committed']} commits, {local['retired']} retired, {local['quarantined']} quarantined "
-               f"in {local['seconds']} s of in-process reading"]
+    writers = [
+        f"local: {local['committed']} commits, {local['retired']} retired, {local['quarantined']} quarantined "
+        f"in {local['seconds']} s of in-process reading"
+    ]
     if s3 is not None:
-        writers.append(f"s3:// (moto_server on 127.0.0.1): {s3['committed']} pushes, {s3['retired']} retired by the "
-                       f"store's retention in {s3['seconds']} s")
-    body = ("Readers against a live writer that commits a checkpoint and retires one at every step (a copy of a "
-            "real 3-step tiny run's checkpoints; retention's rename + rmtree, every 4th quarantined). "
-            + "; ".join(writers) + ". Counts per reader; a correct answer is a valid result or a one-line "
-            "\"retired\" (the checkpoint went while it was read); the rule is 0 in the last four columns.\n\n"
-            + table(tally))
+        writers.append(
+            f"s3:// (moto_server on 127.0.0.1): {s3['committed']} pushes, {s3['retired']} retired by the "
+            f"store's retention in {s3['seconds']} s"
+        )
+    body = (
+        "Readers against a live writer that commits a checkpoint and retires one at every step (a copy of a "
+        "real 3-step tiny run's checkpoints; retention's rename + rmtree, every 4th quarantined). "
+        + "; ".join(writers)
+        + ". Counts per reader; a correct answer is a valid result or a one-line "
+        '"retired" (the checkpoint went while it was read); the rule is 0 in the last four columns.\n\n' + table(tally)
+    )
     publish("readers", body)
 
 

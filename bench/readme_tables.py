@@ -26,8 +26,9 @@ def render(readme: str) -> tuple[str, list[str]]:
     def sub(m: re.Match[str]) -> str:
         path = RESULTS / f"{m.group(2)}.md"
         if not path.is_file():
-            problems.append(f"README.md block bench:{m.group(2)}: no bench/results/{path.name}; run the bench that "
-                            "publishes it")
+            problems.append(
+                f"README.md block bench:{m.group(2)}: no bench/results/{path.name}; run the bench that publishes it"
+            )
             return m.group(0)
         return m.group(1) + path.read_text(encoding="utf-8").rstrip("\n") + "\n" + m.group(4)
 
@@ -35,8 +36,10 @@ def render(readme: str) -> tuple[str, list[str]]:
     used = {g[1] for g in BLOCK.findall(readme)} | docs_included()
     for path in sorted(RESULTS.glob("*.md")):
         if path.stem not in used:
-            problems.append(f"bench/results/{path.name}: neither a <!-- bench:{path.stem} --> block in README.md nor "
-                            f"included by a page of docs/benchmarks/ (--8<-- \"bench/results/{path.name}\"); add one")
+            problems.append(
+                f"bench/results/{path.name}: neither a <!-- bench:{path.stem} --> block in README.md nor "
+                f'included by a page of docs/benchmarks/ (--8<-- "bench/results/{path.name}"); add one'
+            )
     return out, problems
 
 
@@ -59,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         print(p, file=sys.stderr)
     if args.check:
         if new != text:
-            print("README.md: a bench table differs from bench/results/; run python bench/readme_tables.py",
-                  file=sys.stderr)
+            print(
+                "README.md: a bench table differs from bench/results/; run python bench/readme_tables.py",
+                file=sys.stderr,
+            )
             return 1
         return 1 if problems else 0
     if new != text:

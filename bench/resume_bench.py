@@ -34,15 +34,28 @@ def draw_loss_differences(fig, rows: list[dict[str, str]], label: str) -> None:
     bars = ax.barh(names, values, color=["#2e7d32" if v == floor else "#3f51b5" for v in values])
     for i, (bar, r) in enumerate(zip(bars, rows)):
         text = "bitwise" if r["result"].startswith("bitwise") else r["result"].split(" ")[0]
-        ax.annotate(text, (bar.get_width(), bar.get_y() + bar.get_height() / 2), xytext=(3, 0),
-                    textcoords="offset points", va="center", fontsize=8)
+        ax.annotate(
+            text,
+            (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+            xytext=(3, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=8,
+        )
         if "noise" in r["goal"]:  # compared with the noise between two uninterrupted runs, not with 1e-6
             noise = numbers(r["goal"].split(":")[-1])[0]
             if noise <= 0:
                 continue
             ax.plot([noise], [i], marker="|", markersize=16, color="#e65100")
-            ax.annotate("noise of two uninterrupted runs", (noise, i), xytext=(0, 9), textcoords="offset points",
-                        ha="center", fontsize=7, color="#e65100")
+            ax.annotate(
+                "noise of two uninterrupted runs",
+                (noise, i),
+                xytext=(0, 9),
+                textcoords="offset points",
+                ha="center",
+                fontsize=7,
+                color="#e65100",
+            )
     ax.axvline(1e-6, color="grey", ls=":", lw=1)
     ax.annotate("goal ≤ 1e-6", (1e-6, -0.5), xytext=(3, -8), textcoords="offset points", color="grey", fontsize=8)
     ax.set_xscale("log")
@@ -70,8 +83,7 @@ def main() -> None:
     if plot_only_requested():
         plot()
         return
-    from tests.harness import spawn
-    from tests.harness import copy_run_until, metrics, new_run, tiny_spec
+    from tests.harness import copy_run_until, metrics, new_run, spawn, tiny_spec
     from trainer.segment import run_segment
 
     tmp = Path(tempfile.mkdtemp(prefix="resume-bench-"))
@@ -110,12 +122,14 @@ def main() -> None:
     rows.append(("bf16", "2 -> 3", f"{diff(b2, b23):.2e}", f"noise 2 vs 3 uninterrupted: {noise:.2e}"))
     from benchlib import md_table, publish
 
-    publish("resume", f"Max relative loss difference against the uninterrupted 2-rank run, steps {CUT + 1}..{END} "
-            "(global batch 12):\n\n" + md_table(["compute", "world size", "result", "goal"], rows))
+    publish(
+        "resume",
+        f"Max relative loss difference against the uninterrupted 2-rank run, steps {CUT + 1}..{END} "
+        "(global batch 12):\n\n" + md_table(["compute", "world size", "result", "goal"], rows),
+    )
     plot()
     shutil.rmtree(tmp, ignore_errors=True)
-    missed = [r for r in rows if r[3] == "bitwise" and r[2] != "bitwise"
-              or r[3] == "<= 1e-6" and float(r[2]) > 1e-6]
+    missed = [r for r in rows if r[3] == "bitwise" and r[2] != "bitwise" or r[3] == "<= 1e-6" and float(r[2]) > 1e-6]
     if missed:
         sys.exit(f"resume_bench: goal missed: {missed}")
 

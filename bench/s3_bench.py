@@ -35,9 +35,14 @@ sys.path.insert(0, str(ROOT))
 
 from bench.benchlib import fmt  # noqa: E402
 
-MODEL_SETS = ["model.config.vocab_size=32000", "model.config.hidden_size=512", "model.config.intermediate_size=1408",
-              "model.config.num_hidden_layers=4", "model.config.num_attention_heads=8",
-              "model.config.num_key_value_heads=8"]
+MODEL_SETS = [
+    "model.config.vocab_size=32000",
+    "model.config.hidden_size=512",
+    "model.config.intermediate_size=1408",
+    "model.config.num_hidden_layers=4",
+    "model.config.num_attention_heads=8",
+    "model.config.num_key_value_heads=8",
+]
 PART = 16 << 20
 THREADS = 8
 
@@ -45,9 +50,28 @@ THREADS = 8
 def make_checkpoint(work: Path) -> Path:
     run = work / "run"
     sets = [a for s in MODEL_SETS for a in ("--set", s)]
-    subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
-                    "--run-dir", str(run), "--nproc", "2", "--until-step", "1", "--device", "cpu", *sets],
-                   cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardkeeper",
+            "train",
+            "--config",
+            str(ROOT / "configs" / "tiny.yaml"),
+            "--run-dir",
+            str(run),
+            "--nproc",
+            "2",
+            "--until-step",
+            "1",
+            "--device",
+            "cpu",
+            *sets,
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     (ckpt,) = sorted((run / "checkpoints").glob("step-*"))
     return ckpt
 
@@ -60,7 +84,9 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     for _ in range(300):
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -85,7 +111,7 @@ def clear(client, bucket: str) -> None:
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
     keys = [{"Key": o["Key"]} for page in pages for o in page.get("Contents", [])]
     for i in range(0, len(keys), 1000):
-        client.delete_objects(Bucket=bucket, Delete={"Objects": keys[i:i + 1000]})
+        client.delete_objects(Bucket=bucket, Delete={"Objects": keys[i : i + 1000]})
 
 
 def main() -> None:
@@ -148,14 +174,32 @@ def main() -> None:
     ratio = statistics.median(gbs["push"]) / statistics.median(gbs["raw"])
     from benchlib import md_table, publish
 
-    publish("s3", f"S3 checkpoint push, GB/s: median (min–max) of {args.reps} alternated reps after a warm-up, "
-            f"{'moto_server on loopback' if proc else endpoint}, checkpoint {nbytes / 1e9:.2f} GB in {nfiles} files:"
-            "\n\n" + md_table(["upload of the same checkpoint", "GB/s", "seconds", "vs raw"], [
-                [f"raw multipart put (boto3 S3Transfer, {PART >> 20} MiB parts, {THREADS} threads, all files at once)",
-                 fmt(gbs["raw"], 3), fmt(samples["raw"]), "1.00×"],
-                ["shardkeeper push (files, size check, manifest last with If-None-Match)", fmt(gbs["push"], 3),
-                 fmt(samples["push"]), f"{ratio:.2f}×"]], "lrrr")
-            + f"\n\nGoal: push ≥ 0.8× raw: {'met' if ratio >= 0.8 else 'NOT met'} ({ratio:.2f}×)")
+    publish(
+        "s3",
+        f"S3 checkpoint push, GB/s: median (min–max) of {args.reps} alternated reps after a warm-up, "
+        f"{'moto_server on loopback' if proc else endpoint}, checkpoint {nbytes / 1e9:.2f} GB in {nfiles} files:"
+        "\n\n"
+        + md_table(
+            ["upload of the same checkpoint", "GB/s", "seconds", "vs raw"],
+            [
+                [
+                    f"raw multipart put (boto3 S3Transfer, {PART >> 20} MiB parts, {THREADS} threads, "
+                    "all files at once)",
+                    fmt(gbs["raw"], 3),
+                    fmt(samples["raw"]),
+                    "1.00×",
+                ],
+                [
+                    "shardkeeper push (files, size check, manifest last with If-None-Match)",
+                    fmt(gbs["push"], 3),
+                    fmt(samples["push"]),
+                    f"{ratio:.2f}×",
+                ],
+            ],
+            "lrrr",
+        )
+        + f"\n\nGoal: push ≥ 0.8× raw: {'met' if ratio >= 0.8 else 'NOT met'} ({ratio:.2f}×)",
+    )
 
 
 if __name__ == "__main__":

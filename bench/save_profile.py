@@ -6,7 +6,8 @@ Each part alone, over the same tensors (fp32, the sizes of the 254M-parameter mo
 serialization into a sink that keeps nothing, xxh3-128 of every byte, the copy into the aligned buffer, the
 O_DIRECT writes + fsync of that many bytes (``--threads`` files in parallel, as DCP's writer threads), the whole
 hashing O_DIRECT stream (hashing on and off; torch's CRC-32 on, and off as shardkeeper's saves run), and
-parallel ``dd oflag=direct conv=fsync`` (same streams). Medians (min–max) of ``--reps`` alternated rounds; printed as a markdown table and published as bench/results/save-profile.md.
+parallel ``dd oflag=direct conv=fsync`` (same streams). Medians (min–max) of ``--reps`` alternated rounds; printed as a
+markdown table and published as bench/results/save-profile.md.
 """
 
 from __future__ import annotations
@@ -145,16 +146,38 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 _HashingDirectStream.hashing, _HashingDirectStream.pipelined = True, True
                 torch.serialization.set_crc32_options(True)
+
         return go
 
     def dd(_i: int, p: list) -> None:
         n = sum(t.numel() * 4 for t in p)
-        subprocess.run(["dd", "if=/dev/zero", f"of={OUT / f'dd-{_i}'}", "bs=64M", f"count={max(1, round(n / 2**26))}",
-                        "oflag=direct", "conv=fsync"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                "dd",
+                "if=/dev/zero",
+                f"of={OUT / f'dd-{_i}'}",
+                "bs=64M",
+                f"count={max(1, round(n / 2**26))}",
+                "oflag=direct",
+                "conv=fsync",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
-    sides = {"serialize": serialize, "serialize_nocrc": serialize_nocrc, "hash": hashing, "copy": copying,
-             "direct": direct, "stream_before": stream(True, False), "stream": stream(True),
-             "stream_nohash": stream(False), "stream_nocrc": stream(True, crc=False), "dd": dd}
+    sides = {
+        "serialize": serialize,
+        "serialize_nocrc": serialize_nocrc,
+        "hash": hashing,
+        "copy": copying,
+        "direct": direct,
+        "stream_before": stream(True, False),
+        "stream": stream(True),
+        "stream_nohash": stream(False),
+        "stream_nocrc": stream(True, crc=False),
+        "dd": dd,
+    }
     for i in range(args.reps + 1):
         for name, fn in sides.items():
             dt = in_threads(fn, parts)
@@ -170,17 +193,27 @@ def main(argv: list[str] | None = None) -> int:
         "copy": "copy into the 16 MiB aligned buffer (np.copyto)",
         "direct": "O_DIRECT writes of 16 MiB + fsync (no serialization, hash or copy)",
         "stream_before": "the hashing O_DIRECT stream, before: one buffer, xxh3 of the source, then copy, then write",
-        "stream": "the hashing O_DIRECT stream, now: copy + xxh3 per 1 MiB piece while pool threads write the other two buffers",
+        "stream": "the hashing O_DIRECT stream, now: copy + xxh3 per 1 MiB piece while pool threads write "
+        "the other two buffers",
         "stream_nohash": "the same, hashing off",
         "stream_nocrc": "the same, hashing on, torch's CRC-32 off (what shardkeeper's DCP saves do now)",
         "dd": "dd oflag=direct conv=fsync (bs=64M)",
     }
-    rows = [[labels[k], f"{fmt(v)} s", f"{gb / statistics.median(v):.2f} GB/s",
-             f"{statistics.median(v) / statistics.median(res['dd']):.2f}x dd"] for k, v in res.items()]
+    rows = [
+        [
+            labels[k],
+            f"{fmt(v)} s",
+            f"{gb / statistics.median(v):.2f} GB/s",
+            f"{statistics.median(v) / statistics.median(res['dd']):.2f}x dd",
+        ]
+        for k, v in res.items()
+    ]
     body = md_table(["part", "seconds (median (min–max))", "rate", "vs dd"], rows)
-    body += (f"\n\n{gb:.2f} GB in {len(ts)} fp32 tensors of the shard sizes of bench/checkpoint_bench.py's model "
-             "(a rank there writes 1.5 GB), "
-             f"{args.threads} threads (files) in parallel, {args.reps} alternated rounds after a warm-up; one process.")
+    body += (
+        f"\n\n{gb:.2f} GB in {len(ts)} fp32 tensors of the shard sizes of bench/checkpoint_bench.py's model "
+        "(a rank there writes 1.5 GB), "
+        f"{args.threads} threads (files) in parallel, {args.reps} alternated rounds after a warm-up; one process."
+    )
     publish("save-profile", body)
     shutil.rmtree(OUT, ignore_errors=True)
     return 0

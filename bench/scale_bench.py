@@ -39,7 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +54,14 @@ CHUNK = 16  # float32 values per data file: the files are real, just small
 def write_checkpoint(ckpt: Path, ranks: int, files_per_rank: int, step: int) -> Any:
     """A committed DCP checkpoint of ``ranks`` x ``files_per_rank`` data files; returns its manifest."""
     import torch
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                       TensorProperties, TensorStorageMetadata)
     from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     ckpt.mkdir(parents=True)
     payload = bytes(4 * CHUNK)
@@ -66,11 +71,14 @@ def write_checkpoint(ckpt: Path, ranks: int, files_per_rank: int, step: int) -> 
         for i in range(files_per_rank):
             name, fname = f"model.block{r}.w{i}", f"__{r}_{i}.distcp"
             (ckpt / fname).write_bytes(payload)
-            state[name] = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size([CHUNK]),
-                                                chunks=[ChunkStorageMetadata(offsets=torch.Size([0]),
-                                                                             sizes=torch.Size([CHUNK]))])
+            state[name] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch.float32),
+                size=torch.Size([CHUNK]),
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([CHUNK]))],
+            )
             storage[MetadataIndex(fqn=name, offset=torch.Size([0]), index=0)] = _StorageInfo(
-                relative_path=fname, offset=0, length=len(payload))
+                relative_path=fname, offset=0, length=len(payload)
+            )
     (ckpt / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage)))
     return build_manifest(ckpt, ranks, files_per_rank, step, state)
 
@@ -100,12 +108,23 @@ def build_manifest(ckpt: Path, ranks: int, files_per_rank: int, step: int, state
     files.append(FileEntry(path=".metadata", size=size, xxh3_128=digest))
     spec = load_run_spec(ROOT / "configs" / "tiny.yaml")
     manifest = CheckpointManifest(
-        format="dcp", run_name="scale", step=step, tokens=step, samples=step, segment=0, reason="interval",
-        created_at=datetime.now(timezone.utc).isoformat(), files=files,
+        format="dcp",
+        run_name="scale",
+        step=step,
+        tokens=step,
+        samples=step,
+        segment=0,
+        reason="interval",
+        created_at=datetime.now(UTC).isoformat(),
+        files=files,
         tensors=[TensorEntry(name=n, shape=[CHUNK], dtype="float32") for n in state],
-        model_signature="0" * 64, topology=ClusterTopology(nodes=max(ranks // 8, 1), procs_per_node=min(ranks, 8)),
-        dtype_policy=DtypePolicy(compute="float32", reduce="float32"), code_version="bench",
-        fingerprint=Fingerprint(model={}, optim={}, optim_step=float(step)), run_spec=spec)
+        model_signature="0" * 64,
+        topology=ClusterTopology(nodes=max(ranks // 8, 1), procs_per_node=min(ranks, 8)),
+        dtype_policy=DtypePolicy(compute="float32", reduce="float32"),
+        code_version="bench",
+        fingerprint=Fingerprint(model={}, optim={}, optim_step=float(step)),
+        run_spec=spec,
+    )
     write_manifest(ckpt, manifest)
     return manifest
 
@@ -135,12 +154,15 @@ def measure(tmp: Path, ranks: int, files_per_rank: int, reps: int) -> dict[str, 
         def run_cold() -> Any:
             forget_known()
             return fn()
+
         return run_cold
 
     doomed = plan()
     assert doomed == {10}, doomed
     out = {
-        "ranks": ranks, "files": len(manifest.files), "setup_s": setup_s,
+        "ranks": ranks,
+        "files": len(manifest.files),
+        "setup_s": setup_s,
         "manifest": timed(lambda: write_manifest(target, read_manifest(target).model_copy()), reps),
         "rank": timed(lambda: rank_entries(target, ranks - 1, files_per_rank), reps),
         "validate_cold": timed(cold(lambda: validate(target)), reps),
@@ -153,8 +175,19 @@ def measure(tmp: Path, ranks: int, files_per_rank: int, reps: int) -> dict[str, 
     return out
 
 
-def draw_lines(fig, name: str, x_column: str, columns: list[tuple[str, str]], *, goal: float, goal_label: str,
-               xlabel: str, title: str, legend: str = "best", ylog: bool = True) -> None:
+def draw_lines(
+    fig,
+    name: str,
+    x_column: str,
+    columns: list[tuple[str, str]],
+    *,
+    goal: float,
+    goal_label: str,
+    xlabel: str,
+    title: str,
+    legend: str = "best",
+    ylog: bool = True,
+) -> None:
     """Seconds (median, min–max) of each column against ``x_column`` (log), the goal as a line; ``ylog``: seconds
     on a log scale too."""
     from benchlib import numbers, spread, table_rows
@@ -166,13 +199,20 @@ def draw_lines(fig, name: str, x_column: str, columns: list[tuple[str, str]], *,
         vals = [spread(r[column]) for r in rows if r.get(column) not in (None, "", "n/a")]
         if len(vals) != len(rows):
             continue
-        ax.errorbar(xs, [v[0] for v in vals], yerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]],
-                    marker="o", capsize=3, label=label)
+        ax.errorbar(
+            xs,
+            [v[0] for v in vals],
+            yerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]],
+            marker="o",
+            capsize=3,
+            label=label,
+        )
     from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
     ax.axhline(goal, color="grey", ls=":", lw=1)
-    ax.annotate(goal_label, (xs[-1], goal), xytext=(0, 4), textcoords="offset points", color="grey", fontsize=8,
-                ha="right")
+    ax.annotate(
+        goal_label, (xs[-1], goal), xytext=(0, 4), textcoords="offset points", color="grey", fontsize=8, ha="right"
+    )
     ax.set_xscale("log")
     if ylog:
         ax.set_yscale("log")
@@ -192,12 +232,22 @@ def plot() -> Path:
     from benchlib import plot_from_table
 
     def draw(fig) -> None:
-        draw_lines(fig, "scale", "ranks", [
-            ("validate + plan", "validate + retention plan"), ("validate (quick)", "validate (quick)"),
-            ("manifest read + write (rank 0)", "manifest read + write (rank 0)"),
-            ("validate, first in a process", "validate, first in a process")],
-            goal=2.0, goal_label="goal: validate + plan < 2 s", xlabel="ranks (24 data files each; log)",
-            title="Checks that run at every commit and resume, against the world size", legend="lower right")
+        draw_lines(
+            fig,
+            "scale",
+            "ranks",
+            [
+                ("validate + plan", "validate + retention plan"),
+                ("validate (quick)", "validate (quick)"),
+                ("manifest read + write (rank 0)", "manifest read + write (rank 0)"),
+                ("validate, first in a process", "validate, first in a process"),
+            ],
+            goal=2.0,
+            goal_label="goal: validate + plan < 2 s",
+            xlabel="ranks (24 data files each; log)",
+            title="Checks that run at every commit and resume, against the world size",
+            legend="lower right",
+        )
 
     return plot_from_table("scale", draw)
 
@@ -223,18 +273,45 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         per_file = statistics.median(r["validate"]) / r["files"] * 1e6
         both = [v + p for v, p in zip(r["validate"], r["retention"])]
-        table.append([f"{r['ranks']:,}", f"{r['files']:,}", fmt(r["manifest"], 3), fmt(r["rank"], 3),
-                      fmt(r["validate"], 3), fmt(r["retention"], 3), fmt(both, 3), f"{per_file:.1f}",
-                      fmt(r["validate_cold"], 3), fmt(r["retention_cold"], 3)])
+        table.append(
+            [
+                f"{r['ranks']:,}",
+                f"{r['files']:,}",
+                fmt(r["manifest"], 3),
+                fmt(r["rank"], 3),
+                fmt(r["validate"], 3),
+                fmt(r["retention"], 3),
+                fmt(both, 3),
+                f"{per_file:.1f}",
+                fmt(r["validate_cold"], 3),
+                fmt(r["retention_cold"], 3),
+            ]
+        )
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    publish("scale", f"Scale on paper, seconds: median (min–max) of {args.reps} after a warm-up, "
-            f"{args.files_per_rank} data files per rank:\n\n" + md_table(
-                ["ranks", "files", "manifest read + write (rank 0)", "one rank's entries at save", "validate (quick)",
-                 "retention plan (3 checkpoints)", "validate + plan", "µs per file (validate)",
-                 "validate, first in a process", "retention plan, first in a process"], table, "r" * 10)
-            + "\n\nvalidate + plan, process CPU seconds: " + " · ".join(
-                f"{r['ranks']:,} ranks {fmt(r['both_cpu'], 3)}" for r in rows)
-            + f" · load average at the end (1, 5, 15 min): {load}")
+    publish(
+        "scale",
+        f"Scale on paper, seconds: median (min–max) of {args.reps} after a warm-up, "
+        f"{args.files_per_rank} data files per rank:\n\n"
+        + md_table(
+            [
+                "ranks",
+                "files",
+                "manifest read + write (rank 0)",
+                "one rank's entries at save",
+                "validate (quick)",
+                "retention plan (3 checkpoints)",
+                "validate + plan",
+                "µs per file (validate)",
+                "validate, first in a process",
+                "retention plan, first in a process",
+            ],
+            table,
+            "r" * 10,
+        )
+        + "\n\nvalidate + plan, process CPU seconds: "
+        + " · ".join(f"{r['ranks']:,} ranks {fmt(r['both_cpu'], 3)}" for r in rows)
+        + f" · load average at the end (1, 5, 15 min): {load}",
+    )
     plot()
     return 0
 

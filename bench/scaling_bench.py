@@ -48,15 +48,28 @@ def spec_for(shape: tuple[int, ...]):
     from schemas import RunSpec
 
     hidden, inter, layers, heads, kv = shape
-    return RunSpec.model_validate({
-        "name": "bench-scaling", "global_batch_size": 2, "seed": 0,
-        "model": {"model_type": "llama", "config": {
-            "vocab_size": 32000, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": kv, "max_position_embeddings": 256,
-            "tie_word_embeddings": False}},
-        "data": {"seq_len": 16, "synthetic_tokens": 4096},
-        "checkpoint": {"interval": 1000, "keep_last": 1000, "io_threads": 2, "async_save": False},
-    })
+    return RunSpec.model_validate(
+        {
+            "name": "bench-scaling",
+            "global_batch_size": 2,
+            "seed": 0,
+            "model": {
+                "model_type": "llama",
+                "config": {
+                    "vocab_size": 32000,
+                    "hidden_size": hidden,
+                    "intermediate_size": inter,
+                    "num_hidden_layers": layers,
+                    "num_attention_heads": heads,
+                    "num_key_value_heads": kv,
+                    "max_position_embeddings": 256,
+                    "tie_word_embeddings": False,
+                },
+            },
+            "data": {"seq_len": 16, "synthetic_tokens": 4096},
+            "checkpoint": {"interval": 1000, "keep_last": 1000, "io_threads": 2, "async_save": False},
+        }
+    )
 
 
 class PeakRSS:
@@ -123,8 +136,10 @@ def worker(shape: tuple[int, ...], run_dir: str, reps: int) -> dict:
 
     env, model, ck = build_state(shape, run_dir)
     g, rd = env.ctrl_group, Path(run_dir)
-    res: dict = {k: [] for k in ("save_s", "load_s", "export_s", "save_rss", "load_rss", "save_extra", "load_extra",
-                                 "export_rss")}
+    res: dict = {
+        k: []
+        for k in ("save_s", "load_s", "export_s", "save_rss", "load_rss", "save_extra", "load_extra", "export_rss")
+    }
     cache = ""
 
     def ckpt_files(step: int) -> list[Path]:
@@ -152,7 +167,7 @@ def worker(shape: tuple[int, ...], run_dir: str, reps: int) -> dict:
     nbytes = 0
     for i in range(reps + 1):  # round 0 is a warm-up, not counted
         step = i + 1
-        dt_s, m_s = stage(lambda: ck.save(TrainState(step=step), reason="interval", blocking=True), [])
+        dt_s, m_s = stage(lambda: ck.save(TrainState(step=step), reason="interval", blocking=True), [])  # noqa: B023
         ck._wait_reread()  # the post-commit re-read (rank 0, background) is I/O of its own; untimed
         dt_l, m_l = stage(load, ckpt_files(step))
         path = rd / "checkpoints" / f"step-{step:08d}"
@@ -193,8 +208,13 @@ print(json.dumps({{"seconds": res.seconds, "shards": res.num_shards, "peak_rss":
 
 def export(src: Path, dst: Path) -> dict:
     """``export_checkpoint`` in its own process (libraries imported before its clock starts); its peak RSS."""
-    proc = subprocess.run([sys.executable, "-c", EXPORT.format(root=str(ROOT), src=str(src), dst=str(dst))],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", EXPORT.format(root=str(ROOT), src=str(src), dst=str(dst))],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     if proc.returncode:
         raise SystemExit(f"export of {src} failed: {proc.stderr.strip()[-2000:]}")
     shutil.rmtree(dst, ignore_errors=True)
@@ -208,14 +228,32 @@ def table(found: dict[str, dict]) -> str:
     for n in names:
         r = found[n]
         gb = r["bytes"] / 1e9
-        rss = lambda k: fmt([x / 1e9 for x in r[k]])  # noqa: E731
-        rows.append([f"{n} ({r['params'] / 1e6:.0f}M)", f"{gb:.2f}",
-                     f"{fmt(r['save_s'])} ({gb / med(r['save_s']):.2f} GB/s)", f"{fmt(r['load_s'])} ({gb / med(r['load_s']):.2f} GB/s)",
-                     f"{fmt(r['export_s'])}", f"{rss('save_rss')} (+{med(r['save_extra']) / 1e9:.2f})",
-                     f"{rss('load_rss')} (+{med(r['load_extra']) / 1e9:.2f})", rss("export_rss")])
-    body = md_table(["model", "checkpoint GB", "save s (GB/s)", "load_latest s (GB/s)", "export s",
-                     "save peak RSS/rank GB (+ over state)", "load peak RSS/rank GB (+ over state)",
-                     "export peak RSS GB"], rows)
+        rss = lambda k: fmt([x / 1e9 for x in r[k]])  # noqa: B023, E731
+        rows.append(
+            [
+                f"{n} ({r['params'] / 1e6:.0f}M)",
+                f"{gb:.2f}",
+                f"{fmt(r['save_s'])} ({gb / med(r['save_s']):.2f} GB/s)",
+                f"{fmt(r['load_s'])} ({gb / med(r['load_s']):.2f} GB/s)",
+                f"{fmt(r['export_s'])}",
+                f"{rss('save_rss')} (+{med(r['save_extra']) / 1e9:.2f})",
+                f"{rss('load_rss')} (+{med(r['load_extra']) / 1e9:.2f})",
+                rss("export_rss"),
+            ]
+        )
+    body = md_table(
+        [
+            "model",
+            "checkpoint GB",
+            "save s (GB/s)",
+            "load_latest s (GB/s)",
+            "export s",
+            "save peak RSS/rank GB (+ over state)",
+            "load peak RSS/rank GB (+ over state)",
+            "export peak RSS GB",
+        ],
+        rows,
+    )
     # slope: least squares of median seconds on checkpoint GB (export: on model GB = a third of it)
     lines = []
     for key, label in (("save_s", "save"), ("load_s", "load_latest"), ("export_s", "export")):
@@ -224,16 +262,27 @@ def table(found: dict[str, dict]) -> str:
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
         per = [y / x for x, y in zip(xs, ys)]
-        lines.append(f"{label}: slope {slope:.2f} s per checkpoint GB, intercept {my - slope * mx:+.2f} s; s/GB by size "
-                     + " / ".join(f"{p:.2f}" for p in per) + f" (largest ÷ smallest {per[-1] / per[0]:.2f})")
+        lines.append(
+            f"{label}: slope {slope:.2f} s per checkpoint GB, intercept {my - slope * mx:+.2f} s; s/GB by size "
+            + " / ".join(f"{p:.2f}" for p in per)
+            + f" (largest ÷ smallest {per[-1] / per[0]:.2f})"
+        )
     exp_peak = max(max(found[n]["export_rss"]) for n in names) / 1e9
-    lines.append(f"export peak RSS {exp_peak:.2f} GB at most (goal ≤ one 5 GB output shard + 0.5 GB: "
-                 f"{'met' if exp_peak <= 5.5 else 'missed'})")
+    lines.append(
+        f"export peak RSS {exp_peak:.2f} GB at most (goal ≤ one 5 GB output shard + 0.5 GB: "
+        f"{'met' if exp_peak <= 5.5 else 'missed'})"
+    )
     reps = found[names[0]]["reps"]
     cache = "; ".join(sorted({found[n].get("cache", "page cache state not recorded") for n in names}))
-    return body + "\n\n" + "\n".join(f"- {x}" for x in lines) + (
-        f"\n\n{reps} rounds of save -> load_latest -> export per size after a warm-up round, 2 ranks × 2 writer "
-        f"threads, {cache}; medians (min–max).")
+    return (
+        body
+        + "\n\n"
+        + "\n".join(f"- {x}" for x in lines)
+        + (
+            f"\n\n{reps} rounds of save -> load_latest -> export per size after a warm-up round, 2 ranks × 2 writer "
+            f"threads, {cache}; medians (min–max)."
+        )
+    )
 
 
 def plot() -> Path:
@@ -243,18 +292,34 @@ def plot() -> Path:
 
     rows = table_rows("scaling")
     gb = [float(r["checkpoint GB"]) for r in rows]
-    stages = (("save s (GB/s)", "save (sync)"), ("load_latest s (GB/s)", "resume (load_latest)"),
-              ("export s", "export (safetensors)"))
+    stages = (
+        ("save s (GB/s)", "save (sync)"),
+        ("load_latest s (GB/s)", "resume (load_latest)"),
+        ("export s", "export (safetensors)"),
+    )
 
     def draw(fig) -> None:
         ax = fig.add_subplot()
         for column, label in stages:
             vals = [spread(r[column]) for r in rows]
-            ax.errorbar(gb, [v[0] for v in vals], yerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]],
-                        marker="o", capsize=3, label=label)
+            ax.errorbar(
+                gb,
+                [v[0] for v in vals],
+                yerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]],
+                marker="o",
+                capsize=3,
+                label=label,
+            )
         for g, r in zip(gb, rows):
-            ax.annotate(r["model"].split(" ")[0], (g, 0), xytext=(0, 4), textcoords="offset points", ha="center",
-                        fontsize=8, color="grey")
+            ax.annotate(
+                r["model"].split(" ")[0],
+                (g, 0),
+                xytext=(0, 4),
+                textcoords="offset points",
+                ha="center",
+                fontsize=8,
+                color="grey",
+            )
         ax.set_xlabel("checkpoint size, GB (fp32 weights + AdamW moments)")
         ax.set_ylabel("seconds (median, min–max)")
         ax.set_ylim(bottom=0)

@@ -53,14 +53,32 @@ def connected(p: psutil.Process) -> bool:
 def once(root: Path, work: Path) -> tuple[float, int, bool]:
     """(seconds from the kill to the CLI's exit, its exit code, whether its error line named the killed rank)."""
     run = work / f"run-{time.monotonic_ns()}"
-    env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "COLUMNS": "400",
-           "PYTHONPATH": str(root)}
+    env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "COLUMNS": "400", "PYTHONPATH": str(root)}
     # a death ends its segment here (checkpoint.restarts=0, where the checkout has it): what is timed is that end
     schema = root / "schemas" / "run.py"
     off = ["--set", "checkpoint.restarts=0"] if schema.is_file() and "restarts: int" in schema.read_text() else []
-    proc = subprocess.Popen([sys.executable, "-m", "shardkeeper", "train", "--config", str(root / "configs" / "tiny.yaml"),
-                             "--run-dir", str(run), "--nproc", "2", "--until-step", "100000", *off], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shardkeeper",
+            "train",
+            "--config",
+            str(root / "configs" / "tiny.yaml"),
+            "--run-dir",
+            str(run),
+            "--nproc",
+            "2",
+            "--until-step",
+            "100000",
+            *off,
+        ],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while len(ranks := ranks_of(run)) < 2:
@@ -89,8 +107,12 @@ def once(root: Path, work: Path) -> tuple[float, int, bool]:
 
 def commit_of(root: Path) -> str:
     try:
-        return "commit " + subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                          text=True, check=True).stdout.strip()
+        return (
+            "commit "
+            + subprocess.run(
+                ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+        )
     except (OSError, subprocess.CalledProcessError):
         return "no git commit"
 
@@ -111,10 +133,20 @@ def main() -> None:
             for name, root in order:
                 got[name].append(once(root, Path(tmp)))
                 print(f"rep {rep + 1} {name}: {got[name][-1][0]:.1f} s, exit {got[name][-1][1]}", flush=True)
-    rows = [[name, fmt([s for s, _, _ in got[name]], 1), ", ".join(str(c) for c in sorted({c for _, c, _ in got[name]})),
-             f"{sum(ok for _, _, ok in got[name])}/{len(got[name])}"] for name, _ in sides]
-    body = md_table(["side", "kill → CLI exit, s: median (min–max)", "exit codes", "one error line naming the rank and its signal"],
-                    rows, "lrll")
+    rows = [
+        [
+            name,
+            fmt([s for s, _, _ in got[name]], 1),
+            ", ".join(str(c) for c in sorted({c for _, c, _ in got[name]})),
+            f"{sum(ok for _, _, ok in got[name])}/{len(got[name])}",
+        ]
+        for name, _ in sides
+    ]
+    body = md_table(
+        ["side", "kill → CLI exit, s: median (min–max)", "exit codes", "one error line naming the rank and its signal"],
+        rows,
+        "lrll",
+    )
     if args.no_publish:
         print(body)
     else:

@@ -34,10 +34,22 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from tests.reliability.torture_lib import (CONFIGS, PREEMPT_CASES, TARGETS, Torture, completed_in_last_steps,  # noqa: E402
-                                          run_corpora)
-from tests.reliability.torture_targets import (S3_RATE, S3Store, SlurmCluster, convert_chain, s3_chain,  # noqa: E402
-                                                slurm_chain)
+from tests.reliability.torture_lib import (
+    CONFIGS,
+    PREEMPT_CASES,
+    TARGETS,
+    Torture,
+    completed_in_last_steps,  # noqa: E402
+    run_corpora,
+)
+from tests.reliability.torture_targets import (
+    S3_RATE,
+    S3Store,
+    SlurmCluster,
+    convert_chain,
+    s3_chain,  # noqa: E402
+    slurm_chain,
+)
 
 QUICK_PLAN = {  # (target, window) per kill: every target once per backend, the windows that matter most
     "fsdp2-async": [("rank", "train"), ("cli", "save"), ("group", "commit"), ("torchrun", "retention")],
@@ -60,11 +72,18 @@ def machine() -> dict:
         except metadata.PackageNotFoundError:
             return None
 
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host": platform.node(), "cpus": os.cpu_count(), "load_avg_at_start": os.getloadavg(),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "disk_free_gib": round(shutil.disk_usage(ROOT).free / 2**30, 1), "python": platform.python_version(),
-            "torch": ver("torch"), "deepspeed": ver("deepspeed"), "argv": list(sys.argv)}
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_avg_at_start": os.getloadavg(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "disk_free_gib": round(shutil.disk_usage(ROOT).free / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": ver("torch"),
+        "deepspeed": ver("deepspeed"),
+        "argv": list(sys.argv),
+    }
 
 
 def run(args: argparse.Namespace, out_dir: Path) -> dict:
@@ -128,12 +147,32 @@ def run(args: argparse.Namespace, out_dir: Path) -> dict:
     return result
 
 
-def _dump(out_dir: Path, h: Torture, info: dict, kill_seconds: float, *, partial: bool = False,
-          secrets: dict | None = None, corpora: dict | None = None) -> dict:
+def _dump(
+    out_dir: Path,
+    h: Torture,
+    info: dict,
+    kill_seconds: float,
+    *,
+    partial: bool = False,
+    secrets: dict | None = None,
+    corpora: dict | None = None,
+) -> dict:
     st = h.stats
-    result = {"machine": info, "partial": partial, "kills_asked": _asked[0] if _asked else None, "final_step": h.final, "kill_phase_seconds": round(kill_seconds, 1),
-              "violations": st.violations(), "kills": st.kills, "segments": st.segments, "chains": st.chains,
-              "preemptions": st.preemptions, "secrets": secrets, "corpora": corpora, "notes": st.notes}
+    result = {
+        "machine": info,
+        "partial": partial,
+        "kills_asked": _asked[0] if _asked else None,
+        "final_step": h.final,
+        "kill_phase_seconds": round(kill_seconds, 1),
+        "violations": st.violations(),
+        "kills": st.kills,
+        "segments": st.segments,
+        "chains": st.chains,
+        "preemptions": st.preemptions,
+        "secrets": secrets,
+        "corpora": corpora,
+        "notes": st.notes,
+    }
     (out_dir / "torture.json").write_text(json.dumps(result, indent=1, default=str))
     return result
 
@@ -151,9 +190,12 @@ def run_command(m: dict) -> str:
 def table(r: dict) -> str:
     kills = [k for k in r["kills"] if k["killed"]]
     m = r["machine"]
-    lines = [f"Reliability torture, {m['date']}: {m['cpus']} cores, {m['memory_gib']} GiB RAM, "
-             f"{m['disk_free_gib']} GiB disk free; Python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}",
-             f"`{run_command(m)}`", ""]
+    lines = [
+        f"Reliability torture, {m['date']}: {m['cpus']} cores, {m['memory_gib']} GiB RAM, "
+        f"{m['disk_free_gib']} GiB disk free; Python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}",
+        f"`{run_command(m)}`",
+        "",
+    ]
     lines += _kill_grid(kills) + ["", "| figure | value |", "|---|---|"]
     v = r["violations"]
     segs = [s for s in r["segments"] if s["loaded"] and s["kind"] != "finish" and s["expected_resume"] > 0]
@@ -167,61 +209,117 @@ def table(r: dict) -> str:
     up = [k for k in kills if k["chain"].startswith("s3-")]
     sl = [k for k in kills if k["chain"].startswith("slurm-")]
     rows = [
-        ("kills (all targets)", f"{len(kills)} over {len(chains)} run dirs (+{len(r['kills']) - len(kills)} segments that ended before their moment)"),
-        ("torn checkpoint accepted (latest committed fails validate --deep, or resumed from .partial / wrong step)",
-         v.get("torn_latest_checkpoint", 0) + v.get("partial_or_wrong_resume", 0)),
+        (
+            "kills (all targets)",
+            f"{len(kills)} over {len(chains)} run dirs "
+            f"(+{len(r['kills']) - len(kills)} segments that ended before their moment)",
+        ),
+        (
+            "torn checkpoint accepted (latest committed fails validate --deep, or resumed from .partial / wrong step)",
+            v.get("torn_latest_checkpoint", 0) + v.get("partial_or_wrong_resume", 0),
+        ),
         ("no valid checkpoint left after one was committed", v.get("no_valid_checkpoint_left", 0)),
-        ("segments with processes alive 5 s after the lock holder (the CLI) was gone", f"{v.get('orphans_after_5s', 0)} "
-         f"({sum(k.get('orphans', 0) for k in r['kills'])} processes)"),
-        ("CLI that survived the kill (torchrun or a rank killed) and exited past 4x its start-up in the same launch",
-         f"{sum(1 for k in survived if k.get('launcher_past_bound'))} of {len(survived)}; exit after the kill median "
-         f"{_median(exits):.1f} s, max {max(exits, default=0):.1f} s (bound median {_median(bounds):.1f} s)"),
-        ("SIGKILLs after which a checkpoint not yet decided at the kill was committed (ranks outlived their launcher)",
-         v.get("committed_after_kill", 0)),
-        ("second writer started while they lived", f"{v.get('second_writer_started', 0)} "
-         f"(probed {sum(1 for k in r['kills'] if k.get('second_writer'))}, refused "
-         f"{sum(1 for k in r['kills'] if k.get('second_writer') == 'refused')})"),
-        ("exact resumes (segment resumed at the newest valid step, every step bitwise = reference)",
-         f"{len(exact)}/{len(segs)} ({100 * len(exact) / max(1, len(segs)):.0f} %); "
-         f"{v.get('inexact_steps', 0)} inexact steps"),
-        ("conversion kills: mid-conversion (universal.partial left, never loaded) / after its commit",
-         f"{sum(1 for k in conv if k['moment'] == 'convert:mid')} / {sum(1 for k in conv if k['moment'] != 'convert:mid')}; "
-         f"torn universal/ accepted {v.get('torn_universal', 0)}; resumes that did not convert again "
-         f"{v.get('not_reconverted', 0)}"),
-        ("S3 upload kills: half-uploaded step left on the store / none in flight at the kill",
-         f"{sum(1 for k in up if k['moment'] == 'upload:mid')} / {sum(1 for k in up if k['moment'] != 'upload:mid')}; "
-         f"steps listed without their manifest (or newest listed != newest whole) "
-         f"{v.get('remote_listed_without_manifest', 0)}"),
-        ("Slurm kills (scancel -s KILL / node taken down) after which a job of the run was still queued or running",
-         f"{sum(1 for k in sl if k.get('jobs_left'))} of {len(sl)}"),
-        ("Slurm kills: CLI exit after the kill (it returns once Slurm has killed every rank; bound: 4x start-up + "
-         "slurmd's KillWait)", "; ".join(
-             f"{t} median {_median(x):.1f} s ({min(x):.1f}-{max(x):.1f})" for t in ("scancel", "node-down")
-             if (x := [k["launcher_exit_s"] for k in sl if k["target"] == t and k.get("launcher_exit_s") is not None]))
-         + f"; past the bound {sum(1 for k in sl if k.get('killed') and k.get('launcher_past_bound'))}"),
-        ("run dirs whose final checkpoint = reference bitwise", f"{sum(1 for c in chains if not c['final_diffs'])}/{len(chains)}"),
-        ("preemption cases (SIGTERM): exit 75 (or exit 0: signalled within its last 2 steps, it completed and "
-         "committed its until-step)", "not run" if not pre else
-         f"{sum(1 for p in pre if p['exit_code'] == 75)}/{len(pre)}, completed {sum(1 for p in pre if completed_in_last_steps(p))}, "
-         f"wrong {v.get('preempt_wrong_exit', 0)} "
-         '(' + ', '.join(f"{p['case']}={p['exit_code']}" for p in pre) + ')'),
+        (
+            "segments with processes alive 5 s after the lock holder (the CLI) was gone",
+            f"{v.get('orphans_after_5s', 0)} ({sum(k.get('orphans', 0) for k in r['kills'])} processes)",
+        ),
+        (
+            "CLI that survived the kill (torchrun or a rank killed) and exited past 4x its start-up in the same launch",
+            f"{sum(1 for k in survived if k.get('launcher_past_bound'))} of {len(survived)}; "
+            "exit after the kill median "
+            f"{_median(exits):.1f} s, max {max(exits, default=0):.1f} s (bound median {_median(bounds):.1f} s)",
+        ),
+        (
+            "SIGKILLs after which a checkpoint not yet decided at the kill was committed "
+            "(ranks outlived their launcher)",
+            v.get("committed_after_kill", 0),
+        ),
+        (
+            "second writer started while they lived",
+            f"{v.get('second_writer_started', 0)} "
+            f"(probed {sum(1 for k in r['kills'] if k.get('second_writer'))}, refused "
+            f"{sum(1 for k in r['kills'] if k.get('second_writer') == 'refused')})",
+        ),
+        (
+            "exact resumes (segment resumed at the newest valid step, every step bitwise = reference)",
+            f"{len(exact)}/{len(segs)} ({100 * len(exact) / max(1, len(segs)):.0f} %); "
+            f"{v.get('inexact_steps', 0)} inexact steps",
+        ),
+        (
+            "conversion kills: mid-conversion (universal.partial left, never loaded) / after its commit",
+            f"{sum(1 for k in conv if k['moment'] == 'convert:mid')} / "
+            f"{sum(1 for k in conv if k['moment'] != 'convert:mid')}; "
+            f"torn universal/ accepted {v.get('torn_universal', 0)}; resumes that did not convert again "
+            f"{v.get('not_reconverted', 0)}",
+        ),
+        (
+            "S3 upload kills: half-uploaded step left on the store / none in flight at the kill",
+            f"{sum(1 for k in up if k['moment'] == 'upload:mid')} / "
+            f"{sum(1 for k in up if k['moment'] != 'upload:mid')}; "
+            f"steps listed without their manifest (or newest listed != newest whole) "
+            f"{v.get('remote_listed_without_manifest', 0)}",
+        ),
+        (
+            "Slurm kills (scancel -s KILL / node taken down) after which a job of the run was still queued or running",
+            f"{sum(1 for k in sl if k.get('jobs_left'))} of {len(sl)}",
+        ),
+        (
+            "Slurm kills: CLI exit after the kill (it returns once Slurm has killed every rank; bound: 4x start-up + "
+            "slurmd's KillWait)",
+            "; ".join(
+                f"{t} median {_median(x):.1f} s ({min(x):.1f}-{max(x):.1f})"
+                for t in ("scancel", "node-down")
+                if (
+                    x := [k["launcher_exit_s"] for k in sl if k["target"] == t and k.get("launcher_exit_s") is not None]
+                )
+            )
+            + f"; past the bound {sum(1 for k in sl if k.get('killed') and k.get('launcher_past_bound'))}",
+        ),
+        (
+            "run dirs whose final checkpoint = reference bitwise",
+            f"{sum(1 for c in chains if not c['final_diffs'])}/{len(chains)}",
+        ),
+        (
+            "preemption cases (SIGTERM): exit 75 (or exit 0: signalled within its last 2 steps, it completed and "
+            "committed its until-step)",
+            "not run"
+            if not pre
+            else f"{sum(1 for p in pre if p['exit_code'] == 75)}/{len(pre)}, "
+            f"completed {sum(1 for p in pre if completed_in_last_steps(p))}, "
+            f"wrong {v.get('preempt_wrong_exit', 0)} "
+            "(" + ", ".join(f"{p['case']}={p['exit_code']}" for p in pre) + ")",
+        ),
         ("completed steps lost on preemption", v.get("preempt_steps_lost", 0)),
         ("segments whose CLI printed its own traceback", v.get("cli_traceback", 0)),
-        ("secret (HF_TOKEN) leaks", "n/a" if not r["secrets"] else
-         f"{len(r['secrets']['hits'])} files of {r['secrets']['files_scanned']} scanned"),
-        ("time per kill (launch to checks done)", f"median {_median(secs):.1f} s, max {max(secs, default=0):.1f} s; "
-         f"{3600 * len(kills) / max(1.0, sum(k['seconds'] for k in r['kills'])):.0f} kills/hour "
-         f"(references and finishing segments excluded)"),
+        (
+            "secret (HF_TOKEN) leaks",
+            "n/a"
+            if not r["secrets"]
+            else f"{len(r['secrets']['hits'])} files of {r['secrets']['files_scanned']} scanned",
+        ),
+        (
+            "time per kill (launch to checks done)",
+            f"median {_median(secs):.1f} s, max {max(secs, default=0):.1f} s; "
+            f"{3600 * len(kills) / max(1.0, sum(k['seconds'] for k in r['kills'])):.0f} kills/hour "
+            f"(references and finishing segments excluded)",
+        ),
     ]
     if r["corpora"]:
         c = r["corpora"]
-        rows.append(("hostile/corruption/bad-input corpus (pytest tests/reliability)",
-                     f"{c['passed']} passed, {c['failed'] + c['errors']} failed, {c['skipped']} skipped" + (f" ({c['note']})" if c.get("note") else "")))
+        rows.append(
+            (
+                "hostile/corruption/bad-input corpus (pytest tests/reliability)",
+                f"{c['passed']} passed, {c['failed'] + c['errors']} failed, {c['skipped']} skipped"
+                + (f" ({c['note']})" if c.get("note") else ""),
+            )
+        )
     lines += [f"| {a} | {b} |" for a, b in rows]
     lines += ["", "violations: " + (json.dumps(v) if v else "none")] + [f"note: {n}" for n in r["notes"]]
     if r.get("partial"):
-        lines.append(f"note: stopped before its end (--kills {r.get('kills_asked', '?')} asked): the figures of the "
-                     "run dirs finished by then; no preemption, secrets or corpus phase")
+        lines.append(
+            f"note: stopped before its end (--kills {r.get('kills_asked', '?')} asked): the figures of the "
+            "run dirs finished by then; no preemption, secrets or corpus phase"
+        )
     return "\n".join(lines)
 
 
@@ -253,8 +351,10 @@ def _recount(r: dict, drop: list[list[str]] = ()) -> dict:
 
     for p in r["preemptions"]:  # a run before preemption records kept their until-step: the harness's rule
         if p.get("signalled") and "until" not in p:
-            seg = next((s for s in r["segments"] if s.get("chain") == p["chain"] and s.get("kind") == f"preempt-{p['case']}"),
-                       None)
+            seg = next(
+                (s for s in r["segments"] if s.get("chain") == p["chain"] and s.get("kind") == f"preempt-{p['case']}"),
+                None,
+            )
             if seg is not None and r.get("final_step"):
                 p["until"] = min(r["final_step"], seg["expected_resume"] + PREEMPT_SPAN)
 
@@ -291,8 +391,10 @@ def _kill_grid(kills: list[dict]) -> list[str]:
     """SIGKILLs per chain kind (rows) and target (columns), each cell split by the window it landed in."""
     kinds = sorted({kill_kind(k) for k in kills})
     targets = [t for t in ALL_TARGETS if any(k["target"] == t for k in kills)]
-    out = ["| SIGKILLs by chain and target (windows) | " + " | ".join(targets) + " | all |",
-           "|---|" + "---|" * (len(targets) + 1)]
+    out = [
+        "| SIGKILLs by chain and target (windows) | " + " | ".join(targets) + " | all |",
+        "|---|" + "---|" * (len(targets) + 1),
+    ]
     for kind in kinds:
         cells = []
         for t in targets:
@@ -304,8 +406,9 @@ def _kill_grid(kills: list[dict]) -> list[str]:
             cells.append(f"{len(n)} ({', '.join(f'{w} {c}' for w, c in sorted(by.items()))})" if n else "0")
         total = sum(1 for k in kills if kill_kind(k) == kind)
         out.append(f"| {kind} | " + " | ".join(cells) + f" | {total} |")
-    out.append("| all | " + " | ".join(str(sum(1 for k in kills if k["target"] == t)) for t in targets)
-               + f" | {len(kills)} |")
+    out.append(
+        "| all | " + " | ".join(str(sum(1 for k in kills if k["target"] == t)) for t in targets) + f" | {len(kills)} |"
+    )
     return out
 
 
@@ -330,23 +433,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     ap.add_argument("--skip", nargs="*", default=[], choices=CHAIN_ORDER, help="chain kinds to leave out")
     ap.add_argument("--only", nargs="*", default=[], choices=CHAIN_ORDER, help="run only these chain kinds")
-    ap.add_argument("--s3-kbps", type=float, default=S3_RATE / 1000, help="the s3 chain's upload bandwidth to the store, "
-                    "KB/s (a throttling forwarder on loopback; 0: unthrottled, uploads then take milliseconds)")
+    ap.add_argument(
+        "--s3-kbps",
+        type=float,
+        default=S3_RATE / 1000,
+        help="the s3 chain's upload bandwidth to the store, "
+        "KB/s (a throttling forwarder on loopback; 0: unthrottled, uploads then take milliseconds)",
+    )
     ap.add_argument("--no-preempt", action="store_true")
     ap.add_argument("--no-secrets", action="store_true")
-    ap.add_argument("--corpora", action="store_true", help="also run tests/reliability -k 'hostile or corruption or bad_input'")
+    ap.add_argument(
+        "--corpora", action="store_true", help="also run tests/reliability -k 'hostile or corruption or bad_input'"
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
-    ap.add_argument("--drop-chain", nargs=2, action="append", default=[], metavar=("NAME", "WHY"),
-                    help="with --table-from: leave a run dir's records out (a harness fault, e.g. a daemon that never "
-                    "started), saying why in the table")
+    ap.add_argument(
+        "--drop-chain",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "WHY"),
+        help="with --table-from: leave a run dir's records out (a harness fault, e.g. a daemon that never "
+        "started), saying why in the table",
+    )
     ap.add_argument("--publish", action="store_true", help="keep the table as bench/results/torture.md")
-    ap.add_argument("--table-from", nargs="+", default=None, help="print (and --publish) the table of earlier "
-                    "torture.json files (one run's partial figures, or runs of different chain kinds, counted together) "
-                    "instead of running")
+    ap.add_argument(
+        "--table-from",
+        nargs="+",
+        default=None,
+        help="print (and --publish) the table of earlier "
+        "torture.json files (one run's partial figures, or runs of different chain kinds, counted together) "
+        "instead of running",
+    )
     args = ap.parse_args(argv)
     if args.publish and args.only and not args.table_from:
-        ap.error("--publish with --only: a run of some chain kinds would replace the published table of all of them; "
-                 "publish it with the others through --table-from")
+        ap.error(
+            "--publish with --only: a run of some chain kinds would replace the published table of all of them; "
+            "publish it with the others through --table-from"
+        )
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     machine_info.update(machine())

@@ -74,7 +74,9 @@ def _blocked_sum_squares(flat: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     return torch.tensor(acc, dtype=torch.float64)
 
 
-def local_sum_squares(named: Iterable[tuple[str, torch.Tensor]], method: str = METHOD) -> tuple[list[str], torch.Tensor]:
+def local_sum_squares(
+    named: Iterable[tuple[str, torch.Tensor]], method: str = METHOD
+) -> tuple[list[str], torch.Tensor]:
     """Per-tensor sum of squares of the local shards (float64 accumulation, no float64 copy of a tensor)."""
     if method not in (METHOD, LEGACY_METHOD):
         raise ValueError(f"unknown fingerprint method {method!r}")
@@ -162,14 +164,24 @@ def require_match(path: object, saved: Fingerprint, now: Fingerprint, *, exact: 
             # the norms is not the one that recorded them (another torch release summing in another order, or
             # a manifest whose fingerprint.method was edited). The files' bytes were already checked against
             # their xxh3 checksums, so the state is not refused for it (nor set aside).
-            log.warning("%s: fingerprint equal within %g but not bit for bit (%s; %d tensors; manifest "
-                        "fingerprint.method %s): recomputed with other arithmetic than at save; the state matches, "
-                        "continuing", path, saved.cross_world_rtol, bits[0], len(bits), saved.method)
+            log.warning(
+                "%s: fingerprint equal within %g but not bit for bit (%s; %d tensors; manifest "
+                "fingerprint.method %s): recomputed with other arithmetic than at save; the state matches, "
+                "continuing",
+                path,
+                saved.cross_world_rtol,
+                bits[0],
+                len(bits),
+                saved.method,
+            )
         return
     if converted:
-        raise FingerprintMismatch(f"{path}: the converted state differs from the saved fingerprint ({diffs[0]}); "
-                                  "nothing was written; validate --deep the checkpoint or convert an earlier one")
+        raise FingerprintMismatch(
+            f"{path}: the converted state differs from the saved fingerprint ({diffs[0]}); "
+            "nothing was written; validate --deep the checkpoint or convert an earlier one"
+        )
     raise FingerprintMismatch(
         f"{path}: state after load differs from the saved fingerprint ({diffs[0]}; {len(diffs)} tensors differ); "
         "refusing to train on it, as the next step would spike; validate --deep the checkpoint or resume from an "
-        "earlier one")
+        "earlier one"
+    )

@@ -277,13 +277,24 @@ def pread_full(fd: int, view: memoryview, offset: int) -> bool:
 
 def file_kind(mode: int) -> str:
     """What a file that is not a regular one is, for a message."""
-    return ("directory" if stat.S_ISDIR(mode) else "fifo" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode)
-            else "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special file")
+    return (
+        "directory"
+        if stat.S_ISDIR(mode)
+        else "fifo"
+        if stat.S_ISFIFO(mode)
+        else "socket"
+        if stat.S_ISSOCK(mode)
+        else "device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "special file"
+    )
 
 
 def not_regular(path: str | os.PathLike[str], mode: int) -> CheckpointError:
-    return CheckpointError(f"{path}: a {file_kind(mode)}, not a regular file; a checkpoint holds only regular files, "
-                           "replace it with the real file")
+    return CheckpointError(
+        f"{path}: a {file_kind(mode)}, not a regular file; a checkpoint holds only regular files, "
+        "replace it with the real file"
+    )
 
 
 def open_regular(path: str | os.PathLike[str]) -> int:
@@ -309,8 +320,10 @@ def read_regular(path: str | os.PathLike[str], max_bytes: int, what: str) -> byt
     try:
         size = os.fstat(fd).st_size
         if size > max_bytes:
-            raise CheckpointError(f"{path}: {size} bytes, more than {what} can be ({max_bytes} bytes at most); "
-                                  "the file is corrupted or crafted, replace it")
+            raise CheckpointError(
+                f"{path}: {size} bytes, more than {what} can be ({max_bytes} bytes at most); "
+                "the file is corrupted or crafted, replace it"
+            )
         pieces, done = [], 0
         while done <= max_bytes:  # a file that grows while it is read is still read no further than the cap
             piece = os.read(fd, min(1 << 30, max_bytes + 1 - done))
@@ -319,8 +332,9 @@ def read_regular(path: str | os.PathLike[str], max_bytes: int, what: str) -> byt
             pieces.append(piece)
             done += len(piece)
         if done > max_bytes:
-            raise CheckpointError(f"{path}: grew past {max_bytes} bytes while being read; something writes into it, "
-                                  "retry once it is done")
+            raise CheckpointError(
+                f"{path}: grew past {max_bytes} bytes while being read; something writes into it, retry once it is done"
+            )
         return b"".join(pieces)
     finally:
         os.close(fd)

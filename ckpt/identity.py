@@ -44,7 +44,7 @@ def model_tensors(entries: Iterable[TensorEntry]) -> dict[str, Shape]:
     out: dict[str, Shape] = {}
     for e in entries:
         if e.name.startswith(MODEL_PREFIX):
-            out.setdefault(canonical(e.name[len(MODEL_PREFIX):]), (tuple(e.shape), e.dtype))
+            out.setdefault(canonical(e.name[len(MODEL_PREFIX) :]), (tuple(e.shape), e.dtype))
     return out
 
 

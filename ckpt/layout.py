@@ -1,17 +1,17 @@
 """The run directory and checkpoint naming: the on-disk contract.
 
-    RUN_DIR/
-      run.yaml                    the RunSpec (written by the first segment)
-      checkpoints/step-00000100/  manifest.json + backend files   (committed)
-      checkpoints/step-00000110.partial/                          (being written, or abandoned)
-      metrics.jsonl  segments.jsonl  lineage.jsonl
-      .lock                       flock of the launching process (ckpt.lock.RunLock)
-      .lock.ranks                 shared flock + pids of the live ranks (ckpt.lock.hold_ranks_lock)
-      plan.json                   a train-and-export flow's plan and its progress (schemas.plan.RunPlan, ckpt.plan)
-      .lock.plan                  flock of the flow run that drives that plan (ckpt.plan.PlanLock)
-      verified/step-00000100.json  the last full re-read of that checkpoint (ckpt.validate.record_verified)
-      .pins/upload.json + .lock   a checkpoint a live process still reads (the s3 uploader): retention keeps it (ckpt.pin)
-      exports/step-00000100/
+RUN_DIR/
+  run.yaml                    the RunSpec (written by the first segment)
+  checkpoints/step-00000100/  manifest.json + backend files   (committed)
+  checkpoints/step-00000110.partial/                          (being written, or abandoned)
+  metrics.jsonl  segments.jsonl  lineage.jsonl
+  .lock                       flock of the launching process (ckpt.lock.RunLock)
+  .lock.ranks                 shared flock + pids of the live ranks (ckpt.lock.hold_ranks_lock)
+  plan.json                   a train-and-export flow's plan and its progress (schemas.plan.RunPlan, ckpt.plan)
+  .lock.plan                  flock of the flow run that drives that plan (ckpt.plan.PlanLock)
+  verified/step-00000100.json  the last full re-read of that checkpoint (ckpt.validate.record_verified)
+  .pins/upload.json + .lock   a checkpoint a live process still reads (the s3 uploader): retention keeps it (ckpt.pin)
+  exports/step-00000100/
 """
 
 from __future__ import annotations
@@ -26,8 +26,12 @@ from schemas import MANIFEST_NAME
 STEP_RE = re.compile(r"^step-(\d{8})$")
 PARTIAL_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"
-RECYCLE_SUFFIX = ".recycle"  # a retired memory snapshot whose files the next one overwrites (ckpt.memtier_recycle.recycle)
-STAGE_SUFFIX = f"{RECYCLE_SUFFIX}-next"  # the stage dir: the next snapshot's files, laid out ahead (ckpt.formats.dcp_stage)
+RECYCLE_SUFFIX = (
+    ".recycle"  # a retired memory snapshot whose files the next one overwrites (ckpt.memtier_recycle.recycle)
+)
+STAGE_SUFFIX = (
+    f"{RECYCLE_SUFFIX}-next"  # the stage dir: the next snapshot's files, laid out ahead (ckpt.formats.dcp_stage)
+)
 INVALID_RE = re.compile(r"^step-(\d{8})\.invalid-(\d+)$")
 
 
@@ -106,7 +110,9 @@ class RunDir:
         if not self.checkpoints.is_dir():
             return []
         found = [
-            p for p in self.checkpoints.iterdir() if p.is_dir() and parse_step(p.name) is not None and (p / MANIFEST_NAME).is_file()
+            p
+            for p in self.checkpoints.iterdir()
+            if p.is_dir() and parse_step(p.name) is not None and (p / MANIFEST_NAME).is_file()
         ]
         return sorted(found, key=lambda p: parse_step(p.name) or 0)
 

@@ -60,8 +60,10 @@ def expiry_from_env() -> float:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise ObjectStoreError(f"{EXPIRY_ENV}={raw!r}: not a positive number of seconds; unset it (default "
-                               f"{DEFAULT_EXPIRY_S:g}) or set e.g. {EXPIRY_ENV}=60")
+        raise ObjectStoreError(
+            f"{EXPIRY_ENV}={raw!r}: not a positive number of seconds; unset it (default "
+            f"{DEFAULT_EXPIRY_S:g}) or set e.g. {EXPIRY_ENV}=60"
+        )
     return value
 
 
@@ -108,9 +110,13 @@ def parse_doc(raw: bytes, default_expiry_s: float) -> tuple[dict[str, Any], floa
     except (ValueError, TypeError):
         return {"owner": dict(GARBAGE_OWNER)}, default_expiry_s
     owner = doc.get("owner") if isinstance(doc, dict) else None
-    if not (isinstance(owner, dict) and isinstance(owner.get("host"), str) and isinstance(owner.get("id"), str)
-            and type(owner.get("pid")) is int
-            and all(isinstance(doc.get(k, ""), str) for k in ("acquired", "renewed"))):
+    if not (
+        isinstance(owner, dict)
+        and isinstance(owner.get("host"), str)
+        and isinstance(owner.get("id"), str)
+        and type(owner.get("pid")) is int
+        and all(isinstance(doc.get(k, ""), str) for k in ("acquired", "renewed"))
+    ):
         return {"owner": dict(GARBAGE_OWNER)}, default_expiry_s
     expiry = doc.get("expiry_s", default_expiry_s)
     if type(expiry) not in (int, float) or not 0 < expiry <= MAX_EXPIRY_S:  # NaN and Infinity fail this too
@@ -121,8 +127,16 @@ def parse_doc(raw: bytes, default_expiry_s: float) -> tuple[dict[str, Any], floa
 class RunLease:
     """The lease of one run on the store (``client``: a botocore S3 client; ``bucket``/``key``: the object)."""
 
-    def __init__(self, url: str, client: Any, bucket: str, key: str, *, expiry_s: float | None = None,
-                 owner: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        url: str,
+        client: Any,
+        bucket: str,
+        key: str,
+        *,
+        expiry_s: float | None = None,
+        owner: dict[str, Any] | None = None,
+    ):
         self.url = url
         self.client = client
         self.bucket = bucket
@@ -153,8 +167,13 @@ class RunLease:
     def _put(self, doc: dict[str, Any], **condition: str) -> str | None:
         """Conditional put of the lease; its new ETag, or None when the condition did not hold."""
         try:
-            return self.client.put_object(Bucket=self.bucket, Key=self.key, Body=json.dumps(doc).encode(),
-                                          ContentType="application/json", **condition)["ETag"]
+            return self.client.put_object(
+                Bucket=self.bucket,
+                Key=self.key,
+                Body=json.dumps(doc).encode(),
+                ContentType="application/json",
+                **condition,
+            )["ETag"]
         except Exception as err:  # noqa: BLE001
             if _code(err) in _LOST_CODES:
                 return None
@@ -162,8 +181,13 @@ class RunLease:
 
     def _doc(self, **extra: Any) -> dict[str, Any]:
         now = _iso()
-        return {"owner": self.owner, "acquired": self.acquired or now, "renewed": now, "expiry_s": self.expiry_s,
-                **extra}
+        return {
+            "owner": self.owner,
+            "acquired": self.acquired or now,
+            "renewed": now,
+            "expiry_s": self.expiry_s,
+            **extra,
+        }
 
     # ------------------------------------------------------------------ the protocol
     def acquire(self) -> LeaseView | None:
@@ -183,8 +207,11 @@ class RunLease:
                 self.etag, self.taken_over = etag, there
                 return there
         there = self.read()
-        raise RunLockedError(self.refusal(there) if there else f"{self.url}: other writers keep taking the run's lease; "
-                             "train it from one machine at a time")
+        raise RunLockedError(
+            self.refusal(there)
+            if there
+            else f"{self.url}: other writers keep taking the run's lease; train it from one machine at a time"
+        )
 
     def _still_ours(self, etag: str) -> bool:
         """Read back after a winning put: on a store whose conditional puts race (a check, then a write), the
@@ -193,10 +220,13 @@ class RunLease:
         return there is not None and there.etag == etag and (there.doc.get("owner") or {}).get("id") == self.owner["id"]
 
     def refusal(self, there: LeaseView) -> str:
-        return (f"{self.url}: run is being trained by {there.holder()} (lease expires in {max(1, round(there.remaining_s))} s); "
-                f"wait for that segment to end, or stop it; a writer that died is taken over once its lease expires "
-                f"({there.expiry_s:g} s without renewal); if you know the holder is dead, delete "
-                f"{self.url.rstrip('/')}/{LEASE_NAME} and train again")
+        return (
+            f"{self.url}: run is being trained by {there.holder()} "
+            f"(lease expires in {max(1, round(there.remaining_s))} s); "
+            f"wait for that segment to end, or stop it; a writer that died is taken over once its lease expires "
+            f"({there.expiry_s:g} s without renewal); if you know the holder is dead, delete "
+            f"{self.url.rstrip('/')}/{LEASE_NAME} and train again"
+        )
 
     def renew(self) -> bool:
         """Extend the lease (conditional on our ETag). False, with ``lost`` set, once another writer holds it."""
@@ -209,9 +239,11 @@ class RunLease:
                 return True
             there = self.read()
             who = there.holder() if there else "nobody (the lease was deleted)"
-            self.lost = (f"{self.url}: this segment lost the run's lease to {who} (taken over; a lease expires "
-                         f"{self.expiry_s:g} s after its last renewal); it stopped uploading to the store, its newer "
-                         "checkpoints stay in the local cache only; one machine may train a run at a time")
+            self.lost = (
+                f"{self.url}: this segment lost the run's lease to {who} (taken over; a lease expires "
+                f"{self.expiry_s:g} s after its last renewal); it stopped uploading to the store, its newer "
+                "checkpoints stay in the local cache only; one machine may train a run at a time"
+            )
             return False
 
     def confirm(self) -> None:
@@ -221,6 +253,7 @@ class RunLease:
 
     def start_renewing(self, on_lost: Callable[[str], None] | None = None) -> None:
         """Renew every ``expiry / 4`` in a daemon thread until ``release``; ``on_lost`` is called once if it is lost."""
+
         def loop() -> None:
             period = self.expiry_s / 4
             while not self._stop.wait(period):
@@ -283,8 +316,9 @@ def _iso() -> str:
 def lease_for(remote: Any, *, expiry_s: float | None = None) -> RunLease | None:
     """The lease of a ckpt.objstore.RemoteRun on ``s3://`` (None on other stores: no conditional writes there)."""
     if not remote.url.startswith("s3://"):
-        log.warning("%s: no lease on this store (s3:// only): make sure one machine trains this run at a time",
-                    remote.url)
+        log.warning(
+            "%s: no lease on this store (s3:// only): make sure one machine trains this run at a time", remote.url
+        )
         return None
     bucket, _, prefix = remote.base.partition("/")
     key = f"{prefix}/{LEASE_NAME}" if prefix else LEASE_NAME

@@ -16,8 +16,16 @@ def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def record(run_dir: RunDir | str | Path, kind: str, id: str, *, parent: str | None = None, step: int | None = None,
-           uri: str | None = None, **data: Any) -> LineageEvent:
+def record(
+    run_dir: RunDir | str | Path,
+    kind: str,
+    id: str,
+    *,
+    parent: str | None = None,
+    step: int | None = None,
+    uri: str | None = None,
+    **data: Any,
+) -> LineageEvent:
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir.at(run_dir)
     event = LineageEvent(id=id, kind=kind, parent=parent, time=now_iso(), step=step, uri=uri, data=data)  # type: ignore[arg-type]
     rd.root.mkdir(parents=True, exist_ok=True)

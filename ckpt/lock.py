@@ -19,13 +19,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import stat
 import socket
+import stat
 import time
 from pathlib import Path
 
-from schemas.errors import RunLockedError
 from ckpt.fsutil import pid_alive
+from schemas.errors import RunLockedError
 
 LOCK_NAME = ".lock"
 RANKS_LOCK_NAME = ".lock.ranks"
@@ -50,7 +50,6 @@ def live_rank_pids(run_dir: str | Path) -> list[int]:
         return []
     pids = sorted({int(x) for x in text.split() if x.isdigit()})
     return [p for p in pids if pid_alive(p)]
-
 
 
 def lock_holders(path: Path, limit: int = 1_000_000) -> list[tuple[int, str]]:
@@ -104,6 +103,7 @@ def _flock_within(fd: int, mode: int, wait_s: float) -> bool:
                 return False
             time.sleep(_POLL_S)
 
+
 class RunLock:
     def __init__(self, run_dir: str | Path, *, ranks_wait_s: float | None = None):
         self.path = Path(run_dir) / LOCK_NAME
@@ -123,11 +123,18 @@ class RunLock:
             except json.JSONDecodeError:
                 desc = "another process"
             raise RunLockedError(
-                f"{self.path.parent}: run directory is locked by {desc}; wait for that segment to end or use another --run-dir"
+                f"{self.path.parent}: run directory is locked by {desc}; "
+                "wait for that segment to end or use another --run-dir"
             )
         # Who holds it, written at once: a lock held with an empty file is a reader's probe (``is_locked``),
         # which the next acquire waits out instead of failing.
-        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        info = json.dumps(
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+        )
         os.ftruncate(fd, 0)
         os.pwrite(fd, info.encode(), 0)
         try:
@@ -155,8 +162,9 @@ class RunLock:
         holders = lock_holders(self.ranks_path)
         ranks = set(live_rank_pids(self.path.parent))
         if holders:
-            which = "; ".join(f"pid {pid}: {'a rank' if pid in ranks else 'started by a rank'} ({cmd})"
-                              for pid, cmd in holders[:4]) + (f"; {len(holders) - 4} more" if len(holders) > 4 else "")
+            which = "; ".join(
+                f"pid {pid}: {'a rank' if pid in ranks else 'started by a rank'} ({cmd})" for pid, cmd in holders[:4]
+            ) + (f"; {len(holders) - 4} more" if len(holders) > 4 else "")
             pids = " ".join(str(pid) for pid, _ in holders)
             fix = f"stop them (kill {pids}; kill -9 {pids} if they ignore SIGTERM)"
         elif ranks:
@@ -172,9 +180,7 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
+            release_held(self._fd)
             self._fd = None
 
     def is_locked(self) -> bool:
@@ -195,6 +201,13 @@ class RunLock:
 # How long ``acquire`` waits out a lock held with an empty lock file (a probe holds it for microseconds; a
 # real holder writes who it is right after taking it).
 PROBE_WAIT_S = 2.0
+
+
+def release_held(fd: int) -> None:
+    """Let go of an exclusive lock file taken with ``_take_exclusive``: its holder record emptied, unlocked, closed."""
+    os.ftruncate(fd, 0)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
 
 
 def _take_exclusive(fd: int) -> str | None:
@@ -242,7 +255,9 @@ def hold_ranks_lock(run_dir: str | Path, wait_s: float = 30.0) -> int | None:
     fd = os.open(root / RANKS_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
     if not _flock_within(fd, fcntl.LOCK_SH, wait_s):
         os.close(fd)
-        raise RunLockedError(f"{root / RANKS_LOCK_NAME}: held exclusively for {wait_s:g} s; "
-                             "another launcher is checking this run directory, retry")
+        raise RunLockedError(
+            f"{root / RANKS_LOCK_NAME}: held exclusively for {wait_s:g} s; "
+            "another launcher is checking this run directory, retry"
+        )
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from schemas.errors import CheckpointError
 from ckpt.fsutil import atomic_write_text
 from schemas import MANIFEST_NAME, MANIFEST_SCHEMA_VERSION, CheckpointManifest
+from schemas.errors import CheckpointError
 
 
 def read_manifest(ckpt_dir: str | Path) -> CheckpointManifest:
@@ -27,7 +27,9 @@ def read_manifest(ckpt_dir: str | Path) -> CheckpointManifest:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable JSON ({e}); the checkpoint is corrupted, pick another step") from None
+        raise CheckpointError(
+            f"{path}: unreadable JSON ({e}); the checkpoint is corrupted, pick another step"
+        ) from None
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version != MANIFEST_SCHEMA_VERSION:
         raise CheckpointError(
@@ -38,7 +40,9 @@ def read_manifest(ckpt_dir: str | Path) -> CheckpointManifest:
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
-        raise CheckpointError(f"{path}: field {loc}: {err['msg']}; the manifest is corrupted, pick another step") from None
+        raise CheckpointError(
+            f"{path}: field {loc}: {err['msg']}; the manifest is corrupted, pick another step"
+        ) from None
 
 
 def write_manifest(ckpt_dir: str | Path, manifest: CheckpointManifest) -> None:

@@ -213,8 +213,10 @@ def owner_problem(mem: RunDir, run_dir: RunDir) -> str | None:
     if owner.get("run_dir") != str(run_dir.root) or not mine or owner.get("id") != mine:
         whose = owner.get("run_dir")
         if whose == str(run_dir.root):
-            return (f"{mem.root} holds snapshots of an earlier run at {whose} (its id {owner.get('id')!r} is not "
-                    f"this run's {mine!r} in {run_dir.root / ID_NAME})")
+            return (
+                f"{mem.root} holds snapshots of an earlier run at {whose} (its id {owner.get('id')!r} is not "
+                f"this run's {mine!r} in {run_dir.root / ID_NAME})"
+            )
         return f"{mem.root} holds snapshots of the run in {whose!r}, not of {run_dir.root}"
     return None
 
@@ -249,8 +251,13 @@ def _foreign_entries(root: Path) -> list[str]:
     """What a memory dir without our tier.json holds besides what a claim itself creates (empty)."""
     out = []
     for p in sorted(root.iterdir()):
-        if p.name == LOCK_NAME or (p.name == NODES_DIR and p.is_dir()) or (  # node dirs: tiers of their own
-                p.name == "checkpoints" and p.is_dir() and not any(p.iterdir())):
+        if (
+            p.name == LOCK_NAME
+            or (p.name == NODES_DIR and p.is_dir())
+            or (  # node dirs: tiers of their own
+                p.name == "checkpoints" and p.is_dir() and not any(p.iterdir())
+            )
+        ):
             continue
         out.append(p.name)
     return out
@@ -269,13 +276,17 @@ def claim(mem: RunDir, run_dir: RunDir, lock: TierLock) -> str | None:
     if root.is_dir() and not (root / OWNER_NAME).exists():
         foreign = _foreign_entries(root)
         if foreign:
-            return (f"{where}: not empty and not a memory tier (no {OWNER_NAME}; holds {', '.join(foreign[:3])}); "
-                    "nothing there is touched, the memory tier is off: set checkpoint.memory_dir to an empty or new "
-                    "directory")
+            return (
+                f"{where}: not empty and not a memory tier (no {OWNER_NAME}; holds {', '.join(foreign[:3])}); "
+                "nothing there is touched, the memory tier is off: set checkpoint.memory_dir to an empty or new "
+                "directory"
+            )
     mkdir_durable(root)
     if lock.fd is None and not lock.acquire():
-        return (f"{where}: in use by another live run (it holds {root / LOCK_NAME}); the memory tier is off for "
-                "this segment: give each run its own checkpoint.memory_dir")
+        return (
+            f"{where}: in use by another live run (it holds {root / LOCK_NAME}); the memory tier is off for "
+            "this segment: give each run its own checkpoint.memory_dir"
+        )
     mine = identity(run_dir, create=True)
     problem = owner_problem(mem, run_dir)
     if problem is None:
@@ -285,8 +296,10 @@ def claim(mem: RunDir, run_dir: RunDir, lock: TierLock) -> str | None:
     unsaved = _only_copy(mem)
     if unsaved is not None:
         lock.release()
-        return (f"{where}: {problem}, and its {unsaved}; nothing there is touched, the memory tier is off: resume "
-                "that run once (it persists the snapshot) or give each run its own checkpoint.memory_dir")
+        return (
+            f"{where}: {problem}, and its {unsaved}; nothing there is touched, the memory tier is off: resume "
+            "that run once (it persists the snapshot) or give each run its own checkpoint.memory_dir"
+        )
     if (root / OWNER_NAME).exists():
         log.warning("%s; removing them: this run's snapshots go there now", problem)
         if mem.checkpoints.is_dir():
@@ -320,15 +333,20 @@ def _only_copy(mem: RunDir) -> str | None:
     stored = [parse_step(p.name) or 0 for p in whose.committed()]
     if not snaps or max(snaps) <= max(stored, default=-1):
         return None
-    return (f"snapshot {step_dir_name(max(snaps))} is newer than any checkpoint in {whose.checkpoints} (its only "
-            "copy)")
+    return f"snapshot {step_dir_name(max(snaps))} is newer than any checkpoint in {whose.checkpoints} (its only copy)"
 
 
 def still_owner(mem: RunDir, run_dir: RunDir) -> str | None:
     """Right before a snapshot's commit (rank 0): None while tier.json still names this run; else one line."""
     problem = owner_problem(mem, run_dir)
-    return (f"memory tier lost: {problem}; the snapshot is not committed and the memory tier is off for the rest "
-            "of this segment (storage checkpoints continue)") if problem else None
+    return (
+        (
+            f"memory tier lost: {problem}; the snapshot is not committed and the memory tier is off for the rest "
+            "of this segment (storage checkpoints continue)"
+        )
+        if problem
+        else None
+    )
 
 
 def retain(mem: RunDir, keep: int = KEEP) -> list[Path]:
@@ -357,48 +375,63 @@ def retain(mem: RunDir, keep: int = KEEP) -> list[Path]:
 
 
 def in_memory_tier(ckpt_dir: Path) -> bool:
-    """Whether a checkpoint directory is a memory snapshot (its ``checkpoints/`` lies in a memory dir with tier.json)."""
+    """Whether a checkpoint directory is a memory snapshot (its ``checkpoints/`` lies in a memory dir
+    with tier.json)."""
     return ckpt_dir.parent.name == "checkpoints" and (ckpt_dir.parent.parent / OWNER_NAME).is_file()
 
 
 # ----------------------------------------------------------------------------------------------- capacity
-def check_memory_tier(spec: RunSpec, run_dir: RunDir, *, state_bytes: float | None, ranks_on_node: int,
-                      here: bool = True) -> None:
+def check_memory_tier(
+    spec: RunSpec, run_dir: RunDir, *, state_bytes: float | None, ranks_on_node: int, here: bool = True
+) -> None:
     """Preflight of checkpoint.memory_interval (one line each, nothing written): the fsdp2 backend only; the
     memory dir is, contains and lies inside no run directory; it (or its nearest existing parent) is a writable
-    directory; three snapshots (x1.3 overhead) of every rank on the node (``state_bytes`` each: what one rank's checkpoint holds) fit its free space. ``here``: the ranks run on
-    this host (else only the backend, and that the memory dir is an absolute path)."""
+    directory; three snapshots (x1.3 overhead) of every rank on the node (``state_bytes`` each: what one rank's
+    checkpoint holds) fit its free space. ``here``: the ranks run on this host (else only the backend, and that the
+    memory dir is an absolute path)."""
     root = memory_root(spec, run_dir)
     if root is None:
         return
     where = "checkpoint.memory_dir" if spec.checkpoint.memory_dir else f"checkpoint.memory_dir (default {root})"
     if spec.backend != "fsdp2":
-        raise ConfigError(f"checkpoint.memory_interval: the memory tier checkpoints the fsdp2 backend only (this run is "
-                          f"{spec.backend}); remove checkpoint.memory_interval or use backend: fsdp2")
+        raise ConfigError(
+            f"checkpoint.memory_interval: the memory tier checkpoints the fsdp2 backend only (this run is "
+            f"{spec.backend}); remove checkpoint.memory_interval or use backend: fsdp2"
+        )
     if spec.checkpoint.memory_dir and not spec.checkpoint.memory_dir.startswith("/"):
         # refused here, for a new segment, not by the schema: manifests and run.yaml files already written with one
         # still parse
-        raise ConfigError(f"checkpoint.memory_dir {spec.checkpoint.memory_dir!r}: a relative path (each rank would "
-                          "resolve it against its own working directory, most likely on a disk); write an absolute "
-                          "path on a tmpfs, e.g. /dev/shm/my-run, or leave it out for the default")
+        raise ConfigError(
+            f"checkpoint.memory_dir {spec.checkpoint.memory_dir!r}: a relative path (each rank would "
+            "resolve it against its own working directory, most likely on a disk); write an absolute "
+            "path on a tmpfs, e.g. /dev/shm/my-run, or leave it out for the default"
+        )
     if not here:
         return
     if not spec.checkpoint.memory_dir and not DEFAULT_ROOT.parent.is_dir():
-        raise ConfigError(f"{where}: {DEFAULT_ROOT.parent} is missing, the memory tier has nowhere to write; mount a "
-                          "tmpfs there (docker: --shm-size), set checkpoint.memory_dir to a tmpfs directory, or remove "
-                          "checkpoint.memory_interval")
+        raise ConfigError(
+            f"{where}: {DEFAULT_ROOT.parent} is missing, the memory tier has nowhere to write; mount a "
+            "tmpfs there (docker: --shm-size), set checkpoint.memory_dir to a tmpfs directory, or remove "
+            "checkpoint.memory_interval"
+        )
     probe = root if root.exists() else next((p for p in root.parents if p.exists()), Path("/"))
     inside = _run_dir_near(root, Path(run_dir.root).absolute())
     if inside:
-        raise ConfigError(f"{where}: {root} {inside}; the memory tier empties its directory and would take that run's "
-                          "checkpoints: set checkpoint.memory_dir to a directory of its own (e.g. under /dev/shm)")
+        raise ConfigError(
+            f"{where}: {root} {inside}; the memory tier empties its directory and would take that run's "
+            "checkpoints: set checkpoint.memory_dir to a directory of its own (e.g. under /dev/shm)"
+        )
     if not probe.is_dir():
-        raise ConfigError(f"{where}: {probe} is not a directory; set checkpoint.memory_dir to a directory on a tmpfs "
-                          "(e.g. under /dev/shm)")
+        raise ConfigError(
+            f"{where}: {probe} is not a directory; set checkpoint.memory_dir to a directory on a tmpfs "
+            "(e.g. under /dev/shm)"
+        )
     if not os.access(probe, os.W_OK | os.X_OK) or _read_only(probe):
-        raise ConfigError(f"{where}: {probe} is missing or read-only, the memory tier cannot write there; mount a "
-                          "writable /dev/shm (docker: --shm-size), set checkpoint.memory_dir to a writable tmpfs "
-                          "directory, or remove checkpoint.memory_interval")
+        raise ConfigError(
+            f"{where}: {probe} is missing or read-only, the memory tier cannot write there; mount a "
+            "writable /dev/shm (docker: --shm-size), set checkpoint.memory_dir to a writable tmpfs "
+            "directory, or remove checkpoint.memory_interval"
+        )
     if state_bytes is None:
         return
     st = os.statvfs(probe)
@@ -408,10 +441,13 @@ def check_memory_tier(spec: RunSpec, run_dir: RunDir, *, state_bytes: float | No
     if need > free + held:
         gib = 1 << 30
         raise ConfigError(
-            f"{where}: three memory snapshots (two kept, one being written) of {ranks_on_node} rank(s) need ~{need / gib:.2f} GiB, but {probe} has "
-            f"{(free + held) / gib:.2f} GiB free; enlarge it (docker/podman: --shm-size={max(1, int(need * 1.25 / gib) + 1)}g; "
+            f"{where}: three memory snapshots (two kept, one being written) of {ranks_on_node} rank(s) "
+            f"need ~{need / gib:.2f} GiB, but {probe} has "
+            f"{(free + held) / gib:.2f} GiB free; enlarge it "
+            f"(docker/podman: --shm-size={max(1, int(need * 1.25 / gib) + 1)}g; "
             "Kubernetes: an emptyDir with medium Memory), set checkpoint.memory_dir to a larger tmpfs, or remove "
-            "checkpoint.memory_interval")
+            "checkpoint.memory_interval"
+        )
 
 
 def _is_run_dir(path: Path) -> bool:
@@ -420,8 +456,11 @@ def _is_run_dir(path: Path) -> bool:
         if (path / "run.yaml").exists():
             return True
         ckpts = path / "checkpoints"
-        return (ckpts.is_dir() and not (path / OWNER_NAME).exists()
-                and any(parse_step(p.name.split(".", 1)[0]) is not None for p in ckpts.iterdir()))
+        return (
+            ckpts.is_dir()
+            and not (path / OWNER_NAME).exists()
+            and any(parse_step(p.name.split(".", 1)[0]) is not None for p in ckpts.iterdir())
+        )
     except OSError:
         return False
 

@@ -77,8 +77,11 @@ def check_node_copy(partial: Path, files: list[FileEntry]) -> str | None:
             return f"{partial / path}: missing from this node's copy at commit; nothing was committed"
         if not os.path.isfile(partial / path) or os.path.islink(partial / path) or st.st_size != size:
             return f"{partial / path}: {st.st_size} bytes in this node's copy, {size} hashed; nothing was committed"
-    extra = sorted(str(p.relative_to(partial)) for p in partial.rglob("*")
-                   if p.is_file() and str(p.relative_to(partial)) not in want)
+    extra = sorted(
+        str(p.relative_to(partial))
+        for p in partial.rglob("*")
+        if p.is_file() and str(p.relative_to(partial)) not in want
+    )
     if extra:
         return f"{partial}: holds {extra[0]}, which is not in the snapshot; nothing was committed"
     return None
@@ -111,8 +114,12 @@ def inventory(mem: RunDir, run_id: str | None = None) -> list[Copy]:
         except Exception:  # noqa: BLE001 - an unreadable copy is simply not offered
             continue
         if m.run_id is not None and m.run_id != run_id:  # another run's snapshot copied here: never offered
-            log.warning("memory snapshot %s not used: written by another run (run id %s; this run's is %s)", path,
-                        m.run_id, run_id)
+            log.warning(
+                "memory snapshot %s not used: written by another run (run id %s; this run's is %s)",
+                path,
+                m.run_id,
+                run_id,
+            )
             continue
         held = []
         for f in m.files:
@@ -121,8 +128,16 @@ def inventory(mem: RunDir, run_id: str | None = None) -> list[Copy]:
                     held.append(f.path)
             except OSError:
                 pass
-        out.append(Copy(m.step, hashlib.sha256(raw).hexdigest(), m.topology.world_size, m.run_name,
-                        {f.path: f.size for f in m.files}, held))
+        out.append(
+            Copy(
+                m.step,
+                hashlib.sha256(raw).hexdigest(),
+                m.topology.world_size,
+                m.run_name,
+                {f.path: f.size for f in m.files},
+                held,
+            )
+        )
     return out
 
 
@@ -151,18 +166,25 @@ def plan(found: list[list[Copy] | None], world_size: int, run_name: str) -> tupl
             notes.append(f"memory snapshot step-{step:08d}: the nodes' copies carry different manifests; not used")
             continue
         if any_copy.world_size != world_size or any_copy.run_name != run_name:
-            notes.append(f"memory snapshot step-{step:08d}: " + (
-                f"saved at world size {any_copy.world_size}, this segment runs {world_size}"
-                if any_copy.world_size != world_size else f"written by run {any_copy.run_name!r}, not {run_name!r}")
-                + "; not used")
+            notes.append(
+                f"memory snapshot step-{step:08d}: "
+                + (
+                    f"saved at world size {any_copy.world_size}, this segment runs {world_size}"
+                    if any_copy.world_size != world_size
+                    else f"written by run {any_copy.run_name!r}, not {run_name!r}"
+                )
+                + "; not used"
+            )
             continue
         everything = set(any_copy.files)
         held = {n: set(c.held) for n, c in at.items()}
         union = set().union(*held.values())
         if union != everything:
             lost = sorted(everything - union)
-            notes.append(f"memory snapshot step-{step:08d}: {len(lost)} file(s) ({lost[0]}...) are in no node's "
-                         "memory (more nodes lost than replicated); not used")
+            notes.append(
+                f"memory snapshot step-{step:08d}: {len(lost)} file(s) ({lost[0]}...) are in no node's "
+                "memory (more nodes lost than replicated); not used"
+            )
             continue
         transfers, manifest_from = [], {}
         for dst in range(nodes):

@@ -16,17 +16,34 @@ import xxhash
 
 from ckpt.fsutil import fsync_dir, fsync_file, mkdir_durable
 from ckpt.layout import RunDir, parse_step
-from ckpt.memtier import (DIRS_NAME, LOCK_NAME, MEMORY, OWNER_NAME, STORAGE, TierLock, forget, identity, memory_dirs,
-                          memory_root, memory_run_dir, owner_problem, recorded_roots, set_aside, snapshot_event_id,
-                          tier_root, written_by_other_run)
+from ckpt.memtier import (
+    DIRS_NAME,
+    LOCK_NAME,
+    MEMORY,
+    OWNER_NAME,
+    STORAGE,
+    TierLock,
+    forget,
+    identity,
+    memory_dirs,
+    memory_root,
+    memory_run_dir,
+    owner_problem,
+    recorded_roots,
+    set_aside,
+    snapshot_event_id,
+    tier_root,
+    written_by_other_run,
+)
 from ckpt.memtier_nodes import NODES_DIR, node_dirs
 from schemas import MANIFEST_NAME, CheckpointManifest, FileEntry, RunSpec
 
 _CHUNK = 8 << 20
 
 
-def copy_verified(src: Path, dst: Path, files: list[FileEntry],
-                  copy: Callable[[Path, Path], tuple[int, str]] | None = None) -> str | None:
+def copy_verified(
+    src: Path, dst: Path, files: list[FileEntry], copy: Callable[[Path, Path], tuple[int, str]] | None = None
+) -> str | None:
     """Copy ``files`` from snapshot ``src`` into ``dst`` (a storage ``.partial``), hashing the bytes written and
     fsyncing each file. Returns one line when the snapshot let the copy down -- a file gone from memory (or no
     longer a regular file), or one whose size or checksum differs from the snapshot's manifest: nothing changed in
@@ -136,11 +153,21 @@ def persist_newer(spec: RunSpec, run_dir: RunDir, mems: list[RunDir] | None = No
             else:
                 manifest: CheckpointManifest = read_manifest(final)
                 step = manifest.step
-                lineage.record(run_dir, "checkpoint", lineage.checkpoint_event_id(step), parent=snapshot_event_id(step),
-                               step=step, uri=final.as_uri(), reason=manifest.reason,
-                               world_size=manifest.topology.world_size, segment=manifest.segment, tier=STORAGE,
-                               persisted_from=MEMORY, persisted_by="launcher",
-                               bytes=sum(f.size for f in manifest.files))
+                lineage.record(
+                    run_dir,
+                    "checkpoint",
+                    lineage.checkpoint_event_id(step),
+                    parent=snapshot_event_id(step),
+                    step=step,
+                    uri=final.as_uri(),
+                    reason=manifest.reason,
+                    world_size=manifest.topology.world_size,
+                    segment=manifest.segment,
+                    tier=STORAGE,
+                    persisted_from=MEMORY,
+                    persisted_by="launcher",
+                    bytes=sum(f.size for f in manifest.files),
+                )
                 if refused:
                     lines.append(_refused(spec, run_dir, refused, f"{snap.name} was persisted instead"))
                 return final, lines
@@ -240,8 +267,10 @@ def _refused_line(spec: RunSpec, run_dir: RunDir, snap: Path, why: str, changed:
     if root == memory_root(spec, run_dir):
         use = f"a segment{world} with this memory tier resumes from it if it passes every check"
     else:
-        use = (f"to try it, run a segment{world} with checkpoint.memory_interval set and checkpoint.memory_dir "
-               f"{root} (the ranks load it only if it passes every check)")
+        use = (
+            f"to try it, run a segment{world} with checkpoint.memory_interval set and checkpoint.memory_dir "
+            f"{root} (the ranks load it only if it passes every check)"
+        )
     return f"memory snapshot {snap} not persisted: {why}; it is kept ({use}); {then}"
 
 
@@ -264,8 +293,12 @@ def between_segments(spec: RunSpec, run_dir: RunDir) -> list[str]:
     if not any(os.path.lexists(root) for root in roots):  # no memory tier here (the common case): nothing to read
         return []
     # an earlier segment's memory dir that another run claimed since is that run's: not looked into
-    mems = [m for root in roots for m in memory_dirs(RunDir(root))
-            if root == current or (m.root / OWNER_NAME).is_file() and owner_problem(m, run_dir) is None]
+    mems = [
+        m
+        for root in roots
+        for m in memory_dirs(RunDir(root))
+        if root == current or (m.root / OWNER_NAME).is_file() and owner_problem(m, run_dir) is None
+    ]
     final, warnings = persist_newer(spec, run_dir, mems)
     lines = [f"warning: {w}" for w in warnings]
     if final is not None:
@@ -352,8 +385,9 @@ def reclaim(root: Path, run_dir: RunDir, stored: int, current: Path | None) -> s
             lock.release()
     forget(run_dir, root)
     now = f"now {current}" if current is not None else "the memory tier is off"
-    return (f"removed the memory tier {root}: no longer this run's checkpoint.memory_dir ({now}); storage holds its "
-            "steps")
+    return (
+        f"removed the memory tier {root}: no longer this run's checkpoint.memory_dir ({now}); storage holds its steps"
+    )
 
 
 def _rmdir(path: Path) -> None:

@@ -16,7 +16,8 @@ import shutil
 import stat
 from pathlib import Path
 
-from ckpt.layout import RECYCLE_SUFFIX, STAGE_SUFFIX as STAGE_TAG, RunDir, parse_step, step_dir_name
+from ckpt.layout import RECYCLE_SUFFIX, RunDir, parse_step, step_dir_name
+from ckpt.layout import STAGE_SUFFIX as STAGE_TAG
 from ckpt.memtier import KEEP, owner_problem
 from schemas import MANIFEST_NAME
 

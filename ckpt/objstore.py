@@ -34,13 +34,35 @@ from typing import Any
 from ckpt.fsutil import fsync_dir, mkdir_durable
 from ckpt.hashing import hash_files
 from ckpt.layout import RunDir, parse_step, step_dir_name
+from ckpt.objstore_base import (
+    STALL_TIMEOUTS,
+    ObjectStoreError,
+    cache_dir,
+    explain,
+    forget_listings,
+    is_remote,
+    iter_runs,
+    missing_bucket,
+    open_fs,
+    parse_manifest,
+    put_object,
+    record_reread,
+    upload_part,
+)
 from schemas import MANIFEST_NAME, CheckpointManifest
 from schemas.errors import CheckpointError, CheckpointRetired
-from ckpt.objstore_base import (STALL_TIMEOUTS, ObjectStoreError, cache_dir, explain, forget_listings, is_remote, iter_runs,
-                                missing_bucket, open_fs, parse_manifest, put_object, record_reread, upload_part)
 
-__all__ = ["META_FILES", "ObjectStoreError", "RemoteRun", "cache_dir", "is_remote", "iter_runs", "merge_lines", "open_fs",
-           "parse_manifest"]  # what the controller, the CLI and the tests take from here (ckpt.objstore_base holds some)
+__all__ = [
+    "META_FILES",
+    "ObjectStoreError",
+    "RemoteRun",
+    "cache_dir",
+    "is_remote",
+    "iter_runs",
+    "merge_lines",
+    "open_fs",
+    "parse_manifest",
+]  # what the controller, the CLI and the tests take from here (ckpt.objstore_base holds some)
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +79,9 @@ class RemoteRun:
     """One run directory on the store and its local cache. Every method that talks to the store raises
     ObjectStoreError (one line) for store-side problems and CheckpointError for a checkpoint that is not whole."""
 
-    def __init__(self, url: str, *, cache: str | os.PathLike[str] | None = None,
-                 storage_options: dict[str, Any] | None = None):
+    def __init__(
+        self, url: str, *, cache: str | os.PathLike[str] | None = None, storage_options: dict[str, Any] | None = None
+    ):
         self.url = url.rstrip("/")
         self.storage_options = storage_options
         self.fs, self.base = open_fs(self.url, storage_options)
@@ -124,8 +147,11 @@ class RemoteRun:
             found = self._call("list it", self.fs.find, root, detail=True)
         except FileNotFoundError:
             return {}
-        return {self.fs._strip_protocol(p)[len(root) + 1:]: int(info.get("size") or 0) for p, info in found.items()
-                if self.fs._strip_protocol(p).startswith(root + "/")}
+        return {
+            self.fs._strip_protocol(p)[len(root) + 1 :]: int(info.get("size") or 0)
+            for p, info in found.items()
+            if self.fs._strip_protocol(p).startswith(root + "/")
+        }
 
     def checkpoint_objects(self) -> dict[int, dict[str, int]]:
         """step -> {relative path: size} for every remote step directory, committed or not."""
@@ -145,10 +171,14 @@ class RemoteRun:
     def manifest(self, step: int) -> CheckpointManifest:
         where = f"{self.checkpoint_uri(step)}/{MANIFEST_NAME}"
         try:
-            raw = self._call("read it", self.fs.cat_file, self.key(f"checkpoints/{step_dir_name(step)}/{MANIFEST_NAME}"))
+            raw = self._call(
+                "read it", self.fs.cat_file, self.key(f"checkpoints/{step_dir_name(step)}/{MANIFEST_NAME}")
+            )
         except FileNotFoundError:
-            raise CheckpointError(f"{where}: missing, so {step_dir_name(step)} is not a committed checkpoint (never saved, "
-                                  "deleted, or an upload that did not finish); pick another step") from None
+            raise CheckpointError(
+                f"{where}: missing, so {step_dir_name(step)} is not a committed checkpoint (never saved, "
+                "deleted, or an upload that did not finish); pick another step"
+            ) from None
         return parse_manifest(raw, where)
 
     def check_sizes(self, step: int, manifest: CheckpointManifest, files: dict[str, int]) -> str | None:
@@ -160,7 +190,10 @@ class RemoteRun:
             if got != entry.size:
                 return f"{self.checkpoint_uri(step)}/{entry.path}: {got} bytes, manifest says {entry.size}"
         if manifest.step != step:
-            return f"{self.checkpoint_uri(step)}/{MANIFEST_NAME}: says step {manifest.step}; it belongs to another checkpoint"
+            return (
+                f"{self.checkpoint_uri(step)}/{MANIFEST_NAME}: says step {manifest.step}; "
+                "it belongs to another checkpoint"
+            )
         return None
 
     def latest_committed(self) -> tuple[int, CheckpointManifest] | None:
@@ -202,22 +235,31 @@ class RemoteRun:
         landed = self._objects(rel_dir)
         problem = self.check_sizes(step, manifest, landed)
         if problem:
-            raise ObjectStoreError(f"{problem} after the upload; the manifest was not written, so the store does not "
-                                   "count it as a checkpoint; the next segment uploads it again")
+            raise ObjectStoreError(
+                f"{problem} after the upload; the manifest was not written, so the store does not "
+                "count it as a checkpoint; the next segment uploads it again"
+            )
         if self.commit_guard is not None:
             self.commit_guard()
         try:
             self._call("write there", self.fs.pipe_file, self.key(f"{rel_dir}/{MANIFEST_NAME}"), raw, mode="create")
         except FileExistsError:  # raced with another writer between our check and the put
             if not self._same_commit_there(rel_dir, raw):
-                raise ObjectStoreError(f"{self.checkpoint_uri(step)}: another writer committed this step meanwhile; "
-                                       "two segments write the same run, stop one of them") from None
+                raise ObjectStoreError(
+                    f"{self.checkpoint_uri(step)}: another writer committed this step meanwhile; "
+                    "two segments write the same run, stop one of them"
+                ) from None
         except (NotImplementedError, TypeError):  # a backend without conditional writes
             self._call("write there", self.fs.pipe_file, self.key(f"{rel_dir}/{MANIFEST_NAME}"), raw)
         size = sum(e.size for e in manifest.files) + len(raw)
         dt = time.perf_counter() - t0
-        log.info("uploaded %s (%.1f MB in %.2f s, %.0f MB/s)", self.checkpoint_uri(step), size / 1e6, dt,
-                 size / 1e6 / max(dt, 1e-9))
+        log.info(
+            "uploaded %s (%.1f MB in %.2f s, %.0f MB/s)",
+            self.checkpoint_uri(step),
+            size / 1e6,
+            dt,
+            size / 1e6 / max(dt, 1e-9),
+        )
         return True
 
     def put_files(self, paths: list[Path], rels: list[str]) -> None:
@@ -243,14 +285,17 @@ class RemoteRun:
                         continue
                     upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
                     uploads.append((key, upload))
-                    parts = [pool.submit(upload_part, client, bucket, key, upload, path, i, UPLOAD_CHUNK)
-                             for i in range((size + UPLOAD_CHUNK - 1) // UPLOAD_CHUNK)]
+                    parts = [
+                        pool.submit(upload_part, client, bucket, key, upload, path, i, UPLOAD_CHUNK)
+                        for i in range((size + UPLOAD_CHUNK - 1) // UPLOAD_CHUNK)
+                    ]
                     jobs.append((key, upload, parts))
                 for key, upload, futures in jobs:
                     done = [f.result() for f in futures]
                     if upload is not None:
-                        client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload,
-                                                         MultipartUpload={"Parts": done})
+                        client.complete_multipart_upload(
+                            Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": done}
+                        )
                         uploads.remove((key, upload))
         finally:
             for key, upload in uploads:  # an upload that failed part-way: let the store drop its parts
@@ -287,8 +332,10 @@ class RemoteRun:
             return False
         if there == raw:
             return True
-        raise ObjectStoreError(f"{self.uri(rel_dir)}: the store holds another commit of this step (its manifest "
-                               "differs); two segments wrote the same run; use a new run directory for one of them")
+        raise ObjectStoreError(
+            f"{self.uri(rel_dir)}: the store holds another commit of this step (its manifest "
+            "differs); two segments wrote the same run; use a new run directory for one of them"
+        )
 
     def push_meta(self) -> None:
         """run.yaml and the JSON-lines files: merged with what the store holds (another machine may have
@@ -308,7 +355,8 @@ class RemoteRun:
 
     # ------------------------------------------------------------------ pull
     def pull_meta(self) -> list[str]:
-        """Bring run.yaml (the store's wins when the cache has none) and the JSON-lines files (merged) into the cache."""
+        """Bring run.yaml (the store's wins when the cache has none) and the JSON-lines files (merged) into
+        the cache."""
         mkdir_durable(self.local.root)
         got = []
         for name in META_FILES:
@@ -375,8 +423,10 @@ class RemoteRun:
             return False
 
     def retired_message(self, step: int) -> str:
-        return (f"{self.checkpoint_uri(step)}: retired by the run's writer (retention on the store) while or before "
-                f"it was read; pick a newer step, `shardkeeper status {self.url}` lists them")
+        return (
+            f"{self.checkpoint_uri(step)}: retired by the run's writer (retention on the store) while or before "
+            f"it was read; pick a newer step, `shardkeeper status {self.url}` lists them"
+        )
 
     def _download(self, step: int, raw: bytes, manifest: CheckpointManifest, final: Path, cached: bool) -> Path:
         rel_dir = f"checkpoints/{step_dir_name(step)}"
@@ -389,14 +439,18 @@ class RemoteRun:
             names = sorted(e.path for e in manifest.files)
             for n in names:
                 (stage / n).parent.mkdir(parents=True, exist_ok=True)
-            self._call("read it", self.fs.get, [self.key(f"{rel_dir}/{n}") for n in names], [str(stage / n) for n in names])
+            self._call(
+                "read it", self.fs.get, [self.key(f"{rel_dir}/{n}") for n in names], [str(stage / n) for n in names]
+            )
             expected = {stage / e.path: (e.size, e.xxh3_128) for e in manifest.files}
             for path, got in hash_files(list(expected), threads=4).items():
                 if got != expected[path]:
                     rel = path.relative_to(stage).as_posix()
-                    raise CheckpointError(f"{self.checkpoint_uri(step)}/{rel}: downloaded {got[0]} bytes with checksum "
-                                          f"{got[1]}, the manifest says {expected[path][0]} bytes {expected[path][1]}; "
-                                          "the stored object is corrupted, pick another step")
+                    raise CheckpointError(
+                        f"{self.checkpoint_uri(step)}/{rel}: downloaded {got[0]} bytes with checksum "
+                        f"{got[1]}, the manifest says {expected[path][0]} bytes {expected[path][1]}; "
+                        "the stored object is corrupted, pick another step"
+                    )
             record_reread(self, step, raw, sum(e.size for e in manifest.files))  # every object read back: verified
             if cached:  # fresh: the store's objects match the manifest; the cache's copy stays (validated next)
                 return final
@@ -431,9 +485,11 @@ class RemoteRun:
         try:
             return self.fs.cat_file(self.key(f"checkpoints/{step_dir_name(step)}/{MANIFEST_NAME}"))
         except FileNotFoundError:
-            raise CheckpointError(f"{self.checkpoint_uri(step)}: no {MANIFEST_NAME} on the store, so it is not a "
-                                  "committed checkpoint (never saved, deleted, or an upload that did not finish); "
-                                  "pick another step") from None
+            raise CheckpointError(
+                f"{self.checkpoint_uri(step)}: no {MANIFEST_NAME} on the store, so it is not a "
+                "committed checkpoint (never saved, deleted, or an upload that did not finish); "
+                "pick another step"
+            ) from None
 
     def sweep_pulls(self) -> None:
         """Remove download folders of pulls that died half-way (call under the run lock)."""
@@ -472,6 +528,7 @@ class RemoteRun:
 
 def merge_lines(there: bytes, mine: bytes) -> bytes:
     """The store's lines, then the local lines it lacks, in order (whole lines only: a torn last line is dropped)."""
+
     def lines(b: bytes) -> list[bytes]:
         parts = b.split(b"\n")
         return [ln for ln in parts[:-1] if ln.strip()]  # the text after the last newline is torn or empty

@@ -1,6 +1,7 @@
 """What every use of an object store needs: which paths are store URLs, the local cache that mirrors one,
 opening its filesystem (bounded timeouts), one line for what went wrong there, a manifest read from its bytes,
-the S3 upload calls, the run directories under a URL, and the store's re-read records. ckpt.objstore's RemoteRun mirrors a run with them.
+the S3 upload calls, the run directories under a URL, and the store's re-read records. ckpt.objstore's RemoteRun mirrors
+a run with them.
 
 No torch here: the controller and the CLI's read-only commands use it.
 """
@@ -36,8 +37,9 @@ def is_remote(path: str | os.PathLike[str] | None) -> bool:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                / "shardkeeper")
+    return Path(
+        os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shardkeeper"
+    )
 
 
 def cache_dir(url: str, cache: str | os.PathLike[str] | None = None) -> Path:
@@ -74,17 +76,34 @@ def explain(err: BaseException, url: str, action: str) -> str:
     if code in ("AccessDenied", "AllAccessDisabled", "AccountProblem"):
         err = PermissionError(text)
     elif code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
-        return (f"{url}: cannot {action}: the store refused the credentials ({text}); check AWS_ACCESS_KEY_ID, "
-                "AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN (or AWS_PROFILE)")
+        return (
+            f"{url}: cannot {action}: the store refused the credentials ({text}); check AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN (or AWS_PROFILE)"
+        )
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the default AWS endpoint"
     if name in ("NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError"):
-        return (f"{url}: cannot {action}: no credentials found ({text}); set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")
-    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError",
-                "ClientConnectorError", "ServerDisconnectedError") or isinstance(err, (ConnectionError, TimeoutError)):
-        return f"{url}: cannot {action}: the endpoint {endpoint} is unreachable ({text}); check AWS_ENDPOINT_URL and the network"
+        return (
+            f"{url}: cannot {action}: no credentials found ({text}); set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
+        )
+    if name in (
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+    ) or isinstance(err, (ConnectionError, TimeoutError)):
+        return (
+            f"{url}: cannot {action}: the endpoint {endpoint} is unreachable ({text}); "
+            "check AWS_ENDPOINT_URL and the network"
+        )
     if isinstance(err, PermissionError):
-        need = "s3:PutObject, s3:DeleteObject and s3:ListBucket" if action.startswith("write") else "s3:GetObject and s3:ListBucket"
+        need = (
+            "s3:PutObject, s3:DeleteObject and s3:ListBucket"
+            if action.startswith("write")
+            else "s3:GetObject and s3:ListBucket"
+        )
         return f"{url}: cannot {action}: permission denied ({text}); give these credentials {need} on the bucket"
     return f"{url}: cannot {action} ({name}: {text}); check the URL, the credentials and AWS_ENDPOINT_URL"
 
@@ -102,13 +121,17 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None, *, probe: b
     if probe:
         options["skip_instance_cache"] = True
         if url.startswith("s3://"):
-            options.setdefault("config_kwargs", {"connect_timeout": 5, "read_timeout": 20, "retries": {"max_attempts": 1}})
+            options.setdefault(
+                "config_kwargs", {"connect_timeout": 5, "read_timeout": 20, "retries": {"max_attempts": 1}}
+            )
     elif url.startswith("s3://"):  # a stalled endpoint fails the request (and is retried a bounded number of times)
         options.setdefault("config_kwargs", dict(STALL_TIMEOUTS))
     try:
         return fsspec.core.url_to_fs(url, **options)
     except ImportError as err:
-        raise ObjectStoreError(f"{url}: needs an fsspec backend that is not installed ({err}); pip install s3fs") from None
+        raise ObjectStoreError(
+            f"{url}: needs an fsspec backend that is not installed ({err}); pip install s3fs"
+        ) from None
     except (ValueError, TypeError) as err:
         raise ObjectStoreError(f"{url}: cannot open ({type(err).__name__}: {err}); check the URL") from None
 
@@ -128,10 +151,13 @@ def parse_manifest(raw: bytes, where: str) -> CheckpointManifest:
     try:
         doc = json.loads(raw)
     except ValueError as e:
-        raise CheckpointError(f"{where}: unreadable JSON ({e}); the checkpoint is corrupted, pick another step") from None
+        raise CheckpointError(
+            f"{where}: unreadable JSON ({e}); the checkpoint is corrupted, pick another step"
+        ) from None
     if not isinstance(doc, dict) or doc.get("schema_version") != MANIFEST_SCHEMA_VERSION:
-        raise CheckpointError(f"{where}: not a shardkeeper manifest of schema_version {MANIFEST_SCHEMA_VERSION}; "
-                              "pick another step")
+        raise CheckpointError(
+            f"{where}: not a shardkeeper manifest of schema_version {MANIFEST_SCHEMA_VERSION}; pick another step"
+        )
     try:
         return CheckpointManifest.model_validate(doc)
     except ValueError as e:
@@ -163,7 +189,7 @@ def iter_runs(url: str, storage_options: dict[str, Any] | None = None) -> Iterat
     except Exception as err:  # noqa: BLE001
         raise ObjectStoreError(explain(err, url, "read it")) from None
     for p in sorted(found):
-        rel = fs._strip_protocol(p)[len(base) + 1:].rsplit("/", 1)[0]
+        rel = fs._strip_protocol(p)[len(base) + 1 :].rsplit("/", 1)[0]
         yield f"{url.rstrip('/')}/{rel}"
 
 
@@ -177,8 +203,14 @@ def record_reread(remote: Any, step: int, manifest_raw: bytes, nbytes: int) -> N
     """Every object of this commit was downloaded from the store and matched its manifest's checksums: say so on
     the store (``verified/step-XXXXXXXX.json``, bound to the manifest's xxh3-128) for ``status``. Best effort: a
     reader without write permission leaves none, and the checkpoint stays 'committed, not re-read'."""
-    doc = {"step": step, "manifest_xxh3_128": _digest(manifest_raw), "how": "download", "bytes": nbytes,
-           "host": socket.gethostname(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    doc = {
+        "step": step,
+        "manifest_xxh3_128": _digest(manifest_raw),
+        "how": "download",
+        "bytes": nbytes,
+        "host": socket.gethostname(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     try:
         remote.fs.pipe_file(remote.key(f"{VERIFIED_DIR}/step-{step:08d}.json"), json.dumps(doc).encode())
     except Exception as err:  # noqa: BLE001

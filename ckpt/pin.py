@@ -51,8 +51,10 @@ class Pin:
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         if not _flock_within(fd, fcntl.LOCK_EX, self.wait_s):
             os.close(fd)
-            raise RunLockedError(f"{self.lock_path}: held by another live process for {self.wait_s:g} s; stop the "
-                                 "other `shardkeeper train` on this run directory's cache, then retry")
+            raise RunLockedError(
+                f"{self.lock_path}: held by another live process for {self.wait_s:g} s; stop the "
+                "other `shardkeeper train` on this run directory's cache, then retry"
+            )
         self._fd = fd
         self.path.unlink(missing_ok=True)  # a dead holder's pin
         return self
@@ -61,8 +63,15 @@ class Pin:
         """Pin ``step`` (replacing what was pinned): from now on retention keeps it."""
         with self._mu:
             if self._fd is not None:
-                atomic_write_json(self.path, {"step": step, "pid": os.getpid(), "host": socket.gethostname(),
-                                              "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                atomic_write_json(
+                    self.path,
+                    {
+                        "step": step,
+                        "pid": os.getpid(),
+                        "host": socket.gethostname(),
+                        "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    },
+                )
 
     def clear(self) -> None:
         with self._mu:
@@ -94,7 +103,8 @@ def pinned_steps(root: str | os.PathLike[str]) -> set[int]:
 
 
 def _open_regular(path: Path) -> int | None:
-    """A read-only fd of ``path`` if it is a regular file (not a symlink: never follows one), else None; never blocks."""
+    """A read-only fd of ``path`` if it is a regular file (not a symlink: never follows one), else None;
+    never blocks."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:

@@ -26,7 +26,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ckpt.fsutil import atomic_write_text
-from ckpt.lock import _held, _take_exclusive
+from ckpt.lock import _held, _take_exclusive, release_held
 from schemas.errors import RunDirError, RunLockedError
 from schemas.plan import PLAN_NAME, RunPlan
 
@@ -67,8 +67,10 @@ def read_plan(run_dir: str | Path) -> RunPlan | None:
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        raise PlanError(f"{path}: not a valid plan ({where}: {err['msg']}); remove it to drop the plan, or start "
-                        "the run's train-and-export flow again") from None
+        raise PlanError(
+            f"{path}: not a valid plan ({where}: {err['msg']}); remove it to drop the plan, or start "
+            "the run's train-and-export flow again"
+        ) from None
 
 
 def write_plan(run_dir: str | Path, plan: RunPlan) -> None:
@@ -99,10 +101,16 @@ class PlanLock:
         holder = _take_exclusive(fd)
         if holder is not None:
             os.close(fd)
-            raise RunLockedError(f"{self.path.parent}: its plan is being driven by {describe(holder)}; it goes on "
-                                 "to the plan's end without another resumer")
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "who": who,
-                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            raise RunLockedError(
+                f"{self.path.parent}: its plan is being driven by {describe(holder)}; it goes on "
+                "to the plan's end without another resumer"
+            )
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "who": who,
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self._fd = fd
@@ -110,9 +118,7 @@ class PlanLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
+            release_held(self._fd)
             self._fd = None
 
     def is_locked(self) -> bool:

@@ -4,8 +4,9 @@ safetensors files hold, reading one rank's rows of a tensor straight into that r
 
 Used by the controller (preflight: the folder, config.json, the weight files, the tokenizer), by the ranks
 (the first segment of a run reads its shards of every weight with ``read_rows``, or its ZeRO-3 partitions
-with ``read_elements``: no rank ever holds the whole model) and by the export (which tokenizer files to carry). No transformers import: config.json and the
-safetensors headers are plain JSON; ``huggingface_hub`` only resolves Hub ids through its cache.
+with ``read_elements``: no rank ever holds the whole model) and by the export (which tokenizer files to carry). No
+transformers import: config.json and the safetensors headers are plain JSON; ``huggingface_hub`` only resolves Hub ids
+through its cache.
 
 Reading: a safetensors file is an 8-byte header length, a JSON header (name -> dtype, shape, data offsets)
 and the raw little-endian tensor bytes. Rows ``[start, end)`` of a row-major tensor are one contiguous byte
@@ -27,22 +28,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckpt.fsutil import pread_full
 from schemas import BaseModelRecord, ModelSpec
 from schemas.errors import ConfigError
-from ckpt.fsutil import pread_full
 
 WEIGHTS_SINGLE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 # What a tokenizer folder may hold (fast and slow tokenizers, chat templates): carried into exports.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 PIECE = 16 << 20
-TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+TORCH_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 ST_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -63,14 +83,20 @@ def resolve(spec: ModelSpec, *, local_files_only: bool = True) -> tuple[Path, st
     path = Path(source).expanduser()
     if path.exists() or not HUB_ID_RE.match(source):
         if not path.exists():
-            raise ConfigError(f"model.pretrained {source}: no such folder (and not a Hub id ORG/NAME); pass a "
-                              "save_pretrained folder or a Hub model id")
+            raise ConfigError(
+                f"model.pretrained {source}: no such folder (and not a Hub id ORG/NAME); pass a "
+                "save_pretrained folder or a Hub model id"
+            )
         if not path.is_dir():
-            raise ConfigError(f"model.pretrained {source}: is a file, not a folder; pass the save_pretrained folder "
-                              "that holds config.json and the *.safetensors files")
+            raise ConfigError(
+                f"model.pretrained {source}: is a file, not a folder; pass the save_pretrained folder "
+                "that holds config.json and the *.safetensors files"
+            )
         if spec.revision is not None:
-            raise ConfigError(f"model.revision {spec.revision}: only applies to a Hub id, and model.pretrained "
-                              f"{source} is a local folder; remove model.revision")
+            raise ConfigError(
+                f"model.revision {spec.revision}: only applies to a Hub id, and model.pretrained "
+                f"{source} is a local folder; remove model.revision"
+            )
         return path, None
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
@@ -78,34 +104,51 @@ def resolve(spec: ModelSpec, *, local_files_only: bool = True) -> tuple[Path, st
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
     rev = f" at revision {spec.revision}" if spec.revision else ""
     try:
-        folder = Path(snapshot_download(source, revision=spec.revision, allow_patterns=patterns,
-                                        local_files_only=local_files_only))
+        folder = Path(
+            snapshot_download(
+                source, revision=spec.revision, allow_patterns=patterns, local_files_only=local_files_only
+            )
+        )
     except LocalEntryNotFoundError:
         from huggingface_hub.constants import HF_HUB_CACHE
 
-        how = "not in the Hugging Face cache" if local_files_only else "not in the Hugging Face cache and the Hub is unreachable (offline?)"
-        raise ConfigError(f"model.pretrained {source}{rev}: {how} ({HF_HUB_CACHE}); download it first with "
-                          f"`hf download {source}{' --revision ' + spec.revision if spec.revision else ''}` "
-                          "or pass a local save_pretrained folder") from None
+        how = (
+            "not in the Hugging Face cache"
+            if local_files_only
+            else "not in the Hugging Face cache and the Hub is unreachable (offline?)"
+        )
+        raise ConfigError(
+            f"model.pretrained {source}{rev}: {how} ({HF_HUB_CACHE}); download it first with "
+            f"`hf download {source}{' --revision ' + spec.revision if spec.revision else ''}` "
+            "or pass a local save_pretrained folder"
+        ) from None
     except (RepositoryNotFoundError, RevisionNotFoundError) as e:
-        raise ConfigError(f"model.pretrained {source}{rev}: {type(e).__name__} on the Hub; check the id and "
-                          "revision (and HF_TOKEN for a gated or private model)") from None
+        raise ConfigError(
+            f"model.pretrained {source}{rev}: {type(e).__name__} on the Hub; check the id and "
+            "revision (and HF_TOKEN for a gated or private model)"
+        ) from None
     except OSError as e:  # network errors are OSErrors (requests / httpx)
-        raise ConfigError(f"model.pretrained {source}{rev}: cannot be fetched ({' '.join(str(e).split())[:200]}); "
-                          "download it first with `hf download` or pass a local folder") from None
+        raise ConfigError(
+            f"model.pretrained {source}{rev}: cannot be fetched ({' '.join(str(e).split())[:200]}); "
+            "download it first with `hf download` or pass a local folder"
+        ) from None
     return folder, folder.name if len(folder.name) == 40 else spec.revision
 
 
 def read_config(folder: Path, source: str) -> dict[str, Any]:
     path = folder / CONFIG
     if not path.is_file():
-        raise ConfigError(f"model.pretrained {source}: {path} is missing; the folder must be a save_pretrained "
-                          "folder (config.json + model*.safetensors)")
+        raise ConfigError(
+            f"model.pretrained {source}: {path} is missing; the folder must be a save_pretrained "
+            "folder (config.json + model*.safetensors)"
+        )
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: not a readable JSON config ({' '.join(str(e).split())[:200]}); re-save the model "
-                          "with save_pretrained") from None
+        raise ConfigError(
+            f"{path}: not a readable JSON config ({' '.join(str(e).split())[:200]}); re-save the model "
+            "with save_pretrained"
+        ) from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
         raise ConfigError(f"{path}: has no model_type; re-save the model with save_pretrained")
     return cfg
@@ -119,12 +162,14 @@ def weight_files(folder: Path, source: str) -> list[Path]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             names = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(f"{index}: not a valid safetensors index ({type(e).__name__}); re-save the model "
-                              "with save_pretrained") from None
+            raise ConfigError(
+                f"{index}: not a valid safetensors index ({type(e).__name__}); re-save the model with save_pretrained"
+            ) from None
         for n in names:
             if "/" in n or n in ("", ".", "..") or not (folder / n).is_file():
-                raise ConfigError(f"{index}: names {n}, which is missing from {folder}; download or copy every "
-                                  "shard of the model")
+                raise ConfigError(
+                    f"{index}: names {n}, which is missing from {folder}; download or copy every shard of the model"
+                )
         return [folder / n for n in names]
     if (folder / WEIGHTS_SINGLE).is_file():
         return [folder / WEIGHTS_SINGLE]
@@ -132,10 +177,14 @@ def weight_files(folder: Path, source: str) -> list[Path]:
     if others:
         return [folder / n for n in others]
     if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
-        raise ConfigError(f"model.pretrained {source}: {folder} has only PyTorch .bin/.pt weights; convert them to "
-                          "safetensors (load the model and save_pretrained(..., safe_serialization=True))")
-    raise ConfigError(f"model.pretrained {source}: {folder} holds no model weights (model.safetensors or "
-                      f"{WEIGHTS_INDEX}); pass the folder save_pretrained wrote")
+        raise ConfigError(
+            f"model.pretrained {source}: {folder} has only PyTorch .bin/.pt weights; convert them to "
+            "safetensors (load the model and save_pretrained(..., safe_serialization=True))"
+        )
+    raise ConfigError(
+        f"model.pretrained {source}: {folder} holds no model weights (model.safetensors or "
+        f"{WEIGHTS_INDEX}); pass the folder save_pretrained wrote"
+    )
 
 
 @dataclass(frozen=True)
@@ -168,7 +217,9 @@ def read_header(path: Path) -> dict[str, Any]:
         try:
             header = json.loads(f.read(n))
         except ValueError:
-            raise ConfigError(f"{path}: the safetensors header is not JSON; the file is corrupted, re-download it") from None
+            raise ConfigError(
+                f"{path}: the safetensors header is not JSON; the file is corrupted, re-download it"
+            ) from None
     if not isinstance(header, dict):
         raise ConfigError(f"{path}: the safetensors header is not a mapping; the file is corrupted")
     header["__data_start__"] = 8 + n
@@ -187,16 +238,22 @@ def tensor_index(files: Iterable[Path]) -> dict[str, StoredTensor]:
             try:
                 dtype, shape, (b, e) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
             except (KeyError, TypeError, ValueError):
-                raise ConfigError(f"{path}: tensor {name} has a malformed header entry; the file is corrupted") from None
+                raise ConfigError(
+                    f"{path}: tensor {name} has a malformed header entry; the file is corrupted"
+                ) from None
             if dtype not in ST_DTYPES:
-                raise ConfigError(f"{path}: tensor {name} has dtype {dtype}, which shardkeeper does not read; "
-                                  "re-save the model in float32, bfloat16 or float16")
+                raise ConfigError(
+                    f"{path}: tensor {name} has dtype {dtype}, which shardkeeper does not read; "
+                    "re-save the model in float32, bfloat16 or float16"
+                )
             numel = 1
             for d in shape:
                 numel *= d
             if e - b != numel * ST_DTYPES[dtype] or start + e > size or b < 0:
-                raise ConfigError(f"{path}: tensor {name} ({dtype} {list(shape)}) does not fit its byte range; the "
-                                  "file is truncated or corrupted, re-download it")
+                raise ConfigError(
+                    f"{path}: tensor {name} ({dtype} {list(shape)}) does not fit its byte range; the "
+                    "file is truncated or corrupted, re-download it"
+                )
             if name in out:
                 raise ConfigError(f"{path}: tensor {name} is also in {out[name].file.name}; the weight files overlap")
             out[name] = StoredTensor(name, path, dtype, shape, start + b, start + e)
@@ -283,7 +340,7 @@ def _read_range(t: StoredTensor, offset: int, nbytes: int, out: Any, what: str) 
                 n = min(per, flat.numel() - done)
                 piece = buf[:n]
                 _pread_into(fd, memoryview(piece.view(torch.uint8).numpy()), offset + done * src_dtype.itemsize, t.file)
-                flat[done:done + n].copy_(piece)
+                flat[done : done + n].copy_(piece)
                 done += n
     finally:
         os.close(fd)
@@ -294,8 +351,9 @@ def first_nonfinite(tensors: Iterable[StoredTensor], piece: int = PIECE) -> tupl
     """The first NaN/Inf element among ``tensors`` (floating ones): (tensor, flat index, value), or None. The tensors
     are read in ``piece``-byte pieces into two reused buffers (nothing else is held): a thread reads the next piece
     while this one is checked with one multiply and one sum (``x * 0`` is 0 for every finite x, NaN for NaN/Inf)."""
-    import torch
     from concurrent.futures import ThreadPoolExecutor
+
+    import torch
 
     pieces = []  # (tensor, first element, elements)
     for t in tensors:
@@ -355,11 +413,20 @@ def base_model_record(spec: ModelSpec, folder: Path, resolved_revision: str | No
     source = spec.pretrained or ""
     files = weight_files(folder, source)
     weights = {p.name: (hub_commit_sha(p) or sha256_file(p)) for p in files}
-    small = {n: sha256_file(folder / n) for n in (CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES) if (folder / n).is_file()}
+    small = {
+        n: sha256_file(folder / n) for n in (CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES) if (folder / n).is_file()
+    }
     hub_id = source if is_hub_id(source) else spec.base_model_id
-    return BaseModelRecord(source=source, revision=spec.revision, resolved_revision=resolved_revision,
-                           local_path=str(folder.resolve()), hub_id=hub_id, weights=weights,
-                           weights_bytes=sum(p.stat().st_size for p in files), files=small)
+    return BaseModelRecord(
+        source=source,
+        revision=spec.revision,
+        resolved_revision=resolved_revision,
+        local_path=str(folder.resolve()),
+        hub_id=hub_id,
+        weights=weights,
+        weights_bytes=sum(p.stat().st_size for p in files),
+        files=small,
+    )
 
 
 def tokenizer_files(folder: Path) -> list[Path]:

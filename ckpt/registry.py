@@ -5,6 +5,7 @@ The formats themselves live a floor up, in ``ckpt/formats/`` (they read and writ
 one ``CheckpointFormat`` here when ``ckpt.formats`` is imported. The core only knows the interface;
 ``get_format`` loads the format package on first use, as a plugin registry loads its entry points.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -28,11 +28,14 @@ from ckpt.validate import is_verified, validate
 log = logging.getLogger(__name__)
 
 KEEP_INVALID = 2  # quarantined checkpoints kept for inspection; older ones are swept
-_EXPORT_TMP_RE = re.compile(r"^\..+\.(?:export|replaced)-(\d+)(?:-[0-9a-f]+)?$")  # ckpt.export's temp and replaced folders
+_EXPORT_TMP_RE = re.compile(
+    r"^\..+\.(?:export|replaced)-(\d+)(?:-[0-9a-f]+)?$"
+)  # ckpt.export's temp and replaced folders
 
 
-def plan_retention(steps: list[int], valid: set[int], *, keep_last: int, keep_every: int | None,
-                   protect: set[int] = frozenset()) -> set[int]:  # type: ignore[assignment]
+def plan_retention(
+    steps: list[int], valid: set[int], *, keep_last: int, keep_every: int | None, protect: set[int] = frozenset()
+) -> set[int]:  # type: ignore[assignment]
     """Steps to delete among committed ``steps`` (``valid`` ⊆ steps); ``protect`` is never deleted."""
     if keep_last < 1:
         raise ValueError("keep_last must be at least 1: the newest valid checkpoint is the resume point")
@@ -89,8 +92,9 @@ def plan(run_dir: RunDir, *, keep_last: int, keep_every: int | None) -> Retentio
             if ok(i):  # newer invalid ones are kept for inspection
                 newest, recent = s, 1
             continue
-        could_keep = (recent < keep_last or bool(keep_every and s % keep_every == 0) or s == protected
-                      or protected is None)
+        could_keep = (
+            recent < keep_last or bool(keep_every and s % keep_every == 0) or s == protected or protected is None
+        )
         if not could_keep:
             doomed.add(s)  # goes whether valid or not: not read
         elif ok(i):
@@ -143,8 +147,11 @@ def sweep_leftovers(run_dir: RunDir, *, keep_invalid: int = KEEP_INVALID) -> lis
     quarantined = run_dir.quarantined()
     doomed += quarantined[: max(0, len(quarantined) - keep_invalid)]
     if run_dir.exports.is_dir():
-        doomed += [p for p in run_dir.exports.iterdir()
-                   if (m := _EXPORT_TMP_RE.match(p.name)) and not pid_alive(int(m.group(1)))]
+        doomed += [
+            p
+            for p in run_dir.exports.iterdir()
+            if (m := _EXPORT_TMP_RE.match(p.name)) and not pid_alive(int(m.group(1)))
+        ]
     if run_dir.verified.is_dir():
         doomed += [p for p in run_dir.verified.iterdir() if not (ck / p.name.removesuffix(".json")).is_dir()]
     for p in doomed:
@@ -158,5 +165,13 @@ def sweep_leftovers(run_dir: RunDir, *, keep_invalid: int = KEEP_INVALID) -> lis
     return doomed
 
 
-__all__ = ["INVALID_RE", "KEEP_INVALID", "RetentionPlan", "apply_retention", "newest_valid", "plan", "plan_retention",
-           "sweep_leftovers"]
+__all__ = [
+    "INVALID_RE",
+    "KEEP_INVALID",
+    "RetentionPlan",
+    "apply_retention",
+    "newest_valid",
+    "plan",
+    "plan_retention",
+    "sweep_leftovers",
+]

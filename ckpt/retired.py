@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ckpt.layout import RECYCLE_SUFFIX, parse_step
 
+
 # Readers (status, lineage, validate, export, the scans) run beside a training segment whose retention renames a
 # checkpoint to ``.deleting`` and removes it, or whose failed load renames it to ``.invalid-<time>``, at any
 # moment. A reader notes the directory's identity before it reads and looks again when a check fails: a
@@ -71,10 +72,15 @@ def retired_message(ckpt_dir: Path, *, before: bool = False) -> str:
     """``before``: it was already gone when the reader looked (else: it went while being read)."""
     run = ckpt_dir.parent.parent if ckpt_dir.parent.name == "checkpoints" else None
     lists = f"`shardkeeper status {run}` lists them" if run is not None else "`shardkeeper status RUN_DIR` lists them"
-    when = "no longer there: retired or quarantined by the run's writer" if before else \
-        "retired or quarantined by the run's writer while being read"
-    return (f"{ckpt_dir}: {when} (retention keeps only the newest checkpoints of a training run); pick a newer step, "
-            f"{lists}")
+    when = (
+        "no longer there: retired or quarantined by the run's writer"
+        if before
+        else "retired or quarantined by the run's writer while being read"
+    )
+    return (
+        f"{ckpt_dir}: {when} (retention keeps only the newest checkpoints of a training run); pick a newer step, "
+        f"{lists}"
+    )
 
 
 def gone_before(watched: WatchedDir) -> bool:
@@ -88,9 +94,11 @@ def was_committed(ckpt_dir: Path) -> bool:
     if parse_step(ckpt_dir.name) is None or not ckpt_dir.parent.is_dir():
         return False
     try:
-        if any(e.name == ckpt_dir.name + ".deleting" or e.name.startswith((ckpt_dir.name + ".invalid-",
-                                                                           ckpt_dir.name + RECYCLE_SUFFIX))
-               for e in os.scandir(ckpt_dir.parent)):
+        if any(
+            e.name == ckpt_dir.name + ".deleting"
+            or e.name.startswith((ckpt_dir.name + ".invalid-", ckpt_dir.name + RECYCLE_SUFFIX))
+            for e in os.scandir(ckpt_dir.parent)
+        ):
             return True
         return f'"checkpoint:{ckpt_dir.name}"'.encode() in (ckpt_dir.parent.parent / "lineage.jsonl").read_bytes()
     except OSError:

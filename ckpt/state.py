@@ -7,6 +7,7 @@
 - ``tied_weights``: which state_dict names transformers ties to another (e.g. lm_head.weight ->
   model.embed_tokens.weight), across the transformers versions we support. Duck-typed: no transformers import.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

@@ -35,21 +35,37 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from schemas.errors import CheckpointError, CheckpointRetired
-from ckpt.hashing import hash_files
-from ckpt.layout import RunDir, parse_step
-from ckpt.registry import get_format
-from ckpt.manifest import read_manifest
-from ckpt.retired import WatchedDir, dir_identity, gone_before, retired_message, was_committed
-from ckpt.verified import drop_cache, is_verified, manifest_digest, record_verified
 from pydantic import ValidationError
 
+from ckpt.hashing import hash_files
+from ckpt.layout import RunDir, parse_step
+from ckpt.manifest import read_manifest
+from ckpt.registry import get_format
+from ckpt.retired import WatchedDir, dir_identity, gone_before, retired_message, was_committed
+from ckpt.verified import drop_cache, is_verified, manifest_digest, record_verified
 from schemas import MANIFEST_NAME, MANIFEST_SCHEMA_VERSION, CheckpointManifest, ValidationReport
+from schemas.errors import CheckpointError, CheckpointRetired
 
 # what the stages, retention, the trainer and the CLI take from here (ckpt.retired and ckpt.verified hold some)
-__all__ = ["RANK_RE", "WatchedDir", "check_ranks", "check_staged", "checked_manifest", "dir_identity", "forget_known",
-           "gone_before", "invalid_committed", "is_verified", "latest_valid", "manifest_digest", "record_verified",
-           "reread_and_record", "retired_message", "validate", "was_committed"]
+__all__ = [
+    "RANK_RE",
+    "WatchedDir",
+    "check_ranks",
+    "check_staged",
+    "checked_manifest",
+    "dir_identity",
+    "forget_known",
+    "gone_before",
+    "invalid_committed",
+    "is_verified",
+    "latest_valid",
+    "manifest_digest",
+    "record_verified",
+    "reread_and_record",
+    "retired_message",
+    "validate",
+    "was_committed",
+]
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +96,9 @@ def _lstat_confined(ckpt_dir: Path, rel: str) -> tuple[os.stat_result | None, st
     return st, None
 
 
-def _check_sizes(ckpt_dir: Path, files: list[tuple[str, int]],
-                 path_error: Callable[[str], str | None] | None = None) -> tuple[list[str], list[str]]:
+def _check_sizes(
+    ckpt_dir: Path, files: list[tuple[str, int]], path_error: Callable[[str], str | None] | None = None
+) -> tuple[list[str], list[str]]:
     """Every listed file obeys the format's path rule (``path_error``), is present, a regular file reached
     without symlinks, of its recorded size; errors in manifest order. Plain names
     are lstat'ed relative to one descriptor of the directory (one syscall each: at 10^5 files this is most
@@ -114,8 +131,9 @@ def _check_sizes(ckpt_dir: Path, files: list[tuple[str, int]],
             if why is not None or st is None:
                 errors.append(f"{ckpt_dir / rel}: {why}")
             elif st.st_size != size:
-                errors.append(f"{ckpt_dir / rel}: {st.st_size} bytes, manifest says {size}; the file is truncated or "
-                              "overwritten")
+                errors.append(
+                    f"{ckpt_dir / rel}: {st.st_size} bytes, manifest says {size}; the file is truncated or overwritten"
+                )
             else:
                 present.append(rel)
     finally:
@@ -125,8 +143,9 @@ def _check_sizes(ckpt_dir: Path, files: list[tuple[str, int]],
 
 
 def _check_files(ckpt_dir: Path, manifest: CheckpointManifest, deep: bool) -> tuple[list[str], int]:
-    errors, present = _check_sizes(ckpt_dir, [(e.path, e.size) for e in manifest.files],
-                                   get_format(manifest.format).path_error)
+    errors, present = _check_sizes(
+        ckpt_dir, [(e.path, e.size) for e in manifest.files], get_format(manifest.format).path_error
+    )
     hashed = 0
     if deep and present and not errors:
         by_path = {ckpt_dir / e.path: e for e in manifest.files}
@@ -140,7 +159,9 @@ def _check_files(ckpt_dir: Path, manifest: CheckpointManifest, deep: bool) -> tu
 
 
 def _unlisted(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
-    return _unlisted_in(ckpt_dir, {e.path for e in manifest.files} | {MANIFEST_NAME}, get_format(manifest.format).nested)
+    return _unlisted_in(
+        ckpt_dir, {e.path for e in manifest.files} | {MANIFEST_NAME}, get_format(manifest.format).nested
+    )
 
 
 def _unlisted_in(ckpt_dir: Path, listed: set[str] | frozenset[str], nested: frozenset[str]) -> list[str]:
@@ -150,7 +171,7 @@ def _unlisted_in(ckpt_dir: Path, listed: set[str] | frozenset[str], nested: froz
     errors: list[str] = []
 
     def walk(d: Path, prefix: str) -> None:
-        here = listed if not prefix else {p[len(prefix):] for p in listed if p.startswith(prefix)}
+        here = listed if not prefix else {p[len(prefix) :] for p in listed if p.startswith(prefix)}
         with os.scandir(d) as it:
             rest = [e for e in it if e.name not in here or e.is_dir(follow_symlinks=False)]
         for e in sorted(rest, key=lambda e: e.name):
@@ -163,8 +184,10 @@ def _unlisted_in(ckpt_dir: Path, listed: set[str] | frozenset[str], nested: froz
                 continue
             if rel not in listed:
                 kind = "symlink" if e.is_symlink() else "file"
-                errors.append(f"{ckpt_dir / rel}: {kind} not listed in the manifest; something wrote into a "
-                              "committed checkpoint, remove it or pick another step")
+                errors.append(
+                    f"{ckpt_dir / rel}: {kind} not listed in the manifest; something wrote into a "
+                    "committed checkpoint, remove it or pick another step"
+                )
 
     walk(ckpt_dir, "")
     return errors
@@ -182,9 +205,11 @@ def _check_step_name(ckpt_dir: Path, step: int, nested_names: frozenset[str]) ->
     if nested:
         name_step = parse_step(ckpt_dir.parent.name)
     if name_step is not None and name_step != step:
-        return [f"{ckpt_dir / MANIFEST_NAME}: says step {step} inside {ckpt_dir.name}"
-                f"{' of ' + ckpt_dir.parent.name if nested else ''}; the manifest "
-                "belongs to another checkpoint, pick another step"]
+        return [
+            f"{ckpt_dir / MANIFEST_NAME}: says step {step} inside {ckpt_dir.name}"
+            f"{' of ' + ckpt_dir.parent.name if nested else ''}; the manifest "
+            "belongs to another checkpoint, pick another step"
+        ]
     return []
 
 
@@ -194,12 +219,16 @@ def check_ranks(ckpt_dir: Path, manifest: CheckpointManifest, ranks: dict[str, i
     beyond = [(name, r) for name, r in ranks.items() if r >= world]
     if beyond:
         name, r = min(beyond)
-        return [f"{ckpt_dir / name}: written by rank {r}, but the manifest's topology has world size {world}; "
-                "the checkpoint is inconsistent, pick another step"]
+        return [
+            f"{ckpt_dir / name}: written by rank {r}, but the manifest's topology has world size {world}; "
+            "the checkpoint is inconsistent, pick another step"
+        ]
     missing = sorted(required - set(ranks.values()))
     if missing:
-        return [f"{ckpt_dir}: no file of rank {missing[0]} though the manifest's topology has world size {world}; "
-                "the checkpoint is incomplete, pick another step"]
+        return [
+            f"{ckpt_dir}: no file of rank {missing[0]} though the manifest's topology has world size {world}; "
+            "the checkpoint is incomplete, pick another step"
+        ]
     return []
 
 
@@ -296,8 +325,16 @@ def _revalidate(ckpt_dir: Path, known: _Known, t0: float) -> ValidationReport:
     size_errors, _ = _check_sizes(ckpt_dir, list(known.files))
     errors += size_errors
     errors += _unlisted_in(ckpt_dir, {p for p, _ in known.files} | {MANIFEST_NAME}, fmt.nested)
-    return ValidationReport(path=str(ckpt_dir), valid=not errors, deep=False, step=known.step, errors=errors,
-                            files_checked=len(known.files), bytes_checked=0, seconds=time.perf_counter() - t0)
+    return ValidationReport(
+        path=str(ckpt_dir),
+        valid=not errors,
+        deep=False,
+        step=known.step,
+        errors=errors,
+        files_checked=len(known.files),
+        bytes_checked=0,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def _manifest_from(ckpt_dir: Path, raw: bytes) -> CheckpointManifest | None:
@@ -320,10 +357,17 @@ def validate(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:
     ``retired=True`` and one line saying so: never a verdict on its bytes (see ``_checked``)."""
     return _checked(Path(ckpt_dir), deep)[0]
 
+
 def _retired(ckpt_dir: Path, deep: bool, t0: float, *, before: bool = False) -> ValidationReport:
-    return ValidationReport(path=str(ckpt_dir), valid=False, deep=deep, retired=True,
-                            errors=[retired_message(ckpt_dir, before=before)],
-                            step=parse_step(ckpt_dir.name), seconds=time.perf_counter() - t0)
+    return ValidationReport(
+        path=str(ckpt_dir),
+        valid=False,
+        deep=deep,
+        retired=True,
+        errors=[retired_message(ckpt_dir, before=before)],
+        step=parse_step(ckpt_dir.name),
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def _checked(ckpt_dir: Path, deep: bool, *, listed: bool = False) -> tuple[ValidationReport, bytes | None]:
@@ -341,10 +385,18 @@ def _checked(ckpt_dir: Path, deep: bool, *, listed: bool = False) -> tuple[Valid
             if not isinstance(e, FileNotFoundError):
                 raise
             where = e.filename or ckpt_dir
-            return ValidationReport(path=str(ckpt_dir), valid=False, deep=deep, step=parse_step(ckpt_dir.name),
-                                    errors=[f"{where}: disappeared while being read, though its checkpoint is still "
-                                            "there; something deletes files inside committed checkpoints, pick "
-                                            "another step"], seconds=time.perf_counter() - t0), None
+            return ValidationReport(
+                path=str(ckpt_dir),
+                valid=False,
+                deep=deep,
+                step=parse_step(ckpt_dir.name),
+                errors=[
+                    f"{where}: disappeared while being read, though its checkpoint is still "
+                    "there; something deletes files inside committed checkpoints, pick "
+                    "another step"
+                ],
+                seconds=time.perf_counter() - t0,
+            ), None
         if not report.valid and watched.vanished():
             return _retired(ckpt_dir, deep, t0), None
         return report, raw
@@ -364,8 +416,9 @@ def _validate_once(ckpt_dir: Path, deep: bool, t0: float) -> tuple[ValidationRep
         try:
             manifest = read_manifest(ckpt_dir)
         except CheckpointError as e:
-            return ValidationReport(path=str(ckpt_dir), valid=False, deep=deep, errors=[str(e)],
-                                    seconds=time.perf_counter() - t0), None
+            return ValidationReport(
+                path=str(ckpt_dir), valid=False, deep=deep, errors=[str(e)], seconds=time.perf_counter() - t0
+            ), None
     fmt = get_format(manifest.format)
     names: tuple[str, ...] | None = getattr(fmt, "layout_inputs", None)
     errors = _check_name(ckpt_dir, manifest)
@@ -378,8 +431,11 @@ def _validate_once(ckpt_dir: Path, deep: bool, t0: float) -> tuple[ValidationRep
             errors += fmt.check_layout(ckpt_dir, manifest)
         else:
             inputs = {n: _sha256(ckpt_dir / n) for n in names}
-            errors += fmt.check_layout(ckpt_dir, manifest,  # type: ignore[call-arg]
-                                       inputs={n: v[0] for n, v in inputs.items() if v is not None})
+            errors += fmt.check_layout(
+                ckpt_dir,
+                manifest,  # type: ignore[call-arg]
+                inputs={n: v[0] for n, v in inputs.items() if v is not None},
+            )
     if deep and not errors:
         errors += _deep_state(ckpt_dir, manifest)
     if not errors and got is not None and names is not None and all(v is not None for v in inputs.values()):
@@ -408,8 +464,11 @@ def check_staged(partial: Path, manifest: CheckpointManifest) -> list[str]:
     if names is None:
         return fmt.check_layout(partial, manifest)
     inputs = {n: _sha256(partial / n) for n in names}
-    errors = fmt.check_layout(partial, manifest,  # type: ignore[call-arg]
-                              inputs={n: v[0] for n, v in inputs.items() if v is not None})
+    errors = fmt.check_layout(
+        partial,
+        manifest,  # type: ignore[call-arg]
+        inputs={n: v[0] for n, v in inputs.items() if v is not None},
+    )
     if not errors and all(v is not None for v in inputs.values()):
         # The commit writes exactly these bytes (ckpt.manifest.write_manifest); when they parse back to this
         # manifest, the checks just run are those validate would run on them: remember the pass, so that the
@@ -481,6 +540,7 @@ def invalid_committed(run_dir: RunDir) -> list[tuple[Path, str]]:
         if not report.valid and not report.retired:
             out.append((path, report.errors[0]))
     return out
+
 
 def reread_and_record(run_dir: RunDir, ckpt_dir: Path, *, threads: int = 2) -> str | None:
     """Re-read every byte of a committed checkpoint (cache dropped first) and compare with the manifest;

@@ -30,8 +30,16 @@ def record_verified(run_dir: RunDir, ckpt_dir: Path, *, how: str, bytes_read: in
     manifest = read_manifest(ckpt_dir)
     path = run_dir.verified_record(manifest.step)
     mkdir_durable(path.parent)
-    atomic_write_json(path, {"step": manifest.step, "manifest_xxh3_128": manifest_digest(ckpt_dir), "how": how,
-                             "bytes": bytes_read, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    atomic_write_json(
+        path,
+        {
+            "step": manifest.step,
+            "manifest_xxh3_128": manifest_digest(ckpt_dir),
+            "how": how,
+            "bytes": bytes_read,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+    )
     return path
 
 

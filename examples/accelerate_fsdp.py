@@ -51,30 +51,49 @@ class Tokens(torch.utils.data.Dataset):
 
 
 torch.manual_seed(0)  # the same initial weights on every rank, and the seed of the loader's sampler
-config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+config = LlamaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 model = LlamaForCausalLM(config)
 on_gpu = torch.cuda.is_available()
 plugin = None
 if on_gpu:
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-                                            reshard_after_forward=True, state_dict_type="SHARDED_STATE_DICT")
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        reshard_after_forward=True,
+        state_dict_type="SHARDED_STATE_DICT",
+    )
 else:
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
         fully_shard(layer, mesh=seg.mesh)
     fully_shard(model, mesh=seg.mesh)
-accelerator = Accelerator(fsdp_plugin=plugin, cpu=not on_gpu,
-                          step_scheduler_with_optimizer=False,  # shardkeeper: one scheduler step per optimizer step
-                          dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))  # shardkeeper
+accelerator = Accelerator(
+    fsdp_plugin=plugin,
+    cpu=not on_gpu,
+    step_scheduler_with_optimizer=False,  # shardkeeper: one scheduler step per optimizer step
+    dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+)  # shardkeeper
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.total_steps, pct_start=0.1)
-loader = torch.utils.data.DataLoader(Tokens(args.samples, args.seq, config.vocab_size),
-                                     batch_size=args.batch // seg.world_size, shuffle=True, drop_last=True)
+loader = torch.utils.data.DataLoader(
+    Tokens(args.samples, args.seq, config.vocab_size),
+    batch_size=args.batch // seg.world_size,
+    shuffle=True,
+    drop_last=True,
+)
 if on_gpu:
     model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
 else:
@@ -82,7 +101,7 @@ else:
 sk_accelerate.track(seg, accelerator, model=model, optimizer=opt, scheduler=sched)  # shardkeeper
 batches = sk_accelerate.batches(seg, accelerator, loader)  # shardkeeper: the data position follows from the step
 
-for step in seg.steps(samples_per_step=args.batch):  # shardkeeper: instead of range(...) and load_state
+for step in seg.steps(samples_per_step=args.batch):  # shardkeeper: instead of range(...) and load_state  # noqa: B007
     batch = next(batches)
     loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
     accelerator.backward(loss)

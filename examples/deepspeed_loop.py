@@ -37,8 +37,16 @@ import deepspeed  # noqa: E402
 
 seg = sk.Segment()  # joins the segment; the run must say backend: deepspeed (--set backend=deepspeed)
 torch.manual_seed(0)  # the same initial weights on every rank (a resume replaces them)
-config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+config = LlamaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 model = LlamaForCausalLM(config)
 per_rank = args.batch // seg.world_size
 ds_config = {
@@ -60,10 +68,9 @@ for step in seg.steps(tokens_per_step=args.batch * args.seq):
     g = torch.Generator().manual_seed(1000 + step)  # this step's global batch, whatever the world size
     base = torch.randint(0, config.vocab_size, (args.batch, 1), generator=g)
     ids = (base + torch.arange(args.seq + 1) * (1 + base % 3)) % config.vocab_size
-    mine = ids[seg.rank * per_rank:(seg.rank + 1) * per_rank].to(seg.device)
+    mine = ids[seg.rank * per_rank : (seg.rank + 1) * per_rank].to(seg.device)
     logits = engine(input_ids=mine[:, :-1], use_cache=False).logits
-    loss_sum = F.cross_entropy(logits.float().reshape(-1, config.vocab_size), mine[:, 1:].reshape(-1),
-                               reduction="sum")
+    loss_sum = F.cross_entropy(logits.float().reshape(-1, config.vocab_size), mine[:, 1:].reshape(-1), reduction="sum")
     global_tokens = args.batch * args.seq
     engine.backward(loss_sum * (seg.world_size / global_tokens), scale_wrt_gas=False)
     engine.step()

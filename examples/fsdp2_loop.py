@@ -22,8 +22,13 @@ args = parser.parse_args()
 
 seg = sk.Segment()  # joins the segment: process group, run dir, until_step, checkpoint policy
 torch.manual_seed(0)  # the same initial weights on every rank (the checkpoint replaces them on a resume)
-model = torch.nn.Sequential(torch.nn.Linear(8, args.width), torch.nn.GELU(), torch.nn.Linear(args.width, args.width),
-                            torch.nn.GELU(), torch.nn.Linear(args.width, 1)).to(seg.device)
+model = torch.nn.Sequential(
+    torch.nn.Linear(8, args.width),
+    torch.nn.GELU(),
+    torch.nn.Linear(args.width, args.width),
+    torch.nn.GELU(),
+    torch.nn.Linear(args.width, 1),
+).to(seg.device)
 for layer in model:
     if isinstance(layer, torch.nn.Linear):
         fully_shard(layer, mesh=seg.mesh)

@@ -25,8 +25,15 @@ args = parser.parse_args()
 
 seg = sk.Segment()
 torch.manual_seed(0)
-config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+config = LlamaConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 model = LlamaForCausalLM(config).to(seg.device)
 for layer in model.model.layers:
     fully_shard(layer, mesh=seg.mesh)
@@ -37,7 +44,9 @@ seg.track(model=model, optimizer=opt)
 per_rank = args.batch // seg.world_size
 for step in seg.steps(tokens_per_step=args.batch * args.seq, samples_per_step=args.batch):
     g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g)[seg.rank * per_rank:(seg.rank + 1) * per_rank]
+    tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g)[
+        seg.rank * per_rank : (seg.rank + 1) * per_rank
+    ]
     tokens = tokens.to(seg.device)
     logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
     loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))

@@ -39,8 +39,12 @@ parser.add_argument("--seq", type=int, default=16)
 parser.add_argument("--save-steps", type=int, default=0, help="the Trainer's own save policy (0: none)")
 parser.add_argument("--deepspeed", action="store_true", help="DeepSpeed ZeRO-2 (run with --set backend=deepspeed)")
 parser.add_argument("--fsdp", action="store_true", help="FSDP2 through the Trainer's fsdp options (GPUs only)")
-parser.add_argument("--resume-from", default=None, help="another tool's checkpoint (e.g. out/checkpoint-500) to start "
-                    "from: imported into the run when it has no checkpoint yet")
+parser.add_argument(
+    "--resume-from",
+    default=None,
+    help="another tool's checkpoint (e.g. out/checkpoint-500) to start "
+    "from: imported into the run when it has no checkpoint yet",
+)
 args = parser.parse_args()
 
 if not torch.cuda.is_available():
@@ -65,31 +69,58 @@ class Tokens(torch.utils.data.Dataset):
 
 
 torch.manual_seed(0)
-config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+config = LlamaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 model = LlamaForCausalLM(config)
 
 extra: dict = {}
 if args.deepspeed:
-    extra["deepspeed"] = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-                          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-                          "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
-                          "steps_per_print": 1 << 30}
+    extra["deepspeed"] = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+    }
 if args.fsdp:
     extra["fsdp"] = "full_shard"
-    extra["fsdp_config"] = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                            "reshard_after_forward": True}
+    extra["fsdp_config"] = {
+        "fsdp_version": 2,
+        "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+        "reshard_after_forward": True,
+    }
 
 scratch = tempfile.TemporaryDirectory(prefix="hf-trainer-")  # removed when the process exits
 training_args = TrainingArguments(
     output_dir=scratch.name,  # Trainer wants one; nothing is saved there: checkpoints go to the run dir
     max_steps=args.max_steps,
     per_device_train_batch_size=args.batch // seg.world_size,  # shardkeeper: the same global batch at any size
-    learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=4, weight_decay=0.01, max_grad_norm=1.0,
-    save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-    logging_steps=10, report_to="none", disable_tqdm=True, seed=0, dataloader_num_workers=0,
-    use_cpu=not torch.cuda.is_available(), **extra,
+    learning_rate=3e-3,
+    lr_scheduler_type="cosine",
+    warmup_steps=4,
+    weight_decay=0.01,
+    max_grad_norm=1.0,
+    save_strategy="steps" if args.save_steps else "no",
+    save_steps=args.save_steps or 500,
+    logging_steps=10,
+    report_to="none",
+    disable_tqdm=True,
+    seed=0,
+    dataloader_num_workers=0,
+    use_cpu=not torch.cuda.is_available(),
+    **extra,
 )
-trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(512, args.seq, config.vocab_size),
-                  segment=seg)  # shardkeeper: segment=seg
+trainer = Trainer(
+    model=model, args=training_args, train_dataset=Tokens(512, args.seq, config.vocab_size), segment=seg
+)  # shardkeeper: segment=seg
 trainer.train(resume_from_checkpoint=args.resume_from)  # None: the run's newest valid checkpoint, if any

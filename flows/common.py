@@ -14,9 +14,15 @@ from prefect import get_run_logger
 from prefect.exceptions import ParameterTypeError
 from pydantic import BaseModel, ValidationError
 
-from schemas.errors import (ConfigError, PipelineError, SegmentCancelled, SegmentFailed, SegmentPreempted,  # noqa: F401
-                           ShardkeeperError)
 from schemas import RunSpec, SegmentResult
+from schemas.errors import (
+    ConfigError,
+    PipelineError,
+    SegmentCancelled,
+    SegmentFailed,
+    SegmentPreempted,  # noqa: F401
+    ShardkeeperError,
+)
 from schemas.requests import ResumeRequest, SegmentOutcome, SegmentPlan, TrainExportRequest
 from shardkeeper.config import explain
 from tasks.events import emit_segment
@@ -51,11 +57,13 @@ def parse_request(model: type[M], value: object, source: str = "request") -> M:
 def documented(model: type[BaseModel]) -> Callable[[F], F]:
     """Append an ``Args:`` section built from ``model``'s field descriptions to a flow function's docstring:
     Prefect shows these descriptions beside each parameter (UI form, ``prefect deployment inspect``)."""
+
     def wrap(fn: F) -> F:
         names = inspect.signature(fn).parameters
         lines = [f"    {name}: {model.model_fields[name].description}" for name in names if name in model.model_fields]
         fn.__doc__ = f"{inspect.cleandoc(fn.__doc__ or '')}\n\nArgs:\n" + "\n".join(lines) + "\n"
         return fn
+
     return wrap
 
 
@@ -71,15 +79,17 @@ def check_train_request(request: TrainExportRequest) -> RunSpec:
     memory of the largest segment. Raises a ShardkeeperError (one line); writes nothing."""
     from shardkeeper.config import train_spec, with_script
     from shardkeeper.preflight import preflight
-    from shardkeeper.stages import check_spec_change, keep_run_script, plan_topology as plan
+    from shardkeeper.stages import check_spec_change, keep_run_script
+    from shardkeeper.stages import plan_topology as plan
 
     if request.config is not None and not Path(request.config).is_file():
         _missing("config", request.config, "a RunSpec YAML file", "configs/tiny.yaml")
     if request.spec is not None:
         spec = with_script(request.spec, request.script, request.script_args)
     else:
-        spec = train_spec(request.config, request.overrides, request.run_dir, script=request.script,
-                          script_args=request.script_args)
+        spec = train_spec(
+            request.config, request.overrides, request.run_dir, script=request.script, script_args=request.script_args
+        )
     spec = keep_run_script(spec, request.run_dir)
     check_spec_change(request.run_dir, spec)  # an existing run: what the segment would refuse, refused now
     if request.export_dir is not None and Path(request.export_dir).is_file():
@@ -88,8 +98,10 @@ def check_train_request(request: TrainExportRequest) -> RunSpec:
     for i, seg in enumerate(request.segments):
         key = (seg.nproc, seg.nodes, seg.launcher, seg.slurm_partition, seg.slurm_time_min)
         try:
-            topologies.setdefault(key, plan(spec, seg.nproc, nodes=seg.nodes, launcher=seg.launcher,
-                                            launcher_options=seg.launcher_options()))
+            topologies.setdefault(
+                key,
+                plan(spec, seg.nproc, nodes=seg.nodes, launcher=seg.launcher, launcher_options=seg.launcher_options()),
+            )
         except ShardkeeperError as e:
             raise ConfigError(f"segments[{i}]{_field_of(str(e))}: {e}") from None
     for topo in topologies.values():
@@ -97,8 +109,13 @@ def check_train_request(request: TrainExportRequest) -> RunSpec:
     return spec
 
 
-_FLAG_FIELDS = {"--nproc": "nproc", "--nodes": "nodes", "--slurm-partition": "slurm_partition",
-                "--slurm-time": "slurm_time_min", "--launcher": "launcher"}
+_FLAG_FIELDS = {
+    "--nproc": "nproc",
+    "--nodes": "nodes",
+    "--slurm-partition": "slurm_partition",
+    "--slurm-time": "slurm_time_min",
+    "--launcher": "launcher",
+}
 
 
 def _field_of(message: str) -> str:
@@ -120,16 +137,20 @@ def check_resume_request(request: ResumeRequest) -> None:
 def _missing(field: str, value: str, what: str, example: str) -> None:
     p = Path(value)
     state = "is a file" if p.is_file() else ("is not a folder" if p.exists() else "does not exist")
-    raise ConfigError(f"parameter {field} {value}: {state}; give {what} (an absolute path, or relative to the "
-                      f"parameter base_dir), e.g. {example}")
+    raise ConfigError(
+        f"parameter {field} {value}: {state}; give {what} (an absolute path, or relative to the "
+        f"parameter base_dir), e.g. {example}"
+    )
 
 
 def backoff_delay(backoff_s: float, attempt: int) -> float:
     """Seconds to wait before resume number ``attempt`` (0-based): backoff_s, 2x, 4x ..., capped."""
-    return min(backoff_s * (2 ** attempt), MAX_BACKOFF_S)
+    return min(backoff_s * (2**attempt), MAX_BACKOFF_S)
 
 
-def resumed_by(result: SegmentResult, attempts: int, max_preemption_retries: int) -> Literal["flow", "automation", "none"]:
+def resumed_by(
+    result: SegmentResult, attempts: int, max_preemption_retries: int
+) -> Literal["flow", "automation", "none"]:
     """Who resumes a segment that just ended: this flow run (retries left), the resume automation (it gave up
     after the segment made progress), or nobody (not preempted; or preempted before committing anything new,
     where an automatic resume could loop without end: the schedule or a person resumes it)."""
@@ -145,9 +166,16 @@ class HandedOver(SegmentPreempted):
     preemption event (label ``shardkeeper.resumed-by: automation``) leaves the rest to the resume automation."""
 
 
-def drive_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preemption_retries: int,
-                  backoff_s: float, by: str | None = None,
-                  on_stop: Callable[[PipelineError | ConfigError], None] | None = None) -> SegmentOutcome:
+def drive_segment(
+    spec: RunSpec,
+    run_dir: str,
+    plan: SegmentPlan,
+    *,
+    max_preemption_retries: int,
+    backoff_s: float,
+    by: str | None = None,
+    on_stop: Callable[[PipelineError | ConfigError], None] | None = None,
+) -> SegmentOutcome:
     """Train ``run_dir`` up to ``plan.until_step`` on ``plan.nodes`` x ``plan.nproc`` ranks; raise on failure.
 
     Each attempt (the first, and each resume after a preemption) is placed on the nodes usable then: a Slurm
@@ -173,8 +201,15 @@ def drive_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preempt
         state = inspect_run(run_dir) if attempts else state
         if state.checkpoint is not None and state.world_size != topology.world_size:
             resharded = reshard(state.checkpoint, topology.world_size, spec)  # the rule of the spec it trains under
-        result = train_segment(spec, run_dir, topology, plan.until_step, timeout_s=plan.timeout_s,
-                               launcher_options=plan.launcher_options(), by=by)
+        result = train_segment(
+            spec,
+            run_dir,
+            topology,
+            plan.until_step,
+            timeout_s=plan.timeout_s,
+            launcher_options=plan.launcher_options(),
+            by=by,
+        )
         attempts.append(result)
         who = resumed_by(result, len(attempts), max_preemption_retries)
         error = _segment_error(result, run_dir, plan, topology.world_size, len(attempts), max_preemption_retries, who)
@@ -186,29 +221,52 @@ def drive_segment(spec: RunSpec, run_dir: str, plan: SegmentPlan, *, max_preempt
         if error is not None:
             raise error
         delay = backoff_delay(backoff_s, len(attempts) - 1)
-        logger.warning("segment %d preempted at step %d; resuming from %s in %.1f s (retry %d of %d)", result.segment,
-                       result.end_step, result.checkpoint, delay, len(attempts), max_preemption_retries)
+        logger.warning(
+            "segment %d preempted at step %d; resuming from %s in %.1f s (retry %d of %d)",
+            result.segment,
+            result.end_step,
+            result.checkpoint,
+            delay,
+            len(attempts),
+            max_preemption_retries,
+        )
         time.sleep(delay)
 
 
-def _segment_error(result: SegmentResult, run_dir: str, plan: SegmentPlan, world_size: int, preemptions: int,
-                   max_preemption_retries: int, who: str) -> PipelineError | ConfigError | None:
+def _segment_error(
+    result: SegmentResult,
+    run_dir: str,
+    plan: SegmentPlan,
+    world_size: int,
+    preemptions: int,
+    max_preemption_retries: int,
+    who: str,
+) -> PipelineError | ConfigError | None:
     """The error a segment's end raises (None: it completed, or the flow run resumes it itself)."""
     if result.status == "refused":  # bad input only the ranks could see: the run stays as it was
-        return ConfigError(f"segment {result.segment} of {run_dir} refused before its first step on {world_size} "
-                           f"ranks: {result.failure}")
+        return ConfigError(
+            f"segment {result.segment} of {run_dir} refused before its first step on {world_size} "
+            f"ranks: {result.failure}"
+        )
     if result.status == "cancelled":
-        return SegmentCancelled(f"segment {result.segment} of {run_dir} cancelled at step {result.end_step} "
-                                f"(checkpoint {result.checkpoint}); no further segment is started")
+        return SegmentCancelled(
+            f"segment {result.segment} of {run_dir} cancelled at step {result.end_step} "
+            f"(checkpoint {result.checkpoint}); no further segment is started"
+        )
     if result.status == "failed":
-        return SegmentFailed(f"segment {result.segment} failed on {world_size} ranks after step {result.end_step} "
-                             f"(exit code {result.exit_code}); failing rank's last lines:\n{result.failure}")
+        return SegmentFailed(
+            f"segment {result.segment} failed on {world_size} ranks after step {result.end_step} "
+            f"(exit code {result.exit_code}); failing rank's last lines:\n{result.failure}"
+        )
     if result.status != "preempted" or preemptions <= max_preemption_retries:
         return None
     times = f"{preemptions} time{'s' if preemptions > 1 else ''}"
     where = f"{run_dir}: preempted {times} before step {plan.until_step} (last checkpoint at step {result.end_step})"
     if who == "automation":
-        return HandedOver(f"{where}; handed over to the resume flow (a deployment from infra.deploy runs it on the "
-                          "preemption event)")
-    return SegmentPreempted(f"{where}, nothing new committed since the last resume; resume it with the resume flow "
-                            "(its schedule does) or raise max_preemption_retries")
+        return HandedOver(
+            f"{where}; handed over to the resume flow (a deployment from infra.deploy runs it on the preemption event)"
+        )
+    return SegmentPreempted(
+        f"{where}, nothing new committed since the last resume; resume it with the resume flow "
+        "(its schedule does) or raise max_preemption_retries"
+    )

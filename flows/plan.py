@@ -18,7 +18,16 @@ from schemas.errors import ConfigError, RunLockedError
 from schemas.plan import PlanStatus
 from schemas.requests import SegmentOutcome
 from tasks.plan import PlanKeeper
-from tasks.stage_tasks import default_export_dir, export, inspect_run, materializing, path_asset, publish, target_asset, validate
+from tasks.stage_tasks import (
+    default_export_dir,
+    export,
+    inspect_run,
+    materializing,
+    path_asset,
+    publish,
+    target_asset,
+    validate,
+)
 
 
 @dataclass
@@ -43,8 +52,14 @@ def stop_status(error: PipelineError) -> PlanStatus:
     return "failed"
 
 
-def run_plan(keeper: PlanKeeper, spec: RunSpec, *, max_preemption_retries: int, backoff_s: float,
-             between_segments: Callable[[], None] = lambda: None) -> PlanRun:
+def run_plan(
+    keeper: PlanKeeper,
+    spec: RunSpec,
+    *,
+    max_preemption_retries: int,
+    backoff_s: float,
+    between_segments: Callable[[], None] = lambda: None,
+) -> PlanRun:
     """Drive ``keeper.plan`` to its end and mark it completed; returns what this flow run did.
 
     A segment that ends the plan here (preempted past the retries, failed, cancelled) records the plan's status
@@ -68,8 +83,15 @@ def run_plan(keeper: PlanKeeper, spec: RunSpec, *, max_preemption_retries: int, 
             def stopped(error: PipelineError | ConfigError, i: int = i) -> None:
                 keeper.segment_stopped(i, stop_status(error), str(error).splitlines()[0])
 
-            outcome = drive_segment(spec, run_dir, seg, max_preemption_retries=max_preemption_retries,
-                                    backoff_s=backoff_s, by=keeper.driver.line(), on_stop=stopped)
+            outcome = drive_segment(
+                spec,
+                run_dir,
+                seg,
+                max_preemption_retries=max_preemption_retries,
+                backoff_s=backoff_s,
+                by=keeper.driver.line(),
+                on_stop=stopped,
+            )
             run.segments.append(outcome)
             end = outcome.attempts[-1].end_step if outcome.attempts else inspect_run(run_dir).step
             keeper.segment_done(i, end, ran=not outcome.skipped)
@@ -110,16 +132,22 @@ def _export_and_publish(keeper: PlanKeeper, run: PlanRun) -> None:
         run.step = report.step or 0
         out_dir = plan.export.export_dir or default_export_dir(ckpt)
         run.export = materializing(export, [path_asset(out_dir)], [ckpt_asset])(
-            ckpt, out_dir, dtype=plan.export.dtype, max_shard_size=plan.export.max_shard_size,
-            overwrite=plan.export.overwrite)
+            ckpt,
+            out_dir,
+            dtype=plan.export.dtype,
+            max_shard_size=plan.export.max_shard_size,
+            overwrite=plan.export.overwrite,
+        )
         keeper.exported(run.step, run.export.out_dir)
         out = run.export.out_dir
     else:
-        get_run_logger().info("%s: exported already by %s to %s", keeper.run_dir, plan.exported.by.line(),
-                              plan.exported.out)
+        get_run_logger().info(
+            "%s: exported already by %s to %s", keeper.run_dir, plan.exported.by.line(), plan.exported.out
+        )
         run.step, out = plan.exported.step, plan.exported.out
     if plan.publish is None or plan.published is not None:
         return
     run.publish = materializing(publish, [target_asset(plan.publish.target, Path(out).name)], [path_asset(out)])(
-        out, plan.publish.target, revision=plan.publish.revision, run_dir=keeper.run_dir)
+        out, plan.publish.target, revision=plan.publish.revision, run_dir=keeper.run_dir
+    )
     keeper.published(run.step, run.publish.url or run.publish.target)

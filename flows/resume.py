@@ -22,17 +22,24 @@ for one run directory (``run_dirs``) as soon as a ``shardkeeper.segment.preempte
 # annotations, and in a served or worker-run flow run string annotations are not resolved ("ResumeModel
 # is not fully defined"), so every scheduled run failed before it started.
 
+from pathlib import Path
+from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled
 
-from pathlib import Path
-from typing import Literal
-
-from schemas.errors import RunLockedError, ShardkeeperError
-from flows.common import (HandedOver, PipelineError, SegmentCancelled, check_resume_request, default, documented,
-                          drive_segment, parse_request)
+from flows.common import (
+    HandedOver,
+    PipelineError,
+    SegmentCancelled,
+    check_resume_request,
+    default,
+    documented,
+    drive_segment,
+    parse_request,
+)
 from flows.plan import run_plan
+from schemas.errors import RunLockedError, ShardkeeperError
 from schemas.plan import Driver, RunPlan
 from schemas.requests import ResumeItem, ResumeRequest, ResumeSummary, RunState, SegmentPlan
 from tasks.lineage import mirror_lineage, mirror_runs_overview
@@ -52,13 +59,21 @@ def triage(state: RunState) -> ResumeItem | None:
     if not state.exists:
         return ResumeItem(run_dir=state.run_dir, action="skipped-not-a-run", reason="no run.yaml or checkpoints")
     if state.locked:
-        return ResumeItem(run_dir=state.run_dir, action="skipped-locked", reason="its lock is held: a segment is training")
+        return ResumeItem(
+            run_dir=state.run_dir, action="skipped-locked", reason="its lock is held: a segment is training"
+        )
     if state.last_status not in RESUMABLE or state.last_until_step is None:
-        return ResumeItem(run_dir=state.run_dir, action="skipped-done",
-                          reason=f"last segment {state.last_status or 'none'}; nothing to resume")
+        return ResumeItem(
+            run_dir=state.run_dir,
+            action="skipped-done",
+            reason=f"last segment {state.last_status or 'none'}; nothing to resume",
+        )
     if state.step >= state.last_until_step:
-        return ResumeItem(run_dir=state.run_dir, action="skipped-done",
-                          reason=f"at step {state.step}, its until_step {state.last_until_step} is reached")
+        return ResumeItem(
+            run_dir=state.run_dir,
+            action="skipped-done",
+            reason=f"at step {state.step}, its until_step {state.last_until_step} is reached",
+        )
     return None
 
 
@@ -66,17 +81,33 @@ def triage_plan(state: RunState, plan: RunPlan, holder: str) -> ResumeItem | Non
     """Why a run with a plan is not resumed (finished, or already running), or None when it should be: a plan
     that is not finished is resumed whatever its last segment did (it may have completed one segment of several)."""
     if plan.status == "completed":
-        return ResumeItem(run_dir=state.run_dir, action="skipped-done", plan_status=plan.status,
-                          reason=f"its plan is completed: {plan.note or plan.where()}")
+        return ResumeItem(
+            run_dir=state.run_dir,
+            action="skipped-done",
+            plan_status=plan.status,
+            reason=f"its plan is completed: {plan.note or plan.where()}",
+        )
     if plan.status == "cancelled":
-        return ResumeItem(run_dir=state.run_dir, action="skipped-done", plan_status=plan.status,
-                          reason=f"its plan was cancelled: {plan.note}; start train-and-export again to go on")
+        return ResumeItem(
+            run_dir=state.run_dir,
+            action="skipped-done",
+            plan_status=plan.status,
+            reason=f"its plan was cancelled: {plan.note}; start train-and-export again to go on",
+        )
     if holder:
-        return ResumeItem(run_dir=state.run_dir, action="skipped-locked", plan_status=plan.status,
-                          reason=f"already running: its plan is driven by {holder}")
+        return ResumeItem(
+            run_dir=state.run_dir,
+            action="skipped-locked",
+            plan_status=plan.status,
+            reason=f"already running: its plan is driven by {holder}",
+        )
     if state.locked:
-        return ResumeItem(run_dir=state.run_dir, action="skipped-locked", plan_status=plan.status,
-                          reason="already running: its lock is held (a segment is training)")
+        return ResumeItem(
+            run_dir=state.run_dir,
+            action="skipped-locked",
+            plan_status=plan.status,
+            reason="already running: its lock is held (a segment is training)",
+        )
     return None
 
 
@@ -98,16 +129,26 @@ def placement(state: RunState, request: ResumeRequest) -> SegmentPlan:
     launcher where given, else at those of the segment that was preempted (segments.jsonl)."""
     nodes = request.nodes or state.last_nodes or 1
     per_node = (state.last_world_size // (state.last_nodes or 1)) if state.last_world_size else (state.world_size or 1)
-    return SegmentPlan(nproc=request.nproc or max(per_node, 1), nodes=nodes, until_step=state.last_until_step or 1,
-                       timeout_s=request.timeout_s, launcher=request.launcher or state.last_launcher or "local",
-                       slurm_partition=request.slurm_partition, slurm_time_min=request.slurm_time_min)
+    return SegmentPlan(
+        nproc=request.nproc or max(per_node, 1),
+        nodes=nodes,
+        until_step=state.last_until_step or 1,
+        timeout_s=request.timeout_s,
+        launcher=request.launcher or state.last_launcher or "local",
+        slurm_partition=request.slurm_partition,
+        slurm_time_min=request.slurm_time_min,
+    )
 
 
 def _where(outcome: object, plan: SegmentPlan) -> str:
     """``2 ranks`` / ``2 x 4 ranks via slurm``: where a segment ran (or was to run)."""
     attempts = getattr(outcome, "attempts", None) or []
     ran = attempts[-1].topology if attempts else None
-    where = f"{ran.nodes} x {ran.procs_per_node}" if ran and ran.nodes > 1 else str(ran.procs_per_node if ran else plan.nproc)
+    where = (
+        f"{ran.nodes} x {ran.procs_per_node}"
+        if ran and ran.nodes > 1
+        else str(ran.procs_per_node if ran else plan.nproc)
+    )
     return f"{where} ranks" + (f" via {plan.launcher}" if plan.launcher != "local" else "")
 
 
@@ -116,10 +157,20 @@ def _resume_one(state: RunState, request: ResumeRequest, driver: Driver) -> Resu
     plan = placement(state, request)
     spec = load_spec(run_dir=state.run_dir)
     try:
-        outcome = drive_segment(spec, state.run_dir, plan, max_preemption_retries=request.max_preemption_retries,
-                                backoff_s=request.backoff_s, by=driver.line())
-        item = ResumeItem(run_dir=state.run_dir, action="resumed", outcome=outcome,
-                          reason=f"step {state.step} -> {until} on {_where(outcome, plan)} (was {state.last_status})")
+        outcome = drive_segment(
+            spec,
+            state.run_dir,
+            plan,
+            max_preemption_retries=request.max_preemption_retries,
+            backoff_s=request.backoff_s,
+            by=driver.line(),
+        )
+        item = ResumeItem(
+            run_dir=state.run_dir,
+            action="resumed",
+            outcome=outcome,
+            reason=f"step {state.step} -> {until} on {_where(outcome, plan)} (was {state.last_status})",
+        )
     except RunLockedError as e:  # someone started a segment since the scan
         return ResumeItem(run_dir=state.run_dir, action="skipped-locked", reason=str(e))
     except SegmentCancelled:
@@ -155,11 +206,20 @@ def _resume_plan(state: RunState, request: ResumeRequest, driver: Driver) -> Res
         raise
     action, reason = "resumed", ""
     try:
-        run = run_plan(keeper, spec, max_preemption_retries=request.max_preemption_retries, backoff_s=request.backoff_s,
-                       between_segments=lambda: mirror_lineage(state.run_dir, spec.name))
+        run = run_plan(
+            keeper,
+            spec,
+            max_preemption_retries=request.max_preemption_retries,
+            backoff_s=request.backoff_s,
+            between_segments=lambda: mirror_lineage(state.run_dir, spec.name),
+        )
     except RunLockedError as e:
-        return ResumeItem(run_dir=state.run_dir, action="skipped-locked", reason=f"already running: {e}",
-                          plan_status=keeper.plan.status)
+        return ResumeItem(
+            run_dir=state.run_dir,
+            action="skipped-locked",
+            reason=f"already running: {e}",
+            plan_status=keeper.plan.status,
+        )
     except SegmentCancelled:
         mirror_lineage(state.run_dir, spec.name)
         raise
@@ -169,17 +229,29 @@ def _resume_plan(state: RunState, request: ResumeRequest, driver: Driver) -> Res
         action, reason, run = "failed", str(e).splitlines()[0], None
     plan = keeper.plan
     if run is not None:
-        segs = "; ".join(f"step {o.attempts[0].start_step} -> {o.plan.until_step} on {_where(o, o.plan)}"
-                         for o in run.segments if not o.skipped)
-        reason = (f"plan ({was}) taken to its end: {segs or 'no segment left'}; {plan.where()}")
+        segs = "; ".join(
+            f"step {o.attempts[0].start_step} -> {o.plan.until_step} on {_where(o, o.plan)}"
+            for o in run.segments
+            if not o.skipped
+        )
+        reason = f"plan ({was}) taken to its end: {segs or 'no segment left'}; {plan.where()}"
         message = complete_handed_over_run(plan)
         if message:
-            get_run_logger().info("flow run %s of the plan set to Completed: %s", plan.started_by.flow_run_name, message)
+            get_run_logger().info(
+                "flow run %s of the plan set to Completed: %s", plan.started_by.flow_run_name, message
+            )
     mirror_lineage(state.run_dir, spec.name)
     first = run.segments[0] if run is not None and run.segments else None
-    return ResumeItem(run_dir=state.run_dir, action=action, reason=reason, outcome=first,  # type: ignore[arg-type]
-                      segments=run.segments if run else [], export=run.export if run else None,
-                      publish=run.publish if run else None, plan_status=plan.status)
+    return ResumeItem(
+        run_dir=state.run_dir,
+        action=action,
+        reason=reason,
+        outcome=first,  # type: ignore[arg-type]
+        segments=run.segments if run else [],
+        export=run.export if run else None,
+        publish=run.publish if run else None,
+        plan_status=plan.status,
+    )
 
 
 def flow_run_name() -> str:
@@ -188,7 +260,9 @@ def flow_run_name() -> str:
 
     params = flow_run.parameters or {}
     names = [Path(str(d)).name for d in [*(params.get("run_dirs") or []), *(params.get("roots") or [])]]
-    return "resume " + (", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "") if names else "(nothing)")
+    return "resume " + (
+        ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "") if names else "(nothing)"
+    )
 
 
 R = ResumeRequest
@@ -234,8 +308,10 @@ def resume(
     _overview_best_effort(request)
     failed = [i for i in items if i.action == "failed"]
     if failed:
-        raise ResumeFailed(f"{len(failed)} of {len(items)} runs could not be resumed: "
-                           + "; ".join(f"{i.run_dir}: {i.reason}" for i in failed))
+        raise ResumeFailed(
+            f"{len(failed)} of {len(items)} runs could not be resumed: "
+            + "; ".join(f"{i.run_dir}: {i.reason}" for i in failed)
+        )
     return ResumeSummary(items=items)
 
 

@@ -25,8 +25,16 @@ from typing import Literal
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled, Failed
 
-from flows.common import (HandedOver, PipelineError, SegmentCancelled, ShardkeeperError, check_train_request, default,
-                          documented, parse_request)
+from flows.common import (
+    HandedOver,
+    PipelineError,
+    SegmentCancelled,
+    ShardkeeperError,
+    check_train_request,
+    default,
+    documented,
+    parse_request,
+)
 from flows.plan import run_plan
 from schemas import RunSpec
 from schemas.requests import SegmentPlan, TrainExportRequest, TrainExportSummary
@@ -92,12 +100,24 @@ def train_and_export(
 def _train_and_export(request: TrainExportRequest) -> TrainExportSummary:
     logger = get_run_logger()
     check_train_request(request)  # before any task: a bad request fails with one line and writes nothing
-    spec: RunSpec = load_spec(request.config, request.spec, request.overrides, run_dir=request.run_dir,
-                              base_dir=request.base_dir, script=request.script, script_args=request.script_args)
+    spec: RunSpec = load_spec(
+        request.config,
+        request.spec,
+        request.overrides,
+        run_dir=request.run_dir,
+        base_dir=request.base_dir,
+        script=request.script,
+        script_args=request.script_args,
+    )
     keeper = PlanKeeper.start(request, current_driver("flow"))  # the plan, in the run's record; its lock held
     try:
-        run = run_plan(keeper, spec, max_preemption_retries=request.max_preemption_retries, backoff_s=request.backoff_s,
-                       between_segments=lambda: _mirror_best_effort(request.run_dir, spec.name))
+        run = run_plan(
+            keeper,
+            spec,
+            max_preemption_retries=request.max_preemption_retries,
+            backoff_s=request.backoff_s,
+            between_segments=lambda: _mirror_best_effort(request.run_dir, spec.name),
+        )
     except SegmentCancelled as e:
         _mirror_best_effort(request.run_dir, spec.name)
         logger.warning("%s", e)
@@ -116,13 +136,25 @@ def _train_and_export(request: TrainExportRequest) -> TrainExportSummary:
     if run.export is None or run.checkpoint is None:  # a new plan has no export recorded: this run made it
         raise PipelineError(f"{request.run_dir}: the plan's export was recorded by another flow run")
     summary = TrainExportSummary(
-        run_dir=request.run_dir if "://" in request.run_dir else str(Path(request.run_dir).resolve()), run_name=spec.name,
-        status="completed", final_checkpoint=run.checkpoint, final_step=run.step, segments=run.segments,
-        export=run.export, publish=run.publish, artifacts=artifacts,
+        run_dir=request.run_dir if "://" in request.run_dir else str(Path(request.run_dir).resolve()),
+        run_name=spec.name,
+        status="completed",
+        final_checkpoint=run.checkpoint,
+        final_step=run.step,
+        segments=run.segments,
+        export=run.export,
+        publish=run.publish,
+        artifacts=artifacts,
     )
-    logger.info("%s: trained to step %d, exported to %s%s; artifacts %s, %s", request.run_dir, summary.final_step,
-                run.export.out_dir, f", published to {run.publish.url or run.publish.target}" if run.publish else "",
-                artifacts.table_key, artifacts.graph_key)
+    logger.info(
+        "%s: trained to step %d, exported to %s%s; artifacts %s, %s",
+        request.run_dir,
+        summary.final_step,
+        run.export.out_dir,
+        f", published to {run.publish.url or run.publish.target}" if run.publish else "",
+        artifacts.table_key,
+        artifacts.graph_key,
+    )
     return summary
 
 
@@ -137,8 +169,10 @@ def handed_over(error: HandedOver, keeper: PlanKeeper) -> Failed:
     (tasks.plan.complete_handed_over_run), so the run the user started ends green once its pipeline did; the
     flow run's state history keeps both. Calling the flow in-process raises the HandedOver error."""
     plan = keeper.plan
-    message = (f"{str(error).splitlines()[0]}; the plan goes on there from its record ({plan.where()}); this flow run "
-               "turns Completed when it finishes")
+    message = (
+        f"{str(error).splitlines()[0]}; the plan goes on there from its record ({plan.where()}); this flow run "
+        "turns Completed when it finishes"
+    )
     get_run_logger().warning("%s", message)
     return Failed(name=HANDED_OVER, message=message, data=error)
 

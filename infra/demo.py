@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from schemas.seam import EXIT_CANCELLED
 from infra.serve import DEMO_DEPLOYMENT, DEMO_RUN_DIR, REPO
 from infra.server import (
     DEFAULT_HOME,
@@ -38,6 +37,7 @@ from infra.server import (
     setup_logging,
     stop_process_group,
 )
+from schemas.seam import EXIT_CANCELLED
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,10 @@ def report(server: PrefectServer, flow_run: Any, keys: list[str]) -> bool:
     state = flow_run.state
     ok = bool(state and state.is_completed())
     print("\n" + "=" * 78)
-    print(f"flow run {flow_run.name}: {state.name if state else 'unknown'}"
-          + ("" if ok or not state or not state.message else f" ({state.message})"))
+    print(
+        f"flow run {flow_run.name}: {state.name if state else 'unknown'}"
+        + ("" if ok or not state or not state.message else f" ({state.message})")
+    )
     print(f"  flow run:   {server.url}/runs/flow-run/{flow_run.id}   (tab 'Artifacts' for the lineage)")
     for key in keys:
         print(f"  artifact:   {server.url}/artifacts/key/{key}")

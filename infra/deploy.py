@@ -24,9 +24,9 @@ What it registers (NAME defaults to the run directory's name):
 
 Flow runs execute wherever a worker of the pool runs (``process`` type: the worker starts each flow run
 as a subprocess from this project folder). A worker asks for flow runs every ``PREFECT_WORKER_QUERY_SECONDS``
-(10 by default): set 1 so that the automation's resume starts within seconds of a preemption. The configuration is checked before anything is registered:
-a missing config, a world size that does not divide the batch, a model too large for memory -- one
-line, exit 2.
+(10 by default): set 1 so that the automation's resume starts within seconds of a preemption. The configuration is
+checked before anything is registered: a missing config, a world size that does not divide the batch, a model too large
+for memory -- one line, exit 2.
 """
 
 from __future__ import annotations
@@ -58,46 +58,110 @@ def parse_segments(text: str) -> list[dict[str, int]]:
         if not x:
             nodes, nproc = "1", where
         if not sep or not all(v.strip().isdigit() for v in (nodes, nproc, until)):
-            raise ValueError(f"--segments {text!r}: expected [NODESx]NPROC:UNTIL_STEP[,...], e.g. 2:10,3:20 or 2x4:1000")
-        out.append({"nproc": int(nproc), "until_step": int(until), **({"nodes": int(nodes)} if int(nodes) != 1 else {})})
+            raise ValueError(
+                f"--segments {text!r}: expected [NODESx]NPROC:UNTIL_STEP[,...], e.g. 2:10,3:20 or 2x4:1000"
+            )
+        out.append(
+            {"nproc": int(nproc), "until_step": int(until), **({"nodes": int(nodes)} if int(nodes) != 1 else {})}
+        )
     return out
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m infra.deploy", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m infra.deploy",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", type=Path, default=None, help="RunSpec YAML of the run (optional with --script)")
-    p.add_argument("--script", type=Path, default=None, help="train with your own script (it uses "
-                   "shardkeeper.Segment), as shardkeeper train --script")
-    p.add_argument("--script-arg", dest="script_args", action="append", default=[], metavar="ARG",
-                   help="one argument of the script (repeatable, in order; --script-arg=--lr for one that starts with -)")
+    p.add_argument(
+        "--script",
+        type=Path,
+        default=None,
+        help="train with your own script (it uses shardkeeper.Segment), as shardkeeper train --script",
+    )
+    p.add_argument(
+        "--script-arg",
+        dest="script_args",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one argument of the script (repeatable, in order; --script-arg=--lr for one that starts with -)",
+    )
     p.add_argument("--run-dir", required=True, type=Path, help="run directory (created at the first segment)")
-    p.add_argument("--segments", required=True, type=parse_segments, metavar="[NODESx]NPROC:STEP[,...]",
-                   help="the deployment's default segments, e.g. 2:1000 or 2:1000,4:2000 or 2x4:1000 (2 nodes x 4)")
-    p.add_argument("--launcher", default="local", choices=["local", "slurm"],
-                   help="where segments run: torchrun on the worker's machine, or Slurm jobs submitted from it")
+    p.add_argument(
+        "--segments",
+        required=True,
+        type=parse_segments,
+        metavar="[NODESx]NPROC:STEP[,...]",
+        help="the deployment's default segments, e.g. 2:1000 or 2:1000,4:2000 or 2x4:1000 (2 nodes x 4)",
+    )
+    p.add_argument(
+        "--launcher",
+        default="local",
+        choices=["local", "slurm"],
+        help="where segments run: torchrun on the worker's machine, or Slurm jobs submitted from it",
+    )
     p.add_argument("--slurm-partition", default=None, help="Slurm partition (default: the cluster's)")
-    p.add_argument("--slurm-time", dest="slurm_time_min", type=int, default=None, metavar="MIN",
-                   help="Slurm time limit per job in minutes")
+    p.add_argument(
+        "--slurm-time",
+        dest="slurm_time_min",
+        type=int,
+        default=None,
+        metavar="MIN",
+        help="Slurm time limit per job in minutes",
+    )
     p.add_argument("--name", help="deployment name (default: the run directory's name)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override, as `shardkeeper train --set` (repeatable)")
-    p.add_argument("--pool", default=DEFAULT_POOL, help=f"work pool (created as type 'process' if missing; default "
-                   f"{DEFAULT_POOL})")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, as `shardkeeper train --set` (repeatable)",
+    )
+    p.add_argument(
+        "--pool", default=DEFAULT_POOL, help=f"work pool (created as type 'process' if missing; default {DEFAULT_POOL})"
+    )
     p.add_argument("--export-dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-shard-size", default=None, help="largest safetensors file, e.g. 5GB")
     p.add_argument("--publish-target", default=None, help="ORG/NAME (Hub) or an fsspec URL; default: no publish")
-    p.add_argument("--max-preemption-retries", type=int, default=None,
-                   help="resumes inside the flow run before it gives up and leaves it to the automation (default 3)")
+    p.add_argument(
+        "--max-preemption-retries",
+        type=int,
+        default=None,
+        help="resumes inside the flow run before it gives up and leaves it to the automation (default 3)",
+    )
     p.add_argument("--backoff-s", type=float, default=None, help="wait before an in-flow resume (default 5)")
-    p.add_argument("--root", dest="roots", type=Path, action="append", default=None, metavar="FOLDER",
-                   help="folder(s) of run directories the resume deployment scans (default: the run dir's parent)")
-    p.add_argument("--resume-nproc", type=int, default=None, help="ranks per node to resume a run without a plan on "
-                   "(default: the preempted segment's; a train-and-export run resumes at its plan's world size)")
-    p.add_argument("--resume-nodes", type=int, default=None, help="nodes to resume a run without a plan on, fewer if "
-                   "fewer are usable (default: the preempted segment's)")
-    p.add_argument("--resume-every", type=float, default=0.0, metavar="SECONDS",
-                   help="schedule the resume deployment on this interval (default 0: no schedule)")
+    p.add_argument(
+        "--root",
+        dest="roots",
+        type=Path,
+        action="append",
+        default=None,
+        metavar="FOLDER",
+        help="folder(s) of run directories the resume deployment scans (default: the run dir's parent)",
+    )
+    p.add_argument(
+        "--resume-nproc",
+        type=int,
+        default=None,
+        help="ranks per node to resume a run without a plan on "
+        "(default: the preempted segment's; a train-and-export run resumes at its plan's world size)",
+    )
+    p.add_argument(
+        "--resume-nodes",
+        type=int,
+        default=None,
+        help="nodes to resume a run without a plan on, fewer if fewer are usable (default: the preempted segment's)",
+    )
+    p.add_argument(
+        "--resume-every",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="schedule the resume deployment on this interval (default 0: no schedule)",
+    )
     p.add_argument("--no-automation", action="store_true", help="no resume-on-preemption automation")
     p.add_argument("--tag", action="append", default=[], help="extra tag on both deployments (repeatable)")
     return p.parse_args(argv)
@@ -108,23 +172,37 @@ def requests(args: argparse.Namespace) -> tuple[Any, Any]:
     from schemas.requests import ResumeRequest, TrainExportRequest
 
     base = str(Path.cwd())
-    optional = {"export_dtype": args.export_dtype, "max_shard_size": args.max_shard_size,
-                "publish_target": args.publish_target, "max_preemption_retries": args.max_preemption_retries,
-                "backoff_s": args.backoff_s}
+    optional = {
+        "export_dtype": args.export_dtype,
+        "max_shard_size": args.max_shard_size,
+        "publish_target": args.publish_target,
+        "max_preemption_retries": args.max_preemption_retries,
+        "backoff_s": args.backoff_s,
+    }
     place = {"launcher": args.launcher, "slurm_partition": args.slurm_partition, "slurm_time_min": args.slurm_time_min}
     place = {k: v for k, v in place.items() if v is not None and v != "local"}
     segments = [{**seg, **place} for seg in args.segments]
     script = {"script": str(args.script), "script_args": args.script_args} if args.script is not None else {}
-    train = TrainExportRequest(config=str(args.config) if args.config is not None else None, run_dir=str(args.run_dir),
-                               segments=segments, overrides=args.overrides, base_dir=base, **script,
-                               **{k: v for k, v in optional.items() if v is not None}).resolved()
+    train = TrainExportRequest(
+        config=str(args.config) if args.config is not None else None,
+        run_dir=str(args.run_dir),
+        segments=segments,
+        overrides=args.overrides,
+        base_dir=base,
+        **script,
+        **{k: v for k, v in optional.items() if v is not None},
+    ).resolved()
     roots = [str(r) for r in args.roots] if args.roots else [str(Path(train.run_dir).parent)]
     # No nproc/nodes unless asked for: a planned run resumes at its plan's world size, another at its preempted
     # segment's (not at the last planned segment's, which is what a deploy-time default would be).
     sizes = {k: v for k, v in (("nproc", args.resume_nproc), ("nodes", args.resume_nodes)) if v is not None}
-    resume = ResumeRequest(roots=roots, base_dir=base, **place, **sizes,
-                           **({"max_preemption_retries": args.max_preemption_retries}
-                              if args.max_preemption_retries is not None else {})).resolved()
+    resume = ResumeRequest(
+        roots=roots,
+        base_dir=base,
+        **place,
+        **sizes,
+        **({"max_preemption_retries": args.max_preemption_retries} if args.max_preemption_retries is not None else {}),
+    ).resolved()
     return train, resume
 
 
@@ -136,7 +214,8 @@ def resume_trigger(name: str, roots: list[str]) -> Any:
     from tasks.events import RESUMED_BY_LABEL, run_resource_match
 
     return DeploymentEventTrigger(
-        name=f"resume {name} on preemption", expect={"shardkeeper.segment.preempted"},
+        name=f"resume {name} on preemption",
+        expect={"shardkeeper.segment.preempted"},
         match={"prefect.resource.id": [run_resource_match(r) for r in roots], RESUMED_BY_LABEL: "automation"},
         parameters={"run_dirs": ["{{ event.payload.run_dir }}"], "roots": []},
     )
@@ -153,9 +232,14 @@ async def ensure_pool(name: str) -> bool:
         try:
             pool = await client.read_work_pool(name)
         except ObjectNotFound:
-            pool = await client.create_work_pool(WorkPoolCreate(
-                name=name, type="process", base_job_template=ProcessWorker.get_default_base_job_template(),
-                description="shardkeeper segments: each flow run launches torchrun from the worker's machine"))
+            pool = await client.create_work_pool(
+                WorkPoolCreate(
+                    name=name,
+                    type="process",
+                    base_job_template=ProcessWorker.get_default_base_job_template(),
+                    description="shardkeeper segments: each flow run launches torchrun from the worker's machine",
+                )
+            )
             print(f"created work pool {name!r} (type process)")
         status = getattr(pool.status, "value", pool.status)
         return str(status).upper() == "READY"  # READY: at least one worker polled it recently
@@ -171,15 +255,23 @@ def deploy(args: argparse.Namespace) -> tuple[str, str]:
     # line naming the parameter and the fix (Prefect's check would refuse the run with a list of schema errors).
     common = dict(work_pool_name=args.pool, tags=["shardkeeper", name, *args.tag], enforce_parameter_schema=False)
     train_dep = prefect_flow.from_source(source=str(PROJECT), entrypoint=TRAIN_ENTRYPOINT).to_deployment(
-        name=name, parameters=train.parameters(), **common,
-        description=f"Train {name} ({train.script or train.config}) in {train.run_dir}, then validate, export and publish. "
-                    "Parameters default to the values given at deploy time.")
+        name=name,
+        parameters=train.parameters(),
+        **common,
+        description=f"Train {name} ({train.script or train.config}) in {train.run_dir}, "
+        "then validate, export and publish. "
+        "Parameters default to the values given at deploy time.",
+    )
     resume_dep = prefect_flow.from_source(source=str(PROJECT), entrypoint=RESUME_ENTRYPOINT).to_deployment(
-        name=name, parameters=resume.parameters(), interval=args.resume_every or None,
-        triggers=[] if args.no_automation else [resume_trigger(name, resume.roots)], **common,
+        name=name,
+        parameters=resume.parameters(),
+        interval=args.resume_every or None,
+        triggers=[] if args.no_automation else [resume_trigger(name, resume.roots)],
+        **common,
         description=f"Resume preempted runs under {', '.join(resume.roots)} and take each to its plan's end "
-                    "(segments at the plan's world sizes, export, publish); a run without a plan at "
-                    + (f"{resume.nproc} ranks per node." if resume.nproc else "its preempted segment's world size."))
+        "(segments at the plan's world sizes, export, publish); a run without a plan at "
+        + (f"{resume.nproc} ranks per node." if resume.nproc else "its preempted segment's world size."),
+    )
     for dep in (train_dep, resume_dep):
         dep.apply(work_pool_name=args.pool)
     return f"train-and-export/{name}", f"resume/{name}"
@@ -187,8 +279,13 @@ def deploy(args: argparse.Namespace) -> tuple[str, str]:
 
 def _as_flags(message: str) -> str:
     """Name this command's flags in messages written for the flow's parameters."""
-    for param, flag in (("parameter config", "--config"), ("parameter script", "--script"), ("parameter run_dir", "--run-dir"),
-                        ("field segments", "--segments"), ("segments[", "--segments item [")):
+    for param, flag in (
+        ("parameter config", "--config"),
+        ("parameter script", "--script"),
+        ("parameter run_dir", "--run-dir"),
+        ("field segments", "--segments"),
+        ("segments[", "--segments item ["),
+    ):
         message = message.replace(param, flag)
     return message.replace(" (an absolute path, or relative to the parameter base_dir)", "")
 
@@ -205,12 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # --segments
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from flows.common import check_train_request
-    from schemas.errors import ShardkeeperError
-    from infra.server import is_healthy
-
     from pydantic import ValidationError
 
+    from flows.common import check_train_request
+    from infra.server import is_healthy
+    from schemas.errors import ShardkeeperError
     from shardkeeper.config import explain
 
     try:
@@ -226,18 +322,25 @@ def main(argv: list[str] | None = None) -> int:
 
     api = PREFECT_API_URL.value()
     if not api or not is_healthy(api):
-        print(f"error: no Prefect server answers at {api or '(PREFECT_API_URL is not set)'}; start one with "
-              "`python -m infra.server start` and export PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
+        print(
+            f"error: no Prefect server answers at {api or '(PREFECT_API_URL is not set)'}; start one with "
+            "`python -m infra.server start` and export PREFECT_API_URL=http://127.0.0.1:4200/api",
+            file=sys.stderr,
+        )
         return 2
     worker_online = asyncio.run(ensure_pool(args.pool))
     train_name, resume_name = deploy(args)
-    print(f"deployed {train_name} and {resume_name} on work pool {args.pool!r}"
-          f"{'' if args.no_automation else ' (automation: resume on preemption)'}"
-          f"{f', resume every {args.resume_every:g} s' if args.resume_every else ''}")
+    print(
+        f"deployed {train_name} and {resume_name} on work pool {args.pool!r}"
+        f"{'' if args.no_automation else ' (automation: resume on preemption)'}"
+        f"{f', resume every {args.resume_every:g} s' if args.resume_every else ''}"
+    )
     if not worker_online:
-        print(f"no worker polls work pool {args.pool!r} yet: start one with "
-              f"`{WORKER_POLL_ENV}=1 prefect worker start --pool {args.pool}` (a worker asks for flow runs every "
-              f"{WORKER_POLL_ENV} seconds, 10 by default: up to that long before the automation's resume starts)")
+        print(
+            f"no worker polls work pool {args.pool!r} yet: start one with "
+            f"`{WORKER_POLL_ENV}=1 prefect worker start --pool {args.pool}` (a worker asks for flow runs every "
+            f"{WORKER_POLL_ENV} seconds, 10 by default: up to that long before the automation's resume starts)"
+        )
     print(f"run it:  prefect deployment run '{train_name}'   (override with --param KEY=VALUE)")
     return 0
 

@@ -11,8 +11,8 @@ under runs/ (or the ``--root`` folders) to its plan's end (a run train-and-expor
 segments at their world sizes, export, publish) or, without a plan, to its until_step at the preempted
 segment's world size. An automation runs it for one run on each ``shardkeeper.segment.preempted`` event a
 flow run hands over; its interval schedule is off unless ``--resume-every SECONDS``. The serving process
-asks the server for flow runs to start every ``--poll-s`` seconds (default 1). For your own model, config and run root use ``python -m infra.deploy``
-(deployments on a work pool, run by ``prefect worker start``).
+asks the server for flow runs to start every ``--poll-s`` seconds (default 1). For your own model, config and run root
+use ``python -m infra.deploy`` (deployments on a work pool, run by ``prefect worker start``).
 At most one flow run executes at a time (``--limit``): the ranks need the CPU cores.
 """
 
@@ -25,7 +25,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from infra.server import DEFAULT_HOME, DEFAULT_HOST, DEFAULT_PORT, SERVE_PID, SERVE_STOP_SIGNALS, prefect_env, setup_logging
+from infra.server import (
+    DEFAULT_HOME,
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    SERVE_PID,
+    SERVE_STOP_SIGNALS,
+    prefect_env,
+    setup_logging,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +53,13 @@ def demo_parameters(run_dir: Path = DEMO_RUN_DIR) -> dict[str, Any]:
     from schemas.requests import SegmentPlan, TrainExportRequest
 
     req = TrainExportRequest(
-        config=str(REPO / "configs" / "tiny.yaml"), run_dir=str(run_dir),
+        config=str(REPO / "configs" / "tiny.yaml"),
+        run_dir=str(run_dir),
         segments=[SegmentPlan(nproc=2, until_step=10), SegmentPlan(nproc=3, until_step=20)],
-        export_dtype="bfloat16", max_shard_size="5GB", publish_target=(run_dir / "published").as_uri(), backoff_s=2.0,
+        export_dtype="bfloat16",
+        max_shard_size="5GB",
+        publish_target=(run_dir / "published").as_uri(),
+        backoff_s=2.0,
     )
     return req.parameters()
 
@@ -66,29 +78,58 @@ def deployments(resume_every_s: float | None, roots: list[Path] | None = None) -
 
     roots = roots or [RUNS]
     return [
-        train_and_export.to_deployment(name="demo", parameters=demo_parameters(), tags=["shardkeeper", "demo"],
-                                       description="Tiny model: 2 ranks to step 10, 3 ranks to step 20, export, publish"),
-        resume.to_deployment(name="resume", parameters=resume_parameters(roots), tags=["shardkeeper"],
-                             interval=resume_every_s or None, triggers=[resume_trigger("resume", [str(r) for r in roots])],
-                             description=f"Resume preempted runs under {', '.join(map(str, roots))} and finish their "
-                                         "plans: on each preemption event (automation), and every --resume-every "
-                                         "seconds"),
+        train_and_export.to_deployment(
+            name="demo",
+            parameters=demo_parameters(),
+            tags=["shardkeeper", "demo"],
+            description="Tiny model: 2 ranks to step 10, 3 ranks to step 20, export, publish",
+        ),
+        resume.to_deployment(
+            name="resume",
+            parameters=resume_parameters(roots),
+            tags=["shardkeeper"],
+            interval=resume_every_s or None,
+            triggers=[resume_trigger("resume", [str(r) for r in roots])],
+            description=f"Resume preempted runs under {', '.join(map(str, roots))} and finish their "
+            "plans: on each preemption event (automation), and every --resume-every "
+            "seconds",
+        ),
     ]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m infra.serve", description="Serve the shardkeeper flows as deployments.")
-    p.add_argument("--port", type=int, default=int(os.environ.get("SHARDKEEPER_PREFECT_PORT", DEFAULT_PORT)),
-                   help="port of the local server (ignored when PREFECT_API_URL is set)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("SHARDKEEPER_PREFECT_PORT", DEFAULT_PORT)),
+        help="port of the local server (ignored when PREFECT_API_URL is set)",
+    )
     p.add_argument("--home", type=Path, default=DEFAULT_HOME, help="PREFECT_HOME (default .prefect/)")
-    p.add_argument("--resume-every", type=float, default=0.0, metavar="SECONDS",
-                   help="run the resume deployment on this interval (default 0: no schedule)")
-    p.add_argument("--root", type=Path, action="append", default=None, metavar="FOLDER",
-                   help="folder of run directories the resume deployment scans (repeatable; default runs/)")
+    p.add_argument(
+        "--resume-every",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="run the resume deployment on this interval (default 0: no schedule)",
+    )
+    p.add_argument(
+        "--root",
+        type=Path,
+        action="append",
+        default=None,
+        metavar="FOLDER",
+        help="folder of run directories the resume deployment scans (repeatable; default runs/)",
+    )
     p.add_argument("--limit", type=int, default=1, help="flow runs executed at once")
-    p.add_argument("--poll-s", type=float, default=POLL_S, help=f"how often the serving process asks the server for "
-                   f"flow runs to start (default {POLL_S:g} s; Prefect's own default is 10 s): the largest part of "
-                   "the wait between a preemption event and the automation's resume")
+    p.add_argument(
+        "--poll-s",
+        type=float,
+        default=POLL_S,
+        help=f"how often the serving process asks the server for "
+        f"flow runs to start (default {POLL_S:g} s; Prefect's own default is 10 s): the largest part of "
+        "the wait between a preemption event and the automation's resume",
+    )
     return p.parse_args(argv)
 
 
@@ -123,16 +164,22 @@ def main(argv: list[str] | None = None) -> int:
     from infra.server import is_healthy
 
     if not is_healthy(api_url):
-        print(f"error: no Prefect server answers at {api_url}; start one with: python -m infra.server start",
-              file=sys.stderr)
+        print(
+            f"error: no Prefect server answers at {api_url}; start one with: python -m infra.server start",
+            file=sys.stderr,
+        )
         return 2
     _stop_previous(home)
     (home / SERVE_PID).write_text(f"{os.getpid()}\n")
     try:
         from prefect import serve
 
-        serve(*deployments(args.resume_every, args.root), limit=args.limit, print_starting_message=True,
-              query_seconds=args.poll_s)
+        serve(
+            *deployments(args.resume_every, args.root),
+            limit=args.limit,
+            print_starting_message=True,
+            query_seconds=args.poll_s,
+        )
     finally:
         (home / SERVE_PID).unlink(missing_ok=True)
     return 0

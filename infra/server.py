@@ -41,8 +41,12 @@ SERVE_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def prefect_env(home: Path, api_url: str | None = None) -> dict[str, str]:
     """Environment for the server and its clients: own PREFECT_HOME, no analytics (no network here)."""
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_CLI_PROMPT": "false"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_CLI_PROMPT": "false",
+    }
     if api_url:
         env["PREFECT_API_URL"] = api_url
     return env
@@ -70,8 +74,9 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
 
 
-def stop_process_group(pid: int, *, grace_s: float = 20.0, what: str = "process",
-                       signals: tuple[int, ...] = (signal.SIGTERM,)) -> bool:
+def stop_process_group(
+    pid: int, *, grace_s: float = 20.0, what: str = "process", signals: tuple[int, ...] = (signal.SIGTERM,)
+) -> bool:
     """Send each of ``signals`` in turn to the process group led by ``pid``, waiting up to ``grace_s``
     after each for it to end; SIGKILL it if it is still there. False if it was already gone."""
     for i, sig in enumerate(signals):
@@ -138,17 +143,38 @@ class PrefectServer:
     def start(self, timeout_s: float = 120.0) -> PrefectServer:
         if port_in_use(self.host, self.port):
             if is_healthy(self.api_url):
-                raise ServerError(f"a server already answers on {self.url}; stop it (python -m infra.server stop) "
-                                  "or pass --port for another one")
-            raise ServerError(f"port {self.port} on {self.host} is in use; pass --port (or set SHARDKEEPER_PREFECT_PORT)")
+                raise ServerError(
+                    f"a server already answers on {self.url}; stop it (python -m infra.server stop) "
+                    "or pass --port for another one"
+                )
+            raise ServerError(
+                f"port {self.port} on {self.host} is in use; pass --port (or set SHARDKEEPER_PREFECT_PORT)"
+            )
         self.home.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", self.host, "--port", str(self.port),
-               "--analytics-off"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "prefect",
+            "server",
+            "start",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--analytics-off",
+        ]
         with open(self.log_path, "ab") as logf:
             # The UI asks the API at PREFECT_UI_API_URL, which otherwise assumes port 4200.
             env = {**prefect_env(self.home), "PREFECT_UI_API_URL": self.api_url, "PREFECT_UI_URL": self.url}
-            self.proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.home)
+            self.proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.home,
+            )
         (self.home / SERVER_PID).write_text(f"{self.proc.pid} {self.port}\n")
         log.info("starting the Prefect server on %s (PREFECT_HOME=%s, log %s)", self.url, self.home, self.log_path)
         self.wait_healthy(timeout_s)
@@ -159,8 +185,10 @@ class PrefectServer:
         while time.monotonic() - t0 < timeout_s:
             if self.proc is not None and self.proc.poll() is not None:
                 tail = self.log_path.read_text(errors="replace").splitlines()[-5:]
-                raise ServerError(f"the Prefect server exited with code {self.proc.returncode} at start; "
-                                  f"see {self.log_path}: {' | '.join(tail)}")
+                raise ServerError(
+                    f"the Prefect server exited with code {self.proc.returncode} at start; "
+                    f"see {self.log_path}: {' | '.join(tail)}"
+                )
             if is_healthy(self.api_url):
                 log.info("Prefect server healthy after %.1f s: %s", time.monotonic() - t0, self.url)
                 return
@@ -207,7 +235,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("action", choices=("start", "stop", "status", "run"))
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=int(os.environ.get("SHARDKEEPER_PREFECT_PORT", DEFAULT_PORT)))
-    p.add_argument("--home", type=Path, default=DEFAULT_HOME, help="PREFECT_HOME (default: .prefect/ in the repository)")
+    p.add_argument(
+        "--home", type=Path, default=DEFAULT_HOME, help="PREFECT_HOME (default: .prefect/ in the repository)"
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for health")
     return p.parse_args(argv)
 
@@ -234,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.action == "start":
             server.start(args.timeout)
             server.proc = None  # detached: leave it running; `stop` finds it by its pid file
-            print(f"Prefect UI: {server.url}   (export PREFECT_API_URL={server.api_url}; stop: python -m infra.server stop)")
+            print(
+                f"Prefect UI: {server.url}   "
+                f"(export PREFECT_API_URL={server.api_url}; stop: python -m infra.server stop)"
+            )
         else:
             stop_signals = {signal.SIGINT, signal.SIGTERM}
             signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)

@@ -38,6 +38,7 @@ class SlurmSetupError(RuntimeError):
 # slurmd SIGKILLs a cancelled job's steps at most this long after their SIGTERM (slurm.conf KillWait)
 KILL_WAIT_S = 30
 
+
 def _conf(d: Path, nodes: int, cpus: int, memory_mb: int, port: int = CTLD_PORT) -> str:
     host = socket.gethostname()
     lines = [
@@ -71,8 +72,10 @@ def _conf(d: Path, nodes: int, cpus: int, memory_mb: int, port: int = CTLD_PORT)
         f"SlurmdLogFile={d}/log/slurmd-%n.log",
     ]
     for i in range(1, nodes + 1):
-        lines.append(f"NodeName=n{i} NodeHostname={host} NodeAddr=127.0.0.1 Port={port + 183 + i} "
-                     f"CPUs={cpus} RealMemory={memory_mb}")
+        lines.append(
+            f"NodeName=n{i} NodeHostname={host} NodeAddr=127.0.0.1 Port={port + 183 + i} "
+            f"CPUs={cpus} RealMemory={memory_mb}"
+        )
     lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
     return "\n".join(lines) + "\n"
 
@@ -110,8 +113,14 @@ def _start_munge() -> None:
     subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True, capture_output=True)
 
 
-def start(d: Path = DEFAULT_DIR, nodes: int = 2, cpus: int | None = None, memory_mb: int = 4000,
-          timeout_s: float = 60.0, port: int = CTLD_PORT) -> Path:
+def start(
+    d: Path = DEFAULT_DIR,
+    nodes: int = 2,
+    cpus: int | None = None,
+    memory_mb: int = 4000,
+    timeout_s: float = 60.0,
+    port: int = CTLD_PORT,
+) -> Path:
     """Start (or find running) the cluster in ``d``; returns the slurm.conf path (export it as SLURM_CONF)."""
     why = available()
     if why:
@@ -139,10 +148,12 @@ def start(d: Path = DEFAULT_DIR, nodes: int = 2, cpus: int | None = None, memory
         if len(states) == nodes and all(s.rstrip("*") in ("idle", "mix", "alloc") for s in states.values()):
             return conf
         if time.monotonic() > deadline:
-            log = (d / "log" / "slurmctld.log")
+            log = d / "log" / "slurmctld.log"
             tail = log.read_text().splitlines()[-3:] if log.exists() else []
-            raise SlurmSetupError(f"Slurm nodes not idle after {timeout_s:g} s: {states or out.stderr.strip()}; "
-                                  f"slurmctld log: {' | '.join(tail)}")
+            raise SlurmSetupError(
+                f"Slurm nodes not idle after {timeout_s:g} s: {states or out.stderr.strip()}; "
+                f"slurmctld log: {' | '.join(tail)}"
+            )
         time.sleep(0.5)
 
 
@@ -177,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="state, spool and log directory")
     ap.add_argument("--nodes", type=int, default=2, help="emulated nodes (n1..nN)")
     ap.add_argument("--cpus", type=int, default=None, help="CPUs per node (default: this machine's)")
-    ap.add_argument("--port", type=int, default=CTLD_PORT, help="slurmctld port; the nodes use PORT+184.. "
-                    "(SHARDKEEPER_SLURM_PORT)")
+    ap.add_argument(
+        "--port", type=int, default=CTLD_PORT, help="slurmctld port; the nodes use PORT+184.. (SHARDKEEPER_SLURM_PORT)"
+    )
     args = ap.parse_args(argv)
     try:
         if args.action == "start":

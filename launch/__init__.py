@@ -12,6 +12,7 @@ beside it) and the seam to them (``schemas.seam``). No torch, no prefect.
 - ``launch.attribution``: the failed segment's line (the first rank that failed, how, its last error line, what
   followed); ``launch.oom``: what the kernel says about a SIGKILL (the OOM killer).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -21,8 +22,11 @@ if TYPE_CHECKING:
 
 # Importing a submodule (launch.procs, on the rank side before anything else) runs this file: it stays
 # stdlib-only, and the launchers are imported when asked for.
-LAUNCHERS: dict[str, str] = {"local": "launch.local:LocalTorchrun", "slurm": "launch.slurm:SlurmLauncher",
-                             "kubernetes": "launch.kubernetes:KubernetesLauncher"}
+LAUNCHERS: dict[str, str] = {
+    "local": "launch.local:LocalTorchrun",
+    "slurm": "launch.slurm:SlurmLauncher",
+    "kubernetes": "launch.kubernetes:KubernetesLauncher",
+}
 
 
 def get_launcher(name: str, **options: Any) -> Launcher:
@@ -36,8 +40,15 @@ def get_launcher(name: str, **options: Any) -> Launcher:
     return getattr(importlib.import_module(module), cls)(**options)
 
 
-_FROM_BASE = ("LaunchOutcome", "LaunchRequest", "Launcher", "failing_rank_lines", "first_rank_exit_code",
-              "rank_stopped_at_startup", "without_torchrun_closing")
+_FROM_BASE = (
+    "LaunchOutcome",
+    "LaunchRequest",
+    "Launcher",
+    "failing_rank_lines",
+    "first_rank_exit_code",
+    "rank_stopped_at_startup",
+    "without_torchrun_closing",
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -48,5 +59,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'launch' has no attribute {name!r}")
 
 
-__all__ = ["LAUNCHERS", "LaunchOutcome", "LaunchRequest", "Launcher", "failing_rank_lines", "first_rank_exit_code",
-           "get_launcher", "rank_stopped_at_startup", "without_torchrun_closing"]
+__all__ = [
+    "LAUNCHERS",
+    "LaunchOutcome",
+    "LaunchRequest",
+    "Launcher",
+    "failing_rank_lines",
+    "first_rank_exit_code",
+    "get_launcher",
+    "rank_stopped_at_startup",
+    "without_torchrun_closing",
+]

@@ -98,8 +98,14 @@ def torchrun_ends(lines: Iterable[str]) -> list[RankEnd]:
             continue
         m = _BLOCK_EXIT_RE.match(line)
         if m and rank is not None:
-            ends[rank[0]] = RankEnd(rank=rank[0], local_rank=rank[1], pid=int(m.group(2)), exitcode=int(m.group(1)),
-                                    torchrun_first=in_root, order=len(ends))
+            ends[rank[0]] = RankEnd(
+                rank=rank[0],
+                local_rank=rank[1],
+                pid=int(m.group(2)),
+                exitcode=int(m.group(1)),
+                torchrun_first=in_root,
+                order=len(ends),
+            )
             rank = None
     return [replace(e, torchrun_first=e.torchrun_first or e.pid in first_pids) for e in ends.values()]
 
@@ -133,8 +139,9 @@ def aborts(lines: Iterable[tuple[float | None, str]]) -> list[Abort]:
     return found
 
 
-def merge(text_ends: list[RankEnd], error_lines: list[tuple[float | None, str]],
-          observed: list[RankEnd] = ()) -> list[RankEnd]:  # type: ignore[assignment]
+def merge(
+    text_ends: list[RankEnd], error_lines: list[tuple[float | None, str]], observed: list[RankEnd] = ()
+) -> list[RankEnd]:  # type: ignore[assignment]
     """One RankEnd per rank: the launcher's observation (``observed``), completed by torchrun's account
     (``text_ends``: its exit code wins, it is the parent) and the ranks' own first failure lines."""
     by_rank: dict[int, RankEnd] = {e.rank: e for e in observed}
@@ -148,9 +155,14 @@ def merge(text_ends: list[RankEnd], error_lines: list[tuple[float | None, str]],
         if seen is None:
             by_rank[t.rank] = t
             continue
-        by_rank[t.rank] = replace(seen, exitcode=t.exitcode, local_rank=seen.local_rank if seen.local_rank is not None
-                                  else t.local_rank, pid=seen.pid or t.pid, torchrun_first=t.torchrun_first,
-                                  order=t.order)
+        by_rank[t.rank] = replace(
+            seen,
+            exitcode=t.exitcode,
+            local_rank=seen.local_rank if seen.local_rank is not None else t.local_rank,
+            pid=seen.pid or t.pid,
+            torchrun_first=t.torchrun_first,
+            order=t.order,
+        )
     for n, (at, text) in enumerate(error_lines):
         m = _ERROR_RANK_RE.match(text)
         if not m:
@@ -225,15 +237,18 @@ def _after(e: RankEnd) -> str:
 
 def _fix(e: RankEnd) -> str:
     if e.oom:
-        return (f"; {'it ran out of memory' if e.oom == 'yes' else 'if it ran out of memory'}: lower the memory each "
-                "rank needs (smaller batch, more ranks) and resume")
+        return (
+            f"; {'it ran out of memory' if e.oom == 'yes' else 'if it ran out of memory'}: lower the memory each "
+            "rank needs (smaller batch, more ranks) and resume"
+        )
     if e.line is None and e.exitcode == -int(signal.SIGKILL):  # a kill from outside: nothing to fix in the code
         return "; rerun the same command to resume from the latest valid checkpoint"
     return ""
 
 
-def failure_line(ends: list[RankEnd], completed: bool = False,
-                 abort_lines: list[Abort] = (), fix: bool = True) -> str | None:  # type: ignore[assignment]
+def failure_line(
+    ends: list[RankEnd], completed: bool = False, abort_lines: list[Abort] = (), fix: bool = True
+) -> str | None:  # type: ignore[assignment]
     """The segment's failure in one line: the first failed rank, how it ended and its last error line, then what
     the others did because of it (at most ``MAX_CONSEQUENCES``), then (``fix``) what to do about it. ``completed``:
     the ranks reported the segment completed (a rank that exits 0 then did nothing wrong). None when no rank is
@@ -245,8 +260,7 @@ def failure_line(ends: list[RankEnd], completed: bool = False,
     if first.exitcode == -int(signal.SIGABRT) and abort_lines:
         aborted = [e for e in ends if e.exitcode == -int(signal.SIGABRT)]
         abort = abort_lines[0] if len(aborted) == 1 else None  # whose abort it was is only certain for one
-    others = sorted((e for e in ends if e is not first and _failed(e, completed)),
-                    key=lambda e: (e.failed_at, e.order))
+    others = sorted((e for e in ends if e is not first and _failed(e, completed)), key=lambda e: (e.failed_at, e.order))
     failed_on = [e for e in others if not _stopped_by_torchrun(e)]
     said = [_after(e) for e in failed_on[:MAX_CONSEQUENCES]]
     if len(failed_on) > MAX_CONSEQUENCES:
@@ -262,17 +276,24 @@ def short_cause(e: RankEnd) -> str:
     collective said ("connection closed by peer"), else its error's first words."""
     if e.exitcode is not None and e.exitcode < 0 and e.line is None:
         name = signal_name(-e.exitcode)
-        return f"the OOM killer ({name})" if e.oom == "yes" else (
-            f"{name}, likely the OOM killer" if e.oom == "likely" else name)
+        return (
+            f"the OOM killer ({name})"
+            if e.oom == "yes"
+            else (f"{name}, likely the OOM killer" if e.oom == "likely" else name)
+        )
     if e.line is not None:
         text = _ERROR_RANK_RE.sub("", e.line, count=1).lstrip(": ").strip()
         return collective_error(text) or (text[:80] + ("..." if len(text) > 80 else ""))
     return f"exit code {e.exitcode}"
 
 
-def describe(lines: list[str], error_lines: list[tuple[float | None, str]] | None = None,
-             observed: list[RankEnd] = (), completed: bool = False,  # type: ignore[assignment]
-             kill_cause: Callable[[RankEnd], RankEnd] | None = None) -> str | None:
+def describe(
+    lines: list[str],
+    error_lines: list[tuple[float | None, str]] | None = None,
+    observed: list[RankEnd] = (),
+    completed: bool = False,  # type: ignore[assignment]
+    kill_cause: Callable[[RankEnd], RankEnd] | None = None,
+) -> str | None:
     """``failure_line`` from a launch's output (``lines``: torchrun's and the ranks') and what the launcher
     observed; ``error_lines`` default to the ranks' failure lines found in ``lines`` (no arrival times)."""
     if error_lines is None:
@@ -312,8 +333,11 @@ def restart_verdict(ends: list[WorkerEnd]) -> tuple[WorkerEnd | None, str | None
     own = [e for e in ends if e.exitcode >= 0 and e.exitcode != EXIT_PREEMPTED and e.consequence is None]
     if own:
         e = own[0]
-        what = ("exited with code 0 before the others ended" if e.exitcode == 0
-                else f"failed with exit code {e.exitcode}, an error of its own")
+        what = (
+            "exited with code 0 before the others ended"
+            if e.exitcode == 0
+            else f"failed with exit code {e.exitcode}, an error of its own"
+        )
         return None, f"rank {e.rank} {what}: a restart would fail the same way"
     deaths = [e for e in ends if e.exitcode < 0 and -e.exitcode not in STOP_SIGNALS]
     if deaths:
@@ -333,10 +357,22 @@ def restart_line(restart: int, of: int, end: WorkerEnd, run_id: str | None = Non
     """The agent's line for one in-place restart (``RESTART_PREFIX`` and a JSON object), read by every launcher.
     ``run_id``: the rendezvous's id, the same for every node's agent of one torchrun launch."""
     who = f"rank {end.rank}" + (f" (pid {end.pid})" if end.pid else "") if end.rank >= 0 else "a rank"
-    how = (f"died of {signal_name(-end.exitcode)}" if end.exitcode < 0
-           else f"failed: {end.consequence}")
-    return RESTART_PREFIX + " " + json.dumps({"restart": restart, "of": of, "rank": end.rank, "pid": end.pid,
-                                               "cause": restart_cause(end), "line": f"{who} {how}", "run_id": run_id})
+    how = f"died of {signal_name(-end.exitcode)}" if end.exitcode < 0 else f"failed: {end.consequence}"
+    return (
+        RESTART_PREFIX
+        + " "
+        + json.dumps(
+            {
+                "restart": restart,
+                "of": of,
+                "rank": end.rank,
+                "pid": end.pid,
+                "cause": restart_cause(end),
+                "line": f"{who} {how}",
+                "run_id": run_id,
+            }
+        )
+    )
 
 
 def parse_restart_line(line: str) -> dict | None:
@@ -345,7 +381,7 @@ def parse_restart_line(line: str) -> dict | None:
     if at < 0:
         return None
     try:
-        record = json.loads(line[at + len(RESTART_PREFIX):].strip())
+        record = json.loads(line[at + len(RESTART_PREFIX) :].strip())
     except ValueError:
         return None
     if not isinstance(record, dict) or not isinstance(record.get("restart"), int):
@@ -373,8 +409,12 @@ def _main_thread(stacks: str) -> list[tuple[str, int, str]]:
 
 
 def _library(path: str) -> bool:
-    return (path.startswith("<") or "site-packages" in path or "dist-packages" in path
-            or re.search(r"/lib/python3\.\d+/", path) is not None)
+    return (
+        path.startswith("<")
+        or "site-packages" in path
+        or "dist-packages" in path
+        or re.search(r"/lib/python3\.\d+/", path) is not None
+    )
 
 
 def where_stuck(stacks: str) -> tuple[bool, str] | None:
@@ -404,9 +444,15 @@ def stuck_line(stacks: dict[int, str], grace_s: float) -> str | None:
     head = f"the ranks did not stop within the {grace_s:g} s grace and were killed"
     if outside and waiting:
         culprits = "; ".join(f"rank {r} was at {at}" for r, at in outside)
-        return (f"{head}: {culprits}, outside any collective, so the others waited for it ("
-                + "; ".join(f"rank {r} in {at}" for r, at in waiting) + ")")
+        return (
+            f"{head}: {culprits}, outside any collective, so the others waited for it ("
+            + "; ".join(f"rank {r} in {at}" for r, at in waiting)
+            + ")"
+        )
     if waiting:
-        return (f"{head}: every rank waited in a collective (" + "; ".join(f"rank {r} in {at}" for r, at in waiting)
-                + "): the ranks called different collectives, or a peer is gone")
+        return (
+            f"{head}: every rank waited in a collective ("
+            + "; ".join(f"rank {r} in {at}" for r, at in waiting)
+            + "): the ranks called different collectives, or a peer is gone"
+        )
     return f"{head}: " + "; ".join(f"rank {r} was at {at}" for r, at in outside) + " (none in a collective)"

@@ -21,10 +21,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from launch.attribution import (
+    RankEnd,
+    aborts,
+    describe,
+    failure_line,
+    first_failure,
+    merge,
+    parse_restart_line,
+    rank_error_lines,
+    short_cause,
+    torchrun_ends,
+)
 from schemas import ClusterTopology
 from schemas.data import PreparedData
-from launch.attribution import (RankEnd, aborts, describe, failure_line, first_failure, merge, parse_restart_line,
-                                rank_error_lines, short_cause, torchrun_ends)
 from schemas.seam import RANK_ERROR_PREFIX, RESTART_PREFIX, SegmentLaunch, SegmentReport
 
 LogSink = Callable[[str], None]
@@ -77,14 +87,23 @@ class LaunchRequest:
     restarts: int = 0
     on_restart: RestartSink | None = None
 
-    def seam(self, launcher_pid: int | None, launched_at: float | None = None,
-             stacks_dir: str | None = None) -> SegmentLaunch:
+    def seam(
+        self, launcher_pid: int | None, launched_at: float | None = None, stacks_dir: str | None = None
+    ) -> SegmentLaunch:
         """What the ranks of this request receive. ``launched_at``: Unix time at which the launcher starts their
         processes (the origin of the segment's phase times); None where that is not now (a scheduler's queue).
         ``stacks_dir``: where the ranks write their stacks when asked (a launcher on their host)."""
-        return SegmentLaunch(run_dir=str(Path(self.run_dir).resolve()), until_step=self.until_step,
-                             segment=self.segment, topology=self.topology, restart=self.restart,
-                             launcher_pid=launcher_pid, data=self.data, launched_at=launched_at, stacks_dir=stacks_dir)
+        return SegmentLaunch(
+            run_dir=str(Path(self.run_dir).resolve()),
+            until_step=self.until_step,
+            segment=self.segment,
+            topology=self.topology,
+            restart=self.restart,
+            launcher_pid=launcher_pid,
+            data=self.data,
+            launched_at=launched_at,
+            stacks_dir=stacks_dir,
+        )
 
 
 @dataclass(frozen=True)
@@ -133,9 +152,17 @@ class Rendezvous:
     is_host: str = "0"  # "1" on the node that hosts the store (explicit: on loopback every node matches the host)
 
 
-def torchrun_argv(python: str, topology: ClusterTopology, grace_s: float, run_dir: str, until_step: int,
-                  segment: int, rdzv: Rendezvous | None = None, nnodes: str | None = None,
-                  restarts: int = 0) -> list[str]:
+def torchrun_argv(
+    python: str,
+    topology: ClusterTopology,
+    grace_s: float,
+    run_dir: str,
+    until_step: int,
+    segment: int,
+    rdzv: Rendezvous | None = None,
+    nnodes: str | None = None,
+    restarts: int = 0,
+) -> list[str]:
     """The torchrun command one node runs: ``--standalone`` for one node, c10d rendezvous for several
     (world size = nodes x procs per node; ``nnodes`` overrides the count, e.g. with the allocation's
     ``"$SLURM_JOB_NUM_NODES"``). Positional arguments to the ranks only: torchrun claims
@@ -149,13 +176,26 @@ def torchrun_argv(python: str, topology: ClusterTopology, grace_s: float, run_di
             raise ValueError(f"{topology.nodes} nodes need a rendezvous endpoint")
         argv.append("--standalone")
     else:
-        argv += [f"--nnodes={nnodes or topology.nodes}", f"--node-rank={rdzv.node_rank}", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", f"--rdzv-conf=is_host={rdzv.is_host}"]
+        argv += [
+            f"--nnodes={nnodes or topology.nodes}",
+            f"--node-rank={rdzv.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv.endpoint}",
+            f"--rdzv-id={rdzv.run_id}",
+            f"--rdzv-conf=is_host={rdzv.is_host}",
+        ]
     grace = [f"--shutdown-timeout={max(1, int(grace_s))}"] if torchrun_has_shutdown_timeout() else []
     if restarts > 0:
         grace.append(f"--max-restarts={restarts}")
-    return argv + [f"--nproc-per-node={topology.procs_per_node}", *grace,
-                   "-m", "trainer.segment", str(run_dir), str(until_step), str(segment)]
+    return argv + [
+        f"--nproc-per-node={topology.procs_per_node}",
+        *grace,
+        "-m",
+        "trainer.segment",
+        str(run_dir),
+        str(until_step),
+        str(segment),
+    ]
 
 
 @functools.lru_cache(maxsize=1)
@@ -192,8 +232,6 @@ class Launcher(Protocol):
 
     def launch(self, req: LaunchRequest, sink: LogSink) -> LaunchOutcome:
         """Run one segment to its end and report how it ended."""
-
-
 
 
 @dataclass(frozen=True)
@@ -271,8 +309,9 @@ class OutputSplitter:
     def _hold(self, line: str) -> bool:
         if RANK_LINE_RE.search(line):
             return False
-        if not self._holding and (TORCHRUN_LOG_RE.search(line) or line.startswith("Traceback")
-                                  or any(m in line for m in TORCHRUN_SUMMARY)):
+        if not self._holding and (
+            TORCHRUN_LOG_RE.search(line) or line.startswith("Traceback") or any(m in line for m in TORCHRUN_SUMMARY)
+        ):
             self._holding = True
         return self._holding
 
@@ -292,8 +331,13 @@ def _closing_cut(lines: list[str]) -> int:
     return cut
 
 
-def segment_failure(run_dir: Path, segment: int, out: OutputSplitter, observed: Iterable[RankEnd] = (),
-                    kill_cause: Callable[[RankEnd], RankEnd] | None = None) -> str | None:
+def segment_failure(
+    run_dir: Path,
+    segment: int,
+    out: OutputSplitter,
+    observed: Iterable[RankEnd] = (),
+    kill_cause: Callable[[RankEnd], RankEnd] | None = None,
+) -> str | None:
     """The failure line of a launch (``LaunchOutcome.failure``): torchrun's account of its failed ranks (its
     closing summary, held back in ``out``), the ranks' failure lines as they arrived, what the launcher observed
     of each rank (``observed``), and for a SIGKILL what ``kill_cause`` finds out (the OOM killer). A rank that
@@ -304,9 +348,13 @@ def segment_failure(run_dir: Path, segment: int, out: OutputSplitter, observed: 
     return generation_failure(gen, observed, kill_cause, completed)[1]
 
 
-def generation_failure(gen: Generation, observed: Iterable[RankEnd] = (),
-                       kill_cause: Callable[[RankEnd], RankEnd] | None = None,
-                       completed: bool = False, fix: bool = True) -> tuple[RankEnd | None, str | None]:
+def generation_failure(
+    gen: Generation,
+    observed: Iterable[RankEnd] = (),
+    kill_cause: Callable[[RankEnd], RankEnd] | None = None,
+    completed: bool = False,
+    fix: bool = True,
+) -> tuple[RankEnd | None, str | None]:
     """(the rank that failed first, the failure line) of one generation of ranks (``segment_failure``); ``fix``:
     the line ends with what to do about it (not for a restart, which is what is done about it)."""
     ends = merge(torchrun_ends(gen.lines), list(gen.rank_errors), list(observed))
@@ -315,23 +363,36 @@ def generation_failure(gen: Generation, observed: Iterable[RankEnd] = (),
     return first_failure(ends, completed), failure_line(ends, completed, aborts(gen.abort_lines), fix=fix)
 
 
-def restart_from_record(index: int, record: dict, gen: Generation, observed: Iterable[RankEnd] = (),
-                        kill_cause: Callable[[RankEnd], RankEnd] | None = None) -> InPlaceRestart:
+def restart_from_record(
+    index: int,
+    record: dict,
+    gen: Generation,
+    observed: Iterable[RankEnd] = (),
+    kill_cause: Callable[[RankEnd], RankEnd] | None = None,
+) -> InPlaceRestart:
     """The segment's ``index``-th restart, which the agent said (``record``), named from what the launcher knows of
     the ranks that ended (their output, and where it watched them, their ends): its own account when it has one,
     else the agent's."""
     first, line = generation_failure(gen, observed, kill_cause, fix=False)
     rank = first.rank if first is not None else record.get("rank")
     cause = short_cause(first) if first is not None else str(record.get("cause") or "unknown")
-    return InPlaceRestart(index=index, restart=int(record["restart"]), of=int(record.get("of") or 0),
-                          rank=rank if isinstance(rank, int) and rank >= 0 else None, cause=cause,
-                          line=line or str(record.get("line") or cause), at=time.time())
+    return InPlaceRestart(
+        index=index,
+        restart=int(record["restart"]),
+        of=int(record.get("of") or 0),
+        rank=rank if isinstance(rank, int) and rank >= 0 else None,
+        cause=cause,
+        line=line or str(record.get("line") or cause),
+        at=time.time(),
+    )
 
 
 def restart_said(r: InPlaceRestart) -> str:
     """The launcher's line for a restart in place."""
-    return (f"shardkeeper: {r.line}; restarting the ranks in place ({r.restart} of {r.of}, checkpoint.restarts) "
-            "from the newest snapshot")
+    return (
+        f"shardkeeper: {r.line}; restarting the ranks in place ({r.restart} of {r.of}, checkpoint.restarts) "
+        "from the newest snapshot"
+    )
 
 
 def failing_rank_lines(tail: list[str], limit: int = 8) -> str:
@@ -345,11 +406,11 @@ def failing_rank_lines(tail: list[str], limit: int = 8) -> str:
     for line in tail:
         at = line.find(RANK_ERROR_PREFIX)
         if at >= 0:  # two ranks' lines that reached the pipe without a newline between them: the first one
-            return line[at + len(RANK_ERROR_PREFIX):].split(RANK_ERROR_PREFIX, 1)[0].strip()
+            return line[at + len(RANK_ERROR_PREFIX) :].split(RANK_ERROR_PREFIX, 1)[0].strip()
     killed = _killed_rank(tail)
     if killed:
         return killed
-    body = tail[:_closing_cut(tail)] or tail
+    body = tail[: _closing_cut(tail)] or tail
     errs = [ln for ln in body if _ERROR_RE.search(ln)]
     return "\n".join((errs or body)[-limit:])
 
@@ -364,8 +425,10 @@ def _killed_rank(tail: list[str]) -> str | None:
         if m:
             num = -int(m.group(1))
             name = signal.Signals(num).name if num in signal.Signals._value2member_map_ else f"signal {num}"
-            return (f"local rank {m.group(2)} (pid {m.group(3)}) was killed by {name} and torchrun stopped the other "
-                    "ranks; rerun the same command to resume from the latest valid checkpoint")
+            return (
+                f"local rank {m.group(2)} (pid {m.group(3)}) was killed by {name} and torchrun stopped the other "
+                "ranks; rerun the same command to resume from the latest valid checkpoint"
+            )
     return None
 
 
@@ -393,4 +456,4 @@ def rank_stopped_at_startup(lines: list[str]) -> bool:
 def without_torchrun_closing(lines: list[str]) -> list[str]:
     """Held-back lines worth showing when the segment did not fail: torchrun's log lines and its closing
     traceback + summary (a ChildFailedError or SignalException that only says the ranks stopped) removed."""
-    return [ln for ln in lines[:_closing_cut(lines)] if not TORCHRUN_LOG_RE.search(ln)]
+    return [ln for ln in lines[: _closing_cut(lines)] if not TORCHRUN_LOG_RE.search(ln)]

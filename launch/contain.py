@@ -113,13 +113,17 @@ def end_leftovers(grace_s: float, say: Callable[[str], None] = _say) -> list[int
         _reap()
         return []
     named = ", ".join(f"pid {pid} ({_command(pid)})" for pid in sorted(left))
-    say(f"shardkeeper: {len(left)} process(es) the ranks started outlived them: {named}; SIGTERM now, SIGKILL after "
-        f"{grace_s:g} s")
+    say(
+        f"shardkeeper: {len(left)} process(es) the ranks started outlived them: {named}; SIGTERM now, SIGKILL after "
+        f"{grace_s:g} s"
+    )
     _signal_all(left, signal.SIGTERM)
     left = _wait_gone({**left, **descendants(os.getpid())}, grace_s)
     if left:
-        say(f"shardkeeper: pid(s) {', '.join(map(str, sorted(left)))} still running {grace_s:g} s after SIGTERM: "
-            "SIGKILL")
+        say(
+            f"shardkeeper: pid(s) {', '.join(map(str, sorted(left)))} still running {grace_s:g} s after SIGTERM: "
+            "SIGKILL"
+        )
         while left:  # what they start meanwhile is killed too
             _signal_all(left, signal.SIGKILL)
             more = descendants(os.getpid())
@@ -128,16 +132,20 @@ def end_leftovers(grace_s: float, say: Callable[[str], None] = _say) -> list[int
             left = {**left, **more}
         left = _wait_gone(left, KILL_WAIT_S)
         if left:
-            say(f"shardkeeper: pid(s) {', '.join(map(str, sorted(left)))} did not exit after SIGKILL (stuck in the "
-                "kernel?)")
+            say(
+                f"shardkeeper: pid(s) {', '.join(map(str, sorted(left)))} did not exit after SIGKILL (stuck in the "
+                "kernel?)"
+            )
     _reap()
     return sorted(left)
 
 
 def main() -> None:
     if len(sys.argv) < 2:
-        print("usage: python -m launch.contain MODULE [ARGS...]  (e.g. torch.distributed.run --standalone ...)",
-              file=sys.stderr)
+        print(
+            "usage: python -m launch.contain MODULE [ARGS...]  (e.g. torch.distributed.run --standalone ...)",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     module = sys.argv[1]
     set_child_subreaper()

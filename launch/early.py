@@ -14,6 +14,7 @@ def install_early_stop_handlers() -> None:
     """For a CLI process: a stop signal that arrives before the ranks are launched (imports, config loading, run
     lock, checks) is remembered instead of killing the process; the launcher then starts nothing and the
     segment ends 'preempted' with the latest checkpoint untouched. Main thread only."""
+
     def remember(signum: int, _frame: object) -> None:
         pending_stop.append(signum)
         received_stop.append(signum)

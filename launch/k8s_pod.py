@@ -103,9 +103,12 @@ def run(command: list[str], launch: SegmentLaunch, wait_s: float = REPORT_WAIT_S
     report = None if code == 0 else fresh_report(run_dir, launch.segment, before, wait_s)
     exit_code = pod_exit_code(code, report, bool(stopped))
     status = "completed" if code == 0 else (report.status if report else "unreported")
-    print(f"shardkeeper-pod: torchrun exited {code}; segment {launch.segment} "
-          f"{status}{' after a stop signal' if stopped else ''}; "
-          f"container exits {exit_code}", flush=True)
+    print(
+        f"shardkeeper-pod: torchrun exited {code}; segment {launch.segment} "
+        f"{status}{' after a stop signal' if stopped else ''}; "
+        f"container exits {exit_code}",
+        flush=True,
+    )
     return exit_code
 
 

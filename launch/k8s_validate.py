@@ -36,12 +36,20 @@ INT_RANGES = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 
 # core/v1 ConfigMap, hand-written (no CRD to vendor): string data only, names checked by the renderer.
 CONFIGMAP_SCHEMA: dict[str, Any] = {
-    "type": "object", "required": ["apiVersion", "kind", "metadata", "data"],
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "data"],
     "properties": {
-        "apiVersion": {"enum": ["v1"]}, "kind": {"enum": ["ConfigMap"]},
-        "metadata": {"type": "object", "required": ["name"],
-                     "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
-                                    "labels": {"type": "object", "additionalProperties": {"type": "string"}}}},
+        "apiVersion": {"enum": ["v1"]},
+        "kind": {"enum": ["ConfigMap"]},
+        "metadata": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string"},
+                "namespace": {"type": "string"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
+        },
         "data": {"type": "object", "additionalProperties": {"type": "string"}},
         "immutable": {"type": "boolean"},
     },
@@ -80,8 +88,11 @@ def strict(schema: Any) -> Any:
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
     if out.get("nullable") is True and isinstance(out.get("type"), str):
         out["type"] = [out["type"], "null"]
-    if ("properties" in out and "additionalProperties" not in out
-            and not out.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -95,21 +106,31 @@ def _validator_class() -> Any:
         keys = schema.get("x-kubernetes-list-map-keys", [])
         seen: dict[str, int] = {}
         for i, item in enumerate(instance):
-            key = (json.dumps([item.get(k) for k in keys]) if kind == "map" and isinstance(item, dict)
-                   else json.dumps(item, sort_keys=True))
+            key = (
+                json.dumps([item.get(k) for k in keys])
+                if kind == "map" and isinstance(item, dict)
+                else json.dumps(item, sort_keys=True)
+            )
             if key in seen:
                 what = f"key {dict(zip(keys, json.loads(key)))}" if kind == "map" else "value"
-                yield jsonschema.ValidationError(f"items {seen[key]} and {i} have the same {what} "
-                                                 f"(x-kubernetes-list-type: {kind})")
+                yield jsonschema.ValidationError(
+                    f"items {seen[key]} and {i} have the same {what} (x-kubernetes-list-type: {kind})"
+                )
             seen.setdefault(key, i)
 
     def int_format(validator: Any, fmt: str, instance: Any, schema: dict[str, Any]) -> Any:
         bounds = INT_RANGES.get(fmt)
-        if bounds and isinstance(instance, int) and not isinstance(instance, bool) and not bounds[0] <= instance <= bounds[1]:
+        if (
+            bounds
+            and isinstance(instance, int)
+            and not isinstance(instance, bool)
+            and not bounds[0] <= instance <= bounds[1]
+        ):
             yield jsonschema.ValidationError(f"{instance} is out of range for {fmt}")
 
-    return jsonschema.validators.extend(jsonschema.Draft7Validator,
-                                        {"x-kubernetes-list-type": list_type, "format": int_format})
+    return jsonschema.validators.extend(
+        jsonschema.Draft7Validator, {"x-kubernetes-list-type": list_type, "format": int_format}
+    )
 
 
 @functools.cache
@@ -133,9 +154,16 @@ def job_schema() -> dict[str, Any]:
     """batch/v1 Job: its ``spec`` is the JobSpec that the JobSet CRD embeds (controller-gen of k8s.io/api)."""
     jobset = json.loads((SCHEMA_DIR / SCHEMA_FILES[("jobset.x-k8s.io/v1alpha2", "JobSet")]).read_text(encoding="utf-8"))
     template = jobset["properties"]["spec"]["properties"]["replicatedJobs"]["items"]["properties"]["template"]
-    return {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
-            "properties": {"apiVersion": {"enum": ["batch/v1"]}, "kind": {"enum": ["Job"]},
-                           "metadata": {"type": "object"}, "spec": copy.deepcopy(template["properties"]["spec"])}}
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"enum": ["batch/v1"]},
+            "kind": {"enum": ["Job"]},
+            "metadata": {"type": "object"},
+            "spec": copy.deepcopy(template["properties"]["spec"]),
+        },
+    }
 
 
 def problems(manifest: Any) -> list[str]:

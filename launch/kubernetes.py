@@ -54,8 +54,8 @@ choice of the segment index (``--segment``).
 
 from __future__ import annotations
 
-import json
 import hashlib
+import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -115,13 +115,17 @@ def pod_run_dir(run_dir: str) -> tuple[str, str]:
     an absolute one is used as given, with the volume mounted at its parent."""
     path = PurePosixPath(run_dir)
     if not run_dir.strip() or ".." in path.parts:
-        raise ManifestError(f"--run-dir {run_dir!r}: give the run directory as the pods see it, e.g. llama-ft "
-                            f"(under {RUNS_MOUNT}) or /data/runs/llama-ft, without '..'")
+        raise ManifestError(
+            f"--run-dir {run_dir!r}: give the run directory as the pods see it, e.g. llama-ft "
+            f"(under {RUNS_MOUNT}) or /data/runs/llama-ft, without '..'"
+        )
     if not path.is_absolute():
         return str(PurePosixPath(RUNS_MOUNT) / path), RUNS_MOUNT
     if len(path.parts) < 3:
-        raise ManifestError(f"--run-dir {run_dir}: the volume is mounted at the run directory's parent, which "
-                            "must not be /; use a path like /data/runs/NAME or a relative NAME (under /runs)")
+        raise ManifestError(
+            f"--run-dir {run_dir}: the volume is mounted at the run directory's parent, which "
+            "must not be /; use a path like /data/runs/NAME or a relative NAME (under /runs)"
+        )
     return str(path), str(path.parent)
 
 
@@ -131,8 +135,9 @@ def check_options(req: LaunchRequest, opts: K8sOptions) -> None:
     if opts.kind not in KINDS:
         raise ManifestError(f"--kind {opts.kind}: unknown kind; choose one of {', '.join(KINDS)}")
     if topo.launcher != "kubernetes":
-        raise ManifestError(f"topology launcher {topo.launcher!r}: render Kubernetes manifests for a "
-                            "'kubernetes' topology")
+        raise ManifestError(
+            f"topology launcher {topo.launcher!r}: render Kubernetes manifests for a 'kubernetes' topology"
+        )
     if opts.grace_s < 1:
         raise ManifestError(f"--grace-s {opts.grace_s}: must be at least 1 second (the time a checkpoint takes)")
     for flag, value in (("--namespace", opts.namespace), ("--pvc", opts.pvc)):
@@ -159,20 +164,35 @@ def job_name(req: LaunchRequest, opts: K8sOptions) -> str:
 def segment_launch(req: LaunchRequest) -> SegmentLaunch:
     """What the pods' ranks receive: the request's SegmentLaunch, without a launcher pid (the pods' lifetime
     is the container's: nothing of a segment outlives its pod)."""
-    return SegmentLaunch(run_dir=str(req.run_dir), until_step=req.until_step, segment=req.segment,
-                         topology=req.topology, restart=req.restart, launcher_pid=None, data=req.data)
+    return SegmentLaunch(
+        run_dir=str(req.run_dir),
+        until_step=req.until_step,
+        segment=req.segment,
+        topology=req.topology,
+        restart=req.restart,
+        launcher_pid=None,
+        data=req.data,
+    )
 
 
-def torchrun_command(req: LaunchRequest, endpoint: str, rdzv_id: str, grace_s: int, node_rank: str,
-                     is_host: str | None, restarts: int = 0) -> list[str]:
+def torchrun_command(
+    req: LaunchRequest,
+    endpoint: str,
+    rdzv_id: str,
+    grace_s: int,
+    node_rank: str,
+    is_host: str | None,
+    restarts: int = 0,
+) -> list[str]:
     """The pod's command: the pod entry, then the torchrun command every launcher runs on a node
     (``launch.base.torchrun_argv``), with c10d rendezvous at ``endpoint``. ``node_rank`` is a variable the
     kubelet expands (``$(PET_NODE_RANK)``); c10d numbers the nodes itself and only logs it. ``is_host=None``:
     one template for every pod (JobSet), so the flag is left out and c10d hosts the store on the pod whose
     address the endpoint resolves to (each pod has its own)."""
     rdzv = Rendezvous(endpoint, rdzv_id, node_rank=node_rank, is_host=is_host or "0")
-    argv = torchrun_argv("python", req.topology, grace_s, str(req.run_dir), req.until_step, req.segment, rdzv,
-                         restarts=restarts)
+    argv = torchrun_argv(
+        "python", req.topology, grace_s, str(req.run_dir), req.until_step, req.segment, rdzv, restarts=restarts
+    )
     if is_host is None:
         argv = [a for a in argv if not a.startswith("--rdzv-conf=is_host=")]
     # The kubelet expands $(VAR) in a container's command: a '$(' in the run directory is escaped as '$$('.
@@ -182,12 +202,24 @@ def torchrun_command(req: LaunchRequest, endpoint: str, rdzv_id: str, grace_s: i
 
 def _labels(req: LaunchRequest, name: str) -> dict[str, str]:
     run = dns_name(PurePosixPath(str(req.run_dir)).name, 63)
-    return {"app.kubernetes.io/name": "shardkeeper", "app.kubernetes.io/component": "segment",
-            "shardkeeper/run": run, "shardkeeper/segment": str(req.segment), "shardkeeper/job": name}
+    return {
+        "app.kubernetes.io/name": "shardkeeper",
+        "app.kubernetes.io/component": "segment",
+        "shardkeeper/run": run,
+        "shardkeeper/segment": str(req.segment),
+        "shardkeeper/job": name,
+    }
 
 
-def _pod_template(req: LaunchRequest, opts: K8sOptions, command: list[str], labels: dict[str, str],
-                  mount: str, ports: list[dict[str, Any]], cm_name: str) -> dict[str, Any]:
+def _pod_template(
+    req: LaunchRequest,
+    opts: K8sOptions,
+    command: list[str],
+    labels: dict[str, str],
+    mount: str,
+    ports: list[dict[str, Any]],
+    cm_name: str,
+) -> dict[str, Any]:
     topo = req.topology
     p = topo.procs_per_node
     resources: dict[str, Any] = {
@@ -197,22 +229,32 @@ def _pod_template(req: LaunchRequest, opts: K8sOptions, command: list[str], labe
     if topo.device_type == "cuda":
         resources["limits"]["nvidia.com/gpu"] = p
     container = {
-        "name": CONTAINER, "image": opts.image, "imagePullPolicy": opts.image_pull_policy, "command": command,
-        "env": [{"name": LAUNCH_ENV, "value": f"{LAUNCH_MOUNT}/{LAUNCH_KEY}"},
-                {"name": SPEC_ENV, "value": f"{LAUNCH_MOUNT}/{SPEC_KEY}"},
-                {"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "name": CONTAINER,
+        "image": opts.image,
+        "imagePullPolicy": opts.image_pull_policy,
+        "command": command,
+        "env": [
+            {"name": LAUNCH_ENV, "value": f"{LAUNCH_MOUNT}/{LAUNCH_KEY}"},
+            {"name": SPEC_ENV, "value": f"{LAUNCH_MOUNT}/{SPEC_KEY}"},
+            {"name": "OMP_NUM_THREADS", "value": "1"},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+        ],
         "ports": ports,
         "resources": resources,
-        "volumeMounts": [{"name": "runs", "mountPath": mount},
-                         {"name": "launch", "mountPath": LAUNCH_MOUNT, "readOnly": True},
-                         {"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [
+            {"name": "runs", "mountPath": mount},
+            {"name": "launch", "mountPath": LAUNCH_MOUNT, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
     }
     spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": opts.grace_s + KILL_MARGIN_S,
         "containers": [container],
-        "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": opts.pvc}},
-                    {"name": "launch", "configMap": {"name": cm_name}},
-                    {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+        "volumes": [
+            {"name": "runs", "persistentVolumeClaim": {"claimName": opts.pvc}},
+            {"name": "launch", "configMap": {"name": cm_name}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        ],
     }
     if opts.service_account:
         spec["serviceAccountName"] = opts.service_account
@@ -223,46 +265,65 @@ def render(spec: RunSpec, req: LaunchRequest, opts: K8sOptions) -> list[dict[str
     """The ConfigMap and the job of one segment (not validated: see ``render_validated``)."""
     check_options(req, opts)
     run_dir, mount = pod_run_dir(str(req.run_dir))
-    req = LaunchRequest(run_dir=run_dir, until_step=req.until_step, segment=req.segment,  # type: ignore[arg-type]
-                        topology=req.topology, restart=req.restart)
+    req = LaunchRequest(
+        run_dir=run_dir,
+        until_step=req.until_step,
+        segment=req.segment,  # type: ignore[arg-type]
+        topology=req.topology,
+        restart=req.restart,
+    )
     name = job_name(req, opts)
     labels = _labels(req, name)
     cm_name = f"{name}-launch"
     config_map = {
-        "apiVersion": "v1", "kind": "ConfigMap",
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
         "metadata": {"name": cm_name, "namespace": opts.namespace, "labels": dict(labels)},
-        "data": {LAUNCH_KEY: segment_launch(req).model_dump_json(indent=2) + "\n",
-                 # JSON (a subset of YAML): every string stays a string for the ranks' YAML 1.2 loader ("1e-2")
-                 SPEC_KEY: json.dumps(spec.model_dump(mode="json"), indent=2) + "\n"},
+        "data": {
+            LAUNCH_KEY: segment_launch(req).model_dump_json(indent=2) + "\n",
+            # JSON (a subset of YAML): every string stays a string for the ranks' YAML 1.2 loader ("1e-2")
+            SPEC_KEY: json.dumps(spec.model_dump(mode="json"), indent=2) + "\n",
+        },
     }
-    job = (_pytorchjob if opts.kind == "pytorchjob" else _jobset)(req, opts, name, labels, mount, cm_name,
-                                                                  spec.checkpoint.restarts)
+    job = (_pytorchjob if opts.kind == "pytorchjob" else _jobset)(
+        req, opts, name, labels, mount, cm_name, spec.checkpoint.restarts
+    )
     return [config_map, job]
 
 
-def _pytorchjob(req: LaunchRequest, opts: K8sOptions, name: str, labels: dict[str, str], mount: str,
-                cm_name: str, restarts: int = 0) -> dict[str, Any]:
+def _pytorchjob(
+    req: LaunchRequest, opts: K8sOptions, name: str, labels: dict[str, str], mount: str, cm_name: str, restarts: int = 0
+) -> dict[str, Any]:
     topo = req.topology
     endpoint = f"{name}-master-0:{RDZV_PORT}"  # the operator's headless Service of the Master pod
-    ports = [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"},
-             {"name": "c10d", "containerPort": RDZV_PORT, "protocol": "TCP"}]
+    ports = [
+        {"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"},
+        {"name": "c10d", "containerPort": RDZV_PORT, "protocol": "TCP"},
+    ]
     replicas = {}
     for role, count, is_host in (("Master", 1, "1"), ("Worker", topo.nodes - 1, "0")):
         if count:
             command = torchrun_command(req, endpoint, name, opts.grace_s, "$(PET_NODE_RANK)", is_host, restarts)
-            replicas[role] = {"replicas": count, "restartPolicy": "ExitCode",
-                              "template": _pod_template(req, opts, command, labels, mount, ports, cm_name)}
+            replicas[role] = {
+                "replicas": count,
+                "restartPolicy": "ExitCode",
+                "template": _pod_template(req, opts, command, labels, mount, ports, cm_name),
+            }
     return {
-        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
         "metadata": {"name": name, "namespace": opts.namespace, "labels": dict(labels)},
-        "spec": {"nprocPerNode": str(topo.procs_per_node),
-                 "runPolicy": {"cleanPodPolicy": "None"},
-                 "pytorchReplicaSpecs": replicas},
+        "spec": {
+            "nprocPerNode": str(topo.procs_per_node),
+            "runPolicy": {"cleanPodPolicy": "None"},
+            "pytorchReplicaSpecs": replicas,
+        },
     }
 
 
-def _jobset(req: LaunchRequest, opts: K8sOptions, name: str, labels: dict[str, str], mount: str,
-            cm_name: str, restarts: int = 0) -> dict[str, Any]:
+def _jobset(
+    req: LaunchRequest, opts: K8sOptions, name: str, labels: dict[str, str], mount: str, cm_name: str, restarts: int = 0
+) -> dict[str, Any]:
     nodes = req.topology.nodes
     # Pod hostnames of a JobSet: <jobset>-<replicatedJob>-<job index>-<pod index>, under the subdomain <jobset>.
     endpoint = f"{name}-node-0-0.{name}:{RDZV_PORT}"
@@ -271,17 +332,44 @@ def _jobset(req: LaunchRequest, opts: K8sOptions, name: str, labels: dict[str, s
     pod = _pod_template(req, opts, command, labels, mount, ports, cm_name)
     pod["spec"]["restartPolicy"] = "Never"  # required by podFailurePolicy; restarts are the JobSet's
     return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
         "metadata": {"name": name, "namespace": opts.namespace, "labels": dict(labels)},
         "spec": {
             "network": {"enableDNSHostnames": True, "subdomain": name},
-            "failurePolicy": {"maxRestarts": opts.max_restarts, "rules": [
-                {"name": "failed-segment", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]},
-            "replicatedJobs": [{"name": "node", "replicas": 1, "template": {"spec": {
-                "parallelism": nodes, "completions": nodes, "completionMode": "Indexed", "backoffLimit": 0,
-                "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
-                    "containerName": CONTAINER, "operator": "NotIn", "values": [EXIT_POD_PREEMPTED]}}]},
-                "template": pod}}}],
+            "failurePolicy": {
+                "maxRestarts": opts.max_restarts,
+                "rules": [
+                    {"name": "failed-segment", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}
+                ],
+            },
+            "replicatedJobs": [
+                {
+                    "name": "node",
+                    "replicas": 1,
+                    "template": {
+                        "spec": {
+                            "parallelism": nodes,
+                            "completions": nodes,
+                            "completionMode": "Indexed",
+                            "backoffLimit": 0,
+                            "podFailurePolicy": {
+                                "rules": [
+                                    {
+                                        "action": "FailJob",
+                                        "onExitCodes": {
+                                            "containerName": CONTAINER,
+                                            "operator": "NotIn",
+                                            "values": [EXIT_POD_PREEMPTED],
+                                        },
+                                    }
+                                ]
+                            },
+                            "template": pod,
+                        }
+                    },
+                }
+            ],
         },
     }
 
@@ -334,20 +422,26 @@ class KubernetesLauncher:
         raise ManifestError(_how_to_apply("--config CONFIG --run-dir RUN_DIR", topology, "UNTIL"))
 
     def launch(self, req: LaunchRequest, sink: LogSink) -> LaunchOutcome:
-        raise ManifestError(_how_to_apply(f"--config CONFIG --run-dir {req.run_dir}", req.topology, str(req.until_step)))
+        raise ManifestError(
+            _how_to_apply(f"--config CONFIG --run-dir {req.run_dir}", req.topology, str(req.until_step))
+        )
 
 
 def _how_to_apply(args: str, topology: ClusterTopology, until: str) -> str:
     kubectl = "kubectl is on PATH, but this launcher does not submit" if shutil.which("kubectl") else "no kubectl here"
-    return (f"--launcher kubernetes: ranks are not started from this process ({kubectl}); render the segment with "
-            f"`shardkeeper manifest {args} --nodes {topology.nodes} --nproc {topology.procs_per_node} "
-            f"--until-step {until} --out segment.yaml` and apply it with `kubectl apply -f segment.yaml`")
+    return (
+        f"--launcher kubernetes: ranks are not started from this process ({kubectl}); render the segment with "
+        f"`shardkeeper manifest {args} --nodes {topology.nodes} --nproc {topology.procs_per_node} "
+        f"--until-step {until} --out segment.yaml` and apply it with `kubectl apply -f segment.yaml`"
+    )
 
 
 def describe(docs: list[dict[str, Any]]) -> str:
     """One line: what was rendered (for the CLI)."""
     job = docs[-1]
     launch = json.loads(docs[0]["data"][LAUNCH_KEY])
-    return (f"{job['kind']} {job['metadata']['name']} in namespace {job['metadata']['namespace']}: "
-            f"{world_size_of(job)} ranks, steps until {launch['until_step']}, segment {launch['segment']}, "
-            f"run directory {launch['run_dir']}")
+    return (
+        f"{job['kind']} {job['metadata']['name']} in namespace {job['metadata']['namespace']}: "
+        f"{world_size_of(job)} ranks, steps until {launch['until_step']}, segment {launch['segment']}, "
+        f"run directory {launch['run_dir']}"
+    )

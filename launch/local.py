@@ -39,11 +39,22 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from launch.attribution import RankEnd, stuck_line
+from launch.base import (
+    InPlaceRestart,
+    LaunchOutcome,
+    LaunchRequest,
+    LogSink,
+    OutputSplitter,
+    Rendezvous,
+    combined_exit_code,
+    restart_from_record,
+    restart_said,
+    segment_failure,
+    torchrun_argv,
+)
 from launch.early import STOP_SIGNALS, received_stop
 from launch.early import pending_stop as _pending_stop
-from launch.attribution import RankEnd, stuck_line
-from launch.base import (InPlaceRestart, LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, Rendezvous,
-                         combined_exit_code, restart_from_record, restart_said, segment_failure, torchrun_argv)
 from launch.procs import Descendants, RankWatch, WatchedRank, pdeathsig_preexec, reap_orphans, running
 from schemas import ClusterTopology
 from schemas.errors import ConfigError
@@ -102,8 +113,9 @@ class _Supervisor:
             self._generations_seen += 1
             generation = int(record["restart"]) - 1
             watched = {w.rank_pid: w for w in self.ranks.watched(generation)}
-            restart = restart_from_record(len(self.restarts) + 1, record, ended, _observed(watched),
-                                          _kill_cause(watched, t0))
+            restart = restart_from_record(
+                len(self.restarts) + 1, record, ended, _observed(watched), _kill_cause(watched, t0)
+            )
             self.restarts.append(restart)
             self.sink(restart_said(restart))
             if req.on_restart is not None:
@@ -197,11 +209,17 @@ def stopped_before_start(req: LaunchRequest, what: str) -> LaunchOutcome | None:
     """The outcome of a launch that must not start (``what``: "the ranks started", "the job was submitted"):
     cancelled already, or a stop signal arrived while the CLI was still preparing. None: go ahead."""
     if req.cancel_check is not None and req.cancel_check():
-        return LaunchOutcome(exit_code=EXIT_CANCELLED, timed_out=False, tail=[f"cancelled before {what}"],
-                             seconds=0.0, cancelled=True)
+        return LaunchOutcome(
+            exit_code=EXIT_CANCELLED, timed_out=False, tail=[f"cancelled before {what}"], seconds=0.0, cancelled=True
+        )
     if _pending_stop:
-        return LaunchOutcome(exit_code=128 + _pending_stop[0], timed_out=False, tail=[f"stopped before {what}"],
-                             seconds=0.0, stop_signal=_pending_stop[0])
+        return LaunchOutcome(
+            exit_code=128 + _pending_stop[0],
+            timed_out=False,
+            tail=[f"stopped before {what}"],
+            seconds=0.0,
+            stop_signal=_pending_stop[0],
+        )
     return None
 
 
@@ -244,30 +262,58 @@ class LocalTorchrun:
     def preflight(self, topology: ClusterTopology) -> None:
         limit = self.max_world_size()
         if limit is not None and topology.world_size > limit:
-            what = (f"--nodes {topology.nodes} x --nproc {topology.procs_per_node}" if topology.nodes > 1
-                    else f"--nproc {topology.procs_per_node}")
-            raise ConfigError(f"{what}: more ranks than this machine can run ({limit}); use at most {limit} ranks here, "
-                              "or --launcher slurm for more nodes")
+            what = (
+                f"--nodes {topology.nodes} x --nproc {topology.procs_per_node}"
+                if topology.nodes > 1
+                else f"--nproc {topology.procs_per_node}"
+            )
+            raise ConfigError(
+                f"{what}: more ranks than this machine can run ({limit}); use at most {limit} ranks here, "
+                "or --launcher slurm for more nodes"
+            )
 
     def commands(self, req: LaunchRequest) -> list[list[str]]:
         """One torchrun command per node."""
         topo = req.topology
         if topo.nodes == 1:
-            return [torchrun_argv(self.python, topo, self.grace_s, str(req.run_dir), req.until_step, req.segment,
-                                  restarts=req.restarts)]
+            return [
+                torchrun_argv(
+                    self.python,
+                    topo,
+                    self.grace_s,
+                    str(req.run_dir),
+                    req.until_step,
+                    req.segment,
+                    restarts=req.restarts,
+                )
+            ]
         endpoint = f"127.0.0.1:{free_port()}"
         run_id = f"shardkeeper-{os.getpid()}-{req.segment}-{time.monotonic_ns()}"
-        return [torchrun_argv(self.python, topo, self.grace_s, str(req.run_dir), req.until_step, req.segment,
-                              Rendezvous(endpoint, run_id, node_rank=str(n), is_host="1" if n == 0 else "0"),
-                              restarts=req.restarts)
-                for n in range(topo.nodes)]
+        return [
+            torchrun_argv(
+                self.python,
+                topo,
+                self.grace_s,
+                str(req.run_dir),
+                req.until_step,
+                req.segment,
+                Rendezvous(endpoint, run_id, node_rank=str(n), is_host="1" if n == 0 else "0"),
+                restarts=req.restarts,
+            )
+            for n in range(topo.nodes)
+        ]
 
     def environment(self, req: LaunchRequest, stacks_dir: str | None = None) -> dict[str, str]:
         # written just before torchrun starts: the ranks time their start-up phases from here
         seam = req.seam(launcher_pid=os.getpid(), launched_at=time.time(), stacks_dir=stacks_dir)
         launch_file = seam.write(req.run_dir)
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
-               **req.env, LAUNCH_ENV: str(launch_file)}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "PYTHONUNBUFFERED": "1",
+            **req.env,
+            LAUNCH_ENV: str(launch_file),
+        }
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
@@ -291,10 +337,20 @@ class LocalTorchrun:
             for n, argv in enumerate(commands):
                 # Several agents on this host emulate several nodes: each its own name, so its own memory tier dir.
                 env_n = {**env, NODE_ENV: f"node{n}"} if len(commands) > 1 else env
-                proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                        env=env_n, start_new_session=True, preexec_fn=pdeathsig_preexec(os.getpid()))
+                proc = subprocess.Popen(
+                    argv,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    bufsize=1,
+                    env=env_n,
+                    start_new_session=True,
+                    preexec_fn=pdeathsig_preexec(os.getpid()),
+                )
                 sup.watch(proc)
-                readers.append(threading.Thread(target=sup.read_output, args=(proc,), name="torchrun-output", daemon=True))
+                readers.append(
+                    threading.Thread(target=sup.read_output, args=(proc,), name="torchrun-output", daemon=True)
+                )
                 readers[-1].start()
                 if sup.stop_reason is not None:  # a signal arrived while the agents were being started
                     sup.term_unsignalled()
@@ -318,11 +374,18 @@ class LocalTorchrun:
             shutil.rmtree(stacks_dir, ignore_errors=True)
             for reader in readers:
                 reader.join(timeout=10)
-        return LaunchOutcome(exit_code=combined_exit_code(codes), timed_out=sup.stop_reason == "timeout",
-                             tail=sup.out.lines(), seconds=time.monotonic() - t0, cancelled=cancelled,
-                             stop_signal=sup.signal, held_back=list(sup.out.held),
-                             failure=self._failure(req, sup, t0), stuck=stuck_line(sup.stacks, self.grace_s),
-                             restarts=list(sup.restarts))
+        return LaunchOutcome(
+            exit_code=combined_exit_code(codes),
+            timed_out=sup.stop_reason == "timeout",
+            tail=sup.out.lines(),
+            seconds=time.monotonic() - t0,
+            cancelled=cancelled,
+            stop_signal=sup.signal,
+            held_back=list(sup.out.held),
+            failure=self._failure(req, sup, t0),
+            stuck=stuck_line(sup.stacks, self.grace_s),
+            restarts=list(sup.restarts),
+        )
 
     @staticmethod
     def _failure(req: LaunchRequest, sup: _Supervisor, t0: float) -> str | None:
@@ -346,8 +409,10 @@ class LocalTorchrun:
             if not cancelled and req.cancel_check is not None and req.cancel_check():
                 cancelled = True
                 why = getattr(req.cancel_check, "reason", None)  # a stop check may say why (the run's lease was lost)
-                sup.sink(f"shardkeeper: {(why and why()) or 'cancellation requested'}: stopping the ranks (they commit a "
-                         "checkpoint first)")
+                sup.sink(
+                    f"shardkeeper: {(why and why()) or 'cancellation requested'}: stopping the ranks (they commit a "
+                    "checkpoint first)"
+                )
                 sup.request_stop("cancelled")
             if req.timeout_s and time.monotonic() - t0 > req.timeout_s:
                 sup.request_stop("timeout")
@@ -367,8 +432,10 @@ class LocalTorchrun:
 
 
 def _observed(watched: dict[int, WatchedRank]) -> list[RankEnd]:
-    return [RankEnd(rank=w.rank, local_rank=w.local_rank, pid=w.rank_pid, exitcode=w.status, ended_at=w.ended_at)
-            for w in watched.values()]
+    return [
+        RankEnd(rank=w.rank, local_rank=w.local_rank, pid=w.rank_pid, exitcode=w.status, ended_at=w.ended_at)
+        for w in watched.values()
+    ]
 
 
 def _kill_cause(watched: dict[int, WatchedRank], t0: float):  # noqa: ANN202 - RankEnd -> RankEnd
@@ -377,8 +444,9 @@ def _kill_cause(watched: dict[int, WatchedRank], t0: float):  # noqa: ANN202 - R
 
     def kill_cause(end: RankEnd) -> RankEnd:
         w = watched.get(end.pid or -1)
-        oom, how = sigkill_cause(end.pid or -1, w.comm if w else None, w.ended_at if w else None,
-                                 w.memory if w else None, since=t0)  # type: ignore[arg-type]
+        oom, how = sigkill_cause(
+            end.pid or -1, w.comm if w else None, w.ended_at if w else None, w.memory if w else None, since=t0
+        )  # type: ignore[arg-type]
         return replace(end, oom=oom, killed_how=how)
 
     return kill_cause
@@ -392,7 +460,7 @@ def _stacks_dir() -> str:
     folders of launchers that were SIGKILLed before removing theirs are swept here."""
     root = Path(tempfile.gettempdir())
     for old in root.glob(f"{STACKS_PREFIX}*-*"):
-        pid = old.name[len(STACKS_PREFIX):].split("-", 1)[0]
+        pid = old.name[len(STACKS_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{STACKS_PREFIX}{os.getpid()}-")

@@ -128,8 +128,9 @@ def kernel_oom_kills(since: float) -> list[OomKill] | None:
     return found
 
 
-def sigkill_cause(pid: int, comm: str | None, ended_at: float | None, counter: MemoryCounter | None,
-                  since: float) -> tuple[str, str | None]:
+def sigkill_cause(
+    pid: int, comm: str | None, ended_at: float | None, counter: MemoryCounter | None, since: float
+) -> tuple[str, str | None]:
     """What the kernel says about ``pid``'s SIGKILL: ("yes" | "likely" | "", the evidence in a few words, or None
     when nothing could be read). ``ended_at`` and ``since`` on the monotonic clock (the kernel log's)."""
     kills = kernel_oom_kills(since - 5.0)
@@ -137,18 +138,24 @@ def sigkill_cause(pid: int, comm: str | None, ended_at: float | None, counter: M
         exact = [k for k in kills if k.pid == pid]
         if exact:
             return "yes", f"kernel log: {exact[-1].text}"
-        near = [k for k in kills if ended_at is not None and abs(k.at - ended_at) <= _WINDOW_S and comm
-                and k.comm == comm]
+        near = [
+            k for k in kills if ended_at is not None and abs(k.at - ended_at) <= _WINDOW_S and comm and k.comm == comm
+        ]
         if near:
-            return "likely", (f"most likely by the kernel's OOM killer: at that moment the kernel log says "
-                              f"\"{near[-1].text}\" (another pid namespace's numbering)")
+            return "likely", (
+                f"most likely by the kernel's OOM killer: at that moment the kernel log says "
+                f'"{near[-1].text}" (another pid namespace\'s numbering)'
+            )
     after = _read_counter(counter.path) if counter is not None else None
     if counter is not None and after is not None and after > counter.before:
-        return "likely", (f"most likely by the kernel's OOM killer: its memory cgroup counted {after - counter.before} "
-                          f"OOM kill(s) during the segment ({counter.path})")
+        return "likely", (
+            f"most likely by the kernel's OOM killer: its memory cgroup counted {after - counter.before} "
+            f"OOM kill(s) during the segment ({counter.path})"
+        )
     if kills is not None:
         return "", "not by the OOM killer: the kernel log names no OOM kill of it; a kill from outside"
     if after is not None:
-        return "", (f"its memory cgroup counted no OOM kill ({counter.path}); the kernel log is not readable here to "
-                    "tell more")
+        return "", (
+            f"its memory cgroup counted no OOM kill ({counter.path}); the kernel log is not readable here to tell more"
+        )
     return "", None

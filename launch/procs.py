@@ -65,7 +65,7 @@ def proc_stat(pid: int) -> tuple[int, int] | None:
         raw = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return None
-    fields = raw[raw.rfind(b")") + 2:].split()  # after "pid (comm)": state ppid ... starttime is field 22
+    fields = raw[raw.rfind(b")") + 2 :].split()  # after "pid (comm)": state ppid ... starttime is field 22
     try:
         return int(fields[1]), int(fields[19])
     except (IndexError, ValueError):
@@ -116,7 +116,7 @@ def _state(pid: int) -> bytes | None:
         raw = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return None
-    return raw[raw.rfind(b")") + 2:][:1]
+    return raw[raw.rfind(b")") + 2 :][:1]
 
 
 def is_zombie(pid: int) -> bool:
@@ -184,7 +184,7 @@ def _environ(pid: int) -> dict[str, str]:
 def _session(pid: int) -> int | None:
     try:
         raw = Path(f"/proc/{pid}/stat").read_bytes()
-        return int(raw[raw.rfind(b")") + 2:].split()[3])
+        return int(raw[raw.rfind(b")") + 2 :].split()[3])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -196,7 +196,7 @@ def exit_status(pid: int, start: int) -> int | None:
         raw = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return None
-    fields = raw[raw.rfind(b")") + 2:].split()
+    fields = raw[raw.rfind(b")") + 2 :].split()
     try:
         if int(fields[19]) != start or fields[0] not in (b"Z", b"X"):
             return None
@@ -220,7 +220,9 @@ class WatchedRank:
     status: int | None = None  # exit status read from the zombie (None: reaped before it could be read)
     generation: int = 0  # how often the agent had restarted the segment's ranks in place when it started this one
     notes: str | None = None  # its agent's notes folder (SHARDKEEPER_RANK_NOTES): where a forked rank's pid is told
-    forked_pid: int | None = None  # the rank's own process when this one is the fork server's client (trainer.forkserver)
+    forked_pid: int | None = (
+        None  # the rank's own process when this one is the fork server's client (trainer.forkserver)
+    )
 
     @property
     def rank_pid(self) -> int:
@@ -284,8 +286,16 @@ class RankWatch:
             except OSError:
                 comm = None
             local = env.get("LOCAL_RANK", "")
-            watched = WatchedRank(pid, stat[1], int(rank), int(local) if local.isdigit() else None, comm,
-                                  memory_counter(pid), generation=generation, notes=env.get("SHARDKEEPER_RANK_NOTES"))
+            watched = WatchedRank(
+                pid,
+                stat[1],
+                int(rank),
+                int(local) if local.isdigit() else None,
+                comm,
+                memory_counter(pid),
+                generation=generation,
+                notes=env.get("SHARDKEEPER_RANK_NOTES"),
+            )
             with self._lock:
                 self._ranks_seen.add((generation, int(rank)))
                 self.ranks[pid] = watched

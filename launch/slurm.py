@@ -34,15 +34,33 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from launch.early import received_stop
 from launch.attribution import RankEnd
-from launch.base import (InPlaceRestart, LaunchOutcome, LaunchRequest, LogSink, OutputSplitter, Rendezvous,
-                         restart_from_record, restart_said, segment_failure, torchrun_argv)
+from launch.base import (
+    InPlaceRestart,
+    LaunchOutcome,
+    LaunchRequest,
+    LogSink,
+    OutputSplitter,
+    Rendezvous,
+    restart_from_record,
+    restart_said,
+    segment_failure,
+    torchrun_argv,
+)
+from launch.early import received_stop
+from launch.slurm_ctl import (
+    FINAL_STATES,
+    SlurmError,
+    SlurmJob,
+    clear_job,
+    job_info,
+    partition_nodes,
+    record_job,
+    run_command,
+)
 from schemas import ClusterTopology
 from schemas.errors import ConfigError
 from schemas.seam import EXIT_CANCELLED, EXIT_FAILED, EXIT_PREEMPTED, LAUNCH_ENV
-from launch.slurm_ctl import (FINAL_STATES, SlurmError, SlurmJob, clear_job, job_info, partition_nodes, record_job,
-                              run_command)
 
 POLL_S = 1.0
 CTLD_PATIENCE_S = 120.0  # how long slurmctld may not answer while a job is watched
@@ -63,8 +81,10 @@ def check_text(value: str, what: str) -> None:
     of the generated batch script: a command of its own)."""
     bad = [c for c in value if ord(c) < 32 or ord(c) == 127]
     if bad:
-        raise ConfigError(f"{what} {value!r}: contains control characters ({', '.join(repr(c) for c in sorted(set(bad)))}); "
-                          "use a plain path or value")
+        raise ConfigError(
+            f"{what} {value!r}: contains control characters ({', '.join(repr(c) for c in sorted(set(bad)))}); "
+            "use a plain path or value"
+        )
 
 
 def ranks_alive(run_dir: Path) -> bool:
@@ -94,9 +114,17 @@ class SlurmLauncher:
 
     name = "slurm"
 
-    def __init__(self, partition: str | None = None, time_min: int | None = None, grace_s: float = 60.0,
-                 python: str | None = None, extra_args: tuple[str, ...] = (), poll_s: float = POLL_S,
-                 cancel_settle_s: float = 3.0, unplaceable_after_s: float = UNPLACEABLE_AFTER_S):
+    def __init__(
+        self,
+        partition: str | None = None,
+        time_min: int | None = None,
+        grace_s: float = 60.0,
+        python: str | None = None,
+        extra_args: tuple[str, ...] = (),
+        poll_s: float = POLL_S,
+        cancel_settle_s: float = 3.0,
+        unplaceable_after_s: float = UNPLACEABLE_AFTER_S,
+    ):
         if time_min is not None and time_min < 1:
             raise ConfigError(f"--slurm-time {time_min}: must be a positive number of minutes")
         for arg in extra_args:
@@ -139,16 +167,21 @@ class SlurmLauncher:
         except SlurmError as e:
             raise SlurmError(f"--launcher slurm: {e}") from None
         if total == 0:
-            raise ConfigError(f"--slurm-partition {self.partition}: no such partition (or it has no nodes); "
-                              "see `sinfo -s` for the partitions there are")
+            raise ConfigError(
+                f"--slurm-partition {self.partition}: no such partition (or it has no nodes); "
+                "see `sinfo -s` for the partitions there are"
+            )
         if topology.nodes > total:
             raise ConfigError(f"--nodes {topology.nodes}: {where} has {total} node(s); use --nodes <= {total}")
         if topology.nodes > usable:
-            raise ConfigError(f"--nodes {topology.nodes}: only {usable} of the {total} node(s) of {where} are up "
-                              f"(the others are down or drained); use --nodes <= {usable} to start now")
+            raise ConfigError(
+                f"--nodes {topology.nodes}: only {usable} of the {total} node(s) of {where} are up "
+                f"(the others are down or drained); use --nodes <= {usable} to start now"
+            )
         if topology.device_type == "cpu" and cpus and topology.procs_per_node > cpus:
-            raise ConfigError(f"--nproc {topology.procs_per_node}: the nodes of {where} have {cpus} CPU(s); "
-                              f"use --nproc <= {cpus}")
+            raise ConfigError(
+                f"--nproc {topology.procs_per_node}: the nodes of {where} have {cpus} CPU(s); use --nproc <= {cpus}"
+            )
 
     # -- the job --------------------------------------------------------------------------------------
     def job_name(self, req: LaunchRequest) -> str:
@@ -164,8 +197,14 @@ class SlurmLauncher:
         topo = req.topology
         q = shlex.quote
         root = str(Path(__file__).resolve().parent.parent)
-        sb = [f"--nodes={topo.nodes}", "--ntasks-per-node=1", "--requeue", f"--signal=TERM@{max(1, int(self.grace_s))}",
-              "--open-mode=append", "--kill-on-invalid-dep=yes"]
+        sb = [
+            f"--nodes={topo.nodes}",
+            "--ntasks-per-node=1",
+            "--requeue",
+            f"--signal=TERM@{max(1, int(self.grace_s))}",
+            "--open-mode=append",
+            "--kill-on-invalid-dep=yes",
+        ]
         if topo.device_type == "cuda":
             sb.append(f"--gpus-per-node={topo.procs_per_node}")
         else:
@@ -175,18 +214,34 @@ class SlurmLauncher:
         if self.time_min:
             sb.append(f"--time={self.time_min}")
         # The shell expressions are evaluated on each node by the srun task (single-quoted below).
-        rdzv = Rendezvous(endpoint='"$SK_RDZV_ADDR:$SK_RDZV_PORT"', run_id='"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"',
-                          node_rank='"$SLURM_NODEID"', is_host='"$([ "$SLURM_NODEID" = 0 ] && echo 1 || echo 0)"')
+        rdzv = Rendezvous(
+            endpoint='"$SK_RDZV_ADDR:$SK_RDZV_PORT"',
+            run_id='"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"',
+            node_rank='"$SLURM_NODEID"',
+            is_host='"$([ "$SLURM_NODEID" = 0 ] && echo 1 || echo 0)"',
+        )
         # --nnodes is the allocation's node count: a job Slurm gives fewer nodes (--nodes=MIN-MAX in --slurm-arg)
         # trains at that world size; the ranks record what they ran on.
-        argv = torchrun_argv(q(self.python), topo, self.grace_s, q(str(Path(req.run_dir).resolve())), req.until_step,
-                             req.segment, rdzv, nnodes='"$SLURM_JOB_NUM_NODES"', restarts=req.restarts)
+        argv = torchrun_argv(
+            q(self.python),
+            topo,
+            self.grace_s,
+            q(str(Path(req.run_dir).resolve())),
+            req.until_step,
+            req.segment,
+            rdzv,
+            nnodes='"$SLURM_JOB_NUM_NODES"',
+            restarts=req.restarts,
+        )
         node_cmd = "exec " + " ".join(argv)
         # Every value below is shell-quoted; run directories and sbatch arguments with control characters are
         # refused before this (check_text), so no line of this script can be ended early by user text.
         resubmit = " ".join(q(a) for a in ["sbatch", *self.submit_args(req, output), str(script_path(req))])
-        lines = ["#!/bin/bash", f"# shardkeeper segment {req.segment}: train until step {req.until_step}",
-                 f"# generated by launch/slurm.py; resubmit by hand with: {resubmit}"]
+        lines = [
+            "#!/bin/bash",
+            f"# shardkeeper segment {req.segment}: train until step {req.until_step}",
+            f"# generated by launch/slurm.py; resubmit by hand with: {resubmit}",
+        ]
         lines += [f"#SBATCH {a}" for a in sb]
         lines += [
             "set -u",
@@ -202,7 +257,7 @@ class SlurmLauncher:
             "# Slurm signals the steps itself (requeue, preemption, --signal); the batch shell only waits for them,",
             "# so torchrun gets exactly one SIGTERM (a second one would cut the ranks' checkpoint short).",
             "trap : TERM INT USR1",
-            f"srun --kill-on-bad-exit=0 --ntasks-per-node=1 --nodes=\"$SLURM_JOB_NUM_NODES\" bash -c {q(node_cmd)} &",
+            f'srun --kill-on-bad-exit=0 --ntasks-per-node=1 --nodes="$SLURM_JOB_NUM_NODES" bash -c {q(node_cmd)} &',
             "step=$!",
             'wait "$step"; rc=$?',
             'while kill -0 "$step" 2>/dev/null; do wait "$step"; rc=$?; done',
@@ -234,15 +289,19 @@ class SlurmLauncher:
         script.write_text(self.batch_script(req, launch_file, output))
         job_id = self.submit(script, self.submit_args(req, output))
         record_job(run_dir, job_id)
-        sink(f"shardkeeper: submitted Slurm job {job_id} ({req.topology.nodes} node(s) x {req.topology.procs_per_node} "
-             f"rank(s)); output in {output}")
+        sink(
+            f"shardkeeper: submitted Slurm job {job_id} ({req.topology.nodes} node(s) x {req.topology.procs_per_node} "
+            f"rank(s)); output in {output}"
+        )
         return _JobWatch(self, req, job_id, output, sink, t0).run()
 
 
 class _JobWatch:
     """Waits for one job: follows its output file, reports state changes and requeues, stops it on request."""
 
-    def __init__(self, launcher: SlurmLauncher, req: LaunchRequest, job_id: str, output: Path, sink: LogSink, t0: float):
+    def __init__(
+        self, launcher: SlurmLauncher, req: LaunchRequest, job_id: str, output: Path, sink: LogSink, t0: float
+    ):
         self.l, self.req, self.job_id, self.output, self.sink, self.t0 = launcher, req, job_id, output, sink, t0
         self.out = OutputSplitter(sink)
         self.offset = output.stat().st_size if output.exists() else 0
@@ -276,8 +335,11 @@ class _JobWatch:
             job = job_info(self.job_id)
         except SlurmError:
             job = None
-        commands = ([["scancel", self.job_id]] if job is not None and job.state == "PENDING"
-                    else [["scancel", "--state=PENDING", self.job_id], ["scancel", "--signal=TERM", self.job_id]])
+        commands = (
+            [["scancel", self.job_id]]
+            if job is not None and job.state == "PENDING"
+            else [["scancel", "--state=PENDING", self.job_id], ["scancel", "--signal=TERM", self.job_id]]
+        )
         for argv in commands:
             try:
                 subprocess.run(argv, capture_output=True, timeout=10)
@@ -326,9 +388,11 @@ class _JobWatch:
                     unreachable_since = unreachable_since or now
                     if now - unreachable_since > CTLD_PATIENCE_S:
                         subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
-                        raise SlurmError(f"lost contact with slurmctld for {CTLD_PATIENCE_S:g} s while waiting for job "
-                                         f"{self.job_id} ({e}); asked Slurm to cancel it: resume with the same command "
-                                         "once `scontrol ping` answers") from None
+                        raise SlurmError(
+                            f"lost contact with slurmctld for {CTLD_PATIENCE_S:g} s while waiting for job "
+                            f"{self.job_id} ({e}); asked Slurm to cancel it: resume with the same command "
+                            "once `scontrol ping` answers"
+                        ) from None
                     time.sleep(self.l.poll_s)
                     continue
                 self.follow()
@@ -338,8 +402,10 @@ class _JobWatch:
                 label = f"{job.state}{'' if job.reason in ('None', '') else f' ({job.reason})'}"
                 if label != seen_state:
                     attempt = f", attempt {job.restarts + 1}" if job.restarts else ""
-                    self.sink(f"shardkeeper: Slurm job {self.job_id}: {label}{attempt}"
-                              f"{'' if job.nodelist in ('(null)', '') else f' on {job.nodelist}'}")
+                    self.sink(
+                        f"shardkeeper: Slurm job {self.job_id}: {label}{attempt}"
+                        f"{'' if job.nodelist in ('(null)', '') else f' on {job.nodelist}'}"
+                    )
                     seen_state = label
                 if job.state in FINAL_STATES:
                     break
@@ -365,9 +431,11 @@ class _JobWatch:
         said = False
         while ranks_alive(run_dir):
             if time.monotonic() > deadline:
-                self.sink(f"shardkeeper: Slurm job {self.job_id} has ended, but a rank still holds "
-                          f"{run_dir / RANKS_LOCK}; the next train of this run waits for it (scancel --full "
-                          f"{self.job_id} or kill it on its node)")
+                self.sink(
+                    f"shardkeeper: Slurm job {self.job_id} has ended, but a rank still holds "
+                    f"{run_dir / RANKS_LOCK}; the next train of this run waits for it (scancel --full "
+                    f"{self.job_id} or kill it on its node)"
+                )
                 return
             if not said:
                 self.sink(f"shardkeeper: Slurm job {self.job_id} has ended; waiting for its ranks to exit")
@@ -379,8 +447,10 @@ class _JobWatch:
         if not self.cancelled and req.cancel_check is not None and req.cancel_check():
             self.cancelled = True
             why = getattr(req.cancel_check, "reason", None)  # a stop check may say why (the run's lease was lost)
-            self.sink(f"shardkeeper: {(why and why()) or 'cancellation requested'}: stopping the job (its ranks commit a "
-                      "checkpoint first)")
+            self.sink(
+                f"shardkeeper: {(why and why()) or 'cancellation requested'}: stopping the job (its ranks commit a "
+                "checkpoint first)"
+            )
             self.request_stop("cancelled")
         if req.timeout_s and time.monotonic() - self.t0 > req.timeout_s:
             self.request_stop("timeout")
@@ -398,11 +468,15 @@ class _JobWatch:
         now = time.monotonic()
         if self.unplaceable_since is None:
             self.unplaceable_since = now
-            self.sink(f"shardkeeper: Slurm job {self.job_id} waits for {want} node(s); {usable} of {total} usable now "
-                      f"(cancelled after {self.l.unplaceable_after_s:g} s)")
+            self.sink(
+                f"shardkeeper: Slurm job {self.job_id} waits for {want} node(s); {usable} of {total} usable now "
+                f"(cancelled after {self.l.unplaceable_after_s:g} s)"
+            )
         if now - self.unplaceable_since >= self.l.unplaceable_after_s:
-            self.note = (f"Slurm job {self.job_id} could not be placed: {usable} of {total} node(s) usable, it asks "
-                         f"for {want}; cancelled it: resume with --nodes {max(1, usable)}")
+            self.note = (
+                f"Slurm job {self.job_id} could not be placed: {usable} of {total} node(s) usable, it asks "
+                f"for {want}; cancelled it: resume with --nodes {max(1, usable)}"
+            )
             self.sink(f"shardkeeper: {self.note}")
             self.lost = True
             self.stop_reason = "allocation lost"
@@ -430,7 +504,11 @@ class _JobWatch:
             code = 128 + self.signal
         elif self.lost or state in LOST_ALLOCATION:
             code, preempted = EXIT_PREEMPTED, True
-            note = note or f"Slurm ended job {self.job_id} as {state}; the next segment resumes from the latest valid checkpoint"
+            note = (
+                note
+                or f"Slurm ended job {self.job_id} as {state}; "
+                "the next segment resumes from the latest valid checkpoint"
+            )
         elif state == "CANCELLED":
             if self.stop_reason == "timeout":
                 code = EXIT_PREEMPTED
@@ -443,20 +521,37 @@ class _JobWatch:
             code = 128 + job.exit_signal
         tail = self.out.lines()
         if state == "OUT_OF_MEMORY":
-            tail.append(f"Slurm killed job {self.job_id} for exceeding its memory: ask for more memory per node "
-                        "(--set or the partition's defaults) or use more nodes")
+            tail.append(
+                f"Slurm killed job {self.job_id} for exceeding its memory: ask for more memory per node "
+                "(--set or the partition's defaults) or use more nodes"
+            )
 
         def kill_cause(end: RankEnd) -> RankEnd:  # this host sees no node's kernel: Slurm's job state says what it can
             if state == "OUT_OF_MEMORY":
-                return replace(end, oom="likely", killed_how=f"most likely by the OOM killer: Slurm ended job "
-                               f"{self.job_id} as OUT_OF_MEMORY")
-            return replace(end, killed_how="by the OOM killer or from outside: the node's kernel log is not readable "
-                           "from here")
+                return replace(
+                    end,
+                    oom="likely",
+                    killed_how=f"most likely by the OOM killer: Slurm ended job {self.job_id} as OUT_OF_MEMORY",
+                )
+            return replace(
+                end, killed_how="by the OOM killer or from outside: the node's kernel log is not readable from here"
+            )
 
         # From the job's output alone (torchrun's summaries, the ranks' lines): no rank is watched from this host.
         failure = segment_failure(Path(self.req.run_dir).resolve(), self.req.segment, self.out, kill_cause=kill_cause)
-        return LaunchOutcome(exit_code=code, timed_out=self.stop_reason == "timeout", tail=tail,
-                             seconds=time.monotonic() - self.t0, cancelled=self.cancelled, stop_signal=self.signal,
-                             held_back=list(self.out.held), scheduler_job=self.job_id, scheduler_state=state,
-                             requeues=requeues, note=note, scheduler_preempted=preempted, failure=failure,
-                             restarts=list(self.restarts))
+        return LaunchOutcome(
+            exit_code=code,
+            timed_out=self.stop_reason == "timeout",
+            tail=tail,
+            seconds=time.monotonic() - self.t0,
+            cancelled=self.cancelled,
+            stop_signal=self.signal,
+            held_back=list(self.out.held),
+            scheduler_job=self.job_id,
+            scheduler_state=state,
+            requeues=requeues,
+            note=note,
+            scheduler_preempted=preempted,
+            failure=failure,
+            restarts=list(self.restarts),
+        )

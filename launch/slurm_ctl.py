@@ -16,8 +16,18 @@ from pathlib import Path
 from schemas.errors import ShardkeeperError
 
 # Job states after which Slurm runs the job no more (a requeued job goes back to PENDING instead).
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-                "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT"}
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+    "SPECIAL_EXIT",
+}
 USABLE_NODE_STATES = ("idle", "mix", "alloc", "comp", "resv", "plnd")
 
 
@@ -74,15 +84,22 @@ def run_command(argv: list[str], what: str, timeout: float = 30.0) -> str:
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
-        raise SlurmError(f"{argv[0]}: not found on PATH; install the Slurm client commands (sbatch, squeue, scontrol, "
-                         "sinfo) or use --launcher local") from None
+        raise SlurmError(
+            f"{argv[0]}: not found on PATH; install the Slurm client commands (sbatch, squeue, scontrol, "
+            "sinfo) or use --launcher local"
+        ) from None
     except subprocess.TimeoutExpired:
-        raise SlurmError(f"{argv[0]} did not answer in {timeout:g} s while {what}: is slurmctld reachable? "
-                         "(check SLURM_CONF and `scontrol ping`)") from None
+        raise SlurmError(
+            f"{argv[0]} did not answer in {timeout:g} s while {what}: is slurmctld reachable? "
+            "(check SLURM_CONF and `scontrol ping`)"
+        ) from None
     if proc.returncode != 0:
         err = " ".join((proc.stderr or proc.stdout).split())[:300] or f"exit code {proc.returncode}"
-        fix = ("; is slurmctld running and SLURM_CONF the cluster's? (`scontrol ping`)"
-               if "Unable to contact" in err or "configuration" in err else "")
+        fix = (
+            "; is slurmctld running and SLURM_CONF the cluster's? (`scontrol ping`)"
+            if "Unable to contact" in err or "configuration" in err
+            else ""
+        )
         raise SlurmError(f"{argv[0]} failed while {what}: {err}{fix}")
     return proc.stdout
 
@@ -93,10 +110,16 @@ def parse_job(text: str) -> SlurmJob | None:
     if "JobId" not in fields:
         return None
     code, _, sig = fields.get("ExitCode", "0:0").partition(":")
-    return SlurmJob(job_id=fields["JobId"], state=fields.get("JobState", "UNKNOWN"), reason=fields.get("Reason", "None"),
-                    exit_code=int(code or 0), exit_signal=int(sig or 0), restarts=int(fields.get("Restarts", "0") or 0),
-                    num_nodes=int((fields.get("NumNodes", "0") or "0").split("-")[0]),
-                    nodelist=fields.get("NodeList", "(null)"))
+    return SlurmJob(
+        job_id=fields["JobId"],
+        state=fields.get("JobState", "UNKNOWN"),
+        reason=fields.get("Reason", "None"),
+        exit_code=int(code or 0),
+        exit_signal=int(sig or 0),
+        restarts=int(fields.get("Restarts", "0") or 0),
+        num_nodes=int((fields.get("NumNodes", "0") or "0").split("-")[0]),
+        nodelist=fields.get("NodeList", "(null)"),
+    )
 
 
 def job_info(job_id: str) -> SlurmJob | None:
@@ -125,5 +148,7 @@ def partition_nodes(partition: str | None) -> tuple[int, int, int]:
 
 def environment_ok() -> bool:
     """Slurm's client commands are on PATH (whether slurmctld answers is preflight's question)."""
-    return all(any(os.access(os.path.join(d, c), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
-               for c in ("sbatch", "scontrol", "sinfo", "scancel"))
+    return all(
+        any(os.access(os.path.join(d, c), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
+        for c in ("sbatch", "scontrol", "sinfo", "scancel")
+    )

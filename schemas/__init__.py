@@ -32,8 +32,8 @@ from schemas.run import (
     PerformanceSpec,
     PrecisionSpec,
     RunSpec,
-    ScriptSpec,
     ScheduleSpec,
+    ScriptSpec,
 )
 
 __all__ = [

@@ -39,8 +39,10 @@ def check_relative_path(path: str) -> str:
 
 
 class FileEntry(_Frozen):
-    path: str = Field(description="path relative to the checkpoint directory: plain names joined by '/', "
-                      "no '..', not absolute (at most 3 components)")
+    path: str = Field(
+        description="path relative to the checkpoint directory: plain names joined by '/', "
+        "no '..', not absolute (at most 3 components)"
+    )
     size: int = Field(ge=0, description="size in bytes")
     xxh3_128: str = Field(pattern=r"^[0-9a-f]{32}$", description="hex xxh3-128 digest of the whole file")
     rank: int | None = Field(None, ge=0, description="rank that wrote (and hashed) the file; None for rank-0 metadata")
@@ -59,9 +61,10 @@ class TensorEntry(_Frozen):
 
 class Fingerprint(_Frozen):
     method: Literal["l2-per-tensor-f64", "l2-per-tensor-f64-blocked"] = Field(
-        "l2-per-tensor-f64", description="per-tensor L2 norms accumulated in float64 over all shards: "
+        "l2-per-tensor-f64",
+        description="per-tensor L2 norms accumulated in float64 over all shards: "
         "-blocked in 32,768-element blocks (written now), plain (checkpoints written before); a load "
-        "recomputes the checkpoint's own method"
+        "recomputes the checkpoint's own method",
     )
     model: dict[str, float] = Field(description="L2 norm of each model parameter")
     optim: dict[str, float] = Field(description="L2 norm of each optimizer moment (exp_avg, exp_avg_sq) by key")
@@ -75,8 +78,9 @@ class DtypePolicy(_Frozen):
     """The dtypes the model was trained in, read from the live model at save (its FSDP2 MixedPrecisionPolicy,
     its DeepSpeed bf16/fp16 section, or its parameters' dtype), not from the run's config."""
 
-    master: str = Field("float32", description="torch dtype name of the weights (and optimizer state) in the "
-                        "checkpoint, e.g. float32")
+    master: str = Field(
+        "float32", description="torch dtype name of the weights (and optimizer state) in the checkpoint, e.g. float32"
+    )
     compute: str = Field(description="torch dtype name used for forward/backward, e.g. bfloat16")
     reduce: str = Field(description="torch dtype name used for gradient reduction, e.g. float32")
 
@@ -90,12 +94,14 @@ class HFModelRecord(_Frozen):
         "parsed), with architectures set to the model class name, e.g. ['LlamaForCausalLM']; the export sets dtype"
     )
     generation_config: dict[str, Any] | None = Field(
-        None, description="generation_config.json content (GenerationConfig.from_model_config(config), diff form); "
-        "None when it could not be built (the export then rebuilds the model with transformers)"
+        None,
+        description="generation_config.json content (GenerationConfig.from_model_config(config), diff form); "
+        "None when it could not be built (the export then rebuilds the model with transformers)",
     )
     tied: dict[str, str] = Field(
-        default_factory=dict, description="tied state_dict name -> the name it is tied to "
-        "(e.g. lm_head.weight -> model.embed_tokens.weight); empty when nothing is tied"
+        default_factory=dict,
+        description="tied state_dict name -> the name it is tied to "
+        "(e.g. lm_head.weight -> model.embed_tokens.weight); empty when nothing is tied",
     )
     transformers_version: str = Field(description="transformers version that built the model and wrote this record")
 
@@ -108,12 +114,18 @@ class BaseModelRecord(_Frozen):
     revision: str | None = Field(None, description="model.revision as given (Hub ids only)")
     resolved_revision: str | None = Field(None, description="the Hub commit the cache resolved it to (Hub ids only)")
     local_path: str = Field(description="the folder the weights were read from (the cache snapshot for a Hub id)")
-    hub_id: str | None = Field(None, description="the Hub id of the base model, for the model card: the source "
-                               "itself for a Hub id, else model.base_model_id")
+    hub_id: str | None = Field(
+        None,
+        description="the Hub id of the base model, for the model card: the source "
+        "itself for a Hub id, else model.base_model_id",
+    )
     weights: dict[str, str] = Field(description="weight file name -> sha256 of its bytes")
     weights_bytes: int = Field(ge=0, description="total size of the weight files")
-    files: dict[str, str] = Field(default_factory=dict, description="config, generation config and tokenizer file "
-                                  "name -> sha256, as they were when training started (the export checks what it carries)")
+    files: dict[str, str] = Field(
+        default_factory=dict,
+        description="config, generation config and tokenizer file "
+        "name -> sha256, as they were when training started (the export checks what it carries)",
+    )
 
 
 class CheckpointManifest(_Frozen):
@@ -128,10 +140,12 @@ class CheckpointManifest(_Frozen):
     created_at: str = Field(description="UTC ISO-8601 time of the commit")
     files: list[FileEntry] = Field(description="every file of the checkpoint, with size and checksum")
     tensors: list[TensorEntry] = Field(description="inventory of the tensors saved")
-    model_signature: str = Field(description="sha256 of the model tensors' canonical names, global shapes and dtypes "
-                                 "(ckpt.identity.signature): the same for every kind of run and both backends; "
-                                 "older checkpoints carry another digest. Recorded, never compared: a resume "
-                                 "compares the tensors themselves")
+    model_signature: str = Field(
+        description="sha256 of the model tensors' canonical names, global shapes and dtypes "
+        "(ckpt.identity.signature): the same for every kind of run and both backends; "
+        "older checkpoints carry another digest. Recorded, never compared: a resume "
+        "compares the tensors themselves"
+    )
     topology: ClusterTopology = Field(description="where it was written")
     dtype_policy: DtypePolicy = Field(description="dtypes at save")
     parent: str | None = Field(None, description="name of the checkpoint this run resumed from before writing it")
@@ -141,24 +155,30 @@ class CheckpointManifest(_Frozen):
     save_seconds: float = Field(0.0, ge=0, description="wall time from the start of the save to the commit")
     async_save: bool = Field(False, description="written in the background")
     hf_model: HFModelRecord | None = Field(
-        None, description="transformers config, generation config and ties of the model, recorded at save for the "
-        "export; None in checkpoints written before it was recorded (the export then rebuilds the model)"
+        None,
+        description="transformers config, generation config and ties of the model, recorded at save for the "
+        "export; None in checkpoints written before it was recorded (the export then rebuilds the model)",
     )
     data: DataRecord | None = Field(
-        None, description="the dataset and tokenizer the run trains on (content key and what it is made of), for "
-        "data.source 'dataset'; a resume refuses a checkpoint whose key differs from the data prepared now"
+        None,
+        description="the dataset and tokenizer the run trains on (content key and what it is made of), for "
+        "data.source 'dataset'; a resume refuses a checkpoint whose key differs from the data prepared now",
     )
     base_model: BaseModelRecord | None = Field(
-        None, description="the pretrained model the run started from (model.pretrained); None for a run started "
-        "from random weights"
+        None,
+        description="the pretrained model the run started from (model.pretrained); None for a run started "
+        "from random weights",
     )
     source_world_size: int | None = Field(
-        None, ge=1, description="a converted checkpoint (reason 'converted'): the world size of the training "
-        "checkpoint it was converted from (its topology is the conversion's: one process); None otherwise"
+        None,
+        ge=1,
+        description="a converted checkpoint (reason 'converted'): the world size of the training "
+        "checkpoint it was converted from (its topology is the conversion's: one process); None otherwise",
     )
     run_id: str | None = Field(
-        None, description="the random id of the run that wrote it (RUN_DIR/.run-id): a memory snapshot is persisted "
-        "and resumed only by that run; None in checkpoints written before it was recorded"
+        None,
+        description="the random id of the run that wrote it (RUN_DIR/.run-id): a memory snapshot is persisted "
+        "and resumed only by that run; None in checkpoints written before it was recorded",
     )
 
 
@@ -171,6 +191,9 @@ class ValidationReport(_Frozen):
     files_checked: int = Field(0, description="files whose size (and with deep, checksum) was verified")
     bytes_checked: int = Field(0, description="bytes hashed (deep only)")
     seconds: float = Field(0.0, description="time the validation took")
-    retired: bool = Field(False, description="true when the checkpoint was retired or quarantined by a writer while "
-                                             "it was being read (or before): no verdict on its bytes, never recorded "
-                                             "as invalid")
+    retired: bool = Field(
+        False,
+        description="true when the checkpoint was retired or quarantined by a writer while "
+        "it was being read (or before): no verdict on its bytes, never recorded "
+        "as invalid",
+    )

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from schemas.requests import SegmentPlan, TrainExportRequest
 
 PLAN_NAME = "plan.json"
-PLAN_FORMAT = 1
+PLAN_FORMAT: Literal[1] = 1
 
 # Who drives a plan (or launched a segment of it):
 #   flow        the train-and-export flow run that wrote the plan (its own retries after a preemption included)
@@ -43,21 +43,31 @@ class _Frozen(BaseModel):
 class Driver(_Frozen):
     """Who drove a plan or launched a segment: the kind of flow run and, where known, which one."""
 
-    kind: DriverKind = Field(description="flow (the train-and-export flow run), automation, schedule or resume "
-                                         "(a resume flow run started another way)")
+    kind: DriverKind = Field(
+        description="flow (the train-and-export flow run), automation, schedule or resume "
+        "(a resume flow run started another way)"
+    )
     flow_run_id: str | None = Field(None, description="the Prefect flow run's id")
     flow_run_name: str | None = Field(None, description="the Prefect flow run's name")
-    source: str | None = Field(None, description="what created that flow run: the automation's name, or the "
-                                                 "deployment of a scheduled run")
+    source: str | None = Field(
+        None, description="what created that flow run: the automation's name, or the deployment of a scheduled run"
+    )
 
     def line(self) -> str:
         """``automation 'resume demo on preemption' (flow run 'resume demo', 0f3c2a1b)``: for logs and tables."""
-        what = {"flow": "train-and-export", "automation": "automation", "schedule": "schedule",
-                "resume": "resume"}[self.kind]
+        what = {"flow": "train-and-export", "automation": "automation", "schedule": "schedule", "resume": "resume"}[
+            self.kind
+        ]
         if self.source:
             what += f" {self.source!r}"
-        run = ", ".join(x for x in (repr(self.flow_run_name) if self.flow_run_name else None,
-                                    self.flow_run_id[:8] if self.flow_run_id else None) if x)
+        run = ", ".join(
+            x
+            for x in (
+                repr(self.flow_run_name) if self.flow_run_name else None,
+                self.flow_run_id[:8] if self.flow_run_id else None,
+            )
+            if x
+        )
         return f"{what} (flow run {run})" if run else what
 
 
@@ -81,11 +91,14 @@ class PlanPublish(_Frozen):
 class SegmentProgress(_Frozen):
     """How far one planned segment got."""
 
-    status: Literal["pending", "completed"] = Field("pending", description="completed once the run reached the "
-                                                                          "segment's until_step")
+    status: Literal["pending", "completed"] = Field(
+        "pending", description="completed once the run reached the segment's until_step"
+    )
     end_step: int | None = Field(None, description="the step the segment ended at, once completed")
-    by: list[Driver] = Field(default_factory=list, description="who launched it, in order (a preempted segment "
-                                                               "resumed by the automation lists both)")
+    by: list[Driver] = Field(
+        default_factory=list,
+        description="who launched it, in order (a preempted segment resumed by the automation lists both)",
+    )
 
 
 class StageDone(_Frozen):
@@ -106,8 +119,9 @@ class RunPlan(_Frozen):
     id: str = Field(min_length=1, description="a new id for each train-and-export flow run that writes a plan")
     created: str = Field(description="UTC ISO-8601 when the plan was written")
     started_by: Driver = Field(description="the flow run that wrote it")
-    segments: list[SegmentPlan] = Field(min_length=1, description="the segments in order, each with its own world "
-                                                                  "size and placement")
+    segments: list[SegmentPlan] = Field(
+        min_length=1, description="the segments in order, each with its own world size and placement"
+    )
     export: PlanExport = Field(description="validation and export of the final checkpoint")
     publish: PlanPublish | None = Field(None, description="the publish of the export; None: no publish")
     status: PlanStatus = Field("running", description="where the plan stands (see PlanStatus)")
@@ -127,14 +141,28 @@ class RunPlan(_Frozen):
     @classmethod
     def from_request(cls, request: TrainExportRequest, *, plan_id: str, started_by: Driver, now: str) -> RunPlan:
         """The plan of a (resolved) train-and-export request, nothing done yet."""
-        publish = (PlanPublish(target=request.publish_target, revision=request.publish_revision)
-                   if request.publish_target is not None else None)
-        return cls(id=plan_id, created=now, updated=now, started_by=started_by, driver=started_by,
-                   segments=list(request.segments), publish=publish,
-                   export=PlanExport(dtype=request.export_dtype, max_shard_size=request.max_shard_size,
-                                     export_dir=request.export_dir, overwrite=request.overwrite_export,
-                                     deep_validate=request.deep_validate),
-                   progress=[SegmentProgress() for _ in request.segments])
+        publish = (
+            PlanPublish(target=request.publish_target, revision=request.publish_revision)
+            if request.publish_target is not None
+            else None
+        )
+        return cls(
+            id=plan_id,
+            created=now,
+            updated=now,
+            started_by=started_by,
+            driver=started_by,
+            segments=list(request.segments),
+            publish=publish,
+            export=PlanExport(
+                dtype=request.export_dtype,
+                max_shard_size=request.max_shard_size,
+                export_dir=request.export_dir,
+                overwrite=request.overwrite_export,
+                deep_validate=request.deep_validate,
+            ),
+            progress=[SegmentProgress() for _ in request.segments],
+        )
 
     @property
     def finished(self) -> bool:
@@ -148,8 +176,14 @@ class RunPlan(_Frozen):
     def where(self) -> str:
         """One line: how far the plan got, e.g. ``1 of 2 segments done; export, publish to come``."""
         done = sum(1 for p in self.progress if p.status == "completed")
-        left = [x for x, todo in (("export", self.exported is None),
-                                  ("publish", self.publish is not None and self.published is None)) if todo]
+        left = [
+            x
+            for x, todo in (
+                ("export", self.exported is None),
+                ("publish", self.publish is not None and self.published is None),
+            )
+            if todo
+        ]
         text = f"{done} of {len(self.segments)} segment{'s' if len(self.segments) > 1 else ''} done"
         if left:
             return f"{text}; {', '.join(left)} to come"

@@ -39,8 +39,9 @@ class _FlowParameters(_Typed):
     """A flow's parameters as one model: each field is one flat flow parameter."""
 
     base_dir: str | None = Field(
-        None, description="folder that relative paths resolve against; default: the flow run's working directory "
-        "(`python -m infra.deploy` sets it to the folder it was run from)"
+        None,
+        description="folder that relative paths resolve against; default: the flow run's working directory "
+        "(`python -m infra.deploy` sets it to the folder it was run from)",
     )
 
     def parameters(self) -> dict[str, Any]:
@@ -54,11 +55,15 @@ Launcher = Literal["local", "slurm"]
 class _Placement(_Typed):
     """Where segments run: the launcher and its options (what ``shardkeeper train --launcher`` takes)."""
 
-    launcher: Launcher = Field("local", description="local: torchrun on the worker's machine; slurm: an sbatch job "
-                               "(the worker's machine runs sbatch, the run directory is on storage the nodes share)")
+    launcher: Launcher = Field(
+        "local",
+        description="local: torchrun on the worker's machine; slurm: an sbatch job "
+        "(the worker's machine runs sbatch, the run directory is on storage the nodes share)",
+    )
     slurm_partition: str | None = Field(None, min_length=1, description="Slurm partition (default: the cluster's)")
-    slurm_time_min: int | None = Field(None, gt=0, description="Slurm time limit in minutes (the ranks get SIGTERM "
-                                                               "before it and commit a checkpoint)")
+    slurm_time_min: int | None = Field(
+        None, gt=0, description="Slurm time limit in minutes (the ranks get SIGTERM before it and commit a checkpoint)"
+    )
 
     def launcher_options(self) -> dict[str, Any]:
         """The keyword options of the launcher (launch.get_launcher)."""
@@ -70,8 +75,11 @@ class _Placement(_Typed):
 class SegmentPlan(_Placement):
     nproc: int = Field(ge=1, description="ranks per node the segment trains on")
     until_step: int = Field(ge=1, le=MAX_STEPS, description="train until this many optimizer steps are done in total")
-    nodes: int = Field(1, ge=1, description="nodes (world size = nodes x nproc); a resumed attempt uses the nodes "
-                                            "usable then, if fewer")
+    nodes: int = Field(
+        1,
+        ge=1,
+        description="nodes (world size = nodes x nproc); a resumed attempt uses the nodes usable then, if fewer",
+    )
     timeout_s: float | None = Field(
         None, gt=0, description="stop the segment (with a checkpoint: it ends 'preempted') after this many seconds"
     )
@@ -95,9 +103,12 @@ class TrainExportRequest(_FlowParameters):
     config: str | None = Field(None, description="path of a RunSpec YAML, e.g. configs/tiny.yaml (or give spec)")
     spec: RunSpec | None = Field(None, description="an inline RunSpec instead of a config path")
     overrides: list[str] = Field(default_factory=list, description="key.path=value overrides, as the CLI's --set")
-    script: str | None = Field(None, description="train with your own script (it uses shardkeeper.Segment), as "
-                               "shardkeeper train --script; config or spec then give name, seed and checkpoint "
-                               "policy, or leave both out for the defaults")
+    script: str | None = Field(
+        None,
+        description="train with your own script (it uses shardkeeper.Segment), as "
+        "shardkeeper train --script; config or spec then give name, seed and checkpoint "
+        "policy, or leave both out for the defaults",
+    )
     script_args: list[str] = Field(default_factory=list, description="the script's arguments (sys.argv[1:])")
     run_dir: str = Field(min_length=1, description="run directory (created; resumed if it holds checkpoints)")
     segments: list[SegmentPlan] = Field(
@@ -117,7 +128,8 @@ class TrainExportRequest(_FlowParameters):
         True, description="replace an existing export folder (exports are byte-reproducible, so re-runs are safe)"
     )
     publish_target: str | None = Field(
-        None, description="ORG/NAME or hf://ORG/NAME for the Hub, or an fsspec URL (file:///..., s3://...); none: no publish"
+        None,
+        description="ORG/NAME or hf://ORG/NAME for the Hub, or an fsspec URL (file:///..., s3://...); none: no publish",
     )
     publish_revision: str | None = Field(None, description="branch to publish to (default: main)")
 
@@ -147,8 +159,10 @@ class TrainExportRequest(_FlowParameters):
         if self.config is not None and self.spec is not None:
             raise ValueError("give exactly one of config (a RunSpec YAML path) or spec (an inline RunSpec), not both")
         if self.config is None and self.spec is None and self.script is None:
-            raise ValueError("give exactly one of config (a RunSpec YAML path) or spec (an inline RunSpec), or a "
-                             "script (your training script)")
+            raise ValueError(
+                "give exactly one of config (a RunSpec YAML path) or spec (an inline RunSpec), or a "
+                "script (your training script)"
+            )
         if self.script_args and self.script is None:
             raise ValueError("script_args without script; give script (your training script) or drop script_args")
         if self.overrides and self.spec is not None:
@@ -156,16 +170,23 @@ class TrainExportRequest(_FlowParameters):
         steps = [s.until_step for s in self.segments]
         for i in range(1, len(steps)):
             if steps[i] <= steps[i - 1]:
-                raise ValueError(f"segments[{i}].until_step {steps[i]} must be greater than segments[{i - 1}].until_step "
-                                 f"{steps[i - 1]}; list segments in training order with strictly increasing until_step")
+                raise ValueError(
+                    f"segments[{i}].until_step {steps[i]} must be greater than segments[{i - 1}].until_step "
+                    f"{steps[i - 1]}; list segments in training order with strictly increasing until_step"
+                )
         return self
 
     def resolved(self) -> TrainExportRequest:
         """The same request with config, run_dir and export_dir absolute (against base_dir)."""
         b = self.base_dir
-        return self.model_copy(update={"config": _absolute(self.config, b), "run_dir": _absolute(self.run_dir, b),
-                                       "script": _absolute(self.script, b),
-                                       "export_dir": _absolute(self.export_dir, b)})
+        return self.model_copy(
+            update={
+                "config": _absolute(self.config, b),
+                "run_dir": _absolute(self.run_dir, b),
+                "script": _absolute(self.script, b),
+                "export_dir": _absolute(self.export_dir, b),
+            }
+        )
 
 
 class ResumeRequest(_FlowParameters, _Placement):
@@ -177,16 +198,29 @@ class ResumeRequest(_FlowParameters, _Placement):
     otherwise at those of the segment that was preempted (from the run's segments.jsonl) -- never at a default
     that has nothing to do with the run."""
 
-    roots: list[str] = Field(default_factory=list, description="folders whose immediate subfolders are run "
-                             "directories to scan, e.g. [\"/data/runs\"]")
+    roots: list[str] = Field(
+        default_factory=list,
+        description='folders whose immediate subfolders are run directories to scan, e.g. ["/data/runs"]',
+    )
     run_dirs: list[str] = Field(default_factory=list, description="run directories to scan (in addition to roots)")
-    nproc: int | None = Field(None, ge=1, description="ranks per node to resume a run without a plan on (resharded if "
-                              "the world size differs); default: the preempted segment's. A planned run resumes at "
-                              "its plan's world size")
-    nodes: int | None = Field(None, ge=1, description="nodes to resume a run without a plan on (with launcher slurm, "
-                              "fewer when fewer are usable now); default: the preempted segment's")
-    launcher: Launcher | None = Field(None, description="local (torchrun here) or slurm (sbatch from here) for a run "
-                                      "without a plan; default: the preempted segment's")
+    nproc: int | None = Field(
+        None,
+        ge=1,
+        description="ranks per node to resume a run without a plan on (resharded if "
+        "the world size differs); default: the preempted segment's. A planned run resumes at "
+        "its plan's world size",
+    )
+    nodes: int | None = Field(
+        None,
+        ge=1,
+        description="nodes to resume a run without a plan on (with launcher slurm, "
+        "fewer when fewer are usable now); default: the preempted segment's",
+    )
+    launcher: Launcher | None = Field(  # type: ignore[assignment]  # optional here: the preempted segment's
+        None,
+        description="local (torchrun here) or slurm (sbatch from here) for a run "
+        "without a plan; default: the preempted segment's",
+    )
     max_preemption_retries: int = Field(3, ge=0, description="times a preempted segment is resumed before giving up")
     backoff_s: float = Field(5.0, ge=0, description="wait before a resume; doubles after each preemption")
     timeout_s: float | None = Field(None, gt=0, description="stop each resumed segment after this many seconds")
@@ -207,8 +241,12 @@ class ResumeRequest(_FlowParameters, _Placement):
     def resolved(self) -> ResumeRequest:
         """The same request with every folder absolute (against base_dir)."""
         b = self.base_dir
-        return self.model_copy(update={"roots": [_absolute(r, b) for r in self.roots],
-                                       "run_dirs": [_absolute(d, b) for d in self.run_dirs]})
+        return self.model_copy(
+            update={
+                "roots": [_absolute(r, b) for r in self.roots],
+                "run_dirs": [_absolute(d, b) for d in self.run_dirs],
+            }
+        )
 
 
 class RunState(_Frozen):
@@ -220,8 +258,10 @@ class RunState(_Frozen):
     step: int = Field(0, ge=0, description="step of that checkpoint (0 when there is none)")
     world_size: int | None = Field(None, description="world size that checkpoint was written at")
     tier: Literal["memory", "storage"] | None = Field(
-        None, description="where that checkpoint lives: 'storage' (the run directory) or 'memory' (a snapshot of "
-        "checkpoint.memory_interval newer than storage's newest, on this host)")
+        None,
+        description="where that checkpoint lives: 'storage' (the run directory) or 'memory' (a snapshot of "
+        "checkpoint.memory_interval newer than storage's newest, on this host)",
+    )
     last_status: SegmentStatus | Literal["running", "interrupted"] | None = Field(
         None, description="how the last segment ended; 'running' if its lock is held, 'interrupted' if it never ended"
     )
@@ -231,8 +271,10 @@ class RunState(_Frozen):
     last_nodes: int | None = Field(None, description="nodes the last segment was started on")
     last_launcher: Launcher | None = Field(None, description="launcher of the last segment (local or slurm)")
     reread: bool | None = Field(
-        None, description="on an object store: every object of that checkpoint was downloaded and matched its "
-        "manifest's checksums since its upload (False: committed, not re-read); None for a local run directory")
+        None,
+        description="on an object store: every object of that checkpoint was downloaded and matched its "
+        "manifest's checksums since its upload (False: committed, not re-read); None for a local run directory",
+    )
 
 
 def ran_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -270,14 +312,19 @@ def last_placement(records: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     if not isinstance(nodes, int) or nodes < 1 or world % nodes:
         nodes = 1
-    return {"last_world_size": world, "last_nodes": nodes,
-            "last_launcher": launcher if launcher in ("local", "slurm") else "local"}
+    return {
+        "last_world_size": world,
+        "last_nodes": nodes,
+        "last_launcher": launcher if launcher in ("local", "slurm") else "local",
+    }
 
 
 class SegmentOutcome(_Frozen):
     plan: SegmentPlan = Field(description="the segment as requested")
     reshard: ReshardResult | None = Field(None, description="reshard before the segment, when the world size changed")
-    attempts: list[SegmentResult] = Field(default_factory=list, description="each launch: preempted ones, then the last")
+    attempts: list[SegmentResult] = Field(
+        default_factory=list, description="each launch: preempted ones, then the last"
+    )
     skipped: bool = Field(False, description="the run was already at until_step: nothing launched")
 
 
@@ -314,12 +361,16 @@ class ResumeItem(_Frozen):
     )
     reason: str = Field("", description="one line: why")
     outcome: SegmentOutcome | None = Field(None, description="the resumed segment, when one ran")
-    segments: list[SegmentOutcome] = Field(default_factory=list, description="a planned run: every segment this flow "
-                                           "run trained, the resumed one first")
+    segments: list[SegmentOutcome] = Field(
+        default_factory=list, description="a planned run: every segment this flow run trained, the resumed one first"
+    )
     export: ExportResult | None = Field(None, description="a planned run: the export, when this flow run made it")
     publish: PublishResult | None = Field(None, description="a planned run: the publish, when this flow run made it")
-    plan_status: str | None = Field(None, description="a planned run: where its plan stands after this flow run "
-                                    "(schemas.plan.PlanStatus); None for a run without a plan")
+    plan_status: str | None = Field(
+        None,
+        description="a planned run: where its plan stands after this flow run "
+        "(schemas.plan.PlanStatus); None for a run without a plan",
+    )
 
 
 class ResumeSummary(_Frozen):

@@ -7,6 +7,7 @@ the ranks of one segment: one schema each way, the exit codes, and the files tha
 - Back: ``SegmentReport``, written by rank 0 to ``RUN_DIR/.segment-status.json`` when the segment ends.
 - The process exit code of a rank, of torchrun and of ``shardkeeper train``: ``EXIT_*`` below.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,18 +56,26 @@ SCRIPT_TRACEBACK_FILE = ".script-traceback.txt"
 # collective (gloo, NCCL) or the rendezvous store lost its peer, or waited for it until its timeout. Matched
 # against the error's text (gloo's errors are plain RuntimeErrors), first match wins; the phrase is what the
 # segment's failure line shows for that rank.
-_COLLECTIVE_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p, re.I), phrase) for p, phrase in (
-    (r"connection reset by peer", "connection reset by peer"),
-    (r"connection closed by peer", "connection closed by peer"),
-    (r"broken pipe", "broken pipe"),
-    (r"failed to recv, got 0 bytes|recv.*got 0 bytes", "connection closed by peer"),
-    (r"ncclRemoteError|remote process exited|NCCL communicator was aborted|NCCL.*(aborted|abort)",
-     "NCCL communicator aborted (a peer is gone)"),
-    (r"Watchdog caught collective operation timeout|Timed out waiting|Socket Timeout|timed out in|"
-     r"DistBackendError.*timeout|operation timed out", "timed out waiting in a collective"),
-    (r"connection refused", "connection refused"),
-    (r"DistNetworkError", "network error in a collective"),
-))
+_COLLECTIVE_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(p, re.I), phrase)
+    for p, phrase in (
+        (r"connection reset by peer", "connection reset by peer"),
+        (r"connection closed by peer", "connection closed by peer"),
+        (r"broken pipe", "broken pipe"),
+        (r"failed to recv, got 0 bytes|recv.*got 0 bytes", "connection closed by peer"),
+        (
+            r"ncclRemoteError|remote process exited|NCCL communicator was aborted|NCCL.*(aborted|abort)",
+            "NCCL communicator aborted (a peer is gone)",
+        ),
+        (
+            r"Watchdog caught collective operation timeout|Timed out waiting|Socket Timeout|timed out in|"
+            r"DistBackendError.*timeout|operation timed out",
+            "timed out waiting in a collective",
+        ),
+        (r"connection refused", "connection refused"),
+        (r"DistNetworkError", "network error in a collective"),
+    )
+)
 
 
 def collective_error(text: str) -> str | None:
@@ -76,6 +85,7 @@ def collective_error(text: str) -> str | None:
         if pattern.search(text):
             return phrase
     return None
+
 
 ReportedStatus = Literal["completed", "preempted", "cancelled", "failed"]
 
@@ -92,16 +102,28 @@ class SegmentLaunch(_Frozen):
     segment: int = Field(ge=0, description="segment index within the run")
     topology: ClusterTopology = Field(description="what the launcher allocated: nodes, procs per node, device")
     restart: bool = Field(False, description="the controller set the run's invalid checkpoints aside: start at 0")
-    launcher_pid: int | None = Field(None, ge=1, description="pid of the process holding the run lock; the ranks "
-                                                             "stop when it dies (None: no watchdog on it)")
-    data: PreparedData | None = Field(None, description="data.source 'dataset': the token files the controller "
-                                      "prepared (the ranks only open them) and their content keys")
-    launched_at: float | None = Field(None, description="Unix time at which the launcher started the ranks' "
-                                      "processes (torchrun); the origin of the segment's SegmentTimes (None: "
-                                      "the earliest rank start is)")
-    stacks_dir: str | None = Field(None, description="a folder on the launcher's host where each rank writes its "
-                                   "Python stacks (rank-R.txt) when the launcher sends it STACKS_SIGNAL: ranks that "
-                                   "do not stop within the grace are named with where they were (None: not asked)")
+    launcher_pid: int | None = Field(
+        None,
+        ge=1,
+        description="pid of the process holding the run lock; the ranks stop when it dies (None: no watchdog on it)",
+    )
+    data: PreparedData | None = Field(
+        None,
+        description="data.source 'dataset': the token files the controller "
+        "prepared (the ranks only open them) and their content keys",
+    )
+    launched_at: float | None = Field(
+        None,
+        description="Unix time at which the launcher started the ranks' "
+        "processes (torchrun); the origin of the segment's SegmentTimes (None: "
+        "the earliest rank start is)",
+    )
+    stacks_dir: str | None = Field(
+        None,
+        description="a folder on the launcher's host where each rank writes its "
+        "Python stacks (rank-R.txt) when the launcher sends it STACKS_SIGNAL: ranks that "
+        "do not stop within the grace are named with where they were (None: not asked)",
+    )
 
     @property
     def device(self) -> str:
@@ -118,8 +140,10 @@ class SegmentLaunch(_Frozen):
             return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             first = " ".join(str(e).split())[:200]
-            raise RunDirError(f"{path}: not a readable segment launch ({first}); start the segment through "
-                              "shardkeeper train (or unset SHARDKEEPER_LAUNCH when running torchrun by hand)") from None
+            raise RunDirError(
+                f"{path}: not a readable segment launch ({first}); start the segment through "
+                "shardkeeper train (or unset SHARDKEEPER_LAUNCH when running torchrun by hand)"
+            ) from None
 
     @classmethod
     def from_environ(cls) -> SegmentLaunch | None:
@@ -137,15 +161,20 @@ class SegmentTimes(_Frozen):
     reached when every rank has reached it). Wall-clock times of one host's clock: on several nodes they
     include the nodes' clock skew. A phase the segment never reached is None."""
 
-    origin: Literal["launcher", "ranks"] = Field(description="t = 0: the launcher starting the ranks' processes "
-                                                 "(SegmentLaunch.launched_at), or the earliest rank's process start")
+    origin: Literal["launcher", "ranks"] = Field(
+        description="t = 0: the launcher starting the ranks' processes "
+        "(SegmentLaunch.launched_at), or the earliest rank's process start"
+    )
     origin_time: float = Field(description="Unix time of t = 0")
     ranks_started_s: float | None = Field(None, description="every rank's process exists (torchrun's start-up before)")
     imports_s: float | None = Field(None, description="the rank's modules imported (torch, transformers, ...)")
     process_group_s: float | None = Field(None, description="the process group (and the gloo side groups) is up")
     model_built_s: float | None = Field(None, description="model built and sharded, optimizer and Checkpointer made")
-    loaded_s: float | None = Field(None, description="the checkpoint verified (checksums) and loaded (fingerprint and "
-                                   "counters checked), or the fresh state ready")
+    loaded_s: float | None = Field(
+        None,
+        description="the checkpoint verified (checksums) and loaded (fingerprint and "
+        "counters checked), or the fresh state ready",
+    )
     first_step_s: float | None = Field(None, description="the first optimizer step of the segment done on every rank")
     stop_signal_s: float | None = Field(None, description="the first rank's Python handler saw SIGTERM/SIGUSR1")
     emergency_saved_s: float | None = Field(None, description="the preemption's checkpoint committed")
@@ -185,15 +214,25 @@ class SegmentReport(_Frozen):
     world_size: int = Field(ge=1)
     topology: ClusterTopology
     note: str | None = Field(None, description="how the segment ended, in one line (a failure's cause and fix)")
-    exit_code: int | None = Field(None, description="the ranks' exit code when the failure has its own "
-                                  "(EXIT_NONFINITE); None: the status's code")
+    exit_code: int | None = Field(
+        None, description="the ranks' exit code when the failure has its own (EXIT_NONFINITE); None: the status's code"
+    )
     execution: dict[str, Any] | None = Field(
-        None, description="how the ranks ran the math (performance section as applied: activation-checkpointed and "
-        "compiled blocks, AdamW implementation); recorded on the segment's lineage event")
-    times: SegmentTimes | None = Field(None, description="when the segment reached each phase (start-up, preemption); "
-                                       "for ranks restarted in place, their own phases, from their own start")
-    restarts: int = Field(0, ge=0, description="how often the segment's ranks had been restarted in place before the "
-                          "ranks that wrote this report started (checkpoint.restarts)")
+        None,
+        description="how the ranks ran the math (performance section as applied: activation-checkpointed and "
+        "compiled blocks, AdamW implementation); recorded on the segment's lineage event",
+    )
+    times: SegmentTimes | None = Field(
+        None,
+        description="when the segment reached each phase (start-up, preemption); "
+        "for ranks restarted in place, their own phases, from their own start",
+    )
+    restarts: int = Field(
+        0,
+        ge=0,
+        description="how often the segment's ranks had been restarted in place before the "
+        "ranks that wrote this report started (checkpoint.restarts)",
+    )
 
     def write(self, run_dir: Path) -> Path:
         path = Path(run_dir) / REPORT_FILE
@@ -231,8 +270,12 @@ def documented_exit_codes() -> frozenset[int]:
 def exit_code_of(status: str, fallback: int) -> int:
     """The exit code a segment that ended with ``status`` returns (``fallback`` for a failure; a code outside the
     documented set, e.g. a signal-killed torchrun's -9, is EXIT_FAILED)."""
-    code = {"completed": EXIT_COMPLETED, "preempted": EXIT_PREEMPTED, "cancelled": EXIT_CANCELLED,
-            "refused": EXIT_REFUSED}.get(status, fallback or EXIT_FAILED)
+    code = {
+        "completed": EXIT_COMPLETED,
+        "preempted": EXIT_PREEMPTED,
+        "cancelled": EXIT_CANCELLED,
+        "refused": EXIT_REFUSED,
+    }.get(status, fallback or EXIT_FAILED)
     return code if code in documented_exit_codes() else EXIT_FAILED
 
 

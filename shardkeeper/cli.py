@@ -20,7 +20,7 @@ import logging
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import click
 import typer
@@ -44,15 +44,22 @@ from shardkeeper.cli_app import _RANK_LOG, _STATE, app, console, out  # noqa: E4
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s",
-                        handlers=[RichHandler(console=console, show_path=False, markup=False)])
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False, markup=False)],
+    )
     if not verbose:  # botocore says "Found credentials in environment variables" at INFO for every s3:// client
         for name in ("botocore", "aiobotocore", "s3fs"):
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
 @app.callback()
-def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging, all rank output, tracebacks")] = False) -> None:
+def _main(
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="debug logging, all rank output, tracebacks")
+    ] = False,
+) -> None:
     _STATE["verbose"] = verbose
     _setup_logging(verbose)
 
@@ -60,7 +67,8 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug l
 def _rank_output(line: str) -> None:
     """The ranks' progress log reaches the terminal; their tracebacks, warnings and torchrun's summary only with
     -v (a failure is reported once, as one line, after the launch)."""
-    if _STATE["verbose"] or (_RANK_LOG.match(line) and RANK_ERROR_PREFIX not in line):
+    own_error = "not restarted in place: " in line and "an error of its own" in line  # the failure line says it
+    if _STATE["verbose"] or (_RANK_LOG.match(line) and RANK_ERROR_PREFIX not in line and not own_error):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
@@ -69,25 +77,47 @@ def train(
     ctx: typer.Context,
     # str, not Path: Path("") would silently become the current directory; preflight refuses an empty one.
     run_dir: Annotated[str, typer.Option(help="run directory (created; resumed if it holds checkpoints)")],
-    config: Annotated[Optional[Path], typer.Option(help="RunSpec YAML, e.g. configs/tiny.yaml (default: the run's own "
-                                                       "run.yaml on a resume; optional with --script)")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="RunSpec YAML, e.g. configs/tiny.yaml (default: the run's own "
+            "run.yaml on a resume; optional with --script)"
+        ),
+    ] = None,
     nproc: Annotated[int, typer.Option(help="ranks per node")] = 1,
     until_step: Annotated[int, typer.Option(help="train until this many optimizer steps are done")] = 20,
     launcher: Annotated[str, typer.Option(help="local (torchrun here) | slurm (an sbatch job)")] = "local",
-    nodes: Annotated[int, typer.Option(help="nodes (world size = nodes x nproc); with --launcher local, several "
-                                            "torchrun agents on this machine joined by c10d rendezvous")] = 1,
-    slurm_partition: Annotated[Optional[str], typer.Option(help="Slurm partition (default: the cluster's)")] = None,
-    slurm_time: Annotated[Optional[int], typer.Option(help="Slurm time limit in minutes; the ranks get SIGTERM "
-                                                           "60 s before it and commit a checkpoint")] = None,
-    slurm_arg: Annotated[Optional[list[str]], typer.Option(help="extra sbatch option, e.g. --slurm-arg=--account=ml "
-                                                                "(repeatable)")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set optim.lr=1e-3")] = None,
-    timeout: Annotated[Optional[float], typer.Option(help="stop (with a checkpoint) after this many seconds")] = None,
+    nodes: Annotated[
+        int,
+        typer.Option(
+            help="nodes (world size = nodes x nproc); with --launcher local, several "
+            "torchrun agents on this machine joined by c10d rendezvous"
+        ),
+    ] = 1,
+    slurm_partition: Annotated[str | None, typer.Option(help="Slurm partition (default: the cluster's)")] = None,
+    slurm_time: Annotated[
+        int | None,
+        typer.Option(help="Slurm time limit in minutes; the ranks get SIGTERM 60 s before it and commit a checkpoint"),
+    ] = None,
+    slurm_arg: Annotated[
+        list[str] | None, typer.Option(help="extra sbatch option, e.g. --slurm-arg=--account=ml (repeatable)")
+    ] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override, e.g. --set optim.lr=1e-3")] = None,
+    timeout: Annotated[float | None, typer.Option(help="stop (with a checkpoint) after this many seconds")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
-    restart: Annotated[bool, typer.Option(help="the run's checkpoints are all invalid: set them aside "
-                                          "(step-*.invalid-*) and start over from step 0")] = False,
-    script: Annotated[Optional[str], typer.Option(help="train with your own script (it uses shardkeeper.Segment); "
-                                                       "its arguments follow --, e.g. --script train.py -- --lr 1e-3")] = None,
+    restart: Annotated[
+        bool,
+        typer.Option(
+            help="the run's checkpoints are all invalid: set them aside (step-*.invalid-*) and start over from step 0"
+        ),
+    ] = False,
+    script: Annotated[
+        str | None,
+        typer.Option(
+            help="train with your own script (it uses shardkeeper.Segment); "
+            "its arguments follow --, e.g. --script train.py -- --lr 1e-3"
+        ),
+    ] = None,
 ) -> None:
     """Train one segment with torchrun; resumes from the latest valid checkpoint; always commits one at the end.
     With --script, every rank runs your script, which trains through shardkeeper.Segment (resumes of a script run
@@ -109,30 +139,60 @@ def train(
         raise ShardkeeperError(f"--timeout {timeout:g}: must be a positive number of seconds; omit it for no timeout")
     if launcher != "slurm" and (slurm_partition or slurm_time or slurm_arg):
         raise ShardkeeperError("--slurm-partition/--slurm-time/--slurm-arg apply to --launcher slurm only")
-    options = ({"partition": slurm_partition, "time_min": slurm_time, "extra_args": tuple(slurm_arg or ())}
-               if launcher == "slurm" else {})
+    options = (
+        {"partition": slurm_partition, "time_min": slurm_time, "extra_args": tuple(slurm_arg or ())}
+        if launcher == "slurm"
+        else {}
+    )
     extra = list(ctx.args)
     if extra and script is None:
         raise ShardkeeperError(f"unexpected argument {extra[0]!r}; script arguments go after --script FILE --")
     spec = train_spec(config, set_, run_dir, script=script, script_args=extra)
     topo = plan_topology(spec, nproc, nodes=nodes, launcher=launcher, device=device, launcher_options=options)
-    res = train_segment(spec, run_dir, topo, until_step, timeout_s=timeout, restart=restart, sink=_rank_output,
-                        launcher_options=options, warm_up=True)
+    res = train_segment(
+        spec,
+        run_dir,
+        topo,
+        until_step,
+        timeout_s=timeout,
+        restart=restart,
+        sink=_rank_output,
+        launcher_options=options,
+        warm_up=True,
+    )
     where = f"{topo.world_size} ranks" + (f" ({topo.nodes} nodes x {topo.procs_per_node})" if topo.nodes > 1 else "")
-    job = (f" [Slurm job {res.scheduler_job} {res.scheduler_state}"
-           f"{f', requeued {res.requeues}x' if res.requeues else ''}]") if res.scheduler_job else ""
-    msg = f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} on {where} in {res.seconds:.1f} s{job}"
+    job = (
+        (
+            f" [Slurm job {res.scheduler_job} {res.scheduler_state}"
+            f"{f', requeued {res.requeues}x' if res.requeues else ''}]"
+        )
+        if res.scheduler_job
+        else ""
+    )
+    msg = (
+        f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} "
+        f"on {where} in {res.seconds:.1f} s{job}"
+    )
     if res.restarts and res.status != "failed":  # a failure's line says them
         msg += f", ranks restarted in place {res.restarts}x ({'; '.join(res.restart_causes)})"
     times = res.times
     if times is not None and times.time_to_first_step_s is not None:
-        msg += (f" (first step {times.time_to_first_step_s:.1f} s after the restarted ranks started" if res.restarts
-                else f" (first step after {times.time_to_first_step_s:.1f} s")
-        msg += f", emergency checkpoint in {times.emergency_save_s:.1f} s)" if times.emergency_save_s is not None else ")"
+        msg += (
+            f" (first step {times.time_to_first_step_s:.1f} s after the restarted ranks started"
+            if res.restarts
+            else f" (first step after {times.time_to_first_step_s:.1f} s"
+        )
+        msg += (
+            f", emergency checkpoint in {times.emergency_save_s:.1f} s)" if times.emergency_save_s is not None else ")"
+        )
     if res.status == "refused":  # bad input only the ranks could see: one line, the run's status unchanged
-        console.print(f"error: segment {res.segment} refused before its first step on {where} (nothing trained; the "
-                      f"run stays as it was): {_failure_line(res.failure)}", markup=False, highlight=False,
-                      soft_wrap=True)
+        console.print(
+            f"error: segment {res.segment} refused before its first step on {where} (nothing trained; the "
+            f"run stays as it was): {_failure_line(res.failure)}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     elif res.status == "failed":
         if res.traceback:  # the user's script raised: its own traceback first, then the one line
             console.print(res.traceback.rstrip(), markup=False, highlight=False, soft_wrap=True)
@@ -146,9 +206,10 @@ def train(
 @app.command("prepare-data")
 def prepare_data_cmd(
     config: Annotated[Path, typer.Option(help="RunSpec YAML with data.source: dataset")],
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set data.split=train")] = None,
-    num_proc: Annotated[Optional[int], typer.Option(help="tokenizer processes (default: SHARDKEEPER_DATA_PROC or "
-                                                         "every CPU)")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override, e.g. --set data.split=train")] = None,
+    num_proc: Annotated[
+        int | None, typer.Option(help="tokenizer processes (default: SHARDKEEPER_DATA_PROC or every CPU)")
+    ] = None,
 ) -> None:
     """Tokenize the run's dataset (train split, and eval.split) into the data cache, as `train` would before
     launching; prints each cache path and its token count. A second call finds it in the cache."""
@@ -159,8 +220,10 @@ def prepare_data_cmd(
         raise ShardkeeperError(f"--num-proc {num_proc}: must be at least 1")
     spec = load_run_spec(config, set_)
     if spec.data.source != "dataset":
-        raise ShardkeeperError(f"{config}: data.source is {spec.data.source!r}; prepare-data tokenizes a "
-                               "data.source: dataset (with data.dataset)")
+        raise ShardkeeperError(
+            f"{config}: data.source is {spec.data.source!r}; prepare-data tokenizes a "
+            "data.source: dataset (with data.dataset)"
+        )
     vocab = check_model_config(spec).vocab_size
     prepared = prepare_data(spec, vocab_size=vocab, num_proc=num_proc, progress=sys.stderr.isatty())
     assert prepared is not None
@@ -169,8 +232,12 @@ def prepare_data_cmd(
             continue
         how = "found in the cache" if p.cached else f"tokenized in {p.seconds:.1f} s"
         targets = f", {p.targets:,} targets" if p.mask_path else ""
-        out.print(f"{role} [{p.split}]: {p.tokens:,} tokens ({p.rows:,} rows{targets}, {p.dtype}) {how}: {p.path}",
-                  markup=False, highlight=False, soft_wrap=True)
+        out.print(
+            f"{role} [{p.split}]: {p.tokens:,} tokens ({p.rows:,} rows{targets}, {p.dtype}) {how}: {p.path}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     out.print(f"key {prepared.train.key}; cache {cache_root()}", markup=False, highlight=False, soft_wrap=True)
 
 
@@ -185,7 +252,9 @@ def _failure_line(failure: str | None) -> str:
 
 @app.command()
 def validate(
-    ckpt_dir: Annotated[str, typer.Argument(help="a step-XXXXXXXX checkpoint directory (or s3://.../checkpoints/step-XXXXXXXX)")],
+    ckpt_dir: Annotated[
+        str, typer.Argument(help="a step-XXXXXXXX checkpoint directory (or s3://.../checkpoints/step-XXXXXXXX)")
+    ],
     deep: Annotated[bool, typer.Option(help="verify the checksum of every byte and the fingerprint")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the ValidationReport as JSON")] = False,
 ) -> None:
@@ -200,9 +269,15 @@ def validate(
         raise typer.Exit(4)
     if not as_json:
         kind = "deep" if deep else "quick"
-        out.print(f"valid ({kind}): {ckpt_dir} step {report.step}, {report.files_checked} files"
-                  + (f", {report.bytes_checked / 1e6:.1f} MB hashed" if deep else "") + f", {report.seconds:.2f} s"
-                  + ("" if deep else _unverified_note(ckpt_dir)), markup=False, highlight=False, soft_wrap=True)
+        out.print(
+            f"valid ({kind}): {ckpt_dir} step {report.step}, {report.files_checked} files"
+            + (f", {report.bytes_checked / 1e6:.1f} MB hashed" if deep else "")
+            + f", {report.seconds:.2f} s"
+            + ("" if deep else _unverified_note(ckpt_dir)),
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _unverified_note(ckpt_dir: str) -> str:
@@ -214,7 +289,11 @@ def _unverified_note(ckpt_dir: str) -> str:
     if "://" in ckpt_dir:  # on the store: committed, and read back (downloaded and hashed) since its upload or not
         from shardkeeper.remote import reread_url
 
-        return "" if reread_url(ckpt_dir) else "; committed, not re-read since its upload (--deep downloads and hashes every object)"
+        return (
+            ""
+            if reread_url(ckpt_dir)
+            else "; committed, not re-read since its upload (--deep downloads and hashes every object)"
+        )
     root = RunDir.of_checkpoint(ckpt_dir)
     if root is None or is_verified(root, Path(ckpt_dir)):
         return ""
@@ -230,32 +309,43 @@ def reshard(
     from shardkeeper.stages import reshard as do_reshard
 
     res = do_reshard(ckpt_dir, world_size)
-    out.print(f"{res.method}: {res.source} (world size {res.from_world_size}) -> {res.to_world_size}; load {res.target}")
+    out.print(
+        f"{res.method}: {res.source} (world size {res.from_world_size}) -> {res.to_world_size}; load {res.target}"
+    )
 
 
 @app.command()
 def convert(
     ckpt_dir: Annotated[Path, typer.Argument(help="checkpoint to convert (step-XXXXXXXX)")],
-    target: Annotated[Path, typer.Argument(metavar="OUT_OR_RUN_DIR",
-                                           help="a new run directory, or a step-XXXXXXXX directory to create")],
+    target: Annotated[
+        Path,
+        typer.Argument(metavar="OUT_OR_RUN_DIR", help="a new run directory, or a step-XXXXXXXX directory to create"),
+    ],
     to: Annotated[str, typer.Option("--to", help="dcp (fsdp2) | deepspeed")],
-    zero_stage: Annotated[Optional[int], typer.Option(help="ZeRO stage of the new run (--to deepspeed)")] = None,
+    zero_stage: Annotated[int | None, typer.Option(help="ZeRO stage of the new run (--to deepspeed)")] = None,
 ) -> None:
     """Convert a checkpoint between backends (DeepSpeed ZeRO <-> DCP/FSDP2), streaming one parameter at a time."""
-    from shardkeeper.stages import convert_checkpoint
-
     from ckpt.manifest import read_manifest
+    from shardkeeper.stages import convert_checkpoint
 
     done = convert_checkpoint(ckpt_dir, to, target, zero_stage=zero_stage)
     if done == target:  # a bare step directory: no run to continue yet
-        out.print(f"converted {ckpt_dir} -> {done} ({to}); to train on from it, convert into a run directory instead "
-                  f"({shlex.join(['shardkeeper', 'convert', str(ckpt_dir), 'RUN_DIR', '--to', to])})",
-                  markup=False, highlight=False, soft_wrap=True)
+        out.print(
+            f"converted {ckpt_dir} -> {done} ({to}); to train on from it, convert into a run directory instead "
+            f"({shlex.join(['shardkeeper', 'convert', str(ckpt_dir), 'RUN_DIR', '--to', to])})",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         return
     manifest = read_manifest(done)  # the run.yaml beside it names the backend (and a script run's script)
-    out.print(f"converted {ckpt_dir} -> {done} ({to}); continue with: "
-              f"{train_command(None, [], str(target), next_until_step(manifest.run_spec, manifest.step))}",
-              markup=False, highlight=False, soft_wrap=True)
+    out.print(
+        f"converted {ckpt_dir} -> {done} ({to}); continue with: "
+        f"{train_command(None, [], str(target), next_until_step(manifest.run_spec, manifest.step))}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def train_command(config: Path | str | None, overrides: list[str] | None, run_dir: str, until_step: int) -> str:
@@ -276,12 +366,19 @@ def next_until_step(spec: RunSpec, step: int) -> int:
 
 @app.command("import")
 def import_cmd(
-    src: Annotated[Path, typer.Argument(help="checkpoint another tool wrote: DeepSpeed (latest + global_stepN/), "
-                                             "HF Trainer checkpoint-N/, DCP, torchtitan step-N/, Accelerate FSDP")],
+    src: Annotated[
+        Path,
+        typer.Argument(
+            help="checkpoint another tool wrote: DeepSpeed (latest + global_stepN/), "
+            "HF Trainer checkpoint-N/, DCP, torchtitan step-N/, Accelerate FSDP"
+        ),
+    ],
     config: Annotated[Path, typer.Option(help="RunSpec YAML of the run to continue it (its model must match)")],
     run_dir: Annotated[str, typer.Option(help="new run directory (created; must hold no checkpoint)")],
-    step: Annotated[Optional[int], typer.Option(help="which checkpoint when SRC holds several (default: the latest)")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set backend=deepspeed")] = None,
+    step: Annotated[
+        int | None, typer.Option(help="which checkpoint when SRC holds several (default: the latest)")
+    ] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override, e.g. --set backend=deepspeed")] = None,
 ) -> None:
     """Adopt a checkpoint written by another tool (weights, AdamW moments, step) as a committed checkpoint of a run."""
     from shardkeeper.config import load_run_spec
@@ -291,22 +388,32 @@ def import_cmd(
         raise ShardkeeperError("--run-dir is empty; pass the folder of the new run")
     spec = load_run_spec(config, set_)
     res = import_checkpoint(src, spec, run_dir, step=step, config_name=str(config))
-    out.print(f"imported {res.source} ({res.layout}, step {res.step}, {res.tensors} tensors) -> {res.checkpoint} "
-              f"({res.format}) in {res.seconds:.1f} s; continue with: "
-              f"{train_command(config, set_, run_dir, next_until_step(spec, res.step))}",
-              highlight=False, markup=False, soft_wrap=True)
+    out.print(
+        f"imported {res.source} ({res.layout}, step {res.step}, {res.tensors} tensors) -> {res.checkpoint} "
+        f"({res.format}) in {res.seconds:.1f} s; continue with: "
+        f"{train_command(config, set_, run_dir, next_until_step(spec, res.step))}",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
 
 
 @app.command()
 def export(
     # str, not Path: Path("s3://b/x") would fold the URL's "//"
-    ckpt_dir: Annotated[str, typer.Argument(help="checkpoint to export (a folder or s3://.../checkpoints/step-XXXXXXXX)")],
+    ckpt_dir: Annotated[
+        str, typer.Argument(help="checkpoint to export (a folder or s3://.../checkpoints/step-XXXXXXXX)")
+    ],
     out_dir: Annotated[str, typer.Argument(help="folder to create (transformers from_pretrained layout), or s3://...")],
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
     max_shard_size: Annotated[str, typer.Option(help="largest safetensors file, e.g. 5GB, 500MB")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="replace an existing out_dir")] = False,
-    tokenizer_from: Annotated[Optional[Path], typer.Option(help="carry the tokenizer files of this folder "
-                                                           "(default: the run's data.tokenizer or base model's)")] = None,
+    tokenizer_from: Annotated[
+        Path | None,
+        typer.Option(
+            help="carry the tokenizer files of this folder (default: the run's data.tokenizer or base model's)"
+        ),
+    ] = None,
     no_tokenizer: Annotated[bool, typer.Option("--no-tokenizer", help="carry no tokenizer files")] = False,
 ) -> None:
     """Stream a checkpoint into safetensors (+ index, config.json, tokenizer files) with bounded memory."""
@@ -317,19 +424,30 @@ def export(
         plain_path(flag, value)
     if no_tokenizer and tokenizer_from is not None:
         raise ShardkeeperError("--tokenizer-from and --no-tokenizer: pass one of them")
-    res = export_and_record(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                            progress=sys.stderr.isatty(), tokenizer_from=False if no_tokenizer else tokenizer_from)
-    out.print(f"exported {res.num_tensors} tensors ({res.total_bytes / 1e6:.1f} MB, {res.dtype}) in {res.num_shards} "
-              f"shard(s) to {res.out_dir} in {res.seconds:.2f} s")
+    res = export_and_record(
+        ckpt_dir,
+        out_dir,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        progress=sys.stderr.isatty(),
+        tokenizer_from=False if no_tokenizer else tokenizer_from,
+    )
+    out.print(
+        f"exported {res.num_tensors} tensors ({res.total_bytes / 1e6:.1f} MB, {res.dtype}) in {res.num_shards} "
+        f"shard(s) to {res.out_dir} in {res.seconds:.2f} s"
+    )
 
 
 @app.command()
 def publish(
     export_dir: Annotated[Path, typer.Argument(help="an export folder")],
-    repo_id: Annotated[Optional[str], typer.Option(help="Hub repo ORG/NAME")] = None,
-    target: Annotated[Optional[str], typer.Option(help="or an fsspec URL: s3://bucket/prefix, file:///path")] = None,
-    revision: Annotated[Optional[str], typer.Option(help="branch to publish to (default: main); every "
-                                                             "step also gets the tag step-XXXXXXXX")] = None,
+    repo_id: Annotated[str | None, typer.Option(help="Hub repo ORG/NAME")] = None,
+    target: Annotated[str | None, typer.Option(help="or an fsspec URL: s3://bucket/prefix, file:///path")] = None,
+    revision: Annotated[
+        str | None,
+        typer.Option(help="branch to publish to (default: main); every step also gets the tag step-XXXXXXXX"),
+    ] = None,
 ) -> None:
     """Upload an export to the Hub (token from HF_TOKEN or `hf auth login`) or to a bucket; idempotent."""
     from shardkeeper.config import plain_path
@@ -385,8 +503,11 @@ def main(argv: list[str] | None = None) -> int:
 def _os_error(e: OSError) -> int:
     where = f"{e.filename}: " if e.filename else ""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):  # not the user's input: the machine's disk
-        return _error(f"{where}{e.strerror}: the disk is full; free space and rerun the same command (a run "
-                      "resumes from its newest committed checkpoint)", 1)
+        return _error(
+            f"{where}{e.strerror}: the disk is full; free space and rerun the same command (a run "
+            "resumes from its newest committed checkpoint)",
+            1,
+        )
     return _error(f"{where}{e.strerror or e}; check the path and its permissions", 2)
 
 
@@ -395,7 +516,7 @@ def _inner_failure(e: BaseException) -> BaseException | None:
     their causes, else None."""
     failures = getattr(e, "failures", None)
     found: list[BaseException] = []
-    for exc, *_ in (failures.values() if isinstance(failures, dict) else ()):
+    for exc, *_ in failures.values() if isinstance(failures, dict) else ():
         for _ in range(16):
             if not isinstance(exc, BaseException):
                 break
@@ -430,8 +551,10 @@ def _internal_error(e: BaseException) -> int:
         sys.stderr.write(text)
     log_path = _write_crash_log(text)
     where = f"the traceback is in {log_path}" if log_path else "rerun with -v for the traceback"
-    return _error(f"internal error ({type(e).__name__}: {str(e)[:200]}); this is a bug in shardkeeper, please "
-                  f"report it; {where}", 1)
+    return _error(
+        f"internal error ({type(e).__name__}: {str(e)[:200]}); this is a bug in shardkeeper, please report it; {where}",
+        1,
+    )
 
 
 def _write_crash_log(text: str) -> Path | None:

@@ -8,8 +8,12 @@ import re
 import typer
 from rich.console import Console
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Resumable, verified, elastic sharded checkpoints for PyTorch LM training.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Resumable, verified, elastic sharded checkpoints for PyTorch LM training.",
+)
 console = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -15,11 +15,17 @@ from ckpt.layout import RunDir
 from schemas.errors import ShardkeeperError
 from shardkeeper.cli_app import app, console, out
 
+
 @app.command("lineage")
 def lineage_cmd(
     run_dir: Annotated[str, typer.Argument(help="run directory (or s3://bucket/prefix)")],
-    as_json: Annotated[bool, typer.Option("--json", help="print the events as JSON Lines: one JSON object per "
-                                                         "line, oldest first (not one JSON document)")] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="print the events as JSON Lines: one JSON object per line, oldest first (not one JSON document)",
+        ),
+    ] = False,
 ) -> None:
     """Show every checkpoint, resume, reshard, export and publish of a run, with its parent (a summary first)."""
     from ckpt.lineage import read_events
@@ -41,10 +47,16 @@ def lineage_cmd(
     kinds = [e.kind for e in events]
     steps = [e.step for e in events if e.kind == "checkpoint" and e.step is not None]
     existing = len(rd.committed()) if existing_remote is None else existing_remote
-    out.print(f"{rd.root.name if existing_remote is None else _name(run_dir)}: {kinds.count('checkpoint')} checkpoints written ({existing} exist now), latest step "
-              f"{max(steps) if steps else 0}; {kinds.count('segment')} segment events, {kinds.count('resume')} resumes, "
-              f"{kinds.count('reshard')} reshards, {kinds.count('export')} exports, {kinds.count('publish')} publishes"
-              + (f"; last event {events[-1].time}" if events else ""), markup=False, highlight=False, soft_wrap=False)
+    out.print(
+        f"{rd.root.name if existing_remote is None else _name(run_dir)}: "
+        f"{kinds.count('checkpoint')} checkpoints written ({existing} exist now), latest step "
+        f"{max(steps) if steps else 0}; {kinds.count('segment')} segment events, {kinds.count('resume')} resumes, "
+        f"{kinds.count('reshard')} reshards, {kinds.count('export')} exports, {kinds.count('publish')} publishes"
+        + (f"; last event {events[-1].time}" if events else ""),
+        markup=False,
+        highlight=False,
+        soft_wrap=False,
+    )
     # Narrow terminals and pipes (80 columns) drop the id column (kind + step say it) and shorten parents;
     # what is still too long folds onto the next line instead of being cut to "…".
     wide = out.width >= 120
@@ -52,16 +64,38 @@ def lineage_cmd(
     for col in ("time", "kind", *(("id",) if wide else ()), "step", "parent", "details"):
         table.add_column(col, overflow="fold")
     for e in events:
-        details = ", ".join(f"{k}={v}" for k, v in e.data.items() if k in ("world_size", "reason", "status", "from_world_size",
-                                                                           "to_world_size", "dtype", "method", "target", "first_step_s",
-                                                                           "emergency_save_s", "layout", "tier")
-                            and not (k == "tier" and v == "storage"))  # only the memory tier is news
+        details = ", ".join(
+            f"{k}={v}"
+            for k, v in e.data.items()
+            if k
+            in (
+                "world_size",
+                "reason",
+                "status",
+                "from_world_size",
+                "to_world_size",
+                "dtype",
+                "method",
+                "target",
+                "first_step_s",
+                "emergency_save_s",
+                "layout",
+                "tier",
+            )
+            and not (k == "tier" and v == "storage")
+        )  # only the memory tier is news
         parent = e.parent or ""
         if not wide:
             parent = parent.removeprefix("checkpoint:")
             details = details.replace("world_size=", "ws=").replace("from_ws=", "from=").replace("to_ws=", "to=")
-        table.add_row(e.time[11:19] if len(e.time) >= 19 else e.time, e.kind, *((e.id,) if wide else ()),
-                      "" if e.step is None else str(e.step), parent, details)
+        table.add_row(
+            e.time[11:19] if len(e.time) >= 19 else e.time,
+            e.kind,
+            *((e.id,) if wide else ()),
+            "" if e.step is None else str(e.step),
+            parent,
+            details,
+        )
     out.print(table)
 
 
@@ -80,8 +114,10 @@ def status_cmd(
         return
     path = Path(path)
     if not path.exists():
-        raise ShardkeeperError(f"{path}: no such run directory or folder; pass a --run-dir used for training or the "
-                               "folder that holds run directories")
+        raise ShardkeeperError(
+            f"{path}: no such run directory or folder; pass a --run-dir used for training or the "
+            "folder that holds run directories"
+        )
     if not path.is_dir():
         raise ShardkeeperError(f"{path}: is a file; pass a run directory or the folder that holds run directories")
     rd = RunDir.at(path)
@@ -93,8 +129,10 @@ def _show_states(path: str, states: list, as_json: bool, *, single_url: str) -> 
     import json
 
     if not states:
-        raise ShardkeeperError(f"{path}: holds no run directory (none with a run.yaml or checkpoints/); pass a "
-                               "--run-dir used for training or the folder that holds them")
+        raise ShardkeeperError(
+            f"{path}: holds no run directory (none with a run.yaml or checkpoints/); pass a "
+            "--run-dir used for training or the folder that holds them"
+        )
     if as_json:
         print(json.dumps([s.model_dump(mode="json") for s in states], indent=2))
         return
@@ -103,35 +141,61 @@ def _show_states(path: str, states: list, as_json: bool, *, single_url: str) -> 
         table.add_column(col, overflow="fold")
     for st in states:
         status = "running" if st.locked else (st.last_status or "new")
-        table.add_row(_name(st.run_dir), status, str(st.step), "" if st.last_until_step is None else str(st.last_until_step),
-                      "" if st.world_size is None else str(st.world_size),
-                      (_name(st.checkpoint) + (" (committed, not re-read)" if st.reread is False else ""))
-                      if st.checkpoint else "none", st.tier or "")
+        table.add_row(
+            _name(st.run_dir),
+            status,
+            str(st.step),
+            "" if st.last_until_step is None else str(st.last_until_step),
+            "" if st.world_size is None else str(st.world_size),
+            (_name(st.checkpoint) + (" (committed, not re-read)" if st.reread is False else ""))
+            if st.checkpoint
+            else "none",
+            st.tier or "",
+        )
     out.print(table)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def manifest(
     ctx: typer.Context,
-    run_dir: Annotated[str, typer.Option(help="run directory as the pods see it: NAME (under /runs on the PVC) or "
-                                              "an absolute path (the PVC is mounted at its parent)")],
-    config: Annotated[Optional[Path], typer.Option(help="RunSpec YAML, e.g. configs/tiny.yaml (optional with "
-                                                       "--script)")] = None,
-    script: Annotated[Optional[str], typer.Option(help="train with your own script (shardkeeper.Segment): its path "
-                                                       "inside the image; its arguments follow --")] = None,
+    run_dir: Annotated[
+        str,
+        typer.Option(
+            help="run directory as the pods see it: NAME (under /runs on the PVC) or "
+            "an absolute path (the PVC is mounted at its parent)"
+        ),
+    ],
+    config: Annotated[
+        Path | None, typer.Option(help="RunSpec YAML, e.g. configs/tiny.yaml (optional with --script)")
+    ] = None,
+    script: Annotated[
+        str | None,
+        typer.Option(
+            help="train with your own script (shardkeeper.Segment): its path inside the image; its arguments follow --"
+        ),
+    ] = None,
     nodes: Annotated[int, typer.Option(help="pods (one torchrun each)")] = 1,
     nproc: Annotated[int, typer.Option(help="ranks per pod (GPUs per pod with --device cuda)")] = 1,
     until_step: Annotated[int, typer.Option(help="train until this many optimizer steps are done")] = 20,
     segment: Annotated[int, typer.Option(help="index of this segment in the run (one more for each segment)")] = 0,
     kind: Annotated[str, typer.Option(help="pytorchjob (Kubeflow training-operator) | jobset (JobSet)")] = "pytorchjob",
-    image: Annotated[str, typer.Option(help="container image with shardkeeper and torch installed")] = "shardkeeper:latest",
+    image: Annotated[
+        str, typer.Option(help="container image with shardkeeper and torch installed")
+    ] = "shardkeeper:latest",
     namespace: Annotated[str, typer.Option(help="Kubernetes namespace")] = "default",
-    pvc: Annotated[str, typer.Option(help="ReadWriteMany PersistentVolumeClaim holding the run directory")] = "shardkeeper-runs",
-    grace_s: Annotated[int, typer.Option(help="seconds a checkpoint needs after SIGTERM (torchrun's shutdown "
-                                              "timeout; the pod's grace period is 30 s more)")] = 60,
+    pvc: Annotated[
+        str, typer.Option(help="ReadWriteMany PersistentVolumeClaim holding the run directory")
+    ] = "shardkeeper-runs",
+    grace_s: Annotated[
+        int,
+        typer.Option(
+            help="seconds a checkpoint needs after SIGTERM (torchrun's shutdown "
+            "timeout; the pod's grace period is 30 s more)"
+        ),
+    ] = 60,
     device: Annotated[str, typer.Option(help="cuda (nvidia.com/gpu per rank, NCCL) | cpu (gloo)")] = "cuda",
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set optim.lr=1e-3")] = None,
-    out_file: Annotated[Optional[Path], typer.Option("--out", help="write the YAML here instead of stdout")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override, e.g. --set optim.lr=1e-3")] = None,
+    out_file: Annotated[Path | None, typer.Option("--out", help="write the YAML here instead of stdout")] = None,
 ) -> None:
     """Render one segment as Kubernetes manifests (a ConfigMap + a PyTorchJob or JobSet), validated against the
     vendored CRD schemas; apply them with `kubectl apply -f FILE`. Nothing is submitted from here."""
@@ -160,18 +224,29 @@ def manifest(
     problem = spec.world_size_refusal(nodes * nproc, choose="--nodes x --nproc")  # None for a script run
     if problem is not None:
         raise ShardkeeperError(f"--nodes {nodes} --nproc {nproc}: {problem}")
-    topo = ClusterTopology(nodes=nodes, procs_per_node=nproc, device_type=device,  # type: ignore[arg-type]
-                           backend="nccl" if device == "cuda" else "gloo", launcher="kubernetes")
+    topo = ClusterTopology(
+        nodes=nodes,
+        procs_per_node=nproc,
+        device_type=device,  # type: ignore[arg-type]
+        backend="nccl" if device == "cuda" else "gloo",
+        launcher="kubernetes",
+    )
     req = LaunchRequest(run_dir=run_dir, until_step=until_step, segment=segment, topology=topo)  # type: ignore[arg-type]
-    docs = render_validated(spec, req, K8sOptions(image=image, namespace=namespace, pvc=pvc, grace_s=grace_s, kind=kind))
+    docs = render_validated(
+        spec, req, K8sOptions(image=image, namespace=namespace, pvc=pvc, grace_s=grace_s, kind=kind)
+    )
     text = to_yaml(docs)
     if out_file is None:
         sys.stdout.write(text)
     else:
         out_file.write_text(text, encoding="utf-8")
-    console.print(f"{describe(docs)}; validated against the vendored CRD schema"
-                  + (f"; written to {out_file}: kubectl apply -f {out_file}" if out_file else ""),
-                  markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"{describe(docs)}; validated against the vendored CRD schema"
+        + (f"; written to {out_file}: kubectl apply -f {out_file}" if out_file else ""),
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _is_remote(path: str) -> bool:

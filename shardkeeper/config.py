@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from schemas.errors import ConfigError
 from ckpt.fsutil import DuplicateKeyError, load_yaml
 from schemas import RunSpec
+from schemas.errors import ConfigError
 from schemas.run import MAX_STEPS, SCRIPT_UNUSED, control_chars
 
 
@@ -49,19 +49,32 @@ def explain(e: ValidationError, source: str, model: type[BaseModel] = RunSpec) -
     return f"{source}: field {field}: {err['msg']}{got_s}; fix the value"
 
 
-_STRICT_TYPES = {"int_type": "a whole number", "bool_type": "true or false", "float_type": "a number",
-                 "string_type": "a string"}
+_STRICT_TYPES = {
+    "int_type": "a whole number",
+    "bool_type": "true or false",
+    "float_type": "a number",
+    "string_type": "a string",
+}
 
 
 def _strict_type(kind: str, got: Any, key: str) -> str:
     """A value of another type than the field's, with the way to write it (values are never converted:
     RunSpec's docstring)."""
-    what = {bool: "a boolean", int: "an integer", float: "a decimal number", str: "a string", list: "a list",
-            dict: "a mapping", type(None): "null"}.get(type(got), type(got).__name__)
-    fix = {"int_type": f"write a whole number without quotes or decimals, e.g. {key}: 8",
-           "bool_type": f"write true or false, e.g. {key}: true",
-           "float_type": f"write a number without quotes, e.g. {key}: 0.001",
-           "string_type": f"quote it, e.g. {key}: \"{got}\""}[kind]
+    what = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a decimal number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+        type(None): "null",
+    }.get(type(got), type(got).__name__)
+    fix = {
+        "int_type": f"write a whole number without quotes or decimals, e.g. {key}: 8",
+        "bool_type": f"write true or false, e.g. {key}: true",
+        "float_type": f"write a number without quotes, e.g. {key}: 0.001",
+        "string_type": f'quote it, e.g. {key}: "{got}"',
+    }[kind]
     return f"expected {_STRICT_TYPES[kind]}, got {got!r} ({what}); {fix}"
 
 
@@ -87,12 +100,15 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
         except DuplicateKeyError as e:
             raise ConfigError(f"--set {item!r}: the value's {e}") from None
         except yaml.YAMLError:
-            raise ConfigError(f"--set {item!r}: the value is not valid YAML; quote it, e.g. --set 'name=\"a: b\"'") from None
+            raise ConfigError(
+                f"--set {item!r}: the value is not valid YAML; quote it, e.g. --set 'name=\"a: b\"'"
+            ) from None
     return out
 
 
-def load_run_spec(path: str | Path, overrides: list[str] | None = None, *,
-                  overrides_base: str | Path | None = None) -> RunSpec:
+def load_run_spec(
+    path: str | Path, overrides: list[str] | None = None, *, overrides_base: str | Path | None = None
+) -> RunSpec:
     """``overrides_base``: the folder relative paths in ``overrides`` are taken against (a flow's base_dir);
     None: the working directory (typed at a shell)."""
     plain_path("--config", path)
@@ -102,14 +118,19 @@ def load_run_spec(path: str | Path, overrides: list[str] | None = None, *,
     try:
         raw = load_yaml(path.read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file; pass --config with a YAML RunSpec such as configs/tiny.yaml") from None
+        raise ConfigError(
+            f"{path}: no such config file; pass --config with a YAML RunSpec such as configs/tiny.yaml"
+        ) from None
     except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, not a config file; pass --config with a YAML file such as "
-                          "configs/tiny.yaml") from None
+        raise ConfigError(
+            f"{path}: is a directory, not a config file; pass --config with a YAML file such as configs/tiny.yaml"
+        ) from None
     except PermissionError:
         raise ConfigError(f"{path}: cannot read the config file (permission denied); fix its permissions") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a text file (not UTF-8); pass a YAML RunSpec such as configs/tiny.yaml") from None
+        raise ConfigError(
+            f"{path}: not a text file (not UTF-8); pass a YAML RunSpec such as configs/tiny.yaml"
+        ) from None
     except DuplicateKeyError as e:
         raise ConfigError(f"{path} {e}") from None
     except yaml.YAMLError as e:
@@ -139,18 +160,30 @@ def check_until_step(flag: str, value: int) -> None:
     if value < 1:
         raise ConfigError(f"{flag} {value}: must be at least 1")
     if value > MAX_STEPS:
-        raise ConfigError(f"{flag} {value}: more than {MAX_STEPS:,} optimizer steps, which no run takes (a typo?); "
-                          "pass the step to train until, e.g. 2000")
+        raise ConfigError(
+            f"{flag} {value}: more than {MAX_STEPS:,} optimizer steps, which no run takes (a typo?); "
+            "pass the step to train until, e.g. 2000"
+        )
 
 
 # Paths a config file may hold: (section, key, may it be a Hub id instead of a local path).
-CONFIG_PATHS = (("model", "pretrained", True), ("data", "dataset", True), ("data", "tokenizer", True),
-                ("data", "path", False))
+CONFIG_PATHS = (
+    ("model", "pretrained", True),
+    ("data", "dataset", True),
+    ("data", "tokenizer", True),
+    ("data", "path", False),
+)
 
 
-def train_spec(config: str | Path | None, overrides: list[str] | None, run_dir: str | Path, *,
-               script: str | Path | None = None, script_args: list[str] | None = None,
-               overrides_base: str | Path | None = None) -> RunSpec:
+def train_spec(
+    config: str | Path | None,
+    overrides: list[str] | None,
+    run_dir: str | Path,
+    *,
+    script: str | Path | None = None,
+    script_args: list[str] | None = None,
+    overrides_base: str | Path | None = None,
+) -> RunSpec:
     """The RunSpec of a ``train``: ``config`` when given; else the run's own run.yaml (a resume); else, for a
     script run, the defaults (name from the script). ``script`` makes it a script run (its path made absolute)."""
     local_spec = Path(run_dir) / "run.yaml" if str(run_dir) and "://" not in str(run_dir) else None
@@ -168,8 +201,10 @@ def train_spec(config: str | Path | None, overrides: list[str] | None, run_dir: 
         raw = resolve_config_paths(raw, Path(overrides_base) if overrides_base else Path.cwd(), only=set(given))
         spec = spec_from_dict(raw, "--set", cwd_paths=False, set_keys=set(given))
     else:
-        raise ConfigError(f"--config: required for a new run ({run_dir} holds no run.yaml); pass --config "
-                          "configs/tiny.yaml, or --script FILE to train with your own script")
+        raise ConfigError(
+            f"--config: required for a new run ({run_dir} holds no run.yaml); pass --config "
+            "configs/tiny.yaml, or --script FILE to train with your own script"
+        )
     spec = with_script(spec, script, script_args, base=overrides_base)
     refuse_unused_overrides(spec, overrides)
     return spec
@@ -183,16 +218,22 @@ def refuse_unused_overrides(spec: RunSpec, overrides: list[str] | None) -> None:
     for key in parse_overrides(overrides):
         top = key.split(".", 1)[0]
         if top in SCRIPT_UNUSED:
-            raise ConfigError(f"--set {key}: a script run ({Path(spec.script.path).name}) never reads it "
-                              f"({_SCRIPT_OWNS.get(top, _SCRIPT_OWNS['global_batch_size'])}); pass the value to the "
-                              "script as its own argument (after --), or remove the --set")
+            raise ConfigError(
+                f"--set {key}: a script run ({Path(spec.script.path).name}) never reads it "
+                f"({_SCRIPT_OWNS.get(top, _SCRIPT_OWNS['global_batch_size'])}); pass the value to the "
+                "script as its own argument (after --), or remove the --set"
+            )
 
 
 # Why a script run does not read a SCRIPT_UNUSED key, for refuse_unused_overrides' line.
-_SCRIPT_OWNS = {"global_batch_size": "the script splits its own batches", "data": "the script reads its own data",
-                "schedule": "the script sets its own LR schedule", "precision": "the script chooses its own dtypes",
-                "eval": "the script evaluates on its own",
-                "performance": "these are options of the built-in trainer's model"}
+_SCRIPT_OWNS = {
+    "global_batch_size": "the script splits its own batches",
+    "data": "the script reads its own data",
+    "schedule": "the script sets its own LR schedule",
+    "precision": "the script chooses its own dtypes",
+    "eval": "the script evaluates on its own",
+    "performance": "these are options of the built-in trainer's model",
+}
 
 
 def _stored_spec(url: str) -> Path | None:
@@ -216,8 +257,9 @@ def _stored_spec(url: str) -> Path | None:
     return local
 
 
-def with_script(spec: RunSpec, script: str | Path | None, script_args: list[str] | None = None, *,
-                base: str | Path | None = None) -> RunSpec:
+def with_script(
+    spec: RunSpec, script: str | Path | None, script_args: list[str] | None = None, *, base: str | Path | None = None
+) -> RunSpec:
     """``spec`` trained by ``script`` (its path made absolute against ``base``, default the working directory)."""
     from schemas import ScriptSpec
 
@@ -228,8 +270,9 @@ def with_script(spec: RunSpec, script: str | Path | None, script_args: list[str]
     return spec.model_copy(update={"script": ScriptSpec(path=str(path.absolute()), args=list(script_args or []))})
 
 
-def resolve_config_paths(raw: dict[str, Any], base: Path, *, only: set[str] | None = None,
-                         skip: set[str] | None = None) -> dict[str, Any]:
+def resolve_config_paths(
+    raw: dict[str, Any], base: Path, *, only: set[str] | None = None, skip: set[str] | None = None
+) -> dict[str, Any]:
     """Relative paths written in a config file resolve against the file's folder, wherever shardkeeper runs from
     (a flow's worker, a Slurm job, another shell); they are recorded absolute. A value that may be a Hub id
     (``meta-llama/Llama-3.2-1B``, ``wikitext``) stays as written unless it names something that exists beside
@@ -264,8 +307,9 @@ def _join(base: Path, path: Path) -> Path:
     return Path(os.path.realpath(joined.parent)) / joined.name
 
 
-def spec_from_dict(raw: dict[str, Any], source: str, *, cwd_paths: bool = True,
-                   set_keys: set[str] | None = None) -> RunSpec:
+def spec_from_dict(
+    raw: dict[str, Any], source: str, *, cwd_paths: bool = True, set_keys: set[str] | None = None
+) -> RunSpec:
     """``cwd_paths``: a relative local model.pretrained is taken against the working directory (a run.yaml
     written before paths were recorded absolute); off for a config file, whose paths ``resolve_config_paths``
     already decided against the file's folder -- else the same file would name another model in another cwd.
@@ -276,8 +320,9 @@ def spec_from_dict(raw: dict[str, Any], source: str, *, cwd_paths: bool = True,
         return RunSpec.model_validate(raw)
     except ValidationError as e:
         field = ".".join(str(x) for x in e.errors()[0]["loc"])
-        from_set = field and any(k == field or k.startswith(field + ".") or field.startswith(k + ".")
-                                 for k in set_keys or ())
+        from_set = field and any(
+            k == field or k.startswith(field + ".") or field.startswith(k + ".") for k in set_keys or ()
+        )
         raise ConfigError(explain(e, "--set" if from_set else source)) from None
 
 
@@ -335,8 +380,10 @@ def check_model_config(spec: RunSpec) -> Any:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ConfigError(f"model.model_type {mt!r}: transformers has no causal LM for it (AutoModelForCausalLM); "
-                          "use a decoder model type such as llama, qwen2 or mistral")
+        raise ConfigError(
+            f"model.model_type {mt!r}: transformers has no causal LM for it (AutoModelForCausalLM); "
+            "use a decoder model type such as llama, qwen2 or mistral"
+        )
     default = AutoConfig.for_model(mt)
     known = _config_options(default)
     for key in spec.model.config:
@@ -349,7 +396,9 @@ def check_model_config(spec: RunSpec) -> Any:
         with quiet_transformers():
             cfg = AutoConfig.for_model(mt, **kwargs)
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError, TypeError or its own validation errors
-        raise ConfigError(f"model.config: transformers refuses this {mt} config ({_first_line(e)}); fix the values") from None
+        raise ConfigError(
+            f"model.config: transformers refuses this {mt} config ({_first_line(e)}); fix the values"
+        ) from None
     return check_positions_and_vocab(spec, cfg)
 
 
@@ -366,28 +415,38 @@ def check_pretrained_config(spec: RunSpec) -> Any:
     raw = read_config(folder, m.pretrained or "")
     where = folder / CONFIG
     if raw["model_type"] != m.model_type:
-        raise ConfigError(f"model.model_type {m.model_type!r}: {where} says {raw['model_type']!r}; remove "
-                          "model.model_type (it is taken from the pretrained config) or fix it")
+        raise ConfigError(
+            f"model.model_type {m.model_type!r}: {where} says {raw['model_type']!r}; remove "
+            "model.model_type (it is taken from the pretrained config) or fix it"
+        )
     if m.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ConfigError(f"{where}: model_type {m.model_type!r} has no causal LM in transformers "
-                          "(AutoModelForCausalLM); fine-tune a decoder model such as llama, qwen2 or mistral")
+        raise ConfigError(
+            f"{where}: model_type {m.model_type!r} has no causal LM in transformers "
+            "(AutoModelForCausalLM); fine-tune a decoder model such as llama, qwen2 or mistral"
+        )
     try:
         with quiet_transformers():
             cfg = AutoConfig.from_pretrained(folder, **{"attn_implementation": "sdpa", **m.config})
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError, TypeError, OSError, its own errors
-        raise ConfigError(f"{where}: transformers cannot read it with model.config's overrides ({_first_line(e)}); "
-                          "fix the overrides or re-save the model") from None
+        raise ConfigError(
+            f"{where}: transformers cannot read it with model.config's overrides ({_first_line(e)}); "
+            "fix the overrides or re-save the model"
+        ) from None
     return check_positions_and_vocab(spec, cfg)
 
 
 def check_positions_and_vocab(spec: RunSpec, cfg: Any) -> Any:
     positions = getattr(cfg, "max_position_embeddings", None)
     if isinstance(positions, int) and spec.data.seq_len > positions:
-        raise ConfigError(f"data.seq_len {spec.data.seq_len}: longer than model.config.max_position_embeddings "
-                          f"{positions}; lower data.seq_len or raise max_position_embeddings")
+        raise ConfigError(
+            f"data.seq_len {spec.data.seq_len}: longer than model.config.max_position_embeddings "
+            f"{positions}; lower data.seq_len or raise max_position_embeddings"
+        )
     vocab = getattr(cfg, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 1:
-        raise ConfigError(f"model.config.vocab_size {vocab!r}: must be a positive integer; set it to the tokenizer's size")
+        raise ConfigError(
+            f"model.config.vocab_size {vocab!r}: must be a positive integer; set it to the tokenizer's size"
+        )
     return cfg
 
 

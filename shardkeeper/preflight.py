@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from schemas.errors import ConfigError, RunDirError
 from ckpt.layout import RunDir
 from schemas import MANIFEST_NAME, ClusterTopology, PreparedData, RunSpec
+from schemas.errors import ConfigError, RunDirError
 from shardkeeper.config import check_model_config, quiet_transformers
 
 if TYPE_CHECKING:
@@ -58,8 +58,9 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
         raise RunDirError("--run-dir '': empty path; pass the run directory, e.g. --run-dir runs/my-run")
     bad = sorted({c for c in str(run_dir) if ord(c) < 32 or ord(c) == 127})
     if bad:  # a newline in a path ends a line of a generated batch script or manifest: never a run directory
-        raise RunDirError(f"--run-dir {str(run_dir)!r}: contains control characters ({', '.join(map(repr, bad))}); "
-                          "use a plain path")
+        raise RunDirError(
+            f"--run-dir {str(run_dir)!r}: contains control characters ({', '.join(map(repr, bad))}); use a plain path"
+        )
     check_run_dir(Path(run_dir))
     check_environment(topology)
     if spec.script is not None:  # the script builds its own model and data: the run's own sections do not apply
@@ -92,17 +93,20 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
 
 def check_memory_tier(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path, params: int | None) -> None:
     """checkpoint.memory_interval: a writable tmpfs, no run directory, with room for three snapshots of each rank on
-    this node (fp32 masters + AdamW moments, as fsdp2 shards them, x1.3); the file system only where the ranks run here (the local
-    launcher)."""
+    this node (fp32 masters + AdamW moments, as fsdp2 shards them, x1.3); the file system only where the ranks run here
+    (the local launcher)."""
     if spec.checkpoint.memory_interval is None:
         return
     from ckpt.memtier import check_memory_tier as check
 
     state = None if params is None else params * (STATE_BYTES["master"] + STATE_BYTES["adamw"]) / topology.world_size
-    check(spec, RunDir.at(run_dir), state_bytes=state,
-          ranks_on_node=topology.procs_per_node * (2 if topology.nodes > 1 else 1),  # + the peer node's copy
-         
-          here=topology.launcher == "local")
+    check(
+        spec,
+        RunDir.at(run_dir),
+        state_bytes=state,
+        ranks_on_node=topology.procs_per_node * (2 if topology.nodes > 1 else 1),  # + the peer node's copy
+        here=topology.launcher == "local",
+    )
 
 
 def check_script(path: str) -> None:
@@ -114,8 +118,10 @@ def check_script(path: str) -> None:
     if not p.is_file():
         raise ConfigError(f"--script {path}: not a regular file; pass the path of your training script (a .py file)")
     if p.suffix != ".py":
-        raise ConfigError(f"--script {path}: not a Python script (.py); shardkeeper runs Python training scripts "
-                          "that use shardkeeper.Segment")
+        raise ConfigError(
+            f"--script {path}: not a Python script (.py); shardkeeper runs Python training scripts "
+            "that use shardkeeper.Segment"
+        )
     try:
         source = p.read_bytes()
     except OSError as e:
@@ -135,24 +141,32 @@ def check_performance(spec: RunSpec, topology: ClusterTopology) -> None:
     perf = spec.performance
     if perf.compile:
         if spec.backend == "deepspeed" and spec.deepspeed.zero_stage == 3:
-            raise ConfigError("performance.compile with deepspeed.zero_stage 3: ZeRO-3 gathers each parameter in "
-                              "hooks that torch.compile cannot trace; use backend fsdp2, zero_stage 1 or 2, or "
-                              "performance.compile: false")
+            raise ConfigError(
+                "performance.compile with deepspeed.zero_stage 3: ZeRO-3 gathers each parameter in "
+                "hooks that torch.compile cannot trace; use backend fsdp2, zero_stage 1 or 2, or "
+                "performance.compile: false"
+            )
         if perf.compile_backend != "inductor" and perf.compile_mode != "default":
-            raise ConfigError(f"performance.compile_mode {perf.compile_mode!r} is an inductor option, but "
-                              f"performance.compile_backend is {perf.compile_backend!r}; remove compile_mode or "
-                              "use compile_backend: inductor")
+            raise ConfigError(
+                f"performance.compile_mode {perf.compile_mode!r} is an inductor option, but "
+                f"performance.compile_backend is {perf.compile_backend!r}; remove compile_mode or "
+                "use compile_backend: inductor"
+            )
         import torch  # first, whole: a submodule import may race a first import of torch in another thread
         import torch._dynamo
         from torch._dynamo.backends.registry import list_backends
 
         if not torch._dynamo.is_dynamo_supported():
-            raise ConfigError("performance.compile: torch.compile does not run on this Python/platform "
-                              f"(torch {torch.__version__}); set performance.compile: false")
+            raise ConfigError(
+                "performance.compile: torch.compile does not run on this Python/platform "
+                f"(torch {torch.__version__}); set performance.compile: false"
+            )
         known = list_backends(exclude_tags=())
         if perf.compile_backend not in known:
-            raise ConfigError(f"performance.compile_backend {perf.compile_backend!r}: not a torch.compile backend; "
-                              "use inductor (or aot_eager to debug)")
+            raise ConfigError(
+                f"performance.compile_backend {perf.compile_backend!r}: not a torch.compile backend; "
+                "use inductor (or aot_eager to debug)"
+            )
         if topology.launcher == "local" and perf.compile_backend == "inductor":
             check_inductor(topology.device_type)
     if perf.adamw_implementation == "fused" and topology.launcher == "local":
@@ -160,8 +174,10 @@ def check_performance(spec: RunSpec, topology: ClusterTopology) -> None:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
         if topology.device_type not in _get_fused_kernels_supported_devices():
-            raise ConfigError(f"performance.adamw_implementation fused: this torch has no fused AdamW kernel for "
-                              f"{topology.device_type} parameters; use foreach or for-loop")
+            raise ConfigError(
+                f"performance.adamw_implementation fused: this torch has no fused AdamW kernel for "
+                f"{topology.device_type} parameters; use foreach or for-loop"
+            )
 
 
 def check_inductor(device_type: str) -> None:
@@ -172,34 +188,47 @@ def check_inductor(device_type: str) -> None:
         from torch.utils._triton import has_triton
 
         if not has_triton():
-            raise ConfigError("performance.compile on CUDA needs Triton (torch.compile's inductor writes Triton "
-                              "kernels); pip install triton, or set performance.compile: false")
+            raise ConfigError(
+                "performance.compile on CUDA needs Triton (torch.compile's inductor writes Triton "
+                "kernels); pip install triton, or set performance.compile: false"
+            )
         return
     from torch._inductor import config as inductor_config
 
-    search = inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, (list, tuple)) else (inductor_config.cpp.cxx,)
+    search = (
+        inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, (list, tuple)) else (inductor_config.cpp.cxx,)
+    )
     import shutil
 
     if not any(c and shutil.which(c) for c in search):
         names = ", ".join(str(c) for c in search if c) or "g++"
-        raise ConfigError(f"performance.compile on CPU needs a C++ compiler (inductor looks for {names}; set CXX "
-                          "to one); install g++, or set performance.compile: false")
+        raise ConfigError(
+            f"performance.compile on CPU needs a C++ compiler (inductor looks for {names}; set CXX "
+            "to one); install g++, or set performance.compile: false"
+        )
 
 
 def check_run_dir(run_dir: Path) -> None:
     """The run directory is a directory, or can be created: its nearest existing ancestor is a writable directory."""
     if run_dir.exists() and not run_dir.is_dir():
-        raise RunDirError(f"{run_dir}: run directory is a file, not a directory; pass a directory path (it is created "
-                          "if missing)")
+        raise RunDirError(
+            f"{run_dir}: run directory is a file, not a directory; pass a directory path (it is created if missing)"
+        )
     probe = run_dir if run_dir.exists() else next((p for p in run_dir.absolute().parents if p.exists()), Path("/"))
     if not probe.is_dir():
         raise RunDirError(f"{run_dir}: cannot create the run directory: {probe} is a file; choose another path")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise RunDirError(f"{run_dir}: cannot write in {probe} (permission denied); choose a writable run directory")
     for parent in [run_dir.absolute(), *run_dir.absolute().parents]:  # never write inside a committed checkpoint
-        if (parent / MANIFEST_NAME).is_file() or parent.name.endswith(".partial") and parent.parent.name == "checkpoints":
-            raise RunDirError(f"{run_dir}: lies inside the checkpoint {parent}; writing there would corrupt it, "
-                              "choose a run directory outside every checkpoint")
+        if (
+            (parent / MANIFEST_NAME).is_file()
+            or parent.name.endswith(".partial")
+            and parent.parent.name == "checkpoints"
+        ):
+            raise RunDirError(
+                f"{run_dir}: lies inside the checkpoint {parent}; writing there would corrupt it, "
+                "choose a run directory outside every checkpoint"
+            )
     spec_path = RunDir(run_dir).spec_path
     if spec_path.exists() and not spec_path.is_file():
         raise RunDirError(f"{spec_path}: is not a file; remove it or choose another run directory")
@@ -212,18 +241,23 @@ def check_environment(topology: ClusterTopology) -> None:
         raise ConfigError(f"SHARDKEEPER_DEVICE={want!r}: choose one of {', '.join(DEVICES)} or unset it")
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads is not None and not (threads.strip().isdigit() and int(threads) >= 1):
-        raise ConfigError(f"OMP_NUM_THREADS={threads!r}: must be a positive integer; set e.g. OMP_NUM_THREADS=1 or unset it")
+        raise ConfigError(
+            f"OMP_NUM_THREADS={threads!r}: must be a positive integer; set e.g. OMP_NUM_THREADS=1 or unset it"
+        )
     if topology.launcher != "local":  # the ranks run on the scheduler's nodes, not here: the launcher checks those
         return
     if topology.device_type == "cuda" or want == "cuda":
         gpus = cuda_device_count()
         if gpus == 0:
             src = "SHARDKEEPER_DEVICE=cuda" if want == "cuda" else "device cuda"
-            raise ConfigError(f"{src}: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
-                              "use --device cpu (or unset SHARDKEEPER_DEVICE)")
+            raise ConfigError(
+                f"{src}: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+                "use --device cpu (or unset SHARDKEEPER_DEVICE)"
+            )
         if topology.device_type == "cuda" and topology.procs_per_node > gpus:
-            raise ConfigError(f"--nproc {topology.procs_per_node}: more ranks than GPUs on this node ({gpus}); "
-                              f"use --nproc <= {gpus}")
+            raise ConfigError(
+                f"--nproc {topology.procs_per_node}: more ranks than GPUs on this node ({gpus}); use --nproc <= {gpus}"
+            )
 
 
 def cuda_device_count() -> int:
@@ -248,13 +282,18 @@ def meta_model(spec: RunSpec, cfg: Any) -> Any:
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
-            raise ConfigError(f"model.model_type {mt!r}: transformers has no causal LM for it (AutoModelForCausalLM); "
-                              "use a decoder model type such as llama, qwen2 or mistral") from None
-        raise ConfigError(f"model.config: transformers cannot build a {mt} model from it ({_one_line(e)}); "
-                          "fix the values") from None
+            raise ConfigError(
+                f"model.model_type {mt!r}: transformers has no causal LM for it (AutoModelForCausalLM); "
+                "use a decoder model type such as llama, qwen2 or mistral"
+            ) from None
+        raise ConfigError(
+            f"model.config: transformers cannot build a {mt} model from it ({_one_line(e)}); fix the values"
+        ) from None
     except Exception as e:  # noqa: BLE001 - model code raises anything (AssertionError, RuntimeError, ...)
-        raise ConfigError(f"model.config: transformers cannot build a {mt} model from it "
-                          f"({type(e).__name__}: {_one_line(e)}); fix the values") from None
+        raise ConfigError(
+            f"model.config: transformers cannot build a {mt} model from it "
+            f"({type(e).__name__}: {_one_line(e)}); fix the values"
+        ) from None
     return model
 
 
@@ -278,18 +317,24 @@ def check_pretrained(spec: RunSpec, cfg: Any, model: Any, *, weights: bool = Tru
     for name, p in model.named_parameters():
         st = find_tensor(index, name, tied)
         if st is None:
-            raise ConfigError(f"model.pretrained {source}: the weight files in {folder} have no tensor {name}, "
-                              f"which its config.json's {type(model).__name__} needs; the folder's weights and "
-                              "config.json are of different models, re-save it with save_pretrained")
+            raise ConfigError(
+                f"model.pretrained {source}: the weight files in {folder} have no tensor {name}, "
+                f"which its config.json's {type(model).__name__} needs; the folder's weights and "
+                "config.json are of different models, re-save it with save_pretrained"
+            )
         if st.shape != tuple(p.shape):
-            raise ConfigError(f"model.pretrained {source}: {st.file.name} holds {name} with shape {list(st.shape)}, "
-                              f"config.json builds {list(p.shape)}; the folder's weights and config.json disagree")
+            raise ConfigError(
+                f"model.pretrained {source}: {st.file.name} holds {name} with shape {list(st.shape)}, "
+                f"config.json builds {list(p.shape)}; the folder's weights and config.json disagree"
+            )
         used[st.name] = st
     conflict = tied_conflict(index, tied)
     if conflict is not None:
-        raise ConfigError(f"model.pretrained {source}: config.json ties {conflict[0]} to {conflict[1]}, but the weight "
-                          f"files in {folder} hold both with different values; set tie_word_embeddings: false in its "
-                          f"config.json if they are two matrices, or remove one of them from the files")
+        raise ConfigError(
+            f"model.pretrained {source}: config.json ties {conflict[0]} to {conflict[1]}, but the weight "
+            f"files in {folder} hold both with different values; set tie_word_embeddings: false in its "
+            f"config.json if they are two matrices, or remove one of them from the files"
+        )
     check_finite_weights(source, sorted(used.values(), key=lambda st: (str(st.file), st.begin)))
 
 
@@ -304,9 +349,11 @@ def check_finite_weights(source: str, tensors: list[StoredTensor]) -> None:
     found = first_nonfinite(tensors)
     if found is not None:
         st, at, value = found
-        raise ConfigError(f"model.pretrained {source}: {st.file} holds {st.name} with a non-finite value ({value} at "
-                          f"element {at} of {st.dtype} {list(st.shape)}); training from it gives a NaN loss at the "
-                          "first step; re-download or re-export the weights without NaN/Inf")
+        raise ConfigError(
+            f"model.pretrained {source}: {st.file} holds {st.name} with a non-finite value ({value} at "
+            f"element {at} of {st.dtype} {list(st.shape)}); training from it gives a NaN loss at the "
+            "first step; re-download or re-export the weights without NaN/Inf"
+        )
     nbytes = sum(st.end - st.begin for st in tensors)
     log.debug("pretrained weights: %.1f MB checked for NaN/Inf in %.2f s", nbytes / 1e6, time.perf_counter() - t0)
 
@@ -318,9 +365,11 @@ def check_shardable(spec: RunSpec, model: Any) -> None:
         return
     names = set(getattr(model, "_no_split_modules", None) or [])
     if not any(type(mod).__name__ in names for mod in model.modules()):
-        raise ConfigError(f"model.pretrained {spec.model.pretrained}: {type(model).__name__} declares no decoder blocks "
-                          f"FSDP2 can shard one by one (_no_split_modules={sorted(names)}); fine-tune a model type "
-                          "such as llama, qwen2 or mistral, or use backend deepspeed")
+        raise ConfigError(
+            f"model.pretrained {spec.model.pretrained}: {type(model).__name__} declares no decoder blocks "
+            f"FSDP2 can shard one by one (_no_split_modules={sorted(names)}); fine-tune a model type "
+            "such as llama, qwen2 or mistral, or use backend deepspeed"
+        )
 
 
 def check_tokenizer(spec: RunSpec, cfg: Any) -> None:
@@ -337,12 +386,15 @@ def check_tokenizer(spec: RunSpec, cfg: Any) -> None:
     try:
         size = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own Exception type
-        raise ConfigError(f"{path}: not a tokenizer the tokenizers library reads ({_one_line(e)}); re-save it "
-                          "with save_pretrained") from None
+        raise ConfigError(
+            f"{path}: not a tokenizer the tokenizers library reads ({_one_line(e)}); re-save it with save_pretrained"
+        ) from None
     if size > cfg.vocab_size:
-        raise ConfigError(f"{path}: the tokenizer has {size} tokens but the model's embeddings have vocab_size "
-                          f"{cfg.vocab_size} (config.json); use the model's own tokenizer, or resize the embeddings "
-                          "first (model.resize_token_embeddings + save_pretrained)")
+        raise ConfigError(
+            f"{path}: the tokenizer has {size} tokens but the model's embeddings have vocab_size "
+            f"{cfg.vocab_size} (config.json); use the model's own tokenizer, or resize the embeddings "
+            "first (model.resize_token_embeddings + save_pretrained)"
+        )
 
 
 def check_data(spec: RunSpec, vocab_size: int, num_proc: int | None = None) -> PreparedData | None:
@@ -362,8 +414,10 @@ def check_data(spec: RunSpec, vocab_size: int, num_proc: int | None = None) -> P
         if prepared.train.targets == 0:
             raise ConfigError(f"{where}: no token is a training target (no assistant tokens); fix the data")
         if prepared.eval is not None and (prepared.eval.tokens - 1) // data.seq_len < 1:
-            raise ConfigError(f"eval.split {prepared.eval.split!r}: {prepared.eval.tokens} tokens make no sample of "
-                              f"data.seq_len {data.seq_len}; use a larger held-out split or a smaller data.seq_len")
+            raise ConfigError(
+                f"eval.split {prepared.eval.split!r}: {prepared.eval.tokens} tokens make no sample of "
+                f"data.seq_len {data.seq_len}; use a larger held-out split or a smaller data.seq_len"
+            )
     elif data.source == "synthetic":
         n, where = data.synthetic_tokens, f"data.synthetic_tokens {data.synthetic_tokens}"
     else:
@@ -372,9 +426,11 @@ def check_data(spec: RunSpec, vocab_size: int, num_proc: int | None = None) -> P
         n, where = len(tokens), f"data.path {path}"
     samples = (n - 1) // data.seq_len
     if samples < spec.global_batch_size:
-        raise ConfigError(f"{where}: {n} tokens make {samples} samples of data.seq_len {data.seq_len}, fewer than one "
-                          f"global batch ({spec.global_batch_size}); use more tokens, a smaller data.seq_len or "
-                          "global_batch_size")
+        raise ConfigError(
+            f"{where}: {n} tokens make {samples} samples of data.seq_len {data.seq_len}, fewer than one "
+            f"global batch ({spec.global_batch_size}); use more tokens, a smaller data.seq_len or "
+            "global_batch_size"
+        )
     if data.source == "tokens":
         scan_token_ids(tokens, str(path), vocab_size)
     return prepared
@@ -422,11 +478,15 @@ def check_memory(spec: RunSpec, topology: ClusterTopology, params: int, cfg: Any
         return
     est = estimate_memory(spec, topology.world_size, params, cfg)
     nproc, world = topology.procs_per_node, topology.world_size
-    what = (f"~{params / 1e9:.2f}B parameters need >= {est.train_bytes / GIB:.1f} GiB per rank "
-            f"({est.state_bytes / GIB:.1f} GiB params x 16 B (4 master + 4 grad + 8 AdamW) over {world} rank(s) "
-            f"as {spec.backend} shards them + {est.activation_bytes / GIB:.1f} GiB activations)")
-    fix = ("use a smaller model.config, more ranks or nodes, or a smaller micro_batch_size/data.seq_len; "
-           "SHARDKEEPER_MEMORY_CHECK=0 skips this check")
+    what = (
+        f"~{params / 1e9:.2f}B parameters need >= {est.train_bytes / GIB:.1f} GiB per rank "
+        f"({est.state_bytes / GIB:.1f} GiB params x 16 B (4 master + 4 grad + 8 AdamW) over {world} rank(s) "
+        f"as {spec.backend} shards them + {est.activation_bytes / GIB:.1f} GiB activations)"
+    )
+    fix = (
+        "use a smaller model.config, more ranks or nodes, or a smaller micro_batch_size/data.seq_len; "
+        "SHARDKEEPER_MEMORY_CHECK=0 skips this check"
+    )
     if topology.launcher != "local":  # this host is not where the ranks run
         return
     if topology.device_type == "cuda":
@@ -441,8 +501,10 @@ def check_memory(spec: RunSpec, topology: ClusterTopology, params: int, cfg: Any
     host = host_available_bytes()
     if host is not None and nproc * per_rank > host:
         head = what if not need else f"~{params / 1e9:.2f}B parameters need >= {per_rank / GIB:.1f} GiB per rank {need}"
-        raise ConfigError(f"model: {head}; {nproc} rank(s) on this host need >= {nproc * per_rank / GIB:.1f} GiB, "
-                          f"but {host / GIB:.1f} GiB is available; {fix}")
+        raise ConfigError(
+            f"model: {head}; {nproc} rank(s) on this host need >= {nproc * per_rank / GIB:.1f} GiB, "
+            f"but {host / GIB:.1f} GiB is available; {fix}"
+        )
     log.debug("memory estimate: %s; host available %s bytes", what, host)
 
 

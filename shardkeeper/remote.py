@@ -32,17 +32,28 @@ from ckpt.objstore_base import reread_on_store
 from ckpt.pin import Pin
 from schemas import RunSpec, SegmentResult, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired, ShardkeeperError
-from shardkeeper.remote_stop import STOP_UPLOAD_ENV, UploadAbandoned, _abandoned, _stop_budget, abandoned_uploads
 from schemas.requests import RunState, last_placement, last_segment
+from shardkeeper.remote_stop import STOP_UPLOAD_ENV, UploadAbandoned, _abandoned, _stop_budget, abandoned_uploads
 
 log = logging.getLogger("shardkeeper")
 
 POLL_ENV = "SHARDKEEPER_UPLOAD_POLL_S"
 _CKPT_URL = re.compile(r"^(?P<run>.+)/checkpoints/(?P<name>step-\d{8})/?$")
 
-__all__ = ["Mirror", "ObjectStoreError", "export_remote", "is_remote", "lineage_source", "materialize_checkpoint",
-           "open_for_training", "run_state_remote", "validate_remote", "STOP_UPLOAD_ENV", "UploadAbandoned",
-           "abandoned_uploads"]
+__all__ = [
+    "Mirror",
+    "ObjectStoreError",
+    "export_remote",
+    "is_remote",
+    "lineage_source",
+    "materialize_checkpoint",
+    "open_for_training",
+    "run_state_remote",
+    "validate_remote",
+    "STOP_UPLOAD_ENV",
+    "UploadAbandoned",
+    "abandoned_uploads",
+]
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -64,8 +75,15 @@ class Mirror:
     up on gets no manifest on the store (its objects are not a checkpoint there), stays in the cache, and the next
     segment on this cache uploads it; the segment keeps its exit code."""
 
-    def __init__(self, remote: RemoteRun, spec: RunSpec, *, is_valid: Callable[[Path], bool],
-                 poll_s: float | None = None, lease: bool = True):
+    def __init__(
+        self,
+        remote: RemoteRun,
+        spec: RunSpec,
+        *,
+        is_valid: Callable[[Path], bool],
+        poll_s: float | None = None,
+        lease: bool = True,
+    ):
         self.remote = remote
         self.lease = lease_for(remote) if lease else None
         self.spec = spec
@@ -132,13 +150,27 @@ class Mirror:
         """An expired lease was taken over (its holder died without releasing it): logged and in the lineage."""
         owner = taken.doc.get("owner") or {}
         why = "its process is gone" if taken.remaining_s > 0 else f"expired {-taken.remaining_s:.0f} s ago"
-        log.warning("%s: took over the run's lease of %s (%s, last renewed %s)", self.remote.url,
-                    taken.holder(), why, taken.doc.get("renewed", "?"))
-        lineage.record(self.remote.local, "segment", f"lease-takeover:{int(time.time())}:{self.lease.owner['id'][:8]}",
-                       status="lease-takeover", action="lease-takeover", previous_host=owner.get("host"),
-                       previous_pid=owner.get("pid"), previous_renewed=taken.doc.get("renewed"),
-                       expired_s=round(-taken.remaining_s, 1), holder_dead=taken.remaining_s > 0,
-                       host=self.lease.owner["host"], pid=self.lease.owner["pid"])
+        log.warning(
+            "%s: took over the run's lease of %s (%s, last renewed %s)",
+            self.remote.url,
+            taken.holder(),
+            why,
+            taken.doc.get("renewed", "?"),
+        )
+        lineage.record(
+            self.remote.local,
+            "segment",
+            f"lease-takeover:{int(time.time())}:{self.lease.owner['id'][:8]}",
+            status="lease-takeover",
+            action="lease-takeover",
+            previous_host=owner.get("host"),
+            previous_pid=owner.get("pid"),
+            previous_renewed=taken.doc.get("renewed"),
+            expired_s=round(-taken.remaining_s, 1),
+            holder_dead=taken.remaining_s > 0,
+            host=self.lease.owner["host"],
+            pid=self.lease.owner["pid"],
+        )
 
     def _start(self) -> None:
         r = self.remote
@@ -244,8 +276,11 @@ class Mirror:
         self._guard()  # given up (the lease may be released already): neither metadata nor retention
         self.remote.push_meta()
         self._guard()
-        self.remote.apply_retention(keep_last=self.spec.checkpoint.keep_last, keep_every=self.spec.checkpoint.keep_every,
-                                    protect={self.remote_newest})
+        self.remote.apply_retention(
+            keep_last=self.spec.checkpoint.keep_last,
+            keep_every=self.spec.checkpoint.keep_every,
+            protect={self.remote_newest},
+        )
 
     def _confirm(self) -> None:
         if self.lease is not None:
@@ -292,8 +327,11 @@ class Mirror:
             if not why:
                 why.append(f"{signal.Signals(signum).name} received again")
 
-        previous = ({s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
-                    if threading.current_thread() is threading.main_thread() else {})
+        previous = (
+            {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+            if threading.current_thread() is threading.main_thread()
+            else {}
+        )
         worker = threading.Thread(target=run, name="ckpt-upload-at-stop", daemon=True)
         deadline = time.monotonic() + self.stop_grace_s
         try:
@@ -322,13 +360,20 @@ class Mirror:
         # one's upload, is what the next segment uploads), else the one that was in flight
         step = next((s for s in reversed(self._local_steps()) if s > self.remote_newest), step)
         if step is not None and step in self.remote_steps:  # its manifest was already on its way: whole there
-            self.gave_up = (f"{why}; {r.checkpoint_uri(step)} was uploaded whole; gave up the rest: it stays in the "
-                            f"cache {r.local.root} and the next `shardkeeper train --run-dir {r.url}` here uploads it")
+            self.gave_up = (
+                f"{why}; {r.checkpoint_uri(step)} was uploaded whole; gave up the rest: it stays in the "
+                f"cache {r.local.root} and the next `shardkeeper train --run-dir {r.url}` here uploads it"
+            )
         else:
-            what = (f"the upload of {r.checkpoint_uri(step)}: the store has no manifest for it (not a checkpoint "
-                    "there); it" if step is not None else f"the upload of the segment's metadata to {r.url}: it")
-            self.gave_up = (f"{why}; gave up {what} stays in the cache {r.local.root} and the next "
-                            f"`shardkeeper train --run-dir {r.url}` here uploads it")
+            what = (
+                f"the upload of {r.checkpoint_uri(step)}: the store has no manifest for it (not a checkpoint there); it"
+                if step is not None
+                else f"the upload of the segment's metadata to {r.url}: it"
+            )
+            self.gave_up = (
+                f"{why}; gave up {what} stays in the cache {r.local.root} and the next "
+                f"`shardkeeper train --run-dir {r.url}` here uploads it"
+            )
         log.debug("%s", self.gave_up)  # (the CLI prints it once, in the segment's line)
         if worker.is_alive():  # its requests still in flight: a process that exits must not wait for them
             _abandoned.append(r.checkpoint_uri(step) if step is not None else r.url)
@@ -345,8 +390,10 @@ class Mirror:
                 raise LeaseLost(str(e)) from None
             log.error("%s", e)
         except ShardkeeperError as e:
-            msg = (f"{e}; the segment's checkpoints stay in the cache {self.remote.local.root} and the next "
-                   f"`shardkeeper train --run-dir {self.remote.url}` uploads them")
+            msg = (
+                f"{e}; the segment's checkpoints stay in the cache {self.remote.local.root} and the next "
+                f"`shardkeeper train --run-dir {self.remote.url}` uploads them"
+            )
             if raise_errors:
                 raise ObjectStoreError(msg) from None
             log.error("%s", msg)
@@ -395,13 +442,27 @@ def validate_remote(url: str, *, deep: bool, validate: Callable[..., ValidationR
     try:
         remote, local = materialize_checkpoint(url, fresh=deep)
     except CheckpointError as e:  # CheckpointRetired: the store's retention took it; a verdict on nothing
-        return ValidationReport(path=url, valid=False, deep=deep, errors=[str(e)], retired=isinstance(e, CheckpointRetired),
-                                seconds=time.perf_counter() - t0)
+        return ValidationReport(
+            path=url,
+            valid=False,
+            deep=deep,
+            errors=[str(e)],
+            retired=isinstance(e, CheckpointRetired),
+            seconds=time.perf_counter() - t0,
+        )
     report = validate(local, deep=deep)
     errors = [e.replace(str(local), url) for e in report.errors]
     if deep and not report.retired and remote.local.has_lineage():
-        lineage.record(remote.local, "validate", f"validate:{local.name}:{int(time.time())}", parent=f"checkpoint:{local.name}",
-                       step=report.step, valid=report.valid, errors=errors[:3], uri=url)
+        lineage.record(
+            remote.local,
+            "validate",
+            f"validate:{local.name}:{int(time.time())}",
+            parent=f"checkpoint:{local.name}",
+            step=report.step,
+            valid=report.valid,
+            errors=errors[:3],
+            uri=url,
+        )
         _push_meta_quietly(remote)
     return report.model_copy(update={"path": url, "errors": errors, "seconds": time.perf_counter() - t0})
 
@@ -424,17 +485,26 @@ def run_state_remote(url: str, *, is_locked: Callable[[Path], bool]) -> RunState
     found = remote.latest_committed()
     rd = remote.local
     lease = lease_for(remote, expiry_s=1.0) if remote.url.startswith("s3://") else None
-    held = lease is not None and (view := lease.read()) is not None and view.remaining_s > 0  # another machine trains it
+    held = (
+        lease is not None and (view := lease.read()) is not None and view.remaining_s > 0
+    )  # another machine trains it
     if not rd.spec_path.exists() and found is None:
         return RunState(run_dir=url, exists=False, locked=held)
     locked = is_locked(rd.root) or held
     records = read_jsonl(rd.segments)
     last_status, last_until_step = last_segment(records, locked=locked)
-    return RunState(run_dir=url, exists=True, checkpoint=remote.checkpoint_uri(found[0]) if found else None,
-                    step=found[0] if found else 0, world_size=found[1].topology.world_size if found else None,
-                    last_status=last_status, last_until_step=last_until_step,
-                    locked=locked, reread=reread_on_store(remote, found[0]) if found else None,
-                    **last_placement(records))
+    return RunState(
+        run_dir=url,
+        exists=True,
+        checkpoint=remote.checkpoint_uri(found[0]) if found else None,
+        step=found[0] if found else 0,
+        world_size=found[1].topology.world_size if found else None,
+        last_status=last_status,
+        last_until_step=last_until_step,
+        locked=locked,
+        reread=reread_on_store(remote, found[0]) if found else None,
+        **last_placement(records),
+    )
 
 
 def remote_run_urls(url: str) -> list[str]:
@@ -454,8 +524,16 @@ def lineage_source(url: str) -> tuple[RunDir, int]:
     return remote.local, len(remote.committed_steps())
 
 
-def export_remote(ckpt: str, out: str, *, export: Callable[..., Any], dtype: str, max_shard_size: str | int,
-                  overwrite: bool, progress: bool) -> Any:
+def export_remote(
+    ckpt: str,
+    out: str,
+    *,
+    export: Callable[..., Any],
+    dtype: str,
+    max_shard_size: str | int,
+    overwrite: bool,
+    progress: bool,
+) -> Any:
     """Export a checkpoint where either side is on the store: the checkpoint is materialized in the cache,
     the export written locally, and an ``out`` on the store is published there through ckpt.publish's fsspec
     target (files first, its marker last: a reader sees an incomplete export as none)."""
@@ -474,16 +552,26 @@ def export_remote(ckpt: str, out: str, *, export: Callable[..., Any], dtype: str
         overwrite = True  # the cache copy of an export is ours to replace
     else:
         local_out = Path(out)
-    res = export(local_ckpt, local_out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                 progress=progress)
+    res = export(
+        local_ckpt, local_out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress
+    )
     uri = out if is_remote(out) else Path(res.out_dir).resolve().as_uri()
     if is_remote(out):
         publish_to_fsspec(local_out, out.rstrip("/").rsplit("/", 1)[0])
     root = remote.local if remote is not None else RunDir.of_checkpoint(local_ckpt)
     if root is not None and root.spec_path.exists():
-        lineage.record(root, "export", f"export:{Path(res.out_dir).name}:{res.dtype}", parent=f"checkpoint:{local_ckpt.name}",
-                       step=parse_step(local_ckpt.name), uri=uri, dtype=res.dtype, num_shards=res.num_shards,
-                       bytes=res.total_bytes, seconds=round(res.seconds, 2))
+        lineage.record(
+            root,
+            "export",
+            f"export:{Path(res.out_dir).name}:{res.dtype}",
+            parent=f"checkpoint:{local_ckpt.name}",
+            step=parse_step(local_ckpt.name),
+            uri=uri,
+            dtype=res.dtype,
+            num_shards=res.num_shards,
+            bytes=res.total_bytes,
+            seconds=round(res.seconds, 2),
+        )
         if remote is not None:
             _push_meta_quietly(remote)
     return res.model_copy(update={"out_dir": out}) if is_remote(out) else res

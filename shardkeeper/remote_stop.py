@@ -29,8 +29,10 @@ def _stop_budget() -> float | None:
     except ValueError:
         value = -1.0
     if value is not None and not value >= 0:  # (nan too)
-        raise ConfigError(f"{STOP_UPLOAD_ENV}={raw!r}: not a number of seconds (>= 0); set the upload budget after "
-                          "a stop in seconds, e.g. 60, or unset it for the launcher's stop grace")
+        raise ConfigError(
+            f"{STOP_UPLOAD_ENV}={raw!r}: not a number of seconds (>= 0); set the upload budget after "
+            "a stop in seconds, e.g. 60, or unset it for the launcher's stop grace"
+        )
     return value
 
 

@@ -27,9 +27,15 @@ from schemas.requests import RunState
 
 LANE_COLORS = ("#1f5fbf", "#2b8a3e", "#9c36b5", "#e8590c", "#0b7285", "#5c940d")
 EDGE_STYLES = {  # kind -> (color, linestyle)
-    "train": ("#868e96", "-"), "resume": ("#2b8a3e", "--"), "preempted": ("#e03131", "--"),
-    "failed": ("#e03131", ":"), "reshard": ("#e8590c", "--"), "folded": ("#adb5bd", ":"),
-    "export": ("#7048e8", "-"), "publish": ("#7048e8", ":"), "convert": ("#0b7285", "-."),
+    "train": ("#868e96", "-"),
+    "resume": ("#2b8a3e", "--"),
+    "preempted": ("#e03131", "--"),
+    "failed": ("#e03131", ":"),
+    "reshard": ("#e8590c", "--"),
+    "folded": ("#adb5bd", ":"),
+    "export": ("#7048e8", "-"),
+    "publish": ("#7048e8", ":"),
+    "convert": ("#0b7285", "-."),
 }
 OUTPUT_STYLE = {"export": ("s", "#7048e8"), "publish": ("D", "#7048e8"), "convert": ("^", "#0b7285")}
 MAX_WIDTH_IN, DPI = 16.0, 100
@@ -90,8 +96,13 @@ def _output_kind(e: LineageEvent) -> str | None:
     return "convert" if e.kind == "reshard" and e.uri else None
 
 
-def lineage_graph(events: list[LineageEvent], existing: set[str] | None = None, *, max_lanes: int = MAX_LANES,
-                  max_on_disk: int = MAX_ON_DISK_NODES) -> GraphModel:
+def lineage_graph(
+    events: list[LineageEvent],
+    existing: set[str] | None = None,
+    *,
+    max_lanes: int = MAX_LANES,
+    max_on_disk: int = MAX_ON_DISK_NODES,
+) -> GraphModel:
     """Nodes, edges and lanes (one per segment) of a run's lineage; ``existing``: ids of checkpoints on disk.
 
     Drawn as nodes: where each segment starts and ends, checkpoints something derives from (an export, a
@@ -107,25 +118,32 @@ def lineage_graph(events: list[LineageEvent], existing: set[str] | None = None, 
     derived = {e.parent for e in latest.values() if e.parent and e.kind != "checkpoint"}
     outputs = {e.parent for e in latest.values() if e.parent and _output_kind(e)}
     # a segment the ranks refused before its first step trained nothing: no lane (status and the resume flow skip it)
-    segments = {int(k.split(":")[1]): e for k, e in latest.items()
-                if e.kind == "segment" and k.startswith("segment:") and k.split(":")[1].isdigit()
-                and e.data.get("status") != "refused"}
+    segments = {
+        int(k.split(":")[1]): e
+        for k, e in latest.items()
+        if e.kind == "segment"
+        and k.startswith("segment:")
+        and k.split(":")[1].isdigit()
+        and e.data.get("status") != "refused"
+    }
     by_segment: dict[int, list[LineageEvent]] = {}
     for c in ckpts:
         by_segment.setdefault(_segment(c), []).append(c)
     seg_index = sorted(set(segments) | set(by_segment))
-    hidden = set(seg_index[1:len(seg_index) - (max_lanes - 2)]) if len(seg_index) > max(max_lanes, 3) else set()
+    hidden = set(seg_index[1 : len(seg_index) - (max_lanes - 2)]) if len(seg_index) > max(max_lanes, 3) else set()
 
     def world_size(s: int) -> Any:
         ev = segments.get(s)
         return (ev.data.get("world_size") if ev else None) or next(
-            (c.data.get("world_size") for c in by_segment.get(s, [])), "?")
+            (c.data.get("world_size") for c in by_segment.get(s, [])), "?"
+        )
 
     def status(s: int) -> str:  # recorded when a segment ends
         return str(segments[s].data.get("status", "in progress")) if s in segments else "in progress"
 
-    model = GraphModel(checkpoints=len(ckpts), on_disk=sum(1 for c in ckpts if c.id in existing),
-                       hidden_segments=len(hidden))
+    model = GraphModel(
+        checkpoints=len(ckpts), on_disk=sum(1 for c in ckpts if c.id in existing), hidden_segments=len(hidden)
+    )
     lane_of: dict[int, int] = {}
     for s in seg_index:
         if s in hidden and model.folded_lane is not None:
@@ -139,8 +157,13 @@ def lineage_graph(events: list[LineageEvent], existing: set[str] | None = None, 
             for h in hidden:
                 counts[status(h)] = counts.get(status(h), 0) + 1
             sizes = sorted({str(world_size(h)) for h in hidden})
-            model.lanes.append((y, f"segments {min(hidden)}–{max(hidden)} folded · {len(hidden)} segments · "
-                                   f"{'/'.join(sizes)} ranks · " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))))
+            model.lanes.append(
+                (
+                    y,
+                    f"segments {min(hidden)}–{max(hidden)} folded · {len(hidden)} segments · "
+                    f"{'/'.join(sizes)} ranks · " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())),
+                )
+            )
         else:
             by = str(segments[s].data.get("by") or "") if s in segments else ""
             who = f" · by {by.split(' ', 1)[0]}" if by else ""  # who launched it: train-and-export, automation, ...
@@ -152,12 +175,21 @@ def lineage_graph(events: list[LineageEvent], existing: set[str] | None = None, 
         if s in hidden:
             keep.update(c.id for c in group if c.id in outputs or c.id in existing)
         else:
-            keep.update(c.id for c in group if c.data.get("reason") != "interval" or c.id in derived or c.id in existing)
+            keep.update(
+                c.id for c in group if c.data.get("reason") != "interval" or c.id in derived or c.id in existing
+            )
             bounds.update((group[0].id, group[-1].id))
     keep |= bounds
-    plain_on_disk = [c.id for c in ckpts if c.id in keep and c.id in existing and c.id not in bounds
-                     and c.data.get("reason") == "interval" and c.id not in derived]
-    keep -= set(plain_on_disk[:max(len(plain_on_disk) - max_on_disk, 0)])  # the newest ones stay nodes
+    plain_on_disk = [
+        c.id
+        for c in ckpts
+        if c.id in keep
+        and c.id in existing
+        and c.id not in bounds
+        and c.data.get("reason") == "interval"
+        and c.id not in derived
+    ]
+    keep -= set(plain_on_disk[: max(len(plain_on_disk) - max_on_disk, 0)])  # the newest ones stay nodes
 
     kept = [c for c in ckpts if c.id in keep]
     edges: dict[str, GraphEdge] = {}
@@ -201,8 +233,11 @@ def lineage_graph(events: list[LineageEvent], existing: set[str] | None = None, 
         if c.data.get("source"):  # a checkpoint converted from another run's
             parts = str(c.data["source"]).rstrip("/").split("/")
             note = "from " + "/".join(parts[-3::2] if len(parts) >= 3 else parts[-1:])
-        model.nodes.append(GraphNode(c.id, "checkpoint", f"{c.step}", x, float(-lane), c.id in existing,
-                                     c.data.get("reason"), lane, note))
+        model.nodes.append(
+            GraphNode(
+                c.id, "checkpoint", f"{c.step}", x, float(-lane), c.id in existing, c.data.get("reason"), lane, note
+            )
+        )
         x += 1.0
     model.edges.extend(edges[c.id] for c in kept if c.id in edges)
     _add_outputs(model, latest)
@@ -212,8 +247,13 @@ def lineage_graph(events: list[LineageEvent], existing: set[str] | None = None, 
 def _output_label(e: LineageEvent, kind: str) -> str:
     if kind == "convert":
         method = str(e.data.get("method") or "")
-        label = "→ " + (method.removeprefix("convert-to-") if method.startswith("convert-to-") else
-                        "universal" if "universal" in method else (method or Path(e.uri or e.id).name))
+        label = "→ " + (
+            method.removeprefix("convert-to-")
+            if method.startswith("convert-to-")
+            else "universal"
+            if "universal" in method
+            else (method or Path(e.uri or e.id).name)
+        )
     else:
         label = str(e.data.get("dtype") or e.data.get("target") or e.id)
     return label if len(label) <= 26 else "…" + label[-25:]  # a URL's tail says where it went
@@ -231,8 +271,17 @@ def _add_outputs(model: GraphModel, latest: dict[str, LineageEvent]) -> None:
     def place(e: LineageEvent, kind: str, anchor: GraphNode, parent: str) -> None:
         row = rows.get(anchor.id, 0)
         rows[anchor.id] = row + 1
-        node = GraphNode(e.id, kind, _output_label(e, kind), anchor.x + (0.55 if kind == "publish" else 0.3),
-                         anchor.y - 0.4 - 0.27 * row, True, None, anchor.lane, anchor=anchor.id)
+        node = GraphNode(
+            e.id,
+            kind,
+            _output_label(e, kind),
+            anchor.x + (0.55 if kind == "publish" else 0.3),
+            anchor.y - 0.4 - 0.27 * row,
+            True,
+            None,
+            anchor.lane,
+            anchor=anchor.id,
+        )
         model.nodes.append(node)
         model.edges.append(GraphEdge(parent, e.id, kind))
         if kind == "export":
@@ -260,25 +309,46 @@ def draw_lineage_graph(model: GraphModel, out_path: str | Path, *, title: str) -
     ax = fig.add_subplot()
     for y, text in model.lanes:
         folded = y == model.folded_lane
-        ax.axhspan(y - 0.5, y + 0.5, color="#fff9db" if folded else ("#f1f3f5" if int(-y) % 2 == 0 else "#ffffff"),
-                   zorder=0)
-        ax.text(-0.9, y + 0.42, text, fontsize=8, color="#495057", va="center", ha="left",
-                style="italic" if folded else "normal")
+        ax.axhspan(
+            y - 0.5, y + 0.5, color="#fff9db" if folded else ("#f1f3f5" if int(-y) % 2 == 0 else "#ffffff"), zorder=0
+        )
+        ax.text(
+            -0.9,
+            y + 0.42,
+            text,
+            fontsize=8,
+            color="#495057",
+            va="center",
+            ha="left",
+            style="italic" if folded else "normal",
+        )
     pos = {n.id: n for n in model.nodes}
     px_per_col = fig.get_figwidth() * DPI / (cols + 1)
     for e in model.edges:
         a, b = pos[e.src], pos[e.dst]
         color, style = EDGE_STYLES.get(e.kind, EDGE_STYLES["train"])
-        ax.annotate("", xy=(b.x, b.y), xytext=(a.x, a.y), zorder=1,
-                    arrowprops={"arrowstyle": "-|>", "color": color, "linestyle": style, "lw": 1.3,
-                                "shrinkA": 9, "shrinkB": 9})
+        ax.annotate(
+            "",
+            xy=(b.x, b.y),
+            xytext=(a.x, a.y),
+            zorder=1,
+            arrowprops={"arrowstyle": "-|>", "color": color, "linestyle": style, "lw": 1.3, "shrinkA": 9, "shrinkB": 9},
+        )
         label = e.label
         if e.kind == "train" and e.folded and 5.5 * len(label) + 30 > (b.x - a.x) * px_per_col:
             label = f"+{e.folded}"  # a short edge: the long form would run over the nodes
         if label:
             at = 0.5 if a.y == b.y else 0.6  # a lane change: nearer the child, clear of the parent's step label
-            ax.text(a.x + at * (b.x - a.x), a.y + at * (b.y - a.y) + 0.1, label, fontsize=7, color=color,
-                    ha="center", zorder=3, bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8})
+            ax.text(
+                a.x + at * (b.x - a.x),
+                a.y + at * (b.y - a.y) + 0.1,
+                label,
+                fontsize=7,
+                color=color,
+                ha="center",
+                zorder=3,
+                bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8},
+            )
     goes_down = {e.src for e in model.edges if pos[e.dst].y < pos[e.src].y}
     for n in model.nodes:
         lane_color = LANE_COLORS[n.lane % len(LANE_COLORS)]
@@ -287,32 +357,65 @@ def draw_lineage_graph(model: GraphModel, out_path: str | Path, *, title: str) -
             edge = "#e03131" if n.reason == "preempted" else (lane_color if n.exists else "#adb5bd")
             ax.scatter([n.x], [n.y], s=260, c=[face], edgecolors=[edge], linewidths=2.2, zorder=2)
             above = n.id in goes_down and not n.note  # an edge leaves downwards: the label goes above the node
-            ax.text(n.x, n.y + (0.2 if above else -0.2), f"step {n.label}" + (f"\n{n.note}" if n.note else ""),
-                    fontsize=7, ha="center", va="bottom" if above else "top",
-                    color="#212529" if n.exists else "#868e96", zorder=3)
+            ax.text(
+                n.x,
+                n.y + (0.2 if above else -0.2),
+                f"step {n.label}" + (f"\n{n.note}" if n.note else ""),
+                fontsize=7,
+                ha="center",
+                va="bottom" if above else "top",
+                color="#212529" if n.exists else "#868e96",
+                zorder=3,
+            )
         else:
             marker, color = OUTPUT_STYLE.get(n.kind, OUTPUT_STYLE["export"])
             ax.scatter([n.x], [n.y], s=110, marker=marker, c=[color], zorder=2)
             ax.text(n.x + 0.12, n.y, n.label, fontsize=7, ha="left", va="center", color=color, zorder=3)
     legend = [
         Line2D([], [], marker="o", ls="", color=LANE_COLORS[0], markersize=9, label="checkpoint on disk"),
-        Line2D([], [], marker="o", ls="", markerfacecolor="white", markeredgecolor="#adb5bd", markersize=9,
-               label="retired (deleted by retention)"),
-        Line2D([], [], marker="o", ls="", markerfacecolor="white", markeredgecolor="#e03131", markersize=9,
-               label="emergency (preemption)"),
+        Line2D(
+            [],
+            [],
+            marker="o",
+            ls="",
+            markerfacecolor="white",
+            markeredgecolor="#adb5bd",
+            markersize=9,
+            label="retired (deleted by retention)",
+        ),
+        Line2D(
+            [],
+            [],
+            marker="o",
+            ls="",
+            markerfacecolor="white",
+            markeredgecolor="#e03131",
+            markersize=9,
+            label="emergency (preemption)",
+        ),
         Line2D([], [], marker="s", ls="", color="#7048e8", label="export (◆ publish)"),
         Line2D([], [], marker="^", ls="", color="#0b7285", label="converted copy"),
-        *[Line2D([], [], color=EDGE_STYLES[k][0], ls=EDGE_STYLES[k][1], label=text)
-          for k, text in (("train", "train"), ("resume", "planned resume"), ("preempted", "resume after preemption"),
-                          ("reshard", "reshard"), ("folded", "folded checkpoints"))],
+        *[
+            Line2D([], [], color=EDGE_STYLES[k][0], ls=EDGE_STYLES[k][1], label=text)
+            for k, text in (
+                ("train", "train"),
+                ("resume", "planned resume"),
+                ("preempted", "resume after preemption"),
+                ("reshard", "reshard"),
+                ("folded", "folded checkpoints"),
+            )
+        ],
     ]
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=5, fontsize=7, frameon=False)
     ax.set_xlim(-1, cols)
     ax.set_ylim(min([-(rows - 1) - 0.8, *(n.y - 0.4 for n in model.nodes)]), 0.7)
     ax.axis("off")
     folded = f"; {model.folded} folded into edges (… N …)" if model.folded else ""
-    ax.set_title(f"{title} — {model.checkpoints} checkpoint{'s' if model.checkpoints != 1 else ''} written, "
-                 f"{model.on_disk} on disk{folded}", fontsize=9)
+    ax.set_title(
+        f"{title} — {model.checkpoints} checkpoint{'s' if model.checkpoints != 1 else ''} written, "
+        f"{model.on_disk} on disk{folded}",
+        fontsize=9,
+    )
     fig.tight_layout()
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -341,7 +444,6 @@ def checkpoints_now(run_dir: str | Path, events: list[LineageEvent]) -> list[dic
     """One row per committed checkpoint on disk now (storage first, then the memory tier's snapshots): step, tier,
     world size, backend, size, validity as last checked, where it was exported and published."""
     from ckpt.manifest import read_manifest
-
     from ckpt.memtier import owned_memory_dirs
 
     rd = RunDir.at(run_dir)
@@ -355,12 +457,26 @@ def checkpoints_now(run_dir: str | Path, events: list[LineageEvent]) -> list[dic
     for path, tier in [*((p, "storage") for p in rd.committed()), *((p, "memory") for p in snaps)]:
         step = parse_step(path.name) or 0
         ck = f"checkpoint:{path.name}"
-        row: dict[str, Any] = {"step": step, "tier": tier, "world_size": "", "backend": "", "reason": "", "size": "",
-                               "validity": "", "exported": "", "published": "", "path": str(path)}
+        row: dict[str, Any] = {
+            "step": step,
+            "tier": tier,
+            "world_size": "",
+            "backend": "",
+            "reason": "",
+            "size": "",
+            "validity": "",
+            "exported": "",
+            "published": "",
+            "path": str(path),
+        }
         try:
             m = read_manifest(path)
-            row.update(world_size=m.topology.world_size, backend=m.format, reason=m.reason,
-                       size=human_bytes(sum(f.size for f in m.files)))
+            row.update(
+                world_size=m.topology.world_size,
+                backend=m.format,
+                reason=m.reason,
+                size=human_bytes(sum(f.size for f in m.files)),
+            )
         except Exception as e:  # noqa: BLE001 - shown in the row: the table is how a person finds the bad one
             if not path.is_dir():  # retired by the run's retention since it was listed: not on disk now
                 continue
@@ -377,10 +493,19 @@ def checkpoints_now(run_dir: str | Path, events: list[LineageEvent]) -> list[dic
             else:
                 row["validity"] = "not checked since commit"
         exports = [e for e in events if e.kind == "export" and e.parent == ck]
-        row["exported"] = ", ".join(sorted({f"{e.data.get('dtype', '?')} → {Path(e.uri or e.id).name}" for e in exports}))
+        row["exported"] = ", ".join(
+            sorted({f"{e.data.get('dtype', '?')} → {Path(e.uri or e.id).name}" for e in exports})
+        )
         ids = {e.id for e in exports}
-        row["published"] = ", ".join(sorted({f"{e.data.get('target')}@{e.data.get('revision') or 'main'}"
-                                             for e in events if e.kind == "publish" and e.parent in ids}))
+        row["published"] = ", ".join(
+            sorted(
+                {
+                    f"{e.data.get('target')}@{e.data.get('revision') or 'main'}"
+                    for e in events
+                    if e.kind == "publish" and e.parent in ids
+                }
+            )
+        )
         rows.append(row)
     return rows
 
@@ -394,11 +519,19 @@ def runs_overview(states: list[RunState], now: float | None = None) -> list[dict
         rd = RunDir.at(s.run_dir)
         stamps = [p.stat().st_mtime for p in (rd.lineage, rd.metrics, rd.segments) if p.exists()]
         status = "running" if s.locked else (s.last_status or ("new" if s.exists else "not a run"))
-        rows.append({"run": rd.root.name, "status": status,
-                     "step": s.step, "until_step": s.last_until_step if s.last_until_step is not None else "",
-                     "last_checkpoint": Path(s.checkpoint).name if s.checkpoint else "", "tier": s.tier or "",
-                     "world_size": s.world_size or "", "last_activity": age(now - max(stamps)) if stamps else "",
-                     "run_dir": str(rd.root)})
+        rows.append(
+            {
+                "run": rd.root.name,
+                "status": status,
+                "step": s.step,
+                "until_step": s.last_until_step if s.last_until_step is not None else "",
+                "last_checkpoint": Path(s.checkpoint).name if s.checkpoint else "",
+                "tier": s.tier or "",
+                "world_size": s.world_size or "",
+                "last_activity": age(now - max(stamps)) if stamps else "",
+                "run_dir": str(rd.root),
+            }
+        )
     return rows
 
 
@@ -407,5 +540,11 @@ def markdown_rows(rows: list[dict[str, Any]], columns: list[str] | None = None) 
         return "_none_\n"
     columns = columns or list(rows[0])
     cell = lambda v: str(v).replace("|", "\\|")  # noqa: E731
-    return ("| " + " | ".join(c.replace("_", " ") for c in columns) + " |\n|" + "---|" * len(columns) + "\n"
-            + "".join("| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |\n" for r in rows))
+    return (
+        "| "
+        + " | ".join(c.replace("_", " ") for c in columns)
+        + " |\n|"
+        + "---|" * len(columns)
+        + "\n"
+        + "".join("| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |\n" for r in rows)
+    )

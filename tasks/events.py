@@ -33,8 +33,12 @@ RESUMED_BY_LABEL = "shardkeeper.resumed-by"
 
 def run_resource(run_dir: str | Path, run_name: str | None = None, **labels: str) -> dict[str, str]:
     path = str(Path(run_dir).resolve())
-    return {"prefect.resource.id": RUN_RESOURCE_PREFIX + path, "prefect.resource.name": run_name or Path(path).name,
-            RUN_DIR_LABEL: path, **labels}
+    return {
+        "prefect.resource.id": RUN_RESOURCE_PREFIX + path,
+        "prefect.resource.name": run_name or Path(path).name,
+        RUN_DIR_LABEL: path,
+        **labels,
+    }
 
 
 def run_resource_match(root: str | Path) -> str:
@@ -42,8 +46,9 @@ def run_resource_match(root: str | Path) -> str:
     return f"{RUN_RESOURCE_PREFIX}{Path(root).resolve()}/*"
 
 
-def _emit(event: str, resource: dict[str, str], payload: dict[str, Any],
-          related: list[dict[str, str]] | None = None) -> None:
+def _emit(
+    event: str, resource: dict[str, str], payload: dict[str, Any], related: list[dict[str, str]] | None = None
+) -> None:
     try:
         from prefect.events import emit_event
 
@@ -52,25 +57,51 @@ def _emit(event: str, resource: dict[str, str], payload: dict[str, Any],
         log.warning("could not emit the Prefect event %s: %s", event, e)
 
 
-def emit_segment(run_dir: str, run_name: str, result: SegmentResult, until_step: int, world_size: int,
-                 resumed_by: Literal["flow", "automation", "none"]) -> None:
+def emit_segment(
+    run_dir: str,
+    run_name: str,
+    result: SegmentResult,
+    until_step: int,
+    world_size: int,
+    resumed_by: Literal["flow", "automation", "none"],
+) -> None:
     """``shardkeeper.segment.<status>`` for one launch; the payload repeats the run dir for templates
     (``{{ event.payload.run_dir }}`` in an automation's parameters)."""
     run_dir = str(Path(run_dir).resolve())
-    payload = {"run_dir": run_dir, "segment": result.segment, "status": result.status,
-               "start_step": result.start_step, "end_step": result.end_step, "until_step": until_step,
-               "world_size": world_size, "checkpoint": result.checkpoint, "exit_code": result.exit_code,
-               "seconds": round(result.seconds, 2)}
-    _emit(SEGMENT_EVENT.format(status=result.status), run_resource(run_dir, run_name, **{RESUMED_BY_LABEL: resumed_by}),
-          payload)
+    payload = {
+        "run_dir": run_dir,
+        "segment": result.segment,
+        "status": result.status,
+        "start_step": result.start_step,
+        "end_step": result.end_step,
+        "until_step": until_step,
+        "world_size": world_size,
+        "checkpoint": result.checkpoint,
+        "exit_code": result.exit_code,
+        "seconds": round(result.seconds, 2),
+    }
+    _emit(
+        SEGMENT_EVENT.format(status=result.status),
+        run_resource(run_dir, run_name, **{RESUMED_BY_LABEL: resumed_by}),
+        payload,
+    )
 
 
-def emit_checkpoint(run_dir: str, run_name: str, ckpt_uri: str | None, ckpt_id: str, step: int | None,
-                    data: dict[str, Any]) -> None:
+def emit_checkpoint(
+    run_dir: str, run_name: str, ckpt_uri: str | None, ckpt_id: str, step: int | None, data: dict[str, Any]
+) -> None:
     """``shardkeeper.checkpoint.committed`` for a checkpoint the lineage recorded."""
-    path = ckpt_uri[len("file://"):] if ckpt_uri and ckpt_uri.startswith("file://") else (ckpt_uri or ckpt_id)
+    path = ckpt_uri[len("file://") :] if ckpt_uri and ckpt_uri.startswith("file://") else (ckpt_uri or ckpt_id)
     resource = {"prefect.resource.id": f"shardkeeper.checkpoint.{path}", "prefect.resource.name": Path(path).name}
     related = [{**run_resource(run_dir, run_name), "prefect.resource.role": "run"}]
-    _emit(CHECKPOINT_COMMITTED, resource, {"run_dir": str(Path(run_dir).resolve()), "step": step, "uri": ckpt_uri,
-                                           **{k: v for k, v in data.items() if isinstance(v, (str, int, float, bool))}},
-          related)
+    _emit(
+        CHECKPOINT_COMMITTED,
+        resource,
+        {
+            "run_dir": str(Path(run_dir).resolve()),
+            "step": step,
+            "uri": ckpt_uri,
+            **{k: v for k, v in data.items() if isinstance(v, (str, int, float, bool))},
+        },
+        related,
+    )

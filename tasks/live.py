@@ -58,8 +58,9 @@ class Tail:
 
 
 class SegmentWatch:
-    def __init__(self, run_dir: str | Path, run_name: str, until_step: int, *, period_s: float = 2.0,
-                 table_every_s: float = 30.0):
+    def __init__(
+        self, run_dir: str | Path, run_name: str, until_step: int, *, period_s: float = 2.0, table_every_s: float = 30.0
+    ):
         self.rd = RunDir.at(run_dir)
         self.run_name, self.until_step = run_name, until_step
         self.period_s, self.table_every_s = period_s, table_every_s
@@ -84,7 +85,8 @@ class SegmentWatch:
 
         try:
             self.progress_id = create_progress_artifact(
-                0.0, description=f"{self.run_name}: steps done of this segment (to step {self.until_step})")
+                0.0, description=f"{self.run_name}: steps done of this segment (to step {self.until_step})"
+            )
         except Exception as e:  # noqa: BLE001 - see the module docstring
             log.warning("no progress artifact: %s", e)
         ctx = contextvars.copy_context()  # the Prefect settings and run context live in contextvars
@@ -103,11 +105,17 @@ class SegmentWatch:
             new = [r for r in self.metrics.read() if "step" in r and "loss" in r]
             if new and self.start_step is None:
                 self.start_step = int(new[0]["step"]) - 1
-            self.rows = (self.rows + new)[-max(RECENT_ROWS, 50):]
+            self.rows = (self.rows + new)[-max(RECENT_ROWS, 50) :]
             for e in self.lineage.read():
                 if e.get("kind") == "checkpoint":
-                    emit_checkpoint(str(self.rd.root), self.run_name, e.get("uri"), str(e.get("id")), e.get("step"),
-                                    e.get("data") or {})
+                    emit_checkpoint(
+                        str(self.rd.root),
+                        self.run_name,
+                        e.get("uri"),
+                        str(e.get("id")),
+                        e.get("step"),
+                        e.get("data") or {},
+                    )
                     self.committed += 1
             if new and self.progress_id is not None:
                 from prefect.artifacts import update_progress_artifact
@@ -118,8 +126,11 @@ class SegmentWatch:
                 self.last_table = now
                 from prefect.artifacts import create_markdown_artifact
 
-                create_markdown_artifact(self.markdown(final), key=self.key,
-                                         description=f"Live progress of {self.run_name} ({self.rd.root.name})")
+                create_markdown_artifact(
+                    self.markdown(final),
+                    key=self.key,
+                    description=f"Live progress of {self.run_name} ({self.rd.root.name})",
+                )
         except Exception as e:  # noqa: BLE001 - see the module docstring
             log.warning("live progress of %s: %s", self.rd.root, e)
 
@@ -144,16 +155,20 @@ class SegmentWatch:
         rate = self.tokens_per_s()
         secs = [float(r["step_seconds"]) for r in self.rows[-RECENT_ROWS:] if r.get("step_seconds")]
         eta = (self.until_step - step) * (sum(secs) / len(secs)) if secs else None
-        head = (f"# {'Last' if final else 'Live'} progress of {self.run_name} (`{self.rd.root.name}`)\n\n"
-                f"**step {step} / {self.until_step}** · loss {float(last['loss']):.4f} · "
-                f"{f'{rate:,.0f} tokens/s' if rate else 'tokens/s: measuring'} · "
-                f"ETA {_duration(eta) if eta is not None else '?'} · world size {last.get('world_size', '?')} · "
-                f"{self.committed} checkpoint(s) committed in this segment\n\n")
+        head = (
+            f"# {'Last' if final else 'Live'} progress of {self.run_name} (`{self.rd.root.name}`)\n\n"
+            f"**step {step} / {self.until_step}** · loss {float(last['loss']):.4f} · "
+            f"{f'{rate:,.0f} tokens/s' if rate else 'tokens/s: measuring'} · "
+            f"ETA {_duration(eta) if eta is not None else '?'} · world size {last.get('world_size', '?')} · "
+            f"{self.committed} checkpoint(s) committed in this segment\n\n"
+        )
         table = ["| step | loss | grad norm | step s | segment |", "|---:|---:|---:|---:|---:|"]
         for r in reversed(self.rows[-RECENT_ROWS:]):
             gn = r.get("grad_norm")
-            table.append(f"| {r['step']} | {float(r['loss']):.4f} | {'' if gn is None else f'{float(gn):.3f}'} | "
-                         f"{r.get('step_seconds', '')} | {r.get('segment', '')} |")
+            table.append(
+                f"| {r['step']} | {float(r['loss']):.4f} | {'' if gn is None else f'{float(gn):.3f}'} | "
+                f"{r.get('step_seconds', '')} | {r.get('segment', '')} |"
+            )
         return head + "\n".join(table) + "\n"
 
     def stop(self) -> None:

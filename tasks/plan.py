@@ -137,8 +137,9 @@ class PlanKeeper:
     def segment_done(self, index: int, end_step: int, *, ran: bool = True) -> RunPlan:
         """Segment ``index`` reached its until_step at ``end_step`` (``ran``: this flow run launched it)."""
         progress = list(self.plan.progress)
-        progress[index] = progress[index].model_copy(update={"status": "completed", "end_step": end_step,
-                                                             "by": self._by(index, ran)})
+        progress[index] = progress[index].model_copy(
+            update={"status": "completed", "end_step": end_step, "by": self._by(index, ran)}
+        )
         return self._save(progress=progress)
 
     def segment_stopped(self, index: int, status: PlanStatus, note: str) -> RunPlan:

@@ -28,8 +28,24 @@ from tasks.dashboard import draw_lineage_graph, lineage_graph
 log = logging.getLogger(__name__)
 
 # Details worth a column: the rest stays in lineage.jsonl.
-DETAIL_KEYS = ("reason", "status", "world_size", "from_world_size", "to_world_size", "method", "dtype",
-               "num_shards", "target", "revision", "skipped", "valid", "until_step", "tier", "persisted_from", "by")
+DETAIL_KEYS = (
+    "reason",
+    "status",
+    "world_size",
+    "from_world_size",
+    "to_world_size",
+    "method",
+    "dtype",
+    "num_shards",
+    "target",
+    "revision",
+    "skipped",
+    "valid",
+    "until_step",
+    "tier",
+    "persisted_from",
+    "by",
+)
 
 
 def slug(text: str, *, max_len: int = 60) -> str:
@@ -44,8 +60,18 @@ def details(event: LineageEvent) -> str:
 
 def table_rows(events: list[LineageEvent]) -> list[dict[str, Any]]:
     """One row per event, for a Prefect table artifact or a CSV."""
-    return [{"time": e.time, "kind": e.kind, "id": e.id, "parent": e.parent or "", "step": e.step,
-             "details": details(e), "uri": e.uri or ""} for e in events]
+    return [
+        {
+            "time": e.time,
+            "kind": e.kind,
+            "id": e.id,
+            "parent": e.parent or "",
+            "step": e.step,
+            "details": details(e),
+            "uri": e.uri or "",
+        }
+        for e in events
+    ]
 
 
 # ----------------------------------------------------------------------------- loss curve
@@ -81,8 +107,11 @@ def eval_by_step(records: list[dict[str, Any]]) -> dict[int, float]:
 
 def segment_statuses(events: list[LineageEvent]) -> dict[int, str]:
     """How each segment ended, from the lineage (``segment:N`` events)."""
-    return {int(e.id.split(":")[1]): str(e.data.get("status")) for e in events
-            if e.kind == "segment" and e.id.startswith("segment:") and e.id.split(":")[1].isdigit()}
+    return {
+        int(e.id.split(":")[1]): str(e.data.get("status"))
+        for e in events
+        if e.kind == "segment" and e.id.startswith("segment:") and e.id.split(":")[1].isdigit()
+    }
 
 
 def markers(records: list[dict[str, Any]], statuses: dict[int, str] | None = None) -> list[Marker]:
@@ -94,15 +123,22 @@ def markers(records: list[dict[str, Any]], statuses: dict[int, str] | None = Non
         if prev is not None and r.get("segment") != prev.get("segment"):
             a, b = int(prev.get("world_size", 0)), int(r.get("world_size", 0))
             cause = (statuses or {}).get(int(prev.get("segment", -1)), "planned")
-            found.append(Marker(step=int(r["step"]) - 1, kind="reshard" if a != b else "resume",
-                                from_world_size=a, to_world_size=b,
-                                cause="planned" if cause in ("completed", "planned") else cause))
+            found.append(
+                Marker(
+                    step=int(r["step"]) - 1,
+                    kind="reshard" if a != b else "resume",
+                    from_world_size=a,
+                    to_world_size=b,
+                    cause="planned" if cause in ("completed", "planned") else cause,
+                )
+            )
         prev = r
     return found
 
 
-def loss_curve_png(run_dir: str | Path, out_path: str | Path, *, title: str | None = None,
-                   statuses: dict[int, str] | None = None) -> Path | None:
+def loss_curve_png(
+    run_dir: str | Path, out_path: str | Path, *, title: str | None = None, statuses: dict[int, str] | None = None
+) -> Path | None:
     """Write the loss curve of a run to ``out_path``; None (and nothing written) when it has no metrics.
     Resumes after a preemption or failure are drawn red, planned ones green, reshards orange."""
     records = read_metrics(run_dir)
@@ -119,8 +155,15 @@ def loss_curve_png(run_dir: str | Path, out_path: str | Path, *, title: str | No
     ax.plot(list(curve), list(curve.values()), color="#1f5fbf", linewidth=1.5, label="loss (last written per step)")
     held_out = eval_by_step(records)
     if held_out:
-        ax.plot(list(held_out), list(held_out.values()), color="#e8590c", linewidth=1.2, marker="o", markersize=4,
-                label="held-out loss (eval)")
+        ax.plot(
+            list(held_out),
+            list(held_out.values()),
+            color="#e8590c",
+            linewidth=1.2,
+            marker="o",
+            markersize=4,
+            label="held-out loss (eval)",
+        )
     top = ax.get_xaxis_transform()  # x in steps, y in axes fractions: labels sit at the top
     first_ws = int(records[0].get("world_size", 0))
     ax.text(min(curve), 0.97, f" world size {first_ws}", transform=top, fontsize=8, color="#444444", va="top")
@@ -153,8 +196,9 @@ def png_data_uri(path: str | Path) -> str:
     return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
 
 
-def lineage_graph_png(events: list[LineageEvent], out_path: str | Path, *, title: str,
-                      existing: set[str] | None = None) -> Path:
+def lineage_graph_png(
+    events: list[LineageEvent], out_path: str | Path, *, title: str, existing: set[str] | None = None
+) -> Path:
     """The lineage graph of ``events`` drawn to ``out_path`` (tasks.dashboard.lineage_graph: a lane per segment,
     checkpoints in ``existing`` filled and the rest hollow, plain interval chains folded)."""
     return draw_lineage_graph(lineage_graph(events, existing), out_path, title=title)

@@ -20,9 +20,17 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 from prefect.tasks import MaterializingTask, Task
 
-from schemas.errors import CheckpointError, ShardkeeperError
 from ckpt.layout import RunDir
-from schemas import ClusterTopology, ExportResult, PublishResult, ReshardResult, RunSpec, SegmentResult, ValidationReport
+from schemas import (
+    ClusterTopology,
+    ExportResult,
+    PublishResult,
+    ReshardResult,
+    RunSpec,
+    SegmentResult,
+    ValidationReport,
+)
+from schemas.errors import CheckpointError, ShardkeeperError
 from schemas.requests import RunState
 
 log = logging.getLogger(__name__)
@@ -37,9 +45,15 @@ class CheckpointInvalid(CheckpointError):
 
 
 @task(name="load-run-spec", cache_policy=NO_CACHE)
-def load_spec(config: str | None = None, spec: RunSpec | None = None, overrides: list[str] | None = None,
-              run_dir: str | None = None, base_dir: str | None = None, script: str | None = None,
-              script_args: list[str] | None = None) -> RunSpec:
+def load_spec(
+    config: str | None = None,
+    spec: RunSpec | None = None,
+    overrides: list[str] | None = None,
+    run_dir: str | None = None,
+    base_dir: str | None = None,
+    script: str | None = None,
+    script_args: list[str] | None = None,
+) -> RunSpec:
     """The RunSpec a segment of ``run_dir`` trains under, as ``shardkeeper train`` reads it: as given inline; from a
     YAML file (plus ``key=value`` overrides); for a script run without a config, the run's own run.yaml (a run that
     exists: an import the script continues, an earlier segment) or the defaults (a new run); with neither config nor
@@ -50,8 +64,9 @@ def load_spec(config: str | None = None, spec: RunSpec | None = None, overrides:
     if spec is not None:
         return with_script(spec, script, script_args, base=base_dir)
     if config is not None or script is not None:  # what check_train_request checked, and train would read
-        return train_spec(config, overrides, run_dir or "", script=script, script_args=script_args,
-                          overrides_base=base_dir)
+        return train_spec(
+            config, overrides, run_dir or "", script=script, script_args=script_args, overrides_base=base_dir
+        )
     if run_dir is not None and "://" in run_dir:  # a run on the store: its run.yaml, pulled into the cache
         from shardkeeper.remote import lineage_source
 
@@ -80,12 +95,15 @@ def scan_runs(roots: list[str], run_dirs: list[str]) -> list[RunState]:
 
 
 @task(name="plan-topology", cache_policy=NO_CACHE)
-def plan_topology(spec: RunSpec, nproc: int, nodes: int = 1, launcher: str = "local",
-                  launcher_options: dict | None = None) -> ClusterTopology:
+def plan_topology(
+    spec: RunSpec, nproc: int, nodes: int = 1, launcher: str = "local", launcher_options: dict | None = None
+) -> ClusterTopology:
     """``nodes`` x ``nproc`` ranks, or fewer nodes when the launcher has fewer usable now (Slurm)."""
     from shardkeeper import stages
 
-    return stages.plan_available_topology(spec, nproc, nodes=nodes, launcher=launcher, launcher_options=launcher_options)
+    return stages.plan_available_topology(
+        spec, nproc, nodes=nodes, launcher=launcher, launcher_options=launcher_options
+    )
 
 
 def _train_task_name() -> str:
@@ -93,16 +111,23 @@ def _train_task_name() -> str:
 
     p = task_run.parameters or {}
     topo = p.get("topology")
-    nodes, procs, launcher = ((topo.nodes, topo.procs_per_node, topo.launcher) if isinstance(topo, ClusterTopology)
-                              else (1, "?", "local"))
+    nodes, procs, launcher = (
+        (topo.nodes, topo.procs_per_node, topo.launcher) if isinstance(topo, ClusterTopology) else (1, "?", "local")
+    )
     where = f"{nodes}x{procs}" if nodes != 1 else f"{procs}"
     return f"train-to-step-{p.get('until_step')}-on-{where}-ranks" + (f"-{launcher}" if launcher != "local" else "")
 
 
 @task(name="train-segment", cache_policy=NO_CACHE, task_run_name=_train_task_name)
-def train_segment(spec: RunSpec, run_dir: str, topology: ClusterTopology, until_step: int,
-                  timeout_s: float | None = None, launcher_options: dict | None = None,
-                  by: str | None = None) -> SegmentResult:
+def train_segment(
+    spec: RunSpec,
+    run_dir: str,
+    topology: ClusterTopology,
+    until_step: int,
+    timeout_s: float | None = None,
+    launcher_options: dict | None = None,
+    by: str | None = None,
+) -> SegmentResult:
     """Launch one segment; every line of the ranks' output goes to this task's log, and its progress to a
     progress artifact and a live table artifact (tasks/live.py), with a checkpoint event per commit.
 
@@ -114,24 +139,39 @@ def train_segment(spec: RunSpec, run_dir: str, topology: ClusterTopology, until_
 
     ``by``: who launches it (which flow run, created by whom), recorded in segments.jsonl and the lineage."""
     from shardkeeper import stages
-
     from tasks.live import SegmentWatch
 
     logger = get_run_logger()
     watch = FlowRunCancelWatch.for_current_flow_run()
     live = SegmentWatch(run_dir, spec.name, until_step).start()
     try:
-        result = stages.train_segment(spec, run_dir, topology, until_step, timeout_s=timeout_s,
-                                      sink=lambda line: logger.info("%s", line), cancel_check=watch,
-                                      launcher_options=launcher_options, by=by)
+        result = stages.train_segment(
+            spec,
+            run_dir,
+            topology,
+            until_step,
+            timeout_s=timeout_s,
+            sink=lambda line: logger.info("%s", line),
+            cancel_check=watch,
+            launcher_options=launcher_options,
+            by=by,
+        )
     finally:
         live.stop()
         if watch is not None:
             watch.stop()
-    job = (f" [Slurm job {result.scheduler_job} {result.scheduler_state}"
-           f"{f', requeued {result.requeues}x' if result.requeues else ''}]") if result.scheduler_job else ""
-    summary = (f"segment {result.segment} {result.status}: steps {result.start_step} -> {result.end_step} "
-               f"on {topology.world_size} ranks in {result.seconds:.1f} s{job}")
+    job = (
+        (
+            f" [Slurm job {result.scheduler_job} {result.scheduler_state}"
+            f"{f', requeued {result.requeues}x' if result.requeues else ''}]"
+        )
+        if result.scheduler_job
+        else ""
+    )
+    summary = (
+        f"segment {result.segment} {result.status}: steps {result.start_step} -> {result.end_step} "
+        f"on {topology.world_size} ranks in {result.seconds:.1f} s{job}"
+    )
     if result.status == "failed":
         logger.error("%s; last lines:\n%s", summary, result.failure)
     elif result.status == "refused":
@@ -229,8 +269,15 @@ def validate(ckpt_dir: str, deep: bool = True) -> ValidationReport:
     if not report.valid:
         more = f" (and {len(report.errors) - 1} more)" if len(report.errors) > 1 else ""
         raise CheckpointInvalid(f"{report.errors[0]}{more}; nothing was exported")
-    get_run_logger().info("valid (%s): %s step %s, %d files, %.1f MB hashed, %.2f s", "deep" if deep else "quick",
-                          ckpt_dir, report.step, report.files_checked, report.bytes_checked / 1e6, report.seconds)
+    get_run_logger().info(
+        "valid (%s): %s step %s, %d files, %.1f MB hashed, %.2f s",
+        "deep" if deep else "quick",
+        ckpt_dir,
+        report.step,
+        report.files_checked,
+        report.bytes_checked / 1e6,
+        report.seconds,
+    )
     return report
 
 
@@ -241,20 +288,30 @@ def reshard(ckpt_dir: str, world_size: int, spec: RunSpec | None = None) -> Resh
     from shardkeeper import stages
 
     result = stages.reshard(ckpt_dir, world_size, spec=spec)
-    get_run_logger().info("%s: %s (world size %d) -> %d", result.method, Path(ckpt_dir).name,
-                          result.from_world_size, result.to_world_size)
+    get_run_logger().info(
+        "%s: %s (world size %d) -> %d", result.method, Path(ckpt_dir).name, result.from_world_size, result.to_world_size
+    )
     return result
 
 
 @task(name="export", cache_policy=NO_CACHE)
-def export(ckpt_dir: str, out_dir: str, dtype: str = "bfloat16", max_shard_size: str = "5GB",
-           overwrite: bool = True) -> ExportResult:
+def export(
+    ckpt_dir: str, out_dir: str, dtype: str = "bfloat16", max_shard_size: str = "5GB", overwrite: bool = True
+) -> ExportResult:
     from shardkeeper import stages
 
-    result = stages.export_and_record(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size,
-                                      overwrite=overwrite, progress=False)
-    get_run_logger().info("exported %d tensors (%.1f MB, %s) in %d shard(s) to %s in %.2f s", result.num_tensors,
-                          result.total_bytes / 1e6, result.dtype, result.num_shards, result.out_dir, result.seconds)
+    result = stages.export_and_record(
+        ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=False
+    )
+    get_run_logger().info(
+        "exported %d tensors (%.1f MB, %s) in %d shard(s) to %s in %.2f s",
+        result.num_tensors,
+        result.total_bytes / 1e6,
+        result.dtype,
+        result.num_shards,
+        result.out_dir,
+        result.seconds,
+    )
     return result
 
 
@@ -264,8 +321,13 @@ def _retry_unless_user_error(task: Task[..., Any], task_run: TaskRun, state: Sta
     return not isinstance(exc, ShardkeeperError)
 
 
-@task(name="publish", cache_policy=NO_CACHE, retries=PUBLISH_RETRIES, retry_delay_seconds=PUBLISH_RETRY_DELAYS_S,
-      retry_condition_fn=_retry_unless_user_error)
+@task(
+    name="publish",
+    cache_policy=NO_CACHE,
+    retries=PUBLISH_RETRIES,
+    retry_delay_seconds=PUBLISH_RETRY_DELAYS_S,
+    retry_condition_fn=_retry_unless_user_error,
+)
 def publish(export_dir: str, target: str, revision: str | None = None, run_dir: str | None = None) -> PublishResult:
     from shardkeeper import stages
 
@@ -313,13 +375,22 @@ def _valid_key(key: str) -> str | None:
         return None
 
 
-def materializing(base: Task[..., Any], assets: list[str | None], deps: list[str | None] | None = None) -> Task[..., Any]:
+def materializing(
+    base: Task[..., Any], assets: list[str | None], deps: list[str | None] | None = None
+) -> Task[..., Any]:
     """``base`` as a task that materializes ``assets`` from ``deps`` (Prefect assets); unchanged without keys."""
     keys = [a for a in assets if a]
     if not keys:
         return base
     return MaterializingTask(
-        fn=base.fn, assets=keys, materialized_by="shardkeeper", name=base.name, task_run_name=base.task_run_name,
-        cache_policy=NO_CACHE, retries=base.retries, retry_delay_seconds=base.retry_delay_seconds,
-        retry_condition_fn=base.retry_condition_fn, asset_deps=[d for d in deps or [] if d] or None,
+        fn=base.fn,
+        assets=keys,
+        materialized_by="shardkeeper",
+        name=base.name,
+        task_run_name=base.task_run_name,
+        cache_policy=NO_CACHE,
+        retries=base.retries,
+        retry_delay_seconds=base.retry_delay_seconds,
+        retry_condition_fn=base.retry_condition_fn,
+        asset_deps=[d for d in deps or [] if d] or None,
     )

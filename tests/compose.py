@@ -78,18 +78,29 @@ class Kind:
         return ["backend=deepspeed"] if self.backend == "deepspeed" else []
 
 
-KINDS = {k.name: k for k in (
-    Kind("config", "built-in trainer (--config)", "fsdp2", None),
-    Kind("fsdp2-script", "own FSDP2 script", "fsdp2", ("--global-batch", "6")),
-    Kind("deepspeed-script", "own DeepSpeed script", "deepspeed", ("--deepspeed", "--global-batch", "6")),
-    Kind("hf-trainer", "HF Trainer (DeepSpeed ZeRO-2)", "deepspeed", ("--trainer", "--deepspeed")),
-    Kind("accelerate", "Accelerate (FSDP2)", "fsdp2", ("--accelerate",)),
-)}
-ORIGINS = {"fresh": "fresh", "hf-deepspeed": "imported HF Trainer + DeepSpeed ZeRO-2 checkpoint-3",
-           "dcp": "imported plain DCP", "torchtitan": "imported torchtitan DCP"}
-CONTINUATIONS = {"same-world": "train, same world size (2)", "other-world": "train, 3 ranks",
-                 "reshard": "reshard to 3, then train", "prefect": "Prefect train-and-export 2 -> 3 ranks + export",
-                 "automation": "SIGTERM, then the resume automation's flow"}
+KINDS = {
+    k.name: k
+    for k in (
+        Kind("config", "built-in trainer (--config)", "fsdp2", None),
+        Kind("fsdp2-script", "own FSDP2 script", "fsdp2", ("--global-batch", "6")),
+        Kind("deepspeed-script", "own DeepSpeed script", "deepspeed", ("--deepspeed", "--global-batch", "6")),
+        Kind("hf-trainer", "HF Trainer (DeepSpeed ZeRO-2)", "deepspeed", ("--trainer", "--deepspeed")),
+        Kind("accelerate", "Accelerate (FSDP2)", "fsdp2", ("--accelerate",)),
+    )
+}
+ORIGINS = {
+    "fresh": "fresh",
+    "hf-deepspeed": "imported HF Trainer + DeepSpeed ZeRO-2 checkpoint-3",
+    "dcp": "imported plain DCP",
+    "torchtitan": "imported torchtitan DCP",
+}
+CONTINUATIONS = {
+    "same-world": "train, same world size (2)",
+    "other-world": "train, 3 ranks",
+    "reshard": "reshard to 3, then train",
+    "prefect": "Prefect train-and-export 2 -> 3 ranks + export",
+    "automation": "SIGTERM, then the resume automation's flow",
+}
 FACTORS = (tuple(KINDS), tuple(ORIGINS), tuple(CONTINUATIONS))
 
 
@@ -255,8 +266,15 @@ def write_dcp_layouts(out: str, steps: int = SOURCE_STEPS, save_at: int = ORIGIN
         msd, osd = get_state_dict(model, optimizer)
         dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=root / "plain")
         _, flat = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
-        dcp.save({**msd, "optimizer": flat, "lr_scheduler": {"last_epoch": save_at},
-                  "train_state": {"step": torch.tensor(save_at)}}, checkpoint_id=root / "titan" / f"step-{save_at}")
+        dcp.save(
+            {
+                **msd,
+                "optimizer": flat,
+                "lr_scheduler": {"last_epoch": save_at},
+                "train_state": {"step": torch.tensor(save_at)},
+            },
+            checkpoint_id=root / "titan" / f"step-{save_at}",
+        )
         dcp.save({"model": msd}, checkpoint_id=root / "accelerate" / "pytorch_model_fsdp_0")
         dcp.save({"optimizer": osd}, checkpoint_id=root / "accelerate" / "optimizer_0")
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -299,8 +317,9 @@ def write_trainer_deepspeed(out: str, steps: int = SOURCE_STEPS, save_at: int = 
             return loss
 
     args = r["trainer_args"](out, world, deepspeed=True)
-    trainer = Recording(model=r["tiny_llama"](), args=args, train_dataset=r["samples"](r["table"]()),
-                        callbacks=[SaveOnce()])
+    trainer = Recording(
+        model=r["tiny_llama"](), args=args, train_dataset=r["samples"](r["table"]()), callbacks=[SaveOnce()]
+    )
     trainer.train()
     if dist.get_rank() == 0:
         (Path(out) / "losses.json").write_text(json.dumps(losses))
@@ -357,8 +376,12 @@ class Sources:
     def losses(self, name: str) -> dict[int, float]:
         """The writer's losses by step (1-based) of the origin ``name`` (``dcp``/``torchtitan``: the DCP loop;
         ``hf-deepspeed``: the Trainer; ``deepspeed``: the plain engine)."""
-        folder = {"hf-deepspeed": self.trainer_deepspeed, "dcp": self.dcp, "torchtitan": self.dcp,
-                  "deepspeed": self.deepspeed}[name]()
+        folder = {
+            "hf-deepspeed": self.trainer_deepspeed,
+            "dcp": self.dcp,
+            "torchtitan": self.dcp,
+            "deepspeed": self.deepspeed,
+        }[name]()
         return {i + 1: v for i, v in enumerate(json.loads((folder / "losses.json").read_text()))}
 
 
@@ -387,19 +410,31 @@ class _env:
 
 # ------------------------------------------------------------------------------------------ the doors
 def cli_env() -> dict[str, str]:
-    return {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-            "COLUMNS": "200", "TORCH_EXTENSIONS_DIR": _extensions_dir(),
-            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return {
+        **os.environ,
+        "SHARDKEEPER_DEVICE": "cpu",
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "COLUMNS": "200",
+        "TORCH_EXTENSIONS_DIR": _extensions_dir(),
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
 
 
 def shardkeeper(*argv: str, timeout: float = 900) -> str:
     """``shardkeeper ARGV`` in a subprocess (as a user types it); returns its stdout. Exit 2 raises Refused with
     the one ``error:`` line (by the ranks when they refused the segment), any other failure CellFailed."""
-    done = subprocess.run([sys.executable, "-m", "shardkeeper", *argv], capture_output=True, text=True,
-                          timeout=timeout, env=cli_env(), cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "shardkeeper", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cli_env(),
+        cwd=ROOT,
+    )
     errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error: ")]
     if done.returncode == 2 and len(errors) == 1:
-        raise Refused(errors[0][len("error: "):], by_ranks="refused before its first step" in errors[0])
+        raise Refused(errors[0][len("error: ") :], by_ranks="refused before its first step" in errors[0])
     if done.returncode != 0:
         what = errors[-1] if errors else (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise CellFailed(f"shardkeeper {argv[0]} exit {done.returncode}: {what}")
@@ -440,8 +475,11 @@ class Matrix:
             ok = out.max_rel <= TOLERANCE and out.export_loads
             out.status = "continued" if ok else "FAILED"
             if not ok:
-                out.line = (f"losses differ from {ref_name} by up to {out.max_rel:.2e}" if out.max_rel > TOLERANCE
-                            else "the export does not load with from_pretrained")
+                out.line = (
+                    f"losses differ from {ref_name} by up to {out.max_rel:.2e}"
+                    if out.max_rel > TOLERANCE
+                    else "the export does not load with from_pretrained"
+                )
         except Refused as e:
             out.status, out.line = ("refused (ranks)" if e.by_ranks else "refused"), e.line
         except Exception as e:  # noqa: BLE001 - a cell's failure is its outcome
@@ -505,8 +543,9 @@ class Matrix:
 
         if cell.origin != "fresh":
             self.start(cell, run)
-        request = flow_request(KINDS[cell.kind], run, [SegmentPlan(nproc=WORLD, until_step=cell.end)],
-                               max_preemption_retries=0)
+        request = flow_request(
+            KINDS[cell.kind], run, [SegmentPlan(nproc=WORLD, until_step=cell.end)], max_preemption_retries=0
+        )
         done = threading.Event()
         watcher = sigterm_when_training(run, done, after_step=cell.first)
         try:
@@ -515,8 +554,9 @@ class Matrix:
             done.set()
             watcher.join(10)
         if state.name != "HandedOver":
-            raise CellFailed(f"the preempted train-and-export flow run ended {state.name}, not HandedOver: "
-                             f"{_state_message(state)}")
+            raise CellFailed(
+                f"the preempted train-and-export flow run ended {state.name}, not HandedOver: {_state_message(state)}"
+            )
         resumed = resume(run_dirs=[str(run)], roots=[], backoff_s=0.0, return_state=True)
         if not resumed.is_completed():
             raise CellFailed(f"the resume flow run ended {resumed.name}: {_state_message(resumed)}")
@@ -586,10 +626,20 @@ def flow_request(kind: Kind, run: Path, segments: list[Any], **more: Any) -> Any
     and a publish to a file:// target beside the run."""
     from schemas.requests import TrainExportRequest
 
-    who: dict[str, Any] = {"config": TINY} if kind.script_args is None else \
-        {"script": str(LOOP), "script_args": list(kind.script_args), "overrides": kind.sets}
-    return TrainExportRequest(run_dir=str(run), segments=segments, export_dtype="float32", backoff_s=0.0,
-                              publish_target=(run.parent / "published").as_uri(), **who, **more)
+    who: dict[str, Any] = (
+        {"config": TINY}
+        if kind.script_args is None
+        else {"script": str(LOOP), "script_args": list(kind.script_args), "overrides": kind.sets}
+    )
+    return TrainExportRequest(
+        run_dir=str(run),
+        segments=segments,
+        export_dtype="float32",
+        backoff_s=0.0,
+        publish_target=(run.parent / "published").as_uri(),
+        **who,
+        **more,
+    )
 
 
 def run_flow(request: Any) -> Any:
@@ -685,5 +735,17 @@ def summary(outcomes: list[Outcome]) -> str:
     return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
 
 
-__all__ = ["CONTINUATIONS", "FACTORS", "KINDS", "ORIGINS", "Cell", "Matrix", "Outcome", "Sources", "covering",
-           "levels_cover", "product", "table"]
+__all__ = [
+    "CONTINUATIONS",
+    "FACTORS",
+    "KINDS",
+    "ORIGINS",
+    "Cell",
+    "Matrix",
+    "Outcome",
+    "Sources",
+    "covering",
+    "levels_cover",
+    "product",
+    "table",
+]

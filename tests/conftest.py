@@ -43,8 +43,10 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
         import prefect.settings as ps
 
         updates = {ps.PREFECT_API_URL: server.api_url, ps.PREFECT_HOME: str(home)}
-        with ps.temporary_settings(updates=updates), \
-                prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()):
+        with (
+            ps.temporary_settings(updates=updates),
+            prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()),
+        ):
             yield server
             _drain_prefect_workers()
     finally:
@@ -84,7 +86,6 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
-
 SHARED_RUNS = ("tiny_run", "ds_run")
 
 
@@ -109,11 +110,15 @@ def _shared_runs_stay_untouched(request: pytest.FixtureRequest) -> Iterator[None
     yield
     for name, run in runs.items():
         after = tree_state(run)
-        changed = sorted(set(before[name]) ^ set(after)) + \
-            sorted(k for k in set(before[name]) & set(after) if before[name][k] != after[k])
+        changed = sorted(set(before[name]) ^ set(after)) + sorted(
+            k for k in set(before[name]) & set(after) if before[name][k] != after[k]
+        )
         if changed:
-            pytest.fail(f"this test modified the shared fixture {name} ({', '.join(changed[:5])}): "
-                        "copy it first (it is shared read-only by the whole session)", pytrace=False)
+            pytest.fail(
+                f"this test modified the shared fixture {name} ({', '.join(changed[:5])}): "
+                "copy it first (it is shared read-only by the whole session)",
+                pytrace=False,
+            )
 
 
 @pytest.fixture
@@ -126,23 +131,54 @@ def lineage_run(tmp_path: Path) -> Path:
     run = tmp_path / "lineage-run"
     ck = lineage.checkpoint_event_id
     for step in (3, 6):
-        lineage.record(run, "checkpoint", ck(step), parent=ck(step - 3) if step > 3 else None, step=step,
-                       reason="interval" if step == 3 else "end", world_size=2, segment=0,
-                       uri=f"file://{run}/checkpoints/{step}")
+        lineage.record(
+            run,
+            "checkpoint",
+            ck(step),
+            parent=ck(step - 3) if step > 3 else None,
+            step=step,
+            reason="interval" if step == 3 else "end",
+            world_size=2,
+            segment=0,
+            uri=f"file://{run}/checkpoints/{step}",
+        )
     lineage.record(run, "segment", "segment:0", step=6, status="completed", world_size=2)
     lineage.record(run, "resume", "resume:segment-1", parent=ck(6), step=6, from_world_size=2, to_world_size=2)
     lineage.record(run, "segment", "segment:1", parent=ck(6), step=6, status="failed", world_size=2)
-    lineage.record(run, "reshard", "reshard:step-00000006:3", parent=ck(6), step=6, method="dcp-load-time",
-                   from_world_size=2, to_world_size=3)
+    lineage.record(
+        run,
+        "reshard",
+        "reshard:step-00000006:3",
+        parent=ck(6),
+        step=6,
+        method="dcp-load-time",
+        from_world_size=2,
+        to_world_size=3,
+    )
     lineage.record(run, "resume", "resume:segment-2", parent=ck(6), step=6, from_world_size=2, to_world_size=3)
     for step, parent in ((9, 6), (10, 9)):
-        lineage.record(run, "checkpoint", ck(step), parent=ck(parent), step=step,
-                       reason="interval" if step == 9 else "end", world_size=3, segment=2)
+        lineage.record(
+            run,
+            "checkpoint",
+            ck(step),
+            parent=ck(parent),
+            step=step,
+            reason="interval" if step == 9 else "end",
+            world_size=3,
+            segment=2,
+        )
     lineage.record(run, "export", "export:step-00000010:bfloat16", parent=ck(10), step=10, dtype="bfloat16")
     rows = [(s, 0, 2) for s in range(1, 7)] + [(7, 1, 2), (8, 1, 2)] + [(s, 2, 3) for s in range(7, 11)]
     for step, segment, world in rows:
-        append_jsonl(run / "metrics.jsonl", {"step": step, "loss": 5.0 - 0.1 * step + (0.5 if segment == 1 else 0.0),
-                                             "segment": segment, "world_size": world})
+        append_jsonl(
+            run / "metrics.jsonl",
+            {
+                "step": step,
+                "loss": 5.0 - 0.1 * step + (0.5 if segment == 1 else 0.0),
+                "segment": segment,
+                "world_size": world,
+            },
+        )
     return run
 
 
@@ -161,14 +197,54 @@ def ds_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from trainer.segment import run_segment
 
     mp = pytest.MonkeyPatch()
-    mp.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")))
+    mp.setenv(
+        "TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+    )
     mp.setenv("DS_ACCELERATOR", "cpu")
     try:
         run = tmp_path_factory.mktemp("ds") / "run"
-        spec = load_run_spec(ROOT / "configs" / "tiny.yaml", ["backend=deepspeed", "deepspeed.zero_stage=2",
-                                                               "checkpoint.interval=2", "checkpoint.keep_last=10"])
+        spec = load_run_spec(
+            ROOT / "configs" / "tiny.yaml",
+            ["backend=deepspeed", "deepspeed.zero_stage=2", "checkpoint.interval=2", "checkpoint.keep_last=10"],
+        )
         prepare_run_dir(RunDir.at(run), spec)
         assert spawn(run_segment, 2, str(run), 2, 0, timeout=900) == [0, 0]
     finally:
         mp.undo()
     return run
+
+
+# Modules whose tests run in this process or in in-process rank groups: no torchrun launch, no Prefect, Slurm or S3
+# server, no browser. ``make test-fast`` runs them (their own launching tests are marked slow where they stand);
+# every other module's tests are marked slow here. A new module is slow until it is listed.
+FAST_MODULES = frozenset(
+    {
+        "test_bad_input",
+        "test_bench_tables",
+        "test_corruption",
+        "test_crafted_sources",
+        "test_direct_io",
+        "test_docs",
+        "test_export",
+        "test_fuzz",
+        "test_gpu",
+        "test_hostile_pickles",
+        "test_identity",
+        "test_kubernetes",
+        "test_layering",
+        "test_onepass",
+        "test_performance",
+        "test_publish",
+        "test_retention_sweep",
+        "test_scale_checks",
+        "test_strict",
+        "test_units",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of every module not in FAST_MODULES slow (what ``make test-fast`` leaves out)."""
+    for item in items:
+        if item.path.stem not in FAST_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -3,16 +3,16 @@ ranks on CPU (like DCP's own tests), and tiny runs to compare step by step."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import subprocess
 import traceback
 from collections.abc import Callable
-from typing import Any
-import json
-import shutil
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,15 +28,36 @@ def free_port() -> int:
 # and still runs in its own process with its own gloo group, as under spawn. The server keeps the environment and
 # working directory it started with, so each rank takes its caller's current ones first. Only third-party modules
 # are preloaded: shardkeeper's own import fresh in each rank, as under spawn.
-_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-            "torch.distributed.tensor", "transformers", "transformers.models.llama.modeling_llama")
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+)
 
 
 # Read by those modules when they are imported (huggingface_hub's cache paths and offline mode, torch's and the
 # thread pools' settings): when the caller's values differ from the server's, the server is replaced by one started
 # with the caller's (its preload paid once), never silently kept.
-_IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH_", "PYTORCH_", "CUDA_", "NCCL_", "GLOO_",
-               "OMP_", "MKL_", "KMP_", "XDG_", "PYTHON")
+_IMPORT_ENV = (
+    "HF_",
+    "HUGGINGFACE_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "TORCH_",
+    "PYTORCH_",
+    "CUDA_",
+    "NCCL_",
+    "GLOO_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "XDG_",
+    "PYTHON",
+)
 _server_env: list[dict[str, str]] = []
 
 
@@ -82,8 +103,19 @@ def _attach_stdio(out: Any, err: Any) -> None:
             os.close(fd)
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any, device: str,
-           env: dict[str, str], cwd: str, stdio: None, nodes: int = 1) -> None:
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    args: tuple,
+    queue: Any,
+    device: str,
+    env: dict[str, str],
+    cwd: str,
+    stdio: None,
+    nodes: int = 1,
+) -> None:
     del stdio  # attached while the arguments were unpickled
     os.environ.clear()
     os.environ.update(env)
@@ -91,10 +123,18 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
     per = world // nodes
     if nodes > 1:
         os.environ["SHARDKEEPER_NODE_NAME"] = f"node{rank // per}"
-    os.environ.update({
-        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per), "LOCAL_WORLD_SIZE": str(per),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SHARDKEEPER_DEVICE": device, "OMP_NUM_THREADS": "1",
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank % per),
+            "LOCAL_WORLD_SIZE": str(per),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "SHARDKEEPER_DEVICE": device,
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     import torch
 
     torch.set_num_threads(1)
@@ -104,17 +144,27 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300,
-          on_start: Callable[[list[mp.Process]], None] | None = None, device: str = "cpu", nodes: int = 1) -> list[Any]:
+def spawn(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 300,
+    on_start: Callable[[list[mp.Process]], None] | None = None,
+    device: str = "cpu",
+    nodes: int = 1,
+) -> list[Any]:
     """Run ``fn(*args)`` on ``world`` ranks; return the per-rank results, or raise with the first error. ``nodes``:
     the ranks split into that many emulated nodes (local ranks, node names ``node0``...), as torchrun's agents set."""
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     env, cwd = dict(os.environ), os.getcwd()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue, device, env, cwd, _CallerStdio(), nodes),
-                         daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_entry, args=(fn, r, world, port, args, queue, device, env, cwd, _CallerStdio(), nodes), daemon=True
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     if on_start:
@@ -246,22 +296,51 @@ def mark_segment(run: Path, until_step: int, status: str | None, *, exit_code: i
     last = [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines()][-1]
     seg, step = last["segment"] + 1, last["end_step"] if "end_step" in last else last["start_step"]
     with open(run / "segments.jsonl", "a") as f:
-        f.write(json.dumps({"event": "start", "segment": seg, "until_step": until_step, "start_step": step,
-                            "world_size": 2, "time": "2026-01-01T00:00:00Z"}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "event": "start",
+                    "segment": seg,
+                    "until_step": until_step,
+                    "start_step": step,
+                    "world_size": 2,
+                    "time": "2026-01-01T00:00:00Z",
+                }
+            )
+            + "\n"
+        )
         if status is not None:
-            f.write(json.dumps({"event": "end", "segment": seg, "status": status, "exit_code": exit_code,
-                                "start_step": step, "end_step": step, "run_dir": str(run), "checkpoint": None,
-                                "seconds": 1.0, "failure": None}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "event": "end",
+                        "segment": seg,
+                        "status": status,
+                        "exit_code": exit_code,
+                        "start_step": step,
+                        "end_step": step,
+                        "run_dir": str(run),
+                        "checkpoint": None,
+                        "seconds": 1.0,
+                        "failure": None,
+                    }
+                )
+                + "\n"
+            )
 
 
 # A chat template in the common shape (role markers, an end-of-turn token, a generation prompt); the tokenizer's
 # tokenizer_config.json carries it, as a downloaded model's does.
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 
-def make_tokenizer(folder: Path, corpus: list[str], vocab_size: int = 300, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+def make_tokenizer(
+    folder: Path, corpus: list[str], vocab_size: int = 300, chat_template: str | None = CHAT_TEMPLATE
+) -> Path:
     """A byte-level BPE tokenizer trained on ``corpus`` with the ``tokenizers`` library, saved with
     save_pretrained (tokenizer.json + tokenizer_config.json with the chat template): nothing is downloaded."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -270,11 +349,20 @@ def make_tokenizer(folder: Path, corpus: list[str], vocab_size: int = 300, chat_
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   additional_special_tokens=SPECIAL_TOKENS[3:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+    )
     fast.save_pretrained(folder)
     if chat_template:  # in tokenizer_config.json, where most published models keep it
         cfg_path = Path(folder) / "tokenizer_config.json"
@@ -284,16 +372,19 @@ def make_tokenizer(folder: Path, corpus: list[str], vocab_size: int = 300, chat_
     return folder
 
 
-WORDS = ("the cat sat on a mat while rain fell over quiet hills and the river ran past old stone walls toward "
-         "the sea where boats rocked slowly under grey skies").split()
+WORDS = (
+    "the cat sat on a mat while rain fell over quiet hills and the river ran past old stone walls toward "
+    "the sea where boats rocked slowly under grey skies"
+).split()
 
 
 def make_text_rows(n: int, seed: int = 0, words: int = 40) -> list[dict]:
     import random
 
     rng = random.Random(seed)
-    return [{"id": i, "text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(words // 2, words)))}
-            for i in range(n)]
+    return [
+        {"id": i, "text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(words // 2, words)))} for i in range(n)
+    ]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -303,8 +394,16 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 # Headless Chromium as the browser tests drive it (Debian's chromium through Playwright; never `playwright install`).
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 def chromium_path() -> str | None:

@@ -21,8 +21,12 @@ import pytest
 from tests.harness import free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
-AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true"}
+AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 
 
 # ------------------------------------------------------------------------------------------ the server
@@ -32,8 +36,12 @@ def _moto_server(env: dict[str, str] | None = None) -> tuple[subprocess.Popen, s
     if binary is None:
         pytest.skip("s3 tests need moto[server] (pip install 'moto[server]'): moto_server not found")
     port = free_port()
-    proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [binary, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -84,20 +92,33 @@ def _keys(bucket: str, prefix: str = "") -> dict[str, int]:
 def _steps(bucket: str, prefix: str) -> dict[int, set[str]]:
     out: dict[int, set[str]] = {}
     for key in _keys(bucket, f"{prefix}/checkpoints/"):
-        step_dir, name = key[len(prefix) + len("/checkpoints/"):].split("/", 1)
+        step_dir, name = key[len(prefix) + len("/checkpoints/") :].split("/", 1)
         if step_dir[5:].isdigit():
             out.setdefault(int(step_dir[5:]), set()).add(name)
     return out
 
 
-def _cli(*args: str, cache: Path, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def _cli(
+    *args: str, cache: Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     proc = _cli_start(*args, cache=cache, env=env)
     out, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _cli_start(*args: str, cache: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    full_env = {**os.environ, "SHARDKEEPER_CACHE": str(cache), "SHARDKEEPER_UPLOAD_POLL_S": "0.05", "COLUMNS": "400",
-                **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "shardkeeper", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=full_env)
+    full_env = {
+        **os.environ,
+        "SHARDKEEPER_CACHE": str(cache),
+        "SHARDKEEPER_UPLOAD_POLL_S": "0.05",
+        "COLUMNS": "400",
+        **(env or {}),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardkeeper", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=full_env,
+    )

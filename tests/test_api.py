@@ -25,8 +25,9 @@ MODES = ROOT / "tests" / "scripts" / "api_modes.py"
 
 def sk(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDKEEPER_PROGRESS_S": "0"}
-    return subprocess.run([sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 SIDE_BY_SIDE = 2  # launches at once: two cores here; 2 measured faster than 3 or 4 (most of a launch is imports)
@@ -55,8 +56,26 @@ def preempted(run: Path) -> subprocess.CompletedProcess:
     """A 2-rank run to step 1000 SIGTERMed mid-run, once 3 steps are logged."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # the script's DataLoader has a worker process: the preemption signal reaches it too, and must not kill it
-    args = [sys.executable, "-m", "shardkeeper", "train", "--script", str(MODES), "--run-dir", str(run),
-            "--until-step", "1000", "--nproc", "2", "--", "--sleep", "0.2", "--loader", "--workers", "1"]
+    args = [
+        sys.executable,
+        "-m",
+        "shardkeeper",
+        "train",
+        "--script",
+        str(MODES),
+        "--run-dir",
+        str(run),
+        "--until-step",
+        "1000",
+        "--nproc",
+        "2",
+        "--",
+        "--sleep",
+        "0.2",
+        "--loader",
+        "--workers",
+        "1",
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     rows = run / "metrics.jsonl"
     deadline = time.monotonic() + 120  # mid-run: a few steps logged (the worker is up), far from step 1000
@@ -69,16 +88,25 @@ def preempted(run: Path) -> subprocess.CompletedProcess:
 
 def outside_a_segment(cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "SHARDKEEPER_LAUNCH"}
-    return subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, env=env, cwd=cwd,
-                          timeout=120)
+    return subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
 
 
 def modes(run: Path, until: int, *more: str) -> tuple:
     """``shardkeeper train --script api_modes.py`` arguments: ``more`` before ``--`` are options, after it the
     script's."""
     cut = more.index("--") if "--" in more else len(more)
-    return ("train", "--script", str(MODES), "--run-dir", str(run), "--until-step", str(until), *more[:cut],
-            "--", *more[cut + 1:])
+    return (
+        "train",
+        "--script",
+        str(MODES),
+        "--run-dir",
+        str(run),
+        "--until-step",
+        str(until),
+        *more[:cut],
+        "--",
+        *more[cut + 1 :],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -110,41 +138,157 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
             (base / "scripts" / name).write_text(content)
 
     chains: list[list[tuple]] = [
-        [("full", sk, "train", "--script", str(EXAMPLE), "--run-dir", str(runs["full"]), "--until-step", "16",
-          "--nproc", "2", "--set", "checkpoint.interval=4", "--", "--width", "32"),
-         (None, cut, "full", 8, "same", "one"),
-         # 2 ranks: the last layer's 1-element bias leaves rank 1 an empty shard, whose record must read back
-         ("validate-2", sk, "validate", str(runs["full"] / "checkpoints" / "step-00000016"), "--deep"),
-         ("same", sk, "train", "--run-dir", str(runs["same"]), "--until-step", "16", "--nproc", "2"),  # the run
-         ("one", sk, "train", "--run-dir", str(runs["one"]), "--until-step", "16", "--nproc", "1"),  # remembers its script
-         ("validate", sk, "validate", str(runs["one"] / "checkpoints" / "step-00000016"), "--deep"),
-         ("status", sk, "status", str(runs["one"]), "--json"),
-         ("refused", sk, *modes(runs["one"], 20, "--", "--mode", "bad-track")),  # refused by the ranks: nothing moves
-         ("refused-status", sk, "status", str(runs["one"]), "--json")],
-        [("loader-full", sk, *modes(runs["loader-full"], 10, "--nproc", "2", "--set", "checkpoint.interval=5", "--",
-                                    "--loader")),
-         (None, cut, "loader-full", 5, "loader-half"),
-         ("loader-half", sk, "train", "--run-dir", str(runs["loader-half"]), "--until-step", "10", "--nproc", "2"),
-         ("loader-refused", sk, "train", "--run-dir", str(runs["loader-half"]), "--until-step", "12", "--nproc", "1")],
+        [
+            (
+                "full",
+                sk,
+                "train",
+                "--script",
+                str(EXAMPLE),
+                "--run-dir",
+                str(runs["full"]),
+                "--until-step",
+                "16",
+                "--nproc",
+                "2",
+                "--set",
+                "checkpoint.interval=4",
+                "--",
+                "--width",
+                "32",
+            ),
+            (None, cut, "full", 8, "same", "one"),
+            # 2 ranks: the last layer's 1-element bias leaves rank 1 an empty shard, whose record must read back
+            ("validate-2", sk, "validate", str(runs["full"] / "checkpoints" / "step-00000016"), "--deep"),
+            ("same", sk, "train", "--run-dir", str(runs["same"]), "--until-step", "16", "--nproc", "2"),  # the run
+            (
+                "one",
+                sk,
+                "train",
+                "--run-dir",
+                str(runs["one"]),
+                "--until-step",
+                "16",
+                "--nproc",
+                "1",
+            ),  # remembers its script
+            ("validate", sk, "validate", str(runs["one"] / "checkpoints" / "step-00000016"), "--deep"),
+            ("status", sk, "status", str(runs["one"]), "--json"),
+            (
+                "refused",
+                sk,
+                *modes(runs["one"], 20, "--", "--mode", "bad-track"),
+            ),  # refused by the ranks: nothing moves
+            ("refused-status", sk, "status", str(runs["one"]), "--json"),
+        ],
+        [
+            (
+                "loader-full",
+                sk,
+                *modes(runs["loader-full"], 10, "--nproc", "2", "--set", "checkpoint.interval=5", "--", "--loader"),
+            ),
+            (None, cut, "loader-full", 5, "loader-half"),
+            ("loader-half", sk, "train", "--run-dir", str(runs["loader-half"]), "--until-step", "10", "--nproc", "2"),
+            (
+                "loader-refused",
+                sk,
+                "train",
+                "--run-dir",
+                str(runs["loader-half"]),
+                "--until-step",
+                "12",
+                "--nproc",
+                "1",
+            ),
+        ],
         [("sigterm", preempted, base / "pre")],
-        [("counter", sk, *modes(runs["badload"], 4, "--set", "checkpoint.interval=2", "--", "--counter")),
-         ("bad-load", sk, *modes(runs["badload"], 6, "--", "--counter", "--mode", "bad-load"))],
-        [("nan", sk, *modes(base / "nan", 8, "--nproc", "2", "--set", "checkpoint.interval=2", "--", "--mode", "nan",
-                            "--at", "4")),
-         ("nan-status", sk, "status", str(base / "nan"), "--json")],
-        [("term-then-nan", sk, *modes(base / "term-then-nan", 8, "--nproc", "2", "--set", "checkpoint.interval=100",
-                                      "--", "--mode", "term-then-nan", "--at", "3"))],
+        [
+            ("counter", sk, *modes(runs["badload"], 4, "--set", "checkpoint.interval=2", "--", "--counter")),
+            ("bad-load", sk, *modes(runs["badload"], 6, "--", "--counter", "--mode", "bad-load")),
+        ],
+        [
+            (
+                "nan",
+                sk,
+                *modes(
+                    base / "nan",
+                    8,
+                    "--nproc",
+                    "2",
+                    "--set",
+                    "checkpoint.interval=2",
+                    "--",
+                    "--mode",
+                    "nan",
+                    "--at",
+                    "4",
+                ),
+            ),
+            ("nan-status", sk, "status", str(base / "nan"), "--json"),
+        ],
+        [
+            (
+                "term-then-nan",
+                sk,
+                *modes(
+                    base / "term-then-nan",
+                    8,
+                    "--nproc",
+                    "2",
+                    "--set",
+                    "checkpoint.interval=100",
+                    "--",
+                    "--mode",
+                    "term-then-nan",
+                    "--at",
+                    "3",
+                ),
+            )
+        ],
         [("raise", sk, *modes(base / "raise", 6, "--", "--mode", "raise", "--at", "3"))],
         [("after", sk, *modes(base / "after", 4, "--", "--mode", "after", "--atexit-noise"))],
-        *[[(mode, partial(sk, timeout=180), *modes(base / mode, 5, "--set", "checkpoint.interval=2", "--", "--mode",
-                                                   mode, "--at", "2", "--atexit-file", str(base / f"{mode}.atexit"),
-                                                   *(["--atexit-noise"] if mode == "thread" else [])))]
-          for mode in ("nan-then-ok", "thread")],
+        *[
+            [
+                (
+                    mode,
+                    partial(sk, timeout=180),
+                    *modes(
+                        base / mode,
+                        5,
+                        "--set",
+                        "checkpoint.interval=2",
+                        "--",
+                        "--mode",
+                        mode,
+                        "--at",
+                        "2",
+                        "--atexit-file",
+                        str(base / f"{mode}.atexit"),
+                        *(["--atexit-noise"] if mode == "thread" else []),
+                    ),
+                )
+            ]
+            for mode in ("nan-then-ok", "thread")
+        ],
         *[[(mode, sk, *modes(base / mode, 6, "--", "--mode", mode))] for mode in MISUSE],
         [("outside", outside_a_segment, base)],
-        *[[(None, script, name),
-           (name, sk, "train", "--script", str(base / "scripts" / name), "--run-dir", str(base / f"run-{name}"),
-            "--until-step", "2")] for name in BAD_SCRIPTS],
+        *[
+            [
+                (None, script, name),
+                (
+                    name,
+                    sk,
+                    "train",
+                    "--script",
+                    str(base / "scripts" / name),
+                    "--run-dir",
+                    str(base / f"run-{name}"),
+                    "--until-step",
+                    "2",
+                ),
+            ]
+            for name in BAD_SCRIPTS
+        ],
     ]
     return {"base": base, "runs": runs, **side_by_side(chains, SIDE_BY_SIDE)}
 
@@ -207,8 +351,10 @@ def test_user_exception_shows_the_users_traceback_and_one_line(launched: dict) -
     assert "trainer/api.py" not in r.stderr and "runpy" not in r.stderr  # their frames, not shardkeeper's
     assert "error: segment 0 failed" in r.stderr and "api_modes.py line" in r.stderr
     # an error of the rank's own is never restarted in place (checkpoint.restarts): it would fail again
-    assert ("shardkeeper: not restarted in place: rank 0 failed with exit code 1, an error of its own" in r.stderr
-            and "restarting the ranks in place" not in r.stderr), r.stderr[-2000:]
+    assert (
+        "shardkeeper: not restarted in place: rank 0 failed with exit code 1, an error of its own" in r.stderr
+        and "restarting the ranks in place" not in r.stderr
+    ), r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("mode", list(MISUSE))
@@ -285,8 +431,9 @@ def test_code_after_the_loop_that_raises_fails_the_segment_and_keeps_its_checkpo
 
 
 @pytest.mark.parametrize("mode,code", [("nan-then-ok", 65), ("thread", 0)])
-def test_a_nan_overwritten_in_its_step_still_stops_and_a_lingering_thread_does_not_hang(launched: dict, mode: str,
-                                                                                      code: int) -> None:
+def test_a_nan_overwritten_in_its_step_still_stops_and_a_lingering_thread_does_not_hang(
+    launched: dict, mode: str, code: int
+) -> None:
     run, r = launched["base"] / mode, outcome(launched, mode)  # launched with a 180 s timeout: a hang raises here
     assert r.returncode == code, r.stderr[-2000:]
     assert committed(run)[-1] == ("step-00000002" if code == 65 else "step-00000005")

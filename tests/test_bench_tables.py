@@ -14,8 +14,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 benchlib = importlib.import_module("benchlib")
 readme_tables = importlib.import_module("readme_tables")
 
-HEADER = re.compile(r"^_Measured \d{4}-\d\d-\d\d \d\d:\d\d UTC on \d+ CPU cores, [\d.]+ GiB memory, .+; (load average [\d./]+ \(1/5/15 min\) when the table was printed; )?python [\d.]+, "
-                    r"torch [^,]+, [^`]*command: `python bench/[a-z0-9_]+\.py[^`]*`_$")
+HEADER = re.compile(
+    r"^_Measured \d{4}-\d\d-\d\d \d\d:\d\d UTC on \d+ CPU cores, [\d.]+ GiB memory, .+; "
+    r"(load average [\d./]+ \(1/5/15 min\) when the table was printed; )?python [\d.]+, "
+    r"torch [^,]+, [^`]*command: `python bench/[a-z0-9_]+\.py[^`]*`_$"
+)
 
 
 def test_readme_blocks_equal_the_published_tables() -> None:
@@ -46,25 +49,44 @@ def test_a_hand_edit_is_caught(tmp_path, monkeypatch) -> None:
 
 def test_publish_writes_header_and_table(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(benchlib, "RESULTS", tmp_path)
-    path = benchlib.publish("demo", benchlib.md_table(["x", "y"], [[1, 2]], "lr"), ["bench/demo_bench.py", "--reps", "3"])
+    path = benchlib.publish(
+        "demo", benchlib.md_table(["x", "y"], [[1, 2]], "lr"), ["bench/demo_bench.py", "--reps", "3"]
+    )
     lines = path.read_text(encoding="utf-8").splitlines()
     assert lines[0].startswith("_Measured ") and "command: `python bench/demo_bench.py --reps 3`" in lines[0]
     assert lines[2:] == ["| x | y |", "|---|---:|", "| 1 | 2 |"]
 
 
 def test_the_published_command_names_no_machine_path() -> None:
-    argv = [str(ROOT / "bench/torture.py"), "--kills", "200", "--work", "/scratch/torture", "--out=/tmp/x.json",
-            "--table-from", "/a/one.json", "/b/two.json", "--config", str(ROOT / "configs/tiny.yaml"), "--note", "a b"]
-    assert benchlib.command_line(argv) == ("python bench/torture.py --kills 200 --work WORK --out=OUT --table-from "
-                                           "TABLE_FROM TABLE_FROM --config configs/tiny.yaml --note 'a b'")
+    argv = [
+        str(ROOT / "bench/torture.py"),
+        "--kills",
+        "200",
+        "--work",
+        "/scratch/torture",
+        "--out=/tmp/x.json",
+        "--table-from",
+        "/a/one.json",
+        "/b/two.json",
+        "--config",
+        str(ROOT / "configs/tiny.yaml"),
+        "--note",
+        "a b",
+    ]
+    assert benchlib.command_line(argv) == (
+        "python bench/torture.py --kills 200 --work WORK --out=OUT --table-from "
+        "TABLE_FROM TABLE_FROM --config configs/tiny.yaml --note 'a b'"
+    )
     assert benchlib.command_line(["/opt/venv/bin/../../elsewhere/x.py"]) == "python x.py"
     assert "/scratch" not in benchlib.header([str(ROOT / "bench/demo.py"), "--work", "/scratch/w"])
 
 
 def test_a_plot_is_drawn_from_the_published_rows(tmp_path) -> None:
-    (tmp_path / "demo.md").write_text("_Measured ..._\n\nintro\n\n| size | seconds |\n|---:|---:|\n"
-                                      "| 1,000 | 1.50 (1.20–1.90) |\n| 4,096 | **2.25** (met) |\n\n"
-                                      "| other |\n|---|\n| x |\n")
+    (tmp_path / "demo.md").write_text(
+        "_Measured ..._\n\nintro\n\n| size | seconds |\n|---:|---:|\n"
+        "| 1,000 | 1.50 (1.20–1.90) |\n| 4,096 | **2.25** (met) |\n\n"
+        "| other |\n|---|\n| x |\n"
+    )
     rows = benchlib.table_rows("demo", results=tmp_path)
     assert rows == [{"size": "1,000", "seconds": "1.50 (1.20–1.90)"}, {"size": "4,096", "seconds": "**2.25** (met)"}]
     assert benchlib.table_rows("demo", 1, results=tmp_path) == [{"other": "x"}]
@@ -79,8 +101,9 @@ def test_a_plot_is_drawn_from_the_published_rows(tmp_path) -> None:
     assert benchlib.plot_from_table("demo", draw, results=tmp_path).read_bytes() == first  # same rows, same bytes
 
 
-def _peers_run(system: str, rnd: int, snapshot_s: float, copy_s: float, kill_to_ranks_s: float,
-               loss: str = "2.5") -> dict:
+def _peers_run(
+    system: str, rnd: int, snapshot_s: float, copy_s: float, kill_to_ranks_s: float, loss: str = "2.5"
+) -> dict:
     """The events one run of bench/peers_memtier.py collects (2 ranks, rank 1 the slower one at twice rank 0's
     times), for the schedule: a snapshot every 2 steps, storage every 4 (twice a snapshot's stall), steps 5-8
     counted, rank 1 killed at t=100 after the snapshot of step 10; the new ranks load 3 s after they start and
@@ -91,8 +114,17 @@ def _peers_run(system: str, rnd: int, snapshot_s: float, copy_s: float, kill_to_
         kind = "storage" if s % 4 == 0 else "memory" if s % 2 == 0 else None
         extra = {None: 0.0, "memory": snapshot_s, "storage": 2 * snapshot_s}[kind]
         for r, f in ((0, 0.5), (1, 1.0)):
-            ev.append({"ev": "boundary", "rank": r, "pid": 10 + r, "t": float(s), "s": s, "kind": kind,
-                       "dt": 0.01 + extra * f})
+            ev.append(
+                {
+                    "ev": "boundary",
+                    "rank": r,
+                    "pid": 10 + r,
+                    "t": float(s),
+                    "s": s,
+                    "kind": kind,
+                    "dt": 0.01 + extra * f,
+                }
+            )
             if kind is None:
                 ev.append({"ev": "copy", "rank": r, "pid": 10 + r, "t": float(s), "s": s, "dt": copy_s * f})
             if kind == "storage":
@@ -103,8 +135,16 @@ def _peers_run(system: str, rnd: int, snapshot_s: float, copy_s: float, kill_to_
     ev += [{"ev": what, "rank": 0, "pid": 20, "t": up + at} for what, at in (("joined", 1.0), ("built", 2.0))]
     ev.append({"ev": "loaded", "rank": 0, "pid": 20, "t": up + 3.0, "step": 10, "source": "memory"})
     ev.append({"ev": "step", "rank": 0, "pid": 20, "t": up + 4.0, "s": 11, "loss": loss})
-    return {"system": system, "round": rnd, "events": ev, "kill_t": 100.0, "launches": [0.0], "shm_gb": 0.5,
-            "tmpfs_gb": 0.6, "tier": None}
+    return {
+        "system": system,
+        "round": rnd,
+        "events": ev,
+        "kill_t": 100.0,
+        "launches": [0.0],
+        "shm_gb": 0.5,
+        "tmpfs_gb": 0.6,
+        "tier": None,
+    }
 
 
 def test_the_peers_table_is_built_from_each_runs_events(tmp_path) -> None:
@@ -119,18 +159,26 @@ def test_the_peers_table_is_built_from_each_runs_events(tmp_path) -> None:
     assert (one["restored_step"], one["redone"], one["source"]) == (10, 0, "memory")
     assert one["restart_phases_s"] == {"joined": 1.0, "built": 2.0}
 
-    runs = [_peers_run("shardkeeper", 0, 0.1, 0.1, 9.0), _peers_run("torch", 0, 0.2, 0.1, 0.5),
-            _peers_run("torch", 1, 0.3, 0.1, 0.5), _peers_run("shardkeeper", 1, 0.1, 0.1, 9.0)]
+    runs = [
+        _peers_run("shardkeeper", 0, 0.1, 0.1, 9.0),
+        _peers_run("torch", 0, 0.2, 0.1, 0.5),
+        _peers_run("torch", 1, 0.3, 0.1, 0.5),
+        _peers_run("shardkeeper", 1, 0.1, 0.1, 9.0),
+    ]
     for r in runs:
         r["figures"] = peers.figures(r, sch)
-    meta = {"schedule": sch, "args": vars(peers.parse([])), "sk_restarts": False,
-            "orders": [["shardkeeper", "torch"], ["torch", "shardkeeper"]]}
+    meta = {
+        "schedule": sch,
+        "args": vars(peers.parse([])),
+        "sk_restarts": False,
+        "orders": [["shardkeeper", "torch"], ["torch", "shardkeeper"]],
+    }
     body = peers.table(runs, meta)
     rows = {line.split(" | ")[0].lstrip("| "): line for line in body.splitlines() if line.startswith("| ")}
     assert rows["snapshot stall / one host copy of the state"].endswith(
-        "| **1.00×** [1.00–1.00] | 2.50× [2.00–3.00] |")  # the lower median in bold, [min–max] over rounds
-    assert rows["SIGKILL of one rank → first step done again"].endswith(
-        "| 13.0 s [13.0–13.0] | **4.5 s** [4.5–4.5] |")
+        "| **1.00×** [1.00–1.00] | 2.50× [2.00–3.00] |"
+    )  # the lower median in bold, [min–max] over rounds
+    assert rows["SIGKILL of one rank → first step done again"].endswith("| 13.0 s [13.0–13.0] | **4.5 s** [4.5–4.5] |")
     assert "identical in all 4 runs: yes" in body and "ends the segment" in body
     runs[2]["figures"]["losses"]["11"] = "2.6"  # one run trained one step differently
     assert "identical in all 4 runs: NO" in peers.table(runs, meta)

@@ -20,8 +20,9 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 def one_error_line(capsys: pytest.CaptureFixture, argv: list[str], code: int) -> str:
@@ -74,8 +75,9 @@ def test_status_and_lineage_read_at_80_columns(cli_run: Path, tmp_path: Path) ->
     env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "80"}
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True,
-                              timeout=120, env=env, cwd=ROOT)
+        return subprocess.run(
+            [sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+        )
 
     lin = run("lineage", str(cli_run))
     lines = lin.stdout.splitlines()
@@ -84,8 +86,9 @@ def test_status_and_lineage_read_at_80_columns(cli_run: Path, tmp_path: Path) ->
     assert lines[0].startswith(f"{cli_run.name}: ") and "latest step 12" in lin.stdout
     assert "from=2, to=3" in lin.stdout  # the resume at a new world size, readable
     states = json.loads(run("status", str(cli_run.parent), "--json").stdout)  # a root: every run under it
-    assert [(Path(s["run_dir"]).name, s["last_status"], s["step"], s["world_size"]) for s in states] == \
-        [("run", "completed", 12, 3)]
+    assert [(Path(s["run_dir"]).name, s["last_status"], s["step"], s["world_size"]) for s in states] == [
+        ("run", "completed", 12, 3)
+    ]
     one = run("status", str(cli_run))
     assert one.returncode == 0 and "completed" in one.stdout and "step-00000012" in one.stdout
     empty = run("status", str(tmp_path))
@@ -114,7 +117,9 @@ def test_quick_validate_says_when_a_checkpoint_was_never_re_read(cli_run: Path, 
     assert deep.returncode == 4 and victim.name in deep.stdout + deep.stderr
 
 
-def test_validate_reports_partial_and_missing_file(cli_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_validate_reports_partial_and_missing_file(
+    cli_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     import shutil
 
     ck = tmp_path / "step-00000012"
@@ -161,7 +166,8 @@ def test_run_dir_of_another_model_and_locked_run_dir(cli_run: Path, capsys: pyte
 
 
 def test_reshard_follows_the_runs_record_and_a_refused_restart_writes_nothing(
-        cli_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cli_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """reshard checks the world size against the run's record (run.yaml), not the config that wrote the checkpoint:
     once a script trains the run (run.yaml names it) no batch rule of the config applies. --restart of a run with a
     valid checkpoint is refused before run.yaml is touched, even with a --set that could change it."""
@@ -174,8 +180,10 @@ def test_reshard_follows_the_runs_record_and_a_refused_restart_writes_nothing(
     shutil.copy(cli_run / "run.yaml", run / "run.yaml")
     ckpt = str(run / "checkpoints" / "step-00000012")
     line = one_error_line(capsys, ["reshard", ckpt, "--world-size", "5"], 2)
-    assert line == ("error: --world-size 5: global_batch_size 12 is not divisible by 5 ranks; choose --world-size "
-                    "among [1, 2, 3, 4, 6, 12] or change global_batch_size")
+    assert line == (
+        "error: --world-size 5: global_batch_size 12 is not divisible by 5 ranks; choose --world-size "
+        "among [1, 2, 3, 4, 6, 12] or change global_batch_size"
+    )
     before = (run / "run.yaml").read_text()
     line = one_error_line(capsys, ["train", "--run-dir", str(run), "--restart", "--set", "checkpoint.interval=3"], 2)
     assert "--restart" in line and "valid checkpoint" in line and (run / "run.yaml").read_text() == before
@@ -197,8 +205,19 @@ def test_checkpoint_of_another_architecture_is_refused(cli_run: Path, tmp_path: 
     run = tmp_path / "other"
     (run / "checkpoints").mkdir(parents=True)
     shutil.copytree(cli_run / "checkpoints" / "step-00000012", run / "checkpoints" / "step-00000012")
-    res = cli("train", "--config", TINY, "--run-dir", str(run), "--nproc", "2", "--until-step", "14",
-              "--set", "model.config.intermediate_size=96")
+    res = cli(
+        "train",
+        "--config",
+        TINY,
+        "--run-dir",
+        str(run),
+        "--nproc",
+        "2",
+        "--until-step",
+        "14",
+        "--set",
+        "model.config.intermediate_size=96",
+    )
     assert res.returncode != 0
     assert "holds another model" in res.stderr
 
@@ -208,12 +227,26 @@ def test_sigterm_to_train_commits_and_exits_75_then_same_command_resumes(tmp_pat
     import time
 
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "shardkeeper", "train", "--config", TINY, "--run-dir", str(run), "--nproc", "2",
-            "--until-step", "100000"]
+    args = [
+        sys.executable,
+        "-m",
+        "shardkeeper",
+        "train",
+        "--config",
+        TINY,
+        "--run-dir",
+        str(run),
+        "--nproc",
+        "2",
+        "--until-step",
+        "100000",
+    ]
     env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu"}
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     deadline = time.time() + 180
-    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 7):
+    while time.time() < deadline and not (
+        (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 7
+    ):
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -257,10 +290,28 @@ def test_sigterm_in_the_first_moments_of_train_is_a_preemption_not_a_kill(tmp_pa
     import time
 
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "shardkeeper", "train", "--config", TINY, "--run-dir", str(run), "--nproc", "2",
-            "--until-step", "4"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "SHARDKEEPER_DEVICE": "cpu"}, cwd=ROOT)
+    args = [
+        sys.executable,
+        "-m",
+        "shardkeeper",
+        "train",
+        "--config",
+        TINY,
+        "--run-dir",
+        str(run),
+        "--nproc",
+        "2",
+        "--until-step",
+        "4",
+    ]
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "SHARDKEEPER_DEVICE": "cpu"},
+        cwd=ROOT,
+    )
     time.sleep(0.4)  # the interpreter is up; typer, pydantic and the CLI take ~1 s more to import
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -273,18 +324,20 @@ def test_the_launcher_asks_torch_about_gpus_only_where_a_gpu_may_be_there() -> N
     """On a host where nothing shows a GPU the device is chosen without importing torch (~1 s before every
     segment); where a device node shows one (here: a patched /dev listing) or CUDA_VISIBLE_DEVICES names one,
     torch.cuda decides (here: patched to say yes, so the answer can only come from it)."""
-    code = ("import os, sys\n"
-            "from shardkeeper.stages import train as t\n"
-            "os.environ.pop('SHARDKEEPER_DEVICE', None)\n"
-            "print(t._gpu_may_be_there(), t._cuda_available(), 'torch' in sys.modules)\n"
-            "import torch\n"
-            "torch.cuda.is_available = lambda: True\n"
-            "real = os.listdir\n"
-            "t.os.listdir = lambda p: ['nvidia0', *real(p)]\n"
-            "print(t._gpu_may_be_there(), t._cuda_available())\n"
-            "t.os.listdir = real\n"
-            "os.environ['CUDA_VISIBLE_DEVICES'] = '0'\n"
-            "print(t._gpu_may_be_there(), t._cuda_available())\n")
+    code = (
+        "import os, sys\n"
+        "from shardkeeper.stages import train as t\n"
+        "os.environ.pop('SHARDKEEPER_DEVICE', None)\n"
+        "print(t._gpu_may_be_there(), t._cuda_available(), 'torch' in sys.modules)\n"
+        "import torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "real = os.listdir\n"
+        "t.os.listdir = lambda p: ['nvidia0', *real(p)]\n"
+        "print(t._gpu_may_be_there(), t._cuda_available())\n"
+        "t.os.listdir = real\n"
+        "os.environ['CUDA_VISIBLE_DEVICES'] = '0'\n"
+        "print(t._gpu_may_be_there(), t._cuda_available())\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.endswith("_VISIBLE_DEVICES")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr

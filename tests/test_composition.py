@@ -35,7 +35,8 @@ def _loop(argv: list[str], run_dir: str, until: int) -> dict:
 
 @pytest.mark.parametrize("origin", ["plain", "titan"])
 def test_own_fsdp2_script_continues_an_imported_dcp_checkpoint_at_another_world_size(
-        dcp_origins: Path, tmp_path: Path, origin: str) -> None:
+    dcp_origins: Path, tmp_path: Path, origin: str
+) -> None:
     """``shardkeeper import`` of another tool's DCP checkpoint of 2 ranks, then the user's own FSDP2 loop on 3 ranks:
     steps 4-6 are the writer's own within 1e-6 (relative), the optimizer as the script made it."""
     run = tmp_path / "run"

@@ -18,9 +18,16 @@ from schemas import RunSpec
 from schemas.errors import ConfigError
 from tests.harness import make_text_rows, make_tokenizer, spawn, write_jsonl
 
-MODEL = {"vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64,
-         "tie_word_embeddings": False}
+MODEL = {
+    "vocab_size": 320,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
 CONVERSATION = [
     {"role": "system", "content": "be brief"},
     {"role": "user", "content": "where did the cat sit"},
@@ -38,9 +45,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     make_tokenizer(root / "tok", [r["text"] for r in rows] + [m["content"] for m in CONVERSATION])
     write_jsonl(root / "text" / "train.jsonl", rows[:350])
     write_jsonl(root / "text" / "validation.jsonl", rows[350:])
-    chats = [{"messages": CONVERSATION}] + [{"messages": [{"role": "user", "content": r["text"][:40]},
-                                                          {"role": "assistant", "content": r["text"][40:]}]}
-                                            for r in rows[:60]]
+    chats = [{"messages": CONVERSATION}] + [
+        {"messages": [{"role": "user", "content": r["text"][:40]}, {"role": "assistant", "content": r["text"][40:]}]}
+        for r in rows[:60]
+    ]
     write_jsonl(root / "chat.jsonl", chats)
     old = os.environ.get("SHARDKEEPER_DATA_CACHE")
     os.environ["SHARDKEEPER_DATA_CACHE"] = str(root / "cache")
@@ -52,10 +60,21 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def spec_for(world: Path, *, eval_: bool = True, **data: object) -> RunSpec:
-    raw = {"name": "data-test", "seed": 7, "global_batch_size": 4, "model": {"model_type": "llama", "config": MODEL},
-           "data": {"source": "dataset", "dataset": str(world / "text"), "tokenizer": str(world / "tok"), "seq_len": 16,
-                    **data},
-           "checkpoint": {"interval": 2}, "schedule": {"warmup_steps": 1, "total_steps": 20}}
+    raw = {
+        "name": "data-test",
+        "seed": 7,
+        "global_batch_size": 4,
+        "model": {"model_type": "llama", "config": MODEL},
+        "data": {
+            "source": "dataset",
+            "dataset": str(world / "text"),
+            "tokenizer": str(world / "tok"),
+            "seq_len": 16,
+            **data,
+        },
+        "checkpoint": {"interval": 2},
+        "schedule": {"warmup_steps": 1, "total_steps": 20},
+    }
     if eval_:
         raw["eval"] = {"interval": 2, "batches": 2, "split": "validation"}
     return RunSpec.model_validate(raw)
@@ -99,7 +118,9 @@ def test_text_tokenized_once_into_a_content_keyed_cache(world: Path, tmp_path: P
     assert "append_eos" in (data_change(first.record(), no_eos.record()) or "")
 
 
-def test_parallel_tokenization_matches_one_process(world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_parallel_tokenization_matches_one_process(
+    world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from trainer import prepare
 
     spec = spec_for(world, eval_=False)
@@ -151,7 +172,8 @@ def test_chat_mask_covers_exactly_the_assistant_turns(world: Path) -> None:
     # every other token -- system, user turns, role markers, the generation prompt -- is not a target
     assert tok.decode([i for i, m in zip(ids, mask) if not m]) == (
         "<s><|system|>be brief<|end|>\n<|user|>where did the cat sit<|end|>\n<|assistant|>"
-        "<|user|>and the rain<|end|>\n<|assistant|>")
+        "<|user|>and the rain<|end|>\n<|assistant|>"
+    )
 
     spec = spec_for(world, eval_=False, dataset=str(world / "chat.jsonl"), format="chat")
     prep = prepare_split(spec, "train", vocab_size=320)
@@ -177,35 +199,53 @@ def _bad(world: Path, tmp_path: Path, case: str) -> tuple[RunSpec, str]:
         return spec_for(world, dataset=str(tmp_path / "empty")), "validation"
     if case == "empty eval slice":
         spec = spec_for(world)
-        return (spec.model_copy(update={"eval": spec.eval.model_copy(update={"split": "validation[:0]"})}),  # type: ignore[union-attr]
-                "eval.split 'validation[:0]': selects 0 rows of")
+        return (
+            spec.model_copy(update={"eval": spec.eval.model_copy(update={"split": "validation[:0]"})}),  # type: ignore[union-attr]
+            "eval.split 'validation[:0]': selects 0 rows of",
+        )
     if case == "eval smaller than its batches":
         write_jsonl(tmp_path / "small" / "train.jsonl", make_text_rows(60))
         write_jsonl(tmp_path / "small" / "validation.jsonl", make_text_rows(1, words=20))  # < 8 samples of 16
-        return (spec_for(world, dataset=str(tmp_path / "small")),
-                "but eval.batches 2 x 4 samples need 8 (the same samples would be scored again); set eval.batch")
+        return (
+            spec_for(world, dataset=str(tmp_path / "small")),
+            "but eval.batches 2 x 4 samples need 8 (the same samples would be scored again); set eval.batch",
+        )
     if case == "unknown split":
         return spec_for(world, split="dev"), "data.split 'dev'"
     if case == "chat without assistant":
         rows = [{"messages": CONVERSATION}, {"messages": [{"role": "user", "content": "hello?"}]}]
         write_jsonl(tmp_path / "noasst.jsonl", rows)
-        return (spec_for(world, eval_=False, dataset=str(tmp_path / "noasst.jsonl"), format="chat"),
-                "line 2: a conversation without an assistant turn (roles: user)")  # 1-based, as editors count
+        return (
+            spec_for(world, eval_=False, dataset=str(tmp_path / "noasst.jsonl"), format="chat"),
+            "line 2: a conversation without an assistant turn (roles: user)",
+        )  # 1-based, as editors count
     if case == "tokenizer larger than embeddings":
         small = {**MODEL, "vocab_size": 256}
         spec = spec_for(world)
-        return (spec.model_copy(update={"model": spec.model.model_copy(update={"config": small})}),
-                "the tokenizer has 300 tokens but the model's embeddings hold 256 (model.config.vocab_size)")
+        return (
+            spec.model_copy(update={"model": spec.model.model_copy(update={"config": small})}),
+            "the tokenizer has 300 tokens but the model's embeddings hold 256 (model.config.vocab_size)",
+        )
     if case == "no such dataset":
         return spec_for(world, dataset=str(tmp_path / "nope.jsonl")), "nope.jsonl: no such file or folder"
     if case == "hub id offline":
-        return spec_for(world, eval_=False, dataset="someone/some-dataset"), \
-            "'someone/some-dataset': not a local file or folder, and the Hugging Face Hub cannot provide it"
+        return spec_for(
+            world, eval_=False, dataset="someone/some-dataset"
+        ), "'someone/some-dataset': not a local file or folder, and the Hugging Face Hub cannot provide it"
     raise AssertionError(case)
 
 
-BAD = ["missing column", "empty split", "empty eval slice", "eval smaller than its batches", "unknown split", "chat without assistant", "tokenizer larger than embeddings",
-       "no such dataset", "hub id offline"]
+BAD = [
+    "missing column",
+    "empty split",
+    "empty eval slice",
+    "eval smaller than its batches",
+    "unknown split",
+    "chat without assistant",
+    "tokenizer larger than embeddings",
+    "no such dataset",
+    "hub id offline",
+]
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -244,7 +284,9 @@ def test_the_training_data_key_does_not_cover_the_eval_split(world: Path, tmp_pa
     with open(data / "train.jsonl", "a") as f:
         f.write(json.dumps({"id": 1000, "text": "one more training row"}) + "\n")
     changed = prepare_data(spec, progress=False)
-    assert changed is not None and "the dataset's files changed" in (data_change(before.record(), changed.record()) or "")
+    assert changed is not None and "the dataset's files changed" in (
+        data_change(before.record(), changed.record()) or ""
+    )
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused(world: Path) -> None:
@@ -253,7 +295,9 @@ def test_token_ids_beyond_the_vocabulary_are_refused(world: Path) -> None:
     prep = prepare_split(spec_for(world), "train", vocab_size=320)
     # a tokenizer whose ids exceed its own length (holes in the vocabulary): the ids are checked too
     odd = prep.model_copy(update={"vocab_size": 200, "max_id": 290})
-    with pytest.raises(ConfigError, match=r"token id 290 is outside the model's vocabulary \(model.config.vocab_size 250\)"):
+    with pytest.raises(
+        ConfigError, match=r"token id 290 is outside the model's vocabulary \(model.config.vocab_size 250\)"
+    ):
         check_vocab(odd, 250, "data.tokenizer")
 
 
@@ -281,8 +325,14 @@ def _eval_on_ranks(run_spec: dict, prepared: dict) -> dict:
     out = {"two": Trainer.evaluate(SimpleNamespace(spec=spec, eval_loader=loader, env=env, model=model))}  # type: ignore[arg-type]
     if env.rank == 0:
         one_env = SimpleNamespace(rank=0, world_size=1, device=env.device, ctrl_group=alone)
-        out["one"] = Trainer.evaluate(SimpleNamespace(spec=spec, eval_loader=loader, env=one_env,  # type: ignore[arg-type]
-                                                      model=build_model(spec)))
+        out["one"] = Trainer.evaluate(
+            SimpleNamespace(
+                spec=spec,
+                eval_loader=loader,
+                env=one_env,  # type: ignore[arg-type]
+                model=build_model(spec),
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
     return out
@@ -332,8 +382,11 @@ def test_train_on_jsonl_resumes_and_refuses_changed_data(world: Path, tmp_path: 
     with open(data / "train.jsonl", "a") as f:
         f.write(json.dumps({"id": 1000, "text": "a row that was not there"}) + "\n")
     before = (run / "segments.jsonl").read_text()
-    with pytest.raises(ConfigError, match=r"step-00000006: the run was trained on other data: the dataset's files "
-                                          r"changed \(data.dataset .*text: sha256 \w+ at save, \w+ now\); resume with"):
+    with pytest.raises(
+        ConfigError,
+        match=r"step-00000006: the run was trained on other data: the dataset's files "
+        r"changed \(data.dataset .*text: sha256 \w+ at save, \w+ now\); resume with",
+    ):
         train_segment(spec, run, plan_topology(spec, 1, device="cpu"), 8)
     assert (run / "segments.jsonl").read_text() == before
 

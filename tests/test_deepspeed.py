@@ -26,12 +26,13 @@ from ckpt.validate import validate
 from schemas import RunSpec
 from shardkeeper.cli import main
 from shardkeeper.stages import convert_checkpoint, prepare_run_dir
-from tests.harness import spawn
-from tests.harness import assert_bitwise, copy_run_until, max_rel, metrics, tiny_spec
+from tests.harness import assert_bitwise, copy_run_until, max_rel, metrics, spawn, tiny_spec
 from trainer.segment import run_segment
 
 pytestmark = [
-    pytest.mark.skipif(find_spec("deepspeed") is None, reason="deepspeed is not installed (pip install -e '.[deepspeed]')"),
+    pytest.mark.skipif(
+        find_spec("deepspeed") is None, reason="deepspeed is not installed (pip install -e '.[deepspeed]')"
+    ),
     pytest.mark.slow,
 ]
 
@@ -45,7 +46,9 @@ TIMEOUT = 900  # the first launch may JIT-compile DeepSpeed's shm op
 @pytest.fixture(scope="module", autouse=True)
 def _deepspeed_env():
     mp = pytest.MonkeyPatch()
-    mp.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")))
+    mp.setenv(
+        "TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+    )
     mp.setenv("DS_ACCELERATOR", "cpu")
     yield
     mp.undo()
@@ -110,8 +113,12 @@ def fsdp_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_zero2_same_world_size_resume_is_bitwise(z2_ref: Path, tmp_path: Path) -> None:
     man = read_manifest(ckpt(z2_ref, CUT))
     assert (man.format, man.run_spec.deepspeed.zero_stage, man.topology.world_size) == ("deepspeed", 2, 2)
-    assert {f.path for f in man.files} >= {"mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
-                                           "rng_rank_00001.pt", "shardkeeper_state.json"}
+    assert {f.path for f in man.files} >= {
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "rng_rank_00001.pt",
+        "shardkeeper_state.json",
+    }
     assert all(t.dtype == "float32" for t in man.tensors) and validate(ckpt(z2_ref, CUT), deep=True).valid
     assert not list((z2_ref / "checkpoints").glob("*.py"))  # no stray DeepSpeed scripts beside the checkpoints
     run = copy_run_until(z2_ref, tmp_path / "run", CUT)
@@ -176,8 +183,11 @@ def test_zero2_async_saves_equal_sync_saves(z2_ref: Path, tmp_path: Path) -> Non
         assert [(f.path, f.size, f.xxh3_128) for f in done.files] == [(f.path, f.size, f.xxh3_128) for f in sync.files]
         for f in sync.files:
             if f.path.endswith(".pt"):
-                _same(load_file(ckpt(z2_ref, step) / f.path, DEEPSPEED_STATE),
-                      load_file(ckpt(run, step) / f.path, DEEPSPEED_STATE), f"step {step} {f.path}")
+                _same(
+                    load_file(ckpt(z2_ref, step) / f.path, DEEPSPEED_STATE),
+                    load_file(ckpt(run, step) / f.path, DEEPSPEED_STATE),
+                    f"step {step} {f.path}",
+                )
     event = [e for e in events(run) if e["id"] == f"checkpoint:step-{CUT:08d}"][0]
     assert event["data"]["async_save"] is True
 
@@ -193,7 +203,9 @@ def _stalled_segment(run: str, until: int, segment: int, stall: int, marks: str)
 
     def save_torch(path: object, obj: object) -> tuple[int, str]:
         out = real(path, obj)
-        if Path(path).parent.name == f"step-{stall:08d}.partial" and threading.current_thread().name.startswith("ckpt-commit"):
+        if Path(path).parent.name == f"step-{stall:08d}.partial" and threading.current_thread().name.startswith(
+            "ckpt-commit"
+        ):
             (Path(marks) / f"rank{os.environ['RANK']}").touch()
             time.sleep(600)
         return out
@@ -214,8 +226,11 @@ def test_sigkill_during_an_async_write_commits_nothing_and_resume_is_bitwise(z2_
     def kill_when_stalled(procs: list) -> None:
         deadline = time.time() + TIMEOUT
         while time.time() < deadline:
-            trained = max((json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()), default=0) \
-                if (run / "metrics.jsonl").exists() else 0
+            trained = (
+                max((json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()), default=0)
+                if (run / "metrics.jsonl").exists()
+                else 0
+            )
             if len(list(marks.iterdir())) == 2 and trained > stall:  # both writes stuck, training went on
                 for p in procs:
                     os.kill(p.pid, signal.SIGKILL)
@@ -237,15 +252,27 @@ def test_sigkill_during_an_async_write_commits_nothing_and_resume_is_bitwise(z2_
 
 def cli(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 def test_cli_train_at_a_new_world_size_converts_once_and_resumes_within_1e6(z2_ref: Path, tmp_path: Path) -> None:
     run = copy_run_until(z2_ref, tmp_path / "run", CUT)  # the first segment: 2 ranks, steps 0 -> CUT
     copied = len([e for e in events(run) if e["kind"] == "reshard"])  # conversions other tests made of z2_ref
-    base = ["train", "--config", TINY, "--run-dir", str(run), "--set", "backend=deepspeed",
-            "--set", "checkpoint.keep_last=100", "--set", f"checkpoint.interval={CUT}"]  # = ds_spec(2)
+    base = [
+        "train",
+        "--config",
+        TINY,
+        "--run-dir",
+        str(run),
+        "--set",
+        "backend=deepspeed",
+        "--set",
+        "checkpoint.keep_last=100",
+        "--set",
+        f"checkpoint.interval={CUT}",
+    ]  # = ds_spec(2)
     second = cli(*base, "--nproc", "3", "--until-step", str(END))  # the trainer converts by itself
     assert second.returncode == 0, second.stderr[-3000:]
     assert "[DeepSpeedDiagnostics] zero_stage=2 world_size=3" in second.stderr
@@ -271,7 +298,10 @@ def test_cli_train_at_a_new_world_size_converts_once_and_resumes_within_1e6(z2_r
 def test_backends_agree_on_uninterrupted_runs(z2_ref: Path, fsdp_ref: Path) -> None:
     rel = max_rel(metrics(fsdp_ref), metrics(z2_ref), range(1, END + 1))
     gn = max_rel(metrics(fsdp_ref), metrics(z2_ref), range(1, END + 1), key="grad_norm")
-    print(f"\nDeepSpeed ZeRO-2 vs FSDP2, 2 ranks, steps 1-{END}: max relative difference loss {rel:.2e}, grad norm {gn:.2e}")
+    print(
+        f"\nDeepSpeed ZeRO-2 vs FSDP2, 2 ranks, steps 1-{END}: "
+        f"max relative difference loss {rel:.2e}, grad norm {gn:.2e}"
+    )
     assert rel <= 1e-6 and gn <= 1e-5
 
 
@@ -312,11 +342,14 @@ def test_conversion_to_dcp_streams_the_zero_state_bit_for_bit(z2_ref: Path, tmp_
     assert data and data == sorted(p.name for p in second.glob("*.distcp"))
     assert all((first / n).read_bytes() == (second / n).read_bytes() for n in data)
     metas = [pickle.loads((d / ".metadata").read_bytes()) for d in (first, second)]  # noqa: S301 - files made here
-    assert [(m.state_dict_metadata, m.planner_data, m.storage_data) for m in metas[:1]] == \
-        [(m.state_dict_metadata, m.planner_data, m.storage_data) for m in metas[1:]]
+    assert [(m.state_dict_metadata, m.planner_data, m.storage_data) for m in metas[:1]] == [
+        (m.state_dict_metadata, m.planner_data, m.storage_data) for m in metas[1:]
+    ]
 
-    expect = {f"model.{k}": v for k, v in get_fp32_state_dict_from_zero_checkpoint(
-        str(z2_ref / "checkpoints"), tag=src.name).items()}
+    expect = {
+        f"model.{k}": v
+        for k, v in get_fp32_state_dict_from_zero_checkpoint(str(z2_ref / "checkpoints"), tag=src.name).items()
+    }
     pieces: dict[str, list[torch.Tensor]] = {}
     for rank in range(2):
         osd = torch.load(src / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=False)  # noqa: S614
@@ -408,8 +441,9 @@ def test_tied_fsdp2_checkpoint_continues_under_zero2(tied_z2_ref: Path, tied_fsd
     assert validate(ckpt(run, END), deep=True).valid and _names(ckpt(run, END)) == _names(ckpt(tied_z2_ref, END))
 
 
-def test_refused_conversion_into_a_new_run_dir_leaves_nothing(tied_fsdp_ref: Path, tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture) -> None:
+def test_refused_conversion_into_a_new_run_dir_leaves_nothing(
+    tied_fsdp_ref: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """A tied copy the manifest does not declare tied (an edited record) is refused before anything is written,
     and the run directory the conversion would have made is not left behind (status would list it)."""
     run = tmp_path / "src"
@@ -433,8 +467,9 @@ def _without_the_model_check(run: str, until: int) -> int:
     return run_segment(run, until, 0)
 
 
-def test_a_checkpoint_the_live_run_cannot_load_is_not_quarantined(tied_z2_ref: Path, tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_checkpoint_the_live_run_cannot_load_is_not_quarantined(
+    tied_z2_ref: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A valid checkpoint that does not fit the live run (here: FSDP2's model has a name the checkpoint lacks, as
     conversions wrote tied models before) fails the segment in one line and stays in place: it is not moved aside
     as if its bytes were bad, and the next segment finds it again. The model comparison refuses it before the
@@ -445,9 +480,14 @@ def test_a_checkpoint_the_live_run_cannot_load_is_not_quarantined(tied_z2_ref: P
     run = tmp_path / "fsdp"
     done = convert_checkpoint(ckpt(tied_z2_ref, CUT), "dcp", run)
     assert validate(done, deep=True).valid
-    for target, args, says in ((run_segment, (str(run), END, 0), "lm_head.weight [256, 64] float32 is in this run's "
-                                "model but not in the checkpoint"),
-                               (_without_the_model_check, (str(run), END), "does not load into this run")):
+    for target, args, says in (
+        (
+            run_segment,
+            (str(run), END, 0),
+            "lm_head.weight [256, 64] float32 is in this run's model but not in the checkpoint",
+        ),
+        (_without_the_model_check, (str(run), END), "does not load into this run"),
+    ):
         with pytest.raises(RuntimeError) as err:
             spawn(target, 2, *args, timeout=TIMEOUT)
         lines = [ln for ln in str(err.value).splitlines() if ln.startswith("rank 0:")]
@@ -493,8 +533,8 @@ def test_export_stage_on_a_zero_checkpoint_matches_zero_to_fp32(z2_ref: Path, tm
     """The export stage takes a deepspeed checkpoint like a DCP one, in one pass from the ZeRO files:
     same tensors as zero_to_fp32, bit for bit, no scratch left beside the output, the export recorded
     in the run's lineage, and the same bytes as the export of the checkpoint converted to DCP."""
-    from ckpt.formats.deepspeed_convert import to_dcp
     from ckpt.export import export_checkpoint as export_dcp
+    from ckpt.formats.deepspeed_convert import to_dcp
     from ckpt.manifest import write_manifest
 
     _export_and_compare(z2_ref, tmp_path)
@@ -517,8 +557,9 @@ def test_export_stage_on_a_zero3_checkpoint_matches_zero_to_fp32(z3_ref: Path, t
 
 
 @pytest.mark.parametrize("where", ["middle", "last"])
-def test_export_of_a_corrupted_zero_partition_is_refused(broken: Path, tmp_path: Path, where: str,
-                                                         capsys: pytest.CaptureFixture) -> None:
+def test_export_of_a_corrupted_zero_partition_is_refused(
+    broken: Path, tmp_path: Path, where: str, capsys: pytest.CaptureFixture
+) -> None:
     """A flipped bit in the fp32 master partition (same size: quick validation passes) is caught by the
     CRC-32 of its zip entry before anything is committed; one line names the file."""
     from ckpt.formats.deepspeed import ZeroShards
@@ -571,9 +612,25 @@ def test_mismatched_zero_stage_is_refused(broken: Path, tmp_path: Path, capsys: 
     assert "ZeRO stage 2 state, the manifest says stage 3" in line
     _unchanged(broken, out)
     run = broken.parent.parent  # resuming the run under another stage is refused before anything runs
-    line = error_line(capsys, ["train", "--config", TINY, "--run-dir", str(run), "--set", "backend=deepspeed",
-                               "--set", "deepspeed.zero_stage=3", "--set", "checkpoint.keep_last=100",
-                               "--set", f"checkpoint.interval={CUT}"], 2)
+    line = error_line(
+        capsys,
+        [
+            "train",
+            "--config",
+            TINY,
+            "--run-dir",
+            str(run),
+            "--set",
+            "backend=deepspeed",
+            "--set",
+            "deepspeed.zero_stage=3",
+            "--set",
+            "checkpoint.keep_last=100",
+            "--set",
+            f"checkpoint.interval={CUT}",
+        ],
+        2,
+    )
     assert "different deepspeed" in line
 
 
@@ -584,9 +641,14 @@ def test_checkpoint_of_another_model_is_refused(broken: Path, tmp_path: Path, ca
     assert "holds another model" in line and not (other / "checkpoints").exists()
     # the rank side checks the architecture too (a run.yaml edited behind the CLI's back)
     run = broken.parent.parent
-    (run / "run.yaml").write_text(json.dumps(ds_spec(2, **{"model.config.intermediate_size": 96}).model_dump(mode="json")))
-    with pytest.raises(RuntimeError, match=r"ModelMismatch: .*holds another model than this run's: model\.layers\.0\."
-                       r"mlp\.gate_proj\.weight is \[128, 64\] float32 in the checkpoint, \[96, 64\] float32 in "):
+    (run / "run.yaml").write_text(
+        json.dumps(ds_spec(2, **{"model.config.intermediate_size": 96}).model_dump(mode="json"))
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"ModelMismatch: .*holds another model than this run's: model\.layers\.0\."
+        r"mlp\.gate_proj\.weight is \[128, 64\] float32 in the checkpoint, \[96, 64\] float32 in ",
+    ):
         spawn(run_segment, 2, str(run), END, 1, timeout=TIMEOUT)
     assert not (run / "metrics.jsonl").exists()
 
@@ -608,8 +670,9 @@ def test_unsupported_optimizer_state_is_refused(broken: Path, tmp_path: Path, ca
     _unchanged(broken, out)
 
 
-def test_conversion_with_a_wrong_fingerprint_writes_nothing(broken: Path, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture) -> None:
+def test_conversion_with_a_wrong_fingerprint_writes_nothing(
+    broken: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     mpath = broken / "manifest.json"
     raw = json.loads(mpath.read_text())
     key = sorted(raw["fingerprint"]["optim"])[0]
@@ -631,9 +694,13 @@ def test_flow_runs_a_deepspeed_run_at_two_sizes_and_exports(prefect_server: obje
 
     run = tmp_path / "ds-flow"
     request = TrainExportRequest(
-        config=TINY, overrides=["backend=deepspeed", "deepspeed.zero_stage=2", f"checkpoint.interval={CUT}"],
-        run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=CUT), SegmentPlan(nproc=3, until_step=END)],
-        export_dtype="float32", publish_target=(run / "published").as_uri(), backoff_s=0,
+        config=TINY,
+        overrides=["backend=deepspeed", "deepspeed.zero_stage=2", f"checkpoint.interval={CUT}"],
+        run_dir=str(run),
+        segments=[SegmentPlan(nproc=2, until_step=CUT), SegmentPlan(nproc=3, until_step=END)],
+        export_dtype="float32",
+        publish_target=(run / "published").as_uri(),
+        backoff_s=0,
     )
     summary = train_and_export(**request.parameters())
     assert summary.status == "completed" and summary.final_step == END
@@ -646,7 +713,9 @@ def test_flow_runs_a_deepspeed_run_at_two_sizes_and_exports(prefect_server: obje
     assert {"reshard", "resume", "export", "publish"} <= set(kinds)
 
 
-def test_universal_file_with_foreign_objects_is_never_handed_to_deepspeed(broken: Path, capsys: pytest.CaptureFixture) -> None:
+def test_universal_file_with_foreign_objects_is_never_handed_to_deepspeed(
+    broken: Path, capsys: pytest.CaptureFixture
+) -> None:
     """DeepSpeed unpickles universal files without restriction: a cached universal/ folder whose file
     holds anything but tensor records (checksums made to match) stops the segment before DeepSpeed reads it."""
     import fractions

@@ -76,8 +76,12 @@ def shardkeeper_events(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def final(run_id: Any, timeout: float) -> Any:
-    return wait_until(lambda: (r := flow_run(run_id)).state is not None and r.state.is_final() and r, timeout,
-                      f"flow run {run_id} to end", period=0.25)
+    return wait_until(
+        lambda: (r := flow_run(run_id)).state is not None and r.state.is_final() and r,
+        timeout,
+        f"flow run {run_id} to end",
+        period=0.25,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -93,20 +97,51 @@ def deployed(prefect_server: Any, tmp_path_factory: pytest.TempPathFactory) -> I
     cwd = os.getcwd()
     os.chdir(base)  # relative paths resolve against the folder the user deploys from
     try:
-        assert deploy(["--config", TINY, "--run-dir", f"runs/{name}", "--segments", f"2:{UNTIL},3:{UNTIL2}",
-                       "--pool", pool, "--set", "checkpoint.interval=20",
-                       "--set", "global_batch_size=6",  # tiny.yaml says 12: a deploy-time override reaches the run
-                       "--max-preemption-retries", "0", "--backoff-s", "0", "--export-dtype", "float32",
-                       "--publish-target", (base / "published").as_uri()]) == 0
+        assert (
+            deploy(
+                [
+                    "--config",
+                    TINY,
+                    "--run-dir",
+                    f"runs/{name}",
+                    "--segments",
+                    f"2:{UNTIL},3:{UNTIL2}",
+                    "--pool",
+                    pool,
+                    "--set",
+                    "checkpoint.interval=20",
+                    "--set",
+                    "global_batch_size=6",  # tiny.yaml says 12: a deploy-time override reaches the run
+                    "--max-preemption-retries",
+                    "0",
+                    "--backoff-s",
+                    "0",
+                    "--export-dtype",
+                    "float32",
+                    "--publish-target",
+                    (base / "published").as_uri(),
+                ]
+            )
+            == 0
+        )
     finally:
         os.chdir(cwd)
-    env = {**prefect_env(Path(os.environ.get("PREFECT_HOME", base)), prefect_server.api_url),
-           "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "5",
-           "SHARDKEEPER_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    env = {
+        **prefect_env(Path(os.environ.get("PREFECT_HOME", base)), prefect_server.api_url),
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_WORKER_PREFETCH_SECONDS": "5",
+        "SHARDKEEPER_DEVICE": "cpu",
+        "OMP_NUM_THREADS": "1",
+    }
     log = open(base / "worker.log", "w")  # noqa: SIM115 - closed below
-    worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--limit", "3"],
-                              cwd=base, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--limit", "3"],
+        cwd=base,
+        env={**os.environ, **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         yield {"pool": pool, "name": name, "root": root, "run": root / name, "base": base, "log": base / "worker.log"}
     finally:
@@ -133,14 +168,18 @@ def test_bad_parameters_fail_the_flow_run_with_one_line(deployed: dict[str, Any]
     from prefect.deployments import run_deployment
 
     name, base = deployed["name"], deployed["base"]
-    bad_config = run_deployment(f"train-and-export/{name}", timeout=0,
-                                parameters={"config": "configs/nope.yaml", "run_dir": "runs/never"})
+    bad_config = run_deployment(
+        f"train-and-export/{name}", timeout=0, parameters={"config": "configs/nope.yaml", "run_dir": "runs/never"}
+    )
     bad_root = run_deployment(f"resume/{name}", timeout=0, parameters={"roots": ["/no/such/root"]})
-    bad_segments = run_deployment(f"train-and-export/{name}", timeout=0,
-                                  parameters={"segments": [{"nproc": 2}], "run_dir": "runs/never"})
-    expect = {bad_config.id: f"parameter config {base}/configs/nope.yaml: does not exist",
-              bad_root.id: "parameter roots[0] /no/such/root: does not exist",
-              bad_segments.id: "segments.0.until_step"}
+    bad_segments = run_deployment(
+        f"train-and-export/{name}", timeout=0, parameters={"segments": [{"nproc": 2}], "run_dir": "runs/never"}
+    )
+    expect = {
+        bad_config.id: f"parameter config {base}/configs/nope.yaml: does not exist",
+        bad_root.id: "parameter roots[0] /no/such/root: does not exist",
+        bad_segments.id: "segments.0.until_step",
+    }
     for run_id, fragment in expect.items():
         state = final(run_id, 180).state
         assert state.is_failed(), state
@@ -149,10 +188,11 @@ def test_bad_parameters_fail_the_flow_run_with_one_line(deployed: dict[str, Any]
 
 
 def test_preemption_hands_the_plan_to_the_automation_which_finishes_it(deployed: dict[str, Any]) -> None:
+    from prefect.deployments import run_deployment
+
     from ckpt.lineage import read_events
     from ckpt.plan import read_plan
     from flows.resume import resume
-    from prefect.deployments import run_deployment
 
     name, run = deployed["name"], deployed["run"]
     train = run_deployment(f"train-and-export/{name}", timeout=0)
@@ -166,11 +206,19 @@ def test_preemption_hands_the_plan_to_the_automation_which_finishes_it(deployed:
     assert "preempted 1 time" in ended.state.message and "handed over" in ended.state.message, ended.state.message
     assert "0 of 2 segments done; export, publish to come" in ended.state.message
     assert ended.name == f"{name} → step {UNTIL2} on 2,3 ranks"
-    resumed = wait_until(lambda: [r for r in runs_of(f"resume/{name}") if r.parameters.get("run_dirs") == [str(run)]],
-                         120, "the automation's resume flow run", period=0.25)[0]
+    resumed = wait_until(
+        lambda: [r for r in runs_of(f"resume/{name}") if r.parameters.get("run_dirs") == [str(run)]],
+        120,
+        "the automation's resume flow run",
+        period=0.25,
+    )[0]
     # A second resumer racing the automation (the schedule, a person): "already running", and no failure.
-    wait_until(lambda: (p := read_plan(run)) is not None and p.driver is not None and p.driver.kind == "automation",
-               120, "the automation to take the plan over", period=0.25)
+    wait_until(
+        lambda: (p := read_plan(run)) is not None and p.driver is not None and p.driver.kind == "automation",
+        120,
+        "the automation to take the plan over",
+        period=0.25,
+    )
     (racing,) = resume(run_dirs=[str(run)], backoff_s=0).items
     assert racing.action == "skipped-locked" and "already running" in racing.reason and "automation" in racing.reason
     done = final(resumed.id, 300)
@@ -186,8 +234,11 @@ def test_preemption_hands_the_plan_to_the_automation_which_finishes_it(deployed:
     assert plan.exported.by == plan.published.by == automation and plan.exported.step == UNTIL2
     # where each segment ran: the preempted one resumed at its own 2 ranks, the plan's next one at 3
     starts = [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines() if '"start"' in x]
-    assert [(r["world_size"], r["until_step"], r["by"].split(" ")[0]) for r in starts] == \
-        [(2, UNTIL, "train-and-export"), (2, UNTIL, "automation"), (3, UNTIL2, "automation")]
+    assert [(r["world_size"], r["until_step"], r["by"].split(" ")[0]) for r in starts] == [
+        (2, UNTIL, "train-and-export"),
+        (2, UNTIL, "automation"),
+        (3, UNTIL2, "automation"),
+    ]
     events = read_events(run)
     assert [e.data["by"] for e in events if e.kind == "segment"][1:] == [automation.line()] * 2  # who resumed
     assert [e.kind for e in events].count("export") == 1 and [e.kind for e in events].count("publish") == 1
@@ -219,8 +270,21 @@ def test_deploy_takes_a_script_without_a_config(tmp_path: Path) -> None:
     and its arguments in order; the resume deployment needs neither (the run remembers its script)."""
     from infra.deploy import _parse, requests
 
-    train, resume = requests(_parse(["--script", "examples/fsdp2_loop.py", "--script-arg=--lr", "--script-arg",
-                                     "1e-3", "--run-dir", str(tmp_path / "own"), "--segments", "2:10"]))
+    train, resume = requests(
+        _parse(
+            [
+                "--script",
+                "examples/fsdp2_loop.py",
+                "--script-arg=--lr",
+                "--script-arg",
+                "1e-3",
+                "--run-dir",
+                str(tmp_path / "own"),
+                "--segments",
+                "2:10",
+            ]
+        )
+    )
     params = train.parameters()
     assert "config" not in params and params["script"] == str(Path.cwd() / "examples" / "fsdp2_loop.py")
     assert params["script_args"] == ["--lr", "1e-3"] and resume.nproc is None  # the run's own world size

@@ -40,7 +40,8 @@ def test_save_torch_writes_torch_save_bytes_and_their_digest(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "straight_to_tmpfs"])
 def test_a_file_already_there_is_overwritten_to_exactly_the_new_bytes_and_a_symlink_is_refused(
-        tmp_path: Path, direct: bool) -> None:
+    tmp_path: Path, direct: bool
+) -> None:
     """A longer file at the path ends with exactly the new bytes; a symlink at the path is refused and its target
     untouched.
     ``direct=False`` (the memory tier's tmpfs) writes straight from the caller's bytes, no staging buffers."""
@@ -60,8 +61,9 @@ def test_a_file_already_there_is_overwritten_to_exactly_the_new_bytes_and_a_syml
     assert e.value.errno == errno.ELOOP and target.read_bytes() == b"precious"
 
 
-def test_a_refused_direct_write_falls_back_to_buffered_with_the_same_bytes(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_refused_direct_write_falls_back_to_buffered_with_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_pwrite, refused = os.pwrite, []
 
     def pwrite(fd: int, data: object, at: int) -> int:  # the staged buffers are written positionally
@@ -72,6 +74,7 @@ def test_a_refused_direct_write_falls_back_to_buffered_with_the_same_bytes(tmp_p
 
     def fcntl_direct(fd: int) -> bool:
         import fcntl
+
         return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
 
     monkeypatch.setattr(dio.os, "pwrite", pwrite)
@@ -100,8 +103,9 @@ def test_a_short_file_is_truncated_to_its_real_length(tmp_path: Path) -> None:
     assert hash_file(tmp_path / "s.json") == (size, digest)
 
 
-def test_a_write_failing_in_the_background_fails_the_file_and_leaks_nothing(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_write_failing_in_the_background_fails_the_file_and_leaks_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A full buffer is written by a pool thread while the next ones fill: its ENOSPC still fails the file."""
     real_pwrite, calls = os.pwrite, []
 
@@ -184,7 +188,9 @@ def test_a_retired_snapshots_file_is_taken_over_in_place_and_ends_with_exactly_t
     (reuse / "__1_1.distcp").write_bytes(b"x" * 100)
     size, digest = _take_over_write(partial, reuse, "__1_1.distcp", obj)
     assert (partial / "__1_1.distcp").read_bytes() == _dcp_bytes(obj) and hash_file(partial / "__1_1.distcp") == (
-        size, digest)
+        size,
+        digest,
+    )
 
 
 def test_a_recycle_dir_never_gets_a_write_through_a_symlink_a_hard_link_or_into_a_non_data_file(tmp_path: Path) -> None:
@@ -213,8 +219,9 @@ def test_a_recycle_dir_never_gets_a_write_through_a_symlink_a_hard_link_or_into_
     assert (partial / ".metadata.tmp").stat().st_ino != meta_ino  # never taken over: not a data file
 
 
-def test_a_fifo_swapped_into_the_recycle_dir_is_refused_not_waited_on(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fifo_swapped_into_the_recycle_dir_is_refused_not_waited_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Racing as the same user, a FIFO replaces the retired file between its check and the move: the take-over does
     not block in open() (the save and training would wait for good); the file is created fresh instead."""
     import threading
@@ -245,7 +252,8 @@ def test_a_fifo_swapped_into_the_recycle_dir_is_refused_not_waited_on(tmp_path: 
 
 
 def test_einval_on_two_o_direct_writes_in_flight_falls_back_once_with_the_same_bytes(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Both buffers' writes in flight are refused (EINVAL) under O_DIRECT; the first switches the file to buffered,
     the second, refused as a direct write too, retries buffered instead of failing the file."""
     import fcntl

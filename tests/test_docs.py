@@ -17,15 +17,16 @@ Python examples are included from the files the tests run (``--8<-- "examples/fs
 
 from __future__ import annotations
 
+import ast
 import functools
 import html
 import http.server
 import os
 import re
 import shutil
-import threading
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,15 +36,22 @@ DOCS = ROOT / "docs"
 FENCE = re.compile(r"^```(bash|sh|shell|console)\s*$")
 NOTE = re.compile(r"^<!--\s*(ran-by|not-run):\s*(.+?)\s*-->$")
 
-pytestmark = pytest.mark.skipif(shutil.which("mkdocs", path=str(Path(sys.executable).parent)) is None
-                                and shutil.which("mkdocs") is None, reason="mkdocs not installed (the dev extra has it)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("mkdocs", path=str(Path(sys.executable).parent)) is None and shutil.which("mkdocs") is None,
+    reason="mkdocs not installed (the dev extra has it)",
+)
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stderr[-6000:]}"
     return out
 
@@ -107,7 +115,9 @@ def test_every_public_api_symbol_is_in_the_reference(site: Path) -> None:
 
     raw = (site / "reference/api/index.html").read_text(encoding="utf-8")
     # each symbol rendered by mkdocstrings under its real path (the anchor id is the object's module.qualname)
-    paths = {s: f"{getattr(shardkeeper, s).__module__}.{getattr(shardkeeper, s).__qualname__}" for s in shardkeeper.__all__}
+    paths = {
+        s: f"{getattr(shardkeeper, s).__module__}.{getattr(shardkeeper, s).__qualname__}" for s in shardkeeper.__all__
+    }
     missing = [f"{s} ({path})" for s, path in paths.items() if f'id="{path}"' not in raw]
     assert not missing, f"shardkeeper.__all__ symbols not rendered in reference/api (add a ::: entry): {missing}"
     # rendered by mkdocstrings from the docstrings, not written by hand
@@ -118,8 +128,9 @@ def test_every_benchmark_table_is_included_with_its_provenance(site: Path) -> No
     included = {m for p in DOCS.rglob("*.md") for m in re.findall(r'--8<-- "bench/results/([^"]+)\.md"', p.read_text())}
     results = sorted(p.stem for p in (ROOT / "bench/results").glob("*.md"))
     assert sorted(included) == results, "every bench/results/*.md is included by exactly the benchmark pages"
-    built = " ".join(text_of(site, f"benchmarks/{p.stem}") for p in (site / "benchmarks").iterdir()
-                     if (p / "index.html").is_file())
+    built = " ".join(
+        text_of(site, f"benchmarks/{p.stem}") for p in (site / "benchmarks").iterdir() if (p / "index.html").is_file()
+    )
     for name in results:
         first = (ROOT / "bench/results" / f"{name}.md").read_text().lstrip().splitlines()[0]
         m = re.match(r"_Measured (.{10,40}?) on ", first)
@@ -140,7 +151,9 @@ def shell_blocks() -> list[tuple[Path, int, str | None, str | None, str]]:
                     j += 1
                 above = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
                 m = NOTE.match(above)
-                out.append((page.relative_to(ROOT), i + 1, m and m.group(1), m and m.group(2), "\n".join(lines[i + 1:j])))
+                out.append(
+                    (page.relative_to(ROOT), i + 1, m and m.group(1), m and m.group(2), "\n".join(lines[i + 1 : j]))
+                )
                 i = j
             i += 1
     return out
@@ -161,15 +174,21 @@ def test_every_shell_block_says_who_runs_it() -> None:
     blocks = shell_blocks()
     assert blocks
     unannotated = [f"{p}:{n}" for p, n, kind, _, _ in blocks if kind is None]
-    assert not unannotated, ("shell blocks without <!-- ran-by: tests/FILE --> or <!-- not-run: REASON --> right "
-                             f"above them: {unannotated}")
+    assert not unannotated, (
+        f"shell blocks without <!-- ran-by: tests/FILE --> or <!-- not-run: REASON --> right above them: {unannotated}"
+    )
     not_found = []
     for page, line, kind, note, block in blocks:
         if kind != "ran-by":
             continue
         source = ROOT / note
         assert source.is_file() and source.parts[-2] == "tests", f"{page}:{line}: ran-by names no test file: {note}"
-        text = " ".join(source.read_text(encoding="utf-8").split())
+        code = source.read_text(encoding="utf-8")
+        # the file's text and its string constants (a command split over lines as implicitly joined pieces)
+        strings = [
+            n.value for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+        ]
+        text = " ".join(" ".join([code, *strings]).split())
         not_found += [f"{page}:{line}: {c}" for c in commands(block) if c not in text]
     assert not not_found, f"commands of ran-by blocks that their test does not run verbatim: {not_found}"
     print("\nshell blocks no test runs as written:")
@@ -179,6 +198,7 @@ def test_every_shell_block_says_who_runs_it() -> None:
 
 
 # --- facts the README and the docs state, checked against where they come from -----------------------------------
+
 
 def readme() -> str:
     return (ROOT / "README.md").read_text(encoding="utf-8")
@@ -192,7 +212,8 @@ def test_readme_exit_codes_are_the_documented_ones() -> None:
     stated = {int(n) for n in re.findall(r"(?<![\w.-])(\d{1,3})(?= |\*\*| \()", para.group(1).replace("**", " "))}
     assert stated == set(documented_exit_codes()), (
         f"README.md's exit codes {sorted(stated)} != schemas.seam.documented_exit_codes() "
-        f"{sorted(documented_exit_codes())}")
+        f"{sorted(documented_exit_codes())}"
+    )
 
 
 def test_readme_cli_table_lists_every_command() -> None:
@@ -200,13 +221,13 @@ def test_readme_cli_table_lists_every_command() -> None:
 
     from shardkeeper.cli import app
 
-    rows = [line for line in readme().split("## CLI", 1)[1].split("\n## ", 1)[0].splitlines()
-            if line.startswith("| `")]
+    rows = [line for line in readme().split("## CLI", 1)[1].split("\n## ", 1)[0].splitlines() if line.startswith("| `")]
     command = re.compile(r"`(?:shardkeeper )?([a-z][a-z-]*)[ `]")
     stated = {m.group(1) for row in rows for m in command.finditer(row.split(" | ")[0])}
     commands = set(typer.main.get_command(app).commands)
-    assert stated == commands, (f"README.md's CLI table: missing {sorted(commands - stated)}, "
-                                f"unknown {sorted(stated - commands)}")
+    assert stated == commands, (
+        f"README.md's CLI table: missing {sorted(commands - stated)}, unknown {sorted(stated - commands)}"
+    )
 
 
 def test_make_bench_time_is_one_figure() -> None:
@@ -251,14 +272,36 @@ def test_on_disk_layout_blocks_name_what_the_code_writes(tmp_path: Path) -> None
     rd = RunDir.at(tmp_path)
     invalid = f"{step_dir_name(30)}.invalid-1795465103"
     assert INVALID_RE.match(invalid)
-    paths = [rd.spec_path, rd.checkpoint(20), rd.partial(25), rd.checkpoints / invalid, rd.verified_record(20),
-             rd.metrics, rd.segments, rd.lineage, rd.exports / step_dir_name(20)]
-    core = {re.sub(r"invalid-\d+", "invalid-T", re.sub(r"step-\d{8}", "step-N", p.relative_to(rd.root).as_posix()))
-            + ("/" if p.suffix not in (".yaml", ".json", ".jsonl") else "") for p in paths}
-    more = {rd.lock_path.name, rd.ranks_lock_path.name, LAUNCH_FILE, REPORT_FILE, f"{PINS_DIR}/upload.json,",
-            # the run's id and memory dirs (ckpt.memtier), a --restart and the dashboard's mirror (named in ckpt/, tasks/)
-            ID_NAME, DIRS_NAME, "metrics.before-restart-3.jsonl", "lineage.png,",
-            PLAN_NAME, PLAN_LOCK_NAME}  # a train-and-export flow's plan and its lock (ckpt.plan)
+    paths = [
+        rd.spec_path,
+        rd.checkpoint(20),
+        rd.partial(25),
+        rd.checkpoints / invalid,
+        rd.verified_record(20),
+        rd.metrics,
+        rd.segments,
+        rd.lineage,
+        rd.exports / step_dir_name(20),
+    ]
+    core = {
+        re.sub(r"invalid-\d+", "invalid-T", re.sub(r"step-\d{8}", "step-N", p.relative_to(rd.root).as_posix()))
+        + ("/" if p.suffix not in (".yaml", ".json", ".jsonl") else "")
+        for p in paths
+    }
+    more = {
+        rd.lock_path.name,
+        rd.ranks_lock_path.name,
+        LAUNCH_FILE,
+        REPORT_FILE,
+        f"{PINS_DIR}/upload.json,",
+        # the run's id and memory dirs (ckpt.memtier), a --restart and the dashboard's mirror (named in ckpt/, tasks/)
+        ID_NAME,
+        DIRS_NAME,
+        "metrics.before-restart-3.jsonl",
+        "lineage.png,",
+        PLAN_NAME,
+        PLAN_LOCK_NAME,
+    }  # a train-and-export flow's plan and its lock (ckpt.plan)
     for source, needs_all in ((ROOT / "README.md", False), (DOCS / "reference/on-disk.md", True)):
         names = layout_block(source.read_text(encoding="utf-8"))
         unknown = sorted(set(names) - core - more)
@@ -274,7 +317,7 @@ def test_on_disk_layout_blocks_name_what_the_code_writes(tmp_path: Path) -> None
 CONCEPT_WORDS = 800
 # Pages still to be trimmed to the limit: each must still be over it (remove it from here once it fits, and the test
 # holds it to the limit).
-CONCEPT_WORDS_PENDING = {"memory-tier.md"}
+CONCEPT_WORDS_PENDING: set[str] = set()
 
 
 def visible_words(markdown: str) -> int:
@@ -315,8 +358,9 @@ def test_the_pipeline_diagram_is_one() -> None:
 
 
 MACHINE_PATH = re.compile(r"(?<![\w.])(/work/|/home/|/tmp/|/root/|/Users/)\S*|\.venv/bin/")
-ENVIRONMENT_REMARK = re.compile(r"this project'?s? machines?|on this VM|(?:can ?not|nothing can) be downloaded here",
-                                re.I)
+ENVIRONMENT_REMARK = re.compile(
+    r"this project'?s? machines?|on this VM|(?:can ?not|nothing can) be downloaded here", re.I
+)
 
 
 def test_published_text_names_no_machine() -> None:
@@ -326,14 +370,17 @@ def test_published_text_names_no_machine() -> None:
         for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
             for m in (*MACHINE_PATH.finditer(line), *ENVIRONMENT_REMARK.finditer(line)):
                 found.append(f"{page.relative_to(ROOT)}:{n}: {m.group(0)}")
-    assert not found, ("published text names a machine's paths or talks about the machine it was written on "
-                       f"(a bench prints commands through benchlib.command_line): {found}")
+    assert not found, (
+        "published text names a machine's paths or talks about the machine it was written on "
+        f"(a bench prints commands through benchlib.command_line): {found}"
+    )
 
 
 def test_every_plot_is_shown_and_every_shown_plot_exists() -> None:
     pngs = {p.name for p in (ROOT / "bench/results").glob("*.png")}
-    shown = {m for p in (DOCS / "benchmarks").glob("*.md")
-             for m in re.findall(r"\]\(plots/([^)]+\.png)\)", p.read_text())}
+    shown = {
+        m for p in (DOCS / "benchmarks").glob("*.md") for m in re.findall(r"\]\(plots/([^)]+\.png)\)", p.read_text())
+    }
     assert pngs, "no plots in bench/results"
     assert shown <= pngs, f"benchmark pages show plots no bench drew: {sorted(shown - pngs)}"
     assert pngs <= shown, f"plots drawn by a bench but shown on no benchmark page: {sorted(pngs - shown)}"
@@ -344,8 +391,11 @@ def test_every_page_has_one_title() -> None:
         text = page.read_text(encoding="utf-8")
         return text.split("\n---\n", 1)[1].lstrip("\n") if text.startswith("---\n") else text
 
-    untitled = [str(p.relative_to(ROOT)) for p in DOCS.rglob("*.md") if "snippets" not in p.parts
-                and not body(p).startswith("# ")]
+    untitled = [
+        str(p.relative_to(ROOT))
+        for p in DOCS.rglob("*.md")
+        if "snippets" not in p.parts and not body(p).startswith("# ")
+    ]
     assert not untitled, f"pages without a '# Title' first line: {untitled}"
 
 
@@ -359,11 +409,18 @@ SHOTS = {
     "concept-diagram": ("concepts/commit-protocol/", ".mermaid"),
     "benchmark-plot": ("benchmarks/checkpoint/", 'img[src$="plots/goodput.png"]'),
 }
-DIAGRAM_PAGES = ["", "concepts/architecture/", "concepts/commit-protocol/", "concepts/resharding/",
-                 "concepts/memory-tier/"]
+DIAGRAM_PAGES = [
+    "",
+    "concepts/architecture/",
+    "concepts/commit-protocol/",
+    "concepts/resharding/",
+    "concepts/memory-tier/",
+]
 # Material draws each diagram into a closed shadow root; opened here so that the test can look inside.
-OPEN_SHADOW_ROOTS = ("const attach = Element.prototype.attachShadow; Element.prototype.attachShadow = "
-                     "function (init) { return attach.call(this, {...init, mode: 'open'}); };")
+OPEN_SHADOW_ROOTS = (
+    "const attach = Element.prototype.attachShadow; Element.prototype.attachShadow = "
+    "function (init) { return attach.call(this, {...init, mode: 'open'}); };"
+)
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -380,8 +437,10 @@ def _browser_available() -> bool:
 
 
 @pytest.mark.browser
-@pytest.mark.skipif(not _browser_available(),
-                    reason="headless Chromium (apt-get install chromium) and playwright needed")
+@pytest.mark.browser
+@pytest.mark.skipif(
+    not _browser_available(), reason="headless Chromium (apt-get install chromium) and playwright needed"
+)
 def test_the_site_in_a_browser(site: Path, tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 
@@ -415,15 +474,19 @@ def test_the_site_in_a_browser(site: Path, tmp_path: Path) -> None:
                 page.wait_for_function(  # every diagram drawn: an svg with text in it
                     "() => [...document.querySelectorAll('.mermaid')].every(d => d.shadowRoot && "
                     "d.shadowRoot.querySelector('svg') && d.shadowRoot.querySelector('svg').textContent.trim())",
-                    timeout=20_000)
-                broken = page.evaluate("() => [...document.images].filter(i => !i.complete || i.naturalWidth === 0)"
-                                       ".map(i => i.getAttribute('src'))")
+                    timeout=20_000,
+                )
+                broken = page.evaluate(
+                    "() => [...document.images].filter(i => !i.complete || i.naturalWidth === 0)"
+                    ".map(i => i.getAttribute('src'))"
+                )
                 assert not broken, f"/{path}: images that did not load: {broken}"
             for name, (path, target) in SHOTS.items():
                 page.goto(base + path, wait_until="networkidle")
                 if target:
                     page.locator(target).first.evaluate(
-                        "e => window.scrollTo(0, e.getBoundingClientRect().top + window.scrollY - 140)")
+                        "e => window.scrollTo(0, e.getBoundingClientRect().top + window.scrollY - 140)"
+                    )
                     if target.startswith("img"):
                         width = page.locator(target).first.evaluate("i => i.naturalWidth")
                         assert width > 0, f"{name}: plot not loaded"

@@ -18,12 +18,12 @@ import yaml
 from safetensors import safe_open
 
 from ckpt import export as ex
-from ckpt.formats.dcp import DCPTensorReader, read_metadata
-from schemas.errors import CheckpointError, ExportError
 from ckpt.export import export_checkpoint
+from ckpt.formats.dcp import DCPTensorReader, read_metadata
 from ckpt.hashing import hash_file
 from ckpt.manifest import read_manifest, write_manifest
 from schemas import FileEntry, RunSpec, TensorEntry
+from schemas.errors import CheckpointError, ExportError
 from tests.harness import spawn
 from trainer.segment import run_segment
 
@@ -92,8 +92,12 @@ def test_round_trip_logits(ckpt: Path, fp32_export) -> None:
     from transformers import AutoModelForCausalLM
 
     out, res = fp32_export
-    assert res.num_shards == 1 and sorted(res.files) == ["README.md", "config.json", "generation_config.json",
-                                                         "model.safetensors"]
+    assert res.num_shards == 1 and sorted(res.files) == [
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
     assert {name: sha256(out / name) for name in res.files} == res.files
     names = set(tensors_of(out))
     assert not any("exp_avg" in n or n.startswith(("optim", "model.model.")) for n in names)
@@ -159,8 +163,9 @@ def test_byte_reproducible(ckpt: Path, fp32_export, tmp_path: Path) -> None:
     assert a.files == b.files and a.num_shards > 1
 
 
-def test_assembled_path_matches_streamed(ckpt: Path, fp32_export, tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_assembled_path_matches_streamed(
+    ckpt: Path, fp32_export, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Chunk layouts that are not row blocks are assembled per tensor: the bytes must be the same."""
     _, res = fp32_export
     monkeypatch.setattr(ex.ExportTensor, "rowwise", lambda self: False)
@@ -168,8 +173,16 @@ def test_assembled_path_matches_streamed(ckpt: Path, fp32_export, tmp_path: Path
 
 
 # ------------------------------------------------------------------------------ tied, prefixed, strided
-def synthetic_checkpoint(base: Path, dest: Path, *, tie: bool, lm_head_equal: bool = True,
-                         extra: bool = False, inventory_ok: bool = True, record: bool = False) -> tuple[Path, dict]:
+def synthetic_checkpoint(
+    base: Path,
+    dest: Path,
+    *,
+    tie: bool,
+    lm_head_equal: bool = True,
+    extra: bool = False,
+    inventory_ok: bool = True,
+    record: bool = False,
+) -> tuple[Path, dict]:
     """A single-process DCP checkpoint of a tied-embedding model whose keys carry torch.compile / DDP
     prefixes and one weight stored column-major, with a manifest adapted from ``base``; with ``record``
     its manifest holds the model's hf_model record (the export needs no transformers), else none."""
@@ -194,14 +207,30 @@ def synthetic_checkpoint(base: Path, dest: Path, *, tie: bool, lm_head_equal: bo
     # DDP's "module." in front of everything, torch.compile's "_orig_mod." inside each block
     keyed = {"module." + re.sub(r"(layers\.\d+\.)", r"\1_orig_mod.", k): v for k, v in sd.items()}
     dcp.save({"model": keyed, "trainer": {"step": torch.tensor(1)}}, checkpoint_id=dest)
-    files = [FileEntry(path=p.name, size=hash_file(p)[0], xxh3_128=hash_file(p)[1]) for p in sorted(dest.iterdir())
-             if p.is_file()]
-    inventory = [TensorEntry(name=f"model.{k}", shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
-                 for k, v in sorted(keyed.items())][: None if inventory_ok else -1]
+    files = [
+        FileEntry(path=p.name, size=hash_file(p)[0], xxh3_128=hash_file(p)[1])
+        for p in sorted(dest.iterdir())
+        if p.is_file()
+    ]
+    inventory = [
+        TensorEntry(name=f"model.{k}", shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
+        for k, v in sorted(keyed.items())
+    ][: None if inventory_ok else -1]
     spec = manifest.run_spec.model_copy(update={"model": manifest.run_spec.model.model_copy(update={"config": config})})
     one_rank = manifest.topology.model_copy(update={"nodes": 1, "procs_per_node": 1})  # one process saved it
-    write_manifest(dest, manifest.model_copy(update={"step": 1, "topology": one_rank, "files": files, "run_spec": spec, "tensors": inventory,
-                                                     "hf_model": hf_model}))
+    write_manifest(
+        dest,
+        manifest.model_copy(
+            update={
+                "step": 1,
+                "topology": one_rank,
+                "files": files,
+                "run_spec": spec,
+                "tensors": inventory,
+                "hf_model": hf_model,
+            }
+        ),
+    )
     return dest, sd
 
 
@@ -278,8 +307,9 @@ def test_recorded_config_json_is_the_transformers_one(ckpt: Path, dtype: str) ->
     assert (recorded.architecture, recorded.tied) == (built.architecture, built.tied)
 
 
-def test_export_without_a_record_uses_transformers_and_writes_the_same_bytes(ckpt: Path, fp32_export,
-                                                                             tmp_path: Path) -> None:
+def test_export_without_a_record_uses_transformers_and_writes_the_same_bytes(
+    ckpt: Path, fp32_export, tmp_path: Path
+) -> None:
     _, res = fp32_export
     old = without_record(ckpt, tmp_path / STEP_DIR)
     assert read_manifest(old).hf_model is None
@@ -303,17 +333,25 @@ def test_export_with_a_record_does_not_import_transformers(ckpt: Path, fp32_expo
         "b = export_checkpoint(sys.argv[3], sys.argv[4], dtype='bfloat16').files\n"
         "print(json.dumps({'a': a, 'before': before, 'after': 'transformers' in sys.modules}))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script, str(ckpt), str(tmp_path / "recorded"), str(old),
-                           str(tmp_path / "old")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(ckpt), str(tmp_path / "recorded"), str(old), str(tmp_path / "old")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"a": res.files, "before": False, "after": True}
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("architectures", None, "hf_model.config.architectures is None"),
-    ("model_type", "gpt2", "hf_model.config.model_type is 'gpt2' but run_spec.model.model_type is 'llama'"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("architectures", None, "hf_model.config.architectures is None"),
+        ("model_type", "gpt2", "hf_model.config.model_type is 'gpt2' but run_spec.model.model_type is 'llama'"),
+    ],
+)
 def test_inconsistent_record_is_refused(ckpt: Path, tmp_path: Path, field: str, value: object, message: str) -> None:
     src = copy_ckpt(ckpt, tmp_path / STEP_DIR)
     manifest = read_manifest(src)
@@ -347,8 +385,9 @@ def _model_chunk(src: Path) -> tuple[Path, int, int]:
     return src / info.relative_path, info.offset, info.length
 
 
-@pytest.mark.parametrize("where, message", [("data", "checksum mismatch against the manifest"),
-                                            ("record", "not a readable tensor record")])
+@pytest.mark.parametrize(
+    "where, message", [("data", "checksum mismatch against the manifest"), ("record", "not a readable tensor record")]
+)
 def test_refuses_corrupted_shard(ckpt: Path, tmp_path: Path, where: str, message: str) -> None:
     """A flipped model byte is refused before the commit: the save recorded no CRC-32 for it (torch's CRC is off
     for shardkeeper's DCP saves), so the export checks the file against the manifest's xxh3-128."""
@@ -410,6 +449,7 @@ def test_stream_crc_reads_gaps_and_rechecks_out_of_order(tmp_path: Path) -> None
     pool = ex.BufferPool(1, 4096)
     fd = os.open(path, os.O_RDONLY)
     try:
+
         def run(pieces: list[tuple[int, int]], crc: int = zlib.crc32(data)) -> None:
             entry = ex.Entry(path, fd, 4, len(data), crc, "storage 0 (a partition)")
             check = ex.StreamCrc([entry])
@@ -430,8 +470,9 @@ def test_stream_crc_reads_gaps_and_rechecks_out_of_order(tmp_path: Path) -> None
         os.close(fd)
 
 
-def test_export_stage_with_a_relative_out_dir_records_an_absolute_uri(ckpt: Path, fp32_export, tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_export_stage_with_a_relative_out_dir_records_an_absolute_uri(
+    ckpt: Path, fp32_export, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`shardkeeper export CKPT exports/x` from the run directory: same bytes, lineage URI absolute."""
     from ckpt.lineage import read_events
     from shardkeeper.stages import export_and_record as export_stage
@@ -450,7 +491,8 @@ def test_export_stage_with_a_relative_out_dir_records_an_absolute_uri(ckpt: Path
 
 @pytest.mark.parametrize("deep", [False, True], ids=["quick", "deep"])
 def test_an_export_of_a_memory_snapshot_recycled_while_read_fails_as_retired(
-        ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deep: bool) -> None:
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deep: bool
+) -> None:
     """The older of two memory snapshots is exported while training runs: its files are opened and hashed (quick)
     or validated (deep), then the next snapshot recycles it and overwrites its files in place (one model byte
     differs, the layout is the same). The export must not commit the next snapshot's bytes under this step: it

@@ -57,9 +57,14 @@ def run_flow(request: TrainExportRequest) -> tuple[TrainExportSummary, Any]:
 def e2e(prefect_server: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainExportSummary, Any, Path]:
     run = tmp_path_factory.mktemp("flows") / "e2e"
     request = TrainExportRequest(
-        config=TINY, overrides=["checkpoint.keep_last=10"], run_dir=str(run),
+        config=TINY,
+        overrides=["checkpoint.keep_last=10"],
+        run_dir=str(run),
         segments=[SegmentPlan(nproc=2, until_step=4), SegmentPlan(nproc=3, until_step=8)],
-        export_dtype="bfloat16", max_shard_size="100KB", publish_target=(run / "published").as_uri(), backoff_s=0,
+        export_dtype="bfloat16",
+        max_shard_size="100KB",
+        publish_target=(run / "published").as_uri(),
+        backoff_s=0,
     )
     summary, flow_run_id = run_flow(request)
     return summary, flow_run_id, run
@@ -72,7 +77,9 @@ def test_train_and_export_completes(e2e: tuple[TrainExportSummary, Any, Path]) -
     first, second = summary.segments
     assert first.reshard is None and [a.status for a in first.attempts] == ["completed"]
     assert second.reshard is not None and (second.reshard.from_world_size, second.reshard.to_world_size) == (2, 3)
-    assert [(a.status, a.start_step, a.end_step, a.topology.world_size) for a in second.attempts] == [("completed", 4, 8, 3)]
+    assert [(a.status, a.start_step, a.end_step, a.topology.world_size) for a in second.attempts] == [
+        ("completed", 4, 8, 3)
+    ]
     assert summary.export.dtype == "bfloat16" and summary.export.num_shards > 1  # 100KB shards
 
 
@@ -145,7 +152,11 @@ def test_lineage_artifacts_in_prefect(e2e: tuple[TrainExportSummary, Any, Path])
     assert {row["id"] for row in table} >= {"resume:segment-1", "checkpoint:step-00000008"}
     assert arts[keys.table_key].type == "table"
     graph = arts[keys.graph_key].data
-    assert "data:image/png;base64," in graph and "## Checkpoints now" in graph and "| 8 | storage | 3 | dcp | end |" in graph
+    assert (
+        "data:image/png;base64," in graph
+        and "## Checkpoints now" in graph
+        and "| 8 | storage | 3 | dcp | end |" in graph
+    )
     now = json.loads(arts[keys.checkpoints_key].data)
     assert now[-1]["step"] == 8 and now[-1]["exported"].startswith("bfloat16") and now[-1]["published"]
     loss = arts[keys.loss_key].data
@@ -179,8 +190,13 @@ def test_assets_are_declared(e2e: tuple[TrainExportSummary, Any, Path], prefect_
     summary, _, run = e2e
     wanted = {Path(summary.export.out_dir).resolve().as_uri(), (run.resolve() / "published" / "step-00000008").as_uri()}
     # this run's assets only (the server is shared by the session's tests)
-    body = {"filter": {"event": {"prefix": ["prefect.asset.materialization."]},
-                       "resource": {"id_prefix": [run.resolve().as_uri()]}}, "limit": 50}
+    body = {
+        "filter": {
+            "event": {"prefix": ["prefect.asset.materialization."]},
+            "resource": {"id_prefix": [run.resolve().as_uri()]},
+        },
+        "limit": 50,
+    }
     keys: set[str] = set()
     for _ in range(80):  # events are persisted asynchronously by the server: wait for both
         resp = httpx.post(f"{prefect_server.api_url}/events/filter", json=body, timeout=10)
@@ -213,8 +229,13 @@ def preempt_once_training(run: Path, done: threading.Event) -> threading.Thread:
 
 def test_preempted_segment_is_resumed(prefect_server: Any, tmp_path: Path) -> None:
     run = tmp_path / "preempt"
-    request = TrainExportRequest(config=TINY, run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=60)],
-                                 export_dtype="float32", backoff_s=0.1)
+    request = TrainExportRequest(
+        config=TINY,
+        run_dir=str(run),
+        segments=[SegmentPlan(nproc=2, until_step=60)],
+        export_dtype="float32",
+        backoff_s=0.1,
+    )
     done = threading.Event()
     watcher = preempt_once_training(run, done)
     try:
@@ -244,7 +265,9 @@ def test_failed_segment_stops_with_the_rank_error(prefect_server: Any, tmp_path:
 
     spec = load_run_spec(TINY, ["model.config.num_key_value_heads=3"])  # builds, then fails in the first forward
     run = tmp_path / "failing"
-    request = TrainExportRequest(spec=spec, run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=4)], backoff_s=0)
+    request = TrainExportRequest(
+        spec=spec, run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=4)], backoff_s=0
+    )
     with pytest.raises(SegmentFailed, match="failing rank's last lines") as err:
         train_and_export(**request.parameters())
     end = [json.loads(x) for x in (run / "segments.jsonl").read_text().splitlines()][-1]
@@ -262,20 +285,27 @@ def test_corrupt_final_checkpoint_stops_before_export(prefect_server: Any, tiny_
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    request = TrainExportRequest(config=TINY, run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=5)],
-                                 publish_target=(tmp_path / "pub").as_uri())
+    request = TrainExportRequest(
+        config=TINY,
+        run_dir=str(run),
+        segments=[SegmentPlan(nproc=2, until_step=5)],
+        publish_target=(tmp_path / "pub").as_uri(),
+    )
     with pytest.raises(CheckpointInvalid, match="checksum .* the file is corrupted; nothing was exported"):
         train_and_export(**request.parameters())
     assert not (run / "exports").exists() and not (tmp_path / "pub").exists()
 
 
 # ---------------------------------------------------------------------------------- bad requests
-@pytest.mark.parametrize(("segments", "fragment"), [
-    ([{"nproc": 2, "until_step": 8}, {"nproc": 3, "until_step": 8}], "segments[1].until_step 8 must be greater"),
-    ([{"nproc": 2, "until_step": 8}, {"nproc": 3, "until_step": 4}], "strictly increasing until_step"),
-    ([{"nproc": 0, "until_step": 8}], "greater than or equal to 1"),
-    ([], "at least 1 item"),
-])
+@pytest.mark.parametrize(
+    ("segments", "fragment"),
+    [
+        ([{"nproc": 2, "until_step": 8}, {"nproc": 3, "until_step": 8}], "segments[1].until_step 8 must be greater"),
+        ([{"nproc": 2, "until_step": 8}, {"nproc": 3, "until_step": 4}], "strictly increasing until_step"),
+        ([{"nproc": 0, "until_step": 8}], "greater than or equal to 1"),
+        ([], "at least 1 item"),
+    ],
+)
 def test_inconsistent_segments_fail_validation(segments: list[dict], fragment: str, tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         TrainExportRequest.model_validate({"config": TINY, "run_dir": str(tmp_path / "r"), "segments": segments})
@@ -287,7 +317,11 @@ def test_bad_request_fails_the_flow_before_anything_runs(prefect_server: Any, tm
     from flows.train_and_export import train_and_export
 
     run = tmp_path / "never"
-    bad = {"config": TINY, "run_dir": str(run), "segments": [{"nproc": 2, "until_step": 8}, {"nproc": 3, "until_step": 2}]}
+    bad = {
+        "config": TINY,
+        "run_dir": str(run),
+        "segments": [{"nproc": 2, "until_step": 8}, {"nproc": 3, "until_step": 2}],
+    }
     with pytest.raises(ParameterTypeError, match="strictly increasing"):
         train_and_export(**bad)
     assert not run.exists()
@@ -299,8 +333,9 @@ def test_request_needs_exactly_one_spec_source(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- resume
-def test_resume_flow_resumes_preempted_and_skips_locked_and_done(prefect_server: Any, tiny_run: Path,
-                                                                 tmp_path: Path) -> None:
+def test_resume_flow_resumes_preempted_and_skips_locked_and_done(
+    prefect_server: Any, tiny_run: Path, tmp_path: Path
+) -> None:
     from flows.resume import resume
 
     root = tmp_path / "runs"
@@ -324,7 +359,10 @@ def test_resume_flow_resumes_preempted_and_skips_locked_and_done(prefect_server:
     events = read_events(preempted)
     resumes = [e for e in events if e.kind == "resume"]
     assert resumes and (resumes[-1].data["from_world_size"], resumes[-1].data["to_world_size"]) == (2, 3)
-    assert not (locked / "checkpoints" / "step-00000008").exists() and not (done / "checkpoints" / "step-00000008").exists()
+    assert (
+        not (locked / "checkpoints" / "step-00000008").exists()
+        and not (done / "checkpoints" / "step-00000008").exists()
+    )
     again = resume(run_dirs=[str(preempted)], nproc=3, backoff_s=0)  # idempotent
     assert [i.action for i in again.items] == ["skipped-done"]
 
@@ -348,16 +386,22 @@ def _plan(run: Path, status: str, until: int = 8, **done: Any) -> Any:
     from ckpt.plan import write_plan
     from schemas.plan import Driver, RunPlan
 
-    request = TrainExportRequest(config=TINY, run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=until)],
-                                 export_dtype="float32", publish_target=(run.parent / "pub").as_uri())
+    request = TrainExportRequest(
+        config=TINY,
+        run_dir=str(run),
+        segments=[SegmentPlan(nproc=2, until_step=until)],
+        export_dtype="float32",
+        publish_target=(run.parent / "pub").as_uri(),
+    )
     plan = RunPlan.from_request(request, plan_id="p1", started_by=Driver(kind="flow", flow_run_name="t"), now="t")
     plan = plan.model_copy(update={"status": status, **done})
     write_plan(run, plan)
     return plan
 
 
-def test_resume_leaves_a_plan_another_flow_run_drives_and_a_finished_plan_alone(prefect_server: Any, tiny_run: Path,
-                                                                               tmp_path: Path) -> None:
+def test_resume_leaves_a_plan_another_flow_run_drives_and_a_finished_plan_alone(
+    prefect_server: Any, tiny_run: Path, tmp_path: Path
+) -> None:
     """Two resumers racing: the one that finds the plan lock held records "already running" and does not fail
     (nothing launched, nothing written); a finished plan is left alone; a plan.json that is not a plan fails
     that run only, with one line naming the file."""
@@ -378,8 +422,10 @@ def test_resume_leaves_a_plan_another_flow_run_drives_and_a_finished_plan_alone(
     with PlanLock(driven).acquire(who):
         summary = resume(run_dirs=[str(driven), str(finished)], backoff_s=0)
     items = {Path(i.run_dir).name: i for i in summary.items}
-    assert items["driven"].action == "skipped-locked" and f"already running: its plan is driven by {who}" in \
-        items["driven"].reason
+    assert (
+        items["driven"].action == "skipped-locked"
+        and f"already running: its plan is driven by {who}" in items["driven"].reason
+    )
     assert items["finished"].action == "skipped-done" and "its plan is completed" in items["finished"].reason
     assert {r: (r / "segments.jsonl").read_text() for r in (driven, finished)} == before
     state = resume(run_dirs=[str(broken)], backoff_s=0, return_state=True)
@@ -393,13 +439,16 @@ def test_a_run_without_a_plan_resumes_at_its_preempted_segments_world_size() -> 
     from schemas.requests import ResumeRequest, last_placement
 
     starts = [{"event": "start", "world_size": 2}, {"event": "start", "world_size": 8, "nodes": 2, "launcher": "slurm"}]
-    state = RunState(run_dir="/r", exists=True, step=5, last_until_step=9, last_status="preempted", **last_placement(starts))
+    state = RunState(
+        run_dir="/r", exists=True, step=5, last_until_step=9, last_status="preempted", **last_placement(starts)
+    )
     plan = placement(state, ResumeRequest(run_dirs=["/r"]))
     assert (plan.nodes, plan.nproc, plan.launcher, plan.until_step) == (2, 4, "slurm", 9)
     plan = placement(state, ResumeRequest(run_dirs=["/r"], nproc=3, launcher="local"))
     assert (plan.nodes, plan.nproc, plan.launcher) == (2, 3, "local")
-    old = RunState(run_dir="/r", exists=True, step=5, last_until_step=9, last_status="preempted",
-                   **last_placement(starts[:1]))  # written before nodes and launcher were recorded
+    old = RunState(
+        run_dir="/r", exists=True, step=5, last_until_step=9, last_status="preempted", **last_placement(starts[:1])
+    )  # written before nodes and launcher were recorded
     assert (placement(old, ResumeRequest(run_dirs=["/r"])).nproc, old.last_nodes, old.last_launcher) == (2, 1, "local")
 
 
@@ -451,9 +500,11 @@ def test_who_resumes_a_segment() -> None:
     from schemas import ClusterTopology, SegmentResult
 
     topo = ClusterTopology(procs_per_node=2)
+
     def seg(status: str, start: int, end: int) -> SegmentResult:
-        return SegmentResult(run_dir="/r", status=status, exit_code=75, segment=1, start_step=start, end_step=end,
-                             topology=topo)
+        return SegmentResult(
+            run_dir="/r", status=status, exit_code=75, segment=1, start_step=start, end_step=end, topology=topo
+        )
 
     assert resumed_by(seg("preempted", 5, 9), attempts=1, max_preemption_retries=3) == "flow"
     assert resumed_by(seg("preempted", 5, 9), attempts=4, max_preemption_retries=3) == "automation"
@@ -481,8 +532,9 @@ def test_only_publish_retries_and_never_on_user_errors() -> None:
     assert t._retry_unless_user_error(t.publish, None, Failed(data=PublishError("not a repo id"))) is False
 
 
-def test_train_and_export_runs_a_users_script_in_segments(prefect_server: Any, tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture) -> None:
+def test_train_and_export_runs_a_users_script_in_segments(
+    prefect_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """train-and-export with script= (no config): two segments at 2 then 3 ranks of a user's transformers loop (3:
     a world size the unused default global_batch_size 8 would refuse; the script splits its own batch of 6), then
     deep validation, export (a from_pretrained folder) and lineage, as for the built-in trainer. The reshard
@@ -490,10 +542,15 @@ def test_train_and_export_runs_a_users_script_in_segments(prefect_server: Any, t
     from shardkeeper.cli import main
 
     run = tmp_path / "own"
-    request = TrainExportRequest(script=str(ROOT / "examples" / "hf_model_loop.py"), script_args=["--batch", "6"],
-                                 overrides=["checkpoint.interval=2"], run_dir=str(run),
-                                 segments=[SegmentPlan(nproc=2, until_step=3), SegmentPlan(nproc=3, until_step=5)],
-                                 export_dtype="float32", backoff_s=0)
+    request = TrainExportRequest(
+        script=str(ROOT / "examples" / "hf_model_loop.py"),
+        script_args=["--batch", "6"],
+        overrides=["checkpoint.interval=2"],
+        run_dir=str(run),
+        segments=[SegmentPlan(nproc=2, until_step=3), SegmentPlan(nproc=3, until_step=5)],
+        export_dtype="float32",
+        backoff_s=0,
+    )
     summary, _ = run_flow(request)
     assert summary.status == "completed" and summary.final_checkpoint.endswith("step-00000005")
     assert summary.segments[1].reshard is not None and summary.segments[1].reshard.to_world_size == 3

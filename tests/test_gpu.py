@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import spawn
-from tests.harness import copy_run_until, metrics, new_run, tiny_spec
+from tests.harness import copy_run_until, metrics, new_run, spawn, tiny_spec
 from trainer.segment import run_segment
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and NCCL")]
@@ -44,8 +43,13 @@ def test_cuda_async_save_commits(tmp_path: Path) -> None:
 
 def test_cuda_checkpointing_compile_and_fused_adamw_train_and_resume_exactly(tmp_path: Path) -> None:
     """The performance options together on one GPU (inductor writes Triton kernels): a resume is bitwise."""
-    spec = tiny_spec(**{"performance.activation_checkpointing": "true", "performance.compile": "true",
-                        "performance.adamw_implementation": "fused"})
+    spec = tiny_spec(
+        **{
+            "performance.activation_checkpointing": "true",
+            "performance.compile": "true",
+            "performance.adamw_implementation": "fused",
+        }
+    )
     ref = new_run(tmp_path / "ref", spec)
     assert spawn(run_segment, 1, str(ref), 10, 0, device="cuda", timeout=900) == [0]
     run = copy_run_until(ref, tmp_path / "run", 5)
@@ -57,8 +61,11 @@ def test_cuda_checkpointing_compile_and_fused_adamw_train_and_resume_exactly(tmp
     from schemas.seam import SegmentReport
 
     assert SegmentReport.read(run, 1).execution == {  # type: ignore[union-attr]
-        "activation_checkpointing": 2, "compiled_blocks": 2, "compile": "inductor/default",
-        "adamw_implementation": "fused"}
+        "activation_checkpointing": 2,
+        "compiled_blocks": 2,
+        "compile": "inductor/default",
+        "adamw_implementation": "fused",
+    }
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
@@ -67,8 +74,14 @@ def test_cuda_deepspeed_resume_is_bitwise_and_async_saves_commit(tmp_path: Path,
     """DeepSpeed ZeRO on CUDA + NCCL: async saves (staged from GPU memory) commit valid checkpoints, and a resume
     from one continues bitwise."""
     world = _world()
-    spec = tiny_spec(**{"backend": "deepspeed", "deepspeed.zero_stage": stage, "checkpoint.interval": 4,
-                        "checkpoint.async_save": "true"})
+    spec = tiny_spec(
+        **{
+            "backend": "deepspeed",
+            "deepspeed.zero_stage": stage,
+            "checkpoint.interval": 4,
+            "checkpoint.async_save": "true",
+        }
+    )
     ref = new_run(tmp_path / "ref", spec)
     assert spawn(run_segment, world, str(ref), 8, 0, device="cuda", timeout=900) == [0] * world
     from ckpt.validate import validate
@@ -95,8 +108,14 @@ def test_cuda_own_script_through_the_api_resumes_bitwise(tmp_path: Path) -> None
         args = ["--run-dir", str(run), "--until-step", str(until), "--nproc", str(_world()), "--device", "cuda"]
         if not (run / "run.yaml").exists():
             args = ["--script", str(ROOT / "examples" / "fsdp2_loop.py"), *args, "--set", "checkpoint.interval=4"]
-        r = subprocess.run([sys.executable, "-m", "shardkeeper", "train", *args], capture_output=True, text=True,
-                           timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        r = subprocess.run(
+            [sys.executable, "-m", "shardkeeper", "train", *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert r.returncode == 0, r.stderr[-3000:]
 
     train(tmp_path / "full", 16)

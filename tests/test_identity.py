@@ -37,9 +37,18 @@ def tiny_llama(*, tied: bool = False) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                  rms_norm_eps=1e-5, tie_word_embeddings=tied)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+    )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
@@ -49,8 +58,13 @@ def test_names_are_compared_without_the_wrappers_prefixes() -> None:
     assert identity.canonical(name) == "layers.0.mlp.weight"
     assert identity.canonical("module.module.w") == "w" and identity.canonical("module") == "module"
     assert identity.canonical("_fsdp_wrapped_module.lm_head.weight") == "lm_head.weight"
-    here = identity.model_tensors(entries(("model.module.a", [2, 3], "float32"), ("model.b", [4], "float32"),
-                                          ("optim.state.b.exp_avg", [4], "float32")))
+    here = identity.model_tensors(
+        entries(
+            ("model.module.a", [2, 3], "float32"),
+            ("model.b", [4], "float32"),
+            ("optim.state.b.exp_avg", [4], "float32"),
+        )
+    )
     assert here == {"a": ((2, 3), "float32"), "b": ((4,), "float32")}
     assert identity.renames(["_orig_mod.a", "b"], ["a", "b"]) == {"_orig_mod.a": "a"}
 
@@ -60,28 +74,38 @@ def test_the_first_difference_names_the_tensor_and_both_sides() -> None:
     same = identity.model_tensors(entries(("model.module.b", [4], "float32"), ("model.a", [2, 3], "float32")))
     assert identity.first_difference(same, ckpt) is None  # order and wrapper prefixes do not matter
     shape = identity.model_tensors(entries(("model.a", [2, 5], "float32"), ("model.b", [4], "float32")))
-    assert identity.first_difference(shape, ckpt) == \
-        "a is [2, 3] float32 in the checkpoint, [2, 5] float32 in this run's model"
+    assert (
+        identity.first_difference(shape, ckpt)
+        == "a is [2, 3] float32 in the checkpoint, [2, 5] float32 in this run's model"
+    )
     dtype = identity.model_tensors(entries(("model.a", [2, 3], "float32"), ("model.b", [4], "bfloat16")))
-    assert identity.first_difference(dtype, ckpt) == \
-        "b is [4] float32 in the checkpoint, [4] bfloat16 in this run's model"
+    assert (
+        identity.first_difference(dtype, ckpt) == "b is [4] float32 in the checkpoint, [4] bfloat16 in this run's model"
+    )
     fewer = identity.model_tensors(entries(("model.a", [2, 3], "float32")))
     assert identity.first_difference(fewer, ckpt) == "b [4] float32 is in the checkpoint but not in this run's model"
     assert identity.first_difference(ckpt, fewer) == "b [4] float32 is in this run's model but not in the checkpoint"
-    assert identity.tie_difference({"lm_head.weight": "embed.weight"}, {}) == \
-        "lm_head.weight is tied to embed.weight in this run's model, not in the checkpoint"
+    assert (
+        identity.tie_difference({"lm_head.weight": "embed.weight"}, {})
+        == "lm_head.weight is tied to embed.weight in this run's model, not in the checkpoint"
+    )
 
 
 def test_signature_is_the_same_for_both_backends_and_every_kind_of_run() -> None:
     """DCP holds both names of a tied pair, DeepSpeed the source's only; neither the wrappers' prefixes nor the
     order enter. Another shape or dtype is another signature."""
     tied = {"lm_head.weight": "embed.weight"}
-    dcp = entries(("model.embed.weight", [8, 4], "float32"), ("model.lm_head.weight", [8, 4], "float32"),
-                  ("model.norm.weight", [4], "float32"), ("optim.state.norm.weight.exp_avg", [4], "float32"))
+    dcp = entries(
+        ("model.embed.weight", [8, 4], "float32"),
+        ("model.lm_head.weight", [8, 4], "float32"),
+        ("model.norm.weight", [4], "float32"),
+        ("optim.state.norm.weight.exp_avg", [4], "float32"),
+    )
     ds = entries(("model.module.norm.weight", [4], "float32"), ("model.embed.weight", [8, 4], "float32"))
     assert identity.signature(dcp, tied) == identity.signature(ds, tied)
-    assert identity.signature(dcp, tied) != identity.signature(entries(("model.embed.weight", [8, 4], "float32"),
-                                                                       ("model.norm.weight", [4], "bfloat16")), tied)
+    assert identity.signature(dcp, tied) != identity.signature(
+        entries(("model.embed.weight", [8, 4], "float32"), ("model.norm.weight", [4], "bfloat16")), tied
+    )
 
 
 def test_a_fast_forwarded_scheduler_has_the_lr_of_a_run_that_stepped_from_0() -> None:
@@ -139,8 +163,9 @@ def error_of(call: object) -> str:
     return str(e.value)
 
 
-def test_a_script_continues_the_built_in_trainers_checkpoint_with_its_own_settings(tiny_run: Path, tmp_path: Path,
-                                                                                 capfd: pytest.CaptureFixture) -> None:
+def test_a_script_continues_the_built_in_trainers_checkpoint_with_its_own_settings(
+    tiny_run: Path, tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
     """The built-in trainer's step 5 (a manifest whose model_signature predates the inventory's, as old
     checkpoints' do) continued by a user's FSDP2 script with a bf16 MixedPrecisionPolicy: it loads; the script's
     scheduler is fast-forwarded, its other object starts fresh, one line says so; the optimizer keeps the
@@ -155,8 +180,10 @@ def test_a_script_continues_the_built_in_trainers_checkpoint_with_its_own_settin
     capfd.readouterr()
     out = spawn(_loop, 1, ["--bf16", "--scheduler", "--extra", "counter", "--lr", "5e-3", "--wd", "0"], str(run), 6)
     err = capfd.readouterr().err
-    assert ("step-00000005 was written by the built-in trainer; tracked objects it holds no state of: 'scheduler' "
-            "fast-forwarded to step 5 (lr 0.005), 'counter' starts fresh") in err, err
+    assert (
+        "step-00000005 was written by the built-in trainer; tracked objects it holds no state of: 'scheduler' "
+        "fast-forwarded to step 5 (lr 0.005), 'counter' starts fresh"
+    ) in err, err
     # the built-in trainer's groups (two, lr 3e-3, weight decay 0.1) did not come with the state
     assert out == [{"lr": 5e-3, "weight_decay": 0.0, "groups": 1, "step": 6}]
     own = read_manifest(run / "checkpoints" / "step-00000006")
@@ -173,14 +200,17 @@ def test_another_dtype_is_refused_naming_the_tensor_and_nothing_is_written(tiny_
     as_script_run(run)
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
     line = error_of(lambda: spawn(_loop, 1, ["--plain-bf16"], str(run), 6))
-    assert ("step-00000005: holds another model than this run's: lm_head.weight is [256, 64] float32 in the "
-            "checkpoint, [256, 64] bfloat16 in this run's model; resume with the model that wrote it") in line
+    assert (
+        "step-00000005: holds another model than this run's: lm_head.weight is [256, 64] float32 in the "
+        "checkpoint, [256, 64] bfloat16 in this run's model; resume with the model that wrote it"
+    ) in line
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # left in place, nothing committed
 
 
 @pytest.mark.skipif(find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_a_deepspeed_script_continues_the_built_in_deepspeed_trainers_checkpoint(
-        ds_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ds_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The built-in trainer's ZeRO-2 checkpoint (two AdamW groups: decay and no decay) continued by a user's
     DeepSpeed loop with one group and bf16 on, on the same 2 ranks: DeepSpeed's flat partitions follow the groups,
     so another kind of run's checkpoint loads through the universal layout (each parameter on its own, converted
@@ -270,8 +300,21 @@ def test_an_imported_tied_model_holds_both_names_and_a_script_continues_it(tmp_p
 
     spawn(_write_tied_dcp, 1, str(tmp_path / "src"))
     run = tmp_path / "run"
-    assert main(["import", str(tmp_path / "src"), "--config", str(ROOT / "configs" / "tiny.yaml"), "--run-dir",
-                 str(run), "--set", "model.config.tie_word_embeddings=true"]) == 0
+    assert (
+        main(
+            [
+                "import",
+                str(tmp_path / "src"),
+                "--config",
+                str(ROOT / "configs" / "tiny.yaml"),
+                "--run-dir",
+                str(run),
+                "--set",
+                "model.config.tie_word_embeddings=true",
+            ]
+        )
+        == 0
+    )
     imported = read_manifest(run / "checkpoints" / "step-00000002")
     names = {t.name for t in imported.tensors}
     assert {"model.lm_head.weight", "model.model.embed_tokens.weight"} <= names
@@ -300,8 +343,10 @@ def test_tracking_other_objects_on_another_rank_is_refused_before_anything_is_sa
     run = new_run(tmp_path / "run", tiny_spec())
     line = error_of(lambda: spawn(_diverging, 2, str(run)))
     for rank in (0, 1):
-        assert (f"rank {rank}: UsageError: seg.track(): rank 0 tracks {{model, optimizer}}, rank 1 tracks "
-                "{model, optimizer, sched}; track the same objects on every rank") in line
+        assert (
+            f"rank {rank}: UsageError: seg.track(): rank 0 tracks {{model, optimizer}}, rank 1 tracks "
+            "{model, optimizer, sched}; track the same objects on every rank"
+        ) in line
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
 
 
@@ -318,12 +363,21 @@ def hf_rows(n: int = 24) -> list[dict]:
 def hf_args(out: Path, **more: object):
     from transformers import TrainingArguments
 
-    kw = dict(output_dir=str(out), max_steps=HF_STEPS, per_device_train_batch_size=2, learning_rate=1e-2,
-              weight_decay=0.1, use_cpu=True, report_to=[], logging_steps=100, dataloader_num_workers=0, seed=0,
-              disable_tqdm=True, save_strategy="no")
+    kw = dict(
+        output_dir=str(out),
+        max_steps=HF_STEPS,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=100,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+        save_strategy="no",
+    )
     return TrainingArguments(**{**kw, **more})
-
-
 
 
 @pytest.fixture(scope="module")
@@ -343,8 +397,9 @@ def hf_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
             losses.append(float(loss))
             return loss
 
-    trainer = Recording(model=tiny_llama(), args=hf_args(out, save_strategy="steps", save_steps=3),
-                        train_dataset=hf_rows())
+    trainer = Recording(
+        model=tiny_llama(), args=hf_args(out, save_strategy="steps", save_steps=3), train_dataset=hf_rows()
+    )
     trainer.train()
     (out / "losses.json").write_text(json.dumps(losses))
     return out
@@ -371,8 +426,9 @@ def _hf_refusals(run_dir: str, paths: list[str]) -> list[str]:
     for path in paths:
         seg = sk.Segment(run_dir=run_dir, until_step=HF_STEPS, _env=env)
         env = seg.env
-        trainer = Trainer(model=tiny_llama(), args=hf_args(Path(run_dir) / "scratch"), train_dataset=hf_rows(),
-                          segment=seg)
+        trainer = Trainer(
+            model=tiny_llama(), args=hf_args(Path(run_dir) / "scratch"), train_dataset=hf_rows(), segment=seg
+        )
         try:
             trainer.train(resume_from_checkpoint=path)
             lines.append(f"ran to step {trainer.state.global_step}")
@@ -402,15 +458,18 @@ def test_hf_trainer_resume_from_another_tools_checkpoint_imports_it_and_continue
             else:
                 assert abs(rows[s]["loss"] - ref[s - 1]) / ref[s - 1] < 1e-6, (s, rows[s]["loss"], ref[s - 1])
         events = [(e["kind"], e["id"], e["parent"]) for e in lineage(run)]
-        assert events[:2] == [("imported", "import:step-00000003", None),
-                              ("checkpoint", "checkpoint:step-00000003", "import:step-00000003")]
+        assert events[:2] == [
+            ("imported", "import:step-00000003", None),
+            ("checkpoint", "checkpoint:step-00000003", "import:step-00000003"),
+        ]
         imported = read_manifest(run / "checkpoints" / "step-00000003")
         assert (imported.reason, imported.samples, imported.format) == ("converted", 6, "dcp")  # 3 steps of 2 samples
 
 
 @needs_accelerate
-def test_hf_trainer_resume_from_checkpoint_leads_somewhere_in_every_case(hf_ref: Path, tmp_path: Path,
-                                                                        capfd: pytest.CaptureFixture) -> None:
+def test_hf_trainer_resume_from_checkpoint_leads_somewhere_in_every_case(
+    hf_ref: Path, tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
     """A path that is not there, and another run's checkpoint, are refused in one line that says what works; a run
     that already has checkpoints resumes its newest (one line says the path was not imported); a checkpoint of the
     run itself resumes the run's newest valid one (said when it is not the one given)."""
@@ -421,17 +480,25 @@ def test_hf_trainer_resume_from_checkpoint_leads_somewhere_in_every_case(hf_ref:
     other = new_run(tmp_path / "other", tiny_spec())
     shutil.copytree(run / "checkpoints" / "step-00000006", other / "checkpoints" / "step-00000006")
     capfd.readouterr()
-    paths = [tmp_path / "nope", other / "checkpoints" / "step-00000006", hf_ref / "checkpoint-6",
-             run / "checkpoints" / "step-00000003"]
+    paths = [
+        tmp_path / "nope",
+        other / "checkpoints" / "step-00000006",
+        hf_ref / "checkpoint-6",
+        run / "checkpoints" / "step-00000003",
+    ]
     lines = spawn(_hf_refusals, 1, str(run), [str(p) for p in paths])[0]
     err = capfd.readouterr().err
-    assert lines[0] == (f"UsageError: Trainer.train(resume_from_checkpoint)='{tmp_path / 'nope'}': no such file or "
-                        "directory; pass another tool's checkpoint folder (e.g. out/checkpoint-500), or leave it out "
-                        "to resume the run's newest valid checkpoint")
+    assert lines[0] == (
+        f"UsageError: Trainer.train(resume_from_checkpoint)='{tmp_path / 'nope'}': no such file or "
+        "directory; pass another tool's checkpoint folder (e.g. out/checkpoint-500), or leave it out "
+        "to resume the run's newest valid checkpoint"
+    )
     assert lines[1].startswith("UsageError: ")
     assert f"continue that run with shardkeeper train --run-dir {other}" in lines[1]
     assert lines[2:] == ["ran to step 6", "ran to step 6"]
-    assert (f"'{hf_ref / 'checkpoint-6'}': not imported, the run already has checkpoints; resuming from its newest "
-            "valid one (step-00000006)") in err
+    assert (
+        f"'{hf_ref / 'checkpoint-6'}': not imported, the run already has checkpoints; resuming from its newest "
+        "valid one (step-00000006)"
+    ) in err
     assert "is a checkpoint of this run: resuming from the run's newest valid checkpoint (step-00000006)" in err
     assert [e["kind"] for e in lineage(run)].count("imported") == 1

@@ -36,8 +36,17 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
-MODEL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+MODEL = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
 needs_deepspeed = pytest.mark.skipif(find_spec("deepspeed") is None, reason="deepspeed is not installed")
 
 
@@ -67,8 +76,13 @@ def _write_zero(out: str, stage: int) -> None:
     dist.init_process_group("gloo")
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
-              "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     losses = []
     for step, x in enumerate(batches(6), start=1):
@@ -107,8 +121,10 @@ def _write_dcp_layouts(out: str) -> None:
     root = Path(out)
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=root / "plain")
     _, flat = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
-    dcp.save({**msd, "optimizer": flat, "lr_scheduler": {"last_epoch": 3}, "train_state": {"step": torch.tensor(3)}},
-             checkpoint_id=root / "titan" / "step-3")
+    dcp.save(
+        {**msd, "optimizer": flat, "lr_scheduler": {"last_epoch": 3}, "train_state": {"step": torch.tensor(3)}},
+        checkpoint_id=root / "titan" / "step-3",
+    )
     dcp.save({"model": msd}, checkpoint_id=root / "accelerate" / "pytorch_model_fsdp_0")
     dcp.save({"optimizer": osd}, checkpoint_id=root / "accelerate" / "optimizer_0")
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -122,7 +138,9 @@ def _write_dcp_layouts(out: str) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def _env():
     mp = pytest.MonkeyPatch()
-    mp.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")))
+    mp.setenv(
+        "TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+    )
     mp.setenv("DS_ACCELERATOR", "cpu")
     mp.setenv("SHARDKEEPER_DEVICE", "cpu")
     yield
@@ -154,9 +172,20 @@ def hf_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("hf") / "out"
     data = [{"input_ids": x[0], "labels": x[0]} for x in batches(6)]
-    args = TrainingArguments(output_dir=str(out), max_steps=3, save_steps=3, per_device_train_batch_size=2,
-                             learning_rate=1e-2, weight_decay=0.1, use_cpu=True, report_to=[], logging_steps=100,
-                             dataloader_num_workers=0, seed=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=3,
+        save_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=100,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+    )
     Trainer(model=tiny_model(), args=args, train_dataset=data).train()
     return out
 
@@ -190,17 +219,37 @@ def imported(reader: DCPTensorReader) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------------------ DeepSpeed
 @needs_deepspeed
-def test_zero2_import_into_fsdp2_holds_what_ds_to_universal_extracts(zero2_src: Path, z2_imported: Path,
-                                                                      tmp_path: Path) -> None:
+def test_zero2_import_into_fsdp2_holds_what_ds_to_universal_extracts(
+    zero2_src: Path, z2_imported: Path, tmp_path: Path
+) -> None:
     """Weights, both AdamW moments and the step of every parameter equal DeepSpeed's own extraction
     (ds_to_universal --inject_missing_state) bit for bit; the checkpoint is committed, verified, in lineage."""
     universal = tmp_path / "universal"
-    done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           str(zero2_src / "global_step3"), "--output_folder", str(universal), "--inject_missing_state"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(zero2_src / "global_step3"),
+            "--output_folder",
+            str(universal),
+            "--inject_missing_state",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     man = read_manifest(ckpt(z2_imported, 3))
-    assert (man.format, man.reason, man.step, man.run_spec.backend, man.topology.world_size) == ("dcp", "converted", 3, "fsdp2", 1)
+    assert (man.format, man.reason, man.step, man.run_spec.backend, man.topology.world_size) == (
+        "dcp",
+        "converted",
+        3,
+        "fsdp2",
+        1,
+    )
     assert validate(ckpt(z2_imported, 3), deep=True).valid
     with DCPTensorReader(ckpt(z2_imported, 3)) as reader:
         got = imported(reader)
@@ -209,21 +258,28 @@ def test_zero2_import_into_fsdp2_holds_what_ds_to_universal_extracts(zero2_src: 
     params = sorted(p.name for p in (universal / "zero").iterdir() if p.is_dir())
     assert len(params) == len(man.tensors) // 3 and params
     for name in params:
-        for key, ours in (("fp32", f"model.{name}"), ("exp_avg", f"optim.state.{name}.exp_avg"),
-                          ("exp_avg_sq", f"optim.state.{name}.exp_avg_sq")):
+        for key, ours in (
+            ("fp32", f"model.{name}"),
+            ("exp_avg", f"optim.state.{name}.exp_avg"),
+            ("exp_avg_sq", f"optim.state.{name}.exp_avg_sq"),
+        ):
             ref = torch.load(universal / "zero" / name / f"{key}.pt", weights_only=True)["param"]
             assert torch.equal(got[ours], ref), f"{ours} differs from ds_to_universal's {key}"
         assert float(torch.load(universal / "zero" / name / "step.pt", weights_only=True)) == 3.0
     kinds = [(e["kind"], e["id"], e["parent"]) for e in events(z2_imported)]
-    assert kinds == [("imported", "import:step-00000003", None), ("checkpoint", "checkpoint:step-00000003", "import:step-00000003")]
+    assert kinds == [
+        ("imported", "import:step-00000003", None),
+        ("checkpoint", "checkpoint:step-00000003", "import:step-00000003"),
+    ]
     event = events(z2_imported)[0]
     assert event["data"]["layout"] == "deepspeed" and event["uri"] == (zero2_src / "global_step3").resolve().as_uri()
     assert (z2_imported / "run.yaml").is_file()
 
 
 @needs_deepspeed
-def test_imported_zero2_checkpoint_trains_on_at_three_ranks_and_exports(zero2_src: Path, z2_imported: Path,
-                                                                        tmp_path: Path) -> None:
+def test_imported_zero2_checkpoint_trains_on_at_three_ranks_and_exports(
+    zero2_src: Path, z2_imported: Path, tmp_path: Path
+) -> None:
     """Source at 2 ranks, resumed at 3 by `shardkeeper train` (the model signature matches what the trainer
     computes), loss finite, a checkpoint committed; reshard and export work on the imported checkpoint."""
     from safetensors.torch import load_file
@@ -234,24 +290,69 @@ def test_imported_zero2_checkpoint_trains_on_at_three_ranks_and_exports(zero2_sr
     env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"}
     # another model first (a wider MLP): refused before the load, exit 2, the run as it was
     before = (sorted(p.name for p in (run / "checkpoints").rglob("*")), (run / "run.yaml").read_text())
-    refused = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--script", str(LOOP), "--run-dir",
-                              str(run), "--nproc", "1", "--until-step", "6", "--", "--intermediate", "96"],
-                             capture_output=True, text=True, timeout=600, env=env)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardkeeper",
+            "train",
+            "--script",
+            str(LOOP),
+            "--run-dir",
+            str(run),
+            "--nproc",
+            "1",
+            "--until-step",
+            "6",
+            "--",
+            "--intermediate",
+            "96",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "segment 0 refused before its first step" in refused.stderr
-    assert ("holds another model than this run's: model.layers.0.mlp.gate_proj.weight is [128, 64] float32 in the "
-            "checkpoint, [96, 64] float32 in this run's model") in refused.stderr
+    assert (
+        "holds another model than this run's: model.layers.0.mlp.gate_proj.weight is [128, 64] float32 in the "
+        "checkpoint, [96, 64] float32 in this run's model"
+    ) in refused.stderr
     assert not (run / "metrics.jsonl").exists()
     assert (sorted(p.name for p in (run / "checkpoints").rglob("*")), (run / "run.yaml").read_text()) == before
-    done = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--config", TINY, "--run-dir", str(run),
-                           "--nproc", "3", "--until-step", "5"], capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardkeeper",
+            "train",
+            "--config",
+            TINY,
+            "--run-dir",
+            str(run),
+            "--nproc",
+            "3",
+            "--until-step",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["world_size"]) for r in rows] == [(4, 3), (5, 3)] and all(math.isfinite(r["loss"]) for r in rows)
+    assert [(r["step"], r["world_size"]) for r in rows] == [(4, 3), (5, 3)] and all(
+        math.isfinite(r["loss"]) for r in rows
+    )
     assert validate(ckpt(run, 5), deep=True).valid
     resume = [e for e in events(run) if e["kind"] == "resume"][-1]
-    assert (resume["parent"], resume["data"]["from_world_size"], resume["data"]["to_world_size"]) == \
-        ("checkpoint:step-00000003", 1, 3)
+    assert (resume["parent"], resume["data"]["from_world_size"], resume["data"]["to_world_size"]) == (
+        "checkpoint:step-00000003",
+        1,
+        3,
+    )
     assert main(["reshard", str(ckpt(run, 3)), "--world-size", "2"]) == 0
     out = tmp_path / "export"
     assert main(["export", str(ckpt(run, 3)), str(out)]) == 0
@@ -262,16 +363,34 @@ def test_imported_zero2_checkpoint_trains_on_at_three_ranks_and_exports(zero2_sr
 
 
 @needs_deepspeed
-def test_zero2_import_into_the_deepspeed_backend_trains_on_one_rank(zero2_src: Path, tmp_path: Path,
-                                                                    capsys: pytest.CaptureFixture) -> None:
+def test_zero2_import_into_the_deepspeed_backend_trains_on_one_rank(
+    zero2_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """The import's printed continuation keeps every --set (the backend among them) and the run dir, and runs as
     printed: the run trains on from the imported step to the end of its schedule."""
     import shlex
 
     run = tmp_path / "my run"  # a space: the printed command quotes it
     capsys.readouterr()
-    assert main(["import", str(zero2_src), "--config", TINY, "--run-dir", str(run), "--set", "backend=deepspeed",
-                 "--step", "2", "--set", "schedule.total_steps=5"]) == 0
+    assert (
+        main(
+            [
+                "import",
+                str(zero2_src),
+                "--config",
+                TINY,
+                "--run-dir",
+                str(run),
+                "--set",
+                "backend=deepspeed",
+                "--step",
+                "2",
+                "--set",
+                "schedule.total_steps=5",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out.split("continue with: ", 1)[1].strip()
     argv = shlex.split(printed)
     assert argv[:4] == ["shardkeeper", "train", "--config", TINY] and argv[-2:] == ["--until-step", "5"]
@@ -280,8 +399,13 @@ def test_zero2_import_into_the_deepspeed_backend_trains_on_one_rank(zero2_src: P
     man = read_manifest(ckpt(run, 2))
     assert (man.format, man.run_spec.backend, man.step) == ("deepspeed", "deepspeed", 2)
     assert validate(ckpt(run, 2), deep=True).valid and validate(ckpt(run, 2) / "universal", deep=True).valid
-    done = subprocess.run([sys.executable, "-m", "shardkeeper", *argv[1:]], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "COLUMNS": "200"})
+    done = subprocess.run(
+        [sys.executable, "-m", "shardkeeper", *argv[1:]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [3, 4, 5] and all(math.isfinite(r["loss"]) for r in rows)
@@ -308,8 +432,9 @@ def _continues(ref: list[float], run: Path, world: int) -> None:
 
 
 @needs_deepspeed
-def test_own_fsdp2_script_continues_an_imported_zero2_checkpoint_on_3_ranks(zero2_src: Path, z2_imported: Path,
-                                                                         tmp_path: Path) -> None:
+def test_own_fsdp2_script_continues_an_imported_zero2_checkpoint_on_3_ranks(
+    zero2_src: Path, z2_imported: Path, tmp_path: Path
+) -> None:
     """``shardkeeper import`` with a config, then ``shardkeeper train --script`` with the user's own FSDP2 loop over
     the same model, on 3 ranks (the source: 2): the checkpoint's identity is its tensors, not the config (a script
     of another model is refused before the load: exit 2, segment 'refused', the run as it was). The loss
@@ -320,21 +445,66 @@ def test_own_fsdp2_script_continues_an_imported_zero2_checkpoint_on_3_ranks(zero
     env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"}
     # another model first (a wider MLP): refused before the load, exit 2, the run as it was
     before = (sorted(p.name for p in (run / "checkpoints").rglob("*")), (run / "run.yaml").read_text())
-    refused = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--script", str(LOOP), "--run-dir",
-                              str(run), "--nproc", "1", "--until-step", "6", "--", "--intermediate", "96"],
-                             capture_output=True, text=True, timeout=600, env=env)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardkeeper",
+            "train",
+            "--script",
+            str(LOOP),
+            "--run-dir",
+            str(run),
+            "--nproc",
+            "1",
+            "--until-step",
+            "6",
+            "--",
+            "--intermediate",
+            "96",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "segment 0 refused before its first step" in refused.stderr
-    assert ("holds another model than this run's: model.layers.0.mlp.gate_proj.weight is [128, 64] float32 in the "
-            "checkpoint, [96, 64] float32 in this run's model") in refused.stderr
+    assert (
+        "holds another model than this run's: model.layers.0.mlp.gate_proj.weight is [128, 64] float32 in the "
+        "checkpoint, [96, 64] float32 in this run's model"
+    ) in refused.stderr
     assert not (run / "metrics.jsonl").exists()
     assert (sorted(p.name for p in (run / "checkpoints").rglob("*")), (run / "run.yaml").read_text()) == before
-    done = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--script", str(LOOP), "--run-dir", str(run),
-                           "--nproc", "3", "--until-step", "6", "--", "--scheduler", "--extra", "extra"],
-                          capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardkeeper",
+            "train",
+            "--script",
+            str(LOOP),
+            "--run-dir",
+            str(run),
+            "--nproc",
+            "3",
+            "--until-step",
+            "6",
+            "--",
+            "--scheduler",
+            "--extra",
+            "extra",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert ("step-00000003 was imported from another tool's checkpoint; tracked objects it holds no state of: "
-            "'scheduler' fast-forwarded to step 3 (lr 0.01), 'extra' starts fresh") in done.stderr
+    assert (
+        "step-00000003 was imported from another tool's checkpoint; tracked objects it holds no state of: "
+        "'scheduler' fast-forwarded to step 3 (lr 0.01), 'extra' starts fresh"
+    ) in done.stderr
     _continues(json.loads((zero2_src / "losses.json").read_text()), run, 3)
     imported, own = read_manifest(ckpt(run, 3)), read_manifest(ckpt(run, 6))
     assert own.run_spec.script is not None and own.model_signature == imported.model_signature
@@ -366,12 +536,29 @@ def _hf_trainer_on_deepspeed(run_dir: str, src: str) -> int:
     from shardkeeper.integrations.transformers import Trainer
 
     seg = sk.Segment(run_dir=run_dir, until_step=5)
-    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
-          "steps_per_print": 1 << 30}
-    args = TrainingArguments(output_dir=str(Path(run_dir) / "scratch"), max_steps=10, per_device_train_batch_size=2,
-                             learning_rate=1e-2, use_cpu=True, report_to=[], logging_steps=100, seed=0,
-                             dataloader_num_workers=0, disable_tqdm=True, save_strategy="no", deepspeed=ds)
+    ds = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+    }
+    args = TrainingArguments(
+        output_dir=str(Path(run_dir) / "scratch"),
+        max_steps=10,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=100,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        save_strategy="no",
+        deepspeed=ds,
+    )
     rows = [{"input_ids": x[0], "labels": x[0]} for x in batches(24)]
     trainer = Trainer(model=tiny_model(), args=args, train_dataset=rows, segment=seg)
     trainer.train(resume_from_checkpoint=src)
@@ -379,8 +566,9 @@ def _hf_trainer_on_deepspeed(run_dir: str, src: str) -> int:
 
 
 @needs_deepspeed
-def test_hf_trainer_on_deepspeed_imports_a_zero2_checkpoint_from_inside_the_segment(zero2_src: Path,
-                                                                                   tmp_path: Path) -> None:
+def test_hf_trainer_on_deepspeed_imports_a_zero2_checkpoint_from_inside_the_segment(
+    zero2_src: Path, tmp_path: Path
+) -> None:
     """The seed path without a config: a Trainer + DeepSpeed script on 3 ranks given another tool's ZeRO-2
     checkpoint of 2 ranks: rank 0 imports it into the new run (DeepSpeed's universal layout, described by the live
     engine's groups), every rank resumes it, the LR schedule and global_step continue at its step."""
@@ -392,8 +580,10 @@ def test_hf_trainer_on_deepspeed_imports_a_zero2_checkpoint_from_inside_the_segm
     # the linear schedule of a 10-step run after steps 4 and 5 (the scheduler fast-forwarded to step 3)
     assert [(r["step"], r["lr"], r["world_size"]) for r in rows] == [(4, 0.006, 3), (5, 0.005, 3)]
     assert all(math.isfinite(r["loss"]) for r in rows)
-    assert [(e["kind"], e["id"]) for e in events(run)][:2] == [("imported", "import:step-00000003"),
-                                                              ("checkpoint", "checkpoint:step-00000003")]
+    assert [(e["kind"], e["id"]) for e in events(run)][:2] == [
+        ("imported", "import:step-00000003"),
+        ("checkpoint", "checkpoint:step-00000003"),
+    ]
     man = read_manifest(ckpt(run, 3))
     assert (man.format, man.reason, man.samples) == ("deepspeed", "converted", 18)  # 3 steps of 3 x 2 samples
     assert read_manifest(ckpt(run, 5)).model_signature == man.model_signature
@@ -418,8 +608,9 @@ def test_zero3_checkpoint_imports_the_weights_zero_to_fp32_gathers(tmp_path: Pat
 
 
 @needs_deepspeed
-def test_hf_trainer_deepspeed_output_folder_picks_the_step_asked(zero2_src: Path, tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture) -> None:
+def test_hf_trainer_deepspeed_output_folder_picks_the_step_asked(
+    zero2_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """An HF Trainer output folder (checkpoint-N/ holding latest + global_stepN/): the newest by default, --step N
     picks another, a step not there lists those that are."""
     out = tmp_path / "trainer-out"
@@ -433,7 +624,9 @@ def test_hf_trainer_deepspeed_output_folder_picks_the_step_asked(zero2_src: Path
     assert [p.name for p in (tmp_path / "a" / "checkpoints").iterdir()] == ["step-00000003"]
     assert main(["import", str(out), "--config", TINY, "--run-dir", str(tmp_path / "b"), "--step", "2"]) == 0
     assert read_manifest(ckpt(tmp_path / "b", 2)).step == 2
-    line = error_line(capsys, ["import", str(out), "--config", TINY, "--run-dir", str(tmp_path / "c"), "--step", "7"], 4)
+    line = error_line(
+        capsys, ["import", str(out), "--config", TINY, "--run-dir", str(tmp_path / "c"), "--step", "7"], 4
+    )
     assert "no checkpoint of step 7; present: 2, 3" in line and not (tmp_path / "c").exists()
 
 
@@ -456,8 +649,9 @@ def test_dcp_layout_imports_weights_moments_and_step(dcp_src: Path, tmp_path: Pa
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # DCP's writer thread saw it first
-def test_truncated_dcp_record_is_refused_and_leaves_no_run_dir(dcp_src: Path, tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture) -> None:
+def test_truncated_dcp_record_is_refused_and_leaves_no_run_dir(
+    dcp_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     src = shutil.copytree(dcp_src / "plain", tmp_path / "plain")
     data = sorted(src.glob("*.distcp"))[-1]
     os.truncate(data, data.stat().st_size // 2)
@@ -469,7 +663,9 @@ def test_truncated_dcp_record_is_refused_and_leaves_no_run_dir(dcp_src: Path, tm
 
 # ------------------------------------------------------------------------------------------ HF Trainer
 @pytest.mark.parametrize("weights_file", ["model.safetensors", "pytorch_model.bin"])
-def test_hf_trainer_checkpoint_imports_through_its_decay_groups(hf_src: Path, tmp_path: Path, weights_file: str) -> None:
+def test_hf_trainer_checkpoint_imports_through_its_decay_groups(
+    hf_src: Path, tmp_path: Path, weights_file: str
+) -> None:
     """model.safetensors (or the .bin of save_safetensors=False) + optimizer.pt (positions over the Trainer's decay /
     no-decay groups) + trainer_state.json."""
     from collections import OrderedDict
@@ -486,7 +682,10 @@ def test_hf_trainer_checkpoint_imports_through_its_decay_groups(hf_src: Path, tm
     osd = torch.load(src / "optimizer.pt", weights_only=True)
     names = [n for n, _ in tiny_model().named_parameters()]
     order = [n for n in names if "norm" not in n] + [n for n in names if "norm" in n]  # the Trainer's groups
-    assert [len(g["params"]) for g in osd["param_groups"]] == [sum("norm" not in n for n in names), sum("norm" in n for n in names)]
+    assert [len(g["params"]) for g in osd["param_groups"]] == [
+        sum("norm" not in n for n in names),
+        sum("norm" in n for n in names),
+    ]
     run = tmp_path / "run"
     assert main(["import", str(hf_src), "--config", TINY, "--run-dir", str(run)]) == 0
     man = read_manifest(ckpt(run, 3))
@@ -523,19 +722,35 @@ def test_unknown_layout_lists_the_layouts_understood(tmp_path: Path, capsys: pyt
     src.mkdir()
     (src / "weights.npz").write_bytes(b"\0" * 16)
     line = error_line(capsys, ["import", str(src), "--config", TINY, "--run-dir", str(tmp_path / "run")], 4)
-    assert "not a checkpoint layout" in line and all(k in line for k in ("deepspeed:", "hf-trainer:", "torchtitan:",
-                                                                         "accelerate-fsdp:", "dcp:"))
-    line = error_line(capsys, ["import", str(tmp_path / "nope"), "--config", TINY, "--run-dir", str(tmp_path / "run")], 4)
+    assert "not a checkpoint layout" in line and all(
+        k in line for k in ("deepspeed:", "hf-trainer:", "torchtitan:", "accelerate-fsdp:", "dcp:")
+    )
+    line = error_line(
+        capsys, ["import", str(tmp_path / "nope"), "--config", TINY, "--run-dir", str(tmp_path / "run")], 4
+    )
     assert "no such file or directory" in line
     assert not (tmp_path / "run").exists()
 
 
 @needs_deepspeed
-def test_checkpoint_of_another_model_names_the_first_tensor_and_both_shapes(zero2_src: Path, tmp_path: Path,
-                                                                            capsys: pytest.CaptureFixture) -> None:
+def test_checkpoint_of_another_model_names_the_first_tensor_and_both_shapes(
+    zero2_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     run = tmp_path / "run"
-    line = error_line(capsys, ["import", str(zero2_src), "--config", TINY, "--run-dir", str(run),
-                               "--set", "model.config.intermediate_size=96"], 4)
+    line = error_line(
+        capsys,
+        [
+            "import",
+            str(zero2_src),
+            "--config",
+            TINY,
+            "--run-dir",
+            str(run),
+            "--set",
+            "model.config.intermediate_size=96",
+        ],
+        4,
+    )
     assert "model.layers.0.mlp.gate_proj.weight as [128, 64], the config's model has [96, 64]" in line
     assert not run.exists()
 
@@ -551,8 +766,9 @@ def test_run_dir_with_checkpoints_is_refused(z2_imported: Path, tmp_path: Path, 
 
 @needs_deepspeed
 @pytest.mark.parametrize("damage", ["truncated", "bit-flip"])
-def test_damaged_zero_partition_is_refused_before_anything_is_written(zero2_src: Path, tmp_path: Path, damage: str,
-                                                                       capsys: pytest.CaptureFixture) -> None:
+def test_damaged_zero_partition_is_refused_before_anything_is_written(
+    zero2_src: Path, tmp_path: Path, damage: str, capsys: pytest.CaptureFixture
+) -> None:
     from ckpt.formats.deepspeed import ZeroShards
 
     src = shutil.copytree(zero2_src / "global_step3", tmp_path / "global_step3")

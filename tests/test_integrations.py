@@ -35,8 +35,9 @@ HF_MAX_STEPS = "200"  # the Trainer's schedule length: long enough that a SIGTER
 
 def sk(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200", "DS_ACCELERATOR": "cpu"}
-    return subprocess.run([sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 def train(run: Path, until: int, nproc: int, *more: str) -> subprocess.CompletedProcess:
@@ -62,16 +63,28 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every launch of the three module fixtures below, their chains ``SIDE_BY_SIDE`` at a time (no chain reads
     another's runs); what a chain raised is kept for its fixture to raise."""
     base = tmp_path_factory.mktemp("launched")
-    chains = {"hf": _hf_uninterrupted_and_cut, "hf-preempted": _preempted_and_resumed, "acc": _acc_chain,
-              "ds": _ds_chain}
+    chains = {
+        "hf": _hf_uninterrupted_and_cut,
+        "hf-preempted": _preempted_and_resumed,
+        "acc": _acc_chain,
+        "ds": _ds_chain,
+    }
     for name in chains:
         (base / name).mkdir()
     return side_by_side([[(name, fn, base / name)] for name, fn in chains.items()], SIDE_BY_SIDE)
 
 
 # ------------------------------------------------------------------------------------ Hugging Face Trainer
-HF_SCRIPT = ["--script", str(EXAMPLES / "hf_trainer.py"), "--set", "backend=deepspeed",
-             "--set", "checkpoint.interval=10", "--set", "checkpoint.keep_last=100"]
+HF_SCRIPT = [
+    "--script",
+    str(EXAMPLES / "hf_trainer.py"),
+    "--set",
+    "backend=deepspeed",
+    "--set",
+    "checkpoint.interval=10",
+    "--set",
+    "checkpoint.keep_last=100",
+]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +93,10 @@ def hf_runs(launched: dict) -> dict:
 
 
 def _hf_uninterrupted_and_cut(base: Path) -> dict:
-    ref, same = base / "ref", base / "same"  # the Trainer's own save policy (save_steps=7) beside the run's interval (10)
+    ref, same = (
+        base / "ref",
+        base / "same",
+    )  # the Trainer's own save policy (save_steps=7) beside the run's interval (10)
     train(ref, 30, 2, *HF_SCRIPT, "--", "--deepspeed", "--max-steps", HF_MAX_STEPS, "--save-steps", "7")
     copy_run_until(ref, same, 14)
     train(same, 22, 2)
@@ -90,10 +106,31 @@ def _hf_uninterrupted_and_cut(base: Path) -> dict:
 def _preempted_and_resumed(base: Path) -> dict:
     """A 2-rank run SIGTERMed once 4 steps are logged, then resumed on 1 rank to step 30."""
     run = base / "preempted"
-    args = [sys.executable, "-m", "shardkeeper", "train", "--run-dir", str(run), "--until-step", HF_MAX_STEPS,
-            "--nproc", "2", *HF_SCRIPT, "--", "--deepspeed", "--max-steps", HF_MAX_STEPS]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env={**os.environ, "SHARDKEEPER_DEVICE": "cpu", "DS_ACCELERATOR": "cpu"})
+    args = [
+        sys.executable,
+        "-m",
+        "shardkeeper",
+        "train",
+        "--run-dir",
+        str(run),
+        "--until-step",
+        HF_MAX_STEPS,
+        "--nproc",
+        "2",
+        *HF_SCRIPT,
+        "--",
+        "--deepspeed",
+        "--max-steps",
+        HF_MAX_STEPS,
+    ]
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "SHARDKEEPER_DEVICE": "cpu", "DS_ACCELERATOR": "cpu"},
+    )
     rows = run / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and not (rows.exists() and len(rows.read_text().splitlines()) >= 4):
@@ -107,8 +144,14 @@ def _preempted_and_resumed(base: Path) -> dict:
     resumed = train(run, 30, 1)
     status = sk("status", str(run), "--json").stdout
     beyond = sk("train", "--run-dir", str(run), "--until-step", str(int(HF_MAX_STEPS) + 1), "--nproc", "1")
-    return {"run": run, "preempted": preempted, "resumed": resumed, "stop": stop, "beyond": beyond,
-            "status": (status, sk("status", str(run), "--json").stdout)}
+    return {
+        "run": run,
+        "preempted": preempted,
+        "resumed": resumed,
+        "stop": stop,
+        "beyond": beyond,
+        "status": (status, sk("status", str(run), "--json").stdout),
+    }
 
 
 def test_hf_trainer_sigterm_commits_at_the_step_boundary_and_exits_75(hf_runs: dict) -> None:
@@ -161,7 +204,9 @@ def test_hf_trainer_resumes_on_another_world_size_and_continues_the_loss(hf_runs
     # after: the Trainer's global_step, LR schedule and sampler position continued exactly ...
     assert all(got[s]["lr"] == ref[s]["lr"] for s in range(stop + 1, 31))
     # ... and the math on 1 rank differs from 2 ranks' by float rounding only (gradient all-reduce order)
-    assert max_rel(ref, got, range(stop + 1, 31)) < 1e-6, [(s, ref[s]["loss"], got[s]["loss"]) for s in range(stop + 1, 31)]
+    assert max_rel(ref, got, range(stop + 1, 31)) < 1e-6, [
+        (s, ref[s]["loss"], got[s]["loss"]) for s in range(stop + 1, 31)
+    ]
     assert manifest(run / "checkpoints" / "step-00000030")["topology"]["procs_per_node"] == 1
 
 
@@ -185,8 +230,17 @@ def acc_runs(launched: dict) -> dict:
 
 def _acc_chain(base: Path) -> dict:
     ref = base / "ref"
-    train(ref, 16, 2, "--script", str(EXAMPLES / "accelerate_fsdp.py"), "--set", "checkpoint.interval=4",
-          "--set", "checkpoint.keep_last=100")
+    train(
+        ref,
+        16,
+        2,
+        "--script",
+        str(EXAMPLES / "accelerate_fsdp.py"),
+        "--set",
+        "checkpoint.interval=4",
+        "--set",
+        "checkpoint.keep_last=100",
+    )
     same = copy_run_until(ref, base / "same", 8)
     train(same, 16, 2)
     other = copy_run_until(ref, base / "other", 8)
@@ -230,8 +284,19 @@ def ds_runs(launched: dict) -> dict:
 
 def _ds_chain(base: Path) -> dict:
     ref = base / "ref"
-    train(ref, 16, 2, "--script", str(EXAMPLES / "deepspeed_loop.py"), "--set", "backend=deepspeed",
-          "--set", "checkpoint.interval=5", "--set", "checkpoint.keep_last=100")
+    train(
+        ref,
+        16,
+        2,
+        "--script",
+        str(EXAMPLES / "deepspeed_loop.py"),
+        "--set",
+        "backend=deepspeed",
+        "--set",
+        "checkpoint.interval=5",
+        "--set",
+        "checkpoint.keep_last=100",
+    )
     other = copy_run_until(ref, base / "other", 10)
     resumed = train(other, 16, 1)
     return {"ref": ref, "other": other, "resumed": resumed}
@@ -271,7 +336,7 @@ def _train_replicated(run_dir: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     seg.track(model=model, optimizer=opt)
     for step in seg.steps():
-        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))[seg.rank::seg.world_size]
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))[seg.rank :: seg.world_size]
         loss = ddp(x).square().mean()
         loss.backward()
         opt.step()

@@ -18,8 +18,17 @@ from launch.base import LaunchRequest
 from launch.k8s_pod import EXIT_POD_FAILED, EXIT_POD_PREEMPTED, fresh_report, install_run_spec, pod_exit_code
 from launch.k8s_pod import run as pod_run
 from launch.k8s_validate import ManifestInvalid, problems, validate
-from launch.kubernetes import (KILL_MARGIN_S, LAUNCH_KEY, RDZV_PORT, SPEC_KEY, K8sOptions, ManifestError, render,
-                               render_validated, world_size_of)
+from launch.kubernetes import (
+    KILL_MARGIN_S,
+    LAUNCH_KEY,
+    RDZV_PORT,
+    SPEC_KEY,
+    K8sOptions,
+    ManifestError,
+    render,
+    render_validated,
+    world_size_of,
+)
 from schemas import ClusterTopology, RunSpec
 from schemas.errors import ShardkeeperError
 from schemas.seam import REPORT_FILE, SegmentLaunch, SegmentReport
@@ -30,9 +39,16 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 SPEC = RunSpec(global_batch_size=16)
 
 
-def request(nodes: int, nproc: int = 2, device: str = "cpu", run_dir: str = "llama-ft", segment: int = 3) -> LaunchRequest:
-    topo = ClusterTopology(nodes=nodes, procs_per_node=nproc, device_type=device,  # type: ignore[arg-type]
-                           backend="nccl" if device == "cuda" else "gloo", launcher="kubernetes")
+def request(
+    nodes: int, nproc: int = 2, device: str = "cpu", run_dir: str = "llama-ft", segment: int = 3
+) -> LaunchRequest:
+    topo = ClusterTopology(
+        nodes=nodes,
+        procs_per_node=nproc,
+        device_type=device,  # type: ignore[arg-type]
+        backend="nccl" if device == "cuda" else "gloo",
+        launcher="kubernetes",
+    )
     return LaunchRequest(run_dir=run_dir, until_step=100, segment=segment, topology=topo)  # type: ignore[arg-type]
 
 
@@ -73,7 +89,9 @@ def test_rendered_segment_validates_and_agrees_on_world_size(kind: str, nodes: i
         assert ("nvidia.com/gpu" in container["resources"]["limits"]) == (device == "cuda")
     if kind == "pytorchjob":
         replicas = job["spec"]["pytorchReplicaSpecs"]
-        hosts = {role: arg(r["template"]["spec"]["containers"][0]["command"], "rdzv-conf") for role, r in replicas.items()}
+        hosts = {
+            role: arg(r["template"]["spec"]["containers"][0]["command"], "rdzv-conf") for role, r in replicas.items()
+        }
         assert hosts == {"Master": "is_host=1", **({"Worker": "is_host=0"} if nodes > 1 else {})}
         assert replicas["Master"]["replicas"] == 1 and replicas.get("Worker", {"replicas": 0})["replicas"] == nodes - 1
         assert {r["restartPolicy"] for r in replicas.values()} == {"ExitCode"}  # 143 retried, 1 permanent
@@ -139,8 +157,16 @@ def test_rendering_refuses_bad_options() -> None:
         render(SPEC, request(1), K8sOptions(grace_s=0))
     with pytest.raises(ManifestError, match="launcher 'local'"):
         local = request(1)
-        render(SPEC, LaunchRequest(run_dir=local.run_dir, until_step=1, segment=0,
-                                   topology=local.topology.model_copy(update={"launcher": "local"})), K8sOptions())
+        render(
+            SPEC,
+            LaunchRequest(
+                run_dir=local.run_dir,
+                until_step=1,
+                segment=0,
+                topology=local.topology.model_copy(update={"launcher": "local"}),
+            ),
+            K8sOptions(),
+        )
     long = render(SPEC, request(1, run_dir="/data/runs/" + "Very_Long.Run-Name" * 5, segment=12), K8sOptions())
     assert len(long[1]["metadata"]["name"]) <= 40 and long[1]["metadata"]["name"].endswith("-s12")
 
@@ -157,8 +183,9 @@ def test_kubernetes_launcher_is_registered_and_says_how_to_apply() -> None:
 
 
 def test_pod_exit_codes_follow_the_segment_report(tmp_path: Path) -> None:
-    report = SegmentReport(segment=3, status="preempted", start_step=0, end_step=10, world_size=4,
-                           topology=request(2).topology)
+    report = SegmentReport(
+        segment=3, status="preempted", start_step=0, end_step=10, world_size=4, topology=request(2).topology
+    )
     assert pod_exit_code(0, None, False) == 0
     assert pod_exit_code(1, report, False) == EXIT_POD_PREEMPTED == 143
     assert pod_exit_code(1, report.model_copy(update={"status": "completed"}), False) == EXIT_POD_FAILED
@@ -168,7 +195,7 @@ def test_pod_exit_codes_follow_the_segment_report(tmp_path: Path) -> None:
     report.write(tmp_path)  # an earlier attempt's report must not decide this attempt
     fail = [sys.executable, "-c", "raise SystemExit(1)"]
     assert pod_run(fail, launch, wait_s=0) == EXIT_POD_FAILED
-    writes = ("import pathlib, sys; pathlib.Path(sys.argv[1]).write_text(sys.argv[2]); raise SystemExit(1)")
+    writes = "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text(sys.argv[2]); raise SystemExit(1)"
     fresh = [sys.executable, "-c", writes, str(tmp_path / REPORT_FILE), report.model_dump_json()]
     assert pod_run(fresh, launch, wait_s=0) == EXIT_POD_PREEMPTED
     assert fresh_report(tmp_path, 4, None, 0) is None  # another segment's report
@@ -214,33 +241,59 @@ def test_work_pool_template_is_a_valid_prefect_kubernetes_template() -> None:
 
 def test_cli_manifest_writes_validated_yaml(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "seg.yaml"
-    argv = ["manifest", "--config", TINY, "--run-dir", "/data/runs/tiny", "--nodes", "2", "--nproc", "3",
-            "--until-step", "40", "--kind", "jobset", "--device", "cpu", "--out", str(out)]
+    argv = [
+        "manifest",
+        "--config",
+        TINY,
+        "--run-dir",
+        "/data/runs/tiny",
+        "--nodes",
+        "2",
+        "--nproc",
+        "3",
+        "--until-step",
+        "40",
+        "--kind",
+        "jobset",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     assert re.search(r"JobSet tiny-[0-9a-f]{6}-s0", capsys.readouterr().err)
     config_map, job = yaml.safe_load_all(out.read_text())
     assert not problems(job) and world_size_of(job) == 6
     assert job["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["volumes"][0] == {
-        "name": "runs", "persistentVolumeClaim": {"claimName": "shardkeeper-runs"}}
+        "name": "runs",
+        "persistentVolumeClaim": {"claimName": "shardkeeper-runs"},
+    }
     assert SegmentLaunch.model_validate_json(config_map["data"][LAUNCH_KEY]).run_dir == "/data/runs/tiny"
     assert main(argv[:-2]) == 0 and capsys.readouterr().out.startswith("apiVersion: v1\nkind: ConfigMap")
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["--nodes", "0"], "--nodes 0: must be at least 1"),
-    (["--nproc", "0"], "--nproc 0: must be at least 1"),
-    (["--nodes", "5"], "--nodes 5 --nproc 1: global_batch_size 12 is not divisible by 5 ranks; choose --nodes x --nproc"),
-    (["--nodes", "2", "--nproc", "4"], "not divisible by 8 ranks"),
-    (["--kind", "mpijob"], "--kind mpijob: unknown kind; choose one of pytorchjob, jobset"),
-    (["--device", "tpu"], "--device 'tpu': choose cuda or cpu"),
-    (["--grace-s", "0"], "--grace-s 0"),
-    (["--namespace", "Team_A"], "--namespace 'Team_A': not a valid Kubernetes name"),
-    (["--image", "my image"], "--image 'my image'"),
-    (["--until-step", "0"], "--until-step 0: must be at least 1"),
-    (["--set", "optim.lrr=1"], "unknown key optim.lrr"),
-])
-def test_cli_manifest_bad_input_is_one_line(extra: list[str], needle: str, tmp_path: Path,
-                                            capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--nodes", "0"], "--nodes 0: must be at least 1"),
+        (["--nproc", "0"], "--nproc 0: must be at least 1"),
+        (
+            ["--nodes", "5"],
+            "--nodes 5 --nproc 1: global_batch_size 12 is not divisible by 5 ranks; choose --nodes x --nproc",
+        ),
+        (["--nodes", "2", "--nproc", "4"], "not divisible by 8 ranks"),
+        (["--kind", "mpijob"], "--kind mpijob: unknown kind; choose one of pytorchjob, jobset"),
+        (["--device", "tpu"], "--device 'tpu': choose cuda or cpu"),
+        (["--grace-s", "0"], "--grace-s 0"),
+        (["--namespace", "Team_A"], "--namespace 'Team_A': not a valid Kubernetes name"),
+        (["--image", "my image"], "--image 'my image'"),
+        (["--until-step", "0"], "--until-step 0: must be at least 1"),
+        (["--set", "optim.lrr=1"], "unknown key optim.lrr"),
+    ],
+)
+def test_cli_manifest_bad_input_is_one_line(
+    extra: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "seg.yaml"
     assert main(["manifest", "--config", TINY, "--run-dir", "tiny", "--out", str(out), *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -256,7 +309,9 @@ def test_names_and_paths_from_user_text_stay_apart_and_literal() -> None:
     from schemas import ClusterTopology
 
     topo = ClusterTopology(nodes=2, procs_per_node=1, launcher="kubernetes")
-    a, b = (LaunchRequest(run_dir=Path(d), until_step=4, segment=0, topology=topo) for d in ("/r/Bad_Name", "/r/bad-name"))
+    a, b = (
+        LaunchRequest(run_dir=Path(d), until_step=4, segment=0, topology=topo) for d in ("/r/Bad_Name", "/r/bad-name")
+    )
     opts = K8sOptions(image="img:1")
     assert job_name(a, opts) != job_name(b, opts)
     odd = LaunchRequest(run_dir=Path("/data/x$(MASTER_ADDR)y"), until_step=4, segment=0, topology=topo)
@@ -268,8 +323,29 @@ def test_cli_manifest_of_a_users_script_carries_it_in_run_yaml(tmp_path: Path, c
     """--script without --config: the pods' run.yaml names the script (a path inside the image, kept as given) and
     its arguments after --; the world size is the script's business (no batch divisibility check)."""
     out = tmp_path / "seg.yaml"
-    assert main(["manifest", "--script", "/app/train.py", "--run-dir", "own", "--nodes", "3", "--nproc", "1",
-                 "--device", "cpu", "--out", str(out), "--", "--lr", "1e-3"]) == 0
+    assert (
+        main(
+            [
+                "manifest",
+                "--script",
+                "/app/train.py",
+                "--run-dir",
+                "own",
+                "--nodes",
+                "3",
+                "--nproc",
+                "1",
+                "--device",
+                "cpu",
+                "--out",
+                str(out),
+                "--",
+                "--lr",
+                "1e-3",
+            ]
+        )
+        == 0
+    )
     config_map, job = yaml.safe_load_all(out.read_text())
     spec = yaml.safe_load(config_map["data"]["run.yaml"])
     assert spec["script"] == {"path": "/app/train.py", "args": ["--lr", "1e-3"]} and world_size_of(job) == 3

@@ -25,24 +25,44 @@ LAYERS = {
     "schemas": Layer("schemas", ("schemas",), never=("torch", "prefect", "transformers", "deepspeed")),
     "ckpt": Layer("ckpt", CORE, never=("prefect", "transformers")),
     "ckpt.formats": Layer("ckpt.formats", (*CORE, "ckpt.formats"), never=("prefect", "transformers")),
-    "ckpt.export": Layer("ckpt.export", (*CORE, "ckpt.formats", "ckpt.export"), never=("prefect",),
-                         not_at_import=("transformers",)),
+    "ckpt.export": Layer(
+        "ckpt.export", (*CORE, "ckpt.formats", "ckpt.export"), never=("prefect",), not_at_import=("transformers",)
+    ),
     "ckpt.publish": Layer("ckpt.publish", (*CORE, "ckpt.formats", "ckpt.publish"), never=("prefect", "torch")),
     "launch": Layer("launch", ("schemas", "launch"), never=("torch", "prefect", "transformers", "deepspeed")),
     "trainer": Layer("trainer", (*CORE, "ckpt.formats", "launch", "trainer"), never=("prefect",)),
     # the controller checks a token file with the trainer's own reader before launching: lazily, so the CLI
     # starts without torch
-    "shardkeeper": Layer("shardkeeper", (*CORE, "ckpt.formats", "ckpt.export", "ckpt.publish", "launch", "trainer",
-                                         "shardkeeper"),
-                         never=("prefect",), not_at_import=("torch", "transformers", "deepspeed", "trainer")),
+    "shardkeeper": Layer(
+        "shardkeeper",
+        (*CORE, "ckpt.formats", "ckpt.export", "ckpt.publish", "launch", "trainer", "shardkeeper"),
+        never=("prefect",),
+        not_at_import=("torch", "transformers", "deepspeed", "trainer"),
+    ),
     # rank-side integrations with other frameworks (Trainer subclass, Accelerate): they run under torchrun like
     # trainer/, import their framework when imported, and nothing imports them but users' scripts
-    "shardkeeper.integrations": Layer("shardkeeper.integrations", (*CORE, "ckpt.formats", "trainer",
-                                                                   "shardkeeper.integrations"), never=("prefect",)),
-    "tasks": Layer("tasks", (*CORE, "launch", "shardkeeper", "tasks"), not_at_import=("torch", "transformers", "deepspeed")),
+    "shardkeeper.integrations": Layer(
+        "shardkeeper.integrations", (*CORE, "ckpt.formats", "trainer", "shardkeeper.integrations"), never=("prefect",)
+    ),
+    "tasks": Layer(
+        "tasks", (*CORE, "launch", "shardkeeper", "tasks"), not_at_import=("torch", "transformers", "deepspeed")
+    ),
     "flows": Layer("flows", ("schemas", "shardkeeper", "tasks", "flows"), never=("torch", "ckpt", "trainer")),
-    "infra": Layer("infra", (*CORE, "ckpt.formats", "ckpt.export", "ckpt.publish", "launch", "trainer", "shardkeeper",
-                             "tasks", "flows", "infra")),
+    "infra": Layer(
+        "infra",
+        (
+            *CORE,
+            "ckpt.formats",
+            "ckpt.export",
+            "ckpt.publish",
+            "launch",
+            "trainer",
+            "shardkeeper",
+            "tasks",
+            "flows",
+            "infra",
+        ),
+    ),
 }
 
 
@@ -95,7 +115,8 @@ def imports_of(path: Path, module: str) -> list[Import]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def all_modules() -> dict[str, Path]:

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from ckpt.lineage import read_events
+from schemas import LineageEvent
 from tasks.dashboard import checkpoints_now, draw_lineage_graph, lineage_graph, markdown_rows, runs_overview
 from tasks.render import loss_by_step, loss_curve_png, markers, read_metrics, segment_statuses, slug, table_rows
-from schemas import LineageEvent
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,14 +28,19 @@ def test_slug_and_artifact_prefix() -> None:
     assert artifact_prefix("/x/runs/Demo", "tiny-llama") == "tiny-llama-demo"
     assert artifact_prefix("/x/runs/tiny-llama-7", "tiny-llama") == "tiny-llama-7"
     assert artifact_prefix("/x/runs/demo") == "demo"
-    assert artifact_keys("tiny-llama-demo") == ("tiny-llama-demo-lineage", "tiny-llama-demo-lineage-graph",
-                                                "tiny-llama-demo-loss-curve")
+    assert artifact_keys("tiny-llama-demo") == (
+        "tiny-llama-demo-lineage",
+        "tiny-llama-demo-lineage-graph",
+        "tiny-llama-demo-loss-curve",
+    )
 
 
 def test_loss_takes_the_last_written_value_per_step(lineage_run: Path) -> None:
     curve = loss_by_step(read_metrics(lineage_run))
     assert list(curve) == list(range(1, 11))
-    assert curve[7] == pytest.approx(5.0 - 0.7) and curve[8] == pytest.approx(5.0 - 0.8)  # the failed segment's values lost
+    assert curve[7] == pytest.approx(5.0 - 0.7) and curve[8] == pytest.approx(
+        5.0 - 0.8
+    )  # the failed segment's values lost
 
 
 def test_markers_at_resume_and_reshard_points(lineage_run: Path) -> None:
@@ -69,8 +74,16 @@ def long_run(n_segments: int = 4, per_segment: int = 250) -> list[LineageEvent]:
             step += 1
             reason = "interval" if i < per_segment - 1 else ("preempted" if status == "preempted" else "end")
             cid = f"checkpoint:step-{step:08d}"
-            events.append(LineageEvent(id=cid, kind="checkpoint", parent=prev, step=step, time="2026-01-01T00:00:00Z",
-                                       data={"reason": reason, "world_size": ws, "segment": seg}))
+            events.append(
+                LineageEvent(
+                    id=cid,
+                    kind="checkpoint",
+                    parent=prev,
+                    step=step,
+                    time="2026-01-01T00:00:00Z",
+                    data={"reason": reason, "world_size": ws, "segment": seg},
+                )
+            )
             prev = cid
     events.append(_event("export:last:bfloat16", "export", prev, dtype="bfloat16"))
     return events
@@ -92,12 +105,20 @@ def test_graph_folds_a_long_run_into_a_few_nodes(tmp_path: Path) -> None:
     kinds = [e.kind for e in model.edges]
     assert kinds.count("preempted") == 1 and kinds.count("reshard") == 2 and "export" in kinds
     first = next(e for e in model.edges if e.dst == "checkpoint:step-00000250")  # segment 0: step 1 -> its end
-    assert (first.src, first.kind, first.folded, first.label) == ("checkpoint:step-00000001", "train", 248,
-                                                                  "… 248 checkpoints …")
+    assert (first.src, first.kind, first.folded, first.label) == (
+        "checkpoint:step-00000001",
+        "train",
+        248,
+        "… 248 checkpoints …",
+    )
     xs = [n.x for n in sorted(ckpt_nodes, key=lambda n: int(n.label))]
     assert xs == sorted(xs) and len(set(xs)) == len(xs)  # left to right by step
-    assert [label for _, label in model.lanes] == ["segment 0 · 2 ranks · preempted", "segment 1 · 2 ranks · completed",
-                                                   "segment 2 · 4 ranks · preempted", "segment 3 · 3 ranks · completed"]
+    assert [label for _, label in model.lanes] == [
+        "segment 0 · 2 ranks · preempted",
+        "segment 1 · 2 ranks · completed",
+        "segment 2 · 4 ranks · preempted",
+        "segment 3 · 3 ranks · completed",
+    ]
     assert any(e.label == "reshard 4→3 after preempted" for e in model.edges)
     from PIL import Image
 
@@ -155,10 +176,23 @@ def test_graph_folds_old_checkpoints_on_disk() -> None:
 def test_graph_draws_exports_publishes_and_conversions(lineage_run: Path, tmp_path: Path) -> None:
     from ckpt import lineage
 
-    lineage.record(lineage_run, "publish", "publish:org/m@main:step-00000010", parent="export:step-00000010:bfloat16",
-                   target="org/m", revision="main")
-    lineage.record(lineage_run, "reshard", "convert:step-00000010:deepspeed:1", parent="checkpoint:step-00000010",
-                   step=10, uri="file:///x/ds/checkpoints/step-00000010", method="convert-to-deepspeed")
+    lineage.record(
+        lineage_run,
+        "publish",
+        "publish:org/m@main:step-00000010",
+        parent="export:step-00000010:bfloat16",
+        target="org/m",
+        revision="main",
+    )
+    lineage.record(
+        lineage_run,
+        "reshard",
+        "convert:step-00000010:deepspeed:1",
+        parent="checkpoint:step-00000010",
+        step=10,
+        uri="file:///x/ds/checkpoints/step-00000010",
+        method="convert-to-deepspeed",
+    )
     model = lineage_graph(read_events(lineage_run), existing={"checkpoint:step-00000010"})
     ck = model.node("checkpoint:step-00000010")
     out = {n.kind: n for n in model.nodes if n.kind != "checkpoint"}
@@ -166,25 +200,44 @@ def test_graph_draws_exports_publishes_and_conversions(lineage_run: Path, tmp_pa
     assert all(n.x > ck.x and n.y < ck.y for n in out.values())  # below-right of their checkpoint, no overlap
     assert len({(n.x, n.y) for n in out.values()}) == 3
     assert {(e.src, e.kind) for e in model.edges if e.dst in {n.id for n in out.values()}} == {
-        (ck.id, "export"), ("export:step-00000010:bfloat16", "publish"), (ck.id, "convert")}
+        (ck.id, "export"),
+        ("export:step-00000010:bfloat16", "publish"),
+        (ck.id, "convert"),
+    }
     # the DCP reshard at load time is the resume edge, not an output
     assert not any(n.id.startswith("reshard:") for n in model.nodes)
     # the run the conversion wrote: its first checkpoint says where it came from
-    converted = [LineageEvent(id="checkpoint:step-00000010", kind="checkpoint", step=10, time="2026-01-01T00:00:00Z",
-                              data={"reason": "converted", "world_size": 1,
-                                    "source": f"file://{lineage_run}/checkpoints/step-00000010"})]
+    converted = [
+        LineageEvent(
+            id="checkpoint:step-00000010",
+            kind="checkpoint",
+            step=10,
+            time="2026-01-01T00:00:00Z",
+            data={"reason": "converted", "world_size": 1, "source": f"file://{lineage_run}/checkpoints/step-00000010"},
+        )
+    ]
     assert lineage_graph(converted).nodes[0].note == "from lineage-run/step-00000010"
 
 
 def test_graph_of_the_lineage_fixture(lineage_run: Path) -> None:
     model = lineage_graph(read_events(lineage_run), existing={"checkpoint:step-00000010"})
     by_id = {n.id: n for n in model.nodes}
-    assert set(by_id) >= {"checkpoint:step-00000003", "checkpoint:step-00000006", "checkpoint:step-00000009",
-                          "checkpoint:step-00000010", "export:step-00000010:bfloat16"}
+    assert set(by_id) >= {
+        "checkpoint:step-00000003",
+        "checkpoint:step-00000006",
+        "checkpoint:step-00000009",
+        "checkpoint:step-00000010",
+        "export:step-00000010:bfloat16",
+    }
     assert by_id["checkpoint:step-00000010"].exists and not by_id["checkpoint:step-00000006"].exists
     edge = next(e for e in model.edges if e.dst == "checkpoint:step-00000009")
-    assert edge.src == "checkpoint:step-00000006" and edge.kind == "reshard" and edge.label == "reshard 2→3 after failed"
-    assert [label for _, label in model.lanes][1:] == ["segment 1 · 2 ranks · failed", "segment 2 · 3 ranks · in progress"]
+    assert (
+        edge.src == "checkpoint:step-00000006" and edge.kind == "reshard" and edge.label == "reshard 2→3 after failed"
+    )
+    assert [label for _, label in model.lanes][1:] == [
+        "segment 1 · 2 ranks · failed",
+        "segment 2 · 3 ranks · in progress",
+    ]
 
 
 def test_graph_draws_no_lane_for_a_segment_the_ranks_refused(lineage_run: Path) -> None:
@@ -193,8 +246,9 @@ def test_graph_draws_no_lane_for_a_segment_the_ranks_refused(lineage_run: Path) 
     from ckpt import lineage
 
     before = lineage_graph(read_events(lineage_run))
-    lineage.record(lineage_run, "segment", "segment:3", parent="checkpoint:step-00000010", step=10, status="refused",
-                   world_size=4)
+    lineage.record(
+        lineage_run, "segment", "segment:3", parent="checkpoint:step-00000010", step=10, status="refused", world_size=4
+    )
     after = lineage_graph(read_events(lineage_run))
     assert after.lanes == before.lanes and [e.label for e in after.edges] == [e.label for e in before.edges]
 
@@ -219,10 +273,22 @@ def test_checkpoints_now_lists_only_what_exists(tiny_run: Path, tmp_path: Path) 
 
     lineage.record(run, "validate", "validate:x:1", parent=ck, valid=False)
     lineage.record(run, "validate", "validate:x:2", parent=ck, valid=True)  # the latest check counts
-    lineage.record(run, "export", f"export:{on_disk[-1]}:bfloat16", parent=ck,
-                   dtype="bfloat16", uri=(run / "exports" / on_disk[-1]).as_uri())
-    lineage.record(run, "publish", f"publish:org/m@main:{on_disk[-1]}", parent=f"export:{on_disk[-1]}:bfloat16",
-                   target="org/m", revision=None)
+    lineage.record(
+        run,
+        "export",
+        f"export:{on_disk[-1]}:bfloat16",
+        parent=ck,
+        dtype="bfloat16",
+        uri=(run / "exports" / on_disk[-1]).as_uri(),
+    )
+    lineage.record(
+        run,
+        "publish",
+        f"publish:org/m@main:{on_disk[-1]}",
+        parent=f"export:{on_disk[-1]}:bfloat16",
+        target="org/m",
+        revision=None,
+    )
     rows = checkpoints_now(run, read_events(run))
     assert [f"step-{r['step']:08d}" for r in rows] == on_disk and len(ever) == len(on_disk) + 2
     last = rows[-1]
@@ -259,8 +325,13 @@ def test_runs_overview_rows(tiny_run: Path, tmp_path: Path) -> None:
         rows = {r["run"]: r for r in runs_overview(scan_runs([str(root)], []), now=now)}
     assert set(rows) == {"done", "stopped", "broken", "halted", "killed", "live"}  # "empty" is no run
     assert {k: r["status"] for k, r in rows.items()} == {
-        "done": "completed", "stopped": "preempted", "broken": "failed", "halted": "cancelled", "killed": "interrupted",
-        "live": "running"}
+        "done": "completed",
+        "stopped": "preempted",
+        "broken": "failed",
+        "halted": "cancelled",
+        "killed": "interrupted",
+        "live": "running",
+    }
     assert rows["done"]["step"] == 5 and rows["done"]["last_checkpoint"] == "step-00000005"
     assert rows["done"]["world_size"] == 2 and rows["done"]["last_activity"] == "2h ago"
     assert rows["stopped"]["until_step"] == 9 and rows["live"]["until_step"] == 12

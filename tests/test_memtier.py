@@ -9,10 +9,9 @@ tests/test_resume.py::test_memory_tier_rank_crash_resumes_from_memory_exactly.""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
-
-import shutil
 
 import pytest
 
@@ -49,7 +48,9 @@ def test_memory_tier_that_does_not_fit_is_refused_with_how_to_size_it(tmp_path: 
     with pytest.raises(ConfigError) as e:
         check_memory_tier(spec, topo, tmp_path / "run", params)
     msg = _one_line(e)
-    assert msg.startswith("checkpoint.memory_dir: three memory snapshots (two kept, one being written) of 2 rank(s) need")
+    assert msg.startswith(
+        "checkpoint.memory_dir: three memory snapshots (two kept, one being written) of 2 rank(s) need"
+    )
     assert "--shm-size=" in msg and "memory_interval" in msg and str(tmp_path) in msg
     assert not mem.exists() and not (tmp_path / "shm").exists()
     check_memory_tier(spec, topo, tmp_path / "run", int(free / 46.8 * 0.9))  # just under: fits
@@ -60,8 +61,12 @@ def test_read_only_missing_or_file_memory_dir_is_refused_and_nothing_written(tmp
     ro.mkdir()
     mounted = False
     if os.geteuid() == 0:  # root writes through permission bits: a read-only mount is what refuses it
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)],
-                                 capture_output=True).returncode == 0
+        mounted = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True
+            ).returncode
+            == 0
+        )
         if not mounted:
             pytest.skip("running as root without the right to mount a read-only tmpfs")
     else:
@@ -112,8 +117,13 @@ def test_memory_dir_at_or_around_a_run_directory_is_refused_and_nothing_touched(
     (other / "run.yaml").write_text("name: other\n")
     before = sorted(str(p) for p in other.rglob("*"))
     me = tmp_path / "me"
-    for mem, why in [(other, "is or lies inside the run directory"), (other / "shm", "is or lies inside the run directory"),
-                     (tmp_path, "contains"), (me, "this run's --run-dir"), (me / "shm", "this run's --run-dir")]:
+    for mem, why in [
+        (other, "is or lies inside the run directory"),
+        (other / "shm", "is or lies inside the run directory"),
+        (tmp_path, "contains"),
+        (me, "this run's --run-dir"),
+        (me / "shm", "this run's --run-dir"),
+    ]:
         spec = _spec(mem)
         with pytest.raises(ConfigError) as e:
             preflight(spec, plan_topology(spec, 2), me)
@@ -223,8 +233,12 @@ def _tier_goes_off(tmp: str) -> list[object]:
     dist.barrier()
     a.save(TrainState(step=4), reason="interval", blocking=True)
     a.save(TrainState(step=6), reason="interval", blocking=True, tier=memtier.MEMORY)  # off: nothing
-    seen += [a.memory is None, stored(a, 4), sorted(p.name for p in (root / "shm" / "checkpoints").iterdir()),
-             (root / "a" / "checkpoints" / "step-00000006").exists()]
+    seen += [
+        a.memory is None,
+        stored(a, 4),
+        sorted(p.name for p in (root / "shm" / "checkpoints").iterdir()),
+        (root / "a" / "checkpoints" / "step-00000006").exists(),
+    ]
     (root / "data").mkdir(exist_ok=True)
     if env.is_rank0:
         (root / "data" / "keep.txt").write_text("mine")
@@ -237,8 +251,11 @@ def _tier_goes_off(tmp: str) -> list[object]:
 
     def full(snapshot, ts, partial):  # noqa: ANN001 - what the DCP writer's agreement raises on ENOSPC
         if partial.parent == root / "shm-c" / "checkpoints":
-            c.abort_save(partial, c.save_problem(OSError(errno.ENOSPC, "No space left on device", str(partial / "x")),
-                                                 partial), env.ckpt_group)
+            c.abort_save(
+                partial,
+                c.save_problem(OSError(errno.ENOSPC, "No space left on device", str(partial / "x")), partial),
+                env.ckpt_group,
+            )
         return write(snapshot, ts, partial)
 
     c.write = full  # type: ignore[method-assign]
@@ -266,7 +283,8 @@ def _claimed(tmp_path: Path) -> tuple[RunDir, RunDir]:
 
 
 def test_recycle_retires_only_the_oldest_of_two_before_the_step_and_retention_clears_what_was_not_taken(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """Before the snapshot of step S is written, the oldest of two committed snapshots before S is renamed to
     step-OLD.recycle-S (no manifest: never a snapshot again), the one every writer of S finds; one snapshot before S
     alone is never recycled, nor one at or after S (a newer one the run could not use stays; the newest usable one
@@ -320,7 +338,7 @@ def test_recycle_never_hands_writers_a_symlink_nor_touches_a_dir_another_run_own
     assert (victim / "__0_0.distcp").read_bytes() == b"precious" * 100  # a symlinked reuse dir is never used
     assert (partial / "__0_0.distcp").read_bytes() == b"new snapshot"
     other = _run(tmp_path / "other")
-    (mem.root / memtier.OWNER_NAME).write_text('{"run_dir": "%s", "id": "x"}' % other.root)
+    (mem.root / memtier.OWNER_NAME).write_text('{"run_dir": "%s", "id": "x"}' % other.root)  # noqa: UP031
     assert memtier_recycle.recycle(mem, 8, run) is None and mem.checkpoint(4).is_dir()
 
 
@@ -379,7 +397,6 @@ def _snapshots_reuse_pages(tmp: str) -> list[object]:
     the older of two snapshots is retired as the next one's stage right after a commit, so once the checkpointer is
     closed the newest snapshot stays, with no recycle or stage dir left."""
     import torch
-
     import torch.distributed as dist
 
     from ckpt.validate import validate
@@ -401,8 +418,9 @@ def _snapshots_reuse_pages(tmp: str) -> list[object]:
         mine = sorted(snap.glob(f"__{env.rank}_*.distcp"))
         inodes[step] = mine[0].stat().st_ino
         theirs = sorted((root / "fresh" / "checkpoints" / f"step-{step:08d}").glob(f"__{env.rank}_*.distcp"))
-        same_bytes.append([f.read_bytes() for f in mine] == [f.read_bytes() for f in theirs]
-                          and validate(snap, deep=True).valid)
+        same_bytes.append(
+            [f.read_bytes() for f in mine] == [f.read_bytes() for f in theirs] and validate(snap, deep=True).valid
+        )
     mem_ck.close()
     fresh.close()
     dist.barrier()
@@ -556,16 +574,16 @@ def _tracked_objects_staged(tmp: str) -> list[object]:
                     fh.write(b"\0" * 64)
         staged, same, snap = _snapshot_both(root, env.rank, mem_ck, fresh, step)
         back = unpack(mem_ck.read_extras(snap, env.rank)["sched"], "sched")
-        out.append((staged, same,
-                    back["step"] == step and torch.equal(back["v"], tracked.state_dict()["v"])))
+        out.append((staged, same, back["step"] == step and torch.equal(back["v"], tracked.state_dict()["v"])))
     mem_ck.close()
     fresh.close()
     dist.destroy_process_group()
     return out
 
 
-def test_tracked_objects_are_staged_with_the_state_and_a_size_change_is_written_the_ordinary_way(tmp_path: Path
-                                                                                                ) -> None:
+def test_tracked_objects_are_staged_with_the_state_and_a_size_change_is_written_the_ordinary_way(
+    tmp_path: Path,
+) -> None:
     from tests.harness import spawn
 
     want = [(False, True, True), (True, True, True), (False, True, True), (True, True, True)]
@@ -628,8 +646,11 @@ def _persist_edges(tmp: str) -> list[object]:
         fresh.save(TrainState(step=step), reason="interval", blocking=True)
         mine = sorted(ck.run_dir.checkpoint(step).glob(f"__{env.rank}_*.distcp"))
         theirs = sorted(fresh.run_dir.checkpoint(step).glob(f"__{env.rank}_*.distcp"))
-        return (bool(mine) and [f.read_bytes() for f in mine] == [f.read_bytes() for f in theirs]
-                and validate(ck.run_dir.checkpoint(step), deep=True).valid)
+        return (
+            bool(mine)
+            and [f.read_bytes() for f in mine] == [f.read_bytes() for f in theirs]
+            and validate(ck.run_dir.checkpoint(step), deep=True).valid
+        )
 
     out: list[object] = []
     ck.save(advance(2), reason="interval", tier=memtier.MEMORY)  # async: the next snapshots are staged in files
@@ -687,8 +708,9 @@ def _crashed(tmp_path: Path, name: str = "run", **more: object):
     from trainer.segment import run_segment
 
     mem = tmp_path / f"shm-{name}"
-    spec = tiny_spec(**{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(mem), "checkpoint.interval": 4,
-                        **more})
+    spec = tiny_spec(
+        **{"checkpoint.memory_interval": 2, "checkpoint.memory_dir": str(mem), "checkpoint.interval": 4, **more}
+    )
     run = new_run(tmp_path / name, spec)
     assert spawn(run_segment, 2, str(run), 6, 0) == [0, 0]
     rd = RunDir.at(run)
@@ -702,16 +724,17 @@ def _tier(spec, **update: object):  # noqa: ANN001, ANN202 - the same run's spec
 
 
 def test_between_segments_persists_a_memory_dir_the_run_left_then_removes_it_and_says_what_it_kept(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The launcher before a segment: the snapshot newer than storage in the memory dir an earlier segment used is
     persisted (deep-validated) when the memory tier is off now or set to another dir, and that dir removed; a
     snapshot whose persist fails (a reader's own error) is kept and named in one line with how to use it; an
     older run's id file and a snapshot without a run id are this run's. Then one real `shardkeeper train` with
     the memory tier off resumes from the persisted step, its launcher lines shown without -v."""
-    from ckpt import validate as validate_mod
-    from ckpt.manifest import read_manifest
     import sys
 
+    from ckpt import validate as validate_mod
+    from ckpt.manifest import read_manifest
     from ckpt.validate import latest_valid
     from tests.harness import ROOT
 
@@ -734,9 +757,11 @@ def test_between_segments_persists_a_memory_dir_the_run_left_then_removes_it_and
 
     for now, where in ((None, "the memory tier is off"), (str(tmp_path / "shm-2"), f"now {tmp_path / 'shm-2'}")):
         said = lines(_tier(spec, memory_interval=None if now is None else 2, memory_dir=now))
-        assert said == [f"persisted the memory snapshot step-00000006 to storage: {rd.checkpoint(6)}",
-                        f"removed the memory tier {mem}: no longer this run's checkpoint.memory_dir ({where}); storage "
-                        "holds its steps"]
+        assert said == [
+            f"persisted the memory snapshot step-00000006 to storage: {rd.checkpoint(6)}",
+            f"removed the memory tier {mem}: no longer this run's checkpoint.memory_dir ({where}); storage "
+            "holds its steps",
+        ]
         assert validate_mod.validate(rd.checkpoint(6), deep=True).valid
         assert read_manifest(rd.checkpoint(6)).run_id == mine
         assert not mem.exists() and memtier.recorded_roots(rd) == [] and not (tmp_path / "shm-2").exists()
@@ -752,13 +777,20 @@ def test_between_segments_persists_a_memory_dir_the_run_left_then_removes_it_and
 
     monkeypatch.setattr(validate_mod, "validate", reader_fails)
     snap = mem / "checkpoints" / "step-00000006"
-    why = (f"warning: memory snapshot {snap} not persisted: its deep validation failed (TypeError: cannot modify "
-           "read-only memory); it is kept ({}); storage's step-00000004 is the resume point")
-    assert lines(spec) == [why.format("a segment at world size 2 with this memory tier resumes from it if it passes "
-                                      "every check")]
-    assert lines(_tier(spec, memory_interval=None)) == [why.format(
-        f"to try it, run a segment at world size 2 with checkpoint.memory_interval set and checkpoint.memory_dir {mem} "
-        "(the ranks load it only if it passes every check)")]
+    why = (
+        f"warning: memory snapshot {snap} not persisted: its deep validation failed (TypeError: cannot modify "
+        "read-only memory); it is kept ({}); storage's step-00000004 is the resume point"
+    )
+    assert lines(spec) == [
+        why.format("a segment at world size 2 with this memory tier resumes from it if it passes every check")
+    ]
+    assert lines(_tier(spec, memory_interval=None)) == [
+        why.format(
+            "to try it, run a segment at world size 2 with checkpoint.memory_interval set and "
+            f"checkpoint.memory_dir {mem} "
+            "(the ranks load it only if it passes every check)"
+        )
+    ]
     assert snap.is_dir() and memtier.recorded_roots(rd) == [mem] and latest_valid(rd)[1].step == 4
     monkeypatch.setattr(validate_mod, "validate", real)
 
@@ -769,8 +801,9 @@ def test_between_segments_persists_a_memory_dir_the_run_left_then_removes_it_and
     shard.write_bytes(bytes(data))
     said = lines(_tier(spec, memory_interval=None))
     assert len(said) == 2 and said[0].startswith(f"warning: memory snapshot {snap} not persisted: {shard}: checksum ")
-    assert "; set aside as step-00000006.invalid-" in said[0] and said[0].endswith("storage's step-00000004 is the "
-                                                                                  "resume point")
+    assert "; set aside as step-00000006.invalid-" in said[0] and said[0].endswith(
+        "storage's step-00000004 is the resume point"
+    )
     assert said[1].startswith(f"removed the memory tier {mem}") and not mem.exists() and latest_valid(rd)[1].step == 4
     restore()
     (tmp_path / "alias").symlink_to(mem)  # the same memory dir by another path: the segment's own, never removed
@@ -787,10 +820,27 @@ def test_between_segments_persists_a_memory_dir_the_run_left_then_removes_it_and
     assert memtier.identity(rd) == mine and not (rd.root / memtier.ID_NAME).exists()
 
     restore()
-    res = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--run-dir", str(rd.root), "--nproc", "2",
-                          "--until-step", "8", "--set", "checkpoint.memory_interval=null"], capture_output=True,
-                         text=True, timeout=600, env={**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"},
-                         cwd=ROOT)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardkeeper",
+            "train",
+            "--run-dir",
+            str(rd.root),
+            "--nproc",
+            "2",
+            "--until-step",
+            "8",
+            "--set",
+            "checkpoint.memory_interval=null",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"},
+        cwd=ROOT,
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     assert f"shardkeeper: persisted the memory snapshot step-00000006 to storage: {rd.checkpoint(6)}" in out
@@ -798,7 +848,8 @@ def test_between_segments_persists_a_memory_dir_the_run_left_then_removes_it_and
 
 
 def test_another_runs_snapshot_copied_into_the_memory_dir_is_never_persisted_nor_resumed(
-        tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
     """Run B has A's name (another directory, another learning rate); its snapshot of step 8 copied into A's memory
     dir: the launcher sets it aside in one line and persists A's own step 6; copied in again, A's ranks refuse it
     in one line and resume from step 6."""
@@ -815,9 +866,11 @@ def test_another_runs_snapshot_copied_into_the_memory_dir_is_never_persisted_nor
     shutil.copytree(theirs, copied)
     said = memtier_persist.between_segments(spec, rd)
     assert len(said) == 2 and said[1].startswith("persisted the memory snapshot step-00000006"), said
-    assert said[0].startswith(f"warning: memory snapshot {copied} refused: written by another run (run id "
-                              f"{memtier.identity(other)}; this run's is {memtier.identity(rd)}); set aside as "
-                              "step-00000008.invalid-") and said[0].endswith(", never persisted nor resumed")
+    assert said[0].startswith(
+        f"warning: memory snapshot {copied} refused: written by another run (run id "
+        f"{memtier.identity(other)}; this run's is {memtier.identity(rd)}); set aside as "
+        "step-00000008.invalid-"
+    ) and said[0].endswith(", never persisted nor resumed")
     assert not copied.exists() and not rd.checkpoint(8).exists()
     shutil.copytree(theirs, copied)  # copied in again once the launcher looked: the ranks refuse it too
     capfd.readouterr()

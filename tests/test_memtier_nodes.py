@@ -16,16 +16,22 @@ import pytest
 
 from ckpt.layout import RunDir
 from ckpt.validate import validate
-from tests.reliability.corrupt import flip_byte
 from tests.harness import assert_bitwise, metrics, new_run, spawn, tiny_spec
+from tests.reliability.corrupt import flip_byte
 from trainer.segment import run_segment
 
 K, END = 2, 6
 
 
 def _spec(mem: Path):
-    return tiny_spec(**{"checkpoint.memory_interval": K, "checkpoint.memory_dir": str(mem), "checkpoint.interval": 100,
-                        "checkpoint.background_nice": 0})
+    return tiny_spec(
+        **{
+            "checkpoint.memory_interval": K,
+            "checkpoint.memory_dir": str(mem),
+            "checkpoint.interval": 100,
+            "checkpoint.background_nice": 0,
+        }
+    )
 
 
 def _events(run: Path) -> list[dict]:
@@ -66,7 +72,8 @@ def two_node_run(_two_node_template: tuple[Path, Path, Path]) -> tuple[Path, Pat
 
 
 def test_each_node_holds_the_whole_snapshot_and_a_lost_node_restores_from_its_peer(
-        reference: Path, two_node_run: tuple[Path, Path]) -> None:
+    reference: Path, two_node_run: tuple[Path, Path]
+) -> None:
     run, mem = two_node_run
     a, b = mem / "nodes" / "node0", mem / "nodes" / "node1"
     for node in (a, b):  # own files + the peer's: with two nodes, each node's copy is whole and valid
@@ -83,8 +90,9 @@ def test_each_node_holds_the_whole_snapshot_and_a_lost_node_restores_from_its_pe
     assert_bitwise(metrics(reference), metrics(run), range(END + 1, END + 3))
 
 
-def test_a_replica_tampered_in_the_peers_memory_is_never_loaded(reference: Path, two_node_run: tuple[Path, Path],
-                                                                capfd) -> None:
+def test_a_replica_tampered_in_the_peers_memory_is_never_loaded(
+    reference: Path, two_node_run: tuple[Path, Path], capfd
+) -> None:
     """Node 1 lost, and node 0's copy of node 1's file changed in memory: the bytes received are hashed against
     the manifest before they join node 1's copy; one line, storage's checkpoint of the same step is used."""
     run, mem = two_node_run
@@ -108,8 +116,10 @@ def test_plan_takes_each_missing_file_from_the_node_that_holds_it() -> None:
     from ckpt.memtier_nodes import Copy, plan
 
     files = {"__0_0.distcp": 10, "__1_0.distcp": 10, "__2_0.distcp": 10, ".metadata": 5}
+
     def copy(*held: str) -> Copy:
         return Copy(8, "d", 3, "tiny", files, list(held))
+
     node0 = copy("__0_0.distcp", ".metadata", "__2_0.distcp")
     node2 = copy("__2_0.distcp", "__1_0.distcp")
     plans, notes = plan([[node0], None, [node2]], 3, "tiny")
@@ -176,8 +186,7 @@ def _exchange_rank(root: str, reuse: bool = False) -> list:
                 continue
             (bin_ / f.path).write_bytes(_os.urandom(f.size + (5000 if k % 2 else -min(f.size, 3))))
             inodes[f.path] = (bin_ / f.path).stat().st_ino
-    problem = rep.exchange(here, mine, 1 - rank, theirs[1 - rank], 1 - rank, dist.group.WORLD,
-                           bin_ if reuse else None)
+    problem = rep.exchange(here, mine, 1 - rank, theirs[1 - rank], 1 - rank, dist.group.WORLD, bin_ if reuse else None)
     dist.barrier()
     peer = Path(root) / f"node{1 - rank}"
     same = [(here / f.path).read_bytes() == (peer / f.path).read_bytes() for f in theirs[1 - rank]]
@@ -194,11 +203,10 @@ def test_replication_streams_many_chunks_both_ways_at_once(tmp_path: Path, reuse
         assert problem is None and len(same) == (8 if reuse else 6) and all(same), got
 
 
-
-
 @pytest.mark.parametrize("damage", ["file-is-a-dir", "copy-is-a-file"])
 def test_a_node_copy_with_something_in_the_way_is_rebuilt_from_the_peer_without_a_hang(
-        reference: Path, two_node_run: tuple[Path, Path], damage: str, capfd) -> None:
+    reference: Path, two_node_run: tuple[Path, Path], damage: str, capfd
+) -> None:
     """Node 1's copy damaged where the peer's files must land: one of its files replaced by a directory, or the
     whole step dir replaced by a regular file. The files fetched from node 0 replace what is in the way (the
     restore neither raises on one rank while the others wait, nor loads anything unchecked)."""
@@ -233,14 +241,17 @@ def _segment_node1_full_at_commit(run: str, until: int, segment: int) -> int:
     from trainer.save_side import SaveSide
 
     if int(os.environ["RANK"]) == 1:
+
         def full(partial: Path, manifest: object) -> None:
             raise OSError(errno.ENOSPC, "No space left on device", str(Path(partial) / "manifest.json"))
+
         node_tier.write_manifest = full  # type: ignore[assignment]
         off = SaveSide._tier_off
 
         def slow_off(self: SaveSide, problem: str) -> None:
             time.sleep(1.5)
             off(self, problem)
+
         SaveSide._tier_off = slow_off  # type: ignore[method-assign]
     return run_segment(run, until, segment)
 
@@ -261,8 +272,9 @@ def test_one_node_failing_its_commit_commits_no_node_and_does_not_hang(tmp_path:
     assert not any(e["kind"] == "checkpoint" and e["data"].get("tier") == "memory" for e in _events(run))
 
 
-def test_a_node_dir_held_by_another_live_run_is_left_untouched(two_node_run: tuple[Path, Path], tmp_path: Path,
-                                                               capfd) -> None:
+def test_a_node_dir_held_by_another_live_run_is_left_untouched(
+    two_node_run: tuple[Path, Path], tmp_path: Path, capfd
+) -> None:
     """Node 1's memory dir was taken by another run that is still alive (its tier.json, its lock held): the
     restore cannot complete node 1's copy there; one line, storage is used, and nothing of the other run's
     snapshots is moved or removed."""
@@ -287,7 +299,8 @@ def test_a_node_dir_held_by_another_live_run_is_left_untouched(two_node_run: tup
 
 
 def test_a_node_copy_of_another_run_is_never_offered_and_a_left_node_tier_is_persisted_then_removed(
-        two_node_run: tuple[Path, Path]) -> None:
+    two_node_run: tuple[Path, Path],
+) -> None:
     """A node's copy whose manifest carries another run's id is not offered for a restore. With the ranks dead
     before the persist of step END (storage has none), the launcher of a segment with the memory tier off persists
     it from a whole node copy, then removes the node dirs and the memory dir they lay in."""
@@ -309,9 +322,11 @@ def test_a_node_copy_of_another_run_is_never_offered_and_a_left_node_tier_is_per
     spec = _spec(mem)
     off = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"memory_interval": None})})
     said = memtier_persist.between_segments(off, rd)
-    assert said == [f"persisted the memory snapshot step-{END:08d} to storage: {rd.checkpoint(END)}",
-                    f"removed the memory tier {mem}: no longer this run's checkpoint.memory_dir (the memory tier is "
-                    "off); storage holds its steps"], said
+    assert said == [
+        f"persisted the memory snapshot step-{END:08d} to storage: {rd.checkpoint(END)}",
+        f"removed the memory tier {mem}: no longer this run's checkpoint.memory_dir (the memory tier is "
+        "off); storage holds its steps",
+    ], said
     assert validate(rd.checkpoint(END), deep=True).valid and read_manifest(rd.checkpoint(END)).run_id == mine
     assert not mem.exists() and not a.root.exists()
 

@@ -69,9 +69,20 @@ def _tokens(path: Path, vocab: int, bad_steps: list[int]) -> Path:
 def _spec(folder: Path, data: Path, *sets: str):
     from shardkeeper.config import load_run_spec
 
-    return load_run_spec(FINETUNE, [f"model.pretrained={folder}", "data.source=tokens", f"data.path={data}",
-                                    f"data.seq_len={SEQ}", f"global_batch_size={BATCH}", f"seed={SEED}",
-                                    "checkpoint.interval=1", "checkpoint.keep_last=100", *sets])
+    return load_run_spec(
+        FINETUNE,
+        [
+            f"model.pretrained={folder}",
+            "data.source=tokens",
+            f"data.path={data}",
+            f"data.seq_len={SEQ}",
+            f"global_batch_size={BATCH}",
+            f"seed={SEED}",
+            "checkpoint.interval=1",
+            "checkpoint.keep_last=100",
+            *sets,
+        ],
+    )
 
 
 def _train(spec, run: Path, until: int):
@@ -91,8 +102,11 @@ def _no_scan(monkeypatch: pytest.MonkeyPatch) -> None:
     import shardkeeper.preflight
 
     scan = shardkeeper.preflight.check_finite_weights
-    monkeypatch.setattr(shardkeeper.preflight, "check_finite_weights",
-                        lambda source, tensors: None if Path(source).name == NO_SCAN else scan(source, tensors))
+    monkeypatch.setattr(
+        shardkeeper.preflight,
+        "check_finite_weights",
+        lambda source, tensors: None if Path(source).name == NO_SCAN else scan(source, tensors),
+    )
 
 
 def _vocab(folder: Path) -> int:
@@ -124,7 +138,10 @@ def _failed(res, step: int, what: str, resume: int) -> None:
     assert res.failure.startswith(f"non-finite {what} at step {step} "), res.failure
     assert "\n" not in res.failure and "optim.lr" in res.failure and "pretrained weights" in res.failure
     if resume:
-        assert f"step-{resume:08d} stays the latest checkpoint" in res.failure and f"resume from step {resume}" in res.failure
+        assert (
+            f"step-{resume:08d} stays the latest checkpoint" in res.failure
+            and f"resume from step {resume}" in res.failure
+        )
     else:
         assert "no checkpoint yet" in res.failure
     assert res.end_step == resume
@@ -137,9 +154,28 @@ SIDE_BY_SIDE = 3  # launches at once: much of a launch is process start and impo
 def _lr_1e6_cli(run: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SHARDKEEPER_DEVICE": "cpu"}
     cmd = [sys.executable, "-m", "shardkeeper"]
-    p = subprocess.run([*cmd, "train", "--config", TINY, "--run-dir", str(run), "--nproc", "2", "--until-step", "6",
-                        "--set", "optim.lr=1e6", "--set", "checkpoint.interval=1"], capture_output=True, text=True,
-                       env=env, timeout=300)
+    p = subprocess.run(
+        [
+            *cmd,
+            "train",
+            "--config",
+            TINY,
+            "--run-dir",
+            str(run),
+            "--nproc",
+            "2",
+            "--until-step",
+            "6",
+            "--set",
+            "optim.lr=1e6",
+            "--set",
+            "checkpoint.interval=1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     st = subprocess.run([*cmd, "status", str(run), "--json"], capture_output=True, text=True, env=env, timeout=120)
     return {"run": run, "train": p, "status": st}
 
@@ -187,12 +223,22 @@ def launched(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     test to raise."""
     monkeypatch = pytest.MonkeyPatch()
     _no_scan(monkeypatch)
-    jobs = {"cli": (_lr_1e6_cli,), "nan-first": (_nan_loss_first, base), "skip": (_skip_step, base),
-            "ds-skip": (_ds_skip_step, base), "nan-weights": (_nan_weights, base),
-            "ds-nan-first": (_nan_loss_first, base, "backend=deepspeed", "deepspeed.zero_stage=2")}
+    jobs = {
+        "cli": (_lr_1e6_cli,),
+        "nan-first": (_nan_loss_first, base),
+        "skip": (_skip_step, base),
+        "ds-skip": (_ds_skip_step, base),
+        "nan-weights": (_nan_weights, base),
+        "ds-nan-first": (_nan_loss_first, base, "backend=deepspeed", "deepspeed.zero_stage=2"),
+    }
     try:
-        return side_by_side([[(name, fn, tmp_path_factory.mktemp(name) / ("run" if name == "cli" else ""), *args)]
-                             for name, (fn, *args) in jobs.items()], SIDE_BY_SIDE)
+        return side_by_side(
+            [
+                [(name, fn, tmp_path_factory.mktemp(name) / ("run" if name == "cli" else ""), *args)]
+                for name, (fn, *args) in jobs.items()
+            ],
+            SIDE_BY_SIDE,
+        )
     finally:
         monkeypatch.undo()
 
@@ -255,7 +301,10 @@ def test_skip_step_counts_skips_and_stops_after_max_skipped_in_a_row_then_resume
     assert event["step"] == 9 and event["data"]["skipped"] == [3, 5, 7, 8] and event["data"]["in_a_row"] == 3
 
     res, lines = got["res"], got["lines"]
-    assert res.status == "completed" and res.exit_code == 0 and res.start_step == 8 and res.end_step == 11, (res, lines[-10:])
+    assert res.status == "completed" and res.exit_code == 0 and res.start_step == 8 and res.end_step == 11, (
+        res,
+        lines[-10:],
+    )
     assert res.note and "skipped 1 non-finite step(s)" in res.note and res.note.endswith(": 9"), res.note
     assert _committed(run) == list(range(1, 12))
     rows = metrics(run)
@@ -268,7 +317,9 @@ def test_nan_weights_that_the_loss_has_not_met_yet_are_never_committed(launched:
     got = outcome(launched, "nan-weights")
     run, res = got["run"], got["res"]
     assert res.status == "failed" and res.exit_code != 0 and res.checkpoint is None
-    assert "non-finite state at step 1: the norm of model.model.embed_tokens.weight is NaN/Inf" in res.failure, res.failure
+    assert "non-finite state at step 1: the norm of model.model.embed_tokens.weight is NaN/Inf" in res.failure, (
+        res.failure
+    )
     assert "nothing was committed" in res.failure and not list((run / "checkpoints").glob("step-*"))
 
 
@@ -303,7 +354,8 @@ def test_deepspeed_skip_step_mid_run_stops_in_a_row_with_an_async_save_in_flight
 # ------------------------------------------------------------------------------------------------ no launch
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_preflight_refuses_pretrained_weights_with_nan_or_inf_naming_tensor_and_file(
-        base: Path, tmp_path: Path, value: float) -> None:
+    base: Path, tmp_path: Path, value: float
+) -> None:
     from schemas.errors import ConfigError
     from shardkeeper.preflight import preflight
     from shardkeeper.stages import plan_topology
@@ -346,8 +398,12 @@ def test_guard_policy_without_ranks() -> None:
     assert stop.check(1, 2.0, 1.0) is False and stop.row() == {} and stop.note() is None
     with pytest.raises(NonFiniteStep) as e:
         stop.check(2, 2.0, float("inf"))
-    assert (e.value.step, e.value.what, e.value.exit_code, str(e.value)) == (2, "gradient norm", 65,
-                                                                             "non-finite gradient norm at step 2")
+    assert (e.value.step, e.value.what, e.value.exit_code, str(e.value)) == (
+        2,
+        "gradient norm",
+        65,
+        "non-finite gradient norm at step 2",
+    )
     skip = NonFiniteGuard(OptimSpec(on_nonfinite="skip_step", max_skipped=2))
     assert skip.check(1, float("nan"), 1.0) and skip.row() == {"skipped": True}
     assert skip.check(2, 1.0, 1.0, dropped=True)  # the backend dropped it: a gradient verdict
@@ -374,8 +430,13 @@ def test_optim_fields_are_strict() -> None:
     from schemas import OptimSpec
 
     assert (OptimSpec().on_nonfinite, OptimSpec().max_skipped) == ("stop", 5)
-    for bad in ({"on_nonfinite": "skip"}, {"max_skipped": -1}, {"max_skipped": "3"}, {"max_skipped": 2.0},
-                {"max_skipped": True}):
+    for bad in (
+        {"on_nonfinite": "skip"},
+        {"max_skipped": -1},
+        {"max_skipped": "3"},
+        {"max_skipped": 2.0},
+        {"max_skipped": True},
+    ):
         with pytest.raises(ValidationError):
             OptimSpec(**bad)
     for name in ("on_nonfinite", "max_skipped"):
@@ -394,16 +455,33 @@ def test_the_controller_reports_the_ranks_failure_with_its_exit_code(tmp_path: P
     topo = ClusterTopology(procs_per_node=2)
     rd = RunDir.at(tmp_path)
     line = "non-finite loss at step 4 (loss nan, gradient norm inf); ..."
-    SegmentReport(segment=0, status="failed", start_step=0, end_step=3, world_size=2, topology=topo, note=line,
-                  exit_code=65).write(tmp_path)
+    SegmentReport(
+        segment=0, status="failed", start_step=0, end_step=3, world_size=2, topology=topo, note=line, exit_code=65
+    ).write(tmp_path)
     res = _segment_result(rd, 0, 0, topo, LaunchOutcome(exit_code=1, timed_out=False, tail=["x"], seconds=1.0))
     assert (res.status, res.exit_code, res.failure, res.note) == ("failed", 65, line, None)
-    SegmentReport(segment=1, status="completed", start_step=3, end_step=6, world_size=2, topology=topo,
-                  note="skipped 1 non-finite step(s) (optim.on_nonfinite skip_step): 5").write(tmp_path)
+    SegmentReport(
+        segment=1,
+        status="completed",
+        start_step=3,
+        end_step=6,
+        world_size=2,
+        topology=topo,
+        note="skipped 1 non-finite step(s) (optim.on_nonfinite skip_step): 5",
+    ).write(tmp_path)
     res = _segment_result(rd, 1, 3, topo, LaunchOutcome(exit_code=0, timed_out=False, tail=[], seconds=1.0))
-    assert (res.status, res.exit_code, res.note) == ("completed", 0, "skipped 1 non-finite step(s) (optim.on_nonfinite skip_step): 5")
+    assert (res.status, res.exit_code, res.note) == (
+        "completed",
+        0,
+        "skipped 1 non-finite step(s) (optim.on_nonfinite skip_step): 5",
+    )
     # a failure without a report (a crash) keeps torchrun's code and the rank's error line
     SegmentReport.clear(tmp_path)
-    res = _segment_result(rd, 2, 3, topo, LaunchOutcome(exit_code=1, timed_out=False, seconds=1.0,
-                                                      tail=["shardkeeper-error: rank 0: boom; fix it"]))
+    res = _segment_result(
+        rd,
+        2,
+        3,
+        topo,
+        LaunchOutcome(exit_code=1, timed_out=False, seconds=1.0, tail=["shardkeeper-error: rank 0: boom; fix it"]),
+    )
     assert (res.status, res.exit_code) == ("failed", 1) and "boom" in (res.failure or "")

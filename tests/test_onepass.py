@@ -18,8 +18,12 @@ def _save(tmp: Path) -> tuple[Path, dict[str, tuple[int, str]], dict[str, torch.
     from ckpt.hashing import hash_file
 
     g = torch.Generator().manual_seed(0)
-    sd = {"a": torch.randn(256, 64, generator=g), "b": torch.randn(1000, generator=g), "n": torch.tensor(7),
-          "c": torch.arange(300, dtype=torch.int32)}
+    sd = {
+        "a": torch.randn(256, 64, generator=g),
+        "b": torch.randn(1000, generator=g),
+        "n": torch.tensor(7),
+        "c": torch.arange(300, dtype=torch.int32),
+    }
     ckpt = tmp / "ckpt"
     dcp.save(sd, storage_writer=FileSystemWriter(ckpt, thread_count=2), no_dist=True)
     expected = {p.name: hash_file(p) for p in ckpt.iterdir()}
@@ -50,8 +54,11 @@ def test_one_pass_load_verifies_every_file_and_applies_nothing_on_a_mismatch(tmp
 
     # a loaded tensor's storage byte, a record's zip header byte, a byte of a tensor not asked for: each refused,
     # the destination tensors untouched
-    for key, where, asked in (("a", "middle", ("a", "b", "n", "c")), ("b", "header", ("a", "b", "n", "c")),
-                              ("c", "middle", ("a",))):
+    for key, where, asked in (
+        ("a", "middle", ("a", "b", "n", "c")),
+        ("b", "header", ("a", "b", "n", "c")),
+        ("c", "middle", ("a",)),
+    ):
         bad = tmp_path / f"bad-{key}"
         import shutil
 
@@ -115,8 +122,11 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
     if env.is_rank0:  # a model tensor's byte in rank 1's file: rank 1 owns it, rank 0 must not apply its own share
         for run in runs:
             ckpt = run / "checkpoints" / "step-00000004"
-            info = next(s for i, s in sorted(read_metadata(ckpt).storage_data.items(), key=lambda kv: kv[0].fqn)
-                        if i.fqn.startswith("model.") and s.relative_path.startswith("__1_") and s.length > 4096)
+            info = next(
+                s
+                for i, s in sorted(read_metadata(ckpt).storage_data.items(), key=lambda kv: kv[0].fqn)
+                if i.fqn.startswith("model.") and s.relative_path.startswith("__1_") and s.length > 4096
+            )
             path = ckpt / info.relative_path
             data = bytearray(path.read_bytes())
             data[info.offset + info.length // 2] ^= 0x01
@@ -136,8 +146,11 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
     seen.append(all(torch.equal(a, b) for a, b in zip(before, _live(model, opt))))
     # the fallback takes step 2, bitwise, and sets step 4 aside
     ts = ck.load_latest(restart=False)
-    seen += [ts.step if ts else None, all(torch.equal(a, b) for a, b in zip(at2, _live(model, opt))),
-             len(list((runs[0] / "checkpoints").glob("step-00000004.invalid-*")))]
+    seen += [
+        ts.step if ts else None,
+        all(torch.equal(a, b) for a, b in zip(at2, _live(model, opt))),
+        len(list((runs[0] / "checkpoints").glob("step-00000004.invalid-*"))),
+    ]
     ck.close()
     ck_b.close()
     dist.destroy_process_group()
@@ -148,8 +161,9 @@ def test_checksum_mismatch_found_while_loading_is_refused_untouched_and_resume_f
     assert spawn(_refused_then_fallback, 2, str(tmp_path)) == [[True, True, None, True, 2, True, 1]] * 2
 
 
-def test_a_file_changed_after_it_was_hashed_is_refused_before_its_bytes_are_read(tmp_path: Path,
-                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_file_changed_after_it_was_hashed_is_refused_before_its_bytes_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import os
 
     from ckpt.formats import dcp_onepass
@@ -182,14 +196,17 @@ def test_files_verified_on_the_way_in_are_not_hashed_again_unless_they_changed(t
 
     from ckpt.formats import dcp_onepass
     from ckpt.formats.dcp_onepass import load_verified
-    from ckpt.hashing import ChecksumMismatch
     from ckpt.fsutil import file_identity as identity
+    from ckpt.hashing import ChecksumMismatch
 
     ckpt, expected, sd = _save(tmp_path)
     hashed: list[int] = []
     real = dcp_onepass.OnePassReader._hash_whole
-    monkeypatch.setattr(dcp_onepass.OnePassReader, "_hash_whole",
-                        lambda self, fd, size, progress: hashed.append(size) or real(self, fd, size, progress))
+    monkeypatch.setattr(
+        dcp_onepass.OnePassReader,
+        "_hash_whole",
+        lambda self, fd, size, progress: hashed.append(size) or real(self, fd, size, progress),
+    )
 
     def known(root: Path) -> dict:
         return {n: (*expected[n], identity(os.stat(root / n))) for n in expected}
@@ -227,8 +244,7 @@ def test_files_verified_on_the_way_in_are_not_hashed_again_unless_they_changed(t
         assert all(torch.equal(out[k], torch.zeros_like(sd[k])) for k in sd), how  # nothing applied
 
 
-def test_a_sent_file_is_verified_only_if_it_matched_and_did_not_change_while_read(tmp_path: Path,
-                                                                                   monkeypatch) -> None:
+def test_a_sent_file_is_verified_only_if_it_matched_and_did_not_change_while_read(tmp_path: Path, monkeypatch) -> None:
     """The sender of a restore's transfer hashes each file as it reads its chunks: a file that matched its entry
     and kept its identity is verified (with that identity); one touched between chunks, or with other bytes, is not."""
     import os
@@ -254,7 +270,8 @@ def test_a_sent_file_is_verified_only_if_it_matched_and_did_not_change_while_rea
 
 
 def test_a_received_file_is_written_whole_through_short_writes_and_a_full_memory_dir_is_one_line(
-        tmp_path: Path, monkeypatch) -> None:
+    tmp_path: Path, monkeypatch
+) -> None:
     """The receiver of a transfer continues a short write (a nearly full tmpfs) until the chunk is on disk: bytes
     equal, verified; a write that writes nothing is "disk full", and nothing is verified."""
     import os
@@ -274,15 +291,16 @@ def test_a_received_file_is_written_whole_through_short_writes_and_a_full_memory
         calls: list[int] = []
 
         def pwrite(fd: int, buf, off: int, mode: str = mode) -> int:
-            calls.append(len(buf))
-            if len(calls) == 2:  # the second write: half of it, or nothing
+            calls.append(len(buf))  # noqa: B023
+            if len(calls) == 2:  # the second write: half of it, or nothing  # noqa: B023
                 return 0 if mode == "nothing" else real(fd, bytes(buf)[: len(buf) // 2], off)
             return real(fd, buf, off)
+
         monkeypatch.setattr(replicate.os, "pwrite", pwrite)
         inc = replicate._In(root, [entry])
         inc.open_all()
         for k, (_, off, n) in enumerate(inc.parts):
-            inc.take(k, torch.frombuffer(bytearray(data[off:off + n]), dtype=torch.uint8))
+            inc.take(k, torch.frombuffer(bytearray(data[off : off + n]), dtype=torch.uint8))
         problem = inc.close()
         monkeypatch.setattr(replicate.os, "pwrite", real)
         if mode == "short":

@@ -46,8 +46,9 @@ def ac_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # ------------------------------------------------------------------------------------------ same losses
-def test_activation_checkpointing_gives_the_same_losses_and_checkpoint(ac_run: Path, tiny_run: Path,
-                                                                       tmp_path: Path) -> None:
+def test_activation_checkpointing_gives_the_same_losses_and_checkpoint(
+    ac_run: Path, tiny_run: Path, tmp_path: Path
+) -> None:
     assert_bitwise(metrics(tiny_run), metrics(ac_run), range(1, CUT + 1))  # tiny_run: the same run without it
     a, b = read_manifest(ckpt(tiny_run, CUT)), read_manifest(ckpt(ac_run, CUT))
     assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
@@ -56,8 +57,9 @@ def test_activation_checkpointing_gives_the_same_losses_and_checkpoint(ac_run: P
     assert a.fingerprint == b.fingerprint  # the same state, bit for bit
     assert b.run_spec.performance.activation_checkpointing and not a.run_spec.performance.activation_checkpointing
 
-    from ckpt.export import export_checkpoint
     from safetensors.torch import load_file
+
+    from ckpt.export import export_checkpoint
 
     export_checkpoint(ckpt(tiny_run, CUT), tmp_path / "off")
     export_checkpoint(ckpt(ac_run, CUT), tmp_path / "on")
@@ -67,8 +69,12 @@ def test_activation_checkpointing_gives_the_same_losses_and_checkpoint(ac_run: P
 
 def test_execution_options_are_recorded(ac_run: Path) -> None:
     report = SegmentReport.read(ac_run, 0)
-    assert report is not None and report.execution == {"activation_checkpointing": 2, "compiled_blocks": 0,
-                                                       "compile": "off", "adamw_implementation": "foreach"}
+    assert report is not None and report.execution == {
+        "activation_checkpointing": 2,
+        "compiled_blocks": 0,
+        "compile": "off",
+        "adamw_implementation": "foreach",
+    }
     seg = [json.loads(x) for x in (ac_run / "lineage.jsonl").read_text().splitlines() if '"segment"' in x]
     assert seg[-1]["data"]["execution"]["activation_checkpointing"] == 2
 
@@ -84,8 +90,9 @@ def test_resume_switching_the_options_off_is_exact(ac_run: Path, tmp_path: Path)
 
 
 def test_compiled_checkpointed_blocks_give_the_same_losses(tiny_run: Path, tmp_path: Path) -> None:
-    run = new_run(tmp_path / "run", tiny_spec(**AC, **{"performance.compile": "true",
-                                                       "performance.compile_backend": "aot_eager"}))
+    run = new_run(
+        tmp_path / "run", tiny_spec(**AC, **{"performance.compile": "true", "performance.compile_backend": "aot_eager"})
+    )
     assert spawn(run_segment, 2, str(run), 3, 0) == [0, 0]
     assert_bitwise(metrics(tiny_run), metrics(run), range(1, 4))
     assert SegmentReport.read(run, 0).execution["compiled_blocks"] == 2  # type: ignore[union-attr]
@@ -93,13 +100,22 @@ def test_compiled_checkpointed_blocks_give_the_same_losses(tiny_run: Path, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.skipif(find_spec("deepspeed") is None, reason="deepspeed is not installed")
-def test_deepspeed_with_checkpointing_and_for_loop_adamw_gives_the_same_losses(ds_run: Path, tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                              str(Path.home() / ".cache" / "torch_extensions")))
+def test_deepspeed_with_checkpointing_and_for_loop_adamw_gives_the_same_losses(
+    ds_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(
+        "TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+    )
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    spec = tiny_spec(**AC, **{"backend": "deepspeed", "deepspeed.zero_stage": 2, "checkpoint.interval": 2,
-                              "performance.adamw_implementation": "for-loop"})
+    spec = tiny_spec(
+        **AC,
+        **{
+            "backend": "deepspeed",
+            "deepspeed.zero_stage": 2,
+            "checkpoint.interval": 2,
+            "performance.adamw_implementation": "for-loop",
+        },
+    )
     run = new_run(tmp_path / "run", spec)
     assert spawn(run_segment, 2, str(run), 2, 0, timeout=900) == [0, 0]
     assert_bitwise(metrics(ds_run), metrics(run), range(1, 3))
@@ -115,7 +131,9 @@ def _stepped(impl: str, flat: bool) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
     if flat:  # DeepSpeed ZeRO hands AdamW one flat fp32 partition per group
-        model = torch.nn.ParameterList([torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))])
+        model = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))]
+        )
     opt = build_optimizer(model, spec)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -138,8 +156,14 @@ def test_block_options_keep_every_name() -> None:
     from trainer.model import block_modules, build_model
     from trainer.perf import apply_block_options
 
-    spec = tiny_spec(**AC, **{"performance.compile": "true", "performance.compile_backend": "eager",
-                              "model.config.tie_word_embeddings": "true"})
+    spec = tiny_spec(
+        **AC,
+        **{
+            "performance.compile": "true",
+            "performance.compile_backend": "eager",
+            "model.config.tie_word_embeddings": "true",
+        },
+    )
     plain, wrapped = build_model(spec), build_model(spec)
     d = apply_block_options(block_modules(wrapped), spec.performance)
     assert (d["activation_checkpointing"], d["compiled_blocks"]) == (2, 2)
@@ -163,14 +187,27 @@ def _topo(device: str = "cpu") -> ClusterTopology:
     return ClusterTopology(procs_per_node=2, device_type=device)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("sets", "expect"), [
-    ({"backend": "deepspeed", "deepspeed.zero_stage": 3, "performance.compile": "true"},
-     "performance.compile with deepspeed.zero_stage 3"),
-    ({"performance.compile": "true", "performance.compile_backend": "aot_eager", "performance.compile_mode": "max-autotune"},
-     "performance.compile_mode 'max-autotune' is an inductor option"),
-    ({"performance.compile": "true", "performance.compile_backend": "no_such_backend"},
-     "performance.compile_backend 'no_such_backend': not a torch.compile backend"),
-])
+@pytest.mark.parametrize(
+    ("sets", "expect"),
+    [
+        (
+            {"backend": "deepspeed", "deepspeed.zero_stage": 3, "performance.compile": "true"},
+            "performance.compile with deepspeed.zero_stage 3",
+        ),
+        (
+            {
+                "performance.compile": "true",
+                "performance.compile_backend": "aot_eager",
+                "performance.compile_mode": "max-autotune",
+            },
+            "performance.compile_mode 'max-autotune' is an inductor option",
+        ),
+        (
+            {"performance.compile": "true", "performance.compile_backend": "no_such_backend"},
+            "performance.compile_backend 'no_such_backend': not a torch.compile backend",
+        ),
+    ],
+)
 def test_bad_combinations_are_one_line(sets: dict, expect: str) -> None:
     from shardkeeper.preflight import check_performance
 
@@ -199,8 +236,11 @@ def test_unknown_values_are_one_line(tmp_path: Path) -> None:
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("performance:\n  adamw_implementation: apex\n")
-    with pytest.raises(ConfigError, match=r"c.yaml: field performance.adamw_implementation: .*'foreach', 'fused' "
-                                          r"or 'for-loop'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"c.yaml: field performance.adamw_implementation: .*'foreach', 'fused' "
+        r"or 'for-loop'",
+    ):
         load_run_spec(cfg)
     cfg.write_text("performance:\n  activation_checkpoint: true\n")
     with pytest.raises(ConfigError, match="unknown key performance.activation_checkpoint; .*activation_checkpointing"):
@@ -208,11 +248,13 @@ def test_unknown_values_are_one_line(tmp_path: Path) -> None:
 
 
 def test_memory_estimate_counts_checkpointed_activations() -> None:
-    from shardkeeper.preflight import estimate_memory
     from transformers import AutoConfig
 
-    cfg = AutoConfig.for_model("llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                               vocab_size=128256)
+    from shardkeeper.preflight import estimate_memory
+
+    cfg = AutoConfig.for_model(
+        "llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, vocab_size=128256
+    )
     spec = tiny_spec(**{"data.seq_len": 2048, "global_batch_size": 32})
     off = estimate_memory(spec, 8, 1_000_000, cfg)
     on = estimate_memory(tiny_spec(**AC, **{"data.seq_len": 2048, "global_batch_size": 32}), 8, 1_000_000, cfg)

@@ -40,8 +40,16 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _spec(base: Path, *sets: str):
     from shardkeeper.config import load_run_spec
 
-    return load_run_spec(FINETUNE, [f"model.pretrained={base}", f"model.base_model_id={HUB_ID}",
-                                    "checkpoint.keep_last=100", "checkpoint.interval=3", *sets])
+    return load_run_spec(
+        FINETUNE,
+        [
+            f"model.pretrained={base}",
+            f"model.base_model_id={HUB_ID}",
+            "checkpoint.keep_last=100",
+            "checkpoint.interval=3",
+            *sets,
+        ],
+    )
 
 
 def _train(spec, run: Path, nproc: int, until: int):
@@ -70,7 +78,9 @@ def fsdp_lr0(base: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path
 
 
 @pytest.mark.slow
-def test_lr_zero_returns_the_pretrained_tensors_and_a_usable_export(base: Path, fsdp_lr0: tuple[Path, list[str]]) -> None:
+def test_lr_zero_returns_the_pretrained_tensors_and_a_usable_export(
+    base: Path, fsdp_lr0: tuple[Path, list[str]]
+) -> None:
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -105,12 +115,16 @@ def test_lr_zero_returns_the_pretrained_tensors_and_a_usable_export(base: Path, 
         assert (out / name).is_file(), name
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (out / name).read_bytes() == (base / name).read_bytes()
-    assert json.loads((out / "generation_config.json").read_text()) == json.loads((base / "generation_config.json").read_text())
+    assert json.loads((out / "generation_config.json").read_text()) == json.loads(
+        (base / "generation_config.json").read_text()
+    )
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied again
     assert len(tok) <= model.config.vocab_size and model.generation_config.temperature == 0.7
-    prompt = tok.apply_chat_template([{"role": "user", "content": "the model"}], tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "the model"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt == "<|user|>the model<|end|><|assistant|>"
 
     # the card: a fine-tune of its base model, in the export's README.md and in the Hub card publish writes
@@ -162,7 +176,8 @@ def test_deepspeed_zero2_starts_from_the_pretrained_weights(base: Path, tmp_path
 
 @pytest.mark.slow
 def test_deepspeed_zero3_reads_each_rank_partition_and_resumes_exactly(
-        base: Path, fsdp_lr0: tuple[Path, list[str]], tmp_path: Path) -> None:
+    base: Path, fsdp_lr0: tuple[Path, list[str]], tmp_path: Path
+) -> None:
     """ZeRO-3 built under zero.Init, each rank's partitions read from the files (trainer.ds_zero3): lr 1e-12
     then export gives the pretrained tensors back (tied pair included); the first-step loss is FSDP2's from
     the same folder; a resume from step 3 at 2 ranks is bitwise."""
@@ -214,15 +229,22 @@ def test_a_tied_pair_stored_twice_with_different_values_is_refused(base: Path, t
 
     tensors = _tensors(base)
     assert "lm_head.weight" not in tensors  # save_pretrained kept one of the tied pair
-    for name, head in (("differ", -tensors["model.embed_tokens.weight"]), ("equal", tensors["model.embed_tokens.weight"])):
+    for name, head in (
+        ("differ", -tensors["model.embed_tokens.weight"]),
+        ("equal", tensors["model.embed_tokens.weight"]),
+    ):
         folder = Path(shutil.copytree(base, tmp_path / name))
         for f in [*folder.glob("*.safetensors"), folder / "model.safetensors.index.json"]:
             f.unlink()
-        save_file({**tensors, "lm_head.weight": head.clone()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {**tensors, "lm_head.weight": head.clone()}, str(folder / "model.safetensors"), metadata={"format": "pt"}
+        )
         run = tmp_path / f"run-{name}"
         if name == "differ":
             line = _refused(_spec(folder), run)
-            assert "ties lm_head.weight to model.embed_tokens.weight" in line or "ties model.embed_tokens.weight" in line
+            assert (
+                "ties lm_head.weight to model.embed_tokens.weight" in line or "ties model.embed_tokens.weight" in line
+            )
             assert "different values" in line and "tie_word_embeddings" in line
         else:
             spec = _spec(folder)
@@ -282,9 +304,9 @@ def test_bad_pretrained_input_is_one_line(base: Path, tmp_path: Path, monkeypatc
     assert "nobody/not-cached" in line and "not in the Hugging Face cache" in line and "hf download" in line
 
 
-def test_relative_paths_in_a_config_resolve_against_its_folder(base: Path, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch,
-                                                                capsys: pytest.CaptureFixture) -> None:
+def test_relative_paths_in_a_config_resolve_against_its_folder(
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """model.pretrained / data.dataset / data.tokenizer written relative in a config file: against the file's
     folder, from another working directory, in the CLI (prepare-data really reads them) and in the flow's
     load_spec task; --set values against the working directory; a Hub id stays one."""
@@ -313,7 +335,10 @@ def test_relative_paths_in_a_config_resolve_against_its_folder(base: Path, tmp_p
     assert "train [train]:" in capsys.readouterr().out
     spec = load_spec.fn(config=str(cfg))  # what the train-and-export flow calls
     assert (spec.model.pretrained, spec.data.dataset, spec.data.tokenizer) == (
-        str(proj / "models" / "base"), str(proj / "data"), str(proj / "models" / "base"))
+        str(proj / "models" / "base"),
+        str(proj / "data"),
+        str(proj / "models" / "base"),
+    )
     assert spec.model.model_type == "llama"  # read from the folder the relative path names
 
     assert load_run_spec(cfg, ["data.tokenizer=tok"]).data.tokenizer == str(elsewhere / "tok")
@@ -324,7 +349,8 @@ def test_relative_paths_in_a_config_resolve_against_its_folder(base: Path, tmp_p
 
 
 def test_config_paths_do_not_depend_on_the_working_directory_and_follow_symlinked_folders(
-        base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A Hub-id-looking model.pretrained that is not beside the config stays a Hub id in every working directory
     (not a folder of that name in the cwd); '..' after a symlinked folder goes where open() goes (the link
     target's parent), not to the folder that textually precedes the link."""
@@ -357,8 +383,9 @@ def test_config_paths_do_not_depend_on_the_working_directory_and_follow_symlinke
 
     shutil.copytree(base, tmp_path / "flowbase" / "models" / "b")
     monkeypatch.chdir(cwd)
-    spec = load_spec.fn(config=str(real / "ft.yaml"), overrides=["model.pretrained=models/b"],
-                        base_dir=str(tmp_path / "flowbase"))
+    spec = load_spec.fn(
+        config=str(real / "ft.yaml"), overrides=["model.pretrained=models/b"], base_dir=str(tmp_path / "flowbase")
+    )
     assert spec.model.pretrained == str(tmp_path / "flowbase" / "models" / "b")
 
 
@@ -374,10 +401,10 @@ def test_read_elements_reads_a_flattened_range_with_and_without_a_cast(base: Pat
     for start, count in ((0, 7), (13, 101), (full.numel() - 5, 5), (3, 0)):
         out = torch.empty(count, dtype=torch.float32)
         read_elements(st, start, count, out)
-        assert torch.equal(out, full[start:start + count])
+        assert torch.equal(out, full[start : start + count])
         cast = torch.empty(count, dtype=torch.float64)
         read_elements(st, start, count, cast)
-        assert torch.equal(cast, full[start:start + count].double())
+        assert torch.equal(cast, full[start : start + count].double())
     with pytest.raises(ValueError):
         read_elements(st, full.numel() - 2, 3, torch.empty(3))
 

@@ -32,10 +32,10 @@ from typing import Any
 import pytest
 
 from ckpt import publish as pub
-from tests.harness import stop_process
 from ckpt.publish import hub as pub_hub
-from schemas.errors import PublishError
 from schemas import LineageEvent
+from schemas.errors import PublishError
+from tests.harness import stop_process
 
 TOKEN = "hf_TESTtokenDoNotLeak0123456789abcdef"
 Bucket = tuple[Any, str, dict[str, Any]]  # boto3 client, bucket name, storage_options for s3fs
@@ -62,20 +62,37 @@ def _safetensors(tensors: dict[str, tuple[list[int], float]]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw + data
 
 
-def make_export(root: Path, *, step: int = 100, shards: int = 1, value: float = 1.0, export_json: bool = True,
-                checkpoint: Path | None = None) -> Path:
+def make_export(
+    root: Path,
+    *,
+    step: int = 100,
+    shards: int = 1,
+    value: float = 1.0,
+    export_json: bool = True,
+    checkpoint: Path | None = None,
+) -> Path:
     """config.json, generation_config.json, model(-0000i-of-0000n).safetensors (+ index), README.md, export.json."""
     out = root / f"step-{step:08d}"
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("model*.safetensors*"):
         old.unlink()
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_hidden_layers": 2,
-              "num_attention_heads": 2, "vocab_size": 16, "torch_dtype": "float32"}
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 8,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "vocab_size": 16,
+        "torch_dtype": "float32",
+    }
     (out / "config.json").write_text(json.dumps(config))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     (out / "README.md").write_text("# exported by the exporter\n")
-    names = (["model.safetensors"] if shards == 1
-             else [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)])
+    names = (
+        ["model.safetensors"]
+        if shards == 1
+        else [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
+    )
     weight_map = {}
     for i, name in enumerate(names):
         tensors = {f"layers.{i}.w": ([8, 8], value + i), f"layers.{i}.b": ([8], value)}
@@ -85,8 +102,15 @@ def make_export(root: Path, *, step: int = 100, shards: int = 1, value: float = 
         (out / pub.INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
     if export_json:
         files = {p.name: _sha(p) for p in sorted(out.iterdir()) if p.name != "export.json"}
-        result = {"checkpoint": str(checkpoint or root / "checkpoints" / f"step-{step:08d}"), "out_dir": str(out),
-                  "dtype": "float32", "files": files, "num_shards": shards, "total_bytes": 0, "num_tensors": 2 * shards}
+        result = {
+            "checkpoint": str(checkpoint or root / "checkpoints" / f"step-{step:08d}"),
+            "out_dir": str(out),
+            "dtype": "float32",
+            "files": files,
+            "num_shards": shards,
+            "total_bytes": 0,
+            "num_tensors": 2 * shards,
+        }
         time.sleep(0.01)  # export.json is written after the files, as the exporter does
         (out / "export.json").write_text(json.dumps(result))
     return out
@@ -151,8 +175,16 @@ class FakeHfApi:
 
     # -- the HfApi surface used by ckpt.publish (signatures as in huggingface_hub 2.x)
     @_recorded
-    def create_repo(self, repo_id: str, *, token: str | None = None, private: bool | None = None,
-                    repo_type: str | None = None, exist_ok: bool = False, **kw: Any) -> str:
+    def create_repo(
+        self,
+        repo_id: str,
+        *,
+        token: str | None = None,
+        private: bool | None = None,
+        repo_type: str | None = None,
+        exist_ok: bool = False,
+        **kw: Any,
+    ) -> str:
         if repo_id in self.repos:
             if not exist_ok:
                 raise RuntimeError("409 repo exists")
@@ -171,8 +203,16 @@ class FakeHfApi:
         return SimpleNamespace(branches=refs("heads", repo["branches"]), tags=refs("tags", repo["tags"]), converts=[])
 
     @_recorded
-    def create_branch(self, repo_id: str, *, branch: str, revision: str | None = None, token: str | None = None,
-                      exist_ok: bool = False, **kw: Any) -> None:
+    def create_branch(
+        self,
+        repo_id: str,
+        *,
+        branch: str,
+        revision: str | None = None,
+        token: str | None = None,
+        exist_ok: bool = False,
+        **kw: Any,
+    ) -> None:
         repo = self._repo(repo_id)
         if branch in repo["branches"] and not exist_ok:
             raise RuntimeError("409 branch exists")
@@ -183,33 +223,58 @@ class FakeHfApi:
 
         if path.endswith(".safetensors"):  # LFS-tracked, as the .gitattributes says
             pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{hashlib.sha256(data).hexdigest()}\n"
-            return RepoFile(path=path, size=len(data), oid=_git_blob(pointer.encode()),
-                            lfs={"size": len(data), "oid": hashlib.sha256(data).hexdigest(), "pointerSize": len(pointer)})
+            return RepoFile(
+                path=path,
+                size=len(data),
+                oid=_git_blob(pointer.encode()),
+                lfs={"size": len(data), "oid": hashlib.sha256(data).hexdigest(), "pointerSize": len(pointer)},
+            )
         return RepoFile(path=path, size=len(data), oid=_git_blob(data))
 
     @_recorded
-    def list_repo_tree(self, repo_id: str, path_in_repo: str | None = None, *, recursive: bool = False,
-                       revision: str | None = None, token: str | None = None, **kw: Any) -> Iterator[Any]:
+    def list_repo_tree(
+        self,
+        repo_id: str,
+        path_in_repo: str | None = None,
+        *,
+        recursive: bool = False,
+        revision: str | None = None,
+        token: str | None = None,
+        **kw: Any,
+    ) -> Iterator[Any]:
         for path, data in sorted(self.files(repo_id, revision or "main").items()):
             yield self._repo_file(path, data)
 
     @_recorded
-    def get_paths_info(self, repo_id: str, paths: list[str] | str, *, revision: str | None = None,
-                       token: str | None = None, **kw: Any) -> list[Any]:
+    def get_paths_info(
+        self, repo_id: str, paths: list[str] | str, *, revision: str | None = None, token: str | None = None, **kw: Any
+    ) -> list[Any]:
         files = self.files(repo_id, revision or "main")
         return [self._repo_file(p, files[p]) for p in ([paths] if isinstance(paths, str) else paths) if p in files]
 
     @_recorded
-    def upload_folder(self, *, repo_id: str, folder_path: str, path_in_repo: str | None = None,
-                      commit_message: str | None = None, token: str | None = None, revision: str | None = None,
-                      allow_patterns: list[str] | None = None, ignore_patterns: list[str] | None = None,
-                      delete_patterns: list[str] | None = None, **kw: Any) -> SimpleNamespace:
+    def upload_folder(
+        self,
+        *,
+        repo_id: str,
+        folder_path: str,
+        path_in_repo: str | None = None,
+        commit_message: str | None = None,
+        token: str | None = None,
+        revision: str | None = None,
+        allow_patterns: list[str] | None = None,
+        ignore_patterns: list[str] | None = None,
+        delete_patterns: list[str] | None = None,
+        **kw: Any,
+    ) -> SimpleNamespace:
         from huggingface_hub.utils import filter_repo_objects
 
         root = Path(folder_path)
         local = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-        added = {rel: (root / rel).read_bytes() for rel in filter_repo_objects(local, allow_patterns=allow_patterns,
-                                                                              ignore_patterns=ignore_patterns)}
+        added = {
+            rel: (root / rel).read_bytes()
+            for rel in filter_repo_objects(local, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns)
+        }
         files = dict(self.files(repo_id, revision or "main"))
         deleted = set(filter_repo_objects(list(files), allow_patterns=delete_patterns)) if delete_patterns else set()
         for rel in deleted - set(added) - {".gitattributes"}:
@@ -219,8 +284,16 @@ class FakeHfApi:
         return SimpleNamespace(oid=cid, commit_url=f"{self.endpoint}/{repo_id}/commit/{cid}")
 
     @_recorded
-    def create_commit(self, repo_id: str, operations: list[Any], *, commit_message: str, token: str | None = None,
-                      revision: str | None = None, **kw: Any) -> SimpleNamespace:
+    def create_commit(
+        self,
+        repo_id: str,
+        operations: list[Any],
+        *,
+        commit_message: str,
+        token: str | None = None,
+        revision: str | None = None,
+        **kw: Any,
+    ) -> SimpleNamespace:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
         files = dict(self.files(repo_id, revision or "main"))
@@ -234,8 +307,16 @@ class FakeHfApi:
         return SimpleNamespace(oid=cid, commit_url=f"{self.endpoint}/{repo_id}/commit/{cid}")
 
     @_recorded
-    def create_tag(self, repo_id: str, *, tag: str, revision: str | None = None, token: str | None = None,
-                   exist_ok: bool = False, **kw: Any) -> None:
+    def create_tag(
+        self,
+        repo_id: str,
+        *,
+        tag: str,
+        revision: str | None = None,
+        token: str | None = None,
+        exist_ok: bool = False,
+        **kw: Any,
+    ) -> None:
         repo = self._repo(repo_id)
         if tag in repo["tags"]:
             if not exist_ok:
@@ -259,14 +340,25 @@ class FakeHfApiLarge(FakeHfApi):
     """An older huggingface_hub surface that still has upload_large_folder (no token argument)."""
 
     @_recorded
-    def upload_large_folder(self, repo_id: str, folder_path: str, *, repo_type: str, revision: str | None = None,
-                            private: bool | None = None, allow_patterns: list[str] | None = None, **kw: Any) -> None:
+    def upload_large_folder(
+        self,
+        repo_id: str,
+        folder_path: str,
+        *,
+        repo_type: str,
+        revision: str | None = None,
+        private: bool | None = None,
+        allow_patterns: list[str] | None = None,
+        **kw: Any,
+    ) -> None:
         from huggingface_hub.utils import filter_repo_objects
 
         root = Path(folder_path)
         local = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
         files = dict(self.files(repo_id, revision or "main"))
-        files.update({rel: (root / rel).read_bytes() for rel in filter_repo_objects(local, allow_patterns=allow_patterns)})
+        files.update(
+            {rel: (root / rel).read_bytes() for rel in filter_repo_objects(local, allow_patterns=allow_patterns)}
+        )
         self._commit(repo_id, revision or "main", files)
 
 
@@ -287,21 +379,35 @@ def hub_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_publish_hub_fake_api_first_publish_uploads_data_then_card_and_marker_then_tag(tmp_path: Path,
-                                                                                       hub_env: None) -> None:
+def test_publish_hub_fake_api_first_publish_uploads_data_then_card_and_marker_then_tag(
+    tmp_path: Path, hub_env: None
+) -> None:
     export = make_export(tmp_path, shards=2)
     api = FakeHfApi()
     res = pub.publish_to_hub(export, "org/tiny", api=api)
 
     # the second list_repo_tree: what landed is checked against the checksums before the marker commit
-    assert api.names() == ["create_repo", "list_repo_refs", "list_repo_tree", "upload_folder", "list_repo_tree",
-                           "create_commit", "create_tag"]
+    assert api.names() == [
+        "create_repo",
+        "list_repo_refs",
+        "list_repo_tree",
+        "upload_folder",
+        "list_repo_tree",
+        "create_commit",
+        "create_tag",
+    ]
     _, _, create = api.calls[0]
     assert create["private"] is True and create["exist_ok"] is True
     upload = api.calls[3][2]
     assert sorted(upload["allow_patterns"]) == sorted(
-        ["config.json", "generation_config.json", pub.INDEX_NAME, "model-00001-of-00002.safetensors",
-         "model-00002-of-00002.safetensors"])  # not README.md (generated), not export.json (local paths)
+        [
+            "config.json",
+            "generation_config.json",
+            pub.INDEX_NAME,
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+        ]
+    )  # not README.md (generated), not export.json (local paths)
     assert pub.MARKER_NAME in upload["delete_patterns"]
     last_commit_paths = [op.path_in_repo for op in api.calls[5][2]["operations"]]
     assert last_commit_paths == ["README.md", pub.MARKER_NAME]  # the marker lands in the last commit
@@ -326,9 +432,9 @@ def test_publish_hub_fake_api_first_publish_uploads_data_then_card_and_marker_th
     assert res.url == "https://fake-hub.test/org/tiny/tree/step-00000100" and res.files == 6
 
 
-
 def test_publish_hub_fake_api_refuses_an_export_rewritten_before_the_upload_read_it(
-        tmp_path: Path, hub_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, hub_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Checksummed, then re-exported (other bytes) before upload_folder read the files: the marker would claim
     the old checksums for the new bytes; the publish is refused before the marker commit and no tag is made."""
     export = make_export(tmp_path)
@@ -348,6 +454,7 @@ def test_publish_hub_fake_api_refuses_an_export_rewritten_before_the_upload_read
     pub.publish_to_hub(export, "org/tiny", api=api)  # the export complete again: published, marker true
     marker = json.loads(api.files("org/tiny")[pub.MARKER_NAME])
     assert marker["files"]["model.safetensors"]["sha256"] == _sha(export / "model.safetensors")
+
 
 def test_publish_hub_fake_api_republish_same_bytes_is_a_noop(tmp_path: Path, hub_env: None) -> None:
     export = make_export(tmp_path)
@@ -380,8 +487,9 @@ def test_publish_hub_fake_api_stale_export_json_checksum_is_not_trusted(tmp_path
     assert marker["files"]["model.safetensors"]["sha256"] == _sha(export / "model.safetensors")
 
 
-def test_publish_hub_fake_api_changed_bytes_uploads_only_what_changed_and_moves_the_tag(tmp_path: Path,
-                                                                                        hub_env: None) -> None:
+def test_publish_hub_fake_api_changed_bytes_uploads_only_what_changed_and_moves_the_tag(
+    tmp_path: Path, hub_env: None
+) -> None:
     export = make_export(tmp_path, shards=2)
     api = FakeHfApi()
     first = pub.publish_to_hub(export, "org/tiny", api=api)
@@ -448,7 +556,8 @@ def test_publish_hub_fake_api_crash_before_marker_is_resumed(tmp_path: Path, hub
 
 
 def test_publish_hub_fake_api_token_only_in_token_kwarg_never_in_card_logs_or_result(
-        tmp_path: Path, hub_env: None, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, hub_env: None, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     export = make_export(tmp_path, shards=2)
     api = FakeHfApi()
@@ -477,8 +586,16 @@ def test_publish_hub_fake_api_calls_bind_to_the_real_hfapi_signatures(tmp_path: 
     pub.publish_to_hub(export, "org/tiny", api=api, revision="exp")
     (export / "model-00001-of-00002.safetensors").write_bytes(_safetensors({"layers.0.w": ([8, 8], 7.0)}))
     pub.publish_to_hub(export, "org/tiny", api=api, revision="exp")
-    assert {"create_repo", "list_repo_refs", "create_branch", "list_repo_tree", "upload_folder", "create_commit",
-            "create_tag", "delete_tag"} <= set(api.names())
+    assert {
+        "create_repo",
+        "list_repo_refs",
+        "create_branch",
+        "list_repo_tree",
+        "upload_folder",
+        "create_commit",
+        "create_tag",
+        "delete_tag",
+    } <= set(api.names())
     pub.publish_to_hub(make_export(tmp_path, step=50), "org/tiny", api=api, revision="exp")  # older: tag only
     assert {"delete_branch"} <= set(api.names())
     for name, args, kwargs in api.calls:
@@ -514,8 +631,12 @@ def test_publish_hub_fake_api_two_steps_two_tags_each_revision_is_its_export(tmp
     _assert_revision_is_export(api, "step-00000100", first)
     _assert_revision_is_export(api, "step-00000200", second)
     messages = [c[2]["commit_message"] for c in api.calls if c[0] in ("create_commit", "upload_folder")]
-    assert messages == ["shardkeeper: run demo step 100: weights (float32)", "shardkeeper: publish run demo step 100",
-                        "shardkeeper: run demo step 200: weights (float32)", "shardkeeper: publish run demo step 200"]
+    assert messages == [
+        "shardkeeper: run demo step 100: weights (float32)",
+        "shardkeeper: publish run demo step 100",
+        "shardkeeper: run demo step 200: weights (float32)",
+        "shardkeeper: publish run demo step 200",
+    ]
 
 
 def test_publish_hub_fake_api_republish_of_any_step_makes_no_commit(tmp_path: Path, hub_env: None) -> None:
@@ -532,7 +653,8 @@ def test_publish_hub_fake_api_republish_of_any_step_makes_no_commit(tmp_path: Pa
 
 
 def test_publish_hub_fake_api_out_of_order_step_is_tagged_and_main_stays_on_the_newest(
-        tmp_path: Path, hub_env: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    tmp_path: Path, hub_env: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     from shardkeeper.cli import main
 
     older, newer = _step_export(tmp_path, 100, 1.0), _step_export(tmp_path, 200, 2.0)
@@ -546,7 +668,13 @@ def test_publish_hub_fake_api_out_of_order_step_is_tagged_and_main_stays_on_the_
 
     assert main(["publish", str(older), "--repo-id", "org/tiny"]) == 0
     said = capsys.readouterr().out
-    assert "published" in said and "@ step-00000100" in said and "tag only" in said and "newer step 200" in said and "not moved back" in said
+    assert (
+        "published" in said
+        and "@ step-00000100" in said
+        and "tag only" in said
+        and "newer step 200" in said
+        and "not moved back" in said
+    )
     repo = api.repos["org/tiny"]
     assert repo["branches"] == {"main": head}  # main not moved back; the scratch branch is gone
     assert set(repo["tags"]) == {"step-00000100", "step-00000200"} and repo["tags"]["step-00000200"] == head
@@ -559,8 +687,9 @@ def test_publish_hub_fake_api_out_of_order_step_is_tagged_and_main_stays_on_the_
     assert "already published" in capsys.readouterr().out and api.commit_count("org/tiny") == commits
 
 
-def test_publish_hub_fake_api_missing_token_is_one_line_error(tmp_path: Path, hub_env: None,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_publish_hub_fake_api_missing_token_is_one_line_error(
+    tmp_path: Path, hub_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("HF_TOKEN")
     api = FakeHfApi()
     with pytest.raises(PublishError) as err:
@@ -569,8 +698,9 @@ def test_publish_hub_fake_api_missing_token_is_one_line_error(tmp_path: Path, hu
     assert api.calls == []
 
 
-def test_publish_hub_fake_api_token_from_login_cache(tmp_path: Path, hub_env: None,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_publish_hub_fake_api_token_from_login_cache(
+    tmp_path: Path, hub_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import huggingface_hub.constants as hf_constants
 
     monkeypatch.delenv("HF_TOKEN")
@@ -583,7 +713,9 @@ def test_publish_hub_fake_api_token_from_login_cache(tmp_path: Path, hub_env: No
     assert {kw["token"] for _, _, kw in api.calls} == {"hf_fromLoginCache0123456789"}
 
 
-@pytest.mark.parametrize("case", ["missing", "file", "no-config", "no-weights", "index-names-missing-shard", "bad-repo-id"])
+@pytest.mark.parametrize(
+    "case", ["missing", "file", "no-config", "no-weights", "index-names-missing-shard", "bad-repo-id"]
+)
 def test_publish_hub_fake_api_bad_export_folder_is_one_line_error(tmp_path: Path, hub_env: None, case: str) -> None:
     export = make_export(tmp_path / "x", shards=2)
     repo = "org/tiny"
@@ -605,9 +737,14 @@ def test_publish_hub_fake_api_bad_export_folder_is_one_line_error(tmp_path: Path
         pub.publish_to_hub(export, repo, api=api)
     message = str(err.value)
     assert "\n" not in message and len(message) < 300
-    expected = {"missing": "does not exist", "file": "is a file", "no-config": "no config.json",
-                "no-weights": "no *.safetensors", "index-names-missing-shard": "model-00002-of-00002.safetensors",
-                "bad-repo-id": "is not a Hub repo id"}[case]
+    expected = {
+        "missing": "does not exist",
+        "file": "is a file",
+        "no-config": "no config.json",
+        "no-weights": "no *.safetensors",
+        "index-names-missing-shard": "model-00002-of-00002.safetensors",
+        "bad-repo-id": "is not a Hub repo id",
+    }[case]
     assert expected in message
     assert api.calls == []
 
@@ -643,7 +780,8 @@ def test_publish_hub_fake_api_transient_errors_are_retried(tmp_path: Path, hub_e
 
 
 def test_publish_hub_fake_api_large_folder_on_older_hub_uses_upload_large_folder(
-        tmp_path: Path, hub_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, hub_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(pub_hub, "LARGE_FILES", 2)
     monkeypatch.setattr(pub_hub, "upload_folder_streams", lambda: False)
     export = make_export(tmp_path, shards=3)
@@ -665,25 +803,44 @@ def test_publish_hub_fake_api_card_has_training_summary_and_lineage_chain(tmp_pa
     ckpt = run / "checkpoints" / "step-00000100"
     ckpt.mkdir(parents=True)
     (ckpt / "manifest.json").write_text(json.dumps({"step": 100, "tokens": 204800, "run_name": "demo", "segment": 1}))
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 100}) + "\n" for s in (99, 100)))
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 5.0 - s / 100}) + "\n" for s in (99, 100))
+    )
     export = make_export(run / "exports", checkpoint=ckpt)
     t = "2026-01-01T00:00:00Z"
     events = [
         LineageEvent(id="checkpoint:step-00000050", kind="checkpoint", time=t, step=50),
-        LineageEvent(id="checkpoint:step-00000100", kind="checkpoint", parent="checkpoint:step-00000050", time=t, step=100),
-        LineageEvent(id="checkpoint:step-00000200", kind="checkpoint", parent="checkpoint:step-00000100", time=t, step=200),
-        LineageEvent(id="export:step-00000100:float32", kind="export", parent="checkpoint:step-00000100", time=t,
-                     step=100, uri=export.as_uri()),
+        LineageEvent(
+            id="checkpoint:step-00000100", kind="checkpoint", parent="checkpoint:step-00000050", time=t, step=100
+        ),
+        LineageEvent(
+            id="checkpoint:step-00000200", kind="checkpoint", parent="checkpoint:step-00000100", time=t, step=200
+        ),
+        LineageEvent(
+            id="export:step-00000100:float32",
+            kind="export",
+            parent="checkpoint:step-00000100",
+            time=t,
+            step=100,
+            uri=export.as_uri(),
+        ),
     ]
     api = FakeHfApi()
-    pub.publish_to_hub(export, "org/tiny", api=api, lineage=events,
-                       model_card_extra={"license": "apache-2.0", "tags": ["tiny"], "eval loss": 4.1})
+    pub.publish_to_hub(
+        export,
+        "org/tiny",
+        api=api,
+        lineage=events,
+        model_card_extra={"license": "apache-2.0", "tags": ["tiny"], "eval loss": 4.1},
+    )
     card = api.files("org/tiny")["README.md"].decode()
     assert "license: apache-2.0" in card and "- tiny" in card and "- llama" in card
     assert "| tokens | 204,800 |" in card and "| loss | 4.0 |" in card and "| run | demo |" in card
     assert "| eval loss | 4.1 |" in card
     lineage = card.split("## Lineage", 1)[1]
-    assert lineage.index("checkpoint:step-00000050") < lineage.index("checkpoint:step-00000100") < lineage.index("export:")
+    assert (
+        lineage.index("checkpoint:step-00000050") < lineage.index("checkpoint:step-00000100") < lineage.index("export:")
+    )
     assert "step-00000200" not in lineage  # not on this export's parent chain
     assert str(tmp_path) not in card  # no local paths on the Hub
 
@@ -699,7 +856,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_publish_hub_unreachable_endpoint_fails_fast_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_publish_hub_unreachable_endpoint_fails_fast_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     endpoint = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
     export = make_export(tmp_path)
@@ -753,17 +912,20 @@ def test_publish_hub_live_roundtrip(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("target", "expected"), [
-    ("hf://org/name", ("hub", "org/name", None)),
-    ("hf://org/name@exp", ("hub", "org/name", "exp")),
-    ("hf://models/org/name", ("hub", "org/name", None)),
-    ("org/name", ("hub", "org/name", None)),
-    ("s3://bucket/prefix", ("fsspec", "s3://bucket/prefix", None)),
-    ("gs://bucket/prefix", ("fsspec", "gs://bucket/prefix", None)),
-    ("memory://pub", ("fsspec", "memory://pub", None)),
-    ("file:///srv/models", ("fsspec", "file:///srv/models", None)),
-    ("/srv/models", ("fsspec", "file:///srv/models", None)),
-])
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        ("hf://org/name", ("hub", "org/name", None)),
+        ("hf://org/name@exp", ("hub", "org/name", "exp")),
+        ("hf://models/org/name", ("hub", "org/name", None)),
+        ("org/name", ("hub", "org/name", None)),
+        ("s3://bucket/prefix", ("fsspec", "s3://bucket/prefix", None)),
+        ("gs://bucket/prefix", ("fsspec", "gs://bucket/prefix", None)),
+        ("memory://pub", ("fsspec", "memory://pub", None)),
+        ("file:///srv/models", ("fsspec", "file:///srv/models", None)),
+        ("/srv/models", ("fsspec", "file:///srv/models", None)),
+    ],
+)
 def test_publish_dispatch_parses_targets(target: str, expected: tuple[str, str, str | None]) -> None:
     assert pub.parse_target(target) == expected
 
@@ -776,8 +938,9 @@ def test_publish_dispatch_rejects_unknown_targets(target: str) -> None:
 
 def test_publish_dispatch_routes_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(pub, "publish_to_hub",
-                        lambda export_dir, repo_id, **kw: seen.update(repo_id=repo_id, **kw) or "hub")
+    monkeypatch.setattr(
+        pub, "publish_to_hub", lambda export_dir, repo_id, **kw: seen.update(repo_id=repo_id, **kw) or "hub"
+    )
     assert pub.publish(tmp_path, "org/name", revision="b", lineage=None) == "hub"
     assert seen == {"repo_id": "org/name", "revision": "b", "lineage": None}
     with pytest.raises(PublishError, match="revision apply to Hub targets only"):
@@ -798,14 +961,16 @@ def test_publish_fsspec_file_url_renames_into_place_and_is_idempotent(tmp_path: 
     assert sorted(p.name for p in target.iterdir()) == ["step-00000100"]  # no .partial-* left behind
     marker = pub.read_publish_marker(dest.as_uri())
     assert marker is not None and marker["files"]["model-00001-of-00002.safetensors"]["sha256"] == _sha(
-        export / "model-00001-of-00002.safetensors")
+        export / "model-00001-of-00002.safetensors"
+    )
     assert not (dest / "export.json").exists()
     assert pub.publish_to_fsspec(export, url).skipped is True
 
     export = make_export(tmp_path / "run", shards=1, value=3.0)  # same name, other bytes, fewer shards
     assert pub.publish_to_fsspec(export, url).skipped is False
     assert sorted(p.name for p in dest.iterdir()) == sorted(
-        ["config.json", "generation_config.json", "model.safetensors", "README.md", pub.MARKER_NAME])
+        ["config.json", "generation_config.json", "model.safetensors", "README.md", pub.MARKER_NAME]
+    )
     assert pub.publish_to_fsspec(export, url).skipped is True
 
 
@@ -843,11 +1008,16 @@ def s3_endpoint() -> Iterator[str]:
         pytest.skip("s3 tests need moto[server] (pip install 'moto[server]'): moto_server not found")
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [binary, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     with pytest.MonkeyPatch.context() as mp:
-        for var, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                           "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        for var, value in {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_SESSION_TOKEN": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
             mp.setenv(var, value)
         try:
             deadline = time.monotonic() + 30
@@ -890,7 +1060,7 @@ def test_publish_s3_moto_server_objects_marker_and_republish_skipped(tmp_path: P
     keys = _keys(client, bucket)
     prefix = "models/tiny/step-00000100/"
     expected = {p.name: p.stat().st_size for p in export.iterdir() if p.name != "export.json"}
-    assert {k[len(prefix):]: v for k, v in keys.items() if k != prefix + pub.MARKER_NAME} == expected
+    assert {k[len(prefix) :]: v for k, v in keys.items() if k != prefix + pub.MARKER_NAME} == expected
     marker = json.loads(client.get_object(Bucket=bucket, Key=prefix + pub.MARKER_NAME)["Body"].read())
     for name, entry in marker["files"].items():
         body = client.get_object(Bucket=bucket, Key=prefix + name)["Body"].read()
@@ -901,7 +1071,8 @@ def test_publish_s3_moto_server_objects_marker_and_republish_skipped(tmp_path: P
 
 
 def test_publish_s3_moto_server_corrupt_or_missing_marker_or_data_is_republished(
-        tmp_path: Path, s3_bucket: Bucket) -> None:
+    tmp_path: Path, s3_bucket: Bucket
+) -> None:
     client, bucket, options = s3_bucket
     export = make_export(tmp_path)
     url = f"s3://{bucket}/m"
@@ -924,7 +1095,8 @@ def test_publish_s3_moto_server_corrupt_or_missing_marker_or_data_is_republished
 
 
 def test_publish_s3_moto_server_interrupted_upload_leaves_no_marker(
-        tmp_path: Path, s3_bucket: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, s3_bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import fsspec
 
     client, bucket, options = s3_bucket
@@ -952,7 +1124,8 @@ def test_publish_s3_moto_server_interrupted_upload_leaves_no_marker(
     monkeypatch.setattr(fs, "open", real_open)
     assert pub.publish_to_fsspec(export, url, storage_options=options).skipped is False
     assert pub.read_publish_marker(folder, storage_options=options)["files"]["model.safetensors"]["sha256"] == _sha(
-        export / "model.safetensors")
+        export / "model.safetensors"
+    )
 
 
 def test_publish_s3_moto_server_missing_bucket_is_one_line_error(tmp_path: Path, s3_bucket: Bucket) -> None:

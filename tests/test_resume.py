@@ -71,7 +71,9 @@ def test_checkpoint_with_the_previous_fingerprint_method_resumes_bitwise(referen
     assert read_manifest(run / "checkpoints" / f"step-{CUT + 5:08d}").fingerprint.method == "l2-per-tensor-f64-blocked"
 
 
-def test_a_fingerprint_recomputed_by_other_arithmetic_warns_and_resumes_bitwise(reference: Path, tmp_path: Path) -> None:
+def test_a_fingerprint_recomputed_by_other_arithmetic_warns_and_resumes_bitwise(
+    reference: Path, tmp_path: Path
+) -> None:
     """A manifest whose fingerprint.method names other arithmetic than the one that recorded the norms (edited, or
     norms that another torch release sums in another order): equal within 1e-9, not bit for bit -- the
     checkpoint is loaded (its bytes passed their checksums), never set aside, and the resume is bitwise."""
@@ -196,9 +198,12 @@ def test_rank_side_refuses_checkpoint_of_another_architecture(reference: Path, t
     other = tiny_spec(**{"model.config.intermediate_size": 96})
     (run / "run.yaml").write_text(json.dumps(other.model_dump(mode="json")))  # bypasses the CLI's own check
     # the first tensor that differs, in the manifest's order, with both shapes (ckpt.identity)
-    with pytest.raises(RuntimeError, match=r"ModelMismatch: \S+/step-00000010: holds another model than this run's: "
-                       r"model\.layers\.0\.mlp\.down_proj\.weight is \[64, 128\] float32 in the checkpoint, "
-                       r"\[64, 96\] float32 in this run's model; "):
+    with pytest.raises(
+        RuntimeError,
+        match=r"ModelMismatch: \S+/step-00000010: holds another model than this run's: "
+        r"model\.layers\.0\.mlp\.down_proj\.weight is \[64, 128\] float32 in the checkpoint, "
+        r"\[64, 96\] float32 in this run's model; ",
+    ):
         spawn(run_segment, 2, str(run), 12, 0)
     assert not (run / "metrics.jsonl").exists()
 
@@ -257,6 +262,7 @@ def _staging_buffers() -> int:
                 same(x, y)
         else:
             assert a == b
+
     same(sd, staged)
     dist.destroy_process_group()
     return n
@@ -305,11 +311,15 @@ def _crash_after_snapshot(mem: Path, steps: range, killed: list[int], storage_ev
     """SIGKILL rank 1 as soon as a memory snapshot of one of ``steps`` that storage has not (not a multiple of
     ``storage_every``) is committed (the node stays up); rank 0 dies on the broken group (or is killed 20 s later,
     as torchrun would)."""
+
     def on_start(procs: list) -> None:
         deadline = time.time() + 180
         while time.time() < deadline:
-            done = [s for s in steps if s % storage_every
-                    and (mem / "checkpoints" / f"step-{s:08d}" / "manifest.json").is_file()]
+            done = [
+                s
+                for s in steps
+                if s % storage_every and (mem / "checkpoints" / f"step-{s:08d}" / "manifest.json").is_file()
+            ]
             if done:
                 os.kill(procs[1].pid, signal.SIGKILL)
                 killed.append(done[0])
@@ -318,8 +328,10 @@ def _crash_after_snapshot(mem: Path, steps: range, killed: list[int], storage_ev
                     os.kill(procs[0].pid, signal.SIGKILL)
                 return
             if not any(p.is_alive() for p in procs):  # nothing more can come: say so now, not after 180 s
-                raise AssertionError(f"no memory snapshot of steps {list(steps)}: the ranks ended first (exit codes "
-                                     f"{[p.exitcode for p in procs]})")
+                raise AssertionError(
+                    f"no memory snapshot of steps {list(steps)}: the ranks ended first (exit codes "
+                    f"{[p.exitcode for p in procs]})"
+                )
             time.sleep(0.005)
         raise AssertionError(f"no memory snapshot of steps {list(steps)} within 180 s")
 
@@ -328,9 +340,10 @@ def _crash_after_snapshot(mem: Path, steps: range, killed: list[int], storage_ev
 
 def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp_path: Path, capfd) -> None:
     """Memory snapshots every K=4 steps, storage every 7. A rank SIGKILLed after the first snapshot storage has not
-    (step s = 8, 12, 16 or 20; one due while a save is still being written is skipped): the launcher persists it after validating it (a tampered copy is refused), the next segment resumes
-    from memory (tier 'memory' in lineage), bitwise like the uninterrupted reference, having lost <= K steps. A
-    tampered snapshot at a later crash point is never loaded: one line, storage used, training bitwise."""
+    (step s = 8, 12, 16 or 20; one due while a save is still being written is skipped): the launcher persists it after
+    validating it (a tampered copy is refused), the next segment resumes from memory (tier 'memory' in lineage), bitwise
+    like the uninterrupted reference, having lost <= K steps. A tampered snapshot at a later crash point is never
+    loaded: one line, storage used, training bitwise."""
     from ckpt.layout import RunDir
     from ckpt.memtier_persist import persist_newer
     from ckpt.validate import latest_valid
@@ -340,16 +353,29 @@ def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp
     # Storage every 7 (not 5): a snapshot due while the previous save is still being written is skipped, and on a
     # busy machine the saves of 5, 10 and 15 could swallow every snapshot the crash can wait for (8, 12, 16).
     k, every, mem = 4, 7, tmp_path / "shm"
-    spec = tiny_spec(**{"checkpoint.memory_interval": k, "checkpoint.memory_dir": str(mem), "checkpoint.interval": every,
-                        "checkpoint.background_nice": 0})  # the writes keep up with the tiny model on a busy machine
+    spec = tiny_spec(
+        **{
+            "checkpoint.memory_interval": k,
+            "checkpoint.memory_dir": str(mem),
+            "checkpoint.interval": every,
+            "checkpoint.background_nice": 0,
+        }
+    )  # the writes keep up with the tiny model on a busy machine
     run = new_run(tmp_path / "run", spec)
     rd = RunDir.at(run)
     killed: list[int] = []
     # rank 1 never reports: it was killed. Both ranks are gone when on_start returns (rank 0 joined or killed), so
     # whatever rank 0 reported is already queued: a short wait for the reports is enough.
     with pytest.raises(queue.Empty):
-        spawn(run_segment, 2, str(run), 400, 0, timeout=2, on_start=_crash_after_snapshot(mem, range(6, 24), killed,
-                                                                                            every))
+        spawn(
+            run_segment,
+            2,
+            str(run),
+            400,
+            0,
+            timeout=2,
+            on_start=_crash_after_snapshot(mem, range(6, 24), killed, every),
+        )
     s = killed[0]
     stored = every * (s // every)
     snap = mem / "checkpoints" / f"step-{s:08d}"
@@ -387,8 +413,11 @@ def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp
     assert_bitwise(metrics(reference), metrics(run), range(s + 1, until + 1))
     kept = sorted(p.name for p in (mem / "checkpoints").iterdir())
     # the newest one or two snapshots (the older one may be retired as the next snapshot's stage), nothing else
-    assert 1 <= len(kept) <= 2 and kept[-1] == f"step-{until:08d}" and all(k.startswith("step-") and "." not in k
-                                                                          for k in kept), kept
+    assert (
+        1 <= len(kept) <= 2
+        and kept[-1] == f"step-{until:08d}"
+        and all(k.startswith("step-") and "." not in k for k in kept)
+    ), kept
     assert validate(rd.checkpoint(until), deep=True).valid  # persisted from memory at the end
     # A tampered snapshot (as new as storage's newest): never loaded, one line, storage's checkpoint used.
     shard = sorted((mem / "checkpoints" / f"step-{until:08d}").glob("__0_*.distcp"))[0]

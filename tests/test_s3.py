@@ -51,25 +51,57 @@ def s3_run(s3_endpoint: str, tiny_run: Path, tmp_path_factory: pytest.TempPathFa
     bucket = _new_bucket()
     url = f"s3://{bucket}/run"
     base = tmp_path_factory.mktemp("s3run")
-    launch = _cli_start("train", "--config", TINY, "--run-dir", url, "--nproc", "2", "--until-step", str(FIRST),
-                        *CKPT_SETS, cache=base / "cache-a")
+    launch = _cli_start(
+        "train",
+        "--config",
+        TINY,
+        "--run-dir",
+        url,
+        "--nproc",
+        "2",
+        "--until-step",
+        str(FIRST),
+        *CKPT_SETS,
+        cache=base / "cache-a",
+    )
     out, err = launch.communicate(timeout=300)
     first = subprocess.CompletedProcess(launch.args, launch.returncode, out, err)
     assert first.returncode == 0, first.stderr[-3000:]
     after_first = _steps(bucket, "run")
-    second = _cli("train", "--config", TINY, "--run-dir", url, "--nproc", "1", "--until-step", str(END), *CKPT_SETS,
-                  cache=base / "cache-b")
+    second = _cli(
+        "train",
+        "--config",
+        TINY,
+        "--run-dir",
+        url,
+        "--nproc",
+        "1",
+        "--until-step",
+        str(END),
+        *CKPT_SETS,
+        cache=base / "cache-b",
+    )
     assert second.returncode == 0, second.stderr[-3000:]
-    return {"bucket": bucket, "url": url, "base": base, "first": first, "second": second, "ref": tiny_run,
-            "after_first": after_first}
+    return {
+        "bucket": bucket,
+        "url": url,
+        "base": base,
+        "first": first,
+        "second": second,
+        "ref": tiny_run,
+        "after_first": after_first,
+    }
 
 
 def test_save_to_s3_leaves_manifest_committed_checkpoints_and_keep_last(s3_run: dict[str, Any]) -> None:
     bucket = s3_run["bucket"]
     assert "checkpoint s3://" in s3_run["first"].stderr + s3_run["first"].stdout
     # the watcher thread uploaded checkpoints while the segment trained, not only at its end
-    uploaded = [int(line.split("/checkpoints/step-")[1][:8]) for line in s3_run["first"].stderr.splitlines()
-                if "uploaded s3://" in line]
+    uploaded = [
+        int(line.split("/checkpoints/step-")[1][:8])
+        for line in s3_run["first"].stderr.splitlines()
+        if "uploaded s3://" in line
+    ]
     assert uploaded and min(uploaded) < FIRST, s3_run["first"].stderr[-2000:]
     # keep_last 2 on the store after each segment: the newest step and one older one (the uploader skips those
     # committed during another's upload: which one depends on the timing), each whole with its manifest
@@ -86,7 +118,9 @@ def test_save_to_s3_leaves_manifest_committed_checkpoints_and_keep_last(s3_run: 
         for f in manifest["files"]:
             body = client.get_object(Bucket=bucket, Key=prefix + f["path"])["Body"].read()
             assert (len(body), xxhash.xxh3_128(body).hexdigest()) == (f["size"], f["xxh3_128"])
-    assert {"run/run.yaml", "run/lineage.jsonl", "run/metrics.jsonl", "run/segments.jsonl"} <= set(_keys(bucket, "run/"))
+    assert {"run/run.yaml", "run/lineage.jsonl", "run/metrics.jsonl", "run/segments.jsonl"} <= set(
+        _keys(bucket, "run/")
+    )
     assert "run/.lease" not in _keys(bucket, "run/")  # each segment released the run's lease (ckpt.lease) at its end
 
 
@@ -103,8 +137,9 @@ def test_resume_at_another_world_size_from_a_fresh_cache_matches_the_local_refer
     assert resume["parent"] == f"checkpoint:step-{FIRST:08d}" and resume["data"]["to_world_size"] == 1
 
 
-def test_validate_status_lineage_export_on_the_s3_uri(s3_run: dict[str, Any], cache: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_validate_status_lineage_export_on_the_s3_uri(
+    s3_run: dict[str, Any], cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from shardkeeper.cli import main
 
     url, bucket = s3_run["url"], s3_run["bucket"]
@@ -122,15 +157,19 @@ def test_validate_status_lineage_export_on_the_s3_uri(s3_run: dict[str, Any], ca
     assert state["checkpoint"] == f"{url}/checkpoints/step-{END:08d}" and state["step"] == END
     assert state["reread"] is True  # the deep validation downloaded and hashed every object
     assert state["world_size"] == 1 and state["last_status"] == "completed"
-    assert main(["export", f"{url}/checkpoints/step-{END:08d}", f"{url}/exports/step-{END:08d}", "--dtype",
-                 "bfloat16"]) == 0
+    assert (
+        main(["export", f"{url}/checkpoints/step-{END:08d}", f"{url}/exports/step-{END:08d}", "--dtype", "bfloat16"])
+        == 0
+    )
     exported = _keys(bucket, f"run/exports/step-{END:08d}/")
     assert {k.rsplit("/", 1)[1] for k in exported} >= {"config.json", "model.safetensors", "shardkeeper.json"}
     capsys.readouterr()
     assert main(["lineage", url, "--json"]) == 0
     kinds = [json.loads(line)["kind"] for line in capsys.readouterr().out.splitlines()]
     assert kinds.count("segment") == 2 and "export" in kinds and "validate" in kinds
-    exp = [json.loads(line) for line in _client().get_object(Bucket=bucket, Key="run/lineage.jsonl")["Body"].iter_lines()]
+    exp = [
+        json.loads(line) for line in _client().get_object(Bucket=bucket, Key="run/lineage.jsonl")["Body"].iter_lines()
+    ]
     assert [e["uri"] for e in exp if e["kind"] == "export"] == [f"{url}/exports/step-{END:08d}"]
 
 
@@ -139,12 +178,16 @@ def _plant_torn(bucket: str, src: int, dst: int) -> None:
     client = _client()
     for key in _keys(bucket, f"run/checkpoints/step-{src:08d}/"):
         if not key.endswith("manifest.json"):
-            client.copy_object(Bucket=bucket, Key=key.replace(f"step-{src:08d}", f"step-{dst:08d}"),
-                               CopySource={"Bucket": bucket, "Key": key})
+            client.copy_object(
+                Bucket=bucket,
+                Key=key.replace(f"step-{src:08d}", f"step-{dst:08d}"),
+                CopySource={"Bucket": bucket, "Key": key},
+            )
 
 
-def test_checkpoint_without_manifest_is_never_listed_loaded_or_valid(s3_run: dict[str, Any], cache: Path,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_checkpoint_without_manifest_is_never_listed_loaded_or_valid(
+    s3_run: dict[str, Any], cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from ckpt.objstore import RemoteRun
     from schemas.errors import CheckpointError
     from shardkeeper.cli import main
@@ -186,8 +229,9 @@ def test_checkpoint_without_manifest_is_never_listed_loaded_or_valid(s3_run: dic
     assert not remote.local.checkpoint(END - 1).exists()
 
 
-def test_a_long_lived_reader_sees_a_manifest_that_landed_after_it_listed_the_step(s3_run: dict[str, Any],
-                                                                                     cache: Path) -> None:
+def test_a_long_lived_reader_sees_a_manifest_that_landed_after_it_listed_the_step(
+    s3_run: dict[str, Any], cache: Path
+) -> None:
     """A reader that listed a step mid-upload (no manifest yet) takes it once its manifest lands: s3fs keeps the
     listing of each step directory, and its cat_file consults it (a stale one said "missing" forever)."""
     from ckpt.objstore import RemoteRun
@@ -227,8 +271,13 @@ def test_sigkill_during_upload_leaves_no_committed_checkpoint(s3_run: dict[str, 
         o.RemoteRun({url!r}).push_checkpoint({str(src)!r})
         print("DONE", flush=True)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", child], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("PUT"), line
@@ -250,7 +299,8 @@ def test_sigkill_during_upload_leaves_no_committed_checkpoint(s3_run: dict[str, 
 
 
 def test_push_writes_manifest_last_with_a_conditional_put_and_refuses_another_commit(
-        s3_run: dict[str, Any], cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s3_run: dict[str, Any], cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from ckpt.objstore import ObjectStoreError, RemoteRun
 
     src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints" / f"step-{END:08d}"
@@ -258,9 +308,12 @@ def test_push_writes_manifest_last_with_a_conditional_put_and_refuses_another_co
     remote = RemoteRun(f"s3://{bucket}/r")
     calls: list[tuple[str, Any, Any]] = []
     real_put, real_pipe = remote.put_files, remote.fs.pipe_file
-    monkeypatch.setattr(remote, "put_files", lambda ps, rels: (calls.append(("put", rels, None)), real_put(ps, rels))[1])
-    monkeypatch.setattr(remote.fs, "pipe_file", lambda p, d, **kw: (calls.append(("pipe", p, kw.get("mode"))),
-                                                                     real_pipe(p, d, **kw))[1])
+    monkeypatch.setattr(
+        remote, "put_files", lambda ps, rels: (calls.append(("put", rels, None)), real_put(ps, rels))[1]
+    )
+    monkeypatch.setattr(
+        remote.fs, "pipe_file", lambda p, d, **kw: (calls.append(("pipe", p, kw.get("mode"))), real_pipe(p, d, **kw))[1]
+    )
     remote.commit_guard = lambda: calls.append(("guard", None, None))  # the run's lease: before the files, the commit
     assert remote.push_checkpoint(src) is True
     assert [c[0] for c in calls] == ["guard", "put", "guard", "pipe"]
@@ -278,8 +331,9 @@ def test_push_writes_manifest_last_with_a_conditional_put_and_refuses_another_co
     assert not any(c[0] == "put" for c in calls)
 
 
-def test_remote_retention_deletes_the_manifest_first(s3_endpoint: str, cache: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_remote_retention_deletes_the_manifest_first(
+    s3_endpoint: str, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from ckpt.objstore import RemoteRun
 
     bucket = _new_bucket()
@@ -326,8 +380,9 @@ def test_unreachable_endpoint_is_one_line(s3_endpoint: str, cache: Path, monkeyp
     assert not list(cache.rglob("run.yaml"))
 
 
-def test_missing_bucket_and_missing_credentials_are_one_line_errors(s3_endpoint: str, cache: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_bucket_and_missing_credentials_are_one_line_errors(
+    s3_endpoint: str, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from ckpt.objstore import ObjectStoreError, RemoteRun
 
     with pytest.raises(ObjectStoreError) as err:
@@ -351,7 +406,8 @@ def test_missing_bucket_and_missing_credentials_are_one_line_errors(s3_endpoint:
 
 
 def test_bucket_without_write_permission_is_a_one_line_error_and_nothing_is_written(
-        s3_endpoint: str, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s3_endpoint: str, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A second moto_server that enforces IAM: a user allowed only to read and list."""
     import boto3
 
@@ -362,9 +418,16 @@ def test_bucket_without_write_permission_is_a_one_line_error_and_nothing_is_writ
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="read-only-sk")
         iam = boto3.client("iam", endpoint_url=endpoint)
         iam.create_user(UserName="reader")
-        iam.put_user_policy(UserName="reader", PolicyName="ro", PolicyDocument=json.dumps({
-            "Version": "2012-10-17",
-            "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}]}))
+        iam.put_user_policy(
+            UserName="reader",
+            PolicyName="ro",
+            PolicyDocument=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}],
+                }
+            ),
+        )
         key = iam.create_access_key(UserName="reader")["AccessKey"]
         monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
@@ -373,8 +436,12 @@ def test_bucket_without_write_permission_is_a_one_line_error_and_nothing_is_writ
             _train("s3://read-only-sk/run")
         msg = str(err.value)
         assert "permission denied" in msg and "s3:PutObject" in msg and "\n" not in msg
-        reader = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key["AccessKeyId"],
-                              aws_secret_access_key=key["SecretAccessKey"])
+        reader = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=key["AccessKeyId"],
+            aws_secret_access_key=key["SecretAccessKey"],
+        )
         listed = reader.list_objects_v2(Bucket="read-only-sk")
         assert listed.get("KeyCount", 0) == 0
         assert not list(cache.rglob("run.yaml"))
@@ -394,8 +461,12 @@ def test_flows_train_export_and_resume_runs_on_s3(s3_endpoint: str, prefect_serv
 
     bucket = _new_bucket()
     done, cut = f"s3://{bucket}/runs/done", f"s3://{bucket}/runs/cut"
-    summary = train_and_export(config=str(TINY), run_dir=done, backoff_s=0,
-                               segments=[{"nproc": 2, "until_step": 3}, {"nproc": 1, "until_step": 5}])
+    summary = train_and_export(
+        config=str(TINY),
+        run_dir=done,
+        backoff_s=0,
+        segments=[{"nproc": 2, "until_step": 3}, {"nproc": 1, "until_step": 5}],
+    )
     assert summary.run_dir == done and summary.final_checkpoint == f"{done}/checkpoints/step-00000005"
     assert summary.segments[1].reshard is not None and summary.segments[1].reshard.to_world_size == 1
     assert summary.export.out_dir == f"{done}/exports/step-00000005"
@@ -430,8 +501,9 @@ def _throttled_mirror(s3_run: dict[str, Any], url: str, steps: tuple[int, ...], 
     return proxy, remote, mirror
 
 
-def test_upload_after_a_stop_is_the_newest_only_and_a_second_signal_gives_it_up(s3_run: dict[str, Any],
-                                                                                 cache: Path) -> None:
+def test_upload_after_a_stop_is_the_newest_only_and_a_second_signal_gives_it_up(
+    s3_run: dict[str, Any], cache: Path
+) -> None:
     """After a preemption the uploader pushes the newest checkpoint the store lacks, not every older one; on a slow
     link (tests/throttle.py, 500 KB/s) a second SIGTERM gives the upload up at once: no manifest on the store (not a
     checkpoint there), the checkpoint stays in the cache, one line says so, and the next segment uploads it."""
@@ -464,22 +536,40 @@ def test_upload_after_a_stop_is_the_newest_only_and_a_second_signal_gives_it_up(
         signal.signal(signal.SIGTERM, previous)
     assert seen and time.monotonic() - seen[0] < 2.0 and took < 8, took  # a whole upload takes ~3.5 s here
     line = mirror.gave_up or ""  # the CLI prints it in the segment's line (the result's note; exit code unchanged)
-    assert line.startswith(f"SIGTERM received again; gave up the upload of {url}/checkpoints/step-{END:08d}: the "
-                           "store has no manifest for it") and "\n" not in line, line
+    assert (
+        line.startswith(
+            f"SIGTERM received again; gave up the upload of {url}/checkpoints/step-{END:08d}: the "
+            "store has no manifest for it"
+        )
+        and "\n" not in line
+    ), line
     assert f"the next `shardkeeper train --run-dir {url}` here uploads it" in line, line
     from schemas import ClusterTopology, SegmentResult
     from shardkeeper.remote import remote_result
 
-    res = remote_result(remote, SegmentResult(run_dir=str(remote.local.root), status="preempted", exit_code=75, segment=0,
-                                              start_step=0, end_step=END, seconds=1.0, topology=ClusterTopology(),
-                                              checkpoint=str(remote.local.checkpoint(END)), note="stopped"), mirror)
+    res = remote_result(
+        remote,
+        SegmentResult(
+            run_dir=str(remote.local.root),
+            status="preempted",
+            exit_code=75,
+            segment=0,
+            start_step=0,
+            end_step=END,
+            seconds=1.0,
+            topology=ClusterTopology(),
+            checkpoint=str(remote.local.checkpoint(END)),
+            note="stopped",
+        ),
+        mirror,
+    )
     assert (res.exit_code, res.checkpoint, res.note) == (75, str(remote.local.checkpoint(END)), f"stopped; {line}")
     assert abandoned_uploads() == [f"{url}/checkpoints/step-{END:08d}"]  # the CLI exits at once, not after it
     # its requests in flight end; nothing more is put, never a manifest; the older checkpoint was never started
     for t in [t for t in threading.enumerate() if t.name == "ckpt-upload-at-stop"]:
         t.join(30)
     landed = _keys(bucket, "stopped/")
-    assert not any(k.endswith("manifest.json") for k in landed) and f"stopped/.lease" not in landed
+    assert not any(k.endswith("manifest.json") for k in landed) and "stopped/.lease" not in landed
     assert {k.rsplit("/", 2)[-2] for k in landed if "/checkpoints/" in k} <= {f"step-{END:08d}"}, landed
     assert RemoteRun(url).committed_steps() == [] and remote.local.checkpoint(END).is_dir()
     # the next segment on this cache uploads it (the direct link: no waiting), then the milestones the store lacks
@@ -491,8 +581,9 @@ def test_upload_after_a_stop_is_the_newest_only_and_a_second_signal_gives_it_up(
     proxy.close()
 
 
-def test_upload_after_a_stop_gives_up_past_its_grace(s3_run: dict[str, Any], cache: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_upload_after_a_stop_gives_up_past_its_grace(
+    s3_run: dict[str, Any], cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Past the stop's grace (SHARDKEEPER_STOP_UPLOAD_S) the upload is given up the same way."""
     from ckpt.objstore import RemoteRun
 
@@ -503,7 +594,9 @@ def test_upload_after_a_stop_gives_up_past_its_grace(s3_run: dict[str, Any], cac
     t0 = time.monotonic()
     mirror.finish()
     assert time.monotonic() - t0 < 2.5
-    assert (mirror.gave_up or "").startswith(f"not done within the stop's 1 s; gave up the upload of {url}/checkpoints/")
+    assert (mirror.gave_up or "").startswith(
+        f"not done within the stop's 1 s; gave up the upload of {url}/checkpoints/"
+    )
     assert RemoteRun(url).committed_steps() == [] and remote.local.checkpoint(END).is_dir()
     proxy.close()
 
@@ -535,14 +628,16 @@ def test_a_second_signal_while_the_ranks_stop_gives_the_upload_up(s3_run: dict[s
     t0 = time.monotonic()
     mirror.finish()
     assert time.monotonic() - t0 < 2.0  # a whole upload takes ~3.5 s here
-    assert (mirror.gave_up or "").startswith(f"SIGINT received again; gave up the upload of {url}/checkpoints/"), \
+    assert (mirror.gave_up or "").startswith(f"SIGINT received again; gave up the upload of {url}/checkpoints/"), (
         mirror.gave_up
+    )
     assert RemoteRun(url).committed_steps() == [] and remote.local.checkpoint(END).is_dir()
     proxy.close()
 
 
-def test_a_given_up_upload_names_the_newest_checkpoint_the_store_lacks(s3_run: dict[str, Any], cache: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_given_up_upload_names_the_newest_checkpoint_the_store_lacks(
+    s3_run: dict[str, Any], cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Stopped while an older checkpoint was going up (a newer one committed meanwhile, at the stop): the line names
     the newest one, the one the next segment uploads, not the one that happened to be in flight."""
     from ckpt.objstore import RemoteRun
@@ -558,8 +653,10 @@ def test_a_given_up_upload_names_the_newest_checkpoint_the_store_lacks(s3_run: d
     monkeypatch.setenv("SHARDKEEPER_STOP_UPLOAD_S", "0.5")
     mirror.stopped(grace_s=60)
     mirror.finish()
-    assert (mirror.gave_up or "").startswith(f"not done within the stop's 0.5 s; gave up the upload of "
-                                             f"{url}/checkpoints/step-{END:08d}: the store has no manifest"), mirror.gave_up
+    assert (mirror.gave_up or "").startswith(
+        f"not done within the stop's 0.5 s; gave up the upload of "
+        f"{url}/checkpoints/step-{END:08d}: the store has no manifest"
+    ), mirror.gave_up
     import threading
 
     for t in [t for t in threading.enumerate() if t.name == "ckpt-upload-at-stop"] + [mirror._thread]:
@@ -603,8 +700,9 @@ def test_a_link_slower_than_the_commits_still_gets_the_runs_metadata_up(s3_run: 
 
 
 @pytest.mark.parametrize("value", ["soon", "nan", "-5"])
-def test_a_bad_stop_upload_budget_is_one_line_before_the_segment(s3_endpoint: str, cache: Path, value: str,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_stop_upload_budget_is_one_line_before_the_segment(
+    s3_endpoint: str, cache: Path, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SHARDKEEPER_STOP_UPLOAD_S is read when the segment's uploader is set up, not after its training (a stop
     there failed with a bare ValueError, or never timed out for nan)."""
     from ckpt.objstore import RemoteRun

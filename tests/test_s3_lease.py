@@ -66,12 +66,18 @@ def _holder(url: str, cache_dir: Path) -> subprocess.Popen:
         print("HELD", time.time(), flush=True)
         time.sleep(300)
     """)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SHARDKEEPER_CACHE": str(cache_dir), "SHARDKEEPER_LEASE_S": str(EXPIRY)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "SHARDKEEPER_CACHE": str(cache_dir),
+        "SHARDKEEPER_LEASE_S": str(EXPIRY),
+    }
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
 
 
 def test_second_writer_refused_in_one_line_renewal_outlives_expiry_dead_holder_taken_over_and_loser_stops(
-        s3_endpoint: str, cache: Path, tmp_path: Path) -> None:
+    s3_endpoint: str, cache: Path, tmp_path: Path
+) -> None:
     from ckpt.lease import LEASE_NAME, LeaseLost
     from ckpt.lineage import read_events
     from ckpt.objstore import RemoteRun
@@ -88,8 +94,19 @@ def test_second_writer_refused_in_one_line_renewal_outlives_expiry_dead_holder_t
         # anything is trained or pulled into its cache; by then the lease has outlived its first expiry (renewed).
         time.sleep(max(0.0, held_at + EXPIRY + 0.5 - time.time()))
         other = tmp_path / "cache-b"
-        res = _cli("train", "--config", TINY, "--run-dir", url, "--nproc", "1", "--until-step", "2", cache=other,
-                   env={"SHARDKEEPER_LEASE_S": str(EXPIRY)})
+        res = _cli(
+            "train",
+            "--config",
+            TINY,
+            "--run-dir",
+            url,
+            "--nproc",
+            "1",
+            "--until-step",
+            "2",
+            cache=other,
+            env={"SHARDKEEPER_LEASE_S": str(EXPIRY)},
+        )
         assert time.time() - held_at > EXPIRY
         assert res.returncode == 3, res.stderr[-2000:]
         lines = res.stderr.strip().splitlines()
@@ -99,7 +116,9 @@ def test_second_writer_refused_in_one_line_renewal_outlives_expiry_dead_holder_t
         assert not any((local / n).exists() for n in ("run.yaml", "segments.jsonl", "metrics.jsonl", "checkpoints"))
         from shardkeeper.stages import run_state
 
-        assert run_state(url).locked  # readers see the run as being trained (status, the resume flow), without the lease
+        assert run_state(
+            url
+        ).locked  # readers see the run as being trained (status, the resume flow), without the lease
         # The holder dies without releasing: refused until the lease expires, then taken over (logged in lineage).
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
@@ -150,12 +169,12 @@ def test_concurrent_takers_of_an_expired_lease_exactly_one_wins(s3_endpoint: str
         refused: list[str] = []
 
         def take(i: int) -> None:
-            barrier.wait()
+            barrier.wait()  # noqa: B023
             try:
-                takers[i].acquire()
-                won.append(i)
+                takers[i].acquire()  # noqa: B023
+                won.append(i)  # noqa: B023
             except RunLockedError as e:
-                refused.append(str(e))
+                refused.append(str(e))  # noqa: B023
 
         threads = [threading.Thread(target=take, args=(i,)) for i in range(len(takers))]
         for t in threads:
@@ -171,7 +190,8 @@ def test_concurrent_takers_of_an_expired_lease_exactly_one_wins(s3_endpoint: str
 
 
 def test_typed_garbage_lease_refused_in_one_line_and_dead_local_holder_taken_over_at_once(
-        s3_endpoint: str, cache: Path) -> None:
+    s3_endpoint: str, cache: Path
+) -> None:
     """A lease object of JSON but not a lease (an owner that is a string, an Infinity expiry) is an unknown
     writer's: refused in one line (exit 3) until it expires, like non-JSON garbage; a lease whose holder is a
     process of this host that is gone is taken over at once, and says whose it was."""
@@ -179,8 +199,12 @@ def test_typed_garbage_lease_refused_in_one_line_and_dead_local_holder_taken_ove
 
     url = f"s3://{_new_bucket()}/run"
     me = _lease(url, expiry=30.0)
-    for garbage in (b'{"owner": "x"}', b'{"owner": {"host": "h", "pid": 1, "id": "a"}, "expiry_s": Infinity}',
-                    b'[1, 2]', b'not json'):
+    for garbage in (
+        b'{"owner": "x"}',
+        b'{"owner": {"host": "h", "pid": 1, "id": "a"}, "expiry_s": Infinity}',
+        b"[1, 2]",
+        b"not json",
+    ):
         me.client.put_object(Bucket=me.bucket, Key=me.key, Body=garbage)
         with pytest.raises(RunLockedError) as err:
             me.acquire()
@@ -204,8 +228,8 @@ def test_typed_garbage_lease_refused_in_one_line_and_dead_local_holder_taken_ove
 def test_another_machine_resumes_an_s3_run_without_its_config(s3_endpoint: str, cache: Path) -> None:
     """The run's run.yaml is on the store: a machine whose cache never saw the run takes the spec from there (a
     resume needs no --config); a URL whose store holds no run.yaml is still a new run that needs one."""
-    from tests.s3_server import _client
     from shardkeeper.config import train_spec
+    from tests.s3_server import _client
 
     bucket = _new_bucket()
     spec = tiny_spec(name="from-the-store")

@@ -54,7 +54,8 @@ def _next_upload(mirror: object, seen: list[int]) -> int:
 
 
 def test_a_slow_link_uploads_the_newest_and_retention_keeps_the_one_in_flight(
-        s3_endpoint: str, tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s3_endpoint: str, tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from ckpt.objstore import RemoteRun
     from shardkeeper.remote import Mirror
     from tests.throttle import ThrottledProxy
@@ -67,8 +68,9 @@ def test_a_slow_link_uploads_the_newest_and_retention_keeps_the_one_in_flight(
     rd = remote.local
     keep_last = 2
     _commit(rd, src, 1, keep_last)
-    mirror = Mirror(remote, tiny_spec(**{"checkpoint.keep_last": keep_last}), is_valid=lambda p: validate(p).valid,
-                    poll_s=0.02)
+    mirror = Mirror(
+        remote, tiny_spec(**{"checkpoint.keep_last": keep_last}), is_valid=lambda p: validate(p).valid, poll_s=0.02
+    )
     mirror.start()
     seen: list[int] = []
     try:
@@ -98,10 +100,19 @@ def test_a_pin_counts_only_while_its_process_lives(tiny_run: Path, tmp_path: Pat
     rd = RunDir.at(tmp_path / "run")
     for step in (1, 2, 3):
         _commit(rd, tiny_run / "checkpoints" / "step-00000005", step, keep_last=3)
-    held = subprocess.Popen([sys.executable, "-c", "import sys, time; from ckpt.pin import Pin; "
-                             "Pin(sys.argv[1]).acquire().set(1); print('pinned', flush=True); time.sleep(60)",
-                             str(rd.root)], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    held = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from ckpt.pin import Pin; "
+            "Pin(sys.argv[1]).acquire().set(1); print('pinned', flush=True); time.sleep(60)",
+            str(rd.root),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
     try:
         assert held.stdout is not None and held.stdout.readline().strip() == "pinned"
         assert pinned_steps(rd.root) == {1}
@@ -125,24 +136,33 @@ def test_a_pin_counts_only_while_its_process_lives(tiny_run: Path, tmp_path: Pat
 def test_a_crafted_pin_is_ignored_and_never_hangs_retention(tiny_run: Path, tmp_path: Path) -> None:
     """What a pin file or its lock may be instead (a FIFO, a symlink to /dev/zero, a huge or deeply nested file)
     protects nothing, and retention neither hangs on it nor fails with a traceback."""
-    cases = {"fifo": "os.mkfifo(p / 'upload.json')",
-             "fifo-lock": "(p / 'upload.json').write_text('{\"step\": 1}'); os.mkfifo(p / 'upload.lock')",
-             "zero": "(p / 'upload.json').symlink_to('/dev/zero')",
-             "huge": "open(p / 'upload.json', 'wb').truncate(1 << 31)",
-             "nested": "(p / 'upload.json').write_text('[' * 200000)"}
+    cases = {
+        "fifo": "os.mkfifo(p / 'upload.json')",
+        "fifo-lock": "(p / 'upload.json').write_text('{\"step\": 1}'); os.mkfifo(p / 'upload.lock')",
+        "zero": "(p / 'upload.json').symlink_to('/dev/zero')",
+        "huge": "open(p / 'upload.json', 'wb').truncate(1 << 31)",
+        "nested": "(p / 'upload.json').write_text('[' * 200000)",
+    }
     for name, plant in cases.items():
         rd = RunDir.at(tmp_path / name)
         for step in (1, 2):
             _commit(rd, tiny_run / "checkpoints" / "step-00000005", step, keep_last=2)
-        code = ("import os, sys; from pathlib import Path; from ckpt.layout import RunDir; "
-                "from ckpt.pin import pinned_steps; from ckpt.retention import apply_retention; "
-                f"p = Path(sys.argv[1]) / '.pins'; p.mkdir(); {plant}; "
-                "print(sorted(pinned_steps(sys.argv[1])), len(apply_retention(RunDir.at(sys.argv[1]), keep_last=1, "
-                "keep_every=None)))")
+        code = (
+            "import os, sys; from pathlib import Path; from ckpt.layout import RunDir; "
+            "from ckpt.pin import pinned_steps; from ckpt.retention import apply_retention; "
+            f"p = Path(sys.argv[1]) / '.pins'; p.mkdir(); {plant}; "
+            "print(sorted(pinned_steps(sys.argv[1])), len(apply_retention(RunDir.at(sys.argv[1]), keep_last=1, "
+            "keep_every=None)))"
+        )
         try:
-            out = subprocess.run([sys.executable, "-c", code, str(rd.root)], capture_output=True, text=True, timeout=20,
-                                 cwd=Path(__file__).parent.parent,
-                                 env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+            out = subprocess.run(
+                [sys.executable, "-c", code, str(rd.root)],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                cwd=Path(__file__).parent.parent,
+                env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+            )
         except subprocess.TimeoutExpired:
             pytest.fail(f"{name}: retention hung on the planted pin")
         assert (out.returncode, out.stdout.strip()) == (0, "[] 1"), (name, out.stderr[-500:])

@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import pickle
 import random
-from datetime import datetime, timezone
-from pathlib import Path
 from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,8 +35,13 @@ CHUNK = 4
 
 def write_checkpoint(ckpt: Path, ranks: int, step: int, files_per_rank: int = 2) -> None:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     from ckpt.hashing import hash_file
     from ckpt.manifest import write_manifest
@@ -52,24 +57,37 @@ def write_checkpoint(ckpt: Path, ranks: int, step: int, files_per_rank: int = 2)
         for i in range(files_per_rank):
             name, fname = f"model.block{r}.w{i}", f"__{r}_{i}.distcp"
             (ckpt / fname).write_bytes(bytes(4 * CHUNK))
-            state[name] = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size([CHUNK]),
-                                                chunks=[ChunkStorageMetadata(offsets=torch.Size([0]),
-                                                                             sizes=torch.Size([CHUNK]))])
+            state[name] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch.float32),
+                size=torch.Size([CHUNK]),
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([CHUNK]))],
+            )
             storage[MetadataIndex(fqn=name, offset=torch.Size([0]), index=0)] = _StorageInfo(
-                relative_path=fname, offset=0, length=4 * CHUNK)
+                relative_path=fname, offset=0, length=4 * CHUNK
+            )
             size, digest = hash_file(ckpt / fname)
             files.append(FileEntry(path=fname, size=size, xxh3_128=digest, rank=r))
     (ckpt / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage)))
     size, digest = hash_file(ckpt / ".metadata")
     files.append(FileEntry(path=".metadata", size=size, xxh3_128=digest))
     manifest = CheckpointManifest(
-        format="dcp", run_name="scale", step=step, tokens=step, samples=step, segment=0, reason="interval",
-        created_at=datetime.now(timezone.utc).isoformat(), files=files,
+        format="dcp",
+        run_name="scale",
+        step=step,
+        tokens=step,
+        samples=step,
+        segment=0,
+        reason="interval",
+        created_at=datetime.now(UTC).isoformat(),
+        files=files,
         tensors=[TensorEntry(name=n, shape=[CHUNK], dtype="float32") for n in state],
-        model_signature="0" * 64, topology=ClusterTopology(nodes=1, procs_per_node=ranks),
-        dtype_policy=DtypePolicy(compute="float32", reduce="float32"), code_version="test",
+        model_signature="0" * 64,
+        topology=ClusterTopology(nodes=1, procs_per_node=ranks),
+        dtype_policy=DtypePolicy(compute="float32", reduce="float32"),
+        code_version="test",
         fingerprint=Fingerprint(model={}, optim={}, optim_step=float(step)),
-        run_spec=load_run_spec(ROOT / "configs" / "tiny.yaml"))
+        run_spec=load_run_spec(ROOT / "configs" / "tiny.yaml"),
+    )
     write_manifest(ckpt, manifest)
 
 
@@ -94,6 +112,7 @@ def parses(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     def counting(ckpt_dir: Any, data: bytes | None = None, file_sizes: Any = None) -> Any:
         seen.append(Path(ckpt_dir))
         return real(ckpt_dir, data, file_sizes)
+
     monkeypatch.setattr("ckpt.formats.dcp_format.read_layout", counting)
     return seen
 
@@ -146,7 +165,12 @@ def test_changed_metadata_or_manifest_is_parsed_again(run: RunDir, parses: list[
         (ckpt / f.name).write_bytes(f.read_bytes())
     assert V.validate(ckpt).valid
     sentinel = tmp_path / "SENTINEL"
-    evil = b"\x80\x04\x8c\x02os\x8c\x06system\x93(\x8c" + bytes([6 + len(str(sentinel))]) + f"touch {sentinel}".encode() + b"tR."
+    evil = (
+        b"\x80\x04\x8c\x02os\x8c\x06system\x93(\x8c"
+        + bytes([6 + len(str(sentinel))])
+        + f"touch {sentinel}".encode()
+        + b"tR."
+    )
     plant_metadata(ckpt, evil)
     report = V.validate(ckpt)
     assert not report.valid and "refused to unpickle" in report.errors[0] and not sentinel.exists()
@@ -247,6 +271,7 @@ def test_lazy_plan_equals_plan_retention(seed: int, monkeypatch: pytest.MonkeyPa
     def fake_validate(p: Path) -> Report:
         calls.append(int(p.name[5:]))
         return Report(int(p.name[5:]) in valid)
+
     monkeypatch.setattr(retention, "validate", fake_validate)
     monkeypatch.setattr(retention, "is_verified", lambda _rd, p: int(p.name[5:]) in verified)
     got = plan(rd, keep_last=keep_last, keep_every=keep_every)
@@ -278,4 +303,3 @@ def test_plan_reads_only_what_decides(run: RunDir, parses: list[Path]) -> None:
 def test_nothing_verified_validates_everything(run: RunDir, parses: list[Path]) -> None:
     assert plan(run, keep_last=1, keep_every=None).doomed == set()
     assert len(parses) == 3
-

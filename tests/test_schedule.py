@@ -47,7 +47,8 @@ def _runs_of(deployment_name: str) -> list[Any]:
     async def go() -> list[Any]:
         async with get_client() as client:
             return await client.read_flow_runs(
-                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment_name])))
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment_name]))
+            )
 
     return asyncio.run(go())
 
@@ -61,15 +62,29 @@ def test_interval_schedule_resumes_a_preempted_run(prefect_server: Any, tiny_run
     run = copy_run(tiny_run, root / "preempted")
     mark_preempted(run, 8)
     published = tmp_path / "published"
-    request = TrainExportRequest(config=TINY, run_dir=str(run), segments=[SegmentPlan(nproc=2, until_step=8)],
-                                 export_dtype="float32", publish_target=published.as_uri())
+    request = TrainExportRequest(
+        config=TINY,
+        run_dir=str(run),
+        segments=[SegmentPlan(nproc=2, until_step=8)],
+        export_dtype="float32",
+        publish_target=published.as_uri(),
+    )
     handed = RunPlan.from_request(request, plan_id="p1", started_by=Driver(kind="flow", flow_run_name="t"), now="t")
     write_plan(run, handed.model_copy(update={"status": "handed-over"}))
     # The runner polls for scheduled flow runs every second (not the default 10 s): the two runs come sooner.
-    env = {**prefect_env(Path(os.environ.get("PREFECT_HOME", tmp_path)), prefect_server.api_url),
-           "PYTHONPATH": str(ROOT), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(root), name], cwd=ROOT, env=env,
-                            stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    env = {
+        **prefect_env(Path(os.environ.get("PREFECT_HOME", tmp_path)), prefect_server.api_url),
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE, str(root), name],
+        cwd=ROOT,
+        env=env,
+        stdout=open(tmp_path / "serve.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         completed: list[Any] = []
@@ -79,8 +94,10 @@ def test_interval_schedule_resumes_a_preempted_run(prefect_server: Any, tiny_run
             time.sleep(0.5)
             runs = _runs_of(name)
             completed = [r for r in runs if r.state_type and r.state_type.value == "COMPLETED"]
-        assert len(completed) >= 2, (f"scheduled runs: {[(r.name, r.state_type) for r in runs]}; serve log:\n"
-                                     + (tmp_path / "serve.log").read_text()[-2000:])
+        assert len(completed) >= 2, (
+            f"scheduled runs: {[(r.name, r.state_type) for r in runs]}; serve log:\n"
+            + (tmp_path / "serve.log").read_text()[-2000:]
+        )
         # They came from the schedule, not from anyone calling the deployment.
         assert all(r.auto_scheduled for r in completed)
         state = run_state(run)

@@ -35,16 +35,29 @@ INTERVAL = ["--set", "checkpoint.interval=20"]
 
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     """The uninterrupted run every Slurm run is compared with: 2 ranks on this machine, steps 0 -> STEPS."""
     run = tmp_path_factory.mktemp("slurm-ref") / "ref"
-    proc = _cli("train", "--config", str(TINY), "--run-dir", str(run), "--nproc", "2", "--until-step", str(STEPS),
-                "--device", "cpu", *INTERVAL)
+    proc = _cli(
+        "train",
+        "--config",
+        str(TINY),
+        "--run-dir",
+        str(run),
+        "--nproc",
+        "2",
+        "--until-step",
+        str(STEPS),
+        "--device",
+        "cpu",
+        *INTERVAL,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return metrics(run)
 
@@ -63,25 +76,49 @@ def _node_procs(name: str, run: Path) -> list[int]:
     return pids
 
 
-def test_two_local_agents_lose_a_node_and_restore_from_the_peers_memory(tmp_path: Path,
-                                                                        reference: dict[int, dict]) -> None:
+def test_two_local_agents_lose_a_node_and_restore_from_the_peers_memory(
+    tmp_path: Path, reference: dict[int, dict]
+) -> None:
     """No scheduler: two torchrun agents (the local launcher's --nodes 2, nodes node0 and node1) meet through c10d
     rendezvous and train bitwise what one machine trains. Memory snapshots every 5 steps, storage only every 100.
     Node 1 dies whole (agent and rank SIGKILLed) and its memory is gone: the launcher persists node 0's whole copy;
     the next segment restores from memory, node 1's files from node 0's RAM, still bitwise like one machine."""
     run, mem, log = tmp_path / "mn", tmp_path / "shm", tmp_path / "mn.log"
-    args = ["train", "--config", str(TINY), "--run-dir", str(run), "--nodes", "2", "--nproc", "1", "--device", "cpu",
-            "--set", "checkpoint.interval=100", "--set", "checkpoint.memory_interval=5",
-            "--set", f"checkpoint.memory_dir={mem}"]
+    args = [
+        "train",
+        "--config",
+        str(TINY),
+        "--run-dir",
+        str(run),
+        "--nodes",
+        "2",
+        "--nproc",
+        "1",
+        "--device",
+        "cpu",
+        "--set",
+        "checkpoint.interval=100",
+        "--set",
+        "checkpoint.memory_interval=5",
+        "--set",
+        f"checkpoint.memory_dir={mem}",
+    ]
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "shardkeeper", *args, "--until-step", str(STEPS)], cwd=ROOT,
-                                stdout=out, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shardkeeper", *args, "--until-step", str(STEPS)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     # The survivor holds a snapshot of a step >= 20 committed on both nodes: the nodes rename their copies one after
     # the other, and rank 0 says "committed step-N to memory" once every node has (node 0's copy alone is not enough).
     node0 = mem / "nodes" / "node0" / "checkpoints"
     deadline = time.monotonic() + 180
-    while not any(int(n) >= 20 and (node0 / f"step-{n}" / "manifest.json").is_file()
-                  for n in re.findall(r"committed step-(\d+) to memory", log.read_text())):
+    while not any(
+        int(n) >= 20 and (node0 / f"step-{n}" / "manifest.json").is_file()
+        for n in re.findall(r"committed step-(\d+) to memory", log.read_text())
+    ):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
     for pid in _node_procs("node1", run):
@@ -132,9 +169,27 @@ def _scontrol(env: dict[str, str], *args: str) -> None:
 
 def _start_train(env: dict[str, str], run: Path, log: Path, *args: str) -> subprocess.Popen:
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "shardkeeper", "train", "--config", str(TINY), "--run-dir",
-                                 str(run), "--launcher", "slurm", *args, *INTERVAL], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "shardkeeper",
+                "train",
+                "--config",
+                str(TINY),
+                "--run-dir",
+                str(run),
+                "--launcher",
+                "slurm",
+                *args,
+                *INTERVAL,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
 
 def _wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout: float = 120) -> re.Match:
@@ -154,30 +209,67 @@ def _shown(log: Path) -> str:
     the ranks' own output of each attempt (segment-*.out)."""
     text = log.read_text()
     lines = text.splitlines()
-    head = [ln for ln in lines[:-40] if ln.startswith("shardkeeper:") or "preempt" in ln or "signal" in ln
-            or "Traceback" in ln or "Error" in ln]
+    head = [
+        ln
+        for ln in lines[:-40]
+        if ln.startswith("shardkeeper:") or "preempt" in ln or "signal" in ln or "Traceback" in ln or "Error" in ln
+    ]
     outs = sorted(log.parent.glob("*/slurm/segment-*.out"))
-    ranks = "".join(f"\n--- {p} (last lines):\n" + "\n".join(p.read_text(errors="replace").splitlines()[-60:])
-                    for p in outs)
+    ranks = "".join(
+        f"\n--- {p} (last lines):\n" + "\n".join(p.read_text(errors="replace").splitlines()[-60:]) for p in outs
+    )
     return "\n".join(head[-60:] + ["..."] + lines[-40:]) + ranks
 
 
-def test_segment_across_two_slurm_nodes_matches_local_bitwise(slurm: dict[str, str], tmp_path: Path,
-                                                              reference: dict[int, dict]) -> None:
+def test_segment_across_two_slurm_nodes_matches_local_bitwise(
+    slurm: dict[str, str], tmp_path: Path, reference: dict[int, dict]
+) -> None:
     """Also the memory tier across the two nodes: each node (n1, n2) keeps a whole copy (its files + its peer's);
     n2 lost (its memory gone), the next job restores from memory, n2's files coming from n1's RAM."""
     run, mem = tmp_path / "two", tmp_path / "shm"
     tier = ["--set", "checkpoint.memory_interval=5", "--set", f"checkpoint.memory_dir={mem}"]
-    proc = _cli("train", "--config", str(TINY), "--run-dir", str(run), "--launcher", "slurm", "--nodes", "2",
-                "--nproc", "1", "--until-step", "30", *INTERVAL, *tier, env=slurm)
+    proc = _cli(
+        "train",
+        "--config",
+        str(TINY),
+        "--run-dir",
+        str(run),
+        "--launcher",
+        "slurm",
+        "--nodes",
+        "2",
+        "--nproc",
+        "1",
+        "--until-step",
+        "30",
+        *INTERVAL,
+        *tier,
+        env=slurm,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     from ckpt.validate import validate
 
     for node in ("n1", "n2"):
         assert validate(mem / "nodes" / node / "checkpoints" / "step-00000030", deep=True).valid, node
     shutil.rmtree(mem / "nodes" / "n2")
-    again = _cli("train", "--config", str(TINY), "--run-dir", str(run), "--launcher", "slurm", "--nodes", "2",
-                 "--nproc", "1", "--until-step", "40", *INTERVAL, *tier, env=slurm)
+    again = _cli(
+        "train",
+        "--config",
+        str(TINY),
+        "--run-dir",
+        str(run),
+        "--launcher",
+        "slurm",
+        "--nodes",
+        "2",
+        "--nproc",
+        "1",
+        "--until-step",
+        "40",
+        *INTERVAL,
+        *tier,
+        env=slurm,
+    )
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resumed from step-00000030 in memory" in again.stdout + again.stderr, (again.stdout + again.stderr)[-2000:]
     assert validate(mem / "nodes" / "n2" / "checkpoints" / "step-00000040", deep=True).valid
@@ -218,8 +310,13 @@ def test_requeue_mid_training_loses_no_step(slurm: dict[str, str], tmp_path: Pat
 
 
 def test_drained_node_preempts_the_segment_and_the_resume_flow_resumes_on_one_node(
-        slurm: dict[str, str], nodes_back: None, prefect_server: object, tmp_path: Path, reference: dict[int, dict],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    slurm: dict[str, str],
+    nodes_back: None,
+    prefect_server: object,
+    tmp_path: Path,
+    reference: dict[int, dict],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     run, log = tmp_path / "drain", tmp_path / "drain.log"
     proc = _start_train(slurm, run, log, "--nodes", "2", "--nproc", "1", "--until-step", str(STEPS))
     job = _wait_for(log, r"submitted Slurm job (\d+)", proc).group(1)
@@ -246,8 +343,9 @@ def test_drained_node_preempts_the_segment_and_the_resume_flow_resumes_on_one_no
     assert max_rel(reference, got, range(stopped + 1, STEPS + 1)) <= 1e-6
 
 
-def test_sigterm_to_the_launching_cli_stops_the_job_with_a_checkpoint(slurm: dict[str, str], tmp_path: Path,
-                                                                      reference: dict[int, dict]) -> None:
+def test_sigterm_to_the_launching_cli_stops_the_job_with_a_checkpoint(
+    slurm: dict[str, str], tmp_path: Path, reference: dict[int, dict]
+) -> None:
     """The process that submitted the job is preempted (or Ctrl-C'd): the ranks commit, no job stays behind."""
     run, log = tmp_path / "term", tmp_path / "term.log"
     proc = _start_train(slurm, run, log, "--nodes", "2", "--nproc", "1", "--until-step", str(STEPS))
@@ -264,12 +362,14 @@ def test_sigterm_to_the_launching_cli_stops_the_job_with_a_checkpoint(slurm: dic
 
 
 def test_a_killed_launcher_leaves_no_second_writer_and_a_pending_job_stops_at_once(
-        slurm: dict[str, str], tmp_path: Path) -> None:
+    slurm: dict[str, str], tmp_path: Path
+) -> None:
     """kill -9 of `shardkeeper train` while its job is pending: the job stays recorded, a second train of the
     run directory is refused (exit 3) instead of training beside it; SIGTERM to a train whose job is pending
     cancels the job within seconds (Slurm refuses to signal a pending job)."""
-    busy = subprocess.run(["sbatch", "--parsable", "-N2", "--exclusive", "--wrap", "sleep 60"], env=slurm,
-                          capture_output=True, text=True)
+    busy = subprocess.run(
+        ["sbatch", "--parsable", "-N2", "--exclusive", "--wrap", "sleep 60"], env=slurm, capture_output=True, text=True
+    )
     assert busy.returncode == 0, busy.stderr
     blocker = busy.stdout.strip().split(";")[0]
     run, log = tmp_path / "pending", tmp_path / "p.log"
@@ -278,8 +378,23 @@ def test_a_killed_launcher_leaves_no_second_writer_and_a_pending_job_stops_at_on
         job = _wait_for(log, r"submitted Slurm job (\d+)", proc).group(1)
         proc.kill()
         proc.wait()
-        again = _cli("train", "--config", str(TINY), "--run-dir", str(run), "--launcher", "slurm", "--nodes", "2",
-                     "--nproc", "1", "--until-step", "8", *INTERVAL, env=slurm)
+        again = _cli(
+            "train",
+            "--config",
+            str(TINY),
+            "--run-dir",
+            str(run),
+            "--launcher",
+            "slurm",
+            "--nodes",
+            "2",
+            "--nproc",
+            "1",
+            "--until-step",
+            "8",
+            *INTERVAL,
+            env=slurm,
+        )
         err = (again.stdout + again.stderr).strip()
         assert again.returncode == 3 and f"Slurm job {job} of an earlier segment is still pending" in err, err
         assert f"scancel {job}" in err and len(err.splitlines()) == 1
@@ -304,16 +419,20 @@ def test_a_killed_launcher_leaves_no_second_writer_and_a_pending_job_stops_at_on
         subprocess.run(["scancel", blocker], env=slurm, capture_output=True)
 
 
-@pytest.mark.parametrize("args, expect", [
-    (["--nodes", "3", "--nproc", "1"], "--nodes 3: the default partition has 2 node(s); use --nodes <= 2"),
-    (["--nodes", "1", "--nproc", "3"], "--nproc 3: the nodes of the default partition have 2 CPU(s)"),
-    (["--slurm-partition", "nope"], "--slurm-partition nope: no such partition"),
-    (["--slurm-time", "0"], "--slurm-time 0: must be a positive number of minutes"),
-    (["--slurm-arg=--comment=x\ntouch /tmp/shardkeeper-injected"], "contains control characters"),
-    (["--slurm-arg=--wrap=id"], "shardkeeper sets --output, --job-name and the script itself"),
-])
-def test_slurm_bad_input_is_one_line_before_anything_is_written(slurm: dict[str, str], tmp_path: Path,
-                                                                 args: list[str], expect: str) -> None:
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["--nodes", "3", "--nproc", "1"], "--nodes 3: the default partition has 2 node(s); use --nodes <= 2"),
+        (["--nodes", "1", "--nproc", "3"], "--nproc 3: the nodes of the default partition have 2 CPU(s)"),
+        (["--slurm-partition", "nope"], "--slurm-partition nope: no such partition"),
+        (["--slurm-time", "0"], "--slurm-time 0: must be a positive number of minutes"),
+        (["--slurm-arg=--comment=x\ntouch /tmp/shardkeeper-injected"], "contains control characters"),
+        (["--slurm-arg=--wrap=id"], "shardkeeper sets --output, --job-name and the script itself"),
+    ],
+)
+def test_slurm_bad_input_is_one_line_before_anything_is_written(
+    slurm: dict[str, str], tmp_path: Path, args: list[str], expect: str
+) -> None:
     run = tmp_path / "bad"
     proc = _cli("train", "--config", str(TINY), "--run-dir", str(run), "--launcher", "slurm", *args, env=slurm)
     assert proc.returncode not in (0, 75), proc.stdout
@@ -338,8 +457,10 @@ def test_unreachable_slurmctld_is_one_line(tmp_path: Path) -> None:
         pytest.skip("Slurm client commands not installed")
     conf = tmp_path / "slurm.conf"
     # MessageTimeout=2: the client gives up on the dead port in ~1 s per command, not the default ~9 s
-    conf.write_text("ClusterName=x\nSlurmctldHost=localhost\nSlurmctldPort=1\nAuthType=auth/none\nMessageTimeout=2\n"
-                    "NodeName=n1 CPUs=1\nPartitionName=p Nodes=n1 Default=YES\n")
+    conf.write_text(
+        "ClusterName=x\nSlurmctldHost=localhost\nSlurmctldPort=1\nAuthType=auth/none\nMessageTimeout=2\n"
+        "NodeName=n1 CPUs=1\nPartitionName=p Nodes=n1 Default=YES\n"
+    )
     env = {**os.environ, "SLURM_CONF": str(conf)}
     run = tmp_path / "r"
     proc = _cli("train", "--config", str(TINY), "--run-dir", str(run), "--launcher", "slurm", env=env, timeout=120)

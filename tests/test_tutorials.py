@@ -32,13 +32,16 @@ shardkeeper validate runs/own/checkpoints/step-00000040 --deep
 """
 
 # docs/tutorials/finetune.md
-FINETUNE = """\
-python -m infra.make_tiny_pretrained runs/tiny-base     # a tiny Llama (save_pretrained) + a BPE tokenizer with a chat template
-shardkeeper train --config configs/tiny-finetune.yaml --run-dir runs/tiny-ft --nproc 2 --until-step 20
-shardkeeper train --config configs/tiny-finetune.yaml --run-dir runs/tiny-ft --nproc 3 --until-step 40   # resumes (checkpoint, not the base weights)
-shardkeeper export runs/tiny-ft/checkpoints/step-00000040 runs/tiny-ft/exports/step-00000040
-python -c "from transformers import AutoModelForCausalLM, AutoTokenizer as T; p='runs/tiny-ft/exports/step-00000040'; AutoModelForCausalLM.from_pretrained(p); print(T.from_pretrained(p))"
-"""
+FINETUNE = (
+    "python -m infra.make_tiny_pretrained runs/tiny-base     "
+    "# a tiny Llama (save_pretrained) + a BPE tokenizer with a chat template\n"
+    "shardkeeper train --config configs/tiny-finetune.yaml --run-dir runs/tiny-ft --nproc 2 --until-step 20\n"
+    "shardkeeper train --config configs/tiny-finetune.yaml --run-dir runs/tiny-ft --nproc 3 --until-step 40   "
+    "# resumes (checkpoint, not the base weights)\n"
+    "shardkeeper export runs/tiny-ft/checkpoints/step-00000040 runs/tiny-ft/exports/step-00000040\n"
+    'python -c "from transformers import AutoModelForCausalLM, AutoTokenizer as T; '
+    "p='runs/tiny-ft/exports/step-00000040'; AutoModelForCausalLM.from_pretrained(p); print(T.from_pretrained(p))\"\n"
+)
 
 # docs/how-to/publish-older-step.md (continues the fine-tune run: keep_last 3 kept steps 30, 35 and 40)
 PUBLISH_OLDER = """\
@@ -49,11 +52,16 @@ shardkeeper publish runs/tiny-ft/exports/step-00000030 --target "file://$PWD/pub
 
 
 def run_block(block: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDKEEPER_PROGRESS_S": "0",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd, env=env, capture_output=True, text=True,
-                       timeout=timeout)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "SHARDKEEPER_PROGRESS_S": "0",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    r = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return r
 
@@ -69,8 +77,13 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The own-loop block, and the fine-tune block then the publish-older block, side by side (two chains; each
     chain in its own fresh folder): each test below reads its own. What a block raised is raised in its test."""
     own, ft = workdir(tmp_path_factory.mktemp("own-loop")), workdir(tmp_path_factory.mktemp("finetune"))
-    results = side_by_side([[("own", run_block, OWN_LOOP, own)],
-                            [("finetune", run_block, FINETUNE, ft), ("publish", run_block, PUBLISH_OLDER, ft)]], 2)
+    results = side_by_side(
+        [
+            [("own", run_block, OWN_LOOP, own)],
+            [("finetune", run_block, FINETUNE, ft), ("publish", run_block, PUBLISH_OLDER, ft)],
+        ],
+        2,
+    )
     return {**results, "own-dir": own, "finetune-dir": ft}
 
 

@@ -26,10 +26,15 @@ TIMEOUT_MS = 30_000
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.slow,
-    pytest.mark.skipif(chromium_path() is None, reason="headless Chromium not installed: apt-get install -y chromium "
-                       "(Debian package; `make system-deps` does it as root)"),
-    pytest.mark.skipif(importlib.util.find_spec("playwright") is None,
-                       reason="pip install playwright (the system Chromium is used: never `playwright install`)"),
+    pytest.mark.skipif(
+        chromium_path() is None,
+        reason="headless Chromium not installed: apt-get install -y chromium "
+        "(Debian package; `make system-deps` does it as root)",
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("playwright") is None,
+        reason="pip install playwright (the system Chromium is used: never `playwright install`)",
+    ),
 ]
 
 
@@ -60,8 +65,11 @@ def mirrored(prefect_server: Any, lineage_run: Path, tiny_run: Path, tmp_path: P
 
     @flow(name="ui-lineage-check")
     def mirror() -> Any:
-        return (mirror_lineage(str(lineage_run), "ui-check"), mirror_lineage(str(real), "ui-check"),
-                mirror_runs_overview([str(root)]))
+        return (
+            mirror_lineage(str(lineage_run), "ui-check"),
+            mirror_lineage(str(real), "ui-check"),
+            mirror_runs_overview([str(root)]),
+        )
 
     state = mirror(return_state=True)
     keys, real_keys, overview = state.result()
@@ -113,8 +121,11 @@ def test_flow_run_shows_lineage_artifacts(prefect_server: Any, mirrored: tuple[A
     assert page.get_by_text("flowchart", exact=False).count() == 0
     page.get_by_text("Checkpoints now").first.wait_for()
     page.locator("td", has_text="dcp").first.wait_for()
-    on_disk = sorted(p.name for p in Path(real_keys.graph_png).parent.joinpath("checkpoints").glob("step-*")
-                     if (p / "manifest.json").is_file())
+    on_disk = sorted(
+        p.name
+        for p in Path(real_keys.graph_png).parent.joinpath("checkpoints").glob("step-*")
+        if (p / "manifest.json").is_file()
+    )
     # the markdown table under the graph: one row per checkpoint on disk, its step in the first cell
     cells = page.locator("table tbody tr td:first-child").all_inner_texts()
     assert cells == [str(int(name.split("-")[1])) for name in on_disk], cells

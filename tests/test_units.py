@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ckpt import fingerprint as fp
-from schemas.errors import ConfigError
 from ckpt.retention import plan_retention
+from schemas.errors import ConfigError
 from shardkeeper.config import load_run_spec
 from trainer.data import GlobalOrderLoader, synthetic_corpus
 
@@ -96,8 +96,10 @@ def test_the_world_size_rule_is_the_run_descriptions_and_a_script_run_has_none()
     built_in = load_run_spec(ROOT / "configs" / "tiny.yaml")
     assert [w for w in range(1, 13) if built_in.world_size_refusal(w) is None] == [1, 2, 3, 4, 6, 12]
     line = built_in.world_size_refusal(5, choose="--world-size")
-    assert line == ("global_batch_size 12 is not divisible by 5 ranks; choose --world-size among [1, 2, 3, 4, 6, 12] "
-                    "or change global_batch_size")
+    assert line == (
+        "global_batch_size 12 is not divisible by 5 ranks; choose --world-size among [1, 2, 3, 4, 6, 12] "
+        "or change global_batch_size"
+    )
     script = RunSpec(script=ScriptSpec(path="/x/train.py"))
     assert script.global_batch_size == 8 and all(script.world_size_refusal(w) is None for w in (1, 3, 5, 7))
     assert script.world_size_refusal(0) is not None
@@ -130,13 +132,17 @@ def test_status_skips_segments_the_ranks_refused() -> None:
     refused = [{"event": "start", "segment": 1, "until_step": 40}, {"event": "end", "segment": 1, "status": "refused"}]
     assert last_segment(ran + refused, locked=False) == ("preempted", 10)
     assert last_segment(refused, locked=False) == (None, None)
-    assert last_segment([*ran, *refused, {"event": "start", "segment": 2, "until_step": 20}], locked=True) == \
-        ("running", 20)
+    assert last_segment([*ran, *refused, {"event": "start", "segment": 2, "until_step": 20}], locked=True) == (
+        "running",
+        20,
+    )
 
 
 def test_layers_schemas_import_no_torch_and_rank_side_no_prefect() -> None:
-    code = ("import sys, schemas, shardkeeper.config; assert 'torch' not in sys.modules and 'prefect' not in sys.modules;"
-            "import trainer.segment, ckpt.validate, ckpt.formats.dcp; assert 'prefect' not in sys.modules")
+    code = (
+        "import sys, schemas, shardkeeper.config; assert 'torch' not in sys.modules and 'prefect' not in sys.modules;"
+        "import trainer.segment, ckpt.validate, ckpt.formats.dcp; assert 'prefect' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
@@ -146,9 +152,12 @@ def test_manifest_hf_model_record_is_optional_and_described() -> None:
     for cls in (CheckpointManifest, HFModelRecord):
         assert all(f.description for f in cls.model_fields.values()), cls
     assert CheckpointManifest.model_fields["hf_model"].default is None  # manifests written before it still load
-    rec = HFModelRecord(config={"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, "rope_theta": 10000.0},
-                        generation_config={"bos_token_id": 1}, tied={"lm_head.weight": "model.embed_tokens.weight"},
-                        transformers_version="5.0.0")
+    rec = HFModelRecord(
+        config={"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, "rope_theta": 10000.0},
+        generation_config={"bos_token_id": 1},
+        tied={"lm_head.weight": "model.embed_tokens.weight"},
+        transformers_version="5.0.0",
+    )
     back = HFModelRecord.model_validate_json(rec.model_dump_json())
     assert back == rec and isinstance(back.config["rope_theta"], float)
     with pytest.raises(ValueError, match="extra"):
@@ -156,8 +165,8 @@ def test_manifest_hf_model_record_is_optional_and_described() -> None:
 
 
 def test_token_file_source(tmp_path: Path) -> None:
-    from schemas.errors import ConfigError
     from schemas import DataSpec
+    from schemas.errors import ConfigError
     from trainer.data import open_tokens
 
     arr = (np.arange(5000) % 251).astype(np.uint16)
@@ -183,8 +192,7 @@ def test_seam_round_trip_and_bad_files(tmp_path: Path) -> None:
     report (another segment) or a damaged one is not taken for this segment's, a damaged launch is one line."""
     from schemas import ClusterTopology
     from schemas.errors import RunDirError
-    from schemas.seam import (EXIT_CANCELLED, EXIT_PREEMPTED, LAUNCH_FILE, SegmentLaunch, SegmentReport,
-                              exit_code_of)
+    from schemas.seam import EXIT_CANCELLED, EXIT_PREEMPTED, LAUNCH_FILE, SegmentLaunch, SegmentReport, exit_code_of
 
     topo = ClusterTopology(nodes=1, procs_per_node=2)
     launch = SegmentLaunch(run_dir=str(tmp_path), until_step=7, segment=3, topology=topo, restart=True, launcher_pid=42)
@@ -201,8 +209,11 @@ def test_seam_round_trip_and_bad_files(tmp_path: Path) -> None:
     with pytest.raises(RunDirError) as err:
         SegmentLaunch.read(tmp_path / LAUNCH_FILE)
     assert str(err.value).startswith(str(tmp_path / LAUNCH_FILE)) and "\n" not in str(err.value)
-    assert (exit_code_of("completed", 1), exit_code_of("preempted", 1), exit_code_of("cancelled", 1)) == \
-        (0, EXIT_PREEMPTED, EXIT_CANCELLED)
+    assert (exit_code_of("completed", 1), exit_code_of("preempted", 1), exit_code_of("cancelled", 1)) == (
+        0,
+        EXIT_PREEMPTED,
+        EXIT_CANCELLED,
+    )
     assert exit_code_of("failed", 0) == 1 and exit_code_of("failed", 3) == 3
     # a signal-killed torchrun (-9), or any code outside the documented set, is EXIT_FAILED (never 247)
     assert [exit_code_of("failed", c) for c in (-9, -15, 137, 247, 99)] == [1] * 5
@@ -236,9 +247,15 @@ def test_adamw_state_for_a_load_matches_what_torch_would_create(amsgrad: bool) -
     def make() -> torch.optim.AdamW:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
-        return torch.optim.AdamW([{"params": [model[0].weight], "weight_decay": 0.1},
-                                  {"params": [model[0].bias, *model[1].parameters()], "weight_decay": 0.0}],
-                                 lr=1e-3, foreach=True, amsgrad=amsgrad)
+        return torch.optim.AdamW(
+            [
+                {"params": [model[0].weight], "weight_decay": 0.1},
+                {"params": [model[0].bias, *model[1].parameters()], "weight_decay": 0.0},
+            ],
+            lr=1e-3,
+            foreach=True,
+            amsgrad=amsgrad,
+        )
 
     ours, theirs = make(), make()
     before = [p.detach().clone() for g in ours.param_groups for p in g["params"]]
@@ -269,8 +286,11 @@ def test_blocked_fingerprint_is_thread_independent_and_agrees_with_the_legacy_me
     import torch
 
     g = torch.Generator().manual_seed(1)
-    named = [("big", torch.randn(300_001, generator=g) * 3), ("view", torch.randn(64, 100, generator=g)[:, 7:60]),
-             ("empty", torch.zeros(0))]
+    named = [
+        ("big", torch.randn(300_001, generator=g) * 3),
+        ("view", torch.randn(64, 100, generator=g)[:, 7:60]),
+        ("empty", torch.zeros(0)),
+    ]
     threads = torch.get_num_threads()
     try:
         runs = []
@@ -303,8 +323,17 @@ def test_blocked_fingerprint_gives_the_bits_of_its_one_block_at_a_time_definitio
         return float(acc)
 
     g = torch.Generator().manual_seed(7)
-    sizes = [1, 100, fp._BLOCK, fp._BLOCK + 1, 2 * fp._BLOCK, 5 * fp._BLOCK + 7, fp._BLOCK * fp._CHUNK_BLOCKS,
-             fp._BLOCK * fp._CHUNK_BLOCKS * 2 + 12_345, 1_441_792]
+    sizes = [
+        1,
+        100,
+        fp._BLOCK,
+        fp._BLOCK + 1,
+        2 * fp._BLOCK,
+        5 * fp._BLOCK + 7,
+        fp._BLOCK * fp._CHUNK_BLOCKS,
+        fp._BLOCK * fp._CHUNK_BLOCKS * 2 + 12_345,
+        1_441_792,
+    ]
     named = [(f"t{n}", torch.randn(n, generator=g) * (10.0 ** (n % 7 - 3))) for n in sizes]
     want = [definition(t) for _, t in named]
     threads = torch.get_num_threads()
@@ -364,8 +393,9 @@ def test_fingerprint_equal_within_tolerance_but_not_bitwise_warns_and_loads(capl
         fp.require_match("ckpt", saved, far, exact=True)
 
 
-def test_atomic_write_on_a_full_disk_names_the_file_and_leaves_no_temporary(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_atomic_write_on_a_full_disk_names_the_file_and_leaves_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import errno
 
     from ckpt import fsutil
@@ -400,8 +430,11 @@ def test_a_rank_error_line_run_into_another_ranks_is_cut_at_the_second() -> None
     from launch.base import failing_rank_lines
     from schemas.seam import RANK_ERROR_PREFIX
 
-    tail = ["[rank0]: noise", f"{RANK_ERROR_PREFIX} rank 0: run/x: first cause; fix it"
-            f"{RANK_ERROR_PREFIX} rank 1: run/x: second cause", "torchrun summary"]
+    tail = [
+        "[rank0]: noise",
+        f"{RANK_ERROR_PREFIX} rank 0: run/x: first cause; fix it{RANK_ERROR_PREFIX} rank 1: run/x: second cause",
+        "torchrun summary",
+    ]
     assert failing_rank_lines(tail) == "rank 0: run/x: first cause; fix it; rank 1 then failed: run/x: second cause"
 
 
@@ -425,7 +458,9 @@ def test_a_failed_load_is_blamed_on_the_checkpoint_only_for_what_its_bytes_say()
     assert _load_problem(missing_key) == "RuntimeError: Missing key in checkpoint state_dict: lm_head"
 
 
-def test_preflight_keeps_a_checked_model_and_never_a_refused_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_preflight_keeps_a_checked_model_and_never_a_refused_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """shardkeeper.model_facts: the second launch of the same model section reads its numbers back (equal to the
     full check's); another config or seq_len is another key; a refusal is not kept; a malformed entry is ignored."""
     from schemas import ClusterTopology
@@ -441,8 +476,11 @@ def test_preflight_keeps_a_checked_model_and_never_a_refused_one(tmp_path: Path,
     facts = model_facts.load(k)
     cfg = check_model_config(spec)
     assert facts is not None and facts.params == sum(p.numel() for p in meta_model(spec, cfg).parameters())
-    assert (facts.vocab_size, facts.hidden_size, facts.num_hidden_layers) == (cfg.vocab_size, cfg.hidden_size,
-                                                                             cfg.num_hidden_layers)
+    assert (facts.vocab_size, facts.hidden_size, facts.num_hidden_layers) == (
+        cfg.vocab_size,
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+    )
     assert model_facts.key(load_run_spec(Path("configs/tiny.yaml"), ["model.config.num_hidden_layers=3"])) != k
     assert model_facts.key(load_run_spec(Path("configs/tiny.yaml"), ["data.seq_len=16"])) != k
     bad = load_run_spec(Path("configs/tiny.yaml"), ["model.config.hidden_sise=8"])
@@ -455,9 +493,17 @@ def test_preflight_keeps_a_checked_model_and_never_a_refused_one(tmp_path: Path,
     # Crafted entries are never taken for the check's: out of bounds, or at odds with what model.config states
     entry = tmp_path / "cache" / "preflight" / f"{k}.json"
     real = {f: getattr(facts, f) for f in model_facts.FIELDS}
-    for crafted in ({"params": 10**400}, {"params": 10**13 + 1}, {"hidden_size": 2**31 + 1}, {"vocab_size": 0},
-                    {"vocab_size": 1000}, {"hidden_size": 8, "params": 1000}, {"num_hidden_layers": 1},
-                    {"max_position_embeddings": 4096}, {"params": 10}):
+    for crafted in (
+        {"params": 10**400},
+        {"params": 10**13 + 1},
+        {"hidden_size": 2**31 + 1},
+        {"vocab_size": 0},
+        {"vocab_size": 1000},
+        {"hidden_size": 8, "params": 1000},
+        {"num_hidden_layers": 1},
+        {"max_position_embeddings": 4096},
+        {"params": 10},
+    ):
         entry.write_text(json.dumps({**real, **crafted}))
         assert model_facts.load(k, spec) is None, crafted
     entry.write_text(json.dumps({**real, "params": 10**400}))
@@ -512,8 +558,10 @@ def test_slurm_launcher_sees_ranks_that_outlive_their_job(tmp_path: Path) -> Non
 
     assert RANKS_LOCK == RANKS_LOCK_NAME
     assert not ranks_alive(tmp_path)
-    code = (f"import sys, time; sys.path.insert(0, {str(Path.cwd())!r}); from ckpt.lock import hold_ranks_lock; "
-            f"hold_ranks_lock({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)")
+    code = (
+        f"import sys, time; sys.path.insert(0, {str(Path.cwd())!r}); from ckpt.lock import hold_ranks_lock; "
+        f"hold_ranks_lock({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)"
+    )
     rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert rank.stdout is not None and rank.stdout.readline().strip() == "held"
@@ -550,9 +598,16 @@ def test_lease_document_types_checked() -> None:
 
     good = {"owner": {"host": "h", "pid": 7, "id": "u"}, "acquired": "t", "renewed": "t", "expiry_s": 20}
     assert parse_doc(json.dumps(good).encode(), 60.0) == (good, 20.0)
-    for bad in ('{"owner": "x"}', '{"owner": {"host": 1, "pid": 7, "id": "u"}}', '{"owner": {"host": "h", "pid": '
-                '"7", "id": "u"}}', '{"owner": {"host": "h", "pid": true, "id": "u"}}', '[]', '"s"', 'nope',
-                '{"owner": {"host": "h", "pid": 7, "id": "u"}, "renewed": 5}'):
+    for bad in (
+        '{"owner": "x"}',
+        '{"owner": {"host": 1, "pid": 7, "id": "u"}}',
+        '{"owner": {"host": "h", "pid": "7", "id": "u"}}',
+        '{"owner": {"host": "h", "pid": true, "id": "u"}}',
+        "[]",
+        '"s"',
+        "nope",
+        '{"owner": {"host": "h", "pid": 7, "id": "u"}, "renewed": 5}',
+    ):
         doc, expiry = parse_doc(bad.encode(), 60.0)
         assert doc == {"owner": {"host": "an unknown writer", "pid": "?"}} and expiry == 60.0, bad
     for expiry in ("Infinity", "NaN", "-1", "0", "86401", '"10"', "true"):
@@ -600,11 +655,18 @@ def test_a_failed_group_restarts_in_place_for_a_death_or_a_lost_peer_never_for_a
     assert restart_verdict([timed_out, WorkerEnd(1, -15)]) == (timed_out, None)  # a hang: no rank failed on its own
     for own in (WorkerEnd(1, 1), WorkerEnd(1, 65), WorkerEnd(1, 2), WorkerEnd(1, 3), WorkerEnd(1, 0)):
         first, why = restart_verdict([killed, lost, own])  # an error of a rank's own vetoes whatever else happened
-        assert first is None and f"rank 1 " in why and "a restart would fail the same way" in why, (own, why)
+        assert first is None and "rank 1 " in why and "a restart would fail the same way" in why, (own, why)
     assert restart_verdict([WorkerEnd(0, 75), WorkerEnd(1, -15)]) == (None, "the ranks were stopped, not killed")
     record = parse_restart_line("noise " + restart_line(2, 3, killed, "run-7"))
-    assert record == {"restart": 2, "of": 3, "rank": 1, "pid": 41, "cause": "SIGKILL",
-                      "line": "rank 1 (pid 41) died of SIGKILL", "run_id": "run-7"}
+    assert record == {
+        "restart": 2,
+        "of": 3,
+        "rank": 1,
+        "pid": 41,
+        "cause": "SIGKILL",
+        "line": "rank 1 (pid 41) died of SIGKILL",
+        "run_id": "run-7",
+    }
     assert parse_restart_line("shardkeeper-restart: {not json") is None
 
 
@@ -616,16 +678,30 @@ def test_a_rank_forked_by_the_fork_server_starts_as_a_fresh_process_and_ends_as_
     import time
 
     scripts = ROOT / "tests" / "scripts"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PROBE_VAR": "x", "SHARDKEEPER_FORK_PRELOAD": "json",
-           "SHARDKEEPER_FORK_SERVER": str(tmp_path / "fork.sock")}
-    server = subprocess.Popen([sys.executable, "-u", "-m", "trainer.forkserver", "serve", env["SHARDKEEPER_FORK_SERVER"],
-                               str(tmp_path)], env=env, cwd=ROOT, start_new_session=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PROBE_VAR": "x",
+        "SHARDKEEPER_FORK_PRELOAD": "json",
+        "SHARDKEEPER_FORK_SERVER": str(tmp_path / "fork.sock"),
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-u", "-m", "trainer.forkserver", "serve", env["SHARDKEEPER_FORK_SERVER"], str(tmp_path)],
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     log = open(tmp_path / "stdout.txt", "w")  # noqa: SIM115 - both ranks' stdout
 
     def start(name: str, mode: str, forked: bool = True) -> subprocess.Popen:
         head = ["-u", "-m", "trainer.forkserver", "rank"] if forked else []
-        return subprocess.Popen([sys.executable, *head, "-u", "-m", "fork_probe", str(tmp_path / name), mode],
-                                env=env, cwd=scripts, stdout=log, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, *head, "-u", "-m", "fork_probe", str(tmp_path / name), mode],
+            env=env,
+            cwd=scripts,
+            stdout=log,
+            start_new_session=True,
+        )
 
     def wait_for(path: Path) -> None:
         deadline = time.monotonic() + 30

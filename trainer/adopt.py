@@ -66,22 +66,38 @@ def check_source(foreign: ForeignSource, target: TargetModel) -> None:
         raise CheckpointError(f"{foreign.path}: {problem}; {target.fix}")
 
 
-def template_manifest(spec: RunSpec, target: TargetModel, step: int, *, fmt: str, samples: int, tokens: int,
-                      dtype_policy: DtypePolicy) -> CheckpointManifest:
+def template_manifest(
+    spec: RunSpec, target: TargetModel, step: int, *, fmt: str, samples: int, tokens: int, dtype_policy: DtypePolicy
+) -> CheckpointManifest:
     """The manifest of the adopted checkpoint, less what the writer fills in (files, tensors, model signature,
     fingerprint): a conversion (one process, reason ``converted``, no parent) at ``step`` of ``spec``'s run."""
     from trainer.ckpt_common import code_version
 
     return CheckpointManifest(
-        format=fmt, run_name=spec.name, step=step, tokens=tokens, samples=samples,  # type: ignore[arg-type]
-        segment=0, reason="converted", created_at=lineage.now_iso(), files=[], tensors=[], model_signature="",
+        format=fmt,
+        run_name=spec.name,
+        step=step,
+        tokens=tokens,
+        samples=samples,  # type: ignore[arg-type]
+        segment=0,
+        reason="converted",
+        created_at=lineage.now_iso(),
+        files=[],
+        tensors=[],
+        model_signature="",
         topology=ClusterTopology(nodes=1, procs_per_node=1, device_type="cpu", backend="gloo", launcher="local"),
-        dtype_policy=dtype_policy, parent=None, code_version=code_version(),
-        fingerprint=Fingerprint(model={}, optim={}, optim_step=0.0), run_spec=spec, hf_model=target.hf_model)
+        dtype_policy=dtype_policy,
+        parent=None,
+        code_version=code_version(),
+        fingerprint=Fingerprint(model={}, optim={}, optim_step=0.0),
+        run_spec=spec,
+        hf_model=target.hf_model,
+    )
 
 
-def commit_adopted(foreign: ForeignSource, target: TargetModel, template: CheckpointManifest,
-                   out: Path) -> CheckpointManifest:
+def commit_adopted(
+    foreign: ForeignSource, target: TargetModel, template: CheckpointManifest, out: Path
+) -> CheckpointManifest:
     """Stream ``foreign`` into the committed checkpoint ``out`` in ``template.format`` (DCP, or DeepSpeed's
     universal layout); nothing is left at ``out`` unless it is committed."""
     from ckpt.formats.deepspeed_sources import IO_THREADS
@@ -92,14 +108,33 @@ def commit_adopted(foreign: ForeignSource, target: TargetModel, template: Checkp
     return commit(adopted, template, out, threads=IO_THREADS)  # the conversions' memory bound
 
 
-def record_import(rd: RunDir, src: Path, foreign: ForeignSource, out: Path, manifest: CheckpointManifest,
-                  seconds: float) -> None:
+def record_import(
+    rd: RunDir, src: Path, foreign: ForeignSource, out: Path, manifest: CheckpointManifest, seconds: float
+) -> None:
     """Lineage: the import (source path and layout) and the checkpoint it committed, its child."""
     import_id = f"import:{out.name}"
-    lineage.record(rd, "imported", import_id, step=manifest.step, uri=foreign.path.resolve().as_uri(),
-                   layout=foreign.layout, source=str(src), format=manifest.format, seconds=round(seconds, 3))
-    lineage.record(rd, "checkpoint", lineage.checkpoint_event_id(manifest.step), parent=import_id, step=manifest.step,
-                   uri=out.resolve().as_uri(), reason="imported", format=manifest.format, world_size=1)
+    lineage.record(
+        rd,
+        "imported",
+        import_id,
+        step=manifest.step,
+        uri=foreign.path.resolve().as_uri(),
+        layout=foreign.layout,
+        source=str(src),
+        format=manifest.format,
+        seconds=round(seconds, 3),
+    )
+    lineage.record(
+        rd,
+        "checkpoint",
+        lineage.checkpoint_event_id(manifest.step),
+        parent=import_id,
+        step=manifest.step,
+        uri=out.resolve().as_uri(),
+        reason="imported",
+        format=manifest.format,
+        world_size=1,
+    )
 
 
 # ------------------------------------------------------------------------------------------ from inside a segment
@@ -112,14 +147,25 @@ def describe_live(ckpt: Checkpointer) -> TargetModel:
     settings = [{k: v for k, v in g.items() if k != "params"} for g in ckpt.optimizer.param_groups]
     shapes = ckpt.param_shapes()
     record = ckpt.hf_model
-    return TargetModel(params=[(canonical(n), s) for n, s in shapes], groups=groups, hparams=settings,
-                       hf_model=record, tied=dict(record.tied) if record is not None else {},
-                       called="this run's model",
-                       fix="pass a checkpoint of this model, or build the model that wrote it")
+    return TargetModel(
+        params=[(canonical(n), s) for n, s in shapes],
+        groups=groups,
+        hparams=settings,
+        hf_model=record,
+        tied=dict(record.tied) if record is not None else {},
+        called="this run's model",
+        fix="pass a checkpoint of this model, or build the model that wrote it",
+    )
 
 
-def resume_from(seg: Segment, path: str | Path, *, samples_per_step: int = 0, tokens_per_step: int = 0,
-                what: str = "resume_from_checkpoint") -> None:
+def resume_from(
+    seg: Segment,
+    path: str | Path,
+    *,
+    samples_per_step: int = 0,
+    tokens_per_step: int = 0,
+    what: str = "resume_from_checkpoint",
+) -> None:
     """Make ``path`` the run's starting point before ``seg.steps()`` loads (see the module docstring). Every rank
     calls it after ``seg.track``; ``samples_per_step``/``tokens_per_step`` give an imported checkpoint its counters
     (its step times them). ``what`` names the argument in the lines it writes.
@@ -140,44 +186,60 @@ def resume_from(seg: Segment, path: str | Path, *, samples_per_step: int = 0, to
         except (UsageError, CheckpointError) as e:  # refused before anything was committed: bad input (exit 2)
             outcome[0] = ("UsageError", str(e))
         except Exception as e:  # noqa: BLE001 - the other ranks wait at the broadcast: they raise it too
-            outcome[0] = ("CheckpointError", f"{what}={str(path)!r}: the import failed ({type(e).__name__}: "
-                                             f"{' '.join(str(e).split())[:300]}); nothing was committed")
+            outcome[0] = (
+                "CheckpointError",
+                f"{what}={str(path)!r}: the import failed ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:300]}); nothing was committed",
+            )
     dist.broadcast_object_list(outcome, src=0, group=seg.env.ctrl_group)
     if isinstance(outcome[0], tuple):
         kind, message = outcome[0]
         raise (UsageError if kind == "UsageError" else CheckpointError)(message)
 
 
-def _rank0(seg: Segment, ckpt: Checkpointer, path: Path, samples_per_step: int, tokens_per_step: int,
-           what: str) -> None:
+def _rank0(
+    seg: Segment, ckpt: Checkpointer, path: Path, samples_per_step: int, tokens_per_step: int, what: str
+) -> None:
     from ckpt.validate import latest_valid
 
     rd = seg.run_dir
     shown = f"{what}={str(path)!r}"
     if not path.exists():
-        raise UsageError(f"{shown}: no such file or directory; pass another tool's checkpoint folder (e.g. "
-                         "out/checkpoint-500), or leave it out to resume the run's newest valid checkpoint")
+        raise UsageError(
+            f"{shown}: no such file or directory; pass another tool's checkpoint folder (e.g. "
+            "out/checkpoint-500), or leave it out to resume the run's newest valid checkpoint"
+        )
     newest = latest_valid(rd) if rd.checkpoints.is_dir() else None
     if (path / "manifest.json").is_file():  # a shardkeeper checkpoint
         if path.resolve().parent == rd.checkpoints.resolve():
             if newest is not None and newest[0].name == path.name:
                 log.info("%s: the run's newest valid checkpoint; resuming from it", shown)
             else:  # the newest valid one wins: an older one would fork the run's lineage
-                log.warning("%s is a checkpoint of this run: resuming from the run's newest valid checkpoint (%s)",
-                            shown, newest[0].name if newest else "none is valid")
+                log.warning(
+                    "%s is a checkpoint of this run: resuming from the run's newest valid checkpoint (%s)",
+                    shown,
+                    newest[0].name if newest else "none is valid",
+                )
             return
-        raise UsageError(f"{shown}: a checkpoint of another shardkeeper run ({path.resolve().parent.parent}); continue "
-                         f"that run with shardkeeper train --run-dir {path.resolve().parent.parent}, or train this one "
-                         "without it")
+        raise UsageError(
+            f"{shown}: a checkpoint of another shardkeeper run ({path.resolve().parent.parent}); continue "
+            f"that run with shardkeeper train --run-dir {path.resolve().parent.parent}, or train this one "
+            "without it"
+        )
     committed = rd.committed()
     if committed:
-        log.warning("%s: not imported, the run already has checkpoints; resuming from its newest valid one (%s)", shown,
-                    newest[0].name if newest else committed[-1].name)
+        log.warning(
+            "%s: not imported, the run already has checkpoints; resuming from its newest valid one (%s)",
+            shown,
+            newest[0].name if newest else committed[-1].name,
+        )
         return
     leftovers = rd.partials() + rd.quarantined()
     if leftovers:  # as shardkeeper import: a run directory that held checkpoints is not a new run
-        raise UsageError(f"{shown}: not imported, {rd.root} holds {leftovers[-1].name} (an unfinished or set-aside "
-                         "checkpoint); import into a new run: pass another --run-dir")
+        raise UsageError(
+            f"{shown}: not imported, {rd.root} holds {leftovers[-1].name} (an unfinished or set-aside "
+            "checkpoint); import into a new run: pass another --run-dir"
+        )
     _import_here(seg, ckpt, path, samples_per_step, tokens_per_step)
 
 
@@ -192,16 +254,36 @@ def _import_here(seg: Segment, ckpt: Checkpointer, path: Path, samples_per_step:
         check_source(foreign, target)
         foreign.verify()
         step = foreign.global_step
-        template = template_manifest(seg.spec, target, step, fmt=ckpt.FORMAT, samples=step * samples_per_step,
-                                     tokens=step * tokens_per_step, dtype_policy=ckpt.dtype_policy())
+        template = template_manifest(
+            seg.spec,
+            target,
+            step,
+            fmt=ckpt.FORMAT,
+            samples=step * samples_per_step,
+            tokens=step * tokens_per_step,
+            dtype_policy=ckpt.dtype_policy(),
+        )
         out = seg.run_dir.checkpoint(step)
         manifest = commit_adopted(foreign, target, template, out)
         record_import(seg.run_dir, path, foreign, out, manifest, time.perf_counter() - t0)
     finally:
         foreign.close()
-    log.info("imported %s (%s, step %d) into %s in %.2f s; resuming from it", foreign.path, foreign.layout, step,
-             out, time.perf_counter() - t0)
+    log.info(
+        "imported %s (%s, step %d) into %s in %.2f s; resuming from it",
+        foreign.path,
+        foreign.layout,
+        step,
+        out,
+        time.perf_counter() - t0,
+    )
 
 
-__all__ = ["TargetModel", "check_source", "commit_adopted", "describe_live", "record_import", "resume_from",
-           "template_manifest"]
+__all__ = [
+    "TargetModel",
+    "check_source",
+    "commit_adopted",
+    "describe_live",
+    "record_import",
+    "resume_from",
+    "template_manifest",
+]

@@ -83,10 +83,16 @@ class ForkServer:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-u", "-m", "trainer.forkserver", SERVE, str(self.path), self.run_dir],
-                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=pdeathsig_preexec(os.getpid()))
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=pdeathsig_preexec(os.getpid()),
+            )
         except OSError as e:
-            print(f"shardkeeper: the fork server did not start ({e}); restarted ranks start as new processes",
-                  file=sys.stderr, flush=True)
+            print(
+                f"shardkeeper: the fork server did not start ({e}); restarted ranks start as new processes",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def usable(self) -> bool:
         return self.proc is not None and self.proc.poll() is None and self.path.exists()
@@ -181,8 +187,10 @@ class ShardkeeperAgent(LocalElasticAgent):
 
     def _ends(self, worker_group: WorkerGroup, result: RunResult) -> list[WorkerEnd]:
         """How each worker that ended did: the failures in the order torchrun saw them, then any that exited 0."""
-        ends = [WorkerEnd(rank=rank, exitcode=f.exitcode, pid=f.pid, consequence=consequence_note(self._notes, rank))
-                for rank, f in result.failures.items()]
+        ends = [
+            WorkerEnd(rank=rank, exitcode=f.exitcode, pid=f.pid, consequence=consequence_note(self._notes, rank))
+            for rank, f in result.failures.items()
+        ]
         handlers = getattr(self._pcontext, "subprocess_handlers", {}) or {}
         for worker in worker_group.workers:
             handler = handlers.get(worker.local_rank)
@@ -202,21 +210,33 @@ class ShardkeeperAgent(LocalElasticAgent):
             first, why = restart_verdict(self._ends(worker_group, result))
         if self._remaining_restarts <= 0:
             if first is not None:
-                print(f"shardkeeper: rank {first.rank} {_how(first)} after {spec.max_restarts} restart(s) in place "
-                      f"(checkpoint.restarts: {spec.max_restarts}): the segment ends", file=sys.stderr, flush=True)
+                print(
+                    f"shardkeeper: rank {first.rank} {_how(first)} after {spec.max_restarts} restart(s) in place "
+                    f"(checkpoint.restarts: {spec.max_restarts}): the segment ends",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
-        lost = [] if why is not None else Heartbeat.lost(worker_group.store, worker_group.group_rank,
-                                                           worker_group.group_world_size)
+        lost = (
+            []
+            if why is not None
+            else Heartbeat.lost(worker_group.store, worker_group.group_rank, worker_group.group_world_size)
+        )
         if lost:
-            why = (f"the agent of node {', '.join(map(str, lost))} is gone (its node lost?); the next segment restores "
-                   "its files from the peer node's memory")
+            why = (
+                f"the agent of node {', '.join(map(str, lost))} is gone (its node lost?); the next segment restores "
+                "its files from the peer node's memory"
+            )
         if why is not None:
             self._remaining_restarts = 0
             print(f"shardkeeper: not restarted in place: {why}", file=sys.stderr, flush=True)
             return
         restart = spec.max_restarts - self._remaining_restarts + 1
-        print(restart_line(restart, spec.max_restarts, first, spec.rdzv_handler.get_run_id()),  # type: ignore[arg-type]
-              file=sys.stderr, flush=True)
+        print(
+            restart_line(restart, spec.max_restarts, first, spec.rdzv_handler.get_run_id()),  # type: ignore[arg-type]
+            file=sys.stderr,
+            flush=True,
+        )
 
     # ---------------------------------------------------------------- the workers
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -279,8 +299,11 @@ def main() -> None:
     del sys.argv[1]
 
     if not hasattr(api, "LocalElasticAgent"):  # a torch whose launcher makes its agent elsewhere: no veto possible
-        print("shardkeeper: this torch's launcher cannot take shardkeeper's agent; ranks are not restarted in place",
-              file=sys.stderr, flush=True)
+        print(
+            "shardkeeper: this torch's launcher cannot take shardkeeper's agent; ranks are not restarted in place",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.argv = [a for a in sys.argv if not a.startswith(("--max-restarts", "--max_restarts"))]
     else:
         api.LocalElasticAgent = ShardkeeperAgent  # type: ignore[misc]

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -46,8 +46,10 @@ __all__ = ["Segment", "SegmentPreempted", "SegmentStopped", "UsageError"]
 
 _GUARDED = ("loss", "grad_norm")  # logged values the non-finite guard checks at every step
 
-LAUNCH_HINT = ("launch it with: shardkeeper train --script FILE --run-dir RUN --until-step N [--nproc K] "
-               "(or pass sk.Segment(run_dir=..., until_step=...) under torchrun)")
+LAUNCH_HINT = (
+    "launch it with: shardkeeper train --script FILE --run-dir RUN --until-step N [--nproc K] "
+    "(or pass sk.Segment(run_dir=..., until_step=...) under torchrun)"
+)
 
 
 class SegmentStopped(SystemExit):
@@ -139,14 +141,24 @@ class Segment:
         Run it with ``shardkeeper train --script train.py --run-dir RUN --until-step N --nproc 2``.
     """
 
-    def __init__(self, *, run_dir: str | os.PathLike[str] | None = None, until_step: int | None = None,
-                 segment: int | None = None, _env: DistEnv | None = None, _spec: RunSpec | None = None):
+    def __init__(
+        self,
+        *,
+        run_dir: str | os.PathLike[str] | None = None,
+        until_step: int | None = None,
+        segment: int | None = None,
+        _env: DistEnv | None = None,
+        _spec: RunSpec | None = None,
+    ):
         launch = SegmentLaunch.from_environ()
         if launch is None and (run_dir is None or until_step is None):
-            print(f"error: sk.Segment(): not inside a shardkeeper segment (SHARDKEEPER_LAUNCH is unset); {LAUNCH_HINT}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"error: sk.Segment(): not inside a shardkeeper segment (SHARDKEEPER_LAUNCH is unset); {LAUNCH_HINT}",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(2)
-        self.run_dir = RunDir.at(run_dir if run_dir is not None else launch.run_dir)  # type: ignore[union-attr]
+        self.run_dir = RunDir.at(run_dir if run_dir is not None else launch.run_dir)  # type: ignore[union-attr,arg-type]
         self.until_step = int(until_step if until_step is not None else launch.until_step)  # type: ignore[union-attr]
         self.segment = int(segment if segment is not None else (launch.segment if launch else 0))
         if self.until_step < 0:
@@ -170,7 +182,9 @@ class Segment:
         self.state = TrainState()
         self.exit_code: int | None = None  # set when steps() has ended the segment
         self._nonfinite_seen = False
-        self._nonfinite_first: tuple[int, Any, Any] | None = None  # (step, loss, grad_norm) of this rank's first NaN/Inf
+        self._nonfinite_first: tuple[int, Any, Any] | None = (
+            None  # (step, loss, grad_norm) of this rank's first NaN/Inf
+        )
         self._watcher: PreemptionWatcher | None = None
         self._stop_agreed = False  # a stop agreed inside a step (seg.save()), acted on at its boundary
         self.entered = False
@@ -252,8 +266,10 @@ class Segment:
         for name, obj in state.items():
             missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
             if missing:
-                raise UsageError(f"seg.track({name}=...): a {type(obj).__name__} has no {' or '.join(missing)}(); "
-                                 "track objects that speak the state_dict/load_state_dict protocol (or leave it out)")
+                raise UsageError(
+                    f"seg.track({name}=...): a {type(obj).__name__} has no {' or '.join(missing)}(); "
+                    "track objects that speak the state_dict/load_state_dict protocol (or leave it out)"
+                )
         self._same_on_every_rank(sorted(state))
         from trainer.tracked import make_checkpointer
 
@@ -271,12 +287,15 @@ class Segment:
         first = everyone[0] or []
         for rank, theirs in enumerate(everyone):
             if theirs != first:
+
                 def shown(n: list[str] | None) -> str:
                     return "{" + ", ".join(["model", "optimizer", *(n or [])]) + "}"
 
-                raise UsageError(f"seg.track(): rank 0 tracks {shown(first)}, rank {rank} tracks {shown(theirs)}; "
-                                 "track the same objects on every rank (each rank's state of each is checkpointed, "
-                                 "and a resume needs every one)")
+                raise UsageError(
+                    f"seg.track(): rank 0 tracks {shown(first)}, rank {rank} tracks {shown(theirs)}; "
+                    "track the same objects on every rank (each rank's state of each is checkpointed, "
+                    "and a resume needs every one)"
+                )
 
     def _attach(self, ckpt: Checkpointer, *, on_fresh: Callable[[], None] | None = None) -> None:
         """The built-in trainer's way in: its own backend Checkpointer and its fresh-start hook (pretrained load)."""
@@ -306,14 +325,17 @@ class Segment:
             if isinstance(v, torch.Tensor) or (hasattr(v, "item") and hasattr(v, "dtype")):  # torch / numpy scalars
                 v = v.item() if getattr(v, "size", 1) in (1, ()) or getattr(v, "numel", lambda: 0)() == 1 else None
             if not isinstance(v, (int, float, str, bool)) or v is None:
-                raise UsageError(f"seg.log({k}=...): a {type(metrics[k]).__name__} is not a number or a string; "
-                                 "log float(value)")
+                raise UsageError(
+                    f"seg.log({k}=...): a {type(metrics[k]).__name__} is not a number or a string; log float(value)"
+                )
             if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 2**63:
                 raise UsageError(f"seg.log({k}=...): an integer of {len(str(abs(v)))} digits; log float(value)")
             if k in _GUARDED and not (isinstance(v, (int, float)) and not isinstance(v, bool)):
-                raise UsageError(f"seg.log({k}=...): a {type(v).__name__}; {k} must be a number (it is checked for "
-                                 "NaN/Inf at every step): log float(value)")
-            if k in _GUARDED and not math.isfinite(v):
+                raise UsageError(
+                    f"seg.log({k}=...): a {type(v).__name__}; {k} must be a number (it is checked for "
+                    "NaN/Inf at every step): log float(value)"
+                )
+            if k in _GUARDED and not math.isfinite(v):  # type: ignore[arg-type]  # a number: checked above
                 self._nonfinite_seen = True  # a later finite value in the same step does not undo it
             self._row[k] = v
 
@@ -391,8 +413,14 @@ class Segment:
             ts = TrainState(step=ts.step + 1, tokens=ts.tokens + tokens_per_step, samples=ts.samples + samples_per_step)
             self.state = ts
             if env.is_rank0:
-                row = {"step": ts.step, **self._row, "world_size": env.world_size, "segment": self.segment,
-                       "tokens": ts.tokens, "step_seconds": round(time.perf_counter() - t0, 4)}
+                row = {
+                    "step": ts.step,
+                    **self._row,
+                    "world_size": env.world_size,
+                    "segment": self.segment,
+                    "tokens": ts.tokens,
+                    "step_seconds": round(time.perf_counter() - t0, 4),
+                }
                 append_jsonl(self.run_dir.metrics, row)
                 loss = row.get("loss")
                 line = progress.update(ts.step, float(loss) if isinstance(loss, (int, float)) else math.nan)
@@ -400,8 +428,11 @@ class Segment:
                     log0(env, "%s", line)
             if self._nonfinite_logged() and self._nonfinite_first is None:
                 self._nonfinite_first = (ts.step, self._row.get("loss", math.nan), self._row.get("grad_norm", 0.0))
-            saves = (ts.step >= self.until_step or ts.step % self.spec.checkpoint.interval == 0
-                     or bool(memory_interval and ts.step % memory_interval == 0))  # a snapshot commits too
+            saves = (
+                ts.step >= self.until_step
+                or ts.step % self.spec.checkpoint.interval == 0
+                or bool(memory_interval and ts.step % memory_interval == 0)
+            )  # a snapshot commits too
             stop, nonfinite = self._agree(saves)
             if nonfinite:  # a script logged a NaN/Inf loss or gradient norm on some rank: never committed
                 raise SegmentStopped(self.end_nonfinite(self._nonfinite_step()))
@@ -468,15 +499,25 @@ class Segment:
         from trainer.nonfinite import NonFiniteStep
 
         if self._nonfinite_first is None and self._nonfinite_logged():  # logged inside this step (seg.save())
-            self._nonfinite_first = (self.state.step + 1, self._row.get("loss", math.nan),
-                                     self._row.get("grad_norm", 0.0))
+            self._nonfinite_first = (
+                self.state.step + 1,
+                self._row.get("loss", math.nan),
+                self._row.get("grad_norm", 0.0),
+            )
         seen: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(seen, self._nonfinite_first, group=self.env.ctrl_group)
         step, loss, norm = min((s for s in seen if s is not None), key=lambda s: s[0])
-        what = "loss" if not (isinstance(loss, (int, float)) and math.isfinite(loss)) else "gradient norm"
+        what: Literal["loss", "gradient norm"] = (
+            "loss" if not (isinstance(loss, (int, float)) and math.isfinite(loss)) else "gradient norm"
+        )
         # the script has (most likely) applied the update already: the live state is never saved
-        return NonFiniteStep(step, what, loss=float(loss) if isinstance(loss, (int, float)) else math.nan,
-                             grad_norm=float(norm) if isinstance(norm, (int, float)) else math.nan, applied=True)
+        return NonFiniteStep(
+            step,
+            what,
+            loss=float(loss) if isinstance(loss, (int, float)) else math.nan,
+            grad_norm=float(norm) if isinstance(norm, (int, float)) else math.nan,
+            applied=True,
+        )
 
     def end_nonfinite(self, err: Any, *, skipped: list[int] | None = None) -> int:
         """End the segment at a non-finite step without saving it: close the Checkpointer (a save of an earlier step
@@ -487,8 +528,17 @@ class Segment:
         assert self._ckpt is not None
         optimizer = self._objects.get("optimizer") if self.spec.script is not None else None
         lr = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else self.spec.optim.lr
-        code = end_segment(err, ckpt=self._ckpt, run_dir=self.run_dir, is_rank0=self.env.is_rank0,
-                           segment=self.segment, start=self._start, lr=lr, write_status=self._end, skipped=skipped)
+        code = end_segment(
+            err,
+            ckpt=self._ckpt,
+            run_dir=self.run_dir,
+            is_rank0=self.env.is_rank0,
+            segment=self.segment,
+            start=self._start,
+            lr=lr,
+            write_status=self._end,
+            skipped=skipped,
+        )
         self.exit_code = code
         return code
 
@@ -498,8 +548,17 @@ class Segment:
         return TrainState()
 
     def _end(self, status: str, start: int, end: int, note: str | None = None, exit_code: int | None = None) -> None:
-        write_status(self.run_dir, self.env, self.segment, status, start, end, note, execution=self.execution,
-                     exit_code=exit_code)
+        write_status(
+            self.run_dir,
+            self.env,
+            self.segment,
+            status,
+            start,
+            end,
+            note,
+            execution=self.execution,
+            exit_code=exit_code,
+        )
         self.exit_code = exit_code if exit_code is not None else (EXIT_PREEMPTED if status == "preempted" else 0)
 
 
@@ -515,8 +574,17 @@ def stopped_early_note(step: int, *, loaded: bool = True) -> str:
     return f"stopped before the first step: nothing new to save; step-{step:08d} {how} stays the latest checkpoint"
 
 
-def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start: int, end: int,
-                 note: str | None = None, execution: dict | None = None, exit_code: int | None = None) -> None:
+def write_status(
+    run_dir: RunDir,
+    env: DistEnv,
+    segment: int,
+    status: str,
+    start: int,
+    end: int,
+    note: str | None = None,
+    execution: dict | None = None,
+    exit_code: int | None = None,
+) -> None:
     """The segment's report to the launcher (rank 0): a SegmentReport (schemas.seam), with the time every phase
     was reached (a collective: every rank's marks are gathered)."""
     import torch.distributed as dist
@@ -532,11 +600,20 @@ def write_status(run_dir: RunDir, env: DistEnv, segment: int, status: str, start
         restarts = lifetime.restart_count()
         # ranks restarted in place time their phases from their own start, not from the launch of the first ones
         origin = launch.launched_at if launch and not restarts else None
-        SegmentReport(segment=segment, status=status, start_step=start, end_step=end,  # type: ignore[arg-type]
-                      checkpoint=str(ckpt) if end and ckpt.exists() else None, world_size=env.world_size,
-                      topology=env.topology, note=note, exit_code=exit_code, execution=execution or None,
-                      times=timeline.summarize(marks, origin), restarts=restarts).write(run_dir.root)
-
+        SegmentReport(
+            segment=segment,
+            status=status,
+            start_step=start,
+            end_step=end,
+            checkpoint=str(ckpt) if end and ckpt.exists() else None,
+            world_size=env.world_size,
+            topology=env.topology,
+            note=note,
+            exit_code=exit_code,
+            execution=execution or None,
+            times=timeline.summarize(marks, origin),
+            restarts=restarts,
+        ).write(run_dir.root)
 
 
 class ProgressLine:

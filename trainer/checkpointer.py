@@ -34,26 +34,44 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt import fingerprint as fp, identity, lineage, memtier, memtier_nodes, memtier_recycle
-from ckpt.memtier import MEMORY, STORAGE
-from schemas.errors import CheckpointError
+from ckpt import fingerprint as fp
+from ckpt import identity, lineage, memtier, memtier_nodes, memtier_recycle
 from ckpt.fsutil import fsync_dir, mkdir_durable, quarantine
 from ckpt.layout import RunDir
 from ckpt.manifest import write_manifest
+from ckpt.memtier import MEMORY, STORAGE
 from ckpt.retention import apply_retention
-from schemas import (BaseModelRecord, CheckpointManifest, DataRecord, DtypePolicy, FileEntry, Fingerprint, HFModelRecord,
-                     ModelSpec, RunSpec, TensorEntry)
-
-from trainer.ckpt_common import TrainState, Written, background_pool, code_version
+from schemas import (
+    BaseModelRecord,
+    CheckpointManifest,
+    DataRecord,
+    DtypePolicy,
+    FileEntry,
+    Fingerprint,
+    HFModelRecord,
+    ModelSpec,
+    RunSpec,
+    TensorEntry,
+)
+from schemas.errors import CheckpointError
 from trainer import lifetime
+from trainer.ckpt_common import TrainState, Written, background_pool, code_version
 from trainer.dist import DistEnv
-from trainer.node_tier import TIER_OFF as _TIER_OFF, NodeTier
+from trainer.node_tier import TIER_OFF as _TIER_OFF
+from trainer.node_tier import NodeTier
 from trainer.resume_side import ResumeSide, _load_problem, checkpoint_at_fault
 from trainer.save_side import SaveSide, _disk_full, _tier_full
 
 # Names other modules, tests and benches import from here.
-__all__ = ["Checkpointer", "TrainState", "Written", "background_pool", "checkpoint_at_fault", "code_version",
-           "_load_problem"]
+__all__ = [
+    "Checkpointer",
+    "TrainState",
+    "Written",
+    "background_pool",
+    "checkpoint_at_fault",
+    "code_version",
+    "_load_problem",
+]
 
 log = logging.getLogger("shardkeeper.checkpoint")
 
@@ -90,8 +108,17 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
     BACKEND: str  # the RunSpec backend it serves
     data: DataRecord | None = None  # the prepared dataset (data.source 'dataset'): recorded, and checked on load
 
-    def __init__(self, run_dir: RunDir, spec: RunSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 env: DistEnv, *, segment: int, hf_model: HFModelRecord | None = None):
+    def __init__(
+        self,
+        run_dir: RunDir,
+        spec: RunSpec,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        env: DistEnv,
+        *,
+        segment: int,
+        hf_model: HFModelRecord | None = None,
+    ):
         self.run_dir = run_dir
         self.spec = spec
         self.model = model
@@ -105,10 +132,12 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         # The memory tier (checkpoint.memory_interval): snapshots in host shared memory under the same protocol;
         # storage checkpoints are then persisted from the snapshot of their step (ckpt.memtier).
         # With several nodes each node keeps its own copy, replicated to a peer node (trainer.node_tier).
-        self.node_tier = (self.FORMAT == "dcp" and spec.checkpoint.memory_interval is not None
-                          and env.topology.nodes > 1)
-        self.memory: RunDir | None = (memtier.memory_run_dir(spec, run_dir, node=memtier_nodes.node_name() if self.node_tier
-                                                             else None) if self.FORMAT == "dcp" else None)
+        self.node_tier = self.FORMAT == "dcp" and spec.checkpoint.memory_interval is not None and env.topology.nodes > 1
+        self.memory: RunDir | None = (
+            memtier.memory_run_dir(spec, run_dir, node=memtier_nodes.node_name() if self.node_tier else None)
+            if self.FORMAT == "dcp"
+            else None
+        )
         self._plans = {}
         self.last_memory_step: int | None = None
         self.last_storage_step: int | None = None
@@ -217,15 +246,21 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         os_err = _find_os_error(exc)
         where = Path(os_err.filename) if os_err is not None and os_err.filename else partial
         if os_err is not None and os_err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return (f"disk full at {where}; free space and rerun, the run resumes from step {self._resume_point()}")
+            return f"disk full at {where}; free space and rerun, the run resumes from step {self._resume_point()}"
         cause = (os_err.strerror or str(os_err)) if os_err is not None else f"{type(exc).__name__}: {exc}"
-        return (f"checkpoint save failed at {where} ({' '.join(str(cause).split())[:300]}); nothing was committed, "
-                f"the run resumes from step {self._resume_point()}")
+        return (
+            f"checkpoint save failed at {where} ({' '.join(str(cause).split())[:300]}); nothing was committed, "
+            f"the run resumes from step {self._resume_point()}"
+        )
 
     def abort_save(self, partial: Path, problem: str, group: dist.ProcessGroup | None) -> None:
         """Every rank knows the save failed: rank 0 removes the .partial directory (its space is what a disk-full
         rerun needs back), then all raise the same line."""
-        if self.is_leader if self.memory is not None and partial.parent == self.memory.checkpoints else self.env.is_rank0:
+        if (
+            self.is_leader
+            if self.memory is not None and partial.parent == self.memory.checkpoints
+            else self.env.is_rank0
+        ):
             shutil.rmtree(partial, ignore_errors=True)
         if self.env.is_rank0:
             if not (self.memory is not None and partial.parent == self.memory.checkpoints and _disk_full(problem)):
@@ -241,13 +276,22 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             except OSError:
                 return f"{partial / e.path}: written and hashed but missing at commit; nothing was committed"
             if size != e.size:
-                return (f"{partial / e.path}: {size} bytes on disk, {e.size} hashed while writing; "
-                        "nothing was committed")
+                return f"{partial / e.path}: {size} bytes on disk, {e.size} hashed while writing; nothing was committed"
         return None
 
-    def _commit(self, ts: TrainState, reason: str, entries: list[FileEntry], tensors: list[TensorEntry],
-                fingerprint: Fingerprint, t0: float, async_save: bool, problem: str | None = None,
-                target: RunDir | None = None, like: CheckpointManifest | None = None) -> bool:
+    def _commit(
+        self,
+        ts: TrainState,
+        reason: str,
+        entries: list[FileEntry],
+        tensors: list[TensorEntry],
+        fingerprint: Fingerprint,
+        t0: float,
+        async_save: bool,
+        problem: str | None = None,
+        target: RunDir | None = None,
+        like: CheckpointManifest | None = None,
+    ) -> bool:
         """Steps 2-3 of the commit protocol, shared by both backends: gather every rank's (file, size,
         digest) and problems; rank 0 checks that the files on disk are exactly those listed, with the hashed
         sizes and the layout the format references, writes the manifest, renames ``.partial`` away and
@@ -262,13 +306,15 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             sent = self.replicate_files(partial, entries, group)
             mine = (entries, mine[1] or sent)
         gathered: list[tuple[list[FileEntry], str | None]] | None = (
-            [([], None) for _ in range(self.env.world_size)] if self.env.is_rank0 else None)
+            [([], None) for _ in range(self.env.world_size)] if self.env.is_rank0 else None
+        )
         dist.gather_object(mine, gathered, dst=0, group=group)
         decision = None
         if self.env.is_rank0:
             try:
-                decision = self._commit_rank0(ts, reason, gathered or [], tensors, fingerprint, t0, async_save,
-                                              target, like)
+                decision = self._commit_rank0(
+                    ts, reason, gathered or [], tensors, fingerprint, t0, async_save, target, like
+                )
             except Exception as e:  # tell the other ranks instead of leaving them at the broadcast
                 decision = self.save_problem(e, partial)
             if target is self.memory and isinstance(decision, str) and _disk_full(decision):
@@ -294,9 +340,18 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             self.abort_save(partial, box[0], group)
         return True
 
-    def _commit_rank0(self, ts: TrainState, reason: str, gathered: list[tuple[list[FileEntry], str | None]],
-                      tensors: list[TensorEntry], fingerprint: Fingerprint, t0: float, async_save: bool,
-                      target: RunDir, like: CheckpointManifest | None) -> str | tuple[str, Any] | None:
+    def _commit_rank0(
+        self,
+        ts: TrainState,
+        reason: str,
+        gathered: list[tuple[list[FileEntry], str | None]],
+        tensors: list[TensorEntry],
+        fingerprint: Fingerprint,
+        t0: float,
+        async_save: bool,
+        target: RunDir,
+        like: CheckpointManifest | None,
+    ) -> str | tuple[str, Any] | None:
         """``like``: the memory snapshot this storage checkpoint is persisted from (its parent, base model and data
         records are the snapshot's)."""
         from ckpt.validate import check_staged
@@ -307,19 +362,35 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             return problems[0]
         bad = fp.first_nonfinite(fingerprint)
         if bad is not None:  # a NaN/Inf in the state: its manifest could not even be read back
-            return (f"non-finite state at step {ts.step}: the norm of {bad} is NaN/Inf (NaN/Inf weights or optimizer "
-                    f"state, e.g. in the pretrained weights or from an overflowing update); nothing was committed, the "
-                    f"run resumes from step {self._resume_point()}")
+            return (
+                f"non-finite state at step {ts.step}: the norm of {bad} is NaN/Inf (NaN/Inf weights or optimizer "
+                f"state, e.g. in the pretrained weights or from an overflowing update); nothing was committed, the "
+                f"run resumes from step {self._resume_point()}"
+            )
         files = sorted((e for part, _ in gathered for e in part), key=lambda e: e.path)
         manifest = CheckpointManifest(
-            format=self.FORMAT, run_name=self.spec.name, step=ts.step, tokens=ts.tokens, samples=ts.samples,
-            segment=self.segment, reason=reason,  # type: ignore[arg-type]
-            created_at=lineage.now_iso(), files=files, tensors=tensors,
+            format=self.FORMAT,
+            run_name=self.spec.name,
+            step=ts.step,
+            tokens=ts.tokens,
+            samples=ts.samples,
+            segment=self.segment,
+            reason=reason,  # type: ignore[arg-type]
+            created_at=lineage.now_iso(),
+            files=files,
+            tensors=tensors,
             model_signature=identity.signature(tensors, self.hf_model.tied if self.hf_model else None),
-            topology=self.env.topology, dtype_policy=self.dtype_policy(),
-            parent=like.parent if like else self.parent, code_version=code_version(), fingerprint=fingerprint,
-            run_spec=self.spec, save_seconds=time.perf_counter() - t0, async_save=async_save, hf_model=self.hf_model,
-            data=like.data if like else self.data, base_model=like.base_model if like else self._base_model_record(),
+            topology=self.env.topology,
+            dtype_policy=self.dtype_policy(),
+            parent=like.parent if like else self.parent,
+            code_version=code_version(),
+            fingerprint=fingerprint,
+            run_spec=self.spec,
+            save_seconds=time.perf_counter() - t0,
+            async_save=async_save,
+            hf_model=self.hf_model,
+            data=like.data if like else self.data,
+            base_model=like.base_model if like else self._base_model_record(),
             run_id=memtier.identity(self.run_dir, create=True),  # a memory snapshot is used only by this run
         )
         if target is self.memory and self.node_tier:
@@ -341,14 +412,27 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         os.rename(partial, final)
         fsync_dir(final.parent)
         try:  # committed: what follows is bookkeeping, and its failure must not fail the save
-            self._after_commit(final, manifest, reason, async_save, MEMORY if target is self.memory else STORAGE,
-                               persisted=like is not None)
+            self._after_commit(
+                final,
+                manifest,
+                reason,
+                async_save,
+                MEMORY if target is self.memory else STORAGE,
+                persisted=like is not None,
+            )
         except Exception as e:
             log.warning("committed %s, but its bookkeeping failed: %s", final.name, e)
         return None
 
-    def _after_commit(self, final: Path, manifest: CheckpointManifest, reason: str, async_save: bool,
-                      tier: str = STORAGE, persisted: bool = False) -> None:
+    def _after_commit(
+        self,
+        final: Path,
+        manifest: CheckpointManifest,
+        reason: str,
+        async_save: bool,
+        tier: str = STORAGE,
+        persisted: bool = False,
+    ) -> None:
         """Rank 0, after the rename: lineage event (with the tier), log line, retention, background re-read."""
         nbytes = sum(f.size for f in manifest.files)
         if tier == MEMORY:
@@ -357,15 +441,32 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         else:
             event = lineage.checkpoint_event_id(manifest.step)
             parent = memtier.snapshot_event_id(manifest.step) if persisted else self._parent_event
-        lineage.record(self.run_dir, "checkpoint", event, parent=parent,
-                       step=manifest.step, uri=final.as_uri(), reason=reason, world_size=self.env.world_size,
-                       segment=self.segment, save_seconds=round(manifest.save_seconds, 3),
-                       bytes=nbytes, async_save=async_save, tier=tier,
-                       **({"persisted_from": MEMORY} if persisted else {}))
+        lineage.record(
+            self.run_dir,
+            "checkpoint",
+            event,
+            parent=parent,
+            step=manifest.step,
+            uri=final.as_uri(),
+            reason=reason,
+            world_size=self.env.world_size,
+            segment=self.segment,
+            save_seconds=round(manifest.save_seconds, 3),
+            bytes=nbytes,
+            async_save=async_save,
+            tier=tier,
+            **({"persisted_from": MEMORY} if persisted else {}),
+        )
         if not persisted:
             self._parent_event = event
-        log.info("committed %s%s (%s, %.2f s, %.1f MB)", final.name, " to memory" if tier == MEMORY else
-                 (" (persisted from memory)" if persisted else ""), reason, manifest.save_seconds, nbytes / 1e6)
+        log.info(
+            "committed %s%s (%s, %.2f s, %.1f MB)",
+            final.name,
+            " to memory" if tier == MEMORY else (" (persisted from memory)" if persisted else ""),
+            reason,
+            manifest.save_seconds,
+            nbytes / 1e6,
+        )
         if tier == MEMORY:  # hashed while written, like every save; no re-read of memory
             assert self.memory is not None
             memtier.retain(self.memory)
@@ -415,7 +516,6 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             self.release()
             if self._tier_lock is not None:
                 self._tier_lock.release()
-
 
     # ----------------------------------------------------------------- backend hooks
     def snapshot(self, ts: TrainState) -> Any:

@@ -24,7 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from ckpt import fingerprint as fp, identity, memtier_recycle
+from ckpt import fingerprint as fp
+from ckpt import identity, memtier_recycle
 from ckpt.formats.dcp_onepass import load_verified
 from ckpt.formats.dcp_stage import SnapshotTemplate, StageFiles, write_metadata
 from ckpt.formats.direct_io import ExactStoragePlanner, HashingDirectWriter
@@ -56,14 +57,21 @@ def cpu_buffers(sd: dict[str, Any], *, pin_memory: bool) -> dict[str, Any]:
     def dtensor(t: DTensor, *_: Any) -> DTensor:
         if t.dim() == 0 or t.device.type != "cpu":
             return _create_cpu_state_dict({"t": t})["t"]
-        return DTensor.from_local(torch.empty_like(t.to_local()), t.device_mesh, t.placements, run_check=False,
-                                  shape=t.shape, stride=t.stride())
+        return DTensor.from_local(
+            torch.empty_like(t.to_local()),
+            t.device_mesh,
+            t.placements,
+            run_check=False,
+            shape=t.shape,
+            stride=t.stride(),
+        )
 
     def sharded(t: Any, *_: Any) -> Any:
         return _create_cpu_state_dict({"t": t})["t"]
 
-    return _iterate_state_dict(sd, sharded, dtensor, plain, pg=None, device=None, cpu_offload=False, ranks_only=(),
-                               type_check=False)
+    return _iterate_state_dict(
+        sd, sharded, dtensor, plain, pg=None, device=None, cpu_offload=False, ranks_only=(), type_check=False
+    )
 
 
 def _renamed(sd: dict[str, Any], names: dict[str, str], *, drop_groups: bool) -> dict[str, Any]:
@@ -120,8 +128,9 @@ class DCPCheckpointer(Checkpointer):
         return sd
 
     @staticmethod
-    def _fingerprint_parts(sd: dict[str, Any], method: str = fp.METHOD, rank: int = 0
-                           ) -> tuple[list[str], torch.Tensor, int, float]:
+    def _fingerprint_parts(
+        sd: dict[str, Any], method: str = fp.METHOD, rank: int = 0
+    ) -> tuple[list[str], torch.Tensor, int, float]:
         """Local part of the fingerprint: names and sums of squares (model first), and the optimizer step.
 
         A plain tensor (not a DTensor: a replicated module, e.g. under DDP) is the same on every rank, and DCP
@@ -142,8 +151,9 @@ class DCPCheckpointer(Checkpointer):
         return names, vec, len(model), step
 
     @staticmethod
-    def _finish_fingerprint(parts: tuple[list[str], torch.Tensor, int, float], group: dist.ProcessGroup | None,
-                            method: str = fp.METHOD):
+    def _finish_fingerprint(
+        parts: tuple[list[str], torch.Tensor, int, float], group: dist.ProcessGroup | None, method: str = fp.METHOD
+    ):
         names, vec, n_model, step = parts
         sq = fp.reduce_sum_squares(names, vec, group)
         model_sq = {k: sq[k] for k in names[:n_model]}
@@ -156,8 +166,11 @@ class DCPCheckpointer(Checkpointer):
 
     @staticmethod
     def _model_entries(msd: dict[str, Any]) -> list[TensorEntry]:
-        return [TensorEntry(name=f"model.{k}", shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
-                for k, v in sorted(msd.items()) if isinstance(v, torch.Tensor)]
+        return [
+            TensorEntry(name=f"model.{k}", shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
+            for k, v in sorted(msd.items())
+            if isinstance(v, torch.Tensor)
+        ]
 
     @classmethod
     def _inventory(cls, sd: dict[str, Any]) -> list[TensorEntry]:
@@ -166,8 +179,13 @@ class DCPCheckpointer(Checkpointer):
             for m in MOMENTS:
                 if m in st:
                     v = st[m]
-                    out.append(TensorEntry(name=f"optim.state.{name}.{m}", shape=list(v.shape),
-                                           dtype=str(v.dtype).removeprefix("torch.")))
+                    out.append(
+                        TensorEntry(
+                            name=f"optim.state.{name}.{m}",
+                            shape=list(v.shape),
+                            dtype=str(v.dtype).removeprefix("torch."),
+                        )
+                    )
         return out
 
     def live_model_inventory(self) -> list[TensorEntry]:
@@ -202,7 +220,7 @@ class DCPCheckpointer(Checkpointer):
 
         prefix = f"extra.rank{rank}."
         with DCPTensorReader(path) as reader:
-            return {k[len(prefix):]: reader.read(k) for k in reader.tensor_keys() if k.startswith(prefix)}
+            return {k[len(prefix) :]: reader.read(k) for k in reader.tensor_keys() if k.startswith(prefix)}
 
     def prepare_staging(self, ts: TrainState) -> None:
         """Allocate the staging buffers of async saves now, before training, not at the first save."""
@@ -211,6 +229,7 @@ class DCPCheckpointer(Checkpointer):
         # right after its first step instead (a one-shot step hook): else its first save pays the
         # allocation and first touch of a whole copy of the state while training waits.
         if self._staged is None and not self.optimizer.state and self._first_step_hook is None:
+
             def after_first_step(*_: Any) -> None:
                 self._remove_first_step_hook()
                 self.prepare_staging(ts)
@@ -340,11 +359,20 @@ class DCPCheckpointer(Checkpointer):
         if in_memory and self._stages_in_files():
             staged = self._write_staged(snapshot if from_stage else None, partial, fp_job, group)
             if staged is not None:
-                return Written(staged, self._inventory(snapshot), self._finish_fingerprint(fp_job.result(), group),
-                               phases={"write_s": time.perf_counter() - t, "fingerprint_wait_s": 0.0, "staged": 1.0})
-        writer = HashingDirectWriter(partial, sync_files=True, thread_count=self.spec.checkpoint.io_threads,
-                                     overwrite=False, direct=not in_memory,
-                                     reuse=memtier_recycle.recycle_dir(self.memory, ts.step) if in_memory else None)
+                return Written(
+                    staged,
+                    self._inventory(snapshot),
+                    self._finish_fingerprint(fp_job.result(), group),
+                    phases={"write_s": time.perf_counter() - t, "fingerprint_wait_s": 0.0, "staged": 1.0},
+                )
+        writer = HashingDirectWriter(
+            partial,
+            sync_files=True,
+            thread_count=self.spec.checkpoint.io_threads,
+            overwrite=False,
+            direct=not in_memory,
+            reuse=memtier_recycle.recycle_dir(self.memory, ts.step) if in_memory else None,
+        )
         failure: BaseException | None = None
         try:
             dcp.save(snapshot, storage_writer=writer, planner=ExactStoragePlanner(), process_group=group)
@@ -371,48 +399,71 @@ class DCPCheckpointer(Checkpointer):
             # (after a blocking one, a segment's last, none is made).
             from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-            same = torch.tensor([1 if self._template is not None and self._template.same_layout(
-                writer.results, flatten_state_dict(snapshot)[0]) else 0], dtype=torch.int32)
+            same = torch.tensor(
+                [
+                    1
+                    if self._template is not None
+                    and self._template.same_layout(writer.results, flatten_state_dict(snapshot)[0])
+                    else 0
+                ],
+                dtype=torch.int32,
+            )
             dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
             if not int(same):
                 self._template = self._build_template(partial, writer, snapshot) if from_stage else None
-        return Written(entries, self._inventory(snapshot), fingerprint,
-                       phases={"write_s": write_s, "fingerprint_wait_s": fingerprint_wait_s})
+        return Written(
+            entries,
+            self._inventory(snapshot),
+            fingerprint,
+            phases={"write_s": write_s, "fingerprint_wait_s": fingerprint_wait_s},
+        )
 
     def _entries(self, digests: dict[str, tuple[int, str]], partial: Path) -> list[FileEntry]:
         """This rank's files (rank 0: and ``.metadata``, written as ``.metadata.tmp`` by DCP) for the manifest."""
-        entries = [FileEntry(path=".metadata" if name == ".metadata.tmp" else name, size=size, xxh3_128=digest,
-                             rank=self.env.rank)
-                   for name, (size, digest) in sorted(digests.items())
-                   if name.startswith(f"__{self.env.rank}_") or (self.env.is_rank0 and name in (".metadata.tmp",
-                                                                                              ".metadata"))]
+        entries = [
+            FileEntry(
+                path=".metadata" if name == ".metadata.tmp" else name, size=size, xxh3_128=digest, rank=self.env.rank
+            )
+            for name, (size, digest) in sorted(digests.items())
+            if name.startswith(f"__{self.env.rank}_") or (self.env.is_rank0 and name in (".metadata.tmp", ".metadata"))
+        ]
         if self.env.is_rank0 and not any(e.path == ".metadata" for e in entries):
             size, digest = hash_files([partial / ".metadata"])[partial / ".metadata"]
             entries.append(FileEntry(path=".metadata", size=size, xxh3_128=digest, rank=0))
         return entries
 
-    def _build_template(self, partial: Path, writer: HashingDirectWriter, snapshot: dict[str, Any]
-                        ) -> SnapshotTemplate | None:
+    def _build_template(
+        self, partial: Path, writer: HashingDirectWriter, snapshot: dict[str, Any]
+    ) -> SnapshotTemplate | None:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
         try:
             flat, _ = flatten_state_dict(snapshot)
-            return SnapshotTemplate.build(partial, writer.results, writer.items, flat,
-                                          writer.metadata if self.env.is_rank0 else None)
+            return SnapshotTemplate.build(
+                partial, writer.results, writer.items, flat, writer.metadata if self.env.is_rank0 else None
+            )
         except Exception as e:  # noqa: BLE001 - the snapshot was written; only the next ones stay ordinary
             log.debug("memory tier: no template from %s: %s", partial.name, e)
             return None
 
-    def _write_staged(self, staged: dict[str, Any] | None, partial: Path, fp_job: Any, group: Any
-                      ) -> list[FileEntry] | None:
+    def _write_staged(
+        self, staged: dict[str, Any] | None, partial: Path, fp_job: Any, group: Any
+    ) -> list[FileEntry] | None:
         """``staged``: what ``stage`` returned for this save (None: a blocking save's live state); with a stage, its
         files hold it: they join ``partial``, get their byte items, are hashed; rank 0 writes ``.metadata``. Every
         rank or none (agreed): else None, and the caller writes the snapshot the ordinary way (from the files' maps,
         if staged there), the stage dropped."""
         stage = self._stage if staged is not None else None
         blobs = stage.blob_bytes(staged) if stage is not None else None
-        ready = torch.tensor([1 if blobs is not None and (self._template is not None and (
-            self._template.metadata is not None or not self.env.is_rank0)) else 0], dtype=torch.int32)
+        ready = torch.tensor(
+            [
+                1
+                if blobs is not None
+                and (self._template is not None and (self._template.metadata is not None or not self.env.is_rank0))
+                else 0
+            ],
+            dtype=torch.int32,
+        )
         dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
         if not int(ready):
             if stage is not None:  # its views stay valid for the ordinary write: the maps go with them
@@ -449,24 +500,40 @@ class DCPCheckpointer(Checkpointer):
         # Names that differ from the checkpoint's only by a wrapper prefix (ckpt.identity) are loaded under the
         # checkpoint's. Another kind of run's optimizer groups (their number, their settings) are not loaded: this
         # run trains with its own, and the state (moments, step) is matched by parameter name.
-        names = identity.renames(live["model"], [e.name[len(identity.MODEL_PREFIX):] for e in manifest.tensors
-                                                 if e.name.startswith(identity.MODEL_PREFIX)])
+        names = identity.renames(
+            live["model"],
+            [
+                e.name[len(identity.MODEL_PREFIX) :]
+                for e in manifest.tensors
+                if e.name.startswith(identity.MODEL_PREFIX)
+            ],
+        )
         own_groups = bool(names) or self.other_kind(manifest) is not None
         sd = _renamed(live, names, drop_groups=own_groups)
         # One pass: every byte is hashed as it is read, and the live tensors are written only after every file
         # of every rank matched the manifest (a mismatch raises ChecksumMismatch with the state untouched).
         node_copy = self.node_tier and self.memory is not None and self.memory.root in path.parents
-        load_verified(sd, path, {f.path: (f.size, f.xxh3_128) for f in manifest.files},
-                      process_group=self.env.ckpt_group,
-                      node_size=self.env.topology.procs_per_node if node_copy else None,  # each node its own copy
-                      verified=self.verified_in_copy(manifest.step) if node_copy else None)  # hashed on the way in
+        load_verified(
+            sd,
+            path,
+            {f.path: (f.size, f.xxh3_128) for f in manifest.files},
+            process_group=self.env.ckpt_group,
+            node_size=self.env.topology.procs_per_node if node_copy else None,  # each node its own copy
+            verified=self.verified_in_copy(manifest.step) if node_copy else None,
+        )  # hashed on the way in
         self.applied = True
         if sd is not live:  # back to the live names and groups (the tensors were filled in place)
             back = {v: k for k, v in names.items()}
             groups = live["optim"]["param_groups"] if own_groups else sd["optim"]["param_groups"]
-            sd = {**sd, "model": {back.get(k, k): v for k, v in sd["model"].items()},
-                  "optim": {**sd["optim"], "state": {back.get(k, k): v for k, v in sd["optim"]["state"].items()},
-                            "param_groups": groups}}
+            sd = {
+                **sd,
+                "model": {back.get(k, k): v for k, v in sd["model"].items()},
+                "optim": {
+                    **sd["optim"],
+                    "state": {back.get(k, k): v for k, v in sd["optim"]["state"].items()},
+                    "param_groups": groups,
+                },
+            }
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         if same_world:
             rng = sd["rng"][f"rank{self.env.rank}"]
@@ -475,8 +542,9 @@ class DCPCheckpointer(Checkpointer):
                 torch.cuda.set_rng_state(rng["cuda"], self.env.device)
         else:
             reseed(self.spec.seed, manifest.step, self.env.rank)
-        ts = TrainState(step=int(sd["trainer"]["step"]), tokens=int(sd["trainer"]["tokens"]),
-                        samples=int(sd["trainer"]["samples"]))
+        ts = TrainState(
+            step=int(sd["trainer"]["step"]), tokens=int(sd["trainer"]["tokens"]), samples=int(sd["trainer"]["samples"])
+        )
         # A converted checkpoint's fingerprint was summed by another code path (ckpt.formats.deepspeed_convert):
         # compare it within the cross-world tolerance even at the same world size.
         return ts, same_world and manifest.reason != "converted"

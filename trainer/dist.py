@@ -63,8 +63,12 @@ def init_distributed(launch: SegmentLaunch | None = None, timeout_s: float = 180
     with lifetime.rendezvous_window():  # a stop signal here ends the rank: a dead peer would leave it waiting
         if not dist.is_initialized():
             timeout = _dt.timedelta(seconds=timeout_s)
-            dist.init_process_group(backend=backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None,
-                                    **_attempt_store(rank, world, timeout))
+            dist.init_process_group(
+                backend=backend,
+                timeout=timeout,
+                device_id=dev if dev.type == "cuda" else None,
+                **_attempt_store(rank, world, timeout),
+            )
         mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
         ckpt_group = dist.new_group(backend="gloo")
         ctrl_group = dist.new_group(backend="gloo")
@@ -86,8 +90,9 @@ def _attempt_store(rank: int, world: int, timeout: _dt.timedelta) -> dict:
     attempt = os.environ.get(ATTEMPT_ENV)
     if not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
     return {"store": dist.PrefixStore(f"shardkeeper/{attempt}/", store), "rank": rank, "world_size": world}
 
 

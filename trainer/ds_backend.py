@@ -86,8 +86,9 @@ class DeepSpeedTrainer(Trainer):
             materialize(model, env.device)
         # the performance options before DeepSpeed registers its hooks, as for FSDP2 (in place: names unchanged)
         self.diagnostics = apply_block_options(block_modules(model), self.spec.performance)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, self.spec),
-                                               config=self.config)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=build_optimizer(model, self.spec), config=self.config
+        )
         self.engine = engine
         self.model = engine
         self.optimizer = engine.optimizer
@@ -124,18 +125,28 @@ class DeepSpeedTrainer(Trainer):
 
     def log_diagnostics(self) -> None:
         c = self.config
-        log0(self.env, "[DeepSpeedDiagnostics] zero_stage=%d world_size=%d device=%s compute=%s reduce=%s "
-             "micro_batch=%d grad_accum=%d clip=%s", self.spec.deepspeed.zero_stage, self.env.world_size,
-             self.env.device, self.spec.precision.compute, c["communication_data_type"],
-             c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["gradient_clipping"])
+        log0(
+            self.env,
+            "[DeepSpeedDiagnostics] zero_stage=%d world_size=%d device=%s compute=%s reduce=%s "
+            "micro_batch=%d grad_accum=%d clip=%s",
+            self.spec.deepspeed.zero_stage,
+            self.env.world_size,
+            self.env.device,
+            self.spec.precision.compute,
+            c["communication_data_type"],
+            c["train_micro_batch_size_per_gpu"],
+            c["gradient_accumulation_steps"],
+            c["gradient_clipping"],
+        )
         log0(self.env, "[DeepSpeedDiagnostics] execution: %s", describe(self.diagnostics))
 
     def train_step(self, step: int, phases: dict[str, float | None] | None) -> tuple[float, float, float]:
         lr = self.schedule.set_step(step)
         global_tokens = max(self.loader.targets(step), 1)  # = tokens_per_step unless labels are masked (chat)
         local_sum = torch.zeros((), dtype=torch.float64)
-        for inputs, labels in self.loader.rank_batches(step, self.env.rank, self.env.world_size,
-                                                       self.spec.micro_batch_size):
+        for inputs, labels in self.loader.rank_batches(
+            step, self.env.rank, self.env.world_size, self.spec.micro_batch_size
+        ):
             inputs, labels = inputs.to(self.env.device), labels.to(self.env.device)
             logits = self.engine(input_ids=inputs, use_cache=False).logits  # no KV cache in training
             loss_sum = F.cross_entropy(logits.float().reshape(-1, self.vocab), labels.reshape(-1), reduction="sum")

@@ -1,4 +1,5 @@
-"""The DeepSpeed ZeRO 1/2/3 Checkpointer: DeepSpeed's own files under the shared commit protocol (``trainer.checkpointer``).
+"""The DeepSpeed ZeRO 1/2/3 Checkpointer: DeepSpeed's own files under the shared commit protocol
+(``trainer.checkpointer``).
 
 A checkpoint is ``step-XXXXXXXX/`` holding DeepSpeed's own files (``engine.save_checkpoint``), each rank's RNG state
 (``rng_rank_XXXXX.pt``, which also carries the packed states of a script's tracked objects) and the counters
@@ -47,8 +48,16 @@ class DeepSpeedCheckpointer(Checkpointer):
     BACKEND = "deepspeed"
     SUPPORTS_ASYNC = True
 
-    def __init__(self, run_dir: RunDir, spec: RunSpec, engine: Any, env: DistEnv, *, segment: int,
-                 hf_model: HFModelRecord | None = None):
+    def __init__(
+        self,
+        run_dir: RunDir,
+        spec: RunSpec,
+        engine: Any,
+        env: DistEnv,
+        *,
+        segment: int,
+        hf_model: HFModelRecord | None = None,
+    ):
         super().__init__(run_dir, spec, engine.module, engine.optimizer, env, segment=segment, hf_model=hf_model)
         self.engine = engine
         self.zero_stage = spec.deepspeed.zero_stage
@@ -61,7 +70,6 @@ class DeepSpeedCheckpointer(Checkpointer):
         # Per-group hyperparameters of the RunSpec. ZeRO-3's universal loader copies group 0's onto every
         # group (weight decay onto the no-decay group), so they are put back after every load.
         self.group_hparams = [{k: g[k] for k in _GROUP_HPARAMS} for g in engine.optimizer.param_groups]
-
 
     # ----------------------------------------------------------------- fingerprint
     def _fragments(self) -> list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
@@ -78,8 +86,13 @@ class DeepSpeedCheckpointer(Checkpointer):
                 # of the last ranks is not part of the parameter (and is not initialised), so leave it out.
                 part = p.ds_tensor.ds_numel
                 real = max(0, min(part, p.ds_numel - self.env.rank * part))
-                out.append((name, safe_get_local_fp32_param(p).reshape(-1).narrow(0, 0, real),
-                            {m: safe_get_local_optimizer_state(p, m).reshape(-1).narrow(0, 0, real) for m in MOMENTS}))
+                out.append(
+                    (
+                        name,
+                        safe_get_local_fp32_param(p).reshape(-1).narrow(0, 0, real),
+                        {m: safe_get_local_optimizer_state(p, m).reshape(-1).narrow(0, 0, real) for m in MOMENTS},
+                    )
+                )
                 continue
             hp = getattr(p, "_hp_mapping", None)
             if hp is None:  # all of this parameter lives in other ranks' partitions
@@ -88,8 +101,13 @@ class DeepSpeedCheckpointer(Checkpointer):
             addr = hp.get_hp_fragment_address()
             flat = opt.single_partition_of_fp32_groups[hp.param_group_index]
             state = opt.optimizer.state[flat]
-            out.append((name, flat.narrow(0, addr.start, addr.numel),
-                        {m: state[m].narrow(0, addr.start, addr.numel) for m in MOMENTS}))
+            out.append(
+                (
+                    name,
+                    flat.narrow(0, addr.start, addr.numel),
+                    {m: state[m].narrow(0, addr.start, addr.numel) for m in MOMENTS},
+                )
+            )
         return out
 
     def _optim_step(self) -> float:
@@ -102,8 +120,12 @@ class DeepSpeedCheckpointer(Checkpointer):
         return self._fingerprint_of(self._fragments(), self._optim_step(), group, method)
 
     @staticmethod
-    def _fingerprint_of(frags: list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]], optim_step: float,
-                        group: dist.ProcessGroup | None, method: str = fp.METHOD) -> Fingerprint:
+    def _fingerprint_of(
+        frags: list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]],
+        optim_step: float,
+        group: dist.ProcessGroup | None,
+        method: str = fp.METHOD,
+    ) -> Fingerprint:
         """Per-tensor norms of fp32 masters and moments: local fragments in float64, one all-reduce."""
         model = [(n, t) for n, t, _ in frags]
         moments = [(f"{n}.{m}", t) for n, _, ms in frags for m, t in ms.items()]
@@ -191,16 +213,28 @@ class DeepSpeedCheckpointer(Checkpointer):
             problem = self.save_problem(e, partial)
         write_s = time.perf_counter() - t
         fingerprint = self._fingerprint_of(snapshot.fragments, snapshot.optim_step, self.env.ckpt_group)
-        return Written(sorted(entries, key=lambda e: e.path), self._ds_inventory(), fingerprint, problem=problem,
-                       phases={"write_s": write_s})
+        return Written(
+            sorted(entries, key=lambda e: e.path),
+            self._ds_inventory(),
+            fingerprint,
+            problem=problem,
+            phases={"write_s": write_s},
+        )
 
     def _save_extras(self, partial: Path, ts: TrainState, rng: dict[str, torch.Tensor]) -> list[FileEntry]:
         """This rank's RNG state; on rank 0 also the counters and the schedule position."""
         size, digest = save_torch(partial / rng_file(self.env.rank), rng)
         out = [FileEntry(path=rng_file(self.env.rank), size=size, xxh3_128=digest, rank=self.env.rank)]
         if self.env.is_rank0:
-            state = {"step": ts.step, "tokens": ts.tokens, "samples": ts.samples, "schedule_last_step": ts.step - 1,
-                     "zero_stage": self.zero_stage, "world_size": self.env.world_size, "layout": "zero"}
+            state = {
+                "step": ts.step,
+                "tokens": ts.tokens,
+                "samples": ts.samples,
+                "schedule_last_step": ts.step - 1,
+                "zero_stage": self.zero_stage,
+                "world_size": self.env.world_size,
+                "layout": "zero",
+            }
             text = (json.dumps(state, indent=2, sort_keys=True) + "\n").encode()
             size, digest = write_hashed(partial / STATE_FILE, lambda f: f.write(text))
             out.append(FileEntry(path=STATE_FILE, size=size, xxh3_128=digest, rank=0))
@@ -212,8 +246,11 @@ class DeepSpeedCheckpointer(Checkpointer):
         of run wrote it, whose optimizer groups (DeepSpeed's flat partitions follow them) need not be this run's;
         the universal layout holds each parameter on its own."""
         state = read_state(path)
-        native = (state["layout"] == "zero" and manifest.topology.world_size == self.env.world_size
-                  and self.other_kind(manifest) is None)
+        native = (
+            state["layout"] == "zero"
+            and manifest.topology.world_size == self.env.world_size
+            and self.other_kind(manifest) is None
+        )
         if native:
             problem = self._check_pickles(path, recursive=False)  # every rank agrees before DeepSpeed reads any
             if problem is not None:
@@ -243,18 +280,27 @@ class DeepSpeedCheckpointer(Checkpointer):
         names = identity.renames(live, [e.name for e in manifest.tensors if e.name.startswith(identity.MODEL_PREFIX)])
         if names:  # DeepSpeed loads by the names it saved under (the module's state dict, the universal folders)
             mine, theirs = next(iter(names.items()))
-            raise ModelMismatch(f"{path}: holds {theirs[len(identity.MODEL_PREFIX):]} where this run's model has "
-                                f"{mine[len(identity.MODEL_PREFIX):]} (a wrapper's prefix); DeepSpeed loads by the "
-                                "saved names: wrap the model as the run that wrote it did (engine.compile() instead "
-                                "of torch.compile before deepspeed.initialize keeps the names)")
+            raise ModelMismatch(
+                f"{path}: holds {theirs[len(identity.MODEL_PREFIX) :]} where this run's model has "
+                f"{mine[len(identity.MODEL_PREFIX) :]} (a wrapper's prefix); DeepSpeed loads by the "
+                "saved names: wrap the model as the run that wrote it did (engine.compile() instead "
+                "of torch.compile before deepspeed.initialize keeps the names)"
+            )
         saved = manifest.run_spec.deepspeed.zero_stage
         if saved != self.zero_stage and read_state(path)["layout"] == "zero" and self.other_kind(manifest) is None:
-            raise CheckpointError(f"{path}: written under ZeRO stage {saved}, this run is configured for stage "
-                                  f"{self.zero_stage}; resume with --set deepspeed.zero_stage={saved} (the run's own config)")
+            raise CheckpointError(
+                f"{path}: written under ZeRO stage {saved}, this run is configured for stage "
+                f"{self.zero_stage}; resume with --set deepspeed.zero_stage={saved} (the run's own config)"
+            )
 
     def _load_native(self, path: Path) -> None:
-        loaded, _ = self.engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True,
-                                                load_optimizer_states=True, load_lr_scheduler_states=False)
+        loaded, _ = self.engine.load_checkpoint(
+            str(path.parent),
+            tag=path.name,
+            load_module_strict=True,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
         if loaded is None:
             raise CheckpointError(f"{path}: DeepSpeed found no checkpoint files to load; the checkpoint is incomplete")
 
@@ -266,8 +312,12 @@ class DeepSpeedCheckpointer(Checkpointer):
         message = None
         if self.env.is_rank0:
             try:
-                ensure_universal(path, run_dir=self.run_dir, to_world_size=self.env.world_size,
-                                 threads=self.spec.checkpoint.io_threads)
+                ensure_universal(
+                    path,
+                    run_dir=self.run_dir,
+                    to_world_size=self.env.world_size,
+                    threads=self.spec.checkpoint.io_threads,
+                )
             except Exception as e:  # tell the waiting ranks, then fail here too
                 error, message = e, f"{type(e).__name__}: {e}"
         box = [message]
@@ -305,8 +355,9 @@ class DeepSpeedCheckpointer(Checkpointer):
         cfg = self.engine._config
         cfg.load_universal_checkpoint = True
         try:
-            loaded, _ = self.engine.load_checkpoint(str(target.parent), tag=target.name, load_optimizer_states=True,
-                                                    load_lr_scheduler_states=False)
+            loaded, _ = self.engine.load_checkpoint(
+                str(target.parent), tag=target.name, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
         finally:
             cfg.load_universal_checkpoint = False
         if loaded is None:
@@ -316,7 +367,7 @@ class DeepSpeedCheckpointer(Checkpointer):
         from trainer.extras import EXTRA_PREFIX
 
         rng = read_rng(path / rng_file(rank))
-        return {k[len(EXTRA_PREFIX):]: v for k, v in rng.items() if k.startswith(EXTRA_PREFIX)}
+        return {k[len(EXTRA_PREFIX) :]: v for k, v in rng.items() if k.startswith(EXTRA_PREFIX)}
 
     def _restore_rng(self, path: Path, manifest: CheckpointManifest, native: bool) -> None:
         if not native:

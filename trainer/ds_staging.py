@@ -69,8 +69,10 @@ def capturing_engine() -> Any:
         def load(self, path: str, map_location: Any = None) -> Any:
             state = load_file(path, DEEPSPEED_STATE)
             if not isinstance(state, dict):
-                raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a DeepSpeed state dict; "
-                                      "the checkpoint is corrupted, pick another step")
+                raise CheckpointError(
+                    f"{path}: holds a {type(state).__name__}, not a DeepSpeed state dict; "
+                    "the checkpoint is corrupted, pick another step"
+                )
             return state
 
     return CapturingEngine()
@@ -119,7 +121,7 @@ class HostStaging:
                 buf = self._buffer(len(staged), st.nbytes())
                 buf.copy_(st, non_blocking=self.pin)
                 staged[st._cdata] = buf
-        del self.buffers[len(staged):]
+        del self.buffers[len(staged) :]
         if self.pin:
             torch.cuda.synchronize()
 

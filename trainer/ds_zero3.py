@@ -88,8 +88,10 @@ def fill_partitions(model: nn.Module, spec: RunSpec, tied: dict[str, str]) -> di
             shape = tuple(getattr(p, "ds_shape", p.shape))
             if st is None or st.shape != shape:
                 what = "no tensor" if st is None else f"shape {list(st.shape)} for"
-                raise ConfigError(f"model.pretrained {source}: {folder} has {what} {name} (the model expects "
-                                  f"{list(shape)}); the folder's config and weights disagree")
+                raise ConfigError(
+                    f"model.pretrained {source}: {folder} has {what} {name} (the model expects "
+                    f"{list(shape)}); the folder's config and weights disagree"
+                )
             part = p.ds_tensor
             size = part.numel()
             start = size * dist.get_rank(group=p.ds_process_group)
@@ -104,5 +106,9 @@ def fill_partitions(model: nn.Module, spec: RunSpec, tied: dict[str, str]) -> di
                 p.data.copy_(whole.to(p.device))
             if p.requires_grad:
                 safe_set_local_fp32_param(p, master.to(part.device))
-    return {"seconds": time.perf_counter() - t0, "bytes_read": float(nbytes), "folder": str(folder),
-            "largest_partition": largest}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "bytes_read": float(nbytes),
+        "folder": str(folder),
+        "largest_partition": largest,
+    }

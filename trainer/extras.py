@@ -34,16 +34,25 @@ def pack_all(extra: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         try:
             out[name] = pack(obj.state_dict(), where=name)
         except UnpackableState as e:
-            raise UsageError(f"seg.track({name}=...): its state_dict() holds {e}; only tensors, numbers, strings, "
-                             "lists, tuples and dicts are checkpointed") from None
+            raise UsageError(
+                f"seg.track({name}=...): its state_dict() holds {e}; only tensors, numbers, strings, "
+                "lists, tuples and dicts are checkpointed"
+            ) from None
     return out
 
 
 ReadRank = Callable[[int], Mapping[str, torch.Tensor]]  # saved rank -> {name: packed tensor}
 
 
-def check_restorable(extra: Mapping[str, Any], path: Path, manifest: CheckpointManifest, world_size: int,
-                     read: ReadRank, *, other_kind: str | None = None) -> None:
+def check_restorable(
+    extra: Mapping[str, Any],
+    path: Path,
+    manifest: CheckpointManifest,
+    world_size: int,
+    read: ReadRank,
+    *,
+    other_kind: str | None = None,
+) -> None:
     """Before any load: every tracked object has a state in the checkpoint, and at another world size each one's
     state was the same on every saving rank. ``other_kind``: the checkpoint was written by another kind of run
     (``trainer.resume_side.other_kind``), which never had this run's objects: those it lacks start at its step
@@ -53,9 +62,11 @@ def check_restorable(extra: Mapping[str, Any], path: Path, manifest: CheckpointM
     saved = dict(read(0))
     missing = sorted(set(extra) - set(saved))
     if missing and other_kind is None:
-        raise CheckpointError(f"{path}: holds no state of tracked '{missing[0]}' (it holds: "
-                              f"{', '.join(sorted(saved)) or 'none'}); track the same objects as the segment that "
-                              "saved it, or start a new --run-dir")
+        raise CheckpointError(
+            f"{path}: holds no state of tracked '{missing[0]}' (it holds: "
+            f"{', '.join(sorted(saved)) or 'none'}); track the same objects as the segment that "
+            "saved it, or start a new --run-dir"
+        )
     old = manifest.topology.world_size
     if old == world_size:
         return
@@ -66,11 +77,13 @@ def check_restorable(extra: Mapping[str, Any], path: Path, manifest: CheckpointM
                 raise CheckpointError(
                     f"{path}: tracked '{name}' held a different state on each of the {old} saving ranks (a rank's "
                     f"data position?), which cannot be split onto {world_size} ranks; resume on {old} ranks, or "
-                    "derive that state from the step instead of tracking it")
+                    "derive that state from the step instead of tracking it"
+                )
 
 
-def restore_all(extra: Mapping[str, Any], path: Path, manifest: CheckpointManifest, rank: int, world_size: int,
-                read: ReadRank) -> list[str]:
+def restore_all(
+    extra: Mapping[str, Any], path: Path, manifest: CheckpointManifest, rank: int, world_size: int, read: ReadRank
+) -> list[str]:
     """Load each tracked object's saved state: this rank's at the saving world size, else rank 0's (equal on all).
     An object the checkpoint holds no state of (written by another kind of run: ``check_restorable`` refused it
     otherwise) starts at the checkpoint's step (``start_at``). Returns what each of those did, one phrase each."""

@@ -61,15 +61,37 @@ FORKED_ENV = "SHARDKEEPER_FORKED_BY"
 RANK_NOTES_ENV = "SHARDKEEPER_RANK_NOTES"  # = schemas.seam.RANK_NOTES_ENV (this module stays stdlib only)
 # What a rank imports before it does anything for its segment (the built-in trainer and a script alike): the
 # server imports it once, and every rank it forks starts with it imported.
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-           "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.device_mesh", "transformers",
-           "transformers.models.llama.modeling_llama", "schemas", "ckpt.layout", "trainer.dist", "trainer.api",
-           "trainer.checkpointer", "trainer.dcp_backend", "trainer.loop", "trainer.script")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.device_mesh",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "schemas",
+    "ckpt.layout",
+    "trainer.dist",
+    "trainer.api",
+    "trainer.checkpointer",
+    "trainer.dcp_backend",
+    "trainer.loop",
+    "trainer.script",
+)
 PRELOAD_ENV = "SHARDKEEPER_FORK_PRELOAD"  # comma-separated modules instead of PRELOAD (tests)
 # The signals a client passes on to its rank: torchrun's stop (SIGTERM, then SIGKILL, which ends the client and so
 # the rank), a preemption's SIGUSR1, the launcher's request for the rank's stacks (SIGURG, schemas.seam.STACKS_SIGNAL).
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
-             signal.SIGURG)
+FORWARDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGURG,
+)
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 16 << 20
 
@@ -122,7 +144,7 @@ def worker_module(argv: list[str]) -> tuple[str, list[str]] | None:
     for i, arg in enumerate(argv):
         if arg == "-m" and i + 1 < len(argv):
             if all(a in ("-u", "-B") for a in argv[:i]):
-                return argv[i + 1], list(argv[i + 2:])
+                return argv[i + 1], list(argv[i + 2 :])
             return None
     return None
 
@@ -235,8 +257,11 @@ class Server:
             fds = []
         self.load()
         target = worker_module(req.get("argv") or [])
-        problem = self.unsafe() or (None if len(fds) == 3 else "the rank's descriptors did not arrive") or (
-            None if target else f"not a python -m command: {req.get('argv')}")
+        problem = (
+            self.unsafe()
+            or (None if len(fds) == 3 else "the rank's descriptors did not arrive")
+            or (None if target else f"not a python -m command: {req.get('argv')}")
+        )
         if problem is not None:
             for fd in fds:
                 os.close(fd)
@@ -334,16 +359,31 @@ def _backend_modules(run_dir: str) -> list[str]:
     return ["trainer.ds_backend"] if "backend: deepspeed" in text else []
 
 
+# Signals the server's parent left ignored (nohup's SIGHUP, a shell's SIGQUIT): a fresh rank inherits them ignored
+# too, so a forked one gets them ignored again (recorded by ``serve`` before it changes any).
+_INHERITED_IGNORED: frozenset[int] = frozenset()
+
+
+def _ignored_now() -> frozenset[int]:
+    return frozenset(
+        sig
+        for sig in signal.valid_signals()
+        if sig not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(sig) == signal.SIG_IGN
+    )
+
+
 def fresh_signals() -> None:
-    """Every signal disposition as a new interpreter has it, none blocked, no wakeup descriptor."""
+    """Every signal disposition as a new interpreter started by the server's parent has it, none blocked, no wakeup
+    descriptor."""
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             continue
         try:
-            signal.signal(sig, signal.SIG_DFL)
+            signal.signal(sig, signal.SIG_IGN if sig in _INHERITED_IGNORED else signal.SIG_DFL)
         except (OSError, ValueError, RuntimeError):
             pass
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.SIGINT not in _INHERITED_IGNORED:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGPIPE, signal.SIGXFSZ):
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
@@ -362,6 +402,8 @@ def reseed() -> None:
 def serve(path: str, run_dir: str) -> int:
     preload = os.environ.get(PRELOAD_ENV)
     modules = tuple(m for m in preload.split(",") if m) if preload is not None else PRELOAD
+    global _INHERITED_IGNORED
+    _INHERITED_IGNORED = _ignored_now()
     for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):  # a terminal's or a stray stop signal: not ours
         signal.signal(sig, signal.SIG_IGN)
     Server(path, run_dir, modules).serve_forever()

@@ -1,7 +1,8 @@
 """A rank never outlives the process that launched its segment (and holds the run lock).
 
-Stdlib only at import (the seam's schema is read once the handlers are in): ``guard_rank`` runs first thing in ``python -m trainer.segment``, before torch is
-imported, so a rank orphaned during its (slow) start-up dies as early as one that is training.
+Stdlib only at import (the seam's schema is read once the handlers are in): ``guard_rank`` runs first thing in
+``python -m trainer.segment``, before torch is imported, so a rank orphaned during its (slow) start-up dies as early as
+one that is training.
 
 Three layers, because each alone has a gap:
 
@@ -76,13 +77,18 @@ def rendezvous_window() -> Iterator[None]:
     gone: torchrun SIGTERMs the survivors of a rank that died, and rendezvous would wait for the dead one); inside,
     SIGTERM/SIGUSR1 end the rank at once. Outside a rank started by ``guard_rank`` (a test harness): no change."""
     ours = threading.current_thread() is threading.main_thread() and all(
-        signal.getsignal(s) is _on_stop_signal for s in (signal.SIGTERM, signal.SIGUSR1))
+        signal.getsignal(s) is _on_stop_signal for s in (signal.SIGTERM, signal.SIGUSR1)
+    )
     if not ours:
         yield
         return
     if stop_requested() is not None:
-        print(f"rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): stop signal during start-up, before the "
-              "process group formed; exiting with nothing to save", file=sys.stderr, flush=True)
+        print(
+            f"rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): stop signal during start-up, before the "
+            "process group formed; exiting with nothing to save",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(EXIT_STOPPED_IN_STARTUP)
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
@@ -93,7 +99,9 @@ def rendezvous_window() -> Iterator[None]:
 
 
 def _die(reason: str) -> None:
-    print(f"error: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): {reason}; exiting", file=sys.stderr, flush=True)
+    print(
+        f"error: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): {reason}; exiting", file=sys.stderr, flush=True
+    )
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -16,12 +16,13 @@ import torch.nn.functional as F
 from ckpt.layout import RunDir
 from schemas.errors import ConfigError
 from schemas.seam import SegmentLaunch
-from trainer.api import Segment as ApiSegment, SegmentPreempted, load_spec
-from trainer.dcp_backend import DCPCheckpointer
+from trainer.api import Segment as ApiSegment
+from trainer.api import SegmentPreempted, load_spec
 from trainer.data import GlobalOrderLoader, HeldOutLoader, open_prepared, open_tokens
+from trainer.dcp_backend import DCPCheckpointer
 from trainer.dist import DistEnv, log0
-from trainer.nonfinite import NonFiniteGuard, NonFiniteStep
 from trainer.model import build_model, hf_model_record, load_pretrained_shards, materialize, shard_model
+from trainer.nonfinite import NonFiniteGuard, NonFiniteStep
 from trainer.optim import WarmupCosine, build_optimizer, clip_grad_norm_
 from trainer.perf import EXECUTION_KEYS, describe
 
@@ -46,8 +47,9 @@ class Trainer:
         self.model = model
         self.optimizer = build_optimizer(model, self.spec)
         self.schedule = WarmupCosine(self.optimizer, self.spec)
-        self.ckpt = DCPCheckpointer(run_dir, self.spec, model, self.optimizer, env, segment=segment,
-                                    hf_model=self.hf_model)
+        self.ckpt = DCPCheckpointer(
+            run_dir, self.spec, model, self.optimizer, env, segment=segment, hf_model=self.hf_model
+        )
         self.ckpt.data = self.data_record
 
     def _build(self, run_dir: RunDir, until_step: int, segment: int, env: DistEnv) -> torch.nn.Module:
@@ -86,8 +88,10 @@ class Trainer:
         self.eval_loader: HeldOutLoader | None = None
         if spec.eval is not None:
             if prepared is None or prepared.eval is None:
-                raise ConfigError("eval: the ranks received no prepared held-out split; start the segment with "
-                                  "shardkeeper train (it prepares eval.split too)")
+                raise ConfigError(
+                    "eval: the ranks received no prepared held-out split; start the segment with "
+                    "shardkeeper train (it prepares eval.split too)"
+                )
             ev_tokens, ev_mask = open_prepared(prepared.eval)
             self.eval_loader = HeldOutLoader(ev_tokens, spec.data.seq_len, spec.eval_batch(), mask=ev_mask)
 
@@ -105,8 +109,9 @@ class Trainer:
             for b in range(self.spec.eval.batches):
                 inputs, labels = loader.rank_batch(b, env.rank, env.world_size)
                 logits = self.model(input_ids=inputs.to(env.device), use_cache=False).logits
-                per_token = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.to(env.device).reshape(-1),
-                                            reduction="none")
+                per_token = F.cross_entropy(
+                    logits.float().reshape(-1, logits.size(-1)), labels.to(env.device).reshape(-1), reduction="none"
+                )
                 total += per_token.to("cpu", torch.float64).sum()
                 count += loader.targets(b)
         self.model.train(was_training)
@@ -121,18 +126,35 @@ class Trainer:
         if self.pretrained:
             self.ckpt.record_base_model(self.spec.model)
             stats = self.load_pretrained()
-            log0(self.env, "loaded this rank's shards of %s: %.1f MB read in %.2f s", self.spec.model.pretrained,
-                 stats["bytes_read"] / 1e6, stats["seconds"])
+            log0(
+                self.env,
+                "loaded this rank's shards of %s: %.1f MB read in %.2f s",
+                self.spec.model.pretrained,
+                stats["bytes_read"] / 1e6,
+                stats["seconds"],
+            )
 
     def load_pretrained(self) -> dict[str, float]:
         return load_pretrained_shards(self.model, self.spec.model, self.hf_model.tied)
 
     def log_diagnostics(self) -> None:
         d = self.diagnostics
-        log0(self.env, "[FSDPDiagnostics] fsdp_units=%d (+1 root, %s) total_params=%d world_size=%d device=%s",
-             d["fsdp_units"], d["block_class"], d["total_params"], self.env.world_size, self.env.device)
-        log0(self.env, "[FSDPDiagnostics] dtypes: master=%s param(compute)=%s reduce=%s",
-             d["master_dtype"], d["param_dtype"], d["reduce_dtype"])
+        log0(
+            self.env,
+            "[FSDPDiagnostics] fsdp_units=%d (+1 root, %s) total_params=%d world_size=%d device=%s",
+            d["fsdp_units"],
+            d["block_class"],
+            d["total_params"],
+            self.env.world_size,
+            self.env.device,
+        )
+        log0(
+            self.env,
+            "[FSDPDiagnostics] dtypes: master=%s param(compute)=%s reduce=%s",
+            d["master_dtype"],
+            d["param_dtype"],
+            d["reduce_dtype"],
+        )
         sizes = [None] * self.env.world_size
         dist.all_gather_object(sizes, d["local_param_MiB"], group=self.env.ctrl_group)
         log0(self.env, "[FSDPDiagnostics] local_trainable_param_MiB per rank: %s", sizes)
@@ -174,8 +196,13 @@ class Trainer:
         """Train this segment through the public API (``trainer.api.Segment``): the same policy a user's script gets
         (resume with fallback, saves, preemption, the final commit, the report); this class brings the model, the
         data order, the loss and the evaluation."""
-        seg = ApiSegment(run_dir=self.run_dir.root, until_step=self.until_step, segment=self.segment_index,
-                         _env=self.env, _spec=self.spec)
+        seg = ApiSegment(
+            run_dir=self.run_dir.root,
+            until_step=self.until_step,
+            segment=self.segment_index,
+            _env=self.env,
+            _spec=self.spec,
+        )
         seg._attach(self.ckpt, on_fresh=self.start_fresh)
         seg.final_note = self.nonfinite.note  # the status note counts skipped non-finite steps
         seg.execution = {k: self.diagnostics[k] for k in EXECUTION_KEYS if k in self.diagnostics}
@@ -183,7 +210,9 @@ class Trainer:
         trained = 0
         try:
             for step in seg.steps(tokens_per_step=self.tokens_per_step, samples_per_step=self.spec.global_batch_size):
-                phases: dict[str, float | None] | None = {} if (self.env.device.type == "cuda" and trained < 3) else None
+                phases: dict[str, float | None] | None = (
+                    {} if (self.env.device.type == "cuda" and trained < 3) else None
+                )
                 # a NaN/Inf loss or gradient raises NonFiniteStep before the update (trainer.nonfinite)
                 loss, gnorm, lr = self.train_step(step, phases)
                 trained += 1
@@ -205,10 +234,25 @@ class Trainer:
             return
         from ckpt import lineage
 
-        log0(self.env, "eval at step %d: loss %.4f perplexity %.2f (%d held-out tokens)", row["step"], row["eval_loss"],
-             row["eval_ppl"], row["eval_tokens"])
+        log0(
+            self.env,
+            "eval at step %d: loss %.4f perplexity %.2f (%d held-out tokens)",
+            row["step"],
+            row["eval_loss"],
+            row["eval_ppl"],
+            row["eval_tokens"],
+        )
         assert self.spec.eval is not None
-        lineage.record(self.run_dir, "eval", f"eval:step-{row['step']:08d}", parent=f"segment:{self.segment_index}",
-                       step=row["step"], eval_loss=row["eval_loss"], eval_ppl=row["eval_ppl"],
-                       eval_tokens=row["eval_tokens"], split=self.spec.eval.split, world_size=self.env.world_size,
-                       segment=self.segment_index)
+        lineage.record(
+            self.run_dir,
+            "eval",
+            f"eval:step-{row['step']:08d}",
+            parent=f"segment:{self.segment_index}",
+            step=row["step"],
+            eval_loss=row["eval_loss"],
+            eval_ppl=row["eval_ppl"],
+            eval_tokens=row["eval_tokens"],
+            split=self.spec.eval.split,
+            world_size=self.env.world_size,
+            segment=self.segment_index,
+        )

@@ -131,12 +131,16 @@ def load_pretrained_shards(model: nn.Module, spec: ModelSpec, tied: dict[str, st
         for name, p in model.named_parameters():
             st = find_tensor(index, name, tied)
             if st is None:
-                raise ConfigError(f"model.pretrained {spec.pretrained}: {folder} has no tensor {name} (nor one tied "
-                                  "to it); the weights are of another architecture, pass the model's own folder")
+                raise ConfigError(
+                    f"model.pretrained {spec.pretrained}: {folder} has no tensor {name} (nor one tied "
+                    "to it); the weights are of another architecture, pass the model's own folder"
+                )
             if st.shape != tuple(p.shape):
-                raise ConfigError(f"model.pretrained {spec.pretrained}: {st.file.name} holds {name} with shape "
-                                  f"{list(st.shape)}, the model built from its config.json expects {list(p.shape)}; "
-                                  "the folder's config and weights disagree")
+                raise ConfigError(
+                    f"model.pretrained {spec.pretrained}: {st.file.name} holds {name} with shape "
+                    f"{list(st.shape)}, the model built from its config.json expects {list(p.shape)}; "
+                    "the folder's config and weights disagree"
+                )
             used.add(st.name)
             local, start, end = _local_rows(p)
             if local.device.type == "cpu" and local.is_contiguous():
@@ -147,8 +151,12 @@ def load_pretrained_shards(model: nn.Module, spec: ModelSpec, tied: dict[str, st
                 local.copy_(tmp)
     unused = sorted(set(index) - used)
     if unused:
-        log.warning("pretrained weights not used by %s: %s%s", type(model).__name__, ", ".join(unused[:5]),
-                    " ..." if len(unused) > 5 else "")
+        log.warning(
+            "pretrained weights not used by %s: %s%s",
+            type(model).__name__,
+            ", ".join(unused[:5]),
+            " ..." if len(unused) > 5 else "",
+        )
     return {"seconds": time.perf_counter() - t0, "bytes_read": float(nbytes), "folder": str(folder)}  # type: ignore[dict-item]
 
 
@@ -184,14 +192,22 @@ def hf_model_record(model: nn.Module, spec: ModelSpec | None = None) -> HFModelR
     config.architectures = [next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__]
     generation = pretrained_generation_config(spec) if spec is not None else None
     if generation is not None:
-        return HFModelRecord(config=json.loads(config.to_json_string(use_diff=True)), generation_config=generation,
-                             tied=tied_weights(model), transformers_version=transformers.__version__)
+        return HFModelRecord(
+            config=json.loads(config.to_json_string(use_diff=True)),
+            generation_config=generation,
+            tied=tied_weights(model),
+            transformers_version=transformers.__version__,
+        )
     try:
         generation = json.loads(GenerationConfig.from_model_config(config).to_json_string(use_diff=True))
     except (AttributeError, TypeError, ValueError) as e:  # a model without generation settings: none is exported
         log.warning("no generation config recorded for %s: %s", type(model).__name__, e)
-    return HFModelRecord(config=json.loads(config.to_json_string(use_diff=True)), generation_config=generation,
-                         tied=tied_weights(model), transformers_version=transformers.__version__)
+    return HFModelRecord(
+        config=json.loads(config.to_json_string(use_diff=True)),
+        generation_config=generation,
+        tied=tied_weights(model),
+        transformers_version=transformers.__version__,
+    )
 
 
 def block_modules(model: nn.Module) -> list[nn.Module]:

@@ -75,9 +75,11 @@ class NodeTier:
         dist.all_gather_object(found, (memtier_nodes.node_name() if self.is_leader else None, mine), group=group)
         names = [n for n, _ in found if n is not None]
         if len(set(names)) != len(names):
-            return (f"checkpoint.memory_dir: the nodes are not told apart (node names {sorted(names)}), so their memory "
-                    f"dirs would be one; set {memtier_nodes.NODE_ENV} to a distinct name on each node; the memory tier "
-                    "is off")
+            return (
+                f"checkpoint.memory_dir: the nodes are not told apart (node names {sorted(names)}), so their memory "
+                f"dirs would be one; set {memtier_nodes.NODE_ENV} to a distinct name on each node; the memory tier "
+                "is off"
+            )
         return next((p for _, p in found if p), None)
 
     def replicate_files(self, partial: Path, entries: list, group: dist.ProcessGroup) -> str | None:
@@ -104,7 +106,11 @@ class NodeTier:
         files = memtier_nodes.expected(manifest, self.node, topo.nodes, topo.procs_per_node)
         whole = len(files) == len(manifest.files)
         try:
-            problem = (check_staged(partial, manifest) or [None])[0] if whole else memtier_nodes.check_node_copy(partial, files)
+            problem = (
+                (check_staged(partial, manifest) or [None])[0]
+                if whole
+                else memtier_nodes.check_node_copy(partial, files)
+            )
             if problem:
                 return problem
             lost = memtier.still_owner(target, self.run_dir)  # type: ignore[attr-defined]
@@ -233,7 +239,9 @@ class NodeTier:
         hashing them again while each is still that file. Given out once."""
         return getattr(self, "_verified", {}).pop(step, {})
 
-    def _manifest_for(self, step: int, plan: memtier_nodes.Plan, copy: Path, fetch: Path) -> CheckpointManifest | str | None:
+    def _manifest_for(
+        self, step: int, plan: memtier_nodes.Plan, copy: Path, fetch: Path
+    ) -> CheckpointManifest | str | None:
         """The snapshot's manifest on every rank: a node without a copy gets its bytes from a node that has one
         (checked against the digest every node agreed on)."""
         from ckpt.manifest import read_manifest

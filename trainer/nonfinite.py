@@ -41,8 +41,17 @@ class NonFiniteStep(ShardkeeperError):
 
     exit_code = EXIT_NONFINITE
 
-    def __init__(self, step: int, what: What, *, loss: float, grad_norm: float, in_a_row: int = 1,
-                 max_skipped: int | None = None, applied: bool = False):
+    def __init__(
+        self,
+        step: int,
+        what: What,
+        *,
+        loss: float,
+        grad_norm: float,
+        in_a_row: int = 1,
+        max_skipped: int | None = None,
+        applied: bool = False,
+    ):
         self.step, self.what, self.loss, self.grad_norm = step, what, loss, grad_norm
         self.in_a_row, self.max_skipped, self.applied = in_a_row, max_skipped, applied
         super().__init__(f"non-finite {what} at step {step}")
@@ -52,10 +61,15 @@ class NonFiniteStep(ShardkeeperError):
         head = f"non-finite {self.what} at step {self.step} (loss {self.loss:.6g}, gradient norm {self.grad_norm:.6g})"
         if self.max_skipped is not None:
             head += f", {self.in_a_row} non-finite steps in a row (optim.max_skipped {self.max_skipped})"
-        causes = (f"likely causes: a learning rate too high (optim.lr {lr:g}), bad data at this step, NaN/Inf in the "
-                  "pretrained weights, fp16/bf16 overflow")
-        kept = (f"nothing of step {self.step} was committed" if not self.applied else
-                f"step {self.step}'s update was applied before the check, so the live state was not saved")
+        causes = (
+            f"likely causes: a learning rate too high (optim.lr {lr:g}), bad data at this step, NaN/Inf in the "
+            "pretrained weights, fp16/bf16 overflow"
+        )
+        kept = (
+            f"nothing of step {self.step} was committed"
+            if not self.applied
+            else f"step {self.step}'s update was applied before the check, so the live state was not saved"
+        )
         if resume_step:
             where = f"step-{resume_step:08d} stays the latest checkpoint"
             fix = f"lower optim.lr or check the data, then rerun the same command to resume from step {resume_step}"
@@ -91,13 +105,28 @@ class NonFiniteGuard:
             return False
         self.in_a_row += 1
         if applied or self.policy == "stop" or self.in_a_row > self.max_skipped:
-            raise NonFiniteStep(step, what, loss=loss, grad_norm=grad_norm, in_a_row=self.in_a_row,
-                                max_skipped=self.max_skipped if self.policy == "skip_step" else None, applied=applied)
+            raise NonFiniteStep(
+                step,
+                what,
+                loss=loss,
+                grad_norm=grad_norm,
+                in_a_row=self.in_a_row,
+                max_skipped=self.max_skipped if self.policy == "skip_step" else None,
+                applied=applied,
+            )
         self.skipped.append(step)
         self.last_skipped = True
         if self.is_rank0:
-            log.warning("non-finite %s at step %d (loss %.6g, gradient norm %.6g): update skipped (%d in a row, at "
-                        "most optim.max_skipped %d)", what, step, loss, grad_norm, self.in_a_row, self.max_skipped)
+            log.warning(
+                "non-finite %s at step %d (loss %.6g, gradient norm %.6g): update skipped (%d in a row, at "
+                "most optim.max_skipped %d)",
+                what,
+                step,
+                loss,
+                grad_norm,
+                self.in_a_row,
+                self.max_skipped,
+            )
         return True
 
     def row(self) -> dict[str, bool]:
@@ -118,8 +147,18 @@ class _Checkpointer(Protocol):
     def close(self) -> None: ...
 
 
-def end_segment(err: NonFiniteStep, *, ckpt: _Checkpointer, run_dir: object, is_rank0: bool, segment: int, start: int,
-                lr: float, write_status: Callable[..., None], skipped: list[int] | None = None) -> int:
+def end_segment(
+    err: NonFiniteStep,
+    *,
+    ckpt: _Checkpointer,
+    run_dir: object,
+    is_rank0: bool,
+    segment: int,
+    start: int,
+    lr: float,
+    write_status: Callable[..., None],
+    skipped: list[int] | None = None,
+) -> int:
     """Stop the segment at a non-finite step: close the Checkpointer WITHOUT saving (a save in flight from an earlier
     good step finishes), report ``failed`` with the one line (and EXIT_NONFINITE) through ``write_status(status,
     start, end, note=, exit_code=)`` (a collective), record the lineage event, and return EXIT_NONFINITE. Every rank
@@ -135,10 +174,21 @@ def end_segment(err: NonFiniteStep, *, ckpt: _Checkpointer, run_dir: object, is_
         from ckpt import lineage
 
         log.error("%s: the segment stops without saving this step (the full line is in its report)", err)
-        lineage.record(run_dir, "nonfinite", f"nonfinite:segment-{segment}:step-{err.step:08d}",  # type: ignore[arg-type]
-                       parent=f"segment:{segment}", step=err.step, what=err.what, loss=_number(err.loss),
-                       grad_norm=_number(err.grad_norm), in_a_row=err.in_a_row, applied=err.applied,
-                       resume_step=resume, segment=segment, skipped=list(skipped or []))
+        lineage.record(
+            run_dir,
+            "nonfinite",
+            f"nonfinite:segment-{segment}:step-{err.step:08d}",  # type: ignore[arg-type]
+            parent=f"segment:{segment}",
+            step=err.step,
+            what=err.what,
+            loss=_number(err.loss),
+            grad_norm=_number(err.grad_norm),
+            in_a_row=err.in_a_row,
+            applied=err.applied,
+            resume_step=resume,
+            segment=segment,
+            skipped=list(skipped or []),
+        )
     write_status("failed", start, resume, note=line, exit_code=EXIT_NONFINITE)
     return EXIT_NONFINITE
 

@@ -42,9 +42,11 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
         for p in group["params"]:
             if not p.requires_grad:
                 continue
-            state = {"step": torch.tensor(0.0, dtype=_get_scalar_dtype()),  # as AdamW's _init_group makes it
-                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            state = {
+                "step": torch.tensor(0.0, dtype=_get_scalar_dtype()),  # as AdamW's _init_group makes it
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
             if group["amsgrad"]:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             optimizer.state[p] = state

@@ -81,5 +81,7 @@ def execution_diagnostics(blocks: list[nn.Module], perf: PerformanceSpec) -> dic
 
 def describe(d: dict[str, Any]) -> str:
     """The one diagnostics line of the execution options (both backends print it)."""
-    return (f"activation_checkpointing={d['activation_checkpointing']} blocks, compiled_blocks={d['compiled_blocks']} "
-            f"({d['compile']}), adamw={d['adamw_implementation']}")
+    return (
+        f"activation_checkpointing={d['activation_checkpointing']} blocks, compiled_blocks={d['compiled_blocks']} "
+        f"({d['compile']}), adamw={d['adamw_implementation']}"
+    )

@@ -60,12 +60,15 @@ def _mp_policy(module: Any) -> Any:
 def engine_policy(engine: Any) -> DtypePolicy:
     """A DeepSpeed engine's policy: its bf16/fp16 section, its communication dtype, its masters' dtype."""
     compute = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
-    masters_low = {torch.bfloat16: "bf16_master_weights_and_gradients",
-                   torch.float16: "fp16_master_weights_and_gradients"}.get(compute)
+    masters_low = {
+        torch.bfloat16: "bf16_master_weights_and_gradients",
+        torch.float16: "fp16_master_weights_and_gradients",
+    }.get(compute)
     low = masters_low is not None and bool(getattr(engine, masters_low, lambda: False)())
     reduce = engine.communication_data_type or compute
-    return DtypePolicy(master=dtype_name(compute if low else torch.float32), compute=dtype_name(compute),
-                       reduce=dtype_name(reduce))
+    return DtypePolicy(
+        master=dtype_name(compute if low else torch.float32), compute=dtype_name(compute), reduce=dtype_name(reduce)
+    )
 
 
 __all__ = ["dtype_name", "engine_policy", "module_policy"]

@@ -1,4 +1,3 @@
-# Stays whole (over 500 lines): one pipeline, read top to bottom, from a dataset source to its cached token file (find, key, load, tokenize, store, check).
 """A dataset (local json/jsonl/parquet/text/csv files or a Hub dataset) -> a cached, memory-mapped token file.
 
 The controller runs this once, before any rank starts (``shardkeeper train`` through ``preflight``, or
@@ -50,9 +49,19 @@ log = logging.getLogger("shardkeeper")
 
 PREP_VERSION = 1
 DATA_EXTS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text", ".csv": "csv"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
-                   "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 ROWS_PER_WORKER = 1000  # fewer rows than this per worker: starting the worker costs more than it saves
 
 
@@ -110,8 +119,10 @@ def tokenizer_source(spec: RunSpec) -> tuple[str, str | None, str]:
     pretrained = getattr(spec.model, "pretrained", None)
     if pretrained:
         return str(pretrained), getattr(spec.model, "revision", None), "model.pretrained (data.tokenizer unset)"
-    raise ConfigError("data.tokenizer: not set, and there is no model.pretrained to take the tokenizer from; set "
-                      "data.tokenizer to a tokenizer folder (tokenizer.json, tokenizer_config.json) or a Hub id")
+    raise ConfigError(
+        "data.tokenizer: not set, and there is no model.pretrained to take the tokenizer from; set "
+        "data.tokenizer to a tokenizer folder (tokenizer.json, tokenizer_config.json) or a Hub id"
+    )
 
 
 def tokenizer_dir(src: str, revision: str | None, field: str) -> Path:
@@ -119,22 +130,29 @@ def tokenizer_dir(src: str, revision: str | None, field: str) -> Path:
     p = Path(src).expanduser()
     if p.exists():
         if not p.is_dir():
-            raise ConfigError(f"{field} {src}: is a file; point it at the folder holding tokenizer.json / "
-                              "tokenizer_config.json")
+            raise ConfigError(
+                f"{field} {src}: is a file; point it at the folder holding tokenizer.json / tokenizer_config.json"
+            )
         if not tokenizer_files(p):
-            raise ConfigError(f"{field} {src}: no tokenizer files in it ({', '.join(TOKENIZER_FILES[:3])}, ...); "
-                              "save one there with tokenizer.save_pretrained or point at another folder")
+            raise ConfigError(
+                f"{field} {src}: no tokenizer files in it ({', '.join(TOKENIZER_FILES[:3])}, ...); "
+                "save one there with tokenizer.save_pretrained or point at another folder"
+            )
         return p
     if _looks_local(src):
-        raise ConfigError(f"{field} {src}: no such folder (relative paths resolve from {Path.cwd()}); point it at a "
-                          "tokenizer folder or a Hub id")
+        raise ConfigError(
+            f"{field} {src}: no such folder (relative paths resolve from {Path.cwd()}); point it at a "
+            "tokenizer folder or a Hub id"
+        )
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(src, revision=revision, allow_patterns=[*TOKENIZER_FILES, "*.tiktoken"]))
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated repo: all one line
-        raise ConfigError(f"{field} {src!r}: not a local folder, and the Hugging Face Hub cannot provide it "
-                          f"({_one_line(e)}); give a local tokenizer folder, or run once with network access") from None
+        raise ConfigError(
+            f"{field} {src!r}: not a local folder, and the Hugging Face Hub cannot provide it "
+            f"({_one_line(e)}); give a local tokenizer folder, or run once with network access"
+        ) from None
 
 
 def tokenizer_files(folder: Path) -> list[Path]:
@@ -151,25 +169,37 @@ def dataset_files(src: str) -> tuple[str, list[Path], Path] | None:
     if p.is_file():
         builder = DATA_EXTS.get(p.suffix.lower())
         if builder is None:
-            raise ConfigError(f"data.dataset {src}: unsupported file type {p.suffix or '(none)'}; use "
-                              f"{'/'.join(sorted(DATA_EXTS))} files or a folder of them")
+            raise ConfigError(
+                f"data.dataset {src}: unsupported file type {p.suffix or '(none)'}; use "
+                f"{'/'.join(sorted(DATA_EXTS))} files or a folder of them"
+            )
         return builder, [p], p.parent
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in DATA_EXTS
-                       and not any(part.startswith(".") for part in f.relative_to(p).parts))
+        files = sorted(
+            f
+            for f in p.rglob("*")
+            if f.is_file()
+            and f.suffix.lower() in DATA_EXTS
+            and not any(part.startswith(".") for part in f.relative_to(p).parts)
+        )
         if not files:
-            raise ConfigError(f"data.dataset {src}: a folder without data files ({'/'.join(sorted(DATA_EXTS))}); "
-                              "put the dataset's files there or point at one file")
+            raise ConfigError(
+                f"data.dataset {src}: a folder without data files ({'/'.join(sorted(DATA_EXTS))}); "
+                "put the dataset's files there or point at one file"
+            )
         builders = {DATA_EXTS[f.suffix.lower()] for f in files}
         if len(builders) > 1:
-            raise ConfigError(f"data.dataset {src}: mixes {' and '.join(sorted(builders))} files; keep one format per "
-                              "folder")
+            raise ConfigError(
+                f"data.dataset {src}: mixes {' and '.join(sorted(builders))} files; keep one format per folder"
+            )
         return builders.pop(), files, p
     if p.exists():
         raise ConfigError(f"data.dataset {src}: neither a file nor a folder; point it at the dataset's files")
     if _looks_local(src):
-        raise ConfigError(f"data.dataset {src}: no such file or folder (relative paths resolve from {Path.cwd()}); "
-                          "point it at a .jsonl/.json/.parquet/.txt file, a folder of them, or a Hub dataset id")
+        raise ConfigError(
+            f"data.dataset {src}: no such file or folder (relative paths resolve from {Path.cwd()}); "
+            "point it at a .jsonl/.json/.parquet/.txt file, a folder of them, or a Hub dataset id"
+        )
     return None
 
 
@@ -210,8 +240,10 @@ def _quiet_datasets() -> Iterator[None]:
 
 
 def empty_split(field: str, split: str, src: str) -> str:
-    return (f"{field} {split!r}: selects 0 rows of {src}; set {field} to a split or slice that has rows (e.g. "
-            "'validation', 'train[90%:]'), or add rows to that split's file")
+    return (
+        f"{field} {split!r}: selects 0 rows of {src}; set {field} to a split or slice that has rows (e.g. "
+        "'validation', 'train[90%:]'), or add rows to that split's file"
+    )
 
 
 def load_split(src: str, split: str, local: tuple[str, list[Path], Path] | None, field: str):
@@ -224,9 +256,11 @@ def load_split(src: str, split: str, local: tuple[str, list[Path], Path] | None,
         try:  # one request: datasets itself retries an unreachable Hub for ~25 s before it says so
             HfApi().dataset_info(src)
         except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"data.dataset {src!r}: not a local file or folder, and the Hugging Face Hub cannot "
-                              f"provide it ({_one_line(e)}); give local files, or run online once (then HF_HUB_OFFLINE=1 "
-                              "uses the cached copy)") from None
+            raise ConfigError(
+                f"data.dataset {src!r}: not a local file or folder, and the Hugging Face Hub cannot "
+                f"provide it ({_one_line(e)}); give local files, or run online once (then HF_HUB_OFFLINE=1 "
+                "uses the cached copy)"
+            ) from None
     try:
         with _quiet_datasets():
             if local is None:
@@ -237,15 +271,20 @@ def load_split(src: str, split: str, local: tuple[str, list[Path], Path] | None,
             return datasets.load_dataset(str(root), split=split)
     except ValueError as e:
         msg = _one_line(e)
-        if "corresponds to no data" in msg:  # a slice of no rows, e.g. 'validation[:0]': the field's fault, not the file's
+        if (
+            "corresponds to no data" in msg
+        ):  # a slice of no rows, e.g. 'validation[:0]': the field's fault, not the file's
             raise ConfigError(empty_split(field, split, src)) from None
         if "split" in msg.lower():
-            raise ConfigError(f"{field} {split!r}: {src} has no such split ({msg}); name one of its splits (a single "
-                              "file is split 'train'; slices such as 'train[:90%]' work)") from None
+            raise ConfigError(
+                f"{field} {split!r}: {src} has no such split ({msg}); name one of its splits (a single "
+                "file is split 'train'; slices such as 'train[:90%]' work)"
+            ) from None
         raise ConfigError(f"data.dataset {src}: cannot be read as a dataset ({msg}); fix the file") from None
     except Exception as e:  # noqa: BLE001 - malformed JSON, parquet, ... surface as many exception types
-        raise ConfigError(f"data.dataset {src}: cannot be read as a dataset ({type(e).__name__}: {_one_line(e)}); "
-                          "fix the file") from None
+        raise ConfigError(
+            f"data.dataset {src}: cannot be read as a dataset ({type(e).__name__}: {_one_line(e)}); fix the file"
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------- tokenize
@@ -262,8 +301,9 @@ def load_tokenizer(folder: Path, field: str):
         finally:
             hf_logging.set_verbosity(level)
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"{field} {folder}: transformers cannot load this tokenizer ({_one_line(e)}); "
-                          "fix its files") from None
+        raise ConfigError(
+            f"{field} {folder}: transformers cannot load this tokenizer ({_one_line(e)}); fix its files"
+        ) from None
 
 
 def _tokenize_text(batch: dict[str, list], *, tokenizer: Any, column: str, eos: int | None) -> dict[str, list]:
@@ -293,8 +333,10 @@ def chat_sample(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[in
             before = ""
         upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not (upto.startswith(before) and text.startswith(upto)):
-            raise ValueError("the chat template does not render a conversation as a prefix of its continuation, so "
-                             "assistant turns cannot be located; use a template without history-dependent rewrites")
+            raise ValueError(
+                "the chat template does not render a conversation as a prefix of its continuation, so "
+                "assistant turns cannot be located; use a template without history-dependent rewrites"
+            )
         spans.append((len(before), len(upto)))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(b > a and any(s <= a < e for s, e in spans)) for a, b in enc["offset_mapping"]]
@@ -317,12 +359,16 @@ def check_conversations(ds: Any, column: str, where: str, unit: str = "row") -> 
         for j, conv in enumerate(ds[start : start + 1000][column]):
             row = f"{unit} {start + j + 1}"  # 1-based, as an editor counts lines
             if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) and "role" in m for m in conv):
-                raise ConfigError(f"{where} {row}: data.messages_column {column!r} is not a list of "
-                                  "{role, content} messages; fix that row")
+                raise ConfigError(
+                    f"{where} {row}: data.messages_column {column!r} is not a list of "
+                    "{role, content} messages; fix that row"
+                )
             if not any(m.get("role") == "assistant" for m in conv):
                 roles = ", ".join(str(m.get("role")) for m in conv)
-                raise ConfigError(f"{where} {row}: a conversation without an assistant turn (roles: {roles}); "
-                                  "nothing in it would be trained on: add the assistant's reply or drop the row")
+                raise ConfigError(
+                    f"{where} {row}: a conversation without an assistant turn (roles: {roles}); "
+                    "nothing in it would be trained on: add the assistant's reply or drop the row"
+                )
 
 
 # --------------------------------------------------------------------------------------------- prepare
@@ -354,9 +400,16 @@ def cached_split(key: str, dataset: str | None = None, tokenizer: str | None = N
         return None
     if meta.mask_path is not None and (not mask.is_file() or mask.stat().st_size != meta.tokens):
         return None
-    return meta.model_copy(update={"path": str(tokens.resolve()), "mask_path": str(mask.resolve()) if
-                                   meta.mask_path is not None else None, "cached": True, "seconds": 0.0,
-                                   "dataset": dataset or meta.dataset, "tokenizer": tokenizer or meta.tokenizer})
+    return meta.model_copy(
+        update={
+            "path": str(tokens.resolve()),
+            "mask_path": str(mask.resolve()) if meta.mask_path is not None else None,
+            "cached": True,
+            "seconds": 0.0,
+            "dataset": dataset or meta.dataset,
+            "tokenizer": tokenizer or meta.tokenizer,
+        }
+    )
 
 
 def check_vocab(prep: PreparedSplit, vocab_size: int | None, field: str) -> None:
@@ -364,17 +417,28 @@ def check_vocab(prep: PreparedSplit, vocab_size: int | None, field: str) -> None
     if vocab_size is None:
         return
     if prep.vocab_size > vocab_size:
-        raise ConfigError(f"{field} {prep.tokenizer}: the tokenizer has {prep.vocab_size} tokens but the model's "
-                          f"embeddings hold {vocab_size} (model.config.vocab_size); use the model's own tokenizer or "
-                          f"set model.config.vocab_size >= {prep.vocab_size}")
+        raise ConfigError(
+            f"{field} {prep.tokenizer}: the tokenizer has {prep.vocab_size} tokens but the model's "
+            f"embeddings hold {vocab_size} (model.config.vocab_size); use the model's own tokenizer or "
+            f"set model.config.vocab_size >= {prep.vocab_size}"
+        )
     if prep.max_id >= vocab_size:
-        raise ConfigError(f"data.dataset {prep.dataset} [{prep.split}]: token id {prep.max_id} is outside the model's "
-                          f"vocabulary (model.config.vocab_size {vocab_size}); tokenize with the model's tokenizer "
-                          "or raise model.config.vocab_size")
+        raise ConfigError(
+            f"data.dataset {prep.dataset} [{prep.split}]: token id {prep.max_id} is outside the model's "
+            f"vocabulary (model.config.vocab_size {vocab_size}); tokenize with the model's tokenizer "
+            "or raise model.config.vocab_size"
+        )
 
 
-def prepare_split(spec: RunSpec, split: str, *, vocab_size: int | None = None, num_proc: int | None = None,
-                  split_field: str = "data.split", progress: bool = True) -> PreparedSplit:
+def prepare_split(
+    spec: RunSpec,
+    split: str,
+    *,
+    vocab_size: int | None = None,
+    num_proc: int | None = None,
+    split_field: str = "data.split",
+    progress: bool = True,
+) -> PreparedSplit:
     """Tokenize one split of data.dataset into the cache (or find it there); see the module docstring."""
     data = spec.data
     assert data.dataset is not None
@@ -409,29 +473,58 @@ def prepare_split(spec: RunSpec, split: str, *, vocab_size: int | None = None, n
     column = settings["column"]
     if column not in ds.column_names:
         which = "data.text_column" if data.format == "text" else "data.messages_column"
-        raise ConfigError(f"{where}: no column {column!r} (columns: {', '.join(ds.column_names)}); set {which} to "
-                          "the column that holds the " + ("text" if data.format == "text" else "conversations"))
+        raise ConfigError(
+            f"{where}: no column {column!r} (columns: {', '.join(ds.column_names)}); set {which} to "
+            "the column that holds the " + ("text" if data.format == "text" else "conversations")
+        )
     tokenizer = load_tokenizer(tok_dir, tok_field)
     n_vocab = len(tokenizer)
-    pre = PreparedSplit(key=key, dataset=data.dataset, split=split, tokenizer=tok_src, dataset_sha256=ds_sha,
-                        tokenizer_sha256=tok_sha, settings=settings, path="", dtype="uint16", tokens=0, rows=len(ds),
-                        targets=0, max_id=-1, vocab_size=n_vocab, compat_keys=compat)
+    pre = PreparedSplit(
+        key=key,
+        dataset=data.dataset,
+        split=split,
+        tokenizer=tok_src,
+        dataset_sha256=ds_sha,
+        tokenizer_sha256=tok_sha,
+        settings=settings,
+        path="",
+        dtype="uint16",
+        tokens=0,
+        rows=len(ds),
+        targets=0,
+        max_id=-1,
+        vocab_size=n_vocab,
+        compat_keys=compat,
+    )
     check_vocab(pre, vocab_size, tok_field)  # before tokenizing: a tokenizer larger than the embeddings
     if data.format == "chat":
-        one_jsonl = local is not None and len(local[1]) == 1 and local[1][0].suffix.lower() == ".jsonl" \
-            and "[" not in split
+        one_jsonl = (
+            local is not None and len(local[1]) == 1 and local[1][0].suffix.lower() == ".jsonl" and "[" not in split
+        )
         check_conversations(ds, column, where, "line" if one_jsonl else "row")
         if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(f"{tok_field} {tok_src}: the tokenizer has no chat template (chat_template in "
-                              "tokenizer_config.json or chat_template.jinja); add one or use data.format: text")
+            raise ConfigError(
+                f"{tok_field} {tok_src}: the tokenizer has no chat template (chat_template in "
+                "tokenizer_config.json or chat_template.jinja); add one or use data.format: text"
+            )
         if not getattr(tokenizer, "is_fast", False):
-            raise ConfigError(f"{tok_field} {tok_src}: data.format chat needs a fast tokenizer (tokenizer.json) for "
-                              "token offsets; save the tokenizer with tokenizers' fast backend")
+            raise ConfigError(
+                f"{tok_field} {tok_src}: data.format chat needs a fast tokenizer (tokenizer.json) for "
+                "token offsets; save the tokenizer with tokenizers' fast backend"
+            )
     return _tokenize_and_store(ds, tokenizer, pre, data, num_proc, progress, vocab_size, tok_field)
 
 
-def _tokenize_and_store(ds: Any, tokenizer: Any, pre: PreparedSplit, data: DataSpec, num_proc: int | None,
-                        progress: bool, vocab_size: int | None, tok_field: str) -> PreparedSplit:
+def _tokenize_and_store(
+    ds: Any,
+    tokenizer: Any,
+    pre: PreparedSplit,
+    data: DataSpec,
+    num_proc: int | None,
+    progress: bool,
+    vocab_size: int | None,
+    tok_field: str,
+) -> PreparedSplit:
     import datasets
 
     t0 = time.perf_counter()
@@ -448,15 +541,24 @@ def _tokenize_and_store(ds: Any, tokenizer: Any, pre: PreparedSplit, data: DataS
     if workers > 1:  # one process per CPU already: the tokenizer's own thread pool would oversubscribe them
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        mapped = ds.map(fn, batched=True, batch_size=ROWS_PER_WORKER, num_proc=workers if workers > 1 else None,
-                        fn_kwargs=kwargs, remove_columns=ds.column_names, load_from_cache_file=False,
-                        new_fingerprint=pre.key[:32], desc=f"tokenizing {Path(pre.dataset).name} [{pre.split}] "
-                        f"on {workers} process(es)")
+        mapped = ds.map(
+            fn,
+            batched=True,
+            batch_size=ROWS_PER_WORKER,
+            num_proc=workers if workers > 1 else None,
+            fn_kwargs=kwargs,
+            remove_columns=ds.column_names,
+            load_from_cache_file=False,
+            new_fingerprint=pre.key[:32],
+            desc=f"tokenizing {Path(pre.dataset).name} [{pre.split}] on {workers} process(es)",
+        )
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the worker's error (template, text type) as one line
-        raise ConfigError(f"data.dataset {pre.dataset} [{pre.split}]: tokenization failed ({type(e).__name__}: "
-                          f"{_one_line(e)}); fix the data or the tokenizer") from None
+        raise ConfigError(
+            f"data.dataset {pre.dataset} [{pre.split}]: tokenization failed ({type(e).__name__}: "
+            f"{_one_line(e)}); fix the data or the tokenizer"
+        ) from None
     finally:
         if not progress:
             datasets.enable_progress_bars()
@@ -472,10 +574,17 @@ def _tokenize_and_store(ds: Any, tokenizer: Any, pre: PreparedSplit, data: DataS
     try:
         n, targets, max_id = _write_columns(mapped, tmp, dtype, chat)
         final = root / pre.key
-        out = pre.model_copy(update={
-            "path": str((final / "tokens.bin").resolve()), "mask_path": str((final / "mask.bin").resolve()) if chat else None,
-            "dtype": np.dtype(dtype).name, "tokens": n, "targets": targets if chat else n, "max_id": max_id,
-            "seconds": round(time.perf_counter() - t0, 3)})
+        out = pre.model_copy(
+            update={
+                "path": str((final / "tokens.bin").resolve()),
+                "mask_path": str((final / "mask.bin").resolve()) if chat else None,
+                "dtype": np.dtype(dtype).name,
+                "tokens": n,
+                "targets": targets if chat else n,
+                "max_id": max_id,
+                "seconds": round(time.perf_counter() - t0, 3),
+            }
+        )
         check_vocab(out, vocab_size, tok_field)
         # compat_keys depend on the folder's other files, not on this entry's content: not cached
         (tmp / "meta.json").write_text(out.model_dump_json(indent=2, exclude={"compat_keys"}), encoding="utf-8")
@@ -492,8 +601,16 @@ def _tokenize_and_store(ds: Any, tokenizer: Any, pre: PreparedSplit, data: DataS
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    log.info("tokenized %s [%s]: %d rows -> %d tokens in %.1f s on %d process(es); cached at %s", pre.dataset,
-             pre.split, pre.rows, out.tokens, out.seconds, workers, final)
+    log.info(
+        "tokenized %s [%s]: %d rows -> %d tokens in %.1f s on %d process(es); cached at %s",
+        pre.dataset,
+        pre.split,
+        pre.rows,
+        out.tokens,
+        out.seconds,
+        workers,
+        final,
+    )
     return out
 
 
@@ -502,7 +619,10 @@ def _write_columns(mapped: Any, folder: Path, dtype: Any, chat: bool) -> tuple[i
     table = mapped.data.table if hasattr(mapped.data, "table") else mapped.data
     n = targets = 0
     max_id = -1
-    with open(folder / "tokens.bin", "wb") as tf, (open(folder / "mask.bin", "wb") if chat else contextlib.nullcontext()) as mf:
+    with (
+        open(folder / "tokens.bin", "wb") as tf,
+        open(folder / "mask.bin", "wb") if chat else contextlib.nullcontext() as mf,
+    ):
         for batch in table.to_batches(max_chunksize=1 << 14):  # ids and mask of the same rows, side by side
             flat = batch.column("input_ids").flatten().to_numpy(zero_copy_only=False)
             if flat.size:
@@ -520,16 +640,18 @@ def _write_columns(mapped: Any, folder: Path, dtype: Any, chat: bool) -> tuple[i
     return n, targets, max_id
 
 
-def prepare_data(spec: RunSpec, *, vocab_size: int | None = None, num_proc: int | None = None,
-                 progress: bool = True) -> PreparedData | None:
+def prepare_data(
+    spec: RunSpec, *, vocab_size: int | None = None, num_proc: int | None = None, progress: bool = True
+) -> PreparedData | None:
     """Train split (and eval split when ``spec.eval``) of a ``data.source: dataset`` run; None for other sources."""
     if spec.data.source != "dataset":
         return None
     train = prepare_split(spec, spec.data.split, vocab_size=vocab_size, num_proc=num_proc, progress=progress)
     ev = None
     if spec.eval is not None:
-        ev = prepare_split(spec, spec.eval.split, vocab_size=vocab_size, num_proc=num_proc, split_field="eval.split",
-                           progress=progress)
+        ev = prepare_split(
+            spec, spec.eval.split, vocab_size=vocab_size, num_proc=num_proc, split_field="eval.split", progress=progress
+        )
         check_eval_size(spec, ev)
     return PreparedData(train=train, eval=ev)
 
@@ -544,10 +666,15 @@ def check_eval_size(spec: RunSpec, ev: PreparedSplit) -> None:
     if windows >= need:
         return
     if windows < batch:
-        fix = (f"set eval.batch_size to at most {windows} (dividing the world size)" if windows else
-               "use a larger split or a smaller data.seq_len")
+        fix = (
+            f"set eval.batch_size to at most {windows} (dividing the world size)"
+            if windows
+            else "use a larger split or a smaller data.seq_len"
+        )
     else:
         fix = f"set eval.batches to {windows // batch} or less"
-    raise ConfigError(f"eval.split {ev.split!r}: {ev.tokens} tokens hold {windows} samples of data.seq_len {seq_len}, "
-                      f"but eval.batches {spec.eval.batches} x {batch} samples need {need} (the same samples would be "
-                      f"scored again); {fix}, or give eval.split more rows")
+    raise ConfigError(
+        f"eval.split {ev.split!r}: {ev.tokens} tokens hold {windows} samples of data.seq_len {seq_len}, "
+        f"but eval.batches {spec.eval.batches} x {batch} samples need {need} (the same samples would be "
+        f"scored again); {fix}, or give eval.split more rows"
+    )

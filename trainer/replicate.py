@@ -10,8 +10,8 @@
 
 Both stream fixed-size chunks (isend/irecv posted together, so two nodes sending to each other never wait on one
 another): the sender straight from a map of each file (the socket's copy is the only one, no read into a buffer
-first), the receiver through reused buffers into the files. A sender that cannot read a file still sends its length (zeros), and the receiver's hash
-refuses it.
+first), the receiver through reused buffers into the files. A sender that cannot read a file still sends its length
+(zeros), and the receiver's hash refuses it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ckpt.fsutil import FileIdentity as Identity, file_identity as identity, pwrite_all
+from ckpt.fsutil import FileIdentity as Identity
+from ckpt.fsutil import file_identity as identity
+from ckpt.fsutil import pwrite_all
 from schemas import FileEntry
 
 CHUNK = 32 << 20
@@ -47,7 +49,9 @@ class _Out:
     def __init__(self, root: Path, files: list[FileEntry], verify: bool = False) -> None:
         self.verify = verify
         self.files = files
-        self.parts = [(i, off, min(CHUNK, f.size - off)) for i, f in enumerate(files) for off in range(0, f.size, CHUNK)]
+        self.parts = [
+            (i, off, min(CHUNK, f.size - off)) for i, f in enumerate(files) for off in range(0, f.size, CHUNK)
+        ]
         self._zeros: torch.Tensor | None = None
         self.root, self.problem = root, None
         self.hashes = [xxhash.xxh3_128() for _ in files]
@@ -130,9 +134,11 @@ class _Out:
     def verified(self) -> Verified:
         if not self.verify:
             return {}
-        return {f.path: (f.size, f.xxh3_128, ident) for f, h, ident in
-                ((f, h, self.seen.get(k)) for k, (f, h) in enumerate(zip(self.files, self.hashes)))
-                if ident is not None and ident[2] == f.size and h.hexdigest() == f.xxh3_128}
+        return {
+            f.path: (f.size, f.xxh3_128, ident)
+            for f, h, ident in ((f, h, self.seen.get(k)) for k, (f, h) in enumerate(zip(self.files, self.hashes)))
+            if ident is not None and ident[2] == f.size and h.hexdigest() == f.xxh3_128
+        }
 
 
 class _In:
@@ -140,7 +146,9 @@ class _In:
 
     def __init__(self, root: Path, files: list[FileEntry], reuse: Path | None = None) -> None:
         self.root, self.files, self.reuse = root, files, reuse
-        self.parts = [(i, off, min(CHUNK, f.size - off)) for i, f in enumerate(files) for off in range(0, f.size, CHUNK)]
+        self.parts = [
+            (i, off, min(CHUNK, f.size - off)) for i, f in enumerate(files) for off in range(0, f.size, CHUNK)
+        ]
         size = min(CHUNK, max((n for _, _, n in self.parts), default=1))
         # three buffers: chunk k + 1 arrives while chunk k is written (on the writer thread) and k - 1's write ends
         self.bufs = [torch.empty(size, dtype=torch.uint8) for _ in range(max(1, min(3, len(self.parts))))]
@@ -159,15 +167,18 @@ class _In:
         return self.bufs[b][: self.parts[k][2]]
 
     def open_all(self) -> None:
-        """Open every file to receive; with ``reuse`` (a retired snapshot's dir, ``ckpt.memtier_recycle.recycle``) a file of
-        the same name there is taken over and overwritten in place (its tmpfs pages reused), cut to its size."""
+        """Open every file to receive; with ``reuse`` (a retired snapshot's dir, ``ckpt.memtier_recycle.recycle``) a
+        file of the same name there is taken over and overwritten in place (its tmpfs pages reused), cut to its size."""
         from ckpt.formats.direct_io import DATA_FILE, take_over
 
         for i, f in enumerate(self.files):
             path = self.root / f.path
             path.parent.mkdir(parents=True, exist_ok=True)
-            taken = (take_over(self.reuse, path) if self.reuse is not None and path.parent == self.root
-                     and DATA_FILE.match(path.name) else None)
+            taken = (
+                take_over(self.reuse, path)
+                if self.reuse is not None and path.parent == self.root and DATA_FILE.match(path.name)
+                else None
+            )
             if taken is not None:
                 self.fds[i] = taken  # closed by close(), whatever happens next
                 os.ftruncate(taken, f.size)
@@ -210,15 +221,20 @@ class _In:
             return self.problem
         for f, h in zip(self.files, self.hashes):
             if h.hexdigest() != f.xxh3_128:
-                return (f"{self.root / f.path}: the bytes received from the peer node differ from its checksum "
-                        "(corrupted in the sender's memory or on the way); not kept")
+                return (
+                    f"{self.root / f.path}: the bytes received from the peer node differ from its checksum "
+                    "(corrupted in the sender's memory or on the way); not kept"
+                )
         return None
 
     def verified(self) -> Verified:
         """Call after a ``close`` that found no problem: every file received matched its entry and was written whole
         (the identity of one renamed since must be taken again: ``rebase``)."""
-        return {f.path: (f.size, f.xxh3_128, self.idents[i]) for i, f in enumerate(self.files)
-                if i in self.idents and self.idents[i][2] == f.size}
+        return {
+            f.path: (f.size, f.xxh3_128, self.idents[i])
+            for i, f in enumerate(self.files)
+            if i in self.idents and self.idents[i][2] == f.size
+        }
 
 
 def rebase(verified: Verified, names: set[str], root: Path) -> Verified:
@@ -276,9 +292,16 @@ def stream(out: _Out | None, dst: int | None, inc: _In | None, src: int | None, 
             out.release()  # the maps of files whose every chunk is sent
 
 
-def _transfer(root: Path, out_files: list[FileEntry], dst: int | None, in_files: list[FileEntry], src: int | None,
-              group: dist.ProcessGroup, reuse: Path | None = None,
-              verified: Verified | None = None) -> tuple[str | None, str | None]:
+def _transfer(
+    root: Path,
+    out_files: list[FileEntry],
+    dst: int | None,
+    in_files: list[FileEntry],
+    src: int | None,
+    group: dist.ProcessGroup,
+    reuse: Path | None = None,
+    verified: Verified | None = None,
+) -> tuple[str | None, str | None]:
     """Send ``out_files`` (in ``root``) to ``dst`` and receive ``in_files`` from ``src`` into ``root`` (either side
     may be None; ``reuse``: a retired snapshot's dir whose files of the same names are overwritten in place).
     Returns (the receiver's problem, the sender's problem); ``verified`` gets the files hashed on the way."""
@@ -301,19 +324,28 @@ def _transfer(root: Path, out_files: list[FileEntry], dst: int | None, in_files:
     return received, out.problem if out is not None else None
 
 
-def exchange(root: Path, mine: list[FileEntry], dst: int, theirs: list[FileEntry], src: int,
-             group: dist.ProcessGroup, reuse: Path | None = None) -> str | None:
+def exchange(
+    root: Path,
+    mine: list[FileEntry],
+    dst: int,
+    theirs: list[FileEntry],
+    src: int,
+    group: dist.ProcessGroup,
+    reuse: Path | None = None,
+) -> str | None:
     """Send ``mine`` (in ``root``) to rank ``dst``; receive ``theirs`` from rank ``src`` into ``root`` (over the
     files of ``reuse``, a retired snapshot's dir, where it has them). One line when a received file does not hash
     to what its writer hashed, or cannot be written; else None."""
     return _transfer(root, mine, dst, theirs, src, group, reuse)[0]
 
 
-def send(root: Path, files: list[FileEntry], dst: int, group: dist.ProcessGroup,
-         verified: Verified | None = None) -> str | None:
+def send(
+    root: Path, files: list[FileEntry], dst: int, group: dist.ProcessGroup, verified: Verified | None = None
+) -> str | None:
     return _transfer(root, files, dst, [], None, group, verified=verified)[1]
 
 
-def receive(root: Path, files: list[FileEntry], src: int, group: dist.ProcessGroup,
-            verified: Verified | None = None) -> str | None:
+def receive(
+    root: Path, files: list[FileEntry], src: int, group: dist.ProcessGroup, verified: Verified | None = None
+) -> str | None:
     return _transfer(root, [], None, files, src, group, verified=verified)[0]

@@ -7,8 +7,8 @@ the others hash every file first); if the load fails
 because of what the checkpoint holds (an undecodable record, a fingerprint or counter mismatch) all ranks
 agree on it, rank 0 quarantines the checkpoint (ckpt.fsutil.quarantine) and the next older one is tried. A
 load that fails because of the live run (a name or shape the live model does not have, a failed collective:
-``checkpoint_at_fault``) fails the segment in one line and leaves the checkpoint where it is. A later successful load overwrites
-the whole model, optimizer and RNG state, so nothing of the failed attempt survives. If checkpoints exist
+``checkpoint_at_fault``) fails the segment in one line and leaves the checkpoint where it is. A later successful load
+overwrites the whole model, optimizer and RNG state, so nothing of the failed attempt survives. If checkpoints exist
 and none loads, the segment is refused (never a silent restart from step 0) unless the launch said
 restart (``SegmentLaunch.restart``, set by ``shardkeeper train --restart``).
 """
@@ -22,7 +22,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt import fingerprint as fp, identity, lineage, memtier
+from ckpt import fingerprint as fp
+from ckpt import identity, lineage, memtier
 from ckpt.fsutil import quarantine
 from ckpt.hashing import ChecksumMismatch, hash_files, mismatch_message
 from ckpt.layout import parse_step
@@ -31,7 +32,6 @@ from schemas import CheckpointManifest
 from schemas.data import data_change
 from schemas.errors import CheckpointError, ModelMismatch
 from schemas.seam import SegmentLaunch
-
 from trainer import lifetime
 from trainer.ckpt_common import TrainState
 
@@ -123,13 +123,16 @@ class ResumeSide:
                     raise CheckpointError(
                         f"{path}: its files match their checksums, but it does not load into this run ({problem}); "
                         "left in place, not moved aside: resume with the model, backend and world size it fits "
-                        "(its manifest.json's run_spec), or convert it with shardkeeper convert")
+                        "(its manifest.json's run_spec), or convert it with shardkeeper convert"
+                    )
             self._set_aside(path, problem)
             failed.append(f"{path.name} ({problem})")
         if failed and not (restart and not touched):
             raise CheckpointError(
-                f"{self.run_dir.checkpoints}: no checkpoint could be loaded ({'; '.join(failed)[:600]}); failed loads were "
-                "moved aside as step-*.invalid-*; to start over from step 0 run shardkeeper train again with --restart")
+                f"{self.run_dir.checkpoints}: no checkpoint could be loaded ({'; '.join(failed)[:600]}); "
+                "failed loads were "
+                "moved aside as step-*.invalid-*; to start over from step 0 run shardkeeper train again with --restart"
+            )
         return None
 
     def _candidates(self) -> list[tuple[str, str]]:
@@ -148,11 +151,13 @@ class ResumeSide:
             for p in snaps:
                 try:
                     m = self._manifest(p)
-                    why = (memtier.written_by_other_run(m, self.run_dir) or
-                           (f"saved at world size {m.topology.world_size}, this segment runs {self.env.world_size}"
-                            if m.topology.world_size != self.env.world_size else
-                            f"written by run {m.run_name!r}, not {self.spec.name!r}" if m.run_name != self.spec.name
-                            else None))
+                    why = memtier.written_by_other_run(m, self.run_dir) or (
+                        f"saved at world size {m.topology.world_size}, this segment runs {self.env.world_size}"
+                        if m.topology.world_size != self.env.world_size
+                        else f"written by run {m.run_name!r}, not {self.spec.name!r}"
+                        if m.run_name != self.spec.name
+                        else None
+                    )
                 except Exception as e:  # an unreadable manifest: the snapshot is not used
                     why = _load_problem(e)
                 if why:
@@ -166,6 +171,7 @@ class ResumeSide:
         tampered, another model) is never loaded: rank 0 moves it aside in the memory dir, logs one line, and the
         next candidate (storage) is tried. Returns the state, None after a failed load attempt, False when
         nothing was loaded into the live state."""
+
         def skip(problem: str | None, attempted: bool) -> None | bool:
             if self.env.is_rank0:
                 log.error("memory snapshot %s not used: %s; resuming from storage", path, problem)
@@ -196,8 +202,10 @@ class ResumeSide:
             bad = self._hash_check(path)
             problem, ours = (bad, True) if bad else (problem, False)
         if not ours:
-            raise CheckpointError(f"{path}: the memory snapshot's files match their checksums, but it does not load "
-                                  f"into this run ({problem}); resume with the model and world size it fits")
+            raise CheckpointError(
+                f"{path}: the memory snapshot's files match their checksums, but it does not load "
+                f"into this run ({problem}); resume with the model and world size it fits"
+            )
         return skip(problem, self.applied)
 
     @staticmethod
@@ -220,7 +228,9 @@ class ResumeSide:
         if failures:
             blamed = [p for p, ours in failures if ours]
             return None, (blamed or [failures[0][0]])[0], bool(blamed)
-        if self.env.is_rank0 and tier == STORAGE:  # every byte was hashed against the manifest before (or, one-pass, during) this load
+        if (
+            self.env.is_rank0 and tier == STORAGE
+        ):  # every byte was hashed against the manifest before (or, one-pass, during) this load
             from ckpt.validate import record_verified
 
             record_verified(self.run_dir, path, how="load", bytes_read=sum(f.size for f in self._manifest(path).files))
@@ -232,9 +242,18 @@ class ResumeSide:
         if self.env.is_rank0:
             log.error("cannot resume from %s: %s", path.name, problem)
             aside = quarantine(path, "failed to load")
-            lineage.record(self.run_dir, "validate", f"quarantine:{path.name}:{aside.name.rsplit('-', 1)[-1]}",
-                           parent=f"checkpoint:{path.name}", step=int(path.name[5:13]), uri=aside.as_uri(),
-                           valid=False, action="quarantined", errors=[problem or ""], segment=self.segment)
+            lineage.record(
+                self.run_dir,
+                "validate",
+                f"quarantine:{path.name}:{aside.name.rsplit('-', 1)[-1]}",
+                parent=f"checkpoint:{path.name}",
+                step=int(path.name[5:13]),
+                uri=aside.as_uri(),
+                valid=False,
+                action="quarantined",
+                errors=[problem or ""],
+                segment=self.segment,
+            )
         dist.barrier(group=self.env.ctrl_group)
 
     def _quick_check(self, path: Path) -> str | None:
@@ -276,11 +295,11 @@ class ResumeSide:
         if self.extra:
             from trainer.extras import restore_all
 
-            started = restore_all(self.extra, path, manifest, self.env.rank, self.env.world_size,
-                                  lambda r: self.read_extras(path, r))
+            started = restore_all(
+                self.extra, path, manifest, self.env.rank, self.env.world_size, lambda r: self.read_extras(path, r)
+            )
             if started and self.env.is_rank0:
-                log.warning("%s was %s; tracked objects it holds no state of: %s", path.name, other,
-                            ", ".join(started))
+                log.warning("%s was %s; tracked objects it holds no state of: %s", path.name, other, ", ".join(started))
         self._check_counters(path, manifest, ts)
         now = self.fingerprint(self.env.ctrl_group, manifest.fingerprint.method)
         fp.require_match(path, manifest.fingerprint, now, exact=exact)
@@ -293,8 +312,10 @@ class ResumeSide:
         """The loaded counters, the manifest and the directory name must tell the same step."""
         for key in ("step", "tokens", "samples"):
             if getattr(ts, key) != getattr(manifest, key):
-                raise CheckpointError(f"{path}: loaded trainer.{key} {getattr(ts, key)}, the manifest says "
-                                      f"{getattr(manifest, key)}; the checkpoint is inconsistent")
+                raise CheckpointError(
+                    f"{path}: loaded trainer.{key} {getattr(ts, key)}, the manifest says "
+                    f"{getattr(manifest, key)}; the checkpoint is inconsistent"
+                )
         if path.name.startswith("step-") and path.name != f"step-{ts.step:08d}":
             raise CheckpointError(f"{path}: holds step {ts.step}; the directory name and the state disagree")
 
@@ -303,21 +324,33 @@ class ResumeSide:
         another model (``model_problem``: the first tensor that differs), of other data, or lacking a tracked
         object's state when this kind of run wrote it (``trainer.extras.check_restorable``)."""
         if manifest.format != self.FORMAT:
-            raise CheckpointError(f"{path}: a {manifest.format} checkpoint cannot be loaded by the {self.BACKEND} "
-                                  f"backend; convert it first: shardkeeper convert {path} --to {self.FORMAT} NEW_RUN_DIR")
+            raise CheckpointError(
+                f"{path}: a {manifest.format} checkpoint cannot be loaded by the {self.BACKEND} "
+                f"backend; convert it first: shardkeeper convert {path} --to {self.FORMAT} NEW_RUN_DIR"
+            )
         problem = self.model_problem(manifest)
         if problem is not None:
-            raise ModelMismatch(f"{path}: holds another model than this run's: {problem}; resume with the model that "
-                                "wrote it (its manifest.json's tensors list it), or start a new --run-dir")
+            raise ModelMismatch(
+                f"{path}: holds another model than this run's: {problem}; resume with the model that "
+                "wrote it (its manifest.json's tensors list it), or start a new --run-dir"
+            )
         changed = data_change(manifest.data, self.data) if manifest.data and self.data else None
         if changed:
-            raise CheckpointError(f"{path}: trained on other data: {changed}; resume with the data the run started "
-                                  "with, or start a new --run-dir")
+            raise CheckpointError(
+                f"{path}: trained on other data: {changed}; resume with the data the run started "
+                "with, or start a new --run-dir"
+            )
         if self.extra:
             from trainer.extras import check_restorable
 
-            check_restorable(self.extra, path, manifest, self.env.world_size, lambda r: self.read_extras(path, r),
-                             other_kind=self.other_kind(manifest))
+            check_restorable(
+                self.extra,
+                path,
+                manifest,
+                self.env.world_size,
+                lambda r: self.read_extras(path, r),
+                other_kind=self.other_kind(manifest),
+            )
 
     def other_kind(self, manifest: CheckpointManifest) -> str | None:
         """How the checkpoint was written when another kind of run wrote it (an import or a conversion, the
@@ -347,8 +380,9 @@ class ResumeSide:
             problem = identity.tie_difference(record.tied, manifest.hf_model.tied)
         return problem
 
-    def _resumed(self, path: Path, manifest: CheckpointManifest, ts: TrainState, t0: float,
-                 tier: str = STORAGE) -> None:
+    def _resumed(
+        self, path: Path, manifest: CheckpointManifest, ts: TrainState, t0: float, tier: str = STORAGE
+    ) -> None:
         """Bookkeeping after a verified load: parent of the next checkpoint, log line, lineage event (with the
         tier it was loaded from)."""
         self.parent = path.name
@@ -364,16 +398,34 @@ class ResumeSide:
             saved = manifest.topology.world_size
             if manifest.reason == "converted":  # a one-process conversion: say where the state was trained
                 saved = manifest.source_world_size or saved
-                how = (f"converted from a checkpoint saved at world size {manifest.source_world_size}"
-                       if manifest.source_world_size else "converted")
+                how = (
+                    f"converted from a checkpoint saved at world size {manifest.source_world_size}"
+                    if manifest.source_world_size
+                    else "converted"
+                )
             else:
                 how = f"saved at world size {saved}"
-            log.info("resumed from %s%s at step %d (%s, now %d) in %.2f s", path.name,
-                     " in memory" if tier == MEMORY else "", ts.step, how, self.env.world_size, seconds)
+            log.info(
+                "resumed from %s%s at step %d (%s, now %d) in %.2f s",
+                path.name,
+                " in memory" if tier == MEMORY else "",
+                ts.step,
+                how,
+                self.env.world_size,
+                seconds,
+            )
             restarts = lifetime.restart_count()  # ranks restarted in place resume again, in the same segment
-            lineage.record(self.run_dir, "resume", f"resume:segment-{self.segment}"
-                           + (f":restart-{restarts}" if restarts else ""),
-                           parent=event, step=ts.step, segment=self.segment, tier=tier,
-                           from_world_size=saved, to_world_size=self.env.world_size,
-                           converted=manifest.reason == "converted", load_seconds=round(seconds, 3),
-                           **({"restart": restarts} if restarts else {}))
+            lineage.record(
+                self.run_dir,
+                "resume",
+                f"resume:segment-{self.segment}" + (f":restart-{restarts}" if restarts else ""),
+                parent=event,
+                step=ts.step,
+                segment=self.segment,
+                tier=tier,
+                from_world_size=saved,
+                to_world_size=self.env.world_size,
+                converted=manifest.reason == "converted",
+                load_seconds=round(seconds, 3),
+                **({"restart": restarts} if restarts else {}),
+            )

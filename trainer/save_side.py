@@ -17,12 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt import memtier, memtier_persist
+from ckpt import memtier_persist
 from ckpt.formats.direct_io import copy_file
 from ckpt.layout import RunDir, step_dir_name
 from ckpt.memtier import MEMORY, STORAGE
 from schemas.errors import CheckpointError
-
 from trainer.ckpt_common import TrainState
 from trainer.dist import log0
 
@@ -34,8 +33,10 @@ def _disk_full(problem: str) -> bool:
 
 
 def _tier_full(step: int, problem: str) -> str:
-    return (f"memory snapshot at step {step} not committed: {problem.split(';')[0]} (the memory dir is full); the memory "
-            "tier is off for the rest of this segment, storage checkpoints are written the normal way")
+    return (
+        f"memory snapshot at step {step} not committed: {problem.split(';')[0]} (the memory dir is full); the memory "
+        "tier is off for the rest of this segment, storage checkpoints are written the normal way"
+    )
 
 
 class SaveSide:
@@ -58,8 +59,11 @@ class SaveSide:
         # tier off (``_tier_off``) on one rank's background thread before another's; a rank that returned here
         # while the other waited in the all-reduce hung both. Once every rank's save in flight is done, each
         # has the same view (the tier goes off on an agreed decision), checked after ``wait``.
-        if tier == MEMORY and self._storage_owed is None and (
-                self._tier_gone or (self.memory is None and self._inflight is None)):
+        if (
+            tier == MEMORY
+            and self._storage_owed is None
+            and (self._tier_gone or (self.memory is None and self._inflight is None))
+        ):
             return
         if tier == MEMORY and self._inflight is not None and not blocking:
             busy = torch.tensor([0 if self._inflight.done() else 1], dtype=torch.int32)
@@ -79,12 +83,14 @@ class SaveSide:
         if self.last_committed_step == ts.step and (self.memory is None or ts.step in done):
             return
         persist = tier == STORAGE and self.memory is not None
-        use_async = ((self.spec.checkpoint.async_save or self.memory is not None) if blocking is None
-                     else not blocking)
+        use_async = (self.spec.checkpoint.async_save or self.memory is not None) if blocking is None else not blocking
         if use_async and not self.SUPPORTS_ASYNC:
             if not self._warned_async:
-                log0(self.env, "checkpoint.async_save is not supported by the %s backend; saving synchronously",
-                     self.BACKEND)
+                log0(
+                    self.env,
+                    "checkpoint.async_save is not supported by the %s backend; saving synchronously",
+                    self.BACKEND,
+                )
                 self._warned_async = True
             use_async = False
         t0 = time.perf_counter()
@@ -94,14 +100,17 @@ class SaveSide:
                 self._persist(ts, reason, t0, False)
             else:
                 self._inflight = self._pool.submit(self._persist, ts, reason, t0, True)
-            self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": float(use_async),
-                               "memory": in_memory})
+            self.stats.append(
+                {"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": float(use_async), "memory": in_memory}
+            )
             return
         target = self.memory if self.memory is not None else self.run_dir
         snapshot = self.snapshot(ts)
         if not use_async:
             self._write_and_commit(snapshot, ts, reason, t0, False, target, persist)
-            self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 0.0, "memory": in_memory})
+            self.stats.append(
+                {"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 0.0, "memory": in_memory}
+            )
             return
         staged = self.stage(snapshot)
         self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 1.0, "memory": in_memory})
@@ -112,8 +121,16 @@ class SaveSide:
         if self.SUPPORTS_ASYNC and (self.spec.checkpoint.async_save or self.memory is not None):
             self.prepare_staging(ts)
 
-    def _write_and_commit(self, snapshot: Any, ts: TrainState, reason: str, t0: float, async_save: bool,
-                          target: RunDir | None = None, persist: bool = False) -> None:
+    def _write_and_commit(
+        self,
+        snapshot: Any,
+        ts: TrainState,
+        reason: str,
+        t0: float,
+        async_save: bool,
+        target: RunDir | None = None,
+        persist: bool = False,
+    ) -> None:
         """The whole save after the snapshot (on the background thread when async): ``.partial`` created in
         ``target`` (the run directory, or the memory tier's), the backend writes and hashes its files, then the
         shared commit; ``persist``: then the memory snapshot is persisted to storage."""
@@ -130,8 +147,17 @@ class SaveSide:
                 committed = False
         if committed:
             t = time.perf_counter()
-            committed = self._commit(ts, reason, written.entries, written.tensors, written.fingerprint, t0, async_save,
-                                     problem=written.problem, target=target)
+            committed = self._commit(
+                ts,
+                reason,
+                written.entries,
+                written.tensors,
+                written.fingerprint,
+                t0,
+                async_save,
+                problem=written.problem,
+                target=target,
+            )
         if not committed:  # the memory tier went off (refused, lost, full): nothing committed there
             if persist:  # the storage checkpoint is written the normal way
                 self._write_and_commit(snapshot, ts, reason, t0, async_save, self.run_dir, False)
@@ -201,19 +227,28 @@ class SaveSide:
             return self._persist_failed(ts, reason, t0, async_save, problem)
         self._commit(ts, reason, mine, like.tensors, like.fingerprint, t0, async_save, target=self.run_dir, like=like)
         self.last_storage_step = ts.step
-        self.last_phases = {**self.last_phases, "persist_s": time.perf_counter() - t, "total_s": time.perf_counter() - t0}
+        self.last_phases = {
+            **self.last_phases,
+            "persist_s": time.perf_counter() - t,
+            "total_s": time.perf_counter() - t0,
+        }
 
     def _persist_failed(self, ts: TrainState, reason: str, t0: float, async_save: bool, problem: str) -> None:
         """Every rank, together: the memory snapshot of ``ts.step`` vanished or changed between its commit and its
         persist (deleted, a byte changed; the live state is intact). One line on rank 0; the storage checkpoint is
         written the normal way from the live state: now when this save blocks (training waits: the live state is
         still at ``ts.step``), else at the next save not skipped (``_write_owed``: the next snapshot that finds no
-        save in flight, or the segment's end), which writes storage instead of a snapshot. The snapshot is left where it is: the
-        checks of a resume or the launcher's persist refuse it if its bytes changed."""
+        save in flight, or the segment's end), which writes storage instead of a snapshot. The snapshot is left where it
+        is: the checks of a resume or the launcher's persist refuse it if its bytes changed."""
         later = "" if not async_save else " at the next save (blocking)"
         if self.env.is_rank0:
-            log.warning("storage checkpoint at step %d not persisted from its memory snapshot: %s; it is written from "
-                        "the live state%s instead", ts.step, problem, later)
+            log.warning(
+                "storage checkpoint at step %d not persisted from its memory snapshot: %s; it is written from "
+                "the live state%s instead",
+                ts.step,
+                problem,
+                later,
+            )
         if async_save:
             self._storage_owed = ts.step
             return

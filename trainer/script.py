@@ -27,7 +27,10 @@ from schemas.errors import ShardkeeperError
 from schemas.seam import SCRIPT_TRACEBACK_FILE, collective_error
 
 # Frames of these folders are shardkeeper's (and runpy's), not the user's: left out of the script's traceback.
-_OURS = tuple(str(Path(__file__).resolve().parent.parent / d) + os.sep for d in ("trainer", "ckpt", "schemas", "shardkeeper", "launch"))
+_OURS = tuple(
+    str(Path(__file__).resolve().parent.parent / d) + os.sep
+    for d in ("trainer", "ckpt", "schemas", "shardkeeper", "launch")
+)
 
 
 class ScriptFailed(ShardkeeperError):
@@ -113,10 +116,14 @@ def _finished(path: Path) -> int:
 
     seg = api.current()
     if seg is None or not seg.entered:
-        raise ScriptFailed(f"{path}: returned without entering seg.steps(); a script trains inside "
-                           "`for step in seg.steps():` after sk.Segment() and seg.track(...) (see the README)")
+        raise ScriptFailed(
+            f"{path}: returned without entering seg.steps(); a script trains inside "
+            "`for step in seg.steps():` after sk.Segment() and seg.track(...) (see the README)"
+        )
     if seg.exit_code is None:
-        raise ScriptFailed(f"{path}: left the `for step in seg.steps()` loop before its end (break or return?) at step "
-                           f"{seg.step}; nothing after the last committed checkpoint was saved. Let the loop run to "
-                           "--until-step; a shorter segment is --until-step")
+        raise ScriptFailed(
+            f"{path}: left the `for step in seg.steps()` loop before its end (break or return?) at step "
+            f"{seg.step}; nothing after the last committed checkpoint was saved. Let the loop run to "
+            "--until-step; a shorter segment is --until-step"
+        )
     return seg.exit_code

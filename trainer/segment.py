@@ -39,13 +39,15 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from schemas.errors import ShardkeeperError  # noqa: E402
 from ckpt.layout import RunDir  # noqa: E402
+from schemas.errors import ShardkeeperError  # noqa: E402
 from schemas.seam import EXIT_PREEMPTED, RANK_ERROR_PREFIX, RANK_NOTES_ENV, SegmentLaunch, collective_error  # noqa: E402
-from trainer import lifetime  # noqa: E402
-from trainer.dist import DistEnv, init_distributed, log0  # noqa: E402
+from trainer import (
+    lifetime,  # noqa: E402
+    timeline,  # noqa: E402
+)
 from trainer.api import load_spec, stopped_early_note, write_status  # noqa: E402
-from trainer import timeline  # noqa: E402
+from trainer.dist import DistEnv, init_distributed, log0  # noqa: E402
 
 timeline.mark("imports")  # the rank's heavy imports are done (torch; transformers comes with trainer.loop)
 
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
     from trainer.loop import Trainer
 
 log = logging.getLogger("shardkeeper.trainer")
+
 
 def build_segment(run_dir: RunDir, until_step: int, segment: int, env: DistEnv) -> Trainer:
     """The built-in trainer of the run's backend: FSDP2 in trainer.loop, DeepSpeed ZeRO in trainer.ds_backend."""
@@ -132,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
 
             _SCRIPT[0] = True
             return run_script(spec.script, RunDir.at(argv[0]))
-        return run_segment(argv[0], int(argv[1]), int(argv[2]) if len(argv) == 3 else 0,
-                           launch=SegmentLaunch.from_environ())
+        return run_segment(
+            argv[0], int(argv[1]), int(argv[2]) if len(argv) == 3 else 0, launch=SegmentLaunch.from_environ()
+        )
     except ShardkeeperError as e:
         _report_failure(f"{e}", e.exit_code)
         return e.exit_code
@@ -141,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         import traceback
 
         traceback.print_exc(file=sys.stderr)  # the full story, for `shardkeeper train -v`
-        _report_failure(f"{type(e).__name__}: {' '.join(str(e).split())[:400]}; see the rank's traceback "
-                        "(shardkeeper train -v)", 1)
+        _report_failure(
+            f"{type(e).__name__}: {' '.join(str(e).split())[:400]}; see the rank's traceback (shardkeeper train -v)", 1
+        )
         return 1
 
 
@@ -229,8 +234,15 @@ def _exit_script(code: int) -> None:
 
     def give_up() -> None:  # no handler, no flush: a stuck atexit handler may hold their locks
         time.sleep(SCRIPT_ATEXIT_S)
-        warning = log.makeRecord(log.name, logging.WARNING, __file__, 0, "the script's atexit handlers did not finish "
-                                 f"within {SCRIPT_ATEXIT_S:.0f} s; the rank exits without them", None, None)
+        warning = log.makeRecord(
+            log.name,
+            logging.WARNING,
+            __file__,
+            0,
+            f"the script's atexit handlers did not finish within {SCRIPT_ATEXIT_S:.0f} s; the rank exits without them",
+            None,
+            None,
+        )
         _write_stderr(logging.Formatter(_log_format()).format(warning))
         if _REPORT[0]:
             _write_stderr(_REPORT[0])

@@ -60,8 +60,11 @@ class PreemptionWatcher:
         """``agree`` without waiting: the all-reduce runs while the next step computes; ``finish_agree`` (at the next
         step boundary, or before anything that must not race a stop or a non-finite step) returns its answer."""
         both = torch.tensor([1 if self._flag.is_set() else 0, 1 if flag else 0], dtype=torch.int32)
-        work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True) if self.group is not None \
+        work = (
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            if self.group is not None
             else None
+        )
         self._pending = (both, work)
 
     def finish_agree(self) -> tuple[bool, bool]:

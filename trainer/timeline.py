@@ -18,8 +18,17 @@ _marks: dict[str, float] = {}
 
 # the marks the ranks' code sets, in SegmentTimes' names; "stop_signal" is reduced with min (the first rank
 # that saw it started the preemption), every other mark with max (the phase is reached when every rank is)
-MARKS = ("ranks_started", "imports", "process_group", "model_built", "loaded", "first_step", "stop_signal",
-         "emergency_saved", "closed")
+MARKS = (
+    "ranks_started",
+    "imports",
+    "process_group",
+    "model_built",
+    "loaded",
+    "first_step",
+    "stop_signal",
+    "emergency_saved",
+    "closed",
+)
 
 
 def mark(name: str, at: float | None = None) -> None:
@@ -38,9 +47,10 @@ def process_start_time(pid: int | None = None) -> float | None:
     """Unix time at which process ``pid`` (default: this one) started, from /proc (clock-tick resolution)."""
     try:
         raw = Path(f"/proc/{pid or os.getpid()}/stat").read_bytes()
-        ticks = int(raw[raw.rfind(b")") + 2:].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
+        ticks = int(raw[raw.rfind(b")") + 2 :].split()[19])
+        boot = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime ")
+        )
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None

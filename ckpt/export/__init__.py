@@ -77,27 +77,50 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-
-from schemas import ExportResult
-from schemas.errors import CheckpointError, CheckpointRetired
 from ckpt.fsutil import peak_rss_bytes
 from ckpt.memtier import in_memory_tier
 from ckpt.validate import WatchedDir, gone_before, retired_message
+from schemas import ExportResult
+from schemas.errors import CheckpointError, CheckpointRetired
 
 log = logging.getLogger(__name__)
+from ckpt.export.collect import COLLECTORS
+from ckpt.export.commit import check_free_space, check_out_dir, commit_folder, temp_dir_for, torch_threads
+from ckpt.export.digests import FileDigests
+from ckpt.export.layout import (
+    plan_shards,
+    plan_tensor_shards,
+    safetensors_header,
+    shard_file_names,
+    write_model_files,
+    write_shards,
+)
+from ckpt.export.model import (
+    Background,
+    ModelDescription,
+    check_against_inventory,
+    declared_untied,
+    describe_model,
+    described,
+    model_from_record,
+    name_tensors,
+)
 from ckpt.export.options import EXPORT_DTYPES, PIECE_BYTES, POOL_PIECES, check_checkpoint, export_dtype, parse_size
 from ckpt.export.sink import BufferPool, StreamCrc, verify_entries
-from ckpt.export.digests import FileDigests
-from ckpt.export.collect import COLLECTORS
-from ckpt.export.model import Background, ModelDescription, check_against_inventory, declared_untied, describe_model, described, model_from_record, name_tensors
-from ckpt.export.layout import plan_shards, plan_tensor_shards, safetensors_header, shard_file_names, write_model_files, write_shards
-from ckpt.export.commit import check_free_space, check_out_dir, commit_folder, temp_dir_for, torch_threads
 from ckpt.export.tokenizer import copy_tokenizer, tokenizer_source
 
 
-def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, dtype: str = "float32",
-                      max_shard_size: int | str = "5GB", overwrite: bool = False, progress: bool = False,
-                      deep: bool = False, tokenizer_from: str | os.PathLike[str] | bool | None = None) -> ExportResult:
+def export_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: str = "float32",
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    progress: bool = False,
+    deep: bool = False,
+    tokenizer_from: str | os.PathLike[str] | bool | None = None,
+) -> ExportResult:
     """Export a committed DCP or deepspeed checkpoint to ``out_dir`` in the ``from_pretrained`` layout.
 
     ``dtype`` is the published dtype of floating tensors (integer/bool tensors keep theirs);
@@ -105,9 +128,9 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     larger than that is written alone in its own file; ``overwrite`` replaces an existing ``out_dir``
     (atomically, once the new export is complete); ``progress`` shows a rich progress bar; ``deep``
     also checks every checksum in the manifest first, and for DCP the fingerprint (the model bytes are
-    always CRC-checked, as they are copied, before the commit). A deepspeed checkpoint is read in one pass where DeepSpeed stored its fp32
-    master weights. ``tokenizer_from``: where the tokenizer files come from (a folder; None: the run's
-    ``data.tokenizer`` or its base model's folder, see ``ckpt.export.tokenizer``; False: none).
+    always CRC-checked, as they are copied, before the commit). A deepspeed checkpoint is read in one pass where
+    DeepSpeed stored its fp32 master weights. ``tokenizer_from``: where the tokenizer files come from (a folder; None:
+    the run's ``data.tokenizer`` or its base model's folder, see ``ckpt.export.tokenizer``; False: none).
     Raises ExportError (options, output folder, model mismatch) or CheckpointError
     (the checkpoint), each with a one-line message naming the fix.
     """
@@ -116,8 +139,17 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
         if gone_before(watched):
             raise CheckpointRetired(retired_message(ckpt_dir, before=True))
         try:
-            return _export(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                           progress=progress, deep=deep, tokenizer_from=tokenizer_from, watched=watched)
+            return _export(
+                ckpt_dir,
+                out_dir,
+                dtype=dtype,
+                max_shard_size=max_shard_size,
+                overwrite=overwrite,
+                progress=progress,
+                deep=deep,
+                tokenizer_from=tokenizer_from,
+                watched=watched,
+            )
         except (CheckpointError, OSError) as e:
             # A checkpoint that the run's writer retires while it is read fails the export with whatever its
             # missing files cause: say what happened instead (files opened before it went are read to the end).
@@ -127,8 +159,18 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
             raise CheckpointRetired(retired_message(ckpt_dir)) from None
 
 
-def _export(ckpt_dir: Path, out_dir: Path, *, dtype: str, max_shard_size: int | str, overwrite: bool, progress: bool,
-            deep: bool, tokenizer_from: str | os.PathLike[str] | bool | None, watched: WatchedDir) -> ExportResult:
+def _export(
+    ckpt_dir: Path,
+    out_dir: Path,
+    *,
+    dtype: str,
+    max_shard_size: int | str,
+    overwrite: bool,
+    progress: bool,
+    deep: bool,
+    tokenizer_from: str | os.PathLike[str] | bool | None,
+    watched: WatchedDir,
+) -> ExportResult:
     t0 = time.perf_counter()
     dtype_name, out_dtype = export_dtype(dtype)
     limit = parse_size(max_shard_size)
@@ -137,8 +179,9 @@ def _export(ckpt_dir: Path, out_dir: Path, *, dtype: str, max_shard_size: int | 
     watched.adopt()  # committed after the export looked: the directory read from here on is watched
     tok_folder, tok_recorded = tokenizer_source(ckpt_dir, manifest, tokenizer_from)
     # The manifest's hf_model record, or else transformers builds the model on the meta device meanwhile.
-    describing = (model_from_record(ckpt_dir, manifest, dtype_name)
-                  or Background(describe_model, ckpt_dir, manifest, dtype_name))
+    describing = model_from_record(ckpt_dir, manifest, dtype_name) or Background(
+        describe_model, ckpt_dir, manifest, dtype_name
+    )
     pool = BufferPool(POOL_PIECES, PIECE_BYTES)
     with ExitStack() as stack, torch_threads(1):
         found = COLLECTORS[manifest.format](ckpt_dir, manifest, stack, out_dtype)
@@ -167,8 +210,9 @@ def _export(ckpt_dir: Path, out_dir: Path, *, dtype: str, max_shard_size: int | 
             if tok_folder is not None:
                 hashes.update(copy_tokenizer(tmp, tok_folder, tok_recorded))
             if watched.vanished() and in_memory_tier(ckpt_dir):
-                # a retired memory snapshot's files are overwritten in place by the next one (ckpt.memtier_recycle.recycle,
-                # which renames the dir first): what was read after it went may be the next snapshot's bytes
+                # a retired memory snapshot's files are overwritten in place by the next one
+                # (ckpt.memtier_recycle.recycle, which renames the dir first): what was read after it went may be
+                # the next snapshot's bytes
                 raise CheckpointRetired(retired_message(ckpt_dir))
             commit_folder(tmp, out_dir, overwrite=overwrite)
         except BaseException:
@@ -176,23 +220,60 @@ def _export(ckpt_dir: Path, out_dir: Path, *, dtype: str, max_shard_size: int | 
             raise
     hashes = dict(sorted(hashes.items()))
     seconds = time.perf_counter() - t0
-    log.info("exported %s to %s: %d tensors, %.1f MB %s in %d file(s), %.2f s", ckpt_dir.name, out_dir,
-             len(tensors), total / 1e6, dtype_name, len(shards), seconds)
+    log.info(
+        "exported %s to %s: %d tensors, %.1f MB %s in %d file(s), %.2f s",
+        ckpt_dir.name,
+        out_dir,
+        len(tensors),
+        total / 1e6,
+        dtype_name,
+        len(shards),
+        seconds,
+    )
     return ExportResult(
-        checkpoint=str(ckpt_dir), out_dir=str(out_dir), step=manifest.step, dtype=dtype_name,  # type: ignore[arg-type]
-        files=hashes, num_shards=len(shards), total_bytes=total, num_tensors=len(tensors), seconds=seconds,
+        checkpoint=str(ckpt_dir),
+        out_dir=str(out_dir),
+        step=manifest.step,
+        dtype=dtype_name,  # type: ignore[arg-type]
+        files=hashes,
+        num_shards=len(shards),
+        total_bytes=total,
+        num_tensors=len(tensors),
+        seconds=seconds,
         peak_rss_bytes=peak_rss_bytes(),
     )
 
 
-__all__ = ["EXPORT_DTYPES", "export_checkpoint", "export_dtype", "hf_name", "parse_size", "plan_shards",
-           "safetensors_header", "shard_file_names"]
+__all__ = [
+    "EXPORT_DTYPES",
+    "export_checkpoint",
+    "export_dtype",
+    "hf_name",
+    "parse_size",
+    "plan_shards",
+    "safetensors_header",
+    "shard_file_names",
+]
 
 
 # The package's public names (the pieces tests and benches drive directly are public in their modules).
 from ckpt.export.options import INDEX_FILE, SINGLE_FILE  # noqa: E402
 from ckpt.export.records import Entry, ExportTensor  # noqa: E402
 
-__all__ = ["BufferPool", "EXPORT_DTYPES", "Entry", "ExportTensor", "INDEX_FILE", "SINGLE_FILE", "StreamCrc",
-           "describe_model", "export_checkpoint", "export_dtype", "model_from_record", "parse_size", "plan_shards",
-           "safetensors_header", "shard_file_names"]
+__all__ = [
+    "BufferPool",
+    "EXPORT_DTYPES",
+    "Entry",
+    "ExportTensor",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "StreamCrc",
+    "describe_model",
+    "export_checkpoint",
+    "export_dtype",
+    "model_from_record",
+    "parse_size",
+    "plan_shards",
+    "safetensors_header",
+    "shard_file_names",
+]

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from schemas.errors import CheckpointError, ExportError
 from ckpt.formats.safe_pickle import StoredTensor
 from schemas import CheckpointManifest
+from schemas.errors import CheckpointError, ExportError
 
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint alone takes ~0.7 s to import
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from ckpt.formats.deepspeed_convert import UniversalSource
     from ckpt.formats.deepspeed import TorchSaveFile, ZeroShards
+    from ckpt.formats.deepspeed_convert import UniversalSource
 
 log = logging.getLogger(__name__)
 from ckpt.export.options import F32, MODEL_PREFIX, SAFETENSORS_DTYPES
@@ -74,17 +74,23 @@ def collect_tensors(ckpt_dir: Path, md: Metadata, files: OpenFiles, out_dtype: t
         for chunk_md in sorted(tmd.chunks, key=lambda c: (tuple(c.offsets), tuple(c.sizes))):
             info = md.storage_data.get(MetadataIndex(key, chunk_md.offsets)) if md.storage_data else None
             if info is None:
-                raise CheckpointError(f"{ckpt_dir / '.metadata'}: no storage entry for a chunk of {key}; "
-                                      "the checkpoint is corrupted, pick another step")
+                raise CheckpointError(
+                    f"{ckpt_dir / '.metadata'}: no storage entry for a chunk of {key}; "
+                    "the checkpoint is corrupted, pick another step"
+                )
             path, fd, size = files.get(info.relative_path)
             t.chunks.append(parse_chunk(path, fd, size, key, info, chunk_md, dtype))
         if sum(c.numel for c in t.chunks) != t.numel:
-            raise CheckpointError(f"{ckpt_dir / '.metadata'}: chunks of {key} do not cover its shape {list(t.shape)}; "
-                                  "the checkpoint is corrupted, pick another step")
+            raise CheckpointError(
+                f"{ckpt_dir / '.metadata'}: chunks of {key} do not cover its shape {list(t.shape)}; "
+                "the checkpoint is corrupted, pick another step"
+            )
         tensors.append(t)
     if not tensors:
-        raise CheckpointError(f"{ckpt_dir / '.metadata'}: holds no model.* tensors; export needs a checkpoint "
-                              "written by the shardkeeper trainer")
+        raise CheckpointError(
+            f"{ckpt_dir / '.metadata'}: holds no model.* tensors; export needs a checkpoint "
+            "written by the shardkeeper trainer"
+        )
     return tensors
 
 
@@ -113,8 +119,9 @@ def collect_dcp(ckpt_dir: Path, manifest: CheckpointManifest, stack: ExitStack, 
     return Collected(tensors, chunk_entries(tensors), ".metadata", crc_in_stream=True)
 
 
-def collect_deepspeed(ckpt_dir: Path, manifest: CheckpointManifest, stack: ExitStack,
-                       out_dtype: torch.dtype) -> Collected:
+def collect_deepspeed(
+    ckpt_dir: Path, manifest: CheckpointManifest, stack: ExitStack, out_dtype: torch.dtype
+) -> Collected:
     """A deepspeed-format checkpoint: the fp32 master weights where DeepSpeed stored them, in the
     ``*_optim_states.pt`` partitions (or the universal/ folder when that is all the checkpoint has)."""
     from ckpt.formats.deepspeed import ZeroShards, read_state
@@ -126,8 +133,13 @@ def collect_deepspeed(ckpt_dir: Path, manifest: CheckpointManifest, stack: ExitS
         stack.callback(src.close)
         return collect_universal(src, stack, out_dtype)  # type: ignore[arg-type]
     # as ckpt.formats.deepspeed_convert.ZeroSource opens them (that module imports torch.distributed.checkpoint)
-    shards = stack.enter_context(ZeroShards(ckpt_dir, expect_world_size=manifest.topology.world_size,
-                                            expect_stage=manifest.run_spec.deepspeed.zero_stage))
+    shards = stack.enter_context(
+        ZeroShards(
+            ckpt_dir,
+            expect_world_size=manifest.topology.world_size,
+            expect_stage=manifest.run_spec.deepspeed.zero_stage,
+        )
+    )
     return collect_zero(shards, out_dtype)
 
 
@@ -135,20 +147,25 @@ def storage_entry(f: TorchSaveFile, st: StoredTensor, what: str) -> Entry:
     """The zip entry of a stored float32 tensor's storage, checked to hold the tensor and to lie in the file."""
     where = f"{f.path}: {what}"
     if st.dtype != torch.float32 or not st.is_contiguous():
-        raise CheckpointError(f"{where} is a {'' if st.is_contiguous() else 'strided '}{st.dtype} tensor, expected "
-                              "contiguous float32 master weights; the checkpoint was not written by the deepspeed "
-                              "backend, export a checkpoint of a shardkeeper deepspeed run")
+        raise CheckpointError(
+            f"{where} is a {'' if st.is_contiguous() else 'strided '}{st.dtype} tensor, expected "
+            "contiguous float32 master weights; the checkpoint was not written by the deepspeed "
+            "backend, export a checkpoint of a shardkeeper deepspeed run"
+        )
     offset, length, crc = f.storage_entry(st.key)
     if offset + length > os.fstat(f.fileno()).st_size or (st.offset + st.numel) * F32 > length:
-        raise CheckpointError(f"{where}: storage {st.key} runs past its zip entry or the file; the file is truncated "
-                              "or corrupted, pick another step")
+        raise CheckpointError(
+            f"{where}: storage {st.key} runs past its zip entry or the file; the file is truncated "
+            "or corrupted, pick another step"
+        )
     return Entry(f.path, f.fileno(), offset, length, crc, f"storage {st.key} ({what})")
 
 
 def flat_chunk(f: TorchSaveFile, entry: Entry, st: StoredTensor, start: int, numel: int, done: int) -> Chunk:
     """Elements [start, start + numel) of flat stored tensor ``st``, as elements [done, done + numel) of a tensor."""
-    return Chunk(f.path, f.fileno(), (done,), (numel,), entry.data_offset + (st.offset + start) * F32,
-                  numel * F32, 0, 0, (1,))
+    return Chunk(
+        f.path, f.fileno(), (done,), (numel,), entry.data_offset + (st.offset + start) * F32, numel * F32, 0, 0, (1,)
+    )
 
 
 def collect_zero(shards: ZeroShards, out_dtype: torch.dtype) -> Collected:
@@ -167,14 +184,20 @@ def collect_zero(shards: ZeroShards, out_dtype: torch.dtype) -> Collected:
             if entry is None:
                 entry = entries[(f.path, part.key)] = storage_entry(f, part, what)
             if piece.start < 0 or piece.start + piece.numel > part.numel:
-                raise CheckpointError(f"{f.path}: the {what} holds {part.numel} elements, {slot.name} needs elements "
-                                      f"{piece.start}..{piece.start + piece.numel}; the checkpoint is inconsistent, "
-                                      "pick another step")
+                raise CheckpointError(
+                    f"{f.path}: the {what} holds {part.numel} elements, {slot.name} needs elements "
+                    f"{piece.start}..{piece.start + piece.numel}; the checkpoint is inconsistent, "
+                    "pick another step"
+                )
             t.chunks.append(flat_chunk(f, entry, part, piece.start, piece.numel, done))
             done += piece.numel
         tensors.append(t)
-    return Collected(tensors, sorted(entries.values(), key=lambda e: (str(e.path), e.data_offset)), "the ZeRO files",
-                      crc_in_stream=True)
+    return Collected(
+        tensors,
+        sorted(entries.values(), key=lambda e: (str(e.path), e.data_offset)),
+        "the ZeRO files",
+        crc_in_stream=True,
+    )
 
 
 def collect_universal(src: UniversalSource, stack: ExitStack, out_dtype: torch.dtype) -> Collected:
@@ -186,8 +209,10 @@ def collect_universal(src: UniversalSource, stack: ExitStack, out_dtype: torch.d
         f = stack.enter_context(TorchSaveFile(src.dir / "zero" / name / "fp32.pt"))
         rec = f.obj.get("param") if isinstance(f.obj, dict) else f.obj
         if not isinstance(rec, StoredTensor) or rec.shape != tuple(shape):
-            raise CheckpointError(f"{f.path}: does not hold the {list(shape)} master weight of {name}; the universal "
-                                  "checkpoint is corrupted, pick another step")
+            raise CheckpointError(
+                f"{f.path}: does not hold the {list(shape)} master weight of {name}; the universal "
+                "checkpoint is corrupted, pick another step"
+            )
         entry = storage_entry(f, rec, f"fp32 master weight of {name}")
         key = MODEL_PREFIX + name
         t = ExportTensor(key, hf_name(key), torch.float32, out_dtype, tuple(shape), flat=True)
@@ -199,5 +224,3 @@ def collect_universal(src: UniversalSource, stack: ExitStack, out_dtype: torch.d
 
 
 COLLECTORS: dict[str, Collector] = {"dcp": collect_dcp, "deepspeed": collect_deepspeed}
-
-

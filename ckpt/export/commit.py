@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from schemas.errors import ExportError
 from ckpt.fsutil import fsync_dir, rename_noreplace
+from schemas.errors import ExportError
 
 log = logging.getLogger(__name__)
 
@@ -22,12 +22,16 @@ log = logging.getLogger(__name__)
 def check_out_dir(ckpt_dir: Path, out_dir: Path, overwrite: bool) -> None:
     src, dst = ckpt_dir.resolve(), out_dir.resolve()
     if dst == src or src in dst.parents:
-        raise ExportError(f"{out_dir}: is inside the checkpoint {ckpt_dir}; export to a folder outside it, e.g. RUN_DIR/exports/")
+        raise ExportError(
+            f"{out_dir}: is inside the checkpoint {ckpt_dir}; export to a folder outside it, e.g. RUN_DIR/exports/"
+        )
     if out_dir.exists() or out_dir.is_symlink():
         if not out_dir.is_dir():
             raise ExportError(f"{out_dir}: exists and is not a folder; remove it or choose another output folder")
         if not overwrite:
-            raise ExportError(f"{out_dir}: already exists; pass overwrite=True (--overwrite) to replace it or choose another folder")
+            raise ExportError(
+                f"{out_dir}: already exists; pass overwrite=True (--overwrite) to replace it or choose another folder"
+            )
 
 
 def _sibling(out_dir: Path, kind: str) -> Path:
@@ -65,8 +69,10 @@ def commit_folder(tmp: Path, out_dir: Path, *, overwrite: bool = False) -> None:
             try:
                 rename_noreplace(tmp, out_dir)
             except FileExistsError:
-                raise ExportError(f"{out_dir}: already exists (another export into it finished first); nothing was "
-                                  "replaced: pass --overwrite to replace it or choose another folder") from None
+                raise ExportError(
+                    f"{out_dir}: already exists (another export into it finished first); nothing was "
+                    "replaced: pass --overwrite to replace it or choose another folder"
+                ) from None
         else:
             if out_dir.exists() or out_dir.is_symlink():
                 old = _sibling(out_dir, "replaced")
@@ -81,8 +87,10 @@ def check_free_space(out_dir: Path, needed: int) -> None:
     parent = next((p for p in [out_dir.parent, *out_dir.parents] if p.exists()), Path("/"))
     free = shutil.disk_usage(parent).free
     if free < needed + (64 << 20):
-        raise ExportError(f"{parent}: {free / 1e9:.2f} GB free, the export needs {needed / 1e9:.2f} GB; "
-                          "free space or export elsewhere")
+        raise ExportError(
+            f"{parent}: {free / 1e9:.2f} GB free, the export needs {needed / 1e9:.2f} GB; "
+            "free space or export elsewhere"
+        )
 
 
 @contextmanager
@@ -94,5 +102,3 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-

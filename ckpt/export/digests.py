@@ -18,8 +18,9 @@ class FileDigests:
     """xxh3-128 of every file that holds a model entry without a CRC-32, against the manifest. ``entries`` keeps
     the entries still to be CRC-checked (those with a CRC, and any whose file the manifest does not list)."""
 
-    def __init__(self, ckpt_dir: Path, manifest: CheckpointManifest, entries: list[Entry], stack: ExitStack,
-                 *, verified: bool):
+    def __init__(
+        self, ckpt_dir: Path, manifest: CheckpointManifest, entries: list[Entry], stack: ExitStack, *, verified: bool
+    ):
         listed = {f.path: (f.size, f.xxh3_128) for f in manifest.files}
         self.entries: list[Entry] = []
         self._expected: dict[Path, tuple[int, str]] = {}
@@ -45,9 +46,11 @@ class FileDigests:
         """Raise CheckpointError unless every such file matches its manifest entry."""
         for path, job in self._jobs.items():
             if job.result() != self._expected[path]:
-                raise CheckpointError(f"{path}: checksum mismatch against the manifest (xxh3-128 of the file holding "
-                                      "model bytes); the file is corrupted, run `shardkeeper validate --deep` and "
-                                      "pick another step")
+                raise CheckpointError(
+                    f"{path}: checksum mismatch against the manifest (xxh3-128 of the file holding "
+                    "model bytes); the file is corrupted, run `shardkeeper validate --deep` and "
+                    "pick another step"
+                )
 
 
 def _relative(path: Path, ckpt_dir: Path) -> str | None:

@@ -10,14 +10,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-
 from schemas import CheckpointManifest
 
 log = logging.getLogger(__name__)
+from ckpt.export.model import ModelDescription, readme_text
 from ckpt.export.options import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE
 from ckpt.export.records import ExportTensor, Seen
 from ckpt.export.sink import BufferPool, FileSink, produce, write_small_file
-from ckpt.export.model import ModelDescription, readme_text
 
 
 def plan_shards(sizes: list[tuple[str, int]], limit: int) -> list[list[str]]:
@@ -28,8 +27,9 @@ def plan_shards(sizes: list[tuple[str, int]], limit: int) -> list[list[str]]:
     used = 0
     for name, nbytes in sizes:
         if nbytes > limit:
-            log.warning("%s is %d bytes, more than max_shard_size %d: it is written alone in its own shard",
-                        name, nbytes, limit)
+            log.warning(
+                "%s is %d bytes, more than max_shard_size %d: it is written alone in its own shard", name, nbytes, limit
+            )
             if current:
                 shards.append(current)
             shards.append([name])
@@ -61,8 +61,11 @@ def safetensors_header(tensors: list[ExportTensor]) -> bytes:
     entries: dict[str, Any] = {}
     offset = 0
     for t in data_order(tensors):
-        entries[t.name] = {"dtype": SAFETENSORS_DTYPES[t.out_dtype], "shape": list(t.shape),
-                           "data_offsets": [offset, offset + t.out_nbytes]}
+        entries[t.name] = {
+            "dtype": SAFETENSORS_DTYPES[t.out_dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.out_nbytes],
+        }
         offset += t.out_nbytes
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     header.update(sorted(entries.items()))
@@ -71,8 +74,13 @@ def safetensors_header(tensors: list[ExportTensor]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_shard(path: Path, tensors: list[ExportTensor], pool: BufferPool,
-                 on_written: Callable[[int], None] | None, seen: Seen | None = None) -> str:
+def write_shard(
+    path: Path,
+    tensors: list[ExportTensor],
+    pool: BufferPool,
+    on_written: Callable[[int], None] | None,
+    seen: Seen | None = None,
+) -> str:
     sink = FileSink(path, on_written)
     try:
         sink.put(memoryview(safetensors_header(tensors)))
@@ -87,8 +95,10 @@ def write_shard(path: Path, tensors: list[ExportTensor], pool: BufferPool,
 def index_json(shards: list[list[ExportTensor]], names: list[str]) -> bytes:
     weight_map = {t.name: fname for fname, shard in zip(names, shards) for t in shard}
     index = {
-        "metadata": {"total_size": sum(t.out_nbytes for s in shards for t in s),
-                     "total_parameters": sum(t.numel for s in shards for t in s)},
+        "metadata": {
+            "total_size": sum(t.out_nbytes for s in shards for t in s),
+            "total_parameters": sum(t.numel for s in shards for t in s),
+        },
         "weight_map": dict(sorted(weight_map.items())),
     }
     return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8")
@@ -101,14 +111,26 @@ def progress_bar(enabled: bool, total: int, label: str) -> Iterator[Callable[[in
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn()) as bar:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    ) as bar:
         task = bar.add_task(label, total=total)
         yield lambda n: bar.advance(task, n)
 
 
-def write_shards(tmp: Path, ckpt_dir: Path, dtype: str, shards: list[list[ExportTensor]], pool: BufferPool,
-                  progress: bool, seen: Seen | None = None) -> dict[str, str]:
+def write_shards(
+    tmp: Path,
+    ckpt_dir: Path,
+    dtype: str,
+    shards: list[list[ExportTensor]],
+    pool: BufferPool,
+    progress: bool,
+    seen: Seen | None = None,
+) -> dict[str, str]:
     """Write the safetensors files (and the index when there are several); return name -> sha256.
     ``seen`` is shown the source bytes as they are read."""
     names = shard_file_names(len(shards))
@@ -123,8 +145,14 @@ def write_shards(tmp: Path, ckpt_dir: Path, dtype: str, shards: list[list[Export
     return hashes
 
 
-def write_model_files(tmp: Path, ckpt_dir: Path, manifest: CheckpointManifest, model: ModelDescription, dtype: str,
-                       shards: list[list[ExportTensor]]) -> dict[str, str]:
+def write_model_files(
+    tmp: Path,
+    ckpt_dir: Path,
+    manifest: CheckpointManifest,
+    model: ModelDescription,
+    dtype: str,
+    shards: list[list[ExportTensor]],
+) -> dict[str, str]:
     """config.json, generation_config.json and README.md; return name -> sha256."""
     config_json, gen_json = model.config_json, model.generation_json
     num_params = sum(t.numel for s in shards for t in s)
@@ -139,5 +167,3 @@ def write_model_files(tmp: Path, ckpt_dir: Path, manifest: CheckpointManifest, m
 def plan_tensor_shards(tensors: list[ExportTensor], limit: int) -> list[list[ExportTensor]]:
     by_name = {t.name: t for t in tensors}
     return [[by_name[n] for n in names] for names in plan_shards([(t.name, t.out_nbytes) for t in tensors], limit)]
-
-

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from ckpt.state import tied_weights
 from ckpt import __version__
-from schemas.errors import CheckpointError, ExportError
+from ckpt.state import tied_weights
 from schemas import CheckpointManifest
+from schemas.errors import CheckpointError, ExportError
 
 log = logging.getLogger(__name__)
 from ckpt.export.options import MODEL_PREFIX
@@ -49,21 +49,30 @@ def model_from_record(ckpt_dir: Path, manifest: CheckpointManifest, dtype: str) 
     rec = manifest.hf_model
     script = manifest.run_spec.script is not None  # a user's script: its model, not run_spec.model, is the record's
     if script and rec is None:
-        raise ExportError(f"{ckpt_dir / 'manifest.json'}: the script's model is not a transformers model (no hf_model "
-                          "record), and export writes a transformers folder; export a run whose script tracks a "
-                          "transformers PreTrainedModel, or read the checkpoint with torch.distributed.checkpoint")
-    if (rec is None or (rec.generation_config is None and not script)
-            or not any(e.name.startswith(MODEL_PREFIX) for e in manifest.tensors)):
+        raise ExportError(
+            f"{ckpt_dir / 'manifest.json'}: the script's model is not a transformers model (no hf_model "
+            "record), and export writes a transformers folder; export a run whose script tracks a "
+            "transformers PreTrainedModel, or read the checkpoint with torch.distributed.checkpoint"
+        )
+    if (
+        rec is None
+        or (rec.generation_config is None and not script)
+        or not any(e.name.startswith(MODEL_PREFIX) for e in manifest.tensors)
+    ):
         return None
     where = f"{ckpt_dir / 'manifest.json'}: field hf_model.config"
     arch = rec.config.get("architectures")
     if not (isinstance(arch, list) and arch and all(isinstance(a, str) and a for a in arch)):
-        raise CheckpointError(f"{where}.architectures is {arch!r}, not a list of model class names; "
-                              "the manifest is corrupted, pick another step")
+        raise CheckpointError(
+            f"{where}.architectures is {arch!r}, not a list of model class names; "
+            "the manifest is corrupted, pick another step"
+        )
     model_type = rec.config.get("model_type", manifest.run_spec.model.model_type)
     if model_type != manifest.run_spec.model.model_type and not script:
-        raise CheckpointError(f"{where}.model_type is {model_type!r} but run_spec.model.model_type is "
-                              f"{manifest.run_spec.model.model_type!r}; the manifest is inconsistent, pick another step")
+        raise CheckpointError(
+            f"{where}.model_type is {model_type!r} but run_spec.model.model_type is "
+            f"{manifest.run_spec.model.model_type!r}; the manifest is inconsistent, pick another step"
+        )
     config = dict(rec.config)
     for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
         config[key] = dtype  # as the transformers path sets config.dtype
@@ -100,15 +109,21 @@ def describe_model_gc_off(ckpt_dir: Path, manifest: CheckpointManifest, dtype: s
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except (KeyError, ValueError, TypeError) as e:
-        raise ExportError(f"{where} ({spec.model_type}) is not a transformers causal LM ({e}); "
-                          "export supports model types that AutoModelForCausalLM builds") from None
+        raise ExportError(
+            f"{where} ({spec.model_type}) is not a transformers causal LM ({e}); "
+            "export supports model types that AutoModelForCausalLM builds"
+        ) from None
     config.architectures = [type(model).__name__]
     config.dtype = dtype
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tied = tied_weights(model, config)
-    return ModelDescription(config.to_json_string(use_diff=True),
-                          GenerationConfig.from_model_config(config).to_json_string(use_diff=True),
-                          config.architectures[0], shapes, tied)
+    return ModelDescription(
+        config.to_json_string(use_diff=True),
+        GenerationConfig.from_model_config(config).to_json_string(use_diff=True),
+        config.architectures[0],
+        shapes,
+        tied,
+    )
 
 
 def name_tensors(ckpt_dir: Path, tensors: list[ExportTensor]) -> dict[str, ExportTensor]:
@@ -119,21 +134,26 @@ def name_tensors(ckpt_dir: Path, tensors: list[ExportTensor]) -> dict[str, Expor
     by_name: dict[str, ExportTensor] = {}
     for t in tensors:
         if t.name in by_name:
-            raise ExportError(f"{ckpt_dir}: {by_name[t.name].key} and {t.key} both export as {t.name}; "
-                              "the checkpoint's model keys are ambiguous")
+            raise ExportError(
+                f"{ckpt_dir}: {by_name[t.name].key} and {t.key} both export as {t.name}; "
+                "the checkpoint's model keys are ambiguous"
+            )
         by_name[t.name] = t
     return by_name
 
 
-def check_against_inventory(ckpt_dir: Path, tensors: list[ExportTensor], manifest: CheckpointManifest,
-                     source: str = ".metadata") -> None:
+def check_against_inventory(
+    ckpt_dir: Path, tensors: list[ExportTensor], manifest: CheckpointManifest, source: str = ".metadata"
+) -> None:
     """The DCP metadata (ZeRO files) must hold exactly the model tensors the manifest recorded at save."""
     recorded = {e.name: (tuple(e.shape), e.dtype) for e in manifest.tensors if e.name.startswith(MODEL_PREFIX)}
     stored = {t.key: (t.shape, str(t.dtype).removeprefix("torch.")) for t in tensors}
     if recorded and recorded != stored:
         diff = sorted(k for k in recorded.keys() | stored.keys() if recorded.get(k) != stored.get(k))
-        raise CheckpointError(f"{ckpt_dir / 'manifest.json'}: its tensor inventory and {source} disagree on "
-                              f"{', '.join(diff[:3])}; the checkpoint is inconsistent, pick another step")
+        raise CheckpointError(
+            f"{ckpt_dir / 'manifest.json'}: its tensor inventory and {source} disagree on "
+            f"{', '.join(diff[:3])}; the checkpoint is inconsistent, pick another step"
+        )
 
 
 def drop_tied(ckpt_dir: Path, by_name: dict[str, ExportTensor], tied: dict[str, str], pool: BufferPool) -> None:
@@ -165,15 +185,18 @@ def check_tied(ckpt_dir: Path, target: ExportTensor, source: ExportTensor, pool:
     digests = []
     for t in (target, source):
         h = hashlib.sha256()
-        produce(t, t.dtype, pool, lambda view, release: (h.update(view), release and release()))
+        produce(t, t.dtype, pool, lambda view, release: (h.update(view), release and release()))  # noqa: B023
         digests.append(h.digest())
     if target.shape != source.shape or target.dtype != source.dtype or digests[0] != digests[1]:
-        raise ExportError(f"{ckpt_dir}: {target.name} differs from {source.name} although the config ties them "
-                          "(tie_word_embeddings); the checkpoint does not match its run_spec.model")
+        raise ExportError(
+            f"{ckpt_dir}: {target.name} differs from {source.name} although the config ties them "
+            "(tie_word_embeddings); the checkpoint does not match its run_spec.model"
+        )
 
 
-def readme_text(ckpt_dir: Path, manifest: CheckpointManifest, model: ModelDescription, dtype: str,
-            num_params: int, num_shards: int) -> bytes:
+def readme_text(
+    ckpt_dir: Path, manifest: CheckpointManifest, model: ModelDescription, dtype: str, num_params: int, num_shards: int
+) -> bytes:
     arch = model.architecture
     base = manifest.base_model
     header = ["---", "library_name: transformers", "tags:", "- shardkeeper"]
@@ -184,22 +207,31 @@ def readme_text(ckpt_dir: Path, manifest: CheckpointManifest, model: ModelDescri
         rev = f" @ {base.resolved_revision or base.revision}" if (base.resolved_revision or base.revision) else ""
         base_rows = [f"| base model | {base.hub_id or base.source}{rev} (fine-tuned from it) |"]
     lines = [
-        *header, "---", "",
-        f"# {manifest.run_name} at step {manifest.step}", "",
+        *header,
+        "---",
+        "",
+        f"# {manifest.run_name} at step {manifest.step}",
+        "",
         f"Exported by shardkeeper {__version__} from checkpoint `{ckpt_dir.name}` of run `{manifest.run_name}` "
-        "(master weights float32).", "",
-        "| | |", "|---|---|",
-        f"| architecture | {arch} ({manifest.hf_model.config.get('model_type') if manifest.hf_model else manifest.run_spec.model.model_type}) |",
+        "(master weights float32).",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| architecture | {arch} ("
+        f"{manifest.hf_model.config.get('model_type') if manifest.hf_model else manifest.run_spec.model.model_type}) |",
         *base_rows,
         f"| parameters | {num_params:,} |",
         f"| dtype | {dtype} |",
         f"| training step | {manifest.step} |",
         f"| tokens seen | {manifest.tokens:,} |",
-        f"| safetensors files | {num_shards} |", "",
-        "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"| safetensors files | {num_shards} |",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
         'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")',
         'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")  # when the folder has tokenizer files',
-        "```", "",
+        "```",
+        "",
     ]
     return "\n".join(lines).encode("utf-8")
 
@@ -233,12 +265,11 @@ def declared_untied(manifest: CheckpointManifest) -> bool:
     return manifest.run_spec.model.config.get("tie_word_embeddings") is False
 
 
-def described(describing: Background | ModelDescription, ckpt_dir: Path, by_name: dict[str, ExportTensor],
-               pool: BufferPool) -> ModelDescription:
+def described(
+    describing: Background | ModelDescription, ckpt_dir: Path, by_name: dict[str, ExportTensor], pool: BufferPool
+) -> ModelDescription:
     """The model description (recorded, or built by the background thread); tied copies dropped, checked."""
     model: ModelDescription = describing if isinstance(describing, ModelDescription) else describing.result()
     drop_tied(ckpt_dir, by_name, model.tied, pool)
     check_against_model(ckpt_dir, by_name, model)
     return model
-
-

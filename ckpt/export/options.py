@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from schemas.errors import ExportError
 from ckpt.validate import checked_manifest
-from schemas.requests import SIZE_RE
 from schemas import CheckpointManifest
+from schemas.errors import ExportError
+from schemas.requests import SIZE_RE
 
 log = logging.getLogger(__name__)
 
@@ -19,8 +19,15 @@ log = logging.getLogger(__name__)
 EXPORT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
 # Module wrappers whose names appear inside parameter names: torch.compile, activation checkpointing, FSDP1.
@@ -34,8 +41,17 @@ ALIGN = 4096  # O_DIRECT alignment of buffer addresses, offsets and lengths (cov
 O_DIRECT_FLAG = getattr(os, "O_DIRECT", 0)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+SIZE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def export_dtype(name: str) -> tuple[str, torch.dtype]:
@@ -55,7 +71,9 @@ def parse_size(size: int | str) -> int:
     else:
         m = SIZE_RE.match(str(size))
         if not m:
-            raise ExportError(f"max_shard_size {size!r} is not a size; give bytes as an int or a string like '5GB' or '500MB'")
+            raise ExportError(
+                f"max_shard_size {size!r} is not a size; give bytes as an int or a string like '5GB' or '500MB'"
+            )
         value = int(float(m.group(1)) * SIZE_UNITS[(m.group(2) or "b").lower()])
     if value < 1:
         raise ExportError(f"max_shard_size {size!r} must be at least 1 byte; use e.g. '5GB'")
@@ -68,5 +86,3 @@ def check_checkpoint(ckpt_dir: Path, deep: bool) -> CheckpointManifest:
 
 
 F32 = torch.float32.itemsize
-
-

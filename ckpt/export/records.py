@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from schemas.errors import CheckpointError, ExportError
 from ckpt.formats.safe_pickle import TENSOR_RECORD, StoredTensor
-from ckpt.fsutil import pread_full
 from ckpt.formats.torchzip import TorchZip
+from ckpt.fsutil import pread_full
+from schemas.errors import CheckpointError, ExportError
 
 log = logging.getLogger(__name__)
 from ckpt.export.options import MODEL_PREFIX, WRAPPER_SEGMENTS
@@ -41,8 +41,11 @@ class Chunk:
 
     def is_dense(self, itemsize: int) -> bool:
         """Stored row-major with nothing around it: the storage bytes are exactly the chunk."""
-        return (self.storage_offset == 0 and self.storage_bytes == self.numel * itemsize
-                and (self.numel <= 1 or self.strides == contiguous_strides(self.sizes)))
+        return (
+            self.storage_offset == 0
+            and self.storage_bytes == self.numel * itemsize
+            and (self.numel <= 1 or self.strides == contiguous_strides(self.sizes))
+        )
 
 
 def contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -53,8 +56,7 @@ def contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def parse_chunk(path: Path, fd: int, file_size: int, key: str, info: Any, chunk_md: Any,
-                 dtype: torch.dtype) -> Chunk:
+def parse_chunk(path: Path, fd: int, file_size: int, key: str, info: Any, chunk_md: Any, dtype: torch.dtype) -> Chunk:
     """Locate a chunk's raw bytes inside its torch.save record; raise CheckpointError if it is not sound."""
     where = f"{path}: chunk of {key} at byte {info.offset}"
     if getattr(info, "transform_descriptors", None):
@@ -68,17 +70,30 @@ def parse_chunk(path: Path, fd: int, file_size: int, key: str, info: Any, chunk_
                 raise CheckpointError(f"{where}: holds a {type(record).__name__}, not one tensor")
             data_offset, storage_bytes, crc = record_zip.storage_entry(record.key)
     except CheckpointError as e:
-        raise CheckpointError(f"{where} is not a readable tensor record ({str(e).removeprefix(where + ': ')}); "
-                              "the checkpoint is corrupted, pick another step") from None
+        raise CheckpointError(
+            f"{where} is not a readable tensor record ({str(e).removeprefix(where + ': ')}); "
+            "the checkpoint is corrupted, pick another step"
+        ) from None
     problem = None
     if record.dtype != dtype or record.shape != tuple(chunk_md.sizes):
         problem = f"{record.dtype} {list(record.shape)}, metadata says {dtype} {list(chunk_md.sizes)}"
     elif storage_bytes != record.storage_numel * dtype.itemsize:
         problem = f"storage of {storage_bytes} bytes for {record.storage_numel} elements"
     if problem:
-        raise CheckpointError(f"{where}: {problem}; the checkpoint is corrupted or not written by DCP, pick another step")
-    return Chunk(path, fd, tuple(chunk_md.offsets), tuple(chunk_md.sizes), data_offset, storage_bytes,
-                  crc, record.offset, record.stride)
+        raise CheckpointError(
+            f"{where}: {problem}; the checkpoint is corrupted or not written by DCP, pick another step"
+        )
+    return Chunk(
+        path,
+        fd,
+        tuple(chunk_md.offsets),
+        tuple(chunk_md.sizes),
+        data_offset,
+        storage_bytes,
+        crc,
+        record.offset,
+        record.stride,
+    )
 
 
 @dataclass
@@ -116,8 +131,12 @@ class ExportTensor:
             return len(self.chunks) == 1 and self.chunks[0].is_dense(self.dtype.itemsize)
         row = 0
         for c in self.chunks:
-            if (c.offsets[0] != row or any(c.offsets[1:]) or c.sizes[1:] != self.shape[1:]
-                    or not c.is_dense(self.dtype.itemsize)):
+            if (
+                c.offsets[0] != row
+                or any(c.offsets[1:])
+                or c.sizes[1:] != self.shape[1:]
+                or not c.is_dense(self.dtype.itemsize)
+            ):
                 return False
             row += c.sizes[0]
         return row == self.shape[0]
@@ -153,5 +172,3 @@ class Entry:
     nbytes: int
     crc32: int  # 0: torch.save ran with CRCs disabled and recorded none
     what: str  # for the error message, e.g. "model.x at offsets [0, 0]"
-
-

@@ -49,8 +49,11 @@ class BufferPool:
 
 def chunk_entries(tensors: list[ExportTensor]) -> list[Entry]:
     """DCP: every chunk is a torch.save record of its own with one storage entry."""
-    return [Entry(c.path, c.fd, c.data_offset, c.storage_bytes, c.crc32, f"{t.key} at offsets {list(c.offsets)}")
-            for t in tensors for c in t.chunks]
+    return [
+        Entry(c.path, c.fd, c.data_offset, c.storage_bytes, c.crc32, f"{t.key} at offsets {list(c.offsets)}")
+        for t in tensors
+        for c in t.chunks
+    ]
 
 
 def verify_entries(entries: list[Entry], pool: BufferPool) -> None:
@@ -75,13 +78,18 @@ def verify_entries(entries: list[Entry], pool: BufferPool) -> None:
 
 def warn_unchecked(unchecked: int) -> None:
     if unchecked:
-        log.warning("%d bytes of model chunks carry no CRC-32 (saved with CRCs disabled); "
-                    "`shardkeeper validate --deep` checks them against the manifest", unchecked)
+        log.warning(
+            "%d bytes of model chunks carry no CRC-32 (saved with CRCs disabled); "
+            "`shardkeeper validate --deep` checks them against the manifest",
+            unchecked,
+        )
 
 
 def crc_mismatch(e: Entry) -> CheckpointError:
-    return CheckpointError(f"{e.path}: CRC-32 mismatch in {e.what}; "
-                           "the file is corrupted, run `shardkeeper validate --deep` and pick another step")
+    return CheckpointError(
+        f"{e.path}: CRC-32 mismatch in {e.what}; "
+        "the file is corrupted, run `shardkeeper validate --deep` and pick another step"
+    )
 
 
 @dataclass
@@ -100,8 +108,9 @@ class StreamCrc:
 
     def __init__(self, entries: list[Entry]):
         self._unchecked = sum(e.nbytes for e in entries if not e.crc32)
-        self._states = [CrcState(e, e.data_offset) for e in sorted(entries, key=lambda e: (e.fd, e.data_offset))
-                        if e.crc32]
+        self._states = [
+            CrcState(e, e.data_offset) for e in sorted(entries, key=lambda e: (e.fd, e.data_offset)) if e.crc32
+        ]
         self._by_fd: dict[int, tuple[list[int], list[CrcState]]] = {}
         for st in self._states:
             starts, states = self._by_fd.setdefault(st.entry.fd, ([], []))
@@ -152,7 +161,9 @@ def produce(t: ExportTensor, out_dtype: torch.dtype, pool: BufferPool, emit: Emi
         produce_assembled(t, out_dtype, pool, emit, seen)
 
 
-def produce_rows(t: ExportTensor, out_dtype: torch.dtype, pool: BufferPool, emit: Emit, seen: Seen | None = None) -> None:
+def produce_rows(
+    t: ExportTensor, out_dtype: torch.dtype, pool: BufferPool, emit: Emit, seen: Seen | None = None
+) -> None:
     """Row-block chunks: the tensor's bytes are the chunks' storage bytes one after the other."""
     src_size, dst_size = t.dtype.itemsize, out_dtype.itemsize
     per_piece = pool.nbytes // max(src_size, dst_size)
@@ -171,8 +182,9 @@ def produce_rows(t: ExportTensor, out_dtype: torch.dtype, pool: BufferPool, emit
             emit(memoryview(buf)[: n * dst_size], pool.releaser(buf))
 
 
-def produce_assembled(t: ExportTensor, out_dtype: torch.dtype, pool: BufferPool, emit: Emit,
-                       seen: Seen | None = None) -> None:
+def produce_assembled(
+    t: ExportTensor, out_dtype: torch.dtype, pool: BufferPool, emit: Emit, seen: Seen | None = None
+) -> None:
     """Chunks that are not row blocks (2-D sharding, strided records): assemble one tensor, then emit it."""
     out = torch.empty(t.shape, dtype=out_dtype)
     for chunk in t.chunks:
@@ -225,7 +237,9 @@ class FileSink:
         self._queues: list[queue.Queue[list[Any] | None]] = [queue.Queue(), queue.Queue()]
         self._threads = [
             threading.Thread(target=self._loop, args=(self._queues[0], self._write), name="export-write", daemon=True),
-            threading.Thread(target=self._loop, args=(self._queues[1], self.sha.update), name="export-hash", daemon=True),
+            threading.Thread(
+                target=self._loop, args=(self._queues[1], self.sha.update), name="export-hash", daemon=True
+            ),
         ]
         for th in self._threads:
             th.start()
@@ -329,5 +343,3 @@ def write_small_file(path: Path, data: bytes) -> str:
         f.flush()
         os.fsync(f.fileno())
     return hashlib.sha256(data).hexdigest()
-
-

@@ -25,27 +25,34 @@ from ckpt.export.sink import write_small_file  # noqa: E402
 NO_TOKENIZER = False
 
 
-def tokenizer_source(ckpt_dir: Path, manifest: CheckpointManifest,
-                     tokenizer_from: str | Path | bool | None) -> tuple[Path | None, dict[str, str]]:
+def tokenizer_source(
+    ckpt_dir: Path, manifest: CheckpointManifest, tokenizer_from: str | Path | bool | None
+) -> tuple[Path | None, dict[str, str]]:
     """The folder to carry tokenizer files from, and the sha256 the run recorded of them ({} when unchecked)."""
     if tokenizer_from is False:
         return None, {}
     if tokenizer_from not in (None, True, ""):
         folder = Path(str(tokenizer_from)).expanduser()
         if not folder.is_dir():
-            raise ExportError(f"--tokenizer-from {tokenizer_from}: no such folder; pass the folder holding "
-                              "tokenizer.json / tokenizer_config.json")
+            raise ExportError(
+                f"--tokenizer-from {tokenizer_from}: no such folder; pass the folder holding "
+                "tokenizer.json / tokenizer_config.json"
+            )
         if not any((folder / n).is_file() for n in TOKENIZER_FILES):
-            raise ExportError(f"--tokenizer-from {folder}: holds none of {', '.join(TOKENIZER_FILES[:3])}, ...; pass "
-                              "a tokenizer folder (save_pretrained)")
+            raise ExportError(
+                f"--tokenizer-from {folder}: holds none of {', '.join(TOKENIZER_FILES[:3])}, ...; pass "
+                "a tokenizer folder (save_pretrained)"
+            )
         return folder, {}
     data_tokenizer = getattr(manifest.run_spec.data, "tokenizer", None)
     base = manifest.base_model
     if data_tokenizer:
         folder = Path(str(data_tokenizer)).expanduser()
         if not folder.is_dir():
-            raise ExportError(f"{ckpt_dir / 'manifest.json'}: run_spec.data.tokenizer {data_tokenizer} is not a folder "
-                              "here; pass --tokenizer-from PATH (or --no-tokenizer)")
+            raise ExportError(
+                f"{ckpt_dir / 'manifest.json'}: run_spec.data.tokenizer {data_tokenizer} is not a folder "
+                "here; pass --tokenizer-from PATH (or --no-tokenizer)"
+            )
         recorded = base.files if base is not None and Path(base.local_path) == folder.resolve() else {}
         return folder, recorded
     if base is None:
@@ -55,11 +62,15 @@ def tokenizer_source(ckpt_dir: Path, manifest: CheckpointManifest,
         try:
             folder, _ = resolve(ModelSpec(pretrained=base.source, revision=base.resolved_revision or base.revision))
         except ConfigError as e:
-            raise ExportError(f"{ckpt_dir / 'manifest.json'}: the base model's tokenizer is not here ({e}); pass "
-                              "--tokenizer-from PATH (or --no-tokenizer)") from None
+            raise ExportError(
+                f"{ckpt_dir / 'manifest.json'}: the base model's tokenizer is not here ({e}); pass "
+                "--tokenizer-from PATH (or --no-tokenizer)"
+            ) from None
     if not folder.is_dir():
-        raise ExportError(f"{ckpt_dir / 'manifest.json'}: base_model.local_path {folder} (the run's tokenizer) is "
-                          "not here; pass --tokenizer-from PATH with the base model's tokenizer (or --no-tokenizer)")
+        raise ExportError(
+            f"{ckpt_dir / 'manifest.json'}: base_model.local_path {folder} (the run's tokenizer) is "
+            "not here; pass --tokenizer-from PATH with the base model's tokenizer (or --no-tokenizer)"
+        )
     return folder, base.files
 
 
@@ -73,8 +84,10 @@ def copy_tokenizer(tmp: Path, folder: Path, recorded: dict[str, str]) -> dict[st
         data = src.read_bytes()
         digest = hashlib.sha256(data).hexdigest()
         if name in recorded and recorded[name] != digest:
-            raise ExportError(f"{src}: changed since the run started (its sha256 differs from the manifest's "
-                              "base_model.files); pass --tokenizer-from PATH with the tokenizer the run used")
+            raise ExportError(
+                f"{src}: changed since the run started (its sha256 differs from the manifest's "
+                "base_model.files); pass --tokenizer-from PATH with the tokenizer the run used"
+            )
         out[name] = write_small_file(tmp / name, data)
     if not out:
         log.warning("%s: no tokenizer files to carry into the export", folder)

@@ -7,6 +7,7 @@
 - ``dcp_format``, ``deepspeed_format``: each format's entry in the registry (``ckpt.registry``): path rules,
   layout check, fingerprint recomputation, reshard. Importing this package registers both.
 """
+
 from ckpt.formats import dcp_format, deepspeed_format  # noqa: F401  (registers the formats)
 from ckpt.registry import FORMATS, get_format
 

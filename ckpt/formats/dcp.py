@@ -18,7 +18,6 @@ import io
 import math
 import os
 from collections.abc import Iterator
-from torch.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +31,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
-from schemas.errors import CheckpointError
 from ckpt.formats import safe_pickle
 from ckpt.formats.dcp_metadata import check_extents, file_sizes_of, plain_name, read_metadata_as
 from ckpt.formats.torchzip import TorchZip, load_bytes
 from ckpt.fsutil import open_regular
+from schemas.errors import CheckpointError
 
 
 def read_metadata(ckpt_dir: str | os.PathLike[str], data: bytes | None = None) -> Metadata:
@@ -50,8 +50,10 @@ def read_metadata(ckpt_dir: str | os.PathLike[str], data: bytes | None = None) -
     md = read_metadata_as(ckpt_dir, data, safe_pickle.DCP_METADATA, Metadata)
     where = ckpt_dir / ".metadata"
     if not isinstance(md.storage_data, dict) or not isinstance(md.state_dict_metadata, dict):
-        raise CheckpointError(f"{where}: not the structure DCP writes (storage_data, state_dict_metadata); the "
-                              "checkpoint is corrupted, pick another step")
+        raise CheckpointError(
+            f"{where}: not the structure DCP writes (storage_data, state_dict_metadata); the "
+            "checkpoint is corrupted, pick another step"
+        )
     names = {getattr(info, "relative_path", None) for info in md.storage_data.values()}
     check_extents(md, where, file_sizes_of(ckpt_dir, names, where))  # type: ignore[arg-type]
     return md
@@ -65,7 +67,9 @@ def _value(data: bytes, where: str) -> Any:
 def _tensor(data: bytes, where: str) -> torch.Tensor:
     t = load_bytes(data, safe_pickle.TENSOR_RECORD, where)
     if not isinstance(t, torch.Tensor):
-        raise CheckpointError(f"{where}: holds a {type(t).__name__}, not one tensor; the checkpoint is corrupted, pick another step")
+        raise CheckpointError(
+            f"{where}: holds a {type(t).__name__}, not one tensor; the checkpoint is corrupted, pick another step"
+        )
     return t
 
 
@@ -77,15 +81,19 @@ def _tensor_at(fd: int, offset: int, length: int, where: str) -> torch.Tensor:
     with TorchZip(fd, offset, length, where) as zf:
         t = zf.materialize(safe_pickle.TENSOR_RECORD)
     if not isinstance(t, torch.Tensor):
-        raise CheckpointError(f"{where}: holds a {type(t).__name__}, not one tensor; the checkpoint is corrupted, pick another step")
+        raise CheckpointError(
+            f"{where}: holds a {type(t).__name__}, not one tensor; the checkpoint is corrupted, pick another step"
+        )
     return t
 
 
 def _check_extent(fd: int, offset: int, length: int, where: str) -> None:
     size = os.fstat(fd).st_size
     if offset < 0 or length < 0 or offset + length > size:
-        raise CheckpointError(f"{where}: declares bytes {offset}..{offset + length} of a {size}-byte file; "
-                              "the checkpoint is truncated or crafted, pick another step")
+        raise CheckpointError(
+            f"{where}: declares bytes {offset}..{offset + length} of a {size}-byte file; "
+            "the checkpoint is truncated or crafted, pick another step"
+        )
 
 
 def _pread_record(fd: int, offset: int, length: int, where: str) -> bytes:
@@ -93,6 +101,7 @@ def _pread_record(fd: int, offset: int, length: int, where: str) -> bytes:
     a crafted length must not make us allocate it (os.pread allocates ``length`` bytes up front)."""
     _check_extent(fd, offset, length, where)
     return os.pread(fd, length, offset)
+
 
 class SafeFileSystemReader(FileSystemReader):
     """FileSystemReader whose metadata and records are read with the allow-list unpickler."""
@@ -139,12 +148,15 @@ class SafeFileSystemReader(FileSystemReader):
             planner.record_where = where  # type: ignore[attr-defined]  # so a refusal names the file
             planner.load_bytes(req, io.BytesIO(data))
             return
-        tensor = narrow_tensor_by_index(_tensor_at(fd, info.offset, info.length, where), req.storage_offsets,
-                                        req.lengths)
+        tensor = narrow_tensor_by_index(
+            _tensor_at(fd, info.offset, info.length, where), req.storage_offsets, req.lengths
+        )
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
-            raise CheckpointError(f"{where} holds {list(tensor.size())}, the load plan expects {list(target.size())}; "
-                                  "the checkpoint is corrupted, pick another step")
+            raise CheckpointError(
+                f"{where} holds {list(tensor.size())}, the load plan expects {list(target.size())}; "
+                "the checkpoint is corrupted, pick another step"
+            )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 
@@ -164,8 +176,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def load_state(state_dict: dict[str, Any], ckpt_dir: str | os.PathLike[str], *, process_group: Any = None,
-               no_dist: bool = False) -> None:
+def load_state(
+    state_dict: dict[str, Any], ckpt_dir: str | os.PathLike[str], *, process_group: Any = None, no_dist: bool = False
+) -> None:
     """``dcp.load`` into ``state_dict`` through SafeFileSystemReader and SafeLoadPlanner. DCP gathers the
     ranks' failures into a multi-line CheckpointException; a CheckpointError of any rank (a refused
     record, a missing file) is raised as itself, one line naming the file."""
@@ -173,8 +186,13 @@ def load_state(state_dict: dict[str, Any], ckpt_dir: str | os.PathLike[str], *, 
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(state_dict, storage_reader=SafeFileSystemReader(ckpt_dir), planner=SafeLoadPlanner(),
-                 process_group=process_group, no_dist=no_dist)
+        dcp.load(
+            state_dict,
+            storage_reader=SafeFileSystemReader(ckpt_dir),
+            planner=SafeLoadPlanner(),
+            process_group=process_group,
+            no_dist=no_dist,
+        )
     except CheckpointException as e:
         ours = [exc for _, (exc, _tb) in sorted(e.failures.items()) if isinstance(exc, CheckpointError)]
         if ours:
@@ -206,6 +224,7 @@ def save_in_process(state_dict: dict[str, Any], storage_writer: Any, planner: An
 
 def _first_failure(failures: list[BaseException]) -> BaseException:
     """What a failed save says in one line: a CheckpointError behind any failure, else an OSError, else the first."""
+
     def chain(exc: BaseException | None) -> Iterator[BaseException]:
         for _ in range(16):
             if exc is None:
@@ -276,9 +295,11 @@ class DCPTensorReader:
             index = MetadataIndex(key, chunk.offsets)
             piece = _tensor(self._read(index), self._where(index))
             if piece.numel() != math.prod(chunk.sizes) or piece.dtype != md.properties.dtype:
-                raise CheckpointError(f"{self._where(index)}: holds {piece.dtype} {list(piece.shape)}, .metadata "
-                                      f"says {md.properties.dtype} {list(chunk.sizes)}; the checkpoint is corrupted or "
-                                      "crafted, pick another step")
+                raise CheckpointError(
+                    f"{self._where(index)}: holds {piece.dtype} {list(piece.shape)}, .metadata "
+                    f"says {md.properties.dtype} {list(chunk.sizes)}; the checkpoint is corrupted or "
+                    "crafted, pick another step"
+                )
             dst = out
             for dim, (off, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
                 dst = dst.narrow(dim, off, length)
@@ -302,5 +323,12 @@ class DCPTensorReader:
         self.close()
 
 
-__all__ = ["DCPTensorReader", "SafeFileSystemReader", "SafeLoadPlanner", "load_state", "plain_name", "read_metadata",
-           "save_in_process"]
+__all__ = [
+    "DCPTensorReader",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "load_state",
+    "plain_name",
+    "read_metadata",
+    "save_in_process",
+]

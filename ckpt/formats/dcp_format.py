@@ -5,6 +5,7 @@ What a DCP checkpoint holds: ``.metadata`` (read through the allow-list, ``ckpt.
 tensors it records must be those ``.metadata`` describes, and every rank of the recorded world size wrote.
 DCP reshards at load time: a reshard is a recorded no-op.
 """
+
 from __future__ import annotations
 
 import re
@@ -44,20 +45,27 @@ def check_layout(ckpt_dir: Path, manifest: CheckpointManifest, inputs: Mapping[s
     except CheckpointError as e:
         return [str(e)]
     except (AttributeError, TypeError, ValueError, KeyError, RecursionError) as e:  # a record missing a field, ...
-        return [f"{ckpt_dir / '.metadata'}: not the structure DCP writes ({type(e).__name__}); the checkpoint is "
-                "corrupted or crafted, pick another step"]
+        return [
+            f"{ckpt_dir / '.metadata'}: not the structure DCP writes ({type(e).__name__}); the checkpoint is "
+            "corrupted or crafted, pick another step"
+        ]
     if referenced != listed:
         diff = sorted(referenced ^ listed)[0]
-        side = "referenced by .metadata but not listed in the manifest" if diff in referenced else \
-            "listed in the manifest but not referenced by .metadata"
+        side = (
+            "referenced by .metadata but not listed in the manifest"
+            if diff in referenced
+            else "listed in the manifest but not referenced by .metadata"
+        )
         return [f"{ckpt_dir / diff}: {side}; the manifest does not describe this DCP checkpoint, pick another step"]
     if inventory:
         return inventory
     ranks = {e.path: int(m.group(1)) for e in manifest.files if (m := DCP_FILE_RE.match(e.path))}
     for e in manifest.files:
         if e.path in ranks and e.rank is not None and e.rank != ranks[e.path]:
-            return [f"{ckpt_dir / e.path}: the manifest says rank {e.rank} wrote it, its name says rank "
-                    f"{ranks[e.path]}; the manifest is inconsistent, pick another step"]
+            return [
+                f"{ckpt_dir / e.path}: the manifest says rank {e.rank} wrote it, its name says rank "
+                f"{ranks[e.path]}; the manifest is inconsistent, pick another step"
+            ]
     # a converted checkpoint is written by one process whatever world size it records
     required = set(range(manifest.topology.world_size)) if manifest.reason != "converted" else set()
     return check_ranks(ckpt_dir, manifest, ranks, required)
@@ -70,15 +78,22 @@ def check_inventory(ckpt_dir: Path, manifest: CheckpointManifest, md: Any) -> li
     for t in manifest.tensors:
         meta = md.state_dict_metadata.get(t.name)
         properties = getattr(meta, "properties", None)
-        if type(meta) is not tensor_class or type(getattr(meta, "size", None)) is not tuple or type(properties) is not \
-                safe_pickle.LAYOUT_RECORDS["TensorProperties"] or type(getattr(properties, "dtype", None)) is not \
-                safe_pickle.LayoutDType:
-            return [f"{ckpt_dir / '.metadata'}: holds no tensor {t.name} that the manifest records; the files are "
-                    "of another model or run, pick another step"]
+        if (
+            type(meta) is not tensor_class
+            or type(getattr(meta, "size", None)) is not tuple
+            or type(properties) is not safe_pickle.LAYOUT_RECORDS["TensorProperties"]
+            or type(getattr(properties, "dtype", None)) is not safe_pickle.LayoutDType
+        ):
+            return [
+                f"{ckpt_dir / '.metadata'}: holds no tensor {t.name} that the manifest records; the files are "
+                "of another model or run, pick another step"
+            ]
         shape, dtype = list(meta.size), str(meta.properties.dtype).removeprefix("torch.")
         if (shape, dtype) != (t.shape, t.dtype):
-            return [f"{ckpt_dir / '.metadata'}: {t.name} is {dtype}{shape}, the manifest records {t.dtype}{t.shape}; "
-                    "the files are of another architecture, pick another step"]
+            return [
+                f"{ckpt_dir / '.metadata'}: {t.name} is {dtype}{shape}, the manifest records {t.dtype}{t.shape}; "
+                "the files are of another architecture, pick another step"
+            ]
     return []
 
 
@@ -90,12 +105,15 @@ def check_counters(ckpt_dir: Path, manifest: CheckpointManifest) -> None:
         keys = set(reader.tensor_keys())
         for key in ("step", "tokens", "samples"):
             if f"trainer.{key}" not in keys:
-                raise CheckpointError(f"{ckpt_dir}: no trainer.{key} stored; not a shardkeeper DCP checkpoint, "
-                                      "pick another step")
+                raise CheckpointError(
+                    f"{ckpt_dir}: no trainer.{key} stored; not a shardkeeper DCP checkpoint, pick another step"
+                )
             stored = int(reader.read(f"trainer.{key}").item())
             if stored != getattr(manifest, key):
-                raise CheckpointError(f"{ckpt_dir}: stored trainer.{key} is {stored}, the manifest says "
-                                      f"{getattr(manifest, key)}; the checkpoint is inconsistent, pick another step")
+                raise CheckpointError(
+                    f"{ckpt_dir}: stored trainer.{key} is {stored}, the manifest says "
+                    f"{getattr(manifest, key)}; the checkpoint is inconsistent, pick another step"
+                )
 
 
 def recompute_fingerprint(ckpt_dir: Path, manifest: CheckpointManifest) -> Fingerprint:
@@ -106,23 +124,24 @@ def recompute_fingerprint(ckpt_dir: Path, manifest: CheckpointManifest) -> Finge
     check_counters(ckpt_dir, manifest)
     with DCPTensorReader(ckpt_dir) as reader:
         keys = set(reader.tensor_keys())
-        model_sq = fp.sum_squares((k[len("model."):], reader.read(k)) for k in sorted(keys) if k.startswith("model."))
+        model_sq = fp.sum_squares((k[len("model.") :], reader.read(k)) for k in sorted(keys) if k.startswith("model."))
         optim_names = [k for k in sorted(keys) if k.startswith("optim.state.") and k.rsplit(".", 1)[-1] in MOMENTS]
-        optim_sq = fp.sum_squares((k[len("optim.state."):], reader.read(k)) for k in optim_names)
+        optim_sq = fp.sum_squares((k[len("optim.state.") :], reader.read(k)) for k in optim_names)
         step_keys = [k for k in sorted(keys) if k.startswith("optim.state.") and k.endswith(".step")]
         step = float(reader.read(step_keys[0]).item()) if step_keys else 0.0
         # every other record too (rng, counters, steps, byte values): each is parsed with the allow-list,
         # so a checkpoint that passes --deep holds nothing a resume would refuse
         for k in sorted(keys - set(step_keys[:1]) - {k for k in keys if k.startswith("model.")} - set(optim_names)):
             value = reader.read(k)
-            if k.startswith("extra."):  # a script's tracked state (ckpt.formats.packed): it must unpack, as a load would
+            if k.startswith(
+                "extra."
+            ):  # a script's tracked state (ckpt.formats.packed): it must unpack, as a load would
                 from ckpt.formats.packed import unpack
 
                 unpack(value, f"{ckpt_dir / '.metadata'}: {k}")
         for k in reader.byte_keys():
             reader.read_bytes_value(k)
     return fp.make_fingerprint(model_sq, optim_sq, step)
-
 
 
 class DCPFormat:
@@ -135,8 +154,9 @@ class DCPFormat:
             return None
         return "DCP checkpoints hold only .metadata and __RANK_N.distcp files"
 
-    def check_layout(self, ckpt_dir: Path, manifest: CheckpointManifest,
-                     inputs: Mapping[str, bytes] | None = None) -> list[str]:
+    def check_layout(
+        self, ckpt_dir: Path, manifest: CheckpointManifest, inputs: Mapping[str, bytes] | None = None
+    ) -> list[str]:
         return check_layout(ckpt_dir, manifest, inputs)
 
     def recompute_fingerprint(self, ckpt_dir: Path, manifest: CheckpointManifest) -> Fingerprint:
@@ -153,9 +173,16 @@ class DCPFormat:
             return ckpt_dir, "none", 0.0
         run = RunDir.of_checkpoint(ckpt_dir)
         if run is not None:
-            lineage.record(run.root, "reshard", f"reshard:{ckpt_dir.name}:{world_size}",
-                           parent=f"checkpoint:{ckpt_dir.name}", step=manifest.step, method="dcp-load-time",
-                           from_world_size=manifest.topology.world_size, to_world_size=world_size)
+            lineage.record(
+                run.root,
+                "reshard",
+                f"reshard:{ckpt_dir.name}:{world_size}",
+                parent=f"checkpoint:{ckpt_dir.name}",
+                step=manifest.step,
+                method="dcp-load-time",
+                from_world_size=manifest.topology.world_size,
+                to_world_size=world_size,
+            )
         return ckpt_dir, "dcp-load-time", 0.0
 
 

@@ -9,6 +9,7 @@ storage record, every record lies inside its file, does not share bytes with ano
 chunk. DCP's planner checks the same of its own plan when it saves (``_validate_global_plan``), but a load of
 someone else's ``.metadata`` trusts it: two chunks claiming the same rows would leave the rows of neither read.
 """
+
 from __future__ import annotations
 
 import gc
@@ -23,8 +24,20 @@ from ckpt.fsutil import not_regular, read_regular
 from schemas.errors import CheckpointError
 
 # bytes per element of the dtypes DCP's metadata can name (torch's own itemsize, without torch)
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-             "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
+_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
 MAX_DIMS = 64  # dimensions of one tensor (torch itself allows 64)
 # boxes visited by the tiling check per chunk beyond a regular grid (which visits each chunk once per dimension): a
 # crafted layout of chunks that overlap in one dimension but not in the next cannot make the check quadratic
@@ -43,7 +56,9 @@ def read_metadata_as(ckpt_dir: Path, data: bytes | None, profile: safe_pickle.Pr
         raise CheckpointError(f"{path}: missing; the DCP checkpoint is incomplete, pick another step") from None
     md = safe_pickle.load(data, profile, where=str(path))
     if not isinstance(md, metadata_class):
-        raise CheckpointError(f"{path}: holds {type(md).__name__}, not DCP Metadata; the checkpoint is corrupted, pick another step")
+        raise CheckpointError(
+            f"{path}: holds {type(md).__name__}, not DCP Metadata; the checkpoint is corrupted, pick another step"
+        )
     return md
 
 
@@ -55,11 +70,20 @@ def read_layout(ckpt_dir: Path, data: bytes | None = None, file_sizes: Mapping[s
     md = read_metadata_as(ckpt_dir, data, safe_pickle.DCP_LAYOUT, records["Metadata"])
     where = ckpt_dir / ".metadata"
     storage, tensors = getattr(md, "storage_data", None), getattr(md, "state_dict_metadata", None)
-    if not isinstance(storage, dict) or not isinstance(tensors, dict) or not all(
-            type(k) is records["MetadataIndex"] and type(v) is records["_StorageInfo"]
-            and type(getattr(v, "relative_path", None)) is str for k, v in storage.items()):
-        raise CheckpointError(f"{where}: not the structure DCP writes (storage_data, state_dict_metadata); the "
-                              "checkpoint is corrupted, pick another step")
+    if (
+        not isinstance(storage, dict)
+        or not isinstance(tensors, dict)
+        or not all(
+            type(k) is records["MetadataIndex"]
+            and type(v) is records["_StorageInfo"]
+            and type(getattr(v, "relative_path", None)) is str
+            for k, v in storage.items()
+        )
+    ):
+        raise CheckpointError(
+            f"{where}: not the structure DCP writes (storage_data, state_dict_metadata); the "
+            "checkpoint is corrupted, pick another step"
+        )
     check_extents(md, where, file_sizes)
     return md
 
@@ -67,8 +91,10 @@ def read_layout(ckpt_dir: Path, data: bytes | None = None, file_sizes: Mapping[s
 def plain_name(name: Any, where: Path) -> str:
     """A data file named by the metadata must be a plain name inside the checkpoint directory."""
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
-        raise CheckpointError(f"{where}: names data file {name!r:.80}, not a plain file name in the checkpoint; "
-                              "the checkpoint is corrupted or hostile, pick another step")
+        raise CheckpointError(
+            f"{where}: names data file {name!r:.80}, not a plain file name in the checkpoint; "
+            "the checkpoint is corrupted or hostile, pick another step"
+        )
     return name
 
 
@@ -81,8 +107,12 @@ def itemsize(dtype: Any) -> int:
 
 def _dims(value: Any) -> tuple[int, ...] | None:
     """``value`` as a tuple of non-negative ints (torch.Size is one), or None."""
-    if not isinstance(value, tuple) or len(value) > MAX_DIMS or not all(type(v) is int for v in value) or \
-            (value and min(value) < 0):
+    if (
+        not isinstance(value, tuple)
+        or len(value) > MAX_DIMS
+        or not all(type(v) is int for v in value)
+        or (value and min(value) < 0)
+    ):
         return None
     return tuple(value)
 
@@ -134,18 +164,28 @@ def _check_extents(md: Any, where: Path, sizes: Mapping[str, int]) -> None:
         offsets = None if at is None else _dims(at)
         start, length = getattr(info, "offset", None), getattr(info, "length", None)
         name = getattr(info, "relative_path", None)
-        if type(fqn) is not str or (at is not None and offsets is None) or type(start) is not int or \
-                type(length) is not int or start < 0 or length < 0:
-            raise CheckpointError(f"{where}: a storage record ({str(fqn)[:80]}) without a name, offset and length; "
-                                  f"not the structure DCP writes, {_CRAFTED}")
+        if (
+            type(fqn) is not str
+            or (at is not None and offsets is None)
+            or type(start) is not int
+            or type(length) is not int
+            or start < 0
+            or length < 0
+        ):
+            raise CheckpointError(
+                f"{where}: a storage record ({str(fqn)[:80]}) without a name, offset and length; "
+                f"not the structure DCP writes, {_CRAFTED}"
+            )
         spans = per_file.get(name)  # type: ignore[arg-type]
         if spans is None:
             spans = per_file[plain_name(name, where)] = []
         size = sizes.get(name)
         if size is not None and start + length > size:
-            raise CheckpointError(f"{where}: the record of {_label(fqn, offsets)} declares bytes "
-                                  f"{start}..{start + length} of {name}, a {size}-byte file; the checkpoint is "
-                                  "truncated or crafted, pick another step")
+            raise CheckpointError(
+                f"{where}: the record of {_label(fqn, offsets)} declares bytes "
+                f"{start}..{start + length} of {name}, a {size}-byte file; the checkpoint is "
+                "truncated or crafted, pick another step"
+            )
         records[(fqn, offsets)] = (length, name)
         spans.append((start, length, fqn, offsets))
     for name, spans in per_file.items():
@@ -154,8 +194,10 @@ def _check_extents(md: Any, where: Path, sizes: Mapping[str, int]) -> None:
     for fqn, meta in md.state_dict_metadata.items():
         kind = type(meta).__name__
         if type(fqn) is not str or kind not in ("TensorStorageMetadata", "BytesStorageMetadata"):
-            raise CheckpointError(f"{where}: an entry ({str(fqn)[:80]}: {kind}) that is neither a tensor nor a value; "
-                                  f"not the structure DCP writes, {_CRAFTED}")
+            raise CheckpointError(
+                f"{where}: an entry ({str(fqn)[:80]}: {kind}) that is neither a tensor nor a value; "
+                f"not the structure DCP writes, {_CRAFTED}"
+            )
         if kind == "BytesStorageMetadata":
             if (fqn, None) not in records:
                 raise CheckpointError(f"{where}: no storage record for the value {fqn}; {_CRAFTED}")
@@ -164,8 +206,10 @@ def _check_extents(md: Any, where: Path, sizes: Mapping[str, int]) -> None:
         named.update(_check_tensor(where, fqn, meta, records))
     extra = [k for k in records if k not in named]
     if extra:
-        raise CheckpointError(f"{where}: a storage record of {_label(*min(extra, key=str))}, which no tensor chunk or "
-                              f"value of .metadata describes; {_CRAFTED}")
+        raise CheckpointError(
+            f"{where}: a storage record of {_label(*min(extra, key=str))}, which no tensor chunk or "
+            f"value of .metadata describes; {_CRAFTED}"
+        )
 
 
 def _label(fqn: str, offsets: tuple[int, ...] | None) -> str:
@@ -180,8 +224,10 @@ def _disjoint_records(where: Path, name: str, spans: list[tuple[int, int, str, t
     for span in spans:
         start, length = span[0], span[1]
         if length and start < end:
-            raise CheckpointError(f"{where}: the records of {_label(*last[2:])} and {_label(*span[2:])} share bytes "
-                                  f"{start}..{min(end, start + length)} of {name}; {_CRAFTED}")
+            raise CheckpointError(
+                f"{where}: the records of {_label(*last[2:])} and {_label(*span[2:])} share bytes "
+                f"{start}..{min(end, start + length)} of {name}; {_CRAFTED}"
+            )
         if length and start + length > end:
             end, last = start + length, span
 
@@ -194,26 +240,34 @@ def _check_tensor(where: Path, fqn: str, meta: Any, records: Records) -> list[tu
     record keys."""
     shape, chunks = _dims(getattr(meta, "size", None)), getattr(meta, "chunks", None)
     if shape is None or not isinstance(chunks, list):
-        raise CheckpointError(f"{where}: tensor {fqn} without a shape and a list of chunks; not the structure DCP "
-                              f"writes, {_CRAFTED}")
+        raise CheckpointError(
+            f"{where}: tensor {fqn} without a shape and a list of chunks; not the structure DCP writes, {_CRAFTED}"
+        )
     item = itemsize(getattr(getattr(meta, "properties", None), "dtype", None))
     boxes, keys = [], []
     for chunk in chunks:
         offsets, lengths = _dims(getattr(chunk, "offsets", None)), _dims(getattr(chunk, "sizes", None))
         if offsets is None or lengths is None or len(offsets) != len(shape) or len(lengths) != len(shape):
-            raise CheckpointError(f"{where}: tensor {fqn} {list(shape)} has a chunk that is not {len(shape)} offsets "
-                                  f"and sizes; {_CRAFTED}")
+            raise CheckpointError(
+                f"{where}: tensor {fqn} {list(shape)} has a chunk that is not {len(shape)} offsets "
+                f"and sizes; {_CRAFTED}"
+            )
         if any(o + n > d for o, n, d in zip(offsets, lengths, shape)):
-            raise CheckpointError(f"{where}: tensor {fqn} {list(shape)} has the chunk {_box(offsets, lengths)}, which "
-                                  f"reaches past the tensor; {_CRAFTED}")
+            raise CheckpointError(
+                f"{where}: tensor {fqn} {list(shape)} has the chunk {_box(offsets, lengths)}, which "
+                f"reaches past the tensor; {_CRAFTED}"
+            )
         record = records.get((fqn, offsets))
         if record is None:
-            raise CheckpointError(f"{where}: tensor {fqn} has no storage record for its chunk "
-                                  f"{_box(offsets, lengths)}; {_CRAFTED}")
+            raise CheckpointError(
+                f"{where}: tensor {fqn} has no storage record for its chunk {_box(offsets, lengths)}; {_CRAFTED}"
+            )
         if record[0] < math.prod(lengths) * item:
-            raise CheckpointError(f"{where}: the record of {fqn} for its chunk {_box(offsets, lengths)} in {record[1]} "
-                                  f"is {record[0]} bytes, fewer than the chunk's {math.prod(lengths)} x {item}; "
-                                  f"{_CRAFTED}")
+            raise CheckpointError(
+                f"{where}: the record of {fqn} for its chunk {_box(offsets, lengths)} in {record[1]} "
+                f"is {record[0]} bytes, fewer than the chunk's {math.prod(lengths)} x {item}; "
+                f"{_CRAFTED}"
+            )
         boxes.append((offsets, lengths))
         keys.append((fqn, offsets))
     problem = tiling_problem(shape, boxes)
@@ -276,7 +330,7 @@ def _slabs(shape: tuple[int, ...], boxes: list[Box], d: int, at: tuple[int, ...]
         for k in range(d, len(shape)):  # one chunk left: it must span every remaining dimension whole
             if offsets[k] or lengths[k] != shape[k]:
                 point = at + (0,) * (len(shape) - d)
-                return _gap(point if any(offsets[d:]) else point[:k] + (lengths[k],) + point[k + 1:])
+                return _gap(point if any(offsets[d:]) else point[:k] + (lengths[k],) + point[k + 1 :])
         return None
     cuts = sorted({0, shape[d], *(o[d] for o, _ in boxes), *(o[d] + n[d] for o, n in boxes)})
     slot = {c: i for i, c in enumerate(cuts)}
@@ -307,5 +361,12 @@ def _gap(point: tuple[int, ...]) -> str:
     return f"no chunk holds element {list(point)} (the chunks leave a gap)"
 
 
-__all__ = ["check_extents", "file_sizes_of", "itemsize", "plain_name", "read_layout", "read_metadata_as",
-           "tiling_problem"]
+__all__ = [
+    "check_extents",
+    "file_sizes_of",
+    "itemsize",
+    "plain_name",
+    "read_layout",
+    "read_metadata_as",
+    "tiling_problem",
+]

@@ -51,8 +51,13 @@ class OnePassReader(SafeFileSystemReader):
     """SafeFileSystemReader that verifies ``expected`` (file name -> (size, xxh3-128)) in ``read_data`` and defers
     every read into the live tensors to ``apply``."""
 
-    def __init__(self, path: str | os.PathLike[str], expected: dict[str, tuple[int, str]], node_size: int | None = None,
-                 verified: dict[str, tuple[int, str, FileIdentity]] | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        expected: dict[str, tuple[int, str]],
+        node_size: int | None = None,
+        verified: dict[str, tuple[int, str, FileIdentity]] | None = None,
+    ):
         super().__init__(path)
         # Files this process (its node's leader) hashed whole moments ago, each with its identity then (st_dev,
         # st_ino, st_size, st_mtime_ns, st_ctime_ns): one still the same file is not hashed again
@@ -100,7 +105,8 @@ class OnePassReader(SafeFileSystemReader):
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             per_file.setdefault(plain_name(info.relative_path, where_md), {}).setdefault(
-                (info.offset, info.length), []).append(item)
+                (info.offset, info.length), []
+            ).append(item)
         error: CheckpointError | None = None
         mismatch: ChecksumMismatch | None = None
         self._prefetch(per_file, owned)
@@ -111,7 +117,9 @@ class OnePassReader(SafeFileSystemReader):
                 try:
                     fds[name] = os.open(path, os.O_RDONLY)
                 except FileNotFoundError:
-                    error = error or CheckpointError(f"{path}: missing; the checkpoint is incomplete, pick another step")
+                    error = error or CheckpointError(
+                        f"{path}: missing; the checkpoint is incomplete, pick another step"
+                    )
                     continue
                 self._identity[name] = file_identity(os.fstat(fds[name]))
             # The owned files are hashed in order on a thread (preadv and xxh3 release the GIL) while this one checks
@@ -121,8 +129,10 @@ class OnePassReader(SafeFileSystemReader):
             for name in known:
                 self.digests[name] = self.verified[name][:2]
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify") as pool:
-                jobs = {name: pool.submit(self._hash_whole, fds[name], self._identity[name][2], hashed.report(name))
-                        for name in sorted(owned & set(fds) - known)}
+                jobs = {
+                    name: pool.submit(self._hash_whole, fds[name], self._identity[name][2], hashed.report(name))
+                    for name in sorted(owned & set(fds) - known)
+                }
                 try:
                     for name in sorted(fds):
                         path = Path(self.path) / name
@@ -157,8 +167,9 @@ class OnePassReader(SafeFileSystemReader):
         """``name`` was hashed whole against this manifest entry in this restore and is still that file."""
         known = self.verified.get(name)
         ident = self._identity[name]
-        return (known is not None and known[:2] == self.expected.get(name) and known[2] == ident
-                and ident[2] == known[0])  # its size now is the manifest's
+        return (
+            known is not None and known[:2] == self.expected.get(name) and known[2] == ident and ident[2] == known[0]
+        )  # its size now is the manifest's
 
     def _prefetch(self, per_file: dict[str, dict[tuple[int, int], list[ReadItem]]], owned: set[str]) -> None:
         """Ask the kernel to start reading, now and in the background, every byte this rank will read: the files
@@ -195,8 +206,9 @@ class OnePassReader(SafeFileSystemReader):
             progress(-1)  # done (or failed): nobody waits for more of this file
         return pos, h.hexdigest()
 
-    def _plan_record(self, fd: int, path: Path, offset: int, length: int, reqs: list[ReadItem],
-                     planner: LoadPlanner) -> None:
+    def _plan_record(
+        self, fd: int, path: Path, offset: int, length: int, reqs: list[ReadItem], planner: LoadPlanner
+    ) -> None:
         """Check one record's structure and where each request's bytes go (no tensor data is read); byte values
         are decoded now (they go into the state dict, not the live tensors); the tensor reads wait for apply."""
         first = reqs[0]
@@ -214,26 +226,41 @@ class OnePassReader(SafeFileSystemReader):
         with TorchZip(fd, offset, length, where) as zf:
             record = zf.describe(safe_pickle.TENSOR_RECORD)
             if not isinstance(record, StoredTensor):
-                raise CheckpointError(f"{where}: holds a {type(record).__name__}, not one tensor; the checkpoint is "
-                                      "corrupted, pick another step")
+                raise CheckpointError(
+                    f"{where}: holds a {type(record).__name__}, not one tensor; the checkpoint is "
+                    "corrupted, pick another step"
+                )
             data_offset, storage_bytes, _crc = zf.storage_entry(record.key)  # the file's xxh3 covers its bytes
         itemsize = record.dtype.itemsize
         if record.offset < 0 or (record.offset + record.numel) * itemsize > storage_bytes:
-            raise CheckpointError(f"{where}: tensor of {list(record.shape)} runs past its storage of {storage_bytes} "
-                                  "bytes; the checkpoint is corrupted, pick another step")
+            raise CheckpointError(
+                f"{where}: tensor of {list(record.shape)} runs past its storage of {storage_bytes} "
+                "bytes; the checkpoint is corrupted, pick another step"
+            )
         for req in reqs:
             target = planner.resolve_tensor(req).detach()
             lengths, offsets = tuple(req.lengths), tuple(req.storage_offsets)
-            if (len(lengths) != len(record.shape) or len(offsets) != len(lengths)
-                    or any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, record.shape))
-                    or tuple(target.size()) != lengths):
-                raise CheckpointError(f"{where} holds {list(record.shape)}, the load plan expects {list(target.size())}"
-                                      f" at {list(offsets)}; the checkpoint is corrupted, pick another step")
+            if (
+                len(lengths) != len(record.shape)
+                or len(offsets) != len(lengths)
+                or any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, record.shape))
+                or tuple(target.size()) != lengths
+            ):
+                raise CheckpointError(
+                    f"{where} holds {list(record.shape)}, the load plan expects {list(target.size())}"
+                    f" at {list(offsets)}; the checkpoint is corrupted, pick another step"
+                )
             whole = not any(offsets) and lengths == record.shape
-            if (whole and record.dtype == target.dtype and record.is_contiguous() and target.is_contiguous()
-                    and target.device.type == "cpu"):
-                self.pending.append((req, target, (path.name, data_offset + record.offset * itemsize,
-                                                   record.numel * itemsize)))
+            if (
+                whole
+                and record.dtype == target.dtype
+                and record.is_contiguous()
+                and target.is_contiguous()
+                and target.device.type == "cpu"
+            ):
+                self.pending.append(
+                    (req, target, (path.name, data_offset + record.offset * itemsize, record.numel * itemsize))
+                )
             else:  # a piece of the record, or another layout: decoded whole in apply, then narrowed and copied
                 self.pending.append((req, target, (path.name, offset, -length)))
 
@@ -253,8 +280,10 @@ class OnePassReader(SafeFileSystemReader):
             fd = os.open(path, os.O_RDONLY)
             try:
                 if file_identity(os.fstat(fd)) != self._identity.get(name):
-                    raise CheckpointError(f"{path}: changed after it was verified; something writes into a committed "
-                                          "checkpoint, stop it and resume again")
+                    raise CheckpointError(
+                        f"{path}: changed after it was verified; something writes into a committed "
+                        "checkpoint, stop it and resume again"
+                    )
                 for req, target, (_, offset, n) in sorted(items, key=lambda it: abs(it[2][1])):
                     if n >= 0:
                         _pread_exact(fd, byte_view(target), offset, f"{path}: chunk of {req.storage_index.fqn}")
@@ -282,6 +311,7 @@ class _Progress:
             with self._cond:
                 self._at[name] = pos if pos >= 0 else 1 << 62
                 self._cond.notify_all()
+
         return told
 
     def wait(self, name: str, end: int) -> None:
@@ -299,9 +329,16 @@ def _pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
         raise CheckpointError(f"{where}: the file ended early; it changed after it was verified, resume again")
 
 
-def load_verified(state_dict: dict[str, Any], ckpt_dir: str | os.PathLike[str], expected: dict[str, tuple[int, str]],
-                  *, process_group: Any = None, no_dist: bool = False, node_size: int | None = None,
-                  verified: dict[str, tuple[int, str, FileIdentity]] | None = None) -> OnePassReader:
+def load_verified(
+    state_dict: dict[str, Any],
+    ckpt_dir: str | os.PathLike[str],
+    expected: dict[str, tuple[int, str]],
+    *,
+    process_group: Any = None,
+    no_dist: bool = False,
+    node_size: int | None = None,
+    verified: dict[str, tuple[int, str, FileIdentity]] | None = None,
+) -> OnePassReader:
     """``dcp.load`` of ``ckpt_dir`` verified in one pass against ``expected``; on any rank's failure every rank
     raises (a ChecksumMismatch first) and ``state_dict``'s tensors are untouched. On success the chunks are
     copied in and the reader returned (its ``digests`` and ``extra_bytes`` for the record). ``node_size``: each node

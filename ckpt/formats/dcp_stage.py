@@ -77,8 +77,9 @@ class SnapshotTemplate:
         return True
 
     @classmethod
-    def build(cls, root: Path, results: list, items: list, flat: dict[str, Any], metadata: Any = None
-              ) -> SnapshotTemplate | None:
+    def build(
+        cls, root: Path, results: list, items: list, flat: dict[str, Any], metadata: Any = None
+    ) -> SnapshotTemplate | None:
         """From an ordinary DCP write of ``flat`` (the staged state dict, flattened as DCP flattens it) into
         ``root``: this rank's ``results`` (WriteResults) and plan ``items``. None when the layout is not one the
         stage can reproduce (a key written in several chunks, a tensor whose bytes are not found where the zip
@@ -143,8 +144,10 @@ class SnapshotTemplate:
                 value = flat[fqn]
                 local = (value.to_local() if isinstance(value, DTensor) else value).detach()
                 found = np.frombuffer(maps[reg.file], dtype=np.uint8, count=reg.nbytes, offset=reg.offset)
-                same = (xxhash.xxh3_128(found).digest()  # two hashes: ~10x faster than comparing the arrays
-                        == xxhash.xxh3_128(local.reshape(-1).view(torch.uint8).numpy()).digest())
+                same = (
+                    xxhash.xxh3_128(found).digest()  # two hashes: ~10x faster than comparing the arrays
+                    == xxhash.xxh3_128(local.reshape(-1).view(torch.uint8).numpy()).digest()
+                )
                 del found
                 if not same:
                     return False
@@ -207,8 +210,14 @@ class StageFiles:
     where it holds them). ``staged``: the state dict to copy the state into (tensors written by this rank are
     views of the files; the others are ``like``'s own buffers)."""
 
-    def __init__(self, template: SnapshotTemplate, stage_dir: Path, reuse: Path | None, like: dict[str, Any],
-                 kept: dict[tuple[int, int], tuple[int, mmap.mmap]] | None = None) -> None:
+    def __init__(
+        self,
+        template: SnapshotTemplate,
+        stage_dir: Path,
+        reuse: Path | None,
+        like: dict[str, Any],
+        kept: dict[tuple[int, int], tuple[int, mmap.mmap]] | None = None,
+    ) -> None:
         """``kept``: maps made for earlier stages, by file (device, inode): a file staged before (the snapshots
         alternate between two sets of files) is written through its map again; a new map's page tables cost as
         much as writing the file. Updated with the maps made here."""
@@ -234,7 +243,10 @@ class StageFiles:
                             os.posix_fallocate(fd, 0, size)  # every page now, on this thread: none faulted in later
                     if size:
                         if known is None:
-                            known = (size, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)))
+                            known = (
+                                size,
+                                mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)),
+                            )
                             kept[key] = known
                         self.maps[name] = known[1]
                         self.keys.add(key)
@@ -242,9 +254,15 @@ class StageFiles:
                     os.close(fd)
             self.staged = _views(like, template, self.maps)
             # the packed states of tracked objects (``extra.rankR.NAME``, uint8): copied in by ``put_extras``
-            self.extras = {fqn: (torch.frombuffer(self.maps[reg.file], dtype=torch.uint8, count=reg.nbytes,
-                                                  offset=reg.offset) if reg.nbytes else torch.empty(0, dtype=torch.uint8))
-                           for fqn, reg in template.tensors.items() if fqn.startswith(EXTRA)}
+            self.extras = {
+                fqn: (
+                    torch.frombuffer(self.maps[reg.file], dtype=torch.uint8, count=reg.nbytes, offset=reg.offset)
+                    if reg.nbytes
+                    else torch.empty(0, dtype=torch.uint8)
+                )
+                for fqn, reg in template.tensors.items()
+                if fqn.startswith(EXTRA)
+            }
         except BaseException:
             self.discard()
             for name in template.sizes:  # a stage that failed (a full memory dir) holds no memory
@@ -259,7 +277,8 @@ class StageFiles:
         structure of views returned. None (nothing copied) when they are not the template's names and sizes."""
         flat = {f"{EXTRA}{rank}.{name}": t for rank, named in extra.items() for name, t in named.items()}
         if set(flat) != set(self.extras) or any(
-                t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != self.extras[k].numel() for k, t in flat.items()):
+            t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != self.extras[k].numel() for k, t in flat.items()
+        ):
             return None
         for k, t in flat.items():
             self.extras[k].copy_(t)
@@ -299,9 +318,9 @@ class StageFiles:
         for name, regions in self.template.skeleton.items():
             m = self.maps.get(name)
             for at, raw in regions if m is not None else ():
-                m[at: at + len(raw)] = raw
+                m[at : at + len(raw)] = raw
         for fqn, reg in self.template.blobs.items():
-            self.maps[reg.file][reg.offset: reg.offset + reg.nbytes] = blobs[fqn]
+            self.maps[reg.file][reg.offset : reg.offset + reg.nbytes] = blobs[fqn]
 
     def digests(self) -> dict[str, tuple[int, str]]:
         """(size, xxh3-128) of each file, hashed whole from its map."""
@@ -313,7 +332,7 @@ class StageFiles:
                 view = memoryview(m)
                 try:
                     for at in range(0, size, _PIECE):
-                        h.update(view[at: at + _PIECE])
+                        h.update(view[at : at + _PIECE])
                 finally:
                     view.release()
             out[name] = (size, h.hexdigest())
@@ -358,8 +377,16 @@ def _views(like: dict[str, Any], template: SnapshotTemplate, maps: dict[str, mma
         local = value.to_local() if isinstance(value, DTensor) else value
         if not isinstance(local, torch.Tensor) or local.dtype != dtype or tuple(local.shape) != shape:
             raise ValueError(f"{fqn}: not the tensor the template holds")
-        view = (torch.frombuffer(maps[reg.file], dtype=dtype, count=local.numel(), offset=reg.offset).view(shape)
-                if reg.nbytes else torch.empty(shape, dtype=dtype))
-        out[fqn] = (DTensor.from_local(view, value.device_mesh, value.placements, run_check=False, shape=value.shape,
-                                       stride=value.stride()) if isinstance(value, DTensor) else view)
+        view = (
+            torch.frombuffer(maps[reg.file], dtype=dtype, count=local.numel(), offset=reg.offset).view(shape)
+            if reg.nbytes
+            else torch.empty(shape, dtype=dtype)
+        )
+        out[fqn] = (
+            DTensor.from_local(
+                view, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+            )
+            if isinstance(value, DTensor)
+            else view
+        )
     return unflatten_state_dict(out, mapping)

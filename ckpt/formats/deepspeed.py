@@ -32,12 +32,12 @@ from typing import Any, BinaryIO
 import torch
 import xxhash
 
-from ckpt.state import MOMENTS
-from schemas.errors import CheckpointError
-from ckpt.formats.safe_pickle import DEEPSPEED_RECORDS, TENSOR_RECORD, Opaque, StoredTensor
 from ckpt.formats.deepspeed_state import STATE_FILE, UNIVERSAL_DIR, read_state  # noqa: F401  (this format's names, here too)
 from ckpt.formats.direct_io import write_direct
+from ckpt.formats.safe_pickle import DEEPSPEED_RECORDS, TENSOR_RECORD, Opaque, StoredTensor
 from ckpt.formats.torchzip import TorchZip, load_file
+from ckpt.state import MOMENTS
+from schemas.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,15 @@ def rng_file(rank: int) -> str:
 def read_rng(path: Path) -> dict[str, torch.Tensor]:
     """An ``rng_rank_XXXXX.pt`` file: {"cpu": uint8 tensor, maybe "cuda": ...}, read with the allow-list."""
     rng = load_file(path, TENSOR_RECORD)
-    if not isinstance(rng, dict) or not all(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in rng.values()) \
-            or "cpu" not in rng:
-        raise CheckpointError(f"{path}: not an RNG state file (a dict of uint8 tensors with 'cpu'); "
-                              "the checkpoint is corrupted, pick another step")
+    if (
+        not isinstance(rng, dict)
+        or not all(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in rng.values())
+        or "cpu" not in rng
+    ):
+        raise CheckpointError(
+            f"{path}: not an RNG state file (a dict of uint8 tensors with 'cpu'); "
+            "the checkpoint is corrupted, pick another step"
+        )
     return rng
 
 
@@ -138,7 +143,9 @@ class TorchSaveFile:
         torch.save ran with CRCs disabled. The bytes are not read here."""
         return self._open().storage_entry(key)
 
-    def read(self, t: StoredTensor, start: int = 0, count: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read(
+        self, t: StoredTensor, start: int = 0, count: int | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Flat elements ``[start, start + count)`` of a contiguous stored tensor (into ``out`` if given)."""
         count = t.numel - start if count is None else count
         if not t.is_contiguous() or start < 0 or start + count > t.numel:
@@ -200,16 +207,20 @@ def _get(d: Any, key: Any, path: Path, what: str) -> Any:
 def _at(items: Any, index: int, path: Path, what: str, kind: type | None = None) -> Any:
     """``items[index]`` of a per-group list a file holds (of ``kind`` when given), else one line naming it."""
     if not isinstance(items, list) or index >= len(items) or (kind is not None and not isinstance(items[index], kind)):
-        raise CheckpointError(f"{path}: {what} has no entry for parameter group {index}; not a ZeRO checkpoint this "
-                              "reader understands, or a crafted one")
+        raise CheckpointError(
+            f"{path}: {what} has no entry for parameter group {index}; not a ZeRO checkpoint this "
+            "reader understands, or a crafted one"
+        )
     return items[index]
 
 
 def _count(value: Any, path: Path, field: str) -> int:
     """A count a file declares (a world size): a whole number of at least 1, else one line naming the field."""
     if type(value) is not int or value < 1:
-        raise CheckpointError(f"{path}: {field} is {value!r:.40}, not a whole number of at least 1; the file is "
-                              "corrupted or crafted, pick another step")
+        raise CheckpointError(
+            f"{path}: {field} is {value!r:.40}, not a whole number of at least 1; the file is "
+            "corrupted or crafted, pick another step"
+        )
     return value
 
 
@@ -221,12 +232,16 @@ def stored_number(f: TorchSaveFile, value: Any, what: str) -> float:
     """A finite, non-negative number stored as a number or a one-element tensor (a step counter, a clip norm)."""
     if isinstance(value, StoredTensor):
         if value.numel != 1:
-            raise CheckpointError(f"{f.path}: {what} is a tensor of {list(value.shape)}, not one number; the file is "
-                                  "corrupted or crafted, pick another step")
+            raise CheckpointError(
+                f"{f.path}: {what} is a tensor of {list(value.shape)}, not one number; the file is "
+                "corrupted or crafted, pick another step"
+            )
         value = f.value(value).item()
     if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-        raise CheckpointError(f"{f.path}: {what} is {value!r:.40}, not a finite number of at least 0; the file is "
-                              "corrupted or crafted, pick another step")
+        raise CheckpointError(
+            f"{f.path}: {what} is {value!r:.40}, not a finite number of at least 0; the file is "
+            "corrupted or crafted, pick another step"
+        )
     return float(value)
 
 
@@ -237,7 +252,9 @@ def zero_files(ckpt_dir: Path) -> tuple[dict[int, Path], list[Path]]:
         m = _OPTIM_RE.match(p.name)
         if m:
             if int(m.group(2)) != 0:
-                raise CheckpointError(f"{p}: tensor/pipeline-parallel checkpoints (mp_rank {m.group(2)}) are not supported")
+                raise CheckpointError(
+                    f"{p}: tensor/pipeline-parallel checkpoints (mp_rank {m.group(2)}) are not supported"
+                )
             optim[int(m.group(1))] = p
     models = sorted(p for p in ckpt_dir.iterdir() if p.name.endswith("_model_states.pt") and "expert" not in p.name)
     return optim, models
@@ -246,26 +263,33 @@ def zero_files(ckpt_dir: Path) -> tuple[dict[int, Path], list[Path]]:
 class ZeroShards:
     """The ZeRO 1/2/3 partitions of one DeepSpeed checkpoint directory, read one parameter at a time."""
 
-    def __init__(self, ckpt_dir: str | os.PathLike[str], *, expect_world_size: int | None = None,
-                 expect_stage: int | None = None):
+    def __init__(
+        self, ckpt_dir: str | os.PathLike[str], *, expect_world_size: int | None = None, expect_stage: int | None = None
+    ):
         self.dir = Path(ckpt_dir)
         optim_paths, model_paths = zero_files(self.dir)
         if not model_paths:
             raise CheckpointError(f"{self.dir}: no *_model_states.pt file; not a DeepSpeed checkpoint directory")
         with TorchSaveFile(model_paths[0]) as f:
             self.model_states = f.obj
-        world = _count(_get(self.model_states, "dp_world_size", model_paths[0], "data-parallel world size"),
-                       model_paths[0], "dp_world_size")
+        world = _count(
+            _get(self.model_states, "dp_world_size", model_paths[0], "data-parallel world size"),
+            model_paths[0],
+            "dp_world_size",
+        )
         if expect_world_size is not None and world != expect_world_size:
-            raise CheckpointError(f"{model_paths[0]}: written at world size {world}, the manifest says {expect_world_size}; "
-                                  "the checkpoint is inconsistent, pick another step")
+            raise CheckpointError(
+                f"{model_paths[0]}: written at world size {world}, the manifest says {expect_world_size}; "
+                "the checkpoint is inconsistent, pick another step"
+            )
         if world > len(optim_paths) or any(r not in optim_paths for r in range(world)):
             # the first rank without its file, found among the files present (never a list of the declared size)
             missing = next(r for r in range(len(optim_paths) + 1) if r not in optim_paths)
             raise CheckpointError(
                 f"{self.dir}: expected {world} ZeRO optimizer files, found {len(optim_paths)} "
                 f"(missing zero_pp_rank_{missing}_mp_rank_00_optim_states.pt); possibly an interrupted copy or "
-                "an overwrite of an old checkpoint, pick another step")
+                "an overwrite of an old checkpoint, pick another step"
+            )
         self.world_size = world
         self.files: list[TorchSaveFile] = []
         try:
@@ -274,11 +298,15 @@ class ZeroShards:
             self.optim = [_get(f.obj, "optimizer_state_dict", f.path, "optimizer state") for f in self.files]
             self.stage = self.optim[0].get("zero_stage", 1)
             if type(self.stage) is not int or self.stage not in (1, 2, 3):
-                raise CheckpointError(f"{self.files[0].path}: zero_stage is {self.stage!r:.40}, not 1, 2 or 3; the "
-                                      "file is corrupted or crafted, pick another step")
+                raise CheckpointError(
+                    f"{self.files[0].path}: zero_stage is {self.stage!r:.40}, not 1, 2 or 3; the "
+                    "file is corrupted or crafted, pick another step"
+                )
             if expect_stage is not None and self.stage != expect_stage:
-                raise CheckpointError(f"{self.files[0].path}: holds ZeRO stage {self.stage} state, the manifest says "
-                                      f"stage {expect_stage}; the checkpoint is inconsistent, pick another step")
+                raise CheckpointError(
+                    f"{self.files[0].path}: holds ZeRO stage {self.stage} state, the manifest says "
+                    f"stage {expect_stage}; the checkpoint is inconsistent, pick another step"
+                )
             self.slots = self._slots_stage3() if self.stage == 3 else self._slots_stage12()
             self._check_adamw()
             self._check_partitions()
@@ -290,13 +318,19 @@ class ZeroShards:
     def _group_state(self, rank: int, group: int) -> dict[str, Any]:
         osd = self.optim[rank]
         if self.stage == 3:
-            state = _get(_get(osd, "optimizer_state_dict", self.files[rank].path, "base optimizer"), "state",
-                         self.files[rank].path, "optimizer state")
+            state = _get(
+                _get(osd, "optimizer_state_dict", self.files[rank].path, "base optimizer"),
+                "state",
+                self.files[rank].path,
+                "optimizer state",
+            )
         else:
             base = _get(osd, "base_optimizer_state", self.files[rank].path, "base optimizer state")
             if not isinstance(base, dict):
-                raise CheckpointError(f"{self.files[rank].path}: elastic ZeRO checkpoints are not supported; "
-                                      "save with zero_optimization.elastic_checkpoint=false")
+                raise CheckpointError(
+                    f"{self.files[rank].path}: elastic ZeRO checkpoints are not supported; "
+                    "save with zero_optimization.elastic_checkpoint=false"
+                )
             state = _get(base, "state", self.files[rank].path, "optimizer state")
         return _get(state, group, self.files[rank].path, f"state of parameter group {group}")
 
@@ -315,17 +349,28 @@ class ZeroShards:
 
     def _param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
         shapes = _get(self.model_states, "param_shapes", self.dir, "parameter shapes")
-        if not isinstance(shapes, list) or not all(isinstance(g, dict) and all(
-                type(k) is str and _is_shape(v) for k, v in g.items()) for g in shapes):
-            raise CheckpointError(f"{self.dir}: param_shapes is not a list of {{name: shape}} per parameter group; the "
-                                  "model states file is corrupted or crafted, pick another step")
+        if not isinstance(shapes, list) or not all(
+            isinstance(g, dict) and all(type(k) is str and _is_shape(v) for k, v in g.items()) for g in shapes
+        ):
+            raise CheckpointError(
+                f"{self.dir}: param_shapes is not a list of {{name: shape}} per parameter group; the "
+                "model states file is corrupted or crafted, pick another step"
+            )
         return [{k: tuple(v) for k, v in g.items()} for g in shapes]
 
     def _slots_stage12(self) -> list[ParamSlot]:
         slots: list[ParamSlot] = []
         for g, shapes in enumerate(self._param_shapes()):
-            maps = [_at(_get(osd, "param_slice_mappings", f.path, "parameter slice mappings"), g, f.path,
-                        "parameter slice mappings", dict) for osd, f in zip(self.optim, self.files)]
+            maps = [
+                _at(
+                    _get(osd, "param_slice_mappings", f.path, "parameter slice mappings"),
+                    g,
+                    f.path,
+                    "parameter slice mappings",
+                    dict,
+                )
+                for osd, f in zip(self.optim, self.files)
+            ]
             for name, shape in shapes.items():
                 pieces = tuple(Piece(r, *self._fragment(m[name], r, name)) for r, m in enumerate(maps) if name in m)
                 slots.append(self._checked(ParamSlot(name, shape, g, pieces)))
@@ -335,8 +380,10 @@ class ZeroShards:
         """(start, numel) of a parameter's slice in a rank's flat partition (DeepSpeed's fragment_address)."""
         start, numel = getattr(address, "start", None), getattr(address, "numel", None)
         if type(start) is not int or type(numel) is not int or start < 0 or numel < 0:
-            raise CheckpointError(f"{self.files[rank].path}: the slice mapping of {name} is not a start and a count of "
-                                  "elements; the file is corrupted or crafted, pick another step")
+            raise CheckpointError(
+                f"{self.files[rank].path}: the slice mapping of {name} is not a start and a count of "
+                "elements; the file is corrupted or crafted, pick another step"
+            )
         return start, numel
 
     def _slots_stage3(self) -> list[ParamSlot]:
@@ -354,8 +401,10 @@ class ZeroShards:
 
     def _checked(self, slot: ParamSlot) -> ParamSlot:
         if sum(p.numel for p in slot.pieces) != slot.numel:
-            raise CheckpointError(f"{self.dir}: the ZeRO partitions hold {sum(p.numel for p in slot.pieces)} elements of "
-                                  f"{slot.name}, its shape {list(slot.shape)} needs {slot.numel}; the checkpoint is inconsistent")
+            raise CheckpointError(
+                f"{self.dir}: the ZeRO partitions hold {sum(p.numel for p in slot.pieces)} elements of "
+                f"{slot.name}, its shape {list(slot.shape)} needs {slot.numel}; the checkpoint is inconsistent"
+            )
         return slot
 
     def _check_partitions(self) -> None:
@@ -372,23 +421,29 @@ class ZeroShards:
             used.sort()
             for (_, end, a), (start, _, b) in itertools.pairwise(used):
                 if start < end:
-                    raise CheckpointError(f"{self.files[rank].path}: {a} and {b} both claim elements {start}..{end} "
-                                          f"of the flat partition of group {group}; the checkpoint is corrupted or "
-                                          "crafted, pick another step")
+                    raise CheckpointError(
+                        f"{self.files[rank].path}: {a} and {b} both claim elements {start}..{end} "
+                        f"of the flat partition of group {group}; the checkpoint is corrupted or "
+                        "crafted, pick another step"
+                    )
             need = max(end for _, end, _ in used)
             for key in STATE_KEYS:
                 flat = self.flat(rank, group, key)
                 if flat.numel < need:
-                    raise CheckpointError(f"{self.files[rank].path}: the {key} partition of group {group} holds "
-                                          f"{flat.numel} elements, its parameters need {need}; the checkpoint is "
-                                          "inconsistent or crafted, pick another step")
+                    raise CheckpointError(
+                        f"{self.files[rank].path}: the {key} partition of group {group} holds "
+                        f"{flat.numel} elements, its parameters need {need}; the checkpoint is "
+                        "inconsistent or crafted, pick another step"
+                    )
 
     def _check_adamw(self) -> None:
         state = self._group_state(0, 0)
         keys = sorted(k for k in state if k != "step")
         if set(keys) != set(MOMENTS):
-            raise CheckpointError(f"{self.files[0].path}: optimizer state has {keys or 'no moments'}; only AdamW/Adam "
-                                  "state (exp_avg, exp_avg_sq) can be converted, resume it with the same optimizer instead")
+            raise CheckpointError(
+                f"{self.files[0].path}: optimizer state has {keys or 'no moments'}; only AdamW/Adam "
+                "state (exp_avg, exp_avg_sq) can be converted, resume it with the same optimizer instead"
+            )
 
     # ------------------------------------------------------------------ values
     def locate(self, slot: ParamSlot, key: str = "fp32") -> list[tuple[TorchSaveFile, StoredTensor, Piece]]:
@@ -404,7 +459,9 @@ class ZeroShards:
         for p in slot.pieces:
             flat = self.flat(p.rank, slot.group, key)
             if flat.dtype != torch.float32:
-                raise CheckpointError(f"{self.files[p.rank].path}: {key} is {flat.dtype}, expected float32 master state")
+                raise CheckpointError(
+                    f"{self.files[p.rank].path}: {key} is {flat.dtype}, expected float32 master state"
+                )
             self.files[p.rank].read(flat, p.start, p.numel, out=out[done : done + p.numel])
             done += p.numel
         return out.view(slot.shape)
@@ -417,8 +474,10 @@ class ZeroShards:
         base = osd["optimizer_state_dict"] if self.stage == 3 else osd["base_optimizer_state"]
         groups = _get(base, "param_groups", self.files[0].path, "parameter groups")
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-            raise CheckpointError(f"{self.files[0].path}: param_groups is not a list of groups; the file is corrupted "
-                                  "or crafted, pick another step")
+            raise CheckpointError(
+                f"{self.files[0].path}: param_groups is not a list of groups; the file is corrupted "
+                "or crafted, pick another step"
+            )
         return [dict(g) for g in groups]
 
     def clip_grad(self) -> float:
@@ -435,6 +494,22 @@ class ZeroShards:
         self.close()
 
 
-__all__ = ["STATE_FILE", "STATE_KEYS", "UNIVERSAL_DIR", "HashingFile", "Opaque", "ParamSlot", "Piece", "StoredTensor",
-           "TorchSaveFile", "ZeroShards", "read_rng", "read_state", "rng_file", "save_torch", "stored_number",
-           "write_hashed", "zero_files"]
+__all__ = [
+    "STATE_FILE",
+    "STATE_KEYS",
+    "UNIVERSAL_DIR",
+    "HashingFile",
+    "Opaque",
+    "ParamSlot",
+    "Piece",
+    "StoredTensor",
+    "TorchSaveFile",
+    "ZeroShards",
+    "read_rng",
+    "read_state",
+    "rng_file",
+    "save_torch",
+    "stored_number",
+    "write_hashed",
+    "zero_files",
+]

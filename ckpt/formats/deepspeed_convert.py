@@ -39,30 +39,31 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
-from ckpt.state import MOMENTS, elastic_rng_state
 from ckpt import lineage
-from ckpt.formats.deepspeed import read_rng, STATE_FILE, UNIVERSAL_DIR, rng_file, write_hashed
+from ckpt.formats.deepspeed import STATE_FILE, UNIVERSAL_DIR, read_rng, rng_file, write_hashed
 from ckpt.formats.direct_io import HashingDirectWriter
-
-
-
-
-
-
-
-
-
-
-
-
-from schemas.errors import CheckpointError
 from ckpt.manifest import write_manifest
+from ckpt.state import MOMENTS, elastic_rng_state
 from schemas import CheckpointManifest, ClusterTopology, FileEntry
+from schemas.errors import CheckpointError
 
 log = logging.getLogger(__name__)
-from ckpt.formats.deepspeed_sources import (DCPSource, FingerprintSums, IO_THREADS, Source, check_fingerprint, check_target,
-                                            commit_dir, inventory, open_source, partial_dir, quick_valid, tied_of,
-                                            with_tied, without_tied)
+from ckpt.formats.deepspeed_sources import (
+    IO_THREADS,
+    DCPSource,
+    FingerprintSums,
+    Source,
+    check_fingerprint,
+    check_target,
+    commit_dir,
+    inventory,
+    open_source,
+    partial_dir,
+    quick_valid,
+    tied_of,
+    with_tied,
+    without_tied,
+)
 from ckpt.formats.deepspeed_universal import universal_model_states, write_universal
 
 
@@ -112,8 +113,9 @@ def release_free_heap() -> None:
         trim(0)
 
 
-def dcp_state(src: Source, manifest: CheckpointManifest, rng: torch.Tensor, model_only: bool,
-              tied: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, tuple[str, str, str]]]:
+def dcp_state(
+    src: Source, manifest: CheckpointManifest, rng: torch.Tensor, model_only: bool, tied: dict[str, str] | None = None
+) -> tuple[dict[str, Any], dict[str, tuple[str, str, str]]]:
     """The nested state dict the fsdp2 Checkpointer saves, with meta placeholders for the big tensors.
 
     ``lazy``: DCP key -> (source parameter, key, name in the fingerprint). A tied name (``tied``: tied ->
@@ -141,14 +143,19 @@ def dcp_state(src: Source, manifest: CheckpointManifest, rng: torch.Tensor, mode
     if not model_only:
         groups = [{**h, "params": [n for n, _ in g]} for h, g in zip(src.hparams(), src.groups)]
         sd["optim"] = {"state": state, "param_groups": groups}
-        sd["trainer"] = {k: torch.tensor(getattr(manifest, k), dtype=torch.int64) for k in ("step", "tokens", "samples")}
+        sd["trainer"] = {
+            k: torch.tensor(getattr(manifest, k), dtype=torch.int64) for k in ("step", "tokens", "samples")
+        }
         sd["rng"] = {"rank0": {"cpu": rng}}
     return sd, lazy
 
 
-def producer(src: Source, lazy: dict[str, tuple[str, str, str]], sums: FingerprintSums) -> Callable[[str], torch.Tensor]:
+def producer(
+    src: Source, lazy: dict[str, tuple[str, str, str]], sums: FingerprintSums
+) -> Callable[[str], torch.Tensor]:
     """What a StreamingSavePlanner writes for a DCP key of ``dcp_state``'s ``lazy`` map: the tensor read from
     ``src``, summed into the fingerprint under its name as it streams through."""
+
     def produce(fqn: str) -> torch.Tensor:
         name, key, as_name = lazy[fqn]
         t = src.read(name, key)
@@ -166,8 +173,13 @@ def rng_of(ckpt_dir: Path, manifest: CheckpointManifest) -> torch.Tensor:
     return elastic_rng_state(manifest.run_spec.seed, manifest.step)
 
 
-def to_dcp(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, model_only: bool = False,
-           threads: int = IO_THREADS) -> Path:
+def to_dcp(
+    ckpt_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    model_only: bool = False,
+    threads: int = IO_THREADS,
+) -> Path:
     """Convert a deepspeed checkpoint into a committed DCP checkpoint directory ``out_dir``.
 
     The result loads in the fsdp2 backend at any world size (it is a 1-rank DCP save of whole tensors)
@@ -197,13 +209,22 @@ def to_dcp(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
             fingerprint = sums.fingerprint(0.0 if model_only else src.step())
             check_fingerprint(ckpt_dir, with_tied(manifest.fingerprint, tied), fingerprint, model_only=model_only)
             files = dcp_files(tmp, writer.digests)
-            out = manifest.model_copy(update={
-                "format": "dcp", "reason": "converted", "created_at": lineage.now_iso(), "files": files,
-                "tensors": inventory(src.groups, model_only=model_only, tied=tied), "parent": ckpt_dir.name,
-                "topology": one_rank(manifest.topology), "fingerprint": fingerprint,
-                "source_world_size": source_world_size(manifest),
-                "run_spec": manifest.run_spec.model_copy(update={"backend": "fsdp2"}),
-                "save_seconds": time.perf_counter() - t0, "async_save": False})
+            out = manifest.model_copy(
+                update={
+                    "format": "dcp",
+                    "reason": "converted",
+                    "created_at": lineage.now_iso(),
+                    "files": files,
+                    "tensors": inventory(src.groups, model_only=model_only, tied=tied),
+                    "parent": ckpt_dir.name,
+                    "topology": one_rank(manifest.topology),
+                    "fingerprint": fingerprint,
+                    "source_world_size": source_world_size(manifest),
+                    "run_spec": manifest.run_spec.model_copy(update={"backend": "fsdp2"}),
+                    "save_seconds": time.perf_counter() - t0,
+                    "async_save": False,
+                }
+            )
             if not commit_dir(tmp, out_dir, out):
                 raise CheckpointError(f"{out_dir}: appeared while converting; nothing was overwritten")
     finally:
@@ -215,8 +236,10 @@ def to_dcp(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
 def dcp_files(tmp: Path, digests: dict[str, tuple[int, str]]) -> list[FileEntry]:
     from ckpt.hashing import hash_files
 
-    entries = [FileEntry(path=".metadata" if n == ".metadata.tmp" else n, size=s, xxh3_128=d, rank=0)
-               for n, (s, d) in sorted(digests.items())]
+    entries = [
+        FileEntry(path=".metadata" if n == ".metadata.tmp" else n, size=s, xxh3_128=d, rank=0)
+        for n, (s, d) in sorted(digests.items())
+    ]
     if not any(e.path == ".metadata" for e in entries):
         size, digest = hash_files([tmp / ".metadata"])[tmp / ".metadata"]
         entries.append(FileEntry(path=".metadata", size=size, xxh3_128=digest, rank=0))
@@ -232,8 +255,13 @@ def one_rank(topo: ClusterTopology) -> ClusterTopology:
     return topo.model_copy(update={"nodes": 1, "procs_per_node": 1})
 
 
-def from_dcp(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, zero_stage: int | None = None,
-             threads: int = IO_THREADS) -> Path:
+def from_dcp(
+    ckpt_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    zero_stage: int | None = None,
+    threads: int = IO_THREADS,
+) -> Path:
     """Convert a DCP (fsdp2) checkpoint into a committed deepspeed checkpoint directory ``out_dir``.
 
     The result holds the universal layout only (``out_dir/universal/``), which DeepSpeed engines load at
@@ -245,9 +273,15 @@ def from_dcp(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
         raise CheckpointError(f"{ckpt_dir}: already a {manifest.format} checkpoint; nothing to convert")
     check_target(out_dir)
     stage = zero_stage or manifest.run_spec.deepspeed.zero_stage
-    spec = manifest.run_spec.model_copy(update={"backend": "deepspeed", "deepspeed": manifest.run_spec.deepspeed.model_copy(
-        update={"zero_stage": stage})})
-    target = manifest.model_copy(update={"run_spec": spec, "format": "deepspeed", "topology": one_rank(manifest.topology)})
+    spec = manifest.run_spec.model_copy(
+        update={
+            "backend": "deepspeed",
+            "deepspeed": manifest.run_spec.deepspeed.model_copy(update={"zero_stage": stage}),
+        }
+    )
+    target = manifest.model_copy(
+        update={"run_spec": spec, "format": "deepspeed", "topology": one_rank(manifest.topology)}
+    )
     src = DCPSource(ckpt_dir)
     try:
         # FSDP2 saves a tied pair under both names, DeepSpeed under the source's only: the tied copies stay behind
@@ -255,21 +289,37 @@ def from_dcp(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
         with partial_dir(out_dir) as tmp:
             (tmp / UNIVERSAL_DIR).mkdir()
             template = universal_model_states({}, src.groups, target)
-            ufiles, fingerprint = write_universal(src, tmp / UNIVERSAL_DIR, target, model_states=template,
-                                                  clip_grad=spec.optim.grad_clip or 0.0, threads=threads)
+            ufiles, fingerprint = write_universal(
+                src,
+                tmp / UNIVERSAL_DIR,
+                target,
+                model_states=template,
+                clip_grad=spec.optim.grad_clip or 0.0,
+                threads=threads,
+            )
             check_fingerprint(ckpt_dir, without_tied(manifest.fingerprint, tied), fingerprint)
-            common = {"reason": "converted", "created_at": lineage.now_iso(), "parent": ckpt_dir.name,
-                      "source_world_size": source_world_size(manifest),
-                      "tensors": inventory(src.groups), "fingerprint": fingerprint, "async_save": False}
-            write_manifest(tmp / UNIVERSAL_DIR, target.model_copy(update={**common, "files": ufiles,
-                                                                           "save_seconds": time.perf_counter() - t0}))
+            common = {
+                "reason": "converted",
+                "created_at": lineage.now_iso(),
+                "parent": ckpt_dir.name,
+                "source_world_size": source_world_size(manifest),
+                "tensors": inventory(src.groups),
+                "fingerprint": fingerprint,
+                "async_save": False,
+            }
+            write_manifest(
+                tmp / UNIVERSAL_DIR,
+                target.model_copy(update={**common, "files": ufiles, "save_seconds": time.perf_counter() - t0}),
+            )
             files = write_state_files(tmp, ckpt_dir, manifest, stage)
             out = target.model_copy(update={**common, "files": files, "save_seconds": time.perf_counter() - t0})
             if not commit_dir(tmp, out_dir, out):
                 raise CheckpointError(f"{out_dir}: appeared while converting; nothing was overwritten")
     finally:
         src.close()
-    log.info("converted %s to a deepspeed (universal) checkpoint %s in %.2f s", ckpt_dir, out_dir, time.perf_counter() - t0)
+    log.info(
+        "converted %s to a deepspeed (universal) checkpoint %s in %.2f s", ckpt_dir, out_dir, time.perf_counter() - t0
+    )
     return out_dir
 
 
@@ -280,8 +330,15 @@ def write_state_files(tmp: Path, src_dir: Path, manifest: CheckpointManifest, st
         rng = reader.read("rng.rank0.cpu") if "rng.rank0.cpu" in reader.tensor_keys() else None
     if rng is None:
         rng = elastic_rng_state(manifest.run_spec.seed, manifest.step)
-    state = {"step": manifest.step, "tokens": manifest.tokens, "samples": manifest.samples,
-             "schedule_last_step": manifest.step - 1, "zero_stage": stage, "world_size": 1, "layout": "universal"}
+    state = {
+        "step": manifest.step,
+        "tokens": manifest.tokens,
+        "samples": manifest.samples,
+        "schedule_last_step": manifest.step - 1,
+        "zero_stage": stage,
+        "world_size": 1,
+        "layout": "universal",
+    }
     text = (json.dumps(state, indent=2, sort_keys=True) + "\n").encode()
     entries = []
     for name, fill in ((STATE_FILE, lambda f: f.write(text)), (rng_file(0), lambda f: torch.save({"cpu": rng}, f))):
@@ -294,5 +351,16 @@ def write_state_files(tmp: Path, src_dir: Path, manifest: CheckpointManifest, st
 from ckpt.formats.deepspeed_sources import UniversalSource, ZeroSource  # noqa: E402
 from ckpt.formats.deepspeed_universal import UniversalResult, ensure_universal, recompute_fingerprint  # noqa: E402
 
-__all__ = ["DCPSource", "Source", "UniversalResult", "UniversalSource", "ZeroSource", "ensure_universal", "from_dcp",
-           "open_source", "recompute_fingerprint", "to_dcp", "write_universal"]
+__all__ = [
+    "DCPSource",
+    "Source",
+    "UniversalResult",
+    "UniversalSource",
+    "ZeroSource",
+    "ensure_universal",
+    "from_dcp",
+    "open_source",
+    "recompute_fingerprint",
+    "to_dcp",
+    "write_universal",
+]

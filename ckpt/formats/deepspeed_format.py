@@ -5,6 +5,7 @@ files (``zero_pp_rank_N_mp_rank_00_optim_states.pt``, ``mp_rank_00_model_states.
 in the universal layout ``zero/<parameter>/<key>.pt``; a committed ``universal/`` sub-checkpoint may sit
 beside them with its own manifest. Another world size needs the universal layout (``ensure_universal``).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,13 @@ UNIVERSAL_RE = re.compile(r"^zero/(?:optimizer_state\.pt|[^/]+/(?:fp32|" + "|".j
 def check_layout(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
     listed = {e.path for e in manifest.files}
     if ckpt_dir.name == UNIVERSAL_DIR:  # written by the converter from the parent's files
-        return [] if "zero/optimizer_state.pt" in listed else \
-            [f"{ckpt_dir}: no zero/optimizer_state.pt listed; the universal checkpoint is incomplete, convert again"]
+        return (
+            []
+            if "zero/optimizer_state.pt" in listed
+            else [
+                f"{ckpt_dir}: no zero/optimizer_state.pt listed; the universal checkpoint is incomplete, convert again"
+            ]
+        )
     state_path = ckpt_dir / STATE_FILE
     if STATE_FILE not in listed:
         return [f"{state_path}: not listed in the manifest; not a shardkeeper deepspeed checkpoint"]
@@ -37,11 +43,15 @@ def check_layout(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
         return [f"{state_path}: not a JSON object; the checkpoint is corrupted, pick another step"]
     for key in ("step", "tokens", "samples"):
         if state.get(key) != getattr(manifest, key):
-            return [f"{state_path}: {key} {state.get(key)!r}, the manifest says {getattr(manifest, key)}; "
-                    "the checkpoint is inconsistent, pick another step"]
+            return [
+                f"{state_path}: {key} {state.get(key)!r}, the manifest says {getattr(manifest, key)}; "
+                "the checkpoint is inconsistent, pick another step"
+            ]
     if state.get("world_size") != manifest.topology.world_size:
-        return [f"{state_path}: world_size {state.get('world_size')!r}, the manifest's topology says "
-                f"{manifest.topology.world_size}; the checkpoint is inconsistent, pick another step"]
+        return [
+            f"{state_path}: world_size {state.get('world_size')!r}, the manifest's topology says "
+            f"{manifest.topology.world_size}; the checkpoint is inconsistent, pick another step"
+        ]
     ranks = {p: int(m.group(1)) for p in listed if "/" not in p and (m := RANK_RE.search(p))}
     required: set[int] = set()
     if state.get("layout") == "zero":
@@ -50,8 +60,10 @@ def check_layout(ckpt_dir: Path, manifest: CheckpointManifest) -> list[str]:
         if optim != required:
             missing = sorted(required - optim)
             what = f"missing the optimizer file of rank {missing[0]}" if missing else "optimizer files of other ranks"
-            return [f"{ckpt_dir}: expected {len(required)} ZeRO optimizer files, the manifest lists {len(optim)} "
-                    f"({what}); the checkpoint is inconsistent, pick another step"]
+            return [
+                f"{ckpt_dir}: expected {len(required)} ZeRO optimizer files, the manifest lists {len(optim)} "
+                f"({what}); the checkpoint is inconsistent, pick another step"
+            ]
     return check_ranks(ckpt_dir, manifest, ranks, required)
 
 
@@ -63,7 +75,6 @@ def check_pickles(ckpt_dir: Path, manifest: CheckpointManifest) -> None:
     for entry in manifest.files:
         if entry.path.endswith(".pt"):
             check_file(ckpt_dir / entry.path)
-
 
 
 class DeepSpeedFormat:

@@ -16,26 +16,14 @@ from typing import Any, Protocol
 
 import torch
 
-from ckpt.state import MOMENTS
 from ckpt import fingerprint as fp
 from ckpt.formats.deepspeed import UNIVERSAL_DIR, TorchSaveFile, ZeroShards, read_state
-
-
-
-
-
-
-
-
-
-
-
-
-from schemas.errors import CheckpointError
 from ckpt.fsutil import fsync_dir
 from ckpt.manifest import write_manifest
+from ckpt.state import MOMENTS
 from ckpt.validate import checked_manifest, validate
 from schemas import CheckpointManifest, Fingerprint, TensorEntry
+from schemas.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +49,11 @@ class ZeroSource:
     """A native DeepSpeed ZeRO 1/2/3 checkpoint (its rank partitions)."""
 
     def __init__(self, ckpt_dir: Path, manifest: CheckpointManifest):
-        self.shards = ZeroShards(ckpt_dir, expect_world_size=manifest.topology.world_size,
-                                 expect_stage=manifest.run_spec.deepspeed.zero_stage)
+        self.shards = ZeroShards(
+            ckpt_dir,
+            expect_world_size=manifest.topology.world_size,
+            expect_stage=manifest.run_spec.deepspeed.zero_stage,
+        )
         self._slots = {s.name: s for s in self.shards.slots}
         self.groups = [[] for _ in range(1 + max((s.group for s in self.shards.slots), default=0))]
         for s in self.shards.slots:
@@ -131,17 +122,23 @@ class DCPSource:
             self._groups.append({f: self._bytes(f"optim.param_groups.{i}.{f}") for f in fields})
             i += 1
         if not self._groups:
-            raise CheckpointError(f"{ckpt_dir}: no optimizer state (optim.param_groups) in the DCP checkpoint; "
-                                  "only full training checkpoints can be converted")
+            raise CheckpointError(
+                f"{ckpt_dir}: no optimizer state (optim.param_groups) in the DCP checkpoint; "
+                "only full training checkpoints can be converted"
+            )
         self.groups = [[(n, tuple(self.reader.meta(f"model.{n}").size)) for n in g["params"]] for g in self._groups]
         step_keys = [k for k in self.reader.tensor_keys() if k.startswith("optim.state.") and k.endswith(".step")]
         if not step_keys:
-            raise CheckpointError(f"{ckpt_dir}: no optimizer step in the DCP checkpoint; only AdamW state can be converted")
+            raise CheckpointError(
+                f"{ckpt_dir}: no optimizer step in the DCP checkpoint; only AdamW state can be converted"
+            )
         step = self._read(step_keys[0])
         if step.numel() != 1 or step.is_complex() or not math.isfinite(step.item()) or step.item() < 0:
-            raise CheckpointError(f"{ckpt_dir / '.metadata'}: {step_keys[0]} is not one finite number of at least 0 "
-                                  f"({step.dtype} {list(step.shape)}); the checkpoint is corrupted or crafted, pick "
-                                  "another step")
+            raise CheckpointError(
+                f"{ckpt_dir / '.metadata'}: {step_keys[0]} is not one finite number of at least 0 "
+                f"({step.dtype} {list(step.shape)}); the checkpoint is corrupted or crafted, pick "
+                "another step"
+            )
         self._step = float(step.item())
 
     def untracked(self) -> list[str]:
@@ -156,12 +153,16 @@ class DCPSource:
         for name in self.untracked():
             source = tied.get(name)
             if source is None:
-                raise CheckpointError(f"{self.reader.dir}: model tensor {name} has no optimizer state and is tied to no "
-                                      "parameter (hf_model.tied); only checkpoints whose every parameter is trained "
-                                      "can be converted")
+                raise CheckpointError(
+                    f"{self.reader.dir}: model tensor {name} has no optimizer state and is tied to no "
+                    "parameter (hf_model.tied); only checkpoints whose every parameter is trained "
+                    "can be converted"
+                )
             if not torch.equal(self._read(f"model.{name}"), self._read(f"model.{source}")):
-                raise CheckpointError(f"{self.reader.dir}: {name} is tied to {source} but holds other values; the "
-                                      "checkpoint does not match its run_spec.model (tie_word_embeddings)")
+                raise CheckpointError(
+                    f"{self.reader.dir}: {name} is tied to {source} but holds other values; the "
+                    "checkpoint does not match its run_spec.model (tie_word_embeddings)"
+                )
             out[name] = source
         return out
 
@@ -179,8 +180,9 @@ class DCPSource:
         try:
             return self._read(f"optim.state.{name}.{key}")
         except CheckpointError:
-            raise CheckpointError(f"{self.reader.dir}: no {key} for {name}; only AdamW state (exp_avg, exp_avg_sq) "
-                                  "can be converted") from None
+            raise CheckpointError(
+                f"{self.reader.dir}: no {key} for {name}; only AdamW state (exp_avg, exp_avg_sq) can be converted"
+            ) from None
 
     def step(self) -> float:
         return self._step
@@ -247,14 +249,19 @@ def without_tied(saved: Fingerprint, tied: dict[str, str]) -> Fingerprint:
     return saved.model_copy(update={"model": {k: v for k, v in saved.model.items() if k not in tied}})
 
 
-def inventory(groups: list[list[tuple[str, tuple[int, ...]]]], *, model_only: bool = False,
-              tied: dict[str, str] | None = None) -> list[TensorEntry]:
+def inventory(
+    groups: list[list[tuple[str, tuple[int, ...]]]], *, model_only: bool = False, tied: dict[str, str] | None = None
+) -> list[TensorEntry]:
     out = [TensorEntry(name=f"model.{n}", shape=list(s), dtype="float32") for g in groups for n, s in g]
     shapes = {n: s for g in groups for n, s in g}
     out += [TensorEntry(name=f"model.{t}", shape=list(shapes[s]), dtype="float32") for t, s in (tied or {}).items()]
     if not model_only:
-        out += [TensorEntry(name=f"optim.state.{n}.{m}", shape=list(s), dtype="float32")
-                for g in groups for n, s in g for m in MOMENTS]
+        out += [
+            TensorEntry(name=f"optim.state.{n}.{m}", shape=list(s), dtype="float32")
+            for g in groups
+            for n, s in g
+            for m in MOMENTS
+        ]
     return out
 
 
@@ -311,5 +318,3 @@ def committed_universal(ckpt_dir: Path) -> Path:
     if not report.valid:
         raise CheckpointError(report.errors[0])
     return udir
-
-

@@ -2,6 +2,7 @@
 and the state record (``shardkeeper_state.json``). Stdlib only, like the format's layout check that reads them
 (``ckpt.formats.deepspeed_format``): ``status`` and ``validate`` of a DeepSpeed run import no torch.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,9 @@ def read_state(ckpt_dir: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; not a shardkeeper deepspeed checkpoint, pick another step") from None
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: unreadable JSON ({e}); the checkpoint is corrupted, pick another step") from None
+        raise CheckpointError(
+            f"{path}: unreadable JSON ({e}); the checkpoint is corrupted, pick another step"
+        ) from None
     if not isinstance(state, dict) or state.get("layout") not in ("zero", "universal"):
         raise CheckpointError(f"{path}: no valid 'layout' field; the checkpoint is corrupted, pick another step")
     return state

@@ -42,8 +42,8 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Callable, Generator
 from collections import deque
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -92,8 +92,14 @@ class _HashingDirectStream(io.RawIOBase):
     pipelined = True  # benchmarks turn it off to compare with one buffer, hashed before the copy, written in place
     depth = 3  # buffers when pipelined: one fills while up to depth - 1 are written (the device never waits for a fill)
 
-    def __init__(self, path: Path, sink: dict[str, tuple[int, str]], lock: threading.Lock, direct: bool = True,
-                 reuse: Path | None = None):
+    def __init__(
+        self,
+        path: Path,
+        sink: dict[str, tuple[int, str]],
+        lock: threading.Lock,
+        direct: bool = True,
+        reuse: Path | None = None,
+    ):
         super().__init__()
         self.path = path
         self._sink, self._lock = sink, lock
@@ -238,8 +244,11 @@ class _HashingDirectStream(io.RawIOBase):
         while written < len(view):
             as_direct = self.direct  # another buffer's write may switch the file to buffered meanwhile
             try:
-                n = (os.write(self._fd, view[written:]) if at is None
-                     else os.pwrite(self._fd, view[written:], at + written))
+                n = (
+                    os.write(self._fd, view[written:])
+                    if at is None
+                    else os.pwrite(self._fd, view[written:], at + written)
+                )
             except OSError as e:
                 if e.errno != errno.EINVAL or not as_direct:
                     raise
@@ -345,8 +354,9 @@ def take_over(reuse: Path, path: Path, mode: int = os.O_WRONLY) -> int | None:
     return fd
 
 
-def write_direct(path: str | os.PathLike[str], fill: Callable[[io.RawIOBase], None], direct: bool = True
-                 ) -> tuple[int, str]:
+def write_direct(
+    path: str | os.PathLike[str], fill: Callable[[io.RawIOBase], None], direct: bool = True
+) -> tuple[int, str]:
     """Create ``path`` with ``fill(stream)`` through the same O_DIRECT, hashing stream (no page-cache copy of
     the bytes; buffered + fsync where O_DIRECT is refused); return (size, xxh3-128) once the whole file is
     on disk. On a failure nothing is returned and the (partial) file is left for the caller's error path."""
@@ -435,8 +445,13 @@ class ExactStoragePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: Any) -> Any:
         data = super().resolve_data(write_item)
-        if (isinstance(data, torch.Tensor) and data.device.type == "cpu" and data.numel() and data.is_contiguous()
-                and data.untyped_storage().nbytes() != data.numel() * data.element_size()):
+        if (
+            isinstance(data, torch.Tensor)
+            and data.device.type == "cpu"
+            and data.numel()
+            and data.is_contiguous()
+            and data.untyped_storage().nbytes() != data.numel() * data.element_size()
+        ):
             # held alive by the state dict this planner writes, until dcp.save returns
             return torch.frombuffer(byte_view(data.detach()), dtype=data.dtype).view(data.shape)
         return data

@@ -2,7 +2,9 @@
 parameter's fp32 weight and AdamW moments as whole tensors, one at a time.
 
     from ckpt.formats.foreign import open_foreign
-    with open_foreign("out/checkpoint-500", step=None, expect=[("model.embed_tokens.weight", (32000, 1024)), ...]) as src:
+    with open_foreign(
+        "out/checkpoint-500", step=None, expect=[("model.embed_tokens.weight", (32000, 1024)), ...]
+    ) as src:
         src.layout, src.path, src.global_step, src.shapes        # what was found
         src.verify()                                              # CRC-32 of every ZeRO partition, before writing
         src.read("model.embed_tokens.weight", "exp_avg")          # fp32 | exp_avg | exp_avg_sq
@@ -43,7 +45,7 @@ from schemas.errors import CheckpointError, ShardkeeperError
 
 LAYOUTS: dict[str, str] = {
     "deepspeed": "DeepSpeed ZeRO-1/2/3 (engine.save_checkpoint: latest + global_stepN/, or global_stepN/ itself; "
-                 "also inside a Hugging Face Trainer checkpoint-N/)",
+    "also inside a Hugging Face Trainer checkpoint-N/)",
     "hf-trainer": "Hugging Face Trainer checkpoint-N/ (model.safetensors or pytorch_model.bin + optimizer.pt)",
     "dcp": "torch.distributed.checkpoint of {'model', 'optimizer'} state dicts",
     "torchtitan": "torchtitan step-N/ (model at the top level, optimizer, train_state)",
@@ -79,12 +81,18 @@ def layouts_line() -> str:
 
 
 def unknown_layout(src: Path, why: str = "") -> CheckpointError:
-    return CheckpointError(f"{src}: not a checkpoint layout shardkeeper import understands{why}; it reads {layouts_line()}")
+    return CheckpointError(
+        f"{src}: not a checkpoint layout shardkeeper import understands{why}; it reads {layouts_line()}"
+    )
 
 
 # ------------------------------------------------------------------------------------------ finding it
-def open_foreign(src: str | os.PathLike[str], *, step: int | None = None,
-                 expect: Callable[[], list[tuple[str, tuple[int, ...]]]] | None = None) -> ForeignSource:
+def open_foreign(
+    src: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    expect: Callable[[], list[tuple[str, tuple[int, ...]]]] | None = None,
+) -> ForeignSource:
     """The checkpoint in ``src`` (``step``: which one of several); ``expect()`` gives the target model's parameters
     in ``model.parameters()`` order, which an ``optimizer.pt`` (parameters by position) needs: called only then."""
     src = Path(src)
@@ -93,13 +101,17 @@ def open_foreign(src: str | os.PathLike[str], *, step: int | None = None,
     if not src.is_dir():
         raise unknown_layout(src, " (a file; pass the folder that holds it)")
     if (src / "manifest.json").is_file():
-        raise CheckpointError(f"{src}: already a shardkeeper checkpoint; resume it with shardkeeper train, or use "
-                              "shardkeeper convert to change its backend")
+        raise CheckpointError(
+            f"{src}: already a shardkeeper checkpoint; resume it with shardkeeper train, or use "
+            "shardkeeper convert to change its backend"
+        )
     found, consumed = _resolve(src, step)
     source = _open_at(found, expect or list)
     if step is not None and not consumed and source.global_step != step:
         source.close()
-        raise CheckpointError(f"{src}: holds step {source.global_step} only, not --step {step}; present: {source.global_step}")
+        raise CheckpointError(
+            f"{src}: holds step {source.global_step} only, not --step {step}; present: {source.global_step}"
+        )
     return with_canonical_names(source)
 
 
@@ -112,7 +124,9 @@ def _resolve(d: Path, step: int | None) -> tuple[Path, bool]:
         raise unknown_layout(d)
     if step is not None:
         if step not in children:
-            raise CheckpointError(f"{d}: no checkpoint of step {step}; present: {', '.join(map(str, sorted(children)))}")
+            raise CheckpointError(
+                f"{d}: no checkpoint of step {step}; present: {', '.join(map(str, sorted(children)))}"
+            )
         chosen = children[step]
     else:
         chosen = children[_latest_tag(d, children) or max(children)]
@@ -129,13 +143,16 @@ def _latest_tag(d: Path, children: dict[int, Path]) -> int | None:
     try:
         raw = read_regular(path, _LATEST_BYTES, "DeepSpeed's latest (one tag name)")
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: a link to a missing file; pass --step N (present: "
-                              f"{', '.join(map(str, sorted(children)))})") from None
+        raise CheckpointError(
+            f"{path}: a link to a missing file; pass --step N (present: {', '.join(map(str, sorted(children)))})"
+        ) from None
     tag = raw.decode("utf-8", "replace").strip()[:200]
     m = _STEP_DIR.match(tag)
     if m is None or int(m.group(1)) not in children:
-        raise CheckpointError(f"{path}: names tag {tag!r}, which is not a folder beside it; pass --step N "
-                              f"(present: {', '.join(map(str, sorted(children)))})")
+        raise CheckpointError(
+            f"{path}: names tag {tag!r}, which is not a folder beside it; pass --step N "
+            f"(present: {', '.join(map(str, sorted(children)))})"
+        )
     return int(m.group(1))
 
 
@@ -152,8 +169,10 @@ def _direct(d: Path) -> str | None:
     if weights and "optimizer.pt" in names:
         return "hf-trainer"
     if weights and not any(_STEP_DIR.match(n) for n in names):
-        raise CheckpointError(f"{d}: holds model weights ({weights[0]}) but no optimizer state (optimizer.pt); import "
-                              "adopts a training state: to start a run from these weights, set model.pretrained to this folder")
+        raise CheckpointError(
+            f"{d}: holds model weights ({weights[0]}) but no optimizer state (optimizer.pt); import "
+            "adopts a training state: to start a run from these weights, set model.pretrained to this folder"
+        )
     return None
 
 
@@ -225,13 +244,16 @@ def read_whole(f: TorchSaveFile, t: StoredTensor) -> torch.Tensor:
     """A stored tensor read with its whole storage, whose CRC-32 is checked (a moment or weight of its own). The
     storage's entry is exactly its declared size (``TorchZip.describe``), and the tensor lies inside it."""
     if not isinstance(t, StoredTensor):
-        raise CheckpointError(f"{f.path}: holds a {type(t).__name__} where a tensor belongs; the file is corrupted or "
-                              "crafted, re-copy it")
+        raise CheckpointError(
+            f"{f.path}: holds a {type(t).__name__} where a tensor belongs; the file is corrupted or crafted, re-copy it"
+        )
     _, length, crc = f.storage_entry(t.key)
     item = t.dtype.itemsize
     if length != t.storage_numel * item:
-        raise CheckpointError(f"{f.path}: storage {t.key} holds {length} bytes, its tensor says {t.storage_numel} x "
-                              f"{item}; the file is corrupted or crafted, re-copy it")
+        raise CheckpointError(
+            f"{f.path}: storage {t.key} holds {length} bytes, its tensor says {t.storage_numel} x "
+            f"{item}; the file is corrupted or crafted, re-copy it"
+        )
     whole = StoredTensor(t.key, t.dtype, 0, (length // item,), (1,), length // item)
     buf = f.read(whole)
     if crc and zlib.crc32(byte_view(buf)) != crc:
@@ -263,7 +285,7 @@ class HFTrainerForeign:
         self._files: list[TorchSaveFile] = []  # what close() closes, also after a failed __init__
         try:
             self._weights = self._index_weights(d)
-            self.shapes = {n: tuple(getattr(t, "shape")) for n, t in self._weights.items()}
+            self.shapes = {n: tuple(t.shape) for n, t in self._weights.items()}
             self._optim = TorchSaveFile(d / "optimizer.pt")
             self._files.append(self._optim)
             self._state, groups = self._optimizer_tree()
@@ -282,25 +304,35 @@ class HFTrainerForeign:
         self._bin = TorchSaveFile(d / "pytorch_model.bin")
         self._files.append(self._bin)
         obj = self._bin.obj
-        if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, StoredTensor) for k, v in obj.items()):
+        if not isinstance(obj, dict) or not all(
+            isinstance(k, str) and isinstance(v, StoredTensor) for k, v in obj.items()
+        ):
             raise CheckpointError(f"{self._bin.path}: not a state dict of tensors; the file is not a model checkpoint")
         return dict(obj)
 
     def _optimizer_tree(self) -> tuple[dict[Any, Any], list[list[int]]]:
         osd, where = self._optim.obj, self._optim.path
         state, groups = (osd.get("state"), osd.get("param_groups")) if isinstance(osd, dict) else (None, None)
-        if not isinstance(state, dict) or not isinstance(groups, list) or not all(
-                isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
-            raise CheckpointError(f"{where}: not an optimizer.state_dict() (state + param_groups); the file is not "
-                                  "a Trainer checkpoint")
-        for pid, st in state.items():
+        if (
+            not isinstance(state, dict)
+            or not isinstance(groups, list)
+            or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+        ):
+            raise CheckpointError(
+                f"{where}: not an optimizer.state_dict() (state + param_groups); the file is not a Trainer checkpoint"
+            )
+        for pid, st in state.items():  # noqa: B007
             keys = sorted(k for k in st if k != "step") if isinstance(st, dict) else ["?"]
             if keys != sorted(MOMENTS):
-                raise CheckpointError(f"{where}: optimizer state has {keys or 'no moments'}; only AdamW/Adam state "
-                                      "(exp_avg, exp_avg_sq) can be imported")
+                raise CheckpointError(
+                    f"{where}: optimizer state has {keys or 'no moments'}; only AdamW/Adam state "
+                    "(exp_avg, exp_avg_sq) can be imported"
+                )
         if not all(type(i) is int for g in groups for i in g["params"]):
-            raise CheckpointError(f"{where}: param_groups name parameters by other than their positions; the file is "
-                                  "not an optimizer.state_dict(), or a crafted one")
+            raise CheckpointError(
+                f"{where}: param_groups name parameters by other than their positions; the file is "
+                "not an optimizer.state_dict(), or a crafted one"
+            )
         return state, [list(g["params"]) for g in groups]
 
     def _match_positions(self, groups: list[list[int]], expect: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
@@ -310,16 +342,21 @@ class HFTrainerForeign:
         shape = dict(expect)
         ids = [i for g in groups for i in g]
         sizes = [len(g) for g in groups]
-        candidates = [_split(names, lambda n: _HF_NO_DECAY.search(n.lower()) is None), (names, sizes),
-                      _split(names, lambda n: len(shape[n]) >= 2)]
+        candidates = [
+            _split(names, lambda n: _HF_NO_DECAY.search(n.lower()) is None),
+            (names, sizes),
+            _split(names, lambda n: len(shape[n]) >= 2),
+        ]
         for order, split in candidates:
             if split != sizes or len(order) != len(ids):
                 continue
             if all(self._shape_of(i) == shape[n] for i, n in zip(ids, order)):
                 return {n: self._state[i] for i, n in zip(ids, order)}
-        raise CheckpointError(f"{self._optim.path}: its {len(ids)} parameters in groups of {sizes} do not line up with the "
-                              f"{len(names)} parameters of the config's model (by the Trainer's decay split or model order); "
-                              "import it with the config of the model that wrote it")
+        raise CheckpointError(
+            f"{self._optim.path}: its {len(ids)} parameters in groups of {sizes} do not line up with the "
+            f"{len(names)} parameters of the config's model (by the Trainer's decay split or model order); "
+            "import it with the config of the model that wrote it"
+        )
 
     def _shape_of(self, pid: int) -> tuple[int, ...] | None:
         st = self._state.get(pid)
@@ -368,8 +405,13 @@ class HFTrainerForeign:
         self.close()
 
 
-def first_mismatch(source: ForeignSource, expect: Iterable[tuple[str, tuple[int, ...]]], tied: dict[str, str], *,
-                   model: str = "the config's model") -> str | None:
+def first_mismatch(
+    source: ForeignSource,
+    expect: Iterable[tuple[str, tuple[int, ...]]],
+    tied: dict[str, str],
+    *,
+    model: str = "the config's model",
+) -> str | None:
     """One line naming the first tensor whose name or shape differs between the source and the target model
     (``model``: how the messages call it)."""
     expect = list(expect)
@@ -417,5 +459,17 @@ def with_canonical_names(src: ForeignSource) -> ForeignSource:
     return CanonicalNames(src)
 
 
-__all__ = ["LAYOUTS", "CanonicalNames", "ForeignSource", "HFTrainerForeign", "ZeroForeign", "check_storage_crcs",
-           "first_mismatch", "layouts_line", "open_foreign", "read_whole", "unknown_layout", "with_canonical_names"]
+__all__ = [
+    "LAYOUTS",
+    "CanonicalNames",
+    "ForeignSource",
+    "HFTrainerForeign",
+    "ZeroForeign",
+    "check_storage_crcs",
+    "first_mismatch",
+    "layouts_line",
+    "open_foreign",
+    "read_whole",
+    "unknown_layout",
+    "with_canonical_names",
+]

@@ -26,8 +26,15 @@ from ckpt import identity, lineage
 from ckpt.formats.dcp import save_in_process
 from ckpt.formats.deepspeed import STATE_FILE, UNIVERSAL_DIR, rng_file, write_hashed
 from ckpt.formats.deepspeed_convert import StreamingSavePlanner, dcp_files, dcp_state, producer
-from ckpt.formats.deepspeed_sources import (IO_THREADS, FingerprintSums, check_target, commit_dir, inventory,
-                                            partial_dir, tied_of)
+from ckpt.formats.deepspeed_sources import (
+    IO_THREADS,
+    FingerprintSums,
+    check_target,
+    commit_dir,
+    inventory,
+    partial_dir,
+    tied_of,
+)
 from ckpt.formats.deepspeed_universal import universal_model_states, write_universal
 from ckpt.formats.direct_io import HashingDirectWriter
 from ckpt.formats.foreign import ForeignSource
@@ -41,9 +48,15 @@ class Adopted:
     """A foreign checkpoint as ``deepspeed_sources.Source``: the target's optimizer groups (names, shapes) and
     hyperparameters; tensors read from the source, checked against the target shape, in fp32."""
 
-    def __init__(self, src: ForeignSource, groups: list[list[tuple[str, tuple[int, ...]]]],
-                 hparams: list[dict[str, Any]], *, model: str = "the config's model",
-                 fix: str = "import it with the config of the model that wrote it"):
+    def __init__(
+        self,
+        src: ForeignSource,
+        groups: list[list[tuple[str, tuple[int, ...]]]],
+        hparams: list[dict[str, Any]],
+        *,
+        model: str = "the config's model",
+        fix: str = "import it with the config of the model that wrote it",
+    ):
         self.src = src
         self._model, self._fix = model, fix  # how the target model is called, and what to do, in a refusal
         self.groups = groups
@@ -54,8 +67,10 @@ class Adopted:
     def read(self, name: str, key: str) -> torch.Tensor:
         t = self.src.read(name, key)
         if tuple(t.shape) != self._shape[name]:
-            raise CheckpointError(f"{self.src.path}: {key} of {name} is {list(t.shape)}, {self._model} has "
-                                  f"{list(self._shape[name])}; {self._fix}")
+            raise CheckpointError(
+                f"{self.src.path}: {key} of {name} is {list(t.shape)}, {self._model} has "
+                f"{list(self._shape[name])}; {self._fix}"
+            )
         t = t.to(torch.float32).contiguous()
         # StreamingSavePlanner frees each tensor's storage once written: a tensor over memory it does not own
         # (read through a numpy view) is copied into one it does
@@ -71,7 +86,9 @@ class Adopted:
         pass
 
 
-def commit_dcp(src: Adopted, template: CheckpointManifest, out_dir: Path, *, threads: int = IO_THREADS) -> CheckpointManifest:
+def commit_dcp(
+    src: Adopted, template: CheckpointManifest, out_dir: Path, *, threads: int = IO_THREADS
+) -> CheckpointManifest:
     """``src`` as a committed DCP checkpoint at ``out_dir`` (``template``: the manifest less files, tensors and
     fingerprint). Returns the committed manifest."""
     t0 = time.perf_counter()
@@ -88,17 +105,25 @@ def commit_dcp(src: Adopted, template: CheckpointManifest, out_dir: Path, *, thr
         writer = HashingDirectWriter(tmp, sync_files=True, thread_count=max(2, threads), overwrite=False)
         save_in_process(sd, writer, StreamingSavePlanner(produce))
         tensors = inventory(src.groups, tied=tied)
-        out = template.model_copy(update={
-            "format": "dcp", "created_at": lineage.now_iso(), "files": dcp_files(tmp, writer.digests),
-            "tensors": tensors, "model_signature": _signature(tensors, template),
-            "fingerprint": sums.fingerprint(src.step()), "save_seconds": time.perf_counter() - t0})
+        out = template.model_copy(
+            update={
+                "format": "dcp",
+                "created_at": lineage.now_iso(),
+                "files": dcp_files(tmp, writer.digests),
+                "tensors": tensors,
+                "model_signature": _signature(tensors, template),
+                "fingerprint": sums.fingerprint(src.step()),
+                "save_seconds": time.perf_counter() - t0,
+            }
+        )
         if not commit_dir(tmp, out_dir, out):
             raise CheckpointError(f"{out_dir}: appeared while importing; nothing was overwritten")
     return out
 
 
-def commit_deepspeed(src: Adopted, template: CheckpointManifest, out_dir: Path, *,
-                     threads: int = IO_THREADS) -> CheckpointManifest:
+def commit_deepspeed(
+    src: Adopted, template: CheckpointManifest, out_dir: Path, *, threads: int = IO_THREADS
+) -> CheckpointManifest:
     """``src`` as a committed deepspeed checkpoint at ``out_dir`` holding the universal layout only."""
     t0 = time.perf_counter()
     check_target(out_dir)
@@ -107,13 +132,25 @@ def commit_deepspeed(src: Adopted, template: CheckpointManifest, out_dir: Path, 
     with partial_dir(out_dir) as tmp:
         (tmp / UNIVERSAL_DIR).mkdir()
         states = universal_model_states({}, src.groups, target)
-        ufiles, fingerprint = write_universal(src, tmp / UNIVERSAL_DIR, target, model_states=states,
-                                              clip_grad=spec.optim.grad_clip or 0.0, threads=threads)
+        ufiles, fingerprint = write_universal(
+            src,
+            tmp / UNIVERSAL_DIR,
+            target,
+            model_states=states,
+            clip_grad=spec.optim.grad_clip or 0.0,
+            threads=threads,
+        )
         tensors = inventory(src.groups)
-        common = {"created_at": lineage.now_iso(), "tensors": tensors, "fingerprint": fingerprint,
-                  "model_signature": _signature(tensors, target)}
-        write_manifest(tmp / UNIVERSAL_DIR, target.model_copy(update={**common, "files": ufiles,
-                                                                       "save_seconds": time.perf_counter() - t0}))
+        common = {
+            "created_at": lineage.now_iso(),
+            "tensors": tensors,
+            "fingerprint": fingerprint,
+            "model_signature": _signature(tensors, target),
+        }
+        write_manifest(
+            tmp / UNIVERSAL_DIR,
+            target.model_copy(update={**common, "files": ufiles, "save_seconds": time.perf_counter() - t0}),
+        )
         files = _state_files(tmp, target)
         out = target.model_copy(update={**common, "files": files, "save_seconds": time.perf_counter() - t0})
         if not commit_dir(tmp, out_dir, out):
@@ -129,9 +166,15 @@ def _state_files(tmp: Path, manifest: CheckpointManifest) -> list[FileEntry]:
     """The counters (layout "universal") and rank 0's RNG state, seeded by the elastic rule: the other tool's RNG
     states are not carried over (their files are never unpickled)."""
     spec = manifest.run_spec
-    state = {"step": manifest.step, "tokens": manifest.tokens, "samples": manifest.samples,
-             "schedule_last_step": manifest.step - 1, "zero_stage": spec.deepspeed.zero_stage, "world_size": 1,
-             "layout": "universal"}
+    state = {
+        "step": manifest.step,
+        "tokens": manifest.tokens,
+        "samples": manifest.samples,
+        "schedule_last_step": manifest.step - 1,
+        "zero_stage": spec.deepspeed.zero_stage,
+        "world_size": 1,
+        "layout": "universal",
+    }
     text = (json.dumps(state, indent=2, sort_keys=True) + "\n").encode()
     rng = elastic_rng_state(spec.seed, manifest.step)
     entries = []

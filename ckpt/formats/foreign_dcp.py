@@ -48,23 +48,32 @@ class DCPForeign:
     def _index(self) -> None:
         keys = self._model.tensor_keys()
         if self._prefix:
-            names = [k[len(self._prefix):] for k in keys if k.startswith(self._prefix)]
+            names = [k[len(self._prefix) :] for k in keys if k.startswith(self._prefix)]
         else:
             names = [k for k in keys if not k.startswith(_TITAN_OTHERS)]
         self.shapes = {n: tuple(self._model.meta(self._prefix + n).size) for n in names}
         if not self.shapes:
-            raise CheckpointError(f"{self.path}: a DCP checkpoint without model tensors ('{self._prefix}*'); import reads "
-                                  "DCP saves of {'model', 'optimizer'}, torchtitan step-N/ and Accelerate FSDP folders")
+            raise CheckpointError(
+                f"{self.path}: a DCP checkpoint without model tensors ('{self._prefix}*'); import reads "
+                "DCP saves of {'model', 'optimizer'}, torchtitan step-N/ and Accelerate FSDP folders"
+            )
         moments = {k for k in self._optim.tensor_keys() if k.startswith(OPTIM)}
         if not moments:
-            raise CheckpointError(f"{self.path}: a DCP checkpoint without optimizer state ({OPTIM}*); import adopts a "
-                                  "training state: to start a run from these weights, export them and set model.pretrained")
+            raise CheckpointError(
+                f"{self.path}: a DCP checkpoint without optimizer state ({OPTIM}*); import adopts a "
+                "training state: to start a run from these weights, export them and set model.pretrained"
+            )
         first = next(iter(self.shapes))
-        found = sorted(k[len(OPTIM) + len(first) + 1:] for k in moments if k.startswith(f"{OPTIM}{first}.")
-                       and "." not in k[len(OPTIM) + len(first) + 1:])
+        found = sorted(
+            k[len(OPTIM) + len(first) + 1 :]
+            for k in moments
+            if k.startswith(f"{OPTIM}{first}.") and "." not in k[len(OPTIM) + len(first) + 1 :]
+        )
         if [k for k in found if k != "step"] != sorted(MOMENTS):
-            raise CheckpointError(f"{self.path}: optimizer state of {first} has {found or 'no entries'}; only AdamW/Adam "
-                                  "state (exp_avg, exp_avg_sq) can be imported")
+            raise CheckpointError(
+                f"{self.path}: optimizer state of {first} has {found or 'no entries'}; only AdamW/Adam "
+                "state (exp_avg, exp_avg_sq) can be imported"
+            )
         self._step_key = f"{OPTIM}{first}.step"
         self.global_step = self._global_step()
 
@@ -78,8 +87,10 @@ class DCPForeign:
         t = self._read(reader, key)
         value = t.item() if t.numel() == 1 and not t.is_complex() else None
         if value is None or not math.isfinite(value) or value < 0:
-            raise CheckpointError(f"{reader.dir / '.metadata'}: {key} is not one finite number of at least 0 "
-                                  f"({t.dtype} {list(t.shape)}); the checkpoint is corrupted or crafted")
+            raise CheckpointError(
+                f"{reader.dir / '.metadata'}: {key} is not one finite number of at least 0 "
+                f"({t.dtype} {list(t.shape)}); the checkpoint is corrupted or crafted"
+            )
         return float(value)
 
     def _read(self, reader: DCPTensorReader, key: str) -> torch.Tensor:
@@ -94,12 +105,16 @@ class DCPForeign:
         except CheckpointError as e:
             if "no tensor named" not in str(e):
                 raise
-            raise CheckpointError(f"{self.path}: no {key} for {name} in the optimizer state; only AdamW state of every "
-                                  "parameter can be imported") from None
+            raise CheckpointError(
+                f"{self.path}: no {key} for {name} in the optimizer state; only AdamW state of every "
+                "parameter can be imported"
+            ) from None
 
     def optim_step(self) -> float:
         if self._step_key not in self._optim.tensor_keys():
-            raise CheckpointError(f"{self.path}: no optimizer step ({self._step_key}); only AdamW state can be imported")
+            raise CheckpointError(
+                f"{self.path}: no optimizer step ({self._step_key}); only AdamW state can be imported"
+            )
         return self._number(self._optim, self._step_key)
 
     def verify(self) -> None:
@@ -121,8 +136,10 @@ def open_dcp(d: Path) -> DCPForeign:
     if (d / "pytorch_model_fsdp_0").is_dir():
         optim = d / "optimizer_0"
         if not (optim / ".metadata").is_file():
-            raise CheckpointError(f"{d}: Accelerate FSDP model state without optimizer_0/.metadata; import adopts a "
-                                  "training state (save_state writes both), or set model.pretrained to exported weights")
+            raise CheckpointError(
+                f"{d}: Accelerate FSDP model state without optimizer_0/.metadata; import adopts a "
+                "training state (save_state writes both), or set model.pretrained to exported weights"
+            )
         return DCPForeign("accelerate-fsdp", d, d / "pytorch_model_fsdp_0", optim, "model.")
     reader = DCPTensorReader(d)
     try:

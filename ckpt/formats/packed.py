@@ -64,11 +64,13 @@ def unpack(blob: torch.Tensor, where: str) -> Any:
         raw = bytes(blob.to(torch.uint8).contiguous().numpy().tobytes())
         tensors = load(raw)
         header_len = int.from_bytes(raw[:8], "little")
-        meta = json.loads(raw[8:8 + header_len]).get("__metadata__", {})
+        meta = json.loads(raw[8 : 8 + header_len]).get("__metadata__", {})
         structure = json.loads(meta[_STRUCT])
     except Exception as e:  # noqa: BLE001 - any parse failure is the file's
-        raise CheckpointError(f"{where}: not a readable tracked state ({type(e).__name__}); the checkpoint is "
-                              "corrupted, pick another step") from None
+        raise CheckpointError(
+            f"{where}: not a readable tracked state ({type(e).__name__}); the checkpoint is "
+            "corrupted, pick another step"
+        ) from None
 
     def dec(v: Any) -> Any:
         if isinstance(v, list):

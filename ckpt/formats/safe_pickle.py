@@ -1,5 +1,4 @@
-# Stays whole (over 500 lines): the allow-list unpickler -- every admitted name, checked opcode and limit -- must be read as one piece.
-"""THE allow-list unpickler: every pickle read from a run directory goes through ``load`` here.
+"""The allow-list unpickler: every pickle read from a run directory goes through ``load`` here.
 
 (One module on purpose, over the house's ~400 lines: the trust boundary — every admitted name, every checked
 opcode and every limit — is reviewable in one place; splitting it would hide one rule from the next.)
@@ -37,8 +36,8 @@ admitted classes (DCP's metadata dataclasses, DeepSpeed's LossScaler/fragment_ad
 created empty by NEWOBJ and filled by BUILD with plain fields (TensorProperties decodes its tuple with
 its own ``__setstate__``). ``DCP_LAYOUT`` admits the same pairs as ``DCP_METADATA`` but maps them to inert
 stand-ins defined here (``LayoutRecord`` classes, dtype names, ``torch.Size`` as a tuple of ints): the quick
-check reads a checkpoint's layout without importing torch. Never admitted: ``_rebuild_parameter`` (hooks), ``copyreg``, ``functools``,
-``builtins.getattr``/``eval``/``exec``/``__import__``/``bytes``/``bytearray`` (``bytes(10**12)``), ...
+check reads a checkpoint's layout without importing torch. Never admitted: ``_rebuild_parameter`` (hooks), ``copyreg``,
+``functools``, ``builtins.getattr``/``eval``/``exec``/``__import__``/``bytes``/``bytearray`` (``bytes(10**12)``), ...
 
 Cost: the Python unpickler is ~5-10x slower than the C one (a 3 MB DCP metadata, ~20k chunks: ~2 s
 against ~0.2 s; 19 MB, 98k chunks at 4,096 ranks: ~8 s against ~0.5 s + a type walk); torch's own
@@ -114,12 +113,31 @@ class StorageType:
 
 
 STORAGE_TYPES: dict[str, str] = {  # torch.storage._dtype_to_storage_type_map, the names torch.save writes: dtype names
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
 }
-_DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-                "complex64", "complex128")
+_DTYPE_NAMES = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+    "complex64",
+    "complex128",
+)
 
 
 @dataclass(frozen=True)
@@ -161,8 +179,16 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = False,
-                   backward_hooks: Any = None, metadata: Any = None, *rest: Any) -> Any:
+def rebuild_tensor(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any = False,
+    backward_hooks: Any = None,
+    metadata: Any = None,
+    *rest: Any,
+) -> Any:
     """What ``torch._utils._rebuild_tensor_v2`` unpickles to: a StoredTensor for a StorageRef, a real
     tensor (a view of the storage's data) for a loaded storage. Hooks and metadata must be empty."""
     if rest or (backward_hooks is not None and (type(backward_hooks) not in (dict, OrderedDict) or backward_hooks)):
@@ -174,13 +200,21 @@ def rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, re
     shape, strides = _ints(size, "size"), _ints(stride, "stride")
     import torch
 
-    numel = storage.numel if isinstance(storage, StorageRef) else storage.numel() if isinstance(storage, torch.Tensor) else None
+    numel = (
+        storage.numel
+        if isinstance(storage, StorageRef)
+        else storage.numel()
+        if isinstance(storage, torch.Tensor)
+        else None
+    )
     if numel is None:
         raise pickle.UnpicklingError("tensor record without a storage")
     if len(shape) != len(strides):
         raise pickle.UnpicklingError(f"tensor record with size {list(shape)} and stride {list(strides)}")
     if math.prod(shape) and storage_offset + sum((s - 1) * st for s, st in zip(shape, strides)) >= numel:
-        raise pickle.UnpicklingError(f"tensor view {list(shape)} at {storage_offset} reaches past its storage of {numel}")
+        raise pickle.UnpicklingError(
+            f"tensor view {list(shape)} at {storage_offset} reaches past its storage of {numel}"
+        )
     if isinstance(storage, StorageRef):
         return StoredTensor(storage.key, storage.dtype, storage_offset, shape, strides, storage.numel)
     out = torch.as_strided(storage, shape, strides, storage_offset)
@@ -195,9 +229,13 @@ def rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
 
     if func is not rebuild_tensor or new_type is not torch.Tensor or type(args) is not tuple:
         raise pickle.UnpicklingError("tensor subclass record other than a plain tensor")
-    if state is not None and (type(state) is not dict or not all(
+    if state is not None and (
+        type(state) is not dict
+        or not all(
             type(k) is str and not k.startswith("_") and not hasattr(torch.Tensor, k) and type(v) in _LEAVES
-            for k, v in state.items())):
+            for k, v in state.items()
+        )
+    ):
         raise pickle.UnpicklingError("tensor record with attributes other than plain named values")
     out = rebuild_tensor(*args)
     if isinstance(out, torch.Tensor):
@@ -240,12 +278,14 @@ class _Checked(_Lazy):
             if not check(args):
                 raise pickle.UnpicklingError(f"{what} called with {[type(a).__name__ for a in args]}")
             return real(*args)
+
         return call
 
 
 @dataclass(frozen=True)
 class _StorageToken(_Lazy):
-    """A storage class name (``torch.FloatStorage``): a StorageType with its torch dtype, made when a pickle names it."""
+    """A storage class name (``torch.FloatStorage``): a StorageType with its torch dtype, made when a pickle
+    names it."""
 
     def resolve(self) -> Any:
         import torch
@@ -283,8 +323,10 @@ def _properties_setstate(self: Any, state: Any) -> None:
     """TensorProperties.__setstate__: (dtype, layout, requires_grad, memory format encoding, pin_memory); the
     encoding must be a member of the enumeration, as DCP's own decoding requires."""
     if type(state) is not tuple or len(state) != 5 or type(state[3]) is not LayoutMemoryFormat:
-        raise pickle.UnpicklingError("TensorProperties state is not (dtype, layout, requires_grad, memory format, "
-                                     "pin_memory) with a member of _MEM_FORMAT_ENCODING")
+        raise pickle.UnpicklingError(
+            "TensorProperties state is not (dtype, layout, requires_grad, memory format, "
+            "pin_memory) with a member of _MEM_FORMAT_ENCODING"
+        )
     (self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory) = state
 
 
@@ -313,8 +355,18 @@ def _layout_mem_format(*args: Any) -> LayoutMemoryFormat:
 
 
 # torch's layouts, as torch.serialization._get_layout knows them (tests compare the two)
-LAYOUT_NAMES = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc", "torch.sparse_bsr",
-                          "torch.sparse_bsc", "torch._mkldnn", "torch.jagged"})
+LAYOUT_NAMES = frozenset(
+    {
+        "torch.strided",
+        "torch.sparse_coo",
+        "torch.sparse_csr",
+        "torch.sparse_csc",
+        "torch.sparse_bsr",
+        "torch.sparse_bsc",
+        "torch._mkldnn",
+        "torch.jagged",
+    }
+)
 
 
 def _layout_name(*args: Any) -> str:
@@ -331,8 +383,13 @@ LAYOUT_RECORDS: dict[str, type[LayoutRecord]] = {  # with the class-level defaul
     "StorageMeta": _record("StorageMeta", checkpoint_id=None, save_id=None, load_id=None),
     "_StorageInfo": _record("_StorageInfo", transform_descriptors=None),
     # a frozen dataclass in DCP: equal and hashed by (fqn, offset), never by its index hint
-    "MetadataIndex": _record("MetadataIndex", offset=None, index=None, __hash__=lambda self: hash(_index_key(self)),
-                             __eq__=lambda self, other: type(other) is type(self) and _index_key(other) == _index_key(self)),
+    "MetadataIndex": _record(
+        "MetadataIndex",
+        offset=None,
+        index=None,
+        __hash__=lambda self: hash(_index_key(self)),
+        __eq__=lambda self, other: type(other) is type(self) and _index_key(other) == _index_key(self),
+    ),
     "TensorProperties": _record("TensorProperties", __setstate__=_properties_setstate),
 }
 
@@ -353,8 +410,13 @@ class Profile:
         return frozenset(self.objects)
 
 
-def _profile(name: str, objects: dict[tuple[str, str], Any], callables: set[tuple[str, str]],
-             classes: set[tuple[str, str]], storages: bool) -> Profile:
+def _profile(
+    name: str,
+    objects: dict[tuple[str, str], Any],
+    callables: set[tuple[str, str]],
+    classes: set[tuple[str, str]],
+    storages: bool,
+) -> Profile:
     unknown = (callables | classes) - set(objects)
     if unknown or callables & classes:
         raise RuntimeError(f"profile {name}: bad callables/classes {sorted(unknown | (callables & classes))}")
@@ -367,16 +429,36 @@ _TENSORS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): OrderedDict,
     **{("torch", n): _StorageToken("torch", n) for n in STORAGE_TYPES},
 }
-_DS_NAMES = {("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-             ("deepspeed.utils.tensor_fragment", "fragment_address")}
+_DS_NAMES = {
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+}
 _ZERO_STAGE = ("deepspeed.runtime.zero.config", "ZeroStageEnum")
-_CONTAINERS = {("torch", "Size"): _Lazy("torch", "Size"), ("builtins", "set"): set, ("builtins", "frozenset"): frozenset,
-               ("torch._tensor", "_rebuild_from_type_v2"): rebuild_from_type, ("torch", "Tensor"): _Lazy("torch", "Tensor")}
-_MD_CLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-               "MetadataIndex", "StorageMeta")
+_CONTAINERS = {
+    ("torch", "Size"): _Lazy("torch", "Size"),
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("torch._tensor", "_rebuild_from_type_v2"): rebuild_from_type,
+    ("torch", "Tensor"): _Lazy("torch", "Tensor"),
+}
+_MD_CLASSES = (
+    "Metadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "MetadataIndex",
+    "StorageMeta",
+)
 _STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
-_MD_CALLABLES = {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict"),
-                 ("torch", "Size"), (_MD, "_MEM_FORMAT_ENCODING")}
+_MD_CALLABLES = {
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    (_MD, "_MEM_FORMAT_ENCODING"),
+}
 
 DCP_METADATA = _profile(  # what DCP's load plans from: its real classes
     "DCP metadata",
@@ -390,7 +472,9 @@ DCP_METADATA = _profile(  # what DCP's load plans from: its real classes
         ("torch", "Size"): _Lazy("torch", "Size"),
         **{("torch", n): _Lazy("torch", n) for n in _DTYPE_NAMES},
     },
-    callables=_MD_CALLABLES, classes={(_MD, n) for n in _MD_CLASSES} | {_STORAGE_INFO}, storages=False,
+    callables=_MD_CALLABLES,
+    classes={(_MD, n) for n in _MD_CLASSES} | {_STORAGE_INFO},
+    storages=False,
 )
 DCP_LAYOUT = _profile(  # the same pairs as inert stand-ins (LayoutRecord): the quick check, without torch
     "DCP metadata",
@@ -404,19 +488,37 @@ DCP_LAYOUT = _profile(  # the same pairs as inert stand-ins (LayoutRecord): the 
         ("torch", "Size"): _layout_size,
         **{("torch", n): LayoutDType(n) for n in _DTYPE_NAMES},
     },
-    callables=_MD_CALLABLES, classes={(_MD, n) for n in _MD_CLASSES} | {_STORAGE_INFO}, storages=False,
+    callables=_MD_CALLABLES,
+    classes={(_MD, n) for n in _MD_CLASSES} | {_STORAGE_INFO},
+    storages=False,
 )
 TENSOR_RECORD = _profile(
-    "tensor record", _TENSORS, callables={("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")},
-    classes=set(), storages=True)
-_DS_CALLABLES = {("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"), _ZERO_STAGE,
-                 *(set(_CONTAINERS) - {("torch", "Tensor")})}
+    "tensor record",
+    _TENSORS,
+    callables={("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")},
+    classes=set(),
+    storages=True,
+)
+_DS_CALLABLES = {
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("collections", "OrderedDict"),
+    _ZERO_STAGE,
+    *(set(_CONTAINERS) - {("torch", "Tensor")}),
+}
 DEEPSPEED_RECORDS = _profile(  # the layout of DeepSpeed's files: value classes as inert stand-ins
-    "DeepSpeed state", {**_TENSORS, **_CONTAINERS, **{p: _opaque(p[1]) for p in _DS_NAMES}, _ZERO_STAGE: int},
-    callables=_DS_CALLABLES, classes=_DS_NAMES, storages=True)
+    "DeepSpeed state",
+    {**_TENSORS, **_CONTAINERS, **{p: _opaque(p[1]) for p in _DS_NAMES}, _ZERO_STAGE: int},
+    callables=_DS_CALLABLES,
+    classes=_DS_NAMES,
+    storages=True,
+)
 DEEPSPEED_STATE = _profile(  # what DeepSpeed's engine loads: its real value classes, same pairs
-    "DeepSpeed state", {**_TENSORS, **_CONTAINERS, **{p: _Lazy(*p) for p in _DS_NAMES}, _ZERO_STAGE: _Checked(*_ZERO_STAGE)},
-    callables=_DS_CALLABLES, classes=_DS_NAMES, storages=True)
+    "DeepSpeed state",
+    {**_TENSORS, **_CONTAINERS, **{p: _Lazy(*p) for p in _DS_NAMES}, _ZERO_STAGE: _Checked(*_ZERO_STAGE)},
+    callables=_DS_CALLABLES,
+    classes=_DS_NAMES,
+    storages=True,
+)
 PROFILES = (DCP_METADATA, DCP_LAYOUT, TENSOR_RECORD, DEEPSPEED_RECORDS, DEEPSPEED_STATE)
 ALLOWED: frozenset[tuple[str, str]] = frozenset().union(*(p.pairs for p in PROFILES))
 
@@ -427,6 +529,7 @@ def _refuser(opcode: bytes) -> Callable[[Any], None]:
 
     def refuse(self: Any) -> None:
         raise pickle.UnpicklingError(f"opcode {name} is not allowed")
+
     return refuse
 
 
@@ -469,11 +572,26 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
         return obj
 
     def persistent_load(self, pid: Any) -> Any:
-        ok = (self._storage is not None and type(pid) is tuple and len(pid) == 5 and type(pid[0]) is str and pid[0] == "storage"
-              and isinstance(pid[1], StorageType) and type(pid[2]) is str and 0 < len(pid[2]) <= 64
-              and pid[2].isalnum() and type(pid[3]) is str and type(pid[4]) is int and pid[4] >= 0)
+        ok = (
+            self._storage is not None
+            and type(pid) is tuple
+            and len(pid) == 5
+            and type(pid[0]) is str
+            and pid[0] == "storage"
+            and isinstance(pid[1], StorageType)
+            and type(pid[2]) is str
+            and 0 < len(pid[2]) <= 64
+            and pid[2].isalnum()
+            and type(pid[3]) is str
+            and type(pid[4]) is int
+            and pid[4] >= 0
+        )
         if not ok:
-            shown = repr(pid)[:80] if type(pid) in (str, tuple) and all(type(x) in _LEAVES | {StorageType} for x in pid) else type(pid).__name__
+            shown = (
+                repr(pid)[:80]
+                if type(pid) in (str, tuple) and all(type(x) in _LEAVES | {StorageType} for x in pid)
+                else type(pid).__name__
+            )
             raise pickle.UnpicklingError(f"persistent id {shown} is not a torch.save storage")
         return self._storage(pid[1], pid[2], pid[4])  # type: ignore[misc]
 
@@ -513,7 +631,8 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
             raise pickle.UnpicklingError(f"BUILD of a {cls.__name__} twice")
         self._built.add(id(inst))
         own = cls.__dict__.get("__setstate__") or next(
-            (k.__dict__["__setstate__"] for k in cls.__mro__[1:-1] if "__setstate__" in k.__dict__), None)
+            (k.__dict__["__setstate__"] for k in cls.__mro__[1:-1] if "__setstate__" in k.__dict__), None
+        )
         if own is not None:  # the admitted class's own code (TensorProperties decodes its tuple)
             own(inst, state)
             return
@@ -626,19 +745,40 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
 
 
 _D = SafeUnpickler.dispatch
-for _op in (pickle.INST, pickle.OBJ, pickle.EXT1, pickle.EXT2, pickle.EXT4, pickle.PERSID,
-            pickle.BYTEARRAY8, pickle.NEXT_BUFFER, pickle.READONLY_BUFFER):  # bytearray(n) allocates n first
+for _op in (
+    pickle.INST,
+    pickle.OBJ,
+    pickle.EXT1,
+    pickle.EXT2,
+    pickle.EXT4,
+    pickle.PERSID,
+    pickle.BYTEARRAY8,
+    pickle.NEXT_BUFFER,
+    pickle.READONLY_BUFFER,
+):  # bytearray(n) allocates n first
     _D[_op[0]] = _refuser(_op)
-for _op, _fn in ((pickle.REDUCE, SafeUnpickler.load_reduce), (pickle.NEWOBJ, SafeUnpickler.load_newobj),
-                 (pickle.NEWOBJ_EX, SafeUnpickler.load_newobj_ex), (pickle.BUILD, SafeUnpickler.load_build),
-                 (pickle.APPEND, SafeUnpickler.load_append), (pickle.APPENDS, SafeUnpickler.load_appends),
-                 (pickle.SETITEM, SafeUnpickler.load_setitem), (pickle.SETITEMS, SafeUnpickler.load_setitems),
-                 (pickle.ADDITEMS, SafeUnpickler.load_additems), (pickle.MARK, SafeUnpickler.load_mark),
-                 (pickle.DICT, SafeUnpickler.load_dict), (pickle.FROZENSET, SafeUnpickler.load_frozenset),
-                 (pickle.FRAME, SafeUnpickler.load_frame)):
+for _op, _fn in (
+    (pickle.REDUCE, SafeUnpickler.load_reduce),
+    (pickle.NEWOBJ, SafeUnpickler.load_newobj),
+    (pickle.NEWOBJ_EX, SafeUnpickler.load_newobj_ex),
+    (pickle.BUILD, SafeUnpickler.load_build),
+    (pickle.APPEND, SafeUnpickler.load_append),
+    (pickle.APPENDS, SafeUnpickler.load_appends),
+    (pickle.SETITEM, SafeUnpickler.load_setitem),
+    (pickle.SETITEMS, SafeUnpickler.load_setitems),
+    (pickle.ADDITEMS, SafeUnpickler.load_additems),
+    (pickle.MARK, SafeUnpickler.load_mark),
+    (pickle.DICT, SafeUnpickler.load_dict),
+    (pickle.FROZENSET, SafeUnpickler.load_frozenset),
+    (pickle.FRAME, SafeUnpickler.load_frame),
+):
     _D[_op[0]] = _fn
-for _op, _fn in ((pickle.MEMOIZE, SafeUnpickler.load_memoize), (pickle.PUT, SafeUnpickler.load_put),
-                 (pickle.BINPUT, SafeUnpickler.load_binput), (pickle.LONG_BINPUT, SafeUnpickler.load_long_binput)):
+for _op, _fn in (
+    (pickle.MEMOIZE, SafeUnpickler.load_memoize),
+    (pickle.PUT, SafeUnpickler.load_put),
+    (pickle.BINPUT, SafeUnpickler.load_binput),
+    (pickle.LONG_BINPUT, SafeUnpickler.load_long_binput),
+):
     _D[_op[0]] = _fn
 
 
@@ -647,8 +787,9 @@ _ITEMS, _MAPPING, _ATTRS, _NONE = 1, 2, 3, 0
 
 
 def _flat(value: Any) -> bool:
-    return type(value) in _LEAVES or (isinstance(value, tuple) and len(value) <= MAX_KEY_ITEMS
-                                      and all(type(v) in _LEAVES for v in value))
+    return type(value) in _LEAVES or (
+        isinstance(value, tuple) and len(value) <= MAX_KEY_ITEMS and all(type(v) in _LEAVES for v in value)
+    )
 
 
 def _flat_keys(keys: list[Any]) -> list[Any]:
@@ -730,13 +871,21 @@ def _check_shape(obj: Any) -> None:
         todo.extend([(c, depth, False) for c in children])
 
 
-def load(data: bytes, profile: Profile, *, where: str, storage: Callable[[StorageType, str, int], Any] | None = None,
-         max_bytes: int | None = None) -> Any:
+def load(
+    data: bytes,
+    profile: Profile,
+    *,
+    where: str,
+    storage: Callable[[StorageType, str, int], Any] | None = None,
+    max_bytes: int | None = None,
+) -> Any:
     """Unpickle ``data`` (read from ``where``) under ``profile``; CheckpointError on anything refused."""
     limit = MAX_PICKLE_BYTES if max_bytes is None else max_bytes
     if len(data) > limit:
-        raise CheckpointError(f"{where}: refused to unpickle ({len(data)} bytes of pickle, more than {limit}); "
-                              "the file is not a checkpoint this tool writes, pick another step")
+        raise CheckpointError(
+            f"{where}: refused to unpickle ({len(data)} bytes of pickle, more than {limit}); "
+            "the file is not a checkpoint this tool writes, pick another step"
+        )
     collecting = gc.isenabled()
     gc.disable()  # the cyclic GC rescans the growing object graph on every few hundred allocations
     try:
@@ -745,12 +894,15 @@ def load(data: bytes, profile: Profile, *, where: str, storage: Callable[[Storag
     except CheckpointError:
         raise
     except RecursionError:
-        raise CheckpointError(f"{where}: refused to unpickle (nested too deeply); the file is corrupted or hostile, "
-                              "pick another step") from None
+        raise CheckpointError(
+            f"{where}: refused to unpickle (nested too deeply); the file is corrupted or hostile, pick another step"
+        ) from None
     except Exception as e:  # noqa: BLE001 - every failure of hostile input is a refusal
         cause = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-        raise CheckpointError(f"{where}: refused to unpickle ({cause}); only files written by this tool's "
-                              "backends can be read, pick another step") from None
+        raise CheckpointError(
+            f"{where}: refused to unpickle ({cause}); only files written by this tool's "
+            "backends can be read, pick another step"
+        ) from None
     finally:
         if collecting:
             gc.enable()
@@ -762,6 +914,25 @@ def admitted(profile: Profile) -> list[str]:
     return sorted(f"{m}.{n}" for m, n in profile.pairs)
 
 
-__all__ = ["ALLOWED", "DCP_LAYOUT", "DCP_METADATA", "DEEPSPEED_RECORDS", "DEEPSPEED_STATE", "MAX_PICKLE_BYTES", "Opaque", "PROFILES",
-           "LAYOUT_RECORDS", "LayoutDType", "LayoutRecord", "Profile", "SafeUnpickler", "StorageRef", "StorageType", "StoredTensor", "TENSOR_RECORD", "admitted", "load",
-           "rebuild_tensor"]
+__all__ = [
+    "ALLOWED",
+    "DCP_LAYOUT",
+    "DCP_METADATA",
+    "DEEPSPEED_RECORDS",
+    "DEEPSPEED_STATE",
+    "MAX_PICKLE_BYTES",
+    "Opaque",
+    "PROFILES",
+    "LAYOUT_RECORDS",
+    "LayoutDType",
+    "LayoutRecord",
+    "Profile",
+    "SafeUnpickler",
+    "StorageRef",
+    "StorageType",
+    "StoredTensor",
+    "TENSOR_RECORD",
+    "admitted",
+    "load",
+    "rebuild_tensor",
+]

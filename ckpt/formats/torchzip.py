@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from schemas.errors import CheckpointError
 from ckpt.formats import safe_pickle
-from ckpt.fsutil import open_regular, pread_full
 from ckpt.formats.safe_pickle import Profile, StorageRef, StorageType, StoredTensor
+from ckpt.fsutil import open_regular, pread_full
+from schemas.errors import CheckpointError
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header (30 bytes)
 
@@ -61,7 +61,6 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
-
 def _raw_name(info: zipfile.ZipInfo) -> bytes:
     """The entry name as stored in the archive (before zipfile's cut at a NUL byte)."""
     return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
@@ -72,17 +71,24 @@ def _check_unambiguous(infos: list[zipfile.ZipInfo], where: str) -> None:
     on names with a NUL byte and on duplicate names, so a crafted file could show us a harmless data.pkl and
     DeepSpeed's torch.load another one. torch.save writes neither."""
     raw = [i.orig_filename for i in infos]
-    if len(set(raw)) != len(raw) or len({i.filename for i in infos}) != len(infos) or \
-            any("\0" in n or i.filename != n for i, n in zip(infos, raw)):
-        raise CheckpointError(f"{where}: zip directory with duplicate or NUL-cut entry names; torch.save never "
-                              "writes that, the file is crafted, pick another step")
+    if (
+        len(set(raw)) != len(raw)
+        or len({i.filename for i in infos}) != len(infos)
+        or any("\0" in n or i.filename != n for i, n in zip(infos, raw))
+    ):
+        raise CheckpointError(
+            f"{where}: zip directory with duplicate or NUL-cut entry names; torch.save never "
+            "writes that, the file is crafted, pick another step"
+        )
+
 
 class TorchZip:
     """One torch.save zip: bytes [start, start + length) of ``fd``, or a bytes buffer (``from_bytes``).
     ``where`` names it in every error (``path`` or ``path: chunk of KEY at byte N``)."""
 
-    def __init__(self, fd: int | None, start: int, length: int, where: str, *, data: bytes | None = None,
-                 owns_fd: bool = False):
+    def __init__(
+        self, fd: int | None, start: int, length: int, where: str, *, data: bytes | None = None, owns_fd: bool = False
+    ):
         self.fd, self.start, self.length, self.where = fd, start, length, where
         self._data = data
         self._owns_fd = owns_fd
@@ -102,16 +108,19 @@ class TorchZip:
             with zipfile.ZipFile(_Window(self)) as zf:
                 infos = zf.infolist()
         except Exception as e:  # noqa: BLE001 - BadZipFile, struct.error, ValueError, OSError... of a hostile file
-            raise CheckpointError(f"{where}: not a torch.save zip record ({type(e).__name__}: {e}); "
-                                  "the file is corrupted or not written by torch.save, pick another step") from None
+            raise CheckpointError(
+                f"{where}: not a torch.save zip record ({type(e).__name__}: {e}); "
+                "the file is corrupted or not written by torch.save, pick another step"
+            ) from None
         _check_unambiguous(infos, where)
         self.entries = {i.filename: i for i in infos}
         for name in self.entries:  # every local header agrees with the directory, not only those we read
             self.entry(name)
         pkl = [n for n in self.entries if n.endswith("/data.pkl") or n == "data.pkl"]
         if len(pkl) != 1:
-            raise CheckpointError(f"{where}: no single data.pkl record; the file is not a torch.save checkpoint, "
-                                  "pick another step")
+            raise CheckpointError(
+                f"{where}: no single data.pkl record; the file is not a torch.save checkpoint, pick another step"
+            )
         self.prefix = pkl[0][: -len("data.pkl")]
         order = self.entries.get(self.prefix + "byteorder")
         if order is not None and self.read_entry(order.filename, 64).strip() != b"little":
@@ -147,17 +156,25 @@ class TorchZip:
         if info is None:
             raise CheckpointError(f"{self.where}: no entry {name}; the record is corrupted, pick another step")
         if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-            raise CheckpointError(f"{self.where}: entry {name} is compressed; torch.save never does that, the record is not genuine")
+            raise CheckpointError(
+                f"{self.where}: entry {name} is compressed; torch.save never does that, the record is not genuine"
+            )
         head = self.pread(_LOCAL_HEADER.size, info.header_offset)
         if len(head) != _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
-            raise CheckpointError(f"{self.where}: damaged local header of {name}; the record is corrupted, pick another step")
+            raise CheckpointError(
+                f"{self.where}: damaged local header of {name}; the record is corrupted, pick another step"
+            )
         *_, name_len, extra_len = _LOCAL_HEADER.unpack(head)
         if self.pread(name_len, info.header_offset + _LOCAL_HEADER.size) != _raw_name(info):
-            raise CheckpointError(f"{self.where}: local header of {name} names another entry than the zip directory; "
-                                  "torch.save never writes that, the file is crafted, pick another step")
+            raise CheckpointError(
+                f"{self.where}: local header of {name} names another entry than the zip directory; "
+                "torch.save never writes that, the file is crafted, pick another step"
+            )
         rel = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
         if rel + info.file_size > self.length:
-            raise CheckpointError(f"{self.where}: entry {name} runs past the record; the file is truncated, pick another step")
+            raise CheckpointError(
+                f"{self.where}: entry {name} runs past the record; the file is truncated, pick another step"
+            )
         return self.start + rel, info.file_size, info.CRC
 
     def read_entry(self, name: str, max_bytes: int) -> bytes:
@@ -182,14 +199,18 @@ class TorchZip:
         """The object tree with tensors as StoredTensor records (no tensor data read). Each storage the pickle names
         must be an entry of the zip of exactly its declared size, so every record's geometry (checked against the
         declared size as it is unpickled) lies inside bytes the file holds."""
+
         def storage(kind: StorageType, key: str, numel: int) -> StorageRef:
             info = self.entries.get(f"{self.prefix}data/{key}")
             itemsize = kind.dtype.itemsize
             if info is None or info.file_size != numel * itemsize:
                 held = "no such entry" if info is None else f"an entry of {info.file_size} bytes"
-                raise CheckpointError(f"{self.where}: storage {key} is declared as {numel} x {itemsize} bytes, the zip "
-                                      f"holds {held}; the file is corrupted or crafted, pick another step")
+                raise CheckpointError(
+                    f"{self.where}: storage {key} is declared as {numel} x {itemsize} bytes, the zip "
+                    f"holds {held}; the file is corrupted or crafted, pick another step"
+                )
             return StorageRef(key, kind.dtype, numel)
+
         return safe_pickle.load(self._pickle(), profile, where=self.where, storage=storage)
 
     def materialize(self, profile: Profile) -> Any:
@@ -200,17 +221,23 @@ class TorchZip:
         found = self._storages.get(key)
         if found is not None:
             if found.dtype != kind.dtype or found.numel() != numel:
-                raise CheckpointError(f"{self.where}: storage {key} named with two dtypes or sizes; the record is not genuine")
+                raise CheckpointError(
+                    f"{self.where}: storage {key} named with two dtypes or sizes; the record is not genuine"
+                )
             return found
         offset, size, crc = self.storage_entry(key)
         itemsize = torch.empty((), dtype=kind.dtype).element_size()
         if size != numel * itemsize:
-            raise CheckpointError(f"{self.where}: storage {key} holds {size} bytes, its record says {numel} x {itemsize}; "
-                                  "the file is corrupted, pick another step")
+            raise CheckpointError(
+                f"{self.where}: storage {key} holds {size} bytes, its record says {numel} x {itemsize}; "
+                "the file is corrupted, pick another step"
+            )
         out = torch.empty(numel, dtype=kind.dtype)
         self.read_into(offset, size, out)
         if crc and self.check_storage_crc and zlib.crc32(byte_view(out)) != crc:
-            raise CheckpointError(f"{self.where}: CRC-32 mismatch in storage {key}; the file is corrupted, pick another step")
+            raise CheckpointError(
+                f"{self.where}: CRC-32 mismatch in storage {key}; the file is corrupted, pick another step"
+            )
         self._storages[key] = out
         return out
 
@@ -227,7 +254,9 @@ class TorchZip:
             view[:] = chunk
             return
         if not pread_full(self._fd(), view, offset):
-            raise CheckpointError(f"{self.where}: truncated while reading a storage; the file is corrupted, pick another step")
+            raise CheckpointError(
+                f"{self.where}: truncated while reading a storage; the file is corrupted, pick another step"
+            )
 
     def _fd(self) -> int:
         if self.fd is None:

@@ -21,24 +21,25 @@ import logging
 import os
 from typing import Any
 
-from schemas.errors import PublishError
 from schemas import PublishResult
+from schemas.errors import PublishError
 
 logger = logging.getLogger(__name__)
 from ckpt.publish.folder import REPO_ID_RE
-from ckpt.publish.hub import publish_to_hub
 from ckpt.publish.fsspec_target import publish_to_fsspec
-
+from ckpt.publish.hub import publish_to_hub
 
 FSSPEC_OPTIONS_ONLY = {"storage_options"}
 HUB_OPTIONS = {"revision", "private", "api", "endpoint", "token", "model_card_extra", "lineage"}
+
+
 def parse_target(target: str) -> tuple[str, str, str | None]:
     """("hub", "ORG/NAME", revision-or-None) for hf://ORG/NAME[@rev] and ORG/NAME; ("fsspec", url, None) for URLs."""
     import fsspec
 
     if target.startswith("hf://"):
-        rest = target[len("hf://"):].strip("/")
-        rest = rest[len("models/"):] if rest.startswith("models/") else rest
+        rest = target[len("hf://") :].strip("/")
+        rest = rest[len("models/") :] if rest.startswith("models/") else rest
         repo_id, _, rev = rest.partition("@")
         if repo_id.startswith(("datasets/", "spaces/")) or not REPO_ID_RE.match(repo_id):
             raise PublishError(f"'{target}' is not a Hub model repo: use hf://ORG/NAME or hf://ORG/NAME@BRANCH")
@@ -46,15 +47,18 @@ def parse_target(target: str) -> tuple[str, str, str | None]:
     if "://" in target:
         protocol = target.split("://", 1)[0]
         if protocol not in fsspec.available_protocols():
-            raise PublishError(f"'{protocol}://' is not a storage protocol fsspec knows: use s3://, gs://, file:// "
-                               "or memory://")
+            raise PublishError(
+                f"'{protocol}://' is not a storage protocol fsspec knows: use s3://, gs://, file:// or memory://"
+            )
         return "fsspec", target, None
     if target.startswith("/"):
         return "fsspec", "file://" + target, None
     if REPO_ID_RE.match(target):
         return "hub", target, None
-    raise PublishError(f"target '{target}' is neither a Hub repo (ORG/NAME, hf://ORG/NAME) nor a URL "
-                       "(s3://bucket/prefix, file:///path, memory://path)")
+    raise PublishError(
+        f"target '{target}' is neither a Hub repo (ORG/NAME, hf://ORG/NAME) nor a URL "
+        "(s3://bucket/prefix, file:///path, memory://path)"
+    )
 
 
 def publish(export_dir: str | os.PathLike[str], target: str, **kw: Any) -> PublishResult:
@@ -83,11 +87,38 @@ def publish(export_dir: str | os.PathLike[str], target: str, **kw: Any) -> Publi
 
 
 from ckpt.publish.card import lineage_chain, model_card  # noqa: E402
-from ckpt.publish.folder import (CARD_NAME, EXPORT_RESULT_NAME, INDEX_NAME, MARKER_FORMAT, MARKER_NAME,  # noqa: E402
-                                 ExportFolder, PublishedFile, load_export, marker_bytes, parse_marker)
+from ckpt.publish.folder import (
+    CARD_NAME,
+    EXPORT_RESULT_NAME,
+    INDEX_NAME,
+    MARKER_FORMAT,
+    MARKER_NAME,  # noqa: E402
+    ExportFolder,
+    PublishedFile,
+    load_export,
+    marker_bytes,
+    parse_marker,
+)
 from ckpt.publish.fsspec_target import read_publish_marker  # noqa: E402
 from ckpt.publish.hub import resolve_token  # noqa: E402
 
-__all__ = ["CARD_NAME", "EXPORT_RESULT_NAME", "INDEX_NAME", "MARKER_FORMAT", "MARKER_NAME", "ExportFolder",
-           "PublishedFile", "lineage_chain", "load_export", "marker_bytes", "model_card", "parse_marker",
-           "parse_target", "publish", "publish_to_fsspec", "publish_to_hub", "read_publish_marker", "resolve_token"]
+__all__ = [
+    "CARD_NAME",
+    "EXPORT_RESULT_NAME",
+    "INDEX_NAME",
+    "MARKER_FORMAT",
+    "MARKER_NAME",
+    "ExportFolder",
+    "PublishedFile",
+    "lineage_chain",
+    "load_export",
+    "marker_bytes",
+    "model_card",
+    "parse_marker",
+    "parse_target",
+    "publish",
+    "publish_to_fsspec",
+    "publish_to_hub",
+    "read_publish_marker",
+    "resolve_token",
+]

@@ -15,8 +15,14 @@ logger = logging.getLogger(__name__)
 from ckpt.publish.folder import CARD_METADATA_KEYS, ExportFolder, safetensors_header
 
 
-def model_card(export: ExportFolder, repo_id: str, *, branch: str = "main", lineage: list[LineageEvent] | None = None,
-               extra: dict[str, Any] | None = None) -> str:
+def model_card(
+    export: ExportFolder,
+    repo_id: str,
+    *,
+    branch: str = "main",
+    lineage: list[LineageEvent] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> str:
     """README.md for the Hub: YAML metadata (ModelCardData) + config summary, training state, lineage."""
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -26,19 +32,39 @@ def model_card(export: ExportFolder, repo_id: str, *, branch: str = "main", line
     tags = ["shardkeeper", "safetensors", *model_type, *list(metadata.pop("tags", []) or [])]
     data = ModelCardData(library_name="transformers", tags=list(dict.fromkeys(tags)), **metadata)
     revision = export.tag or branch
-    lines = [f"# {repo_id.split('/')[-1]}" + (f" — step {export.step:,}" if export.step is not None else ""), "",
-             f"Exported by shardkeeper from checkpoint `{checkpoint_name(export)}`.", "",
-             "```python", "from transformers import AutoModelForCausalLM", "",
-             f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", revision="{revision}")', "```", "",
-             *([f"Every published step is a tag (`revision=\"step-XXXXXXXX\"`); `{branch}` holds the newest step.", ""]
-               if export.tag else []),
-             "## Model", "", *md_table(config_rows(export)), "",
-             "## Training", "", *md_table(training_rows(export, extra)), ""]
+    lines = [
+        f"# {repo_id.split('/')[-1]}" + (f" — step {export.step:,}" if export.step is not None else ""),
+        "",
+        f"Exported by shardkeeper from checkpoint `{checkpoint_name(export)}`.",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", revision="{revision}")',
+        "```",
+        "",
+        *(
+            [f'Every published step is a tag (`revision="step-XXXXXXXX"`); `{branch}` holds the newest step.', ""]
+            if export.tag
+            else []
+        ),
+        "## Model",
+        "",
+        *md_table(config_rows(export)),
+        "",
+        "## Training",
+        "",
+        *md_table(training_rows(export, extra)),
+        "",
+    ]
     chain = lineage_chain(lineage or [], export)
     if chain:
         lines += ["## Lineage", "", "| event | kind | step | parent | time |", "|---|---|---|---|---|"]
-        lines += [f"| {md_cell(e.id)} | {e.kind} | {'' if e.step is None else e.step} | {md_cell(e.parent or '')} "
-                  f"| {e.time} |" for e in chain]
+        lines += [
+            f"| {md_cell(e.id)} | {e.kind} | {'' if e.step is None else e.step} | {md_cell(e.parent or '')} "
+            f"| {e.time} |"
+            for e in chain
+        ]
         lines.append("")
     text = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
     return str(ModelCard(text))  # parses the YAML back: a bad metadata value fails here, not on the Hub
@@ -90,13 +116,18 @@ def config_rows(export: ExportFolder) -> list[tuple[str, Any]]:
         return next((cfg[k] for k in keys if cfg.get(k) is not None), None)
 
     params = param_count(export)
-    rows = [("model type", cfg.get("model_type")), ("architectures", ", ".join(cfg.get("architectures") or []) or None),
-            ("hidden size", first("hidden_size", "n_embd", "d_model")),
-            ("layers", first("num_hidden_layers", "n_layer", "num_layers")),
-            ("attention heads", first("num_attention_heads", "n_head")), ("vocab size", cfg.get("vocab_size")),
-            ("context length", first("max_position_embeddings", "n_positions")),
-            ("parameters", f"{params:,}" if params is not None else None), ("dtype", export.dtype),
-            ("safetensors files", sum(1 for r in export.files if r.endswith(".safetensors")))]
+    rows = [
+        ("model type", cfg.get("model_type")),
+        ("architectures", ", ".join(cfg.get("architectures") or []) or None),
+        ("hidden size", first("hidden_size", "n_embd", "d_model")),
+        ("layers", first("num_hidden_layers", "n_layer", "num_layers")),
+        ("attention heads", first("num_attention_heads", "n_head")),
+        ("vocab size", cfg.get("vocab_size")),
+        ("context length", first("max_position_embeddings", "n_positions")),
+        ("parameters", f"{params:,}" if params is not None else None),
+        ("dtype", export.dtype),
+        ("safetensors files", sum(1 for r in export.files if r.endswith(".safetensors"))),
+    ]
     return [(k, v) for k, v in rows if v is not None]
 
 
@@ -176,7 +207,3 @@ def lineage_chain(events: list[LineageEvent], export: ExportFolder) -> list[Line
         chain.append(node)
         node = by_id.get(node.parent) if node.parent else None
     return chain[::-1]
-
-
-
-

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schemas.errors import PublishError
 from ckpt.layout import RunDir, parse_step, step_dir_name
 from schemas import MANIFEST_NAME
+from schemas.errors import PublishError
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +40,19 @@ RETRY_TRIES = 3
 RETRY_BACKOFF_S = 0.5
 RETRY_BUDGET_S = 25.0
 HASH_CHUNK = 8 << 20
-CARD_METADATA_KEYS = {"license", "license_name", "license_link", "language", "datasets", "base_model",
-                       "base_model_relation", "pipeline_tag", "model_name", "tags"}
+CARD_METADATA_KEYS = {
+    "license",
+    "license_name",
+    "license_link",
+    "language",
+    "datasets",
+    "base_model",
+    "base_model_relation",
+    "pipeline_tag",
+    "model_name",
+    "tags",
+}
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-
-
 
 
 @dataclass(frozen=True)
@@ -86,8 +94,10 @@ def load_export(export_dir: str | os.PathLike[str]) -> ExportFolder:
     try:
         files = checksums(root, rels, recorded)
     except FileNotFoundError as err:  # the folder was replaced while it was read (a re-export with --overwrite)
-        raise PublishError(f"{err.filename or root}: disappeared while being checksummed; the export folder is being "
-                           "written (a re-export?): publish again once it is complete") from None
+        raise PublishError(
+            f"{err.filename or root}: disappeared while being checksummed; the export folder is being "
+            "written (a re-export?): publish again once it is complete"
+        ) from None
     checkpoint = recorded.get("checkpoint") if isinstance(recorded.get("checkpoint"), str) else run_checkpoint(root)
     step = step_of(root, checkpoint)
     dtype = recorded.get("dtype") if isinstance(recorded.get("dtype"), str) else dtype_of(root, rels, config)
@@ -96,8 +106,9 @@ def load_export(export_dir: str | os.PathLike[str]) -> ExportFolder:
 
 def check_export_dir(root: Path) -> Path:
     if not root.exists():
-        raise PublishError(f"export folder {root} does not exist: run `shardkeeper export` first or pass the right "
-                           "path")
+        raise PublishError(
+            f"export folder {root} does not exist: run `shardkeeper export` first or pass the right path"
+        )
     if not root.is_dir():
         raise PublishError(f"{root} is a file, not an export folder: pass the folder that holds config.json")
     if not os.access(root, os.R_OK | os.X_OK):
@@ -129,16 +140,19 @@ def check_weights(root: Path, rels: list[str]) -> None:
         raise PublishError(f"{root / INDEX_NAME} has no weight_map: re-run `shardkeeper export`")
     missing = sorted(set(weight_map.values()) - set(rels))
     if missing:
-        raise PublishError(f"{root / INDEX_NAME} names {len(missing)} shard(s) that are missing "
-                           f"({', '.join(missing[:3])}): the export is incomplete; re-run `shardkeeper export`")
+        raise PublishError(
+            f"{root / INDEX_NAME} names {len(missing)} shard(s) that are missing "
+            f"({', '.join(missing[:3])}): the export is incomplete; re-run `shardkeeper export`"
+        )
 
 
 def read_json(path: Path, *, what: str) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise PublishError(f"cannot read {path} ({type(err).__name__}): {what} must be valid JSON; "
-                           "re-run the export") from err
+        raise PublishError(
+            f"cannot read {path} ({type(err).__name__}): {what} must be valid JSON; re-run the export"
+        ) from err
     if not isinstance(data, dict):
         raise PublishError(f"{path} is not a JSON object: {what} must be one; re-run the export")
     return data
@@ -235,8 +249,6 @@ def parse_marker(raw: bytes) -> dict[str, Any] | None:
     return doc
 
 
-
-
 def safetensors_header(path: Path) -> dict[str, dict[str, Any]] | None:
     """Tensor name -> {dtype, shape, data_offsets}, or None when the file is not readable safetensors."""
     try:
@@ -253,7 +265,3 @@ def safetensors_header(path: Path) -> dict[str, dict[str, Any]] | None:
 def first_line(err: BaseException) -> str:
     lines = str(err).strip().splitlines()
     return lines[0] if lines else type(err).__name__
-
-
-
-

@@ -11,16 +11,26 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from schemas.errors import PublishError
 from ckpt.fsutil import fsync_dir, fsync_file
 from schemas import PublishResult
+from schemas.errors import PublishError
 
 logger = logging.getLogger(__name__)
-from ckpt.publish.folder import HASH_CHUNK, ExportFolder, MARKER_NAME, PublishedFile, first_line, load_export, marker_bytes, parse_marker
+from ckpt.publish.folder import (
+    HASH_CHUNK,
+    MARKER_NAME,
+    ExportFolder,
+    PublishedFile,
+    first_line,
+    load_export,
+    marker_bytes,
+    parse_marker,
+)
 
 
-def publish_to_fsspec(export_dir: str | os.PathLike[str], url: str, *,
-                      storage_options: dict[str, Any] | None = None) -> PublishResult:
+def publish_to_fsspec(
+    export_dir: str | os.PathLike[str], url: str, *, storage_options: dict[str, Any] | None = None
+) -> PublishResult:
     """Copy an export folder to ``url/<export folder name>/``, data files first and the marker last.
 
     Object stores have no atomic rename, so a reader must treat a folder without a valid
@@ -41,8 +51,10 @@ def publish_to_fsspec(export_dir: str | os.PathLike[str], url: str, *,
         else:
             publish_in_place(fs, export, dest, marker)
     except (OSError, ValueError) as err:  # PermissionError, FileNotFoundError (no bucket), botocore's wrapped errors
-        raise PublishError(f"cannot write {shown} ({type(err).__name__}: {first_line(err)}): check that the bucket or "
-                           "folder exists and that storage_options / credentials allow writing") from err
+        raise PublishError(
+            f"cannot write {shown} ({type(err).__name__}: {first_line(err)}): check that the bucket or "
+            "folder exists and that storage_options / credentials allow writing"
+        ) from err
     logger.info("published %s to %s (%d files)", export.root, shown, len(export.files))
     return PublishResult(target=url, url=shown, skipped=False, files=len(export.files))
 
@@ -63,11 +75,14 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, st
         return fsspec.core.url_to_fs(url, **(storage_options or {}))
     except ImportError as err:
         protocol = url.split("://", 1)[0]
-        raise PublishError(f"{protocol}:// needs an fsspec backend that is not installed ({first_line(err)}): "
-                           f"pip install 's3fs' for s3://, 'gcsfs' for gs://") from err
+        raise PublishError(
+            f"{protocol}:// needs an fsspec backend that is not installed ({first_line(err)}): "
+            f"pip install 's3fs' for s3://, 'gcsfs' for gs://"
+        ) from err
     except (ValueError, TypeError) as err:
-        raise PublishError(f"cannot open {url} ({type(err).__name__}: {first_line(err)}): check the URL and "
-                           "storage_options") from err
+        raise PublishError(
+            f"cannot open {url} ({type(err).__name__}: {first_line(err)}): check the URL and storage_options"
+        ) from err
 
 
 def is_local(fs: Any) -> bool:
@@ -100,7 +115,7 @@ def fs_complete(fs: Any, dest: str, files: dict[str, PublishedFile]) -> bool:
 def sizes_under(fs: Any, dest: str) -> dict[str, int]:
     root = fs._strip_protocol(dest).rstrip("/")
     found = fs.find(dest, detail=True)
-    return {fs._strip_protocol(p)[len(root) + 1:]: int(info.get("size") or 0) for p, info in found.items()}
+    return {fs._strip_protocol(p)[len(root) + 1 :]: int(info.get("size") or 0) for p, info in found.items()}
 
 
 def publish_in_place(fs: Any, export: ExportFolder, dest: str, marker: bytes) -> None:
@@ -117,8 +132,10 @@ def publish_in_place(fs: Any, export: ExportFolder, dest: str, marker: bytes) ->
         fs.rm_file(f"{dest}/{rel}")  # a shard of an older export of this name
     short = [rel for rel, e in export.files.items() if sizes.get(rel) != e.size]
     if short:
-        raise PublishError(f"{fs.unstrip_protocol(dest)}/{short[0]} has the wrong size after upload: publish again; "
-                           "the marker was not written, so readers see the folder as incomplete")
+        raise PublishError(
+            f"{fs.unstrip_protocol(dest)}/{short[0]} has the wrong size after upload: publish again; "
+            "the marker was not written, so readers see the folder as incomplete"
+        )
     fs.pipe_file(marker_path, marker)
 
 
@@ -160,13 +177,17 @@ def copy_verified(export: ExportFolder, rel: str, out: Any) -> None:
     except FileNotFoundError:
         raise changed_error(export, rel, "it is gone") from None
     if size != planned.size or h.hexdigest() != planned.sha256:
-        raise changed_error(export, rel, f"{size} bytes with sha256 {h.hexdigest()[:16]}... were copied, "
-                                         f"{planned.size} bytes with sha256 {planned.sha256[:16]}... were checksummed")
+        raise changed_error(
+            export,
+            rel,
+            f"{size} bytes with sha256 {h.hexdigest()[:16]}... were copied, "
+            f"{planned.size} bytes with sha256 {planned.sha256[:16]}... were checksummed",
+        )
 
 
 def changed_error(export: ExportFolder, rel: str, how: str) -> PublishError:
-    return PublishError(f"{export.root / rel}: changed while being published ({how}); the export folder is being "
-                        "written (a re-export?): publish again once it is complete; no marker was written, so "
-                        "nothing claims this copy is whole")
-
-
+    return PublishError(
+        f"{export.root / rel}: changed while being published ({how}); the export folder is being "
+        "written (a re-export?): publish again once it is complete; no marker was written, so "
+        "nothing claims this copy is whole"
+    )

@@ -14,13 +14,29 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-from schemas.errors import PublishError
 from schemas import LineageEvent, PublishResult
+from schemas.errors import PublishError
 
 logger = logging.getLogger(__name__)
 from ckpt.layout import parse_step
-from ckpt.publish.folder import CARD_NAME, ExportFolder, PublishedFile, LARGE_BYTES, LARGE_FILES, MARKER_NAME, NO_TOKEN_MESSAGE, REPO_ID_RE, RETRY_BACKOFF_S, RETRY_BUDGET_S, RETRY_TRIES, WEIGHT_PATTERNS, entry_of_bytes, load_export, marker_bytes
 from ckpt.publish.card import manifest_of, model_card
+from ckpt.publish.folder import (
+    CARD_NAME,
+    LARGE_BYTES,
+    LARGE_FILES,
+    MARKER_NAME,
+    NO_TOKEN_MESSAGE,
+    REPO_ID_RE,
+    RETRY_BACKOFF_S,
+    RETRY_BUDGET_S,
+    RETRY_TRIES,
+    WEIGHT_PATTERNS,
+    ExportFolder,
+    PublishedFile,
+    entry_of_bytes,
+    load_export,
+    marker_bytes,
+)
 
 
 def resolve_token(token: str | None = None) -> str:
@@ -32,8 +48,9 @@ def resolve_token(token: str | None = None) -> str:
     try:
         found = get_token()
     except Exception as err:  # e.g. an OIDC exchange that failed: say so without its details
-        raise PublishError(f"cannot get a Hugging Face token ({type(err).__name__}): set HF_TOKEN or run "
-                           "`hf auth login`") from err
+        raise PublishError(
+            f"cannot get a Hugging Face token ({type(err).__name__}): set HF_TOKEN or run `hf auth login`"
+        ) from err
     if not found:
         raise PublishError(NO_TOKEN_MESSAGE)
     return found
@@ -41,8 +58,11 @@ def resolve_token(token: str | None = None) -> str:
 
 def network_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    for module, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)),
-                          ("requests.exceptions", ("ConnectionError", "Timeout"))):
+    for module, names in (
+        ("httpx2", ("TransportError",)),
+        ("httpx", ("TransportError",)),
+        ("requests.exceptions", ("ConnectionError", "Timeout")),
+    ):
         try:
             mod = importlib.import_module(module)
         except ImportError:
@@ -80,8 +100,15 @@ class HubClient:
                 wait = RETRY_BACKOFF_S * 2 ** (attempt - 1)
                 if not self._transient(err) or attempt == RETRY_TRIES or time.monotonic() + wait > deadline:
                     raise PublishError(self._scrub(self._message(what, err, attempt))) from err
-                logger.warning("%s on %s failed (%s); retry %d of %d in %.1f s", what, self.endpoint,
-                               type(err).__name__, attempt, RETRY_TRIES - 1, wait)
+                logger.warning(
+                    "%s on %s failed (%s); retry %d of %d in %.1f s",
+                    what,
+                    self.endpoint,
+                    type(err).__name__,
+                    attempt,
+                    RETRY_TRIES - 1,
+                    wait,
+                )
                 time.sleep(wait)
         raise AssertionError("unreachable")  # the loop returns or raises
 
@@ -102,8 +129,9 @@ class HubClient:
         if isinstance(err, OfflineModeIsEnabled):
             return f"{where} refused: HF_HUB_OFFLINE is set; unset it to publish"
         if status == 401:
-            return (f"{where}: the Hub rejected the token (HTTP 401); set HF_TOKEN to a valid token or run "
-                    "`hf auth login`")
+            return (
+                f"{where}: the Hub rejected the token (HTTP 401); set HF_TOKEN to a valid token or run `hf auth login`"
+            )
         if status == 403:
             org = self.repo_id.split("/")[0]
             return f"{where}: no write access (HTTP 403); use a token with write permission on '{org}'"
@@ -111,8 +139,10 @@ class HubClient:
             detail = (getattr(err, "server_message", None) or str(err)).strip().splitlines()
             return f"{where} failed: HTTP {status} {detail[0] if detail else ''}".rstrip()
         if self._transient(err):
-            return (f"cannot reach the Hugging Face Hub at {self.endpoint}: {what} failed {attempts} times "
-                    f"({type(err).__name__}); check the network, a proxy, or HF_ENDPOINT")
+            return (
+                f"cannot reach the Hugging Face Hub at {self.endpoint}: {what} failed {attempts} times "
+                f"({type(err).__name__}); check the network, a proxy, or HF_ENDPOINT"
+            )
         first = str(err).strip().splitlines()
         return f"{where} failed: {type(err).__name__}: {first[0] if first else ''}".rstrip(": ")
 
@@ -148,10 +178,18 @@ class HubRefs:
         return max(steps) if steps else self.newest_step
 
 
-def publish_to_hub(export_dir: str | os.PathLike[str], repo_id: str, *, revision: str | None = None,
-                   private: bool = True, api: Any = None, endpoint: str | None = None, token: str | None = None,
-                   model_card_extra: dict[str, Any] | None = None,
-                   lineage: list[LineageEvent] | None = None) -> PublishResult:
+def publish_to_hub(
+    export_dir: str | os.PathLike[str],
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    private: bool = True,
+    api: Any = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+    model_card_extra: dict[str, Any] | None = None,
+    lineage: list[LineageEvent] | None = None,
+) -> PublishResult:
     """Upload an export folder to ``repo_id`` on branch ``revision`` (default main) and tag it ``step-XXXXXXXX``.
 
     One revision per step: every step gets a tag (a tag, not a branch: a step's revision must never move,
@@ -196,15 +234,18 @@ def publish_to_hub(export_dir: str | os.PathLike[str], repo_id: str, *, revision
         commit, n = push(hub, export, scratch, state, files, generated, exact=True, private=private)
         ensure_tag(hub, tag, commit, refs.tags)
         hub.call("delete_branch", repo_id, branch=scratch)
-        logger.info("published %s to %s as tag %s only: %s holds the newer step %d", export.root, repo_id, tag,
-                    branch, newest)
+        logger.info(
+            "published %s to %s as tag %s only: %s holds the newer step %d", export.root, repo_id, tag, branch, newest
+        )
         return PublishResult(revision=tag, commit=commit, skipped=False, files=n, tag_only=True, **common)
 
     if tag in refs.tags and refs.tags[tag] != refs.branches.get(branch):
         # the tag names a commit that is not this branch's head: another branch's (or run's) step of that number
-        raise PublishError(f"{repo_id}: tag {tag} already names commit {refs.tags[tag][:12]}, which is not the head of "
-                           f"{branch} (another branch or run published a step {export.step}); a published step's "
-                           "revision never moves: publish to another repo, or delete that tag on the Hub first")
+        raise PublishError(
+            f"{repo_id}: tag {tag} already names commit {refs.tags[tag][:12]}, which is not the head of "
+            f"{branch} (another branch or run published a step {export.step}); a published step's "
+            "revision never moves: publish to another repo, or delete that tag on the Hub first"
+        )
     state = hub_state(hub, branch, ensure_branch(hub, refs, branch, "main").branches.get(branch))
     if not changed_files(state, export, files, generated):
         logger.info("%s is already at %s@%s with the same checksums: nothing to upload", export.root, repo_id, branch)
@@ -218,13 +259,24 @@ def publish_to_hub(export_dir: str | os.PathLike[str], repo_id: str, *, revision
 
 def _refuse_clash(repo_id: str, name: str) -> None:
     """A branch and a tag of one name make ``revision=name`` mean either."""
-    raise PublishError(f"{repo_id}: a branch named {name} would share its name with a step tag, and "
-                       f"revision=\"{name}\" would then mean either; publish to another --revision, or rename "
-                       "that branch on the Hub")
+    raise PublishError(
+        f"{repo_id}: a branch named {name} would share its name with a step tag, and "
+        f'revision="{name}" would then mean either; publish to another --revision, or rename '
+        "that branch on the Hub"
+    )
 
 
-def push(hub: HubClient, export: ExportFolder, branch: str, state: HubState, files: dict[str, PublishedFile],
-         generated: dict[str, bytes], *, exact: bool, private: bool) -> tuple[str, int]:
+def push(
+    hub: HubClient,
+    export: ExportFolder,
+    branch: str,
+    state: HubState,
+    files: dict[str, PublishedFile],
+    generated: dict[str, bytes],
+    *,
+    exact: bool,
+    private: bool,
+) -> tuple[str, int]:
     """Commit what changed on ``branch``: data files first, then card + marker. Returns (commit, files changed).
 
     Stale files go in the same commits: on a scratch branch (``exact``) everything the export does not hold,
@@ -235,8 +287,11 @@ def push(hub: HubClient, export: ExportFolder, branch: str, state: HubState, fil
     if not changed:  # a scratch branch whose last publish committed but never got its tag
         assert state.head is not None
         return state.head, 0
-    stale = sorted(p for p in state.files if p not in files and p != MARKER_NAME and p != ".gitattributes"
-                   and (exact or is_weight_file(p)))
+    stale = sorted(
+        p
+        for p in state.files
+        if p not in files and p != MARKER_NAME and p != ".gitattributes" and (exact or is_weight_file(p))
+    )
     data = [p for p in changed if p in export.files and p != CARD_NAME]  # the card goes with the marker
     if data:
         upload_data(hub, export, branch, data, stale, private=private)
@@ -246,21 +301,25 @@ def push(hub: HubClient, export: ExportFolder, branch: str, state: HubState, fil
     return commit, len([p for p in changed if p != MARKER_NAME])
 
 
-def verify_uploaded(hub: HubClient, export: ExportFolder, branch: str, paths: list[str],
-                    generated: dict[str, bytes]) -> None:
+def verify_uploaded(
+    hub: HubClient, export: ExportFolder, branch: str, paths: list[str], generated: dict[str, bytes]
+) -> None:
     """What landed on ``branch`` is what the marker will claim (the files were checksummed before the upload read
     them: a re-export in between would publish other bytes under the old checksums). A mismatch refuses the
     publish before the marker commit, so the revision reads as incomplete."""
     landed = hub_state(hub, branch, None).files
     wrong = [p for p in paths if not same_on_hub(landed.get(p), export, p, generated)]
     if wrong:
-        raise PublishError(f"{export.root / wrong[0]}: what was uploaded is not what was checksummed (the export "
-                           "folder changed while being published, a re-export?); the marker was not written, so "
-                           f"{hub.repo_id}@{branch} reads as incomplete: publish again once the export is complete")
+        raise PublishError(
+            f"{export.root / wrong[0]}: what was uploaded is not what was checksummed (the export "
+            "folder changed while being published, a re-export?); the marker was not written, so "
+            f"{hub.repo_id}@{branch} reads as incomplete: publish again once the export is complete"
+        )
 
 
-def changed_files(state: HubState, export: ExportFolder, files: dict[str, PublishedFile],
-                  generated: dict[str, bytes]) -> list[str]:
+def changed_files(
+    state: HubState, export: ExportFolder, files: dict[str, PublishedFile], generated: dict[str, bytes]
+) -> list[str]:
     return [p for p in sorted([*files, MARKER_NAME]) if not same_on_hub(state.files.get(p), export, p, generated)]
 
 
@@ -272,8 +331,9 @@ def new_api(endpoint: str | None) -> Any:
 
 def hub_refs(hub: HubClient) -> HubRefs:
     refs = hub.call("list_repo_refs", hub.repo_id)
-    return HubRefs(branches={b.name: b.target_commit for b in refs.branches},
-                   tags={t.name: t.target_commit for t in refs.tags})
+    return HubRefs(
+        branches={b.name: b.target_commit for b in refs.branches}, tags={t.name: t.target_commit for t in refs.tags}
+    )
 
 
 def hub_state(hub: HubClient, revision: str, head: str | None) -> HubState:
@@ -322,8 +382,9 @@ def upload_folder_streams() -> bool:
     return importlib.util.find_spec("huggingface_hub._upload_pipeline") is not None and is_xet_available()
 
 
-def upload_data(hub: HubClient, export: ExportFolder, branch: str, paths: list[str], stale: list[str], *,
-                 private: bool) -> None:
+def upload_data(
+    hub: HubClient, export: ExportFolder, branch: str, paths: list[str], stale: list[str], *, private: bool
+) -> None:
     """Upload the changed data files; the old marker and stale shards go in the same step, before the new marker."""
     total = sum(export.files[p].size for p in paths)
     message = f"shardkeeper: {what_is_published(export)}: weights ({export.dtype or 'unknown dtype'})"
@@ -331,19 +392,38 @@ def upload_data(hub: HubClient, export: ExportFolder, branch: str, paths: list[s
     if large and hasattr(hub.api, "upload_large_folder") and not upload_folder_streams():
         delete_on_hub(hub, branch, [MARKER_NAME, *stale], f"shardkeeper: {export.name} upload started")
         if not os.access(export.root, os.W_OK):
-            raise PublishError(f"export folder {export.root} is not writable and upload_large_folder keeps its resume "
-                               "state in it: make it writable or upgrade huggingface_hub (>= 1.20)")
-        logger.info("uploading %d files (%.1f GB) to %s@%s with upload_large_folder", len(paths), total / 1e9,
-                    hub.repo_id, branch)
+            raise PublishError(
+                f"export folder {export.root} is not writable and upload_large_folder keeps its resume "
+                "state in it: make it writable or upgrade huggingface_hub (>= 1.20)"
+            )
+        logger.info(
+            "uploading %d files (%.1f GB) to %s@%s with upload_large_folder",
+            len(paths),
+            total / 1e9,
+            hub.repo_id,
+            branch,
+        )
         # upload_large_folder takes no token argument: it uses the api's token or the same login cache
-        hub.api.upload_large_folder(repo_id=hub.repo_id, folder_path=str(export.root), repo_type="model",
-                                    revision=branch, private=private, allow_patterns=[glob.escape(p) for p in paths],
-                                    print_report=False)
+        hub.api.upload_large_folder(
+            repo_id=hub.repo_id,
+            folder_path=str(export.root),
+            repo_type="model",
+            revision=branch,
+            private=private,
+            allow_patterns=[glob.escape(p) for p in paths],
+            print_report=False,
+        )
         return
     logger.info("uploading %d files (%.1f MB) to %s@%s", len(paths), total / 1e6, hub.repo_id, branch)
-    hub.call("upload_folder", repo_id=hub.repo_id, folder_path=str(export.root), revision=branch,
-             allow_patterns=[glob.escape(p) for p in paths],
-             delete_patterns=[glob.escape(p) for p in (MARKER_NAME, *stale)], commit_message=message)
+    hub.call(
+        "upload_folder",
+        repo_id=hub.repo_id,
+        folder_path=str(export.root),
+        revision=branch,
+        allow_patterns=[glob.escape(p) for p in paths],
+        delete_patterns=[glob.escape(p) for p in (MARKER_NAME, *stale)],
+        commit_message=message,
+    )
 
 
 def delete_on_hub(hub: HubClient, branch: str, paths: list[str], message: str) -> None:
@@ -352,20 +432,33 @@ def delete_on_hub(hub: HubClient, branch: str, paths: list[str], message: str) -
     state = hub.call("get_paths_info", hub.repo_id, paths, revision=branch)
     present = [f.path for f in state if hasattr(f, "blob_id")]
     if present:
-        hub.call("create_commit", hub.repo_id, operations=[CommitOperationDelete(path_in_repo=p) for p in present],
-                 commit_message=message, revision=branch)
+        hub.call(
+            "create_commit",
+            hub.repo_id,
+            operations=[CommitOperationDelete(path_in_repo=p) for p in present],
+            commit_message=message,
+            revision=branch,
+        )
 
 
-def commit_card_and_marker(hub: HubClient, export: ExportFolder, branch: str, card: bytes, marker: bytes,
-                            stale: list[str]) -> str:
+def commit_card_and_marker(
+    hub: HubClient, export: ExportFolder, branch: str, card: bytes, marker: bytes, stale: list[str]
+) -> str:
     """The last commit of a publish: model card + marker (+ removal of stale shards not removed yet)."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
     ops: list[Any] = [CommitOperationDelete(path_in_repo=p) for p in stale]
-    ops += [CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card),
-            CommitOperationAdd(path_in_repo=MARKER_NAME, path_or_fileobj=marker)]
-    info = hub.call("create_commit", hub.repo_id, operations=ops, revision=branch,
-                    commit_message=f"shardkeeper: publish {what_is_published(export)}")
+    ops += [
+        CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card),
+        CommitOperationAdd(path_in_repo=MARKER_NAME, path_or_fileobj=marker),
+    ]
+    info = hub.call(
+        "create_commit",
+        hub.repo_id,
+        operations=ops,
+        revision=branch,
+        commit_message=f"shardkeeper: publish {what_is_published(export)}",
+    )
     return str(info.oid)
 
 
@@ -381,11 +474,12 @@ def ensure_tag(hub: HubClient, tag: str | None, commit: str | None, tags: dict[s
     if tag is None or commit is None or tags.get(tag) == commit:
         return
     if tag in tags:
-        logger.warning("moving tag %s of %s from %s to %s (step re-published with other bytes)", tag, hub.repo_id,
-                       tags[tag][:12], commit[:12])
+        logger.warning(
+            "moving tag %s of %s from %s to %s (step re-published with other bytes)",
+            tag,
+            hub.repo_id,
+            tags[tag][:12],
+            commit[:12],
+        )
         hub.call("delete_tag", hub.repo_id, tag=tag)
     hub.call("create_tag", hub.repo_id, tag=tag, revision=commit, exist_ok=True)
-
-
-
-

@@ -92,8 +92,14 @@ def walk(model: type, prefix: str = "") -> list[tuple[str, Any, type | None]]:
 def _constraints(field: Any) -> str:
     out = []
     for m in field.metadata:
-        for attr, sym in (("gt", ">"), ("ge", "≥"), ("lt", "<"), ("le", "≤"), ("min_length", "min length"),
-                          ("pattern", "pattern")):
+        for attr, sym in (
+            ("gt", ">"),
+            ("ge", "≥"),
+            ("lt", "<"),
+            ("le", "≤"),
+            ("min_length", "min length"),
+            ("pattern", "pattern"),
+        ):
             v = getattr(m, attr, None)
             if v is not None:
                 out.append(f"{sym} {v}")
@@ -125,15 +131,17 @@ def config_page() -> str:
     parts = [
         "# Configuration keys",
         "",
-        "!!! info \"Generated\"",
+        '!!! info "Generated"',
         "    This page is generated from the pydantic models in `schemas/run.py` and `schemas/requests.py` at every",
         "    build (`docs/hooks/gen_reference.py`); a description changes in the code, not here.",
         "",
         "A run is described by one `RunSpec` in a YAML file (`--config`), every key optional; `--set KEY=VALUE`",
         "overrides one key on the command line (`--set optim.lr=1e-3`). Unknown keys are refused in one line naming",
         "the key and the known keys of that section. The first segment writes the resolved spec to `RUN_DIR/run.yaml`;",
-        "later segments may change only the sections " + ", ".join(f"`{s}`" for s in MUTABLE_SECTIONS)
-        + " and the keys " + ", ".join(f"`{sec}.{k}`" for sec, keys in MUTABLE_FIELDS.items() for k in keys)
+        "later segments may change only the sections "
+        + ", ".join(f"`{s}`" for s in MUTABLE_SECTIONS)
+        + " and the keys "
+        + ", ".join(f"`{sec}.{k}`" for sec, keys in MUTABLE_FIELDS.items() for k in keys)
         + " (`shardkeeper.stages.MUTABLE_SECTIONS`, `MUTABLE_FIELDS`); anything else is refused in one line.",
         "",
         "## RunSpec",
@@ -143,7 +151,8 @@ def config_page() -> str:
         model_table(RunSpec),
         "",
         "`model.config` with `model.pretrained` may only override: "
-        + ", ".join(f"`{k}`" for k in sorted(PRETRAINED_OVERRIDES)) + " (`schemas.run.PRETRAINED_OVERRIDES`).",
+        + ", ".join(f"`{k}`" for k in sorted(PRETRAINED_OVERRIDES))
+        + " (`schemas.run.PRETRAINED_OVERRIDES`).",
         "",
         "## Flow parameters",
         "",
@@ -204,7 +213,7 @@ def cli_page() -> str:
     parts = [
         "# CLI: `shardkeeper`",
         "",
-        "!!! info \"Generated\"",
+        '!!! info "Generated"',
         "    This page is generated from the typer app in `shardkeeper/cli.py` at every build",
         "    (`docs/hooks/gen_reference.py`): every command and every option, with the help text `--help` prints.",
         "",
@@ -263,7 +272,7 @@ def exit_codes_page() -> str:
     parts = [
         "# Exit codes",
         "",
-        "!!! info \"Generated\"",
+        '!!! info "Generated"',
         "    From the `EXIT_*` constants of `schemas/seam.py` (with their comments) and the error classes of",
         "    `schemas/errors.py` (`docs/hooks/gen_reference.py`).",
         "",
@@ -313,7 +322,7 @@ def schemas_page() -> str:
     parts = [
         "# Schemas of the files in a run directory",
         "",
-        "!!! info \"Generated\"",
+        '!!! info "Generated"',
         "    From the pydantic models in `schemas/` (`docs/hooks/gen_reference.py`). Where each file lives:",
         "    [On-disk layout](on-disk.md).",
         "",

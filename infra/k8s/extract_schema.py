@@ -41,8 +41,9 @@ def main(argv: list[str]) -> int:
         return 2
     src, version, out = argv
     crd = yaml.safe_load(Path(src).read_text(encoding="utf-8"))
-    Path(out).write_text(json.dumps(extract(crd, version), sort_keys=True, separators=(",", ":")) + "\n",
-                         encoding="utf-8")
+    Path(out).write_text(
+        json.dumps(extract(crd, version), sort_keys=True, separators=(",", ":")) + "\n", encoding="utf-8"
+    )
     return 0
 
 

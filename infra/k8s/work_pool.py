@@ -24,9 +24,20 @@ from typing import Any
 
 TEMPLATE = Path(__file__).resolve().parent / "work-pool-template.json"
 # prefect-kubernetes' _get_base_job_manifest(): the worker refuses a manifest without these paths and values.
-WORKER_REQUIRED = {"apiVersion": "batch/v1", "kind": "Job",
-                   "spec": {"template": {"spec": {"parallelism": 1, "completions": 1, "restartPolicy": "Never",
-                                                  "containers": [{"name": "prefect-job"}]}}}}
+WORKER_REQUIRED = {
+    "apiVersion": "batch/v1",
+    "kind": "Job",
+    "spec": {
+        "template": {
+            "spec": {
+                "parallelism": 1,
+                "completions": 1,
+                "restartPolicy": "Never",
+                "containers": [{"name": "prefect-job"}],
+            }
+        }
+    },
+}
 
 
 def load_template(path: Path = TEMPLATE) -> dict[str, Any]:
@@ -56,8 +67,13 @@ def missing_worker_paths(manifest: Any, required: Any = WORKER_REQUIRED, path: s
     if isinstance(required, dict):
         if not isinstance(manifest, dict):
             return [f"{path or '/'}: expected a mapping"]
-        return [p for k, v in required.items()
-                for p in (missing_worker_paths(manifest[k], v, f"{path}/{k}") if k in manifest else [f"{path}/{k}: missing"])]
+        return [
+            p
+            for k, v in required.items()
+            for p in (
+                missing_worker_paths(manifest[k], v, f"{path}/{k}") if k in manifest else [f"{path}/{k}: missing"]
+            )
+        ]
     if isinstance(required, list):
         if not isinstance(manifest, list) or len(manifest) < len(required):
             return [f"{path}: expected a list of at least {len(required)}"]
@@ -80,8 +96,10 @@ def check(template: dict[str, Any]) -> list[str]:
         jsonschema.Draft202012Validator.check_schema(variables)
     except jsonschema.SchemaError as e:
         return [f"variables: not a valid JSON Schema: {e.message}"]
-    found = [f"variables default: {e.message}"
-             for e in jsonschema.Draft202012Validator(variables).iter_errors(defaults(template))]
+    found = [
+        f"variables default: {e.message}"
+        for e in jsonschema.Draft202012Validator(variables).iter_errors(defaults(template))
+    ]
     manifest = render_manifest(template, {"name": "flow-run", "command": "prefect flow-run execute"})
     found += [f"job_manifest{p}" for p in missing_worker_paths(manifest)]
     job = copy.deepcopy(manifest)

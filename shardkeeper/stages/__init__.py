@@ -12,15 +12,39 @@ checked before a segment), ``checkpoints`` (validate, reshard, convert), ``expor
 from __future__ import annotations
 
 from shardkeeper.stages.checkpoints import convert_checkpoint, reshard, validate_checkpoint
-from shardkeeper.stages.checks import (MUTABLE_FIELDS, MUTABLE_SECTIONS, check_resume_data, check_spec_change,
-                                       fetch_pretrained, keep_run_script, prepare_run_dir, run_record)
+from shardkeeper.stages.checks import (
+    MUTABLE_FIELDS,
+    MUTABLE_SECTIONS,
+    check_resume_data,
+    check_spec_change,
+    fetch_pretrained,
+    keep_run_script,
+    prepare_run_dir,
+    run_record,
+)
 from shardkeeper.stages.export import export_and_record, publish_export
 from shardkeeper.stages.state import run_dirs_under, run_state, scan_runs
 from shardkeeper.stages.train import next_segment_index, plan_available_topology, plan_topology, train_segment
 
 __all__ = [
-    "MUTABLE_FIELDS", "MUTABLE_SECTIONS", "check_resume_data", "check_spec_change", "convert_checkpoint",
-    "export_and_record", "fetch_pretrained", "keep_run_script", "next_segment_index", "plan_available_topology",
-    "plan_topology", "prepare_run_dir", "publish_export", "reshard", "run_dirs_under", "run_record", "run_state",
-    "scan_runs", "train_segment", "validate_checkpoint",
+    "MUTABLE_FIELDS",
+    "MUTABLE_SECTIONS",
+    "check_resume_data",
+    "check_spec_change",
+    "convert_checkpoint",
+    "export_and_record",
+    "fetch_pretrained",
+    "keep_run_script",
+    "next_segment_index",
+    "plan_available_topology",
+    "plan_topology",
+    "prepare_run_dir",
+    "publish_export",
+    "reshard",
+    "run_dirs_under",
+    "run_record",
+    "run_state",
+    "scan_runs",
+    "train_segment",
+    "validate_checkpoint",
 ]

@@ -31,9 +31,15 @@ def validate_checkpoint(ckpt_dir: str | Path, *, deep: bool = False) -> Validati
     # A verdict on a checkpoint's bytes is recorded; one retired by the run's writer while (or before) it was
     # read, or a path that holds no checkpoint, is no such verdict.
     if deep and not report.retired and Path(ckpt_dir).is_dir() and run_root.has_lineage():
-        lineage.record(run_root, "validate", f"validate:{Path(ckpt_dir).name}:{int(time.time())}",
-                       parent=f"checkpoint:{Path(ckpt_dir).name}", step=report.step, valid=report.valid,
-                       errors=report.errors[:3])
+        lineage.record(
+            run_root,
+            "validate",
+            f"validate:{Path(ckpt_dir).name}:{int(time.time())}",
+            parent=f"checkpoint:{Path(ckpt_dir).name}",
+            step=report.step,
+            valid=report.valid,
+            errors=report.errors[:3],
+        )
     return report
 
 
@@ -68,8 +74,14 @@ def reshard(ckpt_dir: str | Path, world_size: int, *, spec: RunSpec | None = Non
     if problem is not None:
         raise ConfigError(f"--world-size {world_size}: {problem}")
     target, method, seconds = get_format(manifest.format).reshard(ckpt_dir, manifest, world_size)
-    return ReshardResult(source=str(ckpt_dir), target=str(target), from_world_size=manifest.topology.world_size,
-                         to_world_size=world_size, method=method, seconds=seconds)
+    return ReshardResult(
+        source=str(ckpt_dir),
+        target=str(target),
+        from_world_size=manifest.topology.world_size,
+        to_world_size=world_size,
+        method=method,
+        seconds=seconds,
+    )
 
 
 def convert_checkpoint(ckpt_dir: str | Path, to: str, out: str | Path, *, zero_stage: int | None = None) -> Path:
@@ -109,8 +121,9 @@ def _refuse_same_format(ckpt_dir: Path, to: str) -> None:
         raise ConfigError(f"{ckpt_dir}: already a {to} checkpoint; nothing to convert")
 
 
-def _convert(ckpt_dir: Path, to: str, out: Path, run_root: RunDir | None, zero_stage: int | None,
-             watched: WatchedDir) -> Path:
+def _convert(
+    ckpt_dir: Path, to: str, out: Path, run_root: RunDir | None, zero_stage: int | None, watched: WatchedDir
+) -> Path:
     try:
         manifest = checked_manifest(ckpt_dir)
     except CheckpointRetired:
@@ -160,10 +173,26 @@ def _converted_spec(run_root: RunDir, manifest: CheckpointManifest, to: str, zer
 def _record_conversion(src: Path, manifest: CheckpointManifest, done: Path, to: str, run_root: RunDir | None) -> None:
     step_id = lineage.checkpoint_event_id(manifest.step)
     if run_root is not None:
-        lineage.record(run_root, "checkpoint", step_id, step=manifest.step, uri=done.resolve().as_uri(),
-                       reason="converted", format=to, source=src.resolve().as_uri(), world_size=1,
-                       source_world_size=manifest.topology.world_size)
+        lineage.record(
+            run_root,
+            "checkpoint",
+            step_id,
+            step=manifest.step,
+            uri=done.resolve().as_uri(),
+            reason="converted",
+            format=to,
+            source=src.resolve().as_uri(),
+            world_size=1,
+            source_world_size=manifest.topology.world_size,
+        )
     src_root = RunDir.of_checkpoint(src)
     if src_root is not None:
-        lineage.record(src_root, "reshard", f"convert:{src.name}:{to}:{int(time.time())}", parent=step_id,
-                       step=manifest.step, uri=done.resolve().as_uri(), method=f"convert-to-{to}")
+        lineage.record(
+            src_root,
+            "reshard",
+            f"convert:{src.name}:{to}:{int(time.time())}",
+            parent=step_id,
+            step=manifest.step,
+            uri=done.resolve().as_uri(),
+            method=f"convert-to-{to}",
+        )

@@ -10,8 +10,8 @@ from ckpt.fsutil import load_yaml
 from ckpt.layout import RunDir
 from ckpt.validate import latest_valid
 from schemas import PreparedData, RunSpec, data_change
-from schemas.run import SCRIPT_UNUSED
 from schemas.errors import ConfigError, RunDirError, ShardkeeperError
+from schemas.run import SCRIPT_UNUSED
 from shardkeeper.config import dump_run_spec, spec_from_dict
 from shardkeeper.stages.where import is_remote
 
@@ -27,6 +27,7 @@ MUTABLE_SECTIONS = ("checkpoint", "eval", "performance", "script")
 # schedule is a pure function of the step, so the run continues from its checkpoint on the new curve.
 MUTABLE_FIELDS = {"optim": ("lr", "on_nonfinite", "max_skipped")}
 
+
 def prepare_run_dir(run_dir: RunDir, spec: RunSpec) -> RunSpec:
     """First segment: write run.yaml. Later ones: the run keeps its spec; only MUTABLE_SECTIONS may change
     (``check_spec_change``); the changed ones are recorded."""
@@ -36,8 +37,12 @@ def prepare_run_dir(run_dir: RunDir, spec: RunSpec) -> RunSpec:
         run_dir.spec_path.write_text(dump_run_spec(spec))
         return spec
     if old.optim.lr != spec.optim.lr:
-        log.warning("optim.lr changes from %g to %g: the run continues from its latest checkpoint with the new peak "
-                    "learning rate", old.optim.lr, spec.optim.lr)
+        log.warning(
+            "optim.lr changes from %g to %g: the run continues from its latest checkpoint with the new peak "
+            "learning rate",
+            old.optim.lr,
+            spec.optim.lr,
+        )
     if old.model_dump(mode="json") != spec.model_dump(mode="json"):
         run_dir.spec_path.write_text(dump_run_spec(spec))
     return spec
@@ -68,13 +73,18 @@ def check_spec_change(run_dir: RunDir | str | Path, spec: RunSpec) -> RunSpec | 
     _check_same_model(run_dir, old, spec)
     old_d, new_d = old.model_dump(mode="json"), spec.model_dump(mode="json")
     unused = SCRIPT_UNUSED if spec.script is not None else ()
-    changed = sorted(k for k in new_d if _fixed_part(k, new_d[k]) != _fixed_part(k, old_d[k])
-                     and k not in MUTABLE_SECTIONS and k not in unused)
+    changed = sorted(
+        k
+        for k in new_d
+        if _fixed_part(k, new_d[k]) != _fixed_part(k, old_d[k]) and k not in MUTABLE_SECTIONS and k not in unused
+    )
     if changed:
         k = changed[0]
-        raise RunDirError(f"{run_dir.spec_path}: the run was started with a different {k} ({old_d[k]!r} there, "
-                          f"{new_d[k]!r} now), which cannot change for an existing run; resume with the run's own "
-                          "config (omit --config and that --set), or start a new --run-dir")
+        raise RunDirError(
+            f"{run_dir.spec_path}: the run was started with a different {k} ({old_d[k]!r} there, "
+            f"{new_d[k]!r} now), which cannot change for an existing run; resume with the run's own "
+            "config (omit --config and that --set), or start a new --run-dir"
+        )
     return old
 
 
@@ -87,12 +97,16 @@ def _fixed_part(section: str, value: object) -> object:
 
 def _check_same_model(run_dir: RunDir, old: RunSpec, new: RunSpec) -> None:
     if old.backend != new.backend:  # the checkpoints are in the run's backend's format: say how to keep it
-        raise RunDirError(f"{run_dir.root}: holds a run of backend {old.backend} ({new.backend} in the config); "
-                          f"continue it with --set backend={old.backend} (or without --config: the run's run.yaml), "
-                          "or convert its checkpoint (shardkeeper convert) into a new --run-dir")
+        raise RunDirError(
+            f"{run_dir.root}: holds a run of backend {old.backend} ({new.backend} in the config); "
+            f"continue it with --set backend={old.backend} (or without --config: the run's run.yaml), "
+            "or convert its checkpoint (shardkeeper convert) into a new --run-dir"
+        )
     if old.model != new.model:
-        raise RunDirError(f"{run_dir.root}: holds another model ({old.model!r} there, {new.model!r} in the config); "
-                          "use a new --run-dir for a different model")
+        raise RunDirError(
+            f"{run_dir.root}: holds another model ({old.model!r} there, {new.model!r} in the config); "
+            "use a new --run-dir for a different model"
+        )
 
 
 def run_record(run_dir: str | Path) -> RunSpec | None:
@@ -136,8 +150,10 @@ def check_resume_data(rd: RunDir, prepared: PreparedData | None) -> None:
         return
     changed = data_change(found[1].data, prepared.record())
     if changed:
-        raise ConfigError(f"{found[0]}: the run was trained on other data: {changed}; resume with the data the run "
-                          "started with, or start a new --run-dir")
+        raise ConfigError(
+            f"{found[0]}: the run was trained on other data: {changed}; resume with the data the run "
+            "started with, or start a new --run-dir"
+        )
 
 
 def fetch_pretrained(spec: RunSpec) -> None:

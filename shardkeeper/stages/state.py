@@ -33,10 +33,15 @@ def run_state(run_dir: str | Path) -> RunState:
     records = read_jsonl(rd.segments)
     last_status, last_until_step = last_segment(records, locked=locked)
     return RunState(
-        run_dir=str(rd.root), exists=True, checkpoint=str(found[0]) if found else None,
+        run_dir=str(rd.root),
+        exists=True,
+        checkpoint=str(found[0]) if found else None,
         step=found[1].step if found else 0,
-        world_size=found[1].topology.world_size if found else None, tier=tier if found else None,
-        last_status=last_status, last_until_step=last_until_step, locked=locked,
+        world_size=found[1].topology.world_size if found else None,
+        tier=tier if found else None,
+        last_status=last_status,
+        last_until_step=last_until_step,
+        locked=locked,
         **last_placement(records),
     )
 
@@ -45,7 +50,9 @@ def run_dirs_under(root: Path) -> list[Path]:
     """The run directories (a run.yaml or a checkpoints/ folder) directly under ``root``."""
     if not root.is_dir():
         raise ShardkeeperError(f"resume root {root}: no such folder; pass the folder that holds the run directories")
-    return sorted(p for p in root.iterdir() if p.is_dir() and (RunDir(p).spec_path.exists() or RunDir(p).checkpoints.is_dir()))
+    return sorted(
+        p for p in root.iterdir() if p.is_dir() and (RunDir(p).spec_path.exists() or RunDir(p).checkpoints.is_dir())
+    )
 
 
 def scan_runs(roots: str | list[str] | None, run_dirs: list[str]) -> list[RunState]:

@@ -20,8 +20,14 @@ from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher, rank_s
 from launch.base import InPlaceRestart
 from schemas import CheckpointManifest, ClusterTopology, RunSpec, SegmentResult
 from schemas.errors import CheckpointError, ConfigError, RunLockedError
-from schemas.seam import (EXIT_REFUSED, RANK_ERROR_PREFIX, SCRIPT_TRACEBACK_FILE, SegmentReport, SegmentTimes,
-                          exit_code_of)
+from schemas.seam import (
+    EXIT_REFUSED,
+    RANK_ERROR_PREFIX,
+    SCRIPT_TRACEBACK_FILE,
+    SegmentReport,
+    SegmentTimes,
+    exit_code_of,
+)
 from shardkeeper.preflight import cuda_device_count, preflight
 from shardkeeper.stages.checks import check_resume_data, fetch_pretrained, keep_run_script, prepare_run_dir
 from shardkeeper.stages.where import remote_run
@@ -29,8 +35,15 @@ from shardkeeper.stages.where import remote_run
 log = logging.getLogger("shardkeeper")
 
 
-def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = "local",
-                  device: str = "auto", launcher_options: dict | None = None) -> ClusterTopology:
+def plan_topology(
+    spec: RunSpec,
+    nproc: int,
+    *,
+    nodes: int = 1,
+    launcher: str = "local",
+    device: str = "auto",
+    launcher_options: dict | None = None,
+) -> ClusterTopology:
     """Check that ``nodes x nproc`` ranks make sense for the run and the launcher; return the topology."""
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: must be at least 1")
@@ -50,29 +63,45 @@ def plan_topology(spec: RunSpec, nproc: int, *, nodes: int = 1, launcher: str = 
         device = os.environ["SHARDKEEPER_DEVICE"]
         source = f"SHARDKEEPER_DEVICE={device}"
     if device == "cuda" and launcher == "local" and not cuda_device_count():
-        raise ConfigError(f"{source}: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
-                          "use --device cpu (and unset SHARDKEEPER_DEVICE)")
+        raise ConfigError(
+            f"{source}: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+            "use --device cpu (and unset SHARDKEEPER_DEVICE)"
+        )
     if launcher == "local":
         cuda = device == "cuda" or (device == "auto" and _cuda_available())
     else:  # this host may have no GPU while the nodes do: the launcher says what "auto" means there
         cuda = device == "cuda" or (device == "auto" and getattr(runner, "has_gpus", lambda: False)())
-    topo = ClusterTopology(nodes=nodes, procs_per_node=nproc, device_type="cuda" if cuda else "cpu",
-                           backend="nccl" if cuda else "gloo", launcher=launcher)  # type: ignore[arg-type]
+    topo = ClusterTopology(
+        nodes=nodes,
+        procs_per_node=nproc,
+        device_type="cuda" if cuda else "cpu",
+        backend="nccl" if cuda else "gloo",
+        launcher=launcher,
+    )  # type: ignore[arg-type]
     check = getattr(runner, "preflight", None)
     if check is not None:
         check(topo)
     return topo
 
 
-def plan_available_topology(spec: RunSpec, nproc: int, *, nodes: int, launcher: str = "local",
-                            launcher_options: dict | None = None, device: str = "auto") -> ClusterTopology:
+def plan_available_topology(
+    spec: RunSpec,
+    nproc: int,
+    *,
+    nodes: int,
+    launcher: str = "local",
+    launcher_options: dict | None = None,
+    device: str = "auto",
+) -> ClusterTopology:
     """The topology to train on now: ``nodes`` x ``nproc``, or fewer nodes when the launcher has fewer usable
     (Slurm: nodes down or drained) -- the largest count at whose world size the run may train
     (``RunSpec.world_size_refusal``: any, for a script run). What a resume after a lost node runs on; the
     checkpoint reshards to it."""
     usable = getattr(get_launcher(launcher, **(launcher_options or {})), "usable_nodes", lambda: None)()
     if usable is not None and usable < 1:
-        raise ConfigError(f"--launcher {launcher}: no usable node now (all down or drained); resume when nodes are back")
+        raise ConfigError(
+            f"--launcher {launcher}: no usable node now (all down or drained); resume when nodes are back"
+        )
     start = min(nodes, usable) if usable is not None else nodes
     for n in range(start, 0, -1):
         if spec.world_size_refusal(n * nproc) is not None:
@@ -109,8 +138,11 @@ def _gpu_may_be_there() -> bool:
     if any(os.environ.get(v, "").strip() not in ("", "-1", "none", "void") for v in GPU_VISIBILITY_ENV):
         return True
     try:
-        return (os.path.exists("/proc/driver/nvidia") or any(n.startswith(GPU_DEVICE_PREFIXES) for n in os.listdir("/dev"))
-                or _pci_gpu())
+        return (
+            os.path.exists("/proc/driver/nvidia")
+            or any(n.startswith(GPU_DEVICE_PREFIXES) for n in os.listdir("/dev"))
+            or _pci_gpu()
+        )
     except OSError:
         return True  # cannot tell: ask torch
 
@@ -133,10 +165,20 @@ def next_segment_index(run_dir: RunDir) -> int:
     return len(starts)
 
 
-def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology, until_step: int, *,
-                  timeout_s: float | None = None, sink: Callable[[str], None] | None = None,
-                  restart: bool = False, cancel_check: Callable[[], bool] | None = None,
-                  launcher_options: dict | None = None, warm_up: bool = False, by: str | None = None) -> SegmentResult:
+def train_segment(
+    spec: RunSpec,
+    run_dir: str | Path,
+    topology: ClusterTopology,
+    until_step: int,
+    *,
+    timeout_s: float | None = None,
+    sink: Callable[[str], None] | None = None,
+    restart: bool = False,
+    cancel_check: Callable[[], bool] | None = None,
+    launcher_options: dict | None = None,
+    warm_up: bool = False,
+    by: str | None = None,
+) -> SegmentResult:
     """Run one segment under the run lock: resume from the latest valid checkpoint, train, commit.
 
     A run whose checkpoints are all invalid is refused (never restarted silently); ``restart`` moves them
@@ -184,13 +226,33 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         before = _resume_point(rd, seg, restart)
         start_step = before[1].step if before else 0
         who = {"by": by} if by else {}
-        append_jsonl(rd.segments, {"event": "start", "segment": seg, "until_step": until_step, "start_step": start_step,
-                                   "world_size": topology.world_size, "nodes": topology.nodes,
-                                   "launcher": topology.launcher, "time": lineage.now_iso(), **who})
+        append_jsonl(
+            rd.segments,
+            {
+                "event": "start",
+                "segment": seg,
+                "until_step": until_step,
+                "start_step": start_step,
+                "world_size": topology.world_size,
+                "nodes": topology.nodes,
+                "launcher": topology.launcher,
+                "time": lineage.now_iso(),
+                **who,
+            },
+        )
         launcher = get_launcher(topology.launcher, **(launcher_options or {}))
-        req = LaunchRequest(run_dir=rd.root, until_step=until_step, segment=seg, topology=topology, timeout_s=timeout_s,
-                            restart=restart, cancel_check=_or_lease_lost(cancel_check, mirror), data=prepared,
-                            restarts=spec.checkpoint.restarts, on_restart=_record_restart(rd, seg))
+        req = LaunchRequest(
+            run_dir=rd.root,
+            until_step=until_step,
+            segment=seg,
+            topology=topology,
+            timeout_s=timeout_s,
+            restart=restart,
+            cancel_check=_or_lease_lost(cancel_check, mirror),
+            data=prepared,
+            restarts=spec.checkpoint.restarts,
+            on_restart=_record_restart(rd, seg),
+        )
         warm = _warm_up_readers() if warm_up else None
         try:
             outcome = launcher.launch(req, sink)
@@ -204,20 +266,46 @@ def train_segment(spec: RunSpec, run_dir: str | Path, topology: ClusterTopology,
         if mirror is not None and result.status in ("preempted", "cancelled"):  # its upload: bounded by the grace
             mirror.stopped(getattr(launcher, "grace_s", None), by_signal=outcome.stop_signal is not None)
         if mirror is not None and mirror.lease_lost:  # another writer holds the run on the store now
-            result = result.model_copy(update={"status": "failed", "exit_code": RunLockedError.exit_code, "note": None,
-                                               "failure": mirror.lease_lost})
+            result = result.model_copy(
+                update={
+                    "status": "failed",
+                    "exit_code": RunLockedError.exit_code,
+                    "note": None,
+                    "failure": mirror.lease_lost,
+                }
+            )
         _show_held_back(outcome, result.status, sink)
         append_jsonl(rd.segments, {"event": "end", **result.model_dump(mode="json", exclude={"topology"})})
-        scheduler = ({"scheduler_job": outcome.scheduler_job, "scheduler_state": outcome.scheduler_state,
-                      "requeues": outcome.requeues} if outcome.scheduler_job else {})
+        scheduler = (
+            {
+                "scheduler_job": outcome.scheduler_job,
+                "scheduler_state": outcome.scheduler_state,
+                "requeues": outcome.requeues,
+            }
+            if outcome.scheduler_job
+            else {}
+        )
         reported = SegmentReport.read(rd.root, seg)  # the performance options as the ranks applied them
         execution = {"execution": reported.execution} if reported and reported.execution else {}
         restarted = {"restarts": result.restarts} if result.restarts else {}
-        lineage.record(rd, "segment", f"segment:{seg}", parent=(f"checkpoint:step-{start_step:08d}" if before else None),
-                       step=result.end_step, status=result.status, world_size=topology.world_size,
-                       seconds=round(result.seconds, 2), until_step=until_step, launcher=topology.launcher,
-                       nodes=topology.nodes, **scheduler, **execution, **who, **restarted,
-                       **_times_record(result.times))
+        lineage.record(
+            rd,
+            "segment",
+            f"segment:{seg}",
+            parent=(f"checkpoint:step-{start_step:08d}" if before else None),
+            step=result.end_step,
+            status=result.status,
+            world_size=topology.world_size,
+            seconds=round(result.seconds, 2),
+            until_step=until_step,
+            launcher=topology.launcher,
+            nodes=topology.nodes,
+            **scheduler,
+            **execution,
+            **who,
+            **restarted,
+            **_times_record(result.times),
+        )
     if remote is not None:
         from shardkeeper.remote import remote_result
 
@@ -231,11 +319,32 @@ def _record_restart(rd: RunDir, seg: int) -> Callable[[InPlaceRestart], None]:
 
     def record(r: InPlaceRestart) -> None:
         when = lineage.now_iso()
-        append_jsonl(rd.segments, {"event": "restarted-in-place", "segment": seg, "restart": r.index, "of": r.of,
-                                   "rank": r.rank, "cause": r.cause, "failure": r.line, "time": when})
-        lineage.record(rd, "segment", f"restart-in-place:segment-{seg}:{r.index}",
-                       status="restarted", action=f"restarted in place ({r.summary})", segment=seg, rank=r.rank,
-                       cause=r.cause, restart=r.index, of=r.of, failure=r.line)
+        append_jsonl(
+            rd.segments,
+            {
+                "event": "restarted-in-place",
+                "segment": seg,
+                "restart": r.index,
+                "of": r.of,
+                "rank": r.rank,
+                "cause": r.cause,
+                "failure": r.line,
+                "time": when,
+            },
+        )
+        lineage.record(
+            rd,
+            "segment",
+            f"restart-in-place:segment-{seg}:{r.index}",
+            status="restarted",
+            action=f"restarted in place ({r.summary})",
+            segment=seg,
+            rank=r.rank,
+            cause=r.cause,
+            restart=r.index,
+            of=r.of,
+            failure=r.line,
+        )
 
     return record
 
@@ -282,9 +391,11 @@ def _no_live_job(rd: RunDir) -> None:
 
     job = live_job(rd.root)
     if job is not None:
-        raise RunLockedError(f"{rd.root}: Slurm job {job.job_id} of an earlier segment is still {job.state.lower()} "
-                             f"(its launching command was stopped); wait for it to end, or `scancel {job.job_id}`, "
-                             "then train again")
+        raise RunLockedError(
+            f"{rd.root}: Slurm job {job.job_id} of an earlier segment is still {job.state.lower()} "
+            f"(its launching command was stopped); wait for it to end, or `scancel {job.job_id}`, "
+            "then train again"
+        )
 
 
 def _mirrored(remote, spec: RunSpec):
@@ -294,6 +405,7 @@ def _mirrored(remote, spec: RunSpec):
     from shardkeeper.remote import Mirror
 
     return Mirror(remote, spec, is_valid=lambda p: validate(p).valid)
+
 
 def _or_lease_lost(cancel_check: Callable[[], bool] | None, mirror) -> Callable[[], bool] | None:
     """The launcher's stop check: a cancellation, or the run's lease on the store lost to another writer (the ranks
@@ -324,18 +436,36 @@ def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, Checkpoint
         return None  # a new run
     if not restart:
         named = [f"{p.name} ({why})" for p, why in reversed(invalid)] + [f"{n} (failed to load)" for n in unacked]
-        raise CheckpointError(f"{rd.checkpoints}: no valid checkpoint to resume from: {'; '.join(named[:3])[:800]}"
-                              f"{f' and {len(named) - 3} more' if len(named) > 3 else ''}; refusing to restart "
-                              "silently from step 0: rerun with --restart to set them aside and start over")
+        raise CheckpointError(
+            f"{rd.checkpoints}: no valid checkpoint to resume from: {'; '.join(named[:3])[:800]}"
+            f"{f' and {len(named) - 3} more' if len(named) > 3 else ''}; refusing to restart "
+            "silently from step 0: rerun with --restart to set them aside and start over"
+        )
     moved = [quarantine(p, why).name for p, why in invalid]
     rotated = None
     if rd.metrics.exists():  # the new attempt's rows must not mix with the old ones
         rotated = rd.root / f"metrics.before-restart-{seg}.jsonl"
         os.rename(rd.metrics, rotated)
-    append_jsonl(rd.segments, {"event": "restart", "segment": seg, "quarantined": moved + unacked,
-                               "metrics_rotated_to": rotated.name if rotated else None, "time": lineage.now_iso()})
-    lineage.record(rd, "segment", f"restart:segment-{seg}", step=0, status="restart", action="restart",
-                   quarantined=moved + unacked, metrics_rotated_to=rotated.name if rotated else None)
+    append_jsonl(
+        rd.segments,
+        {
+            "event": "restart",
+            "segment": seg,
+            "quarantined": moved + unacked,
+            "metrics_rotated_to": rotated.name if rotated else None,
+            "time": lineage.now_iso(),
+        },
+    )
+    lineage.record(
+        rd,
+        "segment",
+        f"restart:segment-{seg}",
+        step=0,
+        status="restart",
+        action="restart",
+        quarantined=moved + unacked,
+        metrics_rotated_to=rotated.name if rotated else None,
+    )
     log.warning("restarting %s from step 0: set aside %s", rd.root, ", ".join(moved + unacked))
     return None
 
@@ -343,8 +473,10 @@ def _resume_point(rd: RunDir, seg: int, restart: bool) -> tuple[Path, Checkpoint
 def _refuse_restart(found: tuple[Path, CheckpointManifest] | None) -> None:
     """--restart of a run that has a valid checkpoint: bad input (ConfigError), never a silent start from 0."""
     if found is not None:
-        raise ConfigError(f"--restart: {found[0]} is a valid checkpoint and the run resumes from it; drop "
-                          "--restart (to train from step 0, use a new --run-dir)")
+        raise ConfigError(
+            f"--restart: {found[0]} is a valid checkpoint and the run resumes from it; drop "
+            "--restart (to train from step 0, use a new --run-dir)"
+        )
 
 
 def _show_held_back(outcome: LaunchOutcome, status: str, sink: Callable[[str], None]) -> None:
@@ -356,7 +488,9 @@ def _show_held_back(outcome: LaunchOutcome, status: str, sink: Callable[[str], N
         sink(line)
 
 
-def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopology, outcome: LaunchOutcome) -> SegmentResult:
+def _segment_result(
+    rd: RunDir, seg: int, start_step: int, topology: ClusterTopology, outcome: LaunchOutcome
+) -> SegmentResult:
     reported = SegmentReport.read(rd.root, seg)
     after = latest_valid(rd)
     rank_status = reported.status if reported and reported.status in ("completed", "preempted") else None
@@ -375,8 +509,11 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
             note = _stuck(outcome, _unreported_note(after))
     elif rank_status:
         status = rank_status
-    elif ((outcome.stop_requested or outcome.scheduler_preempted) and (outcome.exit_code != 0 or outcome.stop_signal is not None)
-          or (outcome.exit_code != 0 and rank_stopped_at_startup([*outcome.held_back, *outcome.tail]))):
+    elif (
+        (outcome.stop_requested or outcome.scheduler_preempted)
+        and (outcome.exit_code != 0 or outcome.stop_signal is not None)
+        or (outcome.exit_code != 0 and rank_stopped_at_startup([*outcome.held_back, *outcome.tail]))
+    ):
         # Asked to stop before the ranks could report (still starting up, or killed after the grace
         # period): nothing was lost that a checkpoint held; the next segment resumes from the latest one.
         status = "preempted"
@@ -388,30 +525,41 @@ def _segment_result(rd: RunDir, seg: int, start_step: int, topology: ClusterTopo
     if outcome.note and status not in ("failed", "refused") and note != outcome.note:
         note = f"{outcome.note}; {note}" if note else outcome.note
     fallback = rank_failure.exit_code if rank_failure and rank_failure.exit_code else outcome.exit_code
-    failure = (None if status not in ("failed", "refused")
-               else (rank_failure.note if rank_failure else _failure(outcome)))
+    failure = (
+        None if status not in ("failed", "refused") else (rank_failure.note if rank_failure else _failure(outcome))
+    )
     if failure and outcome.restarts:
-        failure += (f" (after {len(outcome.restarts)} restart(s) in place of checkpoint.restarts: "
-                    f"{outcome.restarts[-1].of}: {'; '.join(r.summary for r in outcome.restarts)})")
+        failure += (
+            f" (after {len(outcome.restarts)} restart(s) in place of checkpoint.restarts: "
+            f"{outcome.restarts[-1].of}: {'; '.join(r.summary for r in outcome.restarts)})"
+        )
     return SegmentResult(
-        run_dir=str(rd.root), status=status,  # type: ignore[arg-type]
+        run_dir=str(rd.root),
+        status=status,  # type: ignore[arg-type]
         exit_code=exit_code_of(status, fallback),
         # The ranks may have fallen back past a checkpoint that failed to load: their start step wins, unless
         # the scheduler requeued the job and its last attempt resumed from a checkpoint of this segment.
-        segment=seg, start_step=min(reported.start_step, start_step) if reported else start_step,
+        segment=seg,
+        start_step=min(reported.start_step, start_step) if reported else start_step,
         end_step=after[1].step if after else 0,
-        checkpoint=str(after[0]) if after else None, topology=topology, seconds=outcome.seconds,
+        checkpoint=str(after[0]) if after else None,
+        topology=topology,
+        seconds=outcome.seconds,
         failure=failure,
         traceback=_script_traceback(rd) if status == "failed" else None,
         note=note if status not in ("failed", "refused") else None,
-        scheduler_job=outcome.scheduler_job, scheduler_state=outcome.scheduler_state, requeues=outcome.requeues,
+        scheduler_job=outcome.scheduler_job,
+        scheduler_state=outcome.scheduler_state,
+        requeues=outcome.requeues,
         times=reported.times if reported else None,
-        restarts=len(outcome.restarts), restart_causes=[r.summary for r in outcome.restarts],
+        restarts=len(outcome.restarts),
+        restart_causes=[r.summary for r in outcome.restarts],
     )
 
 
-def _refused_before_first_step(rd: RunDir, seg: int, start_step: int,
-                                after: tuple[Path, CheckpointManifest] | None, outcome: LaunchOutcome) -> bool:
+def _refused_before_first_step(
+    rd: RunDir, seg: int, start_step: int, after: tuple[Path, CheckpointManifest] | None, outcome: LaunchOutcome
+) -> bool:
     """Did the ranks refuse their input before training a step? The first rank to fail exited with the code of bad
     input (a ShardkeeperError such as UsageError: 2, as the controller's own refusals), the segment committed no
     checkpoint and logged no step. What the ranks alone can know ends so: an HF Trainer's max_steps below
@@ -470,8 +618,15 @@ def _failure(outcome: LaunchOutcome) -> str:
     if outcome.exit_code < 0:  # torchrun itself was killed (OOM killer, kill -9): its ranks died with it
         import signal
 
-        name = signal.Signals(-outcome.exit_code).name if -outcome.exit_code in signal.Signals._value2member_map_ else str(-outcome.exit_code)
-        return f"torchrun was killed by {name} and its ranks with it; rerun the same command to resume from the latest valid checkpoint"
+        name = (
+            signal.Signals(-outcome.exit_code).name
+            if -outcome.exit_code in signal.Signals._value2member_map_
+            else str(-outcome.exit_code)
+        )
+        return (
+            f"torchrun was killed by {name} and its ranks with it; "
+            "rerun the same command to resume from the latest valid checkpoint"
+        )
     if outcome.failure is None and outcome.exit_code == 0:  # torchrun saw no failure, and the ranks reported no end
         return "the ranks exited with code 0 before their segment ended, and none said why"
     return ("timed out; " if outcome.timed_out else "") + (outcome.failure or failing_rank_lines(outcome.tail))

@@ -25,9 +25,11 @@ def entry(raw: dict[str, Any], name: str) -> dict[str, Any]:
 
 def rehash(ckpt_dir: Path) -> None:
     """Refresh sizes and checksums in the manifest after a test edited files on purpose."""
+
     def change(raw: dict[str, Any]) -> None:
         for e in raw["files"]:
             e["size"], e["xxh3_128"] = hash_file(ckpt_dir / e["path"])
+
     edit_manifest(ckpt_dir, change)
 
 
@@ -46,8 +48,9 @@ def model_item_offset(ckpt_dir: Path) -> tuple[Path, int]:
     from ckpt.formats.dcp import read_metadata
 
     md = read_metadata(ckpt_dir)
-    index, info = next((i, s) for i, s in sorted(md.storage_data.items(), key=lambda kv: kv[0].fqn)
-                       if i.fqn.startswith("model."))
+    index, info = next(
+        (i, s) for i, s in sorted(md.storage_data.items(), key=lambda kv: kv[0].fqn) if i.fqn.startswith("model.")
+    )
     return ckpt_dir / info.relative_path, info.offset + info.length // 2
 
 
@@ -88,8 +91,9 @@ def tensor_meta(md: Any, fqn: str) -> Any:
     return md.state_dict_metadata[fqn]
 
 
-def move_chunk(md: Any, fqn: str, i: int, offsets: tuple[int, ...] | None = None,
-               sizes: tuple[int, ...] | None = None) -> None:
+def move_chunk(
+    md: Any, fqn: str, i: int, offsets: tuple[int, ...] | None = None, sizes: tuple[int, ...] | None = None
+) -> None:
     """Give chunk ``i`` of ``fqn`` other offsets and/or sizes; its storage record keeps its bytes (and is re-keyed
     to the new offsets, as a writer of that layout would have keyed it)."""
     import torch
@@ -97,8 +101,10 @@ def move_chunk(md: Any, fqn: str, i: int, offsets: tuple[int, ...] | None = None
 
     meta = tensor_meta(md, fqn)
     old = meta.chunks[i]
-    new = ChunkStorageMetadata(offsets=torch.Size(offsets if offsets is not None else old.offsets),
-                               sizes=torch.Size(sizes if sizes is not None else old.sizes))
+    new = ChunkStorageMetadata(
+        offsets=torch.Size(offsets if offsets is not None else old.offsets),
+        sizes=torch.Size(sizes if sizes is not None else old.sizes),
+    )
     meta.chunks[i] = new
     info = md.storage_data.pop(MetadataIndex(fqn, old.offsets))
     md.storage_data.setdefault(MetadataIndex(fqn, new.offsets), info)
@@ -123,7 +129,7 @@ def plain_dcp_source(ckpt_dir: Path, out: Path) -> Path:
         shutil.copy(f, out / f.name)
 
     def rename(fqn: str) -> str:
-        return "optimizer.state." + fqn[len("optim.state."):] if fqn.startswith("optim.state.") else fqn
+        return "optimizer.state." + fqn[len("optim.state.") :] if fqn.startswith("optim.state.") else fqn
 
     md = pickle.loads((ckpt_dir / ".metadata").read_bytes())
     md.state_dict_metadata = {rename(k): v for k, v in md.state_dict_metadata.items()}

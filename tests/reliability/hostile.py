@@ -25,7 +25,9 @@ from ckpt.hashing import hash_file
 EXT_CODE = 0xF00D  # registered in copyreg's extension registry by the test that uses EXT opcodes
 EXT_CODE1 = 0xE7  # one-byte code for EXT1
 EXT_CODE4 = 0x7FFFF00D
-EXT_CODE_CACHED = 0x7E57  # only in copyreg's extension *cache* (never registered): both stdlib unpicklers look there first
+EXT_CODE_CACHED = (
+    0x7E57  # only in copyreg's extension *cache* (never registered): both stdlib unpicklers look there first
+)
 _MD = "torch.distributed.checkpoint.metadata"
 
 
@@ -106,6 +108,7 @@ class Hostile:
 def _h(name: str, note: str) -> Callable[[Callable[[Path, bytes], bytes]], Hostile]:
     def wrap(fn: Callable[[Path, bytes], bytes]) -> Hostile:
         return Hostile(name, fn, note)
+
     return wrap
 
 
@@ -115,192 +118,492 @@ def _storage_pid(storage: str = "FloatStorage", key: str = "0", numel: int = 4) 
 
 def _rebuild(storage_pid: bytes, size: bytes, hooks: bytes = EMPTY_DICT, extra: bytes = b"") -> bytes:
     """torch._utils._rebuild_tensor_v2(storage, 0, size, stride, False, hooks[, extra])."""
-    return call(sglob("torch._utils", "_rebuild_tensor_v2"), storage_pid, binint(0), size, MARK + binint(1) + TUPLE,
-                NEWFALSE, hooks, extra)
+    return call(
+        sglob("torch._utils", "_rebuild_tensor_v2"),
+        storage_pid,
+        binint(0),
+        size,
+        MARK + binint(1) + TUPLE,
+        NEWFALSE,
+        hooks,
+        extra,
+    )
 
 
 CORPUS: list[Hostile] = [
     _h("dotted-dcp-filesystem-os.system", "protocol 4 getattr chain through a DCP module")(
-        lambda s, r: P4 + call(sglob("torch.distributed.checkpoint.filesystem", "os.system"), sbu(cmd(s))) + STOP),
+        lambda s, r: P4 + call(sglob("torch.distributed.checkpoint.filesystem", "os.system"), sbu(cmd(s))) + STOP
+    ),
     _h("dotted-dcp-metadata-os.system", "the allow-listed prefix, a dotted name")(
-        lambda s, r: P4 + call(sglob("torch.distributed.checkpoint.metadata", "os.system"), sbu(cmd(s))) + STOP),
+        lambda s, r: P4 + call(sglob("torch.distributed.checkpoint.metadata", "os.system"), sbu(cmd(s))) + STOP
+    ),
     _h("dotted-torch-os.system", "torch.os.system")(
-        lambda s, r: P4 + call(sglob("torch", "os.system"), sbu(cmd(s))) + STOP),
+        lambda s, r: P4 + call(sglob("torch", "os.system"), sbu(cmd(s))) + STOP
+    ),
     _h("dotted-serialization-pickle.loads", "torch.serialization.pickle.loads of an inner payload")(
-        lambda s, r: P4 + call(sglob("torch.serialization", "pickle.loads"), binbytes(P4 + os_system(s) + STOP)) + STOP),
+        lambda s, r: P4 + call(sglob("torch.serialization", "pickle.loads"), binbytes(P4 + os_system(s) + STOP)) + STOP
+    ),
     _h("dotted-metadata-class-attr", "Metadata.__init__.__globals__ style chain")(
-        lambda s, r: P4 + call(sglob("torch.distributed.checkpoint.metadata", "Metadata.__init__"), NONE) + STOP),
+        lambda s, r: P4 + call(sglob("torch.distributed.checkpoint.metadata", "Metadata.__init__"), NONE) + STOP
+    ),
     _h("global-os.system-proto0", "text GLOBAL + REDUCE, protocol 0")(
-        lambda s, r: glob("os", "system") + MARK + u0(cmd(s)) + TUPLE + REDUCE + STOP),
+        lambda s, r: glob("os", "system") + MARK + u0(cmd(s)) + TUPLE + REDUCE + STOP
+    ),
     _h("global-os.system-proto2", "GLOBAL + REDUCE, protocol 2 (torch.save's)")(
-        lambda s, r: P2 + os_system(s, proto4=False) + STOP),
+        lambda s, r: P2 + os_system(s, proto4=False) + STOP
+    ),
     _h("stack-global-os.system-proto5", "STACK_GLOBAL, protocol 5")(lambda s, r: P5 + os_system(s) + STOP),
     _h("posix.system", "the os module's C backend")(
-        lambda s, r: P4 + call(sglob("posix", "system"), sbu(cmd(s))) + STOP),
+        lambda s, r: P4 + call(sglob("posix", "system"), sbu(cmd(s))) + STOP
+    ),
     _h("subprocess.Popen", "REDUCE Popen(['sh', '-c', ...])")(
-        lambda s, r: P4 + call(sglob("subprocess", "Popen"), EMPTY_LIST + MARK + sbu("sh") + sbu("-c") + sbu(cmd(s))
-                               + b"e") + STOP),
-    _h("inst-os.system", "INST opcode, protocol 0")(
-        lambda s, r: MARK + u0(cmd(s)) + b"ios\nsystem\n" + STOP),
-    _h("obj-os.system", "OBJ opcode, protocol 1")(
-        lambda s, r: MARK + glob("os", "system") + bu(cmd(s)) + OBJ + STOP),
+        lambda s, r: (
+            P4
+            + call(sglob("subprocess", "Popen"), EMPTY_LIST + MARK + sbu("sh") + sbu("-c") + sbu(cmd(s)) + b"e")
+            + STOP
+        )
+    ),
+    _h("inst-os.system", "INST opcode, protocol 0")(lambda s, r: MARK + u0(cmd(s)) + b"ios\nsystem\n" + STOP),
+    _h("obj-os.system", "OBJ opcode, protocol 1")(lambda s, r: MARK + glob("os", "system") + bu(cmd(s)) + OBJ + STOP),
     _h("newobj-popen", "NEWOBJ of subprocess.Popen, then BUILD")(
-        lambda s, r: P2 + glob("subprocess", "Popen") + MARK + bu(cmd(s)) + TUPLE + NEWOBJ + EMPTY_DICT + BUILD + STOP),
+        lambda s, r: P2 + glob("subprocess", "Popen") + MARK + bu(cmd(s)) + TUPLE + NEWOBJ + EMPTY_DICT + BUILD + STOP
+    ),
     _h("newobj-ex-popen", "NEWOBJ_EX of subprocess.Popen with kwargs")(
-        lambda s, r: P4 + sglob("subprocess", "Popen") + MARK + sbu(cmd(s)) + TUPLE + EMPTY_DICT + sbu("shell")
-        + NEWTRUE + SETITEM + NEWOBJ_EX + STOP),
+        lambda s, r: (
+            P4
+            + sglob("subprocess", "Popen")
+            + MARK
+            + sbu(cmd(s))
+            + TUPLE
+            + EMPTY_DICT
+            + sbu("shell")
+            + NEWTRUE
+            + SETITEM
+            + NEWOBJ_EX
+            + STOP
+        )
+    ),
     _h("newobj-allowed-class-with-args", "NEWOBJ of an admitted class with arguments")(
-        lambda s, r: P4 + sglob("torch.distributed.checkpoint.metadata", "Metadata") + MARK + sbu(cmd(s)) + TUPLE
-        + NEWOBJ + STOP),
+        lambda s, r: (
+            P4 + sglob("torch.distributed.checkpoint.metadata", "Metadata") + MARK + sbu(cmd(s)) + TUPLE + NEWOBJ + STOP
+        )
+    ),
     _h("builtins.eval", "eval of __import__('os').system")(
-        lambda s, r: P4 + call(sglob("builtins", "eval"), sbu(f"__import__('os').system({cmd(s)!r})")) + STOP),
+        lambda s, r: P4 + call(sglob("builtins", "eval"), sbu(f"__import__('os').system({cmd(s)!r})")) + STOP
+    ),
     _h("builtins.exec", "exec of an import + system")(
-        lambda s, r: P4 + call(sglob("builtins", "exec"), sbu(f"import os; os.system({cmd(s)!r})")) + STOP),
+        lambda s, r: P4 + call(sglob("builtins", "exec"), sbu(f"import os; os.system({cmd(s)!r})")) + STOP
+    ),
     _h("builtins.getattr+__import__", "getattr(__import__('os'), 'system')(cmd)")(
-        lambda s, r: P4 + call(call(sglob("builtins", "getattr"), call(sglob("builtins", "__import__"), sbu("os")),
-                                    sbu("system")), sbu(cmd(s))) + STOP),
+        lambda s, r: (
+            P4
+            + call(
+                call(sglob("builtins", "getattr"), call(sglob("builtins", "__import__"), sbu("os")), sbu("system")),
+                sbu(cmd(s)),
+            )
+            + STOP
+        )
+    ),
     _h("builtins.__import__-proto2", "__import__ through GLOBAL, protocol 2 (__builtin__ spelling)")(
-        lambda s, r: P2 + call(call(glob("__builtin__", "getattr"), call(glob("__builtin__", "__import__"), bu("os")),
-                                    bu("system")), bu(cmd(s))) + STOP),
+        lambda s, r: (
+            P2
+            + call(
+                call(glob("__builtin__", "getattr"), call(glob("__builtin__", "__import__"), bu("os")), bu("system")),
+                bu(cmd(s)),
+            )
+            + STOP
+        )
+    ),
     _h("copyreg._reconstructor", "_reconstructor(Popen, Popen, argv) calls Popen.__init__")(
-        lambda s, r: P4 + call(sglob("copyreg", "_reconstructor"), sglob("subprocess", "Popen"),
-                               sglob("subprocess", "Popen"), EMPTY_LIST + MARK + sbu("sh") + sbu("-c") + sbu(cmd(s))
-                               + b"e") + STOP),
+        lambda s, r: (
+            P4
+            + call(
+                sglob("copyreg", "_reconstructor"),
+                sglob("subprocess", "Popen"),
+                sglob("subprocess", "Popen"),
+                EMPTY_LIST + MARK + sbu("sh") + sbu("-c") + sbu(cmd(s)) + b"e",
+            )
+            + STOP
+        )
+    ),
     _h("copyreg.__newobj__", "__newobj__(Popen, argv)")(
-        lambda s, r: P4 + call(sglob("copyreg", "__newobj__"), sglob("subprocess", "Popen"), sbu(cmd(s))) + STOP),
+        lambda s, r: P4 + call(sglob("copyreg", "__newobj__"), sglob("subprocess", "Popen"), sbu(cmd(s))) + STOP
+    ),
     _h("functools.partial", "partial(os.system, cmd)()")(
-        lambda s, r: P4 + call(sglob("functools", "partial"), sglob("os", "system"), sbu(cmd(s))) + EMPTY_TUPLE
-        + REDUCE + STOP),
+        lambda s, r: (
+            P4 + call(sglob("functools", "partial"), sglob("os", "system"), sbu(cmd(s))) + EMPTY_TUPLE + REDUCE + STOP
+        )
+    ),
     _h("rebuild-tensor-nested-reduce", "_rebuild_tensor_v2 whose size is os.system(cmd)")(
-        lambda s, r: P4 + _rebuild(_storage_pid(), MARK + os_system(s) + TUPLE) + STOP),
+        lambda s, r: P4 + _rebuild(_storage_pid(), MARK + os_system(s) + TUPLE) + STOP
+    ),
     _h("rebuild-tensor-foreign-hook", "_rebuild_tensor_v2 with backward_hooks {0: builtins.exec}")(
-        lambda s, r: P4 + _rebuild(_storage_pid(), MARK + binint(1) + TUPLE,
-                                   hooks=EMPTY_DICT + binint(0) + sglob("builtins", "exec") + SETITEM) + STOP),
+        lambda s, r: (
+            P4
+            + _rebuild(
+                _storage_pid(),
+                MARK + binint(1) + TUPLE,
+                hooks=EMPTY_DICT + binint(0) + sglob("builtins", "exec") + SETITEM,
+            )
+            + STOP
+        )
+    ),
     _h("rebuild-tensor-admitted-hook", "_rebuild_tensor_v2 with backward_hooks {0: OrderedDict}")(
-        lambda s, r: P4 + _rebuild(_storage_pid(), MARK + binint(1) + TUPLE,
-                                   hooks=EMPTY_DICT + binint(0) + sglob("collections", "OrderedDict") + SETITEM) + STOP),
+        lambda s, r: (
+            P4
+            + _rebuild(
+                _storage_pid(),
+                MARK + binint(1) + TUPLE,
+                hooks=EMPTY_DICT + binint(0) + sglob("collections", "OrderedDict") + SETITEM,
+            )
+            + STOP
+        )
+    ),
     _h("rebuild-tensor-metadata", "_rebuild_tensor_v2 with tensor metadata (a setter of tensor internals)")(
-        lambda s, r: P4 + _rebuild(_storage_pid(), MARK + binint(1) + TUPLE,
-                                   extra=EMPTY_DICT + sbu("conj") + NEWTRUE + SETITEM) + STOP),
+        lambda s, r: (
+            P4
+            + _rebuild(_storage_pid(), MARK + binint(1) + TUPLE, extra=EMPTY_DICT + sbu("conj") + NEWTRUE + SETITEM)
+            + STOP
+        )
+    ),
     _h("rebuild-tensor-out-of-bounds", "a view far past its storage (reads foreign memory if unchecked)")(
-        lambda s, r: P4 + call(sglob("torch._utils", "_rebuild_tensor_v2"), _storage_pid(numel=4), binint(1 << 30),
-                               MARK + binint(4) + TUPLE, MARK + binint(1) + TUPLE, NEWFALSE, EMPTY_DICT) + STOP),
+        lambda s, r: (
+            P4
+            + call(
+                sglob("torch._utils", "_rebuild_tensor_v2"),
+                _storage_pid(numel=4),
+                binint(1 << 30),
+                MARK + binint(4) + TUPLE,
+                MARK + binint(1) + TUPLE,
+                NEWFALSE,
+                EMPTY_DICT,
+            )
+            + STOP
+        )
+    ),
     _h("rebuild-parameter-hooks", "_rebuild_parameter with hooks")(
-        lambda s, r: P4 + call(sglob("torch._utils", "_rebuild_parameter"), _rebuild(_storage_pid(), MARK + binint(1) + TUPLE),
-                               NEWFALSE, EMPTY_DICT + binint(0) + sglob("os", "system") + SETITEM) + STOP),
+        lambda s, r: (
+            P4
+            + call(
+                sglob("torch._utils", "_rebuild_parameter"),
+                _rebuild(_storage_pid(), MARK + binint(1) + TUPLE),
+                NEWFALSE,
+                EMPTY_DICT + binint(0) + sglob("os", "system") + SETITEM,
+            )
+            + STOP
+        )
+    ),
     _h("rebuild-from-type-admitted-func", "_rebuild_from_type_v2(OrderedDict, Tensor, ...): not a tensor rebuild")(
-        lambda s, r: P2 + call(glob("torch._tensor", "_rebuild_from_type_v2"), glob("collections", "OrderedDict"),
-                               glob("torch", "Tensor"), EMPTY_TUPLE, EMPTY_DICT) + STOP),
+        lambda s, r: (
+            P2
+            + call(
+                glob("torch._tensor", "_rebuild_from_type_v2"),
+                glob("collections", "OrderedDict"),
+                glob("torch", "Tensor"),
+                EMPTY_TUPLE,
+                EMPTY_DICT,
+            )
+            + STOP
+        )
+    ),
     _h("rebuild-from-type-grad-attr", "_rebuild_from_type_v2 whose state replaces the tensor's .data")(
-        lambda s, r: P2 + call(glob("torch._tensor", "_rebuild_from_type_v2"), glob("torch._utils", "_rebuild_tensor_v2"),
-                               glob("torch", "Tensor"), MARK + _storage_pid() + binint(0) + MARK + binint(1) + TUPLE
-                               + MARK + binint(1) + TUPLE + NEWFALSE + EMPTY_DICT + TUPLE,
-                               EMPTY_DICT + bu("data") + binint(1) + SETITEM) + STOP),
+        lambda s, r: (
+            P2
+            + call(
+                glob("torch._tensor", "_rebuild_from_type_v2"),
+                glob("torch._utils", "_rebuild_tensor_v2"),
+                glob("torch", "Tensor"),
+                MARK
+                + _storage_pid()
+                + binint(0)
+                + MARK
+                + binint(1)
+                + TUPLE
+                + MARK
+                + binint(1)
+                + TUPLE
+                + NEWFALSE
+                + EMPTY_DICT
+                + TUPLE,
+                EMPTY_DICT + bu("data") + binint(1) + SETITEM,
+            )
+            + STOP
+        )
+    ),
     _h("torch.load", "torch.load of another path")(
-        lambda s, r: P4 + call(sglob("torch", "load"), sbu(str(s) + ".evil.pt")) + STOP),
+        lambda s, r: P4 + call(sglob("torch", "load"), sbu(str(s) + ".evil.pt")) + STOP
+    ),
     _h("torch.serialization.load", "torch.serialization.load")(
-        lambda s, r: P4 + call(sglob("torch.serialization", "load"), sbu(str(s) + ".evil.pt")) + STOP),
+        lambda s, r: P4 + call(sglob("torch.serialization", "load"), sbu(str(s) + ".evil.pt")) + STOP
+    ),
     _h("pickle.loads", "pickle.loads of an inner os.system pickle")(
-        lambda s, r: P4 + call(sglob("pickle", "loads"), binbytes(P4 + os_system(s) + STOP)) + STOP),
+        lambda s, r: P4 + call(sglob("pickle", "loads"), binbytes(P4 + os_system(s) + STOP)) + STOP
+    ),
     _h("numpy._reconstruct", "numpy.core.multiarray._reconstruct")(
-        lambda s, r: P2 + call(glob("numpy.core.multiarray", "_reconstruct"), glob("numpy", "ndarray"),
-                               MARK + binint(0) + TUPLE, bu("b")) + STOP),
+        lambda s, r: (
+            P2
+            + call(
+                glob("numpy.core.multiarray", "_reconstruct"),
+                glob("numpy", "ndarray"),
+                MARK + binint(0) + TUPLE,
+                bu("b"),
+            )
+            + STOP
+        )
+    ),
     _h("metadata-build-setstate-os.system", "Metadata NEWOBJ, BUILD sets __setstate__ = os.system, BUILD calls it")(
-        lambda s, r: P4 + sglob("torch.distributed.checkpoint.metadata", "Metadata") + EMPTY_TUPLE + NEWOBJ
-        + NONE + EMPTY_DICT + sbu("__setstate__") + sglob("os", "system") + SETITEM + TUPLE2 + BUILD
-        + sbu(cmd(s)) + BUILD + STOP),
+        lambda s, r: (
+            P4
+            + sglob("torch.distributed.checkpoint.metadata", "Metadata")
+            + EMPTY_TUPLE
+            + NEWOBJ
+            + NONE
+            + EMPTY_DICT
+            + sbu("__setstate__")
+            + sglob("os", "system")
+            + SETITEM
+            + TUPLE2
+            + BUILD
+            + sbu(cmd(s))
+            + BUILD
+            + STOP
+        )
+    ),
     _h("metadata-build-setstate-admitted", "the same trick with an admitted callable only")(
-        lambda s, r: P4 + sglob("torch.distributed.checkpoint.metadata", "Metadata") + EMPTY_TUPLE + NEWOBJ
-        + NONE + EMPTY_DICT + sbu("__setstate__") + sglob("collections", "OrderedDict") + SETITEM + TUPLE2 + BUILD
-        + EMPTY_DICT + BUILD + STOP),
+        lambda s, r: (
+            P4
+            + sglob("torch.distributed.checkpoint.metadata", "Metadata")
+            + EMPTY_TUPLE
+            + NEWOBJ
+            + NONE
+            + EMPTY_DICT
+            + sbu("__setstate__")
+            + sglob("collections", "OrderedDict")
+            + SETITEM
+            + TUPLE2
+            + BUILD
+            + EMPTY_DICT
+            + BUILD
+            + STOP
+        )
+    ),
     _h("build-on-class", "BUILD on an admitted class object (patches it for the whole process)")(
-        lambda s, r: P4 + sglob("torch.distributed.checkpoint.metadata", "Metadata") + NONE + EMPTY_DICT
-        + sbu("__reduce__") + sglob("collections", "OrderedDict") + SETITEM + TUPLE2 + BUILD + STOP),
+        lambda s, r: (
+            P4
+            + sglob("torch.distributed.checkpoint.metadata", "Metadata")
+            + NONE
+            + EMPTY_DICT
+            + sbu("__reduce__")
+            + sglob("collections", "OrderedDict")
+            + SETITEM
+            + TUPLE2
+            + BUILD
+            + STOP
+        )
+    ),
     _h("appends-on-instance", "APPENDS on a Metadata instance (calls its .extend attribute)")(
-        lambda s, r: P4 + sglob("torch.distributed.checkpoint.metadata", "Metadata") + EMPTY_TUPLE + NEWOBJ
-        + MARK + binint(1) + b"e" + STOP),
+        lambda s, r: (
+            P4
+            + sglob("torch.distributed.checkpoint.metadata", "Metadata")
+            + EMPTY_TUPLE
+            + NEWOBJ
+            + MARK
+            + binint(1)
+            + b"e"
+            + STOP
+        )
+    ),
     _h("ext1", "EXT1 through copyreg's extension registry -> os.system")(
-        lambda s, r: P2 + b"\x82" + bytes([EXT_CODE1]) + MARK + bu(cmd(s)) + TUPLE + REDUCE + STOP),
+        lambda s, r: P2 + b"\x82" + bytes([EXT_CODE1]) + MARK + bu(cmd(s)) + TUPLE + REDUCE + STOP
+    ),
     _h("ext2", "EXT2 through copyreg's extension registry -> posix.system")(
-        lambda s, r: P2 + b"\x83" + struct.pack("<H", EXT_CODE) + MARK + bu(cmd(s)) + TUPLE + REDUCE + STOP),
+        lambda s, r: P2 + b"\x83" + struct.pack("<H", EXT_CODE) + MARK + bu(cmd(s)) + TUPLE + REDUCE + STOP
+    ),
     _h("ext4", "EXT4 through copyreg's extension registry -> subprocess.getoutput")(
-        lambda s, r: P2 + b"\x84" + struct.pack("<i", EXT_CODE4) + MARK + bu(cmd(s)) + TUPLE + REDUCE + STOP),
+        lambda s, r: P2 + b"\x84" + struct.pack("<i", EXT_CODE4) + MARK + bu(cmd(s)) + TUPLE + REDUCE + STOP
+    ),
     _h("ext2-cache-only", "EXT2 of a code found only in copyreg's extension cache (no find_class call) -> os.system")(
-        lambda s, r: P2 + b"\x83" + struct.pack("<H", EXT_CODE_CACHED) + MARK + bu(cmd(s)) + TUPLE + REDUCE + STOP),
+        lambda s, r: P2 + b"\x83" + struct.pack("<H", EXT_CODE_CACHED) + MARK + bu(cmd(s)) + TUPLE + REDUCE + STOP
+    ),
     # What an engine that cannot check opcodes one by one (the C unpickler with only find_class overridden) would let
     # through; each is refused here, so a change of engine that lets one through fails this corpus.
     _h("huge-memo-index-long-binput", "LONG_BINPUT 0xFFFFFFFF (the C unpickler zero-fills a 64 GiB memo for it)")(
-        lambda s, r: P2 + NONE + b"r" + struct.pack("<I", 0xFFFFFFFF) + STOP),
+        lambda s, r: P2 + NONE + b"r" + struct.pack("<I", 0xFFFFFFFF) + STOP
+    ),
     _h("huge-memo-index-put", "text PUT 4000000000, protocol 0")(lambda s, r: b"N" + b"p4000000000\n" + STOP),
     _h("build-on-dict", "BUILD on a plain dict")(
-        lambda s, r: P4 + EMPTY_DICT + EMPTY_DICT + sbu("k") + NONE + SETITEM + BUILD + STOP),
+        lambda s, r: P4 + EMPTY_DICT + EMPTY_DICT + sbu("k") + NONE + SETITEM + BUILD + STOP
+    ),
     _h("build-ordereddict-dunder", "BUILD on an OrderedDict setting __class__")(
-        lambda s, r: P4 + sglob("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE + EMPTY_DICT + sbu("__class__")
-        + sglob("torch", "Size") + SETITEM + BUILD + STOP),
-    _h("build-slotstate-class-swap", "Metadata NEWOBJ, BUILD (None, {'__class__': OrderedDict}) (setattr per slot item)")(
-        lambda s, r: P4 + sglob(_MD, "Metadata") + EMPTY_TUPLE + NEWOBJ + NONE + EMPTY_DICT + sbu("__class__")
-        + sglob("collections", "OrderedDict") + SETITEM + TUPLE2 + BUILD + STOP),
+        lambda s, r: (
+            P4
+            + sglob("collections", "OrderedDict")
+            + EMPTY_TUPLE
+            + REDUCE
+            + EMPTY_DICT
+            + sbu("__class__")
+            + sglob("torch", "Size")
+            + SETITEM
+            + BUILD
+            + STOP
+        )
+    ),
+    _h(
+        "build-slotstate-class-swap",
+        "Metadata NEWOBJ, BUILD (None, {'__class__': OrderedDict}) (setattr per slot item)",
+    )(
+        lambda s, r: (
+            P4
+            + sglob(_MD, "Metadata")
+            + EMPTY_TUPLE
+            + NEWOBJ
+            + NONE
+            + EMPTY_DICT
+            + sbu("__class__")
+            + sglob("collections", "OrderedDict")
+            + SETITEM
+            + TUPLE2
+            + BUILD
+            + STOP
+        )
+    ),
     _h("build-enum-member", "BUILD on a process-wide Enum member (_MEM_FORMAT_ENCODING(0)._value_ = 99)")(
-        lambda s, r: P4 + call(sglob(_MD, "_MEM_FORMAT_ENCODING"), binint(0)) + EMPTY_DICT + sbu("_value_")
-        + binint(99) + SETITEM + BUILD + STOP),
+        lambda s, r: (
+            P4
+            + call(sglob(_MD, "_MEM_FORMAT_ENCODING"), binint(0))
+            + EMPTY_DICT
+            + sbu("_value_")
+            + binint(99)
+            + SETITEM
+            + BUILD
+            + STOP
+        )
+    ),
     _h("newobj-non-admitted-type", "NEWOBJ of torch.Size (admitted as a callable, not as a class)")(
-        lambda s, r: P4 + sglob("torch", "Size") + EMPTY_TUPLE + NEWOBJ + STOP),
+        lambda s, r: P4 + sglob("torch", "Size") + EMPTY_TUPLE + NEWOBJ + STOP
+    ),
     _h("reduce-admitted-class", "REDUCE of an admitted class: Metadata({...}) runs its __init__")(
-        lambda s, r: P4 + call(sglob(_MD, "Metadata"), EMPTY_DICT) + STOP),
+        lambda s, r: P4 + call(sglob(_MD, "Metadata"), EMPTY_DICT) + STOP
+    ),
     _h("reduce-enum-functional-api", "_MEM_FORMAT_ENCODING('Evil', 'A B') builds a new Enum class")(
-        lambda s, r: P4 + call(sglob(_MD, "_MEM_FORMAT_ENCODING"), sbu("Evil"), sbu("A B")) + STOP),
+        lambda s, r: P4 + call(sglob(_MD, "_MEM_FORMAT_ENCODING"), sbu("Evil"), sbu("A B")) + STOP
+    ),
     _h("reduce-admitted-callable-wrong-types", "torch.Size('abc'), pathlib.PosixPath(b'/')")(
-        lambda s, r: P4 + MARK + call(sglob("torch", "Size"), sbu("abc")) + call(sglob("pathlib", "PosixPath"), binbytes(b"/"))
-        + TUPLE + STOP),
+        lambda s, r: (
+            P4
+            + MARK
+            + call(sglob("torch", "Size"), sbu("abc"))
+            + call(sglob("pathlib", "PosixPath"), binbytes(b"/"))
+            + TUPLE
+            + STOP
+        )
+    ),
     _h("deep-dicts", "a 100k-deep chain of dicts, no MARK")(
-        lambda s, r: P4 + EMPTY_DICT + (NONE + EMPTY_DICT) * 100_000 + SETITEM * 100_000 + STOP),
+        lambda s, r: P4 + EMPTY_DICT + (NONE + EMPTY_DICT) * 100_000 + SETITEM * 100_000 + STOP
+    ),
     _h("persid-text", "text PERSID (protocol 0)")(lambda s, r: b"Pstorage\n" + STOP),
     _h("binpersid-string", "BINPERSID with a bare string id")(lambda s, r: P4 + sbu("storage") + BINPERSID + STOP),
     _h("binpersid-path-key", "BINPERSID with a storage key that is a path")(
-        lambda s, r: P4 + _rebuild(_storage_pid(key="../../etc/passwd"), MARK + binint(1) + TUPLE) + STOP),
+        lambda s, r: P4 + _rebuild(_storage_pid(key="../../etc/passwd"), MARK + binint(1) + TUPLE) + STOP
+    ),
     _h("binpersid-negative-numel", "BINPERSID with a negative element count")(
-        lambda s, r: P4 + _rebuild(_storage_pid(numel=-1), MARK + binint(1) + TUPLE) + STOP),
+        lambda s, r: P4 + _rebuild(_storage_pid(numel=-1), MARK + binint(1) + TUPLE) + STOP
+    ),
     _h("binpersid-foreign-type", "BINPERSID whose storage type is os.system")(
-        lambda s, r: P4 + MARK + sbu("storage") + sglob("os", "system") + sbu("0") + sbu("cpu") + binint(1) + TUPLE
-        + BINPERSID + STOP),
+        lambda s, r: (
+            P4
+            + MARK
+            + sbu("storage")
+            + sglob("os", "system")
+            + sbu("0")
+            + sbu("cpu")
+            + binint(1)
+            + TUPLE
+            + BINPERSID
+            + STOP
+        )
+    ),
     _h("oversized-binbytes8", "BINBYTES8 declaring 2**62 bytes")(
-        lambda s, r: P4 + b"\x8e" + struct.pack("<Q", 1 << 62) + b"xx" + STOP),
+        lambda s, r: P4 + b"\x8e" + struct.pack("<Q", 1 << 62) + b"xx" + STOP
+    ),
     _h("oversized-binunicode8", "BINUNICODE8 declaring 2**40 bytes")(
-        lambda s, r: P4 + b"\x8d" + struct.pack("<Q", 1 << 40) + b"xx" + STOP),
-    _h("oversized-long4", "LONG4 declaring 2**31-1 bytes")(lambda s, r: P2 + b"\x8b" + struct.pack("<i", 2**31 - 1) + b"x" + STOP),
-    _h("oversized-frame", "FRAME declaring 2**60 bytes")(lambda s, r: P4 + b"\x95" + struct.pack("<Q", 1 << 60) + NONE + STOP),
+        lambda s, r: P4 + b"\x8d" + struct.pack("<Q", 1 << 40) + b"xx" + STOP
+    ),
+    _h("oversized-long4", "LONG4 declaring 2**31-1 bytes")(
+        lambda s, r: P2 + b"\x8b" + struct.pack("<i", 2**31 - 1) + b"x" + STOP
+    ),
+    _h("oversized-frame", "FRAME declaring 2**60 bytes")(
+        lambda s, r: P4 + b"\x95" + struct.pack("<Q", 1 << 60) + NONE + STOP
+    ),
     _h("oversized-bytearray8", "BYTEARRAY8 declaring 2**50 bytes (protocol 5)")(
-        lambda s, r: P5 + b"\x96" + struct.pack("<Q", 1 << 50) + STOP),
+        lambda s, r: P5 + b"\x96" + struct.pack("<Q", 1 << 50) + STOP
+    ),
     _h("out-of-band-buffer", "NEXT_BUFFER without buffers (protocol 5)")(lambda s, r: P5 + b"\x97" + STOP),
     _h("deep-marks", "100k nested MARKs")(lambda s, r: P4 + MARK * 100_000 + TUPLE * 100_000 + STOP),
     _h("deep-tuple1-chain", "a 200k-deep chain of 1-tuples")(lambda s, r: P4 + NONE + TUPLE1 * 200_000 + STOP),
     _h("deep-lists", "a 100k-deep chain of lists, no MARK")(lambda s, r: P4 + _nested_lists(100_000) + STOP),
     _h("self-reference", "a list that contains itself")(
-        lambda s, r: P4 + EMPTY_LIST + MEMOIZE + b"h\x00" + APPEND + STOP),
+        lambda s, r: P4 + EMPTY_LIST + MEMOIZE + b"h\x00" + APPEND + STOP
+    ),
     _h("bad-opcode", "an opcode byte that does not exist")(lambda s, r: P4 + b"\xff" + STOP),
     _h("truncated-metadata", "the genuine metadata cut in half")(lambda s, r: r[: len(r) // 2]),
     _h("truncated-empty", "an empty pickle")(lambda s, r: b""),
     _h("truncated-proto-only", "PROTO and nothing else")(lambda s, r: P4),
     _h("payload-pop-then-metadata", "os.system(cmd), POP, then the genuine Metadata")(
-        lambda s, r: P4 + os_system(s) + POP + _body(r) + STOP),
+        lambda s, r: P4 + os_system(s) + POP + _body(r) + STOP
+    ),
     _h("payload-in-popped-mark-then-metadata", "the payload inside a MARK that POP_MARK discards")(
-        lambda s, r: P4 + MARK + os_system(s) + POP_MARK + _body(r) + STOP),
+        lambda s, r: P4 + MARK + os_system(s) + POP_MARK + _body(r) + STOP
+    ),
     _h("dag-dict-key", "a dict key of 60 levels of (x, x) tuples sharing one memo entry: ~2**60 steps to hash")(
-        lambda s, r: P4 + EMPTY_DICT + _dag(60) + NONE + SETITEM + STOP),
+        lambda s, r: P4 + EMPTY_DICT + _dag(60) + NONE + SETITEM + STOP
+    ),
     _h("dag-frozenset", "FROZENSET of the same 60-level tuple DAG")(lambda s, r: P4 + MARK + _dag(60) + b"\x91" + STOP),
     _h("ordereddict-build-items", "BUILD on an OrderedDict shadowing its items() (the walk would see nothing)")(
-        lambda s, r: P4 + call(sglob("collections", "OrderedDict")) + EMPTY_DICT + sbu("items") +
-        sglob("collections", "OrderedDict") + SETITEM + BUILD + STOP),
+        lambda s, r: (
+            P4
+            + call(sglob("collections", "OrderedDict"))
+            + EMPTY_DICT
+            + sbu("items")
+            + sglob("collections", "OrderedDict")
+            + SETITEM
+            + BUILD
+            + STOP
+        )
+    ),
     _h("dag-value", "the 60-level tuple DAG as a dict value (hashed later by whoever reads the field)")(
-        lambda s, r: P4 + EMPTY_DICT + sbu("k") + _dag(60) + SETITEM + STOP),
+        lambda s, r: P4 + EMPTY_DICT + sbu("k") + _dag(60) + SETITEM + STOP
+    ),
     _h("build-twice", "BUILD of the same object twice (a dict key changed after it was hashed)")(
-        lambda s, r: P4 + call(sglob("collections", "OrderedDict")) + EMPTY_DICT + sbu("_metadata") + EMPTY_DICT +
-        SETITEM + BUILD + EMPTY_DICT + sbu("_metadata") + EMPTY_DICT + SETITEM + BUILD + STOP),
+        lambda s, r: (
+            P4
+            + call(sglob("collections", "OrderedDict"))
+            + EMPTY_DICT
+            + sbu("_metadata")
+            + EMPTY_DICT
+            + SETITEM
+            + BUILD
+            + EMPTY_DICT
+            + sbu("_metadata")
+            + EMPTY_DICT
+            + SETITEM
+            + BUILD
+            + STOP
+        )
+    ),
     _h("ordereddict-of-a-dict", "OrderedDict(d): every key of d hashed again, none of them checked")(
-        lambda s, r: P4 + call(sglob("collections", "OrderedDict"), EMPTY_DICT) + STOP),
+        lambda s, r: P4 + call(sglob("collections", "OrderedDict"), EMPTY_DICT) + STOP
+    ),
     _h("payload-tuple-getitem-metadata", "(payload, Metadata)[-1] through builtins.getattr")(
-        lambda s, r: P4 + call(call(sglob("builtins", "getattr"), MARK + os_system(s) + _body(r) + TUPLE,
-                                    sbu("__getitem__")), binint(-1)) + STOP),
+        lambda s, r: (
+            P4
+            + call(
+                call(sglob("builtins", "getattr"), MARK + os_system(s) + _body(r) + TUPLE, sbu("__getitem__")),
+                binint(-1),
+            )
+            + STOP
+        )
+    ),
 ]
 
 
@@ -334,6 +637,7 @@ def register_extensions() -> Callable[[], None]:
         for (module, name), code in _EXTENSIONS.items():
             copyreg.remove_extension(module, name, code)
         copyreg._extension_cache.pop(EXT_CODE_CACHED, None)  # type: ignore[attr-defined]
+
     return undo
 
 
@@ -388,17 +692,46 @@ def plant_pt(path: Path, data_pkl: bytes) -> Path:
     return path
 
 
-__all__ = ["CORPUS", "LIVE", "Hostile", "plant_dcp_record", "plant_metadata", "plant_pt", "register_extensions", "rehash",
-           "torch_record"]
+__all__ = [
+    "CORPUS",
+    "LIVE",
+    "Hostile",
+    "plant_dcp_record",
+    "plant_metadata",
+    "plant_pt",
+    "register_extensions",
+    "rehash",
+    "torch_record",
+]
 
 
 # The entries that run their payload synchronously under the standard unpickler (pickle.loads), with
 # the extension registry filled: the corpus is live, so a test that finds no sentinel proves a refusal.
-LIVE = frozenset({
-    "dotted-dcp-filesystem-os.system", "dotted-dcp-metadata-os.system", "dotted-torch-os.system",
-    "dotted-serialization-pickle.loads", "global-os.system-proto0", "global-os.system-proto2",
-    "stack-global-os.system-proto5", "posix.system", "inst-os.system", "obj-os.system", "builtins.eval",
-    "builtins.exec", "builtins.getattr+__import__", "builtins.__import__-proto2", "functools.partial",
-    "pickle.loads", "metadata-build-setstate-os.system", "ext1", "ext2", "ext4", "ext2-cache-only", "payload-pop-then-metadata",
-    "payload-in-popped-mark-then-metadata", "payload-tuple-getitem-metadata",
-})
+LIVE = frozenset(
+    {
+        "dotted-dcp-filesystem-os.system",
+        "dotted-dcp-metadata-os.system",
+        "dotted-torch-os.system",
+        "dotted-serialization-pickle.loads",
+        "global-os.system-proto0",
+        "global-os.system-proto2",
+        "stack-global-os.system-proto5",
+        "posix.system",
+        "inst-os.system",
+        "obj-os.system",
+        "builtins.eval",
+        "builtins.exec",
+        "builtins.getattr+__import__",
+        "builtins.__import__-proto2",
+        "functools.partial",
+        "pickle.loads",
+        "metadata-build-setstate-os.system",
+        "ext1",
+        "ext2",
+        "ext4",
+        "ext2-cache-only",
+        "payload-pop-then-metadata",
+        "payload-in-popped-mark-then-metadata",
+        "payload-tuple-getitem-metadata",
+    }
+)

@@ -41,8 +41,9 @@ class LiveWriter(threading.Thread):
     ``keep`` committed at any time once it runs (fewer than the templates, so a step is retired before it is
     committed again: every commit is a new directory)."""
 
-    def __init__(self, run: Path, templates: dict[int, Path], *, keep: int = 2, quarantine_every: int = 5,
-                 pause_s: float = 0.0):
+    def __init__(
+        self, run: Path, templates: dict[int, Path], *, keep: int = 2, quarantine_every: int = 5, pause_s: float = 0.0
+    ):
         super().__init__(name="live-writer", daemon=True)
         if not 1 <= keep < len(templates):
             raise ValueError(f"keep={keep}: needs 1 <= keep < {len(templates)} templates")
@@ -61,8 +62,15 @@ class LiveWriter(threading.Thread):
         partial = self.rd.partial(step)
         shutil.copytree(self.templates[step], partial)
         os.rename(partial, final)
-        lineage.record(self.rd, "checkpoint", lineage.checkpoint_event_id(step), step=step, reason="interval",
-                       uri=final.as_uri(), world_size=2)
+        lineage.record(
+            self.rd,
+            "checkpoint",
+            lineage.checkpoint_event_id(step),
+            step=step,
+            reason="interval",
+            uri=final.as_uri(),
+            world_size=2,
+        )
         self.committed += 1
         self._live.append(final)
         return final

@@ -17,23 +17,51 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
 def cli_env() -> dict[str, str]:
-    return {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "COLUMNS": "200",
-            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return {
+        **os.environ,
+        "SHARDKEEPER_DEVICE": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "COLUMNS": "200",
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
 
 
 def train_args(run: Path, until_step: int, nproc: int = 2, sets: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "shardkeeper", "train", "--config", TINY, "--run-dir", str(run), "--nproc", str(nproc),
-            "--until-step", str(until_step), *[a for s in sets for a in ("--set", s)]]
+    return [
+        sys.executable,
+        "-m",
+        "shardkeeper",
+        "train",
+        "--config",
+        TINY,
+        "--run-dir",
+        str(run),
+        "--nproc",
+        str(nproc),
+        "--until-step",
+        str(until_step),
+        *[a for s in sets for a in ("--set", s)],
+    ]
 
 
-def start_train(run: Path, until_step: int, *, new_session: bool = False, sets: tuple[str, ...] = ()) -> subprocess.Popen:
-    return subprocess.Popen(train_args(run, until_step, sets=sets), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=cli_env(), cwd=ROOT, start_new_session=new_session)
+def start_train(
+    run: Path, until_step: int, *, new_session: bool = False, sets: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    return subprocess.Popen(
+        train_args(run, until_step, sets=sets),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+        cwd=ROOT,
+        start_new_session=new_session,
+    )
 
 
 def run_train(run: Path, until_step: int, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(train_args(run, until_step), capture_output=True, text=True, env=cli_env(), cwd=ROOT,
-                          timeout=timeout)
+    return subprocess.run(
+        train_args(run, until_step), capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=timeout
+    )
 
 
 def segment_processes(run: Path, kind: str | None = None) -> list[psutil.Process]:
@@ -75,7 +103,9 @@ def wait_training(run: Path, steps: int = 1, timeout: float = 240) -> None:
 
 
 def wait_ranks(run: Path, n: int = 2, timeout: float = 240) -> list[psutil.Process]:
-    return wait_until(lambda: (ps := segment_processes(run, "rank")) and len(ps) >= n and ps, timeout, f"{n} ranks of {run}")
+    return wait_until(
+        lambda: (ps := segment_processes(run, "rank")) and len(ps) >= n and ps, timeout, f"{n} ranks of {run}"
+    )
 
 
 def no_survivors(run: Path, within: float = 5.0) -> None:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from schemas.errors import ShardkeeperError
 from ckpt.validate import validate
+from schemas.errors import ShardkeeperError
 from shardkeeper.stages import export_and_record
 from tests.reliability import corrupt as c
 
@@ -53,12 +53,14 @@ def _edit_entry(name: str, **fields: object) -> Callable[[Path, Path], None]:
 
 def _foreign_inventory(d: Path, _: Path) -> None:
     """A manifest of another architecture (wider MLP) beside these files."""
+
     def change(raw: dict) -> None:
         raw["run_spec"]["model"]["config"]["intermediate_size"] = 96
         raw["model_signature"] = "0" * 64
         for t in raw["tensors"]:
             if "mlp" in t["name"]:
                 t["shape"] = [96 if s == 128 else s for s in t["shape"]]
+
     c.edit_manifest(d, change)
 
 
@@ -72,8 +74,12 @@ def _symlink_dir(d: Path, scratch: Path) -> None:
     outside.mkdir(parents=True)
     (outside / "fp32.pt").write_bytes(b"x" * 8)
     os.symlink(scratch / "outside-zero", d / "zero")
-    c.edit_manifest(d, lambda raw: raw["files"].append(
-        {"path": "zero/w/fp32.pt", "size": 8, "xxh3_128": c.hash_file(outside / "fp32.pt")[1], "rank": 0}))
+    c.edit_manifest(
+        d,
+        lambda raw: raw["files"].append(
+            {"path": "zero/w/fp32.pt", "size": 8, "xxh3_128": c.hash_file(outside / "fp32.pt")[1], "rank": 0}
+        ),
+    )
 
 
 def _state_step(d: Path, _: Path) -> None:
@@ -108,16 +114,29 @@ def _records_share_bytes(md: object) -> None:
 
 DCP_CASES = [
     # extents the layout check proves before any tensor is read (ckpt.formats.dcp_metadata.check_extents)
-    Case("chunks-overlap", _metadata(lambda md: c.move_chunk(md, EMBED, 1, offsets=(0, 0))), True,
-         f"tensor {EMBED} [256, 64]: the chunks at [0, 0] of [128, 64] and at [0, 0] of [128, 64] overlap",
-         ".metadata"),
-    Case("chunks-gap", _metadata(lambda md: c.move_chunk(md, EMBED, 0, sizes=(100, 64))), True,
-         "no chunk holds element [100, 0]", ".metadata"),
-    Case("chunk-out-of-bounds", _metadata(lambda md: c.move_chunk(md, EMBED, 1, offsets=(200, 0))), True,
-         "at [200, 0] of [128, 64], which reaches past the tensor", ".metadata"),
+    Case(
+        "chunks-overlap",
+        _metadata(lambda md: c.move_chunk(md, EMBED, 1, offsets=(0, 0))),
+        True,
+        f"tensor {EMBED} [256, 64]: the chunks at [0, 0] of [128, 64] and at [0, 0] of [128, 64] overlap",
+        ".metadata",
+    ),
+    Case(
+        "chunks-gap",
+        _metadata(lambda md: c.move_chunk(md, EMBED, 0, sizes=(100, 64))),
+        True,
+        "no chunk holds element [100, 0]",
+        ".metadata",
+    ),
+    Case(
+        "chunk-out-of-bounds",
+        _metadata(lambda md: c.move_chunk(md, EMBED, 1, offsets=(200, 0))),
+        True,
+        "at [200, 0] of [128, 64], which reaches past the tensor",
+        ".metadata",
+    ),
     Case("record-past-file", _metadata(_record_past_end), True, "the checkpoint is truncated or crafted", ".metadata"),
     Case("records-share-bytes", _metadata(_records_share_bytes), True, "share bytes", ".metadata"),
-
     Case("bitflip-data", _flip_model, False, "checksum", ".distcp"),
     Case("bitflip-metadata", lambda d, _: c.flip_byte(d / ".metadata"), None, "", ".metadata", export="deep"),
     Case("truncated", lambda d, _: c.truncate(d / "__0_0.distcp"), True, "truncated", "__0_0.distcp"),
@@ -125,38 +144,93 @@ DCP_CASES = [
     Case("extra-file", lambda d, _: (d / "stray.bin").write_bytes(b"x"), True, "not listed", "stray.bin"),
     Case("extra-manifest-entry", _add_path("__3_0.distcp"), True, "", "__3_0.distcp"),
     Case("manifest-size", _edit_entry("__0_1.distcp", size=1), True, "manifest says 1", "__0_1.distcp"),
-    Case("manifest-checksum", _edit_entry("__0_1.distcp", xxh3_128="0" * 32), False, "checksum", "__0_1.distcp",
-         export="deep"),
+    Case(
+        "manifest-checksum",
+        _edit_entry("__0_1.distcp", xxh3_128="0" * 32),
+        False,
+        "checksum",
+        "__0_1.distcp",
+        export="deep",
+    ),
     Case("manifest-step", _set_manifest(step=25), True, "says step 25", TINY_STEP),
-    Case("manifest-topology", lambda d, _: c.edit_manifest(d, lambda r: r["topology"].update(procs_per_node=1)),
-         True, "world size 1", "__1_"),
+    Case(
+        "manifest-topology",
+        lambda d, _: c.edit_manifest(d, lambda r: r["topology"].update(procs_per_node=1)),
+        True,
+        "world size 1",
+        "__1_",
+    ),
     Case("path-dotdot", _add_path("../x"), True, "not a plain relative path", "manifest.json"),
     Case("path-absolute", _add_path("/etc/passwd"), True, "not a plain relative path", "manifest.json"),
-    Case("invalid-json", lambda d, _: (d / "manifest.json").write_text("{not json"), True, "unreadable JSON",
-         "manifest.json"),
-    Case("symlinked-shard", lambda d, s: c.symlink_outside(d / "__1_0.distcp", s / "outside"), True, "symlink",
-         "__1_0.distcp"),
+    Case(
+        "invalid-json",
+        lambda d, _: (d / "manifest.json").write_text("{not json"),
+        True,
+        "unreadable JSON",
+        "manifest.json",
+    ),
+    Case(
+        "symlinked-shard",
+        lambda d, s: c.symlink_outside(d / "__1_0.distcp", s / "outside"),
+        True,
+        "symlink",
+        "__1_0.distcp",
+    ),
     Case("foreign-architecture", _foreign_inventory, True, "another architecture", ".metadata"),
-    Case("fingerprint", lambda d, _: c.scale_fingerprint(d, "model"), False, "fingerprint mismatch", TINY_STEP,
-         export="deep"),
+    Case(
+        "fingerprint",
+        lambda d, _: c.scale_fingerprint(d, "model"),
+        False,
+        "fingerprint mismatch",
+        TINY_STEP,
+        export="deep",
+    ),
 ]
 
 DS_CASES = [
-    Case("bitflip-optim-pt", lambda d, _: c.flip_byte(d / "zero_pp_rank_0_mp_rank_00_optim_states.pt"), False,
-         "checksum", "zero_pp_rank_0_mp_rank_00_optim_states.pt", export="deep"),  # maybe in a moment, not read
-    Case("bitflip-model-pt", lambda d, _: c.flip_byte(d / "mp_rank_00_model_states.pt"), False, "checksum",
-         "mp_rank_00_model_states.pt", export="deep"),
-    Case("truncated-pt", lambda d, _: c.truncate(d / "mp_rank_00_model_states.pt"), True, "truncated",
-         "mp_rank_00_model_states.pt"),
+    Case(
+        "bitflip-optim-pt",
+        lambda d, _: c.flip_byte(d / "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+        False,
+        "checksum",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        export="deep",
+    ),  # maybe in a moment, not read
+    Case(
+        "bitflip-model-pt",
+        lambda d, _: c.flip_byte(d / "mp_rank_00_model_states.pt"),
+        False,
+        "checksum",
+        "mp_rank_00_model_states.pt",
+        export="deep",
+    ),
+    Case(
+        "truncated-pt",
+        lambda d, _: c.truncate(d / "mp_rank_00_model_states.pt"),
+        True,
+        "truncated",
+        "mp_rank_00_model_states.pt",
+    ),
     Case("missing-rank-file", _rank_file_gone, True, "missing the optimizer file of rank 1", DS_STEP),
     Case("manifest-step", _set_manifest(step=9), True, "says step 9", DS_STEP),
     Case("state-file-step", _state_step, True, "step 7", "shardkeeper_state.json"),
-    Case("manifest-topology", lambda d, _: c.edit_manifest(d, lambda r: r["topology"].update(procs_per_node=3)),
-         True, "world_size 2", "shardkeeper_state.json"),
+    Case(
+        "manifest-topology",
+        lambda d, _: c.edit_manifest(d, lambda r: r["topology"].update(procs_per_node=3)),
+        True,
+        "world_size 2",
+        "shardkeeper_state.json",
+    ),
     Case("path-dotdot", _add_path("zero/../../x.pt"), True, "not a plain relative path", "manifest.json"),
     Case("symlinked-dir", _symlink_dir, True, "symlink", "zero"),
-    Case("fingerprint", lambda d, _: c.scale_fingerprint(d, "optim"), False, "fingerprint mismatch", DS_STEP,
-         export="deep"),
+    Case(
+        "fingerprint",
+        lambda d, _: c.scale_fingerprint(d, "optim"),
+        False,
+        "fingerprint mismatch",
+        DS_STEP,
+        export="deep",
+    ),
 ]
 
 

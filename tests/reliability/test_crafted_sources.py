@@ -94,8 +94,9 @@ def _covers(shape: tuple[int, ...], boxes: list[Box]) -> bool:
     for offsets, sizes in boxes:
         for point in itertools.product(*(range(o, o + n) for o, n in zip(offsets, sizes))):
             count[point] = count.get(point, 0) + 1
-    return all(count.get(p) == 1 for p in itertools.product(*(range(d) for d in shape))) and \
-        all(v == 1 for v in count.values())
+    return all(count.get(p) == 1 for p in itertools.product(*(range(d) for d in shape))) and all(
+        v == 1 for v in count.values()
+    )
 
 
 def _grid(rng: random.Random, shape: tuple[int, ...]) -> list[Box]:
@@ -125,9 +126,14 @@ def test_tiling_proof_agrees_with_counting_every_element() -> None:
     accepted = refused = 0
     for _ in range(4000):
         shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(0, 3)))
-        boxes = _grid(rng, shape) if rng.random() < 0.6 else [
-            (o, tuple(rng.randint(1, d - a) for a, d in zip(o, shape)))
-            for o in (tuple(rng.randrange(d) for d in shape) for _ in range(rng.randint(0, 5)))]
+        boxes = (
+            _grid(rng, shape)
+            if rng.random() < 0.6
+            else [
+                (o, tuple(rng.randint(1, d - a) for a, d in zip(o, shape)))
+                for o in (tuple(rng.randrange(d) for d in shape) for _ in range(rng.randint(0, 5)))
+            ]
+        )
         if boxes and rng.random() < 0.5:
             i, kind = rng.randrange(len(boxes)), rng.choice(("move", "shrink", "drop", "double"))
             o, n = boxes[i]
@@ -138,9 +144,9 @@ def test_tiling_proof_agrees_with_counting_every_element() -> None:
             elif shape:
                 k = rng.randrange(len(shape))
                 if kind == "move" and o[k] > 0:
-                    boxes[i] = (o[:k] + (o[k] - 1,) + o[k + 1:], n)
+                    boxes[i] = (o[:k] + (o[k] - 1,) + o[k + 1 :], n)
                 elif kind == "shrink" and n[k] > 1:
-                    boxes[i] = (o, n[:k] + (n[k] - 1,) + n[k + 1:])
+                    boxes[i] = (o, n[:k] + (n[k] - 1,) + n[k + 1 :])
         if shape and rng.random() < 0.2:  # an empty shard: covers nothing, may share offsets with anything
             boxes.append((tuple(rng.randint(0, d) for d in shape), (0,) * len(shape)))
         problem = tiling_problem(shape, boxes)
@@ -183,18 +189,23 @@ def _past_end(md: object, key: str) -> None:
 
 CRAFTED_DCP = {
     # two chunks both claiming rows 0-127, sizes adding up to the tensor: rows 128-255 would never be read
-    "overlap": (_both(lambda md, key: c.move_chunk(md, key, 1, offsets=(0, 0))),
-                "the chunks at [0, 0] of [128, 64] and at [0, 0] of [128, 64] overlap"),
+    "overlap": (
+        _both(lambda md, key: c.move_chunk(md, key, 1, offsets=(0, 0))),
+        "the chunks at [0, 0] of [128, 64] and at [0, 0] of [128, 64] overlap",
+    ),
     "gap": (_both(lambda md, key: c.move_chunk(md, key, 0, sizes=(127, 64))), "no chunk holds element [127, 0]"),
-    "out-of-bounds": (_both(lambda md, key: c.move_chunk(md, key, 1, offsets=(129, 0))),
-                      "at [129, 0] of [128, 64], which reaches past the tensor"),
+    "out-of-bounds": (
+        _both(lambda md, key: c.move_chunk(md, key, 1, offsets=(129, 0))),
+        "at [129, 0] of [128, 64], which reaches past the tensor",
+    ),
     "record-past-file": (_both(_past_end), "of __"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CRAFTED_DCP))
-def test_crafted_dcp_extents_are_refused_in_one_line(case: str, tiny_ckpt: Path, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture) -> None:
+def test_crafted_dcp_extents_are_refused_in_one_line(
+    case: str, tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     change, needle = CRAFTED_DCP[case]
     src = c.plain_dcp_source(tiny_ckpt, tmp_path / "src")
     c.edit_metadata(src, change)
@@ -217,8 +228,9 @@ def test_plain_dcp_source_imports_exactly_what_it_stored(tiny_ckpt: Path, tmp_pa
 
 
 @pytest.mark.parametrize("name", [".metadata", "__1_0.distcp"])
-def test_fifo_in_a_dcp_source_is_refused_not_waited_on(name: str, tiny_ckpt: Path, tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture) -> None:
+def test_fifo_in_a_dcp_source_is_refused_not_waited_on(
+    name: str, tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     src = c.plain_dcp_source(tiny_ckpt, tmp_path / "src")
     fifo = c.make_fifo(src / name)
     with unblocked_after(fifo):
@@ -246,8 +258,9 @@ def ds_src(ds_run: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("value", [10**11, -3, 0, [2], "two", True], ids=repr)
-def test_crafted_world_size_is_refused_without_allocating_by_it(value: object, ds_src: Path, tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture) -> None:
+def test_crafted_world_size_is_refused_without_allocating_by_it(
+    value: object, ds_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """``dp_world_size`` of 10**11 in a 434 KB file built a list of 10**11 ranks (7.7 GB, then MemoryError);
     a value that is no count at all said "internal error". Now: one line naming the file and the field, or the
     expected and found file counts, at once."""
@@ -257,15 +270,17 @@ def test_crafted_world_size_is_refused_without_allocating_by_it(value: object, d
     if value == 10**11:
         refused_import(capsys, ds_src, tmp_path, "expected 100000000000 ZeRO optimizer files, found 2")
     else:
-        refused_import(capsys, ds_src, tmp_path, f"{path}: dp_world_size is {value!r}, not a whole number of at "
-                       "least 1")
+        refused_import(
+            capsys, ds_src, tmp_path, f"{path}: dp_world_size is {value!r}, not a whole number of at least 1"
+        )
     assert time.monotonic() - t0 < 30
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 500 * 1024  # KiB: no list of the size
 
 
 @pytest.mark.parametrize("kind", ["model-states-fifo", "latest-fifo", "latest-sparse-6GB", "latest-dangling"])
-def test_deepspeed_source_files_are_regular_and_latest_is_read_with_a_cap(kind: str, ds_src: Path, tmp_path: Path,
-                                                                          capsys: pytest.CaptureFixture) -> None:
+def test_deepspeed_source_files_are_regular_and_latest_is_read_with_a_cap(
+    kind: str, ds_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     latest = ds_src / "latest"
     if kind == "model-states-fifo":
         fifo = c.make_fifo(ds_src / "global_step2" / MODEL_STATES)
@@ -299,11 +314,14 @@ def _slice_past_partition(sd: dict) -> None:
     last.start += 1 << 40  # elements: a terabyte past the partition
 
 
-@pytest.mark.parametrize("change, needle", [(_slices_overlap, "both claim elements"),
-                                            (_slice_past_partition, "its parameters need")], ids=["overlap", "past"])
-def test_deepspeed_parameter_slices_lie_inside_their_partition_once(change: Callable[[dict], None], needle: str,
-                                                                    ds_src: Path, tmp_path: Path,
-                                                                    capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "change, needle",
+    [(_slices_overlap, "both claim elements"), (_slice_past_partition, "its parameters need")],
+    ids=["overlap", "past"],
+)
+def test_deepspeed_parameter_slices_lie_inside_their_partition_once(
+    change: Callable[[dict], None], needle: str, ds_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """Two parameters claiming the same elements of a rank's flat partition (one value read into two places), or
     a slice past the partition (an allocation by a crafted count), are refused naming the file."""
     path = ds_src / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"

@@ -31,11 +31,14 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     mnt.mkdir()
     if shutil.which("mount") is None:
         pytest.skip("no mount command: cannot make a small file system for the disk-full test")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE_MB}M", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SIZE_MB}M", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if done.returncode != 0:
-        pytest.skip(f"mount -t tmpfs is not permitted here ({done.stderr.strip() or done.returncode}); "
-                    "the disk-full test needs root or CAP_SYS_ADMIN")
+        pytest.skip(
+            f"mount -t tmpfs is not permitted here ({done.stderr.strip() or done.returncode}); "
+            "the disk-full test needs root or CAP_SYS_ADMIN"
+        )
     try:
         yield mnt
     finally:
@@ -76,9 +79,9 @@ def test_disk_full_save_commits_nothing_and_the_run_resumes(small_disk: Path) ->
 
 
 @pytest.mark.parametrize("case", ["import", "convert-to-deepspeed", "convert-to-dcp"])
-def test_import_and_convert_on_a_full_disk_are_one_line_and_leave_nothing(case: str, small_disk: Path, tmp_path: Path,
-                                                                           request: pytest.FixtureRequest,
-                                                                           capsys: pytest.CaptureFixture) -> None:
+def test_import_and_convert_on_a_full_disk_are_one_line_and_leave_nothing(
+    case: str, small_disk: Path, tmp_path: Path, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture
+) -> None:
     """Import (a plain DCP folder into a new fsdp2 run) and convert (either way) with less room left than they
     write: exit 1, one line naming the file and the full disk (DCP's CheckpointException derives from
     BaseException: it no longer escapes as a 77-line traceback), and nothing left on the disk (no run directory,

@@ -30,29 +30,60 @@ SCRIPT = ROOT / "tests" / "scripts" / "failure_modes.py"
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "SHARDKEEPER_DEVICE": "cpu", "SHARDKEEPER_PROGRESS_S": "0",
-            "COLUMNS": "400", **(extra or {})}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "SHARDKEEPER_DEVICE": "cpu",
+        "SHARDKEEPER_PROGRESS_S": "0",
+        "COLUMNS": "400",
+        **(extra or {}),
+    }
 
 
 def _args(run: Path, until: int, sets: tuple[str, ...], script_args: tuple[str, ...]) -> list[str]:
-    return [sys.executable, "-m", "shardkeeper", "train", "--script", str(SCRIPT), "--run-dir", str(run),
-            "--until-step", str(until), "--nproc", "2", *[a for s in sets for a in ("--set", s)], "--", *script_args]
+    return [
+        sys.executable,
+        "-m",
+        "shardkeeper",
+        "train",
+        "--script",
+        str(SCRIPT),
+        "--run-dir",
+        str(run),
+        "--until-step",
+        str(until),
+        "--nproc",
+        "2",
+        *[a for s in sets for a in ("--set", s)],
+        "--",
+        *script_args,
+    ]
 
 
-def _train(run: Path, until: int, *script_args: str, env: dict[str, str] | None = None,
-           sets: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    return subprocess.run(_args(run, until, sets, script_args), capture_output=True, text=True, env=_env(env), cwd=ROOT,
-                          timeout=400)
+def _train(
+    run: Path, until: int, *script_args: str, env: dict[str, str] | None = None, sets: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _args(run, until, sets, script_args), capture_output=True, text=True, env=_env(env), cwd=ROOT, timeout=400
+    )
 
 
 def _preempted_while_restarting(run: Path) -> subprocess.CompletedProcess:
     """Rank 1 SIGKILLed at step 7 (a snapshot every 2 steps); SIGTERM to the CLI as soon as the restart is recorded,
     while its ranks restart."""
-    sets = ("checkpoint.memory_interval=2", f"checkpoint.memory_dir={run.parent / 'shm-preempt'}",
-            "checkpoint.interval=100")
-    proc = subprocess.Popen(_args(run, 20, sets, ("--mode", "kill", "--rank", "1", "--at", "7", "--times", "1",
-                                                  "--sleep", "0.2")),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    sets = (
+        "checkpoint.memory_interval=2",
+        f"checkpoint.memory_dir={run.parent / 'shm-preempt'}",
+        "checkpoint.interval=100",
+    )
+    proc = subprocess.Popen(
+        _args(run, 20, sets, ("--mode", "kill", "--rank", "1", "--at", "7", "--times", "1", "--sleep", "0.2")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+    )
     records, deadline = run / "segments.jsonl", time.monotonic() + 300
     while not (records.exists() and "restarted-in-place" in records.read_text()):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -72,12 +103,38 @@ def _restart_in_place(run: Path) -> dict:
     import threading
 
     gate = run.parent / f"{run.name}.gate"
-    sets = ("checkpoint.memory_interval=2", f"checkpoint.memory_dir={run.parent / 'shm-restart'}",
-            "checkpoint.interval=100")
+    sets = (
+        "checkpoint.memory_interval=2",
+        f"checkpoint.memory_dir={run.parent / 'shm-restart'}",
+        "checkpoint.interval=100",
+    )
     with open(run.parent / f"{run.name}.err", "w+") as err:
-        proc = subprocess.Popen(_args(run, 10, sets, ("--mode", "kill", "--rank", "1", "--at", "7", "--times", "1",
-                                                      "--sleep", "0.2", "--wait-for", str(gate))),
-                                stdout=subprocess.DEVNULL, stderr=err, text=True, env=_env(), cwd=ROOT)
+        proc = subprocess.Popen(
+            _args(
+                run,
+                10,
+                sets,
+                (
+                    "--mode",
+                    "kill",
+                    "--rank",
+                    "1",
+                    "--at",
+                    "7",
+                    "--times",
+                    "1",
+                    "--sleep",
+                    "0.2",
+                    "--wait-for",
+                    str(gate),
+                ),
+            ),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+            env=_env(),
+            cwd=ROOT,
+        )
         deadline = time.monotonic() + 300
         records = run / "segments.jsonl"
         while not (records.exists() and "restarted-in-place" in records.read_text()):
@@ -100,18 +157,29 @@ def _restart_in_place(run: Path) -> dict:
 
         prober = threading.Thread(target=probe, daemon=True)
         prober.start()
-        second = subprocess.run([sys.executable, "-m", "shardkeeper", "train", "--run-dir", str(run), "--until-step",
-                                 "10", "--nproc", "2"], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+        second = subprocess.run(
+            [sys.executable, "-m", "shardkeeper", "train", "--run-dir", str(run), "--until-step", "10", "--nproc", "2"],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            cwd=ROOT,
+            timeout=300,
+        )
         done.set()
         prober.join()
         gate.touch()
         code = proc.wait(timeout=300)
         err.seek(0)
         stderr = err.read()
-    return {"returncode": code, "stderr": stderr, "second": second, "probes": probes,
-            "lineage": [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()],
-            "segments": [json.loads(x) for x in records.read_text().splitlines()],
-            "report": json.loads((run / ".segment-status.json").read_text())}
+    return {
+        "returncode": code,
+        "stderr": stderr,
+        "second": second,
+        "probes": probes,
+        "lineage": [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()],
+        "segments": [json.loads(x) for x in records.read_text().splitlines()],
+        "report": json.loads((run / ".segment-status.json").read_text()),
+    }
 
 
 def _error_line(res: subprocess.CompletedProcess) -> str:
@@ -128,8 +196,13 @@ def memory_cgroup_here() -> bool:
     v2, v1 = _mounts()
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        base = (Path(v2) / path.lstrip("/") if controllers == "" and v2 else
-                Path(v1) / path.lstrip("/") if "memory" in controllers.split(",") and v1 else None)
+        base = (
+            Path(v2) / path.lstrip("/")
+            if controllers == "" and v2
+            else Path(v1) / path.lstrip("/")
+            if "memory" in controllers.split(",") and v1
+            else None
+        )
         if base is None:
             continue
         probe = base / f"shardkeeper-probe-{os.getpid()}"
@@ -167,8 +240,15 @@ def _hang_cancelled(run: Path) -> object:
             seen.append(time.monotonic())
         return bool(seen) and time.monotonic() - seen[0] > 2.0
 
-    return train_segment(spec, run, plan_topology(spec, 2, device="cpu"), 1000, sink=lambda line: None,
-                         cancel_check=cancel, launcher_options={"grace_s": 6})
+    return train_segment(
+        spec,
+        run,
+        plan_topology(spec, 2, device="cpu"),
+        1000,
+        sink=lambda line: None,
+        cancel_check=cancel,
+        launcher_options={"grace_s": 6},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -185,9 +265,21 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
         [("widths", no_restart, base / "widths", 6, "--mode", "widths", "--rank", "1")],
         [("exit0", _train, base / "exit0", 6, "--mode", "exit0", "--rank", "-1")],
         [("oom", one_restart, base / "oom", 6, "--mode", "oom", "--rank", "1")],
-        [("orphan", short_grace, base / "orphan", 4, "--mode", "orphan", "--rank", "1", "--orphan-pid-file",
-          str(base / "orphan.pid")),
-         ("orphan-next", short_grace, base / "orphan", 10)],  # also the uninterrupted reference of "restart"
+        [
+            (
+                "orphan",
+                short_grace,
+                base / "orphan",
+                4,
+                "--mode",
+                "orphan",
+                "--rank",
+                "1",
+                "--orphan-pid-file",
+                str(base / "orphan.pid"),
+            ),
+            ("orphan-next", short_grace, base / "orphan", 10),
+        ],  # also the uninterrupted reference of "restart"
         [("hang", _hang_cancelled, base / "hang")],
     ]
     try:
@@ -202,8 +294,9 @@ def test_a_killed_rank_is_restarted_in_place_under_the_same_lock_and_trains_on_b
     err = res["stderr"]
     assert res["returncode"] == 0, err[-3000:]
     summary = [ln for ln in err.splitlines() if "segment 0 " in ln and not ln.startswith("20")]
-    assert "segment 0 completed: steps 0 -> 10 on 2 ranks" in err and "restarted in place 1x (rank 1: SIGKILL)" in err, \
-        summary
+    assert (
+        "segment 0 completed: steps 0 -> 10 on 2 ranks" in err and "restarted in place 1x (rank 1: SIGKILL)" in err
+    ), summary
     said = [ln for ln in err.splitlines() if "restarting the ranks in place" in ln]
     assert len(said) == 1 and said[0].startswith("shardkeeper: rank 1 (pid ") and ") was killed by SIGKILL (" in said[0]
     assert "rank 0 then failed: connection" in said[0] and "(1 of 3, checkpoint.restarts)" in said[0], said
@@ -247,7 +340,6 @@ def test_a_rank_killed_every_time_uses_up_its_restarts_and_is_named_with_its_sig
     assert "Traceback" not in res.stderr, res.stderr[-3000:]  # no survivor's torch traceback shown as the cause
 
 
-
 def test_ranks_of_different_widths_name_the_rank_that_aborted_with_glooss_message(launched: dict) -> None:
     line = _error_line(outcome(launched, "widths"))
     assert "rank 0 (pid " in line, line
@@ -258,8 +350,9 @@ def test_ranks_of_different_widths_name_the_rank_that_aborted_with_glooss_messag
 def test_ranks_that_exit_0_inside_the_loop_are_named_as_such(launched: dict) -> None:
     line = _error_line(outcome(launched, "exit0"))
     assert "exited with code 0 before its segment ended" in line, line
-    assert ("rank 0 (pid" in line and "rank 1 then exited with code 0" in line) or \
-           ("rank 1 (pid" in line and "rank 0 then exited with code 0" in line), line
+    assert ("rank 0 (pid" in line and "rank 1 then exited with code 0" in line) or (
+        "rank 1 (pid" in line and "rank 0 then exited with code 0" in line
+    ), line
 
 
 def test_an_out_of_memory_rank_is_named_with_what_the_kernel_says(launched: dict) -> None:
@@ -272,8 +365,10 @@ def test_an_out_of_memory_rank_is_named_with_what_the_kernel_says(launched: dict
     assert "(after 1 restart(s) in place of checkpoint.restarts: 1: rank 1: " in line, line
     for text in (said[0], line):
         if launched["oom_cgroup"]:  # a real OOM kill: the kernel log names it (root), or its cgroup counted it
-            assert ("was killed by the kernel's OOM killer (SIGKILL; kernel log: " in text
-                    or "most likely by the kernel's OOM killer" in text), text
+            assert (
+                "was killed by the kernel's OOM killer (SIGKILL; kernel log: " in text
+                or "most likely by the kernel's OOM killer" in text
+            ), text
         else:  # the rank SIGKILLed itself (no memory cgroup to limit it in): no OOM may be claimed
             assert "was killed by SIGKILL (" in text and "the kernel's OOM killer (SIGKILL" not in text, text
     if launched["oom_cgroup"]:
@@ -295,8 +390,9 @@ def test_what_a_rank_leaves_behind_ends_with_the_segment_and_never_locks_the_run
 def test_a_rank_that_hangs_while_its_peer_waits_is_named_from_its_stack(launched: dict) -> None:
     res = outcome(launched, "hang")
     assert res.status == "cancelled", res
-    assert res.note.startswith("the ranks did not stop within the 6 s grace and were killed: rank 1 was at "
-                               "failure_modes.py line "), res.note
+    assert res.note.startswith(
+        "the ranks did not stop within the 6 s grace and were killed: rank 1 was at failure_modes.py line "
+    ), res.note
     assert "in misbehave, outside any collective, so the others waited for it (rank 0 in " in res.note, res.note
 
 
@@ -326,9 +422,11 @@ Root Cause (first observed failure):
   error_file: <N/A>
   traceback : Signal 6 (SIGABRT) received by PID 12185
 ============================================================"""
-ABORT = ["terminate called after throwing an instance of 'gloo::EnforceNotMet'",
-         "  what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 170 vs 114. Is there a distributed "
-         "collective mismatch in your code?"]
+ABORT = [
+    "terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+    "  what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 170 vs 114. Is there a distributed "
+    "collective mismatch in your code?",
+]
 
 
 def test_torchruns_summary_and_the_ranks_lines_read_back_from_the_output_alone() -> None:
@@ -336,12 +434,15 @@ def test_torchruns_summary_and_the_ranks_lines_read_back_from_the_output_alone()
     from launch.base import failing_rank_lines
     from schemas.seam import RANK_ERROR_PREFIX
 
-    survivor = (f"{RANK_ERROR_PREFIX} rank 1: x.py line 9: RuntimeError: [pair.cc:537] Read error: Connection reset by "
-                "peer")
+    survivor = (
+        f"{RANK_ERROR_PREFIX} rank 1: x.py line 9: RuntimeError: [pair.cc:537] Read error: Connection reset by peer"
+    )
     line = failing_rank_lines([*ABORT, survivor, *SUMMARY.splitlines()])
-    assert line == ("rank 0 (pid 12185) died of SIGABRT: terminate called after throwing gloo::EnforceNotMet: "
-                    "[enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 170 vs 114. Is there a distributed "
-                    "collective mismatch in your code?; rank 1 then failed: connection reset by peer"), line
+    assert line == (
+        "rank 0 (pid 12185) died of SIGABRT: terminate called after throwing gloo::EnforceNotMet: "
+        "[enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 170 vs 114. Is there a distributed "
+        "collective mismatch in your code?; rank 1 then failed: connection reset by peer"
+    ), line
 
 
 def test_the_launchers_own_times_outrank_torchruns_one_second_root_cause() -> None:
@@ -350,22 +451,31 @@ def test_the_launchers_own_times_outrank_torchruns_one_second_root_cause() -> No
     from launch.attribution import RankEnd, failure_line, merge, torchrun_ends
 
     summary = SUMMARY.replace("exitcode  : 2 (pid: 12186)", "exitcode  : -9 (pid: 12186)").replace(
-        "exitcode  : -6 (pid: 12185)  (SIGABRT)", "exitcode  : 1 (pid: 12185)")
+        "exitcode  : -6 (pid: 12185)  (SIGABRT)", "exitcode  : 1 (pid: 12185)"
+    )
     observed = [RankEnd(rank=0, pid=12185, ended_at=10.30), RankEnd(rank=1, pid=12186, ended_at=10.00)]
-    ends = merge(torchrun_ends(summary.splitlines()), [(10.04, "rank 0: x.py line 3: RuntimeError: Socket Timeout")],
-                 observed)
+    ends = merge(
+        torchrun_ends(summary.splitlines()), [(10.04, "rank 0: x.py line 3: RuntimeError: Socket Timeout")], observed
+    )
     assert [e.torchrun_first for e in ends] == [True, False]
-    assert failure_line(ends).startswith("rank 1 (pid 12186) was killed by SIGKILL (by the OOM killer or from outside: "
-                                         "not known here); rank 0 then failed: timed out waiting in a collective")
+    assert failure_line(ends).startswith(
+        "rank 1 (pid 12186) was killed by SIGKILL (by the OOM killer or from outside: "
+        "not known here); rank 0 then failed: timed out waiting in a collective"
+    )
     # a cause of its own beats an earlier consequence; a rank torchrun stopped is named as stopped
-    ends = [RankEnd(rank=0, exitcode=1, line="rank 0: ValueError: bad batch", line_at=2.0),
-            RankEnd(rank=1, exitcode=1, line="rank 1: RuntimeError: Connection closed by peer", line_at=1.0),
-            RankEnd(rank=2, exitcode=-15, ended_at=3.0)]
-    assert failure_line(ends) == ("rank 0: ValueError: bad batch; rank 1 then failed: connection closed by peer; "
-                                  "torchrun then stopped rank 2")
+    ends = [
+        RankEnd(rank=0, exitcode=1, line="rank 0: ValueError: bad batch", line_at=2.0),
+        RankEnd(rank=1, exitcode=1, line="rank 1: RuntimeError: Connection closed by peer", line_at=1.0),
+        RankEnd(rank=2, exitcode=-15, ended_at=3.0),
+    ]
+    assert failure_line(ends) == (
+        "rank 0: ValueError: bad batch; rank 1 then failed: connection closed by peer; torchrun then stopped rank 2"
+    )
     # exit 0 is a failure only when the segment did not end
-    zero = [RankEnd(rank=0, pid=7, exitcode=0, ended_at=1.0), RankEnd(rank=1, exitcode=1, line="rank 1: boom",
-                                                                      line_at=2.0)]
+    zero = [
+        RankEnd(rank=0, pid=7, exitcode=0, ended_at=1.0),
+        RankEnd(rank=1, exitcode=1, line="rank 1: boom", line_at=2.0),
+    ]
     assert failure_line(zero).startswith("rank 0 (pid 7) exited with code 0 before its segment ended; rank 1 then")
     assert failure_line(zero, completed=True) == "rank 1: boom"
     # a rank seen to end whose status torchrun reaped first, and which torchrun does not list as failed: exit 0
@@ -403,7 +513,8 @@ def test_ranks_that_did_not_stop_are_named_from_their_stacks() -> None:
     assert stuck_line({0: STACK_WAITING, 1: STACK_SLEEPING}, 60) == (
         "the ranks did not stop within the 60 s grace and were killed: rank 1 was at train.py line 100 in misbehave, "
         "outside any collective, so the others waited for it (rank 0 in all_gather_single called at train.py line "
-        "115 in <module>)")
+        "115 in <module>)"
+    )
     assert "every rank waited in a collective" in stuck_line({0: STACK_WAITING, 1: STACK_WAITING}, 60)
     assert stuck_line({0: "garbage"}, 60) is None
 
@@ -428,8 +539,9 @@ def test_the_subreaper_ends_a_daemon_that_left_its_parent_and_ignores_sigterm(tm
     (tmp_path / "daemonizer.py").write_text(DAEMON)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "SHARDKEEPER_LEFTOVER_GRACE_S": "1"}
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "launch.contain", "daemonizer"], capture_output=True, text=True,
-                         env=env, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "launch.contain", "daemonizer"], capture_output=True, text=True, env=env, timeout=60
+    )
     took = time.monotonic() - t0
     pid = int(res.stdout.split()[0])
     assert res.returncode == 0, res.stderr
@@ -447,10 +559,12 @@ def test_a_forked_child_never_holds_the_ranks_lock_and_a_holder_is_named(tmp_pat
     from ckpt.lock import RunLock
     from schemas.errors import RunLockedError
 
-    code = (f"import os, sys, time; sys.path.insert(0, {str(ROOT)!r}); from ckpt.lock import hold_ranks_lock; "
-            "from trainer.lifetime import _not_in_forks; fd = hold_ranks_lock(sys.argv[1]); "
-            "_not_in_forks(fd) if sys.argv[2] == 'python' else None; pid = os.fork()\n"
-            "if pid == 0:\n    time.sleep(60)\nprint(pid, flush=True)")
+    code = (
+        f"import os, sys, time; sys.path.insert(0, {str(ROOT)!r}); from ckpt.lock import hold_ranks_lock; "
+        "from trainer.lifetime import _not_in_forks; fd = hold_ranks_lock(sys.argv[1]); "
+        "_not_in_forks(fd) if sys.argv[2] == 'python' else None; pid = os.fork()\n"
+        "if pid == 0:\n    time.sleep(60)\nprint(pid, flush=True)"
+    )
     for how in ("python", "unguarded"):
         run = tmp_path / how
         run.mkdir()

@@ -19,17 +19,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from schemas.errors import CheckpointError
 from ckpt.formats import safe_pickle
+from schemas.errors import CheckpointError
 from shardkeeper.cli import main
-from tests.reliability.hostile import (CORPUS, LIVE, Hostile, plant_dcp_record, plant_metadata, plant_pt,
-                                       register_extensions, torch_record)
+from tests.reliability.hostile import (
+    CORPUS,
+    LIVE,
+    Hostile,
+    plant_dcp_record,
+    plant_metadata,
+    plant_pt,
+    register_extensions,
+    torch_record,
+)
 
 EMBED = "model.model.embed_tokens.weight"
 VALUE = "optim.param_groups.0.lr"
-SUBSET = ["dotted-dcp-filesystem-os.system", "global-os.system-proto2", "builtins.getattr+__import__",
-          "copyreg._reconstructor", "rebuild-tensor-foreign-hook", "rebuild-tensor-admitted-hook",
-          "binpersid-path-key", "ext2", "deep-tuple1-chain", "truncated-empty"]
+SUBSET = [
+    "dotted-dcp-filesystem-os.system",
+    "global-os.system-proto2",
+    "builtins.getattr+__import__",
+    "copyreg._reconstructor",
+    "rebuild-tensor-foreign-hook",
+    "rebuild-tensor-admitted-hook",
+    "binpersid-path-key",
+    "ext2",
+    "deep-tuple1-chain",
+    "truncated-empty",
+]
 BY_NAME = {h.name: h for h in CORPUS}
 IDS = [h.name for h in CORPUS]
 
@@ -98,8 +115,9 @@ def test_corpus_is_large_and_live(tmp_path: Path, dcp_ckpt: Path, monkeypatch: p
 
 
 @pytest.mark.parametrize("hostile", CORPUS, ids=IDS)
-def test_hostile_metadata_is_refused(hostile: Hostile, dcp_ckpt: Path, tmp_path: Path,
-                                     capsys: pytest.CaptureFixture) -> None:
+def test_hostile_metadata_is_refused(
+    hostile: Hostile, dcp_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     from ckpt.formats.dcp import SafeFileSystemReader, read_metadata
 
     ckpt = victim(dcp_ckpt, tmp_path)
@@ -123,14 +141,17 @@ def _dcp_load(ckpt: Path) -> None:
     from ckpt.formats.dcp import load_state, read_metadata
 
     md = read_metadata(ckpt)
-    sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
-          for k, v in md.state_dict_metadata.items()}
+    sd = {
+        k: torch.empty(tuple(v.size), dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
+        for k, v in md.state_dict_metadata.items()
+    }
     load_state(sd, ckpt, no_dist=True)
 
 
 @pytest.mark.parametrize("hostile", CORPUS, ids=IDS)
-def test_hostile_dcp_tensor_record_is_refused(hostile: Hostile, dcp_ckpt: Path, tmp_path: Path,
-                                              capsys: pytest.CaptureFixture) -> None:
+def test_hostile_dcp_tensor_record_is_refused(
+    hostile: Hostile, dcp_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     ckpt = victim(dcp_ckpt, tmp_path)
     sentinel = tmp_path / "SENTINEL"
     record = torch_record(hostile.build(sentinel, (dcp_ckpt / ".metadata").read_bytes()))
@@ -143,8 +164,9 @@ def test_hostile_dcp_tensor_record_is_refused(hostile: Hostile, dcp_ckpt: Path, 
 
 
 @pytest.mark.parametrize("name", SUBSET)
-def test_hostile_dcp_byte_value_is_refused(name: str, dcp_ckpt: Path, tmp_path: Path,
-                                           capsys: pytest.CaptureFixture) -> None:
+def test_hostile_dcp_byte_value_is_refused(
+    name: str, dcp_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """A non-tensor value (an optimizer hyperparameter) that DCP would torch.load at resume."""
     ckpt = victim(dcp_ckpt, tmp_path)
     sentinel = tmp_path / "SENTINEL"
@@ -163,8 +185,9 @@ def _engine_load(path: Path) -> object:
 
 
 @pytest.mark.parametrize("hostile", CORPUS, ids=IDS)
-def test_hostile_deepspeed_optimizer_file_is_refused(hostile: Hostile, ds_ckpt: Path, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture) -> None:
+def test_hostile_deepspeed_optimizer_file_is_refused(
+    hostile: Hostile, ds_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     from ckpt.formats.torchzip import check_file
 
     ckpt = victim(ds_ckpt, tmp_path)
@@ -180,8 +203,9 @@ def test_hostile_deepspeed_optimizer_file_is_refused(hostile: Hostile, ds_ckpt: 
 
 @pytest.mark.parametrize("name", SUBSET)
 @pytest.mark.parametrize("victim_file", ["mp_rank_00_model_states.pt", "rng_rank_00000.pt"])
-def test_hostile_deepspeed_model_and_rng_files_are_refused(name: str, victim_file: str, ds_ckpt: Path, tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture) -> None:
+def test_hostile_deepspeed_model_and_rng_files_are_refused(
+    name: str, victim_file: str, ds_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     from ckpt.formats.deepspeed import read_rng
 
     ckpt = victim(ds_ckpt, tmp_path)
@@ -206,8 +230,12 @@ def test_hostile_pickle_is_refused_by_every_profile(hostile: Hostile, tmp_path: 
     data = hostile.build(sentinel, pickle.dumps(Metadata(state_dict_metadata={}), protocol=4))
     for profile in safe_pickle.PROFILES:
         with pytest.raises(CheckpointError, match="^where: refused to unpickle"):
-            safe_pickle.load(data, profile, where="where",
-                             storage=lambda st, key, numel: safe_pickle.StorageRef(key, st.dtype, numel))
+            safe_pickle.load(
+                data,
+                profile,
+                where="where",
+                storage=lambda st, key, numel: safe_pickle.StorageRef(key, st.dtype, numel),
+            )
     no_sentinel(sentinel)
 
 
@@ -238,8 +266,13 @@ def test_allow_list_is_exact_pairs() -> None:
     """No prefix, no dotted name: the union of the profiles is a fixed set of (module, name) pairs."""
     assert all("." not in name for _, name in safe_pickle.ALLOWED)
     forbidden = {("builtins", n) for n in ("eval", "exec", "getattr", "__import__", "bytes", "bytearray", "apply")}
-    forbidden |= {("copyreg", "_reconstructor"), ("torch._utils", "_rebuild_parameter"), ("functools", "partial"),
-                  ("torch", "load"), ("os", "system")}
+    forbidden |= {
+        ("copyreg", "_reconstructor"),
+        ("torch._utils", "_rebuild_parameter"),
+        ("functools", "partial"),
+        ("torch", "load"),
+        ("os", "system"),
+    }
     assert not forbidden & safe_pickle.ALLOWED
 
 
@@ -252,8 +285,10 @@ def test_genuine_checkpoints_still_read(dcp_ckpt: Path, ds_ckpt: Path, tmp_path:
     from ckpt.formats.dcp import DCPTensorReader, load_state, read_metadata
 
     md = read_metadata(dcp_ckpt)
-    sd = {k: torch.full(tuple(v.size), 7, dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
-          for k, v in md.state_dict_metadata.items()}
+    sd = {
+        k: torch.full(tuple(v.size), 7, dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
+        for k, v in md.state_dict_metadata.items()
+    }
     load_state(sd, dcp_ckpt, no_dist=True)
     with DCPTensorReader(dcp_ckpt) as reader:
         for key in reader.tensor_keys():
@@ -279,30 +314,47 @@ def test_the_quick_check_reads_the_same_layout_without_torch(dcp_ckpt: Path, ds_
     real, stand_in = read_metadata(dcp_ckpt), read_layout(dcp_ckpt)
 
     def storage(md: object) -> list:
-        return sorted((i.fqn, None if i.offset is None else tuple(i.offset), s.relative_path, s.offset, s.length)
-                      for i, s in md.storage_data.items())  # type: ignore[attr-defined]
+        return sorted(
+            (i.fqn, None if i.offset is None else tuple(i.offset), s.relative_path, s.offset, s.length)
+            for i, s in md.storage_data.items()
+        )  # type: ignore[attr-defined]
 
     def tensors(md: object) -> dict:
-        return {k: (type(v).__name__, tuple(getattr(v, "size", ())), str(getattr(getattr(v, "properties", None),
-                                                                                "dtype", None)))
-                for k, v in md.state_dict_metadata.items()}  # type: ignore[attr-defined]
+        return {
+            k: (
+                type(v).__name__,
+                tuple(getattr(v, "size", ())),
+                str(getattr(getattr(v, "properties", None), "dtype", None)),
+            )
+            for k, v in md.state_dict_metadata.items()
+        }  # type: ignore[attr-defined]
 
     assert storage(stand_in) == storage(real) and len(storage(real)) > 10
     assert tensors(stand_in) == tensors(real) and "torch.float32" in str(tensors(real))
-    probe = ("import sys\nfrom shardkeeper.cli import main\n"
-             f"codes = [main(['status', {str(dcp_ckpt.parent.parent)!r}]), main(['validate', {str(dcp_ckpt)!r}]), "
-             f"main(['validate', {str(ds_ckpt)!r}])]\n"
-             "print(codes, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[2])
+    probe = (
+        "import sys\nfrom shardkeeper.cli import main\n"
+        f"codes = [main(['status', {str(dcp_ckpt.parent.parent)!r}]), main(['validate', {str(dcp_ckpt)!r}]), "
+        f"main(['validate', {str(ds_ckpt)!r}])]\n"
+        "print(codes, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert out.stdout.strip().splitlines()[-1] == "[0, 0, 0] []", out.stdout[-2000:] + out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("genuine,crafted", [(b"torch.strided", b"torch.strixed"), (b"\x8c\x03fqn", b"\x8c\x03fqm"),
-                                             (b"relative_path", b"relative_pith")],
-                         ids=["unknown-layout", "index-without-fqn", "storage-without-path"])
-def test_the_quick_check_refuses_what_a_load_would(genuine: bytes, crafted: bytes, dcp_ckpt: Path, tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "genuine,crafted",
+    [(b"torch.strided", b"torch.strixed"), (b"\x8c\x03fqn", b"\x8c\x03fqm"), (b"relative_path", b"relative_pith")],
+    ids=["unknown-layout", "index-without-fqn", "storage-without-path"],
+)
+def test_the_quick_check_refuses_what_a_load_would(
+    genuine: bytes, crafted: bytes, dcp_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """A .metadata DCP's own classes cannot use (an unknown layout name, a chunk index without its tensor name, a
     storage record without its file) is refused by the stand-ins of the quick check too, in one line."""
     ckpt = victim(dcp_ckpt, tmp_path)
@@ -350,7 +402,9 @@ def _same(a: object, b: object, where: str) -> None:
 
 
 @pytest.mark.parametrize("craft", ["huge-tensor", "record-past-end"])
-def test_crafted_sizes_never_allocate(craft: str, dcp_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_crafted_sizes_never_allocate(
+    craft: str, dcp_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """A .metadata that declares a terabyte tensor, or a record extent past the end of its file, is refused
     before anything of that size is allocated (denial of service by memory, not code execution)."""
     import dataclasses

@@ -36,9 +36,14 @@ def test_kill_torture_ci(tmp_path: Path) -> None:
     h = Torture(tmp_path, final=24, seed=7, log=lines.append)
     chain = h.kill_chain(CONFIGS["fsdp2-async"], 0, len(PLAN), time.monotonic() + 600, PLAN, preempt=("async-save",))
     st = h.stats
-    report = (f"violations {st.violations()}\n" + "\n".join(lines) + "\n"
-              + json.dumps({"kills": st.kills, "preemptions": st.preemptions, "segments": st.segments, "chain": chain},
-                           default=str))
+    report = (
+        f"violations {st.violations()}\n"
+        + "\n".join(lines)
+        + "\n"
+        + json.dumps(
+            {"kills": st.kills, "preemptions": st.preemptions, "segments": st.segments, "chain": chain}, default=str
+        )
+    )
     assert st.violations() == {}, report
     assert chain["final_diffs"] == [], report
     # Every planned moment was reached (a segment that ended before its moment tests nothing).
@@ -84,8 +89,10 @@ def test_detectors_see_torn_checkpoints_and_bad_resumes(tiny_run: Path, tmp_path
     # step 4 loss differs from the reference.
     ln = Launch.__new__(Launch)
     ln.run_dir, ln.cfg, ln.log_path = run, CONFIGS["fsdp2-async"], tmp_path / "seg.log"
-    ln.offsets = {n: (run / n).stat().st_size if (run / n).exists() else 0
-                  for n in ("metrics.jsonl", "lineage.jsonl", "segments.jsonl")}
+    ln.offsets = {
+        n: (run / n).stat().st_size if (run / n).exists() else 0
+        for n in ("metrics.jsonl", "lineage.jsonl", "segments.jsonl")
+    }
     with open(run / "segments.jsonl", "a") as f:
         f.write(json.dumps({"event": "start", "segment": 9}) + "\n")
     with open(run / "lineage.jsonl", "a") as f:
@@ -100,10 +107,21 @@ def test_detectors_see_torn_checkpoints_and_bad_resumes(tiny_run: Path, tmp_path
     assert {"partial_or_wrong_resume", "inexact_steps"} <= set(h.stats.violations())
     # A CLI past its teardown bound, a segment process left 5 s after it, a torn universal/ conversion, a
     # resume after a killed conversion that did not convert again, a remote step listed without its manifest.
-    bad = {"killed": True, "launcher_past_bound": True, "orphans": 1, "torn_universal": "checksum", "reconverted": False,
-           "remote_listed_without_manifest": [8]}
-    assert {"launcher_past_bound", "orphans_after_5s", "torn_universal", "not_reconverted",
-            "remote_listed_without_manifest"} <= set(_violations_of(h, kills=[bad]))
+    bad = {
+        "killed": True,
+        "launcher_past_bound": True,
+        "orphans": 1,
+        "torn_universal": "checksum",
+        "reconverted": False,
+        "remote_listed_without_manifest": [8],
+    }
+    assert {
+        "launcher_past_bound",
+        "orphans_after_5s",
+        "torn_universal",
+        "not_reconverted",
+        "remote_listed_without_manifest",
+    } <= set(_violations_of(h, kills=[bad]))
 
 
 def test_verdicts_on_slurm_exits_and_late_stop_signals() -> None:
@@ -113,8 +131,14 @@ def test_verdicts_on_slurm_exits_and_late_stop_signals() -> None:
     from tests.reliability.torture_lib import Stats, completed_in_last_steps, slurm_kill_wait
 
     assert slurm_kill_wait("node-down") == slurm_kill_wait("scancel") > 0 == slurm_kill_wait("rank")
-    late = {"signalled": True, "exit_code": 0, "completed_at_signal": 8, "committed_after": 10, "until": 10,
-            "steps_lost": 0}
+    late = {
+        "signalled": True,
+        "exit_code": 0,
+        "completed_at_signal": 8,
+        "committed_after": 10,
+        "until": 10,
+        "steps_lost": 0,
+    }
     early = {**late, "completed_at_signal": 2}
     short = {**late, "committed_after": 9}  # exit 0 before its until-step: never right
     unknown = {k: v for k, v in late.items() if k != "until"}  # no until-step recorded: nothing to excuse it with

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from ckpt.validate import latest_valid, validate
 from ckpt.layout import RunDir
+from ckpt.validate import latest_valid, validate
 from tests.reliability.procs import (
     ROOT,
     TINY,
@@ -42,8 +42,8 @@ BIG = 100_000  # an until_step the tests never reach
 
 def _kill_and_expect_failure(run: Path, victim: str) -> tuple[subprocess.CompletedProcess, float, str]:
     """Start a segment, SIGKILL one of its processes (``victim``: "startup-rank", a rank that has not reached
-    rendezvous while its peer waits there; "torchrun", once it trains); return the CLI's result, its seconds after the kill
-    and how the victim would be named ("rank R (pid P)")."""
+    rendezvous while its peer waits there; "torchrun", once it trains); return the CLI's result, its seconds after the
+    kill and how the victim would be named ("rank R (pid P)")."""
     # a killed rank ends the segment (checkpoint.restarts=0): its restart in place is test_failure_attribution.py's
     proc = start_train(run, BIG, sets=("checkpoint.restarts=0",) if victim == "startup-rank" else ())
     try:
@@ -51,7 +51,11 @@ def _kill_and_expect_failure(run: Path, victim: str) -> tuple[subprocess.Complet
             targets = [rank_alone_in_rendezvous(run)[1]]
             assert not (run / "metrics.jsonl").exists()
         else:
-            wait_training(run, steps=(len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0) + 2)
+            wait_training(
+                run,
+                steps=(len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0)
+                + 2,
+            )
             targets = segment_processes(run, "torchrun")
         assert targets, f"no {victim} process found"
         named = f"rank {targets[-1].environ().get('RANK')} (pid {targets[-1].pid})"
@@ -68,7 +72,8 @@ def _kill_and_expect_failure(run: Path, victim: str) -> tuple[subprocess.Complet
 
 
 def test_killed_rank_process_group_and_torchrun_leave_no_survivors_a_second_train_is_refused_then_resumes(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """One run directory, killed three ways, then resumed once:
     - a rank killed during start-up ends the segment within 10 s (its peer does not wait in rendezvous for
       torchrun's 30 s teardown), in one line naming the rank and the signal;
@@ -89,7 +94,14 @@ def test_killed_rank_process_group_and_torchrun_leave_no_survivors_a_second_trai
     try:
         wait_training(run, steps=6)  # one interval checkpoint (every 5 steps) committed
         # While it trains, a second writer is refused with one line and writes nothing.
-        mine = ("run.yaml", "segments.jsonl", ".lock", ".lock.ranks", ".segment-status.json", ".segment-launch.json")  # what `train` writes
+        mine = (
+            "run.yaml",
+            "segments.jsonl",
+            ".lock",
+            ".lock.ranks",
+            ".segment-status.json",
+            ".segment-launch.json",
+        )  # what `train` writes
         before = {n: (run / n).read_bytes() for n in mine if (run / n).exists()}
         second = run_train(run, 8, timeout=120)
         assert second.returncode == 3, second.stderr[-2000:]
@@ -166,7 +178,9 @@ def _flow_run_state(flow_run_id: Any) -> Any:
         return client.read_flow_run(flow_run_id).state
 
 
-def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(prefect_server: Any, tmp_path: Path) -> None:
+def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(
+    prefect_server: Any, tmp_path: Path
+) -> None:
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from prefect.states import Cancelling, StateType
@@ -176,11 +190,24 @@ def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(pref
     run = tmp_path / "cancel"
     name = f"cancel-{os.getpid()}"
     # The runner polls for scheduled and cancelling flow runs every second (not the default 10 s).
-    env = {**cli_env(), "PREFECT_API_URL": prefect_server.api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(tmp_path / "home")), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
-    serve = subprocess.Popen([sys.executable, "-m", "tests.reliability.serve_flow", name], env=env, cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = {
+        **cli_env(),
+        "PREFECT_API_URL": prefect_server.api_url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(tmp_path / "home")),
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+    }
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "tests.reliability.serve_flow", name],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
+
         def deployed() -> bool:
             with get_client(sync_client=True) as client:
                 try:
@@ -190,15 +217,20 @@ def test_prefect_cancellation_stops_the_ranks_and_starts_no_further_segment(pref
                     return False
 
         wait_until(deployed, 180, "the served deployment", period=0.2)
-        request = TrainExportRequest(config=TINY, run_dir=str(run), backoff_s=0, max_preemption_retries=3,
-                                     segments=[SegmentPlan(nproc=2, until_step=BIG - 1), SegmentPlan(nproc=2, until_step=BIG)])
-        flow_run = run_deployment(f"train-and-export/{name}", parameters=request.parameters(),
-                                  timeout=0)
+        request = TrainExportRequest(
+            config=TINY,
+            run_dir=str(run),
+            backoff_s=0,
+            max_preemption_retries=3,
+            segments=[SegmentPlan(nproc=2, until_step=BIG - 1), SegmentPlan(nproc=2, until_step=BIG)],
+        )
+        flow_run = run_deployment(f"train-and-export/{name}", parameters=request.parameters(), timeout=0)
         wait_training(run, steps=2, timeout=300)
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
-        final = wait_until(lambda: (s := _flow_run_state(flow_run.id)) and s.is_final() and s, 120,
-                           "the flow run to end", period=0.2)
+        final = wait_until(
+            lambda: (s := _flow_run_state(flow_run.id)) and s.is_final() and s, 120, "the flow run to end", period=0.2
+        )
         assert final.type == StateType.CANCELLED, final
         no_survivors(run, within=5.0)
         records = segment_records(run)
@@ -241,13 +273,13 @@ def _commit_after_the_launcher_died(tmp: str) -> list[object]:
     import torch.distributed as dist
 
     from launch.procs import is_zombie
+    from tests.harness import tiny_spec
     from trainer import lifetime
     from trainer.ckpt_common import TrainState
     from trainer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
     from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
-    from tests.harness import tiny_spec
 
     env = init_distributed()
     spec = tiny_spec()
@@ -273,8 +305,12 @@ def _commit_after_the_launcher_died(tmp: str) -> list[object]:
     except SystemExit:
         pass
     zombie.wait()
-    out = [said, run.checkpoint(2).is_dir(), run.checkpoint(4).exists(),
-           sorted(p.name for p in run.checkpoint(2).parent.iterdir())]
+    out = [
+        said,
+        run.checkpoint(2).is_dir(),
+        run.checkpoint(4).exists(),
+        sorted(p.name for p in run.checkpoint(2).parent.iterdir()),
+    ]
     dist.destroy_process_group()
     return out
 

@@ -124,8 +124,9 @@ def test_readers_beside_a_live_writer(source_run: Path, live_run: Path, tmp_path
     assert sum(e.kind == "export" for e in events) == exports_done
 
 
-def test_status_lineage_validate_export_cli_beside_a_live_writer(source_run: Path, live_run: Path,
-                                                                tmp_path: Path) -> None:
+def test_status_lineage_validate_export_cli_beside_a_live_writer(
+    source_run: Path, live_run: Path, tmp_path: Path
+) -> None:
     """The same through the CLI (a few subprocesses): one line and exit 4 for a retired checkpoint, exit 0
     otherwise; never a traceback, an internal error, "corrupted" or a path/permission message."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -135,8 +136,14 @@ def test_status_lineage_validate_export_cli_beside_a_live_writer(source_run: Pat
     results = []
     with LiveWriter(live_run, templates_of(source_run), keep=2, pause_s=0.005):
         for args in calls:
-            p = subprocess.run([sys.executable, "-m", "shardkeeper", *args], capture_output=True, text=True,
-                               cwd=ROOT, env=env, timeout=120)
+            p = subprocess.run(
+                [sys.executable, "-m", "shardkeeper", *args],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                env=env,
+                timeout=120,
+            )
             results.append((args, p))
     for args, p in results:
         err = p.stderr
@@ -145,13 +152,15 @@ def test_status_lineage_validate_export_cli_beside_a_live_writer(source_run: Pat
         if args[0] in ("status", "lineage"):
             assert p.returncode == 0, (args, err)
         else:
-            assert p.returncode == 0 or (p.returncode == 4 and "retired" in err
-                                         and len(err.strip().splitlines()) == 1), (args, p.returncode, err)
+            assert p.returncode == 0 or (
+                p.returncode == 4 and "retired" in err and len(err.strip().splitlines()) == 1
+            ), (args, p.returncode, err)
 
 
 # ------------------------------------------------------------------------------------------ forced moments
-def test_validate_deep_of_a_checkpoint_retired_mid_read(source_run: Path, live_run: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_validate_deep_of_a_checkpoint_retired_mid_read(
+    source_run: Path, live_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import ckpt.validate as v
 
     writer = LiveWriter(live_run, templates_of(source_run))
@@ -174,8 +183,9 @@ def test_validate_deep_of_a_checkpoint_retired_mid_read(source_run: Path, live_r
     assert "no such checkpoint directory" in validate(_ckpt(live_run, 77)).errors[0]
 
 
-def test_validate_of_a_checkpoint_recommitted_at_the_same_step_mid_read(source_run: Path, live_run: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_validate_of_a_checkpoint_recommitted_at_the_same_step_mid_read(
+    source_run: Path, live_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Retired and committed again at the same step while read (a new directory, maybe the old inode number):
     what was read is not vouched for; the fresh one validates."""
     import ckpt.validate as v
@@ -201,8 +211,9 @@ def test_validate_of_a_checkpoint_recommitted_at_the_same_step_mid_read(source_r
     assert validate(path).valid
 
 
-def test_export_of_a_checkpoint_retired_mid_export(source_run: Path, live_run: Path, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_export_of_a_checkpoint_retired_mid_export(
+    source_run: Path, live_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Retired after its files were opened: the export completes and is recorded with its step. Retired before:
     CheckpointRetired, one line, nothing left in the output's folder."""
     import ckpt.export as ex
@@ -237,7 +248,8 @@ def test_export_of_a_checkpoint_retired_mid_export(source_run: Path, live_run: P
 
 
 def test_export_of_a_step_committed_after_the_export_looked_then_retired_mid_read(
-        source_run: Path, live_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source_run: Path, live_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Nothing at the path when the export looked (not yet committed, or retired), a commit there before it read,
     retired before the tensors were read: CheckpointRetired, never "incomplete" (the export watched no directory)."""
     import ckpt.export as ex
@@ -275,8 +287,9 @@ def test_export_of_a_step_committed_after_the_export_looked_then_retired_mid_rea
     assert not isinstance(info.value, CheckpointRetired) and "retired" not in str(info.value), info.value
 
 
-def test_convert_of_a_checkpoint_retired_mid_read(source_run: Path, live_run: Path, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_convert_of_a_checkpoint_retired_mid_read(
+    source_run: Path, live_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from ckpt.registry import get_format
 
     writer = LiveWriter(live_run, templates_of(source_run))
@@ -353,8 +366,9 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_publish_refuses_an_export_rewritten_while_copied(source_run: Path, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_publish_refuses_an_export_rewritten_while_copied(
+    source_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import ckpt.publish.fsspec_target as ft
     from ckpt.publish import publish
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from ckpt.formats.dcp import DCPTensorReader
-from schemas.errors import CheckpointError, ConfigError
 from ckpt.manifest import read_manifest
 from ckpt.validate import validate
 from schemas import RunSpec
+from schemas.errors import CheckpointError, ConfigError
 from shardkeeper.cli import main
 from shardkeeper.config import load_run_spec
 from shardkeeper.stages import plan_topology, train_segment
@@ -54,8 +54,9 @@ def copy_until(src: Path, dst: Path, step: int) -> Path:
     for d in (dst / "checkpoints").iterdir():
         if int(d.name[5:13]) > step:
             shutil.rmtree(d)
-    (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(dst / "metrics.jsonl")
-                                               if r["step"] <= step))
+    (dst / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows(dst / "metrics.jsonl") if r["step"] <= step)
+    )
     return dst
 
 
@@ -81,8 +82,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
-def test_checkpoint_failing_at_load_is_quarantined_and_resume_falls_back_bitwise(reference: Path,
-                                                                                   tmp_path: Path) -> None:
+def test_checkpoint_failing_at_load_is_quarantined_and_resume_falls_back_bitwise(
+    reference: Path, tmp_path: Path
+) -> None:
     run = copy_until(reference, tmp_path / "run", 4)
     c.scale_fingerprint(ckpt(run, 4))  # passes the quick check and every checksum; the load's check fails
     assert validate(ckpt(run, 4)).valid
@@ -102,16 +104,31 @@ def test_checkpoint_failing_at_load_is_quarantined_and_resume_falls_back_bitwise
     assert json.loads((run / "verified" / f"step-{END:08d}.json").read_text())["how"] == "reread"
 
 
-def test_all_invalid_is_refused_on_both_sides_and_restart_starts_over(reference: Path, tmp_path: Path,
-                                                                       capsys: pytest.CaptureFixture) -> None:
+def test_all_invalid_is_refused_on_both_sides_and_restart_starts_over(
+    reference: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     # controller side: every checkpoint fails the quick check -> refused before any launch, one line
     torn = copy_until(reference, tmp_path / "torn", 4)
     for step in (2, 4):
         c.truncate(sorted(ckpt(torn, step).glob("__0_*.distcp"))[0])
     before = {p: (torn / p).read_bytes() for p in ("metrics.jsonl", "segments.jsonl", "lineage.jsonl")}
-    argv = ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(torn), "--nproc", "2",
-            "--until-step", str(END), "--device", "cpu", "--set", "checkpoint.interval=2",
-            "--set", "checkpoint.keep_last=100"]
+    argv = [
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--run-dir",
+        str(torn),
+        "--nproc",
+        "2",
+        "--until-step",
+        str(END),
+        "--device",
+        "cpu",
+        "--set",
+        "checkpoint.interval=2",
+        "--set",
+        "checkpoint.keep_last=100",
+    ]
     assert main(argv) == CheckpointError.exit_code
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and err[0].startswith("error: ") and "--restart" in err[0], err
@@ -127,7 +144,10 @@ def test_all_invalid_is_refused_on_both_sides_and_restart_starts_over(reference:
     assert res.status == "failed" and res.exit_code != 0
     assert "no checkpoint could be loaded" in (res.failure or "") and "--restart" in (res.failure or "")
     assert (run / "metrics.jsonl").read_bytes() == metrics_before
-    assert not list((run / "checkpoints").glob("step-????????")) and len(list((run / "checkpoints").glob("*.invalid-*"))) == 2
+    assert (
+        not list((run / "checkpoints").glob("step-????????"))
+        and len(list((run / "checkpoints").glob("*.invalid-*"))) == 2
+    )
     # ... and the controller now refuses too: the quarantined checkpoints mean the run had progressed
     with pytest.raises(CheckpointError, match="no valid checkpoint.*failed to load.*--restart"):
         train(run, END)

@@ -62,7 +62,12 @@ def test_sweep_removes_leftovers_and_keeps_what_matters(tiny_run: Path, tmp_path
     rd.verified.mkdir()
     (rd.verified / "step-00000007.json").write_text("{}")  # its checkpoint is gone
     swept = {p.name for p in sweep_leftovers(rd)}
-    assert swept == {"step-00000002.deleting", "step-00000002.partial", invalid[0].name,
-                     f".step-00000003.export-{int(dead.stdout)}", "step-00000007.json"}
+    assert swept == {
+        "step-00000002.deleting",
+        "step-00000002.partial",
+        invalid[0].name,
+        f".step-00000003.export-{int(dead.stdout)}",
+        "step-00000007.json",
+    }
     assert invalid[1].is_dir() and invalid[2].is_dir() and (ck / "step-00000009.partial").is_dir()
     assert (exports / f".step-00000003.export-{os.getpid()}").is_dir() and rd.checkpoint(3).is_dir()

@@ -1,4 +1,3 @@
-# Stays whole (over 500 lines): launches, kill moments, verdicts and records share one Torture object and its Stats (the targets beyond a local run dir are in torture_targets.py).
 """Reliability torture: kill and preempt real multi-rank segments through the real CLI, and count
 what must never happen (torn checkpoints accepted, orphaned processes, a second writer, an
 inexact resume, completed steps lost, a leaked secret).
@@ -43,6 +42,7 @@ TEARDOWN_FACTOR = 4.0
 LAUNCHER_CAP_S = 120.0  # a CLI still running this long after the kill is past any bound: stop waiting
 EXIT_LOCKED = 3
 from schemas.seam import EXIT_PREEMPTED
+
 PREEMPT_CASES = ("train", "async-save", "commit", "startup", "repeat-term")
 
 
@@ -62,8 +62,12 @@ class Cfg:
     def sets(self) -> list[str]:
         # restarts=0: a killed rank ends its segment, whose end and resume the torture judges (the restart in
         # place of a killed rank: tests/reliability/test_failure_attribution.py)
-        s = [f"checkpoint.interval={self.interval}", f"checkpoint.keep_last={self.keep_last}",
-             f"checkpoint.async_save={'true' if self.async_save else 'false'}", "checkpoint.restarts=0"]
+        s = [
+            f"checkpoint.interval={self.interval}",
+            f"checkpoint.keep_last={self.keep_last}",
+            f"checkpoint.async_save={'true' if self.async_save else 'false'}",
+            "checkpoint.restarts=0",
+        ]
         if self.backend == "deepspeed":  # as tests/test_deepspeed.py runs it: ZeRO-2 on CPU
             s += ["backend=deepspeed", "deepspeed.zero_stage=2"]
         return s
@@ -132,26 +136,53 @@ def referencing(run_dir: Path) -> list[Proc]:
 class Launch:
     """One ``shardkeeper train`` segment in its own session, with every descendant it ever had."""
 
-    def __init__(self, run_dir: Path, cfg: Cfg, until: int, log_path: Path, extra_env: dict[str, str] | None = None,
-                 run_arg: str | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: Cfg,
+        until: int,
+        log_path: Path,
+        extra_env: dict[str, str] | None = None,
+        run_arg: str | None = None,
+    ):
         """``run_dir``: the run directory on this machine (for s3://, ``run_arg``, the local cache the ranks write)."""
         self.run_dir, self.cfg, self.until, self.log_path = run_dir, cfg, until, log_path
         self.offsets = {n: _size(run_dir / n) for n in ("metrics.jsonl", "lineage.jsonl", "segments.jsonl")}
         self.at_launch = ckpt_scan(run_dir)
         self.convert_leftovers = set((run_dir / "checkpoints").glob("step-*/universal.partial-*"))
-        cmd = [sys.executable, "-m", "shardkeeper", "train", "--config", str(TINY), "--run-dir", run_arg or str(run_dir),
-               "--nproc", str(cfg.nproc), "--until-step", str(until)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "shardkeeper",
+            "train",
+            "--config",
+            str(TINY),
+            "--run-dir",
+            run_arg or str(run_dir),
+            "--nproc",
+            str(cfg.nproc),
+            "--until-step",
+            str(until),
+        ]
         if cfg.launcher != "local":
             cmd += ["--launcher", cfg.launcher, "--nodes", str(cfg.nodes)]
         for s in cfg.sets():
             cmd += ["--set", s]
         self.log = open(log_path, "ab")
-        self.popen = subprocess.Popen(cmd, cwd=REPO, env={**child_env(), **(extra_env or {})}, stdout=self.log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+        self.popen = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env={**child_env(), **(extra_env or {})},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.t0 = time.monotonic()
         self.procs: dict[int, Proc] = {}
         self.upload_seen: Callable[[], bool] | None = None  # the "upload" window's probe of the object store
-        self.startup_s: float | None = None  # spawn -> its torchrun seen running: the CLI's start-up on this machine now
+        self.startup_s: float | None = (
+            None  # spawn -> its torchrun seen running: the CLI's start-up on this machine now
+        )
         self.refresh()
 
     def refresh(self) -> None:
@@ -258,7 +289,11 @@ def ckpt_scan(run_dir: Path) -> Scan:
                     mans.add(key)
             elif e.name.endswith(".deleting"):
                 deleting += 1
-            elif e.name.startswith("step-") and "." not in e.name and os.path.exists(os.path.join(e.path, "manifest.json")):
+            elif (
+                e.name.startswith("step-")
+                and "." not in e.name
+                and os.path.exists(os.path.join(e.path, "manifest.json"))
+            ):
                 done.add(e.name)
         except FileNotFoundError:
             pass
@@ -293,8 +328,9 @@ def wait_moment(ln: Launch, window: str, rng: random.Random, target: str, limit_
         elif window == "upload" and ln.upload_seen is not None:  # an upload in flight, no manifest yet
             if ln.upload_seen():  # (a throttled upload lasts seconds: a random point of it)
                 fire_at = now + rng.uniform(0.0, getattr(ln.upload_seen, "spread_s", 0.0))
-            elif (not getattr(ln.upload_seen, "throttled", False)
-                  and _window_hit(ln, ckpt_scan(ln.run_dir), "commit", seen)):  # its push starts within the poll
+            elif not getattr(ln.upload_seen, "throttled", False) and _window_hit(
+                ln, ckpt_scan(ln.run_dir), "commit", seen
+            ):  # its push starts within the poll
                 fire_at = now + rng.uniform(0.0, 0.3)
         elif window == "train":
             if _size(ln.run_dir / "metrics.jsonl") > ln.offsets["metrics.jsonl"]:
@@ -425,8 +461,13 @@ def completed_in_last_steps(p: dict) -> bool:
     so a segment signalled within two steps of its end completes its until-step, commits it and exits 0 -- the
     right end (nothing left to preempt, no step lost), not a wrong exit code."""
     done, after, until = p.get("completed_at_signal"), p.get("committed_after"), p.get("until")
-    return (p.get("exit_code") == 0 and not p.get("steps_lost") and None not in (done, after, until)
-            and after == until and after - done <= 2)
+    return (
+        p.get("exit_code") == 0
+        and not p.get("steps_lost")
+        and None not in (done, after, until)
+        and after == until
+        and after - done <= 2
+    )
 
 
 @dataclass
@@ -450,8 +491,11 @@ class Stats:
             "inexact_steps": sum(len(s.get("inexact_steps", [])) for s in self.segments),
             "cli_traceback": sum(1 for s in self.segments if s.get("cli_traceback")),
             "chains_not_bitwise": sum(1 for c in self.chains if c.get("final_diffs")),
-            "preempt_wrong_exit": sum(1 for p in self.preemptions if p["signalled"] and p.get("exit_code") != EXIT_PREEMPTED
-                                      and not completed_in_last_steps(p)),
+            "preempt_wrong_exit": sum(
+                1
+                for p in self.preemptions
+                if p["signalled"] and p.get("exit_code") != EXIT_PREEMPTED and not completed_in_last_steps(p)
+            ),
             "preempt_steps_lost": sum(p.get("steps_lost", 0) for p in self.preemptions),
             "torn_universal": sum(1 for k in self.kills if k.get("torn_universal")),
             "not_reconverted": sum(1 for r in self.kills + self.chains if r.get("reconverted") is False),
@@ -548,7 +592,10 @@ class Torture:
         if key in self.refs:
             return self.refs[key]
         if key not in self._pending:
-            self._pending[key] = (self.launch(self.work / f"ref-{key}", cfg, self.final, f"ref-{key}"), time.monotonic())
+            self._pending[key] = (
+                self.launch(self.work / f"ref-{key}", cfg, self.final, f"ref-{key}"),
+                time.monotonic(),
+            )
         if not wait:
             return None
         ln, t0 = self._pending.pop(key)
@@ -568,7 +615,9 @@ class Torture:
         s = self.reference(CONFIGS["fsdp2-sync"], key="fsdp2-sync")
         diffs = compare_final(_ckpt(a, self.final), _ckpt(s, self.final))
         same = not diffs and read_metrics(a) == read_metrics(s)
-        self.stats.notes.append(f"async vs sync FSDP2 reference runs bitwise equal: {same}" + (f" ({diffs[:2]})" if diffs else ""))
+        self.stats.notes.append(
+            f"async vs sync FSDP2 reference runs bitwise equal: {same}" + (f" ({diffs[:2]})" if diffs else "")
+        )
         return same
 
     # ------------------------------------------------------------- per-launch resume check
@@ -576,12 +625,18 @@ class Torture:
         """Did this launch resume from the newest valid committed step (never a .partial, never 0 when a
         valid checkpoint existed), and did every step it trained match the reference bitwise?"""
         seg = ln.segment_index()
-        rec: dict[str, Any] = {"chain": context.get("chain"), "segment": seg, "expected_resume": expected,
-                               "kind": context.get("kind"), "log": ln.log_path.name}
+        rec: dict[str, Any] = {
+            "chain": context.get("chain"),
+            "segment": seg,
+            "expected_resume": expected,
+            "kind": context.get("kind"),
+            "log": ln.log_path.name,
+        }
         resumes = [e for e in ln.new_lines("lineage.jsonl") if e.get("kind") == "resume"]
         text = ln.log_path.read_text(errors="replace")
         rec["resumed_from_partial"] = ".partial" in "".join(
-            line for line in text.splitlines() if "resumed from" in line)
+            line for line in text.splitlines() if "resumed from" in line
+        )
         # The CLI must report a failed segment in one line, never with its own traceback.
         rec["cli_traceback"] = "Traceback" in text and 'shardkeeper/cli.py", line' in text
         mets = [m for m in ln.new_lines("metrics.jsonl") if seg is not None and m.get("segment") == seg]
@@ -632,8 +687,12 @@ class Torture:
                 second.p.refresh()  # its processes name the same run dir: they are not the old segment's
             mine = set(second.p.procs) if second is not None else set()
             left = [p for p in ln.procs.values() if alive(p)] + [
-                p for p in referencing(ln.run_dir) if p.pid not in ln.procs and p.pid not in mine
-                and not (second is not None and _descends(p.pid, second.p.popen.pid))]
+                p
+                for p in referencing(ln.run_dir)
+                if p.pid not in ln.procs
+                and p.pid not in mine
+                and not (second is not None and _descends(p.pid, second.p.popen.pid))
+            ]
             elapsed = time.monotonic() - t0
             # after ``left``: a CLI not alive there (a zombie, or already reaped) is gone, whatever poll says yet
             gone = ln.popen.poll() is not None or not any(p.role == "cli" for p in left)
@@ -648,8 +707,9 @@ class Torture:
             if second is not None:
                 second.poll(bool(left))
             give_up = lock_gone_at is None and elapsed >= max(bound, LAUNCHER_CAP_S)
-            if not orphans_counted and (not left or give_up or (
-                    lock_gone_at is not None and elapsed >= lock_gone_at + ORPHAN_DEADLINE_S)):
+            if not orphans_counted and (
+                not left or give_up or (lock_gone_at is not None and elapsed >= lock_gone_at + ORPHAN_DEADLINE_S)
+            ):
                 orphans_counted = True
                 rec["orphans"] = len(left)
                 if left:
@@ -666,8 +726,11 @@ class Torture:
         # Anything committed after the CLI was gone (killed, or exited later: until then it supervised its
         # ranks, and Slurm's own termination lets them commit) that was not already decided (manifest
         # written) then, was written by processes that outlived their launcher.
-        late = sorted(ckpt_scan(ln.run_dir).committed - at_kill.committed
-                      - {n.removesuffix(".partial") for n, _ in at_kill.partial_manifests})
+        late = sorted(
+            ckpt_scan(ln.run_dir).committed
+            - at_kill.committed
+            - {n.removesuffix(".partial") for n, _ in at_kill.partial_manifests}
+        )
         rec["committed_after_kill"] = late
         ln.wait(30)
         ln.close()
@@ -684,16 +747,24 @@ class Torture:
         return dc.expected_resume
 
     # ------------------------------------------------------------- one kill
-    def one_kill(self, run_dir: Path, cfg: Cfg, expected: int, chain: dict, target: str, window: str,
-                 until: int | None = None) -> int:
+    def one_kill(
+        self, run_dir: Path, cfg: Cfg, expected: int, chain: dict, target: str, window: str, until: int | None = None
+    ) -> int:
         # Segments long enough (20-40 steps, seconds) that ranks outliving their launcher are seen;
         # the kill comes early (first or second window), so each launch advances the run a few steps.
         until = until or min(self.final, expected + self.rng.randint(20, 40))
         t0 = time.monotonic()
         ln = self.launch(run_dir, cfg, until, f"{chain['name']}-{target}-{window}")
         moment = wait_moment(ln, window, self.rng, target)
-        rec: dict[str, Any] = {"chain": chain["name"], "backend": cfg.backend, "async": cfg.async_save,
-                               "target": target, "window": window, "moment": moment, "until": until}
+        rec: dict[str, Any] = {
+            "chain": chain["name"],
+            "backend": cfg.backend,
+            "async": cfg.async_save,
+            "target": target,
+            "window": window,
+            "moment": moment,
+            "until": until,
+        }
         if moment is None:
             rec["killed"] = False
             rec["exit_code"] = ln.wait(300)
@@ -707,9 +778,11 @@ class Torture:
         new_expected = self.after_checks(run_dir, rec, chain)
         rec["seconds"] = round(time.monotonic() - t0, 2)
         self.stats.kills.append(rec)
-        self.log(f"  {chain['name']} {target:8s} {str(moment):24s} orphans={rec['orphans']} "
-                 f"cli-exit={rec.get('launcher_exit_s')}s (bound {rec['teardown_bound_s']}s) "
-                 f"2nd={rec.get('second_writer', '-')} valid={rec['valid']} {rec['seconds']:.1f}s")
+        self.log(
+            f"  {chain['name']} {target:8s} {str(moment):24s} orphans={rec['orphans']} "
+            f"cli-exit={rec.get('launcher_exit_s')}s (bound {rec['teardown_bound_s']}s) "
+            f"2nd={rec.get('second_writer', '-')} valid={rec['valid']} {rec['seconds']:.1f}s"
+        )
         return new_expected
 
     def _kill(self, ln: Launch, target: str, rec: dict) -> bool:
@@ -748,11 +821,21 @@ class Torture:
         else:
             chain["final_diffs"] = compare_final(final, ref)
         self.stats.chains.append(chain)
-        self.log(f"chain {chain['name']}: {chain['kills']} kills, final bitwise equal to reference: {not chain['final_diffs']}")
+        self.log(
+            f"chain {chain['name']}: {chain['kills']} kills, "
+            f"final bitwise equal to reference: {not chain['final_diffs']}"
+        )
 
-    def kill_chain(self, cfg: Cfg, index: int, n_kills: int, deadline: float,
-                   plan: list[tuple[str, str]] | None = None, preempt: tuple[str, ...] = (),
-                   prefix: str = "chain") -> dict:
+    def kill_chain(
+        self,
+        cfg: Cfg,
+        index: int,
+        n_kills: int,
+        deadline: float,
+        plan: list[tuple[str, str]] | None = None,
+        preempt: tuple[str, ...] = (),
+        prefix: str = "chain",
+    ) -> dict:
         """Up to ``n_kills`` killed launches on one run dir (random or ``plan``ned target and window),
         then the ``preempt`` cases, then an uninterrupted finish compared bitwise with the reference."""
         run_dir = self.work / f"{prefix}-{cfg.name}-{index}"
@@ -777,11 +860,22 @@ class Torture:
         """SIGTERM to the CLI at the case's moment; expect exit 75, a committed checkpoint, no step lost."""
         until = min(self.final, expected + PREEMPT_SPAN)
         ln = self.launch(run_dir, cfg, until, f"{chain['name']}-preempt-{case}")
-        window = {"train": "train", "async-save": "save", "commit": "commit", "startup": "startup",
-                  "repeat-term": "train"}[case]
+        window = {
+            "train": "train",
+            "async-save": "save",
+            "commit": "commit",
+            "startup": "startup",
+            "repeat-term": "train",
+        }[case]
         moment = wait_moment(ln, window, self.rng, "rank" if case == "startup" else "cli")
-        rec: dict[str, Any] = {"chain": chain["name"], "backend": cfg.backend, "async": cfg.async_save, "case": case,
-                               "moment": moment, "until": until}
+        rec: dict[str, Any] = {
+            "chain": chain["name"],
+            "backend": cfg.backend,
+            "async": cfg.async_save,
+            "case": case,
+            "moment": moment,
+            "until": until,
+        }
         if moment is not None:
             done = [m["step"] for m in ln.new_lines("metrics.jsonl")]
             rec["completed_at_signal"] = max(done) if done else expected
@@ -805,8 +899,10 @@ class Torture:
             rec["committed_after"] = new_expected
             rec["steps_lost"] = max(0, rec["completed_at_signal"] - new_expected)
         self.stats.preemptions.append(rec)
-        self.log(f"  preempt {case:12s} {str(moment):24s} exit={code} completed={rec.get('completed_at_signal')} "
-                 f"committed={new_expected} lost={rec.get('steps_lost')}")
+        self.log(
+            f"  preempt {case:12s} {str(moment):24s} exit={code} completed={rec.get('completed_at_signal')} "
+            f"committed={new_expected} lost={rec.get('steps_lost')}"
+        )
         return new_expected
 
     def preempt_chain(self, cfg: Cfg, cases: tuple[str, ...] = PREEMPT_CASES, index: int = 0) -> dict:
@@ -815,7 +911,9 @@ class Torture:
     # ------------------------------------------------------------- secrets
     def secrets(self, cfg: Cfg) -> dict:
         """HF_TOKEN planted in train + export + publish (file://): every byte written must be free of it."""
-        token = "hf_" + "".join(self.rng.choice("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(34))
+        token = "hf_" + "".join(
+            self.rng.choice("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(34)
+        )
         env = {"HF_TOKEN": token, "HUGGING_FACE_HUB_TOKEN": token}
         base = self.work / "secrets"
         run, exp, pub, logs = base / "run", base / "export", base / "published", base / "logs"
@@ -825,13 +923,16 @@ class Torture:
         ln.close()
         ck = _ckpt(run, 4)
         py = [sys.executable, "-m", "shardkeeper"]
-        for name, cmd in (("export", [*py, "export", str(ck), str(exp)]),
-                          ("publish", [*py, "publish", str(exp), "--target", pub.as_uri()]),
-                          ("lineage", [*py, "lineage", str(run), "--json"]),
-                          ("validate", [*py, "validate", str(ck), "--deep", "--json"])):
+        for name, cmd in (
+            ("export", [*py, "export", str(ck), str(exp)]),
+            ("publish", [*py, "publish", str(exp), "--target", pub.as_uri()]),
+            ("lineage", [*py, "lineage", str(run), "--json"]),
+            ("validate", [*py, "validate", str(ck), "--deep", "--json"]),
+        ):
             with open(logs / f"{name}.out", "wb") as out, open(logs / f"{name}.err", "wb") as err:
-                codes[name] = subprocess.run(cmd, cwd=REPO, env={**child_env(), **env}, stdout=out, stderr=err,
-                                             timeout=600).returncode
+                codes[name] = subprocess.run(
+                    cmd, cwd=REPO, env={**child_env(), **env}, stdout=out, stderr=err, timeout=600
+                ).returncode
         (logs / "train.log").write_bytes(ln.log_path.read_bytes())
         hits, scanned = [], 0
         for root in (run, exp, pub, logs):
@@ -863,8 +964,18 @@ def run_corpora(junit: Path, timeout_s: float = 1800) -> dict:
     """Run the hostile-file / corruption / bad-input suites of tests/reliability and count the cases."""
     import xml.etree.ElementTree as ET
 
-    cmd = [sys.executable, "-m", "pytest", "tests/reliability", "-q", "-p", "no:cacheprovider",
-           "-k", "hostile or corruption or bad_input", f"--junitxml={junit}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests/reliability",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "hostile or corruption or bad_input",
+        f"--junitxml={junit}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout_s)
     counts = {"exit_code": proc.returncode, "passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failed_ids": []}
     if not junit.exists():

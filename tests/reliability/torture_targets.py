@@ -64,8 +64,10 @@ def convert_base(h: Torture) -> Path:
         raise RuntimeError(f"1-rank reference {ref} exited {code} without converting; see {ln.log_path}")
     h.refs["deepspeed-ws1"] = ref
     h.ref_metrics["deepspeed-ws1"] = read_metrics(ref)
-    h.log(f"conversion base (2 ranks to {CONVERT_BASE_STEP}) and 1-rank reference to {CONVERT_END}: "
-          f"{time.monotonic() - t0:.1f} s")
+    h.log(
+        f"conversion base (2 ranks to {CONVERT_BASE_STEP}) and 1-rank reference to {CONVERT_END}: "
+        f"{time.monotonic() - t0:.1f} s"
+    )
     return base
 
 
@@ -94,7 +96,9 @@ def convert_chain(h: Torture, index: int, n_kills: int, deadline: float) -> dict
     if must_convert and expected == CONVERT_BASE_STEP:
         chain["reconverted"] = _reshard_since(run_dir, offset)
         if not chain["reconverted"]:
-            h.stats.notes.append(f"{run_dir.name}: the finishing segment resumed a killed conversion without converting")
+            h.stats.notes.append(
+                f"{run_dir.name}: the finishing segment resumed a killed conversion without converting"
+            )
     return chain
 
 
@@ -141,8 +145,9 @@ class S3Store:
 
         binary = Path(sys.executable).with_name("moto_server")
         port = free_port()
-        self.proc = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [str(binary), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -153,8 +158,13 @@ class S3Store:
                     self.proc.kill()
                     raise RuntimeError(f"moto_server did not start on port {port}") from None
                 time.sleep(0.1)
-        self.env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                    "AWS_EC2_METADATA_DISABLED": "true", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+        self.env = {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        }
         os.environ.update(self.env)
         self.bucket = f"torture-{uuid.uuid4().hex[:8]}"
         self.client().create_bucket(Bucket=self.bucket)
@@ -183,10 +193,12 @@ class S3Store:
     def objects(self, prefix: str) -> dict[int, dict[str, tuple[int, float]]]:
         """step -> {file: (size, last-modified Unix time)} under ``prefix/checkpoints/``."""
         out: dict[int, dict[str, tuple[int, float]]] = {}
-        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=f"{prefix}/checkpoints/")
+        pages = (
+            self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=f"{prefix}/checkpoints/")
+        )
         for page in pages:
             for o in page.get("Contents", []):
-                head, _, name = o["Key"][len(prefix) + len("/checkpoints/"):].partition("/")
+                head, _, name = o["Key"][len(prefix) + len("/checkpoints/") :].partition("/")
                 if head.startswith("step-") and head[5:].isdigit() and name:
                     out.setdefault(int(head[5:]), {})[name] = (o["Size"], o["LastModified"].timestamp())
         return out
@@ -214,8 +226,12 @@ def _object_set(objs: dict[int, dict[str, tuple[int, float]]]) -> set[tuple[int,
 def _uploading(objs: dict[int, dict[str, tuple[int, float]]], before: set[tuple[int, str, int, float]]) -> set[int]:
     """Steps without a manifest with an object that was not there at the launch (a half upload of this launch;
     one that a kill before it left is not)."""
-    return {step for step, files in objs.items() if "manifest.json" not in files
-            and any((step, name, size, t) not in before for name, (size, t) in files.items())}
+    return {
+        step
+        for step, files in objs.items()
+        if "manifest.json" not in files
+        and any((step, name, size, t) not in before for name, (size, t) in files.items())
+    }
 
 
 def _upload_probe(store: S3Store, prefix: str, before: set[tuple[int, str, int, float]], nth: int = 1) -> Any:
@@ -244,17 +260,21 @@ def s3_chain(h: Torture, store: S3Store, index: int, n_kills: int, deadline: flo
     """A run directory on s3:// (the ranks write its local cache; the CLI's uploader pushes each checkpoint,
     manifest last, through a link of ``S3_RATE``; a checkpoint every 10 steps, so the uploads keep up with the
     commits: every 2 steps, each ~2 s upload would be overtaken by the local retention of its checkpoint).
-    Each launch starts with the cache's checkpoints removed, so it resumes from the store (as on another machine); the CLI (or its whole group) is SIGKILLed while a checkpoint is half uploaded.
-    The store must never list a step without its manifest, and the next segment must resume from the
-    newest whole checkpoint there; the chain ends with an uninterrupted segment compared bitwise."""
+    Each launch starts with the cache's checkpoints removed, so it resumes from the store (as on another machine); the
+    CLI (or its whole group) is SIGKILLed while a checkpoint is half uploaded. The store must never list a step without
+    its manifest, and the next segment must resume from the newest whole checkpoint there; the chain ends with an
+    uninterrupted segment compared bitwise."""
     cfg = CONFIGS["fsdp2-s3"]
     prefix = f"s3-chain-{index}"
     cache = h.work / f"s3-cache-{index}"
     run_dir = cache / "s3" / store.bucket / prefix
     env = {**store.cli_env, "SHARDKEEPER_CACHE": str(cache), "SHARDKEEPER_UPLOAD_POLL_S": "0.05"}
     at_launch: dict[str, set] = {"objects": set()}  # the store's objects before the next launch
-    h.remotes[run_dir] = (f"s3://{store.bucket}/{prefix}", env,
-                          lambda: _upload_probe(store, prefix, at_launch["objects"], h.rng.randint(1, 2)))
+    h.remotes[run_dir] = (
+        f"s3://{store.bucket}/{prefix}",
+        env,
+        lambda: _upload_probe(store, prefix, at_launch["objects"], h.rng.randint(1, 2)),
+    )
     chain: dict[str, Any] = {"name": f"s3-{index}", "config": cfg.name, "kills": 0, "launches": 0, "remote": True}
     h.reference(cfg, wait=False)
     expected = 0
@@ -275,8 +295,9 @@ def s3_chain(h: Torture, store: S3Store, index: int, n_kills: int, deadline: flo
     return chain
 
 
-def _remote_checks(rec: dict, store: S3Store, prefix: str, url: str, chain: dict,
-                   before: set[tuple[int, str, int, float]]) -> None:
+def _remote_checks(
+    rec: dict, store: S3Store, prefix: str, url: str, chain: dict, before: set[tuple[int, str, int, float]]
+) -> None:
     """The store after a launch. The resume point of an s3:// run is the store (each launch starts from an empty
     cache): "no valid checkpoint left" is judged there -- none whole after one was -- not in the cache, where a
     launch killed before its first local commit leaves nothing while the store still holds the resume point."""
@@ -305,7 +326,10 @@ def _remote_checks(rec: dict, store: S3Store, prefix: str, url: str, chain: dict
 
 def _mismatch(remote: Any, step: int, objs: dict) -> dict:
     """Why the shardkeeper reader did not take the store's newest whole checkpoint (for the record)."""
-    out: dict[str, Any] = {"listed": remote.committed_steps(), "boto3_files": {n: v[0] for n, v in objs.get(step, {}).items()}}
+    out: dict[str, Any] = {
+        "listed": remote.committed_steps(),
+        "boto3_files": {n: v[0] for n, v in objs.get(step, {}).items()},
+    }
     try:
         man = remote.manifest(step)
         out["reader_files"] = remote.checkpoint_objects().get(step)
@@ -336,8 +360,9 @@ class SlurmCluster:
         pid_file = self.dir / "slurmctld.pid"
         pid = int(pid_file.read_text().strip() or 0) if pid_file.exists() else 0
         if not pid or not Path(f"/proc/{pid}").exists():  # another cluster answered on the port; ours died
-            raise RuntimeError(f"slurmctld of {self.dir} is not running (port {SLURM_PORT} taken?); see "
-                               f"{self.dir}/log/slurmctld.log")
+            raise RuntimeError(
+                f"slurmctld of {self.dir} is not running (port {SLURM_PORT} taken?); see {self.dir}/log/slurmctld.log"
+            )
         self.env = {"SLURM_CONF": str(self.conf), "SHARDKEEPER_SLURM_UNPLACEABLE_S": "3"}
         self.proc_env = {**os.environ, **self.env}
 
@@ -374,7 +399,9 @@ class SlurmCluster:
         slurm_local.resume_all_nodes(self.conf)
 
     def no_jobs_left(self) -> list[str]:
-        return self.run("squeue", "-h", "-o", "%i %T").split("\n") if self.run("squeue", "-h", "-o", "%i").strip() else []
+        return (
+            self.run("squeue", "-h", "-o", "%i %T").split("\n") if self.run("squeue", "-h", "-o", "%i").strip() else []
+        )
 
     def close(self) -> None:
         from infra import slurm_local

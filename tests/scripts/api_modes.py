@@ -74,10 +74,13 @@ if a.loader:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     data = torch.arange(400, dtype=torch.float32).reshape(100, 4) / 400
-    mine = data[seg.rank::seg.world_size]  # this rank's shard: its position is per-rank state
-    loader = StatefulDataLoader(mine, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(seg.rank),
-                                num_workers=a.workers)
+    mine = data[seg.rank :: seg.world_size]  # this rank's shard: its position is per-rank state
+    loader = StatefulDataLoader(
+        mine, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(seg.rank), num_workers=a.workers
+    )
     state["loader"] = loader
+
+
 class Counter:
     def __init__(self):
         self.n = 0
@@ -135,7 +138,7 @@ for step in seg.steps():
 if a.mode == "after":
     explode("after the loop")
 if a.mode == "twice":
-    for step in seg.steps():
+    for step in seg.steps():  # noqa: B007
         pass
 if a.mode == "thread":
     import threading

@@ -15,13 +15,22 @@ out, mode = sys.argv[1], sys.argv[2]
 pdeathsig = ctypes.c_int(-1)
 ctypes.CDLL(None).prctl(2, ctypes.byref(pdeathsig), 0, 0, 0)  # PR_GET_PDEATHSIG
 info = {
-    "pid": os.getpid(), "sid": os.getsid(0), "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
-    "probe_var": os.environ.get("PROBE_VAR"), "forked_by": os.environ.get("SHARDKEEPER_FORKED_BY"),
-    "signals": {int(s): str(signal.getsignal(s)) for s in signal.valid_signals()
-                if s not in (signal.SIGKILL, signal.SIGSTOP)},
+    "pid": os.getpid(),
+    "sid": os.getsid(0),
+    "argv": sys.argv,
+    "cwd": os.getcwd(),
+    "path0": sys.path[0],
+    "probe_var": os.environ.get("PROBE_VAR"),
+    "forked_by": os.environ.get("SHARDKEEPER_FORKED_BY"),
+    "signals": {
+        int(s): str(signal.getsignal(s)) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
+    },
     "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
-    "threads": len(os.listdir("/proc/self/task")), "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")),
-    "stdout": os.readlink("/proc/self/fd/1"), "random": random.random(), "pdeathsig": pdeathsig.value,
+    "threads": len(os.listdir("/proc/self/task")),
+    "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")),
+    "stdout": os.readlink("/proc/self/fd/1"),
+    "random": random.random(),
+    "pdeathsig": pdeathsig.value,
     "name": __name__,
 }
 with open(out, "w") as f:
@@ -31,6 +40,7 @@ if mode == "exit7":
 if mode == "segv":
     os.kill(os.getpid(), signal.SIGSEGV)
 if mode == "term":
+
     def on_term(*_: object) -> None:
         open(out + ".term", "w").close()
         os._exit(5)

@@ -67,9 +67,18 @@ def tiny_llama(intermediate: int = 128, tied: bool = False) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=64, intermediate_size=intermediate,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=tied)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+    )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
@@ -84,7 +93,7 @@ def rows_of(data: Any, step: int, rank: int, world: int, batch: int = BATCH) -> 
     """This rank's share of step ``step``'s global batch (contiguous, in rank order: a sequential sampler's shards)."""
     per = batch // world
     start = step * batch + rank * per
-    return data[start:start + per]
+    return data[start : start + per]
 
 
 def samples(data: Any) -> list[dict[str, Any]]:
@@ -94,16 +103,27 @@ def samples(data: Any) -> list[dict[str, Any]]:
 
 def deepspeed_config(per_rank: int, bf16: bool = False) -> dict[str, Any]:
     """ZeRO-2 with torch's AdamW as the client optimizer, clipping at 1.0 (DeepSpeed's default, said explicitly)."""
-    return {"train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
-            "bf16": {"enabled": bf16}}
+    return {
+        "train_micro_batch_size_per_gpu": per_rank,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "bf16": {"enabled": bf16},
+    }
 
 
 # The Trainer fills the "auto" values from its TrainingArguments (batch, accumulation, max_grad_norm).
-TRAINER_DEEPSPEED = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-                     "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-                     "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
-                     "steps_per_print": 1 << 30}
+TRAINER_DEEPSPEED = {
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "zero_optimization": {"stage": 2},
+    "zero_allow_untested_optimizer": True,
+    "steps_per_print": 1 << 30,
+}
 
 
 def trainer_args(output_dir: str, world: int, *, max_steps: int = 64, deepspeed: bool = False, **more: Any) -> Any:
@@ -111,10 +131,22 @@ def trainer_args(output_dir: str, world: int, *, max_steps: int = 64, deepspeed:
     from transformers import TrainingArguments
 
     kw: dict[str, Any] = dict(
-        output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=BATCH // world, learning_rate=LR,
-        weight_decay=0.0, lr_scheduler_type="constant", max_grad_norm=1.0, train_sampling_strategy="sequential",
-        use_cpu=True, report_to=[], logging_steps=1 << 20, save_strategy="no", seed=0, dataloader_num_workers=0,
-        disable_tqdm=True)
+        output_dir=output_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=BATCH // world,
+        learning_rate=LR,
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        train_sampling_strategy="sequential",
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1 << 20,
+        save_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     if deepspeed:
         kw["deepspeed"] = copy.deepcopy(TRAINER_DEEPSPEED)  # the Trainer fills it in place
     return TrainingArguments(**{**kw, **more})
@@ -167,14 +199,26 @@ def _trainer(a: argparse.Namespace, seg: Any) -> dict[str, Any]:
     from shardkeeper.integrations.transformers import Trainer
 
     scratch = tempfile.mkdtemp(prefix="llama-trainer-")  # the Trainer wants an output_dir; nothing is written there
-    args = trainer_args(scratch, seg.world_size, max_steps=a.max_steps, deepspeed=a.deepspeed, learning_rate=a.lr,
-                        weight_decay=a.wd, per_device_train_batch_size=a.global_batch // seg.world_size)
-    trainer = Trainer(model=tiny_llama(a.intermediate, a.tied), args=args, train_dataset=samples(table(a.global_batch)),
-                      segment=seg)
+    args = trainer_args(
+        scratch,
+        seg.world_size,
+        max_steps=a.max_steps,
+        deepspeed=a.deepspeed,
+        learning_rate=a.lr,
+        weight_decay=a.wd,
+        per_device_train_batch_size=a.global_batch // seg.world_size,
+    )
+    trainer = Trainer(
+        model=tiny_llama(a.intermediate, a.tied), args=args, train_dataset=samples(table(a.global_batch)), segment=seg
+    )
     trainer.train(resume_from_checkpoint=a.resume_from)
     opt = trainer.optimizer
-    return {"lr": opt.param_groups[0]["lr"], "weight_decay": opt.param_groups[0]["weight_decay"],
-            "groups": len(opt.param_groups), "step": seg.step}
+    return {
+        "lr": opt.param_groups[0]["lr"],
+        "weight_decay": opt.param_groups[0]["weight_decay"],
+        "groups": len(opt.param_groups),
+        "step": seg.step,
+    }
 
 
 def _accelerate(a: argparse.Namespace, seg: Any) -> dict[str, Any]:
@@ -192,8 +236,9 @@ def _accelerate(a: argparse.Namespace, seg: Any) -> dict[str, Any]:
     accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.wd)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    loader = torch.utils.data.DataLoader(samples(table(a.global_batch)), batch_size=a.global_batch // seg.world_size,
-                                         shuffle=False)
+    loader = torch.utils.data.DataLoader(
+        samples(table(a.global_batch)), batch_size=a.global_batch // seg.world_size, shuffle=False
+    )
     opt, sched, loader = accelerator.prepare(opt, sched, loader)
     sk_accelerate.track(seg, accelerator, model=model, optimizer=opt, scheduler=sched)
     batches = sk_accelerate.batches(seg, accelerator, loader)
@@ -209,8 +254,12 @@ def _accelerate(a: argparse.Namespace, seg: Any) -> dict[str, Any]:
         dist.all_reduce(total)
         seg.log(loss=float(total) / seg.world_size, lr=sched.get_last_lr()[0])
     inner = opt.optimizer
-    return {"lr": inner.param_groups[0]["lr"], "weight_decay": inner.param_groups[0]["weight_decay"],
-            "groups": len(inner.param_groups), "step": seg.step}
+    return {
+        "lr": inner.param_groups[0]["lr"],
+        "weight_decay": inner.param_groups[0]["weight_decay"],
+        "groups": len(inner.param_groups),
+        "step": seg.step,
+    }
 
 
 def _per_rank(a: argparse.Namespace, seg: Any) -> int:
@@ -227,16 +276,18 @@ def _loop(a: argparse.Namespace, seg: Any) -> dict[str, Any]:
         import deepspeed
 
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.wd)
-        model, *_ = deepspeed.initialize(model=model, optimizer=opt,
-                                         config=deepspeed_config(_per_rank(a, seg), a.bf16))
+        model, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(_per_rank(a, seg), a.bf16))
     elif a.plain_bf16:
         model = model.to(torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.wd)
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if a.bf16 else \
-            MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if a.bf16
+            else MixedPrecisionPolicy()
+        )
         for layer in model.model.layers:
             fully_shard(layer, mesh=seg.mesh, mp_policy=mp)
         fully_shard(model, mesh=seg.mesh, mp_policy=mp)
@@ -249,6 +300,7 @@ def _loop(a: argparse.Namespace, seg: Any) -> dict[str, Any]:
     seg.track(model=model, optimizer=None if a.deepspeed else opt, **tracked)
     if a.global_batch:
         data = table(a.global_batch)
+
         def rows(step: int) -> Any:
             return rows_of(data, step, seg.rank, seg.world_size, a.global_batch)
     else:  # tests/test_import.py's batches(): one (2, 16) draw per step, the same on every rank
@@ -271,8 +323,12 @@ def _loop(a: argparse.Namespace, seg: Any) -> dict[str, Any]:
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         seg.log(loss=float(total) / seg.world_size, lr=opt.param_groups[0]["lr"])
-    return {"lr": opt.param_groups[0]["lr"], "weight_decay": opt.param_groups[0]["weight_decay"],
-            "groups": len(opt.param_groups), "step": seg.step}
+    return {
+        "lr": opt.param_groups[0]["lr"],
+        "weight_decay": opt.param_groups[0]["weight_decay"],
+        "groups": len(opt.param_groups),
+        "step": seg.step,
+    }
 
 
 if __name__ == "__main__":
