@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # The venv's tools (ninja for DeepSpeed's JIT op, torchrun, shardkeeper) come first on PATH.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install lock system-deps test demo bench plots gpu-check docs clean
+.PHONY: install lock system-deps lint test test-fast demo bench plots gpu-check docs clean
 
 # DeepSpeed compiles from source against the installed torch: DS_BUILD_OPS=0 defers its ops to JIT
 # at first use, and --no-build-isolation keeps pip from fetching another torch to build it with.
@@ -40,8 +40,20 @@ system-deps:
 	  else echo "chromium/slurm not found and not root: the browser and Slurm tests will be skipped"; fi; \
 	fi
 
-test: install system-deps
+# Ruff (lint + format, 120 columns) and mypy on the schemas, the public API and the checkpoint interfaces
+# (pyproject.toml lists them); make test runs it first and fails on any finding.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: install system-deps lint
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest --durations=10 $(PYTEST_ARGS)
+
+# The inner loop: unit and in-process tests, no torchrun launch, server, browser or GPU (tests/conftest.py marks
+# the modules that launch as slow); under 5 minutes on 2 cores.
+test-fast: install lint
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest --durations=10 -m "not slow and not browser and not gpu and not live_hub" $(PYTEST_ARGS)
 
 demo: install
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m infra.demo
@@ -58,6 +70,7 @@ bench: install
 	$(PY) bench/checkpoint_bench.py --part load --reps 3
 	$(PY) bench/goodput_bench.py --backend fsdp2 --backend deepspeed --warm 2
 	$(PY) bench/recovery_bench.py
+	$(PY) bench/recovery_bench.py --kill --reps 4
 	$(PY) bench/memtier_bench.py
 	$(PY) bench/persist_bench.py
 	$(PY) bench/memtier_edges.py

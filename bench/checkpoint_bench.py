@@ -520,7 +520,8 @@ def table(s: dict, st: dict, ld: dict, reps: dict) -> str:
                 (
                     "waits for the previous commit"
                     if st.get("b_no_step")
-                    else f"(a) had finished during the {st[f'{kind}_first']['step_s']:.0f} s step between: no wait measured"
+                    else f"(a) had finished during the {st[f'{kind}_first']['step_s']:.0f} s step between: "
+                    "no wait measured"
                 )
                 + f"; {100 * infl / sync_loop:.0f} % of a sync save",
                 "" if kind == "dcp" else goal(infl <= 0.1 * sync_loop, "≤ 10 % of a sync save"),

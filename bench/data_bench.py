@@ -7,8 +7,8 @@ Corpus: documents of 40 consecutive lines of the Python standard library's sourc
 and code, deterministic), written once as jsonl. Tokenizer: byte-level BPE with a 32k vocabulary trained on
 it with the ``tokenizers`` library (nothing is downloaded). Each measurement runs in a fresh subprocess and
 times only the work inside it (not the interpreter start or imports); the variants alternate, rep after rep,
-and the table shows median (min–max) seconds and tokens/s. Both include loading the tokenizer. The Arrow conversion of the jsonl that
-``datasets`` caches is done once before the reps, so prepare-data's figure is tokenization + writing the
+and the table shows median (min–max) seconds and tokens/s. Both include loading the tokenizer. The Arrow conversion of
+the jsonl that ``datasets`` caches is done once before the reps, so prepare-data's figure is tokenization + writing the
 token file (+ reading the Arrow rows), the loop's is reading the jsonl + tokenization + writing the file.
 
 ``prepare-data`` is also run with num_proc=1: the same code in one process (it calls the fast tokenizer's

@@ -427,15 +427,18 @@ def run_all(args: argparse.Namespace) -> int:
     goals = [
         f"- world-size change <= 0.5x `ds_to_universal` at <= 1 GB: {u:.2f} s = {u / uref:.2f}x, peak {umem:.2f} GB "
         f"(highest of the runs): {verdict(u <= 0.5 * uref and umem <= 1.0, f'{u / uref:.2f}x, {umem:.2f} GB')}",
-        f"- export no slower than `zero_to_fp32`, within the export's memory bound (one shard + 0.5 GB = {bound:.2f} GB): "
+        "- export no slower than `zero_to_fp32`, within the export's memory bound "
+        f"(one shard + 0.5 GB = {bound:.2f} GB): "
         f"{e:.2f} s vs {eref:.2f} s, peak {emem:.2f} GB: "
         f"{verdict(e <= eref and emem <= bound, f'{e / eref:.2f}x its time, {emem:.2f} GB')}",
-        f"- `convert --to dcp` peak <= 1 GB: {dmem:.2f} GB (highest of the runs): {verdict(dmem <= 1.0, f'{dmem:.2f} GB')}",
+        f"- `convert --to dcp` peak <= 1 GB: {dmem:.2f} GB (highest of the runs): "
+        f"{verdict(dmem <= 1.0, f'{dmem:.2f} GB')}",
     ]
     body = "\n".join(
         [
             f"{params / 1e6:.0f}M-parameter ZeRO-{manifest.run_spec.deepspeed.zero_stage} checkpoint at "
-            f"{manifest.topology.world_size} ranks, {size / 1e9:.2f} GB. Each method a fresh process (imports included), "
+            f"{manifest.topology.world_size} ranks, {size / 1e9:.2f} GB. "
+            "Each method a fresh process (imports included), "
             f"checkpoint in the page cache, {args.repeat} alternated rounds; median (min–max); memory: peak PSS of the "
             "process tree (shared pages counted once).",
             "",

@@ -471,8 +471,10 @@ def run_all(args: argparse.Namespace) -> int:
     )
     body = "\n".join(
         [
-            f"{params / 1e6:.0f}M-parameter Llama, FSDP2 at 2 ranks (training checkpoint {ckpt_bytes / 1e9:.2f} GB with "
-            f"AdamW state); accelerate {accelerate.__version__}. Each run a fresh process, libraries imported before the "
+            f"{params / 1e6:.0f}M-parameter Llama, FSDP2 at 2 ranks "
+            f"(training checkpoint {ckpt_bytes / 1e9:.2f} GB with "
+            f"AdamW state); accelerate {accelerate.__version__}. "
+            "Each run a fresh process, libraries imported before the "
             f"clock, inputs in the page cache (warm), earlier outputs synced; {args.warmup} warm-up round, then "
             f"{args.repeat} alternated rounds; median (min–max).",
             "",

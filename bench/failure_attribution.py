@@ -144,6 +144,13 @@ def rank_pid(run: Path, rank: int) -> int | None:
     return None
 
 
+def no_restarts(root: Path) -> list[str]:
+    """``--set checkpoint.restarts=0`` where the checkout has it: a death ends its segment, whose line is measured
+    here (a rank restarted in place: bench/recovery_bench.py --kill)."""
+    schema = root / "schemas" / "run.py"
+    return ["--set", "checkpoint.restarts=0"] if schema.is_file() and "restarts: int" in schema.read_text() else []
+
+
 def steps(run: Path) -> int:
     m = run / "metrics.jsonl"
     return len(m.read_text().splitlines()) if m.exists() else 0
@@ -171,6 +178,7 @@ def train(root: Path, run: Path, case: Case) -> subprocess.CompletedProcess:
         str(case.until),
         "--nproc",
         "2",
+        *no_restarts(root),
         "--",
         *case.args,
     ]
@@ -205,7 +213,7 @@ def the_line(res: subprocess.CompletedProcess) -> str:
     said = [ln.strip() for ln in lines if re.match(r"^(error: )?segment \d+ ", ln.strip())]
     said = said or [ln.strip() for ln in lines if ln.startswith("error: ")]  # refused before it started
     extra = [ln.strip() for ln in lines if ln.startswith("shardkeeper: ") and ("outlived" in ln or "SIGTERM:" in ln)]
-    return " / ".join([*extra, *(said[-1:] or ["(no segment line; rc %d)" % res.returncode])])
+    return " / ".join([*extra, *(said[-1:] or ["(no segment line; rc %d)" % res.returncode])])  # noqa: UP031
 
 
 def first_clause(line: str) -> str:

@@ -2,7 +2,7 @@
 
     flock /tmp/shardkeeper-heavy.lock python bench/goodput_bench.py --backend fsdp2 --backend deepspeed
         # ~11 min on 2 cores; both measured: publishes bench/results/goodput.md
-    python bench/goodput_bench.py --backend fsdp2    # one backend (kept in bench/out/goodput/); --publish: table of both
+    python bench/goodput_bench.py --backend fsdp2   # one backend (kept in bench/out/goodput/); --publish: table of both
     python bench/goodput_bench.py --backend fsdp2 --layers 2 --target-s 3   # quick smoke run
     python bench/goodput_bench.py --backend fsdp2 --device cuda --nproc 1 --seq 256 --batch 16
         # on a GPU node (NCCL): training on the GPU, the save's background work on host cores;

@@ -1,6 +1,6 @@
 """Import benchmark: ``shardkeeper import`` of a DeepSpeed ZeRO-2 checkpoint into FSDP2 vs DeepSpeed's own extraction.
 
-    python bench/import_bench.py                     # build (or reuse) bench/out/import, measure, print + publish a table
+    python bench/import_bench.py                   # build (or reuse) bench/out/import, measure, print + publish a table
     python bench/import_bench.py --rebuild --repeat 3
     python bench/import_bench.py --hidden 64 --layers 2 --vocab 256 --intermediate 128 --name import-tiny   # CPU smoke
 

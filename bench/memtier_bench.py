@@ -175,11 +175,72 @@ def _kill_after(mem: Path, step: int, killed: list[int]):
     return on_start
 
 
-def _segment(run: Path, until: int, index: int, nodes: int = 1) -> dict:
+# The restore's parts timed inside the ranks (the profile of the node-loss rows): (owner, attribute, label). Each is
+# wrapped with a perf_counter pair around the real call; nothing else changes.
+RESTORE_PARTS = (
+    ("trainer.node_tier:NodeTier", "node_plans", "inventory + plan (collective)"),
+    ("trainer.node_tier:NodeTier", "complete_copy", "complete the copy (all of it)"),
+    ("trainer.node_tier:NodeTier", "_manifest_for", "manifest from the peer"),
+    ("trainer.replicate", "send", "send files (read + hash + send)"),
+    ("trainer.replicate", "receive", "receive files (receive + hash + write)"),
+    ("trainer.node_tier:NodeTier", "_join", "join the fetched files"),
+    ("trainer.node_tier:NodeTier", "check_copy", "quick checks of the copy"),
+    ("trainer.resume_side:ResumeSide", "load", "load (all of it)"),
+    ("ckpt.formats.dcp_onepass:OnePassReader", "read_data", "load: read_data (hash, plan records)"),
+    ("ckpt.formats.dcp_onepass:OnePassReader", "apply", "load: apply (chunks into the live state)"),
+    ("trainer.dcp_backend", "set_state_dict", "load: set_state_dict"),
+    ("trainer.dcp_backend:DCPCheckpointer", "fingerprint", "load: fingerprint"),
+    ("trainer.resume_side:ResumeSide", "_resumed", "load: lineage, log"),
+)
+
+
+def profiled_segment(run_dir: str, until: int, index: int, out: str) -> int:
+    """``trainer.segment.run_segment`` with the restore's parts (RESTORE_PARTS) timed; each rank writes its times
+    (label -> seconds of every call) to OUT.RANK.json."""
+    import importlib
+
+    from trainer.segment import run_segment
+
+    times: dict[str, list[float]] = {}
+
+    def wrap(owner: object, name: str, label: str) -> None:
+        import inspect
+
+        fn = getattr(owner, name)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                times.setdefault(label, []).append(time.perf_counter() - t)
+
+        static = inspect.isclass(owner) and isinstance(inspect.getattr_static(owner, name), staticmethod)
+        setattr(owner, name, staticmethod(timed) if static else timed)
+
+    for where, name, label in RESTORE_PARTS:
+        mod, _, cls = where.partition(":")
+        owner = importlib.import_module(mod)
+        wrap(getattr(owner, cls) if cls else owner, name, label)
+    try:
+        return run_segment(run_dir, until, index)
+    finally:
+        Path(f"{out}.{os.environ.get('RANK', '0')}.json").write_text(json.dumps(times))
+
+
+def _segment(run: Path, until: int, index: int, nodes: int = 1, profile: bool = False) -> dict:
     from tests.harness import spawn
     from trainer.segment import run_segment
 
-    assert spawn(run_segment, 2, str(run), until, index, timeout=1200, device=DEVICE, nodes=nodes) == [0, 0]
+    if profile:
+        where = run / "restore-profile"
+        assert spawn(
+            profiled_segment, 2, str(run), until, index, str(where), timeout=1200, device=DEVICE, nodes=nodes
+        ) == [0, 0]
+        parts = [json.loads(Path(f"{where}.{r}.json").read_text()) for r in range(2)]
+    else:
+        assert spawn(run_segment, 2, str(run), until, index, timeout=1200, device=DEVICE, nodes=nodes) == [0, 0]
+        parts = None
     status = json.loads((run / ".segment-status.json").read_text())
     events = [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()]
     resumes = [e for e in events if e["kind"] == "resume" and e["data"].get("segment") == index]
@@ -189,6 +250,7 @@ def _segment(run: Path, until: int, index: int, nodes: int = 1) -> dict:
         "load_s": (t["loaded_s"] - t["model_built_s"]) if t.get("loaded_s") and t.get("model_built_s") else None,
         "start_step": status["start_step"],
         "tier": resumes[-1]["data"].get("tier") if resumes else None,
+        **({"parts": parts} if parts else {}),
     }
 
 
@@ -289,7 +351,7 @@ def node_loss(args: argparse.Namespace) -> dict:
                 shutil.rmtree(wmem / "nodes" / "node1")
             wspec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"memory_dir": str(wmem)})})
             (work / "run.yaml").write_text(dump_yaml(wspec.model_dump(mode="json")))
-            out[path].append(_segment(work, args.crash_at + 1, 1, nodes=2))
+            out[path].append(_segment(work, args.crash_at + 1, 1, nodes=2, profile=True))
             shutil.rmtree(wmem, ignore_errors=True)
             shutil.rmtree(work, ignore_errors=True)
     out["bytes"] = sum(
@@ -321,15 +383,18 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | No
         ],
         [
             f"goodput, a memory snapshot every {res['k']} steps (~{period:.0f} s)",
-            f"phase wall ({res['steps_per_phase']} steps), no checkpoints {fmt(plain, 1)} s; with snapshots {fmt(ck, 1)} s",
+            f"phase wall ({res['steps_per_phase']} steps), no checkpoints {fmt(plain, 1)} s; "
+            f"with snapshots {fmt(ck, 1)} s",
             f"{mem_goodput:.3f}",
         ],
         [
-            f"goodput, a memory snapshot every ~{period:.0f} s and a storage checkpoint every {STORAGE_EVERY_S / 60:.0f} min "
+            f"goodput, a memory snapshot every ~{period:.0f} s and a storage checkpoint every "
+            f"{STORAGE_EVERY_S / 60:.0f} min "
             "(persisted from its snapshot)",
             f"phases with snapshots and one storage checkpoint {fmt(store, 1)} s: one storage checkpoint adds "
             f"{persist:.2f} s, spread over {STORAGE_EVERY_S:.0f} s of training",
-            f"**{goodput:.3f}** (goal ≥ {GOAL_GOODPUT}: {ok(goodput >= GOAL_GOODPUT, f'{GOAL_GOODPUT - goodput:.3f} short')})",
+            f"**{goodput:.3f}** (goal ≥ {GOAL_GOODPUT}: "
+            f"{ok(goodput >= GOAL_GOODPUT, f'{GOAL_GOODPUT - goodput:.3f} short')})",
         ],
     ]
     notes = [
@@ -357,7 +422,8 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | No
                 "rank crash -> training again, from memory (time to first step from process start)",
                 f"{fmt(memf)} s (load {fmt([r['load_s'] for r in rec['memory']])} s); steps lost {lost_m} "
                 f"(memory_interval {rec['memory_interval']}); tier {rec['memory'][0]['tier']}",
-                f"**fresh start + {over:.2f} s** (goal ≤ + {GOAL_RECOVERY_S} s: {ok(over <= GOAL_RECOVERY_S, f'+{over:.2f} s')}); "
+                f"**fresh start + {over:.2f} s** (goal ≤ + {GOAL_RECOVERY_S} s: "
+                f"{ok(over <= GOAL_RECOVERY_S, f'+{over:.2f} s')}); "
                 f"steps lost {ok(lost_m <= rec['memory_interval'], str(lost_m))}",
             ],
             [
@@ -392,6 +458,12 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | No
                 f"**{ratio:.2f}x** (goal ≤ {GOAL_PEER}x: {ok(ratio <= GOAL_PEER, f'{ratio:.2f}x')})",
             ]
         )
+        profile = restore_profile(lost)
+        if profile:
+            notes.append(
+                "node loss, where the load phase goes (seconds, median over the segments; rank 0 / rank 1; "
+                "timed inside the ranks): " + profile
+            )
         notes.append(
             f"node loss: a snapshot of {lost['bytes'] / 1e9:.2f} GB (every file, as each node's copy holds it) "
             f"at step {lost['step']}; node 1's memory dir removed for 'peer'; {len(same)}+{len(peer)} "
@@ -402,6 +474,21 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | No
         + "\n\n"
         + "\n".join(f"- {n}" for n in notes)
     )
+
+
+def restore_profile(lost: dict) -> str:
+    """The node-loss restore's parts (RESTORE_PARTS), same node vs peer, one clause per part timed in either."""
+
+    def per(path: str, label: str, rank: int) -> str:
+        got = [sum(r["parts"][rank].get(label, [])) for r in lost[path] if r.get("parts")]
+        return f"{statistics.median(got):.2f}" if got and any(got) else "-"
+
+    clauses = []
+    for _where, _name, label in RESTORE_PARTS:
+        cells = {p: f"{per(p, label, 0)} / {per(p, label, 1)}" for p in ("same", "peer")}
+        if any(c != "- / -" for c in cells.values()):
+            clauses.append(f"{label}: same {cells['same']}, peer {cells['peer']}")
+    return "; ".join(clauses)
 
 
 def main() -> None:
@@ -428,6 +515,11 @@ def main() -> None:
         "bench/out/memtier/inproc.json (said in the table) instead of measuring them again",
     )
     ap.add_argument("--no-nodes", action="store_true", help="skip the node-loss restore (two emulated nodes)")
+    ap.add_argument(
+        "--nodes-only",
+        action="store_true",
+        help="only the node-loss restore and its profile, printed (nothing published)",
+    )
     ap.add_argument("--no-publish", action="store_true")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: 2 GPUs (one per rank), NCCL")
     args = ap.parse_args()
@@ -447,6 +539,18 @@ def main() -> None:
     from tests.harness import spawn
 
     OUT.mkdir(parents=True, exist_ok=True)
+    if args.nodes_only:
+        try:
+            lost = node_loss(args)
+        finally:
+            shutil.rmtree(args.memory_dir, ignore_errors=True)
+        (OUT / "nodes.json").write_text(json.dumps(lost, indent=2))
+        same, peer = [r["load_s"] for r in lost["same"]], [r["load_s"] for r in lost["peer"]]
+        print(
+            f"node loss: same {same}, peer {peer}: {statistics.median(peer) / statistics.median(same):.2f}x\n"
+            + restore_profile(lost).replace("; ", "\n")
+        )
+        return
     run, mem = OUT / "inproc", Path(args.memory_dir) / "inproc"
     shutil.rmtree(run, ignore_errors=True)
     try:

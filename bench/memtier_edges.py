@@ -160,7 +160,8 @@ class Cell:
         self.struck: int | None = None  # the step of the snapshot the fault struck (None: the fault is not one)
 
     def sets(self, mem: Path | None) -> list[str]:
-        base = ["name=edges", f"checkpoint.interval={EVERY}", "checkpoint.keep_last=100"]
+        # restarts=0: a killed rank ends its segment, as the edges judge it (a restart in place: recovery_bench --kill)
+        base = ["name=edges", f"checkpoint.interval={EVERY}", "checkpoint.keep_last=100", "checkpoint.restarts=0"]
         return base + (
             [f"checkpoint.memory_interval={K}", f"checkpoint.memory_dir={mem}"]
             if mem is not None

@@ -125,7 +125,7 @@ def main() -> None:
     )
 
     rows, good = [], 0
-    for i, (backend, cause, step, sets, config) in enumerate(cases):
+    for i, (backend, cause, step, sets, config) in enumerate(cases):  # noqa: B007
         ds = ["backend=deepspeed", "deepspeed.zero_stage=2"] if backend == "deepspeed" else []
         spec = load_run_spec(
             config,

@@ -573,7 +573,8 @@ def notes(runs: list[dict[str, Any]], figs: dict[str, list[dict[str, Any]]], met
             f"restarts the ranks in place (`checkpoint.restarts: {a['max_restarts']}`), which resume from the "
             "newest snapshot."
             if meta["sk_restarts"]
-            else "ends the segment (torchrun exits, the launcher persists the newest snapshot to storage and exits) and "
+            else "ends the segment (torchrun exits, the launcher persists the newest snapshot to storage and exits) "
+            "and "
             "the bench starts the next segment (`shardkeeper train`) at once, which resumes from the snapshot in "
             "/dev/shm: kill → new ranks started includes all of that."
         ),

@@ -1,7 +1,7 @@
 """The memory tier's persist: one rank's snapshot file copied from the memory dir into a storage ``.partial``, the way
 the ranks do it (``ckpt.formats.direct_io.copy_file``: read into the O_DIRECT hashing stream's staging buffers,
-written around the page cache) against the buffered copy it replaced (``ckpt.memtier_persist._copy_buffered``: read, hash,
-buffered write, fsync).
+written around the page cache) against the buffered copy it replaced (``ckpt.memtier_persist._copy_buffered``: read,
+hash, buffered write, fsync).
 
     python bench/persist_bench.py                  # ~1 min; publishes bench/results/memtier-persist.md
     python bench/persist_bench.py --mb 100 --reps 2 --no-publish

@@ -257,7 +257,8 @@ def table(a: argparse.Namespace, params: int, nbytes: int, bws: list[float], bw:
         worst = max(peaks(pt, "peaks"))
         ok_m = "met" if worst <= shard + 1.5 * GB else f"NOT met by {gb(worst - shard - 1.5 * GB)}"
         lines += [
-            f"| peak RSS per rank, build + shard + read (pretrained) | {', '.join(gb(v) for v in peaks(pt, 'peaks'))} | "
+            "| peak RSS per rank, build + shard + read (pretrained) | "
+            f"{', '.join(gb(v) for v in peaks(pt, 'peaks'))} | "
             f"<= its shard of the weights {gb(shard)} + 1.5 GB: {ok_m}; the whole model is {gb(params * 4)} |"
         ]
         if sc:
@@ -287,8 +288,10 @@ def table(a: argparse.Namespace, params: int, nbytes: int, bws: list[float], bw:
         f"| reading this rank's shards (rank 0's log) | {fmt(col(pt, 'load_s'))} s | |",
         f"| peak RSS per rank at step 1, pretrained | {', '.join(gb(v) for v in at_first)} | <= shard "
         f"{gb(shard)} + AdamW {gb(adamw)} + 1.5 GB = {gb(budget)}: {ok_m} (the fp32 grads alone are {gb(grads)}) |",
-        f"| peak RSS per rank over the segment (+ final save), pretrained | {', '.join(gb(v) for v in peaks(pt, 'peaks'))} | |",
-        f"| peak RSS per rank at step 1, from random weights | {', '.join(gb(v) for v in peaks(sc, 'peaks_at_first'))} | "
+        "| peak RSS per rank over the segment (+ final save), pretrained | "
+        f"{', '.join(gb(v) for v in peaks(pt, 'peaks'))} | |",
+        "| peak RSS per rank at step 1, from random weights | "
+        f"{', '.join(gb(v) for v in peaks(sc, 'peaks_at_first'))} | "
         f"builds the whole fp32 model ({gb(params * 4)}) on every rank first |",
     ]
     return "\n".join(lines)

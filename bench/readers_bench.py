@@ -124,12 +124,12 @@ def local_readers(source: Path, work: Path, args: argparse.Namespace, tally: Tal
             ):
                 if i % every:
                     continue
-                report = tally.call(reader, lambda: stages.validate_checkpoint(target, deep=deep), verdict=True)
+                report = tally.call(reader, lambda: stages.validate_checkpoint(target, deep=deep), verdict=True)  # noqa: B023
                 if report is not None:
                     tally.add(reader, "retired" if report.retired else "valid" if report.valid else "wrong verdicts")
             if i % args.export_every == 0:
                 out = work / "exports" / f"e{i}"
-                if tally.call("export", lambda: stages.export_and_record(newest, out)) is not None:
+                if tally.call("export", lambda: stages.export_and_record(newest, out)) is not None:  # noqa: B023
                     exports += 1
                 shutil.rmtree(out, ignore_errors=True)
         seconds = time.monotonic() - t0
@@ -309,14 +309,16 @@ def s3_readers(source: Path, work: Path, args: argparse.Namespace, tally: Tally)
                 tally.add("s3 status", "wrong verdicts")
             tally.call("s3 scan", lambda: stages.scan_runs(f"s3://{bucket}", []))
             ckpt = f"{url}/checkpoints/step-{rng.randint(1, 3):08d}"
-            report = tally.call("s3 validate", lambda: stages.validate_checkpoint(ckpt), verdict=True)
+            report = tally.call("s3 validate", lambda: stages.validate_checkpoint(ckpt), verdict=True)  # noqa: B023
             if report is not None:
                 tally.add("s3 validate", "retired" if report.retired else "valid" if report.valid else "wrong verdicts")
                 if not report.valid and not report.retired:
                     print(f"  s3 validate: {report.errors[0]}", file=sys.stderr)
             if i % args.deep_every == 0:
                 report = tally.call(
-                    "s3 validate --deep", lambda: stages.validate_checkpoint(ckpt, deep=True), verdict=True
+                    "s3 validate --deep",
+                    lambda: stages.validate_checkpoint(ckpt, deep=True),  # noqa: B023
+                    verdict=True,
                 )
                 if report is not None:
                     tally.add(

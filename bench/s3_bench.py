@@ -183,7 +183,8 @@ def main() -> None:
             ["upload of the same checkpoint", "GB/s", "seconds", "vs raw"],
             [
                 [
-                    f"raw multipart put (boto3 S3Transfer, {PART >> 20} MiB parts, {THREADS} threads, all files at once)",
+                    f"raw multipart put (boto3 S3Transfer, {PART >> 20} MiB parts, {THREADS} threads, "
+                    "all files at once)",
                     fmt(gbs["raw"], 3),
                     fmt(samples["raw"]),
                     "1.00×",

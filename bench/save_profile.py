@@ -6,7 +6,8 @@ Each part alone, over the same tensors (fp32, the sizes of the 254M-parameter mo
 serialization into a sink that keeps nothing, xxh3-128 of every byte, the copy into the aligned buffer, the
 O_DIRECT writes + fsync of that many bytes (``--threads`` files in parallel, as DCP's writer threads), the whole
 hashing O_DIRECT stream (hashing on and off; torch's CRC-32 on, and off as shardkeeper's saves run), and
-parallel ``dd oflag=direct conv=fsync`` (same streams). Medians (min–max) of ``--reps`` alternated rounds; printed as a markdown table and published as bench/results/save-profile.md.
+parallel ``dd oflag=direct conv=fsync`` (same streams). Medians (min–max) of ``--reps`` alternated rounds; printed as a
+markdown table and published as bench/results/save-profile.md.
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         "copy": "copy into the 16 MiB aligned buffer (np.copyto)",
         "direct": "O_DIRECT writes of 16 MiB + fsync (no serialization, hash or copy)",
         "stream_before": "the hashing O_DIRECT stream, before: one buffer, xxh3 of the source, then copy, then write",
-        "stream": "the hashing O_DIRECT stream, now: copy + xxh3 per 1 MiB piece while pool threads write the other two buffers",
+        "stream": "the hashing O_DIRECT stream, now: copy + xxh3 per 1 MiB piece while pool threads write "
+        "the other two buffers",
         "stream_nohash": "the same, hashing off",
         "stream_nocrc": "the same, hashing on, torch's CRC-32 off (what shardkeeper's DCP saves do now)",
         "dd": "dd oflag=direct conv=fsync (bs=64M)",

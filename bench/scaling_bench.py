@@ -167,7 +167,7 @@ def worker(shape: tuple[int, ...], run_dir: str, reps: int) -> dict:
     nbytes = 0
     for i in range(reps + 1):  # round 0 is a warm-up, not counted
         step = i + 1
-        dt_s, m_s = stage(lambda: ck.save(TrainState(step=step), reason="interval", blocking=True), [])
+        dt_s, m_s = stage(lambda: ck.save(TrainState(step=step), reason="interval", blocking=True), [])  # noqa: B023
         ck._wait_reread()  # the post-commit re-read (rank 0, background) is I/O of its own; untimed
         dt_l, m_l = stage(load, ckpt_files(step))
         path = rd / "checkpoints" / f"step-{step:08d}"
@@ -228,7 +228,7 @@ def table(found: dict[str, dict]) -> str:
     for n in names:
         r = found[n]
         gb = r["bytes"] / 1e9
-        rss = lambda k: fmt([x / 1e9 for x in r[k]])  # noqa: E731
+        rss = lambda k: fmt([x / 1e9 for x in r[k]])  # noqa: B023, E731
         rows.append(
             [
                 f"{n} ({r['params'] / 1e6:.0f}M)",

@@ -211,7 +211,8 @@ def table(r: dict) -> str:
     rows = [
         (
             "kills (all targets)",
-            f"{len(kills)} over {len(chains)} run dirs (+{len(r['kills']) - len(kills)} segments that ended before their moment)",
+            f"{len(kills)} over {len(chains)} run dirs "
+            f"(+{len(r['kills']) - len(kills)} segments that ended before their moment)",
         ),
         (
             "torn checkpoint accepted (latest committed fails validate --deep, or resumed from .partial / wrong step)",
@@ -224,11 +225,13 @@ def table(r: dict) -> str:
         ),
         (
             "CLI that survived the kill (torchrun or a rank killed) and exited past 4x its start-up in the same launch",
-            f"{sum(1 for k in survived if k.get('launcher_past_bound'))} of {len(survived)}; exit after the kill median "
+            f"{sum(1 for k in survived if k.get('launcher_past_bound'))} of {len(survived)}; "
+            "exit after the kill median "
             f"{_median(exits):.1f} s, max {max(exits, default=0):.1f} s (bound median {_median(bounds):.1f} s)",
         ),
         (
-            "SIGKILLs after which a checkpoint not yet decided at the kill was committed (ranks outlived their launcher)",
+            "SIGKILLs after which a checkpoint not yet decided at the kill was committed "
+            "(ranks outlived their launcher)",
             v.get("committed_after_kill", 0),
         ),
         (
@@ -244,13 +247,15 @@ def table(r: dict) -> str:
         ),
         (
             "conversion kills: mid-conversion (universal.partial left, never loaded) / after its commit",
-            f"{sum(1 for k in conv if k['moment'] == 'convert:mid')} / {sum(1 for k in conv if k['moment'] != 'convert:mid')}; "
+            f"{sum(1 for k in conv if k['moment'] == 'convert:mid')} / "
+            f"{sum(1 for k in conv if k['moment'] != 'convert:mid')}; "
             f"torn universal/ accepted {v.get('torn_universal', 0)}; resumes that did not convert again "
             f"{v.get('not_reconverted', 0)}",
         ),
         (
             "S3 upload kills: half-uploaded step left on the store / none in flight at the kill",
-            f"{sum(1 for k in up if k['moment'] == 'upload:mid')} / {sum(1 for k in up if k['moment'] != 'upload:mid')}; "
+            f"{sum(1 for k in up if k['moment'] == 'upload:mid')} / "
+            f"{sum(1 for k in up if k['moment'] != 'upload:mid')}; "
             f"steps listed without their manifest (or newest listed != newest whole) "
             f"{v.get('remote_listed_without_manifest', 0)}",
         ),
@@ -279,7 +284,8 @@ def table(r: dict) -> str:
             "committed its until-step)",
             "not run"
             if not pre
-            else f"{sum(1 for p in pre if p['exit_code'] == 75)}/{len(pre)}, completed {sum(1 for p in pre if completed_in_last_steps(p))}, "
+            else f"{sum(1 for p in pre if p['exit_code'] == 75)}/{len(pre)}, "
+            f"completed {sum(1 for p in pre if completed_in_last_steps(p))}, "
             f"wrong {v.get('preempt_wrong_exit', 0)} "
             "(" + ", ".join(f"{p['case']}={p['exit_code']}" for p in pre) + ")",
         ),

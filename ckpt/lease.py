@@ -221,7 +221,8 @@ class RunLease:
 
     def refusal(self, there: LeaseView) -> str:
         return (
-            f"{self.url}: run is being trained by {there.holder()} (lease expires in {max(1, round(there.remaining_s))} s); "
+            f"{self.url}: run is being trained by {there.holder()} "
+            f"(lease expires in {max(1, round(there.remaining_s))} s); "
             f"wait for that segment to end, or stop it; a writer that died is taken over once its lease expires "
             f"({there.expiry_s:g} s without renewal); if you know the holder is dead, delete "
             f"{self.url.rstrip('/')}/{LEASE_NAME} and train again"

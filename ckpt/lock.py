@@ -123,7 +123,8 @@ class RunLock:
             except json.JSONDecodeError:
                 desc = "another process"
             raise RunLockedError(
-                f"{self.path.parent}: run directory is locked by {desc}; wait for that segment to end or use another --run-dir"
+                f"{self.path.parent}: run directory is locked by {desc}; "
+                "wait for that segment to end or use another --run-dir"
             )
         # Who holds it, written at once: a lock held with an empty file is a reader's probe (``is_locked``),
         # which the next acquire waits out instead of failing.
@@ -179,9 +180,7 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
+            release_held(self._fd)
             self._fd = None
 
     def is_locked(self) -> bool:
@@ -202,6 +201,13 @@ class RunLock:
 # How long ``acquire`` waits out a lock held with an empty lock file (a probe holds it for microseconds; a
 # real holder writes who it is right after taking it).
 PROBE_WAIT_S = 2.0
+
+
+def release_held(fd: int) -> None:
+    """Let go of an exclusive lock file taken with ``_take_exclusive``: its holder record emptied, unlocked, closed."""
+    os.ftruncate(fd, 0)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
 
 
 def _take_exclusive(fd: int) -> str | None:

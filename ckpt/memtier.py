@@ -434,7 +434,8 @@ def retain(mem: RunDir, keep: int = KEEP) -> list[Path]:
 
 
 def in_memory_tier(ckpt_dir: Path) -> bool:
-    """Whether a checkpoint directory is a memory snapshot (its ``checkpoints/`` lies in a memory dir with tier.json)."""
+    """Whether a checkpoint directory is a memory snapshot (its ``checkpoints/`` lies in a memory dir
+    with tier.json)."""
     return ckpt_dir.parent.name == "checkpoints" and (ckpt_dir.parent.parent / OWNER_NAME).is_file()
 
 
@@ -444,8 +445,9 @@ def check_memory_tier(
 ) -> None:
     """Preflight of checkpoint.memory_interval (one line each, nothing written): the fsdp2 backend only; the
     memory dir is, contains and lies inside no run directory; it (or its nearest existing parent) is a writable
-    directory; three snapshots (x1.3 overhead) of every rank on the node (``state_bytes`` each: what one rank's checkpoint holds) fit its free space. ``here``: the ranks run on
-    this host (else only the backend, and that the memory dir is an absolute path)."""
+    directory; three snapshots (x1.3 overhead) of every rank on the node (``state_bytes`` each: what one rank's
+    checkpoint holds) fit its free space. ``here``: the ranks run on this host (else only the backend, and that the
+    memory dir is an absolute path)."""
     root = memory_root(spec, run_dir)
     if root is None:
         return
@@ -498,8 +500,10 @@ def check_memory_tier(
     if need > free + held:
         gib = 1 << 30
         raise ConfigError(
-            f"{where}: three memory snapshots (two kept, one being written) of {ranks_on_node} rank(s) need ~{need / gib:.2f} GiB, but {probe} has "
-            f"{(free + held) / gib:.2f} GiB free; enlarge it (docker/podman: --shm-size={max(1, int(need * 1.25 / gib) + 1)}g; "
+            f"{where}: three memory snapshots (two kept, one being written) of {ranks_on_node} rank(s) "
+            f"need ~{need / gib:.2f} GiB, but {probe} has "
+            f"{(free + held) / gib:.2f} GiB free; enlarge it "
+            f"(docker/podman: --shm-size={max(1, int(need * 1.25 / gib) + 1)}g; "
             "Kubernetes: an emptyDir with medium Memory), set checkpoint.memory_dir to a larger tmpfs, or remove "
             "checkpoint.memory_interval"
         )

@@ -190,7 +190,10 @@ class RemoteRun:
             if got != entry.size:
                 return f"{self.checkpoint_uri(step)}/{entry.path}: {got} bytes, manifest says {entry.size}"
         if manifest.step != step:
-            return f"{self.checkpoint_uri(step)}/{MANIFEST_NAME}: says step {manifest.step}; it belongs to another checkpoint"
+            return (
+                f"{self.checkpoint_uri(step)}/{MANIFEST_NAME}: says step {manifest.step}; "
+                "it belongs to another checkpoint"
+            )
         return None
 
     def latest_committed(self) -> tuple[int, CheckpointManifest] | None:
@@ -352,7 +355,8 @@ class RemoteRun:
 
     # ------------------------------------------------------------------ pull
     def pull_meta(self) -> list[str]:
-        """Bring run.yaml (the store's wins when the cache has none) and the JSON-lines files (merged) into the cache."""
+        """Bring run.yaml (the store's wins when the cache has none) and the JSON-lines files (merged) into
+        the cache."""
         mkdir_durable(self.local.root)
         got = []
         for name in META_FILES:

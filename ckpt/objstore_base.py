@@ -1,6 +1,7 @@
 """What every use of an object store needs: which paths are store URLs, the local cache that mirrors one,
 opening its filesystem (bounded timeouts), one line for what went wrong there, a manifest read from its bytes,
-the S3 upload calls, the run directories under a URL, and the store's re-read records. ckpt.objstore's RemoteRun mirrors a run with them.
+the S3 upload calls, the run directories under a URL, and the store's re-read records. ckpt.objstore's RemoteRun mirrors
+a run with them.
 
 No torch here: the controller and the CLI's read-only commands use it.
 """
@@ -93,7 +94,10 @@ def explain(err: BaseException, url: str, action: str) -> str:
         "ClientConnectorError",
         "ServerDisconnectedError",
     ) or isinstance(err, (ConnectionError, TimeoutError)):
-        return f"{url}: cannot {action}: the endpoint {endpoint} is unreachable ({text}); check AWS_ENDPOINT_URL and the network"
+        return (
+            f"{url}: cannot {action}: the endpoint {endpoint} is unreachable ({text}); "
+            "check AWS_ENDPOINT_URL and the network"
+        )
     if isinstance(err, PermissionError):
         need = (
             "s3:PutObject, s3:DeleteObject and s3:ListBucket"

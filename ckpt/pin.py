@@ -103,7 +103,8 @@ def pinned_steps(root: str | os.PathLike[str]) -> set[int]:
 
 
 def _open_regular(path: Path) -> int | None:
-    """A read-only fd of ``path`` if it is a regular file (not a symlink: never follows one), else None; never blocks."""
+    """A read-only fd of ``path`` if it is a regular file (not a symlink: never follows one), else None;
+    never blocks."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:

@@ -26,7 +26,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ckpt.fsutil import atomic_write_text
-from ckpt.lock import _held, _take_exclusive
+from ckpt.lock import _held, _take_exclusive, release_held
 from schemas.errors import RunDirError, RunLockedError
 from schemas.plan import PLAN_NAME, RunPlan
 
@@ -118,9 +118,7 @@ class PlanLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
+            release_held(self._fd)
             self._fd = None
 
     def is_locked(self) -> bool:

@@ -4,8 +4,9 @@ safetensors files hold, reading one rank's rows of a tensor straight into that r
 
 Used by the controller (preflight: the folder, config.json, the weight files, the tokenizer), by the ranks
 (the first segment of a run reads its shards of every weight with ``read_rows``, or its ZeRO-3 partitions
-with ``read_elements``: no rank ever holds the whole model) and by the export (which tokenizer files to carry). No transformers import: config.json and the
-safetensors headers are plain JSON; ``huggingface_hub`` only resolves Hub ids through its cache.
+with ``read_elements``: no rank ever holds the whole model) and by the export (which tokenizer files to carry). No
+transformers import: config.json and the safetensors headers are plain JSON; ``huggingface_hub`` only resolves Hub ids
+through its cache.
 
 Reading: a safetensors file is an 8-byte header length, a JSON header (name -> dtype, shape, data offsets)
 and the raw little-endian tensor bytes. Rows ``[start, end)`` of a row-major tensor are one contiguous byte

@@ -101,7 +101,7 @@ else:
 sk_accelerate.track(seg, accelerator, model=model, optimizer=opt, scheduler=sched)  # shardkeeper
 batches = sk_accelerate.batches(seg, accelerator, loader)  # shardkeeper: the data position follows from the step
 
-for step in seg.steps(samples_per_step=args.batch):  # shardkeeper: instead of range(...) and load_state
+for step in seg.steps(samples_per_step=args.batch):  # shardkeeper: instead of range(...) and load_state  # noqa: B007
     batch = next(batches)
     loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
     accelerator.backward(loss)

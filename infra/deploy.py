@@ -24,9 +24,9 @@ What it registers (NAME defaults to the run directory's name):
 
 Flow runs execute wherever a worker of the pool runs (``process`` type: the worker starts each flow run
 as a subprocess from this project folder). A worker asks for flow runs every ``PREFECT_WORKER_QUERY_SECONDS``
-(10 by default): set 1 so that the automation's resume starts within seconds of a preemption. The configuration is checked before anything is registered:
-a missing config, a world size that does not divide the batch, a model too large for memory -- one
-line, exit 2.
+(10 by default): set 1 so that the automation's resume starts within seconds of a preemption. The configuration is
+checked before anything is registered: a missing config, a world size that does not divide the batch, a model too large
+for memory -- one line, exit 2.
 """
 
 from __future__ import annotations
@@ -258,7 +258,8 @@ def deploy(args: argparse.Namespace) -> tuple[str, str]:
         name=name,
         parameters=train.parameters(),
         **common,
-        description=f"Train {name} ({train.script or train.config}) in {train.run_dir}, then validate, export and publish. "
+        description=f"Train {name} ({train.script or train.config}) in {train.run_dir}, "
+        "then validate, export and publish. "
         "Parameters default to the values given at deploy time.",
     )
     resume_dep = prefect_flow.from_source(source=str(PROJECT), entrypoint=RESUME_ENTRYPOINT).to_deployment(

@@ -11,8 +11,8 @@ under runs/ (or the ``--root`` folders) to its plan's end (a run train-and-expor
 segments at their world sizes, export, publish) or, without a plan, to its until_step at the preempted
 segment's world size. An automation runs it for one run on each ``shardkeeper.segment.preempted`` event a
 flow run hands over; its interval schedule is off unless ``--resume-every SECONDS``. The serving process
-asks the server for flow runs to start every ``--poll-s`` seconds (default 1). For your own model, config and run root use ``python -m infra.deploy``
-(deployments on a work pool, run by ``prefect worker start``).
+asks the server for flow runs to start every ``--poll-s`` seconds (default 1). For your own model, config and run root
+use ``python -m infra.deploy`` (deployments on a work pool, run by ``prefect worker start``).
 At most one flow run executes at a time (``--limit``): the ranks need the CPU cores.
 """
 

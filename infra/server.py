@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             server.start(args.timeout)
             server.proc = None  # detached: leave it running; `stop` finds it by its pid file
             print(
-                f"Prefect UI: {server.url}   (export PREFECT_API_URL={server.api_url}; stop: python -m infra.server stop)"
+                f"Prefect UI: {server.url}   "
+                f"(export PREFECT_API_URL={server.api_url}; stop: python -m infra.server stop)"
             )
         else:
             stop_signals = {signal.SIGINT, signal.SIGTERM}

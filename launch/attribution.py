@@ -20,13 +20,14 @@ Stdlib and schemas only.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from schemas.seam import EXIT_PREEMPTED, RANK_ERROR_PREFIX, collective_error
+from schemas.seam import EXIT_PREEMPTED, RANK_ERROR_PREFIX, RESTART_PREFIX, collective_error
 
 _FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 _BLOCK_RANK_RE = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: (\d+)\)")
@@ -245,10 +246,13 @@ def _fix(e: RankEnd) -> str:
     return ""
 
 
-def failure_line(ends: list[RankEnd], completed: bool = False, abort_lines: list[Abort] = ()) -> str | None:  # type: ignore[assignment]
+def failure_line(
+    ends: list[RankEnd], completed: bool = False, abort_lines: list[Abort] = (), fix: bool = True
+) -> str | None:  # type: ignore[assignment]
     """The segment's failure in one line: the first failed rank, how it ended and its last error line, then what
-    the others did because of it (at most ``MAX_CONSEQUENCES``). ``completed``: the ranks reported the segment
-    completed (a rank that exits 0 then did nothing wrong). None when no rank is known to have failed."""
+    the others did because of it (at most ``MAX_CONSEQUENCES``), then (``fix``) what to do about it. ``completed``:
+    the ranks reported the segment completed (a rank that exits 0 then did nothing wrong). None when no rank is
+    known to have failed."""
     first = first_failure(ends, completed)
     if first is None:
         return None
@@ -264,7 +268,23 @@ def failure_line(ends: list[RankEnd], completed: bool = False, abort_lines: list
     stopped = [e.rank for e in others if _stopped_by_torchrun(e)]
     if stopped:
         said.append(f"torchrun then stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))}")
-    return _how(first, abort) + "".join(f"; {s}" for s in said) + _fix(first)
+    return _how(first, abort) + "".join(f"; {s}" for s in said) + (_fix(first) if fix else "")
+
+
+def short_cause(e: RankEnd) -> str:
+    """How a rank's failure came about, in a few words: "SIGKILL", "the OOM killer (SIGKILL)", "SIGSEGV", or what its
+    collective said ("connection closed by peer"), else its error's first words."""
+    if e.exitcode is not None and e.exitcode < 0 and e.line is None:
+        name = signal_name(-e.exitcode)
+        return (
+            f"the OOM killer ({name})"
+            if e.oom == "yes"
+            else (f"{name}, likely the OOM killer" if e.oom == "likely" else name)
+        )
+    if e.line is not None:
+        text = _ERROR_RANK_RE.sub("", e.line, count=1).lstrip(": ").strip()
+        return collective_error(text) or (text[:80] + ("..." if len(text) > 80 else ""))
+    return f"exit code {e.exitcode}"
 
 
 def describe(
@@ -282,6 +302,91 @@ def describe(
     if kill_cause is not None:
         ends = [kill_cause(e) if e.exitcode == -int(signal.SIGKILL) else e for e in ends]
     return failure_line(ends, completed, aborts((None, ln) for ln in lines))
+
+
+# ------------------------------------------------------------------------------------- restarts in place
+# Signals that stop a rank on purpose (a preemption, torchrun stopping the survivors of a failure): a rank that dies
+# of one was stopped, not killed, and is no reason to restart.
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP})
+
+
+@dataclass(frozen=True)
+class WorkerEnd:
+    """How one worker of a node's failed group ended, as its agent (torchrun) saw it."""
+
+    rank: int
+    exitcode: int  # waitpid's convention: >= 0 an exit code, < 0 the signal that killed it
+    pid: int | None = None
+    consequence: str | None = None  # the rank's own note: its failure only followed another's (schemas.seam)
+
+
+def restart_verdict(ends: list[WorkerEnd]) -> tuple[WorkerEnd | None, str | None]:
+    """Whether a node's failed worker group may be restarted in place: ``(the end it restarts for, None)``, or
+    ``(None, why not)``. ``ends``: every worker that ended, the first one its agent saw failing first.
+
+    Restarted: a death by a signal other than a stop signal (SIGKILL -- from outside or the OOM killer --, SIGSEGV,
+    SIGBUS, SIGABRT, ...), and a rank whose collective timed out or lost its peer (its note says so) when no rank
+    failed for a cause of its own: neither says anything about the ranks' code, and a new process may well succeed.
+    Not restarted: a rank that exited with a code of its own (a Python exception, bad input, a non-finite loss, an
+    ``os._exit``; exit 0 before the group ended) without such a note, which the same code and state would repeat;
+    and a group whose ranks were only stopped (SIGTERM, exit 75: a preemption's doing)."""
+    own = [e for e in ends if e.exitcode >= 0 and e.exitcode != EXIT_PREEMPTED and e.consequence is None]
+    if own:
+        e = own[0]
+        what = (
+            "exited with code 0 before the others ended"
+            if e.exitcode == 0
+            else f"failed with exit code {e.exitcode}, an error of its own"
+        )
+        return None, f"rank {e.rank} {what}: a restart would fail the same way"
+    deaths = [e for e in ends if e.exitcode < 0 and -e.exitcode not in STOP_SIGNALS]
+    if deaths:
+        return deaths[0], None
+    lost = [e for e in ends if e.consequence is not None]
+    if lost:
+        return lost[0], None
+    return None, "the ranks were stopped, not killed"
+
+
+def restart_cause(end: WorkerEnd) -> str:
+    """A few words for why a group restarted: the signal, or what its collective said (``timed out waiting ...``)."""
+    return signal_name(-end.exitcode) if end.exitcode < 0 else (end.consequence or f"exit code {end.exitcode}")
+
+
+def restart_line(restart: int, of: int, end: WorkerEnd, run_id: str | None = None) -> str:
+    """The agent's line for one in-place restart (``RESTART_PREFIX`` and a JSON object), read by every launcher.
+    ``run_id``: the rendezvous's id, the same for every node's agent of one torchrun launch."""
+    who = f"rank {end.rank}" + (f" (pid {end.pid})" if end.pid else "") if end.rank >= 0 else "a rank"
+    how = f"died of {signal_name(-end.exitcode)}" if end.exitcode < 0 else f"failed: {end.consequence}"
+    return (
+        RESTART_PREFIX
+        + " "
+        + json.dumps(
+            {
+                "restart": restart,
+                "of": of,
+                "rank": end.rank,
+                "pid": end.pid,
+                "cause": restart_cause(end),
+                "line": f"{who} {how}",
+                "run_id": run_id,
+            }
+        )
+    )
+
+
+def parse_restart_line(line: str) -> dict | None:
+    """The agent's restart record in one output line (``restart_line``), or None."""
+    at = line.find(RESTART_PREFIX)
+    if at < 0:
+        return None
+    try:
+        record = json.loads(line[at + len(RESTART_PREFIX) :].strip())
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("restart"), int):
+        return None
+    return record
 
 
 # ------------------------------------------------------------------------------------- ranks that did not stop

@@ -21,10 +21,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from launch.attribution import RankEnd, aborts, describe, failure_line, merge, rank_error_lines, torchrun_ends
+from launch.attribution import (
+    RankEnd,
+    aborts,
+    describe,
+    failure_line,
+    first_failure,
+    merge,
+    parse_restart_line,
+    rank_error_lines,
+    short_cause,
+    torchrun_ends,
+)
 from schemas import ClusterTopology
 from schemas.data import PreparedData
-from schemas.seam import RANK_ERROR_PREFIX, SegmentLaunch, SegmentReport
+from schemas.seam import RANK_ERROR_PREFIX, RESTART_PREFIX, SegmentLaunch, SegmentReport
 
 LogSink = Callable[[str], None]
 MAX_TIMED_LINES = 1000  # failure lines kept with their arrival time (a rank writes one, twice at most)
@@ -34,6 +45,27 @@ RANK_LINE_RE = re.compile(r"\[rank(\d+)\]|\[default(\d+)\]")
 TORCHRUN_LOG_RE = re.compile(r"^\[?[IWEF]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
 TORCHRUN_SUMMARY = ("ChildFailedError", "torch.distributed.elastic", "Root Cause", "Failures:", "====")
 _ERROR_RE = re.compile(r"(^|\s)(error:|\w*(Error|Exception|Mismatch)\b)|Traceback")
+
+
+@dataclass(frozen=True)
+class InPlaceRestart:
+    """One restart of a segment's ranks in place (``checkpoint.restarts``): which rank died first and how."""
+
+    index: int  # 1 for the segment's first restart in place (a requeued Slurm job's agent counts again from 1)
+    restart: int  # the agent's count: 1 for the first restart of its ranks
+    of: int  # checkpoint.restarts
+    rank: int | None  # the rank that failed first (None: not known)
+    cause: str  # a few words: "SIGKILL", "the OOM killer (SIGKILL)", "timed out waiting in a collective"
+    line: str  # the ended ranks' failure in one line (launch.attribution), as for a failed segment
+    at: float  # Unix time at which the launcher learnt of it
+
+    @property
+    def summary(self) -> str:
+        """``rank 1: SIGKILL``, as the segment's result lists its restarts."""
+        return f"rank {self.rank}: {self.cause}" if self.rank is not None else self.cause
+
+
+RestartSink = Callable[[InPlaceRestart], None]
 
 
 @dataclass(frozen=True)
@@ -50,6 +82,10 @@ class LaunchRequest:
     # cancellation (a Prefect runner cancels by SIGTERM) from a preemption.
     cancel_check: CancelCheck | None = None
     data: PreparedData | None = None  # data.source 'dataset': the token files prepared by the controller
+    # checkpoint.restarts: how often the node's agent may restart the ranks in place when one dies (trainer.agent);
+    # each restart is handed to on_restart as soon as the launcher learns of it (the controller records it)
+    restarts: int = 0
+    on_restart: RestartSink | None = None
 
     def seam(
         self, launcher_pid: int | None, launched_at: float | None = None, stacks_dir: str | None = None
@@ -96,6 +132,8 @@ class LaunchOutcome:
     # Ranks asked to stop that were still running at the end of the grace, and where each was (its Python stack):
     # the one outside any collective is the one the others waited for. None: every rank stopped in time.
     stuck: str | None = None
+    # The restarts of the ranks in place during the segment, in order (the outcome above is the last ranks').
+    restarts: list[InPlaceRestart] = field(default_factory=list)
 
     @property
     def stop_requested(self) -> bool:
@@ -123,13 +161,16 @@ def torchrun_argv(
     segment: int,
     rdzv: Rendezvous | None = None,
     nnodes: str | None = None,
+    restarts: int = 0,
 ) -> list[str]:
     """The torchrun command one node runs: ``--standalone`` for one node, c10d rendezvous for several
     (world size = nodes x procs per node; ``nnodes`` overrides the count, e.g. with the allocation's
     ``"$SLURM_JOB_NUM_NODES"``). Positional arguments to the ranks only: torchrun claims
     options that prefix its own (--log, --start, ...). torchrun runs inside ``launch.contain``: what the ranks start
-    and leave behind stays in the segment and ends with it."""
-    argv = [python, "-m", "launch.contain", "torch.distributed.run"]
+    and leave behind stays in the segment and ends with it. ``restarts`` (checkpoint.restarts) > 0: torchrun with
+    shardkeeper's agent (``trainer.agent``) and ``--max-restarts``, which restarts the ranks in place when one dies."""
+    agent = ["trainer.agent"] if restarts > 0 else []  # torchrun with shardkeeper's agent (trainer.agent)
+    argv = [python, "-m", "launch.contain", *agent, "torch.distributed.run"]
     if rdzv is None:
         if topology.nodes != 1:
             raise ValueError(f"{topology.nodes} nodes need a rendezvous endpoint")
@@ -144,6 +185,8 @@ def torchrun_argv(
             f"--rdzv-conf=is_host={rdzv.is_host}",
         ]
     grace = [f"--shutdown-timeout={max(1, int(grace_s))}"] if torchrun_has_shutdown_timeout() else []
+    if restarts > 0:
+        grace.append(f"--max-restarts={restarts}")
     return argv + [
         f"--nproc-per-node={topology.procs_per_node}",
         *grace,
@@ -191,15 +234,35 @@ class Launcher(Protocol):
         """Run one segment to its end and report how it ended."""
 
 
+@dataclass(frozen=True)
+class Generation:
+    """What the output said of one set of ranks that ended (before a restart in place): its lines, the ranks'
+    failure lines and C++ abort messages with their arrival times."""
+
+    lines: list[str]
+    rank_errors: list[tuple[float, str]]
+    abort_lines: list[tuple[float, str]]
+
+
 class OutputSplitter:
     """Splits the ranks' and torchrun's output: rank lines go to the sink at once; torchrun's own closing
     lines (from its first log line or traceback on) are held back until the outcome is known, since a
     ChildFailedError summary is noise when the segment was preempted or cancelled. Keeps the last lines
-    for the failure report (``lines``), and the first rank's own failure line however much followed it."""
+    for the failure report (``lines``), and the first rank's own failure line however much followed it.
+
+    The agent's line for a restart in place (``schemas.seam.RESTART_PREFIX``) ends a generation of ranks: what
+    the output said of it is kept in ``generations`` with the agent's record (for the launcher to record the
+    restart), and the splitter starts again, so that everything above describes the ranks running now."""
 
     def __init__(self, sink: LogSink, keep: int = 60):
         self.sink = sink
-        self.tail: collections.deque[str] = collections.deque(maxlen=keep)
+        self.keep = keep
+        self.generations: list[tuple[dict, Generation]] = []  # (the agent's record, the ended ranks' output)
+        self._restarts_seen: set[tuple[str, int]] = set()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.tail: collections.deque[str] = collections.deque(maxlen=self.keep)
         self.held: list[str] = []
         self._holding = False
         self.reported: str | None = None
@@ -208,6 +271,17 @@ class OutputSplitter:
         self.rank_errors: list[tuple[float, str]] = []
         self.abort_lines: list[tuple[float, str]] = []
 
+    def _restart(self, record: dict) -> None:
+        """The agent restarts the ranks: keep what was said of the ended ones, start over. With several nodes each
+        node's agent says the same restart (the same rendezvous run id and count): the first says it."""
+        key = (str(record.get("run_id")), record["restart"])
+        if key in self._restarts_seen:
+            return
+        self._restarts_seen.add(key)
+        ended = Generation([*self.held, *self.tail], list(self.rank_errors), list(self.abort_lines))
+        self._reset()
+        self.generations.append((record, ended))
+
     def lines(self) -> list[str]:
         """The last lines, led by the first rank's failure line when it has left them."""
         kept = list(self.tail)
@@ -215,6 +289,10 @@ class OutputSplitter:
 
     def feed(self, line: str) -> None:
         line = line.rstrip("\n")
+        record = parse_restart_line(line) if RESTART_PREFIX in line else None
+        if record is not None:
+            self._restart(record)
+            return
         self.tail.append(line)
         if RANK_ERROR_PREFIX in line:
             if self.reported is None:
@@ -266,11 +344,55 @@ def segment_failure(
     exited 0 counts as failed unless the ranks reported the segment completed."""
     report = SegmentReport.read(Path(run_dir), segment)
     completed = report is not None and report.status == "completed"
-    lines = [*out.held, *out.tail]
-    ends = merge(torchrun_ends(lines), list(out.rank_errors), list(observed))
+    gen = Generation([*out.held, *out.tail], list(out.rank_errors), list(out.abort_lines))
+    return generation_failure(gen, observed, kill_cause, completed)[1]
+
+
+def generation_failure(
+    gen: Generation,
+    observed: Iterable[RankEnd] = (),
+    kill_cause: Callable[[RankEnd], RankEnd] | None = None,
+    completed: bool = False,
+    fix: bool = True,
+) -> tuple[RankEnd | None, str | None]:
+    """(the rank that failed first, the failure line) of one generation of ranks (``segment_failure``); ``fix``:
+    the line ends with what to do about it (not for a restart, which is what is done about it)."""
+    ends = merge(torchrun_ends(gen.lines), list(gen.rank_errors), list(observed))
     if kill_cause is not None:
         ends = [kill_cause(e) if e.exitcode == -int(signal.SIGKILL) else e for e in ends]
-    return failure_line(ends, completed, aborts(out.abort_lines))
+    return first_failure(ends, completed), failure_line(ends, completed, aborts(gen.abort_lines), fix=fix)
+
+
+def restart_from_record(
+    index: int,
+    record: dict,
+    gen: Generation,
+    observed: Iterable[RankEnd] = (),
+    kill_cause: Callable[[RankEnd], RankEnd] | None = None,
+) -> InPlaceRestart:
+    """The segment's ``index``-th restart, which the agent said (``record``), named from what the launcher knows of
+    the ranks that ended (their output, and where it watched them, their ends): its own account when it has one,
+    else the agent's."""
+    first, line = generation_failure(gen, observed, kill_cause, fix=False)
+    rank = first.rank if first is not None else record.get("rank")
+    cause = short_cause(first) if first is not None else str(record.get("cause") or "unknown")
+    return InPlaceRestart(
+        index=index,
+        restart=int(record["restart"]),
+        of=int(record.get("of") or 0),
+        rank=rank if isinstance(rank, int) and rank >= 0 else None,
+        cause=cause,
+        line=line or str(record.get("line") or cause),
+        at=time.time(),
+    )
+
+
+def restart_said(r: InPlaceRestart) -> str:
+    """The launcher's line for a restart in place."""
+    return (
+        f"shardkeeper: {r.line}; restarting the ranks in place ({r.restart} of {r.of}, checkpoint.restarts) "
+        "from the newest snapshot"
+    )
 
 
 def failing_rank_lines(tail: list[str], limit: int = 8) -> str:

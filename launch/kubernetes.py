@@ -34,6 +34,19 @@ JobSet, and every other Job failure (143, or a pod lost with its node) restarts 
 ``max_restarts`` times. Kubeflow's ``runPolicy.backoffLimit`` counts container restarts, which ExitCode's
 delete-and-recreate does not produce, so a PyTorchJob retries preemptions without bound.
 
+A rank that dies while its pod lives (``checkpoint.restarts`` > 0, the run's own setting). Each pod's torchrun is
+shardkeeper's agent with ``--max-restarts`` (``trainer.agent``): it restarts the ranks inside the pod, in place, from
+the fork server in the same container, and they resume from the newest snapshot in the pod's ``/dev/shm`` (an
+``emptyDir`` of medium Memory, which lives as long as the pod). The pod does not restart and the job controller sees
+nothing; each restart is one ``shardkeeper-restart:`` line in the pod's log (``kubectl logs``). With several pods,
+the ranks of the other pods fail on their lost peer and their agents restart them too, in the same rendezvous round.
+What the agent does not restart (an error of the rank's own, or the restarts used up) ends torchrun with 1 and the
+pod with 1 (failed), as before. A pod that is lost (its node gone, evicted) is not restarted in place: before any
+restart every agent checks that the other pods' agents still beat in the rendezvous store (``trainer.agent``), so
+the survivors of a lost pod do not restart and wait for it; their pods fail as before a node loss always did (apply
+the manifest again; the lost node's files come from the peer node's memory). (Rendered and validated here; no
+cluster ran them.)
+
 Not done for a segment applied with kubectl (``shardkeeper train`` does it around a local launch): the run lock,
 ``segments.jsonl`` and the segment's lineage event, the sweep of abandoned ``.partial`` directories, and the
 choice of the segment index (``--segment``).
@@ -163,7 +176,13 @@ def segment_launch(req: LaunchRequest) -> SegmentLaunch:
 
 
 def torchrun_command(
-    req: LaunchRequest, endpoint: str, rdzv_id: str, grace_s: int, node_rank: str, is_host: str | None
+    req: LaunchRequest,
+    endpoint: str,
+    rdzv_id: str,
+    grace_s: int,
+    node_rank: str,
+    is_host: str | None,
+    restarts: int = 0,
 ) -> list[str]:
     """The pod's command: the pod entry, then the torchrun command every launcher runs on a node
     (``launch.base.torchrun_argv``), with c10d rendezvous at ``endpoint``. ``node_rank`` is a variable the
@@ -171,7 +190,9 @@ def torchrun_command(
     one template for every pod (JobSet), so the flag is left out and c10d hosts the store on the pod whose
     address the endpoint resolves to (each pod has its own)."""
     rdzv = Rendezvous(endpoint, rdzv_id, node_rank=node_rank, is_host=is_host or "0")
-    argv = torchrun_argv("python", req.topology, grace_s, str(req.run_dir), req.until_step, req.segment, rdzv)
+    argv = torchrun_argv(
+        "python", req.topology, grace_s, str(req.run_dir), req.until_step, req.segment, rdzv, restarts=restarts
+    )
     if is_host is None:
         argv = [a for a in argv if not a.startswith("--rdzv-conf=is_host=")]
     # The kubelet expands $(VAR) in a container's command: a '$(' in the run directory is escaped as '$$('.
@@ -264,12 +285,14 @@ def render(spec: RunSpec, req: LaunchRequest, opts: K8sOptions) -> list[dict[str
             SPEC_KEY: json.dumps(spec.model_dump(mode="json"), indent=2) + "\n",
         },
     }
-    job = (_pytorchjob if opts.kind == "pytorchjob" else _jobset)(req, opts, name, labels, mount, cm_name)
+    job = (_pytorchjob if opts.kind == "pytorchjob" else _jobset)(
+        req, opts, name, labels, mount, cm_name, spec.checkpoint.restarts
+    )
     return [config_map, job]
 
 
 def _pytorchjob(
-    req: LaunchRequest, opts: K8sOptions, name: str, labels: dict[str, str], mount: str, cm_name: str
+    req: LaunchRequest, opts: K8sOptions, name: str, labels: dict[str, str], mount: str, cm_name: str, restarts: int = 0
 ) -> dict[str, Any]:
     topo = req.topology
     endpoint = f"{name}-master-0:{RDZV_PORT}"  # the operator's headless Service of the Master pod
@@ -280,7 +303,7 @@ def _pytorchjob(
     replicas = {}
     for role, count, is_host in (("Master", 1, "1"), ("Worker", topo.nodes - 1, "0")):
         if count:
-            command = torchrun_command(req, endpoint, name, opts.grace_s, "$(PET_NODE_RANK)", is_host)
+            command = torchrun_command(req, endpoint, name, opts.grace_s, "$(PET_NODE_RANK)", is_host, restarts)
             replicas[role] = {
                 "replicas": count,
                 "restartPolicy": "ExitCode",
@@ -299,13 +322,13 @@ def _pytorchjob(
 
 
 def _jobset(
-    req: LaunchRequest, opts: K8sOptions, name: str, labels: dict[str, str], mount: str, cm_name: str
+    req: LaunchRequest, opts: K8sOptions, name: str, labels: dict[str, str], mount: str, cm_name: str, restarts: int = 0
 ) -> dict[str, Any]:
     nodes = req.topology.nodes
     # Pod hostnames of a JobSet: <jobset>-<replicatedJob>-<job index>-<pod index>, under the subdomain <jobset>.
     endpoint = f"{name}-node-0-0.{name}:{RDZV_PORT}"
     ports = [{"name": "c10d", "containerPort": RDZV_PORT, "protocol": "TCP"}]
-    command = torchrun_command(req, endpoint, name, opts.grace_s, "$(JOB_COMPLETION_INDEX)", None)
+    command = torchrun_command(req, endpoint, name, opts.grace_s, "$(JOB_COMPLETION_INDEX)", None, restarts)
     pod = _pod_template(req, opts, command, labels, mount, ports, cm_name)
     pod["spec"]["restartPolicy"] = "Never"  # required by podFailurePolicy; restarts are the JobSet's
     return {

@@ -41,18 +41,21 @@ from pathlib import Path
 
 from launch.attribution import RankEnd, stuck_line
 from launch.base import (
+    InPlaceRestart,
     LaunchOutcome,
     LaunchRequest,
     LogSink,
     OutputSplitter,
     Rendezvous,
     combined_exit_code,
+    restart_from_record,
+    restart_said,
     segment_failure,
     torchrun_argv,
 )
 from launch.early import STOP_SIGNALS, received_stop
 from launch.early import pending_stop as _pending_stop
-from launch.procs import Descendants, RankWatch, pdeathsig_preexec, reap_orphans, running
+from launch.procs import Descendants, RankWatch, WatchedRank, pdeathsig_preexec, reap_orphans, running
 from schemas import ClusterTopology
 from schemas.errors import ConfigError
 from schemas.seam import EXIT_CANCELLED, LAUNCH_ENV, NODE_ENV, STACKS_SIGNAL
@@ -88,6 +91,8 @@ class _Supervisor:
         self._termed: set[int] = set()
         self.trees: list[Descendants] = []
         self.ranks = RankWatch()
+        self.restarts: list[InPlaceRestart] = []  # the agents' restarts in place, as the launcher named them
+        self._generations_seen = 0
 
     def watch(self, proc: subprocess.Popen) -> None:
         self.procs.append(proc)
@@ -98,6 +103,23 @@ class _Supervisor:
         for tree in self.trees:
             tree.scan()
             self.ranks.consider(tree.root)
+
+    def take_restarts(self, req: LaunchRequest, t0: float) -> None:
+        """The restarts the agents said since the last look: each named from what this launcher saw of the ranks
+        that ended (their output, their ends, the kernel's word on a SIGKILL), said in one line and handed to the
+        controller (``LaunchRequest.on_restart``)."""
+        while self._generations_seen < len(self.out.generations):
+            record, ended = self.out.generations[self._generations_seen]
+            self._generations_seen += 1
+            generation = int(record["restart"]) - 1
+            watched = {w.rank_pid: w for w in self.ranks.watched(generation)}
+            restart = restart_from_record(
+                len(self.restarts) + 1, record, ended, _observed(watched), _kill_cause(watched, t0)
+            )
+            self.restarts.append(restart)
+            self.sink(restart_said(restart))
+            if req.on_restart is not None:
+                req.on_restart(restart)
 
     def reap(self) -> list[int]:
         """Once every agent has exited: wait (by pid) until nothing they started runs; the pids that would not go."""
@@ -254,7 +276,17 @@ class LocalTorchrun:
         """One torchrun command per node."""
         topo = req.topology
         if topo.nodes == 1:
-            return [torchrun_argv(self.python, topo, self.grace_s, str(req.run_dir), req.until_step, req.segment)]
+            return [
+                torchrun_argv(
+                    self.python,
+                    topo,
+                    self.grace_s,
+                    str(req.run_dir),
+                    req.until_step,
+                    req.segment,
+                    restarts=req.restarts,
+                )
+            ]
         endpoint = f"127.0.0.1:{free_port()}"
         run_id = f"shardkeeper-{os.getpid()}-{req.segment}-{time.monotonic_ns()}"
         return [
@@ -266,6 +298,7 @@ class LocalTorchrun:
                 req.until_step,
                 req.segment,
                 Rendezvous(endpoint, run_id, node_rank=str(n), is_host="1" if n == 0 else "0"),
+                restarts=req.restarts,
             )
             for n in range(topo.nodes)
         ]
@@ -323,6 +356,9 @@ class LocalTorchrun:
                     sup.term_unsignalled()
             cancelled = self._supervise(sup, req, t0)
             codes = sup.wait()
+            for reader in readers:  # every line read (a restart said just before the end included)
+                reader.join(timeout=1)
+            sup.take_restarts(req, t0)
             cancelled = cancelled or self._settle_cancel(sup, req)
         finally:
             sup.cancel_timer()
@@ -348,34 +384,23 @@ class LocalTorchrun:
             held_back=list(sup.out.held),
             failure=self._failure(req, sup, t0),
             stuck=stuck_line(sup.stacks, self.grace_s),
+            restarts=list(sup.restarts),
         )
 
     @staticmethod
     def _failure(req: LaunchRequest, sup: _Supervisor, t0: float) -> str | None:
         """The first rank that failed, from torchrun's summary, the ranks' lines and what the watch saw of each rank
-        (when it ended, its exit status, its memory cgroup for a SIGKILL)."""
-        from launch.oom import sigkill_cause
-
-        watched = {w.pid: w for w in sup.ranks.watched()}
-        observed = [
-            RankEnd(rank=w.rank, local_rank=w.local_rank, pid=w.pid, exitcode=w.status, ended_at=w.ended_at)
-            for w in watched.values()
-        ]
-
-        def kill_cause(end: RankEnd) -> RankEnd:
-            w = watched.get(end.pid or -1)
-            oom, how = sigkill_cause(
-                end.pid or -1, w.comm if w else None, w.ended_at if w else None, w.memory if w else None, since=t0
-            )  # type: ignore[arg-type]
-            return replace(end, oom=oom, killed_how=how)
-
-        return segment_failure(req.run_dir, req.segment, sup.out, observed, kill_cause)
+        (when it ended, its exit status, its memory cgroup for a SIGKILL): the last generation's, after restarts."""
+        watched = {w.rank_pid: w for w in sup.ranks.watched()}
+        return segment_failure(req.run_dir, req.segment, sup.out, _observed(watched), _kill_cause(watched, t0))
 
     def _supervise(self, sup: _Supervisor, req: LaunchRequest, t0: float) -> bool:
-        """Wait for the agents, polling the cancel check and the timeout; True if cancelled meanwhile."""
+        """Wait for the agents, polling the cancel check and the timeout, saying each restart in place as it comes;
+        True if cancelled meanwhile."""
         cancelled = False
         while True:
             sup.scan()
+            sup.take_restarts(req, t0)
             try:
                 sup.wait(timeout=POLL_S)
                 return cancelled
@@ -404,6 +429,27 @@ class LocalTorchrun:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(POLL_S)
+
+
+def _observed(watched: dict[int, WatchedRank]) -> list[RankEnd]:
+    return [
+        RankEnd(rank=w.rank, local_rank=w.local_rank, pid=w.rank_pid, exitcode=w.status, ended_at=w.ended_at)
+        for w in watched.values()
+    ]
+
+
+def _kill_cause(watched: dict[int, WatchedRank], t0: float):  # noqa: ANN202 - RankEnd -> RankEnd
+    """For a rank that died of SIGKILL: what the kernel says about it (launch.oom), from the watch's record."""
+    from launch.oom import sigkill_cause
+
+    def kill_cause(end: RankEnd) -> RankEnd:
+        w = watched.get(end.pid or -1)
+        oom, how = sigkill_cause(
+            end.pid or -1, w.comm if w else None, w.ended_at if w else None, w.memory if w else None, since=t0
+        )  # type: ignore[arg-type]
+        return replace(end, oom=oom, killed_how=how)
+
+    return kill_cause
 
 
 STACKS_PREFIX = "shardkeeper-stacks-"

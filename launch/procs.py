@@ -218,6 +218,27 @@ class WatchedRank:
     memory: object | None  # launch.oom.MemoryCounter read when first seen
     ended_at: float | None = None  # time.monotonic() when its pidfd turned readable
     status: int | None = None  # exit status read from the zombie (None: reaped before it could be read)
+    generation: int = 0  # how often the agent had restarted the segment's ranks in place when it started this one
+    notes: str | None = None  # its agent's notes folder (SHARDKEEPER_RANK_NOTES): where a forked rank's pid is told
+    forked_pid: int | None = (
+        None  # the rank's own process when this one is the fork server's client (trainer.forkserver)
+    )
+
+    @property
+    def rank_pid(self) -> int:
+        """The pid of the process that ran the rank's code (the kernel log names it)."""
+        return self.forked_pid or self.pid
+
+
+def _forked_pid(w: WatchedRank) -> int | None:
+    """The rank's own pid when ``w`` is a fork server's client (it leaves it in its agent's notes folder)."""
+    if not w.notes:
+        return None
+    try:
+        raw = Path(w.notes, f"forked-{w.pid}").read_text().strip()
+    except OSError:
+        return None
+    return int(raw) if raw.isdigit() else None
 
 
 class RankWatch:
@@ -225,12 +246,13 @@ class RankWatch:
     found among its children (a process with torchrun's RANK in its environment that leads its own session, as
     torchrun starts them; what a rank forks later inherits RANK but not the session, or comes after its rank),
     and a thread waits on their pidfds: the moment each rank ends is known to the millisecond, and its exit
-    status is read from the zombie before torchrun's next poll reaps it. Linux only; elsewhere it sees nothing
-    and the failure line comes from torchrun's output alone."""
+    status is read from the zombie before torchrun's next poll reaps it. Ranks an agent restarted in place are a
+    new generation (torchrun's TORCHELASTIC_RESTART_COUNT in their environment). Linux only; elsewhere it sees
+    nothing and the failure line comes from torchrun's output alone."""
 
     def __init__(self) -> None:
         self.ranks: dict[int, WatchedRank] = {}  # pid -> rank
-        self._ranks_seen: set[int] = set()
+        self._ranks_seen: set[tuple[int, int]] = set()  # (generation, rank)
         self._new: list[tuple[int, WatchedRank]] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -247,7 +269,9 @@ class RankWatch:
                 continue
             env = _environ(pid)
             rank = env.get("RANK", "")
-            if not rank.isdigit() or int(rank) in self._ranks_seen or _session(pid) != pid:
+            restarts = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+            generation = int(restarts) if restarts.isdigit() else 0
+            if not rank.isdigit() or (generation, int(rank)) in self._ranks_seen or _session(pid) != pid:
                 continue  # not a rank yet (between fork and exec), or something a rank left behind
             stat = proc_stat(pid)
             try:
@@ -263,18 +287,29 @@ class RankWatch:
                 comm = None
             local = env.get("LOCAL_RANK", "")
             watched = WatchedRank(
-                pid, stat[1], int(rank), int(local) if local.isdigit() else None, comm, memory_counter(pid)
+                pid,
+                stat[1],
+                int(rank),
+                int(local) if local.isdigit() else None,
+                comm,
+                memory_counter(pid),
+                generation=generation,
+                notes=env.get("SHARDKEEPER_RANK_NOTES"),
             )
             with self._lock:
-                self._ranks_seen.add(int(rank))
+                self._ranks_seen.add((generation, int(rank)))
                 self.ranks[pid] = watched
                 self._new.append((fd, watched))
             os.write(self._wake_w, b"+")
 
-    def watched(self) -> list[WatchedRank]:
-        """The ranks seen so far (a copy: the scan adds to them from another thread)."""
+    def watched(self, generation: int | None = None) -> list[WatchedRank]:
+        """The ranks seen so far (a copy: the scan adds to them from another thread); of one generation (None: the
+        newest seen)."""
         with self._lock:
-            return list(self.ranks.values())
+            ranks = list(self.ranks.values())
+        if generation is None:
+            generation = max((w.generation for w in ranks), default=0)
+        return [w for w in ranks if w.generation == generation]
 
     def _run(self) -> None:
         import select
@@ -302,6 +337,7 @@ class RankWatch:
                     os.close(fd)
                     watched.ended_at = now
                     watched.status = exit_status(watched.pid, watched.start)
+                    watched.forked_pid = _forked_pid(watched)
                 if closing:
                     return
         finally:

@@ -36,11 +36,14 @@ from pathlib import Path
 
 from launch.attribution import RankEnd
 from launch.base import (
+    InPlaceRestart,
     LaunchOutcome,
     LaunchRequest,
     LogSink,
     OutputSplitter,
     Rendezvous,
+    restart_from_record,
+    restart_said,
     segment_failure,
     torchrun_argv,
 )
@@ -228,6 +231,7 @@ class SlurmLauncher:
             req.segment,
             rdzv,
             nnodes='"$SLURM_JOB_NUM_NODES"',
+            restarts=req.restarts,
         )
         node_cmd = "exec " + " ".join(argv)
         # Every value below is shell-quoted; run directories and sbatch arguments with control characters are
@@ -308,6 +312,7 @@ class _JobWatch:
         self.note: str | None = None
         self.lost = False
         self.unplaceable_since: float | None = None
+        self.restarts: list[InPlaceRestart] = []
 
     def on_signal(self, signum: int, _frame: object) -> None:
         received_stop.append(signum)  # a second one gives up the upload after the stop (shardkeeper.remote)
@@ -353,6 +358,18 @@ class _JobWatch:
             self.offset += cut
             for line in data[:cut].decode("utf-8", "replace").splitlines():
                 self.out.feed(line)
+        self._take_restarts()
+
+    def _take_restarts(self) -> None:
+        """The restarts in place the nodes' agents said in the job's output: named from the output alone (no rank is
+        watched from this host), said in one line and handed to the controller."""
+        while len(self.restarts) < len(self.out.generations):
+            record, ended = self.out.generations[len(self.restarts)]
+            restart = restart_from_record(len(self.restarts) + 1, record, ended)
+            self.restarts.append(restart)
+            self.sink(restart_said(restart))
+            if self.req.on_restart is not None:
+                self.req.on_restart(restart)
 
     def run(self) -> LaunchOutcome:
         previous = {}
@@ -489,7 +506,8 @@ class _JobWatch:
             code, preempted = EXIT_PREEMPTED, True
             note = (
                 note
-                or f"Slurm ended job {self.job_id} as {state}; the next segment resumes from the latest valid checkpoint"
+                or f"Slurm ended job {self.job_id} as {state}; "
+                "the next segment resumes from the latest valid checkpoint"
             )
         elif state == "CANCELLED":
             if self.stop_reason == "timeout":
@@ -535,4 +553,5 @@ class _JobWatch:
             note=note,
             scheduler_preempted=preempted,
             failure=failure,
+            restarts=list(self.restarts),
         )

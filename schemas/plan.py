@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from schemas.requests import SegmentPlan, TrainExportRequest
 
 PLAN_NAME = "plan.json"
-PLAN_FORMAT = 1
+PLAN_FORMAT: Literal[1] = 1
 
 # Who drives a plan (or launched a segment of it):
 #   flow        the train-and-export flow run that wrote the plan (its own retries after a preemption included)

@@ -216,7 +216,7 @@ class ResumeRequest(_FlowParameters, _Placement):
         description="nodes to resume a run without a plan on (with launcher slurm, "
         "fewer when fewer are usable now); default: the preempted segment's",
     )
-    launcher: Launcher | None = Field(
+    launcher: Launcher | None = Field(  # type: ignore[assignment]  # optional here: the preempted segment's
         None,
         description="local (torchrun here) or slurm (sbatch from here) for a run "
         "without a plan; default: the preempted segment's",

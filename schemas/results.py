@@ -60,6 +60,17 @@ class SegmentResult(_Frozen):
     times: SegmentTimes | None = Field(
         None, description="when the ranks reached each phase (start-up, first step, preemption), as they reported it"
     )
+    restarts: int = Field(
+        0,
+        ge=0,
+        description="times the segment's ranks were restarted in place after one died "
+        "(checkpoint.restarts); each resumed from the newest memory snapshot or checkpoint",
+    )
+    restart_causes: list[str] = Field(
+        default_factory=list,
+        description="why each in-place restart happened, in order: "
+        "the rank that died first and how, e.g. 'rank 1: SIGKILL'",
+    )
 
 
 class ReshardResult(_Frozen):
@@ -83,7 +94,9 @@ class ExportResult(_Frozen):
     seconds: float = Field(0.0, description="wall time")
     peak_rss_bytes: int = Field(
         0,
-        description="peak resident memory (VmHWM) of the exporting process over its life so far: the export's own peak when it ran in its own process (`shardkeeper export`, the flow's export task), else bounded below by whatever the caller held before",
+        description="peak resident memory (VmHWM) of the exporting process over its life so far: the export's own "
+        "peak when it ran in its own process (`shardkeeper export`, the flow's export task), else bounded below by "
+        "whatever the caller held before",
     )
 
 

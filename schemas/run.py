@@ -282,6 +282,19 @@ class CheckpointPolicy(_Frozen):
         "snapshot newer than storage is persisted by the launcher when a segment dies (also by a later segment "
         "that runs with the memory tier off or another memory_dir, which then removes the dir it left)",
     )
+    restarts: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="how many times a segment restarts its ranks in place when one of them dies "
+        "while its node lives (killed by a signal: SIGKILL, the OOM killer, a segfault, an abort; or a collective "
+        "that timed out or lost its peer because of such a death): the launcher does not exit and keeps the run "
+        "lock, the node's agent starts the ranks again (from a fork server that has imported torch already) and "
+        "they resume from the newest memory snapshot (else storage's newest checkpoint); each restart is recorded "
+        "in lineage and segments.jsonl. An error of the rank's own (a Python exception, bad input, a non-finite "
+        "loss, an exit code) is never restarted: it would fail again. After this many restarts the segment fails "
+        "as it would without any; 0 = never restart (the segment ends at the first death)",
+    )
     memory_dir: str | None = Field(
         None,
         min_length=1,

@@ -40,6 +40,13 @@ LAUNCH_ENV = "SHARDKEEPER_LAUNCH"  # absolute path of the SegmentLaunch file, se
 NODE_ENV = "SHARDKEEPER_NODE_NAME"  # a node's name for its memory tier dir (set per agent when one host runs several)
 # A rank that fails writes its cause as one line with this prefix, last, on stderr; the launcher shows it.
 RANK_ERROR_PREFIX = "shardkeeper-error:"
+# The node's agent (trainer.agent) says each in-place restart of its ranks (checkpoint.restarts) as one line with this
+# prefix and a JSON object (restart, of, rank, cause, line) on its stderr; every launcher reads it from the output.
+RESTART_PREFIX = "shardkeeper-restart:"
+# Set by the node's agent for its ranks: a folder where a rank whose failure only follows another's (a collective
+# that lost its peer or timed out) leaves a note (``consequence-RANK``), so that the agent restarts the ranks in place
+# for it; a rank that fails without one failed for a cause of its own, which is never restarted.
+RANK_NOTES_ENV = "SHARDKEEPER_RANK_NOTES"
 # A user's script (shardkeeper train --script) that raised: the first failing rank writes the script's own
 # traceback (its frames, not shardkeeper's) here; the controller shows it above the one-line failure. A rank whose
 # error is only a consequence of another rank's end (a collective that lost its peer) writes none.
@@ -215,7 +222,17 @@ class SegmentReport(_Frozen):
         description="how the ranks ran the math (performance section as applied: activation-checkpointed and "
         "compiled blocks, AdamW implementation); recorded on the segment's lineage event",
     )
-    times: SegmentTimes | None = Field(None, description="when the segment reached each phase (start-up, preemption)")
+    times: SegmentTimes | None = Field(
+        None,
+        description="when the segment reached each phase (start-up, preemption); "
+        "for ranks restarted in place, their own phases, from their own start",
+    )
+    restarts: int = Field(
+        0,
+        ge=0,
+        description="how often the segment's ranks had been restarted in place before the "
+        "ranks that wrote this report started (checkpoint.restarts)",
+    )
 
     def write(self, run_dir: Path) -> Path:
         path = Path(run_dir) / REPORT_FILE

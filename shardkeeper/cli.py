@@ -67,7 +67,8 @@ def _main(
 def _rank_output(line: str) -> None:
     """The ranks' progress log reaches the terminal; their tracebacks, warnings and torchrun's summary only with
     -v (a failure is reported once, as one line, after the launch)."""
-    if _STATE["verbose"] or (_RANK_LOG.match(line) and RANK_ERROR_PREFIX not in line):
+    own_error = "not restarted in place: " in line and "an error of its own" in line  # the failure line says it
+    if _STATE["verbose"] or (_RANK_LOG.match(line) and RANK_ERROR_PREFIX not in line and not own_error):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
@@ -168,10 +169,19 @@ def train(
         if res.scheduler_job
         else ""
     )
-    msg = f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} on {where} in {res.seconds:.1f} s{job}"
+    msg = (
+        f"segment {res.segment} {res.status}: steps {res.start_step} -> {res.end_step} "
+        f"on {where} in {res.seconds:.1f} s{job}"
+    )
+    if res.restarts and res.status != "failed":  # a failure's line says them
+        msg += f", ranks restarted in place {res.restarts}x ({'; '.join(res.restart_causes)})"
     times = res.times
     if times is not None and times.time_to_first_step_s is not None:
-        msg += f" (first step after {times.time_to_first_step_s:.1f} s"
+        msg += (
+            f" (first step {times.time_to_first_step_s:.1f} s after the restarted ranks started"
+            if res.restarts
+            else f" (first step after {times.time_to_first_step_s:.1f} s"
+        )
         msg += (
             f", emergency checkpoint in {times.emergency_save_s:.1f} s)" if times.emergency_save_s is not None else ")"
         )

@@ -48,7 +48,8 @@ def lineage_cmd(
     steps = [e.step for e in events if e.kind == "checkpoint" and e.step is not None]
     existing = len(rd.committed()) if existing_remote is None else existing_remote
     out.print(
-        f"{rd.root.name if existing_remote is None else _name(run_dir)}: {kinds.count('checkpoint')} checkpoints written ({existing} exist now), latest step "
+        f"{rd.root.name if existing_remote is None else _name(run_dir)}: "
+        f"{kinds.count('checkpoint')} checkpoints written ({existing} exist now), latest step "
         f"{max(steps) if steps else 0}; {kinds.count('segment')} segment events, {kinds.count('resume')} resumes, "
         f"{kinds.count('reshard')} reshards, {kinds.count('export')} exports, {kinds.count('publish')} publishes"
         + (f"; last event {events[-1].time}" if events else ""),

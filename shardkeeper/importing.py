@@ -47,6 +47,18 @@ _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
 @dataclass(frozen=True)
 class ImportResult:
+    """What ``import_checkpoint`` committed.
+
+    Attributes:
+        source: The folder the checkpoint was read from (the one of ``step`` when the source held several).
+        layout: The source's layout as recognised (e.g. an HF Trainer ``checkpoint-N``, DeepSpeed, DCP).
+        checkpoint: The committed checkpoint directory, ``RUN_DIR/checkpoints/step-XXXXXXXX``.
+        format: The format it was written in: ``dcp`` (backend ``fsdp2``) or ``deepspeed``.
+        step: The step the run continues from (the source's optimizer step).
+        tensors: How many tensors the checkpoint's manifest lists.
+        seconds: Wall time of the whole import, checks included.
+    """
+
     source: str
     layout: str
     checkpoint: str
@@ -57,8 +69,17 @@ class ImportResult:
 
 
 def describe_model(spec: RunSpec) -> TargetModel:
-    """The config's model as the built-in trainer builds it, parameters on the meta device: names, shapes, AdamW
-    groups (trainer.optim.build_optimizer) and the export record the trainer records."""
+    """Describe the config's model as the built-in trainer builds it, without allocating its weights.
+
+    The model is built on the meta device; its AdamW groups come from ``trainer.optim.build_optimizer``.
+
+    Args:
+        spec: The run's config (its ``model`` and ``optim`` sections are read).
+
+    Returns:
+        The parameter names and shapes in ``model.named_parameters()`` order, the optimizer's groups and their
+        hyperparameters, the export record the trainer records and the tied parameters.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -83,7 +104,17 @@ def describe_model(spec: RunSpec) -> TargetModel:
 
 
 def check_run_dir(rd: RunDir, spec: RunSpec) -> None:
-    """The run directory must hold no checkpoint yet; a run.yaml there must describe the same run."""
+    """Check that ``rd`` can take an imported checkpoint: no checkpoint yet, and any ``run.yaml`` the same run.
+
+    Args:
+        rd: The run directory (it need not exist).
+        spec: The config the import is done with.
+
+    Raises:
+        RunDirError: The directory already holds a checkpoint (committed, partial or set aside), or its
+            ``run.yaml`` differs from ``spec`` in a section a later segment may not change.
+        ConfigError: The ``run.yaml`` there cannot be read as a config.
+    """
     held = rd.committed() + rd.partials() + rd.quarantined()
     if held:
         raise RunDirError(
@@ -103,8 +134,19 @@ def check_run_dir(rd: RunDir, spec: RunSpec) -> None:
 
 
 def template_manifest(spec: RunSpec, target: TargetModel, step: int) -> CheckpointManifest:
-    """The manifest of the imported checkpoint, less what the writer fills in (files, tensors, model signature,
-    fingerprint): counters of ``step`` steps of the config's global batch, the config's dtypes."""
+    """Build the manifest of the imported checkpoint, less what the writer fills in.
+
+    The writer adds the files, tensors, model signature and fingerprint.
+
+    Args:
+        spec: The config the import is done with.
+        target: The config's model (``describe_model``).
+        step: The optimizer step the source checkpoint is at.
+
+    Returns:
+        A manifest whose counters are ``step`` steps of the config's global batch (samples, and tokens at its
+        ``data.seq_len``), with the config's dtypes and the format of its backend.
+    """
     from trainer.adopt import template_manifest as template
 
     samples = step * spec.global_batch_size
@@ -123,7 +165,40 @@ def template_manifest(spec: RunSpec, target: TargetModel, step: int) -> Checkpoi
 def import_checkpoint(
     src: str | Path, spec: RunSpec, run_dir: str | Path, *, step: int | None = None, config_name: str = "the config"
 ) -> ImportResult:
-    """Adopt the checkpoint in ``src`` as the first checkpoint of the run ``run_dir`` trained by ``spec``."""
+    """Adopt the checkpoint in ``src`` as the first checkpoint of the run ``run_dir`` trained by ``spec``.
+
+    Everything is checked before anything is written (the source's layout and checksums, its tensors against the
+    config's model, the run directory); the run lock is held while the checkpoint and ``run.yaml`` are written, and
+    a failure after that removes what this import created (the run directory itself when it was new).
+
+    Args:
+        src: The folder another tool wrote: an HF Trainer or DeepSpeed ``checkpoint-N``, a folder of several, a
+            DCP checkpoint.
+        spec: The config of the run the checkpoint starts; its model must have the source's tensors.
+        run_dir: A local run directory that holds no checkpoint yet (created if missing).
+        step: Which checkpoint to take when ``src`` holds several; default: the newest.
+        config_name: How refusals name the config (the CLI passes its path).
+
+    Returns:
+        What was committed: the checkpoint's path, format, step and tensor count, and the time taken.
+
+    Raises:
+        RunDirError: ``run_dir`` is a URL (``s3://...``: import locally, then train on the store), already holds
+            checkpoints, or has a ``run.yaml`` of another run.
+        RunLockedError: Another process holds the run's lock.
+        CheckpointError: ``src`` is missing, of a layout not recognised, already a shardkeeper checkpoint, fails
+            its integrity checks, or holds another model's tensors (the first that differs is named).
+
+    Example:
+        ```python
+        from shardkeeper.config import load_run_spec
+        from shardkeeper.importing import import_checkpoint
+
+        spec = load_run_spec("configs/my-model.yaml")
+        res = import_checkpoint("out/checkpoint-500", spec, "runs/adopted")
+        print(res.checkpoint, res.step)
+        ```
+    """
     from concurrent.futures import ThreadPoolExecutor
 
     from ckpt.formats.foreign import open_foreign

@@ -4,9 +4,9 @@ Checking a ``model.model_type`` + ``model.config`` means importing transformers,
 building the model on the meta device: ~3 s of CPU on every ``shardkeeper train``, the same answer every time for
 the same inputs. A successful check is kept as a small JSON file keyed by everything it depends on (the model
 section, data.seq_len, the transformers and torch versions, the source of config.py, preflight.py and this
-module); a later launch with the same key reads the numbers back and does not import transformers. Failures are never kept (each refusal is
-computed again, with its one line). A pretrained model is always checked in full (its files may change).
-Stored under ``$SHARDKEEPER_CACHE/preflight`` (default ``~/.cache/shardkeeper/preflight``); an unreadable or
+module); a later launch with the same key reads the numbers back and does not import transformers. Failures are never
+kept (each refusal is computed again, with its one line). A pretrained model is always checked in full (its files may
+change). Stored under ``$SHARDKEEPER_CACHE/preflight`` (default ``~/.cache/shardkeeper/preflight``); an unreadable or
 malformed entry, or one whose numbers are out of bounds or disagree with what ``model.config`` states, is
 ignored and rewritten. ``SHARDKEEPER_PREFLIGHT_CACHE=0`` turns it off.
 """

@@ -93,8 +93,8 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
 
 def check_memory_tier(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path, params: int | None) -> None:
     """checkpoint.memory_interval: a writable tmpfs, no run directory, with room for three snapshots of each rank on
-    this node (fp32 masters + AdamW moments, as fsdp2 shards them, x1.3); the file system only where the ranks run here (the local
-    launcher)."""
+    this node (fp32 masters + AdamW moments, as fsdp2 shards them, x1.3); the file system only where the ranks run here
+    (the local launcher)."""
     if spec.checkpoint.memory_interval is None:
         return
     from ckpt.memtier import check_memory_tier as check

@@ -212,3 +212,39 @@ def ds_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     finally:
         mp.undo()
     return run
+
+
+# Modules whose tests run in this process or in in-process rank groups: no torchrun launch, no Prefect, Slurm or S3
+# server, no browser. ``make test-fast`` runs them (their own launching tests are marked slow where they stand);
+# every other module's tests are marked slow here. A new module is slow until it is listed.
+FAST_MODULES = frozenset(
+    {
+        "test_bad_input",
+        "test_bench_tables",
+        "test_corruption",
+        "test_crafted_sources",
+        "test_direct_io",
+        "test_docs",
+        "test_export",
+        "test_fuzz",
+        "test_gpu",
+        "test_hostile_pickles",
+        "test_identity",
+        "test_kubernetes",
+        "test_layering",
+        "test_onepass",
+        "test_performance",
+        "test_publish",
+        "test_retention_sweep",
+        "test_scale_checks",
+        "test_strict",
+        "test_units",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of every module not in FAST_MODULES slow (what ``make test-fast`` leaves out)."""
+    for item in items:
+        if item.path.stem not in FAST_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -350,6 +350,11 @@ def test_user_exception_shows_the_users_traceback_and_one_line(launched: dict) -
     assert 'api_modes.py", line' in r.stderr and "in explode" in r.stderr and "ValueError: boom at step 3" in r.stderr
     assert "trainer/api.py" not in r.stderr and "runpy" not in r.stderr  # their frames, not shardkeeper's
     assert "error: segment 0 failed" in r.stderr and "api_modes.py line" in r.stderr
+    # an error of the rank's own is never restarted in place (checkpoint.restarts): it would fail again
+    assert (
+        "shardkeeper: not restarted in place: rank 0 failed with exit code 1, an error of its own" in r.stderr
+        and "restarting the ranks in place" not in r.stderr
+    ), r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("mode", list(MISUSE))

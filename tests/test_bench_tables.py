@@ -15,7 +15,8 @@ benchlib = importlib.import_module("benchlib")
 readme_tables = importlib.import_module("readme_tables")
 
 HEADER = re.compile(
-    r"^_Measured \d{4}-\d\d-\d\d \d\d:\d\d UTC on \d+ CPU cores, [\d.]+ GiB memory, .+; (load average [\d./]+ \(1/5/15 min\) when the table was printed; )?python [\d.]+, "
+    r"^_Measured \d{4}-\d\d-\d\d \d\d:\d\d UTC on \d+ CPU cores, [\d.]+ GiB memory, .+; "
+    r"(load average [\d./]+ \(1/5/15 min\) when the table was printed; )?python [\d.]+, "
     r"torch [^,]+, [^`]*command: `python bench/[a-z0-9_]+\.py[^`]*`_$"
 )
 

@@ -299,7 +299,8 @@ def test_backends_agree_on_uninterrupted_runs(z2_ref: Path, fsdp_ref: Path) -> N
     rel = max_rel(metrics(fsdp_ref), metrics(z2_ref), range(1, END + 1))
     gn = max_rel(metrics(fsdp_ref), metrics(z2_ref), range(1, END + 1), key="grad_norm")
     print(
-        f"\nDeepSpeed ZeRO-2 vs FSDP2, 2 ranks, steps 1-{END}: max relative difference loss {rel:.2e}, grad norm {gn:.2e}"
+        f"\nDeepSpeed ZeRO-2 vs FSDP2, 2 ranks, steps 1-{END}: "
+        f"max relative difference loss {rel:.2e}, grad norm {gn:.2e}"
     )
     assert rel <= 1e-6 and gn <= 1e-5
 

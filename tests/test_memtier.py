@@ -338,7 +338,7 @@ def test_recycle_never_hands_writers_a_symlink_nor_touches_a_dir_another_run_own
     assert (victim / "__0_0.distcp").read_bytes() == b"precious" * 100  # a symlinked reuse dir is never used
     assert (partial / "__0_0.distcp").read_bytes() == b"new snapshot"
     other = _run(tmp_path / "other")
-    (mem.root / memtier.OWNER_NAME).write_text('{"run_dir": "%s", "id": "x"}' % other.root)
+    (mem.root / memtier.OWNER_NAME).write_text('{"run_dir": "%s", "id": "x"}' % other.root)  # noqa: UP031
     assert memtier_recycle.recycle(mem, 8, run) is None and mem.checkpoint(4).is_dir()
 
 
@@ -786,7 +786,8 @@ def test_between_segments_persists_a_memory_dir_the_run_left_then_removes_it_and
     ]
     assert lines(_tier(spec, memory_interval=None)) == [
         why.format(
-            f"to try it, run a segment at world size 2 with checkpoint.memory_interval set and checkpoint.memory_dir {mem} "
+            "to try it, run a segment at world size 2 with checkpoint.memory_interval set and "
+            f"checkpoint.memory_dir {mem} "
             "(the ranks load it only if it passes every check)"
         )
     ]

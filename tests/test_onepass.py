@@ -291,8 +291,8 @@ def test_a_received_file_is_written_whole_through_short_writes_and_a_full_memory
         calls: list[int] = []
 
         def pwrite(fd: int, buf, off: int, mode: str = mode) -> int:
-            calls.append(len(buf))
-            if len(calls) == 2:  # the second write: half of it, or nothing
+            calls.append(len(buf))  # noqa: B023
+            if len(calls) == 2:  # the second write: half of it, or nothing  # noqa: B023
                 return 0 if mode == "nothing" else real(fd, bytes(buf)[: len(buf) // 2], off)
             return real(fd, buf, off)
 

@@ -340,9 +340,10 @@ def _crash_after_snapshot(mem: Path, steps: range, killed: list[int], storage_ev
 
 def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp_path: Path, capfd) -> None:
     """Memory snapshots every K=4 steps, storage every 7. A rank SIGKILLed after the first snapshot storage has not
-    (step s = 8, 12, 16 or 20; one due while a save is still being written is skipped): the launcher persists it after validating it (a tampered copy is refused), the next segment resumes
-    from memory (tier 'memory' in lineage), bitwise like the uninterrupted reference, having lost <= K steps. A
-    tampered snapshot at a later crash point is never loaded: one line, storage used, training bitwise."""
+    (step s = 8, 12, 16 or 20; one due while a save is still being written is skipped): the launcher persists it after
+    validating it (a tampered copy is refused), the next segment resumes from memory (tier 'memory' in lineage), bitwise
+    like the uninterrupted reference, having lost <= K steps. A tampered snapshot at a later crash point is never
+    loaded: one line, storage used, training bitwise."""
     from ckpt.layout import RunDir
     from ckpt.memtier_persist import persist_newer
     from ckpt.validate import latest_valid

@@ -169,12 +169,12 @@ def test_concurrent_takers_of_an_expired_lease_exactly_one_wins(s3_endpoint: str
         refused: list[str] = []
 
         def take(i: int) -> None:
-            barrier.wait()
+            barrier.wait()  # noqa: B023
             try:
-                takers[i].acquire()
-                won.append(i)
+                takers[i].acquire()  # noqa: B023
+                won.append(i)  # noqa: B023
             except RunLockedError as e:
-                refused.append(str(e))
+                refused.append(str(e))  # noqa: B023
 
         threads = [threading.Thread(target=take, args=(i,)) for i in range(len(takers))]
         for t in threads:

@@ -132,7 +132,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     (
         "float-in-pair-from-string",
         train("--set", "optim.betas=[0.9, '0.95']"),
-        "--set: field optim.betas.1: expected a number, got '0.95' (a string); write a number without quotes, e.g. betas:",
+        "--set: field optim.betas.1: expected a number, got '0.95' (a string); "
+        "write a number without quotes, e.g. betas:",
     ),
     (
         "string-from-number",

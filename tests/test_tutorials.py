@@ -32,13 +32,16 @@ shardkeeper validate runs/own/checkpoints/step-00000040 --deep
 """
 
 # docs/tutorials/finetune.md
-FINETUNE = """\
-python -m infra.make_tiny_pretrained runs/tiny-base     # a tiny Llama (save_pretrained) + a BPE tokenizer with a chat template
-shardkeeper train --config configs/tiny-finetune.yaml --run-dir runs/tiny-ft --nproc 2 --until-step 20
-shardkeeper train --config configs/tiny-finetune.yaml --run-dir runs/tiny-ft --nproc 3 --until-step 40   # resumes (checkpoint, not the base weights)
-shardkeeper export runs/tiny-ft/checkpoints/step-00000040 runs/tiny-ft/exports/step-00000040
-python -c "from transformers import AutoModelForCausalLM, AutoTokenizer as T; p='runs/tiny-ft/exports/step-00000040'; AutoModelForCausalLM.from_pretrained(p); print(T.from_pretrained(p))"
-"""
+FINETUNE = (
+    "python -m infra.make_tiny_pretrained runs/tiny-base     "
+    "# a tiny Llama (save_pretrained) + a BPE tokenizer with a chat template\n"
+    "shardkeeper train --config configs/tiny-finetune.yaml --run-dir runs/tiny-ft --nproc 2 --until-step 20\n"
+    "shardkeeper train --config configs/tiny-finetune.yaml --run-dir runs/tiny-ft --nproc 3 --until-step 40   "
+    "# resumes (checkpoint, not the base weights)\n"
+    "shardkeeper export runs/tiny-ft/checkpoints/step-00000040 runs/tiny-ft/exports/step-00000040\n"
+    'python -c "from transformers import AutoModelForCausalLM, AutoTokenizer as T; '
+    "p='runs/tiny-ft/exports/step-00000040'; AutoModelForCausalLM.from_pretrained(p); print(T.from_pretrained(p))\"\n"
+)
 
 # docs/how-to/publish-older-step.md (continues the fine-tune run: keep_last 3 kept steps 30, 35 and 40)
 PUBLISH_OLDER = """\

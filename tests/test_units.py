@@ -643,3 +643,99 @@ def test_the_first_rank_failure_line_outlives_the_output_window() -> None:
     quiet = OutputSplitter(lambda line: None, keep=5)
     quiet.feed(f"{RANK_ERROR_PREFIX} rank 0: failed")
     assert quiet.lines() == [f"{RANK_ERROR_PREFIX} rank 0: failed"]
+
+
+def test_a_failed_group_restarts_in_place_for_a_death_or_a_lost_peer_never_for_an_error_of_its_own() -> None:
+    from launch.attribution import WorkerEnd, parse_restart_line, restart_line, restart_verdict
+
+    killed, lost = WorkerEnd(1, -9, 41), WorkerEnd(0, 1, 40, consequence="connection reset by peer")
+    assert restart_verdict([killed, lost]) == (killed, None)  # SIGKILL (from outside, the OOM killer)
+    assert restart_verdict([lost, WorkerEnd(1, -11)])[0].exitcode == -11  # a segfault, seen after its peer's error
+    timed_out = WorkerEnd(0, 1, consequence="timed out waiting in a collective")
+    assert restart_verdict([timed_out, WorkerEnd(1, -15)]) == (timed_out, None)  # a hang: no rank failed on its own
+    for own in (WorkerEnd(1, 1), WorkerEnd(1, 65), WorkerEnd(1, 2), WorkerEnd(1, 3), WorkerEnd(1, 0)):
+        first, why = restart_verdict([killed, lost, own])  # an error of a rank's own vetoes whatever else happened
+        assert first is None and "rank 1 " in why and "a restart would fail the same way" in why, (own, why)
+    assert restart_verdict([WorkerEnd(0, 75), WorkerEnd(1, -15)]) == (None, "the ranks were stopped, not killed")
+    record = parse_restart_line("noise " + restart_line(2, 3, killed, "run-7"))
+    assert record == {
+        "restart": 2,
+        "of": 3,
+        "rank": 1,
+        "pid": 41,
+        "cause": "SIGKILL",
+        "line": "rank 1 (pid 41) died of SIGKILL",
+        "run_id": "run-7",
+    }
+    assert parse_restart_line("shardkeeper-restart: {not json") is None
+
+
+def test_a_rank_forked_by_the_fork_server_starts_as_a_fresh_process_and_ends_as_its_client(tmp_path: Path) -> None:
+    """trainer.forkserver: the same descriptors, signal dispositions, mask, threads, session, argv, working directory
+    and environment as the same command started fresh (the RNG reseeded per fork); its exit code or signal comes back
+    as the client's own, torchrun's SIGTERM reaches it, and it dies with its client."""
+    import signal as sig
+    import time
+
+    scripts = ROOT / "tests" / "scripts"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PROBE_VAR": "x",
+        "SHARDKEEPER_FORK_PRELOAD": "json",
+        "SHARDKEEPER_FORK_SERVER": str(tmp_path / "fork.sock"),
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-u", "-m", "trainer.forkserver", "serve", env["SHARDKEEPER_FORK_SERVER"], str(tmp_path)],
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    log = open(tmp_path / "stdout.txt", "w")  # noqa: SIM115 - both ranks' stdout
+
+    def start(name: str, mode: str, forked: bool = True) -> subprocess.Popen:
+        head = ["-u", "-m", "trainer.forkserver", "rank"] if forked else []
+        return subprocess.Popen(
+            [sys.executable, *head, "-u", "-m", "fork_probe", str(tmp_path / name), mode],
+            env=env,
+            cwd=scripts,
+            stdout=log,
+            start_new_session=True,
+        )
+
+    def wait_for(path: Path) -> None:
+        deadline = time.monotonic() + 30
+        while not path.exists():
+            assert time.monotonic() < deadline, path
+            time.sleep(0.02)
+
+    try:
+        wait_for(tmp_path / "fork.sock")
+        assert start("fresh", "exit7", forked=False).wait(30) == 7
+        assert start("a", "exit7").wait(30) == 7
+        assert start("b", "segv").wait(30) == -sig.SIGSEGV
+        fresh, a, b = (json.loads((tmp_path / n).read_text()) for n in ("fresh", "a", "b"))
+        for key in ("signals", "blocked", "threads", "fds", "cwd", "path0", "probe_var", "stdout", "pdeathsig", "name"):
+            assert a[key] == fresh[key] == b[key], (key, a[key], fresh[key])
+        assert a["argv"][0] == fresh["argv"][0] and a["argv"][0].endswith("fork_probe.py")
+        assert a["argv"][1:] == [str(tmp_path / "a"), "exit7"]
+        assert a["sid"] == a["pid"] and fresh["sid"] == fresh["pid"]  # a session of its own, as torchrun starts ranks
+        assert a["forked_by"] == b["forked_by"] == str(server.pid) and fresh["forked_by"] is None
+        assert a["random"] != b["random"]
+        term = start("t", "term")
+        wait_for(tmp_path / "t.ready")
+        term.send_signal(sig.SIGTERM)  # torchrun's stop, passed on
+        assert term.wait(30) == 5 and (tmp_path / "t.term").exists()
+        sleeper = start("s", "sleep")
+        wait_for(tmp_path / "s.ready")
+        pid = json.loads((tmp_path / "s").read_text())["pid"]
+        sleeper.kill()  # torchrun's SIGKILL of the client: the rank goes with it
+        sleeper.wait(30)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] not in "ZX":
+            assert time.monotonic() < deadline, "the forked rank outlived its client"
+            time.sleep(0.05)
+    finally:
+        server.kill()
+        server.wait(30)
+        log.close()

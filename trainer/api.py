@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -35,7 +35,7 @@ from ckpt.layout import RunDir
 from schemas import RunSpec
 from schemas.errors import UsageError
 from schemas.seam import EXIT_PREEMPTED, SegmentLaunch
-from trainer import timeline
+from trainer import forkserver, lifetime, timeline
 from trainer.checkpointer import Checkpointer, TrainState
 from trainer.dist import DistEnv, init_distributed, log0
 from trainer.signals import PreemptionWatcher
@@ -158,7 +158,7 @@ class Segment:
                 flush=True,
             )
             raise SystemExit(2)
-        self.run_dir = RunDir.at(run_dir if run_dir is not None else launch.run_dir)  # type: ignore[union-attr]
+        self.run_dir = RunDir.at(run_dir if run_dir is not None else launch.run_dir)  # type: ignore[union-attr,arg-type]
         self.until_step = int(until_step if until_step is not None else launch.until_step)  # type: ignore[union-attr]
         self.segment = int(segment if segment is not None else (launch.segment if launch else 0))
         if self.until_step < 0:
@@ -335,7 +335,7 @@ class Segment:
                     f"seg.log({k}=...): a {type(v).__name__}; {k} must be a number (it is checked for "
                     "NaN/Inf at every step): log float(value)"
                 )
-            if k in _GUARDED and not math.isfinite(v):
+            if k in _GUARDED and not math.isfinite(v):  # type: ignore[arg-type]  # a number: checked above
                 self._nonfinite_seen = True  # a later finite value in the same step does not undo it
             self._row[k] = v
 
@@ -400,12 +400,16 @@ class Segment:
         log0(env, "segment %d: steps %d -> %d on %d ranks", self.segment, start, self.until_step, env.world_size)
         progress = ProgressLine(start, self.until_step, tokens_per_step)
         memory_interval = self.spec.checkpoint.memory_interval
+        first = True
         while ts.step < self.until_step:
             t0 = time.perf_counter()
             self._row = {}
             self._nonfinite_seen = False
             yield ts.step
             timeline.mark("first_step")  # the first mark wins: the segment's first optimizer step, on every rank
+            if first:  # the segment is up: the node's fork server may import what restarted ranks will need
+                first = False
+                forkserver.warm()
             ts = TrainState(step=ts.step + 1, tokens=ts.tokens + tokens_per_step, samples=ts.samples + samples_per_step)
             self.state = ts
             if env.is_rank0:
@@ -503,7 +507,9 @@ class Segment:
         seen: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(seen, self._nonfinite_first, group=self.env.ctrl_group)
         step, loss, norm = min((s for s in seen if s is not None), key=lambda s: s[0])
-        what = "loss" if not (isinstance(loss, (int, float)) and math.isfinite(loss)) else "gradient norm"
+        what: Literal["loss", "gradient norm"] = (
+            "loss" if not (isinstance(loss, (int, float)) and math.isfinite(loss)) else "gradient norm"
+        )
         # the script has (most likely) applied the update already: the live state is never saved
         return NonFiniteStep(
             step,
@@ -591,18 +597,22 @@ def write_status(
     if env.is_rank0:
         launch = SegmentLaunch.from_environ()
         ckpt = run_dir.checkpoint(end)
+        restarts = lifetime.restart_count()
+        # ranks restarted in place time their phases from their own start, not from the launch of the first ones
+        origin = launch.launched_at if launch and not restarts else None
         SegmentReport(
             segment=segment,
             status=status,
             start_step=start,
-            end_step=end,  # type: ignore[arg-type]
+            end_step=end,
             checkpoint=str(ckpt) if end and ckpt.exists() else None,
             world_size=env.world_size,
             topology=env.topology,
             note=note,
             exit_code=exit_code,
             execution=execution or None,
-            times=timeline.summarize(marks, launch.launched_at if launch else None),
+            times=timeline.summarize(marks, origin),
+            restarts=restarts,
         ).write(run_dir.root)
 
 

@@ -17,6 +17,10 @@ from trainer import lifetime
 
 log = logging.getLogger("shardkeeper.trainer")
 
+# Set by the node's agent (trainer.agent) for each set of ranks it starts, the same on every node of a rendezvous
+# round: the ranks' process-group keys go under it in torchrun's shared store (below).
+ATTEMPT_ENV = "SHARDKEEPER_ATTEMPT"
+
 
 @dataclass
 class DistEnv:
@@ -58,8 +62,12 @@ def init_distributed(launch: SegmentLaunch | None = None, timeout_s: float = 180
         skip_shm_op()  # DeepSpeed's JIT-built CPU all-reduce op serves inference only (trainer.ds_shm)
     with lifetime.rendezvous_window():  # a stop signal here ends the rank: a dead peer would leave it waiting
         if not dist.is_initialized():
+            timeout = _dt.timedelta(seconds=timeout_s)
             dist.init_process_group(
-                backend=backend, timeout=_dt.timedelta(seconds=timeout_s), device_id=dev if dev.type == "cuda" else None
+                backend=backend,
+                timeout=timeout,
+                device_id=dev if dev.type == "cuda" else None,
+                **_attempt_store(rank, world, timeout),
             )
         mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
         ckpt_group = dist.new_group(backend="gloo")
@@ -72,6 +80,20 @@ def init_distributed(launch: SegmentLaunch | None = None, timeout_s: float = 180
         launcher=launch.topology.launcher if launch else "local",
     )
     return DistEnv(rank, world, local_rank, dev, mesh, ckpt_group, ctrl_group, topo)
+
+
+def _attempt_store(rank: int, world: int, timeout: _dt.timedelta) -> dict:
+    """Under shardkeeper's agent: the process group's store is torchrun's shared store (the agent's, which outlives
+    every set of ranks) under this set's own prefix. torchrun hands every set of ranks the same store without one, so
+    ranks restarted in place would read the addresses the ranks before them left there (gloo then connects to a dead
+    rank's port: torch issue 135712). Elsewhere: nothing (init_process_group reads MASTER_ADDR/MASTER_PORT)."""
+    attempt = os.environ.get(ATTEMPT_ENV)
+    if not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return {}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
+    return {"store": dist.PrefixStore(f"shardkeeper/{attempt}/", store), "rank": rank, "world_size": world}
 
 
 def log0(env: DistEnv | None, msg: str, *args: object) -> None:

@@ -1,4 +1,5 @@
-"""The DeepSpeed ZeRO 1/2/3 Checkpointer: DeepSpeed's own files under the shared commit protocol (``trainer.checkpointer``).
+"""The DeepSpeed ZeRO 1/2/3 Checkpointer: DeepSpeed's own files under the shared commit protocol
+(``trainer.checkpointer``).
 
 A checkpoint is ``step-XXXXXXXX/`` holding DeepSpeed's own files (``engine.save_checkpoint``), each rank's RNG state
 (``rng_rank_XXXXX.pt``, which also carries the packed states of a script's tracked objects) and the counters

@@ -45,7 +45,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
                 original = loader.exec_module
 
                 def exec_module(module: ModuleType) -> None:
-                    original(module)
+                    original(module)  # noqa: B023
                     _patch(module)
 
                 loader.exec_module = exec_module  # type: ignore[method-assign]

@@ -1,7 +1,8 @@
 """A rank never outlives the process that launched its segment (and holds the run lock).
 
-Stdlib only at import (the seam's schema is read once the handlers are in): ``guard_rank`` runs first thing in ``python -m trainer.segment``, before torch is
-imported, so a rank orphaned during its (slow) start-up dies as early as one that is training.
+Stdlib only at import (the seam's schema is read once the handlers are in): ``guard_rank`` runs first thing in
+``python -m trainer.segment``, before torch is imported, so a rank orphaned during its (slow) start-up dies as early as
+one that is training.
 
 Three layers, because each alone has a gap:
 
@@ -10,6 +11,8 @@ Three layers, because each alone has a gap:
    PDEATHSIG fires when the parent *thread* that forked the child exits, not the parent process:
    torchrun starts its ranks from its main thread, and the launcher's Popen runs in the thread that
    then waits on it (the CLI's main thread, or the Prefect task's thread), so both outlive the child.
+   A rank restarted in place is the child of the node's fork server (``trainer.forkserver``), which is
+   torchrun's child and dies with it: the same chain, one link longer.
 2. The race "parent died before prctl": after prctl the rank checks that its parent is still the
    one torchrun it had, and that the launcher (``SegmentLaunch.launcher_pid``) is alive and is
    torchrun's parent.
@@ -36,6 +39,7 @@ from collections.abc import Iterator
 from ckpt.fsutil import pid_alive  # stdlib only: safe before torch is imported
 from launch.procs import is_zombie, proc_stat, set_pdeathsig  # stdlib only (launch/__init__ imports nothing heavy)
 from trainer import timeline  # stdlib only
+from trainer.forkserver import FORKED_ENV  # stdlib only
 
 WATCHDOG_PERIOD_S = 0.5
 EXIT_STOPPED_IN_STARTUP = 75  # schemas.seam.EXIT_PREEMPTED (this module stays stdlib only)
@@ -54,6 +58,12 @@ def install_early_stop_handlers() -> None:
     """SIGTERM/SIGUSR1 during start-up: remember it (the segment ends 'preempted'), do not die."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, _on_stop_signal)
+
+
+def restart_count() -> int:
+    """How often this segment's ranks were restarted in place before this rank started (torchrun's count)."""
+    raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(raw) if raw.isdigit() else 0
 
 
 def stop_requested() -> int | None:
@@ -149,7 +159,13 @@ def guard_rank(argv: list[str]) -> int | None:
     launcher = launch.launcher_pid if launch else None
     launcher_start = None
     if launcher is not None:
-        stat = proc_stat(parent)
+        # torchrun is this rank's parent, or, for a rank the node's fork server forked (a restart in place,
+        # trainer.forkserver), its parent's parent: the launcher is torchrun's parent
+        torchrun = parent
+        if os.environ.get(FORKED_ENV) == str(parent):
+            up = proc_stat(parent)
+            torchrun = up[0] if up else parent
+        stat = proc_stat(torchrun)
         if not pid_alive(launcher) or (stat is not None and stat[0] != launcher):
             _die(f"its launcher (pid {launcher}) died before the rank started")
         own = proc_stat(launcher)

@@ -1,4 +1,3 @@
-# Stays whole (over 500 lines): one pipeline, read top to bottom, from a dataset source to its cached token file (find, key, load, tokenize, store, check).
 """A dataset (local json/jsonl/parquet/text/csv files or a Hub dataset) -> a cached, memory-mapped token file.
 
 The controller runs this once, before any rank starts (``shardkeeper train`` through ``preflight``, or

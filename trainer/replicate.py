@@ -8,15 +8,18 @@
   read (the sender's own copy checked on the way). Both sides return what they verified (``Verified``): the
   verified load then reads those files without hashing them again, as long as each is still the same file.
 
-Both stream fixed-size chunks through reused buffers (isend/irecv posted together, so two nodes sending to each
-other never wait on one another); a sender that cannot read a file still sends its length (zeros), and the
-receiver's hash refuses it.
+Both stream fixed-size chunks (isend/irecv posted together, so two nodes sending to each other never wait on one
+another): the sender straight from a map of each file (the socket's copy is the only one, no read into a buffer
+first), the receiver through reused buffers into the files. A sender that cannot read a file still sends its length
+(zeros), and the receiver's hash refuses it.
 """
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
+import stat
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,7 @@ import xxhash
 
 from ckpt.fsutil import FileIdentity as Identity
 from ckpt.fsutil import file_identity as identity
-from ckpt.fsutil import pread_full, pwrite_all
+from ckpt.fsutil import pwrite_all
 from schemas import FileEntry
 
 CHUNK = 32 << 20
@@ -38,9 +41,10 @@ Verified = dict[str, tuple[int, str, Identity]]
 
 
 class _Out:
-    """The chunks of the files this rank sends, through two buffers (one in flight while the next is read); with
-    ``verify``, each file hashed as it is read, in order (``verified``: those that matched their entry, unchanged
-    while read)."""
+    """The chunks of the files this rank sends, straight from each file's pages (a map of the file: the send copies
+    them into the socket, no copy into a buffer first; a memory snapshot's files are in tmpfs); with ``verify``,
+    each file hashed as it is sent, in order (``verified``: those that matched their entry, unchanged while sent).
+    A file that cannot be mapped whole (missing, shorter than its entry) is sent as zeros from a buffer."""
 
     def __init__(self, root: Path, files: list[FileEntry], verify: bool = False) -> None:
         self.verify = verify
@@ -48,34 +52,84 @@ class _Out:
         self.parts = [
             (i, off, min(CHUNK, f.size - off)) for i, f in enumerate(files) for off in range(0, f.size, CHUNK)
         ]
-        size = min(CHUNK, max((n for _, _, n in self.parts), default=1))
-        self.bufs = [torch.empty(size, dtype=torch.uint8) for _ in range(2 if len(self.parts) > 1 else 1)]
+        self._zeros: torch.Tensor | None = None
         self.root, self.problem = root, None
         self.hashes = [xxhash.xxh3_128() for _ in files]
         self.seen: dict[int, Identity | None] = {}  # the file's identity; None: it changed or failed
+        self._open: tuple[int, int, mmap.mmap, torch.Tensor] | None = None  # (file, descriptor, its map, as bytes)
+        # earlier files' maps: a send of their chunks may be in flight
+        self._retired: list[tuple[int, int, mmap.mmap, torch.Tensor]] = []
 
     def chunk(self, i: int) -> torch.Tensor:
+        """Chunk ``i``: a view of its file's map (valid until the next file's first chunk, or ``close``)."""
         k, off, n = self.parts[i]
-        path = self.root / self.files[k].path
-        view = self.bufs[i % len(self.bufs)][:n]
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                before = identity(os.fstat(fd)) if self.verify else None
-                if not pread_full(fd, memoryview(view.numpy()), off):
-                    raise OSError(0, "shorter than its manifest says")
-                if self.verify:  # unchanged across this read and since the file's first chunk, or not verified here
-                    same = identity(os.fstat(fd)) == before and self.seen.get(k, before) == before
-                    self.seen[k] = before if same else None
-            finally:
-                os.close(fd)
-        except OSError as e:
-            view.zero_()
-            self.seen[k] = None
-            self.problem = self.problem or f"{path}: could not be read to send it ({e.strerror or e})"
+        whole = self._mapped(k)
+        if whole is None:  # said in ``problem``; the receiver's hash refuses the zeros
+            if self._zeros is None or self._zeros.numel() < n:
+                self._zeros = torch.zeros(CHUNK, dtype=torch.uint8)
+            return self._zeros[:n]
+        view = whole[off : off + n]
         if self.verify:
             self.hashes[k].update(memoryview(view.numpy()))
+        if self.verify and off + n == self.files[k].size:  # its last chunk: unchanged since it was mapped?
+            fd = self._open[1] if self._open is not None else -1
+            try:
+                if identity(os.fstat(fd)) != self.seen.get(k):
+                    self.seen[k] = None
+            except OSError:
+                self.seen[k] = None
         return view
+
+    def _mapped(self, k: int) -> torch.Tensor | None:
+        """File ``k`` mapped (the previous file's map released); None when it cannot be read whole."""
+        if self._open is not None and self._open[0] == k:
+            return self._open[3]
+        if k in self.seen and self.seen[k] is None:
+            return None  # failed before
+        if self._open is not None:  # released once its last chunk's send is done (``release``)
+            self._retired.append(self._open)
+            self._open = None
+        path = self.root / self.files[k].path
+        size = self.files[k].size
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            return self._unreadable(k, path, e)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+                raise OSError(0, "shorter than its manifest says" if stat.S_ISREG(st.st_mode) else "not a regular file")
+            # private and writable (never written: no page is copied), so that torch takes it without a copy
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            os.close(fd)
+            return self._unreadable(k, path, e)
+        whole = torch.frombuffer(mapped, dtype=torch.uint8)
+        self.seen[k] = identity(st)
+        self._open = (k, fd, mapped, whole)
+        return whole
+
+    def _unreadable(self, k: int, path: Path, e: OSError) -> None:
+        self.seen[k] = None
+        self.problem = self.problem or f"{path}: could not be read to send it ({e.strerror or e})"
+
+    def release(self) -> None:
+        """Unmap the files before the current one (call when no send of their chunks is in flight)."""
+        retired, self._retired = self._retired, []
+        for _, fd, mapped, whole in retired:
+            del whole
+            try:
+                mapped.close()
+            except BufferError:  # a view still held (a failed send's traceback): unmapped when it is freed
+                pass
+            os.close(fd)
+
+    def close(self) -> None:
+        """Unmap every file (call when no send is in flight)."""
+        if self._open is not None:
+            self._retired.append(self._open)
+            self._open = None
+        self.release()
 
     def verified(self) -> Verified:
         if not self.verify:
@@ -113,8 +167,8 @@ class _In:
         return self.bufs[b][: self.parts[k][2]]
 
     def open_all(self) -> None:
-        """Open every file to receive; with ``reuse`` (a retired snapshot's dir, ``ckpt.memtier_recycle.recycle``) a file of
-        the same name there is taken over and overwritten in place (its tmpfs pages reused), cut to its size."""
+        """Open every file to receive; with ``reuse`` (a retired snapshot's dir, ``ckpt.memtier_recycle.recycle``) a
+        file of the same name there is taken over and overwritten in place (its tmpfs pages reused), cut to its size."""
         from ckpt.formats.direct_io import DATA_FILE, take_over
 
         for i, f in enumerate(self.files):
@@ -210,8 +264,8 @@ def _write_problem(where: Path, e: OSError) -> str:
 
 def stream(out: _Out | None, dst: int | None, inc: _In | None, src: int | None, group: dist.ProcessGroup) -> None:
     """Send ``out``'s chunks to ``dst`` and receive ``inc``'s from ``src``, pipelined: chunk k travels while the
-    sender reads chunk k+1 (two buffers) and the receiver hashes chunk k-1 and writes it on its writer thread (three
-    buffers: a buffer is received into again once its chunk's write ended)."""
+    sender hashes chunk k+1 (both straight from the file's map) and the receiver hashes chunk k-1 and writes it on
+    its writer thread (three buffers: a buffer is received into again once its chunk's write ended)."""
     n_out = len(out.parts) if out else 0
     n_in = len(inc.parts) if inc else 0
 
@@ -231,9 +285,11 @@ def stream(out: _Out | None, dst: int | None, inc: _In | None, src: int | None, 
             assert inc is not None
             inc.take(k, view)  # while chunk k + 1 arrives in the other buffer
         if out is not None and k + 1 < n_out:
-            ready = out.chunk(k + 1)  # read into the other buffer while chunk k is in flight
+            ready = out.chunk(k + 1)  # mapped (a new file's) and hashed while chunk k is in flight
         if sent is not None:
             sent.wait()
+            assert out is not None
+            out.release()  # the maps of files whose every chunk is sent
 
 
 def _transfer(
@@ -260,6 +316,8 @@ def _transfer(
         stream(out, dst, inc, src, group)
     finally:
         received = inc.close() if inc is not None else None
+        if out is not None:  # a send that failed raised out of its wait: none is in flight any more
+            out.close()
     if verified is not None:
         verified.update(out.verified() if out is not None else {})
         verified.update(inc.verified() if inc is not None and received is None else {})

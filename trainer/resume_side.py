@@ -7,8 +7,8 @@ the others hash every file first); if the load fails
 because of what the checkpoint holds (an undecodable record, a fingerprint or counter mismatch) all ranks
 agree on it, rank 0 quarantines the checkpoint (ckpt.fsutil.quarantine) and the next older one is tried. A
 load that fails because of the live run (a name or shape the live model does not have, a failed collective:
-``checkpoint_at_fault``) fails the segment in one line and leaves the checkpoint where it is. A later successful load overwrites
-the whole model, optimizer and RNG state, so nothing of the failed attempt survives. If checkpoints exist
+``checkpoint_at_fault``) fails the segment in one line and leaves the checkpoint where it is. A later successful load
+overwrites the whole model, optimizer and RNG state, so nothing of the failed attempt survives. If checkpoints exist
 and none loads, the segment is refused (never a silent restart from step 0) unless the launch said
 restart (``SegmentLaunch.restart``, set by ``shardkeeper train --restart``).
 """
@@ -32,6 +32,7 @@ from schemas import CheckpointManifest
 from schemas.data import data_change
 from schemas.errors import CheckpointError, ModelMismatch
 from schemas.seam import SegmentLaunch
+from trainer import lifetime
 from trainer.ckpt_common import TrainState
 
 log = logging.getLogger("shardkeeper.checkpoint")
@@ -128,7 +129,8 @@ class ResumeSide:
             failed.append(f"{path.name} ({problem})")
         if failed and not (restart and not touched):
             raise CheckpointError(
-                f"{self.run_dir.checkpoints}: no checkpoint could be loaded ({'; '.join(failed)[:600]}); failed loads were "
+                f"{self.run_dir.checkpoints}: no checkpoint could be loaded ({'; '.join(failed)[:600]}); "
+                "failed loads were "
                 "moved aside as step-*.invalid-*; to start over from step 0 run shardkeeper train again with --restart"
             )
         return None
@@ -412,10 +414,11 @@ class ResumeSide:
                 self.env.world_size,
                 seconds,
             )
+            restarts = lifetime.restart_count()  # ranks restarted in place resume again, in the same segment
             lineage.record(
                 self.run_dir,
                 "resume",
-                f"resume:segment-{self.segment}",
+                f"resume:segment-{self.segment}" + (f":restart-{restarts}" if restarts else ""),
                 parent=event,
                 step=ts.step,
                 segment=self.segment,
@@ -424,4 +427,5 @@ class ResumeSide:
                 to_world_size=self.env.world_size,
                 converted=manifest.reason == "converted",
                 load_seconds=round(seconds, 3),
+                **({"restart": restarts} if restarts else {}),
             )

@@ -238,8 +238,8 @@ class SaveSide:
         persist (deleted, a byte changed; the live state is intact). One line on rank 0; the storage checkpoint is
         written the normal way from the live state: now when this save blocks (training waits: the live state is
         still at ``ts.step``), else at the next save not skipped (``_write_owed``: the next snapshot that finds no
-        save in flight, or the segment's end), which writes storage instead of a snapshot. The snapshot is left where it is: the
-        checks of a resume or the launcher's persist refuse it if its bytes changed."""
+        save in flight, or the segment's end), which writes storage instead of a snapshot. The snapshot is left where it
+        is: the checks of a resume or the launcher's persist refuse it if its bytes changed."""
         later = "" if not async_save else " at the next save (blocking)"
         if self.env.is_rank0:
             log.warning(

@@ -41,7 +41,7 @@ import torch.distributed as dist  # noqa: E402
 
 from ckpt.layout import RunDir  # noqa: E402
 from schemas.errors import ShardkeeperError  # noqa: E402
-from schemas.seam import EXIT_PREEMPTED, RANK_ERROR_PREFIX, SegmentLaunch  # noqa: E402
+from schemas.seam import EXIT_PREEMPTED, RANK_ERROR_PREFIX, RANK_NOTES_ENV, SegmentLaunch, collective_error  # noqa: E402
 from trainer import (
     lifetime,  # noqa: E402
     timeline,  # noqa: E402
@@ -159,10 +159,19 @@ def _threads() -> int:
 
 
 def _report_failure(cause: str, code: int) -> None:
-    """The last line this rank writes: the launcher shows the first such line as the segment's failure."""
+    """The last line this rank writes: the launcher shows the first such line as the segment's failure. A failure
+    that only follows another rank's (a collective that lost its peer or timed out) also leaves a note for the
+    node's agent, which may then restart the ranks in place (trainer.agent); any other is the rank's own."""
     rank = os.environ.get("RANK", "0")
     sys.stderr.flush()
     _REPORT[0] = f"{RANK_ERROR_PREFIX} rank {rank}: {cause}"
+    phrase = collective_error(cause)
+    notes = os.environ.get(RANK_NOTES_ENV)
+    if phrase and notes:
+        try:
+            Path(notes, f"consequence-{rank}").write_text(phrase, encoding="utf-8")
+        except OSError:
+            pass  # no note: the agent takes the failure as the rank's own and does not restart
     print(_REPORT[0], file=sys.stderr, flush=True)
     log.debug("rank %s exits with code %d", rank, code)
 

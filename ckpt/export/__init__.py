@@ -128,9 +128,9 @@ def export_checkpoint(
     larger than that is written alone in its own file; ``overwrite`` replaces an existing ``out_dir``
     (atomically, once the new export is complete); ``progress`` shows a rich progress bar; ``deep``
     also checks every checksum in the manifest first, and for DCP the fingerprint (the model bytes are
-    always CRC-checked, as they are copied, before the commit). A deepspeed checkpoint is read in one pass where DeepSpeed stored its fp32
-    master weights. ``tokenizer_from``: where the tokenizer files come from (a folder; None: the run's
-    ``data.tokenizer`` or its base model's folder, see ``ckpt.export.tokenizer``; False: none).
+    always CRC-checked, as they are copied, before the commit). A deepspeed checkpoint is read in one pass where
+    DeepSpeed stored its fp32 master weights. ``tokenizer_from``: where the tokenizer files come from (a folder; None:
+    the run's ``data.tokenizer`` or its base model's folder, see ``ckpt.export.tokenizer``; False: none).
     Raises ExportError (options, output folder, model mismatch) or CheckpointError
     (the checkpoint), each with a one-line message naming the fix.
     """
@@ -210,8 +210,9 @@ def _export(
             if tok_folder is not None:
                 hashes.update(copy_tokenizer(tmp, tok_folder, tok_recorded))
             if watched.vanished() and in_memory_tier(ckpt_dir):
-                # a retired memory snapshot's files are overwritten in place by the next one (ckpt.memtier_recycle.recycle,
-                # which renames the dir first): what was read after it went may be the next snapshot's bytes
+                # a retired memory snapshot's files are overwritten in place by the next one
+                # (ckpt.memtier_recycle.recycle, which renames the dir first): what was read after it went may be
+                # the next snapshot's bytes
                 raise CheckpointRetired(retired_message(ckpt_dir))
             commit_folder(tmp, out_dir, overwrite=overwrite)
         except BaseException:

@@ -185,7 +185,7 @@ def check_tied(ckpt_dir: Path, target: ExportTensor, source: ExportTensor, pool:
     digests = []
     for t in (target, source):
         h = hashlib.sha256()
-        produce(t, t.dtype, pool, lambda view, release: (h.update(view), release and release()))
+        produce(t, t.dtype, pool, lambda view, release: (h.update(view), release and release()))  # noqa: B023
         digests.append(h.digest())
     if target.shape != source.shape or target.dtype != source.dtype or digests[0] != digests[1]:
         raise ExportError(
@@ -217,7 +217,8 @@ def readme_text(
         "",
         "| | |",
         "|---|---|",
-        f"| architecture | {arch} ({manifest.hf_model.config.get('model_type') if manifest.hf_model else manifest.run_spec.model.model_type}) |",
+        f"| architecture | {arch} ("
+        f"{manifest.hf_model.config.get('model_type') if manifest.hf_model else manifest.run_spec.model.model_type}) |",
         *base_rows,
         f"| parameters | {num_params:,} |",
         f"| dtype | {dtype} |",

@@ -2,7 +2,9 @@
 parameter's fp32 weight and AdamW moments as whole tensors, one at a time.
 
     from ckpt.formats.foreign import open_foreign
-    with open_foreign("out/checkpoint-500", step=None, expect=[("model.embed_tokens.weight", (32000, 1024)), ...]) as src:
+    with open_foreign(
+        "out/checkpoint-500", step=None, expect=[("model.embed_tokens.weight", (32000, 1024)), ...]
+    ) as src:
         src.layout, src.path, src.global_step, src.shapes        # what was found
         src.verify()                                              # CRC-32 of every ZeRO partition, before writing
         src.read("model.embed_tokens.weight", "exp_avg")          # fp32 | exp_avg | exp_avg_sq
@@ -319,7 +321,7 @@ class HFTrainerForeign:
             raise CheckpointError(
                 f"{where}: not an optimizer.state_dict() (state + param_groups); the file is not a Trainer checkpoint"
             )
-        for pid, st in state.items():
+        for pid, st in state.items():  # noqa: B007
             keys = sorted(k for k in st if k != "step") if isinstance(st, dict) else ["?"]
             if keys != sorted(MOMENTS):
                 raise CheckpointError(

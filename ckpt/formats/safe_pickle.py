@@ -1,5 +1,4 @@
-# Stays whole (over 500 lines): the allow-list unpickler -- every admitted name, checked opcode and limit -- must be read as one piece.
-"""THE allow-list unpickler: every pickle read from a run directory goes through ``load`` here.
+"""The allow-list unpickler: every pickle read from a run directory goes through ``load`` here.
 
 (One module on purpose, over the house's ~400 lines: the trust boundary — every admitted name, every checked
 opcode and every limit — is reviewable in one place; splitting it would hide one rule from the next.)
@@ -37,8 +36,8 @@ admitted classes (DCP's metadata dataclasses, DeepSpeed's LossScaler/fragment_ad
 created empty by NEWOBJ and filled by BUILD with plain fields (TensorProperties decodes its tuple with
 its own ``__setstate__``). ``DCP_LAYOUT`` admits the same pairs as ``DCP_METADATA`` but maps them to inert
 stand-ins defined here (``LayoutRecord`` classes, dtype names, ``torch.Size`` as a tuple of ints): the quick
-check reads a checkpoint's layout without importing torch. Never admitted: ``_rebuild_parameter`` (hooks), ``copyreg``, ``functools``,
-``builtins.getattr``/``eval``/``exec``/``__import__``/``bytes``/``bytearray`` (``bytes(10**12)``), ...
+check reads a checkpoint's layout without importing torch. Never admitted: ``_rebuild_parameter`` (hooks), ``copyreg``,
+``functools``, ``builtins.getattr``/``eval``/``exec``/``__import__``/``bytes``/``bytearray`` (``bytes(10**12)``), ...
 
 Cost: the Python unpickler is ~5-10x slower than the C one (a 3 MB DCP metadata, ~20k chunks: ~2 s
 against ~0.2 s; 19 MB, 98k chunks at 4,096 ranks: ~8 s against ~0.5 s + a type walk); torch's own
@@ -285,7 +284,8 @@ class _Checked(_Lazy):
 
 @dataclass(frozen=True)
 class _StorageToken(_Lazy):
-    """A storage class name (``torch.FloatStorage``): a StorageType with its torch dtype, made when a pickle names it."""
+    """A storage class name (``torch.FloatStorage``): a StorageType with its torch dtype, made when a pickle
+    names it."""
 
     def resolve(self) -> Any:
         import torch

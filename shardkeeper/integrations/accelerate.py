@@ -51,8 +51,16 @@ __all__ = ["batches", "track", "unwrap"]
 
 
 def unwrap(accelerator: Any, obj: Any) -> Any:
-    """The object Accelerate wrapped: the torch optimizer of an AcceleratedOptimizer, the scheduler of an
-    AcceleratedScheduler, the module inside DDP (an FSDP2 module or a DeepSpeed engine stays as it is)."""
+    """Return the object Accelerate wrapped in ``obj``, or ``obj`` itself when it wraps nothing.
+
+    Args:
+        accelerator: The ``Accelerator`` that prepared ``obj`` (not read; kept for a uniform call).
+        obj: What ``accelerator.prepare`` returned.
+
+    Returns:
+        The torch optimizer of an ``AcceleratedOptimizer``, the scheduler of an ``AcceleratedScheduler``, the
+        module inside DDP; an FSDP2 module, a DeepSpeed engine or anything else as it is.
+    """
     if isinstance(obj, AcceleratedOptimizer):
         return obj.optimizer
     if isinstance(obj, AcceleratedScheduler):
@@ -69,9 +77,35 @@ def _is_deepspeed(accelerator: Any) -> bool:
 def track(
     seg: Segment, accelerator: Any, *, model: Any, optimizer: Any = None, scheduler: Any = None, **state: Any
 ) -> Segment:
-    """``seg.track`` for objects ``accelerator.prepare`` returned (see the module docstring). ``state``: other
-    objects with ``state_dict``/``load_state_dict``; the Accelerator's registered objects and its gradient scaler
-    are added as ``registered_N`` and ``grad_scaler``."""
+    """Track what ``accelerator.prepare`` returned in ``seg``, unwrapped: ``seg.track`` for an Accelerate script.
+
+    The Accelerator's objects registered with ``register_for_checkpointing`` and its gradient scaler (fp16) are
+    tracked too, as ``registered_N`` and ``grad_scaler``. Under Accelerate's DeepSpeed plugin the engine brings its
+    optimizer and the run needs ``backend: deepspeed``. One warning line when the scheduler is stepped once per
+    process (``step_scheduler_with_optimizer=True`` on several ranks): its schedule would depend on the world size.
+
+    Args:
+        seg: The segment, created before the ``Accelerator``.
+        accelerator: The ``Accelerator`` that prepared the objects.
+        model: The prepared model (a DDP or FSDP2 module, or the DeepSpeed engine).
+        optimizer: The prepared optimizer; required unless the model is a DeepSpeed engine (then ignored).
+        scheduler: The prepared LR scheduler, if any.
+        **state: Other objects with ``state_dict()`` and ``load_state_dict()``, by name (as in ``seg.track``).
+
+    Returns:
+        ``seg``.
+
+    Raises:
+        UsageError: No ``optimizer`` without DeepSpeed; under DeepSpeed a ``model`` that is not the engine
+            ``prepare`` returned; or anything ``seg.track`` refuses (called twice, after ``steps()``, names that
+            differ between ranks, an object without ``state_dict()``).
+
+    Example:
+        ```python
+        model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
+        sk_accelerate.track(seg, accelerator, model=model, optimizer=opt, scheduler=sched)
+        ```
+    """
     sched = unwrap(accelerator, scheduler) if scheduler is not None else None
     if isinstance(scheduler, AcceleratedScheduler):
         if scheduler.step_with_optimizer and not scheduler.split_batches and seg.world_size > 1:
@@ -105,11 +139,32 @@ def track(
 
 
 def batches(seg: Segment, accelerator: Any, loader: Any) -> Iterator[Any]:
-    """The prepared loader's batches from the segment's step on, epoch after epoch: epoch ``step // len(loader)``
-    with its first ``step % len(loader)`` batches skipped (``accelerator.skip_first_batches``, nothing is loaded
-    for them). Read ``seg.step`` at the first ``next()``, i.e. inside ``for step in seg.steps()``, after the load.
-    The order must depend on the epoch only: a seedable sampler (``DataLoaderConfiguration(use_seedable_sampler=
-    True)``) or no shuffling."""
+    """Yield the prepared loader's batches from the segment's step on, epoch after epoch, without end.
+
+    The data position is the step: the first batch is from epoch ``step // len(loader)``, with that epoch's first
+    ``step % len(loader)`` batches skipped (``accelerator.skip_first_batches``: nothing is loaded for them), so a
+    resume at another world size continues where the run was. ``seg.step`` is read at the first ``next()``, so
+    call that inside ``for step in seg.steps()``, after the load. The order must depend on the epoch only: a
+    seedable sampler (``DataLoaderConfiguration(use_seedable_sampler=True)``) or no shuffling.
+
+    Args:
+        seg: The segment whose step sets the start.
+        accelerator: The ``Accelerator`` that prepared ``loader``.
+        loader: The prepared data loader.
+
+    Yields:
+        One batch per ``next()``.
+
+    Raises:
+        UsageError: The loader is empty on this rank (raised at the first ``next()``).
+
+    Example:
+        ```python
+        batches = sk_accelerate.batches(seg, accelerator, loader)
+        for step in seg.steps():
+            loss = model(**next(batches)).loss
+        ```
+    """
     per_epoch = len(loader)
     if per_epoch == 0:
         raise UsageError("sk_accelerate.batches(): the data loader is empty on this rank")

@@ -77,29 +77,73 @@ _COUNTERS = (
 
 
 class TrainerCounters:
-    """The Trainer's resumable counters as a tracked object (``state_dict``/``load_state_dict``)."""
+    """The Trainer's resumable counters as a tracked object (``state_dict``/``load_state_dict``).
+
+    The counters are the ``TrainerState`` fields that continue across segments: ``global_step``, ``epoch``,
+    ``total_flos``, ``num_input_tokens_seen``, ``best_metric``, ``best_global_step`` and ``log_history``.
+
+    Args:
+        trainer: The Trainer whose ``state`` is read and written.
+    """
 
     def __init__(self, trainer: transformers.Trainer):
         self.trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
+        """Return the counters by field name (the same on every rank)."""
         st = self.trainer.state
         return {k: getattr(st, k) for k in _COUNTERS}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Set the Trainer's counters from ``sd``; a field ``sd`` lacks keeps its value.
+
+        Args:
+            sd: What ``state_dict`` returned when the checkpoint was saved.
+        """
         for k in _COUNTERS:
             if k in sd:
                 setattr(self.trainer.state, k, list(sd[k]) if k == "log_history" else sd[k])
 
     def start_at_step(self, step: int) -> None:
-        """A checkpoint another kind of run wrote (an import, the built-in trainer) holds no Trainer counters: the
-        Trainer continues at its step (the sampler position follows from ``global_step``), the rest fresh."""
+        """Continue at ``step`` from a checkpoint that holds no Trainer counters (an import, the built-in trainer).
+
+        Only ``global_step`` is set (the sampler position follows from it); the other counters start fresh.
+
+        Args:
+            step: The checkpoint's step.
+        """
         self.trainer.state.global_step = step
 
 
 class ShardkeeperTrainerMixin:
-    """Put before a ``transformers.Trainer`` class (``class MyTrainer(ShardkeeperTrainerMixin, SFTTrainer)``) to
-    run it under shardkeeper; ``Trainer`` below is the mixin over ``transformers.Trainer``."""
+    """Run a ``transformers.Trainer`` class under shardkeeper: put it first among the bases.
+
+    Every save becomes a shardkeeper commit and every resume shardkeeper's (see the module docstring);
+    ``Trainer`` is this mixin over ``transformers.Trainer``.
+
+    Args:
+        *args: The Trainer class's own positional arguments.
+        segment: The segment to train in; default: a new ``shardkeeper.Segment()`` (created before the Trainer's
+            own set-up, as it joins the process group the Trainer's Accelerator uses).
+        **kwargs: The Trainer class's own keyword arguments.
+
+    Raises:
+        UsageError: ``TrainingArguments(load_best_model_at_end=True)`` (its ``checkpoint-N`` folders are not
+            written; export the step you choose instead).
+        SystemExit: Exit code 2: no ``segment`` given and the script was not launched by ``shardkeeper train``
+            (as ``shardkeeper.Segment()``).
+
+    Example:
+        ```python
+        from trl import SFTTrainer
+
+        class MyTrainer(ShardkeeperTrainerMixin, SFTTrainer):
+            pass
+
+        trainer = MyTrainer(model=model, args=args, train_dataset=ds, segment=seg)
+        trainer.train()
+        ```
+    """
 
     def __init__(self, *args: Any, segment: Segment | None = None, **kwargs: Any):
         # The Segment first: it joins (or creates) the process group the Trainer's Accelerator then uses.
@@ -123,9 +167,28 @@ class ShardkeeperTrainerMixin:
     def train(
         self, resume_from_checkpoint: str | os.PathLike[str] | bool | None = None, *args: Any, **kwargs: Any
     ) -> Any:
-        """``resume_from_checkpoint``: None/True/False, the run's newest valid checkpoint (the run directory
-        decides); a path, see ``trainer.adopt.resume_from`` (a checkpoint of this run: the run's newest; another
-        tool's, e.g. an HF Trainer ``checkpoint-N``: imported into a run that has no checkpoint yet, then resumed)."""
+        """Train this segment: resume the run's newest valid checkpoint (or start), train to ``--until-step``.
+
+        Args:
+            resume_from_checkpoint: ``None``, ``True`` or ``False``: the run's newest valid checkpoint (the run
+                directory decides). A path: a checkpoint of this run resumes the run's newest valid one; another
+                tool's (an HF Trainer or DeepSpeed ``checkpoint-N``, a DCP folder) is imported into a run that has
+                no checkpoint yet, then resumed; a run that already has checkpoints resumes its newest valid one
+                and one line says so (``trainer.adopt.resume_from``).
+            *args: Passed on to the Trainer's ``train``.
+            **kwargs: Passed on to the Trainer's ``train``.
+
+        Returns:
+            What the Trainer's ``train`` returns (a ``TrainOutput``).
+
+        Raises:
+            UsageError: ``--until-step`` beyond ``TrainingArguments.max_steps``, a loaded Trainer state at another
+                step than its checkpoint, or anything ``Segment.track`` / ``Segment.steps`` refuses.
+            CheckpointError: The run has checkpoints and none can be trusted, or ``resume_from_checkpoint`` names
+                a checkpoint that cannot be imported (one line says why).
+            SegmentPreempted: A stop signal reached a rank; the checkpoint is committed (exit 75).
+            SegmentStopped: A NaN/Inf loss was logged; nothing of it is committed (exit 65).
+        """
         path = resume_from_checkpoint
         self._sk_resume_from = path if isinstance(path, (str, os.PathLike)) and not isinstance(path, bool) else None
         return super().train(None, *args, **kwargs)  # type: ignore[misc]
@@ -156,14 +219,17 @@ class ShardkeeperTrainerMixin:
             model=model,
             optimizer=optimizer,
             scheduler=self.lr_scheduler,  # type: ignore[attr-defined]
-            trainer_state=TrainerCounters(self),
-        )  # type: ignore[arg-type]
+            trainer_state=TrainerCounters(self),  # type: ignore[arg-type]  # the mixin is always on a Trainer
+        )
         global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * seg.world_size
         if self._sk_resume_from is not None:  # before the load: it may import another tool's checkpoint into the run
             from trainer.adopt import resume_from
 
             resume_from(
-                seg, self._sk_resume_from, samples_per_step=global_batch, what="Trainer.train(resume_from_checkpoint)"
+                seg,
+                os.fspath(self._sk_resume_from),
+                samples_per_step=global_batch,
+                what="Trainer.train(resume_from_checkpoint)",
             )
         self._sk_steps = seg.steps(samples_per_step=global_batch)
         try:
@@ -247,5 +313,28 @@ class ShardkeeperTrainerMixin:
 
 
 class Trainer(ShardkeeperTrainerMixin, transformers.Trainer):
-    """``transformers.Trainer`` under shardkeeper (see the module docstring); takes ``segment=`` besides the
-    Trainer's own arguments."""
+    """``transformers.Trainer`` under shardkeeper: commits, validated resume at any world size, preemption.
+
+    Takes ``segment=`` besides the Trainer's own arguments; what changes against a plain Trainer is in the module
+    docstring and the tutorial "Hugging Face Trainer and Accelerate".
+
+    Args:
+        *args: ``transformers.Trainer``'s positional arguments.
+        segment: The segment to train in; default: a new ``shardkeeper.Segment()``.
+        **kwargs: ``transformers.Trainer``'s keyword arguments.
+
+    Raises:
+        UsageError: ``TrainingArguments(load_best_model_at_end=True)``; from ``train()``: ``--until-step`` beyond
+            ``max_steps``, or what ``Segment.track`` / ``Segment.steps`` refuses.
+        SystemExit: Exit code 2: no ``segment`` given and the script was not launched by ``shardkeeper train``.
+
+    Example:
+        ```python
+        import shardkeeper as sk
+        from shardkeeper.integrations.transformers import Trainer
+
+        seg = sk.Segment()
+        args = TrainingArguments(..., max_steps=TOTAL, per_device_train_batch_size=GLOBAL // seg.world_size)
+        Trainer(model=model, args=args, train_dataset=ds, segment=seg).train()
+        ```
+    """

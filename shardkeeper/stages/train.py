@@ -17,6 +17,7 @@ from ckpt.lock import RunLock
 from ckpt.retention import sweep_leftovers
 from ckpt.validate import invalid_committed, latest_valid, validate
 from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher, rank_stopped_at_startup
+from launch.base import InPlaceRestart
 from schemas import CheckpointManifest, ClusterTopology, RunSpec, SegmentResult
 from schemas.errors import CheckpointError, ConfigError, RunLockedError
 from schemas.seam import (
@@ -195,7 +196,11 @@ def train_segment(
     submodule import that races a first import of its package in another thread.
 
     ``by``: who launched the segment (a flow: which flow run, started by whom), recorded in segments.jsonl and in
-    the segment's lineage event."""
+    the segment's lineage event.
+
+    Ranks that die are restarted in place ``spec.checkpoint.restarts`` times (``trainer.agent``): under the same
+    lock, without a new segment; each restart is recorded as it happens (``_record_restart``), and the result says
+    how many there were and why."""
     remote = remote_run(run_dir)  # s3://...: the ranks train in its local cache, shardkeeper.remote mirrors it
     if remote is not None:
         run_dir = remote.local.root
@@ -245,6 +250,8 @@ def train_segment(
             restart=restart,
             cancel_check=_or_lease_lost(cancel_check, mirror),
             data=prepared,
+            restarts=spec.checkpoint.restarts,
+            on_restart=_record_restart(rd, seg),
         )
         warm = _warm_up_readers() if warm_up else None
         try:
@@ -280,6 +287,7 @@ def train_segment(
         )
         reported = SegmentReport.read(rd.root, seg)  # the performance options as the ranks applied them
         execution = {"execution": reported.execution} if reported and reported.execution else {}
+        restarted = {"restarts": result.restarts} if result.restarts else {}
         lineage.record(
             rd,
             "segment",
@@ -295,6 +303,7 @@ def train_segment(
             **scheduler,
             **execution,
             **who,
+            **restarted,
             **_times_record(result.times),
         )
     if remote is not None:
@@ -302,6 +311,42 @@ def train_segment(
 
         return remote_result(remote, result, mirror)
     return result
+
+
+def _record_restart(rd: RunDir, seg: int) -> Callable[[InPlaceRestart], None]:
+    """What the launcher calls at each restart of the ranks in place, as it happens: one record in segments.jsonl and
+    one lineage event ("restarted in place (rank k, cause)"), so that they stand even if this process dies later."""
+
+    def record(r: InPlaceRestart) -> None:
+        when = lineage.now_iso()
+        append_jsonl(
+            rd.segments,
+            {
+                "event": "restarted-in-place",
+                "segment": seg,
+                "restart": r.index,
+                "of": r.of,
+                "rank": r.rank,
+                "cause": r.cause,
+                "failure": r.line,
+                "time": when,
+            },
+        )
+        lineage.record(
+            rd,
+            "segment",
+            f"restart-in-place:segment-{seg}:{r.index}",
+            status="restarted",
+            action=f"restarted in place ({r.summary})",
+            segment=seg,
+            rank=r.rank,
+            cause=r.cause,
+            restart=r.index,
+            of=r.of,
+            failure=r.line,
+        )
+
+    return record
 
 
 def _warm_up_readers() -> threading.Thread:
@@ -480,6 +525,14 @@ def _segment_result(
     if outcome.note and status not in ("failed", "refused") and note != outcome.note:
         note = f"{outcome.note}; {note}" if note else outcome.note
     fallback = rank_failure.exit_code if rank_failure and rank_failure.exit_code else outcome.exit_code
+    failure = (
+        None if status not in ("failed", "refused") else (rank_failure.note if rank_failure else _failure(outcome))
+    )
+    if failure and outcome.restarts:
+        failure += (
+            f" (after {len(outcome.restarts)} restart(s) in place of checkpoint.restarts: "
+            f"{outcome.restarts[-1].of}: {'; '.join(r.summary for r in outcome.restarts)})"
+        )
     return SegmentResult(
         run_dir=str(rd.root),
         status=status,  # type: ignore[arg-type]
@@ -492,15 +545,15 @@ def _segment_result(
         checkpoint=str(after[0]) if after else None,
         topology=topology,
         seconds=outcome.seconds,
-        failure=(
-            None if status not in ("failed", "refused") else (rank_failure.note if rank_failure else _failure(outcome))
-        ),
+        failure=failure,
         traceback=_script_traceback(rd) if status == "failed" else None,
         note=note if status not in ("failed", "refused") else None,
         scheduler_job=outcome.scheduler_job,
         scheduler_state=outcome.scheduler_state,
         requeues=outcome.requeues,
         times=reported.times if reported else None,
+        restarts=len(outcome.restarts),
+        restart_causes=[r.summary for r in outcome.restarts],
     )
 
 
@@ -570,7 +623,10 @@ def _failure(outcome: LaunchOutcome) -> str:
             if -outcome.exit_code in signal.Signals._value2member_map_
             else str(-outcome.exit_code)
         )
-        return f"torchrun was killed by {name} and its ranks with it; rerun the same command to resume from the latest valid checkpoint"
+        return (
+            f"torchrun was killed by {name} and its ranks with it; "
+            "rerun the same command to resume from the latest valid checkpoint"
+        )
     if outcome.failure is None and outcome.exit_code == 0:  # torchrun saw no failure, and the ranks reported no end
         return "the ranks exited with code 0 before their segment ended, and none said why"
     return ("timed out; " if outcome.timed_out else "") + (outcome.failure or failing_rank_lines(outcome.tail))

@@ -26,7 +26,7 @@ def cli_env() -> dict[str, str]:
     }
 
 
-def train_args(run: Path, until_step: int, nproc: int = 2) -> list[str]:
+def train_args(run: Path, until_step: int, nproc: int = 2, sets: tuple[str, ...] = ()) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -40,12 +40,15 @@ def train_args(run: Path, until_step: int, nproc: int = 2) -> list[str]:
         str(nproc),
         "--until-step",
         str(until_step),
+        *[a for s in sets for a in ("--set", s)],
     ]
 
 
-def start_train(run: Path, until_step: int, *, new_session: bool = False) -> subprocess.Popen:
+def start_train(
+    run: Path, until_step: int, *, new_session: bool = False, sets: tuple[str, ...] = ()
+) -> subprocess.Popen:
     return subprocess.Popen(
-        train_args(run, until_step),
+        train_args(run, until_step, sets=sets),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -518,6 +518,7 @@ def test_flow_request_is_refused_in_one_line_before_anything_runs(case: ReqCase,
     assert snapshot(ws) == before
 
 
+@pytest.mark.slow
 def test_flow_state_carries_the_one_line(prefect_server: object, tmp_path: Path) -> None:
     """Through Prefect itself: the failed flow run's state message is that one line; nothing was written."""
     from prefect.states import State
@@ -672,6 +673,7 @@ def test_real_entry_points_route_through_main(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------- one real launch
+@pytest.mark.slow
 def test_failure_on_the_ranks_reaches_the_user_as_one_line(tmp_path: Path) -> None:
     """4 heads over 3 key/value heads: transformers builds the model, every rank fails in the first
     forward. The user sees the ranks' progress log, then one error line with the cause; no traceback

@@ -1,12 +1,15 @@
-"""A failed segment's line names the rank that failed first and how; what a script's ranks start is contained in
-the segment and ended with it; a run is never locked by a dead segment's leftovers.
+"""A failed segment's line names the rank that failed first and how; a rank that dies is restarted in place
+(checkpoint.restarts), an error of its own never is; what a script's ranks start is contained in the segment and
+ended with it; a run is never locked by a dead segment's leftovers.
 
-Launches (real CLI, real torchrun, 2 ranks of tests/scripts/failure_modes.py, two at a time): rank 1 SIGKILLed,
-ranks of different widths, every rank os._exit(0) inside the loop, rank 1 out of memory (a real OOM kill in a
-memory cgroup where this process may make one), a rank that forks a SIGTERM-ignoring daemon then the same run
-trained again, and (through the stage function, with a short grace) a rank that hangs while its peer waits in a
-collective and the segment is cancelled. The rest runs no launch: torchrun's summary and the ranks' lines read
-back, the subreaper, the ranks lock in forked children, stack dumps.
+Launches (real CLI, real torchrun, 2 ranks of tests/scripts/failure_modes.py, two at a time): rank 1 SIGKILLed once
+with the memory tier on (restarted in place, while a second train of the run is refused), rank 1 SIGKILLed every
+time (the restarts used up), ranks of different widths, every rank os._exit(0) inside the loop, rank 1 out of memory
+twice (a real OOM kill in a memory cgroup where this process may make one; the second in a rank the fork server
+forked), a rank that forks a SIGTERM-ignoring daemon then the same run trained again
+(the uninterrupted reference of the restart), and (through the stage function, with a short grace) a rank that hangs
+while its peer waits in a collective and the segment is cancelled. The rest runs no launch: torchrun's summary and
+the ranks' lines read back, the subreaper, the ranks lock in forked children, stack dumps.
 """
 
 from __future__ import annotations
@@ -21,43 +24,162 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT, outcome, side_by_side
+from tests.harness import ROOT, metrics, outcome, side_by_side
 
 SCRIPT = ROOT / "tests" / "scripts" / "failure_modes.py"
 
 
-def _train(run: Path, until: int, *script_args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    full = {
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "SHARDKEEPER_DEVICE": "cpu",
         "SHARDKEEPER_PROGRESS_S": "0",
         "COLUMNS": "400",
-        **(env or {}),
+        **(extra or {}),
     }
+
+
+def _args(run: Path, until: int, sets: tuple[str, ...], script_args: tuple[str, ...]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "shardkeeper",
+        "train",
+        "--script",
+        str(SCRIPT),
+        "--run-dir",
+        str(run),
+        "--until-step",
+        str(until),
+        "--nproc",
+        "2",
+        *[a for s in sets for a in ("--set", s)],
+        "--",
+        *script_args,
+    ]
+
+
+def _train(
+    run: Path, until: int, *script_args: str, env: dict[str, str] | None = None, sets: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shardkeeper",
-            "train",
-            "--script",
-            str(SCRIPT),
-            "--run-dir",
-            str(run),
-            "--until-step",
-            str(until),
-            "--nproc",
-            "2",
-            "--",
-            *script_args,
-        ],
-        capture_output=True,
-        text=True,
-        env=full,
-        cwd=ROOT,
-        timeout=400,
+        _args(run, until, sets, script_args), capture_output=True, text=True, env=_env(env), cwd=ROOT, timeout=400
     )
+
+
+def _preempted_while_restarting(run: Path) -> subprocess.CompletedProcess:
+    """Rank 1 SIGKILLed at step 7 (a snapshot every 2 steps); SIGTERM to the CLI as soon as the restart is recorded,
+    while its ranks restart."""
+    sets = (
+        "checkpoint.memory_interval=2",
+        f"checkpoint.memory_dir={run.parent / 'shm-preempt'}",
+        "checkpoint.interval=100",
+    )
+    proc = subprocess.Popen(
+        _args(run, 20, sets, ("--mode", "kill", "--rank", "1", "--at", "7", "--times", "1", "--sleep", "0.2")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+    )
+    records, deadline = run / "segments.jsonl", time.monotonic() + 300
+    while not (records.exists() and "restarted-in-place" in records.read_text()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _restart_in_place(run: Path) -> dict:
+    """Rank 1 SIGKILLed once at step 7 (the memory tier on: a snapshot every 2 steps). From the moment the controller
+    records the restart, the run lock is probed (a non-blocking flock, let go at once) and a second train of the run
+    is started; the restarted ranks wait for it to end (--wait-for) before they train on to step 10."""
+    import fcntl
+    import json
+    import threading
+
+    gate = run.parent / f"{run.name}.gate"
+    sets = (
+        "checkpoint.memory_interval=2",
+        f"checkpoint.memory_dir={run.parent / 'shm-restart'}",
+        "checkpoint.interval=100",
+    )
+    with open(run.parent / f"{run.name}.err", "w+") as err:
+        proc = subprocess.Popen(
+            _args(
+                run,
+                10,
+                sets,
+                (
+                    "--mode",
+                    "kill",
+                    "--rank",
+                    "1",
+                    "--at",
+                    "7",
+                    "--times",
+                    "1",
+                    "--sleep",
+                    "0.2",
+                    "--wait-for",
+                    str(gate),
+                ),
+            ),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+            env=_env(),
+            cwd=ROOT,
+        )
+        deadline = time.monotonic() + 300
+        records = run / "segments.jsonl"
+        while not (records.exists() and "restarted-in-place" in records.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, err.seek(0) or err.read()[-3000:]
+            time.sleep(0.02)
+        probes = {"held": 0, "free": 0}
+        done = threading.Event()
+
+        def probe() -> None:
+            while not done.is_set():
+                fd = os.open(run / ".lock", os.O_RDONLY)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    probes["free"] += 1
+                except BlockingIOError:
+                    probes["held"] += 1
+                finally:
+                    os.close(fd)  # lets go of it at once if it was taken
+                time.sleep(0.02)
+
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        second = subprocess.run(
+            [sys.executable, "-m", "shardkeeper", "train", "--run-dir", str(run), "--until-step", "10", "--nproc", "2"],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            cwd=ROOT,
+            timeout=300,
+        )
+        done.set()
+        prober.join()
+        gate.touch()
+        code = proc.wait(timeout=300)
+        err.seek(0)
+        stderr = err.read()
+    return {
+        "returncode": code,
+        "stderr": stderr,
+        "second": second,
+        "probes": probes,
+        "lineage": [json.loads(x) for x in (run / "lineage.jsonl").read_text().splitlines()],
+        "segments": [json.loads(x) for x in records.read_text().splitlines()],
+        "report": json.loads((run / ".segment-status.json").read_text()),
+    }
 
 
 def _error_line(res: subprocess.CompletedProcess) -> str:
@@ -134,11 +256,15 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("failures")
     oom = memory_cgroup_here()
     short_grace = partial(_train, env={"SHARDKEEPER_LEFTOVER_GRACE_S": "2"})  # for what the rank leaves behind
+    no_restart = partial(_train, sets=("checkpoint.restarts=0",))  # attribution of a death that ends the segment
+    one_restart = partial(_train, sets=("checkpoint.restarts=1",))
     chains = [
-        [("kill", _train, base / "kill", 6, "--mode", "kill", "--rank", "1")],
-        [("widths", _train, base / "widths", 6, "--mode", "widths", "--rank", "1")],
+        [("restart", _restart_in_place, base / "restart")],
+        [("preempt-restart", _preempted_while_restarting, base / "preempt-restart")],
+        [("kill", one_restart, base / "kill", 6, "--mode", "kill", "--rank", "1")],
+        [("widths", no_restart, base / "widths", 6, "--mode", "widths", "--rank", "1")],
         [("exit0", _train, base / "exit0", 6, "--mode", "exit0", "--rank", "-1")],
-        [("oom", _train, base / "oom", 6, "--mode", "oom", "--rank", "1")],
+        [("oom", one_restart, base / "oom", 6, "--mode", "oom", "--rank", "1")],
         [
             (
                 "orphan",
@@ -152,8 +278,8 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 "--orphan-pid-file",
                 str(base / "orphan.pid"),
             ),
-            ("orphan-next", short_grace, base / "orphan", 6),
-        ],
+            ("orphan-next", short_grace, base / "orphan", 10),
+        ],  # also the uninterrupted reference of "restart"
         [("hang", _hang_cancelled, base / "hang")],
     ]
     try:
@@ -163,12 +289,54 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"base": base, "oom_cgroup": oom, **results}
 
 
-def test_a_killed_rank_is_named_with_its_signal_and_its_peer_only_as_a_consequence(launched: dict) -> None:
+def test_a_killed_rank_is_restarted_in_place_under_the_same_lock_and_trains_on_bitwise(launched: dict) -> None:
+    res = outcome(launched, "restart")
+    err = res["stderr"]
+    assert res["returncode"] == 0, err[-3000:]
+    summary = [ln for ln in err.splitlines() if "segment 0 " in ln and not ln.startswith("20")]
+    assert (
+        "segment 0 completed: steps 0 -> 10 on 2 ranks" in err and "restarted in place 1x (rank 1: SIGKILL)" in err
+    ), summary
+    said = [ln for ln in err.splitlines() if "restarting the ranks in place" in ln]
+    assert len(said) == 1 and said[0].startswith("shardkeeper: rank 1 (pid ") and ") was killed by SIGKILL (" in said[0]
+    assert "rank 0 then failed: connection" in said[0] and "(1 of 3, checkpoint.restarts)" in said[0], said
+    second = res["second"]  # the same run trained again while its ranks restart: refused, the lock never let go
+    assert second.returncode == 3 and "locked by pid" in second.stderr, second.stderr[-2000:]
+    assert res["probes"]["held"] > 10 and res["probes"]["free"] == 0, res["probes"]
+    events = {e["id"]: e for e in res["lineage"]}
+    restart = events["restart-in-place:segment-0:1"]
+    assert restart["data"]["action"] == "restarted in place (rank 1: SIGKILL)" and restart["data"]["rank"] == 1
+    resumed = events["resume:segment-0:restart-1"]
+    assert resumed["data"]["tier"] == "memory" and 7 - resumed["step"] <= 2  # killed at step 7: lost <= memory_interval
+    assert [r["cause"] for r in res["segments"] if r["event"] == "restarted-in-place"] == ["SIGKILL"]
+    end = res["segments"][-1]
+    assert end["event"] == "end" and end["restarts"] == 1 and end["restart_causes"] == ["rank 1: SIGKILL"], end
+    assert res["report"]["restarts"] == 1 and res["report"]["status"] == "completed"
+    # every step's loss as the uninterrupted run of the same script trained it (the "orphan" run: the same model)
+    ref, got = metrics(launched["base"] / "orphan"), metrics(launched["base"] / "restart")
+    assert [got[s]["loss"] for s in range(1, 11)] == [ref[s]["loss"] for s in range(1, 11)]
+
+
+def test_a_preemption_while_the_ranks_restart_commits_the_newest_snapshot_and_exits_75(launched: dict) -> None:
+    res = outcome(launched, "preempt-restart")
+    assert res.returncode == 75, res.stderr[-3000:]
+    assert "restarting the ranks in place (1 of 3" in res.stderr and "segment 0 preempted" in res.stderr
+    from ckpt.layout import RunDir
+    from ckpt.validate import latest_valid, validate
+
+    found = latest_valid(RunDir.at(launched["base"] / "preempt-restart"))
+    # storage held nothing (interval 100): the newest snapshot before the kill persisted, or the restarted ranks' own
+    assert found is not None and found[1].step >= 6 and validate(found[0], deep=True).valid, res.stderr[-3000:]
+
+
+def test_a_rank_killed_every_time_uses_up_its_restarts_and_is_named_with_its_signal(launched: dict) -> None:
     res = outcome(launched, "kill")
     line = _error_line(res)
     assert "rank 1 (pid " in line and ") was killed by SIGKILL (" in line, line
     assert "rank 0 then failed: connection" in line, line  # the survivor's gloo error, as what followed
     assert line.index("rank 1 (pid") < line.index("rank 0 then failed")
+    assert line.endswith("(after 1 restart(s) in place of checkpoint.restarts: 1: rank 1: SIGKILL)"), line
+    assert "rank 1 died of SIGKILL after 1 restart(s) in place (checkpoint.restarts: 1): the segment ends" in res.stderr
     assert "Traceback" not in res.stderr, res.stderr[-3000:]  # no survivor's torch traceback shown as the cause
 
 
@@ -188,17 +356,23 @@ def test_ranks_that_exit_0_inside_the_loop_are_named_as_such(launched: dict) -> 
 
 
 def test_an_out_of_memory_rank_is_named_with_what_the_kernel_says(launched: dict) -> None:
+    """Out of memory twice: a rank torchrun started, restarted once in place; then the rank the fork server forked for
+    the restart (the kernel names its pid, not its client's)."""
     res = outcome(launched, "oom")
     line = _error_line(res)
-    assert "rank 1 (pid " in line, line
-    if launched["oom_cgroup"]:  # a real OOM kill: the kernel log names it (root), or its cgroup counted it
-        assert (
-            "was killed by the kernel's OOM killer (SIGKILL; kernel log: " in line
-            or "most likely by the kernel's OOM killer" in line
-        ), line
+    said = [ln for ln in res.stderr.splitlines() if "restarting the ranks in place" in ln]
+    assert len(said) == 1 and "rank 1 (pid " in said[0] and "rank 1 (pid " in line, (said, line)
+    assert "(after 1 restart(s) in place of checkpoint.restarts: 1: rank 1: " in line, line
+    for text in (said[0], line):
+        if launched["oom_cgroup"]:  # a real OOM kill: the kernel log names it (root), or its cgroup counted it
+            assert (
+                "was killed by the kernel's OOM killer (SIGKILL; kernel log: " in text
+                or "most likely by the kernel's OOM killer" in text
+            ), text
+        else:  # the rank SIGKILLed itself (no memory cgroup to limit it in): no OOM may be claimed
+            assert "was killed by SIGKILL (" in text and "the kernel's OOM killer (SIGKILL" not in text, text
+    if launched["oom_cgroup"]:
         assert "ran out of memory: lower the memory each rank needs" in line, line
-    else:  # the rank SIGKILLed itself (no memory cgroup to limit it in): no OOM may be claimed
-        assert "was killed by SIGKILL (" in line and "the kernel's OOM killer (SIGKILL" not in line, line
 
 
 def test_what_a_rank_leaves_behind_ends_with_the_segment_and_never_locks_the_run(launched: dict) -> None:
@@ -210,7 +384,7 @@ def test_what_a_rank_leaves_behind_ends_with_the_segment_and_never_locks_the_run
     assert f"pid(s) {pid} still running 2 s after SIGTERM: SIGKILL" in said[1], said  # it ignored SIGTERM
     assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] in "ZX"
     assert nxt.returncode == 0, nxt.stderr[-3000:]  # the next train of the run is not refused
-    assert "segment 1 completed: steps 4 -> 6" in nxt.stderr, nxt.stderr[-2000:]
+    assert "segment 1 completed: steps 4 -> 10" in nxt.stderr, nxt.stderr[-2000:]
 
 
 def test_a_rank_that_hangs_while_its_peer_waits_is_named_from_its_stack(launched: dict) -> None:

@@ -42,9 +42,10 @@ BIG = 100_000  # an until_step the tests never reach
 
 def _kill_and_expect_failure(run: Path, victim: str) -> tuple[subprocess.CompletedProcess, float, str]:
     """Start a segment, SIGKILL one of its processes (``victim``: "startup-rank", a rank that has not reached
-    rendezvous while its peer waits there; "torchrun", once it trains); return the CLI's result, its seconds after the kill
-    and how the victim would be named ("rank R (pid P)")."""
-    proc = start_train(run, BIG)
+    rendezvous while its peer waits there; "torchrun", once it trains); return the CLI's result, its seconds after the
+    kill and how the victim would be named ("rank R (pid P)")."""
+    # a killed rank ends the segment (checkpoint.restarts=0): its restart in place is test_failure_attribution.py's
+    proc = start_train(run, BIG, sets=("checkpoint.restarts=0",) if victim == "startup-rank" else ())
     try:
         if victim == "startup-rank":  # one rank waits in rendezvous for the other, which dies before it gets there
             targets = [rank_alone_in_rendezvous(run)[1]]

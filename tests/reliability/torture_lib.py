@@ -1,4 +1,3 @@
-# Stays whole (over 500 lines): launches, kill moments, verdicts and records share one Torture object and its Stats (the targets beyond a local run dir are in torture_targets.py).
 """Reliability torture: kill and preempt real multi-rank segments through the real CLI, and count
 what must never happen (torn checkpoints accepted, orphaned processes, a second writer, an
 inexact resume, completed steps lost, a leaked secret).
@@ -61,10 +60,13 @@ class Cfg:
     launcher: str = "local"
 
     def sets(self) -> list[str]:
+        # restarts=0: a killed rank ends its segment, whose end and resume the torture judges (the restart in
+        # place of a killed rank: tests/reliability/test_failure_attribution.py)
         s = [
             f"checkpoint.interval={self.interval}",
             f"checkpoint.keep_last={self.keep_last}",
             f"checkpoint.async_save={'true' if self.async_save else 'false'}",
+            "checkpoint.restarts=0",
         ]
         if self.backend == "deepspeed":  # as tests/test_deepspeed.py runs it: ZeRO-2 on CPU
             s += ["backend=deepspeed", "deepspeed.zero_stage=2"]
@@ -820,7 +822,8 @@ class Torture:
             chain["final_diffs"] = compare_final(final, ref)
         self.stats.chains.append(chain)
         self.log(
-            f"chain {chain['name']}: {chain['kills']} kills, final bitwise equal to reference: {not chain['final_diffs']}"
+            f"chain {chain['name']}: {chain['kills']} kills, "
+            f"final bitwise equal to reference: {not chain['final_diffs']}"
         )
 
     def kill_chain(

@@ -260,9 +260,10 @@ def s3_chain(h: Torture, store: S3Store, index: int, n_kills: int, deadline: flo
     """A run directory on s3:// (the ranks write its local cache; the CLI's uploader pushes each checkpoint,
     manifest last, through a link of ``S3_RATE``; a checkpoint every 10 steps, so the uploads keep up with the
     commits: every 2 steps, each ~2 s upload would be overtaken by the local retention of its checkpoint).
-    Each launch starts with the cache's checkpoints removed, so it resumes from the store (as on another machine); the CLI (or its whole group) is SIGKILLed while a checkpoint is half uploaded.
-    The store must never list a step without its manifest, and the next segment must resume from the
-    newest whole checkpoint there; the chain ends with an uninterrupted segment compared bitwise."""
+    Each launch starts with the cache's checkpoints removed, so it resumes from the store (as on another machine); the
+    CLI (or its whole group) is SIGKILLed while a checkpoint is half uploaded. The store must never list a step without
+    its manifest, and the next segment must resume from the newest whole checkpoint there; the chain ends with an
+    uninterrupted segment compared bitwise."""
     cfg = CONFIGS["fsdp2-s3"]
     prefix = f"s3-chain-{index}"
     cache = h.work / f"s3-cache-{index}"

@@ -138,7 +138,7 @@ for step in seg.steps():
 if a.mode == "after":
     explode("after the loop")
 if a.mode == "twice":
-    for step in seg.steps():
+    for step in seg.steps():  # noqa: B007
         pass
 if a.mode == "thread":
     import threading

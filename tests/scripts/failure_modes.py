@@ -18,6 +18,10 @@ A tiny FSDP2 MLP trained through shardkeeper.Segment; at step --at, rank --rank 
                    --orphan-s seconds holding the rank's open files, then train to the end; its pid goes to
                    --orphan-pid-file
 --sleep S          sleep S seconds per step (time to be killed from outside)
+--times N          misbehave only in the first N sets of ranks of the segment (ranks restarted in place N times or
+                   more train on: checkpoint.restarts); default: every time
+--wait-for FILE    ranks restarted in place wait at their first step until FILE exists (a test looks at the
+                   segment meanwhile)
 """
 
 import argparse
@@ -41,10 +45,13 @@ p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--oom-mb", type=int, default=256)
 p.add_argument("--orphan-s", type=float, default=600.0)
 p.add_argument("--orphan-pid-file", default=None)
+p.add_argument("--times", type=int, default=None)
+p.add_argument("--wait-for", default=None)
 a = p.parse_args()
 
 seg = sk.Segment()
-me = a.rank in (-1, seg.rank)
+restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+me = a.rank in (-1, seg.rank) and (a.times is None or restarted < a.times)
 width = a.width + (8 if a.mode == "widths" and me else 0)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
@@ -109,6 +116,8 @@ if a.mode == "orphan" and me and os.fork() == 0:  # the child forks the grandchi
     os._exit(0)
 
 for step in seg.steps():
+    while restarted and a.wait_for and not os.path.exists(a.wait_for):
+        time.sleep(0.05)
     if step == a.at and me:
         misbehave()
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step * 10 + seg.rank))
