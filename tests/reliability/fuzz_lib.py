@@ -1041,6 +1041,8 @@ def _mutate_tier(path: Path, how: str, outside: Path) -> None:
         elif how == "not_json":
             path.write_text("{run_dir")
         return
+    if os.path.lexists(path) and not stat.S_ISREG(path.lstat().st_mode):
+        return  # a folder, fifo or link made by an earlier edit stays what it is: the reader meets it, not this edit
     if how == "other_run_dir":
         owner["run_dir"] = str(outside / "run")
     elif how == "other_id":

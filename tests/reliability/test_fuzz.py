@@ -46,6 +46,7 @@ REGRESSIONS: dict[str, list[dict]] = {
         {"ops": [["tier", "list"]]},
         {"ops": [["run_id", "garbage"]]},
         {"ops": [["manifest", [["file_dup", 106]]], ["file", 1091, "link_outside", 5061]]},
+        {"ops": [["tier", "dir"], ["tier", "fifo"], ["tier", "other_id"]]},  # the fuzzer's own edit once hung here
     ],
 }
 
