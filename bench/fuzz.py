@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -64,6 +65,12 @@ def fuzz_target(fuzzer: Fuzzer, name: str, examples: int, seed: int) -> list[dic
     return results
 
 
+def _public(why: str) -> str:
+    """A reason as the table shows it: the input's scratch folder as WORK, Python's own files by name only."""
+    why = re.sub(r"/dev/shm/fuzz-worker-[^/\s'\"]*/in-[^/\s'\"]*", "WORK", why)
+    return re.sub(r"/\S*/lib/python3\.\d+/", "", why)
+
+
 def table(results: list[dict[str, Any]], worker_rss: float) -> tuple[str, list[str]]:
     rows, others = [], []
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
@@ -91,7 +98,9 @@ def table(results: list[dict[str, Any]], worker_rss: float) -> tuple[str, list[s
                 ]
             )
             others += [
-                f"{name}/{entry}: {r['why']} -- input {json.dumps(r['program'])}" for r in rs if r["outcome"] == "other"
+                f"{name}/{entry}: {_public(r['why'])} -- input {json.dumps(r['program'])}"
+                for r in rs
+                if r["outcome"] == "other"
             ]
     head = [
         "target",

@@ -1575,7 +1575,17 @@ def data_and_claims(ck: Path, seed_digest: dict[str, str], seed_manifest: bytes)
     raw = regular_bytes(ck / "manifest.json")
     if raw is None:
         return "manifest.json unreadable"
-    return None if claims(raw) == claims(seed_manifest) else "the manifest's claims changed"
+    if claims(raw) != claims(seed_manifest):
+        return "the manifest's claims changed"
+    from pydantic import ValidationError
+
+    from schemas.checkpoint import CheckpointManifest
+
+    try:  # the manifest's documented schema (schemas/checkpoint.py), not the reader under test
+        CheckpointManifest.model_validate_json(raw)
+    except ValidationError as e:
+        return f"the manifest breaks its schema ({e.errors()[0]['loc']})"
+    return None
 
 
 def run_resume(run: Path) -> dict[str, Any]:
