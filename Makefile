@@ -89,6 +89,7 @@ bench: install
 	$(PY) bench/scale_bench.py
 	$(PY) bench/s3_bench.py --reps 5
 	$(PY) bench/data_bench.py --reps 5
+	$(PY) bench/fuzz.py --examples 300  # mutated checkpoints through every reader, ~15 min on 2 cores
 	$(PY) bench/torture.py --kills 200 --per-chain 8 --final 60 --publish  # ~1.5 h on 2 idle cores
 	$(PY) bench/readme_tables.py
 

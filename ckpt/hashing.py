@@ -8,15 +8,20 @@ from pathlib import Path
 
 import xxhash
 
+from ckpt.fsutil import open_regular
 from schemas.errors import CheckpointError
 
 _CHUNK = 8 << 20
 
 
 def hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
-    """Return (size, xxh3-128 hex) of a file, read in 8 MiB chunks (xxhash releases the GIL)."""
-    with open(path, "rb", buffering=0) as f:
-        return hash_fd(f.fileno())
+    """Return (size, xxh3-128 hex) of a regular file, read in 8 MiB chunks (xxhash releases the GIL). A fifo,
+    device, socket or directory at ``path`` is refused (CheckpointError), never waited on nor read without end."""
+    fd = open_regular(path)
+    try:
+        return hash_fd(fd)
+    finally:
+        os.close(fd)
 
 
 def hash_fd(fd: int) -> tuple[int, str]:

@@ -26,7 +26,7 @@ def read_manifest(ckpt_dir: str | Path) -> CheckpointManifest:
         raise CheckpointError(f"{path}: missing, so {ckpt_dir.name} is not a committed checkpoint; pick another step")
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, and UnicodeDecodeError of bytes that are no UTF-8
         raise CheckpointError(
             f"{path}: unreadable JSON ({e}); the checkpoint is corrupted, pick another step"
         ) from None

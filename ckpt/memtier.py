@@ -25,11 +25,19 @@ import shutil
 import uuid
 from pathlib import Path
 
-from ckpt.fsutil import INVALID_MARK, atomic_write_json, atomic_write_text, fsync_dir, mkdir_durable, rename_noreplace
+from ckpt.fsutil import (
+    INVALID_MARK,
+    atomic_write_json,
+    atomic_write_text,
+    fsync_dir,
+    mkdir_durable,
+    read_regular,
+    rename_noreplace,
+)
 from ckpt.layout import DELETING_SUFFIX, STAGE_SUFFIX, RunDir, parse_step, step_dir_name
 from ckpt.memtier_nodes import NODES_DIR, node_dirs, node_root
 from schemas import CheckpointManifest, RunSpec
-from schemas.errors import ConfigError
+from schemas.errors import CheckpointError, ConfigError, RunDirError
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +130,7 @@ def identity(run_dir: RunDir, *, create: bool = False) -> str | None:
     keeps the id earlier versions wrote at its first snapshot). None when it has none and ``create`` is False (a
     new run, even at the path of a deleted one). Two processes creating it at once agree on one id."""
     for name in (ID_NAME, LEGACY_ID_NAME):
-        try:
-            found = (run_dir.root / name).read_text().strip()
-        except OSError:
-            found = ""
+        found = _read_id(run_dir.root / name)
         if found:
             return found
     if not create:
@@ -138,7 +143,41 @@ def identity(run_dir: RunDir, *, create: bool = False) -> str | None:
         fsync_dir(path.parent)
     except FileExistsError:
         tmp.unlink(missing_ok=True)
-    return path.read_text().strip()
+    found = _read_id(path)
+    if not found:
+        raise RunDirError(
+            f"{path}: empty; the run's id is lost, remove the file (the run gets a new one; its memory "
+            "snapshots of before are then not used)"
+        )
+    return found
+
+
+_ID_BYTES = 4096  # an id is 33 bytes; the file is never read further
+
+
+def _read_id(path: Path) -> str:
+    """The id in ``path``, "" when there is none. A file that cannot be one -- not a regular file (a fifo is never
+    waited on), too large, not text, more than one word -- is refused in one line naming it and the fix."""
+    try:
+        raw = read_regular(path, _ID_BYTES, "a run id")
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+    except (CheckpointError, OSError) as e:
+        why = str(e).removeprefix(f"{path}: ").split(";")[0] if isinstance(e, CheckpointError) else e.strerror or e
+        raise RunDirError(
+            f"{path}: not readable as a run id ({why}); the run's id is lost, remove the file (the run "
+            "gets a new one; its memory snapshots of before are then not used)"
+        ) from None
+    try:
+        found = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        found = None
+    if found is None or len(found.split()) > 1 or not found.isprintable():
+        raise RunDirError(
+            f"{path}: not a run id (a line of letters and digits); the run's id is lost, remove the "
+            "file (the run gets a new one; its memory snapshots of before are then not used)"
+        )
+    return found
 
 
 def written_by_other_run(manifest: CheckpointManifest, run_dir: RunDir) -> str | None:
@@ -204,7 +243,7 @@ def owner_problem(mem: RunDir, run_dir: RunDir) -> str | None:
     its path: a new run at the path of a deleted one is another run); else one line naming whose they are."""
     path = mem.root / OWNER_NAME
     try:
-        owner = json.loads(path.read_text())
+        owner = read_owner(mem.root)
     except FileNotFoundError:
         return f"{path}: missing; the snapshots there belong to no known run"
     except (OSError, ValueError) as e:
@@ -219,6 +258,23 @@ def owner_problem(mem: RunDir, run_dir: RunDir) -> str | None:
             )
         return f"{mem.root} holds snapshots of the run in {whose!r}, not of {run_dir.root}"
     return None
+
+
+_OWNER_BYTES = 1 << 16  # tier.json holds a path and an id
+
+
+def read_owner(root: Path) -> dict:
+    """A memory dir's tier.json: the JSON object naming its run. FileNotFoundError when there is none; ValueError
+    when it is no such object -- a fifo, directory or device there is never waited on, nor a larger file read."""
+    path = root / OWNER_NAME
+    try:
+        raw = read_regular(path, _OWNER_BYTES, "a memory tier's tier.json")
+    except CheckpointError as e:
+        raise ValueError(str(e).removeprefix(f"{path}: ").split(";")[0]) from None
+    owner = json.loads(raw)
+    if not isinstance(owner, dict):
+        raise ValueError(f"a JSON {type(owner).__name__}, not the object naming the run")
+    return owner
 
 
 class TierLock:
@@ -323,11 +379,14 @@ def _only_copy(mem: RunDir) -> str | None:
     directory tier.json names, with the same identity) still exists and its storage has no checkpoint as new (a
     segment killed before the launcher could persist it). None when the owner is gone or its storage is as new."""
     try:
-        owner = json.loads((mem.root / OWNER_NAME).read_text())
+        owner = read_owner(mem.root)
         whose = RunDir.at(owner["run_dir"])
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    if not owner.get("id") or identity(whose) != owner.get("id"):
+    try:
+        if not owner.get("id") or identity(whose) != owner.get("id"):
+            return None
+    except RunDirError:  # the owner's own id is unreadable: it cannot claim this dir back either
         return None
     snaps = [parse_step(p.name) or 0 for p in mem.committed()]
     stored = [parse_step(p.name) or 0 for p in whose.committed()]

@@ -407,6 +407,20 @@ def _validate_once(ckpt_dir: Path, deep: bool, t0: float) -> tuple[ValidationRep
         found = _known(ckpt_dir)
         if found is not None:
             return _revalidate(ckpt_dir, found[0], t0), found[1]
+    if ckpt_dir.is_dir() and os.path.islink(ckpt_dir / MANIFEST_NAME):
+        # its bytes live outside the checkpoint, where they can change after this verdict (a persist or a copy
+        # would commit what was never checked): refused like any listed file that is a symlink
+        return ValidationReport(
+            path=str(ckpt_dir),
+            valid=False,
+            deep=deep,
+            step=parse_step(ckpt_dir.name),
+            errors=[
+                f"{ckpt_dir / MANIFEST_NAME}: is a symlink; a checkpoint holds only its own "
+                "regular files, copy the real file in"
+            ],
+            seconds=time.perf_counter() - t0,
+        ), None
     # The manifest and the layout inputs are read once; the checks run on those bytes, and a pass is
     # remembered for their digests -- so only bytes that were checked can ever be vouched for.
     got = None if ckpt_dir.name.endswith(".partial") or not ckpt_dir.is_dir() else _sha256(ckpt_dir / MANIFEST_NAME)

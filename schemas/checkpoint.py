@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from schemas.data import DataRecord
 from schemas.run import ClusterTopology, RunSpec
@@ -180,6 +180,15 @@ class CheckpointManifest(_Frozen):
         description="the random id of the run that wrote it (RUN_DIR/.run-id): a memory snapshot is persisted "
         "and resumed only by that run; None in checkpoints written before it was recorded",
     )
+
+    @field_validator("source_world_size")
+    @classmethod
+    def _only_converted(cls, v: int | None, info: ValidationInfo) -> int | None:
+        # a conversion's record: on any other checkpoint it would be a false claim about where the state was trained
+        reason = info.data.get("reason")
+        if v is not None and reason != "converted":
+            raise ValueError(f"{v} on a checkpoint whose reason is {reason!r}: only a converted checkpoint records one")
+        return v
 
 
 class ValidationReport(_Frozen):

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ckpt.formats import safe_pickle
-from ckpt.formats.dcp_metadata import check_extents, file_sizes_of, plain_name, read_metadata_as
+from ckpt.formats.dcp_metadata import check_extents, file_sizes_of, plain_name, read_metadata_as, record_files
 from ckpt.formats.torchzip import TorchZip, load_bytes
 from ckpt.fsutil import open_regular
 from schemas.errors import CheckpointError
@@ -54,8 +54,7 @@ def read_metadata(ckpt_dir: str | os.PathLike[str], data: bytes | None = None) -
             f"{where}: not the structure DCP writes (storage_data, state_dict_metadata); the "
             "checkpoint is corrupted, pick another step"
         )
-    names = {getattr(info, "relative_path", None) for info in md.storage_data.values()}
-    check_extents(md, where, file_sizes_of(ckpt_dir, names, where))  # type: ignore[arg-type]
+    check_extents(md, where, file_sizes_of(ckpt_dir, record_files(md, where), where))
     return md
 
 

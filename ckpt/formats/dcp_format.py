@@ -72,9 +72,24 @@ def check_layout(ckpt_dir: Path, manifest: CheckpointManifest, inputs: Mapping[s
 
 
 def check_inventory(ckpt_dir: Path, manifest: CheckpointManifest, md: Any) -> list[str]:
-    """The tensors the manifest recorded at save are those ``.metadata`` describes (names, shapes, dtypes):
-    a manifest of another architecture beside these files, or files of another model, disagree here."""
+    """The tensors the manifest recorded at save are those ``.metadata`` describes (names, shapes, dtypes), and
+    ``.metadata`` holds no model weight or AdamW moment the manifest does not record: a manifest of another
+    architecture beside these files, or files of another model, disagree here."""
     tensor_class = safe_pickle.LAYOUT_RECORDS["TensorStorageMetadata"]
+    recorded = {t.name for t in manifest.tensors}
+    unrecorded = sorted(
+        k
+        for k, v in md.state_dict_metadata.items()
+        if type(v) is tensor_class
+        and type(k) is str
+        and k not in recorded
+        and (k.startswith("model.") or (k.startswith("optim.state.") and k.endswith(tuple(f".{m}" for m in MOMENTS))))
+    )
+    if unrecorded:
+        return [
+            f"{ckpt_dir / '.metadata'}: holds {unrecorded[0]}, which the manifest's tensor inventory does not "
+            "record; the manifest is of another model or run, pick another step"
+        ]
     for t in manifest.tensors:
         meta = md.state_dict_metadata.get(t.name)
         properties = getattr(meta, "properties", None)

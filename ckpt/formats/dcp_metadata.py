@@ -88,14 +88,30 @@ def read_layout(ckpt_dir: Path, data: bytes | None = None, file_sizes: Mapping[s
     return md
 
 
-def plain_name(name: Any, where: Path) -> str:
-    """A data file named by the metadata must be a plain name inside the checkpoint directory."""
+def plain_name(name: Any, where: Path, record: str | None = None) -> str:
+    """A data file named by the metadata must be a plain name inside the checkpoint directory (``record``: whose
+    storage record names it, for the message)."""
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+        whose = f"the record of {record} " if record else ""
         raise CheckpointError(
-            f"{where}: names data file {name!r:.80}, not a plain file name in the checkpoint; "
+            f"{where}: {whose}names data file {name!r:.80}, not a plain file name in the checkpoint; "
             "the checkpoint is corrupted or hostile, pick another step"
         )
     return name
+
+
+def record_files(md: Any, where: Path) -> set[str]:
+    """The data files ``.metadata``'s storage records name, each a plain file name (else refused naming the record)."""
+    names: set[str] = set()
+    for index, info in md.storage_data.items():
+        name = getattr(info, "relative_path", None)
+        if type(name) is not str or name not in names:
+            names.add(
+                plain_name(
+                    name, where, _label(str(getattr(index, "fqn", "?"))[:200], _dims(getattr(index, "offset", None)))
+                )
+            )
+    return names
 
 
 def itemsize(dtype: Any) -> int:
@@ -118,8 +134,9 @@ def _dims(value: Any) -> tuple[int, ...] | None:
 
 
 def file_sizes_of(ckpt_dir: Path, names: set[str], where: Path) -> dict[str, int]:
-    """The size of each data file ``names`` of ``ckpt_dir``, which must all be there: a missing one, or a fifo, device,
-    socket or directory under one of those names, is refused here, before anything opens it or allocates by it."""
+    """The size of each data file ``names`` of ``ckpt_dir`` (plain file names: ``record_files``), which must all be
+    there: a missing one, or a fifo, device, socket or directory under one of those names, is refused here, before
+    anything opens it or allocates by it."""
     import stat
 
     sizes = {}
@@ -178,7 +195,7 @@ def _check_extents(md: Any, where: Path, sizes: Mapping[str, int]) -> None:
             )
         spans = per_file.get(name)  # type: ignore[arg-type]
         if spans is None:
-            spans = per_file[plain_name(name, where)] = []
+            spans = per_file[plain_name(name, where, _label(fqn, offsets))] = []
         size = sizes.get(name)
         if size is not None and start + length > size:
             raise CheckpointError(
@@ -368,5 +385,6 @@ __all__ = [
     "plain_name",
     "read_layout",
     "read_metadata_as",
+    "record_files",
     "tiling_problem",
 ]

@@ -296,12 +296,7 @@ class ZeroShards:
             for r in range(world):
                 self.files.append(TorchSaveFile(optim_paths[r]))
             self.optim = [_get(f.obj, "optimizer_state_dict", f.path, "optimizer state") for f in self.files]
-            self.stage = self.optim[0].get("zero_stage", 1)
-            if type(self.stage) is not int or self.stage not in (1, 2, 3):
-                raise CheckpointError(
-                    f"{self.files[0].path}: zero_stage is {self.stage!r:.40}, not 1, 2 or 3; the "
-                    "file is corrupted or crafted, pick another step"
-                )
+            self.stage = self._stage()
             if expect_stage is not None and self.stage != expect_stage:
                 raise CheckpointError(
                     f"{self.files[0].path}: holds ZeRO stage {self.stage} state, the manifest says "
@@ -315,6 +310,23 @@ class ZeroShards:
             raise
 
     # ------------------------------------------------------------------ layout
+    def _stage(self) -> int:
+        """The ZeRO stage every rank's file declares (1, 2 or 3, the same in each: the layout of the partitions
+        depends on it, and DeepSpeed's own loader reads each rank's file by it)."""
+        stages = [osd.get("zero_stage", 1) if isinstance(osd, dict) else None for osd in self.optim]
+        for f, stage in zip(self.files, stages):
+            if type(stage) is not int or stage not in (1, 2, 3):
+                raise CheckpointError(
+                    f"{f.path}: zero_stage is {stage!r:.40}, not 1, 2 or 3; the file is corrupted or "
+                    "crafted, pick another step"
+                )
+            if stage != stages[0]:
+                raise CheckpointError(
+                    f"{f.path}: zero_stage is {stage}, {self.files[0].path.name} says {stages[0]}; "
+                    "the ranks' files are of different checkpoints, pick another step"
+                )
+        return stages[0]
+
     def _group_state(self, rank: int, group: int) -> dict[str, Any]:
         osd = self.optim[rank]
         if self.stage == 3:

@@ -39,6 +39,10 @@ def flip_byte(path: Path, offset: int | None = None) -> None:
     path.write_bytes(bytes(data))
 
 
+def prepend(path: Path, data: bytes) -> None:
+    path.write_bytes(data + path.read_bytes())
+
+
 def truncate(path: Path, by: int = 10) -> None:
     path.write_bytes(path.read_bytes()[:-by])
 

@@ -177,6 +177,21 @@ DCP_CASES = [
         "__1_0.distcp",
     ),
     Case("foreign-architecture", _foreign_inventory, True, "another architecture", ".metadata"),
+    # found by the fuzzer (tests/reliability/test_fuzz.py): an inventory missing a tensor, bytes that are not UTF-8
+    Case(
+        "inventory-omits-a-tensor",
+        lambda d, _: c.edit_manifest(d, lambda raw: raw["tensors"].pop(-1)),
+        True,
+        "which the manifest's tensor inventory does not record",
+        ".metadata",
+    ),
+    Case(
+        "manifest-not-utf8",
+        lambda d, _: c.prepend(d / "manifest.json", b"\xff"),
+        True,
+        "unreadable JSON",
+        "manifest.json",
+    ),
     Case(
         "fingerprint",
         lambda d, _: c.scale_fingerprint(d, "model"),

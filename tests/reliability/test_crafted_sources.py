@@ -199,6 +199,11 @@ CRAFTED_DCP = {
         "at [129, 0] of [128, 64], which reaches past the tensor",
     ),
     "record-past-file": (_both(_past_end), "of __"),
+    # found by the fuzzer (tests/reliability/test_fuzz.py): a file name that is no string was sorted with the others
+    "file-name-none": (
+        _both(lambda md, key: setattr(c.record_of(md, key, 1), "relative_path", None)),
+        "names data file None, not a plain file name",
+    ),
 }
 
 
@@ -302,6 +307,20 @@ def test_deepspeed_source_files_are_regular_and_latest_is_read_with_a_cap(
         latest.unlink()
         latest.symlink_to(tmp_path / "nothing")
         refused_import(capsys, ds_src, tmp_path, f"{latest}: a link to a missing file; pass --step N (present: 2)")
+
+
+def test_ranks_declaring_another_zero_stage_are_refused(
+    ds_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Rank 1's file declaring ZeRO stage 0 beside rank 0's 2 (found by the fuzzer: only rank 0's was read, and
+    validate --deep said valid): one line naming that file and the field."""
+    path = ds_src / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    c.edit_torch_save(path, lambda sd: sd["optimizer_state_dict"].__setitem__("zero_stage", 0))
+    refused_import(capsys, ds_src, tmp_path, f"{path}: zero_stage is 0, not 1, 2 or 3")
+    c.edit_torch_save(path, lambda sd: sd["optimizer_state_dict"].__setitem__("zero_stage", 1))
+    refused_import(
+        capsys, ds_src, tmp_path, f"{path}: zero_stage is 1, zero_pp_rank_0_mp_rank_00_optim_states.pt says 2"
+    )
 
 
 def _slices_overlap(sd: dict) -> None:
