@@ -74,6 +74,7 @@ bench: install
 	$(PY) bench/memtier_bench.py
 	$(PY) bench/persist_bench.py
 	$(PY) bench/memtier_edges.py
+	$(PY) bench/peers_memtier.py --rounds 3  # beside DLRover and torch async_save, ~10 min (+ DLRover's install)
 	$(PY) bench/startup_kill_bench.py --reps 3
 	$(PY) bench/failure_attribution.py
 	$(PY) bench/export_bench.py
@@ -95,7 +96,7 @@ bench: install
 
 # Redraw every plot beside the tables (bench/results/*.png) from the published tables, measuring nothing.
 PLOTTED := resume_bench deepspeed_resume_bench goodput_bench checkpoint_bench scaling_bench import_bench export_bench \
-	deepspeed_bench dashboard_bench scale_bench
+	deepspeed_bench dashboard_bench scale_bench peers_memtier
 plots: install
 	for b in $(PLOTTED); do $(PY) bench/$$b.py --plot-only || exit 1; done
 

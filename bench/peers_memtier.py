@@ -465,12 +465,14 @@ def figures(run: dict[str, Any], sch: dict[str, int]) -> dict[str, Any]:
     plain = statistics.median([dt for s, dt in bounds.items() if kinds[s] is None and counted(s)])
     snaps = [bounds[s] - plain for s in bounds if kinds[s] == "memory" and counted(s)]
     stores = [bounds[s] - plain for s in bounds if kinds[s] == "storage" and counted(s)]
-    old = {e["pid"] for e in evs if e["ev"] == "start" and e["created"] < kill_t}
+    # the ranks that ran before the kill: by when they said they started (a process's creation time is read from
+    # /proc against a boot time of whole seconds, and a rank forked at the kill can seem to predate it)
+    old = {e["pid"] for e in evs if e["ev"] == "start" and e["t"] < kill_t}
     new_starts = [e for e in evs if e["ev"] == "start" and e["pid"] not in old]
     loaded = [e for e in evs if e["ev"] == "loaded" and e["pid"] not in old and e["rank"] == 0]
     first = min(e["t"] for e in evs if e["ev"] == "step" and e["pid"] not in old)
     done_before = max(e["s"] for e in evs if e["ev"] == "step" and e["pid"] in old)
-    ranks_at = min(e["created"] for e in new_starts)
+    ranks_at = max(kill_t, min(e["created"] for e in new_starts))
     built = [e for e in evs if e["ev"] == "built"]
     phase = lambda ev: min(e["t"] for e in evs if e["ev"] == ev and e["pid"] not in old)  # noqa: E731
     return {

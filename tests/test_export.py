@@ -270,7 +270,8 @@ def test_tensor_unknown_to_the_model_is_refused(ckpt: Path, tmp_path: Path) -> N
 
 def test_inventory_mismatch_is_refused(ckpt: Path, tmp_path: Path) -> None:
     src, _ = synthetic_checkpoint(ckpt, tmp_path / "step-00000001", tie=False, inventory_ok=False)
-    with pytest.raises(CheckpointError, match="holds model.module.model.norm.weight, which the manifest.s tensor inventory does not record"):
+    missing = "holds model.module.model.norm.weight, which the manifest.s tensor inventory does not record"
+    with pytest.raises(CheckpointError, match=missing):
         export_checkpoint(src, tmp_path / "export")
     assert_nothing_left(tmp_path / "export")
 
