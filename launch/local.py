@@ -223,6 +223,18 @@ def stopped_before_start(req: LaunchRequest, what: str) -> LaunchOutcome | None:
     return None
 
 
+def signal_since(seen: int, what: str = "the ranks started") -> LaunchOutcome | None:
+    """The outcome of a launch stopped by a signal that the early handler (launch.early) took after
+    ``stopped_before_start`` looked (``seen``: how many it had then), before the launcher's own handlers were in place;
+    None when none came. Without this look, such a signal is remembered by nobody and the segment trains on."""
+    if len(_pending_stop) <= seen:
+        return None
+    signum = _pending_stop[seen]
+    return LaunchOutcome(
+        exit_code=128 + signum, timed_out=False, tail=[f"stopped before {what}"], seconds=0.0, stop_signal=signum
+    )
+
+
 def _install_signal_handlers(sup: _Supervisor) -> dict[int, object]:
     """SIGTERM/SIGINT/SIGUSR1 to the launching process stop the segment (only from the main thread)."""
     if threading.current_thread() is not threading.main_thread():
@@ -323,11 +335,18 @@ class LocalTorchrun:
         early = stopped_before_start(req, "the ranks started")
         if early is not None:
             return early
+        seen = len(_pending_stop)
         stacks_dir = _stacks_dir()
         env = self.environment(req, stacks_dir)
         procs: list[subprocess.Popen] = []
         sup = _Supervisor(procs, self.grace_s, sink, stacks_dir)
         previous = _install_signal_handlers(sup)
+        late = signal_since(seen)  # landed between the check above and the supervisor's handlers: nothing started
+        if late is not None:
+            for sig, prev in previous.items():
+                signal.signal(sig, prev)  # type: ignore[arg-type]
+            shutil.rmtree(stacks_dir, ignore_errors=True)
+            return late
         readers: list[threading.Thread] = []
         cancelled = False
         codes: list[int] = []

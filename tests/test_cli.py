@@ -320,6 +320,50 @@ def test_sigterm_in_the_first_moments_of_train_is_a_preemption_not_a_kill(tmp_pa
     assert not list(run.glob("checkpoints/step-*")), "a checkpoint was written after a stop before the start"
 
 
+def test_a_stop_signal_between_the_early_check_and_the_launchers_handlers_starts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The early handler (launch.early) remembers a SIGTERM; the launcher looks once before it prepares the launch and
+    again once its own handlers are in place, so a signal landing in between (here: while the stacks folder is
+    made) ends the launch 'stopped' with no torchrun started, instead of being remembered by nobody."""
+    import signal
+
+    import launch.early as early
+    import launch.local as local
+    from launch.base import LaunchRequest
+    from schemas.run import ClusterTopology
+
+    before = {s: signal.getsignal(s) for s in early.STOP_SIGNALS}
+    monkeypatch.setattr(early, "pending_stop", [])
+    monkeypatch.setattr(local, "_pending_stop", early.pending_stop)
+    make_stacks = local._stacks_dir
+    made: list[str] = []
+
+    def stacks_then_sigterm() -> str:
+        made.append(make_stacks())
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to the early handler: the launcher's are not in place yet
+        return made[-1]
+
+    started: list[object] = []
+    monkeypatch.setattr(local, "_stacks_dir", stacks_then_sigterm)
+    monkeypatch.setattr(local.subprocess, "Popen", lambda *a, **k: started.append(a) or pytest.fail("started"))
+    try:
+        early.install_early_stop_handlers()
+        run = tmp_path / "run"
+        run.mkdir()
+        req = LaunchRequest(run_dir=run, until_step=4, segment=0, topology=ClusterTopology())
+        out = local.LocalTorchrun().launch(req, lambda line: None)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+    assert (out.stop_signal, out.exit_code, out.tail) == (
+        signal.SIGTERM,
+        128 + signal.SIGTERM,
+        ["stopped before the ranks started"],
+    )
+    assert not started and made and not Path(made[0]).exists()
+
+
 def test_the_launcher_asks_torch_about_gpus_only_where_a_gpu_may_be_there() -> None:
     """On a host where nothing shows a GPU the device is chosen without importing torch (~1 s before every
     segment); where a device node shows one (here: a patched /dev listing) or CUDA_VISIBLE_DEVICES names one,
