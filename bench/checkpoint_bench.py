@@ -76,8 +76,8 @@ def spec_for(small: bool):
 
 def setup(small: bool, run_dir: str, *, first_step: bool = True):
     """Model, AdamW and the real DCPCheckpointer on this rank (``first_step``: AdamW state exists)."""
-    from ckpt.layout import RunDir
-    from trainer.dcp_backend import DCPCheckpointer
+    from ckpt.commit.layout import RunDir
+    from trainer.checkpointer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
     from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
@@ -155,8 +155,8 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from ckpt.formats.direct_io import HashingDirectFileSystem, _HashingDirectStream
-    from trainer.checkpointer import TrainState
+    from ckpt.formats.dcp.direct_io import HashingDirectFileSystem, _HashingDirectStream
+    from trainer.checkpointer.core import TrainState
 
     env, spec, model, opt, ck = setup(small, run_dir)
     g, threads, rd = env.ctrl_group, spec.checkpoint.io_threads, Path(run_dir)
@@ -255,7 +255,7 @@ def stall_worker(small: bool, run_dir: str, reps: int, between: int) -> dict:
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from trainer.checkpointer import TrainState
+    from trainer.checkpointer.core import TrainState
 
     env, spec, model, opt, ck = setup(small, run_dir, first_step=False)
     g, threads, rd = env.ctrl_group, spec.checkpoint.io_threads, Path(run_dir)
@@ -338,7 +338,7 @@ def stall_worker(small: bool, run_dir: str, reps: int, between: int) -> dict:
 def save_at(small: bool, run_dir: str, step: int) -> None:
     import torch.distributed as dist
 
-    from trainer.checkpointer import TrainState
+    from trainer.checkpointer.core import TrainState
 
     _, _, _, _, ck = setup(small, run_dir)
     ck.save(TrainState(step=step), reason="interval", blocking=True)
@@ -352,9 +352,9 @@ def load_worker(small: bool, runs: dict, reps: int) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from ckpt.layout import RunDir
-    from ckpt.validate import forget_known
-    from trainer.dcp_backend import DCPCheckpointer
+    from ckpt.commit.layout import RunDir
+    from ckpt.validate.checks import forget_known
+    from trainer.checkpointer.dcp_backend import DCPCheckpointer
 
     env, spec, model, opt, ck0 = setup(small, runs["same"])
     g = env.ctrl_group

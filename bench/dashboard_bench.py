@@ -39,9 +39,9 @@ SIZES = (10, 100, 1000, 10000)
 def make_run(run: Path, n: int, segments: int = 4) -> None:
     """A run directory whose lineage holds ``n`` checkpoints over ``segments`` segments (preempted, completed,
     resharded 2 -> 4, preempted, resharded 4 -> 3, again), plus an export and a publish."""
-    from ckpt.fsutil import append_jsonl
-    from ckpt.lineage import checkpoint_event_id as ck
-    from ckpt.lineage import record
+    from ckpt.commit.fsutil import append_jsonl
+    from ckpt.commit.lineage import checkpoint_event_id as ck
+    from ckpt.commit.lineage import record
 
     cycle = [(2, "preempted"), (2, "completed"), (4, "preempted"), (3, "completed")]
     plan = [cycle[i % len(cycle)] for i in range(segments)]
@@ -89,7 +89,7 @@ def make_run(run: Path, n: int, segments: int = 4) -> None:
 
 def graph(run: Path) -> None:
     """The lineage graph alone: read the lineage, lay it out, draw the PNG."""
-    from ckpt.lineage import read_events
+    from ckpt.commit.lineage import read_events
     from tasks.render import lineage_graph_png
 
     events = read_events(run)
@@ -98,7 +98,7 @@ def graph(run: Path) -> None:
 
 
 def render(run: Path) -> None:
-    from ckpt.lineage import read_events
+    from ckpt.commit.lineage import read_events
     from tasks.dashboard import checkpoints_now, draw_lineage_graph, lineage_graph
     from tasks.render import loss_curve_png, segment_statuses, table_rows
 

@@ -1,4 +1,4 @@
-"""Tokenization throughput of ``prepare-data`` (trainer.prepare.prepare_split: datasets.map with num_proc, then
+"""Tokenization throughput of ``prepare-data`` (trainer.builtin.prepare.prepare_split: datasets.map with num_proc, then
 the memmap written) against a single-process ``tokenizer(batch)`` loop over the same rows, same tokenizer.
 
     .venv/bin/python bench/data_bench.py [--docs 8000] [--reps 3] [--num-proc 2]
@@ -96,7 +96,7 @@ def run_prepare(corpus: str, tok: str, cache: str, num_proc: int) -> dict:
         importlib.import_module(module)  # imports are not timed, in either variant
 
     from schemas import RunSpec
-    from trainer.prepare import prepare_split
+    from trainer.builtin.prepare import prepare_split
 
     spec = RunSpec.model_validate({"data": {"source": "dataset", "dataset": corpus, "tokenizer": tok}})
     t0 = time.perf_counter()

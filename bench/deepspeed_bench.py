@@ -17,7 +17,7 @@ would count in every process). The methods run in rounds, one of each per round 
 (A B C D E A B C D E ...), ``--repeat`` rounds (3 by default); the table gives median (min-max):
 
 * world-size change: ``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state`` vs
-  ``ckpt.formats.deepspeed_convert.ensure_universal`` (what the trainer runs by itself at a new world size);
+  ``ckpt.formats.deepspeed.convert.ensure_universal`` (what the trainer runs by itself at a new world size);
 * export: ``python -m deepspeed.utils.zero_to_fp32 --safe_serialization`` vs ours, the export stage
   ``shardkeeper.stages.export_and_record`` on the ZeRO checkpoint (one pass: the fp32 master weights
   are streamed from the ``*_optim_states.pt`` partitions into safetensors, CRC-checked, SHA-256 hashed,
@@ -106,7 +106,7 @@ def build(out: Path, args: argparse.Namespace) -> Path:
 
 # ------------------------------------------------------------------------------------ methods
 def _ours_universal(ckpt: Path, out: Path) -> None:
-    from ckpt.formats.deepspeed_convert import ensure_universal
+    from ckpt.formats.deepspeed.convert import ensure_universal
 
     shutil.rmtree(ckpt / "universal", ignore_errors=True)
     ensure_universal(ckpt)
@@ -120,7 +120,7 @@ def _ours_export(ckpt: Path, out: Path) -> None:
 
 
 def _ours_to_dcp(ckpt: Path, out: Path) -> None:
-    from ckpt.formats.deepspeed_convert import to_dcp
+    from ckpt.formats.deepspeed.convert import to_dcp
 
     to_dcp(ckpt, out / ckpt.name)
 
@@ -322,8 +322,8 @@ def run_all(args: argparse.Namespace) -> int:
 
     from benchlib import fmt, md_table, publish
 
-    from ckpt.manifest import read_manifest
-    from ckpt.validate import validate
+    from ckpt.commit.manifest import read_manifest
+    from ckpt.validate.checks import validate
 
     ckpt = build(args.out, args)
     res = args.out / "results"

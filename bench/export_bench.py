@@ -105,9 +105,9 @@ def _rank_build(run_dir: str, hf_dir: str, acc_dir: str) -> int:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from ckpt.layout import RunDir
+    from ckpt.commit.layout import RunDir
+    from trainer.builtin.loop import Trainer
     from trainer.dist import init_distributed
-    from trainer.loop import Trainer
 
     env = init_distributed()
     try:
@@ -206,8 +206,8 @@ def measure(method: str, src: Path, out: Path) -> dict[str, Any]:
     import torch.distributed.checkpoint.format_utils  # noqa: F401
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 
+    from ckpt.commit.fsutil import peak_rss_bytes
     from ckpt.export import export_checkpoint
-    from ckpt.fsutil import peak_rss_bytes
 
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -394,7 +394,7 @@ def run_all(args: argparse.Namespace) -> int:
 
     from benchlib import fmt, md_table, publish
 
-    from ckpt.manifest import read_manifest
+    from ckpt.commit.manifest import read_manifest
 
     try:
         import accelerate

@@ -71,8 +71,8 @@ def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> d
     import torch
     import torch.distributed as dist
 
-    from ckpt.layout import RunDir
-    from trainer.checkpointer import TrainState
+    from ckpt.commit.layout import RunDir
+    from trainer.checkpointer.core import TrainState
     from trainer.dist import init_distributed
     from trainer.segment import build_segment
 
@@ -165,7 +165,7 @@ def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> d
 def measure(backend: str, args: argparse.Namespace) -> dict:
     import os
 
-    from ckpt.layout import RunDir
+    from ckpt.commit.layout import RunDir
     from shardkeeper.stages import prepare_run_dir
     from tests.harness import spawn
 

@@ -177,8 +177,8 @@ def compare(run: Path, universal: Path) -> tuple[bool, str]:
     """Every weight and both moments of every parameter against ds_to_universal's files, bit for bit."""
     import torch
 
-    from ckpt.formats.dcp import DCPTensorReader
-    from ckpt.validate import validate
+    from ckpt.formats.dcp.reader import DCPTensorReader
+    from ckpt.validate.checks import validate
 
     ckpt = next((run / "checkpoints").iterdir())
     report = validate(ckpt, deep=True)
@@ -208,7 +208,7 @@ def run_all(args: argparse.Namespace) -> int:
     import yaml
     from benchlib import fmt, md_table, publish
 
-    from ckpt.formats.deepspeed import ZeroShards
+    from ckpt.formats.deepspeed.zero import ZeroShards
 
     src = build(args.out, args)
     config = args.out / "run.yaml"

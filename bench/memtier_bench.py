@@ -68,9 +68,9 @@ def worker(run_dir: str, warm: int, target_s: float, saves: int, reps: int) -> d
     import torch.distributed as dist
     from torch.distributed._state_dict_utils import _copy_state_dict
 
-    from ckpt.layout import RunDir
-    from trainer.checkpointer import TrainState
-    from trainer.dcp_backend import cpu_buffers
+    from ckpt.commit.layout import RunDir
+    from trainer.checkpointer.core import TrainState
+    from trainer.checkpointer.dcp_backend import cpu_buffers
     from trainer.dist import init_distributed
     from trainer.segment import build_segment
 
@@ -178,19 +178,19 @@ def _kill_after(mem: Path, step: int, killed: list[int]):
 # The restore's parts timed inside the ranks (the profile of the node-loss rows): (owner, attribute, label). Each is
 # wrapped with a perf_counter pair around the real call; nothing else changes.
 RESTORE_PARTS = (
-    ("trainer.node_tier:NodeTier", "node_plans", "inventory + plan (collective)"),
-    ("trainer.node_tier:NodeTier", "complete_copy", "complete the copy (all of it)"),
-    ("trainer.node_tier:NodeTier", "_manifest_for", "manifest from the peer"),
-    ("trainer.replicate", "send", "send files (read + hash + send)"),
-    ("trainer.replicate", "receive", "receive files (receive + hash + write)"),
-    ("trainer.node_tier:NodeTier", "_join", "join the fetched files"),
-    ("trainer.node_tier:NodeTier", "check_copy", "quick checks of the copy"),
-    ("trainer.resume_side:ResumeSide", "load", "load (all of it)"),
-    ("ckpt.formats.dcp_onepass:OnePassReader", "read_data", "load: read_data (hash, plan records)"),
-    ("ckpt.formats.dcp_onepass:OnePassReader", "apply", "load: apply (chunks into the live state)"),
-    ("trainer.dcp_backend", "set_state_dict", "load: set_state_dict"),
-    ("trainer.dcp_backend:DCPCheckpointer", "fingerprint", "load: fingerprint"),
-    ("trainer.resume_side:ResumeSide", "_resumed", "load: lineage, log"),
+    ("trainer.checkpointer.node_tier:NodeTier", "node_plans", "inventory + plan (collective)"),
+    ("trainer.checkpointer.node_tier:NodeTier", "complete_copy", "complete the copy (all of it)"),
+    ("trainer.checkpointer.node_tier:NodeTier", "_manifest_for", "manifest from the peer"),
+    ("ckpt.memtier.replicate", "send", "send files (read + hash + send)"),
+    ("ckpt.memtier.replicate", "receive", "receive files (receive + hash + write)"),
+    ("trainer.checkpointer.node_tier:NodeTier", "_join", "join the fetched files"),
+    ("trainer.checkpointer.node_tier:NodeTier", "check_copy", "quick checks of the copy"),
+    ("trainer.checkpointer.resume_side:ResumeSide", "load", "load (all of it)"),
+    ("ckpt.formats.dcp.onepass:OnePassReader", "read_data", "load: read_data (hash, plan records)"),
+    ("ckpt.formats.dcp.onepass:OnePassReader", "apply", "load: apply (chunks into the live state)"),
+    ("trainer.checkpointer.dcp_backend", "set_state_dict", "load: set_state_dict"),
+    ("trainer.checkpointer.dcp_backend:DCPCheckpointer", "fingerprint", "load: fingerprint"),
+    ("trainer.checkpointer.resume_side:ResumeSide", "_resumed", "load: lineage, log"),
 )
 
 
@@ -259,8 +259,8 @@ def recovery(args: argparse.Namespace) -> dict:
 
     from benchlib import drop_caches
 
-    from ckpt.fsutil import dump_yaml
-    from ckpt.layout import RunDir
+    from ckpt.commit.fsutil import dump_yaml
+    from ckpt.commit.layout import RunDir
     from shardkeeper.stages import prepare_run_dir
     from tests.harness import metrics, spawn
     from trainer.segment import run_segment
@@ -327,8 +327,8 @@ def node_loss(args: argparse.Namespace) -> dict:
     steps with snapshots every ``--crash-memory-interval``; then, from copies of that state, alternating, the next
     segment restores from memory with both nodes' memory kept ('same node') or with node 1's memory gone ('peer':
     its files come from node 0's memory). Time: the segment's load phase (model built -> state loaded)."""
-    from ckpt.fsutil import dump_yaml
-    from ckpt.layout import RunDir
+    from ckpt.commit.fsutil import dump_yaml
+    from ckpt.commit.layout import RunDir
     from shardkeeper.stages import prepare_run_dir
 
     base, mem = OUT / "nodes", Path(args.memory_dir) / "nodes"
@@ -534,7 +534,7 @@ def main() -> None:
                 file=sys.stderr,
             )
             sys.exit(2)
-    from ckpt.layout import RunDir
+    from ckpt.commit.layout import RunDir
     from shardkeeper.stages import prepare_run_dir
     from tests.harness import spawn
 

@@ -269,7 +269,7 @@ def run_cell(event: str, moment: str, base: Path, shm: Path, foreign: dict[int, 
 
 
 def outcome(c: Cell, reference: dict[int, dict]) -> dict:
-    from ckpt.validate import validate
+    from ckpt.validate.checks import validate
 
     segs = [json.loads(x) for x in (c.run / "segments.jsonl").read_text().splitlines()]
     starts = [s for s in segs if s.get("event") == "start"]

@@ -71,8 +71,8 @@ def act(snap: Path) -> None:
 
 
 if EVENT:
-    from trainer import save_side
-    from trainer.checkpointer import Checkpointer
+    from trainer.checkpointer import save_side
+    from trainer.checkpointer.core import Checkpointer
 
     if MOMENT == "commit":
         real_commit = Checkpointer._commit

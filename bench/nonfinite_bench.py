@@ -42,7 +42,7 @@ def poisoned(base: Path, out: Path, value: float) -> Path:
 
 def token_file(path: Path, vocab: int, bad_step: int) -> Path:
     """TOKEN only in rank 0's first sample of 0-based step ``bad_step``."""
-    from trainer.data import GlobalOrderLoader
+    from trainer.builtin.data import GlobalOrderLoader
 
     tokens = np.random.default_rng(0).integers(TOKEN + 1, vocab, size=1 << 16).astype(np.uint16)
     tokens[GlobalOrderLoader(tokens, SEQ, SEED, BATCH).starts(bad_step, 0, 1)[0] + 3] = TOKEN

@@ -1,6 +1,6 @@
 """The memory tier's persist: one rank's snapshot file copied from the memory dir into a storage ``.partial``, the way
-the ranks do it (``ckpt.formats.direct_io.copy_file``: read into the O_DIRECT hashing stream's staging buffers,
-written around the page cache) against the buffered copy it replaced (``ckpt.memtier_persist._copy_buffered``: read,
+the ranks do it (``ckpt.formats.dcp.direct_io.copy_file``: read into the O_DIRECT hashing stream's staging buffers,
+written around the page cache) against the buffered copy it replaced (``ckpt.memtier.persist._copy_buffered``: read,
 hash, buffered write, fsync).
 
     python bench/persist_bench.py                  # ~1 min; publishes bench/results/memtier-persist.md
@@ -48,8 +48,8 @@ def main() -> None:
 
     from benchlib import fmt, md_table
 
-    from ckpt.formats.direct_io import copy_file
-    from ckpt.memtier_persist import _copy_buffered
+    from ckpt.formats.dcp.direct_io import copy_file
+    from ckpt.memtier.persist import _copy_buffered
 
     src_dir, out = Path(args.memory_dir), ROOT / "bench" / "out" / "persist"
     src_dir.mkdir(parents=True)

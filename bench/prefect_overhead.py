@@ -81,7 +81,7 @@ def stages(run: Path, work: Path) -> list[Stage]:
 
 def _mirror_plain(run: Path) -> None:
     """What mirror-lineage computes, without the artifacts: the baseline of that task."""
-    from ckpt.lineage import read_events
+    from ckpt.commit.lineage import read_events
     from tasks.dashboard import checkpoints_now, draw_lineage_graph, lineage_graph
     from tasks.render import loss_curve_png, segment_statuses, table_rows
 

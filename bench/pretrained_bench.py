@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 conf = config(base, arch, kind == "pretrained", a.work)
                 evict(files)
                 if a.load_only:
-                    from ckpt.layout import RunDir
+                    from ckpt.commit.layout import RunDir
                     from shardkeeper.config import load_run_spec
                     from shardkeeper.stages import prepare_run_dir
 

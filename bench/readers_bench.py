@@ -97,7 +97,7 @@ class Tally:
 
 # ------------------------------------------------------------------------------------------ local
 def local_readers(source: Path, work: Path, args: argparse.Namespace, tally: Tally) -> dict[str, int]:
-    from ckpt.lineage import read_events
+    from ckpt.commit.lineage import read_events
     from shardkeeper import stages
     from tests.reliability.livewriter import LiveWriter, new_live_run, templates_of
 
@@ -216,7 +216,7 @@ class S3Writer(threading.Thread):
 
     def __init__(self, url: str, templates: dict[int, Path], cache: Path) -> None:
         super().__init__(name="s3-writer", daemon=True)
-        from ckpt.objstore import RemoteRun
+        from ckpt.store.objstore import RemoteRun
 
         self.remote = RemoteRun(url, cache=cache)
         self.templates = templates
@@ -228,7 +228,7 @@ class S3Writer(threading.Thread):
             self.remote.fs.pipe_file(self.remote.key(name), src.read_bytes())
 
     def run(self) -> None:
-        from ckpt import lineage
+        from ckpt.commit import lineage
 
         try:
             steps = sorted(self.templates)
@@ -257,7 +257,7 @@ class S3Writer(threading.Thread):
             self.error = e
 
     def retire(self, step: int) -> None:
-        from ckpt.layout import step_dir_name
+        from ckpt.commit.layout import step_dir_name
         from schemas import MANIFEST_NAME
 
         rel = f"checkpoints/{step_dir_name(step)}"
@@ -287,9 +287,9 @@ def s3_readers(source: Path, work: Path, args: argparse.Namespace, tally: Tally)
     try:
         import boto3
 
-        from ckpt.layout import RunDir
-        from ckpt.lineage import read_events
-        from ckpt.objstore import cache_dir
+        from ckpt.commit.layout import RunDir
+        from ckpt.commit.lineage import read_events
+        from ckpt.store.objstore import cache_dir
         from shardkeeper import stages
         from tests.reliability.livewriter import templates_of
 

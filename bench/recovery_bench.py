@@ -138,7 +138,7 @@ def report(run: Path) -> dict:
 
 
 def ckpt_files(run: Path) -> list[Path]:
-    from ckpt.manifest import read_manifest
+    from ckpt.commit.manifest import read_manifest
 
     ckpt = sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step-") and "." not in p.name)[-1]
     return [ckpt / f.path for f in read_manifest(ckpt).files]
@@ -510,8 +510,8 @@ t = [time.perf_counter()]
 import trainer.lifetime; t.append(time.perf_counter())
 import torch; t.append(time.perf_counter())
 import torch.distributed.checkpoint, torch.distributed.fsdp, torch.distributed.tensor; t.append(time.perf_counter())
-import trainer.api, trainer.dcp_backend; t.append(time.perf_counter())
-import transformers, transformers.models.llama.modeling_llama, trainer.loop; t.append(time.perf_counter())
+import trainer.api.segment, trainer.checkpointer.dcp_backend; t.append(time.perf_counter())
+import transformers, transformers.models.llama.modeling_llama, trainer.builtin.loop; t.append(time.perf_counter())
 print(json.dumps([b - a for a, b in zip(t, t[1:])]))
 """
     keys = ("lifetime", "torch", "torch_distributed", "shardkeeper", "transformers")
@@ -590,7 +590,7 @@ def kill_table(res: dict) -> str:
             ("shardkeeper's rank guard (stdlib: `trainer.lifetime`)", "lifetime"),
             ("`torch`", "torch"),
             ("`torch.distributed` checkpoint, FSDP2, tensor", "torch_distributed"),
-            ("shardkeeper's rank modules (`trainer.api`, pydantic schemas, DCP backend)", "shardkeeper"),
+            ("shardkeeper's rank modules (`trainer.api.segment`, pydantic schemas, DCP backend)", "shardkeeper"),
             ("`transformers` + Llama modeling (during model build)", "transformers"),
         )
     ]

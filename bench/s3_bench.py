@@ -6,7 +6,7 @@ fp32 weights + AdamW moments, 4 DCP files + .metadata), starts a moto_server on 
 
 * raw: boto3's managed transfer (``S3Transfer.upload_file``: multipart, 16 MiB parts, 8 threads) of the
   checkpoint's files, all files submitted at once to one transfer manager: the put itself, nothing else;
-* shardkeeper: ``RemoteRun.push_checkpoint`` (ckpt/objstore.py) of the same committed checkpoint: the files
+* shardkeeper: ``RemoteRun.push_checkpoint`` (ckpt/store/objstore.py) of the same committed checkpoint: the files
   through s3fs (multipart, parallel), the listing that checks every size, then the manifest with a
   conditional put.
 
@@ -134,7 +134,7 @@ def main() -> None:
     try:
         import boto3
 
-        from ckpt.objstore import RemoteRun
+        from ckpt.store.objstore import RemoteRun
 
         client = boto3.client("s3")
         bucket = f"s3bench-{uuid.uuid4().hex[:8]}"

@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import xxhash
 
-    from ckpt.formats import direct_io
-    from ckpt.formats.direct_io import _HashingDirectStream, write_direct
+    from ckpt.formats.dcp import direct_io
+    from ckpt.formats.dcp.direct_io import _HashingDirectStream, write_direct
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=1.5)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.serialization.set_crc32_options(True)
 
     def hashing(_i: int, p: list) -> None:
-        from ckpt.formats.torchzip import byte_view
+        from ckpt.formats.pickle.torchzip import byte_view
 
         h = xxhash.xxh3_128()
         for t in p:

@@ -13,14 +13,14 @@ with its size and xxh3-128 checksum -- then times, as medians (min-max) of ``--r
   save, O(files));
 - **per-rank entries**: one rank hashing its own files and building its FileEntry list (what every rank
   does at save: O(own files), flat in the world size);
-- **validate (quick)**: ``ckpt.validate.validate`` -- manifest parse, every path confined and stat'ed, the
+- **validate (quick)**: ``ckpt.validate.checks.validate`` -- manifest parse, every path confined and stat'ed, the
   directory walk for unlisted files, the DCP layout and tensor-inventory cross-checks, every rank present --
   of a checkpoint this process validated before (what the trainer's rank 0 and a long-lived flow see: the
   manifest and ``.metadata`` are re-hashed and, unchanged, not re-parsed; every file is stat'ed again);
-- **retention plan**: ``ckpt.retention.plan`` -- ``apply_retention``'s decision -- over 3 committed
+- **retention plan**: ``ckpt.validate.retention.plan`` -- ``apply_retention``'s decision -- over 3 committed
   checkpoints of that size with ``keep_last=2``, as the trainer calls it right after a commit (the previous
   checkpoints carry the verification record of their post-commit re-read, the new one not yet);
-- **first in a process**: the same two with nothing remembered (``ckpt.validate.forget_known``): every
+- **first in a process**: the same two with nothing remembered (``ckpt.validate.checks.forget_known``): every
   manifest and ``.metadata`` parsed, the latter by the pure-Python allow-list unpickler.
 
 Below the table: validate + plan in process CPU seconds (contention from other jobs inflates wall time, much
@@ -85,7 +85,7 @@ def write_checkpoint(ckpt: Path, ranks: int, files_per_rank: int, step: int) -> 
 
 def rank_entries(ckpt: Path, rank: int, files_per_rank: int) -> list[Any]:
     """What one rank does at save: hash its own files, one FileEntry each."""
-    from ckpt.hashing import hash_file
+    from ckpt.commit.hashing import hash_file
     from schemas.checkpoint import FileEntry
 
     out = []
@@ -97,8 +97,8 @@ def rank_entries(ckpt: Path, rank: int, files_per_rank: int) -> list[Any]:
 
 def build_manifest(ckpt: Path, ranks: int, files_per_rank: int, step: int, state: dict[str, Any]) -> Any:
     """Rank 0's share: gather every rank's entries (here: computed in turn), add .metadata, write manifest.json."""
-    from ckpt.hashing import hash_file
-    from ckpt.manifest import write_manifest
+    from ckpt.commit.hashing import hash_file
+    from ckpt.commit.manifest import write_manifest
     from schemas import ClusterTopology
     from schemas.checkpoint import CheckpointManifest, DtypePolicy, FileEntry, Fingerprint, TensorEntry
     from shardkeeper.config import load_run_spec
@@ -130,10 +130,10 @@ def build_manifest(ckpt: Path, ranks: int, files_per_rank: int, step: int, state
 
 
 def measure(tmp: Path, ranks: int, files_per_rank: int, reps: int) -> dict[str, Any]:
-    from ckpt.layout import RunDir
-    from ckpt.manifest import read_manifest, write_manifest
-    from ckpt.retention import plan as retention_plan
-    from ckpt.validate import forget_known, record_verified, validate
+    from ckpt.commit.layout import RunDir
+    from ckpt.commit.manifest import read_manifest, write_manifest
+    from ckpt.validate.checks import forget_known, record_verified, validate
+    from ckpt.validate.retention import plan as retention_plan
 
     run = RunDir.at(tmp / f"run-{ranks}")
     t0 = time.perf_counter()

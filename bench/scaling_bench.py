@@ -101,8 +101,8 @@ def build_state(shape: tuple[int, ...], run_dir: str):
     """Sharded model with random weights and AdamW moments, without a training step (see the docstring)."""
     import torch
 
-    from ckpt.layout import RunDir
-    from trainer.dcp_backend import DCPCheckpointer
+    from ckpt.commit.layout import RunDir
+    from trainer.checkpointer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
     from trainer.model import build_model, hf_model_record, materialize, params_on_meta, shard_model
     from trainer.optim import build_optimizer
@@ -131,8 +131,8 @@ def build_state(shape: tuple[int, ...], run_dir: str):
 def worker(shape: tuple[int, ...], run_dir: str, reps: int) -> dict:
     import torch.distributed as dist
 
-    from ckpt.validate import forget_known
-    from trainer.checkpointer import TrainState
+    from ckpt.validate.checks import forget_known
+    from trainer.checkpointer.core import TrainState
 
     env, model, ck = build_state(shape, run_dir)
     g, rd = env.ctrl_group, Path(run_dir)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ckpt.fsutil import atomic_write_text
-from ckpt.lock import _held, _take_exclusive, release_held
+from ckpt.commit.fsutil import atomic_write_text
+from ckpt.guards.lock import _held, _take_exclusive, release_held
 from schemas.errors import RunDirError, RunLockedError
 from schemas.plan import PLAN_NAME, RunPlan
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt.fsutil import pread_full
+from ckpt.commit.fsutil import pread_full
 from schemas import BaseModelRecord, ModelSpec
 from schemas.errors import ConfigError
 

@@ -68,7 +68,7 @@ KILL_MARGIN_S = 15.0
 # Slurm reports a cancelled job CANCELLED at once, while slurmd may kill its steps' processes only up to KillWait
 # (30 s by default) later: the launcher waits that long, and the ranks' grace, for the ranks to be gone.
 STEP_KILL_WAIT_S = 30.0
-RANKS_LOCK = ".lock.ranks"  # = ckpt.lock.RANKS_LOCK_NAME: the shared flock every live rank of a segment holds
+RANKS_LOCK = ".lock.ranks"  # = ckpt.guards.lock.RANKS_LOCK_NAME: the shared flock every live rank of a segment holds
 RDZV_PORT_BASE = 29400  # + job id % 1000: two jobs sharing a node never share a rendezvous port
 LOST_ALLOCATION = {"TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 # How long a pending job may stay unplaceable (fewer usable nodes than it asks for) before it is cancelled and
@@ -89,7 +89,7 @@ def check_text(value: str, what: str) -> None:
 
 def ranks_alive(run_dir: Path) -> bool:
     """Does a process hold ``RUN_DIR/.lock.ranks`` (shared, as every live rank of a segment does)? A probe that
-    takes the lock exclusively without waiting and lets it go at once (ckpt.lock does the same for the CLI)."""
+    takes the lock exclusively without waiting and lets it go at once (ckpt.guards.lock does the same for the CLI)."""
     import fcntl
 
     try:

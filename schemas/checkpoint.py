@@ -142,7 +142,7 @@ class CheckpointManifest(_Frozen):
     tensors: list[TensorEntry] = Field(description="inventory of the tensors saved")
     model_signature: str = Field(
         description="sha256 of the model tensors' canonical names, global shapes and dtypes "
-        "(ckpt.identity.signature): the same for every kind of run and both backends; "
+        "(ckpt.commit.identity.signature): the same for every kind of run and both backends; "
         "older checkpoints carry another digest. Recorded, never compared: a resume "
         "compares the tensors themselves"
     )

@@ -1,4 +1,4 @@
-"""What the controller's data preparation produced (``trainer.prepare``), handed to the ranks in the seam,
+"""What the controller's data preparation produced (``trainer.builtin.prepare``), handed to the ranks in the seam,
 and the part of it recorded in every checkpoint's manifest (``DataRecord``) so a resume never trains on
 other data than the run started with. No torch, no prefect."""
 

@@ -22,7 +22,7 @@ __all__ = ["Segment", "SegmentPreempted", "SegmentStopped", "UsageError"]
 
 def __getattr__(name: str) -> Any:
     if name in ("Segment", "SegmentPreempted", "SegmentStopped"):
-        from trainer import api
+        from trainer.api import segment as api
 
         return getattr(api, name)
     if name == "UsageError":

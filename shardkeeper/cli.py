@@ -214,7 +214,7 @@ def prepare_data_cmd(
     """Tokenize the run's dataset (train split, and eval.split) into the data cache, as `train` would before
     launching; prints each cache path and its token count. A second call finds it in the cache."""
     from shardkeeper.config import check_model_config, load_run_spec
-    from trainer.prepare import cache_root, prepare_data
+    from trainer.builtin.prepare import cache_root, prepare_data
 
     if num_proc is not None and num_proc < 1:
         raise ShardkeeperError(f"--num-proc {num_proc}: must be at least 1")
@@ -283,8 +283,8 @@ def validate(
 def _unverified_note(ckpt_dir: str) -> str:
     """A quick validation checks sizes and structure, not bytes: say so when nothing has re-read this checkpoint
     since its commit (a preemption's checkpoint is verified by its next load), so "valid" is not taken for more."""
-    from ckpt.layout import RunDir
-    from ckpt.validate import is_verified
+    from ckpt.commit.layout import RunDir
+    from ckpt.validate.checks import is_verified
 
     if "://" in ckpt_dir:  # on the store: committed, and read back (downloaded and hashed) since its upload or not
         from shardkeeper.remote import reread_url
@@ -325,7 +325,7 @@ def convert(
     zero_stage: Annotated[int | None, typer.Option(help="ZeRO stage of the new run (--to deepspeed)")] = None,
 ) -> None:
     """Convert a checkpoint between backends (DeepSpeed ZeRO <-> DCP/FSDP2), streaming one parameter at a time."""
-    from ckpt.manifest import read_manifest
+    from ckpt.commit.manifest import read_manifest
     from shardkeeper.stages import convert_checkpoint
 
     done = convert_checkpoint(ckpt_dir, to, target, zero_stage=zero_stage)

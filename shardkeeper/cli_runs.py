@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ckpt.layout import RunDir
+from ckpt.commit.layout import RunDir
 from schemas.errors import ShardkeeperError
 from shardkeeper.cli_app import app, console, out
 
@@ -28,7 +28,7 @@ def lineage_cmd(
     ] = False,
 ) -> None:
     """Show every checkpoint, resume, reshard, export and publish of a run, with its parent (a summary first)."""
-    from ckpt.lineage import read_events
+    from ckpt.commit.lineage import read_events
 
     existing_remote = None
     if _is_remote(run_dir):
@@ -250,7 +250,7 @@ def manifest(
 
 
 def _is_remote(path: str) -> bool:
-    from ckpt.objstore import is_remote
+    from ckpt.store.objstore import is_remote
 
     return is_remote(path)
 

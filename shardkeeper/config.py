@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from ckpt.fsutil import DuplicateKeyError, load_yaml
+from ckpt.commit.fsutil import DuplicateKeyError, load_yaml
 from schemas import RunSpec
 from schemas.errors import ConfigError
 from schemas.run import MAX_STEPS, SCRIPT_UNUSED, control_chars
@@ -239,7 +239,7 @@ _SCRIPT_OWNS = {
 def _stored_spec(url: str) -> Path | None:
     """An object-store run's run.yaml, fetched into its local cache (where the resume's pull puts it anyway); None
     when the store holds none (a new run). Store errors are one line (ObjectStoreError)."""
-    from ckpt.objstore_base import ObjectStoreError, cache_dir, explain, is_remote, open_fs
+    from ckpt.store.base import ObjectStoreError, cache_dir, explain, is_remote, open_fs
 
     if not is_remote(url):
         return None
@@ -351,7 +351,7 @@ def _pretrained_model_type(raw: dict[str, Any], cwd_paths: bool = True) -> dict[
 
 
 def dump_run_spec(spec: RunSpec) -> str:
-    from ckpt.fsutil import dump_yaml
+    from ckpt.commit.fsutil import dump_yaml
 
     return dump_yaml(spec.model_dump(mode="json"))
 

@@ -6,18 +6,19 @@
 
 What comes across: every parameter's fp32 weight, its AdamW moments (exp_avg, exp_avg_sq) and the optimizer step,
 into the format of the config's backend (fsdp2: DCP; deepspeed: DeepSpeed's universal layout), streamed one tensor
-at a time (``ckpt.formats.foreign`` reads, ``trainer.adopt`` and ``ckpt.formats.foreign_commit`` write and commit).
+at a time (``ckpt.formats.foreign.readers`` reads, ``trainer.api.adopt`` and ``ckpt.formats.foreign.commit`` write and
+commit).
 The checkpoint is recorded as if shardkeeper had trained ``step`` steps under the config: counters are ``step`` x
 the config's global batch, optimizer groups and hyperparameters are the config's, RNG states are seeded by the
 elastic rule. The other tool's LR scheduler, data loader position and RNG files are not read. The model is built
 from the config on the meta device (the trainer's own helpers, no weights allocated) for its parameter names and
 shapes and the export record: a checkpoint of another architecture is refused with the first tensor that differs.
 
-Any kind of run whose model has these tensors continues it (``ckpt.identity``): the built-in trainer with the
+Any kind of run whose model has these tensors continues it (``ckpt.commit.identity``): the built-in trainer with the
 config, or a script (own FSDP2 or DeepSpeed loop, Hugging Face Trainer, Accelerate), which trains on with its own
 optimizer settings and starts its LR scheduler at the imported step (``trainer.extras``). From inside a script,
 ``Trainer.train(resume_from_checkpoint=PATH)`` imports the same way, the model described by the live objects
-(``trainer.adopt.resume_from``).
+(``trainer.api.adopt.resume_from``).
 
 Everything is checked before anything is written; a failure after that removes what this import created.
 """
@@ -31,14 +32,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt.fsutil import load_yaml, mkdir_durable
-from ckpt.layout import RunDir
-from ckpt.lock import RunLock
+from ckpt.commit.fsutil import load_yaml, mkdir_durable
+from ckpt.commit.layout import RunDir
+from ckpt.guards.lock import RunLock
 from schemas import CheckpointManifest, DtypePolicy, RunSpec
 from schemas.errors import RunDirError
 
 if TYPE_CHECKING:
-    from trainer.adopt import TargetModel
+    from trainer.api.adopt import TargetModel
 
 log = logging.getLogger("shardkeeper")
 
@@ -83,7 +84,7 @@ def describe_model(spec: RunSpec) -> TargetModel:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.adopt import TargetModel
+    from trainer.api.adopt import TargetModel
     from trainer.model import hf_config, hf_model_record, params_on_meta
     from trainer.optim import build_optimizer
 
@@ -147,7 +148,7 @@ def template_manifest(spec: RunSpec, target: TargetModel, step: int) -> Checkpoi
         A manifest whose counters are ``step`` steps of the config's global batch (samples, and tokens at its
         ``data.seq_len``), with the config's dtypes and the format of its backend.
     """
-    from trainer.adopt import template_manifest as template
+    from trainer.api.adopt import template_manifest as template
 
     samples = step * spec.global_batch_size
     policy = DtypePolicy(compute=_DTYPE_NAMES[spec.precision.compute], reduce=_DTYPE_NAMES[spec.precision.reduce])
@@ -201,8 +202,8 @@ def import_checkpoint(
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckpt.formats.foreign import open_foreign
-    from trainer.adopt import check_source, commit_adopted, record_import
+    from ckpt.formats.foreign.readers import open_foreign
+    from trainer.api.adopt import check_source, commit_adopted, record_import
 
     t0 = time.perf_counter()
     if "://" in str(run_dir):

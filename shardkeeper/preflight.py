@@ -4,7 +4,7 @@
 fail on every rank after ``run.yaml`` was written (so that the corrected command is then refused
 too) or be OOM-killed minutes later: a run directory that cannot be one, a device that is not
 there, a model config transformers would not build as meant, a token file that does not fit the
-model, a dataset that cannot be trained on (``trainer.prepare``: missing column, empty split, chat row
+model, a dataset that cannot be trained on (``trainer.builtin.prepare``: missing column, empty split, chat row
 without an assistant turn, tokenizer larger than the embeddings; the dataset is tokenized here, into
 the data cache outside the run directory), and a model whose training state cannot fit in memory.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt.layout import RunDir
+from ckpt.commit.layout import RunDir
 from schemas import MANIFEST_NAME, ClusterTopology, PreparedData, RunSpec
 from schemas.errors import ConfigError, RunDirError
 from shardkeeper.config import check_model_config, quiet_transformers
@@ -97,7 +97,7 @@ def check_memory_tier(spec: RunSpec, topology: ClusterTopology, run_dir: str | P
     (the local launcher)."""
     if spec.checkpoint.memory_interval is None:
         return
-    from ckpt.memtier import check_memory_tier as check
+    from ckpt.memtier.tier import check_memory_tier as check
 
     state = None if params is None else params * (STATE_BYTES["master"] + STATE_BYTES["adamw"]) / topology.world_size
     check(
@@ -301,8 +301,8 @@ def check_pretrained(spec: RunSpec, cfg: Any, model: Any, *, weights: bool = Tru
     """model.pretrained, before any rank starts: weight files that exist and hold every parameter of the model
     its config.json builds, at its shape, with no NaN/Inf value (``weights``: only when the run has no checkpoint to
     resume from); an architecture the backend can shard; a tokenizer that fits."""
+    from ckpt.commit.state import tied_weights
     from ckpt.pretrained import find_tensor, resolve, tensor_index, tied_conflict, weight_files
-    from ckpt.state import tied_weights
 
     m = spec.model
     source = m.pretrained or ""
@@ -360,7 +360,7 @@ def check_finite_weights(source: str, tensors: list[StoredTensor]) -> None:
 
 def check_shardable(spec: RunSpec, model: Any) -> None:
     """FSDP2 shards transformers' decoder blocks (_no_split_modules); DeepSpeed takes any module (ZeRO-1/2 read
-    the pretrained weights into full parameters, ZeRO-3 into each rank's partitions: trainer.ds_zero3)."""
+    the pretrained weights into full parameters, ZeRO-3 into each rank's partitions: trainer.deepspeed.zero3)."""
     if spec.backend == "deepspeed":
         return
     names = set(getattr(model, "_no_split_modules", None) or [])
@@ -400,13 +400,13 @@ def check_tokenizer(spec: RunSpec, cfg: Any) -> None:
 def check_data(spec: RunSpec, vocab_size: int, num_proc: int | None = None) -> PreparedData | None:
     """Synthetic corpus or token file: enough tokens for one global batch; a file that exists, has whole
     tokens of its dtype, and only ids below the vocabulary size (one chunked pass over the memmap).
-    A dataset: prepared (trainer.prepare: its bad input is refused there), then the same count."""
-    from trainer.data import open_token_file, scan_token_ids
+    A dataset: prepared (trainer.builtin.prepare: its bad input is refused there), then the same count."""
+    from trainer.builtin.data import open_token_file, scan_token_ids
 
     data = spec.data
     prepared = None
     if data.source == "dataset":
-        from trainer.prepare import prepare_data
+        from trainer.builtin.prepare import prepare_data
 
         prepared = prepare_data(spec, vocab_size=vocab_size, num_proc=num_proc)
         assert prepared is not None

@@ -1,12 +1,12 @@
-"""Run directories and exports on ``s3://`` (any fsspec URL): the controller side of ckpt.objstore.
+"""Run directories and exports on ``s3://`` (any fsspec URL): the controller side of ckpt.store.objstore.
 
 A segment on ``--run-dir s3://bucket/prefix`` trains into the local cache of that URL (the ranks write a
 normal run directory at local-disk speed, under the unchanged commit protocol) while ``Mirror`` pushes the
 newest checkpoint the store lacks as it commits (a watcher thread: a preemption loses at most the upload in flight;
 on a link slower than the commits the ones committed meanwhile are skipped, and the one in flight is pinned in the
-cache, ckpt.pin, so the ranks' retention keeps it until it is up), then the run's metadata, and applies the
+cache, ckpt.guards.pin, so the ranks' retention keeps it until it is up), then the run's metadata, and applies the
 retention policy on the store (manifest first). Before the segment it takes the run's lease on the store
-(ckpt.lease: one writer per run, whatever machine or cache it trains from) and pulls the newest committed remote
+(ckpt.guards.lease: one writer per run, whatever machine or cache it trains from) and pulls the newest committed remote
 checkpoint when the cache lacks it: that is how a segment on another machine, or at another world size, resumes.
 A segment that loses its lease stops uploading and ends with one line. The read-only stages (validate, status,
 lineage, export) materialize in the cache what they need; nothing is read from a remote step directory without
@@ -24,12 +24,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ckpt import lineage
-from ckpt.layout import RunDir, parse_step
-from ckpt.lease import LeaseLost, lease_for
-from ckpt.objstore import ObjectStoreError, RemoteRun, is_remote, iter_runs
-from ckpt.objstore_base import reread_on_store
-from ckpt.pin import Pin
+from ckpt.commit import lineage
+from ckpt.commit.layout import RunDir, parse_step
+from ckpt.guards.lease import LeaseLost, lease_for
+from ckpt.guards.pin import Pin
+from ckpt.store.base import reread_on_store
+from ckpt.store.objstore import ObjectStoreError, RemoteRun, is_remote, iter_runs
 from schemas import RunSpec, SegmentResult, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired, ShardkeeperError
 from schemas.requests import RunState, last_placement, last_segment
@@ -141,7 +141,7 @@ class Mirror:
 
     def _guard(self) -> None:
         """Before a checkpoint's files and before its manifest: nothing more once the upload was given up, and the
-        run's lease renewed (ckpt.lease)."""
+        run's lease renewed (ckpt.guards.lease)."""
         if self._giving_up.is_set():
             raise UploadAbandoned()
         self._confirm()
@@ -476,8 +476,8 @@ def _push_meta_quietly(remote: RemoteRun) -> None:
 
 def run_state_remote(url: str, *, is_locked: Callable[[Path], bool]) -> RunState:
     """RunState of a run on the store: the newest remote checkpoint with a manifest and all its objects, and whether
-    anyone read its objects back since the upload (a resume's download, a deep validation: ckpt.objstore_base)."""
-    from ckpt.fsutil import read_jsonl
+    anyone read its objects back since the upload (a resume's download, a deep validation: ckpt.store.base)."""
+    from ckpt.commit.fsutil import read_jsonl
 
     remote = RemoteRun(url)
     remote.check_readable()
@@ -537,8 +537,8 @@ def export_remote(
     """Export a checkpoint where either side is on the store: the checkpoint is materialized in the cache,
     the export written locally, and an ``out`` on the store is published there through ckpt.publish's fsspec
     target (files first, its marker last: a reader sees an incomplete export as none)."""
-    from ckpt.objstore import cache_dir, open_fs
     from ckpt.publish.fsspec_target import publish_to_fsspec
+    from ckpt.store.objstore import cache_dir, open_fs
 
     remote, local_ckpt = materialize_checkpoint(ckpt) if is_remote(ckpt) else (None, Path(ckpt))
     if is_remote(out):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt.layout import RunDir, parse_step
+from ckpt.commit.layout import RunDir, parse_step
 from schemas import LineageEvent
 from schemas.requests import RunState
 
@@ -443,8 +443,8 @@ def age(seconds: float) -> str:
 def checkpoints_now(run_dir: str | Path, events: list[LineageEvent]) -> list[dict[str, Any]]:
     """One row per committed checkpoint on disk now (storage first, then the memory tier's snapshots): step, tier,
     world size, backend, size, validity as last checked, where it was exported and published."""
-    from ckpt.manifest import read_manifest
-    from ckpt.memtier import owned_memory_dirs
+    from ckpt.commit.manifest import read_manifest
+    from ckpt.memtier.tier import owned_memory_dirs
 
     rd = RunDir.at(run_dir)
     rows = []

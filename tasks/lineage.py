@@ -29,8 +29,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from ckpt.layout import RunDir
-from ckpt.lineage import read_events
+from ckpt.commit.layout import RunDir
+from ckpt.commit.lineage import read_events
 from ckpt.plan import PlanError, read_plan
 from schemas.plan import RunPlan
 from schemas.requests import LineageArtifacts

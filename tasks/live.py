@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckpt.layout import RunDir
+from ckpt.commit.layout import RunDir
 
 log = logging.getLogger(__name__)
 

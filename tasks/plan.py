@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ckpt.lineage import now_iso
+from ckpt.commit.lineage import now_iso
 from ckpt.plan import PLAN_LOCK_NAME, PlanLock, read_plan, write_plan
 from schemas.plan import PLAN_NAME, Driver, DriverKind, PlanStatus, RunPlan, StageDone
 from schemas.requests import TrainExportRequest
@@ -33,7 +33,7 @@ HANDED_OVER = "HandedOver"  # the state name of a train-and-export flow run that
 def plan_root(run_dir: str) -> Path:
     """Where a run's plan lives: the run directory, or for a run on an object store its local cache."""
     if "://" in str(run_dir):
-        from ckpt.objstore import RemoteRun
+        from ckpt.store.objstore import RemoteRun
 
         return RemoteRun(str(run_dir)).local.root
     return Path(run_dir).resolve()

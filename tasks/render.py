@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt.fsutil import read_jsonl
-from ckpt.layout import RunDir
+from ckpt.commit.fsutil import read_jsonl
+from ckpt.commit.layout import RunDir
 from schemas import LineageEvent
 from tasks.dashboard import draw_lineage_graph, lineage_graph
 

@@ -20,7 +20,7 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 from prefect.tasks import MaterializingTask, Task
 
-from ckpt.layout import RunDir
+from ckpt.commit.layout import RunDir
 from schemas import (
     ClusterTopology,
     ExportResult,

@@ -201,11 +201,11 @@ def _record(losses: list[float], loss: Any, world: int) -> None:
 def write_deepspeed(out: str, stage: int = 2, steps: int = SOURCE_STEPS, saves: tuple[int, ...] = (2, 3)) -> None:
     """A plain DeepSpeed user: the recipe in a ZeRO-``stage`` engine, ``engine.save_checkpoint`` after ``saves``,
     on to ``steps``; every step's loss (mean over the ranks) in ``losses.json``. DeepSpeed's JIT-built shm op is
-    skipped (trainer.ds_shm: it serves inference all-reduce only and changes no byte of a checkpoint)."""
+    skipped (trainer.deepspeed.shm: it serves inference all-reduce only and changes no byte of a checkpoint)."""
     import torch
     import torch.distributed as dist
 
-    from trainer.ds_shm import skip_shm_op
+    from trainer.deepspeed.shm import skip_shm_op
 
     skip_shm_op()  # before deepspeed is imported: its CPU comm backend would build the op in initialize
     import deepspeed
@@ -296,7 +296,7 @@ def write_trainer_deepspeed(out: str, steps: int = SOURCE_STEPS, save_at: int = 
     import torch.distributed as dist
     from transformers import Trainer, TrainerCallback
 
-    from trainer.ds_shm import skip_shm_op
+    from trainer.deepspeed.shm import skip_shm_op
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     skip_shm_op()

@@ -125,8 +125,8 @@ def _shared_runs_stay_untouched(request: pytest.FixtureRequest) -> Iterator[None
 def lineage_run(tmp_path: Path) -> Path:
     """A run directory with hand-written lineage and metrics (no torch): 2 ranks to step 6, then a
     failed segment at 2 ranks that repeated steps 6-7, then 3 ranks from step 6 to 10, exported."""
-    from ckpt import lineage
-    from ckpt.fsutil import append_jsonl
+    from ckpt.commit import lineage
+    from ckpt.commit.fsutil import append_jsonl
 
     run = tmp_path / "lineage-run"
     ck = lineage.checkpoint_event_id
@@ -185,12 +185,12 @@ def lineage_run(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def ds_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real DeepSpeed ZeRO-2 run dir: 2 ranks, steps 0 -> 2, one checkpoint at step 2 (one launch; CPU ranks
-    skip DeepSpeed's JIT-built shm op, see trainer.ds_shm). Read-only."""
+    skip DeepSpeed's JIT-built shm op, see trainer.deepspeed.shm). Read-only."""
     from importlib.util import find_spec
 
     if find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
-    from ckpt.layout import RunDir
+    from ckpt.commit.layout import RunDir
     from shardkeeper.config import load_run_spec
     from shardkeeper.stages import prepare_run_dir
     from tests.harness import spawn

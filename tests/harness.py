@@ -233,7 +233,7 @@ def tiny_spec(**overrides: object):
 
 
 def new_run(path: Path, spec: Any) -> Path:
-    from ckpt.layout import RunDir
+    from ckpt.commit.layout import RunDir
     from shardkeeper.stages import prepare_run_dir
 
     prepare_run_dir(RunDir.at(path), spec)

@@ -348,7 +348,7 @@ def test_user_exception_shows_the_users_traceback_and_one_line(launched: dict) -
     r = outcome(launched, "raise")
     assert r.returncode == 1
     assert 'api_modes.py", line' in r.stderr and "in explode" in r.stderr and "ValueError: boom at step 3" in r.stderr
-    assert "trainer/api.py" not in r.stderr and "runpy" not in r.stderr  # their frames, not shardkeeper's
+    assert "trainer/api/segment.py" not in r.stderr and "runpy" not in r.stderr  # their frames, not shardkeeper's
     assert "error: segment 0 failed" in r.stderr and "api_modes.py line" in r.stderr
     # an error of the rank's own is never restarted in place (checkpoint.restarts): it would fail again; the agent's
     # note saying so is shown only with -v (the failure line above already names the cause)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.lock import RunLock
+from ckpt.guards.lock import RunLock
 from shardkeeper.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,7 +254,7 @@ def test_sigterm_to_train_commits_and_exits_75_then_same_command_resumes(tmp_pat
     status = json.loads((run / ".segment-status.json").read_text())
     stop = status["end_step"]
     assert status["status"] == "preempted" and stop >= 7
-    from ckpt.manifest import read_manifest
+    from ckpt.commit.manifest import read_manifest
 
     assert read_manifest(run / "checkpoints" / f"step-{stop:08d}").reason == "preempted"
     # the preempted segment's phases: SIGTERM seen, then the emergency checkpoint committed, then the report

@@ -85,7 +85,7 @@ def test_text_tokenized_once_into_a_content_keyed_cache(world: Path, tmp_path: P
     from transformers import AutoTokenizer
 
     from schemas import data_change
-    from trainer.prepare import prepare_split
+    from trainer.builtin.prepare import prepare_split
 
     spec = spec_for(world)
     first = prepare_split(spec, "train", vocab_size=320)
@@ -121,7 +121,7 @@ def test_text_tokenized_once_into_a_content_keyed_cache(world: Path, tmp_path: P
 def test_parallel_tokenization_matches_one_process(
     world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from trainer import prepare
+    from trainer.builtin import prepare
 
     spec = spec_for(world, eval_=False)
     monkeypatch.setattr(prepare, "ROWS_PER_WORKER", 100)  # 350 rows -> 2 worker processes on 2 CPUs
@@ -135,7 +135,7 @@ def test_parallel_tokenization_matches_one_process(
 
 # ------------------------------------------------------------------------------------------ sample order
 def test_sample_order_is_a_function_of_seed_and_step() -> None:
-    from trainer.data import GlobalOrderLoader
+    from trainer.builtin.data import GlobalOrderLoader
 
     tokens = np.arange(5000, dtype=np.uint16)
     mask = (np.arange(5000) % 3 != 0).astype(np.uint8)
@@ -161,8 +161,8 @@ def test_sample_order_is_a_function_of_seed_and_step() -> None:
 def test_chat_mask_covers_exactly_the_assistant_turns(world: Path) -> None:
     from transformers import AutoTokenizer
 
-    from trainer.data import GlobalOrderLoader, open_prepared
-    from trainer.prepare import chat_sample, prepare_split
+    from trainer.builtin.data import GlobalOrderLoader, open_prepared
+    from trainer.builtin.prepare import chat_sample, prepare_split
 
     tok = AutoTokenizer.from_pretrained(str(world / "tok"))
     ids, mask = chat_sample(tok, CONVERSATION)
@@ -182,7 +182,7 @@ def test_chat_mask_covers_exactly_the_assistant_turns(world: Path) -> None:
     assert prep.targets == int(np.asarray(stored).sum()) < prep.tokens
     # the loader's labels: -100 wherever the *predicted* token is not an assistant token
     loader = GlobalOrderLoader(np.asarray(tokens), len(ids) - 1, seed=0, global_batch=1, mask=np.asarray(stored))
-    from trainer.data import _rows
+    from trainer.builtin.data import _rows
 
     inputs, labels = _rows(loader.tokens, loader.mask, [0], len(ids) - 1)
     assert inputs[0].tolist() == ids[:-1]
@@ -267,7 +267,7 @@ def test_the_training_data_key_does_not_cover_the_eval_split(world: Path, tmp_pa
     """Eval may change between segments: editing validation.jsonl of a dataset folder changes the eval split's key
     only, so a resume is not refused; editing train.jsonl still is."""
     from schemas.data import data_change
-    from trainer.prepare import prepare_data
+    from trainer.builtin.prepare import prepare_data
 
     data = shutil.copytree(world / "text", tmp_path / "text")
     spec = spec_for(world, dataset=str(data))
@@ -290,7 +290,7 @@ def test_the_training_data_key_does_not_cover_the_eval_split(world: Path, tmp_pa
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused(world: Path) -> None:
-    from trainer.prepare import check_vocab, prepare_split
+    from trainer.builtin.prepare import check_vocab, prepare_split
 
     prep = prepare_split(spec_for(world), "train", vocab_size=320)
     # a tokenizer whose ids exceed its own length (holes in the vocabulary): the ids are checked too
@@ -310,9 +310,9 @@ def _eval_on_ranks(run_spec: dict, prepared: dict) -> dict:
     import torch.distributed as dist
 
     from schemas import PreparedSplit, RunSpec
-    from trainer.data import HeldOutLoader, open_prepared
+    from trainer.builtin.data import HeldOutLoader, open_prepared
+    from trainer.builtin.loop import Trainer
     from trainer.dist import init_distributed
-    from trainer.loop import Trainer
     from trainer.model import build_model, shard_model
 
     spec = RunSpec.model_validate(run_spec)
@@ -339,7 +339,7 @@ def _eval_on_ranks(run_spec: dict, prepared: dict) -> dict:
 
 
 def test_eval_loss_is_the_same_at_one_and_two_ranks(world: Path) -> None:
-    from trainer.prepare import prepare_data
+    from trainer.builtin.prepare import prepare_data
 
     spec = spec_for(world)
     spec = spec.model_copy(update={"eval": spec.eval.model_copy(update={"batches": 3})})  # type: ignore[union-attr]
@@ -356,8 +356,8 @@ def test_eval_loss_is_the_same_at_one_and_two_ranks(world: Path) -> None:
 # ------------------------------------------------------------------------------------------ training
 @pytest.mark.slow
 def test_train_on_jsonl_resumes_and_refuses_changed_data(world: Path, tmp_path: Path) -> None:
-    from ckpt.lineage import read_events
-    from ckpt.manifest import read_manifest
+    from ckpt.commit.lineage import read_events
+    from ckpt.commit.manifest import read_manifest
     from shardkeeper.stages import plan_topology, train_segment
 
     data = tmp_path / "text"

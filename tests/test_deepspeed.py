@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.hashing import hash_file
-from ckpt.layout import RunDir
-from ckpt.manifest import read_manifest
-from ckpt.validate import validate
+from ckpt.commit.hashing import hash_file
+from ckpt.commit.layout import RunDir
+from ckpt.commit.manifest import read_manifest
+from ckpt.validate.checks import validate
 from schemas import RunSpec
 from shardkeeper.cli import main
 from shardkeeper.stages import convert_checkpoint, prepare_run_dir
@@ -171,8 +171,8 @@ def _same(a: object, b: object, where: str) -> None:
 def test_zero2_async_saves_equal_sync_saves(z2_ref: Path, tmp_path: Path) -> None:
     """checkpoint.async_save is honoured by the DeepSpeed backend: the interval save is written in the
     background, training is bitwise unchanged, and every file holds the same state as the sync save's."""
-    from ckpt.formats.safe_pickle import DEEPSPEED_STATE
-    from ckpt.formats.torchzip import load_file
+    from ckpt.formats.pickle.safe_pickle import DEEPSPEED_STATE
+    from ckpt.formats.pickle.torchzip import load_file
 
     run = tmp_path / "run"
     train(run, 2, END, spec=ds_spec(2, **{"checkpoint.async_save": "true"}))
@@ -197,7 +197,7 @@ def _stalled_segment(run: str, until: int, segment: int, stall: int, marks: str)
     import threading
     import time
 
-    import trainer.ds_checkpointer as ds
+    import trainer.deepspeed.checkpointer as ds
 
     real = ds.save_torch
 
@@ -332,8 +332,8 @@ def test_conversion_to_dcp_streams_the_zero_state_bit_for_bit(z2_ref: Path, tmp_
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from ckpt.formats.dcp import DCPTensorReader
-    from ckpt.formats.deepspeed_convert import to_dcp
+    from ckpt.formats.dcp.reader import DCPTensorReader
+    from ckpt.formats.deepspeed.convert import to_dcp
 
     src = ckpt(z2_ref, CUT)
     first, second = (to_dcp(src, tmp_path / n / src.name) for n in ("a", "b"))
@@ -410,7 +410,7 @@ def test_tied_zero2_checkpoint_continues_under_fsdp2(tied_z2_ref: Path, tied_fsd
     name with the source's values, and the FSDP2 run continues the ZeRO-2 run's losses."""
     import torch
 
-    from ckpt.formats.dcp import DCPTensorReader
+    from ckpt.formats.dcp.reader import DCPTensorReader
 
     assert _names(ckpt(tied_z2_ref, CUT))[0] != _names(ckpt(tied_fsdp_ref, CUT))[0]  # the layouts differ
     run = tmp_path / "fsdp"
@@ -461,7 +461,7 @@ def test_refused_conversion_into_a_new_run_dir_leaves_nothing(
 
 def _without_the_model_check(run: str, until: int) -> int:
     """run_segment on a rank that skips the model comparison before the load (as runs did before it existed)."""
-    from trainer.resume_side import ResumeSide
+    from trainer.checkpointer.resume_side import ResumeSide
 
     ResumeSide.model_problem = lambda self, manifest: None  # type: ignore[method-assign]
     return run_segment(run, until, 0)
@@ -474,7 +474,7 @@ def test_a_checkpoint_the_live_run_cannot_load_is_not_quarantined(
     conversions wrote tied models before) fails the segment in one line and stays in place: it is not moved aside
     as if its bytes were bad, and the next segment finds it again. The model comparison refuses it before the
     load, naming the tensor; a load that fails anyway (the comparison skipped) leaves it in place too."""
-    import ckpt.formats.deepspeed_convert as conv
+    import ckpt.formats.deepspeed.convert as conv
 
     monkeypatch.setattr(conv, "tied_of", lambda manifest, names: {})  # the old conversion: embed_tokens only
     run = tmp_path / "fsdp"
@@ -533,9 +533,9 @@ def test_export_stage_on_a_zero_checkpoint_matches_zero_to_fp32(z2_ref: Path, tm
     """The export stage takes a deepspeed checkpoint like a DCP one, in one pass from the ZeRO files:
     same tensors as zero_to_fp32, bit for bit, no scratch left beside the output, the export recorded
     in the run's lineage, and the same bytes as the export of the checkpoint converted to DCP."""
+    from ckpt.commit.manifest import write_manifest
     from ckpt.export import export_checkpoint as export_dcp
-    from ckpt.formats.deepspeed_convert import to_dcp
-    from ckpt.manifest import write_manifest
+    from ckpt.formats.deepspeed.convert import to_dcp
 
     _export_and_compare(z2_ref, tmp_path)
     direct = tmp_path / "run" / "exports" / "final"
@@ -562,7 +562,7 @@ def test_export_of_a_corrupted_zero_partition_is_refused(
 ) -> None:
     """A flipped bit in the fp32 master partition (same size: quick validation passes) is caught by the
     CRC-32 of its zip entry before anything is committed; one line names the file."""
-    from ckpt.formats.deepspeed import ZeroShards
+    from ckpt.formats.deepspeed.zero import ZeroShards
 
     path = broken / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     with ZeroShards(broken) as shards:

@@ -190,7 +190,7 @@ def test_bad_parameters_fail_the_flow_run_with_one_line(deployed: dict[str, Any]
 def test_preemption_hands_the_plan_to_the_automation_which_finishes_it(deployed: dict[str, Any]) -> None:
     from prefect.deployments import run_deployment
 
-    from ckpt.lineage import read_events
+    from ckpt.commit.lineage import read_events
     from ckpt.plan import read_plan
     from flows.resume import resume
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import ckpt.formats.direct_io as dio
-from ckpt.formats.deepspeed import save_torch, write_hashed
-from ckpt.hashing import hash_file
+import ckpt.formats.dcp.direct_io as dio
+from ckpt.commit.hashing import hash_file
+from ckpt.formats.deepspeed.zero import save_torch, write_hashed
 
 
 def _payload() -> dict:
@@ -131,7 +131,7 @@ def test_dcp_saves_record_no_torch_crc32_and_alias_padded_shards(tmp_path: Path)
 
     import torch.distributed.checkpoint as dcp
 
-    from ckpt.formats.dcp import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+    from ckpt.formats.dcp.reader import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 
     padded = torch.arange(1000, dtype=torch.float32)
     sd = {"view": padded[8:408].view(20, 20), "b": torch.randn(300), "n": 7}

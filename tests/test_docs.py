@@ -262,9 +262,9 @@ def layout_block(text: str) -> list[str]:
 
 
 def test_on_disk_layout_blocks_name_what_the_code_writes(tmp_path: Path) -> None:
-    from ckpt.layout import INVALID_RE, RunDir, step_dir_name
-    from ckpt.memtier import DIRS_NAME, ID_NAME
-    from ckpt.pin import PINS_DIR
+    from ckpt.commit.layout import INVALID_RE, RunDir, step_dir_name
+    from ckpt.guards.pin import PINS_DIR
+    from ckpt.memtier.tier import DIRS_NAME, ID_NAME
     from ckpt.plan import PLAN_LOCK_NAME
     from schemas.plan import PLAN_NAME
     from schemas.seam import LAUNCH_FILE, REPORT_FILE
@@ -294,7 +294,8 @@ def test_on_disk_layout_blocks_name_what_the_code_writes(tmp_path: Path) -> None
         LAUNCH_FILE,
         REPORT_FILE,
         f"{PINS_DIR}/upload.json,",
-        # the run's id and memory dirs (ckpt.memtier), a --restart and the dashboard's mirror (named in ckpt/, tasks/)
+        # the run's id and memory dirs (ckpt.memtier.tier), a --restart and the dashboard's mirror (named in ckpt/,
+        # tasks/)
         ID_NAME,
         DIRS_NAME,
         "metrics.before-restart-3.jsonl",
@@ -307,7 +308,7 @@ def test_on_disk_layout_blocks_name_what_the_code_writes(tmp_path: Path) -> None
         unknown = sorted(set(names) - core - more)
         missing = sorted(core - set(names))
         assert not unknown, f"{source.name}: the layout block names what the code does not write: {unknown}"
-        assert not missing, f"{source.name}: the layout block leaves out {missing} (ckpt.layout.RunDir)"
+        assert not missing, f"{source.name}: the layout block leaves out {missing} (ckpt.commit.layout.RunDir)"
         if needs_all:
             assert not more - set(names), f"{source.name}: the layout block leaves out {sorted(more - set(names))}"
 

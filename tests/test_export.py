@@ -18,10 +18,10 @@ import yaml
 from safetensors import safe_open
 
 from ckpt import export as ex
+from ckpt.commit.hashing import hash_file
+from ckpt.commit.manifest import read_manifest, write_manifest
 from ckpt.export import export_checkpoint
-from ckpt.formats.dcp import DCPTensorReader, read_metadata
-from ckpt.hashing import hash_file
-from ckpt.manifest import read_manifest, write_manifest
+from ckpt.formats.dcp.reader import DCPTensorReader, read_metadata
 from schemas import FileEntry, RunSpec, TensorEntry
 from schemas.errors import CheckpointError, ExportError
 from tests.harness import spawn
@@ -392,7 +392,7 @@ def _model_chunk(src: Path) -> tuple[Path, int, int]:
 def test_refuses_corrupted_shard(ckpt: Path, tmp_path: Path, where: str, message: str) -> None:
     """A flipped model byte is refused before the commit: the save recorded no CRC-32 for it (torch's CRC is off
     for shardkeeper's DCP saves), so the export checks the file against the manifest's xxh3-128."""
-    from ckpt.formats.torchzip import TorchZip
+    from ckpt.formats.pickle.torchzip import TorchZip
 
     src = copy_ckpt(ckpt, tmp_path / STEP_DIR)
     path, offset, length = _model_chunk(src)
@@ -475,7 +475,7 @@ def test_export_stage_with_a_relative_out_dir_records_an_absolute_uri(
     ckpt: Path, fp32_export, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`shardkeeper export CKPT exports/x` from the run directory: same bytes, lineage URI absolute."""
-    from ckpt.lineage import read_events
+    from ckpt.commit.lineage import read_events
     from shardkeeper.stages import export_and_record as export_stage
 
     run = tmp_path / "run"
@@ -498,9 +498,10 @@ def test_an_export_of_a_memory_snapshot_recycled_while_read_fails_as_retired(
     or validated (deep), then the next snapshot recycles it and overwrites its files in place (one model byte
     differs, the layout is the same). The export must not commit the next snapshot's bytes under this step: it
     fails in one line, as retired, and leaves no folder."""
-    from ckpt import memtier, memtier_recycle
-    from ckpt.formats import direct_io as dio
-    from ckpt.layout import RunDir
+    from ckpt.commit.layout import RunDir
+    from ckpt.formats.dcp import direct_io as dio
+    from ckpt.memtier import recycle as memtier_recycle
+    from ckpt.memtier import tier as memtier
     from schemas.errors import CheckpointRetired
 
     mem, run = RunDir(tmp_path / "shm"), RunDir.at(tmp_path / "run")

@@ -22,8 +22,8 @@ import psutil
 import pytest
 from pydantic import ValidationError
 
-from ckpt.lineage import read_events
-from ckpt.lock import RunLock
+from ckpt.commit.lineage import read_events
+from ckpt.guards.lock import RunLock
 from schemas.requests import RunState, SegmentPlan, TrainExportRequest, TrainExportSummary
 from tests.harness import copy_run, mark_preempted
 

@@ -36,7 +36,7 @@ def test_cuda_async_save_commits(tmp_path: Path) -> None:
     world = _world()
     run = new_run(tmp_path / "run", tiny_spec(**{"checkpoint.async_save": "true"}))
     assert spawn(run_segment, world, str(run), 12, 0, device="cuda") == [0] * world
-    from ckpt.validate import validate
+    from ckpt.validate.checks import validate
 
     assert validate(run / "checkpoints" / "step-00000010", deep=True).valid
 
@@ -84,7 +84,7 @@ def test_cuda_deepspeed_resume_is_bitwise_and_async_saves_commit(tmp_path: Path,
     )
     ref = new_run(tmp_path / "ref", spec)
     assert spawn(run_segment, world, str(ref), 8, 0, device="cuda", timeout=900) == [0] * world
-    from ckpt.validate import validate
+    from ckpt.validate.checks import validate
 
     for step in (4, 8):
         assert validate(ref / "checkpoints" / f"step-{step:08d}", deep=True).valid, step

@@ -1,7 +1,7 @@
 """A checkpoint's identity is its state: any kind of run whose model has a checkpoint's tensor names, shapes and dtypes
-continues it, whoever wrote it (ckpt.identity); what it lacks because another kind of run wrote it starts at its
+continues it, whoever wrote it (ckpt.commit.identity); what it lacks because another kind of run wrote it starts at its
 step (trainer.extras); the Hugging Face Trainer's ``train(resume_from_checkpoint=PATH)`` imports another tool's
-checkpoint into the run (trainer.adopt); tracking differs between ranks is refused before anything is saved; the
+checkpoint into the run (trainer.api.adopt); tracking differs between ranks is refused before anything is saved; the
 manifest records the dtypes the live model uses (trainer.precision).
 
 The runs are in-process ranks (tests.harness.spawn) of tests/scripts/llama_loop.py, a user's own loop over the tiny
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt import identity
-from ckpt.manifest import read_manifest
+from ckpt.commit import identity
+from ckpt.commit.manifest import read_manifest
 from schemas import TensorEntry
 from tests.harness import ROOT, spawn
 
@@ -145,7 +145,7 @@ def _loop(argv: list[str], run_dir: str, until: int) -> dict:
 
 def as_script_run(run: Path) -> None:
     """Make ``run`` a run that tests/scripts/llama_loop.py trains (what ``train --script`` writes into run.yaml)."""
-    from ckpt.fsutil import load_yaml
+    from ckpt.commit.fsutil import load_yaml
     from schemas import RunSpec, ScriptSpec
     from shardkeeper.config import dump_run_spec
 

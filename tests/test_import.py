@@ -5,7 +5,7 @@ a plain ``engine.save_checkpoint`` on 2 CPU ranks (steps 2 and 3), the three DCP
 torchtitan's ``step-N/``, Accelerate's FSDP folders) from one FSDP2 launch on 2 ranks, and a Hugging Face
 ``Trainer`` checkpoint (when accelerate is installed). The DeepSpeed user skips the JIT build of DeepSpeed's CPU
 shm op (~2 min of g++ on a fresh machine; it serves inference all-reduce only and changes no byte of a checkpoint),
-as shardkeeper's own CPU ranks do (trainer.ds_shm).
+as shardkeeper's own CPU ranks do (trainer.deepspeed.shm).
 
 Imported checkpoints are continued by the user's own scripts (tests/scripts/llama_loop.py: FSDP2 on 3 ranks,
 DeepSpeed on 2; a Hugging Face Trainer on DeepSpeed importing from inside its segment on 3), the losses compared
@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.formats.dcp import DCPTensorReader
-from ckpt.manifest import read_manifest
-from ckpt.validate import validate
+from ckpt.commit.manifest import read_manifest
+from ckpt.formats.dcp.reader import DCPTensorReader
+from ckpt.validate.checks import validate
 from shardkeeper.cli import main
 from tests.harness import spawn
 
@@ -68,7 +68,7 @@ def _write_zero(out: str, stage: int) -> None:
     step 6 (every step's loss in ``losses.json``: the uninterrupted run a continuation is compared with)."""
     import torch.distributed as dist
 
-    from trainer.ds_shm import skip_shm_op
+    from trainer.deepspeed.shm import skip_shm_op
 
     skip_shm_op()  # before deepspeed is imported: its CPU comm backend would build the op in initialize
     import deepspeed
@@ -284,7 +284,7 @@ def test_imported_zero2_checkpoint_trains_on_at_three_ranks_and_exports(
     computes), loss finite, a checkpoint committed; reshard and export work on the imported checkpoint."""
     from safetensors.torch import load_file
 
-    from ckpt.formats.deepspeed import ZeroShards
+    from ckpt.formats.deepspeed.zero import ZeroShards
 
     run = shutil.copytree(z2_imported, tmp_path / "run")
     env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"}
@@ -527,7 +527,7 @@ def test_own_deepspeed_script_continues_an_imported_zero2_checkpoint(zero2_src: 
 def _hf_trainer_on_deepspeed(run_dir: str, src: str) -> int:
     """A Hugging Face Trainer script on DeepSpeed ZeRO-2 (the seed path's) that starts from ``src`` with
     ``trainer.train(resume_from_checkpoint=src)``, to step 5 of a 10-step linear schedule."""
-    from trainer.ds_shm import skip_shm_op
+    from trainer.deepspeed.shm import skip_shm_op
 
     skip_shm_op()
     from transformers import TrainingArguments
@@ -769,7 +769,7 @@ def test_run_dir_with_checkpoints_is_refused(z2_imported: Path, tmp_path: Path, 
 def test_damaged_zero_partition_is_refused_before_anything_is_written(
     zero2_src: Path, tmp_path: Path, damage: str, capsys: pytest.CaptureFixture
 ) -> None:
-    from ckpt.formats.deepspeed import ZeroShards
+    from ckpt.formats.deepspeed.zero import ZeroShards
 
     src = shutil.copytree(zero2_src / "global_step3", tmp_path / "global_step3")
     path = src / "zero_pp_rank_1_mp_rank_00_optim_states.pt"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckpt.fsutil import load_yaml
+from ckpt.commit.fsutil import load_yaml
 from launch import get_launcher
 from launch.base import LaunchRequest
 from launch.k8s_pod import EXIT_POD_FAILED, EXIT_POD_PREEMPTED, fresh_report, install_run_spec, pod_exit_code

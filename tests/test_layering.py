@@ -25,27 +25,36 @@ LAYERS = {
     "schemas": Layer("schemas", ("schemas",), never=("torch", "prefect", "transformers", "deepspeed")),
     "ckpt": Layer("ckpt", CORE, never=("prefect", "transformers")),
     "ckpt.formats": Layer("ckpt.formats", (*CORE, "ckpt.formats"), never=("prefect", "transformers")),
+    # the memory tier stages snapshots through the DCP format's writer: above the formats, below the trainer
+    "ckpt.memtier": Layer("ckpt.memtier", (*CORE, "ckpt.formats", "ckpt.memtier"), never=("prefect", "transformers")),
     "ckpt.export": Layer(
-        "ckpt.export", (*CORE, "ckpt.formats", "ckpt.export"), never=("prefect",), not_at_import=("transformers",)
+        "ckpt.export",
+        (*CORE, "ckpt.formats", "ckpt.memtier", "ckpt.export"),
+        never=("prefect",),
+        not_at_import=("transformers",),
     ),
     "ckpt.publish": Layer("ckpt.publish", (*CORE, "ckpt.formats", "ckpt.publish"), never=("prefect", "torch")),
     "launch": Layer("launch", ("schemas", "launch"), never=("torch", "prefect", "transformers", "deepspeed")),
-    "trainer": Layer("trainer", (*CORE, "ckpt.formats", "launch", "trainer"), never=("prefect",)),
+    "trainer": Layer("trainer", (*CORE, "ckpt.formats", "ckpt.memtier", "launch", "trainer"), never=("prefect",)),
     # the controller checks a token file with the trainer's own reader before launching: lazily, so the CLI
     # starts without torch
     "shardkeeper": Layer(
         "shardkeeper",
-        (*CORE, "ckpt.formats", "ckpt.export", "ckpt.publish", "launch", "trainer", "shardkeeper"),
+        (*CORE, "ckpt.formats", "ckpt.memtier", "ckpt.export", "ckpt.publish", "launch", "trainer", "shardkeeper"),
         never=("prefect",),
         not_at_import=("torch", "transformers", "deepspeed", "trainer"),
     ),
     # rank-side integrations with other frameworks (Trainer subclass, Accelerate): they run under torchrun like
     # trainer/, import their framework when imported, and nothing imports them but users' scripts
     "shardkeeper.integrations": Layer(
-        "shardkeeper.integrations", (*CORE, "ckpt.formats", "trainer", "shardkeeper.integrations"), never=("prefect",)
+        "shardkeeper.integrations",
+        (*CORE, "ckpt.formats", "ckpt.memtier", "trainer", "shardkeeper.integrations"),
+        never=("prefect",),
     ),
     "tasks": Layer(
-        "tasks", (*CORE, "launch", "shardkeeper", "tasks"), not_at_import=("torch", "transformers", "deepspeed")
+        "tasks",
+        (*CORE, "ckpt.memtier", "launch", "shardkeeper", "tasks"),
+        not_at_import=("torch", "transformers", "deepspeed"),
     ),
     "flows": Layer("flows", ("schemas", "shardkeeper", "tasks", "flows"), never=("torch", "ckpt", "trainer")),
     "infra": Layer(
@@ -53,6 +62,7 @@ LAYERS = {
         (
             *CORE,
             "ckpt.formats",
+            "ckpt.memtier",
             "ckpt.export",
             "ckpt.publish",
             "launch",
@@ -72,7 +82,7 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> str:
-    """The most specific layer a module belongs to (ckpt.export.sink -> ckpt.export; ckpt.validate -> ckpt)."""
+    """The most specific layer a module belongs to (ckpt.export.sink -> ckpt.export; ckpt.validate.checks -> ckpt)."""
     best = ""
     for name in LAYERS:
         if (module == name or module.startswith(name + ".")) and len(name) > len(best):

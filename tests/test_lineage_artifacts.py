@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ckpt.lineage import read_events
+from ckpt.commit.lineage import read_events
 from schemas import LineageEvent
 from tasks.dashboard import checkpoints_now, draw_lineage_graph, lineage_graph, markdown_rows, runs_overview
 from tasks.render import loss_by_step, loss_curve_png, markers, read_metrics, segment_statuses, slug, table_rows
@@ -174,7 +174,7 @@ def test_graph_folds_old_checkpoints_on_disk() -> None:
 
 
 def test_graph_draws_exports_publishes_and_conversions(lineage_run: Path, tmp_path: Path) -> None:
-    from ckpt import lineage
+    from ckpt.commit import lineage
 
     lineage.record(
         lineage_run,
@@ -243,7 +243,7 @@ def test_graph_of_the_lineage_fixture(lineage_run: Path) -> None:
 def test_graph_draws_no_lane_for_a_segment_the_ranks_refused(lineage_run: Path) -> None:
     """A segment refused before its first step trained nothing: the graph is the one without it, as status and the
     resume flow see the run."""
-    from ckpt import lineage
+    from ckpt.commit import lineage
 
     before = lineage_graph(read_events(lineage_run))
     lineage.record(
@@ -256,7 +256,7 @@ def test_graph_draws_no_lane_for_a_segment_the_ranks_refused(lineage_run: Path) 
 def test_checkpoints_now_lists_only_what_exists(tiny_run: Path, tmp_path: Path) -> None:
     import shutil
 
-    from ckpt import lineage
+    from ckpt.commit import lineage
 
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns(".lock"))
@@ -306,7 +306,7 @@ def test_runs_overview_rows(tiny_run: Path, tmp_path: Path) -> None:
     import os
     import time
 
-    from ckpt.lock import RunLock
+    from ckpt.guards.lock import RunLock
     from shardkeeper.stages import scan_runs
     from tests.harness import copy_run, mark_preempted, mark_segment
 

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpt import memtier, memtier_persist, memtier_recycle
-from ckpt.layout import RunDir
+from ckpt.commit.layout import RunDir
+from ckpt.memtier import persist as memtier_persist
+from ckpt.memtier import recycle as memtier_recycle
+from ckpt.memtier import tier as memtier
 from schemas.errors import ConfigError
 from shardkeeper.preflight import check_memory_tier, preflight
 from shardkeeper.stages.train import plan_topology
@@ -201,9 +203,9 @@ def _tier_goes_off(tmp: str) -> list[object]:
 
     import torch.distributed as dist
 
-    from ckpt.validate import validate
-    from trainer.checkpointer import TrainState
-    from trainer.dcp_backend import DCPCheckpointer
+    from ckpt.validate.checks import validate
+    from trainer.checkpointer.core import TrainState
+    from trainer.checkpointer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
     from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
@@ -289,7 +291,7 @@ def test_recycle_retires_only_the_oldest_of_two_before_the_step_and_retention_cl
     step-OLD.recycle-S (no manifest: never a snapshot again), the one every writer of S finds; one snapshot before S
     alone is never recycled, nor one at or after S (a newer one the run could not use stays; the newest usable one
     stays whole); a stale recycle dir goes at the next recycle, a used one at the next retention."""
-    from ckpt.validate import latest_valid
+    from ckpt.validate.checks import latest_valid
 
     mem, run = _claimed(tmp_path)
     _snapshot(mem, 2)
@@ -316,7 +318,7 @@ def test_recycle_never_hands_writers_a_symlink_nor_touches_a_dir_another_run_own
     """A symlink named like a recycle dir (to a storage checkpoint of the same user) is removed, never followed:
     the writers find nothing to take over and the storage checkpoint's bytes stay. A memory dir that another run
     claimed meanwhile is not recycled: its snapshots stay."""
-    import ckpt.formats.direct_io as dio
+    import ckpt.formats.dcp.direct_io as dio
 
     mem, run = _claimed(tmp_path)
     for step in (2, 4):
@@ -343,7 +345,7 @@ def test_recycle_never_hands_writers_a_symlink_nor_touches_a_dir_another_run_own
 
 
 def test_validate_of_a_recycled_snapshot_says_retired(tmp_path: Path) -> None:
-    from ckpt.validate import validate
+    from ckpt.validate.checks import validate
 
     mem, run = _claimed(tmp_path)
     _snapshot(mem, 2)
@@ -356,7 +358,7 @@ def test_validate_of_a_recycled_snapshot_says_retired(tmp_path: Path) -> None:
 def _memory_and_fresh(root: Path) -> tuple:
     """In a spawned rank: the tiny model sharded over the process group, a checkpointer with a memory tier (snapshots
     in ``root/shm``) and one writing the same state ordinarily to storage (``root/fresh``)."""
-    from trainer.dcp_backend import DCPCheckpointer
+    from trainer.checkpointer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
     from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
@@ -377,8 +379,8 @@ def _snapshot_both(root: Path, rank: int, mem_ck: object, fresh: object, step: i
     """A memory snapshot (async, as in training) and a storage checkpoint of the same state: whether the snapshot was
     staged in its files, whether this rank's files are byte for byte the storage checkpoint's and the snapshot is
     deep-valid, and the snapshot's dir."""
-    from ckpt.validate import validate
-    from trainer.checkpointer import TrainState
+    from ckpt.validate.checks import validate
+    from trainer.checkpointer.core import TrainState
 
     mem_ck.save(TrainState(step=step), reason="interval", tier=memtier.MEMORY)  # type: ignore[attr-defined]
     mem_ck.wait()  # type: ignore[attr-defined]
@@ -392,15 +394,15 @@ def _snapshot_both(root: Path, rank: int, mem_ck: object, fresh: object, step: i
 
 def _snapshots_reuse_pages(tmp: str) -> list[object]:
     """Memory snapshots at steps 2..10 of a changing state: from the second on, staged straight into their files
-    (ckpt.formats.dcp_stage); from the third on, each rank's data files are those of the snapshot two before (same
+    (ckpt.memtier.stage); from the third on, each rank's data files are those of the snapshot two before (same
     inodes); each snapshot's bytes equal the same state's storage checkpoint written into fresh files by dcp.save;
     the older of two snapshots is retired as the next one's stage right after a commit, so once the checkpointer is
     closed the newest snapshot stays, with no recycle or stage dir left."""
     import torch
     import torch.distributed as dist
 
-    from ckpt.validate import validate
-    from trainer.checkpointer import TrainState
+    from ckpt.validate.checks import validate
+    from trainer.checkpointer.core import TrainState
 
     root = Path(tmp)
     env, model, mem_ck, fresh = _memory_and_fresh(root)
@@ -443,7 +445,7 @@ def _a_stage_refused_on_one_rank(tmp: str) -> list[object]:
     import torch
     import torch.distributed as dist
 
-    from ckpt.formats import dcp_stage
+    from ckpt.memtier import stage as dcp_stage
 
     root = Path(tmp)
     env, model, mem_ck, fresh = _memory_and_fresh(root)
@@ -490,9 +492,9 @@ def _blocking_snapshots_between_staged_ones(tmp: str) -> list[object]:
     import torch
     import torch.distributed as dist
 
-    from ckpt.validate import validate
-    from trainer.checkpointer import TrainState
-    from trainer.dcp_backend import DCPCheckpointer
+    from ckpt.validate.checks import validate
+    from trainer.checkpointer.core import TrainState
+    from trainer.checkpointer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
     from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
@@ -602,9 +604,9 @@ def _persist_edges(tmp: str) -> list[object]:
     import torch
     import torch.distributed as dist
 
-    import trainer.save_side as save_side
-    from ckpt.validate import validate
-    from trainer.checkpointer import TrainState
+    import trainer.checkpointer.save_side as save_side
+    from ckpt.validate.checks import validate
+    from trainer.checkpointer.core import TrainState
 
     root = Path(tmp)
     env, model, ck, fresh = _memory_and_fresh(root)
@@ -733,9 +735,9 @@ def test_between_segments_persists_a_memory_dir_the_run_left_then_removes_it_and
     the memory tier off resumes from the persisted step, its launcher lines shown without -v."""
     import sys
 
-    from ckpt import validate as validate_mod
-    from ckpt.manifest import read_manifest
-    from ckpt.validate import latest_valid
+    from ckpt.commit.manifest import read_manifest
+    from ckpt.validate import checks as validate_mod
+    from ckpt.validate.checks import latest_valid
     from tests.harness import ROOT
 
     spec, rd, mem = _crashed(tmp_path)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.layout import RunDir
-from ckpt.validate import validate
+from ckpt.commit.layout import RunDir
+from ckpt.validate.checks import validate
 from tests.harness import assert_bitwise, metrics, new_run, spawn, tiny_spec
 from tests.reliability.corrupt import flip_byte
 from trainer.segment import run_segment
@@ -113,7 +113,7 @@ def test_a_replica_tampered_in_the_peers_memory_is_never_loaded(
 def test_plan_takes_each_missing_file_from_the_node_that_holds_it() -> None:
     """Three nodes, one rank each: node n holds its own files and node n-1's. Node 1 lost: its files come from
     node 2 (its peer), the others from whoever holds them; two neighbours lost: a file is in no node's memory."""
-    from ckpt.memtier_nodes import Copy, plan
+    from ckpt.memtier.nodes import Copy, plan
 
     files = {"__0_0.distcp": 10, "__1_0.distcp": 10, "__2_0.distcp": 10, ".metadata": 5}
 
@@ -159,8 +159,8 @@ def _exchange_rank(root: str, reuse: bool = False) -> list:
 
     import torch.distributed as dist
 
-    import trainer.replicate as rep
-    from ckpt.hashing import hash_file
+    import ckpt.memtier.replicate as rep
+    from ckpt.commit.hashing import hash_file
     from schemas import FileEntry
 
     dist.init_process_group("gloo")
@@ -237,8 +237,8 @@ def _segment_node1_full_at_commit(run: str, until: int, segment: int) -> int:
     import os
     import time
 
-    from trainer import node_tier
-    from trainer.save_side import SaveSide
+    from trainer.checkpointer import node_tier
+    from trainer.checkpointer.save_side import SaveSide
 
     if int(os.environ["RANK"]) == 1:
 
@@ -304,8 +304,10 @@ def test_a_node_copy_of_another_run_is_never_offered_and_a_left_node_tier_is_per
     """A node's copy whose manifest carries another run's id is not offered for a restore. With the ranks dead
     before the persist of step END (storage has none), the launcher of a segment with the memory tier off persists
     it from a whole node copy, then removes the node dirs and the memory dir they lay in."""
-    from ckpt import memtier, memtier_nodes, memtier_persist
-    from ckpt.manifest import read_manifest
+    from ckpt.commit.manifest import read_manifest
+    from ckpt.memtier import nodes as memtier_nodes
+    from ckpt.memtier import persist as memtier_persist
+    from ckpt.memtier import tier as memtier
 
     run, mem = two_node_run
     rd = RunDir.at(run)
@@ -334,7 +336,7 @@ def test_a_node_copy_of_another_run_is_never_offered_and_a_left_node_tier_is_per
 def test_plan_says_why_a_snapshot_of_another_world_size_is_not_used() -> None:
     """The node tier's candidates are the plans alone: a snapshot left out for its world size or run name is said
     in one line (as the single-node tier says it), not dropped silently."""
-    from ckpt.memtier_nodes import Copy, plan
+    from ckpt.memtier.nodes import Copy, plan
 
     files = {"__0_0.distcp": 10, "__1_0.distcp": 10}
     whole = Copy(8, "d", 2, "tiny", files, list(files))
@@ -348,7 +350,7 @@ def test_two_ranks_per_node_restore_from_the_peer_and_continue_as_storage_would(
     """2 nodes x 2 ranks: node 1 lost, its leader fetches the node's copy from node 0's leader while the other
     ranks wait (only the two leaders hold the manifest's entries); the four ranks then load each node's copy, the
     files hashed on the way in not hashed again. The steps after equal a copy of the run resumed from storage."""
-    from ckpt.fsutil import dump_yaml
+    from ckpt.commit.fsutil import dump_yaml
 
     mem = tmp_path / "shm"
     run = new_run(tmp_path / "run", _spec(mem))

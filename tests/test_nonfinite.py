@@ -56,7 +56,7 @@ def _poisoned(base: Path, out: Path, value: float) -> Path:
 
 def _tokens(path: Path, vocab: int, bad_steps: list[int]) -> Path:
     """A token file without TOKEN except in the first sample of each 0-based step in ``bad_steps``."""
-    from trainer.data import GlobalOrderLoader
+    from trainer.builtin.data import GlobalOrderLoader
 
     tokens = np.random.default_rng(0).integers(TOKEN + 1, vocab, size=1 << 16).astype(np.uint16)
     loader = GlobalOrderLoader(tokens, SEQ, SEED, BATCH)
@@ -115,7 +115,7 @@ def _vocab(folder: Path) -> int:
 
 def _committed(run: Path) -> list[int]:
     """Steps of the committed checkpoints; each one validates and its fingerprint is finite."""
-    from ckpt.validate import validate
+    from ckpt.validate.checks import validate
 
     steps = []
     for ck in sorted((run / "checkpoints").glob("step-????????")):
@@ -247,7 +247,7 @@ def launched(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_lr_1e6_through_the_cli_fails_with_one_line_and_keeps_the_last_good_checkpoint(launched: dict) -> None:
     """The issue's case: lr 1e6 used to commit NaN checkpoints, reject them all and end "completed ... checkpoint
     None", exit 0. Now: exit 65 at the first non-finite step, one error line, status failed, nothing after step 1."""
-    from ckpt.layout import RunDir
+    from ckpt.commit.layout import RunDir
     from schemas.errors import RunDirError
     from shardkeeper.config import load_run_spec
     from shardkeeper.stages import prepare_run_dir
@@ -413,7 +413,7 @@ def test_guard_policy_without_ranks() -> None:
         skip.check(6, float("inf"), 1.0)
     assert e.value.in_a_row == 3 and skip.skipped == [1, 2, 4, 5]
     assert skip.note() == "skipped 4 non-finite step(s) (optim.on_nonfinite skip_step): 1, 2, 4, 5"
-    from ckpt.fingerprint import first_nonfinite
+    from ckpt.commit.fingerprint import first_nonfinite
     from schemas import Fingerprint
 
     fp = Fingerprint(model={"a": 1.0, "b": float("nan")}, optim={"a.exp_avg": 1.0}, optim_step=3.0)
@@ -446,7 +446,7 @@ def test_optim_fields_are_strict() -> None:
 def test_the_controller_reports_the_ranks_failure_with_its_exit_code(tmp_path: Path) -> None:
     """torchrun exits 1 whatever the rank's code: the segment's result takes the ranks' report (failed, its line,
     EXIT_NONFINITE); a completed report's note (the skipped steps) reaches the result."""
-    from ckpt.layout import RunDir
+    from ckpt.commit.layout import RunDir
     from launch.base import LaunchOutcome
     from schemas import ClusterTopology
     from schemas.seam import SegmentReport

@@ -1,4 +1,4 @@
-"""Verified DCP loads (ckpt.formats.dcp_onepass): every file is hashed as it comes off the disk, and nothing of a
+"""Verified DCP loads (ckpt.formats.dcp.onepass): every file is hashed as it comes off the disk, and nothing of a
 checkpoint whose bytes do not match its manifest reaches the live state; resume then falls back to the older one."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def _save(tmp: Path) -> tuple[Path, dict[str, tuple[int, str]], dict[str, torch.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from ckpt.hashing import hash_file
+    from ckpt.commit.hashing import hash_file
 
     g = torch.Generator().manual_seed(0)
     sd = {
@@ -35,15 +35,15 @@ def _zeros(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _offset_in(ckpt: Path, key: str, where: str) -> tuple[Path, int]:
-    from ckpt.formats.dcp import read_metadata
+    from ckpt.formats.dcp.reader import read_metadata
 
     info = next(s for i, s in read_metadata(ckpt).storage_data.items() if i.fqn == key)
     return ckpt / info.relative_path, info.offset + (info.length // 2 if where == "middle" else 2)
 
 
 def test_one_pass_load_verifies_every_file_and_applies_nothing_on_a_mismatch(tmp_path: Path) -> None:
-    from ckpt.formats.dcp_onepass import load_verified
-    from ckpt.hashing import ChecksumMismatch
+    from ckpt.commit.hashing import ChecksumMismatch
+    from ckpt.formats.dcp.onepass import load_verified
 
     ckpt, expected, sd = _save(tmp_path)
     out = _zeros(sd)
@@ -88,12 +88,12 @@ def _live(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tens
 def _refused_then_fallback(run_dir: str) -> list[object]:
     import torch.distributed as dist
 
-    from ckpt.formats.dcp import read_metadata
-    from ckpt.hashing import ChecksumMismatch
-    from ckpt.layout import RunDir
+    from ckpt.commit.hashing import ChecksumMismatch
+    from ckpt.commit.layout import RunDir
+    from ckpt.formats.dcp.reader import read_metadata
     from tests.harness import tiny_spec
-    from trainer.checkpointer import TrainState
-    from trainer.dcp_backend import DCPCheckpointer
+    from trainer.checkpointer.core import TrainState
+    from trainer.checkpointer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
     from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
@@ -166,7 +166,7 @@ def test_a_file_changed_after_it_was_hashed_is_refused_before_its_bytes_are_read
 ) -> None:
     import os
 
-    from ckpt.formats import dcp_onepass
+    from ckpt.formats.dcp import onepass as dcp_onepass
     from schemas.errors import CheckpointError
 
     ckpt, expected, sd = _save(tmp_path)
@@ -187,17 +187,17 @@ def test_a_file_changed_after_it_was_hashed_is_refused_before_its_bytes_are_read
 
 
 def test_files_verified_on_the_way_in_are_not_hashed_again_unless_they_changed(tmp_path: Path, monkeypatch) -> None:
-    """A node copy's files hashed whole during the restore's transfer (trainer.replicate.Verified) are read without
+    """A node copy's files hashed whole during the restore's transfer (ckpt.memtier.replicate.Verified) are read without
     a second hash while each is the same file; one written since (even with its mtime set back), one whose recorded
     digest is not the manifest's, and one replaced by another inode are hashed again, and a changed byte is
     refused."""
     import os
     import shutil
 
-    from ckpt.formats import dcp_onepass
-    from ckpt.formats.dcp_onepass import load_verified
-    from ckpt.fsutil import file_identity as identity
-    from ckpt.hashing import ChecksumMismatch
+    from ckpt.commit.fsutil import file_identity as identity
+    from ckpt.commit.hashing import ChecksumMismatch
+    from ckpt.formats.dcp import onepass as dcp_onepass
+    from ckpt.formats.dcp.onepass import load_verified
 
     ckpt, expected, sd = _save(tmp_path)
     hashed: list[int] = []
@@ -249,10 +249,10 @@ def test_a_sent_file_is_verified_only_if_it_matched_and_did_not_change_while_rea
     and kept its identity is verified (with that identity); one touched between chunks, or with other bytes, is not."""
     import os
 
-    from ckpt.fsutil import file_identity as identity
-    from ckpt.hashing import hash_file
+    from ckpt.commit.fsutil import file_identity as identity
+    from ckpt.commit.hashing import hash_file
+    from ckpt.memtier import replicate
     from schemas import FileEntry
-    from trainer import replicate
 
     monkeypatch.setattr(replicate, "CHUNK", 1000)
     files = []
@@ -278,8 +278,8 @@ def test_a_received_file_is_written_whole_through_short_writes_and_a_full_memory
 
     import xxhash
 
+    from ckpt.memtier import replicate
     from schemas import FileEntry
-    from trainer import replicate
 
     monkeypatch.setattr(replicate, "CHUNK", 1000)
     data = os.urandom(2500)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.layout import RunDir
-from ckpt.manifest import read_manifest
+from ckpt.commit.layout import RunDir
+from ckpt.commit.manifest import read_manifest
 from schemas import ClusterTopology
 from schemas.errors import ConfigError
 from schemas.seam import SegmentReport
@@ -152,7 +152,7 @@ def test_adamw_implementations_agree(flat: bool) -> None:
 
 
 def test_block_options_keep_every_name() -> None:
-    from ckpt.state import tied_weights
+    from ckpt.commit.state import tied_weights
     from trainer.model import block_modules, build_model
     from trainer.perf import apply_block_options
 

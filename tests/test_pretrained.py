@@ -84,7 +84,7 @@ def test_lr_zero_returns_the_pretrained_tensors_and_a_usable_export(
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ckpt.manifest import read_manifest
+    from ckpt.commit.manifest import read_manifest
     from ckpt.publish import load_export, model_card
     from shardkeeper.stages import export_and_record
 
@@ -138,7 +138,7 @@ def test_lr_zero_returns_the_pretrained_tensors_and_a_usable_export(
 
 @pytest.mark.slow
 def test_resume_exact_without_the_pretrained_weights(base: Path, tmp_path: Path) -> None:
-    from ckpt.manifest import read_manifest
+    from ckpt.commit.manifest import read_manifest
 
     own = Path(shutil.copytree(base, tmp_path / "base-copy"))
     spec = _spec(own, "optim.lr=3e-3")
@@ -161,7 +161,7 @@ def test_resume_exact_without_the_pretrained_weights(base: Path, tmp_path: Path)
 @pytest.mark.slow
 def test_deepspeed_zero2_starts_from_the_pretrained_weights(base: Path, tmp_path: Path) -> None:
     """ZeRO-2 keeps every parameter whole: the weights are read into them and the fp32 masters refreshed."""
-    from ckpt.manifest import read_manifest
+    from ckpt.commit.manifest import read_manifest
     from shardkeeper.stages import export_and_record
 
     run = tmp_path / "ds"
@@ -178,7 +178,7 @@ def test_deepspeed_zero2_starts_from_the_pretrained_weights(base: Path, tmp_path
 def test_deepspeed_zero3_reads_each_rank_partition_and_resumes_exactly(
     base: Path, fsdp_lr0: tuple[Path, list[str]], tmp_path: Path
 ) -> None:
-    """ZeRO-3 built under zero.Init, each rank's partitions read from the files (trainer.ds_zero3): lr 1e-12
+    """ZeRO-3 built under zero.Init, each rank's partitions read from the files (trainer.deepspeed.zero3): lr 1e-12
     then export gives the pretrained tensors back (tied pair included); the first-step loss is FSDP2's from
     the same folder; a resume from step 3 at 2 ranks is bitwise."""
     from shardkeeper.stages import export_and_record

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.manifest import read_manifest
-from ckpt.validate import validate
+from ckpt.commit.manifest import read_manifest
+from ckpt.validate.checks import validate
 from tests.harness import assert_bitwise, copy_run_until, max_rel, metrics, new_run, spawn, tiny_spec
 from trainer.segment import run_segment
 
@@ -52,7 +52,7 @@ def test_same_world_size_resume_is_bitwise(reference: Path, tmp_path: Path) -> N
 
 def _legacy_fingerprint_segment(run: str, until: int, segment: int) -> int:
     """A segment of the previous release: its checkpoints carry the plain float64 vector_norm fingerprint."""
-    import ckpt.fingerprint as fp
+    import ckpt.commit.fingerprint as fp
 
     ls, mk = fp.local_sum_squares, fp.make_fingerprint
     fp.local_sum_squares = lambda named, method=None: ls(named, fp.LEGACY_METHOD)
@@ -197,7 +197,7 @@ def test_rank_side_refuses_checkpoint_of_another_architecture(reference: Path, t
     shutil.copytree(reference / "checkpoints" / "step-00000010", run / "checkpoints" / "step-00000010")
     other = tiny_spec(**{"model.config.intermediate_size": 96})
     (run / "run.yaml").write_text(json.dumps(other.model_dump(mode="json")))  # bypasses the CLI's own check
-    # the first tensor that differs, in the manifest's order, with both shapes (ckpt.identity)
+    # the first tensor that differs, in the manifest's order, with both shapes (ckpt.commit.identity)
     with pytest.raises(
         RuntimeError,
         match=r"ModelMismatch: \S+/step-00000010: holds another model than this run's: "
@@ -230,7 +230,7 @@ def _staging_buffers() -> int:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from trainer.dcp_backend import cpu_buffers
+    from trainer.checkpointer.dcp_backend import cpu_buffers
     from trainer.dist import init_distributed
 
     env = init_distributed()
@@ -278,10 +278,10 @@ def _fresh_run_staging(run_dir: str) -> list[bool]:
     """warm_up of a fresh run stages nothing (AdamW has no state yet) and stages right after the first step."""
     import torch
 
-    from ckpt.layout import RunDir
+    from ckpt.commit.layout import RunDir
     from tests.harness import tiny_spec
-    from trainer.checkpointer import TrainState
-    from trainer.dcp_backend import DCPCheckpointer
+    from trainer.checkpointer.core import TrainState
+    from trainer.checkpointer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
     from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
@@ -344,9 +344,9 @@ def test_memory_tier_rank_crash_resumes_from_memory_exactly(reference: Path, tmp
     validating it (a tampered copy is refused), the next segment resumes from memory (tier 'memory' in lineage), bitwise
     like the uninterrupted reference, having lost <= K steps. A tampered snapshot at a later crash point is never
     loaded: one line, storage used, training bitwise."""
-    from ckpt.layout import RunDir
-    from ckpt.memtier_persist import persist_newer
-    from ckpt.validate import latest_valid
+    from ckpt.commit.layout import RunDir
+    from ckpt.memtier.persist import persist_newer
+    from ckpt.validate.checks import latest_valid
     from shardkeeper.stages import run_state
     from tasks.dashboard import checkpoints_now
 

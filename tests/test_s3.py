@@ -121,7 +121,9 @@ def test_save_to_s3_leaves_manifest_committed_checkpoints_and_keep_last(s3_run: 
     assert {"run/run.yaml", "run/lineage.jsonl", "run/metrics.jsonl", "run/segments.jsonl"} <= set(
         _keys(bucket, "run/")
     )
-    assert "run/.lease" not in _keys(bucket, "run/")  # each segment released the run's lease (ckpt.lease) at its end
+    assert "run/.lease" not in _keys(
+        bucket, "run/"
+    )  # each segment released the run's lease (ckpt.guards.lease) at its end
 
 
 def test_resume_at_another_world_size_from_a_fresh_cache_matches_the_local_reference(s3_run: dict[str, Any]) -> None:
@@ -188,7 +190,7 @@ def _plant_torn(bucket: str, src: int, dst: int) -> None:
 def test_checkpoint_without_manifest_is_never_listed_loaded_or_valid(
     s3_run: dict[str, Any], cache: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ckpt.objstore import RemoteRun
+    from ckpt.store.objstore import RemoteRun
     from schemas.errors import CheckpointError
     from shardkeeper.cli import main
     from shardkeeper.stages import run_state
@@ -234,7 +236,7 @@ def test_a_long_lived_reader_sees_a_manifest_that_landed_after_it_listed_the_ste
 ) -> None:
     """A reader that listed a step mid-upload (no manifest yet) takes it once its manifest lands: s3fs keeps the
     listing of each step directory, and its cat_file consults it (a stale one said "missing" forever)."""
-    from ckpt.objstore import RemoteRun
+    from ckpt.store.objstore import RemoteRun
 
     bucket = _new_bucket()
     client = _client()
@@ -250,14 +252,14 @@ def test_a_long_lived_reader_sees_a_manifest_that_landed_after_it_listed_the_ste
 
 def test_sigkill_during_upload_leaves_no_committed_checkpoint(s3_run: dict[str, Any], cache: Path) -> None:
     """A real upload process killed after its first file landed: no manifest, so nothing is committed."""
-    from ckpt.objstore import RemoteRun
+    from ckpt.store.objstore import RemoteRun
 
     src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints" / f"step-{END:08d}"
     bucket = _new_bucket()
     url = f"s3://{bucket}/killed"
     child = textwrap.dedent(f"""
         import threading, time
-        import ckpt.objstore as o
+        import ckpt.store.objstore as o
         real, lock, calls = o.put_object, threading.Lock(), []
         def slow(client, bucket, key, path):
             with lock:
@@ -301,7 +303,7 @@ def test_sigkill_during_upload_leaves_no_committed_checkpoint(s3_run: dict[str, 
 def test_push_writes_manifest_last_with_a_conditional_put_and_refuses_another_commit(
     s3_run: dict[str, Any], cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckpt.objstore import ObjectStoreError, RemoteRun
+    from ckpt.store.objstore import ObjectStoreError, RemoteRun
 
     src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints" / f"step-{END:08d}"
     bucket = _new_bucket()
@@ -334,7 +336,7 @@ def test_push_writes_manifest_last_with_a_conditional_put_and_refuses_another_co
 def test_remote_retention_deletes_the_manifest_first(
     s3_endpoint: str, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckpt.objstore import RemoteRun
+    from ckpt.store.objstore import RemoteRun
 
     bucket = _new_bucket()
     client = _client()
@@ -364,7 +366,7 @@ def _train(url: str) -> Any:
 
 
 def test_unreachable_endpoint_is_one_line(s3_endpoint: str, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckpt.objstore import ObjectStoreError
+    from ckpt.store.objstore import ObjectStoreError
 
     bucket = _new_bucket()
     closed = f"http://127.0.0.1:{free_port()}"
@@ -383,7 +385,7 @@ def test_unreachable_endpoint_is_one_line(s3_endpoint: str, cache: Path, monkeyp
 def test_missing_bucket_and_missing_credentials_are_one_line_errors(
     s3_endpoint: str, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckpt.objstore import ObjectStoreError, RemoteRun
+    from ckpt.store.objstore import ObjectStoreError, RemoteRun
 
     with pytest.raises(ObjectStoreError) as err:
         _train("s3://no-such-bucket-sk/run")
@@ -411,7 +413,7 @@ def test_bucket_without_write_permission_is_a_one_line_error_and_nothing_is_writ
     """A second moto_server that enforces IAM: a user allowed only to read and list."""
     import boto3
 
-    from ckpt.objstore import ObjectStoreError
+    from ckpt.store.objstore import ObjectStoreError
 
     proc, endpoint = _moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": "4"})  # these 4 calls, then IAM is enforced
     try:
@@ -454,7 +456,7 @@ def test_flows_train_export_and_resume_runs_on_s3(s3_endpoint: str, prefect_serv
     """train-and-export with run_dir=s3://... (two world sizes, export beside the run on the store, lineage
     artifacts from the store's metadata), then the resume flow scanning an s3:// root resumes the one preempted
     run there and leaves the completed one alone."""
-    from ckpt.objstore import RemoteRun
+    from ckpt.store.objstore import RemoteRun
     from flows.resume import resume
     from flows.train_and_export import train_and_export
     from shardkeeper.stages import run_state
@@ -487,7 +489,7 @@ def test_flows_train_export_and_resume_runs_on_s3(s3_endpoint: str, prefect_serv
 def _throttled_mirror(s3_run: dict[str, Any], url: str, steps: tuple[int, ...], poll_s: float = 3600) -> tuple:
     """The new s3:// run ``url`` reached through a 500 KB/s link, its cache holding the shared run's ``steps``, its
     Mirror started: (proxy, remote, mirror)."""
-    from ckpt.objstore import RemoteRun
+    from ckpt.store.objstore import RemoteRun
     from shardkeeper.remote import Mirror
     from tests.throttle import ThrottledProxy
 
@@ -507,7 +509,7 @@ def test_upload_after_a_stop_is_the_newest_only_and_a_second_signal_gives_it_up(
     """After a preemption the uploader pushes the newest checkpoint the store lacks, not every older one; on a slow
     link (tests/throttle.py, 500 KB/s) a second SIGTERM gives the upload up at once: no manifest on the store (not a
     checkpoint there), the checkpoint stays in the cache, one line says so, and the next segment uploads it."""
-    from ckpt.objstore import RemoteRun
+    from ckpt.store.objstore import RemoteRun
     from shardkeeper.remote import Mirror, abandoned_uploads
 
     bucket = _new_bucket()
@@ -585,7 +587,7 @@ def test_upload_after_a_stop_gives_up_past_its_grace(
     s3_run: dict[str, Any], cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past the stop's grace (SHARDKEEPER_STOP_UPLOAD_S) the upload is given up the same way."""
-    from ckpt.objstore import RemoteRun
+    from ckpt.store.objstore import RemoteRun
 
     url = f"s3://{_new_bucket()}/late"
     proxy, remote, mirror = _throttled_mirror(s3_run, url, (END,))
@@ -604,7 +606,7 @@ def test_upload_after_a_stop_gives_up_past_its_grace(
 def test_a_second_signal_while_the_ranks_stop_gives_the_upload_up(s3_run: dict[str, Any], cache: Path) -> None:
     """Ctrl-C twice: the second one reaches the launcher (the ranks are still committing), not the upload's own
     handler; it still counts as the second signal, so the upload after the stop is given up at once."""
-    from ckpt.objstore import RemoteRun
+    from ckpt.store.objstore import RemoteRun
     from launch.local import _install_signal_handlers, _Supervisor
 
     url = f"s3://{_new_bucket()}/twice"
@@ -640,7 +642,7 @@ def test_a_given_up_upload_names_the_newest_checkpoint_the_store_lacks(
 ) -> None:
     """Stopped while an older checkpoint was going up (a newer one committed meanwhile, at the stop): the line names
     the newest one, the one the next segment uploads, not the one that happened to be in flight."""
-    from ckpt.objstore import RemoteRun
+    from ckpt.store.objstore import RemoteRun
 
     src = s3_run["base"] / "cache-b" / "s3" / s3_run["bucket"] / "run" / "checkpoints"
     url = f"s3://{_new_bucket()}/older"
@@ -670,7 +672,7 @@ def test_a_link_slower_than_the_commits_still_gets_the_runs_metadata_up(s3_run: 
     """Checkpoints committed during each upload keep the uploader busy; between two of them the run's metadata
     (run.yaml first of all: without it the store's run is a new one to another machine) goes up, and the store's
     retention runs."""
-    from ckpt.objstore import RemoteRun
+    from ckpt.store.objstore import RemoteRun
     from shardkeeper.remote import Mirror
     from tests.throttle import ThrottledProxy
 
@@ -705,7 +707,7 @@ def test_a_bad_stop_upload_budget_is_one_line_before_the_segment(
 ) -> None:
     """SHARDKEEPER_STOP_UPLOAD_S is read when the segment's uploader is set up, not after its training (a stop
     there failed with a bare ValueError, or never timed out for nan)."""
-    from ckpt.objstore import RemoteRun
+    from ckpt.store.objstore import RemoteRun
     from schemas.errors import ConfigError
     from shardkeeper.remote import Mirror
 

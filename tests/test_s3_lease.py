@@ -1,4 +1,4 @@
-"""One writer per run on s3:// (ckpt.lease) against the real S3-protocol server of tests/test_s3.py: a second
+"""One writer per run on s3:// (ckpt.guards.lease) against the real S3-protocol server of tests/test_s3.py: a second
 machine (another cache) is refused in one line before it trains, a renewed lease outlives its first expiry, a
 dead holder's lease is taken over (and the takeover is in the lineage), a writer that lost its lease uploads
 nothing more, and of concurrent takers exactly one wins. No training launch: the holder is a child process.
@@ -40,8 +40,8 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _lease(url: str, expiry: float = EXPIRY):  # noqa: ANN202
-    from ckpt.lease import lease_for
-    from ckpt.objstore import RemoteRun
+    from ckpt.guards.lease import lease_for
+    from ckpt.store.objstore import RemoteRun
 
     return lease_for(RemoteRun(url), expiry_s=expiry)
 
@@ -58,8 +58,8 @@ def _holder(url: str, cache_dir: Path) -> subprocess.Popen:
     """Another machine: its own cache, takes the run's lease and renews it until killed."""
     code = textwrap.dedent(f"""
         import time
-        from ckpt.lease import lease_for
-        from ckpt.objstore import RemoteRun
+        from ckpt.guards.lease import lease_for
+        from ckpt.store.objstore import RemoteRun
         lease = lease_for(RemoteRun({url!r}))
         lease.acquire()
         lease.start_renewing()
@@ -78,9 +78,9 @@ def _holder(url: str, cache_dir: Path) -> subprocess.Popen:
 def test_second_writer_refused_in_one_line_renewal_outlives_expiry_dead_holder_taken_over_and_loser_stops(
     s3_endpoint: str, cache: Path, tmp_path: Path
 ) -> None:
-    from ckpt.lease import LEASE_NAME, LeaseLost
-    from ckpt.lineage import read_events
-    from ckpt.objstore import RemoteRun
+    from ckpt.commit.lineage import read_events
+    from ckpt.guards.lease import LEASE_NAME, LeaseLost
+    from ckpt.store.objstore import RemoteRun
     from shardkeeper.remote import Mirror
 
     bucket = _new_bucket()
@@ -195,7 +195,7 @@ def test_typed_garbage_lease_refused_in_one_line_and_dead_local_holder_taken_ove
     """A lease object of JSON but not a lease (an owner that is a string, an Infinity expiry) is an unknown
     writer's: refused in one line (exit 3) until it expires, like non-JSON garbage; a lease whose holder is a
     process of this host that is gone is taken over at once, and says whose it was."""
-    from ckpt.lease import LEASE_NAME
+    from ckpt.guards.lease import LEASE_NAME
 
     url = f"s3://{_new_bucket()}/run"
     me = _lease(url, expiry=30.0)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.layout import RunDir
-from ckpt.pin import Pin, pinned_steps
-from ckpt.retention import apply_retention
-from ckpt.validate import reread_and_record, validate
+from ckpt.commit.layout import RunDir
+from ckpt.guards.pin import Pin, pinned_steps
+from ckpt.validate.checks import reread_and_record, validate
+from ckpt.validate.retention import apply_retention
 from tests.harness import tiny_spec
 from tests.reliability.corrupt import edit_manifest
 from tests.s3_server import _new_bucket
@@ -56,7 +56,7 @@ def _next_upload(mirror: object, seen: list[int]) -> int:
 def test_a_slow_link_uploads_the_newest_and_retention_keeps_the_one_in_flight(
     s3_endpoint: str, tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckpt.objstore import RemoteRun
+    from ckpt.store.objstore import RemoteRun
     from shardkeeper.remote import Mirror
     from tests.throttle import ThrottledProxy
 
@@ -104,7 +104,7 @@ def test_a_pin_counts_only_while_its_process_lives(tiny_run: Path, tmp_path: Pat
         [
             sys.executable,
             "-c",
-            "import sys, time; from ckpt.pin import Pin; "
+            "import sys, time; from ckpt.guards.pin import Pin; "
             "Pin(sys.argv[1]).acquire().set(1); print('pinned', flush=True); time.sleep(60)",
             str(rd.root),
         ],
@@ -148,8 +148,8 @@ def test_a_crafted_pin_is_ignored_and_never_hangs_retention(tiny_run: Path, tmp_
         for step in (1, 2):
             _commit(rd, tiny_run / "checkpoints" / "step-00000005", step, keep_last=2)
         code = (
-            "import os, sys; from pathlib import Path; from ckpt.layout import RunDir; "
-            "from ckpt.pin import pinned_steps; from ckpt.retention import apply_retention; "
+            "import os, sys; from pathlib import Path; from ckpt.commit.layout import RunDir; "
+            "from ckpt.guards.pin import pinned_steps; from ckpt.validate.retention import apply_retention; "
             f"p = Path(sys.argv[1]) / '.pins'; p.mkdir(); {plant}; "
             "print(sorted(pinned_steps(sys.argv[1])), len(apply_retention(RunDir.at(sys.argv[1]), keep_last=1, "
             "keep_every=None)))"

@@ -1,9 +1,9 @@
 """Fast tests of what makes validation and retention cheap at scale (bench/scale_bench.py), and that the
 cheap paths never accept a checkpoint that changed since it passed:
 
-* ``ckpt.validate`` remembers a quick pass for the exact bytes of manifest.json and ``.metadata`` (SHA-256);
+* ``ckpt.validate.checks`` remembers a quick pass for the exact bytes of manifest.json and ``.metadata`` (SHA-256);
   every directory-dependent check still runs each time;
-* ``ckpt.retention.plan`` validates lazily and decides exactly what ``plan_retention`` decides over every
+* ``ckpt.validate.retention.plan`` validates lazily and decides exactly what ``plan_retention`` decides over every
   checkpoint's validity.
 
 The checkpoints are small synthetic DCP ones written the way the scale bench writes them: real files, a real
@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt import retention
-from ckpt import validate as V
-from ckpt.layout import RunDir
-from ckpt.retention import plan, plan_retention
+from ckpt.commit.layout import RunDir
+from ckpt.validate import checks as V
+from ckpt.validate import retention
+from ckpt.validate.retention import plan, plan_retention
 from tests.reliability.hostile import plant_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,8 +43,8 @@ def write_checkpoint(ckpt: Path, ranks: int, step: int, files_per_rank: int = 2)
         TensorStorageMetadata,
     )
 
-    from ckpt.hashing import hash_file
-    from ckpt.manifest import write_manifest
+    from ckpt.commit.hashing import hash_file
+    from ckpt.commit.manifest import write_manifest
     from schemas import ClusterTopology
     from schemas.checkpoint import CheckpointManifest, DtypePolicy, FileEntry, Fingerprint, TensorEntry
     from shardkeeper.config import load_run_spec
@@ -104,7 +104,7 @@ def run(tmp_path: Path) -> Iterator[RunDir]:
 @pytest.fixture()
 def parses(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Every parse of a .metadata (the expensive, allow-list part of a quick validation), by directory."""
-    from ckpt.formats import dcp_metadata
+    from ckpt.formats.dcp import metadata as dcp_metadata
 
     seen: list[Path] = []
     real = dcp_metadata.read_layout
@@ -113,7 +113,7 @@ def parses(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
         seen.append(Path(ckpt_dir))
         return real(ckpt_dir, data, file_sizes)
 
-    monkeypatch.setattr("ckpt.formats.dcp_format.read_layout", counting)
+    monkeypatch.setattr("ckpt.formats.dcp.format.read_layout", counting)
     return seen
 
 
@@ -198,7 +198,7 @@ def test_manifest_that_lies_about_sizes_is_not_remembered(run: RunDir, parses: l
 def test_the_commits_check_is_remembered_for_the_manifest_it_writes(tmp_path: Path, parses: list[Path]) -> None:
     """check_staged (rank 0, before the rename) parses .metadata once; the validation right after the commit
     (retention, the post-commit re-read) does not parse it again -- unless a byte changed."""
-    from ckpt.manifest import read_manifest, write_manifest
+    from ckpt.commit.manifest import read_manifest, write_manifest
 
     V.forget_known()
     rd = RunDir.at(tmp_path / "run")

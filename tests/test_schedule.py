@@ -54,7 +54,7 @@ def _runs_of(deployment_name: str) -> list[Any]:
 
 
 def test_interval_schedule_resumes_a_preempted_run(prefect_server: Any, tiny_run: Path, tmp_path: Path) -> None:
-    from ckpt.lineage import read_events
+    from ckpt.commit.lineage import read_events
     from shardkeeper.stages import run_state
 
     name = f"schedule-{os.getpid()}-{int(time.time())}"  # own deployment: no reliance on the server's other state

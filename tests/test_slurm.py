@@ -247,7 +247,7 @@ def test_segment_across_two_slurm_nodes_matches_local_bitwise(
         env=slurm,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    from ckpt.validate import validate
+    from ckpt.validate.checks import validate
 
     for node in ("n1", "n2"):
         assert validate(mem / "nodes" / node / "checkpoints" / "step-00000030", deep=True).valid, node

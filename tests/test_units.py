@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt import fingerprint as fp
-from ckpt.retention import plan_retention
+from ckpt.commit import fingerprint as fp
+from ckpt.validate.retention import plan_retention
 from schemas.errors import ConfigError
 from shardkeeper.config import load_run_spec
-from trainer.data import GlobalOrderLoader, synthetic_corpus
+from trainer.builtin.data import GlobalOrderLoader, synthetic_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -141,7 +141,7 @@ def test_status_skips_segments_the_ranks_refused() -> None:
 def test_layers_schemas_import_no_torch_and_rank_side_no_prefect() -> None:
     code = (
         "import sys, schemas, shardkeeper.config; assert 'torch' not in sys.modules and 'prefect' not in sys.modules;"
-        "import trainer.segment, ckpt.validate, ckpt.formats.dcp; assert 'prefect' not in sys.modules"
+        "import trainer.segment, ckpt.validate.checks, ckpt.formats.dcp.reader; assert 'prefect' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
@@ -167,7 +167,7 @@ def test_manifest_hf_model_record_is_optional_and_described() -> None:
 def test_token_file_source(tmp_path: Path) -> None:
     from schemas import DataSpec
     from schemas.errors import ConfigError
-    from trainer.data import open_tokens
+    from trainer.builtin.data import open_tokens
 
     arr = (np.arange(5000) % 251).astype(np.uint16)
     arr.tofile(tmp_path / "t.bin")
@@ -274,7 +274,7 @@ def test_adamw_state_for_a_load_matches_what_torch_would_create(amsgrad: bool) -
 def test_stopped_early_note_says_loaded_only_when_the_checkpoint_was_loaded() -> None:
     """A SIGTERM during start-up stops the ranks before they build the model: the segment report must not claim
     the checkpoint was loaded (its phase times have loaded_s None)."""
-    from trainer.api import stopped_early_note
+    from trainer.api.segment import stopped_early_note
 
     assert "(loaded)" in stopped_early_note(15)
     before = stopped_early_note(15, loaded=False)
@@ -350,7 +350,7 @@ def test_blocked_fingerprint_gives_the_bits_of_its_one_block_at_a_time_definitio
 def test_background_checkpoint_threads_run_nicer_than_training() -> None:
     import threading
 
-    from trainer.checkpointer import background_pool
+    from trainer.checkpointer.core import background_pool
 
     def nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -398,7 +398,7 @@ def test_atomic_write_on_a_full_disk_names_the_file_and_leaves_no_temporary(
 ) -> None:
     import errno
 
-    from ckpt import fsutil
+    from ckpt.commit import fsutil
 
     def full(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -446,7 +446,7 @@ def test_a_failed_load_is_blamed_on_the_checkpoint_only_for_what_its_bytes_say()
     from torch.distributed.checkpoint.api import CheckpointException
 
     from schemas.errors import CheckpointError, FingerprintMismatch
-    from trainer.checkpointer import _load_problem, checkpoint_at_fault
+    from trainer.checkpointer.core import _load_problem, checkpoint_at_fault
 
     tb = traceback.extract_stack()
     bad_record = CheckpointException("load", {1: (CheckpointError("x.distcp: CRC-32 mismatch"), tb)})
@@ -553,13 +553,13 @@ def _is_running(pid: int) -> bool:
 def test_slurm_launcher_sees_ranks_that_outlive_their_job(tmp_path: Path) -> None:
     """launch.slurm.ranks_alive: a process holding RUN_DIR/.lock.ranks shared (as a rank slurmd has not killed
     yet) is seen; once it is gone, nothing is; a run dir without the file has no ranks."""
-    from ckpt.lock import RANKS_LOCK_NAME
+    from ckpt.guards.lock import RANKS_LOCK_NAME
     from launch.slurm import RANKS_LOCK, ranks_alive
 
     assert RANKS_LOCK == RANKS_LOCK_NAME
     assert not ranks_alive(tmp_path)
     code = (
-        f"import sys, time; sys.path.insert(0, {str(Path.cwd())!r}); from ckpt.lock import hold_ranks_lock; "
+        f"import sys, time; sys.path.insert(0, {str(Path.cwd())!r}); from ckpt.guards.lock import hold_ranks_lock; "
         f"hold_ranks_lock({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)"
     )
     rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -581,8 +581,8 @@ def test_checksum_mismatch_says_its_phrase_once_after_crossing_ranks() -> None:
     """DCP pickles a rank's exception to the coordinator: the line must come back as it was written."""
     import pickle
 
-    from ckpt.hashing import ChecksumMismatch
-    from trainer.checkpointer import _load_problem
+    from ckpt.commit.hashing import ChecksumMismatch
+    from trainer.checkpointer.core import _load_problem
 
     err = pickle.loads(pickle.dumps(ChecksumMismatch("/run/step_4/__1_1.distcp")))
     assert isinstance(err, ChecksumMismatch) and err.path == "/run/step_4/__1_1.distcp"
@@ -594,7 +594,7 @@ def test_lease_document_types_checked() -> None:
     import math
     import socket
 
-    from ckpt.lease import LeaseView, parse_doc
+    from ckpt.guards.lease import LeaseView, parse_doc
 
     good = {"owner": {"host": "h", "pid": 7, "id": "u"}, "acquired": "t", "renewed": "t", "expiry_s": 20}
     assert parse_doc(json.dumps(good).encode(), 60.0) == (good, 20.0)

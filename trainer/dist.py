@@ -57,9 +57,9 @@ def init_distributed(launch: SegmentLaunch | None = None, timeout_s: float = 180
     dev = choose_device(local_rank, launch.device if launch else os.environ.get("SHARDKEEPER_DEVICE", "auto"))
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cpu":
-        from trainer.ds_shm import skip_shm_op
+        from trainer.deepspeed.shm import skip_shm_op
 
-        skip_shm_op()  # DeepSpeed's JIT-built CPU all-reduce op serves inference only (trainer.ds_shm)
+        skip_shm_op()  # DeepSpeed's JIT-built CPU all-reduce op serves inference only (trainer.deepspeed.shm)
     with lifetime.rendezvous_window():  # a stop signal here ends the rank: a dead peer would leave it waiting
         if not dist.is_initialized():
             timeout = _dt.timedelta(seconds=timeout_s)

@@ -72,13 +72,13 @@ PRELOAD = (
     "transformers",
     "transformers.models.llama.modeling_llama",
     "schemas",
-    "ckpt.layout",
+    "ckpt.commit.layout",
     "trainer.dist",
-    "trainer.api",
-    "trainer.checkpointer",
-    "trainer.dcp_backend",
-    "trainer.loop",
-    "trainer.script",
+    "trainer.api.segment",
+    "trainer.checkpointer.core",
+    "trainer.checkpointer.dcp_backend",
+    "trainer.builtin.loop",
+    "trainer.api.script",
 )
 PRELOAD_ENV = "SHARDKEEPER_FORK_PRELOAD"  # comma-separated modules instead of PRELOAD (tests)
 # The signals a client passes on to its rank: torchrun's stop (SIGTERM, then SIGKILL, which ends the client and so
@@ -356,7 +356,7 @@ def _backend_modules(run_dir: str) -> list[str]:
         text = (Path(run_dir) / "run.yaml").read_text(encoding="utf-8")
     except OSError:
         return []
-    return ["trainer.ds_backend"] if "backend: deepspeed" in text else []
+    return ["trainer.deepspeed.backend"] if "backend: deepspeed" in text else []
 
 
 # Signals the server's parent left ignored (nohup's SIGHUP, a shell's SIGQUIT): a fresh rank inherits them ignored

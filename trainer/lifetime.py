@@ -36,7 +36,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from ckpt.fsutil import pid_alive  # stdlib only: safe before torch is imported
+from ckpt.commit.fsutil import pid_alive  # stdlib only: safe before torch is imported
 from launch.procs import is_zombie, proc_stat, set_pdeathsig  # stdlib only (launch/__init__ imports nothing heavy)
 from trainer import timeline  # stdlib only
 from trainer.forkserver import FORKED_ENV  # stdlib only
@@ -177,7 +177,7 @@ def guard_rank(argv: list[str]) -> int | None:
     threading.Thread(target=dog.loop, name="shardkeeper-rank-watchdog", daemon=True).start()
     if not argv:
         return None
-    from ckpt.lock import hold_ranks_lock
+    from ckpt.guards.lock import hold_ranks_lock
 
     fd = hold_ranks_lock(argv[0])
     if fd is not None:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from ckpt.state import tied_weights
+from ckpt.commit.state import tied_weights
 from schemas import HFModelRecord, ModelSpec, RunSpec
 
 log = logging.getLogger("shardkeeper.trainer")

@@ -171,7 +171,7 @@ def end_segment(
     resume = ckpt.last_committed_step or 0
     line = err.line(resume, lr)
     if is_rank0:
-        from ckpt import lineage
+        from ckpt.commit import lineage
 
         log.error("%s: the segment stops without saving this step (the full line is in its report)", err)
         lineage.record(

@@ -39,31 +39,32 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ckpt.layout import RunDir  # noqa: E402
+from ckpt.commit.layout import RunDir  # noqa: E402
 from schemas.errors import ShardkeeperError  # noqa: E402
 from schemas.seam import EXIT_PREEMPTED, RANK_ERROR_PREFIX, RANK_NOTES_ENV, SegmentLaunch, collective_error  # noqa: E402
 from trainer import (
     lifetime,  # noqa: E402
     timeline,  # noqa: E402
 )
-from trainer.api import load_spec, stopped_early_note, write_status  # noqa: E402
+from trainer.api.segment import load_spec, stopped_early_note, write_status  # noqa: E402
 from trainer.dist import DistEnv, init_distributed, log0  # noqa: E402
 
-timeline.mark("imports")  # the rank's heavy imports are done (torch; transformers comes with trainer.loop)
+timeline.mark("imports")  # the rank's heavy imports are done (torch; transformers comes with trainer.builtin.loop)
 
 if TYPE_CHECKING:
-    from trainer.loop import Trainer
+    from trainer.builtin.loop import Trainer
 
 log = logging.getLogger("shardkeeper.trainer")
 
 
 def build_segment(run_dir: RunDir, until_step: int, segment: int, env: DistEnv) -> Trainer:
-    """The built-in trainer of the run's backend: FSDP2 in trainer.loop, DeepSpeed ZeRO in trainer.ds_backend."""
+    """The built-in trainer of the run's backend: FSDP2 in trainer.builtin.loop, DeepSpeed ZeRO in
+    trainer.deepspeed.backend."""
     if load_spec(run_dir).backend == "deepspeed":
-        from trainer.ds_backend import DeepSpeedTrainer
+        from trainer.deepspeed.backend import DeepSpeedTrainer
 
         return DeepSpeedTrainer(run_dir, until_step, segment, env)
-    from trainer.loop import Trainer
+    from trainer.builtin.loop import Trainer
 
     return Trainer(run_dir, until_step, segment, env)
 
@@ -100,7 +101,7 @@ def stop_agreed(env: DistEnv) -> bool:
 
 
 def _preempted_before_build(run_dir: RunDir, env: DistEnv, segment: int) -> int:
-    from ckpt.validate import latest_valid
+    from ckpt.validate.checks import latest_valid
 
     found = latest_valid(run_dir) if env.is_rank0 else None
     step = found[1].step if found else 0
@@ -130,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torch.set_num_threads(_threads())
         spec = load_spec(RunDir.at(argv[0]))
-        if spec.script is not None:  # a user's script trains through the public API (trainer.api.Segment)
-            from trainer.script import run_script
+        if spec.script is not None:  # a user's script trains through the public API (trainer.api.segment.Segment)
+            from trainer.api.script import run_script
 
             _SCRIPT[0] = True
             return run_script(spec.script, RunDir.at(argv[0]))

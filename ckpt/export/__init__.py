@@ -32,7 +32,7 @@ How it works, and why:
   plus one tensor in the assembled case: far below one output shard + 0.5 GB.
 * DeepSpeed ZeRO checkpoints export in the same single pass: a parameter's fp32 master weight is a
   few element ranges of the ranks' flat partitions inside the ``*_optim_states.pt`` zips (the layout
-  ``ckpt.formats.deepspeed.ZeroShards`` knows, ZeRO 1/2/3; or one ``universal/zero/<name>/fp32.pt`` each).
+  ``ckpt.formats.deepspeed.zero.ZeroShards`` knows, ZeRO 1/2/3; or one ``universal/zero/<name>/fp32.pt`` each).
   Those ranges are the tensor's chunks, streamed in order; the header keeps the real shape. Each
   partition's storage entry is CRC-checked once, however many parameters it holds. The tensors are
   bit for bit those of ``deepspeed.utils.zero_to_fp32``.
@@ -62,7 +62,7 @@ How it works, and why:
   CheckpointRetired (one line: pick a newer step), never as a corrupted checkpoint or a bad path; files
   opened before it went are read to the end (their bytes stay until closed), so an export that got them
   all completes -- except from a memory snapshot: the next snapshot overwrites a retired one's files in place
-  (ckpt.memtier_recycle.recycle renames the dir first), so an export of a snapshot that went before every byte was
+  (ckpt.memtier.recycle.recycle renames the dir first), so an export of a snapshot that went before every byte was
   read fails as retired.
 * A tensor larger than ``max_shard_size`` is written alone in its own shard (with a warning), as
   ``save_pretrained`` does, rather than refused: a model must remain exportable whatever the limit.
@@ -77,9 +77,9 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from ckpt.fsutil import peak_rss_bytes
-from ckpt.memtier import in_memory_tier
-from ckpt.validate import WatchedDir, gone_before, retired_message
+from ckpt.commit.fsutil import peak_rss_bytes
+from ckpt.memtier.tier import in_memory_tier
+from ckpt.validate.checks import WatchedDir, gone_before, retired_message
 from schemas import ExportResult
 from schemas.errors import CheckpointError, CheckpointRetired
 
@@ -211,7 +211,7 @@ def _export(
                 hashes.update(copy_tokenizer(tmp, tok_folder, tok_recorded))
             if watched.vanished() and in_memory_tier(ckpt_dir):
                 # a retired memory snapshot's files are overwritten in place by the next one
-                # (ckpt.memtier_recycle.recycle, which renames the dir first): what was read after it went may be
+                # (ckpt.memtier.recycle.recycle, which renames the dir first): what was read after it went may be
                 # the next snapshot's bytes
                 raise CheckpointRetired(retired_message(ckpt_dir))
             commit_folder(tmp, out_dir, overwrite=overwrite)

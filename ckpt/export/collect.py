@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ckpt.formats.safe_pickle import StoredTensor
+from ckpt.formats.pickle.safe_pickle import StoredTensor
 from schemas import CheckpointManifest
 from schemas.errors import CheckpointError, ExportError
 
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint alone takes ~0.7 s to import
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from ckpt.formats.deepspeed import TorchSaveFile, ZeroShards
-    from ckpt.formats.deepspeed_convert import UniversalSource
+    from ckpt.formats.deepspeed.convert import UniversalSource
+    from ckpt.formats.deepspeed.zero import TorchSaveFile, ZeroShards
 
 log = logging.getLogger(__name__)
 from ckpt.export.options import F32, MODEL_PREFIX, SAFETENSORS_DTYPES
@@ -112,7 +112,7 @@ Collector = Callable[[Path, CheckpointManifest, ExitStack, torch.dtype], Collect
 
 
 def collect_dcp(ckpt_dir: Path, manifest: CheckpointManifest, stack: ExitStack, out_dtype: torch.dtype) -> Collected:
-    from ckpt.formats.dcp import read_metadata
+    from ckpt.formats.dcp.reader import read_metadata
 
     files = stack.enter_context(OpenFiles(ckpt_dir))
     tensors = collect_tensors(ckpt_dir, read_metadata(ckpt_dir), files, out_dtype)
@@ -124,15 +124,15 @@ def collect_deepspeed(
 ) -> Collected:
     """A deepspeed-format checkpoint: the fp32 master weights where DeepSpeed stored them, in the
     ``*_optim_states.pt`` partitions (or the universal/ folder when that is all the checkpoint has)."""
-    from ckpt.formats.deepspeed import ZeroShards, read_state
+    from ckpt.formats.deepspeed.zero import ZeroShards, read_state
 
-    if read_state(ckpt_dir)["layout"] != "zero":  # what ckpt.formats.deepspeed_convert.open_source reads
-        from ckpt.formats.deepspeed_convert import open_source
+    if read_state(ckpt_dir)["layout"] != "zero":  # what ckpt.formats.deepspeed.convert.open_source reads
+        from ckpt.formats.deepspeed.convert import open_source
 
         src = open_source(ckpt_dir, manifest)
         stack.callback(src.close)
         return collect_universal(src, stack, out_dtype)  # type: ignore[arg-type]
-    # as ckpt.formats.deepspeed_convert.ZeroSource opens them (that module imports torch.distributed.checkpoint)
+    # as ckpt.formats.deepspeed.convert.ZeroSource opens them (that module imports torch.distributed.checkpoint)
     shards = stack.enter_context(
         ZeroShards(
             ckpt_dir,
@@ -202,7 +202,7 @@ def collect_zero(shards: ZeroShards, out_dtype: torch.dtype) -> Collected:
 
 def collect_universal(src: UniversalSource, stack: ExitStack, out_dtype: torch.dtype) -> Collected:
     """The universal layout: one ``zero/<name>/fp32.pt`` per parameter, a whole tensor in one storage entry."""
-    from ckpt.formats.deepspeed import TorchSaveFile
+    from ckpt.formats.deepspeed.zero import TorchSaveFile
 
     tensors, entries = [], []
     for name, shape in (x for g in src.groups for x in g):

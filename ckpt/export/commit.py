@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ckpt.fsutil import fsync_dir, rename_noreplace
+from ckpt.commit.fsutil import fsync_dir, rename_noreplace
 from schemas.errors import ExportError
 
 log = logging.getLogger(__name__)

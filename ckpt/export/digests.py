@@ -8,8 +8,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
+from ckpt.commit.hashing import hash_fd
 from ckpt.export.records import Entry
-from ckpt.hashing import hash_fd
 from schemas.checkpoint import CheckpointManifest
 from schemas.errors import CheckpointError
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ckpt import __version__
-from ckpt.state import tied_weights
+from ckpt.commit.state import tied_weights
 from schemas import CheckpointManifest
 from schemas.errors import CheckpointError, ExportError
 

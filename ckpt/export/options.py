@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ckpt.validate import checked_manifest
+from ckpt.validate.checks import checked_manifest
 from schemas import CheckpointManifest
 from schemas.errors import ExportError
 from schemas.requests import SIZE_RE

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ckpt.formats.safe_pickle import TENSOR_RECORD, StoredTensor
-from ckpt.formats.torchzip import TorchZip
-from ckpt.fsutil import pread_full
+from ckpt.commit.fsutil import pread_full
+from ckpt.formats.pickle.safe_pickle import TENSOR_RECORD, StoredTensor
+from ckpt.formats.pickle.torchzip import TorchZip
 from schemas.errors import CheckpointError, ExportError
 
 log = logging.getLogger(__name__)

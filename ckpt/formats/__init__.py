@@ -8,7 +8,8 @@
   layout check, fingerprint recomputation, reshard. Importing this package registers both.
 """
 
-from ckpt.formats import dcp_format, deepspeed_format  # noqa: F401  (registers the formats)
+from ckpt.formats.dcp import format as dcp_format  # noqa: F401  (registers the formats)
+from ckpt.formats.deepspeed import format as deepspeed_format  # noqa: F401  (registers the formats)
 from ckpt.registry import FORMATS, get_format
 
 __all__ = ["FORMATS", "get_format"]

@@ -7,8 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ckpt.fsutil import read_jsonl
-from ckpt.layout import RunDir
+from ckpt.commit.fsutil import read_jsonl
+from ckpt.commit.layout import RunDir
 from schemas import MANIFEST_NAME, LineageEvent
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt.layout import RunDir, parse_step, step_dir_name
+from ckpt.commit.layout import RunDir, parse_step, step_dir_name
 from schemas import MANIFEST_NAME
 from schemas.errors import PublishError
 

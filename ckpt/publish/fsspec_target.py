@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ckpt.fsutil import fsync_dir, fsync_file
+from ckpt.commit.fsutil import fsync_dir, fsync_file
 from schemas import PublishResult
 from schemas.errors import PublishError
 

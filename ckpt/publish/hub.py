@@ -18,7 +18,7 @@ from schemas import LineageEvent, PublishResult
 from schemas.errors import PublishError
 
 logger = logging.getLogger(__name__)
-from ckpt.layout import parse_step
+from ckpt.commit.layout import parse_step
 from ckpt.publish.card import manifest_of, model_card
 from ckpt.publish.folder import (
     CARD_NAME,

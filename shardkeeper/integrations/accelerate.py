@@ -43,7 +43,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 
 from schemas.errors import UsageError
-from trainer.api import Segment
+from trainer.api.segment import Segment
 
 log = logging.getLogger("shardkeeper.integrations.accelerate")
 

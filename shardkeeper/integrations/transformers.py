@@ -24,7 +24,7 @@ What changes against a plain Trainer:
   another tool's checkpoint (an HF Trainer or DeepSpeed ``checkpoint-N``, a DCP folder: what ``shardkeeper import``
   reads) is imported into a run that has no checkpoint yet, described by the live model and optimizer (rank 0
   converts while the others wait), then resumed; a run that already has checkpoints resumes its newest valid one,
-  and one line says so (``trainer.adopt.resume_from``).
+  and one line says so (``trainer.api.adopt.resume_from``).
 - Any checkpoint whose model tensors match the Trainer's model continues, whoever wrote it (``shardkeeper import``,
   the built-in trainer, another script): its LR scheduler is fast-forwarded to the checkpoint's step and the
   counters start at that step when the checkpoint holds none of them, and the optimizer keeps the
@@ -57,7 +57,7 @@ import torch.distributed as dist
 import transformers
 
 from schemas.errors import UsageError
-from trainer.api import Segment
+from trainer.api.segment import Segment
 
 log = logging.getLogger("shardkeeper.integrations.transformers")
 
@@ -174,7 +174,7 @@ class ShardkeeperTrainerMixin:
                 directory decides). A path: a checkpoint of this run resumes the run's newest valid one; another
                 tool's (an HF Trainer or DeepSpeed ``checkpoint-N``, a DCP folder) is imported into a run that has
                 no checkpoint yet, then resumed; a run that already has checkpoints resumes its newest valid one
-                and one line says so (``trainer.adopt.resume_from``).
+                and one line says so (``trainer.api.adopt.resume_from``).
             *args: Passed on to the Trainer's ``train``.
             **kwargs: Passed on to the Trainer's ``train``.
 
@@ -223,7 +223,7 @@ class ShardkeeperTrainerMixin:
         )
         global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * seg.world_size
         if self._sk_resume_from is not None:  # before the load: it may import another tool's checkpoint into the run
-            from trainer.adopt import resume_from
+            from trainer.api.adopt import resume_from
 
             resume_from(
                 seg,

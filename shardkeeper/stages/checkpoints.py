@@ -7,13 +7,13 @@ import contextlib
 import time
 from pathlib import Path
 
-from ckpt import lineage
-from ckpt.fsutil import load_yaml
-from ckpt.layout import RunDir, parse_step
-from ckpt.lock import LOCK_NAME, RANKS_LOCK_NAME, RunLock
-from ckpt.manifest import read_manifest
+from ckpt.commit import lineage
+from ckpt.commit.fsutil import load_yaml
+from ckpt.commit.layout import RunDir, parse_step
+from ckpt.commit.manifest import read_manifest
+from ckpt.guards.lock import LOCK_NAME, RANKS_LOCK_NAME, RunLock
 from ckpt.registry import get_format
-from ckpt.validate import WatchedDir, checked_manifest, gone_before, retired_message, validate
+from ckpt.validate.checks import WatchedDir, checked_manifest, gone_before, retired_message, validate
 from schemas import CheckpointManifest, ReshardResult, RunSpec, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired, ConfigError
 from shardkeeper.config import dump_run_spec, spec_from_dict

@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ckpt.fsutil import load_yaml
-from ckpt.layout import RunDir
-from ckpt.validate import latest_valid
+from ckpt.commit.fsutil import load_yaml
+from ckpt.commit.layout import RunDir
+from ckpt.validate.checks import latest_valid
 from schemas import PreparedData, RunSpec, data_change
 from schemas.errors import ConfigError, RunDirError, ShardkeeperError
 from schemas.run import SCRIPT_UNUSED

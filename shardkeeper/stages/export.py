@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpt import lineage
-from ckpt.layout import RunDir
+from ckpt.commit import lineage
+from ckpt.commit.layout import RunDir
 from shardkeeper.stages.where import is_remote
 
 

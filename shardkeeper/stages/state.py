@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpt.fsutil import read_jsonl
-from ckpt.layout import RunDir
-from ckpt.lock import RunLock
-from ckpt.memtier import newest_valid_snapshot
-from ckpt.validate import latest_valid
+from ckpt.commit.fsutil import read_jsonl
+from ckpt.commit.layout import RunDir
+from ckpt.guards.lock import RunLock
+from ckpt.memtier.tier import newest_valid_snapshot
+from ckpt.validate.checks import latest_valid
 from schemas.errors import ShardkeeperError
 from schemas.requests import RunState, last_placement, last_segment
 from shardkeeper.stages.where import is_remote

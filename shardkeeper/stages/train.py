@@ -10,12 +10,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt import lineage
-from ckpt.fsutil import append_jsonl, atomic_write_text, mkdir_durable, quarantine, read_jsonl
-from ckpt.layout import RunDir
-from ckpt.lock import RunLock
-from ckpt.retention import sweep_leftovers
-from ckpt.validate import invalid_committed, latest_valid, validate
+from ckpt.commit import lineage
+from ckpt.commit.fsutil import append_jsonl, atomic_write_text, mkdir_durable, quarantine, read_jsonl
+from ckpt.commit.layout import RunDir
+from ckpt.guards.lock import RunLock
+from ckpt.validate.checks import invalid_committed, latest_valid, validate
+from ckpt.validate.retention import sweep_leftovers
 from launch import LAUNCHERS, LaunchOutcome, LaunchRequest, get_launcher, rank_stopped_at_startup
 from launch.base import InPlaceRestart
 from schemas import CheckpointManifest, ClusterTopology, RunSpec, SegmentResult
@@ -365,12 +365,12 @@ def _warm_up_readers() -> threading.Thread:
 
 
 def _persist_memory(spec: RunSpec, rd: RunDir, sink: Callable[[str], None]) -> None:
-    """Before and after the segment (ckpt.memtier_persist.between_segments): a memory snapshot newer than storage's
+    """Before and after the segment (ckpt.memtier.persist.between_segments): a memory snapshot newer than storage's
     newest checkpoint (the ranks died after taking it; or an earlier segment's, in a memory dir this one does not
     use) is validated and persisted to storage, a memory dir the run no longer uses is removed. A snapshot not
     persisted (torn, tampered, another run's) is said on the launcher's own line, shown without -v. Every run gets
-    its id here (ckpt.memtier.identity), at its first segment."""
-    from ckpt.memtier_persist import between_segments
+    its id here (ckpt.memtier.tier.identity), at its first segment."""
+    from ckpt.memtier.persist import between_segments
 
     for line in between_segments(spec, rd):
         sink(f"shardkeeper: {line}")
@@ -594,7 +594,7 @@ def _last_metrics_segment(rd: RunDir) -> int | None:
 
 
 def _script_traceback(rd: RunDir) -> str | None:
-    """The traceback a user's script raised on its first failing rank (trainer.script), when it raised."""
+    """The traceback a user's script raised on its first failing rank (trainer.api.script), when it raised."""
     try:
         return (rd.root / SCRIPT_TRACEBACK_FILE).read_text(encoding="utf-8", errors="replace")[-8000:] or None
     except OSError:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ckpt.hashing import hash_file
+from ckpt.commit.hashing import hash_file
 
 
 def edit_manifest(ckpt_dir: Path, change: Callable[[dict[str, Any]], None]) -> None:
@@ -49,7 +49,7 @@ def truncate(path: Path, by: int = 10) -> None:
 
 def model_item_offset(ckpt_dir: Path) -> tuple[Path, int]:
     """A byte in the middle of a model tensor's record in a .distcp file (so export's CRC check sees it)."""
-    from ckpt.formats.dcp import read_metadata
+    from ckpt.formats.dcp.reader import read_metadata
 
     md = read_metadata(ckpt_dir)
     index, info = next(

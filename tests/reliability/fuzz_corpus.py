@@ -86,7 +86,7 @@ def memory_copy(dst: Path) -> tuple[Path, Path]:
     """The seed's crashed memory-tier run under ``dst`` (``run/``, ``shm/``), its absolute paths (run.yaml's and the
     snapshot manifest's memory_dir, tier.json's run directory, ``.memory-dirs``) pointing at the copy. Returns
     (run dir, memory dir)."""
-    from ckpt.fsutil import dump_yaml, load_yaml
+    from ckpt.commit.fsutil import dump_yaml, load_yaml
 
     shutil.copytree(SEED / "memory", dst)
     run, shm = dst / "run", dst / "shm"
@@ -105,7 +105,7 @@ def memory_copy(dst: Path) -> tuple[Path, Path]:
 
 # ------------------------------------------------------------------------------------------ regeneration
 def _segment(run: Path, spec: object, until: int, env: dict[str, str] | None = None, world: int = 2) -> None:
-    from ckpt.layout import RunDir
+    from ckpt.commit.layout import RunDir
     from shardkeeper.stages import prepare_run_dir
     from tests.harness import spawn
     from trainer.segment import run_segment

@@ -1450,7 +1450,7 @@ def cli_refusal(rc: int, lines: list[str], names: list[str]) -> str | None:
 
 
 def _committed(run: Path) -> list[Path]:
-    from ckpt.layout import parse_step
+    from ckpt.commit.layout import parse_step
 
     d = run / "checkpoints"
     return sorted(p for p in d.iterdir() if parse_step(p.name) is not None and "." not in p.name) if d.is_dir() else []
@@ -1593,11 +1593,11 @@ def run_resume(run: Path) -> dict[str, Any]:
     ``load_latest`` into it. Returns the live state after the load, or the refusal, and the warnings logged."""
     import logging
 
-    from ckpt.layout import RunDir
+    from ckpt.commit.layout import RunDir
     from schemas.errors import ShardkeeperError
     from tests.harness import free_port
+    from trainer.builtin.loop import Trainer
     from trainer.dist import init_distributed
-    from trainer.loop import Trainer
 
     said: list[tuple[str, bool]] = []
 
@@ -1776,7 +1776,7 @@ def memory_validate(program: dict, tmp: Path) -> dict:
         return result("refused", "the snapshot's directory is gone")
 
     def valid_ok() -> str | None:  # a directory name carrying no step says nothing validation could contradict
-        from ckpt.layout import parse_step
+        from ckpt.commit.layout import parse_step
 
         named = parse_step(snap.name.split(".", 1)[0])
         if named not in (None, fc.SNAP_STEP) or snap.name.endswith(".partial"):
@@ -1826,11 +1826,11 @@ def memory_resume(program: dict, tmp: Path) -> dict:
 
 
 def memory_persist(program: dict, tmp: Path) -> dict:
-    """The launcher's persist after the crash (``ckpt.memtier_persist.persist_newer``): a faithful copy of this
+    """The launcher's persist after the crash (``ckpt.memtier.persist.persist_newer``): a faithful copy of this
     run's whole snapshot into storage, or nothing committed and one line per thing not done."""
-    from ckpt.fsutil import load_yaml
-    from ckpt.layout import RunDir
-    from ckpt.memtier_persist import persist_newer
+    from ckpt.commit.fsutil import load_yaml
+    from ckpt.commit.layout import RunDir
+    from ckpt.memtier.persist import persist_newer
     from schemas import RunSpec
     from schemas.errors import ShardkeeperError
 
@@ -2040,10 +2040,10 @@ def serve() -> None:
 
 # what the entry points import, some of it lazily: the worker imports it once before it forks
 _PRELOAD = (
-    "ckpt.formats.deepspeed_convert",
-    "ckpt.formats.foreign",
-    "ckpt.formats.foreign_commit",
-    "ckpt.memtier_persist",
+    "ckpt.formats.deepspeed.convert",
+    "ckpt.formats.foreign.readers",
+    "ckpt.formats.foreign.commit",
+    "ckpt.memtier.persist",
     "ckpt.pretrained",
     "deepspeed.runtime.fp16.loss_scaler",
     "deepspeed.runtime.zero.config",
@@ -2057,8 +2057,8 @@ _PRELOAD = (
     "shardkeeper.preflight",
     "shardkeeper.stages",
     "tests.harness",
-    "trainer.ds_shm",
-    "trainer.loop",
+    "trainer.deepspeed.shm",
+    "trainer.builtin.loop",
     "transformers.models.llama.modeling_llama",
 )
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt.hashing import hash_file
+from ckpt.commit.hashing import hash_file
 
 EXT_CODE = 0xF00D  # registered in copyreg's extension registry by the test that uses EXT opcodes
 EXT_CODE1 = 0xE7  # one-byte code for EXT1
@@ -671,7 +671,7 @@ def plant_metadata(ckpt_dir: Path, data: bytes) -> Path:
 def plant_dcp_record(ckpt_dir: Path, fqn: str, record: bytes) -> Path:
     """Append ``record`` to the .distcp file holding ``fqn``'s first record and point the metadata at it
     (the genuine metadata, re-pickled by the genuine pickler); manifest refreshed for both files."""
-    from ckpt.formats.dcp import read_metadata
+    from ckpt.formats.dcp.reader import read_metadata
 
     md = read_metadata(ckpt_dir)
     index = next(i for i in md.storage_data if i.fqn == fqn)

@@ -17,8 +17,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from ckpt import lineage
-from ckpt.layout import RunDir, parse_step
+from ckpt.commit import lineage
+from ckpt.commit.layout import RunDir, parse_step
 
 
 def templates_of(run: Path) -> dict[int, Path]:

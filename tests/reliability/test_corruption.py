@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.validate import validate
+from ckpt.validate.checks import validate
 from schemas.errors import ShardkeeperError
 from shardkeeper.stages import export_and_record
 from tests.reliability import corrupt as c
@@ -113,7 +113,7 @@ def _records_share_bytes(md: object) -> None:
 
 
 DCP_CASES = [
-    # extents the layout check proves before any tensor is read (ckpt.formats.dcp_metadata.check_extents)
+    # extents the layout check proves before any tensor is read (ckpt.formats.dcp.metadata.check_extents)
     Case(
         "chunks-overlap",
         _metadata(lambda md: c.move_chunk(md, EMBED, 1, offsets=(0, 0))),

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.formats.dcp import DCPTensorReader
-from ckpt.validate import validate
+from ckpt.formats.dcp.reader import DCPTensorReader
+from ckpt.validate.checks import validate
 from shardkeeper.cli import main
 from tests.conftest import TINY_CONFIG, TINY_RUN_STEPS, tree_state
 from tests.reliability import corrupt as c
@@ -120,7 +120,7 @@ def test_tiling_proof_agrees_with_counting_every_element() -> None:
     """On 4,000 random layouts of 0-3 dimensions (exact grids, grids with one chunk moved, shrunk, dropped or
     doubled, free boxes, empty chunks): the proof accepts exactly the layouts where every element is in exactly
     one chunk, and what it names is true (the two chunks overlap; the element it names is in no chunk)."""
-    from ckpt.formats.dcp_metadata import tiling_problem
+    from ckpt.formats.dcp.metadata import tiling_problem
 
     rng = random.Random(38)
     accepted = refused = 0
@@ -167,7 +167,7 @@ def test_tiling_proof_agrees_with_counting_every_element() -> None:
 def test_tiling_proof_is_bounded_on_a_crafted_staircase() -> None:
     """Chunks that overlap along one dimension but not the next (not a grid) cannot make the proof quadratic:
     10,000 of them are refused in about a second, by their element count."""
-    from ckpt.formats.dcp_metadata import tiling_problem
+    from ckpt.formats.dcp.metadata import tiling_problem
 
     n = 10_000
     boxes = [((i, i), (n, 1)) for i in range(n)]
@@ -245,8 +245,8 @@ def test_fifo_in_a_dcp_source_is_refused_not_waited_on(
 def test_empty_records_read_back_empty() -> None:
     """A record of no elements (the empty shard of a 1-element bias at 2 ranks) reads as an empty tensor from
     bytes and from a file: no write into read-only memory."""
-    from ckpt.formats import safe_pickle
-    from ckpt.formats.torchzip import TorchZip, load_bytes
+    from ckpt.formats.pickle import safe_pickle
+    from ckpt.formats.pickle.torchzip import TorchZip, load_bytes
 
     buf = io.BytesIO()
     torch.save({"bias": torch.empty(0), "rows": torch.empty(0, 64)}, buf)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.validate import validate
+from ckpt.validate.checks import validate
 from shardkeeper.config import load_run_spec
 from shardkeeper.stages import plan_topology, train_segment
 

@@ -321,8 +321,8 @@ def test_a_preemption_while_the_ranks_restart_commits_the_newest_snapshot_and_ex
     res = outcome(launched, "preempt-restart")
     assert res.returncode == 75, res.stderr[-3000:]
     assert "restarting the ranks in place (1 of 3" in res.stderr and "segment 0 preempted" in res.stderr
-    from ckpt.layout import RunDir
-    from ckpt.validate import latest_valid, validate
+    from ckpt.commit.layout import RunDir
+    from ckpt.validate.checks import latest_valid, validate
 
     found = latest_valid(RunDir.at(launched["base"] / "preempt-restart"))
     # storage held nothing (interval 100): the newest snapshot before the kill persisted, or the restarted ranks' own
@@ -556,11 +556,11 @@ def test_a_forked_child_never_holds_the_ranks_lock_and_a_holder_is_named(tmp_pat
     """A rank's forked child closes its copy of .lock.ranks (trainer.lifetime): once the rank is gone, the run lock
     is taken at once although the child still runs. A process that does hold it (a fork from C, past Python's
     hooks) is named with its pid and command, with how to stop it."""
-    from ckpt.lock import RunLock
+    from ckpt.guards.lock import RunLock
     from schemas.errors import RunLockedError
 
     code = (
-        f"import os, sys, time; sys.path.insert(0, {str(ROOT)!r}); from ckpt.lock import hold_ranks_lock; "
+        f"import os, sys, time; sys.path.insert(0, {str(ROOT)!r}); from ckpt.guards.lock import hold_ranks_lock; "
         "from trainer.lifetime import _not_in_forks; fd = hold_ranks_lock(sys.argv[1]); "
         "_not_in_forks(fd) if sys.argv[2] == 'python' else None; pid = os.fork()\n"
         "if pid == 0:\n    time.sleep(60)\nprint(pid, flush=True)"

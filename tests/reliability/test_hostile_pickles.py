@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.formats import safe_pickle
+from ckpt.formats.pickle import safe_pickle
 from schemas.errors import CheckpointError
 from shardkeeper.cli import main
 from tests.reliability.hostile import (
@@ -118,7 +118,7 @@ def test_corpus_is_large_and_live(tmp_path: Path, dcp_ckpt: Path, monkeypatch: p
 def test_hostile_metadata_is_refused(
     hostile: Hostile, dcp_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from ckpt.formats.dcp import SafeFileSystemReader, read_metadata
+    from ckpt.formats.dcp.reader import SafeFileSystemReader, read_metadata
 
     ckpt = victim(dcp_ckpt, tmp_path)
     sentinel = tmp_path / "SENTINEL"
@@ -138,7 +138,7 @@ def _dcp_load(ckpt: Path) -> None:
     """What a resume does, in one process: dcp.load through the safe reader and planner."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ckpt.formats.dcp import load_state, read_metadata
+    from ckpt.formats.dcp.reader import load_state, read_metadata
 
     md = read_metadata(ckpt)
     sd = {
@@ -179,7 +179,7 @@ def test_hostile_dcp_byte_value_is_refused(
 
 def _engine_load(path: Path) -> object:
     """What DeepSpeed's engine calls for every .pt file of a same-world-size resume."""
-    from trainer.ds_staging import capturing_engine
+    from trainer.deepspeed.staging import capturing_engine
 
     return capturing_engine().load(str(path), map_location="cpu")
 
@@ -188,7 +188,7 @@ def _engine_load(path: Path) -> object:
 def test_hostile_deepspeed_optimizer_file_is_refused(
     hostile: Hostile, ds_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from ckpt.formats.torchzip import check_file
+    from ckpt.formats.pickle.torchzip import check_file
 
     ckpt = victim(ds_ckpt, tmp_path)
     sentinel = tmp_path / "SENTINEL"
@@ -206,7 +206,7 @@ def test_hostile_deepspeed_optimizer_file_is_refused(
 def test_hostile_deepspeed_model_and_rng_files_are_refused(
     name: str, victim_file: str, ds_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from ckpt.formats.deepspeed import read_rng
+    from ckpt.formats.deepspeed.zero import read_rng
 
     ckpt = victim(ds_ckpt, tmp_path)
     sentinel = tmp_path / "SENTINEL"
@@ -252,10 +252,10 @@ def test_engine_checks_every_opcode() -> None:
 
 # ----------------------------------------------------------------------------------------- limits
 def test_oversized_pickle_is_refused_before_parsing(dcp_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckpt.formats.dcp import read_metadata
+    from ckpt.formats.dcp.reader import read_metadata
 
     monkeypatch.setattr(safe_pickle, "MAX_PICKLE_BYTES", 1024)
-    # refused by its size before it is even read (ckpt.fsutil.read_regular)
+    # refused by its size before it is even read (ckpt.commit.fsutil.read_regular)
     with pytest.raises(CheckpointError, match=r"\.metadata: \d+ bytes, more than a DCP \.metadata can be \(1024 bytes"):
         read_metadata(dcp_ckpt)
     with pytest.raises(CheckpointError, match=r"refused to unpickle \(\d+ bytes of pickle, more than 1024\)"):
@@ -282,7 +282,7 @@ def test_genuine_checkpoints_still_read(dcp_ckpt: Path, ds_ckpt: Path, tmp_path:
     loader returns what torch.load returns (DeepSpeed's own value classes included)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ckpt.formats.dcp import DCPTensorReader, load_state, read_metadata
+    from ckpt.formats.dcp.reader import DCPTensorReader, load_state, read_metadata
 
     md = read_metadata(dcp_ckpt)
     sd = {
@@ -308,8 +308,8 @@ def test_the_quick_check_reads_the_same_layout_without_torch(dcp_ckpt: Path, ds_
     import subprocess
     import sys
 
-    from ckpt.formats.dcp import read_metadata
-    from ckpt.formats.dcp_metadata import read_layout
+    from ckpt.formats.dcp.metadata import read_layout
+    from ckpt.formats.dcp.reader import read_metadata
 
     real, stand_in = read_metadata(dcp_ckpt), read_layout(dcp_ckpt)
 
@@ -363,7 +363,7 @@ def test_the_quick_check_refuses_what_a_load_would(
     planted = plant_metadata(ckpt, real.replace(genuine, crafted))
     refused(capsys, ["validate", str(ckpt)], planted)
     if genuine != b"relative_path":  # DCP's reader takes a record without its file; the load then fails
-        from ckpt.formats.dcp import read_metadata
+        from ckpt.formats.dcp.reader import read_metadata
 
         reader_refuses(lambda: read_metadata(ckpt), planted)
     # the stand-ins know the layouts torch knows (torch.serialization._get_layout's table)
@@ -409,7 +409,7 @@ def test_crafted_sizes_never_allocate(
     before anything of that size is allocated (denial of service by memory, not code execution)."""
     import dataclasses
 
-    from ckpt.formats.dcp import DCPTensorReader, read_metadata
+    from ckpt.formats.dcp.reader import DCPTensorReader, read_metadata
 
     ckpt = victim(dcp_ckpt, tmp_path)
     md = read_metadata(ckpt)
@@ -453,7 +453,7 @@ def _zip_differential(path: Path, payload: bytes) -> None:
 def test_zip_parser_differential_is_refused(tmp_path: Path) -> None:
     """A file that our reader and torch.load would read differently (the genuine pickle for us, a payload for
     DeepSpeed's unrestricted torch.load) is refused by the one reader, so the pre-parse cannot be fooled."""
-    from ckpt.formats.torchzip import check_file
+    from ckpt.formats.pickle.torchzip import check_file
 
     sentinel = tmp_path / "SENTINEL"
     path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from ckpt.layout import RunDir
-from ckpt.validate import latest_valid, validate
+from ckpt.commit.layout import RunDir
+from ckpt.validate.checks import latest_valid, validate
 from tests.reliability.procs import (
     ROOT,
     TINY,
@@ -275,8 +275,8 @@ def _commit_after_the_launcher_died(tmp: str) -> list[object]:
     from launch.procs import is_zombie
     from tests.harness import tiny_spec
     from trainer import lifetime
-    from trainer.ckpt_common import TrainState
-    from trainer.dcp_backend import DCPCheckpointer
+    from trainer.checkpointer.common import TrainState
+    from trainer.checkpointer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
     from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer

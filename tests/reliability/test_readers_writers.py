@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.lineage import read_events
-from ckpt.lock import RunLock
-from ckpt.validate import validate
+from ckpt.commit.lineage import read_events
+from ckpt.guards.lock import RunLock
+from ckpt.validate.checks import validate
 from schemas.errors import CheckpointError, CheckpointRetired, ExportError, PublishError, RunLockedError
 from shardkeeper import stages
 from tests.reliability.livewriter import LiveWriter, new_live_run, templates_of
@@ -161,7 +161,7 @@ def test_status_lineage_validate_export_cli_beside_a_live_writer(
 def test_validate_deep_of_a_checkpoint_retired_mid_read(
     source_run: Path, live_run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckpt.validate as v
+    import ckpt.validate.checks as v
 
     writer = LiveWriter(live_run, templates_of(source_run))
     path = writer.commit(2)
@@ -188,7 +188,7 @@ def test_validate_of_a_checkpoint_recommitted_at_the_same_step_mid_read(
 ) -> None:
     """Retired and committed again at the same step while read (a new directory, maybe the old inode number):
     what was read is not vouched for; the fresh one validates."""
-    import ckpt.validate as v
+    import ckpt.validate.checks as v
 
     writer = LiveWriter(live_run, templates_of(source_run))
     path = writer.commit(1)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.formats.dcp import DCPTensorReader
-from ckpt.manifest import read_manifest
-from ckpt.validate import validate
+from ckpt.commit.manifest import read_manifest
+from ckpt.formats.dcp.reader import DCPTensorReader
+from ckpt.validate.checks import validate
 from schemas import RunSpec
 from schemas.errors import CheckpointError, ConfigError
 from shardkeeper.cli import main

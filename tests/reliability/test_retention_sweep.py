@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ckpt.layout import RunDir
-from ckpt.retention import apply_retention, sweep_leftovers
-from ckpt.validate import is_verified, reread_and_record, validate
+from ckpt.commit.layout import RunDir
+from ckpt.validate.checks import is_verified, reread_and_record, validate
+from ckpt.validate.retention import apply_retention, sweep_leftovers
 from tests.reliability import corrupt as c
 
 

@@ -382,8 +382,8 @@ class DirCheck:
 
 def check_dir(run_dir: Path) -> DirCheck:
     """Deep-validate every committed checkpoint (in-process, as ``shardkeeper validate --deep``)."""
-    from ckpt.layout import RunDir, parse_step
-    from ckpt.validate import validate
+    from ckpt.commit.layout import RunDir, parse_step
+    from ckpt.validate.checks import validate
 
     rd = RunDir.at(run_dir)
     committed, valid, invalid = [], [], {}
@@ -420,7 +420,7 @@ def compare_final(a: Path, b: Path) -> list[str]:
     manifest fingerprint exactly (per-tensor float64 norms of weights and both AdamW moments)."""
     import torch
 
-    from ckpt.manifest import read_manifest
+    from ckpt.commit.manifest import read_manifest
 
     ma, mb = read_manifest(a), read_manifest(b)
     if ma.format != mb.format or ma.step != mb.step:
@@ -428,7 +428,7 @@ def compare_final(a: Path, b: Path) -> list[str]:
     if ma.format == "deepspeed":
         fa, fb = ma.fingerprint.model_dump(), mb.fingerprint.model_dump()
         return [f"fingerprint {k} differs" for k in ("model", "optim", "optim_step") if fa[k] != fb[k]]
-    from ckpt.formats.dcp import DCPTensorReader
+    from ckpt.formats.dcp.reader import DCPTensorReader
 
     diffs = []
     with DCPTensorReader(a) as ra, DCPTensorReader(b) as rb:

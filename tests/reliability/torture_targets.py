@@ -105,7 +105,7 @@ def convert_chain(h: Torture, index: int, n_kills: int, deadline: float) -> dict
 def _universal_checks(h: Torture, rec: dict, udir: Path, run_dir: Path, offset: int, must_convert: bool) -> None:
     """After a launch of a conversion chain: ``universal/`` is whole or absent; a launch after a killed
     conversion that loaded the checkpoint converted again."""
-    from ckpt.validate import validate
+    from ckpt.validate.checks import validate
 
     rec["universal_committed"] = (udir / "manifest.json").exists()
     rec["universal_partials"] = len(list(udir.parent.glob("universal.partial-*")))
@@ -301,7 +301,7 @@ def _remote_checks(
     """The store after a launch. The resume point of an s3:// run is the store (each launch starts from an empty
     cache): "no valid checkpoint left" is judged there -- none whole after one was -- not in the cache, where a
     launch killed before its first local commit leaves nothing while the store still holds the resume point."""
-    from ckpt.objstore import RemoteRun
+    from ckpt.store.objstore import RemoteRun
 
     objs = store.objects(prefix)
     with_manifest = {s for s, f in objs.items() if "manifest.json" in f}

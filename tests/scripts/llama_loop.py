@@ -180,9 +180,9 @@ def main(argv: list[str] | None = None, run_dir: str | None = None, until_step: 
     a = _options(argv)
     if a.deepspeed:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        from trainer.ds_shm import skip_shm_op
+        from trainer.deepspeed.shm import skip_shm_op
 
-        skip_shm_op()  # CPU ranks: DeepSpeed's shm op serves inference only (trainer.ds_shm)
+        skip_shm_op()  # CPU ranks: DeepSpeed's shm op serves inference only (trainer.deepspeed.shm)
     import shardkeeper as sk
 
     seg = sk.Segment(run_dir=run_dir, until_step=until_step)

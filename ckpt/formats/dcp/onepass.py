@@ -1,0 +1,368 @@
+"""Verified DCP loads in one pass over the device: every file is hashed (xxh3-128) as it comes off the disk, and
+nothing is written into the live state before every file of the checkpoint matched its manifest.
+
+* Ownership: the coordinator's ``prepare_global_plan`` gives each file of the manifest to one rank: the rank
+  that already reads most of it (the fewest extra bytes, balanced across ranks); a file no rank reads
+  (``.metadata``, a file of a rank whose chunks nobody needs at this world size) goes to the least loaded rank.
+* ``read_data``: each owned file is hashed whole, in order, through one reused buffer (which also brings it into
+  the page cache); then each record this rank needs is checked (zip structure, allow-listed pickle, extents,
+  shapes against the plan) without reading its tensor bytes, and where those bytes go is noted. It raises a
+  ChecksumMismatch (preferred) or the first decode error of this rank; DCP gathers every rank's failure after
+  ``read_data``, so a rank returns from ``dcp.load`` only when all files of all ranks matched.
+* ``apply`` then reads each chunk from the page cache straight into its live tensor (a record that only part of
+  is needed, or of another layout, is decoded whole and the part copied). The storages' CRC-32 is not checked:
+  the file's xxh3 covers every byte. A refused load leaves the model and optimizer untouched, and nothing of the
+  state is staged in memory (staging this rank's share, fresh memory faulted in and copied once more, cost more
+  than the load itself on small hosts). A file is read from the device twice only when the page cache cannot hold
+  this rank's share; one changed after it was hashed (size, times, inode) is refused before its bytes are read.
+* ``verified``: a file this rank's node hashed whole against the same manifest entry moments before (a memory
+  snapshot's file sent to or received from the peer node in this restore) is not hashed again while it is still
+  that file (same device, inode, size, mtime and ctime as when it was hashed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from ckpt.commit.fsutil import FileIdentity, file_identity, pread_full
+from ckpt.commit.hashing import ChecksumMismatch
+from ckpt.formats.dcp.reader import SafeFileSystemReader, SafeLoadPlanner, _check_extent, _pread_record, plain_name
+from ckpt.formats.pickle import safe_pickle
+from ckpt.formats.pickle.safe_pickle import StoredTensor
+from ckpt.formats.pickle.torchzip import TorchZip, byte_view
+from schemas.errors import CheckpointError
+
+_CHUNK = 8 << 20
+
+
+class OnePassReader(SafeFileSystemReader):
+    """SafeFileSystemReader that verifies ``expected`` (file name -> (size, xxh3-128)) in ``read_data`` and defers
+    every read into the live tensors to ``apply``."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        expected: dict[str, tuple[int, str]],
+        node_size: int | None = None,
+        verified: dict[str, tuple[int, str, FileIdentity]] | None = None,
+    ):
+        super().__init__(path)
+        # Files this process (its node's leader) hashed whole moments ago, each with its identity then (st_dev,
+        # st_ino, st_size, st_mtime_ns, st_ctime_ns): one still the same file is not hashed again
+        # (ckpt.memtier.replicate.Verified).
+        self.verified = dict(verified or {})
+        # Each node reads its own copy (a memory snapshot on several nodes): every file gets an owner on every node
+        # (ranks [k * node_size, (k + 1) * node_size) are one node), so each node hashes every byte it reads.
+        self.node_size = node_size
+        self.expected = dict(expected)
+        # (request, live target, (file name, byte offset, bytes)): bytes < 0 means a whole record of -bytes to decode
+        self.pending: list[tuple[ReadItem, torch.Tensor, tuple[str, int, int]]] = []
+        self.digests: dict[str, tuple[int, str]] = {}
+        self.extra_bytes = 0  # bytes this rank read only to hash them
+        self._identity: dict[str, FileIdentity] = {}
+        self._buf: memoryview | None = None
+
+    # ------------------------------------------------------------------ plan
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        plans = super().prepare_global_plan(plans)
+        read: dict[str, dict[int, set[tuple[int, int]]]] = {}
+        for rank, plan in enumerate(plans):
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                read.setdefault(info.relative_path, {}).setdefault(rank, set()).add((info.offset, info.length))
+        load = [0] * len(plans)
+        owned: list[list[str]] = [[] for _ in plans]
+        per = self.node_size or len(plans)
+        for first in range(0, len(plans), per):
+            node = range(first, min(first + per, len(plans)))
+            for name in sorted(self.expected, key=lambda n: (-self.expected[n][0], n)):  # largest first: balance
+                size = self.expected[name][0]
+                mine = {r: sum(n for _, n in spans) for r, spans in read.get(name, {}).items()}
+                rank = min(node, key=lambda r: (load[r] + max(0, size - mine.get(r, 0)), -mine.get(r, 0), r))
+                load[rank] += max(0, size - mine.get(rank, 0))
+                owned[rank].append(name)
+        return [dataclasses.replace(plan, storage_data=sorted(owned[r])) for r, plan in enumerate(plans)]
+
+    # ------------------------------------------------------------------ read
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if not isinstance(planner, SafeLoadPlanner):
+            raise CheckpointError(f"{self.path}: OnePassReader needs a SafeLoadPlanner")
+        where_md = Path(self.path) / ".metadata"
+        owned = set(plan.storage_data or ())
+        per_file: dict[str, dict[tuple[int, int], list[ReadItem]]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            per_file.setdefault(plain_name(info.relative_path, where_md), {}).setdefault(
+                (info.offset, info.length), []
+            ).append(item)
+        error: CheckpointError | None = None
+        mismatch: ChecksumMismatch | None = None
+        self._prefetch(per_file, owned)
+        fds: dict[str, int] = {}
+        try:
+            for name in sorted(set(per_file) | owned):
+                path = Path(self.path) / plain_name(name, where_md)
+                try:
+                    fds[name] = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    error = error or CheckpointError(
+                        f"{path}: missing; the checkpoint is incomplete, pick another step"
+                    )
+                    continue
+                self._identity[name] = file_identity(os.fstat(fds[name]))
+            # The owned files are hashed in order on a thread (preadv and xxh3 release the GIL) while this one checks
+            # each record once the hash has passed it (its bytes are then in the page cache: no seek ahead of it).
+            hashed = _Progress()
+            known = {name for name in owned & set(fds) if self._still_verified(name)}
+            for name in known:
+                self.digests[name] = self.verified[name][:2]
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify") as pool:
+                jobs = {
+                    name: pool.submit(self._hash_whole, fds[name], self._identity[name][2], hashed.report(name))
+                    for name in sorted(owned & set(fds) - known)
+                }
+                try:
+                    for name in sorted(fds):
+                        path = Path(self.path) / name
+                        for (offset, length), reqs in sorted(per_file.get(name, {}).items()) if error is None else ():
+                            if name in jobs:
+                                hashed.wait(name, offset + length)
+                            try:
+                                self._plan_record(fds[name], path, offset, length, reqs, planner)
+                            except CheckpointError as e:
+                                error = e
+                                break
+                finally:
+                    hashed.stop()
+            for name, job in jobs.items():
+                self.digests[name] = job.result()
+                self.extra_bytes += max(0, self.digests[name][0] - sum(n for _, n in per_file.get(name, {})))
+            for name in owned & set(fds):
+                if self.digests[name] != self.expected.get(name):
+                    mismatch = mismatch or ChecksumMismatch(Path(self.path) / name)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        self._buf = None
+        if mismatch is not None or error is not None:
+            self.pending.clear()
+            raise mismatch or error  # type: ignore[misc]
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _still_verified(self, name: str) -> bool:
+        """``name`` was hashed whole against this manifest entry in this restore and is still that file."""
+        known = self.verified.get(name)
+        ident = self._identity[name]
+        return (
+            known is not None and known[:2] == self.expected.get(name) and known[2] == ident and ident[2] == known[0]
+        )  # its size now is the manifest's
+
+    def _prefetch(self, per_file: dict[str, dict[tuple[int, int], list[ReadItem]]], owned: set[str]) -> None:
+        """Ask the kernel to start reading, now and in the background, every byte this rank will read: the files
+        hash from the page cache while the disk streams the rest (advice only; errors ignored)."""
+        for name in sorted(set(per_file) | owned):
+            try:
+                fd = os.open(Path(self.path) / plain_name(name, Path(self.path) / ".metadata"), os.O_RDONLY)
+            except (OSError, CheckpointError):
+                continue  # reported when it is read
+            try:
+                spans = [(0, 0)] if name in owned else sorted(per_file[name])
+                for offset, length in spans:
+                    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            except (OSError, AttributeError):
+                pass
+            finally:
+                os.close(fd)
+
+    def _hash_whole(self, fd: int, size: int, progress: Callable[[int], None]) -> tuple[int, str]:
+        """(bytes read, xxh3-128) of the whole file, read in order into one reused buffer; ``progress`` is told
+        how far it got."""
+        if self._buf is None:
+            self._buf = memoryview(bytearray(_CHUNK))
+        h, pos = xxhash.xxh3_128(), 0
+        try:
+            while pos < size:
+                n = os.preadv(fd, [self._buf[: min(_CHUNK, size - pos)]], pos)
+                if n <= 0:
+                    break  # shorter than its size said: the digest then differs
+                h.update(self._buf[:n])
+                pos += n
+                progress(pos)
+        finally:
+            progress(-1)  # done (or failed): nobody waits for more of this file
+        return pos, h.hexdigest()
+
+    def _plan_record(
+        self, fd: int, path: Path, offset: int, length: int, reqs: list[ReadItem], planner: LoadPlanner
+    ) -> None:
+        """Check one record's structure and where each request's bytes go (no tensor data is read); byte values
+        are decoded now (they go into the state dict, not the live tensors); the tensor reads wait for apply."""
+        first = reqs[0]
+        info = self.storage_data[first.storage_index]
+        where = f"{path}: record of {first.storage_index.fqn} at byte {offset}"
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{where} uses DCP stream transforms, which this reader does not support")
+        if first.type == LoadItemType.BYTE_IO:
+            data = _pread_record(fd, offset, length, where)
+            for req in reqs:
+                planner.record_where = where  # type: ignore[attr-defined]
+                planner.load_bytes(req, io.BytesIO(data))
+            return
+        _check_extent(fd, offset, length, where)
+        with TorchZip(fd, offset, length, where) as zf:
+            record = zf.describe(safe_pickle.TENSOR_RECORD)
+            if not isinstance(record, StoredTensor):
+                raise CheckpointError(
+                    f"{where}: holds a {type(record).__name__}, not one tensor; the checkpoint is "
+                    "corrupted, pick another step"
+                )
+            data_offset, storage_bytes, _crc = zf.storage_entry(record.key)  # the file's xxh3 covers its bytes
+        itemsize = record.dtype.itemsize
+        if record.offset < 0 or (record.offset + record.numel) * itemsize > storage_bytes:
+            raise CheckpointError(
+                f"{where}: tensor of {list(record.shape)} runs past its storage of {storage_bytes} "
+                "bytes; the checkpoint is corrupted, pick another step"
+            )
+        for req in reqs:
+            target = planner.resolve_tensor(req).detach()
+            lengths, offsets = tuple(req.lengths), tuple(req.storage_offsets)
+            if (
+                len(lengths) != len(record.shape)
+                or len(offsets) != len(lengths)
+                or any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, record.shape))
+                or tuple(target.size()) != lengths
+            ):
+                raise CheckpointError(
+                    f"{where} holds {list(record.shape)}, the load plan expects {list(target.size())}"
+                    f" at {list(offsets)}; the checkpoint is corrupted, pick another step"
+                )
+            whole = not any(offsets) and lengths == record.shape
+            if (
+                whole
+                and record.dtype == target.dtype
+                and record.is_contiguous()
+                and target.is_contiguous()
+                and target.device.type == "cpu"
+            ):
+                self.pending.append(
+                    (req, target, (path.name, data_offset + record.offset * itemsize, record.numel * itemsize))
+                )
+            else:  # a piece of the record, or another layout: decoded whole in apply, then narrowed and copied
+                self.pending.append((req, target, (path.name, offset, -length)))
+
+    # ------------------------------------------------------------------ apply
+    def apply(self, planner: LoadPlanner) -> None:
+        """Read every planned chunk into its live tensor (call once every rank's read_data succeeded). The files
+        are read again, from the page cache the hash pass filled; a file changed since it was hashed (its size,
+        times or inode) is refused before any of its bytes are read."""
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        by_file: dict[str, list[tuple[ReadItem, torch.Tensor, tuple[str, int, int]]]] = {}
+        for item in self.pending:
+            by_file.setdefault(item[2][0], []).append(item)
+        self.pending.clear()
+        for name, items in sorted(by_file.items()):
+            path = Path(self.path) / name
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if file_identity(os.fstat(fd)) != self._identity.get(name):
+                    raise CheckpointError(
+                        f"{path}: changed after it was verified; something writes into a committed "
+                        "checkpoint, stop it and resume again"
+                    )
+                for req, target, (_, offset, n) in sorted(items, key=lambda it: abs(it[2][1])):
+                    if n >= 0:
+                        _pread_exact(fd, byte_view(target), offset, f"{path}: chunk of {req.storage_index.fqn}")
+                    else:
+                        where = f"{path}: record of {req.storage_index.fqn} at byte {offset}"
+                        with TorchZip(fd, offset, -n, where) as zf:
+                            zf.check_storage_crc = False  # the file's xxh3 was checked
+                            tensor = zf.materialize(safe_pickle.TENSOR_RECORD)
+                        target.copy_(narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths))
+                    planner.commit_tensor(req, target)
+            finally:
+                os.close(fd)
+
+
+class _Progress:
+    """How far the hashing thread got in each file, for the records checked behind it."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, int] = {}
+        self._stopped = False
+        self._cond = threading.Condition()
+
+    def report(self, name: str) -> Callable[[int], None]:
+        def told(pos: int) -> None:
+            with self._cond:
+                self._at[name] = pos if pos >= 0 else 1 << 62
+                self._cond.notify_all()
+
+        return told
+
+    def wait(self, name: str, end: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._stopped or self._at.get(name, 0) >= end)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
+    if not pread_full(fd, view, offset):
+        raise CheckpointError(f"{where}: the file ended early; it changed after it was verified, resume again")
+
+
+def load_verified(
+    state_dict: dict[str, Any],
+    ckpt_dir: str | os.PathLike[str],
+    expected: dict[str, tuple[int, str]],
+    *,
+    process_group: Any = None,
+    no_dist: bool = False,
+    node_size: int | None = None,
+    verified: dict[str, tuple[int, str, FileIdentity]] | None = None,
+) -> OnePassReader:
+    """``dcp.load`` of ``ckpt_dir`` verified in one pass against ``expected``; on any rank's failure every rank
+    raises (a ChecksumMismatch first) and ``state_dict``'s tensors are untouched. On success the chunks are
+    copied in and the reader returned (its ``digests`` and ``extra_bytes`` for the record). ``node_size``: each node
+    of that many ranks reads its own copy of ``ckpt_dir`` and hashes all of it. ``verified``: files this rank's node
+    hashed whole against ``expected`` in this restore (name -> size, digest, identity then); one still the same file
+    is not hashed again."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader, planner = OnePassReader(ckpt_dir, expected, node_size, verified), SafeLoadPlanner()
+    try:
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
+    except CheckpointException as e:
+        reader.pending.clear()
+        ours = [exc for _, (exc, _tb) in sorted(e.failures.items()) if isinstance(exc, CheckpointError)]
+        ours.sort(key=lambda exc: not isinstance(exc, ChecksumMismatch))
+        if ours:
+            raise ours[0] from None
+        raise
+    except BaseException:
+        reader.pending.clear()
+        raise
+    reader.apply(planner)
+    return reader
+
+
+__all__ = ["OnePassReader", "load_verified"]

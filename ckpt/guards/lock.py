@@ -1,0 +1,263 @@
+"""One writer per run directory, for as long as any process of its segment lives.
+
+Two flock files (the kernel releases a flock when its last holder dies, so a crash never leaves a
+stale lock):
+
+- ``RUN_DIR/.lock``: held exclusively by the launching process (``shardkeeper train``, a Prefect
+  task) for the whole segment. It records the holder's pid, host and start time.
+- ``RUN_DIR/.lock.ranks``: every rank holds a *shared* flock on it for its whole life and appends its
+  pid (``hold_ranks_lock``). ``RunLock.acquire()`` takes ``.lock`` and then waits (bounded) for an
+  exclusive flock on ``.lock.ranks``: ranks of an earlier segment that are still alive (their
+  launcher was SIGKILLed before they could be stopped) make it fail with a one-line
+  ``RunLockedError`` that names their pids, so a second writer never starts beside them.
+
+Stdlib only: the ranks take their lock before torch is imported.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import stat
+import time
+from pathlib import Path
+
+from ckpt.commit.fsutil import pid_alive
+from schemas.errors import RunLockedError
+
+LOCK_NAME = ".lock"
+RANKS_LOCK_NAME = ".lock.ranks"
+# How long acquire() waits for the ranks of a previous segment to go (they die within ~1 s of their
+# launcher: PR_SET_PDEATHSIG plus a watchdog); SHARDKEEPER_RANKS_WAIT_S overrides it.
+DEFAULT_RANKS_WAIT_S = 10.0
+_POLL_S = 0.1
+
+
+def _ranks_wait_default() -> float:
+    try:
+        return float(os.environ.get("SHARDKEEPER_RANKS_WAIT_S", DEFAULT_RANKS_WAIT_S))
+    except ValueError:
+        return DEFAULT_RANKS_WAIT_S
+
+
+def live_rank_pids(run_dir: str | Path) -> list[int]:
+    """Pids recorded in ``.lock.ranks`` whose process is still alive (best effort: pids can be reused)."""
+    try:
+        text = (Path(run_dir) / RANKS_LOCK_NAME).read_text()
+    except OSError:
+        return []
+    pids = sorted({int(x) for x in text.split() if x.isdigit()})
+    return [p for p in pids if pid_alive(p)]
+
+
+def lock_holders(path: Path, limit: int = 1_000_000) -> list[tuple[int, str]]:
+    """The processes with ``path`` open (pid, command line), found through /proc as ``fuser`` does: a leftover of a
+    segment that holds its ``.lock.ranks``. Only the processes this user may inspect are seen; at most ``limit``
+    descriptors are looked at."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    found: list[tuple[int, str]] = []
+    looked = 0
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+    for pid in sorted(pids):
+        if pid == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            looked += 1
+            if looked > limit:
+                return found
+            try:
+                other = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                try:
+                    cmd = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode("utf-8", "replace").split("\0"))
+                except OSError:
+                    cmd = "?"
+                found.append((pid, cmd.strip()[:80]))
+                break
+    return found
+
+
+def _flock_within(fd: int, mode: int, wait_s: float) -> bool:
+    """Take an flock of ``mode`` on ``fd``, polling for up to ``wait_s``; False if others still hold it then."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+
+
+class RunLock:
+    def __init__(self, run_dir: str | Path, *, ranks_wait_s: float | None = None):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.ranks_path = Path(run_dir) / RANKS_LOCK_NAME
+        self.ranks_wait_s = _ranks_wait_default() if ranks_wait_s is None else ranks_wait_s
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        holder = _take_exclusive(fd)
+        if holder is not None:
+            os.close(fd)
+            try:
+                who = json.loads(holder)
+                desc = f"pid {who.get('pid')} on {who.get('host')} since {who.get('since')}"
+            except json.JSONDecodeError:
+                desc = "another process"
+            raise RunLockedError(
+                f"{self.path.parent}: run directory is locked by {desc}; "
+                "wait for that segment to end or use another --run-dir"
+            )
+        # Who holds it, written at once: a lock held with an empty file is a reader's probe (``is_locked``),
+        # which the next acquire waits out instead of failing.
+        info = json.dumps(
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+        )
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info.encode(), 0)
+        try:
+            self._wait_for_ranks_gone()
+        except BaseException:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise
+        self._fd = fd
+        return self
+
+    def _wait_for_ranks_gone(self) -> None:
+        """Exclusive flock on ``.lock.ranks`` (no rank of any segment alive), then clear its stale pids."""
+        fd = os.open(self.ranks_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            if not _flock_within(fd, fcntl.LOCK_EX, self.ranks_wait_s):
+                raise self._ranks_alive_error()
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def _ranks_alive_error(self) -> RunLockedError:
+        holders = lock_holders(self.ranks_path)
+        ranks = set(live_rank_pids(self.path.parent))
+        if holders:
+            which = "; ".join(
+                f"pid {pid}: {'a rank' if pid in ranks else 'started by a rank'} ({cmd})" for pid, cmd in holders[:4]
+            ) + (f"; {len(holders) - 4} more" if len(holders) > 4 else "")
+            pids = " ".join(str(pid) for pid, _ in holders)
+            fix = f"stop them (kill {pids}; kill -9 {pids} if they ignore SIGTERM)"
+        elif ranks:
+            pids = " ".join(map(str, sorted(ranks)))
+            which, fix = f"pids {', '.join(map(str, sorted(ranks)))}", f"stop them (kill {pids})"
+        else:  # on another node (shared storage), or another user's: invisible from here
+            which = "not visible from this host: on another node, or another user's"
+            fix = f"find and stop them (fuser -v {self.ranks_path} on each node)"
+        return RunLockedError(
+            f"{self.path.parent}: processes of an earlier segment still hold {RANKS_LOCK_NAME} ({which}) "
+            f"{self.ranks_wait_s:g} s after their launcher went; {fix} and retry"
+        )
+
+    def release(self) -> None:
+        if self._fd is not None:
+            release_held(self._fd)
+            self._fd = None
+
+    def is_locked(self) -> bool:
+        """True if some other process holds the lock now, or ranks of a segment are still alive.
+
+        A probe never makes a writer fail: flock has no test, so the probe takes a shared flock for a moment;
+        ``acquire`` finds it held with an empty lock file (a holder writes who it is at once) and waits it out,
+        and the ranks poll for theirs."""
+        return _held(self.path, fcntl.LOCK_SH) or _held(self.ranks_path, fcntl.LOCK_EX)
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+# How long ``acquire`` waits out a lock held with an empty lock file (a probe holds it for microseconds; a
+# real holder writes who it is right after taking it).
+PROBE_WAIT_S = 2.0
+
+
+def release_held(fd: int) -> None:
+    """Let go of an exclusive lock file taken with ``_take_exclusive``: its holder record emptied, unlocked, closed."""
+    os.ftruncate(fd, 0)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def _take_exclusive(fd: int) -> str | None:
+    """Exclusive flock on ``fd``: None once taken, else the holder's record (what it wrote into the file)."""
+    deadline = time.monotonic() + PROBE_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+            if holder or time.monotonic() >= deadline:
+                return holder
+            time.sleep(0.001)
+
+
+def _held(path: Path, mode: int) -> bool:
+    """Would a non-blocking flock of ``mode`` on ``path`` fail? (Released at once when it succeeds.)"""
+    try:  # never blocks on a FIFO planted there, never follows a link; anything but a regular file holds no lock
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except (FileNotFoundError, OSError):
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def hold_ranks_lock(run_dir: str | Path, wait_s: float = 30.0) -> int | None:
+    """Rank side: a shared flock on ``RUN_DIR/.lock.ranks`` for the life of this process, and this pid
+    appended to it. Returns the fd (never closed: the kernel drops the lock when the process dies), or
+    None when the run directory does not exist (the segment reports that error itself).
+
+    The rank opens the file itself (close-on-exec, not inherited from torchrun), so only processes of
+    the segment hold it. Raises RunLockedError if it is held exclusively for longer than ``wait_s``
+    (a launcher checking for ranks holds it for a moment only)."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return None
+    fd = os.open(root / RANKS_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    if not _flock_within(fd, fcntl.LOCK_SH, wait_s):
+        os.close(fd)
+        raise RunLockedError(
+            f"{root / RANKS_LOCK_NAME}: held exclusively for {wait_s:g} s; "
+            "another launcher is checking this run directory, retry"
+        )
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
