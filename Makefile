@@ -77,6 +77,7 @@ bench: install
 	$(PY) bench/peers_memtier.py --rounds 3  # beside DLRover and torch async_save, ~10 min (+ DLRover's install)
 	$(PY) bench/startup_kill_bench.py --reps 3
 	$(PY) bench/failure_attribution.py
+	$(PY) bench/composition.py  # kinds x origins x continuations, the 25-cell covering set, ~15 min
 	$(PY) bench/export_bench.py
 	$(PY) bench/deepspeed_bench.py
 	$(PY) bench/import_bench.py

@@ -1,7 +1,10 @@
-"""Composition: a user's own script continues checkpoints other tools wrote, at another world size, onto the losses of
-the run that wrote them (the table recipe of tests/scripts/llama_loop.py, whose losses do not depend on the world size;
-the writers are tests/compose.py's). One FSDP2 launch on 2 in-process ranks (tests.harness.spawn) writes the origins;
-each case imports one and continues it on 3 ranks."""
+"""Composition: every kind of run continues every origin of checkpoint through every way to continue it.
+
+The generated matrix (tests/compose.py: kind x origin x continuation) runs here as its smallest subset that holds every
+level of every factor (``levels_cover``: 5 cells through the real CLI, torchrun and the Prefect flows against the
+session's server); the 25-cell covering set and the whole product run in ``bench/composition.py``. Beside it, the
+user's own FSDP2 loop in-process on 3 ranks continues torchtitan's layout imported (the optimizer as the script
+built it, onto the writer's losses)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shardkeeper.cli import main
-from tests.compose import LOOP, ORIGIN_STEP, TINY, WORLD, write_dcp_layouts
+from tests.compose import LOOP, ORIGIN_STEP, TINY, Cell, Matrix, Sources, levels_cover, product
 from tests.harness import spawn
 
 pytestmark = pytest.mark.slow
@@ -21,26 +24,34 @@ END = 6
 
 
 @pytest.fixture(scope="module")
-def dcp_origins(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A plain FSDP2 run of the recipe on 2 ranks: its state at step 3 as a plain DCP save and torchtitan's
-    ``step-3/``, and every step's loss to step 6 (``losses.json``)."""
-    out = tmp_path_factory.mktemp("origins")
-    spawn(write_dcp_layouts, WORLD, str(out), END, timeout=300)
-    return out
+def matrix(tmp_path_factory: pytest.TempPathFactory, prefect_server: object) -> Matrix:
+    """The matrix's runner: the origins other tools wrote (built once, on first use) and the cells' folders."""
+    work = tmp_path_factory.mktemp("composition")
+    return Matrix(Sources(work / "sources"), work / "cells")
+
+
+@pytest.mark.parametrize("cell", levels_cover(product()), ids=lambda c: c.key)
+def test_every_kind_continues_every_origin_every_way(matrix: Matrix, cell: Cell) -> None:
+    """The cell continues (its losses within 1e-6 of the uninterrupted reference, its final export loads with
+    ``from_pretrained``) or is refused in one line before anything launched; never anything else."""
+    out = matrix.run(cell)
+    assert out.ok, f"{cell.key}: {out.cell_text()} (reference: {out.reference})"
+    if out.status == "continued":
+        assert out.max_rel is not None and out.max_rel <= 1e-6 and out.export_loads
 
 
 def _loop(argv: list[str], run_dir: str, until: int) -> dict:
     return runpy.run_path(str(LOOP))["main"](argv, run_dir, until)
 
 
-@pytest.mark.parametrize("origin", ["plain", "titan"])
-def test_own_fsdp2_script_continues_an_imported_dcp_checkpoint_at_another_world_size(
-    dcp_origins: Path, tmp_path: Path, origin: str
+def test_own_fsdp2_script_continues_an_imported_torchtitan_checkpoint_at_another_world_size(
+    matrix: Matrix, tmp_path: Path
 ) -> None:
     """``shardkeeper import`` of another tool's DCP checkpoint of 2 ranks, then the user's own FSDP2 loop on 3 ranks:
     steps 4-6 are the writer's own within 1e-6 (relative), the optimizer as the script made it."""
     run = tmp_path / "run"
-    assert main(["import", str(dcp_origins / origin), "--config", TINY, "--run-dir", str(run)]) == 0
+    dcp_origins = matrix.sources.dcp()  # the plain FSDP2 run's state at step 3 (plain DCP, torchtitan), its losses
+    assert main(["import", str(dcp_origins / "titan"), "--config", TINY, "--run-dir", str(run)]) == 0
     out = spawn(_loop, 3, ["--global-batch", "6"], str(run), END, timeout=300)
     assert [(o["step"], o["groups"], o["weight_decay"]) for o in out] == [(END, 1, 0.0)] * 3
     ref = json.loads((dcp_origins / "losses.json").read_text())
