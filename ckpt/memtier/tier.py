@@ -35,6 +35,7 @@ from ckpt.commit.fsutil import (
     rename_noreplace,
 )
 from ckpt.commit.layout import DELETING_SUFFIX, STAGE_SUFFIX, RunDir, parse_step, step_dir_name
+from ckpt.guards.flock import LOCK_EX, FileLock, FlockRefused
 from ckpt.memtier.nodes import NODES_DIR, node_dirs, node_root
 from schemas import CheckpointManifest, RunSpec
 from schemas.errors import CheckpointError, ConfigError, RunDirError
@@ -283,24 +284,24 @@ class TierLock:
 
     def __init__(self, mem: RunDir) -> None:
         self.path = mem.root / LOCK_NAME
-        self.fd: int | None = None
+        self._lock = FileLock(self.path)
+
+    @property
+    def fd(self) -> int | None:
+        """The lock file's descriptor while this object holds the lock, else None."""
+        return self._lock.fd
 
     def acquire(self) -> bool:
-        import fcntl
-
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Take the lock without waiting. Returns False when another process holds it, or the file system refuses
+        the flock (the memory dir is then treated as in use: nothing claimed, nothing removed). Raises OSError when
+        the lock file cannot be opened."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+            return self._lock.acquire(LOCK_EX, 0.0)
+        except FlockRefused:
             return False
-        self.fd = fd
-        return True
 
     def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self._lock.release()
 
 
 def _foreign_entries(root: Path) -> list[str]:
