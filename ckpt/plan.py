@@ -15,7 +15,6 @@ Stdlib and pydantic only.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
@@ -26,7 +25,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ckpt.commit.fsutil import atomic_write_text
-from ckpt.guards.lock import _held, _take_exclusive, release_held
+from ckpt.guards.flock import LOCK_SH, is_held, open_lock, release_recorded, take_exclusive
 from schemas.errors import RunDirError, RunLockedError
 from schemas.plan import PLAN_NAME, RunPlan
 
@@ -97,8 +96,8 @@ class PlanLock:
         """Take the lock; ``who`` (a line saying which flow run) is recorded for the next one who finds it held.
         Raises RunLockedError (exit code 3) when another process holds it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        holder = _take_exclusive(fd)
+        fd = open_lock(self.path, nofollow=True)
+        holder = take_exclusive(fd)
         if holder is not None:
             os.close(fd)
             raise RunLockedError(
@@ -118,12 +117,12 @@ class PlanLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            release_held(self._fd)
+            release_recorded(self._fd)
             self._fd = None
 
     def is_locked(self) -> bool:
         """Does another process (or another PlanLock of this one) hold it now? A momentary probe."""
-        return self._fd is None and _held(self.path, fcntl.LOCK_SH)
+        return self._fd is None and is_held(self.path, LOCK_SH)
 
     def holder(self) -> str:
         """Who holds it, as its holder recorded (empty when nobody does)."""

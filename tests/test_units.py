@@ -50,6 +50,40 @@ def test_retention_keeps_last_k_milestones_and_newest_valid() -> None:
         plan_retention(steps, set(steps), keep_last=0, keep_every=None)
 
 
+def test_memory_retention_keeps_the_newest_k_and_deletes_through_a_deleting_name(tmp_path: Path) -> None:
+    """ckpt.memtier.tier.retain: the newest ``keep`` snapshots stay (0: none); older snapshots and leftovers go by
+    way of a ``.deleting`` name (one already so named is removed where it is); the stage dir stays; a snapshot
+    whose ``.deleting`` name is taken stays as it was, retried later, as storage retention would refuse it."""
+    from ckpt.commit.layout import RunDir
+    from ckpt.memtier.tier import retain
+    from ckpt.validate.retention import remove_checkpoint_dir
+
+    mem = RunDir(tmp_path / "mem")
+    for step in (2, 4, 6, 8):
+        (mem.checkpoint(step)).mkdir(parents=True)
+        (mem.checkpoint(step) / "manifest.json").write_text("{}")
+    for name in ("step-00000001.partial", "step-00000003.deleting", "step-00000005.recycle-next", "step-00000009.x"):
+        (mem.checkpoints / name).mkdir()
+    blocked = mem.checkpoints / "step-00000002.deleting"  # a half-deleted copy of step 2 still being removed
+    (blocked / "held").mkdir(parents=True)
+    gone = retain(mem, keep=2)
+    assert [p.name for p in gone[:2]] == ["step-00000002", "step-00000004"]
+    assert sorted(p.name for p in gone[2:]) == [
+        "step-00000001.partial",
+        "step-00000002.deleting",
+        "step-00000003.deleting",
+    ]
+    left = sorted(p.name for p in mem.checkpoints.iterdir())
+    # step 2 could not take its .deleting name while the old one was there: it stays whole, retried next time
+    assert left == ["step-00000002", "step-00000005.recycle-next", "step-00000006", "step-00000008", "step-00000009.x"]
+    assert [p.name for p in retain(mem, keep=2)] == ["step-00000002"] and not mem.checkpoint(2).exists()
+    assert [p.name for p in retain(mem, keep=0)] == ["step-00000006", "step-00000008"] and mem.committed() == []
+    with pytest.raises(ValueError):
+        retain(mem, keep=-1)
+    with pytest.raises(OSError):
+        remove_checkpoint_dir(mem.checkpoint(6))  # gone: nothing to rename
+
+
 def test_fingerprint_compare_exact_and_tolerant() -> None:
     a = fp.make_fingerprint({"w": 4.0}, {"w.exp_avg": 1.0}, 3)
     b = fp.make_fingerprint({"w": 4.0 * (1 + 1e-12)}, {"w.exp_avg": 1.0}, 3)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import shutil
@@ -14,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ckpt.commit.fsutil import fsync_dir, rename_noreplace
+from ckpt.guards.flock import FileLock
 from schemas.errors import ExportError
 
 log = logging.getLogger(__name__)
@@ -47,24 +47,13 @@ def temp_dir_for(out_dir: Path) -> Path:
     return tmp
 
 
-@contextmanager
-def _folder_locked(folder: Path) -> Iterator[None]:
-    """An exclusive flock on ``folder`` itself: exports committing into it take turns."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def commit_folder(tmp: Path, out_dir: Path, *, overwrite: bool = False) -> None:
     """fsync the folder, rename it to ``out_dir``, fsync the parent. Without ``overwrite`` nothing is replaced: an
     ``out_dir`` that appeared since the export began (another export into it finished first) fails this one with
     ExportError, and that one stays whole. With it, the old folder is moved aside first, then removed."""
     fsync_dir(tmp)
     old = None
-    with _folder_locked(out_dir.parent):
+    with FileLock(out_dir.parent, directory=True):  # exports committing into one folder take turns
         if not overwrite:
             try:
                 rename_noreplace(tmp, out_dir)

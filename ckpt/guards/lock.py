@@ -11,20 +11,28 @@ stale lock):
   launcher was SIGKILLed before they could be stopped) make it fail with a one-line
   ``RunLockedError`` that names their pids, so a second writer never starts beside them.
 
-Stdlib only: the ranks take their lock before torch is imported.
+Stdlib only: the ranks take their lock before torch is imported. The flock primitives are ``ckpt.guards.flock``.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
-import stat
 import time
 from pathlib import Path
 
 from ckpt.commit.fsutil import pid_alive
+from ckpt.guards.flock import (
+    LOCK_EX,
+    LOCK_SH,
+    flock_within,
+    is_held,
+    open_lock,
+    release_recorded,
+    take_exclusive,
+    unlock,
+)
 from schemas.errors import RunLockedError
 
 LOCK_NAME = ".lock"
@@ -32,7 +40,6 @@ RANKS_LOCK_NAME = ".lock.ranks"
 # How long acquire() waits for the ranks of a previous segment to go (they die within ~1 s of their
 # launcher: PR_SET_PDEATHSIG plus a watchdog); SHARDKEEPER_RANKS_WAIT_S overrides it.
 DEFAULT_RANKS_WAIT_S = 10.0
-_POLL_S = 0.1
 
 
 def _ranks_wait_default() -> float:
@@ -91,19 +98,6 @@ def lock_holders(path: Path, limit: int = 1_000_000) -> list[tuple[int, str]]:
     return found
 
 
-def _flock_within(fd: int, mode: int, wait_s: float) -> bool:
-    """Take an flock of ``mode`` on ``fd``, polling for up to ``wait_s``; False if others still hold it then."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(_POLL_S)
-
-
 class RunLock:
     def __init__(self, run_dir: str | Path, *, ranks_wait_s: float | None = None):
         self.path = Path(run_dir) / LOCK_NAME
@@ -113,8 +107,8 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        holder = _take_exclusive(fd)
+        fd = open_lock(self.path)
+        holder = take_exclusive(fd)
         if holder is not None:
             os.close(fd)
             try:
@@ -140,21 +134,19 @@ class RunLock:
         try:
             self._wait_for_ranks_gone()
         except BaseException:
-            os.ftruncate(fd, 0)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            release_recorded(fd)
             raise
         self._fd = fd
         return self
 
     def _wait_for_ranks_gone(self) -> None:
         """Exclusive flock on ``.lock.ranks`` (no rank of any segment alive), then clear its stale pids."""
-        fd = os.open(self.ranks_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = open_lock(self.ranks_path)
         try:
-            if not _flock_within(fd, fcntl.LOCK_EX, self.ranks_wait_s):
+            if not flock_within(fd, LOCK_EX, self.ranks_wait_s):
                 raise self._ranks_alive_error()
             os.ftruncate(fd, 0)
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            unlock(fd)
         finally:
             os.close(fd)
 
@@ -180,7 +172,7 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            release_held(self._fd)
+            release_recorded(self._fd)
             self._fd = None
 
     def is_locked(self) -> bool:
@@ -189,56 +181,13 @@ class RunLock:
         A probe never makes a writer fail: flock has no test, so the probe takes a shared flock for a moment;
         ``acquire`` finds it held with an empty lock file (a holder writes who it is at once) and waits it out,
         and the ranks poll for theirs."""
-        return _held(self.path, fcntl.LOCK_SH) or _held(self.ranks_path, fcntl.LOCK_EX)
+        return is_held(self.path, LOCK_SH) or is_held(self.ranks_path, LOCK_EX)
 
     def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-# How long ``acquire`` waits out a lock held with an empty lock file (a probe holds it for microseconds; a
-# real holder writes who it is right after taking it).
-PROBE_WAIT_S = 2.0
-
-
-def release_held(fd: int) -> None:
-    """Let go of an exclusive lock file taken with ``_take_exclusive``: its holder record emptied, unlocked, closed."""
-    os.ftruncate(fd, 0)
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    os.close(fd)
-
-
-def _take_exclusive(fd: int) -> str | None:
-    """Exclusive flock on ``fd``: None once taken, else the holder's record (what it wrote into the file)."""
-    deadline = time.monotonic() + PROBE_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return None
-        except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
-            if holder or time.monotonic() >= deadline:
-                return holder
-            time.sleep(0.001)
-
-
-def _held(path: Path, mode: int) -> bool:
-    """Would a non-blocking flock of ``mode`` on ``path`` fail? (Released at once when it succeeds.)"""
-    try:  # never blocks on a FIFO planted there, never follows a link; anything but a regular file holds no lock
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except (FileNotFoundError, OSError):
-        return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        fcntl.flock(fd, mode | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def hold_ranks_lock(run_dir: str | Path, wait_s: float = 30.0) -> int | None:
@@ -252,8 +201,8 @@ def hold_ranks_lock(run_dir: str | Path, wait_s: float = 30.0) -> int | None:
     root = Path(run_dir)
     if not root.is_dir():
         return None
-    fd = os.open(root / RANKS_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-    if not _flock_within(fd, fcntl.LOCK_SH, wait_s):
+    fd = open_lock(root / RANKS_LOCK_NAME, append=True)
+    if not flock_within(fd, LOCK_SH, wait_s):
         os.close(fd)
         raise RunLockedError(
             f"{root / RANKS_LOCK_NAME}: held exclusively for {wait_s:g} s; "

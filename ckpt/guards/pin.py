@@ -15,17 +15,15 @@ reads it.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
-import stat
 import threading
 import time
 from pathlib import Path
 
 from ckpt.commit.fsutil import atomic_write_json
-from ckpt.guards.lock import _flock_within
+from ckpt.guards.flock import LOCK_EX, LOCK_SH, FileLock, is_held, open_regular
 from schemas.errors import RunLockedError
 
 PINS_DIR = ".pins"
@@ -43,26 +41,23 @@ class Pin:
         self.path = pins_dir(root) / f"{name}.json"
         self.lock_path = pins_dir(root) / f"{name}.lock"
         self.wait_s = wait_s
-        self._fd: int | None = None
+        self._lock = FileLock(self.lock_path)
         self._mu = threading.Lock()
 
     def acquire(self) -> Pin:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        if not _flock_within(fd, fcntl.LOCK_EX, self.wait_s):
-            os.close(fd)
+        if not self._lock.acquire(LOCK_EX, self.wait_s):
             raise RunLockedError(
                 f"{self.lock_path}: held by another live process for {self.wait_s:g} s; stop the "
                 "other `shardkeeper train` on this run directory's cache, then retry"
             )
-        self._fd = fd
         self.path.unlink(missing_ok=True)  # a dead holder's pin
         return self
 
     def set(self, step: int) -> None:
         """Pin ``step`` (replacing what was pinned): from now on retention keeps it."""
         with self._mu:
-            if self._fd is not None:
+            if self._lock.held:
                 atomic_write_json(
                     self.path,
                     {
@@ -75,16 +70,14 @@ class Pin:
 
     def clear(self) -> None:
         with self._mu:
-            if self._fd is not None:
+            if self._lock.held:
                 self.path.unlink(missing_ok=True)
 
     def release(self) -> None:
         with self._mu:
-            if self._fd is not None:
+            if self._lock.held:
                 self.path.unlink(missing_ok=True)
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-                os.close(self._fd)
-                self._fd = None
+                self._lock.release()
 
 
 def pinned_steps(root: str | os.PathLike[str]) -> set[int]:
@@ -102,24 +95,8 @@ def pinned_steps(root: str | os.PathLike[str]) -> set[int]:
     return found
 
 
-def _open_regular(path: Path) -> int | None:
-    """A read-only fd of ``path`` if it is a regular file (not a symlink: never follows one), else None;
-    never blocks."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None  # gone meanwhile (a pin is replaced atomically: never torn), a symlink, unreadable
-    try:
-        if stat.S_ISREG(os.fstat(fd).st_mode):
-            return fd
-    except OSError:
-        pass
-    os.close(fd)
-    return None
-
-
 def _pinned_step(doc: Path) -> int | None:
-    fd = _open_regular(doc)
+    fd = open_regular(doc)
     if fd is None:
         return None
     try:
@@ -139,19 +116,11 @@ def _pinned_step(doc: Path) -> int | None:
 
 def _lock_held(path: Path) -> bool:
     """Does a live process hold the pin's lock? (A shared flock for a moment, as ``ckpt.guards.lock`` probes its
-    locks.)"""
-    fd = _open_regular(path)
-    if fd is None:
-        return False
+    locks; a lock the file system refuses to take pins nothing.)"""
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
+        return is_held(path, LOCK_SH)
     except OSError:
         return False
-    finally:
-        os.close(fd)
-    return False
 
 
 __all__ = ["PINS_DIR", "Pin", "pinned_steps", "pins_dir"]

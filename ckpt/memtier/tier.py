@@ -34,8 +34,10 @@ from ckpt.commit.fsutil import (
     read_regular,
     rename_noreplace,
 )
-from ckpt.commit.layout import DELETING_SUFFIX, STAGE_SUFFIX, RunDir, parse_step, step_dir_name
+from ckpt.commit.layout import STAGE_SUFFIX, RunDir, parse_step, step_dir_name
+from ckpt.guards.flock import LOCK_EX, FileLock, FlockRefused
 from ckpt.memtier.nodes import NODES_DIR, node_dirs, node_root
+from ckpt.validate.retention import plan_retention, remove_checkpoint_dir
 from schemas import CheckpointManifest, RunSpec
 from schemas.errors import CheckpointError, ConfigError, RunDirError
 
@@ -283,24 +285,24 @@ class TierLock:
 
     def __init__(self, mem: RunDir) -> None:
         self.path = mem.root / LOCK_NAME
-        self.fd: int | None = None
+        self._lock = FileLock(self.path)
+
+    @property
+    def fd(self) -> int | None:
+        """The lock file's descriptor while this object holds the lock, else None."""
+        return self._lock.fd
 
     def acquire(self) -> bool:
-        import fcntl
-
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Take the lock without waiting. Returns False when another process holds it, or the file system refuses
+        the flock (the memory dir is then treated as in use: nothing claimed, nothing removed). Raises OSError when
+        the lock file cannot be opened."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+            return self._lock.acquire(LOCK_EX, 0.0)
+        except FlockRefused:
             return False
-        self.fd = fd
-        return True
 
     def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self._lock.release()
 
 
 def _foreign_entries(root: Path) -> list[str]:
@@ -410,10 +412,28 @@ def still_owner(mem: RunDir, run_dir: RunDir) -> str | None:
 
 def retain(mem: RunDir, keep: int = KEEP) -> list[Path]:
     """Keep the newest ``keep`` committed snapshots; remove older ones, and every leftover (partial, set aside,
-    half-deleted) older than the newest snapshot."""
+    half-deleted) older than the newest snapshot.
+
+    Which snapshots go is storage retention's rule (``ckpt.validate.retention.plan_retention``, every snapshot
+    counted valid: validating one would re-read memory), and each goes the way a storage checkpoint does
+    (``remove_checkpoint_dir``: renamed to ``.deleting`` first). One that cannot be removed now (a reader holds it)
+    is logged and retried at the next snapshot.
+
+    Args:
+        mem: the memory dir.
+        keep: how many of the newest committed snapshots stay; 0 removes them all.
+
+    Returns:
+        What was to be removed (the snapshots, then the leftovers).
+
+    Raises:
+        ValueError: ``keep`` is negative.
+    """
     committed = mem.committed()
-    newest = parse_step(committed[-1].name) if committed else None
-    doomed = committed[:-keep] if keep else committed
+    steps = [parse_step(p.name) or 0 for p in committed]
+    newest = max(steps, default=None)
+    drop = set(steps) if keep == 0 else plan_retention(steps, set(steps), keep_last=keep, keep_every=None)
+    doomed = [p for p, step in zip(committed, steps, strict=True) if step in drop]
     if newest is not None:
         for p in mem.checkpoints.iterdir():
             base = p.name.split(".", 1)[0]
@@ -423,11 +443,8 @@ def retain(mem: RunDir, keep: int = KEEP) -> list[Path]:
             if p.name != base and step is not None and step < newest and not p.name.endswith(STAGE_SUFFIX):
                 doomed.append(p)
     for p in doomed:
-        trash = p if p.name.endswith(DELETING_SUFFIX) else p.with_name(p.name + DELETING_SUFFIX)
         try:
-            if trash != p:
-                p.rename(trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            remove_checkpoint_dir(p)
         except OSError as e:  # a reader may hold it: retried at the next snapshot
             log.debug("memory retention: %s stays for now: %s", p.name, e)
     return doomed

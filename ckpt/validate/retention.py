@@ -48,12 +48,30 @@ def plan_retention(
     return {s for s in steps if s not in keep and (newest is not None and s < newest)}
 
 
-def _remove(path: Path) -> None:
-    # Rename first so a crash mid-delete never leaves a manifest beside missing shards.
-    t0 = time.perf_counter()
-    trash = path.with_name(path.name + DELETING_SUFFIX)
-    path.rename(trash)
+def remove_checkpoint_dir(path: Path) -> None:
+    """Delete a checkpoint directory (or a leftover of one) so that a half-deleted one never looks like a checkpoint.
+
+    It is renamed to ``NAME.deleting`` first, a name no reader takes for a checkpoint (a crash mid-delete never
+    leaves a manifest beside missing shards; the segment-start sweep removes what a crash left), then removed; what
+    cannot be removed stays under that name. One already named ``*.deleting`` is removed where it is. Storage
+    retention (``apply_retention``) and the memory tier's (``ckpt.memtier.tier.retain``) both delete through it.
+
+    Args:
+        path: the directory to delete.
+
+    Raises:
+        OSError: the rename failed (``path`` is gone, or a directory of the ``.deleting`` name is in the way);
+            nothing was removed.
+    """
+    trash = path if path.name.endswith(DELETING_SUFFIX) else path.with_name(path.name + DELETING_SUFFIX)
+    if trash != path:
+        path.rename(trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    t0 = time.perf_counter()
+    remove_checkpoint_dir(path)
     log.info("retention: deleted %s in %.2f seconds", path.name, time.perf_counter() - t0)
 
 
@@ -173,5 +191,6 @@ __all__ = [
     "newest_valid",
     "plan",
     "plan_retention",
+    "remove_checkpoint_dir",
     "sweep_leftovers",
 ]
