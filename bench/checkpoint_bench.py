@@ -365,17 +365,17 @@ def load_worker(small: bool, runs: dict, reps: int) -> dict:
     out: dict = {}
     phases: dict = {}
     state = {"which": ""}
-    for ck in cks.values():  # time load_latest's parts too, without changing what it does
+    for ck in cks.values():  # time load_latest's parts too (its resumer's), without changing what it does
         for name in ("_quick_check", "_hash_check", "load"):  # _hash_check: only a backend without one-pass loads
 
-            def wrapped(*a, _f=getattr(ck, name), _n=name, **kw):
+            def wrapped(*a, _f=getattr(ck.resumer, name), _n=name, **kw):
                 t = time.perf_counter()
                 try:
                     return _f(*a, **kw)
                 finally:
                     phases.setdefault(f"{_n}_{state['which']}", []).append(time.perf_counter() - t)
 
-            setattr(ck, name, wrapped)
+            setattr(ck.resumer, name, wrapped)
 
     def ours(which: str, pick: dict | None = None):
         def go() -> None:

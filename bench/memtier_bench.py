@@ -185,12 +185,12 @@ RESTORE_PARTS = (
     ("ckpt.memtier.replicate", "receive", "receive files (receive + hash + write)"),
     ("trainer.checkpointer.node_tier:NodeTier", "_join", "join the fetched files"),
     ("trainer.checkpointer.node_tier:NodeTier", "check_copy", "quick checks of the copy"),
-    ("trainer.checkpointer.resume_side:ResumeSide", "load", "load (all of it)"),
+    ("trainer.checkpointer.resumer:Resumer", "load", "load (all of it)"),
     ("ckpt.formats.dcp.onepass:OnePassReader", "read_data", "load: read_data (hash, plan records)"),
     ("ckpt.formats.dcp.onepass:OnePassReader", "apply", "load: apply (chunks into the live state)"),
     ("trainer.checkpointer.dcp_backend", "set_state_dict", "load: set_state_dict"),
     ("trainer.checkpointer.dcp_backend:DCPCheckpointer", "fingerprint", "load: fingerprint"),
-    ("trainer.checkpointer.resume_side:ResumeSide", "_resumed", "load: lineage, log"),
+    ("trainer.checkpointer.resumer:Resumer", "_resumed", "load: lineage, log"),
 )
 
 

@@ -71,7 +71,7 @@ def act(snap: Path) -> None:
 
 
 if EVENT:
-    from trainer.checkpointer import save_side
+    from trainer.checkpointer import saver
     from trainer.checkpointer.core import Checkpointer
 
     if MOMENT == "commit":
@@ -93,7 +93,7 @@ if EVENT:
 
         Checkpointer._commit = _commit  # type: ignore[method-assign]
     else:
-        real_copy = save_side.copy_file
+        real_copy = saver.copy_file
 
         def copy_file(src, dst, *a, **kw):  # noqa: ANN001, ANN202
             if Path(src).parent.name == f"step-{AT:08d}" and not getattr(copy_file, "done", False):
@@ -101,7 +101,7 @@ if EVENT:
                 act(Path(src).parent)
             return real_copy(src, dst, *a, **kw)
 
-        save_side.copy_file = copy_file
+        saver.copy_file = copy_file
 
 seg = sk.Segment()
 torch.manual_seed(0)

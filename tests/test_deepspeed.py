@@ -461,9 +461,9 @@ def test_refused_conversion_into_a_new_run_dir_leaves_nothing(
 
 def _without_the_model_check(run: str, until: int) -> int:
     """run_segment on a rank that skips the model comparison before the load (as runs did before it existed)."""
-    from trainer.checkpointer.resume_side import ResumeSide
+    from trainer.checkpointer.resumer import Resumer
 
-    ResumeSide.model_problem = lambda self, manifest: None  # type: ignore[method-assign]
+    Resumer.model_problem = lambda self, manifest: None  # type: ignore[method-assign]
     return run_segment(run, until, 0)
 
 

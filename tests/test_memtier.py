@@ -604,8 +604,8 @@ def _persist_edges(tmp: str) -> list[object]:
     import torch
     import torch.distributed as dist
 
-    import trainer.checkpointer.save_side as save_side
     from ckpt.validate.checks import validate
+    from trainer.checkpointer import saver
     from trainer.checkpointer.core import TrainState
 
     root = Path(tmp)
@@ -620,7 +620,7 @@ def _persist_edges(tmp: str) -> list[object]:
     logging.getLogger("shardkeeper.checkpoint").addHandler(Said())
     snaps = root / "shm" / "checkpoints"
     before: dict[int, object] = {}
-    real_persist, real_copy = ck._persist, save_side.copy_file
+    real_persist, real_copy = ck.saver._persist, saver.copy_file
 
     def persist(ts, reason, t0, async_save):  # noqa: ANN001 - what happens between a snapshot's commit and its persist
         act = before.pop(ts.step, None)
@@ -636,7 +636,7 @@ def _persist_edges(tmp: str) -> list[object]:
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
 
-    ck._persist = persist  # type: ignore[method-assign]
+    ck.saver._persist = persist  # type: ignore[method-assign]
 
     def advance(step: int) -> TrainState:
         with torch.no_grad():
@@ -673,9 +673,9 @@ def _persist_edges(tmp: str) -> list[object]:
             shutil.rmtree(src.parent, ignore_errors=True)
         return real_copy(src, dst)
 
-    save_side.copy_file = copy_vanishing  # type: ignore[assignment]
+    saver.copy_file = copy_vanishing  # type: ignore[assignment]
     ck.save(advance(12), reason="interval", blocking=True)
-    save_side.copy_file = real_copy  # type: ignore[assignment]
+    saver.copy_file = real_copy  # type: ignore[assignment]
     out += [same_as_fresh(12), sorted(p.name for p in ck.run_dir.checkpoints.iterdir())]
     ck.close()
     fresh.close()

@@ -238,7 +238,7 @@ def _segment_node1_full_at_commit(run: str, until: int, segment: int) -> int:
     import time
 
     from trainer.checkpointer import node_tier
-    from trainer.checkpointer.save_side import SaveSide
+    from trainer.checkpointer.core import Checkpointer
 
     if int(os.environ["RANK"]) == 1:
 
@@ -246,13 +246,13 @@ def _segment_node1_full_at_commit(run: str, until: int, segment: int) -> int:
             raise OSError(errno.ENOSPC, "No space left on device", str(Path(partial) / "manifest.json"))
 
         node_tier.write_manifest = full  # type: ignore[assignment]
-        off = SaveSide._tier_off
+        off = Checkpointer._tier_off
 
-        def slow_off(self: SaveSide, problem: str) -> None:
+        def slow_off(self: Checkpointer, problem: str) -> None:
             time.sleep(1.5)
             off(self, problem)
 
-        SaveSide._tier_off = slow_off  # type: ignore[method-assign]
+        Checkpointer._tier_off = slow_off  # type: ignore[method-assign]
     return run_segment(run, until, segment)
 
 

@@ -55,9 +55,8 @@ def check_restorable(
 ) -> None:
     """Before any load: every tracked object has a state in the checkpoint, and at another world size each one's
     state was the same on every saving rank. ``other_kind``: the checkpoint was written by another kind of run
-    (``trainer.checkpointer.resume_side.other_kind``), which never had this run's objects: those it lacks start at its
-    step
-    (``restore_all``) instead of being refused."""
+    (``trainer.checkpointer.resumer.Resumer.other_kind``), which never had this run's objects: those it lacks start at
+    its step (``restore_all``) instead of being refused."""
     if not extra:
         return
     saved = dict(read(0))

@@ -142,7 +142,8 @@ class NonFiniteGuard:
 
 
 class _Checkpointer(Protocol):
-    last_committed_step: int | None
+    @property
+    def last_committed_step(self) -> int | None: ...
 
     def close(self) -> None: ...
 

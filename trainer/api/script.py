@@ -28,7 +28,7 @@ from schemas.seam import SCRIPT_TRACEBACK_FILE, collective_error
 
 # Frames of these folders are shardkeeper's (and runpy's), not the user's: left out of the script's traceback.
 _OURS = tuple(
-    str(Path(__file__).resolve().parent.parent / d) + os.sep
+    str(Path(__file__).resolve().parents[2] / d) + os.sep
     for d in ("trainer", "ckpt", "schemas", "shardkeeper", "launch")
 )
 

@@ -1,6 +1,7 @@
-"""The Checkpointer: construction, the commit protocol, wait / close and the backend hooks, for every
-backend; its bases hold the save side (``trainer.checkpointer.save_side``: save, async, the memory tier) and the resume
-side (``trainer.checkpointer.resume_side``: load_latest, its checks, fallback and quarantine).
+"""The Checkpointer, for every backend: its state, the commit protocol, close and the backend hooks. It holds the
+save side (``trainer.checkpointer.saver.Saver``: save, async, the memory tier's persist), the resume side
+(``trainer.checkpointer.resumer.Resumer``: load_latest, its checks, fallback and quarantine) and, on several nodes,
+the memory tier's node copies (``trainer.checkpointer.node_tier.NodeTier``); its public methods delegate to them.
 
 Commit protocol (a directory without a valid manifest is never loaded):
   1. every rank writes its files into ``step-XXXXXXXX.partial/`` (the backend's format, fsync per file);
@@ -24,7 +25,6 @@ import errno
 import logging
 import os
 import shutil
-import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -58,11 +58,11 @@ from schemas import (
 )
 from schemas.errors import CheckpointError
 from trainer import lifetime
-from trainer.checkpointer.common import TrainState, Written, background_pool, code_version
+from trainer.checkpointer.common import Progress, TrainState, Written, background_pool, code_version
 from trainer.checkpointer.node_tier import TIER_OFF as _TIER_OFF
 from trainer.checkpointer.node_tier import NodeTier
-from trainer.checkpointer.resume_side import ResumeSide, _load_problem, checkpoint_at_fault
-from trainer.checkpointer.save_side import SaveSide, _disk_full, _tier_full
+from trainer.checkpointer.resumer import Resumer, _load_problem, checkpoint_at_fault
+from trainer.checkpointer.saver import Saver, _disk_full, _tier_full
 from trainer.dist import DistEnv
 
 # Names other modules, tests and benches import from here.
@@ -97,19 +97,25 @@ def _find_os_error(exc: BaseException | None, depth: int = 0) -> OSError | None:
     return _find_os_error(exc.__cause__ or exc.__context__, depth + 1)
 
 
-class Checkpointer(SaveSide, ResumeSide, NodeTier):
+class Checkpointer:
     """One per training segment. The trainer calls ``load_latest()`` once, ``save()`` at intervals
     and on preemption, and ``close()`` at the end.
 
-    The public methods and every guard live in this class and its two bases,
-    ``trainer.checkpointer.save_side.SaveSide`` and
-    ``trainer.checkpointer.resume_side.ResumeSide``; a backend (``trainer.checkpointer.dcp_backend.DCPCheckpointer``,
+    It owns the segment's state (run dir, spec, dist env, the memory dir, where the checkpoints stand: ``progress``,
+    the background threads) and the commit. ``save`` / ``warm_up`` / ``wait`` go to its ``saver``
+    (``trainer.checkpointer.saver.Saver``), ``load_latest`` / ``load`` / ``verify_files`` to its ``resumer``
+    (``trainer.checkpointer.resumer.Resumer``); with the memory tier on several nodes, the node copies are its
+    ``nodes`` (``trainer.checkpointer.node_tier.NodeTier``).
+
+    A backend (``trainer.checkpointer.dcp_backend.DCPCheckpointer``,
     ``trainer.deepspeed.checkpointer.DeepSpeedCheckpointer``) implements the hooks at the end of the class: snapshot /
     stage / write on the save side, restore / fingerprint on the load side, and may extend check_loadable.
     The services it may call: agree, save_problem, abort_save, verify_files."""
 
     FORMAT: Literal["dcp", "deepspeed"]  # the manifest format this backend writes and loads
     BACKEND: str  # the RunSpec backend it serves
+    SUPPORTS_ASYNC = False  # can save on a background thread from a staged copy
+    ONE_PASS = False  # ``restore`` verifies every file while it reads, before it writes the live state (sets applied)
     data: DataRecord | None = None  # the prepared dataset (data.source 'dataset'): recorded, and checked on load
 
     def __init__(
@@ -130,34 +136,40 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         self.env = env
         self.segment = segment
         self.hf_model = hf_model  # recorded in every manifest: the export then needs no transformers
-        self.parent: str | None = None
-        self._parent_event: str | None = None  # lineage id of the checkpoint (either tier) the next one follows
-        self.last_committed_step: int | None = None
+        self.progress = Progress()  # the parent of the next checkpoint, the newest step of each tier
         # The memory tier (checkpoint.memory_interval): snapshots in host shared memory under the same protocol;
         # storage checkpoints are then persisted from the snapshot of their step (ckpt.memtier.tier).
         # With several nodes each node keeps its own copy, replicated to a peer node (trainer.checkpointer.node_tier).
-        self.node_tier = self.FORMAT == "dcp" and spec.checkpoint.memory_interval is not None and env.topology.nodes > 1
+        on_nodes = self.FORMAT == "dcp" and spec.checkpoint.memory_interval is not None and env.topology.nodes > 1
         self.memory: RunDir | None = (
-            memtier.memory_run_dir(spec, run_dir, node=memtier_nodes.node_name() if self.node_tier else None)
+            memtier.memory_run_dir(spec, run_dir, node=memtier_nodes.node_name() if on_nodes else None)
             if self.FORMAT == "dcp"
             else None
         )
-        self._plans = {}
-        self.last_memory_step: int | None = None
-        self.last_storage_step: int | None = None
-        self.committed_snapshot: CheckpointManifest | None = None  # rank 0: the manifest of the newest snapshot
-        self._storage_owed: int | None = None  # a persist from memory failed on the background thread (save_side)
         self._claimed = False
         self._tier_lock = memtier.TierLock(self.memory) if self.memory is not None else None
-        self.skipped_snapshots = 0
+        self.nodes: NodeTier | None = None
+        if on_nodes:
+            assert self.memory is not None and self._tier_lock is not None
+            self.nodes = NodeTier(
+                self, env=env, spec=spec, run_dir=run_dir, memory=self.memory, tier_lock=self._tier_lock
+            )
+        self.applied = True  # whether the last load attempt may have written into the live state
         self._pool = background_pool("ckpt-commit", spec.checkpoint.background_nice)
         self._reread_pool = background_pool("ckpt-reread", spec.checkpoint.background_nice)
         self._reread: Future | None = None
-        self._inflight: Future | None = None
-        self._warned_async = False
-        self._lock = threading.Lock()
-        self.stats: list[dict[str, float]] = []
-        self.last_phases: dict[str, float] = {}
+        self.saver = Saver(self, env=env, spec=spec, run_dir=run_dir, progress=self.progress, pool=self._pool)
+        self.resumer = Resumer(
+            self,
+            env=env,
+            spec=spec,
+            run_dir=run_dir,
+            segment=segment,
+            optimizer=optimizer,
+            hf_model=hf_model,
+            progress=self.progress,
+            nodes=self.nodes,
+        )
         # The base model of a pretrained run: hashed by rank 0 in the background at the run's start, or taken
         # from the checkpoint a segment resumed from; every manifest carries it.
         self.base_model: BaseModelRecord | Future | None = None
@@ -166,6 +178,78 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         self.extra: dict[str, Any] = {}
         self._model_inventory: list[TensorEntry] | None = None
         self._dtype_policy: DtypePolicy | None = None
+
+    # ----------------------------------------------------------------- the public methods (saver, resumer)
+    def save(self, ts: TrainState, *, reason: str, blocking: bool | None = None, tier: str = STORAGE) -> None:
+        """Checkpoint the current state at ``ts.step`` (``Saver.save``: async unless ``blocking`` or the policy or
+        backend says sync; ``tier`` 'memory': a memory snapshot only, skipped while a save is in flight).
+
+        Raises:
+            CheckpointError: the save failed on some rank; nothing was committed (the same line on every rank).
+        """
+        self.saver.save(ts, reason=reason, blocking=blocking, tier=tier)
+
+    def warm_up(self, ts: TrainState) -> None:
+        """Allocate what async saves need now, before training, not at the first save."""
+        self.saver.warm_up(ts)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; re-raise its failure."""
+        self.saver.wait()
+
+    def load_latest(self, *, restart: bool | None = None) -> TrainState | None:
+        """Load the newest checkpoint that passes its checks and loads (``Resumer.load_latest``).
+
+        Returns:
+            The loaded counters, or None when there is nothing to resume.
+
+        Raises:
+            CheckpointError: checkpoints exist but none could be loaded (unless ``restart`` and no load attempt
+                touched the state), or a valid one does not fit the live run.
+        """
+        return self.resumer.load_latest(restart=restart)
+
+    def load(self, path: Path, tier: str = STORAGE) -> TrainState:
+        """Load ``path`` into the live model, optimizer and RNG; verify counters and fingerprint, or raise."""
+        return self.resumer.load(path, tier)
+
+    def verify_files(self, path: Path) -> str | None:
+        """Quick validation on rank 0, then every rank hashes a share of the files; None if all match."""
+        return self.resumer.verify_files(path)
+
+    def other_kind(self, manifest: CheckpointManifest) -> str | None:
+        """How the checkpoint was written when another kind of run wrote it, else None (``Resumer.other_kind``)."""
+        return self.resumer.other_kind(manifest)
+
+    @property
+    def node_tier(self) -> bool:
+        """Whether each node keeps its own copy of the memory snapshots (memory tier on, several nodes)."""
+        return self.nodes is not None
+
+    @property
+    def is_leader(self) -> bool:
+        """The rank that handles this rank's copy of a memory snapshot: the node leader with node tiers."""
+        return self.nodes.is_leader if self.nodes is not None else self.env.is_rank0
+
+    @property
+    def last_committed_step(self) -> int | None:
+        """The newest step this segment committed or resumed from (either tier)."""
+        return self.progress.last_committed_step
+
+    @property
+    def last_phases(self) -> dict[str, float]:
+        """The timings of the newest commit (its backend's phases, commit_s, total_s, persist_s)."""
+        return self.saver.last_phases
+
+    @property
+    def stats(self) -> list[dict[str, float]]:
+        """Per save: the step, how long training was blocked, whether async, whether to memory."""
+        return self.saver.stats
+
+    @property
+    def skipped_snapshots(self) -> int:
+        """Memory snapshots skipped because the previous save was still being written."""
+        return self.saver.skipped_snapshots
 
     # ----------------------------------------------------------------- the live model, as a save records it
     def model_inventory(self) -> list[TensorEntry]:
@@ -206,8 +290,8 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         (False: nothing to write there)."""
         target = target or self.run_dir
         partial = target.partial(step)
-        if target is self.memory and not self._claimed and self.node_tier:
-            problem = self.claim_nodes(group if group is not None else self.env.ctrl_group)
+        if target is self.memory and not self._claimed and self.nodes is not None:
+            problem = self.nodes.claim_nodes(group if group is not None else self.env.ctrl_group)
             if problem is not None:
                 self._tier_off(problem)
                 return False
@@ -235,6 +319,16 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         dist.barrier(group=group if group is not None else self.env.ctrl_group)
         return True
 
+    def _tier_off(self, problem: str) -> None:
+        """Every rank, together: the memory tier is off for the rest of the segment (one line on rank 0);
+        storage checkpoints go the normal way."""
+        if self.env.is_rank0:
+            log.warning("%s", problem)
+        self.memory = None
+        self.tier_gone()
+        if self._tier_lock is not None:
+            self._tier_lock.release()
+
     # ----------------------------------------------------------------- failures, agreement
     def agree(self, problem: str | None, group: dist.ProcessGroup | None = None) -> str | None:
         """Every rank learns every rank's problem (one all-gather): all move on, or all fail, together."""
@@ -243,7 +337,7 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         return next((p for p in found if p), None)
 
     def _resume_point(self) -> int:
-        return self.last_committed_step or 0
+        return self.progress.last_committed_step or 0
 
     def save_problem(self, exc: BaseException, partial: Path) -> str:
         """One line for a failed save: the file, the cause, what happens on rerun."""
@@ -306,8 +400,8 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         target = target or self.run_dir
         partial = target.partial(ts.step)
         mine = (entries, problem or self._check_written(partial, entries))
-        if target is self.memory and self.node_tier:  # every rank, whatever its own outcome (a collective)
-            sent = self.replicate_files(partial, entries, group)
+        if target is self.memory and self.nodes is not None:  # every rank, whatever its own outcome (a collective)
+            sent = self.nodes.replicate_files(partial, entries, group)
             mine = (entries, mine[1] or sent)
         gathered: list[tuple[list[FileEntry], str | None]] | None = (
             [([], None) for _ in range(self.env.world_size)] if self.env.is_rank0 else None
@@ -327,7 +421,8 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         dist.broadcast_object_list(box, src=0, group=group)
         if isinstance(box[0], tuple) and box[0][0] == _NODE_COPIES:  # every node leader commits its node's copy
             manifest = box[0][1]
-            box[0] = self.commit_copies(ts.step, manifest, target, group)
+            assert self.nodes is not None  # only node copies are committed so
+            box[0] = self.nodes.commit_copies(ts.step, manifest, target, group)
             if isinstance(box[0], str) and _disk_full(box[0]):
                 box[0] = (_TIER_OFF, _tier_full(ts.step, box[0]))
             if box[0] is None and self.env.is_rank0:
@@ -386,7 +481,7 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             model_signature=identity.signature(tensors, self.hf_model.tied if self.hf_model else None),
             topology=self.env.topology,
             dtype_policy=self.dtype_policy(),
-            parent=like.parent if like else self.parent,
+            parent=like.parent if like else self.progress.parent,
             code_version=code_version(),
             fingerprint=fingerprint,
             run_spec=self.spec,
@@ -397,7 +492,7 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             base_model=like.base_model if like else self._base_model_record(),
             run_id=memtier.identity(self.run_dir, create=True),  # a memory snapshot is used only by this run
         )
-        if target is self.memory and self.node_tier:
+        if target is self.memory and self.nodes is not None:
             return (_NODE_COPIES, manifest)
         staged = check_staged(partial, manifest)  # exactly the planned files, each of its hashed size
         if staged:
@@ -440,11 +535,12 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
         """Rank 0, after the rename: lineage event (with the tier), log line, retention, background re-read."""
         nbytes = sum(f.size for f in manifest.files)
         if tier == MEMORY:
-            self.committed_snapshot = manifest  # what its persist copies, whatever happens to the files meanwhile
-            event, parent = memtier.snapshot_event_id(manifest.step), self._parent_event
+            # What its persist copies, whatever happens to the files meanwhile.
+            self.progress.committed_snapshot = manifest
+            event, parent = memtier.snapshot_event_id(manifest.step), self.progress.parent_event
         else:
             event = lineage.checkpoint_event_id(manifest.step)
-            parent = memtier.snapshot_event_id(manifest.step) if persisted else self._parent_event
+            parent = memtier.snapshot_event_id(manifest.step) if persisted else self.progress.parent_event
         lineage.record(
             self.run_dir,
             "checkpoint",
@@ -462,7 +558,7 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
             **({"persisted_from": MEMORY} if persisted else {}),
         )
         if not persisted:
-            self._parent_event = event
+            self.progress.parent_event = event
         log.info(
             "committed %s%s (%s, %.2f s, %.1f MB)",
             final.name,
@@ -501,12 +597,6 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
                 fut.result()
             except Exception as e:  # a re-read is advisory: the checkpoint simply stays unverified
                 log.warning("re-read after commit did not finish: %s", e)
-
-    def wait(self) -> None:
-        """Block until the save in flight (if any) is committed; re-raise its failure."""
-        if self._inflight is not None:
-            fut, self._inflight = self._inflight, None
-            fut.result()
 
     def close(self) -> None:
         """Wait for the save in flight (its failure re-raised), then free the pools, buffers and the tier lock
@@ -561,6 +651,15 @@ class Checkpointer(SaveSide, ResumeSide, NodeTier):
     def read_extras(self, path: Path, rank: int) -> dict[str, torch.Tensor]:
         """The packed states of the tracked objects (``self.extra``) that saving rank ``rank`` wrote into ``path``."""
         raise NotImplementedError
+
+    def check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
+        """Refuse, in one line and before anything is loaded, a checkpoint that does not fit this run: the checks of
+        every backend (``Resumer.check_loadable``: format, model, data, tracked objects); a backend may add its own.
+
+        Raises:
+            CheckpointError: the checkpoint does not fit this run (ModelMismatch: another model).
+        """
+        self.resumer.check_loadable(path, manifest)
 
     def fingerprint(self, group: dist.ProcessGroup | None, method: str = fp.METHOD) -> Fingerprint:
         """Per-tensor norms of the live fp32 masters and AdamW moments (a collective over ``group``), computed

@@ -513,14 +513,15 @@ class DCPCheckpointer(Checkpointer):
         sd = _renamed(live, names, drop_groups=own_groups)
         # One pass: every byte is hashed as it is read, and the live tensors are written only after every file
         # of every rank matched the manifest (a mismatch raises ChecksumMismatch with the state untouched).
-        node_copy = self.node_tier and self.memory is not None and self.memory.root in path.parents
+        # With node tiers, a memory snapshot is this node's copy (``trainer.checkpointer.node_tier``).
+        node_copy = self.nodes if self.memory is not None and self.memory.root in path.parents else None
         load_verified(
             sd,
             path,
             {f.path: (f.size, f.xxh3_128) for f in manifest.files},
             process_group=self.env.ckpt_group,
-            node_size=self.env.topology.procs_per_node if node_copy else None,  # each node its own copy
-            verified=self.verified_in_copy(manifest.step) if node_copy else None,
+            node_size=self.env.topology.procs_per_node if node_copy is not None else None,  # each node its own copy
+            verified=node_copy.verified_in_copy(manifest.step) if node_copy is not None else None,
         )  # hashed on the way in
         self.applied = True
         if sd is not live:  # back to the live names and groups (the tensors were filled in place)

@@ -1,5 +1,5 @@
-"""The memory tier of a run on several nodes (``ckpt.memtier.nodes`` holds the layout and the restore plan): a base
-of ``trainer.checkpointer.core.Checkpointer``, active when ``node_tier`` (memory tier on, more than one node).
+"""The memory tier of a run on several nodes (``ckpt.memtier.nodes`` holds the layout and the restore plan):
+``NodeTier``, which the Checkpointer holds as ``nodes`` when the memory tier is on and the run has more than one node.
 
 Save: each node leader (local rank 0) claims and prepares its node's memory dir; after the ranks wrote their files,
 each rank replicates them to the same local rank of the next node (``ckpt.memtier.replicate.exchange``, hashed on
@@ -34,8 +34,10 @@ from ckpt.memtier import nodes as memtier_nodes
 from ckpt.memtier import recycle as memtier_recycle
 from ckpt.memtier import replicate
 from ckpt.memtier import tier as memtier
-from schemas import MANIFEST_NAME, CheckpointManifest
+from schemas import MANIFEST_NAME, CheckpointManifest, RunSpec
 from trainer import lifetime
+from trainer.checkpointer.common import NodeTierHost
+from trainer.dist import DistEnv
 
 log = logging.getLogger("shardkeeper.checkpoint")
 
@@ -43,38 +45,64 @@ TIER_OFF = "memory-tier-off"  # a commit decision: the memory tier goes off on e
 
 
 class NodeTier:
-    """Node-tier steps of the Checkpointer (uses its env, run_dir, memory, _tier_lock, agree, _tier_off)."""
+    """This node's memory dir and the steps that keep a copy of every snapshot on each node: the claim, the
+    replication and the commit of the copies (save), the plans and the transfers that complete a node's copy (restore).
 
-    node_tier = False
-    _plans: dict[int, memtier_nodes.Plan]
+    Args:
+        host: the Checkpointer (its agreement and its one line for a failed save).
+        env: this rank's place in the run.
+        spec: the run's spec.
+        run_dir: the run directory (whose identity the memory dirs carry).
+        memory: this node's memory dir.
+        tier_lock: the lock that holds it for this run.
+    """
+
+    def __init__(
+        self,
+        host: NodeTierHost,
+        *,
+        env: DistEnv,
+        spec: RunSpec,
+        run_dir: RunDir,
+        memory: RunDir,
+        tier_lock: memtier.TierLock,
+    ):
+        self.host = host
+        self.env = env
+        self.spec = spec
+        self.run_dir = run_dir
+        self.memory = memory
+        self._tier_lock = tier_lock
+        self.plans: dict[int, memtier_nodes.Plan] = {}  # the restore plans the nodes agreed on, by step
+        self._verified: dict[int, replicate.Verified] = {}  # the files a restore hashed on the way, by step
 
     # ----------------------------------------------------------------- who does what
     @property
     def node(self) -> int:
-        return self.env.rank // max(1, self.env.topology.procs_per_node)  # type: ignore[attr-defined]
+        return self.env.rank // max(1, self.env.topology.procs_per_node)
 
     @property
     def is_leader(self) -> bool:
-        """The rank that handles this rank's copy of a memory snapshot: the node leader with node tiers."""
-        return self.env.local_rank == 0 if self.node_tier else self.env.is_rank0  # type: ignore[attr-defined]
+        """The rank that handles this rank's copy of a memory snapshot: its node's leader (local rank 0)."""
+        return self.env.local_rank == 0
 
     def _leader_rank(self, node: int) -> int:
-        return node * self.env.topology.procs_per_node  # type: ignore[attr-defined]
+        return node * self.env.topology.procs_per_node
 
     # ----------------------------------------------------------------- save
     def claim_nodes(self, group: dist.ProcessGroup) -> str | None:
         """Every node leader claims its node's memory dir (rank 0 first makes the run's identity, so that all
         claims carry the same one); one line when a node's claim is refused or two nodes share a name."""
-        if self.env.is_rank0:  # type: ignore[attr-defined]
-            memtier.identity(self.run_dir, create=True)  # type: ignore[attr-defined]
+        if self.env.is_rank0:
+            memtier.identity(self.run_dir, create=True)
         dist.barrier(group=group)
         mine: str | None = None
         if self.is_leader:
             try:
-                mine = memtier.claim(self.memory, self.run_dir, self._tier_lock)  # type: ignore[attr-defined]
+                mine = memtier.claim(self.memory, self.run_dir, self._tier_lock)
             except OSError as e:
-                mine = f"checkpoint.memory_dir {self.memory.root}: could not be claimed ({e}); the memory tier is off"  # type: ignore[attr-defined]
-        found: list[Any] = [None] * self.env.world_size  # type: ignore[attr-defined]
+                mine = f"checkpoint.memory_dir {self.memory.root}: could not be claimed ({e}); the memory tier is off"
+        found: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(found, (memtier_nodes.node_name() if self.is_leader else None, mine), group=group)
         names = [n for n, _ in found if n is not None]
         if len(set(names)) != len(names):
@@ -87,12 +115,12 @@ class NodeTier:
 
     def replicate_files(self, partial: Path, entries: list, group: dist.ProcessGroup) -> str | None:
         """Send this rank's files to the same local rank of the next node; receive the previous node's."""
-        everyone: list[Any] = [None] * self.env.world_size  # type: ignore[attr-defined]
+        everyone: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(everyone, entries, group=group)
-        per, world = self.env.topology.procs_per_node, self.env.world_size  # type: ignore[attr-defined]
-        dst, src = (self.env.rank + per) % world, (self.env.rank - per) % world  # type: ignore[attr-defined]
+        per, world = self.env.topology.procs_per_node, self.env.world_size
+        dst, src = (self.env.rank + per) % world, (self.env.rank - per) % world
         step = parse_step(partial.name.removesuffix(PARTIAL_SUFFIX))
-        reuse = memtier_recycle.recycle_dir(self.memory, step) if step is not None else None  # type: ignore[attr-defined]
+        reuse = memtier_recycle.recycle_dir(self.memory, step) if step is not None else None
         return replicate.exchange(partial, list(entries), dst, list(everyone[src] or []), src, group, reuse)
 
     def commit_copy(self, step: int, manifest: CheckpointManifest, target: RunDir) -> Any:
@@ -105,7 +133,7 @@ class NodeTier:
         if not self.is_leader:
             return None
         partial = target.partial(step)
-        topo = self.env.topology  # type: ignore[attr-defined]
+        topo = self.env.topology
         files = memtier_nodes.expected(manifest, self.node, topo.nodes, topo.procs_per_node)
         whole = len(files) == len(manifest.files)
         try:
@@ -116,12 +144,12 @@ class NodeTier:
             )
             if problem:
                 return problem
-            lost = memtier.still_owner(target, self.run_dir)  # type: ignore[attr-defined]
+            lost = memtier.still_owner(target, self.run_dir)
             if lost:
                 return (TIER_OFF, lost)
             write_manifest(partial, manifest)
         except Exception as e:  # noqa: BLE001 - one line, agreed: no node commits
-            return self.save_problem(e, partial)  # type: ignore[attr-defined]
+            return self.host.save_problem(e, partial)
         return None
 
     def rename_copy(self, step: int, target: RunDir) -> str | None:
@@ -138,22 +166,22 @@ class NodeTier:
             os.rename(partial, final)
             fsync_dir(final.parent)
         except Exception as e:  # noqa: BLE001
-            return self.save_problem(e, partial)  # type: ignore[attr-defined]
+            return self.host.save_problem(e, partial)
         return None
 
     def commit_copies(self, step: int, manifest: CheckpointManifest, target: RunDir, group: dist.ProcessGroup) -> Any:
         """Every rank: every node leader readies its copy, then (all ready) commits it; agreed. A node whose rename
         failed while others' succeeded: theirs go back to ``.partial`` (removed with the failed save)."""
-        problem = self.agree(self.commit_copy(step, manifest, target), group)  # type: ignore[attr-defined]
+        problem = self.host.agree(self.commit_copy(step, manifest, target), group)
         if problem is not None:
             return problem
-        problem = self.agree(self.rename_copy(step, target), group)  # type: ignore[attr-defined]
+        problem = self.host.agree(self.rename_copy(step, target), group)
         if self.is_leader and problem is not None and target.checkpoint(step).is_dir():
             try:
                 os.rename(target.checkpoint(step), target.partial(step))
             except OSError:
                 quarantine(target.checkpoint(step), "its save failed on another node")
-        elif self.is_leader and problem is None and not self.env.is_rank0:  # type: ignore[attr-defined]
+        elif self.is_leader and problem is None and not self.env.is_rank0:
             memtier.retain(target)  # rank 0's retention runs in _after_commit
         return problem
 
@@ -162,46 +190,45 @@ class NodeTier:
         """Every rank (a collective): what each node holds, and the same restore plans on every rank. Returns the
         lines rank 0 says about snapshots that cannot be restored."""
         offer = None
-        if self.is_leader and self.memory.checkpoints.is_dir():  # type: ignore[attr-defined]
-            problem = memtier.owner_problem(self.memory, self.run_dir)  # type: ignore[attr-defined]
+        if self.is_leader and self.memory.checkpoints.is_dir():
+            problem = memtier.owner_problem(self.memory, self.run_dir)
             try:
-                mine = memtier.identity(self.run_dir)  # type: ignore[attr-defined]
-                mem = self.memory  # type: ignore[attr-defined]
-                offer = memtier_nodes.inventory(mem, mine) if problem is None else None
+                mine = memtier.identity(self.run_dir)
+                offer = memtier_nodes.inventory(self.memory, mine) if problem is None else None
             except OSError as e:  # an unreadable node dir offers nothing (before the collective: no rank left waiting)
-                log.warning("%s: not readable (%s); this node offers no memory snapshot", self.memory.root, e)  # type: ignore[attr-defined]
-        found: list[Any] = [None] * self.env.world_size  # type: ignore[attr-defined]
-        dist.all_gather_object(found, offer, group=self.env.ctrl_group)  # type: ignore[attr-defined]
-        per = self.env.topology.procs_per_node  # type: ignore[attr-defined]
-        by_node = [found[n * per] for n in range(self.env.topology.nodes)]  # type: ignore[attr-defined]
-        plans, notes = memtier_nodes.plan(by_node, self.env.world_size, self.spec.name)  # type: ignore[attr-defined]
-        self._plans = {p.step: p for p in plans}
+                log.warning("%s: not readable (%s); this node offers no memory snapshot", self.memory.root, e)
+        found: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(found, offer, group=self.env.ctrl_group)
+        per = self.env.topology.procs_per_node
+        by_node = [found[n * per] for n in range(self.env.topology.nodes)]
+        plans, notes = memtier_nodes.plan(by_node, self.env.world_size, self.spec.name)
+        self.plans = {p.step: p for p in plans}
         return notes
 
     def complete_copy(self, step: int) -> str | None:
         """Every rank: run the plan's transfers so that every node holds the whole snapshot ``step``; agreed."""
-        plan = self._plans[step]
-        self._verified: dict[int, replicate.Verified] = {}  # nothing from an earlier attempt is taken as verified
-        mem: RunDir = self.memory  # type: ignore[attr-defined]
-        ctrl = self.env.ctrl_group  # type: ignore[attr-defined]
+        plan = self.plans[step]
+        self._verified = {}  # nothing from an earlier attempt is taken as verified
+        mem = self.memory
+        ctrl = self.env.ctrl_group
         problem: str | None = None
         fetch = memtier_nodes.fetch_dir(mem, step)
         copy = mem.checkpoint(step)
         receiving = any(d == self.node for d, _, _ in plan.transfers) or self.node in plan.manifest_from
         if self.is_leader and receiving:
             try:
-                problem = memtier.claim(mem, self.run_dir, self._tier_lock)  # type: ignore[attr-defined]
+                problem = memtier.claim(mem, self.run_dir, self._tier_lock)
                 if problem is None:  # a dir that is not this run's is left as it is
                     if fetch.exists():
                         shutil.rmtree(fetch)
                     mkdir_durable(fetch)
             except OSError as e:
                 problem = f"{mem.root}: cannot take the snapshot from the peer node ({e.strerror or e})"
-        problem = self.agree(problem, ctrl)  # type: ignore[attr-defined]
+        problem = self.host.agree(problem, ctrl)
         if problem:
             return problem
         got = self._manifest_for(step, plan, copy, fetch)
-        problem = self.agree(got if isinstance(got, str) else None, ctrl)  # type: ignore[attr-defined]
+        problem = self.host.agree(got if isinstance(got, str) else None, ctrl)
         if problem:
             if self.is_leader and receiving:
                 shutil.rmtree(fetch, ignore_errors=True)
@@ -219,7 +246,7 @@ class NodeTier:
             elif self.is_leader and self.node == dst:
                 mine = replicate.receive(fetch, files, self._leader_rank(src), ctrl, verified) or mine
                 received |= {f.path for f in files}
-        problem = self.agree(mine, ctrl)  # type: ignore[attr-defined]
+        problem = self.host.agree(mine, ctrl)
         joined: str | None = None
         if self.is_leader and receiving:
             if problem is None:
@@ -229,9 +256,9 @@ class NodeTier:
                 except OSError as e:  # said and agreed below: every rank leaves together
                     joined = f"{copy}: the files from the peer node cannot join this node's copy ({e.strerror or e})"
             shutil.rmtree(fetch, ignore_errors=True)
-        problem = problem or self.agree(joined, ctrl)  # type: ignore[attr-defined]
+        problem = problem or self.host.agree(joined, ctrl)
         if problem is None and plan.transfers:  # every rank of a node learns what its leader verified
-            told: list[Any] = [None] * self.env.world_size  # type: ignore[attr-defined]
+            told: list[Any] = [None] * self.env.world_size
             dist.all_gather_object(told, verified if self.is_leader else None, group=ctrl)
             self._verified = {step: told[self._leader_rank(self.node)] or {}}
         return problem
@@ -240,7 +267,7 @@ class NodeTier:
         """The files of this node's copy of ``step`` that its leader hashed whole against the manifest while it sent
         or received them in this restore (each with its identity then): the verified load reads them without
         hashing them again while each is still that file. Given out once."""
-        return getattr(self, "_verified", {}).pop(step, {})
+        return self._verified.pop(step, {})
 
     def _manifest_for(
         self, step: int, plan: memtier_nodes.Plan, copy: Path, fetch: Path
@@ -249,7 +276,7 @@ class NodeTier:
         (checked against the digest every node agreed on)."""
         from ckpt.commit.manifest import read_manifest
 
-        ctrl = self.env.ctrl_group  # type: ignore[attr-defined]
+        ctrl = self.env.ctrl_group
         for dst, src in sorted(plan.manifest_from.items()):
             if self.is_leader and self.node == src:
                 try:
@@ -301,11 +328,11 @@ class NodeTier:
         if self.is_leader:
             report = validate(path)
             problem = None if report.valid else report.errors[0]
-        problem = self.agree(problem, self.env.ctrl_group)  # type: ignore[attr-defined]
+        problem = self.host.agree(problem, self.env.ctrl_group)
         if problem or not hashes:
             return problem
-        per, local = self.env.topology.procs_per_node, self.env.local_rank  # type: ignore[attr-defined]
+        per, local = self.env.topology.procs_per_node, self.env.local_rank
         files = read_manifest(path).files[local::per]
-        hashed = hash_files([path / f.path for f in files], threads=self.spec.checkpoint.io_threads)  # type: ignore[attr-defined]
+        hashed = hash_files([path / f.path for f in files], threads=self.spec.checkpoint.io_threads)
         bad = [mismatch_message(path / f.path) for f in files if hashed[path / f.path] != (f.size, f.xxh3_128)]
-        return self.agree(bad[0] if bad else None, self.env.ctrl_group)  # type: ignore[attr-defined]
+        return self.host.agree(bad[0] if bad else None, self.env.ctrl_group)

@@ -1,5 +1,7 @@
-"""The Checkpointer's resume side: ``ResumeSide``, a base class of ``trainer.checkpointer.core.Checkpointer`` (whose
-docstring holds the commit protocol: a directory without a valid manifest is never loaded).
+"""The resume side of the Checkpointer: ``Resumer`` (``load_latest`` and the checks, fallback and quarantine behind it,
+what a checkpoint must match to be loaded), and the one line of a failed load (``_load_problem``) with whom it blames
+(``checkpoint_at_fault``). The Checkpointer's docstring (``trainer.checkpointer.core``) holds the commit protocol: a
+directory without a valid manifest is never loaded.
 
 Load: the newest checkpoint that passes the quick checks and every checksum is loaded (a one-pass backend
 checks the checksums while it reads, and writes the live state only once every file of every rank matched;
@@ -19,6 +21,7 @@ import logging
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -26,15 +29,17 @@ from ckpt.commit import fingerprint as fp
 from ckpt.commit import identity, lineage
 from ckpt.commit.fsutil import quarantine
 from ckpt.commit.hashing import ChecksumMismatch, hash_files, mismatch_message
-from ckpt.commit.layout import parse_step
+from ckpt.commit.layout import RunDir, parse_step
 from ckpt.memtier import tier as memtier
 from ckpt.memtier.tier import MEMORY, STORAGE
-from schemas import CheckpointManifest
+from schemas import CheckpointManifest, HFModelRecord, RunSpec
 from schemas.data import data_change
 from schemas.errors import CheckpointError, ModelMismatch
 from schemas.seam import SegmentLaunch
 from trainer import lifetime
-from trainer.checkpointer.common import TrainState
+from trainer.checkpointer.common import Progress, ResumerHost, TrainState
+from trainer.checkpointer.node_tier import NodeTier
+from trainer.dist import DistEnv
 
 log = logging.getLogger("shardkeeper.checkpoint")
 
@@ -64,14 +69,43 @@ def checkpoint_at_fault(exc: BaseException | None, depth: int = 0) -> bool:
     return checkpoint_at_fault(exc.__cause__, depth + 1)
 
 
-class ResumeSide:
-    """The load side of ``trainer.checkpointer.core.Checkpointer``: ``load_latest`` and the checks, fallback and
-    quarantine behind it. It uses the Checkpointer's state (run_dir, spec, env, memory, extra, ...), its service
-    ``agree`` and the backend hooks ``restore`` / ``read_extras`` / ``fingerprint``; a backend may extend
-    ``check_loadable``."""
+class Resumer:
+    """Every load of a Checkpointer: the newest checkpoint that loads, after its checks.
 
-    ONE_PASS = False  # ``restore`` verifies every file while it reads, before it writes the live state (sets applied)
-    applied = True  # whether the last load attempt may have written into the live state
+    Args:
+        host: the Checkpointer (``ResumerHost``: the backend's load hooks, what the run tracks, the memory dir).
+        env: this rank's place in the run.
+        spec: the run's spec.
+        run_dir: the run directory (the storage tier).
+        segment: this segment's index, recorded in lineage.
+        optimizer: the live optimizer (its settings stay this run's when another kind of run wrote the checkpoint).
+        hf_model: the live model's Hugging Face record (its tied weights), if any.
+        progress: where the segment's checkpoints stand; a load sets it to the checkpoint loaded.
+        nodes: the memory tier of a run on several nodes, if on.
+    """
+
+    def __init__(
+        self,
+        host: ResumerHost,
+        *,
+        env: DistEnv,
+        spec: RunSpec,
+        run_dir: RunDir,
+        segment: int,
+        optimizer: torch.optim.Optimizer,
+        hf_model: HFModelRecord | None,
+        progress: Progress,
+        nodes: NodeTier | None,
+    ):
+        self.host = host
+        self.env = env
+        self.spec = spec
+        self.run_dir = run_dir
+        self.segment = segment
+        self.optimizer = optimizer
+        self.hf_model = hf_model
+        self.progress = progress
+        self.nodes = nodes
 
     def load_latest(self, *, restart: bool | None = None) -> TrainState | None:
         """Load the newest checkpoint that passes the quick checks and every checksum, and then loads and
@@ -82,7 +116,7 @@ class ResumeSide:
         if restart is None:
             launch = SegmentLaunch.from_environ()
             restart = bool(launch and launch.restart)
-        notes = self.node_plans() if self.node_tier else []  # type: ignore[attr-defined]  # a collective
+        notes = self.nodes.node_plans() if self.nodes is not None else []  # a collective
         if self.env.is_rank0:
             for note in notes:
                 log.warning("%s; resuming from another checkpoint", note)
@@ -94,8 +128,8 @@ class ResumeSide:
         for cand, tier in box[0] or []:
             path = Path(cand)
             if tier == MEMORY:
-                if self.node_tier:  # type: ignore[attr-defined]  # each node loads its own copy
-                    path = self.memory.checkpoint(parse_step(path.name) or 0)  # type: ignore[attr-defined]
+                if self.nodes is not None:  # each node loads its own copy
+                    path = self.nodes.memory.checkpoint(parse_step(path.name) or 0)
                 ts = self._try_memory(path)
                 touched = touched or ts is not False
                 if isinstance(ts, TrainState):
@@ -108,13 +142,14 @@ class ResumeSide:
                 failed.append(f"{path.name} ({problem})")
                 continue
             # One-pass backends hash every byte while loading it, and write the live state only once all matched.
-            one_pass = self.ONE_PASS and not self.extra  # tracked extras are read (check_loadable) before the load
+            # Tracked extras are read (check_loadable) before the load.
+            one_pass = self.host.ONE_PASS and not self.host.extra
             problem = None if one_pass else self._hash_check(path)
             if problem is None:
-                self.check_loadable(path, self._manifest(path))  # another run's checkpoint: refuse, keep it
-                self.applied = not one_pass
+                self.host.check_loadable(path, self._manifest(path))  # another run's checkpoint: refuse, keep it
+                self.host.applied = not one_pass
                 ts, problem, ours = self._try_load(path)
-                touched = touched or self.applied
+                touched = touched or self.host.applied
                 if ts is not None:
                     return ts
                 if not ours and one_pass:  # the load may have stopped before every byte was hashed: hash now
@@ -141,11 +176,12 @@ class ResumeSide:
         first (no storage read). Snapshots of another run (its name, or its run id) or world size are left out, each
         said in one line."""
         found = [(parse_step(p.name) or 0, 0, str(p), STORAGE) for p in self.run_dir.committed()]
-        if self.memory is not None and self.node_tier:  # type: ignore[attr-defined]  # the plans the nodes agreed on
-            found += [(step, 1, str(self.memory.checkpoint(step)), MEMORY) for step in self._plans]  # type: ignore[attr-defined]
-        elif self.memory is not None:
-            snaps = self.memory.committed()
-            problem = memtier.owner_problem(self.memory, self.run_dir) if snaps else None
+        memory = self.host.memory
+        if memory is not None and self.nodes is not None:  # the plans the nodes agreed on
+            found += [(step, 1, str(memory.checkpoint(step)), MEMORY) for step in self.nodes.plans]
+        elif memory is not None:
+            snaps = memory.committed()
+            problem = memtier.owner_problem(memory, self.run_dir) if snaps else None
             if problem:
                 log.warning("memory snapshots not used: %s; resuming from storage", problem)
                 snaps = []
@@ -176,26 +212,27 @@ class ResumeSide:
         def skip(problem: str | None, attempted: bool) -> None | bool:
             if self.env.is_rank0:
                 log.error("memory snapshot %s not used: %s; resuming from storage", path, problem)
-            if self.is_leader:  # type: ignore[attr-defined]  # each node sets its own copy aside
+            if self.host.is_leader:  # each node sets its own copy aside
                 # (not in a node dir another run holds: its snapshot at this step is that run's)
-                ours = not self.node_tier or memtier.owner_problem(self.memory, self.run_dir) is None  # type: ignore[attr-defined]
+                ours = self.nodes is None or memtier.owner_problem(self.nodes.memory, self.run_dir) is None
                 if path.exists() and ours:
                     quarantine(path, "failed its checks")
             dist.barrier(group=self.env.ctrl_group)
             return None if attempted else False
 
-        one_pass = self.ONE_PASS and not self.extra  # as for storage: hashed while read, applied once all matched
-        if self.node_tier:  # type: ignore[attr-defined]  # the peer's files first; then every node checks its copy
-            problem = self.complete_copy(parse_step(path.name) or 0) or self.check_copy(path, not one_pass)  # type: ignore[attr-defined]
+        # As for storage: hashed while read, applied once all matched.
+        one_pass = self.host.ONE_PASS and not self.host.extra
+        if self.nodes is not None:  # the peer's files first; then every node checks its copy
+            problem = self.nodes.complete_copy(parse_step(path.name) or 0) or self.nodes.check_copy(path, not one_pass)
         else:
             problem = self._quick_check(path) or (None if one_pass else self._hash_check(path))
         if problem is not None:
             return skip(problem, False)
         try:
-            self.check_loadable(path, self._manifest(path))
+            self.host.check_loadable(path, self._manifest(path))
         except CheckpointError as e:
             return skip(str(e), False)
-        self.applied = not one_pass
+        self.host.applied = not one_pass
         ts, problem, ours = self._try_load(path, MEMORY)
         if ts is not None:
             return ts
@@ -207,7 +244,7 @@ class ResumeSide:
                 f"{path}: the memory snapshot's files match their checksums, but it does not load "
                 f"into this run ({problem}); resume with the model and world size it fits"
             )
-        return skip(problem, self.applied)
+        return skip(problem, self.host.applied)
 
     @staticmethod
     def _manifest(path: Path) -> CheckpointManifest:
@@ -274,7 +311,7 @@ class ResumeSide:
         files = self._manifest(path).files[self.env.rank :: self.env.world_size]
         hashed = hash_files([path / f.path for f in files], threads=self.spec.checkpoint.io_threads)
         bad = [mismatch_message(path / f.path) for f in files if hashed[path / f.path] != (f.size, f.xxh3_128)]
-        return self.agree(bad[0] if bad else None)
+        return self.host.agree(bad[0] if bad else None)
 
     def verify_files(self, path: Path) -> str | None:
         """Quick validation on rank 0, then every rank hashes a share of the files; None if all match."""
@@ -286,25 +323,31 @@ class ResumeSide:
 
         t0 = time.perf_counter()
         manifest = read_manifest(path)
-        self.check_loadable(path, manifest)
+        self.host.check_loadable(path, manifest)
         other = self.other_kind(manifest)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        ts, exact = self.restore(path, manifest)
+        ts, exact = self.host.restore(path, manifest)
         if other is not None:  # another run's optimizer settings came with the state: this run trains with its own
             for group, settings in zip(self.optimizer.param_groups, groups):
                 group.update(settings)
-        if self.extra:
+        if self.host.extra:
             from trainer.extras import restore_all
 
             started = restore_all(
-                self.extra, path, manifest, self.env.rank, self.env.world_size, lambda r: self.read_extras(path, r)
+                self.host.extra,
+                path,
+                manifest,
+                self.env.rank,
+                self.env.world_size,
+                lambda r: self.host.read_extras(path, r),
             )
             if started and self.env.is_rank0:
                 log.warning("%s was %s; tracked objects it holds no state of: %s", path.name, other, ", ".join(started))
         self._check_counters(path, manifest, ts)
-        now = self.fingerprint(self.env.ctrl_group, manifest.fingerprint.method)
+        now = self.host.fingerprint(self.env.ctrl_group, manifest.fingerprint.method)
         fp.require_match(path, manifest.fingerprint, now, exact=exact)
-        self.base_model = manifest.base_model  # the run's base model stays recorded; its weights are not read again
+        # The run's base model stays recorded; its weights are not read again.
+        self.host.base_model = manifest.base_model
         self._resumed(path, manifest, ts, t0, tier)
         return ts
 
@@ -321,13 +364,18 @@ class ResumeSide:
             raise CheckpointError(f"{path}: holds step {ts.step}; the directory name and the state disagree")
 
     def check_loadable(self, path: Path, manifest: CheckpointManifest) -> None:
-        """Refuse, in one line each and before anything is loaded: a checkpoint of the other backend's format, of
+        """The checks of every backend (the Checkpointer's ``check_loadable``, which a backend may extend, runs
+        them). Refuse, in one line each and before anything is loaded: a checkpoint of the other backend's format, of
         another model (``model_problem``: the first tensor that differs), of other data, or lacking a tracked
-        object's state when this kind of run wrote it (``trainer.extras.check_restorable``)."""
-        if manifest.format != self.FORMAT:
+        object's state when this kind of run wrote it (``trainer.extras.check_restorable``).
+
+        Raises:
+            CheckpointError: the checkpoint does not fit this run (ModelMismatch: another model).
+        """
+        if manifest.format != self.host.FORMAT:
             raise CheckpointError(
-                f"{path}: a {manifest.format} checkpoint cannot be loaded by the {self.BACKEND} "
-                f"backend; convert it first: shardkeeper convert {path} --to {self.FORMAT} NEW_RUN_DIR"
+                f"{path}: a {manifest.format} checkpoint cannot be loaded by the {self.host.BACKEND} "
+                f"backend; convert it first: shardkeeper convert {path} --to {self.host.FORMAT} NEW_RUN_DIR"
             )
         problem = self.model_problem(manifest)
         if problem is not None:
@@ -335,21 +383,21 @@ class ResumeSide:
                 f"{path}: holds another model than this run's: {problem}; resume with the model that "
                 "wrote it (its manifest.json's tensors list it), or start a new --run-dir"
             )
-        changed = data_change(manifest.data, self.data) if manifest.data and self.data else None
+        changed = data_change(manifest.data, self.host.data) if manifest.data and self.host.data else None
         if changed:
             raise CheckpointError(
                 f"{path}: trained on other data: {changed}; resume with the data the run started "
                 "with, or start a new --run-dir"
             )
-        if self.extra:
+        if self.host.extra:
             from trainer.extras import check_restorable
 
             check_restorable(
-                self.extra,
+                self.host.extra,
                 path,
                 manifest,
                 self.env.world_size,
-                lambda r: self.read_extras(path, r),
+                lambda r: self.host.read_extras(path, r),
                 other_kind=self.other_kind(manifest),
             )
 
@@ -374,9 +422,9 @@ class ResumeSide:
         there = identity.model_tensors(manifest.tensors)
         if not there:
             return None
-        here = identity.model_tensors(self.model_inventory())  # type: ignore[attr-defined]
+        here = identity.model_tensors(self.host.model_inventory())
         problem = identity.first_difference(here, there)
-        record = self.hf_model  # type: ignore[attr-defined]
+        record = self.hf_model
         if problem is None and record is not None and manifest.hf_model is not None:
             problem = identity.tie_difference(record.tied, manifest.hf_model.tied)
         return problem
@@ -386,14 +434,14 @@ class ResumeSide:
     ) -> None:
         """Bookkeeping after a verified load: parent of the next checkpoint, log line, lineage event (with the
         tier it was loaded from)."""
-        self.parent = path.name
-        self.last_committed_step = ts.step
+        self.progress.parent = path.name
+        self.progress.last_committed_step = ts.step
         event = memtier.snapshot_event_id(ts.step) if tier == MEMORY else lineage.checkpoint_event_id(ts.step)
-        self._parent_event = event
+        self.progress.parent_event = event
         if tier == MEMORY:
-            self.last_memory_step = ts.step  # the first snapshot still claims the dir (its lock)
+            self.progress.last_memory_step = ts.step  # the first snapshot still claims the dir (its lock)
         if tier == STORAGE or (self.run_dir.checkpoint(ts.step) / "manifest.json").is_file():
-            self.last_storage_step = ts.step
+            self.progress.last_storage_step = ts.step
         if self.env.is_rank0:
             seconds = time.perf_counter() - t0
             saved = manifest.topology.world_size

@@ -1,6 +1,6 @@
-"""The Checkpointer's save side: ``SaveSide``, a base class of ``trainer.checkpointer.core.Checkpointer`` (whose
-docstring holds the commit protocol every save ends in): ``save`` for both tiers, the write before the commit, the
-memory tier's persist to storage and its going off.
+"""The save side of the Checkpointer: ``Saver`` (``save`` for both tiers, the write before the commit, the memory
+tier's persist to storage), and the one lines of a full memory dir (``_disk_full``, ``_tier_full``). The commit every
+save ends in is the Checkpointer's (``trainer.checkpointer.core``, whose docstring holds the protocol).
 
 Async save: training blocks only for one copy of the state into reusable CPU buffers; fingerprint,
 DCP planning and writing, hashing and the commit run on a background thread over a dedicated gloo
@@ -12,18 +12,21 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ckpt.commit.layout import RunDir, step_dir_name
+from ckpt.commit.manifest import read_manifest
 from ckpt.formats.dcp.direct_io import copy_file
 from ckpt.memtier import persist as memtier_persist
 from ckpt.memtier.tier import MEMORY, STORAGE
+from schemas import RunSpec
 from schemas.errors import CheckpointError
-from trainer.checkpointer.common import TrainState
-from trainer.dist import log0
+from trainer.checkpointer.common import Progress, SaverHost, TrainState
+from trainer.dist import DistEnv, log0
 
 log = logging.getLogger("shardkeeper.checkpoint")
 
@@ -39,13 +42,41 @@ def _tier_full(step: int, problem: str) -> str:
     )
 
 
-class SaveSide:
-    """The save side of ``trainer.checkpointer.core.Checkpointer``. It uses the Checkpointer's state (run_dir, spec,
-    env, memory, pools, ...), its commit (``_prepare_partial``, ``_commit``) and the backend hooks ``snapshot`` /
-    ``stage`` / ``write`` / ``prepare_staging``."""
+class Saver:
+    """Every save of a Checkpointer, and the save in flight.
 
-    SUPPORTS_ASYNC = False  # can save on a background thread from a staged copy
-    _tier_gone = False  # the memory tier went off, agreed: a memory step needs no collective any more
+    Args:
+        host: the Checkpointer (``SaverHost``: the backend's save hooks, the commit, the memory tier).
+        env: this rank's place in the run.
+        spec: the run's spec (its checkpoint policy).
+        run_dir: the run directory (the storage tier).
+        progress: where the segment's checkpoints stand; a commit moves it on.
+        pool: the background thread async saves run on.
+    """
+
+    def __init__(
+        self,
+        host: SaverHost,
+        *,
+        env: DistEnv,
+        spec: RunSpec,
+        run_dir: RunDir,
+        progress: Progress,
+        pool: ThreadPoolExecutor,
+    ):
+        self.host = host
+        self.env = env
+        self.spec = spec
+        self.run_dir = run_dir
+        self.progress = progress
+        self._pool = pool
+        self._inflight: Future | None = None
+        self._warned_async = False
+        self._storage_owed: int | None = None  # a persist from memory failed on the background thread
+        self._tier_gone = False  # the memory tier went off, agreed: a memory step needs no collective any more
+        self.skipped_snapshots = 0
+        self.stats: list[dict[str, float]] = []  # per save: the step, how long training was blocked, async, memory
+        self.last_phases: dict[str, float] = {}  # the timings of the newest commit
 
     def save(self, ts: TrainState, *, reason: str, blocking: bool | None = None, tier: str = STORAGE) -> None:
         """Checkpoint the current state at ``ts.step``. Async unless ``blocking``, the policy says sync or the
@@ -62,7 +93,7 @@ class SaveSide:
         if (
             tier == MEMORY
             and self._storage_owed is None
-            and (self._tier_gone or (self.memory is None and self._inflight is None))
+            and (self._tier_gone or (self.host.memory is None and self._inflight is None))
         ):
             return
         if tier == MEMORY and self._inflight is not None and not blocking:
@@ -76,26 +107,29 @@ class SaveSide:
         if self._storage_owed is not None:  # set on every rank by the same agreed failure, seen after the wait
             self._write_owed(ts, reason)
             return
-        if tier == MEMORY and self.memory is None:  # the memory tier went off during the save in flight
+        if tier == MEMORY and self.host.memory is None:  # the memory tier went off during the save in flight
             self._tier_gone = True  # seen by every rank at this same call: later memory steps return at once
             return
-        done = (self.last_storage_step,) if tier == STORAGE else (self.last_memory_step, self.last_storage_step)
-        if self.last_committed_step == ts.step and (self.memory is None or ts.step in done):
+        at = self.progress
+        done = (at.last_storage_step,) if tier == STORAGE else (at.last_memory_step, at.last_storage_step)
+        if at.last_committed_step == ts.step and (self.host.memory is None or ts.step in done):
             return
-        persist = tier == STORAGE and self.memory is not None
-        use_async = (self.spec.checkpoint.async_save or self.memory is not None) if blocking is None else not blocking
-        if use_async and not self.SUPPORTS_ASYNC:
+        persist = tier == STORAGE and self.host.memory is not None
+        use_async = (
+            (self.spec.checkpoint.async_save or self.host.memory is not None) if blocking is None else not blocking
+        )
+        if use_async and not self.host.SUPPORTS_ASYNC:
             if not self._warned_async:
                 log0(
                     self.env,
                     "checkpoint.async_save is not supported by the %s backend; saving synchronously",
-                    self.BACKEND,
+                    self.host.BACKEND,
                 )
                 self._warned_async = True
             use_async = False
         t0 = time.perf_counter()
-        in_memory = 1.0 if self.memory is not None else 0.0
-        if persist and self.last_memory_step == ts.step:  # the snapshot of this step is committed: persist it only
+        in_memory = 1.0 if self.host.memory is not None else 0.0
+        if persist and at.last_memory_step == ts.step:  # the snapshot of this step is committed: persist it only
             if not use_async:
                 self._persist(ts, reason, t0, False)
             else:
@@ -104,22 +138,28 @@ class SaveSide:
                 {"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": float(use_async), "memory": in_memory}
             )
             return
-        target = self.memory if self.memory is not None else self.run_dir
-        snapshot = self.snapshot(ts)
+        target = self.host.memory if self.host.memory is not None else self.run_dir
+        snapshot = self.host.snapshot(ts)
         if not use_async:
             self._write_and_commit(snapshot, ts, reason, t0, False, target, persist)
             self.stats.append(
                 {"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 0.0, "memory": in_memory}
             )
             return
-        staged = self.stage(snapshot)
+        staged = self.host.stage(snapshot)
         self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 1.0, "memory": in_memory})
         self._inflight = self._pool.submit(self._write_and_commit, staged, ts, reason, t0, True, target, persist)
 
     def warm_up(self, ts: TrainState) -> None:
         """Allocate what async saves need now, before training, not at the first save."""
-        if self.SUPPORTS_ASYNC and (self.spec.checkpoint.async_save or self.memory is not None):
-            self.prepare_staging(ts)
+        if self.host.SUPPORTS_ASYNC and (self.spec.checkpoint.async_save or self.host.memory is not None):
+            self.host.prepare_staging(ts)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; re-raise its failure."""
+        if self._inflight is not None:
+            fut, self._inflight = self._inflight, None
+            fut.result()
 
     def _write_and_commit(
         self,
@@ -135,19 +175,19 @@ class SaveSide:
         ``target`` (the run directory, or the memory tier's), the backend writes and hashes its files, then the
         shared commit; ``persist``: then the memory snapshot is persisted to storage."""
         target = target or self.run_dir
-        tier = MEMORY if target is self.memory else STORAGE
-        committed = self._prepare_partial(ts.step, self.env.ckpt_group, target)
+        tier = MEMORY if target is self.host.memory else STORAGE
+        committed = self.host._prepare_partial(ts.step, self.env.ckpt_group, target)
         if committed:
             try:
-                written = self.write(snapshot, ts, target.partial(ts.step))
+                written = self.host.write(snapshot, ts, target.partial(ts.step))
             except CheckpointError as e:  # every rank agreed on it; a full tmpfs turns the memory tier off
                 if tier != MEMORY or not _disk_full(str(e)):
                     raise
-                self._tier_off(_tier_full(ts.step, str(e)))
+                self.host._tier_off(_tier_full(ts.step, str(e)))
                 committed = False
         if committed:
             t = time.perf_counter()
-            committed = self._commit(
+            committed = self.host._commit(
                 ts,
                 reason,
                 written.entries,
@@ -163,26 +203,16 @@ class SaveSide:
                 self._write_and_commit(snapshot, ts, reason, t0, async_save, self.run_dir, False)
             return
         self.last_phases = {**written.phases, "commit_s": time.perf_counter() - t, "total_s": time.perf_counter() - t0}
-        self.last_committed_step = ts.step
-        self.parent = step_dir_name(ts.step)
+        self.progress.last_committed_step = ts.step
+        self.progress.parent = step_dir_name(ts.step)
         if tier == MEMORY:
-            self.last_memory_step = ts.step
+            self.progress.last_memory_step = ts.step
             if async_save:  # a blocking save ends a segment (preemption, the end): no next snapshot to stage
-                self.after_snapshot(ts.step)
+                self.host.after_snapshot(ts.step)
         else:
-            self.last_storage_step = ts.step
+            self.progress.last_storage_step = ts.step
         if persist:
             self._persist(ts, reason, t0, async_save)
-
-    def _tier_off(self, problem: str) -> None:
-        """Every rank, together: the memory tier is off for the rest of the segment (one line on rank 0);
-        storage checkpoints go the normal way."""
-        if self.env.is_rank0:
-            log.warning("%s", problem)
-        self.memory = None
-        self.tier_gone()
-        if self._tier_lock is not None:
-            self._tier_lock.release()
 
     def _persist(self, ts: TrainState, reason: str, t0: float, async_save: bool) -> None:
         """A storage checkpoint from the committed memory snapshot of ``ts.step``: every rank copies the files it
@@ -190,16 +220,16 @@ class SaveSide:
         directory with the checksums, inventory and fingerprint that manifest holds. When the snapshot vanished or
         changed since its commit (agreed: every rank learns any rank's problem), nothing is committed from it and
         the storage checkpoint is written from the live state instead (``_persist_failed``)."""
-        assert self.memory is not None
+        assert self.host.memory is not None
         t = time.perf_counter()
         group = self.env.ckpt_group
-        src = self.memory.checkpoint(ts.step)
+        src = self.host.memory.checkpoint(ts.step)
         box: list[Any] = [None]
         if self.env.is_rank0:
-            like = self.committed_snapshot
+            like = self.progress.committed_snapshot
             if like is None or like.step != ts.step:  # not committed by this process (never so today): read it
                 try:
-                    like = self._manifest(src)
+                    like = read_manifest(src)
                 except Exception as e:  # noqa: BLE001 - said and agreed below
                     like = f"{src}: {' '.join(str(e).split())[:300]}"
             box[0] = like
@@ -207,26 +237,28 @@ class SaveSide:
         like = box[0]
         if isinstance(like, str):
             return self._persist_failed(ts, reason, t0, async_save, like)
-        self._prepare_partial(ts.step, group, self.run_dir)
+        self.host._prepare_partial(ts.step, group, self.run_dir)
         partial = self.run_dir.partial(ts.step)
         mine = [f for f in like.files if f.rank == self.env.rank]
         outcome: tuple[str | None, str | None]
         try:
             outcome = (memtier_persist.copy_verified(src, partial, mine, copy_file), None)
         except OSError as e:  # storage could not take it: the save fails as any storage save does
-            outcome = (None, self.save_problem(e, partial))
+            outcome = (None, self.host.save_problem(e, partial))
         found: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(found, outcome, group=group)
         failed = next((f for _, f in found if f), None)
         if failed is not None:
-            self.abort_save(partial, failed, group)
+            self.host.abort_save(partial, failed, group)
         problem = next((g for g, _ in found if g), None)
         if problem is not None:
             if self.env.is_rank0:
                 shutil.rmtree(partial, ignore_errors=True)
             return self._persist_failed(ts, reason, t0, async_save, problem)
-        self._commit(ts, reason, mine, like.tensors, like.fingerprint, t0, async_save, target=self.run_dir, like=like)
-        self.last_storage_step = ts.step
+        self.host._commit(
+            ts, reason, mine, like.tensors, like.fingerprint, t0, async_save, target=self.run_dir, like=like
+        )
+        self.progress.last_storage_step = ts.step
         self.last_phases = {
             **self.last_phases,
             "persist_s": time.perf_counter() - t,
@@ -252,12 +284,12 @@ class SaveSide:
         if async_save:
             self._storage_owed = ts.step
             return
-        self._write_and_commit(self.snapshot(ts), ts, reason, t0, False, self.run_dir, False)
+        self._write_and_commit(self.host.snapshot(ts), ts, reason, t0, False, self.run_dir, False)
 
     def _write_owed(self, ts: TrainState, reason: str) -> None:
         """The storage checkpoint a failed persist owes (``_persist_failed``), from the live state at ``ts.step``:
         blocking (no staged copy in the memory dir is written to storage), in place of the save asked for now."""
         self._storage_owed = None
         t0 = time.perf_counter()
-        self._write_and_commit(self.snapshot(ts), ts, reason, t0, False, self.run_dir, False)
+        self._write_and_commit(self.host.snapshot(ts), ts, reason, t0, False, self.run_dir, False)
         self.stats.append({"step": ts.step, "blocked_s": time.perf_counter() - t0, "async": 0.0, "memory": 0.0})
