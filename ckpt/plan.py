@@ -25,7 +25,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ckpt.commit.fsutil import atomic_write_text
-from ckpt.guards.flock import LOCK_SH, is_held, open_lock, release_recorded, take_exclusive
+from ckpt.guards.flock import LOCK_SH, NotALockFile, is_held, release_recorded, take_recorded
 from schemas.errors import RunDirError, RunLockedError
 from schemas.plan import PLAN_NAME, RunPlan
 
@@ -96,22 +96,21 @@ class PlanLock:
         """Take the lock; ``who`` (a line saying which flow run) is recorded for the next one who finds it held.
         Raises RunLockedError (exit code 3) when another process holds it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = open_lock(self.path, nofollow=True)
-        holder = take_exclusive(fd)
-        if holder is not None:
-            os.close(fd)
-            raise RunLockedError(
-                f"{self.path.parent}: its plan is being driven by {describe(holder)}; it goes on "
-                "to the plan's end without another resumer"
-            )
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "who": who,
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
+        try:
+            fd, holder = take_recorded(self.path, json.dumps(info), nofollow=True)
+        except NotALockFile as e:
+            raise RunDirError(str(e)) from None
+        if fd is None:
+            raise RunLockedError(
+                f"{self.path.parent}: its plan is being driven by {describe(holder)}; it goes on "
+                "to the plan's end without another resumer"
+            )
         self._fd = fd
         return self
 

@@ -335,7 +335,7 @@ class LocalTorchrun:
         early = stopped_before_start(req, "the ranks started")
         if early is not None:
             return early
-        seen = len(_pending_stop)
+        seen = 0  # the check above found none: any taken from here on stops the launch
         stacks_dir = _stacks_dir()
         env = self.environment(req, stacks_dir)
         procs: list[subprocess.Popen] = []
@@ -345,6 +345,8 @@ class LocalTorchrun:
         if late is not None:
             for sig, prev in previous.items():
                 signal.signal(sig, prev)  # type: ignore[arg-type]
+            sup.cancel_timer()
+            sup.ranks.close()
             shutil.rmtree(stacks_dir, ignore_errors=True)
             return late
         readers: list[threading.Thread] = []

@@ -279,7 +279,7 @@ class SlurmLauncher:
         early = stopped_before_start(req, "the job was submitted")
         if early is not None:
             return early
-        seen = len(pending_stop)
+        seen = 0  # the check above found none: any taken from here on stops the job
         run_dir = Path(req.run_dir).resolve()
         jobs_dir = run_dir / "slurm"
         jobs_dir.mkdir(exist_ok=True)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import runpy
 import shutil
@@ -472,7 +473,11 @@ class Matrix:
             missing = [s for s in steps if s not in got]
             if missing:
                 raise CellFailed(f"no loss logged for step(s) {missing[:5]} of {cell.first}..{cell.end}")
-            out.max_rel = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in steps)
+            diffs = [abs(got[s] - ref[s]) / abs(ref[s]) for s in steps]
+            bad = [s for s, d in zip(steps, diffs, strict=True) if not math.isfinite(d)]
+            if bad:  # max() would skip a NaN that is not first
+                raise CellFailed(f"a non-finite loss or reference at step(s) {bad[:5]}")
+            out.max_rel = max(diffs)
             out.exact = all(got[s] == ref[s] for s in steps)
             out.export_loads = loads_with_from_pretrained(self._export_of(cell, run, folder))
             ok = out.max_rel <= TOLERANCE and out.export_loads

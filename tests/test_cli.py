@@ -320,12 +320,14 @@ def test_sigterm_in_the_first_moments_of_train_is_a_preemption_not_a_kill(tmp_pa
     assert not list(run.glob("checkpoints/step-*")), "a checkpoint was written after a stop before the start"
 
 
+@pytest.mark.parametrize("where", ["right after the check", "while the stacks folder is made"])
 def test_a_stop_signal_between_the_early_check_and_the_launchers_handlers_starts_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     """The early handler (launch.early) remembers a SIGTERM; the launcher looks once before it prepares the launch and
-    again once its own handlers are in place, so a signal landing in between (here: while the stacks folder is
-    made) ends the launch 'stopped' with no torchrun started, instead of being remembered by nobody."""
+    again once its own handlers are in place, so a signal landing in between (right after the first look returned,
+    or later while the launch is prepared) ends the launch 'stopped' with no torchrun started, instead of being
+    remembered by nobody."""
     import signal
 
     import launch.early as early
@@ -339,13 +341,26 @@ def test_a_stop_signal_between_the_early_check_and_the_launchers_handlers_starts
     make_stacks = local._stacks_dir
     made: list[str] = []
 
+    check = local.stopped_before_start
+
+    def sigterm() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to the early handler: the launcher's are not in place yet
+
     def stacks_then_sigterm() -> str:
         made.append(make_stacks())
-        os.kill(os.getpid(), signal.SIGTERM)  # delivered to the early handler: the launcher's are not in place yet
+        if where == "while the stacks folder is made":
+            sigterm()
         return made[-1]
+
+    def check_then_sigterm(*args: object) -> object:
+        found = check(*args)  # type: ignore[arg-type]
+        if where == "right after the check":
+            sigterm()
+        return found
 
     started: list[object] = []
     monkeypatch.setattr(local, "_stacks_dir", stacks_then_sigterm)
+    monkeypatch.setattr(local, "stopped_before_start", check_then_sigterm)
     monkeypatch.setattr(local.subprocess, "Popen", lambda *a, **k: started.append(a) or pytest.fail("started"))
     try:
         early.install_early_stop_handlers()

@@ -188,3 +188,36 @@ def test_a_refused_flock_is_no_holder(tmp_path: Path, monkeypatch: pytest.Monkey
     assert _lock_held(path) is False
     with pytest.raises(FlockRefused):
         is_held(path, LOCK_SH)
+
+
+def test_run_and_plan_locks_refuse_a_fifo_in_one_line_and_leak_no_descriptor(tmp_path: Path) -> None:
+    """A FIFO planted where ``.lock`` / ``.lock.plan`` belong is refused as a RunDirError naming it and the fix, and
+    the descriptor opened on it is closed (a leaked one would hold its flock for the life of a long-lived worker)."""
+    from ckpt.guards.lock import RunLock
+    from ckpt.plan import PlanLock
+    from schemas.errors import RunDirError
+
+    for make, name in ((lambda d: RunLock(d), ".lock"), (lambda d: PlanLock(d), ".lock.plan")):
+        run = tmp_path / name.strip(".")
+        run.mkdir()
+        os.mkfifo(run / name)
+        before = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(RunDirError, match=r"a FIFO where a lock file belongs; remove it"):
+            make(run).acquire()
+        assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_pin_acquired_twice_keeps_its_pinned_step(tmp_path: Path) -> None:
+    """Acquiring a held pin again is refused; it never removes the holder's own live pin."""
+    from ckpt.guards.pin import Pin
+    from schemas.errors import RunLockedError
+
+    pin = Pin(tmp_path)
+    pin.acquire()
+    try:
+        pin.set(7)
+        with pytest.raises(RunLockedError, match="already held by this pin"):
+            pin.acquire()
+        assert pin.path.is_file() and "7" in pin.path.read_text()
+    finally:
+        pin.release()

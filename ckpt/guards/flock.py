@@ -181,6 +181,50 @@ def take_exclusive(fd: int) -> str | None:
     return None
 
 
+def take_recorded(path: str | os.PathLike[str], record: str, *, nofollow: bool = False) -> tuple[int | None, str]:
+    """``take_exclusive`` on the lock file ``path``, then this holder's ``record`` written into it.
+
+    Nothing is left open or held when it fails: the descriptor is closed on every error path.
+
+    Args:
+        path: the lock file (created when missing).
+        record: what the next one who finds it held reads (one line: who holds it, since when).
+        nofollow: refuse a symlink at ``path``.
+
+    Returns:
+        ``(fd, "")`` once taken and recorded (let go with ``release_recorded``), or ``(None, holder's record)``
+        when another process holds it.
+
+    Raises:
+        NotALockFile: ``path`` is not a regular file (a FIFO, a directory, a device).
+        OSError: it cannot be opened, flocked (FlockRefused) or written (a full disk).
+    """
+    fd = open_lock(path, nofollow=nofollow)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotALockFile(path, mode)
+        holder = take_exclusive(fd)
+        if holder is None:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record.encode(), 0)
+    except BaseException:
+        os.close(fd)  # the flock, if taken, goes with it
+        raise
+    if holder is not None:
+        os.close(fd)
+        return None, holder
+    return fd, ""
+
+
+class NotALockFile(OSError):
+    """Something other than a regular file sits where a lock file belongs; its message names it and the fix."""
+
+    def __init__(self, path: str | os.PathLike[str], mode: int) -> None:
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        super().__init__(f"{path}: {kind} where a lock file belongs; remove it and retry")
+
+
 def release_recorded(fd: int) -> None:
     """Let go of a lock file taken with ``take_exclusive``: its holder record emptied, unlocked, closed."""
     os.ftruncate(fd, 0)

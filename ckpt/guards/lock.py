@@ -26,14 +26,15 @@ from ckpt.commit.fsutil import pid_alive
 from ckpt.guards.flock import (
     LOCK_EX,
     LOCK_SH,
+    NotALockFile,
     flock_within,
     is_held,
     open_lock,
     release_recorded,
-    take_exclusive,
+    take_recorded,
     unlock,
 )
-from schemas.errors import RunLockedError
+from schemas.errors import RunDirError, RunLockedError
 
 LOCK_NAME = ".lock"
 RANKS_LOCK_NAME = ".lock.ranks"
@@ -107,19 +108,6 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = open_lock(self.path)
-        holder = take_exclusive(fd)
-        if holder is not None:
-            os.close(fd)
-            try:
-                who = json.loads(holder)
-                desc = f"pid {who.get('pid')} on {who.get('host')} since {who.get('since')}"
-            except json.JSONDecodeError:
-                desc = "another process"
-            raise RunLockedError(
-                f"{self.path.parent}: run directory is locked by {desc}; "
-                "wait for that segment to end or use another --run-dir"
-            )
         # Who holds it, written at once: a lock held with an empty file is a reader's probe (``is_locked``),
         # which the next acquire waits out instead of failing.
         info = json.dumps(
@@ -129,8 +117,20 @@ class RunLock:
                 "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
         )
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, info.encode(), 0)
+        try:
+            fd, holder = take_recorded(self.path, info)
+        except NotALockFile as e:
+            raise RunDirError(str(e)) from None
+        if fd is None:
+            try:
+                who = json.loads(holder)
+                desc = f"pid {who.get('pid')} on {who.get('host')} since {who.get('since')}"
+            except json.JSONDecodeError:
+                desc = "another process"
+            raise RunLockedError(
+                f"{self.path.parent}: run directory is locked by {desc}; "
+                "wait for that segment to end or use another --run-dir"
+            )
         try:
             self._wait_for_ranks_gone()
         except BaseException:
@@ -202,11 +202,14 @@ def hold_ranks_lock(run_dir: str | Path, wait_s: float = 30.0) -> int | None:
     if not root.is_dir():
         return None
     fd = open_lock(root / RANKS_LOCK_NAME, append=True)
-    if not flock_within(fd, LOCK_SH, wait_s):
+    try:
+        if not flock_within(fd, LOCK_SH, wait_s):
+            raise RunLockedError(
+                f"{root / RANKS_LOCK_NAME}: held exclusively for {wait_s:g} s; "
+                "another launcher is checking this run directory, retry"
+            )
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except BaseException:
         os.close(fd)
-        raise RunLockedError(
-            f"{root / RANKS_LOCK_NAME}: held exclusively for {wait_s:g} s; "
-            "another launcher is checking this run directory, retry"
-        )
-    os.write(fd, f"{os.getpid()}\n".encode())
+        raise
     return fd

@@ -46,6 +46,8 @@ class Pin:
 
     def acquire(self) -> Pin:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self._lock.held:  # acquiring again would remove this holder's own live pin
+            raise RunLockedError(f"{self.lock_path}: already held by this pin; release it first")
         if not self._lock.acquire(LOCK_EX, self.wait_s):
             raise RunLockedError(
                 f"{self.lock_path}: held by another live process for {self.wait_s:g} s; stop the "
