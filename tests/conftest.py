@@ -121,6 +121,23 @@ def _shared_runs_stay_untouched(request: pytest.FixtureRequest) -> Iterator[None
             )
 
 
+@pytest.fixture(autouse=True)
+def _stop_signals_restored() -> Iterator[None]:
+    """The CLI called in-process (``shardkeeper.cli.main(["train", ...])``) installs the early stop handlers, which
+    remember SIGTERM/SIGINT instead of acting on them: restored after each test, so a stop signal (Ctrl-C) reaches
+    the test session again and no test sees a signal another one left pending."""
+    import signal
+
+    import launch.early as early
+
+    before = {s: signal.getsignal(s) for s in early.STOP_SIGNALS}
+    yield
+    for sig, handler in before.items():
+        if signal.getsignal(sig) is not handler and handler is not None:
+            signal.signal(sig, handler)
+    early.pending_stop.clear()
+
+
 @pytest.fixture
 def lineage_run(tmp_path: Path) -> Path:
     """A run directory with hand-written lineage and metrics (no torch): 2 ranks to step 6, then a
