@@ -212,24 +212,16 @@ def stopped_before_start(req: LaunchRequest, what: str) -> LaunchOutcome | None:
         return LaunchOutcome(
             exit_code=EXIT_CANCELLED, timed_out=False, tail=[f"cancelled before {what}"], seconds=0.0, cancelled=True
         )
-    if _pending_stop:
-        return LaunchOutcome(
-            exit_code=128 + _pending_stop[0],
-            timed_out=False,
-            tail=[f"stopped before {what}"],
-            seconds=0.0,
-            stop_signal=_pending_stop[0],
-        )
-    return None
+    return stopped_by_signal(what)
 
 
-def signal_since(seen: int, what: str = "the ranks started") -> LaunchOutcome | None:
-    """The outcome of a launch stopped by a signal that the early handler (launch.early) took after
-    ``stopped_before_start`` looked (``seen``: how many it had then), before the launcher's own handlers were in place;
-    None when none came. Without this look, such a signal is remembered by nobody and the segment trains on."""
-    if len(_pending_stop) <= seen:
+def stopped_by_signal(what: str) -> LaunchOutcome | None:
+    """The outcome of a launch stopped by a signal the early handler (launch.early) took; None when none came.
+    Asked by ``stopped_before_start`` and again once the launcher's own handlers are in place: a signal taken in
+    between would otherwise be remembered by nobody, and the segment would train on."""
+    if not _pending_stop:
         return None
-    signum = _pending_stop[seen]
+    signum = _pending_stop[0]
     return LaunchOutcome(
         exit_code=128 + signum, timed_out=False, tail=[f"stopped before {what}"], seconds=0.0, stop_signal=signum
     )
@@ -335,13 +327,12 @@ class LocalTorchrun:
         early = stopped_before_start(req, "the ranks started")
         if early is not None:
             return early
-        seen = 0  # the check above found none: any taken from here on stops the launch
         stacks_dir = _stacks_dir()
         env = self.environment(req, stacks_dir)
         procs: list[subprocess.Popen] = []
         sup = _Supervisor(procs, self.grace_s, sink, stacks_dir)
         previous = _install_signal_handlers(sup)
-        late = signal_since(seen)  # landed between the check above and the supervisor's handlers: nothing started
+        late = stopped_by_signal("the ranks started")  # taken since the check above: nothing started
         if late is not None:
             for sig, prev in previous.items():
                 signal.signal(sig, prev)  # type: ignore[arg-type]

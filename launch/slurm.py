@@ -279,7 +279,6 @@ class SlurmLauncher:
         early = stopped_before_start(req, "the job was submitted")
         if early is not None:
             return early
-        seen = 0  # the check above found none: any taken from here on stops the job
         run_dir = Path(req.run_dir).resolve()
         jobs_dir = run_dir / "slurm"
         jobs_dir.mkdir(exist_ok=True)
@@ -294,7 +293,7 @@ class SlurmLauncher:
             f"shardkeeper: submitted Slurm job {job_id} ({req.topology.nodes} node(s) x {req.topology.procs_per_node} "
             f"rank(s)); output in {output}"
         )
-        return _JobWatch(self, req, job_id, output, sink, t0, pending_since=seen).run()
+        return _JobWatch(self, req, job_id, output, sink, t0).run()
 
 
 class _JobWatch:
@@ -308,10 +307,7 @@ class _JobWatch:
         output: Path,
         sink: LogSink,
         t0: float,
-        *,
-        pending_since: int | None = None,
     ):
-        self.pending_since = pending_since  # stop signals the early handler had taken before the job was submitted
         self.l, self.req, self.job_id, self.output, self.sink, self.t0 = launcher, req, job_id, output, sink, t0
         self.out = OutputSplitter(sink)
         self.offset = output.stat().st_size if output.exists() else 0
@@ -385,9 +381,10 @@ class _JobWatch:
         previous = {}
         if threading.current_thread() is threading.main_thread():
             previous = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
-            if self.pending_since is not None and len(pending_stop) > self.pending_since:
-                # a stop signal came while the job was being submitted (the early handler took it): stop the job
-                self.signal = pending_stop[self.pending_since]
+            if pending_stop:
+                # a stop signal came while the job was being submitted (the early handler took it; the launch's
+                # first look found none): stop the job
+                self.signal = pending_stop[0]
                 self.request_stop(f"signal {signal.Signals(self.signal).name}")
         last: SlurmJob | None = None
         seen_state = ""
