@@ -82,7 +82,7 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> str:
-    """The most specific layer a module belongs to (ckpt.export.sink -> ckpt.export; ckpt.validate.checks -> ckpt)."""
+    """The most specific layer a module belongs to (ckpt.export._sink -> ckpt.export; ckpt.validate.checks -> ckpt)."""
     best = ""
     for name in LAYERS:
         if (module == name or module.startswith(name + ".")) and len(name) > len(best):

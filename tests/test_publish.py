@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from ckpt import publish as pub
-from ckpt.publish import hub as pub_hub
+from ckpt.publish import _hub as pub_hub
 from schemas import LineageEvent
 from schemas.errors import PublishError
 from tests.harness import stop_process

@@ -104,7 +104,7 @@ def run(tmp_path: Path) -> Iterator[RunDir]:
 @pytest.fixture()
 def parses(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Every parse of a .metadata (the expensive, allow-list part of a quick validation), by directory."""
-    from ckpt.formats.dcp import metadata as dcp_metadata
+    from ckpt.formats.dcp import _metadata as dcp_metadata
 
     seen: list[Path] = []
     real = dcp_metadata.read_layout

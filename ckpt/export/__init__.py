@@ -19,7 +19,7 @@ How it works, and why:
   each zip entry once, a DeepSpeed partition however many parameters it holds). shardkeeper's own DCP
   saves record no CRC-32 (the manifest's xxh3-128 of each file covers every byte): the files holding
   such entries are hashed whole against the manifest in a background thread while the copy runs
-  (``ckpt.export.digests``; skipped with ``deep``, which checked every file first). On a mismatch the
+  (``ckpt.export._digests``; skipped with ``deep``, which checked every file first). On a mismatch the
   hidden folder is removed and nothing is published.
 * Streaming with bounded memory: DCP's default writer stores each chunk as a ``torch.save`` zip whose
   ``data/<key>`` entry is the raw storage, stored uncompressed. The exporter parses the zip and the
@@ -84,10 +84,10 @@ from schemas import ExportResult
 from schemas.errors import CheckpointError, CheckpointRetired
 
 log = logging.getLogger(__name__)
-from ckpt.export.collect import COLLECTORS
-from ckpt.export.commit import check_free_space, check_out_dir, commit_folder, temp_dir_for, torch_threads
-from ckpt.export.digests import FileDigests
-from ckpt.export.layout import (
+from ckpt.export._collect import COLLECTORS
+from ckpt.export._commit import check_free_space, check_out_dir, commit_folder, temp_dir_for, torch_threads
+from ckpt.export._digests import FileDigests
+from ckpt.export._layout import (
     plan_shards,
     plan_tensor_shards,
     safetensors_header,
@@ -95,7 +95,7 @@ from ckpt.export.layout import (
     write_model_files,
     write_shards,
 )
-from ckpt.export.model import (
+from ckpt.export._model import (
     Background,
     ModelDescription,
     check_against_inventory,
@@ -105,9 +105,9 @@ from ckpt.export.model import (
     model_from_record,
     name_tensors,
 )
-from ckpt.export.options import EXPORT_DTYPES, PIECE_BYTES, POOL_PIECES, check_checkpoint, export_dtype, parse_size
-from ckpt.export.sink import BufferPool, StreamCrc, verify_entries
-from ckpt.export.tokenizer import copy_tokenizer, tokenizer_source
+from ckpt.export._options import EXPORT_DTYPES, PIECE_BYTES, POOL_PIECES, check_checkpoint, export_dtype, parse_size
+from ckpt.export._sink import BufferPool, StreamCrc, verify_entries
+from ckpt.export._tokenizer import copy_tokenizer, tokenizer_source
 
 
 def export_checkpoint(
@@ -130,7 +130,7 @@ def export_checkpoint(
     also checks every checksum in the manifest first, and for DCP the fingerprint (the model bytes are
     always CRC-checked, as they are copied, before the commit). A deepspeed checkpoint is read in one pass where
     DeepSpeed stored its fp32 master weights. ``tokenizer_from``: where the tokenizer files come from (a folder; None:
-    the run's ``data.tokenizer`` or its base model's folder, see ``ckpt.export.tokenizer``; False: none).
+    the run's ``data.tokenizer`` or its base model's folder, see ``ckpt.export._tokenizer``; False: none).
     Raises ExportError (options, output folder, model mismatch) or CheckpointError
     (the checkpoint), each with a one-line message naming the fix.
     """
@@ -257,8 +257,8 @@ __all__ = [
 
 
 # The package's public names (the pieces tests and benches drive directly are public in their modules).
-from ckpt.export.options import INDEX_FILE, SINGLE_FILE  # noqa: E402
-from ckpt.export.records import Entry, ExportTensor  # noqa: E402
+from ckpt.export._options import INDEX_FILE, SINGLE_FILE  # noqa: E402
+from ckpt.export._records import Entry, ExportTensor  # noqa: E402
 
 __all__ = [
     "BufferPool",

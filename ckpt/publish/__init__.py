@@ -25,9 +25,9 @@ from schemas import PublishResult
 from schemas.errors import PublishError
 
 logger = logging.getLogger(__name__)
-from ckpt.publish.folder import REPO_ID_RE
+from ckpt.publish._folder import REPO_ID_RE
+from ckpt.publish._hub import publish_to_hub
 from ckpt.publish.fsspec_target import publish_to_fsspec
-from ckpt.publish.hub import publish_to_hub
 
 FSSPEC_OPTIONS_ONLY = {"storage_options"}
 HUB_OPTIONS = {"revision", "private", "api", "endpoint", "token", "model_card_extra", "lineage"}
@@ -86,8 +86,8 @@ def publish(export_dir: str | os.PathLike[str], target: str, **kw: Any) -> Publi
     return publish_to_fsspec(export_dir, where, storage_options=kw.get("storage_options"))
 
 
-from ckpt.publish.card import lineage_chain, model_card  # noqa: E402
-from ckpt.publish.folder import (
+from ckpt.publish._card import lineage_chain, model_card  # noqa: E402
+from ckpt.publish._folder import (
     CARD_NAME,
     EXPORT_RESULT_NAME,
     INDEX_NAME,
@@ -99,8 +99,8 @@ from ckpt.publish.folder import (
     marker_bytes,
     parse_marker,
 )
+from ckpt.publish._hub import resolve_token  # noqa: E402
 from ckpt.publish.fsspec_target import read_publish_marker  # noqa: E402
-from ckpt.publish.hub import resolve_token  # noqa: E402
 
 __all__ = [
     "CARD_NAME",

@@ -16,7 +16,7 @@ from schemas import PublishResult
 from schemas.errors import PublishError
 
 logger = logging.getLogger(__name__)
-from ckpt.publish.folder import (
+from ckpt.publish._folder import (
     HASH_CHUNK,
     MARKER_NAME,
     ExportFolder,

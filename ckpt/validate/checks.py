@@ -42,11 +42,11 @@ from ckpt.commit.layout import RunDir, parse_step
 from ckpt.commit.manifest import read_manifest
 from ckpt.guards.retired import WatchedDir, dir_identity, gone_before, retired_message, was_committed
 from ckpt.registry import get_format
-from ckpt.validate.verified import drop_cache, is_verified, manifest_digest, record_verified
+from ckpt.validate._verified import drop_cache, is_verified, manifest_digest, record_verified
 from schemas import MANIFEST_NAME, MANIFEST_SCHEMA_VERSION, CheckpointManifest, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired
 
-# what the stages, retention, the trainer and the CLI take from here (ckpt.guards.retired and ckpt.validate.verified
+# what the stages, retention, the trainer and the CLI take from here (ckpt.guards.retired and ckpt.validate._verified
 # hold some)
 __all__ = [
     "RANK_RE",

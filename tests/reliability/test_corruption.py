@@ -113,7 +113,7 @@ def _records_share_bytes(md: object) -> None:
 
 
 DCP_CASES = [
-    # extents the layout check proves before any tensor is read (ckpt.formats.dcp.metadata.check_extents)
+    # extents the layout check proves before any tensor is read (ckpt.formats.dcp._metadata.check_extents)
     Case(
         "chunks-overlap",
         _metadata(lambda md: c.move_chunk(md, EMBED, 1, offsets=(0, 0))),

@@ -120,7 +120,7 @@ def test_tiling_proof_agrees_with_counting_every_element() -> None:
     """On 4,000 random layouts of 0-3 dimensions (exact grids, grids with one chunk moved, shrunk, dropped or
     doubled, free boxes, empty chunks): the proof accepts exactly the layouts where every element is in exactly
     one chunk, and what it names is true (the two chunks overlap; the element it names is in no chunk)."""
-    from ckpt.formats.dcp.metadata import tiling_problem
+    from ckpt.formats.dcp._metadata import tiling_problem
 
     rng = random.Random(38)
     accepted = refused = 0
@@ -167,7 +167,7 @@ def test_tiling_proof_agrees_with_counting_every_element() -> None:
 def test_tiling_proof_is_bounded_on_a_crafted_staircase() -> None:
     """Chunks that overlap along one dimension but not the next (not a grid) cannot make the proof quadratic:
     10,000 of them are refused in about a second, by their element count."""
-    from ckpt.formats.dcp.metadata import tiling_problem
+    from ckpt.formats.dcp._metadata import tiling_problem
 
     n = 10_000
     boxes = [((i, i), (n, 1)) for i in range(n)]

@@ -308,7 +308,7 @@ def test_the_quick_check_reads_the_same_layout_without_torch(dcp_ckpt: Path, ds_
     import subprocess
     import sys
 
-    from ckpt.formats.dcp.metadata import read_layout
+    from ckpt.formats.dcp._metadata import read_layout
     from ckpt.formats.dcp.reader import read_metadata
 
     real, stand_in = read_metadata(dcp_ckpt), read_layout(dcp_ckpt)

@@ -347,7 +347,7 @@ def test_two_exports_into_one_folder(source_run: Path, tmp_path: Path) -> None:
 
 def test_commit_never_replaces_without_overwrite(tmp_path: Path) -> None:
     """The race both exports pass the 'already exists' check of: the second commit fails, the first stays."""
-    from ckpt.export.commit import commit_folder, temp_dir_for
+    from ckpt.export._commit import commit_folder, temp_dir_for
 
     out = tmp_path / "out"
     first, second = temp_dir_for(out), temp_dir_for(out)

@@ -16,7 +16,7 @@ from typing import Any
 from ckpt.commit import lineage
 from ckpt.commit.layout import RunDir
 from ckpt.commit.state import MOMENTS
-from ckpt.formats.dcp.metadata import read_layout
+from ckpt.formats.dcp._metadata import read_layout
 from ckpt.formats.pickle import safe_pickle
 from ckpt.registry import register
 from ckpt.validate.checks import check_ranks
@@ -25,13 +25,13 @@ from schemas.errors import CheckpointError
 
 DCP_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 # torch and DCP are imported where tensors are read, not with the registry: the quick check reads .metadata into
-# stand-ins of DCP's classes (ckpt.formats.dcp.metadata), so `status`, a quick `validate` and the launcher's checks
+# stand-ins of DCP's classes (ckpt.formats.dcp._metadata), so `status`, a quick `validate` and the launcher's checks
 # import no torch
 
 
 def check_layout(ckpt_dir: Path, manifest: CheckpointManifest, inputs: Mapping[str, bytes] | None = None) -> list[str]:
     """The manifest lists exactly what ``.metadata`` references, its extents are sound (every tensor tiled by its
-    chunks, every record inside its file: ``ckpt.formats.dcp.metadata.check_extents``), its tensors are those
+    chunks, every record inside its file: ``ckpt.formats.dcp._metadata.check_extents``), its tensors are those
     ``.metadata`` describes, every rank wrote. A pure function of the manifest and the bytes of ``.metadata``
     (``inputs``, when the caller read them: ``ckpt.validate.checks`` remembers a pass for exactly those bytes)."""
     listed = {e.path for e in manifest.files}

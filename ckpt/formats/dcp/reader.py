@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ckpt.commit.fsutil import open_regular
-from ckpt.formats.dcp.metadata import check_extents, file_sizes_of, plain_name, read_metadata_as, record_files
+from ckpt.formats.dcp._metadata import check_extents, file_sizes_of, plain_name, read_metadata_as, record_files
 from ckpt.formats.pickle import safe_pickle
 from ckpt.formats.pickle.torchzip import TorchZip, load_bytes
 from schemas.errors import CheckpointError
@@ -42,10 +42,10 @@ from schemas.errors import CheckpointError
 
 def read_metadata(ckpt_dir: str | os.PathLike[str], data: bytes | None = None) -> Metadata:
     """``ckpt_dir``'s ``.metadata`` through the allow-list, as DCP's own classes (``data``: its bytes, already read by
-    the caller), its extents proven against the data files there (``ckpt.formats.dcp.metadata.check_extents``: chunks
+    the caller), its extents proven against the data files there (``ckpt.formats.dcp._metadata.check_extents``: chunks
     in bounds and tiling each tensor, records inside their files). Every reader of a DCP checkpoint -- a load, export,
     deep validation, conversion, import -- reads it here. The quick check reads it without torch:
-    ``ckpt.formats.dcp.metadata.read_layout``."""
+    ``ckpt.formats.dcp._metadata.read_layout``."""
     ckpt_dir = Path(ckpt_dir)
     md = read_metadata_as(ckpt_dir, data, safe_pickle.DCP_METADATA, Metadata)
     where = ckpt_dir / ".metadata"

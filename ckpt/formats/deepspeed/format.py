@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from ckpt.commit.state import MOMENTS
-from ckpt.formats.deepspeed.state import STATE_FILE, UNIVERSAL_DIR, read_state
+from ckpt.formats.deepspeed._state import STATE_FILE, UNIVERSAL_DIR, read_state
 from ckpt.registry import register
 from ckpt.validate.checks import RANK_RE, check_ranks
 from schemas import CheckpointManifest, Fingerprint

@@ -34,7 +34,7 @@ import xxhash
 
 from ckpt.commit.state import MOMENTS
 from ckpt.formats.dcp.direct_io import write_direct
-from ckpt.formats.deepspeed.state import STATE_FILE, UNIVERSAL_DIR, read_state  # noqa: F401  (this format's names, here too)
+from ckpt.formats.deepspeed._state import STATE_FILE, UNIVERSAL_DIR, read_state  # noqa: F401  (this format's names, here too)
 from ckpt.formats.pickle.safe_pickle import DEEPSPEED_RECORDS, TENSOR_RECORD, Opaque, StoredTensor
 from ckpt.formats.pickle.torchzip import TorchZip, load_file
 from schemas.errors import CheckpointError

@@ -1,5 +1,5 @@
 """Checkpoints other tools wrote (DeepSpeed, the HF Trainer, Accelerate, torchtitan, plain DCP), taken in.
 
 - ``readers``: which layout a folder holds, and a reader per layout yielding whole tensors one at a time.
-- ``dcp``: DCP checkpoints of other tools; ``commit``: the import's commit as a shardkeeper checkpoint.
+- ``_dcp`` (private): DCP checkpoints of other tools; ``commit``: the import's commit as a shardkeeper checkpoint.
 """

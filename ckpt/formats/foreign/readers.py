@@ -14,7 +14,7 @@ or ``global_stepN/`` itself, also inside a Hugging Face Trainer ``checkpoint-N/`
 ``ckpt.formats.deepspeed.zero.ZeroShards`` the conversions use; the Hugging Face Trainer's unsharded checkpoint
 (``model.safetensors`` or ``pytorch_model.bin`` + ``optimizer.pt`` + ``trainer_state.json``); and DCP checkpoints
 (plain ``dcp.save`` of model and optimizer, torchtitan's ``step-N/``, Accelerate's FSDP ``pytorch_model_fsdp_0/`` +
-``optimizer_0/``: ``ckpt.formats.foreign.dcp``). Every pickle goes through the one allow-list unpickler
+``optimizer_0/``: ``ckpt.formats.foreign._dcp``). Every pickle goes through the one allow-list unpickler
 (``ckpt.formats.pickle.safe_pickle``, by way of ``TorchSaveFile``/``TorchZip``); files a reader does not need
 (``rng_state*.pth``, ``scheduler.pt``, ``training_args.bin``) are never opened.
 """
@@ -37,7 +37,7 @@ from ckpt.commit.fsutil import read_regular
 from ckpt.commit.identity import canonical
 from ckpt.commit.state import MOMENTS
 from ckpt.formats.deepspeed.zero import TorchSaveFile, ZeroShards, stored_number, zero_files
-from ckpt.formats.foreign.dcp import open_dcp
+from ckpt.formats.foreign._dcp import open_dcp
 from ckpt.formats.pickle.safe_pickle import StoredTensor
 from ckpt.formats.pickle.torchzip import TorchZip, byte_view
 from ckpt.pretrained import read_elements, tensor_index, weight_files

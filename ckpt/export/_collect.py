@@ -24,9 +24,9 @@ if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint alone tak
     from ckpt.formats.deepspeed.zero import TorchSaveFile, ZeroShards
 
 log = logging.getLogger(__name__)
-from ckpt.export.options import F32, MODEL_PREFIX, SAFETENSORS_DTYPES
-from ckpt.export.records import Chunk, Entry, ExportTensor, hf_name, parse_chunk
-from ckpt.export.sink import chunk_entries
+from ckpt.export._options import F32, MODEL_PREFIX, SAFETENSORS_DTYPES
+from ckpt.export._records import Chunk, Entry, ExportTensor, hf_name, parse_chunk
+from ckpt.export._sink import chunk_entries
 
 
 class OpenFiles:

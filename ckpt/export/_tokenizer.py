@@ -20,7 +20,7 @@ from schemas import CheckpointManifest, ModelSpec
 from schemas.errors import ConfigError, ExportError
 
 log = logging.getLogger(__name__)
-from ckpt.export.sink import write_small_file  # noqa: E402
+from ckpt.export._sink import write_small_file  # noqa: E402
 
 NO_TOKENIZER = False
 

@@ -25,8 +25,8 @@ import torch
 from schemas.errors import CheckpointError
 
 log = logging.getLogger(__name__)
-from ckpt.export.options import ALIGN, O_DIRECT_FLAG, STAGE_BYTES
-from ckpt.export.records import Emit, Entry, ExportTensor, Seen, pread_into
+from ckpt.export._options import ALIGN, O_DIRECT_FLAG, STAGE_BYTES
+from ckpt.export._records import Emit, Entry, ExportTensor, Seen, pread_into
 
 
 class BufferPool:

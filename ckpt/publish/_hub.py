@@ -19,8 +19,8 @@ from schemas.errors import PublishError
 
 logger = logging.getLogger(__name__)
 from ckpt.commit.layout import parse_step
-from ckpt.publish.card import manifest_of, model_card
-from ckpt.publish.folder import (
+from ckpt.publish._card import manifest_of, model_card
+from ckpt.publish._folder import (
     CARD_NAME,
     LARGE_BYTES,
     LARGE_FILES,

@@ -12,7 +12,7 @@ from ckpt.commit.layout import RunDir
 from schemas import MANIFEST_NAME, LineageEvent
 
 logger = logging.getLogger(__name__)
-from ckpt.publish.folder import CARD_METADATA_KEYS, ExportFolder, safetensors_header
+from ckpt.publish._folder import CARD_METADATA_KEYS, ExportFolder, safetensors_header
 
 
 def model_card(

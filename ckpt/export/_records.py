@@ -18,7 +18,7 @@ from ckpt.formats.pickle.torchzip import TorchZip
 from schemas.errors import CheckpointError, ExportError
 
 log = logging.getLogger(__name__)
-from ckpt.export.options import MODEL_PREFIX, WRAPPER_SEGMENTS
+from ckpt.export._options import MODEL_PREFIX, WRAPPER_SEGMENTS
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from typing import Any
 from schemas import CheckpointManifest
 
 log = logging.getLogger(__name__)
-from ckpt.export.model import ModelDescription, readme_text
-from ckpt.export.options import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE
-from ckpt.export.records import ExportTensor, Seen
-from ckpt.export.sink import BufferPool, FileSink, produce, write_small_file
+from ckpt.export._model import ModelDescription, readme_text
+from ckpt.export._options import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE
+from ckpt.export._records import ExportTensor, Seen
+from ckpt.export._sink import BufferPool, FileSink, produce, write_small_file
 
 
 def plan_shards(sizes: list[tuple[str, int]], limit: int) -> list[list[str]]:

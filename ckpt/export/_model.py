@@ -22,9 +22,9 @@ from schemas import CheckpointManifest
 from schemas.errors import CheckpointError, ExportError
 
 log = logging.getLogger(__name__)
-from ckpt.export.options import MODEL_PREFIX
-from ckpt.export.records import ExportTensor
-from ckpt.export.sink import BufferPool, produce
+from ckpt.export._options import MODEL_PREFIX
+from ckpt.export._records import ExportTensor
+from ckpt.export._sink import BufferPool, produce
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from ckpt.commit.hashing import hash_fd
-from ckpt.export.records import Entry
+from ckpt.export._records import Entry
 from schemas.checkpoint import CheckpointManifest
 from schemas.errors import CheckpointError
 
