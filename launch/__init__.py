@@ -10,7 +10,7 @@ beside it) and the seam to them (``schemas.seam``). No torch, no prefect.
 - ``launch.contain``: the wrapper torchrun runs in (a child subreaper): what the ranks leave behind ends with the
   segment.
 - ``launch.attribution``: the failed segment's line (the first rank that failed, how, its last error line, what
-  followed); ``launch.oom``: what the kernel says about a SIGKILL (the OOM killer).
+  followed); ``launch._oom``: what the kernel says about a SIGKILL (the OOM killer).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ facts come from three places, each what it knows best:
   that only says a collective lost its peer (``schemas.seam.collective_error``) is a consequence, not a cause.
 - the local launcher's own watch (``launch.procs.RankWatch``): the moment each rank process ended (its pidfd),
   its exit status (read from the zombie before torchrun reaps it), and for a SIGKILL what the kernel says about
-  the OOM killer (``launch.oom``).
+  the OOM killer (``launch._oom``).
 
 Stdlib and schemas only.
 """
@@ -49,7 +49,7 @@ class RankEnd:
     ended_at: float | None = None  # the launcher's monotonic clock: when its process ended
     line: str | None = None  # its own failure line ("rank R: ..."), the first it wrote
     line_at: float | None = None  # the launcher's monotonic clock: when that line arrived
-    killed_how: str | None = None  # for a SIGKILL: what the kernel says about it (launch.oom), in a few words
+    killed_how: str | None = None  # for a SIGKILL: what the kernel says about it (launch._oom), in a few words
     oom: str = ""  # "yes": the kernel log names the OOM killer's kill of it; "likely": the kernel suggests it
     torchrun_first: bool = False  # torchrun observed it first (its "failed (exitcode" line / root cause)
     order: int = 0  # order of appearance in the output (ties without times)

@@ -451,8 +451,8 @@ def _observed(watched: dict[int, WatchedRank]) -> list[RankEnd]:
 
 
 def _kill_cause(watched: dict[int, WatchedRank], t0: float):  # noqa: ANN202 - RankEnd -> RankEnd
-    """For a rank that died of SIGKILL: what the kernel says about it (launch.oom), from the watch's record."""
-    from launch.oom import sigkill_cause
+    """For a rank that died of SIGKILL: what the kernel says about it (launch._oom), from the watch's record."""
+    from launch._oom import sigkill_cause
 
     def kill_cause(end: RankEnd) -> RankEnd:
         w = watched.get(end.pid or -1)

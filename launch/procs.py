@@ -215,7 +215,7 @@ class WatchedRank:
     rank: int
     local_rank: int | None
     comm: str | None
-    memory: object | None  # launch.oom.MemoryCounter read when first seen
+    memory: object | None  # launch._oom.MemoryCounter read when first seen
     ended_at: float | None = None  # time.monotonic() when its pidfd turned readable
     status: int | None = None  # exit status read from the zombie (None: reaped before it could be read)
     generation: int = 0  # how often the agent had restarted the segment's ranks in place when it started this one
@@ -262,7 +262,7 @@ class RankWatch:
 
     def consider(self, agent: int) -> None:
         """Look for new ranks among the children of ``agent``."""
-        from launch.oom import memory_counter
+        from launch._oom import memory_counter
 
         for pid in children(agent):
             if pid in self.ranks:

@@ -191,7 +191,7 @@ def _error_line(res: subprocess.CompletedProcess) -> str:
 def memory_cgroup_here() -> bool:
     """Can a process here make a child memory cgroup of its own (root, or a delegated cgroup v2 subtree)? Then
     failure_modes.py --mode oom is killed by the kernel's real OOM killer."""
-    from launch.oom import _mounts
+    from launch._oom import _mounts
 
     v2, v1 = _mounts()
     for line in Path("/proc/self/cgroup").read_text().splitlines():
