@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover
     _NO_ARGS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # type: ignore[assignment]
 _CLICK_ERRORS = (_TyperClickException, click.ClickException)
 
-from shardkeeper.cli_app import _RANK_LOG, _STATE, app, console, out  # noqa: E402,F401 - the app and its consoles
+from shardkeeper._cli_app import _RANK_LOG, _STATE, app, console, out  # noqa: E402,F401 - the app and its consoles
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -464,7 +464,7 @@ def publish(
     out.print(res.line(), markup=False, highlight=False, soft_wrap=True)
 
 
-import shardkeeper.cli_runs  # noqa: E402,F401 - registers lineage, status and manifest on the app
+import shardkeeper._cli_runs  # noqa: E402,F401 - registers lineage, status and manifest on the app
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,10 +70,10 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
     problem = spec.world_size_refusal(topology.world_size)
     if problem is not None:
         raise ConfigError(f"world size {topology.world_size}: {problem}")
-    from shardkeeper import model_facts
+    from shardkeeper import _model_facts
 
-    facts_key = model_facts.key(spec)
-    cfg: Any = model_facts.load(facts_key, spec)  # the same model section checked before: its numbers, no transformers
+    facts_key = _model_facts.key(spec)
+    cfg: Any = _model_facts.load(facts_key, spec)  # the same model section checked before: its numbers, no transformers
     if cfg is not None:
         params = cfg.params
     else:
@@ -83,7 +83,7 @@ def preflight(spec: RunSpec, topology: ClusterTopology, run_dir: str | Path) -> 
         if spec.model.pretrained is not None:
             # a run that has a checkpoint resumes from it and never reads the pretrained weights again
             check_pretrained(spec, cfg, model, weights=not RunDir(Path(run_dir)).committed())
-        model_facts.store(facts_key, params, cfg)
+        _model_facts.store(facts_key, params, cfg)
     check_performance(spec, topology)
     prepared = check_data(spec, cfg.vocab_size)
     check_memory(spec, topology, params, cfg)

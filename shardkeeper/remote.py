@@ -33,7 +33,7 @@ from ckpt.store.objstore import ObjectStoreError, RemoteRun, is_remote, iter_run
 from schemas import RunSpec, SegmentResult, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired, ShardkeeperError
 from schemas.requests import RunState, last_placement, last_segment
-from shardkeeper.remote_stop import STOP_UPLOAD_ENV, UploadAbandoned, _abandoned, _stop_budget, abandoned_uploads
+from shardkeeper._remote_stop import STOP_UPLOAD_ENV, UploadAbandoned, _abandoned, _stop_budget, abandoned_uploads
 
 log = logging.getLogger("shardkeeper")
 

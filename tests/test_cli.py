@@ -385,7 +385,7 @@ def test_the_launcher_asks_torch_about_gpus_only_where_a_gpu_may_be_there() -> N
     torch.cuda decides (here: patched to say yes, so the answer can only come from it)."""
     code = (
         "import os, sys\n"
-        "from shardkeeper.stages import train as t\n"
+        "from shardkeeper.stages import _train as t\n"
         "os.environ.pop('SHARDKEEPER_DEVICE', None)\n"
         "print(t._gpu_may_be_there(), t._cuda_available(), 'torch' in sys.modules)\n"
         "import torch\n"

@@ -21,7 +21,7 @@ from ckpt.memtier import recycle as memtier_recycle
 from ckpt.memtier import tier as memtier
 from schemas.errors import ConfigError
 from shardkeeper.preflight import check_memory_tier, preflight
-from shardkeeper.stages.train import plan_topology
+from shardkeeper.stages._train import plan_topology
 from tests.harness import tiny_spec
 
 ROOT_CWD = Path.cwd()

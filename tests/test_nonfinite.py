@@ -450,7 +450,7 @@ def test_the_controller_reports_the_ranks_failure_with_its_exit_code(tmp_path: P
     from launch.base import LaunchOutcome
     from schemas import ClusterTopology
     from schemas.seam import SegmentReport
-    from shardkeeper.stages.train import _segment_result
+    from shardkeeper.stages._train import _segment_result
 
     topo = ClusterTopology(procs_per_node=2)
     rd = RunDir.at(tmp_path)

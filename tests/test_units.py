@@ -495,10 +495,10 @@ def test_a_failed_load_is_blamed_on_the_checkpoint_only_for_what_its_bytes_say()
 def test_preflight_keeps_a_checked_model_and_never_a_refused_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """shardkeeper.model_facts: the second launch of the same model section reads its numbers back (equal to the
+    """shardkeeper._model_facts: the second launch of the same model section reads its numbers back (equal to the
     full check's); another config or seq_len is another key; a refusal is not kept; a malformed entry is ignored."""
     from schemas import ClusterTopology
-    from shardkeeper import model_facts
+    from shardkeeper import _model_facts as model_facts
     from shardkeeper.config import check_model_config
     from shardkeeper.preflight import meta_model, preflight
 

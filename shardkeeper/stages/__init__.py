@@ -3,16 +3,16 @@
 The CLI calls them directly; tasks/ wraps each in a Prefect task. Nothing here imports prefect,
 and torch is imported only inside the stages that need it.
 
-One module per part of the pipeline, each name re-exported here (``from shardkeeper.stages import X``):
-``train`` (plan_topology, train_segment), ``checks`` (the run's spec, script, data and pretrained weights,
-checked before a segment), ``checkpoints`` (validate, reshard, convert), ``export`` (export, publish),
-``state`` (run_state, scan_runs).
+One private module per part of the pipeline, each name re-exported here (``from shardkeeper.stages import X``):
+``_train`` (plan_topology, train_segment), ``_checks`` (the run's spec, script, data and pretrained weights,
+checked before a segment), ``_checkpoints`` (validate, reshard, convert), ``_export`` (export, publish),
+``_state`` (run_state, scan_runs); ``_where`` (local or remote run directories) serves them.
 """
 
 from __future__ import annotations
 
-from shardkeeper.stages.checkpoints import convert_checkpoint, reshard, validate_checkpoint
-from shardkeeper.stages.checks import (
+from shardkeeper.stages._checkpoints import convert_checkpoint, reshard, validate_checkpoint
+from shardkeeper.stages._checks import (
     MUTABLE_FIELDS,
     MUTABLE_SECTIONS,
     check_resume_data,
@@ -22,9 +22,9 @@ from shardkeeper.stages.checks import (
     prepare_run_dir,
     run_record,
 )
-from shardkeeper.stages.export import export_and_record, publish_export
-from shardkeeper.stages.state import run_dirs_under, run_state, scan_runs
-from shardkeeper.stages.train import next_segment_index, plan_available_topology, plan_topology, train_segment
+from shardkeeper.stages._export import export_and_record, publish_export
+from shardkeeper.stages._state import run_dirs_under, run_state, scan_runs
+from shardkeeper.stages._train import next_segment_index, plan_available_topology, plan_topology, train_segment
 
 __all__ = [
     "MUTABLE_FIELDS",

@@ -12,7 +12,7 @@ from ckpt.memtier.tier import newest_valid_snapshot
 from ckpt.validate.checks import latest_valid
 from schemas.errors import ShardkeeperError
 from schemas.requests import RunState, last_placement, last_segment
-from shardkeeper.stages.where import is_remote
+from shardkeeper.stages._where import is_remote
 
 
 def run_state(run_dir: str | Path) -> RunState:

@@ -29,8 +29,8 @@ from schemas.seam import (
     exit_code_of,
 )
 from shardkeeper.preflight import cuda_device_count, preflight
-from shardkeeper.stages.checks import check_resume_data, fetch_pretrained, keep_run_script, prepare_run_dir
-from shardkeeper.stages.where import remote_run
+from shardkeeper.stages._checks import check_resume_data, fetch_pretrained, keep_run_script, prepare_run_dir
+from shardkeeper.stages._where import remote_run
 
 log = logging.getLogger("shardkeeper")
 

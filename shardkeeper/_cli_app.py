@@ -1,5 +1,5 @@
 """The typer app of the ``shardkeeper`` CLI and its consoles, shared by the modules that register commands on it
-(``shardkeeper.cli``: the stages; ``shardkeeper.cli_runs``: lineage, status, Kubernetes manifests)."""
+(``shardkeeper.cli``: the stages; ``shardkeeper._cli_runs``: lineage, status, Kubernetes manifests)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ckpt.commit import lineage
 from ckpt.commit.layout import RunDir
-from shardkeeper.stages.where import is_remote
+from shardkeeper.stages._where import is_remote
 
 
 def export_and_record(

@@ -1,6 +1,6 @@
 """CLI commands that look at runs rather than run a stage: ``lineage``, ``status`` (also of a folder of runs or an
 object store) and ``manifest`` (a segment rendered as Kubernetes manifests). Registered on the app of
-``shardkeeper.cli_app`` when ``shardkeeper.cli`` is imported."""
+``shardkeeper._cli_app`` when ``shardkeeper.cli`` is imported."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from rich.table import Table
 
 from ckpt.commit.layout import RunDir
 from schemas.errors import ShardkeeperError
-from shardkeeper.cli_app import app, console, out
+from shardkeeper._cli_app import app, console, out
 
 
 @app.command("lineage")

@@ -17,8 +17,8 @@ from ckpt.validate.checks import WatchedDir, checked_manifest, gone_before, reti
 from schemas import CheckpointManifest, ReshardResult, RunSpec, ValidationReport
 from schemas.errors import CheckpointError, CheckpointRetired, ConfigError
 from shardkeeper.config import dump_run_spec, spec_from_dict
-from shardkeeper.stages.checks import _check_same_model, run_record
-from shardkeeper.stages.where import is_remote
+from shardkeeper.stages._checks import _check_same_model, run_record
+from shardkeeper.stages._where import is_remote
 
 
 def validate_checkpoint(ckpt_dir: str | Path, *, deep: bool = False) -> ValidationReport:

@@ -13,7 +13,7 @@ from schemas import PreparedData, RunSpec, data_change
 from schemas.errors import ConfigError, RunDirError, ShardkeeperError
 from schemas.run import SCRIPT_UNUSED
 from shardkeeper.config import dump_run_spec, spec_from_dict
-from shardkeeper.stages.where import is_remote
+from shardkeeper.stages._where import is_remote
 
 log = logging.getLogger("shardkeeper")
 

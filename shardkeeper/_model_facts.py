@@ -50,7 +50,7 @@ def _code_digest() -> str:
     """The source of the modules whose checks the facts stand for: an edited check invalidates every entry."""
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for name in ("config.py", "preflight.py", "model_facts.py"):
+    for name in ("config.py", "preflight.py", "_model_facts.py"):
         try:
             h.update((here / name).read_bytes())
         except OSError:
