@@ -360,7 +360,7 @@ def check_finite_weights(source: str, tensors: list[StoredTensor]) -> None:
 
 def check_shardable(spec: RunSpec, model: Any) -> None:
     """FSDP2 shards transformers' decoder blocks (_no_split_modules); DeepSpeed takes any module (ZeRO-1/2 read
-    the pretrained weights into full parameters, ZeRO-3 into each rank's partitions: trainer.deepspeed.zero3)."""
+    the pretrained weights into full parameters, ZeRO-3 into each rank's partitions: trainer.deepspeed._zero3)."""
     if spec.backend == "deepspeed":
         return
     names = set(getattr(model, "_no_split_modules", None) or [])

@@ -178,7 +178,7 @@ def test_deepspeed_zero2_starts_from_the_pretrained_weights(base: Path, tmp_path
 def test_deepspeed_zero3_reads_each_rank_partition_and_resumes_exactly(
     base: Path, fsdp_lr0: tuple[Path, list[str]], tmp_path: Path
 ) -> None:
-    """ZeRO-3 built under zero.Init, each rank's partitions read from the files (trainer.deepspeed.zero3): lr 1e-12
+    """ZeRO-3 built under zero.Init, each rank's partitions read from the files (trainer.deepspeed._zero3): lr 1e-12
     then export gives the pretrained tensors back (tied pair included); the first-step loss is FSDP2's from
     the same folder; a resume from step 3 at 2 ranks is bitwise."""
     from shardkeeper.stages import export_and_record

@@ -179,7 +179,7 @@ def test_hostile_dcp_byte_value_is_refused(
 
 def _engine_load(path: Path) -> object:
     """What DeepSpeed's engine calls for every .pt file of a same-world-size resume."""
-    from trainer.deepspeed.staging import capturing_engine
+    from trainer.deepspeed._staging import capturing_engine
 
     return capturing_engine().load(str(path), map_location="cpu")
 

@@ -1,7 +1,7 @@
 """The public API for one's own training loop (re-exported lazily by ``shardkeeper``).
 
 - ``segment``: ``Segment``, ``SegmentPreempted``, ``SegmentStopped``.
-- ``tracked``: what ``Segment.track`` builds for the user's model, optimizer and other objects.
+- ``_tracked`` (private): what ``Segment.track`` builds for the user's model, optimizer and other objects.
 - ``script``: running a user's script as the ranks of a segment.
 - ``adopt``: another tool's checkpoint adopted as a run's first checkpoint.
 """

@@ -271,7 +271,7 @@ class Segment:
                     "track objects that speak the state_dict/load_state_dict protocol (or leave it out)"
                 )
         self._same_on_every_rank(sorted(state))
-        from trainer.api.tracked import make_checkpointer
+        from trainer.api._tracked import make_checkpointer
 
         self._attach(make_checkpointer(self, model, optimizer, state))
         self._objects = {"model": model, "optimizer": optimizer, **state}

@@ -173,7 +173,7 @@ class Checkpointer:
         # The base model of a pretrained run: hashed by rank 0 in the background at the run's start, or taken
         # from the checkpoint a segment resumed from; every manifest carries it.
         self.base_model: BaseModelRecord | Future | None = None
-        # What a user's script tracks besides model and optimizer (trainer.api.tracked): name -> object with
+        # What a user's script tracks besides model and optimizer (trainer.api._tracked): name -> object with
         # state_dict/load_state_dict, saved as one packed tensor per rank and name.
         self.extra: dict[str, Any] = {}
         self._model_inventory: list[TensorEntry] | None = None

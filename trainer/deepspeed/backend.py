@@ -7,7 +7,7 @@ Selected by ``backend: deepspeed`` in the RunSpec (``deepspeed.zero_stage`` 1, 2
 
 Checkpoints: ``trainer.deepspeed.checkpointer`` (DeepSpeed's own files under the shared commit protocol).
 ``checkpoint.async_save`` works as for FSDP2: training waits for one copy of the state into
-reused host buffers, the files are written, hashed and committed in the background (``trainer.deepspeed.staging``),
+reused host buffers, the files are written, hashed and committed in the background (``trainer.deepspeed._staging``),
 the same bytes a sync save writes. At the saving world size it loads natively and bit-exactly; at another one, rank 0
 converts it once to ``step-XXXXXXXX/universal/`` (ckpt.formats.deepspeed.convert, cached, recorded in lineage)
 while the others wait, and every rank loads that with DeepSpeed's ``load_universal``.
@@ -75,9 +75,9 @@ class DeepSpeedTrainer(Trainer):
         model = self._build(run_dir, until_step, segment, env)
         self.config = ds_config(self.spec, env.world_size)
         if self.pretrained and self.spec.deepspeed.zero_stage == 3:
-            # ZeRO-3: rebuilt under zero.Init, every rank holds only its partitions (trainer.deepspeed.zero3); the
+            # ZeRO-3: rebuilt under zero.Init, every rank holds only its partitions (trainer.deepspeed._zero3); the
             # meta-built model above gave the export record.
-            from trainer.deepspeed.zero3 import build_partitioned
+            from trainer.deepspeed._zero3 import build_partitioned
 
             model = build_partitioned(self.spec, self.config, model)
         elif self.pretrained:
@@ -99,9 +99,9 @@ class DeepSpeedTrainer(Trainer):
     def load_pretrained(self) -> dict[str, float]:
         """ZeRO-1/2: read every weight into the engine's (whole) parameters, then refresh this rank's fp32 master
         partition from them, as deepspeed.initialize did from the uninitialised ones. ZeRO-3: each rank reads its
-        partitions only (trainer.deepspeed.zero3.fill_partitions)."""
+        partitions only (trainer.deepspeed._zero3.fill_partitions)."""
         if self.spec.deepspeed.zero_stage == 3:
-            from trainer.deepspeed.zero3 import fill_partitions
+            from trainer.deepspeed._zero3 import fill_partitions
 
             return fill_partitions(self.engine.module, self.spec, self.hf_model.tied)
         stats = load_pretrained_shards(self.engine.module, self.spec.model, self.hf_model.tied)

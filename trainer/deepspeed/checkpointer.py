@@ -8,7 +8,7 @@ natively and bit-exactly; at another one, rank 0 converts it once to ``step-XXXX
 (ckpt.formats.deepspeed.convert, cached, recorded in lineage) while the others wait, and every rank loads that with
 DeepSpeed's ``load_universal``. Used by the built-in trainer (``trainer.deepspeed.backend``) and by a script that
 tracks a
-DeepSpeed engine (``trainer.api.tracked``).
+DeepSpeed engine (``trainer.api._tracked``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ckpt.formats.pickle.torchzip import check_file
 from schemas import CheckpointManifest, DtypePolicy, FileEntry, Fingerprint, HFModelRecord, RunSpec, TensorEntry
 from schemas.errors import CheckpointError, ModelMismatch
 from trainer.checkpointer.core import Checkpointer, TrainState, Written
-from trainer.deepspeed.staging import Captured, HostStaging, capturing_engine
+from trainer.deepspeed._staging import Captured, HostStaging, capturing_engine
 from trainer.dist import DistEnv
 
 log = logging.getLogger("shardkeeper.deepspeed")
@@ -49,7 +49,7 @@ _GROUP_HPARAMS = ("weight_decay", "betas", "eps")
 class DeepSpeedCheckpointer(Checkpointer):
     """The Checkpointer over a DeepSpeed engine: same public interface, same commit, DeepSpeed's files.
 
-    ``engine.save_checkpoint`` runs with a capturing checkpoint engine (``trainer.deepspeed.staging``): the snapshot is
+    ``engine.save_checkpoint`` runs with a capturing checkpoint engine (``trainer.deepspeed._staging``): the snapshot is
     what DeepSpeed would write; a sync save writes it at once, an async one copies it into reused host buffers
     and writes the copy on the background thread; the same bytes either way."""
 
