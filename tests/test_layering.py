@@ -239,3 +239,68 @@ def test_no_test_module_imports_another() -> None:
             if imp.target.startswith("tests.") and last:
                 problems.append(f"{path.relative_to(ROOT)}:{imp.line} imports {imp.target}")
     assert not problems, "\n".join(problems)
+
+
+# --- private modules start with "_" -----------------------------------------------------------------------------
+
+# Modules of a sub-package that nothing outside their folder imports, public all the same because they are reached by
+# name rather than by an import: run with ``python -m``, imported by users' scripts, or named in a string.
+PUBLIC_BY_NAME = {
+    "shardkeeper.integrations.accelerate": "users' scripts import it (documented API)",
+    "shardkeeper.integrations.transformers": "users' scripts import it (documented API)",
+    "trainer.checkpointer.node_tier": "bench/memtier_bench.py profiles it by dotted name",
+    "trainer.checkpointer.resumer": "bench/memtier_bench.py profiles it by dotted name",
+    "infra.k8s.extract_schema": "run with python -m (infra/k8s/schemas/SOURCES.md)",
+    "infra.k8s.work_pool": "run with python -m (docs/tutorials/kubernetes.md)",
+}
+
+
+def _importers() -> dict[str, set[str]]:
+    """Project module -> the modules (project code and bench/, not tests) that import it."""
+    sources = dict(MODULES)
+    sources.update({module_name(p): p for p in sorted((ROOT / "bench").rglob("*.py"))})
+    users: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, path in sources.items():
+        for imp in imports_of(path, module):
+            target = resolve(imp.target)
+            if target is not None and target != module:
+                users[target].add(module)
+    return users
+
+
+def _folder(module: str) -> str:
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _outside(module: str, users: set[str]) -> set[str]:
+    folder = _folder(module)
+    return {u for u in users if u != folder and not u.startswith(folder + ".")}
+
+
+def test_private_modules_are_imported_only_inside_their_folder() -> None:
+    """A module (or folder) named ``_x`` is the folder's own business: code outside it (tests aside) goes through
+    the folder's ``__init__`` or its public modules."""
+    problems = []
+    for module, users in _importers().items():
+        private = [p for p in module.split(".") if p.startswith("_")]
+        if not private:
+            continue
+        owner = module.split("." + private[0])[0]  # the folder that holds the first private part
+        leaks = {u for u in users if u != owner and not u.startswith(owner + ".")}
+        problems += [f"{u} imports {module}, private to {owner}" for u in sorted(leaks)]
+    assert not problems, "\n".join(problems)
+
+
+def test_sub_package_modules_used_only_inside_their_folder_are_private() -> None:
+    """In a sub-package (a folder inside a layer, e.g. ckpt/export/), a module that nothing outside the folder
+    imports starts with ``_``, unless it is reached by name (PUBLIC_BY_NAME, each with its reason)."""
+    importers = _importers()
+    problems = []
+    for module, path in MODULES.items():
+        if path.name == "__init__.py" or module.count(".") < 2 or module.rpartition(".")[2].startswith("_"):
+            continue
+        if not _outside(module, importers[module]) and module not in PUBLIC_BY_NAME:
+            problems.append(f"{path.relative_to(ROOT)}: only its own folder imports it; rename it _{path.name}")
+    stale = sorted(m for m in PUBLIC_BY_NAME if m not in MODULES or _outside(m, importers[m]))
+    assert not problems, "\n".join(problems)
+    assert not stale, f"PUBLIC_BY_NAME lists modules that are gone or now imported from outside: {stale}"

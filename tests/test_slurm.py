@@ -368,7 +368,10 @@ def test_a_killed_launcher_leaves_no_second_writer_and_a_pending_job_stops_at_on
     run directory is refused (exit 3) instead of training beside it; SIGTERM to a train whose job is pending
     cancels the job within seconds (Slurm refuses to signal a pending job)."""
     busy = subprocess.run(
-        ["sbatch", "--parsable", "-N2", "--exclusive", "--wrap", "sleep 60"], env=slurm, capture_output=True, text=True
+        ["sbatch", "--parsable", "-N2", "--exclusive", f"--output={tmp_path / 'blocker.out'}", "--wrap", "sleep 60"],
+        env=slurm,
+        capture_output=True,
+        text=True,
     )
     assert busy.returncode == 0, busy.stderr
     blocker = busy.stdout.strip().split(";")[0]
