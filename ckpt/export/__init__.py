@@ -1,71 +1,10 @@
-"""Export a committed checkpoint (DCP or DeepSpeed) to a folder ``AutoModelForCausalLM.from_pretrained`` loads.
+"""Export a committed checkpoint (DCP, DeepSpeed ZeRO or a memory snapshot) to a folder that
+``AutoModelForCausalLM.from_pretrained`` loads: safetensors shards, config, model card and tokenizer files.
 
     from ckpt.export import export_checkpoint
     export_checkpoint("runs/demo/checkpoints/step-00000020", "runs/demo/exports/step-00000020", dtype="bfloat16")
 
-(or ``shardkeeper export CKPT OUT --dtype bfloat16``). The folder holds ``config.json``,
-``generation_config.json``, ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` and
-``model.safetensors.index.json``), a short ``README.md`` (a model card; for a fine-tune its YAML header names
-``base_model`` with ``base_model_relation: finetune``) and, when the run had a tokenizer (its base model's, or
-``data.tokenizer``), the tokenizer files: ``AutoTokenizer.from_pretrained`` loads the folder too.
-
-How it works, and why:
-
-* Checked before anything is written: the options, the output folder, the checkpoint (quick
-  validation: manifest, every file present at its size), every model chunk's record inside the
-  ``.distcp`` files, the tensor names/shapes/dtypes against the manifest's inventory (recorded from
-  the transformers model at save). Checked before the commit: the CRC-32 of every model byte against
-  its zip record, computed from the bytes as they are copied (one read of the model bytes, not two;
-  each zip entry once, a DeepSpeed partition however many parameters it holds). shardkeeper's own DCP
-  saves record no CRC-32 (the manifest's xxh3-128 of each file covers every byte): the files holding
-  such entries are hashed whole against the manifest in a background thread while the copy runs
-  (``ckpt.export._digests``; skipped with ``deep``, which checked every file first). On a mismatch the
-  hidden folder is removed and nothing is published.
-* Streaming with bounded memory: DCP's default writer stores each chunk as a ``torch.save`` zip whose
-  ``data/<key>`` entry is the raw storage, stored uncompressed. The exporter parses the zip and the
-  tiny pickle (with an allow-list; nothing is executed) to find those bytes and streams them in
-  16 MiB pieces (``preadv`` into reused buffers; cast pieces are cast with torch's ``copy_``)
-  straight into the safetensors file. (mmap views were tried: no faster, and their page faults
-  contend with the import thread for the process's memory-map lock.)
-  Chunks that split a tensor by rows (FSDP2) stream without ever assembling the tensor; other
-  layouts (2-D sharding, strided records) assemble one tensor at a time. Peak memory is a few pieces,
-  plus one tensor in the assembled case: far below one output shard + 0.5 GB.
-* DeepSpeed ZeRO checkpoints export in the same single pass: a parameter's fp32 master weight is a
-  few element ranges of the ranks' flat partitions inside the ``*_optim_states.pt`` zips (the layout
-  ``ckpt.formats.deepspeed.zero.ZeroShards`` knows, ZeRO 1/2/3; or one ``universal/zero/<name>/fp32.pt`` each).
-  Those ranges are the tensor's chunks, streamed in order; the header keeps the real shape. Each
-  partition's storage entry is CRC-checked once, however many parameters it holds. The tensors are
-  bit for bit those of ``deepspeed.utils.zero_to_fp32``.
-* Speed: writing and SHA-256 hashing run in two threads that release the GIL; the file is written
-  with O_DIRECT through an aligned staging buffer where the file system takes it (the page cache would
-  only hold a copy nobody reads back, and filling it costs more than the disk write on this project's
-  VMs). transformers is not imported at all when the manifest holds the ``hf_model`` record the trainer
-  wrote at save (config.json and generation_config.json as save_pretrained writes them, and the tied
-  names): names and shapes are then the manifest inventory's, which the files are checked against.
-  For older checkpoints without it, importing transformers (seconds) and building the model on the
-  meta device run in a background thread from the start, with the cyclic GC paused while it creates
-  its long-lived objects. When the RunSpec declares ``tie_word_embeddings: false`` nothing can be a
-  tied copy, so the copy does not wait for it; the names and shapes are then checked against the
-  transformers model before the commit (they were already checked against the manifest before
-  writing). Otherwise the check comes first.
-* Bit-exactness: the bytes are the storage bytes ``torch.load`` would give; casts round to nearest
-  even, as ``tensor.to(dtype)`` does.
-* Byte reproducibility: tensors keep the checkpoint's order (the model's state_dict order), headers
-  are compact JSON with sorted names and a fixed ``__metadata__``, and no file carries a time or path.
-* Atomicity: everything is written into a hidden sibling folder, every file and the folder are
-  fsynced, then the folder is renamed to ``out_dir`` and the parent fsynced. On any failure the
-  sibling is removed, so a folder named ``out_dir`` is always complete. Without ``overwrite`` the rename
-  never replaces anything (``renameat2(RENAME_NOREPLACE)``, under a lock on the parent folder): of two
-  exports into one new folder, the second fails with "already exists" and the first stays whole.
-* Readers beside a writer: the manifest is read once, validated, and what the export reports (the step)
-  comes from it. A checkpoint that training's retention retires while it is exported fails the export with
-  CheckpointRetired (one line: pick a newer step), never as a corrupted checkpoint or a bad path; files
-  opened before it went are read to the end (their bytes stay until closed), so an export that got them
-  all completes -- except from a memory snapshot: the next snapshot overwrites a retired one's files in place
-  (ckpt.memtier.recycle.recycle renames the dir first), so an export of a snapshot that went before every byte was
-  read fails as retired.
-* A tensor larger than ``max_shard_size`` is written alone in its own shard (with a warning), as
-  ``save_pretrained`` does, rather than refused: a model must remain exportable whatever the limit.
+How it checks, streams and commits (and what that guarantees) is in docs/concepts/export.md.
 """
 
 from __future__ import annotations
@@ -121,18 +60,34 @@ def export_checkpoint(
     deep: bool = False,
     tokenizer_from: str | os.PathLike[str] | bool | None = None,
 ) -> ExportResult:
-    """Export a committed DCP or deepspeed checkpoint to ``out_dir`` in the ``from_pretrained`` layout.
+    """Export a committed DCP or DeepSpeed checkpoint to ``out_dir`` in the ``from_pretrained`` layout.
 
-    ``dtype`` is the published dtype of floating tensors (integer/bool tensors keep theirs);
-    ``max_shard_size`` bounds each safetensors file (bytes, or '5GB' / '500MB' / '2GiB'); a tensor
-    larger than that is written alone in its own file; ``overwrite`` replaces an existing ``out_dir``
-    (atomically, once the new export is complete); ``progress`` shows a rich progress bar; ``deep``
-    also checks every checksum in the manifest first, and for DCP the fingerprint (the model bytes are
-    always CRC-checked, as they are copied, before the commit). A deepspeed checkpoint is read in one pass where
-    DeepSpeed stored its fp32 master weights. ``tokenizer_from``: where the tokenizer files come from (a folder; None:
-    the run's ``data.tokenizer`` or its base model's folder, see ``ckpt.export._tokenizer``; False: none).
-    Raises ExportError (options, output folder, model mismatch) or CheckpointError
-    (the checkpoint), each with a one-line message naming the fix.
+    Args:
+        ckpt_dir: the committed checkpoint (``.../checkpoints/step-N``, a DeepSpeed tag folder or a memory snapshot).
+        out_dir: the folder to create; it appears whole or not at all.
+        dtype: the published dtype of floating tensors ("float32", "bfloat16", "float16"); integer and bool
+            tensors keep theirs.
+        max_shard_size: the bound of each safetensors file, in bytes or as "5GB" / "500MB" / "2GiB"; a larger
+            tensor is written alone in its own file.
+        overwrite: replace an existing ``out_dir`` (atomically, once the new export is complete).
+        progress: show a progress bar.
+        deep: check every checksum in the manifest (and, for DCP, the fingerprint) before starting; the model bytes
+            are CRC-checked as they are copied either way.
+        tokenizer_from: where the tokenizer files come from: a folder; None for the run's ``data.tokenizer`` or its
+            base model's; False for none.
+
+    Returns:
+        ExportResult: the step, every file written with its SHA-256, the shard, tensor and byte counts, the time
+            taken and the peak memory.
+
+    Raises:
+        ExportError: a bad option, an ``out_dir`` that exists (without ``overwrite``), or tensors that do not match
+            the model.
+        CheckpointRetired: retention removed the checkpoint before or while it was read (pick a newer step).
+        CheckpointError: the checkpoint is incomplete, corrupt or not a checkpoint.
+
+    Example:
+        >>> export_checkpoint("runs/demo/checkpoints/step-00000020", "out/step-20", dtype="bfloat16")  # doctest: +SKIP
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     with WatchedDir(ckpt_dir) as watched:
