@@ -47,8 +47,11 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# Two workers, one test file each at a time (--dist loadfile keeps a module's shared launches and servers on one
+# worker; every worker starts its own Prefect server). TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
 test: install system-deps lint
-	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest --durations=10 $(PYTEST_ARGS)
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest --durations=10 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The inner loop: unit and in-process tests, no torchrun launch, server, browser or GPU (tests/conftest.py marks
 # the modules that launch as slow); under 5 minutes on 2 cores.
