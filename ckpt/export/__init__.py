@@ -69,10 +69,12 @@ def export_checkpoint(
             tensors keep theirs.
         max_shard_size: the bound of each safetensors file, in bytes or as "5GB" / "500MB" / "2GiB"; a larger
             tensor is written alone in its own file.
-        overwrite: replace an existing ``out_dir`` (atomically, once the new export is complete).
+        overwrite: replace an existing ``out_dir`` once the new export is complete (the old folder is renamed
+            aside, the new one renamed in, then the old one removed).
         progress: show a progress bar.
-        deep: check every checksum in the manifest (and, for DCP, the fingerprint) before starting; the model bytes
-            are CRC-checked as they are copied either way.
+        deep: check every checksum in the manifest and the recorded fingerprint before starting. Either way no
+            unchecked model byte is published: without ``deep`` the files holding model bytes are checked as they
+            are copied (a record's CRC-32, or the file's xxh3-128 against the manifest).
         tokenizer_from: where the tokenizer files come from: a folder; None for the run's ``data.tokenizer`` or its
             base model's; False for none.
 
@@ -81,10 +83,12 @@ def export_checkpoint(
             taken and the peak memory.
 
     Raises:
-        ExportError: a bad option, an ``out_dir`` that exists (without ``overwrite``), or tensors that do not match
-            the model.
-        CheckpointRetired: retention removed the checkpoint before or while it was read (pick a newer step).
+        ExportError: a bad option, an ``out_dir`` that exists (without ``overwrite``) or lies inside the checkpoint,
+            too little free space, tensors that do not match the model, or an unusable tokenizer folder.
+        CheckpointRetired: retention removed the checkpoint before or while its files were opened (pick a newer
+            step).
         CheckpointError: the checkpoint is incomplete, corrupt or not a checkpoint.
+        OSError: writing the export failed (a full disk, an I/O error); its hidden folder is removed.
 
     Example:
         >>> export_checkpoint("runs/demo/checkpoints/step-00000020", "out/step-20", dtype="bfloat16")  # doctest: +SKIP
