@@ -1,12 +1,13 @@
 """Session fixtures shared by the test modules.
 
-``prefect_server``: ONE real ``prefect server start`` (SQLite, temporary PREFECT_HOME, free port,
-UI included) for the whole session; this process's Prefect settings point at it, so flows called
-in tests run against it and the browser test can open its UI. It replaces ``prefect_test_harness``
-(whose server has no UI) and costs ~10-25 s once.
+``prefect_server``: one real ``prefect server start`` (SQLite, temporary PREFECT_HOME, free port,
+UI included) per test process (``make test`` runs two pytest-xdist workers: one server each);
+this process's Prefect settings point at it, so flows called in tests run against it and the
+browser test can open its UI. It replaces ``prefect_test_harness`` (whose server has no UI) and
+costs ~10-25 s once per process.
 
 ``tiny_run``: the tiny model trained 5 steps on 2 ranks through ``shardkeeper.stages`` (one torchrun
-launch, ~10 s), shared read-only: copy it before changing anything.
+launch per test process, ~10 s), shared read-only: copy it before changing anything.
 
 ``ds_run``: the same for DeepSpeed ZeRO-2. Both are guarded: a test that changes anything inside one (a
 lineage line appended by an export or ``validate --deep``, a file planted) errors, naming the path, so no

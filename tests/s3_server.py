@@ -1,7 +1,8 @@
-"""The real S3-protocol server the s3:// tests run against (moto_server on loopback, started once per session),
+"""The real S3-protocol server the s3:// tests run against (moto_server on loopback, started once per test process),
 with the helpers those tests share: buckets, listings, the CLI with its own cache. The test modules load it as a
-plugin (``pytest_plugins``), so its session fixture is one server for all of them: s3fs caches its filesystem
-per set of options, and the endpoint comes from the environment, so a second server would not be reached."""
+plugin (``pytest_plugins``), so its session fixture is one server for all of them in a process (each pytest-xdist
+worker starts its own): s3fs caches its filesystem per set of options, and the endpoint comes from the environment,
+so a second server in one process would not be reached."""
 
 from __future__ import annotations
 

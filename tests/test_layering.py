@@ -246,8 +246,6 @@ def test_no_test_module_imports_another() -> None:
 # Modules of a sub-package that nothing outside their folder imports, public all the same because they are reached by
 # name rather than by an import: run with ``python -m``, imported by users' scripts, or named in a string.
 PUBLIC_BY_NAME = {
-    "shardkeeper.integrations.accelerate": "users' scripts import it (documented API)",
-    "shardkeeper.integrations.transformers": "users' scripts import it (documented API)",
     "trainer.checkpointer.node_tier": "bench/memtier_bench.py profiles it by dotted name",
     "trainer.checkpointer.resumer": "bench/memtier_bench.py profiles it by dotted name",
     "infra.k8s.extract_schema": "run with python -m (infra/k8s/schemas/SOURCES.md)",
@@ -256,9 +254,11 @@ PUBLIC_BY_NAME = {
 
 
 def _importers() -> dict[str, set[str]]:
-    """Project module -> the modules (project code and bench/, not tests) that import it."""
+    """Project module -> the modules that import it: project code, the bench scripts and the examples users copy
+    (not tests; not bench/out/, where a bench installs third-party packages)."""
     sources = dict(MODULES)
-    sources.update({module_name(p): p for p in sorted((ROOT / "bench").rglob("*.py"))})
+    for folder in ("bench", "examples"):
+        sources.update({module_name(p): p for p in sorted((ROOT / folder).glob("*.py"))})
     users: dict[str, set[str]] = {m: set() for m in MODULES}
     for module, path in sources.items():
         for imp in imports_of(path, module):
