@@ -132,12 +132,17 @@ class Mirror:
         try:
             self._start()
         except BaseException:
-            self.pin.release()
-            if self.lease is not None:
-                self.lease.release()
+            self.release()
             raise
         if taken is not None:
             self._record_takeover(taken)
+
+    def release(self) -> None:
+        """Give up the cache pin and the run's lease (its renewal thread stopped), uploading nothing: what
+        ``finish`` does last, and ``start`` when it fails."""
+        self.pin.release()
+        if self.lease is not None:
+            self.lease.release()
 
     def _guard(self) -> None:
         """Before a checkpoint's files and before its manifest: nothing more once the upload was given up, and the
@@ -398,9 +403,7 @@ class Mirror:
                 raise ObjectStoreError(msg) from None
             log.error("%s", msg)
         finally:
-            self.pin.release()
-            if self.lease is not None:
-                self.lease.release()
+            self.release()
 
 
 def remote_result(remote: RemoteRun, result: SegmentResult, mirror: Mirror | None = None) -> SegmentResult:

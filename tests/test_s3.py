@@ -220,9 +220,7 @@ def test_checkpoint_without_manifest_is_never_listed_loaded_or_valid(
         # the newest whole one and the next older (the ranks' fallback), never the torn one
         assert [p.name for p in remote.local.committed()] == [f"step-{END - 1:08d}", f"step-{END:08d}"]
     finally:  # its lease renewed in a thread until released (else it outlives the test, and the S3 server)
-        m.pin.release()
-        if m.lease is not None:
-            m.lease.release()
+        m.release()
     # a corrupted object under a manifest: refused at download, nothing lands in the cache
     key = next(k for k in _keys(bucket, f"run/checkpoints/step-{END - 1:08d}/") if k.endswith(".distcp"))
     body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
