@@ -85,8 +85,8 @@ def export_checkpoint(
     Raises:
         ExportError: a bad option, an ``out_dir`` that exists (without ``overwrite``) or lies inside the checkpoint,
             too little free space, tensors that do not match the model, or an unusable tokenizer folder.
-        CheckpointRetired: retention removed the checkpoint before or while its files were opened (pick a newer
-            step).
+        CheckpointRetired: retention removed the checkpoint before its files were all opened, or a memory snapshot
+            before every byte was read (pick a newer step).
         CheckpointError: the checkpoint is incomplete, corrupt or not a checkpoint.
         OSError: writing the export failed (a full disk, an I/O error); its hidden folder is removed.
 
