@@ -128,21 +128,25 @@ class Mirror:
         r.commit_guard = self._guard
         if self.lease is not None:  # before anything is pulled or written: a second writer is refused here
             taken = self.lease.acquire()
-            self.lease.start_renewing()
         try:
+            if self.lease is not None:
+                self.lease.start_renewing()
             self._start()
-        except BaseException:
+            if taken is not None:
+                self._record_takeover(taken)
+        except BaseException:  # nothing held past a failed start: no pin, lease, renewal or upload thread
+            self._stop.set()
             self.release()
             raise
-        if taken is not None:
-            self._record_takeover(taken)
 
     def release(self) -> None:
         """Give up the cache pin and the run's lease (its renewal thread stopped), uploading nothing: what
-        ``finish`` does last, and ``start`` when it fails."""
-        self.pin.release()
-        if self.lease is not None:
-            self.lease.release()
+        ``finish`` does last, and ``start`` when it fails. Safe to call again."""
+        try:
+            self.pin.release()
+        finally:
+            if self.lease is not None:
+                self.lease.release()
 
     def _guard(self) -> None:
         """Before a checkpoint's files and before its manifest: nothing more once the upload was given up, and the

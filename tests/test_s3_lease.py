@@ -238,3 +238,40 @@ def test_another_machine_resumes_an_s3_run_without_its_config(s3_endpoint: str, 
     assert got.name == "from-the-store" and got == spec
     with pytest.raises(Exception, match="--config: required for a new run"):
         train_spec(None, None, f"s3://{bucket}/run2")
+
+
+def test_a_start_that_fails_after_taking_the_lease_holds_nothing(
+    s3_endpoint: str, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mirror whose start fails once it holds the lease (here: the takeover's lineage line cannot be written, a
+    full disk) gives up the lease, its renewal thread, the cache pin and the upload thread: the next writer takes
+    the run at once instead of waiting out the lease."""
+    import errno
+
+    from ckpt.store.objstore import RemoteRun
+    from shardkeeper.remote import Mirror
+
+    url = f"s3://{_new_bucket()}/run"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = _lease(url, expiry=30.0)
+    dead.owner = {**dead.owner, "pid": gone.pid}
+    dead.acquire()  # a dead holder on this host: taken over at once, and the takeover is recorded
+
+    def full(self: Mirror, taken: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Mirror, "_record_takeover", full)
+    mirror = Mirror(RemoteRun(url), tiny_spec(), is_valid=lambda p: True, poll_s=3600)
+    with pytest.raises(OSError, match="No space left"):
+        mirror.start()
+    assert mirror.lease is not None and mirror.lease.etag is None
+    assert _lease(url).read() is None, "the lease stays on the store"
+    renewing = mirror.lease._thread
+    assert renewing is not None and not renewing.is_alive(), "the lease is still renewed"
+    assert mirror._thread is not None, "the start failed after the upload thread began"
+    mirror._thread.join(timeout=5)
+    assert not mirror._thread.is_alive(), "the upload thread still polls"
+    assert not mirror.pin._lock.held
+    mirror.release()  # again: nothing to give up, nothing raised
+    assert _lease(url).acquire() is None  # free: taken without waiting for an expiry
