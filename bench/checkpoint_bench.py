@@ -377,6 +377,34 @@ def load_worker(small: bool, runs: dict, reps: int) -> dict:
 
             setattr(ck.resumer, name, wrapped)
 
+    # and the load's own parts: the one-pass reader's hash pass and its copy into the live state, DCP's
+    # set_state_dict and the fingerprint of the live state (module attributes, patched in this process only)
+    import ckpt.formats.dcp.onepass as onepass
+    import trainer.checkpointer.dcp_backend as backend
+
+    def timing(owner, name: str, key: str) -> None:
+        f = getattr(owner, name)
+
+        def wrapped(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                phases.setdefault(f"{key}_{state['which']}", []).append(time.perf_counter() - t)
+
+        setattr(owner, name, wrapped)
+
+    timing(onepass.OnePassReader, "read_data", "read_data")
+    timing(onepass.OnePassReader, "apply", "apply")
+    timing(backend, "set_state_dict", "set_state_dict")
+    timing(backend.fp, "local_sum_squares", "fingerprint_sums")
+    timing(backend, "load_verified", "load_verified")
+    timing(backend.DCPCheckpointer, "restore", "restore")
+    timing(onepass.OnePassReader, "prepare_global_plan", "global_plan")
+    timing(onepass.OnePassReader, "read_metadata", "read_metadata")
+    for ck in cks.values():
+        timing(ck, "fingerprint", "fingerprint")
+
     def ours(which: str, pick: dict | None = None):
         def go() -> None:
             state["which"] = which if pick is None else f"twopass_{which}"
@@ -593,7 +621,22 @@ def table(s: dict, st: dict, ld: dict, reps: dict) -> str:
         )
         + ", verified load (dcp.load hashing every file as it comes off the disk; once every rank's files "
         "matched, the chunks are read from the page cache straight into the live state) + set_state_dict + "
-        "counters + fingerprint " + " / ".join(f"{med(ph['load_' + w]):.2f}" for w in ("same", "other")) + "."
+        "counters + fingerprint "
+        + " / ".join(f"{med(ph['load_' + w]):.2f}" for w in ("same", "other"))
+        + (
+            (
+                "; of which the hash pass (read_data: every file read and hashed, and the fingerprint's sums of the "
+                "chunks computed behind it from the page cache) "
+                + " / ".join(f"{med(ph['read_data_' + w]):.2f}" for w in ("same", "other"))
+                + ", the copy into the live state (apply) "
+                + " / ".join(f"{med(ph['apply_' + w]):.2f}" for w in ("same", "other"))
+                + ", the fingerprint after the load (taking those sums) "
+                + " / ".join(f"{med(ph['fingerprint_' + w]):.3f}" for w in ("same", "other"))
+            )
+            if all(ph.get(k + w) for k in ("read_data_", "apply_", "fingerprint_") for w in ("same", "other"))
+            else ""
+        )
+        + "."
     )
     return body
 

@@ -308,3 +308,85 @@ def test_a_received_file_is_written_whole_through_short_writes_and_a_full_memory
             assert list(inc.verified()) == ["f"]
         else:
             assert problem is not None and problem.startswith(f"disk full at {root / 'f'}"), problem
+
+
+def test_the_sums_a_load_computes_as_it_reads_are_the_fingerprint_bits_of_what_it_wrote(tmp_path: Path) -> None:
+    """``sum_method``: the reader sums each chunk it copies whole into a tensor, from the bytes it copies (tensors
+    longer than one torch call's part, two dtypes): bit for bit the blocked fingerprint of the loaded tensors, and
+    ``local_sum_squares`` takes them (a planted sum shows it is used, not recomputed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from ckpt.commit import fingerprint as fp
+    from ckpt.commit.hashing import hash_file
+    from ckpt.formats.dcp.onepass import load_verified
+
+    g = torch.Generator().manual_seed(1)
+    sd = {
+        "big": torch.randn(fp.STREAM * 2 + 12345, generator=g),
+        "half": torch.randn(fp.STREAM + 7, generator=g).to(torch.bfloat16),
+        "small": torch.randn(33, 5, generator=g),
+    }
+    ckpt = tmp_path / "ckpt"
+    dcp.save(sd, storage_writer=FileSystemWriter(ckpt, thread_count=2), no_dist=True)
+    expected = {p.name: hash_file(p) for p in ckpt.iterdir()}
+    out = _zeros(sd)
+    reader = load_verified(out, ckpt, expected, no_dist=True, sum_method=fp.METHOD)
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+    named = sorted(out.items())
+    names, plain = fp.local_sum_squares(named)
+    assert set(reader.sums) == {fp.memory_key(t) for _, t in named}
+    for name, t in named:
+        assert torch.equal(reader.sums[fp.memory_key(t)], fp.local_sum_squares([(name, t)])[1][0]), name  # type: ignore[index]
+    assert torch.equal(fp.local_sum_squares(named, fp.METHOD, reader.sums)[1], plain)
+    planted = {**reader.sums, fp.memory_key(out["small"]): torch.tensor(-1.0, dtype=torch.float64)}
+    assert fp.local_sum_squares(named, fp.METHOD, planted)[1][names.index("small")] == -1.0  # type: ignore[index]
+    assert torch.equal(
+        fp.local_sum_squares(named, fp.LEGACY_METHOD, planted)[1], fp.local_sum_squares(named, fp.LEGACY_METHOD)[1]
+    )
+    # without a method nothing is summed
+    assert load_verified(_zeros(sd), ckpt, expected, no_dist=True).sums == {}
+
+
+def _save_sharded(ckpt: str) -> None:
+    """A 2-rank DCP save of one row-sharded DTensor (each rank's chunk is half the rows)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    full = torch.randn(300, 77, generator=torch.Generator().manual_seed(3))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    dcp.save({"w": distribute_tensor(full, mesh, [Shard(0)])}, checkpoint_id=ckpt)
+    dist.destroy_process_group()
+
+
+def test_at_another_world_size_the_sums_of_the_chunks_that_fill_a_tensor_are_added(tmp_path: Path) -> None:
+    """A tensor filled by several chunks (a 2-rank save loaded by one process) gets the sum of its parts' sums with
+    ``sum_parts`` (within the fingerprint's cross-world tolerance of one pass over it), none without; memory
+    ``sum_keys`` does not name is never summed."""
+    from ckpt.commit import fingerprint as fp
+    from ckpt.commit.hashing import hash_file
+    from ckpt.formats.dcp.onepass import load_verified
+
+    ckpt = tmp_path / "ckpt"
+    spawn(_save_sharded, 2, str(ckpt))
+    expected = {p.name: hash_file(p) for p in ckpt.iterdir()}
+    out = {"w": torch.zeros(300, 77)}
+    key = fp.memory_key(out["w"])
+    assert key is not None
+    one_pass = fp.local_sum_squares([("w", out["w"])])[1][0]
+    reader = load_verified(out, ckpt, expected, no_dist=True, sum_method=fp.METHOD, sum_keys={key}, sum_parts=True)
+    whole = fp.local_sum_squares([("w", out["w"])])[1][0]
+    assert float(whole) > 0 and float(one_pass) == 0.0
+    assert set(reader.sums) == {key}
+    assert abs(float(reader.sums[key]) - float(whole)) <= fp.CROSS_WORLD_RTOL * float(whole)
+    out2 = {"w": torch.zeros(300, 77)}
+    key2 = fp.memory_key(out2["w"])
+    assert load_verified(out2, ckpt, expected, no_dist=True, sum_method=fp.METHOD, sum_keys={key2}).sums == {}
+    out3 = {"w": torch.zeros(300, 77)}
+    assert (
+        load_verified(out3, ckpt, expected, no_dist=True, sum_method=fp.METHOD, sum_keys=set(), sum_parts=True).sums
+        == {}
+    )

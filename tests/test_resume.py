@@ -55,7 +55,7 @@ def _legacy_fingerprint_segment(run: str, until: int, segment: int) -> int:
     import ckpt.commit.fingerprint as fp
 
     ls, mk = fp.local_sum_squares, fp.make_fingerprint
-    fp.local_sum_squares = lambda named, method=None: ls(named, fp.LEGACY_METHOD)
+    fp.local_sum_squares = lambda named, method=None, known=None: ls(named, fp.LEGACY_METHOD)
     fp.make_fingerprint = lambda m, o, s, method=None: mk(m, o, s, fp.LEGACY_METHOD)
     return run_segment(run, until, segment)
 

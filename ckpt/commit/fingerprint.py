@@ -49,6 +49,38 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 _CHUNK_BLOCKS = 16  # blocks converted and squared per torch call (a 4 MiB float64 buffer)
+STREAM = _BLOCK * _CHUNK_BLOCKS  # elements per torch call
+
+
+class BlockedSum:
+    """The blocked method's sum of one tensor, fed its elements in order: every part but the last must hold a whole
+    number of blocks (``_BLOCK`` elements; at most ``STREAM`` per part), so that the blocks fall where a pass over
+    the whole tensor puts them; the last may be any length. The same bits as ``_blocked_sum_squares`` of the parts
+    joined.
+
+    Args:
+        buf: a float64 scratch tensor of at least ``STREAM`` elements (reused across tensors).
+    """
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.acc = 0.0
+
+    def add(self, part: torch.Tensor) -> None:
+        """Add ``part`` (1-D, at most ``STREAM`` elements) to the sum."""
+        n = part.numel()
+        b = self.buf[:n]
+        b.copy_(part)
+        b.square_()
+        full = n // _BLOCK
+        if full:
+            for v in b[: full * _BLOCK].view(full, _BLOCK).sum(dim=1).tolist():
+                self.acc += v
+        if n % _BLOCK:
+            self.acc += float(b[full * _BLOCK :].sum())
+
+    def result(self) -> torch.Tensor:
+        return torch.tensor(self.acc, dtype=torch.float64)
 
 
 def _blocked_sum_squares(flat: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -57,37 +89,61 @@ def _blocked_sum_squares(flat: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     reduces each row as the sum of that block alone would, on one thread), and the block sums are added one by one
     in float64 (Python floats: the same IEEE additions): the same bits as one call per block, ~1.6x faster (the
     per-call overhead was most of it). tests/test_units.py checks it against the one-block-at-a-time definition."""
-    acc = 0.0
-    step = _BLOCK * _CHUNK_BLOCKS
-    for at in range(0, flat.numel(), step):
-        part = flat[at : at + step]
-        n = part.numel()
-        b = buf[:n]
-        b.copy_(part)
-        b.square_()
-        full = n // _BLOCK
-        if full:
-            for v in b[: full * _BLOCK].view(full, _BLOCK).sum(dim=1).tolist():
-                acc += v
-        if n % _BLOCK:
-            acc += float(b[full * _BLOCK :].sum())
-    return torch.tensor(acc, dtype=torch.float64)
+    total = BlockedSum(buf)
+    for at in range(0, flat.numel(), STREAM):
+        total.add(flat[at : at + STREAM])
+    return total.result()
+
+
+def scratch() -> torch.Tensor:
+    """The float64 scratch buffer ``BlockedSum`` needs."""
+    return torch.empty(STREAM, dtype=torch.float64)
+
+
+# (data pointer, elements, dtype) of a contiguous CPU tensor -> its blocked sum of squares, computed from the bytes a
+# load copied into that memory (ckpt.formats.dcp.onepass): ``local_sum_squares`` takes such a sum instead of reading
+# the tensor again.
+KnownSums = dict[tuple[int, int, torch.dtype], torch.Tensor]
+
+
+def memory_key(t: torch.Tensor) -> tuple[int, int, torch.dtype] | None:
+    """The ``KnownSums`` key of ``t``'s memory; None when ``t`` is not a contiguous CPU tensor."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return (t.data_ptr(), t.numel(), t.dtype)
 
 
 def local_sum_squares(
-    named: Iterable[tuple[str, torch.Tensor]], method: str = METHOD
+    named: Iterable[tuple[str, torch.Tensor]], method: str = METHOD, known: KnownSums | None = None
 ) -> tuple[list[str], torch.Tensor]:
-    """Per-tensor sum of squares of the local shards (float64 accumulation, no float64 copy of a tensor)."""
+    """Per-tensor sum of squares of the local shards (float64 accumulation, no float64 copy of a tensor).
+
+    Args:
+        named: (name, tensor) pairs; a DTensor counts its local shard.
+        method: ``METHOD`` or ``LEGACY_METHOD``.
+        known: sums of the blocked method already computed from the bytes a load wrote into a tensor's memory
+            (``KnownSums``): a local shard whose memory is such a key takes that sum instead of being read.
+
+    Returns:
+        The names, and their sums as one float64 vector in the same order.
+
+    Raises:
+        ValueError: an unknown method.
+    """
     if method not in (METHOD, LEGACY_METHOD):
         raise ValueError(f"unknown fingerprint method {method!r}")
     names: list[str] = []
     parts: list[torch.Tensor] = []
-    buf = torch.empty(_BLOCK * _CHUNK_BLOCKS, dtype=torch.float64) if method == METHOD else None
+    buf = scratch() if method == METHOD else None
     for name, t in named:
         names.append(name)
         loc = _local(t).detach()
         if loc.numel() == 0:
             parts.append(torch.zeros((), dtype=torch.float64))
+            continue
+        key = memory_key(loc) if known and method == METHOD else None
+        if known and key is not None and key in known:
+            parts.append(known[key])
             continue
         if loc.device.type != "cpu":
             loc = loc.cpu()

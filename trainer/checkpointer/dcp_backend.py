@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,19 @@ def cpu_buffers(sd: dict[str, Any], *, pin_memory: bool) -> dict[str, Any]:
     )
 
 
+def _local_tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of a nested state dict, a DTensor as its local shard."""
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _local_tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _local_tensors(v)
+    elif isinstance(tree, torch.Tensor):
+        to_local = getattr(tree, "to_local", None)
+        yield to_local() if to_local is not None else tree
+
+
 def _renamed(sd: dict[str, Any], names: dict[str, str], *, drop_groups: bool) -> dict[str, Any]:
     """``sd`` (``DCPCheckpointer.state_dict``) with its model and optimizer-state names renamed (``names``: live
     -> checkpoint) and, ``drop_groups``, without the optimizer's param groups: what ``restore`` asks the checkpoint
@@ -107,6 +121,7 @@ class DCPCheckpointer(Checkpointer):
         self._maps: dict[tuple[int, int], tuple[int, Any]] = {}  # file (device, inode) -> (size, its map)
         self._staged_keys: set[tuple[int, int]] = set()  # the files of the last snapshot staged in its files
         self._fp_pool = background_pool("ckpt-fingerprint", self.spec.checkpoint.background_nice)
+        self._load_sums: fp.KnownSums = {}  # the last load's sums of what it wrote, for the fingerprint after it
 
     # ----------------------------------------------------------------- state dict
     def state_dict(self, ts: TrainState, *, with_rng: bool = True) -> dict[str, Any]:
@@ -130,12 +145,13 @@ class DCPCheckpointer(Checkpointer):
 
     @staticmethod
     def _fingerprint_parts(
-        sd: dict[str, Any], method: str = fp.METHOD, rank: int = 0
+        sd: dict[str, Any], method: str = fp.METHOD, rank: int = 0, known: fp.KnownSums | None = None
     ) -> tuple[list[str], torch.Tensor, int, float]:
         """Local part of the fingerprint: names and sums of squares (model first), and the optimizer step.
 
         A plain tensor (not a DTensor: a replicated module, e.g. under DDP) is the same on every rank, and DCP
-        saves it once: only rank 0 counts it, or the sum would grow with the world size."""
+        saves it once: only rank 0 counts it, or the sum would grow with the world size. ``known``: sums a load
+        computed from the bytes it wrote into a tensor's memory (``fingerprint.local_sum_squares``)."""
         from torch.distributed.tensor import DTensor
 
         def once(t: Any) -> Any:
@@ -148,7 +164,7 @@ class DCPCheckpointer(Checkpointer):
             moments += [(f"{name}.{m}", once(st[m])) for m in MOMENTS if m in st]
             if "step" in st:
                 step = float(st["step"])
-        names, vec = fp.local_sum_squares(model + moments, method)
+        names, vec = fp.local_sum_squares(model + moments, method, known)
         return names, vec, len(model), step
 
     @staticmethod
@@ -162,8 +178,11 @@ class DCPCheckpointer(Checkpointer):
         return fp.make_fingerprint(model_sq, optim_sq, step, method)
 
     def fingerprint(self, group: dist.ProcessGroup | None, method: str = fp.METHOD) -> Fingerprint:
+        """The fingerprint of the live state (a collective over ``group``); the first one after a load takes the
+        sums that load computed of what it wrote (``restore``), and only that one."""
+        known, self._load_sums = self._load_sums, {}
         sd = self.state_dict(TrainState(), with_rng=False)
-        return self._finish_fingerprint(self._fingerprint_parts(sd, method, self.env.rank), group, method)
+        return self._finish_fingerprint(self._fingerprint_parts(sd, method, self.env.rank, known), group, method)
 
     @staticmethod
     def _model_entries(msd: dict[str, Any]) -> list[TensorEntry]:
@@ -515,15 +534,24 @@ class DCPCheckpointer(Checkpointer):
         # of every rank matched the manifest (a mismatch raises ChecksumMismatch with the state untouched).
         # With node tiers, a memory snapshot is this node's copy (``trainer.checkpointer.node_tier``).
         node_copy = self.nodes if self.memory is not None and self.memory.root in path.parents else None
-        load_verified(
+        self._load_sums = {}
+        # The fingerprint after this load takes the sums the reader computed from the bytes it copied whole into a
+        # live tensor's memory (read while the disk streamed the rest) instead of reading the state again: only the
+        # memory of the state's own tensors, which live through the whole load (never a temporary's address).
+        live_keys = {k for k in (fp.memory_key(t.detach()) for t in _local_tensors(sd)) if k is not None}
+        reader = load_verified(
             sd,
             path,
             {f.path: (f.size, f.xxh3_128) for f in manifest.files},
             process_group=self.env.ckpt_group,
             node_size=self.env.topology.procs_per_node if node_copy is not None else None,  # each node its own copy
             verified=node_copy.verified_in_copy(manifest.step) if node_copy is not None else None,
+            sum_method=manifest.fingerprint.method,
+            sum_keys=live_keys,
+            sum_parts=not same_world,  # compared within the tolerance: parts' sums added are as good
         )  # hashed on the way in
         self.applied = True
+        self._load_sums = reader.sums
         if sd is not live:  # back to the live names and groups (the tensors were filled in place)
             back = {v: k for k, v in names.items()}
             groups = live["optim"]["param_groups"] if own_groups else sd["optim"]["param_groups"]

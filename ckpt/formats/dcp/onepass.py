@@ -22,8 +22,10 @@ nothing is written into the live state before every file of the checkpoint match
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import io
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -36,6 +38,7 @@ import xxhash
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from ckpt.commit import fingerprint as fp
 from ckpt.commit.fsutil import FileIdentity, file_identity, pread_full
 from ckpt.commit.hashing import ChecksumMismatch
 from ckpt.formats.dcp.reader import SafeFileSystemReader, SafeLoadPlanner, _check_extent, _pread_record, plain_name
@@ -57,6 +60,9 @@ class OnePassReader(SafeFileSystemReader):
         expected: dict[str, tuple[int, str]],
         node_size: int | None = None,
         verified: dict[str, tuple[int, str, FileIdentity]] | None = None,
+        sum_method: str | None = None,
+        sum_keys: set[tuple[int, int, torch.dtype]] | None = None,
+        sum_parts: bool = False,
     ):
         super().__init__(path)
         # Files this process (its node's leader) hashed whole moments ago, each with its identity then (st_dev,
@@ -73,6 +79,21 @@ class OnePassReader(SafeFileSystemReader):
         self.extra_bytes = 0  # bytes this rank read only to hash them
         self._identity: dict[str, FileIdentity] = {}
         self._buf: memoryview | None = None
+        # The fingerprint's sums of the chunks read straight into a live tensor (whole records), computed from the
+        # page cache right behind the hash pass, while the disk streams the rest: ``sums`` for ``sum_method``
+        # (fingerprint.KnownSums; a tensor that more than one chunk fills gets none; with ``sum_keys``, only the
+        # memory it names: the live state's own tensors).
+        self.sum_method = sum_method
+        self.sums: fp.KnownSums = {}
+        self._twice: set[tuple[int, int, torch.dtype]] = set()
+        self.sum_keys = sum_keys
+        self.sum_parts = sum_parts and sum_keys is not None
+        # tensor of sum_keys -> (first element, elements, blocked sum) of each chunk that fills part of it
+        self._parts: dict[tuple[int, int, torch.dtype], list[tuple[int, int, float]]] = {}
+        self._by_address: list[tuple[int, int, torch.dtype]] | None = None
+        self._starts: list[int] = []
+        self._maps: dict[int, mmap.mmap] = {}  # descriptor -> a map of its file, while read_data sums
+        self._scratch: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ plan
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -146,6 +167,7 @@ class OnePassReader(SafeFileSystemReader):
                                 break
                 finally:
                     hashed.stop()
+            self._join_parts()
             for name, job in jobs.items():
                 self.digests[name] = job.result()
                 self.extra_bytes += max(0, self.digests[name][0] - sum(n for _, n in per_file.get(name, {})))
@@ -153,6 +175,7 @@ class OnePassReader(SafeFileSystemReader):
                 if self.digests[name] != self.expected.get(name):
                     mismatch = mismatch or ChecksumMismatch(Path(self.path) / name)
         finally:
+            self._unmap()
             for fd in fds.values():
                 os.close(fd)
         self._buf = None
@@ -261,8 +284,99 @@ class OnePassReader(SafeFileSystemReader):
                 self.pending.append(
                     (req, target, (path.name, data_offset + record.offset * itemsize, record.numel * itemsize))
                 )
+                if self.sum_method == fp.METHOD:
+                    self._sum_chunk(fd, target, data_offset + record.offset * itemsize)
             else:  # a piece of the record, or another layout: decoded whole in apply, then narrowed and copied
                 self.pending.append((req, target, (path.name, offset, -length)))
+
+    def _sum_chunk(self, fd: int, target: torch.Tensor, offset: int) -> None:
+        """The fingerprint's sum of the bytes at ``offset`` that ``apply`` will copy whole into ``target``, read
+        straight from the page cache the hash pass filled (a map of the file, no copy), in the method's blocks. None
+        is kept for a tensor whose memory another chunk also fills, or whose bytes end early (``apply`` says so).
+        With ``sum_parts``, a chunk that fills part of a tensor ``sum_keys`` names is summed on its own, and the
+        parts are added once they cover the tensor (``_join_parts``): other bits than one pass over the tensor,
+        which a load at another world size compares within the fingerprint's tolerance."""
+        key = fp.memory_key(target)
+        if key is None or key in self._twice:
+            return
+        if self.sum_keys is not None and key not in self.sum_keys:
+            whole = self._container(target) if self.sum_parts else None
+            if whole is not None:
+                part = self._blocked_sum_at(fd, target, offset)
+                if part is not None:
+                    at = (target.data_ptr() - whole[0]) // target.element_size()
+                    self._parts.setdefault(whole, []).append((at, target.numel(), part))
+            return
+        if key in self.sums:
+            del self.sums[key]
+            self._twice.add(key)
+            return
+        total = self._blocked_sum_at(fd, target, offset)
+        if total is not None:
+            self.sums[key] = torch.tensor(total, dtype=torch.float64)
+
+    def _blocked_sum_at(self, fd: int, target: torch.Tensor, offset: int) -> float | None:
+        """The blocked sum of squares of ``target.numel()`` elements of ``target``'s dtype at ``offset`` in ``fd``'s
+        file, through a map of it; None when the file is shorter."""
+        mapped = self._maps.get(fd)
+        if mapped is None:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return None
+            # private and writable (never written: no page is copied), so that torch takes it without a copy
+            mapped = self._maps[fd] = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        n = target.numel()
+        if offset < 0 or offset + n * target.element_size() > len(mapped):
+            return None
+        if self._scratch is None:
+            self._scratch = fp.scratch()
+        total = fp.BlockedSum(self._scratch)
+        src = torch.frombuffer(mapped, dtype=target.dtype, count=n, offset=offset)
+        for at in range(0, n, fp.STREAM):
+            total.add(src[at : at + fp.STREAM])
+        del src
+        return total.acc
+
+    def _container(self, target: torch.Tensor) -> tuple[int, int, torch.dtype] | None:
+        """The tensor of ``sum_keys`` whose memory holds all of ``target``'s (same dtype), if any."""
+        if self._by_address is None:
+            self._by_address = sorted(self.sum_keys or ())
+            self._starts = [k[0] for k in self._by_address]
+        i = bisect.bisect_right(self._starts, target.data_ptr()) - 1
+        if i < 0:
+            return None
+        whole = self._by_address[i]
+        size = target.element_size()
+        inside = target.data_ptr() + target.numel() * size <= whole[0] + whole[1] * size
+        aligned = (target.data_ptr() - whole[0]) % size == 0
+        return whole if whole[2] == target.dtype and inside and aligned else None
+
+    def _join_parts(self) -> None:
+        """Each tensor whose parts were summed: the parts' sums added in order, when they cover it exactly once."""
+        parts, self._parts = self._parts, {}
+        for key, got in parts.items():
+            got.sort()
+            covered = 0
+            for at, n, _ in got:
+                if at != covered:
+                    break
+                covered += n
+            if covered != key[1] or key in self.sums or key in self._twice:
+                self.sums.pop(key, None)
+                self._twice.add(key)
+                continue
+            total = 0.0
+            for _, _, v in got:
+                total += v
+            self.sums[key] = torch.tensor(total, dtype=torch.float64)
+
+    def _unmap(self) -> None:
+        maps, self._maps = self._maps, {}
+        for mapped in maps.values():
+            try:
+                mapped.close()
+            except BufferError:  # a view still held (a failure's traceback): unmapped when it is freed
+                pass
 
     # ------------------------------------------------------------------ apply
     def apply(self, planner: LoadPlanner) -> None:
@@ -338,17 +452,25 @@ def load_verified(
     no_dist: bool = False,
     node_size: int | None = None,
     verified: dict[str, tuple[int, str, FileIdentity]] | None = None,
+    sum_method: str | None = None,
+    sum_keys: set[tuple[int, int, torch.dtype]] | None = None,
+    sum_parts: bool = False,
 ) -> OnePassReader:
     """``dcp.load`` of ``ckpt_dir`` verified in one pass against ``expected``; on any rank's failure every rank
     raises (a ChecksumMismatch first) and ``state_dict``'s tensors are untouched. On success the chunks are
     copied in and the reader returned (its ``digests`` and ``extra_bytes`` for the record). ``node_size``: each node
     of that many ranks reads its own copy of ``ckpt_dir`` and hashes all of it. ``verified``: files this rank's node
     hashed whole against ``expected`` in this restore (name -> size, digest, identity then); one still the same file
-    is not hashed again."""
+    is not hashed again. ``sum_method``: the fingerprint method whose per-tensor sums the reader computes as it
+    reads (``reader.sums``, for ``fingerprint.local_sum_squares``'s ``known``), only for the memory ``sum_keys``
+    names when given; ``sum_parts``: also of those that several chunks fill (a load at another world size)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    reader, planner = OnePassReader(ckpt_dir, expected, node_size, verified), SafeLoadPlanner()
+    reader, planner = (
+        OnePassReader(ckpt_dir, expected, node_size, verified, sum_method, sum_keys, sum_parts),
+        SafeLoadPlanner(),
+    )
     try:
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
     except CheckpointException as e:
