@@ -535,3 +535,14 @@ def test_an_export_of_a_memory_snapshot_recycled_while_read_fails_as_retired(
     assert "retired" in str(e.value) and "\n" not in str(e.value)
     assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
     lock.release()
+
+
+def test_export_of_dot_from_inside_the_checkpoint_names_it(
+    ckpt: Path, fp32_export, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``shardkeeper export . OUT`` typed inside the checkpoint folder: the same bytes as by its full path."""
+    first, _ = fp32_export
+    monkeypatch.chdir(ckpt)
+    res = export_checkpoint(".", tmp_path / "dot")
+    assert res.files == fp32_export[1].files
+    assert {p.name: sha256(p) for p in first.iterdir()} == {p.name: sha256(p) for p in (tmp_path / "dot").iterdir()}

@@ -93,7 +93,8 @@ def export_checkpoint(
     Example:
         >>> export_checkpoint("runs/demo/checkpoints/step-00000020", "out/step-20", dtype="bfloat16")  # doctest: +SKIP
     """
-    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    # absolute and normalised (symlinks kept): '.' from inside the checkpoint still names it, run dir and step
+    ckpt_dir, out_dir = Path(os.path.abspath(ckpt_dir)), Path(os.path.abspath(out_dir))
     with WatchedDir(ckpt_dir) as watched:
         if gone_before(watched):
             raise CheckpointRetired(retired_message(ckpt_dir, before=True))
