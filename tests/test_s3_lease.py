@@ -275,3 +275,66 @@ def test_a_start_that_fails_after_taking_the_lease_holds_nothing(
     assert not mirror.pin._lock.held
     mirror.release()  # again: nothing to give up, nothing raised
     assert _lease(url).acquire() is None  # free: taken without waiting for an expiry
+
+
+class _StoreError(Exception):
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.response = {"Error": {"Code": code}}
+
+
+class _FakeStore:
+    """A fake S3 client (a store that hangs or fails on cue cannot be made of the real server): records deletes."""
+
+    def __init__(self) -> None:
+        self.gets = 0
+        self.deleted: list[dict] = []
+        self.hang = threading.Event()  # set: a put blocks until ``go`` is set
+        self.go = threading.Event()
+
+    def get_object(self, **kw):  # noqa: ANN003, ANN201
+        self.gets += 1
+        if self.gets == 1:
+            raise _StoreError("NoSuchKey")
+        raise _StoreError("SlowDown")  # the read-back fails
+
+    def put_object(self, **kw):  # noqa: ANN003, ANN201
+        if self.hang.is_set():
+            self.go.wait(30)
+        return {"ETag": '"e1"'}
+
+    def delete_object(self, **kw):  # noqa: ANN003, ANN201
+        self.deleted.append(kw)
+
+
+def test_with_a_fake_store_a_lease_written_but_not_read_back_is_deleted_again() -> None:
+    """acquire's put lands, its read-back fails: the one-line store error comes out and the lease just written is
+    deleted (conditional on its ETag), not left to block the next segment until it expires."""
+    from ckpt.guards.lease import RunLease
+    from ckpt.store.base import ObjectStoreError
+
+    store = _FakeStore()
+    lease = RunLease("s3://b/run", store, "b", "run/lease.json", expiry_s=5)
+    with pytest.raises(ObjectStoreError):
+        lease.acquire()
+    assert store.deleted == [{"Bucket": "b", "Key": "run/lease.json", "IfMatch": '"e1"'}]
+    assert lease.etag is None
+
+
+def test_with_a_fake_store_release_does_not_hang_on_a_renewal_that_hangs() -> None:
+    """A renewal stuck on the store: release returns after the lease's expiry at most, deletes nothing (the renewal
+    may yet land), and the lease is left to expire."""
+    from ckpt.guards.lease import RunLease
+
+    store = _FakeStore()
+    lease = RunLease("s3://b/run", store, "b", "run/lease.json", expiry_s=0.4)
+    lease.etag = '"e0"'  # held
+    store.hang.set()
+    lease.start_renewing()
+    time.sleep(0.3)  # the first renewal (every expiry / 4) is under way, and hangs
+    t = time.monotonic()
+    lease.release()
+    took = time.monotonic() - t
+    store.go.set()
+    assert took < 2.0, f"release took {took:.1f} s"
+    assert store.deleted == []

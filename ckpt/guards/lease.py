@@ -203,7 +203,14 @@ class RunLease:
             else:
                 self.acquired = _iso()
                 etag = self._put(self._doc(taken_over_from=there.doc.get("owner")), IfMatch=there.etag)
-            if etag is not None and self._still_ours(etag):
+            if etag is None:
+                continue
+            try:
+                ours = self._still_ours(etag)
+            except ObjectStoreError:  # written, but not read back: given up (else it stays until it expires)
+                self._forget(etag)
+                raise
+            if ours:
                 self.etag, self.taken_over = etag, there
                 return there
         there = self.read()
@@ -212,6 +219,13 @@ class RunLease:
             if there
             else f"{self.url}: other writers keep taking the run's lease; train it from one machine at a time"
         )
+
+    def _forget(self, etag: str) -> None:
+        """Delete the lease this writer just wrote (conditional on its ETag), as far as the store lets it now."""
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=etag)
+        except Exception as err:  # noqa: BLE001 - best effort: the lease then expires on its own
+            log.warning("%s: the lease just written could not be deleted (%s); it expires on its own", self.url, err)
 
     def _still_ours(self, etag: str) -> bool:
         """Read back after a winning put: on a store whose conditional puts race (a check, then a write), the
@@ -268,15 +282,28 @@ class RunLease:
         self._thread = threading.Thread(target=loop, name="lease-renew", daemon=True)
         self._thread.start()
 
-    def stop_renewing(self) -> None:
+    def stop_renewing(self) -> bool:
+        """Stop the renewal thread; False when a renewal still hangs on the store after the lease's expiry (the
+        thread is left behind, a daemon: the lease expires on its own)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout=self.expiry_s)
+            if self._thread.is_alive():
+                return False
+        return True
 
     def release(self) -> None:
-        """Stop renewing and delete the lease if it is still ours (conditional on our ETag)."""
-        self.stop_renewing()
-        with self._lock:
+        """Stop renewing and delete the lease if it is still ours (conditional on our ETag). A store that hangs
+        does not hold this up past the lease's expiry: the lease is then left to expire."""
+        stopped = self.stop_renewing()
+        if not (stopped and self._lock.acquire(timeout=self.expiry_s)):
+            log.warning(
+                "%s: a lease renewal still hangs on the store; the lease is left to expire (%g s)",
+                self.url,
+                self.expiry_s,
+            )
+            return
+        try:
             if self.lost is not None or self.etag is None:
                 return
             try:
@@ -287,6 +314,8 @@ class RunLease:
                     if there is not None and there.etag == self.etag:
                         self.client.delete_object(Bucket=self.bucket, Key=self.key)
             self.etag = None
+        finally:
+            self._lock.release()
 
 
 def _code(err: BaseException) -> str | None:
