@@ -546,3 +546,15 @@ def test_export_of_dot_from_inside_the_checkpoint_names_it(
     res = export_checkpoint(".", tmp_path / "dot")
     assert res.files == fp32_export[1].files
     assert {p.name: sha256(p) for p in first.iterdir()} == {p.name: sha256(p) for p in (tmp_path / "dot").iterdir()}
+
+
+def test_export_of_dot_from_a_removed_folder_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``export .`` typed in a folder removed since (a retired checkpoint's): one line naming the fix."""
+    gone = tmp_path / "step-00000005"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(
+        CheckpointError, match=r"^\.: the current directory no longer exists .*give the checkpoint's full path$"
+    ):
+        export_checkpoint(".", tmp_path / "out")

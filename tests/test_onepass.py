@@ -390,3 +390,72 @@ def test_at_another_world_size_the_sums_of_the_chunks_that_fill_a_tensor_are_add
         load_verified(out3, ckpt, expected, no_dist=True, sum_method=fp.METHOD, sum_keys=set(), sum_parts=True).sums
         == {}
     )
+
+
+@pytest.mark.parametrize("order", [("a", "b"), ("b", "a")])
+def test_no_sum_is_kept_for_memory_that_another_write_of_the_load_also_fills(
+    tmp_path: Path, order: tuple[str, str]
+) -> None:
+    """Two names of one tensor (tied weights), saved as different values: one chunk copied whole, the other a
+    record decoded in apply (non-contiguous). The load's last write decides what the tensor holds, so no sum of
+    either chunk may stand for it: the fingerprint reads the tensor."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from ckpt.commit import fingerprint as fp
+    from ckpt.commit.hashing import hash_file
+    from ckpt.formats.dcp.onepass import load_verified
+
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g) * 3
+    ckpt = tmp_path / "ckpt"
+    dcp.save({order[0]: x, order[1]: y.t()}, storage_writer=FileSystemWriter(ckpt), no_dist=True)
+    expected = {p.name: hash_file(p) for p in ckpt.iterdir()}
+    tied = torch.zeros(64, 64)
+    key = fp.memory_key(tied)
+    reader = load_verified(
+        {"a": tied, "b": tied},
+        ckpt,
+        expected,
+        no_dist=True,
+        sum_method=fp.METHOD,
+        sum_keys={key},  # type: ignore[arg-type]
+    )
+    assert key not in reader.sums
+    # the same tensor under one name, copied whole: summed
+    one = torch.zeros(64, 64)
+    reader = load_verified(
+        {order[0]: one},
+        ckpt,
+        expected,
+        no_dist=True,
+        sum_method=fp.METHOD,
+        sum_keys={fp.memory_key(one)},  # type: ignore[arg-type]
+    )
+    assert torch.equal(reader.sums[fp.memory_key(one)], fp.local_sum_squares([("x", one)])[1][0])  # type: ignore[index]
+
+
+def test_sums_skip_empty_tensors_of_any_dtype(tmp_path: Path) -> None:
+    """Empty tensors (all at address 0) of several dtypes beside a summed one: no key, no crash, at another
+    world size too (``sum_parts``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from ckpt.commit import fingerprint as fp
+    from ckpt.commit.hashing import hash_file
+    from ckpt.formats.dcp.onepass import load_verified
+
+    sd = {
+        "w": torch.randn(40, 3),
+        "e32": torch.zeros(0),
+        "e64": torch.zeros(0, dtype=torch.int64),
+        "ebf": torch.zeros(0, dtype=torch.bfloat16),
+    }
+    ckpt = tmp_path / "ckpt"
+    dcp.save(sd, storage_writer=FileSystemWriter(ckpt), no_dist=True)
+    expected = {p.name: hash_file(p) for p in ckpt.iterdir()}
+    out = _zeros(sd)
+    keys = {k for k in map(fp.memory_key, out.values()) if k is not None}
+    assert keys == {fp.memory_key(out["w"])}
+    reader = load_verified(out, ckpt, expected, no_dist=True, sum_method=fp.METHOD, sum_keys=keys, sum_parts=True)
+    assert set(reader.sums) == keys

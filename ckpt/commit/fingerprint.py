@@ -107,8 +107,8 @@ KnownSums = dict[tuple[int, int, torch.dtype], torch.Tensor]
 
 
 def memory_key(t: torch.Tensor) -> tuple[int, int, torch.dtype] | None:
-    """The ``KnownSums`` key of ``t``'s memory; None when ``t`` is not a contiguous CPU tensor."""
-    if t.device.type != "cpu" or not t.is_contiguous():
+    """The ``KnownSums`` key of ``t``'s memory; None when ``t`` is not a contiguous CPU tensor with elements."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
         return None
     return (t.data_ptr(), t.numel(), t.dtype)
 

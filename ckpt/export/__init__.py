@@ -94,7 +94,13 @@ def export_checkpoint(
         >>> export_checkpoint("runs/demo/checkpoints/step-00000020", "out/step-20", dtype="bfloat16")  # doctest: +SKIP
     """
     # absolute and normalised (symlinks kept): '.' from inside the checkpoint still names it, run dir and step
-    ckpt_dir, out_dir = Path(os.path.abspath(ckpt_dir)), Path(os.path.abspath(out_dir))
+    try:
+        ckpt_dir, out_dir = Path(os.path.abspath(ckpt_dir)), Path(os.path.abspath(out_dir))
+    except FileNotFoundError:  # a relative path inside a folder removed since (a retired checkpoint's)
+        raise CheckpointError(
+            f"{ckpt_dir}: the current directory no longer exists (a retired checkpoint?); give the checkpoint's "
+            "full path"
+        ) from None
     with WatchedDir(ckpt_dir) as watched:
         if gone_before(watched):
             raise CheckpointRetired(retired_message(ckpt_dir, before=True))

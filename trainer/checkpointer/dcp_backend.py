@@ -122,6 +122,7 @@ class DCPCheckpointer(Checkpointer):
         self._staged_keys: set[tuple[int, int]] = set()  # the files of the last snapshot staged in its files
         self._fp_pool = background_pool("ckpt-fingerprint", self.spec.checkpoint.background_nice)
         self._load_sums: fp.KnownSums = {}  # the last load's sums of what it wrote, for the fingerprint after it
+        self._load_held: list[torch.Tensor] = []  # the tensors those sums are of, held until then
 
     # ----------------------------------------------------------------- state dict
     def state_dict(self, ts: TrainState, *, with_rng: bool = True) -> dict[str, Any]:
@@ -181,6 +182,7 @@ class DCPCheckpointer(Checkpointer):
         """The fingerprint of the live state (a collective over ``group``); the first one after a load takes the
         sums that load computed of what it wrote (``restore``), and only that one."""
         known, self._load_sums = self._load_sums, {}
+        held, self._load_held = self._load_held, []  # noqa: F841 - alive until the sums are taken
         sd = self.state_dict(TrainState(), with_rng=False)
         return self._finish_fingerprint(self._fingerprint_parts(sd, method, self.env.rank, known), group, method)
 
@@ -534,11 +536,19 @@ class DCPCheckpointer(Checkpointer):
         # of every rank matched the manifest (a mismatch raises ChecksumMismatch with the state untouched).
         # With node tiers, a memory snapshot is this node's copy (``trainer.checkpointer.node_tier``).
         node_copy = self.nodes if self.memory is not None and self.memory.root in path.parents else None
-        self._load_sums = {}
+        self._load_sums, self._load_held = {}, []
         # The fingerprint after this load takes the sums the reader computed from the bytes it copied whole into a
         # live tensor's memory (read while the disk streamed the rest) instead of reading the state again: only the
         # memory of the state's own tensors, which live through the whole load (never a temporary's address).
-        live_keys = {k for k in (fp.memory_key(t.detach()) for t in _local_tensors(sd)) if k is not None}
+        # The tensors the fingerprint covers (weights and moments), held until it ran: no other tensor can take
+        # their memory, and so their keys, in between.
+        covered = [
+            t.detach()
+            for t in _local_tensors(
+                [sd["model"], [st[m] for st in sd["optim"]["state"].values() for m in MOMENTS if m in st]]
+            )
+        ]
+        live_keys = {k for k in map(fp.memory_key, covered) if k is not None}
         reader = load_verified(
             sd,
             path,
@@ -551,7 +561,7 @@ class DCPCheckpointer(Checkpointer):
             sum_parts=not same_world,  # compared within the tolerance: parts' sums added are as good
         )  # hashed on the way in
         self.applied = True
-        self._load_sums = reader.sums
+        self._load_sums, self._load_held = reader.sums, covered
         if sd is not live:  # back to the live names and groups (the tensors were filled in place)
             back = {v: k for k, v in names.items()}
             groups = live["optim"]["param_groups"] if own_groups else sd["optim"]["param_groups"]

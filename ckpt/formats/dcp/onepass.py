@@ -28,6 +28,7 @@ import io
 import mmap
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -85,11 +86,10 @@ class OnePassReader(SafeFileSystemReader):
         # memory it names: the live state's own tensors).
         self.sum_method = sum_method
         self.sums: fp.KnownSums = {}
-        self._twice: set[tuple[int, int, torch.dtype]] = set()
+        self._summed: dict[tuple[int, int, torch.dtype], list[tuple[int, int, float]]] = {}  # tensor -> its chunks
+        self._writes: list[tuple[int, int]] = []  # the memory span of every chunk the load writes
         self.sum_keys = sum_keys
         self.sum_parts = sum_parts and sum_keys is not None
-        # tensor of sum_keys -> (first element, elements, blocked sum) of each chunk that fills part of it
-        self._parts: dict[tuple[int, int, torch.dtype], list[tuple[int, int, float]]] = {}
         self._by_address: list[tuple[int, int, torch.dtype]] | None = None
         self._starts: list[int] = []
         self._maps: dict[int, mmap.mmap] = {}  # descriptor -> a map of its file, while read_data sums
@@ -167,7 +167,7 @@ class OnePassReader(SafeFileSystemReader):
                                 break
                 finally:
                     hashed.stop()
-            self._join_parts()
+            self._finish_sums()
             for name, job in jobs.items():
                 self.digests[name] = job.result()
                 self.extra_bytes += max(0, self.digests[name][0] - sum(n for _, n in per_file.get(name, {})))
@@ -288,50 +288,51 @@ class OnePassReader(SafeFileSystemReader):
                     self._sum_chunk(fd, target, data_offset + record.offset * itemsize)
             else:  # a piece of the record, or another layout: decoded whole in apply, then narrowed and copied
                 self.pending.append((req, target, (path.name, offset, -length)))
+            if self.sum_method == fp.METHOD:
+                self._writes.append(_span(target))
 
     def _sum_chunk(self, fd: int, target: torch.Tensor, offset: int) -> None:
         """The fingerprint's sum of the bytes at ``offset`` that ``apply`` will copy whole into ``target``, read
-        straight from the page cache the hash pass filled (a map of the file, no copy), in the method's blocks. None
-        is kept for a tensor whose memory another chunk also fills, or whose bytes end early (``apply`` says so).
-        With ``sum_parts``, a chunk that fills part of a tensor ``sum_keys`` names is summed on its own, and the
-        parts are added once they cover the tensor (``_join_parts``): other bits than one pass over the tensor,
-        which a load at another world size compares within the fingerprint's tolerance."""
+        straight from the page cache (a map of the file, no copy; behind the hash pass where this rank hashes the
+        file), in the method's blocks, for a tensor ``sum_keys`` names; with ``sum_parts``, also for a chunk that
+        fills part of one (its parts' sums are added: other bits than one pass over the tensor, which a load at
+        another world size compares within the fingerprint's tolerance). ``_finish_sums`` keeps a tensor's sum only
+        where these chunks, and nothing else of the load, write all of its memory once."""
         key = fp.memory_key(target)
-        if key is None or key in self._twice:
+        if key is None:
             return
-        if self.sum_keys is not None and key not in self.sum_keys:
-            whole = self._container(target) if self.sum_parts else None
-            if whole is not None:
-                part = self._blocked_sum_at(fd, target, offset)
-                if part is not None:
-                    at = (target.data_ptr() - whole[0]) // target.element_size()
-                    self._parts.setdefault(whole, []).append((at, target.numel(), part))
-            return
-        if key in self.sums:
-            del self.sums[key]
-            self._twice.add(key)
+        if self.sum_keys is None or key in self.sum_keys:
+            owner, at = key, 0
+        elif self.sum_parts and (found := self._container(target)) is not None:
+            owner, at = found, (target.data_ptr() - found[0]) // target.element_size()
+        else:
             return
         total = self._blocked_sum_at(fd, target, offset)
         if total is not None:
-            self.sums[key] = torch.tensor(total, dtype=torch.float64)
+            self._summed.setdefault(owner, []).append((at, target.numel(), total))
 
     def _blocked_sum_at(self, fd: int, target: torch.Tensor, offset: int) -> float | None:
         """The blocked sum of squares of ``target.numel()`` elements of ``target``'s dtype at ``offset`` in ``fd``'s
-        file, through a map of it; None when the file is shorter."""
+        file, through a shared read-only map of it (no memory is committed for it); None when the file is shorter
+        or cannot be mapped (the fingerprint then reads the live tensor)."""
         mapped = self._maps.get(fd)
         if mapped is None:
-            size = os.fstat(fd).st_size
-            if size == 0:
+            try:
+                size = os.fstat(fd).st_size
+                if size == 0:
+                    return None
+                mapped = self._maps[fd] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            except (OSError, ValueError):
                 return None
-            # private and writable (never written: no page is copied), so that torch takes it without a copy
-            mapped = self._maps[fd] = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         n = target.numel()
         if offset < 0 or offset + n * target.element_size() > len(mapped):
             return None
         if self._scratch is None:
             self._scratch = fp.scratch()
         total = fp.BlockedSum(self._scratch)
-        src = torch.frombuffer(mapped, dtype=target.dtype, count=n, offset=offset)
+        with warnings.catch_warnings():  # a read-only buffer: never written through
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(mapped, dtype=target.dtype, count=n, offset=offset)
         for at in range(0, n, fp.STREAM):
             total.add(src[at : at + fp.STREAM])
         del src
@@ -340,7 +341,7 @@ class OnePassReader(SafeFileSystemReader):
     def _container(self, target: torch.Tensor) -> tuple[int, int, torch.dtype] | None:
         """The tensor of ``sum_keys`` whose memory holds all of ``target``'s (same dtype), if any."""
         if self._by_address is None:
-            self._by_address = sorted(self.sum_keys or ())
+            self._by_address = sorted(self.sum_keys or (), key=lambda k: (k[0], k[1]))
             self._starts = [k[0] for k in self._by_address]
         i = bisect.bisect_right(self._starts, target.data_ptr()) - 1
         if i < 0:
@@ -351,24 +352,32 @@ class OnePassReader(SafeFileSystemReader):
         aligned = (target.data_ptr() - whole[0]) % size == 0
         return whole if whole[2] == target.dtype and inside and aligned else None
 
-    def _join_parts(self) -> None:
-        """Each tensor whose parts were summed: the parts' sums added in order, when they cover it exactly once."""
-        parts, self._parts = self._parts, {}
-        for key, got in parts.items():
-            got.sort()
-            covered = 0
-            for at, n, _ in got:
-                if at != covered:
-                    break
+    def _finish_sums(self) -> None:
+        """``sums``: each summed tensor whose memory the load writes exactly once, by the chunks summed for it and
+        by nothing else (no other chunk, decoded record or overlapping view of the load writes into it); its
+        chunks' sums added in order (one chunk: the method's own bits)."""
+        summed, self._summed = self._summed, {}
+        writes = sorted(w for w in self._writes if w[1] > w[0])
+        self._writes = []
+        starts = [w[0] for w in writes]
+        reach: list[int] = []  # the furthest end of the writes up to each index
+        for _, end in writes:
+            reach.append(max(end, reach[-1]) if reach else end)
+        for key, parts in summed.items():
+            size = key[2].itemsize
+            lo, hi = key[0], key[0] + key[1] * size
+            first, last = bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)
+            if first > 0 and reach[first - 1] > lo:
+                continue  # a write that starts before the tensor reaches into it
+            inside = writes[first:last]
+            parts.sort()
+            covered, total, exact = 0, 0.0, len(inside) == len(parts)
+            for (at, n, part), (w_lo, w_hi) in zip(parts, inside):
+                exact = exact and at == covered and (w_lo, w_hi) == (lo + at * size, lo + (at + n) * size)
                 covered += n
-            if covered != key[1] or key in self.sums or key in self._twice:
-                self.sums.pop(key, None)
-                self._twice.add(key)
-                continue
-            total = 0.0
-            for _, _, v in got:
-                total += v
-            self.sums[key] = torch.tensor(total, dtype=torch.float64)
+                total += part
+            if exact and covered == key[1]:
+                self.sums[key] = torch.tensor(total, dtype=torch.float64)
 
     def _unmap(self) -> None:
         maps, self._maps = self._maps, {}
@@ -410,6 +419,14 @@ class OnePassReader(SafeFileSystemReader):
                     planner.commit_tensor(req, target)
             finally:
                 os.close(fd)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of memory ``t`` may write (its first to one past its last element; empty for no element)."""
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
 
 
 class _Progress:
