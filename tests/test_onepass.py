@@ -92,12 +92,21 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
     from ckpt.commit.layout import RunDir
     from ckpt.formats.dcp.reader import read_metadata
     from tests.harness import tiny_spec
+    from trainer.checkpointer import dcp_backend
     from trainer.checkpointer.core import TrainState
     from trainer.checkpointer.dcp_backend import DCPCheckpointer
     from trainer.dist import init_distributed
     from trainer.model import build_model, shard_model
     from trainer.optim import build_optimizer
 
+    eager: list[bool] = []  # how each load wrote the live state
+    real = dcp_backend.load_verified
+
+    def recorded(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        eager.append(kwargs["eager"])
+        return real(*args, **kwargs)
+
+    dcp_backend.load_verified = recorded
     env = init_distributed()
     spec = tiny_spec()
     model = build_model(spec)
@@ -150,6 +159,9 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
         ts.step if ts else None,
         all(torch.equal(a, b) for a, b in zip(at2, _live(model, opt))),
         len(list((runs[0] / "checkpoints").glob("step-00000004.invalid-*"))),
+        # a direct load and a resume that may start over wait for every file; a resume that falls back copies eagerly
+        eager,
+        ck.eager_load,
     ]
     ck.close()
     ck_b.close()
@@ -158,7 +170,37 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
 
 
 def test_checksum_mismatch_found_while_loading_is_refused_untouched_and_resume_falls_back(tmp_path: Path) -> None:
-    assert spawn(_refused_then_fallback, 2, str(tmp_path)) == [[True, True, None, True, 2, True, 1]] * 2
+    eager = [False, False, True, True]  # ck.load, ck_b's resume with restart, ck's refused step 4, then step 2
+    assert spawn(_refused_then_fallback, 2, str(tmp_path)) == [[True, True, None, True, 2, True, 1, eager, False]] * 2
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_eager_load_copies_each_chunk_behind_the_hash_and_still_refuses_a_mismatch(tmp_path: Path, eager: bool) -> None:
+    """Eager or not, the same bytes reach the live tensors (a contiguous chunk read straight in, a transposed view
+    decoded and copied), and a changed byte is refused with the same error; only eager writes before the verdict."""
+    import shutil
+
+    from ckpt.commit.hashing import ChecksumMismatch
+    from ckpt.formats.dcp.onepass import load_verified
+
+    ckpt, expected, sd = _save(tmp_path)
+    out = _zeros(sd)
+    out["a"] = torch.zeros(64, 256).t()  # another layout: the slow path
+    reader = load_verified(out, ckpt, expected, no_dist=True, eager=eager)
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+    assert reader.written is eager and not reader.pending
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    path, off = _offset_in(bad, "b", "middle")
+    data = bytearray(path.read_bytes())
+    data[off] ^= 0x01
+    path.write_bytes(bytes(data))
+    dest = {k: torch.full_like(v, 3) for k, v in sd.items()}
+    with pytest.raises(ChecksumMismatch, match=f"{path.name}: checksum mismatch; the file is corrupted"):
+        load_verified(dest, bad, expected, no_dist=True, eager=eager)
+    untouched = all(torch.equal(dest[k], torch.full_like(sd[k], 3)) for k in sd)
+    assert untouched is not eager  # eager: the chunks were copied before the file's digest was known
 
 
 def test_a_file_changed_after_it_was_hashed_is_refused_before_its_bytes_are_read(

@@ -155,6 +155,9 @@ class Checkpointer:
                 self, env=env, spec=spec, run_dir=run_dir, memory=self.memory, tier_lock=self._tier_lock
             )
         self.applied = True  # whether the last load attempt may have written into the live state
+        # A one-pass restore may write each chunk into the live state as soon as it is hashed (set by the resumer
+        # when a refused checkpoint is followed by an older one or a stop, never by a start from the state as is).
+        self.eager_load = False
         self._pool = background_pool("ckpt-commit", spec.checkpoint.background_nice)
         self._reread_pool = background_pool("ckpt-reread", spec.checkpoint.background_nice)
         self._reread: Future | None = None

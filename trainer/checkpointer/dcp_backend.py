@@ -549,6 +549,10 @@ class DCPCheckpointer(Checkpointer):
             )
         ]
         live_keys = {k for k in map(fp.memory_key, covered) if k is not None}
+        # Eager (a resume that never starts over from the state as it is): each chunk goes into the live state as
+        # the hash pass passes it, the copy hidden behind the device; a refusal has then written into the state.
+        if self.eager_load:
+            self.applied = True
         reader = load_verified(
             sd,
             path,
@@ -559,6 +563,7 @@ class DCPCheckpointer(Checkpointer):
             sum_method=manifest.fingerprint.method,
             sum_keys=live_keys,
             sum_parts=not same_world,  # compared within the tolerance: parts' sums added are as good
+            eager=self.eager_load,
         )  # hashed on the way in
         self.applied = True
         self._load_sums, self._load_held = reader.sums, covered

@@ -116,6 +116,16 @@ class Resumer:
         if restart is None:
             launch = SegmentLaunch.from_environ()
             restart = bool(launch and launch.restart)
+        # Without ``restart`` a refused checkpoint is followed by an older one (which overwrites the whole state) or
+        # by an error, never by training on from the state as it is: a one-pass load may then write each chunk as it
+        # is hashed. With it, the state stays untouched until every file matched (a fresh start stays possible).
+        self.host.eager_load = not restart
+        try:
+            return self._load_newest(restart)
+        finally:
+            self.host.eager_load = False
+
+    def _load_newest(self, restart: bool) -> TrainState | None:
         notes = self.nodes.node_plans() if self.nodes is not None else []  # a collective
         if self.env.is_rank0:
             for note in notes:

@@ -11,10 +11,13 @@ nothing is written into the live state before every file of the checkpoint match
   ``read_data``, so a rank returns from ``dcp.load`` only when all files of all ranks matched.
 * ``apply`` then reads each chunk from the page cache straight into its live tensor (a record that only part of
   is needed, or of another layout, is decoded whole and the part copied). The storages' CRC-32 is not checked:
-  the file's xxh3 covers every byte. A refused load leaves the model and optimizer untouched, and nothing of the
-  state is staged in memory (staging this rank's share, fresh memory faulted in and copied once more, cost more
-  than the load itself on small hosts). A file is read from the device twice only when the page cache cannot hold
-  this rank's share; one changed after it was hashed (size, times, inode) is refused before its bytes are read.
+  the file's xxh3 covers every byte. With ``eager`` the same copy is made in ``read_data``, right behind the hash
+  pass, while the disk streams the rest (a refused load has then written into the live state: for callers that
+  load another checkpoint over it or stop). Otherwise a refused load leaves the model and optimizer untouched.
+  Nothing of the state is staged in memory (staging this rank's share, fresh memory faulted in and copied once
+  more, cost more than the load itself on small hosts). A file is read from the device twice only when the page
+  cache cannot hold this rank's share; one changed after it was hashed (size, times, inode) is refused before its
+  bytes are read (eager: refused after).
 * ``verified``: a file this rank's node hashed whole against the same manifest entry moments before (a memory
   snapshot's file sent to or received from the peer node in this restore) is not hashed again while it is still
   that file (same device, inode, size, mtime and ctime as when it was hashed).
@@ -64,8 +67,16 @@ class OnePassReader(SafeFileSystemReader):
         sum_method: str | None = None,
         sum_keys: set[tuple[int, int, torch.dtype]] | None = None,
         sum_parts: bool = False,
+        eager: bool = False,
     ):
         super().__init__(path)
+        # Each chunk is copied into its live tensor as soon as the hash pass has passed it (its bytes are then in
+        # the page cache), while the disk streams the rest, instead of after every file of every rank matched: the
+        # copy hides behind the device. A refused load has then written into the live state, so only a caller that
+        # overwrites all of it or gives up on a refusal asks for it (trainer.checkpointer: a resume that falls back
+        # to an older checkpoint, or stops, but never starts over from the state as it was).
+        self.eager = eager
+        self.written = False  # eager: whether any chunk was copied into the live state
         # Files this process (its node's leader) hashed whole moments ago, each with its identity then (st_dev,
         # st_ino, st_size, st_mtime_ns, st_ctime_ns): one still the same file is not hashed again
         # (ckpt.memtier.replicate.Verified).
@@ -174,6 +185,10 @@ class OnePassReader(SafeFileSystemReader):
             for name in owned & set(fds):
                 if self.digests[name] != self.expected.get(name):
                     mismatch = mismatch or ChecksumMismatch(Path(self.path) / name)
+            if self.eager and error is None:
+                for name, fd in sorted(fds.items()):
+                    if file_identity(os.fstat(fd)) != self._identity[name]:
+                        error = error or _changed(Path(self.path) / name)
         finally:
             self._unmap()
             for fd in fds.values():
@@ -281,15 +296,31 @@ class OnePassReader(SafeFileSystemReader):
                 and target.is_contiguous()
                 and target.device.type == "cpu"
             ):
-                self.pending.append(
-                    (req, target, (path.name, data_offset + record.offset * itemsize, record.numel * itemsize))
-                )
+                where_bytes = (path.name, data_offset + record.offset * itemsize, record.numel * itemsize)
+                self._take(fd, path, req, target, where_bytes, planner)
                 if self.sum_method == fp.METHOD:
                     self._sum_chunk(fd, target, data_offset + record.offset * itemsize)
             else:  # a piece of the record, or another layout: decoded whole in apply, then narrowed and copied
-                self.pending.append((req, target, (path.name, offset, -length)))
+                self._take(fd, path, req, target, (path.name, offset, -length), planner)
             if self.sum_method == fp.METHOD:
                 self._writes.append(_span(target))
+
+    def _take(
+        self,
+        fd: int,
+        path: Path,
+        req: ReadItem,
+        target: torch.Tensor,
+        where: tuple[str, int, int],
+        planner: LoadPlanner,
+    ) -> None:
+        """Copy one chunk into ``target`` now (eager) or note it for ``apply``."""
+        if self.eager:
+            self.written = True
+            _copy_chunk(fd, path, req, target, where[1], where[2])
+            planner.commit_tensor(req, target)
+        else:
+            self.pending.append((req, target, where))
 
     def _sum_chunk(self, fd: int, target: torch.Tensor, offset: int) -> None:
         """The fingerprint's sum of the bytes at ``offset`` that ``apply`` will copy whole into ``target``, read
@@ -391,9 +422,7 @@ class OnePassReader(SafeFileSystemReader):
     def apply(self, planner: LoadPlanner) -> None:
         """Read every planned chunk into its live tensor (call once every rank's read_data succeeded). The files
         are read again, from the page cache the hash pass filled; a file changed since it was hashed (its size,
-        times or inode) is refused before any of its bytes are read."""
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-
+        times or inode) is refused before any of its bytes are read. Nothing to do after an eager read."""
         by_file: dict[str, list[tuple[ReadItem, torch.Tensor, tuple[str, int, int]]]] = {}
         for item in self.pending:
             by_file.setdefault(item[2][0], []).append(item)
@@ -403,22 +432,33 @@ class OnePassReader(SafeFileSystemReader):
             fd = os.open(path, os.O_RDONLY)
             try:
                 if file_identity(os.fstat(fd)) != self._identity.get(name):
-                    raise CheckpointError(
-                        f"{path}: changed after it was verified; something writes into a committed "
-                        "checkpoint, stop it and resume again"
-                    )
+                    raise _changed(path)
                 for req, target, (_, offset, n) in sorted(items, key=lambda it: abs(it[2][1])):
-                    if n >= 0:
-                        _pread_exact(fd, byte_view(target), offset, f"{path}: chunk of {req.storage_index.fqn}")
-                    else:
-                        where = f"{path}: record of {req.storage_index.fqn} at byte {offset}"
-                        with TorchZip(fd, offset, -n, where) as zf:
-                            zf.check_storage_crc = False  # the file's xxh3 was checked
-                            tensor = zf.materialize(safe_pickle.TENSOR_RECORD)
-                        target.copy_(narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths))
+                    _copy_chunk(fd, path, req, target, offset, n)
                     planner.commit_tensor(req, target)
             finally:
                 os.close(fd)
+
+
+def _copy_chunk(fd: int, path: Path, req: ReadItem, target: torch.Tensor, offset: int, n: int) -> None:
+    """Read ``n`` bytes at ``offset`` straight into ``target``; ``n < 0``: decode the record of ``-n`` bytes at
+    ``offset`` (its CRC-32 unchecked: the file's xxh3 covers it) and copy the request's part of it."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    if n >= 0:
+        _pread_exact(fd, byte_view(target), offset, f"{path}: chunk of {req.storage_index.fqn}")
+        return
+    where = f"{path}: record of {req.storage_index.fqn} at byte {offset}"
+    with TorchZip(fd, offset, -n, where) as zf:
+        zf.check_storage_crc = False
+        tensor = zf.materialize(safe_pickle.TENSOR_RECORD)
+    target.copy_(narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths))
+
+
+def _changed(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: changed after it was verified; something writes into a committed checkpoint, stop it and resume again"
+    )
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -472,6 +512,7 @@ def load_verified(
     sum_method: str | None = None,
     sum_keys: set[tuple[int, int, torch.dtype]] | None = None,
     sum_parts: bool = False,
+    eager: bool = False,
 ) -> OnePassReader:
     """``dcp.load`` of ``ckpt_dir`` verified in one pass against ``expected``; on any rank's failure every rank
     raises (a ChecksumMismatch first) and ``state_dict``'s tensors are untouched. On success the chunks are
@@ -480,12 +521,15 @@ def load_verified(
     hashed whole against ``expected`` in this restore (name -> size, digest, identity then); one still the same file
     is not hashed again. ``sum_method``: the fingerprint method whose per-tensor sums the reader computes as it
     reads (``reader.sums``, for ``fingerprint.local_sum_squares``'s ``known``), only for the memory ``sum_keys``
-    names when given; ``sum_parts``: also of those that several chunks fill (a load at another world size)."""
+    names when given; ``sum_parts``: also of those that several chunks fill (a load at another world size).
+    ``eager``: each chunk is copied into ``state_dict`` while the files are read, behind the hash pass; a refusal
+    then leaves the state partly written (``reader.written``), for a caller that loads another checkpoint over it or
+    stops."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     reader, planner = (
-        OnePassReader(ckpt_dir, expected, node_size, verified, sum_method, sum_keys, sum_parts),
+        OnePassReader(ckpt_dir, expected, node_size, verified, sum_method, sum_keys, sum_parts, eager),
         SafeLoadPlanner(),
     )
     try:
