@@ -533,7 +533,8 @@ class DCPCheckpointer(Checkpointer):
         own_groups = bool(names) or self.other_kind(manifest) is not None
         sd = _renamed(live, names, drop_groups=own_groups)
         # One pass: every byte is hashed as it is read, and the live tensors are written only after every file
-        # of every rank matched the manifest (a mismatch raises ChecksumMismatch with the state untouched).
+        # of every rank matched the manifest (a mismatch raises ChecksumMismatch with the state untouched), or, with
+        # eager_load, each chunk right behind the hash (a mismatch still raises; the state was written).
         # With node tiers, a memory snapshot is this node's copy (``trainer.checkpointer.node_tier``).
         node_copy = self.nodes if self.memory is not None and self.memory.root in path.parents else None
         self._load_sums, self._load_held = {}, []

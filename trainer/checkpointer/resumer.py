@@ -4,8 +4,9 @@ what a checkpoint must match to be loaded), and the one line of a failed load (`
 directory without a valid manifest is never loaded.
 
 Load: the newest checkpoint that passes the quick checks and every checksum is loaded (a one-pass backend
-checks the checksums while it reads, and writes the live state only once every file of every rank matched;
-the others hash every file first); if the load fails
+checks the checksums while it reads; a storage checkpoint's chunks go into the live state right behind the hash
+unless ``restart`` or a memory snapshot asks it to wait until every file of every rank matched; the others hash
+every file first); if the load fails
 because of what the checkpoint holds (an undecodable record, a fingerprint or counter mismatch) all ranks
 agree on it, rank 0 quarantines the checkpoint (ckpt.commit.fsutil.quarantine) and the next older one is tried. A
 load that fails because of the live run (a name or shape the live model does not have, a failed collective:
@@ -140,7 +141,13 @@ class Resumer:
             if tier == MEMORY:
                 if self.nodes is not None:  # each node loads its own copy
                     path = self.nodes.memory.checkpoint(parse_step(path.name) or 0)
-                ts = self._try_memory(path)
+                # A refused memory snapshot may be followed by nothing (no storage checkpoint yet: a fresh start),
+                # so it never writes the live state before every file matched.
+                eager, self.host.eager_load = self.host.eager_load, False
+                try:
+                    ts = self._try_memory(path)
+                finally:
+                    self.host.eager_load = eager
                 touched = touched or ts is not False
                 if isinstance(ts, TrainState):
                     return ts
@@ -151,7 +158,7 @@ class Resumer:
                     log.warning("not loading %s: %s", path.name, problem)
                 failed.append(f"{path.name} ({problem})")
                 continue
-            # One-pass backends hash every byte while loading it, and write the live state only once all matched.
+            # One-pass backends hash every byte while loading it (eager_load: writing the live state right behind).
             # Tracked extras are read (check_loadable) before the load.
             one_pass = self.host.ONE_PASS and not self.host.extra
             problem = None if one_pass else self._hash_check(path)
@@ -230,7 +237,7 @@ class Resumer:
             dist.barrier(group=self.env.ctrl_group)
             return None if attempted else False
 
-        # As for storage: hashed while read, applied once all matched.
+        # As for storage: hashed while read; applied once all matched (never eager here).
         one_pass = self.host.ONE_PASS and not self.host.extra
         if self.nodes is not None:  # the peer's files first; then every node checks its copy
             problem = self.nodes.complete_copy(parse_step(path.name) or 0) or self.nodes.check_copy(path, not one_pass)

@@ -77,6 +77,7 @@ class OnePassReader(SafeFileSystemReader):
         # to an older checkpoint, or stops, but never starts over from the state as it was).
         self.eager = eager
         self.written = False  # eager: whether any chunk was copied into the live state
+        self._hashed_here: set[str] = set()
         # Files this process (its node's leader) hashed whole moments ago, each with its identity then (st_dev,
         # st_ino, st_size, st_mtime_ns, st_ctime_ns): one still the same file is not hashed again
         # (ckpt.memtier.replicate.Verified).
@@ -161,6 +162,9 @@ class OnePassReader(SafeFileSystemReader):
             for name in known:
                 self.digests[name] = self.verified[name][:2]
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify") as pool:
+                # eager: only the chunks of files this rank hashes (read behind its own hash, from the same open
+                # file) are copied now; another rank's files wait for apply, which reopens them after every verdict
+                self._hashed_here = (owned & set(fds)) | known
                 jobs = {
                     name: pool.submit(self._hash_whole, fds[name], self._identity[name][2], hashed.report(name))
                     for name in sorted(owned & set(fds) - known)
@@ -315,7 +319,7 @@ class OnePassReader(SafeFileSystemReader):
         planner: LoadPlanner,
     ) -> None:
         """Copy one chunk into ``target`` now (eager) or note it for ``apply``."""
-        if self.eager:
+        if self.eager and where[0] in self._hashed_here:
             self.written = True
             _copy_chunk(fd, path, req, target, where[1], where[2])
             planner.commit_tensor(req, target)
@@ -515,9 +519,10 @@ def load_verified(
     eager: bool = False,
 ) -> OnePassReader:
     """``dcp.load`` of ``ckpt_dir`` verified in one pass against ``expected``; on any rank's failure every rank
-    raises (a ChecksumMismatch first) and ``state_dict``'s tensors are untouched. On success the chunks are
-    copied in and the reader returned (its ``digests`` and ``extra_bytes`` for the record). ``node_size``: each node
-    of that many ranks reads its own copy of ``ckpt_dir`` and hashes all of it. ``verified``: files this rank's node
+    raises (a ChecksumMismatch first) and ``state_dict``'s tensors are untouched (unless ``eager``).
+    On success the chunks are copied in and the reader returned (its ``digests`` and ``extra_bytes`` for the
+    record). ``node_size``: each node of that many ranks reads its own copy of ``ckpt_dir`` and hashes all of it.
+    ``verified``: files this rank's node
     hashed whole against ``expected`` in this restore (name -> size, digest, identity then); one still the same file
     is not hashed again. ``sum_method``: the fingerprint method whose per-tensor sums the reader computes as it
     reads (``reader.sums``, for ``fingerprint.local_sum_squares``'s ``known``), only for the memory ``sum_keys``
