@@ -120,7 +120,6 @@ class Resumer:
         # Without ``restart`` a refused checkpoint is followed by an older one (which overwrites the whole state) or
         # by an error, never by training on from the state as it is: a one-pass load may then write each chunk as it
         # is hashed. With it, the state stays untouched until every file matched (a fresh start stays possible).
-        self.host.eager_load = not restart
         try:
             return self._load_newest(restart)
         finally:
@@ -141,13 +140,7 @@ class Resumer:
             if tier == MEMORY:
                 if self.nodes is not None:  # each node loads its own copy
                     path = self.nodes.memory.checkpoint(parse_step(path.name) or 0)
-                # A refused memory snapshot may be followed by nothing (no storage checkpoint yet: a fresh start),
-                # so it never writes the live state before every file matched.
-                eager, self.host.eager_load = self.host.eager_load, False
-                try:
-                    ts = self._try_memory(path)
-                finally:
-                    self.host.eager_load = eager
+                ts = self._try_memory(path)
                 touched = touched or ts is not False
                 if isinstance(ts, TrainState):
                     return ts
@@ -165,6 +158,7 @@ class Resumer:
             if problem is None:
                 self.host.check_loadable(path, self._manifest(path))  # another run's checkpoint: refuse, keep it
                 self.host.applied = not one_pass
+                self.host.eager_load = not restart
                 ts, problem, ours = self._try_load(path)
                 touched = touched or self.host.applied
                 if ts is not None:
@@ -250,6 +244,9 @@ class Resumer:
         except CheckpointError as e:
             return skip(str(e), False)
         self.host.applied = not one_pass
+        # A refused memory snapshot may be followed by nothing (no storage checkpoint yet: a fresh start), so it
+        # never writes the live state before every file matched.
+        self.host.eager_load = False
         ts, problem, ours = self._try_load(path, MEMORY)
         if ts is not None:
             return ts

@@ -190,8 +190,8 @@ class OnePassReader(SafeFileSystemReader):
                 if self.digests[name] != self.expected.get(name):
                     mismatch = mismatch or ChecksumMismatch(Path(self.path) / name)
             if self.eager and error is None:
-                for name, fd in sorted(fds.items()):
-                    if file_identity(os.fstat(fd)) != self._identity[name]:
+                for name in sorted(self._hashed_here):  # the files copied eagerly; apply checks the others
+                    if file_identity(os.fstat(fds[name])) != self._identity[name]:
                         error = error or _changed(Path(self.path) / name)
         finally:
             self._unmap()
@@ -519,17 +519,16 @@ def load_verified(
     eager: bool = False,
 ) -> OnePassReader:
     """``dcp.load`` of ``ckpt_dir`` verified in one pass against ``expected``; on any rank's failure every rank
-    raises (a ChecksumMismatch first) and ``state_dict``'s tensors are untouched (unless ``eager``).
-    On success the chunks are copied in and the reader returned (its ``digests`` and ``extra_bytes`` for the
-    record). ``node_size``: each node of that many ranks reads its own copy of ``ckpt_dir`` and hashes all of it.
-    ``verified``: files this rank's node
-    hashed whole against ``expected`` in this restore (name -> size, digest, identity then); one still the same file
-    is not hashed again. ``sum_method``: the fingerprint method whose per-tensor sums the reader computes as it
-    reads (``reader.sums``, for ``fingerprint.local_sum_squares``'s ``known``), only for the memory ``sum_keys``
-    names when given; ``sum_parts``: also of those that several chunks fill (a load at another world size).
-    ``eager``: each chunk is copied into ``state_dict`` while the files are read, behind the hash pass; a refusal
-    then leaves the state partly written (``reader.written``), for a caller that loads another checkpoint over it or
-    stops."""
+    raises (a ChecksumMismatch first) and ``state_dict``'s tensors are untouched (unless ``eager``). On success the
+    chunks are copied in and the reader returned (its ``digests`` and ``extra_bytes`` for the record).
+    ``node_size``: each node of that many ranks reads its own copy of ``ckpt_dir`` and hashes all of it.
+    ``verified``: files this rank's node hashed whole against ``expected`` in this restore (name -> size, digest,
+    identity then); one still the same file is not hashed again. ``sum_method``: the fingerprint method whose
+    per-tensor sums the reader computes as it reads (``reader.sums``, for ``fingerprint.local_sum_squares``'s
+    ``known``), only for the memory ``sum_keys`` names when given; ``sum_parts``: also of those that several chunks
+    fill (a load at another world size). ``eager``: each chunk is copied into ``state_dict`` while the files are
+    read, behind the hash pass; a refusal then leaves the state partly written (``reader.written``), for a caller
+    that loads another checkpoint over it or stops."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
