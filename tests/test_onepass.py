@@ -90,6 +90,7 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
 
     from ckpt.commit.hashing import ChecksumMismatch
     from ckpt.commit.layout import RunDir
+    from ckpt.formats.dcp import reader
     from ckpt.formats.dcp.reader import read_metadata
     from tests.harness import tiny_spec
     from trainer.checkpointer import dcp_backend
@@ -100,13 +101,21 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
     from trainer.optim import build_optimizer
 
     eager: list[bool] = []  # how each load wrote the live state
-    real = dcp_backend.load_verified
+    shared: list[bool] = []  # whether each load was given the .metadata another rank parsed
+    parses = [0]  # .metadata parses under DCP's profile on this rank
+    real, real_parse = dcp_backend.load_verified, reader.read_metadata_as
 
     def recorded(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         eager.append(kwargs["eager"])
+        shared.append(kwargs["shared"] is not None)
         return real(*args, **kwargs)
 
+    def parse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        parses[0] += 1
+        return real_parse(*args, **kwargs)
+
     dcp_backend.load_verified = recorded
+    reader.read_metadata_as = parse
     env = init_distributed()
     spec = tiny_spec()
     model = build_model(spec)
@@ -154,6 +163,7 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
     seen.append(ck_b.load_latest(restart=True))
     seen.append(all(torch.equal(a, b) for a, b in zip(before, _live(model, opt))))
     # the fallback takes step 2, bitwise, and sets step 4 aside
+    parses[0] = 0
     ts = ck.load_latest(restart=False)
     seen += [
         ts.step if ts else None,
@@ -162,6 +172,11 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
         # a direct load and a resume that may start over wait for every file; a resume that falls back copies eagerly
         eager,
         ck.eager_load,
+        # a resume's loads take the .metadata rank 1 parsed during rank 0's quick check (a direct load parses its
+        # own); rank 1 parsed each of the two once, rank 0 none
+        shared,
+        parses[0],
+        ck.shared_metadata,
     ]
     ck.close()
     ck_b.close()
@@ -171,7 +186,31 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
 
 def test_checksum_mismatch_found_while_loading_is_refused_untouched_and_resume_falls_back(tmp_path: Path) -> None:
     eager = [False, False, True, True]  # ck.load, ck_b's resume with restart, ck's refused step 4, then step 2
-    assert spawn(_refused_then_fallback, 2, str(tmp_path)) == [[True, True, None, True, 2, True, 1, eager, False]] * 2
+    shared = [False, True, True, True]
+    got = spawn(_refused_then_fallback, 2, str(tmp_path))
+    assert got == [[True, True, None, True, 2, True, 1, eager, False, shared, n, None] for n in (0, 2)]
+
+
+def test_a_shared_metadata_is_taken_only_for_the_same_bytes_and_its_extents_are_checked_again(tmp_path: Path) -> None:
+    from ckpt.formats.dcp.reader import SharedMetadata, read_metadata, share_metadata
+    from schemas.errors import CheckpointError
+
+    ckpt, _, _ = _save(tmp_path)
+    shared = share_metadata(ckpt)
+    assert shared is not None and shared.metadata == read_metadata(ckpt)
+    assert read_metadata(ckpt, shared=shared) is shared.metadata  # the same bytes: not parsed again
+    other = SharedMetadata(bytes(32), shared.metadata)  # said to be of other bytes: this rank parses its own
+    assert read_metadata(ckpt, shared=other) is not shared.metadata
+    # the same .metadata, but a data file cut short since it was parsed: refused here all the same
+    data = max(ckpt.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    with data.open("r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match=r"\.metadata"):
+        read_metadata(ckpt, shared=shared)
+    (ckpt / ".metadata").unlink()
+    assert share_metadata(ckpt) is None  # nothing to share: each rank's own read says what is missing
+    with pytest.raises(CheckpointError, match="missing"):
+        read_metadata(ckpt, shared=shared)
 
 
 @pytest.mark.parametrize("eager", [False, True])

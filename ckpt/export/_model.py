@@ -3,13 +3,11 @@ from the manifest's record or a meta-device build, checked against the tensors; 
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ import torch
 
 from ckpt import __version__
 from ckpt.commit.state import tied_weights
+from ckpt.gcpause import gc_paused
 from schemas import CheckpointManifest
 from schemas.errors import CheckpointError, ExportError
 
@@ -77,20 +76,6 @@ def model_from_record(ckpt_dir: Path, manifest: CheckpointManifest, dtype: str) 
     for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
         config[key] = dtype  # as the transformers path sets config.dtype
     return ModelDescription(json_text(config), json_text(rec.generation_config or {}), arch[0], None, dict(rec.tied))
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """The cyclic GC off while transformers is imported: the import creates a few hundred thousand
-    long-lived objects, and the full collections their number triggers (about 1 s here, on the export's
-    critical path) free nothing. Switched back on after, as it was."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def describe_model(ckpt_dir: Path, manifest: CheckpointManifest, dtype: str) -> ModelDescription:

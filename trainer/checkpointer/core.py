@@ -158,6 +158,9 @@ class Checkpointer:
         # A one-pass restore may write each chunk into the live state as soon as it is hashed (set by the resumer
         # when a refused checkpoint is followed by an older one or a stop, never by a start from the state as is).
         self.eager_load = False
+        # The next load's ``.metadata`` as another rank parsed it (the resumer's quick check; DCP only): each rank
+        # takes it for the same bytes instead of parsing them again.
+        self.shared_metadata: Any = None
         self._pool = background_pool("ckpt-commit", spec.checkpoint.background_nice)
         self._reread_pool = background_pool("ckpt-reread", spec.checkpoint.background_nice)
         self._reread: Future | None = None

@@ -554,6 +554,7 @@ class DCPCheckpointer(Checkpointer):
         # the hash pass passes it, the copy hidden behind the device; a refusal has then written into the state.
         if self.eager_load:
             self.applied = True
+        shared, self.shared_metadata = self.shared_metadata, None  # this load's only
         reader = load_verified(
             sd,
             path,
@@ -565,6 +566,7 @@ class DCPCheckpointer(Checkpointer):
             sum_keys=live_keys,
             sum_parts=not same_world,  # compared within the tolerance: parts' sums added are as good
             eager=self.eager_load,
+            shared=shared,
         )  # hashed on the way in
         self.applied = True
         self._load_sums, self._load_held = reader.sums, covered

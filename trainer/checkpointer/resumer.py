@@ -31,6 +31,7 @@ from ckpt.commit import identity, lineage
 from ckpt.commit.fsutil import quarantine
 from ckpt.commit.hashing import ChecksumMismatch, hash_files, mismatch_message
 from ckpt.commit.layout import RunDir, parse_step
+from ckpt.gcpause import gc_paused
 from ckpt.memtier import tier as memtier
 from ckpt.memtier.tier import MEMORY, STORAGE
 from schemas import CheckpointManifest, HFModelRecord, RunSpec
@@ -121,9 +122,11 @@ class Resumer:
         # by an error, never by training on from the state as it is: a one-pass load may then write each chunk as it
         # is hashed. With it, the state stays untouched until every file matched (a fresh start stays possible).
         try:
-            return self._load_newest(restart)
+            with gc_paused():  # see ``load``
+                return self._load_newest(restart)
         finally:
             self.host.eager_load = False
+            self.host.shared_metadata = None
 
     def _load_newest(self, restart: bool) -> TrainState | None:
         notes = self.nodes.node_plans() if self.nodes is not None else []  # a collective
@@ -145,7 +148,7 @@ class Resumer:
                 if isinstance(ts, TrainState):
                     return ts
                 continue
-            problem = self._quick_check(path)
+            problem = self._quick_check(path, share=True)
             if problem is not None:  # incomplete or mislabelled: skipped (train --restart moves it aside)
                 if self.env.is_rank0:
                     log.warning("not loading %s: %s", path.name, problem)
@@ -236,7 +239,7 @@ class Resumer:
         if self.nodes is not None:  # the peer's files first; then every node checks its copy
             problem = self.nodes.complete_copy(parse_step(path.name) or 0) or self.nodes.check_copy(path, not one_pass)
         else:
-            problem = self._quick_check(path) or (None if one_pass else self._hash_check(path))
+            problem = self._quick_check(path, share=True) or (None if one_pass else self._hash_check(path))
         if problem is not None:
             return skip(problem, False)
         try:
@@ -308,16 +311,37 @@ class Resumer:
             )
         dist.barrier(group=self.env.ctrl_group)
 
-    def _quick_check(self, path: Path) -> str | None:
-        """Quick validation on rank 0, broadcast: None if the checkpoint is complete and consistent."""
+    def _quick_check(self, path: Path, share: bool = False) -> str | None:
+        """Quick validation on rank 0, broadcast: None if the checkpoint is complete and consistent.
+
+        Args:
+            path: the checkpoint.
+            share: a load of it follows. Meanwhile rank 1 parses its DCP ``.metadata`` for that load and, if the
+                checkpoint passed, gives it to every rank (the host's ``shared_metadata``): no rank parses it again,
+                and rank 0 does not parse it after its validation while the others wait for it (the allow-list
+                unpickler is pure Python: ~0.1 s for a 254M-parameter state saved by 4 ranks).
+
+        Returns:
+            None, or the first problem found, in one line.
+        """
         from ckpt.validate.checks import validate
 
-        problem = None
+        parser = 1 if share and self.env.world_size > 1 and self.host.FORMAT == "dcp" else None
+        problem, shared = None, None
         if self.env.is_rank0:
             report = validate(path)
             problem = None if report.valid else report.errors[0]
+        elif self.env.rank == parser:
+            from ckpt.formats.dcp.reader import share_metadata
+
+            shared = share_metadata(path)
         box = [problem]
         dist.broadcast_object_list(box, src=0, group=self.env.ctrl_group)
+        if parser is not None and box[0] is None:
+            sent = [shared]
+            with gc_paused():  # as in ``load``
+                dist.broadcast_object_list(sent, src=parser, group=self.env.ctrl_group)
+            self.host.shared_metadata = sent[0]
         return box[0]
 
     def _hash_check(self, path: Path) -> str | None:
@@ -332,7 +356,16 @@ class Resumer:
         return self._quick_check(path) or self._hash_check(path)
 
     def load(self, path: Path, tier: str = STORAGE) -> TrainState:
-        """Load ``path`` into the live model, optimizer and RNG; verify counters and fingerprint, or raise."""
+        """Load ``path`` into the live model, optimizer and RNG; verify counters and fingerprint, or raise.
+
+        The cyclic GC is paused meanwhile: a load makes some 10^5 objects that live through it (the parsed
+        ``.metadata``, every rank's load plan unpickled on rank 0, the read items), and the collections their number
+        triggers rescan all of them and free nothing (~0.25 s of a 3 GB resume at 2 ranks, on its critical path).
+        """
+        with gc_paused():
+            return self._load(path, tier)
+
+    def _load(self, path: Path, tier: str) -> TrainState:
         from ckpt.commit.manifest import read_manifest
 
         t0 = time.perf_counter()

@@ -45,16 +45,25 @@ _TILING_WORK = 64
 _CRAFTED = "the checkpoint is corrupted or crafted, pick another step"
 
 
+def metadata_bytes(ckpt_dir: Path) -> bytes:
+    """The bytes of ``ckpt_dir``'s ``.metadata`` (a regular file, at most ``safe_pickle.MAX_PICKLE_BYTES``).
+
+    Raises:
+        CheckpointError: it is missing, not a regular file, or larger (one line naming it).
+    """
+    path = ckpt_dir / ".metadata"
+    try:
+        return read_regular(path, safe_pickle.MAX_PICKLE_BYTES, "a DCP .metadata")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; the DCP checkpoint is incomplete, pick another step") from None
+
+
 def read_metadata_as(ckpt_dir: Path, data: bytes | None, profile: safe_pickle.Profile, metadata_class: type) -> Any:
     """``ckpt_dir``'s ``.metadata`` (``data``: its bytes, already read by the caller) through the allow-list under
     ``profile``, which must make it a ``metadata_class``. The structure and extents are not checked here
     (``check_extents``)."""
     path = ckpt_dir / ".metadata"
-    try:
-        data = read_regular(path, safe_pickle.MAX_PICKLE_BYTES, "a DCP .metadata") if data is None else data
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; the DCP checkpoint is incomplete, pick another step") from None
-    md = safe_pickle.load(data, profile, where=str(path))
+    md = safe_pickle.load(metadata_bytes(ckpt_dir) if data is None else data, profile, where=str(path))
     if not isinstance(md, metadata_class):
         raise CheckpointError(
             f"{path}: holds {type(md).__name__}, not DCP Metadata; the checkpoint is corrupted, pick another step"
@@ -384,6 +393,7 @@ __all__ = [
     "itemsize",
     "plain_name",
     "read_layout",
+    "metadata_bytes",
     "read_metadata_as",
     "record_files",
     "tiling_problem",

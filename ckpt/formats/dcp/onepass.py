@@ -45,7 +45,14 @@ from torch.futures import Future
 from ckpt.commit import fingerprint as fp
 from ckpt.commit.fsutil import FileIdentity, file_identity, pread_full
 from ckpt.commit.hashing import ChecksumMismatch
-from ckpt.formats.dcp.reader import SafeFileSystemReader, SafeLoadPlanner, _check_extent, _pread_record, plain_name
+from ckpt.formats.dcp.reader import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    SharedMetadata,
+    _check_extent,
+    _pread_record,
+    plain_name,
+)
 from ckpt.formats.pickle import safe_pickle
 from ckpt.formats.pickle.safe_pickle import StoredTensor
 from ckpt.formats.pickle.torchzip import TorchZip, byte_view
@@ -68,8 +75,9 @@ class OnePassReader(SafeFileSystemReader):
         sum_keys: set[tuple[int, int, torch.dtype]] | None = None,
         sum_parts: bool = False,
         eager: bool = False,
+        shared: SharedMetadata | None = None,
     ):
-        super().__init__(path)
+        super().__init__(path, shared)
         # Each chunk is copied into its live tensor as soon as the hash pass has passed it (its bytes are then in
         # the page cache), while the disk streams the rest, instead of after every file of every rank matched: the
         # copy hides behind the device. A refused load has then written into the live state, so only a caller that
@@ -517,6 +525,7 @@ def load_verified(
     sum_keys: set[tuple[int, int, torch.dtype]] | None = None,
     sum_parts: bool = False,
     eager: bool = False,
+    shared: SharedMetadata | None = None,
 ) -> OnePassReader:
     """``dcp.load`` of ``ckpt_dir`` verified in one pass against ``expected``; on any rank's failure every rank
     raises (a ChecksumMismatch first) and ``state_dict``'s tensors are untouched (unless ``eager``). On success the
@@ -528,12 +537,13 @@ def load_verified(
     ``known``), only for the memory ``sum_keys`` names when given; ``sum_parts``: also of those that several chunks
     fill (a load at another world size). ``eager``: each chunk is copied into ``state_dict`` while the files are
     read, behind the hash pass; a refusal then leaves the state partly written (``reader.written``), for a caller
-    that loads another checkpoint over it or stops."""
+    that loads another checkpoint over it or stops. ``shared``: the ``.metadata`` as another rank of this load
+    parsed it (``ckpt.formats.dcp.reader.share_metadata``), taken for the same bytes instead of parsing them again."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     reader, planner = (
-        OnePassReader(ckpt_dir, expected, node_size, verified, sum_method, sum_keys, sum_parts, eager),
+        OnePassReader(ckpt_dir, expected, node_size, verified, sum_method, sum_keys, sum_parts, eager, shared),
         SafeLoadPlanner(),
     )
     try:

@@ -14,10 +14,12 @@ one record reader (``ckpt.formats.pickle.torchzip``):
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,27 +36,82 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ckpt.commit.fsutil import open_regular
-from ckpt.formats.dcp._metadata import check_extents, file_sizes_of, plain_name, read_metadata_as, record_files
+from ckpt.formats.dcp._metadata import (
+    check_extents,
+    file_sizes_of,
+    metadata_bytes,
+    plain_name,
+    read_metadata_as,
+    record_files,
+)
 from ckpt.formats.pickle import safe_pickle
 from ckpt.formats.pickle.torchzip import TorchZip, load_bytes
 from schemas.errors import CheckpointError
 
 
-def read_metadata(ckpt_dir: str | os.PathLike[str], data: bytes | None = None) -> Metadata:
-    """``ckpt_dir``'s ``.metadata`` through the allow-list, as DCP's own classes (``data``: its bytes, already read by
-    the caller), its extents proven against the data files there (``ckpt.formats.dcp._metadata.check_extents``: chunks
-    in bounds and tiling each tensor, records inside their files). Every reader of a DCP checkpoint -- a load, export,
-    deep validation, conversion, import -- reads it here. The quick check reads it without torch:
-    ``ckpt.formats.dcp._metadata.read_layout``."""
+@dataclass(frozen=True)
+class SharedMetadata:
+    """A ``.metadata`` that one rank of a load parsed through ``read_metadata`` for the others (``share_metadata``):
+    the SHA-256 of the bytes it parsed, and the result. A rank takes it only for a ``.metadata`` whose bytes it
+    reads itself and finds with that digest; it reaches the others through an object collective, so it is trusted
+    as the ranks of one job trust each other."""
+
+    digest: bytes
+    metadata: Metadata
+
+
+def share_metadata(ckpt_dir: str | os.PathLike[str]) -> SharedMetadata | None:
+    """``ckpt_dir``'s ``.metadata``, parsed here for the ranks of a load (each checks its extents in ``read_metadata``).
+
+    Returns:
+        The digest of the bytes read and their metadata; None when they are refused or cannot be read (each rank's
+        own read then says why, in its own words).
+    """
+    try:
+        data = metadata_bytes(Path(ckpt_dir))
+        return SharedMetadata(hashlib.sha256(data).digest(), _parsed(Path(ckpt_dir), data))
+    except Exception:  # noqa: BLE001 - refused here: every rank reads it itself and refuses it in one line
+        return None
+
+
+def read_metadata(
+    ckpt_dir: str | os.PathLike[str], data: bytes | None = None, shared: SharedMetadata | None = None
+) -> Metadata:
+    """``ckpt_dir``'s ``.metadata`` through the allow-list, as DCP's own classes, its extents proven against the data
+    files there (``ckpt.formats.dcp._metadata.check_extents``: chunks in bounds and tiling each tensor, records
+    inside their files). Every reader of a DCP checkpoint -- a load, export, deep validation, conversion, import --
+    reads it here. The quick check reads it without torch: ``ckpt.formats.dcp._metadata.read_layout``.
+
+    Args:
+        ckpt_dir: the checkpoint directory.
+        data: the ``.metadata``'s bytes, already read by the caller.
+        shared: what another rank of the same load parsed (``share_metadata``): taken instead of parsing when the
+            bytes here have its digest; the checks of the structure and extents run here all the same.
+
+    Raises:
+        CheckpointError: the file is missing, refused by the allow-list, or describes chunks outside their tensors
+            or files (one line naming it).
+    """
     ckpt_dir = Path(ckpt_dir)
-    md = read_metadata_as(ckpt_dir, data, safe_pickle.DCP_METADATA, Metadata)
+    if shared is not None and data is None:
+        data = metadata_bytes(ckpt_dir)
+    if shared is not None and data is not None and hashlib.sha256(data).digest() == shared.digest:
+        md = shared.metadata  # the same bytes, parsed by another rank of this load as ``_parsed`` does
+    else:
+        md = _parsed(ckpt_dir, data)
     where = ckpt_dir / ".metadata"
+    check_extents(md, where, file_sizes_of(ckpt_dir, record_files(md, where), where))
+    return md
+
+
+def _parsed(ckpt_dir: Path, data: bytes | None) -> Metadata:
+    """``.metadata`` through the allow-list, in the structure DCP writes; its extents not checked yet."""
+    md = read_metadata_as(ckpt_dir, data, safe_pickle.DCP_METADATA, Metadata)
     if not isinstance(md.storage_data, dict) or not isinstance(md.state_dict_metadata, dict):
         raise CheckpointError(
-            f"{where}: not the structure DCP writes (storage_data, state_dict_metadata); the "
+            f"{ckpt_dir / '.metadata'}: not the structure DCP writes (storage_data, state_dict_metadata); the "
             "checkpoint is corrupted, pick another step"
         )
-    check_extents(md, where, file_sizes_of(ckpt_dir, record_files(md, where), where))
     return md
 
 
@@ -103,10 +160,16 @@ def _pread_record(fd: int, offset: int, length: int, where: str) -> bytes:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose metadata and records are read with the allow-list unpickler."""
+    """FileSystemReader whose metadata and records are read with the allow-list unpickler (``shared``: the
+    ``.metadata`` as another rank of this load parsed it, ``read_metadata``'s)."""
+
+    def __init__(self, path: str | os.PathLike[str], shared: SharedMetadata | None = None):
+        super().__init__(path)
+        self.shared = shared
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = read_metadata(self.path)
+        md = read_metadata(self.path, shared=self.shared)
+        self.shared = None  # one load's: DCP sets its load id on it
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         if getattr(md, "storage_meta", None) is None:
@@ -323,6 +386,8 @@ class DCPTensorReader:
 
 
 __all__ = [
+    "SharedMetadata",
+    "share_metadata",
     "DCPTensorReader",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
