@@ -192,11 +192,11 @@ def test_checksum_mismatch_found_while_loading_is_refused_untouched_and_resume_f
 
 
 def test_a_shared_metadata_is_taken_only_for_the_same_bytes_and_its_extents_are_checked_again(tmp_path: Path) -> None:
-    from ckpt.formats.dcp.reader import SharedMetadata, read_metadata, share_metadata
+    from ckpt.formats.dcp.reader import SharedMetadata, read_metadata, share_metadata, shared_from
     from schemas.errors import CheckpointError
 
     ckpt, _, _ = _save(tmp_path)
-    shared = share_metadata(ckpt)
+    shared = shared_from(share_metadata(ckpt))
     assert shared is not None and shared.metadata == read_metadata(ckpt)
     assert read_metadata(ckpt, shared=shared) is shared.metadata  # the same bytes: not parsed again
     other = SharedMetadata(bytes(32), shared.metadata)  # said to be of other bytes: this rank parses its own
@@ -209,6 +209,7 @@ def test_a_shared_metadata_is_taken_only_for_the_same_bytes_and_its_extents_are_
         read_metadata(ckpt, shared=shared)
     (ckpt / ".metadata").unlink()
     assert share_metadata(ckpt) is None  # nothing to share: each rank's own read says what is missing
+    assert shared_from(None) is None and shared_from(b"not a pickle") is None
     with pytest.raises(CheckpointError, match="missing"):
         read_metadata(ckpt, shared=shared)
 
@@ -540,3 +541,50 @@ def test_sums_skip_empty_tensors_of_any_dtype(tmp_path: Path) -> None:
     assert keys == {fp.memory_key(out["w"])}
     reader = load_verified(out, ckpt, expected, no_dist=True, sum_method=fp.METHOD, sum_keys=keys, sum_parts=True)
     assert set(reader.sums) == keys
+
+
+def _crafted_metadata_value(run_dir: str) -> list[object]:
+    import pathlib
+    import pickle
+
+    import torch.distributed as dist
+
+    from ckpt.commit.layout import RunDir
+    from ckpt.formats.dcp.reader import share_metadata
+    from tests.harness import tiny_spec
+    from trainer.checkpointer.core import TrainState
+    from trainer.checkpointer.dcp_backend import DCPCheckpointer
+    from trainer.dist import init_distributed
+    from trainer.model import build_model, shard_model
+    from trainer.optim import build_optimizer
+
+    env = init_distributed(timeout_s=60)
+    spec = tiny_spec()
+    model = build_model(spec)
+    shard_model(model, env.mesh, spec)
+    opt = build_optimizer(model, spec)
+    ck = DCPCheckpointer(RunDir.at(run_dir), spec, model, opt, env, segment=0)
+    ck.save(TrainState(step=2), reason="interval", blocking=True)
+    ck.save(TrainState(step=4), reason="interval", blocking=True)
+    ck._wait_reread()
+    step4 = Path(run_dir) / "checkpoints" / "step-00000004"
+    if env.is_rank0:  # an admitted callable as a plain value, same size: the quick check and the parse take it
+        md = pickle.loads((step4 / ".metadata").read_bytes())  # noqa: S301 - our own file, written just above
+        md.planner_data = pathlib.PosixPath
+        old = (step4 / ".metadata").stat().st_size
+        new = pickle.dumps(md)
+        (step4 / ".metadata").write_bytes(new + b"\0" * (old - len(new)))
+    dist.barrier()
+    shared = share_metadata(step4)  # what it parsed cannot be sent: nothing is shared, nothing raised
+    ts = ck.load_latest(restart=False)
+    out = [shared, ts.step if ts else None, len(list((Path(run_dir) / "checkpoints").glob("step-00000004.invalid-*")))]
+    ck.close()
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_metadata_rank_1_parses_but_cannot_send_is_parsed_by_each_rank_and_refused_by_its_checksum(
+    tmp_path: Path,
+) -> None:
+    # the tampered .metadata fails its checksum in the load; the resume falls back to step 2 on every rank
+    assert spawn(_crafted_metadata_value, 2, str(tmp_path)) == [[None, 2, 1]] * 2

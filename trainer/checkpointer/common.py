@@ -140,6 +140,8 @@ class ResumerHost(Protocol):
     BACKEND: str
     ONE_PASS: bool
     applied: bool  # whether the last load attempt may have written into the live state (a one-pass restore sets it)
+    eager_load: bool  # whether the next one-pass restore may write each chunk as soon as it is hashed
+    shared_metadata: Any  # the next load's DCP .metadata as another rank parsed it (reader.SharedMetadata), or None
     memory: RunDir | None
     extra: dict[str, Any]
     data: DataRecord | None

@@ -122,8 +122,7 @@ class Resumer:
         # by an error, never by training on from the state as it is: a one-pass load may then write each chunk as it
         # is hashed. With it, the state stays untouched until every file matched (a fresh start stays possible).
         try:
-            with gc_paused():  # see ``load``
-                return self._load_newest(restart)
+            return self._load_newest(restart)
         finally:
             self.host.eager_load = False
             self.host.shared_metadata = None
@@ -319,29 +318,33 @@ class Resumer:
             share: a load of it follows. Meanwhile rank 1 parses its DCP ``.metadata`` for that load and, if the
                 checkpoint passed, gives it to every rank (the host's ``shared_metadata``): no rank parses it again,
                 and rank 0 does not parse it after its validation while the others wait for it (the allow-list
-                unpickler is pure Python: ~0.1 s for a 254M-parameter state saved by 4 ranks).
+                unpickler is pure Python: ~0.1 s for a 254M-parameter state saved by 4 ranks). For a checkpoint
+                the validation refuses, that parse was for nothing, but it ran beside the validation.
 
         Returns:
             None, or the first problem found, in one line.
         """
         from ckpt.validate.checks import validate
 
+        self.host.shared_metadata = None
         parser = 1 if share and self.env.world_size > 1 and self.host.FORMAT == "dcp" else None
-        problem, shared = None, None
-        if self.env.is_rank0:
-            report = validate(path)
-            problem = None if report.valid else report.errors[0]
-        elif self.env.rank == parser:
-            from ckpt.formats.dcp.reader import share_metadata
+        problem, blob = None, None
+        with gc_paused():  # as in ``load``
+            if self.env.is_rank0:
+                report = validate(path)
+                problem = None if report.valid else report.errors[0]
+            elif self.env.rank == parser:
+                from ckpt.formats.dcp.reader import share_metadata
 
-            shared = share_metadata(path)
-        box = [problem]
-        dist.broadcast_object_list(box, src=0, group=self.env.ctrl_group)
-        if parser is not None and box[0] is None:
-            sent = [shared]
-            with gc_paused():  # as in ``load``
+                blob = share_metadata(path)  # None when it failed: every rank then parses its own
+            box = [problem]
+            dist.broadcast_object_list(box, src=0, group=self.env.ctrl_group)
+            if parser is not None and box[0] is None:
+                from ckpt.formats.dcp.reader import shared_from
+
+                sent = [blob]
                 dist.broadcast_object_list(sent, src=parser, group=self.env.ctrl_group)
-            self.host.shared_metadata = sent[0]
+                self.host.shared_metadata = shared_from(sent[0])
         return box[0]
 
     def _hash_check(self, path: Path) -> str | None:

@@ -106,7 +106,8 @@ class Saver:
                 return
         self.wait()
         if self._storage_owed is not None:  # set on every rank by the same agreed failure, seen after the wait
-            self._write_owed(ts, reason)
+            with gc_paused():  # a blocking save: see the note on sync saves below
+                self._write_owed(ts, reason)
             return
         if tier == MEMORY and self.host.memory is None:  # the memory tier went off during the save in flight
             self._tier_gone = True  # seen by every rank at this same call: later memory steps return at once

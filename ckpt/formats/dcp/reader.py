@@ -18,6 +18,7 @@ import hashlib
 import io
 import math
 import os
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,32 +47,54 @@ from ckpt.formats.dcp._metadata import (
 )
 from ckpt.formats.pickle import safe_pickle
 from ckpt.formats.pickle.torchzip import TorchZip, load_bytes
+from ckpt.gcpause import gc_paused
 from schemas.errors import CheckpointError
 
 
 @dataclass(frozen=True)
 class SharedMetadata:
-    """A ``.metadata`` that one rank of a load parsed through ``read_metadata`` for the others (``share_metadata``):
-    the SHA-256 of the bytes it parsed, and the result. A rank takes it only for a ``.metadata`` whose bytes it
-    reads itself and finds with that digest; it reaches the others through an object collective, so it is trusted
-    as the ranks of one job trust each other."""
+    """A ``.metadata`` that one rank of a load parsed for the others (``share_metadata``, ``shared_from``): the
+    SHA-256 of the bytes it parsed, and the result. A rank takes it only for a ``.metadata`` whose bytes it reads
+    itself and finds with that digest (``read_metadata``'s ``shared``)."""
 
     digest: bytes
     metadata: Metadata
 
 
-def share_metadata(ckpt_dir: str | os.PathLike[str]) -> SharedMetadata | None:
+def share_metadata(ckpt_dir: str | os.PathLike[str]) -> bytes | None:
     """``ckpt_dir``'s ``.metadata``, parsed here for the ranks of a load (each checks its extents in ``read_metadata``).
 
     Returns:
-        The digest of the bytes read and their metadata; None when they are refused or cannot be read (each rank's
-        own read then says why, in its own words).
+        A ``SharedMetadata`` of the bytes read, pickled: sent to the other ranks as bytes, so that a parsed value the
+        pickler cannot take fails here, never inside the collective. None when the file is a symlink (the quick
+        check refuses it), cannot be read, or is refused: each rank's own read then says why, in its own words.
     """
+    path = Path(ckpt_dir) / ".metadata"
     try:
+        if path.is_symlink():
+            return None
         data = metadata_bytes(Path(ckpt_dir))
-        return SharedMetadata(hashlib.sha256(data).digest(), _parsed(Path(ckpt_dir), data))
+        shared = SharedMetadata(hashlib.sha256(data).digest(), _parsed(Path(ckpt_dir), data))
+        return pickle.dumps(shared, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - refused here: every rank reads it itself and refuses it in one line
         return None
+
+
+def shared_from(blob: bytes | None) -> SharedMetadata | None:
+    """What ``share_metadata`` made on another rank of this job, or None (nothing sent, or not a SharedMetadata).
+
+    The bytes come from a rank of the same job through the control group, never from a file: the ranks of one job
+    trust each other's pickles, as every object collective does (the file's bytes went through the allow-list).
+    """
+    if blob is None:
+        return None
+    try:
+        with gc_paused():  # ~10^5 objects that live: see trainer.checkpointer.resumer.Resumer.load
+            shared = pickle.loads(blob)  # noqa: S301 - a peer rank's pickle of what it parsed under the allow-list
+    except Exception:  # noqa: BLE001 - each rank then parses the file itself
+        return None
+    ok = isinstance(shared, SharedMetadata) and type(shared.digest) is bytes and isinstance(shared.metadata, Metadata)
+    return shared if ok else None
 
 
 def read_metadata(
@@ -388,6 +411,7 @@ class DCPTensorReader:
 __all__ = [
     "SharedMetadata",
     "share_metadata",
+    "shared_from",
     "DCPTensorReader",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
