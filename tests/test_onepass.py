@@ -196,8 +196,10 @@ def test_a_shared_metadata_is_taken_only_for_the_same_bytes_and_its_extents_are_
     from schemas.errors import CheckpointError
 
     ckpt, _, _ = _save(tmp_path)
-    shared = shared_from(share_metadata(ckpt))
-    assert shared is not None and shared.metadata == read_metadata(ckpt)
+    made = share_metadata(ckpt)
+    assert made is not None
+    shared = shared_from(made[1])  # as another rank receives it
+    assert shared is not None and shared.metadata == read_metadata(ckpt) == made[0].metadata
     assert read_metadata(ckpt, shared=shared) is shared.metadata  # the same bytes: not parsed again
     other = SharedMetadata(bytes(32), shared.metadata)  # said to be of other bytes: this rank parses its own
     assert read_metadata(ckpt, shared=other) is not shared.metadata

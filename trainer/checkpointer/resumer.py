@@ -138,44 +138,45 @@ class Resumer:
         failed: list[str] = []
         touched = False  # a failed load may have written into the live state
         for cand, tier in box[0] or []:
-            path = Path(cand)
-            if tier == MEMORY:
-                if self.nodes is not None:  # each node loads its own copy
-                    path = self.nodes.memory.checkpoint(parse_step(path.name) or 0)
-                ts = self._try_memory(path)
-                touched = touched or ts is not False
-                if isinstance(ts, TrainState):
-                    return ts
-                continue
-            problem = self._quick_check(path, share=True)
-            if problem is not None:  # incomplete or mislabelled: skipped (train --restart moves it aside)
-                if self.env.is_rank0:
-                    log.warning("not loading %s: %s", path.name, problem)
+            with gc_paused():  # per attempt (see ``load``): a refused attempt's objects are freed before the next
+                path = Path(cand)
+                if tier == MEMORY:
+                    if self.nodes is not None:  # each node loads its own copy
+                        path = self.nodes.memory.checkpoint(parse_step(path.name) or 0)
+                    ts = self._try_memory(path)
+                    touched = touched or ts is not False
+                    if isinstance(ts, TrainState):
+                        return ts
+                    continue
+                problem = self._quick_check(path, share=True)
+                if problem is not None:  # incomplete or mislabelled: skipped (train --restart moves it aside)
+                    if self.env.is_rank0:
+                        log.warning("not loading %s: %s", path.name, problem)
+                    failed.append(f"{path.name} ({problem})")
+                    continue
+                # One-pass backends hash every byte while loading it (eager_load: writing the live state right behind).
+                # Tracked extras are read (check_loadable) before the load.
+                one_pass = self.host.ONE_PASS and not self.host.extra
+                problem = None if one_pass else self._hash_check(path)
+                if problem is None:
+                    self.host.check_loadable(path, self._manifest(path))  # another run's checkpoint: refuse, keep it
+                    self.host.applied = not one_pass
+                    self.host.eager_load = not restart
+                    ts, problem, ours = self._try_load(path)
+                    touched = touched or self.host.applied
+                    if ts is not None:
+                        return ts
+                    if not ours and one_pass:  # the load may have stopped before every byte was hashed: hash now
+                        bad = self._hash_check(path)
+                        problem, ours = (bad, True) if bad else (problem, False)
+                    if not ours:  # the live run does not fit a checkpoint whose every byte checked out: keep it
+                        raise CheckpointError(
+                            f"{path}: its files match their checksums, but it does not load into this run ({problem}); "
+                            "left in place, not moved aside: resume with the model, backend and world size it fits "
+                            "(its manifest.json's run_spec), or convert it with shardkeeper convert"
+                        )
+                self._set_aside(path, problem)
                 failed.append(f"{path.name} ({problem})")
-                continue
-            # One-pass backends hash every byte while loading it (eager_load: writing the live state right behind).
-            # Tracked extras are read (check_loadable) before the load.
-            one_pass = self.host.ONE_PASS and not self.host.extra
-            problem = None if one_pass else self._hash_check(path)
-            if problem is None:
-                self.host.check_loadable(path, self._manifest(path))  # another run's checkpoint: refuse, keep it
-                self.host.applied = not one_pass
-                self.host.eager_load = not restart
-                ts, problem, ours = self._try_load(path)
-                touched = touched or self.host.applied
-                if ts is not None:
-                    return ts
-                if not ours and one_pass:  # the load may have stopped before every byte was hashed: hash now
-                    bad = self._hash_check(path)
-                    problem, ours = (bad, True) if bad else (problem, False)
-                if not ours:  # the live run does not fit a checkpoint whose every byte checked out: keep it
-                    raise CheckpointError(
-                        f"{path}: its files match their checksums, but it does not load into this run ({problem}); "
-                        "left in place, not moved aside: resume with the model, backend and world size it fits "
-                        "(its manifest.json's run_spec), or convert it with shardkeeper convert"
-                    )
-            self._set_aside(path, problem)
-            failed.append(f"{path.name} ({problem})")
         if failed and not (restart and not touched):
             raise CheckpointError(
                 f"{self.run_dir.checkpoints}: no checkpoint could be loaded ({'; '.join(failed)[:600]}); "
@@ -328,7 +329,7 @@ class Resumer:
 
         self.host.shared_metadata = None
         parser = 1 if share and self.env.world_size > 1 and self.host.FORMAT == "dcp" else None
-        problem, blob = None, None
+        problem, mine = None, None
         with gc_paused():  # as in ``load``
             if self.env.is_rank0:
                 report = validate(path)
@@ -336,15 +337,15 @@ class Resumer:
             elif self.env.rank == parser:
                 from ckpt.formats.dcp.reader import share_metadata
 
-                blob = share_metadata(path)  # None when it failed: every rank then parses its own
+                mine = share_metadata(path)  # None when it failed: every rank then parses its own
             box = [problem]
             dist.broadcast_object_list(box, src=0, group=self.env.ctrl_group)
             if parser is not None and box[0] is None:
                 from ckpt.formats.dcp.reader import shared_from
 
-                sent = [blob]
+                sent = [mine[1] if mine is not None else None]
                 dist.broadcast_object_list(sent, src=parser, group=self.env.ctrl_group)
-                self.host.shared_metadata = shared_from(sent[0])
+                self.host.shared_metadata = mine[0] if mine is not None else shared_from(sent[0])
         return box[0]
 
     def _hash_check(self, path: Path) -> str | None:

@@ -61,13 +61,14 @@ class SharedMetadata:
     metadata: Metadata
 
 
-def share_metadata(ckpt_dir: str | os.PathLike[str]) -> bytes | None:
+def share_metadata(ckpt_dir: str | os.PathLike[str]) -> tuple[SharedMetadata, bytes] | None:
     """``ckpt_dir``'s ``.metadata``, parsed here for the ranks of a load (each checks its extents in ``read_metadata``).
 
     Returns:
-        A ``SharedMetadata`` of the bytes read, pickled: sent to the other ranks as bytes, so that a parsed value the
-        pickler cannot take fails here, never inside the collective. None when the file is a symlink (the quick
-        check refuses it), cannot be read, or is refused: each rank's own read then says why, in its own words.
+        A ``SharedMetadata`` of the bytes read, for this rank, and the same pickled, to send to the other ranks as
+        bytes (``shared_from``): a parsed value the pickler cannot take fails here, never inside the collective.
+        None when the file is a symlink (the quick check refuses it), cannot be read, or is refused: each rank's
+        own read then says why, in its own words.
     """
     path = Path(ckpt_dir) / ".metadata"
     try:
@@ -75,7 +76,7 @@ def share_metadata(ckpt_dir: str | os.PathLike[str]) -> bytes | None:
             return None
         data = metadata_bytes(Path(ckpt_dir))
         shared = SharedMetadata(hashlib.sha256(data).digest(), _parsed(Path(ckpt_dir), data))
-        return pickle.dumps(shared, protocol=pickle.HIGHEST_PROTOCOL)
+        return shared, pickle.dumps(shared, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - refused here: every rank reads it itself and refuses it in one line
         return None
 
