@@ -207,14 +207,16 @@ def save_worker(small: bool, run_dir: str, reps: int) -> dict:
     # right after each of our saves, every timed write after the same sync and pause; the goal is judged against
     # the dd right before (the table shows the one after too).
     nbytes = 0
+    sides = [
+        ("dcp", plain),
+        ("ours", ours(True)),
+        ("crc", ours(True, crc=True)),
+        ("before", ours(True, False)),
+        ("nohash", ours(False)),
+    ]
     for i in range(reps + 1):  # rep 0 is the warm-up of each side, not counted
-        for name, fn in (
-            ("dcp", plain),
-            ("ours", ours(True)),
-            ("crc", ours(True, crc=True)),
-            ("before", ours(True, False)),
-            ("nohash", ours(False)),
-        ):
+        # each round starts one side later: no side always follows the same one (or the dd of ours)
+        for name, fn in sides[i % len(sides) :] + sides[: i % len(sides)]:
             dd_before = dd_par() if name == "ours" and i else 0.0
             rest()
             dt = timed(fn, g)
@@ -605,8 +607,8 @@ def table(s: dict, st: dict, ld: dict, reps: dict) -> str:
     body = md_table(["measure", "value (median (min–max))", "notes", "goal"], rows)
     body += (
         f"\n\nModel {s['params'] / 1e6:.0f}M parameters, checkpoint {gb:.2f} GB (fp32 weights + AdamW moments), "
-        f"{w} ranks × {th} writer threads. Repetitions: save part {reps['save']} alternated rounds after one "
-        f"warm-up round"
+        f"{w} ranks × {th} writer threads. Repetitions: save part {reps['save']} rounds after one "
+        f"warm-up round, the order of the sides rotated by one each round"
         + (f", each timed write after a sync and {s['rest_s']:g} s idle; " if s.get("rest_s") else "; ")
         + (f"stall part {reps['stall']} steady rounds (a and b are single events of a fresh run); " if st else "")
         + f"load part {reps['load']} alternated rounds after a warm-up round, {ld['cache']}. load_latest's parts "
