@@ -12,7 +12,6 @@ someone else's ``.metadata`` trusts it: two chunks claiming the same rows would 
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 from collections.abc import Mapping
@@ -21,6 +20,7 @@ from typing import Any
 
 from ckpt.commit.fsutil import not_regular, read_regular
 from ckpt.formats.pickle import safe_pickle
+from ckpt.gcpause import gc_paused
 from schemas.errors import CheckpointError
 
 # bytes per element of the dtypes DCP's metadata can name (torch's own itemsize, without torch)
@@ -173,13 +173,8 @@ def check_extents(md: Any, where: Path, file_sizes: Mapping[str, int] | None = N
     * every record belongs to a chunk or value that ``.metadata`` describes.
 
     Works on DCP's own classes and on the stand-ins of ``read_layout`` alike (fields are read by name)."""
-    collecting = gc.isenabled()
-    gc.disable()  # a freshly parsed .metadata is millions of young objects: no collection rescans them mid-check
-    try:
+    with gc_paused():  # a freshly parsed .metadata is millions of young objects: no collection rescans them mid-check
         _check_extents(md, where, file_sizes or {})
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _check_extents(md: Any, where: Path, sizes: Mapping[str, int]) -> None:

@@ -63,7 +63,6 @@ bytes of ``.metadata``; ``ckpt.validate.retention`` parses only what decides its
 from __future__ import annotations
 
 import _compat_pickle
-import gc
 import importlib
 import io
 import math
@@ -75,6 +74,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckpt.gcpause import gc_paused
 from schemas.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -886,11 +886,10 @@ def load(
             f"{where}: refused to unpickle ({len(data)} bytes of pickle, more than {limit}); "
             "the file is not a checkpoint this tool writes, pick another step"
         )
-    collecting = gc.isenabled()
-    gc.disable()  # the cyclic GC rescans the growing object graph on every few hundred allocations
     try:
-        obj = SafeUnpickler(data, profile, storage).load()
-        _check_shape(obj)
+        with gc_paused():  # the cyclic GC rescans the growing object graph on every few hundred allocations
+            obj = SafeUnpickler(data, profile, storage).load()
+            _check_shape(obj)
     except CheckpointError:
         raise
     except RecursionError:
@@ -903,9 +902,6 @@ def load(
             f"{where}: refused to unpickle ({cause}); only files written by this tool's "
             "backends can be read, pick another step"
         ) from None
-    finally:
-        if collecting:
-            gc.enable()
     return obj
 
 
