@@ -91,8 +91,8 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
     from ckpt.commit.hashing import ChecksumMismatch
     from ckpt.commit.layout import RunDir
     from ckpt.formats.dcp import reader
-    from ckpt.formats.dcp.reader import read_metadata
     from tests.harness import tiny_spec
+    from tests.reliability.corrupt import flip_byte, model_item_offset
     from trainer.checkpointer import dcp_backend
     from trainer.checkpointer.core import TrainState
     from trainer.checkpointer.dcp_backend import DCPCheckpointer
@@ -139,16 +139,7 @@ def _refused_then_fallback(run_dir: str) -> list[object]:
     ck_b._wait_reread()
     if env.is_rank0:  # a model tensor's byte in rank 1's file: rank 1 owns it, rank 0 must not apply its own share
         for run in runs:
-            ckpt = run / "checkpoints" / "step-00000004"
-            info = next(
-                s
-                for i, s in sorted(read_metadata(ckpt).storage_data.items(), key=lambda kv: kv[0].fqn)
-                if i.fqn.startswith("model.") and s.relative_path.startswith("__1_") and s.length > 4096
-            )
-            path = ckpt / info.relative_path
-            data = bytearray(path.read_bytes())
-            data[info.offset + info.length // 2] ^= 0x01
-            path.write_bytes(bytes(data))
+            flip_byte(*model_item_offset(run / "checkpoints" / "step-00000004", rank=1, longer_than=4096), mask=0x01)
     dist.barrier()
     step()  # the live state now differs from both checkpoints
     before = _live(model, opt)

@@ -45,9 +45,9 @@ def _refused_snapshot_then_fresh_start(tmp: str) -> dict[str, object]:
     import torch.distributed as dist
 
     from ckpt.commit.layout import RunDir
-    from ckpt.formats.dcp.reader import read_metadata
     from ckpt.memtier.tier import MEMORY
     from tests.harness import tiny_spec
+    from tests.reliability.corrupt import flip_byte, model_item_offset
     from trainer.checkpointer import dcp_backend
     from trainer.checkpointer.core import TrainState
     from trainer.checkpointer.dcp_backend import DCPCheckpointer
@@ -94,15 +94,8 @@ def _refused_snapshot_then_fresh_start(tmp: str) -> dict[str, object]:
     }
     bad_file = ""
     if env.is_rank0:  # one byte in the middle of a model tensor's data in rank 1's file; manifest.json as it was
-        info = next(
-            s
-            for i, s in sorted(read_metadata(snap).storage_data.items(), key=lambda kv: kv[0].fqn)
-            if i.fqn.startswith("model.") and s.relative_path.startswith("__1_") and s.length > 4096
-        )
-        path = snap / info.relative_path
-        data = bytearray(path.read_bytes())
-        data[info.offset + info.length // 2] ^= 0x01
-        path.write_bytes(bytes(data))
+        path, offset = model_item_offset(snap, rank=1, longer_than=4096)
+        flip_byte(path, offset, mask=0x01)
         bad_file = path.name
     box = [bad_file]
     dist.broadcast_object_list(box, src=0)

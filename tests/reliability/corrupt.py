@@ -33,9 +33,9 @@ def rehash(ckpt_dir: Path) -> None:
     edit_manifest(ckpt_dir, change)
 
 
-def flip_byte(path: Path, offset: int | None = None) -> None:
+def flip_byte(path: Path, offset: int | None = None, mask: int = 0xFF) -> None:
     data = bytearray(path.read_bytes())
-    data[len(data) // 2 if offset is None else offset] ^= 0xFF
+    data[len(data) // 2 if offset is None else offset] ^= mask
     path.write_bytes(bytes(data))
 
 
@@ -47,13 +47,18 @@ def truncate(path: Path, by: int = 10) -> None:
     path.write_bytes(path.read_bytes()[:-by])
 
 
-def model_item_offset(ckpt_dir: Path) -> tuple[Path, int]:
-    """A byte in the middle of a model tensor's record in a .distcp file (so export's CRC check sees it)."""
+def model_item_offset(ckpt_dir: Path, rank: int | None = None, longer_than: int = 0) -> tuple[Path, int]:
+    """A byte in the middle of a model tensor's record in a .distcp file (so export's CRC check sees it): the first
+    by name, in ``rank``'s file when given, of a record longer than ``longer_than`` bytes."""
     from ckpt.formats.dcp.reader import read_metadata
 
     md = read_metadata(ckpt_dir)
     index, info = next(
-        (i, s) for i, s in sorted(md.storage_data.items(), key=lambda kv: kv[0].fqn) if i.fqn.startswith("model.")
+        (i, s)
+        for i, s in sorted(md.storage_data.items(), key=lambda kv: kv[0].fqn)
+        if i.fqn.startswith("model.")
+        and (rank is None or s.relative_path.startswith(f"__{rank}_"))
+        and s.length > longer_than
     )
     return ckpt_dir / info.relative_path, info.offset + info.length // 2
 
