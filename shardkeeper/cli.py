@@ -20,7 +20,7 @@ import logging
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import click
 import typer
@@ -43,12 +43,29 @@ _CLICK_ERRORS = (_TyperClickException, click.ClickException)
 from shardkeeper._cli_app import _RANK_LOG, _STATE, app, console, out  # noqa: E402,F401 - the app and its consoles
 
 
+class _PlainLines(logging.StreamHandler):
+    """A log record as one plain line on whatever ``sys.stderr`` is when it is written (as Rich's console does)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:  # StreamHandler's own assignment; the stream is always sys.stderr
+        pass
+
+
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False, markup=False)],
-    )
+    # Rich lays a record out in columns and wraps its message at the console's width (80 when piped): a warning
+    # would reach a log file or grep as several lines, cut mid-path. Piped, each record is one plain line.
+    handler: logging.Handler
+    if console.is_terminal:
+        handler = RichHandler(console=console, show_path=False, markup=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = _PlainLines()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
     if not verbose:  # botocore says "Found credentials in environment variables" at INFO for every s3:// client
         for name in ("botocore", "aiobotocore", "s3fs"):
             logging.getLogger(name).setLevel(logging.WARNING)

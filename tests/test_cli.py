@@ -96,6 +96,26 @@ def test_status_and_lineage_read_at_80_columns(cli_run: Path, tmp_path: Path) ->
     assert "holds no run directory" in empty.stderr
 
 
+def test_a_warning_piped_at_80_columns_is_one_line(cli_run: Path, tmp_path: Path) -> None:
+    """Piped (a log file, grep), a warning the CLI logs is one line however long, never wrapped at 80 columns."""
+    import shutil
+
+    run = tmp_path / ("a-long-directory-name-" * 3) / "run"
+    shutil.copytree(cli_run, run)
+    victim = sorted((run / "checkpoints" / "step-00000012").glob("__0_*.distcp"))[0]
+    os.truncate(victim, 100)
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | {"SHARDKEEPER_DEVICE": "cpu"}
+    r = subprocess.run(
+        [sys.executable, "-m", "shardkeeper", "status", str(run)], capture_output=True, text=True, timeout=120, env=env
+    )
+    older = sorted(p.name for p in (run / "checkpoints").glob("step-????????"))[-2]
+    assert r.returncode == 0 and older in r.stdout, r.stdout + r.stderr  # the newest valid one
+    warned = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(warned) == 1, r.stderr
+    assert "WARNING skipping invalid checkpoint step-00000012: " in warned[0] and str(victim) in warned[0], warned
+    assert "manifest says" in warned[0] and len(warned[0]) > 80
+
+
 def test_quick_validate_says_when_a_checkpoint_was_never_re_read(cli_run: Path, tmp_path: Path) -> None:
     """A preemption's checkpoint is verified by its next load, not at commit: until then a quick "valid" (sizes and
     structure only) must say its bytes were not re-read, even when one of them is flipped."""
