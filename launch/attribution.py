@@ -433,15 +433,40 @@ def where_stuck(stacks: str) -> tuple[bool, str] | None:
     return False, at
 
 
-def stuck_line(stacks: dict[int, str], grace_s: float) -> str | None:
+def stuck_line(stacks: dict[int, str], grace_s: float, silent: dict[int, str | None] | None = None) -> str | None:
     """The ranks still running at the end of their stop's grace, in one line: the ones outside any collective
-    first (the others waited for them), then where the others waited. None without a readable dump."""
+    first (the others waited for them), then where the others waited. None without a readable dump or a rank that
+    gave none.
+
+    Args:
+        stacks: rank -> its faulthandler dump, for the ranks that wrote one.
+        grace_s: the stop's grace, said in the line.
+        silent: rank -> why (``launch.procs.why_silent``, or None when unknown) for the ranks asked for their
+            stacks that wrote none: a rank that cannot run a signal handler is the one the others waited for.
+
+    Returns:
+        The line, or None when no rank said or withheld anything."""
     where = {r: w for r, w in ((r, where_stuck(t)) for r, t in sorted(stacks.items())) if w is not None}
-    if not where:
+    mute = {r: why for r, why in sorted((silent or {}).items()) if r not in where}
+    if not where and not mute:
         return None
     outside = [(r, at) for r, (coll, at) in where.items() if not coll]
     waiting = [(r, at) for r, (coll, at) in where.items() if coll]
     head = f"the ranks did not stop within the {grace_s:g} s grace and were killed"
+    if mute:
+        culprits = "; ".join(
+            f"rank {r} wrote no stack when asked" + (f": {why}" if why else " (it could not run a signal handler)")
+            for r, why in mute.items()
+        )
+        if outside:
+            culprits += "; " + "; ".join(f"rank {r} was at {at}" for r, at in outside)
+        if not waiting:
+            return f"{head}: {culprits}"
+        return (
+            f"{head}: {culprits}, so the others waited for it ("
+            + "; ".join(f"rank {r} in {at}" for r, at in waiting)
+            + ")"
+        )
     if outside and waiting:
         culprits = "; ".join(f"rank {r} was at {at}" for r, at in outside)
         return (

@@ -55,7 +55,7 @@ from launch.base import (
 )
 from launch.early import STOP_SIGNALS, received_stop
 from launch.early import pending_stop as _pending_stop
-from launch.procs import Descendants, RankWatch, WatchedRank, pdeathsig_preexec, reap_orphans, running
+from launch.procs import Descendants, RankWatch, WatchedRank, pdeathsig_preexec, reap_orphans, running, why_silent
 from schemas import ClusterTopology
 from schemas.errors import ConfigError
 from schemas.seam import EXIT_CANCELLED, LAUNCH_ENV, NODE_ENV, STACKS_SIGNAL
@@ -88,6 +88,7 @@ class _Supervisor:
         self._asker: threading.Timer | None = None
         self.stacks_dir = stacks_dir
         self.stacks: dict[int, str] = {}  # rank -> its Python stacks, asked for at the end of a stop's grace
+        self.silent: dict[int, str | None] = {}  # rank -> why (its process state) for those asked that wrote none
         self._termed: set[int] = set()
         self.trees: list[Descendants] = []
         self.ranks = RankWatch()
@@ -143,24 +144,26 @@ class _Supervisor:
     def ask_stacks(self) -> None:
         """Near the end of the stop's grace (torchrun kills the ranks at its end): every rank still running writes
         its Python stacks (faulthandler, trainer.lifetime), read back a moment later."""
-        asked = []
+        asked: dict[int, tuple[int, int]] = {}  # rank -> (pid, start)
         for w in self.ranks.watched():
             if w.ended_at is None and running(w.pid, w.start):
                 try:
                     os.kill(w.pid, STACKS_SIGNAL)
-                    asked.append(w.rank)
+                    asked[w.rank] = (w.pid, w.start)
                 except ProcessLookupError:
                     pass
         if not asked:
             return
         time.sleep(STACKS_WRITE_S)
-        for rank in asked:
+        for rank, (pid, start) in asked.items():
             try:
                 text = Path(str(self.stacks_dir), f"rank-{rank}.txt").read_text(errors="replace")
             except OSError:
-                continue
+                text = ""
             if text.strip():
                 self.stacks[rank] = text[-20000:]
+            elif running(pid, start):  # alive and silent (stopped, or stuck where no handler runs); not one that ended
+                self.silent[rank] = why_silent(pid)
 
     def term_unsignalled(self) -> None:
         """SIGTERM to each agent not yet asked to stop (an agent started after the stop request included)."""
@@ -395,7 +398,7 @@ class LocalTorchrun:
             stop_signal=sup.signal,
             held_back=list(sup.out.held),
             failure=self._failure(req, sup, t0),
-            stuck=stuck_line(sup.stacks, self.grace_s),
+            stuck=stuck_line(sup.stacks, self.grace_s, sup.silent),
             restarts=list(sup.restarts),
         )
 

@@ -119,6 +119,16 @@ def _state(pid: int) -> bytes | None:
     return raw[raw.rfind(b")") + 2 :][:1]
 
 
+def why_silent(pid: int) -> str | None:
+    """Why a live process asked for its stacks may not have answered, from its state in /proc: stopped, or in
+    uninterruptible sleep; None otherwise (running or sleeping as usual, gone, unreadable)."""
+    return {
+        b"T": "it was stopped (SIGSTOP, or a debugger attached)",
+        b"t": "it was stopped (SIGSTOP, or a debugger attached)",
+        b"D": "it was in uninterruptible sleep in the kernel (I/O that does not return)",
+    }.get(_state(pid) or b"")
+
+
 def is_zombie(pid: int) -> bool:
     """Exited, not reaped yet by its parent: gone, though kill(pid, 0) still finds it."""
     return _state(pid) in (b"Z", b"X")

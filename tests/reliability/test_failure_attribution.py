@@ -225,13 +225,14 @@ def _remove_oom_cgroups() -> None:
                 pass
 
 
-def _hang_cancelled(run: Path) -> object:
-    """Rank 1 sleeps inside the loop while rank 0 waits for it in a collective; the segment is cancelled once two
-    steps are logged (the launcher's stop path: SIGTERM to torchrun, SIGKILL at the end of a 6 s grace)."""
+def _hang_cancelled(run: Path, mode: str = "hang") -> object:
+    """Rank 1 sleeps inside the loop (``mode`` 'hang'; 'stop': it SIGSTOPs itself) while rank 0 waits for it in a
+    collective; the segment is cancelled once two steps are logged (the launcher's stop path: SIGTERM to torchrun,
+    SIGKILL at the end of a 6 s grace)."""
     from shardkeeper.config import train_spec
     from shardkeeper.stages import plan_topology, train_segment
 
-    spec = train_spec(None, [], str(run), script=str(SCRIPT), script_args=["--mode", "hang", "--sleep", "0.1"])
+    spec = train_spec(None, [], str(run), script=str(SCRIPT), script_args=["--mode", mode, "--sleep", "0.1"])
     rows = run / "metrics.jsonl"
     seen: list[float] = []
 
@@ -281,6 +282,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
             ("orphan-next", short_grace, base / "orphan", 10),
         ],  # also the uninterrupted reference of "restart"
         [("hang", _hang_cancelled, base / "hang")],
+        [("stopped", _hang_cancelled, base / "stopped", "stop")],
     ]
     try:
         results = side_by_side(chains, 2)
@@ -394,6 +396,18 @@ def test_a_rank_that_hangs_while_its_peer_waits_is_named_from_its_stack(launched
         "the ranks did not stop within the 6 s grace and were killed: rank 1 was at failure_modes.py line "
     ), res.note
     assert "in misbehave, outside any collective, so the others waited for it (rank 0 in " in res.note, res.note
+
+
+def test_a_stopped_rank_that_cannot_answer_for_its_stack_is_named_as_the_one_the_others_waited_for(
+    launched: dict,
+) -> None:
+    res = outcome(launched, "stopped")
+    assert res.status == "cancelled", res
+    assert res.note.startswith(
+        "the ranks did not stop within the 6 s grace and were killed: rank 1 wrote no stack when asked: it was "
+        "stopped (SIGSTOP, or a debugger attached), so the others waited for it (rank 0 in "
+    ), res.note
+    assert "rank 1 was at" not in res.note and "every rank waited" not in res.note, res.note
 
 
 # ------------------------------------------------------------------------------------------------ without a launch
@@ -517,6 +531,35 @@ def test_ranks_that_did_not_stop_are_named_from_their_stacks() -> None:
     )
     assert "every rank waited in a collective" in stuck_line({0: STACK_WAITING, 1: STACK_WAITING}, 60)
     assert stuck_line({0: "garbage"}, 60) is None
+    # a rank asked that wrote nothing is the culprit, said first, whatever the others' stacks say
+    assert stuck_line({0: STACK_WAITING}, 60, {1: None}) == (
+        "the ranks did not stop within the 60 s grace and were killed: rank 1 wrote no stack when asked (it could "
+        "not run a signal handler), so the others waited for it (rank 0 in all_gather_single called at train.py line "
+        "115 in <module>)"
+    )
+    both = stuck_line({0: STACK_SLEEPING}, 60, {1: "it was stopped (SIGSTOP, or a debugger attached)"})
+    assert both == (
+        "the ranks did not stop within the 60 s grace and were killed: rank 1 wrote no stack when asked: it was "
+        "stopped (SIGSTOP, or a debugger attached); rank 0 was at train.py line 100 in misbehave"
+    )
+    assert stuck_line({}, 60, {2: None}) is not None and stuck_line({}, 60, {}) is None
+
+
+def test_why_a_live_process_is_silent_comes_from_its_state() -> None:
+    from launch.procs import why_silent
+
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        assert why_silent(proc.pid) is None  # sleeping as usual: it could have answered
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while why_silent(proc.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert why_silent(proc.pid) == "it was stopped (SIGSTOP, or a debugger attached)"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert why_silent(proc.pid) is None  # gone
 
 
 DAEMON = """\

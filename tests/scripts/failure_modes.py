@@ -13,6 +13,7 @@ A tiny FSDP2 MLP trained through shardkeeper.Segment; at step --at, rank --rank 
 --mode exit0       os._exit(0) inside the loop (the segment has not ended)
 --mode exit3       os._exit(3) inside the loop
 --mode hang        sleep forever inside the loop (its peers wait in the next collective: a deadlock)
+--mode stop        SIGSTOP itself inside the loop (a debugger, a `kill -STOP`): no signal handler of it runs any more
 --mode widths      nothing at --at: rank --rank builds its model --width + 8 wide, so the ranks' collectives disagree
 --mode orphan      fork a grandchild (double fork: re-parented away from the rank) that ignores SIGTERM and sleeps
                    --orphan-s seconds holding the rank's open files, then train to the end; its pid goes to
@@ -105,6 +106,8 @@ def misbehave() -> None:
         os._exit(3)
     if a.mode == "hang":
         time.sleep(3600)
+    if a.mode == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 if a.mode == "orphan" and me and os.fork() == 0:  # the child forks the grandchild and exits: it is re-parented
