@@ -410,6 +410,11 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | No
             else ""
         )
     ]
+    if mem_goodput > 1 or goodput > 1:  # said, not hidden: the phases' noise is larger than what they compare
+        notes.append(
+            f"goodput above 1: the snapshots cost less than the noise between phases of the same kind (no-checkpoint "
+            f"phases {min(plain):.1f}–{max(plain):.1f} s); this run cannot resolve the goodput, only bound it"
+        )
     if rec:
         fresh = [r["first_step_s"] for r in rec["fresh"]]
         memf = [r["first_step_s"] for r in rec["memory"]]

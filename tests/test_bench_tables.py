@@ -185,3 +185,23 @@ def test_the_peers_table_is_built_from_each_runs_events(tmp_path) -> None:
 
     (tmp_path / "peers-memtier.md").write_text("_Measured ..._\n\n" + body + "\n", encoding="utf-8")
     assert peers.plot(results=tmp_path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # every cell parses for the plot
+
+
+def test_a_goodput_above_one_is_said_to_be_below_the_noise() -> None:
+    """Phases of the same kind that vary more than the snapshots cost give a goodput above 1: the table says so
+    instead of presenting it as a measured gain."""
+    import argparse
+
+    memtier = importlib.import_module("memtier_bench")
+    args = argparse.Namespace(memory_dir="/dev/shm/x")
+
+    def res(plain: list[float], memory: list[float], storage: list[float]) -> dict:
+        phases = [{"mode": "plain", "wall_s": w} for w in plain] + [{"mode": "memory", "wall_s": w} for w in memory]
+        phases += [{"mode": "storage", "wall_s": w} for w in storage]
+        common = {"copy_s": [0.06, 0.07], "stall_s": [0.06, 0.07], "k": 2, "step_s": 2.0, "steps_per_phase": 8}
+        return {**common, "phases": phases, "snapshot_bytes": 9e8, "params": 7.7e7}
+
+    noisy = memtier.table(res([18.3, 17.2, 19.3], [17.9, 15.9, 18.5], [19.1, 17.9, 20.1]), None, args)
+    assert "goodput above 1: the snapshots cost less than the noise" in noisy and "17.2–19.3 s" in noisy
+    clear = memtier.table(res([18.0, 18.0, 18.0], [18.3, 18.3, 18.3], [18.5, 18.5, 18.5]), None, args)
+    assert "goodput above 1" not in clear and "**0.983**" in clear
