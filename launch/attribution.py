@@ -434,15 +434,15 @@ def where_stuck(stacks: str) -> tuple[bool, str] | None:
 
 
 def stuck_line(stacks: dict[int, str], grace_s: float, silent: dict[int, str | None] | None = None) -> str | None:
-    """The ranks still running at the end of their stop's grace, in one line: the ones outside any collective
-    first (the others waited for them), then where the others waited. None without a readable dump or a rank that
-    gave none.
+    """The ranks still running at the end of their stop's grace, in one line: the ones that could not answer (stopped,
+    in uninterruptible sleep) and those outside any collective first (the others waited for them), then where the
+    others waited; a rank that gave no stack for no known reason is said last, blamed for nothing.
 
     Args:
         stacks: rank -> its faulthandler dump, for the ranks that wrote one.
         grace_s: the stop's grace, said in the line.
-        silent: rank -> why (``launch.procs.why_silent``, or None when unknown) for the ranks asked for their
-            stacks that wrote none: a rank that cannot run a signal handler is the one the others waited for.
+        silent: rank -> why (``launch.procs.why_silent``: stopped, uninterruptible sleep; None when its state says
+            nothing) for the ranks asked for their stacks that wrote none.
 
     Returns:
         The line, or None when no rank said or withheld anything."""
@@ -450,34 +450,29 @@ def stuck_line(stacks: dict[int, str], grace_s: float, silent: dict[int, str | N
     mute = {r: why for r, why in sorted((silent or {}).items()) if r not in where}
     if not where and not mute:
         return None
-    outside = [(r, at) for r, (coll, at) in where.items() if not coll]
+    blocked = [(r, f"wrote no stack when asked: {why}") for r, why in mute.items() if why]
+    outside = blocked + [(r, f"was at {at}") for r, (coll, at) in where.items() if not coll]
     waiting = [(r, at) for r, (coll, at) in where.items() if coll]
+    unknown = [r for r, why in mute.items() if not why]
     head = f"the ranks did not stop within the {grace_s:g} s grace and were killed"
-    if mute:
-        culprits = "; ".join(
-            f"rank {r} wrote no stack when asked" + (f": {why}" if why else " (it could not run a signal handler)")
-            for r, why in mute.items()
-        )
-        if outside:
-            culprits += "; " + "; ".join(f"rank {r} was at {at}" for r, at in outside)
-        if not waiting:
-            return f"{head}: {culprits}"
-        return (
-            f"{head}: {culprits}, so the others waited for it ("
-            + "; ".join(f"rank {r} in {at}" for r, at in waiting)
-            + ")"
-        )
+    late = "; ".join(f"rank {r} wrote no stack in time" for r in unknown)
+    tail = f"; {late}" if late and (outside or waiting) else ""
+    said = "; ".join(f"rank {r} {what}" for r, what in outside)
     if outside and waiting:
-        culprits = "; ".join(f"rank {r} was at {at}" for r, at in outside)
+        where_said = "" if blocked and len(outside) == len(blocked) else ", outside any collective"
         return (
-            f"{head}: {culprits}, outside any collective, so the others waited for it ("
+            f"{head}: {said}{where_said}, so the others waited for it ("
             + "; ".join(f"rank {r} in {at}" for r, at in waiting)
             + ")"
+            + tail
         )
     if waiting:
         return (
             f"{head}: every rank waited in a collective ("
             + "; ".join(f"rank {r} in {at}" for r, at in waiting)
             + "): the ranks called different collectives, or a peer is gone"
+            + tail
         )
-    return f"{head}: " + "; ".join(f"rank {r} was at {at}" for r, at in outside) + " (none in a collective)"
+    if outside:
+        return f"{head}: {said}" + ("" if blocked else " (none in a collective)") + tail
+    return f"{head}: {late}"

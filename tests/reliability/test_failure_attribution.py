@@ -531,18 +531,27 @@ def test_ranks_that_did_not_stop_are_named_from_their_stacks() -> None:
     )
     assert "every rank waited in a collective" in stuck_line({0: STACK_WAITING, 1: STACK_WAITING}, 60)
     assert stuck_line({0: "garbage"}, 60) is None
-    # a rank asked that wrote nothing is the culprit, said first, whatever the others' stacks say
-    assert stuck_line({0: STACK_WAITING}, 60, {1: None}) == (
-        "the ranks did not stop within the 60 s grace and were killed: rank 1 wrote no stack when asked (it could "
-        "not run a signal handler), so the others waited for it (rank 0 in all_gather_single called at train.py line "
-        "115 in <module>)"
+    # a rank that could not answer (stopped) is the one the others waited for, said first
+    stopped = "it was stopped (SIGSTOP, or a debugger attached)"
+    assert stuck_line({0: STACK_WAITING}, 60, {1: stopped}) == (
+        "the ranks did not stop within the 60 s grace and were killed: rank 1 wrote no stack when asked: it was "
+        "stopped (SIGSTOP, or a debugger attached), so the others waited for it (rank 0 in all_gather_single called "
+        "at train.py line 115 in <module>)"
     )
-    both = stuck_line({0: STACK_SLEEPING}, 60, {1: "it was stopped (SIGSTOP, or a debugger attached)"})
-    assert both == (
+    assert stuck_line({0: STACK_SLEEPING}, 60, {1: stopped}) == (
         "the ranks did not stop within the 60 s grace and were killed: rank 1 wrote no stack when asked: it was "
         "stopped (SIGSTOP, or a debugger attached); rank 0 was at train.py line 100 in misbehave"
     )
-    assert stuck_line({}, 60, {2: None}) is not None and stuck_line({}, 60, {}) is None
+    # one silent for no known reason (running, slow to write) is said last and blamed for nothing
+    assert stuck_line({0: STACK_WAITING, 1: STACK_SLEEPING}, 60, {2: None}) == (
+        "the ranks did not stop within the 60 s grace and were killed: rank 1 was at train.py line 100 in misbehave, "
+        "outside any collective, so the others waited for it (rank 0 in all_gather_single called at train.py line "
+        "115 in <module>); rank 2 wrote no stack in time"
+    )
+    assert stuck_line({}, 60, {2: None}) == (
+        "the ranks did not stop within the 60 s grace and were killed: rank 2 wrote no stack in time"
+    )
+    assert stuck_line({}, 60, {}) is None and stuck_line({0: "garbage"}, 60, {}) is None
 
 
 def test_why_a_live_process_is_silent_comes_from_its_state() -> None:
