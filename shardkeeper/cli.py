@@ -55,17 +55,43 @@ class _PlainLines(logging.StreamHandler):
         pass
 
 
+class _OneLine(logging.Formatter):
+    """The ranks' time format ("2026-12-07 00:43:20,991"), then the level and the message with any line break in it
+    written as ``\\n`` (a path may hold one): a record is one line; a traceback (``--verbose``) follows it as is."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        record.message = record.message.replace("\r", "\\r").replace("\n", "\\n")
+        return super().formatMessage(record)
+
+
 def _setup_logging(verbose: bool) -> None:
-    # Rich lays a record out in columns and wraps its message at the console's width (80 when piped): a warning
-    # would reach a log file or grep as several lines, cut mid-path. Piped, each record is one plain line.
-    handler: logging.Handler
-    if console.is_terminal:
-        handler = RichHandler(console=console, show_path=False, markup=False)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-    else:
-        handler = _PlainLines()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
+    """The CLI's log handler on the root logger, at INFO (DEBUG with ``verbose``): Rich's on a terminal; anywhere else
+    (a pipe, a file, CI) one plain line per record, since Rich lays a record out in columns and wraps it at the
+    console's width (80 when piped: a warning reached grep and log files cut mid-path). Decided by ``isatty``: Rich's
+    own test also says yes to FORCE_COLOR and TTY_COMPATIBLE, which CI logs set. A later call (``main`` run again in
+    one process) replaces the handler an earlier call installed; a root logger configured by someone else is left
+    as it is."""
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "_shardkeeper_cli", False)]:
+        root.removeHandler(old)
+    if not root.handlers:
+        handler: logging.Handler
+        try:
+            tty = sys.stderr.isatty()
+        except (AttributeError, ValueError):  # no stderr, or a closed one
+            tty = False
+        if tty:
+            handler = RichHandler(console=console, show_path=False, markup=False)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+        else:
+            handler = _PlainLines()
+            handler.setFormatter(_OneLine())
+        handler._shardkeeper_cli = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+        root.setLevel(logging.DEBUG if verbose else logging.INFO)
     if not verbose:  # botocore says "Found credentials in environment variables" at INFO for every s3:// client
         for name in ("botocore", "aiobotocore", "s3fs"):
             logging.getLogger(name).setLevel(logging.WARNING)

@@ -97,14 +97,16 @@ def test_status_and_lineage_read_at_80_columns(cli_run: Path, tmp_path: Path) ->
 
 
 def test_a_warning_piped_at_80_columns_is_one_line(cli_run: Path, tmp_path: Path) -> None:
-    """Piped (a log file, grep), a warning the CLI logs is one line however long, never wrapped at 80 columns."""
+    """Piped (a log file, grep, CI), a warning the CLI logs is one line however long, never wrapped at 80 columns,
+    even where CI sets the variables that make Rich draw as on a terminal (FORCE_COLOR, TTY_COMPATIBLE)."""
     import shutil
 
     run = tmp_path / ("a-long-directory-name-" * 3) / "run"
     shutil.copytree(cli_run, run)
     victim = sorted((run / "checkpoints" / "step-00000012").glob("__0_*.distcp"))[0]
     os.truncate(victim, 100)
-    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | {"SHARDKEEPER_DEVICE": "cpu"}
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env |= {"SHARDKEEPER_DEVICE": "cpu", "FORCE_COLOR": "1", "TTY_COMPATIBLE": "1"}
     r = subprocess.run(
         [sys.executable, "-m", "shardkeeper", "status", str(run)], capture_output=True, text=True, timeout=120, env=env
     )
@@ -114,6 +116,36 @@ def test_a_warning_piped_at_80_columns_is_one_line(cli_run: Path, tmp_path: Path
     assert len(warned) == 1, r.stderr
     assert "WARNING skipping invalid checkpoint step-00000012: " in warned[0] and str(victim) in warned[0], warned
     assert "manifest says" in warned[0] and len(warned[0]) > 80
+
+
+def test_main_run_again_in_one_process_follows_the_new_stderr_and_verbosity(cli_run: Path, tmp_path: Path) -> None:
+    """``main`` called a second time in the same process (a notebook, a wrapper): its handler follows the stderr of
+    that call (a terminal, then a plain stream) and ``--verbose`` takes effect; nothing is written twice."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(cli_run, run)
+    os.truncate(sorted((run / "checkpoints" / "step-00000012").glob("__0_*.distcp"))[0], 100)
+    code = f"""
+import io, logging, sys
+from shardkeeper.cli import main
+class Tty(io.StringIO):
+    def isatty(self): return True
+real, out = sys.stderr, []
+for stream, argv in ((Tty(), ["status", {str(run)!r}]), (io.StringIO(), ["--verbose", "status", {str(run)!r}])):
+    sys.stderr = stream
+    rc = main(argv)
+    sys.stderr = real
+    out.append((rc, stream.getvalue(), logging.getLogger().level, len(logging.getLogger().handlers)))
+import json; print(json.dumps(out))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (rc1, err1, level1, n1), (rc2, err2, level2, n2) = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rc1 == rc2 == 0 and level1 == 20 and level2 == 10 and n1 == n2 == 1
+    assert "skipping invalid checkpoint step-00000012" in " ".join(err1.split())  # Rich's layout on the terminal
+    lines = [line for line in err2.splitlines() if "skipping invalid checkpoint" in line]
+    assert len(lines) == 1 and " WARNING skipping invalid checkpoint step-00000012: " in lines[0], err2
 
 
 def test_quick_validate_says_when_a_checkpoint_was_never_re_read(cli_run: Path, tmp_path: Path) -> None:
