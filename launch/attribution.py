@@ -436,7 +436,7 @@ def where_stuck(stacks: str) -> tuple[bool, str] | None:
 def stuck_line(stacks: dict[int, str], grace_s: float, silent: dict[int, str | None] | None = None) -> str | None:
     """The ranks still running at the end of their stop's grace, in one line: the ones that could not answer (stopped,
     in uninterruptible sleep) and those outside any collective first (the others waited for them), then where the
-    others waited; a rank that gave no stack for no known reason is said last, blamed for nothing.
+    others waited; a rank that gave no stack for no known reason is said last, as a rank to look at, not as the cause.
 
     Args:
         stacks: rank -> its faulthandler dump, for the ranks that wrote one.
@@ -450,29 +450,25 @@ def stuck_line(stacks: dict[int, str], grace_s: float, silent: dict[int, str | N
     mute = {r: why for r, why in sorted((silent or {}).items()) if r not in where}
     if not where and not mute:
         return None
-    blocked = [(r, f"wrote no stack when asked: {why}") for r, why in mute.items() if why]
-    outside = blocked + [(r, f"was at {at}") for r, (coll, at) in where.items() if not coll]
-    waiting = [(r, at) for r, (coll, at) in where.items() if coll]
+    blocked = [f"rank {r} wrote no stack when asked: {why}" for r, why in mute.items() if why]
+    outside = [f"rank {r} was at {at}" for r, (coll, at) in where.items() if not coll]
+    waiting = "; ".join(f"rank {r} in {at}" for r, (coll, at) in where.items() if coll)
     unknown = [r for r, why in mute.items() if not why]
-    head = f"the ranks did not stop within the {grace_s:g} s grace and were killed"
     late = "; ".join(f"rank {r} wrote no stack in time" for r in unknown)
-    tail = f"; {late}" if late and (outside or waiting) else ""
-    said = "; ".join(f"rank {r} {what}" for r, what in outside)
-    if outside and waiting:
-        where_said = "" if blocked and len(outside) == len(blocked) else ", outside any collective"
-        return (
-            f"{head}: {said}{where_said}, so the others waited for it ("
-            + "; ".join(f"rank {r} in {at}" for r, at in waiting)
-            + ")"
-            + tail
-        )
-    if waiting:
-        return (
-            f"{head}: every rank waited in a collective ("
-            + "; ".join(f"rank {r} in {at}" for r, at in waiting)
-            + "): the ranks called different collectives, or a peer is gone"
-            + tail
-        )
-    if outside:
-        return f"{head}: {said}" + ("" if blocked else " (none in a collective)") + tail
-    return f"{head}: {late}"
+    grace = f"{grace_s:g}" if grace_s < 1e5 else f"{grace_s:.0f}"
+    head = f"the ranks did not stop within the {grace} s grace and were killed"
+    culprits = blocked + ([f"{'; '.join(outside)}, outside any collective"] if outside and waiting else outside)
+    if culprits and waiting:
+        them = "it" if len(blocked) + len(outside) == 1 else "them"
+        line = f"{head}: {'; '.join(culprits)}, so the others waited for {them} ({waiting})"
+    elif waiting:
+        who = "every rank that wrote its stack" if unknown else "every rank"
+        line = f"{head}: {who} waited in a collective ({waiting})"
+        if unknown:  # the one that said nothing may be the one the others waited for
+            return f"{line}; {late}: look at {'it' if len(unknown) == 1 else 'them'} first"
+        line += ": the ranks called different collectives, or a peer is gone"
+    elif culprits:
+        line = f"{head}: {'; '.join(culprits)}" + ("" if blocked or unknown else " (none in a collective)")
+    else:
+        return f"{head}: {late}"
+    return f"{line}; {late}" if late else line

@@ -119,14 +119,22 @@ def _state(pid: int) -> bytes | None:
     return raw[raw.rfind(b")") + 2 :][:1]
 
 
-def why_silent(pid: int) -> str | None:
-    """Why a live process asked for its stacks may not have answered, from its state in /proc: stopped, or in
-    uninterruptible sleep; None otherwise (running or sleeping as usual, gone, unreadable)."""
+def why_silent(pid: int, looks: int = 3, apart_s: float = 0.05) -> str | None:
+    """Why a live process asked for its stacks may not have answered, from its state in /proc, the same at ``looks``
+    looks ``apart_s`` apart (a rank only passing through a slow fsync is not named): stopped, or in uninterruptible
+    sleep; None otherwise (running or sleeping as usual, gone, unreadable, or changing)."""
+    states = set()
+    for k in range(looks):
+        if k:
+            time.sleep(apart_s)
+        states.add(_state(pid))
+    if len(states) != 1:
+        return None
     return {
         b"T": "it was stopped (SIGSTOP, or a debugger attached)",
         b"t": "it was stopped (SIGSTOP, or a debugger attached)",
-        b"D": "it was in uninterruptible sleep in the kernel (I/O that does not return)",
-    }.get(_state(pid) or b"")
+        b"D": "it stayed in uninterruptible sleep in the kernel (waiting on I/O or a kernel lock)",
+    }.get(states.pop() or b"")
 
 
 def is_zombie(pid: int) -> bool:

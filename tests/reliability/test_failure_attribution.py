@@ -552,6 +552,14 @@ def test_ranks_that_did_not_stop_are_named_from_their_stacks() -> None:
         "the ranks did not stop within the 60 s grace and were killed: rank 2 wrote no stack in time"
     )
     assert stuck_line({}, 60, {}) is None and stuck_line({0: "garbage"}, 60, {}) is None
+    # the others all in a collective and one silent for no known reason: not "every rank", and it is pointed at
+    assert stuck_line({0: STACK_WAITING}, 60, {1: None}) == (
+        "the ranks did not stop within the 60 s grace and were killed: every rank that wrote its stack waited in a "
+        "collective (rank 0 in all_gather_single called at train.py line 115 in <module>); rank 1 wrote no stack in "
+        "time: look at it first"
+    )
+    two = stuck_line({0: STACK_WAITING}, 60, {1: stopped, 2: stopped})
+    assert two is not None and ", so the others waited for them (rank 0 in " in two, two
 
 
 def test_why_a_live_process_is_silent_comes_from_its_state() -> None:
