@@ -202,6 +202,10 @@ def test_a_goodput_above_one_is_said_to_be_below_the_noise() -> None:
         return {**common, "phases": phases, "snapshot_bytes": 9e8, "params": 7.7e7}
 
     noisy = memtier.table(res([18.3, 17.2, 19.3], [17.9, 15.9, 18.5], [19.1, 17.9, 20.1]), None, args)
-    assert "goodput above 1: the snapshots cost less than the noise" in noisy and "17.2–19.3 s" in noisy
+    assert "goodput above 1: phases with snapshots ran faster than phases without any" in noisy
+    assert "no checkpoints 17.2–19.3 s, with snapshots 15.9–18.5 s" in noisy and "17.9–20.1 s" in noisy
+    assert "(goal ≥ 0.98: not resolved: above 1, see the notes)" in noisy and "met)" not in noisy.split("goodput")[-1]
     clear = memtier.table(res([18.0, 18.0, 18.0], [18.3, 18.3, 18.3], [18.5, 18.5, 18.5]), None, args)
-    assert "goodput above 1" not in clear and "**0.983**" in clear
+    assert "goodput above 1" not in clear and "**0.983** (goal ≥ 0.98: met)" in clear
+    edge = memtier.table(res([18.0] * 3, [17.9993] * 3, [18.2] * 3), None, args)  # 1.00004: shown as 1.000
+    assert "goodput above 1" not in edge
