@@ -75,6 +75,7 @@ bench: install
 	$(PY) bench/recovery_bench.py
 	$(PY) bench/recovery_bench.py --kill --reps 4
 	$(PY) bench/memtier_bench.py
+	$(PY) bench/replicate_profile.py
 	$(PY) bench/persist_bench.py
 	$(PY) bench/memtier_edges.py
 	$(PY) bench/peers_memtier.py --rounds 3  # beside DLRover and torch async_save, ~10 min (+ DLRover's install)
