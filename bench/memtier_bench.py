@@ -568,7 +568,7 @@ def main() -> None:
     try:
         if args.inproc_json:
             res = json.loads(Path(args.inproc_json).read_text())
-            res["reused_from"] = str(args.inproc_json)
+            res["reused_from"] = Path(args.inproc_json).name  # a name, not a path of this machine
             res.setdefault(
                 "measured", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(Path(args.inproc_json).stat().st_mtime))
             )
@@ -580,7 +580,7 @@ def main() -> None:
             (OUT / "inproc.json").write_text(json.dumps(res, indent=2))
         if args.recovery_json:
             rec = json.loads(Path(args.recovery_json).read_text())
-            rec["reused_from"] = str(args.recovery_json)
+            rec["reused_from"] = Path(args.recovery_json).name
         else:
             rec = None if args.no_recovery else recovery(args)
             if rec:
