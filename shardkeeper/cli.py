@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -55,15 +56,21 @@ class _PlainLines(logging.StreamHandler):
         pass
 
 
+# What would end or rewrite a line in a log file or for str.splitlines: control characters (line breaks, escape
+# sequences) and Unicode's line separators.
+_BREAKS = re.compile("[\\x00-\\x08\\x0a-\\x1f\\x7f\\x85\\u2028\\u2029]")
+
+
 class _OneLine(logging.Formatter):
-    """The ranks' time format ("2026-12-07 00:43:20,991"), then the level and the message with any line break in it
-    written as ``\\n`` (a path may hold one): a record is one line; a traceback (``--verbose``) follows it as is."""
+    """The ranks' time format ("2026-12-07 00:43:20,991"), then the level and the message with any control character
+    or line separator in it escaped (``\\n``, ``\\x1b``: a path may hold one): a record is one line; a traceback
+    (``--verbose``) follows it as is."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
-        record.message = record.message.replace("\r", "\\r").replace("\n", "\\n")
+        record.message = _BREAKS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), record.message)
         return super().formatMessage(record)
 
 
@@ -92,9 +99,9 @@ def _setup_logging(verbose: bool) -> None:
         handler._shardkeeper_cli = True  # type: ignore[attr-defined]
         root.addHandler(handler)
         root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    if not verbose:  # botocore says "Found credentials in environment variables" at INFO for every s3:// client
-        for name in ("botocore", "aiobotocore", "s3fs"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    # botocore says "Found credentials in environment variables" at INFO for every s3:// client (all of it with -v)
+    for name in ("botocore", "aiobotocore", "s3fs"):
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
 
 
 @app.callback()

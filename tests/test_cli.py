@@ -101,7 +101,7 @@ def test_a_warning_piped_at_80_columns_is_one_line(cli_run: Path, tmp_path: Path
     even where CI sets the variables that make Rich draw as on a terminal (FORCE_COLOR, TTY_COMPATIBLE)."""
     import shutil
 
-    run = tmp_path / ("a-long-directory-name-" * 3) / "run"
+    run = tmp_path / ("a-long-directory-name-" * 3 + "\x0bwith-a-vertical-tab") / "run"  # a line break for splitlines
     shutil.copytree(cli_run, run)
     victim = sorted((run / "checkpoints" / "step-00000012").glob("__0_*.distcp"))[0]
     os.truncate(victim, 100)
@@ -114,7 +114,8 @@ def test_a_warning_piped_at_80_columns_is_one_line(cli_run: Path, tmp_path: Path
     assert r.returncode == 0 and older in r.stdout, r.stdout + r.stderr  # the newest valid one
     warned = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(warned) == 1, r.stderr
-    assert "WARNING skipping invalid checkpoint step-00000012: " in warned[0] and str(victim) in warned[0], warned
+    shown = str(victim).replace("\x0b", "\\x0b")  # escaped: one line for a file, grep and str.splitlines
+    assert "WARNING skipping invalid checkpoint step-00000012: " in warned[0] and shown in warned[0], warned
     assert "manifest says" in warned[0] and len(warned[0]) > 80
 
 
