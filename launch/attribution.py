@@ -397,15 +397,25 @@ def _main_thread(stacks: str) -> list[tuple[str, int, str]]:
     """The frames (innermost first) of the main thread in a faulthandler dump: the thread that runs a ``<module>``
     (the others start in threading's ``_bootstrap``)."""
     blocks: list[list[tuple[str, int, str]]] = []
+    truncated: list[bool] = []
     for line in stacks.splitlines():
         if line.startswith(("Thread 0x", "Current thread 0x")):
             blocks.append([])
+            truncated.append(False)
             continue
         m = _FRAME_RE.match(line)
         if m and blocks:
             blocks[-1].append((m.group(1), int(m.group(2)), m.group(3)))
+        elif blocks and line.strip() == "...":
+            truncated[-1] = True
     mains = [b for b in blocks if any(fn == "<module>" for _, _, fn in b)]
-    return mains[0] if mains else []
+    if mains:
+        return mains[0]
+    # faulthandler writes at most 100 frames of a thread, then "  ...": a deep stack loses its <module> frame. The
+    # main thread is then the one cut short that is not a thread started by threading (whose frames end in
+    # _bootstrap, when they are not cut short too).
+    cut = [b for b, cut_short in zip(blocks, truncated) if cut_short and not any(fn == "_bootstrap" for *_, fn in b)]
+    return cut[0] if len(cut) == 1 else []
 
 
 def _library(path: str) -> bool:
@@ -448,13 +458,18 @@ def stuck_line(stacks: dict[int, str], grace_s: float, silent: dict[int, str | N
         The line, or None when no rank said or withheld anything."""
     where = {r: w for r, w in ((r, where_stuck(t)) for r, t in sorted(stacks.items())) if w is not None}
     mute = {r: why for r, why in sorted((silent or {}).items()) if r not in where}
-    if not where and not mute:
+    if not where and not mute and not any(t.strip() for t in stacks.values()):
         return None
     blocked = [f"rank {r} wrote no stack when asked: {why}" for r, why in mute.items() if why]
     outside = [f"rank {r} was at {at}" for r, (coll, at) in where.items() if not coll]
     waiting = "; ".join(f"rank {r} in {at}" for r, (coll, at) in where.items() if coll)
-    unknown = [r for r, why in mute.items() if not why]
-    late = "; ".join(f"rank {r} wrote no stack in time" for r in unknown)
+    unread = [r for r, t in sorted(stacks.items()) if r not in where and r not in mute and t.strip()]
+    late_said = sorted(
+        [(r, "wrote no stack in time") for r, why in mute.items() if not why]
+        + [(r, "wrote a stack that could not be read") for r in unread]
+    )
+    late = "; ".join(f"rank {r} {what}" for r, what in late_said)
+    unknown = [r for r, _ in late_said]
     grace = f"{grace_s:g}" if grace_s < 1e5 else f"{grace_s:.0f}"
     head = f"the ranks did not stop within the {grace} s grace and were killed"
     culprits = blocked + ([f"{'; '.join(outside)}, outside any collective"] if outside and waiting else outside)
@@ -462,7 +477,7 @@ def stuck_line(stacks: dict[int, str], grace_s: float, silent: dict[int, str | N
         them = "it" if len(blocked) + len(outside) == 1 else "them"
         line = f"{head}: {'; '.join(culprits)}, so the others waited for {them} ({waiting})"
     elif waiting:
-        who = "every rank that wrote its stack" if unknown else "every rank"
+        who = "every rank whose stack was read" if unknown else "every rank"
         line = f"{head}: {who} waited in a collective ({waiting})"
         if unknown:  # the one that said nothing may be the one the others waited for
             return f"{line}; {late}: look at {'it' if len(unknown) == 1 else 'them'} first"

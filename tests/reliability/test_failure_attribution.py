@@ -530,7 +530,9 @@ def test_ranks_that_did_not_stop_are_named_from_their_stacks() -> None:
         "115 in <module>)"
     )
     assert "every rank waited in a collective" in stuck_line({0: STACK_WAITING, 1: STACK_WAITING}, 60)
-    assert stuck_line({0: "garbage"}, 60) is None
+    assert stuck_line({0: "garbage"}, 60) == (
+        "the ranks did not stop within the 60 s grace and were killed: rank 0 wrote a stack that could not be read"
+    )
     # a rank that could not answer (stopped) is the one the others waited for, said first
     stopped = "it was stopped (SIGSTOP, or a debugger attached)"
     assert stuck_line({0: STACK_WAITING}, 60, {1: stopped}) == (
@@ -551,12 +553,28 @@ def test_ranks_that_did_not_stop_are_named_from_their_stacks() -> None:
     assert stuck_line({}, 60, {2: None}) == (
         "the ranks did not stop within the 60 s grace and were killed: rank 2 wrote no stack in time"
     )
-    assert stuck_line({}, 60, {}) is None and stuck_line({0: "garbage"}, 60, {}) is None
+    assert stuck_line({}, 60, {}) is None and stuck_line({0: " \n"}, 60, {}) is None
     # the others all in a collective and one silent for no known reason: not "every rank", and it is pointed at
     assert stuck_line({0: STACK_WAITING}, 60, {1: None}) == (
-        "the ranks did not stop within the 60 s grace and were killed: every rank that wrote its stack waited in a "
+        "the ranks did not stop within the 60 s grace and were killed: every rank whose stack was read waited in a "
         "collective (rank 0 in all_gather_single called at train.py line 115 in <module>); rank 1 wrote no stack in "
         "time: look at it first"
+    )
+    # faulthandler cuts a thread's dump at 100 frames ("  ..."): a deep stack has no <module> frame, and is still read
+    deep = (
+        "Current thread 0x00007fd8aabbdb80 (most recent call first):\n"
+        + "".join(f'  File "/home/u/train.py", line {100 + k % 3} in recurse\n' for k in range(100))
+        + "  ...\n"
+    )
+    assert stuck_line({0: STACK_WAITING, 1: deep}, 60) == (
+        "the ranks did not stop within the 60 s grace and were killed: rank 1 was at train.py line 100 in recurse, "
+        "outside any collective, so the others waited for it (rank 0 in all_gather_single called at train.py line "
+        "115 in <module>)"
+    )
+    assert stuck_line({0: STACK_WAITING, 1: deep[:80]}, 60) == (  # a dump cut mid-write: said, never dropped
+        "the ranks did not stop within the 60 s grace and were killed: every rank whose stack was read waited in a "
+        "collective (rank 0 in all_gather_single called at train.py line 115 in <module>); rank 1 wrote a stack "
+        "that could not be read: look at it first"
     )
     two = stuck_line({0: STACK_WAITING}, 60, {1: stopped, 2: stopped})
     assert two is not None and ", so the others waited for them (rank 0 in " in two, two
