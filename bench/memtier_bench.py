@@ -376,9 +376,10 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | No
     goodput = 1 / (1 / mem_goodput + persist / STORAGE_EVERY_S)
     period = res["k"] * res["step_s"]
     above_one = round(mem_goodput, 3) > 1  # goodput <= mem_goodput: one test covers both rows
+    # A snapshot goodput measured above 1 only inflates this one: below the goal it is missed all the same.
     verdict = (
         "not resolved: above 1, see the notes"
-        if above_one
+        if above_one and goodput >= GOAL_GOODPUT
         else ok(goodput >= GOAL_GOODPUT, f"{GOAL_GOODPUT - goodput:.3f} short")
     )
     rows = [

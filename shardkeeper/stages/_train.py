@@ -608,7 +608,7 @@ def _stuck(outcome: LaunchOutcome, note: str) -> str:
 
 def _unreported_note(after: tuple[Path, CheckpointManifest] | None) -> str:
     if after is None:
-        return "stopped before the ranks reported, with nothing trained: no checkpoint; the next segment starts clean"
+        return "stopped before the ranks reported, with nothing committed: no checkpoint; the next segment starts clean"
     return f"stopped before the ranks reported; {after[0].name} stays the latest valid checkpoint"
 
 
