@@ -288,39 +288,6 @@ def test_imported_zero2_checkpoint_trains_on_at_three_ranks_and_exports(
 
     run = shutil.copytree(z2_imported, tmp_path / "run")
     env = {**os.environ, "SHARDKEEPER_DEVICE": "cpu", "COLUMNS": "200"}
-    # another model first (a wider MLP): refused before the load, exit 2, the run as it was
-    before = (sorted(p.name for p in (run / "checkpoints").rglob("*")), (run / "run.yaml").read_text())
-    refused = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shardkeeper",
-            "train",
-            "--script",
-            str(LOOP),
-            "--run-dir",
-            str(run),
-            "--nproc",
-            "1",
-            "--until-step",
-            "6",
-            "--",
-            "--intermediate",
-            "96",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    assert "segment 0 refused before its first step" in refused.stderr
-    assert (
-        "holds another model than this run's: model.layers.0.mlp.gate_proj.weight is [128, 64] float32 in the "
-        "checkpoint, [96, 64] float32 in this run's model"
-    ) in refused.stderr
-    assert not (run / "metrics.jsonl").exists()
-    assert (sorted(p.name for p in (run / "checkpoints").rglob("*")), (run / "run.yaml").read_text()) == before
     done = subprocess.run(
         [
             sys.executable,
