@@ -8,7 +8,8 @@ through shardkeeper.Segment, gloo on CPU) in which one rank does something at st
 SIGKILLed from outside (rank 0, then rank 1), out of memory (a real kernel OOM kill inside a memory cgroup of its
 own where this process may make one, else a SIGKILL that must not be called an OOM), an exception of its own,
 os._exit(0) inside the loop (every rank, then rank 1 alone), os._exit(3), a hang while its peer waits in a
-collective then SIGTERM to the CLI (torchrun kills the ranks at the end of its 60 s grace), ranks that build
+collective then SIGTERM to the CLI (torchrun kills the ranks at the end of its 60 s grace), the same with the rank
+SIGSTOPped instead (it cannot write its stack when asked), ranks that build
 models of different widths, and a forked daemon that ignores SIGTERM (then the same run trained again). The
 table gives the CLI's line and whether its first clause names the rank that failed first and the right cause;
 ``--baseline`` runs the same cases on another checkout (the script is this checkout's) for comparison.
@@ -106,6 +107,15 @@ def cases(oom_real: bool) -> list[Case]:
             ("--mode", "hang", "--rank", "1", "--sleep", "0.1"),
             1,
             r"outside any collective",
+            outside="term",
+            until=1000,
+        ),
+        # a stopped rank cannot run the handler that writes its stack: named from its state in /proc
+        Case(
+            "rank 1 stopped (SIGSTOP, as a debugger does), then SIGTERM",
+            ("--mode", "stop", "--rank", "1", "--sleep", "0.1"),
+            1,
+            r"it was stopped \(SIGSTOP",
             outside="term",
             until=1000,
         ),
