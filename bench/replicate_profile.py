@@ -19,12 +19,10 @@ markdown table and published as bench/results/replicate-profile.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -55,15 +53,16 @@ class _AnyDigest:
         return self.expected
 
 
-def worker(rank: int, src: str, dst: str, entry: dict, reps: int, port: int, out: str) -> None:
+def worker(src: str, dst: str, entry: dict, reps: int) -> dict[str, list[float]]:
+    """One of the two ranks (``tests.harness.spawn`` sets its environment); returns the receiver's times per side."""
     import torch
     import torch.distributed as dist
 
     from ckpt.memtier import replicate
     from schemas import FileEntry
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
     files = [FileEntry(**entry)]
     size = files[0].size
     chunks = [(off, min(replicate.CHUNK, size - off)) for off in range(0, size, replicate.CHUNK)]
@@ -112,15 +111,15 @@ def worker(rank: int, src: str, dst: str, entry: dict, reps: int, port: int, out
             if r:  # the first round warms up (imports, first maps, the allocator)
                 times[side].append(took)
     replicate._In._write, replicate.xxhash = write, xxh  # type: ignore[method-assign]
-    if rank == 1:
-        Path(out).write_text(json.dumps(times))
     dist.destroy_process_group()
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
     import numpy as np
-    import torch.multiprocessing as mp
     import xxhash
+
+    from tests.harness import spawn
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=0.46, help="bytes of the file copied (one rank's share)")
@@ -140,11 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         (src / "__1_0.distcp").write_bytes(data)
         entry = {"path": "__1_0.distcp", "size": size, "xxh3_128": xxhash.xxh3_128_hexdigest(data), "rank": 1}
         del data
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "times.json")
-            port = 29600 + os.getpid() % 1000
-            mp.spawn(worker, args=(str(src), str(dst), entry, args.reps, port, out), nprocs=2)
-            times = json.loads(Path(out).read_text())
+        times = spawn(worker, 2, str(src), str(dst), entry, args.reps, timeout=1200)[1]  # the receiver's
     finally:
         shutil.rmtree(base, ignore_errors=True)
     rows = [[LABELS[s], f"{fmt(times[s], 3)} s", f"{args.gb / statistics.median(times[s]):.2f} GB/s"] for s in SIDES]
