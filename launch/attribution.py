@@ -458,18 +458,17 @@ def stuck_line(stacks: dict[int, str], grace_s: float, silent: dict[int, str | N
         The line, or None when no rank said or withheld anything."""
     where = {r: w for r, w in ((r, where_stuck(t)) for r, t in sorted(stacks.items())) if w is not None}
     mute = {r: why for r, why in sorted((silent or {}).items()) if r not in where}
-    if not where and not mute and not any(t.strip() for t in stacks.values()):
+    unread = [r for r, t in sorted(stacks.items()) if r not in where and r not in mute and t.strip()]
+    if not (where or mute or unread):
         return None
     blocked = [f"rank {r} wrote no stack when asked: {why}" for r, why in mute.items() if why]
     outside = [f"rank {r} was at {at}" for r, (coll, at) in where.items() if not coll]
     waiting = "; ".join(f"rank {r} in {at}" for r, (coll, at) in where.items() if coll)
-    unread = [r for r, t in sorted(stacks.items()) if r not in where and r not in mute and t.strip()]
-    late_said = sorted(
+    unknown = sorted(
         [(r, "wrote no stack in time") for r, why in mute.items() if not why]
         + [(r, "wrote a stack that could not be read") for r in unread]
     )
-    late = "; ".join(f"rank {r} {what}" for r, what in late_said)
-    unknown = [r for r, _ in late_said]
+    late = "; ".join(f"rank {r} {what}" for r, what in unknown)
     grace = f"{grace_s:g}" if grace_s < 1e5 else f"{grace_s:.0f}"
     head = f"the ranks did not stop within the {grace} s grace and were killed"
     culprits = blocked + ([f"{'; '.join(outside)}, outside any collective"] if outside and waiting else outside)
