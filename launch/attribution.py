@@ -368,6 +368,7 @@ def restart_line(restart: int, of: int, end: WorkerEnd, run_id: str | None = Non
                 "rank": end.rank,
                 "pid": end.pid,
                 "cause": restart_cause(end),
+                "exitcode": end.exitcode,  # torchrun's own status of the rank (the launcher may not have read it)
                 "line": f"{who} {how}",
                 "run_id": run_id,
             }

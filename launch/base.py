@@ -354,10 +354,12 @@ def generation_failure(
     kill_cause: Callable[[RankEnd], RankEnd] | None = None,
     completed: bool = False,
     fix: bool = True,
+    known: Iterable[RankEnd] = (),
 ) -> tuple[RankEnd | None, str | None]:
     """(the rank that failed first, the failure line) of one generation of ranks (``segment_failure``); ``fix``:
-    the line ends with what to do about it (not for a restart, which is what is done about it)."""
-    ends = merge(torchrun_ends(gen.lines), list(gen.rank_errors), list(observed))
+    the line ends with what to do about it (not for a restart, which is what is done about it); ``known``: ends
+    whose exit status torchrun's agent read (its restart record), taken as torchrun's own account is."""
+    ends = merge([*known, *torchrun_ends(gen.lines)], list(gen.rank_errors), list(observed))
     if kill_cause is not None:
         ends = [kill_cause(e) if e.exitcode == -int(signal.SIGKILL) else e for e in ends]
     return first_failure(ends, completed), failure_line(ends, completed, aborts(gen.abort_lines), fix=fix)
@@ -373,7 +375,15 @@ def restart_from_record(
     """The segment's ``index``-th restart, which the agent said (``record``), named from what the launcher knows of
     the ranks that ended (their output, and where it watched them, their ends): its own account when it has one,
     else the agent's."""
-    first, line = generation_failure(gen, observed, kill_cause, fix=False)
+    # The agent read the exit status of the rank it names: a rank the launcher saw end without reading its status
+    # (torchrun reaped it first) is not taken for one that exited 0 when the agent says a signal killed it.
+    said_rank, said_code = record.get("rank"), record.get("exitcode")
+    known = (
+        [RankEnd(rank=said_rank, exitcode=said_code)]
+        if type(said_rank) is int and said_rank >= 0 and type(said_code) is int
+        else []
+    )
+    first, line = generation_failure(gen, observed, kill_cause, fix=False, known=known)
     rank = first.rank if first is not None else record.get("rank")
     cause = short_cause(first) if first is not None else str(record.get("cause") or "unknown")
     return InPlaceRestart(

@@ -497,6 +497,33 @@ def test_the_launchers_own_times_outrank_torchruns_one_second_root_cause() -> No
     assert [e.exitcode for e in unread if e.rank == 2] == [0]
 
 
+def test_a_restart_names_the_signal_the_agent_read_when_the_launcher_could_not_read_the_status() -> None:
+    """Under load torchrun reaps a killed rank before the launcher reads its status, and its restart prints no
+    "failed (exitcode" line: the agent's restart record (torchrun's own status of the rank) says how it died, never
+    "exited with code 0"; a SIGKILL then goes to the kernel's word on it (the OOM killer)."""
+    from dataclasses import replace
+
+    from launch.attribution import RankEnd, WorkerEnd, parse_restart_line, restart_line
+    from launch.base import Generation, restart_from_record
+
+    record = parse_restart_line(restart_line(1, 1, WorkerEnd(rank=1, exitcode=-9, pid=20881), "run"))
+    assert record is not None and record["exitcode"] == -9
+    gen = Generation([], [(5.2, "rank 0: x.py line 3: RuntimeError: Connection closed by peer")], [])
+    observed = [RankEnd(rank=1, pid=20881, ended_at=5.0), RankEnd(rank=0, pid=20880, ended_at=5.3)]
+    looked: list[int] = []
+
+    def kill_cause(e: RankEnd) -> RankEnd:
+        looked.append(e.rank)
+        return replace(e, killed_how="the kernel's OOM killer", oom="yes")
+
+    r = restart_from_record(1, record, gen, observed, kill_cause)
+    assert r.rank == 1 and looked == [1] and "exited with code 0" not in r.line, r.line
+    assert r.line.startswith("rank 1 (pid 20881) was killed by the kernel's OOM killer"), r.line
+    # a record from an agent that did not say the status: as before, the launcher's own account
+    older = {k: v for k, v in record.items() if k != "exitcode"}
+    assert "exited with code 0" in restart_from_record(1, older, gen, observed, kill_cause).line
+
+
 STACK_WAITING = """\
 Thread 0x00007ff3fa3a36c0 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 331 in wait
