@@ -377,9 +377,9 @@ def restart_from_record(
     else the agent's."""
     # The agent read the exit status of the rank it names: a rank the launcher saw end without reading its status
     # (torchrun reaped it first) is not taken for one that exited 0 when the agent says a signal killed it.
-    said_rank, said_code = record.get("rank"), record.get("exitcode")
+    said_rank, said_code, said_pid = record.get("rank"), record.get("exitcode"), record.get("pid")
     known = (
-        [RankEnd(rank=said_rank, exitcode=said_code)]
+        [RankEnd(rank=said_rank, exitcode=said_code, pid=said_pid if type(said_pid) is int else None)]
         if type(said_rank) is int and said_rank >= 0 and type(said_code) is int
         else []
     )

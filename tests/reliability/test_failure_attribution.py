@@ -519,6 +519,9 @@ def test_a_restart_names_the_signal_the_agent_read_when_the_launcher_could_not_r
     r = restart_from_record(1, record, gen, observed, kill_cause)
     assert r.rank == 1 and looked == [1] and "exited with code 0" not in r.line, r.line
     assert r.line.startswith("rank 1 (pid 20881) was killed by the kernel's OOM killer"), r.line
+    # Slurm: no rank watched from the launching host, only the output: the record's status and pid name it
+    remote = restart_from_record(1, record, Generation([], [], []))
+    assert remote.rank == 1 and remote.line.startswith("rank 1 (pid 20881) was killed by SIGKILL"), remote.line
     # a record from an agent that did not say the status: as before, the launcher's own account
     older = {k: v for k, v in record.items() if k != "exitcode"}
     assert "exited with code 0" in restart_from_record(1, older, gen, observed, kill_cause).line
