@@ -140,15 +140,20 @@ def aborts(lines: Iterable[tuple[float | None, str]]) -> list[Abort]:
 
 
 def merge(
-    text_ends: list[RankEnd], error_lines: list[tuple[float | None, str]], observed: list[RankEnd] = ()
-) -> list[RankEnd]:  # type: ignore[assignment]
+    text_ends: list[RankEnd],
+    error_lines: list[tuple[float | None, str]],
+    observed: list[RankEnd] = (),  # type: ignore[assignment]
+    listing: bool = True,
+) -> list[RankEnd]:
     """One RankEnd per rank: the launcher's observation (``observed``), completed by torchrun's account
-    (``text_ends``: its exit code wins, it is the parent) and the ranks' own first failure lines."""
+    (``text_ends``: its exit code wins, it is the parent) and the ranks' own first failure lines. ``listing``:
+    ``text_ends`` holds every rank that failed (torchrun's closing summary), so a rank seen to end whose status was
+    not read exited 0; False (a restart in place, after which torchrun lists nothing) leaves its status unknown."""
     by_rank: dict[int, RankEnd] = {e.rank: e for e in observed}
     listed = {t.rank for t in text_ends}
     for r, e in by_rank.items():
         # ended, status not read (torchrun reaped it first) and not among the failures torchrun lists: exit 0
-        if e.exitcode is None and e.ended_at is not None and r not in listed:
+        if listing and e.exitcode is None and e.ended_at is not None and r not in listed:
             by_rank[r] = replace(e, exitcode=0)
     for t in text_ends:
         seen = by_rank.get(t.rank)

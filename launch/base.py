@@ -355,11 +355,13 @@ def generation_failure(
     completed: bool = False,
     fix: bool = True,
     known: Iterable[RankEnd] = (),
+    listing: bool = True,
 ) -> tuple[RankEnd | None, str | None]:
     """(the rank that failed first, the failure line) of one generation of ranks (``segment_failure``); ``fix``:
     the line ends with what to do about it (not for a restart, which is what is done about it); ``known``: ends
-    whose exit status torchrun's agent read (its restart record), taken as torchrun's own account is."""
-    ends = merge([*known, *torchrun_ends(gen.lines)], list(gen.rank_errors), list(observed))
+    whose exit status torchrun's agent read (its restart record), taken as torchrun's own account is; ``listing``:
+    torchrun's closing summary lists every failed rank (not so before a restart in place: ``merge``)."""
+    ends = merge([*known, *torchrun_ends(gen.lines)], list(gen.rank_errors), list(observed), listing)
     if kill_cause is not None:
         ends = [kill_cause(e) if e.exitcode == -int(signal.SIGKILL) else e for e in ends]
     return first_failure(ends, completed), failure_line(ends, completed, aborts(gen.abort_lines), fix=fix)
@@ -376,14 +378,24 @@ def restart_from_record(
     the ranks that ended (their output, and where it watched them, their ends): its own account when it has one,
     else the agent's."""
     # The agent read the exit status of the rank it names: a rank the launcher saw end without reading its status
-    # (torchrun reaped it first) is not taken for one that exited 0 when the agent says a signal killed it.
+    # (torchrun reaped it first) is not taken for one that exited 0 when the agent says a signal killed it. Only a
+    # signal: an exit code of its own comes with the agent's note of what the rank's collective said (its record's
+    # cause), and a status the launcher read itself is never overruled. (Its pid may differ from the record's: the
+    # record names a forked rank's fork-server client, the launcher the rank's own process.)
+    observed = list(observed)
     said_rank, said_code, said_pid = record.get("rank"), record.get("exitcode"), record.get("pid")
+    said_pid = said_pid if type(said_pid) is int else None
+    seen = next((e for e in observed if e.rank == said_rank), None)
     known = (
-        [RankEnd(rank=said_rank, exitcode=said_code, pid=said_pid if type(said_pid) is int else None)]
-        if type(said_rank) is int and said_rank >= 0 and type(said_code) is int
+        [RankEnd(rank=said_rank, exitcode=said_code, pid=said_pid)]
+        if type(said_rank) is int
+        and said_rank >= 0
+        and type(said_code) is int
+        and said_code < 0
+        and (seen is None or seen.exitcode is None)
         else []
     )
-    first, line = generation_failure(gen, observed, kill_cause, fix=False, known=known)
+    first, line = generation_failure(gen, observed, kill_cause, fix=False, known=known, listing=False)
     rank = first.rank if first is not None else record.get("rank")
     cause = short_cause(first) if first is not None else str(record.get("cause") or "unknown")
     return InPlaceRestart(

@@ -225,7 +225,17 @@ def test_the_goodput_is_met_or_missed_only_when_its_whole_interval_is_on_one_sid
 
     faster = [(4.0, 4.0 * f, 4.0 * f) for f in (0.97, 0.98, 0.99, 0.96, 1.01)]
     said = memtier.table(res(faster), None, args)
-    assert "snapshot goodput above 1 (1.020)" in said and "in most rounds the phase with a snapshot ran faster" in said
+    assert "snapshot goodput above 1 (1.020)" in said and "in the median round the phase with a snapshot ran" in said
+    # five rounds are too few for any verdict, however tight they look
+    assert "(goal ≥ 0.98: not resolved: 5 complete round(s), at least 10 needed)" in said
+    few = memtier.table(res([(4.0, 4.06, 4.1)] * 9), None, args)
+    assert "(goal ≥ 0.98: not resolved: 9 complete round(s), at least 10 needed)" in few
+    # a wall that is not a positive number is refused, not averaged; no complete round is no verdict
+    for bad in (0.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="is not a positive number of seconds"):
+            memtier.table(res([(4.0, 4.06, bad)] + [(4.0, 4.06, 4.1)] * 11), None, args)
+    lonely = {**res([]), "phases": [{"round": r, "mode": "plain", "wall_s": 4.0} for r in range(12)]}
+    assert "not resolved: 0 complete round(s)" in memtier.table(lonely, None, args)
 
     # a run recorded before phases carried their round: consecutive triples are its rounds
     old = [{k: v for k, v in p.items() if k != "round"} for p in res(drift)["phases"]]

@@ -522,9 +522,24 @@ def test_a_restart_names_the_signal_the_agent_read_when_the_launcher_could_not_r
     # Slurm: no rank watched from the launching host, only the output: the record's status and pid name it
     remote = restart_from_record(1, record, Generation([], [], []))
     assert remote.rank == 1 and remote.line.startswith("rank 1 (pid 20881) was killed by SIGKILL"), remote.line
-    # a record from an agent that did not say the status: as before, the launcher's own account
+    # a record from an agent that did not say the status: the launcher's own account, which no longer guesses 0 for
+    # a status it did not read (torchrun lists nothing before a restart): the agent's line stands
     older = {k: v for k, v in record.items() if k != "exitcode"}
-    assert "exited with code 0" in restart_from_record(1, older, gen, observed, kill_cause).line
+    assert restart_from_record(1, older, Generation([], [], []), observed).line == "rank 1 (pid 20881) died of SIGKILL"
+    # the others ended with their status unread (torchrun stopped them): not said to have exited 0
+    quiet = restart_from_record(1, record, Generation([], [], []), observed, kill_cause)
+    assert "exited with code 0" not in quiet.line and "rank 0" not in quiet.line, quiet.line
+    # a status the launcher read itself is never overruled by the record
+    read = [RankEnd(rank=1, pid=20881, exitcode=-15, ended_at=5.0)]
+    assert restart_from_record(1, record, Generation([], [], []), read).line == "rank 1 (pid 20881) died of SIGTERM"
+    # an exit code of the rank's own comes with the agent's note of what its collective said: that note stands
+    timed_out = parse_restart_line(
+        restart_line(1, 1, WorkerEnd(rank=0, exitcode=1, pid=40, consequence="timed out waiting in a collective"))
+    )
+    assert timed_out is not None
+    for where in (Generation([], [], []), gen):
+        said = restart_from_record(1, timed_out, where, [RankEnd(rank=0, pid=40, ended_at=5.0)])
+        assert "exited with code" not in said.line and said.cause != "exit code 1", said
 
 
 STACK_WAITING = """\
