@@ -698,6 +698,7 @@ def test_a_failed_group_restarts_in_place_for_a_death_or_a_lost_peer_never_for_a
         "rank": 1,
         "pid": 41,
         "cause": "SIGKILL",
+        "exitcode": -9,
         "line": "rank 1 (pid 41) died of SIGKILL",
         "run_id": "run-7",
     }
