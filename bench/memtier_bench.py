@@ -382,9 +382,14 @@ def rounds_of(phases: list[dict]) -> list[dict[str, float]]:
     return [r for _, r in sorted(by_round.items()) if {"plain", "memory", "storage"} <= set(r)]
 
 
+def pairs_of(rounds: list[dict[str, float]]) -> list[tuple[float, float]]:
+    """Per complete round (``rounds_of``): (plain / memory, storage - memory)."""
+    return [(r["plain"] / r["memory"], r["storage"] - r["memory"]) for r in rounds]
+
+
 def round_pairs(phases: list[dict]) -> list[tuple[float, float]]:
-    """Per complete round: (plain / memory, storage - memory)."""
-    return [(r["plain"] / r["memory"], r["storage"] - r["memory"]) for r in rounds_of(phases)]
+    """``pairs_of`` the complete rounds of ``phases``."""
+    return pairs_of(rounds_of(phases))
 
 
 def goodput_of(pairs: list[tuple[float, float]]) -> tuple[float, float, float]:
@@ -413,7 +418,7 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | No
     ok = lambda good, miss: "met" if good else f"missed: {miss}"  # noqa: E731
     rounds = rounds_of(res["phases"])
     ck, plain, store = ([r[m] for r in rounds] for m in ("memory", "plain", "storage"))
-    pairs = round_pairs(res["phases"])
+    pairs = pairs_of(rounds)
     period = res["k"] * res["step_s"]
     if pairs:
         mem_goodput, persist, goodput = goodput_of(pairs)
