@@ -82,8 +82,8 @@ def test_acquire_fails_at_once_polls_a_bounded_time_then_succeeds_after_the_hold
     assert not lock.acquire(LOCK_SH, 0.3) and lock.fd is None
     assert 0.3 <= time.monotonic() - t0 < 3.0
     assert is_held(path, LOCK_SH) and is_held(path, LOCK_EX)
+    t0 = time.monotonic()  # before the release is timed: the release comes 0.3 s after this, never sooner
     releaser = h.release_in(0.3)
-    t0 = time.monotonic()
     assert lock.acquire(LOCK_EX, 20.0) and lock.held
     releaser.join()
     assert 0.3 <= time.monotonic() - t0 < 20.0 and h.proc.poll() is None
@@ -118,8 +118,8 @@ def test_blocking_context_manager_waits_for_a_directory_lock(tmp_path: Path, hol
     folder = tmp_path / "exports"
     folder.mkdir()
     holders.append(h := Holder(folder, "ex", "dir"))
+    t0 = time.monotonic()  # before the release is timed (see above)
     releaser = h.release_in(0.3)
-    t0 = time.monotonic()
     with FileLock(folder, directory=True) as lock:
         assert lock.held and time.monotonic() - t0 >= 0.3
         assert not FileLock(folder, directory=True).acquire(LOCK_EX, 0.0)
