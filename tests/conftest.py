@@ -12,6 +12,12 @@ launch per test process, ~10 s), shared read-only: copy it before changing anyth
 ``ds_run``: the same for DeepSpeed ZeRO-2. Both are guarded: a test that changes anything inside one (a
 lineage line appended by an export or ``validate --deep``, a file planted) errors, naming the path, so no
 test depends on another's side effects on a shared fixture.
+
+The segments the tests launch keep the default ``checkpoint.restarts`` (torchrun under shardkeeper's agent, with
+the node's fork server), but the fork server warms up with nothing to import (``SHARDKEEPER_FORK_PRELOAD=""``):
+its warm-up imports torch, DCP and transformers (~1.2 s of CPU a launch, measured side by side), which only a
+restart in place uses, and the suite is CPU-bound on two cores. The tests of restarts in place
+(tests/reliability/test_failure_attribution.py) and the fork server's own (test_units) set the preload they need.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import pytest
 pytest.register_assert_rewrite("tests.s3_server")  # a plugin of the s3 test modules, imported by them first
 
 ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("SHARDKEEPER_FORK_PRELOAD", "")  # see above: inherited by every launch the tests start
 TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
 TINY_RUN_STEPS = 5
 

@@ -30,8 +30,9 @@ SCRIPT = ROOT / "tests" / "scripts" / "failure_modes.py"
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The segment's environment, with the fork server's default preload (restarts in place fork from it)."""
     return {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "SHARDKEEPER_FORK_PRELOAD"},
         "OMP_NUM_THREADS": "1",
         "SHARDKEEPER_DEVICE": "cpu",
         "SHARDKEEPER_PROGRESS_S": "0",
