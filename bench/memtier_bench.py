@@ -186,8 +186,13 @@ def _kill_after(mem: Path, step: int, killed: list[int]):
 # The restore's parts timed inside the ranks (the profile of the node-loss rows): (owner, attribute, label). Each is
 # wrapped with a perf_counter pair around the real call; nothing else changes.
 RESTORE_PARTS = (
-    ("trainer.checkpointer.node_tier:NodeTier", "node_plans", "inventory + plan (collective)"),
-    ("trainer.checkpointer.node_tier:NodeTier", "complete_copy", "complete the copy (all of it)"),
+    (
+        "trainer.checkpointer.node_tier:NodeTier",
+        "_ready_early",
+        "early, on its own thread while the model builds (plan, copy from the peer, hash this node's copy)",
+    ),
+    ("trainer.checkpointer.node_tier:NodeTier", "node_plans", "inventory + plan (collective; early and at the load)"),
+    ("trainer.checkpointer.node_tier:NodeTier", "complete_copy", "complete the copy (early and at the load)"),
     ("trainer.checkpointer.node_tier:NodeTier", "_manifest_for", "manifest from the peer"),
     ("ckpt.memtier.replicate", "send", "send files (read + hash + send)"),
     ("ckpt.memtier.replicate", "receive", "receive files (receive + hash + write)"),
@@ -521,6 +526,7 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | No
     if lost:
         same, peer = [r["load_s"] for r in lost["same"]], [r["load_s"] for r in lost["peer"]]
         ratio = statistics.median(peer) / statistics.median(same)
+        lost_paths = ("same", "peer")
         tiers = {r["tier"] for r in lost["same"] + lost["peer"]}
         rows.append(
             [
@@ -529,11 +535,21 @@ def table(res: dict, rec: dict | None, args: argparse.Namespace, lost: dict | No
                 f"**{ratio:.2f}x** (goal ≤ {GOAL_PEER}x: {ok(ratio <= GOAL_PEER, f'{ratio:.2f}x')})",
             ]
         )
+        firsts = {p: [r["first_step_s"] for r in lost[p] if r.get("first_step_s") is not None] for p in lost_paths}
+        if firsts["same"] and firsts["peer"]:  # the early work moved into the model build shows here, not above
+            rows.append(
+                [
+                    "node lost -> first step done again, from the ranks' start (same segments)",
+                    f"same node {fmt(firsts['same'])} s; peer {fmt(firsts['peer'])} s",
+                    f"{statistics.median(firsts['peer']) / statistics.median(firsts['same']):.2f}x",
+                ]
+            )
         profile = restore_profile(lost)
         if profile:
             notes.append(
-                "node loss, where the load phase goes (seconds, median over the segments; rank 0 / rank 1; "
-                "timed inside the ranks): " + profile
+                "node loss, where the restore's time goes (seconds, median over the segments; rank 0 / rank 1; "
+                "timed inside the ranks; the early part runs beside the model build, before the load phase, and "
+                "the parts it calls are counted in their rows too): " + profile
             )
         notes.append(
             f"node loss: a snapshot of {lost['bytes'] / 1e9:.2f} GB (every file, as each node's copy holds it) "

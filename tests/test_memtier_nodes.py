@@ -66,7 +66,7 @@ def two_node_run(_two_node_template: tuple[Path, Path, Path]) -> tuple[Path, Pat
     run.yaml names the memory dir, and each node's memory dir names the run that owns it."""
     run, mem, kept = _two_node_template
     for path in (run, mem):
-        shutil.rmtree(path)
+        shutil.rmtree(path, ignore_errors=True)  # a test may have removed it (a left node tier is removed)
         shutil.copytree(kept / path.name, path, symlinks=True)
     return run, mem
 
@@ -368,3 +368,139 @@ def test_two_ranks_per_node_restore_from_the_peer_and_continue_as_storage_would(
     assert tiers == ["memory", "storage"]
     assert validate(b / "checkpoints" / f"step-{END:08d}", deep=True).valid  # node 1's copy rebuilt from the peer
     assert_bitwise(metrics(stored), metrics(run), range(END + 1, END + 3))
+
+
+def _watch_the_load(tamper: bool) -> dict[str, list]:
+    """In a rank: note the files (paths) the restore's loads hash themselves (OnePassReader._hash_whole) and the
+    files the early work checked (NodeTier._ready_early). ``tamper``: once the Checkpointer took the early work
+    over, rank 0 changes a byte of node 0's copy of a file the early work hashed (one it sent to node 1)."""
+    import os
+
+    from ckpt.formats.dcp import onepass
+    from trainer.checkpointer import core, node_tier
+
+    seen: dict[str, list] = {"hashed_by_the_load": [], "early": []}
+    hash_whole, ready_early, take_early = (
+        onepass.OnePassReader._hash_whole,
+        node_tier.NodeTier._ready_early,
+        core.take_early,
+    )
+
+    def hashed(self, fd: int, size: int, progress):  # type: ignore[no-untyped-def]
+        seen["hashed_by_the_load"].append(os.readlink(f"/proc/self/fd/{fd}"))
+        return hash_whole(self, fd, size, progress)
+
+    def early(self) -> None:  # type: ignore[no-untyped-def]
+        ready_early(self)
+        seen["early"].append(sorted(self._early_verified.get(END, {})))
+
+    def take(host, memory):  # type: ignore[no-untyped-def]
+        tier = take_early(host, memory)
+        if tamper and tier is not None and int(os.environ["RANK"]) == 0:
+            flip_byte(sorted(tier.memory.checkpoint(END).glob("__1_*.distcp"))[0], 1000)
+        return tier
+
+    onepass.OnePassReader._hash_whole = hashed  # type: ignore[method-assign]
+    node_tier.NodeTier._ready_early = early  # type: ignore[method-assign]
+    core.take_early = take  # type: ignore[assignment]
+    return seen
+
+
+def _segment_watching_the_load(run: str, until: int, segment: int, out: str, tamper: bool) -> int:
+    """run_segment under ``_watch_the_load``; what it saw goes to OUT.RANK.json."""
+    import os
+
+    seen = _watch_the_load(tamper)
+    try:
+        return run_segment(run, until, segment)
+    finally:
+        Path(f"{out}.{os.environ['RANK']}.json").write_text(json.dumps(seen))
+
+
+def _script_watching_the_load(run: str, until: int, out: str) -> dict:
+    """A user's FSDP2 loop (tests/scripts/llama_loop.py) under ``_watch_the_load``; what it saw goes to
+    OUT.RANK.json."""
+    import os
+    import runpy
+
+    seen = _watch_the_load(False)
+    try:
+        return runpy.run_path(str(Path(__file__).parent / "scripts" / "llama_loop.py"))["main"]([], run, until)
+    finally:
+        Path(f"{out}.{os.environ['RANK']}.json").write_text(json.dumps(seen))
+
+
+def test_the_lost_nodes_files_come_and_every_copy_is_hashed_while_the_model_builds(
+    reference: Path, two_node_run: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Node 1 lost: before the Checkpointer exists (beside the model build) node 1 receives every file from node 0
+    and node 0 hashes its copy; the load then hashes no file again, and the run goes on bitwise."""
+    run, mem = two_node_run
+    shutil.rmtree(mem / "nodes" / "node1")
+    out = tmp_path / "seen"
+    assert spawn(_segment_watching_the_load, 2, str(run), END + 2, 1, str(out), False, nodes=2) == [0, 0]
+    seen = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
+    files = sorted(f.name for f in (mem / "nodes" / "node0" / "checkpoints" / f"step-{END:08d}").iterdir())
+    files.remove("manifest.json")
+    for r in range(2):  # each node's whole copy checked early (sent, received or hashed), none hashed by the load
+        assert seen[r]["early"] == [files] and seen[r]["hashed_by_the_load"] == [], (r, seen[r], files)
+    resume = [e for e in _events(run) if e["kind"] == "resume"][-1]
+    assert resume["data"]["tier"] == "memory" and resume["parent"] == f"checkpoint:step-{END:08d}@memory"
+    assert validate(mem / "nodes" / "node1" / "checkpoints" / f"step-{END:08d}", deep=True).valid
+    assert_bitwise(metrics(reference), metrics(run), range(END + 1, END + 3))
+
+
+def test_a_file_changed_after_the_early_hash_is_hashed_again_and_refused(
+    reference: Path, two_node_run: tuple[Path, Path], tmp_path: Path, capfd
+) -> None:
+    """Node 1 lost; the early work checked both copies, then a byte of node 0's copy changes before the load: the
+    load sees the file is no longer the one hashed, hashes it, and refuses the snapshot (one line; storage's
+    checkpoint of the same step is used)."""
+    run, mem = two_node_run
+    shutil.rmtree(mem / "nodes" / "node1")
+    out = tmp_path / "seen"
+    capfd.readouterr()
+    assert spawn(_segment_watching_the_load, 2, str(run), END + 2, 1, str(out), True, nodes=2) == [0, 0]
+    err = capfd.readouterr().err
+    seen = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
+    first_of_node1 = sorted(n for n in seen[0]["early"][0] if n.startswith("__1_"))[0]  # the file changed
+    from_memory = [[Path(p).name for p in s["hashed_by_the_load"] if p.startswith(str(mem))] for s in seen]
+    assert from_memory == [[first_of_node1], []], seen  # then the storage checkpoint's load hashes its own files
+    said = [ln for ln in err.splitlines() if "memory snapshot" in ln and "not used" in ln]
+    assert len(said) == 1 and "checksum" in said[0] and "resuming from storage" in said[0], err[-3000:]
+    resume = [e for e in _events(run) if e["kind"] == "resume"][-1]
+    assert resume["data"]["tier"] == "storage" and resume["parent"] == f"checkpoint:step-{END:08d}"
+    assert_bitwise(metrics(reference), metrics(run), range(END + 1, END + 3))
+
+
+def test_a_users_script_gets_the_early_restore_too(tmp_path: Path) -> None:
+    """A user's own FSDP2 loop on 2 nodes x 1 rank with the memory tier: node 1 lost after step END; the next
+    segment's sk.Segment() starts the node work while the script builds its model, the load hashes nothing again,
+    and the steps after equal a copy of the run resumed from storage."""
+    from ckpt.commit.fsutil import dump_yaml
+    from schemas import ScriptSpec
+
+    loop = Path(__file__).parent / "scripts" / "llama_loop.py"
+    mem = tmp_path / "shm"
+    spec = _spec(mem).model_copy(update={"script": ScriptSpec(path=str(loop))})
+    run = new_run(tmp_path / "run", spec)
+    spawn(_script_watching_the_load, 2, str(run), END, str(tmp_path / "first"), nodes=2)
+    stored = tmp_path / "stored"
+    shutil.copytree(run, stored)
+    other = spec.model_copy(
+        update={"checkpoint": spec.checkpoint.model_copy(update={"memory_dir": str(tmp_path / "shm-of-the-copy")})}
+    )
+    (stored / "run.yaml").write_text(dump_yaml(other.model_dump(mode="json")))  # an empty memory dir: storage
+    shutil.rmtree(mem / "nodes" / "node1")
+    out = tmp_path / "seen"
+    spawn(_script_watching_the_load, 2, str(run), END + 2, str(out), nodes=2)
+    spawn(_script_watching_the_load, 2, str(stored), END + 2, str(tmp_path / "stored-seen"), nodes=2)
+    seen = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
+    files = sorted(f.name for f in (mem / "nodes" / "node0" / "checkpoints" / f"step-{END:08d}").iterdir())
+    files.remove("manifest.json")
+    for r in range(2):
+        assert seen[r]["early"] == [files] and seen[r]["hashed_by_the_load"] == [], (r, seen[r], files)
+    tiers = [[e for e in _events(path) if e["kind"] == "resume"][-1]["data"]["tier"] for path in (run, stored)]
+    assert tiers == ["memory", "storage"]
+    got, want = metrics(run), metrics(stored)  # the script logs its loss (no gradient norm)
+    assert [got[s]["loss"] for s in (END + 1, END + 2)] == [want[s]["loss"] for s in (END + 1, END + 2)]

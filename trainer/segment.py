@@ -81,6 +81,9 @@ def run_segment(run_dir: str | Path, until_step: int, segment: int = 0, launch: 
         if stop_agreed(env):  # a SIGTERM during start-up: do not build (and load) a model only to drop it
             code = _preempted_before_build(rd, env, segment)
         else:
+            from trainer.checkpointer.node_tier import start_early
+
+            start_early(env, load_spec(rd), rd)  # several nodes: their copies readied while the model builds
             seg = build_segment(rd, until_step, segment, env)
             timeline.mark("model_built")
             code = seg.run()

@@ -37,6 +37,7 @@ from schemas.errors import UsageError
 from schemas.seam import EXIT_PREEMPTED, SegmentLaunch
 from trainer import forkserver, lifetime, timeline
 from trainer.checkpointer.core import Checkpointer, TrainState
+from trainer.checkpointer.node_tier import start_early
 from trainer.dist import DistEnv, init_distributed, log0
 from trainer.signals import PreemptionWatcher
 
@@ -171,6 +172,9 @@ class Segment:
         self.env: DistEnv = _env if _env is not None else init_distributed(launch)
         if _env is None:
             timeline.mark("process_group")
+            # several nodes: their copies of the newest memory snapshot readied while the script builds its model
+            # (taken over by the Checkpointer that track() makes; trainer.checkpointer.node_tier)
+            start_early(self.env, self.spec, self.run_dir)
         shield_dataloader_workers()
         self._ckpt: Checkpointer | None = None
         self._objects: dict[str, Any] = {}

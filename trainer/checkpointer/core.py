@@ -60,7 +60,7 @@ from schemas.errors import CheckpointError
 from trainer import lifetime
 from trainer.checkpointer.common import Progress, TrainState, Written, background_pool, code_version
 from trainer.checkpointer.node_tier import TIER_OFF as _TIER_OFF
-from trainer.checkpointer.node_tier import NodeTier
+from trainer.checkpointer.node_tier import NodeTier, take_early
 from trainer.checkpointer.resumer import Resumer, _load_problem, checkpoint_at_fault
 from trainer.checkpointer.saver import Saver, _disk_full, _tier_full
 from trainer.dist import DistEnv
@@ -148,8 +148,12 @@ class Checkpointer:
         )
         self._claimed = False
         self._tier_lock = memtier.TierLock(self.memory) if self.memory is not None else None
-        self.nodes: NodeTier | None = None
-        if on_nodes:
+        # The segment may have started this node's restore work while the model built (node_tier.start_early):
+        # waited for here, and its NodeTier (with the lock it may hold) becomes this Checkpointer's.
+        self.nodes: NodeTier | None = take_early(self, self.memory if on_nodes else None)
+        if self.nodes is not None:
+            self._tier_lock = self.nodes.tier_lock
+        elif on_nodes:
             assert self.memory is not None and self._tier_lock is not None
             self.nodes = NodeTier(
                 self, env=env, spec=spec, run_dir=run_dir, memory=self.memory, tier_lock=self._tier_lock

@@ -12,6 +12,12 @@ receipt (and by the sender as it reads them); then each node checks its own comp
 checksum, shared by its local ranks, unless the load is one-pass) before the usual verified load reads it. The
 one-pass load does not hash again a file its node hashed whole on the way in and that is still that file (same
 inode, size, mtime and ctime): a restore from the peer reads and hashes each byte once on each side.
+
+Early: a segment's ranks start that restore work while their model builds (``start_early``, on a thread of its own
+over the checkpoint group, which nothing else uses before the Checkpointer exists): the plans, the peer's files for the
+newest plan, and this node's copy hashed by its ranks. The Checkpointer takes the NodeTier over (``take_early``, which
+waits for that thread); the restore then runs as above, and its load does not hash again a file the early work
+hashed whole and that is still that file.
 """
 
 from __future__ import annotations
@@ -20,13 +26,14 @@ import hashlib
 import logging
 import os
 import shutil
+import threading
 from itertools import groupby
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from ckpt.commit.fsutil import fsync_dir, mkdir_durable, quarantine
+from ckpt.commit.fsutil import file_identity, fsync_dir, mkdir_durable, quarantine
 from ckpt.commit.hashing import hash_files, mismatch_message
 from ckpt.commit.layout import PARTIAL_SUFFIX, RunDir, parse_step
 from ckpt.commit.manifest import write_manifest
@@ -75,6 +82,13 @@ class NodeTier:
         self._tier_lock = tier_lock
         self.plans: dict[int, memtier_nodes.Plan] = {}  # the restore plans the nodes agreed on, by step
         self._verified: dict[int, replicate.Verified] = {}  # the files a restore hashed on the way, by step
+        self._early_verified: dict[int, replicate.Verified] = {}  # this node's files the early work hashed, by step
+        self._early: threading.Thread | None = None
+        self._early_failure: BaseException | None = None
+        # The group the restore's collectives and transfers run on: the control group, but the checkpoint group
+        # for the early work (nothing uses that one before the Checkpointer exists; a user's script may use the
+        # control group meanwhile: seg.track's agreement)
+        self._restore_group: dist.ProcessGroup = env.ctrl_group
 
     # ----------------------------------------------------------------- who does what
     @property
@@ -85,6 +99,11 @@ class NodeTier:
     def is_leader(self) -> bool:
         """The rank that handles this rank's copy of a memory snapshot: its node's leader (local rank 0)."""
         return self.env.local_rank == 0
+
+    @property
+    def tier_lock(self) -> memtier.TierLock:
+        """The lock that holds this node's memory dir for the run (the Checkpointer's once it takes this over)."""
+        return self._tier_lock
 
     def _leader_rank(self, node: int) -> int:
         return node * self.env.topology.procs_per_node
@@ -198,7 +217,7 @@ class NodeTier:
             except OSError as e:  # an unreadable node dir offers nothing (before the collective: no rank left waiting)
                 log.warning("%s: not readable (%s); this node offers no memory snapshot", self.memory.root, e)
         found: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(found, offer, group=self.env.ctrl_group)
+        dist.all_gather_object(found, offer, group=self._restore_group)
         per = self.env.topology.procs_per_node
         by_node = [found[n * per] for n in range(self.env.topology.nodes)]
         plans, notes = memtier_nodes.plan(by_node, self.env.world_size, self.spec.name)
@@ -210,7 +229,7 @@ class NodeTier:
         plan = self.plans[step]
         self._verified = {}  # nothing from an earlier attempt is taken as verified
         mem = self.memory
-        ctrl = self.env.ctrl_group
+        ctrl = self._restore_group
         problem: str | None = None
         fetch = memtier_nodes.fetch_dir(mem, step)
         copy = mem.checkpoint(step)
@@ -261,7 +280,57 @@ class NodeTier:
             told: list[Any] = [None] * self.env.world_size
             dist.all_gather_object(told, verified if self.is_leader else None, group=ctrl)
             self._verified = {step: told[self._leader_rank(self.node)] or {}}
+        if problem is None and step in self._early_verified:  # what the early work hashed, this restore's first
+            self._verified[step] = {**self._early_verified.pop(step), **self._verified.get(step, {})}
         return problem
+
+    # ----------------------------------------------------------------- early (while the model builds)
+    def _ready_early(self) -> None:
+        """Every rank, on the early thread: the plans, the newest plan's transfers, then this node's copy of that
+        snapshot hashed by its ranks (each a share); what matched its manifest entry, and is still the file that was
+        hashed, is kept for the restore's load (``_early_verified``). A copy that fails here is left to the restore,
+        which runs its checks again and says why."""
+        self.node_plans()
+        if not self.plans:
+            return
+        step = max(self.plans)
+        if self.complete_copy(step) is not None:
+            return
+        verified = dict(self._verified.pop(step, {}))
+        copy = self.memory.checkpoint(step)
+        mine: replicate.Verified = {}
+        try:
+            from ckpt.commit.manifest import read_manifest
+
+            files = [f for f in read_manifest(copy).files if f.path not in verified]
+        except Exception:  # noqa: BLE001 - an unreadable copy: the restore's checks say so
+            files = []
+        per, local = self.env.topology.procs_per_node, self.env.local_rank
+        share = files[local::per]
+        try:
+            before = {f.path: file_identity(os.stat(copy / f.path, follow_symlinks=False)) for f in share}
+            hashed = hash_files([copy / f.path for f in share], threads=self.spec.checkpoint.io_threads)
+            for f in share:
+                now = file_identity(os.stat(copy / f.path, follow_symlinks=False))
+                if now == before[f.path] and hashed[copy / f.path] == (f.size, f.xxh3_128) and now[2] == f.size:
+                    mine[f.path] = (f.size, f.xxh3_128, now)
+        except OSError:  # gone or unreadable: the restore's checks say so
+            mine = {}
+        told: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(told, mine, group=self._restore_group)
+        first = self.node * per
+        for share_of in told[first : first + per]:
+            verified.update(share_of or {})
+        self._early_verified = {step: verified}
+
+    def _run_early(self) -> None:
+        self._restore_group = self.env.ckpt_group
+        try:
+            self._ready_early()
+        except BaseException as e:  # noqa: BLE001 - raised again on the rank's main thread (take_early)
+            self._early_failure = e
+        finally:
+            self._restore_group = self.env.ctrl_group
 
     def verified_in_copy(self, step: int) -> replicate.Verified:
         """The files of this node's copy of ``step`` that its leader hashed whole against the manifest while it sent
@@ -276,7 +345,7 @@ class NodeTier:
         (checked against the digest every node agreed on)."""
         from ckpt.commit.manifest import read_manifest
 
-        ctrl = self.env.ctrl_group
+        ctrl = self._restore_group
         for dst, src in sorted(plan.manifest_from.items()):
             if self.is_leader and self.node == src:
                 try:
@@ -328,11 +397,66 @@ class NodeTier:
         if self.is_leader:
             report = validate(path)
             problem = None if report.valid else report.errors[0]
-        problem = self.host.agree(problem, self.env.ctrl_group)
+        problem = self.host.agree(problem, self._restore_group)
         if problem or not hashes:
             return problem
         per, local = self.env.topology.procs_per_node, self.env.local_rank
         files = read_manifest(path).files[local::per]
         hashed = hash_files([path / f.path for f in files], threads=self.spec.checkpoint.io_threads)
         bad = [mismatch_message(path / f.path) for f in files if hashed[path / f.path] != (f.size, f.xxh3_128)]
-        return self.host.agree(bad[0] if bad else None, self.env.ctrl_group)
+        return self.host.agree(bad[0] if bad else None, self._restore_group)
+
+
+class _EarlyHost:
+    """The agreement a NodeTier needs before its Checkpointer exists (the Checkpointer's own, ``agree``)."""
+
+    def __init__(self, env: DistEnv) -> None:
+        self.env = env
+
+    def agree(self, problem: str | None, group: dist.ProcessGroup | None = None) -> str | None:
+        found: list[str | None] = [None] * self.env.world_size
+        dist.all_gather_object(found, problem, group=group if group is not None else self.env.ctrl_group)
+        return next((p for p in found if p), None)
+
+    def save_problem(self, exc: BaseException, partial: Path) -> str:  # no save runs before the Checkpointer
+        return f"{partial}: {exc}"
+
+
+_EARLY: list[NodeTier] = []  # the NodeTier whose early work runs, until its Checkpointer takes it over
+
+
+def start_early(env: DistEnv, spec: RunSpec, run_dir: RunDir) -> NodeTier | None:
+    """Every rank of a segment whose run keeps memory snapshots on several nodes (DCP), before its model builds:
+    start the restore's node work on a thread (module docstring). Returns the NodeTier, or None where there is none."""
+    if spec.checkpoint.memory_interval is None or env.topology.nodes <= 1 or spec.backend == "deepspeed":
+        return None
+    memory = memtier.memory_run_dir(spec, run_dir, node=memtier_nodes.node_name())
+    if memory is None:
+        return None
+    tier = NodeTier(
+        _EarlyHost(env), env=env, spec=spec, run_dir=run_dir, memory=memory, tier_lock=memtier.TierLock(memory)
+    )
+    tier._early = threading.Thread(target=tier._run_early, name="ckpt-node-early", daemon=True)
+    tier._early.start()
+    _EARLY.append(tier)
+    return tier
+
+
+def take_early(host: NodeTierHost, memory: RunDir | None) -> NodeTier | None:
+    """The Checkpointer of the segment: the NodeTier ``start_early`` made for ``memory``, its early work done (waited
+    for here: the checkpoint group is free again), now this host's; None when there is none. Raises what the early
+    work raised (a failed collective: a peer rank died)."""
+    if not _EARLY:
+        return None
+    tier = _EARLY.pop()
+    if tier._early is not None:
+        tier._early.join()
+        tier._early = None
+    if tier._early_failure is not None:
+        failure, tier._early_failure = tier._early_failure, None
+        raise failure
+    if memory is None or tier.memory.root != memory.root:  # not this Checkpointer's: its lock goes, nothing else
+        tier._tier_lock.release()
+        return None
+    tier.host = host
+    return tier
