@@ -237,6 +237,26 @@ def test_the_goodput_is_met_or_missed_only_when_its_whole_interval_is_on_one_sid
     lonely = {**res([]), "phases": [{"round": r, "mode": "plain", "wall_s": 4.0} for r in range(12)]}
     assert "not resolved: 0 complete round(s)" in memtier.table(lonely, None, args)
 
+    # node loss: the goal is on process group up -> loaded (the early node work beside the model build counts);
+    # the load phase alone and the start -> first step are rows of their own
+    def seg(load: float, restore: float, first: float) -> dict:
+        return {"load_s": load, "restore_s": restore, "first_step_s": first, "tier": "memory"}
+
+    lost = {
+        "same": [seg(0.8, 3.0, 10.0), seg(0.9, 3.2, 10.4)],
+        "peer": [seg(0.8, 3.9, 10.6), seg(0.9, 4.1, 11.0)],
+        "step": 14,
+        "bytes": 1.35e9,
+    }
+    rows = memtier.table(res([(4.0, 4.06, 4.1)] * 12), None, args, lost)
+    assert "same node 3.10 (3.00–3.20) s; peer 4.00 (3.90–4.10) s (process group up -> state loaded)" in rows
+    assert "**1.29x** (goal ≤ 1.2x: missed: 1.29x)" in rows
+    assert "the load phase alone (model built -> state loaded) | same node 0.85" in rows and "| 1.00x |" in rows
+    assert "the ranks' start -> first step done | same node 10.20" in rows and "| 1.06x |" in rows
+    before = {p: [{k: v for k, v in r.items() if k != "restore_s"} for r in lost[p]] for p in ("same", "peer")}
+    old = memtier.table(res([(4.0, 4.06, 4.1)] * 12), None, args, {**lost, **before})  # an earlier run's nodes.json
+    assert "(load phase)" in old and "**1.00x** (goal ≤ 1.2x: met)" in old
+
     # a run recorded before phases carried their round: consecutive triples are its rounds
     old = [{k: v for k, v in p.items() if k != "round"} for p in res(drift)["phases"]]
     assert memtier.round_pairs(old) == memtier.round_pairs(res(drift)["phases"])

@@ -370,21 +370,27 @@ def test_two_ranks_per_node_restore_from_the_peer_and_continue_as_storage_would(
     assert_bitwise(metrics(stored), metrics(run), range(END + 1, END + 3))
 
 
-def _watch_the_load(tamper: bool) -> dict[str, list]:
-    """In a rank: note the files (paths) the restore's loads hash themselves (OnePassReader._hash_whole) and the
-    files the early work checked (NodeTier._ready_early). ``tamper``: once the Checkpointer took the early work
-    over, rank 0 changes a byte of node 0's copy of a file the early work hashed (one it sent to node 1)."""
+def _watch_the_load(tamper: str | None) -> dict[str, list]:
+    """In a rank: note the files (paths) the restore's loads hash themselves (OnePassReader._hash_whole), the
+    files the early work checked (NodeTier._ready_early) and the files it hashed itself (node_tier.hash_files).
+    ``tamper`` (a file name pattern): once the Checkpointer took the early work over, rank 0 changes a byte of the
+    first file of node 0's copy that matches it."""
     import os
 
     from ckpt.formats.dcp import onepass
     from trainer.checkpointer import core, node_tier
 
-    seen: dict[str, list] = {"hashed_by_the_load": [], "early": []}
-    hash_whole, ready_early, take_early = (
+    seen: dict[str, list] = {"hashed_by_the_load": [], "early": [], "hashed_early": []}
+    hash_whole, ready_early, take_early, hash_files = (
         onepass.OnePassReader._hash_whole,
         node_tier.NodeTier._ready_early,
         core.take_early,
+        node_tier.hash_files,
     )
+
+    def hashing(paths, threads=2):  # type: ignore[no-untyped-def]
+        seen["hashed_early"] += [Path(p).name for p in paths]
+        return hash_files(paths, threads=threads)
 
     def hashed(self, fd: int, size: int, progress):  # type: ignore[no-untyped-def]
         seen["hashed_by_the_load"].append(os.readlink(f"/proc/self/fd/{fd}"))
@@ -397,16 +403,17 @@ def _watch_the_load(tamper: bool) -> dict[str, list]:
     def take(host, memory):  # type: ignore[no-untyped-def]
         tier = take_early(host, memory)
         if tamper and tier is not None and int(os.environ["RANK"]) == 0:
-            flip_byte(sorted(tier.memory.checkpoint(END).glob("__1_*.distcp"))[0], 1000)
+            flip_byte(sorted(tier.memory.checkpoint(END).glob(tamper))[0], 1000)
         return tier
 
     onepass.OnePassReader._hash_whole = hashed  # type: ignore[method-assign]
     node_tier.NodeTier._ready_early = early  # type: ignore[method-assign]
     core.take_early = take  # type: ignore[assignment]
+    node_tier.hash_files = hashing  # type: ignore[assignment]
     return seen
 
 
-def _segment_watching_the_load(run: str, until: int, segment: int, out: str, tamper: bool) -> int:
+def _segment_watching_the_load(run: str, until: int, segment: int, out: str, tamper: str | None) -> int:
     """run_segment under ``_watch_the_load``; what it saw goes to OUT.RANK.json."""
     import os
 
@@ -423,7 +430,7 @@ def _script_watching_the_load(run: str, until: int, out: str) -> dict:
     import os
     import runpy
 
-    seen = _watch_the_load(False)
+    seen = _watch_the_load(None)
     try:
         return runpy.run_path(str(Path(__file__).parent / "scripts" / "llama_loop.py"))["main"]([], run, until)
     finally:
@@ -433,17 +440,19 @@ def _script_watching_the_load(run: str, until: int, out: str) -> dict:
 def test_the_lost_nodes_files_come_and_every_copy_is_hashed_while_the_model_builds(
     reference: Path, two_node_run: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Node 1 lost: before the Checkpointer exists (beside the model build) node 1 receives every file from node 0
-    and node 0 hashes its copy; the load then hashes no file again, and the run goes on bitwise."""
+    """Node 1 lost: before the Checkpointer exists (beside the model build) node 1 receives every file from node 0,
+    which hashes each as it sends it (so nothing is left to hash early); the load then hashes no file again, and the
+    run goes on bitwise."""
     run, mem = two_node_run
     shutil.rmtree(mem / "nodes" / "node1")
     out = tmp_path / "seen"
-    assert spawn(_segment_watching_the_load, 2, str(run), END + 2, 1, str(out), False, nodes=2) == [0, 0]
+    assert spawn(_segment_watching_the_load, 2, str(run), END + 2, 1, str(out), None, nodes=2) == [0, 0]
     seen = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
     files = sorted(f.name for f in (mem / "nodes" / "node0" / "checkpoints" / f"step-{END:08d}").iterdir())
     files.remove("manifest.json")
-    for r in range(2):  # each node's whole copy checked early (sent, received or hashed), none hashed by the load
+    for r in range(2):  # each node's whole copy checked early (sent or received), none hashed by the load
         assert seen[r]["early"] == [files] and seen[r]["hashed_by_the_load"] == [], (r, seen[r], files)
+        assert seen[r]["hashed_early"] == [], seen[r]
     resume = [e for e in _events(run) if e["kind"] == "resume"][-1]
     assert resume["data"]["tier"] == "memory" and resume["parent"] == f"checkpoint:step-{END:08d}@memory"
     assert validate(mem / "nodes" / "node1" / "checkpoints" / f"step-{END:08d}", deep=True).valid
@@ -460,7 +469,7 @@ def test_a_file_changed_after_the_early_hash_is_hashed_again_and_refused(
     shutil.rmtree(mem / "nodes" / "node1")
     out = tmp_path / "seen"
     capfd.readouterr()
-    assert spawn(_segment_watching_the_load, 2, str(run), END + 2, 1, str(out), True, nodes=2) == [0, 0]
+    assert spawn(_segment_watching_the_load, 2, str(run), END + 2, 1, str(out), "__1_*.distcp", nodes=2) == [0, 0]
     err = capfd.readouterr().err
     seen = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
     first_of_node1 = sorted(n for n in seen[0]["early"][0] if n.startswith("__1_"))[0]  # the file changed
@@ -504,3 +513,33 @@ def test_a_users_script_gets_the_early_restore_too(tmp_path: Path) -> None:
     assert tiers == ["memory", "storage"]
     got, want = metrics(run), metrics(stored)  # the script logs its loss (no gradient norm)
     assert [got[s]["loss"] for s in (END + 1, END + 2)] == [want[s]["loss"] for s in (END + 1, END + 2)]
+
+
+@pytest.mark.parametrize("tamper", [None, "__0_*.distcp"], ids=["as-kept", "own-file-changed-after-the-early-hash"])
+def test_no_node_lost_each_node_hashes_its_copy_while_the_model_builds(
+    reference: Path, two_node_run: tuple[Path, Path], tmp_path: Path, tamper: str | None, capfd
+) -> None:
+    """Both nodes kept their memory: each node hashes its whole copy early (nothing to transfer), and the load
+    hashes nothing again; a file of node 0's own changed after that hash (rewritten in place: its mtime and ctime
+    move) is hashed again by the load, which refuses the snapshot (one line; storage's checkpoint is used)."""
+    run, mem = two_node_run
+    out = tmp_path / "seen"
+    files = sorted(f.name for f in (mem / "nodes" / "node1" / "checkpoints" / f"step-{END:08d}").iterdir())
+    files.remove("manifest.json")
+    capfd.readouterr()
+    assert spawn(_segment_watching_the_load, 2, str(run), END + 2, 1, str(out), tamper, nodes=2) == [0, 0]
+    err = capfd.readouterr().err
+    seen = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
+    from_memory = [[Path(p).name for p in s["hashed_by_the_load"] if p.startswith(str(mem))] for s in seen]
+    for r in range(2):  # one rank a node: it hashed every file of its node's copy itself
+        assert sorted(seen[r]["hashed_early"]) == files and seen[r]["early"] == [files], (r, seen[r])
+    resume = [e for e in _events(run) if e["kind"] == "resume"][-1]
+    if tamper is None:
+        assert from_memory == [[], []], seen
+        assert resume["data"]["tier"] == "memory" and resume["parent"] == f"checkpoint:step-{END:08d}@memory"
+    else:
+        assert from_memory == [[sorted(n for n in files if n.startswith("__0_"))[0]], []], seen
+        said = [ln for ln in err.splitlines() if "memory snapshot" in ln and "not used" in ln]
+        assert len(said) == 1 and "checksum" in said[0] and "resuming from storage" in said[0], err[-3000:]
+        assert resume["data"]["tier"] == "storage" and resume["parent"] == f"checkpoint:step-{END:08d}"
+    assert_bitwise(metrics(reference), metrics(run), range(END + 1, END + 3))

@@ -314,8 +314,8 @@ class NodeTier:
                 now = file_identity(os.stat(copy / f.path, follow_symlinks=False))
                 if now == before[f.path] and hashed[copy / f.path] == (f.size, f.xxh3_128) and now[2] == f.size:
                     mine[f.path] = (f.size, f.xxh3_128, now)
-        except OSError:  # gone or unreadable: the restore's checks say so
-            mine = {}
+        except Exception:  # noqa: BLE001 - gone, unreadable, not a regular file: the restore's checks say so
+            mine = {}  # (every rank reaches the all-gather below whatever this rank found)
         told: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(told, mine, group=self._restore_group)
         first = self.node * per
@@ -333,9 +333,10 @@ class NodeTier:
             self._restore_group = self.env.ctrl_group
 
     def verified_in_copy(self, step: int) -> replicate.Verified:
-        """The files of this node's copy of ``step`` that its leader hashed whole against the manifest while it sent
-        or received them in this restore (each with its identity then): the verified load reads them without
-        hashing them again while each is still that file. Given out once."""
+        """The files of this node's copy of ``step`` hashed whole against the manifest in this restore (by its
+        leader while it sent or received them, or by its ranks early, while the model built), each with its identity
+        then: the verified load reads them without hashing them again while each is still that file. Given out
+        once."""
         return self._verified.pop(step, {})
 
     def _manifest_for(
@@ -423,13 +424,18 @@ class _EarlyHost:
 
 
 _EARLY: list[NodeTier] = []  # the NodeTier whose early work runs, until its Checkpointer takes it over
+_STARTED: list[bool] = []  # early work starts once per process (a second sk.Segment() starts none)
 
 
 def start_early(env: DistEnv, spec: RunSpec, run_dir: RunDir) -> NodeTier | None:
     """Every rank of a segment whose run keeps memory snapshots on several nodes (DCP), before its model builds:
-    start the restore's node work on a thread (module docstring). Returns the NodeTier, or None where there is none."""
+    start the restore's node work on a thread (module docstring), once per process. Returns the NodeTier, or None
+    where there is none (or it started before: a second ``sk.Segment()`` in the process)."""
     if spec.checkpoint.memory_interval is None or env.topology.nodes <= 1 or spec.backend == "deepspeed":
         return None
+    if _STARTED:  # the same on every rank: each makes its Segments in the same order
+        return None
+    _STARTED.append(True)
     memory = memtier.memory_run_dir(spec, run_dir, node=memtier_nodes.node_name())
     if memory is None:
         return None

@@ -18,9 +18,9 @@ nothing is written into the live state before every file of the checkpoint match
   more, cost more than the load itself on small hosts). A file is read from the device twice only when the page
   cache cannot hold this rank's share; one changed after it was hashed (size, times, inode) is refused before its
   bytes are read (eager: refused after).
-* ``verified``: a file this rank's node hashed whole against the same manifest entry moments before (a memory
-  snapshot's file sent to or received from the peer node in this restore) is not hashed again while it is still
-  that file (same device, inode, size, mtime and ctime as when it was hashed).
+* ``verified``: a file this rank's node hashed whole against the same manifest entry earlier in this restore (a
+  memory snapshot's file sent to or received from the peer node, or hashed while the model built) is not hashed
+  again while it is still that file (same device, inode, size, mtime and ctime as when it was hashed).
 """
 
 from __future__ import annotations
