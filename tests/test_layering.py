@@ -246,7 +246,6 @@ def test_no_test_module_imports_another() -> None:
 # Modules of a sub-package that nothing outside their folder imports, public all the same because they are reached by
 # name rather than by an import: run with ``python -m``, imported by users' scripts, or named in a string.
 PUBLIC_BY_NAME = {
-    "trainer.checkpointer.node_tier": "bench/memtier_bench.py profiles it by dotted name",
     "trainer.checkpointer.resumer": "bench/memtier_bench.py profiles it by dotted name",
     "infra.k8s.extract_schema": "run with python -m (infra/k8s/schemas/SOURCES.md)",
     "infra.k8s.work_pool": "run with python -m (docs/tutorials/kubernetes.md)",
