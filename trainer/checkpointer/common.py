@@ -81,6 +81,16 @@ class Progress:
     committed_snapshot: CheckpointManifest | None = None  # rank 0: the manifest of the newest snapshot
 
 
+def agree_in(group: Any, world_size: int, problem: str | None) -> str | None:
+    """Every rank of ``group`` (of ``world_size``) learns every rank's problem (one all-gather): the first one, or
+    None; all move on, or all fail, together."""
+    import torch.distributed as dist
+
+    found: list[str | None] = [None] * world_size
+    dist.all_gather_object(found, problem, group=group)
+    return next((p for p in found if p), None)
+
+
 class NodeTierHost(Protocol):
     """What ``trainer.checkpointer.node_tier.NodeTier`` uses of its Checkpointer: its agreement and its one line for
     a failed save."""

@@ -58,7 +58,7 @@ from schemas import (
 )
 from schemas.errors import CheckpointError
 from trainer import lifetime
-from trainer.checkpointer.common import Progress, TrainState, Written, background_pool, code_version
+from trainer.checkpointer.common import Progress, TrainState, Written, agree_in, background_pool, code_version
 from trainer.checkpointer.node_tier import TIER_OFF as _TIER_OFF
 from trainer.checkpointer.node_tier import NodeTier, take_early
 from trainer.checkpointer.resumer import Resumer, _load_problem, checkpoint_at_fault
@@ -342,9 +342,7 @@ class Checkpointer:
     # ----------------------------------------------------------------- failures, agreement
     def agree(self, problem: str | None, group: dist.ProcessGroup | None = None) -> str | None:
         """Every rank learns every rank's problem (one all-gather): all move on, or all fail, together."""
-        found: list[str | None] = [None] * self.env.world_size
-        dist.all_gather_object(found, problem, group=group if group is not None else self.env.ctrl_group)
-        return next((p for p in found if p), None)
+        return agree_in(group if group is not None else self.env.ctrl_group, self.env.world_size, problem)
 
     def _resume_point(self) -> int:
         return self.progress.last_committed_step or 0

@@ -43,7 +43,7 @@ from ckpt.memtier import replicate
 from ckpt.memtier import tier as memtier
 from schemas import MANIFEST_NAME, CheckpointManifest, RunSpec
 from trainer import lifetime
-from trainer.checkpointer.common import NodeTierHost
+from trainer.checkpointer.common import NodeTierHost, agree_in
 from trainer.dist import DistEnv
 
 log = logging.getLogger("shardkeeper.checkpoint")
@@ -415,9 +415,7 @@ class _EarlyHost:
         self.env = env
 
     def agree(self, problem: str | None, group: dist.ProcessGroup | None = None) -> str | None:
-        found: list[str | None] = [None] * self.env.world_size
-        dist.all_gather_object(found, problem, group=group if group is not None else self.env.ctrl_group)
-        return next((p for p in found if p), None)
+        return agree_in(group if group is not None else self.env.ctrl_group, self.env.world_size, problem)
 
     def save_problem(self, exc: BaseException, partial: Path) -> str:  # no save runs before the Checkpointer
         return f"{partial}: {exc}"
